@@ -1,0 +1,71 @@
+# lockstep-targets.cmake: defines lockstep::lockstep and its backend components. Used by the
+# source tree and by the installed lockstepConfig.cmake alike, so both define the same targets.
+# Input: LOCKSTEP_INCLUDE_DIR. Output: LOCKSTEP_<comp>_FOUND for openmp, cuda, nccl, mpi.
+# SPDX-License-Identifier: Apache-2.0
+
+if(TARGET lockstep::lockstep)
+  return()
+endif()
+
+# CCCL (Thrust, CUB, libcu++) ships with the CUDA toolkit; the host build needs its headers only.
+set(CCCL_ENABLE_DEFAULT_THRUST_TARGET OFF CACHE BOOL "lockstep passes explicit Thrust policies")
+find_package(CUDAToolkit QUIET)
+set(_lockstep_cccl_hints)
+if(CUDAToolkit_LIBRARY_DIR)
+  list(APPEND _lockstep_cccl_hints "${CUDAToolkit_LIBRARY_DIR}/cmake")
+endif()
+list(APPEND _lockstep_cccl_hints /usr/local/cuda/lib64/cmake /usr/local/cuda/lib/cmake)
+find_package(CCCL CONFIG QUIET REQUIRED HINTS ${_lockstep_cccl_hints})
+find_package(Threads REQUIRED)
+
+add_library(lockstep::lockstep INTERFACE IMPORTED GLOBAL)
+target_include_directories(lockstep::lockstep INTERFACE "${LOCKSTEP_INCLUDE_DIR}")
+target_compile_features(lockstep::lockstep INTERFACE cxx_std_20)
+target_link_libraries(lockstep::lockstep INTERFACE Thrust::Thrust CCCL::libcudacxx Threads::Threads)
+
+# openmp: the host system on Thrust's OpenMP backend (without it: the serial CPP backend).
+find_package(OpenMP QUIET COMPONENTS CXX)
+set(LOCKSTEP_openmp_FOUND FALSE)
+if(OpenMP_CXX_FOUND)
+  add_library(lockstep::openmp INTERFACE IMPORTED GLOBAL)
+  target_link_libraries(lockstep::openmp INTERFACE lockstep::lockstep OpenMP::OpenMP_CXX)
+  target_compile_definitions(lockstep::openmp INTERFACE LOCKSTEP_HAS_OPENMP=1)
+  set(LOCKSTEP_openmp_FOUND TRUE)
+endif()
+
+# cuda: the CUDA system (device memory, Thrust CUDA on a stream, CUB fast paths). Translation
+# units that use it are compiled by nvcc; the host build never needs it.
+set(LOCKSTEP_cuda_FOUND FALSE)
+if(CUDAToolkit_FOUND)
+  add_library(lockstep::cuda INTERFACE IMPORTED GLOBAL)
+  target_link_libraries(lockstep::cuda INTERFACE lockstep::lockstep CCCL::CUB CUDA::cudart)
+  target_compile_options(lockstep::cuda INTERFACE
+    $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr>)
+  set(LOCKSTEP_cuda_FOUND TRUE)
+endif()
+
+# nccl: NCCL ships without a CMake config; look beside the CUDA toolkit and in the usual places.
+set(LOCKSTEP_nccl_FOUND FALSE)
+if(CUDAToolkit_FOUND)
+  find_path(LOCKSTEP_NCCL_INCLUDE_DIR nccl.h
+    HINTS ${NCCL_ROOT} ENV NCCL_ROOT ${CUDAToolkit_INCLUDE_DIRS} PATH_SUFFIXES include)
+  find_library(LOCKSTEP_NCCL_LIBRARY nccl
+    HINTS ${NCCL_ROOT} ENV NCCL_ROOT ${CUDAToolkit_LIBRARY_DIR} PATH_SUFFIXES lib lib64)
+  if(LOCKSTEP_NCCL_INCLUDE_DIR AND LOCKSTEP_NCCL_LIBRARY)
+    add_library(lockstep::nccl INTERFACE IMPORTED GLOBAL)
+    target_include_directories(lockstep::nccl INTERFACE "${LOCKSTEP_NCCL_INCLUDE_DIR}")
+    target_link_libraries(lockstep::nccl INTERFACE lockstep::cuda "${LOCKSTEP_NCCL_LIBRARY}")
+    target_compile_definitions(lockstep::nccl INTERFACE LOCKSTEP_HAS_NCCL=1)
+    set(LOCKSTEP_nccl_FOUND TRUE)
+  endif()
+endif()
+
+# mpi: one replica per process across nodes (MPICH or Open MPI).
+find_package(MPI QUIET COMPONENTS CXX)
+set(LOCKSTEP_mpi_FOUND FALSE)
+if(MPI_CXX_FOUND)
+  add_library(lockstep::mpi INTERFACE IMPORTED GLOBAL)
+  target_link_libraries(lockstep::mpi INTERFACE lockstep::lockstep MPI::MPI_CXX)
+  target_compile_definitions(lockstep::mpi INTERFACE LOCKSTEP_HAS_MPI=1)
+  set(LOCKSTEP_mpi_FOUND TRUE)
+endif()

@@ -1,0 +1,71 @@
+// lockstep/comm/communicator.hpp: the communicator concept every backend (thread_group, mpi,
+// nccl) models, and the reduction operators. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/config.hpp"
+
+#include <concepts>
+#include <span>
+#include <string_view>
+
+namespace lockstep {
+
+/// The reduction a collective applies element-wise.
+enum class reduce_op { sum, max, min };
+
+/// The name of a reduction, e.g. "sum".
+constexpr std::string_view to_string(reduce_op op) noexcept {
+    switch (op) {
+    case reduce_op::sum: return "sum";
+    case reduce_op::max: return "max";
+    case reduce_op::min: return "min";
+    }
+    return "unknown";
+}
+
+/// A communicator connects the `size()` replicas of one group; this replica is `rank()`.
+/// Every collective must be called by every replica of the group in the same order with the
+/// same counts; lockstep checks what a backend can check and throws lockstep::error on every
+/// replica instead of hanging or returning garbage.
+///
+/// `system()` is the system this replica's buffers and kernels use (a host_system with this
+/// replica's thread budget, or a cuda_system with this replica's device and stream).
+/// Collectives (spans live in the memory of `C::system_type`):
+/// - all_reduce(send, recv, op): recv[i] = op over replicas of send[i]; send may alias recv.
+/// - broadcast(data, root): data on every replica becomes root's data.
+/// - all_gather(send, recv): recv = concatenation of every replica's send, in rank order;
+///   requires recv.size() == size() * send.size().
+/// - reduce(send, recv, op, root): as all_reduce, but only root's recv is written.
+/// - barrier(): returns once every replica has entered it.
+/// - split(color, key): the sub-group of replicas with the same color, ranked by (key, rank).
+template <class C>
+concept communicator = requires(C& c, const C& cc, std::span<float> f, std::span<const float> cf,
+                                std::span<double> d, std::span<const double> cd, std::span<int> i,
+                                std::span<const int> ci) {
+    typename C::system_type;
+    { cc.system() } -> std::convertible_to<typename C::system_type>;
+    { cc.rank() } -> std::convertible_to<int>;
+    { cc.size() } -> std::convertible_to<int>;
+    c.all_reduce(cf, f, reduce_op::sum);
+    c.all_reduce(cd, d, reduce_op::max);
+    c.all_reduce(ci, i, reduce_op::min);
+    c.broadcast(f, 0);
+    c.all_gather(cf, f);
+    c.reduce(cf, f, reduce_op::sum, 0);
+    c.barrier();
+    { c.split(0, 0) } -> std::same_as<C>;
+};
+
+/// A communicator with point-to-point messages (needed by asynchronous training):
+/// - send(data, dest, tag) / recv(data, source, tag): matched by (source, tag), in order.
+/// - recv_any(data, tag) -> int: receives the next message with `tag` from any replica and
+///   returns its source.
+template <class C>
+concept point_to_point_communicator =
+    communicator<C> && requires(C& c, std::span<float> f, std::span<const float> cf) {
+        c.send(cf, 0, 0);
+        c.recv(f, 0, 0);
+        { c.recv_any(f, 0) } -> std::convertible_to<int>;
+    };
+
+} // namespace lockstep

@@ -1,0 +1,120 @@
+// lockstep/system/buffer.hpp: buffer<T, System>, the one owning array type, and copies between
+// systems. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/error.hpp"
+#include "lockstep/system/host_system.hpp"
+
+#include <cstddef>
+#include <span>
+#include <type_traits>
+#include <utility>
+
+namespace lockstep {
+
+/// An owning, fixed-size array of trivially copyable T in the memory of System (host_system or
+/// cuda_system). Elements start uninitialized, as device memory does. Views are std::span over
+/// the System's memory: device spans may be passed on, never dereferenced on the host.
+template <class T, class System = host_system>
+class buffer {
+    static_assert(std::is_trivially_copyable_v<T>,
+                  "lockstep::buffer holds trivially copyable elements only (they may live in "
+                  "device memory and are copied as bytes).");
+
+public:
+    using value_type = T;
+    using system_type = System;
+
+    buffer() = default;
+    /// Allocates n elements (uninitialized) in sys's memory.
+    explicit buffer(std::size_t n, System sys = System{}) : sys_(std::move(sys)), size_(n) {
+        data_ = static_cast<T*>(sys_.allocate(n * sizeof(T)));
+    }
+    buffer(const buffer&) = delete;
+    buffer& operator=(const buffer&) = delete;
+    buffer(buffer&& o) noexcept
+        : sys_(o.sys_), data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+    buffer& operator=(buffer&& o) noexcept {
+        if (this != &o) {
+            release();
+            sys_ = o.sys_;
+            data_ = std::exchange(o.data_, nullptr);
+            size_ = std::exchange(o.size_, 0);
+        }
+        return *this;
+    }
+    ~buffer() { release(); }
+
+    T* data() noexcept { return data_; }
+    const T* data() const noexcept { return data_; }
+    std::size_t size() const noexcept { return size_; }
+    std::size_t size_bytes() const noexcept { return size_ * sizeof(T); }
+    bool empty() const noexcept { return size_ == 0; }
+    const System& system() const noexcept { return sys_; }
+
+    /// A non-owning view of the whole buffer.
+    std::span<T> span() noexcept { return {data_, size_}; }
+    std::span<const T> span() const noexcept { return {data_, size_}; }
+
+    /// Host element access. requires: System::is_host, i < size().
+    T& operator[](std::size_t i) noexcept
+        requires System::is_host
+    {
+        return data_[i];
+    }
+    const T& operator[](std::size_t i) const noexcept
+        requires System::is_host
+    {
+        return data_[i];
+    }
+    T* begin() noexcept
+        requires System::is_host
+    {
+        return data_;
+    }
+    T* end() noexcept
+        requires System::is_host
+    {
+        return data_ + size_;
+    }
+    const T* begin() const noexcept
+        requires System::is_host
+    {
+        return data_;
+    }
+    const T* end() const noexcept
+        requires System::is_host
+    {
+        return data_ + size_;
+    }
+
+private:
+    void release() noexcept {
+        if (data_ != nullptr) sys_.deallocate(data_, size_ * sizeof(T));
+        data_ = nullptr;
+        size_ = 0;
+    }
+
+    System sys_{};
+    T* data_ = nullptr;
+    std::size_t size_ = 0;
+};
+
+/// Copies src (in src_sys's memory) into dst (in dst_sys's memory); the spans may live in
+/// different systems. requires: src.size() == dst.size(). ensures: dst holds src's bytes when
+/// this returns (device copies are synchronized).
+template <class T, class SrcSystem, class DstSystem>
+void copy(std::span<const T> src, const SrcSystem& src_sys, std::span<T> dst,
+          const DstSystem& dst_sys) {
+    LOCKSTEP_REQUIRE(src.size() == dst.size(), errc::shape_mismatch, -1, "copy",
+                     "source has ", src.size(), " elements, destination ", dst.size());
+    detail::copy_bytes(dst.data(), dst_sys, src.data(), src_sys, src.size_bytes());
+}
+
+/// Copies one buffer into another of the same size, across systems.
+template <class T, class SrcSystem, class DstSystem>
+void copy(const buffer<T, SrcSystem>& src, buffer<T, DstSystem>& dst) {
+    copy(src.span(), src.system(), dst.span(), dst.system());
+}
+
+} // namespace lockstep

@@ -1,0 +1,84 @@
+// lockstep/system/host_system.hpp: host memory and Thrust's OpenMP (or serial CPP) execution.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/config.hpp"
+#include "lockstep/core/error.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <new>
+#include <thread>
+
+#include <thrust/system/cpp/execution_policy.h>
+#if LOCKSTEP_HAS_OPENMP
+#include <omp.h>
+#include <thrust/system/omp/execution_policy.h>
+#endif
+
+namespace lockstep {
+
+/// Where memory lives and kernels run: host memory, kernels through Thrust's OpenMP system
+/// (the serial CPP system when OpenMP is absent). A host_system is a cheap value: it carries
+/// only its thread budget, so replicas running as threads of one process do not oversubscribe
+/// the cores.
+class host_system {
+public:
+    /// True for systems whose memory the host may dereference.
+    static constexpr bool is_host = true;
+    /// Bytes every allocation is aligned to (a cache line, and enough for vector loads).
+    static constexpr std::size_t alignment = 64;
+
+    /// requires: threads >= 1 (0 means default_threads(1)).
+    explicit host_system(int threads = 0) : threads_(threads > 0 ? threads : default_threads(1)) {}
+
+    /// The machine's hardware threads divided by the replicas sharing this process (>= 1).
+    static int default_threads(int replicas_in_process) {
+        const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+        return std::max(1, hw / std::max(1, replicas_in_process));
+    }
+
+    /// The number of OpenMP threads a kernel of this system may use.
+    int threads() const noexcept { return threads_; }
+
+    /// The Thrust execution policy kernels of this system run with. Sets the calling thread's
+    /// OpenMP thread budget first (an ICV of the calling thread only, so replicas on other
+    /// threads keep theirs).
+    auto policy() const {
+#if LOCKSTEP_HAS_OPENMP
+        omp_set_num_threads(threads_);
+        return thrust::omp::par;
+#else
+        return thrust::cpp::par;
+#endif
+    }
+
+    /// Waits until every kernel of this system has finished (host kernels are synchronous).
+    void synchronize() const noexcept {}
+
+    /// Allocates bytes of host memory aligned to `alignment`. ensures: non-null or throws.
+    void* allocate(std::size_t bytes) const {
+        if (bytes == 0) return nullptr;
+        return ::operator new(bytes, std::align_val_t{alignment});
+    }
+    /// Frees memory from allocate().
+    void deallocate(void* p, std::size_t /*bytes*/) const noexcept {
+        if (p != nullptr) ::operator delete(p, std::align_val_t{alignment});
+    }
+
+    friend bool operator==(const host_system&, const host_system&) = default;
+
+private:
+    int threads_;
+};
+
+namespace detail {
+/// Copies bytes between two host allocations.
+inline void copy_bytes(void* dst, const host_system&, const void* src, const host_system&,
+                       std::size_t bytes) {
+    if (bytes != 0) std::memmove(dst, src, bytes);
+}
+} // namespace detail
+
+} // namespace lockstep

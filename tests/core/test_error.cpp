@@ -1,0 +1,26 @@
+// Tests of lockstep::error and LOCKSTEP_REQUIRE. SPDX-License-Identifier: Apache-2.0
+#include "lockstep/core/error.hpp"
+
+#include <catch2/catch.hpp>
+
+TEST_CASE("error names the replica, the operation and the values", "[core]") {
+    try {
+        const int n = 7;
+        LOCKSTEP_REQUIRE(n == 3, lockstep::errc::count_mismatch, 2, "all_reduce #5", "got ", n,
+                         " elements, expected ", 3);
+        FAIL("LOCKSTEP_REQUIRE did not throw");
+    } catch (const lockstep::error& e) {
+        CHECK(e.code() == lockstep::errc::count_mismatch);
+        CHECK(e.replica() == 2);
+        CHECK(e.operation() == "all_reduce #5");
+        CHECK(std::string(e.what()) ==
+              "lockstep error [count_mismatch] replica 2: all_reduce #5: got 7 elements, "
+              "expected 3");
+    }
+}
+
+TEST_CASE("error without a replica leaves the replica out", "[core]") {
+    const lockstep::error e(lockstep::errc::invalid_argument, -1, "shard", "global batch -1");
+    CHECK(std::string(e.what()) == "lockstep error [invalid_argument] shard: global batch -1");
+    CHECK_NOTHROW([] { LOCKSTEP_REQUIRE(true, lockstep::errc::internal, 0, "x", "never"); }());
+}

@@ -1,0 +1,41 @@
+// Tests of buffer<T, host_system>, copies and the host system's policy.
+// SPDX-License-Identifier: Apache-2.0
+#include "lockstep/system/buffer.hpp"
+
+#include <catch2/catch.hpp>
+#include <thrust/reduce.h>
+#include <thrust/sequence.h>
+
+#include <cstdint>
+
+using lockstep::buffer;
+using lockstep::host_system;
+
+TEST_CASE("host buffer allocates aligned memory and moves", "[system][host]") {
+    buffer<float> a(1000);
+    REQUIRE(a.size() == 1000);
+    CHECK(reinterpret_cast<std::uintptr_t>(a.data()) % host_system::alignment == 0);
+    thrust::sequence(a.system().policy(), a.begin(), a.end(), 0.0f);
+    CHECK(thrust::reduce(a.system().policy(), a.begin(), a.end(), 0.0) == 999.0 * 1000.0 / 2.0);
+    buffer<float> b = std::move(a);
+    CHECK(a.empty());
+    CHECK(a.data() == nullptr);
+    CHECK(b[999] == 999.0f);
+    buffer<float> empty(0);
+    CHECK(empty.data() == nullptr);
+    CHECK(empty.span().empty());
+}
+
+TEST_CASE("copy between buffers checks sizes", "[system][host]") {
+    buffer<int> a(5), b(5), c(4);
+    for (int i = 0; i < 5; ++i) a[i] = i * i;
+    lockstep::copy(a, b);
+    for (int i = 0; i < 5; ++i) CHECK(b[i] == i * i);
+    CHECK_THROWS_AS(lockstep::copy(a, c), lockstep::error);
+}
+
+TEST_CASE("host_system thread budget", "[system][host]") {
+    CHECK(host_system(3).threads() == 3);
+    CHECK(host_system().threads() >= 1);
+    CHECK(host_system::default_threads(1000) == 1);
+}
