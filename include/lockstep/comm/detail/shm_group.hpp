@@ -1,0 +1,323 @@
+// lockstep/comm/detail/shm_group.hpp: the shared state of one group of replica threads
+// (phase epochs, published calls, mailboxes) and the checked rendezvous every collective starts
+// with. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/detail/shm_reduce.hpp"
+#include "lockstep/comm/detail/shm_sync.hpp"
+#include "lockstep/core/error.hpp"
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace lockstep::detail::shm {
+
+class group_state;
+
+/// Which collective a replica called.
+enum class collective_kind : unsigned char {
+    barrier,
+    broadcast,
+    all_gather,
+    all_reduce,
+    reduce,
+    split
+};
+
+inline const char* name_of(collective_kind k) noexcept {
+    switch (k) {
+    case collective_kind::barrier:
+        return "barrier";
+    case collective_kind::broadcast:
+        return "broadcast";
+    case collective_kind::all_gather:
+        return "all_gather";
+    case collective_kind::all_reduce:
+        return "all_reduce";
+    case collective_kind::reduce:
+        return "reduce";
+    case collective_kind::split:
+        return "split";
+    }
+    return "collective";
+}
+
+/// What one replica passed to one collective; published before the first phase, read by the
+/// peers after it (the phase's release/acquire orders the plain fields).
+struct call_record {
+    collective_kind kind = collective_kind::barrier;
+    element_type type = element_type::bytes;
+    std::size_t elem_size = 0;
+    std::size_t count = 0;      ///< elements sent (broadcast: elements of data)
+    std::size_t recv_count = 0; ///< elements of the receive span
+    int root = 0;
+    reduce_op op = reduce_op::sum;
+    int color = 0;
+    int key = 0;
+    const void* send = nullptr;
+    void* recv = nullptr;
+    std::shared_ptr<group_state> child; ///< split: the new group, published by its leader
+};
+
+/// One message of send/recv: a copy of the sender's elements.
+struct message {
+    int source = 0;
+    int tag = 0;
+    element_type type = element_type::bytes;
+    std::size_t elem_size = 0;
+    std::size_t count = 0;
+    std::vector<unsigned char> bytes;
+};
+
+/// The messages addressed to one rank, in arrival order (so FIFO per source and tag).
+struct mailbox {
+    std::mutex mutex;
+    std::deque<message> queue;
+};
+
+/// A phase epoch no real phase reaches: the replica has left the collective after a failure
+/// and touches no peer's memory any more.
+inline constexpr std::uint64_t left_epoch = std::numeric_limits<std::uint64_t>::max();
+
+/// One replica's shared slots, on its own cache lines.
+struct alignas(64) member_slot {
+    std::atomic<std::uint64_t> epoch{0}; ///< phases this replica has arrived at
+    std::atomic<bool> departed{false};   ///< its communicator handle was destroyed
+    std::array<call_record, 2> calls;    ///< indexed by sequence number parity
+};
+
+/// The state the replicas of one group (the whole run, or a split of it) share. Each replica
+/// keeps its own sequence number and epoch in its thread_communicator; because every replica
+/// calls the same collectives in the same order, they agree.
+///
+/// Phases: a collective of P phases moves every member's epoch from e to e + P; phase k is
+/// complete when every member's epoch is >= e + k. A replica publishes its call_record (at
+/// index seq % 2) before the first phase; nobody can reach seq + 2 before everybody passed the
+/// first phase of seq + 1, so a record is never overwritten while a peer reads it.
+class group_state {
+public:
+    /// requires: replicas non-empty (replicas[r] is the global replica index of rank r).
+    group_state(std::shared_ptr<run_context> ctx, std::vector<int> replicas, std::string label,
+                int replicas_in_process)
+        : ctx_(std::move(ctx)), replicas_(std::move(replicas)), label_(std::move(label)),
+          replicas_in_process_(replicas_in_process),
+          members_(std::make_unique<member_slot[]>(replicas_.size())),
+          mailboxes_(std::make_unique<mailbox[]>(replicas_.size())) {}
+    group_state(const group_state&) = delete;
+    group_state& operator=(const group_state&) = delete;
+
+    int size() const noexcept { return static_cast<int>(replicas_.size()); }
+    int replica_of(int rank) const noexcept { return replicas_[static_cast<std::size_t>(rank)]; }
+    const std::vector<int>& replicas() const noexcept { return replicas_; }
+    const std::string& label() const noexcept { return label_; }
+    int replicas_in_process() const noexcept { return replicas_in_process_; }
+    run_context& context() noexcept { return *ctx_; }
+    const std::shared_ptr<run_context>& context_ptr() const noexcept { return ctx_; }
+    member_slot& member(int rank) noexcept { return members_[static_cast<std::size_t>(rank)]; }
+    mailbox& mailbox_of(int rank) noexcept { return mailboxes_[static_cast<std::size_t>(rank)]; }
+    const call_record& call(int rank, std::uint64_t seq) const noexcept {
+        return members_[static_cast<std::size_t>(rank)].calls[seq % 2];
+    }
+
+    /// "all_reduce #3" (plus " in <label>" for a sub-group): how messages name a call.
+    std::string operation(const char* name, std::uint64_t seq) const {
+        std::string s = std::string(name) + " #" + std::to_string(seq);
+        if (!label_.empty())
+            s += " in " + label_;
+        return s;
+    }
+
+    /// True once any collective of this group was abandoned after a failure (the group is
+    /// dead: every later collective throws at once).
+    bool aborted() const noexcept { return aborted_.load(); }
+
+    /// Marks rank's handle destroyed and wakes the peers (who may be waiting for it).
+    void depart(int rank) {
+        member(rank).departed.store(true);
+        ctx_->notify();
+    }
+
+    /// Throws errc::peer_failure if the run has failed or the group is dead.
+    void throw_if_failed(int rank, const std::string& op) {
+        if (ctx_->failed() || aborted())
+            fail(errc::peer_failure, replica_of(rank), op, ctx_->failure_description());
+    }
+
+    /// Publishes rank's call for `seq`, then arrives at the collective's first phase.
+    void publish(int rank, std::uint64_t seq, call_record rec) {
+        member(rank).calls[seq % 2] = std::move(rec);
+    }
+
+    /// Arrives at phase epoch `target` (rank's epoch becomes target) and waits until every
+    /// member has. `first` is the epoch of the collective's first phase; `final_phase` says no
+    /// data phase follows. On failure (the run failed, a missing member departed, or the
+    /// timeout passed) the group is aborted and this throws, after waiting until no peer can
+    /// still be reading rank's buffers.
+    void arrive_and_wait(int rank, std::uint64_t target, std::uint64_t first, bool final_phase,
+                         const std::string& op) {
+        member(rank).epoch.store(target);
+        ctx_->notify();
+        const auto complete = [&] {
+            for (int j = 0; j < size(); ++j)
+                if (member(j).epoch.load() < target)
+                    return false;
+            return true;
+        };
+        const auto departed_missing = [&] {
+            for (int j = 0; j < size(); ++j)
+                if (member(j).epoch.load() < target && member(j).departed.load())
+                    return true;
+            return false;
+        };
+        const auto ready = [&] {
+            return complete() || aborted() || ctx_->failed() || departed_missing();
+        };
+        const bool in_time = ctx_->wait_until(ready, ctx_->deadline());
+        // Epochs first, then the abort flag: a member that aborts sets the flag before it
+        // reads the epochs, so either it sees this replica proceed or this replica sees it.
+        if (complete() && !aborted())
+            return;
+        const int me = replica_of(rank);
+        if (aborted() || ctx_->failed()) {
+            abandon(rank, first, final_phase,
+                    error(errc::peer_failure, me, op, ctx_->failure_description()));
+        }
+        if (departed_missing()) {
+            std::string who;
+            for (int j = 0; j < size(); ++j)
+                if (member(j).epoch.load() < target && member(j).departed.load())
+                    who += (who.empty() ? "" : ", ") + std::to_string(replica_of(j));
+            error e(errc::peer_failure, me, op,
+                    "replica " + who +
+                        " left the group (its communicator was destroyed) without joining");
+            ctx_->record_failure(me, std::make_exception_ptr(e), e.what());
+            abandon(rank, first, final_phase, std::move(e));
+        }
+        (void)in_time;
+        std::string missing;
+        for (int j = 0; j < size(); ++j)
+            if (member(j).epoch.load() < target)
+                missing += (missing.empty() ? "" : ", ") + std::to_string(replica_of(j));
+        error e(errc::timeout, me, op,
+                "timed out after " + std::to_string(ctx_->timeout().count()) +
+                    " ms waiting for replica(s) " + missing + " (missing)");
+        ctx_->record_failure(me, std::make_exception_ptr(e), e.what());
+        abandon(rank, first, final_phase, std::move(e));
+    }
+
+    /// Checks that every member made the same call at `seq` (same collective, element type,
+    /// count, reduction, root; receive spans of the right size). Every member reads the same
+    /// records, so all of them throw the same error or none does.
+    void validate(int rank, std::uint64_t seq, const std::string& op) const;
+
+private:
+    /// Leaves the current collective after a failure: marks the group dead, then, if peers
+    /// may be inside a data phase reading this replica's buffers, waits until each of them
+    /// has left too or never entered; then throws e.
+    [[noreturn]] void abandon(int rank, std::uint64_t first, bool final_phase, error e) {
+        aborted_.store(true);
+        member(rank).epoch.store(left_epoch);
+        ctx_->notify();
+        if (!final_phase) {
+            // Members at or past `first` are inside this collective; data phases never block,
+            // and every wait sees the abort, so each of them reaches left_epoch soon.
+            const auto drained = [&] {
+                for (int j = 0; j < size(); ++j) {
+                    const std::uint64_t at = member(j).epoch.load();
+                    if (at >= first && at != left_epoch)
+                        return false;
+                }
+                return true;
+            };
+            while (!ctx_->wait_until(drained, clock::time_point::max())) {
+            }
+        }
+        throw std::move(e);
+    }
+
+    std::shared_ptr<run_context> ctx_;
+    std::vector<int> replicas_;
+    std::string label_;
+    int replicas_in_process_;
+    std::unique_ptr<member_slot[]> members_;
+    std::unique_ptr<mailbox[]> mailboxes_;
+    std::atomic<bool> aborted_{false};
+};
+
+inline void group_state::validate(int rank, std::uint64_t seq, const std::string& op) const {
+    const int me = replica_of(rank);
+    const int n = size();
+    const call_record& c0 = call(0, seq);
+    const auto list = [&](auto&& describe) {
+        std::string s;
+        for (int j = 0; j < n; ++j) {
+            if (j > 0)
+                s += ", ";
+            s += "replica " + std::to_string(replica_of(j)) + " " + describe(call(j, seq));
+        }
+        return s;
+    };
+    const auto all_same = [&](auto&& field) {
+        for (int j = 1; j < n; ++j)
+            if (!(field(call(j, seq)) == field(c0)))
+                return false;
+        return true;
+    };
+    if (!all_same([](const call_record& c) { return c.kind; }))
+        fail(errc::shape_mismatch, me, op, "replicas called different collectives: ",
+             list([](const call_record& c) { return std::string("called ") + name_of(c.kind); }));
+    const collective_kind k = c0.kind;
+    if (k == collective_kind::barrier || k == collective_kind::split)
+        return;
+
+    const auto passed = [](const call_record& c) {
+        return "passed " + count_of(c.count, c.type, c.elem_size);
+    };
+    if (!all_same([](const call_record& c) { return std::pair(c.type, c.elem_size); }))
+        fail(errc::shape_mismatch, me, op, "replicas disagree on the element type: ", list(passed));
+    if (!all_same([](const call_record& c) { return c.count; }))
+        fail(errc::count_mismatch, me, op,
+             "replicas disagree on the element count: ", list(passed));
+    if (k == collective_kind::all_reduce || k == collective_kind::reduce) {
+        if (!all_same([](const call_record& c) { return c.op; }))
+            fail(errc::shape_mismatch, me, op,
+                 "replicas disagree on the reduction: ", list([](const call_record& c) {
+                     return "passed reduce_op::" + std::string(to_string(c.op));
+                 }));
+    }
+    if (k == collective_kind::broadcast || k == collective_kind::reduce) {
+        if (!all_same([](const call_record& c) { return c.root; }))
+            fail(errc::shape_mismatch, me, op,
+                 "replicas disagree on the root: ", list([](const call_record& c) {
+                     return "passed root " + std::to_string(c.root);
+                 }));
+        LOCKSTEP_REQUIRE(c0.root >= 0 && c0.root < n, errc::invalid_argument, me, op, "root ",
+                         c0.root, " is not a rank of this group of ", n);
+    }
+    for (int j = 0; j < n; ++j) {
+        const call_record& c = call(j, seq);
+        std::size_t want = c.recv_count;
+        if (k == collective_kind::all_reduce)
+            want = c.count;
+        if (k == collective_kind::reduce && j == c.root)
+            want = c.count;
+        if (k == collective_kind::all_gather)
+            want = c.count * static_cast<std::size_t>(n);
+        if (c.recv_count != want)
+            fail(errc::count_mismatch, me, op, "replica ", replica_of(j),
+                 " passed a receive span of ", count_of(c.recv_count, c.type, c.elem_size), " for ",
+                 count_of(want, c.type, c.elem_size));
+    }
+}
+
+} // namespace lockstep::detail::shm

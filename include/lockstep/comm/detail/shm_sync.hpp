@@ -1,0 +1,141 @@
+// lockstep/comm/detail/shm_sync.hpp: the state one thread_group::run shares by all its replica
+// threads (the first failure, and spin-then-block waiting). SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/config.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+
+namespace lockstep::detail::shm {
+
+using clock = std::chrono::steady_clock;
+
+/// Tells the core that this thread is spinning (the other hyper-thread may run).
+inline void cpu_relax() noexcept {
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(__CUDA_ARCH__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__) && !defined(__CUDA_ARCH__)
+    asm volatile("yield");
+#endif
+}
+
+/// What every replica of one thread_group::run shares: the first (root-cause) failure and the
+/// place where blocked replicas sleep. Every state change another replica may wait for (an
+/// arrival, a message, a departure, a failure) is followed by notify().
+class run_context {
+public:
+    /// requires: timeout > 0.
+    explicit run_context(std::chrono::milliseconds timeout) : timeout_(timeout) {}
+    run_context(const run_context&) = delete;
+    run_context& operator=(const run_context&) = delete;
+
+    /// How long a replica waits for its peers before it throws errc::timeout.
+    std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+    /// The deadline of a wait that starts now.
+    clock::time_point deadline() const { return clock::now() + timeout_; }
+
+    /// True once any replica of the run has failed.
+    bool failed() const noexcept { return failed_.load(); }
+
+    /// Records `e`, thrown on `replica`, as the failure of the run unless one is recorded
+    /// already, and wakes every sleeping replica. ensures: failed(); returns true when this
+    /// call recorded the root failure.
+    bool record_failure(int replica, std::exception_ptr e, std::string what) {
+        {
+            std::lock_guard lock(failure_mutex_);
+            if (root_)
+                return false;
+            root_ = std::move(e);
+            root_replica_ = replica;
+            root_what_ = std::move(what);
+            failed_.store(true);
+        }
+        notify();
+        return true;
+    }
+
+    /// "replica R failed: <what>" for the recorded failure. requires: failed().
+    std::string failure_description() const {
+        std::lock_guard lock(failure_mutex_);
+        return "replica " + std::to_string(root_replica_) + " failed: " + root_what_;
+    }
+    /// The replica whose failure is recorded (-1 if none).
+    int failed_replica() const {
+        std::lock_guard lock(failure_mutex_);
+        return root_replica_;
+    }
+    /// The recorded failure (null if none).
+    std::exception_ptr root_failure() const {
+        std::lock_guard lock(failure_mutex_);
+        return root_;
+    }
+
+    /// Waits until ready() is true or `deadline` passes: spins briefly, yields, then sleeps,
+    /// so replicas that outnumber the cores do not burn the time their peers need.
+    /// requires: every change that can make ready() true is followed by notify().
+    /// ensures: returns ready() as last evaluated (false only after the deadline).
+    template <class Ready>
+    bool wait_until(Ready ready, clock::time_point deadline) {
+        for (int i = 0; i < spin_iterations; ++i) {
+            if (ready())
+                return true;
+            cpu_relax();
+        }
+        for (int i = 0; i < yield_iterations; ++i) {
+            if (ready())
+                return true;
+            std::this_thread::yield();
+        }
+        std::unique_lock lock(sleep_mutex_);
+        // Dekker with the notifier: it publishes its change, then reads sleepers_; this thread
+        // counts itself in, then evaluates ready() under the mutex. One of the two sees the
+        // other, so a wake-up is never lost.
+        sleepers_.fetch_add(1);
+        const bool ok = sleep_.wait_until(lock, deadline, ready);
+        sleepers_.fetch_sub(1);
+        return ok;
+    }
+
+    /// Wakes every sleeping replica so it re-evaluates what it waits for.
+    void notify() {
+        if (sleepers_.load() == 0)
+            return;
+        { std::lock_guard lock(sleep_mutex_); }
+        sleep_.notify_all();
+    }
+
+private:
+    static constexpr int spin_iterations = 256;
+    static constexpr int yield_iterations = 64;
+
+    std::chrono::milliseconds timeout_;
+    std::atomic<bool> failed_{false};
+    mutable std::mutex failure_mutex_;
+    std::exception_ptr root_;
+    int root_replica_ = -1;
+    std::string root_what_;
+
+    std::atomic<int> sleepers_{0};
+    std::mutex sleep_mutex_;
+    std::condition_variable sleep_;
+};
+
+/// The message of an exception in flight, for failure descriptions.
+inline std::string describe(const std::exception_ptr& e) {
+    try {
+        std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+        return x.what();
+    } catch (...) {
+        return "an exception not derived from std::exception";
+    }
+}
+
+} // namespace lockstep::detail::shm

@@ -1,0 +1,385 @@
+// lockstep/comm/thread_communicator.hpp: thread_communicator, one replica thread's handle on the
+// shared-memory collectives of a thread_group. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/detail/shm_group.hpp"
+#include "lockstep/comm/detail/shm_reduce.hpp"
+#include "lockstep/comm/detail/shm_sync.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/system/host_system.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace lockstep {
+
+class thread_group;
+
+/// One replica's handle on a group of replica threads (made by thread_group::run, or by
+/// split). Models point_to_point_communicator over host memory.
+///
+/// Semantics beyond the concept:
+/// - Reductions combine replicas in rank order 0, 1, ..., size()-1, so every replica gets the
+///   same bits and repeated runs give the same bits. Large all_reduce is a reduce-scatter by
+///   chunk ownership followed by an all-gather.
+/// - Every collective carries a per-group sequence number; replicas that disagree on the call
+///   (collective, element type, count, reduction, root, receive size) all throw
+///   lockstep::error (errc::count_mismatch for counts, errc::shape_mismatch otherwise) naming
+///   "<collective> #<seq>" and every replica's values. The group stays usable after that.
+/// - If any replica of the run fails (throws out of its function, times out, or destroys a
+///   handle its peers wait for), every replica blocked in or later entering a collective, send
+///   or recv throws errc::peer_failure naming the failed replica and its message.
+/// - A wait longer than the group's timeout throws errc::timeout naming the operation, its
+///   sequence number and the missing replicas, and fails the run.
+/// - send is buffered: it copies the elements and returns at once.
+/// A handle is used by one thread at a time; it is movable, not copyable.
+class thread_communicator {
+public:
+    using system_type = host_system;
+
+    thread_communicator(thread_communicator&& o) noexcept
+        : group_(std::move(o.group_)), rank_(o.rank_), seq_(o.seq_), epoch_(o.epoch_) {}
+    thread_communicator& operator=(thread_communicator&& o) noexcept {
+        if (this != &o) {
+            leave();
+            group_ = std::move(o.group_);
+            rank_ = o.rank_;
+            seq_ = o.seq_;
+            epoch_ = o.epoch_;
+        }
+        return *this;
+    }
+    thread_communicator(const thread_communicator&) = delete;
+    thread_communicator& operator=(const thread_communicator&) = delete;
+    /// Leaves the group: peers that wait for this replica afterwards throw errc::peer_failure.
+    ~thread_communicator() { leave(); }
+
+    /// This replica's rank in the group, 0 <= rank() < size().
+    int rank() const noexcept { return rank_; }
+    /// The number of replicas in the group.
+    int size() const noexcept { return group_ ? group_->size() : 0; }
+    /// This replica's index in the whole thread_group (equals rank() unless split).
+    int replica() const noexcept { return group_ ? group_->replica_of(rank_) : -1; }
+    /// The host system of this replica: the machine's hardware threads divided by the
+    /// replicas of the whole thread_group.
+    host_system system() const {
+        return host_system(
+            host_system::default_threads(group_ ? group_->replicas_in_process() : 1));
+    }
+
+    /// recv[i] = op over all replicas (in rank order) of send[i]. send may alias recv.
+    /// requires: every replica passes the same count, type and op; recv.size() == send.size().
+    template <class T>
+    void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                    reduce_op op) {
+        static_assert(detail::shm::reducible<T>,
+                      "thread_communicator reduces arithmetic element types only (not bool).");
+        auto s = start(record<T>(detail::shm::collective_kind::all_reduce, send.size(), recv.size(),
+                                 send.data(), recv.data(), op, 0),
+                       3);
+        const std::size_t count = send.size();
+        const int n = size();
+        std::vector<const T*> sources(static_cast<std::size_t>(n));
+        for (int j = 0; j < n; ++j)
+            sources[static_cast<std::size_t>(j)] = peer_send<T>(j, s);
+        // Reduce-scatter: this replica owns one chunk and writes it only into its own recv.
+        // Only the owner reads that chunk of anybody's send, so in-place calls are safe.
+        const auto [b, e] = detail::shm::owned_chunk<T>(count, rank_, n);
+        detail::shm::reduce_range(system(), sources.data(), n, recv.data(), b, e, op);
+        next_phase(s);
+        // All-gather: copy the chunks the peers own out of their recv.
+        for (int j = 0; j < n; ++j) {
+            if (j == rank_)
+                continue;
+            const auto [bj, ej] = detail::shm::owned_chunk<T>(count, j, n);
+            copy_elements(recv.data() + bj, peer_recv<T>(j, s) + bj, ej - bj);
+        }
+        next_phase(s);
+    }
+
+    /// data on every replica becomes data of replica `root`.
+    /// requires: every replica passes the same count, type and root, 0 <= root < size().
+    template <class T>
+    void broadcast(std::span<T> data, int root) {
+        static_assert(std::is_trivially_copyable_v<T>, "broadcast copies elements as bytes.");
+        auto s = start(record<T>(detail::shm::collective_kind::broadcast, data.size(), data.size(),
+                                 data.data(), data.data(), reduce_op::sum, root),
+                       2);
+        if (rank_ != root)
+            copy_elements(data.data(), peer_recv<T>(root, s), data.size());
+        next_phase(s);
+    }
+
+    /// recv = the concatenation of every replica's send, in rank order.
+    /// requires: equal send counts; recv.size() == size() * send.size(); send may be the
+    /// rank()-th slice of recv and must not overlap it otherwise.
+    template <class T>
+    void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
+        static_assert(std::is_trivially_copyable_v<T>, "all_gather copies elements as bytes.");
+        auto s = start(record<T>(detail::shm::collective_kind::all_gather, send.size(), recv.size(),
+                                 send.data(), recv.data(), reduce_op::sum, 0),
+                       2);
+        const std::size_t count = send.size();
+        for (int j = 0; j < size(); ++j)
+            copy_elements(recv.data() + static_cast<std::size_t>(j) * count, peer_send<T>(j, s),
+                          count);
+        next_phase(s);
+    }
+
+    /// As all_reduce, but only recv of replica `root` is written (the others' recv is not
+    /// touched and may be empty). On root, send may alias recv.
+    /// requires: equal counts, type, op and root; on root recv.size() == send.size().
+    template <class T>
+    void reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                int root) {
+        static_assert(detail::shm::reducible<T>,
+                      "thread_communicator reduces arithmetic element types only (not bool).");
+        auto s = start(record<T>(detail::shm::collective_kind::reduce, send.size(), recv.size(),
+                                 send.data(), recv.data(), op, root),
+                       2);
+        const int n = size();
+        std::vector<const T*> sources(static_cast<std::size_t>(n));
+        for (int j = 0; j < n; ++j)
+            sources[static_cast<std::size_t>(j)] = peer_send<T>(j, s);
+        // Each replica reduces its chunk straight into root's recv; on root, only the owner
+        // reads a chunk of root's send, so root may reduce in place.
+        const auto [b, e] = detail::shm::owned_chunk<T>(send.size(), rank_, n);
+        detail::shm::reduce_range(system(), sources.data(), n, peer_recv<T>(root, s), b, e, op);
+        next_phase(s);
+    }
+
+    /// Returns once every replica of the group has entered the barrier.
+    void barrier() {
+        start(record<char>(detail::shm::collective_kind::barrier, 0, 0, nullptr, nullptr,
+                           reduce_op::sum, 0),
+              1);
+    }
+
+    /// A collective: the replicas with equal `color` form a new group, ranked by (key, rank).
+    /// Sub-groups have their own sequence numbers and run collectives independently of each
+    /// other and of this group. ensures: the result's size() is the number of replicas that
+    /// passed `color`.
+    thread_communicator split(int color, int key) {
+        auto rec = record<char>(detail::shm::collective_kind::split, 0, 0, nullptr, nullptr,
+                                reduce_op::sum, 0);
+        rec.color = color;
+        rec.key = key;
+        auto s = start(std::move(rec), 2);
+        std::vector<int> ranks;
+        for (int j = 0; j < size(); ++j)
+            if (group_->call(j, s.seq).color == color)
+                ranks.push_back(j);
+        std::stable_sort(ranks.begin(), ranks.end(), [&](int a, int b) {
+            return group_->call(a, s.seq).key < group_->call(b, s.seq).key;
+        });
+        const int leader = *std::min_element(ranks.begin(), ranks.end());
+        if (leader == rank_) {
+            std::vector<int> replicas;
+            for (int j : ranks)
+                replicas.push_back(group_->replica_of(j));
+            std::string label = group_->label().empty() ? "" : group_->label() + " / ";
+            label += "split(color=" + std::to_string(color) + ")";
+            // Only the child field is written; peers read other fields of this record now.
+            group_->member(rank_).calls[s.seq % 2].child =
+                std::make_shared<detail::shm::group_state>(group_->context_ptr(),
+                                                           std::move(replicas), std::move(label),
+                                                           group_->replicas_in_process());
+        }
+        next_phase(s);
+        const int new_rank =
+            static_cast<int>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
+        return thread_communicator(group_->call(leader, s.seq).child, new_rank);
+    }
+
+    /// Sends a copy of data to rank `dest` with `tag` and returns at once.
+    /// requires: 0 <= dest < size().
+    template <class T>
+    void send(std::span<T> data, int dest, int tag) {
+        using U = std::remove_const_t<T>;
+        static_assert(std::is_trivially_copyable_v<U>, "send copies elements as bytes.");
+        const std::string op =
+            "send to rank " + std::to_string(dest) + " (tag " + std::to_string(tag) + ")";
+        require_group(op);
+        LOCKSTEP_REQUIRE(dest >= 0 && dest < size(), errc::invalid_argument, replica(), op, "rank ",
+                         dest, " is not in this group of ", size());
+        group_->throw_if_failed(rank_, op);
+        detail::shm::message m{
+            rank_,     tag,         detail::shm::element_type_of<U>(),
+            sizeof(U), data.size(), std::vector<unsigned char>(data.size_bytes())};
+        if (!data.empty())
+            std::memcpy(m.bytes.data(), data.data(), data.size_bytes());
+        auto& box = group_->mailbox_of(dest);
+        {
+            std::lock_guard lock(box.mutex);
+            box.queue.push_back(std::move(m));
+        }
+        group_->context().notify();
+    }
+
+    /// Receives the oldest message from rank `source` with `tag` into data.
+    /// requires: 0 <= source < size(); the message holds data.size() elements of T.
+    template <class T>
+    void recv(std::span<T> data, int source, int tag) {
+        const std::string op =
+            "recv from rank " + std::to_string(source) + " (tag " + std::to_string(tag) + ")";
+        require_group(op);
+        LOCKSTEP_REQUIRE(source >= 0 && source < size(), errc::invalid_argument, replica(), op,
+                         "rank ", source, " is not in this group of ", size());
+        receive(data, tag, source, op);
+    }
+
+    /// Receives the oldest message with `tag` from any rank into data; returns its source.
+    /// requires: the message holds data.size() elements of T.
+    template <class T>
+    int recv_any(std::span<T> data, int tag) {
+        const std::string op = "recv_any (tag " + std::to_string(tag) + ")";
+        require_group(op);
+        return receive(data, tag, -1, op);
+    }
+
+private:
+    friend class thread_group;
+
+    struct session {
+        std::uint64_t seq;
+        std::uint64_t first; ///< epoch of the first phase
+        int phases;
+        int done;
+        std::string op;
+    };
+
+    thread_communicator(std::shared_ptr<detail::shm::group_state> group, int rank)
+        : group_(std::move(group)), rank_(rank) {}
+
+    void leave() noexcept {
+        if (group_)
+            group_->depart(rank_);
+        group_.reset();
+    }
+
+    void require_group(const std::string& op) const {
+        LOCKSTEP_REQUIRE(group_ != nullptr, errc::invalid_argument, -1, op,
+                         "this thread_communicator was moved from");
+    }
+
+    template <class T>
+    static detail::shm::call_record record(detail::shm::collective_kind kind, std::size_t count,
+                                           std::size_t recv_count, const void* send, void* recv,
+                                           reduce_op op, int root) {
+        detail::shm::call_record r;
+        r.kind = kind;
+        r.type = detail::shm::element_type_of<T>();
+        r.elem_size = sizeof(T);
+        r.count = count;
+        r.recv_count = recv_count;
+        r.op = op;
+        r.root = root;
+        r.send = send;
+        r.recv = recv;
+        return r;
+    }
+
+    /// Publishes the call, passes the first phase and checks that all replicas agree.
+    session start(detail::shm::call_record rec, int phases) {
+        require_group(name_of(rec.kind));
+        const std::uint64_t seq = seq_++;
+        session s{seq, epoch_ + 1, phases, 0, group_->operation(name_of(rec.kind), seq)};
+        group_->throw_if_failed(rank_, s.op);
+        group_->publish(rank_, seq, std::move(rec));
+        next_phase(s);
+        group_->validate(rank_, seq, s.op);
+        return s;
+    }
+
+    void next_phase(session& s) {
+        ++s.done;
+        ++epoch_;
+        group_->arrive_and_wait(rank_, epoch_, s.first, s.done == s.phases, s.op);
+    }
+
+    template <class T>
+    const T* peer_send(int j, const session& s) const {
+        return static_cast<const T*>(group_->call(j, s.seq).send);
+    }
+    template <class T>
+    T* peer_recv(int j, const session& s) const {
+        return static_cast<T*>(group_->call(j, s.seq).recv);
+    }
+
+    template <class T>
+    static void copy_elements(T* dst, const T* src, std::size_t n) {
+        if (n != 0 && dst != src)
+            std::memcpy(dst, src, n * sizeof(T));
+    }
+
+    /// Waits for a message with `tag` from `source` (-1: any) and copies it into data.
+    template <class T>
+    int receive(std::span<T> data, int tag, int source, const std::string& op) {
+        static_assert(!std::is_const_v<T> && std::is_trivially_copyable_v<T>,
+                      "recv writes trivially copyable elements into a mutable span.");
+        auto& ctx = group_->context();
+        auto& box = group_->mailbox_of(rank_);
+        const auto matches = [&](const detail::shm::message& m) {
+            return m.tag == tag && (source < 0 || m.source == source);
+        };
+        const auto available = [&] {
+            std::lock_guard lock(box.mutex);
+            return std::any_of(box.queue.begin(), box.queue.end(), matches);
+        };
+        const auto abandoned = [&] { // nobody left who could still send the message
+            for (int j = 0; j < size(); ++j)
+                if ((source < 0 ? j != rank_ : j == source) && !group_->member(j).departed.load())
+                    return false;
+            return true;
+        };
+        ctx.wait_until([&] { return ctx.failed() || available() || abandoned(); }, ctx.deadline());
+        group_->throw_if_failed(rank_, op);
+        detail::shm::message m;
+        {
+            std::lock_guard lock(box.mutex);
+            const auto it = std::find_if(box.queue.begin(), box.queue.end(), matches);
+            if (it != box.queue.end()) {
+                m = std::move(*it);
+                box.queue.erase(it);
+            } else {
+                const bool gone = abandoned();
+                error e(gone ? errc::peer_failure : errc::timeout, replica(), op,
+                        gone ? std::string("the sender(s) left the group without sending")
+                             : "timed out after " + std::to_string(ctx.timeout().count()) +
+                                   " ms without a message");
+                ctx.record_failure(replica(), std::make_exception_ptr(e), e.what());
+                throw e;
+            }
+        }
+        const auto want = detail::shm::element_type_of<T>();
+        LOCKSTEP_REQUIRE(m.type == want && m.elem_size == sizeof(T), errc::shape_mismatch,
+                         replica(), op, "rank ", m.source, " sent ",
+                         detail::shm::count_of(m.count, m.type, m.elem_size), ", expected ",
+                         detail::shm::count_of(data.size(), want, sizeof(T)));
+        LOCKSTEP_REQUIRE(m.count == data.size(), errc::count_mismatch, replica(), op, "rank ",
+                         m.source, " sent ", detail::shm::count_of(m.count, m.type, m.elem_size),
+                         ", expected ", detail::shm::count_of(data.size(), want, sizeof(T)));
+        if (!m.bytes.empty())
+            std::memcpy(data.data(), m.bytes.data(), m.bytes.size());
+        return m.source;
+    }
+
+    std::shared_ptr<detail::shm::group_state> group_;
+    int rank_ = 0;
+    std::uint64_t seq_ = 0;   ///< collectives this handle has started
+    std::uint64_t epoch_ = 0; ///< phases this handle has arrived at
+};
+
+static_assert(point_to_point_communicator<thread_communicator>,
+              "thread_communicator must model lockstep::point_to_point_communicator.");
+
+} // namespace lockstep

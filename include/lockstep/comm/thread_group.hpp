@@ -1,0 +1,96 @@
+// lockstep/comm/thread_group.hpp: thread_group, N replicas as threads of one process, each with
+// its own thread_communicator. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/comm/detail/shm_group.hpp"
+#include "lockstep/comm/detail/shm_sync.hpp"
+#include "lockstep/comm/thread_communicator.hpp"
+#include "lockstep/core/error.hpp"
+
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace lockstep {
+
+/// Runtime knobs of a thread_group.
+struct thread_group_params {
+    /// How long a replica waits for its peers (in a collective or a recv) before it throws
+    /// errc::timeout and fails the run.
+    std::chrono::milliseconds timeout = std::chrono::seconds(120);
+};
+
+/// N replicas as threads of one process:
+///     lockstep::thread_group group(4, {.timeout = std::chrono::seconds(30)});
+///     group.run([&](lockstep::thread_communicator& comm) { ... });
+class thread_group {
+public:
+    using params = thread_group_params;
+
+    /// requires: size >= 1, p.timeout > 0.
+    explicit thread_group(int size, params p = {}) : size_(size), params_(p) {
+        LOCKSTEP_REQUIRE(size >= 1, errc::invalid_argument, -1, "thread_group", "size ", size,
+                         " must be at least 1");
+        LOCKSTEP_REQUIRE(p.timeout.count() > 0, errc::invalid_argument, -1, "thread_group",
+                         "timeout ", p.timeout.count(), " ms must be positive");
+    }
+
+    /// The number of replicas run() starts.
+    int size() const noexcept { return size_; }
+    /// The knobs this group was made with.
+    const params& parameters() const noexcept { return params_; }
+
+    /// Calls f(comm) on size() new threads, each with its own thread_communicator of rank
+    /// 0..size()-1, and joins them all. f is called concurrently and must allow that.
+    /// ensures: returns when every replica has returned; if any replica failed, rethrows the
+    /// first failure (the root cause, not the peer_failure errors it caused in the others).
+    template <class F>
+    requires std::invocable<F&, thread_communicator&>
+    void run(F&& f) {
+        auto ctx = std::make_shared<detail::shm::run_context>(params_.timeout);
+        std::vector<int> replicas(static_cast<std::size_t>(size_));
+        std::iota(replicas.begin(), replicas.end(), 0);
+        auto world = std::make_shared<detail::shm::group_state>(ctx, std::move(replicas),
+                                                                std::string(), size_);
+        const auto replica_main = [&](int r) {
+            // Made outside the try block: a failing replica records its failure before its
+            // handle departs, so peers report the failure rather than the departure.
+            thread_communicator comm(world, r);
+            try {
+                std::invoke(f, comm);
+            } catch (...) {
+                const auto e = std::current_exception();
+                ctx->record_failure(r, e, detail::shm::describe(e));
+            }
+        };
+        std::vector<std::thread> threads;
+        threads.reserve(static_cast<std::size_t>(size_));
+        try {
+            for (int r = 0; r < size_; ++r)
+                threads.emplace_back(replica_main, r);
+        } catch (...) {
+            const auto e = std::current_exception();
+            ctx->record_failure(static_cast<int>(threads.size()), e, detail::shm::describe(e));
+            for (std::size_t r = threads.size(); r < static_cast<std::size_t>(size_); ++r)
+                world->depart(static_cast<int>(r));
+        }
+        for (auto& t : threads)
+            t.join();
+        if (auto e = ctx->root_failure())
+            std::rethrow_exception(e);
+    }
+
+private:
+    int size_;
+    params params_;
+};
+
+} // namespace lockstep
