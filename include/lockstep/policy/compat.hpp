@@ -1,0 +1,88 @@
+// lockstep/policy/compat.hpp: the compile-time compatibility rules between SyncPolicy,
+// ReducePolicy, the communicator and the network's BN policies. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/policy/bn.hpp"
+#include "lockstep/policy/reduce.hpp"
+#include "lockstep/policy/sync.hpp"
+
+#include <tuple>
+#include <type_traits>
+
+namespace lockstep {
+
+namespace detail {
+template <class Network>
+concept has_bn_policies_member = requires {
+    typename Network::bn_policies;
+};
+} // namespace detail
+
+/// The BNStatPolicies a network's batch-norm layers use, as a std::tuple of bn:: tags, so the
+/// trainer can reject combinations that cannot work. Default: `typename Network::bn_policies`
+/// when the network declares that member alias, else std::tuple<> (no batch norm). Specialise
+/// it for a network type you cannot change. Example:
+///   struct my_net { using bn_policies = std::tuple<bn::global>; ... };
+template <class Network>
+struct network_bn_policies {
+    using type = std::tuple<>;
+};
+template <detail::has_bn_policies_member Network>
+struct network_bn_policies<Network> {
+    using type = typename Network::bn_policies;
+};
+template <class Network>
+using network_bn_policies_t = typename network_bn_policies<Network>::type;
+
+namespace detail {
+template <class Tuple>
+struct any_bn_needs_synchronous;
+template <class... P>
+struct any_bn_needs_synchronous<std::tuple<P...>>
+    : std::bool_constant<(bn::needs_synchronous<P> || ...)> {};
+template <class Tuple>
+struct any_bn_communicates;
+template <class... P>
+struct any_bn_communicates<std::tuple<P...>> : std::bool_constant<(bn::communicates<P> || ...)> {};
+} // namespace detail
+
+/// Checks, at compile time, that SyncPolicy x ReducePolicy x Communicator x the BN policies
+/// (a std::tuple of bn:: tags) can train together; every rule fails with a sentence that says
+/// what is wrong and what to use instead. data_parallel instantiates it; call it yourself to
+/// check a combination early. ensures: true when it compiles.
+template <sync_policy SyncPolicy, reduce_policy ReducePolicy, communicator Communicator,
+          class BNPolicies = std::tuple<>>
+constexpr bool check_compatible() {
+    constexpr bool async = is_asynchronous_v<SyncPolicy>;
+    constexpr bool local = is_local_sgd_v<SyncPolicy>;
+    static_assert(!(async || local) || !detail::any_bn_needs_synchronous<BNPolicies>::value,
+                  "bn::global and bn::group compute batch statistics across replicas inside "
+                  "forward and backward, so every replica must run the same step at the same "
+                  "time: they need sync::synchronous. With sync::asynchronous, "
+                  "sync::bounded_staleness or sync::local_sgd use bn::local (or "
+                  "bn::running_only / bn::tower with local SGD).");
+    static_assert(!async || !detail::any_bn_communicates<BNPolicies>::value,
+                  "Asynchronous workers run forward at their own pace, so a BN policy that "
+                  "calls a collective in forward (bn::running_only, bn::tower) would pair "
+                  "different steps of different workers: use bn::local with sync::asynchronous "
+                  "and sync::bounded_staleness (the server keeps the running statistics).");
+    static_assert(!async || point_to_point_communicator<Communicator>,
+                  "sync::asynchronous and sync::bounded_staleness need point-to-point messages "
+                  "with receive-from-any-source (the parameter server answers whichever worker "
+                  "pushes first); this communicator has none (NCCL has no any-source receive): "
+                  "run the asynchronous server over the thread_group or MPI communicator.");
+    static_assert(!async || ReducePolicy::kind != reduce_kind::parameter_server,
+                  "sync::asynchronous already is a parameter server (the server rank applies "
+                  "each worker's gradient as it arrives); reduce::parameter_server<Root> is the "
+                  "synchronous form of that layout. Use reduce::parameter_server<Root> with "
+                  "sync::synchronous, or sync::asynchronous with reduce::per_tensor or "
+                  "reduce::bucketed.");
+    static_assert(!local || ReducePolicy::kind != reduce_kind::compressed,
+                  "sync::local_sgd averages WEIGHTS, and reduce::compressed would round them to "
+                  "16 bits on the wire, losing the model's precision: use reduce::per_tensor or "
+                  "reduce::bucketed with sync::local_sgd.");
+    return true;
+}
+
+} // namespace lockstep

@@ -1,0 +1,72 @@
+// lockstep/policy/reduce.hpp: ReducePolicy tags (how gradients travel between replicas) and
+// their concept. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/kernels/float16.hpp"
+
+#include <concepts>
+#include <cstddef>
+#include <type_traits>
+
+namespace lockstep {
+
+/// The family a ReducePolicy belongs to.
+enum class reduce_kind { per_tensor, bucketed, parameter_server, compressed };
+
+namespace reduce {
+
+/// One all_reduce per parameter tensor, in reverse registration order (the order backward
+/// produces gradients). The baseline: many small collectives pay latency per tensor.
+struct per_tensor {
+    static constexpr reduce_kind kind = reduce_kind::per_tensor;
+};
+
+/// Tensors packed into buckets of about Bytes (the first bucket FirstBytes, so the first
+/// collective starts early, as PyTorch DDP does), in reverse registration order; one all_reduce
+/// per bucket, launched as soon as every tensor of the bucket is marked ready. With the
+/// registry a bucket is a contiguous range of the flat gradient buffer, reduced in place.
+/// requires: Bytes >= 1, FirstBytes >= 1.
+template <std::size_t Bytes = std::size_t{25} << 20, std::size_t FirstBytes = std::size_t{1} << 20>
+struct bucketed {
+    static_assert(Bytes >= 1 && FirstBytes >= 1,
+                  "reduce::bucketed<Bytes, FirstBytes> needs buckets of at least one byte.");
+    static constexpr reduce_kind kind = reduce_kind::bucketed;
+    /// Target bytes of every bucket but the first.
+    static constexpr std::size_t bucket_bytes = Bytes;
+    /// Target bytes of the first bucket (the last tensors registered, the first gradients
+    /// backward produces).
+    static constexpr std::size_t first_bucket_bytes = FirstBytes < Bytes ? FirstBytes : Bytes;
+};
+
+/// Synchronous parameter server: gradients are summed onto replica Root, Root applies the
+/// optimizer (only Root holds optimizer state that moves), then broadcasts the parameters.
+/// requires: 0 <= Root < replicas (checked at construction).
+template <int Root = 0>
+struct parameter_server {
+    static_assert(Root >= 0, "reduce::parameter_server<Root> needs a non-negative root rank.");
+    static constexpr reduce_kind kind = reduce_kind::parameter_server;
+    static constexpr int root = Root;
+};
+
+/// Gradients cast to a 16-bit Wire type (lockstep::half or lockstep::bfloat16, rounded to
+/// nearest even) for the wire, gathered, and summed in float in rank order on every replica
+/// (so every replica gets the same bits), then applied in float. Halves the bytes each replica
+/// sends; costs one rounding of every replica's gradient (relative error <= Wire::unit_roundoff).
+template <class Wire>
+struct compressed {
+    static_assert(is_wire_float16_v<Wire>,
+                  "reduce::compressed<Wire> sends gradients as 16-bit floats: Wire must be "
+                  "lockstep::half or lockstep::bfloat16.");
+    static constexpr reduce_kind kind = reduce_kind::compressed;
+    using wire_type = Wire;
+};
+
+} // namespace reduce
+
+/// A ReducePolicy is an empty tag with a `kind`.
+template <class P>
+concept reduce_policy = std::is_empty_v<P> && requires {
+    { P::kind } -> std::convertible_to<reduce_kind>;
+};
+
+} // namespace lockstep

@@ -1,0 +1,103 @@
+// lockstep/train/detail/bucket_plan.hpp: how a flat gradient buffer is cut into reduction pieces
+// (per tensor or ~Bytes buckets, reverse registration order) and the in-order launch of pieces as
+// their tensors become ready. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/error.hpp"
+#include "lockstep/train/parameter_registry.hpp"
+
+#include <cstddef>
+#include <functional>
+#include <vector>
+
+namespace lockstep::detail {
+
+/// One reduction piece: the contiguous elements [offset, offset + size) of the flat buffer,
+/// covering tensors [first_tensor, last_tensor] (registration indices).
+struct bucket {
+    std::size_t offset = 0;
+    std::size_t size = 0;
+    std::size_t first_tensor = 0;
+    std::size_t last_tensor = 0;
+};
+
+/// Buckets in launch order: tensors walked from the last registered to the first, a bucket
+/// closed once it holds >= its target bytes (first_bytes for the first bucket, bytes for the
+/// others). Tensors are never split. Because the flat buffer is in registration order, each
+/// bucket is one contiguous range. per-tensor reduction is bytes = first_bytes = 1.
+inline std::vector<bucket> plan_buckets(const std::vector<tensor_info>& tensors,
+                                        std::size_t elem_bytes, std::size_t first_bytes,
+                                        std::size_t bytes) {
+    std::vector<bucket> out;
+    std::size_t i = tensors.size();
+    while (i > 0) {
+        const std::size_t target = out.empty() ? first_bytes : bytes;
+        bucket b;
+        b.last_tensor = i - 1;
+        std::size_t held = 0;
+        while (i > 0 && (held == 0 || held < target)) {
+            --i;
+            held += tensors[i].size * elem_bytes;
+        }
+        b.first_tensor = i;
+        b.offset = tensors[i].offset;
+        b.size = tensors[b.last_tensor].offset + tensors[b.last_tensor].size - b.offset;
+        out.push_back(b);
+    }
+    return out;
+}
+
+/// Tracks which tensors of the step are ready and launches buckets strictly in plan order, each
+/// as soon as it and every bucket before it are complete: every replica then issues the same
+/// collectives in the same order whatever order (or whether) it marks tensors ready.
+class ordered_launcher {
+public:
+    ordered_launcher() = default;
+    explicit ordered_launcher(std::vector<bucket> plan, std::size_t tensors)
+        : plan_(std::move(plan)), bucket_of_(tensors, 0), pending_(plan_.size(), 0),
+          ready_(tensors, false) {
+        for (std::size_t b = 0; b < plan_.size(); ++b)
+            for (std::size_t t = plan_[b].first_tensor; t <= plan_[b].last_tensor; ++t)
+                bucket_of_[t] = b;
+        reset();
+    }
+
+    const std::vector<bucket>& plan() const noexcept { return plan_; }
+
+    /// Starts a step: nothing ready, nothing launched.
+    void reset() {
+        next_ = 0;
+        for (std::size_t b = 0; b < plan_.size(); ++b)
+            pending_[b] = plan_[b].last_tensor - plan_[b].first_tensor + 1;
+        ready_.assign(ready_.size(), false);
+    }
+    /// Marks tensor t ready (again is a no-op) and launches every bucket now launchable.
+    template <class Launch>
+    void mark_ready(std::size_t t, Launch&& launch) {
+        LOCKSTEP_REQUIRE(t < ready_.size(), errc::invalid_argument, -1, "mark_ready",
+                         "tensor index ", t, " out of range (", ready_.size(), " parameters)");
+        if (ready_[t])
+            return;
+        ready_[t] = true;
+        --pending_[bucket_of_[t]];
+        while (next_ < plan_.size() && pending_[next_] == 0)
+            launch(plan_[next_++]);
+    }
+    /// Launches every bucket not launched yet, in order.
+    template <class Launch>
+    void finish(Launch&& launch) {
+        while (next_ < plan_.size())
+            launch(plan_[next_++]);
+    }
+    /// Buckets launched so far in this step.
+    std::size_t launched() const noexcept { return next_; }
+
+private:
+    std::vector<bucket> plan_;
+    std::vector<std::size_t> bucket_of_;
+    std::vector<std::size_t> pending_;
+    std::vector<bool> ready_;
+    std::size_t next_ = 0;
+};
+
+} // namespace lockstep::detail

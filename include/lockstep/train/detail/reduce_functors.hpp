@@ -1,0 +1,120 @@
+// lockstep/train/detail/reduce_functors.hpp: the element-wise arithmetic of the reducers (scale,
+// 16-bit wire packing, rank-ordered wire sums, finiteness) as host/device functors over Thrust.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/config.hpp"
+#include "lockstep/kernels/float16.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+
+#include <thrust/fill.h>
+#include <thrust/for_each.h>
+#include <thrust/functional.h>
+#include <thrust/iterator/counting_iterator.h>
+#include <thrust/transform.h>
+#include <thrust/transform_reduce.h>
+
+namespace lockstep::detail {
+
+/// x *= s.
+template <class T>
+struct scale_fn {
+    T s;
+    LOCKSTEP_HOST_DEVICE T operator()(T x) const { return x * s; }
+};
+
+/// 1 when x is NaN or infinite, else 0 (a bit test, immune to -ffast-math).
+template <class T>
+struct non_finite_fn {
+    LOCKSTEP_HOST_DEVICE int operator()(T x) const {
+        if constexpr (sizeof(T) == 4) {
+            return (kernels::float_bits(static_cast<float>(x)) & 0x7f800000u) == 0x7f800000u;
+        } else {
+            std::uint64_t u;
+            std::memcpy(&u, &x, sizeof u);
+            return (u & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
+        }
+    }
+};
+
+/// The 16 wire bits of x.
+template <class Wire, class T>
+LOCKSTEP_HOST_DEVICE std::uint32_t to_wire_bits(T x) {
+    return Wire(static_cast<float>(x)).bits;
+}
+/// The value of 16 wire bits.
+template <class Wire>
+LOCKSTEP_HOST_DEVICE float from_wire_bits(std::uint32_t b) {
+    return static_cast<float>(Wire::from_bits(static_cast<std::uint16_t>(b)));
+}
+
+/// Packs elements 2w and 2w + 1 of src (n elements; a missing odd tail packs 0) as two 16-bit
+/// wire values into the 32-bit word w: low half = element 2w. Words travel as int, a type every
+/// communicator carries.
+template <class Wire, class T>
+struct pack_wire_fn {
+    const T* src;
+    std::size_t n;
+    int* words;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t w) const {
+        const std::uint32_t lo = to_wire_bits<Wire>(src[2 * w]);
+        const std::uint32_t hi = 2 * w + 1 < n ? to_wire_bits<Wire>(src[2 * w + 1]) : 0u;
+        const std::uint32_t word = lo | (hi << 16);
+        std::memcpy(words + w, &word, sizeof word);
+    }
+};
+
+/// dst[j] = sum over ranks r = 0..ranks-1, in rank order, of the wire value j of rank r's block
+/// (blocks of `words_per_rank` words, as all_gather lays them out). Summing in T in a fixed order
+/// gives every replica the same bits.
+template <class Wire, class T>
+struct sum_wire_fn {
+    const int* words;
+    std::size_t words_per_rank;
+    int ranks;
+    T* dst;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t j) const {
+        T acc = T(0);
+        for (int r = 0; r < ranks; ++r) {
+            std::uint32_t word;
+            std::memcpy(&word, words + static_cast<std::size_t>(r) * words_per_rank + j / 2,
+                        sizeof word);
+            acc += static_cast<T>(
+                from_wire_bits<Wire>((j % 2 == 0) ? (word & 0xffffu) : (word >> 16)));
+        }
+        dst[j] = acc;
+    }
+};
+
+/// data *= s on sys.
+template <class System, class T>
+void scale(const System& sys, std::span<T> data, T s) {
+    if (data.empty())
+        return;
+    thrust::transform(sys.policy(), data.data(), data.data() + data.size(), data.data(),
+                      scale_fn<T>{s});
+}
+
+/// data = 0 on sys.
+template <class System, class T>
+void zero(const System& sys, std::span<T> data) {
+    if (data.empty())
+        return;
+    thrust::fill(sys.policy(), data.data(), data.data() + data.size(), T(0));
+}
+
+/// The number of NaN or infinite elements of data.
+template <class System, class T>
+std::size_t count_non_finite(const System& sys, std::span<const T> data) {
+    if (data.empty())
+        return 0;
+    return static_cast<std::size_t>(
+        thrust::transform_reduce(sys.policy(), data.data(), data.data() + data.size(),
+                                 non_finite_fn<T>{}, std::size_t{0}, thrust::plus<std::size_t>()));
+}
+
+} // namespace lockstep::detail

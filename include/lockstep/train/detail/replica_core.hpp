@@ -1,0 +1,264 @@
+// lockstep/train/detail/replica_core.hpp: replica_core, the part of a trainer every SyncPolicy
+// shares: network construction, parameter discovery (registry or visitor), the cross-replica
+// parameter check, the initial broadcast, micro-batch sharding and the optimizer.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/optim/optimizer.hpp"
+#include "lockstep/system/buffer.hpp"
+#include "lockstep/train/detail/reduce_functors.hpp"
+#include "lockstep/train/detail/signature.hpp"
+#include "lockstep/train/detail/visitor.hpp"
+#include "lockstep/train/replica_context.hpp"
+#include "lockstep/train/shard.hpp"
+#include "lockstep/train/train_params.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace lockstep::detail {
+
+/// Builds a Network in place from factory(ctx) (guaranteed elision: Network need not move).
+template <class Network, class Factory, class Context>
+struct network_maker {
+    Factory& factory;
+    Context& ctx;
+    operator Network() const { return factory(ctx); }
+};
+
+/// One replica's share of any trainer. Owns the context (fixed address: the registry and the
+/// network's handles point into it), the network, the optimizer; the flat value/gradient/state
+/// buffers are the registry's (path (a)) or packed copies of the network's own buffers (path
+/// (b), the visitor): either way values()/grads()/states() are flat and identically laid out on
+/// every replica.
+template <class Network, class Optimizer, class Communicator>
+class replica_core {
+public:
+    using value_type = typename Optimizer::value_type;
+    using T = value_type;
+    using system_type = typename Communicator::system_type;
+    using context_type = replica_context<T, Communicator>;
+    /// True when the network exposes its parameters through for_each_parameter (path (b)).
+    static constexpr bool uses_visitor = has_parameter_visitor<Network, T>;
+
+    static_assert(std::is_same_v<typename Optimizer::system_type, system_type>,
+                  "The optimizer must run on the communicator's system: use e.g. "
+                  "optim::sgd<float, Communicator::system_type>.");
+
+    /// Constructs the network on this replica, finalizes its parameters, checks that every
+    /// replica declared the same ones and broadcasts replica 0's values and state. Collective:
+    /// every replica of comm must construct its trainer.
+    template <class Factory>
+    replica_core(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt,
+                 train_params tp)
+        : comm_(&comm), ctx_(std::make_unique<context_type>(comm, tp.seed)), tp_(std::move(tp)) {
+        LOCKSTEP_REQUIRE(tp_.micro_batches >= 1, errc::invalid_argument, comm.rank(),
+                         "data_parallel", "micro_batches = ", tp_.micro_batches, " (must be >= 1)");
+        using maker = network_maker<Network, std::remove_reference_t<Factory>, context_type>;
+        net_.emplace(maker{factory, *ctx_});
+        auto& reg = ctx_->registry();
+        if constexpr (uses_visitor) {
+            LOCKSTEP_REQUIRE(reg.empty(), errc::invalid_argument, comm.rank(), "data_parallel",
+                             "the network both allocates from the registry and defines "
+                             "for_each_parameter: use one of the two");
+            visit_parameters(*net_, [&](std::string_view name, std::span<T> v, std::span<T> g) {
+                LOCKSTEP_REQUIRE(v.size() == g.size(), errc::shape_mismatch, comm.rank(),
+                                 "data_parallel", "parameter '", name, "' has ", v.size(),
+                                 " values but ", g.size(), " gradients");
+                reg.add(std::string(name), {v.size()});
+            });
+            visit_state<T>(*net_, [&](std::string_view name, std::span<T> s) {
+                reg.add_state(std::string(name), {s.size()});
+            });
+            reg.finalize();
+            pack_values();
+            pack_state();
+        } else {
+            reg.finalize();
+        }
+        LOCKSTEP_REQUIRE(reg.parameter_count() > 0, errc::invalid_argument, comm.rank(),
+                         "data_parallel",
+                         "the network declared no parameters (allocate them from "
+                         "ctx.registry() or define for_each_parameter)");
+        verify_same_tensors<T>(comm, reg.parameters(), reg.state_tensors());
+        broadcast_from(0);
+
+        segments_.reserve(reg.parameters().size());
+        for (const tensor_info& t : reg.parameters()) {
+            const bool decay = !tp_.decay || tp_.decay(t);
+            segments_.push_back(tensor_segment{t.offset, t.size, decay, decay});
+        }
+        opt_.emplace(reg.parameter_count(), std::move(opt), comm.system(),
+                     std::span<const tensor_segment>(segments_));
+    }
+
+    Network& network() noexcept { return *net_; }
+    const Network& network() const noexcept { return *net_; }
+    context_type& context() noexcept { return *ctx_; }
+    Communicator& comm() noexcept { return *comm_; }
+    Optimizer& optimizer() noexcept { return *opt_; }
+    const train_params& params() const noexcept { return tp_; }
+    typename context_type::registry_type& registry() noexcept { return ctx_->registry(); }
+    std::span<T> values() { return registry().values(); }
+    std::span<T> grads() { return registry().grads(); }
+    std::span<T> states() { return registry().states(); }
+    /// Steps taken (including skipped ones) and samples consumed so far.
+    std::int64_t steps() const noexcept { return steps_; }
+    std::uint64_t samples() const noexcept { return samples_; }
+
+    /// The learning rate of step s: the schedule's, or the optimizer's params().lr.
+    double lr_for(std::int64_t s) const {
+        return tp_.lr ? tp_.lr(s) : static_cast<double>(opt_->params().lr);
+    }
+
+    /// Zeroes every gradient (the flat buffer, and the network's own with the visitor).
+    void zero_grads() {
+        zero(comm_->system(), grads());
+        if constexpr (uses_visitor)
+            visit_parameters(*net_, [&](std::string_view, std::span<T>, std::span<T> g) {
+                zero(comm_->system(), g);
+            });
+    }
+
+    /// Runs fn over this replica's part of each of the M micro-batches of a global batch of
+    /// `global` samples: micro-batch m is positions [global m / M, global (m + 1) / M) of the
+    /// global batch, split over replicas with shard(). `own_scale`: scale each range by 1 /
+    /// (this replica's samples in the step) (local SGD) instead of 1 / global. `before_last` is
+    /// called before the last micro-batch (trainers arm the ready hook there). Returns the sum
+    /// of fn's results on this replica.
+    template <class Fn, class BeforeLast>
+    double run_micro_batches(std::size_t global, Fn& fn, bool own_scale, BeforeLast&& before_last) {
+        LOCKSTEP_REQUIRE(global >= 1, errc::invalid_argument, comm_->rank(), "data_parallel.step",
+                         "global batch size is 0");
+        const int rank = comm_->rank();
+        const int size = comm_->size();
+        const auto m_count = static_cast<std::size_t>(tp_.micro_batches);
+        std::size_t own = 0;
+        for (std::size_t m = 0; m < m_count; ++m)
+            own += shard(global * m / m_count, global * (m + 1) / m_count, rank, size).size();
+        double loss = 0;
+        ctx_->set_step(steps_, true);
+        for (std::size_t m = 0; m < m_count; ++m) {
+            shard_range r = shard(global * m / m_count, global * (m + 1) / m_count, rank, size);
+            r.global_size = global;
+            r.sample_offset = samples_;
+            r.scale = own_scale ? (own ? 1.0 / static_cast<double>(own) : 0.0)
+                                : 1.0 / static_cast<double>(global);
+            if (m + 1 == m_count)
+                before_last();
+            loss += static_cast<double>(fn(*net_, r, *ctx_));
+        }
+        ctx_->set_ready_hook({});
+        ctx_->set_step(steps_, false);
+        return loss;
+    }
+
+    /// Ends a step's bookkeeping.
+    void advance(std::size_t global) {
+        ++steps_;
+        samples_ += global;
+    }
+
+    /// Visitor path: network gradients -> flat gradient buffer (no-op with the registry).
+    void pack_grads() {
+        if constexpr (uses_visitor) {
+            std::size_t i = 0;
+            visit_parameters(*net_, [&](std::string_view, std::span<T>, std::span<T> g) {
+                copy(std::span<const T>(g), comm_->system(), grads_of(i++), comm_->system());
+            });
+        }
+    }
+    /// Visitor path: network values -> flat value buffer.
+    void pack_values() {
+        if constexpr (uses_visitor) {
+            std::size_t i = 0;
+            visit_parameters(*net_, [&](std::string_view, std::span<T> v, std::span<T>) {
+                copy(std::span<const T>(v), comm_->system(), values_of(i++), comm_->system());
+            });
+        }
+    }
+    /// Visitor path: flat value buffer -> network values.
+    void unpack_values() {
+        if constexpr (uses_visitor) {
+            std::size_t i = 0;
+            visit_parameters(*net_, [&](std::string_view, std::span<T> v, std::span<T>) {
+                copy(std::span<const T>(values_of(i++)), comm_->system(), v, comm_->system());
+            });
+        }
+    }
+    /// Visitor path: network state <-> flat state buffer.
+    void pack_state() { move_state(true); }
+    void unpack_state() { move_state(false); }
+
+    /// Every replica gets root's values and state.
+    void broadcast_from(int root) {
+        pack_values();
+        pack_state();
+        if (!values().empty())
+            comm_->broadcast(values(), root);
+        if (!states().empty())
+            comm_->broadcast(states(), root);
+        unpack_values();
+        unpack_state();
+    }
+
+    /// The number of NaN/inf elements of the flat gradient buffer on this replica.
+    std::size_t local_non_finite() {
+        return count_non_finite(comm_->system(), std::span<const T>(grads()));
+    }
+
+private:
+    std::span<T> values_of(std::size_t i) {
+        const tensor_info& t = checked(i);
+        return values().subspan(t.offset, t.size);
+    }
+    std::span<T> grads_of(std::size_t i) {
+        const tensor_info& t = checked(i);
+        return grads().subspan(t.offset, t.size);
+    }
+    const tensor_info& checked(std::size_t i) {
+        const auto& ps = registry().parameters();
+        LOCKSTEP_REQUIRE(i < ps.size(), errc::shape_mismatch, comm_->rank(), "data_parallel",
+                         "for_each_parameter visited more tensors than the ", ps.size(),
+                         " it declared at construction");
+        return ps[i];
+    }
+    void move_state(bool pack) {
+        if constexpr (uses_visitor && has_state_visitor<Network, T>) {
+            std::size_t i = 0;
+            const auto& ss = registry().state_tensors();
+            visit_state<T>(*net_, [&](std::string_view name, std::span<T> s) {
+                LOCKSTEP_REQUIRE(i < ss.size() && ss[i].size == s.size(), errc::shape_mismatch,
+                                 comm_->rank(), "data_parallel", "state '", name,
+                                 "' changed since construction");
+                std::span<T> flat = states().subspan(ss[i].offset, ss[i].size);
+                if (pack)
+                    copy(std::span<const T>(s), comm_->system(), flat, comm_->system());
+                else
+                    copy(std::span<const T>(flat), comm_->system(), s, comm_->system());
+                ++i;
+            });
+        }
+        (void)pack;
+    }
+
+    Communicator* comm_;
+    std::unique_ptr<context_type> ctx_;
+    train_params tp_;
+    std::optional<Network> net_;
+    std::vector<tensor_segment> segments_;
+    std::optional<Optimizer> opt_;
+    std::int64_t steps_ = 0;
+    std::uint64_t samples_ = 0;
+};
+
+} // namespace lockstep::detail

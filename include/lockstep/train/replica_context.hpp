@@ -1,0 +1,76 @@
+// lockstep/train/replica_context.hpp: replica_context, what a network and a step function see of
+// their replica (rank, communicator, system, RNG, registry). SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/train/parameter_registry.hpp"
+#include "lockstep/train/rng.hpp"
+
+#include <cstdint>
+#include <functional>
+#include <utility>
+
+namespace lockstep {
+
+/// One replica's view of the training: its rank among size() replicas, its communicator and
+/// system, its parameter registry and the run's random streams. data_parallel owns it at a fixed
+/// address for the trainer's lifetime and passes it to the network factory and to every step
+/// function call.
+template <class T, communicator Communicator>
+class replica_context {
+public:
+    using value_type = T;
+    using communicator_type = Communicator;
+    using system_type = typename Communicator::system_type;
+    using registry_type = parameter_registry<T, system_type>;
+    using handle = typename registry_type::handle;
+
+    /// requires: comm outlives the context.
+    replica_context(Communicator& comm, std::uint64_t seed)
+        : comm_(&comm), registry_(comm.system(), comm.rank()), seed_(seed) {}
+    replica_context(const replica_context&) = delete;
+    replica_context& operator=(const replica_context&) = delete;
+
+    int rank() const { return comm_->rank(); }
+    int size() const { return comm_->size(); }
+    system_type system() const { return comm_->system(); }
+    Communicator& comm() noexcept { return *comm_; }
+    /// The registry a network allocates its parameters and state from (path (a)).
+    registry_type& registry() noexcept { return registry_; }
+
+    /// The random stream `stream` under the run's seed (train_params::seed). Key it with GLOBAL
+    /// sample indices (shard_range::sample_index) so numbers do not depend on the replica count.
+    rng_stream rng(std::uint32_t stream = 0) const noexcept { return rng_stream{seed_, stream}; }
+    std::uint64_t seed() const noexcept { return seed_; }
+
+    /// Optimizer steps completed so far (the index of the step being computed).
+    std::int64_t step() const noexcept { return step_; }
+    /// True while the trainer runs a training step (fn of step()); false in the factory.
+    bool training() const noexcept { return training_; }
+
+    /// Signals that backward has finished writing the gradient of parameter h for this step,
+    /// so a bucketed reducer may launch the bucket h completes. Optional: every gradient not
+    /// marked is reduced when the step function returns. Only meaningful with the registry and
+    /// on the last micro-batch of a step (earlier micro-batches still accumulate).
+    void mark_ready(const handle& h) {
+        if (ready_hook_)
+            ready_hook_(h.index());
+    }
+
+    /// For trainers: installs the hook mark_ready forwards to, and the step bookkeeping.
+    void set_ready_hook(std::function<void(std::size_t)> hook) { ready_hook_ = std::move(hook); }
+    void set_step(std::int64_t s, bool training) noexcept {
+        step_ = s;
+        training_ = training;
+    }
+
+private:
+    Communicator* comm_;
+    registry_type registry_;
+    std::uint64_t seed_;
+    std::int64_t step_ = 0;
+    bool training_ = false;
+    std::function<void(std::size_t)> ready_hook_;
+};
+
+} // namespace lockstep

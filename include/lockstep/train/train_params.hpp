@@ -1,0 +1,44 @@
+// lockstep/train/train_params.hpp: train_params (the trainer's runtime knobs) and step_result.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/train/parameter_registry.hpp"
+
+#include <cstdint>
+#include <functional>
+
+namespace lockstep {
+
+/// Runtime knobs of data_parallel (designated initialisers: `{.micro_batches = 4, .seed = 7}`).
+struct train_params {
+    /// Micro-batches per step (gradient accumulation): gradients are zeroed once per step,
+    /// accumulated over M calls of the step function, reduced and applied once. >= 1.
+    int micro_batches = 1;
+    /// The learning rate of step s (0-based), e.g. an optim lr schedule; empty: the optimizer
+    /// params' lr for every step.
+    std::function<double(std::int64_t)> lr = {};
+    /// A step whose gradient has a NaN or infinity on any replica is skipped on every replica
+    /// (true), or throws lockstep::error (non_finite) on every replica (false).
+    bool skip_non_finite = true;
+    /// The seed of every replica's random streams (replica_context::rng).
+    std::uint64_t seed = 0;
+    /// Which parameters get weight decay and LARS/LAMB trust-ratio adaptation; empty: all.
+    /// Commonly `[](const tensor_info& t) { return t.shape.size() > 1; }` (no biases, no BN).
+    std::function<bool(const tensor_info&)> decay = {};
+};
+
+/// What one data_parallel::step returns (the same on every replica for synchronous training).
+struct step_result {
+    /// The loss of the step: the sum of the step function's results over replicas and
+    /// micro-batches (the global mean loss when fn returns sum-of-losses * range.scale). For
+    /// sync::local_sgd this replica's own mean (no communication).
+    double loss = 0.0;
+    /// True when the step was skipped because a gradient was not finite.
+    bool skipped = false;
+    /// The learning rate the step used.
+    double lr = 0.0;
+    /// The step's index (0-based).
+    std::int64_t step = 0;
+};
+
+} // namespace lockstep
