@@ -1,0 +1,138 @@
+// lockstep/optim/adam.hpp: Adam and AdamW (decoupled weight decay), as torch.optim.Adam and
+// torch.optim.AdamW define them. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/kernels/optimizer_kernels.hpp"
+#include "lockstep/optim/detail/flat_layout.hpp"
+#include "lockstep/optim/optimizer.hpp"
+#include "lockstep/system/buffer.hpp"
+#include "lockstep/system/host_system.hpp"
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+namespace lockstep::optim {
+
+/// Runtime knobs of optim::adam (L2 weight decay added to the gradient).
+struct adam_params {
+    double lr = 1e-3;          ///< learning rate (>= 0)
+    double beta1 = 0.9;        ///< first-moment decay, in [0, 1)
+    double beta2 = 0.999;      ///< second-moment decay, in [0, 1)
+    double eps = 1e-8;         ///< added to the bias-corrected sqrt(v), > 0
+    double weight_decay = 0.0; ///< lambda (>= 0)
+};
+
+/// Runtime knobs of optim::adamw (decoupled weight decay; PyTorch's default lambda 0.01).
+struct adamw_params {
+    double lr = 1e-3;
+    double beta1 = 0.9;
+    double beta2 = 0.999;
+    double eps = 1e-8;
+    double weight_decay = 1e-2;
+};
+
+namespace detail {
+/// Adam and AdamW share everything but where the decay goes. Per element, at step t >= 1
+/// (Kingma & Ba 2015, Algorithm 1; Loshchilov & Hutter 2019 for AdamW; the forms of
+/// torch.optim.Adam / AdamW with amsgrad = False, maximize = False):
+///   Adam:  g' = g + lambda_s w                     AdamW: w = w (1 - lr lambda_s), g' = g
+///   m = beta1 m + (1 - beta1) g'
+///   v = beta2 v + (1 - beta2) g'^2
+///   w = w - (lr / (1 - beta1^t)) m / (sqrt(v) / sqrt(1 - beta2^t) + eps)     (eps outside sqrt)
+/// lambda_s = weight_decay, 0 on segments with !decay. The bias corrections are computed in
+/// double on the host each step. State: "exp_avg" (m), "exp_avg_sq" (v), step count t.
+template <class T, class System, class Params, bool Decoupled>
+class adam_impl {
+    static_assert(std::is_floating_point_v<T>, "optim::adam updates float or double parameters.");
+
+public:
+    using value_type = T;
+    using system_type = System;
+    using params_type = Params;
+
+    /// State for a flat buffer of n parameters (moments zero, step 0). requires: lr,
+    /// weight_decay >= 0, 0 <= beta1, beta2 < 1, eps > 0; segments as tensor_segment says (only
+    /// `decay` is used). Throws lockstep::error (invalid_argument) otherwise.
+    explicit adam_impl(std::size_t n, Params p = {}, System sys = System{},
+                       std::span<const tensor_segment> segments = {})
+        : p_(p), sys_(sys), layout_(n, segments, sys_, name()), m_(zeros<T>(n, sys_)),
+          v_(zeros<T>(n, sys_)) {
+        check_param(name(), "lr", p.lr, 0.0);
+        check_param(name(), "beta1", p.beta1, 0.0);
+        check_param(name(), "beta2", p.beta2, 0.0);
+        check_param(name(), "weight_decay", p.weight_decay, 0.0);
+        LOCKSTEP_REQUIRE(p.beta1 < 1 && p.beta2 < 1 && p.eps > 0, errc::invalid_argument, -1,
+                         name(), "need beta1 < 1, beta2 < 1, eps > 0 (beta1 = ", p.beta1,
+                         ", beta2 = ", p.beta2, ", eps = ", p.eps, ")");
+    }
+
+    /// One update of w from g. requires: w.size() == g.size() == size(), System memory.
+    /// ensures: step_count() grows by one.
+    void step(std::span<T> w, std::span<const T> g) {
+        check_step(Decoupled ? "adamw.step" : "adam.step", size(), w.size(), g.size());
+        const double t = static_cast<double>(step_ + 1);
+        const double bc1 = 1.0 - std::pow(p_.beta1, t);
+        const double bc2 = 1.0 - std::pow(p_.beta2, t);
+        const kernels::adam_update<T> f{w.data(),
+                                        g.data(),
+                                        m_.data(),
+                                        v_.data(),
+                                        layout_.flags(),
+                                        static_cast<T>(p_.lr),
+                                        static_cast<T>(p_.beta1),
+                                        static_cast<T>(p_.beta2),
+                                        static_cast<T>(p_.eps),
+                                        static_cast<T>(p_.weight_decay),
+                                        static_cast<T>(p_.lr / bc1),
+                                        static_cast<T>(std::sqrt(bc2)),
+                                        Decoupled};
+        layout_.apply(sys_, f);
+        ++step_;
+    }
+
+    double lr() const noexcept { return p_.lr; }
+    /// Sets the learning rate of the next steps. requires: lr finite and >= 0.
+    void set_lr(double lr) {
+        check_param(name(), "lr", lr, 0.0);
+        p_.lr = lr;
+    }
+    const Params& params() const noexcept { return p_; }
+    const System& system() const noexcept { return sys_; }
+    std::size_t size() const noexcept { return layout_.size(); }
+    std::int64_t step_count() const noexcept { return step_; }
+    const std::vector<tensor_segment>& segments() const noexcept { return layout_.segments(); }
+
+    /// The checkpointable state: step count and {"exp_avg", "exp_avg_sq"}.
+    state_view<T> state() { return {step_, {{"exp_avg", m_.span()}, {"exp_avg_sq", v_.span()}}}; }
+    state_view<const T> state() const {
+        return {step_, {{"exp_avg", m_.span()}, {"exp_avg_sq", v_.span()}}};
+    }
+    /// Restores a state saved by state(). Throws lockstep::error (checkpoint) on a mismatch.
+    void load_state(const state_view<const T>& saved) {
+        step_ = load_slots(name(), saved, state(), sys_);
+    }
+
+private:
+    static constexpr const char* name() { return Decoupled ? "adamw" : "adam"; }
+
+    Params p_;
+    System sys_;
+    flat_layout<System> layout_;
+    buffer<T, System> m_, v_;
+    std::int64_t step_ = 0;
+};
+} // namespace detail
+
+/// Adam (torch.optim.Adam): weight decay is an L2 term added to the gradient. See
+/// detail::adam_impl for the update equations.
+template <class T, class System = host_system>
+using adam = detail::adam_impl<T, System, adam_params, false>;
+
+/// AdamW (torch.optim.AdamW): decoupled weight decay w = w (1 - lr lambda) before the Adam step.
+/// See detail::adam_impl for the update equations.
+template <class T, class System = host_system>
+using adamw = detail::adam_impl<T, System, adamw_params, true>;
+
+} // namespace lockstep::optim

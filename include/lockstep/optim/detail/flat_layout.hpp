@@ -1,0 +1,168 @@
+// lockstep/optim/detail/flat_layout.hpp: a flat buffer's segments cut into tiles in System
+// memory, and the segmented map/reduce drivers the optimizers share. SPDX-License-Identifier:
+// Apache-2.0
+#pragma once
+
+#include "lockstep/core/error.hpp"
+#include "lockstep/kernels/segmented.hpp"
+#include "lockstep/optim/optimizer.hpp"
+#include "lockstep/system/buffer.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <thrust/copy.h>
+#include <thrust/fill.h>
+#include <thrust/for_each.h>
+#include <thrust/iterator/counting_iterator.h>
+
+namespace lockstep::optim::detail {
+
+/// Elements per tile: large enough that a tile's loop amortises loading its segment's scalars,
+/// small enough that ResNet-50's smallest tensors and a thread's share of the buffer balance.
+inline constexpr std::size_t tile_elements = 8192;
+
+/// Copies a host vector into a new buffer in sys's memory.
+template <class T, class System>
+buffer<T, System> to_system(const std::vector<T>& v, const System& sys) {
+    buffer<T, System> b(v.size(), sys);
+    lockstep::copy(std::span<const T>(v), host_system{1}, b.span(), sys);
+    return b;
+}
+
+/// The tiles, per-segment flags and per-segment tile ranges of a flat buffer of n elements.
+template <class System>
+class flat_layout {
+public:
+    /// requires: segments sorted by offset, not overlapping, inside [0, n); an empty list means
+    /// one segment [0, n) with decay and adapt. Throws lockstep::error (invalid_argument)
+    /// naming `op` and the offending segment otherwise.
+    flat_layout(std::size_t n, std::span<const tensor_segment> segments, const System& sys,
+                const char* op)
+        : n_(n) {
+        if (segments.empty()) {
+            segments_.push_back({0, n, true, true});
+        } else {
+            segments_.assign(segments.begin(), segments.end());
+        }
+        LOCKSTEP_REQUIRE(segments_.size() < std::numeric_limits<std::uint32_t>::max(),
+                         errc::invalid_argument, -1, op, "too many segments: ", segments_.size());
+        std::vector<kernels::tile> tiles;
+        std::vector<kernels::segment_flags> flags;
+        std::vector<kernels::tile_range> ranges;
+        std::size_t end_prev = 0;
+        for (std::size_t s = 0; s < segments_.size(); ++s) {
+            const tensor_segment& seg = segments_[s];
+            LOCKSTEP_REQUIRE(
+                seg.offset >= end_prev && seg.offset <= n && seg.size <= n - seg.offset,
+                errc::invalid_argument, -1, op, "segment ", s, " [", seg.offset, ", ",
+                seg.offset + seg.size, ") is unsorted, overlaps segment ", s - 1,
+                " (which ends at ", end_prev, ") or exceeds the buffer of ", n, " elements");
+            end_prev = seg.offset + seg.size;
+            kernels::tile_range r{tiles.size(), tiles.size()};
+            for (std::size_t b = seg.offset; b < end_prev; b += tile_elements)
+                tiles.push_back(
+                    {b, std::min(end_prev, b + tile_elements), static_cast<std::uint32_t>(s)});
+            r.last = tiles.size();
+            ranges.push_back(r);
+            flags.push_back({seg.decay, seg.adapt});
+        }
+        tiles_ = to_system(tiles, sys);
+        flags_ = to_system(flags, sys);
+        ranges_ = to_system(ranges, sys);
+    }
+
+    std::size_t size() const noexcept { return n_; }
+    std::size_t segment_count() const noexcept { return segments_.size(); }
+    std::size_t tile_count() const noexcept { return tiles_.size(); }
+    const std::vector<tensor_segment>& segments() const noexcept { return segments_; }
+    const kernels::segment_flags* flags() const noexcept { return flags_.data(); }
+
+    /// Runs f over every segmented element in one pass (a for_each over the tiles).
+    template <class F>
+    void apply(const System& sys, const F& f) const {
+        if (tiles_.empty())
+            return;
+        thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
+                         thrust::counting_iterator<std::size_t>(tiles_.size()),
+                         kernels::tile_apply<F>{tiles_.data(), f});
+    }
+
+    /// Runs f (returning kernels::sum_pair) over every segmented element in one pass and writes
+    /// the per-segment sums to out (segment_count() entries, System memory). Deterministic:
+    /// the summation order depends on the layout only, never on the thread count.
+    template <class F>
+    void reduce(const System& sys, const F& f, buffer<kernels::sum_pair, System>& partial,
+                kernels::sum_pair* out) const {
+        if (partial.size() != tiles_.size())
+            partial = buffer<kernels::sum_pair, System>(tiles_.size(), sys);
+        if (!tiles_.empty())
+            thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
+                             thrust::counting_iterator<std::size_t>(tiles_.size()),
+                             kernels::tile_reduce<F>{tiles_.data(), partial.data(), f});
+        thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
+                         thrust::counting_iterator<std::size_t>(segments_.size()),
+                         kernels::segment_sum{ranges_.data(), partial.data(), out});
+    }
+
+private:
+    std::size_t n_;
+    std::vector<tensor_segment> segments_;
+    buffer<kernels::tile, System> tiles_;
+    buffer<kernels::segment_flags, System> flags_;
+    buffer<kernels::tile_range, System> ranges_;
+};
+
+/// A zero-filled buffer of n elements in sys's memory.
+template <class T, class System>
+buffer<T, System> zeros(std::size_t n, const System& sys) {
+    buffer<T, System> b(n, sys);
+    thrust::fill(sys.policy(), b.data(), b.data() + n, T(0));
+    return b;
+}
+
+/// Checks the sizes of a step's spans. Throws lockstep::error (shape_mismatch) naming op.
+inline void check_step(const char* op, std::size_t n, std::size_t w, std::size_t g) {
+    LOCKSTEP_REQUIRE(w == n && g == n, errc::shape_mismatch, -1, op,
+                     "the optimizer holds state for ", n, " parameters, but step() got ", w,
+                     " weights and ", g, " gradients");
+}
+
+/// Restores named buffers from a saved view: same slot count, names and sizes, else
+/// lockstep::error (checkpoint) naming op. The saved spans must be in sys's memory.
+template <class T, class System>
+std::int64_t load_slots(const char* op, const state_view<const T>& saved, const state_view<T>& mine,
+                        const System& sys) {
+    LOCKSTEP_REQUIRE(saved.slots.size() == mine.slots.size(), errc::checkpoint, -1, op,
+                     "the checkpoint has ", saved.slots.size(), " state buffers, this optimizer ",
+                     mine.slots.size());
+    LOCKSTEP_REQUIRE(saved.step >= 0, errc::checkpoint, -1, op, "negative step count ", saved.step);
+    for (std::size_t k = 0; k < mine.slots.size(); ++k) {
+        const auto& s = saved.slots[k];
+        const auto& d = mine.slots[k];
+        LOCKSTEP_REQUIRE(s.name == d.name && s.data.size() == d.data.size(), errc::checkpoint, -1,
+                         op, "state buffer ", k, " is '", s.name, "' with ", s.data.size(),
+                         " elements, expected '", d.name, "' with ", d.data.size());
+    }
+    for (std::size_t k = 0; k < mine.slots.size(); ++k) {
+        const auto& s = saved.slots[k].data;
+        if (s.data() != mine.slots[k].data.data())
+            thrust::copy(sys.policy(), s.data(), s.data() + s.size(), mine.slots[k].data.data());
+    }
+    return saved.step;
+}
+
+/// Throws lockstep::error (invalid_argument) naming op and the parameter when v is not finite
+/// or below lo.
+inline void check_param(const char* op, const char* name, double v, double lo) {
+    LOCKSTEP_REQUIRE(v == v && v >= lo && v < std::numeric_limits<double>::infinity(),
+                     errc::invalid_argument, -1, op, name, " = ", v, " (must be finite and >= ", lo,
+                     ")");
+}
+
+} // namespace lockstep::optim::detail

@@ -1,0 +1,83 @@
+// lockstep/optim/optimizer.hpp: what every optimizer offers the trainer (the `optimizer`
+// concept), tensor segments, checkpointable state views, all_finite. SPDX-License-Identifier:
+// Apache-2.0
+#pragma once
+
+#include "lockstep/core/error.hpp"
+#include "lockstep/kernels/optimizer_kernels.hpp"
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include <thrust/functional.h>
+#include <thrust/transform_reduce.h>
+
+namespace lockstep {
+
+/// One tensor inside a flat parameter buffer: elements [offset, offset + size).
+/// Optimizers take the buffer's layout as a list of segments, sorted by offset and not
+/// overlapping; elements outside every segment (alignment padding) are never touched.
+/// SGD and Adam use segments only for `decay`; LARS and LAMB compute one trust ratio per segment.
+struct tensor_segment {
+    std::size_t offset = 0;
+    std::size_t size = 0;
+    bool decay = true; ///< apply weight decay (false is usual for biases and BN gamma/beta)
+    bool adapt = true; ///< LARS/LAMB: scale by the trust ratio (false: ratio 1, plain update)
+};
+
+/// One named state buffer of an optimizer (e.g. "momentum", "exp_avg", "exp_avg_sq"), a span
+/// over the optimizer's System memory.
+template <class T>
+struct state_slot {
+    std::string_view name;
+    std::span<T> data;
+};
+
+/// An optimizer's checkpointable state: its step count (updates applied so far) and its
+/// buffers, in a fixed order. A view: it stays valid as long as the optimizer lives.
+template <class T>
+struct state_view {
+    std::int64_t step = 0;
+    std::vector<state_slot<T>> slots;
+};
+
+/// What the trainer may call on an optimizer O (sgd, adam, adamw, lars, lamb):
+/// - `O(n, params, system, segments)`: state for a flat buffer of n parameters, zero moments;
+/// - `o.step(w, g)`: one fused update of w (n elements, System memory) from g (same size);
+/// - `o.lr()` / `o.set_lr(x)`: the learning rate the next step uses (schedules set it);
+/// - `o.step_count()`, `o.size()`, `o.params()`, `o.system()`;
+/// - `o.state()` (views for checkpoints) and `o.load_state(view)` (restore; throws
+///   lockstep::error with errc::checkpoint when names or sizes differ).
+template <class O>
+concept optimizer = requires(O& o, const O& co, std::span<typename O::value_type> w,
+                             std::span<const typename O::value_type> g, double lr,
+                             const state_view<const typename O::value_type>& saved) {
+    typename O::params_type;
+    typename O::system_type;
+    requires std::constructible_from<O, std::size_t, typename O::params_type,
+                                     typename O::system_type, std::span<const tensor_segment>>;
+    o.step(w, g);
+    o.set_lr(lr);
+    { co.lr() } -> std::convertible_to<double>;
+    { co.step_count() } -> std::convertible_to<std::int64_t>;
+    { co.size() } -> std::convertible_to<std::size_t>;
+    { co.params() } -> std::convertible_to<const typename O::params_type&>;
+    { o.state() } -> std::same_as<state_view<typename O::value_type>>;
+    { co.state() } -> std::same_as<state_view<const typename O::value_type>>;
+    o.load_state(saved);
+};
+
+/// True when every element of x (in sys's memory) is finite. The trainer calls it on the
+/// REDUCED gradient, which every replica holds identically, so all replicas skip a step with a
+/// NaN or infinity together. ensures: true for an empty span.
+template <class T, class System>
+bool all_finite(std::span<const T> x, const System& sys) {
+    return thrust::transform_reduce(sys.policy(), x.data(), x.data() + x.size(),
+                                    kernels::is_finite_fn{}, true, thrust::logical_and<bool>{});
+}
+
+} // namespace lockstep

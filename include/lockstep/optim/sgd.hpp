@@ -1,0 +1,123 @@
+// lockstep/optim/sgd.hpp: stochastic gradient descent with momentum, dampening, Nesterov and
+// weight decay, as torch.optim.SGD defines it. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/kernels/optimizer_kernels.hpp"
+#include "lockstep/optim/detail/flat_layout.hpp"
+#include "lockstep/optim/optimizer.hpp"
+#include "lockstep/system/buffer.hpp"
+#include "lockstep/system/host_system.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+namespace lockstep::optim {
+
+/// Runtime knobs of optim::sgd (designated initialisers: `{.lr = 0.1, .momentum = 0.9}`).
+struct sgd_params {
+    double lr = 0.01;          ///< learning rate (>= 0); schedules change it with set_lr
+    double momentum = 0.0;     ///< mu (>= 0); 0 keeps no momentum buffer
+    double dampening = 0.0;    ///< tau in [0, 1]
+    double weight_decay = 0.0; ///< L2 penalty lambda (>= 0), added to the gradient
+    bool nesterov = false;     ///< requires momentum > 0 and dampening == 0 (as PyTorch)
+};
+
+/// SGD over one flat parameter buffer, in one fused kernel per step (torch.optim.SGD,
+/// https://pytorch.org/docs/stable/generated/torch.optim.SGD.html). Per element, at step t
+/// (t = 1 for the first step):
+///   d = g + lambda_s w                   (lambda_s = weight_decay, 0 on segments with !decay)
+///   if mu != 0:  b = d                   (t = 1: the buffer starts as the first d)
+///                b = mu b + (1 - tau) d  (t > 1)
+///                d = nesterov ? d + mu b : b
+///   w = w - lr d
+/// Arithmetic in T (float or double). State: "momentum" (b, when mu != 0) and the step count.
+template <class T, class System = host_system>
+class sgd {
+    static_assert(std::is_floating_point_v<T>, "optim::sgd updates float or double parameters.");
+
+public:
+    using value_type = T;
+    using system_type = System;
+    using params_type = sgd_params;
+
+    /// Optimizer state for a flat buffer of n parameters (momentum zero, step 0).
+    /// requires: lr, momentum, weight_decay >= 0; 0 <= dampening <= 1; nesterov only with
+    /// momentum > 0 and dampening == 0; segments as tensor_segment says (only `decay` is used).
+    /// Throws lockstep::error (invalid_argument) otherwise.
+    explicit sgd(std::size_t n, sgd_params p = {}, System sys = System{},
+                 std::span<const tensor_segment> segments = {})
+        : p_(p), sys_(sys), layout_(n, segments, sys_, "sgd") {
+        detail::check_param("sgd", "lr", p.lr, 0.0);
+        detail::check_param("sgd", "momentum", p.momentum, 0.0);
+        detail::check_param("sgd", "dampening", p.dampening, 0.0);
+        detail::check_param("sgd", "weight_decay", p.weight_decay, 0.0);
+        LOCKSTEP_REQUIRE(p.dampening <= 1.0, errc::invalid_argument, -1, "sgd",
+                         "dampening = ", p.dampening, " (must be <= 1)");
+        LOCKSTEP_REQUIRE(
+            !p.nesterov || (p.momentum > 0 && p.dampening == 0), errc::invalid_argument, -1, "sgd",
+            "Nesterov momentum requires momentum > 0 and dampening == 0 (momentum = ", p.momentum,
+            ", dampening = ", p.dampening, ")");
+        if (p.momentum != 0)
+            momentum_ = detail::zeros<T>(n, sys_);
+    }
+
+    /// One update of w from g. requires: w.size() == g.size() == size(), both in System memory
+    /// (check all_finite(g) first: a NaN gradient poisons w and the momentum). ensures:
+    /// step_count() grows by one.
+    void step(std::span<T> w, std::span<const T> g) {
+        detail::check_step("sgd.step", size(), w.size(), g.size());
+        const kernels::sgd_update<T> f{w.data(),
+                                       g.data(),
+                                       momentum_.data(),
+                                       layout_.flags(),
+                                       static_cast<T>(p_.lr),
+                                       static_cast<T>(p_.momentum),
+                                       static_cast<T>(1.0 - p_.dampening),
+                                       static_cast<T>(p_.weight_decay),
+                                       p_.nesterov,
+                                       step_ == 0};
+        layout_.apply(sys_, f);
+        ++step_;
+    }
+
+    double lr() const noexcept { return p_.lr; }
+    /// Sets the learning rate of the next steps. requires: lr finite and >= 0.
+    void set_lr(double lr) {
+        detail::check_param("sgd.set_lr", "lr", lr, 0.0);
+        p_.lr = lr;
+    }
+    const sgd_params& params() const noexcept { return p_; }
+    const System& system() const noexcept { return sys_; }
+    std::size_t size() const noexcept { return layout_.size(); }
+    std::int64_t step_count() const noexcept { return step_; }
+    const std::vector<tensor_segment>& segments() const noexcept { return layout_.segments(); }
+
+    /// The checkpointable state: step count and {"momentum"} (no slot when momentum == 0).
+    state_view<T> state() {
+        state_view<T> s{step_, {}};
+        if (p_.momentum != 0)
+            s.slots.push_back({"momentum", momentum_.span()});
+        return s;
+    }
+    state_view<const T> state() const {
+        state_view<const T> s{step_, {}};
+        if (p_.momentum != 0)
+            s.slots.push_back({"momentum", momentum_.span()});
+        return s;
+    }
+    /// Restores a state saved by state() of an sgd with the same size and momentum != 0-ness.
+    /// Throws lockstep::error (checkpoint) when the slots do not match.
+    void load_state(const state_view<const T>& saved) {
+        step_ = detail::load_slots("sgd.load_state", saved, state(), sys_);
+    }
+
+private:
+    sgd_params p_;
+    System sys_;
+    detail::flat_layout<System> layout_;
+    buffer<T, System> momentum_;
+    std::int64_t step_ = 0;
+};
+
+} // namespace lockstep::optim

@@ -1,0 +1,218 @@
+// Every optimizer against a naive double-precision reference over many steps, state
+// round trips, thread-count independence, the optimizer concept and all_finite.
+// SPDX-License-Identifier: Apache-2.0
+#include "lockstep/optim/adam.hpp"
+#include "lockstep/optim/optimizer.hpp"
+#include "lockstep/optim/sgd.hpp"
+
+#include "reference.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+using namespace lockstep;
+
+namespace {
+// The layout used throughout: two decayed tensors, a gap of 3 padding elements, a bias-like
+// tensor without decay or adaptation, and an empty tensor. 1000 elements in all.
+const std::vector<tensor_segment> layout = {
+    {0, 600, true, true}, {600, 250, true, true}, {853, 140, false, false}, {993, 0}, {993, 7}};
+constexpr std::size_t n = 1000;
+
+// Per optimizer: its params and the matching reference.
+template <class O>
+struct setup;
+template <class T>
+struct setup<optim::sgd<T>> {
+    static optim::sgd_params params() {
+        return {.lr = 0.05, .momentum = 0.9, .dampening = 0.1, .weight_decay = 1e-2};
+    }
+    static ref::sgd reference() {
+        return {.lr = 0.05, .mu = 0.9, .damp = 0.1, .wd = 1e-2, .nesterov = false, .segs = layout};
+    }
+};
+template <class T>
+struct nesterov {}; // a tag: sgd with Nesterov momentum
+template <class T>
+struct setup<nesterov<T>> {
+    using type = optim::sgd<T>;
+    static optim::sgd_params params() {
+        return {.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-2, .nesterov = true};
+    }
+    static ref::sgd reference() {
+        return {.lr = 0.05, .mu = 0.9, .damp = 0.0, .wd = 1e-2, .nesterov = true, .segs = layout};
+    }
+};
+template <class T>
+struct setup<optim::adam<T>> {
+    static optim::adam_params params() { return {.lr = 1e-2, .weight_decay = 1e-2}; }
+    static ref::adam reference() {
+        return {.lr = 1e-2,
+                .b1 = 0.9,
+                .b2 = 0.999,
+                .eps = 1e-8,
+                .wd = 1e-2,
+                .decoupled = false,
+                .segs = layout};
+    }
+};
+template <class T>
+struct setup<optim::adamw<T>> {
+    static optim::adamw_params params() { return {.lr = 1e-2, .weight_decay = 0.1}; }
+    static ref::adam reference() {
+        return {.lr = 1e-2,
+                .b1 = 0.9,
+                .b2 = 0.999,
+                .eps = 1e-8,
+                .wd = 0.1,
+                .decoupled = true,
+                .segs = layout};
+    }
+};
+
+template <class S>
+struct opt_type {
+    using type = S;
+};
+template <class T>
+struct opt_type<nesterov<T>> {
+    using type = optim::sgd<T>;
+};
+
+std::vector<double> initial_weights() {
+    return ref::normals(n, 1, 0, 0, 0.5);
+}
+std::vector<double> gradient(int step) {
+    return ref::normals(n, 1, 1, step, 1.0);
+}
+} // namespace
+
+static_assert(optimizer<optim::sgd<float>>);
+static_assert(optimizer<optim::adam<double>>);
+static_assert(optimizer<optim::adamw<float>>);
+
+#define LOCKSTEP_OPTIMIZERS(T) optim::sgd<T>, nesterov<T>, optim::adam<T>, optim::adamw<T>
+
+TEMPLATE_TEST_CASE("optimizers follow the double reference over 50 steps", "[optim][host]",
+                   LOCKSTEP_OPTIMIZERS(float), LOCKSTEP_OPTIMIZERS(double)) {
+    using O = typename opt_type<TestType>::type;
+    using T = typename O::value_type;
+    // float: each step adds a few roundings (2^-24 relative) of O(1) quantities to w and the
+    // moments; 50 steps x ~10 operations x 6e-8 = 3e-5 is a worst-case bound on |w - ref| /
+    // (1 + |ref|). double: the same count of 2^-53 roundings, bounded by 1e-12.
+    const double tol = sizeof(T) == 4 ? 3e-5 : 1e-12;
+    O opt(n, setup<TestType>::params(), host_system{}, layout);
+    auto reference = setup<TestType>::reference();
+    std::vector<double> wref = initial_weights();
+    std::vector<T> w(wref.begin(), wref.end());
+    for (int s = 0; s < 50; ++s) {
+        const std::vector<double> gd = gradient(s);
+        const std::vector<T> g(gd.begin(), gd.end());
+        opt.step(w, g);
+        reference.step(wref, gd);
+    }
+    CHECK(opt.step_count() == 50);
+    double worst = 0;
+    for (std::size_t i = 0; i < n; ++i)
+        worst = std::max(worst, std::abs(w[i] - wref[i]) / (1 + std::abs(wref[i])));
+    INFO("worst relative error " << worst);
+    CHECK(worst <= tol);
+    // Padding (elements 850..852) is never touched.
+    const std::vector<double> w0 = initial_weights();
+    for (std::size_t i = 850; i < 853; ++i)
+        CHECK(w[i] == static_cast<T>(w0[i]));
+}
+
+TEMPLATE_TEST_CASE("optimizer state round trip is bitwise", "[optim][host]",
+                   LOCKSTEP_OPTIMIZERS(float)) {
+    using O = typename opt_type<TestType>::type;
+    using T = typename O::value_type;
+    O opt(n, setup<TestType>::params(), host_system{}, layout);
+    const std::vector<double> w0 = initial_weights();
+    std::vector<T> w(w0.begin(), w0.end());
+    auto run = [&](O& o, int from, int to) {
+        for (int s = from; s < to; ++s) {
+            const std::vector<double> gd = gradient(s);
+            const std::vector<T> g(gd.begin(), gd.end());
+            o.step(w, g);
+        }
+    };
+    run(opt, 0, 3);
+    // Save: the weights, the step count and a copy of every state buffer.
+    const std::vector<T> w_saved = w;
+    const state_view<const T> live = std::as_const(opt).state();
+    std::vector<std::vector<T>> copies;
+    for (const auto& slot : live.slots)
+        copies.emplace_back(slot.data.begin(), slot.data.end());
+    state_view<const T> saved{live.step, {}};
+    for (std::size_t k = 0; k < copies.size(); ++k)
+        saved.slots.push_back({live.slots[k].name, copies[k]});
+    CHECK(saved.step == 3);
+
+    run(opt, 3, 7);
+    const std::vector<T> w_first = w;
+
+    // Restore into the same optimizer and into a fresh one: both replay bitwise.
+    w = w_saved;
+    opt.load_state(saved);
+    CHECK(opt.step_count() == 3);
+    run(opt, 3, 7);
+    CHECK(w == w_first);
+    O fresh(n, setup<TestType>::params(), host_system{}, layout);
+    fresh.load_state(saved);
+    w = w_saved;
+    run(fresh, 3, 7);
+    CHECK(w == w_first);
+
+    // A checkpoint of another shape or kind is refused.
+    O small(n - 1, setup<TestType>::params());
+    try {
+        small.load_state(saved);
+        FAIL("load_state accepted a state of the wrong size");
+    } catch (const error& e) {
+        CHECK(e.code() == errc::checkpoint);
+    }
+    state_view<const T> renamed = saved;
+    renamed.slots.back().name = "something_else";
+    CHECK_THROWS_AS(fresh.load_state(renamed), error);
+}
+
+TEMPLATE_TEST_CASE("optimizer results do not depend on the thread count", "[optim][host]",
+                   LOCKSTEP_OPTIMIZERS(float)) {
+    using O = typename opt_type<TestType>::type;
+    using T = typename O::value_type;
+    const std::size_t big = 100003; // several tiles, odd size
+    const std::vector<tensor_segment> segs = {{0, 50000}, {50000, 3}, {50003, 50000, false}};
+    std::vector<std::vector<T>> results;
+    for (int threads : {1, 2, 3}) {
+        O opt(big, setup<TestType>::params(), host_system{threads}, segs);
+        const std::vector<double> w0 = ref::normals(big, 5, 0, 0);
+        std::vector<T> w(w0.begin(), w0.end());
+        for (int s = 0; s < 3; ++s) {
+            const std::vector<double> gd = ref::normals(big, 5, 1, s);
+            const std::vector<T> g(gd.begin(), gd.end());
+            opt.step(w, g);
+        }
+        results.push_back(w);
+    }
+    CHECK(results[0] == results[1]);
+    CHECK(results[0] == results[2]);
+}
+
+TEMPLATE_TEST_CASE("all_finite finds NaN and infinities", "[optim][host]", float, double) {
+    using T = TestType;
+    host_system sys{2};
+    std::vector<T> x(10001, T(1.5));
+    CHECK(all_finite(std::span<const T>(x), sys));
+    CHECK(all_finite(std::span<const T>(), sys));
+    x[7777] = std::numeric_limits<T>::quiet_NaN();
+    CHECK_FALSE(all_finite(std::span<const T>(x), sys));
+    x[7777] = -std::numeric_limits<T>::infinity();
+    CHECK_FALSE(all_finite(std::span<const T>(x), sys));
+    x[7777] = std::numeric_limits<T>::max();
+    x[0] = std::numeric_limits<T>::denorm_min();
+    CHECK(all_finite(std::span<const T>(x), sys));
+}
