@@ -1,0 +1,379 @@
+// tests/train/test_async_ps.cpp: the parameter-server protocol (sync::asynchronous,
+// sync::bounded_staleness<S>) on the thread group: staleness bound, bookkeeping, shutdown,
+// failures. SPDX-License-Identifier: Apache-2.0
+#include "lockstep/comm/thread_group.hpp"
+#include "lockstep/train/parameter_server.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace lockstep;
+
+TEST_CASE("staleness_gate keeps every applied gradient within S under random arrival orders",
+          "[train][async]") {
+    // Drives the gate the way the server does (FIFO admission, pushes in random order) and
+    // tracks versions independently of the gate's own bookkeeping.
+    for (const std::size_t s : {std::size_t{0}, std::size_t{1}, std::size_t{2}, std::size_t{5}}) {
+        for (const int workers : {1, 2, 3, 7}) {
+            std::mt19937 gen(static_cast<unsigned>(1000 * s + workers));
+            detail::staleness_gate gate(workers, s);
+            std::vector<std::int64_t> pulled(workers, -1); // version each worker computes on
+            std::vector<int> queue;
+            for (int w = 0; w < workers; ++w)
+                queue.push_back(w);
+            std::int64_t version = 0, max_seen = 0;
+            const int steps = 400;
+            int applied = 0;
+            while (applied < steps) {
+                while (!queue.empty() && gate.can_admit(queue.front())) {
+                    gate.admit(queue.front());
+                    pulled[queue.front()] = version;
+                    queue.erase(queue.begin());
+                }
+                std::vector<int> busy;
+                for (int w = 0; w < workers; ++w)
+                    if (pulled[w] >= 0)
+                        busy.push_back(w);
+                REQUIRE(!busy.empty()); // liveness: somebody always computes
+                const int y =
+                    busy[std::uniform_int_distribution<std::size_t>(0, busy.size() - 1)(gen)];
+                const std::int64_t staleness = version - pulled[y];
+                REQUIRE(gate.apply(y) == static_cast<std::uint64_t>(staleness));
+                REQUIRE(staleness <= static_cast<std::int64_t>(s));
+                max_seen = std::max(max_seen, staleness);
+                pulled[y] = -1;
+                ++version;
+                ++applied;
+                queue.push_back(y);
+            }
+            REQUIRE(gate.version() == static_cast<std::uint64_t>(steps));
+            // The bound is tight: with two or more workers, random orders reach it.
+            if (workers >= 2)
+                CHECK(max_seen == static_cast<std::int64_t>(s));
+        }
+    }
+}
+
+TEST_CASE("staleness_gate without a bound admits every worker", "[train][async]") {
+    detail::staleness_gate gate(4, std::numeric_limits<std::size_t>::max());
+    for (int w = 0; w < 4; ++w) {
+        REQUIRE(gate.can_admit(w));
+        gate.admit(w);
+    }
+    REQUIRE(gate.apply(1) == 0);
+    REQUIRE(gate.apply(2) == 1);
+    REQUIRE(gate.apply(3) == 2);
+    REQUIRE(gate.can_admit(1));
+    gate.admit(1);
+    REQUIRE(gate.apply(0) == 3);
+    REQUIRE(gate.apply(1) == 1);
+}
+
+namespace {
+
+/// One recorded apply (server side) or compute (worker side).
+struct event {
+    int rank;
+    std::uint64_t index, version_seen, applied_at;
+};
+
+/// A "counter network" whose parameters witness the server's version independently of the
+/// protocol's labels: every gradient is {1, 0, ...} and the server applies w -= g, so params[0]
+/// == -(gradients applied so far); a worker reads the version it really received from it.
+template <class SyncPolicy>
+struct counter_run {
+    int replicas = 4;
+    std::size_t steps = 60;
+    int slow_rank = 1;
+    std::chrono::milliseconds slow{8}, fast{1};
+
+    std::mutex mu;
+    std::vector<event> computed, applied;
+    staleness_report report;
+    std::vector<std::vector<float>> final_params, final_state;
+
+    void run() {
+        final_params.assign(replicas, {});
+        final_state.assign(replicas, {});
+        thread_group group(replicas, {.timeout = std::chrono::seconds(60)});
+        group.run([&](thread_communicator& comm) {
+            const int r = comm.rank();
+            buffer<float> params(5, comm.system());
+            buffer<float> state(2, comm.system());
+            std::fill(params.begin(), params.end(), r == 0 ? 0.0f : -12345.0f);
+            std::fill(state.begin(), state.end(), 0.0f);
+            auto compute = [&](const work_item& item, std::span<float> g, std::span<float> st) {
+                const auto seen = static_cast<std::uint64_t>(-params[0]);
+                std::this_thread::sleep_for(r == slow_rank ? slow : fast);
+                std::fill(g.begin(), g.end(), 0.0f);
+                g[0] = 1.0f;
+                g[1 + static_cast<std::size_t>(r) % 4] = 1.0f; // which worker contributed
+                st[0] = static_cast<float>(r);
+                st[1] = static_cast<float>(item.index);
+                std::lock_guard lock(mu);
+                computed.push_back({r, item.index, seen, item.version});
+            };
+            auto apply = [&](std::span<const float> g, std::span<const float> st,
+                             const apply_info& info) {
+                for (std::size_t i = 0; i < g.size(); ++i)
+                    params[i] -= g[i];
+                state[0] += 1.0f;
+                state[1] = std::max(state[1], st[1]);
+                // The statistics travel with their own gradient and header.
+                REQUIRE(static_cast<int>(st[0]) == info.worker);
+                REQUIRE(static_cast<std::uint64_t>(st[1]) == info.index);
+                std::lock_guard lock(mu);
+                applied.push_back({info.worker, info.index, info.computed_version, info.version});
+            };
+            auto rep = run_parameter_server<SyncPolicy>(
+                comm, params.span(), state.span(), 2, {.steps = steps, .root = 0}, compute, apply);
+            std::lock_guard lock(mu);
+            if (r == 0)
+                report = rep;
+            final_params[r].assign(params.begin(), params.end());
+            final_state[r].assign(state.begin(), state.end());
+        });
+    }
+
+    /// Checks the bookkeeping against the independent witnesses; returns the max staleness
+    /// computed from the witnesses.
+    std::uint64_t check() {
+        REQUIRE(applied.size() == steps);
+        REQUIRE(computed.size() == steps);
+        REQUIRE(report.applied == steps);
+        std::map<std::uint64_t, event> by_index;
+        for (const event& e : computed) {
+            REQUIRE(e.version_seen == e.applied_at); // the label matches the params received
+            REQUIRE(by_index.emplace(e.index, e).second);
+        }
+        std::uint64_t max_staleness = 0;
+        double sum = 0;
+        std::vector<std::uint64_t> hist;
+        for (std::size_t k = 0; k < applied.size(); ++k) {
+            const event& a = applied[k];
+            REQUIRE(a.applied_at == k); // versions 0, 1, 2, ...: one per apply
+            const event& c = by_index.at(a.index);
+            REQUIRE(c.rank == a.rank);
+            REQUIRE(a.version_seen == c.version_seen);
+            const std::uint64_t st = k - c.version_seen;
+            max_staleness = std::max(max_staleness, st);
+            sum += double(st);
+            if (hist.size() <= st)
+                hist.resize(st + 1, 0);
+            ++hist[st];
+        }
+        CHECK(report.max == max_staleness);
+        CHECK(report.histogram == hist);
+        CHECK(report.mean == Approx(sum / double(steps)).epsilon(1e-12));
+        // Every replica ends with the server's parameters and state.
+        std::vector<float> expected(5, 0.0f);
+        expected[0] = -static_cast<float>(steps);
+        for (const event& a : applied)
+            expected[1 + static_cast<std::size_t>(a.rank) % 4] -= 1.0f;
+        for (int r = 0; r < replicas; ++r) {
+            CHECK(final_params[r] == expected);
+            CHECK(final_state[r] == std::vector<float>{float(steps), float(steps - 1)});
+        }
+        std::uint64_t per_rank_total = 0;
+        for (int r = 1; r < replicas; ++r) {
+            CHECK(report.per_rank[r] ==
+                  std::uint64_t(std::count_if(applied.begin(), applied.end(),
+                                              [&](const event& e) { return e.rank == r; })));
+            per_rank_total += report.per_rank[r];
+        }
+        CHECK(per_rank_total == steps);
+        return max_staleness;
+    }
+};
+
+} // namespace
+
+TEST_CASE("asynchronous parameter server: a slow worker's gradients arrive stale",
+          "[train][async][thread]") {
+    counter_run<sync::asynchronous> run;
+    run.run();
+    const std::uint64_t max_staleness = run.check();
+    // The slow worker sleeps 8x longer than the two fast ones, so ~16 versions pass meanwhile;
+    // without a bound this must exceed 2 (the bound the next test enforces).
+    CHECK(max_staleness > 2);
+    CHECK(run.report.held_back == 0);
+}
+
+TEST_CASE("bounded_staleness<2>: no applied gradient is older than 2 versions",
+          "[train][async][thread]") {
+    counter_run<sync::bounded_staleness<2>> run;
+    run.run();
+    const std::uint64_t max_staleness = run.check();
+    CHECK(max_staleness <= 2);
+    CHECK(run.report.max <= 2);
+    CHECK(run.report.held_back > 0); // the fast workers did have to wait
+}
+
+TEST_CASE("bounded_staleness<0> serializes the workers (staleness 0 everywhere)",
+          "[train][async][thread]") {
+    counter_run<sync::bounded_staleness<0>> run;
+    run.steps = 20;
+    run.run();
+    CHECK(run.check() == 0);
+}
+
+TEST_CASE("bounded_staleness<1> with more workers than the bound allows at once",
+          "[train][async][thread]") {
+    counter_run<sync::bounded_staleness<1>> run;
+    run.replicas = 5;
+    run.steps = 40;
+    run.run();
+    CHECK(run.check() <= 1);
+}
+
+TEST_CASE("parameter server with one worker and a server on a non-zero root",
+          "[train][async][thread]") {
+    std::vector<float> result(2, 0.0f);
+    thread_group group(2, {.timeout = std::chrono::seconds(30)});
+    group.run([&](thread_communicator& comm) {
+        buffer<float> params(3, comm.system());
+        std::fill(params.begin(), params.end(), comm.rank() == 1 ? 1.0f : 0.0f);
+        std::uint64_t last_version = 0;
+        auto rep = run_parameter_server<sync::asynchronous>(
+            comm, params.span(), {}, 0, {.steps = 7, .root = 1},
+            [&](const work_item& item, std::span<float> g, std::span<float>) {
+                last_version = item.version;
+                for (std::size_t i = 0; i < g.size(); ++i)
+                    g[i] = params[i];
+            },
+            [&](std::span<const float> g, std::span<const float>, const apply_info& info) {
+                REQUIRE(info.staleness == 0); // one worker: never stale
+                for (std::size_t i = 0; i < g.size(); ++i)
+                    params[i] -= 0.5f * g[i];
+            });
+        if (comm.rank() == 1) {
+            CHECK(rep.applied == 7);
+            CHECK(rep.max == 0);
+        } else {
+            CHECK(last_version == 6);
+            CHECK(rep.per_rank[0] == 7);
+        }
+        result[comm.rank()] = params[2];
+    });
+    CHECK(result[0] == 1.0f / 128.0f); // (1/2)^7, exact in float
+    CHECK(result[1] == 1.0f / 128.0f);
+}
+
+TEST_CASE("a failing worker stops the run on every replica without a hang",
+          "[train][async][thread]") {
+    std::mutex mu;
+    std::map<int, std::string> errors;
+    thread_group group(4, {.timeout = std::chrono::seconds(30)});
+    try {
+        group.run([&](thread_communicator& comm) {
+            buffer<float> params(4, comm.system());
+            std::fill(params.begin(), params.end(), 0.0f);
+            int my_items = 0;
+            try {
+                run_parameter_server<sync::bounded_staleness<3>>(
+                    comm, params.span(), {}, 0, {.steps = 1000},
+                    [&](const work_item&, std::span<float> g, std::span<float>) {
+                        if (comm.rank() == 2 && ++my_items == 3)
+                            fail(errc::invalid_argument, comm.rank(), "test.compute",
+                                 "injected failure");
+                        std::fill(g.begin(), g.end(), 1.0f);
+                    },
+                    [&](std::span<const float>, std::span<const float>, const apply_info&) {});
+            } catch (const error& e) {
+                std::lock_guard lock(mu);
+                errors[comm.rank()] = e.what();
+                throw;
+            }
+        });
+        FAIL("the group finished although a worker failed");
+    } catch (const error&) {
+    }
+    REQUIRE(errors.size() == 4);
+    CHECK(errors[2].find("injected failure") != std::string::npos);
+    CHECK(errors[0].find("peer_failure") != std::string::npos);
+    INFO(errors[0]);
+    // The server names the worker itself, or passes on the thread group's report of it.
+    CHECK((errors[0].find("worker 2") != std::string::npos ||
+           errors[0].find("injected failure") != std::string::npos));
+    for (int r : {1, 3})
+        CHECK(errors[r].find("peer_failure") != std::string::npos);
+}
+
+TEST_CASE("a failing server update aborts every worker", "[train][async][thread]") {
+    std::mutex mu;
+    std::map<int, std::string> errors;
+    thread_group group(3, {.timeout = std::chrono::seconds(30)});
+    try {
+        group.run([&](thread_communicator& comm) {
+            buffer<float> params(2, comm.system());
+            std::fill(params.begin(), params.end(), 0.0f);
+            try {
+                run_parameter_server<sync::asynchronous>(
+                    comm, params.span(), {}, 0, {.steps = 100},
+                    [&](const work_item&, std::span<float> g, std::span<float>) {
+                        std::fill(g.begin(), g.end(), 1.0f);
+                    },
+                    [&](std::span<const float>, std::span<const float>, const apply_info& i) {
+                        if (i.version == 5)
+                            fail(errc::non_finite, comm.rank(), "test.apply", "injected");
+                    });
+            } catch (const error& e) {
+                std::lock_guard lock(mu);
+                errors[comm.rank()] = e.what();
+                throw;
+            }
+        });
+        FAIL("the group finished although the server failed");
+    } catch (const error&) {
+    }
+    REQUIRE(errors.size() == 3);
+    CHECK(errors[0].find("injected") != std::string::npos);
+    CHECK(errors[1].find("peer_failure") != std::string::npos);
+    CHECK(errors[2].find("peer_failure") != std::string::npos);
+}
+
+TEST_CASE("replicas that disagree on the parameter count fail on every replica",
+          "[train][async][thread]") {
+    std::atomic<int> mismatches{0};
+    thread_group group(3, {.timeout = std::chrono::seconds(30)});
+    try {
+        group.run([&](thread_communicator& comm) {
+            buffer<float> params(comm.rank() == 2 ? 5 : 4, comm.system());
+            try {
+                run_parameter_server<sync::asynchronous>(
+                    comm, params.span(), {}, 0, {.steps = 3},
+                    [](const work_item&, std::span<float>, std::span<float>) {},
+                    [](std::span<const float>, std::span<const float>, const apply_info&) {});
+            } catch (const error& e) {
+                if (e.code() == errc::count_mismatch)
+                    ++mismatches;
+                throw;
+            }
+        });
+    } catch (const error&) {
+    }
+    CHECK(mismatches == 3);
+}
+
+TEST_CASE("a single replica cannot run a parameter server", "[train][async][thread]") {
+    thread_group group(1);
+    REQUIRE_THROWS_AS(group.run([&](thread_communicator& comm) {
+        buffer<float> params(2, comm.system());
+        run_parameter_server<sync::asynchronous>(
+            comm, params.span(), {}, 0, {.steps = 3},
+            [](const work_item&, std::span<float>, std::span<float>) {},
+            [](std::span<const float>, std::span<const float>, const apply_info&) {});
+    }),
+                      error);
+}
