@@ -108,7 +108,10 @@ void copy(std::span<const T> src, const SrcSystem& src_sys, std::span<T> dst,
           const DstSystem& dst_sys) {
     LOCKSTEP_REQUIRE(src.size() == dst.size(), errc::shape_mismatch, -1, "copy",
                      "source has ", src.size(), " elements, destination ", dst.size());
-    detail::copy_bytes(dst.data(), dst_sys, src.data(), src_sys, src.size_bytes());
+    // Unqualified so that argument-dependent lookup at instantiation also finds the copies
+    // other systems declare (cuda_system's hidden friends), whatever the include order.
+    using detail::copy_bytes;
+    copy_bytes(dst.data(), dst_sys, src.data(), src_sys, src.size_bytes());
 }
 
 /// Copies one buffer into another of the same size, across systems.

@@ -1,0 +1,583 @@
+// lockstep/comm/nccl_communicator.hpp: nccl_communicator, the communicator of GPU replicas
+// (NCCL collectives enqueued on each replica's stream). SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/config.hpp"
+#include "lockstep/core/error.hpp"
+
+// NCCL needs the CUDA system, hence nvcc; elsewhere this header declares nothing.
+#if LOCKSTEP_HAS_NCCL
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/detail/nccl_types.hpp"
+#include "lockstep/system/cuda_system.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <nccl.h>
+#if LOCKSTEP_HAS_MPI
+#include <mpi.h>
+#endif
+
+namespace lockstep {
+
+/// Runtime options of an nccl_communicator.
+struct nccl_options {
+    /// How long synchronize() and barrier() wait for the replica's stream before they abort the
+    /// communicator and throw errc::timeout; zero waits forever.
+    std::chrono::milliseconds timeout = std::chrono::minutes(10);
+};
+
+namespace detail {
+/// What the communicators one process creates together (init_all, and their splits) share: the
+/// first replica that failed, so that the others stop waiting and fail too.
+struct nccl_clique {
+    std::atomic<int> failed_rank{-1};
+};
+} // namespace detail
+
+/// A communicator of GPU replicas over NCCL; models lockstep::communicator with
+/// system_type = cuda_system (spans are device memory of device()).
+///
+/// Creation:
+/// - one process, several GPUs: `auto comms = nccl_communicator::init_all(devices);` gives one
+///   communicator per device (rank i drives devices[i]), each with its own stream.
+/// - one process per GPU under MPI: `nccl_communicator comm(MPI_COMM_WORLD, device);`
+///   (the NCCL unique id travels by MPI_Bcast).
+/// - any other bootstrap: the (ncclUniqueId, size, rank, device) constructor.
+///
+/// Driving the replicas: collectives only ENQUEUE work on the replica's stream (system()) and
+/// return; NCCL completes them when every replica has enqueued its part. The supported pattern
+/// is one host thread per replica (std::thread or a thread pool), each calling the collectives
+/// of its own communicator in the same order as the others. One thread may drive several
+/// replicas only inside an nccl_group (ncclGroupStart/End), because a blocking call (barrier,
+/// synchronize, split) on one replica waits for the others.
+///
+/// Failures never leave peers hanging: a replica whose call fails aborts its communicator
+/// (ncclCommAbort) and marks its clique failed; peers created in the same process (init_all and
+/// splits of those) see the mark in their next call or while they wait in synchronize() or
+/// barrier(), abort too and throw errc::peer_failure. Across processes, synchronize() polls
+/// ncclCommGetAsyncError (NCCL reports a vanished peer as ncclRemoteError) and gives up after
+/// nccl_options::timeout. NCCL itself cannot check that replicas pass equal counts: unequal
+/// counts are undefined behaviour in NCCL (usually a hang until the timeout).
+///
+/// Not provided: an any-source receive (NCCL has none), so nccl_communicator does NOT model
+/// point_to_point_communicator and asynchronous (parameter server) training cannot use it.
+/// send/recv between two known ranks exist. A communicator is used by one thread at a time.
+class nccl_communicator {
+    struct adopt_tag {};
+
+public:
+    using system_type = cuda_system;
+
+    /// One communicator per device of `devices` (ncclCommInitAll), rank i on devices[i], each
+    /// with its own non-blocking stream. requires: devices non-empty, distinct, each in
+    /// [0, cuda_device_count()).
+    static std::vector<nccl_communicator> init_all(std::span<const int> devices,
+                                                   nccl_options options = {}) {
+        const int n = static_cast<int>(devices.size());
+        LOCKSTEP_REQUIRE(n > 0, errc::invalid_argument, -1, "nccl_communicator.init_all",
+                         "no devices given");
+        const int available = cuda_device_count();
+        for (int i = 0; i < n; ++i) {
+            LOCKSTEP_REQUIRE(devices[i] >= 0 && devices[i] < available, errc::invalid_argument, i,
+                             "nccl_communicator.init_all", "device ", devices[i],
+                             " does not exist (", available, " CUDA devices)");
+            for (int j = 0; j < i; ++j)
+                LOCKSTEP_REQUIRE(devices[j] != devices[i], errc::invalid_argument, i,
+                                 "nccl_communicator.init_all", "device ", devices[i],
+                                 " given twice (ranks ", j, " and ", i,
+                                 "); NCCL needs one device per rank");
+        }
+        std::vector<ncclComm_t> raw(devices.size(), nullptr);
+        LOCKSTEP_NCCL_CHECK(ncclCommInitAll(raw.data(), n, devices.data()));
+        auto clique = std::make_shared<detail::nccl_clique>();
+        std::vector<nccl_communicator> comms;
+        comms.reserve(devices.size());
+        std::size_t adopted = 0;
+        try {
+            for (; adopted < raw.size(); ++adopted)
+                comms.push_back(nccl_communicator(adopt_tag{}, raw[adopted], devices[adopted],
+                                                  clique, options));
+        } catch (...) {
+            // The adopting constructor destroyed raw[adopted]; the rest are not owned yet.
+            for (std::size_t k = adopted + 1; k < raw.size(); ++k)
+                (void)ncclCommAbort(raw[k]);
+            for (auto& c : comms)
+                c.abort();
+            throw;
+        }
+        return comms;
+    }
+
+    /// Joins communicator `id` as `rank` of `size`, driving `device` (ncclCommInitRank; blocks
+    /// until all `size` ranks have joined). requires: 0 <= rank < size, the same id on every
+    /// rank, device in [0, cuda_device_count()).
+    nccl_communicator(const ncclUniqueId& id, int size, int rank, int device,
+                      nccl_options options = {})
+        : nccl_communicator(adopt_tag{}, init_rank(id, size, rank, device), device,
+                            std::make_shared<detail::nccl_clique>(), options) {}
+
+#if LOCKSTEP_HAS_MPI
+    /// One process per GPU: every process of `comm` calls this collectively with its own
+    /// device (see local_device()). Rank and size are those of `comm`; rank 0 creates the NCCL
+    /// id and broadcasts it. A process whose device is unusable makes EVERY process throw
+    /// (the check is agreed with MPI_Allreduce before NCCL is entered, so nobody hangs).
+    nccl_communicator(MPI_Comm comm, int device, nccl_options options = {})
+        : nccl_communicator(adopt_tag{}, init_mpi(comm, device), device,
+                            std::make_shared<detail::nccl_clique>(), options) {}
+
+    /// The device this process should drive: its rank among the processes of `comm` on the
+    /// same node, modulo the node's device count. requires: a CUDA device exists.
+    static int local_device(MPI_Comm comm) {
+        MPI_Comm node = MPI_COMM_NULL;
+        LOCKSTEP_MPI_CHECK(
+            MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+        int local_rank = 0;
+        const int rc = MPI_Comm_rank(node, &local_rank);
+        MPI_Comm_free(&node);
+        LOCKSTEP_MPI_CHECK(rc);
+        const int devices = cuda_device_count();
+        LOCKSTEP_REQUIRE(devices > 0, errc::cuda, local_rank, "nccl_communicator.local_device",
+                         "no CUDA device on this node");
+        return local_rank % devices;
+    }
+#endif
+
+    nccl_communicator(const nccl_communicator&) = delete;
+    nccl_communicator& operator=(const nccl_communicator&) = delete;
+    nccl_communicator(nccl_communicator&& o) noexcept
+        : stream_(std::move(o.stream_)), comm_(std::exchange(o.comm_, nullptr)),
+          scratch_(std::exchange(o.scratch_, nullptr)), clique_(std::move(o.clique_)),
+          options_(o.options_), device_(o.device_), rank_(o.rank_), size_(o.size_),
+          sequence_(o.sequence_), aborted_(o.aborted_) {}
+    nccl_communicator& operator=(nccl_communicator&& o) noexcept {
+        if (this != &o) {
+            release();
+            stream_ = std::move(o.stream_);
+            comm_ = std::exchange(o.comm_, nullptr);
+            scratch_ = std::exchange(o.scratch_, nullptr);
+            clique_ = std::move(o.clique_);
+            options_ = o.options_;
+            device_ = o.device_;
+            rank_ = o.rank_;
+            size_ = o.size_;
+            sequence_ = o.sequence_;
+            aborted_ = o.aborted_;
+        }
+        return *this;
+    }
+    /// Destroys the NCCL communicator (aborts it when a replica of the clique failed, so the
+    /// destructor never waits for a peer that will not come).
+    ~nccl_communicator() {
+        release();
+    }
+
+    /// This replica's rank in [0, size()).
+    int rank() const noexcept {
+        return rank_;
+    }
+    /// The number of replicas.
+    int size() const noexcept {
+        return size_;
+    }
+    /// The CUDA device this replica drives.
+    int device() const noexcept {
+        return device_;
+    }
+    /// The replica's system: device() and the communicator's own stream.
+    cuda_system system() const noexcept {
+        return stream_.system();
+    }
+    /// The NCCL handle (null once aborted or moved from).
+    ncclComm_t native_handle() const noexcept {
+        return comm_;
+    }
+    /// True once this communicator was aborted (after a failure); every later call throws.
+    bool aborted() const noexcept {
+        return aborted_;
+    }
+
+    /// recv[i] = op over replicas of send[i] (ncclAllReduce); send may equal recv (in place).
+    /// requires: send.size() == recv.size(), equal on every replica.
+    template <nccl_element T>
+    void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                    reduce_op op) {
+        const std::string name = next_operation("all_reduce");
+        require(send.size() == recv.size(), errc::shape_mismatch, name, "send has ", send.size(),
+                " elements, recv ", recv.size());
+        if (recv.empty())
+            return;
+        enqueue(name, [&] {
+            return ncclAllReduce(send.data(), recv.data(), recv.size(), detail::nccl_data_type<T>(),
+                                 detail::nccl_reduce_op(op), comm_, stream_.get());
+        });
+    }
+
+    /// data on every replica becomes root's data (ncclBroadcast, in place).
+    /// requires: 0 <= root < size(); data.size() equal on every replica.
+    template <nccl_element T>
+    void broadcast(std::span<T> data, int root) {
+        const std::string name = next_operation("broadcast");
+        require(root >= 0 && root < size_, errc::invalid_argument, name, "root ", root,
+                " is not a rank of ", size_, " replicas");
+        if (data.empty())
+            return;
+        enqueue(name, [&] {
+            return ncclBroadcast(data.data(), data.data(), data.size(), detail::nccl_data_type<T>(),
+                                 root, comm_, stream_.get());
+        });
+    }
+
+    /// recv = every replica's send concatenated in rank order (ncclAllGather).
+    /// requires: recv.size() == size() * send.size(); send.size() equal on every replica.
+    template <nccl_element T>
+    void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
+        const std::string name = next_operation("all_gather");
+        require(recv.size() == send.size() * static_cast<std::size_t>(size_), errc::shape_mismatch,
+                name, "recv has ", recv.size(), " elements, expected ", size_, " x ", send.size());
+        if (send.empty())
+            return;
+        enqueue(name, [&] {
+            return ncclAllGather(send.data(), recv.data(), send.size(), detail::nccl_data_type<T>(),
+                                 comm_, stream_.get());
+        });
+    }
+
+    /// As all_reduce, but only root's recv is written (ncclReduce); on other replicas recv may
+    /// be empty. requires: 0 <= root < size(); on root recv.size() == send.size().
+    template <nccl_element T>
+    void reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                int root) {
+        const std::string name = next_operation("reduce");
+        require(root >= 0 && root < size_, errc::invalid_argument, name, "root ", root,
+                " is not a rank of ", size_, " replicas");
+        require(rank_ != root || recv.size() == send.size(), errc::shape_mismatch, name,
+                "send has ", send.size(), " elements, root's recv ", recv.size());
+        if (send.empty())
+            return;
+        enqueue(name, [&] {
+            return ncclReduce(send.data(), recv.empty() ? nullptr : recv.data(), send.size(),
+                              detail::nccl_data_type<T>(), detail::nccl_reduce_op(op), root, comm_,
+                              stream_.get());
+        });
+    }
+
+    /// Returns once every replica has entered the barrier: a one-element all-reduce on the
+    /// replica's stream, then synchronize() (so it also waits for this replica's earlier work
+    /// on the stream, and throws on a failure, a failed peer or the timeout).
+    void barrier() {
+        const std::string name = next_operation("barrier");
+        enqueue(name, [&] {
+            return ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream_.get());
+        });
+        wait(name);
+    }
+
+    /// The sub-group of replicas passing the same color, ranked by (key, rank), as a new
+    /// communicator on the same device with its own stream (ncclCommSplit; collective over this
+    /// communicator, blocks until all replicas have called it). requires: color >= 0.
+    nccl_communicator split(int color, int key) {
+        const std::string name = next_operation("split");
+        check_usable(name);
+        ncclComm_t child = nullptr;
+        ncclResult_t r = ncclSuccess;
+        {
+            cuda_device_guard guard(device_);
+            // A negative color still takes part (as "no group"), so the peers do not wait.
+            r = ncclCommSplit(comm_, color >= 0 ? color : NCCL_SPLIT_NOCOLOR, key, &child, nullptr);
+        }
+        if (r != ncclSuccess)
+            fail_and_abort(errc::nccl, name, describe(r));
+        if (color < 0) {
+            if (child != nullptr)
+                (void)ncclCommDestroy(child);
+            fail_and_abort(errc::invalid_argument, name, "color ", color, " is negative");
+        }
+        return nccl_communicator(adopt_tag{}, child, device_, clique_, options_);
+    }
+
+    /// Sends data to replica `peer` (ncclSend); matched in order with peer's recv(data, rank()).
+    /// NCCL has no tags and no any-source receive. requires: 0 <= peer < size(), peer != rank().
+    template <class T>
+    requires nccl_element<std::remove_const_t<T>>
+    void send(std::span<T> data, int peer) {
+        const std::string name = next_operation("send");
+        check_peer(name, peer);
+        if (data.empty())
+            return;
+        enqueue(name, [&] {
+            return ncclSend(data.data(), data.size(),
+                            detail::nccl_data_type<std::remove_const_t<T>>(), peer, comm_,
+                            stream_.get());
+        });
+    }
+    /// Receives data from replica `peer` (ncclRecv). requires: as send().
+    template <nccl_element T>
+    void recv(std::span<T> data, int peer) {
+        const std::string name = next_operation("recv");
+        check_peer(name, peer);
+        if (data.empty())
+            return;
+        enqueue(name, [&] {
+            return ncclRecv(data.data(), data.size(), detail::nccl_data_type<T>(), peer, comm_,
+                            stream_.get());
+        });
+    }
+
+    /// Waits until the replica's stream is idle, polling NCCL's asynchronous errors and the
+    /// clique's failure mark; aborts the communicator and throws on an error, a failed peer or
+    /// after nccl_options::timeout. Prefer it over system().synchronize() while collectives
+    /// are in flight (a stream waiting for a dead peer never becomes idle).
+    void synchronize() {
+        wait("synchronize");
+    }
+
+    /// Throws (after aborting) if NCCL reported an asynchronous error or a peer failed; cheap
+    /// enough to call every step.
+    void check_async_error() {
+        check_usable("check_async_error");
+    }
+
+    /// Aborts the NCCL communicator (ncclCommAbort: uncompleted operations are stopped) and
+    /// marks the clique failed. Every later call throws. Idempotent.
+    void abort() noexcept {
+        if (clique_) {
+            int none = -1;
+            clique_->failed_rank.compare_exchange_strong(none, rank_);
+        }
+        if (comm_ != nullptr && !aborted_) {
+            cuda_device_guard_noexcept guard(device_);
+            (void)ncclCommAbort(comm_);
+            comm_ = nullptr;
+        }
+        aborted_ = true;
+    }
+
+private:
+    /// Restores the current device without throwing (for noexcept paths).
+    struct cuda_device_guard_noexcept {
+        explicit cuda_device_guard_noexcept(int device) {
+            switched_ = cudaGetDevice(&previous_) == cudaSuccess && previous_ != device &&
+                        cudaSetDevice(device) == cudaSuccess;
+        }
+        ~cuda_device_guard_noexcept() {
+            if (switched_)
+                (void)cudaSetDevice(previous_);
+        }
+        int previous_ = 0;
+        bool switched_ = false;
+    };
+
+    /// Takes ownership of `comm` (aborts it if anything here throws; scratch_ is allocated
+    /// last, so nothing else needs freeing then).
+    nccl_communicator(adopt_tag, ncclComm_t comm, int device,
+                      std::shared_ptr<detail::nccl_clique> clique, nccl_options options) try
+        : stream_(device), comm_(comm), clique_(std::move(clique)), options_(options),
+          device_(device) {
+        cuda_device_guard guard(device_);
+        LOCKSTEP_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
+        LOCKSTEP_NCCL_CHECK(ncclCommCount(comm_, &size_));
+        LOCKSTEP_CUDA_CHECK(cudaMalloc(&scratch_, sizeof(int)));
+    } catch (...) {
+        if (comm != nullptr) {
+            cuda_device_guard_noexcept guard(device);
+            (void)ncclCommAbort(comm);
+        }
+    }
+
+    static ncclComm_t init_rank(const ncclUniqueId& id, int size, int rank, int device) {
+        LOCKSTEP_REQUIRE(size > 0 && rank >= 0 && rank < size, errc::invalid_argument, rank,
+                         "nccl_communicator", "rank ", rank, " of ", size, " replicas");
+        const int available = cuda_device_count();
+        LOCKSTEP_REQUIRE(device >= 0 && device < available, errc::invalid_argument, rank,
+                         "nccl_communicator", "device ", device, " does not exist (", available,
+                         " CUDA devices)");
+        cuda_device_guard guard(device);
+        ncclComm_t comm = nullptr;
+        LOCKSTEP_NCCL_CHECK(ncclCommInitRank(&comm, size, id, rank));
+        return comm;
+    }
+
+#if LOCKSTEP_HAS_MPI
+    static ncclComm_t init_mpi(MPI_Comm comm, int device) {
+        int rank = 0, size = 0;
+        LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &rank));
+        LOCKSTEP_MPI_CHECK(MPI_Comm_size(comm, &size));
+        // Every process checks what would otherwise fail inside NCCL on one rank only, and all
+        // agree before anyone enters ncclCommInitRank.
+        ncclUniqueId id{};
+        const int available = cuda_device_count();
+        int ok = device >= 0 && device < available ? 1 : 0;
+        if (ok && rank == 0)
+            ok = ncclGetUniqueId(&id) == ncclSuccess ? 1 : 0;
+        int all_ok = 0;
+        LOCKSTEP_MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm));
+        LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank, "nccl_communicator(MPI_Comm)", "device ",
+                         device, " is not usable (", available,
+                         " CUDA devices) or the NCCL id could not be created");
+        LOCKSTEP_REQUIRE(all_ok, errc::peer_failure, rank, "nccl_communicator(MPI_Comm)",
+                         "another process has no usable CUDA device or NCCL id");
+        LOCKSTEP_MPI_CHECK(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm));
+        return init_rank(id, size, rank, device);
+    }
+#endif
+
+    std::string next_operation(const char* op) {
+        return std::string(op) + " #" + std::to_string(sequence_++);
+    }
+
+    static std::string describe(ncclResult_t r) {
+        return std::string(ncclGetErrorString(r)) + " (ncclResult_t " +
+               std::to_string(static_cast<int>(r)) + ")";
+    }
+
+    /// Aborts, marks the clique failed and throws `code` naming this replica and `op`.
+    template <class... Args>
+    [[noreturn]] void fail_and_abort(errc code, const std::string& op, Args&&... details) {
+        abort();
+        fail(code, rank_, op, std::forward<Args>(details)...);
+    }
+
+    template <class... Args>
+    void require(bool cond, errc code, const std::string& op, Args&&... details) {
+        if (!cond)
+            fail_and_abort(code, op, std::forward<Args>(details)...);
+    }
+
+    void check_peer(const std::string& op, int peer) {
+        require(peer >= 0 && peer < size_ && peer != rank_, errc::invalid_argument, op, "peer ",
+                peer, " is not another rank of ", size_, " replicas");
+    }
+
+    /// Throws if this communicator was aborted, a peer of the clique failed, or NCCL holds an
+    /// asynchronous error.
+    void check_usable(const std::string& op) {
+        if (aborted_ || comm_ == nullptr)
+            fail(errc::communication, rank_, op, "the communicator was aborted after a failure");
+        const int failed = clique_ ? clique_->failed_rank.load() : -1;
+        if (failed >= 0 && failed != rank_)
+            fail_and_abort(errc::peer_failure, op, "replica ", failed,
+                           " failed; this replica's communicator was aborted");
+        ncclResult_t async = ncclSuccess;
+        const ncclResult_t r = ncclCommGetAsyncError(comm_, &async);
+        if (r != ncclSuccess)
+            fail_and_abort(errc::nccl, op, "ncclCommGetAsyncError: ", describe(r));
+        if (async != ncclSuccess && async != ncclInProgress)
+            fail_and_abort(async == ncclRemoteError ? errc::peer_failure : errc::nccl, op,
+                           "asynchronous NCCL error ", describe(async), ": ",
+                           ncclGetLastError(comm_));
+    }
+
+    /// Makes the enqueueing NCCL call `call()` on this replica's device once check_usable()
+    /// passed, and checks its result.
+    template <class Call>
+    void enqueue(const std::string& op, Call call) {
+        check_usable(op);
+        ncclResult_t r = ncclSuccess;
+        {
+            cuda_device_guard guard(device_);
+            r = call();
+        }
+        if (r != ncclSuccess && r != ncclInProgress)
+            fail_and_abort(errc::nccl, op, describe(r), ": ", ncclGetLastError(comm_));
+    }
+
+    /// Polls the stream until idle (see synchronize()).
+    void wait(const std::string& op) {
+        using clock = std::chrono::steady_clock;
+        const auto start = clock::now();
+        cuda_device_guard guard(device_);
+        for (;;) {
+            check_usable(op);
+            const cudaError_t e = cudaStreamQuery(stream_.get());
+            if (e == cudaSuccess)
+                return;
+            if (e != cudaErrorNotReady)
+                fail_and_abort(errc::cuda, op, "cudaStreamQuery: ", cudaGetErrorName(e), " (",
+                               cudaGetErrorString(e), ")");
+            const auto waited = clock::now() - start;
+            if (options_.timeout.count() > 0 && waited > options_.timeout)
+                fail_and_abort(errc::timeout, op, "the stream did not finish within ",
+                               options_.timeout.count(),
+                               " ms (a peer is missing or mismatched); communicator aborted");
+            // Short collectives finish within microseconds; back off for long ones.
+            if (waited < std::chrono::milliseconds(1))
+                std::this_thread::yield();
+            else
+                std::this_thread::sleep_for(std::chrono::microseconds(100));
+        }
+    }
+
+    void release() noexcept {
+        if (scratch_ != nullptr) {
+            cuda_device_guard_noexcept guard(device_);
+            (void)cudaFree(scratch_);
+            scratch_ = nullptr;
+        }
+        if (comm_ != nullptr) {
+            cuda_device_guard_noexcept guard(device_);
+            const bool peer_failed = clique_ && clique_->failed_rank.load() >= 0;
+            if (peer_failed || aborted_)
+                (void)ncclCommAbort(comm_);
+            else
+                (void)ncclCommDestroy(comm_);
+            comm_ = nullptr;
+        }
+    }
+
+    cuda_stream stream_;        // owned; declared first so it is destroyed last
+    ncclComm_t comm_ = nullptr; // owned
+    int* scratch_ = nullptr;    // one device int for barrier()
+    std::shared_ptr<detail::nccl_clique> clique_;
+    nccl_options options_{};
+    int device_ = 0;
+    int rank_ = 0;
+    int size_ = 0;
+    long long sequence_ = 0;
+    bool aborted_ = false;
+};
+
+static_assert(communicator<nccl_communicator>,
+              "nccl_communicator must model lockstep::communicator.");
+static_assert(!point_to_point_communicator<nccl_communicator>,
+              "nccl_communicator must not claim point_to_point_communicator: NCCL has no "
+              "any-source receive, which asynchronous training needs.");
+
+/// Groups NCCL calls so that one host thread can drive several replicas (ncclGroupStart on
+/// construction, ncclGroupEnd in end() or the destructor): e.g.
+/// `{ nccl_group g; for (auto& c : comms) c.all_reduce(...); g.end(); }`.
+class nccl_group {
+public:
+    nccl_group() { LOCKSTEP_NCCL_CHECK(ncclGroupStart()); }
+    nccl_group(const nccl_group&) = delete;
+    nccl_group& operator=(const nccl_group&) = delete;
+    /// Ends the group; errors of the grouped calls are thrown here.
+    void end() {
+        if (!open_)
+            return;
+        open_ = false;
+        LOCKSTEP_NCCL_CHECK(ncclGroupEnd());
+    }
+    /// Ends the group if end() was not called (errors are then lost: call end()).
+    ~nccl_group() {
+        if (open_)
+            (void)ncclGroupEnd();
+    }
+
+private:
+    bool open_ = true;
+};
+
+} // namespace lockstep
+
+#endif // LOCKSTEP_HAS_NCCL
