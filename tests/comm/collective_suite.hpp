@@ -1,0 +1,516 @@
+// tests/comm/collective_suite.hpp: the backend-agnostic collective test body (every collective,
+// type, reduction and count against a serial reference). SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Called inside every replica (a thread or a process). Catch2 assertions are not thread-safe,
+// so the suite records failures in a suite_report; the test REQUIREs on the reports after the
+// replicas have finished (thread_group) or per process (MPI).
+//
+// Inputs differ per rank: element i of rank r is input_value<T>(r, i), a hash of (r, i). Each
+// replica computes the reference for all ranks itself, from size() alone. Reference sums are
+// formed in rank order 0, 1, ..., size()-1 in T arithmetic; a backend that reduces in rank
+// order (thread_group) must match them bit for bit (suite_options::rank_order_sums), any other
+// backend within the recursive-summation bound stated at reduction_matches(). Integer results
+// and max/min are exact on every backend. Every result is also hashed and the hashes compared
+// across replicas: results must be bitwise identical on every replica.
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/system/buffer.hpp"
+#include "lockstep/system/host_system.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <span>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace lockstep::testing {
+
+/// What a backend promises about its reductions, and how big "large" is.
+struct suite_options {
+    /// true: float/double sums equal the rank-order reference bit for bit.
+    bool rank_order_sums = true;
+    /// The large count of all_reduce (not a multiple of any chunk or line size).
+    std::size_t large_count = (std::size_t{1} << 20) + 3;
+    /// The largest count of the other collectives.
+    std::size_t medium_count = 65537;
+};
+
+/// The checks one replica made and the ones that failed (at most max_failures kept).
+struct suite_report {
+    int rank = -1;
+    int size = 0;
+    std::size_t checks = 0;
+    std::size_t failed = 0;
+    std::vector<std::string> failures;
+    static constexpr std::size_t max_failures = 40;
+
+    /// Counts one check; keeps `what` when it failed.
+    void check(bool ok, const std::string& what) {
+        ++checks;
+        if (ok)
+            return;
+        ++failed;
+        if (failures.size() < max_failures)
+            failures.push_back("[rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                               "] " + what);
+    }
+    /// Appends another report's checks (a sub-group's) to this one.
+    void merge(const suite_report& o) {
+        checks += o.checks;
+        failed += o.failed;
+        for (const auto& f : o.failures)
+            if (failures.size() < max_failures)
+                failures.push_back(f);
+    }
+    /// All failures, one per line.
+    std::string text() const {
+        std::string s;
+        for (const auto& f : failures)
+            s += f + "\n";
+        if (failed > failures.size())
+            s += "... and " + std::to_string(failed - failures.size()) + " more\n";
+        return s;
+    }
+};
+
+namespace detail {
+
+inline std::uint64_t splitmix64(std::uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+template <class T>
+std::string type_name() {
+    if constexpr (std::is_same_v<T, float>)
+        return "float";
+    else if constexpr (std::is_same_v<T, double>)
+        return "double";
+    else if constexpr (std::is_same_v<T, int>)
+        return "int";
+    else if constexpr (std::is_same_v<T, std::int64_t>)
+        return "int64";
+    else if constexpr (std::is_same_v<T, std::uint8_t>)
+        return "uint8";
+    else
+        return "T" + std::to_string(sizeof(T));
+}
+
+template <class T>
+std::string show(T v) {
+    std::ostringstream os;
+    os.precision(std::numeric_limits<T>::max_digits10);
+    if constexpr (sizeof(T) == 1)
+        os << static_cast<int>(v);
+    else
+        os << v;
+    return os.str();
+}
+
+template <class T>
+bool same_bits(T a, T b) {
+    return std::memcmp(&a, &b, sizeof(T)) == 0;
+}
+
+/// FNV-1a over the bytes of v.
+template <class T>
+std::uint64_t hash_bytes(const std::vector<T>& v) {
+    std::uint64_t h = 0xcbf29ce484222325ull;
+    const auto* p = reinterpret_cast<const unsigned char*>(v.data());
+    for (std::size_t i = 0; i < v.size() * sizeof(T); ++i)
+        h = (h ^ p[i]) * 0x100000001b3ull;
+    return h;
+}
+
+template <class C, class T>
+concept carries = requires(C& c, std::span<const T> s, std::span<T> r) {
+    c.all_reduce(s, r, reduce_op::sum);
+    c.broadcast(r, 0);
+    c.all_gather(s, r);
+};
+
+} // namespace detail
+
+/// Element i of rank r's input: differs per rank and per element; floats use their whole
+/// mantissa (so the summation order shows in the bits); integer sums cannot overflow.
+template <class T>
+T input_value(int rank, std::size_t i) {
+    const std::uint64_t h = detail::splitmix64((static_cast<std::uint64_t>(rank) << 40) ^
+                                               static_cast<std::uint64_t>(i));
+    if constexpr (std::is_floating_point_v<T>)
+        return static_cast<T>(static_cast<double>(h >> 11) * 0x1.0p-52 - 1.0);
+    else if constexpr (std::is_same_v<T, std::uint8_t>)
+        return static_cast<T>(h & 0xff);
+    else if constexpr (sizeof(T) >= 8)
+        return static_cast<T>(h % (std::uint64_t{1} << 41)) - (T{1} << 40);
+    else
+        return static_cast<T>(static_cast<int>(h % 2001) - 1000);
+}
+
+/// op over ranks 0..n-1 of input_value(r, i), in rank order, in T arithmetic.
+template <class T>
+T reference_reduce(int n, std::size_t i, reduce_op op) {
+    T acc = input_value<T>(0, i);
+    for (int r = 1; r < n; ++r) {
+        const T v = input_value<T>(r, i);
+        switch (op) {
+        case reduce_op::sum:
+            acc = static_cast<T>(acc + v);
+            break;
+        case reduce_op::max:
+            acc = acc < v ? v : acc;
+            break;
+        case reduce_op::min:
+            acc = v < acc ? v : acc;
+            break;
+        }
+    }
+    return acc;
+}
+
+/// Whether `got` is an acceptable reduction at element i. Exact for integers and max/min, and
+/// for float sums of a rank-order backend; otherwise |got - ref| <= (n-1) * eps * sum_r |x_r|
+/// (the bound of any summation order is (n-1) * eps/2 * sum |x_r| from the exact sum, and the
+/// rank-order reference is within the same bound).
+template <class T>
+bool reduction_matches(T got, T ref, int n, std::size_t i, reduce_op op, const suite_options& opt) {
+    if (detail::same_bits(got, ref))
+        return true;
+    if constexpr (std::is_floating_point_v<T>) {
+        if (op != reduce_op::sum || opt.rank_order_sums)
+            return false;
+        double abs_sum = 0;
+        for (int r = 0; r < n; ++r)
+            abs_sum += std::fabs(static_cast<double>(input_value<T>(r, i)));
+        const double bound =
+            (n - 1) * static_cast<double>(std::numeric_limits<T>::epsilon()) * abs_sum;
+        return std::fabs(static_cast<double>(got) - static_cast<double>(ref)) <= bound;
+    }
+    return false;
+}
+
+/// Copies host elements into a new buffer of comm's system.
+template <class T, communicator C>
+auto to_system(const C& comm, const std::vector<T>& host) {
+    buffer<T, typename C::system_type> b(host.size(), comm.system());
+    lockstep::copy(std::span<const T>(host), host_system{}, b.span(), b.system());
+    return b;
+}
+
+/// Copies a buffer (of any system) into host memory.
+template <class T, class S>
+std::vector<T> to_host(const buffer<T, S>& b) {
+    std::vector<T> host(b.size());
+    lockstep::copy(std::span<const T>(b.data(), b.size()), b.system(), std::span<T>(host),
+                   host_system{});
+    return host;
+}
+
+/// Gathers one int per replica (through comm's memory).
+template <communicator C>
+std::vector<int> gather_ints(C& comm, const std::vector<int>& mine) {
+    auto send = to_system(comm, mine);
+    buffer<int, typename C::system_type> recv(mine.size() * static_cast<std::size_t>(comm.size()),
+                                              comm.system());
+    comm.all_gather(std::span<const int>(send.data(), send.size()), recv.span());
+    return to_host(recv);
+}
+
+/// Checks that `result` has the same bytes on every replica.
+template <communicator C, class T>
+void check_identical(C& comm, suite_report& rep, const std::vector<T>& result,
+                     const std::string& what) {
+    const std::uint64_t h = detail::hash_bytes(result);
+    const std::vector<int> mine{static_cast<int>(h & 0xffffffffu), static_cast<int>(h >> 32)};
+    const std::vector<int> all = gather_ints(comm, mine);
+    bool same = true;
+    for (int r = 0; r < comm.size(); ++r)
+        same = same && all[2 * r] == all[0] && all[2 * r + 1] == all[1];
+    rep.check(same, what + ": the result differs between replicas (hashes differ)");
+}
+
+/// The first element where got differs from expected(i), as a failure message ("" if none).
+template <class T, class Expected, class Matches>
+std::string first_mismatch(const std::vector<T>& got, std::size_t offset, std::size_t n,
+                           Expected expected, Matches matches) {
+    for (std::size_t i = 0; i < n; ++i) {
+        const T want = expected(i);
+        if (!matches(got[offset + i], want, i))
+            return "element " + std::to_string(i) + " is " + detail::show(got[offset + i]) +
+                   ", expected " + detail::show(want);
+    }
+    return {};
+}
+
+/// all_reduce for every reduction and count, out of place and in place.
+template <class T, communicator C>
+void check_all_reduce(C& comm, suite_report& rep, const std::vector<std::size_t>& counts,
+                      const suite_options& opt) {
+    const int n = comm.size(), me = comm.rank();
+    for (const std::size_t count : counts) {
+        std::vector<T> in(count);
+        for (std::size_t i = 0; i < count; ++i)
+            in[i] = input_value<T>(me, i);
+        for (const reduce_op op : {reduce_op::sum, reduce_op::max, reduce_op::min}) {
+            for (const bool in_place : {false, true}) {
+                if (in_place && op != reduce_op::sum)
+                    continue;
+                const std::string what = "all_reduce<" + detail::type_name<T>() + "> " +
+                                         std::string(to_string(op)) + " count " +
+                                         std::to_string(count) + (in_place ? " in place" : "");
+                auto send = to_system(comm, in);
+                auto recv = to_system(comm, std::vector<T>(count, T{}));
+                auto& out = in_place ? send : recv;
+                comm.all_reduce(std::span<const T>(send.data(), count), out.span(), op);
+                const std::vector<T> got = to_host(out);
+                const std::string bad = first_mismatch(
+                    got, 0, count, [&](std::size_t i) { return reference_reduce<T>(n, i, op); },
+                    [&](T g, T w, std::size_t i) {
+                        return reduction_matches(g, w, n, i, op, opt);
+                    });
+                rep.check(bad.empty(), what + ": " + bad);
+                check_identical(comm, rep, got, what);
+            }
+        }
+    }
+}
+
+/// broadcast from every root, for every count.
+template <class T, communicator C>
+void check_broadcast(C& comm, suite_report& rep, const std::vector<std::size_t>& counts) {
+    const int me = comm.rank();
+    for (int root = 0; root < comm.size(); ++root) {
+        for (const std::size_t count : counts) {
+            const std::string what = "broadcast<" + detail::type_name<T>() + "> root " +
+                                     std::to_string(root) + " count " + std::to_string(count);
+            std::vector<T> in(count);
+            for (std::size_t i = 0; i < count; ++i)
+                in[i] = input_value<T>(me, i);
+            auto data = to_system(comm, in);
+            comm.broadcast(data.span(), root);
+            const std::vector<T> got = to_host(data);
+            const std::string bad = first_mismatch(
+                got, 0, count, [&](std::size_t i) { return input_value<T>(root, i); },
+                [](T g, T w, std::size_t) { return detail::same_bits(g, w); });
+            rep.check(bad.empty(), what + ": " + bad);
+        }
+    }
+}
+
+/// all_gather for every count: slice r of the result is rank r's input.
+template <class T, communicator C>
+void check_all_gather(C& comm, suite_report& rep, const std::vector<std::size_t>& counts) {
+    const int n = comm.size(), me = comm.rank();
+    for (const std::size_t count : counts) {
+        const std::string what =
+            "all_gather<" + detail::type_name<T>() + "> count " + std::to_string(count);
+        std::vector<T> in(count);
+        for (std::size_t i = 0; i < count; ++i)
+            in[i] = input_value<T>(me, i);
+        auto send = to_system(comm, in);
+        auto recv = to_system(comm, std::vector<T>(count * static_cast<std::size_t>(n), T{}));
+        comm.all_gather(std::span<const T>(send.data(), count), recv.span());
+        const std::vector<T> got = to_host(recv);
+        for (int r = 0; r < n; ++r) {
+            const std::string bad = first_mismatch(
+                got, static_cast<std::size_t>(r) * count, count,
+                [&](std::size_t i) { return input_value<T>(r, i); },
+                [](T g, T w, std::size_t) { return detail::same_bits(g, w); });
+            rep.check(bad.empty(), what + ", slice of rank " + std::to_string(r) + ": " + bad);
+        }
+    }
+}
+
+/// reduce to every root, for every reduction and count; the other replicas' recv stays as
+/// it was.
+template <class T, communicator C>
+void check_reduce(C& comm, suite_report& rep, const std::vector<std::size_t>& counts,
+                  const suite_options& opt) {
+    const int n = comm.size(), me = comm.rank();
+    const T sentinel = static_cast<T>(77);
+    for (int root = 0; root < n; ++root) {
+        for (const std::size_t count : counts) {
+            std::vector<T> in(count);
+            for (std::size_t i = 0; i < count; ++i)
+                in[i] = input_value<T>(me, i);
+            for (const reduce_op op : {reduce_op::sum, reduce_op::max, reduce_op::min}) {
+                const std::string what = "reduce<" + detail::type_name<T>() + "> " +
+                                         std::string(to_string(op)) + " root " +
+                                         std::to_string(root) + " count " + std::to_string(count);
+                auto send = to_system(comm, in);
+                auto recv = to_system(comm, std::vector<T>(count, sentinel));
+                comm.reduce(std::span<const T>(send.data(), count), recv.span(), op, root);
+                const std::vector<T> got = to_host(recv);
+                const std::string bad =
+                    me == root ? first_mismatch(
+                                     got, 0, count,
+                                     [&](std::size_t i) { return reference_reduce<T>(n, i, op); },
+                                     [&](T g, T w, std::size_t i) {
+                                         return reduction_matches(g, w, n, i, op, opt);
+                                     })
+                               : first_mismatch(
+                                     got, 0, count, [&](std::size_t) { return sentinel; },
+                                     [](T g, T w, std::size_t) { return detail::same_bits(g, w); });
+                rep.check(bad.empty(), what + (me == root ? ": " : ", non-root recv: ") + bad);
+            }
+        }
+    }
+}
+
+/// Every collective for one element type.
+template <class T, communicator C>
+void check_type(C& comm, suite_report& rep, const suite_options& opt, bool with_large) {
+    std::vector<std::size_t> counts{0, 1, 1009, opt.medium_count};
+    std::vector<std::size_t> reduce_counts{0, 1, 1009};
+    if (with_large)
+        reduce_counts.push_back(opt.large_count);
+    check_all_reduce<T>(comm, rep, reduce_counts, opt);
+    check_broadcast<T>(comm, rep, counts);
+    check_all_gather<T>(comm, rep, counts);
+    check_reduce<T>(comm, rep, {0, 1, 1009}, opt);
+}
+
+/// Every collective for every element type comm carries (float, double, int always; int64
+/// and uint8 where the backend accepts them).
+template <communicator C>
+void check_all_types(C& comm, suite_report& rep, const suite_options& opt, bool with_large) {
+    check_type<float>(comm, rep, opt, with_large);
+    check_type<double>(comm, rep, opt, with_large);
+    check_type<int>(comm, rep, opt, with_large);
+    if constexpr (detail::carries<C, std::int64_t>)
+        check_type<std::int64_t>(comm, rep, opt, with_large);
+    if constexpr (detail::carries<C, std::uint8_t>)
+        check_type<std::uint8_t>(comm, rep, opt, with_large);
+}
+
+/// barrier: returns, repeatedly, on every replica (that it waits is a backend-specific test).
+template <communicator C>
+void check_barrier(C& comm, suite_report& rep) {
+    for (int k = 0; k < 3; ++k)
+        comm.barrier();
+    rep.check(true, "barrier");
+}
+
+/// split into even and odd ranks (keys reverse the order), then collectives on the sub-group;
+/// the two sub-groups run different sequences of collectives at the same time.
+template <communicator C>
+void check_split(C& comm, suite_report& rep, const suite_options& opt) {
+    const int n = comm.size(), me = comm.rank();
+    const int color = me % 2;
+    C sub = comm.split(color, -me);
+    std::vector<int> expected_members; // parent ranks in sub-group rank order
+    for (int r = n - 1; r >= 0; --r)
+        if (r % 2 == color)
+            expected_members.push_back(r);
+    const auto pos = std::find(expected_members.begin(), expected_members.end(), me);
+    rep.check(sub.size() == static_cast<int>(expected_members.size()),
+              "split: sub-group size " + std::to_string(sub.size()) + ", expected " +
+                  std::to_string(expected_members.size()));
+    rep.check(sub.rank() == static_cast<int>(pos - expected_members.begin()),
+              "split: sub-group rank " + std::to_string(sub.rank()) + ", expected " +
+                  std::to_string(pos - expected_members.begin()));
+    if (sub.size() != static_cast<int>(expected_members.size()))
+        return;
+
+    const std::vector<int> members = gather_ints(sub, {me});
+    rep.check(members == expected_members, "split: all_gather of parent ranks in the sub-group "
+                                           "is not the parent ranks of colour " +
+                                               std::to_string(color) + " by descending rank");
+    if (color == 1)
+        check_broadcast<double>(sub, rep, {3, 1009}); // only the odd group
+    suite_report sub_rep;
+    sub_rep.rank = sub.rank();
+    sub_rep.size = sub.size();
+    check_all_reduce<float>(sub, sub_rep, {1, 1009, 4099}, opt);
+    check_all_reduce<int>(sub, sub_rep, {1009}, opt);
+    check_reduce<double>(sub, sub_rep, {1009}, opt);
+    check_all_gather<int>(sub, sub_rep, {1009});
+    check_broadcast<float>(sub, sub_rep, {1009});
+    for (auto& f : sub_rep.failures)
+        f = "split(colour " + std::to_string(color) + ") " + f;
+    rep.merge(sub_rep);
+}
+
+/// Point-to-point: a ring exchange, FIFO order of messages with one tag, and recv_any
+/// collecting one message from every other rank.
+template <point_to_point_communicator C>
+void check_point_to_point(C& comm, suite_report& rep) {
+    const int n = comm.size(), me = comm.rank();
+    const int next = (me + 1) % n, prev = (me + n - 1) % n;
+    const std::size_t count = 257;
+    const auto payload = [&](int from, int k) {
+        std::vector<float> v(count);
+        for (std::size_t i = 0; i < count; ++i)
+            v[i] = input_value<float>(from * 8 + k, i);
+        return v;
+    };
+    for (int k = 0; k < 3; ++k) { // three messages with one tag: received in order
+        auto out = to_system(comm, payload(me, k));
+        comm.send(std::span<const float>(out.data(), count), next, 11);
+    }
+    for (int k = 0; k < 3; ++k) {
+        auto in = to_system(comm, std::vector<float>(count, 0.0f));
+        comm.recv(in.span(), prev, 11);
+        const std::vector<float> want = payload(prev, k);
+        rep.check(to_host(in) == want,
+                  "ring recv from rank " + std::to_string(prev) + ": message " + std::to_string(k) +
+                      " of tag 11 is not the one sent " + std::to_string(k) + "th");
+    }
+    comm.barrier();
+    if (me != 0) {
+        std::vector<int> v(count);
+        for (std::size_t i = 0; i < count; ++i)
+            v[i] = me * 1000 + static_cast<int>(i);
+        auto out = to_system(comm, v);
+        comm.send(std::span<const int>(out.data(), count), 0, 23);
+    } else {
+        std::vector<int> seen(static_cast<std::size_t>(n), 0);
+        for (int k = 1; k < n; ++k) {
+            auto in = to_system(comm, std::vector<int>(count, -1));
+            const int src = comm.recv_any(in.span(), 23);
+            const bool valid = src > 0 && src < n;
+            rep.check(valid, "recv_any returned source " + std::to_string(src));
+            if (!valid)
+                continue;
+            ++seen[static_cast<std::size_t>(src)];
+            const std::vector<int> got = to_host(in);
+            bool right = true;
+            for (std::size_t i = 0; i < count; ++i)
+                right = right && got[i] == src * 1000 + static_cast<int>(i);
+            rep.check(right,
+                      "recv_any: the data is not what rank " + std::to_string(src) + " sent");
+        }
+        for (int r = 1; r < n; ++r)
+            rep.check(seen[static_cast<std::size_t>(r)] == 1,
+                      "recv_any received " + std::to_string(seen[static_cast<std::size_t>(r)]) +
+                          " messages from rank " + std::to_string(r) + ", expected 1");
+    }
+    comm.barrier();
+}
+
+/// The whole suite on one replica: every collective x type x reduction x count, broadcast and
+/// reduce from every root, split, and point-to-point where the backend has it.
+/// ensures: the returned report lists every failed check of this replica.
+template <communicator C>
+suite_report run_collective_suite(C& comm, const suite_options& opt = {}) {
+    suite_report rep;
+    rep.rank = comm.rank();
+    rep.size = comm.size();
+    check_barrier(comm, rep);
+    check_all_types(comm, rep, opt, true);
+    check_split(comm, rep, opt);
+    if constexpr (point_to_point_communicator<C>)
+        check_point_to_point(comm, rep);
+    check_barrier(comm, rep);
+    return rep;
+}
+
+} // namespace lockstep::testing

@@ -1,0 +1,188 @@
+// Tests of thread_group / thread_communicator: the collective suite on 1..4 replica threads,
+// plus what only shared memory can show. SPDX-License-Identifier: Apache-2.0
+#include "collective_suite.hpp"
+#include "lockstep/comm/thread_group.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+using lockstep::reduce_op;
+using lockstep::thread_communicator;
+using lockstep::thread_group;
+using lockstep::testing::input_value;
+
+TEST_CASE("thread_group passes the collective suite", "[comm][thread]") {
+    const int n = GENERATE(1, 2, 3, 4);
+    CAPTURE(n);
+    thread_group group(n);
+    std::vector<lockstep::testing::suite_report> reports(static_cast<std::size_t>(n));
+    group.run([&](thread_communicator& comm) {
+        reports[static_cast<std::size_t>(comm.rank())] =
+            lockstep::testing::run_collective_suite(comm);
+    });
+    for (const auto& r : reports) {
+        INFO(r.text());
+        CHECK(r.rank >= 0);
+        CHECK(r.failed == 0);
+        // Every replica ran the whole suite (a report with few checks means it stopped early).
+        CHECK(r.checks > 200);
+    }
+}
+
+TEST_CASE("thread_communicator basics", "[comm][thread]") {
+    CHECK_THROWS_AS(thread_group(0), lockstep::error);
+    thread_group group(3);
+    CHECK(group.size() == 3);
+    std::vector<int> ranks(3, -1), sizes(3), threads(3);
+    group.run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        ranks[r] = comm.replica();
+        sizes[r] = comm.size();
+        threads[r] = comm.system().threads();
+    });
+    for (int r = 0; r < 3; ++r) {
+        CHECK(ranks[static_cast<std::size_t>(r)] == r);
+        CHECK(sizes[static_cast<std::size_t>(r)] == 3);
+        CHECK(threads[static_cast<std::size_t>(r)] == lockstep::host_system::default_threads(3));
+    }
+}
+
+TEST_CASE("barrier waits for every replica", "[comm][thread]") {
+    const int n = GENERATE(2, 3, 4);
+    thread_group group(n);
+    std::atomic<int> arrived{0};
+    std::vector<int> seen(static_cast<std::size_t>(n) * 50, -1);
+    group.run([&](thread_communicator& comm) {
+        for (int round = 0; round < 50; ++round) {
+            arrived.fetch_add(1);
+            comm.barrier();
+            // Nobody can have started the next round before everybody left this barrier's
+            // entry, so the count is exactly (round + 1) * n here.
+            seen[static_cast<std::size_t>(round * n + comm.rank())] = arrived.load();
+            comm.barrier();
+        }
+    });
+    for (int round = 0; round < 50; ++round)
+        for (int r = 0; r < n; ++r)
+            CHECK(seen[static_cast<std::size_t>(round * n + r)] == (round + 1) * n);
+}
+
+TEST_CASE("in-place reduce at the root and in-place all_gather", "[comm][thread]") {
+    const int n = 3;
+    const std::size_t count = 4099;
+    thread_group group(n);
+    std::vector<int> ok(n, 0);
+    group.run([&](thread_communicator& comm) {
+        const int me = comm.rank();
+        bool good = true;
+        for (int root = 0; root < n; ++root) {
+            std::vector<double> v(count);
+            for (std::size_t i = 0; i < count; ++i)
+                v[i] = input_value<double>(me, i);
+            comm.reduce(std::span<const double>(v), std::span<double>(v), reduce_op::sum, root);
+            for (std::size_t i = 0; i < count; ++i) {
+                const double want =
+                    me == root ? lockstep::testing::reference_reduce<double>(n, i, reduce_op::sum)
+                               : input_value<double>(me, i); // non-root data untouched
+                good = good && v[i] == want;
+            }
+        }
+        std::vector<int> all(count * n, -1);
+        for (std::size_t i = 0; i < count; ++i)
+            all[me * count + i] = me * 7 + static_cast<int>(i);
+        comm.all_gather(std::span<const int>(all.data() + me * count, count), std::span<int>(all));
+        for (int r = 0; r < n; ++r)
+            for (std::size_t i = 0; i < count; ++i)
+                good = good && all[r * count + i] == r * 7 + static_cast<int>(i);
+        ok[static_cast<std::size_t>(me)] = good ? 1 : 0;
+    });
+    CHECK(ok == std::vector<int>(n, 1));
+}
+
+TEST_CASE("all_reduce bits do not change between runs", "[comm][thread]") {
+    const std::size_t count = (std::size_t{1} << 18) + 5;
+    std::vector<float> first, second;
+    for (auto* out : {&first, &second}) {
+        thread_group group(4);
+        group.run([&](thread_communicator& comm) {
+            std::vector<float> v(count);
+            for (std::size_t i = 0; i < count; ++i)
+                v[i] = input_value<float>(comm.rank(), i);
+            comm.all_reduce(std::span<const float>(v), std::span<float>(v), reduce_op::sum);
+            if (comm.rank() == 2)
+                *out = v;
+        });
+    }
+    REQUIRE(first.size() == count);
+    CHECK(first == second);
+    // The result differs from a plain pairwise order somewhere, so the check above is about
+    // a fixed order and not about luckily exact sums.
+    std::size_t order_sensitive = 0;
+    for (std::size_t i = 0; i < count; ++i) {
+        const float pairwise = (input_value<float>(0, i) + input_value<float>(1, i)) +
+                               (input_value<float>(2, i) + input_value<float>(3, i));
+        order_sensitive += pairwise != first[i];
+    }
+    CHECK(order_sensitive > 0);
+}
+
+TEST_CASE("messages are matched by source and tag", "[comm][thread]") {
+    thread_group group(3);
+    std::vector<int> ok(3, 0);
+    group.run([&](thread_communicator& comm) {
+        const int me = comm.rank();
+        bool good = true;
+        if (me == 0) {
+            for (int k = 0; k < 4; ++k) {
+                const std::vector<int> v{k, 100 + k};
+                comm.send(std::span<const int>(v), 1, k % 2); // tags 0, 1, 0, 1
+            }
+            const std::vector<double> d{2.5};
+            comm.send(std::span<const double>(d), 1, 7);
+        } else if (me == 1) {
+            std::vector<double> d(1);
+            comm.recv(std::span<double>(d), 0, 7); // the last message first: other tags wait
+            good = good && d[0] == 2.5;
+            std::vector<int> v(2);
+            for (const int k : {1, 3, 0, 2}) { // tag 1 in order, then tag 0 in order
+                comm.recv(std::span<int>(v), 0, k % 2);
+                good = good && v[0] == k && v[1] == 100 + k;
+            }
+        }
+        comm.barrier();
+        // Nested split: the sub-group of the sub-group talks only among itself.
+        auto sub = comm.split(0, me);
+        auto subsub = sub.split(me == 2 ? 1 : 0, 0);
+        std::vector<int> x{me};
+        subsub.all_reduce(std::span<const int>(x), std::span<int>(x), reduce_op::sum);
+        good = good && x[0] == (me == 2 ? 2 : 1);
+        ok[static_cast<std::size_t>(me)] = good ? 1 : 0;
+    });
+    CHECK(ok == std::vector<int>(3, 1));
+}
+
+TEST_CASE("many small collectives with more replicas than cores", "[comm][thread]") {
+    const int n = 4;
+    thread_group group(n);
+    std::vector<long> sums(n, 0);
+    group.run([&](thread_communicator& comm) {
+        long total = 0;
+        for (int k = 0; k < 2000; ++k) {
+            std::int64_t v[2] = {comm.rank() + k, -comm.rank()};
+            comm.all_reduce(std::span<const std::int64_t>(v), std::span<std::int64_t>(v),
+                            k % 2 ? reduce_op::max : reduce_op::sum);
+            total += static_cast<long>(v[0] + v[1]);
+            if (k % 100 == 0)
+                comm.barrier();
+        }
+        sums[static_cast<std::size_t>(comm.rank())] = total;
+    });
+    long want = 0;
+    for (int k = 0; k < 2000; ++k)
+        want += k % 2 ? (n - 1 + k) + 0 : (n * k + n * (n - 1) / 2) - n * (n - 1) / 2;
+    CHECK(sums == std::vector<long>(n, want));
+}

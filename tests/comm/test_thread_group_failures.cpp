@@ -1,0 +1,300 @@
+// Failure tests of thread_group: a replica that throws, never arrives, leaves, or disagrees
+// with its peers must turn into a clear error on every replica, never a hang.
+// SPDX-License-Identifier: Apache-2.0
+#include "lockstep/comm/thread_group.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <mutex>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+using lockstep::errc;
+using lockstep::reduce_op;
+using lockstep::thread_communicator;
+using lockstep::thread_group;
+using namespace std::chrono_literals;
+
+namespace {
+
+/// What one replica caught (code and message), recorded from the replica threads.
+struct outcome {
+    bool threw = false;
+    errc code = errc::internal;
+    std::string what;
+};
+
+/// Runs body on each replica, records the lockstep::error it throws (if any) and rethrows it.
+template <class Body>
+std::vector<outcome> run_recording(thread_group& group, Body body) {
+    std::vector<outcome> out(static_cast<std::size_t>(group.size()));
+    group.run([&](thread_communicator& comm) {
+        auto& o = out[static_cast<std::size_t>(comm.rank())];
+        try {
+            body(comm);
+        } catch (const lockstep::error& e) {
+            o = {true, e.code(), e.what()};
+            throw;
+        }
+    });
+    return out;
+}
+
+bool contains(const std::string& s, const std::string& part) {
+    return s.find(part) != std::string::npos;
+}
+
+} // namespace
+
+TEST_CASE("a replica that throws releases its peers with peer_failure", "[comm][thread]") {
+    thread_group group(4);
+    std::vector<outcome> out;
+    try {
+        run_recording(group, [&](thread_communicator& comm) {
+            std::vector<float> v(1000, 1.0f);
+            comm.all_reduce(std::span<const float>(v), std::span<float>(v), reduce_op::sum);
+            if (comm.rank() == 2) {
+                std::this_thread::sleep_for(50ms); // the others are blocked in all_reduce #1
+                throw std::runtime_error("replica two broke");
+            }
+            comm.all_reduce(std::span<const float>(v), std::span<float>(v), reduce_op::sum);
+        });
+        FAIL("run returned although replica 2 threw");
+    } catch (const lockstep::error& e) {
+        FAIL("run rethrew a derived lockstep::error instead of the root cause: " << e.what());
+    } catch (const std::runtime_error& e) {
+        CHECK(std::string(e.what()) == "replica two broke");
+    }
+}
+
+TEST_CASE("peers of a failed replica see who failed and why", "[comm][thread]") {
+    thread_group group(3);
+    std::vector<outcome> out(3);
+    std::mutex m;
+    REQUIRE_THROWS_WITH(group.run([&](thread_communicator& comm) {
+        if (comm.rank() == 0) {
+            std::this_thread::sleep_for(30ms);
+            throw std::logic_error("bad shard");
+        }
+        try {
+            comm.barrier();
+        } catch (const lockstep::error& e) {
+            out[static_cast<std::size_t>(comm.rank())] = {true, e.code(), e.what()};
+        }
+        // Later collectives fail at once too: the group is dead.
+        try {
+            std::vector<int> v(3, 1);
+            comm.broadcast(std::span<int>(v), 1);
+        } catch (const lockstep::error& e) {
+            std::lock_guard lock(m);
+            CHECK(e.code() == errc::peer_failure);
+        }
+    }),
+                        "bad shard");
+    for (int r = 1; r < 3; ++r) {
+        const auto& o = out[static_cast<std::size_t>(r)];
+        CHECK(o.threw);
+        CHECK(o.code == errc::peer_failure);
+        CHECK(contains(o.what, "barrier #0"));
+        CHECK(contains(o.what, "replica 0 failed: bad shard"));
+    }
+}
+
+TEST_CASE("a replica that never arrives times out naming it", "[comm][thread]") {
+    thread_group group(4, {.timeout = 200ms});
+    std::vector<outcome> out;
+    try {
+        out = run_recording(group, [&](thread_communicator& comm) {
+            std::vector<double> v(10, 1.0);
+            comm.all_reduce(std::span<const double>(v), std::span<double>(v), reduce_op::sum);
+            if (comm.rank() == 3)
+                std::this_thread::sleep_for(700ms);
+            comm.all_reduce(std::span<const double>(v), std::span<double>(v), reduce_op::sum);
+        });
+        FAIL("run returned although replica 3 never arrived in time");
+    } catch (const lockstep::error& e) {
+        const std::string what = e.what();
+        CHECK(e.code() == errc::timeout);
+        CHECK(contains(what, "all_reduce #1"));
+        CHECK(contains(what, "replica(s) 3 (missing)"));
+        CHECK(contains(what, "200 ms"));
+    }
+}
+
+TEST_CASE("every replica of a timed-out collective gets an error", "[comm][thread]") {
+    thread_group group(3, {.timeout = 150ms});
+    std::vector<outcome> out(3);
+    CHECK_THROWS(group.run([&](thread_communicator& comm) {
+        try {
+            if (comm.rank() == 1)
+                std::this_thread::sleep_for(500ms);
+            comm.barrier();
+        } catch (const lockstep::error& e) {
+            out[static_cast<std::size_t>(comm.rank())] = {true, e.code(), e.what()};
+            throw;
+        }
+    }));
+    for (int r = 0; r < 3; ++r) {
+        const auto& o = out[static_cast<std::size_t>(r)];
+        CAPTURE(r, o.what);
+        CHECK(o.threw);
+        if (r == 1)
+            CHECK(o.code == errc::peer_failure); // arrived after the group failed
+        else
+            CHECK((o.code == errc::timeout || o.code == errc::peer_failure));
+    }
+}
+
+TEST_CASE("mismatched counts fail on every replica with both counts", "[comm][thread]") {
+    thread_group group(3);
+    std::vector<outcome> out(3);
+    std::vector<float> after(3, 0.0f);
+    group.run([&](thread_communicator& comm) {
+        const int me = comm.rank();
+        std::vector<float> v(me == 2 ? 12 : 10, 1.0f);
+        try {
+            comm.all_reduce(std::span<const float>(v), std::span<float>(v), reduce_op::sum);
+        } catch (const lockstep::error& e) {
+            out[static_cast<std::size_t>(me)] = {true, e.code(), e.what()};
+        }
+        // A mismatch is detected before any data moves: the group stays usable.
+        std::vector<float> w{static_cast<float>(me)};
+        comm.all_reduce(std::span<const float>(w), std::span<float>(w), reduce_op::sum);
+        after[static_cast<std::size_t>(me)] = w[0];
+    });
+    for (int r = 0; r < 3; ++r) {
+        const auto& o = out[static_cast<std::size_t>(r)];
+        CAPTURE(o.what);
+        CHECK(o.threw);
+        CHECK(o.code == errc::count_mismatch);
+        CHECK(contains(o.what, "all_reduce #0"));
+        CHECK(contains(o.what, "replica 0 passed 10 floats"));
+        CHECK(contains(o.what, "replica 2 passed 12 floats"));
+        CHECK(contains(o.what, "replica " + std::to_string(r) + ":"));
+        CHECK(after[static_cast<std::size_t>(r)] == 3.0f);
+    }
+}
+
+TEST_CASE("mismatched calls fail on every replica", "[comm][thread]") {
+    struct mismatch {
+        const char* name;
+        errc code;
+        const char* text;
+    };
+    const auto which = GENERATE(values<mismatch>({
+        {"operation", errc::shape_mismatch, "replica 1 called broadcast"},
+        {"type", errc::shape_mismatch, "replica 1 passed 4 doubles"},
+        {"reduction", errc::shape_mismatch, "replica 1 passed reduce_op::max"},
+        {"root", errc::shape_mismatch, "replica 1 passed root 0"},
+        {"receive size", errc::count_mismatch, "replica 1 passed a receive span of 3 floats"},
+    }));
+    CAPTURE(which.name);
+    thread_group group(3);
+    const std::string kind = which.name;
+    std::vector<outcome> seen(3);
+    group.run([&](thread_communicator& comm) {
+        const bool odd = comm.rank() == 1;
+        std::vector<float> f(4, 1.0f);
+        std::vector<double> d(4, 1.0);
+        try {
+            if (kind == "operation" && odd)
+                comm.broadcast(std::span<float>(f), 0);
+            else if (kind == "type" && odd)
+                comm.all_reduce(std::span<const double>(d), std::span<double>(d), reduce_op::sum);
+            else if (kind == "reduction")
+                comm.all_reduce(std::span<const float>(f), std::span<float>(f),
+                                odd ? reduce_op::max : reduce_op::sum);
+            else if (kind == "root")
+                comm.broadcast(std::span<float>(f), odd ? 0 : 2);
+            else if (kind == "receive size")
+                comm.all_reduce(std::span<const float>(f), std::span<float>(f).first(odd ? 3 : 4),
+                                reduce_op::sum);
+            else
+                comm.all_reduce(std::span<const float>(f), std::span<float>(f), reduce_op::sum);
+        } catch (const lockstep::error& e) {
+            seen[static_cast<std::size_t>(comm.rank())] = {true, e.code(), e.what()};
+        }
+    });
+    for (const auto& o : seen) {
+        CAPTURE(o.what);
+        CHECK(o.threw);
+        CHECK(o.code == which.code);
+        CHECK(contains(o.what, which.text));
+        CHECK(contains(o.what, "#0"));
+    }
+}
+
+TEST_CASE("a replica that leaves the group releases its waiting peers", "[comm][thread]") {
+    thread_group group(3, {.timeout = 5s});
+    const auto start = std::chrono::steady_clock::now();
+    try {
+        group.run([&](thread_communicator& comm) {
+            if (comm.rank() == 2)
+                return; // leaves without the barrier the others wait in
+            comm.barrier();
+        });
+        FAIL("run returned although replica 2 left before the barrier");
+    } catch (const lockstep::error& e) {
+        CHECK(e.code() == errc::peer_failure);
+        CHECK(contains(e.what(), "replica 2 left the group"));
+        CHECK(contains(e.what(), "barrier #0"));
+    }
+    // Released by the departure, not by the 5 s timeout.
+    CHECK(std::chrono::steady_clock::now() - start < 4s);
+
+    // The same for a sub-group handle destroyed while the other member waits in it.
+    try {
+        group.run([&](thread_communicator& comm) {
+            auto sub = comm.split(comm.rank() == 0 ? 0 : 1, 0);
+            if (comm.rank() == 2) {
+                auto gone = std::move(sub); // destroyed at the end of this scope
+                return;
+            }
+            sub.barrier(); // replica 1 waits for replica 2 here
+        });
+        FAIL("run returned although replica 2 destroyed its sub-group handle");
+    } catch (const lockstep::error& e) {
+        CHECK(e.code() == errc::peer_failure);
+        CHECK(contains(e.what(), "replica 2 left the group"));
+        CHECK(contains(e.what(), "split(color=1)"));
+    }
+}
+
+TEST_CASE("recv errors: timeout and wrong size", "[comm][thread]") {
+    thread_group group(2, {.timeout = 150ms});
+    try {
+        group.run([&](thread_communicator& comm) {
+            std::vector<int> v(4);
+            if (comm.rank() == 0)
+                comm.recv(std::span<int>(v), 1, 5); // never sent
+            else
+                comm.barrier(); // released when replica 0 times out
+        });
+        FAIL("run returned although replica 0 never got its message");
+    } catch (const lockstep::error& e) {
+        CHECK(e.code() == errc::timeout);
+        CHECK(contains(e.what(), "recv from rank 1 (tag 5)"));
+    }
+    thread_group ok_group(2);
+    std::vector<outcome> out(2);
+    ok_group.run([&](thread_communicator& comm) {
+        if (comm.rank() == 1) {
+            const std::vector<int> v(6, 1);
+            comm.send(std::span<const int>(v), 0, 5);
+        } else {
+            std::vector<int> v(4);
+            try {
+                comm.recv(std::span<int>(v), 1, 5);
+            } catch (const lockstep::error& e) {
+                out[0] = {true, e.code(), e.what()};
+            }
+        }
+    });
+    CHECK(out[0].threw);
+    CHECK(out[0].code == errc::count_mismatch);
+    CHECK(contains(out[0].what, "rank 1 sent 6 ints, expected 4 ints"));
+}
