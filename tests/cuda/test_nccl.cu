@@ -37,6 +37,10 @@ static_assert(!lockstep::nccl_element<bool> && !lockstep::nccl_element<short> &&
 static_assert(lockstep::detail::nccl_data_type<long long>() == ncclInt64);
 static_assert(lockstep::detail::nccl_data_type<unsigned>() == ncclUint32);
 static_assert(lockstep::detail::nccl_data_type<__nv_bfloat16>() == ncclBfloat16);
+static_assert(lockstep::detail::nccl_data_type<lockstep::half>() == ncclFloat16 &&
+              lockstep::detail::nccl_data_type<lockstep::bfloat16>() == ncclBfloat16);
+static_assert(sizeof(lockstep::half) == sizeof(__half) &&
+              sizeof(lockstep::bfloat16) == sizeof(__nv_bfloat16));
 
 // Values are small integers (plus eighths for float/double), so every partial sum over up to 16
 // replicas is exact in every element type, including half (11-bit significand) and bfloat16
@@ -52,7 +56,9 @@ double input_value(int rank, std::size_t i) {
 
 template <class T>
 T make(double v) {
-    if constexpr (std::is_same_v<T, __half>)
+    if constexpr (std::is_same_v<T, lockstep::half> || std::is_same_v<T, lockstep::bfloat16>)
+        return T(static_cast<float>(v));
+    else if constexpr (std::is_same_v<T, __half>)
         return __float2half(static_cast<float>(v));
     else if constexpr (std::is_same_v<T, __nv_bfloat16>)
         return __float2bfloat16(static_cast<float>(v));
@@ -62,7 +68,9 @@ T make(double v) {
 
 template <class T>
 double value_of(T x) {
-    if constexpr (std::is_same_v<T, __half>)
+    if constexpr (std::is_same_v<T, lockstep::half> || std::is_same_v<T, lockstep::bfloat16>)
+        return static_cast<double>(static_cast<float>(x));
+    else if constexpr (std::is_same_v<T, __half>)
         return __half2float(x);
     else if constexpr (std::is_same_v<T, __nv_bfloat16>)
         return __bfloat162float(x);
@@ -139,7 +147,8 @@ TEST_CASE("nccl_communicator rejects bad device lists without touching NCCL", "[
 }
 
 TEMPLATE_TEST_CASE("nccl collectives match the host reference", "[comm][nccl][gpu]", float, double,
-                   int, std::int64_t, std::uint8_t, __half, __nv_bfloat16) {
+                   int, std::int64_t, std::uint8_t, __half, __nv_bfloat16, lockstep::half,
+                   lockstep::bfloat16) {
     using T = TestType;
     if (lockstep_test::skip_without_gpu())
         return;

@@ -4,6 +4,7 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/config.hpp"
+#include "lockstep/kernels/float16.hpp"
 
 #if LOCKSTEP_HAS_NCCL
 
@@ -16,8 +17,9 @@
 namespace lockstep::detail {
 
 /// The NCCL data type of T, or ncclNumTypes when NCCL cannot carry T. Integers map by size and
-/// signedness (so int, long and long long all work); __half / __nv_bfloat16 are the 16-bit
-/// floating-point types (reductions on them run in NCCL's own precision).
+/// signedness (so int, long and long long all work); __half / __nv_bfloat16 and their
+/// layout-compatible portable twins lockstep::half / lockstep::bfloat16 (kernels/float16.hpp,
+/// the wire types of reduce::compressed) are the 16-bit floating-point types.
 template <class T>
 constexpr ncclDataType_t nccl_data_type() noexcept {
     using U = std::remove_cv_t<T>;
@@ -25,9 +27,9 @@ constexpr ncclDataType_t nccl_data_type() noexcept {
         return ncclFloat32;
     else if constexpr (std::is_same_v<U, double>)
         return ncclFloat64;
-    else if constexpr (std::is_same_v<U, __half>)
+    else if constexpr (std::is_same_v<U, __half> || std::is_same_v<U, half>)
         return ncclFloat16;
-    else if constexpr (std::is_same_v<U, __nv_bfloat16>)
+    else if constexpr (std::is_same_v<U, __nv_bfloat16> || std::is_same_v<U, bfloat16>)
         return ncclBfloat16;
     else if constexpr (std::is_integral_v<U> && !std::is_same_v<U, bool>) {
         constexpr bool s = std::is_signed_v<U>;
@@ -61,8 +63,8 @@ constexpr ncclRedOp_t nccl_reduce_op(reduce_op op) noexcept {
 
 namespace lockstep {
 
-/// Element types an nccl_communicator carries: float, double, __half, __nv_bfloat16 and the
-/// 8-, 32- and 64-bit integers (int, int64_t, uint8_t, ...).
+/// Element types an nccl_communicator carries: float, double, __half, __nv_bfloat16,
+/// lockstep::half, lockstep::bfloat16 and the 8-, 32- and 64-bit integers (int, int64_t, ...).
 template <class T>
 concept nccl_element = detail::nccl_data_type<T>()
 != ncclNumTypes;
