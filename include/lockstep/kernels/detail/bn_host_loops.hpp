@@ -1,0 +1,281 @@
+// lockstep/kernels/detail/bn_host_loops.hpp: the host fast path of the batch-norm kernels:
+// OpenMP over channels x partitions, vectorizable inner loops, the same arithmetic functors as
+// the generic Thrust path. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/config.hpp"
+#include "lockstep/kernels/bn_functors.hpp"
+#include "lockstep/kernels/channel_geometry.hpp"
+#include "lockstep/kernels/moments.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <vector>
+
+namespace lockstep::kernels::detail {
+
+// Two shapes of loop cover every layout:
+// - planes (inner > 1, NCHW): channel c of sample o is a contiguous run of `inner` values. A
+//   task is (channel, range of samples); it keeps `lanes` Welford lanes that step in lockstep
+//   through the run in chunks (so they share one reciprocal count and vectorize), plus
+//   inner % lanes tail lanes that step once per sample. Enough independent lanes hide the
+//   latency of the dependent mean update.
+// - rows (inner == 1, NHWC and N x C): a row holds every channel. A task is a range of rows and
+//   keeps one Welford state per channel; all channels step together, again sharing the count.
+// Partials are Chan-merged per channel in a fixed order that depends on the shape only.
+
+/// Lanes per plane task: 256 bytes of accumulators (64 floats or 32 doubles).
+template <class Acc>
+inline constexpr std::size_t plane_lanes = 256 / sizeof(Acc);
+
+template <class T, class Acc>
+inline void welford_run(Acc* __restrict mean, Acc* __restrict m2, const T* __restrict x,
+                        std::size_t n, Acc inv_count) {
+    for (std::size_t j = 0; j < n; ++j)
+        welford_accumulate(mean[j], m2[j], static_cast<Acc>(x[j]), inv_count);
+}
+
+template <class T, class Acc>
+inline void backward_run(Acc* __restrict sdy, Acc* __restrict sdyx, const T* __restrict dy,
+                         const T* __restrict x, Acc mean, std::size_t n) {
+    for (std::size_t j = 0; j < n; ++j)
+        backward_accumulate(sdy[j], sdyx[j], static_cast<Acc>(dy[j]), static_cast<Acc>(x[j]), mean);
+}
+
+template <class T, class Acc>
+inline void backward_row(Acc* __restrict sdy, Acc* __restrict sdyx, const T* __restrict dy,
+                         const T* __restrict x, const Acc* __restrict mean, std::size_t n) {
+    for (std::size_t j = 0; j < n; ++j)
+        backward_accumulate(sdy[j], sdyx[j], static_cast<Acc>(dy[j]), static_cast<Acc>(x[j]),
+                            mean[j]);
+}
+
+template <class T, class Acc>
+inline void normalize_run(const T* __restrict x, T* __restrict y, std::size_t n, Acc mean,
+                          Acc scale, Acc beta) {
+    for (std::size_t j = 0; j < n; ++j)
+        y[j] = static_cast<T>(normalize_value(static_cast<Acc>(x[j]), mean, scale, beta));
+}
+
+template <class T, class Acc>
+inline void normalize_row(const T* __restrict x, T* __restrict y, std::size_t n,
+                          const Acc* __restrict mean, const Acc* __restrict scale,
+                          const Acc* __restrict beta) {
+    for (std::size_t j = 0; j < n; ++j)
+        y[j] = static_cast<T>(normalize_value(static_cast<Acc>(x[j]), mean[j], scale[j], beta[j]));
+}
+
+template <class T, class Acc>
+inline void gradient_run(const T* __restrict dy, const T* __restrict x, T* __restrict dx,
+                         std::size_t n, Acc mean, Acc k, Acc a, Acc b) {
+    for (std::size_t j = 0; j < n; ++j)
+        dx[j] = static_cast<T>(
+            input_gradient(static_cast<Acc>(dy[j]), static_cast<Acc>(x[j]), mean, k, a, b));
+}
+
+template <class T, class Acc>
+inline void gradient_row(const T* __restrict dy, const T* __restrict x, T* __restrict dx,
+                         std::size_t n, const Acc* __restrict mean, const Acc* __restrict k,
+                         const Acc* __restrict a, const Acc* __restrict b) {
+    for (std::size_t j = 0; j < n; ++j)
+        dx[j] = static_cast<T>(input_gradient(static_cast<Acc>(dy[j]), static_cast<Acc>(x[j]),
+                                              mean[j], k[j], a[j], b[j]));
+}
+
+/// Sample partitions per channel for plane tasks: about 256 tasks in all, at most one per sample.
+inline std::size_t plane_partitions(const channel_geometry& g) {
+    const std::size_t want = (256 + g.channels - 1) / std::max<std::size_t>(g.channels, 1);
+    return std::max<std::size_t>(1, std::min(want, g.outer));
+}
+
+/// Row partitions for row tasks: at least 256 rows each, at most 64 partitions.
+inline std::size_t row_partitions(const channel_geometry& g) {
+    return std::max<std::size_t>(1, std::min<std::size_t>(64, g.outer / 256));
+}
+
+template <class T, class Acc>
+void host_channel_moments(int threads, const T* x, channel_geometry g, moments<Acc>* out) {
+    const std::size_t C = g.channels;
+    (void)threads;
+    if (g.inner > 1) {
+        constexpr std::size_t L = plane_lanes<Acc>;
+        const std::size_t parts = plane_partitions(g);
+        const std::size_t full = g.inner / L * L;
+        const std::size_t tail = g.inner - full;
+        std::vector<moments<Acc>> partial(C * parts);
+        const auto tasks = static_cast<std::ptrdiff_t>(C * parts);
+#if LOCKSTEP_HAS_OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads)
+#endif
+        for (std::ptrdiff_t t = 0; t < tasks; ++t) {
+            const std::size_t c = static_cast<std::size_t>(t) / parts;
+            const std::size_t p = static_cast<std::size_t>(t) % parts;
+            Acc mean[L] = {};
+            Acc m2[L] = {};
+            Acc tmean[L] = {};
+            Acc tm2[L] = {};
+            Acc chunks = 0;
+            Acc samples = 0;
+            for (std::size_t o = g.outer * p / parts; o < g.outer * (p + 1) / parts; ++o) {
+                const T* plane = x + (o * C + c) * g.inner;
+                for (std::size_t i = 0; i < full; i += L) {
+                    chunks += Acc(1);
+                    welford_run(mean, m2, plane + i, L, Acc(1) / chunks);
+                }
+                samples += Acc(1);
+                welford_run(tmean, tm2, plane + full, tail, Acc(1) / samples);
+            }
+            moments<Acc> m = merge_lanes(moments<Acc>{}, mean, m2, chunks > 0 ? L : 0, chunks);
+            partial[static_cast<std::size_t>(t)] = merge_lanes(m, tmean, tm2, tail, samples);
+        }
+        merge_partials_fn<Acc> merge{partial.data(), parts, out};
+        for (std::size_t c = 0; c < C; ++c)
+            merge(c);
+    } else {
+        const std::size_t parts = row_partitions(g);
+        std::vector<Acc> state(parts * 2 * C);
+        const auto tasks = static_cast<std::ptrdiff_t>(parts);
+#if LOCKSTEP_HAS_OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads)
+#endif
+        for (std::ptrdiff_t t = 0; t < tasks; ++t) {
+            const std::size_t p = static_cast<std::size_t>(t);
+            Acc* mean = state.data() + p * 2 * C;
+            Acc* m2 = mean + C;
+            std::fill(mean, mean + 2 * C, Acc(0));
+            Acc rows = 0;
+            for (std::size_t o = g.outer * p / parts; o < g.outer * (p + 1) / parts; ++o) {
+                rows += Acc(1);
+                welford_run(mean, m2, x + o * C, C, Acc(1) / rows);
+            }
+        }
+        const chan_merge merge;
+        for (std::size_t c = 0; c < C; ++c) {
+            moments<Acc> m;
+            for (std::size_t p = 0; p < parts; ++p) {
+                const Acc rows = static_cast<Acc>(g.outer * (p + 1) / parts - g.outer * p / parts);
+                m = merge(m, moments<Acc>{rows, state[p * 2 * C + c], state[p * 2 * C + C + c]});
+            }
+            out[c] = m;
+        }
+    }
+}
+
+template <class T, class Acc>
+void host_normalize(int threads, const T* x, T* y, channel_geometry g, const Acc* mean,
+                    const Acc* scale, const Acc* beta) {
+    const std::size_t C = g.channels;
+    (void)threads;
+    if (g.inner > 1) {
+        const auto planes = static_cast<std::ptrdiff_t>(g.outer * C);
+#if LOCKSTEP_HAS_OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads)
+#endif
+        for (std::ptrdiff_t t = 0; t < planes; ++t) {
+            const std::size_t c = static_cast<std::size_t>(t) % C;
+            const std::size_t off = static_cast<std::size_t>(t) * g.inner;
+            normalize_run(x + off, y + off, g.inner, mean[c], scale[c], beta[c]);
+        }
+    } else {
+        const auto rows = static_cast<std::ptrdiff_t>(g.outer);
+#if LOCKSTEP_HAS_OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads)
+#endif
+        for (std::ptrdiff_t o = 0; o < rows; ++o) {
+            const std::size_t off = static_cast<std::size_t>(o) * C;
+            normalize_row(x + off, y + off, C, mean, scale, beta);
+        }
+    }
+}
+
+template <class T, class Acc>
+void host_backward_sums(int threads, const T* dy, const T* x, channel_geometry g, const Acc* mean,
+                        Acc* sums) {
+    const std::size_t C = g.channels;
+    (void)threads;
+    if (g.inner > 1) {
+        constexpr std::size_t L = plane_lanes<Acc>;
+        const std::size_t parts = plane_partitions(g);
+        std::vector<Acc> partial(2 * C * parts);
+        const auto tasks = static_cast<std::ptrdiff_t>(C * parts);
+#if LOCKSTEP_HAS_OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads)
+#endif
+        for (std::ptrdiff_t t = 0; t < tasks; ++t) {
+            const std::size_t c = static_cast<std::size_t>(t) / parts;
+            const std::size_t p = static_cast<std::size_t>(t) % parts;
+            Acc sdy[L] = {};
+            Acc sdyx[L] = {};
+            for (std::size_t o = g.outer * p / parts; o < g.outer * (p + 1) / parts; ++o) {
+                const std::size_t off = (o * C + c) * g.inner;
+                for (std::size_t i = 0; i < g.inner; i += L)
+                    backward_run(sdy, sdyx, dy + off + i, x + off + i, mean[c],
+                                 std::min(L, g.inner - i));
+            }
+            Acc a = 0;
+            Acc b = 0;
+            for (std::size_t j = 0; j < L; ++j) {
+                a += sdy[j];
+                b += sdyx[j];
+            }
+            partial[2 * static_cast<std::size_t>(t)] = a;
+            partial[2 * static_cast<std::size_t>(t) + 1] = b;
+        }
+        merge_backward_fn<Acc> merge{partial.data(), parts, C, sums};
+        for (std::size_t c = 0; c < C; ++c)
+            merge(c);
+    } else {
+        const std::size_t parts = row_partitions(g);
+        std::vector<Acc> state(parts * 2 * C, Acc(0));
+        const auto tasks = static_cast<std::ptrdiff_t>(parts);
+#if LOCKSTEP_HAS_OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads)
+#endif
+        for (std::ptrdiff_t t = 0; t < tasks; ++t) {
+            const std::size_t p = static_cast<std::size_t>(t);
+            Acc* sdy = state.data() + p * 2 * C;
+            for (std::size_t o = g.outer * p / parts; o < g.outer * (p + 1) / parts; ++o)
+                backward_row(sdy, sdy + C, dy + o * C, x + o * C, mean, C);
+        }
+        for (std::size_t c = 0; c < C; ++c) {
+            Acc a = 0;
+            Acc b = 0;
+            for (std::size_t p = 0; p < parts; ++p) {
+                a += state[p * 2 * C + c];
+                b += state[p * 2 * C + C + c];
+            }
+            sums[c] = a;
+            sums[C + c] = b;
+        }
+    }
+}
+
+template <class T, class Acc>
+void host_input_gradient(int threads, const T* dy, const T* x, T* dx, channel_geometry g,
+                         backward_coefficients<Acc> co) {
+    const std::size_t C = g.channels;
+    (void)threads;
+    if (g.inner > 1) {
+        const auto planes = static_cast<std::ptrdiff_t>(g.outer * C);
+#if LOCKSTEP_HAS_OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads)
+#endif
+        for (std::ptrdiff_t t = 0; t < planes; ++t) {
+            const std::size_t c = static_cast<std::size_t>(t) % C;
+            const std::size_t off = static_cast<std::size_t>(t) * g.inner;
+            gradient_run(dy + off, x + off, dx + off, g.inner, co.mean[c], co.k[c], co.a[c],
+                         co.b[c]);
+        }
+    } else {
+        const auto rows = static_cast<std::ptrdiff_t>(g.outer);
+#if LOCKSTEP_HAS_OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads)
+#endif
+        for (std::ptrdiff_t o = 0; o < rows; ++o) {
+            const std::size_t off = static_cast<std::size_t>(o) * C;
+            gradient_row(dy + off, x + off, dx + off, C, co.mean, co.k, co.a, co.b);
+        }
+    }
+}
+
+} // namespace lockstep::kernels::detail

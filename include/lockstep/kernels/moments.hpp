@@ -1,0 +1,89 @@
+// lockstep/kernels/moments.hpp: per-channel moments (count, mean, M2), the Welford step and
+// Chan's merge, as host/device functors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/config.hpp"
+
+#include <cmath>
+#include <cstddef>
+#include <type_traits>
+
+namespace lockstep::kernels {
+
+/// The type statistics are accumulated in: double for double data, float for everything else
+/// (float, and half/bfloat16 storage on the CUDA system).
+template <class T>
+using accumulation_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+/// The first two moments of a set of values, in the form that merges stably: the count, the
+/// mean and M2 = sum of squared deviations from the mean (variance = M2 / count).
+/// The count is kept in the floating-point type Acc so that moments travel through one
+/// collective of one type; it is exact up to 2^24 (float) or 2^53 (double) values per replica.
+template <class Acc>
+struct moments {
+    Acc count = 0;
+    Acc mean = 0;
+    Acc m2 = 0;
+};
+
+/// One Welford step shared by every path: adds x to a running (mean, m2) whose count, after
+/// adding x, is 1 / inv_count. Lanes that advance in lockstep share one reciprocal, which is
+/// what lets the host fast path vectorize it.
+template <class Acc>
+LOCKSTEP_HOST_DEVICE inline void welford_accumulate(Acc& mean, Acc& m2, Acc x, Acc inv_count) {
+    const Acc delta = x - mean;
+    mean += delta * inv_count;
+    m2 += delta * (x - mean);
+}
+
+/// Adds one value to m with a Welford step. ensures: m describes the old values and x.
+template <class Acc>
+LOCKSTEP_HOST_DEVICE inline void welford_update(moments<Acc>& m, Acc x) {
+    m.count += Acc(1);
+    welford_accumulate(m.mean, m.m2, x, Acc(1) / m.count);
+}
+
+/// Chan, Golub and LeVeque's pairwise merge: the moments of the union of two disjoint sets.
+/// Exact when either side is empty (the other side is returned bit for bit), so empty replicas
+/// and empty partitions change nothing. Not commutative in rounding: merge in a fixed order.
+struct chan_merge {
+    template <class Acc>
+    LOCKSTEP_HOST_DEVICE moments<Acc> operator()(const moments<Acc>& a,
+                                                 const moments<Acc>& b) const {
+        if (b.count == Acc(0))
+            return a;
+        if (a.count == Acc(0))
+            return b;
+        const Acc n = a.count + b.count;
+        const Acc delta = b.mean - a.mean;
+        const Acc wb = b.count / n;
+        moments<Acc> r;
+        r.count = n;
+        r.mean = a.mean + delta * wb;
+        r.m2 = a.m2 + b.m2 + delta * delta * (a.count * wb);
+        return r;
+    }
+};
+
+/// Moments of `lanes` Welford lanes that all saw `per_lane` values (the lane layout of the host
+/// fast path), merged in lane order into acc.
+template <class Acc>
+LOCKSTEP_HOST_DEVICE inline moments<Acc>
+merge_lanes(moments<Acc> acc, const Acc* mean, const Acc* m2, std::size_t lanes, Acc per_lane) {
+    const chan_merge merge;
+    for (std::size_t j = 0; j < lanes; ++j)
+        acc = merge(acc, moments<Acc>{per_lane, mean[j], m2[j]});
+    return acc;
+}
+
+/// 1 / sqrt(v) in the precision of Acc, usable in device code.
+template <class Acc>
+LOCKSTEP_HOST_DEVICE inline Acc inverse_sqrt(Acc v) {
+    if constexpr (std::is_same_v<Acc, float>) {
+        return 1.0f / ::sqrtf(v);
+    } else {
+        return Acc(1) / static_cast<Acc>(::sqrt(static_cast<double>(v)));
+    }
+}
+
+} // namespace lockstep::kernels

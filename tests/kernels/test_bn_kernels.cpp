@@ -1,0 +1,210 @@
+// Tests of the batch-norm kernels: moments (Welford + Chan) against a double two-pass reference,
+// stability, host fast path against the generic Thrust path. SPDX-License-Identifier: Apache-2.0
+#include "lockstep/kernels/bn_backward.hpp"
+#include "lockstep/kernels/bn_forward.hpp"
+#include "lockstep/system/host_system.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+using namespace lockstep;
+using kernels::channel_geometry;
+using kernels::moments;
+
+namespace {
+
+template <class T>
+std::vector<T> values(std::size_t n, unsigned seed, double mean, double stddev) {
+    std::mt19937_64 gen(seed);
+    std::normal_distribution<double> z(mean, stddev);
+    std::vector<T> v(n);
+    for (auto& e : v)
+        e = static_cast<T>(z(gen));
+    return v;
+}
+
+/// Two-pass double-precision (mean, M2) of channel c, read through its own index arithmetic.
+template <class T>
+moments<double> reference(const std::vector<T>& x, const channel_geometry& g, std::size_t c) {
+    moments<double> m;
+    m.count = static_cast<double>(g.outer * g.inner);
+    double sum = 0;
+    for (std::size_t o = 0; o < g.outer; ++o)
+        for (std::size_t i = 0; i < g.inner; ++i)
+            sum += x[(o * g.channels + c) * g.inner + i];
+    m.mean = m.count > 0 ? sum / m.count : 0;
+    for (std::size_t o = 0; o < g.outer; ++o)
+        for (std::size_t i = 0; i < g.inner; ++i) {
+            const double e = x[(o * g.channels + c) * g.inner + i] - m.mean;
+            m.m2 += e * e;
+        }
+    return m;
+}
+
+const std::vector<channel_geometry> geometries{
+    {6, 5, 63},   // NCHW, 7x9 planes: full chunks and tail lanes
+    {3, 2, 200},  // NCHW, larger planes
+    {2, 3, 5},    // NCHW, planes shorter than the lanes
+    {300, 19, 1}, // NHWC / N x C rows, one row partition
+    {2048, 7, 1}, // rows split into 8 partitions
+    {1, 4, 1},    // one value per channel
+    {0, 3, 16},   // empty batch
+};
+
+} // namespace
+
+TEMPLATE_TEST_CASE("channel_moments matches a two-pass double reference", "[kernels][bn]", float,
+                   double) {
+    using T = TestType;
+    const host_system sys;
+    const double tol = std::is_same_v<T, float> ? 1e-5 : 1e-12;
+    for (const auto& g : geometries) {
+        CAPTURE(g.outer, g.channels, g.inner);
+        const auto x = values<T>(g.size(), 3, 5.0, 2.0);
+        std::vector<moments<T>> fast(g.channels), generic(g.channels);
+        std::vector<moments<T>> ws(kernels::moments_workspace_size(g));
+        kernels::channel_moments(sys, std::span<const T>(x), g, std::span(fast), std::span(ws));
+        kernels::channel_moments_generic(sys, std::span<const T>(x), g, std::span(generic),
+                                         std::span(ws));
+        for (std::size_t c = 0; c < g.channels; ++c) {
+            const auto r = reference(x, g, c);
+            for (const auto& m : {fast[c], generic[c]}) {
+                CHECK(m.count == r.count);
+                CHECK(std::abs(m.mean - r.mean) <= tol * (std::abs(r.mean) + 1));
+                CHECK(std::abs(m.m2 - r.m2) <= tol * (r.m2 + 1e-30));
+            }
+        }
+    }
+}
+
+TEST_CASE("Welford + Chan keep the variance of large-mean float data", "[kernels][bn]") {
+    // mean 1e4, std 1 in float: the variance must be within 1e-3 of the double variance of the
+    // very same float values. A float sum / sum-of-squares formula fails this (checked below, so
+    // the test is known to tell a stable method from an unstable one).
+    const host_system sys;
+    for (const channel_geometry g :
+         {channel_geometry{64, 3, 1024}, channel_geometry{65536, 3, 1}}) {
+        const auto x = values<float>(g.size(), 17, 1e4, 1.0);
+        std::vector<moments<float>> fast(g.channels), generic(g.channels);
+        std::vector<moments<float>> ws(kernels::moments_workspace_size(g));
+        kernels::channel_moments(sys, std::span<const float>(x), g, std::span(fast), std::span(ws));
+        kernels::channel_moments_generic(sys, std::span<const float>(x), g, std::span(generic),
+                                         std::span(ws));
+        for (std::size_t c = 0; c < g.channels; ++c) {
+            const auto r = reference(x, g, c);
+            const double var = r.m2 / r.count;
+            CHECK(std::abs(fast[c].m2 / fast[c].count - var) <= 1e-3 * var);
+            CHECK(std::abs(generic[c].m2 / generic[c].count - var) <= 1e-3 * var);
+            float s = 0, sq = 0;
+            for (std::size_t k = 0; k < g.per_channel(); ++k) {
+                const float v = x[g.offset(c, k)];
+                s += v;
+                sq += v * v;
+            }
+            const float n = static_cast<float>(g.per_channel());
+            const double naive = (sq - s * s / n) / n;
+            CHECK(std::abs(naive - var) > 1e-3 * var);
+        }
+    }
+}
+
+TEST_CASE("chan_merge is exact against empty sets and equals the union", "[kernels][bn]") {
+    const kernels::chan_merge merge;
+    const moments<double> a{3, 2.5, 4.25}, empty{};
+    const auto l = merge(empty, a), r = merge(a, empty);
+    CHECK((l.count == a.count && l.mean == a.mean && l.m2 == a.m2));
+    CHECK((r.count == a.count && r.mean == a.mean && r.m2 == a.m2));
+    // {1, 2, 6} and {10, 12}: the union has mean 31/5 and M2 = sum (x - 6.2)^2 = 92.8
+    moments<double> x, y;
+    for (double v : {1.0, 2.0, 6.0})
+        kernels::welford_update(x, v);
+    for (double v : {10.0, 12.0})
+        kernels::welford_update(y, v);
+    const auto u = merge(x, y);
+    CHECK(u.count == 5);
+    CHECK(u.mean == Approx(6.2).epsilon(1e-15));
+    CHECK(u.m2 == Approx(92.8).epsilon(1e-14));
+}
+
+TEMPLATE_TEST_CASE("host fast path and generic path agree on normalize, backward sums and dx",
+                   "[kernels][bn]", float, double) {
+    using T = TestType;
+    const host_system sys;
+    const double tol = std::is_same_v<T, float> ? 1e-5 : 1e-12;
+    for (const auto& g : geometries) {
+        CAPTURE(g.outer, g.channels, g.inner);
+        const auto x = values<T>(g.size(), 5, 1.0, 3.0);
+        const auto dy = values<T>(g.size(), 6, 0.0, 1.0);
+        const auto mean = values<T>(g.channels, 7, 1.0, 0.5);
+        const auto scale = values<T>(g.channels, 8, 1.0, 0.5);
+        const auto beta = values<T>(g.channels, 9, 0.0, 1.0);
+        std::vector<T> y1(g.size()), y2(g.size());
+        kernels::normalize(sys, std::span<const T>(x), std::span<T>(y1), g,
+                           std::span<const T>(mean), std::span<const T>(scale),
+                           std::span<const T>(beta));
+        kernels::normalize_generic(sys, std::span<const T>(x), std::span<T>(y2), g,
+                                   std::span<const T>(mean), std::span<const T>(scale),
+                                   std::span<const T>(beta));
+        for (std::size_t i = 0; i < g.size(); ++i) {
+            const std::size_t c = (i / g.inner) % g.channels;
+            const double want = (double(x[i]) - mean[c]) * scale[c] + beta[c];
+            CHECK(std::abs(y1[i] - want) <= tol * (std::abs(want) + 1));
+            CHECK(y1[i] == y2[i]); // elementwise: same functor, same bits
+        }
+
+        std::vector<T> s1(2 * g.channels), s2(2 * g.channels);
+        std::vector<T> ws(kernels::backward_workspace_size(g));
+        kernels::backward_sums(sys, std::span<const T>(dy), std::span<const T>(x), g,
+                               std::span<const T>(mean), std::span<T>(s1), std::span<T>(ws));
+        kernels::backward_sums_generic(sys, std::span<const T>(dy), std::span<const T>(x), g,
+                                       std::span<const T>(mean), std::span<T>(s2),
+                                       std::span<T>(ws));
+        for (std::size_t c = 0; c < g.channels; ++c) {
+            double sdy = 0, sdyx = 0, scale_dy = 0, scale_dyx = 0;
+            for (std::size_t k = 0; k < g.per_channel(); ++k) {
+                const std::size_t i = g.offset(c, k);
+                sdy += dy[i];
+                sdyx += double(dy[i]) * (double(x[i]) - mean[c]);
+                scale_dy += std::abs(double(dy[i]));
+                scale_dyx += std::abs(double(dy[i]) * (double(x[i]) - mean[c]));
+            }
+            // summation error is bounded relative to the sum of magnitudes
+            CHECK(std::abs(s1[c] - sdy) <= tol * (scale_dy + 1e-30));
+            CHECK(std::abs(s2[c] - sdy) <= tol * (scale_dy + 1e-30));
+            CHECK(std::abs(s1[g.channels + c] - sdyx) <= tol * (scale_dyx + 1e-30));
+            CHECK(std::abs(s2[g.channels + c] - sdyx) <= tol * (scale_dyx + 1e-30));
+        }
+
+        const auto k = values<T>(g.channels, 10, 1.0, 0.5);
+        const auto a = values<T>(g.channels, 11, 0.0, 0.1);
+        const auto b = values<T>(g.channels, 12, 0.0, 0.1);
+        const kernels::backward_coefficients<T> co{mean.data(), k.data(), a.data(), b.data()};
+        std::vector<T> dx1(g.size()), dx2(g.size());
+        kernels::input_gradient(sys, std::span<const T>(dy), std::span<const T>(x),
+                                std::span<T>(dx1), g, co);
+        kernels::input_gradient_generic(sys, std::span<const T>(dy), std::span<const T>(x),
+                                        std::span<T>(dx2), g, co);
+        for (std::size_t i = 0; i < g.size(); ++i) {
+            const std::size_t c = (i / g.inner) % g.channels;
+            const double want = k[c] * (double(dy[i]) - a[c] - (double(x[i]) - mean[c]) * b[c]);
+            CHECK(std::abs(dx1[i] - want) <= tol * (std::abs(want) + 1));
+            CHECK(dx1[i] == dx2[i]);
+        }
+    }
+}
+
+TEST_CASE("kernels reject spans that do not match the geometry", "[kernels][bn]") {
+    const host_system sys;
+    const channel_geometry g{2, 3, 4};
+    std::vector<float> x(g.size() - 1);
+    std::vector<moments<float>> out(3), ws(kernels::moments_workspace_size(g));
+    CHECK_THROWS_AS(
+        kernels::channel_moments(sys, std::span<const float>(x), g, std::span(out), std::span(ws)),
+        error);
+    CHECK_THROWS_AS(kernels::channel_moments_generic(sys, std::span<const float>(x), g,
+                                                     std::span(out), std::span(ws)),
+                    error);
+}

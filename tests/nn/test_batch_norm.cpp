@@ -1,0 +1,268 @@
+// Tests of nn::batch_norm on one replica: against a double-precision reference, finite
+// differences, numerical stability, options, bad input. SPDX-License-Identifier: Apache-2.0
+#include "lockstep/comm/thread_group.hpp"
+#include "lockstep/nn/batch_norm.hpp"
+
+#include "bn_reference.hpp"
+#include "support/counting_communicator.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+using namespace lockstep;
+using bn_test::dims;
+
+namespace {
+
+template <class T, class L>
+struct cfg {
+    using value_type = T;
+    using layout = L;
+};
+
+/// Runs f(comm) on a single replica (a thread group of one).
+template <class F>
+void solo(F&& f) {
+    thread_group group(1, {.timeout = std::chrono::seconds(30)});
+    group.run([&](thread_communicator& comm) { f(comm); });
+}
+
+std::vector<double> as_double(std::span<const float> s) {
+    return {s.begin(), s.end()};
+}
+std::vector<double> as_double(std::span<const double> s) {
+    return {s.begin(), s.end()};
+}
+
+} // namespace
+
+TEMPLATE_TEST_CASE("batch_norm matches the double-precision reference on one replica", "[nn][bn]",
+                   (cfg<float, nn::nchw>), (cfg<float, nn::nhwc>), (cfg<float, nn::nc>),
+                   (cfg<double, nn::nchw>), (cfg<double, nn::nhwc>), (cfg<double, nn::nc>)) {
+    using T = typename TestType::value_type;
+    using L = typename TestType::layout;
+    const dims d = bn_test::make_dims<L>(6, 5, 7, 9); // odd extents exercise the vector tails
+    const nn::batch_norm_params p{.eps = 1e-3, .momentum = 0.25};
+    std::vector<double> gamma{0.5, 1.5, -2.0, 1.0, 3.0}, beta{0.1, -0.2, 0.3, 0.0, 1.0};
+    std::vector<double> rm(5, 0.0), rv(5, 1.0);
+
+    std::vector<T> y(d.size()), dx(d.size());
+    nn::batch_norm<T, bn::local, L> layer(d.c, p);
+    for (std::size_t c = 0; c < d.c; ++c) {
+        layer.gamma()[c] = static_cast<T>(gamma[c]);
+        layer.beta()[c] = static_cast<T>(beta[c]);
+    }
+    solo([&](auto& comm) {
+        testing::counting_communicator counted(comm);
+        for (unsigned step = 0; step < 3; ++step) {
+            const auto x = bn_test::random_values<T>(d.size(), 100 + step, 2.0 + step, 3.0);
+            const auto dy = bn_test::random_values<T>(d.size(), 200 + step);
+            layer.forward_train(counted, std::span<const T>(x), bn_test::shape_of<L>(d),
+                                std::span<T>(y));
+            std::vector<double> dg0 = as_double(layer.dgamma()), db0 = as_double(layer.dbeta());
+            layer.backward(counted, std::span<const T>(dy), std::span<T>(dx));
+            const auto ref =
+                bn_test::reference<L>(d, x, dy, gamma, beta, p.eps, p.momentum, rm, rv);
+            rm = ref.running_mean;
+            rv = ref.running_var;
+            const double tol = bn_test::tolerance<T>();
+            CHECK(bn_test::rel_error(y, ref.y) <= tol);
+            CHECK(bn_test::rel_error(dx, ref.dx) <= tol);
+            std::vector<double> dg(d.c), db(d.c);
+            for (std::size_t c = 0; c < d.c; ++c) {
+                dg[c] = layer.dgamma()[c] - dg0[c]; // backward accumulates
+                db[c] = layer.dbeta()[c] - db0[c];
+            }
+            CHECK(bn_test::rel_error(dg, ref.dgamma) <= tol * 10);
+            CHECK(bn_test::rel_error(db, ref.dbeta) <= tol * 10);
+            CHECK(bn_test::rel_error(layer.running_mean(), rm) <= tol);
+            CHECK(bn_test::rel_error(layer.running_var(), rv) <= tol);
+            CHECK(bn_test::rel_error(layer.batch_mean(), ref.mean) <= tol);
+        }
+        CHECK(layer.num_batches_tracked() == 3);
+        CHECK(counted.counts().collectives() == 0); // bn::local never communicates
+
+        // Inference uses the running statistics and no communication.
+        const auto x = bn_test::random_values<T>(d.size(), 300, -1.0, 2.0);
+        layer.forward_eval(std::span<const T>(x), bn_test::shape_of<L>(d), std::span<T>(y));
+        std::vector<double> expect(d.size());
+        for (std::size_t n = 0; n < d.n; ++n)
+            for (std::size_t c = 0; c < d.c; ++c)
+                for (std::size_t s = 0; s < d.s(); ++s) {
+                    const std::size_t i = bn_test::index<L>(d, n, c, s);
+                    expect[i] = (x[i] - rm[c]) / std::sqrt(rv[c] + p.eps) * gamma[c] + beta[c];
+                }
+        CHECK(bn_test::rel_error(y, expect) <= bn_test::tolerance<T>());
+        CHECK(counted.counts().collectives() == 0);
+    });
+}
+
+TEMPLATE_TEST_CASE("batch_norm backward matches finite differences", "[nn][bn]", nn::nchw, nn::nhwc,
+                   nn::nc) {
+    using L = TestType;
+    const dims d = bn_test::make_dims<L>(3, 2, 2, 3);
+    const auto x0 = bn_test::random_values<double>(d.size(), 7, 0.5, 2.0);
+    const auto w = bn_test::random_values<double>(d.size(), 8); // loss = sum(w * y), dy = w
+    nn::batch_norm<double, bn::local, L> layer(d.c, {.eps = 1e-2});
+    layer.gamma()[0] = 1.7;
+    layer.gamma()[1] = -0.6;
+    layer.beta()[1] = 0.4;
+    std::vector<double> y(d.size()), dx(d.size());
+    solo([&](auto& comm) {
+        auto loss = [&](const std::vector<double>& x) {
+            layer.forward_train(comm, std::span<const double>(x), bn_test::shape_of<L>(d),
+                                std::span<double>(y));
+            double l = 0;
+            for (std::size_t i = 0; i < y.size(); ++i)
+                l += w[i] * y[i];
+            return l;
+        };
+        loss(x0);
+        layer.backward(comm, std::span<const double>(w), std::span<double>(dx));
+        const double h = 1e-5;
+        std::vector<double> fd(d.size());
+        for (std::size_t i = 0; i < d.size(); ++i) {
+            auto xp = x0, xm = x0;
+            xp[i] += h;
+            xm[i] -= h;
+            fd[i] = (loss(xp) - loss(xm)) / (2 * h);
+        }
+        CHECK(bn_test::rel_error(dx, fd) <= 1e-7); // central differences: O(h^2) + rounding
+        const std::vector<double> dgamma(layer.dgamma().begin(), layer.dgamma().end());
+        const std::vector<double> dbeta(layer.dbeta().begin(), layer.dbeta().end());
+        std::vector<double> fdg(d.c), fdb(d.c);
+        for (std::size_t c = 0; c < d.c; ++c) {
+            const double g = layer.gamma()[c], b = layer.beta()[c];
+            layer.gamma()[c] = g + h;
+            const double lgp = loss(x0);
+            layer.gamma()[c] = g - h;
+            const double lgm = loss(x0);
+            layer.gamma()[c] = g;
+            layer.beta()[c] = b + h;
+            const double lbp = loss(x0);
+            layer.beta()[c] = b - h;
+            const double lbm = loss(x0);
+            layer.beta()[c] = b;
+            fdg[c] = (lgp - lgm) / (2 * h);
+            fdb[c] = (lbp - lbm) / (2 * h);
+        }
+        CHECK(bn_test::rel_error(dgamma, fdg) <= 1e-7);
+        CHECK(bn_test::rel_error(dbeta, fdb) <= 1e-7);
+    });
+}
+
+TEST_CASE("batch_norm statistics are stable for data with a large mean", "[nn][bn]") {
+    // Mean 1e4, std 1 in float: sum / sum-of-squares loses every digit of the variance here.
+    const dims d{64, 3, 16, 16};
+    const auto x = bn_test::random_values<float>(d.size(), 11, 1e4, 1.0);
+    std::vector<float> y(d.size());
+    nn::batch_norm<float, bn::local, nn::nchw> layer(d.c, {.eps = 1e-5, .momentum = 1.0});
+    solo([&](auto& comm) {
+        layer.forward_train(comm, std::span<const float>(x), {d.n, d.c, d.h, d.w},
+                            std::span<float>(y));
+    });
+    const std::vector<double> ones(d.c, 1.0), zeros(d.c, 0.0);
+    const auto ref = bn_test::reference<nn::nchw>(d, x, x, ones, zeros, 1e-5, 1.0, zeros, ones);
+    const double m = static_cast<double>(d.n * d.s());
+    for (std::size_t c = 0; c < d.c; ++c) {
+        // momentum 1: running_var is the unbiased batch variance
+        CHECK(std::abs(layer.running_var()[c] - ref.var[c] * m / (m - 1)) <= 1e-3 * ref.var[c]);
+        CHECK(std::abs(layer.running_mean()[c] - ref.mean[c]) <= 1e-6 * ref.mean[c]);
+    }
+    CHECK(bn_test::rel_error(y, ref.y) <= 1e-3); // y = (x - mean) * scale: no cancellation
+}
+
+TEST_CASE("batch_norm without affine normalizes only", "[nn][bn]") {
+    const dims d{4, 3, 2, 2};
+    const auto x = bn_test::random_values<double>(d.size(), 5, 1.0, 2.0);
+    const auto dy = bn_test::random_values<double>(d.size(), 6);
+    std::vector<double> y(d.size()), dx(d.size());
+    nn::batch_norm<double> layer(d.c, {.affine = false});
+    CHECK(layer.gamma().empty());
+    CHECK(layer.dgamma().empty());
+    solo([&](auto& comm) {
+        layer.forward_train(comm, std::span<const double>(x), {4, 3, 2, 2}, std::span<double>(y));
+        layer.backward(comm, std::span<const double>(dy), std::span<double>(dx));
+    });
+    const std::vector<double> ones(d.c, 1.0), zeros(d.c, 0.0);
+    const auto ref = bn_test::reference<nn::nchw>(d, x, dy, ones, zeros, 1e-5, 0.1, zeros, ones);
+    CHECK(bn_test::rel_error(y, ref.y) <= 1e-12);
+    CHECK(bn_test::rel_error(dx, ref.dx) <= 1e-12);
+}
+
+TEST_CASE("batch_norm can keep its parameters in caller-provided storage", "[nn][bn]") {
+    std::vector<float> flat(4 * 3, -7.0f); // gamma | beta | dgamma | dbeta, as a registry would
+    std::span<float> all(flat);
+    nn::batch_norm<float, bn::local, nn::nc> layer(
+        3, {all.subspan(0, 3), all.subspan(3, 3), all.subspan(6, 3), all.subspan(9, 3)});
+    CHECK(flat == std::vector<float>{1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0});
+    flat[0] = 2.0f; // the layer reads gamma from the caller's storage
+    const dims d{5, 3, 1, 1};
+    const auto x = bn_test::random_values<float>(d.size(), 9);
+    const auto dy = bn_test::random_values<float>(d.size(), 10);
+    std::vector<float> y(d.size()), dx(d.size());
+    solo([&](auto& comm) {
+        layer.forward_train(comm, std::span<const float>(x), {5, 3}, std::span<float>(y));
+        layer.backward(comm, std::span<const float>(dy), std::span<float>(dx));
+        layer.backward(comm, std::span<const float>(dy), std::span<float>(dx)); // accumulates
+    });
+    const auto ref =
+        bn_test::reference<nn::nc>(d, x, dy, {2, 1, 1}, {0, 0, 0}, 1e-5, 0.1, {0, 0, 0}, {1, 1, 1});
+    CHECK(bn_test::rel_error(y, ref.y) <= 1e-5);
+    for (std::size_t c = 0; c < 3; ++c) {
+        CHECK(flat[6 + c] == Approx(2 * ref.dgamma[c]).margin(1e-5));
+        CHECK(flat[9 + c] == Approx(2 * ref.dbeta[c]).margin(1e-5));
+    }
+    CHECK_THROWS_AS(
+        (nn::batch_norm<float, bn::local, nn::nc>(
+            3, {all.subspan(0, 2), all.subspan(3, 3), all.subspan(6, 3), all.subspan(9, 3)})),
+        error);
+}
+
+TEST_CASE("batch_norm rejects bad input with a clear error", "[nn][bn]") {
+    nn::batch_norm<float, bn::local, nn::nchw> layer(3);
+    std::vector<float> x(2 * 3 * 4, 1.0f), y(x.size());
+    auto message = [&](auto&& call) -> std::string {
+        try {
+            solo(call);
+        } catch (const error& e) {
+            return e.what();
+        }
+        return "no error";
+    };
+    const std::string channels = message([&](auto& comm) {
+        layer.forward_train(comm, std::span<const float>(x), {2, 4, 3, 1}, std::span<float>(y));
+    });
+    CHECK(channels.find("shape_mismatch") != std::string::npos);
+    CHECK(channels.find("replica 0: batch_norm.forward_train: the layer has 3 channels, the "
+                        "input 4") != std::string::npos);
+    const std::string rank = message([&](auto& comm) {
+        layer.forward_train(comm, std::span<const float>(x), {2, 3, 4}, std::span<float>(y));
+    });
+    CHECK(rank.find("expected a rank-4 nchw tensor, got shape (2, 3, 4) of rank 3") !=
+          std::string::npos);
+    const std::string size = message([&](auto& comm) {
+        layer.forward_train(comm, std::span<const float>(x), {2, 3, 2, 1}, std::span<float>(y));
+    });
+    CHECK(size.find("has 12 values, x has 24") != std::string::npos);
+    const std::string one = message([&](auto& comm) {
+        layer.forward_train(comm, std::span<const float>(x).first(3), {1, 3, 1, 1},
+                            std::span<float>(y).first(3));
+    });
+    CHECK(one.find("invalid_argument") != std::string::npos);
+    CHECK(one.find("expected more than 1 value per channel when training") != std::string::npos);
+    const std::string no_forward = message(
+        [&](auto& comm) { layer.backward(comm, std::span<const float>(x), std::span<float>(y)); });
+    CHECK(no_forward.find("backward needs a preceding forward_train") != std::string::npos);
+    CHECK_THROWS_AS(nn::batch_norm<float>(0), error);
+    CHECK_THROWS_AS(nn::batch_norm<float>(3, {.momentum = 1.5}), error);
+    // One value per channel is fine for inference, and an empty batch is fine for training.
+    CHECK_NOTHROW(layer.forward_eval(std::span<const float>(x).first(3), {1, 3, 1, 1},
+                                     std::span<float>(y).first(3)));
+    CHECK(message([&](auto& comm) {
+              layer.forward_train(comm, std::span<const float>(), {0, 3, 4, 4}, std::span<float>());
+          }) == "no error");
+}
