@@ -10,6 +10,7 @@
 #include "lockstep/system/host_system.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -71,10 +72,7 @@ public:
     int replica() const noexcept { return group_ ? group_->replica_of(rank_) : -1; }
     /// The host system of this replica: the machine's hardware threads divided by the
     /// replicas of the whole thread_group.
-    host_system system() const {
-        return host_system(
-            host_system::default_threads(group_ ? group_->replicas_in_process() : 1));
-    }
+    host_system system() const { return group_ ? group_->system() : host_system(); }
 
     /// recv[i] = op over all replicas (in rank order) of send[i]. send may alias recv.
     /// requires: every replica passes the same count, type and op; recv.size() == send.size().
@@ -88,9 +86,9 @@ public:
                        3);
         const std::size_t count = send.size();
         const int n = size();
-        std::vector<const T*> sources(static_cast<std::size_t>(n));
+        source_list<T> sources(n);
         for (int j = 0; j < n; ++j)
-            sources[static_cast<std::size_t>(j)] = peer_send<T>(j, s);
+            sources[j] = peer_send<T>(j, s);
         // Reduce-scatter: this replica owns one chunk and writes it only into its own recv.
         // Only the owner reads that chunk of anybody's send, so in-place calls are safe.
         const auto [b, e] = detail::shm::owned_chunk<T>(count, rank_, n);
@@ -147,9 +145,9 @@ public:
                                  send.data(), recv.data(), op, root),
                        2);
         const int n = size();
-        std::vector<const T*> sources(static_cast<std::size_t>(n));
+        source_list<T> sources(n);
         for (int j = 0; j < n; ++j)
-            sources[static_cast<std::size_t>(j)] = peer_send<T>(j, s);
+            sources[j] = peer_send<T>(j, s);
         // Each replica reduces its chunk straight into root's recv; on root, only the owner
         // reads a chunk of root's send, so root may reduce in place.
         const auto [b, e] = detail::shm::owned_chunk<T>(send.size(), rank_, n);
@@ -208,7 +206,7 @@ public:
         static_assert(std::is_trivially_copyable_v<U>, "send copies elements as bytes.");
         const std::string op =
             "send to rank " + std::to_string(dest) + " (tag " + std::to_string(tag) + ")";
-        require_group(op);
+        require_group(op.c_str());
         LOCKSTEP_REQUIRE(dest >= 0 && dest < size(), errc::invalid_argument, replica(), op, "rank ",
                          dest, " is not in this group of ", size());
         group_->throw_if_failed(rank_, op);
@@ -231,7 +229,7 @@ public:
     void recv(std::span<T> data, int source, int tag) {
         const std::string op =
             "recv from rank " + std::to_string(source) + " (tag " + std::to_string(tag) + ")";
-        require_group(op);
+        require_group(op.c_str());
         LOCKSTEP_REQUIRE(source >= 0 && source < size(), errc::invalid_argument, replica(), op,
                          "rank ", source, " is not in this group of ", size());
         receive(data, tag, source, op);
@@ -242,7 +240,7 @@ public:
     template <class T>
     int recv_any(std::span<T> data, int tag) {
         const std::string op = "recv_any (tag " + std::to_string(tag) + ")";
-        require_group(op);
+        require_group(op.c_str());
         return receive(data, tag, -1, op);
     }
 
@@ -254,7 +252,7 @@ private:
         std::uint64_t first; ///< epoch of the first phase
         int phases;
         int done;
-        std::string op;
+        detail::shm::op_label op;
     };
 
     thread_communicator(std::shared_ptr<detail::shm::group_state> group, int rank)
@@ -266,7 +264,7 @@ private:
         group_.reset();
     }
 
-    void require_group(const std::string& op) const {
+    void require_group(const char* op) const {
         LOCKSTEP_REQUIRE(group_ != nullptr, errc::invalid_argument, -1, op,
                          "this thread_communicator was moved from");
     }
@@ -292,11 +290,11 @@ private:
     session start(detail::shm::call_record rec, int phases) {
         require_group(name_of(rec.kind));
         const std::uint64_t seq = seq_++;
-        session s{seq, epoch_ + 1, phases, 0, group_->operation(name_of(rec.kind), seq)};
+        session s{seq, epoch_ + 1, phases, 0, {name_of(rec.kind), seq}};
         group_->throw_if_failed(rank_, s.op);
         group_->publish(rank_, seq, std::move(rec));
         next_phase(s);
-        group_->validate(rank_, seq, s.op);
+        group_->validate(rank_, s.op);
         return s;
     }
 
@@ -314,6 +312,22 @@ private:
     T* peer_recv(int j, const session& s) const {
         return static_cast<T*>(group_->call(j, s.seq).recv);
     }
+
+    /// The peers' send pointers, on the stack for the usual small groups.
+    template <class T>
+    class source_list {
+    public:
+        explicit source_list(int n) {
+            if (n > static_cast<int>(local_.size()))
+                heap_.resize(static_cast<std::size_t>(n));
+        }
+        const T*& operator[](int j) noexcept { return data()[j]; }
+        const T** data() noexcept { return heap_.empty() ? local_.data() : heap_.data(); }
+
+    private:
+        std::array<const T*, 16> local_{};
+        std::vector<const T*> heap_;
+    };
 
     template <class T>
     static void copy_elements(T* dst, const T* src, std::size_t n) {

@@ -7,6 +7,7 @@
 #include "lockstep/comm/detail/shm_reduce.hpp"
 #include "lockstep/comm/detail/shm_sync.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/system/host_system.hpp"
 
 #include <array>
 #include <atomic>
@@ -85,6 +86,12 @@ struct mailbox {
     std::deque<message> queue;
 };
 
+/// Names one collective call in messages ("all_reduce #3"); formatted only when an error is.
+struct op_label {
+    const char* name;
+    std::uint64_t seq;
+};
+
 /// A phase epoch no real phase reaches: the replica has left the collective after a failure
 /// and touches no peer's memory any more.
 inline constexpr std::uint64_t left_epoch = std::numeric_limits<std::uint64_t>::max();
@@ -111,6 +118,7 @@ public:
                 int replicas_in_process)
         : ctx_(std::move(ctx)), replicas_(std::move(replicas)), label_(std::move(label)),
           replicas_in_process_(replicas_in_process),
+          system_(host_system::default_threads(replicas_in_process)),
           members_(std::make_unique<member_slot[]>(replicas_.size())),
           mailboxes_(std::make_unique<mailbox[]>(replicas_.size())) {}
     group_state(const group_state&) = delete;
@@ -121,6 +129,8 @@ public:
     const std::vector<int>& replicas() const noexcept { return replicas_; }
     const std::string& label() const noexcept { return label_; }
     int replicas_in_process() const noexcept { return replicas_in_process_; }
+    /// The host system of every member (thread budget fixed when the group is made).
+    const host_system& system() const noexcept { return system_; }
     run_context& context() noexcept { return *ctx_; }
     const std::shared_ptr<run_context>& context_ptr() const noexcept { return ctx_; }
     member_slot& member(int rank) noexcept { return members_[static_cast<std::size_t>(rank)]; }
@@ -130,8 +140,8 @@ public:
     }
 
     /// "all_reduce #3" (plus " in <label>" for a sub-group): how messages name a call.
-    std::string operation(const char* name, std::uint64_t seq) const {
-        std::string s = std::string(name) + " #" + std::to_string(seq);
+    std::string operation(op_label l) const {
+        std::string s = std::string(l.name) + " #" + std::to_string(l.seq);
         if (!label_.empty())
             s += " in " + label_;
         return s;
@@ -148,9 +158,10 @@ public:
     }
 
     /// Throws errc::peer_failure if the run has failed or the group is dead.
-    void throw_if_failed(int rank, const std::string& op) {
+    template <class Op>
+    void throw_if_failed(int rank, const Op& op) {
         if (ctx_->failed() || aborted())
-            fail(errc::peer_failure, replica_of(rank), op, ctx_->failure_description());
+            fail(errc::peer_failure, replica_of(rank), name(op), ctx_->failure_description());
     }
 
     /// Publishes rank's call for `seq`, then arrives at the collective's first phase.
@@ -164,7 +175,7 @@ public:
     /// timeout passed) the group is aborted and this throws, after waiting until no peer can
     /// still be reading rank's buffers.
     void arrive_and_wait(int rank, std::uint64_t target, std::uint64_t first, bool final_phase,
-                         const std::string& op) {
+                         op_label label) {
         member(rank).epoch.store(target);
         ctx_->notify();
         const auto complete = [&] {
@@ -188,6 +199,7 @@ public:
         if (complete() && !aborted())
             return;
         const int me = replica_of(rank);
+        const std::string op = operation(label);
         if (aborted() || ctx_->failed()) {
             abandon(rank, first, final_phase,
                     error(errc::peer_failure, me, op, ctx_->failure_description()));
@@ -218,9 +230,12 @@ public:
     /// Checks that every member made the same call at `seq` (same collective, element type,
     /// count, reduction, root; receive spans of the right size). Every member reads the same
     /// records, so all of them throw the same error or none does.
-    void validate(int rank, std::uint64_t seq, const std::string& op) const;
+    void validate(int rank, op_label label) const;
 
 private:
+    std::string name(const std::string& op) const { return op; }
+    std::string name(op_label l) const { return operation(l); }
+
     /// Leaves the current collective after a failure: marks the group dead, then, if peers
     /// may be inside a data phase reading this replica's buffers, waits until each of them
     /// has left too or never entered; then throws e.
@@ -249,12 +264,15 @@ private:
     std::vector<int> replicas_;
     std::string label_;
     int replicas_in_process_;
+    host_system system_;
     std::unique_ptr<member_slot[]> members_;
     std::unique_ptr<mailbox[]> mailboxes_;
     std::atomic<bool> aborted_{false};
 };
 
-inline void group_state::validate(int rank, std::uint64_t seq, const std::string& op) const {
+inline void group_state::validate(int rank, op_label label) const {
+    const std::uint64_t seq = label.seq;
+    const auto op = [&] { return operation(label); };
     const int me = replica_of(rank);
     const int n = size();
     const call_record& c0 = call(0, seq);
@@ -274,7 +292,7 @@ inline void group_state::validate(int rank, std::uint64_t seq, const std::string
         return true;
     };
     if (!all_same([](const call_record& c) { return c.kind; }))
-        fail(errc::shape_mismatch, me, op, "replicas called different collectives: ",
+        fail(errc::shape_mismatch, me, op(), "replicas called different collectives: ",
              list([](const call_record& c) { return std::string("called ") + name_of(c.kind); }));
     const collective_kind k = c0.kind;
     if (k == collective_kind::barrier || k == collective_kind::split)
@@ -284,24 +302,25 @@ inline void group_state::validate(int rank, std::uint64_t seq, const std::string
         return "passed " + count_of(c.count, c.type, c.elem_size);
     };
     if (!all_same([](const call_record& c) { return std::pair(c.type, c.elem_size); }))
-        fail(errc::shape_mismatch, me, op, "replicas disagree on the element type: ", list(passed));
+        fail(errc::shape_mismatch, me, op(),
+             "replicas disagree on the element type: ", list(passed));
     if (!all_same([](const call_record& c) { return c.count; }))
-        fail(errc::count_mismatch, me, op,
+        fail(errc::count_mismatch, me, op(),
              "replicas disagree on the element count: ", list(passed));
     if (k == collective_kind::all_reduce || k == collective_kind::reduce) {
         if (!all_same([](const call_record& c) { return c.op; }))
-            fail(errc::shape_mismatch, me, op,
+            fail(errc::shape_mismatch, me, op(),
                  "replicas disagree on the reduction: ", list([](const call_record& c) {
                      return "passed reduce_op::" + std::string(to_string(c.op));
                  }));
     }
     if (k == collective_kind::broadcast || k == collective_kind::reduce) {
         if (!all_same([](const call_record& c) { return c.root; }))
-            fail(errc::shape_mismatch, me, op,
+            fail(errc::shape_mismatch, me, op(),
                  "replicas disagree on the root: ", list([](const call_record& c) {
                      return "passed root " + std::to_string(c.root);
                  }));
-        LOCKSTEP_REQUIRE(c0.root >= 0 && c0.root < n, errc::invalid_argument, me, op, "root ",
+        LOCKSTEP_REQUIRE(c0.root >= 0 && c0.root < n, errc::invalid_argument, me, op(), "root ",
                          c0.root, " is not a rank of this group of ", n);
     }
     for (int j = 0; j < n; ++j) {
@@ -314,7 +333,7 @@ inline void group_state::validate(int rank, std::uint64_t seq, const std::string
         if (k == collective_kind::all_gather)
             want = c.count * static_cast<std::size_t>(n);
         if (c.recv_count != want)
-            fail(errc::count_mismatch, me, op, "replica ", replica_of(j),
+            fail(errc::count_mismatch, me, op(), "replica ", replica_of(j),
                  " passed a receive span of ", count_of(c.recv_count, c.type, c.elem_size), " for ",
                  count_of(want, c.type, c.elem_size));
     }
