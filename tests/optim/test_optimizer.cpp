@@ -2,6 +2,8 @@
 // round trips, thread-count independence, the optimizer concept and all_finite.
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/optim/adam.hpp"
+#include "lockstep/optim/lamb.hpp"
+#include "lockstep/optim/lars.hpp"
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/optim/sgd.hpp"
 
@@ -73,6 +75,32 @@ struct setup<optim::adamw<T>> {
     }
 };
 
+template <class T>
+struct setup<optim::lars<T>> {
+    static optim::lars_params params() {
+        return {.lr = 0.5, .momentum = 0.9, .eta = 0.02, .weight_decay = 1e-3, .eps = 1e-9};
+    }
+    static ref::lars reference() {
+        return {.lr = 0.5, .mu = 0.9, .eta = 0.02, .wd = 1e-3, .eps = 1e-9, .segs = layout};
+    }
+};
+template <class T>
+struct setup<optim::lamb<T>> {
+    static optim::lamb_params params() {
+        return {.lr = 1e-2, .eps = 1e-6, .weight_decay = 1e-2, .phi_max = 10.0};
+    }
+    static ref::lamb reference() {
+        return {.lr = 1e-2,
+                .b1 = 0.9,
+                .b2 = 0.999,
+                .eps = 1e-6,
+                .wd = 1e-2,
+                .phi_min = 0.0,
+                .phi_max = 10.0,
+                .segs = layout};
+    }
+};
+
 template <class S>
 struct opt_type {
     using type = S;
@@ -93,8 +121,11 @@ std::vector<double> gradient(int step) {
 static_assert(optimizer<optim::sgd<float>>);
 static_assert(optimizer<optim::adam<double>>);
 static_assert(optimizer<optim::adamw<float>>);
+static_assert(optimizer<optim::lars<float>>);
+static_assert(optimizer<optim::lamb<double>>);
 
-#define LOCKSTEP_OPTIMIZERS(T) optim::sgd<T>, nesterov<T>, optim::adam<T>, optim::adamw<T>
+#define LOCKSTEP_OPTIMIZERS(T)                                                                     \
+    optim::sgd<T>, nesterov<T>, optim::adam<T>, optim::adamw<T>, optim::lars<T>, optim::lamb<T>
 
 TEMPLATE_TEST_CASE("optimizers follow the double reference over 50 steps", "[optim][host]",
                    LOCKSTEP_OPTIMIZERS(float), LOCKSTEP_OPTIMIZERS(double)) {
@@ -120,6 +151,15 @@ TEMPLATE_TEST_CASE("optimizers follow the double reference over 50 steps", "[opt
         worst = std::max(worst, std::abs(w[i] - wref[i]) / (1 + std::abs(wref[i])));
     INFO("worst relative error " << worst);
     CHECK(worst <= tol);
+    if constexpr (requires { opt.trust_ratios(); }) {
+        // LARS/LAMB: the last step's per-tensor ratios (1 for the non-adapted bias and the
+        // empty tensor).
+        REQUIRE(opt.trust_ratios().size() == reference.trust.size());
+        for (std::size_t k = 0; k < reference.trust.size(); ++k)
+            CHECK(opt.trust_ratios()[k] == Approx(reference.trust[k]).epsilon(tol));
+        CHECK(opt.trust_ratios()[2] == 1.0);
+        CHECK(opt.trust_ratios()[3] == 1.0);
+    }
     // Padding (elements 850..852) is never touched.
     const std::vector<double> w0 = initial_weights();
     for (std::size_t i = 850; i < 853; ++i)

@@ -75,21 +75,26 @@ struct adam_update {
     T* m;
     T* v;
     const segment_flags* flags;
-    T lr, beta1, beta2, eps, weight_decay, step_size, sqrt_bc2;
+    // The (1 - x) factors are computed in double on the host, then rounded once to T (as
+    // PyTorch passes 1 - beta as a Python float): 1 - 0.999f in float is off by 1.3e-5.
+    T beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor, step_size,
+        sqrt_bc2;
     bool decoupled;
 
-    LOCKSTEP_HOST_DEVICE T segment(std::uint32_t s) const {
-        return flags[s].decay ? weight_decay : T(0);
+    struct scalars {
+        T wd;     ///< coupled L2 coefficient of the segment (0 for AdamW or !decay)
+        T factor; ///< decoupled factor 1 - lr wd of the segment (1 for Adam or !decay)
+    };
+    LOCKSTEP_HOST_DEVICE scalars segment(std::uint32_t s) const {
+        if (!flags[s].decay)
+            return {T(0), T(1)};
+        return decoupled ? scalars{T(0), decay_factor} : scalars{weight_decay, T(1)};
     }
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i, T wd) const {
-        T wi = w[i];
-        T gi = g[i];
-        if (decoupled)
-            wi = wi * (T(1) - lr * wd);
-        else
-            gi = gi + wd * wi;
-        const T mi = beta1 * m[i] + (T(1) - beta1) * gi;
-        const T vi = beta2 * v[i] + (T(1) - beta2) * gi * gi;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i, const scalars& s) const {
+        const T wi = w[i] * s.factor;
+        const T gi = g[i] + s.wd * w[i];
+        const T mi = beta1 * m[i] + one_minus_beta1 * gi;
+        const T vi = beta2 * v[i] + one_minus_beta2 * gi * gi;
         m[i] = mi;
         v[i] = vi;
         w[i] = wi - step_size * mi / (detail::sqrt_t(vi) / sqrt_bc2 + eps);
@@ -163,14 +168,14 @@ struct lamb_moments {
     T* v;
     T* update;
     const segment_flags* flags;
-    T beta1, beta2, eps, weight_decay, inv_bc1, inv_bc2;
+    T beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, inv_bc1, inv_bc2;
     LOCKSTEP_HOST_DEVICE T segment(std::uint32_t s) const {
         return flags[s].decay ? weight_decay : T(0);
     }
     LOCKSTEP_HOST_DEVICE sum_pair operator()(std::size_t i, T wd) const {
         const T wi = w[i], gi = g[i];
-        const T mi = beta1 * m[i] + (T(1) - beta1) * gi;
-        const T vi = beta2 * v[i] + (T(1) - beta2) * gi * gi;
+        const T mi = beta1 * m[i] + one_minus_beta1 * gi;
+        const T vi = beta2 * v[i] + one_minus_beta2 * gi * gi;
         m[i] = mi;
         v[i] = vi;
         const T u = (mi * inv_bc1) / (detail::sqrt_t(vi * inv_bc2) + eps) + wd * wi;

@@ -118,11 +118,11 @@ private:
     buffer<kernels::tile_range, System> ranges_;
 };
 
-/// A zero-filled buffer of n elements in sys's memory.
+/// A buffer of n elements in sys's memory, every one equal to value (zero by default).
 template <class T, class System>
-buffer<T, System> zeros(std::size_t n, const System& sys) {
+buffer<T, System> zeros(std::size_t n, const System& sys, T value = T(0)) {
     buffer<T, System> b(n, sys);
-    thrust::fill(sys.policy(), b.data(), b.data() + n, T(0));
+    thrust::fill(sys.policy(), b.data(), b.data() + n, value);
     return b;
 }
 

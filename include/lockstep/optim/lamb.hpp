@@ -1,0 +1,132 @@
+// lockstep/optim/lamb.hpp: LAMB, layer-wise adaptive moments (You et al. 2019).
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/kernels/optimizer_kernels.hpp"
+#include "lockstep/optim/detail/flat_layout.hpp"
+#include "lockstep/optim/optimizer.hpp"
+#include "lockstep/system/buffer.hpp"
+#include "lockstep/system/host_system.hpp"
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+
+#include <thrust/for_each.h>
+#include <thrust/iterator/counting_iterator.h>
+
+namespace lockstep::optim {
+
+/// Runtime knobs of optim::lamb. phi clamps ||w|| in the trust ratio: the default
+/// [0, infinity) is the identity; the paper allows [gamma_l, gamma_u], e.g. {.phi_max = 10}.
+struct lamb_params {
+    double lr = 1e-3;           ///< learning rate (>= 0)
+    double beta1 = 0.9;         ///< in [0, 1)
+    double beta2 = 0.999;       ///< in [0, 1)
+    double eps = 1e-6;          ///< > 0 (the paper's value)
+    double weight_decay = 0.01; ///< lambda (>= 0), decoupled: added to the update
+    double phi_min = 0.0;       ///< gamma_l (>= 0)
+    double phi_max = std::numeric_limits<double>::infinity(); ///< gamma_u (>= phi_min)
+};
+
+/// LAMB over one flat buffer of tensors (You et al., "Large Batch Optimization for Deep
+/// Learning: Training BERT in 76 minutes", ICLR 2020, Algorithm 2, with Adam's bias
+/// correction as in NVIDIA's FusedLAMB). Per step t >= 1 and tensor (segment) s:
+///   m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
+///   r = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + lambda_s w   (lambda_s = 0 if !decay)
+///   ratio_s = phi(||w_s||) / ||r_s||  if s adapts, ||w_s|| > 0 and ||r_s|| > 0; else 1
+///   w = w - lr ratio_s r,   phi(z) = min(max(z, phi_min), phi_max)
+/// Two fused passes: moments + r (kept in a scratch buffer) + per-tile ||w||^2, ||r||^2; then
+/// the per-segment ratios and w -= lr ratio_s r. Norms are accumulated in double, in a fixed
+/// order. State: "exp_avg" (m), "exp_avg_sq" (v), step count t.
+template <class T, class System = host_system>
+class lamb {
+    static_assert(std::is_floating_point_v<T>, "optim::lamb updates float or double parameters.");
+
+public:
+    using value_type = T;
+    using system_type = System;
+    using params_type = lamb_params;
+
+    /// State for n parameters laid out as `segments` (empty: one tensor). requires: lr,
+    /// weight_decay, phi_min >= 0, 0 <= beta1, beta2 < 1, eps > 0, phi_max >= phi_min.
+    /// Throws lockstep::error otherwise.
+    explicit lamb(std::size_t n, lamb_params p = {}, System sys = System{},
+                  std::span<const tensor_segment> segments = {})
+        : p_(p), sys_(sys), layout_(n, segments, sys_, "lamb"), m_(detail::zeros<T>(n, sys_)),
+          v_(detail::zeros<T>(n, sys_)), update_(n, sys_), norms_(layout_.segment_count(), sys_),
+          scaled_lr_(layout_.segment_count(), sys_),
+          trust_(detail::zeros<double>(layout_.segment_count(), sys_, 1.0)) {
+        detail::check_param("lamb", "lr", p.lr, 0.0);
+        detail::check_param("lamb", "beta1", p.beta1, 0.0);
+        detail::check_param("lamb", "beta2", p.beta2, 0.0);
+        detail::check_param("lamb", "weight_decay", p.weight_decay, 0.0);
+        detail::check_param("lamb", "phi_min", p.phi_min, 0.0);
+        LOCKSTEP_REQUIRE(p.beta1 < 1 && p.beta2 < 1 && p.eps > 0 && p.phi_max >= p.phi_min,
+                         errc::invalid_argument, -1, "lamb",
+                         "need beta1 < 1, beta2 < 1, eps > 0, phi_max >= phi_min (beta1 = ",
+                         p.beta1, ", beta2 = ", p.beta2, ", eps = ", p.eps, ", phi = [", p.phi_min,
+                         ", ", p.phi_max, "])");
+    }
+
+    /// One update of w from g. requires: w.size() == g.size() == size(), System memory.
+    /// ensures: step_count() grows by one; trust_ratios() holds this step's ratios.
+    void step(std::span<T> w, std::span<const T> g) {
+        detail::check_step("lamb.step", size(), w.size(), g.size());
+        const double t = static_cast<double>(step_ + 1);
+        const double bc1 = 1.0 - std::pow(p_.beta1, t), bc2 = 1.0 - std::pow(p_.beta2, t);
+        layout_.reduce(
+            sys_,
+            kernels::lamb_moments<T>{w.data(), g.data(), m_.data(), v_.data(), update_.data(),
+                                     layout_.flags(), static_cast<T>(p_.beta1),
+                                     static_cast<T>(1.0 - p_.beta1), static_cast<T>(p_.beta2),
+                                     static_cast<T>(1.0 - p_.beta2), static_cast<T>(p_.eps),
+                                     static_cast<T>(p_.weight_decay), static_cast<T>(1.0 / bc1),
+                                     static_cast<T>(1.0 / bc2)},
+            partial_, norms_.data());
+        thrust::for_each(sys_.policy(), thrust::counting_iterator<std::size_t>(0),
+                         thrust::counting_iterator<std::size_t>(layout_.segment_count()),
+                         kernels::lamb_trust{norms_.data(), layout_.flags(), scaled_lr_.data(),
+                                             trust_.data(), p_.lr, p_.phi_min, p_.phi_max});
+        layout_.apply(sys_, kernels::lamb_apply<T>{w.data(), update_.data(), scaled_lr_.data()});
+        ++step_;
+    }
+
+    /// The trust ratio of every segment in the last step (1 before the first), System memory.
+    std::span<const double> trust_ratios() const noexcept { return trust_.span(); }
+
+    double lr() const noexcept { return p_.lr; }
+    /// Sets the learning rate of the next steps. requires: lr finite and >= 0.
+    void set_lr(double lr) {
+        detail::check_param("lamb.set_lr", "lr", lr, 0.0);
+        p_.lr = lr;
+    }
+    const lamb_params& params() const noexcept { return p_; }
+    const System& system() const noexcept { return sys_; }
+    std::size_t size() const noexcept { return layout_.size(); }
+    std::int64_t step_count() const noexcept { return step_; }
+    const std::vector<tensor_segment>& segments() const noexcept { return layout_.segments(); }
+
+    /// The checkpointable state: step count and {"exp_avg", "exp_avg_sq"}.
+    state_view<T> state() { return {step_, {{"exp_avg", m_.span()}, {"exp_avg_sq", v_.span()}}}; }
+    state_view<const T> state() const {
+        return {step_, {{"exp_avg", m_.span()}, {"exp_avg_sq", v_.span()}}};
+    }
+    /// Restores a state saved by state(). Throws lockstep::error (checkpoint) on a mismatch.
+    void load_state(const state_view<const T>& saved) {
+        step_ = detail::load_slots("lamb.load_state", saved, state(), sys_);
+    }
+
+private:
+    lamb_params p_;
+    System sys_;
+    detail::flat_layout<System> layout_;
+    buffer<T, System> m_, v_, update_;
+    buffer<kernels::sum_pair, System> partial_, norms_;
+    buffer<double, System> scaled_lr_, trust_;
+    std::int64_t step_ = 0;
+};
+
+} // namespace lockstep::optim

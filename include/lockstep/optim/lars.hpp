@@ -1,0 +1,112 @@
+// lockstep/optim/lars.hpp: LARS, layer-wise adaptive rate scaling with momentum (You, Gitman,
+// Ginsburg 2017). SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/kernels/optimizer_kernels.hpp"
+#include "lockstep/optim/detail/flat_layout.hpp"
+#include "lockstep/optim/optimizer.hpp"
+#include "lockstep/system/buffer.hpp"
+#include "lockstep/system/host_system.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include <thrust/for_each.h>
+#include <thrust/iterator/counting_iterator.h>
+
+namespace lockstep::optim {
+
+/// Runtime knobs of optim::lars.
+struct lars_params {
+    double lr = 0.1;           ///< global learning rate gamma (>= 0), usually warmed up
+    double momentum = 0.9;     ///< mu (>= 0)
+    double eta = 1e-3;         ///< trust coefficient (> 0)
+    double weight_decay = 0.0; ///< beta (>= 0)
+    double eps = 1e-8;         ///< added to the trust ratio's denominator (>= 0)
+};
+
+/// LARS over one flat buffer of tensors (You, Gitman, Ginsburg, "Large Batch Training of
+/// Convolutional Networks", arXiv:1708.03888, Algorithm 1, as MLPerf's and NVIDIA's
+/// implementations run it). For each tensor (segment) s, per step:
+///   trust_s = eta ||w_s|| / (||g_s|| + beta_s ||w_s|| + eps)  if s adapts, ||w_s|| > 0 and
+///             ||g_s|| > 0; else 1                               (beta_s = 0 when !decay)
+///   v = mu v + gamma trust_s (g + beta_s w);   w = w - v        (every element of s)
+/// Two passes: a segmented reduction of ||w_s||^2 and ||g_s||^2 (per tile, then per segment in
+/// a fixed order: deterministic), then one fused update. The norms are accumulated in double.
+/// Segments with adapt = false (biases, BN gamma/beta) get plain momentum SGD.
+/// State: "momentum" (v) and the step count.
+template <class T, class System = host_system>
+class lars {
+    static_assert(std::is_floating_point_v<T>, "optim::lars updates float or double parameters.");
+
+public:
+    using value_type = T;
+    using system_type = System;
+    using params_type = lars_params;
+
+    /// State for n parameters laid out as `segments` (empty: one tensor). requires: lr,
+    /// momentum, weight_decay, eps >= 0, eta > 0. Throws lockstep::error otherwise.
+    explicit lars(std::size_t n, lars_params p = {}, System sys = System{},
+                  std::span<const tensor_segment> segments = {})
+        : p_(p), sys_(sys), layout_(n, segments, sys_, "lars"), v_(detail::zeros<T>(n, sys_)),
+          norms_(layout_.segment_count(), sys_), scaled_lr_(layout_.segment_count(), sys_),
+          trust_(detail::zeros<double>(layout_.segment_count(), sys_, 1.0)) {
+        detail::check_param("lars", "lr", p.lr, 0.0);
+        detail::check_param("lars", "momentum", p.momentum, 0.0);
+        detail::check_param("lars", "weight_decay", p.weight_decay, 0.0);
+        detail::check_param("lars", "eps", p.eps, 0.0);
+        LOCKSTEP_REQUIRE(p.eta > 0, errc::invalid_argument, -1, "lars", "eta = ", p.eta,
+                         " (must be > 0)");
+    }
+
+    /// One update of w from g. requires: w.size() == g.size() == size(), System memory.
+    /// ensures: step_count() grows by one; trust_ratios() holds this step's ratios.
+    void step(std::span<T> w, std::span<const T> g) {
+        detail::check_step("lars.step", size(), w.size(), g.size());
+        layout_.reduce(sys_, kernels::norm2_w_g<T>{w.data(), g.data()}, partial_, norms_.data());
+        thrust::for_each(sys_.policy(), thrust::counting_iterator<std::size_t>(0),
+                         thrust::counting_iterator<std::size_t>(layout_.segment_count()),
+                         kernels::lars_trust{norms_.data(), layout_.flags(), scaled_lr_.data(),
+                                             trust_.data(), p_.lr, p_.eta, p_.weight_decay,
+                                             p_.eps});
+        layout_.apply(sys_, kernels::lars_update<T>{w.data(), g.data(), v_.data(), layout_.flags(),
+                                                    scaled_lr_.data(), static_cast<T>(p_.momentum),
+                                                    static_cast<T>(p_.weight_decay)});
+        ++step_;
+    }
+
+    /// The trust ratio of every segment in the last step (1 before the first), System memory.
+    std::span<const double> trust_ratios() const noexcept { return trust_.span(); }
+
+    double lr() const noexcept { return p_.lr; }
+    /// Sets the global learning rate of the next steps. requires: lr finite and >= 0.
+    void set_lr(double lr) {
+        detail::check_param("lars.set_lr", "lr", lr, 0.0);
+        p_.lr = lr;
+    }
+    const lars_params& params() const noexcept { return p_; }
+    const System& system() const noexcept { return sys_; }
+    std::size_t size() const noexcept { return layout_.size(); }
+    std::int64_t step_count() const noexcept { return step_; }
+    const std::vector<tensor_segment>& segments() const noexcept { return layout_.segments(); }
+
+    /// The checkpointable state: step count and {"momentum"}.
+    state_view<T> state() { return {step_, {{"momentum", v_.span()}}}; }
+    state_view<const T> state() const { return {step_, {{"momentum", v_.span()}}}; }
+    /// Restores a state saved by state(). Throws lockstep::error (checkpoint) on a mismatch.
+    void load_state(const state_view<const T>& saved) {
+        step_ = detail::load_slots("lars.load_state", saved, state(), sys_);
+    }
+
+private:
+    lars_params p_;
+    System sys_;
+    detail::flat_layout<System> layout_;
+    buffer<T, System> v_;
+    buffer<kernels::sum_pair, System> partial_, norms_;
+    buffer<double, System> scaled_lr_, trust_;
+    std::int64_t step_ = 0;
+};
+
+} // namespace lockstep::optim
