@@ -1,0 +1,390 @@
+// Tests of mpi_communicator under mpiexec (CTest runs them with 2 and 3 ranks), with its own
+// Catch2 main. SPDX-License-Identifier: Apache-2.0
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include "lockstep/comm/mpi_communicator.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <set>
+#include <string>
+#include <vector>
+
+using lockstep::errc;
+using lockstep::mpi_communicator;
+using lockstep::reduce_op;
+
+namespace {
+
+// Counts: empty, one, a prime, and one above MPICH's eager limit (rendezvous protocol).
+const std::vector<std::size_t> counts{0, 1, 7919, (1u << 18) + 3};
+constexpr reduce_op ops[] = {reduce_op::sum, reduce_op::max, reduce_op::min};
+
+// Inputs differ per rank and element. Floating values are multiples of 1/4 below 2^6 and
+// integers are small (int64 ones are offset by 2^33 to use the upper half), so every partial
+// sum is exact and the reference does not depend on the order MPI reduces in; uint8 sums wrap
+// modulo 256 in every order alike, and half of them are above 127 (MPICH 4.0.2 compares
+// unsigned types as signed in MPI_MAX/MPI_MIN; lockstep works around it).
+template <class T>
+T input(int rank, std::size_t i) {
+    const auto v = static_cast<std::int64_t>((rank * 131 + i * 29 + i / 7) % 97) - 48;
+    if constexpr (std::is_floating_point_v<T>)
+        return static_cast<T>(v) * T(0.25);
+    else if constexpr (std::is_same_v<T, std::uint8_t>)
+        return static_cast<T>((v + 256) % 256);
+    else if constexpr (sizeof(T) == 8)
+        return static_cast<T>(v) + (T(rank) << 33);
+    else
+        return static_cast<T>(v);
+}
+
+template <class T>
+std::vector<T> inputs(int rank, std::size_t n) {
+    std::vector<T> x(n);
+    for (std::size_t i = 0; i < n; ++i)
+        x[i] = input<T>(rank, i);
+    return x;
+}
+
+// The serial reference: a naive loop over the replicas (double for floating types, the
+// element type's own wrap-around for uint8).
+template <class T>
+std::vector<T> reference(reduce_op op, int ranks, std::size_t n) {
+    using acc_t = std::conditional_t<std::is_floating_point_v<T>, double, T>;
+    std::vector<T> out(n);
+    for (std::size_t i = 0; i < n; ++i) {
+        acc_t acc = input<T>(0, i);
+        for (int r = 1; r < ranks; ++r) {
+            const acc_t x = input<T>(r, i);
+            acc = op == reduce_op::sum   ? static_cast<acc_t>(acc + x)
+                  : op == reduce_op::max ? std::max(acc, x)
+                                         : std::min(acc, x);
+        }
+        out[i] = static_cast<T>(acc);
+    }
+    return out;
+}
+
+// "" when a and b are equal, else the first differing element (a short message even for
+// vectors of 2^18 elements, which Catch would print in full).
+template <class T>
+std::string differences(const std::vector<T>& a, const std::vector<T>& b) {
+    if (a.size() != b.size())
+        return "sizes " + std::to_string(a.size()) + " and " + std::to_string(b.size());
+    for (std::size_t i = 0; i < a.size(); ++i)
+        if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0)
+            return "element " + std::to_string(i) + " of " + std::to_string(a.size()) + ": " +
+                   std::to_string(+a[i]) + " vs " + std::to_string(+b[i]);
+    return "";
+}
+
+// True when the bytes of x are identical on every process of `group` (a raw MPI_Allgather of a
+// 64-bit FNV-1a hash, independent of the communicator under test).
+template <class T>
+bool same_on_every_rank(const std::vector<T>& x, MPI_Comm group) {
+    std::uint64_t h = 1469598103934665603ull;
+    const auto* p = reinterpret_cast<const unsigned char*>(x.data());
+    for (std::size_t i = 0; i < x.size() * sizeof(T); ++i)
+        h = (h ^ p[i]) * 1099511628211ull;
+    int n = 0;
+    MPI_Comm_size(group, &n);
+    std::vector<std::uint64_t> all(static_cast<std::size_t>(n));
+    MPI_Allgather(&h, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, group);
+    return std::all_of(all.begin(), all.end(), [&](std::uint64_t v) { return v == h; });
+}
+
+// Runs a test body that calls collectives. An unexpected exception (or a failed REQUIRE) on one
+// rank would leave the others waiting in their next collective, so it ends the whole job with
+// the error printed instead; CHECKs record failures and keep every rank in step.
+template <class F>
+void in_step(mpi_communicator& comm, F&& body) {
+    try {
+        body();
+    } catch (const std::exception& e) {
+        comm.abort(e);
+    } catch (...) {
+        std::fprintf(stderr, "replica %d: a REQUIRE failed; ending the job\n", comm.rank());
+        comm.abort(2);
+    }
+}
+
+template <class F>
+errc code_of(F&& f) {
+    try {
+        f();
+    } catch (const lockstep::error& e) {
+        UNSCOPED_INFO(e.what());
+        return e.code();
+    }
+    return errc::internal; // "did not throw"
+}
+
+} // namespace
+
+using element_types = std::tuple<float, double, int, std::int64_t, std::uint8_t>;
+
+TEMPLATE_LIST_TEST_CASE("all_reduce matches the serial reference on every rank", "[comm][mpi]",
+                        element_types) {
+    using T = TestType;
+    mpi_communicator comm(MPI_COMM_WORLD);
+    in_step(comm, [&] {
+        for (const std::size_t n : counts)
+            for (const reduce_op op : ops) {
+                const auto send = inputs<T>(comm.rank(), n);
+                std::vector<T> recv(n, T(99));
+                comm.all_reduce(std::span<const T>(send), std::span<T>(recv), op);
+                INFO("count " << n << ", op " << to_string(op));
+                CHECK(differences(recv, reference<T>(op, comm.size(), n)) == "");
+                CHECK(same_on_every_rank(recv, MPI_COMM_WORLD));
+            }
+        // In place (MPI_IN_PLACE): send and recv are the same buffer.
+        auto data = inputs<T>(comm.rank(), 7919);
+        comm.all_reduce(std::span<const T>(data), std::span<T>(data), reduce_op::sum);
+        CHECK(differences(data, reference<T>(reduce_op::sum, comm.size(), 7919)) == "");
+    });
+}
+
+TEMPLATE_LIST_TEST_CASE("broadcast, reduce and all_gather from every root", "[comm][mpi]",
+                        element_types) {
+    using T = TestType;
+    mpi_communicator comm(MPI_COMM_WORLD);
+    const int p = comm.size();
+    in_step(comm, [&] {
+        for (int root = 0; root < p; ++root)
+            for (const std::size_t n : counts) {
+                INFO("root " << root << ", count " << n);
+                auto data = inputs<T>(comm.rank(), n);
+                comm.broadcast(std::span<T>(data), root);
+                CHECK(differences(data, inputs<T>(root, n)) == "");
+
+                const reduce_op op = ops[(root + n) % 3];
+                const auto send = inputs<T>(comm.rank(), n);
+                const std::vector<T> untouched(n, T(7));
+                auto recv = untouched;
+                comm.reduce(std::span<const T>(send), std::span<T>(recv), op, root);
+                CHECK(differences(recv, comm.rank() == root ? reference<T>(op, p, n) : untouched) ==
+                      "");
+            }
+        // In place at the root.
+        auto data = inputs<T>(comm.rank(), 101);
+        comm.reduce(std::span<const T>(data), std::span<T>(data), reduce_op::max, p - 1);
+        if (comm.rank() == p - 1)
+            CHECK(differences(data, reference<T>(reduce_op::max, p, 101)) == "");
+
+        for (const std::size_t n : counts) {
+            const auto send = inputs<T>(comm.rank(), n);
+            std::vector<T> recv(n * p), expected;
+            comm.all_gather(std::span<const T>(send), std::span<T>(recv));
+            for (int r = 0; r < p; ++r) {
+                const auto x = inputs<T>(r, n);
+                expected.insert(expected.end(), x.begin(), x.end());
+            }
+            CHECK(differences(recv, expected) == "");
+            // In place: this rank's input already sits in its own slot.
+            std::vector<T> slots(n * p, T(3));
+            std::copy(send.begin(), send.end(), slots.begin() + comm.rank() * n);
+            comm.all_gather(std::span<const T>(slots.data() + comm.rank() * n, n),
+                            std::span<T>(slots));
+            CHECK(differences(slots, expected) == "");
+        }
+    });
+}
+
+TEST_CASE("split builds sub-groups ranked by key", "[comm][mpi]") {
+    mpi_communicator comm(MPI_COMM_WORLD);
+    in_step(comm, [&] {
+        const int p = comm.size(), r = comm.rank();
+        // Colour by parity, keys reversed: the highest world rank of a colour gets sub-rank 0.
+        mpi_communicator sub = comm.split(r % 2, -r);
+        std::vector<int> members;
+        for (int q = 0; q < p; ++q)
+            if (q % 2 == r % 2)
+                members.push_back(q);
+        std::reverse(members.begin(), members.end());
+        CHECK(sub.size() == static_cast<int>(members.size()));
+        CHECK(members[static_cast<std::size_t>(sub.rank())] == r);
+        CHECK(sub.system().threads() == comm.system().threads());
+
+        std::vector<double> x{double(r), 1.0}, sum(2);
+        sub.all_reduce(std::span<const double>(x), std::span<double>(sum), reduce_op::sum);
+        double expected = 0;
+        for (int q : members)
+            expected += q;
+        CHECK(sum == std::vector<double>{expected, double(members.size())});
+        int root_value = r;
+        sub.broadcast(std::span<int>(&root_value, 1), 0);
+        CHECK(root_value == members.front());
+
+        // The parent still works after the split, and a moved communicator keeps working.
+        mpi_communicator moved = std::move(sub);
+        CHECK(sub.native() == MPI_COMM_NULL);
+        CHECK(code_of([&] { sub.barrier(); }) == errc::invalid_argument);
+        moved.barrier();
+        comm.barrier();
+    });
+}
+
+TEST_CASE("send/recv ring, recv_any and a wrongly sized message", "[comm][mpi]") {
+    mpi_communicator comm(MPI_COMM_WORLD);
+    in_step(comm, [&] {
+        const int p = comm.size(), r = comm.rank();
+        const int next = (r + 1) % p, prev = (r + p - 1) % p;
+        for (const std::size_t n : counts) {
+            // Even ranks send first, odd ranks receive first: no cycle of blocked senders even
+            // when the message is too large to be buffered.
+            const auto mine = inputs<float>(r, n);
+            std::vector<float> got(n, -1.0f);
+            if (r % 2 == 0) {
+                comm.send(std::span<const float>(mine), next, 11);
+                comm.recv(std::span<float>(got), prev, 11);
+            } else {
+                comm.recv(std::span<float>(got), prev, 11);
+                comm.send(std::span<const float>(mine), next, 11);
+            }
+            CHECK(differences(got, inputs<float>(prev, n)) == "");
+        }
+
+        // Every other rank sends its inputs to rank 0, which takes them in arrival order.
+        if (r != 0) {
+            const auto mine = inputs<std::int64_t>(r, 5);
+            comm.send(std::span<const std::int64_t>(mine), 0, 12);
+        } else {
+            std::set<int> sources;
+            for (int k = 1; k < p; ++k) {
+                std::vector<std::int64_t> got(5);
+                const int s = comm.recv_any(std::span<std::int64_t>(got), 12);
+                CHECK(got == inputs<std::int64_t>(s, 5));
+                sources.insert(s);
+            }
+            CHECK(sources.size() == static_cast<std::size_t>(p - 1));
+            CHECK(*sources.begin() == 1);
+        }
+
+        // A message of the wrong size is an error naming both counts; it is consumed, so the
+        // next message arrives intact.
+        if (r == 0) {
+            const std::vector<int> five{1, 2, 3, 4, 5}, three{7, 8, 9};
+            comm.send(std::span<const int>(five), 1, 13);
+            comm.send(std::span<const int>(three), 1, 13);
+        } else if (r == 1) {
+            std::vector<int> four(4);
+            CHECK(code_of([&] { comm.recv(std::span<int>(four), 0, 13); }) == errc::count_mismatch);
+            std::vector<int> three(3);
+            comm.recv(std::span<int>(three), 0, 13);
+            CHECK(three == std::vector<int>{7, 8, 9});
+        }
+        CHECK(code_of([&] { comm.send(std::span<const int>(), p, 0); }) == errc::invalid_argument);
+        CHECK(code_of([&] { comm.send(std::span<const int>(), 0, -1); }) == errc::invalid_argument);
+        comm.barrier();
+    });
+}
+
+TEST_CASE("replicas that disagree get an error on every rank, then continue",
+          "[comm][mpi][failure]") {
+    mpi_communicator comm(MPI_COMM_WORLD);
+    in_step(comm, [&] {
+        const int p = comm.size(), r = comm.rank();
+        // Different counts: count_mismatch on every rank, naming the collective, its sequence
+        // number and the smallest and largest count.
+        std::vector<float> x(static_cast<std::size_t>(10 + r), 1.0f);
+        try {
+            comm.all_reduce(std::span<const float>(x), std::span<float>(x), reduce_op::sum);
+            FAIL_CHECK("mismatched counts did not throw");
+        } catch (const lockstep::error& e) {
+            const std::string what = e.what();
+            INFO(what);
+            CHECK(e.code() == errc::count_mismatch);
+            CHECK(e.replica() == r);
+            CHECK(what.find("all_reduce #" + std::to_string(comm.sequence())) != std::string::npos);
+            CHECK(what.find("min 10, max " + std::to_string(9 + p)) != std::string::npos);
+        }
+        std::vector<int> y(static_cast<std::size_t>(r == 0 ? 3 : 4));
+        CHECK(code_of([&] { comm.broadcast(std::span<int>(y), 0); }) == errc::count_mismatch);
+        std::vector<int> gathered(y.size() * static_cast<std::size_t>(p));
+        CHECK(code_of([&] {
+                  comm.all_gather(std::span<const int>(y), std::span<int>(gathered));
+              }) == errc::count_mismatch);
+        // Types, roots and reductions must agree too.
+        std::vector<double> d(4, 1.0);
+        std::vector<float> f(4, 1.0f);
+        CHECK(code_of([&] {
+                  if (r == 0)
+                      comm.broadcast(std::span<double>(d), 0);
+                  else
+                      comm.broadcast(std::span<float>(f), 0);
+              }) == errc::shape_mismatch);
+        CHECK(code_of([&] { comm.broadcast(std::span<float>(f), r == 0 ? 0 : 1); }) ==
+              errc::invalid_argument);
+        CHECK(code_of([&] {
+                  comm.all_reduce(std::span<const float>(f), std::span<float>(f),
+                                  r == 0 ? reduce_op::max : reduce_op::min);
+              }) == errc::invalid_argument);
+        CHECK(code_of([&] {
+                  if (r == 0)
+                      comm.barrier();
+                  else
+                      comm.broadcast(std::span<float>(f), 0);
+              }) == errc::invalid_argument);
+        // One replica's own arguments are invalid: it reports them, the others are released.
+        std::vector<float> small(r == 0 ? 3 : 4);
+        CHECK(code_of([&] {
+                  comm.all_reduce(std::span<const float>(f), std::span<float>(small),
+                                  reduce_op::sum);
+              }) == (r == 0 ? errc::invalid_argument : errc::peer_failure));
+
+        // The communicator is still in step afterwards.
+        std::vector<int> one{r};
+        comm.all_reduce(std::span<const int>(one), std::span<int>(one), reduce_op::sum);
+        CHECK(one[0] == p * (p - 1) / 2);
+    });
+}
+
+TEST_CASE("without verification the collectives still agree with the reference", "[comm][mpi]") {
+    mpi_communicator comm(MPI_COMM_WORLD, {.verify = false});
+    in_step(comm, [&] {
+        CHECK_FALSE(comm.verifying());
+        for (const std::size_t n : counts) {
+            const auto send = inputs<float>(comm.rank(), n);
+            std::vector<float> recv(n);
+            comm.all_reduce(std::span<const float>(send), std::span<float>(recv), reduce_op::sum);
+            CHECK(differences(recv, reference<float>(reduce_op::sum, comm.size(), n)) == "");
+        }
+        const std::int64_t before = comm.sequence();
+        comm.barrier();
+        CHECK(comm.sequence() == before + 1);
+    });
+}
+
+TEST_CASE("environment and system report what MPI provides", "[comm][mpi]") {
+    lockstep::mpi_environment again; // MPI is already initialised: a no-op
+    CHECK_FALSE(again.owns());
+    CHECK(again.thread_level() >= MPI_THREAD_FUNNELED);
+    mpi_communicator comm(MPI_COMM_WORLD);
+    // Every test rank runs on this one node, so the cores are divided among all of them.
+    CHECK(comm.system().threads() == lockstep::host_system::default_threads(comm.size()));
+    int world = 0;
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    CHECK(comm.size() == world);
+}
+
+int main(int argc, char** argv) {
+    lockstep::mpi_environment env(argc, argv);
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    Catch::Session session;
+    int failed = 0;
+    try {
+        failed = session.run(argc, argv);
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "replica %d: %s\n", rank, e.what());
+        MPI_Abort(MPI_COMM_WORLD, 3);
+    }
+    // Every rank exits non-zero when any rank failed.
+    int any = 0;
+    MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (any != 0 && failed == 0)
+        std::fprintf(stderr, "replica %d: passed, but another replica failed\n", rank);
+    return any != 0 ? 1 : 0;
+}
