@@ -63,14 +63,16 @@ inline constexpr int ps_push_header = 2, ps_push_data = 3;
 } // namespace detail
 
 /// Parameter-server training on `comm` with SyncPolicy (sync::asynchronous or
-/// sync::bounded_staleness<S>). Called by every replica of the group.
+/// sync::bounded_staleness<S>), over parameters of type T (float or double). Called by every
+/// replica of the group.
 ///
 /// Rank `p.root` is the server: it owns the master `params`, the optimizer and `state` (e.g. BN
 /// running statistics). Every other rank is a worker that repeatedly
-///   1. receives the newest parameters (written into its `params`) and a work_item,
+///   1. receives the newest parameters and state (written into its `params` and `state`) and
+///      a work_item,
 ///   2. calls compute(item, grad, stats): the gradient of its batch w.r.t. `params` into grad
-///      (params.size() floats) and whatever per-batch statistics the server needs into stats
-///      (stats_size floats, e.g. BN batch mean/var),
+///      (params.size() elements) and whatever per-batch statistics the server needs into stats
+///      (stats_size elements, e.g. BN batch mean/var),
 ///   3. pushes (gradient, version computed on, stats) to the server.
 /// The server takes pushes in arrival order (recv_any) and calls apply(grad, stats, info) for
 /// each AT ONCE, without waiting for other workers: apply updates params (the optimizer step)
@@ -89,8 +91,9 @@ inline constexpr int ps_push_header = 2, ps_push_data = 3;
 /// requires: comm.size() >= 2; every replica passes the same params.size(), state.size() and
 /// stats_size (checked collectively: errc::count_mismatch on every replica); steps <= INT_MAX.
 /// ensures: on the root, a staleness_report with applied == steps and max <= S.
-template <sync_policy SyncPolicy, point_to_point_communicator Comm, class Compute, class Apply>
-staleness_report run_parameter_server(Comm& comm, std::span<float> params, std::span<float> state,
+template <sync_policy SyncPolicy, class T, point_to_point_communicator Comm, class Compute,
+          class Apply>
+staleness_report run_parameter_server(Comm& comm, std::span<T> params, std::span<T> state,
                                       std::size_t stats_size, const parameter_server_params& p,
                                       Compute&& compute, Apply&& apply) {
     static_assert(is_asynchronous_v<SyncPolicy>,
@@ -126,9 +129,9 @@ staleness_report run_parameter_server(Comm& comm, std::span<float> params, std::
     }
 
     using system_type = typename Comm::system_type;
-    buffer<float, system_type> payload(params.size() + stats_size, comm.system());
-    const std::span<float> grad = payload.span().first(params.size());
-    const std::span<float> stats = payload.span().subspan(params.size(), stats_size);
+    buffer<T, system_type> payload(params.size() + stats_size, comm.system());
+    const std::span<T> grad = payload.span().first(params.size());
+    const std::span<T> stats = payload.span().subspan(params.size(), stats_size);
     const int tag = p.tag;
     staleness_report report;
     report.per_rank.assign(static_cast<std::size_t>(size), 0);
@@ -143,6 +146,8 @@ staleness_report run_parameter_server(Comm& comm, std::span<float> params, std::
             if (header[0] == detail::ps_stop)
                 break;
             comm.recv(params, p.root, tag + detail::ps_pull_data);
+            if (!state.empty())
+                comm.recv(state, p.root, tag + detail::ps_pull_data);
             const work_item item{static_cast<std::uint64_t>(header[2]),
                                  static_cast<std::uint64_t>(header[1])};
             try {
@@ -158,7 +163,7 @@ staleness_report run_parameter_server(Comm& comm, std::span<float> params, std::
             }
             const std::array<int, 4> pushed{detail::ps_ok, header[1], header[2], 0};
             comm.send(std::span<const int>(pushed), p.root, tag + detail::ps_push_header);
-            comm.send(std::span<const float>(payload.span()), p.root, tag + detail::ps_push_data);
+            comm.send(std::span<const T>(payload.span()), p.root, tag + detail::ps_push_data);
             ++report.per_rank[static_cast<std::size_t>(rank)];
         }
     } else {
@@ -197,7 +202,9 @@ staleness_report run_parameter_server(Comm& comm, std::span<float> params, std::
                 header = {detail::ps_work, static_cast<int>(gate.version()),
                           static_cast<int>(next_item++), 0};
                 comm.send(std::span<const int>(header), w, tag + detail::ps_pull_header);
-                comm.send(std::span<const float>(params), w, tag + detail::ps_pull_data);
+                comm.send(std::span<const T>(params), w, tag + detail::ps_pull_data);
+                if (!state.empty())
+                    comm.send(std::span<const T>(state), w, tag + detail::ps_pull_data);
             }
         };
 
@@ -248,7 +255,7 @@ staleness_report run_parameter_server(Comm& comm, std::span<float> params, std::
                     info.version = gate.version();
                     info.staleness = info.version - info.computed_version;
                     try {
-                        apply(std::span<const float>(grad), std::span<const float>(stats), info);
+                        apply(std::span<const T>(grad), std::span<const T>(stats), info);
                         gate.apply(src);
                         if (report.histogram.size() <= info.staleness)
                             report.histogram.resize(info.staleness + 1, 0);

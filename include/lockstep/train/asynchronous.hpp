@@ -1,0 +1,266 @@
+// lockstep/train/asynchronous.hpp: data_parallel for sync::asynchronous and
+// sync::bounded_staleness<S>, the parameter-server trainer. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/train/data_parallel.hpp"
+#include "lockstep/train/parameter_server.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include <thrust/transform.h>
+
+namespace lockstep {
+
+/// Runtime knobs of the asynchronous trainers (designated initialisers).
+struct async_params {
+    /// The server rank: it holds the parameters, the optimizer and the BN running statistics.
+    int root = 0;
+    /// The momentum of the network's BN layers (batch_norm_params::momentum): the server keeps
+    /// every state tensor as running = (1 - m) running + m batch, from each worker's batch
+    /// statistics. requires: 0 < m <= 1, the same for every BN layer.
+    double bn_momentum = 0.1;
+    /// First of the four message tags of the protocol (tag .. tag + 3).
+    int tag = 0x5053;
+    /// Called on the server after each applied gradient with its bookkeeping and the worker's
+    /// mean batch loss (progress bars, logs). Runs on the server's thread; keep it short.
+    std::function<void(const apply_info&, double loss)> on_apply = {};
+};
+
+/// What data_parallel<..., sync::asynchronous | bounded_staleness<S>>::train returns.
+struct async_result {
+    /// Staleness measured by the server (valid on the root; workers get their computed counts
+    /// in per_rank).
+    staleness_report staleness;
+    /// Mean of the workers' batch losses over the applied gradients (root), or over this
+    /// worker's computed batches (worker).
+    double mean_loss = 0.0;
+    /// Gradients the server skipped because they were not finite (root).
+    std::uint64_t skipped = 0;
+};
+
+namespace detail {
+
+/// running' = (1 - m) running + d, where d = m * batch statistic (the worker's contribution).
+template <class T>
+struct ema_apply_fn {
+    T keep;
+    LOCKSTEP_HOST_DEVICE T operator()(T running, T d) const { return keep * running + d; }
+};
+/// d = after - (1 - m) before: a BN layer that updated its running statistic from `before` to
+/// `after` = (1 - m) before + m batch contributed m * batch.
+template <class T>
+struct ema_delta_fn {
+    T keep;
+    LOCKSTEP_HOST_DEVICE T operator()(T after, T before) const { return after - keep * before; }
+};
+
+/// The parameter-server trainer behind data_parallel<N, O, sync::asynchronous, R, C> and
+/// data_parallel<N, O, sync::bounded_staleness<S>, R, C> (see run_parameter_server for the
+/// protocol).
+template <class Network, class Optimizer, class SyncPolicy, class ReducePolicy, class Communicator>
+class async_trainer {
+    static_assert(
+        check_compatible<SyncPolicy, ReducePolicy, Communicator, network_bn_policies_t<Network>>());
+    using core_type = replica_core<Network, Optimizer, Communicator>;
+
+public:
+    using network_type = Network;
+    using optimizer_type = Optimizer;
+    using communicator_type = Communicator;
+    using value_type = typename Optimizer::value_type;
+    using system_type = typename Communicator::system_type;
+    using context_type = replica_context<value_type, Communicator>;
+    using sync_policy_type = SyncPolicy;
+    using reduce_policy_type = ReducePolicy;
+    static constexpr bool uses_visitor = core_type::uses_visitor;
+
+    /// As data_parallel's constructor (collective: builds the network, checks that every replica
+    /// declared the same tensors, broadcasts replica 0's values and state, prepares the
+    /// optimizer); `ap` configures the server. Only the root's optimizer ever steps.
+    /// requires: comm.size() >= 2 (a server and a worker), 0 <= ap.root < comm.size(),
+    /// 0 < ap.bn_momentum <= 1.
+    template <class Factory>
+    async_trainer(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt = {},
+                  train_params tp = {}, async_params ap = {})
+        : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp)),
+          ap_(std::move(ap)) {
+        LOCKSTEP_REQUIRE(ap_.bn_momentum > 0 && ap_.bn_momentum <= 1, errc::invalid_argument,
+                         comm.rank(), "data_parallel(asynchronous)",
+                         "bn_momentum = ", ap_.bn_momentum, " (must be in (0, 1])");
+        std::size_t n = 0;
+        core_.for_each_state_buffer([&](std::span<value_type> s) { n += s.size(); });
+        state_ = buffer<value_type, system_type>(n, comm.system());
+        before_ = buffer<value_type, system_type>(n, comm.system());
+    }
+    async_trainer(const async_trainer&) = delete;
+    async_trainer& operator=(const async_trainer&) = delete;
+
+    /// Trains until the server has applied `steps` gradients (collective: every replica calls
+    /// it with the same arguments). Work item k is a batch of `batch` samples with global
+    /// sample indices samples() + k * batch .. + batch - 1; a worker runs
+    /// fn(Network&, shard_range, context_type&) -> double on it exactly like a synchronous
+    /// step function (range.scale = 1 / batch, so fn's gradient is that of the batch's mean
+    /// loss; train_params::micro_batches splits the batch), then pushes the gradient and its
+    /// BN statistics. The server applies each at once with the optimizer (learning rate
+    /// lr_for(server version)), skips non-finite gradients (or throws errc::non_finite on
+    /// every replica when train_params::skip_non_finite is false), and updates the running
+    /// statistics. On return every replica holds the server's final parameters and state.
+    /// requires: steps >= 1, batch >= 1.
+    template <class Fn>
+    async_result train(std::size_t steps, std::size_t batch, Fn&& fn) {
+        using T = value_type;
+        auto& comm = core_.comm();
+        const auto sys = comm.system();
+        LOCKSTEP_REQUIRE(steps >= 1 && batch >= 1, errc::invalid_argument, comm.rank(),
+                         "data_parallel.train", "steps = ", steps, ", batch = ", batch,
+                         " (both must be >= 1)");
+        const T keep = static_cast<T>(1.0 - ap_.bn_momentum);
+        const std::uint64_t first_sample = core_.samples();
+        const auto micro = static_cast<std::size_t>(core_.params().micro_batches);
+        async_result result;
+        double loss_sum = 0;
+        std::uint64_t losses = 0;
+
+        auto compute = [&](const work_item& item, std::span<T> grad, std::span<T> stats) {
+            core_.unpack_values(); // the pulled parameters (visitor path: into the network)
+            unpack_state();
+            copy(std::span<const T>(state_.span()), sys, before_.span(), sys);
+            core_.zero_grads();
+            auto& ctx = core_.context();
+            ctx.set_step(static_cast<std::int64_t>(item.version), true);
+            double loss = 0;
+            for (std::size_t m = 0; m < micro; ++m) {
+                shard_range r;
+                r.begin = batch * m / micro;
+                r.end = batch * (m + 1) / micro;
+                r.global_size = batch;
+                r.scale = 1.0 / static_cast<double>(batch);
+                r.sample_offset = first_sample + item.index * batch;
+                loss += static_cast<double>(fn(core_.network(), r, ctx));
+            }
+            ctx.set_step(static_cast<std::int64_t>(item.version), false);
+            core_.pack_grads();
+            copy(std::span<const T>(core_.grads()), sys, grad, sys);
+            pack_state();
+            const T loss_t = static_cast<T>(loss);
+            copy(std::span<const T>(&loss_t, 1), host_system{}, stats.first(1), sys);
+            thrust::transform(sys.policy(), state_.data(), state_.data() + state_.size(),
+                              before_.data(), stats.data() + 1, ema_delta_fn<T>{keep});
+            loss_sum += loss;
+            ++losses;
+        };
+
+        auto apply = [&](std::span<const T> grad, std::span<const T> stats,
+                         const apply_info& info) {
+            T loss_t{};
+            copy(stats.first(1), sys, std::span<T>(&loss_t, 1), host_system{});
+            if (count_non_finite(sys, grad) != 0) {
+                LOCKSTEP_REQUIRE(core_.params().skip_non_finite, errc::non_finite, comm.rank(),
+                                 "data_parallel.train", "the gradient of worker ", info.worker,
+                                 " for work item ", info.index, " is not finite");
+                ++result.skipped;
+            } else {
+                core_.optimizer().set_lr(core_.lr_for(static_cast<std::int64_t>(info.version)));
+                core_.optimizer().step(core_.values(), grad);
+                thrust::transform(sys.policy(), state_.data(), state_.data() + state_.size(),
+                                  stats.data() + 1, state_.data(), ema_apply_fn<T>{keep});
+            }
+            loss_sum += static_cast<double>(loss_t);
+            ++losses;
+            if (ap_.on_apply)
+                ap_.on_apply(info, static_cast<double>(loss_t));
+        };
+
+        core_.pack_values();
+        pack_state();
+        result.staleness = run_parameter_server<SyncPolicy>(
+            comm, core_.values(), state_.span(), 1 + state_.size(),
+            {.steps = steps, .root = ap_.root, .tag = ap_.tag}, compute, apply);
+        core_.unpack_values();
+        unpack_state();
+        for (std::size_t k = 0; k < steps; ++k)
+            core_.advance(batch);
+        result.mean_loss = losses ? loss_sum / static_cast<double>(losses) : 0.0;
+        return result;
+    }
+
+    Network& network() noexcept { return core_.network(); }
+    const Network& network() const noexcept { return core_.network(); }
+    context_type& context() noexcept { return core_.context(); }
+    /// The optimizer (its state advances on the root only).
+    Optimizer& optimizer() noexcept { return core_.optimizer(); }
+    int rank() noexcept { return core_.comm().rank(); }
+    int size() noexcept { return core_.comm().size(); }
+    /// The flat parameter values (after train: the server's final parameters on every replica).
+    std::span<const value_type> parameters() { return core_.values(); }
+    parameter_registry<value_type, system_type>& registry() noexcept { return core_.registry(); }
+    /// Gradients applied so far (as steps of the synchronous trainers).
+    std::int64_t steps() const noexcept { return core_.steps(); }
+    /// Samples consumed so far (the global sample index of the next work item's first sample).
+    std::uint64_t samples() const noexcept { return core_.samples(); }
+    const async_params& params() const noexcept { return ap_; }
+
+private:
+    // The network's state buffers (registry state, then visited state) <-> one flat buffer, so
+    // it travels with the parameters in one message.
+    void pack_state() {
+        core_.pack_state();
+        std::size_t at = 0;
+        core_.for_each_state_buffer([&](std::span<value_type> s) {
+            copy(std::span<const value_type>(s), core_.comm().system(),
+                 state_.span().subspan(at, s.size()), core_.comm().system());
+            at += s.size();
+        });
+    }
+    void unpack_state() {
+        std::size_t at = 0;
+        core_.for_each_state_buffer([&](std::span<value_type> s) {
+            copy(std::span<const value_type>(state_.span().subspan(at, s.size())),
+                 core_.comm().system(), s, core_.comm().system());
+            at += s.size();
+        });
+        core_.unpack_state();
+    }
+
+    core_type core_;
+    async_params ap_;
+    buffer<value_type, system_type> state_;  // server: the running state; worker: after its batch
+    buffer<value_type, system_type> before_; // worker: the state it pulled
+};
+
+} // namespace detail
+
+/// Asynchronous parameter-server training (see detail::async_trainer and run_parameter_server):
+/// `trainer.train(steps, batch, fn)` instead of step(); workers push gradients, the server
+/// applies each on arrival. Staleness is measured and reported, not bounded.
+template <class Network, class Optimizer, reduce_policy ReducePolicy, communicator Communicator>
+class data_parallel<Network, Optimizer, sync::asynchronous, ReducePolicy, Communicator>
+    : public detail::async_trainer<Network, Optimizer, sync::asynchronous, ReducePolicy,
+                                   Communicator> {
+    using base =
+        detail::async_trainer<Network, Optimizer, sync::asynchronous, ReducePolicy, Communicator>;
+
+public:
+    using base::base;
+};
+
+/// As the asynchronous trainer, but no gradient older than S server versions is ever applied:
+/// a worker that runs ahead waits for its parameters (see detail::staleness_gate).
+template <class Network, class Optimizer, std::size_t S, reduce_policy ReducePolicy,
+          communicator Communicator>
+class data_parallel<Network, Optimizer, sync::bounded_staleness<S>, ReducePolicy, Communicator>
+    : public detail::async_trainer<Network, Optimizer, sync::bounded_staleness<S>, ReducePolicy,
+                                   Communicator> {
+    using base = detail::async_trainer<Network, Optimizer, sync::bounded_staleness<S>, ReducePolicy,
+                                       Communicator>;
+
+public:
+    using base::base;
+};
+
+} // namespace lockstep
