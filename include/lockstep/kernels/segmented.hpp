@@ -55,8 +55,8 @@ struct tile_apply {
 };
 
 /// for_each body over tile indices: partial[t] = sum over the tile's elements of f(i, scalars)
-/// (a sum_pair), accumulated in element order, so the result does not depend on the number of
-/// threads.
+/// (a sum_pair), accumulated in an order fixed by the tile (and, on the host, the build's SIMD
+/// width), so the result does not depend on the number of threads.
 template <class F>
 struct tile_reduce {
     const tile* tiles;
@@ -67,6 +67,11 @@ struct tile_reduce {
         const auto s = f.segment(tl.segment);
         const F g = f;
         double a = 0, b = 0;
+        // On the host, let the compiler split the sums into vector lanes: the order is fixed by
+        // the tile and the build's vector width, never by the thread count.
+#if defined(_OPENMP) && !defined(__CUDA_ARCH__)
+#pragma omp simd reduction(+ : a, b)
+#endif
         for (std::size_t i = tl.begin; i < tl.end; ++i) {
             const sum_pair p = g(i, s);
             a += p.a;
