@@ -243,8 +243,17 @@ public:
         LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "root ", root, " of ", size_,
                          ", send.size() = ", send.size(), ", recv.size() = ", recv.size(),
                          " (root's sizes must be equal; buffers identical or disjoint)");
+        // MPICH 4.0 and 4.1 crash on MPI_IN_PLACE at a non-zero root (pmodels/mpich#6540,
+        // fixed in 4.2): reduce from a copy there.
+        std::vector<T> copy;
+        const bool pass_in_place = in_place && !(root != 0 && detail::mpi_in_place_reduce_broken);
+        if (in_place && !pass_in_place) {
+            copy.assign(send.begin(), send.end());
+            send = std::span<const T>(copy);
+        }
         for_each_chunk(send.size(), [&](std::size_t at, int n) {
-            const void* src = in_place ? MPI_IN_PLACE : static_cast<const void*>(send.data() + at);
+            const void* src =
+                pass_in_place ? MPI_IN_PLACE : static_cast<const void*>(send.data() + at);
             call(MPI_Reduce(src, at_root ? recv.data() + at : nullptr, n,
                             detail::mpi_type<T>::datatype(), detail::to_mpi_op<T>(op), root, comm_),
                  "MPI_Reduce", send.size());

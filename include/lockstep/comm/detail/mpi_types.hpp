@@ -120,6 +120,14 @@ MPI_Op to_mpi_op(reduce_op op) {
     return MPI_OP_NULL;
 }
 
+/// True for MPI libraries whose MPI_Reduce crashes on MPI_IN_PLACE at a root other than 0
+/// (MPICH 4.0 and 4.1, pmodels/mpich#6540).
+#if defined(MPICH_NUMVERSION) && MPICH_NUMVERSION >= 40000000 && MPICH_NUMVERSION < 40200000
+inline constexpr bool mpi_in_place_reduce_broken = true;
+#else
+inline constexpr bool mpi_in_place_reduce_broken = false;
+#endif
+
 /// The collectives a signature can name.
 enum class mpi_collective : std::int64_t {
     none = 0,
