@@ -1,0 +1,263 @@
+// bench_allreduce: all_reduce (sum, float) from 4 B to 256 MiB on thread_group (2 replicas)
+// beside memcpy / STREAM-copy bandwidth and the traffic bound, and on mpi_communicator beside
+// raw MPI_Allreduce on the same buffers. SPDX-License-Identifier: Apache-2.0
+//
+//   bench_allreduce [--max-mib M] [--reps-scale X]              thread_group part (1 process)
+//   mpiexec -n 2 bench_allreduce [--max-mib M] [--reps-scale X] MPI part (world size > 1)
+//
+// Every time is the median over repetitions of the slowest replica's time for one call, each
+// call started right after a barrier, after warm-up calls. Sizes are the bytes of one
+// replica's buffer (S); algorithm bandwidth = S / time.
+#include "lockstep/comm/mpi_communicator.hpp"
+#include "lockstep/comm/thread_group.hpp"
+#include "lockstep/system/buffer.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+double seconds_since(clock_type::time_point t0) {
+    return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    const std::size_t n = v.size();
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+struct options {
+    std::size_t max_bytes = std::size_t{256} << 20;
+    double reps_scale = 1.0;
+};
+
+// 4 B, 16 B, ..., max_bytes (powers of 4).
+std::vector<std::size_t> sizes(const options& o) {
+    std::vector<std::size_t> s;
+    for (std::size_t b = 4; b <= o.max_bytes; b *= 4)
+        s.push_back(b);
+    return s;
+}
+
+// Repetitions: many for small messages (noise), few for large ones (each moves ~GBs).
+int reps_for(std::size_t bytes, const options& o) {
+    const double r =
+        std::clamp(static_cast<double>(std::size_t{2} << 30) / double(bytes), 9.0, 400.0) *
+        o.reps_scale;
+    return std::max(5, static_cast<int>(r)) | 1; // odd: the median is one measurement
+}
+
+void fill(std::span<float> x, int rank) {
+    for (std::size_t i = 0; i < x.size(); ++i)
+        x[i] = static_cast<float>((i * 7 + static_cast<std::size_t>(rank) * 13) % 1000) * 0.001f;
+}
+
+// The STREAM copy kernel b[i] = a[i]. The build keeps GCC from turning it into a memcpy call
+// (-fno-tree-loop-distribute-patterns): memcpy's non-temporal stores skip the write-allocate
+// traffic that ordinary stores (like the reduction's) pay.
+void stream_copy(const float* __restrict a, float* __restrict b, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i)
+        b[i] = a[i];
+}
+
+// ---- (1) thread_group, 2 replicas -------------------------------------------------------------
+
+struct copy_bandwidth {
+    double memcpy_1thread;  // bytes copied per second, one thread, std::memcpy
+    double memcpy_2threads; // STREAM convention (read + write bytes) / s, 2 threads, memcpy
+    double stream_2threads; // STREAM convention (read + write bytes) / s, 2 threads, loop
+};
+
+// Copies measured on the replicas' own threads: each copies its half of a into b (pages
+// first touched by the thread that copies them).
+copy_bandwidth measure_copies(std::size_t bytes, int reps) {
+    const std::size_t n = bytes / sizeof(float);
+    std::vector<float> a(n), b(n);
+    copy_bandwidth bw{};
+    {
+        fill(a, 0);
+        std::vector<double> t;
+        for (int r = 0; r < reps + 2; ++r) {
+            const auto t0 = clock_type::now();
+            std::memcpy(b.data(), a.data(), bytes);
+            if (r >= 2)
+                t.push_back(seconds_since(t0));
+        }
+        bw.memcpy_1thread = double(bytes) / median(t);
+    }
+    std::vector<double> t_memcpy(static_cast<std::size_t>(reps)), t_loop(t_memcpy.size());
+    lockstep::thread_group group(2);
+    group.run([&](lockstep::thread_communicator& comm) {
+        const std::size_t half = n / 2, lo = comm.rank() * half;
+        const std::size_t len = comm.rank() == 1 ? n - half : half;
+        std::span<float> mine(a.data() + lo, len);
+        fill(mine, comm.rank());
+        std::fill(b.data() + lo, b.data() + lo + len, 0.0f);
+        for (int k = 0; k < 2; ++k)
+            for (int r = -2; r < reps; ++r) {
+                comm.barrier();
+                const auto t0 = clock_type::now();
+                if (k == 0)
+                    std::memcpy(b.data() + lo, a.data() + lo, len * sizeof(float));
+                else
+                    stream_copy(a.data() + lo, b.data() + lo, len);
+                comm.barrier(); // the copy ends when the slower thread ends
+                if (r >= 0 && comm.rank() == 0)
+                    (k == 0 ? t_memcpy : t_loop)[static_cast<std::size_t>(r)] = seconds_since(t0);
+            }
+    });
+    bw.memcpy_2threads = 2.0 * double(bytes) / median(t_memcpy);
+    bw.stream_2threads = 2.0 * double(bytes) / median(t_loop);
+    return bw;
+}
+
+// Median time of one thread_group all_reduce of `bytes` per replica (slowest replica).
+double time_thread_group(std::size_t bytes, const options& o) {
+    const std::size_t n = bytes / sizeof(float);
+    const int reps = reps_for(bytes, o), warm = std::max(2, reps / 10);
+    std::vector<double> t0s(2 * static_cast<std::size_t>(reps)), t(t0s.size());
+    lockstep::thread_group group(2);
+    group.run([&](lockstep::thread_communicator& comm) {
+        lockstep::buffer<float> send(n, comm.system()), recv(n, comm.system());
+        fill(send.span(), comm.rank());
+        std::fill(recv.begin(), recv.end(), 0.0f);
+        for (int r = -warm; r < reps; ++r) {
+            comm.barrier();
+            const auto t0 = clock_type::now();
+            comm.all_reduce(std::span<const float>(send.data(), n), recv.span(),
+                            lockstep::reduce_op::sum);
+            const double dt = seconds_since(t0);
+            if (r >= 0)
+                t[2 * static_cast<std::size_t>(r) + static_cast<std::size_t>(comm.rank())] = dt;
+        }
+    });
+    std::vector<double> slowest(static_cast<std::size_t>(reps));
+    for (std::size_t r = 0; r < slowest.size(); ++r)
+        slowest[r] = std::max(t[2 * r], t[2 * r + 1]);
+    return median(slowest);
+}
+
+void run_threads(const options& o) {
+    const std::size_t anchor_bytes = std::size_t{64} << 20;
+    const copy_bandwidth bw = measure_copies(anchor_bytes, 11);
+    std::printf("thread_group all_reduce (sum, float), 2 replicas, %d hardware threads\n",
+                lockstep::host_system::default_threads(1));
+    std::printf("anchors (64 MiB arrays): memcpy 1 thread %.2f GB/s copied; 2 threads each "
+                "copying half: memcpy %.2f GB/s, STREAM copy loop %.2f GB/s (read + write)\n",
+                bw.memcpy_1thread * 1e-9, bw.memcpy_2threads * 1e-9, bw.stream_2threads * 1e-9);
+    std::printf("traffic bound: 2 replicas read 2*S and write 2*S, time >= 4*S / STREAM copy\n\n");
+    std::printf("%12s %12s %12s %12s %12s\n", "bytes", "time us", "algbw GB/s", "bound us",
+                "time/bound");
+    for (const std::size_t bytes : sizes(o)) {
+        const double t = time_thread_group(bytes, o);
+        const double bound = 4.0 * double(bytes) / bw.stream_2threads;
+        std::printf("%12zu %12.2f %12.3f %12.2f %12.2f\n", bytes, t * 1e6, double(bytes) / t * 1e-9,
+                    bound * 1e6, t / bound);
+        std::fflush(stdout);
+    }
+}
+
+// ---- (2) mpi_communicator vs raw MPI_Allreduce ------------------------------------------------
+
+void run_mpi(const options& o) {
+    lockstep::mpi_communicator checked(MPI_COMM_WORLD);
+    lockstep::mpi_communicator unchecked(MPI_COMM_WORLD, {.verify = false});
+    const int rank = checked.rank();
+    if (rank == 0) {
+        char lib[MPI_MAX_LIBRARY_VERSION_STRING] = {};
+        int len = 0;
+        MPI_Get_library_version(lib, &len);
+        std::string first_line(lib, static_cast<std::size_t>(len));
+        first_line = first_line.substr(0, first_line.find('\n'));
+        int level = 0;
+        MPI_Query_thread(&level);
+        std::printf("mpi_communicator all_reduce (sum, float) vs raw MPI_Allreduce, %d ranks, "
+                    "%s, thread level %d\n",
+                    checked.size(), first_line.c_str(), level);
+        std::printf("raw = MPI_Allreduce on the same communicator and buffers; verify = "
+                    "lockstep with the signature check (default), plain = {.verify = false}\n\n");
+        std::printf("%12s %11s %11s %11s %12s %11s %11s\n", "bytes", "raw us", "plain us",
+                    "verify us", "raw GB/s", "plain/raw", "verify/raw");
+    }
+    MPI_Comm raw_comm = unchecked.native();
+    for (const std::size_t bytes : sizes(o)) {
+        const std::size_t n = bytes / sizeof(float);
+        const int reps = reps_for(bytes, o), warm = std::max(2, reps / 10);
+        lockstep::buffer<float> send(n, checked.system()), recv(n, checked.system());
+        fill(send.span(), rank);
+        std::fill(recv.begin(), recv.end(), 0.0f);
+        const std::span<const float> in(send.data(), n);
+        // t[v * reps + r]: variant v (raw, plain, verify) at repetition r, interleaved (and
+        // the order rotated) so that drift in the machine's load affects all three alike.
+        std::vector<double> t(3 * static_cast<std::size_t>(reps));
+        for (int r = -warm; r < reps; ++r)
+            for (int k = 0; k < 3; ++k) {
+                const int v = (k + r + warm) % 3;
+                MPI_Barrier(MPI_COMM_WORLD);
+                const auto t0 = clock_type::now();
+                if (v == 0)
+                    LOCKSTEP_MPI_CHECK(MPI_Allreduce(send.data(), recv.data(), static_cast<int>(n),
+                                                     MPI_FLOAT, MPI_SUM, raw_comm));
+                else
+                    (v == 1 ? unchecked : checked)
+                        .all_reduce(in, recv.span(), lockstep::reduce_op::sum);
+                const double dt = seconds_since(t0);
+                if (r >= 0)
+                    t[static_cast<std::size_t>(v * reps + r)] = dt;
+            }
+        // The slowest rank's time of each call.
+        LOCKSTEP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, t.data(), static_cast<int>(t.size()),
+                                         MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
+        const auto med = [&](int v) {
+            return median(std::vector<double>(t.begin() + v * reps, t.begin() + (v + 1) * reps));
+        };
+        const double raw = med(0), plain = med(1), verify = med(2);
+        if (rank == 0) {
+            std::printf("%12zu %11.2f %11.2f %11.2f %12.3f %11.3f %11.3f\n", bytes, raw * 1e6,
+                        plain * 1e6, verify * 1e6, double(bytes) / raw * 1e-9, plain / raw,
+                        verify / raw);
+            std::fflush(stdout);
+        }
+    }
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+    lockstep::mpi_environment env(argc, argv);
+    options o;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        const std::string a = argv[i];
+        if (a == "--max-mib")
+            o.max_bytes = static_cast<std::size_t>(std::atof(argv[i + 1]) * double(1 << 20));
+        else if (a == "--reps-scale")
+            o.reps_scale = std::atof(argv[i + 1]);
+        else {
+            std::fprintf(stderr, "usage: [mpiexec -n 2] %s [--max-mib M] [--reps-scale X]\n",
+                         argv[0]);
+            return 2;
+        }
+    }
+    int world = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    try {
+        if (world > 1)
+            run_mpi(o);
+        else
+            run_threads(o);
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "bench_allreduce: %s\n", e.what());
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    return 0;
+}
