@@ -54,6 +54,22 @@ struct tile_apply {
     }
 };
 
+/// for_each body over lanes k in [0, tile count * TileSize): element tiles[k / TileSize].begin +
+/// k % TileSize, when inside its tile, gets f(i, f.segment(s)). One element per thread and
+/// consecutive threads on consecutive elements (coalesced): the shape of the CUDA path, the same
+/// arithmetic as tile_apply. requires: every tile holds at most TileSize elements.
+template <class F, std::size_t TileSize>
+struct tile_lanes {
+    const tile* tiles;
+    F f;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t k) const {
+        const tile tl = tiles[k / TileSize];
+        const std::size_t i = tl.begin + k % TileSize;
+        if (i < tl.end)
+            f(i, f.segment(tl.segment));
+    }
+};
+
 /// for_each body over tile indices: partial[t] = sum over the tile's elements of f(i, scalars)
 /// (a sum_pair), accumulated in an order fixed by the tile (and, on the host, the build's SIMD
 /// width), so the result does not depend on the number of threads.

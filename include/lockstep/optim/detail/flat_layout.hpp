@@ -23,9 +23,12 @@
 
 namespace lockstep::optim::detail {
 
-/// Elements per tile: large enough that a tile's loop amortises loading its segment's scalars,
-/// small enough that ResNet-50's smallest tensors and a thread's share of the buffer balance.
-inline constexpr std::size_t tile_elements = 8192;
+/// Elements per tile. Host: one thread runs a whole tile as a vectorized loop, so tiles are
+/// large enough to amortise loading the segment's scalars and small enough to balance threads.
+/// Device: one thread per element (kernels::tile_lanes), tiles of 1024 (32 warps share one tile
+/// record).
+template <class System>
+inline constexpr std::size_t tile_elements = System::is_host ? 8192 : 1024;
 
 /// Copies a host vector into a new buffer in sys's memory.
 template <class T, class System>
@@ -65,9 +68,9 @@ public:
                 " (which ends at ", end_prev, ") or exceeds the buffer of ", n, " elements");
             end_prev = seg.offset + seg.size;
             kernels::tile_range r{tiles.size(), tiles.size()};
-            for (std::size_t b = seg.offset; b < end_prev; b += tile_elements)
-                tiles.push_back(
-                    {b, std::min(end_prev, b + tile_elements), static_cast<std::uint32_t>(s)});
+            for (std::size_t b = seg.offset; b < end_prev; b += tile_elements<System>)
+                tiles.push_back({b, std::min(end_prev, b + tile_elements<System>),
+                                 static_cast<std::uint32_t>(s)});
             r.last = tiles.size();
             ranges.push_back(r);
             flags.push_back({seg.decay, seg.adapt});
@@ -82,20 +85,32 @@ public:
     std::size_t tile_count() const noexcept { return tiles_.size(); }
     const std::vector<tensor_segment>& segments() const noexcept { return segments_; }
     const kernels::segment_flags* flags() const noexcept { return flags_.data(); }
+    /// The tiles (System memory), in element order.
+    const kernels::tile* tiles() const noexcept { return tiles_.data(); }
 
-    /// Runs f over every segmented element in one pass (a for_each over the tiles).
+    /// Runs f over every segmented element in one pass: a for_each over the tiles on the host
+    /// (a vectorized loop per tile), over the elements (one lane each) on a device.
     template <class F>
     void apply(const System& sys, const F& f) const {
         if (tiles_.empty())
             return;
-        thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                         thrust::counting_iterator<std::size_t>(tiles_.size()),
-                         kernels::tile_apply<F>{tiles_.data(), f});
+        if constexpr (System::is_host) {
+            thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
+                             thrust::counting_iterator<std::size_t>(tiles_.size()),
+                             kernels::tile_apply<F>{tiles_.data(), f});
+        } else {
+            constexpr std::size_t ts = tile_elements<System>;
+            thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
+                             thrust::counting_iterator<std::size_t>(tiles_.size() * ts),
+                             kernels::tile_lanes<F, ts>{tiles_.data(), f});
+        }
     }
 
     /// Runs f (returning kernels::sum_pair) over every segmented element in one pass and writes
     /// the per-segment sums to out (segment_count() entries, System memory). Deterministic:
-    /// the summation order depends on the layout only, never on the thread count.
+    /// the summation order depends on the layout only, never on the thread count. (On CUDA, a
+    /// CUB segmented reduction with block-wide partials is the fast path still to write; this
+    /// portable form runs one thread per 1024-element tile, then one per segment.)
     template <class F>
     void reduce(const System& sys, const F& f, buffer<kernels::sum_pair, System>& partial,
                 kernels::sum_pair* out) const {
