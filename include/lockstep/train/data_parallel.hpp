@@ -112,7 +112,6 @@ public:
     /// The flat parameter values (registry storage, or lockstep's packed copy with the
     /// visitor), in registration order; registry().parameters() describes the layout.
     std::span<const value_type> parameters() { return core_.values(); }
-    std::span<const value_type> state() { return core_.states(); }
     parameter_registry<value_type, system_type>& registry() noexcept { return core_.registry(); }
     /// Steps taken so far (skipped ones included).
     std::int64_t steps() const noexcept { return core_.steps(); }
@@ -191,11 +190,10 @@ private:
         auto& comm = core_.comm();
         reducer_.average(core_.values());
         core_.pack_state();
-        auto s = core_.states();
-        if (!s.empty()) {
+        core_.for_each_state_buffer([&](std::span<T> s) {
             comm.all_reduce(std::span<const T>(s), s, reduce_op::sum);
             detail::scale(comm.system(), s, T(1) / static_cast<T>(comm.size()));
-        }
+        });
         core_.unpack_values();
         core_.unpack_state();
     }

@@ -38,7 +38,7 @@ struct network_maker {
 /// One replica's share of any trainer. Owns the context (fixed address: the registry and the
 /// network's handles point into it), the network, the optimizer; the flat value/gradient/state
 /// buffers are the registry's (path (a)) or packed copies of the network's own buffers (path
-/// (b), the visitor): either way values()/grads()/states() are flat and identically laid out on
+/// (b), the visitor): either way values()/grads() are flat and identically laid out on
 /// every replica.
 template <class Network, class Optimizer, class Communicator>
 class replica_core {
@@ -76,20 +76,24 @@ public:
                                  " values but ", g.size(), " gradients");
                 reg.add(std::string(name), {v.size()});
             });
-            visit_state<T>(*net_, [&](std::string_view name, std::span<T> s) {
-                reg.add_state(std::string(name), {s.size()});
-            });
-            reg.finalize();
-            pack_values();
-            pack_state();
-        } else {
-            reg.finalize();
         }
+        reg.finalize();
+        // State the network exposes through for_each_state (with either path) is packed into a
+        // buffer of the trainer's: e.g. BN running statistics a layer owns.
+        std::size_t offset = 0;
+        visit_state<T>(*net_, [&](std::string_view name, std::span<T> st) {
+            vstate_.push_back(
+                tensor_info{std::string(name), {st.size()}, offset, st.size(), tensor_kind::state});
+            offset += st.size();
+        });
+        vstate_buf_ = buffer<T, system_type>(offset, comm.system());
+        std::vector<tensor_info> all_state = reg.state_tensors();
+        all_state.insert(all_state.end(), vstate_.begin(), vstate_.end());
+        verify_same_tensors<T>(comm, reg.parameters(), all_state);
         LOCKSTEP_REQUIRE(reg.parameter_count() > 0, errc::invalid_argument, comm.rank(),
                          "data_parallel",
                          "the network declared no parameters (allocate them from "
                          "ctx.registry() or define for_each_parameter)");
-        verify_same_tensors<T>(comm, reg.parameters(), reg.state_tensors());
         broadcast_from(0);
 
         segments_.reserve(reg.parameters().size());
@@ -110,7 +114,15 @@ public:
     typename context_type::registry_type& registry() noexcept { return ctx_->registry(); }
     std::span<T> values() { return registry().values(); }
     std::span<T> grads() { return registry().grads(); }
-    std::span<T> states() { return registry().states(); }
+    /// Calls f(span) on every non-empty flat state buffer: the registry's state, then the
+    /// packed copy of the state the network visits (call pack_state() first).
+    template <class F>
+    void for_each_state_buffer(F&& f) {
+        if (!registry().states().empty())
+            f(registry().states());
+        if (!vstate_buf_.empty())
+            f(vstate_buf_.span());
+    }
     /// Steps taken (including skipped ones) and samples consumed so far.
     std::int64_t steps() const noexcept { return steps_; }
     std::uint64_t samples() const noexcept { return samples_; }
@@ -195,7 +207,7 @@ public:
             });
         }
     }
-    /// Visitor path: network state <-> flat state buffer.
+    /// State the network visits (for_each_state) <-> the trainer's packed state buffer.
     void pack_state() { move_state(true); }
     void unpack_state() { move_state(false); }
 
@@ -203,10 +215,8 @@ public:
     void broadcast_from(int root) {
         pack_values();
         pack_state();
-        if (!values().empty())
-            comm_->broadcast(values(), root);
-        if (!states().empty())
-            comm_->broadcast(states(), root);
+        comm_->broadcast(values(), root);
+        for_each_state_buffer([&](std::span<T> s) { comm_->broadcast(s, root); });
         unpack_values();
         unpack_state();
     }
@@ -233,14 +243,13 @@ private:
         return ps[i];
     }
     void move_state(bool pack) {
-        if constexpr (uses_visitor && has_state_visitor<Network, T>) {
+        if constexpr (has_state_visitor<Network, T>) {
             std::size_t i = 0;
-            const auto& ss = registry().state_tensors();
             visit_state<T>(*net_, [&](std::string_view name, std::span<T> s) {
-                LOCKSTEP_REQUIRE(i < ss.size() && ss[i].size == s.size(), errc::shape_mismatch,
-                                 comm_->rank(), "data_parallel", "state '", name,
-                                 "' changed since construction");
-                std::span<T> flat = states().subspan(ss[i].offset, ss[i].size);
+                LOCKSTEP_REQUIRE(i < vstate_.size() && vstate_[i].size == s.size(),
+                                 errc::shape_mismatch, comm_->rank(), "data_parallel", "state '",
+                                 name, "' changed since construction");
+                std::span<T> flat = vstate_buf_.span().subspan(vstate_[i].offset, s.size());
                 if (pack)
                     copy(std::span<const T>(s), comm_->system(), flat, comm_->system());
                 else
@@ -257,6 +266,8 @@ private:
     std::optional<Network> net_;
     std::vector<tensor_segment> segments_;
     std::optional<Optimizer> opt_;
+    std::vector<tensor_info> vstate_;
+    buffer<T, system_type> vstate_buf_;
     std::int64_t steps_ = 0;
     std::uint64_t samples_ = 0;
 };
