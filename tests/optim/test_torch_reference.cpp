@@ -1,0 +1,112 @@
+// SGD, Adam and AdamW against PyTorch's own optimizers (float64, 10 steps), when python3 and
+// torch are installed; otherwise the test warns and passes without checking.
+// SPDX-License-Identifier: Apache-2.0
+#include "lockstep/optim/adam.hpp"
+#include "lockstep/optim/sgd.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <sstream>
+#include <string>
+#include <sys/wait.h>
+#include <vector>
+
+using namespace lockstep;
+
+namespace {
+constexpr int n = 64, steps = 10;
+
+// The same inputs torch_reference.py builds (same libm, so the same doubles).
+std::vector<double> weights() {
+    std::vector<double> w(n);
+    for (int i = 0; i < n; ++i)
+        w[i] = std::sin(0.37 * i + 0.1);
+    return w;
+}
+std::vector<double> grad(int t) {
+    std::vector<double> g(n);
+    for (int i = 0; i < n; ++i)
+        g[i] = std::cos(0.11 * i * (t + 1) + 0.5 * t);
+    return g;
+}
+
+// Runs the script with `python`; returns {exit status, name -> weights}.
+std::pair<int, std::map<std::string, std::vector<double>>> run_torch(const std::string& python) {
+    const std::string cmd = python + " '" LOCKSTEP_TORCH_REFERENCE "' 2>/dev/null";
+    FILE* p = popen(cmd.c_str(), "r");
+    std::map<std::string, std::vector<double>> out;
+    if (p == nullptr)
+        return {-1, out};
+    std::string text;
+    char buf[4096];
+    while (std::fgets(buf, sizeof buf, p) != nullptr)
+        text += buf;
+    const int status = pclose(p);
+    std::istringstream lines(text);
+    std::string line;
+    while (std::getline(lines, line)) {
+        std::istringstream ls(line);
+        std::string name;
+        ls >> name;
+        double x;
+        while (ls >> x)
+            out[name].push_back(x);
+    }
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+// The first interpreter that has torch (Debian's python3-torch lives in /usr/bin/python3, which
+// a pyenv or venv python3 earlier in PATH does not see).
+std::pair<int, std::map<std::string, std::vector<double>>> run_torch() {
+    std::pair<int, std::map<std::string, std::vector<double>>> r{-1, {}};
+    for (const char* python : {"/usr/bin/python3", "python3"}) {
+        r = run_torch(python);
+        if (r.first == 0)
+            break;
+    }
+    return r;
+}
+
+template <class O>
+std::vector<double> run_lockstep(typename O::params_type p) {
+    O opt(n, p);
+    std::vector<double> w = weights();
+    for (int t = 0; t < steps; ++t) {
+        const std::vector<double> g = grad(t);
+        opt.step(w, g);
+    }
+    return w;
+}
+} // namespace
+
+TEST_CASE("optimizers match PyTorch's (float64, 10 steps)", "[optim][torch][host]") {
+    const auto [status, torch] = run_torch();
+    if (status != 0) { // 77: no torch; 127: no python3
+        WARN("python3 with torch is not available: the PyTorch cross-check is skipped");
+        return;
+    }
+    const std::map<std::string, std::vector<double>> mine = {
+        {"sgd", run_lockstep<optim::sgd<double>>(
+                    {.lr = 0.05, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01})},
+        {"nesterov", run_lockstep<optim::sgd<double>>(
+                         {.lr = 0.05, .momentum = 0.9, .weight_decay = 0.01, .nesterov = true})},
+        {"adam", run_lockstep<optim::adam<double>>(
+                     {.lr = 0.01, .beta1 = 0.8, .beta2 = 0.99, .eps = 1e-6, .weight_decay = 0.05})},
+        {"adamw",
+         run_lockstep<optim::adamw<double>>(
+             {.lr = 0.01, .beta1 = 0.8, .beta2 = 0.99, .eps = 1e-6, .weight_decay = 0.05})},
+    };
+    for (const auto& [name, w] : mine) {
+        INFO("optimizer " << name);
+        REQUIRE(torch.count(name) == 1);
+        const std::vector<double>& t = torch.at(name);
+        REQUIRE(t.size() == w.size());
+        // Same equations in float64; PyTorch orders some operations differently (lerp for the
+        // first moment, addcdiv), so allow 1e-12 relative to (1 + |w|) after 10 steps.
+        for (int i = 0; i < n; ++i)
+            CHECK(std::abs(w[i] - t[i]) <= 1e-12 * (1 + std::abs(t[i])));
+    }
+}
