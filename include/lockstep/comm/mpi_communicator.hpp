@@ -1,9 +1,11 @@
-// lockstep/comm/mpi_communicator.hpp: mpi_environment (MPI_Init_thread/MPI_Finalize) and
-// mpi_communicator, one replica per process over an MPI_Comm. SPDX-License-Identifier: Apache-2.0
+// lockstep/comm/mpi_communicator.hpp: mpi_communicator, one replica per process over an MPI_Comm
+// (and mpi_environment, which starts MPI). SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/detail/mpi_signature.hpp"
 #include "lockstep/comm/detail/mpi_types.hpp"
+#include "lockstep/comm/mpi_environment.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/system/host_system.hpp"
@@ -24,72 +26,6 @@
 #include <mpi.h>
 
 namespace lockstep {
-
-/// The thread levels mpi_environment asks for and needs.
-struct mpi_environment_params {
-    int requested = MPI_THREAD_SERIALIZED; ///< the level asked of MPI_Init_thread
-    int required = MPI_THREAD_FUNNELED;    ///< below this level the constructor throws
-};
-
-/// RAII owner of the MPI library: MPI_Init_thread in the constructor, MPI_Finalize in the
-/// destructor. If MPI is already initialised (by the user or another library) it does neither
-/// and only records the thread level MPI provides.
-///
-/// The default request is MPI_THREAD_SERIALIZED: lockstep calls MPI from one thread at a time
-/// per process, and on this machine's MPICH 4.0 MPI_THREAD_MULTIPLE made a 4-byte
-/// MPI_Allreduce about 1 us (~30%) slower. Ask for `.requested = MPI_THREAD_MULTIPLE` when
-/// other threads of the process call MPI concurrently.
-class mpi_environment {
-public:
-    using params = mpi_environment_params;
-
-    /// requires: argc/argv as main received them (MPI may remove its own arguments).
-    /// ensures: MPI is initialised with thread_level() >= p.required, or throws lockstep::error
-    /// (errc::unsupported) after finalising what it initialised.
-    mpi_environment(int& argc, char**& argv, params p = {}) { init(&argc, &argv, p); }
-    /// As above, without command-line arguments.
-    explicit mpi_environment(params p) { init(nullptr, nullptr, p); }
-    mpi_environment() { init(nullptr, nullptr, params{}); }
-    mpi_environment(const mpi_environment&) = delete;
-    mpi_environment& operator=(const mpi_environment&) = delete;
-    ~mpi_environment() {
-        int finalized = 0;
-        MPI_Finalized(&finalized);
-        if (owns_ && !finalized)
-            MPI_Finalize();
-    }
-
-    /// The thread level MPI provides (MPI_THREAD_SINGLE .. MPI_THREAD_MULTIPLE).
-    int thread_level() const noexcept { return provided_; }
-    /// True when this object initialised MPI and will finalise it.
-    bool owns() const noexcept { return owns_; }
-
-private:
-    void init(int* argc, char*** argv, params p) {
-        int initialized = 0, finalized = 0;
-        LOCKSTEP_MPI_CHECK(MPI_Initialized(&initialized));
-        LOCKSTEP_MPI_CHECK(MPI_Finalized(&finalized));
-        LOCKSTEP_REQUIRE(!finalized, errc::invalid_argument, -1, "mpi_environment",
-                         "MPI was already finalised and cannot be initialised again");
-        if (initialized) {
-            LOCKSTEP_MPI_CHECK(MPI_Query_thread(&provided_));
-        } else {
-            LOCKSTEP_MPI_CHECK(MPI_Init_thread(argc, argv, p.requested, &provided_));
-            owns_ = true;
-        }
-        if (provided_ < p.required) {
-            if (owns_)
-                MPI_Finalize();
-            owns_ = false;
-            fail(errc::unsupported, -1, "mpi_environment", "MPI provides thread level ", provided_,
-                 " but level ", p.required, " is required (0 single, 1 funneled, 2 serialized, ",
-                 "3 multiple)");
-        }
-    }
-
-    int provided_ = MPI_THREAD_SINGLE;
-    bool owns_ = false;
-};
 
 /// Runtime options of mpi_communicator.
 struct mpi_communicator_params {
@@ -386,9 +322,7 @@ private:
     }
 
     // "all_reduce #12": the collective in progress and its sequence number.
-    std::string name() const {
-        return std::string(detail::to_string(kind_)) + " #" + std::to_string(seq_);
-    }
+    std::string name() const { return detail::mpi_operation_name(kind_, seq_); }
 
     // Starts collective number seq_ + 1; with verification, exchanges the signature and throws
     // on every replica when they disagree. A replica whose own arguments failed (ok == false)
@@ -412,56 +346,19 @@ private:
                       ok ? 1 : 0};
         detail::mpi_signature_range r;
         call(detail::mpi_signature_range_exchange(mine, comm_, r), "MPI_Allreduce (verify)", count);
-        if (!ok)
-            return;
-        const auto& lo = r.min.value;
-        const auto& hi = r.max.value;
-        if (lo[f::arguments_ok] == 0)
-            fail(errc::peer_failure, rank_, name(),
-                 "another replica's arguments failed its checks (it reports them); this replica "
-                 "was released instead of waiting");
-        if (!r.agree(f::kind))
-            fail(errc::invalid_argument, rank_, name(),
-                 "replicas called different collectives at this point: ",
-                 detail::to_string(detail::mpi_collective(lo[f::kind])), " and ",
-                 detail::to_string(detail::mpi_collective(hi[f::kind])));
-        if (!r.agree(f::sequence))
-            fail(errc::invalid_argument, rank_, name(), "replicas are at collective #",
-                 lo[f::sequence], " to #", hi[f::sequence],
-                 ": one of them skipped or repeated a collective");
-        if (!r.agree(f::count))
-            fail(errc::count_mismatch, rank_, name(), "replicas passed different counts: min ",
-                 lo[f::count], ", max ", hi[f::count], " (this replica ", count, ")");
-        if (!r.agree(f::type))
-            fail(errc::shape_mismatch, rank_, name(),
-                 "replicas passed different element types: ", detail::mpi_type_name(lo[f::type]),
-                 " and ", detail::mpi_type_name(hi[f::type]));
-        if (!r.agree(f::root))
-            fail(errc::invalid_argument, rank_, name(), "replicas passed different roots: min ",
-                 lo[f::root], ", max ", hi[f::root]);
-        if (!r.agree(f::op))
-            fail(errc::invalid_argument, rank_, name(),
-                 "replicas passed different reductions: ", to_string(reduce_op(lo[f::op])), " and ",
-                 to_string(reduce_op(hi[f::op])));
+        if (ok)
+            detail::require_agreement(mine, r, rank_);
     }
 
     void call(int rc, const char* mpi_call, std::size_t count) const {
         if (rc != MPI_SUCCESS)
-            fail(errc::mpi, rank_, name(), mpi_call, " failed: ", error_text(rc), " (count ", count,
-                 ", group of ", size_, ")");
+            fail(errc::mpi, rank_, name(), mpi_call, " failed: ", detail::mpi_error_text(rc),
+                 " (count ", count, ", group of ", size_, ")");
     }
     void call_p2p(int rc, const char* op, const char* mpi_call, int peer, int tag) const {
         if (rc != MPI_SUCCESS)
             fail(errc::mpi, rank_, op, mpi_call, " with replica ", peer, ", tag ", tag,
-                 " failed: ", error_text(rc));
-    }
-    static std::string error_text(int rc) {
-        char text[MPI_MAX_ERROR_STRING] = {};
-        int len = 0;
-        if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS)
-            len = 0;
-        return std::string(text, static_cast<std::size_t>(len)) + " (MPI code " +
-               std::to_string(rc) + ")";
+                 " failed: ", detail::mpi_error_text(rc));
     }
     void check_peer(int peer, int tag, std::size_t count, const char* op) const {
         LOCKSTEP_REQUIRE(comm_ != MPI_COMM_NULL, errc::invalid_argument, rank_, op,

@@ -1,5 +1,5 @@
 // lockstep/comm/detail/mpi_types.hpp: element types and reductions mapped to MPI datatypes and
-// operators, and the signature a verified collective exchanges. SPDX-License-Identifier: Apache-2.0
+// operators (with workarounds for MPI library bugs). SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
@@ -13,6 +13,7 @@
 
 #include <array>
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <type_traits>
 
@@ -128,66 +129,14 @@ inline constexpr bool mpi_in_place_reduce_broken = true;
 inline constexpr bool mpi_in_place_reduce_broken = false;
 #endif
 
-/// The collectives a signature can name.
-enum class mpi_collective : std::int64_t {
-    none = 0,
-    all_reduce,
-    broadcast,
-    all_gather,
-    reduce,
-    barrier,
-    split
-};
-
-constexpr std::string_view to_string(mpi_collective c) noexcept {
-    switch (c) {
-    case mpi_collective::none:
-        return "none";
-    case mpi_collective::all_reduce:
-        return "all_reduce";
-    case mpi_collective::broadcast:
-        return "broadcast";
-    case mpi_collective::all_gather:
-        return "all_gather";
-    case mpi_collective::reduce:
-        return "reduce";
-    case mpi_collective::barrier:
-        return "barrier";
-    case mpi_collective::split:
-        return "split";
-    }
-    return "unknown";
-}
-
-/// What every replica must agree on before a collective runs. Fields that do not apply are 0
-/// (root and op of an all_gather); `arguments_ok` is 0 on a replica whose own arguments failed
-/// a local check, so the others are released with an error instead of waiting for it.
-struct mpi_signature {
-    enum field : std::size_t { kind, sequence, count, type, root, op, arguments_ok, fields };
-    std::array<std::int64_t, fields> value{};
-};
-
-/// The element-wise minimum and maximum of every replica's signature, from one MPI_Allreduce
-/// with MPI_MAX over {v, -v}: max(-v) = -min(v), so one call of 2 * fields int64 gives both.
-struct mpi_signature_range {
-    mpi_signature min, max;
-    bool agree(mpi_signature::field f) const noexcept { return min.value[f] == max.value[f]; }
-};
-
-inline int mpi_signature_range_exchange(const mpi_signature& mine, MPI_Comm comm,
-                                        mpi_signature_range& out) noexcept {
-    std::array<std::int64_t, 2 * mpi_signature::fields> v{};
-    for (std::size_t i = 0; i < mpi_signature::fields; ++i) {
-        v[i] = mine.value[i];
-        v[mpi_signature::fields + i] = -mine.value[i];
-    }
-    const int rc = MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_INT64_T,
-                                 MPI_MAX, comm);
-    for (std::size_t i = 0; i < mpi_signature::fields; ++i) {
-        out.max.value[i] = v[i];
-        out.min.value[i] = -v[mpi_signature::fields + i];
-    }
-    return rc;
+/// MPI's text for an error code, with the code.
+inline std::string mpi_error_text(int rc) {
+    char text[MPI_MAX_ERROR_STRING] = {};
+    int len = 0;
+    if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS)
+        len = 0;
+    return std::string(text, static_cast<std::size_t>(len)) + " (MPI code " + std::to_string(rc) +
+           ")";
 }
 
 } // namespace lockstep::detail

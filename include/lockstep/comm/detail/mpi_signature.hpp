@@ -1,0 +1,126 @@
+// lockstep/comm/detail/mpi_signature.hpp: the signature replicas exchange before a verified
+// collective, and the errors when they disagree. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/detail/mpi_types.hpp"
+#include "lockstep/core/error.hpp"
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include <mpi.h>
+
+namespace lockstep::detail {
+
+/// The collectives a signature can name.
+enum class mpi_collective : std::int64_t {
+    none = 0,
+    all_reduce,
+    broadcast,
+    all_gather,
+    reduce,
+    barrier,
+    split
+};
+
+constexpr std::string_view to_string(mpi_collective c) noexcept {
+    switch (c) {
+    case mpi_collective::none:
+        return "none";
+    case mpi_collective::all_reduce:
+        return "all_reduce";
+    case mpi_collective::broadcast:
+        return "broadcast";
+    case mpi_collective::all_gather:
+        return "all_gather";
+    case mpi_collective::reduce:
+        return "reduce";
+    case mpi_collective::barrier:
+        return "barrier";
+    case mpi_collective::split:
+        return "split";
+    }
+    return "unknown";
+}
+
+/// What every replica must agree on before a collective runs. Fields that do not apply are 0
+/// (root and op of an all_gather); `arguments_ok` is 0 on a replica whose own arguments failed
+/// a local check, so the others are released with an error instead of waiting for it.
+struct mpi_signature {
+    enum field : std::size_t { kind, sequence, count, type, root, op, arguments_ok, fields };
+    std::array<std::int64_t, fields> value{};
+};
+
+/// The element-wise minimum and maximum of every replica's signature, from one MPI_Allreduce
+/// with MPI_MAX over {v, -v}: max(-v) = -min(v), so one call of 2 * fields int64 gives both.
+struct mpi_signature_range {
+    mpi_signature min, max;
+    bool agree(mpi_signature::field f) const noexcept { return min.value[f] == max.value[f]; }
+};
+
+inline int mpi_signature_range_exchange(const mpi_signature& mine, MPI_Comm comm,
+                                        mpi_signature_range& out) noexcept {
+    std::array<std::int64_t, 2 * mpi_signature::fields> v{};
+    for (std::size_t i = 0; i < mpi_signature::fields; ++i) {
+        v[i] = mine.value[i];
+        v[mpi_signature::fields + i] = -mine.value[i];
+    }
+    const int rc = MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_INT64_T,
+                                 MPI_MAX, comm);
+    for (std::size_t i = 0; i < mpi_signature::fields; ++i) {
+        out.max.value[i] = v[i];
+        out.min.value[i] = -v[mpi_signature::fields + i];
+    }
+    return rc;
+}
+
+/// "all_reduce #12": a collective and its sequence number, for messages.
+inline std::string mpi_operation_name(mpi_collective kind, std::int64_t sequence) {
+    return std::string(to_string(kind)) + " #" + std::to_string(sequence);
+}
+
+/// Throws lockstep::error when the replicas' signatures disagree. Every replica sees the same
+/// range, so every replica throws, with the same code: peer_failure when a replica's own
+/// arguments failed (that replica reports them itself), invalid_argument for different
+/// collectives, sequence numbers, roots or reductions, count_mismatch for counts and
+/// shape_mismatch for element types.
+inline void require_agreement(const mpi_signature& mine, const mpi_signature_range& r, int rank) {
+    using f = mpi_signature;
+    const auto& lo = r.min.value;
+    const auto& hi = r.max.value;
+    const auto name = [&] {
+        return mpi_operation_name(mpi_collective(mine.value[f::kind]), mine.value[f::sequence]);
+    };
+    if (lo[f::arguments_ok] == 0)
+        fail(errc::peer_failure, rank, name(),
+             "another replica's arguments failed its checks (it reports them); this replica "
+             "was released instead of waiting");
+    if (!r.agree(f::kind))
+        fail(errc::invalid_argument, rank, name(),
+             "replicas called different collectives at this point: ",
+             to_string(mpi_collective(lo[f::kind])), " and ",
+             to_string(mpi_collective(hi[f::kind])));
+    if (!r.agree(f::sequence))
+        fail(errc::invalid_argument, rank, name(), "replicas are at collective #", lo[f::sequence],
+             " to #", hi[f::sequence], ": one of them skipped or repeated a collective");
+    if (!r.agree(f::count))
+        fail(errc::count_mismatch, rank, name(), "replicas passed different counts: min ",
+             lo[f::count], ", max ", hi[f::count], " (this replica ", mine.value[f::count], ")");
+    if (!r.agree(f::type))
+        fail(errc::shape_mismatch, rank, name(),
+             "replicas passed different element types: ", mpi_type_name(lo[f::type]), " and ",
+             mpi_type_name(hi[f::type]));
+    if (!r.agree(f::root))
+        fail(errc::invalid_argument, rank, name(), "replicas passed different roots: min ",
+             lo[f::root], ", max ", hi[f::root]);
+    if (!r.agree(f::op))
+        fail(errc::invalid_argument, rank, name(),
+             "replicas passed different reductions: ", to_string(reduce_op(lo[f::op])), " and ",
+             to_string(reduce_op(hi[f::op])));
+}
+
+} // namespace lockstep::detail
