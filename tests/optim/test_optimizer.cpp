@@ -226,16 +226,18 @@ TEMPLATE_TEST_CASE("optimizer results do not depend on the thread count", "[opti
     using T = typename O::value_type;
     const std::size_t big = 100003; // several tiles, odd size
     const std::vector<tensor_segment> segs = {{0, 50000}, {50000, 3}, {50003, 50000, false}};
+    const std::vector<double> w0 = ref::normals(big, 5, 0, 0);
+    std::vector<std::vector<T>> grads;
+    for (int s = 0; s < 3; ++s) {
+        const std::vector<double> gd = ref::normals(big, 5, 1, s);
+        grads.emplace_back(gd.begin(), gd.end());
+    }
     std::vector<std::vector<T>> results;
     for (int threads : {1, 2, 3}) {
         O opt(big, setup<TestType>::params(), host_system{threads}, segs);
-        const std::vector<double> w0 = ref::normals(big, 5, 0, 0);
         std::vector<T> w(w0.begin(), w0.end());
-        for (int s = 0; s < 3; ++s) {
-            const std::vector<double> gd = ref::normals(big, 5, 1, s);
-            const std::vector<T> g(gd.begin(), gd.end());
+        for (const auto& g : grads)
             opt.step(w, g);
-        }
         results.push_back(w);
     }
     CHECK(results[0] == results[1]);
