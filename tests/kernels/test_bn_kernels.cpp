@@ -50,6 +50,7 @@ const std::vector<channel_geometry> geometries{
     {2, 3, 5},    // NCHW, planes shorter than the lanes
     {300, 19, 1}, // NHWC / N x C rows, one row partition
     {2048, 7, 1}, // rows split into 8 partitions
+    {600, 70, 1}, // rows: full channel blocks and a remainder block, 2 partitions
     {1, 4, 1},    // one value per channel
     {0, 3, 16},   // empty batch
 };

@@ -24,9 +24,24 @@ namespace lockstep::kernels::detail {
 //   keeps one Welford state per channel; all channels step together, again sharing the count.
 // Partials are Chan-merged per channel in a fixed order that depends on the shape only.
 
-/// Lanes per plane task: 256 bytes of accumulators (64 floats or 32 doubles).
+/// Accumulator lanes per task: as many as the vector registers hold with room to spare
+/// (4 x 512-bit registers per accumulator array with AVX-512, else 128 bytes), so the Welford
+/// state stays in registers and enough independent lanes hide the latency of the mean update.
+#if defined(__AVX512F__)
+inline constexpr std::size_t lane_bytes = 256;
+#else
+inline constexpr std::size_t lane_bytes = 128;
+#endif
 template <class Acc>
-inline constexpr std::size_t plane_lanes = 256 / sizeof(Acc);
+inline constexpr std::size_t plane_lanes = lane_bytes / sizeof(Acc);
+
+/// Welford over exactly L values (a compile-time count, so the loop unrolls into registers).
+template <std::size_t L, class T, class Acc>
+inline void welford_fixed(Acc* __restrict mean, Acc* __restrict m2, const T* __restrict x,
+                          Acc inv_count) {
+    for (std::size_t j = 0; j < L; ++j)
+        welford_accumulate(mean[j], m2[j], static_cast<Acc>(x[j]), inv_count);
+}
 
 template <class T, class Acc>
 inline void welford_run(Acc* __restrict mean, Acc* __restrict m2, const T* __restrict x,
@@ -120,7 +135,7 @@ void host_channel_moments(int threads, const T* x, channel_geometry g, moments<A
                 const T* plane = x + (o * C + c) * g.inner;
                 for (std::size_t i = 0; i < full; i += L) {
                     chunks += Acc(1);
-                    welford_run(mean, m2, plane + i, L, Acc(1) / chunks);
+                    welford_fixed<L>(mean, m2, plane + i, Acc(1) / chunks);
                 }
                 samples += Acc(1);
                 welford_run(tmean, tm2, plane + full, tail, Acc(1) / samples);
@@ -132,21 +147,38 @@ void host_channel_moments(int threads, const T* x, channel_geometry g, moments<A
         for (std::size_t c = 0; c < C; ++c)
             merge(c);
     } else {
+        // tasks: row partitions x blocks of L channels; a block's state lives in registers
+        constexpr std::size_t L = plane_lanes<Acc>;
         const std::size_t parts = row_partitions(g);
+        const std::size_t blocks = (C + L - 1) / L;
         std::vector<Acc> state(parts * 2 * C);
-        const auto tasks = static_cast<std::ptrdiff_t>(parts);
+        const auto tasks = static_cast<std::ptrdiff_t>(parts * blocks);
 #if LOCKSTEP_HAS_OPENMP
 #pragma omp parallel for schedule(static) num_threads(threads)
 #endif
         for (std::ptrdiff_t t = 0; t < tasks; ++t) {
-            const std::size_t p = static_cast<std::size_t>(t);
-            Acc* mean = state.data() + p * 2 * C;
-            Acc* m2 = mean + C;
-            std::fill(mean, mean + 2 * C, Acc(0));
+            const std::size_t p = static_cast<std::size_t>(t) / blocks;
+            const std::size_t c0 = static_cast<std::size_t>(t) % blocks * L;
+            const std::size_t width = std::min(L, C - c0);
+            Acc mean[L] = {};
+            Acc m2[L] = {};
             Acc rows = 0;
-            for (std::size_t o = g.outer * p / parts; o < g.outer * (p + 1) / parts; ++o) {
-                rows += Acc(1);
-                welford_run(mean, m2, x + o * C, C, Acc(1) / rows);
+            const std::size_t begin = g.outer * p / parts, end = g.outer * (p + 1) / parts;
+            if (width == L) {
+                for (std::size_t o = begin; o < end; ++o) {
+                    rows += Acc(1);
+                    welford_fixed<L>(mean, m2, x + o * C + c0, Acc(1) / rows);
+                }
+            } else {
+                for (std::size_t o = begin; o < end; ++o) {
+                    rows += Acc(1);
+                    welford_run(mean, m2, x + o * C + c0, width, Acc(1) / rows);
+                }
+            }
+            Acc* out_mean = state.data() + p * 2 * C + c0;
+            for (std::size_t j = 0; j < width; ++j) {
+                out_mean[j] = mean[j];
+                out_mean[C + j] = m2[j];
             }
         }
         const chan_merge merge;
