@@ -155,7 +155,8 @@ void run_threads(const options& o) {
     std::printf("anchors (64 MiB arrays): memcpy 1 thread %.2f GB/s copied; 2 threads each "
                 "copying half: memcpy %.2f GB/s, STREAM copy loop %.2f GB/s (read + write)\n",
                 bw.memcpy_1thread * 1e-9, bw.memcpy_2threads * 1e-9, bw.stream_2threads * 1e-9);
-    std::printf("traffic bound: 2 replicas read 2*S and write 2*S, time >= 4*S / STREAM copy\n\n");
+    std::printf("traffic bound: 2 replicas read 2*S and write 2*S, time >= 4*S / STREAM copy "
+                "(a DRAM bound: sizes that stay in cache can beat it)\n\n");
     std::printf("%12s %12s %12s %12s %12s\n", "bytes", "time us", "algbw GB/s", "bound us",
                 "time/bound");
     for (const std::size_t bytes : sizes(o)) {
