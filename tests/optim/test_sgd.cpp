@@ -4,6 +4,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <string>
 #include <vector>
 
 using lockstep::optim::sgd;
@@ -112,4 +113,17 @@ TEST_CASE("sgd: invalid parameters and sizes throw lockstep::error", "[optim][sg
               opt.step(w, g);
           }) == errc::shape_mismatch);
     CHECK(code([] { sgd<float>(4).set_lr(std::nan("")); }) == errc::invalid_argument);
+}
+
+TEST_CASE("sgd: a bad layout names the optimizer, the segment and the values",
+          "[optim][sgd][host]") {
+    const lockstep::tensor_segment s[] = {{0, 3}, {2, 2}};
+    try {
+        sgd<float>(4, {}, lockstep::host_system{}, s);
+        FAIL("an overlapping layout was accepted");
+    } catch (const lockstep::error& e) {
+        const std::string what = e.what();
+        CHECK(what.find("sgd: segment 1 starts at 2, before the end of segment 0 (3)") !=
+              std::string::npos);
+    }
 }

@@ -61,11 +61,12 @@ public:
         std::size_t end_prev = 0;
         for (std::size_t s = 0; s < segments_.size(); ++s) {
             const tensor_segment& seg = segments_[s];
-            LOCKSTEP_REQUIRE(
-                seg.offset >= end_prev && seg.offset <= n && seg.size <= n - seg.offset,
-                errc::invalid_argument, -1, op, "segment ", s, " [", seg.offset, ", ",
-                seg.offset + seg.size, ") is unsorted, overlaps segment ", s - 1,
-                " (which ends at ", end_prev, ") or exceeds the buffer of ", n, " elements");
+            LOCKSTEP_REQUIRE(seg.offset <= n && seg.size <= n - seg.offset, errc::invalid_argument,
+                             -1, op, "segment ", s, " [", seg.offset, ", ", seg.offset + seg.size,
+                             ") exceeds the buffer of ", n, " elements");
+            LOCKSTEP_REQUIRE(seg.offset >= end_prev, errc::invalid_argument, -1, op, "segment ", s,
+                             " starts at ", seg.offset, ", before the end of segment ", s - 1, " (",
+                             end_prev, "): segments must be sorted and not overlap");
             end_prev = seg.offset + seg.size;
             kernels::tile_range r{tiles.size(), tiles.size()};
             for (std::size_t b = seg.offset; b < end_prev; b += tile_elements<System>)
