@@ -272,12 +272,26 @@ TEST_CASE("recv errors: timeout and wrong size", "[comm][thread]") {
             if (comm.rank() == 0)
                 comm.recv(std::span<int>(v), 1, 5); // never sent
             else
-                comm.barrier(); // released when replica 0 times out
+                std::this_thread::sleep_for(400ms); // alive, but sends nothing
         });
         FAIL("run returned although replica 0 never got its message");
     } catch (const lockstep::error& e) {
         CHECK(e.code() == errc::timeout);
         CHECK(contains(e.what(), "recv from rank 1 (tag 5)"));
+        CHECK(contains(e.what(), "timed out after 150 ms"));
+    }
+    // A sender that leaves without sending releases the receiver at once.
+    try {
+        group.run([&](thread_communicator& comm) {
+            std::vector<int> v(4);
+            if (comm.rank() == 0)
+                comm.recv_any(std::span<int>(v), 5);
+        });
+        FAIL("run returned although replica 0 never got its message");
+    } catch (const lockstep::error& e) {
+        CHECK(e.code() == errc::peer_failure);
+        CHECK(contains(e.what(), "recv_any (tag 5)"));
+        CHECK(contains(e.what(), "left the group without sending"));
     }
     thread_group ok_group(2);
     std::vector<outcome> out(2);

@@ -47,8 +47,11 @@ class thread_communicator {
 public:
     using system_type = host_system;
 
+    /// Moves the handle, sequence numbers included. ensures: o is empty (size() == 0) and
+    /// throws errc::invalid_argument from every communication call.
     thread_communicator(thread_communicator&& o) noexcept
         : group_(std::move(o.group_)), rank_(o.rank_), seq_(o.seq_), epoch_(o.epoch_) {}
+    /// Leaves this handle's group (as the destructor does), then takes o's handle.
     thread_communicator& operator=(thread_communicator&& o) noexcept {
         if (this != &o) {
             leave();
@@ -81,18 +84,31 @@ public:
                     reduce_op op) {
         static_assert(detail::shm::reducible<T>,
                       "thread_communicator reduces arithmetic element types only (not bool).");
-        auto s = start(record<T>(detail::shm::collective_kind::all_reduce, send.size(), recv.size(),
-                                 send.data(), recv.data(), op, 0),
-                       3);
         const std::size_t count = send.size();
+        const bool small = stashed<T>(count);
+        auto s = start(record<T>(detail::shm::collective_kind::all_reduce, count, recv.size(),
+                                 send.data(), recv.data(), op, 0),
+                       small ? 1 : 3, small ? send.data() : nullptr, small ? count : 0);
         const int n = size();
         source_list<T> sources(n);
+        if (small) {
+            // Everyone reduces every element from the stashes, in the same order.
+            for (int j = 0; j < n; ++j)
+                sources[j] = stashed_send<T>(j, s);
+            guarded(s, [&] {
+                detail::shm::reduce_range(system(), sources.data(), n, recv.data(), 0, count, op);
+            });
+            return;
+        }
         for (int j = 0; j < n; ++j)
             sources[j] = peer_send<T>(j, s);
         // Reduce-scatter: this replica owns one chunk and writes it only into its own recv.
         // Only the owner reads that chunk of anybody's send, so in-place calls are safe.
-        const auto [b, e] = detail::shm::owned_chunk<T>(count, rank_, n);
-        detail::shm::reduce_range(system(), sources.data(), n, recv.data(), b, e, op);
+        const auto mine = detail::shm::owned_chunk<T>(count, rank_, n);
+        guarded(s, [&] {
+            detail::shm::reduce_range(system(), sources.data(), n, recv.data(), mine.first,
+                                      mine.second, op);
+        });
         next_phase(s);
         // All-gather: copy the chunks the peers own out of their recv.
         for (int j = 0; j < n; ++j) {
@@ -109,12 +125,16 @@ public:
     template <class T>
     void broadcast(std::span<T> data, int root) {
         static_assert(std::is_trivially_copyable_v<T>, "broadcast copies elements as bytes.");
+        const bool small = stashed<T>(data.size());
         auto s = start(record<T>(detail::shm::collective_kind::broadcast, data.size(), data.size(),
                                  data.data(), data.data(), reduce_op::sum, root),
-                       2);
+                       small ? 1 : 2, small && rank_ == root ? data.data() : nullptr,
+                       small && rank_ == root ? data.size() : 0);
         if (rank_ != root)
-            copy_elements(data.data(), peer_recv<T>(root, s), data.size());
-        next_phase(s);
+            copy_elements(data.data(), small ? stashed_send<T>(root, s) : peer_recv<T>(root, s),
+                          data.size());
+        if (!small)
+            next_phase(s);
     }
 
     /// recv = the concatenation of every replica's send, in rank order.
@@ -123,14 +143,16 @@ public:
     template <class T>
     void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
         static_assert(std::is_trivially_copyable_v<T>, "all_gather copies elements as bytes.");
-        auto s = start(record<T>(detail::shm::collective_kind::all_gather, send.size(), recv.size(),
-                                 send.data(), recv.data(), reduce_op::sum, 0),
-                       2);
         const std::size_t count = send.size();
+        const bool small = stashed<T>(count);
+        auto s = start(record<T>(detail::shm::collective_kind::all_gather, count, recv.size(),
+                                 send.data(), recv.data(), reduce_op::sum, 0),
+                       small ? 1 : 2, small ? send.data() : nullptr, small ? count : 0);
         for (int j = 0; j < size(); ++j)
-            copy_elements(recv.data() + static_cast<std::size_t>(j) * count, peer_send<T>(j, s),
-                          count);
-        next_phase(s);
+            copy_elements(recv.data() + static_cast<std::size_t>(j) * count,
+                          small ? stashed_send<T>(j, s) : peer_send<T>(j, s), count);
+        if (!small)
+            next_phase(s);
     }
 
     /// As all_reduce, but only recv of replica `root` is written (the others' recv is not
@@ -141,17 +163,32 @@ public:
                 int root) {
         static_assert(detail::shm::reducible<T>,
                       "thread_communicator reduces arithmetic element types only (not bool).");
-        auto s = start(record<T>(detail::shm::collective_kind::reduce, send.size(), recv.size(),
+        const std::size_t count = send.size();
+        const bool small = stashed<T>(count);
+        auto s = start(record<T>(detail::shm::collective_kind::reduce, count, recv.size(),
                                  send.data(), recv.data(), op, root),
-                       2);
+                       small ? 1 : 2, small ? send.data() : nullptr, small ? count : 0);
         const int n = size();
         source_list<T> sources(n);
+        if (small) {
+            if (rank_ != root)
+                return;
+            for (int j = 0; j < n; ++j)
+                sources[j] = stashed_send<T>(j, s);
+            guarded(s, [&] {
+                detail::shm::reduce_range(system(), sources.data(), n, recv.data(), 0, count, op);
+            });
+            return;
+        }
         for (int j = 0; j < n; ++j)
             sources[j] = peer_send<T>(j, s);
         // Each replica reduces its chunk straight into root's recv; on root, only the owner
         // reads a chunk of root's send, so root may reduce in place.
-        const auto [b, e] = detail::shm::owned_chunk<T>(send.size(), rank_, n);
-        detail::shm::reduce_range(system(), sources.data(), n, peer_recv<T>(root, s), b, e, op);
+        const auto mine = detail::shm::owned_chunk<T>(count, rank_, n);
+        guarded(s, [&] {
+            detail::shm::reduce_range(system(), sources.data(), n, peer_recv<T>(root, s),
+                                      mine.first, mine.second, op);
+        });
         next_phase(s);
     }
 
@@ -287,12 +324,15 @@ private:
     }
 
     /// Publishes the call, passes the first phase and checks that all replicas agree.
-    session start(detail::shm::call_record rec, int phases) {
+    /// Small collectives copy `stash_count` elements from `stash` into this replica's stash.
+    template <class T = char>
+    session start(detail::shm::call_record rec, int phases, const T* stash = nullptr,
+                  std::size_t stash_count = 0) {
         require_group(name_of(rec.kind));
         const std::uint64_t seq = seq_++;
         session s{seq, epoch_ + 1, phases, 0, {name_of(rec.kind), seq}};
         group_->throw_if_failed(rank_, s.op);
-        group_->publish(rank_, seq, std::move(rec));
+        group_->publish(rank_, seq, std::move(rec), stash, stash_count * sizeof(T));
         next_phase(s);
         group_->validate(rank_, s.op);
         return s;
@@ -302,6 +342,27 @@ private:
         ++s.done;
         ++epoch_;
         group_->arrive_and_wait(rank_, epoch_, s.first, s.done == s.phases, s.op);
+    }
+
+    /// Runs a data phase that may throw (kernels through Thrust); an exception leaves the
+    /// collective without leaving peers waiting for, or reading from, this replica.
+    template <class F>
+    void guarded(const session& s, F&& data_phase) {
+        try {
+            data_phase();
+        } catch (...) {
+            group_->abandon_current(rank_, s.first, s.done == s.phases, std::current_exception());
+        }
+    }
+
+    /// Whether `count` elements of T go through the stash (one phase).
+    template <class T>
+    static constexpr bool stashed(std::size_t count) noexcept {
+        return count * sizeof(T) <= detail::shm::stash_bytes && alignof(T) <= 64;
+    }
+    template <class T>
+    const T* stashed_send(int j, const session& s) const {
+        return reinterpret_cast<const T*>(group_->stash(j, s.seq));
     }
 
     template <class T>
@@ -358,21 +419,24 @@ private:
         ctx.wait_until([&] { return ctx.failed() || available() || abandoned(); }, ctx.deadline());
         group_->throw_if_failed(rank_, op);
         detail::shm::message m;
+        bool found = false;
         {
             std::lock_guard lock(box.mutex);
             const auto it = std::find_if(box.queue.begin(), box.queue.end(), matches);
             if (it != box.queue.end()) {
                 m = std::move(*it);
                 box.queue.erase(it);
-            } else {
-                const bool gone = abandoned();
-                error e(gone ? errc::peer_failure : errc::timeout, replica(), op,
-                        gone ? std::string("the sender(s) left the group without sending")
-                             : "timed out after " + std::to_string(ctx.timeout().count()) +
-                                   " ms without a message");
-                ctx.record_failure(replica(), std::make_exception_ptr(e), e.what());
-                throw e;
+                found = true;
             }
+        }
+        if (!found) { // outside the mailbox lock: recording a failure wakes the sleepers
+            const bool gone = abandoned();
+            error e(gone ? errc::peer_failure : errc::timeout, replica(), op,
+                    gone ? std::string("the sender(s) left the group without sending")
+                         : "timed out after " + std::to_string(ctx.timeout().count()) +
+                               " ms without a message");
+            ctx.record_failure(replica(), std::make_exception_ptr(e), e.what());
+            throw e;
         }
         const auto want = detail::shm::element_type_of<T>();
         LOCKSTEP_REQUIRE(m.type == want && m.elem_size == sizeof(T), errc::shape_mismatch,

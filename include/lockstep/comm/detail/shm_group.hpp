@@ -11,9 +11,12 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <deque>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -96,11 +99,17 @@ struct op_label {
 /// and touches no peer's memory any more.
 inline constexpr std::uint64_t left_epoch = std::numeric_limits<std::uint64_t>::max();
 
+/// Collectives whose send data fit in this many bytes go through the senders' stash: one
+/// phase instead of two or three, and nobody reads a peer's own buffers.
+inline constexpr std::size_t stash_bytes = 4096;
+
 /// One replica's shared slots, on its own cache lines.
 struct alignas(64) member_slot {
     std::atomic<std::uint64_t> epoch{0}; ///< phases this replica has arrived at
     std::atomic<bool> departed{false};   ///< its communicator handle was destroyed
     std::array<call_record, 2> calls;    ///< indexed by sequence number parity
+    /// A copy of the send data of small collectives, indexed like calls.
+    alignas(64) std::array<std::array<unsigned char, stash_bytes>, 2> stash;
 };
 
 /// The state the replicas of one group (the whole run, or a split of it) share. Each replica
@@ -110,7 +119,7 @@ struct alignas(64) member_slot {
 /// Phases: a collective of P phases moves every member's epoch from e to e + P; phase k is
 /// complete when every member's epoch is >= e + k. A replica publishes its call_record (at
 /// index seq % 2) before the first phase; nobody can reach seq + 2 before everybody passed the
-/// first phase of seq + 1, so a record is never overwritten while a peer reads it.
+/// first phase of seq + 1, so a record (or stash) is never overwritten while a peer reads it.
 class group_state {
 public:
     /// requires: replicas non-empty (replicas[r] is the global replica index of rank r).
@@ -164,9 +173,18 @@ public:
             fail(errc::peer_failure, replica_of(rank), name(op), ctx_->failure_description());
     }
 
-    /// Publishes rank's call for `seq`, then arrives at the collective's first phase.
-    void publish(int rank, std::uint64_t seq, call_record rec) {
-        member(rank).calls[seq % 2] = std::move(rec);
+    /// Publishes rank's call for `seq` (and `bytes` of data into its stash, bytes <=
+    /// stash_bytes), before it arrives at the collective's first phase.
+    void publish(int rank, std::uint64_t seq, call_record rec, const void* data,
+                 std::size_t bytes) {
+        member_slot& m = member(rank);
+        m.calls[seq % 2] = std::move(rec);
+        if (bytes != 0)
+            std::memcpy(m.stash[seq % 2].data(), data, bytes);
+    }
+    /// The stash rank filled for `seq`.
+    const unsigned char* stash(int rank, std::uint64_t seq) const noexcept {
+        return members_[static_cast<std::size_t>(rank)].stash[seq % 2].data();
     }
 
     /// Arrives at phase epoch `target` (rank's epoch becomes target) and waits until every
@@ -227,6 +245,16 @@ public:
         abandon(rank, first, final_phase, std::move(e));
     }
 
+    /// For an exception thrown inside a data phase (between phases `first`.. of a collective):
+    /// records it as the run's failure, leaves the collective like a failed wait does, and
+    /// rethrows it.
+    [[noreturn]] void abandon_current(int rank, std::uint64_t first, bool final_phase,
+                                      std::exception_ptr e) {
+        ctx_->record_failure(replica_of(rank), e, describe(e));
+        leave_collective(rank, first, final_phase);
+        std::rethrow_exception(e);
+    }
+
     /// Checks that every member made the same call at `seq` (same collective, element type,
     /// count, reduction, root; receive spans of the right size). Every member reads the same
     /// records, so all of them throw the same error or none does.
@@ -240,24 +268,30 @@ private:
     /// may be inside a data phase reading this replica's buffers, waits until each of them
     /// has left too or never entered; then throws e.
     [[noreturn]] void abandon(int rank, std::uint64_t first, bool final_phase, error e) {
+        leave_collective(rank, first, final_phase);
+        throw std::move(e);
+    }
+
+    /// Marks the group dead and leaves the current collective; unless final_phase, first
+    /// waits until no peer can still be reading this replica's buffers: members at or past
+    /// `first` are inside this collective, their data phases never block and their waits see
+    /// the abort, so each of them soon reaches left_epoch (or has departed).
+    void leave_collective(int rank, std::uint64_t first, bool final_phase) {
         aborted_.store(true);
         member(rank).epoch.store(left_epoch);
         ctx_->notify();
-        if (!final_phase) {
-            // Members at or past `first` are inside this collective; data phases never block,
-            // and every wait sees the abort, so each of them reaches left_epoch soon.
-            const auto drained = [&] {
-                for (int j = 0; j < size(); ++j) {
-                    const std::uint64_t at = member(j).epoch.load();
-                    if (at >= first && at != left_epoch)
-                        return false;
-                }
-                return true;
-            };
-            while (!ctx_->wait_until(drained, clock::time_point::max())) {
+        if (final_phase)
+            return;
+        const auto drained = [&] {
+            for (int j = 0; j < size(); ++j) {
+                const std::uint64_t at = member(j).epoch.load();
+                if (at >= first && at != left_epoch && !member(j).departed.load())
+                    return false;
             }
+            return true;
+        };
+        while (!ctx_->wait_until(drained, clock::now() + std::chrono::hours(1))) {
         }
-        throw std::move(e);
     }
 
     std::shared_ptr<run_context> ctx_;

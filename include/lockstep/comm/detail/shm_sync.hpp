@@ -77,8 +77,9 @@ public:
         return root_;
     }
 
-    /// Waits until ready() is true or `deadline` passes: spins briefly, yields, then sleeps,
-    /// so replicas that outnumber the cores do not burn the time their peers need.
+    /// Waits until ready() is true or `deadline` passes: spins briefly, then sleeps, so
+    /// replicas that outnumber the cores do not burn the time their peers need. (No
+    /// sched_yield phase: on a loaded machine each yield can cost a whole time slice.)
     /// requires: every change that can make ready() true is followed by notify().
     /// ensures: returns ready() as last evaluated (false only after the deadline).
     template <class Ready>
@@ -87,11 +88,6 @@ public:
             if (ready())
                 return true;
             cpu_relax();
-        }
-        for (int i = 0; i < yield_iterations; ++i) {
-            if (ready())
-                return true;
-            std::this_thread::yield();
         }
         std::unique_lock lock(sleep_mutex_);
         // Dekker with the notifier: it publishes its change, then reads sleepers_; this thread
@@ -113,7 +109,6 @@ public:
 
 private:
     static constexpr int spin_iterations = 256;
-    static constexpr int yield_iterations = 64;
 
     std::chrono::milliseconds timeout_;
     std::atomic<bool> failed_{false};
