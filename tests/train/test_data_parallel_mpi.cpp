@@ -1,0 +1,89 @@
+// data_parallel over MPI (one replica per process) trains exactly like the same replicas as
+// threads of one process, and like one replica with the whole global batch.
+// SPDX-License-Identifier: Apache-2.0
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include "train_runner.hpp"
+
+#include "lockstep/comm/mpi_communicator.hpp"
+#include "lockstep/optim/adam.hpp"
+#include "lockstep/optim/lamb.hpp"
+
+#include <cstdio>
+#include <cstring>
+
+using namespace lockstep_test;
+
+namespace {
+
+// The test network trained by `world`'s processes; returns every step's parameters.
+template <class T, class Opt, class Reduce, storage S>
+std::vector<std::vector<T>> train_mpi(mpi_communicator& world, typename Opt::params_type p,
+                                      std::vector<step_result>& results) {
+    using net = mlp<T, mpi_communicator, S>;
+    data_parallel<net, Opt, sync::synchronous, Reduce, mpi_communicator> dp(
+        world, [](auto& ctx) { return net(ctx); }, p, {.seed = 42});
+    std::vector<std::vector<T>> out;
+    for (std::size_t b : batch_schedule()) {
+        results.push_back(
+            dp.step(b, [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); }));
+        auto v = dp.parameters();
+        out.emplace_back(v.begin(), v.end());
+    }
+    return out;
+}
+
+template <class T, class Opt, class Reduce, storage S>
+void check_mpi_matches_threads(typename Opt::params_type p) {
+    mpi_communicator world(MPI_COMM_WORLD);
+    std::vector<step_result> results;
+    const auto mine = train_mpi<T, Opt, Reduce, S>(world, p, results);
+    // Every process holds the same bits after every step: compare with rank 0's via broadcast.
+    for (const auto& v : mine) {
+        std::vector<T> root = v;
+        world.broadcast(std::span<T>(root), 0);
+        CHECK(std::memcmp(root.data(), v.data(), v.size() * sizeof(T)) == 0);
+    }
+    // The same replicas as threads of this process (computed on every rank).
+    const auto threads =
+        train_run<T, Opt, sync::synchronous, Reduce, S>({.replicas = world.size()}, p);
+    const auto single =
+        train_run<T, Opt, sync::synchronous, reduce::per_tensor, S>({.replicas = 1}, p);
+    for (std::size_t s = 0; s < mine.size(); ++s) {
+        INFO("step " << s);
+        CHECK(max_tensor_rel_error(mine[s], threads.params[0][s], threads.layout) <= 1e-12);
+        CHECK(max_tensor_rel_error(mine[s], single.params[0][s], single.layout) <= 1e-10);
+        CHECK(results[s].loss == Approx(threads.results[0][s].loss).epsilon(1e-12));
+    }
+}
+
+} // namespace
+
+TEST_CASE("MPI replicas train like thread replicas and like one replica", "[train][mpi]") {
+    SECTION("adam, bucketed, registry") {
+        check_mpi_matches_threads<double, optim::adam<double>, reduce::bucketed<64, 32>,
+                                  storage::registry>({.lr = 1e-2});
+    }
+    SECTION("lamb, parameter_server, visitor") {
+        check_mpi_matches_threads<double, optim::lamb<double>, reduce::parameter_server<1>,
+                                  storage::visitor>({.lr = 1e-2});
+    }
+}
+
+int main(int argc, char** argv) {
+    lockstep::mpi_environment env(argc, argv);
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    Catch::Session session;
+    int failed = 0;
+    try {
+        failed = session.run(argc, argv);
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "replica %d: %s\n", rank, e.what());
+        MPI_Abort(MPI_COMM_WORLD, 3);
+    }
+    int any = 0;
+    MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    return any != 0 ? 1 : 0;
+}
