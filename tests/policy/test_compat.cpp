@@ -1,0 +1,54 @@
+// The policy tags, their concepts and the combinations check_compatible accepts (the rejected
+// ones are the compile-fail cases in compile_fail/). SPDX-License-Identifier: Apache-2.0
+#include "compile_fail/fake_collective_communicator.hpp"
+#include "lockstep/comm/thread_communicator.hpp"
+#include "lockstep/policy/compat.hpp"
+
+#include <catch2/catch.hpp>
+
+using namespace lockstep;
+
+static_assert(sync_policy<sync::synchronous> && sync_policy<sync::asynchronous> &&
+              sync_policy<sync::bounded_staleness<3>> && sync_policy<sync::local_sgd<4>>);
+static_assert(!sync_policy<int> && !sync_policy<reduce::per_tensor>);
+static_assert(reduce_policy<reduce::per_tensor> && reduce_policy<reduce::bucketed<>> &&
+              reduce_policy<reduce::parameter_server<1>> &&
+              reduce_policy<reduce::compressed<lockstep::half>>);
+static_assert(!reduce_policy<sync::synchronous> && !reduce_policy<double>);
+
+// Everything synchronous goes with every BN policy and every reducer.
+static_assert(
+    check_compatible<sync::synchronous, reduce::parameter_server<0>, collective_only_communicator,
+                     std::tuple<bn::global, bn::group<2>, bn::tower<1>>>());
+static_assert(check_compatible<sync::synchronous, reduce::compressed<lockstep::bfloat16>,
+                               thread_communicator, std::tuple<bn::global>>());
+// Local SGD steps in lockstep, so BN policies that only share running statistics are fine.
+static_assert(check_compatible<sync::local_sgd<4>, reduce::bucketed<>, collective_only_communicator,
+                               std::tuple<bn::local, bn::running_only, bn::tower<0>>>());
+static_assert(
+    check_compatible<sync::local_sgd<4>, reduce::parameter_server<0>, thread_communicator>());
+// Asynchronous: bn::local over a point-to-point communicator.
+static_assert(check_compatible<sync::asynchronous, reduce::per_tensor, thread_communicator,
+                               std::tuple<bn::local>>());
+static_assert(check_compatible<sync::bounded_staleness<2>, reduce::compressed<lockstep::half>,
+                               thread_communicator>());
+
+struct net_without_bn {};
+struct net_with_bn {
+    using bn_policies = std::tuple<bn::global>;
+};
+static_assert(std::is_same_v<network_bn_policies_t<net_without_bn>, std::tuple<>>);
+static_assert(std::is_same_v<network_bn_policies_t<net_with_bn>, std::tuple<bn::global>>);
+
+TEST_CASE("policy tags carry their constants", "[policy]") {
+    CHECK(sync::synchronous::kind == sync_kind::synchronous);
+    CHECK(sync::bounded_staleness<5>::max_staleness == 5);
+    CHECK(is_asynchronous_v<sync::bounded_staleness<5>>);
+    CHECK_FALSE(is_asynchronous_v<sync::local_sgd<2>>);
+    CHECK(sync::local_sgd<7>::period == 7);
+    CHECK(reduce::bucketed<>::bucket_bytes == 25u << 20);
+    CHECK(reduce::bucketed<>::first_bucket_bytes == 1u << 20);
+    CHECK(reduce::bucketed<100, 1000>::first_bucket_bytes == 100); // never above Bytes
+    CHECK(reduce::parameter_server<3>::root == 3);
+    CHECK(std::is_same_v<reduce::compressed<lockstep::half>::wire_type, lockstep::half>);
+}
