@@ -49,6 +49,13 @@ TEMPLATE_TEST_CASE("adam: hand-computed steps", "[optim][adam][host]", float, do
               Approx(w11 - (0.1 / 0.19) * 0.1225 / (std::sqrt(1.0624375e-3 / 0.001999) + eps))
                   .margin(tol));
     }
+    SECTION("eps is added outside the square root") {
+        // step 1 with eps = 0.1: w = {1 - 0.05 / (0.5 + 0.1), -2 - 0.025 / (0.25 + 0.1)}
+        // = {0.91666..., -2.0714285...}; eps inside the root would give 1 - 0.05 / sqrt(0.35).
+        const auto w = two_steps<adam<T>>({.lr = 0.1, .eps = 0.1});
+        CHECK(w[0][0] == Approx(1 - 0.05 / 0.6).margin(tol));
+        CHECK(w[0][1] == Approx(-2 - 0.025 / 0.35).margin(tol));
+    }
     SECTION("L2 weight decay 0.1 enters the moments") {
         // step 1: g' = g + 0.1 w = {0.6, 0.05}; sqrt(v / bc2) = |g'|; step size 1;
         //         w = {1 - 0.06 / (0.6 + eps), -2 - 0.005 / (0.05 + eps)}.
