@@ -30,6 +30,12 @@ if(OpenMP_CXX_FOUND)
   add_library(lockstep::openmp INTERFACE IMPORTED GLOBAL)
   target_link_libraries(lockstep::openmp INTERFACE lockstep::lockstep OpenMP::OpenMP_CXX)
   target_compile_definitions(lockstep::openmp INTERFACE LOCKSTEP_HAS_OPENMP=1)
+  # nvcc compiles host code with the host compiler, which needs the OpenMP flag too, or Thrust's
+  # OpenMP system refuses to compile in .cu files (OpenMP::OpenMP_CXX carries it for C++ only).
+  foreach(_lockstep_flag IN LISTS OpenMP_CXX_FLAGS)
+    target_compile_options(lockstep::openmp INTERFACE
+      "$<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=${_lockstep_flag}>")
+  endforeach()
   set(LOCKSTEP_openmp_FOUND TRUE)
 endif()
 

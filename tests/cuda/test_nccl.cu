@@ -4,6 +4,7 @@
 #include "lockstep/system/buffer.hpp" // before the CUDA headers on purpose: copy() must still
                                       // find the cuda_system copies (argument-dependent lookup)
 #include "lockstep/comm/nccl_communicator.hpp"
+#include "lockstep/policy/compat.hpp"
 
 #include "cuda_test_support.hpp"
 
@@ -28,6 +29,13 @@ static_assert(lockstep::communicator<nccl_communicator>);
 static_assert(!lockstep::point_to_point_communicator<nccl_communicator>,
               "no any-source receive over NCCL");
 static_assert(std::is_same_v<nccl_communicator::system_type, cuda_system>);
+// The synchronous trainer accepts NCCL with every reduction and exact global BN statistics (the
+// asynchronous modes are rejected by a static_assert, through the missing recv_any above).
+static_assert(lockstep::check_compatible<lockstep::sync::synchronous, lockstep::reduce::bucketed<>,
+                                         nccl_communicator, std::tuple<lockstep::bn::global>>());
+static_assert(lockstep::check_compatible<lockstep::sync::synchronous,
+                                         lockstep::reduce::compressed<lockstep::bfloat16>,
+                                         nccl_communicator>());
 static_assert(lockstep::nccl_element<float> && lockstep::nccl_element<double> &&
               lockstep::nccl_element<int> && lockstep::nccl_element<std::int64_t> &&
               lockstep::nccl_element<std::uint8_t> && lockstep::nccl_element<__half> &&

@@ -24,6 +24,9 @@
 #include <vector>
 
 #include <nccl.h>
+#if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
+#error "lockstep's nccl_communicator needs NCCL 2.18 or newer (ncclCommSplit)."
+#endif
 #if LOCKSTEP_HAS_MPI
 #include <mpi.h>
 #endif
@@ -194,7 +197,8 @@ public:
     int device() const noexcept {
         return device_;
     }
-    /// The replica's system: device() and the communicator's own stream.
+    /// The replica's system: device() and the communicator's own stream. Buffers allocated
+    /// through it are freed on that stream, so destroy them before the communicator.
     cuda_system system() const noexcept {
         return stream_.system();
     }
