@@ -85,8 +85,8 @@ private:
         comm_->all_gather(std::span<const int>(send_.data(), words),
                           std::span<int>(recv_.data(), words * ranks));
         thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                         thrust::counting_iterator<std::size_t>(b.size),
-                         sum_wire_fn<Wire, T>{recv_.data(), words, comm_->size(), piece});
+                         thrust::counting_iterator<std::size_t>(words),
+                         sum_wire_fn<Wire, T>{recv_.data(), words, comm_->size(), piece, b.size});
         ++collectives_;
     }
 

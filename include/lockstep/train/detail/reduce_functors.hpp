@@ -68,25 +68,29 @@ struct pack_wire_fn {
     }
 };
 
-/// dst[j] = sum over ranks r = 0..ranks-1, in rank order, of the wire value j of rank r's block
-/// (blocks of `words_per_rank` words, as all_gather lays them out). Summing in T in a fixed order
-/// gives every replica the same bits.
+/// dst[2w], dst[2w + 1] = the sums over ranks r = 0..ranks-1, in rank order, of the two wire
+/// values of word w of rank r's block (blocks of `words_per_rank` words, as all_gather lays
+/// them out; dst has n elements, an odd tail's high half is ignored). Summing in T in a fixed
+/// order gives every replica the same bits.
 template <class Wire, class T>
 struct sum_wire_fn {
     const int* words;
     std::size_t words_per_rank;
     int ranks;
     T* dst;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t j) const {
-        T acc = T(0);
+    std::size_t n;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t w) const {
+        T lo = T(0), hi = T(0);
         for (int r = 0; r < ranks; ++r) {
             std::uint32_t word;
-            std::memcpy(&word, words + static_cast<std::size_t>(r) * words_per_rank + j / 2,
+            std::memcpy(&word, words + static_cast<std::size_t>(r) * words_per_rank + w,
                         sizeof word);
-            acc += static_cast<T>(
-                from_wire_bits<Wire>((j % 2 == 0) ? (word & 0xffffu) : (word >> 16)));
+            lo += static_cast<T>(from_wire_bits<Wire>(word & 0xffffu));
+            hi += static_cast<T>(from_wire_bits<Wire>(word >> 16));
         }
-        dst[j] = acc;
+        dst[2 * w] = lo;
+        if (2 * w + 1 < n)
+            dst[2 * w + 1] = hi;
     }
 };
 
