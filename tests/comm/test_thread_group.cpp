@@ -186,3 +186,24 @@ TEST_CASE("many small collectives with more replicas than cores", "[comm][thread
         want += k % 2 ? (n - 1 + k) + 0 : (n * k + n * (n - 1) / 2) - n * (n - 1) / 2;
     CHECK(sums == std::vector<long>(n, want));
 }
+
+TEST_CASE("reductions over more replicas than the fused loops cover", "[comm][thread]") {
+    // 1..4 sources run fused element loops; more fold through a local block (6 replicas).
+    const int n = 6;
+    thread_group group(n);
+    std::vector<lockstep::testing::suite_report> reports(n);
+    group.run([&](thread_communicator& comm) {
+        auto& rep = reports[static_cast<std::size_t>(comm.rank())];
+        rep.rank = comm.rank();
+        rep.size = comm.size();
+        const lockstep::testing::suite_options opt;
+        lockstep::testing::check_all_reduce<float>(comm, rep, {1, 1009, 100003}, opt);
+        lockstep::testing::check_all_reduce<std::int64_t>(comm, rep, {100003}, opt);
+        lockstep::testing::check_reduce<double>(comm, rep, {1009, 20011}, opt);
+    });
+    for (const auto& r : reports) {
+        INFO(r.text());
+        CHECK(r.failed == 0);
+        CHECK(r.checks > 20);
+    }
+}

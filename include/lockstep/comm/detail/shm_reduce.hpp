@@ -95,65 +95,143 @@ inline std::string count_of(std::size_t n, element_type t, std::size_t size) {
 template <class T>
 inline constexpr bool reducible = std::is_arithmetic_v<T> && !std::is_same_v<T, bool>;
 
-/// Reduces tile `t` of [begin, end): dst[i] = op(sources[0][i], sources[1][i], ...), applied
-/// in source (rank) order, so every replica and every run produce the same bits. The tile is
-/// accumulated in a local array first, so dst may alias any source (in-place collectives).
-template <class T>
+// Tells the compiler that a loop has no dependences between iterations. The reduction loops
+// may write dst at exactly the index they read from a source (in-place collectives); without
+// this the compiler guards the vector loop with an overlap test that sends such calls down a
+// scalar path.
+#if defined(__CUDA_ARCH__)
+#define LOCKSTEP_SHM_IVDEP
+#elif defined(__clang__)
+#define LOCKSTEP_SHM_IVDEP _Pragma("clang loop vectorize(assume_safety)")
+#elif defined(__GNUC__)
+#define LOCKSTEP_SHM_IVDEP _Pragma("GCC ivdep")
+#else
+#define LOCKSTEP_SHM_IVDEP
+#endif
+
+/// The element-wise reductions.
+struct sum_fn {
+    template <class T>
+    LOCKSTEP_HOST_DEVICE T operator()(T a, T b) const {
+        return static_cast<T>(a + b);
+    }
+};
+struct max_fn {
+    template <class T>
+    LOCKSTEP_HOST_DEVICE T operator()(T a, T b) const {
+        return a < b ? b : a;
+    }
+};
+struct min_fn {
+    template <class T>
+    LOCKSTEP_HOST_DEVICE T operator()(T a, T b) const {
+        return b < a ? b : a;
+    }
+};
+
+/// dst[i] = op(...op(op(s[0][i], s[1][i]), s[2][i])..., s[n-1][i]) for i in [first, first + n):
+/// the rank order every replica and every run uses, so all produce the same bits. Each
+/// element is read from every source before it is written, so dst may be one of the sources.
+template <class T, class Op>
+LOCKSTEP_HOST_DEVICE void reduce_block(const T* const* s, int n_sources, T* dst, std::size_t first,
+                                       std::size_t n, Op op) {
+    T* d = dst + first;
+    const T* s0 = s[0] + first;
+    if (n_sources == 1) {
+        if (d != s0) {
+            LOCKSTEP_SHM_IVDEP
+            for (std::size_t i = 0; i < n; ++i)
+                d[i] = s0[i];
+        }
+        return;
+    }
+    const T* s1 = s[1] + first;
+    if (n_sources == 2) {
+        LOCKSTEP_SHM_IVDEP
+        for (std::size_t i = 0; i < n; ++i)
+            d[i] = op(s0[i], s1[i]);
+        return;
+    }
+    const T* s2 = s[2] + first;
+    if (n_sources == 3) {
+        LOCKSTEP_SHM_IVDEP
+        for (std::size_t i = 0; i < n; ++i)
+            d[i] = op(op(s0[i], s1[i]), s2[i]);
+        return;
+    }
+    const T* s3 = s[3] + first;
+    if (n_sources == 4) {
+        LOCKSTEP_SHM_IVDEP
+        for (std::size_t i = 0; i < n; ++i)
+            d[i] = op(op(op(s0[i], s1[i]), s2[i]), s3[i]);
+        return;
+    }
+    // More sources: fold through a local block, so dst is written only after every source of
+    // the block has been read.
+    constexpr std::size_t block = sizeof(T) >= 4096 ? 1 : 4096 / sizeof(T);
+    T acc[block];
+    for (std::size_t b = 0; b < n; b += block) {
+        const std::size_t m = n - b < block ? n - b : block;
+        for (std::size_t i = 0; i < m; ++i)
+            acc[i] = op(op(op(s0[b + i], s1[b + i]), s2[b + i]), s3[b + i]);
+        for (int j = 4; j < n_sources; ++j) {
+            const T* sj = s[j] + first + b;
+            for (std::size_t i = 0; i < m; ++i)
+                acc[i] = op(acc[i], sj[i]);
+        }
+        for (std::size_t i = 0; i < m; ++i)
+            d[b + i] = acc[i];
+    }
+}
+
+/// Reduces tile `t` of [begin, end) (see reduce_block), for a parallel loop over tiles.
+template <class T, class Op>
 struct reduce_tile_fn {
-    static constexpr std::size_t tile = sizeof(T) >= 8192 ? 1 : 8192 / sizeof(T);
+    static constexpr std::size_t tile = sizeof(T) >= 65536 ? 1 : 65536 / sizeof(T);
 
     const T* const* sources;
     int n_sources;
     T* dst;
     std::size_t begin;
     std::size_t end;
-    reduce_op op;
 
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t t) const {
         const std::size_t first = begin + t * tile;
-        const std::size_t n = end - first < tile ? end - first : tile;
-        T acc[tile];
-        const T* s0 = sources[0] + first;
-        for (std::size_t i = 0; i < n; ++i)
-            acc[i] = s0[i];
-        for (int j = 1; j < n_sources; ++j) {
-            const T* s = sources[j] + first;
-            switch (op) {
-            case reduce_op::sum:
-                for (std::size_t i = 0; i < n; ++i)
-                    acc[i] = static_cast<T>(acc[i] + s[i]);
-                break;
-            case reduce_op::max:
-                for (std::size_t i = 0; i < n; ++i)
-                    acc[i] = acc[i] < s[i] ? s[i] : acc[i];
-                break;
-            case reduce_op::min:
-                for (std::size_t i = 0; i < n; ++i)
-                    acc[i] = s[i] < acc[i] ? s[i] : acc[i];
-                break;
-            }
-        }
-        T* d = dst + first;
-        for (std::size_t i = 0; i < n; ++i)
-            d[i] = acc[i];
+        reduce_block(sources, n_sources, dst, first, end - first < tile ? end - first : tile, Op{});
     }
 };
 
+template <class T, class Op>
+void reduce_range_with(const host_system& sys, const T* const* sources, int n_sources, T* dst,
+                       std::size_t begin, std::size_t end) {
+    const reduce_tile_fn<T, Op> fn{sources, n_sources, dst, begin, end};
+    const std::size_t tiles = (end - begin + fn.tile - 1) / fn.tile;
+    if (tiles < 4 || sys.threads() == 1) {
+        reduce_block(sources, n_sources, dst, begin, end - begin, Op{});
+        return;
+    }
+    thrust::for_each_n(sys.policy(), thrust::counting_iterator<std::size_t>(0), tiles, fn);
+}
+
 /// Reduces elements [begin, end) of every source into dst, in source order, with the threads
-/// of sys. requires: end >= begin; every source and dst hold at least `end` elements.
+/// of sys. requires: end >= begin; every source and dst hold at least `end` elements; dst is
+/// one of the sources or overlaps none of them.
 template <class T>
 void reduce_range(const host_system& sys, const T* const* sources, int n_sources, T* dst,
                   std::size_t begin, std::size_t end, reduce_op op) {
     if (end <= begin)
         return;
-    const reduce_tile_fn<T> fn{sources, n_sources, dst, begin, end, op};
-    const std::size_t tiles = (end - begin + fn.tile - 1) / fn.tile;
-    if (tiles < 4 || sys.threads() == 1) {
-        for (std::size_t t = 0; t < tiles; ++t)
-            fn(t);
-        return;
+    switch (op) {
+    case reduce_op::sum:
+        reduce_range_with<T, sum_fn>(sys, sources, n_sources, dst, begin, end);
+        break;
+    case reduce_op::max:
+        reduce_range_with<T, max_fn>(sys, sources, n_sources, dst, begin, end);
+        break;
+    case reduce_op::min:
+        reduce_range_with<T, min_fn>(sys, sources, n_sources, dst, begin, end);
+        break;
     }
-    thrust::for_each_n(sys.policy(), thrust::counting_iterator<std::size_t>(0), tiles, fn);
 }
 
 /// The element range [first, last) replica `rank` of `size` owns in a chunked collective over
