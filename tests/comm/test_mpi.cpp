@@ -251,13 +251,19 @@ TEST_CASE("send/recv ring, recv_any and a wrongly sized message", "[comm][mpi]")
 
         // A message of the wrong size is an error naming both counts; it is consumed, so the
         // next message arrives intact.
+        // A message of another element type whose bytes are not a whole number of the
+        // receiver's elements is reported the same way.
         if (r == 0) {
             const std::vector<int> five{1, 2, 3, 4, 5}, three{7, 8, 9};
+            const std::vector<std::uint8_t> odd_bytes{1, 2, 3};
             comm.send(std::span<const int>(five), 1, 13);
+            comm.send(std::span<const std::uint8_t>(odd_bytes), 1, 13);
             comm.send(std::span<const int>(three), 1, 13);
         } else if (r == 1) {
             std::vector<int> four(4);
             CHECK(code_of([&] { comm.recv(std::span<int>(four), 0, 13); }) == errc::count_mismatch);
+            CHECK(code_of([&] { comm.recv_any(std::span<int>(four), 13); }) ==
+                  errc::count_mismatch);
             std::vector<int> three(3);
             comm.recv(std::span<int>(three), 0, 13);
             CHECK(three == std::vector<int>{7, 8, 9});
