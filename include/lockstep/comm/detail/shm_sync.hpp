@@ -10,7 +10,6 @@
 #include <exception>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <utility>
 
 namespace lockstep::detail::shm {
