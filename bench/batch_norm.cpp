@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <functional>
 #include <random>
 #include <string>
@@ -21,6 +22,19 @@
 namespace {
 
 using clock_type = std::chrono::steady_clock;
+
+/// Wall-clock milliseconds, or (use_cpu_time) the CPU time of the whole process: with one
+/// thread on a machine shared with other jobs, CPU time leaves out the time the scheduler gave
+/// to others.
+bool use_cpu_time = false;
+double now_ms() {
+    if (use_cpu_time) {
+        timespec ts{};
+        clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+        return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) * 1e-6;
+    }
+    return std::chrono::duration<double, std::milli>(clock_type::now().time_since_epoch()).count();
+}
 
 /// STREAM copy of `bytes` bytes with `threads` threads (one timed call of the returned function).
 struct stream_copy {
@@ -65,10 +79,9 @@ void time_all(std::vector<candidate*> cs, int reps) {
     }
     for (int i = 0; i < reps; ++i)
         for (auto* c : cs) {
-            const auto a = clock_type::now();
+            const double a = now_ms();
             c->call();
-            c->best = std::min(
-                c->best, std::chrono::duration<double, std::milli>(clock_type::now() - a).count());
+            c->best = std::min(c->best, now_ms() - a);
         }
 }
 
@@ -133,10 +146,19 @@ double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
 
 int main(int argc, char** argv) {
     using namespace lockstep;
+    // usage: bench_batch_norm [reps = 20] [threads = all cores] [wall | cpu]
     const int reps = argc > 1 ? std::max(3, std::atoi(argv[1])) : 20;
+    const int threads =
+        argc > 2 ? std::max(1, std::atoi(argv[2])) : host_system::default_threads(1);
+    use_cpu_time = argc > 3 && std::string(argv[3]) == "cpu";
+    if (use_cpu_time && threads != 1) {
+        std::printf("cpu time is meaningful with one thread only\n");
+        return 1;
+    }
     const std::vector<shape4> shapes{{32, 64, 56, 56}, {256, 64, 14, 14}};
-    std::printf("batch norm, float, forward training and backward; best of %d round-robin runs\n",
-                reps);
+    std::printf("batch norm, float, forward training and backward; best of %d round-robin runs, "
+                "%d thread(s), %s time\n",
+                reps, threads, use_cpu_time ? "process CPU" : "wall-clock");
     std::printf("bound = traffic / STREAM-copy bandwidth of a copy of the same size, same "
                 "threads (forward 3*S, backward 5*S bytes)\n\n");
     std::printf("%-13s %-6s %-8s %9s %9s %9s %9s %10s %8s %8s\n", "shape", "layout", "pass",
@@ -165,13 +187,15 @@ int main(int argc, char** argv) {
                 }
         const nn::tensor_shape shape[2] = {{s.n, s.c, s.h, s.w}, {s.n, s.h, s.w, s.c}};
         candidate ours[2][2], theirs[2][2], copy;
-        int threads = 1;
         double diff[2] = {-1, -1};
         thread_group group(1);
         group.run([&](thread_communicator& comm) {
-            threads = comm.system().threads();
-            nn::batch_norm<float, bn::local, nn::nchw> bn_nchw(s.c, {}, comm.system());
-            nn::batch_norm<float, bn::local, nn::nhwc> bn_nhwc(s.c, {}, comm.system());
+            const host_system sys(threads);
+#if LOCKSTEP_HAS_OPENMP
+            omp_set_num_threads(threads); // oneDNN's OpenMP runtime uses the caller's budget
+#endif
+            nn::batch_norm<float, bn::local, nn::nchw> bn_nchw(s.c, {}, sys);
+            nn::batch_norm<float, bn::local, nn::nhwc> bn_nhwc(s.c, {}, sys);
             ours[0][0].call = [&] {
                 bn_nchw.forward_train(comm, std::span<const float>(x[0]), shape[0],
                                       std::span<float>(y[0]));

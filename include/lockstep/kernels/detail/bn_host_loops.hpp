@@ -97,6 +97,80 @@ inline void gradient_row(const T* __restrict dy, const T* __restrict x, T* __res
                                               mean[j], k[j], a[j], b[j]));
 }
 
+/// The fixed-width (L channels) row loops: per-channel coefficients and sums are copied into
+/// local arrays, which the unrolled loops keep in registers across rows.
+template <std::size_t L, class T, class Acc>
+inline void backward_fixed(Acc* __restrict sdy, Acc* __restrict sdyx, const T* __restrict dy,
+                           const T* __restrict x, Acc mean) {
+    for (std::size_t j = 0; j < L; ++j)
+        backward_accumulate(sdy[j], sdyx[j], static_cast<Acc>(dy[j]), static_cast<Acc>(x[j]), mean);
+}
+
+template <std::size_t L, class T, class Acc>
+inline void backward_rows(Acc* __restrict out_dy, Acc* __restrict out_dyx, const T* __restrict dy,
+                          const T* __restrict x, std::size_t rows, std::size_t stride,
+                          const Acc* __restrict mean_in) {
+    Acc mean[L], sdy[L] = {}, sdyx[L] = {};
+    for (std::size_t j = 0; j < L; ++j)
+        mean[j] = mean_in[j];
+    for (std::size_t r = 0; r < rows; ++r)
+        for (std::size_t j = 0; j < L; ++j)
+            backward_accumulate(sdy[j], sdyx[j], static_cast<Acc>(dy[r * stride + j]),
+                                static_cast<Acc>(x[r * stride + j]), mean[j]);
+    for (std::size_t j = 0; j < L; ++j) {
+        out_dy[j] = sdy[j];
+        out_dyx[j] = sdyx[j];
+    }
+}
+
+template <std::size_t L, class T, class Acc>
+inline void normalize_rows(const T* __restrict x, T* __restrict y, std::size_t rows,
+                           std::size_t stride, const Acc* __restrict mean_in,
+                           const Acc* __restrict scale_in, const Acc* __restrict beta_in) {
+    Acc mean[L], scale[L], beta[L];
+    for (std::size_t j = 0; j < L; ++j) {
+        mean[j] = mean_in[j];
+        scale[j] = scale_in[j];
+        beta[j] = beta_in[j];
+    }
+    for (std::size_t r = 0; r < rows; ++r)
+        for (std::size_t j = 0; j < L; ++j)
+            y[r * stride + j] = static_cast<T>(
+                normalize_value(static_cast<Acc>(x[r * stride + j]), mean[j], scale[j], beta[j]));
+}
+
+template <std::size_t L, class T, class Acc>
+inline void gradient_rows(const T* __restrict dy, const T* __restrict x, T* __restrict dx,
+                          std::size_t rows, std::size_t stride, const Acc* __restrict mean_in,
+                          const Acc* __restrict k_in, const Acc* __restrict a_in,
+                          const Acc* __restrict b_in) {
+    Acc mean[L], k[L], a[L], b[L];
+    for (std::size_t j = 0; j < L; ++j) {
+        mean[j] = mean_in[j];
+        k[j] = k_in[j];
+        a[j] = a_in[j];
+        b[j] = b_in[j];
+    }
+    for (std::size_t r = 0; r < rows; ++r)
+        for (std::size_t j = 0; j < L; ++j)
+            dx[r * stride + j] = static_cast<T>(input_gradient(static_cast<Acc>(dy[r * stride + j]),
+                                                               static_cast<Acc>(x[r * stride + j]),
+                                                               mean[j], k[j], a[j], b[j]));
+}
+
+/// inv[k] = 1 / (k + 1) for k < n: the Welford reciprocals, divided once per call in a vector
+/// loop instead of once per step on the dependent path (same values, so same results).
+template <class Acc>
+std::vector<Acc> reciprocals(std::size_t n) {
+    std::vector<Acc> inv(n);
+    for (std::size_t k = 0; k < n; ++k)
+        inv[k] = Acc(1) / static_cast<Acc>(k + 1);
+    return inv;
+}
+
+/// Rows per task of the elementwise row loops.
+inline constexpr std::size_t rows_per_task = 64;
+
 /// Sample partitions per channel for plane tasks: about 256 tasks in all, at most one per sample.
 inline std::size_t plane_partitions(const channel_geometry& g) {
     const std::size_t want = (256 + g.channels - 1) / std::max<std::size_t>(g.channels, 1);
@@ -118,6 +192,9 @@ void host_channel_moments(int threads, const T* x, channel_geometry g, moments<A
         const std::size_t full = g.inner / L * L;
         const std::size_t tail = g.inner - full;
         std::vector<moments<Acc>> partial(C * parts);
+        const std::size_t samples_per_task = (g.outer + parts - 1) / parts;
+        const std::vector<Acc> inv =
+            reciprocals<Acc>(samples_per_task * std::max<std::size_t>(1, full / L));
         const auto tasks = static_cast<std::ptrdiff_t>(C * parts);
 #if LOCKSTEP_HAS_OPENMP
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -129,19 +206,18 @@ void host_channel_moments(int threads, const T* x, channel_geometry g, moments<A
             Acc m2[L] = {};
             Acc tmean[L] = {};
             Acc tm2[L] = {};
-            Acc chunks = 0;
-            Acc samples = 0;
+            std::size_t chunks = 0;
+            std::size_t samples = 0;
             for (std::size_t o = g.outer * p / parts; o < g.outer * (p + 1) / parts; ++o) {
                 const T* plane = x + (o * C + c) * g.inner;
-                for (std::size_t i = 0; i < full; i += L) {
-                    chunks += Acc(1);
-                    welford_fixed<L>(mean, m2, plane + i, Acc(1) / chunks);
-                }
-                samples += Acc(1);
-                welford_run(tmean, tm2, plane + full, tail, Acc(1) / samples);
+                for (std::size_t i = 0; i < full; i += L)
+                    welford_fixed<L>(mean, m2, plane + i, inv[chunks++]);
+                welford_run(tmean, tm2, plane + full, tail, inv[samples++]);
             }
-            moments<Acc> m = merge_lanes(moments<Acc>{}, mean, m2, chunks > 0 ? L : 0, chunks);
-            partial[static_cast<std::size_t>(t)] = merge_lanes(m, tmean, tm2, tail, samples);
+            moments<Acc> m =
+                merge_lanes(moments<Acc>{}, mean, m2, chunks > 0 ? L : 0, static_cast<Acc>(chunks));
+            partial[static_cast<std::size_t>(t)] =
+                merge_lanes(m, tmean, tm2, tail, static_cast<Acc>(samples));
         }
         merge_partials_fn<Acc> merge{partial.data(), parts, out};
         for (std::size_t c = 0; c < C; ++c)
@@ -152,6 +228,7 @@ void host_channel_moments(int threads, const T* x, channel_geometry g, moments<A
         const std::size_t parts = row_partitions(g);
         const std::size_t blocks = (C + L - 1) / L;
         std::vector<Acc> state(parts * 2 * C);
+        const std::vector<Acc> inv = reciprocals<Acc>((g.outer + parts - 1) / parts);
         const auto tasks = static_cast<std::ptrdiff_t>(parts * blocks);
 #if LOCKSTEP_HAS_OPENMP
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -162,18 +239,13 @@ void host_channel_moments(int threads, const T* x, channel_geometry g, moments<A
             const std::size_t width = std::min(L, C - c0);
             Acc mean[L] = {};
             Acc m2[L] = {};
-            Acc rows = 0;
             const std::size_t begin = g.outer * p / parts, end = g.outer * (p + 1) / parts;
             if (width == L) {
-                for (std::size_t o = begin; o < end; ++o) {
-                    rows += Acc(1);
-                    welford_fixed<L>(mean, m2, x + o * C + c0, Acc(1) / rows);
-                }
+                for (std::size_t o = begin; o < end; ++o)
+                    welford_fixed<L>(mean, m2, x + o * C + c0, inv[o - begin]);
             } else {
-                for (std::size_t o = begin; o < end; ++o) {
-                    rows += Acc(1);
-                    welford_run(mean, m2, x + o * C + c0, width, Acc(1) / rows);
-                }
+                for (std::size_t o = begin; o < end; ++o)
+                    welford_run(mean, m2, x + o * C + c0, width, inv[o - begin]);
             }
             Acc* out_mean = state.data() + p * 2 * C + c0;
             for (std::size_t j = 0; j < width; ++j) {
@@ -209,13 +281,25 @@ void host_normalize(int threads, const T* x, T* y, channel_geometry g, const Acc
             normalize_run(x + off, y + off, g.inner, mean[c], scale[c], beta[c]);
         }
     } else {
-        const auto rows = static_cast<std::ptrdiff_t>(g.outer);
+        constexpr std::size_t L = plane_lanes<Acc>;
+        const std::size_t blocks = (C + L - 1) / L;
+        const std::size_t chunks = (g.outer + rows_per_task - 1) / rows_per_task;
+        const auto tasks = static_cast<std::ptrdiff_t>(chunks * blocks);
 #if LOCKSTEP_HAS_OPENMP
 #pragma omp parallel for schedule(static) num_threads(threads)
 #endif
-        for (std::ptrdiff_t o = 0; o < rows; ++o) {
-            const std::size_t off = static_cast<std::size_t>(o) * C;
-            normalize_row(x + off, y + off, C, mean, scale, beta);
+        for (std::ptrdiff_t t = 0; t < tasks; ++t) {
+            const std::size_t r0 = static_cast<std::size_t>(t) / blocks * rows_per_task;
+            const std::size_t rows = std::min(rows_per_task, g.outer - r0);
+            const std::size_t c0 = static_cast<std::size_t>(t) % blocks * L;
+            const std::size_t off = r0 * C + c0;
+            if (C - c0 >= L) {
+                normalize_rows<L>(x + off, y + off, rows, C, mean + c0, scale + c0, beta + c0);
+            } else {
+                for (std::size_t r = 0; r < rows; ++r)
+                    normalize_row(x + off + r * C, y + off + r * C, C - c0, mean + c0, scale + c0,
+                                  beta + c0);
+            }
         }
     }
 }
@@ -228,6 +312,7 @@ void host_backward_sums(int threads, const T* dy, const T* x, channel_geometry g
     if (g.inner > 1) {
         constexpr std::size_t L = plane_lanes<Acc>;
         const std::size_t parts = plane_partitions(g);
+        const std::size_t full = g.inner / L * L;
         std::vector<Acc> partial(2 * C * parts);
         const auto tasks = static_cast<std::ptrdiff_t>(C * parts);
 #if LOCKSTEP_HAS_OPENMP
@@ -240,9 +325,9 @@ void host_backward_sums(int threads, const T* dy, const T* x, channel_geometry g
             Acc sdyx[L] = {};
             for (std::size_t o = g.outer * p / parts; o < g.outer * (p + 1) / parts; ++o) {
                 const std::size_t off = (o * C + c) * g.inner;
-                for (std::size_t i = 0; i < g.inner; i += L)
-                    backward_run(sdy, sdyx, dy + off + i, x + off + i, mean[c],
-                                 std::min(L, g.inner - i));
+                for (std::size_t i = 0; i < full; i += L)
+                    backward_fixed<L>(sdy, sdyx, dy + off + i, x + off + i, mean[c]);
+                backward_run(sdy, sdyx, dy + off + full, x + off + full, mean[c], g.inner - full);
             }
             Acc a = 0;
             Acc b = 0;
@@ -257,17 +342,27 @@ void host_backward_sums(int threads, const T* dy, const T* x, channel_geometry g
         for (std::size_t c = 0; c < C; ++c)
             merge(c);
     } else {
+        // tasks: row partitions x blocks of L channels
+        constexpr std::size_t L = plane_lanes<Acc>;
         const std::size_t parts = row_partitions(g);
+        const std::size_t blocks = (C + L - 1) / L;
         std::vector<Acc> state(parts * 2 * C, Acc(0));
-        const auto tasks = static_cast<std::ptrdiff_t>(parts);
+        const auto tasks = static_cast<std::ptrdiff_t>(parts * blocks);
 #if LOCKSTEP_HAS_OPENMP
 #pragma omp parallel for schedule(static) num_threads(threads)
 #endif
         for (std::ptrdiff_t t = 0; t < tasks; ++t) {
-            const std::size_t p = static_cast<std::size_t>(t);
-            Acc* sdy = state.data() + p * 2 * C;
-            for (std::size_t o = g.outer * p / parts; o < g.outer * (p + 1) / parts; ++o)
-                backward_row(sdy, sdy + C, dy + o * C, x + o * C, mean, C);
+            const std::size_t p = static_cast<std::size_t>(t) / blocks;
+            const std::size_t c0 = static_cast<std::size_t>(t) % blocks * L;
+            const std::size_t begin = g.outer * p / parts, end = g.outer * (p + 1) / parts;
+            Acc* sdy = state.data() + p * 2 * C + c0;
+            if (C - c0 >= L) {
+                backward_rows<L>(sdy, sdy + C, dy + begin * C + c0, x + begin * C + c0, end - begin,
+                                 C, mean + c0);
+            } else {
+                for (std::size_t o = begin; o < end; ++o)
+                    backward_row(sdy, sdy + C, dy + o * C + c0, x + o * C + c0, mean + c0, C - c0);
+            }
         }
         for (std::size_t c = 0; c < C; ++c) {
             Acc a = 0;
@@ -299,13 +394,26 @@ void host_input_gradient(int threads, const T* dy, const T* x, T* dx, channel_ge
                          co.b[c]);
         }
     } else {
-        const auto rows = static_cast<std::ptrdiff_t>(g.outer);
+        constexpr std::size_t L = plane_lanes<Acc>;
+        const std::size_t blocks = (C + L - 1) / L;
+        const std::size_t chunks = (g.outer + rows_per_task - 1) / rows_per_task;
+        const auto tasks = static_cast<std::ptrdiff_t>(chunks * blocks);
 #if LOCKSTEP_HAS_OPENMP
 #pragma omp parallel for schedule(static) num_threads(threads)
 #endif
-        for (std::ptrdiff_t o = 0; o < rows; ++o) {
-            const std::size_t off = static_cast<std::size_t>(o) * C;
-            gradient_row(dy + off, x + off, dx + off, C, co.mean, co.k, co.a, co.b);
+        for (std::ptrdiff_t t = 0; t < tasks; ++t) {
+            const std::size_t r0 = static_cast<std::size_t>(t) / blocks * rows_per_task;
+            const std::size_t rows = std::min(rows_per_task, g.outer - r0);
+            const std::size_t c0 = static_cast<std::size_t>(t) % blocks * L;
+            const std::size_t off = r0 * C + c0;
+            if (C - c0 >= L) {
+                gradient_rows<L>(dy + off, x + off, dx + off, rows, C, co.mean + c0, co.k + c0,
+                                 co.a + c0, co.b + c0);
+            } else {
+                for (std::size_t r = 0; r < rows; ++r)
+                    gradient_row(dy + off + r * C, x + off + r * C, dx + off + r * C, C - c0,
+                                 co.mean + c0, co.k + c0, co.a + c0, co.b + c0);
+            }
         }
     }
 }
