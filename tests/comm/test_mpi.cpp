@@ -5,6 +5,7 @@
 
 #include "collective_suite.hpp"
 #include "lockstep/comm/mpi_communicator.hpp"
+#include "lockstep/comm/thread_group.hpp"
 
 #include <algorithm>
 #include <cstdint>
@@ -176,6 +177,54 @@ TEST_CASE("exact reductions above the eager limit, in place at the root and in a
             expected.insert(expected.end(), x.begin(), x.end());
         }
         CHECK(differences(slots, expected) == "");
+    });
+}
+
+TEST_CASE("thread_group and mpi_communicator agree on the same inputs", "[comm][mpi][thread]") {
+    mpi_communicator comm(MPI_COMM_WORLD);
+    const int p = comm.size(), r = comm.rank();
+    const std::size_t n = 4099;
+    using lockstep::testing::input_value;
+    in_step(comm, [&] {
+        for (const reduce_op op : ops) {
+            INFO(to_string(op));
+            // The same replicas' inputs, reduced by MPI across processes and by p threads here.
+            std::vector<float> f(n), f_threads(n);
+            std::vector<int> k(n), k_threads(n);
+            for (std::size_t i = 0; i < n; ++i) {
+                f[i] = input_value<float>(r, i);
+                k[i] = input_value<int>(r, i);
+            }
+            comm.all_reduce(std::span<const float>(f), std::span<float>(f), op);
+            comm.all_reduce(std::span<const int>(k), std::span<int>(k), op);
+            lockstep::thread_group group(p);
+            group.run([&](lockstep::thread_communicator& t) {
+                std::vector<float> tf(n);
+                std::vector<int> tk(n);
+                for (std::size_t i = 0; i < n; ++i) {
+                    tf[i] = input_value<float>(t.rank(), i);
+                    tk[i] = input_value<int>(t.rank(), i);
+                }
+                t.all_reduce(std::span<const float>(tf), std::span<float>(tf), op);
+                t.all_reduce(std::span<const int>(tk), std::span<int>(tk), op);
+                if (t.rank() == r) {
+                    f_threads = tf;
+                    k_threads = tk;
+                }
+            });
+            CHECK(differences(k, k_threads) == "");
+            // Max, min and any sum of two floats have one correctly rounded result; sums of
+            // more replicas depend on the order, within the bound of reduction_matches.
+            if (op != reduce_op::sum || p == 2) {
+                CHECK(differences(f, f_threads) == "");
+            } else {
+                std::size_t outside = 0;
+                for (std::size_t i = 0; i < n; ++i)
+                    outside += !lockstep::testing::reduction_matches(f[i], f_threads[i], p, i, op,
+                                                                     {.rank_order_sums = false});
+                CHECK(outside == 0);
+            }
+        }
     });
 }
 
