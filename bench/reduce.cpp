@@ -13,6 +13,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -63,46 +65,27 @@ std::vector<tensor_info> resnet50_tensors() {
     return out;
 }
 
-struct timing {
+// One reduction method: a name, the collectives it issues, and the call that runs it.
+struct method {
     std::string name;
-    double ms = 0;         // median over repetitions
-    std::size_t calls = 0; // collectives per reduction
+    std::size_t calls = 0;
+    std::function<void()> run;
+    std::vector<double> ms;
 };
 
-// Runs one reduction method `reps` times after a warm-up; returns the median time (rank 0's view:
-// barrier, start, reduce, barrier, stop).
-template <class Comm, class Reduce>
-double time_reps(Comm& comm, int reps, std::vector<float>& grads, const std::vector<float>& init,
-                 Reduce&& reduce) {
-    std::vector<double> ms;
-    for (int i = 0; i < reps + 1; ++i) {
-        std::copy(init.begin(), init.end(), grads.begin()); // fresh gradients, outside the timing
-        comm.barrier();
-        const auto t0 = std::chrono::steady_clock::now();
-        reduce();
-        comm.barrier();
-        const auto t1 = std::chrono::steady_clock::now();
-        if (i > 0)
-            ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-}
-
 template <class Policy, class Comm>
-timing run_policy(const char* name, Comm& comm, const std::vector<tensor_info>& tensors, int reps,
-                  std::vector<float>& grads, std::vector<float>& values,
-                  const std::vector<float>& init) {
-    detail::reducer<Policy, float, Comm> red(comm, tensors);
+method make_method(const char* name, Comm& comm, const std::vector<tensor_info>& tensors,
+                   std::vector<float>& grads, std::vector<float>& values) {
+    auto red = std::make_shared<detail::reducer<Policy, float, Comm>>(comm, tensors);
     std::span<float> g(grads), v(values);
-    timing t{name};
-    t.ms = time_reps(comm, reps, grads, init, [&] {
-        red.begin(g);
-        red.finish();
-        red.apply(v, [] {}); // parameter_server: the broadcast of the parameters is part of it
-    });
-    t.calls = red.plan().size() * (Policy::kind == reduce_kind::parameter_server ? 2 : 1);
-    return t;
+    method m{name};
+    m.calls = red->plan().size() * (Policy::kind == reduce_kind::parameter_server ? 2 : 1);
+    m.run = [red, g, v] {
+        red->begin(g);
+        red->finish();
+        red->apply(v, [] {}); // parameter_server: the broadcast of the parameters is part of it
+    };
+    return m;
 }
 
 template <class Comm>
@@ -113,33 +96,47 @@ void bench(Comm& comm, int reps, const char* backend) {
     for (std::size_t i = 0; i < n; ++i)
         init[i] = 1e-3f * float((i * 2654435761u + 977u * comm.rank()) % 2001) - 1.0f;
 
-    std::vector<timing> rows;
-    timing flat{"flat all_reduce (anchor)"};
-    flat.calls = 1;
-    flat.ms = time_reps(comm, reps, grads, init, [&] {
-        comm.all_reduce(std::span<const float>(grads), std::span<float>(grads), reduce_op::sum);
-    });
-    rows.push_back(flat);
-    rows.push_back(
-        run_policy<reduce::per_tensor>("per_tensor", comm, tensors, reps, grads, values, init));
-    rows.push_back(run_policy<reduce::bucketed<>>("bucketed<25 MiB, 1 MiB>", comm, tensors, reps,
-                                                  grads, values, init));
-    rows.push_back(run_policy<reduce::parameter_server<0>>("parameter_server<0> (+bcast)", comm,
-                                                           tensors, reps, grads, values, init));
-    rows.push_back(run_policy<reduce::compressed<lockstep::half>>("compressed<half>", comm, tensors,
-                                                                  reps, grads, values, init));
-    rows.push_back(run_policy<reduce::compressed<lockstep::bfloat16>>(
-        "compressed<bfloat16>", comm, tensors, reps, grads, values, init));
+    std::vector<method> methods;
+    methods.push_back({"flat all_reduce (anchor)", 1, [&] {
+                           comm.all_reduce(std::span<const float>(grads), std::span<float>(grads),
+                                           reduce_op::sum);
+                       }});
+    methods.push_back(make_method<reduce::per_tensor>("per_tensor", comm, tensors, grads, values));
+    methods.push_back(
+        make_method<reduce::bucketed<>>("bucketed<25 MiB, 1 MiB>", comm, tensors, grads, values));
+    methods.push_back(make_method<reduce::parameter_server<0>>("parameter_server<0> (+bcast)", comm,
+                                                               tensors, grads, values));
+    methods.push_back(make_method<reduce::compressed<lockstep::half>>("compressed<half>", comm,
+                                                                      tensors, grads, values));
+    methods.push_back(make_method<reduce::compressed<lockstep::bfloat16>>(
+        "compressed<bfloat16>", comm, tensors, grads, values));
+    // Round-robin over the methods, so load from other processes hits them alike; a warm-up
+    // round first. Every timing: fresh gradients (untimed), barrier, reduce, barrier.
+    for (int rep = 0; rep <= reps; ++rep)
+        for (method& m : methods) {
+            std::copy(init.begin(), init.end(), grads.begin());
+            comm.barrier();
+            const auto t0 = std::chrono::steady_clock::now();
+            m.run();
+            comm.barrier();
+            const auto t1 = std::chrono::steady_clock::now();
+            if (rep > 0)
+                m.ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+        }
     if (comm.rank() != 0)
         return;
+    for (method& m : methods)
+        std::sort(m.ms.begin(), m.ms.end());
+    const double flat_best = methods[0].ms.front(), flat_median = methods[0].ms[reps / 2];
     std::printf("gradient reduction, ResNet-50 list: %zu tensors, %zu floats (%.1f MB), %s, %d "
-                "replicas, median of %d\n",
+                "replicas, %d round-robin repetitions\n",
                 tensors.size(), n, n * 4 / 1e6, backend, comm.size(), reps);
-    std::printf("%-30s %10s %12s %10s %14s\n", "method", "ms", "collectives", "GB/s",
-                "time / flat");
-    for (const timing& t : rows)
-        std::printf("%-30s %10.2f %12zu %10.2f %14.3f\n", t.name.c_str(), t.ms, t.calls,
-                    n * 4 / 1e6 / t.ms, t.ms / flat.ms);
+    std::printf("%-30s %12s %9s %9s %8s %12s %14s\n", "method", "collectives", "best ms",
+                "median ms", "GB/s", "best / flat", "median / flat");
+    for (const method& m : methods)
+        std::printf("%-30s %12zu %9.2f %9.2f %8.2f %12.3f %14.3f\n", m.name.c_str(), m.calls,
+                    m.ms.front(), m.ms[reps / 2], n * 4 / 1e6 / m.ms.front(),
+                    m.ms.front() / flat_best, m.ms[reps / 2] / flat_median);
 }
 
 } // namespace

@@ -261,3 +261,33 @@ TEST_CASE("local SGD: independent steps, weights averaged every K steps and at t
         CHECK(run.params[0].size() == even.size() + 1);
     }
 }
+
+TEST_CASE("train_params: the lr schedule drives every step, decay picks the segments",
+          "[train][thread]") {
+    using net = user::linear<true>;
+    std::vector<std::vector<double>> lrs(2), applied(2);
+    std::vector<std::vector<tensor_segment>> segments(2);
+    thread_group(2).run([&](thread_communicator& comm) {
+        data_parallel<net, optim::sgd<double>, sync::synchronous, reduce::per_tensor> dp(
+            comm, [](auto& ctx) { return net(ctx.rank()); }, {.lr = 0.5, .weight_decay = 0.1},
+            {.lr = [](std::int64_t s) { return 0.1 / double(s + 1); },
+             .decay = [](const tensor_info& t) { return t.name != "b"; }});
+        for (int s = 0; s < 4; ++s) {
+            lrs[comm.rank()].push_back(
+                dp.step(5, [](net& n, const shard_range& r, auto&) { return n.train(r); }).lr);
+            applied[comm.rank()].push_back(dp.optimizer().lr());
+        }
+        segments[comm.rank()] = dp.optimizer().segments();
+    });
+    for (int r = 0; r < 2; ++r) {
+        CHECK(lrs[r] == std::vector<double>{0.1, 0.05, 0.1 / 3, 0.025});
+        CHECK(applied[r] == lrs[r]);
+        REQUIRE(segments[r].size() == 2);
+        CHECK(segments[r][0].offset == 0);
+        CHECK(segments[r][0].size == 5);
+        CHECK(segments[r][0].decay);
+        CHECK(segments[r][1].offset == 5);
+        CHECK_FALSE(segments[r][1].decay);
+        CHECK_FALSE(segments[r][1].adapt);
+    }
+}
