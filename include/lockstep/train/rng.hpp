@@ -39,11 +39,11 @@ struct rng_stream {
         return kernels::dropout_keep(seed, stream, sample, element, p);
     }
     /// A standard normal double (Box-Muller on the uniforms of elements 2e and 2e + 1, so the
-    /// normals of one sample use disjoint counters). Host only (uses std::log/std::cos).
-    double normal(std::uint64_t sample, std::uint64_t element) const {
+    /// normals of one sample use disjoint counters).
+    LOCKSTEP_HOST_DEVICE double normal(std::uint64_t sample, std::uint64_t element) const {
         const double u1 = 1.0 - uniform_double(sample, 2 * element); // (0, 1]: log is finite
         const double u2 = uniform_double(sample, 2 * element + 1);
-        return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+        return ::sqrt(-2.0 * ::log(u1)) * ::cos(6.283185307179586 * u2);
     }
 };
 
