@@ -1,6 +1,5 @@
-// Naive double-precision reference optimizers for the tests, written from the published update
-// equations element by element, independent of lockstep's kernels. SPDX-License-Identifier:
-// Apache-2.0
+// Naive double-precision reference optimizers for the tests, from the published equations.
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/optim/optimizer.hpp"

@@ -1,6 +1,5 @@
-// lockstep/kernels/optimizer_kernels.hpp: the element-wise arithmetic of the fused optimizer
-// updates (SGD, Adam/AdamW, LARS, LAMB) as host/device functors. SPDX-License-Identifier:
-// Apache-2.0
+// lockstep/kernels/optimizer_kernels.hpp: element-wise arithmetic of the fused optimizer updates.
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/core/config.hpp"

@@ -1,6 +1,5 @@
-// lockstep/optim/optimizer.hpp: what every optimizer offers the trainer (the `optimizer`
-// concept), tensor segments, checkpointable state views, all_finite. SPDX-License-Identifier:
-// Apache-2.0
+// lockstep/optim/optimizer.hpp: the optimizer concept, tensor segments, state views, all_finite.
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/core/error.hpp"

@@ -1,6 +1,5 @@
-// lockstep/optim/detail/flat_layout.hpp: a flat buffer's segments cut into tiles in System
-// memory, and the segmented map/reduce drivers the optimizers share. SPDX-License-Identifier:
-// Apache-2.0
+// lockstep/optim/detail/flat_layout.hpp: segments cut into tiles, and the segmented drivers.
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/core/error.hpp"
