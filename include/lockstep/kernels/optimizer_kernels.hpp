@@ -11,8 +11,9 @@
 #include <cstdint>
 
 // Every functor here is applied per element i of a flat parameter buffer w with gradient g,
-// through kernels::tile_apply / tile_reduce (a Thrust for_each over tiles, see segmented.hpp).
-// `segment(s)` loads the per-tensor scalars once per tile. The equations are documented on the
+// through kernels::tile_apply / tile_reduce (host: a Thrust for_each over tiles) or tile_lanes
+// (device: one element per thread), see segmented.hpp. `segment(s)` loads the per-tensor
+// scalars (once per tile on the host). The equations are documented on the
 // optimizer classes in optim/; the functors implement them literally, in T arithmetic.
 
 namespace lockstep::kernels {
