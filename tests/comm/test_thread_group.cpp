@@ -62,7 +62,8 @@ TEST_CASE("barrier waits for every replica", "[comm][thread]") {
             comm.barrier();
             // Nobody can have started the next round before everybody left this barrier's
             // entry, so the count is exactly (round + 1) * n here.
-            seen[static_cast<std::size_t>(round * n + comm.rank())] = arrived.load();
+            seen[static_cast<std::size_t>(round) * static_cast<std::size_t>(n) +
+                 static_cast<std::size_t>(comm.rank())] = arrived.load();
             comm.barrier();
         }
     });
@@ -122,7 +123,7 @@ TEST_CASE("all_reduce bits do not change between runs", "[comm][thread]") {
     // The result differs from a plain pairwise order somewhere, so the check above is about
     // a fixed order and not about luckily exact sums.
     std::size_t order_sensitive = 0;
-    for (std::size_t i = 0; i < count; ++i) {
+    for (std::size_t i = 0; i < first.size(); ++i) {
         const float pairwise = (input_value<float>(0, i) + input_value<float>(1, i)) +
                                (input_value<float>(2, i) + input_value<float>(3, i));
         order_sensitive += pairwise != first[i];
