@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 # bench/torch_ddp_digits.py: the examples/digits MLP in PyTorch with DistributedDataParallel on gloo,
 # the anchor of the digits training-throughput benchmark. SPDX-License-Identifier: Apache-2.0
-"""Trains 64 -> hidden -> BatchNorm1d -> ReLU -> Dropout -> 10 (softmax cross-entropy) on the
+"""Trains 64 -> hidden (no bias) -> BatchNorm1d -> ReLU -> Dropout -> 10 (softmax cross-entropy) on the
 digits data with DDP over `--procs` processes (gloo, 127.0.0.1), the same global batch, epochs,
 train/test split (sample i is a test sample iff i % 5 == 4) and input scaling ([0, 16] -> [0, 1])
 as examples/digits. Prints one machine-readable line:
@@ -45,7 +45,7 @@ def worker(rank, args, threads, result_queue):
     (xtr, ytr), (xte, yte) = load(args.data)
     xtr, ytr = torch.from_numpy(xtr), torch.from_numpy(ytr)
     model = nn.Sequential(
-        nn.Linear(64, args.hidden), nn.BatchNorm1d(args.hidden), nn.ReLU(),
+        nn.Linear(64, args.hidden, bias=False), nn.BatchNorm1d(args.hidden), nn.ReLU(),
         nn.Dropout(args.dropout), nn.Linear(args.hidden, 10))
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# bench/digits_throughput.sh: training throughput of examples/digits with 1 and 2 replicas next to
+# the same MLP in PyTorch DDP (gloo) with 1 and 2 processes, in the same run, as ratios.
+# SPDX-License-Identifier: Apache-2.0
+#
+# usage: bench/digits_throughput.sh [path/to/digits] (default: $BUILD/examples/digits/digits,
+#        BUILD defaults to ./build). Knobs (environment): EPOCHS (20), BATCH (64, global),
+#        HIDDEN (128), REPEAT (3: the median of 3 runs is reported), CORES (nproc), PYTHON
+#        (/usr/bin/python3, the interpreter with Debian's python3-torch).
+# Fairness: both sides get the same cores. lockstep's thread group gives each replica
+# cores / replicas OpenMP threads; the torch script sets torch.set_num_threads(cores / procs).
+# Both use the same data, split, batch, epochs, network and optimizer (SGD, momentum 0.9), and
+# both count training samples per second of the training loop only.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+digits=${1:-${BUILD:-build}/examples/digits/digits}
+epochs=${EPOCHS:-20}
+batch=${BATCH:-64}
+hidden=${HIDDEN:-128}
+repeat=${REPEAT:-3}
+cores=${CORES:-$(nproc)}
+python=${PYTHON:-/usr/bin/python3}
+
+if [[ ! -x "$digits" ]]; then
+  echo "digits_throughput: $digits is not an executable (build the 'digits' target first)" >&2
+  exit 2
+fi
+if ! "$python" -c "import torch" 2>/dev/null; then
+  echo "digits_throughput: $python cannot import torch (apt-get install python3-torch)" >&2
+  exit 2
+fi
+
+median() { sort -g | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
+
+# lockstep: prints "... = N samples/s ..." and "test accuracy: A %"
+lockstep_run() { # replicas -> "samples_per_s accuracy"
+  local out rate acc
+  out=$(OMP_NUM_THREADS=$cores "$digits" --replicas "$1" --epochs "$epochs" --batch "$batch" \
+        --hidden "$hidden" --quiet)
+  rate=$(sed -n 's/.* = \([0-9.]*\) samples\/s.*/\1/p' <<<"$out")
+  acc=$(sed -n 's/.*test accuracy: \([0-9.]*\) %.*/\1/p' <<<"$out")
+  echo "$rate $acc"
+}
+torch_run() { # procs -> "samples_per_s accuracy"
+  local out rate acc
+  out=$("$python" "$here/torch_ddp_digits.py" --procs "$1" --epochs "$epochs" --batch "$batch" \
+        --hidden "$hidden" --cores "$cores" --port $((29500 + RANDOM % 400)))
+  rate=$(sed -n 's/.*samples_per_s=\([0-9.]*\).*/\1/p' <<<"$out")
+  acc=$(sed -n 's/.*test_accuracy=\([0-9.]*\).*/\1/p' <<<"$out")
+  echo "$rate $(awk -v a="$acc" 'BEGIN {printf "%.2f", 100 * a}')"
+}
+
+echo "digits training throughput: $epochs epochs, global batch $batch, hidden $hidden," \
+     "$cores cores, median of $repeat runs"
+printf '%-9s %16s %16s %10s %12s %12s\n' replicas "lockstep smp/s" "torch DDP smp/s" \
+       "lockstep/" "lockstep acc" "torch acc"
+printf '%-9s %16s %16s %10s %12s %12s\n' "" "" "" "torch" "(%)" "(%)"
+declare -A ls_rate
+for n in 1 2; do
+  ls_rates=() ; t_rates=() ; ls_acc="" ; t_acc=""
+  for ((i = 0; i < repeat; ++i)); do
+    read -r r a < <(lockstep_run "$n"); ls_rates+=("$r"); ls_acc=$a
+    read -r r a < <(torch_run "$n"); t_rates+=("$r"); t_acc=$a
+  done
+  l=$(printf '%s\n' "${ls_rates[@]}" | median)
+  t=$(printf '%s\n' "${t_rates[@]}" | median)
+  ls_rate[$n]=$l
+  printf '%-9s %16.0f %16.0f %10.2f %12s %12s\n' "$n" "$l" "$t" \
+         "$(awk -v a="$l" -v b="$t" 'BEGIN {print a / b}')" "$ls_acc" "$t_acc"
+done
+echo "lockstep scaling 1 -> 2 replicas: $(awk -v a="${ls_rate[2]}" -v b="${ls_rate[1]}" \
+      'BEGIN {printf "%.2f", a / b}')x"
