@@ -31,8 +31,11 @@ class thread_group;
 ///
 /// Semantics beyond the concept:
 /// - Reductions combine replicas in rank order 0, 1, ..., size()-1, so every replica gets the
-///   same bits and repeated runs give the same bits. Large all_reduce is a reduce-scatter by
-///   chunk ownership followed by an all-gather.
+///   same bits and repeated runs give the same bits.
+/// - Collectives of up to detail::shm::stash_bytes (4 KiB) per replica copy the send data into
+///   a shared stash and need one rendezvous. Larger ones read the peers' buffers directly:
+///   all_reduce is a reduce-scatter by chunk ownership (each replica reduces 1/size() of the
+///   elements from every input) followed by an all-gather of the chunks, three rendezvous.
 /// - Every collective carries a per-group sequence number; replicas that disagree on the call
 ///   (collective, element type, count, reduction, root, receive size) all throw
 ///   lockstep::error (errc::count_mismatch for counts, errc::shape_mismatch otherwise) naming
