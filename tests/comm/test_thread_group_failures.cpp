@@ -312,3 +312,24 @@ TEST_CASE("recv errors: timeout and wrong size", "[comm][thread]") {
     CHECK(out[0].code == errc::count_mismatch);
     CHECK(contains(out[0].what, "rank 1 sent 6 ints, expected 4 ints"));
 }
+
+TEST_CASE("run rethrows exceptions of any type unchanged", "[comm][thread]") {
+    thread_group group(2, {.timeout = 5s});
+    std::string peer_saw;
+    try {
+        group.run([&](thread_communicator& comm) {
+            if (comm.rank() == 1)
+                throw 42; // not a std::exception
+            try {
+                comm.barrier();
+            } catch (const lockstep::error& e) {
+                peer_saw = e.what();
+                throw;
+            }
+        });
+        FAIL("run returned although replica 1 threw");
+    } catch (int v) {
+        CHECK(v == 42);
+    }
+    CHECK(contains(peer_saw, "replica 1 failed: an exception not derived from std::exception"));
+}
