@@ -39,7 +39,8 @@ void backward_sums_generic(const System& sys, std::span<const T> dy, std::span<c
         sys, g.channels, merge_backward_fn<Acc>{workspace.data(), parts, g.channels, sums.data()});
 }
 
-/// As backward_sums_generic; the host system runs the vectorized OpenMP loops.
+/// As backward_sums_generic, with the system's fast path (host: vectorized OpenMP loops; CUDA:
+/// a CUB block reduction per (channel, partition)).
 template <class T, class Acc, class System>
 void backward_sums(const System& sys, std::span<const T> dy, std::span<const T> x,
                    channel_geometry g, std::span<const Acc> mean, std::span<Acc> sums,
@@ -51,6 +52,17 @@ void backward_sums(const System& sys, std::span<const T> dy, std::span<const T> 
                          " values, x ", x.size(), ", expected ", g.size());
         detail::host_backward_sums(sys.threads(), dy.data(), x.data(), g, mean.data(), sums.data());
     } else {
+#if LOCKSTEP_HAS_CUDA
+        if constexpr (requires { sys.stream(); }) {
+            LOCKSTEP_REQUIRE(dy.size() == g.size() && x.size() == g.size() &&
+                                 mean.size() >= g.channels && sums.size() >= 2 * g.channels &&
+                                 workspace.size() >= backward_workspace_size(g),
+                             errc::shape_mismatch, -1, "kernels::backward_sums", "dy has ",
+                             dy.size(), " values, x ", x.size(), ", expected ", g.size());
+            cub_path::backward_sums(sys, dy, x, g, mean, sums, workspace);
+            return;
+        }
+#endif
         backward_sums_generic(sys, dy, x, g, mean, sums, workspace);
     }
 }

@@ -14,6 +14,10 @@
 #include <thrust/for_each.h>
 #include <thrust/iterator/counting_iterator.h>
 
+#if LOCKSTEP_HAS_CUDA
+#include "lockstep/kernels/bn_cub.cuh"
+#endif
+
 namespace lockstep::kernels {
 
 namespace detail {
@@ -52,8 +56,9 @@ void channel_moments_generic(const System& sys, std::span<const T> x, channel_ge
                            merge_partials_fn<Acc>{workspace.data(), parts, out.data()});
 }
 
-/// As channel_moments_generic; on a host system it runs the vectorized OpenMP loops (same
-/// functors, another partitioning, so results agree to rounding) and ignores the workspace.
+/// As channel_moments_generic, with the system's fast path: on a host system the vectorized
+/// OpenMP loops (same functors, another partitioning, so results agree to rounding; the
+/// workspace is unused), on the CUDA system a CUB block reduction per (channel, partition).
 template <class T, class Acc, class System>
 void channel_moments(const System& sys, std::span<const T> x, channel_geometry g,
                      std::span<moments<Acc>> out, std::span<moments<Acc>> workspace) {
@@ -63,6 +68,18 @@ void channel_moments(const System& sys, std::span<const T> x, channel_geometry g
                          ", out ", out.size(), " for ", g.channels, " channels");
         detail::host_channel_moments(sys.threads(), x.data(), g, out.data());
     } else {
+#if LOCKSTEP_HAS_CUDA
+        if constexpr (requires { sys.stream(); }) {
+            LOCKSTEP_REQUIRE(x.size() == g.size() && out.size() >= g.channels &&
+                                 workspace.size() >= moments_workspace_size(g),
+                             errc::shape_mismatch, -1, "kernels::channel_moments", "x has ",
+                             x.size(), " values for ", g.size(), ", out ", out.size(), " for ",
+                             g.channels, " channels, workspace ", workspace.size(), " for ",
+                             moments_workspace_size(g));
+            cub_path::channel_moments(sys, x, g, out, workspace);
+            return;
+        }
+#endif
         channel_moments_generic(sys, x, g, out, workspace);
     }
 }
