@@ -48,6 +48,11 @@ struct batch_norm_params {
 /// - Every replica calls forward_train and backward of a communicating policy the same number
 ///   of times in the same order (an empty shard takes part with count 0). Bad input on one
 ///   replica is reported as lockstep::error on every replica that shares the collective.
+///   (bn::group: the replicas of the group; bn::local raises it on the bad replica only.)
+/// - Pass the replica's system (comm.system()) so the layer's kernels respect its thread
+///   budget. On the CUDA system, a communicating forward reads the gathered statistics block
+///   back to the host once (and bn::global/group backward one status value), a stream
+///   synchronisation that buys the consistent errors above.
 template <class T, bn_stat_policy Policy = bn::local, tensor_layout Layout = nchw,
           class System = host_system>
 class batch_norm {
