@@ -179,7 +179,7 @@ void run_mpi(const options& o) {
         int len = 0;
         MPI_Get_library_version(lib, &len);
         std::string first_line(lib, static_cast<std::size_t>(len));
-        first_line = first_line.substr(0, first_line.find('\n'));
+        first_line.resize(std::min(first_line.find('\n'), first_line.size()));
         int level = 0;
         MPI_Query_thread(&level);
         std::printf("mpi_communicator all_reduce (sum, float) vs raw MPI_Allreduce, %d ranks, "

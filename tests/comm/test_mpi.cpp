@@ -37,7 +37,7 @@ T input(int rank, std::size_t i) {
     else if constexpr (std::is_same_v<T, std::uint8_t>)
         return static_cast<T>((v + 256) % 256);
     else if constexpr (sizeof(T) == 8)
-        return static_cast<T>(v) + (T(rank) << 33);
+        return static_cast<T>(v + (std::int64_t{rank} << 33));
     else
         return static_cast<T>(v);
 }

@@ -6,6 +6,7 @@
 #include "lockstep/comm/detail/mpi_types.hpp"
 #include "lockstep/core/error.hpp"
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -51,12 +52,13 @@ constexpr std::string_view to_string(mpi_collective c) noexcept {
 /// (root and op of an all_gather); `arguments_ok` is 0 on a replica whose own arguments failed
 /// a local check, so the others are released with an error instead of waiting for it.
 struct mpi_signature {
-    enum field : std::size_t { kind, sequence, count, type, root, op, arguments_ok, fields };
-    std::array<std::int64_t, fields> value{};
+    enum field : std::size_t { kind, sequence, count, type, root, op, arguments_ok };
+    static constexpr std::size_t size = 7; ///< the number of fields
+    std::array<std::int64_t, size> value{};
 };
 
 /// The element-wise minimum and maximum of every replica's signature, from one MPI_Allreduce
-/// with MPI_MAX over {v, -v}: max(-v) = -min(v), so one call of 2 * fields int64 gives both.
+/// with MPI_MAX over {v, -v}: max(-v) = -min(v), so one call of 2 * size int64 gives both.
 struct mpi_signature_range {
     mpi_signature min, max;
     bool agree(mpi_signature::field f) const noexcept { return min.value[f] == max.value[f]; }
@@ -64,17 +66,16 @@ struct mpi_signature_range {
 
 inline int mpi_signature_range_exchange(const mpi_signature& mine, MPI_Comm comm,
                                         mpi_signature_range& out) noexcept {
-    std::array<std::int64_t, 2 * mpi_signature::fields> v{};
-    for (std::size_t i = 0; i < mpi_signature::fields; ++i) {
-        v[i] = mine.value[i];
-        v[mpi_signature::fields + i] = -mine.value[i];
-    }
+    constexpr std::size_t k = mpi_signature::size;
+    std::array<std::int64_t, 2 * k> v{};
+    std::copy(mine.value.begin(), mine.value.end(), v.begin());
+    std::transform(mine.value.begin(), mine.value.end(), v.begin() + k,
+                   [](std::int64_t x) { return -x; });
     const int rc = MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_INT64_T,
                                  MPI_MAX, comm);
-    for (std::size_t i = 0; i < mpi_signature::fields; ++i) {
-        out.max.value[i] = v[i];
-        out.min.value[i] = -v[mpi_signature::fields + i];
-    }
+    std::copy(v.begin(), v.begin() + k, out.max.value.begin());
+    std::transform(v.begin() + k, v.end(), out.min.value.begin(),
+                   [](std::int64_t x) { return -x; });
     return rc;
 }
 
