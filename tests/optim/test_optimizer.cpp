@@ -247,14 +247,20 @@ TEMPLATE_TEST_CASE("optimizer results do not depend on the thread count", "[opti
 TEMPLATE_TEST_CASE("all_finite finds NaN and infinities", "[optim][host]", float, double) {
     using T = TestType;
     host_system sys{2};
-    std::vector<T> x(10001, T(1.5));
+    // 100001 elements: above optim::detail::host_serial_below, so the OpenMP path runs.
+    std::vector<T> x(100001, T(1.5));
     CHECK(all_finite(std::span<const T>(x), sys));
     CHECK(all_finite(std::span<const T>(), sys));
-    x[7777] = std::numeric_limits<T>::quiet_NaN();
+    x[77777] = std::numeric_limits<T>::quiet_NaN();
     CHECK_FALSE(all_finite(std::span<const T>(x), sys));
-    x[7777] = -std::numeric_limits<T>::infinity();
+    x[77777] = -std::numeric_limits<T>::infinity();
     CHECK_FALSE(all_finite(std::span<const T>(x), sys));
-    x[7777] = std::numeric_limits<T>::max();
+    x[77777] = std::numeric_limits<T>::max();
     x[0] = std::numeric_limits<T>::denorm_min();
     CHECK(all_finite(std::span<const T>(x), sys));
+    // The serial path for short spans.
+    std::vector<T> y(100, T(0));
+    CHECK(all_finite(std::span<const T>(y), sys));
+    y[99] = std::numeric_limits<T>::infinity();
+    CHECK_FALSE(all_finite(std::span<const T>(y), sys));
 }

@@ -14,8 +14,6 @@
 #include <limits>
 #include <span>
 
-#include <thrust/for_each.h>
-#include <thrust/iterator/counting_iterator.h>
 
 namespace lockstep::optim {
 
@@ -86,10 +84,9 @@ public:
                                      static_cast<T>(p_.weight_decay), static_cast<T>(1.0 / bc1),
                                      static_cast<T>(1.0 / bc2)},
             partial_, norms_.data());
-        thrust::for_each(sys_.policy(), thrust::counting_iterator<std::size_t>(0),
-                         thrust::counting_iterator<std::size_t>(layout_.segment_count()),
-                         kernels::lamb_trust{norms_.data(), layout_.flags(), scaled_lr_.data(),
-                                             trust_.data(), p_.lr, p_.phi_min, p_.phi_max});
+        layout_.for_each_segment(sys_, kernels::lamb_trust{norms_.data(), layout_.flags(),
+                                                           scaled_lr_.data(), trust_.data(), p_.lr,
+                                                           p_.phi_min, p_.phi_max});
         layout_.apply(sys_, kernels::lamb_apply<T>{w.data(), update_.data(), scaled_lr_.data()});
         ++step_;
     }

@@ -12,8 +12,6 @@
 #include <cstdint>
 #include <span>
 
-#include <thrust/for_each.h>
-#include <thrust/iterator/counting_iterator.h>
 
 namespace lockstep::optim {
 
@@ -65,11 +63,9 @@ public:
     void step(std::span<T> w, std::span<const T> g) {
         detail::check_step("lars.step", size(), w.size(), g.size());
         layout_.reduce(sys_, kernels::norm2_w_g<T>{w.data(), g.data()}, partial_, norms_.data());
-        thrust::for_each(sys_.policy(), thrust::counting_iterator<std::size_t>(0),
-                         thrust::counting_iterator<std::size_t>(layout_.segment_count()),
-                         kernels::lars_trust{norms_.data(), layout_.flags(), scaled_lr_.data(),
-                                             trust_.data(), p_.lr, p_.eta, p_.weight_decay,
-                                             p_.eps});
+        layout_.for_each_segment(sys_, kernels::lars_trust{norms_.data(), layout_.flags(),
+                                                           scaled_lr_.data(), trust_.data(), p_.lr,
+                                                           p_.eta, p_.weight_decay, p_.eps});
         layout_.apply(sys_, kernels::lars_update<T>{w.data(), g.data(), v_.data(), layout_.flags(),
                                                     scaled_lr_.data(), static_cast<T>(p_.momentum),
                                                     static_cast<T>(p_.weight_decay)});

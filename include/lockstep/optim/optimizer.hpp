@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <thrust/functional.h>
+#include <thrust/system/cpp/execution_policy.h>
 #include <thrust/transform_reduce.h>
 
 namespace lockstep {
@@ -70,11 +71,23 @@ concept optimizer = requires(O& o, const O& co, std::span<typename O::value_type
     o.load_state(saved);
 };
 
+namespace optim::detail {
+/// Host passes over fewer elements than this run on the calling thread: an OpenMP parallel
+/// region costs more than it saves there (and much more when the cores are oversubscribed).
+inline constexpr std::size_t host_serial_below = 32768;
+} // namespace optim::detail
+
 /// True when every element of x (in sys's memory) is finite. The trainer calls it on the
 /// REDUCED gradient, which every replica holds identically, so all replicas skip a step with a
 /// NaN or infinity together. ensures: true for an empty span.
 template <class T, class System>
 bool all_finite(std::span<const T> x, const System& sys) {
+    if constexpr (System::is_host) {
+        if (x.size() < optim::detail::host_serial_below)
+            return thrust::transform_reduce(thrust::cpp::par, x.data(), x.data() + x.size(),
+                                            kernels::is_finite_fn{}, true,
+                                            thrust::logical_and<bool>{});
+    }
     return thrust::transform_reduce(sys.policy(), x.data(), x.data() + x.size(),
                                     kernels::is_finite_fn{}, true, thrust::logical_and<bool>{});
 }

@@ -19,6 +19,7 @@
 #include <thrust/fill.h>
 #include <thrust/for_each.h>
 #include <thrust/iterator/counting_iterator.h>
+#include <thrust/system/cpp/execution_policy.h>
 
 namespace lockstep::optim::detail {
 
@@ -28,6 +29,24 @@ namespace lockstep::optim::detail {
 /// record).
 template <class System>
 inline constexpr std::size_t tile_elements = System::is_host ? 8192 : 1024;
+
+/// Runs f(i) for i in [0, count) with sys's policy; on the host serially when the pass touches
+/// fewer than host_serial_below elements. The results are the same either way (each f(i) is
+/// independent).
+template <class System, class F>
+void for_each_index(const System& sys, std::size_t count, std::size_t elements, const F& f) {
+    if (count == 0)
+        return;
+    if constexpr (System::is_host) {
+        if (elements < host_serial_below) {
+            thrust::for_each(thrust::cpp::par, thrust::counting_iterator<std::size_t>(0),
+                             thrust::counting_iterator<std::size_t>(count), f);
+            return;
+        }
+    }
+    thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
+                     thrust::counting_iterator<std::size_t>(count), f);
+}
 
 /// Copies a host vector into a new buffer in sys's memory.
 template <class T, class System>
@@ -85,6 +104,11 @@ public:
     std::size_t tile_count() const noexcept { return tiles_.size(); }
     const std::vector<tensor_segment>& segments() const noexcept { return segments_; }
     const kernels::segment_flags* flags() const noexcept { return flags_.data(); }
+    /// Runs f(s) for every segment s (per-tensor scalars such as trust ratios).
+    template <class F>
+    void for_each_segment(const System& sys, const F& f) const {
+        for_each_index(sys, segments_.size(), segments_.size(), f);
+    }
     /// The tiles (System memory), in element order.
     const kernels::tile* tiles() const noexcept { return tiles_.data(); }
 
@@ -92,17 +116,12 @@ public:
     /// (a vectorized loop per tile), over the elements (one lane each) on a device.
     template <class F>
     void apply(const System& sys, const F& f) const {
-        if (tiles_.empty())
-            return;
         if constexpr (System::is_host) {
-            thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                             thrust::counting_iterator<std::size_t>(tiles_.size()),
-                             kernels::tile_apply<F>{tiles_.data(), f});
+            for_each_index(sys, tiles_.size(), n_, kernels::tile_apply<F>{tiles_.data(), f});
         } else {
             constexpr std::size_t ts = tile_elements<System>;
-            thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                             thrust::counting_iterator<std::size_t>(tiles_.size() * ts),
-                             kernels::tile_lanes<F, ts>{tiles_.data(), f});
+            for_each_index(sys, tiles_.size() * ts, n_,
+                           kernels::tile_lanes<F, ts>{tiles_.data(), f});
         }
     }
 
@@ -116,13 +135,10 @@ public:
                 kernels::sum_pair* out) const {
         if (partial.size() != tiles_.size())
             partial = buffer<kernels::sum_pair, System>(tiles_.size(), sys);
-        if (!tiles_.empty())
-            thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                             thrust::counting_iterator<std::size_t>(tiles_.size()),
-                             kernels::tile_reduce<F>{tiles_.data(), partial.data(), f});
-        thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                         thrust::counting_iterator<std::size_t>(segments_.size()),
-                         kernels::segment_sum{ranges_.data(), partial.data(), out});
+        for_each_index(sys, tiles_.size(), n_,
+                       kernels::tile_reduce<F>{tiles_.data(), partial.data(), f});
+        for_each_index(sys, segments_.size(), tiles_.size(),
+                       kernels::segment_sum{ranges_.data(), partial.data(), out});
     }
 
 private:
