@@ -147,6 +147,49 @@ double time_thread_group(std::size_t bytes, const options& o) {
     return median(slowest);
 }
 
+// all_reduce of `bytes` per replica and, interleaved with it on the same 2 threads, each thread
+// copying its own `bytes` (a STREAM copy of 2 * bytes, half per thread). That copy reads 2*S
+// and writes 2*S, exactly the all_reduce's traffic bound, so time/bound = t_all_reduce /
+// t_copy, both medians of the slowest thread, measured under the same machine load.
+struct paired_result {
+    double all_reduce, copy;
+};
+paired_result time_paired(std::size_t bytes, int reps) {
+    const std::size_t n = bytes / sizeof(float);
+    std::vector<double> t(4 * static_cast<std::size_t>(reps));
+    lockstep::thread_group group(2);
+    group.run([&](lockstep::thread_communicator& comm) {
+        lockstep::buffer<float> send(n, comm.system()), recv(n, comm.system());
+        lockstep::buffer<float> a(n, comm.system()), b(n, comm.system());
+        fill(send.span(), comm.rank());
+        fill(a.span(), comm.rank());
+        std::fill(recv.begin(), recv.end(), 0.0f);
+        std::fill(b.begin(), b.end(), 0.0f);
+        const auto me = static_cast<std::size_t>(comm.rank());
+        for (int r = -2; r < reps; ++r) {
+            comm.barrier();
+            auto t0 = clock_type::now();
+            comm.all_reduce(std::span<const float>(send.data(), n), recv.span(),
+                            lockstep::reduce_op::sum);
+            const double t_reduce = seconds_since(t0);
+            comm.barrier();
+            t0 = clock_type::now();
+            stream_copy(a.data(), b.data(), n);
+            const double t_copy = seconds_since(t0);
+            if (r >= 0) {
+                t[4 * static_cast<std::size_t>(r) + me] = t_reduce;
+                t[4 * static_cast<std::size_t>(r) + 2 + me] = t_copy;
+            }
+        }
+    });
+    std::vector<double> reduce(static_cast<std::size_t>(reps)), copy(reduce.size());
+    for (std::size_t r = 0; r < reduce.size(); ++r) {
+        reduce[r] = std::max(t[4 * r], t[4 * r + 1]);
+        copy[r] = std::max(t[4 * r + 2], t[4 * r + 3]);
+    }
+    return {median(reduce), median(copy)};
+}
+
 void run_threads(const options& o) {
     const std::size_t anchor_bytes = std::size_t{64} << 20;
     const copy_bandwidth bw = measure_copies(anchor_bytes, 11);
@@ -165,6 +208,16 @@ void run_threads(const options& o) {
         std::printf("%12zu %12.2f %12.3f %12.2f %12.2f\n", bytes, t * 1e6, double(bytes) / t * 1e-9,
                     bound * 1e6, t / bound);
         std::fflush(stdout);
+    }
+    std::printf("\npaired with a STREAM copy of the same bytes on the same threads, interleaved "
+                "(robust to load):\n%12s %12s %12s %14s %12s\n",
+                "bytes", "all_red. us", "copy us", "copy GB/s", "time/bound");
+    for (const std::size_t bytes : {std::size_t{16} << 20, std::size_t{64} << 20}) {
+        if (bytes > o.max_bytes)
+            continue;
+        const paired_result pr = time_paired(bytes, 15);
+        std::printf("%12zu %12.1f %12.1f %14.2f %12.2f\n", bytes, pr.all_reduce * 1e6,
+                    pr.copy * 1e6, 4.0 * double(bytes) / pr.copy * 1e-9, pr.all_reduce / pr.copy);
     }
 }
 
