@@ -44,12 +44,13 @@ struct mpi_communicator_params {
 /// that disagree throw lockstep::error on every replica (errc::count_mismatch for counts) naming
 /// the collective, its sequence number and the min/max values; a replica whose own arguments
 /// are invalid throws its own error and the others get errc::peer_failure instead of waiting.
-/// Cost: one extra 224-byte MPI_Allreduce per collective. bench_allreduce, 2 ranks on one node
-/// (MPICH 4.0.2): about +2 us, i.e. 2.5x raw MPI_Allreduce at 4 B, +23% at 16 KiB, +3% at
-/// 256 KiB, within noise from 1 MiB on; without verification lockstep is within 1% of raw MPI
-/// at every size. Turn it off ({.verify = false}) for many tiny collectives once a program is
-/// known to be consistent. Every replica must use the same `verify`. Without it, mismatched
-/// counts are MPI's undefined behaviour (truncation errors, garbage or a hang).
+/// Cost: one extra 112-byte MPI_Allreduce per collective. bench_allreduce, 2 ranks on one node
+/// (MPICH 4.0.2, medians): about +2 us, i.e. 2.3-2.5x raw MPI_Allreduce at 4 B, +25% at
+/// 16 KiB, +3-5% at 256 KiB, a few percent or noise from 1 MiB on; without verification
+/// lockstep is within 1-2% of raw MPI at every size. Turn it off ({.verify = false}) for many tiny
+/// collectives once a program is known to be consistent. Every replica must use the same `verify`.
+/// Without it, mismatched counts are MPI's undefined behaviour (truncation errors, garbage or a
+/// hang).
 ///
 /// Failure: MPI cannot release peers that wait in a collective for a process that threw. A
 /// replica that throws and will not call the next collective must call `abort(e)` (it prints
