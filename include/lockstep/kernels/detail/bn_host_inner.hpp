@@ -37,13 +37,6 @@ inline void welford_run(Acc* __restrict mean, Acc* __restrict m2, const T* __res
 }
 
 template <class T, class Acc>
-inline void backward_run(Acc* __restrict sdy, Acc* __restrict sdyx, const T* __restrict dy,
-                         const T* __restrict x, Acc mean, std::size_t n) {
-    for (std::size_t j = 0; j < n; ++j)
-        backward_accumulate(sdy[j], sdyx[j], static_cast<Acc>(dy[j]), static_cast<Acc>(x[j]), mean);
-}
-
-template <class T, class Acc>
 inline void backward_row(Acc* __restrict sdy, Acc* __restrict sdyx, const T* __restrict dy,
                          const T* __restrict x, const Acc* __restrict mean, std::size_t n) {
     for (std::size_t j = 0; j < n; ++j)

@@ -191,14 +191,18 @@ void host_backward_sums(int threads, const T* dy, const T* x, channel_geometry g
             const std::size_t p = static_cast<std::size_t>(t) % parts;
             Acc sdy[L] = {};
             Acc sdyx[L] = {};
+            // the tail has its own scalar sums: a runtime-length loop over sdy would keep the
+            // lanes in memory instead of registers
+            Acc a = 0;
+            Acc b = 0;
             for (std::size_t o = g.outer * p / parts; o < g.outer * (p + 1) / parts; ++o) {
                 const std::size_t off = (o * C + c) * g.inner;
                 for (std::size_t i = 0; i < full; i += L)
                     backward_fixed<L>(sdy, sdyx, dy + off + i, x + off + i, mean[c]);
-                backward_run(sdy, sdyx, dy + off + full, x + off + full, mean[c], g.inner - full);
+                for (std::size_t i = full; i < g.inner; ++i)
+                    backward_accumulate(a, b, static_cast<Acc>(dy[off + i]),
+                                        static_cast<Acc>(x[off + i]), mean[c]);
             }
-            Acc a = 0;
-            Acc b = 0;
             for (std::size_t j = 0; j < L; ++j) {
                 a += sdy[j];
                 b += sdyx[j];
