@@ -291,3 +291,49 @@ TEST_CASE("train_params: the lr schedule drives every step, decay picks the segm
         CHECK_FALSE(segments[r][1].adapt);
     }
 }
+
+TEST_CASE("synchronous SGD equals a naive double loop over the concatenated global batch",
+          "[train][thread]") {
+    // Independent reference: w -= lr * (1/B) sum_i d/dw (y_i - t_i)^2 over the whole global batch
+    // of each step, starting from replica 0's initial weights.
+    const std::vector<std::size_t> batches = batch_schedule(12);
+    const double lr = 0.05;
+    std::vector<double> w(6); // w[0..4], b
+    for (std::size_t k = 0; k < 5; ++k)
+        w[k] = 0.1 * double(k);
+    std::uint64_t offset = 0;
+    for (std::size_t B : batches) {
+        std::vector<double> g(6, 0.0);
+        for (std::size_t i = 0; i < B; ++i) {
+            const std::uint64_t s = offset + i;
+            double y = w[5];
+            for (std::size_t k = 0; k < 5; ++k)
+                y += w[k] * feature(s, k);
+            const double e = y - 0.5 * feature(s, 5);
+            for (std::size_t k = 0; k < 5; ++k)
+                g[k] += 2 * e * feature(s, k) / double(B);
+            g[5] += 2 * e / double(B);
+        }
+        for (std::size_t k = 0; k < 6; ++k)
+            w[k] -= lr * g[k];
+        offset += B;
+    }
+    auto check = [&](auto reduce_tag) {
+        using red = decltype(reduce_tag);
+        using net = user::linear<true>;
+        std::vector<std::vector<double>> out(3);
+        thread_group(3).run([&](thread_communicator& comm) {
+            data_parallel<net, optim::sgd<double>, sync::synchronous, red> dp(
+                comm, [](auto& ctx) { return net(ctx.rank()); }, {.lr = lr});
+            for (std::size_t B : batches)
+                dp.step(B, [](net& n, const shard_range& r, auto&) { return n.train(r); });
+            auto p = dp.parameters();
+            out[comm.rank()].assign(p.begin(), p.end());
+        });
+        for (const auto& o : out)
+            CHECK(rel_error(o, w) <= 1e-13);
+    };
+    check(reduce::per_tensor{});
+    check(reduce::bucketed<8, 8>{});
+    check(reduce::parameter_server<2>{});
+}
