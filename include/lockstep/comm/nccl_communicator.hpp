@@ -9,6 +9,7 @@
 #if LOCKSTEP_HAS_NCCL
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/detail/nccl_handle.hpp"
 #include "lockstep/comm/detail/nccl_types.hpp"
 #include "lockstep/system/cuda_system.hpp"
 
@@ -32,21 +33,6 @@
 #endif
 
 namespace lockstep {
-
-/// Runtime options of an nccl_communicator.
-struct nccl_options {
-    /// How long synchronize() and barrier() wait for the replica's stream before they abort the
-    /// communicator and throw errc::timeout; zero waits forever.
-    std::chrono::milliseconds timeout = std::chrono::minutes(10);
-};
-
-namespace detail {
-/// What the communicators one process creates together (init_all, and their splits) share: the
-/// first replica that failed, so that the others stop waiting and fail too.
-struct nccl_clique {
-    std::atomic<int> failed_rank{-1};
-};
-} // namespace detail
 
 /// A communicator of GPU replicas over NCCL; models lockstep::communicator with
 /// system_type = cuda_system (spans are device memory of device()).
@@ -76,6 +62,8 @@ struct nccl_clique {
 /// Not provided: an any-source receive (NCCL has none), so nccl_communicator does NOT model
 /// point_to_point_communicator and asynchronous (parameter server) training cannot use it.
 /// send/recv between two known ranks exist. A communicator is used by one thread at a time.
+/// Spans must be memory of device() (or managed memory): host memory is rejected with
+/// errc::invalid_argument before NCCL sees it.
 class nccl_communicator {
     struct adopt_tag {};
 
@@ -158,57 +146,36 @@ public:
 
     nccl_communicator(const nccl_communicator&) = delete;
     nccl_communicator& operator=(const nccl_communicator&) = delete;
-    nccl_communicator(nccl_communicator&& o) noexcept
-        : stream_(std::move(o.stream_)), comm_(std::exchange(o.comm_, nullptr)),
-          scratch_(std::exchange(o.scratch_, nullptr)), clique_(std::move(o.clique_)),
-          options_(o.options_), device_(o.device_), rank_(o.rank_), size_(o.size_),
-          sequence_(o.sequence_), aborted_(o.aborted_) {}
-    nccl_communicator& operator=(nccl_communicator&& o) noexcept {
-        if (this != &o) {
-            release();
-            stream_ = std::move(o.stream_);
-            comm_ = std::exchange(o.comm_, nullptr);
-            scratch_ = std::exchange(o.scratch_, nullptr);
-            clique_ = std::move(o.clique_);
-            options_ = o.options_;
-            device_ = o.device_;
-            rank_ = o.rank_;
-            size_ = o.size_;
-            sequence_ = o.sequence_;
-            aborted_ = o.aborted_;
-        }
-        return *this;
-    }
+    nccl_communicator(nccl_communicator&&) noexcept = default;
+    nccl_communicator& operator=(nccl_communicator&&) noexcept = default;
     /// Destroys the NCCL communicator (aborts it when a replica of the clique failed, so the
     /// destructor never waits for a peer that will not come).
-    ~nccl_communicator() {
-        release();
-    }
+    ~nccl_communicator() = default;
 
     /// This replica's rank in [0, size()).
     int rank() const noexcept {
-        return rank_;
+        return h_.rank();
     }
     /// The number of replicas.
     int size() const noexcept {
-        return size_;
+        return h_.size();
     }
     /// The CUDA device this replica drives.
     int device() const noexcept {
-        return device_;
+        return h_.device();
     }
     /// The replica's system: device() and the communicator's own stream. Buffers allocated
     /// through it are freed on that stream, so destroy them before the communicator.
     cuda_system system() const noexcept {
-        return stream_.system();
+        return h_.system();
     }
     /// The NCCL handle (null once aborted or moved from).
     ncclComm_t native_handle() const noexcept {
-        return comm_;
+        return h_.comm();
     }
     /// True once this communicator was aborted (after a failure); every later call throws.
     bool aborted() const noexcept {
-        return aborted_;
+        return h_.aborted();
     }
 
     /// recv[i] = op over replicas of send[i] (ncclAllReduce); send may equal recv (in place).
@@ -217,13 +184,15 @@ public:
     void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
                     reduce_op op) {
         const std::string name = next_operation("all_reduce");
-        require(send.size() == recv.size(), errc::shape_mismatch, name, "send has ", send.size(),
-                " elements, recv ", recv.size());
+        h_.require(send.size() == recv.size(), errc::shape_mismatch, name, "send has ", send.size(),
+                   " elements, recv ", recv.size());
         if (recv.empty())
             return;
-        enqueue(name, [&] {
+        h_.check_memory(name, "send", send.data());
+        h_.check_memory(name, "recv", recv.data());
+        h_.enqueue(name, [&] {
             return ncclAllReduce(send.data(), recv.data(), recv.size(), detail::nccl_data_type<T>(),
-                                 detail::nccl_reduce_op(op), comm_, stream_.get());
+                                 detail::nccl_reduce_op(op), h_.comm(), h_.stream());
         });
     }
 
@@ -232,13 +201,14 @@ public:
     template <nccl_element T>
     void broadcast(std::span<T> data, int root) {
         const std::string name = next_operation("broadcast");
-        require(root >= 0 && root < size_, errc::invalid_argument, name, "root ", root,
-                " is not a rank of ", size_, " replicas");
+        h_.require(root >= 0 && root < h_.size(), errc::invalid_argument, name, "root ", root,
+                   " is not a rank of ", h_.size(), " replicas");
         if (data.empty())
             return;
-        enqueue(name, [&] {
+        h_.check_memory(name, "data", data.data());
+        h_.enqueue(name, [&] {
             return ncclBroadcast(data.data(), data.data(), data.size(), detail::nccl_data_type<T>(),
-                                 root, comm_, stream_.get());
+                                 root, h_.comm(), h_.stream());
         });
     }
 
@@ -247,13 +217,16 @@ public:
     template <nccl_element T>
     void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
         const std::string name = next_operation("all_gather");
-        require(recv.size() == send.size() * static_cast<std::size_t>(size_), errc::shape_mismatch,
-                name, "recv has ", recv.size(), " elements, expected ", size_, " x ", send.size());
+        h_.require(recv.size() == send.size() * static_cast<std::size_t>(h_.size()),
+                   errc::shape_mismatch, name, "recv has ", recv.size(), " elements, expected ",
+                   h_.size(), " x ", send.size());
         if (send.empty())
             return;
-        enqueue(name, [&] {
+        h_.check_memory(name, "send", send.data());
+        h_.check_memory(name, "recv", recv.data());
+        h_.enqueue(name, [&] {
             return ncclAllGather(send.data(), recv.data(), send.size(), detail::nccl_data_type<T>(),
-                                 comm_, stream_.get());
+                                 h_.comm(), h_.stream());
         });
     }
 
@@ -263,16 +236,19 @@ public:
     void reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
                 int root) {
         const std::string name = next_operation("reduce");
-        require(root >= 0 && root < size_, errc::invalid_argument, name, "root ", root,
-                " is not a rank of ", size_, " replicas");
-        require(rank_ != root || recv.size() == send.size(), errc::shape_mismatch, name,
-                "send has ", send.size(), " elements, root's recv ", recv.size());
+        h_.require(root >= 0 && root < h_.size(), errc::invalid_argument, name, "root ", root,
+                   " is not a rank of ", h_.size(), " replicas");
+        h_.require(h_.rank() != root || recv.size() == send.size(), errc::shape_mismatch, name,
+                   "send has ", send.size(), " elements, root's recv ", recv.size());
         if (send.empty())
             return;
-        enqueue(name, [&] {
+        h_.check_memory(name, "send", send.data());
+        if (h_.rank() == root)
+            h_.check_memory(name, "recv", recv.data());
+        h_.enqueue(name, [&] {
             return ncclReduce(send.data(), recv.empty() ? nullptr : recv.data(), send.size(),
-                              detail::nccl_data_type<T>(), detail::nccl_reduce_op(op), root, comm_,
-                              stream_.get());
+                              detail::nccl_data_type<T>(), detail::nccl_reduce_op(op), root,
+                              h_.comm(), h_.stream());
         });
     }
 
@@ -281,10 +257,11 @@ public:
     /// on the stream, and throws on a failure, a failed peer or the timeout).
     void barrier() {
         const std::string name = next_operation("barrier");
-        enqueue(name, [&] {
-            return ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream_.get());
+        h_.enqueue(name, [&] {
+            return ncclAllReduce(h_.scratch(), h_.scratch(), 1, ncclInt32, ncclSum, h_.comm(),
+                                 h_.stream());
         });
-        wait(name);
+        h_.wait(name);
     }
 
     /// The sub-group of replicas passing the same color, ranked by (key, rank), as a new
@@ -292,22 +269,23 @@ public:
     /// communicator, blocks until all replicas have called it). requires: color >= 0.
     nccl_communicator split(int color, int key) {
         const std::string name = next_operation("split");
-        check_usable(name);
+        h_.check_usable(name);
         ncclComm_t child = nullptr;
         ncclResult_t r = ncclSuccess;
         {
-            cuda_device_guard guard(device_);
+            cuda_device_guard guard(h_.device());
             // A negative color still takes part (as "no group"), so the peers do not wait.
-            r = ncclCommSplit(comm_, color >= 0 ? color : NCCL_SPLIT_NOCOLOR, key, &child, nullptr);
+            r = ncclCommSplit(h_.comm(), color >= 0 ? color : NCCL_SPLIT_NOCOLOR, key, &child,
+                              nullptr);
         }
         if (r != ncclSuccess)
-            fail_and_abort(errc::nccl, name, describe(r));
+            h_.fail_and_abort(errc::nccl, name, detail::nccl_handle::describe(r));
         if (color < 0) {
             if (child != nullptr)
                 (void)ncclCommDestroy(child);
-            fail_and_abort(errc::invalid_argument, name, "color ", color, " is negative");
+            h_.fail_and_abort(errc::invalid_argument, name, "color ", color, " is negative");
         }
-        return nccl_communicator(adopt_tag{}, child, device_, clique_, options_);
+        return nccl_communicator(adopt_tag{}, child, h_.device(), h_.clique(), h_.options());
     }
 
     /// Sends data to replica `peer` (ncclSend); matched in order with peer's recv(data, rank()).
@@ -319,10 +297,11 @@ public:
         check_peer(name, peer);
         if (data.empty())
             return;
-        enqueue(name, [&] {
+        h_.check_memory(name, "data", data.data());
+        h_.enqueue(name, [&] {
             return ncclSend(data.data(), data.size(),
-                            detail::nccl_data_type<std::remove_const_t<T>>(), peer, comm_,
-                            stream_.get());
+                            detail::nccl_data_type<std::remove_const_t<T>>(), peer, h_.comm(),
+                            h_.stream());
         });
     }
     /// Receives data from replica `peer` (ncclRecv). requires: as send().
@@ -332,9 +311,10 @@ public:
         check_peer(name, peer);
         if (data.empty())
             return;
-        enqueue(name, [&] {
-            return ncclRecv(data.data(), data.size(), detail::nccl_data_type<T>(), peer, comm_,
-                            stream_.get());
+        h_.check_memory(name, "data", data.data());
+        h_.enqueue(name, [&] {
+            return ncclRecv(data.data(), data.size(), detail::nccl_data_type<T>(), peer, h_.comm(),
+                            h_.stream());
         });
     }
 
@@ -343,61 +323,26 @@ public:
     /// after nccl_options::timeout. Prefer it over system().synchronize() while collectives
     /// are in flight (a stream waiting for a dead peer never becomes idle).
     void synchronize() {
-        wait("synchronize");
+        h_.wait("synchronize");
     }
 
     /// Throws (after aborting) if NCCL reported an asynchronous error or a peer failed; cheap
     /// enough to call every step.
     void check_async_error() {
-        check_usable("check_async_error");
+        h_.check_usable("check_async_error");
     }
 
     /// Aborts the NCCL communicator (ncclCommAbort: uncompleted operations are stopped) and
     /// marks the clique failed. Every later call throws. Idempotent.
     void abort() noexcept {
-        if (clique_) {
-            int none = -1;
-            clique_->failed_rank.compare_exchange_strong(none, rank_);
-        }
-        if (comm_ != nullptr && !aborted_) {
-            cuda_device_guard_noexcept guard(device_);
-            (void)ncclCommAbort(comm_);
-            comm_ = nullptr;
-        }
-        aborted_ = true;
+        h_.abort();
     }
 
 private:
-    /// Restores the current device without throwing (for noexcept paths).
-    struct cuda_device_guard_noexcept {
-        explicit cuda_device_guard_noexcept(int device) {
-            switched_ = cudaGetDevice(&previous_) == cudaSuccess && previous_ != device &&
-                        cudaSetDevice(device) == cudaSuccess;
-        }
-        ~cuda_device_guard_noexcept() {
-            if (switched_)
-                (void)cudaSetDevice(previous_);
-        }
-        int previous_ = 0;
-        bool switched_ = false;
-    };
-
-    /// Takes ownership of `comm` (aborts it if anything here throws; scratch_ is allocated
-    /// last, so nothing else needs freeing then).
+    /// Takes ownership of `comm` (aborted if anything here throws).
     nccl_communicator(adopt_tag, ncclComm_t comm, int device,
-                      std::shared_ptr<detail::nccl_clique> clique, nccl_options options) try
-        : stream_(device), comm_(comm), clique_(std::move(clique)), options_(options),
-          device_(device) {
-        cuda_device_guard guard(device_);
-        LOCKSTEP_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
-        LOCKSTEP_NCCL_CHECK(ncclCommCount(comm_, &size_));
-        LOCKSTEP_CUDA_CHECK(cudaMalloc(&scratch_, sizeof(int)));
-    } catch (...) {
-        if (comm != nullptr) {
-            cuda_device_guard_noexcept guard(device);
-            (void)ncclCommAbort(comm);
-        }
-    }
+                      std::shared_ptr<detail::nccl_clique> clique, nccl_options options)
+        : h_(comm, device, std::move(clique), options) {}
 
     static ncclComm_t init_rank(const ncclUniqueId& id, int size, int rank, int device) {
         LOCKSTEP_REQUIRE(size > 0 && rank >= 0 && rank < size, errc::invalid_argument, rank,
@@ -440,115 +385,13 @@ private:
         return std::string(op) + " #" + std::to_string(sequence_++);
     }
 
-    static std::string describe(ncclResult_t r) {
-        return std::string(ncclGetErrorString(r)) + " (ncclResult_t " +
-               std::to_string(static_cast<int>(r)) + ")";
-    }
-
-    /// Aborts, marks the clique failed and throws `code` naming this replica and `op`.
-    template <class... Args>
-    [[noreturn]] void fail_and_abort(errc code, const std::string& op, Args&&... details) {
-        abort();
-        fail(code, rank_, op, std::forward<Args>(details)...);
-    }
-
-    template <class... Args>
-    void require(bool cond, errc code, const std::string& op, Args&&... details) {
-        if (!cond)
-            fail_and_abort(code, op, std::forward<Args>(details)...);
-    }
-
     void check_peer(const std::string& op, int peer) {
-        require(peer >= 0 && peer < size_ && peer != rank_, errc::invalid_argument, op, "peer ",
-                peer, " is not another rank of ", size_, " replicas");
+        h_.require(peer >= 0 && peer < h_.size() && peer != h_.rank(), errc::invalid_argument, op,
+                   "peer ", peer, " is not another rank of ", h_.size(), " replicas");
     }
 
-    /// Throws if this communicator was aborted, a peer of the clique failed, or NCCL holds an
-    /// asynchronous error.
-    void check_usable(const std::string& op) {
-        if (aborted_ || comm_ == nullptr)
-            fail(errc::communication, rank_, op, "the communicator was aborted after a failure");
-        const int failed = clique_ ? clique_->failed_rank.load() : -1;
-        if (failed >= 0 && failed != rank_)
-            fail_and_abort(errc::peer_failure, op, "replica ", failed,
-                           " failed; this replica's communicator was aborted");
-        ncclResult_t async = ncclSuccess;
-        const ncclResult_t r = ncclCommGetAsyncError(comm_, &async);
-        if (r != ncclSuccess)
-            fail_and_abort(errc::nccl, op, "ncclCommGetAsyncError: ", describe(r));
-        if (async != ncclSuccess && async != ncclInProgress)
-            fail_and_abort(async == ncclRemoteError ? errc::peer_failure : errc::nccl, op,
-                           "asynchronous NCCL error ", describe(async), ": ",
-                           ncclGetLastError(comm_));
-    }
-
-    /// Makes the enqueueing NCCL call `call()` on this replica's device once check_usable()
-    /// passed, and checks its result.
-    template <class Call>
-    void enqueue(const std::string& op, Call call) {
-        check_usable(op);
-        ncclResult_t r = ncclSuccess;
-        {
-            cuda_device_guard guard(device_);
-            r = call();
-        }
-        if (r != ncclSuccess && r != ncclInProgress)
-            fail_and_abort(errc::nccl, op, describe(r), ": ", ncclGetLastError(comm_));
-    }
-
-    /// Polls the stream until idle (see synchronize()).
-    void wait(const std::string& op) {
-        using clock = std::chrono::steady_clock;
-        const auto start = clock::now();
-        cuda_device_guard guard(device_);
-        for (;;) {
-            check_usable(op);
-            const cudaError_t e = cudaStreamQuery(stream_.get());
-            if (e == cudaSuccess)
-                return;
-            if (e != cudaErrorNotReady)
-                fail_and_abort(errc::cuda, op, "cudaStreamQuery: ", cudaGetErrorName(e), " (",
-                               cudaGetErrorString(e), ")");
-            const auto waited = clock::now() - start;
-            if (options_.timeout.count() > 0 && waited > options_.timeout)
-                fail_and_abort(errc::timeout, op, "the stream did not finish within ",
-                               options_.timeout.count(),
-                               " ms (a peer is missing or mismatched); communicator aborted");
-            // Short collectives finish within microseconds; back off for long ones.
-            if (waited < std::chrono::milliseconds(1))
-                std::this_thread::yield();
-            else
-                std::this_thread::sleep_for(std::chrono::microseconds(100));
-        }
-    }
-
-    void release() noexcept {
-        if (scratch_ != nullptr) {
-            cuda_device_guard_noexcept guard(device_);
-            (void)cudaFree(scratch_);
-            scratch_ = nullptr;
-        }
-        if (comm_ != nullptr) {
-            cuda_device_guard_noexcept guard(device_);
-            const bool peer_failed = clique_ && clique_->failed_rank.load() >= 0;
-            if (peer_failed || aborted_)
-                (void)ncclCommAbort(comm_);
-            else
-                (void)ncclCommDestroy(comm_);
-            comm_ = nullptr;
-        }
-    }
-
-    cuda_stream stream_;        // owned; declared first so it is destroyed last
-    ncclComm_t comm_ = nullptr; // owned
-    int* scratch_ = nullptr;    // one device int for barrier()
-    std::shared_ptr<detail::nccl_clique> clique_;
-    nccl_options options_{};
-    int device_ = 0;
-    int rank_ = 0;
-    int size_ = 0;
+    detail::nccl_handle h_;
     long long sequence_ = 0;
-    bool aborted_ = false;
 };
 
 static_assert(communicator<nccl_communicator>,

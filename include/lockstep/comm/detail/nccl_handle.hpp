@@ -1,0 +1,256 @@
+// lockstep/comm/detail/nccl_handle.hpp: the owning NCCL handle behind nccl_communicator: its
+// lifetime, stream, failure state and the polling wait. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/config.hpp"
+#include "lockstep/core/error.hpp"
+
+#if LOCKSTEP_HAS_NCCL
+
+#include "lockstep/system/cuda_system.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+namespace lockstep {
+
+/// Runtime options of an nccl_communicator.
+struct nccl_options {
+    /// How long synchronize() and barrier() wait for the replica's stream before they abort the
+    /// communicator and throw errc::timeout; zero waits forever.
+    std::chrono::milliseconds timeout = std::chrono::minutes(10);
+};
+
+namespace detail {
+
+/// What the communicators one process creates together (init_all, and their splits) share: the
+/// first replica that failed, so that the others stop waiting and fail too.
+struct nccl_clique {
+    std::atomic<int> failed_rank{-1};
+};
+
+/// Makes a device current for its lifetime without throwing (for noexcept paths).
+class cuda_device_guard_noexcept {
+public:
+    explicit cuda_device_guard_noexcept(int device) {
+        switched_ = cudaGetDevice(&previous_) == cudaSuccess && previous_ != device &&
+                    cudaSetDevice(device) == cudaSuccess;
+    }
+    cuda_device_guard_noexcept(const cuda_device_guard_noexcept&) = delete;
+    cuda_device_guard_noexcept& operator=(const cuda_device_guard_noexcept&) = delete;
+    ~cuda_device_guard_noexcept() {
+        if (switched_)
+            (void)cudaSetDevice(previous_);
+    }
+
+private:
+    int previous_ = 0;
+    bool switched_ = false;
+};
+
+/// One replica's NCCL communicator with its own stream and a one-int device scratch: owns them,
+/// knows whether it (or a peer of its clique) failed, and turns every failure into abort +
+/// lockstep::error, so no replica is left waiting. Move-only.
+class nccl_handle {
+public:
+    /// Takes ownership of `comm` (aborts it if anything here throws; scratch_ is allocated
+    /// last, so nothing else needs freeing then).
+    nccl_handle(ncclComm_t comm, int device, std::shared_ptr<nccl_clique> clique,
+                nccl_options options) try
+        : stream_(device), comm_(comm), clique_(std::move(clique)), options_(options),
+          device_(device) {
+        cuda_device_guard guard(device_);
+        LOCKSTEP_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
+        LOCKSTEP_NCCL_CHECK(ncclCommCount(comm_, &size_));
+        LOCKSTEP_CUDA_CHECK(cudaMalloc(&scratch_, sizeof(int)));
+    } catch (...) {
+        if (comm != nullptr) {
+            cuda_device_guard_noexcept guard(device);
+            (void)ncclCommAbort(comm);
+        }
+    }
+    nccl_handle(const nccl_handle&) = delete;
+    nccl_handle& operator=(const nccl_handle&) = delete;
+    nccl_handle(nccl_handle&& o) noexcept
+        : stream_(std::move(o.stream_)), comm_(std::exchange(o.comm_, nullptr)),
+          scratch_(std::exchange(o.scratch_, nullptr)), clique_(std::move(o.clique_)),
+          options_(o.options_), device_(o.device_), rank_(o.rank_), size_(o.size_),
+          aborted_(o.aborted_) {}
+    nccl_handle& operator=(nccl_handle&& o) noexcept {
+        if (this != &o) {
+            release();
+            stream_ = std::move(o.stream_);
+            comm_ = std::exchange(o.comm_, nullptr);
+            scratch_ = std::exchange(o.scratch_, nullptr);
+            clique_ = std::move(o.clique_);
+            options_ = o.options_;
+            device_ = o.device_;
+            rank_ = o.rank_;
+            size_ = o.size_;
+            aborted_ = o.aborted_;
+        }
+        return *this;
+    }
+    /// Destroys the communicator, or aborts it when a replica of the clique failed (so this
+    /// never waits for a peer that will not come).
+    ~nccl_handle() { release(); }
+
+    ncclComm_t comm() const noexcept { return comm_; }
+    cudaStream_t stream() const noexcept { return stream_.get(); }
+    cuda_system system() const noexcept { return stream_.system(); }
+    int* scratch() const noexcept { return scratch_; }
+    const std::shared_ptr<nccl_clique>& clique() const noexcept { return clique_; }
+    const nccl_options& options() const noexcept { return options_; }
+    int device() const noexcept { return device_; }
+    int rank() const noexcept { return rank_; }
+    int size() const noexcept { return size_; }
+    bool aborted() const noexcept { return aborted_; }
+
+    /// Aborts the NCCL communicator (ncclCommAbort: uncompleted operations are stopped) and
+    /// marks the clique failed. Every later call throws. Idempotent.
+    void abort() noexcept {
+        if (clique_) {
+            int none = -1;
+            clique_->failed_rank.compare_exchange_strong(none, rank_);
+        }
+        if (comm_ != nullptr && !aborted_) {
+            cuda_device_guard_noexcept guard(device_);
+            (void)ncclCommAbort(comm_);
+            comm_ = nullptr;
+        }
+        aborted_ = true;
+    }
+
+    static std::string describe(ncclResult_t r) {
+        return std::string(ncclGetErrorString(r)) + " (ncclResult_t " +
+               std::to_string(static_cast<int>(r)) + ")";
+    }
+
+    /// Aborts, marks the clique failed and throws `code` naming this replica and `op`.
+    template <class... Args>
+    [[noreturn]] void fail_and_abort(errc code, const std::string& op, Args&&... details) {
+        abort();
+        fail(code, rank_, op, std::forward<Args>(details)...);
+    }
+
+    template <class... Args>
+    void require(bool cond, errc code, const std::string& op, Args&&... details) {
+        if (!cond)
+            fail_and_abort(code, op, std::forward<Args>(details)...);
+    }
+
+    /// NCCL reads and writes spans with device kernels: host memory (a std::vector, say) would
+    /// crash or hang them, so it is rejected here with a message (one cheap runtime query).
+    void check_memory(const std::string& op, const char* what, const void* p) {
+        cudaPointerAttributes a{};
+        const cudaError_t e = cudaPointerGetAttributes(&a, p);
+        if (e != cudaSuccess)
+            (void)cudaGetLastError();
+        const bool ok =
+            e == cudaSuccess && (a.type == cudaMemoryTypeManaged ||
+                                 (a.type == cudaMemoryTypeDevice && a.device == device_));
+        require(ok, errc::invalid_argument, op, what, " (", p, ") is not memory of CUDA device ",
+                device_, " (type ", static_cast<int>(a.type), ", device ", a.device,
+                "); NCCL collectives take spans of the communicator's system (device memory)");
+    }
+
+    /// Throws if this communicator was aborted, a peer of the clique failed, or NCCL holds an
+    /// asynchronous error.
+    void check_usable(const std::string& op) {
+        if (aborted_ || comm_ == nullptr)
+            fail(errc::communication, rank_, op, "the communicator was aborted after a failure");
+        const int failed = clique_ ? clique_->failed_rank.load() : -1;
+        if (failed >= 0 && failed != rank_)
+            fail_and_abort(errc::peer_failure, op, "replica ", failed,
+                           " failed; this replica's communicator was aborted");
+        ncclResult_t async = ncclSuccess;
+        const ncclResult_t r = ncclCommGetAsyncError(comm_, &async);
+        if (r != ncclSuccess)
+            fail_and_abort(errc::nccl, op, "ncclCommGetAsyncError: ", describe(r));
+        if (async != ncclSuccess && async != ncclInProgress)
+            fail_and_abort(async == ncclRemoteError ? errc::peer_failure : errc::nccl, op,
+                           "asynchronous NCCL error ", describe(async), ": ",
+                           ncclGetLastError(comm_));
+    }
+
+    /// Makes the enqueueing NCCL call `call()` on this replica's device once check_usable()
+    /// passed, and checks its result.
+    template <class Call>
+    void enqueue(const std::string& op, Call call) {
+        check_usable(op);
+        ncclResult_t r = ncclSuccess;
+        {
+            cuda_device_guard guard(device_);
+            r = call();
+        }
+        if (r != ncclSuccess && r != ncclInProgress)
+            fail_and_abort(errc::nccl, op, describe(r), ": ", ncclGetLastError(comm_));
+    }
+
+    /// Polls the stream until idle, checking for failures and the timeout (see
+    /// nccl_communicator::synchronize()).
+    void wait(const std::string& op) {
+        using clock = std::chrono::steady_clock;
+        const auto start = clock::now();
+        cuda_device_guard guard(device_);
+        for (;;) {
+            check_usable(op);
+            const cudaError_t e = cudaStreamQuery(stream_.get());
+            if (e == cudaSuccess)
+                return;
+            if (e != cudaErrorNotReady)
+                fail_and_abort(errc::cuda, op, "cudaStreamQuery: ", cudaGetErrorName(e), " (",
+                               cudaGetErrorString(e), ")");
+            const auto waited = clock::now() - start;
+            if (options_.timeout.count() > 0 && waited > options_.timeout)
+                fail_and_abort(errc::timeout, op, "the stream did not finish within ",
+                               options_.timeout.count(),
+                               " ms (a peer is missing or mismatched); communicator aborted");
+            // Short collectives finish within microseconds; back off for long ones.
+            if (waited < std::chrono::milliseconds(1))
+                std::this_thread::yield();
+            else
+                std::this_thread::sleep_for(std::chrono::microseconds(100));
+        }
+    }
+
+private:
+    void release() noexcept {
+        if (scratch_ != nullptr) {
+            cuda_device_guard_noexcept guard(device_);
+            (void)cudaFree(scratch_);
+            scratch_ = nullptr;
+        }
+        if (comm_ != nullptr) {
+            cuda_device_guard_noexcept guard(device_);
+            const bool peer_failed = clique_ && clique_->failed_rank.load() >= 0;
+            if (peer_failed || aborted_)
+                (void)ncclCommAbort(comm_);
+            else
+                (void)ncclCommDestroy(comm_);
+            comm_ = nullptr;
+        }
+    }
+
+    cuda_stream stream_;        // owned; declared first so it is destroyed last
+    ncclComm_t comm_ = nullptr; // owned
+    int* scratch_ = nullptr;    // one device int for barrier()
+    std::shared_ptr<nccl_clique> clique_;
+    nccl_options options_{};
+    int device_ = 0;
+    int rank_ = 0;
+    int size_ = 0;
+    bool aborted_ = false;
+};
+
+} // namespace detail
+} // namespace lockstep
+
+#endif // LOCKSTEP_HAS_NCCL
