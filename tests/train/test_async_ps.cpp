@@ -343,27 +343,44 @@ TEST_CASE("a failing server update aborts every worker", "[train][async][thread]
     CHECK(errors[2].find("peer_failure") != std::string::npos);
 }
 
-TEST_CASE("replicas that disagree on the parameter count fail on every replica",
+TEST_CASE("replicas that disagree on sizes, budget or root fail on every replica",
           "[train][async][thread]") {
-    std::atomic<int> mismatches{0};
-    thread_group group(3, {.timeout = std::chrono::seconds(30)});
-    try {
-        group.run([&](thread_communicator& comm) {
-            buffer<float> params(comm.rank() == 2 ? 5 : 4, comm.system());
-            try {
-                run_parameter_server<sync::asynchronous>(
-                    comm, params.span(), {}, 0, {.steps = 3},
-                    [](const work_item&, std::span<float>, std::span<float>) {},
-                    [](std::span<const float>, std::span<const float>, const apply_info&) {});
-            } catch (const error& e) {
-                if (e.code() == errc::count_mismatch)
-                    ++mismatches;
-                throw;
-            }
-        });
-    } catch (const error&) {
+    struct variant {
+        std::size_t params, steps;
+        int root;
+        const char* what;
+    };
+    // Replica 2 passes the odd value.
+    for (const variant v : {variant{5, 3, 0, "parameter count"}, variant{4, 4, 0, "steps"},
+                            variant{4, 3, 1, "root"}}) {
+        std::atomic<int> mismatches{0};
+        std::mutex mu;
+        std::string message;
+        thread_group group(3, {.timeout = std::chrono::seconds(30)});
+        try {
+            group.run([&](thread_communicator& comm) {
+                const bool odd = comm.rank() == 2;
+                buffer<float> params(odd ? v.params : 4, comm.system());
+                try {
+                    run_parameter_server<sync::asynchronous>(
+                        comm, params.span(), {}, 0,
+                        {.steps = odd ? v.steps : 3, .root = odd ? v.root : 0},
+                        [](const work_item&, std::span<float>, std::span<float>) {},
+                        [](std::span<const float>, std::span<const float>, const apply_info&) {});
+                } catch (const error& e) {
+                    if (e.code() == errc::count_mismatch)
+                        ++mismatches;
+                    std::lock_guard lock(mu);
+                    message = e.what();
+                    throw;
+                }
+            });
+        } catch (const error&) {
+        }
+        INFO(v.what << ": " << message);
+        CHECK(mismatches == 3);
+        CHECK(message.find(v.what) != std::string::npos);
     }
-    CHECK(mismatches == 3);
 }
 
 TEST_CASE("a single replica cannot run a parameter server", "[train][async][thread]") {

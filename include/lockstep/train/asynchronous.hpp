@@ -5,6 +5,7 @@
 #include "lockstep/train/data_parallel.hpp"
 #include "lockstep/train/parameter_server.hpp"
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -119,6 +120,17 @@ public:
         LOCKSTEP_REQUIRE(steps >= 1 && batch >= 1, errc::invalid_argument, comm.rank(),
                          "data_parallel.train", "steps = ", steps, ", batch = ", batch,
                          " (both must be >= 1)");
+        {
+            // Workers map work items to samples with `batch`: every replica must use the same.
+            const std::array<std::int64_t, 2> b{static_cast<std::int64_t>(batch),
+                                                -static_cast<std::int64_t>(batch)};
+            std::array<std::int64_t, 2> agreed{};
+            comm.all_reduce(std::span<const std::int64_t>(b), std::span<std::int64_t>(agreed),
+                            reduce_op::max);
+            LOCKSTEP_REQUIRE(agreed[0] == -agreed[1], errc::count_mismatch, comm.rank(),
+                             "data_parallel.train", "replicas disagree on the batch size: from ",
+                             -agreed[1], " to ", agreed[0], " (this replica: ", batch, ")");
+        }
         const T keep = static_cast<T>(1.0 - ap_.bn_momentum);
         const std::uint64_t first_sample = core_.samples();
         const auto micro = static_cast<std::size_t>(core_.params().micro_batches);

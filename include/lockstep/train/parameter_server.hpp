@@ -88,8 +88,9 @@ inline constexpr int ps_push_header = 2, ps_push_data = 3;
 /// (they throw errc::peer_failure) and throws errc::peer_failure naming the worker. If apply
 /// throws, the server aborts the workers the same way and rethrows. Nothing hangs.
 ///
-/// requires: comm.size() >= 2; every replica passes the same params.size(), state.size() and
-/// stats_size (checked collectively: errc::count_mismatch on every replica); steps <= INT_MAX.
+/// requires: comm.size() >= 2; every replica passes the same params.size(), state.size(),
+/// stats_size, steps and root (checked collectively: errc::count_mismatch on every replica);
+/// steps <= INT_MAX. The communicator carries std::int64_t (thread group, MPI).
 /// ensures: on the root, a staleness_report with applied == steps and max <= S.
 template <sync_policy SyncPolicy, class T, point_to_point_communicator Comm, class Compute,
           class Apply>
@@ -112,20 +113,27 @@ staleness_report run_parameter_server(Comm& comm, std::span<T> params, std::span
     LOCKSTEP_REQUIRE(p.steps <= static_cast<std::size_t>(INT_MAX), errc::invalid_argument, rank, op,
                      "steps = ", p.steps, " exceeds INT_MAX");
 
-    // Every replica must agree on the message sizes, else receives would mismatch.
+    // Every replica must agree on the message sizes (else receives would mismatch), on the
+    // budget and on the server. One all_reduce(max) of {v, -v} gives every maximum and minimum.
     {
-        const std::array<int, 6> mine{
-            static_cast<int>(params.size()), static_cast<int>(state.size()),
-            static_cast<int>(stats_size),    -static_cast<int>(params.size()),
-            -static_cast<int>(state.size()), -static_cast<int>(stats_size)};
-        std::array<int, 6> agreed{};
-        comm.all_reduce(std::span<const int>(mine), std::span<int>(agreed), reduce_op::max);
-        LOCKSTEP_REQUIRE(
-            agreed[0] == -agreed[3] && agreed[1] == -agreed[4] && agreed[2] == -agreed[5],
-            errc::count_mismatch, rank, op, "replicas disagree on sizes: parameters ", -agreed[3],
-            "..", agreed[0], ", state ", -agreed[4], "..", agreed[1], ", statistics ", -agreed[5],
-            "..", agreed[2], " (this replica: ", params.size(), ", ", state.size(), ", ",
-            stats_size, ")");
+        const std::array<std::int64_t, 5> values{
+            static_cast<std::int64_t>(params.size()), static_cast<std::int64_t>(state.size()),
+            static_cast<std::int64_t>(stats_size), static_cast<std::int64_t>(p.steps), p.root};
+        std::array<std::int64_t, 10> both{};
+        for (std::size_t i = 0; i < values.size(); ++i) {
+            both[i] = values[i];
+            both[i + values.size()] = -values[i];
+        }
+        std::array<std::int64_t, 10> agreed{};
+        comm.all_reduce(std::span<const std::int64_t>(both), std::span<std::int64_t>(agreed),
+                        reduce_op::max);
+        static constexpr const char* names[] = {"parameter count", "state size", "statistics size",
+                                                "steps", "root"};
+        for (std::size_t i = 0; i < values.size(); ++i)
+            LOCKSTEP_REQUIRE(agreed[i] == -agreed[i + values.size()], errc::count_mismatch, rank,
+                             op, "replicas disagree on the ", names[i], ": from ",
+                             -agreed[i + values.size()], " to ", agreed[i],
+                             " (this replica: ", values[i], ")");
     }
 
     using system_type = typename Comm::system_type;
