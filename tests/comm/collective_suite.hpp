@@ -256,10 +256,28 @@ void check_all_reduce(C& comm, suite_report& rep, const std::vector<std::size_t>
                       const suite_options& opt) {
     const int n = comm.size(), me = comm.rank();
     for (const std::size_t count : counts) {
-        std::vector<T> in(count);
-        for (std::size_t i = 0; i < count; ++i)
-            in[i] = input_value<T>(me, i);
+        // Every rank's input, drawn once per count; the references fold them in rank order,
+        // exactly as reference_reduce() does.
+        std::vector<std::vector<T>> inputs(static_cast<std::size_t>(n), std::vector<T>(count));
+        for (int r = 0; r < n; ++r)
+            for (std::size_t i = 0; i < count; ++i)
+                inputs[static_cast<std::size_t>(r)][i] = input_value<T>(r, i);
+        const std::vector<T>& in = inputs[static_cast<std::size_t>(me)];
         for (const reduce_op op : {reduce_op::sum, reduce_op::max, reduce_op::min}) {
+            std::vector<T> ref = inputs[0];
+            for (int r = 1; r < n; ++r) {
+                const std::vector<T>& x = inputs[static_cast<std::size_t>(r)];
+                for (std::size_t i = 0; i < count; ++i) {
+                    const T v = x[i];
+                    T& acc = ref[i];
+                    if (op == reduce_op::sum)
+                        acc = static_cast<T>(acc + v);
+                    else if (op == reduce_op::max)
+                        acc = acc < v ? v : acc;
+                    else
+                        acc = v < acc ? v : acc;
+                }
+            }
             for (const bool in_place : {false, true}) {
                 if (in_place && op != reduce_op::sum)
                     continue;
@@ -272,7 +290,7 @@ void check_all_reduce(C& comm, suite_report& rep, const std::vector<std::size_t>
                 comm.all_reduce(std::span<const T>(send.data(), count), out.span(), op);
                 const std::vector<T> got = to_host(out);
                 const std::string bad = first_mismatch(
-                    got, 0, count, [&](std::size_t i) { return reference_reduce<T>(n, i, op); },
+                    got, 0, count, [&](std::size_t i) { return ref[i]; },
                     [&](T g, T w, std::size_t i) {
                         return reduction_matches(g, w, n, i, op, opt);
                     });

@@ -55,7 +55,7 @@ public:
     template <class F>
     requires std::invocable<F&, thread_communicator&>
     void run(F&& f) {
-        auto ctx = std::make_shared<detail::shm::run_context>(params_.timeout);
+        auto ctx = std::make_shared<detail::shm::run_context>(params_.timeout, size_);
         std::vector<int> replicas(static_cast<std::size_t>(size_));
         std::iota(replicas.begin(), replicas.end(), 0);
         auto world = std::make_shared<detail::shm::group_state>(ctx, std::move(replicas),

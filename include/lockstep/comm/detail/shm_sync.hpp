@@ -4,12 +4,14 @@
 
 #include "lockstep/core/config.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 
 namespace lockstep::detail::shm {
@@ -30,8 +32,9 @@ inline void cpu_relax() noexcept {
 /// arrival, a message, a departure, a failure) is followed by notify().
 class run_context {
 public:
-    /// requires: timeout > 0.
-    explicit run_context(std::chrono::milliseconds timeout) : timeout_(timeout) {}
+    /// requires: timeout > 0, replicas >= 1 (the threads of the run).
+    run_context(std::chrono::milliseconds timeout, int replicas)
+        : timeout_(timeout), spin_(spin_budget(replicas)) {}
     run_context(const run_context&) = delete;
     run_context& operator=(const run_context&) = delete;
 
@@ -83,10 +86,13 @@ public:
     /// ensures: returns ready() as last evaluated (false only after the deadline).
     template <class Ready>
     bool wait_until(Ready ready, clock::time_point deadline) {
-        for (int i = 0; i < spin_iterations; ++i) {
+        const clock::time_point spin_end = clock::now() + spin_;
+        for (int i = 1;; ++i) {
             if (ready())
                 return true;
             cpu_relax();
+            if (i % 32 == 0 && clock::now() >= spin_end)
+                break;
         }
         std::unique_lock lock(sleep_mutex_);
         // Dekker with the notifier: it publishes its change, then reads sleepers_; this thread
@@ -107,7 +113,16 @@ public:
     }
 
 private:
-    static constexpr int spin_iterations = 256;
+    /// How long a waiter spins before it sleeps. With a core per replica the awaited peer is
+    /// running and usually arrives within microseconds; with more replicas than hardware
+    /// threads it is often waiting for the very core this thread spins on.
+    static std::chrono::nanoseconds spin_budget(int replicas) {
+        const int hw = static_cast<int>(std::thread::hardware_concurrency());
+        return replicas <= std::max(1, hw) ? std::chrono::microseconds(20)
+                                           : std::chrono::microseconds(1);
+    }
+
+    std::chrono::nanoseconds spin_;
 
     std::chrono::milliseconds timeout_;
     std::atomic<bool> failed_{false};
