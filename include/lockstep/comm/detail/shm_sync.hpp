@@ -34,7 +34,7 @@ class run_context {
 public:
     /// requires: timeout > 0, replicas >= 1 (the threads of the run).
     run_context(std::chrono::milliseconds timeout, int replicas)
-        : timeout_(timeout), spin_(spin_budget(replicas)) {}
+        : spin_(spin_budget(replicas)), timeout_(timeout) {}
     run_context(const run_context&) = delete;
     run_context& operator=(const run_context&) = delete;
 
