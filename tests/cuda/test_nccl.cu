@@ -302,3 +302,29 @@ TEST_CASE("a failing nccl replica releases its peers", "[comm][nccl][gpu]") {
     for (auto& c : comms)
         CHECK(c.aborted());
 }
+
+TEST_CASE("host memory passed to an nccl collective is rejected, not crashed on",
+          "[comm][nccl][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    auto comms = all_devices();
+    std::vector<lockstep::errc> codes(comms.size(), lockstep::errc::internal);
+    run_replicas(comms, [&](nccl_communicator& comm) {
+        const auto i = static_cast<std::size_t>(comm.rank());
+        std::vector<float> host(16, 1.0f); // a std::vector: host memory
+        buffer<float, cuda_system> dev(16, comm.system());
+        try {
+            if (comm.rank() == 0)
+                comm.all_reduce(std::span<const float>(host), std::span<float>(host),
+                                reduce_op::sum);
+            else
+                comm.all_reduce(std::span<const float>(dev.span()), dev.span(), reduce_op::sum);
+            comm.synchronize();
+        } catch (const lockstep::error& e) {
+            codes[i] = e.code();
+        }
+    });
+    CHECK(codes[0] == lockstep::errc::invalid_argument);
+    for (std::size_t r = 1; r < comms.size(); ++r)
+        CHECK(codes[r] == lockstep::errc::peer_failure);
+}
