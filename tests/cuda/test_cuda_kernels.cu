@@ -4,7 +4,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/nccl_communicator.hpp"
 #include "lockstep/comm/thread_group.hpp"
-#include "lockstep/kernels/float16.hpp"
+#include "lockstep/core/float16.hpp"
 #include "lockstep/nn/batch_norm.hpp"
 #include "lockstep/optim/adam.hpp"
 #include "lockstep/optim/lamb.hpp"

@@ -3,7 +3,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "train_runner.hpp"
 
-#include "lockstep/kernels/float16.hpp"
+#include "lockstep/core/float16.hpp"
 #include "lockstep/optim/adam.hpp"
 #include "lockstep/optim/sgd.hpp"
 
@@ -82,11 +82,11 @@ TEST_CASE("lockstep::bfloat16 keeps float's top 16 bits, rounded to nearest, tie
         REQUIRE(lockstep::bfloat16(v).bits == bits);
         if ((b & 0x7fff) >= 0x7f7f)
             continue;
-        const float mid = kernels::bits_float((b << 16) | 0x8000u); // halfway to the next
+        const float mid = lockstep::detail::bits_float((b << 16) | 0x8000u); // halfway to the next
         const std::uint16_t even = (b & 1) ? static_cast<std::uint16_t>(b + 1) : bits;
         REQUIRE(lockstep::bfloat16(mid).bits == even);
-        REQUIRE(lockstep::bfloat16(kernels::bits_float((b << 16) | 0x8001u)).bits == b + 1);
-        REQUIRE(lockstep::bfloat16(kernels::bits_float((b << 16) | 0x7fffu)).bits == bits);
+        REQUIRE(lockstep::bfloat16(lockstep::detail::bits_float((b << 16) | 0x8001u)).bits == b + 1);
+        REQUIRE(lockstep::bfloat16(lockstep::detail::bits_float((b << 16) | 0x7fffu)).bits == bits);
     }
     CHECK(lockstep::bfloat16(1.0f / 3).bits == 0x3eab);
     CHECK(lockstep::bfloat16(std::numeric_limits<float>::max()).bits ==

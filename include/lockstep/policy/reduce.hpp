@@ -2,7 +2,7 @@
 // their concept. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-#include "lockstep/kernels/float16.hpp"
+#include "lockstep/core/float16.hpp"
 
 #include <concepts>
 #include <cstddef>

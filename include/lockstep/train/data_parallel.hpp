@@ -205,6 +205,6 @@ private:
 
 } // namespace lockstep
 
-#if __has_include("lockstep/train/asynchronous.hpp")
-#include "lockstep/train/asynchronous.hpp"
-#endif
+// The asynchronous specialisations (sync::asynchronous, sync::bounded_staleness<S>) come with the
+// primary template, so including data_parallel.hpp gives every SyncPolicy.
+#include "lockstep/train/asynchronous.hpp" // IWYU pragma: export

@@ -4,7 +4,7 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/config.hpp"
-#include "lockstep/kernels/float16.hpp"
+#include "lockstep/core/float16.hpp"
 
 #if LOCKSTEP_HAS_NCCL
 
@@ -18,7 +18,7 @@ namespace lockstep::detail {
 
 /// The NCCL data type of T, or ncclNumTypes when NCCL cannot carry T. Integers map by size and
 /// signedness (so int, long and long long all work); __half / __nv_bfloat16 and their
-/// layout-compatible portable twins lockstep::half / lockstep::bfloat16 (kernels/float16.hpp,
+/// layout-compatible portable twins lockstep::half / lockstep::bfloat16 (core/float16.hpp,
 /// the wire types of reduce::compressed) are the 16-bit floating-point types.
 template <class T>
 constexpr ncclDataType_t nccl_data_type() noexcept {

@@ -4,7 +4,7 @@
 #pragma once
 
 #include "lockstep/core/config.hpp"
-#include "lockstep/kernels/float16.hpp"
+#include "lockstep/core/float16.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -32,7 +32,7 @@ template <class T>
 struct non_finite_fn {
     LOCKSTEP_HOST_DEVICE int operator()(T x) const {
         if constexpr (sizeof(T) == 4) {
-            return (kernels::float_bits(static_cast<float>(x)) & 0x7f800000u) == 0x7f800000u;
+            return (detail::float_bits(static_cast<float>(x)) & 0x7f800000u) == 0x7f800000u;
         } else {
             std::uint64_t u;
             std::memcpy(&u, &x, sizeof u);

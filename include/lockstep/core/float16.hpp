@@ -1,4 +1,4 @@
-// lockstep/kernels/float16.hpp: half and bfloat16 16-bit storage types (wire formats of
+// lockstep/core/float16.hpp: half and bfloat16 16-bit storage types (wire formats of
 // reduce::compressed) with round-to-nearest-even conversion. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
@@ -9,7 +9,7 @@
 
 namespace lockstep {
 
-namespace kernels {
+namespace detail {
 
 /// The bits of a float.
 LOCKSTEP_HOST_DEVICE inline std::uint32_t float_bits(float f) {
@@ -75,7 +75,7 @@ LOCKSTEP_HOST_DEVICE inline float bfloat16_bits_to_float(std::uint16_t b) {
     return bits_float(static_cast<std::uint32_t>(b) << 16);
 }
 
-} // namespace kernels
+} // namespace detail
 
 /// IEEE binary16 storage (1 sign, 5 exponent, 10 mantissa bits; max 65504, unit roundoff
 /// 2^-11). Arithmetic happens in float: convert with float(h). Layout-compatible with CUDA's
@@ -85,9 +85,9 @@ struct half {
 
     half() = default;
     /// Rounds f to nearest, ties to even.
-    LOCKSTEP_HOST_DEVICE explicit half(float f) : bits(kernels::float_to_half_bits(f)) {}
+    LOCKSTEP_HOST_DEVICE explicit half(float f) : bits(detail::float_to_half_bits(f)) {}
     LOCKSTEP_HOST_DEVICE explicit operator float() const {
-        return kernels::half_bits_to_float(bits);
+        return detail::half_bits_to_float(bits);
     }
     /// The value with these bits.
     LOCKSTEP_HOST_DEVICE static half from_bits(std::uint16_t b) {
@@ -107,9 +107,9 @@ struct bfloat16 {
 
     bfloat16() = default;
     /// Rounds f to nearest, ties to even.
-    LOCKSTEP_HOST_DEVICE explicit bfloat16(float f) : bits(kernels::float_to_bfloat16_bits(f)) {}
+    LOCKSTEP_HOST_DEVICE explicit bfloat16(float f) : bits(detail::float_to_bfloat16_bits(f)) {}
     LOCKSTEP_HOST_DEVICE explicit operator float() const {
-        return kernels::bfloat16_bits_to_float(bits);
+        return detail::bfloat16_bits_to_float(bits);
     }
     /// The value with these bits.
     LOCKSTEP_HOST_DEVICE static bfloat16 from_bits(std::uint16_t b) {
