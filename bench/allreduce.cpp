@@ -212,7 +212,7 @@ void run_threads(const options& o) {
     std::printf("\npaired with a STREAM copy of the same bytes on the same threads, interleaved "
                 "(robust to load):\n%12s %12s %12s %14s %12s\n",
                 "bytes", "all_red. us", "copy us", "copy GB/s", "time/bound");
-    // 64 MiB only: with send, recv, a and b per thread (1 GiB in all) nothing stays in cache;
+    // 64 MiB only: with send, recv, a and b per thread (512 MiB in all) nothing stays in cache;
     // at 16 MiB the copy alone partly runs from cache (20 GB/s here), not against DRAM.
     for (const std::size_t bytes : {std::size_t{64} << 20}) {
         if (bytes > o.max_bytes)
