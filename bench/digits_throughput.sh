@@ -43,7 +43,7 @@ lockstep_run() { # replicas -> "samples_per_s accuracy"
 }
 torch_run() { # procs -> "samples_per_s accuracy"
   local out rate acc
-  out=$("$python" "$here/torch_ddp_digits.py" --procs "$1" --epochs "$epochs" --batch "$batch" \
+  out=$(timeout 600 "$python" "$here/torch_ddp_digits.py" --procs "$1" --epochs "$epochs" --batch "$batch" \
         --hidden "$hidden" --cores "$cores" --port $((29500 + RANDOM % 400)))
   rate=$(sed -n 's/.*samples_per_s=\([0-9.]*\).*/\1/p' <<<"$out")
   acc=$(sed -n 's/.*test_accuracy=\([0-9.]*\).*/\1/p' <<<"$out")

@@ -16,6 +16,7 @@ import gzip
 import os
 import sys
 import time
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -39,7 +40,8 @@ def worker(rank, args, threads, result_queue):
     os.environ["MASTER_PORT"] = str(args.port)
     torch.set_num_threads(threads)
     torch.set_num_interop_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=args.procs)
+    dist.init_process_group("gloo", rank=rank, world_size=args.procs,
+                            timeout=timedelta(seconds=args.timeout))
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP broadcasts rank 0's anyway)
 
     (xtr, ytr), (xte, yte) = load(args.data)
@@ -98,6 +100,8 @@ def main():
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1,
                    help="cores shared by all processes (threads per process = cores / procs)")
     p.add_argument("--port", type=int, default=29517)
+    p.add_argument("--timeout", type=float, default=120,
+                   help="seconds a process waits for its peers before failing (no hangs)")
     p.add_argument("--data", default=os.path.join(here, "..", "examples", "digits", "data",
                                                   "digits.csv.gz"))
     args = p.parse_args()
