@@ -4,6 +4,7 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/detail/shm_group.hpp"
+#include "lockstep/comm/detail/shm_p2p.hpp"
 #include "lockstep/comm/detail/shm_reduce.hpp"
 #include "lockstep/comm/detail/shm_sync.hpp"
 #include "lockstep/core/error.hpp"
@@ -251,17 +252,7 @@ public:
         LOCKSTEP_REQUIRE(dest >= 0 && dest < size(), errc::invalid_argument, replica(), op, "rank ",
                          dest, " is not in this group of ", size());
         group_->throw_if_failed(rank_, op);
-        detail::shm::message m{
-            rank_,     tag,         detail::shm::element_type_of<U>(),
-            sizeof(U), data.size(), std::vector<unsigned char>(data.size_bytes())};
-        if (!data.empty())
-            std::memcpy(m.bytes.data(), data.data(), data.size_bytes());
-        auto& box = group_->mailbox_of(dest);
-        {
-            std::lock_guard lock(box.mutex);
-            box.queue.push_back(std::move(m));
-        }
-        group_->context().notify();
+        detail::shm::post(*group_, rank_, dest, tag, std::span<const U>(data));
     }
 
     /// Receives the oldest message from rank `source` with `tag` into data.
@@ -273,7 +264,7 @@ public:
         require_group(op.c_str());
         LOCKSTEP_REQUIRE(source >= 0 && source < size(), errc::invalid_argument, replica(), op,
                          "rank ", source, " is not in this group of ", size());
-        receive(data, tag, source, op);
+        detail::shm::receive(*group_, rank_, data, tag, source, op);
     }
 
     /// Receives the oldest message with `tag` from any rank into data; returns its source.
@@ -282,7 +273,7 @@ public:
     int recv_any(std::span<T> data, int tag) {
         const std::string op = "recv_any (tag " + std::to_string(tag) + ")";
         require_group(op.c_str());
-        return receive(data, tag, -1, op);
+        return detail::shm::receive(*group_, rank_, data, tag, -1, op);
     }
 
 private:
@@ -398,61 +389,6 @@ private:
     static void copy_elements(T* dst, const T* src, std::size_t n) {
         if (n != 0 && dst != src)
             std::memcpy(dst, src, n * sizeof(T));
-    }
-
-    /// Waits for a message with `tag` from `source` (-1: any) and copies it into data.
-    template <class T>
-    int receive(std::span<T> data, int tag, int source, const std::string& op) {
-        static_assert(!std::is_const_v<T> && std::is_trivially_copyable_v<T>,
-                      "recv writes trivially copyable elements into a mutable span.");
-        auto& ctx = group_->context();
-        auto& box = group_->mailbox_of(rank_);
-        const auto matches = [&](const detail::shm::message& m) {
-            return m.tag == tag && (source < 0 || m.source == source);
-        };
-        const auto available = [&] {
-            std::lock_guard lock(box.mutex);
-            return std::any_of(box.queue.begin(), box.queue.end(), matches);
-        };
-        const auto abandoned = [&] { // nobody left who could still send the message
-            for (int j = 0; j < size(); ++j)
-                if ((source < 0 ? j != rank_ : j == source) && !group_->member(j).departed.load())
-                    return false;
-            return true;
-        };
-        ctx.wait_until([&] { return ctx.failed() || available() || abandoned(); }, ctx.deadline());
-        group_->throw_if_failed(rank_, op);
-        detail::shm::message m;
-        bool found = false;
-        {
-            std::lock_guard lock(box.mutex);
-            const auto it = std::find_if(box.queue.begin(), box.queue.end(), matches);
-            if (it != box.queue.end()) {
-                m = std::move(*it);
-                box.queue.erase(it);
-                found = true;
-            }
-        }
-        if (!found) { // outside the mailbox lock: recording a failure wakes the sleepers
-            const bool gone = abandoned();
-            error e(gone ? errc::peer_failure : errc::timeout, replica(), op,
-                    gone ? std::string("the sender(s) left the group without sending")
-                         : "timed out after " + std::to_string(ctx.timeout().count()) +
-                               " ms without a message");
-            ctx.record_failure(replica(), std::make_exception_ptr(e), e.what());
-            throw e;
-        }
-        const auto want = detail::shm::element_type_of<T>();
-        LOCKSTEP_REQUIRE(m.type == want && m.elem_size == sizeof(T), errc::shape_mismatch,
-                         replica(), op, "rank ", m.source, " sent ",
-                         detail::shm::count_of(m.count, m.type, m.elem_size), ", expected ",
-                         detail::shm::count_of(data.size(), want, sizeof(T)));
-        LOCKSTEP_REQUIRE(m.count == data.size(), errc::count_mismatch, replica(), op, "rank ",
-                         m.source, " sent ", detail::shm::count_of(m.count, m.type, m.elem_size),
-                         ", expected ", detail::shm::count_of(data.size(), want, sizeof(T)));
-        if (!m.bytes.empty())
-            std::memcpy(data.data(), m.bytes.data(), m.bytes.size());
-        return m.source;
     }
 
     std::shared_ptr<detail::shm::group_state> group_;
