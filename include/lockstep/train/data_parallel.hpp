@@ -9,6 +9,7 @@
 #include "lockstep/policy/compat.hpp"
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/policy/sync.hpp"
+#include "lockstep/train/detail/host_collective.hpp"
 #include "lockstep/train/detail/reducer.hpp"
 #include "lockstep/train/detail/replica_core.hpp"
 #include "lockstep/train/replica_context.hpp"
@@ -137,8 +138,8 @@ private:
         // is identical on every replica (parameter_server: only Root's is reduced), and the
         // count makes the skip decision identical too.
         double flags[2] = {local_loss, static_cast<double>(core_.local_non_finite())};
-        core_.comm().all_reduce(std::span<const double>(flags, 2), std::span<double>(flags, 2),
-                                reduce_op::sum);
+        detail::host_all_reduce(core_.comm(), std::span<const double>(flags, 2),
+                                std::span<double>(flags, 2), reduce_op::sum);
         step_result r;
         r.loss = flags[0];
         r.step = core_.steps();

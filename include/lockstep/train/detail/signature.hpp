@@ -5,6 +5,7 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/train/detail/host_collective.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 
 #include <cstdint>
@@ -76,7 +77,7 @@ void verify_same_tensors(Communicator& comm, const std::vector<tensor_info>& par
                              static_cast<int>(static_cast<std::uint32_t>(h >> 32)),
                              static_cast<int>(params.size()), static_cast<int>(state.size())};
     std::vector<int> all(mine.size() * static_cast<std::size_t>(ranks));
-    comm.all_gather(std::span<const int>(mine), std::span<int>(all));
+    host_all_gather(comm, std::span<const int>(mine), std::span<int>(all));
     bool same = true;
     for (int r = 1; r < ranks; ++r)
         for (std::size_t k = 0; k < mine.size(); ++k)
@@ -87,7 +88,7 @@ void verify_same_tensors(Communicator& comm, const std::vector<tensor_info>& par
     // Gather every replica's description text (padded to the longest, 4 chars per int).
     int len = static_cast<int>(text.size());
     std::vector<int> lens(static_cast<std::size_t>(ranks));
-    comm.all_gather(std::span<const int>(&len, 1), std::span<int>(lens));
+    host_all_gather(comm, std::span<const int>(&len, 1), std::span<int>(lens));
     int longest = 0;
     for (int l : lens)
         longest = l > longest ? l : longest;
@@ -95,7 +96,7 @@ void verify_same_tensors(Communicator& comm, const std::vector<tensor_info>& par
     std::vector<int> packed(words, 0);
     std::memcpy(packed.data(), text.data(), text.size());
     std::vector<int> gathered(words * static_cast<std::size_t>(ranks));
-    comm.all_gather(std::span<const int>(packed), std::span<int>(gathered));
+    host_all_gather(comm, std::span<const int>(packed), std::span<int>(gathered));
     std::vector<std::vector<std::string>> lists(static_cast<std::size_t>(ranks));
     for (int r = 0; r < ranks; ++r) {
         std::string t(static_cast<std::size_t>(lens[r]), '\0');
