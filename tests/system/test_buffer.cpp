@@ -28,9 +28,11 @@ TEST_CASE("host buffer allocates aligned memory and moves", "[system][host]") {
 
 TEST_CASE("copy between buffers checks sizes", "[system][host]") {
     buffer<int> a(5), b(5), c(4);
-    for (int i = 0; i < 5; ++i) a[i] = i * i;
+    for (int i = 0; i < 5; ++i)
+        a[i] = i * i;
     lockstep::copy(a, b);
-    for (int i = 0; i < 5; ++i) CHECK(b[i] == i * i);
+    for (int i = 0; i < 5; ++i)
+        CHECK(b[i] == i * i);
     CHECK_THROWS_AS(lockstep::copy(a, c), lockstep::error);
 }
 

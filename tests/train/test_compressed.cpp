@@ -85,7 +85,8 @@ TEST_CASE("lockstep::bfloat16 keeps float's top 16 bits, rounded to nearest, tie
         const float mid = lockstep::detail::bits_float((b << 16) | 0x8000u); // halfway to the next
         const std::uint16_t even = (b & 1) ? static_cast<std::uint16_t>(b + 1) : bits;
         REQUIRE(lockstep::bfloat16(mid).bits == even);
-        REQUIRE(lockstep::bfloat16(lockstep::detail::bits_float((b << 16) | 0x8001u)).bits == b + 1);
+        REQUIRE(lockstep::bfloat16(lockstep::detail::bits_float((b << 16) | 0x8001u)).bits ==
+                b + 1);
         REQUIRE(lockstep::bfloat16(lockstep::detail::bits_float((b << 16) | 0x7fffu)).bits == bits);
     }
     CHECK(lockstep::bfloat16(1.0f / 3).bits == 0x3eab);

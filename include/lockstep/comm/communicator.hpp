@@ -16,9 +16,12 @@ enum class reduce_op { sum, max, min };
 /// The name of a reduction, e.g. "sum".
 constexpr std::string_view to_string(reduce_op op) noexcept {
     switch (op) {
-    case reduce_op::sum: return "sum";
-    case reduce_op::max: return "max";
-    case reduce_op::min: return "min";
+    case reduce_op::sum:
+        return "sum";
+    case reduce_op::max:
+        return "max";
+    case reduce_op::min:
+        return "min";
     }
     return "unknown";
 }
@@ -61,11 +64,11 @@ concept communicator = requires(C& c, const C& cc, std::span<float> f, std::span
 /// - recv_any(data, tag) -> int: receives the next message with `tag` from any replica and
 ///   returns its source.
 template <class C>
-concept point_to_point_communicator =
-    communicator<C> && requires(C& c, std::span<float> f, std::span<const float> cf) {
-        c.send(cf, 0, 0);
-        c.recv(f, 0, 0);
-        { c.recv_any(f, 0) } -> std::convertible_to<int>;
-    };
+concept point_to_point_communicator = communicator<C> &&
+    requires(C& c, std::span<float> f, std::span<const float> cf) {
+    c.send(cf, 0, 0);
+    c.recv(f, 0, 0);
+    { c.recv_any(f, 0) } -> std::convertible_to<int>;
+};
 
 } // namespace lockstep

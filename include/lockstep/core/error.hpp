@@ -42,19 +42,32 @@ enum class errc {
 /// The name of an error code, e.g. "count_mismatch".
 constexpr std::string_view to_string(errc c) noexcept {
     switch (c) {
-    case errc::invalid_argument: return "invalid_argument";
-    case errc::shape_mismatch: return "shape_mismatch";
-    case errc::count_mismatch: return "count_mismatch";
-    case errc::timeout: return "timeout";
-    case errc::peer_failure: return "peer_failure";
-    case errc::communication: return "communication";
-    case errc::cuda: return "cuda";
-    case errc::nccl: return "nccl";
-    case errc::mpi: return "mpi";
-    case errc::non_finite: return "non_finite";
-    case errc::checkpoint: return "checkpoint";
-    case errc::unsupported: return "unsupported";
-    case errc::internal: return "internal";
+    case errc::invalid_argument:
+        return "invalid_argument";
+    case errc::shape_mismatch:
+        return "shape_mismatch";
+    case errc::count_mismatch:
+        return "count_mismatch";
+    case errc::timeout:
+        return "timeout";
+    case errc::peer_failure:
+        return "peer_failure";
+    case errc::communication:
+        return "communication";
+    case errc::cuda:
+        return "cuda";
+    case errc::nccl:
+        return "nccl";
+    case errc::mpi:
+        return "mpi";
+    case errc::non_finite:
+        return "non_finite";
+    case errc::checkpoint:
+        return "checkpoint";
+    case errc::unsupported:
+        return "unsupported";
+    case errc::internal:
+        return "internal";
     }
     return "unknown";
 }
@@ -81,8 +94,10 @@ private:
         std::string s = "lockstep error [";
         s += to_string(code);
         s += "] ";
-        if (replica >= 0) s += "replica " + std::to_string(replica) + ": ";
-        if (!op.empty()) s += op + ": ";
+        if (replica >= 0)
+            s += "replica " + std::to_string(replica) + ": ";
+        if (!op.empty())
+            s += op + ": ";
         s += details;
         return s;
     }
@@ -105,23 +120,25 @@ std::string concat(Args&&... args) {
 /// Throws lockstep::error(code, replica, operation, concat(details...)).
 template <class... Args>
 [[noreturn]] void fail(errc code, int replica, std::string operation, Args&&... details) {
-    throw error(code, replica, std::move(operation), detail::concat(std::forward<Args>(details)...));
+    throw error(code, replica, std::move(operation),
+                detail::concat(std::forward<Args>(details)...));
 }
 
 } // namespace lockstep
 
 /// Throws lockstep::error when cond is false; the remaining arguments are streamed into the
 /// message. Usage: LOCKSTEP_REQUIRE(n > 0, errc::invalid_argument, rank, "shard", "n = ", n);
-#define LOCKSTEP_REQUIRE(cond, code, replica, operation, ...)                                     \
+#define LOCKSTEP_REQUIRE(cond, code, replica, operation, ...)                                      \
     do {                                                                                           \
-        if (!(cond)) ::lockstep::fail((code), (replica), (operation), __VA_ARGS__);               \
+        if (!(cond))                                                                               \
+            ::lockstep::fail((code), (replica), (operation), __VA_ARGS__);                         \
     } while (0)
 
 #if LOCKSTEP_HAS_CUDA
 namespace lockstep::detail {
 [[noreturn]] inline void throw_cuda(cudaError_t e, const char* expr, const char* file, int line) {
-    fail(errc::cuda, -1, expr, cudaGetErrorName(e), " (", cudaGetErrorString(e), ") at ", file,
-         ":", line);
+    fail(errc::cuda, -1, expr, cudaGetErrorName(e), " (", cudaGetErrorString(e), ") at ", file, ":",
+         line);
 }
 } // namespace lockstep::detail
 /// Checks a CUDA runtime call; a failure throws lockstep::error with code errc::cuda.
@@ -154,11 +171,13 @@ namespace lockstep::detail {
 [[noreturn]] inline void throw_mpi(int code, const char* expr, const char* file, int line) {
     char text[MPI_MAX_ERROR_STRING] = {};
     int len = 0;
-    if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) len = 0;
+    if (MPI_Error_string(code, text, &len) != MPI_SUCCESS)
+        len = 0;
     int rank = -1;
     int initialized = 0;
     MPI_Initialized(&initialized);
-    if (initialized) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (initialized)
+        MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     fail(errc::mpi, rank, expr, std::string(text, static_cast<std::size_t>(len)), " (MPI code ",
          code, ") at ", file, ":", line);
 }

@@ -14,7 +14,6 @@
 #include <limits>
 #include <span>
 
-
 namespace lockstep::optim {
 
 /// Runtime knobs of optim::lamb. phi clamps ||w|| in the trust ratio: the default

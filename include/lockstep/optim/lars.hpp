@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <span>
 
-
 namespace lockstep::optim {
 
 /// Runtime knobs of optim::lars.

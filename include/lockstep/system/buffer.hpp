@@ -57,40 +57,17 @@ public:
     std::span<const T> span() const noexcept { return {data_, size_}; }
 
     /// Host element access. requires: System::is_host, i < size().
-    T& operator[](std::size_t i) noexcept
-        requires System::is_host
-    {
-        return data_[i];
-    }
-    const T& operator[](std::size_t i) const noexcept
-        requires System::is_host
-    {
-        return data_[i];
-    }
-    T* begin() noexcept
-        requires System::is_host
-    {
-        return data_;
-    }
-    T* end() noexcept
-        requires System::is_host
-    {
-        return data_ + size_;
-    }
-    const T* begin() const noexcept
-        requires System::is_host
-    {
-        return data_;
-    }
-    const T* end() const noexcept
-        requires System::is_host
-    {
-        return data_ + size_;
-    }
+    T& operator[](std::size_t i) noexcept requires System::is_host { return data_[i]; }
+    const T& operator[](std::size_t i) const noexcept requires System::is_host { return data_[i]; }
+    T* begin() noexcept requires System::is_host { return data_; }
+    T* end() noexcept requires System::is_host { return data_ + size_; }
+    const T* begin() const noexcept requires System::is_host { return data_; }
+    const T* end() const noexcept requires System::is_host { return data_ + size_; }
 
 private:
     void release() noexcept {
-        if (data_ != nullptr) sys_.deallocate(data_, size_ * sizeof(T));
+        if (data_ != nullptr)
+            sys_.deallocate(data_, size_ * sizeof(T));
         data_ = nullptr;
         size_ = 0;
     }
@@ -106,8 +83,8 @@ private:
 template <class T, class SrcSystem, class DstSystem>
 void copy(std::span<const T> src, const SrcSystem& src_sys, std::span<T> dst,
           const DstSystem& dst_sys) {
-    LOCKSTEP_REQUIRE(src.size() == dst.size(), errc::shape_mismatch, -1, "copy",
-                     "source has ", src.size(), " elements, destination ", dst.size());
+    LOCKSTEP_REQUIRE(src.size() == dst.size(), errc::shape_mismatch, -1, "copy", "source has ",
+                     src.size(), " elements, destination ", dst.size());
     // Unqualified so that argument-dependent lookup at instantiation also finds the copies
     // other systems declare (cuda_system's hidden friends), whatever the include order.
     using detail::copy_bytes;

@@ -59,12 +59,14 @@ public:
 
     /// Allocates bytes of host memory aligned to `alignment`. ensures: non-null or throws.
     void* allocate(std::size_t bytes) const {
-        if (bytes == 0) return nullptr;
-        return ::operator new(bytes, std::align_val_t{alignment});
+        if (bytes == 0)
+            return nullptr;
+        return ::operator new (bytes, std::align_val_t{alignment});
     }
     /// Frees memory from allocate().
     void deallocate(void* p, std::size_t /*bytes*/) const noexcept {
-        if (p != nullptr) ::operator delete(p, std::align_val_t{alignment});
+        if (p != nullptr)
+            ::operator delete (p, std::align_val_t{alignment});
     }
 
     friend bool operator==(const host_system&, const host_system&) = default;
@@ -77,7 +79,8 @@ namespace detail {
 /// Copies bytes between two host allocations.
 inline void copy_bytes(void* dst, const host_system&, const void* src, const host_system&,
                        std::size_t bytes) {
-    if (bytes != 0) std::memmove(dst, src, bytes);
+    if (bytes != 0)
+        std::memmove(dst, src, bytes);
 }
 } // namespace detail
 
