@@ -3,6 +3,8 @@
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
+#include "support/mpi_session.hpp"
+
 #include "collective_suite.hpp"
 #include "lockstep/comm/mpi_communicator.hpp"
 #include "lockstep/comm/thread_group.hpp"
@@ -412,21 +414,5 @@ TEST_CASE("environment and system report what MPI provides", "[comm][mpi]") {
 }
 
 int main(int argc, char** argv) {
-    lockstep::mpi_environment env(argc, argv);
-    int rank = 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    Catch::Session session;
-    int failed = 0;
-    try {
-        failed = session.run(argc, argv);
-    } catch (const std::exception& e) {
-        std::fprintf(stderr, "replica %d: %s\n", rank, e.what());
-        MPI_Abort(MPI_COMM_WORLD, 3);
-    }
-    // Every rank exits non-zero when any rank failed.
-    int any = 0;
-    MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    if (any != 0 && failed == 0)
-        std::fprintf(stderr, "replica %d: passed, but another replica failed\n", rank);
-    return any != 0 ? 1 : 0;
+    return lockstep::testing::run_mpi_session(argc, argv);
 }

@@ -7,6 +7,8 @@
 
 #include <catch2/catch.hpp>
 
+#include "support/mpi_session.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -85,18 +87,5 @@ TEST_CASE("parameter server over MPI: asynchronous and bounded staleness", "[tra
 }
 
 int main(int argc, char** argv) {
-    lockstep::mpi_environment env(argc, argv);
-    int rank = 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    Catch::Session session;
-    int failed = 0;
-    try {
-        failed = session.run(argc, argv);
-    } catch (const std::exception& e) {
-        std::fprintf(stderr, "replica %d: %s\n", rank, e.what());
-        MPI_Abort(MPI_COMM_WORLD, 3);
-    }
-    int any = 0;
-    MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    return any != 0 ? 1 : 0;
+    return lockstep::testing::run_mpi_session(argc, argv);
 }
