@@ -2,9 +2,15 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/nccl_communicator.hpp"
 #include "lockstep/system/cuda_system.hpp"
 
 #include <catch2/catch.hpp>
+
+#include <exception>
+#include <numeric>
+#include <thread>
+#include <vector>
 
 namespace lockstep_test {
 
@@ -17,5 +23,35 @@ inline bool skip_without_gpu() {
     WARN("no CUDA device: skipped");
     return true;
 }
+
+#if LOCKSTEP_HAS_NCCL
+/// One NCCL communicator per visible device (ncclCommInitAll).
+inline std::vector<lockstep::nccl_communicator> all_devices() {
+    std::vector<int> devices(static_cast<std::size_t>(lockstep::cuda_device_count()));
+    std::iota(devices.begin(), devices.end(), 0);
+    return lockstep::nccl_communicator::init_all(devices);
+}
+
+/// Runs f(comm) for every communicator on its own thread; rethrows the first failure after all
+/// threads ended. Catch2 assertions are not thread-safe: f records, the main thread checks.
+template <class F>
+void run_replicas(std::vector<lockstep::nccl_communicator>& comms, F f) {
+    std::vector<std::exception_ptr> errors(comms.size());
+    std::vector<std::thread> threads;
+    for (std::size_t r = 0; r < comms.size(); ++r)
+        threads.emplace_back([&, r] {
+            try {
+                f(comms[r]);
+            } catch (...) {
+                errors[r] = std::current_exception();
+            }
+        });
+    for (auto& t : threads)
+        t.join();
+    for (auto& e : errors)
+        if (e)
+            std::rethrow_exception(e);
+}
+#endif
 
 } // namespace lockstep_test

@@ -108,30 +108,8 @@ double max_rel_diff(const std::vector<double>& a, const std::vector<double>& b) 
     return worst;
 }
 
-std::vector<nccl_communicator> all_devices() {
-    std::vector<int> devices(static_cast<std::size_t>(cuda_device_count()));
-    std::iota(devices.begin(), devices.end(), 0);
-    return nccl_communicator::init_all(devices);
-}
-
-template <class F>
-void run_replicas(std::vector<nccl_communicator>& comms, F f) {
-    std::vector<std::exception_ptr> errors(comms.size());
-    std::vector<std::thread> threads;
-    for (std::size_t r = 0; r < comms.size(); ++r)
-        threads.emplace_back([&, r] {
-            try {
-                f(comms[r]);
-            } catch (...) {
-                errors[r] = std::current_exception();
-            }
-        });
-    for (auto& t : threads)
-        t.join();
-    for (auto& e : errors)
-        if (e)
-            std::rethrow_exception(e);
-}
+using lockstep_test::all_devices;
+using lockstep_test::run_replicas;
 
 /// The outputs of one batch-norm training step (forward_train then backward) and one
 /// forward_eval, as doubles.

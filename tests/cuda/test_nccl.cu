@@ -106,33 +106,8 @@ std::vector<double> to_values(const buffer<T, cuda_system>& d) {
     return v;
 }
 
-/// Every visible device, one replica each.
-std::vector<nccl_communicator> all_devices() {
-    std::vector<int> devices(static_cast<std::size_t>(lockstep::cuda_device_count()));
-    std::iota(devices.begin(), devices.end(), 0);
-    return nccl_communicator::init_all(devices);
-}
-
-/// Runs f(comm) for every communicator on its own thread; rethrows the first failure after all
-/// threads ended. Catch2 assertions are not thread-safe: f records, the main thread checks.
-template <class F>
-void run_replicas(std::vector<nccl_communicator>& comms, F f) {
-    std::vector<std::exception_ptr> errors(comms.size());
-    std::vector<std::thread> threads;
-    for (std::size_t r = 0; r < comms.size(); ++r)
-        threads.emplace_back([&, r] {
-            try {
-                f(comms[r]);
-            } catch (...) {
-                errors[r] = std::current_exception();
-            }
-        });
-    for (auto& t : threads)
-        t.join();
-    for (auto& e : errors)
-        if (e)
-            std::rethrow_exception(e);
-}
+using lockstep_test::all_devices;
+using lockstep_test::run_replicas;
 
 struct collective_results {
     std::vector<double> sum, max, min, broadcast, gather, reduce;
