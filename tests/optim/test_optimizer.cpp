@@ -1,5 +1,5 @@
 // Every optimizer against a naive double-precision reference over many steps, state
-// round trips, thread-count independence, the optimizer concept and all_finite.
+// round trips, thread-count independence, skipped steps, the optimizer concept and all_finite.
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/optim/adam.hpp"
 #include "lockstep/optim/lamb.hpp"
@@ -12,6 +12,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -263,4 +264,144 @@ TEMPLATE_TEST_CASE("all_finite finds NaN and infinities", "[optim][host]", float
     CHECK(all_finite(std::span<const T>(y), sys));
     y[99] = std::numeric_limits<T>::infinity();
     CHECK_FALSE(all_finite(std::span<const T>(y), sys));
+}
+
+namespace {
+// True when a and b hold the same bytes (bitwise: -0 differs from 0, a NaN equals itself).
+template <class V>
+bool same_bits(const std::vector<V>& a, const std::vector<V>& b) {
+    return a.size() == b.size() &&
+           (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(V)) == 0);
+}
+
+// Everything a step may change, copied to the host: the weights, the step count, every state
+// slot and (LARS, LAMB) the trust ratios. Compared bitwise.
+template <class O, class T = typename O::value_type>
+struct snapshot {
+    std::vector<T> w;
+    std::int64_t step = 0;
+    std::vector<std::vector<T>> slots;
+    std::vector<double> trust;
+    bool operator==(const snapshot& o) const {
+        if (step != o.step || slots.size() != o.slots.size() || !same_bits(w, o.w) ||
+            !same_bits(trust, o.trust))
+            return false;
+        for (std::size_t k = 0; k < slots.size(); ++k)
+            if (!same_bits(slots[k], o.slots[k]))
+                return false;
+        return true;
+    }
+};
+template <class O, class T = typename O::value_type>
+snapshot<O> take(const O& opt, const std::vector<T>& w) {
+    snapshot<O> s{w, opt.step_count(), {}, {}};
+    for (const auto& slot : opt.state().slots)
+        s.slots.emplace_back(slot.data.begin(), slot.data.end());
+    if constexpr (requires { opt.trust_ratios(); })
+        s.trust.assign(opt.trust_ratios().begin(), opt.trust_ratios().end());
+    return s;
+}
+template <class T>
+std::vector<T> gradient_t(int step) {
+    const std::vector<double> gd = gradient(step);
+    return {gd.begin(), gd.end()};
+}
+} // namespace
+
+TEMPLATE_TEST_CASE("a step with the skip flag set changes nothing", "[optim][skip][host]",
+                   LOCKSTEP_OPTIMIZERS(float), LOCKSTEP_OPTIMIZERS(double)) {
+    using O = typename opt_type<TestType>::type;
+    using T = typename O::value_type;
+    O opt(n, setup<TestType>::params(), host_system{}, layout);
+    const std::vector<double> w0 = initial_weights();
+    std::vector<T> w(w0.begin(), w0.end());
+    const int skip = 1;
+    // Skipped before the first step (SGD's momentum must still start as the first d after it),
+    // and after two applied steps, with a gradient full of NaN as a real skip would see.
+    std::vector<T> bad = gradient_t<T>(7);
+    bad[0] = std::numeric_limits<T>::quiet_NaN();
+    bad[700] = std::numeric_limits<T>::infinity();
+    const snapshot<O> fresh = take(opt, w);
+    opt.step(w, bad, &skip);
+    CHECK(take(opt, w) == fresh);
+    CHECK(opt.step_count() == 0);
+    for (int s = 0; s < 2; ++s)
+        opt.step(w, gradient_t<T>(s));
+    const snapshot<O> before = take(opt, w);
+    REQUIRE(before.step == 2);
+    opt.step(w, bad, &skip);
+    opt.step(w, gradient_t<T>(2), &skip);
+    const snapshot<O> after = take(opt, w);
+    CHECK(same_bits(after.w, before.w));
+    CHECK(after.step == 2);
+    CHECK(after == before);
+}
+
+TEMPLATE_TEST_CASE("bias corrections count applied steps only", "[optim][skip][host]",
+                   LOCKSTEP_OPTIMIZERS(float), LOCKSTEP_OPTIMIZERS(double)) {
+    using O = typename opt_type<TestType>::type;
+    using T = typename O::value_type;
+    const std::vector<double> w0 = initial_weights();
+    // Five steps with gradients 0..4, the third (gradient 2) skipped, against four unskipped
+    // steps over gradients 0, 1, 3, 4: bitwise equal, t = 3 and 4 in both.
+    O skipping(n, setup<TestType>::params(), host_system{}, layout);
+    std::vector<T> w_skipping(w0.begin(), w0.end());
+    for (int s = 0; s < 5; ++s) {
+        const int flag = s == 2 ? 1 : 0;
+        skipping.step(w_skipping, gradient_t<T>(s), &flag);
+    }
+    O plain(n, setup<TestType>::params(), host_system{}, layout);
+    std::vector<T> w_plain(w0.begin(), w0.end());
+    for (int s : {0, 1, 3, 4})
+        plain.step(w_plain, gradient_t<T>(s));
+    const snapshot<O> a = take(skipping, w_skipping), b = take(plain, w_plain);
+    CHECK(a.step == 4);
+    CHECK(same_bits(a.w, b.w));
+    CHECK(a == b);
+}
+
+TEMPLATE_TEST_CASE("a clear skip flag is the plain step", "[optim][skip][host]",
+                   LOCKSTEP_OPTIMIZERS(float), LOCKSTEP_OPTIMIZERS(double)) {
+    using O = typename opt_type<TestType>::type;
+    using T = typename O::value_type;
+    const std::vector<double> w0 = initial_weights();
+    O flagged(n, setup<TestType>::params(), host_system{}, layout);
+    O plain(n, setup<TestType>::params(), host_system{}, layout);
+    O null_flag(n, setup<TestType>::params(), host_system{}, layout);
+    std::vector<T> w_flagged(w0.begin(), w0.end()), w_plain = w_flagged, w_null = w_flagged;
+    const int clear = 0;
+    for (int s = 0; s < 4; ++s) {
+        const std::vector<T> g = gradient_t<T>(s);
+        flagged.step(w_flagged, g, &clear);
+        plain.step(w_plain, g);
+        null_flag.step(w_null, g, nullptr);
+    }
+    CHECK(take(flagged, w_flagged) == take(plain, w_plain));
+    CHECK(take(null_flag, w_null) == take(plain, w_plain));
+    CHECK(plain.step_count() == 4);
+}
+
+TEMPLATE_TEST_CASE("a restored step count drives the next bias corrections", "[optim][skip][host]",
+                   LOCKSTEP_OPTIMIZERS(double)) {
+    using O = typename opt_type<TestType>::type;
+    using T = typename O::value_type;
+    const std::vector<double> w0 = initial_weights();
+    // Three steps with the second skipped, saved, restored into a fresh optimizer: the next
+    // step uses t = 3 in both.
+    O first(n, setup<TestType>::params(), host_system{}, layout);
+    std::vector<T> w(w0.begin(), w0.end());
+    for (int s = 0; s < 3; ++s) {
+        const int flag = s == 1 ? 1 : 0;
+        first.step(w, gradient_t<T>(s), &flag);
+    }
+    const state_view<const T> saved = std::as_const(first).state();
+    CHECK(saved.step == 2);
+    O second(n, setup<TestType>::params(), host_system{}, layout);
+    second.load_state(saved);
+    CHECK(second.step_count() == 2);
+    std::vector<T> w2 = w;
+    first.step(w, gradient_t<T>(3));
+    second.step(w2, gradient_t<T>(3));
+    CHECK(same_bits(w, w2));
+    CHECK(second.step_count() == 3);
 }

@@ -54,10 +54,23 @@ TEMPLATE_TEST_CASE("the lane mapping computes what the tile loop computes",
     std::vector<T> w_tile(w0.begin(), w0.end()), w_lane(w0.begin(), w0.end());
     const std::vector<T> g(g0.begin(), g0.end());
     std::vector<T> m_tile(n, T(0.1)), v_tile(n, T(0.2)), m_lane = m_tile, v_lane = v_tile;
+    const kernels::step_state<kernels::adam_scalars> step{
+        .applied = 3, .skip = 0, .scalars = {.step_size = 0.05, .sqrt_bc2 = 0.3}};
     auto adam = [&](std::vector<T>& w, std::vector<T>& m, std::vector<T>& v) {
-        return kernels::adam_update<T>{w.data(), g.data(),       m.data(), v.data(), layout.flags(),
-                                       T(0.9),   T(0.1),         T(0.999), T(0.001), T(1e-8),
-                                       T(0.01),  T(1) - T(1e-4), T(0.05),  T(0.3),   true};
+        return kernels::adam_update<T>{.w = w.data(),
+                                       .g = g.data(),
+                                       .m = m.data(),
+                                       .v = v.data(),
+                                       .flags = layout.flags(),
+                                       .step = &step,
+                                       .beta1 = T(0.9),
+                                       .one_minus_beta1 = T(0.1),
+                                       .beta2 = T(0.999),
+                                       .one_minus_beta2 = T(0.001),
+                                       .eps = T(1e-8),
+                                       .weight_decay = T(0.01),
+                                       .decay_factor = T(1) - T(1e-4),
+                                       .decoupled = true};
     };
     layout.apply(sys, adam(w_tile, m_tile, v_tile));
     using F = kernels::adam_update<T>;

@@ -37,15 +37,26 @@ struct tile_range {
     std::size_t last = 0;
 };
 
+/// True when a no-op flag is set: `noop` is null (never) or points to an int in the memory of
+/// the system the kernel runs on, read by the kernel itself (the host never reads it), as
+/// apex's multi-tensor kernels read their noop flag. A set flag makes every driver below a
+/// no-op, so a whole step can be skipped without the host looking at the flag.
+LOCKSTEP_HOST_DEVICE inline bool noop_set(const int* noop) {
+    return noop != nullptr && *noop != 0;
+}
+
 /// for_each body over tile indices: f(i, f.segment(s)) for every element i of tile t, where s
-/// is the tile's segment. F provides `segment(std::uint32_t) -> scalars` and
-/// `operator()(std::size_t, const scalars&)`. The inner loop is a plain counted loop, so the
-/// host compiler vectorizes it.
+/// is the tile's segment; nothing when noop_set(noop). F provides
+/// `segment(std::uint32_t) -> scalars` and `operator()(std::size_t, const scalars&)`. The inner
+/// loop is a plain counted loop, so the host compiler vectorizes it.
 template <class F>
 struct tile_apply {
     const tile* tiles;
     F f;
+    const int* noop = nullptr;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t t) const {
+        if (noop_set(noop))
+            return;
         const tile tl = tiles[t];
         const auto s = f.segment(tl.segment);
         const F g = f; // a local copy: its pointers live in registers across the loop
@@ -55,14 +66,18 @@ struct tile_apply {
 };
 
 /// for_each body over lanes k in [0, tile count * TileSize): element tiles[k / TileSize].begin +
-/// k % TileSize, when inside its tile, gets f(i, f.segment(s)). One element per thread and
-/// consecutive threads on consecutive elements (coalesced): the shape of the CUDA path, the same
-/// arithmetic as tile_apply. requires: every tile holds at most TileSize elements.
+/// k % TileSize, when inside its tile, gets f(i, f.segment(s)); nothing when noop_set(noop).
+/// One element per thread and consecutive threads on consecutive elements (coalesced): the shape
+/// of the CUDA path, the same arithmetic as tile_apply. requires: every tile holds at most
+/// TileSize elements.
 template <class F, std::size_t TileSize>
 struct tile_lanes {
     const tile* tiles;
     F f;
+    const int* noop = nullptr;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t k) const {
+        if (noop_set(noop))
+            return;
         const tile tl = tiles[k / TileSize];
         const std::size_t i = tl.begin + k % TileSize;
         if (i < tl.end)
@@ -72,13 +87,19 @@ struct tile_lanes {
 
 /// for_each body over tile indices: partial[t] = sum over the tile's elements of f(i, scalars)
 /// (a sum_pair), accumulated in an order fixed by the tile (and, on the host, the build's SIMD
-/// width), so the result does not depend on the number of threads.
+/// width), so the result does not depend on the number of threads. When noop_set(noop), f is
+/// not called and partial[t] = {0, 0}.
 template <class F>
 struct tile_reduce {
     const tile* tiles;
     sum_pair* partial;
     F f;
+    const int* noop = nullptr;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t t) const {
+        if (noop_set(noop)) {
+            partial[t] = {0, 0};
+            return;
+        }
         const tile tl = tiles[t];
         const auto s = f.segment(tl.segment);
         const F g = f;
@@ -111,6 +132,18 @@ struct segment_sum {
             b += partial[t].b;
         }
         out[s] = {a, b};
+    }
+};
+
+/// for_each body over indices: f(i), or nothing when noop_set(noop) (per-segment passes such as
+/// trust ratios, guarded by the same flag as the element passes).
+template <class F>
+struct unless_noop {
+    F f;
+    const int* noop = nullptr;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
+        if (!noop_set(noop))
+            f(i);
     }
 };
 

@@ -4,11 +4,11 @@
 
 #include "lockstep/kernels/optimizer_kernels.hpp"
 #include "lockstep/optim/detail/flat_layout.hpp"
+#include "lockstep/optim/detail/step_counter.hpp"
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
 
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -34,15 +34,16 @@ struct adamw_params {
 };
 
 namespace detail {
-/// Adam and AdamW share everything but where the decay goes. Per element, at step t >= 1
+/// Adam and AdamW share everything but where the decay goes. Per element, at applied step t >= 1
 /// (Kingma & Ba 2015, Algorithm 1; Loshchilov & Hutter 2019 for AdamW; the forms of
 /// torch.optim.Adam / AdamW with amsgrad = False, maximize = False):
 ///   Adam:  g' = g + lambda_s w                     AdamW: w = w (1 - lr lambda_s), g' = g
 ///   m = beta1 m + (1 - beta1) g'
 ///   v = beta2 v + (1 - beta2) g'^2
 ///   w = w - (lr / (1 - beta1^t)) m / (sqrt(v) / sqrt(1 - beta2^t) + eps)     (eps outside sqrt)
-/// lambda_s = weight_decay, 0 on segments with !decay. The bias corrections are computed in
-/// double on the host each step. State: "exp_avg" (m), "exp_avg_sq" (v), step count t.
+/// lambda_s = weight_decay, 0 on segments with !decay. Skipped steps do not count in t. The
+/// bias corrections are computed in double each step by a one-thread prologue in System memory,
+/// where t lives (see step(w, g, skip)). State: "exp_avg" (m), "exp_avg_sq" (v), step count t.
 template <class T, class System, class Params, bool Decoupled>
 class adam_impl {
     static_assert(std::is_floating_point_v<T>, "optim::adam updates float or double parameters.");
@@ -58,7 +59,7 @@ public:
     explicit adam_impl(std::size_t n, Params p = {}, System sys = System{},
                        std::span<const tensor_segment> segments = {})
         : p_(p), sys_(sys), layout_(n, segments, sys_, name()), m_(zeros<T>(n, sys_)),
-          v_(zeros<T>(n, sys_)) {
+          v_(zeros<T>(n, sys_)), count_(sys_) {
         check_param(name(), "lr", p.lr, 0.0);
         check_param(name(), "beta1", p.beta1, 0.0);
         check_param(name(), "beta2", p.beta2, 0.0);
@@ -68,31 +69,34 @@ public:
                          ", beta2 = ", p.beta2, ", eps = ", p.eps, ")");
     }
 
-    /// One update of w from g. requires: w.size() == g.size() == size(), System memory.
-    /// ensures: step_count() grows by one.
-    void step(std::span<T> w, std::span<const T> g) {
+    /// One update of w from g, unless *skip != 0 when the step's kernels run. requires:
+    /// w.size() == g.size() == size(), System memory; skip null (never skip) or one int in
+    /// System memory, set before the step on the system's stream. ensures: applied: w, m, v
+    /// updated with the bias corrections of t = step_count() + 1, step_count() grows by one;
+    /// skipped: w, m, v and step_count() unchanged. The flag is read by the kernels only: no
+    /// host synchronisation, no allocation.
+    void step(std::span<T> w, std::span<const T> g, const int* skip) {
         check_step(Decoupled ? "adamw.step" : "adam.step", size(), w.size(), g.size());
-        const double t = static_cast<double>(step_ + 1);
-        const double bc1 = 1.0 - std::pow(p_.beta1, t);
-        const double bc2 = 1.0 - std::pow(p_.beta2, t);
-        const kernels::adam_update<T> f{w.data(),
-                                        g.data(),
-                                        m_.data(),
-                                        v_.data(),
-                                        layout_.flags(),
-                                        static_cast<T>(p_.beta1),
-                                        static_cast<T>(1.0 - p_.beta1),
-                                        static_cast<T>(p_.beta2),
-                                        static_cast<T>(1.0 - p_.beta2),
-                                        static_cast<T>(p_.eps),
-                                        static_cast<T>(p_.weight_decay),
-                                        static_cast<T>(1.0 - p_.lr * p_.weight_decay),
-                                        static_cast<T>(p_.lr / bc1),
-                                        static_cast<T>(std::sqrt(bc2)),
-                                        Decoupled};
-        layout_.apply(sys_, f);
-        ++step_;
+        count_.begin(sys_, skip, kernels::adam_rule{p_.lr, p_.beta1, p_.beta2});
+        const kernels::adam_update<T> f{.w = w.data(),
+                                        .g = g.data(),
+                                        .m = m_.data(),
+                                        .v = v_.data(),
+                                        .flags = layout_.flags(),
+                                        .step = count_.state(),
+                                        .beta1 = static_cast<T>(p_.beta1),
+                                        .one_minus_beta1 = static_cast<T>(1.0 - p_.beta1),
+                                        .beta2 = static_cast<T>(p_.beta2),
+                                        .one_minus_beta2 = static_cast<T>(1.0 - p_.beta2),
+                                        .eps = static_cast<T>(p_.eps),
+                                        .weight_decay = static_cast<T>(p_.weight_decay),
+                                        .decay_factor =
+                                            static_cast<T>(1.0 - p_.lr * p_.weight_decay),
+                                        .decoupled = Decoupled};
+        layout_.apply(sys_, f, count_.noop());
     }
+    /// step(w, g, nullptr): a step that is always applied.
+    void step(std::span<T> w, std::span<const T> g) { step(w, g, nullptr); }
 
     double lr() const noexcept { return p_.lr; }
     /// Sets the learning rate of the next steps. requires: lr finite and >= 0.
@@ -103,17 +107,22 @@ public:
     const Params& params() const noexcept { return p_; }
     const System& system() const noexcept { return sys_; }
     std::size_t size() const noexcept { return layout_.size(); }
-    std::int64_t step_count() const noexcept { return step_; }
+    /// The number of applied steps. On a device system a synchronising read of the device
+    /// count: not meant for use inside a step.
+    std::int64_t step_count() const { return count_.applied(sys_); }
     const std::vector<tensor_segment>& segments() const noexcept { return layout_.segments(); }
 
-    /// The checkpointable state: step count and {"exp_avg", "exp_avg_sq"}.
-    state_view<T> state() { return {step_, {{"exp_avg", m_.span()}, {"exp_avg_sq", v_.span()}}}; }
+    /// The checkpointable state: step count (read as step_count() does) and {"exp_avg",
+    /// "exp_avg_sq"}.
+    state_view<T> state() {
+        return {step_count(), {{"exp_avg", m_.span()}, {"exp_avg_sq", v_.span()}}};
+    }
     state_view<const T> state() const {
-        return {step_, {{"exp_avg", m_.span()}, {"exp_avg_sq", v_.span()}}};
+        return {step_count(), {{"exp_avg", m_.span()}, {"exp_avg_sq", v_.span()}}};
     }
     /// Restores a state saved by state(). Throws lockstep::error (checkpoint) on a mismatch.
     void load_state(const state_view<const T>& saved) {
-        step_ = load_slots(name(), saved, state(), sys_);
+        count_.set_applied(sys_, load_slots(name(), saved, state(), sys_));
     }
 
 private:
@@ -123,7 +132,7 @@ private:
     System sys_;
     flat_layout<System> layout_;
     buffer<T, System> m_, v_;
-    std::int64_t step_ = 0;
+    step_counter<kernels::adam_rule, System> count_;
 };
 } // namespace detail
 

@@ -4,11 +4,11 @@
 
 #include "lockstep/kernels/optimizer_kernels.hpp"
 #include "lockstep/optim/detail/flat_layout.hpp"
+#include "lockstep/optim/detail/step_counter.hpp"
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
 
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -30,14 +30,16 @@ struct lamb_params {
 
 /// LAMB over one flat buffer of tensors (You et al., "Large Batch Optimization for Deep
 /// Learning: Training BERT in 76 minutes", ICLR 2020, Algorithm 2, with Adam's bias
-/// correction as in NVIDIA's FusedLAMB). Per step t >= 1 and tensor (segment) s:
+/// correction as in NVIDIA's FusedLAMB). Per applied step t >= 1 (skipped steps do not count)
+/// and tensor (segment) s:
 ///   m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
 ///   r = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + lambda_s w   (lambda_s = 0 if !decay)
 ///   ratio_s = phi(||w_s||) / ||r_s||  if s adapts, ||w_s|| > 0 and ||r_s|| > 0; else 1
 ///   w = w - lr ratio_s r,   phi(z) = min(max(z, phi_min), phi_max)
 /// Two fused passes: moments + r (kept in a scratch buffer) + per-tile ||w||^2, ||r||^2; then
 /// the per-segment ratios and w -= lr ratio_s r. Norms are accumulated in double, in a fixed
-/// order. State: "exp_avg" (m), "exp_avg_sq" (v), step count t.
+/// order. The bias corrections are computed in double by a one-thread prologue in System memory,
+/// where t lives. State: "exp_avg" (m), "exp_avg_sq" (v), step count t.
 template <class T, class System = host_system>
 class lamb {
     static_assert(std::is_floating_point_v<T>, "optim::lamb updates float or double parameters.");
@@ -53,9 +55,9 @@ public:
     explicit lamb(std::size_t n, lamb_params p = {}, System sys = System{},
                   std::span<const tensor_segment> segments = {})
         : p_(p), sys_(sys), layout_(n, segments, sys_, "lamb"), m_(detail::zeros<T>(n, sys_)),
-          v_(detail::zeros<T>(n, sys_)), update_(n, sys_), norms_(layout_.segment_count(), sys_),
-          scaled_lr_(layout_.segment_count(), sys_),
-          trust_(detail::zeros<double>(layout_.segment_count(), sys_, 1.0)) {
+          v_(detail::zeros<T>(n, sys_)), update_(n, sys_), partial_(layout_.tile_count(), sys_),
+          norms_(layout_.segment_count(), sys_), scaled_lr_(layout_.segment_count(), sys_),
+          trust_(detail::zeros<double>(layout_.segment_count(), sys_, 1.0)), count_(sys_) {
         detail::check_param("lamb", "lr", p.lr, 0.0);
         detail::check_param("lamb", "beta1", p.beta1, 0.0);
         detail::check_param("lamb", "beta2", p.beta2, 0.0);
@@ -68,29 +70,51 @@ public:
                          ", ", p.phi_max, "])");
     }
 
-    /// One update of w from g. requires: w.size() == g.size() == size(), System memory.
-    /// ensures: step_count() grows by one; trust_ratios() holds this step's ratios.
-    void step(std::span<T> w, std::span<const T> g) {
+    /// One update of w from g, unless *skip != 0 when the step's kernels run. requires:
+    /// w.size() == g.size() == size(), System memory; skip null (never skip) or one int in
+    /// System memory, set before the step on the system's stream. ensures: applied: w, m, v
+    /// updated with the bias corrections of t = step_count() + 1, step_count() grows by one,
+    /// trust_ratios() holds this step's ratios; skipped: w, m, v, trust_ratios() and
+    /// step_count() unchanged. The flag is read by the kernels only: no host synchronisation,
+    /// no allocation.
+    void step(std::span<T> w, std::span<const T> g, const int* skip) {
         detail::check_step("lamb.step", size(), w.size(), g.size());
-        const double t = static_cast<double>(step_ + 1);
-        const double bc1 = 1.0 - std::pow(p_.beta1, t), bc2 = 1.0 - std::pow(p_.beta2, t);
-        layout_.reduce(
-            sys_,
-            kernels::lamb_moments<T>{w.data(), g.data(), m_.data(), v_.data(), update_.data(),
-                                     layout_.flags(), static_cast<T>(p_.beta1),
-                                     static_cast<T>(1.0 - p_.beta1), static_cast<T>(p_.beta2),
-                                     static_cast<T>(1.0 - p_.beta2), static_cast<T>(p_.eps),
-                                     static_cast<T>(p_.weight_decay), static_cast<T>(1.0 / bc1),
-                                     static_cast<T>(1.0 / bc2)},
-            partial_, norms_.data());
-        layout_.for_each_segment(sys_, kernels::lamb_trust{norms_.data(), layout_.flags(),
-                                                           scaled_lr_.data(), trust_.data(), p_.lr,
-                                                           p_.phi_min, p_.phi_max});
-        layout_.apply(sys_, kernels::lamb_apply<T>{w.data(), update_.data(), scaled_lr_.data()});
-        ++step_;
+        count_.begin(sys_, skip, kernels::lamb_rule{p_.beta1, p_.beta2});
+        const int* noop = count_.noop();
+        layout_.reduce(sys_,
+                       kernels::lamb_moments<T>{.w = w.data(),
+                                                .g = g.data(),
+                                                .m = m_.data(),
+                                                .v = v_.data(),
+                                                .update = update_.data(),
+                                                .flags = layout_.flags(),
+                                                .step = count_.state(),
+                                                .beta1 = static_cast<T>(p_.beta1),
+                                                .one_minus_beta1 = static_cast<T>(1.0 - p_.beta1),
+                                                .beta2 = static_cast<T>(p_.beta2),
+                                                .one_minus_beta2 = static_cast<T>(1.0 - p_.beta2),
+                                                .eps = static_cast<T>(p_.eps),
+                                                .weight_decay = static_cast<T>(p_.weight_decay)},
+                       partial_, norms_.data(), noop);
+        layout_.for_each_segment(sys_,
+                                 kernels::lamb_trust{.norms = norms_.data(),
+                                                     .flags = layout_.flags(),
+                                                     .scaled_lr = scaled_lr_.data(),
+                                                     .trust_out = trust_.data(),
+                                                     .lr = p_.lr,
+                                                     .phi_min = p_.phi_min,
+                                                     .phi_max = p_.phi_max},
+                                 noop);
+        layout_.apply(sys_,
+                      kernels::lamb_apply<T>{
+                          .w = w.data(), .update = update_.data(), .scaled_lr = scaled_lr_.data()},
+                      noop);
     }
+    /// step(w, g, nullptr): a step that is always applied.
+    void step(std::span<T> w, std::span<const T> g) { step(w, g, nullptr); }
 
-    /// The trust ratio of every segment in the last step (1 before the first), System memory.
+    /// The trust ratio of every segment in the last applied step (1 before the first), System
+    /// memory.
     std::span<const double> trust_ratios() const noexcept { return trust_.span(); }
 
     double lr() const noexcept { return p_.lr; }
@@ -102,17 +126,22 @@ public:
     const lamb_params& params() const noexcept { return p_; }
     const System& system() const noexcept { return sys_; }
     std::size_t size() const noexcept { return layout_.size(); }
-    std::int64_t step_count() const noexcept { return step_; }
+    /// The number of applied steps. On a device system a synchronising read of the device
+    /// count: not meant for use inside a step.
+    std::int64_t step_count() const { return count_.applied(sys_); }
     const std::vector<tensor_segment>& segments() const noexcept { return layout_.segments(); }
 
-    /// The checkpointable state: step count and {"exp_avg", "exp_avg_sq"}.
-    state_view<T> state() { return {step_, {{"exp_avg", m_.span()}, {"exp_avg_sq", v_.span()}}}; }
+    /// The checkpointable state: step count (read as step_count() does) and {"exp_avg",
+    /// "exp_avg_sq"}.
+    state_view<T> state() {
+        return {step_count(), {{"exp_avg", m_.span()}, {"exp_avg_sq", v_.span()}}};
+    }
     state_view<const T> state() const {
-        return {step_, {{"exp_avg", m_.span()}, {"exp_avg_sq", v_.span()}}};
+        return {step_count(), {{"exp_avg", m_.span()}, {"exp_avg_sq", v_.span()}}};
     }
     /// Restores a state saved by state(). Throws lockstep::error (checkpoint) on a mismatch.
     void load_state(const state_view<const T>& saved) {
-        step_ = detail::load_slots("lamb.load_state", saved, state(), sys_);
+        count_.set_applied(sys_, detail::load_slots("lamb.load_state", saved, state(), sys_));
     }
 
 private:
@@ -122,7 +151,7 @@ private:
     buffer<T, System> m_, v_, update_;
     buffer<kernels::sum_pair, System> partial_, norms_;
     buffer<double, System> scaled_lr_, trust_;
-    std::int64_t step_ = 0;
+    detail::step_counter<kernels::lamb_rule, System> count_;
 };
 
 } // namespace lockstep::optim

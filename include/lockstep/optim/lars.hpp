@@ -4,6 +4,7 @@
 
 #include "lockstep/kernels/optimizer_kernels.hpp"
 #include "lockstep/optim/detail/flat_layout.hpp"
+#include "lockstep/optim/detail/step_counter.hpp"
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
@@ -32,7 +33,7 @@ struct lars_params {
 /// Two passes: a segmented reduction of ||w_s||^2 and ||g_s||^2 (per tile, then per segment in
 /// a fixed order: deterministic), then one fused update. The norms are accumulated in double.
 /// Segments with adapt = false (biases, BN gamma/beta) get plain momentum SGD.
-/// State: "momentum" (v) and the step count.
+/// State: "momentum" (v) and the step count (applied steps, in System memory).
 template <class T, class System = host_system>
 class lars {
     static_assert(std::is_floating_point_v<T>, "optim::lars updates float or double parameters.");
@@ -47,8 +48,9 @@ public:
     explicit lars(std::size_t n, lars_params p = {}, System sys = System{},
                   std::span<const tensor_segment> segments = {})
         : p_(p), sys_(sys), layout_(n, segments, sys_, "lars"), v_(detail::zeros<T>(n, sys_)),
-          norms_(layout_.segment_count(), sys_), scaled_lr_(layout_.segment_count(), sys_),
-          trust_(detail::zeros<double>(layout_.segment_count(), sys_, 1.0)) {
+          partial_(layout_.tile_count(), sys_), norms_(layout_.segment_count(), sys_),
+          scaled_lr_(layout_.segment_count(), sys_),
+          trust_(detail::zeros<double>(layout_.segment_count(), sys_, 1.0)), count_(sys_) {
         detail::check_param("lars", "lr", p.lr, 0.0);
         detail::check_param("lars", "momentum", p.momentum, 0.0);
         detail::check_param("lars", "weight_decay", p.weight_decay, 0.0);
@@ -57,21 +59,43 @@ public:
                          " (must be > 0)");
     }
 
-    /// One update of w from g. requires: w.size() == g.size() == size(), System memory.
-    /// ensures: step_count() grows by one; trust_ratios() holds this step's ratios.
-    void step(std::span<T> w, std::span<const T> g) {
+    /// One update of w from g, unless *skip != 0 when the step's kernels run. requires:
+    /// w.size() == g.size() == size(), System memory; skip null (never skip) or one int in
+    /// System memory, set before the step on the system's stream. ensures: applied: w and v
+    /// updated, step_count() grows by one, trust_ratios() holds this step's ratios; skipped: w,
+    /// v, trust_ratios() and step_count() unchanged. The flag is read by the kernels only: no
+    /// host synchronisation, no allocation.
+    void step(std::span<T> w, std::span<const T> g, const int* skip) {
         detail::check_step("lars.step", size(), w.size(), g.size());
-        layout_.reduce(sys_, kernels::norm2_w_g<T>{w.data(), g.data()}, partial_, norms_.data());
-        layout_.for_each_segment(sys_, kernels::lars_trust{norms_.data(), layout_.flags(),
-                                                           scaled_lr_.data(), trust_.data(), p_.lr,
-                                                           p_.eta, p_.weight_decay, p_.eps});
-        layout_.apply(sys_, kernels::lars_update<T>{w.data(), g.data(), v_.data(), layout_.flags(),
-                                                    scaled_lr_.data(), static_cast<T>(p_.momentum),
-                                                    static_cast<T>(p_.weight_decay)});
-        ++step_;
+        count_.begin(sys_, skip, kernels::count_rule{});
+        const int* noop = count_.noop();
+        layout_.reduce(sys_, kernels::norm2_w_g<T>{w.data(), g.data()}, partial_, norms_.data(),
+                       noop);
+        layout_.for_each_segment(sys_,
+                                 kernels::lars_trust{.norms = norms_.data(),
+                                                     .flags = layout_.flags(),
+                                                     .scaled_lr = scaled_lr_.data(),
+                                                     .trust_out = trust_.data(),
+                                                     .lr = p_.lr,
+                                                     .eta = p_.eta,
+                                                     .weight_decay = p_.weight_decay,
+                                                     .eps = p_.eps},
+                                 noop);
+        layout_.apply(sys_,
+                      kernels::lars_update<T>{.w = w.data(),
+                                              .g = g.data(),
+                                              .v = v_.data(),
+                                              .flags = layout_.flags(),
+                                              .scaled_lr = scaled_lr_.data(),
+                                              .momentum = static_cast<T>(p_.momentum),
+                                              .weight_decay = static_cast<T>(p_.weight_decay)},
+                      noop);
     }
+    /// step(w, g, nullptr): a step that is always applied.
+    void step(std::span<T> w, std::span<const T> g) { step(w, g, nullptr); }
 
-    /// The trust ratio of every segment in the last step (1 before the first), System memory.
+    /// The trust ratio of every segment in the last applied step (1 before the first), System
+    /// memory.
     std::span<const double> trust_ratios() const noexcept { return trust_.span(); }
 
     double lr() const noexcept { return p_.lr; }
@@ -83,15 +107,17 @@ public:
     const lars_params& params() const noexcept { return p_; }
     const System& system() const noexcept { return sys_; }
     std::size_t size() const noexcept { return layout_.size(); }
-    std::int64_t step_count() const noexcept { return step_; }
+    /// The number of applied steps. On a device system a synchronising read of the device
+    /// count: not meant for use inside a step.
+    std::int64_t step_count() const { return count_.applied(sys_); }
     const std::vector<tensor_segment>& segments() const noexcept { return layout_.segments(); }
 
-    /// The checkpointable state: step count and {"momentum"}.
-    state_view<T> state() { return {step_, {{"momentum", v_.span()}}}; }
-    state_view<const T> state() const { return {step_, {{"momentum", v_.span()}}}; }
+    /// The checkpointable state: step count (read as step_count() does) and {"momentum"}.
+    state_view<T> state() { return {step_count(), {{"momentum", v_.span()}}}; }
+    state_view<const T> state() const { return {step_count(), {{"momentum", v_.span()}}}; }
     /// Restores a state saved by state(). Throws lockstep::error (checkpoint) on a mismatch.
     void load_state(const state_view<const T>& saved) {
-        step_ = detail::load_slots("lars.load_state", saved, state(), sys_);
+        count_.set_applied(sys_, detail::load_slots("lars.load_state", saved, state(), sys_));
     }
 
 private:
@@ -101,7 +127,7 @@ private:
     buffer<T, System> v_;
     buffer<kernels::sum_pair, System> partial_, norms_;
     buffer<double, System> scaled_lr_, trust_;
-    std::int64_t step_ = 0;
+    detail::step_counter<kernels::count_rule, System> count_;
 };
 
 } // namespace lockstep::optim

@@ -37,8 +37,9 @@ struct state_slot {
     std::span<T> data;
 };
 
-/// An optimizer's checkpointable state: its step count (updates applied so far) and its
-/// buffers, in a fixed order. A view: it stays valid as long as the optimizer lives.
+/// An optimizer's checkpointable state: its step count (updates applied so far; skipped steps do
+/// not count) and its buffers, in a fixed order. A view: the slots stay valid as long as the
+/// optimizer lives; `step` is the count when the view was taken.
 template <class T>
 struct state_view {
     std::int64_t step = 0;
@@ -47,20 +48,30 @@ struct state_view {
 
 /// What the trainer may call on an optimizer O (sgd, adam, adamw, lars, lamb):
 /// - `O(n, params, system, segments)`: state for a flat buffer of n parameters, zero moments;
-/// - `o.step(w, g)`: one fused update of w (n elements, System memory) from g (same size);
-/// - `o.lr()` / `o.set_lr(x)`: the learning rate the next step uses (schedules set it);
-/// - `o.step_count()`, `o.size()`, `o.params()`, `o.system()`;
+/// - `o.step(w, g, skip)`: one fused update of w (n elements, System memory) from g (same size),
+///   unless *skip != 0 when the step's kernels run: skip points to one int in System memory (a
+///   device flag on a GPU, read by the kernels, never by the host) or is null (never skip). A
+///   skipped step changes nothing: not w, not the state buffers, not the step count. step()
+///   never synchronises with the device, never reads device memory on the host and never
+///   allocates, so a step can be captured in a CUDA graph;
+/// - `o.step(w, g)`: the same as `o.step(w, g, nullptr)`;
+/// - `o.lr()` / `o.set_lr(x)`: the learning rate the next step uses (schedules set it, on the
+///   host, before step());
+/// - `o.step_count()`: the applied steps (bias corrections use this count); on a device system
+///   a synchronising read, not meant for use inside a step;
+/// - `o.size()`, `o.params()`, `o.system()`;
 /// - `o.state()` (views for checkpoints) and `o.load_state(view)` (restore; throws
 ///   lockstep::error with errc::checkpoint when names or sizes differ).
 template <class O>
 concept optimizer = requires(O& o, const O& co, std::span<typename O::value_type> w,
-                             std::span<const typename O::value_type> g, double lr,
+                             std::span<const typename O::value_type> g, const int* skip, double lr,
                              const state_view<const typename O::value_type>& saved) {
     typename O::params_type;
     typename O::system_type;
     requires std::constructible_from<O, std::size_t, typename O::params_type,
                                      typename O::system_type, std::span<const tensor_segment>>;
     o.step(w, g);
+    o.step(w, g, skip);
     o.set_lr(lr);
     { co.lr() } -> std::convertible_to<double>;
     { co.step_count() } -> std::convertible_to<std::int64_t>;

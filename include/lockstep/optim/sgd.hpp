@@ -4,6 +4,7 @@
 
 #include "lockstep/kernels/optimizer_kernels.hpp"
 #include "lockstep/optim/detail/flat_layout.hpp"
+#include "lockstep/optim/detail/step_counter.hpp"
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
@@ -24,14 +25,15 @@ struct sgd_params {
 };
 
 /// SGD over one flat parameter buffer, in one fused kernel per step (torch.optim.SGD,
-/// https://pytorch.org/docs/stable/generated/torch.optim.SGD.html). Per element, at step t
-/// (t = 1 for the first step):
+/// https://pytorch.org/docs/stable/generated/torch.optim.SGD.html). Per element, at applied
+/// step t (t = 1 for the first step; skipped steps do not count):
 ///   d = g + lambda_s w                   (lambda_s = weight_decay, 0 on segments with !decay)
 ///   if mu != 0:  b = d                   (t = 1: the buffer starts as the first d)
 ///                b = mu b + (1 - tau) d  (t > 1)
 ///                d = nesterov ? d + mu b : b
 ///   w = w - lr d
-/// Arithmetic in T (float or double). State: "momentum" (b, when mu != 0) and the step count.
+/// Arithmetic in T (float or double). State: "momentum" (b, when mu != 0) and the step count,
+/// which lives in System memory (see step(w, g, skip)).
 template <class T, class System = host_system>
 class sgd {
     static_assert(std::is_floating_point_v<T>, "optim::sgd updates float or double parameters.");
@@ -47,7 +49,7 @@ public:
     /// Throws lockstep::error (invalid_argument) otherwise.
     explicit sgd(std::size_t n, sgd_params p = {}, System sys = System{},
                  std::span<const tensor_segment> segments = {})
-        : p_(p), sys_(sys), layout_(n, segments, sys_, "sgd") {
+        : p_(p), sys_(sys), layout_(n, segments, sys_, "sgd"), count_(sys_) {
         detail::check_param("sgd", "lr", p.lr, 0.0);
         detail::check_param("sgd", "momentum", p.momentum, 0.0);
         detail::check_param("sgd", "dampening", p.dampening, 0.0);
@@ -62,24 +64,29 @@ public:
             momentum_ = detail::zeros<T>(n, sys_);
     }
 
-    /// One update of w from g. requires: w.size() == g.size() == size(), both in System memory
-    /// (check all_finite(g) first: a NaN gradient poisons w and the momentum). ensures:
-    /// step_count() grows by one.
-    void step(std::span<T> w, std::span<const T> g) {
+    /// One update of w from g, unless *skip != 0 when the step's kernels run. requires:
+    /// w.size() == g.size() == size(), both in System memory; skip null (never skip) or one int
+    /// in System memory, set before the step on the system's stream (a NaN gradient poisons w
+    /// and the momentum: set the flag when g is not finite). ensures: applied: w and the
+    /// momentum updated, step_count() grows by one; skipped: w, the momentum and step_count()
+    /// unchanged. The flag is read by the kernels only: no host synchronisation, no allocation.
+    void step(std::span<T> w, std::span<const T> g, const int* skip) {
         detail::check_step("sgd.step", size(), w.size(), g.size());
-        const kernels::sgd_update<T> f{w.data(),
-                                       g.data(),
-                                       momentum_.data(),
-                                       layout_.flags(),
-                                       static_cast<T>(p_.lr),
-                                       static_cast<T>(p_.momentum),
-                                       static_cast<T>(1.0 - p_.dampening),
-                                       static_cast<T>(p_.weight_decay),
-                                       p_.nesterov,
-                                       step_ == 0};
-        layout_.apply(sys_, f);
-        ++step_;
+        count_.begin(sys_, skip, kernels::sgd_rule{});
+        const kernels::sgd_update<T> f{.w = w.data(),
+                                       .g = g.data(),
+                                       .m = momentum_.data(),
+                                       .flags = layout_.flags(),
+                                       .step = count_.state(),
+                                       .lr = static_cast<T>(p_.lr),
+                                       .momentum = static_cast<T>(p_.momentum),
+                                       .one_minus_dampening = static_cast<T>(1.0 - p_.dampening),
+                                       .weight_decay = static_cast<T>(p_.weight_decay),
+                                       .nesterov = p_.nesterov};
+        layout_.apply(sys_, f, count_.noop());
     }
+    /// step(w, g, nullptr): a step that is always applied.
+    void step(std::span<T> w, std::span<const T> g) { step(w, g, nullptr); }
 
     double lr() const noexcept { return p_.lr; }
     /// Sets the learning rate of the next steps. requires: lr finite and >= 0.
@@ -90,18 +97,21 @@ public:
     const sgd_params& params() const noexcept { return p_; }
     const System& system() const noexcept { return sys_; }
     std::size_t size() const noexcept { return layout_.size(); }
-    std::int64_t step_count() const noexcept { return step_; }
+    /// The number of applied steps. On a device system a synchronising read of the device
+    /// count: not meant for use inside a step.
+    std::int64_t step_count() const { return count_.applied(sys_); }
     const std::vector<tensor_segment>& segments() const noexcept { return layout_.segments(); }
 
     /// The checkpointable state: step count and {"momentum"} (no slot when momentum == 0).
+    /// Reads the step count as step_count() does.
     state_view<T> state() {
-        state_view<T> s{step_, {}};
+        state_view<T> s{step_count(), {}};
         if (p_.momentum != 0)
             s.slots.push_back({"momentum", momentum_.span()});
         return s;
     }
     state_view<const T> state() const {
-        state_view<const T> s{step_, {}};
+        state_view<const T> s{step_count(), {}};
         if (p_.momentum != 0)
             s.slots.push_back({"momentum", momentum_.span()});
         return s;
@@ -109,7 +119,7 @@ public:
     /// Restores a state saved by state() of an sgd with the same size and momentum != 0-ness.
     /// Throws lockstep::error (checkpoint) when the slots do not match.
     void load_state(const state_view<const T>& saved) {
-        step_ = detail::load_slots("sgd.load_state", saved, state(), sys_);
+        count_.set_applied(sys_, detail::load_slots("sgd.load_state", saved, state(), sys_));
     }
 
 private:
@@ -117,7 +127,7 @@ private:
     System sys_;
     detail::flat_layout<System> layout_;
     buffer<T, System> momentum_;
-    std::int64_t step_ = 0;
+    detail::step_counter<kernels::sgd_rule, System> count_;
 };
 
 } // namespace lockstep::optim

@@ -104,24 +104,27 @@ public:
     std::size_t tile_count() const noexcept { return tiles_.size(); }
     const std::vector<tensor_segment>& segments() const noexcept { return segments_; }
     const kernels::segment_flags* flags() const noexcept { return flags_.data(); }
-    /// Runs f(s) for every segment s (per-tensor scalars such as trust ratios).
+    /// Runs f(s) for every segment s (per-tensor scalars such as trust ratios); nothing when
+    /// the noop flag (an int in System memory, or null) is set when the kernel runs.
     template <class F>
-    void for_each_segment(const System& sys, const F& f) const {
-        for_each_index(sys, segments_.size(), segments_.size(), f);
+    void for_each_segment(const System& sys, const F& f, const int* noop = nullptr) const {
+        for_each_index(sys, segments_.size(), segments_.size(), kernels::unless_noop<F>{f, noop});
     }
     /// The tiles (System memory), in element order.
     const kernels::tile* tiles() const noexcept { return tiles_.data(); }
 
     /// Runs f over every segmented element in one pass: a for_each over the tiles on the host
-    /// (a vectorized loop per tile), over the elements (one lane each) on a device.
+    /// (a vectorized loop per tile), over the elements (one lane each) on a device. Nothing is
+    /// touched when the noop flag (an int in System memory, or null) is set when the kernel
+    /// runs: each tile (host) or lane (device) reads it once.
     template <class F>
-    void apply(const System& sys, const F& f) const {
+    void apply(const System& sys, const F& f, const int* noop = nullptr) const {
         if constexpr (System::is_host) {
-            for_each_index(sys, tiles_.size(), n_, kernels::tile_apply<F>{tiles_.data(), f});
+            for_each_index(sys, tiles_.size(), n_, kernels::tile_apply<F>{tiles_.data(), f, noop});
         } else {
             constexpr std::size_t ts = tile_elements<System>;
             for_each_index(sys, tiles_.size() * ts, n_,
-                           kernels::tile_lanes<F, ts>{tiles_.data(), f});
+                           kernels::tile_lanes<F, ts>{tiles_.data(), f, noop});
         }
     }
 
@@ -129,14 +132,17 @@ public:
     /// the per-segment sums to out (segment_count() entries, System memory). Deterministic:
     /// the summation order depends on the layout only, never on the thread count. (On CUDA, a
     /// CUB segmented reduction with block-wide partials is the fast path still to write; this
-    /// portable form runs one thread per 1024-element tile, then one per segment.)
+    /// portable form runs one thread per 1024-element tile, then one per segment.) When the
+    /// noop flag (an int in System memory, or null) is set, f is not called and out is zero.
+    /// partial is resized here only when it does not hold tile_count() entries (size it at
+    /// construction so that steps never allocate).
     template <class F>
     void reduce(const System& sys, const F& f, buffer<kernels::sum_pair, System>& partial,
-                kernels::sum_pair* out) const {
+                kernels::sum_pair* out, const int* noop = nullptr) const {
         if (partial.size() != tiles_.size())
             partial = buffer<kernels::sum_pair, System>(tiles_.size(), sys);
         for_each_index(sys, tiles_.size(), n_,
-                       kernels::tile_reduce<F>{tiles_.data(), partial.data(), f});
+                       kernels::tile_reduce<F>{tiles_.data(), partial.data(), f, noop});
         for_each_index(sys, segments_.size(), tiles_.size(),
                        kernels::segment_sum{ranges_.data(), partial.data(), out});
     }
