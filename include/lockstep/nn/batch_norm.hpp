@@ -4,24 +4,27 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/host_wait.hpp"
 #include "lockstep/core/error.hpp"
-#include "lockstep/kernels/bn_backward.hpp"
-#include "lockstep/kernels/bn_forward.hpp"
+#include "lockstep/core/step_status.hpp"
 #include "lockstep/kernels/bn_functors.hpp"
+#include "lockstep/kernels/bn_pack.hpp"
+#include "lockstep/kernels/bn_statistics.hpp"
 #include "lockstep/kernels/moments.hpp"
 #include "lockstep/nn/detail/bn_state.hpp"
 #include "lockstep/nn/layout.hpp"
 #include "lockstep/policy/bn.hpp"
 #include "lockstep/system/host_system.hpp"
+#include "lockstep/system/staged_read.hpp"
 
+#include <any>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
 #include <type_traits>
-#include <typeinfo>
-#include <vector>
+#include <utility>
 
 namespace lockstep::nn {
 
@@ -46,13 +49,25 @@ struct batch_norm_params {
 ///   count under bn::group, replica K's count under bn::tower<K>, the local count under
 ///   bn::local. A batch of zero values leaves them unchanged (num_batches_tracked still counts).
 /// - Every replica calls forward_train and backward of a communicating policy the same number
-///   of times in the same order (an empty shard takes part with count 0). Bad input on one
-///   replica is reported as lockstep::error on every replica that shares the collective.
-///   (bn::group: the replicas of the group; bn::local raises it on the bad replica only.)
-/// - Pass the replica's system (comm.system()) so the layer's kernels respect its thread
-///   budget. On the CUDA system, a communicating forward reads the gathered statistics block
-///   back to the host once (and bn::global/group backward one status value), a stream
-///   synchronisation that buys the consistent errors above.
+///   of times in the same order (an empty shard takes part with count 0).
+/// - Stream contract: every kernel of the layer runs on its system (on CUDA: one device, one
+///   stream), which must be the communicator's: construct the layer from the communicator
+///   (`batch_norm(comm, channels)`) or pass comm.system(). A layer used with a communicator of
+///   another device or stream is rejected with lockstep::error (invalid_argument) before any
+///   work is enqueued. Its collectives run on that same stream, so statistics are ordered
+///   between the kernels that write and read them without any host synchronisation.
+/// - Errors. Invalid input on this replica (shape, channels, sizes) is found on the host and
+///   thrown on this replica; under a communicating policy the replica first takes part in the
+///   collective with an invalid-input status, so its peers learn of it. Errors that depend on
+///   the other replicas (a peer's invalid input, statistics over one value per channel) are
+///   found on the device. During a data_parallel step they go into the step's status (the step
+///   is skipped on every replica and the trainer throws at the end of the step, or when its
+///   result is read); outside a step the layer reads its status back at once (one host
+///   synchronisation, through the communicator's polling wait) and throws on every replica
+///   that shares the collective (bn::local: on the bad replica only).
+/// - Per training step, forward + backward of a communicating layer enqueue 5 passes (packed
+///   statistics, merge + coefficients, normalize; packed backward sums, dx) and 2 collectives
+///   (bn::global, bn::group; the others 1 or none), and never wait on the host inside a step.
 template <class T, bn_stat_policy Policy = bn::local, tensor_layout Layout = nchw,
           class System = host_system>
 class batch_norm {
@@ -74,16 +89,33 @@ public:
         std::span<param_type> gamma, beta, dgamma, dbeta;
     };
 
-    /// A layer that owns its parameters. requires: channels >= 1, eps > 0, 0 <= momentum <= 1.
-    /// ensures: gamma = 1, beta = 0, dgamma = dbeta = 0, running_mean = 0, running_var = 1.
-    explicit batch_norm(std::size_t channels, params p = {}, System sys = System{})
+    /// A layer that owns its parameters, on the host system (with the machine's thread budget:
+    /// prefer the communicator constructor in replicas). requires: channels >= 1, eps > 0,
+    /// 0 <= momentum <= 1. ensures: gamma = 1, beta = 0, dgamma = dbeta = 0,
+    /// running_mean = 0, running_var = 1.
+    explicit batch_norm(std::size_t channels, params p = {}) requires System::is_host
+        : batch_norm(channels, parameter_spans{}, p, System{}, true) {}
+    /// As above, on the system sys (e.g. comm.system()).
+    batch_norm(std::size_t channels, params p, System sys)
         : batch_norm(channels, parameter_spans{}, p, std::move(sys), true) {}
+    /// As above, on the communicator's system: the layer's kernels share its device and stream.
+    template <communicator Comm>
+    requires std::is_same_v<typename Comm::system_type, System>
+    batch_norm(const Comm& comm, std::size_t channels, params p = {})
+        : batch_norm(channels, parameter_spans{}, p, comm.system(), true) {}
 
     /// A layer whose gamma, beta, dgamma and dbeta live in caller-provided spans (e.g. the
     /// replica's parameter registry); they must outlive the layer. requires: p.affine and every
     /// span holds `channels` values. ensures: as the owning constructor, in those spans.
-    batch_norm(std::size_t channels, parameter_spans external, params p = {}, System sys = System{})
+    batch_norm(std::size_t channels, parameter_spans external,
+               params p = {}) requires System::is_host
+        : batch_norm(channels, external, p, System{}, false) {}
+    batch_norm(std::size_t channels, parameter_spans external, params p, System sys)
         : batch_norm(channels, external, p, std::move(sys), false) {}
+    template <communicator Comm>
+    requires std::is_same_v<typename Comm::system_type, System>
+    batch_norm(const Comm& comm, std::size_t channels, parameter_spans external, params p = {})
+        : batch_norm(channels, external, p, comm.system(), false) {}
 
     std::size_t channels() const noexcept { return s_.channels; }
     const params& options() const noexcept { return p_; }
@@ -108,97 +140,105 @@ public:
         batches_ = 0;
     }
     /// The mean and 1/sqrt(var + eps) the last forward_train normalized with.
-    std::span<const param_type> batch_mean() { return s_.coefficient(0); }
-    std::span<const param_type> batch_invstd() { return s_.coefficient(1); }
+    std::span<const param_type> batch_mean() { return s_.batch_mean(); }
+    std::span<const param_type> batch_invstd() { return s_.batch_invstd(); }
 
     /// Training forward: y = (x - mean) / sqrt(var + eps) * gamma + beta with the batch
     /// statistics Policy selects; updates the running statistics. x must stay valid and
     /// unchanged until backward (it is read again there). Calls traits::forward_collectives
     /// collectives on comm (bn::group splits comm once more on first use).
-    /// requires: shape in Layout order ({N, C, H, W}, {N, H, W, C} or {N, C}) with C ==
-    /// channels(); x.size() == y.size() == shape.elements(); the statistics are taken over more
-    /// than one value per channel (globally under bn::global) unless over none.
+    /// requires: comm.system() is the layer's system; shape in Layout order ({N, C, H, W},
+    /// {N, H, W, C} or {N, C}) with C == channels(); x.size() == y.size() == shape.elements();
+    /// the statistics are taken over more than one value per channel (globally under
+    /// bn::global) unless over none.
     template <communicator Comm>
     void forward_train(Comm& comm, std::span<const T> x, const tensor_shape& shape,
                        std::span<T> y) {
         static constexpr const char* op = "batch_norm.forward_train";
         const int rank = comm.rank();
+        check_system(comm, op);
         const std::string problem = check_input(x.size(), shape, y.size());
         has_forward_ = false;
         if constexpr (!bn::communicates<Policy>) {
             if (!problem.empty())
                 fail(errc::shape_mismatch, rank, op, problem);
         }
-        if constexpr (is_tower) {
-            LOCKSTEP_REQUIRE(Policy::replica < comm.size(), errc::invalid_argument, rank, op,
-                             "bn::tower<", Policy::replica, "> needs more than ", Policy::replica,
-                             " replicas, the communicator has ", comm.size());
+        if constexpr (traits::running_replica >= 0) {
+            LOCKSTEP_REQUIRE(traits::running_replica < comm.size(), errc::invalid_argument, rank,
+                             op, "bn::tower<", traits::running_replica, "> needs more than ",
+                             traits::running_replica, " replicas, the communicator has ",
+                             comm.size());
         }
-        const kernels::channel_geometry g =
-            problem.empty() ? Layout::geometry(shape) : kernels::channel_geometry{};
-        const auto count = static_cast<param_type>(g.per_channel());
-        if (problem.empty()) {
-            auto ws =
-                detail::ensure(s_.moments_workspace, kernels::moments_workspace_size(g), s_.sys);
-            kernels::channel_moments(s_.sys, x, g, s_.local.span(), ws);
-        } else {
-            detail::fill(s_.sys, s_.local.span(), kernels::moments<param_type>{});
-        }
-        const kernels::moments<param_type>* norm = s_.local.data();
-        const kernels::moments<param_type>* running = s_.local.data();
-        param_type norm_count = count;
-        if constexpr (bn::communicates<Policy>) {
-            auto& sc = statistics_communicator(comm);
-            const std::vector<param_type> counts =
-                exchange_moments(sc, problem.empty() ? 0 : 1, count);
-            if (!problem.empty())
-                fail(errc::shape_mismatch, rank, op, problem);
-            const int replicas = static_cast<int>(counts.size());
-            for (int r = 0; r < replicas; ++r)
-                LOCKSTEP_REQUIRE(counts[r] >= 0, errc::peer_failure, rank, op, "replica ",
-                                 world_rank(rank, r), " passed invalid input to this layer");
-            if constexpr (traits::normalizes_across_replicas) {
-                norm_count = 0;
-                for (int r = 0; r < replicas; ++r)
-                    norm_count += counts[r];
-                LOCKSTEP_REQUIRE(norm_count != 1, errc::invalid_argument, rank, op,
-                                 "expected more than 1 value per channel when training, got 1 "
-                                 "over ",
-                                 replicas, " replicas (", shape, " here)");
-            } else {
-                for (int r = 0; r < replicas; ++r)
-                    LOCKSTEP_REQUIRE(counts[r] != 1, errc::invalid_argument, rank, op,
-                                     "expected more than 1 value per channel when training, "
-                                     "replica ",
-                                     r, " has 1");
-            }
-            const int first = is_tower ? tower_replica() : 0;
-            const int last = is_tower ? tower_replica() + 1 : replicas;
-            kernels::detail::for_each_index(
-                s_.sys, s_.channels,
-                kernels::merge_replicas_fn<param_type>{s_.gathered.data(), 2 + 2 * s_.channels,
-                                                       first, last, s_.merged.data()});
-            running = s_.merged.data();
-            if constexpr (traits::normalizes_across_replicas)
-                norm = s_.merged.data();
-        } else {
-            LOCKSTEP_REQUIRE(count != 1, errc::invalid_argument, rank, op,
+        const kernels::channel_geometry g = problem.empty()
+                                                ? Layout::geometry(shape)
+                                                : kernels::channel_geometry{0, s_.channels, 1};
+        const std::span<const T> xs = problem.empty() ? x : std::span<const T>{};
+        if constexpr (!bn::communicates<Policy>) {
+            LOCKSTEP_REQUIRE(g.per_channel() != 1, errc::invalid_argument, rank, op,
                              "expected more than 1 value per channel when training, got input ",
                              shape);
         }
-        kernels::detail::for_each_index(
-            s_.sys, s_.channels,
-            kernels::train_coefficients_fn<param_type>{
-                norm, running, s_.gamma.data(), static_cast<param_type>(p_.eps),
-                static_cast<param_type>(p_.momentum), s_.coefficient(0).data(),
-                s_.coefficient(1).data(), s_.coefficient(2).data(), s_.running_mean().data(),
-                s_.running_var().data()});
+        auto ws =
+            detail::ensure(s_.moments_workspace, kernels::pack_moments_workspace_size(g), s_.sys);
+        kernels::pack_local_moments(s_.sys, xs, g, param_type(problem.empty() ? 0 : 1),
+                                    s_.block.span(), ws);
+        const param_type* blocks = s_.block.data();
+        int count_blocks = 1;
+        int self = 0;
+        int world_offset = rank;
+        if constexpr (bn::communicates<Policy>) {
+            auto& sc = statistics_communicator(comm);
+            const std::size_t stride = kernels::stats_block::size(s_.channels);
+            auto gathered =
+                detail::ensure(s_.gathered, static_cast<std::size_t>(sc.size()) * stride, s_.sys);
+            sc.all_gather(std::span<const param_type>(s_.block.span()), gathered);
+            if (!problem.empty())
+                fail(errc::shape_mismatch, rank, op, problem);
+            blocks = gathered.data();
+            count_blocks = sc.size();
+            self = sc.rank();
+            world_offset = rank - sc.rank();
+        }
+        int running_first = self;
+        int running_last = self + 1;
+        if constexpr (traits::running_replica >= 0) {
+            running_first = traits::running_replica;
+            running_last = traits::running_replica + 1;
+        } else if constexpr (traits::shares_running_statistics || traits::group_size > 0) {
+            running_first = 0;
+            running_last = count_blocks;
+        }
+        detail_status status = status_target();
+        kernels::detail::for_each_index(s_.sys, s_.channels,
+                                        kernels::finish_statistics_fn<param_type>{
+                                            .blocks = blocks,
+                                            .stride = kernels::stats_block::size(s_.channels),
+                                            .count_blocks = count_blocks,
+                                            .self = self,
+                                            .running_first = running_first,
+                                            .running_last = running_last,
+                                            .normalize_merged = traits::normalizes_across_replicas,
+                                            .world_offset = world_offset,
+                                            .gamma = s_.gamma.data(),
+                                            .eps = static_cast<param_type>(p_.eps),
+                                            .momentum = static_cast<param_type>(p_.momentum),
+                                            .mean = s_.batch_mean().data(),
+                                            .invstd = s_.batch_invstd().data(),
+                                            .scale = s_.batch_scale().data(),
+                                            .running_mean = s_.running_mean().data(),
+                                            .running_var = s_.running_var().data(),
+                                            .count = s_.normalization_count(),
+                                            .status = status.slots,
+                                            .report_only_errors = status.shared,
+                                            .layer = static_cast<double>(status.layer)});
         ++batches_;
-        kernels::normalize(s_.sys, x, y, g, const_span(s_.coefficient(0)),
-                           const_span(s_.coefficient(2)), const_span(s_.beta));
+        if (!status.shared)
+            throw_layer_error(comm, op, shape);
+        kernels::normalize(
+            s_.sys, xs, y.first(xs.size()), g, std::span<const param_type>(s_.batch_mean()),
+            std::span<const param_type>(s_.batch_scale()), std::span<const param_type>(s_.beta));
         saved_x_ = x;
         saved_geometry_ = g;
-        saved_count_ = norm_count;
         has_forward_ = true;
     }
 
@@ -212,9 +252,10 @@ public:
                                         kernels::eval_coefficients_fn<param_type>{
                                             s_.running_mean().data(), s_.running_var().data(),
                                             s_.gamma.data(), static_cast<param_type>(p_.eps),
-                                            s_.coefficient(3).data(), s_.coefficient(4).data()});
-        kernels::normalize(s_.sys, x, y, Layout::geometry(shape), const_span(s_.coefficient(3)),
-                           const_span(s_.coefficient(4)), const_span(s_.beta));
+                                            s_.eval_mean().data(), s_.eval_scale().data()});
+        kernels::normalize(
+            s_.sys, x, y, Layout::geometry(shape), std::span<const param_type>(s_.eval_mean()),
+            std::span<const param_type>(s_.eval_scale()), std::span<const param_type>(s_.beta));
     }
 
     /// Backward of the last forward_train: writes dx, adds this replica's partial sums to dgamma
@@ -225,6 +266,7 @@ public:
     void backward(Comm& comm, std::span<const T> dy, std::span<T> dx) {
         static constexpr const char* op = "batch_norm.backward";
         const int rank = comm.rank();
+        check_system(comm, op);
         std::string problem;
         if (!has_forward_)
             problem = "backward needs a preceding forward_train on this replica";
@@ -236,47 +278,42 @@ public:
                 fail(errc::shape_mismatch, rank, op, problem);
         }
         const std::size_t C = s_.channels;
-        std::span<param_type> local = s_.sums.span().first(2 * C + 1);
-        std::span<param_type> combined = s_.sums.span().subspan(2 * C + 1, 2 * C + 1);
         const kernels::channel_geometry g =
-            problem.empty() ? saved_geometry_ : kernels::channel_geometry{};
-        if (problem.empty()) {
-            auto ws =
-                detail::ensure(s_.backward_workspace, kernels::backward_workspace_size(g), s_.sys);
-            kernels::backward_sums(s_.sys, dy, saved_x_, g, const_span(s_.coefficient(0)),
-                                   local.first(2 * C), ws);
-        } else {
-            detail::fill(s_.sys, local.first(2 * C), param_type(0));
-        }
-        detail::fill(s_.sys, local.last(1), param_type(problem.empty() ? 0 : 1));
+            problem.empty() ? saved_geometry_ : kernels::channel_geometry{0, C, 1};
+        const std::span<const T> dys = problem.empty() ? dy : std::span<const T>{};
+        const std::span<const T> xs = problem.empty() ? saved_x_ : std::span<const T>{};
+        auto ws =
+            detail::ensure(s_.backward_workspace, kernels::backward_workspace_size(g), s_.sys);
+        std::span<param_type> local = s_.local_sums();
+        kernels::pack_backward_sums(s_.sys, dys, xs, g,
+                                    std::span<const param_type>(s_.batch_mean()),
+                                    param_type(problem.empty() ? 0 : 1), local, ws);
         const param_type* totals = local.data();
         if constexpr (traits::normalizes_across_replicas) {
             auto& sc = statistics_communicator(comm);
+            std::span<param_type> combined = s_.combined_sums();
             sc.all_reduce(std::span<const param_type>(local), combined, reduce_op::sum);
             if (!problem.empty())
                 fail(errc::shape_mismatch, rank, op, problem);
-            const param_type failed =
-                detail::to_host(s_.sys, std::span<const param_type>(combined.last(1)))[0];
-            LOCKSTEP_REQUIRE(failed == 0, errc::peer_failure, rank, op, failed,
-                             " other replica(s) passed invalid gradients to this layer");
+            // Inside a trainer's step the replica with invalid gradients throws and its peers
+            // learn of it from their next collective; outside, they check the status now.
+            if (lockstep::detail::current_status_sink() == nullptr) {
+                status_read().enqueue(std::span<const param_type>(combined.last(1)));
+                const param_type failed = wait_for(comm, status_read(), op)[0];
+                LOCKSTEP_REQUIRE(failed == 0, errc::peer_failure, rank, op, failed,
+                                 " other replica(s) passed invalid gradients to this layer");
+            }
             totals = combined.data();
         }
-        kernels::detail::for_each_index(
-            s_.sys, C,
-            kernels::backward_coefficients_fn<param_type>{
-                totals, local.data(), C, saved_count_, s_.gamma.data(), s_.coefficient(1).data(),
-                s_.coefficient(3).data(), s_.coefficient(4).data(), s_.coefficient(5).data(),
-                p_.affine ? s_.dgamma.data() : nullptr, p_.affine ? s_.dbeta.data() : nullptr});
-        kernels::input_gradient(s_.sys, dy, saved_x_, dx, g,
-                                kernels::backward_coefficients<param_type>{
-                                    s_.coefficient(0).data(), s_.coefficient(3).data(),
-                                    s_.coefficient(4).data(), s_.coefficient(5).data()});
+        auto scratch = detail::ensure(s_.backward_scratch, 3 * C, s_.sys);
+        kernels::input_gradient_fused(s_.sys, dys, xs, dx.first(dys.size()), g, totals,
+                                      local.data(), s_.normalization_count(), s_.gamma.data(),
+                                      s_.batch_mean().data(), s_.batch_invstd().data(),
+                                      p_.affine ? s_.dgamma.data() : nullptr,
+                                      p_.affine ? s_.dbeta.data() : nullptr, scratch);
     }
 
 private:
-    static constexpr bool is_tower = requires { Policy::replica; };
-    static constexpr bool is_group = requires { Policy::size; };
-
     batch_norm(std::size_t channels, parameter_spans ext, params p, System sys, bool owning)
         : p_(p), s_(channels, sys) {
         LOCKSTEP_REQUIRE(channels >= 1 && p.eps > 0 && p.momentum >= 0 && p.momentum <= 1,
@@ -312,7 +349,69 @@ private:
         reset_running_stats();
     }
 
-    static std::span<const param_type> const_span(std::span<param_type> s) { return s; }
+    /// Where the forward's device-side checks report: the step's shared status inside a
+    /// trainer's step (errors only, the layer numbered in forward order), else the layer's own.
+    struct detail_status {
+        double* slots;
+        bool shared;
+        int layer;
+    };
+    detail_status status_target() {
+        if (auto* sink = lockstep::detail::current_status_sink(); sink != nullptr)
+            return {sink->status, true, sink->layers++};
+        return {s_.own_status().data(), false, 0};
+    }
+
+    /// The host side of the layer's status reads (pinned on CUDA), made on first use.
+    staged_read<param_type, System>& status_read() {
+        if (!read_)
+            read_ = std::make_unique<staged_read<param_type, System>>(4, s_.sys);
+        return *read_;
+    }
+    staged_read<double, System>& error_read() {
+        if (!error_read_)
+            error_read_ = std::make_unique<staged_read<double, System>>(3, s_.sys);
+        return *error_read_;
+    }
+
+    /// Outside a step: reads the layer's own status back (one synchronisation through the
+    /// communicator) and throws what the device found.
+    template <class Comm>
+    void throw_layer_error(Comm& comm, const char* op, const tensor_shape& shape) {
+        error_read().enqueue(
+            std::span<const double>(s_.own_status().subspan(status_slot::error_code, 3)));
+        const std::span<const double> e = wait_for(comm, error_read(), op);
+        const auto code = static_cast<layer_error>(static_cast<int>(e[0]));
+        const int rank = comm.rank();
+        if (code == layer_error::peer_invalid_input)
+            fail(errc::peer_failure, rank, op, "replica ", static_cast<int>(e[2]),
+                 " passed invalid input to this layer");
+        if (code == layer_error::single_value) {
+            if (e[2] < 0)
+                fail(errc::invalid_argument, rank, op,
+                     "expected more than 1 value per channel when training, got 1 over the "
+                     "replicas sharing statistics (",
+                     shape, " here)");
+            fail(errc::invalid_argument, rank, op,
+                 "expected more than 1 value per channel when training, replica ",
+                 static_cast<int>(e[2]), " has 1");
+        }
+    }
+
+    /// The stream contract: the communicator's system must be the layer's.
+    template <class Comm>
+    void check_system(const Comm& comm, const char* op) const {
+        if constexpr (!System::is_host && std::is_same_v<typename Comm::system_type, System>) {
+            const System cs = comm.system();
+            LOCKSTEP_REQUIRE(cs == s_.sys, errc::invalid_argument, comm.rank(), op,
+                             "the layer runs on device ", s_.sys.device(), " stream ",
+                             static_cast<const void*>(s_.sys.stream()),
+                             ", its communicator on device ", cs.device(), " stream ",
+                             static_cast<const void*>(cs.stream()),
+                             ": construct the layer from the communicator (batch_norm(comm, "
+                             "channels)) or with comm.system()");
+        }
+    }
 
     std::string check_input(std::size_t x_size, const tensor_shape& shape,
                             std::size_t y_size) const {
@@ -334,55 +433,18 @@ private:
     /// this parent communicator); every other policy: comm itself.
     template <class Comm>
     Comm& statistics_communicator(Comm& comm) {
-        if constexpr (is_group) {
-            if (group_parent_ != &comm || group_type_ != &typeid(Comm) || !group_comm_) {
+        if constexpr (traits::group_size > 0) {
+            auto* cached = std::any_cast<std::shared_ptr<Comm>>(&group_comm_);
+            if (group_parent_ != &comm || cached == nullptr) {
                 const int rank = comm.rank();
-                group_comm_ =
-                    std::shared_ptr<Comm>(new Comm(comm.split(rank / Policy::size, rank)));
+                group_comm_ = std::make_shared<Comm>(comm.split(rank / traits::group_size, rank));
                 group_parent_ = &comm;
-                group_type_ = &typeid(Comm);
+                cached = std::any_cast<std::shared_ptr<Comm>>(&group_comm_);
             }
-            return *static_cast<Comm*>(group_comm_.get());
+            return **cached;
         } else {
             return comm;
         }
-    }
-
-    /// The world rank of member r of this replica's statistics communicator.
-    static int world_rank(int rank, int r) {
-        if constexpr (is_group)
-            return rank / Policy::size * Policy::size + r;
-        return r;
-    }
-    static constexpr int tower_replica() {
-        if constexpr (is_tower)
-            return Policy::replica;
-        return 0;
-    }
-
-    /// The one forward collective: all_gather of {status, count, (mean, m2) per channel}.
-    /// ensures: s_.gathered holds every replica's block; returns each replica's count, or -1
-    /// for a replica that reported invalid input.
-    template <class Comm>
-    std::vector<param_type> exchange_moments(Comm& sc, int status, param_type count) {
-        const std::size_t block = 2 + 2 * s_.channels;
-        const auto replicas = static_cast<std::size_t>(sc.size());
-        kernels::detail::for_each_index(
-            s_.sys, s_.channels,
-            kernels::pack_moments_fn<param_type>{s_.local.data(), param_type(status), count,
-                                                 s_.packed.data()});
-        auto gathered = detail::ensure(s_.gathered, replicas * block, s_.sys);
-        sc.all_gather(std::span<const param_type>(s_.packed.span()), gathered);
-        std::vector<param_type> host;
-        if constexpr (System::is_host) {
-            host.assign(gathered.begin(), gathered.end());
-        } else {
-            host = detail::to_host(s_.sys, std::span<const param_type>(gathered));
-        }
-        std::vector<param_type> counts(replicas);
-        for (std::size_t r = 0; r < replicas; ++r)
-            counts[r] = host[r * block] != 0 ? param_type(-1) : host[r * block + 1];
-        return counts;
     }
 
     params p_;
@@ -390,11 +452,11 @@ private:
     std::int64_t batches_ = 0;
     std::span<const T> saved_x_{};
     kernels::channel_geometry saved_geometry_{};
-    param_type saved_count_ = 0;
     bool has_forward_ = false;
-    std::shared_ptr<void> group_comm_;
+    std::any group_comm_; ///< std::shared_ptr<Comm> of the communicator type last used
     const void* group_parent_ = nullptr;
-    const std::type_info* group_type_ = nullptr;
+    std::unique_ptr<staged_read<param_type, System>> read_;
+    std::unique_ptr<staged_read<double, System>> error_read_;
 };
 
 } // namespace lockstep::nn

@@ -39,7 +39,10 @@ struct tower {
     static constexpr int replica = K;
 };
 
-/// Compile-time facts about a BNStatPolicy; specialised for every tag.
+/// Compile-time facts about a BNStatPolicy; specialised for every tag. Besides the flags and
+/// collective counts: `group_size`, the replicas that share statistics (0: all of them), and
+/// `running_replica`, the one replica whose statistics drive the running averages (-1: the
+/// merge of the replicas that share statistics).
 template <class P>
 struct traits;
 
@@ -49,6 +52,8 @@ struct traits<local> {
     static constexpr bool shares_running_statistics = false;
     static constexpr int forward_collectives = 0;
     static constexpr int backward_collectives = 0;
+    static constexpr int group_size = 0;
+    static constexpr int running_replica = -1;
 };
 template <>
 struct traits<global> {
@@ -56,6 +61,8 @@ struct traits<global> {
     static constexpr bool shares_running_statistics = true;
     static constexpr int forward_collectives = 1;
     static constexpr int backward_collectives = 1;
+    static constexpr int group_size = 0;
+    static constexpr int running_replica = -1;
 };
 template <int G>
 struct traits<group<G>> {
@@ -63,6 +70,8 @@ struct traits<group<G>> {
     static constexpr bool shares_running_statistics = false; // shared within a group only
     static constexpr int forward_collectives = 1;            // plus one split on first use
     static constexpr int backward_collectives = 1;
+    static constexpr int group_size = G;
+    static constexpr int running_replica = -1;
 };
 template <>
 struct traits<running_only> {
@@ -70,6 +79,8 @@ struct traits<running_only> {
     static constexpr bool shares_running_statistics = true;
     static constexpr int forward_collectives = 1;
     static constexpr int backward_collectives = 0;
+    static constexpr int group_size = 0;
+    static constexpr int running_replica = -1;
 };
 template <int K>
 struct traits<tower<K>> {
@@ -77,6 +88,8 @@ struct traits<tower<K>> {
     static constexpr bool shares_running_statistics = true;
     static constexpr int forward_collectives = 1;
     static constexpr int backward_collectives = 0;
+    static constexpr int group_size = 0;
+    static constexpr int running_replica = K;
 };
 
 /// True when a replica's gradients depend on the other replicas' data in the same step

@@ -91,6 +91,17 @@ void copy(std::span<const T> src, const SrcSystem& src_sys, std::span<T> dst,
     copy_bytes(dst.data(), dst_sys, src.data(), src_sys, src.size_bytes());
 }
 
+/// Copies src into dst, both in sys's memory, in order with sys's kernels and without waiting:
+/// on CUDA an asynchronous copy on the system's stream, on the host at once.
+/// requires: src.size() == dst.size(); the spans do not overlap.
+template <class T, class System>
+void copy_async(const System& sys, std::span<const T> src, std::span<T> dst) {
+    LOCKSTEP_REQUIRE(src.size() == dst.size(), errc::shape_mismatch, -1, "copy_async",
+                     "source has ", src.size(), " elements, destination ", dst.size());
+    using detail::copy_bytes_async;
+    copy_bytes_async(dst.data(), src.data(), src.size_bytes(), sys);
+}
+
 /// Copies one buffer into another of the same size, across systems.
 template <class T, class SrcSystem, class DstSystem>
 void copy(const buffer<T, SrcSystem>& src, buffer<T, DstSystem>& dst) {

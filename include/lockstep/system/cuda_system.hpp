@@ -9,6 +9,7 @@
 // translation unit this header declares nothing, so including it there is harmless.
 #if LOCKSTEP_HAS_CUDA
 
+#include "lockstep/system/host_sync.hpp"
 #include "lockstep/system/host_system.hpp"
 
 #include <cstddef>
@@ -89,8 +90,11 @@ public:
     }
 
     /// Waits until all work enqueued on stream() has finished; a failed kernel throws.
+    /// Counts a host synchronisation (host_sync_count()). Inside a training step lockstep never
+    /// calls it: waits there go through the communicator, which polls for peer failures.
     void synchronize() const {
         cuda_device_guard guard(device_);
+        detail::count_host_sync();
         LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(stream_));
     }
 
@@ -136,6 +140,7 @@ public:
         cuda_device_guard guard(dst_sys.device_);
         LOCKSTEP_CUDA_CHECK(
             cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, dst_sys.stream_));
+        detail::count_host_sync();
         LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(dst_sys.stream_));
     }
     /// device -> host: ordered after the work already enqueued on the source's stream.
@@ -146,6 +151,7 @@ public:
         cuda_device_guard guard(src_sys.device_);
         LOCKSTEP_CUDA_CHECK(
             cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, src_sys.stream_));
+        detail::count_host_sync();
         LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(src_sys.stream_));
     }
     /// device -> device (same or different devices): waits for the source's stream, then
@@ -164,7 +170,18 @@ public:
             LOCKSTEP_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_sys.device_, src, src_sys.device_,
                                                     bytes, dst_sys.stream_));
         }
+        detail::count_host_sync();
         LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(dst_sys.stream_));
+    }
+    /// device -> device on one system, enqueued on its stream; returns at once (no
+    /// synchronisation): the bytes are there for every later kernel of the system.
+    friend void copy_bytes_async(void* dst, const void* src, std::size_t bytes,
+                                 const cuda_system& sys) {
+        if (bytes == 0)
+            return;
+        cuda_device_guard guard(sys.device_);
+        LOCKSTEP_CUDA_CHECK(
+            cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, sys.stream_));
     }
 
 private:
@@ -214,6 +231,94 @@ private:
 
     int device_ = 0;
     cudaStream_t stream_ = nullptr;
+};
+
+/// An owning CUDA event without timing (cudaEventCreateWithFlags(cudaEventDisableTiming)): what
+/// one stream records when a piece of work is done and another stream, or the host, waits for.
+/// Move-only.
+class cuda_event {
+public:
+    /// Creates the event on `device`. requires: 0 <= device < cuda_device_count().
+    explicit cuda_event(int device = 0) : device_(device) {
+        cuda_device_guard guard(device_);
+        LOCKSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    }
+    cuda_event(const cuda_event&) = delete;
+    cuda_event& operator=(const cuda_event&) = delete;
+    cuda_event(cuda_event&& o) noexcept
+        : device_(o.device_), event_(std::exchange(o.event_, nullptr)) {}
+    cuda_event& operator=(cuda_event&& o) noexcept {
+        if (this != &o) {
+            release();
+            device_ = o.device_;
+            event_ = std::exchange(o.event_, nullptr);
+        }
+        return *this;
+    }
+    ~cuda_event() { release(); }
+
+    /// The event handle.
+    cudaEvent_t get() const noexcept { return event_; }
+    /// Records the event after the work enqueued so far on sys's stream.
+    void record(const cuda_system& sys) {
+        cuda_device_guard guard(sys.device());
+        LOCKSTEP_CUDA_CHECK(cudaEventRecord(event_, sys.stream()));
+    }
+    /// Makes every later kernel of sys wait for the work this event recorded (no host wait).
+    void make_wait(const cuda_system& sys) const {
+        cuda_device_guard guard(sys.device());
+        LOCKSTEP_CUDA_CHECK(cudaStreamWaitEvent(sys.stream(), event_, 0));
+    }
+
+private:
+    void release() noexcept {
+        if (event_ != nullptr)
+            (void)cudaEventDestroy(event_);
+        event_ = nullptr;
+    }
+
+    int device_ = 0;
+    cudaEvent_t event_ = nullptr;
+};
+
+/// n values of page-locked host memory (cudaMallocHost): the target of device-to-host copies
+/// that must not block (a pageable copy synchronises and can deadlock next to collectives).
+/// Move-only; values start uninitialised.
+template <class T>
+class pinned_array {
+public:
+    pinned_array() = default;
+    explicit pinned_array(std::size_t n) : size_(n) {
+        if (n == 0)
+            return;
+        void* p = nullptr;
+        LOCKSTEP_CUDA_CHECK(cudaMallocHost(&p, n * sizeof(T)));
+        data_ = static_cast<T*>(p);
+    }
+    pinned_array(const pinned_array&) = delete;
+    pinned_array& operator=(const pinned_array&) = delete;
+    pinned_array(pinned_array&& o) noexcept
+        : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+    pinned_array& operator=(pinned_array&& o) noexcept {
+        if (this != &o) {
+            if (data_ != nullptr)
+                (void)cudaFreeHost(data_);
+            data_ = std::exchange(o.data_, nullptr);
+            size_ = std::exchange(o.size_, 0);
+        }
+        return *this;
+    }
+    ~pinned_array() {
+        if (data_ != nullptr)
+            (void)cudaFreeHost(data_);
+    }
+    T* data() noexcept { return data_; }
+    const T* data() const noexcept { return data_; }
+    std::size_t size() const noexcept { return size_; }
+
+private:
+    T* data_ = nullptr;
+    std::size_t size_ = 0;
 };
 
 } // namespace lockstep

@@ -4,6 +4,7 @@
 
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/system/host_sync.hpp"
 
 #include <algorithm>
 #include <cstddef>
@@ -54,8 +55,11 @@ public:
 #endif
     }
 
-    /// Waits until every kernel of this system has finished (host kernels are synchronous).
-    void synchronize() const noexcept {}
+    /// Waits until every kernel of this system has finished (host kernels are synchronous, so
+    /// this only counts a host synchronisation, as the CUDA system's would).
+    void synchronize() const noexcept {
+        detail::count_host_sync();
+    }
 
     /// Allocates bytes of host memory aligned to `alignment`. ensures: non-null or throws.
     void* allocate(std::size_t bytes) const {
@@ -79,6 +83,12 @@ namespace detail {
 /// Copies bytes between two host allocations.
 inline void copy_bytes(void* dst, const host_system&, const void* src, const host_system&,
                        std::size_t bytes) {
+    if (bytes != 0)
+        std::memmove(dst, src, bytes);
+}
+/// Copies bytes within the host system's memory, in order with its kernels (at once: host
+/// kernels are synchronous).
+inline void copy_bytes_async(void* dst, const void* src, std::size_t bytes, const host_system&) {
     if (bytes != 0)
         std::memmove(dst, src, bytes);
 }

@@ -2,8 +2,17 @@
 // sync::bounded_staleness<S>, the parameter-server trainer. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-#include "lockstep/train/data_parallel.hpp"
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/policy/compat.hpp"
+#include "lockstep/policy/reduce.hpp"
+#include "lockstep/policy/sync.hpp"
+#include "lockstep/train/detail/data_parallel_fwd.hpp"
+#include "lockstep/train/detail/replica_core.hpp"
 #include "lockstep/train/parameter_server.hpp"
+#include "lockstep/train/replica_context.hpp"
+#include "lockstep/train/shard.hpp"
+#include "lockstep/train/train_params.hpp"
 
 #include <array>
 #include <cstddef>

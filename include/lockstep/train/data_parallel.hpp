@@ -4,12 +4,18 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/host_wait.hpp"
 #include "lockstep/comm/thread_communicator.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/step_status.hpp"
 #include "lockstep/policy/compat.hpp"
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/policy/sync.hpp"
-#include "lockstep/train/detail/host_collective.hpp"
+#include "lockstep/system/buffer.hpp"
+#include "lockstep/system/staged_read.hpp"
+#include "lockstep/train/asynchronous.hpp" // IWYU pragma: export
+#include "lockstep/train/detail/data_parallel_fwd.hpp"
+#include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/detail/reducer.hpp"
 #include "lockstep/train/detail/replica_core.hpp"
 #include "lockstep/train/replica_context.hpp"
@@ -18,8 +24,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <limits>
 #include <span>
 #include <utility>
+
+#include <thrust/fill.h>
 
 namespace lockstep {
 
@@ -37,9 +47,8 @@ namespace lockstep {
 ///   reduce::compressed<half|bfloat16>.
 /// - Communicator: thread_communicator, mpi_communicator, nccl_communicator.
 /// Invalid combinations are compile errors (policy/compat.hpp).
-template <class Network, class Optimizer, sync_policy SyncPolicy = sync::synchronous,
-          reduce_policy ReducePolicy = reduce::bucketed<>,
-          communicator Communicator = thread_communicator>
+template <class Network, class Optimizer, sync_policy SyncPolicy, reduce_policy ReducePolicy,
+          communicator Communicator>
 class data_parallel {
     static_assert(
         check_compatible<SyncPolicy, ReducePolicy, Communicator, network_bn_policies_t<Network>>());
@@ -69,7 +78,10 @@ public:
     data_parallel(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt = {},
                   train_params tp = {})
         : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp)),
-          reducer_(comm, core_.registry().parameters()) {}
+          reducer_(comm, core_.registry().parameters()), status_(status_slot::slots, comm.system()),
+          skip_(1, comm.system()),
+          partial_(detail::non_finite_tiles(core_.registry().grads().size()), comm.system()),
+          read_(status_slot::slots, comm.system()) {}
     data_parallel(const data_parallel&) = delete;
     data_parallel& operator=(const data_parallel&) = delete;
 
@@ -85,14 +97,41 @@ public:
     /// on any replica skips the step on every replica (or throws on every replica).
     /// sync::local_sgd<K>: scale = 1 / (this replica's samples), each replica updates alone,
     /// weights (and state) are averaged over replicas every K steps.
+    /// fn may also return void and add its loss into ctx.loss_slot() on the device.
+    /// Inside the step nothing waits on the host: the non-finite check, the layers' error checks
+    /// and the skip decision stay on the device (the optimizer kernels read the skip flag), and
+    /// the host reads the step's status once at the end (train_params::read_result; else
+    /// read_result() does it later). A step that throws (here or in fn) aborts a communicator
+    /// that can be aborted (nccl_communicator), so its peers get errc::peer_failure instead of
+    /// waiting forever.
     /// requires: global_batch >= 1. ensures: the returned result is the same on every replica
     /// (synchronous).
     template <class Fn>
     step_result step(std::size_t global_batch, Fn&& fn) {
-        if constexpr (is_local_sgd_v<SyncPolicy>)
-            return local_step(global_batch, fn);
-        else
-            return synchronous_step(global_batch, fn);
+        try {
+            if constexpr (is_local_sgd_v<SyncPolicy>)
+                return local_step(global_batch, fn);
+            else
+                return synchronous_step(global_batch, fn);
+        } catch (...) {
+            abort_communicator();
+            throw;
+        }
+    }
+
+    /// The result of the last step: waits for it (one synchronisation through the
+    /// communicator's polling wait) and throws the errors it found, as step() does with
+    /// train_params::read_result. Use it with read_result = false, e.g. every N steps.
+    /// requires: a step was taken.
+    step_result read_result() {
+        LOCKSTEP_REQUIRE(last_.step >= 0 && core_.steps() > 0, errc::invalid_argument, rank(),
+                         "data_parallel.read_result", "no step was taken yet");
+        try {
+            return finish_result(last_);
+        } catch (...) {
+            abort_communicator();
+            throw;
+        }
     }
 
     /// Ends training: local SGD averages the weights if steps ran since the last average (a
@@ -126,63 +165,143 @@ private:
     template <class Fn>
     step_result synchronous_step(std::size_t global, Fn& fn) {
         auto& ctx = core_.context();
+        const auto sys = core_.comm().system();
+        begin_status();
         core_.zero_grads();
         reducer_.begin(core_.grads());
-        const double local_loss = core_.run_micro_batches(global, fn, false, [&] {
-            if constexpr (!uses_visitor)
-                ctx.set_ready_hook([this](std::size_t t) { reducer_.mark_ready(t); });
-        });
+        double host_loss = 0;
+        {
+            detail::status_scope scope(sink_);
+            ctx.set_loss_slot(status_.data() + status_slot::loss);
+            host_loss = core_.run_micro_batches(global, fn, false, [&] {
+                if constexpr (!uses_visitor)
+                    ctx.set_ready_hook([this](std::size_t t) { reducer_.mark_ready(t); });
+            });
+            ctx.set_loss_slot(nullptr);
+        }
         core_.pack_grads();
         reducer_.finish();
-        // One small all_reduce carries the loss and the non-finite count: the reduced gradient
-        // is identical on every replica (parameter_server: only Root's is reduced), and the
-        // count makes the skip decision identical too.
-        double flags[2] = {local_loss, static_cast<double>(core_.local_non_finite())};
-        detail::host_all_reduce(core_.comm(), std::span<const double>(flags, 2),
-                                std::span<double>(flags, 2), reduce_op::sum);
+        // The status (loss, non-finite count, layer errors) is summed over replicas in one small
+        // all_reduce: the reduced gradient is identical on every replica (parameter_server: only
+        // Root's is reduced), and the sum makes the skip decision identical too.
+        detail::count_non_finite_into(sys, std::span<const T>(core_.grads()), partial_.span(),
+                                      host_loss, status_.data());
+        std::span<double> reduced = status_.span().first(status_slot::reduced);
+        core_.comm().all_reduce(std::span<const double>(reduced), reduced, reduce_op::sum);
+        decide_skip(sys);
         step_result r;
-        r.loss = flags[0];
         r.step = core_.steps();
         r.lr = core_.lr_for(r.step);
-        r.skipped = flags[1] > 0;
-        if (r.skipped) {
-            LOCKSTEP_REQUIRE(core_.params().skip_non_finite, errc::non_finite, rank(),
-                             "data_parallel.step", "step ", r.step, ": ", flags[1],
-                             " non-finite gradient elements over all replicas");
-        } else {
-            core_.optimizer().set_lr(r.lr);
-            auto values = core_.values();
-            reducer_.apply(
-                values, [&] { core_.optimizer().step(values, std::span<const T>(core_.grads())); });
-            core_.unpack_values();
-        }
+        core_.optimizer().set_lr(r.lr);
+        auto values = core_.values();
+        reducer_.apply(values, [&] {
+            core_.optimizer().step(values, std::span<const T>(core_.grads()), skip_.data());
+        });
+        core_.unpack_values();
         core_.advance(global);
-        return r;
+        return end_step(r);
     }
 
     template <class Fn>
     step_result local_step(std::size_t global, Fn& fn) {
+        auto& ctx = core_.context();
+        const auto sys = core_.comm().system();
+        begin_status();
         core_.zero_grads();
-        step_result r;
-        r.loss = core_.run_micro_batches(global, fn, true, [] {});
+        double host_loss = 0;
+        {
+            detail::status_scope scope(sink_);
+            ctx.set_loss_slot(status_.data() + status_slot::loss);
+            host_loss = core_.run_micro_batches(global, fn, true, [] {});
+            ctx.set_loss_slot(nullptr);
+        }
         core_.pack_grads();
+        detail::count_non_finite_into(sys, std::span<const T>(core_.grads()), partial_.span(),
+                                      host_loss, status_.data());
+        decide_skip(sys);
+        step_result r;
         r.step = core_.steps();
         r.lr = core_.lr_for(r.step);
-        const std::size_t bad = core_.local_non_finite();
-        r.skipped = bad > 0;
-        if (r.skipped) {
-            LOCKSTEP_REQUIRE(core_.params().skip_non_finite, errc::non_finite, rank(),
-                             "data_parallel.step", "step ", r.step, ": ", bad,
-                             " non-finite gradient elements on this replica (local SGD)");
-        } else {
-            core_.optimizer().set_lr(r.lr);
-            core_.optimizer().step(core_.values(), std::span<const T>(core_.grads()));
-            core_.unpack_values();
-        }
+        core_.optimizer().set_lr(r.lr);
+        core_.optimizer().step(core_.values(), std::span<const T>(core_.grads()), skip_.data());
+        core_.unpack_values();
         core_.advance(global);
+        r = end_step(r);
         if (++since_average_ == SyncPolicy::period)
             average();
         return r;
+    }
+
+    /// Zeroes the step's status and points the layers' error reports at it.
+    void begin_status() {
+        const auto sys = core_.comm().system();
+        thrust::fill(sys.policy(), status_.data(), status_.data() + status_.size(), 0.0);
+        sink_ = detail::status_sink{status_.data(), 0};
+    }
+
+    void decide_skip(const system_type& sys) {
+        thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
+                         thrust::counting_iterator<std::size_t>(1),
+                         detail::decide_skip_fn{status_.data(), skip_.data()});
+    }
+
+    /// Queues the read of the status; with read_result, waits for it and returns the result.
+    step_result end_step(step_result r) {
+        read_.enqueue(std::span<const double>(status_.span()));
+        r.ready = false;
+        last_ = r;
+        if (core_.params().read_result)
+            return finish_result(r);
+        return r;
+    }
+
+    /// Waits for the status read of step r, fills r and throws the step's errors.
+    step_result finish_result(step_result r) {
+        const std::span<const double> st = wait_for(core_.comm(), read_, "data_parallel.step");
+        r.loss = st[status_slot::loss];
+        r.skipped = st[status_slot::skip] != 0;
+        r.ready = true;
+        const int me = rank();
+        if (st[status_slot::layer_errors] > 0) {
+            const auto code =
+                static_cast<layer_error>(static_cast<int>(st[status_slot::error_code]));
+            const auto layer = static_cast<int>(st[status_slot::error_layer]);
+            const auto value = static_cast<int>(st[status_slot::error_value]);
+            if (code == layer_error::peer_invalid_input)
+                fail(errc::peer_failure, me, "data_parallel.step", "step ", r.step,
+                     " skipped: batch_norm layer ", layer, " (in forward order): replica ", value,
+                     " passed invalid input to it");
+            if (code == layer_error::single_value)
+                fail(errc::invalid_argument, me, "data_parallel.step", "step ", r.step,
+                     " skipped: batch_norm layer ", layer,
+                     " (in forward order): expected more than 1 value per channel when training, "
+                     "got 1",
+                     value >= 0 ? lockstep::detail::concat(" on replica ", value)
+                                : std::string(" over the replicas sharing statistics"));
+            fail(errc::peer_failure, me, "data_parallel.step", "step ", r.step,
+                 " skipped: ", st[status_slot::layer_errors],
+                 " batch_norm layer error(s) on other replicas (statistics of another group)");
+        }
+        if (st[status_slot::non_finite] > 0) {
+            LOCKSTEP_REQUIRE(core_.params().skip_non_finite, errc::non_finite, me,
+                             "data_parallel.step", "step ", r.step, ": ",
+                             st[status_slot::non_finite],
+                             is_local_sgd_v<SyncPolicy>
+                                 ? " non-finite gradient elements on this replica (local SGD)"
+                                 : " non-finite gradient elements over all replicas");
+        }
+        return r;
+    }
+
+    /// After a failure: abort the communicator when it can be aborted, so that peers waiting
+    /// for this replica get an error instead of a hang.
+    void abort_communicator() noexcept {
+        auto& comm = core_.comm();
+        if constexpr (requires {
+                          comm.abort();
+                          { comm.aborted() } -> std::convertible_to<bool>;
+                      })
+            comm.abort();
     }
 
     /// Local SGD: values and state become the mean over replicas (collective).
@@ -201,11 +320,13 @@ private:
 
     core_type core_;
     detail::reducer<ReducePolicy, T, Communicator> reducer_;
+    buffer<double, system_type> status_;  ///< the step's status (status_slot layout)
+    buffer<int, system_type> skip_;       ///< 1: the optimizer kernels skip the update
+    buffer<double, system_type> partial_; ///< per-tile non-finite counts
+    staged_read<double, system_type> read_;
+    detail::status_sink sink_{};
+    step_result last_{};
     std::size_t since_average_ = 0;
 };
 
 } // namespace lockstep
-
-// The asynchronous specialisations (sync::asynchronous, sync::bounded_staleness<S>) come with the
-// primary template, so including data_parallel.hpp gives every SyncPolicy.
-#include "lockstep/train/asynchronous.hpp" // IWYU pragma: export

@@ -48,6 +48,13 @@ public:
     /// True while the trainer runs a training step (fn of step()); false in the factory.
     bool training() const noexcept { return training_; }
 
+    /// During a synchronous step: a pointer to one double in the replica's system memory that
+    /// the step's loss is accumulated in (null outside steps). A step function that computes its
+    /// loss on the device adds its part (the sum of per-sample losses times range.scale) here,
+    /// e.g. from its loss kernel, and returns void, so the loss never has to come back to the
+    /// host inside the step; the trainer sums it over replicas with the step's status.
+    double* loss_slot() const noexcept { return loss_slot_; }
+
     /// Signals that backward has finished writing the gradient of parameter h for this step,
     /// so a bucketed reducer may launch the bucket h completes. Optional: every gradient not
     /// marked is reduced when the step function returns. Only meaningful with the registry and
@@ -63,6 +70,7 @@ public:
         step_ = s;
         training_ = training;
     }
+    void set_loss_slot(double* slot) noexcept { loss_slot_ = slot; }
 
 private:
     Communicator* comm_;
@@ -70,6 +78,7 @@ private:
     std::uint64_t seed_;
     std::int64_t step_ = 0;
     bool training_ = false;
+    double* loss_slot_ = nullptr;
     std::function<void(std::size_t)> ready_hook_;
 };
 

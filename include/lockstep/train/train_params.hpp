@@ -20,6 +20,13 @@ struct train_params {
     /// A step whose gradient has a NaN or infinity on any replica is skipped on every replica
     /// (true), or throws lockstep::error (non_finite) on every replica (false).
     bool skip_non_finite = true;
+    /// Synchronous steps: read the step's result on the host at the end of every step (one
+    /// synchronisation, through the communicator's polling wait), so step() returns the loss and
+    /// the skip decision and throws the step's errors. false: step() returns without waiting
+    /// (step_result::ready is false) and data_parallel::read_result() waits for the last step's
+    /// result when the caller wants it. Either way a step with a non-finite gradient or a layer
+    /// error is skipped on the device, identically on every replica.
+    bool read_result = true;
     /// The seed of every replica's random streams (replica_context::rng).
     std::uint64_t seed = 0;
     /// Which parameters get weight decay and LARS/LAMB trust-ratio adaptation; empty: all.
@@ -39,6 +46,9 @@ struct step_result {
     double lr = 0.0;
     /// The step's index (0-based).
     std::int64_t step = 0;
+    /// False when the step returned without reading its result (train_params::read_result):
+    /// loss and skipped are then not set.
+    bool ready = true;
 };
 
 } // namespace lockstep

@@ -1,14 +1,16 @@
 // lockstep/nn/detail/bn_state.hpp: the per-channel storage of a batch-norm layer (parameters,
-// running statistics, coefficients, scratch) on its system. SPDX-License-Identifier: Apache-2.0
+// running statistics, coefficients, exchange blocks, scratch) on its system, every buffer named.
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/step_status.hpp"
+#include "lockstep/kernels/bn_statistics.hpp"
 #include "lockstep/kernels/moments.hpp"
 #include "lockstep/system/buffer.hpp"
 
 #include <cstddef>
 #include <span>
-#include <vector>
 
 #include <thrust/fill.h>
 
@@ -19,19 +21,6 @@ template <class Acc, class System>
 void fill(const System& sys, std::span<Acc> s, Acc v) {
     if (!s.empty())
         thrust::fill(sys.policy(), s.data(), s.data() + s.size(), v);
-}
-
-/// Copies s (in sys's memory) to a host vector.
-template <class Acc, class System>
-std::vector<Acc> to_host(const System& sys, std::span<const Acc> s) {
-    std::vector<Acc> h(s.size());
-    if constexpr (System::is_host) {
-        for (std::size_t i = 0; i < s.size(); ++i)
-            h[i] = s[i];
-    } else {
-        lockstep::copy(s, sys, std::span<Acc>(h), host_system{});
-    }
-    return h;
 }
 
 /// Grows b to at least n elements (contents are not kept).
@@ -47,29 +36,38 @@ std::span<U> ensure(buffer<U, System>& b, std::size_t n, const System& sys) {
 template <class Acc, class System>
 struct bn_state {
     bn_state(std::size_t c, const System& s)
-        : channels(c), sys(s), own(4 * c, s), stats(2 * c, s), coef(6 * c, s),
-          sums(2 * (2 * c + 1), s), packed(2 + 2 * c, s), local(c, s), merged(c, s) {}
+        : channels(c), sys(s), own(4 * c, s), running(2 * c, s), forward(3 * c, s), eval(2 * c, s),
+          block(kernels::stats_block::size(c), s), sums(2 * (2 * c + 1), s),
+          scalars(1 + status_slot::slots, s) {}
 
     std::size_t channels;
     System sys;
-    buffer<Acc, System> own;    ///< gamma, beta, dgamma, dbeta when the layer owns them
-    buffer<Acc, System> stats;  ///< running_mean, running_var
-    buffer<Acc, System> coef;   ///< mean, invstd, scale, k, a, b
-    buffer<Acc, System> sums;   ///< local (sum dy, sum dy*xmu, status), then combined
-    buffer<Acc, System> packed; ///< this replica's {status, count, (mean, m2) per channel}
-    buffer<Acc, System> gathered;
-    buffer<kernels::moments<Acc>, System> local;
-    buffer<kernels::moments<Acc>, System> merged;
+    buffer<Acc, System> own;        ///< gamma, beta, dgamma, dbeta when the layer owns them
+    buffer<Acc, System> running;    ///< running_mean, running_var
+    buffer<Acc, System> forward;    ///< batch mean, invstd, scale = gamma * invstd (last forward)
+    buffer<Acc, System> eval;       ///< running mean, scale (last forward_eval)
+    buffer<Acc, System> block;      ///< this replica's statistics block (kernels::stats_block)
+    buffer<Acc, System> gathered;   ///< every replica's block (communicating policies)
+    buffer<Acc, System> sums;       ///< backward: local (sum dy, sum dy*xmu, status), then combined
+    buffer<double, System> scalars; ///< [0] normalization count, then a status (status_slot)
     buffer<kernels::moments<Acc>, System> moments_workspace;
     buffer<Acc, System> backward_workspace;
+    buffer<Acc, System> backward_scratch;
 
     std::span<Acc> gamma, beta, dgamma, dbeta; ///< views of own or of the caller's spans
 
-    std::span<Acc> coefficient(std::size_t i) {
-        return coef.span().subspan(i * channels, channels);
-    }
-    std::span<Acc> running_mean() { return stats.span().first(channels); }
-    std::span<Acc> running_var() { return stats.span().subspan(channels, channels); }
+    std::span<Acc> running_mean() { return running.span().first(channels); }
+    std::span<Acc> running_var() { return running.span().subspan(channels, channels); }
+    std::span<Acc> batch_mean() { return forward.span().first(channels); }
+    std::span<Acc> batch_invstd() { return forward.span().subspan(channels, channels); }
+    std::span<Acc> batch_scale() { return forward.span().subspan(2 * channels, channels); }
+    std::span<Acc> eval_mean() { return eval.span().first(channels); }
+    std::span<Acc> eval_scale() { return eval.span().subspan(channels, channels); }
+    std::span<Acc> local_sums() { return sums.span().first(2 * channels + 1); }
+    std::span<Acc> combined_sums() { return sums.span().subspan(2 * channels + 1); }
+    double* normalization_count() { return scalars.data(); }
+    /// The layer's own status (status_slot layout), used outside a trainer's step.
+    std::span<double> own_status() { return scalars.span().subspan(1); }
 };
 
 } // namespace lockstep::nn::detail

@@ -5,6 +5,7 @@
 
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/float16.hpp"
+#include "lockstep/core/step_status.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -109,6 +110,78 @@ void zero(const System& sys, std::span<T> data) {
     if (data.empty())
         return;
     thrust::fill(sys.policy(), data.data(), data.data() + data.size(), T(0));
+}
+
+/// Elements per task of count_non_finite_into: large enough that the host runs long vectorised
+/// loops, small enough that a GPU has many tasks.
+inline constexpr std::size_t non_finite_tile = std::size_t(1) << 14;
+
+/// Task t: partial[t] = the NaN/inf elements of data[t * tile, min(n, (t + 1) * tile)).
+template <class T>
+struct tile_non_finite_fn {
+    const T* data;
+    std::size_t n;
+    double* partial;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t t) const {
+        const std::size_t begin = t * non_finite_tile;
+        const std::size_t end = begin + non_finite_tile < n ? begin + non_finite_tile : n;
+        const non_finite_fn<T> bad;
+        std::uint32_t count = 0;
+        for (std::size_t i = begin; i < end; ++i)
+            count += static_cast<std::uint32_t>(bad(data[i]));
+        partial[t] = static_cast<double>(count);
+    }
+};
+
+/// One task: status[loss] += loss, status[non_finite] = the sum of the tiles' counts (in tile
+/// order, so it does not depend on the thread count).
+struct finish_status_fn {
+    const double* partial;
+    std::size_t tiles;
+    double loss;
+    double* status;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
+        double count = 0;
+        for (std::size_t t = 0; t < tiles; ++t)
+            count += partial[t];
+        status[status_slot::loss] += loss;
+        status[status_slot::non_finite] = count;
+    }
+};
+
+/// One task, after the status was summed over replicas: the skip decision, as the status slot
+/// and as the int the optimizer kernels read (1: skip the update).
+struct decide_skip_fn {
+    double* status;
+    int* skip;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
+        const bool bad =
+            status[status_slot::non_finite] > 0 || status[status_slot::layer_errors] > 0;
+        status[status_slot::skip] = bad ? 1.0 : 0.0;
+        *skip = bad ? 1 : 0;
+    }
+};
+
+/// The tasks count_non_finite_into runs for n elements (its partial buffer's size, >= 1).
+inline std::size_t non_finite_tiles(std::size_t n) {
+    const std::size_t t = (n + non_finite_tile - 1) / non_finite_tile;
+    return t == 0 ? 1 : t;
+}
+
+/// On the device, without a host read: status[non_finite] = the NaN/inf elements of data, and
+/// status[loss] += loss (a host value passed by value into the kernel). requires: partial holds
+/// non_finite_tiles(data.size()) doubles and status status_slot::slots, both in sys's memory.
+template <class System, class T>
+void count_non_finite_into(const System& sys, std::span<const T> data, std::span<double> partial,
+                           double loss, double* status) {
+    const std::size_t tiles = (data.size() + non_finite_tile - 1) / non_finite_tile;
+    if (tiles != 0)
+        thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
+                         thrust::counting_iterator<std::size_t>(tiles),
+                         tile_non_finite_fn<T>{data.data(), data.size(), partial.data()});
+    thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
+                     thrust::counting_iterator<std::size_t>(1),
+                     finish_status_fn{partial.data(), tiles, loss, status});
 }
 
 /// The number of NaN or infinite elements of data.

@@ -7,7 +7,9 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/train/detail/bucket_plan.hpp"
+#include "lockstep/train/detail/reduce_compressed.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
+#include "lockstep/train/detail/reduce_parameter_server.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 
 #include <cstddef>
@@ -96,6 +98,3 @@ public:
 };
 
 } // namespace lockstep::detail
-
-#include "lockstep/train/detail/reduce_compressed.hpp"
-#include "lockstep/train/detail/reduce_parameter_server.hpp"

@@ -141,10 +141,11 @@ public:
             });
     }
 
-    /// Runs fn over this replica's part of each of the M micro-batches of a global batch of
-    /// `global` samples: micro-batch m is positions [global m / M, global (m + 1) / M) of the
-    /// global batch, split over replicas with shard(). `own_scale`: scale each range by 1 /
-    /// (this replica's samples in the step) (local SGD) instead of 1 / global. `before_last` is
+    /// Runs fn (returning its loss as a number, or void when it adds the loss into
+    /// ctx.loss_slot() on the device) over this replica's part of each of the M micro-batches of a
+    /// global batch of `global` samples: micro-batch m is positions [global m / M, global (m + 1) /
+    /// M) of the global batch, split over replicas with shard(). `own_scale`: scale each range by 1
+    /// / (this replica's samples in the step) (local SGD) instead of 1 / global. `before_last` is
     /// called before the last micro-batch (trainers arm the ready hook there). Returns the sum
     /// of fn's results on this replica.
     template <class Fn, class BeforeLast>
@@ -167,7 +168,10 @@ public:
                                 : 1.0 / static_cast<double>(global);
             if (m + 1 == m_count)
                 before_last();
-            loss += static_cast<double>(fn(*net_, r, *ctx_));
+            if constexpr (std::is_void_v<decltype(fn(*net_, r, *ctx_))>)
+                fn(*net_, r, *ctx_);
+            else
+                loss += static_cast<double>(fn(*net_, r, *ctx_));
         }
         ctx_->set_ready_hook({});
         ctx_->set_step(steps_, false);
@@ -185,7 +189,7 @@ public:
         if constexpr (uses_visitor) {
             std::size_t i = 0;
             visit_parameters(*net_, [&](std::string_view, std::span<T>, std::span<T> g) {
-                copy(std::span<const T>(g), comm_->system(), grads_of(i++), comm_->system());
+                copy_async(comm_->system(), std::span<const T>(g), grads_of(i++));
             });
         }
     }
@@ -194,7 +198,7 @@ public:
         if constexpr (uses_visitor) {
             std::size_t i = 0;
             visit_parameters(*net_, [&](std::string_view, std::span<T> v, std::span<T>) {
-                copy(std::span<const T>(v), comm_->system(), values_of(i++), comm_->system());
+                copy_async(comm_->system(), std::span<const T>(v), values_of(i++));
             });
         }
     }
@@ -203,7 +207,7 @@ public:
         if constexpr (uses_visitor) {
             std::size_t i = 0;
             visit_parameters(*net_, [&](std::string_view, std::span<T> v, std::span<T>) {
-                copy(std::span<const T>(values_of(i++)), comm_->system(), v, comm_->system());
+                copy_async(comm_->system(), std::span<const T>(values_of(i++)), v);
             });
         }
     }
@@ -219,11 +223,6 @@ public:
         for_each_state_buffer([&](std::span<T> s) { comm_->broadcast(s, root); });
         unpack_values();
         unpack_state();
-    }
-
-    /// The number of NaN/inf elements of the flat gradient buffer on this replica.
-    std::size_t local_non_finite() {
-        return count_non_finite(comm_->system(), std::span<const T>(grads()));
     }
 
 private:
@@ -251,9 +250,9 @@ private:
                                  name, "' changed since construction");
                 std::span<T> flat = vstate_buf_.span().subspan(vstate_[i].offset, s.size());
                 if (pack)
-                    copy(std::span<const T>(s), comm_->system(), flat, comm_->system());
+                    copy_async(comm_->system(), std::span<const T>(s), flat);
                 else
-                    copy(std::span<const T>(flat), comm_->system(), s, comm_->system());
+                    copy_async(comm_->system(), std::span<const T>(flat), s);
                 ++i;
             });
         }
