@@ -1,6 +1,7 @@
 // The shared __host__ __device__ kernels on cuda_system: batch norm (local and, over NCCL,
 // global statistics; float, double, half and bfloat16 storage) and every optimizer, compared
-// with the same code on host_system. Compiled by nvcc in CI; GPU cases skip without a device.
+// with the same code on host_system, and skipping a step on a device flag. Compiled by nvcc in
+// CI; GPU cases skip without a device.
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/nccl_communicator.hpp"
 #include "lockstep/comm/thread_group.hpp"
@@ -17,7 +18,9 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstring>
 #include <exception>
+#include <limits>
 #include <numeric>
 #include <thread>
 #include <vector>
@@ -332,6 +335,100 @@ void check_optimizer(const Params& p) {
     CHECK(all_finite(std::span<const T>(w_dev.span()), sys));
 }
 
+/// Host copies of everything an optimizer step on cuda_system may change: the weights, the step
+/// count, every state slot and (LARS, LAMB) the trust ratios; compared bytewise.
+template <class T>
+struct device_snapshot {
+    std::vector<T> w;
+    std::int64_t step = 0;
+    std::vector<std::vector<T>> slots;
+    std::vector<double> trust;
+};
+
+template <class V>
+bool same_bits(const std::vector<V>& a, const std::vector<V>& b) {
+    return a.size() == b.size() &&
+           (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(V)) == 0);
+}
+
+template <class T>
+bool same_bits(const device_snapshot<T>& a, const device_snapshot<T>& b) {
+    if (a.step != b.step || a.slots.size() != b.slots.size() || !same_bits(a.w, b.w) ||
+        !same_bits(a.trust, b.trust))
+        return false;
+    for (std::size_t k = 0; k < a.slots.size(); ++k)
+        if (!same_bits(a.slots[k], b.slots[k]))
+            return false;
+    return true;
+}
+
+template <class T>
+std::vector<T> to_host(std::span<const T> d, const cuda_system& sys) {
+    std::vector<T> h(d.size());
+    copy(d, sys, std::span<T>(h), host_system{});
+    return h;
+}
+
+template <class O, class T = typename O::value_type>
+device_snapshot<T> take_snapshot(const O& opt, const buffer<T, cuda_system>& w,
+                                 const cuda_system& sys) {
+    device_snapshot<T> s{to_host(w.span(), sys), opt.step_count(), {}, {}};
+    for (const auto& slot : opt.state().slots)
+        s.slots.push_back(to_host(std::span<const T>(slot.data), sys));
+    if constexpr (requires { opt.trust_ratios(); })
+        s.trust = to_host(opt.trust_ratios(), sys);
+    return s;
+}
+
+/// Sets the one-int skip flag in device memory (ordered after the work enqueued on sys).
+void set_flag(buffer<int, cuda_system>& flag, int value, const cuda_system& sys) {
+    copy(std::span<const int>(&value, 1), host_system{}, flag.span(), sys);
+}
+
+/// Skipped steps on cuda_system, the flag in device memory: (a) a step with the flag set changes
+/// nothing, even with a NaN gradient; (b) five steps with the third skipped equal four plain
+/// steps over the other gradients, bitwise (bias corrections count applied steps only).
+template <template <class, class> class O, class T, class Params>
+void check_skip(const Params& p) {
+    const cuda_system sys(0);
+    const auto w0 = wave_vector<T>(n_params, 7, 0.5);
+    buffer<int, cuda_system> flag(1, sys);
+
+    // (a)
+    O<T, cuda_system> opt(n_params, p, sys, segments);
+    auto w = to_device(w0, sys);
+    for (unsigned step = 0; step < 2; ++step) {
+        set_flag(flag, 0, sys);
+        const auto g = to_device(wave_vector<T>(n_params, 11 + step), sys);
+        opt.step(w.span(), std::span<const T>(g.span()), flag.data());
+    }
+    const device_snapshot<T> before = take_snapshot(opt, w, sys);
+    CHECK(before.step == 2);
+    auto bad_host = wave_vector<T>(n_params, 13);
+    bad_host[5] = std::numeric_limits<T>::quiet_NaN();
+    bad_host[6001] = std::numeric_limits<T>::infinity();
+    const auto bad = to_device(bad_host, sys);
+    set_flag(flag, 1, sys);
+    opt.step(w.span(), std::span<const T>(bad.span()), flag.data());
+    sys.synchronize();
+    CHECK(same_bits(take_snapshot(opt, w, sys), before));
+
+    // (b)
+    O<T, cuda_system> skipping(n_params, p, sys, segments), plain(n_params, p, sys, segments);
+    auto w_skipping = to_device(w0, sys), w_plain = to_device(w0, sys);
+    for (unsigned step = 0; step < 5; ++step) {
+        const auto g = to_device(wave_vector<T>(n_params, 11 + step), sys);
+        set_flag(flag, step == 2 ? 1 : 0, sys);
+        skipping.step(w_skipping.span(), std::span<const T>(g.span()), flag.data());
+        if (step != 2)
+            plain.step(w_plain.span(), std::span<const T>(g.span()));
+    }
+    sys.synchronize();
+    const device_snapshot<T> a = take_snapshot(skipping, w_skipping, sys);
+    CHECK(a.step == 4);
+    CHECK(same_bits(a, take_snapshot(plain, w_plain, sys)));
+}
+
 } // namespace
 
 TEMPLATE_TEST_CASE("optimizers on cuda_system match host_system", "[optim][cuda][gpu]", float,
@@ -354,5 +451,28 @@ TEMPLATE_TEST_CASE("optimizers on cuda_system match host_system", "[optim][cuda]
     }
     SECTION("lamb") {
         check_optimizer<optim::lamb, T>(optim::lamb_params{.lr = 1e-2});
+    }
+}
+
+TEMPLATE_TEST_CASE("optimizers on cuda_system skip a step on a device flag", "[optim][cuda][gpu]",
+                   float, double) {
+    using T = TestType;
+    if (lockstep_test::skip_without_gpu())
+        return;
+    SECTION("sgd, Nesterov momentum and weight decay") {
+        check_skip<optim::sgd, T>(
+            optim::sgd_params{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3, .nesterov = true});
+    }
+    SECTION("adam") {
+        check_skip<optim::adam, T>(optim::adam_params{.lr = 1e-2, .weight_decay = 1e-4});
+    }
+    SECTION("adamw") {
+        check_skip<optim::adamw, T>(optim::adamw_params{.lr = 1e-2});
+    }
+    SECTION("lars") {
+        check_skip<optim::lars, T>(optim::lars_params{.lr = 0.5, .weight_decay = 1e-4});
+    }
+    SECTION("lamb") {
+        check_skip<optim::lamb, T>(optim::lamb_params{.lr = 1e-2});
     }
 }
