@@ -22,8 +22,9 @@
 // float, double, __half or __nv_bfloat16 (or lockstep::half / lockstep::bfloat16, processed as
 // the CUDA types); Acc is double for double data and float otherwise. Pointers are device
 // pointers of sys's device, naturally aligned for their type; 16-byte aligned data (as every
-// cuda_system allocation is) takes the vector path, anything else a scalar path with the same
-// results. Launch errors throw lockstep::error (errc::cuda).
+// cuda_system allocation is) takes the vector path, anything else a scalar path (same
+// arithmetic per value; reductions agree to rounding). Launch errors throw lockstep::error
+// (errc::cuda).
 namespace lockstep::kernels::cuda_path {
 
 namespace detail {
