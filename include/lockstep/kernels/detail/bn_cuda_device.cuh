@@ -73,23 +73,35 @@ __device__ __forceinline__ T from_acc(Acc v) {
         return static_cast<T>(v);
 }
 
-/// V consecutive values at p as Acc: one 16-byte load (float4, double2, 4 x half2 or
-/// 4 x bfloat162) when V > 1, which requires p to be 16-byte aligned.
+/// The register form of V consecutive values of T: T itself for V == 1, else one 16-byte vector
+/// (float4, double2, or uint4 holding 4 half2 / bfloat162).
+template <int V, class T>
+using raw_t = std::conditional_t<
+    V == 1, T,
+    std::conditional_t<std::is_same_v<T, float>, float4,
+                       std::conditional_t<std::is_same_v<T, double>, double2, uint4>>>;
+
+/// V consecutive values at p, unconverted: one 16-byte load when V > 1, which requires p to be
+/// 16-byte aligned. Kept apart from unpack so loads stay in flight in few registers.
+template <int V, class T>
+__device__ __forceinline__ raw_t<V, T> load_raw(const T* p) {
+    static_assert(V == 1 || V == vector_width<T>);
+    if constexpr (V == 1)
+        return p[0];
+    else
+        return __ldg(reinterpret_cast<const raw_t<V, T>*>(p));
+}
+
+/// The V values of q as Acc.
 template <int V, class T, class Acc>
-__device__ __forceinline__ void load(const T* p, Acc (&v)[V]) {
+__device__ __forceinline__ void unpack(const raw_t<V, T>& q, Acc (&v)[V]) {
     if constexpr (V == 1) {
-        v[0] = to_acc<Acc>(p[0]);
+        v[0] = to_acc<Acc>(q);
     } else if constexpr (std::is_same_v<T, float>) {
-        static_assert(V == 4);
-        const float4 q = __ldg(reinterpret_cast<const float4*>(p));
         v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
     } else if constexpr (std::is_same_v<T, double>) {
-        static_assert(V == 2);
-        const double2 q = __ldg(reinterpret_cast<const double2*>(p));
         v[0] = q.x, v[1] = q.y;
     } else {
-        static_assert(V == 8);
-        const uint4 q = __ldg(reinterpret_cast<const uint4*>(p));
         const unsigned words[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -109,6 +121,12 @@ __device__ __forceinline__ void load(const T* p, Acc (&v)[V]) {
             v[2 * j + 1] = f.y;
         }
     }
+}
+
+/// V consecutive values at p as Acc (load_raw, then unpack).
+template <int V, class T, class Acc>
+__device__ __forceinline__ void load(const T* p, Acc (&v)[V]) {
+    unpack<V, T>(load_raw<V>(p), v);
 }
 
 /// Stores V values at p (rounded as from_acc does); one 16-byte store when V > 1.
@@ -209,9 +227,7 @@ __device__ __forceinline__ void warp_run(Op& op, const T* ref, std::size_t off, 
 /// scalar accumulator for unaligned heads and tails.
 template <class T, class Acc, int V>
 struct moments_op {
-    struct regs {
-        Acc v[V];
-    };
+    using regs = raw_t<V, T>;
     const T* x;
     Acc mean[V] = {};
     Acc m2[V] = {};
@@ -219,14 +235,16 @@ struct moments_op {
     moments<Acc> single{};
 
     __device__ __forceinline__ void load(std::size_t off, regs& r) const {
-        detail::load<V>(x + off, r.v);
+        r = load_raw<V>(x + off);
     }
     __device__ __forceinline__ void apply(std::size_t, const regs& r) {
+        Acc v[V];
+        unpack<V, T>(r, v);
         steps += Acc(1);
         const Acc inv = Acc(1) / steps;
 #pragma unroll
         for (int j = 0; j < V; ++j)
-            welford_accumulate(mean[j], m2[j], r.v[j], inv);
+            welford_accumulate(mean[j], m2[j], v[j], inv);
     }
     __device__ __forceinline__ void scalar(std::size_t off) {
         welford_update(single, to_acc<Acc>(x[off]));
@@ -255,8 +273,8 @@ struct add_dy_sums {
 template <class T, class Acc, int V>
 struct sums_op {
     struct regs {
-        Acc dy[V];
-        Acc x[V];
+        raw_t<V, T> dy;
+        raw_t<V, T> x;
     };
     const T* dy;
     const T* x;
@@ -266,13 +284,16 @@ struct sums_op {
     dy_sums<Acc> single{};
 
     __device__ __forceinline__ void load(std::size_t off, regs& r) const {
-        detail::load<V>(dy + off, r.dy);
-        detail::load<V>(x + off, r.x);
+        r.dy = load_raw<V>(dy + off);
+        r.x = load_raw<V>(x + off);
     }
     __device__ __forceinline__ void apply(std::size_t, const regs& r) {
+        Acc d[V], v[V];
+        unpack<V, T>(r.dy, d);
+        unpack<V, T>(r.x, v);
 #pragma unroll
         for (int j = 0; j < V; ++j)
-            backward_accumulate(sdy[j], sdyx[j], r.dy[j], r.x[j], mu);
+            backward_accumulate(sdy[j], sdyx[j], d[j], v[j], mu);
     }
     __device__ __forceinline__ void scalar(std::size_t off) {
         backward_accumulate(single.dy, single.dyx, to_acc<Acc>(dy[off]), to_acc<Acc>(x[off]), mu);
@@ -291,21 +312,21 @@ struct sums_op {
 /// y = normalize_value(x) over a run of one channel.
 template <class T, class Acc, int V>
 struct normalize_op {
-    struct regs {
-        Acc v[V];
-    };
+    using regs = raw_t<V, T>;
     const T* x;
     T* y;
     Acc mean, scale, beta;
 
     __device__ __forceinline__ void load(std::size_t off, regs& r) const {
-        detail::load<V>(x + off, r.v);
+        r = load_raw<V>(x + off);
     }
-    __device__ __forceinline__ void apply(std::size_t off, regs& r) const {
+    __device__ __forceinline__ void apply(std::size_t off, const regs& r) const {
+        Acc v[V];
+        unpack<V, T>(r, v);
 #pragma unroll
         for (int j = 0; j < V; ++j)
-            r.v[j] = normalize_value(r.v[j], mean, scale, beta);
-        detail::store<V>(y + off, r.v);
+            v[j] = normalize_value(v[j], mean, scale, beta);
+        detail::store<V>(y + off, v);
     }
     __device__ __forceinline__ void scalar(std::size_t off) const {
         y[off] = from_acc<T>(normalize_value(to_acc<Acc>(x[off]), mean, scale, beta));
@@ -316,8 +337,8 @@ struct normalize_op {
 template <class T, class Acc, int V>
 struct gradient_op {
     struct regs {
-        Acc dy[V];
-        Acc x[V];
+        raw_t<V, T> dy;
+        raw_t<V, T> x;
     };
     const T* dy;
     const T* x;
@@ -325,14 +346,17 @@ struct gradient_op {
     Acc mean, k, a, b;
 
     __device__ __forceinline__ void load(std::size_t off, regs& r) const {
-        detail::load<V>(dy + off, r.dy);
-        detail::load<V>(x + off, r.x);
+        r.dy = load_raw<V>(dy + off);
+        r.x = load_raw<V>(x + off);
     }
-    __device__ __forceinline__ void apply(std::size_t off, regs& r) const {
+    __device__ __forceinline__ void apply(std::size_t off, const regs& r) const {
+        Acc d[V], v[V];
+        unpack<V, T>(r.dy, d);
+        unpack<V, T>(r.x, v);
 #pragma unroll
         for (int j = 0; j < V; ++j)
-            r.dy[j] = input_gradient(r.dy[j], r.x[j], mean, k, a, b);
-        detail::store<V>(dx + off, r.dy);
+            d[j] = input_gradient(d[j], v[j], mean, k, a, b);
+        detail::store<V>(dx + off, d);
     }
     __device__ __forceinline__ void scalar(std::size_t off) const {
         dx[off] =

@@ -109,17 +109,19 @@ __global__ void __launch_bounds__(block_threads)
         const T* col = x + c0;
         std::size_t r = g.outer * p / parts + ty;
         for (; r + 3 * ty_count < r1; r += 4 * ty_count) {
-            Acc v[4][V];
+            raw_t<V, T> q[4];
 #pragma unroll
             for (int u = 0; u < 4; ++u)
-                load<V>(col + (r + u * ty_count) * C, v[u]);
+                q[u] = load_raw<V>(col + (r + u * ty_count) * C);
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
+                Acc v[V];
+                unpack<V, T>(q[u], v);
                 n += Acc(1);
                 const Acc inv = Acc(1) / n;
 #pragma unroll
                 for (int j = 0; j < V; ++j)
-                    welford_accumulate(mean[j], m2[j], v[u][j], inv);
+                    welford_accumulate(mean[j], m2[j], v[j], inv);
             }
         }
         for (; r < r1; r += ty_count) {
@@ -262,17 +264,21 @@ __global__ void __launch_bounds__(block_threads)
             mu[j] = mean[c0 + j];
         std::size_t r = g.outer * p / parts + ty;
         for (; r + 3 * ty_count < r1; r += 4 * ty_count) {
-            Acc d[4][V], v[4][V];
+            raw_t<V, T> qd[4], qx[4];
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
-                load<V>(dy + (r + u * ty_count) * C + c0, d[u]);
-                load<V>(x + (r + u * ty_count) * C + c0, v[u]);
+                qd[u] = load_raw<V>(dy + (r + u * ty_count) * C + c0);
+                qx[u] = load_raw<V>(x + (r + u * ty_count) * C + c0);
             }
 #pragma unroll
-            for (int u = 0; u < 4; ++u)
+            for (int u = 0; u < 4; ++u) {
+                Acc d[V], v[V];
+                unpack<V, T>(qd[u], d);
+                unpack<V, T>(qx[u], v);
 #pragma unroll
                 for (int j = 0; j < V; ++j)
-                    backward_accumulate(sdy[j], sdyx[j], d[u][j], v[u][j], mu[j]);
+                    backward_accumulate(sdy[j], sdyx[j], d[j], v[j], mu[j]);
+            }
         }
         for (; r < r1; r += ty_count) {
             Acc d[V], v[V];
@@ -372,16 +378,18 @@ __global__ void __launch_bounds__(block_threads)
     const std::size_t stride = std::size_t(gridDim.y) * ty_count;
     std::size_t r = std::size_t(blockIdx.y) * ty_count + threadIdx.x / tx_count;
     for (; r + 3 * stride < g.outer; r += 4 * stride) {
-        Acc v[4][V];
+        raw_t<V, T> q[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u)
-            load<V>(x + (r + u * stride) * C + c0, v[u]);
+            q[u] = load_raw<V>(x + (r + u * stride) * C + c0);
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
+            Acc v[V];
+            unpack<V, T>(q[u], v);
 #pragma unroll
             for (int j = 0; j < V; ++j)
-                v[u][j] = normalize_value(v[u][j], mu[j], sc[j], be[j]);
-            store<V>(y + (r + u * stride) * C + c0, v[u]);
+                v[j] = normalize_value(v[j], mu[j], sc[j], be[j]);
+            store<V>(y + (r + u * stride) * C + c0, v);
         }
     }
     for (; r < g.outer; r += stride) {
@@ -467,18 +475,21 @@ __global__ void __launch_bounds__(block_threads)
     const std::size_t stride = std::size_t(gridDim.y) * ty_count;
     std::size_t r = std::size_t(blockIdx.y) * ty_count + threadIdx.x / tx_count;
     for (; r + 3 * stride < g.outer; r += 4 * stride) {
-        Acc d[4][V], v[4][V];
+        raw_t<V, T> qd[4], qx[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
-            load<V>(dy + (r + u * stride) * C + c0, d[u]);
-            load<V>(x + (r + u * stride) * C + c0, v[u]);
+            qd[u] = load_raw<V>(dy + (r + u * stride) * C + c0);
+            qx[u] = load_raw<V>(x + (r + u * stride) * C + c0);
         }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
+            Acc d[V], v[V];
+            unpack<V, T>(qd[u], d);
+            unpack<V, T>(qx[u], v);
 #pragma unroll
             for (int j = 0; j < V; ++j)
-                d[u][j] = input_gradient(d[u][j], v[u][j], mu[j], k[j], a[j], b[j]);
-            store<V>(dx + (r + u * stride) * C + c0, d[u]);
+                d[j] = input_gradient(d[j], v[j], mu[j], k[j], a[j], b[j]);
+            store<V>(dx + (r + u * stride) * C + c0, d);
         }
     }
     for (; r < g.outer; r += stride) {
