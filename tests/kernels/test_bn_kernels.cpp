@@ -7,6 +7,8 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstddef>
+#include <cstdint>
 #include <random>
 #include <vector>
 
@@ -207,5 +209,182 @@ TEST_CASE("kernels reject spans that do not match the geometry", "[kernels][bn]"
         error);
     CHECK_THROWS_AS(kernels::channel_moments_generic(sys, std::span<const float>(x), g,
                                                      std::span(out), std::span(ws)),
+                    error);
+}
+
+TEST_CASE("packed_moments splits the count into two halves exact in float", "[kernels][bn]") {
+    // one channel of more than 2^24 values: a float count would round, the halves do not
+    const channel_geometry g{3, 2, (std::size_t(1) << 24) + 5};
+    const std::uint64_t n = g.per_channel(); // 3 * 2^24 + 15
+    float hi = 0, lo = 0;
+    kernels::packed_moments::split_count(n, hi, lo);
+    CHECK(hi == 3.0f);
+    CHECK(lo == 15.0f);
+    const float block[3] = {1.0f, hi, lo};
+    CHECK(kernels::packed_moments::count(block) == static_cast<double>(n));
+    CHECK(static_cast<double>(static_cast<float>(n)) != static_cast<double>(n));
+    double dhi = 0, dlo = 0;
+    kernels::packed_moments::split_count((std::uint64_t(1) << 47) + 7, dhi, dlo);
+    CHECK(dhi == double(std::uint64_t(1) << 23));
+    CHECK(dlo == 7.0);
+    CHECK(kernels::packed_moments::size(4) == 11);
+    CHECK(kernels::packed_moments::mean(2) == 7);
+    CHECK(kernels::packed_moments::m2(2) == 8);
+}
+
+TEMPLATE_TEST_CASE("pack_local_moments packs status, the exact count and the moments",
+                   "[kernels][bn]", float, double) {
+    using T = TestType;
+    const host_system sys;
+    const double tol = std::is_same_v<T, float> ? 1e-5 : 1e-12;
+    for (const auto& g : geometries) {
+        CAPTURE(g.outer, g.channels, g.inner);
+        const auto x = values<T>(g.size(), 21, 5.0, 2.0);
+        const std::size_t size = kernels::packed_moments::size(g.channels);
+        std::vector<T> fast(size, T(-1)), generic(size, T(-1));
+        std::vector<std::byte> ws(kernels::bn_workspace_bytes<T>(g));
+        kernels::pack_local_moments(sys, std::span<const T>(x), g, T(2), std::span<T>(fast),
+                                    std::span(ws));
+        kernels::pack_local_moments_generic(sys, std::span<const T>(x), g, T(2),
+                                            std::span<T>(generic), std::span(ws));
+        for (const auto* b : {fast.data(), generic.data()}) {
+            CHECK(b[kernels::packed_moments::status] == T(2));
+            CHECK(kernels::packed_moments::count(b) == static_cast<double>(g.per_channel()));
+            for (std::size_t c = 0; c < g.channels; ++c) {
+                const auto r = reference(x, g, c);
+                CHECK(std::abs(b[kernels::packed_moments::mean(c)] - r.mean) <=
+                      tol * (std::abs(r.mean) + 1));
+                CHECK(std::abs(b[kernels::packed_moments::m2(c)] - r.m2) <= tol * (r.m2 + 1e-30));
+            }
+        }
+    }
+    // no channels: the header alone (the count is still per_channel() = 12)
+    const channel_geometry none{4, 0, 3};
+    std::vector<T> block(kernels::packed_moments::size(0), T(-1));
+    std::vector<std::byte> ws(kernels::bn_workspace_bytes<T>(none));
+    kernels::pack_local_moments(sys, std::span<const T>(), none, T(0), std::span<T>(block),
+                                std::span(ws));
+    CHECK(block == std::vector<T>{T(0), T(0), T(12)});
+}
+
+TEST_CASE("pack_local_moments is exact in count beyond 2^24 values per channel", "[kernels][bn]") {
+    // one channel of 2^24 + 3 floats: the count in the header is exact, the moments accurate
+    const host_system sys;
+    const channel_geometry g{1, 1, (std::size_t(1) << 24) + 3};
+    std::vector<float> x(g.size());
+    for (std::size_t i = 0; i < x.size(); ++i)
+        x[i] = static_cast<float>(i % 7); // mean 3 - 3 / n (the tail repeats 0, 1, 2), var ~ 4
+    const auto r = reference(x, g, 0);
+    std::vector<float> block(kernels::packed_moments::size(1));
+    std::vector<std::byte> ws(kernels::bn_workspace_bytes<float>(g));
+    kernels::pack_local_moments(sys, std::span<const float>(x), g, 0.0f, std::span(block),
+                                std::span(ws));
+    CHECK(kernels::packed_moments::count(block.data()) == static_cast<double>(g.per_channel()));
+    CHECK(block[kernels::packed_moments::count_hi] == 1.0f);
+    CHECK(block[kernels::packed_moments::count_lo] == 3.0f);
+    CHECK(std::abs(block[kernels::packed_moments::mean(0)] - r.mean) <= 1e-4 * r.mean);
+    CHECK(std::abs(block[kernels::packed_moments::m2(0)] - r.m2) <= 1e-3 * r.m2);
+}
+
+TEMPLATE_TEST_CASE("pack_backward_sums and input_gradient_fused match a double reference",
+                   "[kernels][bn]", float, double) {
+    using T = TestType;
+    const host_system sys;
+    const double tol = std::is_same_v<T, float> ? 1e-5 : 1e-12;
+    for (const auto& g : geometries) {
+        CAPTURE(g.outer, g.channels, g.inner);
+        const std::size_t C = g.channels;
+        const auto x = values<T>(g.size(), 31, 1.0, 3.0);
+        const auto dy = values<T>(g.size(), 32, 0.0, 1.0);
+        const auto mean = values<T>(C, 33, 1.0, 0.5);
+        std::vector<T> s1(kernels::packed_sums::size(C)), s2(s1.size());
+        std::vector<std::byte> ws(kernels::bn_workspace_bytes<T>(g));
+        kernels::pack_backward_sums(sys, std::span<const T>(dy), std::span<const T>(x), g,
+                                    std::span<const T>(mean), T(3), std::span<T>(s1),
+                                    std::span(ws));
+        kernels::pack_backward_sums_generic(sys, std::span<const T>(dy), std::span<const T>(x), g,
+                                            std::span<const T>(mean), T(3), std::span<T>(s2),
+                                            std::span(ws));
+        CHECK(s1[kernels::packed_sums::status(C)] == T(3));
+        CHECK(s2[kernels::packed_sums::status(C)] == T(3));
+        for (std::size_t c = 0; c < C; ++c) {
+            double sdy = 0, sdyx = 0, mag_dy = 0, mag_dyx = 0;
+            for (std::size_t k = 0; k < g.per_channel(); ++k) {
+                const std::size_t i = g.offset(c, k);
+                sdy += dy[i];
+                sdyx += double(dy[i]) * (double(x[i]) - mean[c]);
+                mag_dy += std::abs(double(dy[i]));
+                mag_dyx += std::abs(double(dy[i]) * (double(x[i]) - mean[c]));
+            }
+            for (const auto& s : {s1, s2}) {
+                CHECK(std::abs(s[c] - sdy) <= tol * (mag_dy + 1e-30));
+                CHECK(std::abs(s[C + c] - sdyx) <= tol * (mag_dyx + 1e-30));
+            }
+        }
+
+        // totals: as if summed over replicas with 3x the local count
+        std::vector<T> totals(2 * C);
+        for (std::size_t j = 0; j < 2 * C; ++j)
+            totals[j] = T(3) * s1[j];
+        const auto gamma = values<T>(C, 34, 1.0, 0.3);
+        const auto invstd = values<T>(C, 35, 2.0, 0.2);
+        const auto dg0 = values<T>(C, 36, 0.0, 1.0);
+        const auto db0 = values<T>(C, 37, 0.0, 1.0);
+        for (const double count : {3.0 * static_cast<double>(g.per_channel()), 0.0}) {
+            CAPTURE(count);
+            std::vector<T> dx1(g.size()), dx2(g.size());
+            std::vector<T> dg1 = dg0, db1 = db0, dg2 = dg0, db2 = db0;
+            kernels::input_gradient_fused(sys, std::span<const T>(dy), std::span<const T>(x),
+                                          std::span<T>(dx1), g, std::span<const T>(totals),
+                                          std::span<const T>(s1), &count, std::span<const T>(gamma),
+                                          std::span<const T>(mean), std::span<const T>(invstd),
+                                          std::span<T>(dg1), std::span<T>(db1));
+            kernels::input_gradient_fused_generic(
+                sys, std::span<const T>(dy), std::span<const T>(x), std::span<T>(dx2), g,
+                std::span<const T>(totals), std::span<const T>(s1), &count,
+                std::span<const T>(gamma), std::span<const T>(mean), std::span<const T>(invstd),
+                std::span<T>(dg2), std::span<T>(db2));
+            for (std::size_t i = 0; i < g.size(); ++i) {
+                const std::size_t c = g.channel_of(i);
+                const double inv = invstd[c];
+                const double a = count > 0 ? totals[c] / count : 0.0;
+                const double b = count > 0 ? inv * inv * totals[C + c] / count : 0.0;
+                const double want =
+                    gamma[c] * inv * (double(dy[i]) - a - (double(x[i]) - mean[c]) * b);
+                CHECK(std::abs(dx1[i] - want) <= 10 * tol * (std::abs(want) + 1));
+                CHECK(dx1[i] == dx2[i]); // same coefficients, same functor: same bits
+            }
+            for (std::size_t c = 0; c < C; ++c) {
+                const double want_g = dg0[c] + double(s1[C + c]) * invstd[c];
+                const double want_b = double(db0[c]) + s1[c];
+                CHECK(std::abs(dg1[c] - want_g) <= tol * (std::abs(want_g) + 1));
+                CHECK(std::abs(db1[c] - want_b) <= tol * (std::abs(want_b) + 1));
+                CHECK(dg1[c] == dg2[c]);
+                CHECK(db1[c] == db2[c]);
+            }
+        }
+        // without parameter gradients: dgamma / dbeta are not touched
+        const double count = static_cast<double>(g.per_channel());
+        std::vector<T> dx(g.size());
+        kernels::input_gradient_fused(
+            sys, std::span<const T>(dy), std::span<const T>(x), std::span<T>(dx), g,
+            std::span<const T>(totals), std::span<const T>(s1), &count, std::span<const T>(gamma),
+            std::span<const T>(mean), std::span<const T>(invstd), std::span<T>(), std::span<T>());
+    }
+}
+
+TEST_CASE("fused entry points reject spans that do not match the geometry", "[kernels][bn]") {
+    const host_system sys;
+    const channel_geometry g{2, 3, 4};
+    std::vector<float> x(g.size()), block(kernels::packed_moments::size(3) - 1);
+    std::vector<std::byte> ws(kernels::bn_workspace_bytes<float>(g));
+    CHECK_THROWS_AS(kernels::pack_local_moments(sys, std::span<const float>(x), g, 0.0f,
+                                                std::span(block), std::span(ws)),
+                    error);
+    std::vector<float> sums(kernels::packed_sums::size(3)), mean(3);
+    std::vector<std::byte> small(ws.size() - 1);
+    CHECK_THROWS_AS(kernels::pack_backward_sums(
+                        sys, std::span<const float>(x), std::span<const float>(x), g,
+                        std::span<const float>(mean), 0.0f, std::span(sums), std::span(small)),
                     error);
 }

@@ -4,18 +4,21 @@
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/bn_functors.hpp"
+#include "lockstep/kernels/bn_fused.hpp"
 #include "lockstep/kernels/channel_geometry.hpp"
 #include "lockstep/kernels/detail/bn_host_loops.hpp"
 #include "lockstep/kernels/moments.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <span>
+#include <type_traits>
 
 #include <thrust/for_each.h>
 #include <thrust/iterator/counting_iterator.h>
 
 #if LOCKSTEP_HAS_CUDA
-#include "lockstep/kernels/bn_cub.cuh"
+#include "lockstep/kernels/bn_cuda.cuh"
 #endif
 
 namespace lockstep::kernels {
@@ -28,6 +31,21 @@ void for_each_index(const System& sys, std::size_t n, F f) {
         return;
     thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
                      thrust::counting_iterator<std::size_t>(n), f);
+}
+
+/// True for the CUDA system (whose fast path is kernels::cuda_path).
+template <class System>
+inline constexpr bool is_cuda_system_v =
+#if LOCKSTEP_HAS_CUDA
+    std::is_same_v<System, cuda_system>;
+#else
+    false;
+#endif
+
+/// The part of a fused workspace after the counters, as an array of U.
+template <class U>
+U* workspace_scratch(std::span<std::byte> workspace, const channel_geometry& g) {
+    return reinterpret_cast<U*>(workspace.data() + counter_bytes(g));
 }
 } // namespace detail
 
@@ -56,9 +74,9 @@ void channel_moments_generic(const System& sys, std::span<const T> x, channel_ge
                            merge_partials_fn<Acc>{workspace.data(), parts, out.data()});
 }
 
-/// As channel_moments_generic, with the system's fast path: on a host system the vectorized
-/// OpenMP loops (same functors, another partitioning, so results agree to rounding; the
-/// workspace is unused), on the CUDA system a CUB block reduction per (channel, partition).
+/// As channel_moments_generic, with the host system's fast path: the vectorized OpenMP loops
+/// (same functors, another partitioning, so results agree to rounding; the workspace is
+/// unused). Other systems run the generic path; the CUDA fast path is pack_local_moments.
 template <class T, class Acc, class System>
 void channel_moments(const System& sys, std::span<const T> x, channel_geometry g,
                      std::span<moments<Acc>> out, std::span<moments<Acc>> workspace) {
@@ -68,19 +86,67 @@ void channel_moments(const System& sys, std::span<const T> x, channel_geometry g
                          ", out ", out.size(), " for ", g.channels, " channels");
         detail::host_channel_moments(sys.threads(), x.data(), g, out.data());
     } else {
-#if LOCKSTEP_HAS_CUDA
-        if constexpr (requires { sys.stream(); }) {
-            LOCKSTEP_REQUIRE(x.size() == g.size() && out.size() >= g.channels &&
-                                 workspace.size() >= moments_workspace_size(g),
-                             errc::shape_mismatch, -1, "kernels::channel_moments", "x has ",
-                             x.size(), " values for ", g.size(), ", out ", out.size(), " for ",
-                             g.channels, " channels, workspace ", workspace.size(), " for ",
-                             moments_workspace_size(g));
-            cub_path::channel_moments(sys, x, g, out, workspace);
-            return;
-        }
-#endif
         channel_moments_generic(sys, x, g, out, workspace);
+    }
+}
+
+namespace detail {
+template <class T, class Acc>
+void require_pack_moments(std::span<const T> x, const channel_geometry& g, std::span<Acc> block,
+                          std::span<std::byte> workspace) {
+    const std::size_t need = bn_workspace_bytes<T, Acc>(g);
+    LOCKSTEP_REQUIRE(x.size() == g.size() && block.size() >= packed_moments::size(g.channels) &&
+                         workspace.size() >= need,
+                     errc::shape_mismatch, -1, "kernels::pack_local_moments", "x has ", x.size(),
+                     " values for ", g.size(), ", block ", block.size(), " for ",
+                     packed_moments::size(g.channels), ", workspace ", workspace.size(),
+                     " bytes for ", need);
+}
+} // namespace detail
+
+/// This replica's packed statistics block (the forward all_gather's exchange format, see
+/// packed_moments) through the generic Thrust path: channel_moments_generic, then packing.
+/// requires: x.size() == g.size(); block.size() >= packed_moments::size(g.channels);
+///           workspace.size() >= bn_workspace_bytes<T, Acc>(g); all in sys's memory.
+/// ensures: block = {status, count_hi, count_lo, (mean_c, m2_c)...} with count_hi * 2^24 +
+///          count_lo == g.per_channel() exactly.
+template <class T, class Acc, class System>
+void pack_local_moments_generic(const System& sys, std::span<const T> x, channel_geometry g,
+                                Acc status, std::span<Acc> block, std::span<std::byte> workspace) {
+    detail::require_pack_moments(x, g, block, workspace);
+    moments<Acc>* local = detail::workspace_scratch<moments<Acc>>(workspace, g);
+    const std::size_t parts = generic_partitions(g);
+    detail::for_each_index(sys, g.channels * parts,
+                           partial_moments_fn<T, Acc>{x.data(), g, parts, local + g.channels});
+    detail::for_each_index(sys, g.channels,
+                           merge_partials_fn<Acc>{local + g.channels, parts, local});
+    pack_block_fn<Acc> pack{local, g.channels, status, 0, 0, block.data()};
+    packed_moments::split_count(g.per_channel(), pack.count_hi, pack.count_lo);
+    detail::for_each_index(sys, std::max<std::size_t>(g.channels, 1), pack);
+}
+
+/// As pack_local_moments_generic with the system's fast path: the host loops of
+/// channel_moments on a host system, one kernel launch on the CUDA system
+/// (cuda_path::pack_local_moments: asynchronous on the stream, graph-capturable).
+/// The workspace must be zero-filled before its first use (the CUDA kernel's arrival counters
+/// live at its start and are left zero); one workspace serves pack_backward_sums too.
+template <class T, class Acc, class System>
+void pack_local_moments(const System& sys, std::span<const T> x, channel_geometry g, Acc status,
+                        std::span<Acc> block, std::span<std::byte> workspace) {
+    detail::require_pack_moments(x, g, block, workspace);
+    if constexpr (System::is_host) {
+        moments<Acc>* local = detail::workspace_scratch<moments<Acc>>(workspace, g);
+        detail::host_channel_moments(sys.threads(), x.data(), g, local);
+        pack_block_fn<Acc> pack{local, g.channels, status, 0, 0, block.data()};
+        packed_moments::split_count(g.per_channel(), pack.count_hi, pack.count_lo);
+        for (std::size_t c = 0; c < std::max<std::size_t>(g.channels, 1); ++c)
+            pack(c);
+    } else if constexpr (detail::is_cuda_system_v<System>) {
+#if LOCKSTEP_HAS_CUDA
+        cuda_path::pack_local_moments(sys, x.data(), g, status, block.data(), workspace.data());
+#endif
+    } else {
+        pack_local_moments_generic(sys, x, g, status, block, workspace);
     }
 }
 
@@ -100,18 +166,26 @@ void normalize_generic(const System& sys, std::span<const T> x, std::span<T> y, 
         normalize_fn<T, Acc>{x.data(), y.data(), g, mean.data(), scale.data(), beta.data()});
 }
 
-/// As normalize_generic; the host system runs the vectorized OpenMP loops.
+/// As normalize_generic; the host system runs the vectorized OpenMP loops, the CUDA system
+/// cuda_path::normalize (vectorized, one launch).
 template <class T, class Acc, class System>
 void normalize(const System& sys, std::span<const T> x, std::span<T> y, channel_geometry g,
                std::span<const Acc> mean, std::span<const Acc> scale, std::span<const Acc> beta) {
-    if constexpr (System::is_host) {
+    if constexpr (System::is_host || detail::is_cuda_system_v<System>) {
         LOCKSTEP_REQUIRE(x.size() == g.size() && y.size() == g.size() &&
                              mean.size() >= g.channels && scale.size() >= g.channels &&
                              beta.size() >= g.channels,
                          errc::shape_mismatch, -1, "kernels::normalize", "x has ", x.size(),
                          " values, y ", y.size(), ", expected ", g.size());
-        detail::host_normalize(sys.threads(), x.data(), y.data(), g, mean.data(), scale.data(),
-                               beta.data());
+        if constexpr (System::is_host) {
+            detail::host_normalize(sys.threads(), x.data(), y.data(), g, mean.data(), scale.data(),
+                                   beta.data());
+        } else {
+#if LOCKSTEP_HAS_CUDA
+            cuda_path::normalize(sys, x.data(), y.data(), g, mean.data(), scale.data(),
+                                 beta.data());
+#endif
+        }
     } else {
         normalize_generic(sys, x, y, g, mean, scale, beta);
     }

@@ -1,0 +1,274 @@
+// lockstep/kernels/bn_cuda.cuh: the CUDA fast path of batch norm: host launchers of the fused
+// moments, normalize, backward-sums and dx kernels on a cuda_system's stream.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/config.hpp"
+
+#if LOCKSTEP_HAS_CUDA
+#include "lockstep/core/error.hpp"
+#include "lockstep/kernels/bn_fused.hpp"
+#include "lockstep/kernels/channel_geometry.hpp"
+#include "lockstep/kernels/detail/bn_cuda_kernels.cuh"
+#include "lockstep/system/cuda_system.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_runtime_api.h>
+
+// Every launcher enqueues on sys.stream() and returns: no synchronisation, no allocation. T is
+// float, double, __half or __nv_bfloat16 (or lockstep::half / lockstep::bfloat16, processed as
+// the CUDA types); Acc is double for double data and float otherwise. Pointers are device
+// pointers of sys's device, naturally aligned for their type; 16-byte aligned data (as every
+// cuda_system allocation is) takes the vector path, anything else a scalar path (same
+// arithmetic per value; reductions agree to rounding). Launch errors throw lockstep::error
+// (errc::cuda).
+namespace lockstep::kernels::cuda_path {
+
+namespace detail {
+
+template <class T, class Acc>
+constexpr void check_types() {
+    using N = native_t<T>;
+    static_assert(std::is_same_v<N, float> || std::is_same_v<N, double> ||
+                      std::is_same_v<N, __half> || std::is_same_v<N, __nv_bfloat16>,
+                  "the CUDA batch-norm kernels take float, double, half or bfloat16 data.");
+    static_assert(std::is_same_v<Acc, accumulation_t<N>>,
+                  "the CUDA batch-norm kernels accumulate double data in double and everything "
+                  "else in float: use Acc = kernels::accumulation_t<T>.");
+}
+
+inline std::uintptr_t misalignment(const void* p) {
+    return reinterpret_cast<std::uintptr_t>(p) % 16;
+}
+
+/// True when every pointer has the same position within 16 bytes (so vectors line up).
+template <class... P>
+bool same_misalignment(const void* first, const P*... rest) {
+    return ((misalignment(first) == misalignment(rest)) && ...);
+}
+
+/// Threads per block along the channels in the rows kernels: enough for the channel vectors,
+/// at most a warp (a power of two, so ty_count = block_threads / tx_count divides evenly).
+inline unsigned rows_tx(std::size_t channel_vectors) {
+    unsigned tx = 32;
+    while (tx > 1 && tx / 2 >= channel_vectors)
+        tx /= 2;
+    return tx;
+}
+
+/// Grid size along rows of the elementwise rows kernels: about 4 rows per thread.
+inline unsigned rows_grid_y(std::size_t rows, unsigned tx) {
+    const std::size_t per_block = std::size_t(block_threads / tx) * 4;
+    const std::size_t y = (rows + per_block - 1) / per_block;
+    return static_cast<unsigned>(y == 0 ? 1 : (y > 65535 ? 65535 : y));
+}
+
+inline unsigned grid_1d(std::size_t blocks) {
+    LOCKSTEP_REQUIRE(blocks < (std::size_t(1) << 31), errc::invalid_argument, -1,
+                     "kernels::cuda_path", "a grid of ", blocks, " blocks");
+    return static_cast<unsigned>(blocks == 0 ? 1 : blocks);
+}
+
+inline void launched() {
+    LOCKSTEP_CUDA_CHECK(cudaGetLastError());
+}
+
+} // namespace detail
+
+/// K1: this replica's packed statistics block (packed_moments layout) in one launch:
+/// block[status] = status, the exact count g.per_channel() in (count_hi, count_lo), and each
+/// channel's Welford mean and M2 (per-(channel, partition) blocks, partials Chan-merged in
+/// partition order in double with exact counts by the last block of each channel).
+/// requires: x holds g.size() values; block holds packed_moments::size(g.channels) values;
+///           workspace holds bn_workspace_bytes<T, Acc>(g) bytes, zero-filled before its first
+///           use and not used concurrently by another launch.
+/// ensures: the workspace's counters are zero again when the kernel ends.
+template <class T, class Acc>
+void pack_local_moments(const cuda_system& sys, const T* x, channel_geometry g, Acc status,
+                        Acc* block, void* workspace) {
+    detail::check_types<T, Acc>();
+    using N = native_t<T>;
+    const N* xn = reinterpret_cast<const N*>(x);
+    constexpr int V = detail::vector_width<N>;
+    detail::block_header<Acc> header{status, 0, 0};
+    packed_moments::split_count(g.per_channel(), header.count_hi, header.count_lo);
+    LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
+    if (g.channels == 0) {
+        detail::header_kernel<<<1, 1, 0, sys.stream()>>>(header, block);
+        detail::launched();
+        return;
+    }
+    auto* counters = static_cast<unsigned*>(workspace);
+    auto* partials = reinterpret_cast<Acc*>(static_cast<std::byte*>(workspace) +
+                                            kernels::detail::counter_bytes(g));
+    const std::size_t parts = kernels::detail::cuda_partitions(g, sizeof(T));
+    if (g.inner > 1) {
+        detail::moments_planes_kernel<N, Acc, V>
+            <<<detail::grid_1d(g.channels * parts), block_threads, 0, sys.stream()>>>(
+                xn, g, parts, partials, counters, header, block);
+    } else if (g.channels % V == 0 && detail::misalignment(x) == 0) {
+        const unsigned tx = detail::rows_tx(g.channels / V);
+        const dim3 grid(detail::grid_1d((g.channels / V + tx - 1) / tx),
+                        static_cast<unsigned>(parts));
+        detail::moments_rows_kernel<N, Acc, V><<<grid, block_threads, 0, sys.stream()>>>(
+            xn, g, tx, parts, partials, counters, header, block);
+    } else {
+        const unsigned tx = detail::rows_tx(g.channels);
+        const dim3 grid(detail::grid_1d((g.channels + tx - 1) / tx), static_cast<unsigned>(parts));
+        detail::moments_rows_kernel<N, Acc, 1><<<grid, block_threads, 0, sys.stream()>>>(
+            xn, g, tx, parts, partials, counters, header, block);
+    }
+    detail::launched();
+}
+
+/// K3: y = normalize_value(x, mean_c, scale_c, beta_c) for every value of channel c.
+/// requires: x and y hold g.size() values and do not overlap; mean, scale, beta hold
+///           g.channels values.
+template <class T, class Acc>
+void normalize(const cuda_system& sys, const T* x, T* y, channel_geometry g, const Acc* mean,
+               const Acc* scale, const Acc* beta) {
+    detail::check_types<T, Acc>();
+    using N = native_t<T>;
+    const N* xn = reinterpret_cast<const N*>(x);
+    N* yn = reinterpret_cast<N*>(y);
+    constexpr int V = detail::vector_width<N>;
+    if (g.size() == 0)
+        return;
+    LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
+    if (g.inner > 1) {
+        const std::size_t per_block = block_warps * detail::item_values<V>;
+        const unsigned grid = detail::grid_1d((g.size() + per_block - 1) / per_block);
+        if (detail::same_misalignment(x, y))
+            detail::normalize_planes_kernel<N, Acc, V>
+                <<<grid, block_threads, 0, sys.stream()>>>(xn, yn, g, mean, scale, beta);
+        else
+            detail::normalize_planes_kernel<N, Acc, 1>
+                <<<detail::grid_1d((g.size() + block_warps * detail::item_values<1> - 1) /
+                                   (block_warps * detail::item_values<1>)),
+                   block_threads, 0, sys.stream()>>>(xn, yn, g, mean, scale, beta);
+    } else if (g.channels % V == 0 && detail::misalignment(x) == 0 &&
+               detail::misalignment(y) == 0) {
+        const unsigned tx = detail::rows_tx(g.channels / V);
+        const dim3 grid(detail::grid_1d((g.channels / V + tx - 1) / tx),
+                        detail::rows_grid_y(g.outer, tx));
+        detail::normalize_rows_kernel<N, Acc, V>
+            <<<grid, block_threads, 0, sys.stream()>>>(xn, yn, g, tx, mean, scale, beta);
+    } else {
+        const unsigned tx = detail::rows_tx(g.channels);
+        const dim3 grid(detail::grid_1d((g.channels + tx - 1) / tx),
+                        detail::rows_grid_y(g.outer, tx));
+        detail::normalize_rows_kernel<N, Acc, 1>
+            <<<grid, block_threads, 0, sys.stream()>>>(xn, yn, g, tx, mean, scale, beta);
+    }
+    detail::launched();
+}
+
+/// K4: the backward sums with a status slot (packed_sums layout) in one launch:
+/// sums[c] = sum dy, sums[C + c] = sum dy * (x - mean_c) (backward_accumulate), sums[2 C] =
+/// status. Partials per (channel, partition) are added in partition order (in double) by the
+/// last block of each channel: no floating-point atomics, the same bits on every run.
+/// requires: dy and x hold g.size() values; mean g.channels; sums packed_sums::size(g.channels);
+///           workspace as for pack_local_moments (the two may share one workspace).
+template <class T, class Acc>
+void pack_backward_sums(const cuda_system& sys, const T* dy, const T* x, channel_geometry g,
+                        const Acc* mean, Acc status, Acc* sums, void* workspace) {
+    detail::check_types<T, Acc>();
+    using N = native_t<T>;
+    const N* dyn = reinterpret_cast<const N*>(dy);
+    const N* xn = reinterpret_cast<const N*>(x);
+    constexpr int V = detail::vector_width<N>;
+    LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
+    if (g.channels == 0) {
+        detail::status_kernel<<<1, 1, 0, sys.stream()>>>(status, sums);
+        detail::launched();
+        return;
+    }
+    auto* counters = static_cast<unsigned*>(workspace);
+    auto* partials = reinterpret_cast<Acc*>(static_cast<std::byte*>(workspace) +
+                                            kernels::detail::counter_bytes(g));
+    const std::size_t parts = kernels::detail::cuda_partitions(g, sizeof(T));
+    if (g.inner > 1) {
+        const unsigned grid = detail::grid_1d(g.channels * parts);
+        if (detail::same_misalignment(dy, x))
+            detail::sums_planes_kernel<N, Acc, V><<<grid, block_threads, 0, sys.stream()>>>(
+                dyn, xn, g, parts, mean, status, partials, counters, sums);
+        else
+            detail::sums_planes_kernel<N, Acc, 1><<<grid, block_threads, 0, sys.stream()>>>(
+                dyn, xn, g, parts, mean, status, partials, counters, sums);
+    } else if (g.channels % V == 0 && detail::misalignment(dy) == 0 &&
+               detail::misalignment(x) == 0) {
+        const unsigned tx = detail::rows_tx(g.channels / V);
+        const dim3 grid(detail::grid_1d((g.channels / V + tx - 1) / tx),
+                        static_cast<unsigned>(parts));
+        detail::sums_rows_kernel<N, Acc, V><<<grid, block_threads, 0, sys.stream()>>>(
+            dyn, xn, g, tx, parts, mean, status, partials, counters, sums);
+    } else {
+        const unsigned tx = detail::rows_tx(g.channels);
+        const dim3 grid(detail::grid_1d((g.channels + tx - 1) / tx), static_cast<unsigned>(parts));
+        detail::sums_rows_kernel<N, Acc, 1><<<grid, block_threads, 0, sys.stream()>>>(
+            dyn, xn, g, tx, parts, mean, status, partials, counters, sums);
+    }
+    detail::launched();
+}
+
+/// K5: dx = input_gradient(dy, x, mean_c, k, a, b) with fused_gradient_coefficients (k = gamma
+/// invstd, a = totals[c] / count, b = invstd^2 totals[C + c] / count, a = b = 0 when
+/// *count == 0), and once per channel dgamma[c] += local[C + c] * invstd[c],
+/// dbeta[c] += local[c] (skipped for a null dgamma / dbeta), in one launch.
+/// requires: dy, x, dx hold g.size() values, dx overlaps neither; totals and local hold
+///           2 g.channels values (packed_sums layout; local is this replica's pack_backward_sums,
+///           totals their sum over the replicas the statistics were taken over); count points
+///           to one double in device memory; gamma, mean, invstd, dgamma, dbeta g.channels.
+template <class T, class Acc>
+void input_gradient_fused(const cuda_system& sys, const T* dy, const T* x, T* dx,
+                          channel_geometry g, const Acc* totals, const Acc* local,
+                          const double* count, const Acc* gamma, const Acc* mean, const Acc* invstd,
+                          Acc* dgamma, Acc* dbeta) {
+    detail::check_types<T, Acc>();
+    using N = native_t<T>;
+    const N* dyn = reinterpret_cast<const N*>(dy);
+    const N* xn = reinterpret_cast<const N*>(x);
+    N* dxn = reinterpret_cast<N*>(dx);
+    constexpr int V = detail::vector_width<N>;
+    const detail::fused_gradient_args<Acc> args{totals, local,  count,  gamma,
+                                                mean,   invstd, dgamma, dbeta};
+    if (g.channels == 0)
+        return;
+    const std::size_t channel_blocks = (g.channels + block_threads - 1) / block_threads;
+    LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
+    if (g.inner > 1) {
+        const bool vec = detail::same_misalignment(dy, x, dx);
+        const std::size_t per_block =
+            block_warps * (vec ? detail::item_values<V> : detail::item_values<1>);
+        std::size_t blocks = (g.size() + per_block - 1) / per_block;
+        blocks = blocks > channel_blocks ? blocks : channel_blocks;
+        if (vec)
+            detail::gradient_planes_kernel<N, Acc, V>
+                <<<detail::grid_1d(blocks), block_threads, 0, sys.stream()>>>(dyn, xn, dxn, g,
+                                                                              args);
+        else
+            detail::gradient_planes_kernel<N, Acc, 1>
+                <<<detail::grid_1d(blocks), block_threads, 0, sys.stream()>>>(dyn, xn, dxn, g,
+                                                                              args);
+    } else if (g.channels % V == 0 && detail::misalignment(dy) == 0 &&
+               detail::misalignment(x) == 0 && detail::misalignment(dx) == 0) {
+        const unsigned tx = detail::rows_tx(g.channels / V);
+        const dim3 grid(detail::grid_1d((g.channels / V + tx - 1) / tx),
+                        detail::rows_grid_y(g.outer, tx));
+        detail::gradient_rows_kernel<N, Acc, V>
+            <<<grid, block_threads, 0, sys.stream()>>>(dyn, xn, dxn, g, tx, args);
+    } else {
+        const unsigned tx = detail::rows_tx(g.channels);
+        const dim3 grid(detail::grid_1d((g.channels + tx - 1) / tx),
+                        detail::rows_grid_y(g.outer, tx));
+        detail::gradient_rows_kernel<N, Acc, 1>
+            <<<grid, block_threads, 0, sys.stream()>>>(dyn, xn, dxn, g, tx, args);
+    }
+    detail::launched();
+}
+
+} // namespace lockstep::kernels::cuda_path
+#endif

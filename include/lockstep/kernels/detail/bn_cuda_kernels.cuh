@@ -1,0 +1,507 @@
+// lockstep/kernels/detail/bn_cuda_kernels.cuh: the CUDA batch-norm kernels (moments, normalize,
+// backward sums, fused dx) for planes (NCHW) and rows (NHWC, N x C). SPDX-License-Identifier:
+// Apache-2.0
+#pragma once
+
+#include "lockstep/core/config.hpp"
+
+#if LOCKSTEP_HAS_CUDA
+#include "lockstep/kernels/bn_fused.hpp"
+#include "lockstep/kernels/detail/bn_cuda_device.cuh"
+
+#include <cstddef>
+
+#include <cub/block/block_reduce.cuh>
+
+namespace lockstep::kernels::cuda_path::detail {
+
+// Two shapes cover every layout, as on the host:
+// - planes (inner > 1): a warp takes an item of 8 vectors per lane of one channel's values
+//   (reductions) or of the tensor (elementwise) and walks it run by run with a row pointer;
+//   16-byte vectors between an unaligned head and tail.
+// - rows (inner == 1): consecutive threads take consecutive channel vectors of a row (coalesced),
+//   tx indexes channel vectors, ty rows; a thread keeps its channels' state across rows.
+// Reductions write one partial per (channel, partition) block; the last block of a channel (or
+// channel tile) to arrive folds them in partition order in double with exact integer counts.
+
+/// The header of the packed forward block, written once per launch.
+template <class Acc>
+struct block_header {
+    Acc status;
+    Acc count_hi;
+    Acc count_lo;
+};
+
+template <class Acc>
+__device__ __forceinline__ void write_header(Acc* block, const block_header<Acc>& h) {
+    block[packed_moments::status] = h.status;
+    block[packed_moments::count_hi] = h.count_hi;
+    block[packed_moments::count_lo] = h.count_lo;
+}
+
+/// Values per warp item of the planes kernels.
+template <int V>
+inline constexpr std::size_t item_values = 32 * V * 8;
+
+/// K1, planes: block = (channel c, partition p) of cuda_partitions(g) partitions.
+template <class T, class Acc, int V>
+__global__ void __launch_bounds__(block_threads)
+    moments_planes_kernel(const T* __restrict__ x, channel_geometry g, std::size_t parts,
+                          Acc* partials, unsigned* counters, block_header<Acc> header, Acc* block) {
+    using reduce_t = cub::BlockReduce<moments<Acc>, block_threads>;
+    __shared__ typename reduce_t::TempStorage tmp;
+    const std::size_t c = blockIdx.x / parts;
+    const std::size_t p = blockIdx.x - c * parts;
+    const std::size_t n = g.per_channel();
+    const std::size_t k1 = n * (p + 1) / parts;
+    const unsigned lane = threadIdx.x % 32;
+    moments_op<T, Acc, V> op{x};
+    for (std::size_t a = n * p / parts + threadIdx.x / 32 * item_values<V>; a < k1;
+         a += block_warps * item_values<V>)
+        channel_runs(g, c, a, smin(a + item_values<V>, k1),
+                     [&](std::size_t off, std::size_t len) { warp_run<V>(op, x, off, len, lane); });
+    const moments<Acc> m = reduce_t(tmp).Reduce(op.result(), chan_merge{});
+    if (threadIdx.x == 0) {
+        partials[2 * blockIdx.x] = m.mean;
+        partials[2 * blockIdx.x + 1] = m.m2;
+    }
+    if (!arrive_last(counters + c, parts))
+        return;
+    const Acc* mine = partials + 2 * c * parts;
+    const moments<double> total = ordered_fold<moments<double>>(
+        parts,
+        [&](std::size_t q) {
+            const auto count = static_cast<double>(n * (q + 1) / parts - n * q / parts);
+            return moments<double>{count, static_cast<double>(__ldcg(mine + 2 * q)),
+                                   static_cast<double>(__ldcg(mine + 2 * q + 1))};
+        },
+        chan_merge{});
+    if (threadIdx.x == 0) {
+        block[packed_moments::mean(c)] = static_cast<Acc>(total.mean);
+        block[packed_moments::m2(c)] = static_cast<Acc>(total.m2);
+        if (c == 0)
+            write_header(block, header);
+    }
+}
+
+/// K1, rows: block = (channel tile of tx_count * V channels, row partition blockIdx.y).
+/// partials hold [partition][mean | m2][channel].
+template <class T, class Acc, int V>
+__global__ void __launch_bounds__(block_threads)
+    moments_rows_kernel(const T* __restrict__ x, channel_geometry g, unsigned tx_count,
+                        std::size_t parts, Acc* partials, unsigned* counters,
+                        block_header<Acc> header, Acc* block) {
+    __shared__ Acc s_mean[block_threads * V];
+    __shared__ Acc s_m2[block_threads * V];
+    __shared__ Acc s_n[block_threads];
+    const std::size_t C = g.channels;
+    const unsigned ty_count = block_threads / tx_count;
+    const unsigned tx = threadIdx.x % tx_count;
+    const unsigned ty = threadIdx.x / tx_count;
+    const std::size_t tile = std::size_t(tx_count) * V;
+    const std::size_t c0 = blockIdx.x * tile + tx * V;
+    const std::size_t p = blockIdx.y;
+    const std::size_t r1 = g.outer * (p + 1) / parts;
+    Acc mean[V] = {};
+    Acc m2[V] = {};
+    Acc n = 0;
+    if (c0 < C) {
+        const T* col = x + c0;
+        std::size_t r = g.outer * p / parts + ty;
+        for (; r + 3 * ty_count < r1; r += 4 * ty_count) {
+            raw_t<V, T> q[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+                q[u] = load_raw<V>(col + (r + u * ty_count) * C);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                Acc v[V];
+                unpack<V, T>(q[u], v);
+                n += Acc(1);
+                const Acc inv = Acc(1) / n;
+#pragma unroll
+                for (int j = 0; j < V; ++j)
+                    welford_accumulate(mean[j], m2[j], v[j], inv);
+            }
+        }
+        for (; r < r1; r += ty_count) {
+            Acc v[V];
+            load<V>(col + r * C, v);
+            n += Acc(1);
+            const Acc inv = Acc(1) / n;
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+                welford_accumulate(mean[j], m2[j], v[j], inv);
+        }
+    }
+    // fold the rows of the block: ty with ty + s for s = 1, 2, 4, ... (fixed order)
+    const chan_merge merge;
+    s_n[threadIdx.x] = n;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        s_mean[threadIdx.x * V + j] = mean[j];
+        s_m2[threadIdx.x * V + j] = m2[j];
+    }
+    __syncthreads();
+    for (unsigned s = 1; s < ty_count; s *= 2) {
+        if (ty % (2 * s) == 0) {
+            const unsigned o = threadIdx.x + s * tx_count;
+            const Acc on = s_n[o];
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const moments<Acc> r = merge(moments<Acc>{n, mean[j], m2[j]},
+                                             moments<Acc>{on, s_mean[o * V + j], s_m2[o * V + j]});
+                mean[j] = r.mean;
+                m2[j] = r.m2;
+            }
+            n += on;
+            s_n[threadIdx.x] = n;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                s_mean[threadIdx.x * V + j] = mean[j];
+                s_m2[threadIdx.x * V + j] = m2[j];
+            }
+        }
+        __syncthreads();
+    }
+    if (ty == 0 && c0 < C) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            partials[2 * p * C + c0 + j] = mean[j];
+            partials[(2 * p + 1) * C + c0 + j] = m2[j];
+        }
+    }
+    if (!arrive_last(counters + blockIdx.x, parts))
+        return;
+    for (std::size_t j = threadIdx.x; j < tile; j += block_threads) {
+        const std::size_t c = blockIdx.x * tile + j;
+        if (c >= C)
+            break;
+        moments<double> total;
+        for (std::size_t q = 0; q < parts; ++q) {
+            const auto rows = static_cast<double>(g.outer * (q + 1) / parts - g.outer * q / parts);
+            total =
+                merge(total,
+                      moments<double>{rows, static_cast<double>(__ldcg(partials + 2 * q * C + c)),
+                                      static_cast<double>(__ldcg(partials + (2 * q + 1) * C + c))});
+        }
+        block[packed_moments::mean(c)] = static_cast<Acc>(total.mean);
+        block[packed_moments::m2(c)] = static_cast<Acc>(total.m2);
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        write_header(block, header);
+}
+
+/// The header alone (no channels).
+template <class Acc>
+__global__ void header_kernel(block_header<Acc> header, Acc* block) {
+    write_header(block, header);
+}
+
+/// K4, planes: block = (channel c, partition p); partials hold (sum dy, sum dy (x - mean)).
+template <class T, class Acc, int V>
+__global__ void __launch_bounds__(block_threads)
+    sums_planes_kernel(const T* __restrict__ dy, const T* __restrict__ x, channel_geometry g,
+                       std::size_t parts, const Acc* mean, Acc status, Acc* partials,
+                       unsigned* counters, Acc* sums) {
+    using reduce_t = cub::BlockReduce<dy_sums<Acc>, block_threads>;
+    __shared__ typename reduce_t::TempStorage tmp;
+    const std::size_t c = blockIdx.x / parts;
+    const std::size_t p = blockIdx.x - c * parts;
+    const std::size_t n = g.per_channel();
+    const std::size_t k1 = n * (p + 1) / parts;
+    const unsigned lane = threadIdx.x % 32;
+    sums_op<T, Acc, V> op{dy, x, mean[c]};
+    for (std::size_t a = n * p / parts + threadIdx.x / 32 * item_values<V>; a < k1;
+         a += block_warps * item_values<V>)
+        channel_runs(g, c, a, smin(a + item_values<V>, k1),
+                     [&](std::size_t off, std::size_t len) { warp_run<V>(op, x, off, len, lane); });
+    const dy_sums<Acc> s = reduce_t(tmp).Reduce(op.result(), add_dy_sums{});
+    if (threadIdx.x == 0) {
+        partials[2 * blockIdx.x] = s.dy;
+        partials[2 * blockIdx.x + 1] = s.dyx;
+    }
+    if (!arrive_last(counters + c, parts))
+        return;
+    const Acc* mine = partials + 2 * c * parts;
+    const dy_sums<double> total = ordered_fold<dy_sums<double>>(
+        parts,
+        [&](std::size_t q) {
+            return dy_sums<double>{static_cast<double>(__ldcg(mine + 2 * q)),
+                                   static_cast<double>(__ldcg(mine + 2 * q + 1))};
+        },
+        add_dy_sums{});
+    if (threadIdx.x == 0) {
+        sums[c] = static_cast<Acc>(total.dy);
+        sums[g.channels + c] = static_cast<Acc>(total.dyx);
+        if (c == 0)
+            sums[packed_sums::status(g.channels)] = status;
+    }
+}
+
+/// K4, rows: as moments_rows_kernel with the backward sums.
+template <class T, class Acc, int V>
+__global__ void __launch_bounds__(block_threads)
+    sums_rows_kernel(const T* __restrict__ dy, const T* __restrict__ x, channel_geometry g,
+                     unsigned tx_count, std::size_t parts, const Acc* mean, Acc status,
+                     Acc* partials, unsigned* counters, Acc* sums) {
+    __shared__ Acc s_dy[block_threads * V];
+    __shared__ Acc s_dyx[block_threads * V];
+    const std::size_t C = g.channels;
+    const unsigned ty_count = block_threads / tx_count;
+    const unsigned tx = threadIdx.x % tx_count;
+    const unsigned ty = threadIdx.x / tx_count;
+    const std::size_t tile = std::size_t(tx_count) * V;
+    const std::size_t c0 = blockIdx.x * tile + tx * V;
+    const std::size_t p = blockIdx.y;
+    const std::size_t r1 = g.outer * (p + 1) / parts;
+    Acc sdy[V] = {};
+    Acc sdyx[V] = {};
+    if (c0 < C) {
+        Acc mu[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+            mu[j] = mean[c0 + j];
+        std::size_t r = g.outer * p / parts + ty;
+        for (; r + 3 * ty_count < r1; r += 4 * ty_count) {
+            raw_t<V, T> qd[4], qx[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                qd[u] = load_raw<V>(dy + (r + u * ty_count) * C + c0);
+                qx[u] = load_raw<V>(x + (r + u * ty_count) * C + c0);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                Acc d[V], v[V];
+                unpack<V, T>(qd[u], d);
+                unpack<V, T>(qx[u], v);
+#pragma unroll
+                for (int j = 0; j < V; ++j)
+                    backward_accumulate(sdy[j], sdyx[j], d[j], v[j], mu[j]);
+            }
+        }
+        for (; r < r1; r += ty_count) {
+            Acc d[V], v[V];
+            load<V>(dy + r * C + c0, d);
+            load<V>(x + r * C + c0, v);
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+                backward_accumulate(sdy[j], sdyx[j], d[j], v[j], mu[j]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        s_dy[threadIdx.x * V + j] = sdy[j];
+        s_dyx[threadIdx.x * V + j] = sdyx[j];
+    }
+    __syncthreads();
+    for (unsigned s = 1; s < ty_count; s *= 2) {
+        if (ty % (2 * s) == 0) {
+            const unsigned o = threadIdx.x + s * tx_count;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                sdy[j] += s_dy[o * V + j];
+                sdyx[j] += s_dyx[o * V + j];
+                s_dy[threadIdx.x * V + j] = sdy[j];
+                s_dyx[threadIdx.x * V + j] = sdyx[j];
+            }
+        }
+        __syncthreads();
+    }
+    if (ty == 0 && c0 < C) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            partials[2 * p * C + c0 + j] = sdy[j];
+            partials[(2 * p + 1) * C + c0 + j] = sdyx[j];
+        }
+    }
+    if (!arrive_last(counters + blockIdx.x, parts))
+        return;
+    for (std::size_t j = threadIdx.x; j < tile; j += block_threads) {
+        const std::size_t c = blockIdx.x * tile + j;
+        if (c >= C)
+            break;
+        double a = 0;
+        double b = 0;
+        for (std::size_t q = 0; q < parts; ++q) {
+            a += static_cast<double>(__ldcg(partials + 2 * q * C + c));
+            b += static_cast<double>(__ldcg(partials + (2 * q + 1) * C + c));
+        }
+        sums[c] = static_cast<Acc>(a);
+        sums[C + c] = static_cast<Acc>(b);
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        sums[packed_sums::status(C)] = status;
+}
+
+/// The status alone (no channels).
+template <class Acc>
+__global__ void status_kernel(Acc status, Acc* sums) {
+    sums[0] = status;
+}
+
+/// K3, planes: warp w of the grid normalizes tensor offsets [w I, (w + 1) I), I = item_values.
+template <class T, class Acc, int V>
+__global__ void __launch_bounds__(block_threads)
+    normalize_planes_kernel(const T* __restrict__ x, T* __restrict__ y, channel_geometry g,
+                            const Acc* mean, const Acc* scale, const Acc* beta) {
+    const std::size_t a =
+        (std::size_t(blockIdx.x) * block_warps + threadIdx.x / 32) * item_values<V>;
+    const std::size_t size = g.size();
+    if (a >= size)
+        return;
+    const unsigned lane = threadIdx.x % 32;
+    plane_runs(g, a, smin(a + item_values<V>, size),
+               [&](std::size_t off, std::size_t len, std::size_t c) {
+                   normalize_op<T, Acc, V> op{x, y, mean[c], scale[c], beta[c]};
+                   warp_run<V>(op, x, off, len, lane);
+               });
+}
+
+/// K3, rows: thread (tx, ty) normalizes channel vector tx of rows ty, ty + ty_count, ...
+template <class T, class Acc, int V>
+__global__ void __launch_bounds__(block_threads)
+    normalize_rows_kernel(const T* __restrict__ x, T* __restrict__ y, channel_geometry g,
+                          unsigned tx_count, const Acc* mean, const Acc* scale, const Acc* beta) {
+    const std::size_t C = g.channels;
+    const unsigned ty_count = block_threads / tx_count;
+    const std::size_t c0 = (std::size_t(blockIdx.x) * tx_count + threadIdx.x % tx_count) * V;
+    if (c0 >= C)
+        return;
+    Acc mu[V], sc[V], be[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        mu[j] = mean[c0 + j];
+        sc[j] = scale[c0 + j];
+        be[j] = beta[c0 + j];
+    }
+    const std::size_t stride = std::size_t(gridDim.y) * ty_count;
+    std::size_t r = std::size_t(blockIdx.y) * ty_count + threadIdx.x / tx_count;
+    for (; r + 3 * stride < g.outer; r += 4 * stride) {
+        raw_t<V, T> q[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+            q[u] = load_raw<V>(x + (r + u * stride) * C + c0);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            Acc v[V];
+            unpack<V, T>(q[u], v);
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+                v[j] = normalize_value(v[j], mu[j], sc[j], be[j]);
+            store<V>(y + (r + u * stride) * C + c0, v);
+        }
+    }
+    for (; r < g.outer; r += stride) {
+        Acc v[V];
+        load<V>(x + r * C + c0, v);
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+            v[j] = normalize_value(v[j], mu[j], sc[j], be[j]);
+        store<V>(y + r * C + c0, v);
+    }
+}
+
+/// The inputs of the fused dx kernels.
+template <class Acc>
+struct fused_gradient_args {
+    const Acc* totals;
+    const Acc* local;
+    const double* count;
+    const Acc* gamma;
+    const Acc* mean;
+    const Acc* invstd;
+    Acc* dgamma;
+    Acc* dbeta;
+};
+
+/// dgamma/dbeta once per channel: a grid-stride loop over the channels by global thread index.
+template <class Acc>
+__device__ __forceinline__ void parameter_gradients(std::size_t C,
+                                                    const fused_gradient_args<Acc>& f) {
+    if (f.dgamma == nullptr && f.dbeta == nullptr)
+        return;
+    const std::size_t threads = std::size_t(gridDim.x) * gridDim.y * block_threads;
+    for (std::size_t c =
+             (std::size_t(blockIdx.y) * gridDim.x + blockIdx.x) * block_threads + threadIdx.x;
+         c < C; c += threads)
+        add_parameter_gradients(c, C, f.local, f.invstd, f.dgamma, f.dbeta);
+}
+
+/// K5, planes: as normalize_planes_kernel with dx, coefficients computed per run.
+template <class T, class Acc, int V>
+__global__ void __launch_bounds__(block_threads)
+    gradient_planes_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
+                           channel_geometry g, fused_gradient_args<Acc> f) {
+    parameter_gradients(g.channels, f);
+    const std::size_t a =
+        (std::size_t(blockIdx.x) * block_warps + threadIdx.x / 32) * item_values<V>;
+    const std::size_t size = g.size();
+    if (a >= size)
+        return;
+    const unsigned lane = threadIdx.x % 32;
+    const double count = *f.count;
+    plane_runs(
+        g, a, smin(a + item_values<V>, size), [&](std::size_t off, std::size_t len, std::size_t c) {
+            const gradient_coefficients<Acc> co =
+                fused_gradient_coefficients(c, g.channels, f.totals, count, f.gamma, f.invstd);
+            gradient_op<T, Acc, V> op{dy, x, dx, f.mean[c], co.k, co.a, co.b};
+            warp_run<V>(op, x, off, len, lane);
+        });
+}
+
+/// K5, rows: as normalize_rows_kernel with dx.
+template <class T, class Acc, int V>
+__global__ void __launch_bounds__(block_threads)
+    gradient_rows_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
+                         channel_geometry g, unsigned tx_count, fused_gradient_args<Acc> f) {
+    parameter_gradients(g.channels, f);
+    const std::size_t C = g.channels;
+    const unsigned ty_count = block_threads / tx_count;
+    const std::size_t c0 = (std::size_t(blockIdx.x) * tx_count + threadIdx.x % tx_count) * V;
+    if (c0 >= C)
+        return;
+    const double count = *f.count;
+    Acc mu[V], k[V], a[V], b[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        const gradient_coefficients<Acc> co =
+            fused_gradient_coefficients(c0 + j, C, f.totals, count, f.gamma, f.invstd);
+        mu[j] = f.mean[c0 + j];
+        k[j] = co.k;
+        a[j] = co.a;
+        b[j] = co.b;
+    }
+    const std::size_t stride = std::size_t(gridDim.y) * ty_count;
+    std::size_t r = std::size_t(blockIdx.y) * ty_count + threadIdx.x / tx_count;
+    for (; r + 3 * stride < g.outer; r += 4 * stride) {
+        raw_t<V, T> qd[4], qx[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            qd[u] = load_raw<V>(dy + (r + u * stride) * C + c0);
+            qx[u] = load_raw<V>(x + (r + u * stride) * C + c0);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            Acc d[V], v[V];
+            unpack<V, T>(qd[u], d);
+            unpack<V, T>(qx[u], v);
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+                d[j] = input_gradient(d[j], v[j], mu[j], k[j], a[j], b[j]);
+            store<V>(dx + (r + u * stride) * C + c0, d);
+        }
+    }
+    for (; r < g.outer; r += stride) {
+        Acc d[V], v[V];
+        load<V>(dy + r * C + c0, d);
+        load<V>(x + r * C + c0, v);
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+            d[j] = input_gradient(d[j], v[j], mu[j], k[j], a[j], b[j]);
+        store<V>(dx + r * C + c0, d);
+    }
+}
+
+} // namespace lockstep::kernels::cuda_path::detail
+#endif

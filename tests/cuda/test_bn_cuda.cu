@@ -1,0 +1,348 @@
+// The CUDA batch-norm kernels (cuda_path: fused moments, normalize, backward sums, fused dx)
+// against the generic Thrust path on the same device and a double host reference, for float,
+// double, __half and __nv_bfloat16. Runs where a GPU exists. SPDX-License-Identifier: Apache-2.0
+#include "lockstep/kernels/bn_backward.hpp"
+#include "lockstep/kernels/bn_forward.hpp"
+#include "lockstep/system/buffer.hpp"
+#include "lockstep/system/cuda_system.hpp"
+
+#include "cuda_test_support.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstddef>
+#include <random>
+#include <type_traits>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+using namespace lockstep;
+using kernels::channel_geometry;
+using kernels::packed_moments;
+using kernels::packed_sums;
+
+namespace {
+
+template <class T>
+T to_value(double v) {
+    if constexpr (std::is_same_v<T, __half>)
+        return __float2half_rn(static_cast<float>(v));
+    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return __float2bfloat16_rn(static_cast<float>(v));
+    else
+        return static_cast<T>(v);
+}
+template <class T>
+double to_double(T v) {
+    if constexpr (std::is_same_v<T, __half>)
+        return __half2float(v);
+    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return __bfloat162float(v);
+    else
+        return static_cast<double>(v);
+}
+
+/// Unit roundoff of the storage type (the error of rounding one result into it).
+template <class T>
+constexpr double unit_roundoff() {
+    if constexpr (std::is_same_v<T, __half>)
+        return lockstep::half::unit_roundoff; // 2^-11
+    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return lockstep::bfloat16::unit_roundoff; // 2^-8
+    else if constexpr (std::is_same_v<T, float>)
+        return 0x1p-24;
+    else
+        return 0x1p-53;
+}
+
+/// Relative tolerance of the accumulations (Acc = float, or double for double data).
+template <class T>
+constexpr double acc_tolerance() {
+    return std::is_same_v<T, double> ? 1e-12 : 2e-5;
+}
+
+template <class T>
+std::vector<T> values(std::size_t n, unsigned seed, double mean, double stddev) {
+    std::mt19937_64 gen(seed);
+    std::normal_distribution<double> z(mean, stddev);
+    std::vector<T> v(n);
+    for (auto& e : v)
+        e = to_value<T>(z(gen));
+    return v;
+}
+
+/// A device copy of h starting `offset` elements into its allocation (offset 1 misaligns it).
+template <class U>
+struct device_array {
+    buffer<U, cuda_system> storage;
+    std::size_t offset = 0;
+    std::size_t size = 0;
+    device_array(const std::vector<U>& h, const cuda_system& sys, std::size_t off = 0)
+        : storage(h.size() + off, sys), offset(off), size(h.size()) {
+        lockstep::copy(std::span<const U>(h), host_system{}, span(), sys);
+    }
+    device_array(std::size_t n, const cuda_system& sys, std::size_t off = 0)
+        : storage(n + off, sys), offset(off), size(n) {}
+    std::span<U> span() { return storage.span().subspan(offset, size); }
+    std::span<const U> cspan() const { return storage.span().subspan(offset, size); }
+    std::vector<U> download() const {
+        std::vector<U> h(size);
+        lockstep::copy(cspan(), storage.system(), std::span<U>(h), host_system{});
+        return h;
+    }
+};
+
+/// A zero-filled fused workspace.
+template <class T>
+buffer<std::byte, cuda_system> workspace(const channel_geometry& g, const cuda_system& sys) {
+    buffer<std::byte, cuda_system> ws(kernels::bn_workspace_bytes<T>(g), sys);
+    LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(ws.data(), 0, ws.size_bytes(), sys.stream()));
+    return ws;
+}
+
+/// Two-pass double moments of channel c.
+template <class T>
+void reference_moments(const std::vector<T>& x, const channel_geometry& g, std::size_t c,
+                       double& mean, double& m2) {
+    const double n = static_cast<double>(g.per_channel());
+    double s = 0;
+    for (std::size_t k = 0; k < g.per_channel(); ++k)
+        s += to_double(x[g.offset(c, k)]);
+    mean = n > 0 ? s / n : 0;
+    m2 = 0;
+    for (std::size_t k = 0; k < g.per_channel(); ++k) {
+        const double e = to_double(x[g.offset(c, k)]) - mean;
+        m2 += e * e;
+    }
+}
+
+const std::vector<channel_geometry> geometries{
+    {6, 5, 63},     // NCHW, odd planes: unaligned heads and tails in every plane
+    {4, 3, 197},    // NCHW, runs split across warp items
+    {8, 16, 3136},  // NCHW 56x56 planes, several partitions per channel
+    {3000, 19, 1},  // NHWC rows, channels not a multiple of the vector width (scalar path)
+    {1000, 64, 1},  // NHWC rows, vector path
+    {37, 20000, 1}, // N x C with C = 20000 > 16384 channel tiles
+    {1, 4, 1},      // one value per channel
+    {0, 3, 16},     // empty batch
+};
+
+} // namespace
+
+TEMPLATE_TEST_CASE("cuda_path moments and backward sums agree with the generic path and a "
+                   "double reference",
+                   "[kernels][bn][cuda][gpu]", float, double, __half, __nv_bfloat16) {
+    using T = TestType;
+    using Acc = kernels::accumulation_t<T>;
+    if (lockstep_test::skip_without_gpu())
+        return;
+    const cuda_system sys(0);
+    const double tol = acc_tolerance<T>();
+    for (const channel_geometry g : geometries) {
+        for (const std::size_t off : {std::size_t(0), std::size_t(1)}) {
+            CAPTURE(g.outer, g.channels, g.inner, off);
+            const std::size_t C = g.channels;
+            const auto xh = values<T>(g.size(), 3, 50.0, 2.0); // mean >> std: stability matters
+            const auto dyh = values<T>(g.size(), 4, 0.0, 1.0);
+            std::vector<Acc> meanh(C);
+            for (auto& m : meanh)
+                m = Acc(50);
+            device_array<T> x(xh, sys, off), dy(dyh, sys, off);
+            device_array<Acc> mean(meanh, sys);
+            auto ws = workspace<T>(g, sys);
+            auto ws_generic = workspace<T>(g, sys);
+
+            // K1 twice in a row (the arrival counters must be back at zero) and the generic path
+            const std::vector<Acc> sentinel(packed_moments::size(C), Acc(-7));
+            device_array<Acc> b1(sentinel, sys), b2(sentinel, sys), bg(sentinel, sys);
+            kernels::pack_local_moments(sys, x.cspan(), g, Acc(1), b1.span(), ws.span());
+            kernels::pack_local_moments(sys, x.cspan(), g, Acc(1), b2.span(), ws.span());
+            kernels::pack_local_moments_generic(sys, x.cspan(), g, Acc(1), bg.span(),
+                                                ws_generic.span());
+
+            // K4 twice, sharing the workspace with K1, and the generic path
+            const std::vector<Acc> sum_sentinel(packed_sums::size(C), Acc(-7));
+            device_array<Acc> s1(sum_sentinel, sys), s2(sum_sentinel, sys), sg(sum_sentinel, sys);
+            kernels::pack_backward_sums(sys, dy.cspan(), x.cspan(), g, mean.cspan(), Acc(2),
+                                        s1.span(), ws.span());
+            kernels::pack_backward_sums(sys, dy.cspan(), x.cspan(), g, mean.cspan(), Acc(2),
+                                        s2.span(), ws.span());
+            kernels::pack_backward_sums_generic(sys, dy.cspan(), x.cspan(), g, mean.cspan(), Acc(2),
+                                                sg.span(), ws_generic.span());
+            sys.synchronize();
+            const auto h1 = b1.download(), h2 = b2.download(), hg = bg.download();
+            const auto t1 = s1.download(), t2 = s2.download(), tg = sg.download();
+            CHECK(h1 == h2); // deterministic, and the counters were reset
+            CHECK(t1 == t2);
+            for (const auto* b : {h1.data(), hg.data()}) {
+                CHECK(b[packed_moments::status] == Acc(1));
+                CHECK(packed_moments::count(b) == static_cast<double>(g.per_channel()));
+            }
+            CHECK(t1[packed_sums::status(C)] == Acc(2));
+            CHECK(tg[packed_sums::status(C)] == Acc(2));
+            for (std::size_t c = 0; c < C; ++c) {
+                double mu = 0, m2 = 0;
+                reference_moments(xh, g, c, mu, m2);
+                for (const auto* b : {h1.data(), hg.data()}) {
+                    CHECK(std::abs(b[packed_moments::mean(c)] - mu) <= tol * (std::abs(mu) + 1));
+                    // M2 of data with mean 50 and std 2: float Welford loses ~1e-3 relative
+                    CHECK(std::abs(b[packed_moments::m2(c)] - m2) <= tol * 100 * (m2 + 1e-30));
+                }
+                double sdy = 0, sdyx = 0, mag_dy = 0, mag_dyx = 0;
+                for (std::size_t k = 0; k < g.per_channel(); ++k) {
+                    const std::size_t i = g.offset(c, k);
+                    const double d = to_double(dyh[i]), e = to_double(xh[i]) - meanh[c];
+                    sdy += d;
+                    sdyx += d * e;
+                    mag_dy += std::abs(d);
+                    mag_dyx += std::abs(d * e);
+                }
+                for (const auto& t : {t1, tg}) {
+                    CHECK(std::abs(t[c] - sdy) <= tol * (mag_dy + 1e-30));
+                    CHECK(std::abs(t[C + c] - sdyx) <= tol * (mag_dyx + 1e-30));
+                }
+            }
+        }
+    }
+}
+
+TEMPLATE_TEST_CASE("cuda_path normalize and fused dx agree with the generic path and a double "
+                   "reference",
+                   "[kernels][bn][cuda][gpu]", float, double, __half, __nv_bfloat16) {
+    using T = TestType;
+    using Acc = kernels::accumulation_t<T>;
+    if (lockstep_test::skip_without_gpu())
+        return;
+    const cuda_system sys(0);
+    // a result rounded into T, computed in Acc from values of magnitude <= |want| + 1
+    const double tol = unit_roundoff<T>() + 4 * acc_tolerance<T>();
+    for (const channel_geometry g : geometries) {
+        // (x, y / dx) offsets: aligned, equally misaligned (vector path with heads), differently
+        // misaligned (scalar path)
+        for (const auto [xoff, yoff] :
+             {std::pair<std::size_t, std::size_t>{0, 0}, {1, 1}, {1, 0}}) {
+            CAPTURE(g.outer, g.channels, g.inner, xoff, yoff);
+            const std::size_t C = g.channels;
+            const auto xh = values<T>(g.size(), 5, 1.0, 3.0);
+            const auto dyh = values<T>(g.size(), 6, 0.0, 1.0);
+            const auto meanh = values<Acc>(C, 7, 1.0, 0.5);
+            const auto scaleh = values<Acc>(C, 8, 1.0, 0.5);
+            const auto betah = values<Acc>(C, 9, 0.0, 1.0);
+            device_array<T> x(xh, sys, xoff), dy(dyh, sys, xoff);
+            device_array<Acc> mean(meanh, sys), scale(scaleh, sys), beta(betah, sys);
+            device_array<T> y(g.size(), sys, yoff), yg(g.size(), sys, yoff);
+            kernels::normalize(sys, x.cspan(), y.span(), g, mean.cspan(), scale.cspan(),
+                               beta.cspan());
+            kernels::normalize_generic(sys, x.cspan(), yg.span(), g, mean.cspan(), scale.cspan(),
+                                       beta.cspan());
+
+            std::vector<Acc> totalsh(2 * C), localh(2 * C);
+            const auto tvals = values<Acc>(2 * C, 10, 0.0, 5.0);
+            for (std::size_t j = 0; j < 2 * C; ++j) {
+                localh[j] = tvals[j];
+                totalsh[j] = Acc(3) * tvals[j];
+            }
+            const auto gammah = values<Acc>(C, 11, 1.0, 0.3);
+            const auto invstdh = values<Acc>(C, 12, 2.0, 0.2);
+            const auto dg0 = values<Acc>(C, 13, 0.0, 1.0);
+            const auto db0 = values<Acc>(C, 14, 0.0, 1.0);
+            const double counth = 3.0 * static_cast<double>(g.per_channel()) + 1.0;
+            device_array<Acc> totals(totalsh, sys), local(localh, sys), gamma(gammah, sys),
+                invstd(invstdh, sys), dg(dg0, sys), db(db0, sys), dgg(dg0, sys), dbg(db0, sys);
+            device_array<double> count(std::vector<double>{counth}, sys);
+            device_array<T> dx(g.size(), sys, yoff), dxg(g.size(), sys, yoff);
+            kernels::input_gradient_fused(sys, dy.cspan(), x.cspan(), dx.span(), g, totals.cspan(),
+                                          local.cspan(), count.cspan().data(), gamma.cspan(),
+                                          mean.cspan(), invstd.cspan(), dg.span(), db.span());
+            kernels::input_gradient_fused_generic(sys, dy.cspan(), x.cspan(), dxg.span(), g,
+                                                  totals.cspan(), local.cspan(),
+                                                  count.cspan().data(), gamma.cspan(), mean.cspan(),
+                                                  invstd.cspan(), dgg.span(), dbg.span());
+            sys.synchronize();
+            const auto yh = y.download(), ygh = yg.download();
+            const auto dxh = dx.download(), dxgh = dxg.download();
+            const auto dgh = dg.download(), dbh = db.download();
+            const auto dggh = dgg.download(), dbgh = dbg.download();
+            for (std::size_t i = 0; i < g.size(); ++i) {
+                const std::size_t c = g.channel_of(i);
+                const double want =
+                    (to_double(xh[i]) - meanh[c]) * double(scaleh[c]) + double(betah[c]);
+                CHECK(std::abs(to_double(yh[i]) - want) <= tol * (std::abs(want) + 1));
+                CHECK(std::abs(to_double(yh[i]) - to_double(ygh[i])) <= tol * (std::abs(want) + 1));
+                const double inv = invstdh[c];
+                const double a = totalsh[c] / counth;
+                const double b = inv * inv * totalsh[C + c] / counth;
+                const double grad =
+                    gammah[c] * inv * (to_double(dyh[i]) - a - (to_double(xh[i]) - meanh[c]) * b);
+                CHECK(std::abs(to_double(dxh[i]) - grad) <= 2 * tol * (std::abs(grad) + 1));
+                CHECK(std::abs(to_double(dxh[i]) - to_double(dxgh[i])) <=
+                      4 * tol * (std::abs(grad) + 1));
+            }
+            for (std::size_t c = 0; c < C; ++c) {
+                // exactly once per channel (twice would be off by a whole local sum)
+                const double want_g = dg0[c] + double(localh[C + c]) * invstdh[c];
+                const double want_b = double(db0[c]) + localh[c];
+                const double eps = 4 * acc_tolerance<T>();
+                CHECK(std::abs(dgh[c] - want_g) <= eps * (std::abs(want_g) + 1));
+                CHECK(std::abs(dbh[c] - want_b) <= eps * (std::abs(want_b) + 1));
+                CHECK(std::abs(dggh[c] - want_g) <= eps * (std::abs(want_g) + 1));
+                CHECK(std::abs(dbgh[c] - want_b) <= eps * (std::abs(want_b) + 1));
+            }
+        }
+    }
+}
+
+TEST_CASE("cuda_path moments keep the count exact beyond 2^24 values in one channel",
+          "[kernels][bn][cuda][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    const cuda_system sys(0);
+    const channel_geometry g{1, 1, (std::size_t(1) << 24) + 3}; // 64 MiB of float
+    std::vector<float> xh(g.size());
+    for (std::size_t i = 0; i < xh.size(); ++i)
+        xh[i] = static_cast<float>(i % 7) + 100.0f;
+    double mu = 0, m2 = 0;
+    reference_moments(xh, g, 0, mu, m2);
+    device_array<float> x(xh, sys);
+    auto ws = workspace<float>(g, sys);
+    device_array<float> block(packed_moments::size(1), sys);
+    kernels::pack_local_moments(sys, x.cspan(), g, 0.0f, block.span(), ws.span());
+    sys.synchronize();
+    const auto b = block.download();
+    CHECK(b[packed_moments::count_hi] == 1.0f);
+    CHECK(b[packed_moments::count_lo] == 3.0f);
+    CHECK(packed_moments::count(b.data()) == static_cast<double>(g.per_channel()));
+    // partitions of <= 2^22 values with exact counts, merged in double
+    CHECK(std::abs(b[packed_moments::mean(0)] - mu) <= 1e-6 * mu);
+    CHECK(std::abs(b[packed_moments::m2(0)] - m2) <= 1e-4 * m2);
+}
+
+TEST_CASE("cuda_path kernels are plain launches on the system's stream",
+          "[kernels][bn][cuda][gpu]") {
+    // lockstep::half storage is processed as __half: same bits as the native type
+    if (lockstep_test::skip_without_gpu())
+        return;
+    const cuda_stream stream(0);
+    const cuda_system sys = stream.system();
+    const channel_geometry g{4, 8, 49};
+    std::vector<lockstep::half> xh(g.size());
+    std::vector<__half> xn(g.size());
+    std::mt19937 gen(1);
+    std::normal_distribution<float> z(0.0f, 1.0f);
+    for (std::size_t i = 0; i < g.size(); ++i) {
+        xh[i] = lockstep::half(z(gen));
+        xn[i] = __ushort_as_half(xh[i].bits);
+    }
+    device_array<lockstep::half> a(xh, sys);
+    device_array<__half> b(xn, sys);
+    auto ws = workspace<__half>(g, sys);
+    device_array<float> pa(packed_moments::size(g.channels), sys),
+        pb(packed_moments::size(g.channels), sys);
+    kernels::pack_local_moments(sys, a.cspan(), g, 0.0f, pa.span(), ws.span());
+    kernels::pack_local_moments(sys, b.cspan(), g, 0.0f, pb.span(), ws.span());
+    sys.synchronize();
+    CHECK(pa.download() == pb.download());
+}
