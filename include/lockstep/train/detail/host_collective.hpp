@@ -4,26 +4,59 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/host_wait.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
+#include "lockstep/system/staged_read.hpp"
 
+#include <algorithm>
 #include <span>
 
 namespace lockstep::detail {
 
+/// Copies host values into sys's memory without a blocking wait: on CUDA through pinned memory
+/// and an asynchronous copy on the system's stream (the pinned source stays alive until `keep`
+/// is destroyed, which the caller does only after waiting for later work on the stream).
+template <class T, class System>
+struct staged_upload {
+    buffer<T, System> device;
+#if LOCKSTEP_HAS_CUDA
+    pinned_array<T> pinned;
+#endif
+    staged_upload(std::span<const T> src, const System& sys) : device(src.size(), sys) {
+        if constexpr (System::is_host) {
+            std::copy(src.begin(), src.end(), device.begin());
+        } else {
+#if LOCKSTEP_HAS_CUDA
+            pinned = pinned_array<T>(src.size());
+            std::copy(src.begin(), src.end(), pinned.data());
+            if (!src.empty()) {
+                cuda_device_guard guard(sys.device());
+                LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(device.data(), pinned.data(), src.size_bytes(),
+                                                    cudaMemcpyHostToDevice, sys.stream()));
+            }
+#endif
+        }
+    }
+};
+
 /// all_reduce of host arrays. On a host communicator it is comm.all_reduce itself (no copy);
-/// otherwise send is copied into a buffer in the communicator's memory, reduced there in place,
-/// and copied back into recv. requires: send.size() == recv.size(). Collective.
+/// otherwise send goes through pinned memory into a buffer in the communicator's memory, is
+/// reduced there in place, and comes back through pinned memory; the one wait polls through the
+/// communicator (wait_for), so a failed peer is an error, not a hang.
+/// requires: send.size() == recv.size(). Collective.
 template <class Communicator, class T>
 void host_all_reduce(Communicator& comm, std::span<const T> send, std::span<T> recv, reduce_op op) {
     using system_type = typename Communicator::system_type;
     if constexpr (system_type::is_host) {
         comm.all_reduce(send, recv, op);
     } else {
-        buffer<T, system_type> staged(send.size(), comm.system());
-        copy(send, host_system{}, staged.span(), comm.system());
-        comm.all_reduce(std::span<const T>(staged.span()), staged.span(), op);
-        copy(std::span<const T>(staged.span()), comm.system(), recv, host_system{});
+        staged_upload<T, system_type> staged(send, comm.system());
+        comm.all_reduce(std::span<const T>(staged.device.span()), staged.device.span(), op);
+        staged_read<T, system_type> back(recv.size() == 0 ? 1 : recv.size(), comm.system());
+        back.enqueue(std::span<const T>(staged.device.span()));
+        const std::span<const T> v = wait_for(comm, back, "host_all_reduce");
+        std::copy(v.begin(), v.end(), recv.begin());
     }
 }
 
@@ -35,11 +68,13 @@ void host_all_gather(Communicator& comm, std::span<const T> send, std::span<T> r
     if constexpr (system_type::is_host) {
         comm.all_gather(send, recv);
     } else {
-        buffer<T, system_type> mine(send.size(), comm.system());
+        staged_upload<T, system_type> mine(send, comm.system());
         buffer<T, system_type> all(recv.size(), comm.system());
-        copy(send, host_system{}, mine.span(), comm.system());
-        comm.all_gather(std::span<const T>(mine.span()), all.span());
-        copy(std::span<const T>(all.span()), comm.system(), recv, host_system{});
+        comm.all_gather(std::span<const T>(mine.device.span()), all.span());
+        staged_read<T, system_type> back(recv.size() == 0 ? 1 : recv.size(), comm.system());
+        back.enqueue(std::span<const T>(all.span()));
+        const std::span<const T> v = wait_for(comm, back, "host_all_gather");
+        std::copy(v.begin(), v.end(), recv.begin());
     }
 }
 
