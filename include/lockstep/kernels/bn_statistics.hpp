@@ -1,64 +1,18 @@
-// lockstep/kernels/bn_statistics.hpp: the exchange format of batch-norm statistics between
-// replicas and the one per-channel kernel that turns the gathered blocks into normalization
-// coefficients, running statistics and a device-side error status.
+// lockstep/kernels/bn_statistics.hpp: the one per-channel kernel that turns the gathered
+// batch-norm statistics blocks (kernels::packed_moments) into normalization coefficients,
+// running statistics and a device-side error status.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/step_status.hpp"
+#include "lockstep/kernels/bn_fused.hpp"
 #include "lockstep/kernels/moments.hpp"
 
 #include <cstddef>
 #include <cstdint>
 
 namespace lockstep::kernels {
-
-/// A replica's statistics block, the unit batch norm all_gathers (Acc values):
-///   [0] status (0: valid input; otherwise the replica reports invalid input),
-///   [1] count_hi, [2] count_lo: the values per channel, count_hi * 2^24 + count_lo (exact in
-///       float up to 2^48 values, where a single float count stops at 2^24),
-///   [3 + 2c] mean of channel c, [4 + 2c] M2 of channel c.
-namespace stats_block {
-inline constexpr std::size_t status = 0;
-inline constexpr std::size_t count_hi = 1;
-inline constexpr std::size_t count_lo = 2;
-inline constexpr std::size_t header = 3;
-/// The size of a block of C channels.
-LOCKSTEP_HOST_DEVICE constexpr std::size_t size(std::size_t channels) {
-    return header + 2 * channels;
-}
-} // namespace stats_block
-
-/// Splits a count into the two exact halves of a statistics block.
-template <class Acc>
-LOCKSTEP_HOST_DEVICE inline void encode_count(std::uint64_t n, Acc& hi, Acc& lo) {
-    hi = static_cast<Acc>(n >> 24);
-    lo = static_cast<Acc>(n & 0xffffffu);
-}
-/// The count a block's two halves encode.
-template <class Acc>
-LOCKSTEP_HOST_DEVICE inline double decode_count(Acc hi, Acc lo) {
-    return static_cast<double>(hi) * 16777216.0 + static_cast<double>(lo);
-}
-
-/// Channel c: writes this replica's statistics block from its per-channel moments and the
-/// exact count (channel 0 also writes the header).
-template <class Acc>
-struct pack_block_fn {
-    const moments<Acc>* local;
-    Acc status;
-    std::uint64_t count;
-    Acc* block;
-
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t c) const {
-        if (c == 0) {
-            block[stats_block::status] = status;
-            encode_count(count, block[stats_block::count_hi], block[stats_block::count_lo]);
-        }
-        block[stats_block::header + 2 * c] = local[c].mean;
-        block[stats_block::header + 2 * c + 1] = local[c].m2;
-    }
-};
 
 /// Chan's merge with the count in double, so that counts beyond 2^24 stay exact with float
 /// statistics. Empty sides are exact identities, as in chan_merge.
@@ -126,8 +80,7 @@ struct finish_statistics_fn {
         wide_moments<Acc> m;
         for (int r = first; r < last; ++r) {
             const Acc* b = blocks + static_cast<std::size_t>(r) * stride;
-            m.merge(decode_count(b[stats_block::count_hi], b[stats_block::count_lo]),
-                    b[stats_block::header + 2 * c], b[stats_block::header + 2 * c + 1]);
+            m.merge(packed_moments::count(b), b[packed_moments::mean(c)], b[packed_moments::m2(c)]);
         }
         return m;
     }
@@ -156,7 +109,7 @@ private:
         layer_error code = layer_error::none;
         double value = -1;
         for (int r = 0; r < count_blocks && code == layer_error::none; ++r) {
-            if (blocks[static_cast<std::size_t>(r) * stride + stats_block::status] != Acc(0)) {
+            if (blocks[static_cast<std::size_t>(r) * stride + packed_moments::status] != Acc(0)) {
                 code = layer_error::peer_invalid_input;
                 value = world_offset + r;
             }
@@ -168,7 +121,7 @@ private:
             } else {
                 for (int r = 0; r < count_blocks && code == layer_error::none; ++r) {
                     const Acc* b = blocks + static_cast<std::size_t>(r) * stride;
-                    if (decode_count(b[stats_block::count_hi], b[stats_block::count_lo]) == 1) {
+                    if (packed_moments::count(b) == 1) {
                         code = layer_error::single_value;
                         value = world_offset + r;
                     }

@@ -7,8 +7,10 @@
 #include "lockstep/comm/host_wait.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/step_status.hpp"
+#include "lockstep/kernels/bn_backward.hpp"
+#include "lockstep/kernels/bn_forward.hpp"
 #include "lockstep/kernels/bn_functors.hpp"
-#include "lockstep/kernels/bn_pack.hpp"
+#include "lockstep/kernels/bn_fused.hpp"
 #include "lockstep/kernels/bn_statistics.hpp"
 #include "lockstep/kernels/moments.hpp"
 #include "lockstep/nn/detail/bn_state.hpp"
@@ -178,17 +180,15 @@ public:
                              "expected more than 1 value per channel when training, got input ",
                              shape);
         }
-        auto ws =
-            detail::ensure(s_.moments_workspace, kernels::pack_moments_workspace_size(g), s_.sys);
         kernels::pack_local_moments(s_.sys, xs, g, param_type(problem.empty() ? 0 : 1),
-                                    s_.block.span(), ws);
+                                    s_.block.span(), workspace(g));
         const param_type* blocks = s_.block.data();
         int count_blocks = 1;
         int self = 0;
         int world_offset = rank;
         if constexpr (bn::communicates<Policy>) {
             auto& sc = statistics_communicator(comm);
-            const std::size_t stride = kernels::stats_block::size(s_.channels);
+            const std::size_t stride = kernels::packed_moments::size(s_.channels);
             auto gathered =
                 detail::ensure(s_.gathered, static_cast<std::size_t>(sc.size()) * stride, s_.sys);
             sc.all_gather(std::span<const param_type>(s_.block.span()), gathered);
@@ -212,7 +212,7 @@ public:
         kernels::detail::for_each_index(s_.sys, s_.channels,
                                         kernels::finish_statistics_fn<param_type>{
                                             .blocks = blocks,
-                                            .stride = kernels::stats_block::size(s_.channels),
+                                            .stride = kernels::packed_moments::size(s_.channels),
                                             .count_blocks = count_blocks,
                                             .self = self,
                                             .running_first = running_first,
@@ -282,12 +282,10 @@ public:
             problem.empty() ? saved_geometry_ : kernels::channel_geometry{0, C, 1};
         const std::span<const T> dys = problem.empty() ? dy : std::span<const T>{};
         const std::span<const T> xs = problem.empty() ? saved_x_ : std::span<const T>{};
-        auto ws =
-            detail::ensure(s_.backward_workspace, kernels::backward_workspace_size(g), s_.sys);
         std::span<param_type> local = s_.local_sums();
         kernels::pack_backward_sums(s_.sys, dys, xs, g,
                                     std::span<const param_type>(s_.batch_mean()),
-                                    param_type(problem.empty() ? 0 : 1), local, ws);
+                                    param_type(problem.empty() ? 0 : 1), local, workspace(g));
         const param_type* totals = local.data();
         if constexpr (traits::normalizes_across_replicas) {
             auto& sc = statistics_communicator(comm);
@@ -305,12 +303,13 @@ public:
             }
             totals = combined.data();
         }
-        auto scratch = detail::ensure(s_.backward_scratch, 3 * C, s_.sys);
-        kernels::input_gradient_fused(s_.sys, dys, xs, dx.first(dys.size()), g, totals,
-                                      local.data(), s_.normalization_count(), s_.gamma.data(),
-                                      s_.batch_mean().data(), s_.batch_invstd().data(),
-                                      p_.affine ? s_.dgamma.data() : nullptr,
-                                      p_.affine ? s_.dbeta.data() : nullptr, scratch);
+        kernels::input_gradient_fused(
+            s_.sys, dys, xs, dx.first(dys.size()), g, std::span<const param_type>(totals, 2 * C),
+            std::span<const param_type>(local.first(2 * C)), s_.normalization_count(),
+            std::span<const param_type>(s_.gamma), std::span<const param_type>(s_.batch_mean()),
+            std::span<const param_type>(s_.batch_invstd()),
+            p_.affine ? s_.dgamma : std::span<param_type>{},
+            p_.affine ? s_.dbeta : std::span<param_type>{});
     }
 
 private:
@@ -347,6 +346,18 @@ private:
         detail::fill(s_.sys, s_.dgamma, param_type(0));
         detail::fill(s_.sys, s_.dbeta, param_type(0));
         reset_running_stats();
+    }
+
+    /// The kernels' workspace for geometry g: shared by the forward and backward passes, zeroed
+    /// whenever it is (re)allocated (the CUDA kernels' arrival counters at its start must start
+    /// at zero; the kernels leave them at zero, so it is never cleared again).
+    std::span<std::byte> workspace(const kernels::channel_geometry& g) {
+        const std::size_t bytes = kernels::bn_workspace_bytes<T, param_type>(g);
+        if (s_.workspace.size() < bytes) {
+            s_.workspace = buffer<std::byte, System>(bytes, s_.sys);
+            detail::fill(s_.sys, s_.workspace.span(), std::byte{0});
+        }
+        return s_.workspace.span().first(bytes);
     }
 
     /// Where the forward's device-side checks report: the step's shared status inside a

@@ -5,11 +5,12 @@
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/step_status.hpp"
-#include "lockstep/kernels/bn_statistics.hpp"
+#include "lockstep/kernels/bn_fused.hpp"
 #include "lockstep/kernels/moments.hpp"
 #include "lockstep/system/buffer.hpp"
 
 #include <cstddef>
+#include <cstdint>
 #include <span>
 
 #include <thrust/fill.h>
@@ -37,7 +38,7 @@ template <class Acc, class System>
 struct bn_state {
     bn_state(std::size_t c, const System& s)
         : channels(c), sys(s), own(4 * c, s), running(2 * c, s), forward(3 * c, s), eval(2 * c, s),
-          block(kernels::stats_block::size(c), s), sums(2 * (2 * c + 1), s),
+          block(kernels::packed_moments::size(c), s), sums(2 * (2 * c + 1), s),
           scalars(1 + status_slot::slots, s) {}
 
     std::size_t channels;
@@ -46,13 +47,11 @@ struct bn_state {
     buffer<Acc, System> running;    ///< running_mean, running_var
     buffer<Acc, System> forward;    ///< batch mean, invstd, scale = gamma * invstd (last forward)
     buffer<Acc, System> eval;       ///< running mean, scale (last forward_eval)
-    buffer<Acc, System> block;      ///< this replica's statistics block (kernels::stats_block)
+    buffer<Acc, System> block;      ///< this replica's statistics block (kernels::packed_moments)
     buffer<Acc, System> gathered;   ///< every replica's block (communicating policies)
     buffer<Acc, System> sums;       ///< backward: local (sum dy, sum dy*xmu, status), then combined
     buffer<double, System> scalars; ///< [0] normalization count, then a status (status_slot)
-    buffer<kernels::moments<Acc>, System> moments_workspace;
-    buffer<Acc, System> backward_workspace;
-    buffer<Acc, System> backward_scratch;
+    buffer<std::byte, System> workspace; ///< the kernels' workspace (see batch_norm::workspace)
 
     std::span<Acc> gamma, beta, dgamma, dbeta; ///< views of own or of the caller's spans
 
