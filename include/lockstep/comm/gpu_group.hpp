@@ -90,10 +90,10 @@ public:
     /// Creates size() communicators together (nccl_communicator::init_all, adopting
     /// parameters().streams if given), then calls f(comm) on size() new threads, each with the
     /// communicator of rank 0..size()-1 and its device made current, and joins them all. f is
-    /// called concurrently and must allow that; Catch2-style assertions that are not
-    /// thread-safe belong after run(). A replica whose f throws aborts its communicator, which
-    /// marks the clique failed: every other replica's next collective or wait throws
-    /// errc::peer_failure (within parameters().timeout) instead of hanging.
+    /// called concurrently and must allow that. A replica whose f throws aborts its
+    /// communicator, which marks the clique failed: every other replica's next collective or
+    /// wait throws errc::peer_failure (within parameters().timeout) instead of hanging. (A
+    /// replica blocked inside a host-blocking NCCL call, such as split(), waits for NCCL.)
     /// ensures: returns when every replica has returned and every communicator is destroyed;
     /// if any replica failed, rethrows the root cause: the first failure that is not an
     /// errc::peer_failure (the first failure when all are), not the errors it caused in the
