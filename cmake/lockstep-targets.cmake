@@ -47,6 +47,16 @@ if(CUDAToolkit_FOUND)
   target_link_libraries(lockstep::cuda INTERFACE lockstep::lockstep CCCL::CUB CUDA::cudart)
   target_compile_options(lockstep::cuda INTERFACE
     $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr>)
+  # lockstep is C++20 in .cu files too, whether the consumer enables CUDA before or after
+  # find_package and whatever CMAKE_CUDA_STANDARD it sets. CMake >= 3.26 knows nvcc's C++20
+  # (cuda_std_20 raises a lower CUDA_STANDARD); older CMake has no CUDA20 flag for nvcc, so the
+  # flag itself is passed. It comes after CMake's own -std, and nvcc keeps the last -std (with
+  # a warning when a target asked for another standard).
+  if(CMAKE_VERSION VERSION_GREATER_EQUAL 3.26)
+    target_compile_features(lockstep::cuda INTERFACE cuda_std_20)
+  else()
+    target_compile_options(lockstep::cuda INTERFACE $<$<COMPILE_LANG_AND_ID:CUDA,NVIDIA>:-std=c++20>)
+  endif()
   set(LOCKSTEP_cuda_FOUND TRUE)
 endif()
 

@@ -24,6 +24,7 @@
 #include "lockstep/comm/mpi_communicator.hpp"
 #endif
 #if LOCKSTEP_HAS_NCCL
+#include "lockstep/comm/gpu_group.hpp"
 #include "lockstep/comm/nccl_communicator.hpp"
 #endif
 

@@ -1,8 +1,10 @@
-// Tests of nccl_communicator: every collective and element type over all visible GPUs (one host
-// thread per replica), checked against a host reference; skipped where no GPU exists.
+// Tests of nccl_communicator and gpu_group: every collective and element type over all visible
+// GPUs (one host thread per replica), checked against a host reference; failures, stream
+// adoption and the polling waits. The [gpu] cases are skipped where no GPU exists.
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/system/buffer.hpp" // before the CUDA headers on purpose: copy() must still
                                       // find the cuda_system copies (argument-dependent lookup)
+#include "lockstep/comm/gpu_group.hpp"
 #include "lockstep/comm/nccl_communicator.hpp"
 #include "lockstep/policy/compat.hpp"
 
@@ -10,9 +12,12 @@
 
 #include <catch2/catch.hpp>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,6 +26,7 @@ namespace {
 
 using lockstep::buffer;
 using lockstep::cuda_system;
+using lockstep::gpu_group;
 using lockstep::host_system;
 using lockstep::nccl_communicator;
 using lockstep::reduce_op;
@@ -106,9 +112,6 @@ std::vector<double> to_values(const buffer<T, cuda_system>& d) {
     return v;
 }
 
-using lockstep_test::all_devices;
-using lockstep_test::run_replicas;
-
 struct collective_results {
     std::vector<double> sum, max, min, broadcast, gather, reduce;
 };
@@ -135,14 +138,14 @@ TEMPLATE_TEST_CASE("nccl collectives match the host reference", "[comm][nccl][gp
     using T = TestType;
     if (lockstep_test::skip_without_gpu())
         return;
-    auto comms = all_devices();
-    const int size = static_cast<int>(comms.size());
+    gpu_group group;
+    const int size = group.size();
     const int root = size - 1;
     for (std::size_t n :
          {std::size_t{0}, std::size_t{1}, std::size_t{7919}, std::size_t{1} << 18}) {
         CAPTURE(n, size);
-        std::vector<collective_results> results(comms.size());
-        run_replicas(comms, [&](nccl_communicator& comm) {
+        std::vector<collective_results> results(static_cast<std::size_t>(size));
+        group.run([&](nccl_communicator& comm) {
             const int r = comm.rank();
             const auto sys = comm.system();
             auto& out = results[static_cast<std::size_t>(r)];
@@ -198,12 +201,13 @@ TEMPLATE_TEST_CASE("nccl collectives match the host reference", "[comm][nccl][gp
 TEST_CASE("nccl split, point-to-point ring and barrier", "[comm][nccl][gpu]") {
     if (lockstep_test::skip_without_gpu())
         return;
-    auto comms = all_devices();
-    const int size = static_cast<int>(comms.size());
+    gpu_group replicas;
+    const int size = replicas.size();
+    const auto count = static_cast<std::size_t>(size);
     const std::size_t n = 1031;
-    std::vector<std::vector<double>> group_sum(comms.size()), from_left(comms.size());
-    std::vector<int> sub_rank(comms.size()), sub_size(comms.size());
-    run_replicas(comms, [&](nccl_communicator& comm) {
+    std::vector<std::vector<double>> group_sum(count), from_left(count);
+    std::vector<int> sub_rank(count), sub_size(count);
+    replicas.run([&](nccl_communicator& comm) {
         const int r = comm.rank();
         const auto i = static_cast<std::size_t>(r);
         // Colors by parity, keys reversed: sub-ranks follow descending parent rank.
@@ -253,10 +257,11 @@ TEST_CASE("nccl split, point-to-point ring and barrier", "[comm][nccl][gpu]") {
 TEST_CASE("a failing nccl replica releases its peers", "[comm][nccl][gpu]") {
     if (lockstep_test::skip_without_gpu())
         return;
-    auto comms = all_devices();
-    std::vector<lockstep::errc> codes(comms.size(), lockstep::errc::internal);
-    std::vector<int> thrown(comms.size(), 0);
-    run_replicas(comms, [&](nccl_communicator& comm) {
+    gpu_group group;
+    const auto count = static_cast<std::size_t>(group.size());
+    std::vector<lockstep::errc> codes(count, lockstep::errc::internal);
+    std::vector<int> thrown(count, 0), aborted(count, 0);
+    group.run([&](nccl_communicator& comm) {
         const auto i = static_cast<std::size_t>(comm.rank());
         buffer<float, cuda_system> a(64, comm.system()),
             b(comm.rank() == 0 ? 63 : 64, comm.system());
@@ -267,24 +272,26 @@ TEST_CASE("a failing nccl replica releases its peers", "[comm][nccl][gpu]") {
             thrown[i] = 1;
             codes[i] = e.code();
         }
+        aborted[i] = comm.aborted() ? 1 : 0;
     });
     CHECK(thrown[0] == 1);
     CHECK(codes[0] == lockstep::errc::shape_mismatch);
-    for (std::size_t r = 1; r < comms.size(); ++r) {
+    for (std::size_t r = 1; r < count; ++r) {
         CHECK(thrown[r] == 1);
         CHECK(codes[r] == lockstep::errc::peer_failure);
     }
-    for (auto& c : comms)
-        CHECK(c.aborted());
+    for (std::size_t r = 0; r < count; ++r)
+        CHECK(aborted[r] == 1);
 }
 
 TEST_CASE("host memory passed to an nccl collective is rejected, not crashed on",
           "[comm][nccl][gpu]") {
     if (lockstep_test::skip_without_gpu())
         return;
-    auto comms = all_devices();
-    std::vector<lockstep::errc> codes(comms.size(), lockstep::errc::internal);
-    run_replicas(comms, [&](nccl_communicator& comm) {
+    gpu_group group;
+    const auto count = static_cast<std::size_t>(group.size());
+    std::vector<lockstep::errc> codes(count, lockstep::errc::internal);
+    group.run([&](nccl_communicator& comm) {
         const auto i = static_cast<std::size_t>(comm.rank());
         std::vector<float> host(16, 1.0f); // a std::vector: host memory
         buffer<float, cuda_system> dev(16, comm.system());
@@ -300,6 +307,221 @@ TEST_CASE("host memory passed to an nccl collective is rejected, not crashed on"
         }
     });
     CHECK(codes[0] == lockstep::errc::invalid_argument);
-    for (std::size_t r = 1; r < comms.size(); ++r)
+    for (std::size_t r = 1; r < count; ++r)
         CHECK(codes[r] == lockstep::errc::peer_failure);
+}
+
+namespace {
+
+static_assert(noexcept(std::declval<nccl_communicator&>().abort()), "abort() must never throw");
+
+/// A CUDA event of one device, destroyed with the scope (tests only).
+class test_event {
+public:
+    explicit test_event(int device) : device_(device) {
+        lockstep::cuda_device_guard guard(device_);
+        LOCKSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    }
+    test_event(const test_event&) = delete;
+    test_event& operator=(const test_event&) = delete;
+    ~test_event() { (void)cudaEventDestroy(event_); }
+    cudaEvent_t get() const noexcept { return event_; }
+    void record(cudaStream_t stream) const {
+        lockstep::cuda_device_guard guard(device_);
+        LOCKSTEP_CUDA_CHECK(cudaEventRecord(event_, stream));
+    }
+
+private:
+    int device_;
+    cudaEvent_t event_ = nullptr;
+};
+
+} // namespace
+
+TEST_CASE("gpu_group rejects bad devices and parameters without touching NCCL", "[comm][nccl]") {
+    const int available = lockstep::cuda_device_count();
+    const auto code_of = [](auto make) {
+        try {
+            make();
+        } catch (const lockstep::error& e) {
+            return e.code();
+        }
+        return lockstep::errc::internal; // nothing thrown
+    };
+    CHECK(code_of([] { gpu_group g(std::vector<int>{}); }) == lockstep::errc::invalid_argument);
+    CHECK(code_of([&] { gpu_group g(std::vector<int>{available}); }) ==
+          lockstep::errc::invalid_argument);
+    CHECK(code_of([] { gpu_group g(std::vector<int>{0, 0}); }) == lockstep::errc::invalid_argument);
+    CHECK(code_of([] { gpu_group g(std::vector<int>{-1}); }) == lockstep::errc::invalid_argument);
+    if (available == 0) {
+        CHECK(code_of([] { gpu_group g; }) == lockstep::errc::cuda);
+    } else {
+        CHECK(code_of([] { gpu_group g({.timeout = std::chrono::milliseconds(0)}); }) ==
+              lockstep::errc::invalid_argument);
+        const std::vector<cudaStream_t> too_many(static_cast<std::size_t>(available) + 1, nullptr);
+        CHECK(code_of([&] { gpu_group g({.streams = too_many}); }) ==
+              lockstep::errc::invalid_argument);
+    }
+}
+
+TEST_CASE("gpu_group runs one replica per GPU on its device", "[comm][nccl][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    gpu_group group({.timeout = std::chrono::seconds(90)});
+    REQUIRE(group.size() == lockstep::cuda_device_count());
+    const auto count = static_cast<std::size_t>(group.size());
+    const std::size_t n = 4099;
+    std::vector<std::vector<double>> sums(count);
+    std::vector<int> current(count, -1), device(count, -2), own_stream(count, 0);
+    std::vector<long long> timeout_ms(count, 0);
+    group.run([&](nccl_communicator& comm) {
+        const auto i = static_cast<std::size_t>(comm.rank());
+        LOCKSTEP_CUDA_CHECK(cudaGetDevice(&current[i]));
+        device[i] = comm.device();
+        own_stream[i] = comm.adopted_stream() ? 0 : 1;
+        timeout_ms[i] = comm.options().timeout.count();
+        auto x = device_input<float>(comm.rank(), n, comm.system());
+        comm.all_reduce(x.span(), x.span(), reduce_op::sum);
+        comm.synchronize();
+        sums[i] = to_values(x);
+    });
+    for (std::size_t r = 0; r < count; ++r) {
+        CHECK(device[r] == group.devices()[r]);
+        CHECK(current[r] == device[r]);
+        CHECK(own_stream[r] == 1);
+        CHECK(timeout_ms[r] == 90000);
+        REQUIRE(sums[r].size() == n);
+        for (std::size_t i = 0; i < n; ++i) {
+            double sum = 0;
+            for (int q = 0; q < group.size(); ++q)
+                sum += input_value<float>(q, i);
+            REQUIRE(sums[r][i] == sum);
+        }
+    }
+}
+
+TEST_CASE("a gpu_group replica that throws mid-run fails every replica; run() rethrows the cause",
+          "[comm][nccl][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    gpu_group group({.timeout = std::chrono::seconds(60)});
+    const int size = group.size();
+    const auto count = static_cast<std::size_t>(size);
+    const int quitter = size - 1;
+    std::vector<lockstep::errc> codes(count, lockstep::errc::internal);
+    std::vector<int> completed(count, 0);
+    try {
+        group.run([&](nccl_communicator& comm) {
+            const int r = comm.rank();
+            const auto i = static_cast<std::size_t>(r);
+            buffer<float, cuda_system> x(1024, comm.system());
+            test_event done(comm.device());
+            try {
+                // Every replica completes some collectives, then one leaves: the others are
+                // blocked in synchronize() (even ranks) or wait() (odd ranks) for it.
+                for (int step = 0; step < 1000; ++step) {
+                    if (r == quitter && step == 3) {
+                        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+                        throw std::runtime_error("replica " + std::to_string(r) + " gave up");
+                    }
+                    comm.all_reduce(x.span(), x.span(), reduce_op::sum);
+                    if (r % 2 == 0) {
+                        comm.synchronize();
+                    } else {
+                        done.record(comm.system().stream());
+                        comm.wait(done.get(), "all_reduce done");
+                    }
+                    ++completed[i];
+                }
+            } catch (const lockstep::error& e) {
+                codes[i] = e.code();
+                throw;
+            }
+        });
+        FAIL("run() returned although replica " << quitter << " threw");
+    } catch (const std::runtime_error& e) {
+        CHECK(dynamic_cast<const lockstep::error*>(&e) == nullptr);
+        CHECK(std::string(e.what()) == "replica " + std::to_string(quitter) + " gave up");
+    }
+    CHECK(completed[static_cast<std::size_t>(quitter)] == 3);
+    for (int r = 0; r < size; ++r) {
+        if (r == quitter)
+            continue;
+        CAPTURE(r);
+        CHECK(codes[static_cast<std::size_t>(r)] == lockstep::errc::peer_failure);
+        CHECK(completed[static_cast<std::size_t>(r)] >= 3);
+    }
+}
+
+TEST_CASE("nccl communicators adopt the caller's streams and never destroy them",
+          "[comm][nccl][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    const int devices = lockstep::cuda_device_count();
+    std::vector<lockstep::cuda_stream> owned;
+    std::vector<cudaStream_t> streams;
+    for (int d = 0; d < devices; ++d) {
+        owned.emplace_back(d);
+        streams.push_back(owned.back().get());
+    }
+    const auto count = static_cast<std::size_t>(devices);
+    const std::size_t n = 333;
+    std::vector<int> adopted(count, 0), same_stream(count, 0);
+    std::vector<std::vector<double>> sums(count);
+    gpu_group group({.streams = streams});
+    group.run([&](nccl_communicator& comm) {
+        const auto i = static_cast<std::size_t>(comm.rank());
+        adopted[i] = comm.adopted_stream() ? 1 : 0;
+        same_stream[i] = comm.system().stream() == streams[i] ? 1 : 0;
+        auto x = device_input<double>(comm.rank(), n, comm.system());
+        comm.all_reduce(x.span(), x.span(), reduce_op::sum);
+        test_event reduced(comm.device());
+        reduced.record(streams[i]); // the caller's stream orders the collective
+        comm.wait(reduced.get(), "reduced");
+        sums[i] = to_values(x);
+    });
+    for (std::size_t r = 0; r < count; ++r) {
+        CHECK(adopted[r] == 1);
+        CHECK(same_stream[r] == 1);
+        REQUIRE(sums[r].size() == n);
+        for (std::size_t i = 0; i < n; ++i) {
+            double sum = 0;
+            for (int q = 0; q < devices; ++q)
+                sum += input_value<double>(q, i);
+            REQUIRE(sums[r][i] == sum);
+        }
+        // The communicators are gone; the adopted streams still work.
+        lockstep::cuda_device_guard guard(static_cast<int>(r));
+        CHECK(cudaStreamQuery(streams[r]) == cudaSuccess);
+    }
+}
+
+TEST_CASE("a stream of another device or a null stream is refused before NCCL",
+          "[comm][nccl][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    const std::vector<int> zero{0};
+    const std::vector<cudaStream_t> null_stream{nullptr};
+    try {
+        (void)nccl_communicator::init_all(zero, {}, null_stream);
+        FAIL("a null stream was adopted");
+    } catch (const lockstep::error& e) {
+        CHECK(e.code() == lockstep::errc::invalid_argument);
+    }
+    if (lockstep::cuda_device_count() < 2) {
+        WARN("one CUDA device: the cross-device stream check needs two");
+        return;
+    }
+    lockstep::cuda_stream on_device_1(1);
+    const std::vector<cudaStream_t> wrong{on_device_1.get()};
+    try {
+        (void)nccl_communicator::init_all(zero, {}, wrong);
+        FAIL("a stream of device 1 was adopted for device 0");
+    } catch (const lockstep::error& e) {
+        CHECK(e.code() == lockstep::errc::invalid_argument);
+        CHECK(e.replica() == 0);
+        const std::string what = e.what();
+        CHECK(what.find("device 1") != std::string::npos);
+        CHECK(what.find("device 0") != std::string::npos);
+    }
 }

@@ -1,5 +1,6 @@
 // Tests of nccl_communicator bootstrapped through MPI (one process per GPU), run by CTest under
-// mpiexec with its own Catch2 main. GPU cases skip on every rank unless every rank has a GPU.
+// mpiexec with its own Catch2 main. GPU cases skip on every rank unless every rank has a GPU;
+// then the job exits with lockstep_test::skip_return_code on every rank (CTest: skipped).
 // SPDX-License-Identifier: Apache-2.0
 #define CATCH_CONFIG_RUNNER
 #include "lockstep/comm/nccl_communicator.hpp"
@@ -11,6 +12,7 @@
 
 #include <mpi.h>
 
+#include <cstdio>
 #include <vector>
 
 namespace {
@@ -93,6 +95,7 @@ TEST_CASE("MPI-bootstrapped NCCL collectives match the host reference", "[comm][
     if (any_rank_without_gpu())
         return;
     const int rank = world_rank(), size = world_size();
+    // The documented form: one process per GPU, on any number of nodes.
     nccl_communicator comm(MPI_COMM_WORLD, nccl_communicator::local_device(MPI_COMM_WORLD));
     REQUIRE(comm.rank() == rank);
     REQUIRE(comm.size() == size);
@@ -133,14 +136,47 @@ TEST_CASE("MPI-bootstrapped NCCL collectives match the host reference", "[comm][
     }
 }
 
+TEST_CASE("the MPI constructor adopts the caller's stream", "[comm][nccl][mpi][gpu]") {
+    if (any_rank_without_gpu())
+        return;
+    const int rank = world_rank(), size = world_size();
+    const int device = nccl_communicator::local_device(MPI_COMM_WORLD);
+    lockstep::cuda_stream mine(device);
+    {
+        nccl_communicator comm(MPI_COMM_WORLD, device, {}, mine.get());
+        REQUIRE(comm.adopted_stream());
+        REQUIRE(comm.system().stream() == mine.get());
+        const std::size_t n = 517;
+        auto x = device_input<double>(rank, n, comm.system());
+        comm.all_reduce(x.span(), x.span(), reduce_op::sum);
+        comm.synchronize();
+        const auto hx = to_host(x);
+        for (std::size_t i = 0; i < n; ++i) {
+            double sum = 0;
+            for (int q = 0; q < size; ++q)
+                sum += input_value(q, i);
+            REQUIRE(hx[i] == sum);
+        }
+    }
+    // The communicator is gone; the adopted stream still works.
+    lockstep::cuda_device_guard guard(device);
+    CHECK(cudaStreamQuery(mine.get()) == cudaSuccess);
+}
+
 int main(int argc, char** argv) {
     int provided = 0;
     if (MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS)
         return 2;
+    // Without a GPU on every rank, only the cases that need none run (all ranks agree).
+    int mine = lockstep::cuda_device_count() > 0 ? 1 : 0, gpus_everywhere = 0;
+    MPI_Allreduce(&mine, &gpus_everywhere, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    const int rank = world_rank();
     int result = 0;
     {
         Catch::Session session;
         result = session.applyCommandLine(argc, argv);
+        if (result == 0 && !gpus_everywhere && session.configData().testsOrTags.empty())
+            session.configData().testsOrTags.emplace_back("~[gpu]");
         if (result == 0)
             result = session.run();
     }
@@ -148,5 +184,10 @@ int main(int argc, char** argv) {
     int worst = 0;
     MPI_Allreduce(&result, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
     MPI_Finalize();
+    if (worst == 0 && !gpus_everywhere) {
+        if (rank == 0)
+            std::printf("no CUDA device on every rank: the GPU cases were not run (skipped)\n");
+        return lockstep_test::skip_return_code;
+    }
     return worst;
 }

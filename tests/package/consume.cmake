@@ -1,6 +1,7 @@
 # consume.cmake: one package test step, run as `cmake -P` from CTest (tests/package).
 #   STEP=install      cmake --install LOCKSTEP_BINARY_DIR into a fresh PREFIX
-#   STEP=consume      configure, build and run tests/package/consumer in a fresh WORK_DIR
+#   STEP=consume      configure, build and run the consumer project CONSUMER_DIR (consumer/ or
+#                     cuda_consumer/; its program is named consumer) in a fresh WORK_DIR
 #                     (MODE package|subdirectory|fetchcontent); with EXPECT_ERROR=<regex> the
 #                     configure step must fail with a message matching it instead.
 # SPDX-License-Identifier: Apache-2.0

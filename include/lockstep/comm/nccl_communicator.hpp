@@ -38,11 +38,22 @@ namespace lockstep {
 /// system_type = cuda_system (spans are device memory of device()).
 ///
 /// Creation:
-/// - one process, several GPUs: `auto comms = nccl_communicator::init_all(devices);` gives one
-///   communicator per device (rank i drives devices[i]), each with its own stream.
-/// - one process per GPU under MPI: `nccl_communicator comm(MPI_COMM_WORLD, device);`
+/// - one process, several GPUs: lockstep::gpu_group (comm/gpu_group.hpp) runs one host thread
+///   per device; underneath, `auto comms = nccl_communicator::init_all(devices);` gives one
+///   communicator per device (rank i drives devices[i]).
+/// - one process per GPU under MPI (any number of nodes):
+///   `nccl_communicator comm(MPI_COMM_WORLD, nccl_communicator::local_device(MPI_COMM_WORLD));`
 ///   (the NCCL unique id travels by MPI_Bcast).
 /// - any other bootstrap: the (ncclUniqueId, size, rank, device) constructor.
+///
+/// Streams: every way of creation either creates the communicator's own non-blocking stream
+/// (the default) or ADOPTS a stream of the caller (one per device for init_all): collectives
+/// are then ordered with the caller's kernels on that stream, and the stream is neither owned
+/// nor destroyed (it must outlive the communicator). system() runs on that stream. An adopted
+/// stream must belong to the communicator's device; another device's stream is refused with
+/// errc::invalid_argument before NCCL is entered (checked with cudaStreamGetDevice on CUDA
+/// 12.8 and newer). The legacy default stream (null) cannot be adopted: null asks for an own
+/// stream.
 ///
 /// Driving the replicas: collectives only ENQUEUE work on the replica's stream (system()) and
 /// return; NCCL completes them when every replica has enqueued its part. The supported pattern
@@ -54,9 +65,9 @@ namespace lockstep {
 /// Failures never leave peers hanging: a replica whose call fails aborts its communicator
 /// (ncclCommAbort) and marks its clique failed; peers created in the same process (init_all and
 /// splits of those) see the mark in their next call or while they wait in synchronize() or
-/// barrier(), abort too and throw errc::peer_failure. Across processes, synchronize() polls
-/// ncclCommGetAsyncError (NCCL reports a vanished peer as ncclRemoteError) and gives up after
-/// nccl_options::timeout. NCCL itself cannot check that replicas pass equal counts: unequal
+/// barrier() or wait(), abort too and throw errc::peer_failure. Across processes, the waits
+/// poll ncclCommGetAsyncError (NCCL reports a vanished peer as ncclRemoteError) and give up
+/// after nccl_options::timeout. NCCL itself cannot check that replicas pass equal counts: unequal
 /// counts are undefined behaviour in NCCL (usually a hang until the timeout).
 ///
 /// Not provided: an any-source receive (NCCL has none), so nccl_communicator does NOT model
@@ -70,11 +81,13 @@ class nccl_communicator {
 public:
     using system_type = cuda_system;
 
-    /// One communicator per device of `devices` (ncclCommInitAll), rank i on devices[i], each
-    /// with its own non-blocking stream. requires: devices non-empty, distinct, each in
-    /// [0, cuda_device_count()).
+    /// One communicator per device of `devices` (ncclCommInitAll), rank i on devices[i]; rank i
+    /// adopts streams[i], or, when `streams` is empty, creates its own non-blocking stream.
+    /// requires: devices non-empty, distinct, each in [0, cuda_device_count()); streams empty
+    /// or one non-null stream per device, streams[i] a stream of devices[i].
     static std::vector<nccl_communicator> init_all(std::span<const int> devices,
-                                                   nccl_options options = {}) {
+                                                   nccl_options options = {},
+                                                   std::span<const cudaStream_t> streams = {}) {
         const int n = static_cast<int>(devices.size());
         LOCKSTEP_REQUIRE(n > 0, errc::invalid_argument, -1, "nccl_communicator.init_all",
                          "no devices given");
@@ -89,6 +102,17 @@ public:
                                  " given twice (ranks ", j, " and ", i,
                                  "); NCCL needs one device per rank");
         }
+        LOCKSTEP_REQUIRE(streams.empty() || streams.size() == devices.size(),
+                         errc::invalid_argument, -1, "nccl_communicator.init_all", streams.size(),
+                         " streams for ", n, " devices; give one per device or none");
+        for (std::size_t i = 0; i < streams.size(); ++i) {
+            LOCKSTEP_REQUIRE(streams[i] != nullptr, errc::invalid_argument, static_cast<int>(i),
+                             "nccl_communicator.init_all",
+                             "stream is null (the legacy default stream cannot be adopted)");
+            const std::string problem = detail::adopted_stream_problem(streams[i], devices[i]);
+            LOCKSTEP_REQUIRE(problem.empty(), errc::invalid_argument, static_cast<int>(i),
+                             "nccl_communicator.init_all", problem);
+        }
         std::vector<ncclComm_t> raw(devices.size(), nullptr);
         LOCKSTEP_NCCL_CHECK(ncclCommInitAll(raw.data(), n, devices.data()));
         auto clique = std::make_shared<detail::nccl_clique>();
@@ -98,6 +122,7 @@ public:
         try {
             for (; adopted < raw.size(); ++adopted)
                 comms.push_back(nccl_communicator(adopt_tag{}, raw[adopted], devices[adopted],
+                                                  streams.empty() ? nullptr : streams[adopted],
                                                   clique, options));
         } catch (...) {
             // The adopting constructor destroyed raw[adopted]; the rest are not owned yet.
@@ -111,20 +136,24 @@ public:
     }
 
     /// Joins communicator `id` as `rank` of `size`, driving `device` (ncclCommInitRank; blocks
-    /// until all `size` ranks have joined). requires: 0 <= rank < size, the same id on every
-    /// rank, device in [0, cuda_device_count()).
+    /// until all `size` ranks have joined), on the adopted `stream` or (null) its own.
+    /// requires: 0 <= rank < size, the same id on every rank, device in
+    /// [0, cuda_device_count()), stream null or a stream of `device`.
     nccl_communicator(const ncclUniqueId& id, int size, int rank, int device,
-                      nccl_options options = {})
-        : nccl_communicator(adopt_tag{}, init_rank(id, size, rank, device), device,
+                      nccl_options options = {}, cudaStream_t stream = nullptr)
+        : nccl_communicator(adopt_tag{}, init_rank(id, size, rank, device, stream), device, stream,
                             std::make_shared<detail::nccl_clique>(), options) {}
 
 #if LOCKSTEP_HAS_MPI
     /// One process per GPU: every process of `comm` calls this collectively with its own
-    /// device (see local_device()). Rank and size are those of `comm`; rank 0 creates the NCCL
-    /// id and broadcasts it. A process whose device is unusable makes EVERY process throw
-    /// (the check is agreed with MPI_Allreduce before NCCL is entered, so nobody hangs).
-    nccl_communicator(MPI_Comm comm, int device, nccl_options options = {})
-        : nccl_communicator(adopt_tag{}, init_mpi(comm, device), device,
+    /// device (see local_device()) and, optionally, a stream of that device to adopt (null: the
+    /// communicator creates its own). Rank and size are those of `comm`; rank 0 creates the
+    /// NCCL id and broadcasts it. A process whose device or stream is unusable makes EVERY
+    /// process throw (the check is agreed with MPI_Allreduce before NCCL is entered, so nobody
+    /// hangs).
+    nccl_communicator(MPI_Comm comm, int device, nccl_options options = {},
+                      cudaStream_t stream = nullptr)
+        : nccl_communicator(adopt_tag{}, init_mpi(comm, device, stream), device, stream,
                             std::make_shared<detail::nccl_clique>(), options) {}
 
     /// The device this process should drive: its rank among the processes of `comm` on the
@@ -164,10 +193,19 @@ public:
     int device() const noexcept {
         return h_.device();
     }
-    /// The replica's system: device() and the communicator's own stream. Buffers allocated
-    /// through it are freed on that stream, so destroy them before the communicator.
+    /// The replica's system: device() and the communicator's stream (its own, or the adopted
+    /// one). Buffers allocated through it are freed on that stream, so destroy them before the
+    /// communicator (before the adopted stream, too).
     cuda_system system() const noexcept {
         return h_.system();
+    }
+    /// True when the communicator runs on a caller's stream it adopted (and will not destroy).
+    bool adopted_stream() const noexcept {
+        return h_.adopted_stream();
+    }
+    /// The options the communicator was made with (its timeout).
+    const nccl_options& options() const noexcept {
+        return h_.options();
     }
     /// The NCCL handle (null once aborted or moved from).
     ncclComm_t native_handle() const noexcept {
@@ -285,7 +323,8 @@ public:
                 (void)ncclCommDestroy(child);
             h_.fail_and_abort(errc::invalid_argument, name, "color ", color, " is negative");
         }
-        return nccl_communicator(adopt_tag{}, child, h_.device(), h_.clique(), h_.options());
+        return nccl_communicator(adopt_tag{}, child, h_.device(), nullptr, h_.clique(),
+                                 h_.options());
     }
 
     /// Sends data to replica `peer` (ncclSend); matched in order with peer's recv(data, rank()).
@@ -326,6 +365,17 @@ public:
         h_.wait("synchronize");
     }
 
+    /// Waits until `event` has completed (cudaEventQuery, polled), with the checks of
+    /// synchronize(): aborts and throws on a CUDA error, a failed peer (errc::peer_failure),
+    /// NCCL's asynchronous error or after nccl_options::timeout (errc::timeout). `what` names
+    /// the event in the error message. Use it instead of cudaEventSynchronize for an event
+    /// recorded after collectives (e.g. "the step's result is ready").
+    /// requires: event was created on device() and recorded (an unrecorded event counts as
+    /// complete, as in CUDA).
+    void wait(cudaEvent_t event, const char* what) {
+        h_.wait_event(std::string("wait (") + (what != nullptr ? what : "event") + ")", event);
+    }
+
     /// Throws (after aborting) if NCCL reported an asynchronous error or a peer failed; cheap
     /// enough to call every step.
     void check_async_error() {
@@ -333,24 +383,29 @@ public:
     }
 
     /// Aborts the NCCL communicator (ncclCommAbort: uncompleted operations are stopped) and
-    /// marks the clique failed. Every later call throws. Idempotent.
+    /// marks the clique failed, so peers of the clique blocked in synchronize(), wait() or
+    /// barrier() throw errc::peer_failure. Every later call throws. Idempotent, never throws.
     void abort() noexcept {
         h_.abort();
     }
 
 private:
-    /// Takes ownership of `comm` (aborted if anything here throws).
-    nccl_communicator(adopt_tag, ncclComm_t comm, int device,
+    /// Takes ownership of `comm` (aborted if anything here throws); adopts `stream` unless null.
+    nccl_communicator(adopt_tag, ncclComm_t comm, int device, cudaStream_t stream,
                       std::shared_ptr<detail::nccl_clique> clique, nccl_options options)
-        : h_(comm, device, std::move(clique), options) {}
+        : h_(comm, device, stream, std::move(clique), options) {}
 
-    static ncclComm_t init_rank(const ncclUniqueId& id, int size, int rank, int device) {
+    static ncclComm_t init_rank(const ncclUniqueId& id, int size, int rank, int device,
+                                cudaStream_t stream) {
         LOCKSTEP_REQUIRE(size > 0 && rank >= 0 && rank < size, errc::invalid_argument, rank,
                          "nccl_communicator", "rank ", rank, " of ", size, " replicas");
         const int available = cuda_device_count();
         LOCKSTEP_REQUIRE(device >= 0 && device < available, errc::invalid_argument, rank,
                          "nccl_communicator", "device ", device, " does not exist (", available,
                          " CUDA devices)");
+        const std::string problem = detail::adopted_stream_problem(stream, device);
+        LOCKSTEP_REQUIRE(problem.empty(), errc::invalid_argument, rank, "nccl_communicator",
+                         problem);
         cuda_device_guard guard(device);
         ncclComm_t comm = nullptr;
         LOCKSTEP_NCCL_CHECK(ncclCommInitRank(&comm, size, id, rank));
@@ -358,7 +413,7 @@ private:
     }
 
 #if LOCKSTEP_HAS_MPI
-    static ncclComm_t init_mpi(MPI_Comm comm, int device) {
+    static ncclComm_t init_mpi(MPI_Comm comm, int device, cudaStream_t stream) {
         int rank = 0, size = 0;
         LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &rank));
         LOCKSTEP_MPI_CHECK(MPI_Comm_size(comm, &size));
@@ -366,18 +421,22 @@ private:
         // agree before anyone enters ncclCommInitRank.
         ncclUniqueId id{};
         const int available = cuda_device_count();
-        int ok = device >= 0 && device < available ? 1 : 0;
-        if (ok && rank == 0)
-            ok = ncclGetUniqueId(&id) == ncclSuccess ? 1 : 0;
+        std::string problem;
+        if (device < 0 || device >= available)
+            problem = "device " + std::to_string(device) + " is not usable (" +
+                      std::to_string(available) + " CUDA devices)";
+        else
+            problem = detail::adopted_stream_problem(stream, device);
+        if (problem.empty() && rank == 0 && ncclGetUniqueId(&id) != ncclSuccess)
+            problem = "the NCCL id could not be created (ncclGetUniqueId)";
+        int ok = problem.empty() ? 1 : 0;
         int all_ok = 0;
         LOCKSTEP_MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm));
-        LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank, "nccl_communicator(MPI_Comm)", "device ",
-                         device, " is not usable (", available,
-                         " CUDA devices) or the NCCL id could not be created");
+        LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank, "nccl_communicator(MPI_Comm)", problem);
         LOCKSTEP_REQUIRE(all_ok, errc::peer_failure, rank, "nccl_communicator(MPI_Comm)",
-                         "another process has no usable CUDA device or NCCL id");
+                         "another process has no usable CUDA device, stream or NCCL id");
         LOCKSTEP_MPI_CHECK(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm));
-        return init_rank(id, size, rank, device);
+        return init_rank(id, size, rank, device, stream);
     }
 #endif
 

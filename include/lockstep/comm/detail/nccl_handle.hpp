@@ -1,5 +1,6 @@
 // lockstep/comm/detail/nccl_handle.hpp: the owning NCCL handle behind nccl_communicator: its
-// lifetime, stream, failure state and the polling wait. SPDX-License-Identifier: Apache-2.0
+// lifetime, stream (own or adopted), failure state and the polling waits.
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/core/config.hpp"
@@ -12,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -23,8 +25,8 @@ namespace lockstep {
 
 /// Runtime options of an nccl_communicator.
 struct nccl_options {
-    /// How long synchronize() and barrier() wait for the replica's stream before they abort the
-    /// communicator and throw errc::timeout; zero waits forever.
+    /// How long synchronize(), wait() and barrier() wait for the replica's stream or event
+    /// before they abort the communicator and throw errc::timeout; zero waits forever.
     std::chrono::milliseconds timeout = std::chrono::minutes(10);
 };
 
@@ -55,17 +57,46 @@ private:
     bool switched_ = false;
 };
 
-/// One replica's NCCL communicator with its own stream and a one-int device scratch: owns them,
-/// knows whether it (or a peer of its clique) failed, and turns every failure into abort +
-/// lockstep::error, so no replica is left waiting. Move-only.
+/// Why `stream` cannot be adopted by a communicator of `device` (empty when it can): a caller's
+/// stream must belong to the communicator's device. The device of a stream is known to CUDA
+/// 12.8 and newer (cudaStreamGetDevice); older runtimes cannot be asked and accept the stream.
+inline std::string adopted_stream_problem(cudaStream_t stream, int device) {
+    if (stream == nullptr)
+        return {};
+#if CUDART_VERSION >= 12080
+    int stream_device = -1;
+    const cudaError_t e = cudaStreamGetDevice(stream, &stream_device);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return std::string("cudaStreamGetDevice failed on the given stream: ") +
+               cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+    }
+    if (stream_device != device)
+        return "the given stream belongs to CUDA device " + std::to_string(stream_device) +
+               ", the communicator drives device " + std::to_string(device);
+#else
+    (void)device;
+#endif
+    return {};
+}
+
+/// One replica's NCCL communicator with its stream (its own, or the caller's adopted one) and a
+/// one-int device scratch: owns them (never an adopted stream), knows whether it (or a peer of
+/// its clique) failed, and turns every failure into abort + lockstep::error, so no replica is
+/// left waiting. Move-only.
 class nccl_handle {
 public:
     /// Takes ownership of `comm` (aborts it if anything here throws; scratch_ is allocated
-    /// last, so nothing else needs freeing then).
-    nccl_handle(ncclComm_t comm, int device, std::shared_ptr<nccl_clique> clique,
-                nccl_options options) try
-        : stream_(device), comm_(comm), clique_(std::move(clique)), options_(options),
-          device_(device) {
+    /// last, so nothing else needs freeing then). `adopted` null: the handle creates its own
+    /// non-blocking stream on `device`; else it runs on `adopted`, which it never destroys.
+    /// requires: adopted is null or a stream of `device` (checked by the callers before NCCL).
+    nccl_handle(ncclComm_t comm, int device, cudaStream_t adopted,
+                std::shared_ptr<nccl_clique> clique, nccl_options options) try
+        : comm_(comm), clique_(std::move(clique)), options_(options), device_(device) {
+        if (adopted != nullptr)
+            stream_ = adopted;
+        else
+            stream_ = owned_stream_.emplace(device).get();
         cuda_device_guard guard(device_);
         LOCKSTEP_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
         LOCKSTEP_NCCL_CHECK(ncclCommCount(comm_, &size_));
@@ -79,14 +110,15 @@ public:
     nccl_handle(const nccl_handle&) = delete;
     nccl_handle& operator=(const nccl_handle&) = delete;
     nccl_handle(nccl_handle&& o) noexcept
-        : stream_(std::move(o.stream_)), comm_(std::exchange(o.comm_, nullptr)),
-          scratch_(std::exchange(o.scratch_, nullptr)), clique_(std::move(o.clique_)),
-          options_(o.options_), device_(o.device_), rank_(o.rank_), size_(o.size_),
-          aborted_(o.aborted_) {}
+        : owned_stream_(std::move(o.owned_stream_)), stream_(std::exchange(o.stream_, nullptr)),
+          comm_(std::exchange(o.comm_, nullptr)), scratch_(std::exchange(o.scratch_, nullptr)),
+          clique_(std::move(o.clique_)), options_(o.options_), device_(o.device_), rank_(o.rank_),
+          size_(o.size_), aborted_(o.aborted_) {}
     nccl_handle& operator=(nccl_handle&& o) noexcept {
         if (this != &o) {
             release();
-            stream_ = std::move(o.stream_);
+            owned_stream_ = std::move(o.owned_stream_);
+            stream_ = std::exchange(o.stream_, nullptr);
             comm_ = std::exchange(o.comm_, nullptr);
             scratch_ = std::exchange(o.scratch_, nullptr);
             clique_ = std::move(o.clique_);
@@ -103,8 +135,10 @@ public:
     ~nccl_handle() { release(); }
 
     ncclComm_t comm() const noexcept { return comm_; }
-    cudaStream_t stream() const noexcept { return stream_.get(); }
-    cuda_system system() const noexcept { return stream_.system(); }
+    cudaStream_t stream() const noexcept { return stream_; }
+    cuda_system system() const noexcept { return cuda_system(device_, stream_); }
+    /// True when the stream is the caller's (adopted), not the handle's own.
+    bool adopted_stream() const noexcept { return stream_ != nullptr && !owned_stream_; }
     int* scratch() const noexcept { return scratch_; }
     const std::shared_ptr<nccl_clique>& clique() const noexcept { return clique_; }
     const nccl_options& options() const noexcept { return options_; }
@@ -114,7 +148,8 @@ public:
     bool aborted() const noexcept { return aborted_; }
 
     /// Aborts the NCCL communicator (ncclCommAbort: uncompleted operations are stopped) and
-    /// marks the clique failed. Every later call throws. Idempotent.
+    /// marks the clique failed. Every later call throws. Idempotent; safe on a moved-from
+    /// handle.
     void abort() noexcept {
         if (clique_) {
             int none = -1;
@@ -197,20 +232,37 @@ public:
     /// Polls the stream until idle, checking for failures and the timeout (see
     /// nccl_communicator::synchronize()).
     void wait(const std::string& op) {
+        poll(op, "the stream", [&] { return cudaStreamQuery(stream_); });
+    }
+
+    /// Polls `event` until it completed, with the same checks as wait(op) (see
+    /// nccl_communicator::wait()).
+    void wait_event(const std::string& op, cudaEvent_t event) {
+        poll(op, "the event", [&] { return cudaEventQuery(event); });
+    }
+
+private:
+    /// Calls query() (cudaStreamQuery or cudaEventQuery) until it reports completion; between
+    /// tries, checks the clique, NCCL's asynchronous error and the deadline, so a dead or
+    /// mismatched peer ends in an error, never a hang.
+    template <class Query>
+    void poll(const std::string& op, const char* what, Query query) {
         using clock = std::chrono::steady_clock;
         const auto start = clock::now();
         cuda_device_guard guard(device_);
         for (;;) {
             check_usable(op);
-            const cudaError_t e = cudaStreamQuery(stream_.get());
+            const cudaError_t e = query();
             if (e == cudaSuccess)
                 return;
-            if (e != cudaErrorNotReady)
-                fail_and_abort(errc::cuda, op, "cudaStreamQuery: ", cudaGetErrorName(e), " (",
-                               cudaGetErrorString(e), ")");
+            if (e != cudaErrorNotReady) {
+                (void)cudaGetLastError();
+                fail_and_abort(errc::cuda, op, "waiting for ", what, ": ", cudaGetErrorName(e),
+                               " (", cudaGetErrorString(e), ")");
+            }
             const auto waited = clock::now() - start;
             if (options_.timeout.count() > 0 && waited > options_.timeout)
-                fail_and_abort(errc::timeout, op, "the stream did not finish within ",
+                fail_and_abort(errc::timeout, op, what, " did not complete within ",
                                options_.timeout.count(),
                                " ms (a peer is missing or mismatched); communicator aborted");
             // Short collectives finish within microseconds; back off for long ones.
@@ -221,7 +273,6 @@ public:
         }
     }
 
-private:
     void release() noexcept {
         if (scratch_ != nullptr) {
             cuda_device_guard_noexcept guard(device_);
@@ -239,9 +290,10 @@ private:
         }
     }
 
-    cuda_stream stream_;        // owned; declared first so it is destroyed last
-    ncclComm_t comm_ = nullptr; // owned
-    int* scratch_ = nullptr;    // one device int for barrier()
+    std::optional<cuda_stream> owned_stream_; // empty when adopted; declared first: destroyed last
+    cudaStream_t stream_ = nullptr;           // owned_stream_'s, or the caller's (not owned)
+    ncclComm_t comm_ = nullptr;               // owned
+    int* scratch_ = nullptr;                  // one device int for barrier()
     std::shared_ptr<nccl_clique> clique_;
     nccl_options options_{};
     int device_ = 0;
