@@ -3,7 +3,7 @@
 // cross-entropy, every kernel on the replica's communicator stream; one replica per visible GPU
 // (gpu_group), or one MPI process per GPU (--mpi). SPDX-License-Identifier: Apache-2.0
 #include "../digits/digits_data.hpp"
-#include "gpu_group_shim.hpp"
+#include <lockstep/comm/gpu_group.hpp>
 
 #include <lockstep/comm/nccl_communicator.hpp>
 #include <lockstep/nn/batch_norm.hpp>
@@ -107,9 +107,8 @@ __global__ void relu_dropout_kernel(const float* z, float* a, std::size_t n, std
     a[e] = keep ? v / (1.0f - p) : 0.0f;
 }
 /// dz = da * relu'(z) * dropout's mask (recomputed from the counter, never stored).
-__global__ void relu_dropout_grad_kernel(const float* z, const float* da, float* dz,
-                                         std::size_t n, std::uint64_t first,
-                                         lockstep::rng_stream rng, float p) {
+__global__ void relu_dropout_grad_kernel(const float* z, const float* da, float* dz, std::size_t n,
+                                         std::uint64_t first, lockstep::rng_stream rng, float p) {
     const std::size_t e = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x;
     if (e >= n * hidden)
         return;
@@ -194,11 +193,11 @@ std::vector<std::uint32_t> sample_order(std::size_t n, std::size_t epochs, std::
 class gpu_mlp {
 public:
     using bn_policies = std::tuple<lockstep::bn::global>;
-    using batch_norm = lockstep::nn::batch_norm<float, lockstep::bn::global, lockstep::nn::nc,
-                                                cuda_system>;
+    using batch_norm =
+        lockstep::nn::batch_norm<float, lockstep::bn::global, lockstep::nn::nc, cuda_system>;
 
-    gpu_mlp(context_type& ctx, const digits::split_data& data, const std::vector<std::uint32_t>& order,
-            std::size_t capacity)
+    gpu_mlp(context_type& ctx, const digits::split_data& data,
+            const std::vector<std::uint32_t>& order, std::size_t capacity)
         : sys_(ctx.system()), rank_(ctx.rank()), cap_(capacity),
           train_x_(upload(data.train.x, sys_)), train_y_(upload(data.train.y, sys_)),
           test_x_(upload(data.test.x, sys_)), test_y_(upload(data.test.y, sys_)),
@@ -260,17 +259,16 @@ public:
             linear(x_.data(), w1_.value().data(), b1_.value().data(), h_.data(), n, features,
                    hidden);
         }
-        bn_->forward_train(ctx.comm(), std::span<const float>(h_.data(), n * hidden),
-                           {n, hidden}, std::span<float>(z_.data(), n * hidden));
+        bn_->forward_train(ctx.comm(), std::span<const float>(h_.data(), n * hidden), {n, hidden},
+                           std::span<float>(z_.data(), n * hidden));
         if (n > 0) {
             relu_dropout_kernel<<<blocks(n * hidden), 256, 0, s>>>(z_.data(), a_.data(), n, first,
                                                                    rng, dropout_p);
             check_cuda_launch(rank_, "relu_dropout_kernel");
             linear(a_.data(), w2_.value().data(), b2_.value().data(), logits_.data(), n, hidden,
                    classes);
-            softmax_xent_kernel<<<blocks(n), 256, 0, s>>>(logits_.data(), y_.data(),
-                                                          dlogits_.data(), n, r.scale,
-                                                          ctx.loss_slot());
+            softmax_xent_kernel<<<blocks(n), 256, 0, s>>>(
+                logits_.data(), y_.data(), dlogits_.data(), n, r.scale, ctx.loss_slot());
             check_cuda_launch(rank_, "softmax_xent_kernel");
             // fc2's gradients read a; then da overwrites a (h is BN's saved input: kept).
             linear_weight_grad(dlogits_.data(), a_.data(), w2_.grad().data(), b2_.grad().data(), n,
@@ -338,15 +336,15 @@ private:
         check_cuda_launch(rank_, "add_bias_kernel");
     }
     /// dW (fan_out x fan_in) += dout^T in; db += column sums of dout (accumulating).
-    void linear_weight_grad(const float* dout, const float* in, float* dw, float* db,
-                            std::size_t n, int fan_in, int fan_out) {
+    void linear_weight_grad(const float* dout, const float* in, float* dw, float* db, std::size_t n,
+                            int fan_in, int fan_out) {
         const float one = 1.0f;
         // dW^T (fan_in x fan_out) = in^T (fan_in x n) dout (n x fan_out).
-        check_cublas(cublasSgemm(blas_, CUBLAS_OP_N, CUBLAS_OP_T, fan_in, fan_out, int(n), &one,
-                                 in, fan_in, dout, fan_out, &one, dw, fan_in),
+        check_cublas(cublasSgemm(blas_, CUBLAS_OP_N, CUBLAS_OP_T, fan_in, fan_out, int(n), &one, in,
+                                 fan_in, dout, fan_out, &one, dw, fan_in),
                      rank_, "cublasSgemm(weight gradient)");
         bias_grad_kernel<<<blocks(std::size_t(fan_out), 128), 128, 0, sys_.stream()>>>(dout, db, n,
-                                                                                      fan_out);
+                                                                                       fan_out);
         check_cuda_launch(rank_, "bias_grad_kernel");
     }
 
@@ -367,10 +365,9 @@ private:
     cublasHandle_t blas_ = nullptr;
 };
 
-using trainer_type =
-    lockstep::data_parallel<gpu_mlp, lockstep::optim::sgd<float, cuda_system>,
-                            lockstep::sync::synchronous, lockstep::reduce::bucketed<>,
-                            nccl_communicator>;
+using trainer_type = lockstep::data_parallel<gpu_mlp, lockstep::optim::sgd<float, cuda_system>,
+                                             lockstep::sync::synchronous,
+                                             lockstep::reduce::bucketed<>, nccl_communicator>;
 
 /// A progress bar on stderr: [#####.....] epoch e/E loss L N samples/s.
 void progress(std::size_t done, std::size_t total, double loss, double rate, int epoch,
@@ -498,8 +495,7 @@ int main(int argc, char** argv) {
         if (o.mpi) {
 #if LOCKSTEP_HAS_MPI
             lockstep::mpi_environment env(argc, argv);
-            nccl_communicator comm(MPI_COMM_WORLD,
-                                   nccl_communicator::local_device(MPI_COMM_WORLD));
+            nccl_communicator comm(MPI_COMM_WORLD, nccl_communicator::local_device(MPI_COMM_WORLD));
             accuracy = train_replica(comm, o, data, order);
             if (comm.rank() != 0)
                 return 0;
@@ -516,8 +512,8 @@ int main(int argc, char** argv) {
             });
         }
         if (o.check >= 0 && accuracy < o.check) {
-            std::fprintf(stderr, "gpu_digits: test accuracy %.4f is below --check %.4f\n",
-                         accuracy, o.check);
+            std::fprintf(stderr, "gpu_digits: test accuracy %.4f is below --check %.4f\n", accuracy,
+                         o.check);
             return 1;
         }
     } catch (const std::exception& e) {

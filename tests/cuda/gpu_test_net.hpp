@@ -38,8 +38,8 @@ inline constexpr std::array<const char*, tensor_count> tensor_names = {
     "fc1.weight", "bn1.weight", "bn1.bias",   "fc2.weight", "bn2.weight",
     "bn2.bias",   "fc3.weight", "bn3.weight", "bn3.bias"};
 inline constexpr std::array<std::size_t, tensor_count> tensor_sizes = {
-    hidden * inputs, hidden, hidden, hidden * hidden, hidden, hidden, outputs * hidden, outputs,
-    outputs};
+    hidden * inputs, hidden,          hidden,  hidden* hidden, hidden,
+    hidden,          outputs* hidden, outputs, outputs};
 
 /// Input feature j and target k of run-wide sample s (identical on the host and the device).
 LOCKSTEP_HOST_DEVICE inline double input_value(std::uint64_t s, std::size_t j) {
@@ -174,8 +174,8 @@ void launch(const System& sys, std::size_t n, F f) {
 
 /// How a test wants the step to behave.
 struct knobs {
-    bool fixed_data = false;   ///< key the data by batch position only (the same batch every step)
-    int throw_at_step = -1;    ///< with throw_rank: throw lockstep::error after bn1's forward
+    bool fixed_data = false; ///< key the data by batch position only (the same batch every step)
+    int throw_at_step = -1;  ///< with throw_rank: throw lockstep::error after bn1's forward
     int throw_rank = -1;
 };
 
@@ -237,8 +237,7 @@ public:
 
     /// Path (b): the parameters in registration order.
     template <class F>
-    requires Visitor
-    void for_each_parameter(F&& f) {
+    requires Visitor void for_each_parameter(F&& f) {
         for (int id = 0; id < tensor_count; ++id)
             f(std::string(tensor_names[id]), values_[id], grads_[id]);
     }
@@ -281,8 +280,9 @@ public:
         bn_[2]->backward(comm, cspan(dy_, no), span(da_, no)); // da = dh3
         mark(ctx, g3);
         mark(ctx, be3);
-        launch(sys_, hidden * outputs,
-               linear_weight_grad_fn{da_.data(), a2_.data(), grads_[w3].data(), n, hidden, outputs});
+        launch(
+            sys_, hidden * outputs,
+            linear_weight_grad_fn{da_.data(), a2_.data(), grads_[w3].data(), n, hidden, outputs});
         mark(ctx, w3);
         launch(sys_, nh,
                linear_input_grad_fn{da_.data(), values_[w3].data(), db_.data(), hidden, outputs});

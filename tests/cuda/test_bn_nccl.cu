@@ -7,7 +7,7 @@
 #include "lockstep/system/buffer.hpp"
 
 #include "cuda_test_support.hpp"
-#include "gpu_group_shim.hpp"
+#include "lockstep/comm/gpu_group.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -200,7 +200,7 @@ TEMPLATE_TEST_CASE("batch_norm<bn::global> with native 16-bit storage over NCCL 
         const std::vector<T> xs(x.begin() + b, x.begin() + e), dys(dy.begin() + b, dy.begin() + e);
         const std::size_t n = first[r + 1] - first[r];
         const nn::tensor_shape shape = std::is_same_v<L, nn::nhwc> ? nn::tensor_shape{n, H, W, C}
-                                                                  : nn::tensor_shape{n, C, H, W};
+                                                                   : nn::tensor_shape{n, C, H, W};
         outs[r] = run_layer<T, L>(comm, xs, dys, shape, C);
     });
     const reference ref = make_reference(C, N * HW, [&](std::size_t c, std::size_t k) {

@@ -10,8 +10,8 @@
 #include "lockstep/train/data_parallel.hpp"
 
 #include "cuda_test_support.hpp"
-#include "gpu_group_shim.hpp"
 #include "gpu_test_net.hpp"
+#include "lockstep/comm/gpu_group.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -32,7 +33,7 @@ namespace tn = lockstep_test::net;
 
 constexpr double lr = 0.05;
 constexpr double momentum = 0.9;
-using small_buckets = reduce::bucketed<256, 128>; // 1280 parameter bytes: six buckets
+using small_buckets = reduce::bucketed<128, 64>; // 1280 parameter bytes: several buckets
 
 /// What one replica saw: parameters after every step (and after finish()), losses, buckets,
 /// host synchronisations per step, the error it ended with.
@@ -62,15 +63,13 @@ run_log train(Comm& comm, int steps, std::size_t batch, tn::knobs k = {}, bool r
     using trainer_t = data_parallel<net_t, optim::sgd<float, system_type>, Sync, Reduce, Comm>;
     const std::size_t cap = batch / static_cast<std::size_t>(comm.size()) + 1;
     run_log log;
-    trainer_t trainer(
-        comm, [&](auto& ctx) { return net_t(ctx, cap, k); }, {.lr = lr, .momentum = momentum},
-        {.read_result = read_each});
+    trainer_t trainer(comm, [&](auto& ctx) { return net_t(ctx, cap, k); },
+                      {.lr = lr, .momentum = momentum}, {.read_result = read_each});
     log.buckets = trainer.buckets().size();
     for (int s = 0; s < steps; ++s) {
         const auto before = host_sync_count();
-        step_result r = trainer.step(batch, [](net_t& n, shard_range sr, auto& ctx) {
-            n.train(sr, ctx);
-        });
+        step_result r =
+            trainer.step(batch, [](net_t& n, shard_range sr, auto& ctx) { n.train(sr, ctx); });
         log.syncs.push_back(host_sync_count() - before);
         if (!r.ready)
             r = trainer.read_result();
@@ -113,7 +112,8 @@ template <class F>
 std::vector<run_log> on_threads(int replicas, F f) {
     std::vector<run_log> logs(static_cast<std::size_t>(replicas));
     thread_group group(replicas, {.timeout = std::chrono::seconds(60)});
-    group.run([&](thread_communicator& comm) { logs[static_cast<std::size_t>(comm.rank())] = f(comm); });
+    group.run(
+        [&](thread_communicator& comm) { logs[static_cast<std::size_t>(comm.rank())] = f(comm); });
     return logs;
 }
 
@@ -141,7 +141,54 @@ void check_bitwise_replicas(const std::vector<run_log>& logs) {
     }
 }
 
+/// The double reference of steps 0..steps-1 of global batch `batch`: parameters and losses.
+std::pair<std::vector<std::vector<double>>, std::vector<double>> reference_run(int steps,
+                                                                               std::size_t batch) {
+    tn::reference ref;
+    std::vector<std::vector<double>> params;
+    std::vector<double> losses;
+    for (int s = 0; s < steps; ++s) {
+        std::vector<std::uint64_t> keys(batch);
+        for (std::size_t p = 0; p < batch; ++p)
+            keys[p] = static_cast<std::uint64_t>(s) * batch + p;
+        losses.push_back(ref.step(keys, lr, momentum));
+        params.push_back(ref.parameters());
+    }
+    return {params, losses};
+}
+
+/// |got - want| <= tol (1 + |want|) for every parameter.
+void check_against(const std::vector<float>& got, const std::vector<double>& want, double tol) {
+    REQUIRE(got.size() == want.size());
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < want.size(); ++i)
+        bad += std::abs(double(got[i]) - want[i]) > tol * (1 + std::abs(want[i]));
+    CHECK(bad == 0);
+}
+
 } // namespace
+
+// The network and the reference the GPU cases rely on, checked where no GPU is needed: the same
+// functors on the host thread group (1 and 3 replicas) against the double reference, 1e-4
+// relative to (1 + |value|).
+TEST_CASE("the GPU tests' network on the host thread group equals its double reference",
+          "[train][thread]") {
+    constexpr int steps = 4;
+    constexpr std::size_t batch = 13;
+    const auto [want, losses] = reference_run(steps, batch);
+    for (const int replicas : {1, 3}) {
+        const auto logs = on_threads(replicas, [](thread_communicator& comm) {
+            return train<sync::synchronous, small_buckets, bn::global>(comm, steps, batch);
+        });
+        check_bitwise_replicas(logs);
+        CHECK(logs[0].buckets >= 4);
+        for (int s = 0; s < steps; ++s) {
+            INFO(replicas << " replicas, step " << s);
+            CHECK(std::abs(logs[0].losses[s] - losses[s]) <= 1e-4 * (1 + std::abs(losses[s])));
+            check_against(logs[0].params[s], want[s], 1e-4);
+        }
+    }
+}
 
 // (a) Tolerances: N replicas against one replica with the whole batch: the same float kernels
 // on shards; BN's merged statistics and the NCCL sums differ only in summation order: 1e-5
@@ -164,21 +211,13 @@ TEST_CASE("GPU trainer: three bn::global layers, user kernels, small buckets: N 
     check_bitwise_replicas(many);
     CHECK(many[0].buckets >= 4);
 
-    tn::reference ref;
+    const auto [want, losses] = reference_run(steps, batch);
     for (int s = 0; s < steps; ++s) {
-        std::vector<std::uint64_t> keys(batch);
-        for (std::size_t p = 0; p < batch; ++p)
-            keys[p] = static_cast<std::uint64_t>(s) * batch + p;
-        const double loss = ref.step(keys, lr, momentum);
-        const auto want = ref.parameters();
         INFO("step " << s);
         CHECK(max_abs_diff(many[0].params[s], one[0].params[s]) <= 1e-5);
         CHECK(std::abs(many[0].losses[s] - one[0].losses[s]) <= 1e-5);
-        CHECK(std::abs(many[0].losses[s] - loss) <= 1e-4 * (1 + std::abs(loss)));
-        const auto& got = many[0].params[s];
-        REQUIRE(got.size() == want.size());
-        for (std::size_t i = 0; i < want.size(); ++i)
-            CHECK(std::abs(double(got[i]) - want[i]) <= 1e-4 * (1 + std::abs(want[i])));
+        CHECK(std::abs(many[0].losses[s] - losses[s]) <= 1e-4 * (1 + std::abs(losses[s])));
+        check_against(many[0].params[s], want[s], 1e-4);
     }
 }
 
@@ -204,8 +243,8 @@ using local_sgd_case = combination<sync::local_sgd<2>, small_buckets, bn::local,
 } // namespace
 
 TEMPLATE_TEST_CASE("GPU trainer: every reducer and local SGD over NCCL equal the host thread group",
-                   "[train][nccl][thread][gpu]", per_tensor_case, bucketed_case, ps_case,
-                   bf16_case, local_sgd_case) {
+                   "[train][nccl][thread][gpu]", per_tensor_case, bucketed_case, ps_case, bf16_case,
+                   local_sgd_case) {
     if (lockstep_test::skip_without_gpu())
         return;
     using S = typename TestType::sync_policy;
@@ -307,9 +346,9 @@ run_log graph_run(nccl_communicator& comm, bool capture) {
                                     small_buckets, nccl_communicator>;
     constexpr std::size_t batch = 12;
     const std::size_t cap = batch / static_cast<std::size_t>(comm.size()) + 1;
-    trainer_t trainer(
-        comm, [&](auto& ctx) { return net_t(ctx, cap, tn::knobs{.fixed_data = true}); },
-        {.lr = lr, .momentum = momentum}, {.read_result = false});
+    trainer_t trainer(comm,
+                      [&](auto& ctx) { return net_t(ctx, cap, tn::knobs{.fixed_data = true}); },
+                      {.lr = lr, .momentum = momentum}, {.read_result = false});
     const auto fn = [](net_t& n, shard_range sr, auto& ctx) { n.train(sr, ctx); };
     (void)trainer.step(batch, fn);
     (void)trainer.read_result();
