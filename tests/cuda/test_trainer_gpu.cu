@@ -33,7 +33,7 @@ namespace tn = lockstep_test::net;
 
 constexpr double lr = 0.05;
 constexpr double momentum = 0.9;
-using small_buckets = reduce::bucketed<128, 64>; // 1280 parameter bytes: several buckets
+using small_buckets = reduce::bucketed<32, 16>; // 9 tensors, 1280 bytes: 8 buckets
 
 /// What one replica saw: parameters after every step (and after finish()), losses, buckets,
 /// host synchronisations per step, the error it ended with.
@@ -181,7 +181,7 @@ TEST_CASE("the GPU tests' network on the host thread group equals its double ref
             return train<sync::synchronous, small_buckets, bn::global>(comm, steps, batch);
         });
         check_bitwise_replicas(logs);
-        CHECK(logs[0].buckets >= 4);
+        CHECK(logs[0].buckets >= 6);
         for (int s = 0; s < steps; ++s) {
             INFO(replicas << " replicas, step " << s);
             CHECK(std::abs(logs[0].losses[s] - losses[s]) <= 1e-4 * (1 + std::abs(losses[s])));
@@ -209,7 +209,7 @@ TEST_CASE("GPU trainer: three bn::global layers, user kernels, small buckets: N 
     require_clean(many);
     require_clean(one);
     check_bitwise_replicas(many);
-    CHECK(many[0].buckets >= 4);
+    CHECK(many[0].buckets >= 6);
 
     const auto [want, losses] = reference_run(steps, batch);
     for (int s = 0; s < steps; ++s) {
