@@ -1,6 +1,7 @@
 // data_parallel over nccl_communicator: the synchronous trainer (bucketed reduction, SGD on
 // cuda_system) instantiated with NCCL, and on machines with GPUs a few steps over every visible
-// device checked against a double-precision single-replica reference. Skipped without a GPU.
+// device checked against a double-precision single-replica reference. The step function runs
+// its own device kernel and adds its loss on the device. Skipped without a GPU.
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/nccl_communicator.hpp"
 #include "lockstep/optim/sgd.hpp"
@@ -20,6 +21,9 @@
 #include <thread>
 #include <vector>
 
+#include <thrust/for_each.h>
+#include <thrust/iterator/counting_iterator.h>
+
 namespace {
 
 using lockstep::cuda_system;
@@ -32,17 +36,17 @@ constexpr int steps = 3;
 constexpr double lr = 0.1;
 
 /// Sample s of the run (run-wide index): inputs x_j and target t.
-double input(std::uint64_t s, std::size_t j) {
+LOCKSTEP_HOST_DEVICE double input(std::uint64_t s, std::size_t j) {
     return std::sin(0.37 * static_cast<double>(s) + 1.3 * static_cast<double>(j));
 }
-double target(std::uint64_t s) {
+LOCKSTEP_HOST_DEVICE double target(std::uint64_t s) {
     return std::cos(0.21 * static_cast<double>(s));
 }
 
 using context_type = lockstep::replica_context<float, nccl_communicator>;
 
 /// A linear model y = w . x + b in the registry (device memory after finalize), loss
-/// 0.5 (y - t)^2 per sample; gradients are computed on the host and copied to the device.
+/// 0.5 (y - t)^2 per sample; gradients and loss are computed by linear_grad_fn on the device.
 struct linear_net {
     context_type::handle w, b;
     explicit linear_net(context_type& ctx) {
@@ -65,27 +69,44 @@ std::vector<float> to_host(std::span<const float> device, const cuda_system& sys
     return h;
 }
 
-/// The step function: sum over this replica's shard of the per-sample gradient times scale.
-double linear_step(linear_net& net, lockstep::shard_range r, context_type& ctx) {
-    const std::vector<float> w = to_host(std::span<const float>(net.w.value()), ctx.system());
-    const std::vector<float> b = to_host(std::span<const float>(net.b.value()), ctx.system());
-    std::vector<float> gw(inputs, 0.0f), gb(1, 0.0f);
-    double loss = 0.0;
-    for (std::size_t p = r.begin; p < r.end; ++p) {
-        const std::uint64_t s = r.sample_index(p);
-        double y = b[0];
-        for (std::size_t j = 0; j < inputs; ++j)
-            y += static_cast<double>(w[j]) * input(s, j);
-        const double e = y - target(s);
-        loss += 0.5 * e * e * r.scale;
-        for (std::size_t j = 0; j < inputs; ++j)
-            gw[j] += static_cast<float>(e * input(s, j) * r.scale);
-        gb[0] += static_cast<float>(e * r.scale);
+/// Task j < inputs: the gradient of w_j over the shard, task `inputs`: of b, task inputs + 1:
+/// the loss, added into the trainer's loss slot. Each task sums the shard's samples in order.
+struct linear_grad_fn {
+    const float* w;
+    const float* b;
+    float* gw;
+    float* gb;
+    double* loss_slot;
+    std::size_t begin, end;
+    std::uint64_t offset;
+    double scale;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t task) const {
+        double sum = 0;
+        for (std::size_t p = begin; p < end; ++p) {
+            const std::uint64_t s = offset + p;
+            double y = b[0];
+            for (std::size_t j = 0; j < inputs; ++j)
+                y += static_cast<double>(w[j]) * input(s, j);
+            const double e = y - target(s);
+            sum += task < inputs ? e * input(s, task) : task == inputs ? e : 0.5 * e * e;
+        }
+        // One micro-batch per step: the trainer zeroed the gradients, so assigning accumulates.
+        if (task < inputs)
+            gw[task] = static_cast<float>(sum * scale);
+        else if (task == inputs)
+            gb[0] = static_cast<float>(sum * scale);
+        else if (loss_slot != nullptr)
+            *loss_slot += sum * scale;
     }
-    // One micro-batch per step: the trainer zeroed the gradients, so assigning is accumulating.
-    lockstep::copy(std::span<const float>(gw), host_system{}, net.w.grad(), ctx.system());
-    lockstep::copy(std::span<const float>(gb), host_system{}, net.b.grad(), ctx.system());
-    return loss;
+};
+
+/// The step function: one kernel on the replica's stream; the loss stays on the device.
+void linear_step(linear_net& net, lockstep::shard_range r, context_type& ctx) {
+    thrust::for_each(ctx.system().policy(), thrust::counting_iterator<std::size_t>(0),
+                     thrust::counting_iterator<std::size_t>(inputs + 2),
+                     linear_grad_fn{net.w.value().data(), net.b.value().data(), net.w.grad().data(),
+                                    net.b.grad().data(), ctx.loss_slot(), r.begin, r.end,
+                                    r.sample_offset, r.scale});
 }
 
 /// Full-batch gradient descent in double on one replica: the independent reference.
@@ -114,7 +135,7 @@ std::vector<double> reference_parameters() {
 } // namespace
 
 TEST_CASE("data_parallel trains over nccl_communicator: replicas agree with the reference",
-          "[train][nccl][cuda]") {
+          "[train][nccl][cuda][gpu]") {
     if (lockstep_test::skip_without_gpu())
         return;
     std::vector<int> devices(static_cast<std::size_t>(lockstep::cuda_device_count()));
@@ -133,7 +154,7 @@ TEST_CASE("data_parallel trains over nccl_communicator: replicas agree with the 
                 for (int k = 0; k < steps; ++k)
                     (void)trainer.step(global_batch,
                                        [](linear_net& net, lockstep::shard_range sr,
-                                          context_type& ctx) { return linear_step(net, sr, ctx); });
+                                          context_type& ctx) { linear_step(net, sr, ctx); });
                 params[r] = to_host(trainer.parameters(), comms[r].system());
             } catch (...) {
                 errors[r] = std::current_exception();

@@ -1,0 +1,399 @@
+// data_parallel on GPUs with the user's own device kernels (gpu_test_net.hpp): three bn::global
+// layers and small buckets over NCCL against one replica and a double reference; every reducer
+// and local SGD against the host thread group; the visitor path against the registry path; a
+// replica failing mid-step; the host synchronisations per step; a step captured in a CUDA graph.
+// Every case needs a GPU (tagged [gpu]). SPDX-License-Identifier: Apache-2.0
+#include "lockstep/comm/nccl_communicator.hpp"
+#include "lockstep/comm/thread_group.hpp"
+#include "lockstep/optim/sgd.hpp"
+#include "lockstep/system/host_sync.hpp"
+#include "lockstep/train/data_parallel.hpp"
+
+#include "cuda_test_support.hpp"
+#include "gpu_test_net.hpp"
+#include "lockstep/comm/gpu_group.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+namespace {
+
+using namespace lockstep;
+namespace tn = lockstep_test::net;
+
+constexpr double lr = 0.05;
+constexpr double momentum = 0.9;
+using small_buckets = reduce::bucketed<32, 16>; // 9 tensors, 1280 bytes: 8 buckets
+
+/// What one replica saw: parameters after every step (and after finish()), losses, buckets,
+/// host synchronisations per step, the error it ended with.
+struct run_log {
+    std::vector<std::vector<float>> params;
+    std::vector<double> losses;
+    std::vector<std::uint64_t> syncs;
+    std::size_t buckets = 0;
+    std::string error;
+    errc code = errc::internal;
+    bool failed = false;
+};
+
+template <class T, class System>
+std::vector<T> to_host(std::span<const T> s, const System& sys) {
+    std::vector<T> h(s.size());
+    copy(s, sys, std::span<T>(h), host_system{});
+    return h;
+}
+
+/// Trains `steps` steps of global batch `batch` on this replica; read_each: train_params'
+/// read_result (else read_result() is called after each step, outside the counted region).
+template <class Sync, class Reduce, class BN, bool Visitor = false, class Comm>
+run_log train(Comm& comm, int steps, std::size_t batch, tn::knobs k = {}, bool read_each = true) {
+    using net_t = tn::test_net<Comm, BN, Visitor>;
+    using system_type = typename Comm::system_type;
+    using trainer_t = data_parallel<net_t, optim::sgd<float, system_type>, Sync, Reduce, Comm>;
+    const std::size_t cap = batch / static_cast<std::size_t>(comm.size()) + 1;
+    run_log log;
+    trainer_t trainer(comm, [&](auto& ctx) { return net_t(ctx, cap, k); },
+                      {.lr = lr, .momentum = momentum}, {.read_result = read_each});
+    log.buckets = trainer.buckets().size();
+    for (int s = 0; s < steps; ++s) {
+        const auto before = host_sync_count();
+        step_result r =
+            trainer.step(batch, [](net_t& n, shard_range sr, auto& ctx) { n.train(sr, ctx); });
+        log.syncs.push_back(host_sync_count() - before);
+        if (!r.ready)
+            r = trainer.read_result();
+        log.losses.push_back(r.loss);
+        log.params.push_back(to_host(std::span<const float>(trainer.parameters()), comm.system()));
+    }
+    trainer.finish();
+    log.params.push_back(to_host(std::span<const float>(trainer.parameters()), comm.system()));
+    return log;
+}
+
+/// Runs f(comm) -> run_log on one replica per device of `devices` (all when empty) and returns
+/// the logs by rank; a replica's lockstep::error is recorded in its log.
+template <class F>
+std::vector<run_log> on_gpus(F f, std::vector<int> devices = {},
+                             std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+    gpu_group group = devices.empty() ? gpu_group({.timeout = timeout})
+                                      : gpu_group(std::move(devices), {.timeout = timeout});
+    std::vector<run_log> logs(static_cast<std::size_t>(group.size()));
+    try {
+        group.run([&](nccl_communicator& comm) {
+            run_log& log = logs[static_cast<std::size_t>(comm.rank())];
+            try {
+                log = f(comm);
+            } catch (const error& e) {
+                log.failed = true;
+                log.error = e.what();
+                log.code = e.code();
+                throw;
+            }
+        });
+    } catch (const error&) {
+        // Recorded per replica; the cases check the logs.
+    }
+    return logs;
+}
+
+/// The same on a thread group of `replicas` host replicas.
+template <class F>
+std::vector<run_log> on_threads(int replicas, F f) {
+    std::vector<run_log> logs(static_cast<std::size_t>(replicas));
+    thread_group group(replicas, {.timeout = std::chrono::seconds(60)});
+    group.run(
+        [&](thread_communicator& comm) { logs[static_cast<std::size_t>(comm.rank())] = f(comm); });
+    return logs;
+}
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+    REQUIRE(a.size() == b.size());
+    double m = 0;
+    for (std::size_t i = 0; i < a.size(); ++i)
+        m = std::max(m, std::abs(double(a[i]) - double(b[i])));
+    return m;
+}
+
+void require_clean(const std::vector<run_log>& logs) {
+    for (const auto& l : logs) {
+        INFO(l.error);
+        REQUIRE(!l.failed);
+    }
+}
+
+/// Every replica holds the same bits as replica 0 after every step.
+void check_bitwise_replicas(const std::vector<run_log>& logs) {
+    for (const auto& l : logs) {
+        REQUIRE(l.params.size() == logs[0].params.size());
+        for (std::size_t s = 0; s < l.params.size(); ++s)
+            CHECK(l.params[s] == logs[0].params[s]);
+    }
+}
+
+/// The double reference of steps 0..steps-1 of global batch `batch`: parameters and losses.
+std::pair<std::vector<std::vector<double>>, std::vector<double>> reference_run(int steps,
+                                                                               std::size_t batch) {
+    tn::reference ref;
+    std::vector<std::vector<double>> params;
+    std::vector<double> losses;
+    for (int s = 0; s < steps; ++s) {
+        std::vector<std::uint64_t> keys(batch);
+        for (std::size_t p = 0; p < batch; ++p)
+            keys[p] = static_cast<std::uint64_t>(s) * batch + p;
+        losses.push_back(ref.step(keys, lr, momentum));
+        params.push_back(ref.parameters());
+    }
+    return {params, losses};
+}
+
+/// |got - want| <= tol (1 + |want|) for every parameter.
+void check_against(const std::vector<float>& got, const std::vector<double>& want, double tol) {
+    REQUIRE(got.size() == want.size());
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < want.size(); ++i)
+        bad += std::abs(double(got[i]) - want[i]) > tol * (1 + std::abs(want[i]));
+    CHECK(bad == 0);
+}
+
+} // namespace
+
+// The network and the reference the GPU cases rely on, checked where no GPU is needed: the same
+// functors on the host thread group (1 and 3 replicas) against the double reference, 1e-4
+// relative to (1 + |value|).
+TEST_CASE("the GPU tests' network on the host thread group equals its double reference",
+          "[train][thread]") {
+    constexpr int steps = 4;
+    constexpr std::size_t batch = 13;
+    const auto [want, losses] = reference_run(steps, batch);
+    for (const int replicas : {1, 3}) {
+        const auto logs = on_threads(replicas, [](thread_communicator& comm) {
+            return train<sync::synchronous, small_buckets, bn::global>(comm, steps, batch);
+        });
+        check_bitwise_replicas(logs);
+        CHECK(logs[0].buckets >= 6);
+        for (int s = 0; s < steps; ++s) {
+            INFO(replicas << " replicas, step " << s);
+            CHECK(std::abs(logs[0].losses[s] - losses[s]) <= 1e-4 * (1 + std::abs(losses[s])));
+            check_against(logs[0].params[s], want[s], 1e-4);
+        }
+    }
+}
+
+// (a) Tolerances: N replicas against one replica with the whole batch: the same float kernels
+// on shards; BN's merged statistics and the NCCL sums differ only in summation order: 1e-5
+// absolute on O(1) parameters after 4 steps. Against the double reference: float rounding of
+// the forward/backward chain through three BN layers, 1e-4 relative to (1 + |value|).
+TEST_CASE("GPU trainer: three bn::global layers, user kernels, small buckets: N replicas equal "
+          "one and the double reference",
+          "[train][nccl][bn][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    constexpr int steps = 4;
+    constexpr std::size_t batch = 13; // uneven shards
+    auto run = [](nccl_communicator& comm) {
+        return train<sync::synchronous, small_buckets, bn::global>(comm, steps, batch);
+    };
+    const auto many = on_gpus(run);
+    const auto one = on_gpus(run, {0});
+    require_clean(many);
+    require_clean(one);
+    check_bitwise_replicas(many);
+    CHECK(many[0].buckets >= 6);
+
+    const auto [want, losses] = reference_run(steps, batch);
+    for (int s = 0; s < steps; ++s) {
+        INFO("step " << s);
+        CHECK(max_abs_diff(many[0].params[s], one[0].params[s]) <= 1e-5);
+        CHECK(std::abs(many[0].losses[s] - one[0].losses[s]) <= 1e-5);
+        CHECK(std::abs(many[0].losses[s] - losses[s]) <= 1e-4 * (1 + std::abs(losses[s])));
+        check_against(many[0].params[s], want[s], 1e-4);
+    }
+}
+
+namespace {
+/// (b) The policy combinations compared with the host thread group, and their tolerances: the
+/// exact reducers differ from the host only in summation order and FMA contraction (2e-5
+/// absolute after 4 steps); compressed<bfloat16> may round a gradient element to the other
+/// neighbouring bfloat16 when host and device differ in its last float bits (2^-8 relative, times
+/// lr and momentum over 4 steps: 2e-3 absolute).
+template <class Sync, class Reduce, class BN, int TolExp>
+struct combination {
+    using sync_policy = Sync;
+    using reduce_policy = Reduce;
+    using bn_policy = BN;
+    static double tolerance() { return TolExp == 3 ? 2e-3 : 2e-5; }
+};
+using per_tensor_case = combination<sync::synchronous, reduce::per_tensor, bn::global, 5>;
+using bucketed_case = combination<sync::synchronous, small_buckets, bn::global, 5>;
+using ps_case = combination<sync::synchronous, reduce::parameter_server<0>, bn::global, 5>;
+using bf16_case =
+    combination<sync::synchronous, reduce::compressed<lockstep::bfloat16>, bn::global, 3>;
+using local_sgd_case = combination<sync::local_sgd<2>, small_buckets, bn::local, 5>;
+} // namespace
+
+TEMPLATE_TEST_CASE("GPU trainer: every reducer and local SGD over NCCL equal the host thread group",
+                   "[train][nccl][thread][gpu]", per_tensor_case, bucketed_case, ps_case, bf16_case,
+                   local_sgd_case) {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    using S = typename TestType::sync_policy;
+    using R = typename TestType::reduce_policy;
+    using B = typename TestType::bn_policy;
+    constexpr int steps = 4;
+    constexpr std::size_t batch = 11;
+    const auto gpu =
+        on_gpus([](nccl_communicator& comm) { return train<S, R, B>(comm, steps, batch); });
+    require_clean(gpu);
+    const auto host = on_threads(static_cast<int>(gpu.size()), [](thread_communicator& comm) {
+        return train<S, R, B>(comm, steps, batch);
+    });
+    for (std::size_t r = 0; r < gpu.size(); ++r) {
+        REQUIRE(gpu[r].params.size() == host[r].params.size());
+        for (std::size_t s = 0; s < gpu[r].params.size(); ++s) {
+            INFO("replica " << r << " after step " << s);
+            CHECK(max_abs_diff(gpu[r].params[s], host[r].params[s]) <= TestType::tolerance());
+        }
+        for (std::size_t s = 0; s < gpu[r].losses.size(); ++s)
+            CHECK(std::abs(gpu[r].losses[s] - host[r].losses[s]) <= TestType::tolerance());
+    }
+    if constexpr (std::is_same_v<S, sync::synchronous>)
+        check_bitwise_replicas(gpu);
+}
+
+TEST_CASE("GPU trainer: the visitor path over the network's own device buffers equals the "
+          "registry path bit for bit",
+          "[train][nccl][visitor][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    const auto registry = on_gpus([](nccl_communicator& comm) {
+        return train<sync::synchronous, small_buckets, bn::global, false>(comm, 4, 10);
+    });
+    const auto visitor = on_gpus([](nccl_communicator& comm) {
+        return train<sync::synchronous, small_buckets, bn::global, true>(comm, 4, 10);
+    });
+    require_clean(registry);
+    require_clean(visitor);
+    for (std::size_t r = 0; r < registry.size(); ++r) {
+        CHECK(visitor[r].params == registry[r].params);
+        CHECK(visitor[r].losses == registry[r].losses);
+    }
+}
+
+TEST_CASE("GPU trainer: a replica throwing mid-step (after a BN forward) ends as an error on "
+          "every replica, never a hang",
+          "[train][nccl][failure][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    const int thrower = lockstep::cuda_device_count() > 1 ? 1 : 0;
+    const auto timeout = std::chrono::seconds(20);
+    const auto start = std::chrono::steady_clock::now();
+    const auto logs = on_gpus(
+        [&](nccl_communicator& comm) {
+            return train<sync::synchronous, small_buckets, bn::global>(
+                comm, 4, 12, tn::knobs{.throw_at_step = 1, .throw_rank = thrower});
+        },
+        {}, timeout);
+    const auto elapsed = std::chrono::steady_clock::now() - start;
+    CHECK(elapsed < timeout);
+    for (std::size_t r = 0; r < logs.size(); ++r) {
+        INFO("replica " << r << ": " << logs[r].error);
+        REQUIRE(logs[r].failed);
+        if (static_cast<int>(r) == thrower) {
+            CHECK(logs[r].code == errc::internal);
+            CHECK(logs[r].error.find("failure injected after bn1's forward in step 1") !=
+                  std::string::npos);
+        } else {
+            CHECK(logs[r].code == errc::peer_failure);
+        }
+    }
+}
+
+TEST_CASE("GPU trainer: a step with three bn::global layers waits on the host once with "
+          "read_result, never without",
+          "[train][nccl][sync][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    for (const bool read_each : {true, false}) {
+        const auto logs = on_gpus([&](nccl_communicator& comm) {
+            return train<sync::synchronous, small_buckets, bn::global>(comm, 3, 12, {}, read_each);
+        });
+        require_clean(logs);
+        INFO("read_result = " << read_each);
+        for (const auto& l : logs)
+            CHECK(l.syncs == std::vector<std::uint64_t>(3, read_each ? 1 : 0));
+    }
+}
+
+namespace {
+/// One warm-up step (it allocates the layers' workspaces and makes the momentum buffer's first
+/// step), then 3 steps: uncaptured, or one step captured in a CUDA graph on the communicator's
+/// stream and replayed 3 times. The data is the same batch every step (fixed_data), since a
+/// captured step replays its host-side arguments.
+run_log graph_run(nccl_communicator& comm, bool capture) {
+    using net_t = tn::test_net<nccl_communicator, bn::global>;
+    using trainer_t = data_parallel<net_t, optim::sgd<float, cuda_system>, sync::synchronous,
+                                    small_buckets, nccl_communicator>;
+    constexpr std::size_t batch = 12;
+    const std::size_t cap = batch / static_cast<std::size_t>(comm.size()) + 1;
+    trainer_t trainer(comm,
+                      [&](auto& ctx) { return net_t(ctx, cap, tn::knobs{.fixed_data = true}); },
+                      {.lr = lr, .momentum = momentum}, {.read_result = false});
+    const auto fn = [](net_t& n, shard_range sr, auto& ctx) { n.train(sr, ctx); };
+    (void)trainer.step(batch, fn);
+    (void)trainer.read_result();
+    run_log log;
+    if (!capture) {
+        for (int s = 0; s < 3; ++s)
+            (void)trainer.step(batch, fn);
+        comm.synchronize();
+    } else {
+        const cudaStream_t stream = comm.system().stream();
+        LOCKSTEP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+        cudaGraph_t graph = nullptr;
+        try {
+            (void)trainer.step(batch, fn);
+        } catch (...) {
+            (void)cudaStreamEndCapture(stream, &graph);
+            if (graph != nullptr)
+                (void)cudaGraphDestroy(graph);
+            throw;
+        }
+        LOCKSTEP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+        cudaGraphExec_t exec = nullptr;
+        LOCKSTEP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int s = 0; s < 3; ++s)
+            LOCKSTEP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+        comm.synchronize();
+        LOCKSTEP_CUDA_CHECK(cudaGraphExecDestroy(exec));
+        LOCKSTEP_CUDA_CHECK(cudaGraphDestroy(graph));
+    }
+    log.params.push_back(to_host(std::span<const float>(trainer.parameters()), comm.system()));
+    return log;
+}
+} // namespace
+
+// The captured step replays the same kernels and collectives on the same data as the uncaptured
+// steps: equal up to NCCL choosing another protocol inside a graph (1e-6 absolute).
+TEST_CASE("GPU trainer: a synchronous step with bn::global captured in a CUDA graph and replayed "
+          "3 times equals 3 steps",
+          "[train][nccl][graph][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    const auto plain = on_gpus([](nccl_communicator& comm) { return graph_run(comm, false); });
+    const auto graph = on_gpus([](nccl_communicator& comm) { return graph_run(comm, true); });
+    require_clean(plain);
+    require_clean(graph);
+    for (std::size_t r = 0; r < plain.size(); ++r)
+        CHECK(max_abs_diff(graph[r].params.back(), plain[r].params.back()) <= 1e-6);
+}
