@@ -79,80 +79,6 @@ struct merge_partials_fn {
     }
 };
 
-/// Channel c: Chan-merges replicas [first, last) of an all_gather of packed statistics, in rank
-/// order, so every replica computes bitwise the same result. Replica r's block starts at
-/// r * stride and holds {status, count, mean_0, m2_0, mean_1, m2_1, ...}.
-template <class Acc>
-struct merge_replicas_fn {
-    const Acc* gathered;
-    std::size_t stride;
-    int first;
-    int last;
-    moments<Acc>* out;
-
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t c) const {
-        const chan_merge merge;
-        moments<Acc> m;
-        for (int r = first; r < last; ++r) {
-            const Acc* block = gathered + static_cast<std::size_t>(r) * stride;
-            m = merge(m, moments<Acc>{block[1], block[2 + 2 * c], block[3 + 2 * c]});
-        }
-        out[c] = m;
-    }
-};
-
-/// Channel c: writes this replica's packed statistics block (see merge_replicas_fn); block[0]
-/// (the status) and block[1] (the count) are written by the first channel.
-template <class Acc>
-struct pack_moments_fn {
-    const moments<Acc>* local;
-    Acc status;
-    Acc count;
-    Acc* block;
-
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t c) const {
-        if (c == 0) {
-            block[0] = status;
-            block[1] = count;
-        }
-        block[2 + 2 * c] = local[c].mean;
-        block[3 + 2 * c] = local[c].m2;
-    }
-};
-
-/// Channel c, training: the normalization coefficients from the batch moments `norm`
-/// (biased variance, as every BN normalizes), and the running-statistics update from the
-/// moments `running` (unbiased variance with the count that produced it; skipped when that
-/// count is below 2): running = (1 - momentum) * running + momentum * batch.
-template <class Acc>
-struct train_coefficients_fn {
-    const moments<Acc>* norm;
-    const moments<Acc>* running;
-    const Acc* gamma;
-    Acc eps;
-    Acc momentum;
-    Acc* mean;
-    Acc* invstd;
-    Acc* scale;
-    Acc* running_mean;
-    Acc* running_var;
-
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t c) const {
-        const moments<Acc> m = norm[c];
-        const Acc var = m.count > Acc(0) ? m.m2 / m.count : Acc(0);
-        const Acc inv = inverse_sqrt(var + eps);
-        mean[c] = m.mean;
-        invstd[c] = inv;
-        scale[c] = gamma[c] * inv;
-        const moments<Acc> r = running[c];
-        if (r.count > Acc(1)) {
-            const Acc unbiased = r.m2 / (r.count - Acc(1));
-            running_mean[c] = (Acc(1) - momentum) * running_mean[c] + momentum * r.mean;
-            running_var[c] = (Acc(1) - momentum) * running_var[c] + momentum * unbiased;
-        }
-    }
-};
-
 /// Channel c, inference: coefficients from the running statistics.
 template <class Acc>
 struct eval_coefficients_fn {
@@ -230,36 +156,6 @@ struct merge_backward_fn {
         }
         sums[c] = sdy;
         sums[channels + c] = sdyx;
-    }
-};
-
-/// Channel c: the dx coefficients from the (replica-combined) sums over `count` values, and
-/// dgamma += local sum(dy * xhat), dbeta += local sum(dy) when dgamma/dbeta are non-null.
-/// `sums` and `local` are laid out as in merge_backward_fn.
-template <class Acc>
-struct backward_coefficients_fn {
-    const Acc* sums;
-    const Acc* local;
-    std::size_t channels;
-    Acc count;
-    const Acc* gamma;
-    const Acc* invstd;
-    Acc* k;
-    Acc* a;
-    Acc* b;
-    Acc* dgamma;
-    Acc* dbeta;
-
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t c) const {
-        const Acc inv = invstd[c];
-        const Acc per = count > Acc(0) ? Acc(1) / count : Acc(0);
-        k[c] = gamma[c] * inv;
-        a[c] = sums[c] * per;
-        b[c] = inv * inv * sums[channels + c] * per;
-        if (dgamma != nullptr)
-            dgamma[c] += local[channels + c] * inv;
-        if (dbeta != nullptr)
-            dbeta[c] += local[c];
     }
 };
 

@@ -80,7 +80,7 @@ fused_gradient_coefficients(std::size_t c, std::size_t channels, const Acc* tota
 }
 
 /// Channel c: dgamma[c] += local[C + c] * invstd[c], dbeta[c] += local[c] (this replica's
-/// parameter gradients, as backward_coefficients_fn adds them); a null pointer skips it.
+/// parameter gradients); a null pointer skips it.
 template <class Acc>
 LOCKSTEP_HOST_DEVICE inline void add_parameter_gradients(std::size_t c, std::size_t channels,
                                                          const Acc* local, const Acc* invstd,

@@ -56,7 +56,7 @@ public:
     /// State for a flat buffer of n parameters (moments zero, step 0). requires: lr,
     /// weight_decay >= 0, 0 <= beta1, beta2 < 1, eps > 0; segments as tensor_segment says (only
     /// `decay` is used). Throws lockstep::error (invalid_argument) otherwise.
-    explicit adam_impl(std::size_t n, Params p = {}, System sys = System{},
+    explicit adam_impl(std::size_t n, Params p = {}, System sys = default_system<System>(),
                        std::span<const tensor_segment> segments = {})
         : p_(p), sys_(sys), layout_(n, segments, sys_, name()), m_(zeros<T>(n, sys_)),
           v_(zeros<T>(n, sys_)), count_(sys_) {

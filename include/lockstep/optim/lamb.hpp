@@ -52,7 +52,7 @@ public:
     /// State for n parameters laid out as `segments` (empty: one tensor). requires: lr,
     /// weight_decay, phi_min >= 0, 0 <= beta1, beta2 < 1, eps > 0, phi_max >= phi_min.
     /// Throws lockstep::error otherwise.
-    explicit lamb(std::size_t n, lamb_params p = {}, System sys = System{},
+    explicit lamb(std::size_t n, lamb_params p = {}, System sys = default_system<System>(),
                   std::span<const tensor_segment> segments = {})
         : p_(p), sys_(sys), layout_(n, segments, sys_, "lamb"), m_(detail::zeros<T>(n, sys_)),
           v_(detail::zeros<T>(n, sys_)), update_(n, sys_), partial_(layout_.tile_count(), sys_),

@@ -45,7 +45,7 @@ public:
 
     /// State for n parameters laid out as `segments` (empty: one tensor). requires: lr,
     /// momentum, weight_decay, eps >= 0, eta > 0. Throws lockstep::error otherwise.
-    explicit lars(std::size_t n, lars_params p = {}, System sys = System{},
+    explicit lars(std::size_t n, lars_params p = {}, System sys = default_system<System>(),
                   std::span<const tensor_segment> segments = {})
         : p_(p), sys_(sys), layout_(n, segments, sys_, "lars"), v_(detail::zeros<T>(n, sys_)),
           partial_(layout_.tile_count(), sys_), norms_(layout_.segment_count(), sys_),

@@ -47,7 +47,7 @@ public:
     /// requires: lr, momentum, weight_decay >= 0; 0 <= dampening <= 1; nesterov only with
     /// momentum > 0 and dampening == 0; segments as tensor_segment says (only `decay` is used).
     /// Throws lockstep::error (invalid_argument) otherwise.
-    explicit sgd(std::size_t n, sgd_params p = {}, System sys = System{},
+    explicit sgd(std::size_t n, sgd_params p = {}, System sys = default_system<System>(),
                  std::span<const tensor_segment> segments = {})
         : p_(p), sys_(sys), layout_(n, segments, sys_, "sgd"), count_(sys_) {
         detail::check_param("sgd", "lr", p.lr, 0.0);

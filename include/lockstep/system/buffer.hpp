@@ -27,7 +27,8 @@ public:
 
     buffer() = default;
     /// Allocates n elements (uninitialized) in sys's memory.
-    explicit buffer(std::size_t n, System sys = System{}) : sys_(std::move(sys)), size_(n) {
+    explicit buffer(std::size_t n, System sys = default_system<System>())
+        : sys_(std::move(sys)), size_(n) {
         data_ = static_cast<T*>(sys_.allocate(n * sizeof(T)));
     }
     buffer(const buffer&) = delete;

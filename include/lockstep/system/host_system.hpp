@@ -79,6 +79,18 @@ private:
     int threads_;
 };
 
+/// The system a component uses when the caller names none: host_system{} for a host system. A
+/// device system has no sensible default (cuda_system{} would be device 0's legacy default
+/// stream, silently apart from the replica's stream), so omitting it fails to compile.
+template <class System>
+System default_system() {
+    static_assert(System::is_host,
+                  "lockstep: a component on a device system needs the replica's system passed "
+                  "explicitly (comm.system()); a default cuda_system would be device 0's legacy "
+                  "default stream, unordered with the replica's stream.");
+    return System{};
+}
+
 namespace detail {
 /// Copies bytes between two host allocations.
 inline void copy_bytes(void* dst, const host_system&, const void* src, const host_system&,

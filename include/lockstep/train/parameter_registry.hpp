@@ -83,7 +83,7 @@ public:
     using system_type = System;
     using handle = tensor_handle<T, System>;
 
-    explicit parameter_registry(System sys = System{}, int replica = -1)
+    explicit parameter_registry(System sys = default_system<System>(), int replica = -1)
         : sys_(std::move(sys)), replica_(replica) {}
     parameter_registry(const parameter_registry&) = delete;
     parameter_registry& operator=(const parameter_registry&) = delete;

@@ -95,6 +95,11 @@ public:
                          "the network declared no parameters (allocate them from "
                          "ctx.registry() or define for_each_parameter)");
         broadcast_from(0);
+        // The optimizer below copies its tables to the device with blocking copies on this
+        // stream: wait for the broadcast through the communicator first, so that a missing peer
+        // ends in its timeout and failure checks instead of in a plain stream wait.
+        if constexpr (requires { comm.synchronize(); })
+            comm.synchronize();
 
         segments_.reserve(reg.parameters().size());
         for (const tensor_info& t : reg.parameters()) {
