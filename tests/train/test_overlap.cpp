@@ -35,12 +35,14 @@ TEMPLATE_TEST_CASE("reduction on a communication thread equals the inline reduct
         run_options o{.replicas = replicas, .batches = batch_schedule(8)};
         o.overlap = overlap_mode::always;
         o.overlapped = &on;
-        const auto threaded = train_run<float, optim::adam<float>, sync::synchronous, Reduce,
-                                        storage::registry>(o, {.lr = 0.01});
+        const auto threaded =
+            train_run<float, optim::adam<float>, sync::synchronous, Reduce, storage::registry>(
+                o, {.lr = 0.01});
         o.overlap = overlap_mode::never;
         o.overlapped = &off;
-        const auto inline_ = train_run<float, optim::adam<float>, sync::synchronous, Reduce,
-                                       storage::registry>(o, {.lr = 0.01});
+        const auto inline_ =
+            train_run<float, optim::adam<float>, sync::synchronous, Reduce, storage::registry>(
+                o, {.lr = 0.01});
         CHECK(on == std::vector<bool>(on.size(), true));
         CHECK(off == std::vector<bool>(off.size(), false));
         CHECK(first_divergence(threaded).empty());
@@ -67,13 +69,13 @@ TEST_CASE("local SGD averages and micro-batches work on the communication thread
           "[train][thread][overlap]") {
     run_options o{.replicas = 3, .batches = {24, 36, 30, 24, 42, 30}, .micro_batches = 2};
     o.overlap = overlap_mode::always;
-    const auto threaded = train_run<double, optim::sgd<double>, sync::local_sgd<2>,
-                                    reduce::bucketed<512, 128>, storage::registry, bn::local>(
-        o, {.lr = 0.05, .momentum = 0.9});
+    const auto threaded =
+        train_run<double, optim::sgd<double>, sync::local_sgd<2>, reduce::bucketed<512, 128>,
+                  storage::registry, bn::local>(o, {.lr = 0.05, .momentum = 0.9});
     o.overlap = overlap_mode::never;
-    const auto inline_ = train_run<double, optim::sgd<double>, sync::local_sgd<2>,
-                                   reduce::bucketed<512, 128>, storage::registry, bn::local>(
-        o, {.lr = 0.05, .momentum = 0.9});
+    const auto inline_ =
+        train_run<double, optim::sgd<double>, sync::local_sgd<2>, reduce::bucketed<512, 128>,
+                  storage::registry, bn::local>(o, {.lr = 0.05, .momentum = 0.9});
     for (std::size_t r = 0; r < 3; ++r)
         CHECK(same_bits(threaded.params[r].back(), inline_.params[r].back()));
 }
