@@ -153,6 +153,55 @@ LOCKSTEP_F16_TARGET inline void to_bfloat16_avx2(const float* src, std::size_t n
         std::memcpy(dst + 2 * i, &h, 2);
     }
 }
+
+// 8 wire values as floats. Signalling half NaNs come out quiet, which the sums below may
+// ignore: a NaN sum encodes to the canonical NaN either way.
+template <class Wire>
+LOCKSTEP_F16_TARGET inline __m256 load_wire8(const unsigned char* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (std::is_same_v<Wire, half>)
+        return _mm256_cvtph_ps(h);
+    else
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// 8 floats rounded to wire bits (as to_wire_n).
+template <class Wire>
+LOCKSTEP_F16_TARGET inline __m128i round_wire8(__m256 x) {
+    if constexpr (std::is_same_v<Wire, half>) {
+        const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+        const __m128i nan16 =
+            _mm_packs_epi32(_mm256_castsi256_si128(nan), _mm256_extracti128_si256(nan, 1));
+        return _mm_andnot_si128(_mm_and_si128(nan16, _mm_set1_epi16(0x01ff)), h);
+    } else {
+        const __m256i r = round_bfloat16_avx2(_mm256_castps_si256(x));
+        return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    }
+}
+
+// The vector loop of sum_wire_n; returns the elements done (a multiple of 8).
+template <class Wire>
+LOCKSTEP_F16_TARGET inline std::size_t sum_wire_avx2(const unsigned char* src, std::size_t stride,
+                                                     int ranks, std::size_t n, unsigned char* out,
+                                                     float* back, std::size_t n_back) {
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 acc = load_wire8<Wire>(src + 2 * i);
+        for (int r = 1; r < ranks; ++r)
+            acc = _mm256_add_ps(
+                acc, load_wire8<Wire>(src + static_cast<std::size_t>(r) * stride + 2 * i));
+        const __m128i h = round_wire8<Wire>(acc);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * i), h);
+        if (i + 8 <= n_back) // a sum's bits are never a signalling NaN: converting back is exact
+            _mm256_storeu_ps(back + i, load_wire8<Wire>(out + 2 * i));
+        else
+            for (std::size_t k = i; k < n_back && k < i + 8; ++k)
+                back[k] = wire_codec<Wire>::decode(
+                    static_cast<std::uint16_t>(out[2 * k] | (out[2 * k + 1] << 8)));
+    }
+    return i;
+}
 #endif
 
 /// The loops to_wire_n runs without F16C/AVX2 (tested on their own as well). Tiles through a
@@ -224,6 +273,38 @@ void from_wire_n(const void* src, std::size_t n, float* dst) {
     }
 #endif
     from_wire_n_portable<Wire>(src, n, dst);
+}
+
+/// Host, the reduction of compressed_all_reduce: for i < n, s_i = the float sum, in rank order
+/// r = 0..ranks-1, of the i-th 16-bit Wire value of block r (block r at src + r * stride bytes);
+/// out receives Wire(s_i) (16-bit values in memory order) and, for i < n_back, back[i] =
+/// float(Wire(s_i)). Bit for bit the scalar conversions and float additions.
+/// requires: n_back <= n; out overlaps neither src nor back.
+template <class Wire>
+void sum_wire_n(const void* src, std::size_t stride, int ranks, std::size_t n, void* out,
+                float* back, std::size_t n_back) {
+    const auto* in = static_cast<const unsigned char*>(src);
+    auto* o = static_cast<unsigned char*>(out);
+    std::size_t done = 0;
+#if LOCKSTEP_F16_X86
+    if (cpu_has_f16c())
+        done = sum_wire_avx2<Wire>(in, stride, ranks, n, o, back, n_back);
+#endif
+    // Without AVX2 (and for the tail): tiles through local arrays, so every loop vectorises.
+    constexpr std::size_t step = 512;
+    float acc[step], next[step];
+    for (std::size_t at = done; at < n; at += step) {
+        const std::size_t m = n - at < step ? n - at : step;
+        from_wire_n<Wire>(in + 2 * at, m, acc);
+        for (int r = 1; r < ranks; ++r) {
+            from_wire_n<Wire>(in + static_cast<std::size_t>(r) * stride + 2 * at, m, next);
+            for (std::size_t i = 0; i < m; ++i)
+                acc[i] += next[i];
+        }
+        to_wire_n<Wire>(acc, m, o + 2 * at);
+        if (at < n_back)
+            from_wire_n<Wire>(o + 2 * at, n_back - at < m ? n_back - at : m, back + at);
+    }
 }
 
 } // namespace lockstep::detail

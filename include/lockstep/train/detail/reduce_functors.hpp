@@ -150,21 +150,21 @@ struct sum_wire_fn {
                 dst[i] = static_cast<T>(wire_codec<Wire>::decode(bits));
         }
 #else
-        constexpr std::size_t step = 1024;
-        float acc[step], next[step];
-        for (std::size_t at = b; at < e; at += step) {
-            const std::size_t m = e - at < step ? e - at : step;
-            from_wire_n<Wire>(reinterpret_cast<const unsigned char*>(blocks) + 2 * at, m, acc);
-            for (int r = 1; r < ranks; ++r) {
-                from_wire_n<Wire>(reinterpret_cast<const unsigned char*>(blocks) +
-                                      2 * (static_cast<std::size_t>(r) * shard + at),
-                                  m, next);
-                for (std::size_t i = 0; i < m; ++i)
-                    acc[i] += next[i];
+        const auto* in = reinterpret_cast<const unsigned char*>(blocks) + 2 * b;
+        auto* o = reinterpret_cast<unsigned char*>(out) + 2 * b;
+        const std::size_t n_back = n > b ? (n < e ? n : e) - b : 0;
+        if constexpr (std::is_same_v<T, float>) {
+            sum_wire_n<Wire>(in, 2 * shard, ranks, e - b, o, dst + b, n_back);
+        } else {
+            constexpr std::size_t step = 512;
+            float back[step];
+            for (std::size_t at = 0; at < e - b; at += step) {
+                const std::size_t m = e - b - at < step ? e - b - at : step;
+                const std::size_t k = n_back > at ? (n_back - at < m ? n_back - at : m) : 0;
+                sum_wire_n<Wire>(in + 2 * at, 2 * shard, ranks, m, o + 2 * at, back, k);
+                for (std::size_t i = 0; i < k; ++i)
+                    dst[b + at + i] = static_cast<T>(back[i]);
             }
-            to_wire_n<Wire>(acc, m, reinterpret_cast<unsigned char*>(out) + 2 * at);
-            if (at < n)
-                decode_wire_host<Wire>(out, at, (n - at < m ? n - at : m), dst + at);
         }
 #endif
     }
