@@ -17,6 +17,10 @@
 #include <thrust/for_each.h>
 #include <thrust/iterator/counting_iterator.h>
 
+namespace lockstep {
+class thread_communicator; // comm/thread_communicator.hpp (only compared, never used)
+} // namespace lockstep
+
 namespace lockstep::detail {
 
 /// How compressed_all_reduce splits a chunk of `n` elements over `ranks` replicas: shard j is
@@ -44,14 +48,20 @@ struct compressed_shards {
     std::size_t last(std::size_t j) const noexcept { return std::min(n, (j + 1) * shard); }
 };
 
-/// Elements compressed_all_reduce handles per round of collectives. On the host, chunks of 64 Ki
-/// elements: the chunk (256 KiB of float) and its three 16-bit buffers (128 KiB each) stay in a
-/// core's L2 cache between the passes, so memory sees one read and one write of the gradient;
-/// each round costs two collectives (bench_reduce, 2 replicas, ResNet-50: 16-32 Ki are slower by
-/// their latency, 256 Ki-whole buckets by their memory traffic). On a device, a whole bucket.
-template <class System>
+/// Elements compressed_all_reduce handles per round of collectives (two collectives a round),
+/// by communicator. Measured with bench_reduce's ResNet-50 list on 2 replicas, quiet machine:
+/// - MPI (and any other host communicator): 64 Ki elements. The chunk (256 KiB of float) and
+///   its three 16-bit buffers (128 KiB each) stay in a core's L2 cache between the passes, so
+///   memory sees one read and one write of the gradient; 256 Ki-1 Mi chunks were 20-30% slower.
+/// - thread_communicator: 512 Ki elements. Its rendezvous spin for microseconds and then sleep,
+///   and replicas a few microseconds apart pay a wake-up (~20 us) per rendezvous: 64 Ki chunks
+///   were 1.5x slower than 512 Ki ones, whose buffers spill to L3.
+/// - a device: 64 Mi elements (a whole bucket).
+template <class Communicator>
 inline constexpr std::size_t compressed_chunk_elements =
-    System::is_host ? std::size_t{1} << 16 : std::size_t{1} << 26;
+    !Communicator::system_type::is_host                 ? std::size_t{1} << 26
+    : std::is_same_v<Communicator, thread_communicator> ? std::size_t{1} << 19
+                                                        : std::size_t{1} << 16;
 
 /// The scratch buffers of compressed_all_reduce on one replica: the packed send blocks, the
 /// received blocks and the reduced (gathered) slots, each sized for one chunk.
@@ -60,10 +70,11 @@ class compressed_workspace {
 public:
     compressed_workspace() = default;
     /// Buffers for pieces of up to max_elements on `replicas` replicas, reduced in chunks of at
-    /// most chunk_elements. requires: replicas >= 1, chunk_elements >= 1 and equal on every
-    /// replica (it decides the collectives issued).
+    /// most chunk_elements (compressed_chunk_elements<Communicator> is the measured choice).
+    /// requires: replicas >= 1, chunk_elements >= 1 and equal on every replica (it decides the
+    /// collectives issued).
     compressed_workspace(const System& sys, int replicas, std::size_t max_elements,
-                         std::size_t chunk_elements = compressed_chunk_elements<System>)
+                         std::size_t chunk_elements)
         : replicas_(replicas), chunk_(chunk_elements) {
         LOCKSTEP_REQUIRE(replicas >= 1 && chunk_elements >= 1, errc::invalid_argument, -1,
                          "compressed_workspace", replicas, " replicas, chunks of ", chunk_elements,

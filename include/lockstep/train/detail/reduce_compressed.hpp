@@ -40,7 +40,8 @@ public:
         std::size_t largest = 0;
         for (const bucket& b : launcher_.plan())
             largest = std::max(largest, b.size);
-        ws_ = compressed_workspace<T, system_type>(comm.system(), comm.size(), largest);
+        ws_ = compressed_workspace<T, system_type>(comm.system(), comm.size(), largest,
+                                                   compressed_chunk_elements<Communicator>);
     }
 
     void begin(std::span<T> data) {
