@@ -288,6 +288,21 @@ TEST_CASE("compressed_all_reduce sums within its bound, identical on every repli
     check_compressed_all_reduce<lockstep::half, double>(replicas, 4099, 1000);
 }
 
+TEST_CASE("compressed_all_reduce without F16C/AVX2 gives the same bits",
+          "[train][thread][compressed]") {
+    // Every array conversion and the shard sum take their portable loops meanwhile.
+    struct portable_only {
+        portable_only() { lockstep::detail::f16_portable_only() = true; }
+        ~portable_only() { lockstep::detail::f16_portable_only() = false; }
+    } guard;
+    const int replicas = GENERATE(1, 3);
+    for (const std::size_t n : {std::size_t{5}, std::size_t{4099}, std::size_t{100003}}) {
+        check_compressed_all_reduce<lockstep::half, float>(replicas, n, 1 << 16);
+        check_compressed_all_reduce<lockstep::bfloat16, float>(replicas, n, 4096);
+        check_compressed_all_reduce<lockstep::half, double>(replicas, n, 30001);
+    }
+}
+
 namespace {
 // The reduced gradient's error per element is at most u sum_r |g_r| + u |sum_r g_r| + (replicas
 // - 1) 2^-24 sum_r |g_r| (each replica's contribution rounded once, the float sum once; u =

@@ -6,6 +6,7 @@
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/float16.hpp"
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -23,6 +24,13 @@
 #endif
 
 namespace lockstep::detail {
+
+/// Test hook: set to true, the array conversions below take their portable loops even where
+/// F16C/AVX2 exist (tests run both paths on one machine). Not for production use.
+inline std::atomic<bool>& f16_portable_only() noexcept {
+    static std::atomic<bool> flag{false};
+    return flag;
+}
 
 /// float_to_half_bits without data-dependent branches (every candidate computed, then
 /// selected): the same bits, in a form loops vectorise.
@@ -76,6 +84,11 @@ inline bool cpu_has_f16c() noexcept {
         return ((b >> 5) & 1u) != 0; // AVX2
     }();
     return ok;
+}
+
+/// True when the array conversions take the F16C/AVX2 path.
+inline bool use_f16c() noexcept {
+    return cpu_has_f16c() && !f16_portable_only().load(std::memory_order_relaxed);
 }
 
 // Reads run this many bytes ahead with software prefetches: the hardware prefetcher stops at
@@ -256,7 +269,7 @@ void from_wire_n_portable(const void* src, std::size_t n, float* dst) {
 template <class Wire>
 void to_wire_n(const float* src, std::size_t n, void* dst) {
 #if LOCKSTEP_F16_X86
-    if (cpu_has_f16c()) {
+    if (use_f16c()) {
         if constexpr (std::is_same_v<Wire, half>)
             to_half_f16c(src, n, static_cast<unsigned char*>(dst));
         else
@@ -274,7 +287,7 @@ void from_wire_n(const void* src, std::size_t n, float* dst) {
 #if LOCKSTEP_F16_X86
     // bfloat16 -> float is a shift, which the portable loop vectorises as well as intrinsics.
     if constexpr (std::is_same_v<Wire, half>) {
-        if (cpu_has_f16c()) {
+        if (use_f16c()) {
             from_half_f16c(static_cast<const unsigned char*>(src), n, dst);
             return;
         }
@@ -295,7 +308,7 @@ void sum_wire_n(const void* src, std::size_t stride, int ranks, std::size_t n, v
     auto* o = static_cast<unsigned char*>(out);
     std::size_t done = 0;
 #if LOCKSTEP_F16_X86
-    if (cpu_has_f16c())
+    if (use_f16c())
         done = sum_wire_avx2<Wire>(in, stride, ranks, n, o, back, n_back);
 #endif
     // Without AVX2 (and for the tail): tiles through local arrays, so every loop vectorises.
