@@ -92,12 +92,12 @@ private:
 
 /// One replica's backward: per tensor the units to burn; shared by this replica's trainers.
 struct workload {
-    std::vector<tensor_info> tensors = bench::resnet50_tensors();
+    std::vector<tensor_info> tensors = bench_nets::resnet50_tensors();
     std::vector<double> share; ///< of the backward's cost, per tensor (sums to 1)
     std::vector<std::size_t> units;
     burner burn;
     workload() {
-        const auto pixels = bench::resnet50_output_pixels();
+        const auto pixels = bench_nets::resnet50_output_pixels();
         double total = 0;
         for (std::size_t t = 0; t < tensors.size(); ++t)
             total += static_cast<double>(tensors[t].size * pixels[t]);
@@ -340,7 +340,7 @@ void print_machine(const options& opt) {
     std::printf("bench_overlap: ResNet-50's 161 tensors (%.1f MB of float gradients), "
                 "reduce::bucketed<>, SGD momentum 0.9, %d repetitions (median), %u hardware "
                 "threads, load average %.2f %.2f %.2f%s\n",
-                bench::resnet50_tensors().back().offset * 4e-6 + 4e-3, opt.quick ? 3 : opt.reps,
+                bench_nets::resnet50_tensors().back().offset * 4e-6 + 4e-3, opt.quick ? 3 : opt.reps,
                 std::thread::hardware_concurrency(), load[0], load[1], load[2],
                 load[0] > 1.5 ? " (busy machine: numbers are not quiet-machine numbers)" : "");
 }

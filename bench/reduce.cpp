@@ -20,7 +20,7 @@
 #include <vector>
 
 using namespace lockstep;
-using lockstep::bench::resnet50_tensors;
+using lockstep::bench_nets::resnet50_tensors;
 
 namespace {
 

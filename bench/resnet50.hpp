@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-namespace lockstep::bench {
+namespace lockstep::bench_nets {
 
 // torchvision's resnet50 parameters in registration order: conv1, bn1, layer1..4 (bottlenecks
 // of conv1x1, bn, conv3x3, bn, conv1x1, bn, plus a downsample conv1x1 + bn in each layer's
@@ -81,4 +81,4 @@ inline std::vector<std::size_t> resnet50_output_pixels() {
     return out;
 }
 
-} // namespace lockstep::bench
+} // namespace lockstep::bench_nets
