@@ -16,8 +16,8 @@ namespace lockstep::testing {
 /// Runs the Catch2 session of an MPI test on this rank (the file defines CATCH_CONFIG_RUNNER).
 /// ensures: returns 1 on every rank when any rank failed, else 0; a rank whose session throws
 /// prints the error and calls MPI_Abort, so no peer is left waiting.
-inline int run_mpi_session(int argc, char** argv) {
-    lockstep::mpi_environment env(argc, argv);
+inline int run_mpi_session(int argc, char** argv, lockstep::mpi_environment_params p = {}) {
+    lockstep::mpi_environment env(argc, argv, p);
     int rank = 0;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     Catch::Session session;

@@ -21,11 +21,14 @@ namespace {
 
 // The test network trained by `world`'s processes; returns every step's parameters.
 template <class T, class Opt, class Reduce, storage S>
-std::vector<std::vector<T>> train_mpi(mpi_communicator& world, typename Opt::params_type p,
-                                      std::vector<step_result>& results) {
+std::vector<std::vector<T>>
+train_mpi(mpi_communicator& world, typename Opt::params_type p, std::vector<step_result>& results,
+          overlap_mode overlap = overlap_mode::automatic, bool* overlapped = nullptr) {
     using net = mlp<T, mpi_communicator, S>;
     data_parallel<net, Opt, sync::synchronous, Reduce, mpi_communicator> dp(
-        world, [](auto& ctx) { return net(ctx); }, p, {.seed = 42});
+        world, [](auto& ctx) { return net(ctx); }, p, {.overlap = overlap, .seed = 42});
+    if (overlapped != nullptr)
+        *overlapped = dp.overlaps();
     std::vector<std::vector<T>> out;
     for (std::size_t b : batch_schedule()) {
         results.push_back(
@@ -73,6 +76,29 @@ TEST_CASE("MPI replicas train like thread replicas and like one replica", "[trai
     }
 }
 
+TEST_CASE("buckets on a communication thread over MPI equal the inline reduction bit for bit",
+          "[train][mpi][overlap]") {
+    mpi_communicator world(MPI_COMM_WORLD);
+    int level = MPI_THREAD_SINGLE;
+    MPI_Query_thread(&level);
+    std::vector<step_result> r_on, r_off;
+    bool on = false, off = true;
+    const auto threaded =
+        train_mpi<double, optim::adam<double>, reduce::bucketed<64, 32>, storage::registry>(
+            world, {.lr = 1e-2}, r_on, overlap_mode::always, &on);
+    const auto inline_ =
+        train_mpi<double, optim::adam<double>, reduce::bucketed<64, 32>, storage::registry>(
+            world, {.lr = 1e-2}, r_off, overlap_mode::never, &off);
+    // The main below asks for MPI_THREAD_MULTIPLE; without it `always` falls back to inline.
+    CHECK(on == (level == MPI_THREAD_MULTIPLE));
+    CHECK_FALSE(off);
+    REQUIRE(threaded.size() == inline_.size());
+    for (std::size_t s = 0; s < threaded.size(); ++s)
+        CHECK(std::memcmp(threaded[s].data(), inline_[s].data(),
+                          threaded[s].size() * sizeof(double)) == 0);
+}
+
 int main(int argc, char** argv) {
-    return lockstep::testing::run_mpi_session(argc, argv);
+    // The communication thread calls MPI while the compute thread may too.
+    return lockstep::testing::run_mpi_session(argc, argv, {.requested = MPI_THREAD_MULTIPLE});
 }

@@ -45,6 +45,8 @@ struct run_options {
     int poison_rank = -1; ///< this replica's gradient gets a NaN at step poison_step
     int poison_step = -1;
     bool skip_non_finite = true;
+    overlap_mode overlap = overlap_mode::automatic;
+    std::vector<bool>* overlapped = nullptr; ///< if set: per rank, trainer.overlaps()
 };
 
 /// One training run of mlp<T, thread_communicator, S, BN> with data_parallel<..., Opt, Sync,
@@ -63,7 +65,12 @@ run_record<T> train_run(const run_options& o, typename Opt::params_type op = {})
         const auto r = static_cast<std::size_t>(comm.rank());
         data_parallel<net, Opt, Sync, Reduce, thread_communicator> dp(
             comm, [&](auto& ctx) { return net(ctx, o.shape); }, op,
-            {.micro_batches = o.micro_batches, .skip_non_finite = o.skip_non_finite, .seed = 42});
+            {.micro_batches = o.micro_batches,
+             .skip_non_finite = o.skip_non_finite,
+             .overlap = o.overlap,
+             .seed = 42});
+        if (o.overlapped != nullptr)
+            (*o.overlapped)[r] = dp.overlaps();
         if (r == 0)
             rec.layout = dp.registry().parameters();
         for (std::size_t s = 0; s < o.batches.size(); ++s) {

@@ -59,6 +59,21 @@ concept communicator = requires(C& c, const C& cc, std::span<float> f, std::span
     { c.split(0, 0) } -> std::same_as<C>;
 };
 
+/// Facts about a communicator type that trainers use. Specialise it for a communicator of your
+/// own, or give the type a `static constexpr bool collectives_use_compute_cores`.
+/// - collectives_use_compute_cores: the collectives' work runs on the replica's compute cores
+///   (shared-memory copies), so a communication thread would compete with the compute instead
+///   of overlapping it. Default: true for host-memory communicators, false for device ones.
+template <class C>
+struct communicator_traits {
+    static constexpr bool collectives_use_compute_cores = [] {
+        if constexpr (requires { C::collectives_use_compute_cores; })
+            return static_cast<bool>(C::collectives_use_compute_cores);
+        else
+            return static_cast<bool>(C::system_type::is_host);
+    }();
+};
+
 /// A communicator with point-to-point messages (needed by asynchronous training):
 /// - send(data, dest, tag) / recv(data, source, tag): matched by (source, tag), in order.
 /// - recv_any(data, tag) -> int: receives the next message with `tag` from any replica and

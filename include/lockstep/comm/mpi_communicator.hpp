@@ -104,6 +104,9 @@ public:
     host_system system() const { return host_system(host_system::default_threads(node_ranks_)); }
     /// The owned MPI communicator (MPI_COMM_NULL after a move).
     MPI_Comm native() const noexcept { return comm_; }
+    /// True when the processes run on more than one node: collectives then cross a network
+    /// instead of running as shared-memory copies on the compute cores.
+    bool spans_nodes() const noexcept { return node_ranks_ < size_; }
     bool verifying() const noexcept { return params_.verify; }
     /// The number of collectives this communicator has started (the "#n" in error messages).
     std::int64_t sequence() const noexcept { return seq_; }

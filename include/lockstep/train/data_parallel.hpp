@@ -15,6 +15,7 @@
 #include "lockstep/system/staged_read.hpp"
 #include "lockstep/train/asynchronous.hpp" // IWYU pragma: export
 #include "lockstep/train/detail/data_parallel_fwd.hpp"
+#include "lockstep/train/detail/overlap.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/detail/reducer.hpp"
 #include "lockstep/train/detail/replica_core.hpp"
@@ -78,8 +79,9 @@ public:
     data_parallel(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt = {},
                   train_params tp = {})
         : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp)),
-          reducer_(comm, core_.registry().parameters()), status_(status_slot::slots, comm.system()),
-          skip_(1, comm.system()),
+          reducer_(comm, core_.registry().parameters(),
+                   detail::use_overlap(comm, core_.params().overlap)),
+          status_(status_slot::slots, comm.system()), skip_(1, comm.system()),
           partial_(detail::non_finite_tiles(core_.registry().grads().size()), comm.system()),
           read_(status_slot::slots, comm.system()) {}
     data_parallel(const data_parallel&) = delete;
@@ -114,6 +116,7 @@ public:
             else
                 return synchronous_step(global_batch, fn);
         } catch (...) {
+            reducer_.drain();
             abort_communicator();
             throw;
         }
@@ -157,6 +160,8 @@ public:
     std::int64_t steps() const noexcept { return core_.steps(); }
     /// The reduction pieces (buckets) in launch order, and collectives issued so far.
     const std::vector<detail::bucket>& buckets() const noexcept { return reducer_.plan(); }
+    /// True when gradient buckets are reduced on a communication stream (train_params::overlap).
+    bool overlaps() const noexcept { return reducer_.overlaps(); }
     std::size_t collectives() const noexcept { return reducer_.collectives(); }
 
 private:

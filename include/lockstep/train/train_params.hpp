@@ -9,6 +9,20 @@
 
 namespace lockstep {
 
+/// Whether gradient buckets are reduced on a communication stream while backward goes on
+/// (train_params::overlap).
+enum class overlap_mode {
+    /// Where it pays: NCCL (a side stream), MPI across nodes (a communication thread, when MPI
+    /// provides MPI_THREAD_MULTIPLE), communicators whose collectives do not use the compute
+    /// cores (communicator_traits); not the shared-memory thread group or single-node MPI, whose
+    /// "communication" is memory work on the same cores as the compute.
+    automatic,
+    /// Always on a communication stream (MPI without MPI_THREAD_MULTIPLE falls back to inline).
+    always,
+    /// Always inline: a bucket is reduced in mark_ready / finish on the calling thread or stream.
+    never
+};
+
 /// Runtime knobs of data_parallel (designated initialisers: `{.micro_batches = 4, .seed = 7}`).
 struct train_params {
     /// Micro-batches per step (gradient accumulation): gradients are zeroed once per step,
@@ -27,6 +41,9 @@ struct train_params {
     /// result when the caller wants it. Either way a step with a non-finite gradient or a layer
     /// error is skipped on the device, identically on every replica.
     bool read_result = true;
+    /// Overlap of gradient reduction with backward (synchronous steps and local SGD's averages).
+    /// Every replica must pass the same value.
+    overlap_mode overlap = overlap_mode::automatic;
     /// The seed of every replica's random streams (replica_context::rng).
     std::uint64_t seed = 0;
     /// Which parameters get weight decay and LARS/LAMB trust-ratio adaptation; empty: all.

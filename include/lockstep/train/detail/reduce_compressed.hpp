@@ -8,6 +8,7 @@
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/detail/bucket_plan.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
+#include "lockstep/train/detail/reducer_base.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 
 #include <algorithm>
@@ -20,9 +21,6 @@
 
 namespace lockstep::detail {
 
-template <class Policy, class T, class Communicator>
-class reducer;
-
 /// reduce::compressed<Wire>: per bucket, every replica rounds its gradient to Wire (nearest
 /// even), packs two wire values per 32-bit word, all_gathers the words, and sums the size()
 /// rounded contributions in T in rank order, so every replica computes the same bits.
@@ -32,17 +30,18 @@ class reducer;
 /// contribution is rounded once (relative error <= Wire::unit_roundoff); the sum is exact in T
 /// up to T's own rounding.
 template <class Wire, class T, class Communicator>
-class reducer<reduce::compressed<Wire>, T, Communicator> {
-    // Half the default bucket bytes: the words sent are half the gradient's bytes.
+class reducer<reduce::compressed<Wire>, T, Communicator>
+    : public reducer_base<reducer<reduce::compressed<Wire>, T, Communicator>, T, Communicator> {
     using buckets = reduce::bucketed<>;
+    using base = reducer_base<reducer, T, Communicator>;
 
 public:
-    reducer(Communicator& comm, const std::vector<tensor_info>& tensors)
-        : comm_(&comm), launcher_(plan_buckets(tensors, sizeof(T), buckets::first_bucket_bytes,
-                                               buckets::bucket_bytes),
-                                  tensors.size()) {
+    reducer(Communicator& comm, const std::vector<tensor_info>& tensors, bool overlap = false)
+        : base(comm,
+               plan_buckets(tensors, sizeof(T), buckets::first_bucket_bytes, buckets::bucket_bytes),
+               tensors.size(), overlap) {
         std::size_t largest = 0;
-        for (const bucket& b : launcher_.plan())
+        for (const bucket& b : this->plan())
             largest = std::max(largest, b.size);
         const std::size_t words = (largest + 1) / 2;
         send_ = buffer<int, system_type>(words, comm.system());
@@ -50,51 +49,30 @@ public:
             buffer<int, system_type>(words * static_cast<std::size_t>(comm.size()), comm.system());
     }
 
-    void begin(std::span<T> data) {
-        data_ = data;
-        launcher_.reset();
-    }
-    void mark_ready(std::size_t t) {
-        launcher_.mark_ready(t, [&](const bucket& b) { launch(b); });
-    }
-    void finish() {
-        launcher_.finish([&](const bucket& b) { launch(b); });
-    }
-    template <class Update>
-    void apply(std::span<T> /*values*/, Update&& update) {
-        update();
-    }
     /// Not offered: weights rounded to 16 bits would lose the model (policy/compat.hpp rejects
     /// local SGD with compressed reduction at compile time).
     void average(std::span<T>) = delete;
 
-    const std::vector<bucket>& plan() const noexcept { return launcher_.plan(); }
-    std::size_t collectives() const noexcept { return collectives_; }
+    /// One piece: rounded, gathered, summed in rank order (kernels on c's system).
+    void reduce_piece(Communicator& c, std::span<T> piece) {
+        const auto sys = c.system();
+        const std::size_t words = (piece.size() + 1) / 2;
+        thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
+                         thrust::counting_iterator<std::size_t>(words),
+                         pack_wire_fn<Wire, T>{piece.data(), piece.size(), send_.data()});
+        const std::size_t ranks = static_cast<std::size_t>(c.size());
+        c.all_gather(std::span<const int>(send_.data(), words),
+                     std::span<int>(recv_.data(), words * ranks));
+        thrust::for_each(
+            sys.policy(), thrust::counting_iterator<std::size_t>(0),
+            thrust::counting_iterator<std::size_t>(words),
+            sum_wire_fn<Wire, T>{recv_.data(), words, c.size(), piece.data(), piece.size()});
+    }
 
 private:
     using system_type = typename Communicator::system_type;
 
-    void launch(const bucket& b) {
-        const auto sys = comm_->system();
-        T* piece = data_.data() + b.offset;
-        const std::size_t words = (b.size + 1) / 2;
-        thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                         thrust::counting_iterator<std::size_t>(words),
-                         pack_wire_fn<Wire, T>{piece, b.size, send_.data()});
-        const std::size_t ranks = static_cast<std::size_t>(comm_->size());
-        comm_->all_gather(std::span<const int>(send_.data(), words),
-                          std::span<int>(recv_.data(), words * ranks));
-        thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                         thrust::counting_iterator<std::size_t>(words),
-                         sum_wire_fn<Wire, T>{recv_.data(), words, comm_->size(), piece, b.size});
-        ++collectives_;
-    }
-
-    Communicator* comm_;
-    ordered_launcher launcher_;
-    std::span<T> data_;
     buffer<int, system_type> send_, recv_;
-    std::size_t collectives_ = 0;
 };
 
 } // namespace lockstep::detail

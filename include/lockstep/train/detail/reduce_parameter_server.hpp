@@ -8,6 +8,7 @@
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/train/detail/bucket_plan.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
+#include "lockstep/train/detail/reducer_base.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 
 #include <cstddef>
@@ -16,72 +17,55 @@
 
 namespace lockstep::detail {
 
-template <class Policy, class T, class Communicator>
-class reducer;
-
 /// reduce::parameter_server<Root>: gradients are summed onto Root in the default buckets
 /// (reduce, in place), only Root runs the optimizer, and the parameters are broadcast from Root.
 /// Traffic per step: one reduce plus one broadcast of the whole model (a ring all_reduce moves
 /// about the same bytes, but Root's link carries all of it); what it buys is that optimizer
 /// state lives and moves on Root only.
 template <int Root, class T, class Communicator>
-class reducer<reduce::parameter_server<Root>, T, Communicator> {
+class reducer<reduce::parameter_server<Root>, T, Communicator>
+    : public reducer_base<reducer<reduce::parameter_server<Root>, T, Communicator>, T,
+                          Communicator> {
     using buckets = reduce::bucketed<>;
+    using base = reducer_base<reducer, T, Communicator>;
 
 public:
-    reducer(Communicator& comm, const std::vector<tensor_info>& tensors)
-        : comm_(&comm), launcher_(plan_buckets(tensors, sizeof(T), buckets::first_bucket_bytes,
-                                               buckets::bucket_bytes),
-                                  tensors.size()) {
+    reducer(Communicator& comm, const std::vector<tensor_info>& tensors, bool overlap = false)
+        : base(comm,
+               plan_buckets(tensors, sizeof(T), buckets::first_bucket_bytes, buckets::bucket_bytes),
+               tensors.size(), overlap) {
         LOCKSTEP_REQUIRE(Root < comm.size(), errc::invalid_argument, comm.rank(),
                          "reduce::parameter_server", "root ", Root, " is not a replica (",
                          comm.size(), " replicas)");
     }
 
-    void begin(std::span<T> data) {
-        data_ = data;
-        launcher_.reset();
-    }
-    void mark_ready(std::size_t t) {
-        launcher_.mark_ready(t, [&](const bucket& b) { launch(b); });
-    }
-    void finish() {
-        launcher_.finish([&](const bucket& b) { launch(b); });
-    }
     /// Root updates; everyone receives Root's parameters.
     template <class Update>
     void apply(std::span<T> values, Update&& update) {
-        if (comm_->rank() == Root)
+        if (this->comm().rank() == Root)
             update();
         broadcast(values);
     }
     void average(std::span<T> values) {
-        begin(values);
-        finish();
-        if (comm_->rank() == Root)
-            scale(comm_->system(), values, T(1) / static_cast<T>(comm_->size()));
+        this->begin(values);
+        this->finish();
+        if (this->comm().rank() == Root)
+            scale(this->comm().system(), values, T(1) / static_cast<T>(this->comm().size()));
         broadcast(values);
     }
-    const std::vector<bucket>& plan() const noexcept { return launcher_.plan(); }
-    std::size_t collectives() const noexcept { return collectives_; }
+
+    /// One piece: summed onto Root.
+    void reduce_piece(Communicator& c, std::span<T> piece) {
+        c.reduce(std::span<const T>(piece), piece, reduce_op::sum, Root);
+    }
 
 private:
-    void launch(const bucket& b) {
-        std::span<T> piece = data_.subspan(b.offset, b.size);
-        comm_->reduce(std::span<const T>(piece), piece, reduce_op::sum, Root);
-        ++collectives_;
-    }
     void broadcast(std::span<T> values) {
-        for (const bucket& b : launcher_.plan()) {
-            comm_->broadcast(values.subspan(b.offset, b.size), Root);
-            ++collectives_;
+        for (const bucket& b : this->plan()) {
+            this->comm().broadcast(values.subspan(b.offset, b.size), Root);
+            this->count_collective();
         }
     }
-
-    Communicator* comm_;
-    ordered_launcher launcher_;
-    std::span<T> data_;
-    std::size_t collectives_ = 0;
 };
 
 } // namespace lockstep::detail

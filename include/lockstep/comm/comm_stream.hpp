@@ -1,0 +1,165 @@
+// lockstep/comm/comm_stream.hpp: comm_stream<Communicator>, a replica's communication stream:
+// collectives that run in order beside the replica's compute, ordered with it by events.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/core/error.hpp"
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+#if LOCKSTEP_HAS_NCCL
+#include "lockstep/comm/nccl_communicator.hpp"
+#include "lockstep/system/cuda_system.hpp"
+#endif
+
+namespace lockstep {
+
+/// A replica's communication stream: work items (collectives) submitted by the replica's compute
+/// run in submission order on their own communicator, `comm()`, a split of the replica's
+/// communicator (so its collectives never interleave with the collectives the compute side
+/// issues meanwhile, such as batch norm's: each of the two communicators sees the same calls in
+/// the same order on every replica, and the only waits between them are local).
+/// - submit(work): the work may start once everything the compute side enqueued before is done
+///   (on the host: at once, the compute thread wrote the data before submitting; on CUDA: the
+///   side stream waits on an event recorded on the compute stream);
+/// - join(): the compute side continues only after every submitted item (on the host the calling
+///   thread waits; on CUDA the compute stream waits on an event, the host does not).
+/// A failed item (an error of its collective) makes the stream skip the items after it and
+/// join() rethrow that error on the compute side.
+/// Host communicators run the items on one communication thread per replica, so the
+/// communicator must allow calls from two threads at once on different communicators (the
+/// thread group does; MPI needs MPI_THREAD_MULTIPLE).
+template <communicator Communicator>
+class comm_stream {
+public:
+    using communicator_type = Communicator;
+
+    /// Splits comm (collective: every replica constructs its stream at the same point) and
+    /// starts the communication thread.
+    explicit comm_stream(Communicator& comm) : comm_(comm.split(0, comm.rank())) {
+        worker_ = std::thread([this] { run(); });
+    }
+    comm_stream(const comm_stream&) = delete;
+    comm_stream& operator=(const comm_stream&) = delete;
+    /// Drains the queue and stops the thread.
+    ~comm_stream() {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            stopping_ = true;
+        }
+        wake_.notify_all();
+        worker_.join();
+    }
+
+    /// The stream's communicator.
+    Communicator& comm() noexcept { return comm_; }
+
+    /// Runs work(comm()) after the items submitted before it.
+    template <class Work>
+    void submit(Work&& work) {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            queue_.emplace_back(std::forward<Work>(work));
+            ++submitted_;
+        }
+        wake_.notify_all();
+    }
+
+    /// Waits until every submitted item has run; rethrows the first failure (then clears it:
+    /// the stream stays usable only if the communicator does).
+    void join() {
+        {
+            std::unique_lock<std::mutex> lock(mutex_);
+            done_.wait(lock, [&] { return completed_ == submitted_; });
+        }
+        if (failure_) {
+            std::exception_ptr e = std::exchange(failure_, nullptr);
+            std::rethrow_exception(e);
+        }
+    }
+
+private:
+    void run_item(const std::function<void(Communicator&)>& item) {
+        try {
+            item(comm_);
+        } catch (...) {
+            failure_ = std::current_exception();
+        }
+    }
+
+    void run() {
+        std::unique_lock<std::mutex> lock(mutex_);
+        for (;;) {
+            wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+            if (queue_.empty())
+                return;
+            std::function<void(Communicator&)> item = std::move(queue_.front());
+            queue_.pop_front();
+            const bool skip = failure_ != nullptr;
+            lock.unlock();
+            if (!skip)
+                run_item(item);
+            lock.lock();
+            ++completed_;
+            done_.notify_all();
+        }
+    }
+
+    Communicator comm_;
+    std::thread worker_;
+    std::mutex mutex_;
+    std::condition_variable wake_;
+    std::condition_variable done_;
+    std::deque<std::function<void(Communicator&)>> queue_;
+    std::uint64_t submitted_ = 0;
+    std::uint64_t completed_ = 0;
+    bool stopping_ = false;
+    std::exception_ptr failure_; // written by the worker before completed_ moves (mutex_)
+};
+
+#if LOCKSTEP_HAS_NCCL
+/// nccl_communicator: a side stream. The stream's communicator is a split of the replica's
+/// (ncclCommSplit: its own NCCL communicator and its own CUDA stream); submit() records an event
+/// on the compute stream and makes the side stream wait on it before the work is enqueued, and
+/// join() makes the compute stream wait on an event recorded on the side stream. No host wait.
+template <>
+class comm_stream<nccl_communicator> {
+public:
+    using communicator_type = nccl_communicator;
+
+    explicit comm_stream(nccl_communicator& comm)
+        : compute_(comm.system()), comm_(comm.split(0, comm.rank())), ready_(comm.device()),
+          done_(comm.device()) {}
+
+    nccl_communicator& comm() noexcept { return comm_; }
+
+    /// Enqueues work(comm()) on the side stream behind the compute stream's work so far.
+    template <class Work>
+    void submit(Work&& work) {
+        ready_.record(compute_);
+        ready_.make_wait(comm_.system());
+        std::forward<Work>(work)(comm_);
+    }
+    /// Orders the compute stream after every submitted item (device-side wait).
+    void join() {
+        done_.record(comm_.system());
+        done_.make_wait(compute_);
+    }
+
+private:
+    cuda_system compute_;
+    nccl_communicator comm_;
+    cuda_event ready_;
+    cuda_event done_;
+};
+#endif
+
+} // namespace lockstep

@@ -1,0 +1,44 @@
+// lockstep/train/detail/overlap.hpp: whether a trainer reduces gradient buckets on a
+// communication stream (train_params::overlap), decided once and agreed by every replica.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/train/detail/host_collective.hpp"
+#include "lockstep/train/train_params.hpp"
+
+#include <span>
+#include <type_traits>
+
+#if LOCKSTEP_HAS_MPI
+#include "lockstep/comm/mpi_communicator.hpp"
+#include <mpi.h>
+#endif
+
+namespace lockstep::detail {
+
+/// True when buckets go on a comm_stream: overlap_mode::never never; always wherever the
+/// backend allows it (MPI needs MPI_THREAD_MULTIPLE: the communication thread calls MPI while
+/// the compute thread may too); automatic where it also pays (the collectives do not run on the
+/// compute cores: communicator_traits, MPI spanning nodes). Collective: the replicas agree on
+/// the least of their answers, so all of them build a stream or none does.
+template <communicator Comm>
+bool use_overlap(Comm& comm, overlap_mode mode) {
+    if (mode == overlap_mode::never)
+        return false;
+    bool possible = true;
+    bool pays = !communicator_traits<Comm>::collectives_use_compute_cores;
+#if LOCKSTEP_HAS_MPI
+    if constexpr (std::is_same_v<Comm, mpi_communicator>) {
+        int level = MPI_THREAD_SINGLE;
+        LOCKSTEP_MPI_CHECK(MPI_Query_thread(&level));
+        possible = level == MPI_THREAD_MULTIPLE;
+        pays = comm.spans_nodes();
+    }
+#endif
+    int mine = (mode == overlap_mode::always ? possible : possible && pays) ? 1 : 0;
+    host_all_reduce(comm, std::span<const int>(&mine, 1), std::span<int>(&mine, 1), reduce_op::min);
+    return mine != 0;
+}
+
+} // namespace lockstep::detail

@@ -1,0 +1,110 @@
+// lockstep/train/detail/reducer_base.hpp: the reducer interface every ReducePolicy implements,
+// and reducer_base, which owns the bucket plan, the launch order and where pieces are reduced.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/comm/comm_stream.hpp"
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/train/detail/bucket_plan.hpp"
+#include "lockstep/train/detail/reduce_functors.hpp"
+
+#include <cstddef>
+#include <optional>
+#include <span>
+#include <utility>
+#include <vector>
+
+namespace lockstep::detail {
+
+/// reducer<Policy, T, Communicator> reduces one flat buffer laid out as `tensors` over the
+/// replicas of a communicator. Interface (every specialisation, through reducer_base):
+/// - reducer(comm, tensors, overlap = false): plans the pieces (buckets) once; with `overlap`
+///   the pieces are reduced on a comm_stream (a communication thread on the host, a side
+///   stream on CUDA) while the caller goes on computing (collective: every replica passes the
+///   same `overlap`).
+/// - begin(data): starts the reduction of data (the flat gradient buffer); nothing launched.
+/// - mark_ready(t): tensor t of data is final; launches every piece now complete, in order.
+/// - finish(): launches the rest and waits for all of them (on CUDA: the compute stream waits).
+///   ensures: data holds the sum over replicas on every replica (parameter_server: on Root;
+///   the other replicas' data is unspecified).
+/// - apply(values, update): runs update() (the optimizer step on values from data) where the
+///   policy updates, and makes values identical everywhere (parameter_server: broadcast).
+/// - average(values): values = the mean over replicas on every replica (local SGD).
+/// - plan(): the pieces, in launch order. collectives(): collectives issued so far.
+/// Every replica issues the same collectives in the same order, whatever it marks ready.
+template <class Policy, class T, class Communicator>
+class reducer;
+
+/// What every reducer shares: the bucket plan, the launch order, and where a piece is reduced
+/// (inline on the replica's communicator, or on its communication stream). A policy derives from
+/// it and supplies `reduce_piece(Communicator& c, std::span<T> piece)`, the collective(s) that
+/// reduce one piece over `c` (run with c's system for its kernels), and overrides apply/average
+/// where it differs.
+template <class Derived, class T, class Communicator>
+class reducer_base {
+public:
+    reducer_base(Communicator& comm, std::vector<bucket> plan, std::size_t tensors, bool overlap)
+        : comm_(&comm), launcher_(std::move(plan), tensors) {
+        if (overlap)
+            stream_.emplace(comm);
+    }
+
+    void begin(std::span<T> data) {
+        data_ = data;
+        launcher_.reset();
+    }
+    void mark_ready(std::size_t t) {
+        launcher_.mark_ready(t, [&](const bucket& b) { launch(b); });
+    }
+    void finish() {
+        launcher_.finish([&](const bucket& b) { launch(b); });
+        if (stream_)
+            stream_->join();
+    }
+    template <class Update>
+    void apply(std::span<T> /*values*/, Update&& update) {
+        update();
+    }
+    void average(std::span<T> values) {
+        begin(values);
+        finish();
+        scale(comm_->system(), values, T(1) / static_cast<T>(comm_->size()));
+    }
+    const std::vector<bucket>& plan() const noexcept { return launcher_.plan(); }
+    std::size_t collectives() const noexcept { return collectives_; }
+    /// After a failed step: waits for the pieces still in flight and drops their errors, so a
+    /// later step starts with an empty stream.
+    void drain() noexcept {
+        if (!stream_)
+            return;
+        try {
+            stream_->join();
+        } catch (...) {
+        }
+    }
+    /// True when pieces are reduced on a communication stream, beside the compute.
+    bool overlaps() const noexcept { return stream_.has_value(); }
+
+protected:
+    Communicator& comm() noexcept { return *comm_; }
+    void count_collective() noexcept { ++collectives_; }
+
+private:
+    void launch(const bucket& b) {
+        std::span<T> piece = data_.subspan(b.offset, b.size);
+        ++collectives_;
+        Derived& self = static_cast<Derived&>(*this);
+        if (stream_)
+            stream_->submit([&self, piece](Communicator& c) { self.reduce_piece(c, piece); });
+        else
+            self.reduce_piece(*comm_, piece);
+    }
+
+    Communicator* comm_;
+    ordered_launcher launcher_;
+    std::span<T> data_;
+    std::size_t collectives_ = 0;
+    std::optional<comm_stream<Communicator>> stream_;
+};
+
+} // namespace lockstep::detail

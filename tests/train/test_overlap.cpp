@@ -1,0 +1,113 @@
+// Gradient buckets reduced on a communication stream (a communication thread per replica on the
+// host) while backward goes on: the same collectives in the same order on another communicator,
+// interleaved with batch norm's, so results are bitwise those of the inline reduction; failures
+// on the stream end as errors on every replica. SPDX-License-Identifier: Apache-2.0
+#include "train_runner.hpp"
+
+#include "lockstep/optim/adam.hpp"
+#include "lockstep/optim/sgd.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+using namespace lockstep;
+using namespace lockstep_test;
+
+namespace {
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+} // namespace
+
+TEMPLATE_TEST_CASE("reduction on a communication thread equals the inline reduction bit for bit",
+                   "[train][thread][overlap]", reduce::per_tensor, (reduce::bucketed<256, 64>),
+                   reduce::parameter_server<1>, reduce::compressed<lockstep::bfloat16>) {
+    using Reduce = TestType;
+    for (const int replicas : {2, 3}) {
+        CAPTURE(replicas);
+        std::vector<bool> on(static_cast<std::size_t>(replicas)), off(on.size());
+        run_options o{.replicas = replicas, .batches = batch_schedule(8)};
+        o.overlap = overlap_mode::always;
+        o.overlapped = &on;
+        const auto threaded =
+            train_run<float, optim::adam<float>, sync::synchronous, Reduce, storage::registry>(
+                o, {.lr = 0.01});
+        o.overlap = overlap_mode::never;
+        o.overlapped = &off;
+        const auto inline_ =
+            train_run<float, optim::adam<float>, sync::synchronous, Reduce, storage::registry>(
+                o, {.lr = 0.01});
+        CHECK(on == std::vector<bool>(on.size(), true));
+        CHECK(off == std::vector<bool>(off.size(), false));
+        CHECK(first_divergence(threaded).empty());
+        for (std::size_t s = 0; s < o.batches.size(); ++s) {
+            CAPTURE(s);
+            CHECK(same_bits(threaded.params[0][s], inline_.params[0][s]));
+            CHECK(same_bits(threaded.state[0][s], inline_.state[0][s]));
+            CHECK(threaded.results[0][s].loss == inline_.results[0][s].loss);
+        }
+    }
+}
+
+TEST_CASE("overlap_mode::automatic keeps the shared-memory thread group inline",
+          "[train][thread][overlap]") {
+    std::vector<bool> on(2, true);
+    run_options o{.replicas = 2, .batches = batch_schedule(2)};
+    o.overlapped = &on;
+    (void)train_run<double, optim::sgd<double>, sync::synchronous, reduce::bucketed<>,
+                    storage::registry>(o, {.lr = 0.1});
+    CHECK(on == std::vector<bool>{false, false});
+}
+
+TEST_CASE("local SGD averages and micro-batches work on the communication thread",
+          "[train][thread][overlap]") {
+    run_options o{.replicas = 3, .batches = {24, 36, 30, 24, 42, 30}, .micro_batches = 2};
+    o.overlap = overlap_mode::always;
+    const auto threaded =
+        train_run<double, optim::sgd<double>, sync::local_sgd<2>, reduce::bucketed<512, 128>,
+                  storage::registry, bn::local>(o, {.lr = 0.05, .momentum = 0.9});
+    o.overlap = overlap_mode::never;
+    const auto inline_ =
+        train_run<double, optim::sgd<double>, sync::local_sgd<2>, reduce::bucketed<512, 128>,
+                  storage::registry, bn::local>(o, {.lr = 0.05, .momentum = 0.9});
+    for (std::size_t r = 0; r < 3; ++r)
+        CHECK(same_bits(threaded.params[r].back(), inline_.params[r].back()));
+}
+
+TEST_CASE("a replica that fails with buckets in flight is an error on every replica",
+          "[train][thread][overlap]") {
+    using net = mlp<float, thread_communicator, storage::registry>;
+    std::vector<std::string> errors(3);
+    thread_group group(3, {.timeout = std::chrono::seconds(20)});
+    CHECK_THROWS_AS(group.run([&](thread_communicator& comm) {
+        data_parallel<net, optim::sgd<float>, sync::synchronous, reduce::per_tensor,
+                      thread_communicator>
+            dp(comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.1},
+               {.overlap = overlap_mode::always});
+        try {
+            for (int s = 0; s < 3; ++s)
+                (void)dp.step(12, [&](net& n, const shard_range& r, auto& ctx) {
+                    const double loss = n.train(r, ctx, true);
+                    // Every bucket is in flight on the communication threads by now.
+                    if (s == 1 && comm.rank() == 2)
+                        throw std::runtime_error("replica 2 fails after backward");
+                    return loss;
+                });
+        } catch (const std::exception& e) {
+            errors[static_cast<std::size_t>(comm.rank())] = e.what();
+            throw;
+        }
+    }),
+                    std::runtime_error);
+    CHECK(errors[2] == "replica 2 fails after backward");
+    for (int r = 0; r < 2; ++r) {
+        INFO(errors[static_cast<std::size_t>(r)]);
+        CHECK(errors[static_cast<std::size_t>(r)].find("lockstep error") != std::string::npos);
+    }
+}
