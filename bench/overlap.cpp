@@ -11,7 +11,7 @@
 //   nothing (solo_communicator), on every replica at once: backward, gradient zeroing, the
 //   non-finite check, the SGD update, no reduction;
 // - all_reduce: the trainer's gradient buckets all_reduced alone, in its order;
-// - step: the data_parallel step, overlap never (and always, where train_params has the knob).
+// - step: the data_parallel step with train_params::overlap never and always.
 // The backward runs from the last tensor to the first; per tensor it burns a share of the
 // calibrated backward time proportional to ResNet-50's backward cost (weights x output pixels,
 // resnet50_output_pixels), writes the gradient and calls ctx.mark_ready. The backward is
@@ -34,7 +34,6 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
-#include <optional>
 #include <string>
 #include <unistd.h>
 #include <vector>
@@ -51,23 +50,6 @@ struct options {
     double latency_us = 20;
     bool ddp = true;
 };
-
-/// Sets train_params::overlap where the trainer has the knob; false when overlap `on` was asked
-/// for and the knob does not exist (then no overlap row is measured).
-template <class TP>
-bool set_overlap(TP& tp, bool on) {
-    if constexpr (requires { tp.overlap = decltype(tp.overlap)::never; }) {
-        using mode = decltype(tp.overlap);
-        tp.overlap = on ? mode::always : mode::never;
-        return true;
-    } else {
-        return !on;
-    }
-}
-bool has_overlap_knob() {
-    train_params tp;
-    return set_overlap(tp, true);
-}
 
 /// The backward's compute: a memory-bound pass over a per-replica scratch buffer (16 MiB, beyond
 /// a core's L2), one float read-add-write per unit.
@@ -187,7 +169,9 @@ struct row {
     double all_reduce_ms = 0;
     double model_ms = -1; ///< the simulated link's modelled wire time (-1: not simulated)
     double never_ms = 0;
-    double always_ms = -1; ///< -1: not measured (no overlap knob)
+    double always_ms = 0;
+    bool always_overlaps = false;    ///< overlap_mode::always got a communication stream
+    bool automatic_overlaps = false; ///< what overlap_mode::automatic chooses here
     std::size_t buckets = 0;
 };
 
@@ -217,14 +201,10 @@ row run_config(Comm& comm, Fence fence, Model model, const options& opt, std::st
         return resnet_shaped<std::remove_reference_t<decltype(ctx)>>(ctx, *work);
     };
     const optim::sgd_params sgd{.lr = 1e-3, .momentum = 0.9};
-    train_params never_tp, always_tp;
-    set_overlap(never_tp, false);
-    const bool with_overlap = set_overlap(always_tp, true);
-    full_t never(comm, factory, sgd, never_tp);
-    std::optional<full_t> always;
-    if (with_overlap)
-        always.emplace(comm, factory, sgd, always_tp);
-    solo_t solo(solo_comm, factory, sgd, train_params{});
+    full_t never(comm, factory, sgd, train_params{.overlap = overlap_mode::never});
+    full_t always(comm, factory, sgd, train_params{.overlap = overlap_mode::always});
+    const bool automatic = detail::use_overlap(comm, overlap_mode::automatic);
+    solo_t solo(solo_comm, factory, sgd, train_params{.overlap = overlap_mode::never});
 
     // The reduction alone: the trainer's buckets, in its order, over a gradient-sized buffer.
     std::vector<float> grads(work->floats(), 1e-4f);
@@ -268,7 +248,7 @@ row run_config(Comm& comm, Fence fence, Model model, const options& opt, std::st
         const double c = timed([&] { train_step(solo); });
         const double r = timed(reduce_alone);
         const double n = timed([&] { train_step(never); });
-        const double a = always ? timed([&] { train_step(*always); }) : -1;
+        const double a = timed([&] { train_step(always); });
         if (rep == 0)
             continue;
         compute.push_back(c);
@@ -284,7 +264,9 @@ row run_config(Comm& comm, Fence fence, Model model, const options& opt, std::st
     out.all_reduce_ms = median(reduce);
     out.model_ms = model_ms >= 0 ? model_ms : -1;
     out.never_ms = median(step_never);
-    out.always_ms = always ? median(step_always) : -1;
+    out.always_ms = median(step_always);
+    out.always_overlaps = always.overlaps();
+    out.automatic_overlaps = automatic;
     out.buckets = never.buckets().size();
     if (me == 0)
         std::printf("  %-34s %d replicas: backward calibrated to %.1f ms (%.3g floats burned, "
@@ -316,8 +298,7 @@ void print_rows(const std::vector<row>& rows) {
     print_header();
     for (const row& r : rows) {
         print_row(r, "never", r.never_ms);
-        if (r.always_ms >= 0)
-            print_row(r, "always", r.always_ms);
+        print_row(r, r.always_overlaps ? "always" : "always*", r.always_ms);
     }
     for (const row& r : rows)
         if (r.model_ms > 0)
@@ -325,9 +306,14 @@ void print_rows(const std::vector<row>& rows) {
                         "= %.3f\n",
                         r.backend.c_str(), r.replicas, r.all_reduce_ms, r.model_ms,
                         r.all_reduce_ms / r.model_ms);
-    if (!has_overlap_knob())
-        std::printf("train_params has no overlap knob in this build: only overlap-never rows "
-                    "(reductions run inline when a bucket completes).\n");
+    for (const row& r : rows)
+        if (!r.always_overlaps)
+            std::printf("* %s: overlap_mode::always fell back to inline reduction (MPI without "
+                        "MPI_THREAD_MULTIPLE)\n",
+                        r.backend.c_str());
+    for (const row& r : rows)
+        std::printf("overlap_mode::automatic, %s, %d replicas: %s\n", r.backend.c_str(), r.replicas,
+                    r.automatic_overlaps ? "always" : "never");
 }
 
 void print_machine(const options& opt) {
@@ -340,8 +326,9 @@ void print_machine(const options& opt) {
     std::printf("bench_overlap: ResNet-50's 161 tensors (%.1f MB of float gradients), "
                 "reduce::bucketed<>, SGD momentum 0.9, %d repetitions (median), %u hardware "
                 "threads, load average %.2f %.2f %.2f%s\n",
-                bench_nets::resnet50_tensors().back().offset * 4e-6 + 4e-3, opt.quick ? 3 : opt.reps,
-                std::thread::hardware_concurrency(), load[0], load[1], load[2],
+                bench_nets::resnet50_tensors().back().offset * 4e-6 + 4e-3,
+                opt.quick ? 3 : opt.reps, std::thread::hardware_concurrency(), load[0], load[1],
+                load[2],
                 load[0] > 1.5 ? " (busy machine: numbers are not quiet-machine numbers)" : "");
 }
 
@@ -433,7 +420,8 @@ std::string run_ddp(const workload& w, double target_ms, const options& opt) {
 
 int main(int argc, char** argv) {
 #if LOCKSTEP_BENCH_MPI
-    mpi_environment env(argc, argv);
+    // The communication thread calls MPI while the compute thread may: MPI_THREAD_MULTIPLE.
+    mpi_environment env(argc, argv, {.requested = MPI_THREAD_MULTIPLE});
     const options opt = parse(argc, argv);
     mpi_communicator comm(MPI_COMM_WORLD);
     if (comm.rank() == 0)
