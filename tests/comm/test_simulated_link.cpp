@@ -1,6 +1,7 @@
 // Tests of simulated_link over thread_group: the wrapped communicator's results and checks, the
 // modelled wire time, the slow replica, failures and timeouts. SPDX-License-Identifier: Apache-2.0
 #include "collective_suite.hpp"
+#include "lockstep/comm/comm_stream.hpp"
 #include "lockstep/comm/simulated_link.hpp"
 #include "lockstep/comm/thread_group.hpp"
 
@@ -27,7 +28,7 @@ using sim_link = simulated_link<thread_communicator>;
 static_assert(lockstep::point_to_point_communicator<sim_link>,
               "simulated_link over a point-to-point communicator is one");
 static_assert(std::is_same_v<sim_link::system_type, lockstep::host_system>);
-static_assert(!sim_link::collectives_use_compute_cores);
+static_assert(!lockstep::communicator_traits<sim_link>::collectives_use_compute_cores);
 
 namespace {
 
@@ -341,4 +342,42 @@ TEST_CASE("simulated_link rejects invalid parameters", "[comm][thread][simulated
         rejected[static_cast<std::size_t>(comm.rank())] = k;
     });
     CHECK(rejected == std::vector<int>{4, 4});
+}
+
+TEST_CASE("a communication stream over the link runs its collectives on the split link",
+          "[comm][thread][simulated_link]") {
+    // comm_stream splits the link (an owning link over the thread group's split); its thread
+    // reduces while the replica's own thread keeps using the parent link.
+    const int n = 3;
+    const std::size_t count = 5000;
+    thread_group group(n);
+    std::vector<int> ok(n, 0);
+    std::vector<double> item_ms(n, 0);
+    group.run([&](thread_communicator& comm) {
+        sim_link l(comm, {.latency = 30ms, .bandwidth = 1e12});
+        lockstep::comm_stream<sim_link> stream(l);
+        std::vector<std::vector<float>> pieces(4, std::vector<float>(count));
+        for (std::size_t k = 0; k < pieces.size(); ++k)
+            for (std::size_t i = 0; i < count; ++i)
+                pieces[k][i] = input_value<float>(comm.rank(), i + k * count);
+        const auto t0 = steady::now();
+        for (auto& piece : pieces)
+            stream.submit([&piece](sim_link& c) {
+                c.all_reduce(std::span<const float>(piece), std::span<float>(piece),
+                             reduce_op::sum);
+            });
+        int x = 1; // the compute side's own collective, on the parent link, meanwhile
+        l.all_reduce(std::span<const int>(&x, 1), std::span<int>(&x, 1), reduce_op::sum);
+        stream.join();
+        item_ms[static_cast<std::size_t>(comm.rank())] = ms_since(t0);
+        bool good = x == n;
+        for (std::size_t k = 0; k < pieces.size(); ++k)
+            for (std::size_t i = 0; i < count; ++i)
+                good = good && pieces[k][i] == lockstep::testing::reference_reduce<float>(
+                                                   n, i + k * count, reduce_op::sum);
+        ok[static_cast<std::size_t>(comm.rank())] = good;
+    });
+    CHECK(ok == std::vector<int>(n, 1));
+    for (const double t : item_ms)
+        CHECK(t >= 4 * 30); // four collectives in order on the stream, 30 ms each at least
 }
