@@ -132,8 +132,9 @@ TEST_CASE("the wire model", "[comm][simulated_link]") {
 TEST_CASE("a collective takes its wire time, and not much more", "[comm][thread][simulated_link]") {
     const int n = GENERATE(2, 4);
     CAPTURE(n);
-    const lockstep::simulated_link_params p{.latency = 2ms, .bandwidth = 1e9};
-    const std::size_t count = 1'000'000; // 4 MB
+    // 1 MB at 100 MB/s: wire times of 10-30 ms, far above the copies the thread group makes.
+    const lockstep::simulated_link_params p{.latency = 2ms, .bandwidth = 1e8};
+    const std::size_t count = 250'000; // 1 MB
     thread_group group(n);
     struct timing {
         double reduce_ms = 0, gather_ms = 0, bcast_ms = 0, barrier_ms = 0, send_ms = 0;
@@ -168,22 +169,24 @@ TEST_CASE("a collective takes its wire time, and not much more", "[comm][thread]
         mine.idled_ms = ms(l.idled());
     });
     const double bytes = count * 4.0, f = (n - 1.0) / n, lat = 2.0;
-    const double want_reduce = lat + 2 * f * bytes / 1e6, want_gather = lat + f * n * bytes / 1e6,
-                 want_bcast = lat + bytes / 1e6, want_send = lat + bytes / 1e6;
+    const double want_reduce = lat + 2 * f * bytes / 1e5, want_gather = lat + f * n * bytes / 1e5,
+                 want_bcast = lat + bytes / 1e5, want_send = lat + bytes / 1e5;
+    // Generous upper bounds: a loaded machine may wake a sleeping thread late.
+    const double slack = 100;
     for (const timing& x : t) {
         CHECK(x.reduce_ms >= want_reduce);
-        CHECK(x.reduce_ms <= want_reduce + 50);
+        CHECK(x.reduce_ms <= want_reduce + slack);
         CHECK(x.gather_ms >= want_gather);
-        CHECK(x.gather_ms <= want_gather + 50);
+        CHECK(x.gather_ms <= want_gather + slack);
         CHECK(x.bcast_ms >= want_bcast);
-        CHECK(x.bcast_ms <= want_bcast + 50);
+        CHECK(x.bcast_ms <= want_bcast + slack);
         CHECK(x.barrier_ms >= lat);
-        CHECK(x.barrier_ms <= lat + 50);
+        CHECK(x.barrier_ms <= lat + slack);
         CHECK(x.send_ms >= want_send);
-        CHECK(x.send_ms <= want_send + 50);
+        CHECK(x.send_ms <= want_send + slack);
         CHECK(x.modelled_ms ==
               Approx(want_reduce + want_gather + want_bcast + lat + want_send).epsilon(1e-6));
-        CHECK(x.idled_ms <= x.modelled_ms + 50);
+        CHECK(x.idled_ms <= x.modelled_ms + 5 * slack);
     }
 }
 
@@ -235,10 +238,10 @@ TEST_CASE("the slow replica delays its peers", "[comm][thread][simulated_link]")
     CHECK(first[1] >= 40);
     for (int r : {0, 2}) {
         CHECK(first[static_cast<std::size_t>(r)] >= 10);
-        CHECK(first[static_cast<std::size_t>(r)] < 40 + 50);
+        CHECK(first[static_cast<std::size_t>(r)] < 40 + 100);
         // Each call starts when the slow replica arrives: calls x 40 ms, then the barrier.
         CHECK(total[static_cast<std::size_t>(r)] >= calls * 40 + 10);
-        CHECK(total[static_cast<std::size_t>(r)] <= calls * 40 + 10 + 100);
+        CHECK(total[static_cast<std::size_t>(r)] <= calls * 40 + 10 + 300);
     }
 }
 
