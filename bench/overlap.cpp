@@ -34,6 +34,7 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unistd.h>
 #include <vector>
@@ -173,6 +174,7 @@ struct row {
     bool always_overlaps = false;    ///< overlap_mode::always got a communication stream
     bool automatic_overlaps = false; ///< what overlap_mode::automatic chooses here
     std::size_t buckets = 0;
+    bool ddp = false; ///< torch DDP's row: one step, overlapped as DDP does
 };
 
 double median(std::vector<double> v) {
@@ -297,6 +299,10 @@ void print_row(const row& r, const char* mode, double step) {
 void print_rows(const std::vector<row>& rows) {
     print_header();
     for (const row& r : rows) {
+        if (r.ddp) {
+            print_row(r, "DDP", r.always_ms);
+            continue;
+        }
         print_row(r, "never", r.never_ms);
         print_row(r, r.always_overlaps ? "always" : "always*", r.always_ms);
     }
@@ -307,13 +313,14 @@ void print_rows(const std::vector<row>& rows) {
                         r.backend.c_str(), r.replicas, r.all_reduce_ms, r.model_ms,
                         r.all_reduce_ms / r.model_ms);
     for (const row& r : rows)
-        if (!r.always_overlaps)
+        if (!r.ddp && !r.always_overlaps)
             std::printf("* %s: overlap_mode::always fell back to inline reduction (MPI without "
                         "MPI_THREAD_MULTIPLE)\n",
                         r.backend.c_str());
     for (const row& r : rows)
-        std::printf("overlap_mode::automatic, %s, %d replicas: %s\n", r.backend.c_str(), r.replicas,
-                    r.automatic_overlaps ? "always" : "never");
+        if (!r.ddp)
+            std::printf("overlap_mode::automatic, %s, %d replicas: %s\n", r.backend.c_str(),
+                        r.replicas, r.automatic_overlaps ? "always" : "never");
 }
 
 void print_machine(const options& opt) {
@@ -414,6 +421,28 @@ std::string run_ddp(const workload& w, double target_ms, const options& opt) {
     std::remove(layers.c_str());
     return line.empty() ? "failed:\n" + out : line;
 }
+
+/// The table row of torch_ddp_overlap.py's output line (its "overlap" is DDP's own).
+std::optional<row> ddp_row(const std::string& line) {
+    const auto value = [&](const char* key) {
+        const std::string k = std::string(" ") + key + "=";
+        const auto at = line.find(k);
+        return at == std::string::npos ? -1.0 : std::atof(line.c_str() + at + k.size());
+    };
+    if (line.rfind("torch_ddp ", 0) != 0 || value("step_ms") <= 0)
+        return std::nullopt;
+    row r;
+    r.backend = "torch DDP, gloo";
+    r.replicas = static_cast<int>(value("procs"));
+    r.target_ms = value("backward_target_ms");
+    r.compute_ms = value("compute_ms");
+    r.all_reduce_ms = value("allreduce_ms");
+    r.never_ms = -1;
+    r.always_ms = value("step_ms");
+    r.always_overlaps = true;
+    r.ddp = true;
+    return r;
+}
 #endif
 
 } // namespace
@@ -469,14 +498,18 @@ int main(int argc, char** argv) {
             rows.push_back(r);
         }
     });
-    print_rows(rows);
+    std::string ddp = "not run (--no-ddp)";
     if (opt.ddp) {
-        std::printf("\nPyTorch DDP (gloo, 2 processes x 1 thread, 127.0.0.1), the same network, "
-                    "backward calibrated to the thread_group row's %.1f ms:\n",
+        std::printf("  torch DDP (gloo, 2 processes x 1 thread, 127.0.0.1): the same network, "
+                    "backward calibrated to the thread_group row's %.1f ms\n",
                     thread_target);
         std::fflush(stdout);
         const workload w;
-        std::printf("%s\n", run_ddp(w, thread_target, opt).c_str());
+        ddp = run_ddp(w, thread_target, opt);
+        if (auto r = ddp_row(ddp))
+            rows.push_back(*r);
     }
+    print_rows(rows);
+    std::printf("torch DDP: %s\n", ddp.c_str());
 #endif
 }
