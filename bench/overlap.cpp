@@ -270,11 +270,23 @@ row run_config(Comm& comm, Fence fence, Model model, const options& opt, std::st
     out.always_overlaps = always.overlaps();
     out.automatic_overlaps = automatic;
     out.buckets = never.buckets().size();
-    if (me == 0)
+    if (me == 0) {
+        std::string sizes;
+        for (const auto& b : never.buckets()) {
+            char mb[16];
+            std::snprintf(mb, sizeof mb, "%s%.1f", sizes.empty() ? "" : " ", b.size * 4e-6);
+            sizes += mb;
+        }
         std::printf("  %-34s %d replicas: backward calibrated to %.1f ms (%.3g floats burned, "
-                    "%.2f G/s per replica), %zu buckets\n",
+                    "%.2f G/s per replica); buckets in launch order (MB): %s",
                     out.backend.c_str(), out.replicas, target_ms,
-                    rate[0] * target_ms * 1e-3 * (target_ms / first), rate[0] * 1e-9, out.buckets);
+                    rate[0] * target_ms * 1e-3 * (target_ms / first), rate[0] * 1e-9,
+                    sizes.c_str());
+        if (model_ms >= 0)
+            std::printf("; the last one's wire time %.1f ms",
+                        model(never.buckets().back().size * sizeof(float)));
+        std::printf("\n");
+    }
     std::fflush(stdout);
     return out;
 }
