@@ -5,6 +5,7 @@
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/train/detail/reducer.hpp"
 #include "lockstep/train/parameter_registry.hpp"
+#include "resnet50.hpp"
 #if LOCKSTEP_BENCH_MPI
 #include "lockstep/comm/mpi_communicator.hpp"
 #endif
@@ -19,51 +20,9 @@
 #include <vector>
 
 using namespace lockstep;
+using lockstep::bench_nets::resnet50_tensors;
 
 namespace {
-
-// torchvision's resnet50 parameters in registration order: conv1, bn1, layer1..4 (bottlenecks
-// of conv1x1, bn, conv3x3, bn, conv1x1, bn, plus a downsample conv1x1 + bn in each layer's
-// first block), fc. 161 tensors, 25 557 032 floats.
-std::vector<tensor_info> resnet50_tensors() {
-    std::vector<tensor_info> out;
-    std::size_t offset = 0;
-    auto add = [&](std::string name, std::vector<std::size_t> shape) {
-        std::size_t n = 1;
-        for (auto e : shape)
-            n *= e;
-        out.push_back(tensor_info{std::move(name), std::move(shape), offset, n});
-        offset += n;
-    };
-    auto bn = [&](const std::string& name, std::size_t c) {
-        add(name + ".weight", {c});
-        add(name + ".bias", {c});
-    };
-    add("conv1.weight", {64, 3, 7, 7});
-    bn("bn1", 64);
-    std::size_t in = 64;
-    const std::size_t blocks[] = {3, 4, 6, 3};
-    for (std::size_t l = 0; l < 4; ++l) {
-        const std::size_t width = std::size_t{64} << l, outc = width * 4;
-        for (std::size_t b = 0; b < blocks[l]; ++b) {
-            const std::string p = "layer" + std::to_string(l + 1) + "." + std::to_string(b);
-            add(p + ".conv1.weight", {width, in, 1, 1});
-            bn(p + ".bn1", width);
-            add(p + ".conv2.weight", {width, width, 3, 3});
-            bn(p + ".bn2", width);
-            add(p + ".conv3.weight", {outc, width, 1, 1});
-            bn(p + ".bn3", outc);
-            if (b == 0) {
-                add(p + ".downsample.0.weight", {outc, in, 1, 1});
-                bn(p + ".downsample.1", outc);
-            }
-            in = outc;
-        }
-    }
-    add("fc.weight", {1000, 2048});
-    add("fc.bias", {1000});
-    return out;
-}
 
 // One reduction method: a name, the collectives it issues, and the call that runs it.
 struct method {
