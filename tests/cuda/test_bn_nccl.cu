@@ -360,11 +360,20 @@ TEST_CASE("batch_norm on another stream than its communicator's is refused, nami
           "[nn][bn][nccl][gpu]") {
     if (lockstep_test::skip_without_gpu())
         return;
-    std::string forward_error, backward_error, layer_stream, comm_stream;
+    std::string forward_error, backward_error, layer_stream, comm_stream, construct_error;
     errc forward_code = errc::internal, backward_code = errc::internal;
+    errc construct_code = errc::internal;
     gpu_group group(std::vector<int>{0});
     group.run([&](nccl_communicator& comm) {
         cuda_stream other(comm.device());
+        try {
+            // Built from the communicator with another stream: refused at construction.
+            nn::batch_norm<float, bn::global, nn::nc, cuda_system> refused(comm, 4, {},
+                                                                           other.system());
+        } catch (const error& e) {
+            construct_error = e.what();
+            construct_code = e.code();
+        }
         {
             nn::batch_norm<float, bn::global, nn::nc, cuda_system> layer(4, {}, other.system());
             buffer<float, cuda_system> x(8, comm.system()), y(8, comm.system());
@@ -389,6 +398,9 @@ TEST_CASE("batch_norm on another stream than its communicator's is refused, nami
         }
         other.system().synchronize();
     });
+    INFO(construct_error);
+    CHECK(construct_code == errc::invalid_argument);
+    CHECK(construct_error.find("stream " + layer_stream) != std::string::npos);
     INFO(forward_error);
     CHECK(forward_code == errc::invalid_argument);
     CHECK(forward_error.find("stream " + layer_stream) != std::string::npos);

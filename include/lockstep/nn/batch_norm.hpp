@@ -106,6 +106,16 @@ public:
     batch_norm(const Comm& comm, std::size_t channels, params p = {})
         : batch_norm(channels, parameter_spans{}, p, comm.system(), true) {}
 
+    /// As above on an explicit system, checked against the communicator's at construction:
+    /// a system of another device or stream is refused with lockstep::error (invalid_argument)
+    /// naming both.
+    template <communicator Comm>
+    requires std::is_same_v<typename Comm::system_type, System>
+    batch_norm(const Comm& comm, std::size_t channels, params p, System sys)
+        : batch_norm(channels, parameter_spans{}, p, std::move(sys), true) {
+        check_system(comm, "batch_norm");
+    }
+
     /// A layer whose gamma, beta, dgamma and dbeta live in caller-provided spans (e.g. the
     /// replica's parameter registry); they must outlive the layer. requires: p.affine and every
     /// span holds `channels` values. ensures: as the owning constructor, in those spans.
