@@ -347,6 +347,55 @@ void check_all_gather(C& comm, suite_report& rep, const std::vector<std::size_t>
     }
 }
 
+/// all_to_all for every block count: block r of the result is block rank() of rank r's input.
+/// Results differ per replica by design, so instead of one common hash every replica checks
+/// the hash each peer reports against the hash of what that peer must hold.
+template <class T, all_to_all_communicator C>
+void check_all_to_all(C& comm, suite_report& rep, const std::vector<std::size_t>& blocks) {
+    const int n = comm.size(), me = comm.rank();
+    const std::size_t ranks = static_cast<std::size_t>(n);
+    for (const std::size_t block : blocks) {
+        const std::string what =
+            "all_to_all<" + detail::type_name<T>() + "> block " + std::to_string(block);
+        std::vector<T> in(block * ranks);
+        for (std::size_t i = 0; i < in.size(); ++i)
+            in[i] = input_value<T>(me, i);
+        // Rank q's result: block r is rank r's elements [q * block, (q + 1) * block).
+        const auto expected = [&](int q) {
+            std::vector<T> v(block * ranks);
+            for (std::size_t r = 0; r < ranks; ++r)
+                for (std::size_t k = 0; k < block; ++k)
+                    v[r * block + k] = input_value<T>(static_cast<int>(r),
+                                                      static_cast<std::size_t>(q) * block + k);
+            return v;
+        };
+        auto send = to_system(comm, in);
+        auto recv = to_system(comm, std::vector<T>(block * ranks, T{}));
+        comm.all_to_all(std::span<const T>(send.data(), send.size()), recv.span());
+        const std::vector<T> got = to_host(recv);
+        const std::vector<T> want = expected(me);
+        for (int r = 0; r < n; ++r) {
+            const std::string bad = first_mismatch(
+                got, static_cast<std::size_t>(r) * block, block,
+                [&](std::size_t k) { return want[static_cast<std::size_t>(r) * block + k]; },
+                [](T g, T w, std::size_t) { return detail::same_bits(g, w); });
+            rep.check(bad.empty(), what + ", block from rank " + std::to_string(r) + ": " + bad);
+        }
+        rep.check(to_host(send) == in, what + ": the send buffer changed");
+        const std::uint64_t h = detail::hash_bytes(got);
+        const std::vector<int> hashes =
+            gather_ints(comm, {static_cast<int>(h & 0xffffffffu), static_cast<int>(h >> 32)});
+        for (int q = 0; q < n; ++q) {
+            const std::uint64_t hq = detail::hash_bytes(expected(q));
+            const bool right =
+                hashes[2 * static_cast<std::size_t>(q)] == static_cast<int>(hq & 0xffffffffu) &&
+                hashes[2 * static_cast<std::size_t>(q) + 1] == static_cast<int>(hq >> 32);
+            rep.check(right, what + ": rank " + std::to_string(q) +
+                                 " reports the hash of another result than its blocks");
+        }
+    }
+}
+
 /// reduce to every root, for every reduction and count; the other replicas' recv stays as
 /// it was.
 template <class T, communicator C>
@@ -394,6 +443,8 @@ void check_type(C& comm, suite_report& rep, const suite_options& opt, bool with_
     check_broadcast<T>(comm, rep, counts);
     check_all_gather<T>(comm, rep, counts);
     check_reduce<T>(comm, rep, {0, 1, 1009}, opt);
+    if constexpr (all_to_all_communicator<C>)
+        check_all_to_all<T>(comm, rep, {0, 1, 1009, 4099});
 }
 
 /// Every collective for every element type comm carries (float, double, int always; int64
@@ -452,6 +503,8 @@ void check_split(C& comm, suite_report& rep, const suite_options& opt) {
     check_reduce<double>(sub, sub_rep, {1009}, opt);
     check_all_gather<int>(sub, sub_rep, {1009});
     check_broadcast<float>(sub, sub_rep, {1009});
+    if constexpr (all_to_all_communicator<C>)
+        check_all_to_all<int>(sub, sub_rep, {1, 1009});
     for (auto& f : sub_rep.failures)
         f = "split(colour " + std::to_string(color) + ") " + f;
     rep.merge(sub_rep);

@@ -378,6 +378,23 @@ TEST_CASE("replicas that disagree get an error on every rank, then continue",
                                   reduce_op::sum);
               }) == (r == 0 ? errc::invalid_argument : errc::peer_failure));
 
+        // all_to_all: unequal counts, a count that is not whole blocks, and one replica's
+        // overlapping spans (it reports them, the others are released).
+        std::vector<int> blocks(static_cast<std::size_t>(p * (r == 0 ? 2 : 3)));
+        std::vector<int> received(blocks.size());
+        CHECK(code_of([&] {
+                  comm.all_to_all(std::span<const int>(blocks), std::span<int>(received));
+              }) == errc::count_mismatch);
+        std::vector<int> uneven(static_cast<std::size_t>(p + 1)), uneven_out(uneven.size());
+        CHECK(code_of([&] {
+                  comm.all_to_all(std::span<const int>(uneven), std::span<int>(uneven_out));
+              }) == errc::invalid_argument);
+        std::vector<int> even(static_cast<std::size_t>(2 * p)), even_out(even.size());
+        CHECK(code_of([&] {
+                  comm.all_to_all(std::span<const int>(even),
+                                  r == 0 ? std::span<int>(even) : std::span<int>(even_out));
+              }) == (r == 0 ? errc::invalid_argument : errc::peer_failure));
+
         // The communicator is still in step afterwards.
         std::vector<int> one{r};
         comm.all_reduce(std::span<const int>(one), std::span<int>(one), reduce_op::sum);

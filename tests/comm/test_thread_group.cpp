@@ -189,7 +189,8 @@ TEST_CASE("many small collectives with more replicas than cores", "[comm][thread
 }
 
 TEST_CASE("reductions over more replicas than the fused loops cover", "[comm][thread]") {
-    // 1..4 sources run fused element loops; more fold through a local block (6 replicas).
+    // 1..4 sources run fused element loops; more fold through a local block (6 replicas). The
+    // all_to_all checks run here with 6 replicas too.
     const int n = 6;
     thread_group group(n);
     std::vector<lockstep::testing::suite_report> reports(n);
@@ -201,6 +202,8 @@ TEST_CASE("reductions over more replicas than the fused loops cover", "[comm][th
         lockstep::testing::check_all_reduce<float>(comm, rep, {1, 1009, 100003}, opt);
         lockstep::testing::check_all_reduce<std::int64_t>(comm, rep, {100003}, opt);
         lockstep::testing::check_reduce<double>(comm, rep, {1009, 20011}, opt);
+        lockstep::testing::check_all_to_all<float>(comm, rep, {0, 1, 1009});
+        lockstep::testing::check_all_to_all<std::int64_t>(comm, rep, {1, 1009});
     });
     for (const auto& r : reports) {
         INFO(r.text());

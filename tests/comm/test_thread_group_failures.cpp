@@ -228,6 +228,58 @@ TEST_CASE("mismatched calls fail on every replica", "[comm][thread]") {
     }
 }
 
+TEST_CASE("all_to_all refuses uneven blocks, unequal counts and overlapping spans on every "
+          "replica",
+          "[comm][thread]") {
+    struct misuse {
+        const char* name;
+        errc code;
+        const char* text;
+    };
+    const auto which = GENERATE(values<misuse>({
+        {"uneven blocks", errc::count_mismatch, "not a whole number of blocks for 3 replicas"},
+        {"unequal counts", errc::count_mismatch, "replica 1 passed 6 floats"},
+        {"in place", errc::invalid_argument, "replica 2 passed overlapping send and receive"},
+        {"receive size", errc::count_mismatch, "replica 0 passed a receive span of 6 floats"},
+    }));
+    CAPTURE(which.name);
+    thread_group group(3);
+    const std::string kind = which.name;
+    std::vector<outcome> seen(3);
+    std::vector<float> after(3, 0.0f);
+    group.run([&](thread_communicator& comm) {
+        const int me = comm.rank();
+        std::size_t count = 3;
+        if (kind == "uneven blocks")
+            count = 4;
+        if (kind == "unequal counts" && me == 1)
+            count = 6;
+        std::vector<float> send(count, 1.0f);
+        std::vector<float> recv(kind == "receive size" && me == 0 ? 6 : count, 0.0f);
+        // In place: replica 2 receives into its own send span.
+        const std::span<float> out =
+            kind == "in place" && me == 2 ? std::span<float>(send) : std::span<float>(recv);
+        try {
+            comm.all_to_all(std::span<const float>(send), out);
+        } catch (const lockstep::error& e) {
+            seen[static_cast<std::size_t>(me)] = {true, e.code(), e.what()};
+        }
+        // Refused before any data moves: the group stays usable.
+        std::vector<float> w{static_cast<float>(me)};
+        comm.all_reduce(std::span<const float>(w), std::span<float>(w), reduce_op::sum);
+        after[static_cast<std::size_t>(me)] = w[0];
+    });
+    for (int r = 0; r < 3; ++r) {
+        const auto& o = seen[static_cast<std::size_t>(r)];
+        CAPTURE(o.what);
+        CHECK(o.threw);
+        CHECK(o.code == which.code);
+        CHECK(contains(o.what, which.text));
+        CHECK(contains(o.what, "all_to_all #0"));
+        CHECK(after[static_cast<std::size_t>(r)] == 3.0f);
+    }
+}
+
 TEST_CASE("a replica that leaves the group releases its waiting peers", "[comm][thread]") {
     thread_group group(3, {.timeout = 5s});
     const auto start = std::chrono::steady_clock::now();

@@ -240,6 +240,7 @@ TEST_CASE("bounded_staleness<1> with more workers than the bound allows at once"
 TEST_CASE("parameter server with one worker and a server on a non-zero root",
           "[train][async][thread]") {
     std::vector<float> result(2, 0.0f);
+    std::mutex mu; // Catch2's assertions are not thread-safe: one replica at a time
     thread_group group(2, {.timeout = std::chrono::seconds(30)});
     group.run([&](thread_communicator& comm) {
         buffer<float> params(3, comm.system());
@@ -253,10 +254,14 @@ TEST_CASE("parameter server with one worker and a server on a non-zero root",
                     g[i] = params[i];
             },
             [&](std::span<const float> g, std::span<const float>, const apply_info& info) {
-                REQUIRE(info.staleness == 0); // one worker: never stale
+                {
+                    std::lock_guard lock(mu);
+                    REQUIRE(info.staleness == 0); // one worker: never stale
+                }
                 for (std::size_t i = 0; i < g.size(); ++i)
                     params[i] -= 0.5f * g[i];
             });
+        std::lock_guard lock(mu);
         if (comm.rank() == 1) {
             CHECK(rep.applied == 7);
             CHECK(rep.max == 0);

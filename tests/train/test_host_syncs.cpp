@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -173,6 +174,7 @@ TEST_CASE("a layer error found on the device (one value per channel) is an error
           "replica at the end of the step",
           "[train][thread][sync]") {
     std::vector<std::string> errors(2);
+    std::mutex mu; // Catch2's assertions are not thread-safe: one replica at a time
     thread_group group(2, {.timeout = std::chrono::seconds(30)});
     group.run([&](thread_communicator& inner) {
         comm_type comm(inner);
@@ -186,6 +188,7 @@ TEST_CASE("a layer error found on the device (one value per channel) is an error
             errors[static_cast<std::size_t>(comm.rank())] = e.what();
         }
         const auto after = trainer.parameters();
+        std::lock_guard lock(mu);
         CHECK(std::vector<float>(after.begin(), after.end()) == start);
     });
     for (const auto& e : errors) {

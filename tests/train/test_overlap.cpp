@@ -31,7 +31,7 @@ TEMPLATE_TEST_CASE("reduction on a communication thread equals the inline reduct
     using Reduce = TestType;
     for (const int replicas : {2, 3}) {
         CAPTURE(replicas);
-        std::vector<bool> on(static_cast<std::size_t>(replicas)), off(on.size());
+        std::vector<int> on(static_cast<std::size_t>(replicas)), off(on.size());
         run_options o{.replicas = replicas, .batches = batch_schedule(8)};
         o.overlap = overlap_mode::always;
         o.overlapped = &on;
@@ -43,8 +43,8 @@ TEMPLATE_TEST_CASE("reduction on a communication thread equals the inline reduct
         const auto inline_ =
             train_run<float, optim::adam<float>, sync::synchronous, Reduce, storage::registry>(
                 o, {.lr = 0.01});
-        CHECK(on == std::vector<bool>(on.size(), true));
-        CHECK(off == std::vector<bool>(off.size(), false));
+        CHECK(on == std::vector<int>(on.size(), 1));
+        CHECK(off == std::vector<int>(off.size(), 0));
         CHECK(first_divergence(threaded).empty());
         for (std::size_t s = 0; s < o.batches.size(); ++s) {
             CAPTURE(s);
@@ -57,12 +57,12 @@ TEMPLATE_TEST_CASE("reduction on a communication thread equals the inline reduct
 
 TEST_CASE("overlap_mode::automatic keeps the shared-memory thread group inline",
           "[train][thread][overlap]") {
-    std::vector<bool> on(2, true);
+    std::vector<int> on(2, 1);
     run_options o{.replicas = 2, .batches = batch_schedule(2)};
     o.overlapped = &on;
     (void)train_run<double, optim::sgd<double>, sync::synchronous, reduce::bucketed<>,
                     storage::registry>(o, {.lr = 0.1});
-    CHECK(on == std::vector<bool>{false, false});
+    CHECK(on == std::vector<int>{0, 0});
 }
 
 TEST_CASE("local SGD averages and micro-batches work on the communication thread",

@@ -46,7 +46,8 @@ struct run_options {
     int poison_step = -1;
     bool skip_non_finite = true;
     overlap_mode overlap = overlap_mode::automatic;
-    std::vector<bool>* overlapped = nullptr; ///< if set: per rank, trainer.overlaps()
+    std::vector<int>* overlapped = nullptr; ///< if set: per rank, trainer.overlaps() (int:
+                                            ///< vector<bool> packs ranks into one word)
 };
 
 /// One training run of mlp<T, thread_communicator, S, BN> with data_parallel<..., Opt, Sync,

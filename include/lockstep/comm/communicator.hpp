@@ -74,6 +74,21 @@ struct communicator_traits {
     }();
 };
 
+/// A communicator with a personalised exchange (reduce::compressed needs it; thread_group, MPI
+/// and NCCL communicators have it; a communicator without it still models `communicator`):
+/// - all_to_all(send, recv): send and recv hold size() blocks of b = send.size() / size()
+///   elements each; block r of recv becomes block rank() of replica r's send (block rank() is
+///   this replica's own).
+///   requires: send.size() equal on every replica and a multiple of size(); recv.size() ==
+///   send.size(); send and recv do not overlap (there is no in-place form).
+template <class C>
+concept all_to_all_communicator = communicator<C> &&
+    requires(C& c, std::span<float> f, std::span<const float> cf, std::span<int> i,
+             std::span<const int> ci) {
+    c.all_to_all(cf, f);
+    c.all_to_all(ci, i);
+};
+
 /// A communicator with point-to-point messages (needed by asynchronous training):
 /// - send(data, dest, tag) / recv(data, source, tag): matched by (source, tag), in order.
 /// - recv_any(data, tag) -> int: receives the next message with `tag` from any replica and

@@ -33,10 +33,11 @@ struct mpi_communicator_params {
 };
 
 /// A communicator whose replicas are the processes of an MPI communicator (one replica per
-/// process, within a node or across nodes). Models lockstep::communicator and
-/// lockstep::point_to_point_communicator. Element types: float, double, int, std::int64_t,
-/// std::uint8_t. Collectives follow MPI's rules: every replica calls them in the same order,
-/// from one thread at a time (the thread level of mpi_environment must allow that thread).
+/// process, within a node or across nodes). Models lockstep::communicator,
+/// lockstep::point_to_point_communicator and lockstep::all_to_all_communicator. Element types:
+/// float, double, int, std::int64_t, std::uint8_t. Collectives follow MPI's rules: every replica
+/// calls them in the same order, from one thread at a time (the thread level of mpi_environment
+/// must allow that thread).
 ///
 /// Verification (params::verify, default on): before each collective the replicas exchange a
 /// signature {collective, sequence number, count, element type, root, reduce_op, arguments ok}
@@ -167,6 +168,31 @@ public:
                            detail::mpi_type<T>::datatype(), recv.data(), static_cast<int>(n),
                            detail::mpi_type<T>::datatype(), comm_),
              "MPI_Allgather", n);
+    }
+
+    /// Block r of recv = block rank() of replica r's send (MPI_Alltoall; blocks of
+    /// send.size() / size() elements). requires: send.size() equal on every replica and a
+    /// multiple of size(); recv.size() == send.size(); send and recv disjoint (no in-place
+    /// form). A block beyond INT_MAX elements is refused with errc::unsupported.
+    template <class T>
+    void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
+        check_type<T>();
+        const std::size_t n = send.size();
+        const std::size_t block = n / static_cast<std::size_t>(size_);
+        const bool ok =
+            n % static_cast<std::size_t>(size_) == 0 && recv.size() == n && disjoint(send, recv);
+        const bool fits = block <= std::size_t(std::numeric_limits<int>::max());
+        begin(detail::mpi_collective::all_to_all, n, detail::mpi_type<T>::id, 0, reduce_op::sum,
+              ok && fits);
+        LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "send.size() = ", n,
+                         ", recv.size() = ", recv.size(), " (requires equal sizes, a multiple of ",
+                         size_, ", and disjoint buffers)");
+        LOCKSTEP_REQUIRE(fits, errc::unsupported, rank_, name(), "blocks of ", block,
+                         " elements exceed MPI's int count; exchange them in pieces");
+        call(MPI_Alltoall(send.data(), static_cast<int>(block), detail::mpi_type<T>::datatype(),
+                          recv.data(), static_cast<int>(block), detail::mpi_type<T>::datatype(),
+                          comm_),
+             "MPI_Alltoall", n);
     }
 
     /// As all_reduce, but only root's recv is written (send == recv at root runs in place);
@@ -420,5 +446,7 @@ static_assert(communicator<mpi_communicator>,
               "mpi_communicator must model lockstep::communicator (comm/communicator.hpp).");
 static_assert(point_to_point_communicator<mpi_communicator>,
               "mpi_communicator must model lockstep::point_to_point_communicator.");
+static_assert(all_to_all_communicator<mpi_communicator>,
+              "mpi_communicator must model lockstep::all_to_all_communicator.");
 
 } // namespace lockstep

@@ -16,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
@@ -34,7 +35,8 @@
 
 namespace lockstep {
 
-/// A communicator of GPU replicas over NCCL; models lockstep::communicator with
+/// A communicator of GPU replicas over NCCL; models lockstep::communicator and
+/// lockstep::all_to_all_communicator with
 /// system_type = cuda_system (spans are device memory of device()).
 ///
 /// Creation:
@@ -268,6 +270,42 @@ public:
         });
     }
 
+    /// Block r of recv = block rank() of replica r's send (blocks of send.size() / size()
+    /// elements): one ncclSend and one ncclRecv per replica, itself included, inside
+    /// ncclGroupStart/End on the replica's stream.
+    /// requires: send.size() equal on every replica and a multiple of size(); recv.size() ==
+    /// send.size(); send and recv do not overlap.
+    template <nccl_element T>
+    void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
+        const std::string name = next_operation("all_to_all");
+        const std::size_t ranks = static_cast<std::size_t>(h_.size());
+        h_.require(send.size() % ranks == 0 && recv.size() == send.size(), errc::shape_mismatch,
+                   name, "send has ", send.size(), " elements, recv ", recv.size(),
+                   " (requires equal sizes, a multiple of ", ranks, ")");
+        const auto s0 = reinterpret_cast<std::uintptr_t>(send.data());
+        const auto r0 = reinterpret_cast<std::uintptr_t>(recv.data());
+        h_.require(send.empty() || s0 + send.size_bytes() <= r0 || r0 + recv.size_bytes() <= s0,
+                   errc::invalid_argument, name,
+                   "send and recv overlap (all_to_all has no in-place form)");
+        if (send.empty())
+            return;
+        h_.check_memory(name, "send", send.data());
+        h_.check_memory(name, "recv", recv.data());
+        const std::size_t block = send.size() / ranks;
+        h_.enqueue(name, [&] {
+            ncclResult_t r = ncclGroupStart();
+            for (std::size_t p = 0; p < ranks && r == ncclSuccess; ++p) {
+                r = ncclSend(send.data() + p * block, block, detail::nccl_data_type<T>(),
+                             static_cast<int>(p), h_.comm(), h_.stream());
+                if (r == ncclSuccess)
+                    r = ncclRecv(recv.data() + p * block, block, detail::nccl_data_type<T>(),
+                                 static_cast<int>(p), h_.comm(), h_.stream());
+            }
+            const ncclResult_t end = ncclGroupEnd();
+            return r != ncclSuccess ? r : end;
+        });
+    }
+
     /// As all_reduce, but only root's recv is written (ncclReduce); on other replicas recv may
     /// be empty. requires: 0 <= root < size(); on root recv.size() == send.size().
     template <nccl_element T>
@@ -455,6 +493,8 @@ private:
 
 static_assert(communicator<nccl_communicator>,
               "nccl_communicator must model lockstep::communicator.");
+static_assert(all_to_all_communicator<nccl_communicator>,
+              "nccl_communicator must model lockstep::all_to_all_communicator.");
 static_assert(!point_to_point_communicator<nccl_communicator>,
               "nccl_communicator must not claim point_to_point_communicator: NCCL has no "
               "any-source receive, which asynchronous training needs.");

@@ -5,13 +5,13 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/error.hpp"
-#include "lockstep/kernels/philox.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <span>
 #include <string_view>
@@ -50,8 +50,9 @@ struct simulated_link_params {
     std::chrono::microseconds latency{0};
     /// Bytes per second each replica's link carries in each direction. > 0.
     double bandwidth = 1.25e9;
-    /// Each call's wire time is multiplied by (1 + jitter * u), u uniform in [0, 1) from Philox
-    /// keyed by (seed, rank, call index): deterministic, different per replica. >= 0.
+    /// Each call's wire time is multiplied by (1 + jitter * u), u uniform in [0, 1) from a
+    /// counter-based hash (SplitMix64) of (seed, rank, call index): deterministic, different per
+    /// replica. >= 0.
     double jitter = 0.0;
     /// The key of the jitter stream.
     std::uint64_t seed = 0;
@@ -61,6 +62,21 @@ struct simulated_link_params {
     /// >= 1 when slow_rank is set.
     double slow_factor = 1.0;
 };
+
+namespace detail {
+/// A uniform double in [0, 1) from (seed, rank, call): SplitMix64's finaliser over the three
+/// keys (comm/ sits beside kernels/, so it does not use kernels' Philox for this).
+inline double jitter_uniform(std::uint64_t seed, std::uint64_t rank, std::uint64_t call) {
+    std::uint64_t z = seed;
+    for (const std::uint64_t k : {rank, call}) {
+        z += 0x9e3779b97f4a7c15ull + k;
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        z ^= z >> 31;
+    }
+    return static_cast<double>(z >> 11) * 0x1.0p-53;
+}
+} // namespace detail
 
 /// The modelled wire time of one operation over `size` replicas, jitter and slow rank aside:
 /// latency + wire bytes / bandwidth, with wire bytes per replica (bytes = this replica's send
@@ -159,8 +175,8 @@ public:
         double factor = slow_ ? params_.slow_factor : 1.0;
         if (params_.jitter > 0)
             factor *= 1.0 + params_.jitter *
-                                kernels::uniform_double(
-                                    params_.seed, static_cast<std::uint32_t>(rank()), call, 0);
+                                detail::jitter_uniform(params_.seed,
+                                                       static_cast<std::uint64_t>(rank()), call);
         return std::chrono::nanoseconds(
             static_cast<std::int64_t>(static_cast<double>(base.count()) * factor));
     }

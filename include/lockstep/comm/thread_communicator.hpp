@@ -28,7 +28,7 @@ namespace lockstep {
 class thread_group;
 
 /// One replica's handle on a group of replica threads (made by thread_group::run, or by
-/// split). Models point_to_point_communicator over host memory.
+/// split). Models point_to_point_communicator and all_to_all_communicator over host memory.
 ///
 /// Semantics beyond the concept:
 /// - Reductions combine replicas in rank order 0, 1, ..., size()-1, so every replica gets the
@@ -156,6 +156,29 @@ public:
         for (int j = 0; j < size(); ++j)
             copy_elements(recv.data() + static_cast<std::size_t>(j) * count,
                           small ? stashed_send<T>(j, s) : peer_send<T>(j, s), count);
+        if (!small)
+            next_phase(s);
+    }
+
+    /// Block r of recv = block rank() of replica r's send (blocks of send.size() / size()
+    /// elements). Small exchanges go through the stash (one rendezvous); larger ones copy
+    /// straight from the peers' send spans (two).
+    /// requires: equal send counts, a multiple of size(); recv.size() == send.size(); send and
+    /// recv do not overlap. Violations throw on every replica (errc::count_mismatch,
+    /// errc::invalid_argument for overlapping spans).
+    template <class T>
+    void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
+        static_assert(std::is_trivially_copyable_v<T>, "all_to_all copies elements as bytes.");
+        const std::size_t count = send.size();
+        const bool small = stashed<T>(count);
+        auto s = start(record<T>(detail::shm::collective_kind::all_to_all, count, recv.size(),
+                                 send.data(), recv.data(), reduce_op::sum, 0),
+                       small ? 1 : 2, small ? send.data() : nullptr, small ? count : 0);
+        const std::size_t block = count / static_cast<std::size_t>(size());
+        const std::size_t mine = static_cast<std::size_t>(rank_) * block;
+        for (int j = 0; j < size(); ++j)
+            copy_elements(recv.data() + static_cast<std::size_t>(j) * block,
+                          (small ? stashed_send<T>(j, s) : peer_send<T>(j, s)) + mine, block);
         if (!small)
             next_phase(s);
     }
@@ -399,5 +422,7 @@ private:
 
 static_assert(point_to_point_communicator<thread_communicator>,
               "thread_communicator must model lockstep::point_to_point_communicator.");
+static_assert(all_to_all_communicator<thread_communicator>,
+              "thread_communicator must model lockstep::all_to_all_communicator.");
 
 } // namespace lockstep

@@ -125,6 +125,24 @@ struct bfloat16 {
 static_assert(sizeof(half) == 2 && sizeof(bfloat16) == 2,
               "lockstep::half and lockstep::bfloat16 must be 16-bit storage types.");
 
+namespace detail {
+
+/// The float -> Wire and Wire -> float element conversions, by type (half or bfloat16).
+template <class Wire>
+struct wire_codec;
+template <>
+struct wire_codec<half> {
+    LOCKSTEP_HOST_DEVICE static std::uint16_t encode(float f) { return float_to_half_bits(f); }
+    LOCKSTEP_HOST_DEVICE static float decode(std::uint16_t b) { return half_bits_to_float(b); }
+};
+template <>
+struct wire_codec<bfloat16> {
+    LOCKSTEP_HOST_DEVICE static std::uint16_t encode(float f) { return float_to_bfloat16_bits(f); }
+    LOCKSTEP_HOST_DEVICE static float decode(std::uint16_t b) { return bfloat16_bits_to_float(b); }
+};
+
+} // namespace detail
+
 /// True for the 16-bit wire types reduce::compressed accepts.
 template <class T>
 inline constexpr bool is_wire_float16_v = false;

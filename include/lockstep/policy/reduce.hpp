@@ -49,9 +49,11 @@ struct parameter_server {
 };
 
 /// Gradients cast to a 16-bit Wire type (lockstep::half or lockstep::bfloat16, rounded to
-/// nearest even) for the wire, gathered, and summed in float in rank order on every replica
-/// (so every replica gets the same bits), then applied in float. Halves the bytes each replica
-/// sends; costs one rounding of every replica's gradient (relative error <= Wire::unit_roundoff).
+/// nearest even) for the wire; each replica sums one shard of every bucket in float in rank
+/// order and rounds the sum to Wire (reduce-scatter by all_to_all), the rounded shards are
+/// all-gathered, so every replica gets the same bits; applied in float. Halves the bytes each
+/// replica sends; costs two roundings (each contribution and the sum: error <= u sum |g_r| +
+/// u |sum g_r|, u = Wire::unit_roundoff). Needs a communicator with all_to_all.
 template <class Wire>
 struct compressed {
     static_assert(is_wire_float16_v<Wire>,

@@ -25,7 +25,8 @@ enum class mpi_collective : std::int64_t {
     all_gather,
     reduce,
     barrier,
-    split
+    split,
+    all_to_all
 };
 
 constexpr std::string_view to_string(mpi_collective c) noexcept {
@@ -44,6 +45,8 @@ constexpr std::string_view to_string(mpi_collective c) noexcept {
         return "barrier";
     case mpi_collective::split:
         return "split";
+    case mpi_collective::all_to_all:
+        return "all_to_all";
     }
     return "unknown";
 }

@@ -35,7 +35,8 @@ enum class collective_kind : unsigned char {
     all_gather,
     all_reduce,
     reduce,
-    split
+    split,
+    all_to_all
 };
 
 inline const char* name_of(collective_kind k) noexcept {
@@ -52,6 +53,8 @@ inline const char* name_of(collective_kind k) noexcept {
         return "reduce";
     case collective_kind::split:
         return "split";
+    case collective_kind::all_to_all:
+        return "all_to_all";
     }
     return "collective";
 }
@@ -357,10 +360,29 @@ inline void group_state::validate(int rank, op_label label) const {
         LOCKSTEP_REQUIRE(c0.root >= 0 && c0.root < n, errc::invalid_argument, me, op(), "root ",
                          c0.root, " is not a rank of this group of ", n);
     }
+    if (k == collective_kind::all_to_all) {
+        // Counts agree (checked above), so every replica throws the same error or none does.
+        if (c0.count % static_cast<std::size_t>(n) != 0)
+            fail(errc::count_mismatch, me, op(), "every replica passed ",
+                 count_of(c0.count, c0.type, c0.elem_size),
+                 ", which is not a whole number of blocks for ", n, " replicas");
+        for (int j = 0; j < n; ++j) {
+            const call_record& c = call(j, seq);
+            const auto s0 = reinterpret_cast<std::uintptr_t>(c.send);
+            const auto r0 = reinterpret_cast<std::uintptr_t>(c.recv);
+            const std::size_t bytes = c.count * c.elem_size;
+            const bool overlap =
+                c.count != 0 && c.recv_count == c.count && s0 < r0 + bytes && r0 < s0 + bytes;
+            if (overlap)
+                fail(errc::invalid_argument, me, op(), "replica ", replica_of(j),
+                     " passed overlapping send and receive spans (all_to_all has no in-place "
+                     "form)");
+        }
+    }
     for (int j = 0; j < n; ++j) {
         const call_record& c = call(j, seq);
         std::size_t want = c.recv_count;
-        if (k == collective_kind::all_reduce)
+        if (k == collective_kind::all_reduce || k == collective_kind::all_to_all)
             want = c.count;
         if (k == collective_kind::reduce && j == c.root)
             want = c.count;

@@ -1,5 +1,5 @@
-// lockstep/train/detail/reduce_compressed.hpp: the reducer of reduce::compressed<Wire>
-// (16-bit wire, gathered, summed in rank order in T). SPDX-License-Identifier: Apache-2.0
+// lockstep/train/detail/reduce_compressed.hpp: the reducer of reduce::compressed<Wire> (buckets
+// reduced by compressed_all_reduce on 16-bit wire values). SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
@@ -7,7 +7,7 @@
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/detail/bucket_plan.hpp"
-#include "lockstep/train/detail/reduce_functors.hpp"
+#include "lockstep/train/detail/compressed_all_reduce.hpp"
 #include "lockstep/train/detail/reducer_base.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 
@@ -16,19 +16,16 @@
 #include <span>
 #include <vector>
 
-#include <thrust/for_each.h>
-#include <thrust/iterator/counting_iterator.h>
-
 namespace lockstep::detail {
 
-/// reduce::compressed<Wire>: per bucket, every replica rounds its gradient to Wire (nearest
-/// even), packs two wire values per 32-bit word, all_gathers the words, and sums the size()
-/// rounded contributions in T in rank order, so every replica computes the same bits.
-/// Communicators cannot sum 16-bit floats, hence gather-then-sum: each replica sends n/2 words
-/// (half the bytes of a float all_reduce's payload) but receives (size - 1) n/2 words and
-/// sums size x n values, so it pays off for few replicas or slow links. Error: each
-/// contribution is rounded once (relative error <= Wire::unit_roundoff); the sum is exact in T
-/// up to T's own rounding.
+/// reduce::compressed<Wire>: per bucket (the plan of reduce::bucketed<>), every replica rounds
+/// its gradient to Wire (nearest even) and the buckets are summed by compressed_all_reduce: a
+/// reduce-scatter of 16-bit shards (all_to_all, each replica sums its shard in float in rank
+/// order and rounds the sum to Wire) and an all_gather of the rounded shards, so every replica
+/// gets the same bits. Each replica sends about half the bytes of a float all-reduce.
+/// Error per element: |err| <= u sum_r |g_r| + u |sum_r g_r| + (size - 1) 2^-24 sum_r |g_r|,
+/// u = Wire::unit_roundoff (compressed_all_reduce.hpp states the details).
+/// requires: Communicator models all_to_all_communicator.
 template <class Wire, class T, class Communicator>
 class reducer<reduce::compressed<Wire>, T, Communicator>
     : public reducer_base<reducer<reduce::compressed<Wire>, T, Communicator>, T, Communicator> {
@@ -43,36 +40,24 @@ public:
         std::size_t largest = 0;
         for (const bucket& b : this->plan())
             largest = std::max(largest, b.size);
-        const std::size_t words = (largest + 1) / 2;
-        send_ = buffer<int, system_type>(words, comm.system());
-        recv_ =
-            buffer<int, system_type>(words * static_cast<std::size_t>(comm.size()), comm.system());
+        ws_ = compressed_workspace<T, system_type>(comm.system(), comm.size(), largest,
+                                                   compressed_chunk_elements<Communicator>);
     }
 
     /// Not offered: weights rounded to 16 bits would lose the model (policy/compat.hpp rejects
     /// local SGD with compressed reduction at compile time).
     void average(std::span<T>) = delete;
 
-    /// One piece: rounded, gathered, summed in rank order (kernels on c's system).
-    void reduce_piece(Communicator& c, std::span<T> piece) {
-        const auto sys = c.system();
-        const std::size_t words = (piece.size() + 1) / 2;
-        thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                         thrust::counting_iterator<std::size_t>(words),
-                         pack_wire_fn<Wire, T>{piece.data(), piece.size(), send_.data()});
-        const std::size_t ranks = static_cast<std::size_t>(c.size());
-        c.all_gather(std::span<const int>(send_.data(), words),
-                     std::span<int>(recv_.data(), words * ranks));
-        thrust::for_each(
-            sys.policy(), thrust::counting_iterator<std::size_t>(0),
-            thrust::counting_iterator<std::size_t>(words),
-            sum_wire_fn<Wire, T>{recv_.data(), words, c.size(), piece.data(), piece.size()});
+    /// One piece: compressed_all_reduce over c (kernels on c's system); returns the
+    /// collectives it issued.
+    std::size_t reduce_piece(Communicator& c, std::span<T> piece) {
+        return compressed_all_reduce<Wire>(c, piece, ws_);
     }
 
 private:
     using system_type = typename Communicator::system_type;
 
-    buffer<int, system_type> send_, recv_;
+    compressed_workspace<T, system_type> ws_;
 };
 
 } // namespace lockstep::detail

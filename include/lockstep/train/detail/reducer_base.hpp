@@ -8,9 +8,11 @@
 #include "lockstep/train/detail/bucket_plan.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
 
+#include <atomic>
 #include <cstddef>
 #include <optional>
 #include <span>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -38,8 +40,8 @@ class reducer;
 /// What every reducer shares: the bucket plan, the launch order, and where a piece is reduced
 /// (inline on the replica's communicator, or on its communication stream). A policy derives from
 /// it and supplies `reduce_piece(Communicator& c, std::span<T> piece)`, the collective(s) that
-/// reduce one piece over `c` (run with c's system for its kernels), and overrides apply/average
-/// where it differs.
+/// reduce one piece over `c` (run with c's system for its kernels; returning void for one
+/// collective, or the number it issued), and overrides apply/average where it differs.
 template <class Derived, class T, class Communicator>
 class reducer_base {
 public:
@@ -71,7 +73,9 @@ public:
         scale(comm_->system(), values, T(1) / static_cast<T>(comm_->size()));
     }
     const std::vector<bucket>& plan() const noexcept { return launcher_.plan(); }
-    std::size_t collectives() const noexcept { return collectives_; }
+    std::size_t collectives() const noexcept {
+        return collectives_.load(std::memory_order_relaxed);
+    }
     /// After a failed step: waits for the pieces still in flight and drops their errors, so a
     /// later step starts with an empty stream.
     void drain() noexcept {
@@ -87,23 +91,30 @@ public:
 
 protected:
     Communicator& comm() noexcept { return *comm_; }
-    void count_collective() noexcept { ++collectives_; }
+    void count_collective() noexcept { collectives_.fetch_add(1, std::memory_order_relaxed); }
 
 private:
     void launch(const bucket& b) {
         std::span<T> piece = data_.subspan(b.offset, b.size);
-        ++collectives_;
-        Derived& self = static_cast<Derived&>(*this);
         if (stream_)
-            stream_->submit([&self, piece](Communicator& c) { self.reduce_piece(c, piece); });
+            stream_->submit([this, piece](Communicator& c) { reduce(c, piece); });
         else
-            self.reduce_piece(*comm_, piece);
+            reduce(*comm_, piece);
+    }
+    void reduce(Communicator& c, std::span<T> piece) {
+        Derived& self = static_cast<Derived&>(*this);
+        if constexpr (std::is_void_v<decltype(self.reduce_piece(c, piece))>) {
+            self.reduce_piece(c, piece);
+            collectives_.fetch_add(1, std::memory_order_relaxed);
+        } else {
+            collectives_.fetch_add(self.reduce_piece(c, piece), std::memory_order_relaxed);
+        }
     }
 
     Communicator* comm_;
     ordered_launcher launcher_;
     std::span<T> data_;
-    std::size_t collectives_ = 0;
+    std::atomic<std::size_t> collectives_{0}; // the communication thread adds to it
     std::optional<comm_stream<Communicator>> stream_;
 };
 
