@@ -88,9 +88,10 @@ namespace optim::detail {
 inline constexpr std::size_t host_serial_below = 32768;
 } // namespace optim::detail
 
-/// True when every element of x (in sys's memory) is finite. The trainer calls it on the
-/// REDUCED gradient, which every replica holds identically, so all replicas skip a step with a
-/// NaN or infinity together. ensures: true for an empty span.
+/// True when every element of x (in sys's memory) is finite: a host-side check for callers
+/// outside a trainer (the result comes back to the host, so on a device it synchronises; the
+/// trainer instead counts non-finite values on the device and passes optimizers a skip flag).
+/// ensures: true for an empty span.
 template <class T, class System>
 bool all_finite(std::span<const T> x, const System& sys) {
     if constexpr (System::is_host) {

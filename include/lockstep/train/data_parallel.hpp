@@ -127,7 +127,7 @@ public:
     /// train_params::read_result. Use it with read_result = false, e.g. every N steps.
     /// requires: a step was taken.
     step_result read_result() {
-        LOCKSTEP_REQUIRE(last_.step >= 0 && core_.steps() > 0, errc::invalid_argument, rank(),
+        LOCKSTEP_REQUIRE(core_.steps() > 0, errc::invalid_argument, rank(),
                          "data_parallel.read_result", "no step was taken yet");
         try {
             return finish_result(last_);
