@@ -149,9 +149,14 @@ private:
 };
 static_assert(communicator<solo_communicator>);
 
+/// 8 MiB buckets (reduce::bucketed's default is 25 MiB, as DDP's): at 10 Gb/s one bucket's wire
+/// time is about 6.7 ms, so the link follows the backward closely (docs/overlap.md has both).
+constexpr int bucket_mib = 8;
+using bucket_policy = reduce::bucketed<std::size_t{bucket_mib} << 20>;
+
 template <class Comm>
 using trainer_for = data_parallel<resnet_shaped<replica_context<float, Comm>>, optim::sgd<float>,
-                                  sync::synchronous, reduce::bucketed<>, Comm>;
+                                  sync::synchronous, bucket_policy, Comm>;
 
 template <class Trainer>
 void train_step(Trainer& tr) {
@@ -343,9 +348,9 @@ void print_machine(const options& opt) {
         std::fclose(f);
     }
     std::printf("bench_overlap: ResNet-50's 161 tensors (%.1f MB of float gradients), "
-                "reduce::bucketed<>, SGD momentum 0.9, %d repetitions (median), %u hardware "
+                "reduce::bucketed<%d MiB>, SGD momentum 0.9, %d repetitions (median), %u hardware "
                 "threads, load average %.2f %.2f %.2f%s\n",
-                bench_nets::resnet50_tensors().back().offset * 4e-6 + 4e-3,
+                bench_nets::resnet50_tensors().back().offset * 4e-6 + 4e-3, bucket_mib,
                 opt.quick ? 3 : opt.reps, std::thread::hardware_concurrency(), load[0], load[1],
                 load[2],
                 load[0] > 1.5 ? " (busy machine: numbers are not quiet-machine numbers)" : "");
@@ -414,9 +419,9 @@ std::string run_ddp(const workload& w, double target_ms, const options& opt) {
     char cmd[1024];
     std::snprintf(cmd, sizeof cmd,
                   "timeout -k 10 %d %s '%s/torch_ddp_overlap.py' --layers '%s' --backward-ms %.3f "
-                  "--reps %d --timeout %d 2>&1",
+                  "--reps %d --timeout %d --bucket-mb %d 2>&1",
                   opt.quick ? 240 : 600, python, LOCKSTEP_BENCH_DIR, layers.c_str(), target_ms,
-                  opt.quick ? 3 : opt.reps, opt.quick ? 120 : 300);
+                  opt.quick ? 3 : opt.reps, opt.quick ? 120 : 300, bucket_mib);
     std::string out, line;
     if (FILE* p = popen(cmd, "r")) {
         char buf[4096];

@@ -6,7 +6,7 @@
 each fenced by barriers):
 
 - compute: a step of the same network without DDP (forward, backward, SGD), every process at once;
-- allreduce: DDP's buckets (reverse parameter order, 1 MiB first, then 25 MiB) all_reduced alone;
+- allreduce: DDP's buckets (reverse parameter order, 1 MiB first, then --bucket-mb) all_reduced alone;
 - step: the DDP step (DDP overlaps its bucket all_reduces with the backward).
 
 The backward runs from the last tensor to the first; per tensor it burns its share (the --layers
@@ -110,12 +110,12 @@ def worker(rank, args, port, result_queue):
     grad_value = 1e-4 * (rank + 1)
     plain = Net(shapes, burner, grad_value)
     ddp_net = Net(shapes, burner, grad_value)
-    ddp = DDP(ddp_net, bucket_cap_mb=25)
+    ddp = DDP(ddp_net, bucket_cap_mb=args.bucket_mb)
     opt_plain = torch.optim.SGD(plain.parameters(), lr=1e-3, momentum=0.9)
     opt_ddp = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
     x = torch.zeros(1)
 
-    # DDP's buckets: reverse parameter order, the first ~1 MiB, then ~25 MiB.
+    # DDP's buckets: reverse parameter order, the first ~1 MiB, then ~bucket_cap_mb.
     buckets, held, cap = [], 0, 1 << 20
     for s in reversed(shapes):
         n = 1
@@ -123,7 +123,7 @@ def worker(rank, args, port, result_queue):
             n *= e
         if not buckets or held >= cap:
             if buckets:
-                cap = 25 << 20
+                cap = int(args.bucket_mb * (1 << 20))
             buckets.append(0)
             held = 0
         buckets[-1] += n
@@ -200,6 +200,7 @@ def main():
     p.add_argument("--layers", required=True, help="name,share,shape... per tensor (bench_overlap)")
     p.add_argument("--backward-ms", type=float, required=True)
     p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--bucket-mb", type=float, default=25, help="DDP's bucket_cap_mb")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--timeout", type=float, default=300,
                    help="seconds a process waits for its peers before failing (no hangs)")

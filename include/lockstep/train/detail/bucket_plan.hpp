@@ -23,27 +23,43 @@ struct bucket {
 
 /// Buckets in launch order: tensors walked from the last registered to the first, a bucket
 /// closed once it holds >= its target bytes (first_bytes for the first bucket, bytes for the
-/// others). Tensors are never split. Because the flat buffer is in registration order, each
-/// bucket is one contiguous range. per-tensor reduction is bytes = first_bytes = 1.
+/// others). The last bucket launched is cut small as well: it holds the longest prefix of the
+/// registration order (at least one tensor) whose bytes stay below first_bytes, because its
+/// reduction is the one left exposed after backward ends (the first tensors registered are the
+/// last gradients backward produces). Tensors are never split. Because the flat buffer is in
+/// registration order, each bucket is one contiguous range. per-tensor reduction is
+/// bytes = first_bytes = 1.
 inline std::vector<bucket> plan_buckets(const std::vector<tensor_info>& tensors,
                                         std::size_t elem_bytes, std::size_t first_bytes,
                                         std::size_t bytes) {
     std::vector<bucket> out;
-    std::size_t i = tensors.size();
-    while (i > 0) {
-        const std::size_t target = out.empty() ? first_bytes : bytes;
+    if (tensors.empty())
+        return out;
+    auto make = [&](std::size_t first, std::size_t last) {
         bucket b;
-        b.last_tensor = i - 1;
+        b.first_tensor = first;
+        b.last_tensor = last;
+        b.offset = tensors[first].offset;
+        b.size = tensors[last].offset + tensors[last].size - b.offset;
+        return b;
+    };
+    // The tail: tensors [0, tail) become the last bucket.
+    std::size_t tail = 1;
+    for (std::size_t held = tensors[0].size * elem_bytes;
+         tail < tensors.size() && held + tensors[tail].size * elem_bytes < first_bytes; ++tail)
+        held += tensors[tail].size * elem_bytes;
+    std::size_t i = tensors.size();
+    while (i > tail) {
+        const std::size_t target = out.empty() ? first_bytes : bytes;
+        const std::size_t last = i - 1;
         std::size_t held = 0;
-        while (i > 0 && (held == 0 || held < target)) {
+        while (i > tail && (held == 0 || held < target)) {
             --i;
             held += tensors[i].size * elem_bytes;
         }
-        b.first_tensor = i;
-        b.offset = tensors[i].offset;
-        b.size = tensors[b.last_tensor].offset + tensors[b.last_tensor].size - b.offset;
-        out.push_back(b);
+        out.push_back(make(i, last));
     }
+    out.push_back(make(0, tail - 1));
     return out;
 }
 
