@@ -56,6 +56,25 @@ TEST_CASE("bucket plans cover the flat buffer in reverse registration order", "[
     CHECK(detail::plan_buckets(ts, 4, 1, 1).size() == ts.size());
 }
 
+TEST_CASE("the last bucket launched is cut below the first bucket's target", "[train][reducer]") {
+    // Bytes 20, 20, 20, 400, 1200. Without the tail cut the second bucket would take t3 and
+    // everything before it (460 bytes < 512); the tail is the longest prefix below 64 bytes.
+    const auto ts = layout({5, 5, 5, 100, 300});
+    const auto plan = detail::plan_buckets(ts, sizeof(float), 64, 512);
+    REQUIRE(plan.size() == 3);
+    CHECK((plan[0].first_tensor == 4 && plan[0].last_tensor == 4));
+    CHECK((plan[1].first_tensor == 3 && plan[1].last_tensor == 3));
+    CHECK((plan[2].first_tensor == 0 && plan[2].last_tensor == 2));
+    CHECK((plan[2].offset == 0 && plan[2].size == 15));
+    // A first tensor at or above the target is a tail of its own.
+    const auto big = layout({100, 5, 300});
+    const auto p2 = detail::plan_buckets(big, sizeof(float), 64, 512);
+    REQUIRE(p2.size() == 3);
+    CHECK((p2[2].first_tensor == 0 && p2[2].last_tensor == 0));
+    // Everything below the target: one bucket.
+    CHECK(detail::plan_buckets(layout({1, 2, 3}), sizeof(float), 64, 512).size() == 1);
+}
+
 TEST_CASE("buckets launch in plan order, each once its prefix is ready", "[train][reducer]") {
     const auto ts = layout({1, 1, 1, 1, 1});
     detail::ordered_launcher l(detail::plan_buckets(ts, 4, 8, 8), ts.size()); // {4,3} {2,1} {0}

@@ -23,8 +23,11 @@ struct per_tensor {
 
 /// Tensors packed into buckets of about Bytes (the first bucket FirstBytes, so the first
 /// collective starts early, as PyTorch DDP does), in reverse registration order; one all_reduce
-/// per bucket, launched as soon as every tensor of the bucket is marked ready. With the
-/// registry a bucket is a contiguous range of the flat gradient buffer, reduced in place.
+/// per bucket, launched as soon as every tensor of the bucket is marked ready. The last bucket
+/// launched (the first tensors registered, the last gradients backward produces) is kept below
+/// FirstBytes as well (at least one tensor), because its reduction is the part left exposed
+/// after backward ends. With the registry a bucket is a contiguous range of the flat gradient
+/// buffer, reduced in place.
 /// requires: Bytes >= 1, FirstBytes >= 1.
 template <std::size_t Bytes = std::size_t{25} << 20, std::size_t FirstBytes = std::size_t{1} << 20>
 struct bucketed {
