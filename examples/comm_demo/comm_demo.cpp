@@ -188,6 +188,11 @@ int main(int argc, char** argv) {
         std::printf("\nerror demo: replica %d threw; %d peers got lockstep::error instead of "
                     "hanging; run() rethrew: %s\n",
                     replicas - 1, peers_told.load(), e.what());
+        if (peers_told.load() != replicas - 1) {
+            std::printf("error demo: expected %d peers to get lockstep::error\n", replicas - 1);
+            return 1;
+        }
     }
+    std::printf("comm_demo: every check passed\n");
     return 0;
 }
