@@ -636,3 +636,22 @@ TEST_CASE("half with a huge initial scale: the first steps overflow and are skip
     }
     CHECK(r.state.scale == s);
 }
+
+TEST_CASE("the asynchronous trainers refuse loss scaling on every replica",
+          "[train][mixed][thread]") {
+    std::vector<std::string> errors(2);
+    thread_group group(2, {.timeout = std::chrono::seconds(30)});
+    group.run([&](comm_type& comm) {
+        try {
+            data_parallel<linreg<float>, optim::sgd<float>, sync::asynchronous> trainer(
+                comm, [](ctx_type& ctx) { return linreg<float>(ctx); }, {.lr = lr},
+                {.loss_scale = loss_scaling{}});
+        } catch (const error& e) {
+            errors[static_cast<std::size_t>(comm.rank())] = e.what();
+        }
+    });
+    for (const std::string& e : errors) {
+        CHECK(e.find("unsupported") != std::string::npos);
+        CHECK(e.find("train_params::loss_scale is not supported") != std::string::npos);
+    }
+}
