@@ -81,7 +81,7 @@ struct linreg {
             copy.refresh(std::span<const float>(reg.values()), ctx.step());
         const double S = ctx.loss_scale();
         scales_seen.push_back(S);
-        auto weight = [&](std::size_t i) {
+        auto w_at = [&](std::size_t i) {
             if constexpr (low)
                 return static_cast<float>(copy.values()[i]);
             else
@@ -97,10 +97,10 @@ struct linreg {
             for (std::size_t o = 0; o < n_out; ++o) {
                 float y = 0;
                 for (std::size_t k = 0; k < n_in; ++k)
-                    y += weight(o * n_in + k) * x[k];
+                    y += w_at(o * n_in + k) * x[k];
                 const float res = through<Compute>(y) - static_cast<float>(t_of(s, o));
                 loss += 0.5 * double(res) * double(res) * r.scale;
-                const float seed = through<Compute>(static_cast<float>(res * r.scale * S));
+                const float seed = through<Compute>(static_cast<float>(res * r.scale * weight * S));
                 for (std::size_t k = 0; k < n_in; ++k)
                     g[o * n_in + k] += seed * x[k];
             }
@@ -121,6 +121,7 @@ struct linreg {
     ctx_type::handle w;
     copy_type copy;
     bool poison = false;
+    double weight = 1.0; ///< the loss is weight * (1/2N) sum ||W x - t||^2
     std::vector<double> scales_seen;
 };
 
@@ -147,6 +148,7 @@ struct run_options {
     bool read_result = true;
     bool skip_non_finite = true;
     std::set<std::pair<int, int>> poison = {}; ///< (step, replica)
+    double weight = 1.0; ///< loss weight (the learning rate is lr / weight: the same dynamics)
 };
 
 /// Runs `steps` full-batch steps on `replicas` thread replicas; returns every replica's record.
@@ -158,7 +160,7 @@ std::vector<record> run(const run_options& o) {
         record& rec = recs[static_cast<std::size_t>(comm.rank())];
         try {
             trainer_t<Compute, Sync> trainer(
-                comm, [](ctx_type& ctx) { return linreg<Compute>(ctx); }, {.lr = lr},
+                comm, [](ctx_type& ctx) { return linreg<Compute>(ctx); }, {.lr = lr / o.weight},
                 {.skip_non_finite = o.skip_non_finite,
                  .read_result = o.read_result,
                  .loss_scale = o.scaling});
@@ -169,6 +171,7 @@ std::vector<record> run(const run_options& o) {
             snap();
             for (int k = 0; k < o.steps; ++k) {
                 trainer.network().poison = o.poison.count({k, comm.rank()}) != 0;
+                trainer.network().weight = o.weight;
                 const auto before = host_sync_count();
                 step_result r =
                     trainer.step(n_samples, [](linreg<Compute>& net, shard_range sr,
@@ -571,9 +574,10 @@ namespace {
 /// weights and loss against the bound. Returns the 16-bit run's record.
 template <class Compute>
 record check_against_float(precision p, std::optional<loss_scaling> scaling, int steps,
-                           int expect_skipped_min) {
+                           int expect_skipped_min, double weight = 1.0) {
     constexpr int replicas = 3;
-    const auto low = run<Compute>({.replicas = replicas, .steps = steps, .scaling = scaling});
+    const auto low =
+        run<Compute>({.replicas = replicas, .steps = steps, .scaling = scaling, .weight = weight});
     require_same_everywhere(low);
     const record& r = low[0];
     int skipped = 0;
@@ -584,11 +588,13 @@ record check_against_float(precision p, std::optional<loss_scaling> scaling, int
     REQUIRE(skipped >= expect_skipped_min);
     const int applied = steps - skipped;
     REQUIRE(applied >= 20);
-    const auto flt = run<float>({.replicas = replicas, .steps = applied});
+    const auto flt = run<float>({.replicas = replicas, .steps = applied, .weight = weight});
     require_same_everywhere(flt);
     const double S = r.scales.back();
     REQUIRE(contraction() < 1.0);
-    const double B = distance_bound(flt[0].weights, applied, p, S, replicas);
+    // The loss weight scales the seed and the gradient like the loss scale does (and the
+    // learning rate undoes it): the subnormal terms see S * weight.
+    const double B = distance_bound(flt[0].weights, applied, p, S * weight, replicas);
     const std::vector<float>& w16 = r.weights.back();
     const std::vector<float>& w32 = flt[0].weights.back();
     const double D = distance(w16, w32);
@@ -654,4 +660,19 @@ TEST_CASE("the asynchronous trainers refuse loss scaling on every replica",
         CHECK(e.find("unsupported") != std::string::npos);
         CHECK(e.find("train_params::loss_scale is not supported") != std::string::npos);
     }
+}
+
+TEST_CASE("a loss too small for half: without scaling its gradients underflow to zero, with "
+          "scaling it trains within the bound of float training",
+          "[train][mixed][thread]") {
+    // Seeds ~ 2^-24 r / 48: below half the smallest half subnormal (2^-25) for |r| < 24.
+    const double weight = std::ldexp(1.0, -24);
+    const auto plain = run<lockstep::half>({.replicas = 3, .steps = 10, .weight = weight});
+    require_same_everywhere(plain);
+    for (const auto& w : plain[0].weights) // every gradient flushed to zero: no training
+        CHECK(w == plain[0].weights.front());
+    const record r = check_against_float<lockstep::half>(
+        half_precision, loss_scaling{.init_scale = 16777216.0, .growth_interval = 1000}, 30, 0,
+        weight);
+    CHECK(r.scales == std::vector<double>(30, 16777216.0));
 }
