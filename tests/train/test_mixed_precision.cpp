@@ -125,9 +125,8 @@ struct linreg {
     std::vector<double> scales_seen;
 };
 
-template <class Compute, class Sync = sync::synchronous>
-using trainer_t =
-    data_parallel<linreg<Compute>, optim::sgd<float>, Sync, reduce::per_tensor, comm_type>;
+template <class Compute, class Sync = sync::synchronous, class Reduce = reduce::per_tensor>
+using trainer_t = data_parallel<linreg<Compute>, optim::sgd<float>, Sync, Reduce, comm_type>;
 
 /// What one replica saw of a run.
 struct record {
@@ -152,14 +151,14 @@ struct run_options {
 };
 
 /// Runs `steps` full-batch steps on `replicas` thread replicas; returns every replica's record.
-template <class Compute, class Sync = sync::synchronous>
+template <class Compute, class Sync = sync::synchronous, class Reduce = reduce::per_tensor>
 std::vector<record> run(const run_options& o) {
     std::vector<record> recs(static_cast<std::size_t>(o.replicas));
     thread_group group(o.replicas, {.timeout = std::chrono::seconds(60)});
     group.run([&](comm_type& comm) {
         record& rec = recs[static_cast<std::size_t>(comm.rank())];
         try {
-            trainer_t<Compute, Sync> trainer(
+            trainer_t<Compute, Sync, Reduce> trainer(
                 comm, [](ctx_type& ctx) { return linreg<Compute>(ctx); }, {.lr = lr / o.weight},
                 {.skip_non_finite = o.skip_non_finite,
                  .read_result = o.read_result,
@@ -488,8 +487,12 @@ TEST_CASE("loss_scaler: backoff on overflow, growth after the interval, state ro
     CHECK_THROWS(off.restore({2, 0}));
 }
 
-TEST_CASE("an overflow on ONE replica skips the step and backs off the scale on every replica",
-          "[train][mixed][thread]") {
+TEMPLATE_TEST_CASE("an overflow on ONE replica skips the step and backs off the scale on every "
+                   "replica",
+                   "[train][mixed][thread]", reduce::per_tensor, reduce::parameter_server<0>,
+                   reduce::compressed<lockstep::half>) {
+    // parameter_server<0>: only replica 0 holds the reduced gradient, so replica 1's overflow
+    // reaches replica 2 through the summed status alone.
     const loss_scaling cfg{.init_scale = 1024, .growth_interval = 2};
     for (const bool read_each : {true, false}) {
         run_options o{.replicas = 3,
@@ -498,7 +501,7 @@ TEST_CASE("an overflow on ONE replica skips the step and backs off the scale on 
                       .read_result = read_each,
                       .skip_non_finite = false, // overflows skip under loss scaling regardless
                       .poison = {{1, 1}, {2, 2}, {5, 1}}};
-        const auto recs = run<lockstep::half>(o);
+        const auto recs = run<lockstep::half, sync::synchronous, TestType>(o);
         require_same_everywhere(recs);
         scaler_model model{cfg};
         std::vector<bool> want_skip;
