@@ -14,6 +14,7 @@
 
 #include "lockstep/kernels/bn_backward.hpp"
 #include "lockstep/kernels/bn_forward.hpp"
+#include "lockstep/kernels/mixed_precision.hpp"
 #include "lockstep/kernels/moments.hpp"
 #include "lockstep/kernels/optimizer_kernels.hpp"
 #include "lockstep/kernels/philox.hpp"
@@ -44,7 +45,9 @@
 #include "lockstep/optim/sgd.hpp"
 
 #include "lockstep/train/asynchronous.hpp"
+#include "lockstep/train/compute_copy.hpp"
 #include "lockstep/train/data_parallel.hpp"
+#include "lockstep/train/loss_scaler.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 #include "lockstep/train/replica_context.hpp"
 #include "lockstep/train/rng.hpp"

@@ -99,6 +99,10 @@ public:
                   train_params tp = {}, async_params ap = {})
         : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp)),
           ap_(std::move(ap)) {
+        LOCKSTEP_REQUIRE(!core_.params().loss_scale, errc::unsupported, comm.rank(),
+                         "data_parallel(asynchronous)",
+                         "train_params::loss_scale is not supported by the asynchronous trainers "
+                         "(use sync::synchronous or sync::local_sgd)");
         LOCKSTEP_REQUIRE(ap_.bn_momentum > 0 && ap_.bn_momentum <= 1, errc::invalid_argument,
                          comm.rank(), "data_parallel(asynchronous)",
                          "bn_momentum = ", ap_.bn_momentum, " (must be in (0, 1])");

@@ -19,6 +19,7 @@
 #include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/detail/reducer.hpp"
 #include "lockstep/train/detail/replica_core.hpp"
+#include "lockstep/train/loss_scaler.hpp"
 #include "lockstep/train/replica_context.hpp"
 #include "lockstep/train/shard.hpp"
 #include "lockstep/train/train_params.hpp"
@@ -81,9 +82,10 @@ public:
         : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp)),
           reducer_(comm, core_.registry().parameters(),
                    detail::use_overlap(comm, core_.params().overlap)),
-          status_(status_slot::slots, comm.system()), skip_(1, comm.system()),
+          status_(status_size, comm.system()), skip_(1, comm.system()),
           partial_(detail::non_finite_tiles(core_.registry().grads().size()), comm.system()),
-          read_(status_slot::slots, comm.system()) {}
+          read_(status_size, comm.system()),
+          scaler_(core_.params().loss_scale, comm.system(), comm.rank()) {}
     data_parallel(const data_parallel&) = delete;
     data_parallel& operator=(const data_parallel&) = delete;
 
@@ -163,15 +165,22 @@ public:
     /// True when gradient buckets are reduced on a communication stream (train_params::overlap).
     bool overlaps() const noexcept { return reducer_.overlaps(); }
     std::size_t collectives() const noexcept { return reducer_.collectives(); }
+    /// The dynamic loss scale (train_params::loss_scale; disabled without it): its state() and
+    /// restore() between steps are what a checkpoint keeps of it.
+    loss_scaler<system_type>& scaler() noexcept { return scaler_; }
 
 private:
     using T = value_type;
+    /// The step's status followed by the loss scale's report (kernels::loss_scale_report_slot).
+    static constexpr std::size_t status_size =
+        status_slot::slots + kernels::loss_scale_report_slot::slots;
 
     template <class Fn>
     step_result synchronous_step(std::size_t global, Fn& fn) {
         auto& ctx = core_.context();
         const auto sys = core_.comm().system();
         begin_status();
+        ctx.set_loss_scale(scaler_.scale_device(), scaler_.known_scale());
         core_.zero_grads();
         reducer_.begin(core_.grads());
         double host_loss = 0;
@@ -186,6 +195,7 @@ private:
         }
         core_.pack_grads();
         reducer_.finish();
+        scaler_.unscale(core_.grads());
         // The status (loss, non-finite count, layer errors) is summed over replicas in one small
         // all_reduce: the reduced gradient is identical on every replica (parameter_server: only
         // Root's is reduced), and the sum makes the skip decision identical too.
@@ -194,6 +204,7 @@ private:
         std::span<double> reduced = status_.span().first(status_slot::reduced);
         core_.comm().all_reduce(std::span<const double>(reduced), reduced, reduce_op::sum);
         decide_skip(sys);
+        scaler_.update(status_.data(), status_.data() + status_slot::slots);
         step_result r;
         r.step = core_.steps();
         r.lr = core_.lr_for(r.step);
@@ -212,6 +223,7 @@ private:
         auto& ctx = core_.context();
         const auto sys = core_.comm().system();
         begin_status();
+        ctx.set_loss_scale(scaler_.scale_device(), scaler_.known_scale());
         core_.zero_grads();
         double host_loss = 0;
         {
@@ -221,9 +233,11 @@ private:
             ctx.set_loss_slot(nullptr);
         }
         core_.pack_grads();
+        scaler_.unscale(core_.grads());
         detail::count_non_finite_into(sys, std::span<const T>(core_.grads()), partial_.span(),
                                       host_loss, status_.data());
         decide_skip(sys);
+        scaler_.update(status_.data(), status_.data() + status_slot::slots);
         step_result r;
         r.step = core_.steps();
         r.lr = core_.lr_for(r.step);
@@ -265,6 +279,8 @@ private:
         const std::span<const double> st = wait_for(core_.comm(), read_, "data_parallel.step");
         r.loss = st[status_slot::loss];
         r.skipped = st[status_slot::skip] != 0;
+        r.loss_scale =
+            scaler_.observe(st.subspan(status_slot::slots), r.step + 1 == core_.steps()).used;
         r.ready = true;
         const int me = rank();
         if (st[status_slot::layer_errors] > 0) {
@@ -288,8 +304,8 @@ private:
                  " batch_norm layer error(s) on other replicas (statistics of another group)");
         }
         if (st[status_slot::non_finite] > 0) {
-            LOCKSTEP_REQUIRE(core_.params().skip_non_finite, errc::non_finite, me,
-                             "data_parallel.step", "step ", r.step, ": ",
+            LOCKSTEP_REQUIRE(core_.params().skip_non_finite || scaler_.enabled(), errc::non_finite,
+                             me, "data_parallel.step", "step ", r.step, ": ",
                              st[status_slot::non_finite],
                              is_local_sgd_v<SyncPolicy>
                                  ? " non-finite gradient elements on this replica (local SGD)"
@@ -332,6 +348,7 @@ private:
     detail::status_sink sink_{};
     step_result last_{};
     std::size_t since_average_ = 0;
+    loss_scaler<system_type> scaler_;
 };
 
 } // namespace lockstep

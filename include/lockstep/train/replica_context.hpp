@@ -3,11 +3,13 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/core/error.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 #include "lockstep/train/rng.hpp"
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <utility>
 
 namespace lockstep {
@@ -55,6 +57,23 @@ public:
     /// host inside the step; the trainer sums it over replicas with the step's status.
     double* loss_slot() const noexcept { return loss_slot_; }
 
+    /// The loss scale of the step being computed (train_params::loss_scale; 1 without loss
+    /// scaling): multiply the loss's backward seed (dL/dy) by it. On the host. On a host system
+    /// always available; on a device system when the previous step's result was read
+    /// (train_params::read_result, or data_parallel::read_result() after it), else
+    /// lockstep::error (invalid_argument): read *loss_scale_device() in device code instead.
+    double loss_scale() const {
+        LOCKSTEP_REQUIRE(loss_scale_host_.has_value(), errc::invalid_argument, rank(),
+                         "replica_context.loss_scale", "the scale of step ", step_,
+                         " is not known on the host: the previous step's result was not read "
+                         "(read_result = false); read *loss_scale_device() on the device");
+        return *loss_scale_host_;
+    }
+    /// The loss scale of the step being computed as one double in the replica's system memory
+    /// (null before the first step): what device code multiplies the backward seed by. Its
+    /// value changes at the end of each step, on the system's stream.
+    const double* loss_scale_device() const noexcept { return loss_scale_device_; }
+
     /// Signals that backward has finished writing the gradient of parameter h for this step,
     /// so a bucketed reducer may launch the bucket h completes. Optional: every gradient not
     /// marked is reduced when the step function returns. Only meaningful with the registry and
@@ -71,6 +90,10 @@ public:
         training_ = training;
     }
     void set_loss_slot(double* slot) noexcept { loss_slot_ = slot; }
+    void set_loss_scale(const double* device, std::optional<double> host) noexcept {
+        loss_scale_device_ = device;
+        loss_scale_host_ = host;
+    }
 
 private:
     Communicator* comm_;
@@ -79,6 +102,8 @@ private:
     std::int64_t step_ = 0;
     bool training_ = false;
     double* loss_slot_ = nullptr;
+    const double* loss_scale_device_ = nullptr;
+    std::optional<double> loss_scale_host_ = 1.0;
     std::function<void(std::size_t)> ready_hook_;
 };
 

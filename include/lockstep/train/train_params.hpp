@@ -2,10 +2,12 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/train/loss_scaler.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 
 namespace lockstep {
 
@@ -49,6 +51,14 @@ struct train_params {
     /// Which parameters get weight decay and LARS/LAMB trust-ratio adaptation; empty: all.
     /// Commonly `[](const tensor_info& t) { return t.shape.size() > 1; }` (no biases, no BN).
     std::function<bool(const tensor_info&)> decay = {};
+    /// Dynamic loss scaling (data_parallel with sync::synchronous or sync::local_sgd; the
+    /// asynchronous trainers refuse it): the step function multiplies its loss's backward seed
+    /// by ctx.loss_scale() (or *ctx.loss_scale_device() on a device), the trainer multiplies the
+    /// gradient by 1 / scale after the reduction and updates the scale on the device from the
+    /// step's (all-reduced) status, so every replica takes the same decisions. A non-finite
+    /// gradient is then an overflow: the step is skipped and the scale backs off, whatever
+    /// skip_non_finite says. Empty: no scaling (ctx.loss_scale() is 1).
+    std::optional<loss_scaling> loss_scale = {};
 };
 
 /// What one data_parallel::step returns (the same on every replica for synchronous training).
@@ -64,8 +74,10 @@ struct step_result {
     /// The step's index (0-based).
     std::int64_t step = 0;
     /// False when the step returned without reading its result (train_params::read_result):
-    /// loss and skipped are then not set.
+    /// loss, skipped and loss_scale are then not set.
     bool ready = true;
+    /// The loss scale the step's backward used (train_params::loss_scale; 1 without scaling).
+    double loss_scale = 1.0;
 };
 
 } // namespace lockstep

@@ -1,0 +1,203 @@
+// lockstep/kernels/mixed_precision.hpp: the element-wise arithmetic of mixed precision training
+// (16-bit compute copies of float parameters, 16-bit gradients accumulated into float, the loss
+// scale's unscale and update) as host/device functors over Thrust. SPDX-License-Identifier:
+// Apache-2.0
+#pragma once
+
+#include "lockstep/core/config.hpp"
+#include "lockstep/core/float16.hpp"
+#include "lockstep/core/float16_arrays.hpp"
+#include "lockstep/core/step_status.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <type_traits>
+
+#include <thrust/for_each.h>
+#include <thrust/iterator/counting_iterator.h>
+
+// Host tasks convert a tile of cast_host_tile elements with the array conversions of
+// core/float16_arrays.hpp (F16C/AVX2 where the CPU has them); device tasks convert one element
+// with the scalar conversions of core/float16.hpp. Both give the same bits (round to nearest,
+// ties to even), so a host test pins down what a GPU computes.
+
+namespace lockstep::kernels {
+
+/// Elements per host task of the casts below.
+inline constexpr std::size_t cast_host_tile = 4096;
+
+/// Elements per task on System: long tiles on the host, one element per thread on a device.
+template <class System>
+constexpr std::size_t cast_tile() {
+    return System::is_host ? cast_host_tile : 1;
+}
+
+/// Task t over [t * tile, min((t + 1) * tile, n)): dst[i] = Low(float(src[i])) (T -> float ->
+/// Low; for T = float a single rounding to nearest even).
+template <class T, class Low>
+struct cast_down_fn {
+    const T* src;
+    Low* dst;
+    std::size_t n;
+    std::size_t tile;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t t) const {
+        const std::size_t b = t * tile, e = b + tile < n ? b + tile : n;
+#if defined(__CUDA_ARCH__)
+        for (std::size_t i = b; i < e; ++i)
+            dst[i] = Low(static_cast<float>(src[i]));
+#else
+        if constexpr (std::is_same_v<T, float>) {
+            lockstep::detail::to_wire_n<Low>(src + b, e - b, dst + b);
+        } else {
+            constexpr std::size_t chunk = 512;
+            float f[chunk];
+            for (std::size_t at = b; at < e; at += chunk) {
+                const std::size_t m = e - at < chunk ? e - at : chunk;
+                for (std::size_t i = 0; i < m; ++i)
+                    f[i] = static_cast<float>(src[at + i]);
+                lockstep::detail::to_wire_n<Low>(f, m, dst + at);
+            }
+        }
+#endif
+    }
+};
+
+/// Task t over [t * tile, min((t + 1) * tile, n)): dst[i] += T(float(src[i])) * T(*factor)
+/// (factor null: 1). The factor lives in the system's memory (e.g. a loss scaler's inverse
+/// scale), so no host read; with a power-of-two factor the multiplication is exact (outside T's
+/// subnormals and overflow).
+template <class Low, class T>
+struct accumulate_up_fn {
+    const Low* src;
+    T* dst;
+    std::size_t n;
+    const double* factor;
+    std::size_t tile;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t t) const {
+        const std::size_t b = t * tile, e = b + tile < n ? b + tile : n;
+        const T f = factor != nullptr ? static_cast<T>(*factor) : T(1);
+#if defined(__CUDA_ARCH__)
+        for (std::size_t i = b; i < e; ++i)
+            dst[i] += static_cast<T>(static_cast<float>(src[i])) * f;
+#else
+        constexpr std::size_t chunk = 512;
+        float v[chunk];
+        for (std::size_t at = b; at < e; at += chunk) {
+            const std::size_t m = e - at < chunk ? e - at : chunk;
+            lockstep::detail::from_wire_n<Low>(src + at, m, v);
+            for (std::size_t i = 0; i < m; ++i)
+                dst[at + i] += static_cast<T>(v[i]) * f;
+        }
+#endif
+    }
+};
+
+/// Task t over [t * tile, min((t + 1) * tile, n)): data[i] *= T(*factor), the factor read from
+/// the system's memory (no host read).
+template <class T>
+struct multiply_by_fn {
+    T* data;
+    std::size_t n;
+    const double* factor;
+    std::size_t tile;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t t) const {
+        const std::size_t b = t * tile, e = b + tile < n ? b + tile : n;
+        const T f = static_cast<T>(*factor);
+        for (std::size_t i = b; i < e; ++i)
+            data[i] *= f;
+    }
+};
+
+/// The slots of a loss scaler's state in its system's memory.
+namespace loss_scale_state_slot {
+inline constexpr std::size_t scale = 0;          ///< the scale of the next (or current) step
+inline constexpr std::size_t growth_tracker = 1; ///< consecutive applied steps since a change
+inline constexpr std::size_t inverse = 2;        ///< 1 / scale (the unscale factor)
+inline constexpr std::size_t slots = 3;
+} // namespace loss_scale_state_slot
+
+/// The slots a loss scale update writes next to a step's status, for the host's end-of-step read.
+namespace loss_scale_report_slot {
+inline constexpr std::size_t used = 0;           ///< the scale the step's backward used
+inline constexpr std::size_t next = 1;           ///< the scale of the next step
+inline constexpr std::size_t growth_tracker = 2; ///< the growth tracker after the step
+inline constexpr std::size_t slots = 3;
+} // namespace loss_scale_report_slot
+
+/// One task, after the step's status is final (summed over replicas for synchronous steps,
+/// the skip decision taken): the dynamic loss scale update of torch.cuda.amp.GradScaler.
+/// - status[non_finite] > 0 (an overflow): scale *= backoff, tracker = 0;
+/// - else, the step applied (status[skip] == 0): tracker += 1, and when tracker reaches
+///   interval: scale *= growth (kept when the product would be infinite), tracker = 0;
+/// - else (skipped for another reason): unchanged.
+/// report receives the scale used, the next scale and the tracker (loss_scale_report_slot).
+/// Deterministic in the status: replicas that see the same status take the same decision.
+struct loss_scale_update_fn {
+    double* state;        ///< loss_scale_state_slot layout
+    const double* status; ///< status_slot layout
+    double* report;       ///< loss_scale_report_slot layout
+    double growth;
+    double backoff;
+    double interval;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
+        const double used = state[loss_scale_state_slot::scale];
+        double scale = used;
+        double tracker = state[loss_scale_state_slot::growth_tracker];
+        if (status[status_slot::non_finite] > 0) {
+            scale = used * backoff;
+            tracker = 0;
+        } else if (status[status_slot::skip] == 0) {
+            tracker += 1;
+            if (tracker >= interval) {
+                const double grown = scale * growth;
+                if (grown <= 1.7976931348623157e308) // finite (a bit test is not needed: no NaN)
+                    scale = grown;
+                tracker = 0;
+            }
+        }
+        state[loss_scale_state_slot::scale] = scale;
+        state[loss_scale_state_slot::growth_tracker] = tracker;
+        state[loss_scale_state_slot::inverse] = 1.0 / scale;
+        report[loss_scale_report_slot::used] = used;
+        report[loss_scale_report_slot::next] = scale;
+        report[loss_scale_report_slot::growth_tracker] = tracker;
+    }
+};
+
+/// dst = Low(src) element-wise on sys. requires: dst.size() == src.size(), both in sys's memory.
+template <class System, class T, class Low>
+void cast_down(const System& sys, std::span<const T> src, std::span<Low> dst) {
+    const std::size_t n = src.size(), tile = cast_tile<System>();
+    if (n == 0)
+        return;
+    thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
+                     thrust::counting_iterator<std::size_t>((n + tile - 1) / tile),
+                     cast_down_fn<T, Low>{src.data(), dst.data(), n, tile});
+}
+
+/// dst += T(src) * *factor element-wise on sys (factor null: * 1). requires: equal sizes, all
+/// in sys's memory; factor, when given, one double in sys's memory.
+template <class System, class Low, class T>
+void accumulate_up(const System& sys, std::span<const Low> src, std::span<T> dst,
+                   const double* factor = nullptr) {
+    const std::size_t n = src.size(), tile = cast_tile<System>();
+    if (n == 0)
+        return;
+    thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
+                     thrust::counting_iterator<std::size_t>((n + tile - 1) / tile),
+                     accumulate_up_fn<Low, T>{src.data(), dst.data(), n, factor, tile});
+}
+
+/// data *= *factor element-wise on sys. requires: factor one double in sys's memory.
+template <class System, class T>
+void multiply_by(const System& sys, std::span<T> data, const double* factor) {
+    const std::size_t n = data.size(), tile = cast_tile<System>();
+    if (n == 0)
+        return;
+    thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
+                     thrust::counting_iterator<std::size_t>((n + tile - 1) / tile),
+                     multiply_by_fn<T>{data.data(), n, factor, tile});
+}
+
+} // namespace lockstep::kernels

@@ -1,0 +1,196 @@
+// lockstep/train/loss_scaler.hpp: loss_scaling (the dynamic loss scale's knobs), loss_scaler_state
+// (its checkpointable state) and loss_scaler<System>, which keeps the scale in the system's memory
+// and updates it on the device from a step's status. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/step_status.hpp"
+#include "lockstep/kernels/mixed_precision.hpp"
+#include "lockstep/system/buffer.hpp"
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+
+#include <thrust/for_each.h>
+#include <thrust/iterator/counting_iterator.h>
+
+namespace lockstep {
+
+/// The knobs of a dynamic loss scale (as torch.cuda.amp.GradScaler): the user's backward
+/// multiplies the loss's gradient by the scale S, so that small gradients survive 16-bit
+/// arithmetic; the trainer multiplies the reduced gradient by 1 / S before the update. A step
+/// whose gradient has a NaN or infinity (an overflow) is skipped and S *= backoff_factor; after
+/// growth_interval consecutive applied steps, S *= growth_factor. Powers of two (the defaults)
+/// make scaling and unscaling exact.
+struct loss_scaling {
+    double init_scale = 65536.0;         ///< S of the first step: finite, > 0
+    double growth_factor = 2.0;          ///< > 1
+    double backoff_factor = 0.5;         ///< in (0, 1)
+    std::int64_t growth_interval = 2000; ///< >= 1
+};
+
+/// A loss scaler's state between steps (what a checkpoint stores): the scale of the next step
+/// and the number of consecutive applied steps since the scale last changed.
+struct loss_scaler_state {
+    double scale = 1.0;
+    std::int64_t growth_tracker = 0;
+    friend bool operator==(const loss_scaler_state&, const loss_scaler_state&) = default;
+};
+
+/// The scale after a step's status report (kernels::loss_scale_report_slot layout), as the host
+/// reads it at the end of a step.
+struct loss_scale_report {
+    double used = 1.0; ///< the scale the step's backward used
+    loss_scaler_state next{};
+};
+
+/// One replica's dynamic loss scale, kept in System memory (scale, growth tracker, 1 / scale) so
+/// that a step never waits on the host for it: unscale() and update() are kernels that read and
+/// write it on the system's stream. Disabled (constructed with no loss_scaling), the scale is 1
+/// forever and unscale()/update() do nothing. Decisions depend only on the status passed to
+/// update(): replicas that pass the same (all-reduced) status stay bitwise identical.
+template <class System>
+class loss_scaler {
+public:
+    using system_type = System;
+
+    /// requires: cfg, when given, within the ranges loss_scaling states (else lockstep::error,
+    /// invalid_argument, naming `rank`). ensures: state() == {cfg->init_scale, 0} (or {1, 0}).
+    explicit loss_scaler(std::optional<loss_scaling> cfg, System sys = default_system<System>(),
+                         int rank = -1)
+        : cfg_(cfg.value_or(loss_scaling{})), enabled_(cfg.has_value()), sys_(sys), rank_(rank),
+          state_(kernels::loss_scale_state_slot::slots, sys) {
+        if (enabled_)
+            check_config(cfg_, rank_);
+        write({enabled_ ? cfg_.init_scale : 1.0, 0});
+    }
+
+    bool enabled() const noexcept { return enabled_; }
+    const loss_scaling& config() const noexcept { return cfg_; }
+
+    /// The current scale, one double in System memory (1 when disabled): read it in device code
+    /// that seeds the backward pass. Valid for the scaler's lifetime; update() changes its value.
+    const double* scale_device() const noexcept {
+        return state_.data() + kernels::loss_scale_state_slot::scale;
+    }
+    /// 1 / the current scale, one double in System memory (the unscale factor).
+    const double* inverse_device() const noexcept {
+        return state_.data() + kernels::loss_scale_state_slot::inverse;
+    }
+
+    /// The current scale on the host when it is known without a wait: on a host system always
+    /// (a plain read of host memory); on a device system after construction, restore(), or a
+    /// report observe()d since the last update(). Otherwise nullopt.
+    std::optional<double> known_scale() const {
+        if constexpr (System::is_host)
+            return state_[kernels::loss_scale_state_slot::scale];
+        else
+            return known_;
+    }
+
+    /// grads *= 1 / scale on the system's stream (no host read). No-op when disabled.
+    template <class T>
+    void unscale(std::span<T> grads) const {
+        if (enabled_)
+            kernels::multiply_by(sys_, grads, inverse_device());
+    }
+
+    /// The scale update of a step whose status (status_slot layout, in System memory) is final:
+    /// see kernels::loss_scale_update_fn. Writes the loss_scale_report_slot values at report (in
+    /// System memory) for the host's end-of-step read. One one-thread kernel, no host read.
+    /// Disabled: nothing (observe() then reports scale 1).
+    void update(const double* status, double* report) {
+        if (!enabled_)
+            return;
+        known_.reset();
+        thrust::for_each(
+            sys_.policy(), thrust::counting_iterator<std::size_t>(0),
+            thrust::counting_iterator<std::size_t>(1),
+            kernels::loss_scale_update_fn{.state = state_.data(),
+                                          .status = status,
+                                          .report = report,
+                                          .growth = cfg_.growth_factor,
+                                          .backoff = cfg_.backoff_factor,
+                                          .interval = static_cast<double>(cfg_.growth_interval)});
+    }
+
+    /// The host's view of a step's report (the loss_scale_report_slot values it read). When the
+    /// report is of the last update(), the scale becomes known on the host (known_scale()).
+    /// Disabled: {1, {1, 0}} whatever report holds.
+    loss_scale_report observe(std::span<const double> report, bool last) {
+        namespace slot = kernels::loss_scale_report_slot;
+        if (!enabled_)
+            return {};
+        loss_scale_report r{
+            report[slot::used],
+            {report[slot::next], static_cast<std::int64_t>(report[slot::growth_tracker])}};
+        if (last)
+            known_ = r.next.scale;
+        return r;
+    }
+
+    /// The state between steps (one synchronising read on a device system: not for use inside a
+    /// step).
+    loss_scaler_state state() const {
+        double s[kernels::loss_scale_state_slot::slots];
+        copy(std::span<const double>(state_.span()), sys_, std::span<double>(s), host_system{1});
+        return {s[kernels::loss_scale_state_slot::scale],
+                static_cast<std::int64_t>(s[kernels::loss_scale_state_slot::growth_tracker])};
+    }
+
+    /// Restores a state() (e.g. from a checkpoint). requires: scale finite and > 0 (exactly 1
+    /// when disabled), 0 <= growth_tracker < growth_interval; else lockstep::error
+    /// (invalid_argument) and nothing changes.
+    void restore(const loss_scaler_state& s) {
+        LOCKSTEP_REQUIRE(std::isfinite(s.scale) && s.scale > 0, errc::invalid_argument, rank_,
+                         "loss_scaler.restore", "scale = ", s.scale, " (must be finite and > 0)");
+        LOCKSTEP_REQUIRE(enabled_ || (s.scale == 1.0 && s.growth_tracker == 0),
+                         errc::invalid_argument, rank_, "loss_scaler.restore",
+                         "loss scaling is off but the state has scale = ", s.scale,
+                         ", growth_tracker = ", s.growth_tracker);
+        LOCKSTEP_REQUIRE(s.growth_tracker >= 0 && s.growth_tracker < cfg_.growth_interval,
+                         errc::invalid_argument, rank_, "loss_scaler.restore",
+                         "growth_tracker = ", s.growth_tracker, " (must be in [0, ",
+                         cfg_.growth_interval, "))");
+        write(s);
+    }
+
+    /// Throws lockstep::error (invalid_argument, naming rank) unless c is within the ranges
+    /// loss_scaling states.
+    static void check_config(const loss_scaling& c, int rank) {
+        LOCKSTEP_REQUIRE(std::isfinite(c.init_scale) && c.init_scale > 0, errc::invalid_argument,
+                         rank, "loss_scaling", "init_scale = ", c.init_scale,
+                         " (must be finite and > 0)");
+        LOCKSTEP_REQUIRE(std::isfinite(c.growth_factor) && c.growth_factor > 1,
+                         errc::invalid_argument, rank, "loss_scaling",
+                         "growth_factor = ", c.growth_factor, " (must be finite and > 1)");
+        LOCKSTEP_REQUIRE(c.backoff_factor > 0 && c.backoff_factor < 1, errc::invalid_argument, rank,
+                         "loss_scaling", "backoff_factor = ", c.backoff_factor,
+                         " (must be in (0, 1))");
+        LOCKSTEP_REQUIRE(c.growth_interval >= 1 && c.growth_interval <= (std::int64_t(1) << 52),
+                         errc::invalid_argument, rank, "loss_scaling",
+                         "growth_interval = ", c.growth_interval, " (must be in [1, 2^52])");
+    }
+
+private:
+    void write(const loss_scaler_state& s) {
+        double v[kernels::loss_scale_state_slot::slots];
+        v[kernels::loss_scale_state_slot::scale] = s.scale;
+        v[kernels::loss_scale_state_slot::growth_tracker] = static_cast<double>(s.growth_tracker);
+        v[kernels::loss_scale_state_slot::inverse] = 1.0 / s.scale;
+        copy(std::span<const double>(v), host_system{1}, state_.span(), sys_);
+        known_ = s.scale;
+    }
+
+    loss_scaling cfg_;
+    bool enabled_;
+    System sys_;
+    int rank_;
+    buffer<double, System> state_;
+    std::optional<double> known_;
+};
+
+} // namespace lockstep
