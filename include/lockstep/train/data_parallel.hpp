@@ -19,6 +19,7 @@
 #include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/detail/reducer.hpp"
 #include "lockstep/train/detail/replica_core.hpp"
+#include "lockstep/train/detail/step_checks.hpp"
 #include "lockstep/train/replica_context.hpp"
 #include "lockstep/train/shard.hpp"
 #include "lockstep/train/train_params.hpp"
@@ -26,9 +27,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <span>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include <thrust/fill.h>
 
@@ -72,18 +76,23 @@ public:
 
     /// Builds this replica's network with factory(ctx), checks that every replica declared
     /// the same parameters and state (else every replica throws lockstep::error naming the
-    /// first differing tensor and both shapes), broadcasts replica 0's values and state, and
+    /// first differing tensor and both shapes) and the same settings: the optimizer type and
+    /// hyperparameters, micro_batches, overlap, skip_non_finite, max_grad_norm, the frozen and
+    /// decaying tensors, the sync, reduce and BN policies (else every replica throws naming each
+    /// differing setting with both values), broadcasts replica 0's values and state, and
     /// prepares the optimizer (params `opt`) over the flat parameter buffer. Collective: every
     /// replica of comm constructs its trainer. requires: comm outlives the trainer.
     template <class Factory>
     data_parallel(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt = {},
                   train_params tp = {})
-        : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp)),
+        : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp),
+                policy_settings()),
           reducer_(comm, core_.registry().parameters(),
                    detail::use_overlap(comm, core_.params().overlap)),
-          status_(status_slot::slots, comm.system()), skip_(1, comm.system()),
-          partial_(detail::non_finite_tiles(core_.registry().grads().size()), comm.system()),
-          read_(status_slot::slots, comm.system()) {}
+          rows_(replica_slot::slots * static_cast<std::size_t>(comm.size())),
+          status_(rows_ + status_slot::slots, comm.system()), skip_(1, comm.system()),
+          checks_(reducer_.plan(), core_.registry().grads().size(), comm.system()),
+          read_(rows_ + status_slot::slots, comm.system()) {}
     data_parallel(const data_parallel&) = delete;
     data_parallel& operator=(const data_parallel&) = delete;
 
@@ -99,6 +108,16 @@ public:
     /// on any replica skips the step on every replica (or throws on every replica).
     /// sync::local_sgd<K>: scale = 1 / (this replica's samples), each replica updates alone,
     /// weights (and state) are averaged over replicas every K steps.
+    /// Between reduction and update, on every replica alike: the gradients of frozen tensors
+    /// are zeroed (train_params::frozen), the gradient hook runs (set_gradient_hook), the
+    /// gradient norm is taken and the gradient scaled by the clipping factor
+    /// (train_params::max_grad_norm).
+    /// Skipped on every replica (synchronous), with nothing applied and the BN running
+    /// statistics restored on the device: a NaN/inf gradient element on any replica (counted
+    /// per replica before reduction, and in the reduced gradient), a NaN/inf loss on any
+    /// replica, a layer error, or replicas that passed different global_batch or used different
+    /// learning rates in this step (checked in the step's status all_reduce; this one also
+    /// throws, on every replica, naming both values).
     /// fn may also return void and add its loss into ctx.loss_slot() on the device.
     /// Inside the step nothing waits on the host: the non-finite check, the layers' error checks
     /// and the skip decision stay on the device (the optimizer kernels read the skip flag), and
@@ -146,6 +165,19 @@ public:
         }
     }
 
+    /// The gradient hook: called on every replica as f(gradient, layout) after the reduction
+    /// (synchronous: the reduced gradient, the same on every replica; reduce::parameter_server:
+    /// on Root only, where the update runs; local SGD: this replica's gradient) and before the
+    /// clipping norm and the update, with the flat gradient (the system's memory) and the
+    /// registry's layout (registry().parameters()). f may change the gradient in place, and must
+    /// change it identically on every replica; it runs on the replica's thread between kernels
+    /// of the step (a host read of the gradient on a device system waits for the step so far).
+    /// An empty f removes the hook.
+    void
+    set_gradient_hook(std::function<void(std::span<value_type>, std::span<const tensor_info>)> f) {
+        gradient_hook_ = std::move(f);
+    }
+
     Network& network() noexcept { return core_.network(); }
     const Network& network() const noexcept { return core_.network(); }
     context_type& context() noexcept { return core_.context(); }
@@ -173,11 +205,15 @@ private:
         const auto sys = core_.comm().system();
         begin_status();
         core_.zero_grads();
-        reducer_.begin(core_.grads());
+        // Each piece is checked for NaN/inf right before its reduction: the counts are this
+        // replica's own, so the message can name the replica and the tensor.
+        reducer_.begin(core_.grads(), [this, sys](std::size_t k, const detail::bucket& b) {
+            checks_.check_piece(sys, std::span<const T>(core_.grads()), k, b);
+        });
         double host_loss = 0;
         {
             detail::status_scope scope(sink_);
-            ctx.set_loss_slot(status_.data() + status_slot::loss);
+            ctx.set_loss_slot(fixed() + status_slot::loss);
             host_loss = core_.run_micro_batches(global, fn, false, [&] {
                 if constexpr (!uses_visitor)
                     ctx.set_ready_hook([this](std::size_t t) { reducer_.mark_ready(t); });
@@ -186,20 +222,25 @@ private:
         }
         core_.pack_grads();
         reducer_.finish();
-        // The status (loss, non-finite count, layer errors) is summed over replicas in one small
-        // all_reduce: the reduced gradient is identical on every replica (parameter_server: only
-        // Root's is reduced), and the sum makes the skip decision identical too.
-        detail::count_non_finite_into(sys, std::span<const T>(core_.grads()), partial_.span(),
-                                      host_loss, status_.data());
-        std::span<double> reduced = status_.span().first(status_slot::reduced);
-        core_.comm().all_reduce(std::span<const double>(reduced), reduced, reduce_op::sum);
-        decide_skip(sys);
         step_result r;
         r.step = core_.steps();
         r.lr = core_.lr_for(r.step);
+        checks_.finish_local(sys, host_loss, static_cast<double>(global), r.lr, fixed(),
+                             row(rank()));
+        constexpr bool server = ReducePolicy::kind == reduce_kind::parameter_server;
+        after_reduction(sys, !server || rank() == server_root());
+        // The status (per-replica rows, loss, non-finite counts, layer errors) is summed over
+        // replicas in one small all_reduce: every replica then takes the same skip decision,
+        // and the gradient factor from the same norm (the reduced gradient is identical on
+        // every replica; parameter_server: only Root's is reduced, and only Root updates).
+        std::span<double> reduced = status_.span().first(rows_ + status_slot::reduced);
+        core_.comm().all_reduce(std::span<const double>(reduced), reduced, reduce_op::sum);
+        decide_skip(sys, core_.comm().size(), row(0));
+        commit_layers();
         core_.optimizer().set_lr(r.lr);
         auto values = core_.values();
         reducer_.apply(values, [&] {
+            scale_gradient(sys);
             core_.optimizer().step(values, std::span<const T>(core_.grads()), skip_.data());
         });
         core_.unpack_values();
@@ -216,18 +257,24 @@ private:
         double host_loss = 0;
         {
             detail::status_scope scope(sink_);
-            ctx.set_loss_slot(status_.data() + status_slot::loss);
+            ctx.set_loss_slot(fixed() + status_slot::loss);
             host_loss = core_.run_micro_batches(global, fn, true, [] {});
             ctx.set_loss_slot(nullptr);
         }
         core_.pack_grads();
-        detail::count_non_finite_into(sys, std::span<const T>(core_.grads()), partial_.span(),
-                                      host_loss, status_.data());
-        decide_skip(sys);
+        const auto& plan = reducer_.plan();
+        for (std::size_t k = 0; k < plan.size(); ++k)
+            checks_.check_piece(sys, std::span<const T>(core_.grads()), k, plan[k]);
         step_result r;
         r.step = core_.steps();
         r.lr = core_.lr_for(r.step);
+        checks_.finish_local(sys, host_loss, static_cast<double>(global), r.lr, fixed(),
+                             row(rank()));
+        after_reduction(sys, true);
+        decide_skip(sys, 1, row(rank())); // this replica alone: no status collective
+        commit_layers();
         core_.optimizer().set_lr(r.lr);
+        scale_gradient(sys);
         core_.optimizer().step(core_.values(), std::span<const T>(core_.grads()), skip_.data());
         core_.unpack_values();
         core_.advance(global);
@@ -237,17 +284,63 @@ private:
         return r;
     }
 
-    /// Zeroes the step's status and points the layers' error reports at it.
+    /// The "name<TAB>value" lines of the policies, for the construction-time agreement check.
+    static std::vector<std::string> policy_settings() {
+        return {"sync\t" + detail::type_name<SyncPolicy>(),
+                "reduce\t" + detail::type_name<ReducePolicy>(),
+                "bn_policies\t" + detail::type_name<network_bn_policies_t<Network>>()};
+    }
+
+    static constexpr int server_root() {
+        if constexpr (ReducePolicy::kind == reduce_kind::parameter_server)
+            return ReducePolicy::root;
+        else
+            return 0;
+    }
+
+    /// The status_slot block and replica r's row of the status buffer (system memory).
+    double* fixed() noexcept { return status_.data() + rows_; }
+    double* row(int r) noexcept {
+        return status_.data() + static_cast<std::size_t>(r) * replica_slot::slots;
+    }
+
+    /// Between reduction and update: frozen gradients zeroed, the gradient hook (where
+    /// `hook`), then the reduced gradient's non-finite count and squared norm on the device.
+    void after_reduction(const system_type& sys, bool hook) {
+        core_.zero_frozen_grads();
+        if (hook && gradient_hook_)
+            gradient_hook_(core_.grads(),
+                           std::span<const tensor_info>(core_.registry().parameters()));
+        checks_.check_reduced(sys, std::span<const T>(core_.grads()),
+                              core_.params().max_grad_norm > 0, fixed());
+    }
+
+    /// Zeroes the step's status and points the layers' error reports and commit hooks at it.
     void begin_status() {
         const auto sys = core_.comm().system();
         thrust::fill(sys.policy(), status_.data(), status_.data() + status_.size(), 0.0);
-        sink_ = detail::status_sink{status_.data(), 0};
+        decltype(checks_)::one_task(sys, detail::status_defaults_fn{fixed()});
+        commits_.clear();
+        sink_ = detail::status_sink{fixed(), 0, skip_.data(), &commits_, detail::next_step_id()};
     }
 
-    void decide_skip(const system_type& sys) {
-        thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                         thrust::counting_iterator<std::size_t>(1),
-                         detail::decide_skip_fn{status_.data(), skip_.data()});
+    void decide_skip(const system_type& sys, int replicas, const double* rows) {
+        decltype(checks_)::one_task(sys,
+                                    detail::decide_skip_fn{fixed(), rows, replicas, skip_.data(),
+                                                           core_.params().max_grad_norm});
+    }
+
+    /// The layers that changed state in the forward pass keep or restore it (skip flag).
+    void commit_layers() {
+        for (const detail::step_commit_hook& h : commits_)
+            h.commit(h.object, skip_.data());
+        commits_.clear();
+    }
+
+    /// The gradient factor (clipping), on the device, when one can differ from 1.
+    void scale_gradient(const system_type& sys) {
+        if (core_.params().max_grad_norm > 0)
+            detail::apply_grad_factor(sys, core_.grads(), fixed(), skip_.data());
     }
 
     /// Queues the read of the status; with read_result, waits for it and returns the result.
@@ -262,11 +355,15 @@ private:
 
     /// Waits for the status read of step r, fills r and throws the step's errors.
     step_result finish_result(step_result r) {
-        const std::span<const double> st = wait_for(core_.comm(), read_, "data_parallel.step");
+        const std::span<const double> all = wait_for(core_.comm(), read_, "data_parallel.step");
+        const std::span<const double> st = all.subspan(rows_);
         r.loss = st[status_slot::loss];
         r.skipped = st[status_slot::skip] != 0;
         r.ready = true;
         const int me = rank();
+        if (st[status_slot::mismatch] != 0)
+            fail(errc::invalid_argument, me, "data_parallel.step", "step ", r.step,
+                 " skipped: the replicas disagree:", mismatch_text(all));
         if (st[status_slot::layer_errors] > 0) {
             const auto code =
                 static_cast<layer_error>(static_cast<int>(st[status_slot::error_code]));
@@ -287,15 +384,67 @@ private:
                  " skipped: ", st[status_slot::layer_errors],
                  " batch_norm layer error(s) on other replicas (statistics of another group)");
         }
-        if (st[status_slot::non_finite] > 0) {
-            LOCKSTEP_REQUIRE(core_.params().skip_non_finite, errc::non_finite, me,
-                             "data_parallel.step", "step ", r.step, ": ",
-                             st[status_slot::non_finite],
-                             is_local_sgd_v<SyncPolicy>
-                                 ? " non-finite gradient elements on this replica (local SGD)"
-                                 : " non-finite gradient elements over all replicas");
-        }
+        const bool bad = st[status_slot::non_finite] > 0 || st[status_slot::loss_non_finite] > 0 ||
+                         st[status_slot::reduced_non_finite] > 0;
+        if (bad && !core_.params().skip_non_finite)
+            fail(errc::non_finite, me, "data_parallel.step", "step ", r.step, ":",
+                 non_finite_text(all));
         return r;
+    }
+
+    /// The replicas (rows) whose global_batch or lr differs from replica 0's, both values.
+    std::string mismatch_text(std::span<const double> all) const {
+        std::string out;
+        const int n =
+            is_local_sgd_v<SyncPolicy> ? 1 : static_cast<int>(rows_ / replica_slot::slots);
+        const double* r0 = all.data();
+        for (int r = 1; r < n; ++r) {
+            const double* rr = all.data() + static_cast<std::size_t>(r) * replica_slot::slots;
+            if (rr[replica_slot::global_batch] != r0[replica_slot::global_batch])
+                out += lockstep::detail::concat(" global_batch: ", r0[replica_slot::global_batch],
+                                                " on replica 0, ", rr[replica_slot::global_batch],
+                                                " on replica ", r, ";");
+            if (rr[replica_slot::lr] != r0[replica_slot::lr])
+                out += " lr: " + detail::exact(r0[replica_slot::lr]) + " on replica 0, " +
+                       detail::exact(rr[replica_slot::lr]) + " on replica " + std::to_string(r) +
+                       ";";
+        }
+        return out;
+    }
+
+    /// The registration name of the parameter holding flat element `index`, with the element.
+    std::string tensor_at(double one_based) {
+        const auto index = static_cast<std::size_t>(one_based) - 1;
+        for (const tensor_info& t : core_.registry().parameters())
+            if (index >= t.offset && index < t.offset + t.size)
+                return lockstep::detail::concat("'", t.name, "' (element ", index - t.offset, ")");
+        return lockstep::detail::concat("flat element ", index);
+    }
+
+    /// Per replica: its non-finite gradient elements before reduction, the first one's tensor,
+    /// a non-finite loss; or the reduced gradient's count when only the sum overflowed.
+    std::string non_finite_text(std::span<const double> all) {
+        const std::span<const double> st = all.subspan(rows_);
+        std::string out;
+        const int n = static_cast<int>(rows_ / replica_slot::slots);
+        const char* scope = is_local_sgd_v<SyncPolicy> ? " (local SGD)" : "";
+        for (int r = 0; r < n; ++r) {
+            const double* rr = all.data() + static_cast<std::size_t>(r) * replica_slot::slots;
+            if (rr[replica_slot::non_finite] > 0)
+                out += lockstep::detail::concat(" ", rr[replica_slot::non_finite],
+                                                " non-finite gradient element(s) on replica ", r,
+                                                scope, ", the first in ",
+                                                tensor_at(rr[replica_slot::first_non_finite]), ";");
+            if (rr[replica_slot::loss_non_finite] > 0)
+                out +=
+                    lockstep::detail::concat(" the loss is not finite on replica ", r, scope, ";");
+        }
+        if (out.empty() && st[status_slot::reduced_non_finite] > 0)
+            out = lockstep::detail::concat(
+                " the reduced gradient has ", st[status_slot::reduced_non_finite],
+                " non-finite element(s) (the sum over replicas overflowed), the first in ",
+                tensor_at(st[status_slot::reduced_first]));
+        return out;
     }
 
     /// After a failure: abort the communicator when it can be aborted, so that peers waiting
@@ -325,11 +474,14 @@ private:
 
     core_type core_;
     detail::reducer<ReducePolicy, T, Communicator> reducer_;
-    buffer<double, system_type> status_;  ///< the step's status (status_slot layout)
-    buffer<int, system_type> skip_;       ///< 1: the optimizer kernels skip the update
-    buffer<double, system_type> partial_; ///< per-tile non-finite counts
+    std::size_t rows_; ///< doubles of the per-replica rows before the status_slot block
+    buffer<double, system_type> status_; ///< rows (replica_slot) then the status_slot block
+    buffer<int, system_type> skip_;      ///< 1: the optimizer kernels skip the update
+    detail::gradient_checks<system_type> checks_;
     staged_read<double, system_type> read_;
     detail::status_sink sink_{};
+    std::vector<detail::step_commit_hook> commits_;
+    std::function<void(std::span<T>, std::span<const tensor_info>)> gradient_hook_;
     step_result last_{};
     std::size_t since_average_ = 0;
 };

@@ -49,6 +49,17 @@ struct train_params {
     /// Which parameters get weight decay and LARS/LAMB trust-ratio adaptation; empty: all.
     /// Commonly `[](const tensor_info& t) { return t.shape.size() > 1; }` (no biases, no BN).
     std::function<bool(const tensor_info&)> decay = {};
+    /// Gradient clipping by global norm (torch.nn.utils.clip_grad_norm_): when > 0, the gradient
+    /// the optimizer sees is g * min(1, max_grad_norm / (||g|| + 1e-6)), ||g|| the 2-norm (in
+    /// double) over every non-frozen parameter. Synchronous: the norm of the reduced gradient,
+    /// computed once on every replica from the same values (no extra collective), so every
+    /// replica applies the same factor. Local SGD: the norm of this replica's own gradient.
+    /// 0: no clipping. requires: finite and >= 0.
+    double max_grad_norm = 0.0;
+    /// Which parameters are frozen; empty: none. A frozen tensor gets no update and no optimizer
+    /// state change (its momentum / moments stay as they are); its gradient is still reduced,
+    /// then zeroed before the gradient hook, the clipping norm and the update.
+    std::function<bool(const tensor_info&)> frozen = {};
 };
 
 /// What one data_parallel::step returns (the same on every replica for synchronous training).
@@ -57,7 +68,9 @@ struct step_result {
     /// micro-batches (the global mean loss when fn returns sum-of-losses * range.scale). For
     /// sync::local_sgd this replica's own mean (no communication).
     double loss = 0.0;
-    /// True when the step was skipped because a gradient was not finite.
+    /// True when the step was skipped: a gradient element or the loss was not finite on some
+    /// replica, a layer reported an error, or the replicas disagreed on global_batch or lr (the
+    /// last two also throw).
     bool skipped = false;
     /// The learning rate the step used.
     double lr = 0.0;
