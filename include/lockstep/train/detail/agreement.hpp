@@ -6,9 +6,9 @@
 
 #include "lockstep/train/train_params.hpp"
 
+#include <charconv>
 #include <cstdlib>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <typeinfo>
 #include <vector>
@@ -33,12 +33,11 @@ std::string type_name() {
     return raw;
 }
 
-/// A double as text that round-trips (17 significant digits).
+/// A double as the shortest text that reads back to the same value (e.g. "0.1").
 inline std::string exact(double v) {
-    std::ostringstream os;
-    os.precision(17);
-    os << v;
-    return os.str();
+    char buf[64];
+    const auto res = std::to_chars(buf, buf + sizeof buf, v);
+    return std::string(buf, res.ptr);
 }
 
 /// Appends "name<TAB>value".
