@@ -467,3 +467,70 @@ TEST_CASE("a NaN input under bn::global leaves every replica's running statistic
         }
     }
 }
+
+TEST_CASE("local SGD: clipping by each replica's own gradient norm equals the naive reference",
+          "[train][thread][hooks][local_sgd]") {
+    // Reference: each replica r takes its shard of every global batch, its own mean gradient,
+    // clips it by its own norm and steps alone (plain SGD); the weights are averaged every 2
+    // steps and at the end.
+    const int R = 2;
+    const double lr = 0.05, max_norm = 0.05;
+    std::vector<std::vector<double>> w(R, initial_weights());
+    std::uint64_t offset = 0;
+    for (std::size_t s = 0; s < batches.size(); ++s) {
+        for (int r = 0; r < R; ++r) {
+            const shard_range sh = shard(0, batches[s], r, R);
+            std::vector<double> g(6, 0.0);
+            for (std::size_t i = sh.begin; i < sh.end; ++i) {
+                const std::uint64_t smp = offset + i;
+                double y = w[r][5];
+                for (std::size_t k = 0; k < 5; ++k)
+                    y += w[r][k] * feature(smp, k);
+                const double e = y - 0.5 * feature(smp, 5);
+                for (std::size_t k = 0; k < 5; ++k)
+                    g[k] += 2 * e * feature(smp, k) / double(sh.size());
+                g[5] += 2 * e / double(sh.size());
+            }
+            double n2 = 0;
+            for (double x : g)
+                n2 += x * x;
+            const double c = std::min(1.0, max_norm / (std::sqrt(n2) + 1e-6));
+            for (std::size_t k = 0; k < 6; ++k)
+                w[r][k] -= lr * c * g[k];
+        }
+        offset += batches[s];
+        if ((s + 1) % 2 == 0 || s + 1 == batches.size())
+            for (std::size_t k = 0; k < 6; ++k) {
+                const double m = (w[0][k] + w[1][k]) / 2;
+                w[0][k] = w[1][k] = m;
+            }
+    }
+    std::vector<std::vector<double>> out(R);
+    thread_group(R).run([&](thread_communicator& comm) {
+        data_parallel<linear, sgd, sync::local_sgd<2>, reduce::per_tensor> dp(
+            comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = lr},
+            {.max_grad_norm = max_norm});
+        for (std::size_t B : batches)
+            dp.step(B, train_fn);
+        dp.finish();
+        const auto p = dp.parameters();
+        out[comm.rank()].assign(p.begin(), p.end());
+    });
+    for (int r = 0; r < R; ++r)
+        CHECK(max_abs_diff(out[r], w[0]) <= tol);
+}
+
+TEST_CASE("local SGD: a global_batch that differs on one replica fails at the next average",
+          "[train][thread][agreement][local_sgd]") {
+    const auto e = errors_of(3, [](int rank, thread_communicator& comm) {
+        data_parallel<linear, sgd, sync::local_sgd<2>, reduce::per_tensor> dp(
+            comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1});
+        for (int s = 0; s < 4; ++s)
+            dp.step(s == 3 && rank == 1 ? 23 : 24, train_fn);
+    });
+    for (const auto& [msg, code] : e) {
+        INFO(msg);
+        CHECK(code == static_cast<int>(errc::invalid_argument));
+        CHECK_THAT(msg, Catch::Contains("step 3: global_batch: 24 on replica 0, 23 on replica 1;"));
+    }
+}

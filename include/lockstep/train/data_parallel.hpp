@@ -15,6 +15,7 @@
 #include "lockstep/system/staged_read.hpp"
 #include "lockstep/train/asynchronous.hpp" // IWYU pragma: export
 #include "lockstep/train/detail/data_parallel_fwd.hpp"
+#include "lockstep/train/detail/host_collective.hpp"
 #include "lockstep/train/detail/overlap.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/detail/reducer.hpp"
@@ -24,6 +25,7 @@
 #include "lockstep/train/shard.hpp"
 #include "lockstep/train/train_params.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -107,7 +109,10 @@ public:
     /// every replica: weights are bitwise identical everywhere afterwards. A NaN/inf gradient
     /// on any replica skips the step on every replica (or throws on every replica).
     /// sync::local_sgd<K>: scale = 1 / (this replica's samples), each replica updates alone,
-    /// weights (and state) are averaged over replicas every K steps.
+    /// weights (and state) are averaged over replicas every K steps; each average first checks
+    /// that every replica passed the same global_batch and used the same lr in the steps since
+    /// the last one (else it throws on every replica naming the step and both values); a skip
+    /// decision is this replica's own.
     /// Between reduction and update, on every replica alike: the gradients of frozen tensors
     /// are zeroed (train_params::frozen), the gradient hook runs (set_gradient_hook), the
     /// gradient norm is taken and the gradient scaled by the clipping factor
@@ -270,6 +275,8 @@ private:
         r.lr = core_.lr_for(r.step);
         checks_.finish_local(sys, host_loss, static_cast<double>(global), r.lr, fixed(),
                              row(rank()));
+        local_settings_.push_back(static_cast<double>(global));
+        local_settings_.push_back(r.lr);
         after_reduction(sys, true);
         decide_skip(sys, 1, row(rank())); // this replica alone: no status collective
         commit_layers();
@@ -458,9 +465,44 @@ private:
             comm.abort();
     }
 
+    /// Local SGD, before an average: every replica's global_batch and lr of each step since the
+    /// last average are gathered (one small all_gather) and compared; a difference throws on
+    /// every replica naming the step and both values.
+    void verify_local_steps() {
+        auto& comm = core_.comm();
+        const std::size_t width = 2 * SyncPolicy::period;
+        std::vector<double> mine(width, 0.0);
+        const std::size_t n = std::min(local_settings_.size(), width);
+        std::copy(local_settings_.end() - static_cast<std::ptrdiff_t>(n), local_settings_.end(),
+                  mine.begin());
+        const std::int64_t first = core_.steps() - static_cast<std::int64_t>(n / 2);
+        local_settings_.clear();
+        std::vector<double> all(width * static_cast<std::size_t>(comm.size()));
+        detail::host_all_gather(comm, std::span<const double>(mine), std::span<double>(all));
+        std::string out;
+        for (int r = 1; r < comm.size(); ++r)
+            for (std::size_t k = 0; k < SyncPolicy::period; ++k) {
+                const double* a = all.data() + 2 * k;
+                const double* b = all.data() + static_cast<std::size_t>(r) * width + 2 * k;
+                if (a[0] != b[0])
+                    out += lockstep::detail::concat(" step ", first + static_cast<std::int64_t>(k),
+                                                    ": global_batch: ", a[0], " on replica 0, ",
+                                                    b[0], " on replica ", r, ";");
+                if (a[1] != b[1])
+                    out +=
+                        lockstep::detail::concat(" step ", first + static_cast<std::int64_t>(k),
+                                                 ": lr: ", detail::exact(a[1]), " on replica 0, ",
+                                                 detail::exact(b[1]), " on replica ", r, ";");
+            }
+        if (!out.empty())
+            fail(errc::invalid_argument, comm.rank(), "data_parallel.average",
+                 "the replicas disagree (local SGD, checked at the average):", out);
+    }
+
     /// Local SGD: values and state become the mean over replicas (collective).
     void average() {
         since_average_ = 0;
+        verify_local_steps();
         auto& comm = core_.comm();
         reducer_.average(core_.values());
         core_.pack_state();
@@ -484,6 +526,7 @@ private:
     std::function<void(std::span<T>, std::span<const tensor_info>)> gradient_hook_;
     step_result last_{};
     std::size_t since_average_ = 0;
+    std::vector<double> local_settings_; ///< local SGD: {global_batch, lr} per step since average
 };
 
 } // namespace lockstep
