@@ -88,7 +88,7 @@ public:
     data_parallel(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt = {},
                   train_params tp = {})
         : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp),
-                policy_settings()),
+                policy_settings(), true),
           reducer_(comm, core_.registry().parameters(),
                    detail::use_overlap(comm, core_.params().overlap)),
           rows_(replica_slot::slots * static_cast<std::size_t>(comm.size())),
@@ -106,8 +106,7 @@ public:
     /// the sum of its per-sample losses times range.scale.
     /// sync::synchronous: scale = 1 / global_batch, gradients are summed over replicas (the
     /// gradient of the mean loss over the global batch), one update is applied identically on
-    /// every replica: weights are bitwise identical everywhere afterwards. A NaN/inf gradient
-    /// on any replica skips the step on every replica (or throws on every replica).
+    /// every replica: weights are bitwise identical everywhere afterwards.
     /// sync::local_sgd<K>: scale = 1 / (this replica's samples), each replica updates alone,
     /// weights (and state) are averaged over replicas every K steps; each average first checks
     /// that every replica passed the same global_batch and used the same lr in the steps since
@@ -117,21 +116,19 @@ public:
     /// are zeroed (train_params::frozen), the gradient hook runs (set_gradient_hook), the
     /// gradient norm is taken and the gradient scaled by the clipping factor
     /// (train_params::max_grad_norm).
-    /// Skipped on every replica (synchronous), with nothing applied and the BN running
-    /// statistics restored on the device: a NaN/inf gradient element on any replica (counted
-    /// per replica before reduction, and in the reduced gradient), a NaN/inf loss on any
-    /// replica, a layer error, or replicas that passed different global_batch or used different
-    /// learning rates in this step (checked in the step's status all_reduce; this one also
-    /// throws, on every replica, naming both values).
-    /// fn may also return void and add its loss into ctx.loss_slot() on the device.
-    /// Inside the step nothing waits on the host: the non-finite check, the layers' error checks
-    /// and the skip decision stay on the device (the optimizer kernels read the skip flag), and
-    /// the host reads the step's status once at the end (train_params::read_result; else
-    /// read_result() does it later). A step that throws (here or in fn) aborts a communicator
-    /// that can be aborted (nccl_communicator), so its peers get errc::peer_failure instead of
-    /// waiting forever.
-    /// requires: global_batch >= 1. ensures: the returned result is the same on every replica
-    /// (synchronous).
+    /// Skipped on every replica (synchronous; train_params::skip_non_finite = false also
+    /// throws), with nothing applied and the BN running statistics restored on the device: a
+    /// NaN/inf gradient element on any replica (counted per replica before reduction, and in the
+    /// reduced gradient), a NaN/inf loss on any replica, a layer error, or replicas that passed
+    /// different global_batch or used different learning rates in this step (checked in the step's
+    /// status all_reduce; this one also throws, on every replica, naming both values). fn may also
+    /// return void and add its loss into ctx.loss_slot() on the device. Inside the step nothing
+    /// waits on the host: the non-finite check, the layers' error checks and the skip decision stay
+    /// on the device (the optimizer kernels read the skip flag), and the host reads the step's
+    /// status once at the end (train_params::read_result; else read_result() does it later). A step
+    /// that throws (here or in fn) aborts a communicator that can be aborted (nccl_communicator),
+    /// so its peers get errc::peer_failure instead of waiting forever. requires: global_batch >= 1.
+    /// ensures: the returned result is the same on every replica (synchronous).
     template <class Fn>
     step_result step(std::size_t global_batch, Fn&& fn) {
         try {

@@ -59,10 +59,11 @@ public:
     /// Constructs the network on this replica, finalizes its parameters, checks that every
     /// replica declared the same ones and the same settings (describe_settings with the
     /// trainer's `policies` lines, "name<TAB>value") and broadcasts replica 0's values and
-    /// state. Collective: every replica of comm must construct its trainer.
+    /// state. `clips`: the trainer applies train_params::max_grad_norm (else a non-zero value
+    /// is refused). Collective: every replica of comm must construct its trainer.
     template <class Factory>
     replica_core(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt,
-                 train_params tp, const std::vector<std::string>& policies = {})
+                 train_params tp, const std::vector<std::string>& policies = {}, bool clips = false)
         : comm_(&comm), ctx_(std::make_unique<context_type>(comm, tp.seed)), tp_(std::move(tp)) {
         LOCKSTEP_REQUIRE(tp_.micro_batches >= 1, errc::invalid_argument, comm.rank(),
                          "data_parallel", "micro_batches = ", tp_.micro_batches, " (must be >= 1)");
@@ -70,6 +71,10 @@ public:
                              tp_.max_grad_norm < std::numeric_limits<double>::infinity(),
                          errc::invalid_argument, comm.rank(), "data_parallel",
                          "max_grad_norm = ", tp_.max_grad_norm, " (must be finite and >= 0)");
+        LOCKSTEP_REQUIRE(clips || tp_.max_grad_norm == 0, errc::unsupported, comm.rank(),
+                         "data_parallel", "max_grad_norm = ", tp_.max_grad_norm,
+                         ": gradient clipping is applied by the synchronous and local SGD "
+                         "trainers only");
         using maker = network_maker<Network, std::remove_reference_t<Factory>, context_type>;
         net_.emplace(maker{factory, *ctx_});
         auto& reg = ctx_->registry();
