@@ -1,7 +1,8 @@
 // The synchronous trainer between reduction and update (gradient clipping by global norm, frozen
 // tensors, the gradient hook) against a double-precision naive loop over the global batch; the
 // agreement checks (optimizer, lr, global_batch, micro_batches) and the non-finite handling
-// (NaN loss, BN running statistics of a skipped step, the message naming tensor and replica).
+// (NaN loss, BN running statistics of a skipped step, the message naming tensor and replica),
+// also for local SGD.
 // SPDX-License-Identifier: Apache-2.0
 #include "train_runner.hpp"
 
@@ -533,4 +534,73 @@ TEST_CASE("local SGD: a global_batch that differs on one replica fails at the ne
         CHECK(code == static_cast<int>(errc::invalid_argument));
         CHECK_THAT(msg, Catch::Contains("step 3: global_batch: 24 on replica 0, 23 on replica 1;"));
     }
+}
+
+TEST_CASE("replicas with other reduce or BN policies fail at construction naming both",
+          "[train][thread][agreement]") {
+    SECTION("reduce policy") {
+        const auto e = errors_of(2, [](int rank, thread_communicator& comm) {
+            auto make = [](auto& ctx) { return linear(ctx.rank()); };
+            if (rank == 1)
+                data_parallel<linear, sgd, sync::synchronous, reduce::bucketed<>> dp(comm, make,
+                                                                                     {.lr = 0.1});
+            else
+                trainer dp(comm, make, {.lr = 0.1});
+        });
+        for (const auto& [msg, code] : e) {
+            INFO(msg);
+            CHECK(code == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(msg, Catch::Contains("reduce: lockstep::reduce::per_tensor on replica 0, "
+                                            "lockstep::reduce::bucketed<"));
+        }
+    }
+    SECTION("BN policy") {
+        const auto e = errors_of(2, [](int rank, thread_communicator& comm) {
+            using global = mlp<float, thread_communicator, storage::registry, bn::global>;
+            using local = mlp<float, thread_communicator, storage::registry, bn::local>;
+            if (rank == 1)
+                data_parallel<local, optim::sgd<float>, sync::synchronous, reduce::per_tensor> dp(
+                    comm, [](auto& ctx) { return local(ctx); }, {.lr = 0.1});
+            else
+                data_parallel<global, optim::sgd<float>, sync::synchronous, reduce::per_tensor> dp(
+                    comm, [](auto& ctx) { return global(ctx); }, {.lr = 0.1});
+        });
+        for (const auto& [msg, code] : e) {
+            INFO(msg);
+            CHECK(code == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(msg, Catch::Contains("bn_policies: std::tuple<lockstep::bn::global> on "
+                                            "replica 0, std::tuple<lockstep::bn::local> on "
+                                            "replica 1;"));
+        }
+    }
+}
+
+TEST_CASE("local SGD: a NaN gradient skips only that replica's step and restores its running "
+          "statistics",
+          "[train][thread][non_finite][local_sgd][bn]") {
+    using net = mlp<float, thread_communicator, storage::registry, bn::local>;
+    std::vector<std::vector<bool>> skipped(2);
+    std::vector<std::vector<float>> before(2), after(2);
+    std::string message;
+    thread_group(2).run([&](thread_communicator& comm) {
+        data_parallel<net, optim::sgd<float>, sync::local_sgd<4>, reduce::per_tensor> dp(
+            comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.1});
+        auto fn = [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); };
+        auto running = [&] {
+            std::vector<float> v(dp.network().batch_norm().running_mean().begin(),
+                                 dp.network().batch_norm().running_mean().end());
+            v.insert(v.end(), dp.network().batch_norm().running_var().begin(),
+                     dp.network().batch_norm().running_var().end());
+            return v;
+        };
+        dp.step(12, fn);
+        before[comm.rank()] = running();
+        dp.network().poison = comm.rank() == 1; // a NaN gradient on replica 1 only
+        skipped[comm.rank()].push_back(dp.step(12, fn).skipped);
+        after[comm.rank()] = running();
+    });
+    CHECK(skipped[0] == std::vector<bool>{false});
+    CHECK(skipped[1] == std::vector<bool>{true});
+    CHECK(after[1] == before[1]); // replica 1's statistics restored
+    CHECK(after[0] != before[0]); // replica 0 trained on
 }
