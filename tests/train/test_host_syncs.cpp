@@ -1,6 +1,7 @@
 // A synchronous step with several bn::global layers waits on the host exactly once (the
 // end-of-step read), or never with read_result = false; the device-side decisions (layer errors,
-// non-finite skip) still reach every replica. Counted with host_sync_count() on the host system,
+// non-finite skip, the clipping factor, the BN running statistics kept or restored) still reach
+// every replica. Counted with host_sync_count() on the host system,
 // which counts the same points the CUDA system would wait at. SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/nn/batch_norm.hpp"
@@ -107,7 +108,7 @@ run_record run(int replicas, int steps, std::size_t batch, bool read_each, int p
         run_record& rec = records[static_cast<std::size_t>(comm.rank())];
         try {
             trainer_type trainer(comm, [](ctx_type& ctx) { return bn_stack(ctx); }, {.lr = 0.01},
-                                 {.read_result = read_each});
+                                 {.read_result = read_each, .max_grad_norm = 10.0});
             for (int k = 0; k < steps; ++k) {
                 trainer.network().poison = k == poison_step && comm.rank() == 1;
                 const auto before = host_sync_count();

@@ -218,6 +218,7 @@ public:
             running_first = 0;
             running_last = count_blocks;
         }
+        keep_running_statistics();
         detail_status status = status_target();
         kernels::detail::for_each_index(s_.sys, s_.channels,
                                         kernels::finish_statistics_fn<param_type>{
@@ -370,6 +371,32 @@ private:
         return s_.workspace.span().first(bytes);
     }
 
+    /// Inside a trainer's step whose sink takes commit hooks: on the layer's first forward of
+    /// the step, copies the running statistics aside (on the device) and registers a hook that
+    /// restores them when the trainer's skip flag is set, so a skipped step leaves them as they
+    /// were. num_batches_tracked (a host count) counts every training forward.
+    void keep_running_statistics() {
+        auto* sink = lockstep::detail::current_status_sink();
+        if (sink == nullptr || sink->commits == nullptr || sink->step_id == kept_step_)
+            return;
+        kept_step_ = sink->step_id;
+        const std::size_t n = s_.running.size();
+        if (kept_running_.size() != n)
+            kept_running_ = buffer<param_type, System>(n, s_.sys);
+        kernels::detail::for_each_index(
+            s_.sys, n,
+            detail::copy_if_fn<param_type>{s_.running.data(), kept_running_.data(), nullptr});
+        sink->commits->push_back({this, &batch_norm::commit_step});
+    }
+    /// The commit hook: running statistics = the kept copy when *skip != 0 (read on the device).
+    static void commit_step(void* object, const int* skip) {
+        auto& self = *static_cast<batch_norm*>(object);
+        kernels::detail::for_each_index(self.s_.sys, self.s_.running.size(),
+                                        detail::copy_if_fn<param_type>{self.kept_running_.data(),
+                                                                       self.s_.running.data(),
+                                                                       skip});
+    }
+
     /// Where the forward's device-side checks report: the step's shared status inside a
     /// trainer's step (errors only, the layer numbered in forward order), else the layer's own.
     struct detail_status {
@@ -471,6 +498,8 @@ private:
     params p_;
     detail::bn_state<param_type, System> s_;
     std::int64_t batches_ = 0;
+    buffer<param_type, System> kept_running_; ///< running statistics before this step
+    std::uint64_t kept_step_ = 0;             ///< the step (status_sink::step_id) they belong to
     std::span<const T> saved_x_{};
     kernels::channel_geometry saved_geometry_{};
     bool has_forward_ = false;

@@ -15,21 +15,27 @@
 #include "lockstep/system/staged_read.hpp"
 #include "lockstep/train/asynchronous.hpp" // IWYU pragma: export
 #include "lockstep/train/detail/data_parallel_fwd.hpp"
+#include "lockstep/train/detail/host_collective.hpp"
 #include "lockstep/train/detail/overlap.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/detail/reducer.hpp"
 #include "lockstep/train/detail/replica_core.hpp"
+#include "lockstep/train/detail/step_checks.hpp"
 #include "lockstep/train/loss_scaler.hpp"
 #include "lockstep/train/replica_context.hpp"
 #include "lockstep/train/shard.hpp"
 #include "lockstep/train/train_params.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <span>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include <thrust/fill.h>
 
@@ -73,18 +79,23 @@ public:
 
     /// Builds this replica's network with factory(ctx), checks that every replica declared
     /// the same parameters and state (else every replica throws lockstep::error naming the
-    /// first differing tensor and both shapes), broadcasts replica 0's values and state, and
+    /// first differing tensor and both shapes) and the same settings: the optimizer type and
+    /// hyperparameters, micro_batches, overlap, skip_non_finite, max_grad_norm, the frozen and
+    /// decaying tensors, the sync, reduce and BN policies (else every replica throws naming each
+    /// differing setting with both values), broadcasts replica 0's values and state, and
     /// prepares the optimizer (params `opt`) over the flat parameter buffer. Collective: every
     /// replica of comm constructs its trainer. requires: comm outlives the trainer.
     template <class Factory>
     data_parallel(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt = {},
                   train_params tp = {})
-        : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp)),
+        : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp),
+                policy_settings(), true),
           reducer_(comm, core_.registry().parameters(),
                    detail::use_overlap(comm, core_.params().overlap)),
-          status_(status_size, comm.system()), skip_(1, comm.system()),
-          partial_(detail::non_finite_tiles(core_.registry().grads().size()), comm.system()),
-          read_(status_size, comm.system()),
+          rows_(replica_slot::slots * static_cast<std::size_t>(comm.size())),
+          status_(rows_ + status_size, comm.system()), skip_(1, comm.system()),
+          checks_(reducer_.plan(), core_.registry().grads().size(), comm.system()),
+          read_(rows_ + status_size, comm.system()),
           scaler_(core_.params().loss_scale, comm.system(), comm.rank()) {}
     data_parallel(const data_parallel&) = delete;
     data_parallel& operator=(const data_parallel&) = delete;
@@ -97,19 +108,29 @@ public:
     /// the sum of its per-sample losses times range.scale.
     /// sync::synchronous: scale = 1 / global_batch, gradients are summed over replicas (the
     /// gradient of the mean loss over the global batch), one update is applied identically on
-    /// every replica: weights are bitwise identical everywhere afterwards. A NaN/inf gradient
-    /// on any replica skips the step on every replica (or throws on every replica).
+    /// every replica: weights are bitwise identical everywhere afterwards.
     /// sync::local_sgd<K>: scale = 1 / (this replica's samples), each replica updates alone,
-    /// weights (and state) are averaged over replicas every K steps.
-    /// fn may also return void and add its loss into ctx.loss_slot() on the device.
-    /// Inside the step nothing waits on the host: the non-finite check, the layers' error checks
-    /// and the skip decision stay on the device (the optimizer kernels read the skip flag), and
-    /// the host reads the step's status once at the end (train_params::read_result; else
-    /// read_result() does it later). A step that throws (here or in fn) aborts a communicator
-    /// that can be aborted (nccl_communicator), so its peers get errc::peer_failure instead of
-    /// waiting forever.
-    /// requires: global_batch >= 1. ensures: the returned result is the same on every replica
-    /// (synchronous).
+    /// weights (and state) are averaged over replicas every K steps; each average first checks
+    /// that every replica passed the same global_batch and used the same lr in the steps since
+    /// the last one (else it throws on every replica naming the step and both values); a skip
+    /// decision is this replica's own.
+    /// Between reduction and update, on every replica alike: the gradients of frozen tensors
+    /// are zeroed (train_params::frozen), the gradient hook runs (set_gradient_hook), the
+    /// gradient norm is taken and the gradient scaled by the clipping factor
+    /// (train_params::max_grad_norm).
+    /// Skipped on every replica (synchronous; train_params::skip_non_finite = false also
+    /// throws), with nothing applied and the BN running statistics restored on the device: a
+    /// NaN/inf gradient element on any replica (counted per replica before reduction, and in the
+    /// reduced gradient), a NaN/inf loss on any replica, a layer error, or replicas that passed
+    /// different global_batch or used different learning rates in this step (checked in the step's
+    /// status all_reduce; this one also throws, on every replica, naming both values). fn may also
+    /// return void and add its loss into ctx.loss_slot() on the device. Inside the step nothing
+    /// waits on the host: the non-finite check, the layers' error checks and the skip decision stay
+    /// on the device (the optimizer kernels read the skip flag), and the host reads the step's
+    /// status once at the end (train_params::read_result; else read_result() does it later). A step
+    /// that throws (here or in fn) aborts a communicator that can be aborted (nccl_communicator),
+    /// so its peers get errc::peer_failure instead of waiting forever. requires: global_batch >= 1.
+    /// ensures: the returned result is the same on every replica (synchronous).
     template <class Fn>
     step_result step(std::size_t global_batch, Fn&& fn) {
         try {
@@ -148,6 +169,19 @@ public:
         }
     }
 
+    /// The gradient hook: called on every replica as f(gradient, layout) after the reduction
+    /// (synchronous: the reduced gradient, the same on every replica; reduce::parameter_server:
+    /// on Root only, where the update runs; local SGD: this replica's gradient) and before the
+    /// clipping norm and the update, with the flat gradient (the system's memory) and the
+    /// registry's layout (registry().parameters()). f may change the gradient in place, and must
+    /// change it identically on every replica; it runs on the replica's thread between kernels
+    /// of the step (a host read of the gradient on a device system waits for the step so far).
+    /// An empty f removes the hook.
+    void
+    set_gradient_hook(std::function<void(std::span<value_type>, std::span<const tensor_info>)> f) {
+        gradient_hook_ = std::move(f);
+    }
+
     Network& network() noexcept { return core_.network(); }
     const Network& network() const noexcept { return core_.network(); }
     context_type& context() noexcept { return core_.context(); }
@@ -182,11 +216,15 @@ private:
         begin_status();
         ctx.set_loss_scale(scaler_.scale_device(), scaler_.known_scale());
         core_.zero_grads();
-        reducer_.begin(core_.grads());
+        // Each piece is checked for NaN/inf right before its reduction: the counts are this
+        // replica's own, so the message can name the replica and the tensor.
+        reducer_.begin(core_.grads(), [this, sys](std::size_t k, const detail::bucket& b) {
+            checks_.check_piece(sys, std::span<const T>(core_.grads()), k, b);
+        });
         double host_loss = 0;
         {
             detail::status_scope scope(sink_);
-            ctx.set_loss_slot(status_.data() + status_slot::loss);
+            ctx.set_loss_slot(fixed() + status_slot::loss);
             host_loss = core_.run_micro_batches(global, fn, false, [&] {
                 if constexpr (!uses_visitor)
                     ctx.set_ready_hook([this](std::size_t t) { reducer_.mark_ready(t); });
@@ -196,21 +234,26 @@ private:
         core_.pack_grads();
         reducer_.finish();
         scaler_.unscale(core_.grads());
-        // The status (loss, non-finite count, layer errors) is summed over replicas in one small
-        // all_reduce: the reduced gradient is identical on every replica (parameter_server: only
-        // Root's is reduced), and the sum makes the skip decision identical too.
-        detail::count_non_finite_into(sys, std::span<const T>(core_.grads()), partial_.span(),
-                                      host_loss, status_.data());
-        std::span<double> reduced = status_.span().first(status_slot::reduced);
-        core_.comm().all_reduce(std::span<const double>(reduced), reduced, reduce_op::sum);
-        decide_skip(sys);
-        scaler_.update(status_.data(), status_.data() + status_slot::slots);
         step_result r;
         r.step = core_.steps();
         r.lr = core_.lr_for(r.step);
+        checks_.finish_local(sys, host_loss, static_cast<double>(global), r.lr, fixed(),
+                             row(rank()));
+        constexpr bool server = ReducePolicy::kind == reduce_kind::parameter_server;
+        after_reduction(sys, !server || rank() == server_root());
+        // The status (per-replica rows, loss, non-finite counts, layer errors) is summed over
+        // replicas in one small all_reduce: every replica then takes the same skip decision,
+        // and the gradient factor from the same norm (the reduced gradient is identical on
+        // every replica; parameter_server: only Root's is reduced, and only Root updates).
+        std::span<double> reduced = status_.span().first(rows_ + status_slot::reduced);
+        core_.comm().all_reduce(std::span<const double>(reduced), reduced, reduce_op::sum);
+        decide_skip(sys, core_.comm().size(), row(0));
+        scaler_.update(fixed(), fixed() + status_slot::slots);
+        commit_layers();
         core_.optimizer().set_lr(r.lr);
         auto values = core_.values();
         reducer_.apply(values, [&] {
+            scale_gradient(sys);
             core_.optimizer().step(values, std::span<const T>(core_.grads()), skip_.data());
         });
         core_.unpack_values();
@@ -228,20 +271,28 @@ private:
         double host_loss = 0;
         {
             detail::status_scope scope(sink_);
-            ctx.set_loss_slot(status_.data() + status_slot::loss);
+            ctx.set_loss_slot(fixed() + status_slot::loss);
             host_loss = core_.run_micro_batches(global, fn, true, [] {});
             ctx.set_loss_slot(nullptr);
         }
         core_.pack_grads();
         scaler_.unscale(core_.grads());
-        detail::count_non_finite_into(sys, std::span<const T>(core_.grads()), partial_.span(),
-                                      host_loss, status_.data());
-        decide_skip(sys);
-        scaler_.update(status_.data(), status_.data() + status_slot::slots);
+        const auto& plan = reducer_.plan();
+        for (std::size_t k = 0; k < plan.size(); ++k)
+            checks_.check_piece(sys, std::span<const T>(core_.grads()), k, plan[k]);
         step_result r;
         r.step = core_.steps();
         r.lr = core_.lr_for(r.step);
+        checks_.finish_local(sys, host_loss, static_cast<double>(global), r.lr, fixed(),
+                             row(rank()));
+        local_settings_.push_back(static_cast<double>(global));
+        local_settings_.push_back(r.lr);
+        after_reduction(sys, true);
+        decide_skip(sys, 1, row(rank())); // this replica alone: no status collective
+        scaler_.update(fixed(), fixed() + status_slot::slots);
+        commit_layers();
         core_.optimizer().set_lr(r.lr);
+        scale_gradient(sys);
         core_.optimizer().step(core_.values(), std::span<const T>(core_.grads()), skip_.data());
         core_.unpack_values();
         core_.advance(global);
@@ -251,17 +302,63 @@ private:
         return r;
     }
 
-    /// Zeroes the step's status and points the layers' error reports at it.
+    /// The "name<TAB>value" lines of the policies, for the construction-time agreement check.
+    static std::vector<std::string> policy_settings() {
+        return {"sync\t" + detail::type_name<SyncPolicy>(),
+                "reduce\t" + detail::type_name<ReducePolicy>(),
+                "bn_policies\t" + detail::type_name<network_bn_policies_t<Network>>()};
+    }
+
+    static constexpr int server_root() {
+        if constexpr (ReducePolicy::kind == reduce_kind::parameter_server)
+            return ReducePolicy::root;
+        else
+            return 0;
+    }
+
+    /// The status_slot block and replica r's row of the status buffer (system memory).
+    double* fixed() noexcept { return status_.data() + rows_; }
+    double* row(int r) noexcept {
+        return status_.data() + static_cast<std::size_t>(r) * replica_slot::slots;
+    }
+
+    /// Between reduction and update: frozen gradients zeroed, the gradient hook (where
+    /// `hook`), then the reduced gradient's non-finite count and squared norm on the device.
+    void after_reduction(const system_type& sys, bool hook) {
+        core_.zero_frozen_grads();
+        if (hook && gradient_hook_)
+            gradient_hook_(core_.grads(),
+                           std::span<const tensor_info>(core_.registry().parameters()));
+        checks_.check_reduced(sys, std::span<const T>(core_.grads()),
+                              core_.params().max_grad_norm > 0, fixed());
+    }
+
+    /// Zeroes the step's status and points the layers' error reports and commit hooks at it.
     void begin_status() {
         const auto sys = core_.comm().system();
         thrust::fill(sys.policy(), status_.data(), status_.data() + status_.size(), 0.0);
-        sink_ = detail::status_sink{status_.data(), 0};
+        decltype(checks_)::one_task(sys, detail::status_defaults_fn{fixed()});
+        commits_.clear();
+        sink_ = detail::status_sink{fixed(), 0, skip_.data(), &commits_, detail::next_step_id()};
     }
 
-    void decide_skip(const system_type& sys) {
-        thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                         thrust::counting_iterator<std::size_t>(1),
-                         detail::decide_skip_fn{status_.data(), skip_.data()});
+    void decide_skip(const system_type& sys, int replicas, const double* rows) {
+        decltype(checks_)::one_task(sys,
+                                    detail::decide_skip_fn{fixed(), rows, replicas, skip_.data(),
+                                                           core_.params().max_grad_norm});
+    }
+
+    /// The layers that changed state in the forward pass keep or restore it (skip flag).
+    void commit_layers() {
+        for (const detail::step_commit_hook& h : commits_)
+            h.commit(h.object, skip_.data());
+        commits_.clear();
+    }
+
+    /// The gradient factor (clipping), on the device, when one can differ from 1.
+    void scale_gradient(const system_type& sys) {
+        if (core_.params().max_grad_norm > 0)
+            detail::apply_grad_factor(sys, core_.grads(), fixed(), skip_.data());
     }
 
     /// Queues the read of the status; with read_result, waits for it and returns the result.
@@ -276,13 +373,17 @@ private:
 
     /// Waits for the status read of step r, fills r and throws the step's errors.
     step_result finish_result(step_result r) {
-        const std::span<const double> st = wait_for(core_.comm(), read_, "data_parallel.step");
+        const std::span<const double> all = wait_for(core_.comm(), read_, "data_parallel.step");
+        const std::span<const double> st = all.subspan(rows_);
         r.loss = st[status_slot::loss];
         r.skipped = st[status_slot::skip] != 0;
         r.loss_scale =
             scaler_.observe(st.subspan(status_slot::slots), r.step + 1 == core_.steps()).used;
         r.ready = true;
         const int me = rank();
+        if (st[status_slot::mismatch] != 0)
+            fail(errc::invalid_argument, me, "data_parallel.step", "step ", r.step,
+                 " skipped: the replicas disagree:", mismatch_text(all));
         if (st[status_slot::layer_errors] > 0) {
             const auto code =
                 static_cast<layer_error>(static_cast<int>(st[status_slot::error_code]));
@@ -303,15 +404,68 @@ private:
                  " skipped: ", st[status_slot::layer_errors],
                  " batch_norm layer error(s) on other replicas (statistics of another group)");
         }
-        if (st[status_slot::non_finite] > 0) {
-            LOCKSTEP_REQUIRE(core_.params().skip_non_finite || scaler_.enabled(), errc::non_finite,
-                             me, "data_parallel.step", "step ", r.step, ": ",
-                             st[status_slot::non_finite],
-                             is_local_sgd_v<SyncPolicy>
-                                 ? " non-finite gradient elements on this replica (local SGD)"
-                                 : " non-finite gradient elements over all replicas");
-        }
+        const bool bad = st[status_slot::non_finite] > 0 || st[status_slot::loss_non_finite] > 0 ||
+                         st[status_slot::reduced_non_finite] > 0;
+        // With loss scaling a non-finite gradient is an overflow: skipped, never thrown.
+        if (bad && !core_.params().skip_non_finite && !scaler_.enabled())
+            fail(errc::non_finite, me, "data_parallel.step", "step ", r.step, ":",
+                 non_finite_text(all));
         return r;
+    }
+
+    /// The replicas (rows) whose global_batch or lr differs from replica 0's, both values.
+    std::string mismatch_text(std::span<const double> all) const {
+        std::string out;
+        const int n =
+            is_local_sgd_v<SyncPolicy> ? 1 : static_cast<int>(rows_ / replica_slot::slots);
+        const double* r0 = all.data();
+        for (int r = 1; r < n; ++r) {
+            const double* rr = all.data() + static_cast<std::size_t>(r) * replica_slot::slots;
+            if (rr[replica_slot::global_batch] != r0[replica_slot::global_batch])
+                out += lockstep::detail::concat(" global_batch: ", r0[replica_slot::global_batch],
+                                                " on replica 0, ", rr[replica_slot::global_batch],
+                                                " on replica ", r, ";");
+            if (rr[replica_slot::lr] != r0[replica_slot::lr])
+                out += " lr: " + detail::exact(r0[replica_slot::lr]) + " on replica 0, " +
+                       detail::exact(rr[replica_slot::lr]) + " on replica " + std::to_string(r) +
+                       ";";
+        }
+        return out;
+    }
+
+    /// The registration name of the parameter holding flat element `index`, with the element.
+    std::string tensor_at(double one_based) {
+        const auto index = static_cast<std::size_t>(one_based) - 1;
+        for (const tensor_info& t : core_.registry().parameters())
+            if (index >= t.offset && index < t.offset + t.size)
+                return lockstep::detail::concat("'", t.name, "' (element ", index - t.offset, ")");
+        return lockstep::detail::concat("flat element ", index);
+    }
+
+    /// Per replica: its non-finite gradient elements before reduction, the first one's tensor,
+    /// a non-finite loss; or the reduced gradient's count when only the sum overflowed.
+    std::string non_finite_text(std::span<const double> all) {
+        const std::span<const double> st = all.subspan(rows_);
+        std::string out;
+        const int n = static_cast<int>(rows_ / replica_slot::slots);
+        const char* scope = is_local_sgd_v<SyncPolicy> ? " (local SGD)" : "";
+        for (int r = 0; r < n; ++r) {
+            const double* rr = all.data() + static_cast<std::size_t>(r) * replica_slot::slots;
+            if (rr[replica_slot::non_finite] > 0)
+                out += lockstep::detail::concat(" ", rr[replica_slot::non_finite],
+                                                " non-finite gradient element(s) on replica ", r,
+                                                scope, ", the first in ",
+                                                tensor_at(rr[replica_slot::first_non_finite]), ";");
+            if (rr[replica_slot::loss_non_finite] > 0)
+                out +=
+                    lockstep::detail::concat(" the loss is not finite on replica ", r, scope, ";");
+        }
+        if (out.empty() && st[status_slot::reduced_non_finite] > 0)
+            out = lockstep::detail::concat(
+                " the reduced gradient has ", st[status_slot::reduced_non_finite],
+                " non-finite element(s) (the sum over replicas overflowed), the first in ",
+                tensor_at(st[status_slot::reduced_first]));
+        return out;
     }
 
     /// After a failure: abort the communicator when it can be aborted, so that peers waiting
@@ -325,9 +479,44 @@ private:
             comm.abort();
     }
 
+    /// Local SGD, before an average: every replica's global_batch and lr of each step since the
+    /// last average are gathered (one small all_gather) and compared; a difference throws on
+    /// every replica naming the step and both values.
+    void verify_local_steps() {
+        auto& comm = core_.comm();
+        const std::size_t width = 2 * SyncPolicy::period;
+        std::vector<double> mine(width, 0.0);
+        const std::size_t n = std::min(local_settings_.size(), width);
+        std::copy(local_settings_.end() - static_cast<std::ptrdiff_t>(n), local_settings_.end(),
+                  mine.begin());
+        const std::int64_t first = core_.steps() - static_cast<std::int64_t>(n / 2);
+        local_settings_.clear();
+        std::vector<double> all(width * static_cast<std::size_t>(comm.size()));
+        detail::host_all_gather(comm, std::span<const double>(mine), std::span<double>(all));
+        std::string out;
+        for (int r = 1; r < comm.size(); ++r)
+            for (std::size_t k = 0; k < SyncPolicy::period; ++k) {
+                const double* a = all.data() + 2 * k;
+                const double* b = all.data() + static_cast<std::size_t>(r) * width + 2 * k;
+                if (a[0] != b[0])
+                    out += lockstep::detail::concat(" step ", first + static_cast<std::int64_t>(k),
+                                                    ": global_batch: ", a[0], " on replica 0, ",
+                                                    b[0], " on replica ", r, ";");
+                if (a[1] != b[1])
+                    out +=
+                        lockstep::detail::concat(" step ", first + static_cast<std::int64_t>(k),
+                                                 ": lr: ", detail::exact(a[1]), " on replica 0, ",
+                                                 detail::exact(b[1]), " on replica ", r, ";");
+            }
+        if (!out.empty())
+            fail(errc::invalid_argument, comm.rank(), "data_parallel.average",
+                 "the replicas disagree (local SGD, checked at the average):", out);
+    }
+
     /// Local SGD: values and state become the mean over replicas (collective).
     void average() {
         since_average_ = 0;
+        verify_local_steps();
         auto& comm = core_.comm();
         reducer_.average(core_.values());
         core_.pack_state();
@@ -341,13 +530,17 @@ private:
 
     core_type core_;
     detail::reducer<ReducePolicy, T, Communicator> reducer_;
-    buffer<double, system_type> status_;  ///< the step's status (status_slot layout)
-    buffer<int, system_type> skip_;       ///< 1: the optimizer kernels skip the update
-    buffer<double, system_type> partial_; ///< per-tile non-finite counts
+    std::size_t rows_; ///< doubles of the per-replica rows before the status_slot block
+    buffer<double, system_type> status_; ///< rows (replica_slot) then the status_slot block
+    buffer<int, system_type> skip_;      ///< 1: the optimizer kernels skip the update
+    detail::gradient_checks<system_type> checks_;
     staged_read<double, system_type> read_;
     detail::status_sink sink_{};
+    std::vector<detail::step_commit_hook> commits_;
+    std::function<void(std::span<T>, std::span<const tensor_info>)> gradient_hook_;
     step_result last_{};
     std::size_t since_average_ = 0;
+    std::vector<double> local_settings_; ///< local SGD: {global_batch, lr} per step since average
     loss_scaler<system_type> scaler_;
 };
 

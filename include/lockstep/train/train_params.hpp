@@ -33,8 +33,10 @@ struct train_params {
     /// The learning rate of step s (0-based), e.g. an optim lr schedule; empty: the optimizer
     /// params' lr for every step.
     std::function<double(std::int64_t)> lr = {};
-    /// A step whose gradient has a NaN or infinity on any replica is skipped on every replica
-    /// (true), or throws lockstep::error (non_finite) on every replica (false).
+    /// A step whose gradient or loss has a NaN or infinity on any replica is skipped on every
+    /// replica (true), or also throws lockstep::error (non_finite) on every replica (false),
+    /// naming per replica the count of non-finite gradient elements (before reduction), the
+    /// tensor of the first one, and a non-finite loss.
     bool skip_non_finite = true;
     /// Synchronous steps: read the step's result on the host at the end of every step (one
     /// synchronisation, through the communicator's polling wait), so step() returns the loss and
@@ -59,6 +61,19 @@ struct train_params {
     /// gradient is then an overflow: the step is skipped and the scale backs off, whatever
     /// skip_non_finite says. Empty: no scaling (ctx.loss_scale() is 1).
     std::optional<loss_scaling> loss_scale = {};
+    /// Gradient clipping by global norm (torch.nn.utils.clip_grad_norm_): when > 0, the gradient
+    /// the optimizer sees is g * min(1, max_grad_norm / (||g|| + 1e-6)), ||g|| the 2-norm (in
+    /// double) over every non-frozen parameter. Synchronous: the norm of the reduced gradient,
+    /// computed once on every replica from the same values (no extra collective), so every
+    /// replica applies the same factor. Local SGD: the norm of this replica's own gradient.
+    /// 0: no clipping. requires: finite and >= 0; 0 for the asynchronous trainers.
+    double max_grad_norm = 0.0;
+    /// Which parameters are frozen; empty: none. A frozen tensor gets no update and no optimizer
+    /// state change: it is left out of the optimizer's segments, so its momentum / moments stay
+    /// as they are (every trainer). Its gradient is still reduced and, in the NaN/inf check,
+    /// counted; synchronous and local SGD then zero it before the gradient hook, the clipping
+    /// norm and the update. Every replica must freeze the same tensors.
+    std::function<bool(const tensor_info&)> frozen = {};
 };
 
 /// What one data_parallel::step returns (the same on every replica for synchronous training).
@@ -67,7 +82,9 @@ struct step_result {
     /// micro-batches (the global mean loss when fn returns sum-of-losses * range.scale). For
     /// sync::local_sgd this replica's own mean (no communication).
     double loss = 0.0;
-    /// True when the step was skipped because a gradient was not finite.
+    /// True when the step was skipped: a gradient element or the loss was not finite on some
+    /// replica, a layer reported an error, or the replicas disagreed on global_batch or lr (a
+    /// disagreement, and a layer error, also throw).
     bool skipped = false;
     /// The learning rate the step used.
     double lr = 0.0;

@@ -3,6 +3,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/step_status.hpp"
 #include "lockstep/kernels/bn_fused.hpp"
@@ -31,6 +32,18 @@ std::span<U> ensure(buffer<U, System>& b, std::size_t n, const System& sys) {
         b = buffer<U, System>(n, sys);
     return b.span().first(n);
 }
+
+/// dst[i] = src[i], unless skip is non-null and *skip == 0 (read on the device).
+template <class Acc>
+struct copy_if_fn {
+    const Acc* src;
+    Acc* dst;
+    const int* skip;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
+        if (skip == nullptr || *skip != 0)
+            dst[i] = src[i];
+    }
+};
 
 /// The buffers of one batch-norm layer with C channels. Parameters either live here or in
 /// caller-provided spans (e.g. a trainer's flat parameter registry).

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <functional>
 #include <optional>
 #include <span>
 #include <type_traits>
@@ -24,7 +25,8 @@ namespace lockstep::detail {
 ///   the pieces are reduced on a comm_stream (a communication thread on the host, a side
 ///   stream on CUDA) while the caller goes on computing (collective: every replica passes the
 ///   same `overlap`).
-/// - begin(data): starts the reduction of data (the flat gradient buffer); nothing launched.
+/// - begin(data, check = {}): starts the reduction of data (the flat gradient buffer); nothing
+///   launched. check(k, piece), when given, is called right before piece k is launched.
 /// - mark_ready(t): tensor t of data is final; launches every piece now complete, in order.
 /// - finish(): launches the rest and waits for all of them (on CUDA: the compute stream waits).
 ///   ensures: data holds the sum over replicas on every replica (parameter_server: on Root;
@@ -51,8 +53,14 @@ public:
             stream_.emplace(comm);
     }
 
-    void begin(std::span<T> data) {
+    /// Called as check(k, piece) on the calling thread right before piece k (of plan()) is
+    /// launched: the piece still holds this replica's own values (enqueue device work to
+    /// inspect them; on CUDA it runs before the reduction, which waits for the caller's stream).
+    using piece_check = std::function<void(std::size_t, const bucket&)>;
+
+    void begin(std::span<T> data, piece_check check = {}) {
         data_ = data;
+        check_ = std::move(check);
         launcher_.reset();
     }
     void mark_ready(std::size_t t) {
@@ -95,6 +103,8 @@ protected:
 
 private:
     void launch(const bucket& b) {
+        if (check_)
+            check_(static_cast<std::size_t>(&b - launcher_.plan().data()), b);
         std::span<T> piece = data_.subspan(b.offset, b.size);
         if (stream_)
             stream_->submit([this, piece](Communicator& c) { reduce(c, piece); });
@@ -114,6 +124,7 @@ private:
     Communicator* comm_;
     ordered_launcher launcher_;
     std::span<T> data_;
+    piece_check check_;
     std::atomic<std::size_t> collectives_{0}; // the communication thread adds to it
     std::optional<comm_stream<Communicator>> stream_;
 };

@@ -8,6 +8,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/system/buffer.hpp"
+#include "lockstep/train/detail/agreement.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/detail/signature.hpp"
 #include "lockstep/train/detail/visitor.hpp"
@@ -17,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -55,14 +57,24 @@ public:
                   "optim::sgd<float, Communicator::system_type>.");
 
     /// Constructs the network on this replica, finalizes its parameters, checks that every
-    /// replica declared the same ones and broadcasts replica 0's values and state. Collective:
-    /// every replica of comm must construct its trainer.
+    /// replica declared the same ones and the same settings (describe_settings with the
+    /// trainer's `policies` lines, "name<TAB>value") and broadcasts replica 0's values and
+    /// state. `clips`: the trainer applies train_params::max_grad_norm (else a non-zero value
+    /// is refused). Collective: every replica of comm must construct its trainer.
     template <class Factory>
     replica_core(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt,
-                 train_params tp)
+                 train_params tp, const std::vector<std::string>& policies = {}, bool clips = false)
         : comm_(&comm), ctx_(std::make_unique<context_type>(comm, tp.seed)), tp_(std::move(tp)) {
         LOCKSTEP_REQUIRE(tp_.micro_batches >= 1, errc::invalid_argument, comm.rank(),
                          "data_parallel", "micro_batches = ", tp_.micro_batches, " (must be >= 1)");
+        LOCKSTEP_REQUIRE(tp_.max_grad_norm >= 0 &&
+                             tp_.max_grad_norm < std::numeric_limits<double>::infinity(),
+                         errc::invalid_argument, comm.rank(), "data_parallel",
+                         "max_grad_norm = ", tp_.max_grad_norm, " (must be finite and >= 0)");
+        LOCKSTEP_REQUIRE(clips || tp_.max_grad_norm == 0, errc::unsupported, comm.rank(),
+                         "data_parallel", "max_grad_norm = ", tp_.max_grad_norm,
+                         ": gradient clipping is applied by the synchronous and local SGD "
+                         "trainers only");
         using maker = network_maker<Network, std::remove_reference_t<Factory>, context_type>;
         net_.emplace(maker{factory, *ctx_});
         auto& reg = ctx_->registry();
@@ -89,7 +101,8 @@ public:
         vstate_buf_ = buffer<T, system_type>(offset, comm.system());
         std::vector<tensor_info> all_state = reg.state_tensors();
         all_state.insert(all_state.end(), vstate_.begin(), vstate_.end());
-        verify_same_tensors<T>(comm, reg.parameters(), all_state);
+        verify_same_tensors<T>(comm, reg.parameters(), all_state,
+                               describe_settings<Optimizer>(opt, tp_, reg.parameters(), policies));
         LOCKSTEP_REQUIRE(reg.parameter_count() > 0, errc::invalid_argument, comm.rank(),
                          "data_parallel",
                          "the network declared no parameters (allocate them from "
@@ -101,11 +114,19 @@ public:
         if constexpr (requires { comm.synchronize(); })
             comm.synchronize();
 
+        // Frozen tensors are left out of the optimizer's segments: it never touches them.
         segments_.reserve(reg.parameters().size());
-        for (const tensor_info& t : reg.parameters()) {
+        for (std::size_t i = 0; i < reg.parameters().size(); ++i) {
+            const tensor_info& t = reg.parameters()[i];
+            if (tp_.frozen && tp_.frozen(t)) {
+                frozen_.push_back(i);
+                continue;
+            }
             const bool decay = !tp_.decay || tp_.decay(t);
             segments_.push_back(tensor_segment{t.offset, t.size, decay, decay});
         }
+        if (segments_.empty()) // every tensor frozen: one empty segment (no segments means all)
+            segments_.push_back(tensor_segment{0, 0, false, false});
         opt_.emplace(reg.parameter_count(), std::move(opt), comm.system(),
                      std::span<const tensor_segment>(segments_));
     }
@@ -118,6 +139,13 @@ public:
     const train_params& params() const noexcept { return tp_; }
     typename context_type::registry_type& registry() noexcept { return ctx_->registry(); }
     std::span<T> values() { return registry().values(); }
+    /// The registration indices of the frozen parameters (train_params::frozen).
+    const std::vector<std::size_t>& frozen() const noexcept { return frozen_; }
+    /// Zeroes the gradients of the frozen parameters in the flat buffer.
+    void zero_frozen_grads() {
+        for (std::size_t i : frozen_)
+            zero(comm_->system(), grads_of(i));
+    }
     std::span<T> grads() { return registry().grads(); }
     /// Calls f(span) on every non-empty flat state buffer: the registry's state, then the
     /// packed copy of the state the network visits (call pack_state() first).
@@ -269,6 +297,7 @@ private:
     train_params tp_;
     std::optional<Network> net_;
     std::vector<tensor_segment> segments_;
+    std::vector<std::size_t> frozen_;
     std::optional<Optimizer> opt_;
     std::vector<tensor_info> vstate_;
     buffer<T, system_type> vstate_buf_;

@@ -60,22 +60,29 @@ inline std::string readable(const std::string& line) {
     return f[0] + " '" + f[1] + "' with shape " + f[2] + " (" + f[3] + ")";
 }
 
-/// Verifies that every replica declared the same tensors. One all_gather of {hash, counts}
-/// when they agree; when they do not, the description lists are gathered too, and every
-/// replica throws lockstep::error (shape_mismatch) naming the first differing tensor of each
-/// disagreeing replica and both descriptions.
+/// Verifies that every replica declared the same tensors and the same settings ("name<TAB>value"
+/// lines, e.g. detail::describe_settings). One all_gather of {hash, counts} when they agree;
+/// when they do not, the description lists are gathered too, and every replica throws
+/// lockstep::error naming, for each disagreeing replica, the first differing tensor and both
+/// descriptions (shape_mismatch), or every differing setting with both values
+/// ("global_batch: 24 on replica 0, 23 on replica 2"; invalid_argument when only settings
+/// differ).
 template <class T, class Communicator>
 void verify_same_tensors(Communicator& comm, const std::vector<tensor_info>& params,
-                         const std::vector<tensor_info>& state) {
+                         const std::vector<tensor_info>& state,
+                         const std::vector<std::string>& settings = {}) {
     const std::vector<std::string> lines = describe_tensors<T>(params, state);
     std::string text;
     for (const std::string& l : lines)
         text += l + "\n";
+    for (const std::string& l : settings)
+        text += "setting\t" + l + "\n";
     const std::uint64_t h = fnv1a(text);
     const int ranks = comm.size();
     std::vector<int> mine = {static_cast<int>(static_cast<std::uint32_t>(h)),
                              static_cast<int>(static_cast<std::uint32_t>(h >> 32)),
-                             static_cast<int>(params.size()), static_cast<int>(state.size())};
+                             static_cast<int>(params.size()), static_cast<int>(state.size()),
+                             static_cast<int>(settings.size())};
     std::vector<int> all(mine.size() * static_cast<std::size_t>(ranks));
     host_all_gather(comm, std::span<const int>(mine), std::span<int>(all));
     bool same = true;
@@ -106,22 +113,71 @@ void verify_same_tensors(Communicator& comm, const std::vector<tensor_info>& par
         while (std::getline(ss, line))
             lists[r].push_back(line);
     }
-    std::string msg = "replicas declare different parameters:";
+    // Split every replica's lines into tensors and settings.
+    std::vector<std::vector<std::string>> tensors(lists.size()), sets(lists.size());
+    for (std::size_t r = 0; r < lists.size(); ++r)
+        for (const std::string& l : lists[r]) {
+            if (l.rfind("setting\t", 0) == 0)
+                sets[r].push_back(l.substr(8));
+            else
+                tensors[r].push_back(l);
+        }
+    std::string msg;
+    bool tensors_differ = false;
     for (int r = 1; r < ranks; ++r) {
-        const auto& a = lists[0];
-        const auto& b = lists[r];
+        const auto& a = tensors[0];
+        const auto& b = tensors[r];
         std::size_t i = 0;
         while (i < a.size() && i < b.size() && a[i] == b[i])
             ++i;
         if (i == a.size() && i == b.size())
             continue;
+        if (!tensors_differ)
+            msg += " replicas declare different parameters:";
+        tensors_differ = true;
         msg += " tensor #" + std::to_string(i) + ": replica 0 declares " +
                (i < a.size() ? readable(a[i]) : std::string("nothing")) + ", replica " +
                std::to_string(r) + " declares " +
                (i < b.size() ? readable(b[i]) : std::string("nothing")) + " (" +
                std::to_string(a.size()) + " vs " + std::to_string(b.size()) + " tensors);";
     }
-    fail(errc::shape_mismatch, comm.rank(), "data_parallel: parameter check", msg);
+    auto value_of = [](const std::vector<std::string>& list, const std::string& name,
+                       std::string& value) {
+        for (const std::string& l : list)
+            if (l.compare(0, name.size() + 1, name + "\t") == 0) {
+                value = l.substr(name.size() + 1);
+                return true;
+            }
+        return false;
+    };
+    bool settings_differ = false;
+    for (int r = 1; r < ranks; ++r) {
+        std::vector<std::string> names;
+        for (const auto* list : {&sets[0], &sets[r]})
+            for (const std::string& l : *list) {
+                const std::string name = l.substr(0, l.find('\t'));
+                bool seen = false;
+                for (const std::string& n : names)
+                    seen = seen || n == name;
+                if (!seen)
+                    names.push_back(name);
+            }
+        for (const std::string& name : names) {
+            std::string a = "(none)", b = "(none)";
+            const bool in_a = value_of(sets[0], name, a);
+            const bool in_b = value_of(sets[r], name, b);
+            if (in_a == in_b && a == b)
+                continue;
+            if (!settings_differ)
+                msg += " replicas use different settings:";
+            settings_differ = true;
+            msg += " " + name + ": " + a + " on replica 0, " + b + " on replica " +
+                   std::to_string(r) + ";";
+        }
+    }
+    fail(tensors_differ ? errc::shape_mismatch : errc::invalid_argument, comm.rank(),
+         "data_parallel: parameter check",
+         msg.empty() ? std::string("replicas disagree") : msg.substr(1));
 }
 
 } // namespace lockstep::detail

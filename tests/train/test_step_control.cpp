@@ -1,0 +1,606 @@
+// The synchronous trainer between reduction and update (gradient clipping by global norm, frozen
+// tensors, the gradient hook) against a double-precision naive loop over the global batch; the
+// agreement checks (optimizer, lr, global_batch, micro_batches) and the non-finite handling
+// (NaN loss, BN running statistics of a skipped step, the message naming tensor and replica),
+// also for local SGD.
+// SPDX-License-Identifier: Apache-2.0
+#include "train_runner.hpp"
+
+#include "lockstep/optim/adam.hpp"
+#include "lockstep/optim/sgd.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <vector>
+
+using namespace lockstep_test;
+
+namespace {
+
+/// y = w . x + b, squared error against 0.5 x5, on the shared feature data; w differs per
+/// replica before the trainer's broadcast. `nan_loss` returns NaN (gradients stay finite).
+struct linear {
+    std::vector<double> w = std::vector<double>(5), dw = std::vector<double>(5);
+    std::vector<double> b = std::vector<double>(1), db = std::vector<double>(1);
+    bool nan_loss = false;
+    explicit linear(int rank) {
+        for (std::size_t i = 0; i < 5; ++i)
+            w[i] = 0.1 * double(i + rank);
+    }
+    template <class F>
+    void for_each_parameter(F&& f) {
+        f("w", std::span<double>(w), std::span<double>(dw));
+        f("b", std::span<double>(b), std::span<double>(db));
+    }
+    double train(const shard_range& r) {
+        double loss = 0;
+        for (std::size_t i = r.begin; i < r.end; ++i) {
+            const auto g = r.sample_index(i);
+            double y = b[0], target = 0.5 * feature(g, 5);
+            for (std::size_t k = 0; k < 5; ++k)
+                y += w[k] * feature(g, k);
+            loss += (y - target) * (y - target) * r.scale;
+            for (std::size_t k = 0; k < 5; ++k)
+                dw[k] += 2 * (y - target) * r.scale * feature(g, k);
+            db[0] += 2 * (y - target) * r.scale;
+        }
+        return nan_loss ? std::numeric_limits<double>::quiet_NaN() : loss;
+    }
+};
+
+using sgd = optim::sgd<double>;
+using trainer = data_parallel<linear, sgd, sync::synchronous, reduce::per_tensor>;
+auto train_fn = [](linear& n, const shard_range& r, auto&) { return n.train(r); };
+
+/// The gradient of the mean loss over samples [offset, offset + B) at w (6 values: w, b).
+std::vector<double> reference_gradient(const std::vector<double>& w, std::uint64_t offset,
+                                       std::size_t B) {
+    std::vector<double> g(6, 0.0);
+    for (std::size_t i = 0; i < B; ++i) {
+        const std::uint64_t s = offset + i;
+        double y = w[5];
+        for (std::size_t k = 0; k < 5; ++k)
+            y += w[k] * feature(s, k);
+        const double e = y - 0.5 * feature(s, 5);
+        for (std::size_t k = 0; k < 5; ++k)
+            g[k] += 2 * e * feature(s, k) / double(B);
+        g[5] += 2 * e / double(B);
+    }
+    return g;
+}
+
+/// Replica 0's initial weights (what the trainer broadcasts).
+std::vector<double> initial_weights() {
+    std::vector<double> w(6, 0.0);
+    for (std::size_t k = 0; k < 5; ++k)
+        w[k] = 0.1 * double(k);
+    return w;
+}
+
+/// SGD with momentum mu (PyTorch's: the buffer starts as the first gradient), clipping by
+/// global norm (max_norm > 0), `frozen_b` (b neither updated nor in the norm), and a gradient
+/// transform applied before the norm: the naive double reference of every test here.
+struct reference_run {
+    double lr = 0.05, mu = 0.9, max_norm = 0;
+    bool frozen_b = false;
+    double hook_scale = 1.0;
+    std::vector<double> run(const std::vector<std::size_t>& batches,
+                            std::vector<std::vector<double>>* grads = nullptr) const {
+        std::vector<double> w = initial_weights(), m(6, 0.0);
+        std::uint64_t offset = 0;
+        for (std::size_t s = 0; s < batches.size(); ++s) {
+            std::vector<double> g = reference_gradient(w, offset, batches[s]);
+            if (frozen_b)
+                g[5] = 0;
+            if (grads)
+                grads->push_back(g);
+            for (double& x : g)
+                x *= hook_scale;
+            if (max_norm > 0) {
+                double n2 = 0;
+                for (double x : g)
+                    n2 += x * x;
+                const double c = std::min(1.0, max_norm / (std::sqrt(n2) + 1e-6));
+                for (double& x : g)
+                    x *= c;
+            }
+            for (std::size_t k = 0; k < 6; ++k) {
+                if (frozen_b && k == 5)
+                    continue;
+                m[k] = s == 0 ? g[k] : mu * m[k] + g[k];
+                w[k] -= lr * m[k];
+            }
+            offset += batches[s];
+        }
+        return w;
+    }
+};
+
+double max_abs_diff(std::span<const double> a, const std::vector<double>& b) {
+    double d = 0;
+    for (std::size_t i = 0; i < b.size(); ++i)
+        d = std::max(d, std::abs(a[i] - b[i]));
+    return d;
+}
+
+const std::vector<std::size_t> batches = {12, 7, 24, 5, 13, 9};
+
+} // namespace
+
+// Tolerance: the trainer sums the per-replica partial gradients in a different order than the
+// naive loop; in double over <= 24 samples and 6 steps the difference stays below 1e-12.
+constexpr double tol = 1e-12;
+
+TEST_CASE("clipping by global norm equals the naive reference, on every replica alike",
+          "[train][thread][hooks]") {
+    for (double max_norm : {0.0, 0.05, 1e6}) {
+        INFO("max_grad_norm " << max_norm);
+        reference_run ref{.max_norm = max_norm};
+        const std::vector<double> expect = ref.run(batches);
+        std::vector<std::vector<double>> out(3);
+        thread_group(3).run([&](thread_communicator& comm) {
+            trainer dp(comm, [](auto& ctx) { return linear(ctx.rank()); },
+                       {.lr = 0.05, .momentum = 0.9}, {.max_grad_norm = max_norm});
+            for (std::size_t B : batches)
+                dp.step(B, train_fn);
+            const auto p = dp.parameters();
+            out[comm.rank()].assign(p.begin(), p.end());
+        });
+        for (int r = 0; r < 3; ++r) {
+            CHECK(out[r] == out[0]);
+            CHECK(max_abs_diff(out[r], expect) <= tol);
+        }
+    }
+    // The clipped run differs from the unclipped one (the test can fail).
+    CHECK(max_abs_diff(reference_run{.max_norm = 0.05}.run(batches), reference_run{}.run(batches)) >
+          1e-3);
+}
+
+TEST_CASE("frozen tensors get no update and no optimizer state change", "[train][thread][hooks]") {
+    const std::vector<double> expect =
+        reference_run{.max_norm = 0.05, .frozen_b = true}.run(batches);
+    std::vector<std::vector<double>> out(2), momentum(2);
+    std::vector<std::vector<double>> adam_b(2), adam_m(2), adam_v(2);
+    thread_group(2).run([&](thread_communicator& comm) {
+        train_params tp{.max_grad_norm = 0.05,
+                        .frozen = [](const tensor_info& t) { return t.name == "b"; }};
+        trainer dp(
+            comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.05, .momentum = 0.9}, tp);
+        for (std::size_t B : batches)
+            dp.step(B, train_fn);
+        const auto p = dp.parameters();
+        out[comm.rank()].assign(p.begin(), p.end());
+        const auto st = dp.optimizer().state();
+        momentum[comm.rank()].assign(st.slots[0].data.begin(), st.slots[0].data.end());
+
+        // Adam: the frozen tensor's moments stay zero and its value stays replica 0's.
+        data_parallel<linear, optim::adam<double>, sync::synchronous, reduce::bucketed<>> da(
+            comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.01}, tp);
+        for (std::size_t B : batches)
+            da.step(B, train_fn);
+        const auto ast = da.optimizer().state();
+        adam_b[comm.rank()] = {da.parameters()[5]};
+        adam_m[comm.rank()].assign(ast.slots[0].data.begin(), ast.slots[0].data.end());
+        adam_v[comm.rank()].assign(ast.slots[1].data.begin(), ast.slots[1].data.end());
+    });
+    for (int r = 0; r < 2; ++r) {
+        CHECK(max_abs_diff(out[r], expect) <= tol);
+        CHECK(out[r][5] == 0.0);      // b: replica 0's initial value, never updated
+        CHECK(momentum[r][5] == 0.0); // its momentum never written
+        CHECK(momentum[r][0] != 0.0);
+        CHECK(adam_b[r][0] == 0.0);
+        CHECK(adam_m[r][5] == 0.0);
+        CHECK(adam_v[r][5] == 0.0);
+        CHECK(adam_m[r][0] != 0.0);
+    }
+}
+
+TEST_CASE("the gradient hook sees the reduced gradient with the layout and may change it",
+          "[train][thread][hooks]") {
+    std::vector<std::vector<double>> ref_grads;
+    const std::vector<double> expect =
+        reference_run{.max_norm = 0.05, .hook_scale = 0.5}.run(batches, &ref_grads);
+    std::vector<std::vector<std::vector<double>>> seen(3);
+    std::vector<std::vector<std::string>> names(3);
+    std::vector<std::vector<double>> out(3);
+    thread_group(3).run([&](thread_communicator& comm) {
+        trainer dp(comm, [](auto& ctx) { return linear(ctx.rank()); },
+                   {.lr = 0.05, .momentum = 0.9}, {.max_grad_norm = 0.05});
+        const int me = comm.rank();
+        dp.set_gradient_hook([&, me](std::span<double> g, std::span<const tensor_info> layout) {
+            seen[me].emplace_back(g.begin(), g.end());
+            if (names[me].empty())
+                for (const tensor_info& t : layout)
+                    names[me].push_back(t.name);
+            for (double& x : g)
+                x *= 0.5;
+        });
+        for (std::size_t B : batches)
+            dp.step(B, train_fn);
+        const auto p = dp.parameters();
+        out[me].assign(p.begin(), p.end());
+    });
+    for (int r = 0; r < 3; ++r) {
+        REQUIRE(seen[r].size() == batches.size());
+        CHECK(seen[r] == seen[0]); // identical on every replica
+        CHECK(names[r] == std::vector<std::string>{"w", "b"});
+        for (std::size_t s = 0; s < batches.size(); ++s)
+            CHECK(max_abs_diff(seen[r][s], ref_grads[s]) <= tol);
+        CHECK(max_abs_diff(out[r], expect) <= tol);
+    }
+}
+
+namespace {
+/// Runs fn(rank, comm) on `replicas` thread replicas and returns each replica's error text
+/// ("" when none) and code.
+template <class Fn>
+std::vector<std::pair<std::string, int>> errors_of(int replicas, Fn&& fn) {
+    std::vector<std::pair<std::string, int>> out(static_cast<std::size_t>(replicas),
+                                                 {std::string(), -1});
+    thread_group(replicas, {.timeout = std::chrono::seconds(30)})
+        .run([&](thread_communicator& comm) {
+            try {
+                fn(comm.rank(), comm);
+            } catch (const error& e) {
+                out[comm.rank()] = {e.what(), static_cast<int>(e.code())};
+            }
+        });
+    return out;
+}
+} // namespace
+
+TEST_CASE("replicas that disagree on settings fail on every replica naming both values",
+          "[train][thread][agreement]") {
+    SECTION("another optimizer type on one replica") {
+        const auto e = errors_of(3, [](int rank, thread_communicator& comm) {
+            auto make = [](auto& ctx) { return linear(ctx.rank()); };
+            if (rank == 2)
+                data_parallel<linear, optim::adam<double>, sync::synchronous, reduce::per_tensor>
+                    dp(comm, make, {.lr = 0.05});
+            else
+                trainer dp(comm, make, {.lr = 0.05});
+        });
+        for (const auto& [msg, code] : e) {
+            INFO(msg);
+            CHECK(code == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(msg, Catch::Contains("optimizer: lockstep::optim::sgd<double"));
+            CHECK_THAT(msg, Catch::Contains("on replica 0, lockstep::optim::detail::adam_impl<"));
+            CHECK_THAT(msg, Catch::Contains("on replica 2;"));
+        }
+    }
+    SECTION("another learning rate or momentum on one replica") {
+        const auto e = errors_of(3, [](int rank, thread_communicator& comm) {
+            trainer dp(comm, [](auto& ctx) { return linear(ctx.rank()); },
+                       {.lr = rank == 1 ? 0.2 : 0.1, .momentum = rank == 2 ? 0.5 : 0.9});
+        });
+        for (const auto& [msg, code] : e) {
+            INFO(msg);
+            CHECK(code == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(msg, Catch::Contains("lr: 0.1 on replica 0, 0.2 on replica 1;"));
+            CHECK_THAT(msg, Catch::Contains("momentum: 0.9 on replica 0, 0.5 on replica 2;"));
+        }
+    }
+    SECTION("different micro_batches") {
+        const auto e = errors_of(2, [](int rank, thread_communicator& comm) {
+            trainer dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1},
+                       {.micro_batches = rank == 0 ? 2 : 1});
+        });
+        for (const auto& [msg, code] : e) {
+            INFO(msg);
+            CHECK(code == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(msg, Catch::Contains("micro_batches: 2 on replica 0, 1 on replica 1;"));
+        }
+    }
+    SECTION("global_batch 24 on two replicas, 23 on the third: the step is skipped") {
+        std::vector<std::vector<double>> before(3), after(3);
+        const auto e = errors_of(3, [&](int rank, thread_communicator& comm) {
+            trainer dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1});
+            dp.step(12, train_fn); // agreeing: fine
+            auto p = dp.parameters();
+            before[rank].assign(p.begin(), p.end());
+            try {
+                dp.step(rank == 2 ? 23 : 24, train_fn);
+            } catch (...) {
+                p = dp.parameters();
+                after[rank].assign(p.begin(), p.end());
+                throw;
+            }
+        });
+        for (int r = 0; r < 3; ++r) {
+            INFO(e[r].first);
+            CHECK(e[r].second == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(e[r].first, Catch::Contains("step 1 skipped"));
+            CHECK_THAT(e[r].first,
+                       Catch::Contains("global_batch: 24 on replica 0, 23 on replica 2;"));
+            CHECK(after[r] == before[r]); // nothing applied
+        }
+    }
+    SECTION("a learning-rate schedule that differs on one replica at step 2") {
+        const auto e = errors_of(2, [](int rank, thread_communicator& comm) {
+            train_params tp;
+            tp.lr = [rank](std::int64_t s) { return s == 2 && rank == 1 ? 0.07 : 0.05; };
+            trainer dp(
+                comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1}, tp);
+            for (int s = 0; s < 4; ++s)
+                dp.step(10, train_fn);
+        });
+        for (const auto& [msg, code] : e) {
+            INFO(msg);
+            CHECK(code == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(msg, Catch::Contains("step 2 skipped"));
+            CHECK_THAT(msg, Catch::Contains("lr: 0.05 on replica 0, 0.07 on replica 1;"));
+        }
+    }
+}
+
+TEST_CASE("a NaN loss with finite gradients skips the step on every replica",
+          "[train][thread][non_finite]") {
+    std::vector<std::vector<bool>> skipped(3);
+    std::vector<std::vector<std::vector<double>>> params(3);
+    thread_group(3).run([&](thread_communicator& comm) {
+        trainer dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1});
+        for (int s = 0; s < 4; ++s) {
+            dp.network().nan_loss = s == 2 && comm.rank() == 1;
+            skipped[comm.rank()].push_back(dp.step(10, train_fn).skipped);
+            const auto p = dp.parameters();
+            params[comm.rank()].emplace_back(p.begin(), p.end());
+        }
+    });
+    for (int r = 0; r < 3; ++r) {
+        CHECK(skipped[r] == std::vector<bool>{false, false, true, false});
+        CHECK(params[r][2] == params[r][1]);
+        CHECK(params[r][3] != params[r][2]);
+        CHECK(params[r] == params[0]);
+    }
+    const auto e = errors_of(3, [](int rank, thread_communicator& comm) {
+        trainer dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1},
+                   {.skip_non_finite = false});
+        dp.network().nan_loss = rank == 1;
+        dp.step(10, train_fn);
+    });
+    for (const auto& [msg, code] : e) {
+        INFO(msg);
+        CHECK(code == static_cast<int>(errc::non_finite));
+        CHECK_THAT(msg, Catch::Contains("the loss is not finite on replica 1;"));
+        CHECK_THAT(msg, !Catch::Contains("replica 0;") && !Catch::Contains("replica 2;"));
+    }
+}
+
+TEST_CASE("one NaN gradient element on one replica: the message names the tensor, the replica "
+          "and count 1",
+          "[train][thread][non_finite]") {
+    using net = mlp<float, thread_communicator, storage::registry>;
+    const auto e = errors_of(3, [](int rank, thread_communicator& comm) {
+        data_parallel<net, optim::sgd<float>> dp(comm, [](auto& ctx) { return net(ctx); },
+                                                 {.lr = 0.1}, {.skip_non_finite = false});
+        dp.network().poison = rank == 1;
+        dp.step(12, [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); });
+    });
+    for (const auto& [msg, code] : e) {
+        INFO(msg);
+        CHECK(code == static_cast<int>(errc::non_finite));
+        CHECK_THAT(msg, Catch::Contains(" 1 non-finite gradient element(s) on replica 1, the "
+                                        "first in 'fc2.weight' (element 0);"));
+        CHECK_THAT(msg, !Catch::Contains("on replica 0") && !Catch::Contains("on replica 2"));
+    }
+}
+
+namespace {
+using bn_ctx = replica_context<float, thread_communicator>;
+/// x -> bn::global batch norm (gamma, beta in the registry) -> loss = sum(y * t) * scale.
+/// `nan_input` puts a NaN into this replica's input.
+struct bn_net {
+    using bn_policies = std::tuple<bn::global>;
+    using bn_type = nn::batch_norm<float, bn::global, nn::nc>;
+    static constexpr std::size_t channels = 3;
+    explicit bn_net(bn_ctx& ctx) {
+        auto& reg = ctx.registry();
+        gamma = reg.add("bn.weight", {channels});
+        beta = reg.add("bn.bias", {channels});
+        reg.finalize();
+        bn.emplace(
+            ctx.comm(), channels,
+            bn_type::parameter_spans{gamma.value(), beta.value(), gamma.grad(), beta.grad()});
+    }
+    double train(const shard_range& r, bn_ctx& ctx) {
+        const std::size_t n = r.size();
+        std::vector<float> x(n * channels), y(x.size()), t(x.size()), dy(x.size()), dx(x.size());
+        for (std::size_t s = 0; s < n; ++s)
+            for (std::size_t c = 0; c < channels; ++c) {
+                x[s * channels + c] = float(feature(r.sample_index(r.begin + s), c));
+                t[s * channels + c] = float(feature(r.sample_index(r.begin + s), c + 3));
+            }
+        if (nan_input && n > 0)
+            x[0] = std::numeric_limits<float>::quiet_NaN();
+        const nn::tensor_shape shape{n, channels};
+        bn->forward_train(ctx.comm(), std::span<const float>(x), shape, std::span<float>(y));
+        double loss = 0;
+        for (std::size_t i = 0; i < y.size(); ++i) {
+            loss += double(y[i] * t[i]) * r.scale;
+            dy[i] = float(t[i] * r.scale);
+        }
+        bn->backward(ctx.comm(), std::span<const float>(dy), std::span<float>(dx));
+        return loss;
+    }
+    bn_ctx::handle gamma, beta;
+    std::optional<bn_type> bn;
+    bool nan_input = false;
+};
+
+std::vector<float> running_of(bn_net& n) {
+    std::vector<float> out(n.bn->running_mean().begin(), n.bn->running_mean().end());
+    out.insert(out.end(), n.bn->running_var().begin(), n.bn->running_var().end());
+    return out;
+}
+} // namespace
+
+TEST_CASE("a NaN input under bn::global leaves every replica's running statistics unchanged",
+          "[train][thread][non_finite][bn]") {
+    for (int micro : {1, 2}) {
+        INFO("micro_batches " << micro);
+        std::vector<std::vector<std::vector<float>>> running(3);
+        std::vector<std::vector<bool>> skipped(3);
+        thread_group(3).run([&](thread_communicator& comm) {
+            data_parallel<bn_net, optim::sgd<float>> dp(comm, [](auto& ctx) { return bn_net(ctx); },
+                                                        {.lr = 0.1}, {.micro_batches = micro});
+            for (int s = 0; s < 4; ++s) {
+                dp.network().nan_input = s == 2 && comm.rank() == 1;
+                skipped[comm.rank()].push_back(
+                    dp.step(12, [](bn_net& n, const shard_range& r, auto& ctx) {
+                          return n.train(r, ctx);
+                      }).skipped);
+                running[comm.rank()].push_back(running_of(dp.network()));
+            }
+        });
+        for (int r = 0; r < 3; ++r) {
+            CHECK(skipped[r] == std::vector<bool>{false, false, true, false});
+            CHECK(running[r][2] == running[r][1]); // restored, bit for bit
+            CHECK(running[r][1] != running[r][0]);
+            CHECK(running[r][3] != running[r][2]); // updated again after the skipped step
+            for (float v : running[r][3])
+                CHECK(std::isfinite(v));
+            CHECK(running[r] == running[0]);
+        }
+    }
+}
+
+TEST_CASE("local SGD: clipping by each replica's own gradient norm equals the naive reference",
+          "[train][thread][hooks][local_sgd]") {
+    // Reference: each replica r takes its shard of every global batch, its own mean gradient,
+    // clips it by its own norm and steps alone (plain SGD); the weights are averaged every 2
+    // steps and at the end.
+    const int R = 2;
+    const double lr = 0.05, max_norm = 0.05;
+    std::vector<std::vector<double>> w(R, initial_weights());
+    std::uint64_t offset = 0;
+    for (std::size_t s = 0; s < batches.size(); ++s) {
+        for (int r = 0; r < R; ++r) {
+            const shard_range sh = shard(0, batches[s], r, R);
+            std::vector<double> g(6, 0.0);
+            for (std::size_t i = sh.begin; i < sh.end; ++i) {
+                const std::uint64_t smp = offset + i;
+                double y = w[r][5];
+                for (std::size_t k = 0; k < 5; ++k)
+                    y += w[r][k] * feature(smp, k);
+                const double e = y - 0.5 * feature(smp, 5);
+                for (std::size_t k = 0; k < 5; ++k)
+                    g[k] += 2 * e * feature(smp, k) / double(sh.size());
+                g[5] += 2 * e / double(sh.size());
+            }
+            double n2 = 0;
+            for (double x : g)
+                n2 += x * x;
+            const double c = std::min(1.0, max_norm / (std::sqrt(n2) + 1e-6));
+            for (std::size_t k = 0; k < 6; ++k)
+                w[r][k] -= lr * c * g[k];
+        }
+        offset += batches[s];
+        if ((s + 1) % 2 == 0 || s + 1 == batches.size())
+            for (std::size_t k = 0; k < 6; ++k) {
+                const double m = (w[0][k] + w[1][k]) / 2;
+                w[0][k] = w[1][k] = m;
+            }
+    }
+    std::vector<std::vector<double>> out(R);
+    thread_group(R).run([&](thread_communicator& comm) {
+        data_parallel<linear, sgd, sync::local_sgd<2>, reduce::per_tensor> dp(
+            comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = lr},
+            {.max_grad_norm = max_norm});
+        for (std::size_t B : batches)
+            dp.step(B, train_fn);
+        dp.finish();
+        const auto p = dp.parameters();
+        out[comm.rank()].assign(p.begin(), p.end());
+    });
+    for (int r = 0; r < R; ++r)
+        CHECK(max_abs_diff(out[r], w[0]) <= tol);
+}
+
+TEST_CASE("local SGD: a global_batch that differs on one replica fails at the next average",
+          "[train][thread][agreement][local_sgd]") {
+    const auto e = errors_of(3, [](int rank, thread_communicator& comm) {
+        data_parallel<linear, sgd, sync::local_sgd<2>, reduce::per_tensor> dp(
+            comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1});
+        for (int s = 0; s < 4; ++s)
+            dp.step(s == 3 && rank == 1 ? 23 : 24, train_fn);
+    });
+    for (const auto& [msg, code] : e) {
+        INFO(msg);
+        CHECK(code == static_cast<int>(errc::invalid_argument));
+        CHECK_THAT(msg, Catch::Contains("step 3: global_batch: 24 on replica 0, 23 on replica 1;"));
+    }
+}
+
+TEST_CASE("replicas with other reduce or BN policies fail at construction naming both",
+          "[train][thread][agreement]") {
+    SECTION("reduce policy") {
+        const auto e = errors_of(2, [](int rank, thread_communicator& comm) {
+            auto make = [](auto& ctx) { return linear(ctx.rank()); };
+            if (rank == 1)
+                data_parallel<linear, sgd, sync::synchronous, reduce::bucketed<>> dp(comm, make,
+                                                                                     {.lr = 0.1});
+            else
+                trainer dp(comm, make, {.lr = 0.1});
+        });
+        for (const auto& [msg, code] : e) {
+            INFO(msg);
+            CHECK(code == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(msg, Catch::Contains("reduce: lockstep::reduce::per_tensor on replica 0, "
+                                            "lockstep::reduce::bucketed<"));
+        }
+    }
+    SECTION("BN policy") {
+        const auto e = errors_of(2, [](int rank, thread_communicator& comm) {
+            using global = mlp<float, thread_communicator, storage::registry, bn::global>;
+            using local = mlp<float, thread_communicator, storage::registry, bn::local>;
+            if (rank == 1)
+                data_parallel<local, optim::sgd<float>, sync::synchronous, reduce::per_tensor> dp(
+                    comm, [](auto& ctx) { return local(ctx); }, {.lr = 0.1});
+            else
+                data_parallel<global, optim::sgd<float>, sync::synchronous, reduce::per_tensor> dp(
+                    comm, [](auto& ctx) { return global(ctx); }, {.lr = 0.1});
+        });
+        for (const auto& [msg, code] : e) {
+            INFO(msg);
+            CHECK(code == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(msg, Catch::Contains("bn_policies: std::tuple<lockstep::bn::global> on "
+                                            "replica 0, std::tuple<lockstep::bn::local> on "
+                                            "replica 1;"));
+        }
+    }
+}
+
+TEST_CASE("local SGD: a NaN gradient skips only that replica's step and restores its running "
+          "statistics",
+          "[train][thread][non_finite][local_sgd][bn]") {
+    using net = mlp<float, thread_communicator, storage::registry, bn::local>;
+    std::vector<std::vector<bool>> skipped(2);
+    std::vector<std::vector<float>> before(2), after(2);
+    std::string message;
+    thread_group(2).run([&](thread_communicator& comm) {
+        data_parallel<net, optim::sgd<float>, sync::local_sgd<4>, reduce::per_tensor> dp(
+            comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.1});
+        auto fn = [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); };
+        auto running = [&] {
+            std::vector<float> v(dp.network().batch_norm().running_mean().begin(),
+                                 dp.network().batch_norm().running_mean().end());
+            v.insert(v.end(), dp.network().batch_norm().running_var().begin(),
+                     dp.network().batch_norm().running_var().end());
+            return v;
+        };
+        dp.step(12, fn);
+        before[comm.rank()] = running();
+        dp.network().poison = comm.rank() == 1; // a NaN gradient on replica 1 only
+        skipped[comm.rank()].push_back(dp.step(12, fn).skipped);
+        after[comm.rank()] = running();
+    });
+    CHECK(skipped[0] == std::vector<bool>{false});
+    CHECK(skipped[1] == std::vector<bool>{true});
+    CHECK(after[1] == before[1]); // replica 1's statistics restored
+    CHECK(after[0] != before[0]); // replica 0 trained on
+}
