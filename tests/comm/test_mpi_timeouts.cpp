@@ -69,9 +69,9 @@ int main(int argc, char** argv) {
     const std::string scenario = argv[1];
     g_dir = argv[2];
     const auto throwing = lockstep::mpi_failure_action::throw_error;
-    mpi_communicator comm(MPI_COMM_WORLD, {.on_failure = scenario == "abort"
-                                                             ? lockstep::mpi_failure_action::abort
-                                                             : throwing});
+    mpi_communicator comm(
+        MPI_COMM_WORLD,
+        {.on_failure = scenario == "abort" ? lockstep::mpi_failure_action::abort : throwing});
     g_rank = comm.rank();
     const int last = comm.size() - 1;
     std::vector<float> v(8, float(comm.rank() + 1));
@@ -101,8 +101,9 @@ int main(int argc, char** argv) {
         } else if (scenario == "null") {
             // Rank 0 passes a null buffer: an error on every rank, and the communicator
             // stays usable.
-            std::span<float> bad = comm.rank() == 0 ? std::span<float>(static_cast<float*>(nullptr), 8)
-                                                    : std::span<float>(v);
+            std::span<float> bad = comm.rank() == 0
+                                       ? std::span<float>(static_cast<float*>(nullptr), 8)
+                                       : std::span<float>(v);
             std::string outcome = "bad: no error from all_reduce #2";
             try {
                 comm.all_reduce(std::span<const float>(bad), bad, reduce_op::sum);
