@@ -9,6 +9,7 @@
 #include "lockstep/comm/detail/span_checks.hpp"
 #include "lockstep/comm/mpi_environment.hpp"
 #include "lockstep/comm/timeout.hpp"
+#include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/system/host_system.hpp"
@@ -238,8 +239,7 @@ public:
         const std::string bad = detail::join_problems(
             {detail::span_problem(send, "send"), detail::span_problem(recv, "recv")});
         std::size_t total = 0;
-        const bool no_overflow =
-            !__builtin_mul_overflow(static_cast<std::size_t>(size_), n, &total);
+        const bool no_overflow = !mul_overflows(static_cast<std::size_t>(size_), n, &total);
         const bool fits = n <= std::size_t(std::numeric_limits<int>::max());
         const bool in_place =
             bad.empty() && no_overflow && n != 0 && send.data() == recv.data() + rank_ * n;

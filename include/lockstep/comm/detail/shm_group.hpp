@@ -6,6 +6,7 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/detail/shm_reduce.hpp"
 #include "lockstep/comm/detail/shm_sync.hpp"
+#include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/system/host_system.hpp"
 
@@ -417,7 +418,7 @@ inline void group_state::validate(int rank, op_label label) const {
         if (k == collective_kind::reduce && j == c.root)
             want = c.count;
         if (k == collective_kind::all_gather &&
-            __builtin_mul_overflow(c.count, static_cast<std::size_t>(n), &want))
+            mul_overflows(c.count, static_cast<std::size_t>(n), &want))
             fail(errc::count_mismatch, me, op(), "replica ", replica_of(j), " passed ",
                  count_of(c.count, c.type, c.elem_size), ": ", n,
                  " times that overflows std::size_t");
