@@ -82,12 +82,14 @@ struct mpi_communicator_params {
 /// nonblocking call polled with MPI_Test against params::timeout (default LOCKSTEP_TIMEOUT
 /// seconds, else 300 s) from its start. The polling spins for about 20 us, then sleeps between
 /// tests (10 us growing to 100 us), so a long wait does not take a core from the compute
-/// threads. On a timeout the replica asks every peer where it is (a census on a private
-/// duplicate communicator; peers that wait in any operation of this communicator answer within
-/// ~100 us, peers that compute, exited or finalised stay silent) and fails with errc::timeout:
-/// "all_reduce #12: timed out after 2000 ms in MPI_Iallreduce; missing replica(s) 2 (...)".
-/// An MPI call that fails inside an operation fails with errc::mpi naming the call. Either way
-/// the communicator is broken: every later call throws at once with the first failure's code
+/// threads. Large operations spin longer (about 1 ns per byte, at most 20 ms): MPI moves data
+/// only inside MPI calls (shared-memory copies go in pieces), so sleeping while a transfer is
+/// under way would stretch it. On a timeout the replica asks every peer where it is (a census on a
+/// private duplicate communicator; peers that wait in any operation of this communicator answer
+/// within ~100 us, peers that compute, exited or finalised stay silent) and fails with
+/// errc::timeout: "all_reduce #12: timed out after 2000 ms in MPI_Iallreduce; missing replica(s) 2
+/// (...)". An MPI call that fails inside an operation fails with errc::mpi naming the call. Either
+/// way the communicator is broken: every later call throws at once with the first failure's code
 /// and message. Then, by params::on_failure, it prints the error and ends the job with MPI_Abort
 /// (the default: no replica is left waiting) or throws it (the caller must end the job, e.g.
 /// with abort(e): MPI cannot cancel the collective the peers are in, so MPI_Finalize may hang).
@@ -203,7 +205,7 @@ public:
                                 detail::mpi_type<T>::datatype(), detail::to_mpi_op<T>(op), comm_,
                                 &req),
                  "MPI_Iallreduce", recv.size());
-            finish(req, "MPI_Iallreduce", recv.size());
+            finish(req, "MPI_Iallreduce", recv.size(), std::size_t(n) * sizeof(T));
         });
     }
 
@@ -224,7 +226,7 @@ public:
             call(
                 MPI_Ibcast(data.data() + at, n, detail::mpi_type<T>::datatype(), root, comm_, &req),
                 "MPI_Ibcast", data.size());
-            finish(req, "MPI_Ibcast", data.size());
+            finish(req, "MPI_Ibcast", data.size(), std::size_t(n) * sizeof(T));
         });
     }
 
@@ -259,7 +261,7 @@ public:
                             detail::mpi_type<T>::datatype(), recv.data(), static_cast<int>(n),
                             detail::mpi_type<T>::datatype(), comm_, &req),
              "MPI_Iallgather", n);
-        finish(req, "MPI_Iallgather", n);
+        finish(req, "MPI_Iallgather", n, recv.size_bytes());
     }
 
     /// Block r of recv = block rank() of replica r's send (MPI_Ialltoall; blocks of
@@ -290,7 +292,7 @@ public:
                            recv.data(), static_cast<int>(block), detail::mpi_type<T>::datatype(),
                            comm_, &req),
              "MPI_Ialltoall", n);
-        finish(req, "MPI_Ialltoall", n);
+        finish(req, "MPI_Ialltoall", n, send.size_bytes());
     }
 
     /// As all_reduce, but only root's recv is written (send == recv at root runs in place);
@@ -329,7 +331,7 @@ public:
                              detail::mpi_type<T>::datatype(), detail::to_mpi_op<T>(op), root, comm_,
                              &req),
                  "MPI_Ireduce", send.size());
-            finish(req, "MPI_Ireduce", send.size());
+            finish(req, "MPI_Ireduce", send.size(), std::size_t(n) * sizeof(T));
         });
     }
 
@@ -372,7 +374,8 @@ public:
         bool done = false;
         call_p2p(
             detail::mpi_poll([&](int& flag) { return MPI_Test(&req, &flag, MPI_STATUS_IGNORE); },
-                             deadline(), control_, seq_, done),
+                             deadline(), control_, seq_, done,
+                             detail::mpi_poll_schedule::for_bytes(data.size_bytes())),
             "send", "MPI_Test", dest, tag);
         if (!done)
             p2p_timeout("send", "MPI_Isend", dest, tag);
@@ -518,7 +521,7 @@ private:
         call(MPI_Iallreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_INT64_T,
                             MPI_MAX, comm_, &req),
              "MPI_Iallreduce (verify)", count);
-        finish(req, "MPI_Iallreduce (verify)", count);
+        finish(req, "MPI_Iallreduce (verify)", count, 0);
         if (ok)
             detail::require_agreement(mine, detail::mpi_signature_unpack(v), rank_);
     }
@@ -526,16 +529,16 @@ private:
     void ibarrier(const char* what) {
         MPI_Request req = MPI_REQUEST_NULL;
         call(MPI_Ibarrier(comm_, &req), what, 0);
-        finish(req, what, 0);
+        finish(req, what, 0, 0);
     }
 
-    // Waits for a collective's request within the timeout; a failure or timeout breaks the
-    // communicator.
-    void finish(MPI_Request& req, const char* mpi_call, std::size_t count) {
+    // Waits for a collective's request of `bytes` bytes per replica within the timeout; a
+    // failure or timeout breaks the communicator.
+    void finish(MPI_Request& req, const char* mpi_call, std::size_t count, std::size_t bytes) {
         bool done = false;
-        const int rc =
-            detail::mpi_poll([&](int& flag) { return MPI_Test(&req, &flag, MPI_STATUS_IGNORE); },
-                             deadline(), control_, seq_, done);
+        const int rc = detail::mpi_poll(
+            [&](int& flag) { return MPI_Test(&req, &flag, MPI_STATUS_IGNORE); }, deadline(),
+            control_, seq_, done, detail::mpi_poll_schedule::for_bytes(bytes));
         call(rc, mpi_call, count);
         if (done)
             return;
