@@ -529,3 +529,37 @@ TEST_CASE("LOCKSTEP_TIMEOUT sets the default timeout; garbage is refused", "[com
     REQUIRE(::unsetenv("LOCKSTEP_TIMEOUT") == 0);
     CHECK(lockstep::thread_group_params{}.timeout == 120s);
 }
+
+TEST_CASE("send and recv refuse a null span before copying anything", "[comm][thread]") {
+    thread_group group(2);
+    std::vector<outcome> out(2);
+    float received = -1.0f;
+    group.run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        const int peer = 1 - comm.rank();
+        std::span<float> null(static_cast<float*>(nullptr), 5);
+        try {
+            if (r == 0)
+                comm.send(std::span<const float>(null), peer, 3);
+            else
+                comm.recv(null, peer, 3);
+        } catch (const lockstep::error& e) {
+            out[r] = {true, e.code(), e.what()};
+        }
+        // Still usable: a good message goes through.
+        std::vector<float> v(5, float(r));
+        if (r == 0)
+            comm.send(std::span<const float>(v), peer, 4);
+        else
+            comm.recv(std::span<float>(v), peer, 4);
+        if (r == 1)
+            received = v[4];
+    });
+    CHECK(received == 0.0f);
+    for (const auto& o : out) {
+        CAPTURE(o.what);
+        CHECK(o.threw);
+        CHECK(o.code == errc::invalid_argument);
+        CHECK(contains(o.what, "data is a null pointer with 5 elements"));
+    }
+}

@@ -7,6 +7,7 @@
 #include "lockstep/comm/detail/shm_p2p.hpp"
 #include "lockstep/comm/detail/shm_reduce.hpp"
 #include "lockstep/comm/detail/shm_sync.hpp"
+#include "lockstep/comm/detail/span_checks.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/system/host_system.hpp"
 
@@ -283,6 +284,7 @@ public:
         require_group(op.c_str());
         LOCKSTEP_REQUIRE(dest >= 0 && dest < size(), errc::invalid_argument, replica(), op, "rank ",
                          dest, " is not in this group of ", size());
+        require_span(op, data);
         group_->throw_if_failed(rank_, op);
         detail::shm::post(*group_, rank_, dest, tag, std::span<const U>(data));
     }
@@ -296,6 +298,7 @@ public:
         require_group(op.c_str());
         LOCKSTEP_REQUIRE(source >= 0 && source < size(), errc::invalid_argument, replica(), op,
                          "rank ", source, " is not in this group of ", size());
+        require_span(op, data);
         detail::shm::receive(*group_, rank_, data, tag, source, op);
     }
 
@@ -305,6 +308,7 @@ public:
     int recv_any(std::span<T> data, int tag) {
         const std::string op = "recv_any (tag " + std::to_string(tag) + ")";
         require_group(op.c_str());
+        require_span(op, data);
         return detail::shm::receive(*group_, rank_, data, tag, -1, op);
     }
 
@@ -331,6 +335,14 @@ private:
     void require_group(const char* op) const {
         LOCKSTEP_REQUIRE(group_ != nullptr, errc::invalid_argument, -1, op,
                          "this thread_communicator was moved from");
+    }
+
+    /// Point-to-point spans are checked here, before anything is copied (no peer waits on
+    /// this call, so a local error is enough).
+    template <class T>
+    void require_span(const std::string& op, std::span<T> data) const {
+        const std::string problem = detail::span_problem(data, "data");
+        LOCKSTEP_REQUIRE(problem.empty(), errc::invalid_argument, replica(), op, problem);
     }
 
     template <class T>
