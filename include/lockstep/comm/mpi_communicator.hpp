@@ -60,17 +60,18 @@ struct mpi_communicator_params {
 ///
 /// Verification (params::verify, default on): before each collective the replicas exchange a
 /// signature {collective, sequence number, count, element type, root, reduce_op, arguments ok}
-/// in one MPI_Allreduce of 14 int64 (MPI_MAX over {v, -v} gives min and max at once). Replicas
+/// in one MPI_Iallreduce of 14 int64 (MPI_MAX over {v, -v} gives min and max at once). Replicas
 /// that disagree throw lockstep::error on every replica (errc::count_mismatch for counts) naming
 /// the collective, its sequence number and the min/max values; a replica whose own arguments
 /// are invalid throws its own error and the others get errc::peer_failure instead of waiting.
-/// Cost: one extra 112-byte MPI_Allreduce per collective. bench_allreduce, 2 ranks on one node
-/// (MPICH 4.0.2, medians): about +2 us, i.e. 2.3-2.5x raw MPI_Allreduce at 4 B, +25% at
-/// 16 KiB, +3-5% at 256 KiB, a few percent or noise from 1 MiB on; without verification
-/// lockstep is within 1-2% of raw MPI at every size. Turn it off ({.verify = false}) for many tiny
-/// collectives once a program is known to be consistent. Every replica must use the same `verify`.
-/// Without it, mismatched counts are MPI's undefined behaviour (truncation errors, garbage or a
-/// hang).
+/// Cost: one extra 112-byte all-reduce per collective. bench_allreduce, 2 ranks on one node
+/// (MPICH 4.0.2, medians), measured while every operation was still a blocking MPI call: about
+/// +2 us, i.e. 2.3-2.5x raw MPI_Allreduce at 4 B, +25% at 16 KiB, +3-5% at 256 KiB, a few
+/// percent or noise from 1 MiB on; without verification lockstep was within 1-2% of raw MPI at
+/// every size. (Not re-measured for the polled nonblocking calls.) Turn it off ({.verify = false})
+/// for many tiny collectives once a program is known to be consistent. Every replica must use the
+/// same `verify`. Without it, mismatched counts are MPI's undefined behaviour (truncation errors,
+/// garbage or a hang).
 ///
 /// Arguments: a null span with a non-zero count, a span larger than memory can hold, sizes
 /// that do not fit together or a count MPI cannot describe are refused with lockstep::error
@@ -104,9 +105,12 @@ public:
     using system_type = host_system;
     using params = mpi_communicator_params;
 
-    /// requires: MPI initialised (mpi_environment), comm a valid intra-communicator. Collective
-    /// over comm. ensures: owns a duplicate of comm with MPI_ERRORS_RETURN, so MPI failures
-    /// become lockstep::error (errc::mpi) instead of aborting.
+    /// requires: MPI initialised (mpi_environment), comm a valid intra-communicator, p.timeout
+    /// > 0. Collective over comm. ensures: owns two duplicates of comm with MPI_ERRORS_RETURN
+    /// (one for the operations, one for the census of a timed-out replica), so MPI failures
+    /// become lockstep::error (errc::mpi) instead of aborting. A process of comm that does not
+    /// construct its communicator within p.timeout makes this fail with errc::timeout (by
+    /// p.on_failure: abort, or throw).
     explicit mpi_communicator(MPI_Comm comm, params p = {}) : params_(p) {
         int initialized = 0;
         LOCKSTEP_MPI_CHECK(MPI_Initialized(&initialized));
