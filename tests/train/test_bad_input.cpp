@@ -4,10 +4,16 @@
 #include "lockstep/train/parameter_registry.hpp"
 #include "lockstep/train/shard.hpp"
 
+#include "lockstep/comm/thread_group.hpp"
+#include "lockstep/optim/sgd.hpp"
+#include "lockstep/train/data_parallel.hpp"
+#include "mlp_fixture.hpp"
+
 #include <catch2/catch.hpp>
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 using namespace lockstep;
 
@@ -75,5 +81,44 @@ TEST_CASE("micro-batch positions and sample offsets do not wrap at huge batch si
     } catch (const error& e) {
         CHECK(e.replica() == 1);
         CHECK(contains(e.what(), "overflows the 64-bit sample index"));
+    }
+}
+
+TEST_CASE("data_parallel.step with a 2^62-sample global batch splits it without wrapping and "
+          "refuses a step that would wrap the sample index",
+          "[train][thread]") {
+    using net = lockstep_test::mlp<float, thread_communicator, lockstep_test::storage::registry>;
+    const std::size_t global = std::size_t(1) << 62;
+    std::vector<std::vector<shard_range>> ranges(2);
+    std::vector<std::string> errors(2);
+    thread_group(2).run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        data_parallel<net, optim::sgd<float>> dp(comm, [](auto& ctx) { return net(ctx); },
+                                                 {.lr = 0.1}, {.micro_batches = 4});
+        const auto record = [&](net&, const shard_range& s, auto&) {
+            ranges[r].push_back(s);
+            return 0.0; // touches no data: only the bookkeeping is under test
+        };
+        try {
+            for (int step = 0; step < 3; ++step) // sample index 3 * 2^62 afterwards
+                dp.step(global, record);
+            dp.step(global, record); // 3 * 2^62 + 2^62 wraps 64 bits
+        } catch (const error& e) {
+            errors[r] = e.what();
+        }
+    });
+    for (std::size_t r = 0; r < 2; ++r) {
+        CAPTURE(r, errors[r]);
+        CHECK(contains(errors[r], "overflows the 64-bit sample index"));
+        REQUIRE(ranges[r].size() == 12); // 3 steps of 4 micro-batches; nothing of the 4th
+        // Each micro-batch m covers [m 2^60, (m + 1) 2^60); the replica gets its half.
+        for (std::size_t m = 0; m < 4; ++m) {
+            const shard_range& s = ranges[r][m];
+            const std::size_t quarter = global / 4;
+            CHECK(s.begin == m * quarter + r * (quarter / 2));
+            CHECK(s.size() == quarter / 2);
+            CHECK(s.global_size == global);
+        }
+        CHECK(ranges[r][4].sample_offset == global);
     }
 }
