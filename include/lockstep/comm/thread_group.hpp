@@ -36,14 +36,14 @@ struct thread_group_params {
 ///     lockstep::thread_group group(4, {.timeout = std::chrono::seconds(30)});
 ///     group.run([&](lockstep::thread_communicator& comm) { ... });
 ///
-/// Aborting: abort(reason) may be called from any thread (a watchdog, a signal-handling
-/// thread, a replica). Every replica blocked in a collective, send or recv wakes at once and
-/// throws errc::peer_failure ("the run was aborted: <reason>"), and so does every later call.
-/// A replica that is inside its own code (computing, sleeping, waiting on something that is
-/// not lockstep's) cannot be interrupted: run() joins every replica thread, so it returns only
-/// when that code returns or calls into the communicator. Code with long loops can poll
-/// thread_communicator::run_failed() to return early. There is no deadline after which run()
-/// detaches threads.
+/// Aborting: abort(reason) may be called from any thread (a watchdog, a thread that waits for
+/// signals, a replica), not from a signal handler (it takes a mutex). Every replica blocked in a
+/// collective, send or recv wakes at once and throws errc::peer_failure ("the run was aborted:
+/// <reason>"), and so does every later call. A replica that is inside its own code (computing,
+/// sleeping, waiting on something that is not lockstep's) cannot be interrupted: run() joins every
+/// replica thread, so it returns only when that code returns or calls into the communicator. Code
+/// with long loops can poll thread_communicator::run_failed() to return early. There is no deadline
+/// after which run() detaches threads. A thread_group is movable, not copyable.
 class thread_group {
 public:
     using params = thread_group_params;
@@ -70,6 +70,8 @@ public:
     /// after a replica failed, changes nothing); returns true when this call aborted a run in
     /// progress.
     bool abort(std::string reason) {
+        LOCKSTEP_REQUIRE(control_ != nullptr, errc::invalid_argument, -1, "thread_group.abort",
+                         "this thread_group was moved from");
         std::lock_guard lock(control_->mutex);
         if (auto ctx = control_->current) {
             const error e(errc::peer_failure, -1, "thread_group.abort", reason);
@@ -87,6 +89,8 @@ public:
     template <class F>
     requires std::invocable<F&, thread_communicator&>
     void run(F&& f) {
+        LOCKSTEP_REQUIRE(control_ != nullptr, errc::invalid_argument, -1, "thread_group.run",
+                         "this thread_group was moved from");
         auto ctx = std::make_shared<detail::shm::run_context>(params_.timeout, size_);
         {
             std::lock_guard lock(control_->mutex);
