@@ -422,9 +422,8 @@ TEST_CASE("a null or oversized span on rank 0 is an error on every rank, then th
                                   reduce_op::sum);
               }) == expected);
         CHECK(code_of([&] { comm.broadcast(mine(good), 1 % p); }) == expected);
-        CHECK(code_of([&] {
-                  comm.all_gather(std::span<const float>(good).first(4), mine(out));
-              }) == expected);
+        CHECK(code_of([&] { comm.all_gather(std::span<const float>(good).first(4), mine(out)); }) ==
+              expected);
         CHECK(code_of([&] {
                   comm.all_to_all(std::span<const float>(mine(good)), std::span<float>(out));
               }) == expected);
@@ -434,9 +433,9 @@ TEST_CASE("a null or oversized span on rank 0 is an error on every rank, then th
               }) == expected);
         // An all_gather of 2^63 elements per rank: refused, not silently skipped.
         CHECK(code_of([&] {
-                  comm.all_gather(std::span<const float>(good.data(),
-                                                         r == 0 ? std::size_t(1) << 63 : 4),
-                                  std::span<float>(out));
+                  comm.all_gather(
+                      std::span<const float>(good.data(), r == 0 ? std::size_t(1) << 63 : 4),
+                      std::span<float>(out));
               }) == expected);
         CHECK_FALSE(comm.broken());
         // The communicator is still in step afterwards.
