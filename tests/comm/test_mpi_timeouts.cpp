@@ -73,6 +73,8 @@ int main(int argc, char** argv) {
         MPI_COMM_WORLD,
         {.on_failure = scenario == "abort" ? lockstep::mpi_failure_action::abort : throwing});
     g_rank = comm.rank();
+    if (scenario == "abort")
+        record("started");
     const int last = comm.size() - 1;
     std::vector<float> v(8, float(comm.rank() + 1));
     try {
