@@ -10,6 +10,7 @@
 #include "lockstep/comm/thread_group.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <set>
@@ -399,6 +400,78 @@ TEST_CASE("replicas that disagree get an error on every rank, then continue",
         std::vector<int> one{r};
         comm.all_reduce(std::span<const int>(one), std::span<int>(one), reduce_op::sum);
         CHECK(one[0] == p * (p - 1) / 2);
+    });
+}
+
+TEST_CASE("a null or oversized span on rank 0 is an error on every rank, then the collectives "
+          "continue",
+          "[comm][mpi][failure]") {
+    mpi_communicator comm(MPI_COMM_WORLD);
+    in_step(comm, [&] {
+        const int p = comm.size(), r = comm.rank();
+        const auto n = static_cast<std::size_t>(p);
+        std::vector<float> good(4 * n, 1.0f), out(4 * n);
+        float* const null = nullptr;
+        const errc expected = r == 0 ? errc::invalid_argument : errc::peer_failure;
+        // Rank 0 passes a null buffer with a non-zero count to each collective in turn.
+        const auto mine = [&](std::span<float> s) {
+            return r == 0 ? std::span<float>(null, s.size()) : s;
+        };
+        CHECK(code_of([&] {
+                  comm.all_reduce(std::span<const float>(mine(good)), std::span<float>(out),
+                                  reduce_op::sum);
+              }) == expected);
+        CHECK(code_of([&] { comm.broadcast(mine(good), 1 % p); }) == expected);
+        CHECK(code_of([&] { comm.all_gather(std::span<const float>(good).first(4), mine(out)); }) ==
+              expected);
+        CHECK(code_of([&] {
+                  comm.all_to_all(std::span<const float>(mine(good)), std::span<float>(out));
+              }) == expected);
+        CHECK(code_of([&] {
+                  comm.reduce(std::span<const float>(mine(good)), std::span<float>(out),
+                              reduce_op::sum, 0);
+              }) == expected);
+        // An all_gather of 2^63 elements per rank: refused, not silently skipped.
+        CHECK(code_of([&] {
+                  comm.all_gather(
+                      std::span<const float>(good.data(), r == 0 ? std::size_t(1) << 63 : 4),
+                      std::span<float>(out));
+              }) == expected);
+        CHECK_FALSE(comm.broken());
+        // The communicator is still in step afterwards.
+        std::vector<int> one{r};
+        comm.all_reduce(std::span<const int>(one), std::span<int>(one), reduce_op::sum);
+        CHECK(one[0] == p * (p - 1) / 2);
+    });
+}
+
+TEST_CASE("a receive nobody answers times out and breaks only its communicator",
+          "[comm][mpi][failure]") {
+    mpi_communicator world(MPI_COMM_WORLD);
+    in_step(world, [&] {
+        // Rank 0's own communicator: nobody sends to it, so its recv times out.
+        mpi_communicator comm(MPI_COMM_WORLD,
+                              {.timeout = std::chrono::milliseconds(300),
+                               .on_failure = lockstep::mpi_failure_action::throw_error});
+        CHECK(comm.timeout() == std::chrono::milliseconds(300));
+        if (comm.rank() == 0) {
+            std::vector<float> v(3);
+            try {
+                comm.recv(std::span<float>(v), 1 % comm.size(), 7);
+                FAIL_CHECK("recv returned without a message");
+            } catch (const lockstep::error& e) {
+                INFO(e.what());
+                CHECK(e.code() == errc::timeout);
+                CHECK(std::string(e.what()).find("tag 7") != std::string::npos);
+                CHECK(std::string(e.what()).find("300 ms") != std::string::npos);
+            }
+            CHECK(comm.broken());
+            CHECK(code_of([&] { comm.send(std::span<const float>(v), 1 % comm.size(), 7); }) ==
+                  errc::timeout); // refused at once with the first failure's code
+        }
+        CHECK_THROWS_AS(comm.set_timeout(std::chrono::milliseconds(0)), lockstep::error);
+        // The world communicator is unaffected.
+        world.barrier();
     });
 }
 

@@ -5,7 +5,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <mutex>
 #include <span>
 #include <stdexcept>
@@ -384,4 +386,180 @@ TEST_CASE("run rethrows exceptions of any type unchanged", "[comm][thread]") {
         CHECK(v == 42);
     }
     CHECK(contains(peer_saw, "replica 1 failed: an exception not derived from std::exception"));
+}
+
+TEST_CASE("abort from a watchdog thread releases blocked replicas with peer_failure",
+          "[comm][thread]") {
+    thread_group group(3, {.timeout = std::chrono::seconds(60)});
+    std::vector<outcome> out(3);
+    std::vector<double> released_after(3, -1.0);
+    std::atomic<bool> second_abort_changed{true};
+    const auto start = std::chrono::steady_clock::now();
+    std::thread watchdog([&] {
+        std::this_thread::sleep_for(200ms);
+        group.abort("watchdog: step took too long");
+        second_abort_changed = group.abort("a second reason");
+    });
+    try {
+        group.run([&](thread_communicator& comm) {
+            const auto r = static_cast<std::size_t>(comm.rank());
+            try {
+                if (comm.rank() == 2) { // in its own code: it cannot be interrupted
+                    while (!comm.run_failed())
+                        std::this_thread::sleep_for(10ms);
+                }
+                std::vector<float> v(100, 1.0f);
+                comm.all_reduce(std::span<const float>(v), std::span<float>(v), reduce_op::sum);
+            } catch (const lockstep::error& e) {
+                released_after[r] =
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+                out[r] = {true, e.code(), e.what()};
+                throw;
+            }
+        });
+        FAIL("run returned although the group was aborted");
+    } catch (const lockstep::error& e) {
+        CHECK(e.code() == errc::peer_failure);
+        CHECK(e.operation() == "thread_group.abort");
+        CHECK(contains(e.what(), "watchdog: step took too long"));
+    }
+    watchdog.join();
+    CHECK_FALSE(second_abort_changed.load());
+    for (int r = 0; r < 3; ++r) {
+        const auto& o = out[static_cast<std::size_t>(r)];
+        CAPTURE(r, o.what);
+        CHECK(o.threw);
+        CHECK(o.code == errc::peer_failure);
+        CHECK(contains(o.what, "the run was aborted: watchdog: step took too long"));
+        // Aborted at 200 ms; the bound is 1 s after the abort.
+        CHECK(released_after[static_cast<std::size_t>(r)] < 1.2);
+    }
+}
+
+TEST_CASE("abort with no run in progress fails the next run before any replica starts",
+          "[comm][thread]") {
+    thread_group group(2);
+    CHECK_FALSE(group.abort("stop before starting"));
+    CHECK_FALSE(group.abort("ignored: already pending"));
+    std::atomic<int> started{0};
+    try {
+        group.run([&](thread_communicator&) { ++started; });
+        FAIL("run started although abort was pending");
+    } catch (const lockstep::error& e) {
+        CHECK(e.code() == errc::peer_failure);
+        CHECK(contains(e.what(), "stop before starting"));
+    }
+    CHECK(started.load() == 0);
+    // The abort is consumed: the next run works.
+    group.run([&](thread_communicator& comm) {
+        std::vector<int> v(4, comm.rank() + 1);
+        comm.all_reduce(std::span<const int>(v), std::span<int>(v), reduce_op::sum);
+        if (v[0] == 3)
+            ++started;
+    });
+    CHECK(started.load() == 2);
+}
+
+TEST_CASE("a replica's null or oversized span is an error on every replica, and the group "
+          "stays usable",
+          "[comm][thread]") {
+    const std::size_t huge = std::size_t(1) << 63;
+    for (const char* which :
+         {"all_reduce", "broadcast", "all_gather", "reduce", "all_to_all", "all_gather 2^63"}) {
+        thread_group group(3);
+        std::vector<outcome> out(3);
+        std::vector<int> after(3, 0);
+        const std::string w = which;
+        group.run([&](thread_communicator& comm) {
+            const auto r = static_cast<std::size_t>(comm.rank());
+            std::vector<float> send(6, float(r + 1)), recv(18, 0.0f);
+            // Replica 0 passes a null send span (or a 2^63-element one); the others are fine.
+            std::span<const float> s(send);
+            if (r == 0)
+                s = w == "all_gather 2^63"
+                        ? std::span<const float>(send.data(), huge)
+                        : std::span<const float>(static_cast<const float*>(nullptr), 6);
+            try {
+                if (w == "all_reduce")
+                    comm.all_reduce(s, std::span<float>(recv).first(6), reduce_op::sum);
+                else if (w == "broadcast")
+                    comm.broadcast(r == 0 ? std::span<float>(static_cast<float*>(nullptr), 6)
+                                          : std::span<float>(send),
+                                   1);
+                else if (w == "all_gather" || w == "all_gather 2^63")
+                    comm.all_gather(s, std::span<float>(recv));
+                else if (w == "reduce")
+                    comm.reduce(s, std::span<float>(recv).first(6), reduce_op::sum, 1);
+                else
+                    comm.all_to_all(s, std::span<float>(recv).first(6));
+            } catch (const lockstep::error& e) {
+                out[r] = {true, e.code(), e.what()};
+            }
+            std::vector<int> v(2, static_cast<int>(r) + 1);
+            comm.all_reduce(std::span<const int>(v), std::span<int>(v), reduce_op::sum);
+            after[r] = v[1];
+        });
+        for (int r = 0; r < 3; ++r) {
+            const auto& o = out[static_cast<std::size_t>(r)];
+            CAPTURE(which, r, o.what);
+            CHECK(o.threw);
+            CHECK(o.code == errc::invalid_argument);
+            CHECK(contains(o.what, "replica 0 passed a"));
+            CHECK(contains(o.what, w == "all_gather 2^63" ? "more than memory can hold" : "null"));
+            CHECK(after[static_cast<std::size_t>(r)] == 6); // a good collective still works
+        }
+    }
+}
+
+TEST_CASE("LOCKSTEP_TIMEOUT sets the default timeout; garbage is refused", "[comm][thread]") {
+    REQUIRE(::setenv("LOCKSTEP_TIMEOUT", "0.25", 1) == 0);
+    CHECK(lockstep::thread_group_params{}.timeout == 250ms);
+    CHECK(thread_group(2, {.timeout = 5s}).parameters().timeout == 5s); // explicit wins
+    for (const char* bad : {"abc", "", "0", "-3", "inf", "nan", "2s", "1e300"}) {
+        REQUIRE(::setenv("LOCKSTEP_TIMEOUT", bad, 1) == 0);
+        CAPTURE(bad);
+        try {
+            lockstep::thread_group_params p;
+            FAIL("accepted LOCKSTEP_TIMEOUT='" << bad << "' as " << p.timeout.count() << " ms");
+        } catch (const lockstep::error& e) {
+            CHECK(e.code() == errc::invalid_argument);
+            CHECK(contains(e.what(), "LOCKSTEP_TIMEOUT"));
+        }
+    }
+    REQUIRE(::unsetenv("LOCKSTEP_TIMEOUT") == 0);
+    CHECK(lockstep::thread_group_params{}.timeout == 120s);
+}
+
+TEST_CASE("send and recv refuse a null span before copying anything", "[comm][thread]") {
+    thread_group group(2);
+    std::vector<outcome> out(2);
+    float received = -1.0f;
+    group.run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        const int peer = 1 - comm.rank();
+        std::span<float> null(static_cast<float*>(nullptr), 5);
+        try {
+            if (r == 0)
+                comm.send(std::span<const float>(null), peer, 3);
+            else
+                comm.recv(null, peer, 3);
+        } catch (const lockstep::error& e) {
+            out[r] = {true, e.code(), e.what()};
+        }
+        // Still usable: a good message goes through.
+        std::vector<float> v(5, float(r));
+        if (r == 0)
+            comm.send(std::span<const float>(v), peer, 4);
+        else
+            comm.recv(std::span<float>(v), peer, 4);
+        if (r == 1)
+            received = v[4];
+    });
+    CHECK(received == 0.0f);
+    for (const auto& o : out) {
+        CAPTURE(o.what);
+        CHECK(o.threw);
+        CHECK(o.code == errc::invalid_argument);
+        CHECK(contains(o.what, "data is a null pointer with 5 elements"));
+    }
 }

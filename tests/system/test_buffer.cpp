@@ -7,6 +7,7 @@
 #include <thrust/sequence.h>
 
 #include <cstdint>
+#include <string>
 
 using lockstep::buffer;
 using lockstep::host_system;
@@ -40,4 +41,20 @@ TEST_CASE("host_system thread budget", "[system][host]") {
     CHECK(host_system(3).threads() == 3);
     CHECK(host_system().threads() >= 1);
     CHECK(host_system::default_threads(1000) == 1);
+}
+
+TEST_CASE("buffer refuses element counts whose byte size overflows", "[system][host]") {
+    // 2^62 + 1 floats: n * sizeof(float) wraps to 4 bytes without the check.
+    const std::size_t n = (std::size_t(1) << 62) + 1;
+    try {
+        buffer<float> b(n);
+        FAIL("allocated " << b.size_bytes() << " bytes for " << b.size() << " floats");
+    } catch (const lockstep::error& e) {
+        CHECK(e.code() == lockstep::errc::invalid_argument);
+        CHECK(std::string(e.what()).find("4611686018427387905") != std::string::npos);
+    }
+    // Fits in size_t, but beyond the largest object.
+    CHECK_THROWS_AS(buffer<double>(std::size_t(1) << 61), lockstep::error);
+    buffer<float> ok(3); // the check does not get in the way of normal sizes
+    CHECK(ok.size_bytes() == 12);
 }

@@ -2,6 +2,7 @@
 // with its own nccl_communicator. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/timeout.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 
@@ -31,7 +32,8 @@ namespace lockstep {
 struct gpu_group_params {
     /// How long a replica waits for its peers (nccl_communicator's synchronize(), wait() and
     /// barrier()) before it aborts its communicator and throws errc::timeout, failing the run.
-    std::chrono::milliseconds timeout = std::chrono::minutes(10);
+    /// Default: LOCKSTEP_TIMEOUT seconds when that environment variable is set, else 10 min.
+    std::chrono::milliseconds timeout = default_timeout(std::chrono::minutes(10));
     /// Streams of the caller for the replicas to adopt, streams[i] for the i-th device (not
     /// owned: they must outlive run()); empty: every communicator creates its own stream.
     std::vector<cudaStream_t> streams = {};

@@ -3,20 +3,27 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/detail/mpi_progress.hpp"
 #include "lockstep/comm/detail/mpi_signature.hpp"
 #include "lockstep/comm/detail/mpi_types.hpp"
+#include "lockstep/comm/detail/span_checks.hpp"
 #include "lockstep/comm/mpi_environment.hpp"
+#include "lockstep/comm/timeout.hpp"
+#include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/system/host_system.hpp"
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <limits>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -27,9 +34,21 @@
 
 namespace lockstep {
 
+/// What an mpi_communicator does once a wait timed out or an MPI call failed inside an
+/// operation (the communicator is broken either way).
+enum class mpi_failure_action {
+    abort,      ///< print the error to stderr and end the job (MPI_Abort on MPI_COMM_WORLD)
+    throw_error ///< throw the error; the caller must end the job (e.g. abort(e))
+};
+
 /// Runtime options of mpi_communicator.
 struct mpi_communicator_params {
     bool verify = true; ///< exchange a signature before each collective (see mpi_communicator)
+    /// How long one MPI operation may wait for the peers (default: LOCKSTEP_TIMEOUT seconds
+    /// when set, else 300 s). requires: > 0.
+    std::chrono::milliseconds timeout = default_timeout(std::chrono::seconds(300));
+    /// What happens after a timeout or an MPI failure inside an operation.
+    mpi_failure_action on_failure = mpi_failure_action::abort;
 };
 
 /// A communicator whose replicas are the processes of an MPI communicator (one replica per
@@ -41,30 +60,57 @@ struct mpi_communicator_params {
 ///
 /// Verification (params::verify, default on): before each collective the replicas exchange a
 /// signature {collective, sequence number, count, element type, root, reduce_op, arguments ok}
-/// in one MPI_Allreduce of 14 int64 (MPI_MAX over {v, -v} gives min and max at once). Replicas
+/// in one MPI_Iallreduce of 14 int64 (MPI_MAX over {v, -v} gives min and max at once). Replicas
 /// that disagree throw lockstep::error on every replica (errc::count_mismatch for counts) naming
 /// the collective, its sequence number and the min/max values; a replica whose own arguments
 /// are invalid throws its own error and the others get errc::peer_failure instead of waiting.
-/// Cost: one extra 112-byte MPI_Allreduce per collective. bench_allreduce, 2 ranks on one node
-/// (MPICH 4.0.2, medians): about +2 us, i.e. 2.3-2.5x raw MPI_Allreduce at 4 B, +25% at
-/// 16 KiB, +3-5% at 256 KiB, a few percent or noise from 1 MiB on; without verification
-/// lockstep is within 1-2% of raw MPI at every size. Turn it off ({.verify = false}) for many tiny
-/// collectives once a program is known to be consistent. Every replica must use the same `verify`.
-/// Without it, mismatched counts are MPI's undefined behaviour (truncation errors, garbage or a
-/// hang).
+/// Cost: one extra 112-byte all-reduce per collective. bench_allreduce, 2 ranks on one node
+/// (MPICH 4.0.2, medians), measured while every operation was still a blocking MPI call: about
+/// +2 us, i.e. 2.3-2.5x raw MPI_Allreduce at 4 B, +25% at 16 KiB, +3-5% at 256 KiB, a few
+/// percent or noise from 1 MiB on; without verification lockstep was within 1-2% of raw MPI at
+/// every size. (Not re-measured for the polled nonblocking calls.) Turn it off ({.verify = false})
+/// for many tiny collectives once a program is known to be consistent. Every replica must use the
+/// same `verify`. Without it, mismatched counts are MPI's undefined behaviour (truncation errors,
+/// garbage or a hang).
 ///
-/// Failure: MPI cannot release peers that wait in a collective for a process that threw. A
-/// replica that throws and will not call the next collective must call `abort(e)` (it prints
-/// the error and calls MPI_Abort on MPI_COMM_WORLD); destructors run during stack unwinding
-/// cannot help the others.
+/// Arguments: a null span with a non-zero count, a span larger than memory can hold, sizes
+/// that do not fit together or a count MPI cannot describe are refused with lockstep::error
+/// (errc::invalid_argument or errc::unsupported) before any data moves. With verification the
+/// other replicas get errc::peer_failure from the same call instead of waiting; without it they
+/// are not told (they time out). The communicator stays usable after such an error.
+///
+/// Timeouts: every MPI operation (collectives, the signature exchange, send, recv, split) is a
+/// nonblocking call polled with MPI_Test against params::timeout (default LOCKSTEP_TIMEOUT
+/// seconds, else 300 s) from its start. The polling spins for about 20 us, then sleeps between
+/// tests (10 us growing to 100 us), so a long wait does not take a core from the compute
+/// threads. Large operations spin longer (about 1 ns per byte, at most 20 ms): MPI moves data
+/// only inside MPI calls (shared-memory copies go in pieces), so sleeping while a transfer is
+/// under way would stretch it. On a timeout the replica asks every peer where it is (a census on a
+/// private duplicate communicator; peers that wait in any operation of this communicator answer
+/// within ~100 us, peers that compute, exited or finalised stay silent) and fails with
+/// errc::timeout: "all_reduce #12: timed out after 2000 ms in MPI_Iallreduce; missing replica(s) 2
+/// (...)". An MPI call that fails inside an operation fails with errc::mpi naming the call. Either
+/// way the communicator is broken: every later call throws at once with the first failure's code
+/// and message. Then, by params::on_failure, it prints the error and ends the job with MPI_Abort
+/// (the default: no replica is left waiting) or throws it (the caller must end the job, e.g.
+/// with abort(e): MPI cannot cancel the collective the peers are in, so MPI_Finalize may hang).
+/// A replica that leaves early (returns from main, finalises MPI) or calls one collective too
+/// many is therefore an error on the others within the timeout.
+///
+/// Failure elsewhere: a replica that throws from its own code and will not call the next
+/// collective should call `abort(e)` (it prints the error and calls MPI_Abort on
+/// MPI_COMM_WORLD); otherwise its peers fail only when their timeout passes.
 class mpi_communicator {
 public:
     using system_type = host_system;
     using params = mpi_communicator_params;
 
-    /// requires: MPI initialised (mpi_environment), comm a valid intra-communicator. Collective
-    /// over comm. ensures: owns a duplicate of comm with MPI_ERRORS_RETURN, so MPI failures
-    /// become lockstep::error (errc::mpi) instead of aborting.
+    /// requires: MPI initialised (mpi_environment), comm a valid intra-communicator, p.timeout
+    /// > 0. Collective over comm. ensures: owns two duplicates of comm with MPI_ERRORS_RETURN
+    /// (one for the operations, one for the census of a timed-out replica), so MPI failures
+    /// become lockstep::error (errc::mpi) instead of aborting. A process of comm that does not
+    /// construct its communicator within p.timeout makes this fail with errc::timeout (by
+    /// p.on_failure: abort, or throw).
     explicit mpi_communicator(MPI_Comm comm, params p = {}) : params_(p) {
         int initialized = 0;
         LOCKSTEP_MPI_CHECK(MPI_Initialized(&initialized));
@@ -72,7 +118,25 @@ public:
                          "MPI is not initialised: create a lockstep::mpi_environment first");
         LOCKSTEP_REQUIRE(comm != MPI_COMM_NULL, errc::invalid_argument, -1, "mpi_communicator",
                          "comm is MPI_COMM_NULL");
-        LOCKSTEP_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
+        LOCKSTEP_REQUIRE(p.timeout.count() > 0, errc::invalid_argument, -1, "mpi_communicator",
+                         "timeout ", p.timeout.count(), " ms must be positive");
+        // Nonblocking, so that a process that never joins makes this a timeout, not a hang.
+        MPI_Request dup = MPI_REQUEST_NULL;
+        LOCKSTEP_MPI_CHECK(MPI_Comm_idup(comm, &comm_, &dup));
+        bool done = false;
+        LOCKSTEP_MPI_CHECK(
+            detail::mpi_poll([&](int& flag) { return MPI_Test(&dup, &flag, MPI_STATUS_IGNORE); },
+                             detail::mpi_clock::now() + p.timeout, control_, 0, done));
+        if (!done) {
+            const error e(errc::timeout, -1, "mpi_communicator",
+                          detail::concat("MPI_Comm_idup did not complete within ",
+                                         p.timeout.count(),
+                                         " ms: a process of the communicator did not construct "
+                                         "its mpi_communicator"));
+            if (p.on_failure == mpi_failure_action::abort)
+                abort(e);
+            throw e;
+        }
         try {
             setup();
             // The cores of a node are shared by every process on it that this group knows of.
@@ -109,105 +173,149 @@ public:
     /// instead of running as shared-memory copies on the compute cores.
     bool spans_nodes() const noexcept { return node_ranks_ < size_; }
     bool verifying() const noexcept { return params_.verify; }
+    /// How long one MPI operation may wait for the peers.
+    std::chrono::milliseconds timeout() const noexcept { return params_.timeout; }
+    /// Sets the timeout of later operations. requires: t > 0.
+    void set_timeout(std::chrono::milliseconds t) {
+        LOCKSTEP_REQUIRE(t.count() > 0, errc::invalid_argument, rank_, "mpi_communicator",
+                         "timeout ", t.count(), " ms must be positive");
+        params_.timeout = t;
+    }
+    /// True once an operation timed out or an MPI call failed inside one: every later call
+    /// throws the first failure again.
+    bool broken() const noexcept { return broken_.has_value(); }
     /// The number of collectives this communicator has started (the "#n" in error messages).
     std::int64_t sequence() const noexcept { return seq_; }
 
     /// recv[i] = op over replicas of send[i]. send == recv runs in place (MPI_IN_PLACE).
     /// requires: send.size() == recv.size(), equal on every replica; send and recv identical
-    /// or disjoint.
+    /// or disjoint; non-null unless empty.
     template <class T>
     void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
                     reduce_op op) {
         check_type<T>();
         const bool in_place = send.data() == recv.data();
-        const bool ok = send.size() == recv.size() && (in_place || disjoint(send, recv));
+        const std::string bad = detail::join_problems(
+            {detail::span_problem(send, "send"), detail::span_problem(recv, "recv")});
+        const bool ok =
+            bad.empty() && send.size() == recv.size() && (in_place || disjoint(send, recv));
         begin(detail::mpi_collective::all_reduce, send.size(), detail::mpi_type<T>::id, 0, op, ok);
-        LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "send.size() = ", send.size(),
-                         ", recv.size() = ", recv.size(),
+        LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), bad.empty() ? "" : bad + ": ",
+                         "send.size() = ", send.size(), ", recv.size() = ", recv.size(),
                          " (sizes must be equal; buffers identical or disjoint)");
         for_each_chunk(recv.size(), [&](std::size_t at, int n) {
-            call(MPI_Allreduce(in_place ? MPI_IN_PLACE : send.data() + at, recv.data() + at, n,
-                               detail::mpi_type<T>::datatype(), detail::to_mpi_op<T>(op), comm_),
-                 "MPI_Allreduce", recv.size());
+            MPI_Request req = MPI_REQUEST_NULL;
+            call(MPI_Iallreduce(in_place ? MPI_IN_PLACE : send.data() + at, recv.data() + at, n,
+                                detail::mpi_type<T>::datatype(), detail::to_mpi_op<T>(op), comm_,
+                                &req),
+                 "MPI_Iallreduce", recv.size());
+            finish(req, "MPI_Iallreduce", recv.size(), std::size_t(n) * sizeof(T));
         });
     }
 
     /// data on every replica becomes root's data. requires: 0 <= root < size(), data.size()
-    /// equal on every replica.
+    /// equal on every replica, data non-null unless empty.
     template <class T>
     void broadcast(std::span<T> data, int root) {
         check_type<T>();
-        const bool ok = root >= 0 && root < size_;
+        const std::string bad = detail::span_problem(data, "data");
+        const bool ok = bad.empty() && root >= 0 && root < size_;
         begin(detail::mpi_collective::broadcast, data.size(), detail::mpi_type<T>::id, root,
               reduce_op::sum, ok);
+        LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
         LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "root ", root,
                          " is not a replica of this group of ", size_);
         for_each_chunk(data.size(), [&](std::size_t at, int n) {
-            call(MPI_Bcast(data.data() + at, n, detail::mpi_type<T>::datatype(), root, comm_),
-                 "MPI_Bcast", data.size());
+            MPI_Request req = MPI_REQUEST_NULL;
+            call(
+                MPI_Ibcast(data.data() + at, n, detail::mpi_type<T>::datatype(), root, comm_, &req),
+                "MPI_Ibcast", data.size());
+            finish(req, "MPI_Ibcast", data.size(), std::size_t(n) * sizeof(T));
         });
     }
 
     /// recv = every replica's send, concatenated in rank order. send may be this replica's
     /// slot of recv (in place). requires: recv.size() == size() * send.size(), send.size()
-    /// equal on every replica and <= INT_MAX.
+    /// equal on every replica and <= INT_MAX (else errc::unsupported); spans non-null unless
+    /// empty.
     template <class T>
     void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
         check_type<T>();
         const std::size_t n = send.size();
-        const bool in_place = n != 0 && send.data() == recv.data() + rank_ * n;
-        const bool ok = recv.size() == static_cast<std::size_t>(size_) * n &&
-                        n <= std::size_t(std::numeric_limits<int>::max()) &&
+        const std::string bad = detail::join_problems(
+            {detail::span_problem(send, "send"), detail::span_problem(recv, "recv")});
+        std::size_t total = 0;
+        const bool no_overflow = !mul_overflows(static_cast<std::size_t>(size_), n, &total);
+        const bool fits = n <= std::size_t(std::numeric_limits<int>::max());
+        const bool in_place =
+            bad.empty() && no_overflow && n != 0 && send.data() == recv.data() + rank_ * n;
+        const bool ok = bad.empty() && no_overflow && recv.size() == total && fits &&
                         (in_place || disjoint(send, recv));
         begin(detail::mpi_collective::all_gather, n, detail::mpi_type<T>::id, 0, reduce_op::sum,
               ok);
+        LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
+        LOCKSTEP_REQUIRE(fits, errc::unsupported, rank_, name(), "send.size() = ", n,
+                         " exceeds MPI's int count (", std::numeric_limits<int>::max(),
+                         "); gather it in pieces");
         LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "send.size() = ", n,
                          ", recv.size() = ", recv.size(), " (requires recv.size() == ", size_,
-                         " * send.size() <= INT_MAX; send disjoint from recv or its own slot)");
-        call(MPI_Allgather(in_place ? MPI_IN_PLACE : send.data(), static_cast<int>(n),
-                           detail::mpi_type<T>::datatype(), recv.data(), static_cast<int>(n),
-                           detail::mpi_type<T>::datatype(), comm_),
-             "MPI_Allgather", n);
+                         " * send.size(); send disjoint from recv or its own slot)");
+        MPI_Request req = MPI_REQUEST_NULL;
+        call(MPI_Iallgather(in_place ? MPI_IN_PLACE : send.data(), static_cast<int>(n),
+                            detail::mpi_type<T>::datatype(), recv.data(), static_cast<int>(n),
+                            detail::mpi_type<T>::datatype(), comm_, &req),
+             "MPI_Iallgather", n);
+        finish(req, "MPI_Iallgather", n, recv.size_bytes());
     }
 
-    /// Block r of recv = block rank() of replica r's send (MPI_Alltoall; blocks of
+    /// Block r of recv = block rank() of replica r's send (MPI_Ialltoall; blocks of
     /// send.size() / size() elements). requires: send.size() equal on every replica and a
     /// multiple of size(); recv.size() == send.size(); send and recv disjoint (no in-place
-    /// form). A block beyond INT_MAX elements is refused with errc::unsupported.
+    /// form), non-null unless empty. A block beyond INT_MAX elements is refused with
+    /// errc::unsupported.
     template <class T>
     void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
         check_type<T>();
         const std::size_t n = send.size();
         const std::size_t block = n / static_cast<std::size_t>(size_);
-        const bool ok =
-            n % static_cast<std::size_t>(size_) == 0 && recv.size() == n && disjoint(send, recv);
+        const std::string bad = detail::join_problems(
+            {detail::span_problem(send, "send"), detail::span_problem(recv, "recv")});
+        const bool ok = bad.empty() && n % static_cast<std::size_t>(size_) == 0 &&
+                        recv.size() == n && disjoint(send, recv);
         const bool fits = block <= std::size_t(std::numeric_limits<int>::max());
         begin(detail::mpi_collective::all_to_all, n, detail::mpi_type<T>::id, 0, reduce_op::sum,
               ok && fits);
+        LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
         LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "send.size() = ", n,
                          ", recv.size() = ", recv.size(), " (requires equal sizes, a multiple of ",
                          size_, ", and disjoint buffers)");
         LOCKSTEP_REQUIRE(fits, errc::unsupported, rank_, name(), "blocks of ", block,
                          " elements exceed MPI's int count; exchange them in pieces");
-        call(MPI_Alltoall(send.data(), static_cast<int>(block), detail::mpi_type<T>::datatype(),
-                          recv.data(), static_cast<int>(block), detail::mpi_type<T>::datatype(),
-                          comm_),
-             "MPI_Alltoall", n);
+        MPI_Request req = MPI_REQUEST_NULL;
+        call(MPI_Ialltoall(send.data(), static_cast<int>(block), detail::mpi_type<T>::datatype(),
+                           recv.data(), static_cast<int>(block), detail::mpi_type<T>::datatype(),
+                           comm_, &req),
+             "MPI_Ialltoall", n);
+        finish(req, "MPI_Ialltoall", n, send.size_bytes());
     }
 
     /// As all_reduce, but only root's recv is written (send == recv at root runs in place);
     /// other replicas' recv is not used. requires: 0 <= root < size(), send.size() equal on
-    /// every replica, root's recv.size() == send.size().
+    /// every replica, root's recv.size() == send.size(); spans non-null unless empty.
     template <class T>
     void reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
                 int root) {
         check_type<T>();
         const bool at_root = rank_ == root;
         const bool in_place = at_root && send.data() == recv.data();
+        const std::string bad =
+            detail::join_problems({detail::span_problem(send, "send"),
+                                   at_root ? detail::span_problem(recv, "recv") : std::string()});
         const bool ok =
-            root >= 0 && root < size_ &&
+            bad.empty() && root >= 0 && root < size_ &&
             (!at_root || (send.size() == recv.size() && (in_place || disjoint(send, recv))));
         begin(detail::mpi_collective::reduce, send.size(), detail::mpi_type<T>::id, root, op, ok);
+        LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
         LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "root ", root, " of ", size_,
                          ", send.size() = ", send.size(), ", recv.size() = ", recv.size(),
                          " (root's sizes must be equal; buffers identical or disjoint)");
@@ -222,9 +330,12 @@ public:
         for_each_chunk(send.size(), [&](std::size_t at, int n) {
             const void* src =
                 pass_in_place ? MPI_IN_PLACE : static_cast<const void*>(send.data() + at);
-            call(MPI_Reduce(src, at_root ? recv.data() + at : nullptr, n,
-                            detail::mpi_type<T>::datatype(), detail::to_mpi_op<T>(op), root, comm_),
-                 "MPI_Reduce", send.size());
+            MPI_Request req = MPI_REQUEST_NULL;
+            call(MPI_Ireduce(src, at_root ? recv.data() + at : nullptr, n,
+                             detail::mpi_type<T>::datatype(), detail::to_mpi_op<T>(op), root, comm_,
+                             &req),
+                 "MPI_Ireduce", send.size());
+            finish(req, "MPI_Ireduce", send.size(), std::size_t(n) * sizeof(T));
         });
     }
 
@@ -232,9 +343,9 @@ public:
     void barrier() {
         begin(detail::mpi_collective::barrier, 0, 0, 0, reduce_op::sum, true);
         // The verification all-reduce already needs every replica's contribution before any
-        // replica leaves it, so it is a barrier; MPI_Barrier would be a second one.
+        // replica leaves it, so it is a barrier; MPI_Ibarrier would be a second one.
         if (!params_.verify)
-            call(MPI_Barrier(comm_), "MPI_Barrier", 0);
+            ibarrier("MPI_Ibarrier");
     }
 
     /// The replicas with the same color, ranked by (key, rank); same `params` as this one.
@@ -243,34 +354,48 @@ public:
         begin(detail::mpi_collective::split, 0, 0, 0, reduce_op::sum, color >= 0);
         LOCKSTEP_REQUIRE(color >= 0, errc::invalid_argument, rank_, name(), "color ", color,
                          " is negative");
+        // MPI has no nonblocking split: make sure every replica has arrived first (the
+        // verification exchange already did), so the blocking call cannot wait for long.
+        if (!params_.verify)
+            ibarrier("MPI_Ibarrier (before MPI_Comm_split)");
         MPI_Comm sub = MPI_COMM_NULL;
         call(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split", 0);
         return mpi_communicator(sub, params_, node_ranks_);
     }
 
-    /// Sends data to replica dest with tag (blocking, MPI_Send). requires: 0 <= dest < size(),
-    /// 0 <= tag <= MPI_TAG_UB, data.size() <= INT_MAX.
+    /// Sends data to replica dest with tag (MPI_Isend, waited for within the timeout).
+    /// requires: 0 <= dest < size(), 0 <= tag <= MPI_TAG_UB, data.size() <= INT_MAX, data
+    /// non-null unless empty.
     template <class T>
     void send(std::span<T> data, int dest, int tag) {
         using E = std::remove_const_t<T>;
         check_type<E>();
-        check_peer(dest, tag, data.size(), "send");
-        call_p2p(MPI_Send(data.data(), static_cast<int>(data.size()),
-                          detail::mpi_type<E>::datatype(), dest, tag, comm_),
-                 "send", "MPI_Send", dest, tag);
+        check_peer(dest, tag, data, "send");
+        MPI_Request req = MPI_REQUEST_NULL;
+        call_p2p(MPI_Isend(data.data(), static_cast<int>(data.size()),
+                           detail::mpi_type<E>::datatype(), dest, tag, comm_, &req),
+                 "send", "MPI_Isend", dest, tag);
+        bool done = false;
+        call_p2p(
+            detail::mpi_poll([&](int& flag) { return MPI_Test(&req, &flag, MPI_STATUS_IGNORE); },
+                             deadline(), control_, seq_, done,
+                             detail::mpi_poll_schedule::for_bytes(data.size_bytes())),
+            "send", "MPI_Test", dest, tag);
+        if (!done)
+            p2p_timeout("send", "MPI_Isend", dest, tag);
     }
     /// Receives the next message from replica source with tag into data. ensures: the
     /// message held exactly data.size() elements, else it is consumed and errc::count_mismatch
     /// is thrown naming both counts.
     template <class T>
     void recv(std::span<T> data, int source, int tag) {
-        check_peer(source, tag, data.size(), "recv");
+        check_peer(source, tag, data, "recv");
         receive(data, source, tag, "recv");
     }
     /// As recv, from any replica; returns the sender's rank.
     template <class T>
     int recv_any(std::span<T> data, int tag) {
-        check_peer(0, tag, data.size(), "recv_any");
+        check_peer(0, tag, data, "recv_any");
         return receive(data, MPI_ANY_SOURCE, tag, "recv_any");
     }
 
@@ -307,10 +432,16 @@ private:
         int found = 0;
         LOCKSTEP_MPI_CHECK(MPI_Comm_get_attr(comm_, MPI_TAG_UB, &tag_ub, &found));
         tag_ub_ = found && tag_ub != nullptr ? *tag_ub : 32767; // 32767: the standard's minimum
+        // Every replica is here (comm_ was just made collectively), so this cannot wait long.
+        MPI_Comm control = MPI_COMM_NULL;
+        LOCKSTEP_MPI_CHECK(MPI_Comm_dup(comm_, &control));
+        control_.adopt(control);
+        LOCKSTEP_MPI_CHECK(MPI_Comm_set_errhandler(control, MPI_ERRORS_RETURN));
     }
 
     void take(mpi_communicator& o) noexcept {
         comm_ = std::exchange(o.comm_, MPI_COMM_NULL);
+        control_.take(o.control_);
         params_ = o.params_;
         rank_ = o.rank_;
         size_ = o.size_;
@@ -318,8 +449,10 @@ private:
         tag_ub_ = o.tag_ub_;
         seq_ = o.seq_;
         kind_ = o.kind_;
+        broken_ = std::move(o.broken_);
     }
     void release() noexcept {
+        control_.adopt(MPI_COMM_NULL);
         if (comm_ == MPI_COMM_NULL)
             return;
         int finalized = 0;
@@ -355,65 +488,156 @@ private:
 
     // "all_reduce #12": the collective in progress and its sequence number.
     std::string name() const { return detail::mpi_operation_name(kind_, seq_); }
+    detail::mpi_clock::time_point deadline() const {
+        return detail::mpi_clock::now() + params_.timeout;
+    }
+
+    // Throws the first failure again once the communicator is broken.
+    void require_usable(const std::string& op) const {
+        LOCKSTEP_REQUIRE(comm_ != MPI_COMM_NULL, errc::invalid_argument, rank_, op,
+                         "the communicator was moved from");
+        if (broken_)
+            fail(broken_->code(), rank_, op,
+                 "the communicator is broken since an earlier failure: ", broken_->what());
+    }
 
     // Starts collective number seq_ + 1; with verification, exchanges the signature and throws
     // on every replica when they disagree. A replica whose own arguments failed (ok == false)
     // returns so that the caller throws its precise error; the others throw peer_failure.
     void begin(detail::mpi_collective kind, std::size_t count, std::int64_t type, int root,
                reduce_op op, bool ok) {
-        LOCKSTEP_REQUIRE(comm_ != MPI_COMM_NULL, errc::invalid_argument, rank_,
-                         std::string(detail::to_string(kind)), "the communicator was moved from");
+        require_usable(std::string(detail::to_string(kind)));
         ++seq_;
         kind_ = kind;
         if (!params_.verify)
             return;
-        using f = detail::mpi_signature;
-        f mine;
+        detail::mpi_signature mine;
         mine.value = {static_cast<std::int64_t>(kind),
                       seq_,
-                      static_cast<std::int64_t>(count),
+                      static_cast<std::int64_t>(std::min<std::size_t>(
+                          count, std::size_t(std::numeric_limits<std::int64_t>::max()))),
                       type,
                       root,
                       static_cast<std::int64_t>(op),
                       ok ? 1 : 0};
-        detail::mpi_signature_range r;
-        call(detail::mpi_signature_range_exchange(mine, comm_, r), "MPI_Allreduce (verify)", count);
+        auto v = detail::mpi_signature_pack(mine);
+        MPI_Request req = MPI_REQUEST_NULL;
+        call(MPI_Iallreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_INT64_T,
+                            MPI_MAX, comm_, &req),
+             "MPI_Iallreduce (verify)", count);
+        finish(req, "MPI_Iallreduce (verify)", count, 0);
         if (ok)
-            detail::require_agreement(mine, r, rank_);
+            detail::require_agreement(mine, detail::mpi_signature_unpack(v), rank_);
     }
 
-    void call(int rc, const char* mpi_call, std::size_t count) const {
-        if (rc != MPI_SUCCESS)
-            fail(errc::mpi, rank_, name(), mpi_call, " failed: ", detail::mpi_error_text(rc),
-                 " (count ", count, ", group of ", size_, ")");
+    void ibarrier(const char* what) {
+        MPI_Request req = MPI_REQUEST_NULL;
+        call(MPI_Ibarrier(comm_, &req), what, 0);
+        finish(req, what, 0, 0);
     }
-    void call_p2p(int rc, const char* op, const char* mpi_call, int peer, int tag) const {
-        if (rc != MPI_SUCCESS)
-            fail(errc::mpi, rank_, op, mpi_call, " with replica ", peer, ", tag ", tag,
-                 " failed: ", detail::mpi_error_text(rc));
+
+    // Waits for a collective's request of `bytes` bytes per replica within the timeout; a
+    // failure or timeout breaks the communicator.
+    void finish(MPI_Request& req, const char* mpi_call, std::size_t count, std::size_t bytes) {
+        bool done = false;
+        const int rc = detail::mpi_poll(
+            [&](int& flag) { return MPI_Test(&req, &flag, MPI_STATUS_IGNORE); }, deadline(),
+            control_, seq_, done, detail::mpi_poll_schedule::for_bytes(bytes));
+        call(rc, mpi_call, count);
+        if (done)
+            return;
+        // A census of the peers: who is inside this collective, who is behind or silent.
+        const auto grace =
+            std::min<std::chrono::milliseconds>(params_.timeout, std::chrono::seconds(1));
+        const auto peers = control_.census(rank_, size_, seq_, grace);
+        std::string missing, detail_text, arrived;
+        for (int j = 0; j < size_; ++j) {
+            const auto& p = peers[static_cast<std::size_t>(j)];
+            using st = detail::mpi_peer_report::state;
+            if (p.where == st::self || p.where == st::arrived) {
+                arrived += (arrived.empty() ? "" : ", ") + std::to_string(j);
+                continue;
+            }
+            missing += (missing.empty() ? "" : ", ") + std::to_string(j);
+            detail_text += (detail_text.empty() ? "" : "; ") + std::string("replica ") +
+                           std::to_string(j) + " ";
+            if (p.where == st::silent)
+                detail_text += "did not answer within " + std::to_string(grace.count()) +
+                               " ms (busy outside this communicator, exited or failed)";
+            else
+                detail_text +=
+                    "has started " + std::to_string(p.sequence) + " collective(s)" +
+                    (p.inside ? " and waits in an operation" : " and is between operations");
+        }
+        poison(error(errc::timeout, rank_, name(),
+                     detail::concat("timed out after ", params_.timeout.count(), " ms in ",
+                                    mpi_call, "; missing replica(s) ",
+                                    missing.empty() ? std::string("unknown") : missing,
+                                    missing.empty() ? "" : " (", detail_text,
+                                    missing.empty() ? "" : ")", "; arrived: ", arrived,
+                                    " (group of ", size_, ")")));
     }
-    void check_peer(int peer, int tag, std::size_t count, const char* op) const {
-        LOCKSTEP_REQUIRE(comm_ != MPI_COMM_NULL, errc::invalid_argument, rank_, op,
-                         "the communicator was moved from");
+
+    // Marks the communicator broken with e, then aborts the job or throws e (params).
+    [[noreturn]] void poison(error e) {
+        broken_ = e;
+        if (params_.on_failure == mpi_failure_action::abort)
+            abort(e);
+        throw e;
+    }
+
+    void call(int rc, const char* mpi_call, std::size_t count) {
+        if (rc != MPI_SUCCESS)
+            poison(error(errc::mpi, rank_, name(),
+                         detail::concat(mpi_call, " failed: ", detail::mpi_error_text(rc),
+                                        " (count ", count, ", group of ", size_, ")")));
+    }
+    void call_p2p(int rc, const char* op, const char* mpi_call, int peer, int tag) {
+        if (rc != MPI_SUCCESS)
+            poison(error(errc::mpi, rank_, op,
+                         detail::concat(mpi_call, " with replica ", peer, ", tag ", tag,
+                                        " failed: ", detail::mpi_error_text(rc))));
+    }
+    [[noreturn]] void p2p_timeout(const char* op, const char* mpi_call, int peer, int tag) {
+        poison(error(
+            errc::timeout, rank_, op,
+            detail::concat("timed out after ", params_.timeout.count(), " ms in ", mpi_call,
+                           " (tag ", tag, "): missing replica ",
+                           peer == MPI_ANY_SOURCE ? std::string("(any)") : std::to_string(peer),
+                           " (group of ", size_, ")")));
+    }
+    template <class T>
+    void check_peer(int peer, int tag, std::span<T> data, const char* op) const {
+        require_usable(op);
+        const std::string bad = detail::span_problem(data, "data");
+        LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, op, bad);
         LOCKSTEP_REQUIRE(peer >= 0 && peer < size_, errc::invalid_argument, rank_, op, "replica ",
                          peer, " is not in this group of ", size_);
         LOCKSTEP_REQUIRE(tag >= 0 && tag <= tag_ub_, errc::invalid_argument, rank_, op, "tag ", tag,
                          " is outside [0, ", tag_ub_, "]");
-        LOCKSTEP_REQUIRE(count <= std::size_t(std::numeric_limits<int>::max()), errc::unsupported,
-                         rank_, op, count, " elements exceed MPI's int count; send it in pieces");
+        LOCKSTEP_REQUIRE(data.size() <= std::size_t(std::numeric_limits<int>::max()),
+                         errc::unsupported, rank_, op, data.size(),
+                         " elements exceed MPI's int count; send it in pieces");
     }
 
-    // Matched probe (thread-safe), then receive; a message of the wrong size is consumed and
-    // reported, so the next receive does not match it again.
+    // Matched probe (polled against the timeout), then receive; a message of the wrong size is
+    // consumed and reported, so the next receive does not match it again.
     template <class T>
     int receive(std::span<T> data, int source, int tag, const char* op) {
         check_type<T>();
         MPI_Message msg = MPI_MESSAGE_NULL;
         MPI_Status st;
-        call_p2p(MPI_Mprobe(source, tag, comm_, &msg, &st), op, "MPI_Mprobe", source, tag);
+        bool done = false;
+        call_p2p(detail::mpi_poll(
+                     [&](int& flag) { return MPI_Improbe(source, tag, comm_, &flag, &msg, &st); },
+                     deadline(), control_, seq_, done),
+                 op, "MPI_Improbe", source, tag);
+        if (!done)
+            p2p_timeout(op, "MPI_Improbe", source, tag);
         int count = 0;
         call_p2p(MPI_Get_count(&st, detail::mpi_type<T>::datatype(), &count), op, "MPI_Get_count",
                  st.MPI_SOURCE, tag);
+        // The message has arrived: receiving it completes locally.
         if (count == MPI_UNDEFINED || static_cast<std::size_t>(count) != data.size()) {
             int bytes = 0;
             call_p2p(MPI_Get_count(&st, MPI_BYTE, &bytes), op, "MPI_Get_count", st.MPI_SOURCE, tag);
@@ -427,12 +651,14 @@ private:
                  " ", detail::mpi_type<T>::name, " elements) but the receive buffer holds ",
                  data.size(), "; the message was discarded");
         }
+        const int from = st.MPI_SOURCE;
         call_p2p(MPI_Mrecv(data.data(), count, detail::mpi_type<T>::datatype(), &msg, &st), op,
-                 "MPI_Mrecv", st.MPI_SOURCE, tag);
-        return st.MPI_SOURCE;
+                 "MPI_Mrecv", from, tag);
+        return from;
     }
 
     MPI_Comm comm_ = MPI_COMM_NULL;
+    detail::mpi_control control_;
     params params_{};
     int rank_ = -1;
     int size_ = 0;
@@ -440,6 +666,7 @@ private:
     int tag_ub_ = 32767;
     std::int64_t seq_ = 0;
     detail::mpi_collective kind_ = detail::mpi_collective::none;
+    std::optional<error> broken_;
 };
 
 static_assert(communicator<mpi_communicator>,

@@ -2,6 +2,7 @@
 // (NCCL collectives enqueued on each replica's stream). SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 
@@ -11,6 +12,7 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/detail/nccl_handle.hpp"
 #include "lockstep/comm/detail/nccl_types.hpp"
+#include "lockstep/comm/detail/span_checks.hpp"
 #include "lockstep/system/cuda_system.hpp"
 
 #include <atomic>
@@ -224,6 +226,7 @@ public:
     void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
                     reduce_op op) {
         const std::string name = next_operation("all_reduce");
+        check_spans(name, send, recv);
         h_.require(send.size() == recv.size(), errc::shape_mismatch, name, "send has ", send.size(),
                    " elements, recv ", recv.size());
         if (recv.empty())
@@ -241,6 +244,7 @@ public:
     template <nccl_element T>
     void broadcast(std::span<T> data, int root) {
         const std::string name = next_operation("broadcast");
+        check_spans(name, data, data);
         h_.require(root >= 0 && root < h_.size(), errc::invalid_argument, name, "root ", root,
                    " is not a rank of ", h_.size(), " replicas");
         if (data.empty())
@@ -257,9 +261,12 @@ public:
     template <nccl_element T>
     void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
         const std::string name = next_operation("all_gather");
-        h_.require(recv.size() == send.size() * static_cast<std::size_t>(h_.size()),
-                   errc::shape_mismatch, name, "recv has ", recv.size(), " elements, expected ",
-                   h_.size(), " x ", send.size());
+        check_spans(name, send, recv);
+        std::size_t total = 0;
+        const bool overflow =
+            mul_overflows(send.size(), static_cast<std::size_t>(h_.size()), &total);
+        h_.require(!overflow && recv.size() == total, errc::shape_mismatch, name, "recv has ",
+                   recv.size(), " elements, expected ", h_.size(), " x ", send.size());
         if (send.empty())
             return;
         h_.check_memory(name, "send", send.data());
@@ -278,6 +285,7 @@ public:
     template <nccl_element T>
     void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
         const std::string name = next_operation("all_to_all");
+        check_spans(name, send, recv);
         const std::size_t ranks = static_cast<std::size_t>(h_.size());
         h_.require(send.size() % ranks == 0 && recv.size() == send.size(), errc::shape_mismatch,
                    name, "send has ", send.size(), " elements, recv ", recv.size(),
@@ -312,6 +320,7 @@ public:
     void reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
                 int root) {
         const std::string name = next_operation("reduce");
+        check_spans(name, send, h_.rank() == root ? recv : std::span<T>());
         h_.require(root >= 0 && root < h_.size(), errc::invalid_argument, name, "root ", root,
                    " is not a rank of ", h_.size(), " replicas");
         h_.require(h_.rank() != root || recv.size() == send.size(), errc::shape_mismatch, name,
@@ -371,6 +380,7 @@ public:
     requires nccl_element<std::remove_const_t<T>>
     void send(std::span<T> data, int peer) {
         const std::string name = next_operation("send");
+        check_spans(name, data, data);
         check_peer(name, peer);
         if (data.empty())
             return;
@@ -385,6 +395,7 @@ public:
     template <nccl_element T>
     void recv(std::span<T> data, int peer) {
         const std::string name = next_operation("recv");
+        check_spans(name, data, data);
         check_peer(name, peer);
         if (data.empty())
             return;
@@ -480,6 +491,16 @@ private:
 
     std::string next_operation(const char* op) {
         return std::string(op) + " #" + std::to_string(sequence_++);
+    }
+
+    // A null span with a non-zero count, or one larger than memory can hold, is refused before
+    // anything is enqueued (like every argument error here, it aborts the communicator so the
+    // peers get peer_failure instead of waiting).
+    template <class A, class B>
+    void check_spans(const std::string& op, std::span<A> a, std::span<B> b) {
+        const std::string problem = detail::join_problems(
+            {detail::span_problem(a, "send"), detail::span_problem(b, "recv")});
+        h_.require(problem.empty(), errc::invalid_argument, op, problem);
     }
 
     void check_peer(const std::string& op, int peer) {

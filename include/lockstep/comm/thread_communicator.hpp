@@ -7,6 +7,7 @@
 #include "lockstep/comm/detail/shm_p2p.hpp"
 #include "lockstep/comm/detail/shm_reduce.hpp"
 #include "lockstep/comm/detail/shm_sync.hpp"
+#include "lockstep/comm/detail/span_checks.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/system/host_system.hpp"
 
@@ -46,6 +47,11 @@ class thread_group;
 ///   or recv throws errc::peer_failure naming the failed replica and its message.
 /// - A wait longer than the group's timeout throws errc::timeout naming the operation, its
 ///   sequence number and the missing replicas, and fails the run.
+/// - A null span with a non-zero count, or a span larger than memory can hold, on any replica
+///   makes every replica throw errc::invalid_argument naming that replica and its span;
+///   nothing is copied and the group stays usable.
+/// - thread_group::abort (from any thread) fails the run: every replica blocked in or later
+///   entering a collective, send or recv throws errc::peer_failure naming the reason.
 /// - send is buffered: it copies the elements and returns at once.
 /// A handle is used by one thread at a time; it is movable, not copyable.
 class thread_communicator {
@@ -81,6 +87,10 @@ public:
     /// The host system of this replica: the machine's hardware threads divided by the
     /// replicas of the whole thread_group.
     host_system system() const { return group_ ? group_->system() : host_system(); }
+    /// True once any replica of the run has failed or the run was aborted
+    /// (thread_group::abort). Replica code that computes for long between collectives can
+    /// poll it and return early: lockstep cannot interrupt user code.
+    bool run_failed() const noexcept { return group_ && group_->context().failed(); }
 
     /// recv[i] = op over all replicas (in rank order) of send[i]. send may alias recv.
     /// requires: every replica passes the same count, type and op; recv.size() == send.size().
@@ -274,6 +284,7 @@ public:
         require_group(op.c_str());
         LOCKSTEP_REQUIRE(dest >= 0 && dest < size(), errc::invalid_argument, replica(), op, "rank ",
                          dest, " is not in this group of ", size());
+        require_span(op, data);
         group_->throw_if_failed(rank_, op);
         detail::shm::post(*group_, rank_, dest, tag, std::span<const U>(data));
     }
@@ -287,6 +298,7 @@ public:
         require_group(op.c_str());
         LOCKSTEP_REQUIRE(source >= 0 && source < size(), errc::invalid_argument, replica(), op,
                          "rank ", source, " is not in this group of ", size());
+        require_span(op, data);
         detail::shm::receive(*group_, rank_, data, tag, source, op);
     }
 
@@ -296,6 +308,7 @@ public:
     int recv_any(std::span<T> data, int tag) {
         const std::string op = "recv_any (tag " + std::to_string(tag) + ")";
         require_group(op.c_str());
+        require_span(op, data);
         return detail::shm::receive(*group_, rank_, data, tag, -1, op);
     }
 
@@ -324,6 +337,14 @@ private:
                          "this thread_communicator was moved from");
     }
 
+    /// Point-to-point spans are checked here, before anything is copied (no peer waits on
+    /// this call, so a local error is enough).
+    template <class T>
+    void require_span(const std::string& op, std::span<T> data) const {
+        const std::string problem = detail::span_problem(data, "data");
+        LOCKSTEP_REQUIRE(problem.empty(), errc::invalid_argument, replica(), op, problem);
+    }
+
     template <class T>
     static detail::shm::call_record record(detail::shm::collective_kind kind, std::size_t count,
                                            std::size_t recv_count, const void* send, void* recv,
@@ -347,6 +368,13 @@ private:
     session start(detail::shm::call_record rec, int phases, const T* stash = nullptr,
                   std::size_t stash_count = 0) {
         require_group(name_of(rec.kind));
+        // A replica's bad spans become an error on every replica (validate) and nothing is
+        // copied from them.
+        rec.problem = detail::shm::record_problem(rec);
+        if (!rec.problem.empty()) {
+            stash = nullptr;
+            stash_count = 0;
+        }
         const std::uint64_t seq = seq_++;
         session s{seq, epoch_ + 1, phases, 0, {name_of(rec.kind), seq}};
         group_->throw_if_failed(rank_, s.op);
@@ -376,7 +404,7 @@ private:
     /// Whether `count` elements of T go through the stash (one phase).
     template <class T>
     static constexpr bool stashed(std::size_t count) noexcept {
-        return count * sizeof(T) <= detail::shm::stash_bytes && alignof(T) <= 64;
+        return count <= detail::shm::stash_bytes / sizeof(T) && alignof(T) <= 64;
     }
     template <class T>
     const T* stashed_send(int j, const session& s) const {

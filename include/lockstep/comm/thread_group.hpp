@@ -5,6 +5,7 @@
 #include "lockstep/comm/detail/shm_group.hpp"
 #include "lockstep/comm/detail/shm_sync.hpp"
 #include "lockstep/comm/thread_communicator.hpp"
+#include "lockstep/comm/timeout.hpp"
 #include "lockstep/core/error.hpp"
 
 #include <chrono>
@@ -13,7 +14,9 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -24,19 +27,30 @@ namespace lockstep {
 /// Runtime knobs of a thread_group.
 struct thread_group_params {
     /// How long a replica waits for its peers (in a collective or a recv) before it throws
-    /// errc::timeout and fails the run.
-    std::chrono::milliseconds timeout = std::chrono::seconds(120);
+    /// errc::timeout and fails the run. Default: LOCKSTEP_TIMEOUT seconds when that
+    /// environment variable is set, else 120 s.
+    std::chrono::milliseconds timeout = default_timeout(std::chrono::seconds(120));
 };
 
 /// N replicas as threads of one process:
 ///     lockstep::thread_group group(4, {.timeout = std::chrono::seconds(30)});
 ///     group.run([&](lockstep::thread_communicator& comm) { ... });
+///
+/// Aborting: abort(reason) may be called from any thread (a watchdog, a thread that waits for
+/// signals, a replica), not from a signal handler (it takes a mutex). Every replica blocked in a
+/// collective, send or recv wakes at once and throws errc::peer_failure ("the run was aborted:
+/// <reason>"), and so does every later call. A replica that is inside its own code (computing,
+/// sleeping, waiting on something that is not lockstep's) cannot be interrupted: run() joins every
+/// replica thread, so it returns only when that code returns or calls into the communicator. Code
+/// with long loops can poll thread_communicator::run_failed() to return early. There is no deadline
+/// after which run() detaches threads. A thread_group is movable, not copyable.
 class thread_group {
 public:
     using params = thread_group_params;
 
     /// requires: size >= 1, p.timeout > 0.
-    explicit thread_group(int size, params p = {}) : size_(size), params_(p) {
+    explicit thread_group(int size, params p = {})
+        : size_(size), params_(p), control_(std::make_unique<control>()) {
         LOCKSTEP_REQUIRE(size >= 1, errc::invalid_argument, -1, "thread_group", "size ", size,
                          " must be at least 1");
         LOCKSTEP_REQUIRE(p.timeout.count() > 0, errc::invalid_argument, -1, "thread_group",
@@ -48,6 +62,26 @@ public:
     /// The knobs this group was made with.
     const params& parameters() const noexcept { return params_; }
 
+    /// Fails the run in progress with `reason`, from any thread: every replica blocked in or
+    /// later entering a collective, send or recv throws errc::peer_failure naming the reason,
+    /// and run() rethrows lockstep::error(errc::peer_failure, operation "thread_group.abort")
+    /// once every replica has returned. When no run is in progress, the next run() throws that
+    /// error at once without starting replicas. ensures: idempotent (a later call, or a call
+    /// after a replica failed, changes nothing); returns true when this call aborted a run in
+    /// progress.
+    bool abort(std::string reason) {
+        LOCKSTEP_REQUIRE(control_ != nullptr, errc::invalid_argument, -1, "thread_group.abort",
+                         "this thread_group was moved from");
+        std::lock_guard lock(control_->mutex);
+        if (auto ctx = control_->current) {
+            const error e(errc::peer_failure, -1, "thread_group.abort", reason);
+            return ctx->record_failure(-1, std::make_exception_ptr(e), std::move(reason));
+        }
+        if (!control_->pending)
+            control_->pending = std::move(reason);
+        return false;
+    }
+
     /// Calls f(comm) on size() new threads, each with its own thread_communicator of rank
     /// 0..size()-1, and joins them all. f is called concurrently and must allow that.
     /// ensures: returns when every replica has returned; if any replica failed, rethrows the
@@ -55,7 +89,26 @@ public:
     template <class F>
     requires std::invocable<F&, thread_communicator&>
     void run(F&& f) {
+        LOCKSTEP_REQUIRE(control_ != nullptr, errc::invalid_argument, -1, "thread_group.run",
+                         "this thread_group was moved from");
         auto ctx = std::make_shared<detail::shm::run_context>(params_.timeout, size_);
+        {
+            std::lock_guard lock(control_->mutex);
+            if (control_->pending) {
+                std::string reason = std::move(*control_->pending);
+                control_->pending.reset();
+                fail(errc::peer_failure, -1, "thread_group.abort", reason,
+                     " (aborted before run() started; no replica ran)");
+            }
+            control_->current = ctx;
+        }
+        struct detach {
+            control* c;
+            ~detach() {
+                std::lock_guard lock(c->mutex);
+                c->current.reset();
+            }
+        } detach_on_exit{control_.get()};
         std::vector<int> replicas(static_cast<std::size_t>(size_));
         std::iota(replicas.begin(), replicas.end(), 0);
         auto world = std::make_shared<detail::shm::group_state>(ctx, std::move(replicas),
@@ -89,8 +142,16 @@ public:
     }
 
 private:
+    // What abort() reaches: the run in progress, or an abort waiting for the next run.
+    struct control {
+        std::mutex mutex;
+        std::shared_ptr<detail::shm::run_context> current;
+        std::optional<std::string> pending;
+    };
+
     int size_;
     params params_;
+    std::unique_ptr<control> control_;
 };
 
 } // namespace lockstep

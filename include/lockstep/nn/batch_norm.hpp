@@ -5,6 +5,7 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/host_wait.hpp"
+#include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/step_status.hpp"
 #include "lockstep/kernels/bn_backward.hpp"
@@ -20,6 +21,7 @@
 #include "lockstep/system/staged_read.hpp"
 
 #include <any>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -324,12 +326,22 @@ public:
     }
 
 private:
-    batch_norm(std::size_t channels, parameter_spans ext, params p, System sys, bool owning)
-        : p_(p), s_(channels, sys) {
-        LOCKSTEP_REQUIRE(channels >= 1 && p.eps > 0 && p.momentum >= 0 && p.momentum <= 1,
+    // The constructor's checks, run before any buffer is sized from `channels`. Written so that
+    // NaN fails every comparison; eps = inf would make every output 0.
+    static std::size_t validated(std::size_t channels, const params& p) {
+        LOCKSTEP_REQUIRE(channels >= 1 && p.eps > 0 && std::isfinite(p.eps) && p.momentum >= 0 &&
+                             p.momentum <= 1,
                          errc::invalid_argument, -1, "batch_norm", "channels = ", channels,
                          ", eps = ", p.eps, ", momentum = ", p.momentum,
-                         " (need channels >= 1, eps > 0, 0 <= momentum <= 1)");
+                         " (need channels >= 1, finite eps > 0, 0 <= momentum <= 1)");
+        // The layer keeps 4 values per channel in one buffer (gamma, beta and their gradients).
+        (void)checked_bytes(checked_mul(4, channels, -1, "batch_norm", "4 * channels"),
+                            sizeof(param_type), -1, "batch_norm", "the parameter buffer");
+        return channels;
+    }
+
+    batch_norm(std::size_t channels, parameter_spans ext, params p, System sys, bool owning)
+        : p_(p), s_(validated(channels, p), sys) {
         auto own = s_.own.span();
         if (owning || !p.affine) {
             s_.gamma = own.first(channels);
@@ -471,6 +483,9 @@ private:
             return lockstep::detail::concat("the layer has ", s_.channels, " channels, the input ",
                                             shape[Layout::channel_axis], " (shape ", shape, ", ",
                                             Layout::name, ")");
+        if (shape.elements_overflow())
+            return lockstep::detail::concat("shape ", shape,
+                                            ": the product of the extents overflows std::size_t");
         if (x_size != shape.elements() || y_size != shape.elements())
             return lockstep::detail::concat("shape ", shape, " has ", shape.elements(),
                                             " values, x has ", x_size, " and y ", y_size);

@@ -2,6 +2,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/core/checked_math.hpp"
 #include "lockstep/kernels/channel_geometry.hpp"
 
 #include <algorithm>
@@ -32,12 +33,22 @@ public:
     std::size_t rank() const noexcept { return rank_; }
     /// The extent of axis i. requires: i < min(rank(), max_rank).
     std::size_t operator[](std::size_t i) const noexcept { return dims_[i]; }
-    /// The product of the extents (1 for rank 0).
+    /// The product of the extents (1 for rank 0); SIZE_MAX when the product overflows
+    /// std::size_t (no span can have that many elements, so a size check against it fails).
     std::size_t elements() const noexcept {
         std::size_t n = 1;
         for (std::size_t i = 0; i < std::min(rank_, max_rank); ++i)
-            n *= dims_[i];
+            if (mul_overflows(n, dims_[i], &n))
+                return static_cast<std::size_t>(-1);
         return n;
+    }
+    /// True when the product of the extents overflows std::size_t.
+    bool elements_overflow() const noexcept {
+        std::size_t n = 1;
+        for (std::size_t i = 0; i < std::min(rank_, max_rank); ++i)
+            if (mul_overflows(n, dims_[i], &n))
+                return true;
+        return false;
     }
 
     friend bool operator==(const tensor_shape& a, const tensor_shape& b) {

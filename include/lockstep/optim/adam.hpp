@@ -9,6 +9,7 @@
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -54,8 +55,9 @@ public:
     using params_type = Params;
 
     /// State for a flat buffer of n parameters (moments zero, step 0). requires: lr,
-    /// weight_decay >= 0, 0 <= beta1, beta2 < 1, eps > 0; segments as tensor_segment says (only
-    /// `decay` is used). Throws lockstep::error (invalid_argument) otherwise.
+    /// weight_decay >= 0, 0 <= beta1, beta2 < 1, finite eps > 0 (every value finite); segments as
+    /// tensor_segment says (only `decay` is used). Throws lockstep::error (invalid_argument)
+    /// otherwise.
     explicit adam_impl(std::size_t n, Params p = {}, System sys = default_system<System>(),
                        std::span<const tensor_segment> segments = {})
         : p_(p), sys_(sys), layout_(n, segments, sys_, name()), m_(zeros<T>(n, sys_)),
@@ -64,8 +66,9 @@ public:
         check_param(name(), "beta1", p.beta1, 0.0);
         check_param(name(), "beta2", p.beta2, 0.0);
         check_param(name(), "weight_decay", p.weight_decay, 0.0);
-        LOCKSTEP_REQUIRE(p.beta1 < 1 && p.beta2 < 1 && p.eps > 0, errc::invalid_argument, -1,
-                         name(), "need beta1 < 1, beta2 < 1, eps > 0 (beta1 = ", p.beta1,
+        LOCKSTEP_REQUIRE(p.beta1 < 1 && p.beta2 < 1 && p.eps > 0 && std::isfinite(p.eps),
+                         errc::invalid_argument, -1, name(),
+                         "need beta1 < 1, beta2 < 1, finite eps > 0 (beta1 = ", p.beta1,
                          ", beta2 = ", p.beta2, ", eps = ", p.eps, ")");
     }
 

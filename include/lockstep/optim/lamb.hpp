@@ -9,6 +9,7 @@
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -50,7 +51,7 @@ public:
     using params_type = lamb_params;
 
     /// State for n parameters laid out as `segments` (empty: one tensor). requires: lr,
-    /// weight_decay, phi_min >= 0, 0 <= beta1, beta2 < 1, eps > 0, phi_max >= phi_min.
+    /// weight_decay, phi_min >= 0, 0 <= beta1, beta2 < 1, finite eps > 0, phi_max >= phi_min.
     /// Throws lockstep::error otherwise.
     explicit lamb(std::size_t n, lamb_params p = {}, System sys = default_system<System>(),
                   std::span<const tensor_segment> segments = {})
@@ -63,9 +64,10 @@ public:
         detail::check_param("lamb", "beta2", p.beta2, 0.0);
         detail::check_param("lamb", "weight_decay", p.weight_decay, 0.0);
         detail::check_param("lamb", "phi_min", p.phi_min, 0.0);
-        LOCKSTEP_REQUIRE(p.beta1 < 1 && p.beta2 < 1 && p.eps > 0 && p.phi_max >= p.phi_min,
+        LOCKSTEP_REQUIRE(p.beta1 < 1 && p.beta2 < 1 && p.eps > 0 && std::isfinite(p.eps) &&
+                             p.phi_max >= p.phi_min,
                          errc::invalid_argument, -1, "lamb",
-                         "need beta1 < 1, beta2 < 1, eps > 0, phi_max >= phi_min (beta1 = ",
+                         "need beta1 < 1, beta2 < 1, finite eps > 0, phi_max >= phi_min (beta1 = ",
                          p.beta1, ", beta2 = ", p.beta2, ", eps = ", p.eps, ", phi = [", p.phi_min,
                          ", ", p.phi_max, "])");
     }

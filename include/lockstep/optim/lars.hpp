@@ -9,6 +9,7 @@
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -18,7 +19,7 @@ namespace lockstep::optim {
 /// Runtime knobs of optim::lars.
 struct lars_params {
     double lr = 0.1;           ///< global learning rate gamma (>= 0), usually warmed up
-    double momentum = 0.9;     ///< mu (>= 0)
+    double momentum = 0.9;     ///< mu in [0, 1]
     double eta = 1e-3;         ///< trust coefficient (> 0)
     double weight_decay = 0.0; ///< beta (>= 0)
     double eps = 1e-8;         ///< added to the trust ratio's denominator (>= 0)
@@ -43,8 +44,9 @@ public:
     using system_type = System;
     using params_type = lars_params;
 
-    /// State for n parameters laid out as `segments` (empty: one tensor). requires: lr,
-    /// momentum, weight_decay, eps >= 0, eta > 0. Throws lockstep::error otherwise.
+    /// State for n parameters laid out as `segments` (empty: one tensor). requires:
+    /// lr, weight_decay, eps finite and >= 0, momentum in [0, 1], eta finite and > 0. Throws
+    /// lockstep::error otherwise.
     explicit lars(std::size_t n, lars_params p = {}, System sys = default_system<System>(),
                   std::span<const tensor_segment> segments = {})
         : p_(p), sys_(sys), layout_(n, segments, sys_, "lars"), v_(detail::zeros<T>(n, sys_)),
@@ -55,8 +57,10 @@ public:
         detail::check_param("lars", "momentum", p.momentum, 0.0);
         detail::check_param("lars", "weight_decay", p.weight_decay, 0.0);
         detail::check_param("lars", "eps", p.eps, 0.0);
-        LOCKSTEP_REQUIRE(p.eta > 0, errc::invalid_argument, -1, "lars", "eta = ", p.eta,
-                         " (must be > 0)");
+        LOCKSTEP_REQUIRE(p.eta > 0 && std::isfinite(p.eta), errc::invalid_argument, -1, "lars",
+                         "eta = ", p.eta, " (must be finite and > 0)");
+        LOCKSTEP_REQUIRE(p.momentum <= 1, errc::invalid_argument, -1, "lars",
+                         "momentum = ", p.momentum, " (must be in [0, 1])");
     }
 
     /// One update of w from g, unless *skip != 0 when the step's kernels run. requires:

@@ -9,6 +9,7 @@
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -18,7 +19,7 @@ namespace lockstep::optim {
 /// Runtime knobs of optim::sgd (designated initialisers: `{.lr = 0.1, .momentum = 0.9}`).
 struct sgd_params {
     double lr = 0.01;          ///< learning rate (>= 0); schedules change it with set_lr
-    double momentum = 0.0;     ///< mu (>= 0); 0 keeps no momentum buffer
+    double momentum = 0.0;     ///< mu in [0, 1]; 0 keeps no momentum buffer
     double dampening = 0.0;    ///< tau in [0, 1]
     double weight_decay = 0.0; ///< L2 penalty lambda (>= 0), added to the gradient
     bool nesterov = false;     ///< requires momentum > 0 and dampening == 0 (as PyTorch)
@@ -44,9 +45,9 @@ public:
     using params_type = sgd_params;
 
     /// Optimizer state for a flat buffer of n parameters (momentum zero, step 0).
-    /// requires: lr, momentum, weight_decay >= 0; 0 <= dampening <= 1; nesterov only with
-    /// momentum > 0 and dampening == 0; segments as tensor_segment says (only `decay` is used).
-    /// Throws lockstep::error (invalid_argument) otherwise.
+    /// requires: lr, weight_decay finite and >= 0; momentum in [0, 1]; 0 <= dampening <= 1;
+    /// nesterov only with momentum > 0 and dampening == 0; segments as tensor_segment says (only
+    /// `decay` is used). Throws lockstep::error (invalid_argument) otherwise.
     explicit sgd(std::size_t n, sgd_params p = {}, System sys = default_system<System>(),
                  std::span<const tensor_segment> segments = {})
         : p_(p), sys_(sys), layout_(n, segments, sys_, "sgd"), count_(sys_) {
@@ -54,6 +55,8 @@ public:
         detail::check_param("sgd", "momentum", p.momentum, 0.0);
         detail::check_param("sgd", "dampening", p.dampening, 0.0);
         detail::check_param("sgd", "weight_decay", p.weight_decay, 0.0);
+        LOCKSTEP_REQUIRE(p.momentum <= 1.0, errc::invalid_argument, -1, "sgd",
+                         "momentum = ", p.momentum, " (must be in [0, 1])");
         LOCKSTEP_REQUIRE(p.dampening <= 1.0, errc::invalid_argument, -1, "sgd",
                          "dampening = ", p.dampening, " (must be <= 1)");
         LOCKSTEP_REQUIRE(

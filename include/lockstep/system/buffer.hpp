@@ -2,11 +2,13 @@
 // systems. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/system/host_system.hpp"
 
 #include <cstddef>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -26,10 +28,15 @@ public:
     using system_type = System;
 
     buffer() = default;
-    /// Allocates n elements (uninitialized) in sys's memory.
-    explicit buffer(std::size_t n, System sys = default_system<System>())
-        : sys_(std::move(sys)), size_(n) {
-        data_ = static_cast<T*>(sys_.allocate(n * sizeof(T)));
+    /// Allocates n elements (uninitialized) in sys's memory. ensures: size() == n, or throws
+    /// lockstep::error (errc::invalid_argument) when n * sizeof(T) overflows or exceeds the
+    /// largest object size, before allocating anything.
+    explicit buffer(std::size_t n, System sys = default_system<System>()) : sys_(std::move(sys)) {
+        const std::size_t bytes =
+            checked_bytes(n, sizeof(T), -1, "buffer(n)",
+                          "n * sizeof(T) (sizeof(T) = " + std::to_string(sizeof(T)) + ")");
+        data_ = static_cast<T*>(sys_.allocate(bytes));
+        size_ = n;
     }
     buffer(const buffer&) = delete;
     buffer& operator=(const buffer&) = delete;

@@ -2,10 +2,12 @@
 // a network allocates its parameters, gradients and state from. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -183,12 +185,16 @@ private:
                          "is constructed");
         LOCKSTEP_REQUIRE(!find(name).valid(), errc::invalid_argument, replica_, op, "'", name,
                          "' is declared twice");
-        std::size_t n = 1;
-        for (std::size_t e : shape)
-            n *= e;
-        LOCKSTEP_REQUIRE(!shape.empty() && n >= 1, errc::invalid_argument, replica_, op, "'", name,
-                         "' has shape ", shape_string(shape), ": every extent must be >= 1");
+        LOCKSTEP_REQUIRE(!shape.empty() &&
+                             std::find(shape.begin(), shape.end(), std::size_t(0)) == shape.end(),
+                         errc::invalid_argument, replica_, op, "'", name, "' has shape ",
+                         shape_string(shape), ": every extent must be >= 1");
+        // Overflow-checked: {2^63 + 1, 2} must not pass as 2 elements.
+        const std::size_t n = checked_product(shape, replica_, op, "'" + name + "'");
         const int k = static_cast<int>(kind);
+        (void)checked_bytes(checked_add(count_[k], n, replica_, op,
+                                        "elements of '" + name + "' plus those declared before"),
+                            sizeof(T), replica_, op, "the flat buffer with '" + name + "'");
         infos_[k].push_back(tensor_info{std::move(name), std::move(shape), count_[k], n, kind});
         staging_[k].emplace_back(n, T(0));
         count_[k] += n;

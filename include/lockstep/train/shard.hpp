@@ -41,8 +41,11 @@ struct shard_range {
 /// requires: first <= last, 0 <= rank < size. ensures: the ranges of ranks 0..size-1 are
 /// disjoint, in rank order and cover [first, last).
 inline shard_range shard(std::size_t first, std::size_t last, int rank, int size) {
-    LOCKSTEP_REQUIRE(size >= 1 && rank >= 0 && rank < size, errc::invalid_argument, rank, "shard",
-                     "rank ", rank, " is not in [0, ", size, ")");
+    LOCKSTEP_REQUIRE(size >= 1, errc::invalid_argument, rank, "shard", "size = ", size,
+                     ": a batch is split over at least one replica (size is the number of "
+                     "replicas, e.g. comm.size())");
+    LOCKSTEP_REQUIRE(rank >= 0 && rank < size, errc::invalid_argument, rank, "shard", "rank ", rank,
+                     " is not a replica of ", size, " (requires 0 <= rank < size)");
     LOCKSTEP_REQUIRE(first <= last, errc::invalid_argument, rank, "shard", "range [", first, ", ",
                      last, ") is reversed");
     const std::size_t n = last - first;
@@ -56,6 +59,36 @@ inline shard_range shard(std::size_t first, std::size_t last, int rank, int size
     out.global_size = n;
     out.scale = n == 0 ? 0.0 : 1.0 / static_cast<double>(n);
     return out;
+}
+
+/// Positions [global * m / count, global * (m + 1) / count) of a global batch of `global`
+/// samples: micro-batch m of `count`, computed without overflow for any global (global * m
+/// would overflow std::size_t from global = 2^62 and count = 4 on). requires: count >= 1,
+/// m < count. ensures: the ranges of m = 0..count-1 are disjoint, in order and cover
+/// [0, global).
+inline shard_range micro_batch(std::size_t global, std::size_t m, std::size_t count) {
+    LOCKSTEP_REQUIRE(count >= 1 && m < count, errc::invalid_argument, -1, "micro_batch",
+                     "micro-batch ", m, " of ", count, " (requires 0 <= m < count, count >= 1)");
+    using wide = unsigned __int128;
+    shard_range out;
+    out.begin = static_cast<std::size_t>(wide(global) * m / count);
+    out.end = static_cast<std::size_t>(wide(global) * (m + 1) / count);
+    out.global_size = global;
+    out.scale = global == 0 ? 0.0 : 1.0 / static_cast<double>(global);
+    return out;
+}
+
+/// The run-wide offset of the step after one whose global batch of `global` samples starts at
+/// `offset` (sample_offset + global). ensures: the sum, or throws lockstep::error
+/// (errc::invalid_argument) naming the replica and both values when it would overflow the
+/// 64-bit sample index (which keys per-sample random streams and must never wrap).
+inline std::uint64_t next_sample_offset(std::uint64_t offset, std::size_t global, int replica) {
+    std::uint64_t r = 0;
+    LOCKSTEP_REQUIRE(!__builtin_add_overflow(offset, static_cast<std::uint64_t>(global), &r),
+                     errc::invalid_argument, replica, "data_parallel.step", "global batch of ",
+                     global, " samples after ", offset,
+                     " samples overflows the 64-bit sample index (max ", UINT64_MAX, ")");
+    return r;
 }
 
 /// The part of a global batch of `global_size` samples replica `rank` of `size` gets (see the

@@ -67,19 +67,26 @@ struct mpi_signature_range {
     bool agree(mpi_signature::field f) const noexcept { return min.value[f] == max.value[f]; }
 };
 
-inline int mpi_signature_range_exchange(const mpi_signature& mine, MPI_Comm comm,
-                                        mpi_signature_range& out) noexcept {
+/// The 2 * size int64 one replica contributes to the MPI_MAX exchange: {v, -v}.
+inline std::array<std::int64_t, 2 * mpi_signature::size>
+mpi_signature_pack(const mpi_signature& mine) noexcept {
     constexpr std::size_t k = mpi_signature::size;
     std::array<std::int64_t, 2 * k> v{};
     std::copy(mine.value.begin(), mine.value.end(), v.begin());
     std::transform(mine.value.begin(), mine.value.end(), v.begin() + k,
                    [](std::int64_t x) { return -x; });
-    const int rc = MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_INT64_T,
-                                 MPI_MAX, comm);
+    return v;
+}
+
+/// The range of every replica's signature, from the MPI_MAX of their packed signatures.
+inline mpi_signature_range
+mpi_signature_unpack(const std::array<std::int64_t, 2 * mpi_signature::size>& v) noexcept {
+    constexpr std::size_t k = mpi_signature::size;
+    mpi_signature_range out;
     std::copy(v.begin(), v.begin() + k, out.max.value.begin());
     std::transform(v.begin() + k, v.end(), out.min.value.begin(),
                    [](std::int64_t x) { return -x; });
-    return rc;
+    return out;
 }
 
 /// "all_reduce #12": a collective and its sequence number, for messages.

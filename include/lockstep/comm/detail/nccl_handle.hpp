@@ -3,6 +3,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/timeout.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 
@@ -27,7 +28,8 @@ namespace lockstep {
 struct nccl_options {
     /// How long synchronize(), wait() and barrier() wait for the replica's stream or event
     /// before they abort the communicator and throw errc::timeout; zero waits forever.
-    std::chrono::milliseconds timeout = std::chrono::minutes(10);
+    /// Default: LOCKSTEP_TIMEOUT seconds when that environment variable is set, else 10 min.
+    std::chrono::milliseconds timeout = default_timeout(std::chrono::minutes(10));
 };
 
 namespace detail {

@@ -6,9 +6,11 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/detail/shm_reduce.hpp"
 #include "lockstep/comm/detail/shm_sync.hpp"
+#include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/system/host_system.hpp"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -74,7 +76,30 @@ struct call_record {
     const void* send = nullptr;
     void* recv = nullptr;
     std::shared_ptr<group_state> child; ///< split: the new group, published by its leader
+    /// What is wrong with this replica's own arguments ("" when nothing): a null span with a
+    /// non-zero count, or more elements than memory can hold. Every member then throws it.
+    std::string problem;
 };
+
+/// What is wrong with the spans of `c` (see call_record::problem), "" when they are usable.
+inline std::string record_problem(const call_record& c) {
+    const std::size_t limit =
+        static_cast<std::size_t>(PTRDIFF_MAX) / std::max<std::size_t>(1, c.elem_size);
+    const auto check = [&](const void* p, std::size_t n, const char* what) -> std::string {
+        if (p == nullptr && n != 0)
+            return std::string("a null ") + what + " span of " + std::to_string(n) + " elements";
+        if (n > limit)
+            return std::string("a ") + what + " span of " + std::to_string(n) + " elements of " +
+                   std::to_string(c.elem_size) + " bytes, more than memory can hold (at most " +
+                   std::to_string(limit) + ")";
+        return {};
+    };
+    std::string a = check(c.send, c.count, "send");
+    std::string b = check(c.recv, c.recv_count, "receive");
+    if (!a.empty() && !b.empty())
+        return a + " and " + b;
+    return a.empty() ? b : a;
+}
 
 /// One message of send/recv: a copy of the sender's elements.
 struct message {
@@ -144,6 +169,7 @@ public:
     /// The host system of every member (thread budget fixed when the group is made).
     const host_system& system() const noexcept { return system_; }
     run_context& context() noexcept { return *ctx_; }
+    const run_context& context() const noexcept { return *ctx_; }
     const std::shared_ptr<run_context>& context_ptr() const noexcept { return ctx_; }
     member_slot& member(int rank) noexcept { return members_[static_cast<std::size_t>(rank)]; }
     mailbox& mailbox_of(int rank) noexcept { return mailboxes_[static_cast<std::size_t>(rank)]; }
@@ -312,6 +338,11 @@ inline void group_state::validate(int rank, op_label label) const {
     const auto op = [&] { return operation(label); };
     const int me = replica_of(rank);
     const int n = size();
+    for (int j = 0; j < n; ++j)
+        if (!call(j, seq).problem.empty())
+            fail(errc::invalid_argument, me, op(), "replica ", replica_of(j), " passed ",
+                 call(j, seq).problem, " to ", name_of(call(j, seq).kind),
+                 "; nothing was communicated and the group stays usable");
     const call_record& c0 = call(0, seq);
     const auto list = [&](auto&& describe) {
         std::string s;
@@ -386,8 +417,11 @@ inline void group_state::validate(int rank, op_label label) const {
             want = c.count;
         if (k == collective_kind::reduce && j == c.root)
             want = c.count;
-        if (k == collective_kind::all_gather)
-            want = c.count * static_cast<std::size_t>(n);
+        if (k == collective_kind::all_gather &&
+            mul_overflows(c.count, static_cast<std::size_t>(n), &want))
+            fail(errc::count_mismatch, me, op(), "replica ", replica_of(j), " passed ",
+                 count_of(c.count, c.type, c.elem_size), ": ", n,
+                 " times that overflows std::size_t");
         if (c.recv_count != want)
             fail(errc::count_mismatch, me, op(), "replica ", replica_of(j),
                  " passed a receive span of ", count_of(c.recv_count, c.type, c.elem_size), " for ",

@@ -63,9 +63,12 @@ public:
         return true;
     }
 
-    /// "replica R failed: <what>" for the recorded failure. requires: failed().
+    /// "replica R failed: <what>" for the recorded failure ("the run was aborted: <reason>"
+    /// after thread_group::abort, recorded with replica -1). requires: failed().
     std::string failure_description() const {
         std::lock_guard lock(failure_mutex_);
+        if (root_replica_ < 0)
+            return "the run was aborted: " + root_what_;
         return "replica " + std::to_string(root_replica_) + " failed: " + root_what_;
     }
     /// The replica whose failure is recorded (-1 if none).

@@ -185,16 +185,23 @@ public:
     double run_micro_batches(std::size_t global, Fn& fn, bool own_scale, BeforeLast&& before_last) {
         LOCKSTEP_REQUIRE(global >= 1, errc::invalid_argument, comm_->rank(), "data_parallel.step",
                          "global batch size is 0");
+        // Before any work: the run-wide sample index must not wrap (advance adds global).
+        (void)next_sample_offset(samples_, global, comm_->rank());
         const int rank = comm_->rank();
         const int size = comm_->size();
         const auto m_count = static_cast<std::size_t>(tp_.micro_batches);
         std::size_t own = 0;
+        // micro_batch: global * m would wrap for global >= 2^62 (a "reversed range" error).
+        const auto part = [&](std::size_t m) {
+            const shard_range b = micro_batch(global, m, m_count);
+            return shard(b.begin, b.end, rank, size);
+        };
         for (std::size_t m = 0; m < m_count; ++m)
-            own += shard(global * m / m_count, global * (m + 1) / m_count, rank, size).size();
+            own += part(m).size();
         double loss = 0;
         ctx_->set_step(steps_, true);
         for (std::size_t m = 0; m < m_count; ++m) {
-            shard_range r = shard(global * m / m_count, global * (m + 1) / m_count, rank, size);
+            shard_range r = part(m);
             r.global_size = global;
             r.sample_offset = samples_;
             r.scale = own_scale ? (own ? 1.0 / static_cast<double>(own) : 0.0)

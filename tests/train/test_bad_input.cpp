@@ -1,0 +1,124 @@
+// Bad input to the training layer's bookkeeping: registry shapes whose product overflows, shard()
+// with no replicas, micro-batch and sample-offset arithmetic at huge batch sizes.
+// SPDX-License-Identifier: Apache-2.0
+#include "lockstep/train/parameter_registry.hpp"
+#include "lockstep/train/shard.hpp"
+
+#include "lockstep/comm/thread_group.hpp"
+#include "lockstep/optim/sgd.hpp"
+#include "lockstep/train/data_parallel.hpp"
+#include "mlp_fixture.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+using namespace lockstep;
+
+namespace {
+bool contains(const std::string& s, const std::string& p) {
+    return s.find(p) != std::string::npos;
+}
+} // namespace
+
+TEST_CASE("the registry refuses shapes whose element count overflows", "[train]") {
+    parameter_registry<float> reg(host_system{1}, 2);
+    const std::size_t big = std::size_t(1) << 63;
+    try {
+        reg.add("w", {big + 1, 2}); // wraps to 2 elements without the check
+        FAIL("accepted shape {2^63 + 1, 2} as " << reg.parameter_count() << " elements");
+    } catch (const error& e) {
+        CHECK(e.code() == errc::invalid_argument);
+        CHECK(e.replica() == 2);
+        CHECK(contains(e.what(), "parameter_registry.add"));
+        CHECK(contains(e.what(), "'w' of shape {9223372036854775809, 2}"));
+    }
+    // Fits in size_t as elements but not as bytes of float.
+    CHECK_THROWS_AS(reg.add_state("s", {std::size_t(1) << 62}), error);
+    // The registry is unchanged and still usable.
+    auto h = reg.add("b", {3, 2});
+    reg.finalize();
+    CHECK(reg.parameter_count() == 6);
+    CHECK(h.size() == 6);
+}
+
+TEST_CASE("shard names the problem with zero replicas or a rank outside the group", "[train]") {
+    try {
+        (void)shard(10, 0, 0);
+        FAIL("shard(10, 0, 0) returned");
+    } catch (const error& e) {
+        CHECK(e.code() == errc::invalid_argument);
+        CHECK(contains(e.what(), "size = 0: a batch is split over at least one replica"));
+    }
+    try {
+        (void)shard(10, 3, 2);
+        FAIL("shard(10, 3, 2) returned");
+    } catch (const error& e) {
+        CHECK(contains(e.what(), "rank 3 is not a replica of 2"));
+    }
+}
+
+TEST_CASE("micro-batch positions and sample offsets do not wrap at huge batch sizes", "[train]") {
+    const std::size_t global = std::size_t(1) << 62;
+    // global * m overflows size_t for m >= 4: positions must still tile [0, global).
+    std::size_t next = 0;
+    for (std::size_t m = 0; m < 8; ++m) {
+        const shard_range r = micro_batch(global, m, 8);
+        CHECK(r.begin == next);
+        CHECK(r.size() == global / 8);
+        next = r.end;
+    }
+    CHECK(next == global);
+    CHECK(micro_batch(10, 2, 3).begin == 6);
+    CHECK(micro_batch(10, 2, 3).end == 10);
+    CHECK_THROWS_AS(micro_batch(10, 3, 3), error);
+    CHECK(next_sample_offset(5, 7, 0) == 12);
+    try {
+        (void)next_sample_offset(UINT64_MAX - global + 1, global, 1);
+        FAIL("the sample index wrapped");
+    } catch (const error& e) {
+        CHECK(e.replica() == 1);
+        CHECK(contains(e.what(), "overflows the 64-bit sample index"));
+    }
+}
+
+TEST_CASE("data_parallel.step with a 2^62-sample global batch splits it without wrapping and "
+          "refuses a step that would wrap the sample index",
+          "[train][thread]") {
+    using net = lockstep_test::mlp<float, thread_communicator, lockstep_test::storage::registry>;
+    const std::size_t global = std::size_t(1) << 62;
+    std::vector<std::vector<shard_range>> ranges(2);
+    std::vector<std::string> errors(2);
+    thread_group(2).run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        data_parallel<net, optim::sgd<float>> dp(comm, [](auto& ctx) { return net(ctx); },
+                                                 {.lr = 0.1}, {.micro_batches = 4});
+        const auto record = [&](net&, const shard_range& s, auto&) {
+            ranges[r].push_back(s);
+            return 0.0; // touches no data: only the bookkeeping is under test
+        };
+        try {
+            for (int step = 0; step < 3; ++step) // sample index 3 * 2^62 afterwards
+                dp.step(global, record);
+            dp.step(global, record); // 3 * 2^62 + 2^62 wraps 64 bits
+        } catch (const error& e) {
+            errors[r] = e.what();
+        }
+    });
+    for (std::size_t r = 0; r < 2; ++r) {
+        CAPTURE(r, errors[r]);
+        CHECK(contains(errors[r], "overflows the 64-bit sample index"));
+        REQUIRE(ranges[r].size() == 12); // 3 steps of 4 micro-batches; nothing of the 4th
+        // Each micro-batch m covers [m 2^60, (m + 1) 2^60); the replica gets its half.
+        for (std::size_t m = 0; m < 4; ++m) {
+            const shard_range& s = ranges[r][m];
+            const std::size_t quarter = global / 4;
+            CHECK(s.begin == m * quarter + r * (quarter / 2));
+            CHECK(s.size() == quarter / 2);
+            CHECK(s.global_size == global);
+        }
+        CHECK(ranges[r][4].sample_offset == global);
+    }
+}
