@@ -311,7 +311,8 @@ private:
         return std::span<const float>(b.span().first(n));
     }
     typename bn_type::parameter_spans spans(int g, int b) {
-        return {values_[g], values_[b], grads_[g], grads_[b]};
+        // gamma and beta were initialised above (initial_value): the layers train from them.
+        return {values_[g], values_[b], grads_[g], grads_[b], lockstep::nn::initial_values::keep};
     }
     void mark(context_type& ctx, int id) {
         if constexpr (!Visitor)

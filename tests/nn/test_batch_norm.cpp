@@ -196,8 +196,9 @@ TEST_CASE("batch_norm without affine normalizes only", "[nn][bn]") {
 TEST_CASE("batch_norm can keep its parameters in caller-provided storage", "[nn][bn]") {
     std::vector<float> flat(4 * 3, -7.0f); // gamma | beta | dgamma | dbeta, as a registry would
     std::span<float> all(flat);
-    nn::batch_norm<float, bn::local, nn::nc> layer(
-        3, {all.subspan(0, 3), all.subspan(3, 3), all.subspan(6, 3), all.subspan(9, 3)});
+    nn::batch_norm<float, bn::local, nn::nc> layer(3, {all.subspan(0, 3), all.subspan(3, 3),
+                                                       all.subspan(6, 3), all.subspan(9, 3),
+                                                       nn::initial_values::reset});
     CHECK(flat == std::vector<float>{1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0});
     flat[0] = 2.0f; // the layer reads gamma from the caller's storage
     const dims d{5, 3, 1, 1};
@@ -220,6 +221,42 @@ TEST_CASE("batch_norm can keep its parameters in caller-provided storage", "[nn]
         (nn::batch_norm<float, bn::local, nn::nc>(
             3, {all.subspan(0, 2), all.subspan(3, 3), all.subspan(6, 3), all.subspan(9, 3)})),
         error);
+}
+
+TEST_CASE("batch_norm over caller spans never silently overwrites values the caller set",
+          "[nn][bn]") {
+    using layer_t = nn::batch_norm<float, bn::local, nn::nc>;
+    std::vector<float> flat(4 * 3, 0.0f); // gamma | beta | dgamma | dbeta
+    std::span<float> all(flat);
+    auto spans = [&](nn::initial_values v) {
+        return layer_t::parameter_spans{all.subspan(0, 3), all.subspan(3, 3), all.subspan(6, 3),
+                                        all.subspan(9, 3), v};
+    };
+    // Fresh (all zeros, as a new registry tensor): gamma = 1, beta = 0 written.
+    { layer_t fresh(3, spans(nn::initial_values::fresh)); }
+    CHECK(flat == std::vector<float>{1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0});
+    // Values set by the caller (here gamma = 1 and beta[2] = 0.5) are refused by default, with a
+    // message that names the count and the two ways out; the spans stay as they were.
+    flat[5] = 0.5f;
+    const std::vector<float> before = flat;
+    try {
+        layer_t refused(3, spans(nn::initial_values::fresh));
+        FAIL("a layer over spans holding values was built");
+    } catch (const error& e) {
+        CHECK(e.code() == errc::invalid_argument);
+        CHECK_THAT(e.what(), Catch::Contains("4 non-zero value(s) of 6") &&
+                                 Catch::Contains("initial_values::keep") &&
+                                 Catch::Contains("initial_values::reset"));
+    }
+    CHECK(flat == before);
+    // keep: trains from them (gradients still zeroed).
+    flat[1] = 0.25f;
+    flat[7] = 3.0f;
+    { layer_t kept(3, spans(nn::initial_values::keep)); }
+    CHECK(flat == std::vector<float>{1, 0.25f, 1, 0, 0, 0.5f, 0, 0, 0, 0, 0, 0});
+    // reset: overwritten.
+    { layer_t reset(3, spans(nn::initial_values::reset)); }
+    CHECK(flat == std::vector<float>{1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0});
 }
 
 TEST_CASE("batch_norm rejects bad input with a clear error", "[nn][bn]") {

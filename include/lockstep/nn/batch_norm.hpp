@@ -32,6 +32,18 @@
 
 namespace lockstep::nn {
 
+/// What a batch_norm built over caller spans (batch_norm::parameter_spans) does with the values
+/// gamma and beta already hold.
+enum class initial_values {
+    /// The spans are fresh (a registry tensor holds zeros until set): the layer writes gamma = 1,
+    /// beta = 0. Spans that already hold a non-zero value are refused with lockstep::error.
+    fresh,
+    /// The caller initialised gamma and beta: the layer trains from them as they are.
+    keep,
+    /// The layer overwrites gamma = 1, beta = 0 whatever the spans hold.
+    reset
+};
+
 /// Runtime options of a batch-norm layer.
 struct batch_norm_params {
     double eps = 1e-5;     ///< added to the variance before the square root
@@ -88,9 +100,11 @@ public:
     using system_type = System;
     using params = batch_norm_params;
 
-    /// Views of caller-owned parameter storage of `channels` values each, in sys's memory.
+    /// Views of caller-owned parameter storage of `channels` values each, in sys's memory, and
+    /// what the layer does with the values gamma and beta already hold (`values`).
     struct parameter_spans {
         std::span<param_type> gamma, beta, dgamma, dbeta;
+        initial_values values = initial_values::fresh;
     };
 
     /// A layer that owns its parameters, on the host system (with the machine's thread budget:
@@ -120,7 +134,10 @@ public:
 
     /// A layer whose gamma, beta, dgamma and dbeta live in caller-provided spans (e.g. the
     /// replica's parameter registry); they must outlive the layer. requires: p.affine and every
-    /// span holds `channels` values. ensures: as the owning constructor, in those spans.
+    /// span holds `channels` values; with external.values == initial_values::fresh (the
+    /// default), gamma and beta hold only zeros (else lockstep::error, invalid_argument: values
+    /// set by the caller are not silently overwritten). ensures: dgamma = dbeta = 0, running
+    /// statistics reset; gamma = 1, beta = 0 (fresh, reset) or unchanged (keep).
     batch_norm(std::size_t channels, parameter_spans external,
                params p = {}) requires System::is_host
         : batch_norm(channels, external, p, System{}, false) {}
@@ -364,8 +381,24 @@ private:
             s_.dgamma = ext.dgamma;
             s_.dbeta = ext.dbeta;
         }
-        detail::fill(s_.sys, s_.gamma, param_type(1));
-        detail::fill(s_.sys, s_.beta, param_type(0));
+        if (!owning && ext.values == initial_values::fresh) {
+            // Values the caller set (e.g. initialised in the registry before finalize) are never
+            // silently overwritten: fresh spans must still hold the registry's zero fill.
+            const std::size_t set =
+                detail::count_nonzero(s_.sys, std::span<const param_type>(s_.gamma)) +
+                detail::count_nonzero(s_.sys, std::span<const param_type>(s_.beta));
+            LOCKSTEP_REQUIRE(set == 0, errc::invalid_argument, -1, "batch_norm",
+                             "gamma and beta over caller spans already hold ", set,
+                             " non-zero value(s) of ", 2 * channels,
+                             "; a layer over fresh spans would overwrite them with gamma = 1, "
+                             "beta = 0: pass parameter_spans{..., .values = "
+                             "nn::initial_values::keep} to train from the values set, or "
+                             "initial_values::reset to overwrite them");
+        }
+        if (owning || ext.values != initial_values::keep) {
+            detail::fill(s_.sys, s_.gamma, param_type(1));
+            detail::fill(s_.sys, s_.beta, param_type(0));
+        }
         detail::fill(s_.sys, s_.dgamma, param_type(0));
         detail::fill(s_.sys, s_.dbeta, param_type(0));
         reset_running_stats();

@@ -63,16 +63,19 @@ inline shard_range shard(std::size_t first, std::size_t last, int rank, int size
 
 /// Positions [global * m / count, global * (m + 1) / count) of a global batch of `global`
 /// samples: micro-batch m of `count`, computed without overflow for any global (global * m
-/// would overflow std::size_t from global = 2^62 and count = 4 on). requires: count >= 1,
-/// m < count. ensures: the ranges of m = 0..count-1 are disjoint, in order and cover
+/// would overflow std::size_t from global = 2^62 and count = 4 on). requires: 1 <= count <=
+/// 2^32, m < count. ensures: the ranges of m = 0..count-1 are disjoint, in order and cover
 /// [0, global).
 inline shard_range micro_batch(std::size_t global, std::size_t m, std::size_t count) {
-    LOCKSTEP_REQUIRE(count >= 1 && m < count, errc::invalid_argument, -1, "micro_batch",
-                     "micro-batch ", m, " of ", count, " (requires 0 <= m < count, count >= 1)");
-    using wide = unsigned __int128;
+    LOCKSTEP_REQUIRE(count >= 1 && m < count && count <= (std::size_t{1} << 32),
+                     errc::invalid_argument, -1, "micro_batch", "micro-batch ", m, " of ", count,
+                     " (requires 0 <= m < count, 1 <= count <= 2^32)");
+    // global * k / count = q k + (r k) / count with global = q count + r: r k < count^2 <= 2^64.
+    const std::size_t q = global / count, rem = global % count;
+    const auto at = [&](std::size_t k) { return q * k + rem * k / count; };
     shard_range out;
-    out.begin = static_cast<std::size_t>(wide(global) * m / count);
-    out.end = static_cast<std::size_t>(wide(global) * (m + 1) / count);
+    out.begin = at(m);
+    out.end = at(m + 1);
     out.global_size = global;
     out.scale = global == 0 ? 0.0 : 1.0 / static_cast<double>(global);
     return out;

@@ -52,6 +52,8 @@ struct train_params {
     std::uint64_t seed = 0;
     /// Which parameters get weight decay and LARS/LAMB trust-ratio adaptation; empty: all.
     /// Commonly `[](const tensor_info& t) { return t.shape.size() > 1; }` (no biases, no BN).
+    /// Tensors of a visitor network have the shape its visitor passes (f(name, v, g, shape));
+    /// a visitor that passes none registers 1-D tensors, for which that predicate is false.
     std::function<bool(const tensor_info&)> decay = {};
     /// Dynamic loss scaling (data_parallel with sync::synchronous or sync::local_sgd; the
     /// asynchronous trainers refuse it): the step function multiplies its loss's backward seed

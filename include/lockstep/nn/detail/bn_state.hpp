@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <span>
 
+#include <thrust/count.h>
 #include <thrust/fill.h>
 
 namespace lockstep::nn::detail {
@@ -23,6 +24,24 @@ template <class Acc, class System>
 void fill(const System& sys, std::span<Acc> s, Acc v) {
     if (!s.empty())
         thrust::fill(sys.policy(), s.data(), s.data() + s.size(), v);
+}
+
+/// True for a value other than +0 or -0 (NaN included).
+struct is_nonzero_fn {
+    template <class Acc>
+    LOCKSTEP_HOST_DEVICE bool operator()(Acc v) const {
+        return !(v == Acc(0));
+    }
+};
+
+/// The number of values of s other than zero (s lives in sys's memory; the count is read on
+/// the host, so on a device this waits for the system's stream).
+template <class Acc, class System>
+std::size_t count_nonzero(const System& sys, std::span<const Acc> s) {
+    if (s.empty())
+        return 0;
+    return static_cast<std::size_t>(
+        thrust::count_if(sys.policy(), s.data(), s.data() + s.size(), is_nonzero_fn{}));
 }
 
 /// Grows b to at least n elements (contents are not kept).

@@ -82,11 +82,23 @@ public:
             LOCKSTEP_REQUIRE(reg.empty(), errc::invalid_argument, comm.rank(), "data_parallel",
                              "the network both allocates from the registry and defines "
                              "for_each_parameter: use one of the two");
-            visit_parameters(*net_, [&](std::string_view name, std::span<T> v, std::span<T> g) {
+            visit_parameters(*net_, [&](std::string_view name, std::span<T> v, std::span<T> g,
+                                        const std::vector<std::size_t>& shape) {
                 LOCKSTEP_REQUIRE(v.size() == g.size(), errc::shape_mismatch, comm.rank(),
                                  "data_parallel", "parameter '", name, "' has ", v.size(),
                                  " values but ", g.size(), " gradients");
-                reg.add(std::string(name), {v.size()});
+                if (shape.empty()) {
+                    reg.add(std::string(name), {v.size()});
+                    return;
+                }
+                // The visitor's shape is kept (train_params::decay and frozen see it).
+                std::size_t n = 1;
+                for (std::size_t e : shape)
+                    n = e != 0 && n > v.size() / e ? v.size() + 1 : n * e;
+                LOCKSTEP_REQUIRE(n == v.size(), errc::shape_mismatch, comm.rank(), "data_parallel",
+                                 "parameter '", name, "': shape ", shape_string(shape),
+                                 " does not hold its ", v.size(), " values");
+                reg.add(std::string(name), shape);
             });
         }
         reg.finalize();

@@ -3,16 +3,23 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include <cstddef>
 #include <span>
 #include <string_view>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace lockstep::detail {
 
-/// Visitor shapes the customization points are probed with.
+/// Visitor shapes the customization points are probed with. A parameter visitor calls
+/// f(name, values, gradients) or f(name, values, gradients, shape) (shape: the tensor's extents,
+/// e.g. `{out, in}`, whose product is values.size()).
 template <class T>
 struct parameter_probe {
     void operator()(std::string_view, std::span<T>, std::span<T>) const {}
+    void operator()(std::string_view, std::span<T>, std::span<T>,
+                    const std::vector<std::size_t>&) const {}
 };
 template <class T>
 struct state_probe {
@@ -60,13 +67,38 @@ concept has_parameter_visitor =
 template <class N, class T>
 concept has_state_visitor = member_state<N, state_probe<T>> || adl::adl_state<N, state_probe<T>>;
 
-/// Calls the network's parameter visitor (member first, then ADL).
+/// What visit_parameters hands the network: accepts the visitor's call with or without a
+/// shape and forwards it to f, with the shape only when f takes one.
+template <class F>
+struct shape_adapter {
+    F& f;
+    template <class V>
+    void operator()(std::string_view name, V values, V grads) const {
+        if constexpr (std::is_invocable_v<F&, std::string_view, V, V>)
+            f(name, values, grads);
+        else
+            f(name, values, grads, std::vector<std::size_t>{});
+    }
+    template <class V>
+    void operator()(std::string_view name, V values, V grads,
+                    const std::vector<std::size_t>& shape) const {
+        if constexpr (std::is_invocable_v<F&, std::string_view, V, V,
+                                          const std::vector<std::size_t>&>)
+            f(name, values, grads, shape);
+        else
+            f(name, values, grads);
+    }
+};
+
+/// Calls the network's parameter visitor (member first, then ADL). f takes (name, values,
+/// gradients) or also the shape (empty when the network passed none).
 template <class N, class F>
 void visit_parameters(N& n, F&& f) {
-    if constexpr (member_parameters<N, F>)
-        n.for_each_parameter(std::forward<F>(f));
+    const shape_adapter<std::remove_reference_t<F>> a{f};
+    if constexpr (member_parameters<N, shape_adapter<std::remove_reference_t<F>>>)
+        n.for_each_parameter(a);
     else
-        adl::call_parameters(n, std::forward<F>(f));
+        adl::call_parameters(n, a);
 }
 /// Calls the network's state visitor when it has one.
 template <class T, class N, class F>
