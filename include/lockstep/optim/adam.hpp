@@ -4,6 +4,7 @@
 
 #include "lockstep/kernels/optimizer_kernels.hpp"
 #include "lockstep/optim/detail/flat_layout.hpp"
+#include "lockstep/optim/detail/state_block.hpp"
 #include "lockstep/optim/detail/step_counter.hpp"
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/system/buffer.hpp"
@@ -46,22 +47,18 @@ namespace detail {
 /// bias corrections are computed in double each step by a one-thread prologue in System memory,
 /// where t lives (see step(w, g, skip)). State: "exp_avg" (m), "exp_avg_sq" (v), step count t.
 template <class T, class System, class Params, bool Decoupled>
-class adam_impl {
+class adam_impl : public state_block<T, System, Params, kernels::adam_rule, 2> {
     static_assert(std::is_floating_point_v<T>, "optim::adam updates float or double parameters.");
 
 public:
-    using value_type = T;
-    using system_type = System;
-    using params_type = Params;
-
     /// State for a flat buffer of n parameters (moments zero, step 0). requires: lr,
     /// weight_decay >= 0, 0 <= beta1, beta2 < 1, finite eps > 0 (every value finite); segments as
     /// tensor_segment says (only `decay` is used). Throws lockstep::error (invalid_argument)
     /// otherwise.
     explicit adam_impl(std::size_t n, Params p = {}, System sys = default_system<System>(),
                        std::span<const tensor_segment> segments = {})
-        : p_(p), sys_(sys), layout_(n, segments, sys_, name()), m_(zeros<T>(n, sys_)),
-          v_(zeros<T>(n, sys_)), count_(sys_) {
+        : state_block<T, System, Params, kernels::adam_rule, 2>(name(), {"exp_avg", "exp_avg_sq"},
+                                                                {true, true}, n, p, sys, segments) {
         check_param(name(), "lr", p.lr, 0.0);
         check_param(name(), "beta1", p.beta1, 0.0);
         check_param(name(), "beta2", p.beta2, 0.0);
@@ -79,12 +76,12 @@ public:
     /// skipped: w, m, v and step_count() unchanged. The flag is read by the kernels only: no
     /// host synchronisation, no allocation.
     void step(std::span<T> w, std::span<const T> g, const int* skip) {
-        check_step(Decoupled ? "adamw.step" : "adam.step", size(), w.size(), g.size());
+        check_step(Decoupled ? "adamw.step" : "adam.step", this->size(), w.size(), g.size());
         count_.begin(sys_, skip, kernels::adam_rule{p_.lr, p_.beta1, p_.beta2});
         const kernels::adam_update<T> f{.w = w.data(),
                                         .g = g.data(),
-                                        .m = m_.data(),
-                                        .v = v_.data(),
+                                        .m = this->slot(0),
+                                        .v = this->slot(1),
                                         .flags = layout_.flags(),
                                         .step = count_.state(),
                                         .beta1 = static_cast<T>(p_.beta1),
@@ -101,41 +98,14 @@ public:
     /// step(w, g, nullptr): a step that is always applied.
     void step(std::span<T> w, std::span<const T> g) { step(w, g, nullptr); }
 
-    double lr() const noexcept { return p_.lr; }
-    /// Sets the learning rate of the next steps. requires: lr finite and >= 0.
-    void set_lr(double lr) {
-        check_param(name(), "lr", lr, 0.0);
-        p_.lr = lr;
-    }
-    const Params& params() const noexcept { return p_; }
-    const System& system() const noexcept { return sys_; }
-    std::size_t size() const noexcept { return layout_.size(); }
-    /// The number of applied steps. On a device system a synchronising read of the device
-    /// count: not meant for use inside a step.
-    std::int64_t step_count() const { return count_.applied(sys_); }
-    const std::vector<tensor_segment>& segments() const noexcept { return layout_.segments(); }
-
-    /// The checkpointable state: step count (read as step_count() does) and {"exp_avg",
-    /// "exp_avg_sq"}.
-    state_view<T> state() {
-        return {step_count(), {{"exp_avg", m_.span()}, {"exp_avg_sq", v_.span()}}};
-    }
-    state_view<const T> state() const {
-        return {step_count(), {{"exp_avg", m_.span()}, {"exp_avg_sq", v_.span()}}};
-    }
-    /// Restores a state saved by state(). Throws lockstep::error (checkpoint) on a mismatch.
-    void load_state(const state_view<const T>& saved) {
-        count_.set_applied(sys_, load_slots(name(), saved, state(), sys_));
-    }
-
 private:
     static constexpr const char* name() { return Decoupled ? "adamw" : "adam"; }
 
-    Params p_;
-    System sys_;
-    flat_layout<System> layout_;
-    buffer<T, System> m_, v_;
-    step_counter<kernels::adam_rule, System> count_;
+    using base = state_block<T, System, Params, kernels::adam_rule, 2>;
+    using base::count_;
+    using base::layout_;
+    using base::p_;
+    using base::sys_;
 };
 } // namespace detail
 

@@ -4,6 +4,7 @@
 
 #include "lockstep/kernels/optimizer_kernels.hpp"
 #include "lockstep/optim/detail/flat_layout.hpp"
+#include "lockstep/optim/detail/state_block.hpp"
 #include "lockstep/optim/detail/step_counter.hpp"
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/system/buffer.hpp"
@@ -42,23 +43,20 @@ struct lamb_params {
 /// order. The bias corrections are computed in double by a one-thread prologue in System memory,
 /// where t lives. State: "exp_avg" (m), "exp_avg_sq" (v), step count t.
 template <class T, class System = host_system>
-class lamb {
+class lamb : public detail::state_block<T, System, lamb_params, kernels::lamb_rule, 2> {
     static_assert(std::is_floating_point_v<T>, "optim::lamb updates float or double parameters.");
 
 public:
-    using value_type = T;
-    using system_type = System;
-    using params_type = lamb_params;
-
     /// State for n parameters laid out as `segments` (empty: one tensor). requires: lr,
     /// weight_decay, phi_min >= 0, 0 <= beta1, beta2 < 1, finite eps > 0, phi_max >= phi_min.
     /// Throws lockstep::error otherwise.
     explicit lamb(std::size_t n, lamb_params p = {}, System sys = default_system<System>(),
                   std::span<const tensor_segment> segments = {})
-        : p_(p), sys_(sys), layout_(n, segments, sys_, "lamb"), m_(detail::zeros<T>(n, sys_)),
-          v_(detail::zeros<T>(n, sys_)), update_(n, sys_), partial_(layout_.tile_count(), sys_),
+        : detail::state_block<T, System, lamb_params, kernels::lamb_rule, 2>(
+              "lamb", {"exp_avg", "exp_avg_sq"}, {true, true}, n, p, sys, segments),
+          update_(n, sys_), partial_(layout_.tile_count(), sys_),
           norms_(layout_.segment_count(), sys_), scaled_lr_(layout_.segment_count(), sys_),
-          trust_(detail::zeros<double>(layout_.segment_count(), sys_, 1.0)), count_(sys_) {
+          trust_(detail::zeros<double>(layout_.segment_count(), sys_, 1.0)) {
         detail::check_param("lamb", "lr", p.lr, 0.0);
         detail::check_param("lamb", "beta1", p.beta1, 0.0);
         detail::check_param("lamb", "beta2", p.beta2, 0.0);
@@ -80,14 +78,14 @@ public:
     /// step_count() unchanged. The flag is read by the kernels only: no host synchronisation,
     /// no allocation.
     void step(std::span<T> w, std::span<const T> g, const int* skip) {
-        detail::check_step("lamb.step", size(), w.size(), g.size());
+        detail::check_step("lamb.step", this->size(), w.size(), g.size());
         count_.begin(sys_, skip, kernels::lamb_rule{p_.beta1, p_.beta2});
         const int* noop = count_.noop();
         layout_.reduce(sys_,
                        kernels::lamb_moments<T>{.w = w.data(),
                                                 .g = g.data(),
-                                                .m = m_.data(),
-                                                .v = v_.data(),
+                                                .m = this->slot(0),
+                                                .v = this->slot(1),
                                                 .update = update_.data(),
                                                 .flags = layout_.flags(),
                                                 .step = count_.state(),
@@ -119,41 +117,15 @@ public:
     /// memory.
     std::span<const double> trust_ratios() const noexcept { return trust_.span(); }
 
-    double lr() const noexcept { return p_.lr; }
-    /// Sets the learning rate of the next steps. requires: lr finite and >= 0.
-    void set_lr(double lr) {
-        detail::check_param("lamb.set_lr", "lr", lr, 0.0);
-        p_.lr = lr;
-    }
-    const lamb_params& params() const noexcept { return p_; }
-    const System& system() const noexcept { return sys_; }
-    std::size_t size() const noexcept { return layout_.size(); }
-    /// The number of applied steps. On a device system a synchronising read of the device
-    /// count: not meant for use inside a step.
-    std::int64_t step_count() const { return count_.applied(sys_); }
-    const std::vector<tensor_segment>& segments() const noexcept { return layout_.segments(); }
-
-    /// The checkpointable state: step count (read as step_count() does) and {"exp_avg",
-    /// "exp_avg_sq"}.
-    state_view<T> state() {
-        return {step_count(), {{"exp_avg", m_.span()}, {"exp_avg_sq", v_.span()}}};
-    }
-    state_view<const T> state() const {
-        return {step_count(), {{"exp_avg", m_.span()}, {"exp_avg_sq", v_.span()}}};
-    }
-    /// Restores a state saved by state(). Throws lockstep::error (checkpoint) on a mismatch.
-    void load_state(const state_view<const T>& saved) {
-        count_.set_applied(sys_, detail::load_slots("lamb.load_state", saved, state(), sys_));
-    }
-
 private:
-    lamb_params p_;
-    System sys_;
-    detail::flat_layout<System> layout_;
-    buffer<T, System> m_, v_, update_;
+    using base = detail::state_block<T, System, lamb_params, kernels::lamb_rule, 2>;
+    using base::count_;
+    using base::layout_;
+    using base::p_;
+    using base::sys_;
+    buffer<T, System> update_;
     buffer<kernels::sum_pair, System> partial_, norms_;
     buffer<double, System> scaled_lr_, trust_;
-    detail::step_counter<kernels::lamb_rule, System> count_;
 };
 
 } // namespace lockstep::optim

@@ -4,6 +4,7 @@
 
 #include "lockstep/kernels/optimizer_kernels.hpp"
 #include "lockstep/optim/detail/flat_layout.hpp"
+#include "lockstep/optim/detail/state_block.hpp"
 #include "lockstep/optim/detail/step_counter.hpp"
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/system/buffer.hpp"
@@ -36,23 +37,20 @@ struct lars_params {
 /// Segments with adapt = false (biases, BN gamma/beta) get plain momentum SGD.
 /// State: "momentum" (v) and the step count (applied steps, in System memory).
 template <class T, class System = host_system>
-class lars {
+class lars : public detail::state_block<T, System, lars_params, kernels::count_rule, 1> {
     static_assert(std::is_floating_point_v<T>, "optim::lars updates float or double parameters.");
 
 public:
-    using value_type = T;
-    using system_type = System;
-    using params_type = lars_params;
-
     /// State for n parameters laid out as `segments` (empty: one tensor). requires:
     /// lr, weight_decay, eps finite and >= 0, momentum in [0, 1], eta finite and > 0. Throws
     /// lockstep::error otherwise.
     explicit lars(std::size_t n, lars_params p = {}, System sys = default_system<System>(),
                   std::span<const tensor_segment> segments = {})
-        : p_(p), sys_(sys), layout_(n, segments, sys_, "lars"), v_(detail::zeros<T>(n, sys_)),
+        : detail::state_block<T, System, lars_params, kernels::count_rule, 1>(
+              "lars", {"momentum"}, {true}, n, p, sys, segments),
           partial_(layout_.tile_count(), sys_), norms_(layout_.segment_count(), sys_),
           scaled_lr_(layout_.segment_count(), sys_),
-          trust_(detail::zeros<double>(layout_.segment_count(), sys_, 1.0)), count_(sys_) {
+          trust_(detail::zeros<double>(layout_.segment_count(), sys_, 1.0)) {
         detail::check_param("lars", "lr", p.lr, 0.0);
         detail::check_param("lars", "momentum", p.momentum, 0.0);
         detail::check_param("lars", "weight_decay", p.weight_decay, 0.0);
@@ -70,7 +68,7 @@ public:
     /// v, trust_ratios() and step_count() unchanged. The flag is read by the kernels only: no
     /// host synchronisation, no allocation.
     void step(std::span<T> w, std::span<const T> g, const int* skip) {
-        detail::check_step("lars.step", size(), w.size(), g.size());
+        detail::check_step("lars.step", this->size(), w.size(), g.size());
         count_.begin(sys_, skip, kernels::count_rule{});
         const int* noop = count_.noop();
         layout_.reduce(sys_, kernels::norm2_w_g<T>{w.data(), g.data()}, partial_, norms_.data(),
@@ -88,7 +86,7 @@ public:
         layout_.apply(sys_,
                       kernels::lars_update<T>{.w = w.data(),
                                               .g = g.data(),
-                                              .v = v_.data(),
+                                              .v = this->slot(0),
                                               .flags = layout_.flags(),
                                               .scaled_lr = scaled_lr_.data(),
                                               .momentum = static_cast<T>(p_.momentum),
@@ -102,36 +100,14 @@ public:
     /// memory.
     std::span<const double> trust_ratios() const noexcept { return trust_.span(); }
 
-    double lr() const noexcept { return p_.lr; }
-    /// Sets the global learning rate of the next steps. requires: lr finite and >= 0.
-    void set_lr(double lr) {
-        detail::check_param("lars.set_lr", "lr", lr, 0.0);
-        p_.lr = lr;
-    }
-    const lars_params& params() const noexcept { return p_; }
-    const System& system() const noexcept { return sys_; }
-    std::size_t size() const noexcept { return layout_.size(); }
-    /// The number of applied steps. On a device system a synchronising read of the device
-    /// count: not meant for use inside a step.
-    std::int64_t step_count() const { return count_.applied(sys_); }
-    const std::vector<tensor_segment>& segments() const noexcept { return layout_.segments(); }
-
-    /// The checkpointable state: step count (read as step_count() does) and {"momentum"}.
-    state_view<T> state() { return {step_count(), {{"momentum", v_.span()}}}; }
-    state_view<const T> state() const { return {step_count(), {{"momentum", v_.span()}}}; }
-    /// Restores a state saved by state(). Throws lockstep::error (checkpoint) on a mismatch.
-    void load_state(const state_view<const T>& saved) {
-        count_.set_applied(sys_, detail::load_slots("lars.load_state", saved, state(), sys_));
-    }
-
 private:
-    lars_params p_;
-    System sys_;
-    detail::flat_layout<System> layout_;
-    buffer<T, System> v_;
+    using base = detail::state_block<T, System, lars_params, kernels::count_rule, 1>;
+    using base::count_;
+    using base::layout_;
+    using base::p_;
+    using base::sys_;
     buffer<kernels::sum_pair, System> partial_, norms_;
     buffer<double, System> scaled_lr_, trust_;
-    detail::step_counter<kernels::count_rule, System> count_;
 };
 
 } // namespace lockstep::optim

@@ -4,6 +4,7 @@
 
 #include "lockstep/kernels/optimizer_kernels.hpp"
 #include "lockstep/optim/detail/flat_layout.hpp"
+#include "lockstep/optim/detail/state_block.hpp"
 #include "lockstep/optim/detail/step_counter.hpp"
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/system/buffer.hpp"
@@ -36,21 +37,18 @@ struct sgd_params {
 /// Arithmetic in T (float or double). State: "momentum" (b, when mu != 0) and the step count,
 /// which lives in System memory (see step(w, g, skip)).
 template <class T, class System = host_system>
-class sgd {
+class sgd : public detail::state_block<T, System, sgd_params, kernels::sgd_rule, 1> {
     static_assert(std::is_floating_point_v<T>, "optim::sgd updates float or double parameters.");
 
 public:
-    using value_type = T;
-    using system_type = System;
-    using params_type = sgd_params;
-
     /// Optimizer state for a flat buffer of n parameters (momentum zero, step 0).
     /// requires: lr, weight_decay finite and >= 0; momentum in [0, 1]; 0 <= dampening <= 1;
     /// nesterov only with momentum > 0 and dampening == 0; segments as tensor_segment says (only
     /// `decay` is used). Throws lockstep::error (invalid_argument) otherwise.
     explicit sgd(std::size_t n, sgd_params p = {}, System sys = default_system<System>(),
                  std::span<const tensor_segment> segments = {})
-        : p_(p), sys_(sys), layout_(n, segments, sys_, "sgd"), count_(sys_) {
+        : detail::state_block<T, System, sgd_params, kernels::sgd_rule, 1>(
+              "sgd", {"momentum"}, {p.momentum != 0}, n, p, sys, segments) {
         detail::check_param("sgd", "lr", p.lr, 0.0);
         detail::check_param("sgd", "momentum", p.momentum, 0.0);
         detail::check_param("sgd", "dampening", p.dampening, 0.0);
@@ -63,8 +61,6 @@ public:
             !p.nesterov || (p.momentum > 0 && p.dampening == 0), errc::invalid_argument, -1, "sgd",
             "Nesterov momentum requires momentum > 0 and dampening == 0 (momentum = ", p.momentum,
             ", dampening = ", p.dampening, ")");
-        if (p.momentum != 0)
-            momentum_ = detail::zeros<T>(n, sys_);
     }
 
     /// One update of w from g, unless *skip != 0 when the step's kernels run. requires:
@@ -74,11 +70,11 @@ public:
     /// momentum updated, step_count() grows by one; skipped: w, the momentum and step_count()
     /// unchanged. The flag is read by the kernels only: no host synchronisation, no allocation.
     void step(std::span<T> w, std::span<const T> g, const int* skip) {
-        detail::check_step("sgd.step", size(), w.size(), g.size());
+        detail::check_step("sgd.step", this->size(), w.size(), g.size());
         count_.begin(sys_, skip, kernels::sgd_rule{});
         const kernels::sgd_update<T> f{.w = w.data(),
                                        .g = g.data(),
-                                       .m = momentum_.data(),
+                                       .m = this->slot(0),
                                        .flags = layout_.flags(),
                                        .step = count_.state(),
                                        .lr = static_cast<T>(p_.lr),
@@ -91,46 +87,12 @@ public:
     /// step(w, g, nullptr): a step that is always applied.
     void step(std::span<T> w, std::span<const T> g) { step(w, g, nullptr); }
 
-    double lr() const noexcept { return p_.lr; }
-    /// Sets the learning rate of the next steps. requires: lr finite and >= 0.
-    void set_lr(double lr) {
-        detail::check_param("sgd.set_lr", "lr", lr, 0.0);
-        p_.lr = lr;
-    }
-    const sgd_params& params() const noexcept { return p_; }
-    const System& system() const noexcept { return sys_; }
-    std::size_t size() const noexcept { return layout_.size(); }
-    /// The number of applied steps. On a device system a synchronising read of the device
-    /// count: not meant for use inside a step.
-    std::int64_t step_count() const { return count_.applied(sys_); }
-    const std::vector<tensor_segment>& segments() const noexcept { return layout_.segments(); }
-
-    /// The checkpointable state: step count and {"momentum"} (no slot when momentum == 0).
-    /// Reads the step count as step_count() does.
-    state_view<T> state() {
-        state_view<T> s{step_count(), {}};
-        if (p_.momentum != 0)
-            s.slots.push_back({"momentum", momentum_.span()});
-        return s;
-    }
-    state_view<const T> state() const {
-        state_view<const T> s{step_count(), {}};
-        if (p_.momentum != 0)
-            s.slots.push_back({"momentum", momentum_.span()});
-        return s;
-    }
-    /// Restores a state saved by state() of an sgd with the same size and momentum != 0-ness.
-    /// Throws lockstep::error (checkpoint) when the slots do not match.
-    void load_state(const state_view<const T>& saved) {
-        count_.set_applied(sys_, detail::load_slots("sgd.load_state", saved, state(), sys_));
-    }
-
 private:
-    sgd_params p_;
-    System sys_;
-    detail::flat_layout<System> layout_;
-    buffer<T, System> momentum_;
-    detail::step_counter<kernels::sgd_rule, System> count_;
+    using base = detail::state_block<T, System, sgd_params, kernels::sgd_rule, 1>;
+    using base::count_;
+    using base::layout_;
+    using base::p_;
+    using base::sys_;
 };
 
 } // namespace lockstep::optim
