@@ -130,9 +130,8 @@ public:
 
     /// Runs f (returning kernels::sum_pair) over every segmented element in one pass and writes
     /// the per-segment sums to out (segment_count() entries, System memory). Deterministic:
-    /// the summation order depends on the layout only, never on the thread count. (On CUDA, a
-    /// CUB segmented reduction with block-wide partials is the fast path still to write; this
-    /// portable form runs one thread per 1024-element tile, then one per segment.) When the
+    /// the summation order depends on the layout only, never on the thread count. On every
+    /// system it runs one task per tile (1024 elements on CUDA), then one per segment. When the
     /// noop flag (an int in System memory, or null) is set, f is not called and out is zero.
     /// partial is resized here only when it does not hold tile_count() entries (size it at
     /// construction so that steps never allocate).
