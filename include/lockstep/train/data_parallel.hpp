@@ -165,6 +165,7 @@ public:
     std::size_t collectives() const noexcept { return reducer_.collectives(); }
 
 private:
+    friend struct detail::checkpoint_access;
     using T = value_type;
 
     template <class Fn>

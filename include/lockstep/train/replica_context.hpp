@@ -71,6 +71,8 @@ public:
         training_ = training;
     }
     void set_loss_slot(double* slot) noexcept { loss_slot_ = slot; }
+    /// For trainers restoring a checkpoint: the seed of rng() from now on.
+    void set_seed(std::uint64_t seed) noexcept { seed_ = seed; }
 
 private:
     Communicator* comm_;
