@@ -41,9 +41,12 @@ struct plan {
     std::size_t save_at = 0;
 };
 
-/// Local SGD cannot share batch statistics inside a step: it averages running statistics.
+/// Local SGD cannot share batch statistics inside a step: it averages running statistics; the
+/// asynchronous trainers keep them per replica (the server's travel with the parameters).
 template <class Sync>
-using bn_for = std::conditional_t<is_local_sgd_v<Sync>, bn::running_only, bn::global>;
+using bn_for =
+    std::conditional_t<is_asynchronous_v<Sync>, bn::local,
+                       std::conditional_t<is_local_sgd_v<Sync>, bn::running_only, bn::global>>;
 
 template <class Opt, class Sync, class Reduce, storage S, class T = typename Opt::value_type>
 using trainer_of = data_parallel<mlp<T, thread_communicator, S, bn_for<Sync>>, Opt, Sync, Reduce,
@@ -473,6 +476,58 @@ TEST_CASE("a save that crashes at any stage leaves the previous checkpoint loada
             }
             CHECK(files == 3); // the marker and two shards
         }
+    }
+}
+
+namespace {
+
+/// Asynchronous training: save between train() calls, load into trainers built with another
+/// seed: every replica has the saved state (parameters, BN statistics, optimizer buffers and
+/// step count, steps, seed) and trains on. Not compared with an uninterrupted run: the order in
+/// which the server applies gradients depends on their arrival, with or without a checkpoint.
+template <class Sync>
+void check_async_restore() {
+    using dp_type = trainer_of<base_opt, Sync, reduce::per_tensor, storage::registry>;
+    using net = typename dp_type::network_type;
+    auto fn = [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); };
+    temp_dir dir;
+    const fs::path path = dir.path / "async.ckpt";
+    std::vector<std::vector<std::byte>> saved(3), fresh(3), loaded(3);
+    std::vector<std::int64_t> steps_after(3);
+    thread_group(3).run([&](thread_communicator& comm) {
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, base_params, params_for(42));
+        dp.train(6, 8, fn);
+        save_checkpoint(dp, path);
+        saved[static_cast<std::size_t>(comm.rank())] = fingerprint(dp);
+    });
+    thread_group(3).run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, base_params, params_for(7));
+        fresh[r] = fingerprint(dp);
+        load_checkpoint(dp, path);
+        loaded[r] = fingerprint(dp);
+        dp.train(4, 8, fn);
+        steps_after[r] = dp.steps();
+    });
+    for (std::size_t r = 0; r < 3; ++r) {
+        INFO("replica " << r);
+        CHECK(loaded[r] == saved[r]);
+        CHECK(fresh[r] != saved[r]);
+        CHECK(steps_after[r] == 10);
+    }
+}
+
+} // namespace
+
+TEST_CASE("asynchronous trainers restore every replica's state from a checkpoint",
+          "[train][checkpoint][thread][async]") {
+    SECTION("sync::asynchronous") {
+        check_async_restore<sync::asynchronous>();
+    }
+    SECTION("sync::bounded_staleness<1>") {
+        check_async_restore<sync::bounded_staleness<1>>();
     }
 }
 

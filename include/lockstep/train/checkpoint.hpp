@@ -1,5 +1,5 @@
-// lockstep/train/checkpoint.hpp: save_checkpoint / load_checkpoint for data_parallel (synchronous
-// and local SGD, every ReducePolicy): one shard file per replica plus a commit marker.
+// lockstep/train/checkpoint.hpp: save_checkpoint / load_checkpoint for data_parallel (every
+// SyncPolicy and ReducePolicy): one shard file per replica plus a commit marker.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
@@ -43,11 +43,29 @@ namespace detail {
 struct checkpoint_access {
     template <class DP>
     static auto& core(DP& dp) noexcept {
-        return dp.core_;
+        if constexpr (is_asynchronous_v<typename DP::sync_policy_type>)
+            return static_cast<
+                       async_trainer<typename DP::network_type, typename DP::optimizer_type,
+                                     typename DP::sync_policy_type, typename DP::reduce_policy_type,
+                                     typename DP::communicator_type>&>(dp)
+                .core_;
+        else
+            return dp.core_;
+    }
+    /// Local SGD's steps since the last average (0 for the other trainers).
+    template <class DP>
+    static std::size_t since_average(const DP& dp) noexcept {
+        if constexpr (is_local_sgd_v<typename DP::sync_policy_type>)
+            return dp.since_average_;
+        else
+            return 0;
     }
     template <class DP>
-    static std::size_t& since_average(DP& dp) noexcept {
-        return dp.since_average_;
+    static void set_since_average(DP& dp, std::size_t n) noexcept {
+        if constexpr (is_local_sgd_v<typename DP::sync_policy_type>)
+            dp.since_average_ = n;
+        (void)dp;
+        (void)n;
     }
 };
 
@@ -189,6 +207,10 @@ meta_list describe_trainer(DP& dp, std::int64_t steps) {
     m.emplace_back("sync", policy_name<typename DP::sync_policy_type>::get());
     m.emplace_back("reduce", policy_name<typename DP::reduce_policy_type>::get());
     m.emplace_back("bn", tuple_names<network_bn_policies_t<typename DP::network_type>>::get());
+    if constexpr (is_asynchronous_v<typename DP::sync_policy_type>) {
+        m.emplace_back("async.root", std::to_string(dp.params().root));
+        m.emplace_back("async.bn_momentum", number(dp.params().bn_momentum));
+    }
     std::string lr;
     for (std::int64_t ahead : {0, 1, 10, 1000})
         lr += (lr.empty() ? "" : " ") + number(core.lr_for(steps + ahead));
@@ -509,7 +531,7 @@ void restore(DP& dp, const loaded_shard& s) {
     opt.load_state(saved);
     const auto c = section_values<std::uint64_t>(s, "trainer.counters");
     core.restore_position(static_cast<std::int64_t>(c[0]), c[1], c[3]);
-    checkpoint_access::since_average(dp) = static_cast<std::size_t>(c[2]);
+    checkpoint_access::set_since_average(dp, static_cast<std::size_t>(c[2]));
     if constexpr (requires { core.comm().synchronize(); })
         core.comm().synchronize();
 }
@@ -525,13 +547,12 @@ void restore(DP& dp, const loaded_shard& s) {
 /// ensures: on success `path` loads into a compatible trainer; a failure or crash at any point
 /// leaves the previous checkpoint at `path` loadable, and a failure on any replica throws one
 /// lockstep::error (checkpoint) on every replica.
-/// requires: no step in flight on this replica (call it between steps).
+/// requires: no step in flight on this replica (call it between steps; with sync::asynchronous
+/// and sync::bounded_staleness<S>, between train() calls, when every replica holds the server's
+/// parameters and state).
 template <class Network, class Optimizer, class Sync, class Reduce, class Comm>
 void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
                      const std::filesystem::path& path) {
-    static_assert(!is_asynchronous_v<Sync>,
-                  "save_checkpoint supports data_parallel with sync::synchronous and "
-                  "sync::local_sgd<K>; the asynchronous trainers have no checkpoints.");
     namespace ck = detail::ckpt;
     auto& core = detail::checkpoint_access::core(dp);
     auto& comm = core.comm();
@@ -608,14 +629,13 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
 /// listing them all and dp is unchanged. Otherwise dp gets the parameters (also in the network's
 /// own buffers with the visitor), registry and visited state (BN running statistics), optimizer
 /// buffers and step count, steps(), the sample offset, local SGD's steps since the last average
-/// and the RNG seed: the steps that follow are bitwise those of the run that saved.
-/// requires: no step in flight on this replica.
+/// and the RNG seed: the steps that follow are bitwise those of the run that saved (synchronous
+/// and local SGD; the asynchronous trainers continue from the same state, in an order the
+/// arrival of gradients decides, as without a checkpoint).
+/// requires: no step in flight on this replica (asynchronous: between train() calls).
 template <class Network, class Optimizer, class Sync, class Reduce, class Comm>
 void load_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
                      const std::filesystem::path& path) {
-    static_assert(!is_asynchronous_v<Sync>,
-                  "load_checkpoint supports data_parallel with sync::synchronous and "
-                  "sync::local_sgd<K>; the asynchronous trainers have no checkpoints.");
     namespace ck = detail::ckpt;
     auto& comm = detail::checkpoint_access::core(dp).comm();
     ck::loaded_shard shard;
