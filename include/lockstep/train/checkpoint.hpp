@@ -149,7 +149,7 @@ template <class... P>
 struct tuple_names<std::tuple<P...>> {
     static std::string get() {
         std::string s;
-        ((s += (s.empty() ? "" : ", ") + policy_name<P>::get()), ...);
+        ((s += s.empty() ? "" : ", ", s += policy_name<P>::get()), ...);
         return s.empty() ? "none" : s;
     }
 };
@@ -212,8 +212,11 @@ meta_list describe_trainer(DP& dp, std::int64_t steps) {
         m.emplace_back("async.bn_momentum", number(dp.params().bn_momentum));
     }
     std::string lr;
-    for (std::int64_t ahead : {0, 1, 10, 1000})
-        lr += (lr.empty() ? "" : " ") + number(core.lr_for(steps + ahead));
+    for (std::int64_t ahead : {0, 1, 10, 1000}) {
+        if (!lr.empty())
+            lr += ' ';
+        lr += number(core.lr_for(steps + ahead));
+    }
     m.emplace_back("lr.schedule", lr);
     return m;
 }
@@ -641,8 +644,11 @@ void load_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
     ck::loaded_shard shard;
     std::string problem;
     try {
-        for (const std::string& p : ck::validate(dp, path, shard))
-            problem += (problem.empty() ? "" : "; ") + p;
+        for (const std::string& p : ck::validate(dp, path, shard)) {
+            if (!problem.empty())
+                problem += "; ";
+            problem += p;
+        }
     } catch (const std::exception& e) {
         problem = e.what();
     }

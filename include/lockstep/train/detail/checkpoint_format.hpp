@@ -126,7 +126,7 @@ inline std::vector<std::string> verify_sections(std::span<const std::byte> file,
 
 /// A parsed and checked header: a view of the file (which must outlive it) with the positions
 /// of its metadata entries and sections. Its tables take fewer bytes than the header they
-/// describe (8 bytes per metadata entry of at least 8, 28 per section entry of at least 36),
+/// describe (8 bytes per metadata entry of at least 8, 32 per section entry of at least 36),
 /// so parsing never allocates more than the file's size, whatever the header claims.
 class parsed_header {
 public:
@@ -186,6 +186,8 @@ private:
         std::uint64_t length;
         std::uint32_t crc;
     };
+    // The bound on allocations: each table entry is smaller than its smallest encoding.
+    static_assert(sizeof(located) <= min_section_bytes && sizeof(std::uint64_t) <= min_meta_bytes);
     std::string_view view(std::uint64_t p, std::uint64_t n) const {
         return {reinterpret_cast<const char*>(file_.data() + p), static_cast<std::size_t>(n)};
     }
