@@ -360,6 +360,14 @@ TEST_CASE("hand-made hostile headers are refused before any large allocation",
         ck::put_u32(meta, 0);
         check_refused(craft({}, 0, 1, 0, 0, 0, meta), "metadata key needs 4294967280 bytes");
     }
+    SECTION("a metadata key twice") {
+        bytes meta;
+        for (int i = 0; i < 2; ++i) {
+            ck::put_string(meta, "world_size");
+            ck::put_string(meta, std::to_string(i + 1));
+        }
+        check_refused(craft({}, 0, 2, 0, 0, 0, meta), "metadata key 'world_size' appears twice");
+    }
     SECTION("shape-product overflow") {
         entry e;
         e.dims = {1ull << 32, 1ull << 32};

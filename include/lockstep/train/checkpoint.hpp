@@ -233,15 +233,18 @@ inline std::vector<std::uint64_t> shape64(const std::vector<std::size_t>& s) {
 }
 inline std::string shape_text(const std::vector<std::uint64_t>& s) {
     std::string t = "{";
-    for (std::size_t i = 0; i < s.size(); ++i)
-        t += (i ? ", " : "") + std::to_string(s[i]);
+    for (std::size_t i = 0; i < s.size(); ++i) {
+        if (i > 0)
+            t += ", ";
+        t += std::to_string(s[i]);
+    }
     return t + "}";
 }
 
 inline constexpr std::size_t counter_count = 4; ///< steps, samples, since_average, seed
 
-/// Calls f(spec, host read of the data, device span) for every T section of dp in file order:
-/// parameters, registry state, visited state, optimizer buffers. `read` false: no data copy.
+/// Calls f(spec, span in the trainer's System memory) for every T section of dp in file order:
+/// parameters, registry state, visited state, optimizer buffers.
 template <class DP, class F>
 void for_each_tensor_section(DP& dp, F&& f) {
     using T = typename DP::value_type;

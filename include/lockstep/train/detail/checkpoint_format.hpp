@@ -238,7 +238,20 @@ public:
     }
 
     /// The whole file: header (with its CRC32C), then the 8-byte aligned section payloads.
+    /// Throws lockstep::error (invalid_argument) when two sections or two metadata entries share
+    /// a name (e.g. a registry state tensor and a visited state tensor): the file would be
+    /// refused when loaded.
     std::vector<std::byte> finish(const magic_type& magic) const {
+        for (std::size_t i = 0; i < sections_.size(); ++i)
+            for (std::size_t j = 0; j < i; ++j)
+                LOCKSTEP_REQUIRE(sections_[i].name != sections_[j].name, errc::invalid_argument, -1,
+                                 "save_checkpoint", "two sections are named '", sections_[i].name,
+                                 "': give the tensors distinct names");
+        for (std::size_t i = 0; i < meta_.size(); ++i)
+            for (std::size_t j = 0; j < i; ++j)
+                LOCKSTEP_REQUIRE(meta_[i].first != meta_[j].first, errc::invalid_argument, -1,
+                                 "save_checkpoint", "metadata key '", meta_[i].first,
+                                 "' is set twice");
         std::vector<std::byte> table;
         for (const auto& [k, v] : meta_) {
             put_string(table, k);
@@ -378,19 +391,13 @@ inline parsed_header parse_header(std::span<const std::byte> file, const magic_t
     h.meta_.reserve(meta_count);
     for (std::uint64_t i = 0; i < meta_count; ++i) {
         h.meta_.push_back(pos);
-        const std::string_view k = skip_string("metadata key");
-        for (std::size_t j = 0; j + 1 < h.meta_.size(); ++j)
-            if (h.meta(j).first == k)
-                bad("metadata key '", k, "' appears twice");
+        skip_string("metadata key");
         skip_string("metadata value");
     }
     h.sections_.reserve(section_count);
     for (std::uint64_t i = 0; i < section_count; ++i) {
         const std::uint64_t entry = pos;
         const std::string_view name = skip_string("section name");
-        for (std::size_t j = 0; j < h.sections_.size(); ++j)
-            if (h.section_name(j) == name)
-                bad("section '", name, "' appears twice");
         const std::uint32_t code = u32("section dtype");
         const std::uint32_t elem = u32("section element size");
         if (dtype_size(static_cast<dtype>(code)) == 0 ||
@@ -421,6 +428,27 @@ inline parsed_header parse_header(std::span<const std::byte> file, const magic_t
     }
     if (pos != end)
         bad(end - pos, " unaccounted bytes at the end of the header");
+    // Unique keys and names, by sorting indices (4 bytes per entry: the bound above holds).
+    {
+        std::vector<std::uint32_t> by_key(h.meta_.size());
+        std::iota(by_key.begin(), by_key.end(), std::uint32_t{0});
+        std::sort(by_key.begin(), by_key.end(), [&](std::uint32_t a, std::uint32_t b) {
+            return h.meta(a).first < h.meta(b).first;
+        });
+        for (std::size_t i = 1; i < by_key.size(); ++i)
+            if (h.meta(by_key[i - 1]).first == h.meta(by_key[i]).first)
+                bad("metadata key '", h.meta(by_key[i]).first, "' appears twice");
+    }
+    {
+        std::vector<std::uint32_t> by_name(h.sections_.size());
+        std::iota(by_name.begin(), by_name.end(), std::uint32_t{0});
+        std::sort(by_name.begin(), by_name.end(), [&](std::uint32_t a, std::uint32_t b) {
+            return h.section_name(a) < h.section_name(b);
+        });
+        for (std::size_t i = 1; i < by_name.size(); ++i)
+            if (h.section_name(by_name[i - 1]) == h.section_name(by_name[i]))
+                bad("section '", h.section_name(by_name[i]), "' appears twice");
+    }
     std::vector<std::uint32_t> order(h.sections_.size());
     std::iota(order.begin(), order.end(), std::uint32_t{0});
     std::sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) {
