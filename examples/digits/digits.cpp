@@ -32,7 +32,10 @@ void usage(const char* argv0) {
         "  --hidden H       hidden units (default 128)\n"
         "  --dropout P      dropout probability (default 0.1)\n"
         "  --data FILE      digits CSV, gzipped or plain (default: the bundled copy)\n"
-        "  --quiet          no progress bar\n",
+        "  --quiet          no progress bar\n"
+        "  --save PATH      write a checkpoint after the last step (sync, local:K)\n"
+        "  --resume PATH    continue from a checkpoint (same options as the run that saved it)\n"
+        "  --steps N        stop after N steps in total (an interruption to resume from)\n",
         argv0);
 }
 
@@ -92,6 +95,12 @@ digits::options parse(int argc, char** argv) {
             o.data = value();
         else if (a == "--quiet")
             o.progress = false;
+        else if (a == "--save")
+            o.save = value();
+        else if (a == "--resume")
+            o.resume = value();
+        else if (a == "--steps")
+            o.steps = std::size_t(number(1));
         else
             bad("unknown option " + std::string(a));
     }
@@ -140,6 +149,9 @@ void run(Comm& comm, const digits::options& o, const digits::split_data& data) {
     std::printf("  train: %zu steps, %zu samples in %.3f s = %.0f samples/s, last loss %.4f\n",
                 r.steps, r.samples, r.seconds, r.samples_per_s, r.final_loss);
     std::printf("  test accuracy: %.2f %% (%zu samples)\n", 100.0 * r.accuracy, data.test.size());
+    if (o.sync == "sync" || o.sync.starts_with("local:"))
+        std::printf("  weights: FNV-1a %016llx after step %zu\n",
+                    static_cast<unsigned long long>(r.weights_hash), r.steps);
 }
 
 } // namespace

@@ -13,10 +13,13 @@
 #include <lockstep/policy/reduce.hpp>
 #include <lockstep/policy/sync.hpp>
 #include <lockstep/train/asynchronous.hpp>
+#include <lockstep/train/checkpoint.hpp>
 #include <lockstep/train/data_parallel.hpp>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -37,14 +40,29 @@ struct options {
     bool mpi = false;
     bool progress = true;
     std::string data;
+    std::string save;      ///< checkpoint written after the last step (empty: none)
+    std::string resume;    ///< checkpoint loaded before the first step (empty: none)
+    std::size_t steps = 0; ///< stop after this many steps in total (0: all epochs)
 };
 
 /// What a run measured (printed by rank 0).
 struct result {
     double accuracy = 0, samples_per_s = 0, seconds = 0, final_loss = 0;
     std::size_t samples = 0, steps = 0;
-    std::string staleness; ///< async only: "max M, mean X, histogram ..."
+    std::string staleness;          ///< async only: "max M, mean X, histogram ..."
+    std::uint64_t weights_hash = 0; ///< FNV-1a of the final parameters' bytes (synchronous,
+                                    ///< local SGD): equal hashes are bitwise equal weights
 };
+
+/// FNV-1a (64 bits) of the bytes of a span of values.
+template <class T>
+std::uint64_t fnv1a_bytes(std::span<const T> v) {
+    std::uint64_t h = 14695981039346656037ull;
+    const auto* p = reinterpret_cast<const unsigned char*>(v.data());
+    for (std::size_t i = 0; i < v.size_bytes(); ++i)
+        h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+}
 
 /// A progress bar on stderr: [#####.....] epoch e/E loss L N samples/s (redrawn at most every
 /// 100 ms).
@@ -130,6 +148,9 @@ result train_and_evaluate(Comm& comm, const options& o, const split_data& data) 
     auto epoch_of = [&](std::size_t done) { return std::min(o.epochs, int(done / n) + 1); };
 
     if constexpr (lockstep::is_asynchronous_v<Sync>) {
+        if (!o.save.empty() || !o.resume.empty() || o.steps > 0)
+            lockstep::fail(lockstep::errc::unsupported, comm.rank(), "digits",
+                           "--save, --resume and --steps need --sync sync or local:K");
         const auto workers = static_cast<std::size_t>(comm.size() - 1);
         const std::size_t batch = (o.batch + workers - 1) / workers;
         const std::size_t steps = (total + batch - 1) / batch;
@@ -158,22 +179,32 @@ result train_and_evaluate(Comm& comm, const options& o, const split_data& data) 
             res.accuracy = trainer.network().accuracy(data.test);
     } else {
         trainer_type trainer(comm, factory, optimizer_params<Optim>(o), tp);
-        const std::size_t steps = (total + o.batch - 1) / o.batch;
+        if (!o.resume.empty())
+            lockstep::load_checkpoint(trainer, o.resume);
+        const auto first = static_cast<std::size_t>(trainer.steps());
+        std::size_t steps = (total + o.batch - 1) / o.batch;
+        if (o.steps > 0)
+            steps = std::min(steps, o.steps);
         double loss = 0;
-        for (std::size_t s = 0; s < steps; ++s) {
+        for (std::size_t s = first; s < steps; ++s) {
             const auto r = trainer.step(o.batch, fn);
             loss = r.loss;
             const std::size_t done = std::min(total, (s + 1) * o.batch);
             if (root)
                 bar.update(done, loss, rate(done), epoch_of(done), o.epochs);
         }
+        // Saved before finish(): local SGD's final average is for evaluation, a resumed run
+        // continues from the replicas' own weights as an uninterrupted one does.
+        if (!o.save.empty())
+            lockstep::save_checkpoint(trainer, o.save);
         trainer.finish();
         comm.barrier();
         res.seconds =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         res.steps = steps;
-        res.samples = steps * o.batch;
+        res.samples = (steps > first ? steps - first : 0) * o.batch;
         res.final_loss = loss;
+        res.weights_hash = fnv1a_bytes(trainer.parameters());
         if (root)
             res.accuracy = trainer.network().accuracy(data.test);
     }

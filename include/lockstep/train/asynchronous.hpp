@@ -231,6 +231,7 @@ public:
     const async_params& params() const noexcept { return ap_; }
 
 private:
+    friend struct checkpoint_access;
     // The network's state buffers (registry state, then visited state) <-> one flat buffer, so
     // it travels with the parameters in one message.
     void pack_state() {

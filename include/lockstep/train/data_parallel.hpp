@@ -204,6 +204,7 @@ public:
     loss_scaler<system_type>& scaler() noexcept { return scaler_; }
 
 private:
+    friend struct detail::checkpoint_access;
     using T = value_type;
     /// The step's status followed by the loss scale's report (kernels::loss_scale_report_slot).
     static constexpr std::size_t status_size =

@@ -94,6 +94,8 @@ public:
         loss_scale_device_ = device;
         loss_scale_host_ = host;
     }
+    /// For trainers restoring a checkpoint: the seed of rng() from now on.
+    void set_seed(std::uint64_t seed) noexcept { seed_ = seed; }
 
 private:
     Communicator* comm_;

@@ -29,6 +29,10 @@
 
 namespace lockstep::detail {
 
+/// Reads and restores a trainer's private state for train/checkpoint.hpp (a friend of the
+/// trainers).
+struct checkpoint_access;
+
 /// Builds a Network in place from factory(ctx) (guaranteed elision: Network need not move).
 template <class Network, class Factory, class Context>
 struct network_maker {
@@ -228,6 +232,14 @@ public:
         ctx_->set_ready_hook({});
         ctx_->set_step(steps_, false);
         return loss;
+    }
+
+    /// Restores the position of a checkpoint: steps taken, samples consumed, the RNG seed.
+    void restore_position(std::int64_t steps, std::uint64_t samples, std::uint64_t seed) {
+        steps_ = steps;
+        samples_ = samples;
+        tp_.seed = seed;
+        ctx_->set_seed(seed);
     }
 
     /// Ends a step's bookkeeping.

@@ -1,0 +1,41 @@
+# examples/digits/resume_check.cmake: the digits demo stopped after STOP steps with --save and
+# continued in a new process with --resume ends with bitwise the weights (FNV-1a hash), last loss
+# and test accuracy of the uninterrupted run.
+# Usage: cmake -DDIGITS=<digits> -DWORK=<dir> "-DARGS=<digits options>" -DSTOP=<n>
+#        [-DLAUNCHER=mpiexec|-n|2] -P resume_check.cmake   (LAUNCHER: '|'-separated command prefix)
+# SPDX-License-Identifier: Apache-2.0
+file(REMOVE_RECURSE "${WORK}")
+file(MAKE_DIRECTORY "${WORK}")
+separate_arguments(args UNIX_COMMAND "${ARGS}")
+string(REPLACE "|" ";" launcher "${LAUNCHER}")
+
+function(run_digits out)
+  execute_process(COMMAND ${launcher} "${DIGITS}" ${args} --quiet ${ARGN} OUTPUT_VARIABLE text
+                  ERROR_VARIABLE err RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "digits ${ARGS} ${ARGN} failed (${rc}):\n${text}\n${err}")
+  endif()
+  message(STATUS "digits ${ARGS} ${ARGN}:\n${text}")
+  string(REGEX MATCH "FNV-1a ([0-9a-f]+)" _ "${text}")
+  set(hash "${CMAKE_MATCH_1}")
+  string(REGEX MATCH "last loss ([0-9.]+)" _ "${text}")
+  set(loss "${CMAKE_MATCH_1}")
+  string(REGEX MATCH "test accuracy: ([0-9.]+)" _ "${text}")
+  set(acc "${CMAKE_MATCH_1}")
+  if(hash STREQUAL "" OR loss STREQUAL "" OR acc STREQUAL "")
+    message(FATAL_ERROR "digits printed no weights hash, loss or accuracy:\n${text}")
+  endif()
+  set(${out} "${hash} loss ${loss} accuracy ${acc}" PARENT_SCOPE)
+endfunction()
+
+run_digits(full)
+run_digits(first --steps ${STOP} --save "${WORK}/digits.ckpt")
+run_digits(resumed --resume "${WORK}/digits.ckpt")
+if(NOT resumed STREQUAL full)
+  message(FATAL_ERROR "resumed run: ${resumed}\nuninterrupted run: ${full}")
+endif()
+# The interrupted run must not already be the final one, or the comparison proves nothing.
+if(first STREQUAL full)
+  message(FATAL_ERROR "the run stopped after ${STOP} steps already ends like the full run")
+endif()
+file(REMOVE_RECURSE "${WORK}")

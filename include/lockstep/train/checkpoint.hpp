@@ -1,0 +1,663 @@
+// lockstep/train/checkpoint.hpp: save_checkpoint / load_checkpoint for data_parallel (every
+// SyncPolicy and ReducePolicy): one shard file per replica plus a commit marker.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/crc32c.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/float16.hpp"
+#include "lockstep/optim/adam.hpp"
+#include "lockstep/optim/lamb.hpp"
+#include "lockstep/optim/lars.hpp"
+#include "lockstep/optim/sgd.hpp"
+#include "lockstep/policy/bn.hpp"
+#include "lockstep/policy/compat.hpp"
+#include "lockstep/policy/reduce.hpp"
+#include "lockstep/policy/sync.hpp"
+#include "lockstep/system/buffer.hpp"
+#include "lockstep/system/host_system.hpp"
+#include "lockstep/train/data_parallel.hpp"
+#include "lockstep/train/detail/checkpoint_format.hpp"
+#include "lockstep/train/detail/host_collective.hpp"
+#include "lockstep/train/detail/signature.hpp"
+#include "lockstep/train/detail/visitor.hpp"
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <span>
+#include <string>
+#include <system_error>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace lockstep {
+
+namespace detail {
+
+/// The trainer internals a checkpoint reads and restores (a friend of data_parallel).
+struct checkpoint_access {
+    template <class DP>
+    static auto& core(DP& dp) noexcept {
+        if constexpr (is_asynchronous_v<typename DP::sync_policy_type>)
+            return static_cast<
+                       async_trainer<typename DP::network_type, typename DP::optimizer_type,
+                                     typename DP::sync_policy_type, typename DP::reduce_policy_type,
+                                     typename DP::communicator_type>&>(dp)
+                .core_;
+        else
+            return dp.core_;
+    }
+    /// Local SGD's steps since the last average (0 for the other trainers).
+    template <class DP>
+    static std::size_t since_average(const DP& dp) noexcept {
+        if constexpr (is_local_sgd_v<typename DP::sync_policy_type>)
+            return dp.since_average_;
+        else
+            return 0;
+    }
+    template <class DP>
+    static void set_since_average(DP& dp, std::size_t n) noexcept {
+        if constexpr (is_local_sgd_v<typename DP::sync_policy_type>)
+            dp.since_average_ = n;
+        (void)dp;
+        (void)n;
+    }
+};
+
+} // namespace detail
+
+namespace detail::ckpt {
+
+using meta_list = std::vector<std::pair<std::string, std::string>>;
+
+/// A double as the shortest text that reads back to the same bits ("%.17g").
+inline std::string number(double v) {
+    char b[40];
+    std::snprintf(b, sizeof b, "%.17g", v);
+    return b;
+}
+
+/// The name a policy tag is recorded under, e.g. "sync::local_sgd<4>".
+template <class P>
+struct policy_name;
+template <>
+struct policy_name<sync::synchronous> {
+    static std::string get() { return "sync::synchronous"; }
+};
+template <std::size_t K>
+struct policy_name<sync::local_sgd<K>> {
+    static std::string get() { return "sync::local_sgd<" + std::to_string(K) + ">"; }
+};
+template <>
+struct policy_name<sync::asynchronous> {
+    static std::string get() { return "sync::asynchronous"; }
+};
+template <std::size_t S>
+struct policy_name<sync::bounded_staleness<S>> {
+    static std::string get() { return "sync::bounded_staleness<" + std::to_string(S) + ">"; }
+};
+template <>
+struct policy_name<reduce::per_tensor> {
+    static std::string get() { return "reduce::per_tensor"; }
+};
+template <std::size_t B, std::size_t F>
+struct policy_name<reduce::bucketed<B, F>> {
+    static std::string get() {
+        return "reduce::bucketed<" + std::to_string(B) + ", " + std::to_string(F) + ">";
+    }
+};
+template <int R>
+struct policy_name<reduce::parameter_server<R>> {
+    static std::string get() { return "reduce::parameter_server<" + std::to_string(R) + ">"; }
+};
+template <class W>
+struct policy_name<reduce::compressed<W>> {
+    static std::string get() {
+        return std::string("reduce::compressed<") +
+               (std::is_same_v<W, half> ? "half" : "bfloat16") + ">";
+    }
+};
+template <>
+struct policy_name<bn::local> {
+    static std::string get() { return "bn::local"; }
+};
+template <>
+struct policy_name<bn::global> {
+    static std::string get() { return "bn::global"; }
+};
+template <int G>
+struct policy_name<bn::group<G>> {
+    static std::string get() { return "bn::group<" + std::to_string(G) + ">"; }
+};
+template <>
+struct policy_name<bn::running_only> {
+    static std::string get() { return "bn::running_only"; }
+};
+template <int K>
+struct policy_name<bn::tower<K>> {
+    static std::string get() { return "bn::tower<" + std::to_string(K) + ">"; }
+};
+
+template <class Tuple>
+struct tuple_names;
+template <class... P>
+struct tuple_names<std::tuple<P...>> {
+    static std::string get() {
+        std::string s;
+        ((s += s.empty() ? "" : ", ", s += policy_name<P>::get()), ...);
+        return s.empty() ? "none" : s;
+    }
+};
+
+/// The optimizer's type name and hyperparameters (the learning rate is recorded with the
+/// schedule, see describe_trainer).
+inline void describe_optimizer(meta_list& m, const optim::sgd_params& p) {
+    m.emplace_back("optimizer", "sgd");
+    m.emplace_back("optimizer.momentum", number(p.momentum));
+    m.emplace_back("optimizer.dampening", number(p.dampening));
+    m.emplace_back("optimizer.weight_decay", number(p.weight_decay));
+    m.emplace_back("optimizer.nesterov", p.nesterov ? "true" : "false");
+}
+template <class P>
+requires(std::is_same_v<P, optim::adam_params> ||
+         std::is_same_v<P, optim::adamw_params>) inline void describe_optimizer(meta_list& m,
+                                                                                const P& p) {
+    m.emplace_back("optimizer", std::is_same_v<P, optim::adam_params> ? "adam" : "adamw");
+    m.emplace_back("optimizer.beta1", number(p.beta1));
+    m.emplace_back("optimizer.beta2", number(p.beta2));
+    m.emplace_back("optimizer.eps", number(p.eps));
+    m.emplace_back("optimizer.weight_decay", number(p.weight_decay));
+}
+inline void describe_optimizer(meta_list& m, const optim::lars_params& p) {
+    m.emplace_back("optimizer", "lars");
+    m.emplace_back("optimizer.momentum", number(p.momentum));
+    m.emplace_back("optimizer.eta", number(p.eta));
+    m.emplace_back("optimizer.weight_decay", number(p.weight_decay));
+    m.emplace_back("optimizer.eps", number(p.eps));
+}
+inline void describe_optimizer(meta_list& m, const optim::lamb_params& p) {
+    m.emplace_back("optimizer", "lamb");
+    m.emplace_back("optimizer.beta1", number(p.beta1));
+    m.emplace_back("optimizer.beta2", number(p.beta2));
+    m.emplace_back("optimizer.eps", number(p.eps));
+    m.emplace_back("optimizer.weight_decay", number(p.weight_decay));
+    m.emplace_back("optimizer.phi_min", number(p.phi_min));
+    m.emplace_back("optimizer.phi_max", number(p.phi_max));
+}
+
+/// Everything the metadata of a shard records about the trainer dp when it has taken `steps`
+/// steps: element type, world size and rank, optimizer and hyperparameters, policies, and the
+/// learning rate at steps, steps + 1, + 10 and + 1000 (the schedule's position and continuation).
+template <class DP>
+meta_list describe_trainer(DP& dp, std::int64_t steps) {
+    using T = typename DP::value_type;
+    auto& core = checkpoint_access::core(dp);
+    meta_list m;
+    m.emplace_back("trainer", "data_parallel");
+    m.emplace_back("dtype", element_name<T>());
+    m.emplace_back("dtype.size", std::to_string(sizeof(T)));
+    m.emplace_back("world_size", std::to_string(core.comm().size()));
+    m.emplace_back("rank", std::to_string(core.comm().rank()));
+    describe_optimizer(m, core.optimizer().params());
+    m.emplace_back("sync", policy_name<typename DP::sync_policy_type>::get());
+    m.emplace_back("reduce", policy_name<typename DP::reduce_policy_type>::get());
+    m.emplace_back("bn", tuple_names<network_bn_policies_t<typename DP::network_type>>::get());
+    if constexpr (is_asynchronous_v<typename DP::sync_policy_type>) {
+        m.emplace_back("async.root", std::to_string(dp.params().root));
+        m.emplace_back("async.bn_momentum", number(dp.params().bn_momentum));
+    }
+    std::string lr;
+    for (std::int64_t ahead : {0, 1, 10, 1000}) {
+        if (!lr.empty())
+            lr += ' ';
+        lr += number(core.lr_for(steps + ahead));
+    }
+    m.emplace_back("lr.schedule", lr);
+    return m;
+}
+
+/// A section a trainer's shard must hold: name, element type and shape.
+struct section_spec {
+    std::string name;
+    dtype type;
+    std::vector<std::uint64_t> shape;
+};
+
+inline std::vector<std::uint64_t> shape64(const std::vector<std::size_t>& s) {
+    return std::vector<std::uint64_t>(s.begin(), s.end());
+}
+inline std::string shape_text(const std::vector<std::uint64_t>& s) {
+    std::string t = "{";
+    for (std::size_t i = 0; i < s.size(); ++i) {
+        if (i > 0)
+            t += ", ";
+        t += std::to_string(s[i]);
+    }
+    return t + "}";
+}
+
+inline constexpr std::size_t counter_count = 4; ///< steps, samples, since_average, seed
+
+/// Calls f(spec, span in the trainer's System memory) for every T section of dp in file order:
+/// parameters, registry state, visited state, optimizer buffers.
+template <class DP, class F>
+void for_each_tensor_section(DP& dp, F&& f) {
+    using T = typename DP::value_type;
+    auto& core = checkpoint_access::core(dp);
+    auto& reg = core.registry();
+    for (const tensor_info& t : reg.parameters())
+        f(section_spec{"param." + t.name, dtype_of<T>(), shape64(t.shape)},
+          core.values().subspan(t.offset, t.size));
+    for (const tensor_info& t : reg.state_tensors())
+        f(section_spec{"state." + t.name, dtype_of<T>(), shape64(t.shape)},
+          reg.states().subspan(t.offset, t.size));
+    visit_state<T>(core.network(), [&](std::string_view name, std::span<T> s) {
+        f(section_spec{"state." + std::string(name), dtype_of<T>(), {s.size()}}, s);
+    });
+    for (const auto& slot : core.optimizer().state().slots)
+        f(section_spec{"optimizer." + std::string(slot.name), dtype_of<T>(), {slot.data.size()}},
+          slot.data);
+}
+
+/// Every section dp's shard holds, in file order.
+template <class DP>
+std::vector<section_spec> expected_sections(DP& dp) {
+    using T = typename DP::value_type;
+    std::vector<section_spec> out;
+    for_each_tensor_section(dp, [&](section_spec s, std::span<T>) { out.push_back(std::move(s)); });
+    out.push_back({"optimizer.step", dtype::i64, {1}});
+    out.push_back({"trainer.counters", dtype::u64, {counter_count}});
+    return out;
+}
+
+template <class T, class System>
+std::vector<T> to_host(std::span<T> s, const System& sys) {
+    std::vector<T> h(s.size());
+    copy(std::span<const T>(s), sys, std::span<T>(h), host_system{1});
+    return h;
+}
+
+/// The bytes of this replica's shard file.
+template <class DP>
+std::vector<std::byte> build_shard(DP& dp) {
+    using T = typename DP::value_type;
+    auto& core = checkpoint_access::core(dp);
+    const auto sys = core.comm().system();
+    if constexpr (requires { core.comm().synchronize(); })
+        core.comm().synchronize();
+    file_builder b;
+    for (auto& [k, v] : describe_trainer(dp, core.steps()))
+        b.meta(k, v);
+    for_each_tensor_section(dp, [&](section_spec s, std::span<T> data) {
+        const std::vector<T> h = to_host(data, sys);
+        b.section(std::move(s.name), std::move(s.shape), std::span<const T>(h));
+    });
+    const std::int64_t opt_step = core.optimizer().step_count();
+    b.section<std::int64_t>("optimizer.step", {1}, std::span<const std::int64_t>(&opt_step, 1));
+    const std::uint64_t counters[counter_count] = {
+        static_cast<std::uint64_t>(core.steps()), core.samples(),
+        static_cast<std::uint64_t>(checkpoint_access::since_average(dp)), core.context().seed()};
+    b.section<std::uint64_t>("trainer.counters", {counter_count},
+                             std::span<const std::uint64_t>(counters));
+    return b.finish(shard_magic);
+}
+
+/// Every replica's string (collective: two all_gathers).
+template <class Comm>
+std::vector<std::string> gather_strings(Comm& comm, const std::string& s) {
+    const int ranks = comm.size();
+    const int len = static_cast<int>(s.size());
+    std::vector<int> lens(static_cast<std::size_t>(ranks));
+    host_all_gather(comm, std::span<const int>(&len, 1), std::span<int>(lens));
+    int longest = 0;
+    for (int l : lens)
+        longest = std::max(longest, l);
+    const std::size_t words = (static_cast<std::size_t>(longest) + 3) / 4;
+    std::vector<int> packed(words == 0 ? 1 : words, 0);
+    std::memcpy(packed.data(), s.data(), s.size());
+    std::vector<int> all(packed.size() * static_cast<std::size_t>(ranks));
+    host_all_gather(comm, std::span<const int>(packed), std::span<int>(all));
+    std::vector<std::string> out(static_cast<std::size_t>(ranks));
+    for (int r = 0; r < ranks; ++r) {
+        out[r].resize(static_cast<std::size_t>(lens[r]));
+        std::memcpy(out[r].data(), all.data() + r * packed.size(), out[r].size());
+    }
+    return out;
+}
+
+/// Collective: when any replica reports a problem (non-empty), every replica throws ONE
+/// lockstep::error (checkpoint) listing every replica's problems.
+template <class Comm>
+void agree_or_fail(Comm& comm, const std::string& problem, const char* op,
+                   const std::string& what) {
+    const int mine = problem.empty() ? 0 : 1;
+    std::vector<int> flags(static_cast<std::size_t>(comm.size()));
+    host_all_gather(comm, std::span<const int>(&mine, 1), std::span<int>(flags));
+    bool any = false;
+    for (int f : flags)
+        any = any || f != 0;
+    if (!any)
+        return;
+    const std::vector<std::string> all = gather_strings(comm, problem);
+    bool same = true;
+    for (const auto& p : all)
+        same = same && p == all[0];
+    std::string msg = what;
+    if (same && all.size() > 1)
+        msg += " every replica: " + all[0];
+    for (std::size_t r = 0; r < all.size() && !(same && all.size() > 1); ++r)
+        if (!all[r].empty())
+            msg += " replica " + std::to_string(r) + ": " + all[r];
+    fail(errc::checkpoint, comm.rank(), op, msg);
+}
+
+inline std::string hex16(std::uint64_t v) {
+    char b[17];
+    std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
+    return b;
+}
+
+/// The shard file of replica r of save generation gen next to the commit marker `path`.
+inline std::filesystem::path shard_path(const std::filesystem::path& path, std::uint64_t gen,
+                                        int r) {
+    std::filesystem::path p = path;
+    p += "." + hex16(gen) + ".shard" + std::to_string(r);
+    return p;
+}
+
+/// True for the files a save of `base` creates besides the marker: "<base>.<16 hex>.shard<r>"
+/// and temporaries ending in ".tmp.<r>".
+inline bool is_save_file(const std::string& name, const std::string& base) {
+    if (name.size() <= base.size() + 1 || name.compare(0, base.size() + 1, base + ".") != 0)
+        return false;
+    std::string rest = name.substr(base.size() + 1);
+    auto digits = [](std::string_view s) {
+        return !s.empty() && s.find_first_not_of("0123456789") == std::string_view::npos;
+    };
+    const auto tmp = rest.rfind(".tmp.");
+    if (tmp != std::string::npos && digits(std::string_view(rest).substr(tmp + 5)))
+        rest.resize(tmp);
+    else if (rest.compare(0, 4, "tmp.") == 0 && digits(std::string_view(rest).substr(4)))
+        return true;
+    if (rest.size() < 23 || rest.find_first_not_of("0123456789abcdef") != 16 ||
+        rest.compare(16, 6, ".shard") != 0)
+        return false;
+    return digits(std::string_view(rest).substr(22));
+}
+
+/// After a commit: removes the files of other save generations of `path` (older checkpoints and
+/// the leftovers of crashed saves). Failures to remove are ignored: the commit stands.
+inline void remove_stale(const std::filesystem::path& path, std::uint64_t gen, int ranks) {
+    std::error_code ec;
+    std::filesystem::path dir = path.parent_path();
+    if (dir.empty())
+        dir = ".";
+    const std::string base = path.filename().string();
+    std::vector<std::string> keep;
+    for (int r = 0; r < ranks; ++r)
+        keep.push_back(shard_path(path, gen, r).filename().string());
+    std::vector<std::filesystem::path> doomed;
+    for (auto it = std::filesystem::directory_iterator(dir, ec);
+         !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+        const std::string name = it->path().filename().string();
+        if (is_save_file(name, base) && std::find(keep.begin(), keep.end(), name) == keep.end())
+            doomed.push_back(it->path());
+    }
+    for (const auto& p : doomed)
+        std::filesystem::remove(p, ec);
+}
+
+/// A validated shard: its bytes and header.
+struct loaded_shard {
+    std::vector<std::byte> bytes;
+    parsed_header header; ///< views bytes
+};
+
+/// Reads the commit marker and this replica's shard and compares them with the trainer.
+/// Returns every difference found (empty: compatible and intact); `out` holds the shard then.
+template <class DP>
+std::vector<std::string> validate(DP& dp, const std::filesystem::path& path, loaded_shard& out) {
+    auto& core = checkpoint_access::core(dp);
+    const int rank = core.comm().rank();
+    const int size = core.comm().size();
+    std::vector<std::string> problems;
+    const std::vector<std::byte> marker = read_file(path, rank);
+    const parsed_header m =
+        parse_header(marker, manifest_magic, "commit marker '" + path.string() + "'", rank);
+    const auto ws = m.find_meta("world_size");
+    if (!ws || *ws != std::to_string(size))
+        problems.push_back(concat("world size: checkpoint ", ws ? *ws : std::string("missing"),
+                                  ", trainer ", size));
+    const std::string key = "shard." + std::to_string(rank);
+    const auto file = m.find_meta(key + ".file");
+    const auto fsize = m.find_meta(key + ".size");
+    const auto fcrc = m.find_meta(key + ".crc32c");
+    if (!file || !fsize || !fcrc) {
+        problems.push_back(concat("the commit marker lists no shard for replica ", rank));
+        return problems;
+    }
+    std::filesystem::path sp = path.parent_path() / *file;
+    out.bytes = read_file(sp, rank);
+    const std::string shard_what = "shard '" + sp.string() + "'";
+    if (std::to_string(out.bytes.size()) != *fsize ||
+        std::to_string(crc32c(std::span<const std::byte>(out.bytes))) != *fcrc) {
+        problems.push_back(concat(shard_what, " does not match the commit marker (", *fsize,
+                                  " bytes with CRC32C ", *fcrc, " committed, found ",
+                                  out.bytes.size(), " bytes with CRC32C ",
+                                  crc32c(std::span<const std::byte>(out.bytes)), ")"));
+        return problems;
+    }
+    out.header = parse_header(out.bytes, shard_magic, shard_what, rank);
+    for (std::string& p : verify_sections(out.bytes, out.header))
+        problems.push_back(shard_what + ": " + std::move(p));
+    if (!problems.empty())
+        return problems;
+
+    // The position the file resumes at (for the schedule check): read only when well-formed.
+    std::int64_t steps = core.steps();
+    if (const auto c = out.header.find_section("trainer.counters");
+        c && c->type == dtype::u64 && c->length == 8 * counter_count)
+        steps = static_cast<std::int64_t>(get_u64(out.bytes.data() + c->offset));
+    meta_list expected;
+    try {
+        expected = describe_trainer(dp, steps);
+    } catch (const std::exception& e) {
+        problems.push_back(
+            concat("the trainer's learning rate schedule at step ", steps, " failed: ", e.what()));
+        expected = describe_trainer(dp, core.steps());
+    }
+    for (const auto& [k, v] : expected) {
+        const auto got = out.header.find_meta(k);
+        if (!got)
+            problems.push_back(concat(k, ": missing in the checkpoint (trainer: ", v, ")"));
+        else if (*got != v)
+            problems.push_back(concat(k, ": checkpoint ", *got, ", trainer ", v));
+    }
+    for (std::size_t i = 0; i < out.header.meta_count(); ++i) {
+        const auto [k, v] = out.header.meta(i);
+        bool known = false;
+        for (const auto& e : expected)
+            known = known || e.first == k;
+        if (!known)
+            problems.push_back(concat(k, ": ", v, " in the checkpoint, unknown to the trainer"));
+    }
+    const std::vector<section_spec> want = expected_sections(dp);
+    for (const section_spec& s : want) {
+        const auto got = out.header.find_section(s.name);
+        if (!got)
+            problems.push_back(concat("section '", s.name, "' (", dtype_name(s.type), " ",
+                                      shape_text(s.shape), ") is missing"));
+        else if (got->type != s.type || got->shape != s.shape)
+            problems.push_back(concat("section '", s.name, "': checkpoint ", dtype_name(got->type),
+                                      " ", shape_text(got->shape), ", trainer ", dtype_name(s.type),
+                                      " ", shape_text(s.shape)));
+    }
+    for (std::size_t i = 0; i < out.header.section_count(); ++i) {
+        const section_entry e = out.header.section(i);
+        bool known = false;
+        for (const section_spec& s : want)
+            known = known || s.name == e.name;
+        if (!known)
+            problems.push_back(concat("section '", e.name, "' (", dtype_name(e.type), " ",
+                                      shape_text(e.shape), ") is not part of this trainer"));
+    }
+    return problems;
+}
+
+template <class E>
+std::vector<E> section_values(const loaded_shard& s, std::string_view name) {
+    const auto e = s.header.find_section(name);
+    std::vector<E> v(e->length / sizeof(E));
+    std::memcpy(v.data(), s.bytes.data() + e->offset, e->length);
+    return v;
+}
+
+/// Writes a validated shard into the trainer.
+template <class DP>
+void restore(DP& dp, const loaded_shard& s) {
+    using T = typename DP::value_type;
+    auto& core = checkpoint_access::core(dp);
+    const auto sys = core.comm().system();
+    for_each_tensor_section(dp, [&](const section_spec& spec, std::span<T> data) {
+        const std::vector<T> h = section_values<T>(s, spec.name);
+        copy(std::span<const T>(h), host_system{1}, data, sys);
+    });
+    // The values are in the flat buffer; the visitor's network gets them as after a step.
+    core.unpack_values();
+    auto& opt = core.optimizer();
+    const auto view = opt.state();
+    state_view<const T> saved{section_values<std::int64_t>(s, "optimizer.step")[0], {}};
+    for (const auto& slot : view.slots)
+        saved.slots.push_back({slot.name, std::span<const T>(slot.data)});
+    opt.load_state(saved);
+    const auto c = section_values<std::uint64_t>(s, "trainer.counters");
+    core.restore_position(static_cast<std::int64_t>(c[0]), c[1], c[3]);
+    checkpoint_access::set_since_average(dp, static_cast<std::size_t>(c[2]));
+    if constexpr (requires { core.comm().synchronize(); })
+        core.comm().synchronize();
+}
+
+} // namespace detail::ckpt
+
+/// Saves everything the next steps of dp depend on to the checkpoint `path` (collective: every
+/// replica calls it with the same path, on a file system every replica sees). Each replica
+/// writes its shard `<path>.<generation>.shard<rank>` (temporary name, fsync, rename, directory
+/// fsync); after all shards are durable, replica 0 writes the commit marker `path` (the
+/// manifest with every shard's size and CRC32C) the same way, then removes the files of older
+/// saves of `path`. The format is described in docs/checkpoints.md.
+/// ensures: on success `path` loads into a compatible trainer; a failure or crash at any point
+/// leaves the previous checkpoint at `path` loadable, and a failure on any replica throws one
+/// lockstep::error (checkpoint) on every replica.
+/// requires: no step in flight on this replica (call it between steps; with sync::asynchronous
+/// and sync::bounded_staleness<S>, between train() calls, when every replica holds the server's
+/// parameters and state).
+template <class Network, class Optimizer, class Sync, class Reduce, class Comm>
+void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
+                     const std::filesystem::path& path) {
+    namespace ck = detail::ckpt;
+    auto& core = detail::checkpoint_access::core(dp);
+    auto& comm = core.comm();
+    const int rank = comm.rank();
+    const int size = comm.size();
+    const std::string what = "saving checkpoint '" + path.string() + "' failed:";
+
+    // One fresh generation for this save, chosen by replica 0.
+    std::uint64_t gen = 0;
+    if (rank == 0) {
+        std::random_device rd;
+        gen =
+            (std::uint64_t(rd()) << 32) ^ rd() ^
+            static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+    }
+    const int mine[2] = {static_cast<int>(static_cast<std::uint32_t>(gen)),
+                         static_cast<int>(static_cast<std::uint32_t>(gen >> 32))};
+    std::vector<int> gens(2 * static_cast<std::size_t>(size));
+    detail::host_all_gather(comm, std::span<const int>(mine), std::span<int>(gens));
+    gen = std::uint64_t(static_cast<std::uint32_t>(gens[0])) |
+          std::uint64_t(static_cast<std::uint32_t>(gens[1])) << 32;
+
+    std::string problem;
+    std::uint32_t crc = 0;
+    std::uint64_t bytes = 0;
+    try {
+        const std::vector<std::byte> shard = ck::build_shard(dp);
+        crc = crc32c(std::span<const std::byte>(shard));
+        bytes = shard.size();
+        ck::write_durably(ck::shard_path(path, gen, rank), shard, rank, "shard");
+    } catch (const std::exception& e) {
+        problem = e.what();
+    } catch (...) {
+        problem = "unknown exception while writing the shard";
+    }
+    const int info[3] = {static_cast<int>(crc), static_cast<int>(static_cast<std::uint32_t>(bytes)),
+                         static_cast<int>(static_cast<std::uint32_t>(bytes >> 32))};
+    std::vector<int> infos(3 * static_cast<std::size_t>(size));
+    detail::host_all_gather(comm, std::span<const int>(info), std::span<int>(infos));
+    ck::agree_or_fail(comm, problem, "save_checkpoint", what);
+
+    if (rank == 0) {
+        try {
+            ck::file_builder m;
+            m.meta("generation", ck::hex16(gen));
+            m.meta("world_size", std::to_string(size));
+            for (int r = 0; r < size; ++r) {
+                const std::string key = "shard." + std::to_string(r);
+                const auto* v = &infos[3 * static_cast<std::size_t>(r)];
+                const std::uint64_t n = std::uint64_t(static_cast<std::uint32_t>(v[1])) |
+                                        std::uint64_t(static_cast<std::uint32_t>(v[2])) << 32;
+                m.meta(key + ".file", ck::shard_path(path, gen, r).filename().string());
+                m.meta(key + ".size", std::to_string(n));
+                m.meta(key + ".crc32c", std::to_string(static_cast<std::uint32_t>(v[0])));
+            }
+            ck::write_durably(path, m.finish(ck::manifest_magic), 0, "manifest");
+            ck::remove_stale(path, gen, size);
+            ck::stage("cleanup.done", 0);
+        } catch (const std::exception& e) {
+            problem = e.what();
+        } catch (...) {
+            problem = "unknown exception while writing the commit marker";
+        }
+    }
+    ck::agree_or_fail(comm, problem, "save_checkpoint", what);
+}
+
+/// Restores dp from the checkpoint `path` written by save_checkpoint (collective). Every
+/// replica first reads the commit marker and its shard and checks them: the marker and every
+/// section's CRC32C, sizes against the file, and compatibility with dp (world size, rank, element
+/// type, optimizer type and hyperparameters, learning rate at the resume step and after, sync,
+/// reduce and BN policies, every section's presence, element type and shape, no extra section).
+/// When any replica finds a difference, every replica throws ONE lockstep::error (checkpoint)
+/// listing them all and dp is unchanged. Otherwise dp gets the parameters (also in the network's
+/// own buffers with the visitor), registry and visited state (BN running statistics), optimizer
+/// buffers and step count, steps(), the sample offset, local SGD's steps since the last average
+/// and the RNG seed: the steps that follow are bitwise those of the run that saved (synchronous
+/// and local SGD; the asynchronous trainers continue from the same state, in an order the
+/// arrival of gradients decides, as without a checkpoint).
+/// requires: no step in flight on this replica (asynchronous: between train() calls).
+template <class Network, class Optimizer, class Sync, class Reduce, class Comm>
+void load_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
+                     const std::filesystem::path& path) {
+    namespace ck = detail::ckpt;
+    auto& comm = detail::checkpoint_access::core(dp).comm();
+    ck::loaded_shard shard;
+    std::string problem;
+    try {
+        for (const std::string& p : ck::validate(dp, path, shard)) {
+            if (!problem.empty())
+                problem += "; ";
+            problem += p;
+        }
+    } catch (const std::exception& e) {
+        problem = e.what();
+    }
+    ck::agree_or_fail(comm, problem, "load_checkpoint",
+                      "checkpoint '" + path.string() + "' refused:");
+    ck::restore(dp, shard);
+}
+
+} // namespace lockstep

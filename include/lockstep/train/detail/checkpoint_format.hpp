@@ -1,0 +1,600 @@
+// lockstep/train/detail/checkpoint_format.hpp: the checkpoint container (header, metadata, named
+// sections with CRC32C), its bounds-checked parser and durable file writes.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/crc32c.hpp"
+#include "lockstep/core/error.hpp"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace lockstep::detail::ckpt {
+
+/// The element type of a section. Values are stored little-endian.
+enum class dtype : std::uint32_t { u8 = 0, f32 = 1, f64 = 2, i64 = 3, u64 = 4 };
+
+/// Bytes per element of t, 0 for an unknown code.
+constexpr std::size_t dtype_size(dtype t) noexcept {
+    switch (t) {
+    case dtype::u8:
+        return 1;
+    case dtype::f32:
+        return 4;
+    case dtype::f64:
+    case dtype::i64:
+    case dtype::u64:
+        return 8;
+    }
+    return 0;
+}
+inline std::string dtype_name(dtype t) {
+    switch (t) {
+    case dtype::u8:
+        return "u8";
+    case dtype::f32:
+        return "f32";
+    case dtype::f64:
+        return "f64";
+    case dtype::i64:
+        return "i64";
+    case dtype::u64:
+        return "u64";
+    }
+    return "dtype#" + std::to_string(static_cast<std::uint32_t>(t));
+}
+template <class T>
+constexpr dtype dtype_of() {
+    if constexpr (std::is_same_v<T, float>)
+        return dtype::f32;
+    else if constexpr (std::is_same_v<T, double>)
+        return dtype::f64;
+    else if constexpr (std::is_same_v<T, std::int64_t>)
+        return dtype::i64;
+    else if constexpr (std::is_same_v<T, std::uint64_t>)
+        return dtype::u64;
+    else {
+        static_assert(std::is_same_v<T, std::uint8_t>,
+                      "checkpoint sections hold float, double, int64, uint64 or uint8 elements.");
+        return dtype::u8;
+    }
+}
+
+using magic_type = std::array<char, 8>;
+inline constexpr magic_type shard_magic = {'L', 'S', 'T', 'P', 'S', 'H', 'R', 'D'};
+inline constexpr magic_type manifest_magic = {'L', 'S', 'T', 'P', 'M', 'N', 'F', 'T'};
+inline constexpr std::uint32_t format_version = 1;
+inline constexpr std::uint32_t endian_marker = 0x01020304u;
+/// magic, version, endianness, header length, file length, meta count, section count.
+inline constexpr std::size_t fixed_header_bytes = 40;
+/// The fixed part plus the header's CRC32C.
+inline constexpr std::size_t min_header_bytes = fixed_header_bytes + 4;
+/// The smallest encoding of one metadata entry (two lengths) and of one section entry.
+inline constexpr std::size_t min_meta_bytes = 8;
+inline constexpr std::size_t min_section_bytes = 4 + 4 + 4 + 4 + 8 + 8 + 4;
+inline constexpr std::uint32_t max_ndim = 8;
+inline constexpr std::size_t payload_alignment = 8;
+
+/// One section of a file: its name, element type, shape, and where its bytes are.
+struct section_entry {
+    std::string name;
+    dtype type = dtype::u8;
+    std::vector<std::uint64_t> shape;
+    std::uint64_t offset = 0; ///< from the start of the file
+    std::uint64_t length = 0; ///< bytes: product(shape) * dtype_size(type)
+    std::uint32_t crc = 0;    ///< CRC32C of the section's bytes
+};
+
+inline std::uint32_t get_u32(const std::byte* p) {
+    std::uint32_t v = 0;
+    for (int i = 0; i < 4; ++i)
+        v |= std::uint32_t(std::to_integer<unsigned>(p[i])) << (8 * i);
+    return v;
+}
+inline std::uint64_t get_u64(const std::byte* p) {
+    std::uint64_t v = 0;
+    for (int i = 0; i < 8; ++i)
+        v |= std::uint64_t(std::to_integer<unsigned>(p[i])) << (8 * i);
+    return v;
+}
+
+class parsed_header;
+inline parsed_header parse_header(std::span<const std::byte> file, const magic_type& magic,
+                                  std::string_view what, int replica = -1);
+inline std::vector<std::string> verify_sections(std::span<const std::byte> file,
+                                                const parsed_header& h);
+
+/// A parsed and checked header: a view of the file (which must outlive it) with the positions
+/// of its metadata entries and sections. Its tables take fewer bytes than the header they
+/// describe (8 bytes per metadata entry of at least 8, 32 per section entry of at least 36),
+/// so parsing never allocates more than the file's size, whatever the header claims.
+class parsed_header {
+public:
+    std::uint64_t header_length() const noexcept { return header_; }
+    std::size_t meta_count() const noexcept { return meta_.size(); }
+    /// Metadata entry i as (key, value) views into the file.
+    std::pair<std::string_view, std::string_view> meta(std::size_t i) const {
+        const std::uint64_t p = meta_[i];
+        const std::uint32_t kn = get_u32(file_.data() + p);
+        const std::uint32_t vn = get_u32(file_.data() + p + 4 + kn);
+        return {view(p + 4, kn), view(p + 8 + kn, vn)};
+    }
+    std::optional<std::string> find_meta(std::string_view key) const {
+        for (std::size_t i = 0; i < meta_.size(); ++i)
+            if (auto [k, v] = meta(i); k == key)
+                return std::string(v);
+        return std::nullopt;
+    }
+    std::size_t section_count() const noexcept { return sections_.size(); }
+    /// Section i (in file order), decoded.
+    section_entry section(std::size_t i) const {
+        const located& l = sections_[i];
+        std::uint64_t p = l.entry;
+        section_entry s;
+        const std::uint32_t n = get_u32(file_.data() + p);
+        s.name = std::string(view(p + 4, n));
+        p += 4 + n;
+        s.type = static_cast<dtype>(get_u32(file_.data() + p));
+        const std::uint32_t ndim = get_u32(file_.data() + p + 8);
+        p += 12;
+        for (std::uint32_t d = 0; d < ndim; ++d, p += 8)
+            s.shape.push_back(get_u64(file_.data() + p));
+        s.offset = l.offset;
+        s.length = l.length;
+        s.crc = l.crc;
+        return s;
+    }
+    std::optional<section_entry> find_section(std::string_view name) const {
+        for (std::size_t i = 0; i < sections_.size(); ++i)
+            if (section_name(i) == name)
+                return section(i);
+        return std::nullopt;
+    }
+    std::string_view section_name(std::size_t i) const {
+        const std::uint64_t p = sections_[i].entry;
+        return view(p + 4, get_u32(file_.data() + p));
+    }
+
+private:
+    friend parsed_header parse_header(std::span<const std::byte>, const magic_type&,
+                                      std::string_view, int);
+    friend std::vector<std::string> verify_sections(std::span<const std::byte>,
+                                                    const parsed_header&);
+    struct located {
+        std::uint64_t entry;  ///< header offset of the entry's name length
+        std::uint64_t offset; ///< payload
+        std::uint64_t length;
+        std::uint32_t crc;
+    };
+    // The bound on allocations: each table entry is smaller than its smallest encoding.
+    static_assert(sizeof(located) <= min_section_bytes && sizeof(std::uint64_t) <= min_meta_bytes);
+    std::string_view view(std::uint64_t p, std::uint64_t n) const {
+        return {reinterpret_cast<const char*>(file_.data() + p), static_cast<std::size_t>(n)};
+    }
+
+    std::span<const std::byte> file_;
+    std::uint64_t header_ = 0;
+    std::vector<std::uint64_t> meta_;
+    std::vector<located> sections_;
+};
+
+inline void put_u32(std::vector<std::byte>& out, std::uint32_t v) {
+    for (int i = 0; i < 4; ++i)
+        out.push_back(static_cast<std::byte>((v >> (8 * i)) & 0xFFu));
+}
+inline void put_u64(std::vector<std::byte>& out, std::uint64_t v) {
+    for (int i = 0; i < 8; ++i)
+        out.push_back(static_cast<std::byte>((v >> (8 * i)) & 0xFFu));
+}
+inline void put_string(std::vector<std::byte>& out, std::string_view s) {
+    put_u32(out, static_cast<std::uint32_t>(s.size()));
+    for (char c : s)
+        out.push_back(static_cast<std::byte>(c));
+}
+
+/// Builds one checkpoint file in memory: metadata and sections in the order they are added.
+class file_builder {
+public:
+    void meta(std::string key, std::string value) {
+        meta_.emplace_back(std::move(key), std::move(value));
+    }
+    /// Adds a section of elements of type E (copied). requires: product(shape) == data.size().
+    template <class E>
+    void section(std::string name, std::vector<std::uint64_t> shape, std::span<const E> data) {
+        static_assert(std::endian::native == std::endian::little,
+                      "lockstep checkpoints store little-endian elements: this host is not "
+                      "little-endian.");
+        pending p{std::move(name), dtype_of<E>(), std::move(shape), {}};
+        const auto* b = reinterpret_cast<const std::byte*>(data.data());
+        p.bytes.assign(b, b + data.size_bytes());
+        sections_.push_back(std::move(p));
+    }
+
+    /// Adds a section of already encoded little-endian bytes.
+    void raw_section(std::string name, dtype type, std::vector<std::uint64_t> shape,
+                     std::span<const std::byte> bytes) {
+        sections_.push_back(
+            pending{std::move(name), type, std::move(shape), {bytes.begin(), bytes.end()}});
+    }
+
+    /// The whole file: header (with its CRC32C), then the 8-byte aligned section payloads.
+    /// Throws lockstep::error (invalid_argument) when two sections or two metadata entries share
+    /// a name (e.g. a registry state tensor and a visited state tensor): the file would be
+    /// refused when loaded.
+    std::vector<std::byte> finish(const magic_type& magic) const {
+        for (std::size_t i = 0; i < sections_.size(); ++i)
+            for (std::size_t j = 0; j < i; ++j)
+                LOCKSTEP_REQUIRE(sections_[i].name != sections_[j].name, errc::invalid_argument, -1,
+                                 "save_checkpoint", "two sections are named '", sections_[i].name,
+                                 "': give the tensors distinct names");
+        for (std::size_t i = 0; i < meta_.size(); ++i)
+            for (std::size_t j = 0; j < i; ++j)
+                LOCKSTEP_REQUIRE(meta_[i].first != meta_[j].first, errc::invalid_argument, -1,
+                                 "save_checkpoint", "metadata key '", meta_[i].first,
+                                 "' is set twice");
+        std::vector<std::byte> table;
+        for (const auto& [k, v] : meta_) {
+            put_string(table, k);
+            put_string(table, v);
+        }
+        std::size_t header = fixed_header_bytes + 4;
+        for (const auto& s : sections_)
+            header += min_section_bytes + s.name.size() + 8 * s.shape.size();
+        header += table.size();
+        std::uint64_t offset = round_up(header);
+        for (const auto& s : sections_) {
+            put_string(table, s.name);
+            put_u32(table, static_cast<std::uint32_t>(s.type));
+            put_u32(table, static_cast<std::uint32_t>(dtype_size(s.type)));
+            put_u32(table, static_cast<std::uint32_t>(s.shape.size()));
+            for (std::uint64_t d : s.shape)
+                put_u64(table, d);
+            put_u64(table, offset);
+            put_u64(table, s.bytes.size());
+            put_u32(table, crc32c(std::span<const std::byte>(s.bytes)));
+            offset = round_up(offset + s.bytes.size());
+        }
+        const std::uint64_t file_length =
+            sections_.empty() ? header : offset - pad(sections_.back().bytes.size());
+        std::vector<std::byte> out;
+        out.reserve(file_length);
+        for (char c : magic)
+            out.push_back(static_cast<std::byte>(c));
+        put_u32(out, format_version);
+        put_u32(out, endian_marker);
+        put_u64(out, header);
+        put_u64(out, file_length);
+        put_u32(out, static_cast<std::uint32_t>(meta_.size()));
+        put_u32(out, static_cast<std::uint32_t>(sections_.size()));
+        out.insert(out.end(), table.begin(), table.end());
+        put_u32(out, crc32c(std::span<const std::byte>(out)));
+        for (const auto& s : sections_) {
+            out.resize(round_up(out.size()), std::byte{0});
+            out.insert(out.end(), s.bytes.begin(), s.bytes.end());
+        }
+        return out;
+    }
+
+private:
+    struct pending {
+        std::string name;
+        dtype type;
+        std::vector<std::uint64_t> shape;
+        std::vector<std::byte> bytes;
+    };
+    static std::uint64_t round_up(std::uint64_t n) {
+        return (n + payload_alignment - 1) / payload_alignment * payload_alignment;
+    }
+    static std::uint64_t pad(std::uint64_t n) { return round_up(n) - n; }
+
+    std::vector<std::pair<std::string, std::string>> meta_;
+    std::vector<pending> sections_;
+};
+
+/// Parses and checks the header of a checkpoint file held in `file` (the whole file): the magic
+/// (`magic`, named `what` in messages), version, endianness, lengths against file.size(), the
+/// header CRC32C, every count and length against the bytes that remain BEFORE anything is
+/// allocated, shapes (no overflow, product * element size == length), offsets (after the header,
+/// inside the file, no two sections overlapping), unique names and keys. Section payload CRCs
+/// are checked by verify_sections. Throws lockstep::error (checkpoint) naming the first problem.
+/// ensures: no single allocation larger than file.size() bytes; the result views `file`.
+inline parsed_header parse_header(std::span<const std::byte> file, const magic_type& magic,
+                                  std::string_view what, int replica) {
+    const char* op = "checkpoint";
+    const std::uint64_t size = file.size();
+    auto bad = [&](auto&&... args) {
+        fail(errc::checkpoint, replica, op, what, ": ", std::forward<decltype(args)>(args)...);
+    };
+    if (size < min_header_bytes)
+        bad("the file has ", size, " bytes, fewer than the smallest header (", min_header_bytes,
+            " bytes)");
+    if (std::memcmp(file.data(), magic.data(), magic.size()) != 0)
+        bad("not a lockstep ", std::string_view(magic.data(), magic.size()), " file (wrong magic)");
+    const std::uint32_t version = get_u32(file.data() + 8);
+    if (version != format_version)
+        bad("format version ", version, ", this build reads version ", format_version);
+    if (get_u32(file.data() + 12) != endian_marker)
+        bad("endianness marker ", get_u32(file.data() + 12),
+            " is not 0x01020304 stored little-endian");
+    const std::uint64_t header = get_u64(file.data() + 16);
+    const std::uint64_t length = get_u64(file.data() + 24);
+    if (header < min_header_bytes || header > size)
+        bad("header length ", header, " is outside [", min_header_bytes, ", ", size,
+            "] (the file's size)");
+    if (length != size)
+        bad("the header records a file of ", length, " bytes, the file has ", size,
+            length > size ? " (truncated)" : " (bytes appended)");
+    const std::uint32_t stored_crc = get_u32(file.data() + header - 4);
+    const std::uint32_t actual_crc = crc32c(file.first(header - 4));
+    if (stored_crc != actual_crc)
+        bad("header CRC32C mismatch (stored ", stored_crc, ", computed ", actual_crc, ")");
+    const std::uint64_t meta_count = get_u32(file.data() + 32);
+    const std::uint64_t section_count = get_u32(file.data() + 36);
+    const std::uint64_t table_bytes = header - min_header_bytes;
+    if (meta_count > table_bytes / min_meta_bytes ||
+        section_count > table_bytes / min_section_bytes ||
+        meta_count * min_meta_bytes + section_count * min_section_bytes > table_bytes)
+        bad(meta_count, " metadata entries and ", section_count,
+            " sections do not fit in a header of ", header, " bytes");
+
+    std::uint64_t pos = fixed_header_bytes;
+    const std::uint64_t end = header - 4;
+    auto need = [&](std::uint64_t n, const char* field) {
+        if (n > end - pos)
+            bad(field, " needs ", n, " bytes at header offset ", pos, ", only ", end - pos,
+                " remain");
+    };
+    auto u32 = [&](const char* field) {
+        need(4, field);
+        const std::uint32_t v = get_u32(file.data() + pos);
+        pos += 4;
+        return v;
+    };
+    auto u64 = [&](const char* field) {
+        need(8, field);
+        const std::uint64_t v = get_u64(file.data() + pos);
+        pos += 8;
+        return v;
+    };
+    auto skip_string = [&](const char* field) {
+        const std::uint32_t n = u32(field);
+        need(n, field);
+        const std::string_view s(reinterpret_cast<const char*>(file.data() + pos), n);
+        pos += n;
+        return s;
+    };
+
+    parsed_header h;
+    h.file_ = file;
+    h.header_ = header;
+    // Both counts were checked against the header's bytes: these tables are smaller than it.
+    h.meta_.reserve(meta_count);
+    for (std::uint64_t i = 0; i < meta_count; ++i) {
+        h.meta_.push_back(pos);
+        skip_string("metadata key");
+        skip_string("metadata value");
+    }
+    h.sections_.reserve(section_count);
+    for (std::uint64_t i = 0; i < section_count; ++i) {
+        const std::uint64_t entry = pos;
+        const std::string_view name = skip_string("section name");
+        const std::uint32_t code = u32("section dtype");
+        const std::uint32_t elem = u32("section element size");
+        if (dtype_size(static_cast<dtype>(code)) == 0 ||
+            elem != dtype_size(static_cast<dtype>(code)))
+            bad("section '", name, "': element type code ", code, " with element size ", elem,
+                " is not a known type");
+        const std::uint32_t ndim = u32("section rank");
+        if (ndim > max_ndim)
+            bad("section '", name, "' has ", ndim, " dimensions (at most ", max_ndim, ")");
+        std::uint64_t count = 1;
+        for (std::uint32_t d = 0; d < ndim; ++d) {
+            const std::uint64_t e = u64("section extent");
+            if (e != 0 && count > std::numeric_limits<std::uint64_t>::max() / e)
+                bad("section '", name, "': the product of its shape overflows 64 bits");
+            count *= e;
+        }
+        const std::uint64_t offset = u64("section offset");
+        const std::uint64_t len = u64("section length");
+        const std::uint32_t crc = u32("section CRC32C");
+        if (count > std::numeric_limits<std::uint64_t>::max() / elem || count * elem != len)
+            bad("section '", name, "': ", len, " bytes do not hold its shape of ", count,
+                " elements of ", elem, " bytes");
+        if (offset < header || offset > size || len > size - offset)
+            bad("section '", name, "': bytes [", offset, ", +", len,
+                ") are not between the header (", header, " bytes) and the end of the file (", size,
+                " bytes)");
+        h.sections_.push_back({entry, offset, len, crc});
+    }
+    if (pos != end)
+        bad(end - pos, " unaccounted bytes at the end of the header");
+    // Unique keys and names, by sorting indices (4 bytes per entry: the bound above holds).
+    {
+        std::vector<std::uint32_t> by_key(h.meta_.size());
+        std::iota(by_key.begin(), by_key.end(), std::uint32_t{0});
+        std::sort(by_key.begin(), by_key.end(), [&](std::uint32_t a, std::uint32_t b) {
+            return h.meta(a).first < h.meta(b).first;
+        });
+        for (std::size_t i = 1; i < by_key.size(); ++i)
+            if (h.meta(by_key[i - 1]).first == h.meta(by_key[i]).first)
+                bad("metadata key '", h.meta(by_key[i]).first, "' appears twice");
+    }
+    {
+        std::vector<std::uint32_t> by_name(h.sections_.size());
+        std::iota(by_name.begin(), by_name.end(), std::uint32_t{0});
+        std::sort(by_name.begin(), by_name.end(), [&](std::uint32_t a, std::uint32_t b) {
+            return h.section_name(a) < h.section_name(b);
+        });
+        for (std::size_t i = 1; i < by_name.size(); ++i)
+            if (h.section_name(by_name[i - 1]) == h.section_name(by_name[i]))
+                bad("section '", h.section_name(by_name[i]), "' appears twice");
+    }
+    std::vector<std::uint32_t> order(h.sections_.size());
+    std::iota(order.begin(), order.end(), std::uint32_t{0});
+    std::sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) {
+        return h.sections_[a].offset < h.sections_[b].offset;
+    });
+    for (std::size_t i = 1; i < order.size(); ++i) {
+        const auto& a = h.sections_[order[i - 1]];
+        const auto& b = h.sections_[order[i]];
+        if (a.offset + a.length > b.offset)
+            bad("sections '", h.section_name(order[i - 1]), "' and '", h.section_name(order[i]),
+                "' overlap");
+    }
+    return h;
+}
+
+/// Problems of the payload of h in `file`, one message each: a section whose bytes do not match
+/// its CRC32C, or a non-zero byte outside every section (the alignment padding, which no CRC
+/// covers, must be zero so that every bit of a file is checked).
+inline std::vector<std::string> verify_sections(std::span<const std::byte> file,
+                                                const parsed_header& h) {
+    std::vector<std::string> bad;
+    std::vector<std::uint32_t> order(h.sections_.size());
+    std::iota(order.begin(), order.end(), std::uint32_t{0});
+    std::sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) {
+        return h.sections_[a].offset < h.sections_[b].offset;
+    });
+    std::uint64_t at = h.header_;
+    auto check_gap = [&](std::uint64_t from, std::uint64_t to) {
+        for (std::uint64_t i = from; i < to; ++i)
+            if (file[i] != std::byte{0}) {
+                bad.push_back(concat("non-zero padding byte at offset ", i));
+                return;
+            }
+    };
+    for (std::uint32_t k : order) {
+        const auto& s = h.sections_[k];
+        check_gap(at, s.offset);
+        at = std::max(at, s.offset + s.length);
+        const std::uint32_t c = crc32c(file.subspan(s.offset, s.length));
+        if (c != s.crc)
+            bad.push_back(concat("section '", h.section_name(k), "' is corrupted (CRC32C stored ",
+                                 s.crc, ", computed ", c, ")"));
+    }
+    check_gap(at, file.size());
+    return bad;
+}
+
+/// Test hook: called at each stage of a save (see docs/checkpoints.md) with the stage's name and
+/// the replica; a hook that throws simulates a crash at that point. Empty in normal use.
+inline std::function<void(std::string_view stage, int replica)> checkpoint_test_hook;
+
+inline void stage(std::string_view name, int replica) {
+    if (checkpoint_test_hook)
+        checkpoint_test_hook(name, replica);
+}
+
+/// A file descriptor closed on scope exit.
+struct fd_guard {
+    int fd = -1;
+    ~fd_guard() {
+        if (fd >= 0)
+            ::close(fd);
+    }
+};
+
+[[noreturn]] inline void fail_errno(int replica, std::string_view what,
+                                    const std::filesystem::path& p) {
+    const int e = errno;
+    fail(errc::checkpoint, replica, "checkpoint", what, " '", p.string(), "': ", std::strerror(e));
+}
+
+/// fsync of the directory holding p, so a rename in it is durable.
+inline void sync_directory(const std::filesystem::path& p, int replica) {
+    std::filesystem::path dir = p.parent_path();
+    if (dir.empty())
+        dir = ".";
+    fd_guard d{::open(dir.c_str(), O_RDONLY | O_DIRECTORY)};
+    if (d.fd < 0)
+        fail_errno(replica, "cannot open directory", dir);
+    if (::fsync(d.fd) != 0)
+        fail_errno(replica, "cannot fsync directory", dir);
+}
+
+/// Writes bytes to `<target>.tmp.<replica>`, fsyncs it, renames it to target and fsyncs the
+/// directory; stages `<stage_prefix>.partial` (half written), `.written` (complete and
+/// fsynced, not yet renamed) and `.renamed`. ensures: target holds either its old content or
+/// all of bytes, whatever point a crash happens at.
+inline void write_durably(const std::filesystem::path& target, std::span<const std::byte> bytes,
+                          int replica, std::string_view stage_prefix) {
+    std::filesystem::path tmp = target;
+    tmp += ".tmp." + std::to_string(replica < 0 ? 0 : replica);
+    {
+        fd_guard f{::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)};
+        if (f.fd < 0)
+            fail_errno(replica, "cannot create", tmp);
+        std::size_t done = 0;
+        bool staged_half = false;
+        while (done < bytes.size()) {
+            std::size_t chunk = bytes.size() - done;
+            if (!staged_half)
+                chunk = std::max<std::size_t>(bytes.size() / 2, 1);
+            const ::ssize_t w = ::write(f.fd, bytes.data() + done, chunk);
+            if (w < 0) {
+                if (errno == EINTR)
+                    continue;
+                fail_errno(replica, "cannot write", tmp);
+            }
+            done += static_cast<std::size_t>(w);
+            if (!staged_half) {
+                staged_half = true;
+                stage(std::string(stage_prefix) + ".partial", replica);
+            }
+        }
+        if (::fsync(f.fd) != 0)
+            fail_errno(replica, "cannot fsync", tmp);
+    }
+    stage(std::string(stage_prefix) + ".written", replica);
+    if (::rename(tmp.c_str(), target.c_str()) != 0)
+        fail_errno(replica, "cannot rename to " + target.string() + " from", tmp);
+    sync_directory(target, replica);
+    stage(std::string(stage_prefix) + ".renamed", replica);
+}
+
+/// The whole content of a regular file (allocates exactly its size).
+inline std::vector<std::byte> read_file(const std::filesystem::path& p, int replica) {
+    fd_guard f{::open(p.c_str(), O_RDONLY | O_CLOEXEC)};
+    if (f.fd < 0)
+        fail_errno(replica, "cannot open", p);
+    struct ::stat st {};
+    if (::fstat(f.fd, &st) != 0)
+        fail_errno(replica, "cannot stat", p);
+    if (!S_ISREG(st.st_mode))
+        fail(errc::checkpoint, replica, "checkpoint", "'", p.string(), "' is not a regular file");
+    std::vector<std::byte> out(static_cast<std::size_t>(st.st_size));
+    std::size_t done = 0;
+    while (done < out.size()) {
+        const ::ssize_t r = ::read(f.fd, out.data() + done, out.size() - done);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            fail_errno(replica, "cannot read", p);
+        if (r == 0)
+            fail(errc::checkpoint, replica, "checkpoint", "'", p.string(), "' shrank while read");
+        done += static_cast<std::size_t>(r);
+    }
+    return out;
+}
+
+} // namespace lockstep::detail::ckpt

@@ -1,0 +1,544 @@
+// Checkpoints of data_parallel on thread replicas: resuming is bitwise equal to not stopping
+// (synchronous, local SGD mid-period, parameter server; registry and visitor networks with BN
+// running statistics, dropout and an LR warm-up), incompatible checkpoints are refused with every
+// difference and leave the trainer unchanged, every corruption is refused, and a save that
+// crashes at any stage leaves the previous checkpoint loadable.
+// SPDX-License-Identifier: Apache-2.0
+#include <catch2/catch.hpp>
+
+#include "checkpoint_support.hpp"
+#include "train_runner.hpp"
+
+#include "lockstep/optim/adam.hpp"
+#include "lockstep/optim/lr_schedule.hpp"
+#include "lockstep/optim/sgd.hpp"
+#include "lockstep/train/checkpoint.hpp"
+
+#include <atomic>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+using namespace lockstep_test;
+
+namespace {
+
+/// The warm-up runs over the first 8 steps: checkpoints at step 3 or 5 resume inside it.
+train_params params_for(std::uint64_t seed, std::int64_t warmup = 8) {
+    return {.lr =
+                optim::linear_scaling{
+                    .base_lr = 0.05, .base_batch = 8, .global_batch = 16, .warmup_steps = warmup},
+            .seed = seed};
+}
+
+/// One run: construct (seed), optionally load, step until `steps`, optionally save at `save_at`.
+struct plan {
+    int replicas = 2;
+    std::uint64_t seed = 42;
+    std::size_t steps = 10;
+    fs::path load = {};
+    fs::path save = {};
+    std::size_t save_at = 0;
+};
+
+/// Local SGD cannot share batch statistics inside a step: it averages running statistics; the
+/// asynchronous trainers keep them per replica (the server's travel with the parameters).
+template <class Sync>
+using bn_for =
+    std::conditional_t<is_asynchronous_v<Sync>, bn::local,
+                       std::conditional_t<is_local_sgd_v<Sync>, bn::running_only, bn::global>>;
+
+template <class Opt, class Sync, class Reduce, storage S, class T = typename Opt::value_type>
+using trainer_of = data_parallel<mlp<T, thread_communicator, S, bn_for<Sync>>, Opt, Sync, Reduce,
+                                 thread_communicator>;
+
+/// Global batches of uneven splits over 2 and 3 replicas, at least 2 samples per replica (local
+/// SGD normalizes with each replica's own batch statistics), cycled.
+std::size_t batch_of(std::int64_t step) {
+    const std::size_t cycle[] = {37, 9, 12, 7, 20};
+    return cycle[static_cast<std::size_t>(step) % 5];
+}
+
+/// Steps dp until it has taken `steps` steps, the global batch of step s being batch_of(s).
+template <class DP>
+void step_to(DP& dp, std::size_t steps, const fs::path& save = {}, std::size_t save_at = 0) {
+    while (static_cast<std::size_t>(dp.steps()) < steps) {
+        dp.step(batch_of(dp.steps()),
+                [](auto& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); });
+        if (!save.empty() && static_cast<std::size_t>(dp.steps()) == save_at)
+            save_checkpoint(dp, save);
+    }
+}
+
+/// Runs a plan; returns every replica's fingerprint at the end.
+template <class Opt, class Sync, class Reduce, storage S>
+std::vector<std::vector<std::byte>> run(const plan& p, typename Opt::params_type op) {
+    using dp_type = trainer_of<Opt, Sync, Reduce, S>;
+    using net = typename dp_type::network_type;
+    std::vector<std::vector<std::byte>> out(static_cast<std::size_t>(p.replicas));
+    thread_group group(p.replicas);
+    group.run([&](thread_communicator& comm) {
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, op, params_for(p.seed));
+        if (!p.load.empty())
+            load_checkpoint(dp, p.load);
+        step_to(dp, p.steps, p.save, p.save_at);
+        out[static_cast<std::size_t>(comm.rank())] = fingerprint(dp);
+    });
+    return out;
+}
+
+/// Saving after `save_at` steps and resuming in new trainers built with another seed (and other
+/// initial weights) ends bitwise where the uninterrupted run ends, on every replica.
+template <class Opt, class Sync, class Reduce, storage S>
+void check_resume(int replicas, typename Opt::params_type op, std::size_t save_at = 5,
+                  std::size_t total = 11) {
+    temp_dir dir;
+    const fs::path path = dir.path / "run.ckpt";
+    const auto full = run<Opt, Sync, Reduce, S>({.replicas = replicas, .steps = total}, op);
+    run<Opt, Sync, Reduce, S>(
+        {.replicas = replicas, .steps = save_at, .save = path, .save_at = save_at}, op);
+    const auto resumed = run<Opt, Sync, Reduce, S>(
+        {.replicas = replicas, .seed = 7, .steps = total, .load = path}, op);
+    // Control: the seed matters to this network (dropout), so only a restored seed matches.
+    const auto other =
+        run<Opt, Sync, Reduce, S>({.replicas = replicas, .seed = 7, .steps = total}, op);
+    for (int r = 0; r < replicas; ++r) {
+        INFO("replica " << r);
+        CHECK(resumed[r] == full[r]);
+        CHECK(other[r] != full[r]);
+    }
+}
+
+} // namespace
+
+TEST_CASE("resuming from a checkpoint is bitwise equal to an uninterrupted run",
+          "[train][checkpoint][thread]") {
+    SECTION("synchronous, per_tensor, registry, SGD momentum, 3 replicas") {
+        check_resume<optim::sgd<float>, sync::synchronous, reduce::per_tensor, storage::registry>(
+            3, {.lr = 0.05, .momentum = 0.9});
+    }
+    SECTION("synchronous, bucketed, visitor, Adam, 2 replicas") {
+        check_resume<optim::adam<float>, sync::synchronous, reduce::bucketed<64, 32>,
+                     storage::visitor>(2, {.lr = 1e-2});
+    }
+    SECTION("local SGD<3>, resumed mid-period, registry, SGD momentum, 3 replicas") {
+        check_resume<optim::sgd<float>, sync::local_sgd<3>, reduce::per_tensor, storage::registry>(
+            3, {.lr = 0.05, .momentum = 0.9}, 5, 11);
+    }
+    SECTION("local SGD<4>, resumed mid-period, visitor, Adam, 2 replicas") {
+        check_resume<optim::adam<float>, sync::local_sgd<4>, reduce::per_tensor, storage::visitor>(
+            2, {.lr = 1e-2}, 6, 11);
+    }
+    SECTION("parameter_server<1>, registry, SGD momentum, 3 replicas") {
+        check_resume<optim::sgd<double>, sync::synchronous, reduce::parameter_server<1>,
+                     storage::registry>(3, {.lr = 0.05, .momentum = 0.9});
+    }
+    SECTION("parameter_server<0>, visitor, AdamW, 2 replicas") {
+        check_resume<optim::adamw<float>, sync::synchronous, reduce::parameter_server<0>,
+                     storage::visitor>(2, {.lr = 1e-2});
+    }
+}
+
+namespace {
+
+/// What a refused load did on every replica.
+struct refusal {
+    std::vector<std::string> messages; ///< per replica (empty: it did not throw)
+    bool all_refused = true;           ///< every replica threw lockstep::error (checkpoint)
+    bool unchanged = true;             ///< every trainer's fingerprint is what it was before
+    bool trains_after = true;          ///< a step after the refused load works
+};
+
+/// Builds trainers (seed 99, 2 steps taken), tries to load `path`, records the outcome.
+template <class Opt, class Sync, class Reduce, storage S, class T = typename Opt::value_type>
+refusal try_load(int replicas, const fs::path& path, typename Opt::params_type op,
+                 mlp_shape shape = {}, std::int64_t warmup = 8) {
+    using dp_type = trainer_of<Opt, Sync, Reduce, S, T>;
+    using net = typename dp_type::network_type;
+    refusal out;
+    out.messages.resize(static_cast<std::size_t>(replicas));
+    std::vector<int> refused(static_cast<std::size_t>(replicas)),
+        same(static_cast<std::size_t>(replicas)), trained(static_cast<std::size_t>(replicas));
+    thread_group group(replicas);
+    group.run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        dp_type dp(
+            comm, [&](auto& ctx) { return net(ctx, shape); }, op, params_for(99, warmup));
+        step_to(dp, 2);
+        const auto before = fingerprint(dp);
+        try {
+            load_checkpoint(dp, path);
+        } catch (const lockstep::error& e) {
+            refused[r] = e.code() == errc::checkpoint;
+            out.messages[r] = e.what();
+        }
+        same[r] = fingerprint(dp) == before;
+        step_to(dp, 3);
+        trained[r] = dp.steps() == 3;
+    });
+    for (std::size_t r = 0; r < refused.size(); ++r) {
+        out.all_refused = out.all_refused && refused[r];
+        out.unchanged = out.unchanged && same[r];
+        out.trains_after = out.trains_after && trained[r];
+    }
+    return out;
+}
+
+using base_opt = optim::sgd<float>;
+const optim::sgd_params base_params{.lr = 0.05, .momentum = 0.9};
+
+/// The reference checkpoint of the refusal tests: 2 replicas, SGD momentum, synchronous,
+/// per_tensor, registry, float, 3 steps.
+void save_reference(const fs::path& path) {
+    run<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+        {.replicas = 2, .steps = 3, .save = path, .save_at = 3}, base_params);
+}
+
+bool contains(const std::string& s, const std::string& part) {
+    return s.find(part) != std::string::npos;
+}
+
+void check_refused(const refusal& r, const std::vector<std::string>& parts) {
+    CHECK(r.all_refused);
+    CHECK(r.unchanged);
+    CHECK(r.trains_after);
+    for (const auto& m : r.messages) {
+        INFO(m);
+        for (const auto& p : parts)
+            CHECK(contains(m, p));
+    }
+}
+
+} // namespace
+
+TEST_CASE("an incompatible checkpoint is refused with every difference, nothing loaded",
+          "[train][checkpoint][thread]") {
+    temp_dir dir;
+    const fs::path path = dir.path / "ref.ckpt";
+    save_reference(path);
+
+    SECTION("the compatible trainer loads it (control)") {
+        const auto r = try_load<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+            2, path, base_params);
+        CHECK(r.messages == std::vector<std::string>(2));
+    }
+    SECTION("other world size") {
+        check_refused(try_load<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+                          3, path, base_params),
+                      {"world size: checkpoint 2, trainer 3", "no shard for replica 2"});
+    }
+    SECTION("other shapes") {
+        check_refused(try_load<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+                          2, path, base_params, {.hidden = 9}),
+                      {"section 'param.fc1.weight': checkpoint f32 {8, 5}, trainer f32 {9, 5}",
+                       "section 'state.bn1.running_mean': checkpoint f32 {8}, trainer f32 {9}",
+                       "section 'optimizer.momentum': checkpoint f32 {83}, trainer f32 {93}"});
+    }
+    SECTION("other dtype and optimizer type: both listed") {
+        check_refused(
+            try_load<optim::adam<double>, sync::synchronous, reduce::per_tensor, storage::registry>(
+                2, path, {.lr = 1e-2}),
+            {"dtype: checkpoint float, trainer double", "dtype.size: checkpoint 4, trainer 8",
+             "optimizer: checkpoint sgd, trainer adam",
+             "section 'optimizer.exp_avg' (f64 {83}) is missing",
+             "section 'optimizer.momentum' (f32 {83}) is not part of this trainer"});
+    }
+    SECTION("other hyperparameter") {
+        check_refused(try_load<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+                          2, path, {.lr = 0.05, .momentum = 0.8}),
+                      {"optimizer.momentum: checkpoint 0.9", "trainer 0.8"});
+    }
+    SECTION("other learning rate schedule") {
+        check_refused(try_load<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+                          2, path, base_params, {}, 10),
+                      {"lr.schedule: checkpoint "});
+    }
+    SECTION("other sync policy") {
+        check_refused(try_load<base_opt, sync::local_sgd<2>, reduce::per_tensor, storage::registry>(
+                          2, path, base_params),
+                      {"sync: checkpoint sync::synchronous, trainer sync::local_sgd<2>"});
+    }
+    SECTION("other reduce policy") {
+        check_refused(
+            try_load<base_opt, sync::synchronous, reduce::bucketed<64, 32>, storage::registry>(
+                2, path, base_params),
+            {"reduce: checkpoint reduce::per_tensor, trainer reduce::bucketed<64, 32>"});
+    }
+    SECTION("a missing section") {
+        rewrite_shard(path, 1, [](auto&, std::vector<raw_section>& s) {
+            std::erase_if(s,
+                          [](const raw_section& x) { return x.name == "state.bn1.running_var"; });
+        });
+        check_refused(try_load<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+                          2, path, base_params),
+                      {"replica 1: section 'state.bn1.running_var' (f32 {8}) is missing"});
+    }
+    SECTION("an extra section and an extra metadata entry") {
+        rewrite_shard(path, 0, [](auto& meta, std::vector<raw_section>& s) {
+            s.push_back({"loss_scaler.scale", ck::dtype::f64, {1}, std::vector<std::byte>(8)});
+            meta.emplace_back("loss_scaler", "dynamic");
+        });
+        check_refused(try_load<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+                          2, path, base_params),
+                      {"replica 0: ", "section 'loss_scaler.scale' (f64 {1}) is not part of",
+                       "loss_scaler: dynamic in the checkpoint, unknown to the trainer"});
+    }
+}
+
+namespace {
+
+/// One replica's trainer for the corruption tests, loading `path` after each mutation.
+template <class Fn>
+void with_single_trainer(Fn&& fn) {
+    using dp_type = trainer_of<base_opt, sync::synchronous, reduce::per_tensor, storage::visitor>;
+    using net = dp_type::network_type;
+    thread_group group(1);
+    group.run([&](thread_communicator& comm) {
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, base_params, params_for(5));
+        fn(dp);
+    });
+}
+
+/// Loads and reports whether the load was refused with errc::checkpoint.
+template <class DP>
+bool refused(DP& dp, const fs::path& path) {
+    try {
+        load_checkpoint(dp, path);
+    } catch (const lockstep::error& e) {
+        return e.code() == errc::checkpoint;
+    }
+    return false;
+}
+
+} // namespace
+
+TEST_CASE("corrupted, truncated, extended, empty or uncommitted checkpoints are refused",
+          "[train][checkpoint][thread]") {
+    temp_dir dir;
+    const fs::path path = dir.path / "c.ckpt";
+    run<base_opt, sync::synchronous, reduce::per_tensor, storage::visitor>(
+        {.replicas = 1, .steps = 2, .save = path, .save_at = 2}, base_params);
+    const fs::path shard = shard_file(path, 0);
+    const auto good_shard = read_all(shard);
+    const auto good_marker = read_all(path);
+    REQUIRE(good_shard.size() > 500);
+
+    with_single_trainer([&](auto& dp) {
+        const auto before = fingerprint(dp);
+        std::size_t accepted = 0;
+        auto bad = [&](bool was_refused) { accepted += was_refused ? 0 : 1; };
+        // Every bit flip of the shard: caught by the marker's CRC, and, with the marker
+        // updated to the flipped file, by the shard's own header/section CRCs and padding check.
+        for (std::size_t i = 0; i < good_shard.size(); ++i) {
+            auto b = good_shard;
+            b[i] ^= std::byte(1u << (i % 8));
+            write_all(shard, b);
+            bad(refused(dp, path));
+            commit_shard(path, 0, b);
+            bad(refused(dp, path));
+            write_all(path, good_marker);
+        }
+        write_all(shard, good_shard);
+        for (std::size_t i = 0; i < good_marker.size(); ++i) {
+            auto b = good_marker;
+            b[i] ^= std::byte(1u << (i % 8));
+            write_all(path, b);
+            bad(refused(dp, path));
+        }
+        write_all(path, good_marker);
+        CHECK(accepted == 0);
+        // Truncation at every length, of the shard (marker updated) and of the marker.
+        for (std::size_t n = 0; n < good_shard.size(); ++n) {
+            commit_shard(path, 0, std::span(good_shard).first(n));
+            bad(refused(dp, path));
+        }
+        write_all(shard, good_shard);
+        write_all(path, good_marker);
+        for (std::size_t n = 0; n < good_marker.size(); ++n) {
+            write_all(path, std::span(good_marker).first(n));
+            bad(refused(dp, path));
+        }
+        write_all(path, good_marker);
+        CHECK(accepted == 0);
+        // Appended garbage (zeros and non-zeros), to the shard (marker updated) and the marker.
+        for (std::byte fill : {std::byte{0}, std::byte{0x5A}})
+            for (std::size_t extra : {1, 7, 8, 100}) {
+                auto b = good_shard;
+                b.insert(b.end(), extra, fill);
+                commit_shard(path, 0, b);
+                bad(refused(dp, path));
+                write_all(path, good_marker);
+                auto m = good_marker;
+                m.insert(m.end(), extra, fill);
+                write_all(path, m);
+                bad(refused(dp, path));
+                write_all(path, good_marker);
+            }
+        write_all(shard, good_shard);
+        CHECK(accepted == 0);
+        // Zero-length marker and shard, missing marker, missing shard.
+        write_all(path, {});
+        CHECK(refused(dp, path));
+        write_all(path, good_marker);
+        write_all(shard, {});
+        CHECK(refused(dp, path));
+        write_all(shard, good_shard);
+        fs::remove(path);
+        CHECK(refused(dp, path));
+        write_all(path, good_marker);
+        fs::remove(shard);
+        CHECK(refused(dp, path));
+        write_all(shard, good_shard);
+        // Nothing of all that reached the trainer; the intact checkpoint loads (control).
+        CHECK(fingerprint(dp) == before);
+        CHECK_FALSE(refused(dp, path));
+        CHECK(dp.steps() == 2);
+        CHECK(dp.context().seed() == 42);
+    });
+}
+
+namespace {
+
+/// Restores the test hook at scope exit.
+struct hook_scope {
+    explicit hook_scope(std::function<void(std::string_view, int)> h) {
+        ck::checkpoint_test_hook = std::move(h);
+    }
+    ~hook_scope() { ck::checkpoint_test_hook = nullptr; }
+};
+
+} // namespace
+
+TEST_CASE("a save that crashes at any stage leaves the previous checkpoint loadable",
+          "[train][checkpoint][thread]") {
+    using dp_type = trainer_of<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>;
+    using net = dp_type::network_type;
+    struct crash_case {
+        const char* stage;
+        int replica;    ///< the replica that "crashes"
+        bool committed; ///< the new checkpoint is the one a load finds afterwards
+    };
+    const crash_case cases[] = {{"shard.partial", 1, false},    {"shard.written", 0, false},
+                                {"shard.renamed", 1, false},    {"manifest.partial", 0, false},
+                                {"manifest.written", 0, false}, {"manifest.renamed", 0, true},
+                                {"cleanup.done", 0, true}};
+    for (const crash_case& c : cases) {
+        DYNAMIC_SECTION("crash at " << c.stage << " on replica " << c.replica) {
+            temp_dir dir;
+            const fs::path path = dir.path / "x.ckpt";
+            std::vector<std::vector<std::byte>> at3(2), at5(2);
+            std::vector<int> save_failed(2);
+            std::atomic<bool> armed{false};
+            hook_scope hook([&](std::string_view stage, int replica) {
+                if (armed && stage == c.stage && replica == c.replica)
+                    throw std::runtime_error("simulated crash");
+            });
+            thread_group(2).run([&](thread_communicator& comm) {
+                const auto r = static_cast<std::size_t>(comm.rank());
+                dp_type dp(
+                    comm, [](auto& ctx) { return net(ctx); }, base_params, params_for(42));
+                step_to(dp, 3);
+                save_checkpoint(dp, path);
+                at3[r] = fingerprint(dp);
+                step_to(dp, 5);
+                at5[r] = fingerprint(dp);
+                comm.barrier();
+                if (r == 0)
+                    armed = true;
+                comm.barrier();
+                try {
+                    save_checkpoint(dp, path);
+                } catch (const lockstep::error& e) {
+                    save_failed[r] =
+                        e.code() == errc::checkpoint && contains(e.what(), "simulated crash");
+                }
+                comm.barrier();
+                if (r == 0)
+                    armed = false;
+            });
+            CHECK(save_failed == std::vector<int>{1, 1});
+            std::vector<std::vector<std::byte>> loaded(2);
+            thread_group(2).run([&](thread_communicator& comm) {
+                dp_type dp(
+                    comm, [](auto& ctx) { return net(ctx); }, base_params, params_for(1));
+                load_checkpoint(dp, path);
+                loaded[static_cast<std::size_t>(comm.rank())] = fingerprint(dp);
+                // A later successful save removes every leftover of the crashed one.
+                save_checkpoint(dp, path);
+            });
+            CHECK(loaded == (c.committed ? at5 : at3));
+            std::size_t files = 0;
+            for (const auto& e : fs::directory_iterator(dir.path)) {
+                (void)e;
+                ++files;
+            }
+            CHECK(files == 3); // the marker and two shards
+        }
+    }
+}
+
+namespace {
+
+/// Asynchronous training: save between train() calls, load into trainers built with another
+/// seed: every replica has the saved state (parameters, BN statistics, optimizer buffers and
+/// step count, steps, seed) and trains on. Not compared with an uninterrupted run: the order in
+/// which the server applies gradients depends on their arrival, with or without a checkpoint.
+template <class Sync>
+void check_async_restore() {
+    using dp_type = trainer_of<base_opt, Sync, reduce::per_tensor, storage::registry>;
+    using net = typename dp_type::network_type;
+    auto fn = [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); };
+    temp_dir dir;
+    const fs::path path = dir.path / "async.ckpt";
+    std::vector<std::vector<std::byte>> saved(3), fresh(3), loaded(3);
+    std::vector<std::int64_t> steps_after(3);
+    thread_group(3).run([&](thread_communicator& comm) {
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, base_params, params_for(42));
+        dp.train(6, 8, fn);
+        save_checkpoint(dp, path);
+        saved[static_cast<std::size_t>(comm.rank())] = fingerprint(dp);
+    });
+    thread_group(3).run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, base_params, params_for(7));
+        fresh[r] = fingerprint(dp);
+        load_checkpoint(dp, path);
+        loaded[r] = fingerprint(dp);
+        dp.train(4, 8, fn);
+        steps_after[r] = dp.steps();
+    });
+    for (std::size_t r = 0; r < 3; ++r) {
+        INFO("replica " << r);
+        CHECK(loaded[r] == saved[r]);
+        CHECK(fresh[r] != saved[r]);
+        CHECK(steps_after[r] == 10);
+    }
+}
+
+} // namespace
+
+TEST_CASE("asynchronous trainers restore every replica's state from a checkpoint",
+          "[train][checkpoint][thread][async]") {
+    SECTION("sync::asynchronous") {
+        check_async_restore<sync::asynchronous>();
+    }
+    SECTION("sync::bounded_staleness<1>") {
+        check_async_restore<sync::bounded_staleness<1>>();
+    }
+}
+
+TEST_CASE("CRC32C matches the published check value", "[train][checkpoint]") {
+    const std::string s = "123456789";
+    CHECK(crc32c(std::as_bytes(std::span(s))) == 0xE3069283u);
+    // Slicing-by-8 agrees with itself split at every point (the byte loop and the 8-byte loop).
+    std::vector<std::byte> data(100);
+    for (std::size_t i = 0; i < data.size(); ++i)
+        data[i] = std::byte(i * 37 + 11);
+    const std::uint32_t whole = crc32c(data);
+    for (std::size_t k = 0; k <= data.size(); ++k)
+        CHECK(crc32c_update(crc32c(std::span(data).first(k)), std::span(data).subspan(k)) == whole);
+}

@@ -1,0 +1,160 @@
+// Checkpoints of data_parallel over MPI (one replica per process): resuming in new trainers with
+// another seed is bitwise equal to an uninterrupted run (synchronous, local SGD mid-period,
+// parameter server), and a checkpoint refused on one rank is refused on every rank.
+// SPDX-License-Identifier: Apache-2.0
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include "support/mpi_session.hpp"
+
+#include "checkpoint_support.hpp"
+#include "mlp_fixture.hpp"
+
+#include "lockstep/comm/mpi_communicator.hpp"
+#include "lockstep/optim/adam.hpp"
+#include "lockstep/optim/lr_schedule.hpp"
+#include "lockstep/optim/sgd.hpp"
+#include "lockstep/train/checkpoint.hpp"
+
+#include <mpi.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+using namespace lockstep_test;
+
+namespace {
+
+train_params params_for(std::uint64_t seed) {
+    return {.lr =
+                optim::linear_scaling{
+                    .base_lr = 0.05, .base_batch = 8, .global_batch = 16, .warmup_steps = 8},
+            .seed = seed};
+}
+
+std::size_t batch_of(std::int64_t step) {
+    const std::size_t cycle[] = {37, 9, 12, 7, 20};
+    return cycle[static_cast<std::size_t>(step) % 5];
+}
+
+template <class Sync>
+using bn_for = std::conditional_t<is_local_sgd_v<Sync>, bn::running_only, bn::global>;
+
+template <class Opt, class Sync, class Reduce, storage S>
+using trainer_of = data_parallel<mlp<typename Opt::value_type, mpi_communicator, S, bn_for<Sync>>,
+                                 Opt, Sync, Reduce, mpi_communicator>;
+
+/// A directory every rank uses: rank 0's name, broadcast; removed by rank 0 at scope exit.
+struct shared_dir {
+    fs::path path;
+    int rank = 0;
+    explicit shared_dir(mpi_communicator& world) : rank(world.rank()) {
+        int id = ::getpid();
+        MPI_Bcast(&id, 1, MPI_INT, 0, MPI_COMM_WORLD);
+        static int n = 0;
+        path = fs::temp_directory_path() /
+               ("lockstep_ckpt_mpi_" + std::to_string(id) + "_" + std::to_string(n++));
+        if (rank == 0) {
+            fs::remove_all(path);
+            fs::create_directories(path);
+        }
+        MPI_Barrier(MPI_COMM_WORLD);
+    }
+    ~shared_dir() {
+        MPI_Barrier(MPI_COMM_WORLD);
+        std::error_code ec;
+        if (rank == 0)
+            fs::remove_all(path, ec);
+    }
+};
+
+/// Trainer built with `seed`, optionally loaded, stepped to `steps`, optionally saved at
+/// `save_at`; returns this rank's fingerprint.
+template <class Opt, class Sync, class Reduce, storage S>
+std::vector<std::byte> run(mpi_communicator& world, typename Opt::params_type op,
+                           std::uint64_t seed, std::size_t steps, const fs::path& load,
+                           const fs::path& save, std::size_t save_at) {
+    using dp_type = trainer_of<Opt, Sync, Reduce, S>;
+    using net = typename dp_type::network_type;
+    dp_type dp(
+        world, [](auto& ctx) { return net(ctx); }, op, params_for(seed));
+    if (!load.empty())
+        load_checkpoint(dp, load);
+    while (static_cast<std::size_t>(dp.steps()) < steps) {
+        dp.step(batch_of(dp.steps()),
+                [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); });
+        if (!save.empty() && static_cast<std::size_t>(dp.steps()) == save_at)
+            save_checkpoint(dp, save);
+    }
+    return fingerprint(dp);
+}
+
+template <class Opt, class Sync, class Reduce, storage S>
+void check_resume(typename Opt::params_type op, std::size_t save_at, std::size_t total) {
+    mpi_communicator world(MPI_COMM_WORLD);
+    shared_dir dir(world);
+    const fs::path path = dir.path / "mpi.ckpt";
+    const auto full = run<Opt, Sync, Reduce, S>(world, op, 42, total, {}, {}, 0);
+    run<Opt, Sync, Reduce, S>(world, op, 42, save_at, {}, path, save_at);
+    const auto resumed = run<Opt, Sync, Reduce, S>(world, op, 7, total, path, {}, 0);
+    const auto other = run<Opt, Sync, Reduce, S>(world, op, 7, total, {}, {}, 0);
+    CHECK(resumed == full);
+    CHECK(other != full);
+}
+
+} // namespace
+
+TEST_CASE("MPI: resuming from a checkpoint is bitwise equal to an uninterrupted run",
+          "[train][checkpoint][mpi]") {
+    SECTION("synchronous, bucketed, registry, SGD momentum") {
+        check_resume<optim::sgd<float>, sync::synchronous, reduce::bucketed<64, 32>,
+                     storage::registry>({.lr = 0.05, .momentum = 0.9}, 5, 11);
+    }
+    SECTION("local SGD<3>, resumed mid-period, visitor, Adam") {
+        check_resume<optim::adam<float>, sync::local_sgd<3>, reduce::per_tensor, storage::visitor>(
+            {.lr = 1e-2}, 5, 11);
+    }
+    SECTION("parameter_server<1>, registry, SGD momentum") {
+        check_resume<optim::sgd<double>, sync::synchronous, reduce::parameter_server<1>,
+                     storage::registry>({.lr = 0.05, .momentum = 0.9}, 4, 10);
+    }
+}
+
+TEST_CASE("MPI: a checkpoint refused on one rank is refused on every rank, nothing loaded",
+          "[train][checkpoint][mpi]") {
+    using opt = optim::sgd<float>;
+    using dp_type = trainer_of<opt, sync::synchronous, reduce::per_tensor, storage::registry>;
+    using net = dp_type::network_type;
+    mpi_communicator world(MPI_COMM_WORLD);
+    shared_dir dir(world);
+    const fs::path path = dir.path / "bad.ckpt";
+    run<opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+        world, {.lr = 0.05, .momentum = 0.9}, 42, 3, {}, path, 3);
+    const int last = world.size() - 1;
+    // The last rank's shard loses a section: only that rank sees it.
+    if (world.rank() == 0)
+        rewrite_shard(path, last, [](auto&, std::vector<raw_section>& s) {
+            std::erase_if(s, [](const raw_section& x) { return x.name == "optimizer.momentum"; });
+        });
+    MPI_Barrier(MPI_COMM_WORLD);
+    dp_type dp(
+        world, [](auto& ctx) { return net(ctx); }, {.lr = 0.05, .momentum = 0.9}, params_for(3));
+    const auto before = fingerprint(dp);
+    std::string message;
+    try {
+        load_checkpoint(dp, path);
+    } catch (const lockstep::error& e) {
+        CHECK(e.code() == errc::checkpoint);
+        message = e.what();
+    }
+    INFO(message);
+    CHECK(message.find("replica " + std::to_string(last) +
+                       ": section 'optimizer.momentum' (f32 {83}) is missing") !=
+          std::string::npos);
+    CHECK(fingerprint(dp) == before);
+}
+
+int main(int argc, char** argv) {
+    return lockstep::testing::run_mpi_session(argc, argv);
+}
