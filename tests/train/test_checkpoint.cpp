@@ -15,6 +15,7 @@
 #include "lockstep/train/checkpoint.hpp"
 
 #include <atomic>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -541,4 +542,53 @@ TEST_CASE("CRC32C matches the published check value", "[train][checkpoint]") {
     const std::uint32_t whole = crc32c(data);
     for (std::size_t k = 0; k <= data.size(); ++k)
         CHECK(crc32c_update(crc32c(std::span(data).first(k)), std::span(data).subspan(k)) == whole);
+}
+
+TEST_CASE("the dynamic loss scale's state is checkpointed and restored", "[train][checkpoint]") {
+    using dp_type =
+        trainer_of<optim::sgd<float>, sync::synchronous, reduce::bucketed<>, storage::registry>;
+    using net = typename dp_type::network_type;
+    // Scale 4, growing every 3 applied steps: a resume at step 5 sits between two growths, so
+    // only a restored growth tracker grows the scale at the same step as the uninterrupted run.
+    const loss_scaling scaling{.init_scale = 4, .growth_interval = 3};
+    auto run_plan = [&](std::size_t steps, std::uint64_t seed, const fs::path& load,
+                        const fs::path& save, std::optional<loss_scaling> ls,
+                        std::vector<double>* scales) {
+        std::vector<std::vector<std::byte>> out(2);
+        thread_group group(2);
+        group.run([&](thread_communicator& comm) {
+            train_params tp = params_for(seed);
+            tp.loss_scale = ls;
+            dp_type dp(
+                comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.05, .momentum = 0.9}, tp);
+            if (!load.empty())
+                load_checkpoint(dp, load);
+            while (static_cast<std::size_t>(dp.steps()) < steps) {
+                const auto r =
+                    dp.step(batch_of(dp.steps()), [](auto& n, const shard_range& sr, auto& ctx) {
+                        return n.train(sr, ctx);
+                    });
+                if (scales != nullptr && comm.rank() == 0)
+                    scales->push_back(r.loss_scale);
+            }
+            if (!save.empty())
+                save_checkpoint(dp, save);
+            out[static_cast<std::size_t>(comm.rank())] = fingerprint(dp);
+        });
+        return out;
+    };
+    temp_dir dir;
+    const fs::path path = dir.path / "scaled.ckpt";
+    std::vector<double> full_scales, resumed_scales;
+    const auto full = run_plan(11, 42, {}, {}, scaling, &full_scales);
+    run_plan(5, 42, {}, path, scaling, nullptr);
+    const auto resumed = run_plan(11, 7, path, {}, scaling, &resumed_scales);
+    CHECK(resumed == full);
+    // The scale grew (4, 4, 4, 8, ...) and the resumed steps used the same scales.
+    REQUIRE(full_scales.size() == 11);
+    CHECK(full_scales.front() == 4.0);
+    CHECK(full_scales.back() > 4.0);
+    CHECK(resumed_scales == std::vector<double>(full_scales.begin() + 5, full_scales.end()));
+    // A trainer without loss scaling refuses the file (and the other way round).
+    CHECK_THROWS_AS(run_plan(6, 42, path, {}, std::nullopt, nullptr), error);
 }

@@ -21,8 +21,10 @@
 #include "lockstep/train/detail/host_collective.hpp"
 #include "lockstep/train/detail/signature.hpp"
 #include "lockstep/train/detail/visitor.hpp"
+#include "lockstep/train/loss_scaler.hpp"
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -190,6 +192,12 @@ inline void describe_optimizer(meta_list& m, const optim::lamb_params& p) {
     m.emplace_back("optimizer.phi_max", number(p.phi_max));
 }
 
+/// True for the trainers that keep a dynamic loss scale (data_parallel::scaler()).
+template <class DP>
+concept has_loss_scaler = requires(DP& dp) {
+    dp.scaler().state();
+};
+
 /// Everything the metadata of a shard records about the trainer dp when it has taken `steps`
 /// steps: element type, world size and rank, optimizer and hyperparameters, policies, and the
 /// learning rate at steps, steps + 1, + 10 and + 1000 (the schedule's position and continuation).
@@ -210,6 +218,19 @@ meta_list describe_trainer(DP& dp, std::int64_t steps) {
     if constexpr (is_asynchronous_v<typename DP::sync_policy_type>) {
         m.emplace_back("async.root", std::to_string(dp.params().root));
         m.emplace_back("async.bn_momentum", number(dp.params().bn_momentum));
+    }
+    if constexpr (has_loss_scaler<DP>) {
+        // The dynamic loss scale's knobs (its state is the section "trainer.loss_scale").
+        const auto& sc = dp.scaler();
+        if (sc.enabled()) {
+            const loss_scaling& c = sc.config();
+            m.emplace_back("loss_scale", "dynamic");
+            m.emplace_back("loss_scale.growth_factor", number(c.growth_factor));
+            m.emplace_back("loss_scale.backoff_factor", number(c.backoff_factor));
+            m.emplace_back("loss_scale.growth_interval", std::to_string(c.growth_interval));
+        } else {
+            m.emplace_back("loss_scale", "none");
+        }
     }
     std::string lr;
     for (std::int64_t ahead : {0, 1, 10, 1000}) {
@@ -272,6 +293,8 @@ std::vector<section_spec> expected_sections(DP& dp) {
     for_each_tensor_section(dp, [&](section_spec s, std::span<T>) { out.push_back(std::move(s)); });
     out.push_back({"optimizer.step", dtype::i64, {1}});
     out.push_back({"trainer.counters", dtype::u64, {counter_count}});
+    if constexpr (has_loss_scaler<DP>)
+        out.push_back({"trainer.loss_scale", dtype::f64, {2}});
     return out;
 }
 
@@ -304,6 +327,12 @@ std::vector<std::byte> build_shard(DP& dp) {
         static_cast<std::uint64_t>(checkpoint_access::since_average(dp)), core.context().seed()};
     b.section<std::uint64_t>("trainer.counters", {counter_count},
                              std::span<const std::uint64_t>(counters));
+    if constexpr (has_loss_scaler<DP>) {
+        // {scale of the next step, growth tracker} (scale 1, tracker 0 without loss scaling).
+        const loss_scaler_state st = dp.scaler().state();
+        const double v[2] = {st.scale, static_cast<double>(st.growth_tracker)};
+        b.section<double>("trainer.loss_scale", {2}, std::span<const double>(v));
+    }
     return b.finish(shard_magic);
 }
 
@@ -506,6 +535,22 @@ std::vector<std::string> validate(DP& dp, const std::filesystem::path& path, loa
             problems.push_back(concat("section '", e.name, "' (", dtype_name(e.type), " ",
                                       shape_text(e.shape), ") is not part of this trainer"));
     }
+    if constexpr (has_loss_scaler<DP>) {
+        // The loss scale's state is checked here, so that restoring it cannot fail half-way.
+        const auto e = out.header.find_section("trainer.loss_scale");
+        if (problems.empty() && e && e->type == dtype::f64 && e->length == 16) {
+            double v[2];
+            std::memcpy(v, out.bytes.data() + e->offset, sizeof v);
+            const auto& sc = dp.scaler();
+            const double interval =
+                sc.enabled() ? static_cast<double>(sc.config().growth_interval) : 1.0;
+            const bool ok = std::isfinite(v[0]) && v[0] > 0 && (sc.enabled() || v[0] == 1.0) &&
+                            v[1] >= 0 && v[1] < interval && v[1] == std::floor(v[1]);
+            if (!ok)
+                problems.push_back(concat("section 'trainer.loss_scale': scale ", v[0],
+                                          ", growth tracker ", v[1], " out of range"));
+        }
+    }
     return problems;
 }
 
@@ -537,6 +582,10 @@ void restore(DP& dp, const loaded_shard& s) {
     opt.load_state(saved);
     const auto c = section_values<std::uint64_t>(s, "trainer.counters");
     core.restore_position(static_cast<std::int64_t>(c[0]), c[1], c[3]);
+    if constexpr (has_loss_scaler<DP>) {
+        const auto v = section_values<double>(s, "trainer.loss_scale");
+        dp.scaler().restore({v[0], static_cast<std::int64_t>(v[1])});
+    }
     checkpoint_access::set_since_average(dp, static_cast<std::size_t>(c[2]));
     if constexpr (requires { core.comm().synchronize(); })
         core.comm().synchronize();
