@@ -91,7 +91,7 @@ int main(int argc, char** argv) {
         const auto& cmy = my_loss;
         comm.all_gather(cmy.span(), all_loss.span());
         for (int q = 0; q < p; ++q)
-            check(all_loss[q] == 2.5f - 0.25f * q, r, "all_gather");
+            check(all_loss[q] == 2.5f - 0.25f * static_cast<float>(q), r, "all_gather");
         if (r == 0)
             std::copy(all_loss.begin(), all_loss.end(), losses.begin());
 

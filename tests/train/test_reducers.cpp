@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 using namespace lockstep;
@@ -19,7 +21,9 @@ std::vector<tensor_info> layout(std::initializer_list<std::size_t> sizes) {
     std::vector<tensor_info> out;
     std::size_t offset = 0;
     for (std::size_t n : sizes) {
-        out.push_back(tensor_info{"t" + std::to_string(out.size()), {n}, offset, n});
+        std::string name = "t"; // (not "t" + to_string: GCC 12 misreads that as -Wrestrict)
+        name += std::to_string(out.size());
+        out.push_back(tensor_info{std::move(name), {n}, offset, n});
         offset += n;
     }
     return out;
