@@ -17,6 +17,7 @@
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
 #include "lockstep/train/data_parallel.hpp"
+#include "lockstep/train/detail/agreement.hpp"
 #include "lockstep/train/detail/checkpoint_format.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
 #include "lockstep/train/detail/signature.hpp"
@@ -34,6 +35,7 @@
 #include <string>
 #include <system_error>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -76,13 +78,6 @@ struct checkpoint_access {
 namespace detail::ckpt {
 
 using meta_list = std::vector<std::pair<std::string, std::string>>;
-
-/// A double as the shortest text that reads back to the same bits ("%.17g").
-inline std::string number(double v) {
-    char b[40];
-    std::snprintf(b, sizeof b, "%.17g", v);
-    return b;
-}
 
 /// The name a policy tag is recorded under, e.g. "sync::local_sgd<4>".
 template <class P>
@@ -156,40 +151,28 @@ struct tuple_names<std::tuple<P...>> {
     }
 };
 
-/// The optimizer's type name and hyperparameters (the learning rate is recorded with the
-/// schedule, see describe_trainer).
-inline void describe_optimizer(meta_list& m, const optim::sgd_params& p) {
-    m.emplace_back("optimizer", "sgd");
-    m.emplace_back("optimizer.momentum", number(p.momentum));
-    m.emplace_back("optimizer.dampening", number(p.dampening));
-    m.emplace_back("optimizer.weight_decay", number(p.weight_decay));
-    m.emplace_back("optimizer.nesterov", p.nesterov ? "true" : "false");
-}
+/// The optimizer's name and hyperparameters, as the agreement check describes them
+/// (describe_optimizer_params) under "optimizer.<name>"; the learning rate is left out (it is
+/// recorded with the schedule, see describe_trainer).
 template <class P>
-requires(std::is_same_v<P, optim::adam_params> ||
-         std::is_same_v<P, optim::adamw_params>) inline void describe_optimizer(meta_list& m,
-                                                                                const P& p) {
-    m.emplace_back("optimizer", std::is_same_v<P, optim::adam_params> ? "adam" : "adamw");
-    m.emplace_back("optimizer.beta1", number(p.beta1));
-    m.emplace_back("optimizer.beta2", number(p.beta2));
-    m.emplace_back("optimizer.eps", number(p.eps));
-    m.emplace_back("optimizer.weight_decay", number(p.weight_decay));
-}
-inline void describe_optimizer(meta_list& m, const optim::lars_params& p) {
-    m.emplace_back("optimizer", "lars");
-    m.emplace_back("optimizer.momentum", number(p.momentum));
-    m.emplace_back("optimizer.eta", number(p.eta));
-    m.emplace_back("optimizer.weight_decay", number(p.weight_decay));
-    m.emplace_back("optimizer.eps", number(p.eps));
-}
-inline void describe_optimizer(meta_list& m, const optim::lamb_params& p) {
-    m.emplace_back("optimizer", "lamb");
-    m.emplace_back("optimizer.beta1", number(p.beta1));
-    m.emplace_back("optimizer.beta2", number(p.beta2));
-    m.emplace_back("optimizer.eps", number(p.eps));
-    m.emplace_back("optimizer.weight_decay", number(p.weight_decay));
-    m.emplace_back("optimizer.phi_min", number(p.phi_min));
-    m.emplace_back("optimizer.phi_max", number(p.phi_max));
+void describe_optimizer(meta_list& m, const P& p) {
+    static_assert(std::is_same_v<P, optim::sgd_params> || std::is_same_v<P, optim::adam_params> ||
+                      std::is_same_v<P, optim::adamw_params> ||
+                      std::is_same_v<P, optim::lars_params> ||
+                      std::is_same_v<P, optim::lamb_params>,
+                  "checkpoints record sgd, adam, adamw, lars and lamb.");
+    m.emplace_back("optimizer", std::is_same_v<P, optim::sgd_params>     ? "sgd"
+                                : std::is_same_v<P, optim::adam_params>  ? "adam"
+                                : std::is_same_v<P, optim::adamw_params> ? "adamw"
+                                : std::is_same_v<P, optim::lars_params>  ? "lars"
+                                                                         : "lamb");
+    std::vector<std::string> settings;
+    describe_optimizer_params(settings, p);
+    for (const std::string& line : settings) {
+        const std::size_t tab = line.find('\t');
+        if (line.compare(0, tab, "lr") != 0)
+            m.emplace_back("optimizer." + line.substr(0, tab), line.substr(tab + 1));
+    }
 }
 
 /// True for the trainers that keep a dynamic loss scale (data_parallel::scaler()).
@@ -217,7 +200,7 @@ meta_list describe_trainer(DP& dp, std::int64_t steps) {
     m.emplace_back("bn", tuple_names<network_bn_policies_t<typename DP::network_type>>::get());
     if constexpr (is_asynchronous_v<typename DP::sync_policy_type>) {
         m.emplace_back("async.root", std::to_string(dp.params().root));
-        m.emplace_back("async.bn_momentum", number(dp.params().bn_momentum));
+        m.emplace_back("async.bn_momentum", exact(dp.params().bn_momentum));
     }
     if constexpr (has_loss_scaler<DP>) {
         // The dynamic loss scale's knobs (its state is the section "trainer.loss_scale").
@@ -225,8 +208,8 @@ meta_list describe_trainer(DP& dp, std::int64_t steps) {
         if (sc.enabled()) {
             const loss_scaling& c = sc.config();
             m.emplace_back("loss_scale", "dynamic");
-            m.emplace_back("loss_scale.growth_factor", number(c.growth_factor));
-            m.emplace_back("loss_scale.backoff_factor", number(c.backoff_factor));
+            m.emplace_back("loss_scale.growth_factor", exact(c.growth_factor));
+            m.emplace_back("loss_scale.backoff_factor", exact(c.backoff_factor));
             m.emplace_back("loss_scale.growth_interval", std::to_string(c.growth_interval));
         } else {
             m.emplace_back("loss_scale", "none");
@@ -236,7 +219,7 @@ meta_list describe_trainer(DP& dp, std::int64_t steps) {
     for (std::int64_t ahead : {0, 1, 10, 1000}) {
         if (!lr.empty())
             lr += ' ';
-        lr += number(core.lr_for(steps + ahead));
+        lr += exact(core.lr_for(steps + ahead));
     }
     m.emplace_back("lr.schedule", lr);
     return m;
