@@ -296,6 +296,35 @@ void from_wire_n(const void* src, std::size_t n, float* dst) {
     from_wire_n_portable<Wire>(src, n, dst);
 }
 
+/// Host: as to_wire_n(const float*, ...) for double values, each rounded to float first (two
+/// roundings: double -> float -> Wire), through a float tile on the stack.
+template <class Wire>
+void to_wire_n(const double* src, std::size_t n, void* dst) {
+    constexpr std::size_t tile = 512;
+    float f[tile];
+    auto* out = static_cast<unsigned char*>(dst);
+    for (std::size_t at = 0; at < n; at += tile) {
+        const std::size_t m = n - at < tile ? n - at : tile;
+        for (std::size_t i = 0; i < m; ++i)
+            f[i] = static_cast<float>(src[at + i]);
+        to_wire_n<Wire>(f, m, out + 2 * at);
+    }
+}
+
+/// Host: as from_wire_n(..., float*) into double values (each exact: float -> double).
+template <class Wire>
+void from_wire_n(const void* src, std::size_t n, double* dst) {
+    constexpr std::size_t tile = 512;
+    float f[tile];
+    const auto* in = static_cast<const unsigned char*>(src);
+    for (std::size_t at = 0; at < n; at += tile) {
+        const std::size_t m = n - at < tile ? n - at : tile;
+        from_wire_n<Wire>(in + 2 * at, m, f);
+        for (std::size_t i = 0; i < m; ++i)
+            dst[at + i] = static_cast<double>(f[i]);
+    }
+}
+
 /// Host, the reduction of compressed_all_reduce: for i < n, s_i = the float sum, in rank order
 /// r = 0..ranks-1, of the i-th 16-bit Wire value of block r (block r at src + r * stride bytes);
 /// out receives Wire(s_i) (16-bit values in memory order) and, for i < n_back, back[i] =

@@ -47,18 +47,7 @@ struct cast_down_fn {
         for (std::size_t i = b; i < e; ++i)
             dst[i] = Low(static_cast<float>(src[i]));
 #else
-        if constexpr (std::is_same_v<T, float>) {
-            lockstep::detail::to_wire_n<Low>(src + b, e - b, dst + b);
-        } else {
-            constexpr std::size_t chunk = 512;
-            float f[chunk];
-            for (std::size_t at = b; at < e; at += chunk) {
-                const std::size_t m = e - at < chunk ? e - at : chunk;
-                for (std::size_t i = 0; i < m; ++i)
-                    f[i] = static_cast<float>(src[at + i]);
-                lockstep::detail::to_wire_n<Low>(f, m, dst + at);
-            }
-        }
+        lockstep::detail::to_wire_n<Low>(src + b, e - b, dst + b);
 #endif
     }
 };

@@ -66,36 +66,12 @@ LOCKSTEP_HOST_DEVICE inline void set_wire_slot(int* words, std::size_t i, std::u
 /// Host: slots [0, n) at dst = src[0..n) rounded to Wire (through float when T is double).
 template <class Wire, class T>
 void encode_wire_host(const T* src, std::size_t n, int* dst, std::size_t first_slot) {
-    unsigned char* out = reinterpret_cast<unsigned char*>(dst) + 2 * first_slot;
-    if constexpr (std::is_same_v<T, float>) {
-        to_wire_n<Wire>(src, n, out);
-    } else {
-        constexpr std::size_t tile = 512;
-        float f[tile];
-        for (std::size_t at = 0; at < n; at += tile) {
-            const std::size_t m = n - at < tile ? n - at : tile;
-            for (std::size_t i = 0; i < m; ++i)
-                f[i] = static_cast<float>(src[at + i]);
-            to_wire_n<Wire>(f, m, out + 2 * at);
-        }
-    }
+    to_wire_n<Wire>(src, n, reinterpret_cast<unsigned char*>(dst) + 2 * first_slot);
 }
 /// Host: dst[0..n) = the values of slots [first_slot, first_slot + n) of src.
 template <class Wire, class T>
 void decode_wire_host(const int* src, std::size_t first_slot, std::size_t n, T* dst) {
-    const unsigned char* in = reinterpret_cast<const unsigned char*>(src) + 2 * first_slot;
-    if constexpr (std::is_same_v<T, float>) {
-        from_wire_n<Wire>(in, n, dst);
-    } else {
-        constexpr std::size_t tile = 512;
-        float f[tile];
-        for (std::size_t at = 0; at < n; at += tile) {
-            const std::size_t m = n - at < tile ? n - at : tile;
-            from_wire_n<Wire>(in + 2 * at, m, f);
-            for (std::size_t i = 0; i < m; ++i)
-                dst[at + i] = static_cast<T>(f[i]);
-        }
-    }
+    from_wire_n<Wire>(reinterpret_cast<const unsigned char*>(src) + 2 * first_slot, n, dst);
 }
 
 /// Task t: slots [t * tile, min((t + 1) * tile, slots)) of `words` = src rounded to Wire for
