@@ -1,0 +1,363 @@
+// lockstep/comm/hierarchical.hpp: hierarchical_communicator, a communicator composed of a fast
+// intra-node one and an inter-node one (e.g. thread replicas inside each MPI process).
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/core/checked_math.hpp"
+#include "lockstep/core/error.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace lockstep {
+
+namespace detail {
+/// True when C has reduce_scatter with per-replica counts for element type T.
+template <class C, class T>
+concept has_reduce_scatter = requires(C& c, std::span<const T> s, std::span<T> r,
+                                      std::span<const std::size_t> k) {
+    c.reduce_scatter(s, r, k, reduce_op::sum);
+};
+} // namespace detail
+
+/// A communicator over nodes() x local_size() replicas, composed of two communicators this
+/// replica holds:
+/// - `intra`: the local_size() replicas of this node (e.g. the threads of this process, a
+///   thread_communicator);
+/// - `inter`: one replica per node, the ones with this replica's local rank (e.g. an
+///   mpi_communicator connecting the local-rank-l threads of every process).
+/// Global rank = inter.rank() * local_size() + intra.rank(): node-major, so ranks 0..L-1 are
+/// node 0's replicas. Every node has the same local_size(), and every replica of a node is at
+/// the same inter.rank() (the constructor checks both).
+///
+/// Collectives (same contracts as the `communicator` concept; spans in host memory):
+/// - all_reduce: large messages (at least local_size() * 4096 elements) are reduce-scattered
+///   inside the node (each replica owns 1/local_size() of the elements), all_reduced across nodes
+///   shard by shard (each local rank on its own inter communicator, concurrently), and
+///   all_gathered inside the node: each byte crosses the inter-node link once per node, not once
+///   per replica. Smaller ones are all_reduced inside the node, then across nodes. Every element
+///   is reduced in the same order (the node's replicas in local rank order, then the nodes in the
+///   inter communicator's order), so every replica holds the same bits; the order differs from a
+///   flat communicator's over the same replicas, so sums agree with it within rounding.
+/// - broadcast: inside the root's node, then across nodes (every local rank in parallel).
+/// - all_gather: inside the node into this node's block of recv, then the node blocks across
+///   nodes.
+/// - reduce: inside the node to the root's local rank, then across nodes on that local rank's
+///   inter communicator.
+/// - reduce_scatter (when both parts have it): the send data is reordered local-rank-major, then
+///   reduce-scattered inside the node and across nodes.
+/// - barrier: inside the node, across nodes, inside the node.
+/// - split(color, key): supported when the new groups have the same shape on every node they
+///   touch: ordered by (key, rank), a group's members come in one block per node, and every
+///   block holds the same local ranks in the same order (the blocks' nodes may come in any
+///   order). bn::group<G> with G a multiple or a divisor of local_size() qualifies. Other splits
+///   throw errc::unsupported naming the color.
+/// Errors: each part checks its own arguments and agreement and throws as it does alone; a
+/// failure inside one node reaches the other nodes through the inter communicator's own
+/// failure handling (an mpi_communicator ends the job, see hierarchical_group).
+/// A replica's handle is used by one thread at a time.
+template <communicator Intra, communicator Inter>
+class hierarchical_communicator {
+public:
+    using intra_type = Intra;
+    using inter_type = Inter;
+    using system_type = typename Intra::system_type;
+    static_assert(std::is_same_v<system_type, typename Inter::system_type>,
+                  "hierarchical_communicator: the intra-node and inter-node communicators must "
+                  "use the same system (the inter-node one receives the intra-node one's "
+                  "buffers).");
+    static_assert(system_type::is_host,
+                  "hierarchical_communicator composes host-memory communicators (its staging "
+                  "buffers are host memory).");
+
+    /// Large all_reduces (per replica: at least local_size() * this many elements) go through
+    /// reduce-scatter / all_gather inside the node.
+    static constexpr std::size_t sharded_from = 4096;
+
+    /// Takes both parts. Collective over the whole group (every replica constructs its handle):
+    /// checks that every node has the same local_size() and that the replicas of a node share
+    /// their inter.rank() and inter.size(), else throws errc::invalid_argument on every replica
+    /// naming the values.
+    hierarchical_communicator(Intra intra, Inter inter)
+        : intra_(std::move(intra)), inter_(std::move(inter)) {
+        // {L, -L, node, -node, nodes, -nodes}: max over both parts gives min and max at once.
+        int shape[6] = {intra_.size(),  -intra_.size(), inter_.rank(),
+                        -inter_.rank(), inter_.size(),  -inter_.size()};
+        intra_.all_reduce(std::span<const int>(shape), std::span<int>(shape), reduce_op::max);
+        const bool node_agrees = shape[2] == -shape[3] && shape[4] == -shape[5];
+        int sizes[2] = {intra_.size(), -intra_.size()};
+        inter_.all_reduce(std::span<const int>(sizes), std::span<int>(sizes), reduce_op::max);
+        LOCKSTEP_REQUIRE(node_agrees, errc::invalid_argument, rank(), "hierarchical_communicator",
+                         "the replicas of one node hold different inter-node ranks (", -shape[3],
+                         " to ", shape[2], ") or sizes (", -shape[5], " to ", shape[4],
+                         "): every replica of a node must be at the same inter.rank()");
+        LOCKSTEP_REQUIRE(sizes[0] == -sizes[1], errc::invalid_argument, rank(),
+                         "hierarchical_communicator", "the nodes have different local sizes (",
+                         -sizes[1], " to ", sizes[0],
+                         "): every node needs the same number of "
+                         "replicas");
+    }
+    hierarchical_communicator(hierarchical_communicator&&) noexcept = default;
+    hierarchical_communicator& operator=(hierarchical_communicator&&) noexcept = default;
+
+    int rank() const noexcept { return inter_.rank() * intra_.size() + intra_.rank(); }
+    int size() const noexcept { return inter_.size() * intra_.size(); }
+    /// This replica's system (the intra-node communicator's).
+    system_type system() const { return intra_.system(); }
+    /// The replicas per node and this replica's rank among them.
+    int local_size() const noexcept { return intra_.size(); }
+    int local_rank() const noexcept { return intra_.rank(); }
+    /// The number of nodes and this replica's node.
+    int nodes() const noexcept { return inter_.size(); }
+    int node() const noexcept { return inter_.rank(); }
+    /// The parts (for collectives a caller wants to run on one level only).
+    Intra& intra() noexcept { return intra_; }
+    Inter& inter() noexcept { return inter_; }
+
+    /// recv[i] = op over every replica of send[i] (see the class comment for the order).
+    /// requires: send.size() == recv.size(), equal on every replica; send == recv or disjoint.
+    template <class T>
+    void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                    reduce_op op) {
+        LOCKSTEP_REQUIRE(send.size() == recv.size(), errc::count_mismatch, rank(),
+                         "hierarchical_communicator.all_reduce", "send has ", send.size(),
+                         " elements, recv ", recv.size());
+        const std::size_t n = send.size();
+        const auto L = static_cast<std::size_t>(intra_.size());
+        if constexpr (detail::has_reduce_scatter<Intra, T>) {
+            if (L > 1 && n >= L * sharded_from) {
+                sharded_all_reduce(send, recv, op);
+                return;
+            }
+        }
+        intra_.all_reduce(send, recv, op);
+        inter_.all_reduce(std::span<const T>(recv), recv, op);
+    }
+
+    /// data on every replica becomes root's data. requires: 0 <= root < size(), equal counts.
+    template <class T>
+    void broadcast(std::span<T> data, int root) {
+        require_root(root, "hierarchical_communicator.broadcast");
+        const int L = intra_.size();
+        if (inter_.rank() == root / L)
+            intra_.broadcast(data, root % L);
+        inter_.broadcast(data, root / L);
+    }
+
+    /// recv = every replica's send in (global) rank order. requires: recv.size() == size() *
+    /// send.size(), equal send counts; send may be this replica's slot of recv.
+    template <class T>
+    void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
+        const std::size_t s = send.size();
+        LOCKSTEP_REQUIRE(recv.size() == static_cast<std::size_t>(size()) * s, errc::count_mismatch,
+                         rank(), "hierarchical_communicator.all_gather", "recv has ", recv.size(),
+                         " elements, expected ", size(), " x ", s);
+        const std::size_t block = static_cast<std::size_t>(intra_.size()) * s;
+        const std::span<T> mine =
+            recv.subspan(static_cast<std::size_t>(inter_.rank()) * block, block);
+        intra_.all_gather(send, mine);
+        inter_.all_gather(std::span<const T>(mine), recv);
+    }
+
+    /// As all_reduce, but only root's recv is written. requires: 0 <= root < size(), equal
+    /// counts; root's recv.size() == send.size().
+    template <class T>
+    void reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                int root) {
+        require_root(root, "hierarchical_communicator.reduce");
+        const int L = intra_.size();
+        const int local_root = root % L;
+        if (intra_.rank() != local_root) {
+            intra_.reduce(send, recv, op, local_root);
+            return;
+        }
+        // The node's partial sum lands in recv on the root, in staging elsewhere.
+        std::span<T> partial = rank() == root ? recv : scratch<T>(0, send.size());
+        LOCKSTEP_REQUIRE(partial.size() == send.size(), errc::count_mismatch, rank(),
+                         "hierarchical_communicator.reduce", "root's recv has ", recv.size(),
+                         " elements, send ", send.size());
+        intra_.reduce(send, partial, op, local_root);
+        inter_.reduce(std::span<const T>(partial), partial, op, root / L);
+    }
+
+    /// Returns once every replica has entered it.
+    void barrier() {
+        intra_.barrier();
+        inter_.barrier();
+        intra_.barrier();
+    }
+
+    /// reduce_scatter with per-replica counts (available when both parts have it): replica r
+    /// receives counts[r] elements, op over every replica of send[offset_r, offset_r +
+    /// counts[r]) with offset_r = counts[0] + ... + counts[r - 1].
+    /// requires: counts.size() == size(), equal on every replica; send.size() == sum of counts;
+    /// recv.size() == counts[rank()]; send and recv disjoint.
+    template <class T>
+    void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        std::span<const std::size_t> counts, reduce_op op) requires
+        detail::has_reduce_scatter<Intra, T> && detail::has_reduce_scatter<Inter, T> {
+        const int L = intra_.size();
+        const int N = inter_.size();
+        LOCKSTEP_REQUIRE(counts.size() == static_cast<std::size_t>(size()), errc::count_mismatch,
+                         rank(), "hierarchical_communicator.reduce_scatter", "counts has ",
+                         counts.size(), " entries for ", size(), " replicas");
+        std::vector<std::size_t> offset(counts.size() + 1, 0);
+        for (std::size_t r = 0; r < counts.size(); ++r)
+            offset[r + 1] = checked_add(offset[r], counts[r], rank(),
+                                        "hierarchical_communicator.reduce_scatter");
+        LOCKSTEP_REQUIRE(send.size() == offset.back(), errc::count_mismatch, rank(),
+                         "hierarchical_communicator.reduce_scatter", "send has ", send.size(),
+                         " elements, counts sum to ", offset.back());
+        // Local-rank-major order: for l, for node: the range of replica node * L + l.
+        const std::span<T> packed = scratch<T>(0, send.size());
+        std::vector<std::size_t> local_counts(static_cast<std::size_t>(L), 0);
+        std::size_t at = 0;
+        for (int l = 0; l < L; ++l)
+            for (int n = 0; n < N; ++n) {
+                const auto r = static_cast<std::size_t>(n * L + l);
+                if (counts[r] != 0)
+                    std::memcpy(packed.data() + at, send.data() + offset[r], counts[r] * sizeof(T));
+                at += counts[r];
+                local_counts[static_cast<std::size_t>(l)] += counts[r];
+            }
+        const std::span<T> mine =
+            scratch<T>(1, local_counts[static_cast<std::size_t>(intra_.rank())]);
+        intra_.reduce_scatter(std::span<const T>(packed), mine,
+                              std::span<const std::size_t>(local_counts), op);
+        std::vector<std::size_t> node_counts(static_cast<std::size_t>(N));
+        for (int n = 0; n < N; ++n)
+            node_counts[static_cast<std::size_t>(n)] =
+                counts[static_cast<std::size_t>(n * L + intra_.rank())];
+        inter_.reduce_scatter(std::span<const T>(mine), recv,
+                              std::span<const std::size_t>(node_counts), op);
+    }
+
+    /// The replicas with the same color form a new hierarchical group, ranked by (key, rank).
+    /// Collective. requires: the group shapes described in the class comment, else every
+    /// replica throws errc::unsupported naming the first color that does not fit.
+    hierarchical_communicator split(int color, int key) {
+        const int n = size();
+        const int L = intra_.size();
+        std::vector<int> all(2 * static_cast<std::size_t>(n));
+        const int mine[2] = {color, key};
+        all_gather(std::span<const int>(mine), std::span<int>(all));
+        // Members of my color, in the new order (key, rank).
+        std::vector<int> members;
+        for (int r = 0; r < n; ++r)
+            if (all[2 * static_cast<std::size_t>(r)] == color)
+                members.push_back(r);
+        std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
+            return all[2 * static_cast<std::size_t>(a) + 1] <
+                   all[2 * static_cast<std::size_t>(b) + 1];
+        });
+        // The shape: blocks of per_node members, one block per node (each node once, in any
+        // order), the same local ranks in the same order in every block.
+        std::vector<int> block_locals;
+        for (int m : members)
+            if (m / L == members.front() / L)
+                block_locals.push_back(m % L);
+        const std::size_t per_node = block_locals.size();
+        bool fits = members.size() % per_node == 0;
+        std::vector<int> block_nodes;
+        for (std::size_t i = 0; fits && i < members.size(); ++i) {
+            const int m = members[i];
+            if (i % per_node == 0) {
+                fits =
+                    std::find(block_nodes.begin(), block_nodes.end(), m / L) == block_nodes.end();
+                block_nodes.push_back(m / L);
+            }
+            fits = fits && m % L == block_locals[i % per_node] && m / L == block_nodes.back();
+        }
+        // Every replica learns whether every group fits, so all of them throw or none does.
+        int ok[1] = {fits ? 1 : 0};
+        all_reduce(std::span<const int>(ok), std::span<int>(ok), reduce_op::min);
+        if (ok[0] == 0) {
+            fail(errc::unsupported, rank(), "hierarchical_communicator.split",
+                 fits ? "another replica's color" : "color " + std::to_string(color),
+                 " does not form a group of the same local ranks on each of its nodes in "
+                 "node-major (key, rank) order; a hierarchical communicator cannot represent it");
+        }
+        // Inside the node: the members with my color, in their new order.
+        const auto position =
+            static_cast<int>(std::find(members.begin(), members.end(), rank()) - members.begin());
+        Intra intra = intra_.split(color, position);
+        // Across nodes: the replicas at my local rank with my color, by node. Colors are made
+        // non-negative (an MPI split needs that): their index among the distinct colors.
+        std::vector<int> colors;
+        for (int r = 0; r < n; ++r)
+            colors.push_back(all[2 * static_cast<std::size_t>(r)]);
+        std::sort(colors.begin(), colors.end());
+        colors.erase(std::unique(colors.begin(), colors.end()), colors.end());
+        const auto index = static_cast<int>(std::lower_bound(colors.begin(), colors.end(), color) -
+                                            colors.begin());
+        const auto block = static_cast<int>(
+            std::find(block_nodes.begin(), block_nodes.end(), inter_.rank()) - block_nodes.begin());
+        Inter inter = inter_.split(index, block);
+        return hierarchical_communicator(std::move(intra), std::move(inter));
+    }
+
+private:
+    void require_root(int root, const char* what) const {
+        LOCKSTEP_REQUIRE(root >= 0 && root < size(), errc::invalid_argument, rank(), what, "root ",
+                         root, " is not in [0, ", size(), ")");
+    }
+
+    /// Staging slot `slot` (0 or 1) with room for n elements of T (kept between calls).
+    template <class T>
+    std::span<T> scratch(int slot, std::size_t n) {
+        auto& s = scratch_[slot];
+        const std::size_t words =
+            (n * sizeof(T) + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t);
+        if (s.size() < words)
+            s.resize(words);
+        return std::span<T>(reinterpret_cast<T*>(s.data()), n);
+    }
+
+    /// Large all_reduce: reduce-scatter inside the node into equal shards (the last one
+    /// shorter), all_reduce of each shard across nodes, all_gather inside the node.
+    template <class T>
+    void sharded_all_reduce(std::span<const T> send, std::span<T> recv, reduce_op op) {
+        const std::size_t n = send.size();
+        const auto L = static_cast<std::size_t>(intra_.size());
+        const auto me = static_cast<std::size_t>(intra_.rank());
+        const std::size_t shard = (n + L - 1) / L;
+        std::vector<std::size_t> counts(L);
+        for (std::size_t l = 0; l < L; ++l)
+            counts[l] = std::min(shard, n - std::min(n, l * shard));
+        // Gather target: recv itself when the shards tile it exactly, else a padded stage.
+        const bool exact = shard * L == n;
+        const std::span<T> gathered = exact ? std::span<T>() : scratch<T>(0, shard * L);
+        const std::span<T> own = scratch<T>(1, shard);
+        intra_.reduce_scatter(send, own.first(counts[me]), std::span<const std::size_t>(counts),
+                              op);
+        inter_.all_reduce(std::span<const T>(own.first(counts[me])), own.first(counts[me]), op);
+        if (exact) {
+            intra_.all_gather(std::span<const T>(own), recv);
+        } else {
+            intra_.all_gather(std::span<const T>(own), gathered);
+            std::memcpy(recv.data(), gathered.data(), n * sizeof(T));
+        }
+    }
+
+    Intra intra_;
+    Inter inter_;
+    std::vector<std::max_align_t> scratch_[2];
+};
+
+/// Facts for trainers: collectives run on the compute cores when the intra-node ones do.
+template <class Intra, class Inter>
+struct communicator_traits<hierarchical_communicator<Intra, Inter>> {
+    static constexpr bool collectives_use_compute_cores =
+        communicator_traits<Intra>::collectives_use_compute_cores;
+};
+
+} // namespace lockstep
