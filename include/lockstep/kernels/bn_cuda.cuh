@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <type_traits>
 
 #include <cuda_runtime_api.h>
@@ -271,4 +272,53 @@ void input_gradient_fused(const cuda_system& sys, const T* dy, const T* x, T* dx
 }
 
 } // namespace lockstep::kernels::cuda_path
+
+// cuda_system's batch-norm operations: overloads on const cuda_system& in cuda_system's
+// namespace, found by argument-dependent lookup from the public kernels (kernels/bn_forward.hpp,
+// bn_backward.hpp) once those have checked the spans. channel_moments, backward_sums and
+// input_gradient have none here: on the CUDA system they run the generic Thrust path.
+namespace lockstep {
+
+/// The packed statistics block in one launch (cuda_path::pack_local_moments).
+template <class T, class Acc>
+void bn_pack_local_moments(const cuda_system& sys, std::span<const T> x,
+                           kernels::channel_geometry g, Acc status, std::span<Acc> block,
+                           std::span<std::byte> workspace) {
+    kernels::cuda_path::pack_local_moments(sys, x.data(), g, status, block.data(),
+                                           workspace.data());
+}
+
+/// The normalization in one launch (cuda_path::normalize).
+template <class T, class Acc>
+void bn_normalize(const cuda_system& sys, std::span<const T> x, std::span<T> y,
+                  kernels::channel_geometry g, std::span<const Acc> mean,
+                  std::span<const Acc> scale, std::span<const Acc> beta) {
+    kernels::cuda_path::normalize(sys, x.data(), y.data(), g, mean.data(), scale.data(),
+                                  beta.data());
+}
+
+/// The packed backward sums in one deterministic launch (cuda_path::pack_backward_sums).
+template <class T, class Acc>
+void bn_pack_backward_sums(const cuda_system& sys, std::span<const T> dy, std::span<const T> x,
+                           kernels::channel_geometry g, std::span<const Acc> mean, Acc status,
+                           std::span<Acc> sums, std::span<std::byte> workspace) {
+    kernels::cuda_path::pack_backward_sums(sys, dy.data(), x.data(), g, mean.data(), status,
+                                           sums.data(), workspace.data());
+}
+
+/// dx and the parameter gradients in one launch (cuda_path::input_gradient_fused).
+template <class T, class Acc>
+void bn_input_gradient_fused(const cuda_system& sys, std::span<const T> dy, std::span<const T> x,
+                             std::span<T> dx, kernels::channel_geometry g,
+                             std::span<const Acc> totals, std::span<const Acc> local,
+                             const double* count, std::span<const Acc> gamma,
+                             std::span<const Acc> mean, std::span<const Acc> invstd,
+                             std::span<Acc> dgamma, std::span<Acc> dbeta) {
+    kernels::cuda_path::input_gradient_fused(
+        sys, dy.data(), x.data(), dx.data(), g, totals.data(), local.data(), count, gamma.data(),
+        mean.data(), invstd.data(), dgamma.empty() ? nullptr : dgamma.data(),
+        dbeta.empty() ? nullptr : dbeta.data());
+}
+
+} // namespace lockstep
 #endif

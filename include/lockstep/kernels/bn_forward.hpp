@@ -6,17 +6,18 @@
 #include "lockstep/kernels/bn_functors.hpp"
 #include "lockstep/kernels/bn_fused.hpp"
 #include "lockstep/kernels/channel_geometry.hpp"
-#include "lockstep/kernels/detail/bn_host_loops.hpp"
+#include "lockstep/kernels/detail/bn_host_path.hpp"
 #include "lockstep/kernels/moments.hpp"
+#include "lockstep/system/system.hpp"
 
 #include <algorithm>
 #include <cstddef>
 #include <span>
-#include <type_traits>
 
 #include <thrust/for_each.h>
 #include <thrust/iterator/counting_iterator.h>
 
+// The CUDA system's overloads of the bn_* operations (found by argument-dependent lookup).
 #if LOCKSTEP_HAS_CUDA
 #include "lockstep/kernels/bn_cuda.cuh"
 #endif
@@ -25,27 +26,12 @@ namespace lockstep::kernels {
 
 namespace detail {
 /// Runs f(i) for i in [0, n) with the system's Thrust policy.
-template <class System, class F>
+template <execution_system System, class F>
 void for_each_index(const System& sys, std::size_t n, F f) {
     if (n == 0)
         return;
     thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
                      thrust::counting_iterator<std::size_t>(n), f);
-}
-
-/// True for the CUDA system (whose fast path is kernels::cuda_path).
-template <class System>
-inline constexpr bool is_cuda_system_v =
-#if LOCKSTEP_HAS_CUDA
-    std::is_same_v<System, cuda_system>;
-#else
-    false;
-#endif
-
-/// The part of a fused workspace after the counters, as an array of U.
-template <class U>
-U* workspace_scratch(std::span<std::byte> workspace, const channel_geometry& g) {
-    return reinterpret_cast<U*>(workspace.data() + counter_bytes(g));
 }
 } // namespace detail
 
@@ -54,19 +40,19 @@ inline std::size_t moments_workspace_size(const channel_geometry& g) {
     return g.channels * generic_partitions(g);
 }
 
-/// Per-channel (count, mean, M2) of x on any system, through Thrust: Welford over
-/// channels x partitions, then Chan's merge of each channel's partials in partition order.
-/// requires: x.size() == g.size(); out.size() >= g.channels;
-///           workspace.size() >= moments_workspace_size(g); all spans in sys's memory.
-/// ensures: out[c] = moments of the g.per_channel() values of channel c.
-template <class T, class Acc, class System>
-void channel_moments_generic(const System& sys, std::span<const T> x, channel_geometry g,
-                             std::span<moments<Acc>> out, std::span<moments<Acc>> workspace) {
-    LOCKSTEP_REQUIRE(x.size() == g.size() && out.size() >= g.channels &&
-                         workspace.size() >= moments_workspace_size(g),
-                     errc::shape_mismatch, -1, "kernels::channel_moments", "x has ", x.size(),
-                     " values for ", g.size(), ", out ", out.size(), " for ", g.channels,
-                     " channels, workspace ", workspace.size(), " for ", moments_workspace_size(g));
+// The batch-norm operations each system may provide. Every public kernel below checks its
+// preconditions once and then calls bn_<kernel>(sys, ...) unqualified: ordinary lookup finds
+// the generic Thrust version here, argument-dependent lookup adds the overloads on const S& in
+// the system type's namespace (host_system: kernels/detail/bn_host_path.hpp; cuda_system:
+// kernels/bn_cuda.cuh), and overload resolution takes the exact system type over the generic
+// one. The generic versions run on any execution_system: channels x generic_partitions(g)
+// tasks, partials merged in partition order, so their results depend on the geometry only.
+
+/// Generic per-channel moments: Welford over channels x partitions into the workspace, then
+/// Chan's merge of each channel's partials in partition order.
+template <class T, class Acc, execution_system System>
+void bn_channel_moments(const System& sys, std::span<const T> x, channel_geometry g,
+                        std::span<moments<Acc>> out, std::span<moments<Acc>> workspace) {
     const std::size_t parts = generic_partitions(g);
     detail::for_each_index(sys, g.channels * parts,
                            partial_moments_fn<T, Acc>{x.data(), g, parts, workspace.data()});
@@ -74,46 +60,11 @@ void channel_moments_generic(const System& sys, std::span<const T> x, channel_ge
                            merge_partials_fn<Acc>{workspace.data(), parts, out.data()});
 }
 
-/// As channel_moments_generic, with the host system's fast path: the vectorized OpenMP loops
-/// (same functors, another partitioning, so results agree to rounding; the workspace is
-/// unused). Other systems run the generic path; the CUDA fast path is pack_local_moments.
-template <class T, class Acc, class System>
-void channel_moments(const System& sys, std::span<const T> x, channel_geometry g,
-                     std::span<moments<Acc>> out, std::span<moments<Acc>> workspace) {
-    if constexpr (System::is_host) {
-        LOCKSTEP_REQUIRE(x.size() == g.size() && out.size() >= g.channels, errc::shape_mismatch, -1,
-                         "kernels::channel_moments", "x has ", x.size(), " values for ", g.size(),
-                         ", out ", out.size(), " for ", g.channels, " channels");
-        detail::host_channel_moments(sys.threads(), x.data(), g, out.data());
-    } else {
-        channel_moments_generic(sys, x, g, out, workspace);
-    }
-}
-
-namespace detail {
-template <class T, class Acc>
-void require_pack_moments(std::span<const T> x, const channel_geometry& g, std::span<Acc> block,
-                          std::span<std::byte> workspace) {
-    const std::size_t need = bn_workspace_bytes<T, Acc>(g);
-    LOCKSTEP_REQUIRE(x.size() == g.size() && block.size() >= packed_moments::size(g.channels) &&
-                         workspace.size() >= need,
-                     errc::shape_mismatch, -1, "kernels::pack_local_moments", "x has ", x.size(),
-                     " values for ", g.size(), ", block ", block.size(), " for ",
-                     packed_moments::size(g.channels), ", workspace ", workspace.size(),
-                     " bytes for ", need);
-}
-} // namespace detail
-
-/// This replica's packed statistics block (the forward all_gather's exchange format, see
-/// packed_moments) through the generic Thrust path: channel_moments_generic, then packing.
-/// requires: x.size() == g.size(); block.size() >= packed_moments::size(g.channels);
-///           workspace.size() >= bn_workspace_bytes<T, Acc>(g); all in sys's memory.
-/// ensures: block = {status, count_hi, count_lo, (mean_c, m2_c)...} with count_hi * 2^24 +
-///          count_lo == g.per_channel() exactly.
-template <class T, class Acc, class System>
-void pack_local_moments_generic(const System& sys, std::span<const T> x, channel_geometry g,
-                                Acc status, std::span<Acc> block, std::span<std::byte> workspace) {
-    detail::require_pack_moments(x, g, block, workspace);
+/// Generic packed statistics block: bn_channel_moments' passes into the workspace's scratch,
+/// then packing.
+template <class T, class Acc, execution_system System>
+void bn_pack_local_moments(const System& sys, std::span<const T> x, channel_geometry g, Acc status,
+                           std::span<Acc> block, std::span<std::byte> workspace) {
     moments<Acc>* local = detail::workspace_scratch<moments<Acc>>(workspace, g);
     const std::size_t parts = generic_partitions(g);
     detail::for_each_index(sys, g.channels * parts,
@@ -125,70 +76,116 @@ void pack_local_moments_generic(const System& sys, std::span<const T> x, channel
     detail::for_each_index(sys, std::max<std::size_t>(g.channels, 1), pack);
 }
 
-/// As pack_local_moments_generic with the system's fast path: the host loops of
-/// channel_moments on a host system, one kernel launch on the CUDA system
-/// (cuda_path::pack_local_moments: asynchronous on the stream, graph-capturable).
-/// The workspace must be zero-filled before its first use (the CUDA kernel's arrival counters
-/// live at its start and are left zero); one workspace serves pack_backward_sums too.
-template <class T, class Acc, class System>
-void pack_local_moments(const System& sys, std::span<const T> x, channel_geometry g, Acc status,
-                        std::span<Acc> block, std::span<std::byte> workspace) {
-    detail::require_pack_moments(x, g, block, workspace);
-    if constexpr (System::is_host) {
-        moments<Acc>* local = detail::workspace_scratch<moments<Acc>>(workspace, g);
-        detail::host_channel_moments(sys.threads(), x.data(), g, local);
-        pack_block_fn<Acc> pack{local, g.channels, status, 0, 0, block.data()};
-        packed_moments::split_count(g.per_channel(), pack.count_hi, pack.count_lo);
-        for (std::size_t c = 0; c < std::max<std::size_t>(g.channels, 1); ++c)
-            pack(c);
-    } else if constexpr (detail::is_cuda_system_v<System>) {
-#if LOCKSTEP_HAS_CUDA
-        cuda_path::pack_local_moments(sys, x.data(), g, status, block.data(), workspace.data());
-#endif
-    } else {
-        pack_local_moments_generic(sys, x, g, status, block, workspace);
-    }
+/// Generic normalization: one task per value.
+template <class T, class Acc, execution_system System>
+void bn_normalize(const System& sys, std::span<const T> x, std::span<T> y, channel_geometry g,
+                  std::span<const Acc> mean, std::span<const Acc> scale,
+                  std::span<const Acc> beta) {
+    detail::for_each_index(
+        sys, g.size(),
+        normalize_fn<T, Acc>{x.data(), y.data(), g, mean.data(), scale.data(), beta.data()});
 }
 
-/// y = (x - mean[c]) * scale[c] + beta[c] for every value of channel c (generic Thrust path).
-/// requires: x.size() == y.size() == g.size(); mean, scale, beta hold g.channels values.
-/// x and y must not overlap.
-template <class T, class Acc, class System>
-void normalize_generic(const System& sys, std::span<const T> x, std::span<T> y, channel_geometry g,
+namespace detail {
+template <class T, class Acc>
+void require_channel_moments(std::span<const T> x, const channel_geometry& g,
+                             std::span<moments<Acc>> out, std::span<moments<Acc>> workspace) {
+    LOCKSTEP_REQUIRE(x.size() == g.size() && out.size() >= g.channels &&
+                         workspace.size() >= moments_workspace_size(g),
+                     errc::shape_mismatch, -1, "kernels::channel_moments", "x has ", x.size(),
+                     " values for ", g.size(), ", out ", out.size(), " for ", g.channels,
+                     " channels, workspace ", workspace.size(), " for ", moments_workspace_size(g));
+}
+
+template <class T, class Acc>
+void require_pack_moments(std::span<const T> x, const channel_geometry& g, std::span<Acc> block,
+                          std::span<std::byte> workspace) {
+    const std::size_t need = bn_workspace_bytes<T, Acc>(g);
+    LOCKSTEP_REQUIRE(x.size() == g.size() && block.size() >= packed_moments::size(g.channels) &&
+                         workspace.size() >= need,
+                     errc::shape_mismatch, -1, "kernels::pack_local_moments", "x has ", x.size(),
+                     " values for ", g.size(), ", block ", block.size(), " for ",
+                     packed_moments::size(g.channels), ", workspace ", workspace.size(),
+                     " bytes for ", need);
+}
+
+template <class T, class Acc>
+void require_normalize(std::span<const T> x, std::span<T> y, const channel_geometry& g,
                        std::span<const Acc> mean, std::span<const Acc> scale,
                        std::span<const Acc> beta) {
     LOCKSTEP_REQUIRE(x.size() == g.size() && y.size() == g.size() && mean.size() >= g.channels &&
                          scale.size() >= g.channels && beta.size() >= g.channels,
                      errc::shape_mismatch, -1, "kernels::normalize", "x has ", x.size(),
                      " values, y ", y.size(), ", expected ", g.size());
-    detail::for_each_index(
-        sys, g.size(),
-        normalize_fn<T, Acc>{x.data(), y.data(), g, mean.data(), scale.data(), beta.data()});
+}
+} // namespace detail
+
+/// Per-channel (count, mean, M2) of x on any system, through Thrust: Welford over
+/// channels x partitions, then Chan's merge of each channel's partials in partition order.
+/// requires: x.size() == g.size(); out.size() >= g.channels;
+///           workspace.size() >= moments_workspace_size(g); all spans in sys's memory.
+/// ensures: out[c] = moments of the g.per_channel() values of channel c.
+template <class T, class Acc, execution_system System>
+void channel_moments_generic(const System& sys, std::span<const T> x, channel_geometry g,
+                             std::span<moments<Acc>> out, std::span<moments<Acc>> workspace) {
+    detail::require_channel_moments(x, g, out, workspace);
+    kernels::bn_channel_moments(sys, x, g, out, workspace);
 }
 
-/// As normalize_generic; the host system runs the vectorized OpenMP loops, the CUDA system
-/// cuda_path::normalize (vectorized, one launch).
-template <class T, class Acc, class System>
+/// As channel_moments_generic, with the system's bn_channel_moments: on a host system the
+/// vectorized OpenMP loops (same functors, another partitioning, so results agree to rounding;
+/// the workspace is unused). Systems without one run the generic path (the CUDA fast path is
+/// pack_local_moments).
+template <class T, class Acc, execution_system System>
+void channel_moments(const System& sys, std::span<const T> x, channel_geometry g,
+                     std::span<moments<Acc>> out, std::span<moments<Acc>> workspace) {
+    detail::require_channel_moments(x, g, out, workspace);
+    bn_channel_moments(sys, x, g, out, workspace);
+}
+
+/// This replica's packed statistics block (the forward all_gather's exchange format, see
+/// packed_moments) through the generic Thrust path: channel_moments_generic, then packing.
+/// requires: x.size() == g.size(); block.size() >= packed_moments::size(g.channels);
+///           workspace.size() >= bn_workspace_bytes<T, Acc>(g); all in sys's memory.
+/// ensures: block = {status, count_hi, count_lo, (mean_c, m2_c)...} with count_hi * 2^24 +
+///          count_lo == g.per_channel() exactly.
+template <class T, class Acc, execution_system System>
+void pack_local_moments_generic(const System& sys, std::span<const T> x, channel_geometry g,
+                                Acc status, std::span<Acc> block, std::span<std::byte> workspace) {
+    detail::require_pack_moments(x, g, block, workspace);
+    kernels::bn_pack_local_moments(sys, x, g, status, block, workspace);
+}
+
+/// As pack_local_moments_generic with the system's bn_pack_local_moments: the host loops of
+/// channel_moments on a host system, one kernel launch on the CUDA system
+/// (cuda_path::pack_local_moments: asynchronous on the stream, graph-capturable).
+/// The workspace must be zero-filled before its first use (the CUDA kernel's arrival counters
+/// live at its start and are left zero); one workspace serves pack_backward_sums too.
+template <class T, class Acc, execution_system System>
+void pack_local_moments(const System& sys, std::span<const T> x, channel_geometry g, Acc status,
+                        std::span<Acc> block, std::span<std::byte> workspace) {
+    detail::require_pack_moments(x, g, block, workspace);
+    bn_pack_local_moments(sys, x, g, status, block, workspace);
+}
+
+/// y = (x - mean[c]) * scale[c] + beta[c] for every value of channel c (generic Thrust path).
+/// requires: x.size() == y.size() == g.size(); mean, scale, beta hold g.channels values.
+/// x and y must not overlap.
+template <class T, class Acc, execution_system System>
+void normalize_generic(const System& sys, std::span<const T> x, std::span<T> y, channel_geometry g,
+                       std::span<const Acc> mean, std::span<const Acc> scale,
+                       std::span<const Acc> beta) {
+    detail::require_normalize(x, y, g, mean, scale, beta);
+    kernels::bn_normalize(sys, x, y, g, mean, scale, beta);
+}
+
+/// As normalize_generic with the system's bn_normalize: the host system runs the vectorized
+/// OpenMP loops, the CUDA system cuda_path::normalize (vectorized, one launch).
+template <class T, class Acc, execution_system System>
 void normalize(const System& sys, std::span<const T> x, std::span<T> y, channel_geometry g,
                std::span<const Acc> mean, std::span<const Acc> scale, std::span<const Acc> beta) {
-    if constexpr (System::is_host || detail::is_cuda_system_v<System>) {
-        LOCKSTEP_REQUIRE(x.size() == g.size() && y.size() == g.size() &&
-                             mean.size() >= g.channels && scale.size() >= g.channels &&
-                             beta.size() >= g.channels,
-                         errc::shape_mismatch, -1, "kernels::normalize", "x has ", x.size(),
-                         " values, y ", y.size(), ", expected ", g.size());
-        if constexpr (System::is_host) {
-            detail::host_normalize(sys.threads(), x.data(), y.data(), g, mean.data(), scale.data(),
-                                   beta.data());
-        } else {
-#if LOCKSTEP_HAS_CUDA
-            cuda_path::normalize(sys, x.data(), y.data(), g, mean.data(), scale.data(),
-                                 beta.data());
-#endif
-        }
-    } else {
-        normalize_generic(sys, x, y, g, mean, scale, beta);
-    }
+    detail::require_normalize(x, y, g, mean, scale, beta);
+    bn_normalize(sys, x, y, g, mean, scale, beta);
 }
 
 } // namespace lockstep::kernels

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 namespace lockstep::kernels {
 
@@ -158,6 +159,12 @@ namespace detail {
 /// CUDA kernels (256-byte aligned, so the scratch after them is aligned for any Acc).
 inline std::size_t counter_bytes(const channel_geometry& g) {
     return (g.channels * sizeof(unsigned) + 255) / 256 * 256;
+}
+
+/// The part of a fused workspace after the counters, as an array of U.
+template <class U>
+U* workspace_scratch(std::span<std::byte> workspace, const channel_geometry& g) {
+    return reinterpret_cast<U*>(workspace.data() + counter_bytes(g));
 }
 
 /// How the CUDA reductions split the work for a value type of `value_bytes` bytes: per

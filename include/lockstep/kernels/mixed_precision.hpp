@@ -8,6 +8,7 @@
 #include "lockstep/core/float16.hpp"
 #include "lockstep/core/float16_arrays.hpp"
 #include "lockstep/core/step_status.hpp"
+#include "lockstep/system/system.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -28,7 +29,9 @@ namespace lockstep::kernels {
 inline constexpr std::size_t cast_host_tile = 4096;
 
 /// Elements per task on System: long tiles on the host, one element per thread on a device.
-template <class System>
+/// Keyed on is_host rather than on the system type: host code converts a tile with the array
+/// conversions, device code one element (see above); the bits are the same either way.
+template <execution_system System>
 constexpr std::size_t cast_tile() {
     return System::is_host ? cast_host_tile : 1;
 }
@@ -155,7 +158,7 @@ struct loss_scale_update_fn {
 };
 
 /// dst = Low(src) element-wise on sys. requires: dst.size() == src.size(), both in sys's memory.
-template <class System, class T, class Low>
+template <execution_system System, class T, class Low>
 void cast_down(const System& sys, std::span<const T> src, std::span<Low> dst) {
     const std::size_t n = src.size(), tile = cast_tile<System>();
     if (n == 0)
@@ -167,7 +170,7 @@ void cast_down(const System& sys, std::span<const T> src, std::span<Low> dst) {
 
 /// dst += T(src) * *factor element-wise on sys (factor null: * 1). requires: equal sizes, all
 /// in sys's memory; factor, when given, one double in sys's memory.
-template <class System, class Low, class T>
+template <execution_system System, class Low, class T>
 void accumulate_up(const System& sys, std::span<const Low> src, std::span<T> dst,
                    const double* factor = nullptr) {
     const std::size_t n = src.size(), tile = cast_tile<System>();
@@ -179,7 +182,7 @@ void accumulate_up(const System& sys, std::span<const Low> src, std::span<T> dst
 }
 
 /// data *= *factor element-wise on sys. requires: factor one double in sys's memory.
-template <class System, class T>
+template <execution_system System, class T>
 void multiply_by(const System& sys, std::span<T> data, const double* factor) {
     const std::size_t n = data.size(), tile = cast_tile<System>();
     if (n == 0)

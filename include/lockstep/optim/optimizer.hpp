@@ -4,6 +4,8 @@
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/optimizer_kernels.hpp"
+#include "lockstep/system/host_system.hpp"
+#include "lockstep/system/system.hpp"
 
 #include <concepts>
 #include <cstddef>
@@ -59,7 +61,7 @@ struct state_view {
 ///   host, before step());
 /// - `o.step_count()`: the applied steps (bias corrections use this count); on a device system
 ///   a synchronising read, not meant for use inside a step;
-/// - `o.size()`, `o.params()`, `o.system()`;
+/// - `o.size()`, `o.params()`, `o.system()` (system_type models execution_system);
 /// - `o.state()` (views for checkpoints) and `o.load_state(view)` (restore; throws
 ///   lockstep::error with errc::checkpoint when names or sizes differ).
 template <class O>
@@ -68,6 +70,7 @@ concept optimizer = requires(O& o, const O& co, std::span<typename O::value_type
                              const state_view<const typename O::value_type>& saved) {
     typename O::params_type;
     typename O::system_type;
+    requires execution_system<typename O::system_type>;
     requires std::constructible_from<O, std::size_t, typename O::params_type,
                                      typename O::system_type, std::span<const tensor_segment>>;
     o.step(w, g);
@@ -88,20 +91,31 @@ namespace optim::detail {
 inline constexpr std::size_t host_serial_below = 32768;
 } // namespace optim::detail
 
+namespace optim::detail {
+/// all_finite through a Thrust execution policy.
+template <class T, class Policy>
+bool all_finite_with(const Policy& policy, std::span<const T> x) {
+    return thrust::transform_reduce(policy, x.data(), x.data() + x.size(), kernels::is_finite_fn{},
+                                    true, thrust::logical_and<bool>{});
+}
+} // namespace optim::detail
+
 /// True when every element of x (in sys's memory) is finite: a host-side check for callers
 /// outside a trainer (the result comes back to the host, so on a device it synchronises; the
 /// trainer instead counts non-finite values on the device and passes optimizers a skip flag).
-/// ensures: true for an empty span.
-template <class T, class System>
+/// Runs with sys's policy. ensures: true for an empty span.
+template <class T, execution_system System>
 bool all_finite(std::span<const T> x, const System& sys) {
-    if constexpr (System::is_host) {
-        if (x.size() < optim::detail::host_serial_below)
-            return thrust::transform_reduce(thrust::cpp::par, x.data(), x.data() + x.size(),
-                                            kernels::is_finite_fn{}, true,
-                                            thrust::logical_and<bool>{});
-    }
-    return thrust::transform_reduce(sys.policy(), x.data(), x.data() + x.size(),
-                                    kernels::is_finite_fn{}, true, thrust::logical_and<bool>{});
+    return optim::detail::all_finite_with(sys.policy(), x);
+}
+
+/// As all_finite on any system; on the host system a span of fewer than host_serial_below
+/// elements is checked on the calling thread (same result: a logical and).
+template <class T>
+bool all_finite(std::span<const T> x, const host_system& sys) {
+    if (x.size() < optim::detail::host_serial_below)
+        return optim::detail::all_finite_with(thrust::cpp::par, x);
+    return optim::detail::all_finite_with(sys.policy(), x);
 }
 
 } // namespace lockstep

@@ -5,6 +5,7 @@
 #include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/system/host_system.hpp"
+#include "lockstep/system/system.hpp"
 
 #include <cstddef>
 #include <span>
@@ -14,10 +15,11 @@
 
 namespace lockstep {
 
-/// An owning, fixed-size array of trivially copyable T in the memory of System (host_system or
-/// cuda_system). Elements start uninitialized, as device memory does. Views are std::span over
-/// the System's memory: device spans may be passed on, never dereferenced on the host.
-template <class T, class System = host_system>
+/// An owning, fixed-size array of trivially copyable T in the memory of System (host_system,
+/// cuda_system or any other execution_system). Elements start uninitialized, as device memory does.
+/// Views are std::span over the System's memory: device spans may be passed on, never dereferenced
+/// on the host.
+template <class T, execution_system System = host_system>
 class buffer {
     static_assert(std::is_trivially_copyable_v<T>,
                   "lockstep::buffer holds trivially copyable elements only (they may live in "
@@ -88,7 +90,7 @@ private:
 /// Copies src (in src_sys's memory) into dst (in dst_sys's memory); the spans may live in
 /// different systems. requires: src.size() == dst.size(). ensures: dst holds src's bytes when
 /// this returns (device copies are synchronized).
-template <class T, class SrcSystem, class DstSystem>
+template <class T, execution_system SrcSystem, execution_system DstSystem>
 void copy(std::span<const T> src, const SrcSystem& src_sys, std::span<T> dst,
           const DstSystem& dst_sys) {
     LOCKSTEP_REQUIRE(src.size() == dst.size(), errc::shape_mismatch, -1, "copy", "source has ",
@@ -102,7 +104,7 @@ void copy(std::span<const T> src, const SrcSystem& src_sys, std::span<T> dst,
 /// Copies src into dst, both in sys's memory, in order with sys's kernels and without waiting:
 /// on CUDA an asynchronous copy on the system's stream, on the host at once.
 /// requires: src.size() == dst.size(); the spans do not overlap.
-template <class T, class System>
+template <class T, execution_system System>
 void copy_async(const System& sys, std::span<const T> src, std::span<T> dst) {
     LOCKSTEP_REQUIRE(src.size() == dst.size(), errc::shape_mismatch, -1, "copy_async",
                      "source has ", src.size(), " elements, destination ", dst.size());
@@ -111,7 +113,7 @@ void copy_async(const System& sys, std::span<const T> src, std::span<T> dst) {
 }
 
 /// Copies one buffer into another of the same size, across systems.
-template <class T, class SrcSystem, class DstSystem>
+template <class T, execution_system SrcSystem, execution_system DstSystem>
 void copy(const buffer<T, SrcSystem>& src, buffer<T, DstSystem>& dst) {
     copy(src.span(), src.system(), dst.span(), dst.system());
 }

@@ -11,6 +11,7 @@
 
 #include "lockstep/system/host_sync.hpp"
 #include "lockstep/system/host_system.hpp"
+#include "lockstep/system/system.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -188,6 +189,8 @@ private:
     int device_ = 0;
     cudaStream_t stream_ = nullptr;
 };
+
+static_assert(execution_system<cuda_system>);
 
 /// An owning CUDA stream on one device (cudaStreamCreateWithFlags / cudaStreamDestroy).
 /// Move-only. Destroy it only after the buffers allocated through its system().

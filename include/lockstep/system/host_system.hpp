@@ -5,6 +5,7 @@
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/system/host_sync.hpp"
+#include "lockstep/system/system.hpp"
 
 #include <algorithm>
 #include <cstddef>
@@ -79,10 +80,12 @@ private:
     int threads_;
 };
 
+static_assert(execution_system<host_system>);
+
 /// The system a component uses when the caller names none: host_system{} for a host system. A
 /// device system has no sensible default (cuda_system{} would be device 0's legacy default
 /// stream, silently apart from the replica's stream), so omitting it fails to compile.
-template <class System>
+template <execution_system System>
 System default_system() {
     static_assert(System::is_host,
                   "lockstep: a component on a device system needs the replica's system passed "

@@ -52,7 +52,7 @@ struct loss_scale_report {
 /// write it on the system's stream. Disabled (constructed with no loss_scaling), the scale is 1
 /// forever and unscale()/update() do nothing. Decisions depend only on the status passed to
 /// update(): replicas that pass the same (all-reduced) status stay bitwise identical.
-template <class System>
+template <execution_system System>
 class loss_scaler {
 public:
     using system_type = System;
@@ -85,7 +85,7 @@ public:
     /// (a plain read of host memory); on a device system after construction, restore(), or a
     /// report observe()d since the last update(). Otherwise nullopt.
     std::optional<double> known_scale() const {
-        if constexpr (System::is_host)
+        if constexpr (System::is_host) // the host may read the system's memory directly
             return state_[kernels::loss_scale_state_slot::scale];
         else
             return known_;

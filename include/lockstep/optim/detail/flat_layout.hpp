@@ -26,26 +26,50 @@ namespace lockstep::optim::detail {
 /// Elements per tile. Host: one thread runs a whole tile as a vectorized loop, so tiles are
 /// large enough to amortise loading the segment's scalars and small enough to balance threads.
 /// Device: one thread per element (kernels::tile_lanes), tiles of 1024 (32 warps share one tile
-/// record).
-template <class System>
+/// record). Keyed on is_host, not on the system type: the tile size is part of the layout
+/// (the summation order of reduce()), the same for every system whose memory the host reads.
+template <execution_system System>
 inline constexpr std::size_t tile_elements = System::is_host ? 8192 : 1024;
 
-/// Runs f(i) for i in [0, count) with sys's policy; on the host serially when the pass touches
-/// fewer than host_serial_below elements. The results are the same either way (each f(i) is
-/// independent).
-template <class System, class F>
-void for_each_index(const System& sys, std::size_t count, std::size_t elements, const F& f) {
+/// Runs f(i) for i in [0, count) with sys's policy (any system). The results are the same on
+/// every overload (each f(i) is independent).
+template <execution_system System, class F>
+void for_each_index(const System& sys, std::size_t count, std::size_t /*elements*/, const F& f) {
     if (count == 0)
         return;
-    if constexpr (System::is_host) {
-        if (elements < host_serial_below) {
-            thrust::for_each(thrust::cpp::par, thrust::counting_iterator<std::size_t>(0),
-                             thrust::counting_iterator<std::size_t>(count), f);
-            return;
-        }
+    thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
+                     thrust::counting_iterator<std::size_t>(count), f);
+}
+
+/// On the host system: serially when the pass touches fewer than host_serial_below elements.
+template <class F>
+void for_each_index(const host_system& sys, std::size_t count, std::size_t elements, const F& f) {
+    if (count == 0)
+        return;
+    if (elements < host_serial_below) {
+        thrust::for_each(thrust::cpp::par, thrust::counting_iterator<std::size_t>(0),
+                         thrust::counting_iterator<std::size_t>(count), f);
+        return;
     }
     thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
                      thrust::counting_iterator<std::size_t>(count), f);
+}
+
+/// Runs f over every element of the tiles (n elements in all): one lane per element on any
+/// system (kernels::tile_lanes).
+template <execution_system System, class F>
+void apply_tiles(const System& sys, const kernels::tile* tiles, std::size_t tile_count,
+                 std::size_t n, const F& f, const int* noop) {
+    constexpr std::size_t ts = tile_elements<System>;
+    for_each_index(sys, tile_count * ts, n, kernels::tile_lanes<F, ts>{tiles, f, noop});
+}
+
+/// On the host system: one task per tile, a vectorized loop (kernels::tile_apply); the same
+/// arithmetic per element as the lanes.
+template <class F>
+void apply_tiles(const host_system& sys, const kernels::tile* tiles, std::size_t tile_count,
+                 std::size_t n, const F& f, const int* noop) {
+    for_each_index(sys, tile_count, n, kernels::tile_apply<F>{tiles, f, noop});
 }
 
 /// Copies a host vector into a new buffer in sys's memory.
@@ -57,7 +81,7 @@ buffer<T, System> to_system(const std::vector<T>& v, const System& sys) {
 }
 
 /// The tiles, per-segment flags and per-segment tile ranges of a flat buffer of n elements.
-template <class System>
+template <execution_system System>
 class flat_layout {
 public:
     /// requires: segments sorted by offset, not overlapping, inside [0, n); an empty list means
@@ -119,13 +143,7 @@ public:
     /// runs: each tile (host) or lane (device) reads it once.
     template <class F>
     void apply(const System& sys, const F& f, const int* noop = nullptr) const {
-        if constexpr (System::is_host) {
-            for_each_index(sys, tiles_.size(), n_, kernels::tile_apply<F>{tiles_.data(), f, noop});
-        } else {
-            constexpr std::size_t ts = tile_elements<System>;
-            for_each_index(sys, tiles_.size() * ts, n_,
-                           kernels::tile_lanes<F, ts>{tiles_.data(), f, noop});
-        }
+        apply_tiles(sys, tiles_.data(), tiles_.size(), n_, f, noop);
     }
 
     /// Runs f (returning kernels::sum_pair) over every segmented element in one pass and writes

@@ -104,18 +104,25 @@ private:
     buffer<int, System> send_, recv_, reduced_;
 };
 
-/// Runs fn(0 .. tasks-1) on sys: a plain loop on a host with one thread (no parallel region per
-/// call), else thrust::for_each.
-template <class System, class Fn>
+/// Runs fn(0 .. tasks-1) on sys with thrust::for_each (any system).
+template <execution_system System, class Fn>
 void for_each_task(const System& sys, std::size_t tasks, const Fn& fn) {
     if (tasks == 0)
         return;
-    if constexpr (System::is_host) {
-        if (sys.threads() == 1 || tasks == 1) {
-            for (std::size_t t = 0; t < tasks; ++t)
-                fn(t);
-            return;
-        }
+    thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
+                     thrust::counting_iterator<std::size_t>(tasks), fn);
+}
+
+/// On the host system: a plain loop when it has one thread or there is one task (no parallel
+/// region per call). The tasks are independent, so the results are the same.
+template <class Fn>
+void for_each_task(const host_system& sys, std::size_t tasks, const Fn& fn) {
+    if (tasks == 0)
+        return;
+    if (sys.threads() == 1 || tasks == 1) {
+        for (std::size_t t = 0; t < tasks; ++t)
+            fn(t);
+        return;
     }
     thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
                      thrust::counting_iterator<std::size_t>(tasks), fn);

@@ -8,37 +8,42 @@
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
 #include "lockstep/system/staged_read.hpp"
+#include "lockstep/system/system.hpp"
 
 #include <algorithm>
 #include <span>
 
 namespace lockstep::detail {
 
-/// Copies host values into sys's memory without a blocking wait: on CUDA through pinned memory
-/// and an asynchronous copy on the system's stream (the pinned source stays alive until `keep`
-/// is destroyed, which the caller does only after waiting for later work on the stream).
-template <class T, class System>
+/// Copies host values into a new buffer in sys's memory (any system: lockstep::copy, which
+/// returns once the bytes have arrived).
+template <class T, execution_system System>
 struct staged_upload {
     buffer<T, System> device;
-#if LOCKSTEP_HAS_CUDA
-    pinned_array<T> pinned;
-#endif
     staged_upload(std::span<const T> src, const System& sys) : device(src.size(), sys) {
-        if constexpr (System::is_host) {
-            std::copy(src.begin(), src.end(), device.begin());
-        } else {
+        lockstep::copy(src, host_system{1}, device.span(), sys);
+    }
+};
+
 #if LOCKSTEP_HAS_CUDA
-            pinned = pinned_array<T>(src.size());
-            std::copy(src.begin(), src.end(), pinned.data());
-            if (!src.empty()) {
-                cuda_device_guard guard(sys.device());
-                LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(device.data(), pinned.data(), src.size_bytes(),
-                                                    cudaMemcpyHostToDevice, sys.stream()));
-            }
-#endif
+/// On CUDA without a blocking wait: through pinned memory and an asynchronous copy on the
+/// system's stream (the pinned source stays alive until the staged_upload is destroyed, which
+/// the caller does only after waiting for later work on the stream).
+template <class T>
+struct staged_upload<T, cuda_system> {
+    buffer<T, cuda_system> device;
+    pinned_array<T> pinned;
+    staged_upload(std::span<const T> src, const cuda_system& sys)
+        : device(src.size(), sys), pinned(src.size()) {
+        std::copy(src.begin(), src.end(), pinned.data());
+        if (!src.empty()) {
+            cuda_device_guard guard(sys.device());
+            LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(device.data(), pinned.data(), src.size_bytes(),
+                                                cudaMemcpyHostToDevice, sys.stream()));
         }
     }
 };
+#endif
 
 /// all_reduce of host arrays. On a host communicator it is comm.all_reduce itself (no copy);
 /// otherwise send goes through pinned memory into a buffer in the communicator's memory, is
@@ -48,6 +53,8 @@ struct staged_upload {
 template <class Communicator, class T>
 void host_all_reduce(Communicator& comm, std::span<const T> send, std::span<T> recv, reduce_op op) {
     using system_type = typename Communicator::system_type;
+    // Not a dispatch on the system type: a communicator whose memory the host reads reduces
+    // the host arrays themselves.
     if constexpr (system_type::is_host) {
         comm.all_reduce(send, recv, op);
     } else {
