@@ -251,7 +251,7 @@ public:
         auto rec = record<T>(detail::shm::collective_kind::reduce_scatter, count, recv.size(),
                              send.data(), recv.data(), op, 0);
         if (counts.data() == nullptr && !counts.empty())
-            rec.problem = "a null counts span of " + std::to_string(counts.size()) + " entries";
+            rec.null_counts = counts.size();
         else
             rec.counts.assign(counts.begin(), counts.end());
         auto s =
@@ -419,10 +419,8 @@ private:
                   std::size_t stash_count = 0) {
         require_group(name_of(rec.kind));
         // A replica's bad spans become an error on every replica (validate) and nothing is
-        // copied from them. A problem the caller found (a bad counts span) is kept.
-        const std::string spans = detail::shm::record_problem(rec);
-        if (!spans.empty())
-            rec.problem = rec.problem.empty() ? spans : spans + " and " + rec.problem;
+        // copied from them.
+        rec.problem = detail::shm::record_problem(rec);
         if (!rec.problem.empty()) {
             stash = nullptr;
             stash_count = 0;
