@@ -87,9 +87,6 @@ struct call_record {
     std::vector<std::size_t> counts;
     /// reduce_scatter: the entries of a null counts span (then nothing is copied), else 0.
     std::size_t null_counts = 0;
-
-    /// The per-rank counts (empty when none were recorded).
-    std::span<const std::size_t> counts_view() const noexcept { return counts; }
     /// What is wrong with this replica's own arguments ("" when nothing): a null span with a
     /// non-zero count, or more elements than memory can hold. Every member then throws it.
     std::string problem;
@@ -439,7 +436,7 @@ inline void group_state::validate(int rank, op_label label) const {
         const call_record& c = call(j, seq);
         std::size_t want = c.recv_count;
         if (k == collective_kind::reduce_scatter)
-            want = c.counts_view()[static_cast<std::size_t>(j)];
+            want = c.counts[static_cast<std::size_t>(j)];
         if (k == collective_kind::all_reduce || k == collective_kind::all_to_all)
             want = c.count;
         if (k == collective_kind::reduce && j == c.root)
@@ -462,17 +459,17 @@ inline void group_state::validate_scatter(int rank, op_label label) const {
     const int n = size();
     const call_record& c0 = call(0, seq);
     for (int j = 1; j < n; ++j)
-        if (!std::ranges::equal(call(j, seq).counts_view(), c0.counts_view())) {
+        if (call(j, seq).counts != c0.counts) {
             std::string s;
             for (int q = 0; q < n; ++q)
                 s += (q == 0 ? "" : ", ") + std::string("replica ") +
                      std::to_string(replica_of(q)) + " passed counts " +
-                     describe_counts(call(q, seq).counts_view());
+                     describe_counts(call(q, seq).counts);
             fail(errc::count_mismatch, me, operation(label),
                  "replicas disagree on the per-rank counts: ", s);
         }
     // Counts agree from here, so every replica throws the same error or none does.
-    const std::span<const std::size_t> counts = c0.counts_view();
+    const std::span<const std::size_t> counts = c0.counts;
     const auto layout = scatter_layout_of(counts, 0);
     if (counts.size() != static_cast<std::size_t>(n))
         fail(errc::count_mismatch, me, operation(label), "every replica passed ", counts.size(),
@@ -485,7 +482,7 @@ inline void group_state::validate_scatter(int rank, op_label label) const {
              " but every replica sends ", count_of(c0.count, c0.type, c0.elem_size));
     for (int j = 0; j < n; ++j) {
         const call_record& c = call(j, seq);
-        const auto at = scatter_layout_of(c.counts_view(), j);
+        const auto at = scatter_layout_of(c.counts, j);
         const auto s0 = reinterpret_cast<std::uintptr_t>(c.send);
         const auto r0 = reinterpret_cast<std::uintptr_t>(c.recv);
         const std::size_t send_bytes = c.count * c.elem_size;
