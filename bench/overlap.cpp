@@ -140,6 +140,16 @@ public:
         all_reduce(send, recv, reduce_op::sum);
     }
     template <class T>
+    void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        std::span<const std::size_t>, reduce_op op) {
+        all_reduce(send, recv, op);
+    }
+    template <class T>
+    void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        reduce_op op) {
+        all_reduce(send, recv, op);
+    }
+    template <class T>
     void broadcast(std::span<T>, int) {}
     void barrier() {}
     solo_communicator split(int, int) { return *this; }

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -432,6 +433,139 @@ void check_reduce(C& comm, suite_report& rep, const std::vector<std::size_t>& co
     }
 }
 
+/// The per-rank counts reduce_scatter is tested with on a group of n: equal counts (0, 1, a
+/// prime), a prime total not divisible by n (spread as evenly as possible), uneven counts with
+/// zeros for some ranks, and an uneven large total (beyond the 4 KiB stash of thread_group).
+inline std::vector<std::vector<std::size_t>> scatter_layouts(int n, std::size_t large) {
+    const std::size_t ranks = static_cast<std::size_t>(n);
+    std::vector<std::vector<std::size_t>> out;
+    for (const std::size_t each : {std::size_t{0}, std::size_t{1}, std::size_t{13}})
+        out.emplace_back(ranks, each);
+    for (const std::size_t total : {std::size_t{13}, std::size_t{1009}}) {
+        std::vector<std::size_t> c(ranks);
+        for (std::size_t r = 0; r < ranks; ++r)
+            c[r] = total / ranks + (r < total % ranks ? 1 : 0);
+        out.push_back(c);
+    }
+    std::vector<std::size_t> zeros(ranks);
+    for (std::size_t r = 0; r < ranks; ++r)
+        zeros[r] = (r % 2 == 1 || (r + 1 == ranks && ranks > 2)) ? 0 : 37 * (r + 1) + r;
+    out.push_back(zeros);
+    std::vector<std::size_t> big(ranks);
+    std::size_t left = large;
+    for (std::size_t r = 0; r + 1 < ranks; ++r) {
+        big[r] = large * (r + 1) / (ranks * (ranks + 1) / 2);
+        left -= big[r];
+    }
+    big[ranks - 1] = left;
+    out.push_back(big);
+    return out;
+}
+
+/// reduce_scatter for every reduction and layout (scatter_layouts), through the counted form,
+/// the equal-count form where counts are equal, and in place (sum). Each replica checks its
+/// slice against the rank-order reference (reduction_matches) and, for float sums, against a
+/// double-precision sum; it must equal the same slice of all_reduce's result (bit for bit on a
+/// rank-order backend), and with equal counts an all_gather of the slices must give every
+/// replica the same bits.
+template <class T, communicator C>
+void check_reduce_scatter(C& comm, suite_report& rep, const suite_options& opt, std::size_t large) {
+    const int n = comm.size(), me = comm.rank();
+    const std::size_t ranks = static_cast<std::size_t>(n);
+    for (const std::vector<std::size_t>& counts : scatter_layouts(n, large)) {
+        std::size_t total = 0, offset = 0;
+        for (std::size_t r = 0; r < ranks; ++r) {
+            if (r == static_cast<std::size_t>(me))
+                offset = total;
+            total += counts[r];
+        }
+        const std::size_t mine = counts[static_cast<std::size_t>(me)];
+        const bool equal = std::all_of(counts.begin(), counts.end(),
+                                       [&](std::size_t c) { return c == counts[0]; });
+        std::string layout = "{";
+        for (std::size_t r = 0; r < ranks; ++r)
+            layout += (r == 0 ? "" : ", ") + std::to_string(counts[r]);
+        layout += "}";
+        std::vector<T> in(total);
+        for (std::size_t i = 0; i < total; ++i)
+            in[i] = input_value<T>(me, i);
+        for (const reduce_op op : {reduce_op::sum, reduce_op::max, reduce_op::min}) {
+            // all_reduce of the same inputs: reduce_scatter's slices must be its slices.
+            auto whole_send = to_system(comm, in);
+            auto whole = to_system(comm, std::vector<T>(total, T{}));
+            comm.all_reduce(std::span<const T>(whole_send.data(), total), whole.span(), op);
+            const std::vector<T> all = to_host(whole);
+            for (const int form : {0, 1, 2}) { // counted, equal-count, counted in place
+                if (form == 1 && !equal)
+                    continue;
+                if (form == 2 && op != reduce_op::sum)
+                    continue;
+                const std::string what = "reduce_scatter<" + detail::type_name<T>() + "> " +
+                                         std::string(to_string(op)) + " counts " + layout +
+                                         (form == 1   ? " equal-count form"
+                                          : form == 2 ? " in place"
+                                                      : "");
+                auto send = to_system(comm, in);
+                auto recv = to_system(comm, std::vector<T>(mine, static_cast<T>(77)));
+                const std::span<const T> s(send.data(), total);
+                const std::span<T> out =
+                    form == 2 ? send.span().subspan(offset, mine) : recv.span();
+                if (form == 1)
+                    comm.reduce_scatter(s, out, op);
+                else
+                    comm.reduce_scatter(s, out, std::span<const std::size_t>(counts), op);
+                std::vector<T> got = to_host(form == 2 ? send : recv);
+                if (form == 2)
+                    got = std::vector<T>(got.begin() + static_cast<std::ptrdiff_t>(offset),
+                                         got.begin() + static_cast<std::ptrdiff_t>(offset + mine));
+                else
+                    rep.check(to_host(send) == in, what + ": the send buffer changed");
+                const std::string bad = first_mismatch(
+                    got, 0, mine,
+                    [&](std::size_t i) { return reference_reduce<T>(n, offset + i, op); },
+                    [&](T g, T w, std::size_t i) {
+                        return reduction_matches(g, w, n, offset + i, op, opt);
+                    });
+                rep.check(bad.empty(), what + ": " + bad);
+                if constexpr (std::is_floating_point_v<T>) {
+                    std::string far;
+                    for (std::size_t i = 0; i < mine && far.empty() && op == reduce_op::sum; ++i) {
+                        double exact = 0, abs_sum = 0;
+                        for (int r = 0; r < n; ++r) {
+                            exact += static_cast<double>(input_value<T>(r, offset + i));
+                            abs_sum +=
+                                std::fabs(static_cast<double>(input_value<T>(r, offset + i)));
+                        }
+                        const double bound =
+                            n * static_cast<double>(std::numeric_limits<T>::epsilon()) * abs_sum;
+                        if (std::fabs(static_cast<double>(got[i]) - exact) > bound)
+                            far = "element " + std::to_string(i) + " is " + detail::show(got[i]) +
+                                  ", the double-precision sum " + detail::show(exact);
+                    }
+                    rep.check(far.empty(), what + " against double precision: " + far);
+                }
+                const std::string apart = first_mismatch(
+                    got, 0, mine, [&](std::size_t i) { return all[offset + i]; },
+                    [&](T g, T w, std::size_t i) {
+                        return reduction_matches(g, w, n, offset + i, op, opt);
+                    });
+                rep.check(apart.empty(), what + ": differs from all_reduce's slice: " + apart);
+                if (equal) {
+                    auto mine_buf = to_system(comm, got);
+                    auto gathered = to_system(comm, std::vector<T>(total, T{}));
+                    comm.all_gather(std::span<const T>(mine_buf.data(), mine), gathered.span());
+                    const std::vector<T> g = to_host(gathered);
+                    if (opt.rank_order_sums)
+                        rep.check(detail::hash_bytes(g) == detail::hash_bytes(all),
+                                  what + ": reduce_scatter then all_gather is not all_reduce's "
+                                         "bits");
+                    check_identical(comm, rep, g, what + " then all_gather");
+                }
+            }
+        }
+    }
+}
+
 /// Every collective for one element type.
 template <class T, communicator C>
 void check_type(C& comm, suite_report& rep, const suite_options& opt, bool with_large) {
@@ -443,6 +577,7 @@ void check_type(C& comm, suite_report& rep, const suite_options& opt, bool with_
     check_broadcast<T>(comm, rep, counts);
     check_all_gather<T>(comm, rep, counts);
     check_reduce<T>(comm, rep, {0, 1, 1009}, opt);
+    check_reduce_scatter<T>(comm, rep, opt, opt.medium_count);
     if constexpr (all_to_all_communicator<C>)
         check_all_to_all<T>(comm, rep, {0, 1, 1009, 4099});
 }
@@ -502,6 +637,7 @@ void check_split(C& comm, suite_report& rep, const suite_options& opt) {
     check_all_reduce<int>(sub, sub_rep, {1009}, opt);
     check_reduce<double>(sub, sub_rep, {1009}, opt);
     check_all_gather<int>(sub, sub_rep, {1009});
+    check_reduce_scatter<float>(sub, sub_rep, opt, 4099);
     check_broadcast<float>(sub, sub_rep, {1009});
     if constexpr (all_to_all_communicator<C>)
         check_all_to_all<int>(sub, sub_rep, {1, 1009});

@@ -396,6 +396,40 @@ TEST_CASE("replicas that disagree get an error on every rank, then continue",
                                   r == 0 ? std::span<int>(even) : std::span<int>(even_out));
               }) == (r == 0 ? errc::invalid_argument : errc::peer_failure));
 
+        // reduce_scatter: equal totals but different per-rank counts (caught by the counts'
+        // hash), and one replica's counts that do not sum to its send size.
+        const std::size_t ranks = static_cast<std::size_t>(p);
+        std::vector<float> scatter_in(2 * ranks, 1.0f);
+        std::vector<std::size_t> counts(ranks, 2);
+        if (r == 0) {
+            counts[0] = 1;
+            counts[ranks - 1] += 1;
+        }
+        std::vector<float> scatter_out(counts[static_cast<std::size_t>(r)]);
+        try {
+            comm.reduce_scatter(std::span<const float>(scatter_in), std::span<float>(scatter_out),
+                                std::span<const std::size_t>(counts), reduce_op::sum);
+            FAIL_CHECK("mismatched per-rank counts did not throw");
+        } catch (const lockstep::error& e) {
+            const std::string what = e.what();
+            INFO(what);
+            CHECK(e.code() == errc::count_mismatch);
+            CHECK(what.find("reduce_scatter #" + std::to_string(comm.sequence())) !=
+                  std::string::npos);
+            CHECK(what.find("different per-rank counts") != std::string::npos);
+        }
+        std::vector<std::size_t> short_counts(ranks, r == 0 ? 1 : 2);
+        std::vector<float> two(2);
+        CHECK(code_of([&] {
+                  comm.reduce_scatter(std::span<const float>(scatter_in),
+                                      std::span<float>(two).first(short_counts[0]),
+                                      std::span<const std::size_t>(short_counts), reduce_op::sum);
+              }) == (r == 0 ? errc::invalid_argument : errc::peer_failure));
+        CHECK(code_of([&] {
+                  comm.reduce_scatter(std::span<const float>(scatter_in),
+                                      std::span<float>(two).first(r == 0 ? 1 : 2), reduce_op::max);
+              }) == (r == 0 ? errc::invalid_argument : errc::peer_failure));
+
         // The communicator is still in step afterwards.
         std::vector<int> one{r};
         comm.all_reduce(std::span<const int>(one), std::span<int>(one), reduce_op::sum);
@@ -438,6 +472,40 @@ TEST_CASE("a null or oversized span on rank 0 is an error on every rank, then th
                       std::span<float>(out));
               }) == expected);
         CHECK_FALSE(comm.broken());
+        // reduce_scatter: equal totals but different per-rank counts (caught by the counts'
+        // hash), and one replica's counts that do not sum to its send size.
+        const std::size_t ranks = static_cast<std::size_t>(p);
+        std::vector<float> scatter_in(2 * ranks, 1.0f);
+        std::vector<std::size_t> counts(ranks, 2);
+        if (r == 0) {
+            counts[0] = 1;
+            counts[ranks - 1] += 1;
+        }
+        std::vector<float> scatter_out(counts[static_cast<std::size_t>(r)]);
+        try {
+            comm.reduce_scatter(std::span<const float>(scatter_in), std::span<float>(scatter_out),
+                                std::span<const std::size_t>(counts), reduce_op::sum);
+            FAIL_CHECK("mismatched per-rank counts did not throw");
+        } catch (const lockstep::error& e) {
+            const std::string what = e.what();
+            INFO(what);
+            CHECK(e.code() == errc::count_mismatch);
+            CHECK(what.find("reduce_scatter #" + std::to_string(comm.sequence())) !=
+                  std::string::npos);
+            CHECK(what.find("different per-rank counts") != std::string::npos);
+        }
+        std::vector<std::size_t> short_counts(ranks, r == 0 ? 1 : 2);
+        std::vector<float> two(2);
+        CHECK(code_of([&] {
+                  comm.reduce_scatter(std::span<const float>(scatter_in),
+                                      std::span<float>(two).first(short_counts[0]),
+                                      std::span<const std::size_t>(short_counts), reduce_op::sum);
+              }) == (r == 0 ? errc::invalid_argument : errc::peer_failure));
+        CHECK(code_of([&] {
+                  comm.reduce_scatter(std::span<const float>(scatter_in),
+                                      std::span<float>(two).first(r == 0 ? 1 : 2), reduce_op::max);
+              }) == (r == 0 ? errc::invalid_argument : errc::peer_failure));
+
         // The communicator is still in step afterwards.
         std::vector<int> one{r};
         comm.all_reduce(std::span<const int>(one), std::span<int>(one), reduce_op::sum);

@@ -7,7 +7,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <cstddef>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <span>
 #include <stdexcept>
@@ -280,6 +283,94 @@ TEST_CASE("all_to_all refuses uneven blocks, unequal counts and overlapping span
         CHECK(contains(o.what, "all_to_all #0"));
         CHECK(after[static_cast<std::size_t>(r)] == 3.0f);
     }
+}
+
+TEST_CASE("reduce_scatter refuses disagreeing or misfitting counts and overlapping spans on "
+          "every replica",
+          "[comm][thread]") {
+    struct misuse {
+        const char* name;
+        errc code;
+        const char* text;
+    };
+    const auto which = GENERATE(values<misuse>({
+        {"different counts", errc::count_mismatch,
+         "replica 0 passed counts {2, 3, 1}, replica 1 passed counts {2, 2, 2}"},
+        {"wrong number of counts", errc::count_mismatch, "counts {3, 3} for a group of 3"},
+        {"wrong sum", errc::count_mismatch, "sum to 5 but every replica sends 6 floats"},
+        {"receive size", errc::count_mismatch, "replica 2 passed a receive span of 1 float for 2"},
+        {"overlap", errc::invalid_argument, "replica 1 passed a receive span that overlaps"},
+        {"reduction", errc::shape_mismatch, "replica 1 passed reduce_op::max"},
+        {"null counts", errc::invalid_argument, "replica 2 passed a null counts span of 3"},
+    }));
+    CAPTURE(which.name);
+    thread_group group(3);
+    const std::string kind = which.name;
+    std::vector<outcome> seen(3);
+    std::vector<float> after(3, 0.0f);
+    group.run([&](thread_communicator& comm) {
+        const int me = comm.rank();
+        std::vector<float> send(6, 1.0f);
+        std::vector<std::size_t> counts{2, 2, 2};
+        if (kind == "different counts" && me == 0)
+            counts = {2, 3, 1};
+        if (kind == "wrong number of counts")
+            counts = {3, 3};
+        if (kind == "wrong sum")
+            counts = {2, 2, 1};
+        const std::size_t mine = me < static_cast<int>(counts.size()) ? counts[me] : 0;
+        std::vector<float> recv(kind == "receive size" && me == 2 ? 1 : mine, 0.0f);
+        // Overlap: replica 1 receives into send's first slice, not its own (the second).
+        const std::span<float> out =
+            kind == "overlap" && me == 1 ? std::span<float>(send).first(2) : std::span<float>(recv);
+        const reduce_op op = kind == "reduction" && me == 1 ? reduce_op::max : reduce_op::sum;
+        const std::span<const std::size_t> cs =
+            kind == "null counts" && me == 2
+                ? std::span<const std::size_t>(static_cast<const std::size_t*>(nullptr), 3)
+                : std::span<const std::size_t>(counts);
+        try {
+            comm.reduce_scatter(std::span<const float>(send), out, cs, op);
+        } catch (const lockstep::error& e) {
+            seen[static_cast<std::size_t>(me)] = {true, e.code(), e.what()};
+        }
+        // Refused before any data moves: the group stays usable.
+        std::vector<float> w{static_cast<float>(me)};
+        comm.all_reduce(std::span<const float>(w), std::span<float>(w), reduce_op::sum);
+        after[static_cast<std::size_t>(me)] = w[0];
+    });
+    for (int r = 0; r < 3; ++r) {
+        const auto& o = seen[static_cast<std::size_t>(r)];
+        CAPTURE(o.what);
+        CHECK(o.threw);
+        CHECK(o.code == which.code);
+        CHECK(contains(o.what, which.text));
+        CHECK(contains(o.what, "reduce_scatter #0"));
+        CHECK(after[static_cast<std::size_t>(r)] == 3.0f);
+    }
+}
+
+TEST_CASE("reduce_scatter then all_gather is all_reduce, bit for bit, in place and above the "
+          "stash",
+          "[comm][thread]") {
+    const int n = GENERATE(2, 3, 4);
+    const std::size_t per = 40961; // 160 KiB of floats per rank: the peers' spans are read
+    thread_group group(n);
+    std::vector<int> same(static_cast<std::size_t>(n), 0);
+    group.run([&](thread_communicator& comm) {
+        const std::size_t total = per * static_cast<std::size_t>(n);
+        std::vector<float> v(total), ref(total);
+        for (std::size_t i = 0; i < total; ++i)
+            v[i] = ref[i] =
+                std::sin(static_cast<float>(i) * 0.37f + static_cast<float>(comm.rank()));
+        comm.all_reduce(std::span<const float>(ref), std::span<float>(ref), reduce_op::sum);
+        const std::size_t at = static_cast<std::size_t>(comm.rank()) * per;
+        comm.reduce_scatter(std::span<const float>(v), std::span<float>(v).subspan(at, per),
+                            reduce_op::sum);
+        comm.all_gather(std::span<const float>(v).subspan(at, per), std::span<float>(v));
+        same[static_cast<std::size_t>(comm.rank())] =
+            std::memcmp(v.data(), ref.data(), total * sizeof(float)) == 0 ? 1 : 0;
+    });
+    CHECK(same == std::vector<int>(static_cast<std::size_t>(n), 1));
 }
 
 TEST_CASE("a replica that leaves the group releases its waiting peers", "[comm][thread]") {

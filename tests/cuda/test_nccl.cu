@@ -12,11 +12,14 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <numeric>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -195,6 +198,102 @@ TEMPLATE_TEST_CASE("nccl collectives match the host reference", "[comm][nccl][gp
                             input_value<T>(q, i));
             }
         }
+    }
+}
+
+TEMPLATE_TEST_CASE("nccl reduce_scatter matches the host reference for equal, uneven and empty "
+                   "counts, in place too",
+                   "[comm][nccl][gpu]", float, double, int, std::int64_t, std::uint8_t, __half,
+                   lockstep::bfloat16) {
+    using T = TestType;
+    if (lockstep_test::skip_without_gpu())
+        return;
+    gpu_group group;
+    const int size = group.size();
+    const std::size_t ranks = static_cast<std::size_t>(size);
+    // Equal counts (ncclReduceScatter): 0, 1, a prime; uneven (one ncclReduce per rank): a prime
+    // total spread over the ranks, and zeros for every odd rank.
+    std::vector<std::vector<std::size_t>> layouts;
+    for (const std::size_t each : {std::size_t{0}, std::size_t{1}, std::size_t{1009}})
+        layouts.emplace_back(ranks, each);
+    std::vector<std::size_t> spread(ranks), zeros(ranks);
+    for (std::size_t r = 0; r < ranks; ++r) {
+        spread[r] = 7919 / ranks + (r < 7919 % ranks ? 1 : 0);
+        zeros[r] = r % 2 == 1 ? 0 : 101 * (r + 1);
+    }
+    layouts.push_back(spread);
+    layouts.push_back(zeros);
+    for (const auto& counts : layouts) {
+        std::vector<std::size_t> offsets(ranks + 1, 0);
+        for (std::size_t r = 0; r < ranks; ++r)
+            offsets[r + 1] = offsets[r] + counts[r];
+        const std::size_t total = offsets[ranks];
+        CAPTURE(total, size, counts[0]);
+        std::vector<std::vector<std::vector<double>>> got(ranks); // [rank][op or in place]
+        group.run([&](nccl_communicator& comm) {
+            const std::size_t r = static_cast<std::size_t>(comm.rank());
+            const auto sys = comm.system();
+            auto send = device_input<T>(comm.rank(), total, sys);
+            for (const reduce_op op : {reduce_op::sum, reduce_op::max, reduce_op::min}) {
+                buffer<T, cuda_system> recv(counts[r], sys);
+                comm.reduce_scatter(send.span(), recv.span(), std::span<const std::size_t>(counts),
+                                    op);
+                comm.synchronize();
+                got[r].push_back(to_values(recv));
+            }
+            auto inout = device_input<T>(comm.rank(), total, sys);
+            comm.reduce_scatter(inout.span(), inout.span().subspan(offsets[r], counts[r]),
+                                std::span<const std::size_t>(counts), reduce_op::sum);
+            comm.synchronize();
+            const std::vector<double> all = to_values(inout);
+            got[r].emplace_back(all.begin() + static_cast<std::ptrdiff_t>(offsets[r]),
+                                all.begin() + static_cast<std::ptrdiff_t>(offsets[r + 1]));
+            if (std::all_of(counts.begin(), counts.end(),
+                            [&](std::size_t c) { return c == counts[0]; })) {
+                buffer<T, cuda_system> recv(counts[r], sys);
+                comm.reduce_scatter(send.span(), recv.span(), reduce_op::max);
+                comm.synchronize();
+                got[r].push_back(to_values(recv));
+            }
+        });
+        for (std::size_t r = 0; r < ranks; ++r) {
+            REQUIRE(got[r].size() >= 4);
+            for (std::size_t i = 0; i < counts[r]; ++i) {
+                const std::size_t at = offsets[r] + i;
+                double sum = 0, mx = input_value<T>(0, at), mn = mx;
+                for (int q = 0; q < size; ++q) {
+                    const double v = input_value<T>(q, at);
+                    sum += v;
+                    mx = std::max(mx, v);
+                    mn = std::min(mn, v);
+                }
+                REQUIRE(got[r][0][i] == sum);
+                REQUIRE(got[r][1][i] == mx);
+                REQUIRE(got[r][2][i] == mn);
+                REQUIRE(got[r][3][i] == sum); // in place
+                if (got[r].size() == 5)
+                    REQUIRE(got[r][4][i] == mx); // the equal-count form
+            }
+        }
+    }
+}
+
+TEST_CASE("nccl reduce_scatter refuses counts that do not fit before NCCL is entered",
+          "[comm][nccl][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    const std::vector<int> one{0};
+    auto comms = nccl_communicator::init_all(one);
+    auto& comm = comms[0];
+    buffer<float, cuda_system> send(4, comm.system()), recv(3, comm.system());
+    const std::vector<std::size_t> counts{4};
+    try {
+        comm.reduce_scatter(send.span(), recv.span(), std::span<const std::size_t>(counts),
+                            reduce_op::sum);
+        FAIL("a receive span of 3 for a count of 4 was accepted");
+    } catch (const lockstep::error& e) {
+        CHECK(e.code() == lockstep::errc::shape_mismatch);
+        CHECK(std::string(e.what()).find("reduce_scatter #0") != std::string::npos);
     }
 }
 

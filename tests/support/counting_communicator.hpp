@@ -5,6 +5,7 @@
 
 #include "lockstep/comm/communicator.hpp"
 
+#include <cstddef>
 #include <memory>
 #include <span>
 
@@ -16,13 +17,16 @@ struct collective_counts {
     int broadcast = 0;
     int all_gather = 0;
     int reduce = 0;
+    int reduce_scatter = 0;
     int barrier = 0;
     int split = 0;
     int send = 0;
     int recv = 0;
 
     /// Collectives that move data or synchronise (everything except split and point-to-point).
-    int collectives() const { return all_reduce + broadcast + all_gather + reduce + barrier; }
+    int collectives() const {
+        return all_reduce + broadcast + all_gather + reduce + reduce_scatter + barrier;
+    }
     friend bool operator==(const collective_counts&, const collective_counts&) = default;
 };
 
@@ -65,6 +69,17 @@ public:
     void reduce(std::span<const T> send, std::span<T> recv, reduce_op op, int root) {
         ++counts_->reduce;
         inner_->reduce(send, recv, op, root);
+    }
+    template <class T>
+    void reduce_scatter(std::span<const T> send, std::span<T> recv,
+                        std::span<const std::size_t> counts, reduce_op op) {
+        ++counts_->reduce_scatter;
+        inner_->reduce_scatter(send, recv, counts, op);
+    }
+    template <class T>
+    void reduce_scatter(std::span<const T> send, std::span<T> recv, reduce_op op) {
+        ++counts_->reduce_scatter;
+        inner_->reduce_scatter(send, recv, op);
     }
     void barrier() {
         ++counts_->barrier;

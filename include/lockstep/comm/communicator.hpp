@@ -5,6 +5,7 @@
 #include "lockstep/core/config.hpp"
 
 #include <concepts>
+#include <cstddef>
 #include <span>
 #include <string_view>
 
@@ -39,12 +40,19 @@ constexpr std::string_view to_string(reduce_op op) noexcept {
 /// - all_gather(send, recv): recv = concatenation of every replica's send, in rank order;
 ///   requires recv.size() == size() * send.size().
 /// - reduce(send, recv, op, root): as all_reduce, but only root's recv is written.
+/// - reduce_scatter(send, recv, counts, op): counts holds size() entries and send.size() is
+///   their sum, equal on every replica; rank r's slice of send is the counts[r] elements from
+///   offset_r = counts[0] + ... + counts[r-1]; ensures: recv[i] = op over replicas of
+///   send[offset_rank() + i]; requires recv.size() == counts[rank()] (counts may be uneven and
+///   may hold zeros). recv may be this replica's slice of send (in place), else must not
+///   overlap send. reduce_scatter(send, recv, op) is the equal-count form: every count is
+///   recv.size(), so send.size() == size() * recv.size().
 /// - barrier(): returns once every replica has entered it.
 /// - split(color, key): the sub-group of replicas with the same color, ranked by (key, rank).
 template <class C>
 concept communicator = requires(C& c, const C& cc, std::span<float> f, std::span<const float> cf,
                                 std::span<double> d, std::span<const double> cd, std::span<int> i,
-                                std::span<const int> ci) {
+                                std::span<const int> ci, std::span<const std::size_t> counts) {
     typename C::system_type;
     { cc.system() } -> std::convertible_to<typename C::system_type>;
     { cc.rank() } -> std::convertible_to<int>;
@@ -55,6 +63,9 @@ concept communicator = requires(C& c, const C& cc, std::span<float> f, std::span
     c.broadcast(f, 0);
     c.all_gather(cf, f);
     c.reduce(cf, f, reduce_op::sum, 0);
+    c.reduce_scatter(cf, f, counts, reduce_op::sum);
+    c.reduce_scatter(cd, d, counts, reduce_op::max);
+    c.reduce_scatter(ci, i, reduce_op::min);
     c.barrier();
     { c.split(0, 0) } -> std::same_as<C>;
 };

@@ -6,6 +6,7 @@
 #include "lockstep/comm/detail/mpi_progress.hpp"
 #include "lockstep/comm/detail/mpi_signature.hpp"
 #include "lockstep/comm/detail/mpi_types.hpp"
+#include "lockstep/comm/detail/scatter_counts.hpp"
 #include "lockstep/comm/detail/span_checks.hpp"
 #include "lockstep/comm/mpi_environment.hpp"
 #include "lockstep/comm/timeout.hpp"
@@ -59,19 +60,20 @@ struct mpi_communicator_params {
 /// must allow that thread).
 ///
 /// Verification (params::verify, default on): before each collective the replicas exchange a
-/// signature {collective, sequence number, count, element type, root, reduce_op, arguments ok}
-/// in one MPI_Iallreduce of 14 int64 (MPI_MAX over {v, -v} gives min and max at once). Replicas
-/// that disagree throw lockstep::error on every replica (errc::count_mismatch for counts) naming
-/// the collective, its sequence number and the min/max values; a replica whose own arguments
-/// are invalid throws its own error and the others get errc::peer_failure instead of waiting.
-/// Cost: one extra 112-byte all-reduce per collective. bench_allreduce, 2 ranks on one node
-/// (MPICH 4.0.2, medians), measured while every operation was still a blocking MPI call: about
-/// +2 us, i.e. 2.3-2.5x raw MPI_Allreduce at 4 B, +25% at 16 KiB, +3-5% at 256 KiB, a few
-/// percent or noise from 1 MiB on; without verification lockstep was within 1-2% of raw MPI at
-/// every size. (Not re-measured for the polled nonblocking calls.) Turn it off ({.verify = false})
-/// for many tiny collectives once a program is known to be consistent. Every replica must use the
-/// same `verify`. Without it, mismatched counts are MPI's undefined behaviour (truncation errors,
-/// garbage or a hang).
+/// signature {collective, sequence number, count, element type, root, reduce_op, arguments ok,
+/// a hash of reduce_scatter's per-rank counts} in one MPI_Iallreduce of 16 int64 (MPI_MAX over {v,
+/// -v} gives min and max at once). Replicas that disagree throw lockstep::error on every replica
+/// (errc::count_mismatch for counts) naming the collective, its sequence number and the min/max
+/// values; a replica whose own arguments are invalid throws its own error and the others get
+/// errc::peer_failure instead of waiting. Cost: one extra 128-byte all-reduce per collective (112
+/// bytes when the figures below were measured). bench_allreduce, 2 ranks on one node (MPICH 4.0.2,
+/// medians), measured while every operation was still a blocking MPI call: about +2 us,
+/// i.e. 2.3-2.5x raw MPI_Allreduce at 4 B, +25% at 16 KiB, +3-5% at 256 KiB, a few percent or noise
+/// from 1 MiB on; without verification lockstep was within 1-2% of raw MPI at every size. (Not
+/// re-measured for the polled nonblocking calls.) Turn it off ({.verify = false}) for many tiny
+/// collectives once a program is known to be consistent. Every replica must use the same `verify`.
+/// Without it, mismatched counts are MPI's undefined behaviour (truncation errors, garbage or a
+/// hang).
 ///
 /// Arguments: a null span with a non-zero count, a span larger than memory can hold, sizes
 /// that do not fit together or a count MPI cannot describe are refused with lockstep::error
@@ -339,6 +341,72 @@ public:
         });
     }
 
+    /// Rank r receives counts[r] elements: recv[i] = op over replicas of send[offset + i],
+    /// offset = counts[0] + ... + counts[rank() - 1] (MPI_Ireduce_scatter_block when every count
+    /// is equal, else MPI_Ireduce_scatter). recv may be this replica's slice of send (in place:
+    /// the result goes through a temporary, since MPI_IN_PLACE means another layout).
+    /// requires: counts has size() entries summing to send.size(), equal on every replica
+    /// (verified through a hash of the counts in the signature); recv.size() == counts[rank()];
+    /// recv this replica's slice of send or disjoint from it; send.size() <= INT_MAX (else
+    /// errc::unsupported); spans non-null unless empty.
+    template <class T>
+    void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        std::span<const std::size_t> counts, reduce_op op) {
+        check_type<T>();
+        const std::string bad = detail::join_problems({detail::span_problem(send, "send"),
+                                                       detail::span_problem(recv, "recv"),
+                                                       detail::span_problem(counts, "counts")});
+        const auto layout =
+            bad.empty() ? detail::scatter_layout_of(counts, rank_) : detail::scatter_layout{};
+        const bool shaped = bad.empty() && counts.size() == static_cast<std::size_t>(size_) &&
+                            !layout.overflow && layout.total == send.size() &&
+                            recv.size() == layout.mine;
+        const bool in_place = shaped && !recv.empty() && recv.data() == send.data() + layout.offset;
+        const bool ok = shaped && (in_place || disjoint(send, recv));
+        const bool fits = send.size() <= std::size_t(std::numeric_limits<int>::max());
+        begin(detail::mpi_collective::reduce_scatter, send.size(), detail::mpi_type<T>::id, 0, op,
+              ok && fits, bad.empty() ? counts : std::span<const std::size_t>());
+        LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
+        LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "counts ",
+                         detail::describe_counts(counts), " (", counts.size(),
+                         " entries for a group of ", size_, "), send.size() = ", send.size(),
+                         ", recv.size() = ", recv.size(),
+                         " (requires one count per replica summing to send.size(), recv.size() "
+                         "== counts[rank()], recv this replica's slice of send or disjoint)");
+        LOCKSTEP_REQUIRE(fits, errc::unsupported, rank_, name(), "send.size() = ", send.size(),
+                         " exceeds MPI's int count (", std::numeric_limits<int>::max(),
+                         "); reduce-scatter it in pieces");
+        std::vector<T> staged(in_place ? recv.size() : 0);
+        T* out = in_place ? staged.data() : recv.data();
+        MPI_Request req = MPI_REQUEST_NULL;
+        if (layout.equal) {
+            call(MPI_Ireduce_scatter_block(send.data(), out, static_cast<int>(layout.mine),
+                                           detail::mpi_type<T>::datatype(),
+                                           detail::to_mpi_op<T>(op), comm_, &req),
+                 "MPI_Ireduce_scatter_block", send.size());
+            finish(req, "MPI_Ireduce_scatter_block", send.size(), send.size_bytes());
+        } else {
+            const std::vector<int> ints(counts.begin(), counts.end());
+            call(MPI_Ireduce_scatter(send.data(), out, ints.data(), detail::mpi_type<T>::datatype(),
+                                     detail::to_mpi_op<T>(op), comm_, &req),
+                 "MPI_Ireduce_scatter", send.size());
+            finish(req, "MPI_Ireduce_scatter", send.size(), send.size_bytes());
+        }
+        if (in_place)
+            std::copy(staged.begin(), staged.end(), recv.begin());
+    }
+
+    /// The equal-count form: every replica receives recv.size() elements
+    /// (MPI_Ireduce_scatter_block). requires: send.size() == size() * recv.size(), equal on
+    /// every replica; otherwise as the counted form.
+    template <class T>
+    void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        reduce_op op) {
+        const std::vector<std::size_t> counts(static_cast<std::size_t>(std::max(size_, 0)),
+                                              recv.size());
+        reduce_scatter<T>(send, recv, std::span<const std::size_t>(counts), op);
+    }
+
     /// Returns once every replica has entered it.
     void barrier() {
         begin(detail::mpi_collective::barrier, 0, 0, 0, reduce_op::sum, true);
@@ -505,7 +573,7 @@ private:
     // on every replica when they disagree. A replica whose own arguments failed (ok == false)
     // returns so that the caller throws its precise error; the others throw peer_failure.
     void begin(detail::mpi_collective kind, std::size_t count, std::int64_t type, int root,
-               reduce_op op, bool ok) {
+               reduce_op op, bool ok, std::span<const std::size_t> counts = {}) {
         require_usable(std::string(detail::to_string(kind)));
         ++seq_;
         kind_ = kind;
@@ -519,7 +587,9 @@ private:
                       type,
                       root,
                       static_cast<std::int64_t>(op),
-                      ok ? 1 : 0};
+                      ok ? 1 : 0,
+                      kind == detail::mpi_collective::reduce_scatter ? detail::counts_hash(counts)
+                                                                     : 0};
         auto v = detail::mpi_signature_pack(mine);
         MPI_Request req = MPI_REQUEST_NULL;
         call(MPI_Iallreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_INT64_T,
@@ -527,7 +597,8 @@ private:
              "MPI_Iallreduce (verify)", count);
         finish(req, "MPI_Iallreduce (verify)", count, 0);
         if (ok)
-            detail::require_agreement(mine, detail::mpi_signature_unpack(v), rank_);
+            detail::require_agreement(mine, detail::mpi_signature_unpack(v), rank_,
+                                      detail::describe_counts(counts));
     }
 
     void ibarrier(const char* what) {

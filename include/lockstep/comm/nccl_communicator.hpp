@@ -12,9 +12,11 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/detail/nccl_handle.hpp"
 #include "lockstep/comm/detail/nccl_types.hpp"
+#include "lockstep/comm/detail/scatter_counts.hpp"
 #include "lockstep/comm/detail/span_checks.hpp"
 #include "lockstep/system/cuda_system.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -335,6 +337,76 @@ public:
                               detail::nccl_data_type<T>(), detail::nccl_reduce_op(op), root,
                               h_.comm(), h_.stream());
         });
+    }
+
+    /// Rank r receives counts[r] elements: recv[i] = op over replicas of send[offset + i],
+    /// offset = counts[0] + ... + counts[rank() - 1], enqueued on the replica's stream: one
+    /// ncclReduceScatter when every count is equal, else one ncclReduce per rank with a non-zero
+    /// count (root r, its slice) inside ncclGroupStart/End. recv may be this replica's slice of
+    /// send (in place). requires: counts has size() entries summing to send.size(), equal on
+    /// every replica (NCCL cannot check that: unequal counts are undefined behaviour in NCCL);
+    /// recv.size() == counts[rank()]; recv this replica's slice of send or disjoint from it.
+    template <nccl_element T>
+    void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        std::span<const std::size_t> counts, reduce_op op) {
+        const std::string name = next_operation("reduce_scatter");
+        check_spans(name, send, recv);
+        const std::string bad_counts = detail::span_problem(counts, "counts");
+        h_.require(bad_counts.empty(), errc::invalid_argument, name, bad_counts);
+        const std::size_t ranks = static_cast<std::size_t>(h_.size());
+        const auto layout = detail::scatter_layout_of(counts, h_.rank());
+        h_.require(counts.size() == ranks && !layout.overflow && layout.total == send.size() &&
+                       recv.size() == layout.mine,
+                   errc::shape_mismatch, name, "counts ", detail::describe_counts(counts), " (",
+                   counts.size(), " entries for ", ranks, " replicas), send has ", send.size(),
+                   " elements, recv ", recv.size(),
+                   " (requires one count per replica summing to send's size, recv's size the "
+                   "count of this rank)");
+        const auto s0 = reinterpret_cast<std::uintptr_t>(send.data());
+        const auto r0 = reinterpret_cast<std::uintptr_t>(recv.data());
+        const bool in_place = !recv.empty() && recv.data() == send.data() + layout.offset;
+        h_.require(in_place || send.empty() || recv.empty() || s0 + send.size_bytes() <= r0 ||
+                       r0 + recv.size_bytes() <= s0,
+                   errc::invalid_argument, name,
+                   "recv overlaps send but is not this rank's slice of it (elements ",
+                   layout.offset, " to ", layout.offset + layout.mine, ")");
+        if (send.empty())
+            return;
+        h_.check_memory(name, "send", send.data());
+        if (!recv.empty())
+            h_.check_memory(name, "recv", recv.data());
+        if (layout.equal) {
+            h_.enqueue(name, [&] {
+                return ncclReduceScatter(send.data(), recv.data(), recv.size(),
+                                         detail::nccl_data_type<T>(), detail::nccl_reduce_op(op),
+                                         h_.comm(), h_.stream());
+            });
+            return;
+        }
+        h_.enqueue(name, [&] {
+            ncclResult_t r = ncclGroupStart();
+            std::size_t offset = 0;
+            for (std::size_t p = 0; p < ranks && r == ncclSuccess; offset += counts[p], ++p) {
+                if (counts[p] == 0)
+                    continue;
+                const bool mine = static_cast<int>(p) == h_.rank();
+                r = ncclReduce(send.data() + offset, mine ? recv.data() : nullptr, counts[p],
+                               detail::nccl_data_type<T>(), detail::nccl_reduce_op(op),
+                               static_cast<int>(p), h_.comm(), h_.stream());
+            }
+            const ncclResult_t end = ncclGroupEnd();
+            return r != ncclSuccess ? r : end;
+        });
+    }
+
+    /// The equal-count form (ncclReduceScatter): every replica receives recv.size() elements.
+    /// requires: send.size() == size() * recv.size(), equal on every replica.
+    template <nccl_element T>
+    void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        reduce_op op) {
+        const std::vector<std::size_t> counts(static_cast<std::size_t>(std::max(h_.size(), 0)),
+                                              recv.size());
+        reduce_scatter<T>(send, recv, std::span<const std::size_t>(counts), op);
     }
 
     /// Returns once every replica has entered the barrier: a one-element all-reduce on the

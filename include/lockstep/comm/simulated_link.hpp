@@ -22,7 +22,15 @@
 namespace lockstep {
 
 /// The operations the link model tells apart.
-enum class link_op { all_reduce, reduce, broadcast, all_gather, barrier, point_to_point };
+enum class link_op {
+    all_reduce,
+    reduce,
+    broadcast,
+    all_gather,
+    barrier,
+    point_to_point,
+    reduce_scatter
+};
 
 /// The name of a link operation, e.g. "all_reduce".
 constexpr std::string_view to_string(link_op op) noexcept {
@@ -39,6 +47,8 @@ constexpr std::string_view to_string(link_op op) noexcept {
         return "barrier";
     case link_op::point_to_point:
         return "point_to_point";
+    case link_op::reduce_scatter:
+        return "reduce_scatter";
     }
     return "unknown";
 }
@@ -83,6 +93,7 @@ inline double jitter_uniform(std::uint64_t seed, std::uint64_t rank, std::uint64
 /// bytes, recv bytes for all_gather):
 /// - all_reduce: 2 (n-1)/n x bytes (ring: reduce-scatter, then all-gather);
 /// - all_gather: (n-1)/n x recv bytes (ring);
+/// - reduce_scatter: (n-1)/n x send bytes (ring);
 /// - reduce and broadcast: bytes (a pipelined chain from or to the root);
 /// - barrier: latency only; point_to_point: bytes.
 /// A group of one replica crosses no link: 0.
@@ -97,6 +108,7 @@ inline std::chrono::nanoseconds link_wire_time(const simulated_link_params& p, l
         wire = 2 * (n - 1) / n * b;
         break;
     case link_op::all_gather:
+    case link_op::reduce_scatter:
         wire = (n - 1) / n * b;
         break;
     case link_op::reduce:
@@ -205,6 +217,18 @@ public:
                 int root) {
         collective(link_op::reduce, send.size_bytes(),
                    [&] { inner_->reduce(send, recv, op, root); });
+    }
+    template <class T>
+    void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        std::span<const std::size_t> counts, reduce_op op) {
+        collective(link_op::reduce_scatter, send.size_bytes(),
+                   [&] { inner_->reduce_scatter(send, recv, counts, op); });
+    }
+    template <class T>
+    void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        reduce_op op) {
+        collective(link_op::reduce_scatter, send.size_bytes(),
+                   [&] { inner_->reduce_scatter(send, recv, op); });
     }
     void barrier() {
         collective(link_op::barrier, 0, [&] { inner_->barrier(); });

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/detail/scatter_counts.hpp"
 #include "lockstep/comm/detail/shm_group.hpp"
 #include "lockstep/comm/detail/shm_p2p.hpp"
 #include "lockstep/comm/detail/shm_reduce.hpp"
@@ -39,7 +40,8 @@ class thread_group;
 ///   all_reduce is a reduce-scatter by chunk ownership (each replica reduces 1/size() of the
 ///   elements from every input) followed by an all-gather of the chunks, three rendezvous.
 /// - Every collective carries a per-group sequence number; replicas that disagree on the call
-///   (collective, element type, count, reduction, root, receive size) all throw
+///   (collective, element type, count, reduction, root, receive size, reduce_scatter's
+///   per-rank counts) all throw
 ///   lockstep::error (errc::count_mismatch for counts, errc::shape_mismatch otherwise) naming
 ///   "<collective> #<seq>" and every replica's values. The group stays usable after that.
 /// - If any replica of the run fails (throws out of its function, times out, or destroys a
@@ -228,6 +230,54 @@ public:
                                       mine.first, mine.second, op);
         });
         next_phase(s);
+    }
+
+    /// recv[i] = op over all replicas (in rank order) of send[offset + i], where this replica's
+    /// slice of send starts at offset = counts[0] + ... + counts[rank() - 1] and holds
+    /// counts[rank()] elements. Each element is reduced exactly as all_reduce reduces it, so
+    /// reduce_scatter followed by all_gather gives all_reduce's bits. Sends of up to 4 KiB go
+    /// through the stash (one rendezvous); larger ones read the peers' send spans (two).
+    /// requires: counts has size() entries summing to send.size(), the same on every replica;
+    /// recv.size() == counts[rank()]; recv is this replica's slice of send (in place) or does
+    /// not overlap send. Violations throw on every replica (errc::count_mismatch for counts,
+    /// errc::invalid_argument for overlapping spans) before any data moves.
+    template <class T>
+    void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        std::span<const std::size_t> counts, reduce_op op) {
+        static_assert(detail::shm::reducible<T>,
+                      "thread_communicator reduces arithmetic element types only (not bool).");
+        const std::size_t count = send.size();
+        const bool small = stashed<T>(count);
+        auto rec = record<T>(detail::shm::collective_kind::reduce_scatter, count, recv.size(),
+                             send.data(), recv.data(), op, 0);
+        if (counts.data() == nullptr && !counts.empty())
+            rec.null_counts = counts.size();
+        else
+            rec.counts.assign(counts.begin(), counts.end());
+        auto s =
+            start(std::move(rec), small ? 1 : 2, small ? send.data() : nullptr, small ? count : 0);
+        // validate() has checked the counts, so this replica's slice is inside every send.
+        const auto slice = detail::scatter_layout_of(counts, rank_);
+        const int n = size();
+        source_list<T> sources(n);
+        for (int j = 0; j < n; ++j)
+            sources[j] = (small ? stashed_send<T>(j, s) : peer_send<T>(j, s)) + slice.offset;
+        // Peers read only their own slices of this replica's send, never the one recv may be.
+        guarded(s, [&] {
+            detail::shm::reduce_range(system(), sources.data(), n, recv.data(), 0, slice.mine, op);
+        });
+        if (!small)
+            next_phase(s);
+    }
+
+    /// The equal-count form: every rank receives recv.size() elements.
+    /// requires: send.size() == size() * recv.size(), recv.size() equal on every replica.
+    template <class T>
+    void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        reduce_op op) {
+        const std::vector<std::size_t> counts(static_cast<std::size_t>(std::max(size(), 0)),
+                                              recv.size());
+        reduce_scatter<T>(send, recv, std::span<const std::size_t>(counts), op);
     }
 
     /// Returns once every replica of the group has entered the barrier.

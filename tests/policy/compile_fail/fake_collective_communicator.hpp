@@ -6,6 +6,7 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/system/host_system.hpp"
 
+#include <cstddef>
 #include <span>
 
 struct collective_only_communicator {
@@ -21,6 +22,11 @@ struct collective_only_communicator {
     void all_gather(std::span<const T>, std::span<T>) {}
     template <class T>
     void reduce(std::span<const T>, std::span<T>, lockstep::reduce_op, int) {}
+    template <class T>
+    void reduce_scatter(std::span<const T>, std::span<T>, std::span<const std::size_t>,
+                        lockstep::reduce_op) {}
+    template <class T>
+    void reduce_scatter(std::span<const T>, std::span<T>, lockstep::reduce_op) {}
     void barrier() {}
     collective_only_communicator split(int, int) { return {}; }
 };

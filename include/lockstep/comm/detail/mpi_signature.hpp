@@ -26,7 +26,8 @@ enum class mpi_collective : std::int64_t {
     reduce,
     barrier,
     split,
-    all_to_all
+    all_to_all,
+    reduce_scatter
 };
 
 constexpr std::string_view to_string(mpi_collective c) noexcept {
@@ -47,16 +48,19 @@ constexpr std::string_view to_string(mpi_collective c) noexcept {
         return "split";
     case mpi_collective::all_to_all:
         return "all_to_all";
+    case mpi_collective::reduce_scatter:
+        return "reduce_scatter";
     }
     return "unknown";
 }
 
 /// What every replica must agree on before a collective runs. Fields that do not apply are 0
 /// (root and op of an all_gather); `arguments_ok` is 0 on a replica whose own arguments failed
-/// a local check, so the others are released with an error instead of waiting for it.
+/// a local check, so the others are released with an error instead of waiting for it;
+/// `layout` is a positive hash of reduce_scatter's per-rank counts (counts_hash).
 struct mpi_signature {
-    enum field : std::size_t { kind, sequence, count, type, root, op, arguments_ok };
-    static constexpr std::size_t size = 7; ///< the number of fields
+    enum field : std::size_t { kind, sequence, count, type, root, op, arguments_ok, layout };
+    static constexpr std::size_t size = 8; ///< the number of fields
     std::array<std::int64_t, size> value{};
 };
 
@@ -97,9 +101,11 @@ inline std::string mpi_operation_name(mpi_collective kind, std::int64_t sequence
 /// Throws lockstep::error when the replicas' signatures disagree. Every replica sees the same
 /// range, so every replica throws, with the same code: peer_failure when a replica's own
 /// arguments failed (that replica reports them itself), invalid_argument for different
-/// collectives, sequence numbers, roots or reductions, count_mismatch for counts and
+/// collectives, sequence numbers, roots or reductions, count_mismatch for counts (and for
+/// reduce_scatter's per-rank counts, described by `layout_text` for this replica) and
 /// shape_mismatch for element types.
-inline void require_agreement(const mpi_signature& mine, const mpi_signature_range& r, int rank) {
+inline void require_agreement(const mpi_signature& mine, const mpi_signature_range& r, int rank,
+                              const std::string& layout_text = {}) {
     using f = mpi_signature;
     const auto& lo = r.min.value;
     const auto& hi = r.max.value;
@@ -121,6 +127,9 @@ inline void require_agreement(const mpi_signature& mine, const mpi_signature_ran
     if (!r.agree(f::count))
         fail(errc::count_mismatch, rank, name(), "replicas passed different counts: min ",
              lo[f::count], ", max ", hi[f::count], " (this replica ", mine.value[f::count], ")");
+    if (!r.agree(f::layout))
+        fail(errc::count_mismatch, rank, name(),
+             "replicas passed different per-rank counts (this replica ", layout_text, ")");
     if (!r.agree(f::type))
         fail(errc::shape_mismatch, rank, name(),
              "replicas passed different element types: ", mpi_type_name(lo[f::type]), " and ",

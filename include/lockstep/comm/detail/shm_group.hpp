@@ -4,6 +4,7 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/detail/scatter_counts.hpp"
 #include "lockstep/comm/detail/shm_reduce.hpp"
 #include "lockstep/comm/detail/shm_sync.hpp"
 #include "lockstep/core/checked_math.hpp"
@@ -22,6 +23,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,7 +40,8 @@ enum class collective_kind : unsigned char {
     all_reduce,
     reduce,
     split,
-    all_to_all
+    all_to_all,
+    reduce_scatter
 };
 
 inline const char* name_of(collective_kind k) noexcept {
@@ -57,6 +60,8 @@ inline const char* name_of(collective_kind k) noexcept {
         return "split";
     case collective_kind::all_to_all:
         return "all_to_all";
+    case collective_kind::reduce_scatter:
+        return "reduce_scatter";
     }
     return "collective";
 }
@@ -76,6 +81,12 @@ struct call_record {
     const void* send = nullptr;
     void* recv = nullptr;
     std::shared_ptr<group_state> child; ///< split: the new group, published by its leader
+    /// reduce_scatter: a copy of the per-rank counts (a copy, because a peer may still read
+    /// the record after this replica has returned from a one-phase collective); empty for the
+    /// other collectives.
+    std::vector<std::size_t> counts;
+    /// reduce_scatter: the entries of a null counts span (then nothing is copied), else 0.
+    std::size_t null_counts = 0;
     /// What is wrong with this replica's own arguments ("" when nothing): a null span with a
     /// non-zero count, or more elements than memory can hold. Every member then throws it.
     std::string problem;
@@ -96,6 +107,9 @@ inline std::string record_problem(const call_record& c) {
     };
     std::string a = check(c.send, c.count, "send");
     std::string b = check(c.recv, c.recv_count, "receive");
+    if (c.null_counts != 0)
+        b += (b.empty() ? "" : " and ") + std::string("a null counts span of ") +
+             std::to_string(c.null_counts) + " entries";
     if (!a.empty() && !b.empty())
         return a + " and " + b;
     return a.empty() ? b : a;
@@ -290,6 +304,11 @@ public:
     void validate(int rank, op_label label) const;
 
 private:
+    /// validate's part for reduce_scatter, after kinds, types and send counts agree: equal
+    /// per-rank counts, one per member, summing to the send count; each receive span this
+    /// member's slice of its send span or disjoint from it.
+    void validate_scatter(int rank, op_label label) const;
+
     std::string name(const std::string& op) const { return op; }
     std::string name(op_label l) const { return operation(l); }
 
@@ -375,7 +394,8 @@ inline void group_state::validate(int rank, op_label label) const {
     if (!all_same([](const call_record& c) { return c.count; }))
         fail(errc::count_mismatch, me, op(),
              "replicas disagree on the element count: ", list(passed));
-    if (k == collective_kind::all_reduce || k == collective_kind::reduce) {
+    if (k == collective_kind::all_reduce || k == collective_kind::reduce ||
+        k == collective_kind::reduce_scatter) {
         if (!all_same([](const call_record& c) { return c.op; }))
             fail(errc::shape_mismatch, me, op(),
                  "replicas disagree on the reduction: ", list([](const call_record& c) {
@@ -410,9 +430,13 @@ inline void group_state::validate(int rank, op_label label) const {
                      "form)");
         }
     }
+    if (k == collective_kind::reduce_scatter)
+        validate_scatter(rank, label);
     for (int j = 0; j < n; ++j) {
         const call_record& c = call(j, seq);
         std::size_t want = c.recv_count;
+        if (k == collective_kind::reduce_scatter)
+            want = c.counts[static_cast<std::size_t>(j)];
         if (k == collective_kind::all_reduce || k == collective_kind::all_to_all)
             want = c.count;
         if (k == collective_kind::reduce && j == c.root)
@@ -426,6 +450,51 @@ inline void group_state::validate(int rank, op_label label) const {
             fail(errc::count_mismatch, me, op(), "replica ", replica_of(j),
                  " passed a receive span of ", count_of(c.recv_count, c.type, c.elem_size), " for ",
                  count_of(want, c.type, c.elem_size));
+    }
+}
+
+inline void group_state::validate_scatter(int rank, op_label label) const {
+    const std::uint64_t seq = label.seq;
+    const int me = replica_of(rank);
+    const int n = size();
+    const call_record& c0 = call(0, seq);
+    for (int j = 1; j < n; ++j)
+        if (call(j, seq).counts != c0.counts) {
+            std::string s;
+            for (int q = 0; q < n; ++q)
+                s += (q == 0 ? "" : ", ") + std::string("replica ") +
+                     std::to_string(replica_of(q)) + " passed counts " +
+                     describe_counts(call(q, seq).counts);
+            fail(errc::count_mismatch, me, operation(label),
+                 "replicas disagree on the per-rank counts: ", s);
+        }
+    // Counts agree from here, so every replica throws the same error or none does.
+    const std::span<const std::size_t> counts = c0.counts;
+    const auto layout = scatter_layout_of(counts, 0);
+    if (counts.size() != static_cast<std::size_t>(n))
+        fail(errc::count_mismatch, me, operation(label), "every replica passed ", counts.size(),
+             " counts ", describe_counts(counts), " for a group of ", n,
+             " replicas (one count per rank)");
+    if (layout.overflow || layout.total != c0.count)
+        fail(errc::count_mismatch, me, operation(label), "the counts ", describe_counts(counts),
+             layout.overflow ? std::string(" overflow std::size_t")
+                             : " sum to " + std::to_string(layout.total),
+             " but every replica sends ", count_of(c0.count, c0.type, c0.elem_size));
+    for (int j = 0; j < n; ++j) {
+        const call_record& c = call(j, seq);
+        const auto at = scatter_layout_of(c.counts, j);
+        const auto s0 = reinterpret_cast<std::uintptr_t>(c.send);
+        const auto r0 = reinterpret_cast<std::uintptr_t>(c.recv);
+        const std::size_t send_bytes = c.count * c.elem_size;
+        const std::size_t recv_bytes = at.mine * c.elem_size;
+        const bool in_place = r0 == s0 + at.offset * c.elem_size;
+        const bool overlap = send_bytes != 0 && recv_bytes != 0 && c.recv_count == at.mine &&
+                             s0 < r0 + recv_bytes && r0 < s0 + send_bytes;
+        if (overlap && !in_place)
+            fail(errc::invalid_argument, me, operation(label), "replica ", replica_of(j),
+                 " passed a receive span that overlaps its send span but is not its own slice "
+                 "of it (elements ",
+                 at.offset, " to ", at.offset + at.mine, ")");
     }
 }
 
