@@ -20,15 +20,6 @@
 
 namespace lockstep {
 
-namespace detail {
-/// True when C has reduce_scatter with per-replica counts for element type T.
-template <class C, class T>
-concept has_reduce_scatter = requires(C& c, std::span<const T> s, std::span<T> r,
-                                      std::span<const std::size_t> k) {
-    c.reduce_scatter(s, r, k, reduce_op::sum);
-};
-} // namespace detail
-
 /// A communicator over nodes() x local_size() replicas, composed of two communicators this
 /// replica holds:
 /// - `intra`: the local_size() replicas of this node (e.g. the threads of this process, a
@@ -40,7 +31,8 @@ concept has_reduce_scatter = requires(C& c, std::span<const T> s, std::span<T> r
 /// the same inter.rank() (the constructor checks both).
 ///
 /// Collectives (same contracts as the `communicator` concept; spans in host memory):
-/// - all_reduce: large messages (at least local_size() * 4096 elements) are reduce-scattered
+/// - all_reduce: large messages (at least local_size() * sharded_from elements) are
+/// reduce-scattered
 ///   inside the node (each replica owns 1/local_size() of the elements), all_reduced across nodes
 ///   shard by shard (each local rank on its own inter communicator, concurrently), and
 ///   all_gathered inside the node: each byte crosses the inter-node link once per node, not once
@@ -53,7 +45,7 @@ concept has_reduce_scatter = requires(C& c, std::span<const T> s, std::span<T> r
 ///   nodes.
 /// - reduce: inside the node to the root's local rank, then across nodes on that local rank's
 ///   inter communicator.
-/// - reduce_scatter (when both parts have it): the send data is reordered local-rank-major, then
+/// - reduce_scatter: the send data is reordered local-rank-major, then
 ///   reduce-scattered inside the node and across nodes.
 /// - barrier: inside the node, across nodes, inside the node.
 /// - split(color, key): supported when the new groups have the same shape on every node they
@@ -133,11 +125,9 @@ public:
                          " elements, recv ", recv.size());
         const std::size_t n = send.size();
         const auto L = static_cast<std::size_t>(intra_.size());
-        if constexpr (detail::has_reduce_scatter<Intra, T>) {
-            if (L > 1 && n >= L * sharded_from) {
-                sharded_all_reduce(send, recv, op);
-                return;
-            }
+        if (L > 1 && n >= L * sharded_from) {
+            sharded_all_reduce(send, recv, op);
+            return;
         }
         intra_.all_reduce(send, recv, op);
         inter_.all_reduce(std::span<const T>(recv), recv, op);
@@ -196,15 +186,14 @@ public:
         intra_.barrier();
     }
 
-    /// reduce_scatter with per-replica counts (available when both parts have it): replica r
-    /// receives counts[r] elements, op over every replica of send[offset_r, offset_r +
-    /// counts[r]) with offset_r = counts[0] + ... + counts[r - 1].
-    /// requires: counts.size() == size(), equal on every replica; send.size() == sum of counts;
-    /// recv.size() == counts[rank()]; send and recv disjoint.
+    /// reduce_scatter with per-replica counts: replica r receives counts[r] elements, op over
+    /// every replica of send[offset_r, offset_r + counts[r]) with offset_r = counts[0] + ... +
+    /// counts[r - 1]. requires: counts.size() == size(), equal on every replica; send.size() ==
+    /// sum of counts; recv.size() == counts[rank()]; recv is this replica's slice of send (in
+    /// place) or disjoint from it.
     template <class T>
     void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        std::span<const std::size_t> counts, reduce_op op) requires
-        detail::has_reduce_scatter<Intra, T> && detail::has_reduce_scatter<Inter, T> {
+                        std::span<const std::size_t> counts, reduce_op op) {
         const int L = intra_.size();
         const int N = inter_.size();
         LOCKSTEP_REQUIRE(counts.size() == static_cast<std::size_t>(size()), errc::count_mismatch,
@@ -213,7 +202,7 @@ public:
         std::vector<std::size_t> offset(counts.size() + 1, 0);
         for (std::size_t r = 0; r < counts.size(); ++r)
             offset[r + 1] = checked_add(offset[r], counts[r], rank(),
-                                        "hierarchical_communicator.reduce_scatter");
+                                        "hierarchical_communicator.reduce_scatter", "the counts");
         LOCKSTEP_REQUIRE(send.size() == offset.back(), errc::count_mismatch, rank(),
                          "hierarchical_communicator.reduce_scatter", "send has ", send.size(),
                          " elements, counts sum to ", offset.back());
@@ -239,6 +228,15 @@ public:
                 counts[static_cast<std::size_t>(n * L + intra_.rank())];
         inter_.reduce_scatter(std::span<const T>(mine), recv,
                               std::span<const std::size_t>(node_counts), op);
+    }
+
+    /// The equal-count form: every replica receives recv.size() elements.
+    /// requires: send.size() == size() * recv.size(), equal on every replica.
+    template <class T>
+    void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                        reduce_op op) {
+        const std::vector<std::size_t> counts(static_cast<std::size_t>(size()), recv.size());
+        reduce_scatter(send, recv, std::span<const std::size_t>(counts), op);
     }
 
     /// The replicas with the same color form a new hierarchical group, ranked by (key, rank).
