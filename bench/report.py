@@ -42,7 +42,7 @@ def fmt(v, digits=3):
         return "-"
     if abs(v) >= 1000:
         return f"{v:,.0f}"
-    return f"{v:.{digits}g}" if abs(v) < 1 else f"{v:.{digits}f}".rstrip("0").rstrip(".")
+    return f"{v:.{digits}g}" if abs(v) < 1 else f"{v:.{digits + 1}g}"
 
 
 def table(header, rows):
@@ -324,7 +324,12 @@ def section_digits(rows):
             "examples/digits (an MLP on the 8x8 digits set) trained with 1 and 2 replicas of the "
             "thread group next to the same network, data, batch and optimizer in PyTorch DDP "
             "(gloo) with 1 and 2 processes; both sides get the same cores and count training "
-            "samples per second of the training loop only; median of the runs.", ""]
+            "samples per second of the training loop only; median of the runs. The network is "
+            "tiny (9.6 k parameters): the numbers measure per-step overhead more than arithmetic. "
+            "With one replica both sides run their kernels on OpenMP threads over all cores, and "
+            "on a loaded machine OpenMP's spinning waits make that row slow "
+            "([the digits example](../examples/digits/README.md) has runs with "
+            "`OMP_WAIT_POLICY=passive`).", ""]
     has_torch = any(r["variant"] == "torch_ddp" for r in rows)
     if rows and not has_torch:
         text += ["PyTorch was not importable: the torch rows were skipped.", ""]
