@@ -2,12 +2,18 @@
 // beside memcpy / STREAM-copy bandwidth and the traffic bound, and on mpi_communicator beside
 // raw MPI_Allreduce on the same buffers. SPDX-License-Identifier: Apache-2.0
 //
-//   bench_allreduce [--max-mib M] [--reps-scale X]              thread_group part (1 process)
-//   mpiexec -n 2 bench_allreduce [--max-mib M] [--reps-scale X] MPI part (world size > 1)
+//   bench_allreduce [--max-mib M] [--reps-scale X] [--csv F]              thread_group part
+//   mpiexec -n 2 bench_allreduce [--max-mib M] [--reps-scale X] [--csv F] MPI part (world > 1)
 //
 // Every time is the median over repetitions of the slowest replica's time for one call, each
 // call started right after a barrier, after warm-up calls. Sizes are the bytes of one
-// replica's buffer (S); algorithm bandwidth = S / time.
+// replica's buffer (S); algorithm bandwidth = S / time; bus bandwidth = algorithm bandwidth x
+// 2 (n - 1) / n for n replicas (NCCL's convention: comparable across replica counts).
+//
+// --csv F (written by the process of rank 0): one row per measured point: backend
+// (thread_group, mpi), variant (lockstep, raw, plain, verify, copy anchors), bytes, time,
+// algorithm and bus bandwidth, the ratio to the row's anchor and which anchor that is.
+#include "csv.hpp"
 #include "lockstep/comm/mpi_communicator.hpp"
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/system/buffer.hpp"
@@ -39,7 +45,20 @@ double median(std::vector<double> v) {
 struct options {
     std::size_t max_bytes = std::size_t{256} << 20;
     double reps_scale = 1.0;
+    std::string csv; ///< --csv: the CSV file ("" for none)
 };
+
+// The CSV's columns (one writer per process; only rank 0 passes a file name).
+lockstep::bench_csv::writer open_csv(const std::string& path) {
+    return {path,
+            {"bench", "backend", "replicas", "variant", "bytes", "time_us", "algbw_gbps",
+             "busbw_gbps", "ratio", "ratio_to"}};
+}
+
+// Bus bandwidth in GB/s of an all_reduce of `bytes` per replica over n replicas in t seconds.
+double busbw_gbps(std::size_t bytes, double t, int n) {
+    return double(bytes) / t * 2.0 * (n - 1) / n * 1e-9;
+}
 
 // 4 B, 16 B, ..., max_bytes (powers of 4).
 std::vector<std::size_t> sizes(const options& o) {
@@ -193,6 +212,14 @@ paired_result time_paired(std::size_t bytes, int reps) {
 void run_threads(const options& o) {
     const std::size_t anchor_bytes = std::size_t{64} << 20;
     const copy_bandwidth bw = measure_copies(anchor_bytes, 11);
+    auto csv = open_csv(o.csv);
+    const auto anchor_row = [&](const char* variant, double bytes_per_s) {
+        csv.row({"allreduce", "thread_group", 2, variant, anchor_bytes,
+                 double(anchor_bytes) / bytes_per_s * 1e6, bytes_per_s * 1e-9, "", "", ""});
+    };
+    anchor_row("memcpy_1thread", bw.memcpy_1thread);
+    anchor_row("memcpy_2threads", bw.memcpy_2threads);
+    anchor_row("stream_copy_2threads", bw.stream_2threads);
     std::printf("thread_group all_reduce (sum, float), 2 replicas, %d hardware threads\n",
                 lockstep::host_system::default_threads(1));
     std::printf("anchors (64 MiB arrays): memcpy 1 thread %.2f GB/s copied; 2 threads each "
@@ -208,6 +235,10 @@ void run_threads(const options& o) {
         std::printf("%12zu %12.2f %12.3f %12.2f %12.2f\n", bytes, t * 1e6, double(bytes) / t * 1e-9,
                     bound * 1e6, t / bound);
         std::fflush(stdout);
+        csv.row({"allreduce", "thread_group", 2, "lockstep", bytes, t * 1e6,
+                 double(bytes) / t * 1e-9, busbw_gbps(bytes, t, 2), t / bound, "traffic_bound"});
+        csv.row({"allreduce", "thread_group", 2, "traffic_bound", bytes, bound * 1e6,
+                 double(bytes) / bound * 1e-9, busbw_gbps(bytes, bound, 2), 1.0, "traffic_bound"});
     }
     std::printf("\npaired with a STREAM copy of the same bytes on the same threads, interleaved "
                 "(robust to load):\n%12s %12s %12s %14s %12s\n",
@@ -220,6 +251,12 @@ void run_threads(const options& o) {
         const paired_result pr = time_paired(bytes, 15);
         std::printf("%12zu %12.1f %12.1f %14.2f %12.2f\n", bytes, pr.all_reduce * 1e6,
                     pr.copy * 1e6, 4.0 * double(bytes) / pr.copy * 1e-9, pr.all_reduce / pr.copy);
+        csv.row({"allreduce", "thread_group", 2, "lockstep_paired", bytes, pr.all_reduce * 1e6,
+                 double(bytes) / pr.all_reduce * 1e-9, busbw_gbps(bytes, pr.all_reduce, 2),
+                 pr.all_reduce / pr.copy, "paired_copy"});
+        csv.row({"allreduce", "thread_group", 2, "paired_copy", bytes, pr.copy * 1e6,
+                 double(bytes) / pr.copy * 1e-9, busbw_gbps(bytes, pr.copy, 2), 1.0,
+                 "paired_copy"});
     }
 }
 
@@ -229,6 +266,7 @@ void run_mpi(const options& o) {
     lockstep::mpi_communicator checked(MPI_COMM_WORLD);
     lockstep::mpi_communicator unchecked(MPI_COMM_WORLD, {.verify = false});
     const int rank = checked.rank();
+    auto csv = open_csv(rank == 0 ? o.csv : std::string());
     if (rank == 0) {
         char lib[MPI_MAX_LIBRARY_VERSION_STRING] = {};
         int len = 0;
@@ -287,6 +325,13 @@ void run_mpi(const options& o) {
                         raw * 1e6, plain * 1e6, verify * 1e6, double(bytes) / raw * 1e-9,
                         plain / raw, verify / raw, best(1) / best(0));
             std::fflush(stdout);
+            const char* names[3] = {"raw", "plain", "verify"};
+            for (int v = 0; v < 3; ++v) {
+                const double tv = med(v);
+                csv.row({"allreduce", "mpi", checked.size(), names[v], bytes, tv * 1e6,
+                         double(bytes) / tv * 1e-9, busbw_gbps(bytes, tv, checked.size()), tv / raw,
+                         "raw"});
+            }
         }
     }
 }
@@ -302,8 +347,11 @@ int main(int argc, char** argv) {
             o.max_bytes = static_cast<std::size_t>(std::atof(argv[i + 1]) * double(1 << 20));
         else if (a == "--reps-scale")
             o.reps_scale = std::atof(argv[i + 1]);
+        else if (a == "--csv")
+            o.csv = argv[i + 1];
         else {
-            std::fprintf(stderr, "usage: [mpiexec -n 2] %s [--max-mib M] [--reps-scale X]\n",
+            std::fprintf(stderr,
+                         "usage: [mpiexec -n 2] %s [--max-mib M] [--reps-scale X] [--csv F]\n",
                          argv[0]);
             return 2;
         }

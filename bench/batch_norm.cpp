@@ -1,7 +1,13 @@
 // bench/batch_norm.cpp: host batch norm (forward training, backward) against oneDNN on the same
 // shapes and against the STREAM-copy traffic bound, all measured in one run with the same
 // threads. SPDX-License-Identifier: Apache-2.0
+//
+//   bench_batch_norm [reps = 20] [threads = all cores] [wall | cpu] [--csv FILE]
+//
+// --csv FILE: one row per shape, layout, pass and contestant (lockstep, onednn, bound) with its
+// time and its ratios to oneDNN in the same layout and to the bound.
 #include "lockstep/nn/batch_norm.hpp"
+#include "csv.hpp"
 #include "lockstep/comm/thread_group.hpp"
 
 #if LOCKSTEP_BENCH_HAS_DNNL
@@ -146,7 +152,9 @@ double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
 
 int main(int argc, char** argv) {
     using namespace lockstep;
-    // usage: bench_batch_norm [reps = 20] [threads = all cores] [wall | cpu]
+    bench_csv::writer csv(bench_csv::take_option(argc, argv),
+                          {"bench", "shape", "layout", "pass", "threads", "variant", "ms",
+                           "ratio_to_onednn", "ratio_to_bound"});
     const int reps = argc > 1 ? std::max(3, std::atoi(argv[1])) : 20;
     const int threads =
         argc > 2 ? std::max(1, std::atoi(argv[2])) : host_system::default_threads(1);
@@ -244,6 +252,18 @@ int main(int argc, char** argv) {
                             pass == 0 ? "forward" : "backward", mine, same, best, bound[pass],
                             same > 0 ? mine / same : 0.0, best > 0 ? mine / best : 0.0,
                             bound[pass] / mine);
+                const char* layout = l == 0 ? "nchw" : "nhwc";
+                const char* pass_name = pass == 0 ? "forward" : "backward";
+                const auto to_onednn = [&](double ms) {
+                    return same > 0 ? bench_csv::cell(ms / same) : bench_csv::cell("");
+                };
+                csv.row({"batch_norm", s.name(), layout, pass_name, threads, "lockstep", mine,
+                         to_onednn(mine), mine / bound[pass]});
+                if (same > 0)
+                    csv.row({"batch_norm", s.name(), layout, pass_name, threads, "onednn", same,
+                             1.0, same / bound[pass]});
+                csv.row({"batch_norm", s.name(), layout, pass_name, threads, "bound", bound[pass],
+                         to_onednn(bound[pass]), 1.0});
             }
         }
         std::printf("  (%d threads, STREAM copy %.1f GB/s at %.1f MB; max |lockstep - oneDNN| "

@@ -3,8 +3,11 @@
 # the same MLP in PyTorch DDP (gloo) with 1 and 2 processes, in the same run, as ratios.
 # SPDX-License-Identifier: Apache-2.0
 #
-# usage: bench/digits_throughput.sh [path/to/digits] (default: $BUILD/examples/digits/digits,
-#        BUILD defaults to ./build). Knobs (environment): EPOCHS (20), BATCH (64, global),
+# usage: bench/digits_throughput.sh [--csv FILE] [path/to/digits] (default:
+#        $BUILD/examples/digits/digits, BUILD defaults to ./build). --csv FILE: one row per
+#        replica count and side (lockstep, torch_ddp) with samples/s, test accuracy and the ratio
+#        to torch. Without torch the lockstep rows run alone (torch columns "-", a note says
+#        so). Knobs (environment): EPOCHS (20), BATCH (64, global),
 #        HIDDEN (128), REPEAT (3: the median of 3 runs is reported), CORES (nproc), PYTHON
 #        (/usr/bin/python3, the interpreter with Debian's python3-torch).
 # Fairness: both sides get the same cores. lockstep's thread group gives each replica
@@ -13,6 +16,12 @@
 # both count training samples per second of the training loop only.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+csv=""
+if [[ "${1:-}" == "--csv" ]]; then
+  if [[ $# -lt 2 ]]; then echo "digits_throughput: --csv needs a file name" >&2; exit 2; fi
+  csv=$2
+  shift 2
+fi
 digits=${1:-${BUILD:-build}/examples/digits/digits}
 epochs=${EPOCHS:-20}
 batch=${BATCH:-64}
@@ -25,9 +34,12 @@ if [[ ! -x "$digits" ]]; then
   echo "digits_throughput: $digits is not an executable (build the 'digits' target first)" >&2
   exit 2
 fi
+have_torch=1
 if ! "$python" -c "import torch" 2>/dev/null; then
-  echo "digits_throughput: $python cannot import torch (apt-get install python3-torch)" >&2
-  exit 2
+  have_torch=0
+fi
+if [[ -n "$csv" ]]; then
+  echo "bench,replicas,variant,samples_per_s,test_accuracy_pct,ratio_to_torch" >"$csv"
 fi
 
 median() { sort -g | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
@@ -60,13 +72,27 @@ for n in 1 2; do
   ls_rates=() ; t_rates=() ; ls_acc="" ; t_acc=""
   for ((i = 0; i < repeat; ++i)); do
     read -r r a < <(lockstep_run "$n"); ls_rates+=("$r"); ls_acc=$a
-    read -r r a < <(torch_run "$n"); t_rates+=("$r"); t_acc=$a
+    if ((have_torch)); then
+      read -r r a < <(torch_run "$n"); t_rates+=("$r"); t_acc=$a
+    fi
   done
   l=$(printf '%s\n' "${ls_rates[@]}" | median)
-  t=$(printf '%s\n' "${t_rates[@]}" | median)
   ls_rate[$n]=$l
-  printf '%-9s %16.0f %16.0f %10.2f %12s %12s\n' "$n" "$l" "$t" \
-         "$(awk -v a="$l" -v b="$t" 'BEGIN {print a / b}')" "$ls_acc" "$t_acc"
+  if ((have_torch)); then
+    t=$(printf '%s\n' "${t_rates[@]}" | median)
+    ratio=$(awk -v a="$l" -v b="$t" 'BEGIN {print a / b}')
+    printf '%-9s %16.0f %16.0f %10.2f %12s %12s\n' "$n" "$l" "$t" "$ratio" "$ls_acc" "$t_acc"
+  else
+    t="" ; ratio=""
+    printf '%-9s %16.0f %16s %10s %12s %12s\n' "$n" "$l" - - "$ls_acc" -
+  fi
+  if [[ -n "$csv" ]]; then
+    echo "digits,$n,lockstep,$l,$ls_acc,$ratio" >>"$csv"
+    if ((have_torch)); then echo "digits,$n,torch_ddp,$t,$t_acc,1" >>"$csv"; fi
+  fi
 done
+if ((!have_torch)); then
+  echo "torch DDP: skipped ($python cannot import torch; bash scripts/deps --bench installs it)"
+fi
 echo "lockstep scaling 1 -> 2 replicas: $(awk -v a="${ls_rate[2]}" -v b="${ls_rate[1]}" \
       'BEGIN {printf "%.2f", a / b}')x"

@@ -2,10 +2,12 @@
 // tensors) versus its memory-traffic bound at the STREAM-copy bandwidth measured in the same run
 // with the same threads. SPDX-License-Identifier: Apache-2.0
 //
-// Usage: bench_optimizer [repetitions = 20] [threads = all cores]
+// Usage: bench_optimizer [repetitions = 20] [threads = all cores] [--csv FILE]
 // Prints, per kernel, the bytes it must move per parameter, the best and median time over the
 // repetitions, the bandwidth it achieves and bound/time = (bytes / STREAM-copy bandwidth) /
 // best time (1.0 = as fast as the memory allows; > 1 is possible when a buffer stays in cache).
+// --csv FILE: the same numbers, one row per kernel (the two anchors included).
+#include "csv.hpp"
 #include "lockstep/optim/adam.hpp"
 #include "lockstep/optim/lamb.hpp"
 #include "lockstep/optim/lars.hpp"
@@ -95,6 +97,9 @@ timing measure(int reps, const std::function<void()>& f) {
 } // namespace
 
 int main(int argc, char** argv) {
+    bench_csv::writer csv(bench_csv::take_option(argc, argv),
+                          {"bench", "kernel", "bytes_per_param", "threads", "best_ms", "median_ms",
+                           "gbps", "bound_ms", "bound_over_time", "rmw_bound_over_time"});
     const int reps = argc > 1 ? std::atoi(argv[1]) : 20;
     const int threads = argc > 2 ? std::atoi(argv[2]) : host_system::default_threads(1);
     const host_system sys(threads);
@@ -146,6 +151,9 @@ int main(int argc, char** argv) {
         std::printf("%-18s %5.0f %9.2f %9.2f %7.2f %9.2f %11.3f %11.3f\n", name, bytes_per_param,
                     t.best * 1e3, t.median * 1e3, bytes / t.best * 1e-9, bound * 1e3,
                     bound / t.best, bytes / rmw_bandwidth / t.best);
+        csv.row({"optimizer", name, bytes_per_param, sys.threads(), t.best * 1e3, t.median * 1e3,
+                 bytes / t.best * 1e-9, bound * 1e3, bound / t.best,
+                 bytes / rmw_bandwidth / t.best});
     };
     report("stream copy", 8, stream);
     report("a += b", 12, rmw);

@@ -3,8 +3,8 @@
 // with communication overlap on and off, beside compute alone and reduction alone (and PyTorch DDP
 // on gloo running the same network). SPDX-License-Identifier: Apache-2.0
 //
-//     bench_overlap [--quick] [--reps N] [--gbps G] [--latency-us L] [--no-ddp]
-//     mpiexec -n 2 bench_overlap_mpi [--quick] [--reps N] [--gbps G] [--latency-us L]
+//     bench_overlap [--quick] [--reps N] [--gbps G] [--latency-us L] [--no-ddp] [--csv F]
+//     mpiexec -n 2 bench_overlap_mpi [--quick] [--reps N] [--gbps G] [--latency-us L] [--csv F]
 //
 // Every row times, round-robin over repetitions (the median is printed), each fenced by barriers:
 // - compute: one trainer step of the same network on a one-replica group whose collectives cost
@@ -17,6 +17,8 @@
 // resnet50_output_pixels), writes the gradient and calls ctx.mark_ready. The backward is
 // calibrated to take as long as the reduction: the modelled wire time on the simulated link,
 // the measured all_reduce time on the thread group and MPI.
+// --csv F: the table's rows (one per backend, replica count and overlap mode) as CSV.
+#include "csv.hpp"
 #include "lockstep/comm/simulated_link.hpp"
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/optim/sgd.hpp"
@@ -50,6 +52,7 @@ struct options {
     double gbps = 10;
     double latency_us = 20;
     bool ddp = true;
+    std::string csv; ///< --csv: the CSV file ("" for none)
 };
 
 /// The backward's compute: a memory-bound pass over a per-replica scratch buffer (16 MiB, beyond
@@ -350,6 +353,27 @@ void print_rows(const std::vector<row>& rows) {
                         r.replicas, r.automatic_overlaps ? "always" : "never");
 }
 
+/// The table's rows as CSV (nothing when path is empty); wire_model_ms is empty off the
+/// simulated link.
+void write_csv(const std::vector<row>& rows, const std::string& path) {
+    bench_csv::writer csv(path, {"bench", "backend", "replicas", "mode", "compute_ms", "reduce_ms",
+                                 "wire_model_ms", "step_ms", "step_over_max", "step_over_sum"});
+    const auto add = [&](const row& r, const char* mode, double step) {
+        const double wire = r.model_ms >= 0 ? r.model_ms : r.all_reduce_ms;
+        csv.row({"overlap", r.backend, r.replicas, mode, r.compute_ms, r.all_reduce_ms,
+                 r.model_ms >= 0 ? bench_csv::cell(r.model_ms) : bench_csv::cell(""), step,
+                 step / std::max(r.compute_ms, wire), step / (r.compute_ms + r.all_reduce_ms)});
+    };
+    for (const row& r : rows) {
+        if (r.ddp) {
+            add(r, "ddp", r.always_ms);
+            continue;
+        }
+        add(r, "never", r.never_ms);
+        add(r, r.always_overlaps ? "always" : "always_inline", r.always_ms);
+    }
+}
+
 void print_machine(const options& opt) {
     double load[3] = {0, 0, 0};
     if (FILE* f = std::fopen("/proc/loadavg", "r")) {
@@ -387,9 +411,12 @@ options parse(int argc, char** argv) {
             o.latency_us = next();
         else if (a == "--no-ddp")
             o.ddp = false;
+        else if (a == "--csv" && i + 1 < argc)
+            o.csv = argv[++i];
         else {
             std::fprintf(stderr,
-                         "usage: %s [--quick] [--reps N] [--gbps G] [--latency-us L] [--no-ddp]\n",
+                         "usage: %s [--quick] [--reps N] [--gbps G] [--latency-us L] [--no-ddp] "
+                         "[--csv F]\n",
                          argv[0]);
             std::exit(2);
         }
@@ -496,8 +523,10 @@ int main(int argc, char** argv) {
         rows.push_back(run_config(
             link, [&] { comm.barrier(); }, model, opt, link_name(opt, "mpi")));
     }
-    if (comm.rank() == 0)
+    if (comm.rank() == 0) {
         print_rows(rows);
+        write_csv(rows, opt.csv);
+    }
 #else
     const options opt = parse(argc, argv);
     print_machine(opt);
@@ -537,6 +566,7 @@ int main(int argc, char** argv) {
             rows.push_back(*r);
     }
     print_rows(rows);
+    write_csv(rows, opt.csv);
     std::printf("torch DDP: %s\n", ddp.c_str());
 #endif
 }

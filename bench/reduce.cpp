@@ -2,6 +2,13 @@
 // floats) with every ReducePolicy against one all_reduce of the whole flat buffer, in the same
 // run. Thread group (2 replicas) by default; built with LOCKSTEP_BENCH_MPI it runs one replica
 // per process under mpiexec. SPDX-License-Identifier: Apache-2.0
+//
+//   bench_reduce [reps = 10] [replicas = 2] [--csv FILE]
+//   mpiexec -n 2 bench_reduce_mpi [reps = 10] [--csv FILE]
+//
+// --csv FILE (written by replica 0): one row per method with its collectives, best and median
+// time and the ratios to the flat all_reduce (best, median) and to bucketed<> (median).
+#include "csv.hpp"
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/train/detail/reducer.hpp"
 #include "lockstep/train/parameter_registry.hpp"
@@ -52,7 +59,7 @@ method make_method(const char* name, Comm& comm, const std::vector<tensor_info>&
 }
 
 template <class Comm>
-void bench(Comm& comm, int reps, const char* backend) {
+void bench(Comm& comm, int reps, const char* backend, const std::string& csv_path) {
     const auto tensors = resnet50_tensors();
     const std::size_t n = tensors.back().offset + tensors.back().size;
     std::vector<float> init(n), grads(n), values(n, 0.5f);
@@ -104,19 +111,29 @@ void bench(Comm& comm, int reps, const char* backend) {
                     m.ms.front(), m.ms[reps / 2], n * 4 / 1e6 / m.ms.front(),
                     m.ms.front() / flat_best, m.ms[reps / 2] / flat_median,
                     m.ms[reps / 2] / bucketed_median);
+    bench_csv::writer csv(csv_path, {"bench", "backend", "replicas", "method", "collectives",
+                                     "best_ms", "median_ms", "best_over_flat", "median_over_flat",
+                                     "median_over_bucketed"});
+    for (const method& m : methods)
+        csv.row({"reduce", backend, comm.size(), m.name, m.calls, m.ms.front(), m.ms[reps / 2],
+                 m.ms.front() / flat_best, m.ms[reps / 2] / flat_median,
+                 m.ms[reps / 2] / bucketed_median});
 }
 
 } // namespace
 
 int main(int argc, char** argv) {
-    const int reps = argc > 1 ? std::atoi(argv[1]) : 10;
 #if LOCKSTEP_BENCH_MPI
     mpi_environment env(argc, argv);
+#endif
+    const std::string csv = bench_csv::take_option(argc, argv);
+    const int reps = argc > 1 ? std::atoi(argv[1]) : 10;
+#if LOCKSTEP_BENCH_MPI
     mpi_communicator comm(MPI_COMM_WORLD);
-    bench(comm, reps, "MPI");
+    bench(comm, reps, "MPI", csv);
 #else
     const int replicas = argc > 2 ? std::atoi(argv[2]) : 2;
     thread_group(replicas).run(
-        [&](thread_communicator& comm) { bench(comm, reps, "thread_group"); });
+        [&](thread_communicator& comm) { bench(comm, reps, "thread_group", csv); });
 #endif
 }
