@@ -3,7 +3,7 @@
 # MPI_Allreduce. SPDX-License-Identifier: Apache-2.0
 if(TARGET lockstep::mpi)
   add_executable(bench_allreduce "${CMAKE_CURRENT_LIST_DIR}/allreduce.cpp")
-  target_link_libraries(bench_allreduce PRIVATE ${LOCKSTEP_BENCH_HOST} lockstep::mpi)
+  target_link_libraries(bench_allreduce PRIVATE ${LOCKSTEP_HOST_TARGET} lockstep::mpi)
   # Keep the STREAM copy loop a loop (GCC would call memcpy, whose non-temporal stores the
   # all_reduce cannot use).
   target_compile_options(bench_allreduce PRIVATE

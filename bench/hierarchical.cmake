@@ -3,7 +3,7 @@
 # SPDX-License-Identifier: Apache-2.0
 if(TARGET lockstep::mpi)
   add_executable(bench_hierarchical "${CMAKE_CURRENT_LIST_DIR}/hierarchical.cpp")
-  target_link_libraries(bench_hierarchical PRIVATE ${LOCKSTEP_BENCH_HOST} lockstep::mpi)
+  target_link_libraries(bench_hierarchical PRIVATE ${LOCKSTEP_HOST_TARGET} lockstep::mpi)
 else()
   message(STATUS "bench_hierarchical: needs MPI (lockstep::mpi); not built")
 endif()

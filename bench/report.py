@@ -21,7 +21,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-PLOTS = ["batch_norm", "allreduce", "reduce", "optimizer", "digits", "overlap"]
+PLOTS = ["batch_norm", "allreduce", "reduce", "optimizer", "digits", "overlap",
+         "hierarchical"]
 
 
 def read(path):
@@ -301,6 +302,53 @@ def section_reduce(rows):
     return text
 
 
+def plot_hierarchical(rows, png):
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    series = [("flat", "flat mpi_communicator, shared memory", "-o"),
+              ("hierarchical", "hierarchical 2 x 2, shared memory", "-s"),
+              ("flat_10g", "flat, every collective over a 10 Gb/s link", "--o"),
+              ("hierarchical_10g", "hierarchical, inter-node level over a 10 Gb/s link", "--s")]
+    for variant, name, style in series:
+        pts = sorted((int(r["bytes"]), num(r["ms"])) for r in rows if r["variant"] == variant)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name, markersize=4)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size per replica (bytes)")
+    ax.set_ylabel("all_reduce time (ms), lower is better")
+    ax.set_title("all_reduce over 4 MPI processes: flat vs hierarchical (2 nodes x 2)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def section_hierarchical(rows):
+    text = ["## Hierarchical all_reduce vs flat MPI (bench/hierarchical.cpp)", "",
+            "all_reduce (sum, float) over the same 4 MPI processes (`mpiexec -n 4` on the 2 "
+            "cores): one flat `mpi_communicator`, and `hierarchical_communicator` with the "
+            "processes as 2 nodes of 2 (an intra-node and an inter-node `mpi_communicator`). On "
+            "one machine both levels are shared memory, so the hierarchy can only add steps; the "
+            "`10g` rows model the link between the two nodes as 10 Gb/s Ethernet "
+            "(`simulated_link`, per-replica links): flat, each all_reduce also waits for the wire "
+            "time of the whole message; hierarchical, only the inter-node all_reduce of each "
+            "replica's half does. Ratios < 1: hierarchical is faster.", ""]
+    sizes = sorted({int(r["bytes"]) for r in rows})
+    out = []
+    for b in sizes:
+        get = {r["variant"]: r for r in rows if int(r["bytes"]) == b}
+        if not all(k in get for k in ("flat", "hierarchical", "flat_10g", "hierarchical_10g")):
+            continue
+        out.append([human_bytes(b), fmt(num(get["flat"]["ms"])),
+                    fmt(num(get["hierarchical"]["ms"])), fmt(num(get["hierarchical"]["ratio_to_flat"])),
+                    fmt(num(get["flat_10g"]["ms"])), fmt(num(get["hierarchical_10g"]["ms"])),
+                    fmt(num(get["hierarchical_10g"]["ratio_to_flat"]))])
+    text += [table(["bytes", "flat ms", "hierarchical ms", "hier/flat", "flat 10G ms",
+                    "hierarchical 10G ms", "hier/flat (10G)"], out)]
+    return text
+
+
 def section_optimizer(rows):
     text = ["## Optimizer step vs the memory roof (bench/optimizer.cpp)", "",
             "The fused step of each optimizer over ResNet-50's 25.6 M float parameters against "
@@ -403,10 +451,11 @@ def main():
         "optimizer": read(res / "optimizer.csv"),
         "digits": read(res / "digits.csv"),
         "overlap": read(res / "overlap_threads.csv") + read(res / "overlap_mpi.csv"),
+        "hierarchical": read(res / "hierarchical.csv"),
     }
     plotters = {"batch_norm": plot_batch_norm, "allreduce": plot_allreduce,
                 "reduce": plot_reduce, "optimizer": plot_optimizer, "digits": plot_digits,
-                "overlap": plot_overlap}
+                "overlap": plot_overlap, "hierarchical": plot_hierarchical}
     drawn = []
     for name in PLOTS:
         if data[name]:
@@ -464,7 +513,8 @@ def main():
                 ("reduce", section_reduce(data["reduce"])),
                 ("optimizer", section_optimizer(data["optimizer"])),
                 ("digits", section_digits(data["digits"])),
-                ("overlap", section_overlap(data["overlap"]))]
+                ("overlap", section_overlap(data["overlap"])),
+                ("hierarchical", section_hierarchical(data["hierarchical"]))]
     for name, text in sections:
         lines += [""] + text[:1] + [""]
         if not data[name]:
