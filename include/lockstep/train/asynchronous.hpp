@@ -8,7 +8,7 @@
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/policy/sync.hpp"
 #include "lockstep/train/detail/data_parallel_fwd.hpp"
-#include "lockstep/train/detail/replica_core.hpp"
+#include "lockstep/train/detail/trainer_base.hpp"
 #include "lockstep/train/parameter_server.hpp"
 #include "lockstep/train/replica_context.hpp"
 #include "lockstep/train/shard.hpp"
@@ -73,21 +73,16 @@ struct ema_delta_fn {
 /// data_parallel<N, O, sync::bounded_staleness<S>, R, C> (see run_parameter_server for the
 /// protocol).
 template <class Network, class Optimizer, class SyncPolicy, class ReducePolicy, class Communicator>
-class async_trainer {
-    static_assert(
-        check_compatible<SyncPolicy, ReducePolicy, Communicator, network_bn_policies_t<Network>>());
-    using core_type = replica_core<Network, Optimizer, Communicator>;
+class async_trainer
+    : public trainer_base<Network, Optimizer, SyncPolicy, ReducePolicy, Communicator> {
+    using base_type = trainer_base<Network, Optimizer, SyncPolicy, ReducePolicy, Communicator>;
+    using base_type::core_;
 
 public:
-    using network_type = Network;
-    using optimizer_type = Optimizer;
-    using communicator_type = Communicator;
-    using value_type = typename Optimizer::value_type;
-    using system_type = typename Communicator::system_type;
-    using context_type = replica_context<value_type, Communicator>;
-    using sync_policy_type = SyncPolicy;
-    using reduce_policy_type = ReducePolicy;
-    static constexpr bool uses_visitor = core_type::uses_visitor;
+    // The aliases and accessors are trainer_base's (network(), context(), optimizer(), rank(),
+    // size(), parameters(), registry(), steps(), samples()).
+    using typename base_type::system_type;
+    using typename base_type::value_type;
 
     /// As data_parallel's constructor (collective: builds the network, checks that every replica
     /// declared the same tensors, broadcasts replica 0's values and state, prepares the
@@ -97,7 +92,7 @@ public:
     template <class Factory>
     async_trainer(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt = {},
                   train_params tp = {}, async_params ap = {})
-        : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp)),
+        : base_type(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp), {}, false),
           ap_(std::move(ap)) {
         LOCKSTEP_REQUIRE(!core_.params().loss_scale, errc::unsupported, comm.rank(),
                          "data_parallel(asynchronous)",
@@ -214,20 +209,7 @@ public:
         return result;
     }
 
-    Network& network() noexcept { return core_.network(); }
-    const Network& network() const noexcept { return core_.network(); }
-    context_type& context() noexcept { return core_.context(); }
-    /// The optimizer (its state advances on the root only).
-    Optimizer& optimizer() noexcept { return core_.optimizer(); }
-    int rank() noexcept { return core_.comm().rank(); }
-    int size() noexcept { return core_.comm().size(); }
-    /// The flat parameter values (after train: the server's final parameters on every replica).
-    std::span<const value_type> parameters() { return core_.values(); }
-    parameter_registry<value_type, system_type>& registry() noexcept { return core_.registry(); }
-    /// Gradients applied so far (as steps of the synchronous trainers).
-    std::int64_t steps() const noexcept { return core_.steps(); }
-    /// Samples consumed so far (the global sample index of the next work item's first sample).
-    std::uint64_t samples() const noexcept { return core_.samples(); }
+    /// The server's settings (async_params) this trainer was constructed with.
     const async_params& params() const noexcept { return ap_; }
 
 private:
@@ -253,7 +235,6 @@ private:
         core_.unpack_state();
     }
 
-    core_type core_;
     async_params ap_;
     buffer<value_type, system_type> state_;  // server: the running state; worker: after its batch
     buffer<value_type, system_type> before_; // worker: the state it pulled
