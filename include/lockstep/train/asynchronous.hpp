@@ -87,8 +87,9 @@ public:
     /// As data_parallel's constructor (collective: builds the network, checks that every replica
     /// declared the same tensors, broadcasts replica 0's values and state, prepares the
     /// optimizer); `ap` configures the server. Only the root's optimizer ever steps.
-    /// requires: comm.size() >= 2 (a server and a worker), 0 <= ap.root < comm.size(),
-    /// 0 < ap.bn_momentum <= 1.
+    /// requires: 0 < ap.bn_momentum <= 1 (else errc::invalid_argument), no
+    /// train_params::loss_scale and max_grad_norm == 0 (else errc::unsupported); train() checks
+    /// comm.size() >= 2 (a server and a worker) and 0 <= ap.root < comm.size().
     template <class Factory>
     async_trainer(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt = {},
                   train_params tp = {}, async_params ap = {})
@@ -116,10 +117,14 @@ public:
     /// step function (range.scale = 1 / batch, so fn's gradient is that of the batch's mean
     /// loss; train_params::micro_batches splits the batch), then pushes the gradient and its
     /// BN statistics. The server applies each at once with the optimizer (learning rate
-    /// lr_for(server version)), skips non-finite gradients (or throws errc::non_finite on
-    /// every replica when train_params::skip_non_finite is false), and updates the running
-    /// statistics. On return every replica holds the server's final parameters and state.
-    /// requires: steps >= 1, batch >= 1.
+    /// train_params::lr of the server version, which counts the gradients applied in this call
+    /// from 0; ctx.step() in fn is the version the worker's parameters have), skips non-finite
+    /// gradients (when train_params::skip_non_finite is false: the server throws
+    /// errc::non_finite and every worker errc::peer_failure), and updates the running
+    /// statistics. On return every replica holds the server's final parameters and state, and
+    /// steps() and samples() have grown by `steps` and `steps * batch`.
+    /// requires: steps >= 1, batch >= 1, the same batch on every replica (else
+    /// errc::count_mismatch on every replica), comm.size() >= 2, 0 <= ap.root < comm.size().
     template <class Fn>
     async_result train(std::size_t steps, std::size_t batch, Fn&& fn) {
         using T = value_type;
