@@ -8,7 +8,7 @@
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/policy/sync.hpp"
 #include "lockstep/train/detail/data_parallel_fwd.hpp"
-#include "lockstep/train/detail/replica_core.hpp"
+#include "lockstep/train/detail/trainer_base.hpp"
 #include "lockstep/train/parameter_server.hpp"
 #include "lockstep/train/replica_context.hpp"
 #include "lockstep/train/shard.hpp"
@@ -73,31 +73,27 @@ struct ema_delta_fn {
 /// data_parallel<N, O, sync::bounded_staleness<S>, R, C> (see run_parameter_server for the
 /// protocol).
 template <class Network, class Optimizer, class SyncPolicy, class ReducePolicy, class Communicator>
-class async_trainer {
-    static_assert(
-        check_compatible<SyncPolicy, ReducePolicy, Communicator, network_bn_policies_t<Network>>());
-    using core_type = replica_core<Network, Optimizer, Communicator>;
+class async_trainer
+    : public trainer_base<Network, Optimizer, SyncPolicy, ReducePolicy, Communicator> {
+    using base_type = trainer_base<Network, Optimizer, SyncPolicy, ReducePolicy, Communicator>;
+    using base_type::core_;
 
 public:
-    using network_type = Network;
-    using optimizer_type = Optimizer;
-    using communicator_type = Communicator;
-    using value_type = typename Optimizer::value_type;
-    using system_type = typename Communicator::system_type;
-    using context_type = replica_context<value_type, Communicator>;
-    using sync_policy_type = SyncPolicy;
-    using reduce_policy_type = ReducePolicy;
-    static constexpr bool uses_visitor = core_type::uses_visitor;
+    // The aliases and accessors are trainer_base's (network(), context(), optimizer(), rank(),
+    // size(), parameters(), registry(), steps(), samples()).
+    using typename base_type::system_type;
+    using typename base_type::value_type;
 
     /// As data_parallel's constructor (collective: builds the network, checks that every replica
     /// declared the same tensors, broadcasts replica 0's values and state, prepares the
     /// optimizer); `ap` configures the server. Only the root's optimizer ever steps.
-    /// requires: comm.size() >= 2 (a server and a worker), 0 <= ap.root < comm.size(),
-    /// 0 < ap.bn_momentum <= 1.
+    /// requires: 0 < ap.bn_momentum <= 1 (else errc::invalid_argument), no
+    /// train_params::loss_scale and max_grad_norm == 0 (else errc::unsupported); train() checks
+    /// comm.size() >= 2 (a server and a worker) and 0 <= ap.root < comm.size().
     template <class Factory>
     async_trainer(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt = {},
                   train_params tp = {}, async_params ap = {})
-        : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp)),
+        : base_type(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp), {}, false),
           ap_(std::move(ap)) {
         LOCKSTEP_REQUIRE(!core_.params().loss_scale, errc::unsupported, comm.rank(),
                          "data_parallel(asynchronous)",
@@ -121,10 +117,14 @@ public:
     /// step function (range.scale = 1 / batch, so fn's gradient is that of the batch's mean
     /// loss; train_params::micro_batches splits the batch), then pushes the gradient and its
     /// BN statistics. The server applies each at once with the optimizer (learning rate
-    /// lr_for(server version)), skips non-finite gradients (or throws errc::non_finite on
-    /// every replica when train_params::skip_non_finite is false), and updates the running
-    /// statistics. On return every replica holds the server's final parameters and state.
-    /// requires: steps >= 1, batch >= 1.
+    /// train_params::lr of the server version, which counts the gradients applied in this call
+    /// from 0; ctx.step() in fn is the version the worker's parameters have), skips non-finite
+    /// gradients (when train_params::skip_non_finite is false: the server throws
+    /// errc::non_finite and every worker errc::peer_failure), and updates the running
+    /// statistics. On return every replica holds the server's final parameters and state, and
+    /// steps() and samples() have grown by `steps` and `steps * batch`.
+    /// requires: steps >= 1, batch >= 1, the same batch on every replica (else
+    /// errc::count_mismatch on every replica), comm.size() >= 2, 0 <= ap.root < comm.size().
     template <class Fn>
     async_result train(std::size_t steps, std::size_t batch, Fn&& fn) {
         using T = value_type;
@@ -214,20 +214,7 @@ public:
         return result;
     }
 
-    Network& network() noexcept { return core_.network(); }
-    const Network& network() const noexcept { return core_.network(); }
-    context_type& context() noexcept { return core_.context(); }
-    /// The optimizer (its state advances on the root only).
-    Optimizer& optimizer() noexcept { return core_.optimizer(); }
-    int rank() noexcept { return core_.comm().rank(); }
-    int size() noexcept { return core_.comm().size(); }
-    /// The flat parameter values (after train: the server's final parameters on every replica).
-    std::span<const value_type> parameters() { return core_.values(); }
-    parameter_registry<value_type, system_type>& registry() noexcept { return core_.registry(); }
-    /// Gradients applied so far (as steps of the synchronous trainers).
-    std::int64_t steps() const noexcept { return core_.steps(); }
-    /// Samples consumed so far (the global sample index of the next work item's first sample).
-    std::uint64_t samples() const noexcept { return core_.samples(); }
+    /// The server's settings (async_params) this trainer was constructed with.
     const async_params& params() const noexcept { return ap_; }
 
 private:
@@ -253,7 +240,6 @@ private:
         core_.unpack_state();
     }
 
-    core_type core_;
     async_params ap_;
     buffer<value_type, system_type> state_;  // server: the running state; worker: after its batch
     buffer<value_type, system_type> before_; // worker: the state it pulled

@@ -21,6 +21,7 @@
 #include "lockstep/train/detail/checkpoint_format.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
 #include "lockstep/train/detail/signature.hpp"
+#include "lockstep/train/detail/trainer_base.hpp"
 #include "lockstep/train/detail/visitor.hpp"
 #include "lockstep/train/loss_scaler.hpp"
 
@@ -43,18 +44,16 @@ namespace lockstep {
 
 namespace detail {
 
-/// The trainer internals a checkpoint reads and restores (a friend of data_parallel).
+/// The trainer internals a checkpoint reads and restores (a friend of trainer_base and
+/// data_parallel).
 struct checkpoint_access {
+    /// The replica_core of any trainer (its trainer_base's).
     template <class DP>
     static auto& core(DP& dp) noexcept {
-        if constexpr (is_asynchronous_v<typename DP::sync_policy_type>)
-            return static_cast<
-                       async_trainer<typename DP::network_type, typename DP::optimizer_type,
-                                     typename DP::sync_policy_type, typename DP::reduce_policy_type,
-                                     typename DP::communicator_type>&>(dp)
-                .core_;
-        else
-            return dp.core_;
+        using base = trainer_base<typename DP::network_type, typename DP::optimizer_type,
+                                  typename DP::sync_policy_type, typename DP::reduce_policy_type,
+                                  typename DP::communicator_type>;
+        return static_cast<base&>(dp).core_;
     }
     /// Local SGD's steps since the last average (0 for the other trainers).
     template <class DP>

@@ -19,8 +19,8 @@
 #include "lockstep/train/detail/overlap.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/detail/reducer.hpp"
-#include "lockstep/train/detail/replica_core.hpp"
 #include "lockstep/train/detail/step_checks.hpp"
+#include "lockstep/train/detail/trainer_base.hpp"
 #include "lockstep/train/loss_scaler.hpp"
 #include "lockstep/train/replica_context.hpp"
 #include "lockstep/train/shard.hpp"
@@ -57,25 +57,19 @@ namespace lockstep {
 /// Invalid combinations are compile errors (policy/compat.hpp).
 template <class Network, class Optimizer, sync_policy SyncPolicy, reduce_policy ReducePolicy,
           communicator Communicator>
-class data_parallel {
-    static_assert(
-        check_compatible<SyncPolicy, ReducePolicy, Communicator, network_bn_policies_t<Network>>());
+class data_parallel
+    : public detail::trainer_base<Network, Optimizer, SyncPolicy, ReducePolicy, Communicator> {
     static_assert(!is_asynchronous_v<SyncPolicy>,
                   "data_parallel with sync::asynchronous or sync::bounded_staleness is defined "
                   "in lockstep/train/asynchronous.hpp: include it.");
-    using core_type = detail::replica_core<Network, Optimizer, Communicator>;
+    using base_type =
+        detail::trainer_base<Network, Optimizer, SyncPolicy, ReducePolicy, Communicator>;
 
 public:
-    using network_type = Network;
-    using optimizer_type = Optimizer;
-    using communicator_type = Communicator;
-    using value_type = typename Optimizer::value_type;
-    using system_type = typename Communicator::system_type;
-    using context_type = replica_context<value_type, Communicator>;
-    using sync_policy_type = SyncPolicy;
-    using reduce_policy_type = ReducePolicy;
-    /// True when the network exposes its parameters through for_each_parameter.
-    static constexpr bool uses_visitor = core_type::uses_visitor;
+    // The aliases and accessors are trainer_base's (network(), context(), optimizer(), rank(),
+    // size(), parameters(), registry(), steps(), samples()).
+    using typename base_type::system_type;
+    using typename base_type::value_type;
 
     /// Builds this replica's network with factory(ctx), checks that every replica declared
     /// the same parameters and state (else every replica throws lockstep::error naming the
@@ -88,8 +82,8 @@ public:
     template <class Factory>
     data_parallel(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt = {},
                   train_params tp = {})
-        : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp),
-                policy_settings(), true),
+        : base_type(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp),
+                    base_type::policy_settings(), true),
           reducer_(comm, core_.registry().parameters(),
                    detail::use_overlap(comm, core_.params().overlap)),
           rows_(replica_slot::slots * static_cast<std::size_t>(comm.size())),
@@ -150,7 +144,7 @@ public:
     /// train_params::read_result. Use it with read_result = false, e.g. every N steps.
     /// requires: a step was taken.
     step_result read_result() {
-        LOCKSTEP_REQUIRE(core_.steps() > 0, errc::invalid_argument, rank(),
+        LOCKSTEP_REQUIRE(core_.steps() > 0, errc::invalid_argument, this->rank(),
                          "data_parallel.read_result", "no step was taken yet");
         try {
             return finish_result(last_);
@@ -182,18 +176,6 @@ public:
         gradient_hook_ = std::move(f);
     }
 
-    Network& network() noexcept { return core_.network(); }
-    const Network& network() const noexcept { return core_.network(); }
-    context_type& context() noexcept { return core_.context(); }
-    Optimizer& optimizer() noexcept { return core_.optimizer(); }
-    int rank() noexcept { return core_.comm().rank(); }
-    int size() noexcept { return core_.comm().size(); }
-    /// The flat parameter values (registry storage, or lockstep's packed copy with the
-    /// visitor), in registration order; registry().parameters() describes the layout.
-    std::span<const value_type> parameters() { return core_.values(); }
-    parameter_registry<value_type, system_type>& registry() noexcept { return core_.registry(); }
-    /// Steps taken so far (skipped ones included).
-    std::int64_t steps() const noexcept { return core_.steps(); }
     /// The reduction pieces (buckets) in launch order, and collectives issued so far.
     const std::vector<detail::bucket>& buckets() const noexcept { return reducer_.plan(); }
     /// True when gradient buckets are reduced on a communication stream (train_params::overlap).
@@ -206,6 +188,7 @@ public:
 private:
     friend struct detail::checkpoint_access;
     using T = value_type;
+    using base_type::core_;
     /// The step's status followed by the loss scale's report (kernels::loss_scale_report_slot).
     static constexpr std::size_t status_size =
         status_slot::slots + kernels::loss_scale_report_slot::slots;
@@ -227,7 +210,7 @@ private:
             detail::status_scope scope(sink_);
             ctx.set_loss_slot(fixed() + status_slot::loss);
             host_loss = core_.run_micro_batches(global, fn, false, [&] {
-                if constexpr (!uses_visitor)
+                if constexpr (!base_type::uses_visitor)
                     ctx.set_ready_hook([this](std::size_t t) { reducer_.mark_ready(t); });
             });
             ctx.set_loss_slot(nullptr);
@@ -239,9 +222,9 @@ private:
         r.step = core_.steps();
         r.lr = core_.lr_for(r.step);
         checks_.finish_local(sys, host_loss, static_cast<double>(global), r.lr, fixed(),
-                             row(rank()));
+                             row(this->rank()));
         constexpr bool server = ReducePolicy::kind == reduce_kind::parameter_server;
-        after_reduction(sys, !server || rank() == server_root());
+        after_reduction(sys, !server || this->rank() == server_root());
         // The status (per-replica rows, loss, non-finite counts, layer errors) is summed over
         // replicas in one small all_reduce: every replica then takes the same skip decision,
         // and the gradient factor from the same norm (the reduced gradient is identical on
@@ -285,11 +268,11 @@ private:
         r.step = core_.steps();
         r.lr = core_.lr_for(r.step);
         checks_.finish_local(sys, host_loss, static_cast<double>(global), r.lr, fixed(),
-                             row(rank()));
+                             row(this->rank()));
         local_settings_.push_back(static_cast<double>(global));
         local_settings_.push_back(r.lr);
         after_reduction(sys, true);
-        decide_skip(sys, 1, row(rank())); // this replica alone: no status collective
+        decide_skip(sys, 1, row(this->rank())); // this replica alone: no status collective
         scaler_.update(fixed(), fixed() + status_slot::slots);
         commit_layers();
         core_.optimizer().set_lr(r.lr);
@@ -301,13 +284,6 @@ private:
         if (++since_average_ == SyncPolicy::period)
             average();
         return r;
-    }
-
-    /// The "name<TAB>value" lines of the policies, for the construction-time agreement check.
-    static std::vector<std::string> policy_settings() {
-        return {"sync\t" + detail::type_name<SyncPolicy>(),
-                "reduce\t" + detail::type_name<ReducePolicy>(),
-                "bn_policies\t" + detail::type_name<network_bn_policies_t<Network>>()};
     }
 
     static constexpr int server_root() {
@@ -381,7 +357,7 @@ private:
         r.loss_scale =
             scaler_.observe(st.subspan(status_slot::slots), r.step + 1 == core_.steps()).used;
         r.ready = true;
-        const int me = rank();
+        const int me = this->rank();
         if (st[status_slot::mismatch] != 0)
             fail(errc::invalid_argument, me, "data_parallel.step", "step ", r.step,
                  " skipped: the replicas disagree:", mismatch_text(all));
@@ -529,7 +505,6 @@ private:
         core_.unpack_state();
     }
 
-    core_type core_;
     detail::reducer<ReducePolicy, T, Communicator> reducer_;
     std::size_t rows_; ///< doubles of the per-replica rows before the status_slot block
     buffer<double, system_type> status_; ///< rows (replica_slot) then the status_slot block

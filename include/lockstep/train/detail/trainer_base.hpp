@@ -1,0 +1,95 @@
+// lockstep/train/detail/trainer_base.hpp: trainer_base, what every data_parallel trainer shares:
+// the policy check, the public aliases, the replica_core and its accessors.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/policy/compat.hpp"
+#include "lockstep/train/detail/agreement.hpp"
+#include "lockstep/train/detail/replica_core.hpp"
+#include "lockstep/train/parameter_registry.hpp"
+#include "lockstep/train/replica_context.hpp"
+#include "lockstep/train/train_params.hpp"
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace lockstep::detail {
+
+/// The base of every data_parallel trainer (synchronous, local SGD and the asynchronous
+/// specialisations): checks the policy combination (policy/compat.hpp; an invalid one is a
+/// compile error), defines the public aliases, owns this replica's replica_core (network,
+/// context, registry, optimizer, step and sample counters) and exposes it through the accessors
+/// below. Not used on its own: a trainer derives from it and adds its training entry point.
+template <class Network, class Optimizer, class SyncPolicy, class ReducePolicy, class Communicator>
+class trainer_base {
+    static_assert(
+        check_compatible<SyncPolicy, ReducePolicy, Communicator, network_bn_policies_t<Network>>());
+
+protected:
+    using core_type = replica_core<Network, Optimizer, Communicator>;
+
+public:
+    using network_type = Network;
+    using optimizer_type = Optimizer;
+    using communicator_type = Communicator;
+    using value_type = typename Optimizer::value_type;
+    using system_type = typename Communicator::system_type;
+    using context_type = replica_context<value_type, Communicator>;
+    using sync_policy_type = SyncPolicy;
+    using reduce_policy_type = ReducePolicy;
+    /// True when the network exposes its parameters through for_each_parameter.
+    static constexpr bool uses_visitor = core_type::uses_visitor;
+
+    trainer_base(const trainer_base&) = delete;
+    trainer_base& operator=(const trainer_base&) = delete;
+
+    /// This replica's network (built by the factory at construction).
+    Network& network() noexcept { return core_.network(); }
+    const Network& network() const noexcept { return core_.network(); }
+    /// This replica's context: rank, size, registry, RNG, step.
+    context_type& context() noexcept { return core_.context(); }
+    /// The optimizer over the flat parameters (asynchronous trainers: its state advances on
+    /// the server only).
+    Optimizer& optimizer() noexcept { return core_.optimizer(); }
+    /// This replica's rank and the number of replicas (the communicator's).
+    int rank() noexcept { return core_.comm().rank(); }
+    int size() noexcept { return core_.comm().size(); }
+    /// The flat parameter values (registry storage, or lockstep's packed copy with the
+    /// visitor), in registration order; registry().parameters() describes the layout.
+    /// Asynchronous trainers: after train(), the server's final parameters on every replica.
+    std::span<const value_type> parameters() { return core_.values(); }
+    parameter_registry<value_type, system_type>& registry() noexcept { return core_.registry(); }
+    /// Steps taken so far (skipped ones included; asynchronous trainers: gradients applied).
+    std::int64_t steps() const noexcept { return core_.steps(); }
+    /// Samples consumed so far: the global sample index of the next step's (or work item's)
+    /// first sample.
+    std::uint64_t samples() const noexcept { return core_.samples(); }
+
+protected:
+    /// Builds the replica_core (collective; see replica_core's constructor): `policies` are the
+    /// trainer's "name<TAB>value" lines for the construction-time agreement check, `clips` says
+    /// whether the trainer applies train_params::max_grad_norm (else a non-zero value throws).
+    template <class Factory>
+    trainer_base(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt,
+                 train_params tp, const std::vector<std::string>& policies, bool clips)
+        : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp), policies,
+                clips) {}
+    ~trainer_base() = default;
+
+    /// The "name<TAB>value" lines of the sync, reduce and BN policies.
+    static std::vector<std::string> policy_settings() {
+        return {"sync\t" + type_name<SyncPolicy>(), "reduce\t" + type_name<ReducePolicy>(),
+                "bn_policies\t" + type_name<network_bn_policies_t<Network>>()};
+    }
+
+    core_type core_;
+
+private:
+    friend struct checkpoint_access;
+};
+
+} // namespace lockstep::detail
