@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -31,6 +32,43 @@
 #include <utility>
 
 namespace lockstep::nn {
+
+namespace detail {
+/// bn::ghost, channel c: the running statistics updated from every chunk block of a step in
+/// global chunk order (replica r's chunks are blocks [r per_replica, r per_replica + count_r),
+/// count_r from bn::detail::chunks_of), as finish_statistics_fn updates them from one batch.
+template <class Acc>
+struct ghost_running_fn {
+    const Acc* blocks;
+    std::size_t stride;
+    std::size_t per_replica;
+    int replicas;
+    std::size_t global;
+    std::size_t chunk;
+    Acc momentum;
+    Acc* running_mean;
+    Acc* running_var;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t c) const {
+        Acc rm = running_mean[c];
+        Acc rv = running_var[c];
+        for (int r = 0; r < replicas; ++r) {
+            const std::size_t count = bn::detail::chunks_of(global, chunk, r, replicas).count;
+            for (std::size_t k = 0; k < count; ++k) {
+                const Acc* b = blocks + (static_cast<std::size_t>(r) * per_replica + k) * stride;
+                const double n = kernels::packed_moments::count(b);
+                if (n > 1) {
+                    const Acc unbiased =
+                        b[kernels::packed_moments::m2(c)] / static_cast<Acc>(n - 1);
+                    rm = (Acc(1) - momentum) * rm + momentum * b[kernels::packed_moments::mean(c)];
+                    rv = (Acc(1) - momentum) * rv + momentum * unbiased;
+                }
+            }
+        }
+        running_mean[c] = rm;
+        running_var[c] = rv;
+    }
+};
+} // namespace detail
 
 /// What a batch_norm built over caller spans (batch_norm::parameter_spans) does with the values
 /// gamma and beta already hold.
@@ -237,6 +275,18 @@ public:
             running_first = 0;
             running_last = count_blocks;
         }
+        // bn::ghost inside a reproducible step: no running update here; the chunk's block is
+        // kept and every chunk of the step is applied in global order at its end.
+        bool ghost_step = false;
+        if constexpr (bn::is_ghost<Policy>) {
+            auto* sink = lockstep::detail::current_status_sink();
+            ghost_step = sink != nullptr && sink->commits != nullptr &&
+                         bn::detail::current_ghost_global() != 0;
+            if (ghost_step) {
+                running_first = 0;
+                running_last = 0;
+            }
+        }
         keep_running_statistics();
         detail_status status = status_target();
         kernels::detail::for_each_index(s_.sys, s_.channels,
@@ -261,7 +311,15 @@ public:
                                             .status = status.slots,
                                             .report_only_errors = status.shared,
                                             .layer = static_cast<double>(status.layer)});
-        ++batches_;
+        if constexpr (bn::is_ghost<Policy>) {
+            if (ghost_step) {
+                record_ghost_chunk(comm, !xs.empty());
+            } else {
+                ++batches_;
+            }
+        } else {
+            ++batches_;
+        }
         if (!status.shared)
             throw_layer_error(comm, op, shape);
         kernels::normalize(
@@ -431,7 +489,85 @@ private:
         kernels::detail::for_each_index(
             s_.sys, n,
             detail::copy_if_fn<param_type>{s_.running.data(), kept_running_.data(), nullptr});
+        if constexpr (bn::is_ghost<Policy>) {
+            ghost_chunks_ = 0;
+            if (bn::detail::current_ghost_global() != 0) {
+                sink->commits->push_back({this, &batch_norm::commit_ghost_step});
+                return;
+            }
+        }
         sink->commits->push_back({this, &batch_norm::commit_step});
+    }
+
+    // --- bn::ghost ---
+    /// Keeps this chunk's statistics block (when the chunk is not empty) and the communicator
+    /// the end of the step gathers them over.
+    template <class Comm>
+    void record_ghost_chunk(Comm& comm, bool nonempty) {
+        ghost_finish_ = [this, &comm](const int* skip) { finish_ghost_step(comm, skip); };
+        if (!nonempty)
+            return;
+        const std::size_t stride = kernels::packed_moments::size(s_.channels);
+        const std::size_t at = ghost_chunks_ * stride;
+        grow_ghost_blocks(at + stride, at);
+        kernels::detail::for_each_index(
+            s_.sys, stride,
+            detail::copy_if_fn<param_type>{s_.block.data(), ghost_blocks_.data() + at, nullptr});
+        ++ghost_chunks_;
+    }
+    /// ghost_blocks_ holds at least n values; the first `keep` are kept.
+    void grow_ghost_blocks(std::size_t n, std::size_t keep) {
+        if (ghost_blocks_.size() >= n)
+            return;
+        buffer<param_type, System> grown(2 * n, s_.sys);
+        if (keep != 0)
+            kernels::detail::for_each_index(
+                s_.sys, keep,
+                detail::copy_if_fn<param_type>{ghost_blocks_.data(), grown.data(), nullptr});
+        ghost_blocks_ = std::move(grown);
+    }
+    static void commit_ghost_step(void* object, const int* skip) {
+        auto& self = *static_cast<batch_norm*>(object);
+        self.ghost_finish_(skip);
+    }
+    /// The end of a reproducible step: every replica's chunk blocks are gathered (one
+    /// all_gather, padded to the largest replica's chunk count), the running statistics are
+    /// updated from them in global chunk order (replica order, then each replica's order), and
+    /// restored when the step is skipped.
+    template <class Comm>
+    void finish_ghost_step(Comm& comm, const int* skip) {
+        const std::size_t global = bn::detail::current_ghost_global();
+        constexpr std::size_t chunk = bn::ghost_chunk<Policy>;
+        const int size = comm.size();
+        const bn::detail::chunk_run own = bn::detail::chunks_of(global, chunk, comm.rank(), size);
+        const std::size_t most = bn::detail::chunks_of(global, chunk, 0, size).count;
+        LOCKSTEP_REQUIRE(own.count == ghost_chunks_, errc::invalid_argument, comm.rank(),
+                         "batch_norm.forward_train", "bn::ghost: the layer normalized ",
+                         ghost_chunks_, " non-empty batches in this step, the replica computes ",
+                         own.count, " chunks of ", chunk,
+                         " samples (call each ghost layer once per chunk of the step)");
+        const std::size_t stride = kernels::packed_moments::size(s_.channels);
+        if (most != 0) {
+            grow_ghost_blocks(most * stride, ghost_chunks_ * stride);
+            const auto send = ghost_blocks_.span().first(most * stride);
+            auto all = detail::ensure(ghost_gathered_,
+                                      static_cast<std::size_t>(size) * most * stride, s_.sys);
+            comm.all_gather(std::span<const param_type>(send), all);
+            kernels::detail::for_each_index(s_.sys, s_.channels,
+                                            detail::ghost_running_fn<param_type>{
+                                                .blocks = all.data(),
+                                                .stride = stride,
+                                                .per_replica = most,
+                                                .replicas = size,
+                                                .global = global,
+                                                .chunk = chunk,
+                                                .momentum = static_cast<param_type>(p_.momentum),
+                                                .running_mean = s_.running_mean().data(),
+                                                .running_var = s_.running_var().data()});
+        }
+        batches_ += static_cast<std::int64_t>(global / chunk + (global % chunk != 0 ? 1 : 0));
+        ghost_chunks_ = 0;
+        commit_step(this, skip);
     }
     /// The commit hook: running statistics = the kept copy when *skip != 0 (read on the device).
     static void commit_step(void* object, const int* skip) {
@@ -555,6 +691,10 @@ private:
     const void* group_parent_ = nullptr;
     std::unique_ptr<staged_read<param_type, System>> read_;
     std::unique_ptr<staged_read<double, System>> error_read_;
+    buffer<param_type, System> ghost_blocks_;   ///< bn::ghost: this step's chunk blocks
+    buffer<param_type, System> ghost_gathered_; ///< bn::ghost: every replica's chunk blocks
+    std::size_t ghost_chunks_ = 0;              ///< bn::ghost: blocks kept in this step
+    std::function<void(const int*)> ghost_finish_;
 };
 
 } // namespace lockstep::nn

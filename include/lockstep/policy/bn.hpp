@@ -1,9 +1,10 @@
 // lockstep/policy/bn.hpp: BNStatPolicy tags (bn::local, bn::global, bn::group<G>,
-// bn::running_only, bn::tower<K>), the bn_stat_policy concept and traits.
+// bn::running_only, bn::tower<K>, bn::ghost<C>), the bn_stat_policy concept and traits.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include <concepts>
+#include <cstddef>
 #include <type_traits>
 
 namespace lockstep::bn {
@@ -91,6 +92,77 @@ struct traits<tower<K>> {
     static constexpr int group_size = 0;
     static constexpr int running_replica = K;
 };
+
+// --- bn::ghost ------------------------------------------------------------------------------
+
+/// Ghost batch norm (Hoffer et al. 2017) for reduce::reproducible<ChunkSamples>: each call of
+/// the layer (one chunk of ChunkSamples samples) is normalized with its own statistics, with no
+/// communication in forward or backward; the running statistics are updated from every chunk of
+/// the step in global chunk order at the end of the step (one all_gather), so they are the same
+/// on every replica and for every replica count. Outside a trainer's step it behaves as
+/// bn::local. requires: ChunkSamples >= 1; the trainer uses reduce::reproducible<ChunkSamples>.
+template <std::size_t ChunkSamples>
+struct ghost {
+    static_assert(ChunkSamples >= 1, "bn::ghost<ChunkSamples> needs chunks of at least 1 sample.");
+    /// Samples per normalized chunk.
+    static constexpr std::size_t chunk_samples = ChunkSamples;
+};
+
+template <std::size_t C>
+struct traits<ghost<C>> {
+    static constexpr bool normalizes_across_replicas = false;
+    static constexpr bool shares_running_statistics = true; // gathered at the end of the step
+    static constexpr int forward_collectives = 0;
+    static constexpr int backward_collectives = 0;
+    static constexpr int group_size = 0;
+    static constexpr int running_replica = -1;
+};
+
+/// The chunk size of a bn::ghost<C> policy (C), 0 for every other policy.
+template <class P>
+inline constexpr std::size_t ghost_chunk = 0;
+template <std::size_t C>
+inline constexpr std::size_t ghost_chunk<ghost<C>> = C;
+
+/// True for bn::ghost<C>.
+template <class P>
+inline constexpr bool is_ghost = ghost_chunk<P> != 0;
+
+namespace detail {
+/// The global batch of the reduce::reproducible step running on this thread (0: none). The
+/// trainer sets it for the duration of the step (ghost_step_scope); bn::ghost layers read it to
+/// know every replica's chunk count when they gather the chunk statistics.
+inline std::size_t& current_ghost_global() noexcept {
+    thread_local std::size_t global = 0;
+    return global;
+}
+/// Sets current_ghost_global() for its lifetime (restores the previous value).
+class ghost_step_scope {
+public:
+    explicit ghost_step_scope(std::size_t global) noexcept : saved_(current_ghost_global()) {
+        current_ghost_global() = global;
+    }
+    ghost_step_scope(const ghost_step_scope&) = delete;
+    ghost_step_scope& operator=(const ghost_step_scope&) = delete;
+    ~ghost_step_scope() { current_ghost_global() = saved_; }
+
+private:
+    std::size_t saved_;
+};
+/// The chunks [first, first + count) replica `rank` of `size` computes when a global batch of
+/// `global` samples is cut into chunks of `chunk` samples: contiguous, balanced by chunk count
+/// (the first replicas get one more chunk).
+struct chunk_run {
+    std::size_t first;
+    std::size_t count;
+};
+inline constexpr chunk_run chunks_of(std::size_t global, std::size_t chunk, int rank, int size) {
+    const std::size_t chunks = global / chunk + (global % chunk != 0 ? 1 : 0);
+    const auto s = static_cast<std::size_t>(size), r = static_cast<std::size_t>(rank);
+    const std::size_t base = chunks / s, extra = chunks % s;
+    return {r * base + (r < extra ? r : extra), base + (r < extra ? 1 : 0)};
+}
+} // namespace detail
 
 /// True when a replica's gradients depend on the other replicas' data in the same step
 /// (bn::global, bn::group): such a policy needs synchronous training, where every replica runs

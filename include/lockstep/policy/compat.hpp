@@ -7,6 +7,7 @@
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/policy/sync.hpp"
 
+#include <cstddef>
 #include <tuple>
 #include <type_traits>
 
@@ -45,6 +46,22 @@ template <class Tuple>
 struct any_bn_communicates;
 template <class... P>
 struct any_bn_communicates<std::tuple<P...>> : std::bool_constant<(bn::communicates<P> || ...)> {};
+
+// reduce::reproducible and bn::ghost: the BN policies of a network that are not ghost, that
+// are ghost, and whose ghost chunk differs from C.
+template <class Tuple>
+struct bn_ghost_facts;
+template <class... P>
+struct bn_ghost_facts<std::tuple<P...>> {
+    static constexpr bool any_ghost = (bn::is_ghost<P> || ...);
+    static constexpr bool all_ghost = (bn::is_ghost<P> && ...);
+    template <std::size_t C>
+    static constexpr bool all_chunk = ((bn::ghost_chunk<P> == C) && ...);
+};
+template <class ReducePolicy>
+inline constexpr std::size_t reproducible_chunk = 0;
+template <std::size_t C>
+inline constexpr std::size_t reproducible_chunk<reduce::reproducible<C>> = C;
 } // namespace detail
 
 /// Checks, at compile time, that SyncPolicy x ReducePolicy x Communicator x the BN policies
@@ -82,6 +99,28 @@ constexpr bool check_compatible() {
                   "sync::local_sgd averages WEIGHTS, and reduce::compressed would round them to "
                   "16 bits on the wire, losing the model's precision: use reduce::per_tensor or "
                   "reduce::bucketed with sync::local_sgd.");
+    // --- reduce::reproducible and bn::ghost ---
+    constexpr bool reproducible = ReducePolicy::kind == reduce_kind::reproducible;
+    using ghost_facts = detail::bn_ghost_facts<BNPolicies>;
+    static_assert(!reproducible || !(async || local),
+                  "reduce::reproducible makes the weights independent of the replica count by "
+                  "summing every chunk's gradient exactly before one update; asynchronous "
+                  "workers and local SGD apply updates that depend on the replica count: use "
+                  "reduce::reproducible with sync::synchronous.");
+    static_assert(!reproducible || ghost_facts::all_ghost,
+                  "reduce::reproducible needs every batch-norm layer to normalize each chunk on "
+                  "its own: bn::global, bn::group, bn::local, bn::running_only and bn::tower "
+                  "depend on how samples are split over replicas; use "
+                  "bn::ghost<ChunkSamples> (the reducer's chunk size) in every layer.");
+    static_assert(!ghost_facts::any_ghost || reproducible,
+                  "bn::ghost<ChunkSamples> normalizes the chunks that reduce::reproducible cuts "
+                  "and gathers their statistics at the end of its step: train it with "
+                  "reduce::reproducible<ChunkSamples> (or use bn::local / bn::global with other "
+                  "reducers).");
+    static_assert(!reproducible ||
+                      ghost_facts::template all_chunk<detail::reproducible_chunk<ReducePolicy>>,
+                  "bn::ghost<C> and reduce::reproducible<C> must use the same chunk size C: each "
+                  "ghost batch is one chunk of the reducer.");
     return true;
 }
 

@@ -11,7 +11,7 @@
 namespace lockstep {
 
 /// The family a ReducePolicy belongs to.
-enum class reduce_kind { per_tensor, bucketed, parameter_server, compressed };
+enum class reduce_kind { per_tensor, bucketed, parameter_server, compressed, reproducible };
 
 namespace reduce {
 
@@ -64,6 +64,32 @@ struct compressed {
                   "lockstep::half or lockstep::bfloat16.");
     static constexpr reduce_kind kind = reduce_kind::compressed;
     using wire_type = Wire;
+};
+
+} // namespace reduce
+
+// --- reduce::reproducible -------------------------------------------------------------------
+
+namespace reduce {
+
+/// Results that do not depend on the replica count. Every global batch is cut into chunks of
+/// ChunkSamples samples aligned to global positions, [k C, min((k + 1) C, global)) (the last one
+/// may be shorter); whole chunks go to replicas, contiguously and balanced by chunk count (a
+/// replica may get none). The step function is called once per chunk, and the chunk gradients
+/// are added exactly in a binned integer representation (kernels/exact_sum.hpp), reduced across
+/// replicas with one int64 MAX all_reduce (n + 1 values) and one int64 SUM all_reduce (3 (n + 1)
+/// values) for n gradient elements plus the loss, and converted back to T once per step. Given
+/// the same global batches, seed and policies, and a network whose own kernels are
+/// deterministic for a given input, the weights, optimizer state and BN running statistics
+/// (bn::ghost<ChunkSamples>) are bitwise the same for every replica count.
+/// requires: ChunkSamples >= 1; sync::synchronous; every BN layer bn::ghost<ChunkSamples>.
+template <std::size_t ChunkSamples>
+struct reproducible {
+    static_assert(ChunkSamples >= 1,
+                  "reduce::reproducible<ChunkSamples> needs chunks of at least one sample.");
+    static constexpr reduce_kind kind = reduce_kind::reproducible;
+    /// Samples per chunk (the last chunk of a global batch may be shorter).
+    static constexpr std::size_t chunk_samples = ChunkSamples;
 };
 
 } // namespace reduce

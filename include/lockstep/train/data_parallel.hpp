@@ -18,6 +18,7 @@
 #include "lockstep/train/detail/host_collective.hpp"
 #include "lockstep/train/detail/overlap.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
+#include "lockstep/train/detail/reduce_reproducible.hpp"
 #include "lockstep/train/detail/reducer.hpp"
 #include "lockstep/train/detail/step_checks.hpp"
 #include "lockstep/train/detail/trainer_base.hpp"
@@ -90,7 +91,13 @@ public:
           status_(rows_ + status_size, comm.system()), skip_(1, comm.system()),
           checks_(reducer_.plan(), core_.registry().grads().size(), comm.system()),
           read_(rows_ + status_size, comm.system()),
-          scaler_(core_.params().loss_scale, comm.system(), comm.rank()) {}
+          scaler_(core_.params().loss_scale, comm.system(), comm.rank()) {
+        if constexpr (reproducible)
+            LOCKSTEP_REQUIRE(core_.params().micro_batches == 1, errc::invalid_argument, comm.rank(),
+                             "data_parallel", "micro_batches = ", core_.params().micro_batches,
+                             ": reduce::reproducible cuts every global batch into chunks of ",
+                             ReducePolicy::chunk_samples, " samples itself (use 1)");
+    }
     data_parallel(const data_parallel&) = delete;
     data_parallel& operator=(const data_parallel&) = delete;
 
@@ -103,6 +110,8 @@ public:
     /// sync::synchronous: scale = 1 / global_batch, gradients are summed over replicas (the
     /// gradient of the mean loss over the global batch), one update is applied identically on
     /// every replica: weights are bitwise identical everywhere afterwards.
+    /// reduce::reproducible<C>: fn is called once per chunk of C samples this replica computes
+    /// (see reproducible_step below), never with micro-batches.
     /// sync::local_sgd<K>: scale = 1 / (this replica's samples), each replica updates alone,
     /// weights (and state) are averaged over replicas every K steps; each average first checks
     /// that every replica passed the same global_batch and used the same lr in the steps since
@@ -130,6 +139,8 @@ public:
         try {
             if constexpr (is_local_sgd_v<SyncPolicy>)
                 return local_step(global_batch, fn);
+            else if constexpr (reproducible)
+                return reproducible_step(global_batch, fn);
             else
                 return synchronous_step(global_batch, fn);
         } catch (...) {
@@ -192,6 +203,7 @@ private:
     /// The step's status followed by the loss scale's report (kernels::loss_scale_report_slot).
     static constexpr std::size_t status_size =
         status_slot::slots + kernels::loss_scale_report_slot::slots;
+    static constexpr bool reproducible = ReducePolicy::kind == reduce_kind::reproducible;
 
     template <class Fn>
     step_result synchronous_step(std::size_t global, Fn& fn) {
@@ -240,6 +252,99 @@ private:
             scale_gradient(sys);
             core_.optimizer().step(values, std::span<const T>(core_.grads()), skip_.data());
         });
+        core_.unpack_values();
+        core_.advance(global);
+        return end_step(r);
+    }
+
+    // --- reduce::reproducible ---
+    /// reduce::reproducible<C>: the global batch is cut into chunks [k C, min((k + 1) C,
+    /// global)); this replica computes its contiguous run of chunks (reproducible_chunks), one fn
+    /// call per chunk on zeroed gradients with scale = 1 / global (a replica without chunks calls
+    /// fn once with an empty range, so the network's layers take part in the step), and adds
+    /// each chunk's gradient and loss exactly into the binned accumulator. Then: this replica's
+    /// own sums are checked (non-finite counts name the replica), the accumulator is reduced
+    /// across replicas (int64 MAX, then int64 SUM) and rounded once into the gradient, and the
+    /// step continues as the synchronous one (status all_reduce, skip decision, update). The
+    /// loss reported is the exact sum, rounded once (replica 0 contributes it to the status
+    /// sum, the others 0). ensures: every replica, for every replica count, holds the same bits.
+    template <class Fn>
+    step_result reproducible_step(std::size_t global, Fn& fn) {
+        auto& ctx = core_.context();
+        const auto sys = core_.comm().system();
+        auto& acc = reducer_.accumulator();
+        const std::span<T> grads = core_.grads().first(acc.size());
+        LOCKSTEP_REQUIRE(global >= 1, errc::invalid_argument, this->rank(), "data_parallel.step",
+                         "global batch size is 0");
+        (void)next_sample_offset(core_.samples(), global, this->rank());
+        const bn::detail::ghost_step_scope ghost_scope(global);
+        begin_status();
+        ctx.set_loss_scale(scaler_.scale_device(), scaler_.known_scale());
+        acc.clear();
+        constexpr std::size_t chunk = ReducePolicy::chunk_samples;
+        const shard_range mine =
+            detail::reproducible_chunks(global, chunk, this->rank(), this->size());
+        if (losses_.empty())
+            losses_ = buffer<double, system_type>(3, sys);
+        double* chunk_loss = losses_.data();
+        {
+            detail::status_scope scope(sink_);
+            ctx.set_step(core_.steps(), true);
+            const std::size_t calls = mine.empty() ? 1 : mine.size();
+            for (std::size_t c = 0; c < calls; ++c) {
+                shard_range r;
+                if (!mine.empty()) {
+                    r.begin = (mine.begin + c) * chunk;
+                    r.end = std::min(global, r.begin + chunk);
+                } else {
+                    r.begin = r.end = global;
+                }
+                r.global_size = global;
+                r.sample_offset = core_.samples();
+                r.scale = r.empty() ? 0.0 : 1.0 / static_cast<double>(global);
+                core_.zero_grads();
+                thrust::fill(sys.policy(), chunk_loss, chunk_loss + 1, 0.0);
+                ctx.set_loss_slot(chunk_loss);
+                double host_loss = 0;
+                if constexpr (std::is_void_v<decltype(fn(core_.network(), r, ctx))>)
+                    fn(core_.network(), r, ctx);
+                else
+                    host_loss = static_cast<double>(fn(core_.network(), r, ctx));
+                ctx.set_loss_slot(nullptr);
+                core_.pack_grads();
+                acc.add(std::span<const T>(grads));
+                acc.add_loss(host_loss, chunk_loss);
+            }
+            ctx.set_step(core_.steps(), false);
+        }
+        // This replica's own sum first: its non-finite elements and loss are counted as its own.
+        double* own_loss = chunk_loss + 1;
+        acc.finalize_local(grads, own_loss);
+        const auto& plan = reducer_.plan();
+        for (std::size_t k = 0; k < plan.size(); ++k)
+            checks_.check_piece(sys, std::span<const T>(core_.grads()), k, plan[k]);
+        acc.reduce(core_.comm());
+        reducer_.count_step();
+        double* global_loss = chunk_loss + 2;
+        acc.finalize(grads, global_loss);
+        scaler_.unscale(core_.grads());
+        decltype(checks_)::one_task(sys, detail::reproducible_loss_fn{own_loss, global_loss,
+                                                                      this->rank() == 0,
+                                                                      fixed() + status_slot::loss});
+        step_result r;
+        r.step = core_.steps();
+        r.lr = core_.lr_for(r.step);
+        checks_.finish_local(sys, 0.0, static_cast<double>(global), r.lr, fixed(),
+                             row(this->rank()));
+        after_reduction(sys, true);
+        std::span<double> reduced = status_.span().first(rows_ + status_slot::reduced);
+        core_.comm().all_reduce(std::span<const double>(reduced), reduced, reduce_op::sum);
+        decide_skip(sys, core_.comm().size(), row(0));
+        scaler_.update(fixed(), fixed() + status_slot::slots);
+        commit_layers();
+        core_.optimizer().set_lr(r.lr);
+        scale_gradient(sys);
+        core_.optimizer().step(core_.values(), std::span<const T>(core_.grads()), skip_.data());
         core_.unpack_values();
         core_.advance(global);
         return end_step(r);
@@ -518,6 +623,7 @@ private:
     std::size_t since_average_ = 0;
     std::vector<double> local_settings_; ///< local SGD: {global_batch, lr} per step since average
     loss_scaler<system_type> scaler_;
+    buffer<double, system_type> losses_; ///< reproducible: chunk, own and global loss
 };
 
 } // namespace lockstep

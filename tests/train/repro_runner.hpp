@@ -1,0 +1,116 @@
+// tests/train/repro_runner.hpp: trains the test network with reduce::reproducible<8> and
+// bn::ghost<8> on any communicator and records every bit a step depends on.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "mlp_fixture.hpp"
+
+#include "lockstep/comm/thread_group.hpp"
+#include "lockstep/optim/adam.hpp"
+#include "lockstep/optim/lamb.hpp"
+#include "lockstep/optim/sgd.hpp"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace lockstep_test {
+
+/// The chunk size of the reproducible tests: 37 = 4 x 8 + 5, and every chunk of the schedule
+/// has at least 2 samples (ghost BN needs more than one value per channel).
+inline constexpr std::size_t repro_chunk = 8;
+using repro_reduce = reduce::reproducible<repro_chunk>;
+using repro_bn = bn::ghost<repro_chunk>;
+
+/// 50 steps of uneven global batches: 37, 3, 12, 7, 20, 64, 10 (cycled).
+inline std::vector<std::size_t> repro_schedule(std::size_t steps = 50) {
+    const std::size_t cycle[] = {37, 3, 12, 7, 20, 64, 10};
+    std::vector<std::size_t> out(steps);
+    for (std::size_t i = 0; i < steps; ++i)
+        out[i] = cycle[i % 7];
+    return out;
+}
+
+/// Everything a reproducible run must agree on, from one replica.
+template <class T>
+struct repro_record {
+    std::vector<T> params;             ///< after the last step
+    std::vector<std::vector<T>> state; ///< optimizer state slots after the last step
+    std::vector<T> running;            ///< BN running mean, then running var
+    std::int64_t batches_tracked = 0;  ///< BN num_batches_tracked
+    std::int64_t optimizer_steps = 0;  ///< the optimizer's applied steps
+    std::vector<double> losses;        ///< every step's loss
+    std::vector<std::vector<T>> trace; ///< parameters after every step
+};
+
+/// The first difference between two records in any bit ("" when identical).
+template <class T>
+std::string repro_difference(const repro_record<T>& a, const repro_record<T>& b) {
+    const auto differs = [](const auto& x, const auto& y) {
+        using E = typename std::decay_t<decltype(x)>::value_type;
+        return x.size() != y.size() || std::memcmp(x.data(), y.data(), x.size() * sizeof(E)) != 0;
+    };
+    for (std::size_t s = 0; s < a.trace.size() && s < b.trace.size(); ++s)
+        if (differs(a.trace[s], b.trace[s]))
+            return "parameters after step " + std::to_string(s);
+    if (differs(a.params, b.params))
+        return "parameters";
+    if (a.state.size() != b.state.size())
+        return "optimizer state slot count";
+    for (std::size_t k = 0; k < a.state.size(); ++k)
+        if (differs(a.state[k], b.state[k]))
+            return "optimizer state slot " + std::to_string(k);
+    if (differs(a.running, b.running))
+        return "BN running statistics";
+    if (a.batches_tracked != b.batches_tracked)
+        return "num_batches_tracked";
+    if (a.optimizer_steps != b.optimizer_steps)
+        return "optimizer step count";
+    if (differs(a.losses, b.losses))
+        return "losses";
+    return "";
+}
+
+/// One replica's part of a reproducible run over comm (collective). `BN` and `Reduce` default to
+/// the ghost / reproducible pair; `shape.batch_norm = false` makes the BN layer the identity.
+template <class T, class Opt, class Comm, class Reduce = repro_reduce, class BN = repro_bn>
+repro_record<T> repro_train(Comm& comm, typename Opt::params_type op,
+                            const std::vector<std::size_t>& batches, mlp_shape shape = {}) {
+    using net = mlp<T, Comm, storage::registry, BN>;
+    data_parallel<net, Opt, sync::synchronous, Reduce, Comm> dp(
+        comm, [&](auto& ctx) { return net(ctx, shape); }, op, {.seed = 42});
+    repro_record<T> rec;
+    for (std::size_t b : batches) {
+        const step_result r = dp.step(
+            b, [](net& n, const shard_range& range, auto& ctx) { return n.train(range, ctx); });
+        rec.losses.push_back(r.loss);
+        auto p = dp.parameters();
+        rec.trace.emplace_back(p.begin(), p.end());
+    }
+    auto p = dp.parameters();
+    rec.params.assign(p.begin(), p.end());
+    for (const auto& slot : dp.optimizer().state().slots)
+        rec.state.emplace_back(slot.data.begin(), slot.data.end());
+    auto& bnl = dp.network().batch_norm();
+    rec.running.assign(bnl.running_mean().begin(), bnl.running_mean().end());
+    rec.running.insert(rec.running.end(), bnl.running_var().begin(), bnl.running_var().end());
+    rec.batches_tracked = bnl.num_batches_tracked();
+    rec.optimizer_steps = dp.optimizer().step_count();
+    return rec;
+}
+
+/// repro_train on `replicas` thread replicas; every replica's record (rank order).
+template <class T, class Opt, class Reduce = repro_reduce, class BN = repro_bn>
+std::vector<repro_record<T>> repro_threads(int replicas, typename Opt::params_type op,
+                                           const std::vector<std::size_t>& batches,
+                                           mlp_shape shape = {}) {
+    std::vector<repro_record<T>> out(static_cast<std::size_t>(replicas));
+    thread_group group(replicas);
+    group.run([&](thread_communicator& comm) {
+        out[static_cast<std::size_t>(comm.rank())] =
+            repro_train<T, Opt, thread_communicator, Reduce, BN>(comm, op, batches, shape);
+    });
+    return out;
+}
+
+} // namespace lockstep_test

@@ -1,0 +1,47 @@
+// reduce::reproducible<8> with bn::ghost<8> over MPI (one replica per process): every process
+// holds the bits of 1 and of 3 thread replicas run in the same process, for SGD, AdamW and LAMB
+// in float and double. SPDX-License-Identifier: Apache-2.0
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include "support/mpi_session.hpp"
+
+#include "repro_runner.hpp"
+
+#include "lockstep/comm/mpi_communicator.hpp"
+
+using namespace lockstep_test;
+
+namespace {
+
+template <class T, class Opt>
+void check_mpi(typename Opt::params_type p) {
+    mpi_communicator world(MPI_COMM_WORLD);
+    const auto batches = repro_schedule();
+    const repro_record<T> mine = repro_train<T, Opt>(world, p, batches);
+    const auto one = repro_threads<T, Opt>(1, p, batches);
+    const auto three = repro_threads<T, Opt>(3, p, batches);
+    INFO("rank " << world.rank() << " of " << world.size());
+    CHECK(repro_difference(mine, one[0]) == "");
+    CHECK(repro_difference(mine, three[2]) == "");
+}
+
+} // namespace
+
+TEMPLATE_TEST_CASE("MPI replicas under reduce::reproducible hold the bits of thread replicas",
+                   "[train][reproducible][mpi]", float, double) {
+    using T = TestType;
+    SECTION("sgd") {
+        check_mpi<T, optim::sgd<T>>({.lr = 0.1, .momentum = 0.9, .nesterov = true});
+    }
+    SECTION("adamw") {
+        check_mpi<T, optim::adamw<T>>({.lr = 1e-2, .weight_decay = 1e-2});
+    }
+    SECTION("lamb") {
+        check_mpi<T, optim::lamb<T>>({.lr = 1e-2, .weight_decay = 1e-2});
+    }
+}
+
+int main(int argc, char** argv) {
+    return lockstep::testing::run_mpi_session(argc, argv);
+}
