@@ -27,6 +27,18 @@ static_assert(check_compatible<sync::local_sgd<4>, reduce::bucketed<>, collectiv
                                std::tuple<bn::local, bn::running_only, bn::tower<0>>>());
 static_assert(
     check_compatible<sync::local_sgd<4>, reduce::parameter_server<0>, thread_communicator>());
+// reduce::reproducible<C>: synchronous, with bn::ghost<C> in every BN layer or no BN at all.
+static_assert(reduce_policy<reduce::reproducible<8>> && bn_stat_policy<bn::ghost<8>>);
+static_assert(
+    check_compatible<sync::synchronous, reduce::reproducible<8>, collective_only_communicator,
+                     std::tuple<bn::ghost<8>, bn::ghost<8>>>());
+static_assert(check_compatible<sync::synchronous, reduce::reproducible<1>, thread_communicator>());
+static_assert(bn::ghost_chunk<bn::ghost<16>> == 16 && bn::ghost_chunk<bn::local> == 0);
+static_assert(bn::detail::chunks_of(37, 8, 0, 3).first == 0 &&
+              bn::detail::chunks_of(37, 8, 0, 3).count == 2 &&
+              bn::detail::chunks_of(37, 8, 2, 3).first == 4 &&
+              bn::detail::chunks_of(37, 8, 2, 3).count == 1 &&
+              bn::detail::chunks_of(37, 8, 7, 8).count == 0);
 // Asynchronous: bn::local over a point-to-point communicator.
 static_assert(check_compatible<sync::asynchronous, reduce::per_tensor, thread_communicator,
                                std::tuple<bn::local>>());

@@ -117,7 +117,7 @@ constexpr bool check_compatible() {
                   "and gathers their statistics at the end of its step: train it with "
                   "reduce::reproducible<ChunkSamples> (or use bn::local / bn::global with other "
                   "reducers).");
-    static_assert(!reproducible ||
+    static_assert(!reproducible || !ghost_facts::all_ghost ||
                       ghost_facts::template all_chunk<detail::reproducible_chunk<ReducePolicy>>,
                   "bn::ghost<C> and reduce::reproducible<C> must use the same chunk size C: each "
                   "ghost batch is one chunk of the reducer.");

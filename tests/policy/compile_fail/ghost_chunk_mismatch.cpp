@@ -1,0 +1,7 @@
+// Must not compile: bn::ghost<4> with reduce::reproducible<8>. SPDX-License-Identifier: Apache-2.0
+#include "lockstep/comm/thread_communicator.hpp"
+#include "lockstep/policy/compat.hpp"
+static_assert(lockstep::check_compatible<
+              lockstep::sync::synchronous, lockstep::reduce::reproducible<8>,
+              lockstep::thread_communicator, std::tuple<lockstep::bn::ghost<4>>>());
+int main() {}

@@ -1,0 +1,9 @@
+// Must not compile: reduce::reproducible with bn::local beside a ghost layer.
+// SPDX-License-Identifier: Apache-2.0
+#include "lockstep/comm/thread_communicator.hpp"
+#include "lockstep/policy/compat.hpp"
+static_assert(
+    lockstep::check_compatible<lockstep::sync::synchronous, lockstep::reduce::reproducible<8>,
+                               lockstep::thread_communicator,
+                               std::tuple<lockstep::bn::ghost<8>, lockstep::bn::local>>());
+int main() {}

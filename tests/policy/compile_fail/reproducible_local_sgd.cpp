@@ -1,0 +1,7 @@
+// Must not compile: reduce::reproducible with local SGD. SPDX-License-Identifier: Apache-2.0
+#include "lockstep/comm/thread_communicator.hpp"
+#include "lockstep/policy/compat.hpp"
+static_assert(lockstep::check_compatible<
+              lockstep::sync::local_sgd<4>, lockstep::reduce::reproducible<8>,
+              lockstep::thread_communicator, std::tuple<lockstep::bn::ghost<8>>>());
+int main() {}
