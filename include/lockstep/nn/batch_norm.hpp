@@ -102,6 +102,11 @@ struct batch_norm_params {
 ///   count that produced it: the global count under bn::global and bn::running_only, the group
 ///   count under bn::group, replica K's count under bn::tower<K>, the local count under
 ///   bn::local. A batch of zero values leaves them unchanged (num_batches_tracked still counts).
+///   bn::ghost<C> inside a reduce::reproducible step: each call (one chunk) is normalized with its
+///   own statistics and leaves the running statistics alone; at the end of the step every
+///   replica's chunk statistics are gathered (one all_gather) and applied in global chunk order,
+///   each with its own count, and num_batches_tracked grows by the step's chunk count: the same
+///   bits on every replica for every replica count. Outside such a step it acts as bn::local.
 /// - Every replica calls forward_train and backward of a communicating policy the same number
 ///   of times in the same order (an empty shard takes part with count 0).
 /// - Stream contract: every kernel of the layer runs on its system (on CUDA: one device, one

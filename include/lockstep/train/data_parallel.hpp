@@ -53,7 +53,8 @@ namespace lockstep {
 /// - SyncPolicy: sync::synchronous or sync::local_sgd<K> here (sync::asynchronous and
 ///   sync::bounded_staleness<S> are specialisations in train/asynchronous.hpp).
 /// - ReducePolicy: reduce::per_tensor, reduce::bucketed<Bytes>, reduce::parameter_server<Root>,
-///   reduce::compressed<half|bfloat16>.
+///   reduce::compressed<half|bfloat16>, reduce::reproducible<C> (results bitwise independent of
+///   the replica count; with bn::ghost<C> batch norm).
 /// - Communicator: thread_communicator, mpi_communicator, nccl_communicator.
 /// Invalid combinations are compile errors (policy/compat.hpp).
 template <class Network, class Optimizer, sync_policy SyncPolicy, reduce_policy ReducePolicy,
