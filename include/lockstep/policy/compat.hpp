@@ -82,6 +82,12 @@ constexpr bool check_compatible() {
                   "sync::local_sgd averages WEIGHTS, and reduce::compressed would round them to "
                   "16 bits on the wire, losing the model's precision: use reduce::per_tensor or "
                   "reduce::bucketed with sync::local_sgd.");
+    static_assert(!(async || local) || ReducePolicy::kind != reduce_kind::sharded,
+                  "reduce::sharded splits the optimizer state over replicas that reduce every "
+                  "step's gradient and update together: it needs sync::synchronous. "
+                  "sync::asynchronous and sync::bounded_staleness update on the server, and "
+                  "sync::local_sgd has no gradient reduction to shard (each replica updates "
+                  "alone): use reduce::bucketed with them.");
     return true;
 }
 
