@@ -23,8 +23,8 @@ static_assert(
                      std::tuple<bn::global, bn::group<2>, bn::tower<1>>>());
 static_assert(check_compatible<sync::synchronous, reduce::compressed<lockstep::bfloat16>,
                                thread_communicator, std::tuple<bn::global>>());
-static_assert(check_compatible<sync::synchronous, reduce::sharded<4096>, collective_only_communicator,
-                               std::tuple<bn::global>>());
+static_assert(check_compatible<sync::synchronous, reduce::sharded<4096>,
+                               collective_only_communicator, std::tuple<bn::global>>());
 // Local SGD steps in lockstep, so BN policies that only share running statistics are fine.
 static_assert(check_compatible<sync::local_sgd<4>, reduce::bucketed<>, collective_only_communicator,
                                std::tuple<bn::local, bn::running_only, bn::tower<0>>>());

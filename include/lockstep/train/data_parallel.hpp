@@ -52,7 +52,7 @@ namespace lockstep {
 /// - SyncPolicy: sync::synchronous or sync::local_sgd<K> here (sync::asynchronous and
 ///   sync::bounded_staleness<S> are specialisations in train/asynchronous.hpp).
 /// - ReducePolicy: reduce::per_tensor, reduce::bucketed<Bytes>, reduce::parameter_server<Root>,
-///   reduce::compressed<half|bfloat16>.
+///   reduce::compressed<half|bfloat16>, reduce::sharded<Bytes> (sync::synchronous only).
 /// - Communicator: thread_communicator, mpi_communicator, nccl_communicator.
 /// Invalid combinations are compile errors (policy/compat.hpp).
 template <class Network, class Optimizer, sync_policy SyncPolicy, reduce_policy ReducePolicy,
@@ -86,7 +86,8 @@ public:
                     base_type::policy_settings(), true),
           reducer_(comm, core_.registry().parameters(),
                    detail::use_overlap(comm, core_.params().overlap)),
-          rows_(replica_slot::slots * static_cast<std::size_t>(comm.size())),
+          rows_((replica_slot::slots + (sharded ? detail::shard_check_slots : 0)) *
+                static_cast<std::size_t>(comm.size())),
           status_(rows_ + status_size, comm.system()), skip_(1, comm.system()),
           checks_(reducer_.plan(), core_.registry().grads().size(), comm.system()),
           read_(rows_ + status_size, comm.system()),
@@ -225,20 +226,32 @@ private:
                              row(this->rank()));
         constexpr bool server = ReducePolicy::kind == reduce_kind::parameter_server;
         after_reduction(sys, !server || this->rank() == server_root());
+        if constexpr (sharded)
+            decltype(checks_)::one_task(sys, detail::shard_checks_to_row_fn{fixed(), shard_row()});
         // The status (per-replica rows, loss, non-finite counts, layer errors) is summed over
         // replicas in one small all_reduce: every replica then takes the same skip decision,
         // and the gradient factor from the same norm (the reduced gradient is identical on
         // every replica; parameter_server: only Root's is reduced, and only Root updates).
         std::span<double> reduced = status_.span().first(rows_ + status_slot::reduced);
         core_.comm().all_reduce(std::span<const double>(reduced), reduced, reduce_op::sum);
+        if constexpr (sharded)
+            decltype(checks_)::one_task(
+                sys,
+                detail::combine_shard_checks_fn{
+                    row(0) + replica_slot::slots * static_cast<std::size_t>(core_.comm().size()),
+                    core_.comm().size(), fixed()});
         decide_skip(sys, core_.comm().size(), row(0));
         scaler_.update(fixed(), fixed() + status_slot::slots);
         commit_layers();
         core_.optimizer().set_lr(r.lr);
         auto values = core_.values();
+        // The optimizer's elements: all of them, or this replica's shard (reduce::sharded).
+        const detail::shard_extent own = core_.optimizer_shard();
         reducer_.apply(values, [&] {
             scale_gradient(sys);
-            core_.optimizer().step(values, std::span<const T>(core_.grads()), skip_.data());
+            core_.optimizer().step(values.subspan(own.offset, own.count),
+                                   std::span<const T>(core_.grads().subspan(own.offset, own.count)),
+                                   skip_.data());
         });
         core_.unpack_values();
         core_.advance(global);
@@ -286,6 +299,16 @@ private:
         return r;
     }
 
+    /// reduce::sharded: each replica reduces, checks and updates its shard only.
+    static constexpr bool sharded = ReducePolicy::kind == reduce_kind::sharded;
+
+    /// reduce::sharded: this replica's row of the shard check block (after the replica rows).
+    double* shard_row() noexcept {
+        return status_.data() +
+               replica_slot::slots * static_cast<std::size_t>(core_.comm().size()) +
+               detail::shard_check_slots * static_cast<std::size_t>(this->rank());
+    }
+
     static constexpr int server_root() {
         if constexpr (ReducePolicy::kind == reduce_kind::parameter_server)
             return ReducePolicy::root;
@@ -306,8 +329,17 @@ private:
         if (hook && gradient_hook_)
             gradient_hook_(core_.grads(),
                            std::span<const tensor_info>(core_.registry().parameters()));
-        checks_.check_reduced(sys, std::span<const T>(core_.grads()),
-                              core_.params().max_grad_norm > 0, fixed());
+        if constexpr (sharded) {
+            // Only the shard is reduced: its count, first index and squared norm are summed over
+            // replicas by the status all_reduce (shard_checks_to_row_fn, combine_shard_checks_fn).
+            const detail::shard_extent own = core_.optimizer_shard();
+            checks_.check_reduced(sys, std::span<const T>(core_.grads()), own.offset,
+                                  own.offset + own.count, core_.params().max_grad_norm > 0,
+                                  fixed());
+        } else {
+            checks_.check_reduced(sys, std::span<const T>(core_.grads()),
+                                  core_.params().max_grad_norm > 0, fixed());
+        }
     }
 
     /// Zeroes the step's status and points the layers' error reports and commit hooks at it.
@@ -334,8 +366,10 @@ private:
 
     /// The gradient factor (clipping), on the device, when one can differ from 1.
     void scale_gradient(const system_type& sys) {
+        const detail::shard_extent own = core_.optimizer_shard();
         if (core_.params().max_grad_norm > 0)
-            detail::apply_grad_factor(sys, core_.grads(), fixed(), skip_.data());
+            detail::apply_grad_factor(sys, core_.grads().subspan(own.offset, own.count), fixed(),
+                                      skip_.data());
     }
 
     /// Queues the read of the status; with read_result, waits for it and returns the result.
@@ -391,10 +425,9 @@ private:
     }
 
     /// The replicas (rows) whose global_batch or lr differs from replica 0's, both values.
-    std::string mismatch_text(std::span<const double> all) const {
+    std::string mismatch_text(std::span<const double> all) {
         std::string out;
-        const int n =
-            is_local_sgd_v<SyncPolicy> ? 1 : static_cast<int>(rows_ / replica_slot::slots);
+        const int n = is_local_sgd_v<SyncPolicy> ? 1 : core_.comm().size();
         const double* r0 = all.data();
         for (int r = 1; r < n; ++r) {
             const double* rr = all.data() + static_cast<std::size_t>(r) * replica_slot::slots;
@@ -424,7 +457,7 @@ private:
     std::string non_finite_text(std::span<const double> all) {
         const std::span<const double> st = all.subspan(rows_);
         std::string out;
-        const int n = static_cast<int>(rows_ / replica_slot::slots);
+        const int n = core_.comm().size();
         const char* scope = is_local_sgd_v<SyncPolicy> ? " (local SGD)" : "";
         for (int r = 0; r < n; ++r) {
             const double* rr = all.data() + static_cast<std::size_t>(r) * replica_slot::slots;
@@ -506,7 +539,8 @@ private:
     }
 
     detail::reducer<ReducePolicy, T, Communicator> reducer_;
-    std::size_t rows_; ///< doubles of the per-replica rows before the status_slot block
+    std::size_t rows_; ///< doubles of the per-replica rows (reduce::sharded: then the shard
+                       ///< check block) before the status_slot block
     buffer<double, system_type> status_; ///< rows (replica_slot) then the status_slot block
     buffer<int, system_type> skip_;      ///< 1: the optimizer kernels skip the update
     detail::gradient_checks<system_type> checks_;
