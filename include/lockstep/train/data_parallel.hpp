@@ -112,7 +112,9 @@ public:
     /// Between reduction and update, on every replica alike: the gradients of frozen tensors
     /// are zeroed (train_params::frozen), the gradient hook runs (set_gradient_hook), the
     /// gradient norm is taken and the gradient scaled by the clipping factor
-    /// (train_params::max_grad_norm).
+    /// (train_params::max_grad_norm). reduce::sharded: each replica reduces, checks, clips and
+    /// updates its shard of the flat buffer (the norm and the non-finite count are summed over
+    /// shards in the step's status all_reduce), then the shards are all-gathered.
     /// Skipped on every replica (synchronous; train_params::skip_non_finite = false also
     /// throws), with nothing applied and the BN running statistics restored on the device: a
     /// NaN/inf gradient element on any replica (counted per replica before reduction, and in the
@@ -166,7 +168,9 @@ public:
 
     /// The gradient hook: called on every replica as f(gradient, layout) after the reduction
     /// (synchronous: the reduced gradient, the same on every replica; reduce::parameter_server:
-    /// on Root only, where the update runs; local SGD: this replica's gradient) and before the
+    /// on Root only, where the update runs; reduce::sharded: only this replica's shard,
+    /// optimizer_shard(), holds the reduced gradient, the other elements its own unreduced one,
+    /// and only the shard reaches the update; local SGD: this replica's gradient) and before the
     /// clipping norm and the update, with the flat gradient (the system's memory) and the
     /// registry's layout (registry().parameters()). f may change the gradient in place, and must
     /// change it identically on every replica; it runs on the replica's thread between kernels
