@@ -348,7 +348,6 @@ TEST_CASE("reduce::sharded checkpoints: per-shard state, bit-identical resume, r
         INFO("replica " << r);
         CHECK(straight[r] == resumed[r]);
     }
-    // Each shard file holds that replica's optimizer state only: 2 buffers of its shard.
     SECTION("another replica count is refused") {
         thread_group group(2);
         group.run([&](thread_communicator& comm) {
@@ -377,6 +376,9 @@ TEST_CASE("reduce::sharded checkpoints: per-shard state, bit-identical resume, r
                                                      "trainer reduce::bucketed<64, 32>"));
                 CHECK_THAT(e.what(), Catch::Contains("reduce.shard: [0, 28) of 83 in the "
                                                      "checkpoint, unknown to the trainer"));
+                // Replica 0's shard file holds the optimizer state of its 28 elements only.
+                CHECK_THAT(e.what(), Catch::Contains("section 'optimizer.exp_avg': checkpoint "
+                                                     "f64 {28}, trainer f64 {83}"));
             }
         });
     }
