@@ -4,6 +4,7 @@
 // its own device kernel and adds its loss on the device. Skipped without a GPU.
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/nccl_communicator.hpp"
+#include "lockstep/optim/lamb.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/data_parallel.hpp"
@@ -62,6 +63,13 @@ struct linear_net {
 using trainer_type = lockstep::data_parallel<linear_net, lockstep::optim::sgd<float, cuda_system>,
                                              lockstep::sync::synchronous,
                                              lockstep::reduce::bucketed<>, nccl_communicator>;
+
+/// LAMB with the optimizer state sharded over the replicas (reduce::sharded; 8-byte buckets cut
+/// the 5 parameters into pieces that span shards), and the unsharded trainer it must equal.
+template <class Reduce>
+using lamb_trainer =
+    lockstep::data_parallel<linear_net, lockstep::optim::lamb<float, cuda_system>,
+                            lockstep::sync::synchronous, Reduce, nccl_communicator>;
 
 std::vector<float> to_host(std::span<const float> device, const cuda_system& sys) {
     std::vector<float> h(device.size());
@@ -174,6 +182,57 @@ TEST_CASE("data_parallel trains over nccl_communicator: replicas agree with the 
         for (std::size_t i = 0; i < ref.size(); ++i) {
             CHECK(params[r][i] == params[0][i]);
             CHECK(std::abs(static_cast<double>(params[r][i]) - ref[i]) <= 1e-5);
+        }
+    }
+}
+
+namespace {
+
+/// Every replica's parameters after `steps` steps of lamb_trainer<Reduce> over comms.
+template <class Reduce>
+std::vector<std::vector<float>> run_lamb(std::vector<nccl_communicator>& comms) {
+    std::vector<std::vector<float>> params(comms.size());
+    std::vector<std::exception_ptr> errors(comms.size());
+    std::vector<std::thread> threads;
+    for (std::size_t r = 0; r < comms.size(); ++r)
+        threads.emplace_back([&, r] {
+            try {
+                lamb_trainer<Reduce> trainer(comms[r],
+                                             [](context_type& ctx) { return linear_net(ctx); },
+                                             {.lr = 1e-2}, {.max_grad_norm = 0.05});
+                for (int k = 0; k < steps; ++k)
+                    (void)trainer.step(global_batch,
+                                       [](linear_net& net, lockstep::shard_range sr,
+                                          context_type& ctx) { linear_step(net, sr, ctx); });
+                params[r] = to_host(trainer.parameters(), comms[r].system());
+            } catch (...) {
+                errors[r] = std::current_exception();
+            }
+        });
+    for (auto& t : threads)
+        t.join();
+    for (auto& e : errors)
+        if (e)
+            std::rethrow_exception(e);
+    return params;
+}
+
+} // namespace
+
+TEST_CASE("reduce::sharded over nccl_communicator equals the unsharded trainer",
+          "[train][nccl][cuda][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    std::vector<int> devices(static_cast<std::size_t>(lockstep::cuda_device_count()));
+    std::iota(devices.begin(), devices.end(), 0);
+    auto comms = nccl_communicator::init_all(devices);
+    const auto sharded = run_lamb<lockstep::reduce::sharded<8, 8>>(comms);
+    const auto whole = run_lamb<lockstep::reduce::bucketed<8, 8>>(comms);
+    for (std::size_t r = 0; r < comms.size(); ++r) {
+        REQUIRE(sharded[r].size() == inputs + 1);
+        for (std::size_t i = 0; i <= inputs; ++i) {
+            CHECK(sharded[r][i] == sharded[0][i]);
+            CHECK(std::abs(sharded[r][i] - whole[0][i]) <= 1e-5f * std::abs(whole[0][i]) + 1e-7f);
         }
     }
 }

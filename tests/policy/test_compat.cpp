@@ -13,7 +13,8 @@ static_assert(sync_policy<sync::synchronous> && sync_policy<sync::asynchronous> 
 static_assert(!sync_policy<int> && !sync_policy<reduce::per_tensor>);
 static_assert(reduce_policy<reduce::per_tensor> && reduce_policy<reduce::bucketed<>> &&
               reduce_policy<reduce::parameter_server<1>> &&
-              reduce_policy<reduce::compressed<lockstep::half>>);
+              reduce_policy<reduce::compressed<lockstep::half>> &&
+              reduce_policy<reduce::sharded<>>);
 static_assert(!reduce_policy<sync::synchronous> && !reduce_policy<double>);
 
 // Everything synchronous goes with every BN policy and every reducer.
@@ -22,6 +23,8 @@ static_assert(
                      std::tuple<bn::global, bn::group<2>, bn::tower<1>>>());
 static_assert(check_compatible<sync::synchronous, reduce::compressed<lockstep::bfloat16>,
                                thread_communicator, std::tuple<bn::global>>());
+static_assert(check_compatible<sync::synchronous, reduce::sharded<4096>,
+                               collective_only_communicator, std::tuple<bn::global>>());
 // Local SGD steps in lockstep, so BN policies that only share running statistics are fine.
 static_assert(check_compatible<sync::local_sgd<4>, reduce::bucketed<>, collective_only_communicator,
                                std::tuple<bn::local, bn::running_only, bn::tower<0>>>());

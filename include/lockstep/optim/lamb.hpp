@@ -13,8 +13,10 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <span>
+#include <utility>
 
 namespace lockstep::optim {
 
@@ -96,6 +98,8 @@ public:
                                                 .eps = static_cast<T>(p_.eps),
                                                 .weight_decay = static_cast<T>(p_.weight_decay)},
                        partial_, norms_.data(), noop);
+        if (norm_reduction_)
+            norm_reduction_(norms_.span());
         layout_.for_each_segment(sys_,
                                  kernels::lamb_trust{.norms = norms_.data(),
                                                      .flags = layout_.flags(),
@@ -113,6 +117,17 @@ public:
     /// step(w, g, nullptr): a step that is always applied.
     void step(std::span<T> w, std::span<const T> g) { step(w, g, nullptr); }
 
+    /// The per-segment norm reduction, for an optimizer whose segments are parts of tensors
+    /// split over replicas (reduce::sharded): every step() (applied or skipped) calls f(norms)
+    /// on the calling thread once the per-segment partial sums {||w_s||^2, ||r_s||^2} are in norms
+    /// (segment_count() entries, System memory, on the system's stream; zero when the step is
+    /// skipped) and before the trust ratios are taken from them; f must leave there the sums
+    /// over the whole tensors (e.g. through an all_reduce), the same on every replica. An empty
+    /// f (the default) uses the segment's own sums: the segments are whole tensors.
+    void set_norm_reduction(std::function<void(std::span<kernels::sum_pair>)> f) {
+        norm_reduction_ = std::move(f);
+    }
+
     /// The trust ratio of every segment in the last applied step (1 before the first), System
     /// memory.
     std::span<const double> trust_ratios() const noexcept { return trust_.span(); }
@@ -126,6 +141,7 @@ private:
     buffer<T, System> update_;
     buffer<kernels::sum_pair, System> partial_, norms_;
     buffer<double, System> scaled_lr_, trust_;
+    std::function<void(std::span<kernels::sum_pair>)> norm_reduction_;
 };
 
 } // namespace lockstep::optim

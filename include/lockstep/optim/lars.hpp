@@ -13,7 +13,9 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
+#include <utility>
 
 namespace lockstep::optim {
 
@@ -73,6 +75,8 @@ public:
         const int* noop = count_.noop();
         layout_.reduce(sys_, kernels::norm2_w_g<T>{w.data(), g.data()}, partial_, norms_.data(),
                        noop);
+        if (norm_reduction_)
+            norm_reduction_(norms_.span());
         layout_.for_each_segment(sys_,
                                  kernels::lars_trust{.norms = norms_.data(),
                                                      .flags = layout_.flags(),
@@ -96,6 +100,17 @@ public:
     /// step(w, g, nullptr): a step that is always applied.
     void step(std::span<T> w, std::span<const T> g) { step(w, g, nullptr); }
 
+    /// The per-segment norm reduction, for an optimizer whose segments are parts of tensors
+    /// split over replicas (reduce::sharded): every step() (applied or skipped) calls f(norms)
+    /// on the calling thread once the per-segment partial sums {||w_s||^2, ||g_s||^2} are in norms
+    /// (segment_count() entries, System memory, on the system's stream; zero when the step is
+    /// skipped) and before the trust ratios are taken from them; f must leave there the sums
+    /// over the whole tensors (e.g. through an all_reduce), the same on every replica. An empty
+    /// f (the default) uses the segment's own sums: the segments are whole tensors.
+    void set_norm_reduction(std::function<void(std::span<kernels::sum_pair>)> f) {
+        norm_reduction_ = std::move(f);
+    }
+
     /// The trust ratio of every segment in the last applied step (1 before the first), System
     /// memory.
     std::span<const double> trust_ratios() const noexcept { return trust_.span(); }
@@ -108,6 +123,7 @@ private:
     using base::sys_;
     buffer<kernels::sum_pair, System> partial_, norms_;
     buffer<double, System> scaled_lr_, trust_;
+    std::function<void(std::span<kernels::sum_pair>)> norm_reduction_;
 };
 
 } // namespace lockstep::optim

@@ -121,6 +121,12 @@ constexpr bool check_compatible() {
                       ghost_facts::template all_chunk<detail::reproducible_chunk<ReducePolicy>>,
                   "bn::ghost<C> and reduce::reproducible<C> must use the same chunk size C: each "
                   "ghost batch is one chunk of the reducer.");
+    static_assert(!(async || local) || ReducePolicy::kind != reduce_kind::sharded,
+                  "reduce::sharded splits the optimizer state over replicas that reduce every "
+                  "step's gradient and update together: it needs sync::synchronous. "
+                  "sync::asynchronous and sync::bounded_staleness update on the server, and "
+                  "sync::local_sgd has no gradient reduction to shard (each replica updates "
+                  "alone): use reduce::bucketed with them.");
     return true;
 }
 

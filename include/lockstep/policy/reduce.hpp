@@ -11,7 +11,14 @@
 namespace lockstep {
 
 /// The family a ReducePolicy belongs to.
-enum class reduce_kind { per_tensor, bucketed, parameter_server, compressed, reproducible };
+enum class reduce_kind {
+    per_tensor,
+    bucketed,
+    parameter_server,
+    compressed,
+    reproducible,
+    sharded
+};
 
 namespace reduce {
 
@@ -64,6 +71,28 @@ struct compressed {
                   "lockstep::half or lockstep::bfloat16.");
     static constexpr reduce_kind kind = reduce_kind::compressed;
     using wire_type = Wire;
+};
+
+/// ZeRO stage 1 (sharded optimizer state): the flat parameter buffer is split into one
+/// contiguous shard per replica, balanced by element count (replica r owns [o_r, o_r + c_r);
+/// a shard is empty when there are fewer elements than replicas). The buckets are those of
+/// reduce::bucketed<Bytes, FirstBytes>; each bucket is reduce-scattered (sum) so that every
+/// replica receives, in place, the reduced gradient of the bucket's intersection with its own
+/// shard. Replica r's optimizer holds state for its c_r elements only (about 1/N of the
+/// unsharded optimizer state) and updates its shard; the updated shards are then all-gathered,
+/// so every replica holds the same parameters bit for bit. LARS and LAMB combine their
+/// per-tensor partial norms over replicas with one all_reduce of 2 x (tensors) doubles per step.
+/// Works with sync::synchronous only (policy/compat.hpp).
+/// requires: Bytes >= 1, FirstBytes >= 1.
+template <std::size_t Bytes = std::size_t{25} << 20, std::size_t FirstBytes = std::size_t{1} << 20>
+struct sharded {
+    static_assert(Bytes >= 1 && FirstBytes >= 1,
+                  "reduce::sharded<Bytes, FirstBytes> needs buckets of at least one byte.");
+    static constexpr reduce_kind kind = reduce_kind::sharded;
+    /// Target bytes of every bucket but the first (as reduce::bucketed).
+    static constexpr std::size_t bucket_bytes = Bytes;
+    /// Target bytes of the first bucket (as reduce::bucketed).
+    static constexpr std::size_t first_bucket_bytes = FirstBytes < Bytes ? FirstBytes : Bytes;
 };
 
 } // namespace reduce

@@ -111,6 +111,12 @@ template <int R>
 struct policy_name<reduce::parameter_server<R>> {
     static std::string get() { return "reduce::parameter_server<" + std::to_string(R) + ">"; }
 };
+template <std::size_t B, std::size_t F>
+struct policy_name<reduce::sharded<B, F>> {
+    static std::string get() {
+        return "reduce::sharded<" + std::to_string(B) + ", " + std::to_string(F) + ">";
+    }
+};
 template <class W>
 struct policy_name<reduce::compressed<W>> {
     static std::string get() {
@@ -197,6 +203,12 @@ meta_list describe_trainer(DP& dp, std::int64_t steps) {
     m.emplace_back("sync", policy_name<typename DP::sync_policy_type>::get());
     m.emplace_back("reduce", policy_name<typename DP::reduce_policy_type>::get());
     m.emplace_back("bn", tuple_names<network_bn_policies_t<typename DP::network_type>>::get());
+    if constexpr (DP::reduce_policy_type::kind == reduce_kind::sharded) {
+        // The optimizer sections hold this replica's shard only: restoring needs the same one.
+        const shard_extent own = core.optimizer_shard();
+        m.emplace_back("reduce.shard", concat("[", own.offset, ", ", own.offset + own.count,
+                                              ") of ", core.values().size()));
+    }
     if constexpr (is_asynchronous_v<typename DP::sync_policy_type>) {
         m.emplace_back("async.root", std::to_string(dp.params().root));
         m.emplace_back("async.bn_momentum", exact(dp.params().bn_momentum));

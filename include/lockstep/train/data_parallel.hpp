@@ -54,7 +54,8 @@ namespace lockstep {
 ///   sync::bounded_staleness<S> are specialisations in train/asynchronous.hpp).
 /// - ReducePolicy: reduce::per_tensor, reduce::bucketed<Bytes>, reduce::parameter_server<Root>,
 ///   reduce::compressed<half|bfloat16>, reduce::reproducible<C> (results bitwise independent of
-///   the replica count; with bn::ghost<C> batch norm).
+///   the replica count; with bn::ghost<C> batch norm), reduce::sharded<Bytes> (sync::synchronous
+///   only).
 /// - Communicator: thread_communicator, mpi_communicator, nccl_communicator.
 /// Invalid combinations are compile errors (policy/compat.hpp).
 template <class Network, class Optimizer, sync_policy SyncPolicy, reduce_policy ReducePolicy,
@@ -88,7 +89,8 @@ public:
                     base_type::policy_settings(), true),
           reducer_(comm, core_.registry().parameters(),
                    detail::use_overlap(comm, core_.params().overlap)),
-          rows_(replica_slot::slots * static_cast<std::size_t>(comm.size())),
+          rows_((replica_slot::slots + (sharded ? detail::shard_check_slots : 0)) *
+                static_cast<std::size_t>(comm.size())),
           status_(rows_ + status_size, comm.system()), skip_(1, comm.system()),
           checks_(reducer_.plan(), core_.registry().grads().size(), comm.system()),
           read_(rows_ + status_size, comm.system()),
@@ -121,7 +123,9 @@ public:
     /// Between reduction and update, on every replica alike: the gradients of frozen tensors
     /// are zeroed (train_params::frozen), the gradient hook runs (set_gradient_hook), the
     /// gradient norm is taken and the gradient scaled by the clipping factor
-    /// (train_params::max_grad_norm).
+    /// (train_params::max_grad_norm). reduce::sharded: each replica reduces, checks, clips and
+    /// updates its shard of the flat buffer (the norm and the non-finite count are summed over
+    /// shards in the step's status all_reduce), then the shards are all-gathered.
     /// Skipped on every replica (synchronous; train_params::skip_non_finite = false also
     /// throws), with nothing applied and the BN running statistics restored on the device: a
     /// NaN/inf gradient element on any replica (counted per replica before reduction, and in the
@@ -177,7 +181,9 @@ public:
 
     /// The gradient hook: called on every replica as f(gradient, layout) after the reduction
     /// (synchronous: the reduced gradient, the same on every replica; reduce::parameter_server:
-    /// on Root only, where the update runs; local SGD: this replica's gradient) and before the
+    /// on Root only, where the update runs; reduce::sharded: only this replica's shard,
+    /// optimizer_shard(), holds the reduced gradient, the other elements its own unreduced one,
+    /// and only the shard reaches the update; local SGD: this replica's gradient) and before the
     /// clipping norm and the update, with the flat gradient (the system's memory) and the
     /// registry's layout (registry().parameters()). f may change the gradient in place, and must
     /// change it identically on every replica; it runs on the replica's thread between kernels
@@ -238,20 +244,32 @@ private:
                              row(this->rank()));
         constexpr bool server = ReducePolicy::kind == reduce_kind::parameter_server;
         after_reduction(sys, !server || this->rank() == server_root());
+        if constexpr (sharded)
+            decltype(checks_)::one_task(sys, detail::shard_checks_to_row_fn{fixed(), shard_row()});
         // The status (per-replica rows, loss, non-finite counts, layer errors) is summed over
         // replicas in one small all_reduce: every replica then takes the same skip decision,
         // and the gradient factor from the same norm (the reduced gradient is identical on
         // every replica; parameter_server: only Root's is reduced, and only Root updates).
         std::span<double> reduced = status_.span().first(rows_ + status_slot::reduced);
         core_.comm().all_reduce(std::span<const double>(reduced), reduced, reduce_op::sum);
+        if constexpr (sharded)
+            decltype(checks_)::one_task(
+                sys,
+                detail::combine_shard_checks_fn{
+                    row(0) + replica_slot::slots * static_cast<std::size_t>(core_.comm().size()),
+                    core_.comm().size(), fixed()});
         decide_skip(sys, core_.comm().size(), row(0));
         scaler_.update(fixed(), fixed() + status_slot::slots);
         commit_layers();
         core_.optimizer().set_lr(r.lr);
         auto values = core_.values();
+        // The optimizer's elements: all of them, or this replica's shard (reduce::sharded).
+        const detail::shard_extent own = core_.optimizer_shard();
         reducer_.apply(values, [&] {
             scale_gradient(sys);
-            core_.optimizer().step(values, std::span<const T>(core_.grads()), skip_.data());
+            core_.optimizer().step(values.subspan(own.offset, own.count),
+                                   std::span<const T>(core_.grads().subspan(own.offset, own.count)),
+                                   skip_.data());
         });
         core_.unpack_values();
         core_.advance(global);
@@ -392,6 +410,16 @@ private:
         return r;
     }
 
+    /// reduce::sharded: each replica reduces, checks and updates its shard only.
+    static constexpr bool sharded = ReducePolicy::kind == reduce_kind::sharded;
+
+    /// reduce::sharded: this replica's row of the shard check block (after the replica rows).
+    double* shard_row() noexcept {
+        return status_.data() +
+               replica_slot::slots * static_cast<std::size_t>(core_.comm().size()) +
+               detail::shard_check_slots * static_cast<std::size_t>(this->rank());
+    }
+
     static constexpr int server_root() {
         if constexpr (ReducePolicy::kind == reduce_kind::parameter_server)
             return ReducePolicy::root;
@@ -412,8 +440,17 @@ private:
         if (hook && gradient_hook_)
             gradient_hook_(core_.grads(),
                            std::span<const tensor_info>(core_.registry().parameters()));
-        checks_.check_reduced(sys, std::span<const T>(core_.grads()),
-                              core_.params().max_grad_norm > 0, fixed());
+        if constexpr (sharded) {
+            // Only the shard is reduced: its count, first index and squared norm are summed over
+            // replicas by the status all_reduce (shard_checks_to_row_fn, combine_shard_checks_fn).
+            const detail::shard_extent own = core_.optimizer_shard();
+            checks_.check_reduced(sys, std::span<const T>(core_.grads()), own.offset,
+                                  own.offset + own.count, core_.params().max_grad_norm > 0,
+                                  fixed());
+        } else {
+            checks_.check_reduced(sys, std::span<const T>(core_.grads()),
+                                  core_.params().max_grad_norm > 0, fixed());
+        }
     }
 
     /// Zeroes the step's status and points the layers' error reports and commit hooks at it.
@@ -440,8 +477,10 @@ private:
 
     /// The gradient factor (clipping), on the device, when one can differ from 1.
     void scale_gradient(const system_type& sys) {
+        const detail::shard_extent own = core_.optimizer_shard();
         if (core_.params().max_grad_norm > 0)
-            detail::apply_grad_factor(sys, core_.grads(), fixed(), skip_.data());
+            detail::apply_grad_factor(sys, core_.grads().subspan(own.offset, own.count), fixed(),
+                                      skip_.data());
     }
 
     /// Queues the read of the status; with read_result, waits for it and returns the result.
@@ -497,10 +536,9 @@ private:
     }
 
     /// The replicas (rows) whose global_batch or lr differs from replica 0's, both values.
-    std::string mismatch_text(std::span<const double> all) const {
+    std::string mismatch_text(std::span<const double> all) {
         std::string out;
-        const int n =
-            is_local_sgd_v<SyncPolicy> ? 1 : static_cast<int>(rows_ / replica_slot::slots);
+        const int n = is_local_sgd_v<SyncPolicy> ? 1 : core_.comm().size();
         const double* r0 = all.data();
         for (int r = 1; r < n; ++r) {
             const double* rr = all.data() + static_cast<std::size_t>(r) * replica_slot::slots;
@@ -530,7 +568,7 @@ private:
     std::string non_finite_text(std::span<const double> all) {
         const std::span<const double> st = all.subspan(rows_);
         std::string out;
-        const int n = static_cast<int>(rows_ / replica_slot::slots);
+        const int n = core_.comm().size();
         const char* scope = is_local_sgd_v<SyncPolicy> ? " (local SGD)" : "";
         for (int r = 0; r < n; ++r) {
             const double* rr = all.data() + static_cast<std::size_t>(r) * replica_slot::slots;
@@ -612,7 +650,8 @@ private:
     }
 
     detail::reducer<ReducePolicy, T, Communicator> reducer_;
-    std::size_t rows_; ///< doubles of the per-replica rows before the status_slot block
+    std::size_t rows_; ///< doubles of the per-replica rows (reduce::sharded: then the shard
+                       ///< check block) before the status_slot block
     buffer<double, system_type> status_; ///< rows (replica_slot) then the status_slot block
     buffer<int, system_type> skip_;      ///< 1: the optimizer kernels skip the update
     detail::gradient_checks<system_type> checks_;

@@ -8,6 +8,7 @@
 #include "lockstep/train/detail/bucket_plan.hpp"
 #include "lockstep/train/detail/reduce_compressed.hpp"
 #include "lockstep/train/detail/reduce_parameter_server.hpp"
+#include "lockstep/train/detail/reduce_sharded.hpp"
 #include "lockstep/train/detail/reducer_base.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 

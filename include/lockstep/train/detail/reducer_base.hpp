@@ -41,9 +41,11 @@ class reducer;
 
 /// What every reducer shares: the bucket plan, the launch order, and where a piece is reduced
 /// (inline on the replica's communicator, or on its communication stream). A policy derives from
-/// it and supplies `reduce_piece(Communicator& c, std::span<T> piece)`, the collective(s) that
-/// reduce one piece over `c` (run with c's system for its kernels; returning void for one
-/// collective, or the number it issued), and overrides apply/average where it differs.
+/// it and supplies `reduce_piece(Communicator& c, std::span<T> piece)` (or
+/// `reduce_piece(c, piece, const bucket& b)` when it needs to know which piece of the plan it
+/// is: b is the element of plan()), the collective(s) that reduce one piece over `c` (run with c's
+/// system for its kernels; returning void for one collective, or the number it issued), and
+/// overrides apply/average where it differs.
 template <class Derived, class T, class Communicator>
 class reducer_base {
 public:
@@ -107,17 +109,23 @@ private:
             check_(static_cast<std::size_t>(&b - launcher_.plan().data()), b);
         std::span<T> piece = data_.subspan(b.offset, b.size);
         if (stream_)
-            stream_->submit([this, piece](Communicator& c) { reduce(c, piece); });
+            stream_->submit([this, piece, pb = &b](Communicator& c) { reduce(c, piece, *pb); });
         else
-            reduce(*comm_, piece);
+            reduce(*comm_, piece, b);
     }
-    void reduce(Communicator& c, std::span<T> piece) {
+    void reduce(Communicator& c, std::span<T> piece, const bucket& b) {
         Derived& self = static_cast<Derived&>(*this);
-        if constexpr (std::is_void_v<decltype(self.reduce_piece(c, piece))>) {
-            self.reduce_piece(c, piece);
+        const auto run = [&] {
+            if constexpr (requires { self.reduce_piece(c, piece, b); })
+                return self.reduce_piece(c, piece, b);
+            else
+                return self.reduce_piece(c, piece);
+        };
+        if constexpr (std::is_void_v<decltype(run())>) {
+            run();
             collectives_.fetch_add(1, std::memory_order_relaxed);
         } else {
-            collectives_.fetch_add(self.reduce_piece(c, piece), std::memory_order_relaxed);
+            collectives_.fetch_add(run(), std::memory_order_relaxed);
         }
     }
 

@@ -10,6 +10,7 @@
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/detail/agreement.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
+#include "lockstep/train/detail/reduce_sharded.hpp"
 #include "lockstep/train/detail/signature.hpp"
 #include "lockstep/train/detail/visitor.hpp"
 #include "lockstep/train/replica_context.hpp"
@@ -64,10 +65,14 @@ public:
     /// replica declared the same ones and the same settings (describe_settings with the
     /// trainer's `policies` lines, "name<TAB>value") and broadcasts replica 0's values and
     /// state. `clips`: the trainer applies train_params::max_grad_norm (else a non-zero value
-    /// is refused). Collective: every replica of comm must construct its trainer.
+    /// is refused). `sharded`: the optimizer holds state for this replica's shard of the flat
+    /// buffer only (reduce::sharded; shard_layout), its segments are the tensors intersected
+    /// with the shard, and LARS/LAMB get the norm reduction over replicas (sharded_norms).
+    /// Collective: every replica of comm must construct its trainer.
     template <class Factory>
     replica_core(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt,
-                 train_params tp, const std::vector<std::string>& policies = {}, bool clips = false)
+                 train_params tp, const std::vector<std::string>& policies = {}, bool clips = false,
+                 bool sharded = false)
         : comm_(&comm), ctx_(std::make_unique<context_type>(comm, tp.seed)), tp_(std::move(tp)) {
         LOCKSTEP_REQUIRE(tp_.micro_batches >= 1, errc::invalid_argument, comm.rank(),
                          "data_parallel", "micro_batches = ", tp_.micro_batches, " (must be >= 1)");
@@ -143,8 +148,26 @@ public:
         }
         if (segments_.empty()) // every tensor frozen: one empty segment (no segments means all)
             segments_.push_back(tensor_segment{0, 0, false, false});
-        opt_.emplace(reg.parameter_count(), std::move(opt), comm.system(),
-                     std::span<const tensor_segment>(segments_));
+        if (!sharded) {
+            shard_ = shard_extent{0, reg.parameter_count()};
+            opt_.emplace(reg.parameter_count(), std::move(opt), comm.system(),
+                         std::span<const tensor_segment>(segments_));
+            return;
+        }
+        shard_ =
+            shard_layout(reg.parameter_count(), comm.size())[static_cast<std::size_t>(comm.rank())];
+        std::vector<std::uint32_t> map;
+        const std::vector<tensor_segment> local =
+            shard_segments(std::span<const tensor_segment>(segments_), shard_, map);
+        opt_.emplace(shard_.count, std::move(opt), comm.system(),
+                     std::span<const tensor_segment>(local));
+        if constexpr (requires(Optimizer & o) {
+                          o.set_norm_reduction([](std::span<kernels::sum_pair>) {});
+                      }) {
+            norms_ = std::make_unique<sharded_norms<Communicator>>(comm, segments_.size(), map);
+            opt_->set_norm_reduction(
+                [n = norms_.get()](std::span<kernels::sum_pair> s) { (*n)(s); });
+        }
     }
 
     Network& network() noexcept { return *net_; }
@@ -152,6 +175,17 @@ public:
     context_type& context() noexcept { return *ctx_; }
     Communicator& comm() noexcept { return *comm_; }
     Optimizer& optimizer() noexcept { return *opt_; }
+    const Optimizer& optimizer() const noexcept { return *opt_; }
+    /// The elements of the flat buffer the optimizer updates: all of them, or this replica's
+    /// shard (sharded).
+    shard_extent optimizer_shard() const noexcept { return shard_; }
+    /// The bytes of the optimizer's state buffers (state().slots) on this replica.
+    std::size_t optimizer_state_bytes() const {
+        std::size_t bytes = 0;
+        for (const auto& slot : opt_->state().slots)
+            bytes += slot.data.size_bytes();
+        return bytes;
+    }
     const train_params& params() const noexcept { return tp_; }
     typename context_type::registry_type& registry() noexcept { return ctx_->registry(); }
     std::span<T> values() { return registry().values(); }
@@ -329,6 +363,8 @@ private:
     std::optional<Network> net_;
     std::vector<tensor_segment> segments_;
     std::vector<std::size_t> frozen_;
+    shard_extent shard_;
+    std::unique_ptr<sharded_norms<Communicator>> norms_; ///< sharded LARS/LAMB only
     std::optional<Optimizer> opt_;
     std::vector<tensor_info> vstate_;
     buffer<T, system_type> vstate_buf_;

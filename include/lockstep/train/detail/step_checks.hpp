@@ -240,6 +240,20 @@ public:
         one_task(sys, finish_reduced_fn{post_.data(), whole_tiles_, status});
     }
 
+    /// As check_reduced over elements [begin, end) of data only (reduce::sharded: the shard this
+    /// replica reduced); the first index found is a flat index of data. requires: begin <= end
+    /// <= the n of the constructor.
+    template <class T>
+    void check_reduced(const System& sys, std::span<const T> data, std::size_t begin,
+                       std::size_t end, bool norm, double* status) {
+        const std::size_t tiles = check_tiles(end - begin);
+        if (tiles != 0)
+            thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
+                             thrust::counting_iterator<std::size_t>(tiles),
+                             tile_check_fn<T>{data.data(), begin, end, 0, post_.data(), norm});
+        one_task(sys, finish_reduced_fn{post_.data(), tiles, status});
+    }
+
     template <class F>
     static void one_task(const System& sys, const F& f) {
         thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),

@@ -55,6 +55,13 @@ public:
     /// The optimizer over the flat parameters (asynchronous trainers: its state advances on
     /// the server only).
     Optimizer& optimizer() noexcept { return core_.optimizer(); }
+    /// The bytes of this replica's optimizer state buffers (optimizer().state() slots):
+    /// reduce::sharded holds its shard's only, about 1/size() of the other policies' figure.
+    std::size_t optimizer_state_bytes() const { return core_.optimizer_state_bytes(); }
+    /// The elements [offset, offset + count) of the flat parameters this replica's optimizer
+    /// updates: all of them, or its shard with reduce::sharded (shard_layout: contiguous, in
+    /// rank order, balanced by element count, possibly empty).
+    shard_extent optimizer_shard() const noexcept { return core_.optimizer_shard(); }
     /// This replica's rank and the number of replicas (the communicator's).
     int rank() noexcept { return core_.comm().rank(); }
     int size() noexcept { return core_.comm().size(); }
@@ -77,7 +84,7 @@ protected:
     trainer_base(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt,
                  train_params tp, const std::vector<std::string>& policies, bool clips)
         : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp), policies,
-                clips) {}
+                clips, ReducePolicy::kind == reduce_kind::sharded) {}
     ~trainer_base() = default;
 
     /// The "name<TAB>value" lines of the sync, reduce and BN policies.
