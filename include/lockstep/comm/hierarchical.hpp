@@ -53,6 +53,10 @@ namespace lockstep {
 ///   block holds the same local ranks in the same order (the blocks' nodes may come in any
 ///   order). bn::group<G> with G a multiple or a divisor of local_size() qualifies. Other splits
 ///   throw errc::unsupported naming the color.
+/// - all_to_all (when both parts have it, so reduce::compressed works over it): inside the
+///   node, then across nodes.
+/// There are no point-to-point messages (a message between replicas on different nodes and
+/// local ranks has no direct path), so the asynchronous policies do not compile over it.
 /// Errors: each part checks its own arguments and agreement and throws as it does alone; a
 /// failure inside one node reaches the other nodes through the inter communicator's own
 /// failure handling (an mpi_communicator ends the job, see hierarchical_group).
@@ -177,6 +181,43 @@ public:
                          " elements, send ", send.size());
         intra_.reduce(send, partial, op, local_root);
         inter_.reduce(std::span<const T>(partial), partial, op, root / L);
+    }
+
+    /// Block r of recv = block rank() of replica r's send (blocks of b = send.size() / size()
+    /// elements), in two exchanges: inside the node, each replica collects the blocks its local
+    /// rank receives on every node; across nodes (on its local rank's inter communicator), each
+    /// replica sends every node its blocks. Available when both parts have all_to_all.
+    /// requires: send.size() equal on every replica and a multiple of size(); recv.size() ==
+    /// send.size(); send and recv disjoint.
+    template <class T>
+    void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv) requires
+        all_to_all_communicator<Intra> && all_to_all_communicator<Inter> {
+        const auto L = static_cast<std::size_t>(intra_.size());
+        const auto N = static_cast<std::size_t>(inter_.size());
+        const auto n = L * N;
+        LOCKSTEP_REQUIRE(send.size() % n == 0 && recv.size() == send.size(), errc::count_mismatch,
+                         rank(), "hierarchical_communicator.all_to_all", "send has ", send.size(),
+                         " elements, recv ", recv.size(), ", for ", n, " replicas");
+        const std::size_t b = send.size() / n;
+        const std::size_t bytes = b * sizeof(T);
+        // Step 1 order: by destination local rank l', then destination node n'.
+        const std::span<T> by_local = scratch<T>(0, send.size());
+        const std::span<T> got = scratch<T>(1, send.size());
+        for (std::size_t dl = 0; dl < L; ++dl)
+            for (std::size_t dn = 0; dn < N; ++dn)
+                if (bytes != 0)
+                    std::memcpy(by_local.data() + (dl * N + dn) * b,
+                                send.data() + (dn * L + dl) * b, bytes);
+        // got[l][n'] = the block of local replica l for (n', my local rank).
+        intra_.all_to_all(std::span<const T>(by_local), got);
+        // Step 2 order: by destination node n', then source local rank l.
+        for (std::size_t dn = 0; dn < N; ++dn)
+            for (std::size_t l = 0; l < L; ++l)
+                if (bytes != 0)
+                    std::memcpy(by_local.data() + (dn * L + l) * b, got.data() + (l * N + dn) * b,
+                                bytes);
+        // recv[n][l] = the block of replica n * L + l for this replica: global rank order.
+        inter_.all_to_all(std::span<const T>(by_local), recv);
     }
 
     /// Returns once every replica has entered it.
