@@ -217,13 +217,15 @@ template <class Opt, class Reduce>
 std::vector<std::vector<std::vector<double>>> run_tiny(int replicas, typename Opt::params_type op) {
     using net = tiny_net<double, thread_communicator>;
     std::vector<std::vector<std::vector<double>>> out(static_cast<std::size_t>(replicas));
+    std::size_t last_shard_bytes = 0;
     thread_group group(replicas);
     group.run([&](thread_communicator& comm) {
         data_parallel<net, Opt, sync::synchronous, Reduce, thread_communicator> dp(
             comm, [](auto& ctx) { return net(ctx); }, op, {.max_grad_norm = 1.0});
-        // 3 elements over 4 replicas: the last shard is empty.
+        // 3 elements over 4 replicas: the last shard is empty (checked after the run: Catch2
+        // assertions are not thread-safe).
         if (Reduce::kind == reduce_kind::sharded && comm.rank() == 3)
-            CHECK(dp.optimizer_state_bytes() == 0);
+            last_shard_bytes = dp.optimizer_state_bytes();
         for (std::size_t b : batch_schedule()) {
             dp.step(
                 b, [](net& n, const shard_range& range, auto& ctx) { return n.train(range, ctx); });
@@ -231,6 +233,7 @@ std::vector<std::vector<std::vector<double>>> run_tiny(int replicas, typename Op
             out[static_cast<std::size_t>(comm.rank())].emplace_back(p.begin(), p.end());
         }
     });
+    CHECK(last_shard_bytes == 0);
     return out;
 }
 
@@ -319,6 +322,7 @@ TEST_CASE("reduce::sharded checkpoints: per-shard state, bit-identical resume, r
     const train_params tp{.seed = 42, .max_grad_norm = 0.05};
     auto fn = [](net& n, const shard_range& range, auto& ctx) { return n.train(range, ctx); };
     std::vector<std::vector<std::byte>> straight(3), resumed(3);
+    std::vector<std::int64_t> steps_after_load(3, -1);
     {
         thread_group group(3);
         group.run([&](thread_communicator& comm) {
@@ -338,7 +342,7 @@ TEST_CASE("reduce::sharded checkpoints: per-shard state, bit-identical resume, r
             dp_type dp(
                 comm, [](auto& ctx) { return net(ctx); }, sh_lamb<double>::params(), tp);
             load_checkpoint(dp, path);
-            CHECK(dp.steps() == 10);
+            steps_after_load[static_cast<std::size_t>(comm.rank())] = dp.steps();
             for (std::size_t s = 10; s < 20; ++s)
                 dp.step(batches[s], fn);
             resumed[static_cast<std::size_t>(comm.rank())] = fingerprint(dp);
@@ -346,40 +350,56 @@ TEST_CASE("reduce::sharded checkpoints: per-shard state, bit-identical resume, r
     }
     for (std::size_t r = 0; r < 3; ++r) {
         INFO("replica " << r);
+        CHECK(steps_after_load[r] == 10);
         CHECK(straight[r] == resumed[r]);
     }
+    // Catch2 assertions are not thread-safe: each replica records what load_checkpoint threw,
+    // the test checks after the run.
+    struct refusal {
+        bool thrown = false;
+        errc code = errc::invalid_argument;
+        std::string what;
+    };
     SECTION("another replica count is refused") {
+        std::vector<refusal> got(2);
         thread_group group(2);
         group.run([&](thread_communicator& comm) {
             dp_type dp(
                 comm, [](auto& ctx) { return net(ctx); }, sh_lamb<double>::params(), tp);
             try {
                 load_checkpoint(dp, path);
-                FAIL("loaded a 3-replica sharded checkpoint onto 2 replicas");
             } catch (const lockstep::error& e) {
-                CHECK(e.code() == errc::checkpoint);
-                CHECK_THAT(e.what(), Catch::Contains("world size: checkpoint 3, trainer 2"));
+                got[static_cast<std::size_t>(comm.rank())] = {true, e.code(), e.what()};
             }
         });
+        for (const refusal& r : got) {
+            REQUIRE(r.thrown); // loading a 3-replica sharded checkpoint onto 2 replicas
+            CHECK(r.code == errc::checkpoint);
+            CHECK_THAT(r.what, Catch::Contains("world size: checkpoint 3, trainer 2"));
+        }
     }
     SECTION("the unsharded trainer is refused, naming both layouts") {
+        std::vector<refusal> got(3);
         thread_group group(3);
         group.run([&](thread_communicator& comm) {
             data_parallel<net, opt, sync::synchronous, bucketed_policy, thread_communicator> dp(
                 comm, [](auto& ctx) { return net(ctx); }, sh_lamb<double>::params(), tp);
             try {
                 load_checkpoint(dp, path);
-                FAIL("loaded a sharded checkpoint into an unsharded trainer");
             } catch (const lockstep::error& e) {
-                CHECK(e.code() == errc::checkpoint);
-                CHECK_THAT(e.what(), Catch::Contains("reduce: checkpoint reduce::sharded<64, 32>, "
-                                                     "trainer reduce::bucketed<64, 32>"));
-                CHECK_THAT(e.what(), Catch::Contains("reduce.shard: [0, 28) of 83 in the "
-                                                     "checkpoint, unknown to the trainer"));
-                // Replica 0's shard file holds the optimizer state of its 28 elements only.
-                CHECK_THAT(e.what(), Catch::Contains("section 'optimizer.exp_avg': checkpoint "
-                                                     "f64 {28}, trainer f64 {83}"));
+                got[static_cast<std::size_t>(comm.rank())] = {true, e.code(), e.what()};
             }
         });
+        for (const refusal& r : got) {
+            REQUIRE(r.thrown); // loading a sharded checkpoint into an unsharded trainer
+            CHECK(r.code == errc::checkpoint);
+            CHECK_THAT(r.what, Catch::Contains("reduce: checkpoint reduce::sharded<64, 32>, "
+                                               "trainer reduce::bucketed<64, 32>"));
+            CHECK_THAT(r.what, Catch::Contains("reduce.shard: [0, 28) of 83 in the "
+                                               "checkpoint, unknown to the trainer"));
+            // Replica 0's shard file holds the optimizer state of its 28 elements only.
+            CHECK_THAT(r.what, Catch::Contains("section 'optimizer.exp_avg': checkpoint "
+                                               "f64 {28}, trainer f64 {83}"));
+        }
     }
 }
