@@ -1,7 +1,8 @@
 // bench_hierarchical: all_reduce (sum, float) over the same 4 MPI processes, flat (one
 // mpi_communicator) beside hierarchical_communicator (2 "nodes" of 2 processes: an intra-node
 // mpi_communicator and an inter-node one), on shared memory and with the link between the two
-// halves modelled as 10 Gb/s Ethernet (simulated_link). SPDX-License-Identifier: Apache-2.0
+// halves modelled as 10 Gb/s and as 1 Gb/s Ethernet (simulated_link).
+// SPDX-License-Identifier: Apache-2.0
 //
 //     mpiexec -n 4 bench_hierarchical [--quick] [--csv FILE]
 //
@@ -69,18 +70,23 @@ int main(int argc, char** argv) {
     }
     const int me = world.rank();
     const simulated_link_params link{.latency = std::chrono::microseconds(20), .bandwidth = 1.25e9};
+    const simulated_link_params slow{.latency = std::chrono::microseconds(50), .bandwidth = 1.25e8};
+    using linked = simulated_link<mpi_communicator>;
+    using two_level_linked = hierarchical_communicator<mpi_communicator, linked>;
     mpi_communicator flat(MPI_COMM_WORLD);
-    simulated_link<mpi_communicator> flat_linked(mpi_communicator(MPI_COMM_WORLD), link);
+    linked flat_linked(mpi_communicator(MPI_COMM_WORLD), link);
+    linked flat_slow(mpi_communicator(MPI_COMM_WORLD), slow);
     hierarchical_communicator<mpi_communicator, mpi_communicator> two(world.split(me / 2, me),
                                                                       world.split(me % 2, me));
-    hierarchical_communicator<mpi_communicator, simulated_link<mpi_communicator>> two_linked(
-        world.split(me / 2, me), simulated_link<mpi_communicator>(world.split(me % 2, me), link));
+    two_level_linked two_linked(world.split(me / 2, me), linked(world.split(me % 2, me), link));
+    two_level_linked two_slow(world.split(me / 2, me), linked(world.split(me % 2, me), slow));
 
     std::FILE* out = nullptr;
     if (me == 0) {
         std::printf("all_reduce (sum, float) over 4 MPI processes; hierarchical: 2 nodes x 2\n");
-        std::printf("%12s %12s %12s %10s %16s %16s %10s\n", "bytes", "flat ms", "hier ms",
-                    "hier/flat", "flat 10G ms", "hier 10G ms", "hier/flat");
+        std::printf("%12s %10s %10s %9s %11s %11s %9s %10s %10s %9s\n", "bytes", "flat ms",
+                    "hier ms", "hier/flat", "flat 10G ms", "hier 10G ms", "hier/flat", "flat 1G ms",
+                    "hier 1G ms", "hier/flat");
         if (!csv.empty()) {
             out = std::fopen(csv.c_str(), "w");
             if (out != nullptr)
@@ -95,15 +101,21 @@ int main(int argc, char** argv) {
         const double h = time_all_reduce(two, world, x, reps);
         const double fl = time_all_reduce(flat_linked, world, x, reps);
         const double hl = time_all_reduce(two_linked, world, x, reps);
+        const int slow_reps = std::max(3, reps / 3);
+        const double fs = time_all_reduce(flat_slow, world, x, slow_reps);
+        const double hs = time_all_reduce(two_slow, world, x, slow_reps);
         if (me == 0) {
-            std::printf("%12zu %12.3f %12.3f %10.3f %16.3f %16.3f %10.3f\n", bytes, f, h, h / f, fl,
-                        hl, hl / fl);
+            std::printf("%12zu %10.3f %10.3f %9.3f %11.3f %11.3f %9.3f %10.3f %10.3f %9.3f\n",
+                        bytes, f, h, h / f, fl, hl, hl / fl, fs, hs, hs / fs);
             if (out != nullptr) {
                 std::fprintf(out, "hierarchical,%zu,flat,%.6f,1\n", bytes, f);
                 std::fprintf(out, "hierarchical,%zu,hierarchical,%.6f,%.6f\n", bytes, h, h / f);
                 std::fprintf(out, "hierarchical,%zu,flat_10g,%.6f,1\n", bytes, fl);
                 std::fprintf(out, "hierarchical,%zu,hierarchical_10g,%.6f,%.6f\n", bytes, hl,
                              hl / fl);
+                std::fprintf(out, "hierarchical,%zu,flat_1g,%.6f,1\n", bytes, fs);
+                std::fprintf(out, "hierarchical,%zu,hierarchical_1g,%.6f,%.6f\n", bytes, hs,
+                             hs / fs);
             }
             std::fflush(stdout);
         }

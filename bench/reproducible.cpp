@@ -1,6 +1,7 @@
 // bench_reproducible: the step of a network with ResNet-50's 161 parameter tensors (25.6 M
 // floats) trained with reduce::reproducible<C> (chunks of C samples, binned exact accumulation,
-// replica-count-independent bits) beside reduce::bucketed<> (one all_reduce per bucket), on 2
+// replica-count-independent bits) and reduce::sharded<> (ZeRO stage 1: reduce-scatter, sharded
+// optimizer state, all_gather) beside reduce::bucketed<> (one all_reduce per bucket), on 2
 // thread replicas, or under `mpiexec -n 2` (bench_reproducible_mpi). SPDX-License-Identifier:
 // Apache-2.0
 //
@@ -92,6 +93,7 @@ template <class Comm>
 std::vector<row> run_all(Comm& comm, int reps) {
     std::vector<row> rows;
     rows.push_back({"bucketed<>", time_steps<Comm, reduce::bucketed<>>(comm, reps)});
+    rows.push_back({"sharded<> (ZeRO stage 1)", time_steps<Comm, reduce::sharded<>>(comm, reps)});
     rows.push_back({"reproducible<32> (1 chunk per replica)",
                     time_steps<Comm, reduce::reproducible<32>>(comm, reps)});
     rows.push_back({"reproducible<8> (4 chunks per replica)",
