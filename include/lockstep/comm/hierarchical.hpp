@@ -353,9 +353,9 @@ private:
     /// Staging slot `slot` (0 or 1) with room for n elements of T (kept between calls).
     template <class T>
     std::span<T> scratch(int slot, std::size_t n) {
-        auto& s = scratch_[slot];
+        std::vector<std::uint64_t>& s = slot == 0 ? scratch0_ : scratch1_;
         const std::size_t words =
-            (n * sizeof(T) + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t);
+            (n * sizeof(T) + sizeof(std::uint64_t) - 1) / sizeof(std::uint64_t);
         if (s.size() < words)
             s.resize(words);
         return std::span<T>(reinterpret_cast<T*>(s.data()), n);
@@ -389,7 +389,11 @@ private:
 
     Intra intra_;
     Inter inter_;
-    std::vector<std::max_align_t> scratch_[2];
+    // Staging (8-byte words: aligned for every element type the communicators carry). Two
+    // members: nvcc 13.0's front end crashed (internal error) on `std::vector<std::max_align_t>
+    // scratch_[2]`.
+    std::vector<std::uint64_t> scratch0_;
+    std::vector<std::uint64_t> scratch1_;
 };
 
 /// Facts for trainers: collectives run on the compute cores when the intra-node ones do.

@@ -75,29 +75,29 @@ public:
     template <class F>
     requires std::invocable<F&, communicator_type&>
     void run(F&& f) {
-        threads_.run([&](thread_communicator& intra) {
-            const auto l = static_cast<std::size_t>(intra.rank());
-            try {
-                communicator_type comm(std::move(intra), std::move(inter_[l]));
-                struct give_back { // the MPI communicator returns for the next run()
-                    communicator_type& c;
-                    std::vector<mpi_communicator>& to;
-                    std::size_t at;
-                    ~give_back() { to[at] = std::move(c.inter()); }
-                } back{comm, inter_, l};
-                std::invoke(f, comm);
-            } catch (const std::exception& e) {
-                if (params_.abort_on_failure && !dynamic_peer_failure(e))
-                    abort_job(e, static_cast<int>(l));
-                throw;
-            }
-        });
+        threads_.run([&](thread_communicator& intra) { replica_main(f, intra); });
     }
 
 private:
+    // One replica: its communicator from this thread's handle and its local rank's MPI
+    // communicator, which returns to the group for the next run().
+    template <class F>
+    void replica_main(F& f, thread_communicator& intra) {
+        const auto l = static_cast<std::size_t>(intra.rank());
+        try {
+            communicator_type comm(std::move(intra), std::move(inter_[l]));
+            std::invoke(f, comm);
+            inter_[l] = std::move(comm.inter());
+        } catch (const std::exception& e) {
+            if (params_.abort_on_failure && !echoes_peer(e))
+                abort_job(e, static_cast<int>(l));
+            throw;
+        }
+    }
+
     // A peer_failure only echoes another replica's failure: that replica aborts the job with
     // the root cause, so this one just leaves.
-    static bool dynamic_peer_failure(const std::exception& e) {
+    static bool echoes_peer(const std::exception& e) {
         const auto* le = dynamic_cast<const lockstep::error*>(&e);
         return le != nullptr && le->code() == errc::peer_failure;
     }
