@@ -4,6 +4,7 @@
 #pragma once
 
 #include "mlp_fixture.hpp"
+#include "optimizer_cases.hpp"
 
 #include "lockstep/optim/adam.hpp"
 #include "lockstep/optim/lamb.hpp"
@@ -17,37 +18,6 @@
 #include <vector>
 
 namespace lockstep_test {
-
-// The optimizers with settings that move the weights visibly in 20 steps.
-template <class T>
-struct sh_sgd {
-    using type = optim::sgd<T>;
-    static optim::sgd_params params() {
-        return {.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-3, .nesterov = true};
-    }
-};
-template <class T>
-struct sh_adam {
-    using type = optim::adam<T>;
-    static optim::adam_params params() { return {.lr = 1e-2, .weight_decay = 1e-3}; }
-};
-template <class T>
-struct sh_adamw {
-    using type = optim::adamw<T>;
-    static optim::adamw_params params() { return {.lr = 1e-2, .weight_decay = 1e-2}; }
-};
-template <class T>
-struct sh_lars {
-    using type = optim::lars<T>;
-    static optim::lars_params params() {
-        return {.lr = 1.0, .momentum = 0.9, .eta = 0.02, .weight_decay = 1e-4};
-    }
-};
-template <class T>
-struct sh_lamb {
-    using type = optim::lamb<T>;
-    static optim::lamb_params params() { return {.lr = 1e-2, .weight_decay = 1e-2}; }
-};
 
 /// Relative error bound against the unsharded trainer (normwise per tensor): the 1e-5 (float)
 /// / 1e-10 (double) of the equivalence tests.

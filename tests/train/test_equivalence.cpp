@@ -1,49 +1,14 @@
 // Synchronous data parallelism equals one replica with the whole global batch: every
 // ReducePolicy x every optimizer x float/double, 1-4 replicas, uneven and empty shards, bn::global
 // and dropout. SPDX-License-Identifier: Apache-2.0
+#include "optimizer_cases.hpp"
 #include "train_runner.hpp"
-
-#include "lockstep/optim/adam.hpp"
-#include "lockstep/optim/lamb.hpp"
-#include "lockstep/optim/lars.hpp"
-#include "lockstep/optim/sgd.hpp"
 
 #include <catch2/catch.hpp>
 
 using namespace lockstep_test;
 
 namespace {
-
-// The optimizers with settings that move the weights visibly in 20 steps.
-template <class T>
-struct sgd_case {
-    using type = optim::sgd<T>;
-    static optim::sgd_params params() {
-        return {.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-3, .nesterov = true};
-    }
-};
-template <class T>
-struct adam_case {
-    using type = optim::adam<T>;
-    static optim::adam_params params() { return {.lr = 1e-2, .weight_decay = 1e-3}; }
-};
-template <class T>
-struct adamw_case {
-    using type = optim::adamw<T>;
-    static optim::adamw_params params() { return {.lr = 1e-2, .weight_decay = 1e-2}; }
-};
-template <class T>
-struct lars_case {
-    using type = optim::lars<T>;
-    static optim::lars_params params() {
-        return {.lr = 1.0, .momentum = 0.9, .eta = 0.02, .weight_decay = 1e-4};
-    }
-};
-template <class T>
-struct lamb_case {
-    using type = optim::lamb<T>;
-    static optim::lamb_params params() { return {.lr = 1e-2, .weight_decay = 1e-2}; }
-};
 
 // Relative error bound of N replicas against one (normwise per tensor, after 20 steps): the
 // replicas sum the same per-sample gradients in a different order, so the results differ by

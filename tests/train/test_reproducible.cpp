@@ -2,6 +2,7 @@
 // global sample index) trained for 50 uneven steps on 1, 2, 3, 4, 5 and 8 thread replicas holds
 // bitwise identical parameters, optimizer state, BN running statistics and losses, for SGD,
 // AdamW and LAMB in float and double. SPDX-License-Identifier: Apache-2.0
+#include "optimizer_cases.hpp"
 #include "repro_runner.hpp"
 
 #include "train_runner.hpp"
@@ -11,24 +12,6 @@
 using namespace lockstep_test;
 
 namespace {
-
-template <class T>
-struct sgd_case {
-    using type = optim::sgd<T>;
-    static optim::sgd_params params() {
-        return {.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-3, .nesterov = true};
-    }
-};
-template <class T>
-struct adamw_case {
-    using type = optim::adamw<T>;
-    static optim::adamw_params params() { return {.lr = 1e-2, .weight_decay = 1e-2}; }
-};
-template <class T>
-struct lamb_case {
-    using type = optim::lamb<T>;
-    static optim::lamb_params params() { return {.lr = 1e-2, .weight_decay = 1e-2}; }
-};
 
 template <class T, template <class> class Case>
 void check_replica_counts() {

@@ -6,6 +6,7 @@
 
 #include "support/mpi_session.hpp"
 
+#include "optimizer_cases.hpp"
 #include "repro_runner.hpp"
 
 #include "lockstep/comm/mpi_communicator.hpp"
@@ -14,8 +15,10 @@ using namespace lockstep_test;
 
 namespace {
 
-template <class T, class Opt>
-void check_mpi(typename Opt::params_type p) {
+template <class T, template <class> class Case>
+void check_mpi() {
+    using Opt = typename Case<T>::type;
+    const auto p = Case<T>::params();
     mpi_communicator world(MPI_COMM_WORLD);
     const auto batches = repro_schedule();
     const repro_record<T> mine = repro_train<T, Opt>(world, p, batches);
@@ -32,13 +35,13 @@ TEMPLATE_TEST_CASE("MPI replicas under reduce::reproducible hold the bits of thr
                    "[train][reproducible][mpi]", float, double) {
     using T = TestType;
     SECTION("sgd") {
-        check_mpi<T, optim::sgd<T>>({.lr = 0.1, .momentum = 0.9, .nesterov = true});
+        check_mpi<T, sgd_case>();
     }
     SECTION("adamw") {
-        check_mpi<T, optim::adamw<T>>({.lr = 1e-2, .weight_decay = 1e-2});
+        check_mpi<T, adamw_case>();
     }
     SECTION("lamb") {
-        check_mpi<T, optim::lamb<T>>({.lr = 1e-2, .weight_decay = 1e-2});
+        check_mpi<T, lamb_case>();
     }
 }
 

@@ -132,19 +132,19 @@ void check_against_bucketed(std::initializer_list<int> replica_counts, double ma
 template <class T>
 void check_all_optimizers(double max_grad_norm) {
     SECTION("sgd") {
-        check_against_bucketed<T, sh_sgd>({1, 2, 3, 4}, max_grad_norm);
+        check_against_bucketed<T, sgd_case>({1, 2, 3, 4}, max_grad_norm);
     }
     SECTION("adam") {
-        check_against_bucketed<T, sh_adam>({1, 2, 3, 4}, max_grad_norm);
+        check_against_bucketed<T, adam_case>({1, 2, 3, 4}, max_grad_norm);
     }
     SECTION("adamw") {
-        check_against_bucketed<T, sh_adamw>({1, 2, 3, 4}, max_grad_norm);
+        check_against_bucketed<T, adamw_case>({1, 2, 3, 4}, max_grad_norm);
     }
     SECTION("lars") {
-        check_against_bucketed<T, sh_lars>({1, 2, 3, 4}, max_grad_norm);
+        check_against_bucketed<T, lars_case>({1, 2, 3, 4}, max_grad_norm);
     }
     SECTION("lamb") {
-        check_against_bucketed<T, sh_lamb>({1, 2, 3, 4}, max_grad_norm);
+        check_against_bucketed<T, lamb_case>({1, 2, 3, 4}, max_grad_norm);
     }
 }
 
@@ -173,22 +173,22 @@ TEST_CASE("reduce::sharded with frozen tensors and per-tensor decay", "[train][t
     // bn1.weight [40, 48) frozen: the segments skip it, so LARS/LAMB's shard segments map to
     // tensor indices that skip it too.
     SECTION("lars") {
-        check_against_bucketed<double, sh_lars>({3, 4}, 0.05, true);
+        check_against_bucketed<double, lars_case>({3, 4}, 0.05, true);
     }
     SECTION("lamb") {
-        check_against_bucketed<float, sh_lamb>({3, 4}, 0, true);
+        check_against_bucketed<float, lamb_case>({3, 4}, 0, true);
     }
     SECTION("adamw") {
-        check_against_bucketed<double, sh_adamw>({4}, 0, true);
+        check_against_bucketed<double, adamw_case>({4}, 0, true);
     }
 }
 
 TEST_CASE("reduce::sharded with overlap off and on gives the same bits", "[train][thread]") {
     using opt = optim::lamb<double>;
     const auto on = run_mlp<double, opt, sharded_policy>(
-        {.replicas = 3, .overlap = overlap_mode::always}, sh_lamb<double>::params());
+        {.replicas = 3, .overlap = overlap_mode::always}, lamb_case<double>::params());
     const auto off = run_mlp<double, opt, sharded_policy>(
-        {.replicas = 3, .overlap = overlap_mode::never}, sh_lamb<double>::params());
+        {.replicas = 3, .overlap = overlap_mode::never}, lamb_case<double>::params());
     for (std::size_t s = 0; s < on.params[0].size(); ++s)
         CHECK(same_bits(std::span<const double>(on.params[0][s]),
                         std::span<const double>(off.params[0][s])));
@@ -198,7 +198,7 @@ TEST_CASE("reduce::sharded skips a step with a non-finite gradient on every repl
           "[train][thread]") {
     using opt = optim::adam<float>;
     const auto run = run_mlp<float, opt, sharded_policy>(
-        {.replicas = 3, .poison_rank = 2, .poison_step = 4}, sh_adam<float>::params());
+        {.replicas = 3, .poison_rank = 2, .poison_step = 4}, adam_case<float>::params());
     CHECK(divergence(run) == "");
     for (int r = 0; r < 3; ++r) {
         const auto ur = static_cast<std::size_t>(r);
@@ -259,16 +259,16 @@ void check_tiny() {
 
 TEST_CASE("reduce::sharded with an empty shard (3 parameters over 4 replicas)", "[train][thread]") {
     SECTION("sgd") {
-        check_tiny<sh_sgd>();
+        check_tiny<sgd_case>();
     }
     SECTION("adam") {
-        check_tiny<sh_adam>();
+        check_tiny<adam_case>();
     }
     SECTION("lars") {
-        check_tiny<sh_lars>();
+        check_tiny<lars_case>();
     }
     SECTION("lamb") {
-        check_tiny<sh_lamb>();
+        check_tiny<lamb_case>();
     }
 }
 
@@ -327,7 +327,7 @@ TEST_CASE("reduce::sharded checkpoints: per-shard state, bit-identical resume, r
         thread_group group(3);
         group.run([&](thread_communicator& comm) {
             dp_type dp(
-                comm, [](auto& ctx) { return net(ctx); }, sh_lamb<double>::params(), tp);
+                comm, [](auto& ctx) { return net(ctx); }, lamb_case<double>::params(), tp);
             for (std::size_t s = 0; s < 10; ++s)
                 dp.step(batches[s], fn);
             save_checkpoint(dp, path);
@@ -340,7 +340,7 @@ TEST_CASE("reduce::sharded checkpoints: per-shard state, bit-identical resume, r
         thread_group group(3);
         group.run([&](thread_communicator& comm) {
             dp_type dp(
-                comm, [](auto& ctx) { return net(ctx); }, sh_lamb<double>::params(), tp);
+                comm, [](auto& ctx) { return net(ctx); }, lamb_case<double>::params(), tp);
             load_checkpoint(dp, path);
             steps_after_load[static_cast<std::size_t>(comm.rank())] = dp.steps();
             for (std::size_t s = 10; s < 20; ++s)
@@ -365,7 +365,7 @@ TEST_CASE("reduce::sharded checkpoints: per-shard state, bit-identical resume, r
         thread_group group(2);
         group.run([&](thread_communicator& comm) {
             dp_type dp(
-                comm, [](auto& ctx) { return net(ctx); }, sh_lamb<double>::params(), tp);
+                comm, [](auto& ctx) { return net(ctx); }, lamb_case<double>::params(), tp);
             try {
                 load_checkpoint(dp, path);
             } catch (const lockstep::error& e) {
@@ -383,7 +383,7 @@ TEST_CASE("reduce::sharded checkpoints: per-shard state, bit-identical resume, r
         thread_group group(3);
         group.run([&](thread_communicator& comm) {
             data_parallel<net, opt, sync::synchronous, bucketed_policy, thread_communicator> dp(
-                comm, [](auto& ctx) { return net(ctx); }, sh_lamb<double>::params(), tp);
+                comm, [](auto& ctx) { return net(ctx); }, lamb_case<double>::params(), tp);
             try {
                 load_checkpoint(dp, path);
             } catch (const lockstep::error& e) {

@@ -88,19 +88,19 @@ void check_case(double max_grad_norm) {
 template <class T>
 void check_all(double max_grad_norm) {
     SECTION("sgd") {
-        check_case<T, sh_sgd>(max_grad_norm);
+        check_case<T, sgd_case>(max_grad_norm);
     }
     SECTION("adam") {
-        check_case<T, sh_adam>(max_grad_norm);
+        check_case<T, adam_case>(max_grad_norm);
     }
     SECTION("adamw") {
-        check_case<T, sh_adamw>(max_grad_norm);
+        check_case<T, adamw_case>(max_grad_norm);
     }
     SECTION("lars") {
-        check_case<T, sh_lars>(max_grad_norm);
+        check_case<T, lars_case>(max_grad_norm);
     }
     SECTION("lamb") {
-        check_case<T, sh_lamb>(max_grad_norm);
+        check_case<T, lamb_case>(max_grad_norm);
     }
 }
 
@@ -120,7 +120,7 @@ TEST_CASE("MPI: reduce::sharded trains like the unsharded bucketed trainer", "[t
         check_all<double>(0.05);
     }
     SECTION("lamb, visitor network") {
-        check_case<double, sh_lamb, storage::visitor>(0.05);
+        check_case<double, lamb_case, storage::visitor>(0.05);
     }
 }
 
@@ -128,9 +128,9 @@ TEST_CASE("MPI: reduce::sharded on a communication thread equals inline bit for 
           "[train][mpi][overlap]") {
     mpi_communicator world(MPI_COMM_WORLD);
     const auto on = train_mpi<double, optim::lars<double>, sharded_policy, storage::registry>(
-        world, sh_lars<double>::params(), 0.05, overlap_mode::always);
+        world, lars_case<double>::params(), 0.05, overlap_mode::always);
     const auto off = train_mpi<double, optim::lars<double>, sharded_policy, storage::registry>(
-        world, sh_lars<double>::params(), 0.05, overlap_mode::never);
+        world, lars_case<double>::params(), 0.05, overlap_mode::never);
     for (std::size_t s = 0; s < on.size(); ++s)
         CHECK(same_bits(std::span<const double>(on[s]), std::span<const double>(off[s])));
 }
@@ -156,9 +156,9 @@ TEST_CASE("MPI: reduce::sharded with an empty shard (fewer parameters than ranks
         return out;
     };
     const auto sharded =
-        run.operator()<optim::lamb<double>, reduce::sharded<4, 4>>(sh_lamb<double>::params());
+        run.operator()<optim::lamb<double>, reduce::sharded<4, 4>>(lamb_case<double>::params());
     const auto ref =
-        run.operator()<optim::lamb<double>, reduce::per_tensor>(sh_lamb<double>::params());
+        run.operator()<optim::lamb<double>, reduce::per_tensor>(lamb_case<double>::params());
     check_same_on_every_rank(world, sharded);
     REQUIRE(rel_error(ref.back(), ref.front()) > 1e-3);
     for (std::size_t s = 0; s < sharded.size(); ++s)
@@ -184,7 +184,7 @@ TEST_CASE("MPI: a sharded checkpoint resumes bit for bit", "[train][mpi][checkpo
     std::vector<std::byte> straight, resumed;
     {
         dp_type dp(
-            world, [](auto& ctx) { return net(ctx); }, sh_adam<double>::params(), tp);
+            world, [](auto& ctx) { return net(ctx); }, adam_case<double>::params(), tp);
         for (std::size_t s = 0; s < 10; ++s)
             dp.step(batches[s], fn);
         save_checkpoint(dp, dir / "ck");
@@ -194,7 +194,7 @@ TEST_CASE("MPI: a sharded checkpoint resumes bit for bit", "[train][mpi][checkpo
     }
     {
         dp_type dp(
-            world, [](auto& ctx) { return net(ctx); }, sh_adam<double>::params(), tp);
+            world, [](auto& ctx) { return net(ctx); }, adam_case<double>::params(), tp);
         load_checkpoint(dp, dir / "ck");
         for (std::size_t s = 10; s < 20; ++s)
             dp.step(batches[s], fn);
