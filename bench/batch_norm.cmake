@@ -1,7 +1,6 @@
 # bench_batch_norm: host batch norm against oneDNN (if found) and the STREAM-copy traffic bound.
 # SPDX-License-Identifier: Apache-2.0
-add_executable(bench_batch_norm "${CMAKE_CURRENT_LIST_DIR}/batch_norm.cpp")
-target_link_libraries(bench_batch_norm PRIVATE ${LOCKSTEP_HOST_TARGET})
+lockstep_add_bench(bench_batch_norm "${CMAKE_CURRENT_LIST_DIR}/batch_norm.cpp")
 find_path(LOCKSTEP_DNNL_INCLUDE_DIR oneapi/dnnl/dnnl.hpp)
 find_library(LOCKSTEP_DNNL_LIBRARY dnnl)
 if(LOCKSTEP_DNNL_INCLUDE_DIR AND LOCKSTEP_DNNL_LIBRARY)
