@@ -11,6 +11,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -190,4 +191,44 @@ TEST_CASE("asynchronous, bounded-staleness and local SGD training reach the accu
     CHECK(local_run.accuracy >= sync_run.accuracy - 0.04);
     CHECK(stale_run.staleness.max <= 1);
     CHECK(stale_run.staleness.applied == (data().train.size() * epochs + 23) / 24);
+}
+
+TEST_CASE("asynchronous training split over two train() calls follows one learning-rate schedule",
+          "[train][async][thread][digits]") {
+    // With one worker the run is sequential, so 15 gradients applied by one train() call and by
+    // train(8) + train(7) must give the same bits: the second call continues the schedule (the
+    // rate drops tenfold at step 10) and the step numbers the network sees (dropout keys).
+    const digits::mlp_options mo{.hidden = 16, .dropout = 0.2f};
+    const optim::sgd_params opt{.lr = 0.05, .momentum = 0.9};
+    const std::size_t batch = 24;
+    const auto run = [&](std::vector<std::size_t> calls) {
+        const auto& d = data();
+        const digits::sampler order(d.train.size(), 2, 7);
+        std::vector<float> params;
+        std::int64_t steps = 0;
+        thread_group group(2);
+        group.run([&](thread_communicator& comm) {
+            auto factory = [&](auto& ctx) { return net(mo, ctx.system()); };
+            auto fn = [&](net& m, const shard_range& r, auto& ctx) {
+                return m.train(ctx, d.train, order, r);
+            };
+            const train_params tp{.lr = [](std::int64_t s) { return s < 10 ? 0.05 : 0.005; },
+                                  .seed = 7};
+            data_parallel<net, sgd, sync::asynchronous> trainer(comm, factory, opt, tp,
+                                                                {.bn_momentum = 0.1});
+            for (std::size_t n : calls)
+                trainer.train(n, batch, fn);
+            if (comm.rank() == 0) { // rank 0 is the server
+                params.assign(trainer.parameters().begin(), trainer.parameters().end());
+                steps = trainer.steps();
+            }
+        });
+        return std::pair(params, steps);
+    };
+    const auto [whole, whole_steps] = run({15});
+    const auto [split, split_steps] = run({8, 7});
+    CHECK(whole_steps == 15);
+    CHECK(split_steps == 15);
+    REQUIRE(whole.size() == split.size());
+    CHECK(std::memcmp(whole.data(), split.data(), whole.size() * sizeof(float)) == 0);
 }

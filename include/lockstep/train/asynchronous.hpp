@@ -117,8 +117,10 @@ public:
     /// step function (range.scale = 1 / batch, so fn's gradient is that of the batch's mean
     /// loss; train_params::micro_batches splits the batch), then pushes the gradient and its
     /// BN statistics. The server applies each at once with the optimizer (learning rate
-    /// train_params::lr of the server version, which counts the gradients applied in this call
-    /// from 0; ctx.step() in fn is the version the worker's parameters have), skips non-finite
+    /// train_params::lr of the server version, which counts the gradients applied since the
+    /// trainer was made: steps() before this call, plus the gradients applied in it, so a run
+    /// split over several train() calls follows one schedule; ctx.step() in fn is the version
+    /// the worker's parameters have, counted the same way), skips non-finite
     /// gradients (when train_params::skip_non_finite is false: the server throws
     /// errc::non_finite and every worker errc::peer_failure), and updates the running
     /// statistics. On return every replica holds the server's final parameters and state, and
@@ -146,6 +148,7 @@ public:
         }
         const T keep = static_cast<T>(1.0 - ap_.bn_momentum);
         const std::uint64_t first_sample = core_.samples();
+        const std::int64_t first_version = core_.steps(); // versions continue across calls
         const auto micro = static_cast<std::size_t>(core_.params().micro_batches);
         async_result result;
         double loss_sum = 0;
@@ -157,7 +160,7 @@ public:
             copy(std::span<const T>(state_.span()), sys, before_.span(), sys);
             core_.zero_grads();
             auto& ctx = core_.context();
-            ctx.set_step(static_cast<std::int64_t>(item.version), true);
+            ctx.set_step(first_version + static_cast<std::int64_t>(item.version), true);
             double loss = 0;
             for (std::size_t m = 0; m < micro; ++m) {
                 shard_range r;
@@ -168,7 +171,7 @@ public:
                 r.sample_offset = first_sample + item.index * batch;
                 loss += static_cast<double>(fn(core_.network(), r, ctx));
             }
-            ctx.set_step(static_cast<std::int64_t>(item.version), false);
+            ctx.set_step(first_version + static_cast<std::int64_t>(item.version), false);
             core_.pack_grads();
             copy(std::span<const T>(core_.grads()), sys, grad, sys);
             pack_state();
@@ -190,7 +193,8 @@ public:
                                  " for work item ", info.index, " is not finite");
                 ++result.skipped;
             } else {
-                core_.optimizer().set_lr(core_.lr_for(static_cast<std::int64_t>(info.version)));
+                core_.optimizer().set_lr(
+                    core_.lr_for(first_version + static_cast<std::int64_t>(info.version)));
                 core_.optimizer().step(core_.values(), grad);
                 thrust::transform(sys.policy(), state_.data(), state_.data() + state_.size(),
                                   stats.data() + 1, state_.data(), ema_apply_fn<T>{keep});
