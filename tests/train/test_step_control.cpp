@@ -8,6 +8,7 @@
 
 #include "lockstep/optim/adam.hpp"
 #include "lockstep/optim/sgd.hpp"
+#include "lockstep/train/asynchronous.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -283,6 +284,26 @@ TEST_CASE("replicas that disagree on settings fail on every replica naming both 
             CHECK(code == static_cast<int>(errc::invalid_argument));
             CHECK_THAT(msg, Catch::Contains("lr: 0.1 on replica 0, 0.2 on replica 1;"));
             CHECK_THAT(msg, Catch::Contains("momentum: 0.9 on replica 0, 0.5 on replica 2;"));
+        }
+    }
+    SECTION("asynchronous: another staleness bound or bn_momentum on one replica") {
+        using async_t = data_parallel<linear, sgd, sync::asynchronous, reduce::per_tensor>;
+        using stale_t = data_parallel<linear, sgd, sync::bounded_staleness<1>, reduce::per_tensor>;
+        const auto e = errors_of(3, [](int rank, thread_communicator& comm) {
+            auto make = [](auto& ctx) { return linear(ctx.rank()); };
+            if (rank == 1)
+                stale_t dp(comm, make, {.lr = 0.1});
+            else
+                async_t dp(comm, make, {.lr = 0.1}, {}, {.bn_momentum = rank == 2 ? 0.2 : 0.1});
+        });
+        for (const auto& [msg, code] : e) {
+            INFO(msg);
+            CHECK(code == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(msg,
+                       Catch::Contains("sync: lockstep::sync::asynchronous on replica 0, "
+                                       "lockstep::sync::bounded_staleness<1ul> on replica 1;"));
+            CHECK_THAT(msg, Catch::Contains(
+                                "async_params.bn_momentum: 0.1 on replica 0, 0.2 on replica 2;"));
         }
     }
     SECTION("different micro_batches") {

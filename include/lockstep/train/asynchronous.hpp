@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -93,7 +94,8 @@ public:
     template <class Factory>
     async_trainer(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt = {},
                   train_params tp = {}, async_params ap = {})
-        : base_type(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp), {}, false),
+        : base_type(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp),
+                    settings(ap), false),
           ap_(std::move(ap)) {
         LOCKSTEP_REQUIRE(!core_.params().loss_scale, errc::unsupported, comm.rank(),
                          "data_parallel(asynchronous)",
@@ -223,6 +225,15 @@ public:
 
 private:
     friend struct checkpoint_access;
+    // The settings every replica must share beyond the optimizer's: the policies and the
+    // server's (a replica with another root or tag would wait for messages nobody sends).
+    static std::vector<std::string> settings(const async_params& ap) {
+        std::vector<std::string> out = base_type::policy_settings();
+        add_setting(out, "async_params.bn_momentum", exact(ap.bn_momentum));
+        add_setting(out, "async_params.root", std::to_string(ap.root));
+        add_setting(out, "async_params.tag", std::to_string(ap.tag));
+        return out;
+    }
     // The network's state buffers (registry state, then visited state) <-> one flat buffer, so
     // it travels with the parameters in one message.
     void pack_state() {
