@@ -14,9 +14,12 @@
 #include "lockstep/optim/lamb.hpp"
 #include "lockstep/optim/sgd.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 using lockstep::hierarchical_group;
@@ -46,6 +49,115 @@ TEST_CASE("hierarchical_group passes the collective suite", "[comm][hierarchical
         CHECK(r.failed == 0);
         CHECK(r.checks > 200);
     }
+}
+
+namespace {
+
+// The code of the lockstep::error f throws, or nothing.
+template <class F>
+std::optional<lockstep::errc> code_of(F&& f) {
+    try {
+        f();
+    } catch (const lockstep::error& e) {
+        return e.code();
+    }
+    return std::nullopt;
+}
+
+} // namespace
+
+TEST_CASE("hierarchical_group point-to-point: every pair, in order, recv_any, wrong sizes",
+          "[comm][hierarchical][mpi][p2p]") {
+    hierarchical_group group(MPI_COMM_WORLD, threads_per_process);
+    // Replica threads record what went wrong; Catch2 checks it after run().
+    std::vector<std::vector<std::string>> problems(threads_per_process);
+    std::vector<int> ran(threads_per_process, 0);
+    group.run([&](comm_t& comm) {
+        auto& bad = problems[static_cast<std::size_t>(comm.local_rank())];
+        auto expect = [&](bool ok, const std::string& what) {
+            if (!ok)
+                bad.push_back("replica " + std::to_string(comm.rank()) + ": " + what);
+        };
+        const int n = comm.size(), me = comm.rank();
+        // Every replica sends two messages to every replica (itself included: same thread,
+        // same process, other process), then receives them by source in reverse order.
+        for (int d = 0; d < n; ++d)
+            for (int k = 0; k < 2; ++k) {
+                const std::vector<int> msg{me, d, k};
+                comm.send(std::span<const int>(msg), d, 7);
+            }
+        for (int s = n - 1; s >= 0; --s)
+            for (int k = 0; k < 2; ++k) {
+                std::vector<int> got(3, -1);
+                comm.recv(std::span<int>(got), s, 7);
+                expect(got == std::vector<int>{s, me, k},
+                       "message " + std::to_string(k) + " from " + std::to_string(s) + " is {" +
+                           std::to_string(got[0]) + ", " + std::to_string(got[1]) + ", " +
+                           std::to_string(got[2]) + "}");
+            }
+        comm.barrier();
+        // recv_any: every other replica sends its rank to the last replica (another process
+        // and the same one), which takes them in arrival order.
+        const int sink = n - 1;
+        if (me != sink) {
+            const std::vector<double> msg{double(me), 0.5};
+            comm.send(std::span<const double>(msg), sink, 9);
+        } else {
+            std::vector<int> seen;
+            for (int k = 0; k + 1 < n; ++k) {
+                std::vector<double> got(2);
+                const int from = comm.recv_any(std::span<double>(got), 9);
+                expect(got[0] == double(from) && got[1] == 0.5,
+                       "recv_any returned " + std::to_string(from) + " for a message from " +
+                           std::to_string(got[0]));
+                seen.push_back(from);
+            }
+            std::sort(seen.begin(), seen.end());
+            std::vector<int> all(static_cast<std::size_t>(n - 1));
+            for (int k = 0; k + 1 < n; ++k)
+                all[static_cast<std::size_t>(k)] = k;
+            expect(seen == all, "recv_any did not return every other replica once");
+        }
+        // A wrongly sized message is an error and is consumed; the next one arrives intact.
+        if (me == n - 1) {
+            const std::vector<int> five{1, 2, 3, 4, 5}, three{7, 8, 9};
+            comm.send(std::span<const int>(five), 0, 10);
+            comm.send(std::span<const int>(five), 0, 10);
+            comm.send(std::span<const int>(three), 0, 10);
+        } else if (me == 0) {
+            std::vector<int> four(4), three(3);
+            expect(code_of([&] { comm.recv(std::span<int>(four), n - 1, 10); }) ==
+                       lockstep::errc::count_mismatch,
+                   "recv of a wrongly sized message");
+            expect(code_of([&] { comm.recv_any(std::span<int>(four), 10); }) ==
+                       lockstep::errc::count_mismatch,
+                   "recv_any of a wrongly sized message");
+            comm.recv(std::span<int>(three), n - 1, 10);
+            expect(three == std::vector<int>{7, 8, 9}, "the message after the wrong ones");
+        }
+        expect(code_of([&] { comm.send(std::span<const int>(), n, 0); }) ==
+                   lockstep::errc::invalid_argument,
+               "send to a replica outside the group");
+        // A split group (one local rank per process) sends on its own ranks.
+        comm_t pair = comm.split(comm.local_rank(), me);
+        if (pair.rank() == 0) {
+            const std::vector<int> msg{me};
+            pair.send(std::span<const int>(msg), pair.size() - 1, 11);
+        }
+        if (pair.rank() == pair.size() - 1) {
+            std::vector<int> got(1, -1);
+            const int from = pair.recv_any(std::span<int>(got), 11);
+            expect(from == 0 && got[0] == comm.local_rank(),
+                   "split group: recv_any returned " + std::to_string(from) + ", message " +
+                       std::to_string(got[0]));
+        }
+        comm.barrier();
+        ran[static_cast<std::size_t>(comm.local_rank())] = 1;
+    });
+    for (const auto& b : problems)
+        for (const auto& what : b)
+            FAIL_CHECK(what);
+    CHECK(ran == std::vector<int>(threads_per_process, 1));
 }
 
 namespace {

@@ -559,6 +559,54 @@ TEST_CASE("without verification the collectives still agree with the reference",
     });
 }
 
+TEST_CASE("reduce_scatter with an empty recv pointing into send", "[comm][mpi]") {
+    // Even ranks receive nothing; their recv is an empty span at their (empty) slice of send,
+    // which lies inside send (before an odd rank's slice), or at send's start for rank 0. Both
+    // with and without verification, equal counts (all zero) and uneven ones.
+    for (const bool verify : {true, false}) {
+        mpi_communicator comm(MPI_COMM_WORLD, {.verify = verify});
+        in_step(comm, [&] {
+            const int p = comm.size(), r = comm.rank();
+            std::vector<std::size_t> counts(static_cast<std::size_t>(p));
+            std::size_t total = 0, offset = 0;
+            for (int j = 0; j < p; ++j) {
+                counts[static_cast<std::size_t>(j)] = j % 2 == 0 ? 0 : 3 + j;
+                if (j == r)
+                    offset = total;
+                total += counts[static_cast<std::size_t>(j)];
+            }
+            const std::size_t mine = counts[static_cast<std::size_t>(r)];
+            const auto in = inputs<float>(r, total);
+            const auto all = reference<float>(reduce_op::sum, p, total);
+            for (const bool in_place : {false, true}) {
+                INFO("verify " << verify << ", in place " << in_place << ", rank " << r);
+                std::vector<float> send = in, other(mine, -1.0f);
+                const std::span<float> recv = in_place || mine == 0
+                                                  ? std::span<float>(send).subspan(offset, mine)
+                                                  : std::span<float>(other);
+                comm.reduce_scatter(std::span<const float>(send), recv,
+                                    std::span<const std::size_t>(counts), reduce_op::sum);
+                const std::vector<float> got(recv.begin(), recv.end());
+                const std::vector<float> want(all.begin() + static_cast<std::ptrdiff_t>(offset),
+                                              all.begin() +
+                                                  static_cast<std::ptrdiff_t>(offset + mine));
+                CHECK(differences(got, want) == "");
+                if (!in_place || mine == 0)
+                    CHECK(send == in); // nothing was written into send
+            }
+            // Every count zero: every recv is empty and points at send's start.
+            std::vector<float> none(4, 1.0f);
+            const std::vector<std::size_t> zeros(static_cast<std::size_t>(p), 0);
+            comm.reduce_scatter(std::span<const float>(none.data(), 0),
+                                std::span<float>(none.data(), 0),
+                                std::span<const std::size_t>(zeros), reduce_op::sum);
+            comm.reduce_scatter(std::span<const float>(none.data(), 0),
+                                std::span<float>(none.data(), 0), reduce_op::max);
+            CHECK(none == std::vector<float>(4, 1.0f));
+        });
+    }
+}
+
 TEST_CASE("environment and system report what MPI provides", "[comm][mpi]") {
     lockstep::mpi_environment again; // MPI is already initialised: a no-op
     CHECK_FALSE(again.owns());

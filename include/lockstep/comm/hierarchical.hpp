@@ -20,6 +20,9 @@
 
 namespace lockstep {
 
+/// The Routes of a hierarchical_communicator without point-to-point messages.
+struct no_routes {};
+
 /// A communicator over nodes() x local_size() replicas, composed of two communicators this
 /// replica holds:
 /// - `intra`: the local_size() replicas of this node (e.g. the threads of this process, a
@@ -55,17 +58,28 @@ namespace lockstep {
 ///   throw errc::unsupported naming the color.
 /// - all_to_all (when both parts have it, so reduce::compressed works over it): inside the
 ///   node, then across nodes.
-/// There are no point-to-point messages (a message between replicas on different nodes and
-/// local ranks has no direct path), so the asynchronous policies do not compile over it.
+/// Point-to-point messages (send, recv, recv_any; so the asynchronous trainers run over it) go
+/// through `Routes`, a per-replica object that connects any replica to any other directly
+/// (hierarchical_group's communicators have one: hierarchical_group_routes). Without routes
+/// (Routes = no_routes, the default) the communicator has no point-to-point members and does
+/// not model point_to_point_communicator. A split group keeps its parent's routes: its
+/// messages travel on the same channels as the whole group's, so a split group and its parent
+/// (or a sibling) must not exchange messages with the same tag between the same two replicas
+/// at the same time. A Routes type provides, for ranks of the whole (unsplit) group:
+/// send(std::span<const T>, dest, tag), recv(std::span<T>, source, tag), recv_any(std::span<T>,
+/// tag) -> source, and share() -> another Routes object for the same replica (used by split).
 /// Errors: each part checks its own arguments and agreement and throws as it does alone; a
 /// failure inside one node reaches the other nodes through the inter communicator's own
 /// failure handling (an mpi_communicator ends the job, see hierarchical_group).
 /// A replica's handle is used by one thread at a time.
-template <communicator Intra, communicator Inter>
+template <communicator Intra, communicator Inter, class Routes = no_routes>
 class hierarchical_communicator {
+    static constexpr bool has_routes = !std::is_same_v<Routes, no_routes>;
+
 public:
     using intra_type = Intra;
     using inter_type = Inter;
+    using routes_type = Routes;
     using system_type = typename Intra::system_type;
     static_assert(std::is_same_v<system_type, typename Inter::system_type>,
                   "hierarchical_communicator: the intra-node and inter-node communicators must "
@@ -79,12 +93,21 @@ public:
     /// reduce-scatter / all_gather inside the node.
     static constexpr std::size_t sharded_from = 4096;
 
-    /// Takes both parts. Collective over the whole group (every replica constructs its handle):
-    /// checks that every node has the same local_size() and that the replicas of a node share
-    /// their inter.rank() and inter.size(), else throws errc::invalid_argument on every replica
-    /// naming the values.
-    hierarchical_communicator(Intra intra, Inter inter)
-        : intra_(std::move(intra)), inter_(std::move(inter)) {
+    /// Takes both parts (and the routes, when Routes is not no_routes: this replica's routes of
+    /// a group of the same shape, whose own rank is rank()). Collective over the whole group
+    /// (every replica constructs its handle): checks that every node has the same local_size()
+    /// and that the replicas of a node share their inter.rank() and inter.size(), else throws
+    /// errc::invalid_argument on every replica naming the values.
+    hierarchical_communicator(Intra intra, Inter inter, Routes routes = Routes())
+        : hierarchical_communicator(std::move(intra), std::move(inter), std::move(routes), {}) {}
+    hierarchical_communicator(hierarchical_communicator&&) noexcept = default;
+    hierarchical_communicator& operator=(hierarchical_communicator&&) noexcept = default;
+
+private:
+    // members: the routes' rank of each replica of this group (empty: the same as rank()).
+    hierarchical_communicator(Intra intra, Inter inter, Routes routes, std::vector<int> members)
+        : intra_(std::move(intra)), inter_(std::move(inter)), routes_(std::move(routes)),
+          members_(std::move(members)) {
         // {L, -L, node, -node, nodes, -nodes}: max over both parts gives min and max at once.
         int shape[6] = {intra_.size(),  -intra_.size(), inter_.rank(),
                         -inter_.rank(), inter_.size(),  -inter_.size()};
@@ -102,9 +125,8 @@ public:
                          "): every node needs the same number of "
                          "replicas");
     }
-    hierarchical_communicator(hierarchical_communicator&&) noexcept = default;
-    hierarchical_communicator& operator=(hierarchical_communicator&&) noexcept = default;
 
+public:
     int rank() const noexcept { return inter_.rank() * intra_.size() + intra_.rank(); }
     int size() const noexcept { return inter_.size() * intra_.size(); }
     /// This replica's system (the intra-node communicator's).
@@ -219,6 +241,43 @@ public:
         // recv[n][l] = the block of replica n * L + l for this replica: global rank order.
         inter_.all_to_all(std::span<const T>(by_local), recv);
     }
+
+    /// Sends data to replica dest with tag through the routes (returns once data may be
+    /// reused). Matched by (source, tag), in order. Only with routes.
+    /// requires: 0 <= dest < size(); the tag and element type the routes accept (MPI: 0 <= tag
+    /// <= MPI_TAG_UB).
+    template <class T>
+    void send(std::span<T> data, int dest, int tag) requires has_routes {
+        require_peer(dest, "hierarchical_communicator.send");
+        routes_.send(std::span<const std::remove_const_t<T>>(data), to_routes(dest), tag);
+    }
+
+    /// Receives the next message from replica source with tag into data. Only with routes.
+    /// requires: 0 <= source < size(). ensures: the message held exactly data.size()
+    /// elements, else it is consumed and errc::count_mismatch is thrown.
+    template <class T>
+    void recv(std::span<T> data, int source, int tag) requires has_routes {
+        require_peer(source, "hierarchical_communicator.recv");
+        routes_.recv(data, to_routes(source), tag);
+    }
+
+    /// As recv, from any replica; returns the sender's rank. Waits at most the routes' timeout
+    /// (then errc::timeout naming the tag). Only with routes.
+    template <class T>
+    int recv_any(std::span<T> data, int tag) requires has_routes {
+        const int from = routes_.recv_any(data, tag);
+        if (members_.empty())
+            return from;
+        const auto it = std::find(members_.begin(), members_.end(), from);
+        LOCKSTEP_REQUIRE(it != members_.end(), errc::invalid_argument, rank(),
+                         "hierarchical_communicator.recv_any", "a message with tag ", tag,
+                         " came from replica ", from,
+                         " of the whole group, which is not a member of this split group");
+        return static_cast<int>(it - members_.begin());
+    }
+
+    /// This replica's routes (for messages on the whole, unsplit group). Only with routes.
+    Routes& routes() noexcept requires has_routes { return routes_; }
 
     /// Returns once every replica has entered it.
     void barrier() {
@@ -341,10 +400,26 @@ public:
         const auto block = static_cast<int>(
             std::find(block_nodes.begin(), block_nodes.end(), inter_.rank()) - block_nodes.begin());
         Inter inter = inter_.split(index, block);
-        return hierarchical_communicator(std::move(intra), std::move(inter));
+        if constexpr (has_routes) {
+            // The child's rank k is members[k] here: its routes' rank is that one's.
+            for (int& m : members)
+                m = to_routes(m);
+            return hierarchical_communicator(std::move(intra), std::move(inter), routes_.share(),
+                                             std::move(members));
+        } else {
+            return hierarchical_communicator(std::move(intra), std::move(inter));
+        }
     }
 
 private:
+    void require_peer(int peer, const char* what) const {
+        LOCKSTEP_REQUIRE(peer >= 0 && peer < size(), errc::invalid_argument, rank(), what,
+                         "replica ", peer, " is not in [0, ", size(), ")");
+    }
+    int to_routes(int r) const {
+        return members_.empty() ? r : members_[static_cast<std::size_t>(r)];
+    }
+
     void require_root(int root, const char* what) const {
         LOCKSTEP_REQUIRE(root >= 0 && root < size(), errc::invalid_argument, rank(), what, "root ",
                          root, " is not in [0, ", size(), ")");
@@ -389,6 +464,8 @@ private:
 
     Intra intra_;
     Inter inter_;
+    [[no_unique_address]] Routes routes_;
+    std::vector<int> members_;
     // Staging (8-byte words: aligned for every element type the communicators carry). Two
     // members: nvcc 13.0's front end crashed (internal error) on `std::vector<std::max_align_t>
     // scratch_[2]`.
@@ -397,8 +474,8 @@ private:
 };
 
 /// Facts for trainers: collectives run on the compute cores when the intra-node ones do.
-template <class Intra, class Inter>
-struct communicator_traits<hierarchical_communicator<Intra, Inter>> {
+template <class Intra, class Inter, class Routes>
+struct communicator_traits<hierarchical_communicator<Intra, Inter, Routes>> {
     static constexpr bool collectives_use_compute_cores =
         communicator_traits<Intra>::collectives_use_compute_cores;
 };

@@ -9,9 +9,16 @@
 
 #include <mpi.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <exception>
 #include <functional>
+#include <optional>
+#include <span>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -28,6 +35,131 @@ struct hierarchical_group_params {
     bool abort_on_failure = true;
 };
 
+/// The point-to-point routes of one hierarchical_group replica (global rank = process x L +
+/// local rank, L threads per process). The group holds an L x L grid of duplicates of its MPI
+/// communicator, the mailboxes: mailbox [a][b] carries the messages from local rank a to local
+/// rank b, between any two processes (a process and itself included). A replica sends on its
+/// row and receives on its column through its own handles (mpi_communicator::message_view), so
+/// the threads of a process never share a handle, and it is the only receiver on its column in
+/// its process. Messages are matched by (source, tag), in order; the element types, tags and
+/// errors are mpi_communicator's (its errors name process ranks), and each operation waits at
+/// most params::mpi.timeout.
+class hierarchical_group_routes {
+public:
+    /// This replica's handles on the grid (row-major, L x L; mailbox [a][b] at a * L + b).
+    /// requires: grid.size() == L * L, 0 <= local < L; the grid outlives these routes.
+    hierarchical_group_routes(std::span<const mpi_communicator> grid, int local,
+                              const mpi_communicator_params& p)
+        : threads_(local_size(grid.size())), local_(local), params_(p) {
+        const auto L = static_cast<std::size_t>(threads_);
+        const auto me = static_cast<std::size_t>(local);
+        for (std::size_t x = 0; x < L; ++x) {
+            to_.push_back(grid[me * L + x].message_view());
+            from_.push_back(grid[x * L + me].message_view());
+        }
+        node_ = to_.front().rank();
+        nodes_ = to_.front().size();
+    }
+    hierarchical_group_routes(hierarchical_group_routes&&) noexcept = default;
+    hierarchical_group_routes& operator=(hierarchical_group_routes&&) noexcept = default;
+
+    /// Sends data to replica dest on mailbox [local][dest's local rank].
+    /// requires: 0 <= dest < processes x L (else errc::invalid_argument).
+    template <class T>
+    void send(std::span<const T> data, int dest, int tag) {
+        require_replica(dest, "send");
+        to_[static_cast<std::size_t>(dest % threads_)].send(data, dest / threads_, tag);
+    }
+    /// Receives the next message from replica source with tag (mailbox [source's local rank]
+    /// [local]). ensures: the message held data.size() elements, else errc::count_mismatch.
+    template <class T>
+    void recv(std::span<T> data, int source, int tag) {
+        require_replica(source, "recv");
+        from_[static_cast<std::size_t>(source % threads_)].recv(data, source / threads_, tag);
+    }
+    /// Receives the next message with tag from any replica and returns its sender: polls the
+    /// mailboxes of this replica's column in turn (a non-blocking probe each), then receives the
+    /// message found. Waits at most params::mpi.timeout, then fails with errc::timeout naming
+    /// this replica and the tag (printing it and ending the job when params::mpi.on_failure is
+    /// mpi_failure_action::abort).
+    template <class T>
+    int recv_any(std::span<T> data, int tag) {
+        using clock = std::chrono::steady_clock;
+        const auto start = clock::now();
+        const auto deadline = start + params_.timeout;
+        auto nap = std::chrono::microseconds(10);
+        for (std::uint64_t i = 0;; ++i) {
+            for (int k = 0; k < threads_; ++k) {
+                const int a = (next_ + k) % threads_;
+                auto& box = from_[static_cast<std::size_t>(a)];
+                if (const std::optional<int> node = box.probe(mpi_communicator::any_source, tag)) {
+                    next_ = (a + 1) % threads_; // the other mailboxes first next time
+                    box.recv(data, *node, tag);
+                    return *node * threads_ + a;
+                }
+            }
+            if ((i & 15) != 15)
+                continue;
+            const auto now = clock::now();
+            if (now >= deadline)
+                timed_out(tag);
+            if (now - start < std::chrono::microseconds(20))
+                continue;
+            std::this_thread::sleep_for(nap);
+            nap = std::min(nap * 2, std::chrono::microseconds(100));
+            i = 14; // probe once per sleep from now on
+        }
+    }
+    /// Routes of the same replica on the same mailboxes (for a split group).
+    hierarchical_group_routes share() const { return hierarchical_group_routes(*this); }
+
+private:
+    hierarchical_group_routes(const hierarchical_group_routes& o)
+        : threads_(o.threads_), local_(o.local_), node_(o.node_), nodes_(o.nodes_),
+          params_(o.params_) {
+        for (std::size_t x = 0; x < o.to_.size(); ++x) {
+            to_.push_back(o.to_[x].message_view());
+            from_.push_back(o.from_[x].message_view());
+        }
+    }
+    static int local_size(std::size_t cells) {
+        std::size_t L = 1;
+        while (L * L < cells)
+            ++L;
+        LOCKSTEP_REQUIRE(cells != 0 && L * L == cells, errc::invalid_argument, -1,
+                         "hierarchical_group_routes", "the mailbox grid has ", cells,
+                         " cells, not L x L");
+        return static_cast<int>(L);
+    }
+    int rank() const noexcept { return node_ * threads_ + local_; }
+    void require_replica(int r, const char* op) const {
+        LOCKSTEP_REQUIRE(r >= 0 && r < nodes_ * threads_, errc::invalid_argument, rank(), op,
+                         "replica ", r, " is not in this group of ", nodes_ * threads_);
+    }
+    [[noreturn]] void timed_out(int tag) const {
+        const error e(errc::timeout, rank(), "recv_any",
+                      detail::concat("timed out after ", params_.timeout.count(),
+                                     " ms waiting for a message with tag ", tag,
+                                     " from any replica (group of ", nodes_ * threads_, ")"));
+        if (params_.on_failure == mpi_failure_action::abort) {
+            std::fprintf(stderr, "lockstep: hierarchical replica %d aborting: %s\n", rank(),
+                         e.what());
+            std::fflush(stderr);
+            from_.front().abort();
+        }
+        throw e;
+    }
+
+    int threads_ = 1;
+    int local_ = 0;
+    int node_ = 0;
+    int nodes_ = 1;
+    int next_ = 0; // the mailbox recv_any probes first
+    mpi_communicator_params params_;
+    std::vector<mpi_communicator> to_;   // to_[b]: mailbox [local][b]
+    std::vector<mpi_communicator> from_; // from_[a]: mailbox [a][local]
+};
+
 /// Every process of an MPI communicator runs `threads` replicas as threads; together they form
 /// one group of size() = processes x threads replicas, with global rank = process rank x
 /// threads + thread index. Each replica gets a hierarchical_communicator whose intra-node part
@@ -41,12 +173,17 @@ struct hierarchical_group_params {
 ///
 /// The threads of a process call MPI at the same time, each on its own communicator, so MPI
 /// must provide MPI_THREAD_MULTIPLE (the constructor throws errc::unsupported otherwise).
+///
+/// The communicators have point-to-point messages between any two replicas (send, recv,
+/// recv_any; see hierarchical_group_routes), so the asynchronous trainers run over them.
 class hierarchical_group {
 public:
-    using communicator_type = hierarchical_communicator<thread_communicator, mpi_communicator>;
+    using communicator_type =
+        hierarchical_communicator<thread_communicator, mpi_communicator, hierarchical_group_routes>;
     using params = hierarchical_group_params;
 
-    /// Collective over comm: makes one duplicate of comm per thread index.
+    /// Collective over comm: makes one duplicate of comm per thread index and threads x threads
+    /// more for the point-to-point mailboxes.
     /// requires: MPI initialised with MPI_THREAD_MULTIPLE; threads >= 1 and equal in every
     /// process (the first run() checks it).
     hierarchical_group(MPI_Comm comm, int threads, params p = {})
@@ -61,6 +198,9 @@ public:
         inter_.reserve(static_cast<std::size_t>(threads));
         for (int l = 0; l < threads; ++l)
             inter_.emplace_back(comm, p.mpi);
+        mailboxes_.reserve(static_cast<std::size_t>(threads) * static_cast<std::size_t>(threads));
+        for (int k = 0; k < threads * threads; ++k)
+            mailboxes_.emplace_back(comm, p.mpi);
     }
 
     /// Replicas per process.
@@ -85,7 +225,9 @@ private:
     void replica_main(F& f, thread_communicator& intra) {
         const auto l = static_cast<std::size_t>(intra.rank());
         try {
-            communicator_type comm(std::move(intra), std::move(inter_[l]));
+            communicator_type comm(
+                std::move(intra), std::move(inter_[l]),
+                hierarchical_group_routes(mailboxes_, static_cast<int>(l), params_.mpi));
             std::invoke(f, comm);
             inter_[l] = std::move(comm.inter());
         } catch (const std::exception& e) {
@@ -114,6 +256,13 @@ private:
     thread_group threads_;
     params params_;
     std::vector<mpi_communicator> inter_;
+    std::vector<mpi_communicator> mailboxes_; // [a * threads + b]: local rank a to b
 };
+
+static_assert(point_to_point_communicator<hierarchical_group::communicator_type>,
+              "hierarchical_group's communicators must have point-to-point messages.");
+static_assert(
+    !point_to_point_communicator<hierarchical_communicator<thread_communicator, mpi_communicator>>,
+    "a hierarchical_communicator without routes must not claim point-to-point.");
 
 } // namespace lockstep

@@ -347,8 +347,9 @@ public:
     /// the result goes through a temporary, since MPI_IN_PLACE means another layout).
     /// requires: counts has size() entries summing to send.size(), equal on every replica
     /// (verified through a hash of the counts in the signature); recv.size() == counts[rank()];
-    /// recv this replica's slice of send or disjoint from it; send.size() <= INT_MAX (else
-    /// errc::unsupported); spans non-null unless empty.
+    /// recv this replica's slice of send or disjoint from it (an empty recv may point anywhere,
+    /// into send too); send.size() <= INT_MAX (else errc::unsupported); spans non-null unless
+    /// empty.
     template <class T>
     void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
                         std::span<const std::size_t> counts, reduce_op op) {
@@ -361,8 +362,9 @@ public:
         const bool shaped = bad.empty() && counts.size() == static_cast<std::size_t>(size_) &&
                             !layout.overflow && layout.total == send.size() &&
                             recv.size() == layout.mine;
+        // An empty recv holds no element, so it overlaps nothing (it may point into send).
         const bool in_place = shaped && !recv.empty() && recv.data() == send.data() + layout.offset;
-        const bool ok = shaped && (in_place || disjoint(send, recv));
+        const bool ok = shaped && (in_place || recv.empty() || disjoint(send, recv));
         const bool fits = send.size() <= std::size_t(std::numeric_limits<int>::max());
         begin(detail::mpi_collective::reduce_scatter, send.size(), detail::mpi_type<T>::id, 0, op,
               ok && fits, bad.empty() ? counts : std::span<const std::size_t>());
@@ -377,7 +379,10 @@ public:
                          " exceeds MPI's int count (", std::numeric_limits<int>::max(),
                          "); reduce-scatter it in pieces");
         std::vector<T> staged(in_place ? recv.size() : 0);
-        T* out = in_place ? staged.data() : recv.data();
+        // MPI refuses a receive buffer that aliases the send buffer even for zero elements: an
+        // empty recv is handed over as a distinct (never written) address.
+        T unused{};
+        T* out = in_place ? staged.data() : recv.empty() ? &unused : recv.data();
         MPI_Request req = MPI_REQUEST_NULL;
         if (layout.equal) {
             call(MPI_Ireduce_scatter_block(send.data(), out, static_cast<int>(layout.mine),
@@ -467,6 +472,46 @@ public:
         return receive(data, MPI_ANY_SOURCE, tag, "recv_any");
     }
 
+    /// probe's source for "from any replica".
+    static constexpr int any_source = MPI_ANY_SOURCE;
+
+    /// Whether a message with tag from replica source (or any replica: any_source) has arrived;
+    /// returns its sender's rank, or nothing. Does not wait and does not receive: the next recv
+    /// from that sender with that tag gets the probed message (MPI's non-overtaking order), as
+    /// long as no other thread receives on this communicator meanwhile.
+    /// requires: source == any_source or 0 <= source < size(), 0 <= tag <= MPI_TAG_UB. A failing
+    /// MPI_Iprobe breaks the communicator (errc::mpi, params::on_failure).
+    std::optional<int> probe(int source, int tag) {
+        check_peer(source == any_source ? 0 : source, tag, std::span<const int>(), "probe");
+        int flag = 0;
+        MPI_Status st;
+        call_p2p(MPI_Iprobe(source, tag, comm_, &flag, &st), "probe", "MPI_Iprobe", source, tag);
+        if (flag == 0)
+            return std::nullopt;
+        return st.MPI_SOURCE;
+    }
+
+    /// A second handle on the same MPI communicator for point-to-point messages (send, recv,
+    /// recv_any, probe) from another thread: messages sent on either handle match receives on
+    /// the other and on the peers' handles. It does not own the MPI communicator and has no
+    /// census channel (its timeouts name the missing peer without asking where it is).
+    /// requires: MPI_THREAD_MULTIPLE when the handles are used by different threads at once;
+    /// the MPI communicator lives (this handle, or the one it moved into, is not destroyed)
+    /// while the view is used; collectives stay on this handle (the view keeps its own
+    /// sequence numbers, so collectives on both would not match).
+    mpi_communicator message_view() const {
+        require_usable("message_view");
+        mpi_communicator v;
+        v.comm_ = comm_;
+        v.owns_ = false;
+        v.params_ = params_;
+        v.rank_ = rank_;
+        v.size_ = size_;
+        v.node_ranks_ = node_ranks_;
+        v.tag_ub_ = tag_ub_;
+        return v;
+    }
+
     /// Ends every process of the job (MPI_Abort on MPI_COMM_WORLD, since peers outside this
     /// sub-group may wait for this process too). Use when this replica cannot continue.
     [[noreturn]] void abort(int code = 1) const noexcept {
@@ -481,6 +526,9 @@ public:
     }
 
 private:
+    // An empty handle (message_view fills it in).
+    mpi_communicator() = default;
+
     // Adopts an MPI communicator made by split (already a fresh communicator: no dup).
     mpi_communicator(MPI_Comm adopted, params p, int node_ranks)
         : comm_(adopted), params_(p), node_ranks_(node_ranks) {
@@ -509,6 +557,7 @@ private:
 
     void take(mpi_communicator& o) noexcept {
         comm_ = std::exchange(o.comm_, MPI_COMM_NULL);
+        owns_ = o.owns_;
         control_.take(o.control_);
         params_ = o.params_;
         rank_ = o.rank_;
@@ -521,8 +570,10 @@ private:
     }
     void release() noexcept {
         control_.adopt(MPI_COMM_NULL);
-        if (comm_ == MPI_COMM_NULL)
+        if (comm_ == MPI_COMM_NULL || !owns_) {
+            comm_ = MPI_COMM_NULL;
             return;
+        }
         int finalized = 0;
         MPI_Finalized(&finalized);
         if (!finalized)
@@ -729,6 +780,7 @@ private:
     }
 
     MPI_Comm comm_ = MPI_COMM_NULL;
+    bool owns_ = true; // false for a message_view
     detail::mpi_control control_;
     params params_{};
     int rank_ = -1;

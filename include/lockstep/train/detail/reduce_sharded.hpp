@@ -223,11 +223,9 @@ public:
         const std::size_t lo = std::max(b.offset, mine.offset);
         const std::span<const std::size_t> counts(counts_[k]);
         const std::size_t n = counts[static_cast<std::size_t>(c.rank())];
-        // An empty part is passed as a null span: an empty span pointing into send would alias
-        // it for MPI (MPI_Ireduce_scatter refuses aliased buffers).
-        c.reduce_scatter(std::span<const T>(piece),
-                         n == 0 ? std::span<T>() : piece.subspan(lo - b.offset, n), counts,
-                         reduce_op::sum);
+        // A shard outside this bucket gets an empty part (its start clamped into the piece).
+        const std::size_t at = std::min(lo - b.offset, piece.size());
+        c.reduce_scatter(std::span<const T>(piece), piece.subspan(at, n), counts, reduce_op::sum);
     }
 
     /// The update (on this replica's shard), then the all_gather of every shard.
