@@ -20,6 +20,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 using lockstep::hierarchical_group;
@@ -62,6 +63,17 @@ std::optional<lockstep::errc> code_of(F&& f) {
         return e.code();
     }
     return std::nullopt;
+}
+
+// The code and message of the lockstep::error f throws ("" when none).
+template <class F>
+std::pair<std::optional<lockstep::errc>, std::string> error_of(F&& f) {
+    try {
+        f();
+    } catch (const lockstep::error& e) {
+        return {e.code(), e.what()};
+    }
+    return {std::nullopt, ""};
 }
 
 } // namespace
@@ -126,9 +138,12 @@ TEST_CASE("hierarchical_group point-to-point: every pair, in order, recv_any, wr
             comm.send(std::span<const int>(three), 0, 10);
         } else if (me == 0) {
             std::vector<int> four(4), three(3);
-            expect(code_of([&] { comm.recv(std::span<int>(four), n - 1, 10); }) ==
-                       lockstep::errc::count_mismatch,
-                   "recv of a wrongly sized message");
+            const auto [code, what] = error_of([&] { comm.recv(std::span<int>(four), n - 1, 10); });
+            expect(code == lockstep::errc::count_mismatch, "recv of a wrongly sized message");
+            // Named in group ranks (the mailbox's own error names MPI processes).
+            expect(what.find("replica 0: recv: with replica " + std::to_string(n - 1)) !=
+                       std::string::npos,
+                   "the recv error names both replicas: " + what);
             expect(code_of([&] { comm.recv_any(std::span<int>(four), 10); }) ==
                        lockstep::errc::count_mismatch,
                    "recv_any of a wrongly sized message");

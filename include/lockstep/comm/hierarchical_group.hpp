@@ -68,14 +68,18 @@ public:
     template <class T>
     void send(std::span<const T> data, int dest, int tag) {
         require_replica(dest, "send");
-        to_[static_cast<std::size_t>(dest % threads_)].send(data, dest / threads_, tag);
+        in_group_terms("send", dest, tag, [&] {
+            to_[static_cast<std::size_t>(dest % threads_)].send(data, dest / threads_, tag);
+        });
     }
     /// Receives the next message from replica source with tag (mailbox [source's local rank]
     /// [local]). ensures: the message held data.size() elements, else errc::count_mismatch.
     template <class T>
     void recv(std::span<T> data, int source, int tag) {
         require_replica(source, "recv");
-        from_[static_cast<std::size_t>(source % threads_)].recv(data, source / threads_, tag);
+        in_group_terms("recv", source, tag, [&] {
+            from_[static_cast<std::size_t>(source % threads_)].recv(data, source / threads_, tag);
+        });
     }
     /// Receives the next message with tag from any replica and returns its sender: polls the
     /// mailboxes of this replica's column in turn (a non-blocking probe each), then receives the
@@ -94,8 +98,9 @@ public:
                 auto& box = from_[static_cast<std::size_t>(a)];
                 if (const std::optional<int> node = box.probe(mpi_communicator::any_source, tag)) {
                     next_ = (a + 1) % threads_; // the other mailboxes first next time
-                    box.recv(data, *node, tag);
-                    return *node * threads_ + a;
+                    const int source = *node * threads_ + a;
+                    in_group_terms("recv_any", source, tag, [&] { box.recv(data, *node, tag); });
+                    return source;
                 }
             }
             if ((i & 15) != 15)
@@ -135,6 +140,20 @@ private:
     void require_replica(int r, const char* op) const {
         LOCKSTEP_REQUIRE(r >= 0 && r < nodes_ * threads_, errc::invalid_argument, rank(), op,
                          "replica ", r, " is not in this group of ", nodes_ * threads_);
+    }
+    // Runs a mailbox operation; its lockstep::error (which names MPI process ranks of the
+    // mailbox) is rethrown with this replica's group rank, the operation and the peer's group
+    // rank, keeping its code.
+    template <class F>
+    void in_group_terms(const char* op, int peer, int tag, F&& f) const {
+        try {
+            f();
+        } catch (const error& e) {
+            throw error(e.code(), rank(), op,
+                        detail::concat("with replica ", peer, " (process ", peer / threads_,
+                                       ", thread ", peer % threads_, "), tag ", tag, ": ",
+                                       e.what()));
+        }
     }
     [[noreturn]] void timed_out(int tag) const {
         const error e(errc::timeout, rank(), "recv_any",

@@ -88,7 +88,8 @@ constexpr bool check_compatible() {
                   "sync::asynchronous and sync::bounded_staleness need point-to-point messages "
                   "with receive-from-any-source (the parameter server answers whichever worker "
                   "pushes first); this communicator has none (NCCL has no any-source receive): "
-                  "run the asynchronous server over the thread_group or MPI communicator.");
+                  "run the asynchronous server over the thread_group, MPI or hierarchical_group "
+                  "communicator.");
     static_assert(!async || ReducePolicy::kind != reduce_kind::parameter_server,
                   "sync::asynchronous already is a parameter server (the server rank applies "
                   "each worker's gradient as it arrives); reduce::parameter_server<Root> is the "
