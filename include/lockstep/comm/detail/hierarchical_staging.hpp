@@ -7,6 +7,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/system/host_system.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
