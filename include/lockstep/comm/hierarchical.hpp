@@ -1,9 +1,10 @@
 // lockstep/comm/hierarchical.hpp: hierarchical_communicator, a communicator composed of a fast
-// intra-node one and an inter-node one (e.g. thread replicas inside each MPI process).
+// intra-node one and an inter-node one (threads or NCCL GPUs inside each MPI process).
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/detail/hierarchical_staging.hpp"
 #include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/error.hpp"
 
@@ -33,7 +34,17 @@ struct no_routes {};
 /// node 0's replicas. Every node has the same local_size(), and every replica of a node is at
 /// the same inter.rank() (the constructor checks both).
 ///
-/// Collectives (same contracts as the `communicator` concept; spans in host memory):
+/// The parts: two host-memory communicators of the same system (thread_communicator and
+/// mpi_communicator: hierarchical_group), or a device intra-node part over a host inter-node one
+/// (nccl_communicator and mpi_communicator: gpu_hierarchical_group). In the second, spans are
+/// device memory, system() is the replica's cuda_system, scratch is device memory on its stream,
+/// and every inter-node step goes through pinned host memory: an asynchronous copy to the host
+/// on the stream, a wait through the NCCL part's polling wait (its timeout and failure checks),
+/// the inter-node collective, an asynchronous copy back on the stream. synchronize(), wait()
+/// and abort() are forwarded to the NCCL part there.
+///
+/// Collectives (same contracts as the `communicator` concept; spans in the intra-node part's
+/// memory):
 /// - all_reduce: large messages (at least local_size() * sharded_from elements) are
 /// reduce-scattered
 ///   inside the node (each replica owns 1/local_size() of the elements), all_reduced across nodes
@@ -81,13 +92,10 @@ public:
     using inter_type = Inter;
     using routes_type = Routes;
     using system_type = typename Intra::system_type;
-    static_assert(std::is_same_v<system_type, typename Inter::system_type>,
-                  "hierarchical_communicator: the intra-node and inter-node communicators must "
-                  "use the same system (the inter-node one receives the intra-node one's "
-                  "buffers).");
-    static_assert(system_type::is_host,
-                  "hierarchical_communicator composes host-memory communicators (its staging "
-                  "buffers are host memory).");
+    static_assert(detail::hierarchical_systems_supported<system_type, typename Inter::system_type>,
+                  "hierarchical_communicator composes two host-memory communicators of the same "
+                  "system, or a device intra-node communicator (nccl_communicator) with a "
+                  "host inter-node one (mpi_communicator); other pairs are not supported.");
 
     /// Large all_reduces (per replica: at least local_size() * this many elements) go through
     /// reduce-scatter / all_gather inside the node.
@@ -111,7 +119,10 @@ private:
         // {L, -L, node, -node, nodes, -nodes}: max over both parts gives min and max at once.
         int shape[6] = {intra_.size(),  -intra_.size(), inter_.rank(),
                         -inter_.rank(), inter_.size(),  -inter_.size()};
-        intra_.all_reduce(std::span<const int>(shape), std::span<int>(shape), reduce_op::max);
+        stage_.on_host(intra_, std::span<const int>(shape), std::span<int>(shape),
+                       [&](std::span<const int> in, std::span<int> out) {
+                           intra_.all_reduce(in, out, reduce_op::max);
+                       });
         const bool node_agrees = shape[2] == -shape[3] && shape[4] == -shape[5];
         int sizes[2] = {intra_.size(), -intra_.size()};
         inter_.all_reduce(std::span<const int>(sizes), std::span<int>(sizes), reduce_op::max);
@@ -156,7 +167,9 @@ public:
             return;
         }
         intra_.all_reduce(send, recv, op);
-        inter_.all_reduce(std::span<const T>(recv), recv, op);
+        stage_.inter(
+            intra_, std::span<const T>(recv), recv,
+            [&](std::span<const T> in, std::span<T> out) { inter_.all_reduce(in, out, op); });
     }
 
     /// data on every replica becomes root's data. requires: 0 <= root < size(), equal counts.
@@ -166,7 +179,9 @@ public:
         const int L = intra_.size();
         if (inter_.rank() == root / L)
             intra_.broadcast(data, root % L);
-        inter_.broadcast(data, root / L);
+        stage_.inter(
+            intra_, std::span<const T>(data), data,
+            [&](std::span<const T>, std::span<T> out) { inter_.broadcast(out, root / L); });
     }
 
     /// recv = every replica's send in (global) rank order. requires: recv.size() == size() *
@@ -181,7 +196,8 @@ public:
         const std::span<T> mine =
             recv.subspan(static_cast<std::size_t>(inter_.rank()) * block, block);
         intra_.all_gather(send, mine);
-        inter_.all_gather(std::span<const T>(mine), recv);
+        stage_.inter(intra_, std::span<const T>(mine), recv,
+                     [&](std::span<const T> in, std::span<T> out) { inter_.all_gather(in, out); });
     }
 
     /// As all_reduce, but only root's recv is written. requires: 0 <= root < size(), equal
@@ -202,7 +218,9 @@ public:
                          "hierarchical_communicator.reduce", "root's recv has ", recv.size(),
                          " elements, send ", send.size());
         intra_.reduce(send, partial, op, local_root);
-        inter_.reduce(std::span<const T>(partial), partial, op, root / L);
+        stage_.inter(
+            intra_, std::span<const T>(partial), partial,
+            [&](std::span<const T> in, std::span<T> out) { inter_.reduce(in, out, op, root / L); });
     }
 
     /// Block r of recv = block rank() of replica r's send (blocks of b = send.size() / size()
@@ -221,25 +239,23 @@ public:
                          rank(), "hierarchical_communicator.all_to_all", "send has ", send.size(),
                          " elements, recv ", recv.size(), ", for ", n, " replicas");
         const std::size_t b = send.size() / n;
-        const std::size_t bytes = b * sizeof(T);
         // Step 1 order: by destination local rank l', then destination node n'.
         const std::span<T> by_local = scratch<T>(0, send.size());
         const std::span<T> got = scratch<T>(1, send.size());
         for (std::size_t dl = 0; dl < L; ++dl)
             for (std::size_t dn = 0; dn < N; ++dn)
-                if (bytes != 0)
-                    std::memcpy(by_local.data() + (dl * N + dn) * b,
-                                send.data() + (dn * L + dl) * b, bytes);
+                copy_block(by_local.subspan((dl * N + dn) * b, b),
+                           send.subspan((dn * L + dl) * b, b));
         // got[l][n'] = the block of local replica l for (n', my local rank).
         intra_.all_to_all(std::span<const T>(by_local), got);
         // Step 2 order: by destination node n', then source local rank l.
         for (std::size_t dn = 0; dn < N; ++dn)
             for (std::size_t l = 0; l < L; ++l)
-                if (bytes != 0)
-                    std::memcpy(by_local.data() + (dn * L + l) * b, got.data() + (l * N + dn) * b,
-                                bytes);
+                copy_block(by_local.subspan((dn * L + l) * b, b),
+                           std::span<const T>(got).subspan((l * N + dn) * b, b));
         // recv[n][l] = the block of replica n * L + l for this replica: global rank order.
-        inter_.all_to_all(std::span<const T>(by_local), recv);
+        stage_.inter(intra_, std::span<const T>(by_local), recv,
+                     [&](std::span<const T> in, std::span<T> out) { inter_.all_to_all(in, out); });
     }
 
     /// Sends data to replica dest with tag through the routes (returns once data may be
@@ -279,6 +295,18 @@ public:
     /// This replica's routes (for messages on the whole, unsplit group). Only with routes.
     Routes& routes() noexcept requires has_routes { return routes_; }
 
+    /// Device intra-node part only (nccl_communicator): waits until this replica's stream is
+    /// idle, or until `event` has completed, through the intra-node part (which polls for
+    /// failures and its timeout); abort() aborts the intra-node part, so this node's replicas
+    /// fail instead of waiting (other nodes learn of it through the inter-node part).
+    void synchronize() requires(!system_type::is_host) { intra_.synchronize(); }
+    template <class Event>
+    void wait(Event event, const char* what) requires(!system_type::is_host) {
+        intra_.wait(event, what);
+    }
+    void abort() noexcept requires(!system_type::is_host) { intra_.abort(); }
+    bool aborted() const noexcept requires(!system_type::is_host) { return intra_.aborted(); }
+
     /// Returns once every replica has entered it.
     void barrier() {
         intra_.barrier();
@@ -313,8 +341,7 @@ public:
         for (int l = 0; l < L; ++l)
             for (int n = 0; n < N; ++n) {
                 const auto r = static_cast<std::size_t>(n * L + l);
-                if (counts[r] != 0)
-                    std::memcpy(packed.data() + at, send.data() + offset[r], counts[r] * sizeof(T));
+                copy_block(packed.subspan(at, counts[r]), send.subspan(offset[r], counts[r]));
                 at += counts[r];
                 local_counts[static_cast<std::size_t>(l)] += counts[r];
             }
@@ -326,8 +353,10 @@ public:
         for (int n = 0; n < N; ++n)
             node_counts[static_cast<std::size_t>(n)] =
                 counts[static_cast<std::size_t>(n * L + intra_.rank())];
-        inter_.reduce_scatter(std::span<const T>(mine), recv,
-                              std::span<const std::size_t>(node_counts), op);
+        stage_.inter(
+            intra_, std::span<const T>(mine), recv, [&](std::span<const T> in, std::span<T> out) {
+                inter_.reduce_scatter(in, out, std::span<const std::size_t>(node_counts), op);
+            });
     }
 
     /// The equal-count form: every replica receives recv.size() elements.
@@ -347,7 +376,8 @@ public:
         const int L = intra_.size();
         std::vector<int> all(2 * static_cast<std::size_t>(n));
         const int mine[2] = {color, key};
-        all_gather(std::span<const int>(mine), std::span<int>(all));
+        stage_.on_host(intra_, std::span<const int>(mine), std::span<int>(all),
+                       [&](std::span<const int> in, std::span<int> out) { all_gather(in, out); });
         // Members of my color, in the new order (key, rank).
         std::vector<int> members;
         for (int r = 0; r < n; ++r)
@@ -377,19 +407,18 @@ public:
         }
         // Every replica learns whether every group fits, so all of them throw or none does.
         int ok[1] = {fits ? 1 : 0};
-        all_reduce(std::span<const int>(ok), std::span<int>(ok), reduce_op::min);
+        stage_.on_host(intra_, std::span<const int>(ok), std::span<int>(ok),
+                       [&](std::span<const int> in, std::span<int> out) {
+                           all_reduce(in, out, reduce_op::min);
+                       });
         if (ok[0] == 0) {
             fail(errc::unsupported, rank(), "hierarchical_communicator.split",
                  fits ? "another replica's color" : "color " + std::to_string(color),
                  " does not form a group of the same local ranks on each of its nodes in "
                  "node-major (key, rank) order; a hierarchical communicator cannot represent it");
         }
-        // Inside the node: the members with my color, in their new order.
-        const auto position =
-            static_cast<int>(std::find(members.begin(), members.end(), rank()) - members.begin());
-        Intra intra = intra_.split(color, position);
-        // Across nodes: the replicas at my local rank with my color, by node. Colors are made
-        // non-negative (an MPI split needs that): their index among the distinct colors.
+        // Colors are made non-negative (MPI and NCCL splits need that): their index among the
+        // distinct colors.
         std::vector<int> colors;
         for (int r = 0; r < n; ++r)
             colors.push_back(all[2 * static_cast<std::size_t>(r)]);
@@ -397,6 +426,11 @@ public:
         colors.erase(std::unique(colors.begin(), colors.end()), colors.end());
         const auto index = static_cast<int>(std::lower_bound(colors.begin(), colors.end(), color) -
                                             colors.begin());
+        // Inside the node: the members with my color, in their new order.
+        const auto position =
+            static_cast<int>(std::find(members.begin(), members.end(), rank()) - members.begin());
+        Intra intra = intra_.split(index, position);
+        // Across nodes: the replicas at my local rank with my color, by node.
         const auto block = static_cast<int>(
             std::find(block_nodes.begin(), block_nodes.end(), inter_.rank()) - block_nodes.begin());
         Inter inter = inter_.split(index, block);
@@ -425,15 +459,17 @@ private:
                          root, " is not in [0, ", size(), ")");
     }
 
-    /// Staging slot `slot` (0 or 1) with room for n elements of T (kept between calls).
+    /// Scratch slot `slot` (0 or 1) in the intra-node memory with room for n elements of T
+    /// (kept between calls).
     template <class T>
     std::span<T> scratch(int slot, std::size_t n) {
-        std::vector<std::uint64_t>& s = slot == 0 ? scratch0_ : scratch1_;
-        const std::size_t words =
-            (n * sizeof(T) + sizeof(std::uint64_t) - 1) / sizeof(std::uint64_t);
-        if (s.size() < words)
-            s.resize(words);
-        return std::span<T>(reinterpret_cast<T*>(s.data()), n);
+        return stage_.template scratch<T>(intra_, slot, n);
+    }
+
+    /// dst = src in the intra-node memory. requires: equal sizes, no overlap.
+    template <class T>
+    void copy_block(std::span<T> dst, std::span<const T> src) {
+        stage_.copy(intra_, dst, src);
     }
 
     /// Large all_reduce: reduce-scatter inside the node into equal shards (the last one
@@ -453,12 +489,14 @@ private:
         const std::span<T> own = scratch<T>(1, shard);
         intra_.reduce_scatter(send, own.first(counts[me]), std::span<const std::size_t>(counts),
                               op);
-        inter_.all_reduce(std::span<const T>(own.first(counts[me])), own.first(counts[me]), op);
+        stage_.inter(
+            intra_, std::span<const T>(own.first(counts[me])), own.first(counts[me]),
+            [&](std::span<const T> in, std::span<T> out) { inter_.all_reduce(in, out, op); });
         if (exact) {
             intra_.all_gather(std::span<const T>(own), recv);
         } else {
             intra_.all_gather(std::span<const T>(own), gathered);
-            std::memcpy(recv.data(), gathered.data(), n * sizeof(T));
+            copy_block(recv, std::span<const T>(gathered.first(n)));
         }
     }
 
@@ -466,11 +504,9 @@ private:
     Inter inter_;
     [[no_unique_address]] Routes routes_;
     std::vector<int> members_;
-    // Staging (8-byte words: aligned for every element type the communicators carry). Two
-    // members: nvcc 13.0's front end crashed (internal error) on `std::vector<std::max_align_t>
-    // scratch_[2]`.
-    std::vector<std::uint64_t> scratch0_;
-    std::vector<std::uint64_t> scratch1_;
+    // Scratch and the inter-node calls' staging; destroyed before the parts (device scratch is
+    // freed on the intra-node part's stream).
+    detail::hierarchical_staging<system_type, typename Inter::system_type> stage_;
 };
 
 /// Facts for trainers: collectives run on the compute cores when the intra-node ones do.
@@ -481,3 +517,6 @@ struct communicator_traits<hierarchical_communicator<Intra, Inter, Routes>> {
 };
 
 } // namespace lockstep
+
+// Its comm_stream where the intra-node part is a device communicator.
+#include "lockstep/comm/detail/hierarchical_stream.hpp"

@@ -1,0 +1,174 @@
+// lockstep/comm/gpu_hierarchical_group.hpp: gpu_hierarchical_group, GPU replicas (NCCL) inside
+// every MPI process composed into one hierarchical_communicator. SPDX-License-Identifier:
+// Apache-2.0
+#pragma once
+
+#include "lockstep/core/config.hpp"
+#include "lockstep/core/error.hpp"
+
+// NCCL needs nvcc and the inter-node part needs MPI; elsewhere this header declares nothing.
+#if LOCKSTEP_HAS_NCCL && LOCKSTEP_HAS_MPI
+
+#include "lockstep/comm/gpu_group.hpp"
+#include "lockstep/comm/hierarchical.hpp"
+#include "lockstep/comm/mpi_communicator.hpp"
+#include "lockstep/comm/nccl_communicator.hpp"
+#include "lockstep/system/cuda_system.hpp"
+
+#include <mpi.h>
+
+#include <concepts>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <functional>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace lockstep {
+
+/// Runtime options of gpu_hierarchical_group.
+struct gpu_hierarchical_group_params {
+    gpu_group_params gpus = {};       ///< the process's GPU replicas (timeout, adopted streams)
+    mpi_communicator_params mpi = {}; ///< each local device index's inter-process communicator
+    /// A replica whose function throws (or that fails in a collective) ends the whole job with
+    /// MPI_Abort after printing the error, so no process is left waiting for it (true), or
+    /// run() rethrows it in this process only (false: the other processes find out when their
+    /// MPI operations time out).
+    bool abort_on_failure = true;
+};
+
+/// Every process of an MPI communicator drives its GPUs as threads (a gpu_group, NCCL inside
+/// the process); together they form one group of size() = processes x devices replicas, with
+/// global rank = process rank x devices + device index. Each replica gets a
+/// hierarchical_communicator<nccl_communicator, mpi_communicator>: the intra-node part is the
+/// process's NCCL clique, the inter-node part an mpi_communicator (a duplicate of comm) over
+/// the replicas of the same device index in every process. Spans passed to its collectives
+/// are device memory; the inter-node steps go through pinned host memory (see
+/// hierarchical_communicator):
+///
+///     lockstep::mpi_environment env(argc, argv, {.requested = MPI_THREAD_MULTIPLE,
+///                                                .required = MPI_THREAD_MULTIPLE});
+///     lockstep::gpu_hierarchical_group group(MPI_COMM_WORLD); // every visible GPU
+///     group.run([&](lockstep::gpu_hierarchical_group::communicator_type& comm) { ... });
+///
+/// Requirements: MPI_THREAD_MULTIPLE (the replica threads of a process call MPI at the same
+/// time, each on its own communicator; the constructor throws errc::unsupported otherwise);
+/// the same number of devices in every process (checked by the constructor on every process);
+/// one process per node, or devices chosen so that processes on one node do not share a GPU.
+class gpu_hierarchical_group {
+public:
+    using communicator_type = hierarchical_communicator<nccl_communicator, mpi_communicator>;
+    using params = gpu_hierarchical_group_params;
+
+    /// Every visible CUDA device of this process. Collective over comm.
+    /// requires: as gpu_hierarchical_group(comm, devices, p), with cuda_device_count() >= 1.
+    explicit gpu_hierarchical_group(MPI_Comm comm, params p = {})
+        : gpu_hierarchical_group(comm, visible_devices(), std::move(p)) {}
+
+    /// Replica i of this process on devices[i]. Collective over comm: checks that every
+    /// process gives the same number of devices (else every process throws
+    /// errc::invalid_argument naming the counts), then makes one duplicate of comm per device
+    /// index. requires: MPI initialised with MPI_THREAD_MULTIPLE; devices as for gpu_group.
+    gpu_hierarchical_group(MPI_Comm comm, std::vector<int> devices, params p = {})
+        : gpus_(std::move(devices), p.gpus), params_(std::move(p)) {
+        int level = MPI_THREAD_SINGLE;
+        LOCKSTEP_MPI_CHECK(MPI_Query_thread(&level));
+        LOCKSTEP_REQUIRE(level == MPI_THREAD_MULTIPLE, errc::unsupported, -1,
+                         "gpu_hierarchical_group", "MPI provides thread level ", level,
+                         ", this needs MPI_THREAD_MULTIPLE (", MPI_THREAD_MULTIPLE,
+                         "): initialise MPI with mpi_environment(argc, argv, "
+                         "{.requested = MPI_THREAD_MULTIPLE, .required = MPI_THREAD_MULTIPLE})");
+        // Equal device counts before the duplicates: unequal counts would mismatch MPI_Comm_dup.
+        const int mine = gpus_.size();
+        int range[2] = {mine, -mine};
+        LOCKSTEP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_INT, MPI_MAX, comm));
+        int process = -1;
+        LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &process));
+        LOCKSTEP_REQUIRE(range[0] == -range[1], errc::invalid_argument, process,
+                         "gpu_hierarchical_group",
+                         "the processes drive different numbers of "
+                         "devices (",
+                         -range[1], " to ", range[0], "; this one ", mine,
+                         "): every process needs the same number");
+        inter_.reserve(static_cast<std::size_t>(mine));
+        for (int l = 0; l < mine; ++l)
+            inter_.emplace_back(comm, params_.mpi);
+    }
+
+    /// Replicas (devices) per process.
+    int local_size() const noexcept { return gpus_.size(); }
+    /// Processes.
+    int processes() const noexcept { return inter_.empty() ? 0 : inter_.front().size(); }
+    /// This process's devices, replica i on devices()[i].
+    std::span<const int> devices() const noexcept { return gpus_.devices(); }
+
+    /// Calls f(comm) on local_size() new threads of this process, each with its device current
+    /// and its replica's communicator, and joins them (gpu_group::run underneath). Every
+    /// process calls run() at the same point. ensures: returns when every replica of this
+    /// process has returned; a failure of any replica ends the job (params::abort_on_failure)
+    /// or is rethrown here (gpu_group's root cause).
+    template <class F>
+    requires std::invocable<F&, communicator_type&>
+    void run(F&& f) {
+        gpus_.run([&](nccl_communicator& intra) { replica_main(f, intra); });
+    }
+
+private:
+    // One replica: its communicator from this thread's NCCL communicator and its device index's
+    // MPI communicator, which returns to the group for the next run(). On a failure the NCCL
+    // part is aborted here (gpu_group aborts only the moved-from handle it still holds), so
+    // this process's other replicas get errc::peer_failure instead of waiting.
+    template <class F>
+    void replica_main(F& f, nccl_communicator& intra) {
+        const auto l = static_cast<std::size_t>(intra.rank());
+        std::optional<communicator_type> comm;
+        try {
+            comm.emplace(std::move(intra), std::move(inter_[l]));
+            std::invoke(f, *comm);
+            inter_[l] = std::move(comm->inter());
+        } catch (const std::exception& e) {
+            if (comm)
+                comm->abort();
+            if (params_.abort_on_failure && !echoes_peer(e))
+                abort_job(e, static_cast<int>(l));
+            throw;
+        }
+    }
+
+    // A peer_failure only echoes another replica's failure: that replica aborts the job with
+    // the root cause, so this one just leaves.
+    static bool echoes_peer(const std::exception& e) {
+        const auto* le = dynamic_cast<const lockstep::error*>(&e);
+        return le != nullptr && le->code() == errc::peer_failure;
+    }
+    [[noreturn]] static void abort_job(const std::exception& e, int device_index) {
+        int rank = -1;
+        MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+        std::fprintf(stderr,
+                     "lockstep: gpu_hierarchical_group process %d replica %d aborting: %s\n", rank,
+                     device_index, e.what());
+        std::fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+        std::abort();
+    }
+
+    static std::vector<int> visible_devices() {
+        const int n = cuda_device_count();
+        LOCKSTEP_REQUIRE(n > 0, errc::cuda, -1, "gpu_hierarchical_group",
+                         "no CUDA device is visible");
+        std::vector<int> devices(static_cast<std::size_t>(n));
+        for (int i = 0; i < n; ++i)
+            devices[static_cast<std::size_t>(i)] = i;
+        return devices;
+    }
+
+    gpu_group gpus_;
+    params params_;
+    std::vector<mpi_communicator> inter_;
+};
+
+} // namespace lockstep
+
+#endif // LOCKSTEP_HAS_NCCL && LOCKSTEP_HAS_MPI
