@@ -65,44 +65,24 @@ public:
     /// Every visible CUDA device of this process. Collective over comm.
     /// requires: as gpu_hierarchical_group(comm, devices, p), with cuda_device_count() >= 1.
     explicit gpu_hierarchical_group(MPI_Comm comm, params p = {})
-        : gpu_hierarchical_group(comm, visible_devices(), std::move(p)) {}
+        : gpu_hierarchical_group(comm, std::nullopt, std::move(p)) {}
 
-    /// Replica i of this process on devices[i]. Collective over comm: checks that every
-    /// process gives the same number of devices (else every process throws
-    /// errc::invalid_argument naming the counts), then makes one duplicate of comm per device
-    /// index. requires: MPI initialised with MPI_THREAD_MULTIPLE; devices as for gpu_group.
+    /// Replica i of this process on devices[i]. Collective over comm: every process sets up
+    /// its devices, then the processes agree: when any process failed (no device, a bad device
+    /// list, MPI without MPI_THREAD_MULTIPLE) or the processes give different numbers of
+    /// devices, every process throws (its own error, else errc::peer_failure or
+    /// errc::invalid_argument naming the counts), so none is left waiting; then it makes one
+    /// duplicate of comm per device index. requires: MPI initialised with
+    /// MPI_THREAD_MULTIPLE; devices as for gpu_group.
     gpu_hierarchical_group(MPI_Comm comm, std::vector<int> devices, params p = {})
-        : gpus_(std::move(devices), p.gpus), params_(std::move(p)) {
-        int level = MPI_THREAD_SINGLE;
-        LOCKSTEP_MPI_CHECK(MPI_Query_thread(&level));
-        LOCKSTEP_REQUIRE(level == MPI_THREAD_MULTIPLE, errc::unsupported, -1,
-                         "gpu_hierarchical_group", "MPI provides thread level ", level,
-                         ", this needs MPI_THREAD_MULTIPLE (", MPI_THREAD_MULTIPLE,
-                         "): initialise MPI with mpi_environment(argc, argv, "
-                         "{.requested = MPI_THREAD_MULTIPLE, .required = MPI_THREAD_MULTIPLE})");
-        // Equal device counts before the duplicates: unequal counts would mismatch MPI_Comm_dup.
-        const int mine = gpus_.size();
-        int range[2] = {mine, -mine};
-        LOCKSTEP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_INT, MPI_MAX, comm));
-        int process = -1;
-        LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &process));
-        LOCKSTEP_REQUIRE(range[0] == -range[1], errc::invalid_argument, process,
-                         "gpu_hierarchical_group",
-                         "the processes drive different numbers of "
-                         "devices (",
-                         -range[1], " to ", range[0], "; this one ", mine,
-                         "): every process needs the same number");
-        inter_.reserve(static_cast<std::size_t>(mine));
-        for (int l = 0; l < mine; ++l)
-            inter_.emplace_back(comm, params_.mpi);
-    }
-
+        : gpu_hierarchical_group(comm, std::optional<std::vector<int>>(std::move(devices)),
+                                 std::move(p)) {}
     /// Replicas (devices) per process.
-    int local_size() const noexcept { return gpus_.size(); }
+    int local_size() const noexcept { return gpus_->size(); }
     /// Processes.
     int processes() const noexcept { return inter_.empty() ? 0 : inter_.front().size(); }
     /// This process's devices, replica i on devices()[i].
-    std::span<const int> devices() const noexcept { return gpus_.devices(); }
+    std::span<const int> devices() const noexcept { return gpus_->devices(); }
 
     /// Calls f(comm) on local_size() new threads of this process, each with its device current
     /// and its replica's communicator, and joins them (gpu_group::run underneath). Every
@@ -112,7 +92,7 @@ public:
     template <class F>
     requires std::invocable<F&, communicator_type&>
     void run(F&& f) {
-        gpus_.run([&](nccl_communicator& intra) { replica_main(f, intra); });
+        gpus_->run([&](nccl_communicator& intra) { replica_main(f, intra); });
     }
 
 private:
@@ -154,6 +134,44 @@ private:
         std::abort();
     }
 
+    // devices: the list given, or every visible device (nullopt).
+    gpu_hierarchical_group(MPI_Comm comm, std::optional<std::vector<int>> devices, params p)
+        : params_(std::move(p)) {
+        int process = -1;
+        LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &process));
+        std::exception_ptr failure;
+        try {
+            int level = MPI_THREAD_SINGLE;
+            LOCKSTEP_MPI_CHECK(MPI_Query_thread(&level));
+            LOCKSTEP_REQUIRE(level == MPI_THREAD_MULTIPLE, errc::unsupported, process,
+                             "gpu_hierarchical_group", "MPI provides thread level ", level,
+                             ", this needs MPI_THREAD_MULTIPLE (", MPI_THREAD_MULTIPLE,
+                             "): initialise MPI with mpi_environment(argc, argv, "
+                             "{.requested = MPI_THREAD_MULTIPLE, .required = "
+                             "MPI_THREAD_MULTIPLE})");
+            gpus_.emplace(devices ? std::move(*devices) : visible_devices(), params_.gpus);
+        } catch (...) {
+            failure = std::current_exception();
+        }
+        // {count, -count, failed}: MAX gives the range of counts and whether any process failed.
+        const int mine = gpus_ ? gpus_->size() : 0;
+        int agreed[3] = {mine, -mine, failure ? 1 : 0};
+        LOCKSTEP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, agreed, 3, MPI_INT, MPI_MAX, comm));
+        if (failure)
+            std::rethrow_exception(failure);
+        LOCKSTEP_REQUIRE(agreed[2] == 0, errc::peer_failure, process, "gpu_hierarchical_group",
+                         "another process could not set up its devices (it reports why)");
+        LOCKSTEP_REQUIRE(agreed[0] == -agreed[1], errc::invalid_argument, process,
+                         "gpu_hierarchical_group",
+                         "the processes drive different numbers of "
+                         "devices (",
+                         -agreed[1], " to ", agreed[0], "; this one ", mine,
+                         "): every process needs the same number");
+        inter_.reserve(static_cast<std::size_t>(mine));
+        for (int l = 0; l < mine; ++l)
+            inter_.emplace_back(comm, params_.mpi);
+    }
+
     static std::vector<int> visible_devices() {
         const int n = cuda_device_count();
         LOCKSTEP_REQUIRE(n > 0, errc::cuda, -1, "gpu_hierarchical_group",
@@ -164,7 +182,7 @@ private:
         return devices;
     }
 
-    gpu_group gpus_;
+    std::optional<gpu_group> gpus_; // engaged once the constructor succeeded
     params params_;
     std::vector<mpi_communicator> inter_;
 };
