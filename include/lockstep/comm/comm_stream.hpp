@@ -22,6 +22,100 @@
 
 namespace lockstep {
 
+namespace detail {
+
+/// Runs work items in submission order on one thread of its own: submit(item) queues it,
+/// join() waits until every queued item has run and rethrows the first failure (an item that
+/// throws makes the worker skip the items after it, until join() reports it). `start` runs
+/// first on the thread (e.g. to make a device current there).
+class ordered_worker {
+public:
+    explicit ordered_worker(std::function<void()> start = {}) {
+        worker_ = std::thread([this, s = std::move(start)] {
+            if (s) {
+                try {
+                    s();
+                } catch (...) {
+                    failure_ = std::current_exception(); // reported by the first join()
+                }
+            }
+            run();
+        });
+    }
+    ordered_worker(const ordered_worker&) = delete;
+    ordered_worker& operator=(const ordered_worker&) = delete;
+    /// Drains the queue and stops the thread.
+    ~ordered_worker() {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            stopping_ = true;
+        }
+        wake_.notify_all();
+        worker_.join();
+    }
+
+    /// Runs item() after the items submitted before it.
+    void submit(std::function<void()> item) {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            queue_.emplace_back(std::move(item));
+            ++submitted_;
+        }
+        wake_.notify_all();
+    }
+
+    /// Waits until every submitted item has run; rethrows the first failure (then clears it).
+    void join() {
+        std::exception_ptr e;
+        {
+            std::unique_lock<std::mutex> lock(mutex_);
+            done_.wait(lock, [&] { return completed_ == submitted_; });
+            e = std::exchange(failure_, nullptr);
+        }
+        if (e)
+            std::rethrow_exception(e);
+    }
+
+private:
+    void run() {
+        std::unique_lock<std::mutex> lock(mutex_);
+        for (;;) {
+            wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+            if (queue_.empty())
+                return;
+            std::function<void()> item = std::move(queue_.front());
+            queue_.pop_front();
+            const bool skip = failure_ != nullptr;
+            lock.unlock();
+            std::exception_ptr failed;
+            if (!skip) {
+                try {
+                    item();
+                } catch (...) {
+                    failed = std::current_exception();
+                }
+            }
+            lock.lock();
+            if (failed)
+                failure_ = failed;
+            ++completed_;
+            done_.notify_all();
+        }
+    }
+
+    std::thread worker_;
+    std::mutex mutex_;
+    std::condition_variable wake_;
+    std::condition_variable done_;
+    std::deque<std::function<void()>> queue_;
+    std::uint64_t submitted_ = 0;
+    std::uint64_t completed_ = 0;
+    bool stopping_ = false;
+    std::exception_ptr failure_; // guarded by mutex_
+};
+
+} // namespace detail
+
 /// A replica's communication stream: work items (collectives) submitted by the replica's compute
 /// run in submission order on their own communicator, `comm()`, a split of the replica's
 /// communicator (so its collectives never interleave with the collectives the compute side
@@ -34,9 +128,9 @@ namespace lockstep {
 ///   thread waits; on CUDA the compute stream waits on an event, the host does not).
 /// A failed item (an error of its collective) makes the stream skip the items after it and
 /// join() rethrow that error on the compute side.
-/// Host communicators run the items on one communication thread per replica, so the
-/// communicator must allow calls from two threads at once on different communicators (the
-/// thread group does; MPI needs MPI_THREAD_MULTIPLE).
+/// Host communicators run the items on one communication thread per replica
+/// (detail::ordered_worker), so the communicator must allow calls from two threads at once on
+/// different communicators (the thread group does; MPI needs MPI_THREAD_MULTIPLE).
 template <communicator Communicator>
 class comm_stream {
 public:
@@ -44,20 +138,9 @@ public:
 
     /// Splits comm (collective: every replica constructs its stream at the same point) and
     /// starts the communication thread.
-    explicit comm_stream(Communicator& comm) : comm_(comm.split(0, comm.rank())) {
-        worker_ = std::thread([this] { run(); });
-    }
+    explicit comm_stream(Communicator& comm) : comm_(comm.split(0, comm.rank())) {}
     comm_stream(const comm_stream&) = delete;
     comm_stream& operator=(const comm_stream&) = delete;
-    /// Drains the queue and stops the thread.
-    ~comm_stream() {
-        {
-            std::lock_guard<std::mutex> lock(mutex_);
-            stopping_ = true;
-        }
-        wake_.notify_all();
-        worker_.join();
-    }
 
     /// The stream's communicator.
     Communicator& comm() noexcept { return comm_; }
@@ -65,64 +148,16 @@ public:
     /// Runs work(comm()) after the items submitted before it.
     template <class Work>
     void submit(Work&& work) {
-        {
-            std::lock_guard<std::mutex> lock(mutex_);
-            queue_.emplace_back(std::forward<Work>(work));
-            ++submitted_;
-        }
-        wake_.notify_all();
+        worker_.submit([this, w = std::forward<Work>(work)]() mutable { w(comm_); });
     }
 
     /// Waits until every submitted item has run; rethrows the first failure (then clears it:
     /// the stream stays usable only if the communicator does).
-    void join() {
-        {
-            std::unique_lock<std::mutex> lock(mutex_);
-            done_.wait(lock, [&] { return completed_ == submitted_; });
-        }
-        if (failure_) {
-            std::exception_ptr e = std::exchange(failure_, nullptr);
-            std::rethrow_exception(e);
-        }
-    }
+    void join() { worker_.join(); }
 
 private:
-    void run_item(const std::function<void(Communicator&)>& item) {
-        try {
-            item(comm_);
-        } catch (...) {
-            failure_ = std::current_exception();
-        }
-    }
-
-    void run() {
-        std::unique_lock<std::mutex> lock(mutex_);
-        for (;;) {
-            wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-            if (queue_.empty())
-                return;
-            std::function<void(Communicator&)> item = std::move(queue_.front());
-            queue_.pop_front();
-            const bool skip = failure_ != nullptr;
-            lock.unlock();
-            if (!skip)
-                run_item(item);
-            lock.lock();
-            ++completed_;
-            done_.notify_all();
-        }
-    }
-
     Communicator comm_;
-    std::thread worker_;
-    std::mutex mutex_;
-    std::condition_variable wake_;
-    std::condition_variable done_;
-    std::deque<std::function<void(Communicator&)>> queue_;
-    std::uint64_t submitted_ = 0;
-    std::uint64_t completed_ = 0;
-    bool stopping_ = false;
-    std::exception_ptr failure_; // written by the worker before completed_ moves (mutex_)
+    detail::ordered_worker worker_; // after comm_: stopped (queue drained) before comm_ goes
 };
 
 #if LOCKSTEP_HAS_NCCL

@@ -9,39 +9,55 @@
 #if LOCKSTEP_HAS_CUDA
 #include "lockstep/system/cuda_system.hpp"
 
+#include <memory>
 #include <utility>
 
 namespace lockstep {
 
-/// hierarchical_communicator over a device intra-node part (nccl_communicator): as
-/// comm_stream<nccl_communicator>, a split of the replica's communicator whose intra-node part
-/// has its own stream; submit() makes that stream wait for an event recorded on the compute
-/// stream and then runs the work on the calling thread (the inter-node steps block it while
-/// the host exchanges the pinned copies); join() makes the compute stream wait for an event
-/// recorded on the side stream. The primary template's communication thread would not order
-/// the side stream after the compute stream's kernels.
+/// hierarchical_communicator over a device intra-node part (nccl_communicator): a split of the
+/// replica's communicator (its intra-node part has its own stream, the side stream) driven by a
+/// communication thread (detail::ordered_worker, with the device made current on it), because
+/// every inter-node step blocks a host thread while the pinned copies cross to MPI.
+/// - submit(work): records a fresh event on the compute stream (on the calling thread, so it
+///   marks exactly the work enqueued so far) and queues the item; on the communication thread
+///   the side stream waits for that event, then work(comm()) runs. The compute thread returns
+///   at once and goes on enqueuing its kernels.
+/// - join(): waits on the host until the communication thread has run every item (rethrowing
+///   the first failure), then makes the compute stream wait for an event recorded on the side
+///   stream.
 template <class Intra, class Inter, class Routes>
 requires(!Intra::system_type::is_host) class comm_stream<
     hierarchical_communicator<Intra, Inter, Routes>> {
 public:
     using communicator_type = hierarchical_communicator<Intra, Inter, Routes>;
 
-    /// Splits comm (collective: every replica constructs its stream at the same point).
+    /// Splits comm (collective: every replica constructs its stream at the same point) and
+    /// starts the communication thread.
     explicit comm_stream(communicator_type& comm)
         : compute_(comm.system()), comm_(comm.split(0, comm.rank())),
-          ready_(comm_.system().device()), done_(comm_.system().device()) {}
+          done_(comm_.system().device()), worker_([device = comm_.system().device()] {
+              LOCKSTEP_CUDA_CHECK(cudaSetDevice(device));
+          }) {}
+    comm_stream(const comm_stream&) = delete;
+    comm_stream& operator=(const comm_stream&) = delete;
 
     communicator_type& comm() noexcept { return comm_; }
 
-    /// Runs work(comm()) with the side stream behind the compute stream's work so far.
+    /// Runs work(comm()) on the communication thread with the side stream behind the compute
+    /// stream's work so far.
     template <class Work>
     void submit(Work&& work) {
-        ready_.record(compute_);
-        ready_.make_wait(comm_.system());
-        std::forward<Work>(work)(comm_);
+        auto ready = std::make_shared<cuda_event>(compute_.device());
+        ready->record(compute_);
+        worker_.submit([this, ready, w = std::forward<Work>(work)]() mutable {
+            ready->make_wait(comm_.system());
+            w(comm_);
+        });
     }
-    /// Orders the compute stream after every submitted item (device-side wait).
+    /// Waits for the communication thread's items (rethrowing the first failure), then orders
+    /// the compute stream after the side stream (device-side wait).
     void join() {
+        worker_.join();
         done_.record(comm_.system());
         done_.make_wait(compute_);
     }
@@ -49,8 +65,8 @@ public:
 private:
     cuda_system compute_;
     communicator_type comm_;
-    cuda_event ready_;
     cuda_event done_;
+    detail::ordered_worker worker_; // last: stopped (queue drained) before the rest goes
 };
 
 } // namespace lockstep
