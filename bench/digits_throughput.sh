@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # bench/digits_throughput.sh: training throughput of examples/digits with 1 and 2 replicas next to
-# the same MLP in PyTorch DDP (gloo) with 1 and 2 processes, in the same run, as ratios.
+# the same MLP in PyTorch DDP (gloo) with 1 and 2 processes, in the same run, as ratios; then
+# --reduce reproducible --bn ghost next to --reduce bucketed --bn local.
 # SPDX-License-Identifier: Apache-2.0
 #
 # usage: bench/digits_throughput.sh [--csv FILE] [path/to/digits] (default:
 #        $BUILD/examples/digits/digits, BUILD defaults to ./build). --csv FILE: one row per
 #        replica count and side (lockstep, torch_ddp) with samples/s, test accuracy and the ratio
 #        to torch. Without torch the lockstep rows run alone (torch columns "-", a note says
-#        so). Knobs (environment): EPOCHS (20), BATCH (64, global),
+#        so). A second section measures what reproducibility costs: --reduce reproducible
+#        --bn ghost next to --reduce bucketed --bn local on 1 and 2 thread replicas and, when
+#        the binary has MPI and mpiexec is on PATH, `mpiexec -n 2 digits --mpi`; its CSV rows
+#        have bench "digits_reproducible", variant "<threads|mpi>/<bucketed|reproducible>" and
+#        in the last column the ratio reproducible / bucketed samples/s (1 on bucketed rows).
+#        Knobs (environment): EPOCHS (20), BATCH (64, global),
 #        HIDDEN (128), REPEAT (3: the median of 3 runs is reported), CORES (nproc), PYTHON
 #        (/usr/bin/python3, the interpreter with Debian's python3-torch).
 # Fairness: both sides get the same cores. lockstep's thread group gives each replica
@@ -96,3 +102,48 @@ if ((!have_torch)); then
 fi
 echo "lockstep scaling 1 -> 2 replicas: $(awk -v a="${ls_rate[2]}" -v b="${ls_rate[1]}" \
       'BEGIN {printf "%.2f", a / b}')x"
+
+# ---- what reproducibility costs: reduce::reproducible<16> + bn::ghost<16> vs bucketed + local
+have_mpi=0
+if "$digits" --help | grep -q -- '--mpi  *one replica' && command -v mpiexec >/dev/null; then
+  have_mpi=1
+fi
+policy_run() { # backend replicas policy -> "samples_per_s accuracy"
+  local out rate acc flags launch=()
+  if [[ $3 == reproducible ]]; then flags=(--reduce reproducible --bn ghost)
+  else flags=(--reduce bucketed --bn local); fi
+  if [[ $1 == mpi ]]; then launch=(mpiexec -n "$2" "$digits" --mpi)
+  else launch=("$digits" --replicas "$2"); fi
+  out=$(OMP_NUM_THREADS=$cores "${launch[@]}" "${flags[@]}" --epochs "$epochs" \
+        --batch "$batch" --hidden "$hidden" --quiet)
+  rate=$(sed -n 's/.* = \([0-9.]*\) samples\/s.*/\1/p' <<<"$out")
+  acc=$(sed -n 's/.*test accuracy: \([0-9.]*\) %.*/\1/p' <<<"$out")
+  echo "$rate $acc"
+}
+echo
+echo "reproducibility: --reduce reproducible --bn ghost (chunks of 16) vs --reduce bucketed" \
+     "--bn local, median of $repeat runs (alternating)"
+printf '%-8s %9s %16s %16s %14s %10s %10s\n' backend replicas "bucketed smp/s" \
+       "reprod. smp/s" "reprod./bucket" "acc b. %" "acc r. %"
+configs=("threads 1" "threads 2")
+if ((have_mpi)); then configs+=("mpi 2"); fi
+for c in "${configs[@]}"; do
+  read -r backend n <<<"$c"
+  b_rates=() ; r_rates=() ; b_acc="" ; r_acc=""
+  for ((i = 0; i < repeat; ++i)); do
+    read -r r a < <(policy_run "$backend" "$n" bucketed); b_rates+=("$r"); b_acc=$a
+    read -r r a < <(policy_run "$backend" "$n" reproducible); r_rates+=("$r"); r_acc=$a
+  done
+  b=$(printf '%s\n' "${b_rates[@]}" | median)
+  r=$(printf '%s\n' "${r_rates[@]}" | median)
+  ratio=$(awk -v a="$r" -v b="$b" 'BEGIN {print a / b}')
+  printf '%-8s %9s %16.0f %16.0f %14.2f %10s %10s\n' "$backend" "$n" "$b" "$r" "$ratio" \
+         "$b_acc" "$r_acc"
+  if [[ -n "$csv" ]]; then
+    echo "digits_reproducible,$n,$backend/bucketed,$b,$b_acc,1" >>"$csv"
+    echo "digits_reproducible,$n,$backend/reproducible,$r,$r_acc,$ratio" >>"$csv"
+  fi
+done
+if ((!have_mpi)); then
+  echo "MPI rows: skipped ($digits has no MPI or mpiexec is not on PATH)"
+fi

@@ -442,6 +442,29 @@ def section_digits(rows):
     return text
 
 
+def section_digits_reproducible(rows):
+    """The digits_reproducible rows of digits.csv: reproducible / bucketed samples/s."""
+    if not rows:
+        return []
+    text = ["", "What reproducibility costs on the same MLP: `--reduce reproducible --bn ghost` "
+                "(`reduce::reproducible<16>`, `bn::ghost<16>`: weights bitwise the same for every "
+                "replica count) next to `--reduce bucketed --bn local`, alternating runs, median; "
+                "thread replicas and `mpiexec -n 2 digits --mpi` (when the binary has MPI).", ""]
+    out = []
+    for backend, n in dict.fromkeys((r["variant"].split("/")[0], r["replicas"]) for r in rows):
+        get = {r["variant"].split("/")[1]: r for r in rows
+               if r["variant"].split("/")[0] == backend and r["replicas"] == n}
+        b, p = get.get("bucketed"), get.get("reproducible")
+        out.append([backend, n, fmt(num(b["samples_per_s"])) if b else "-",
+                    fmt(num(p["samples_per_s"])) if p else "-",
+                    fmt(num(p["ratio_to_torch"])) if p else "-",
+                    b["test_accuracy_pct"] if b else "-", p["test_accuracy_pct"] if p else "-"])
+    text += [table(["backend", "replicas", "bucketed samples/s", "reproducible samples/s",
+                    "reproducible/bucketed", "bucketed test acc %", "reproducible test acc %"],
+                   out)]
+    return text
+
+
 def section_overlap(rows):
     text = ["## Overlap of reduction with backward (bench/overlap.cpp)", "",
             "A network with ResNet-50's 161 parameter tensors whose backward is calibrated to take "
@@ -496,7 +519,9 @@ def main():
         "allreduce": read(res / "allreduce_threads.csv") + read(res / "allreduce_mpi.csv"),
         "reduce": read(res / "reduce_threads.csv") + read(res / "reduce_mpi.csv"),
         "optimizer": read(res / "optimizer.csv"),
-        "digits": read(res / "digits.csv"),
+        "digits": [r for r in read(res / "digits.csv") if r["bench"] == "digits"],
+        "digits_reproducible": [r for r in read(res / "digits.csv")
+                                if r["bench"] == "digits_reproducible"],
         "overlap": read(res / "overlap_threads.csv") + read(res / "overlap_mpi.csv"),
         "hierarchical": read(res / "hierarchical.csv"),
         "reproducible": read(res / "reproducible_threads.csv") + read(res / "reproducible_mpi.csv"),
@@ -564,7 +589,8 @@ def main():
                 ("allreduce", section_allreduce(data["allreduce"])),
                 ("reduce", section_reduce(data["reduce"])),
                 ("optimizer", section_optimizer(data["optimizer"])),
-                ("digits", section_digits(data["digits"])),
+                ("digits", section_digits(data["digits"]) +
+                 section_digits_reproducible(data["digits_reproducible"])),
                 ("overlap", section_overlap(data["overlap"])),
                 ("hierarchical", section_hierarchical(data["hierarchical"])),
                 ("reproducible", section_reproducible(data["reproducible"]))]

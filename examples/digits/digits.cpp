@@ -16,19 +16,30 @@
 
 namespace {
 
+#if DIGITS_WITH_MPI
+#define DIGITS_MPI_HELP                                                                            \
+    "  --mpi            one replica per MPI process instead (run under mpiexec -n N)\n"
+#else
+#define DIGITS_MPI_HELP                                                                            \
+    "  --mpi            (not in this build: no MPI) one replica per MPI process\n"
+#endif
+
 void usage(const char* argv0) {
     std::printf(
         "usage: %s [options]\n"
-        "  --replicas N     replicas (threads of this process; default 4)\n"
-        "  --mpi            one replica per MPI process instead (run under mpiexec -n N)\n"
+        "  --replicas N     replicas (threads of this process; default 4)\n" DIGITS_MPI_HELP
         "  --epochs E       passes over the training set (default 20)\n"
         "  --batch B        global batch size (default 64; async: B / workers per worker)\n"
         "  --lr X           learning rate (default: per optimizer)\n"
         "  --seed S         seed of data order, dropout and initialisation (default 1)\n"
         "  --sync P         sync | async | stale:S (S = 1, 4) | local:K (K = 4, 16)\n"
-        "  --reduce R       per_tensor | bucketed | ps | bf16 | fp16 (default bucketed)\n"
+        "  --reduce R       per_tensor | bucketed | ps | bf16 | fp16 | reproducible (default\n"
+        "                   bucketed; reproducible: chunks of 16 samples summed exactly, the\n"
+        "                   same weights for every replica count; needs --bn ghost, --sync sync)\n"
         "  --optim O        sgd | adam | adamw | lars | lamb (default sgd)\n"
-        "  --bn B           local | global | group2 | running_only | tower0 (default local)\n"
+        "  --bn B           local | global | group2 | running_only | tower0 | ghost (default\n"
+        "                   local; ghost: each 16-sample chunk normalized on its own, with\n"
+        "                   --reduce reproducible)\n"
         "  --hidden H       hidden units (default 128)\n"
         "  --dropout P      dropout probability (default 0.1)\n"
         "  --data FILE      digits CSV, gzipped or plain (default: the bundled copy)\n"

@@ -17,13 +17,15 @@ struct async_valid {
     }
     template <class R, class B>
     std::string reason(std::type_identity<R>, std::type_identity<B>) const {
-        if (!std::is_same_v<B, lockstep::bn::local>)
+        if (!std::is_same_v<B, lockstep::bn::local> && !lockstep::bn::is_ghost<B>)
             return "asynchronous workers run forward at their own pace, so BN statistics cannot "
                    "be shared across replicas inside a step: use --bn local (the server keeps "
                    "the running statistics)";
         if (R::kind == lockstep::reduce_kind::parameter_server)
             return "sync::asynchronous already is a parameter server; reduce::parameter_server "
                    "is its synchronous form: drop --reduce ps";
+        if (std::string w = reproducible_reason<lockstep::sync::asynchronous, R, B>(); !w.empty())
+            return w;
         return "the asynchronous server receives whole gradients point to point: --reduce does "
                "not apply (leave it at bucketed)";
     }

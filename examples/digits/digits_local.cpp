@@ -10,7 +10,8 @@ struct local_sgd_valid {
     template <class R, class B>
     auto operator()(std::type_identity<R>, std::type_identity<B>) const {
         return std::bool_constant < !lockstep::bn::needs_synchronous<B> &&
-               R::kind != lockstep::reduce_kind::compressed > {};
+               R::kind != lockstep::reduce_kind::compressed &&
+               reproducible_valid<lockstep::sync::local_sgd<4>, R, B> > {};
     }
     template <class R, class B>
     std::string reason(std::type_identity<R>, std::type_identity<B>) const {
@@ -18,8 +19,10 @@ struct local_sgd_valid {
             return "bn::global and bn::group normalize across replicas inside every step, so "
                    "they need sync::synchronous; with local SGD use --bn local, running_only or "
                    "tower0";
-        return "local SGD averages weights, and reduce::compressed would round them to 16 "
-               "bits: use --reduce per_tensor, bucketed or ps";
+        if (R::kind == lockstep::reduce_kind::compressed)
+            return "local SGD averages weights, and reduce::compressed would round them to 16 "
+                   "bits: use --reduce per_tensor, bucketed or ps";
+        return reproducible_reason<lockstep::sync::local_sgd<4>, R, B>();
     }
 };
 } // namespace

@@ -178,9 +178,17 @@ result train_and_evaluate(Comm& comm, const options& o, const split_data& data) 
         if (root)
             res.accuracy = trainer.network().accuracy(data.test);
     } else {
+        // lockstep's checkpoints do not name reduce::reproducible or bn::ghost: no
+        // --save / --resume for them.
+        constexpr bool checkpoints = Reduce::kind != lockstep::reduce_kind::reproducible;
+        if (!checkpoints && (!o.save.empty() || !o.resume.empty()))
+            lockstep::fail(lockstep::errc::unsupported, comm.rank(), "digits",
+                           "--save and --resume are not available with --reduce reproducible "
+                           "(lockstep's checkpoints do not support it)");
         trainer_type trainer(comm, factory, optimizer_params<Optim>(o), tp);
-        if (!o.resume.empty())
-            lockstep::load_checkpoint(trainer, o.resume);
+        if constexpr (checkpoints)
+            if (!o.resume.empty())
+                lockstep::load_checkpoint(trainer, o.resume);
         const auto first = static_cast<std::size_t>(trainer.steps());
         std::size_t steps = (total + o.batch - 1) / o.batch;
         if (o.steps > 0)
@@ -195,8 +203,9 @@ result train_and_evaluate(Comm& comm, const options& o, const split_data& data) 
         }
         // Saved before finish(): local SGD's final average is for evaluation, a resumed run
         // continues from the replicas' own weights as an uninterrupted one does.
-        if (!o.save.empty())
-            lockstep::save_checkpoint(trainer, o.save);
+        if constexpr (checkpoints)
+            if (!o.save.empty())
+                lockstep::save_checkpoint(trainer, o.save);
         trainer.finish();
         comm.barrier();
         res.seconds =
@@ -231,8 +240,8 @@ bool with_optimizer(const std::string& name, F&& f) {
 
 /// The runs of one SyncPolicy family; each is defined in its own translation unit (they are
 /// many instantiations), compiled once per communicator. They return false with `why` set when
-/// the combination is invalid. run_synchronous_local_bn covers --bn local, global and group2,
-/// run_synchronous_shared_bn covers running_only and tower0.
+/// the combination is invalid. run_synchronous_local_bn covers --bn local, global, group2 and
+/// ghost, run_synchronous_shared_bn covers running_only and tower0.
 template <class Comm>
 bool run_synchronous_local_bn(Comm& comm, const options& o, const split_data& d, result& r,
                               std::string& why);
@@ -249,6 +258,10 @@ bool run_asynchronous(Comm& comm, const options& o, const split_data& d, result&
 
 namespace digits {
 
+/// Samples per chunk of --reduce reproducible and per ghost batch of --bn ghost (the library
+/// requires both to be the same).
+inline constexpr std::size_t repro_chunk = 16;
+
 /// Calls f(type_identity<ReducePolicy>) for the --reduce name; false for an unknown name.
 template <class F>
 bool with_reduce(const std::string& name, F&& f) {
@@ -263,6 +276,8 @@ bool with_reduce(const std::string& name, F&& f) {
         return f(std::type_identity<reduce::compressed<lockstep::bfloat16>>{}), true;
     if (name == "fp16")
         return f(std::type_identity<reduce::compressed<lockstep::half>>{}), true;
+    if (name == "reproducible")
+        return f(std::type_identity<reduce::reproducible<repro_chunk>>{}), true;
     return false;
 }
 
@@ -279,6 +294,8 @@ template <>
 inline constexpr std::string_view bn_name<lockstep::bn::running_only> = "running_only";
 template <>
 inline constexpr std::string_view bn_name<lockstep::bn::tower<0>> = "tower0";
+template <>
+inline constexpr std::string_view bn_name<lockstep::bn::ghost<repro_chunk>> = "ghost";
 
 /// Calls f(type_identity<B>) for the B among BNs named `name`; false when none is.
 template <class... BNs, class F>
@@ -297,9 +314,41 @@ inline bool known_optimizer(const std::string& name) {
 /// True for the --bn names the program knows.
 inline bool known_bn(const std::string& name) {
     namespace bn = lockstep::bn;
-    return with_bn_among<bn::local, bn::global, bn::group<2>, bn::running_only, bn::tower<0>>(
-        name, [](auto) {});
+    return with_bn_among<bn::local, bn::global, bn::group<2>, bn::running_only, bn::tower<0>,
+                         bn::ghost<repro_chunk>>(name, [](auto) {});
 }
+
+/// lockstep's rules (policy/compat.hpp) on reduce::reproducible and bn::ghost for (Sync, R, B),
+/// in its order and with its reasons: "" when they hold.
+template <class Sync, class R, class B>
+std::string reproducible_reason() {
+    constexpr bool reproducible = R::kind == lockstep::reduce_kind::reproducible;
+    constexpr bool ghost = lockstep::bn::is_ghost<B>;
+    constexpr bool synchronous =
+        !lockstep::is_asynchronous_v<Sync> && !lockstep::is_local_sgd_v<Sync>;
+    if (reproducible && !synchronous)
+        return "reduce::reproducible makes the weights independent of the replica count by "
+               "summing every chunk's gradient exactly before one update; asynchronous workers "
+               "and local SGD apply updates that depend on the replica count: use --reduce "
+               "reproducible with --sync sync";
+    if (reproducible && !ghost)
+        return "reduce::reproducible needs every batch-norm layer to normalize each chunk on its "
+               "own: bn::global, bn::group, bn::local, bn::running_only and bn::tower depend on "
+               "how samples are split over replicas: use --bn ghost with --reduce reproducible";
+    if (ghost && !reproducible)
+        return "bn::ghost normalizes the chunks that reduce::reproducible cuts and gathers their "
+               "statistics at the end of its step: use it with --reduce reproducible and --sync "
+               "sync "
+               "(or another --bn)";
+    return {};
+}
+
+/// True when (Sync, R, B) satisfies lockstep's reduce::reproducible and bn::ghost rules.
+template <class Sync, class R, class B>
+inline constexpr bool reproducible_valid =
+    (R::kind == lockstep::reduce_kind::reproducible) == lockstep::bn::is_ghost<B> &&
+    (R::kind != lockstep::reduce_kind::reproducible ||
+     (!lockstep::is_asynchronous_v<Sync> && !lockstep::is_local_sgd_v<Sync>));
 
 /// Runs the combination (Sync, --reduce, --optim, --bn among BNs) when valid(reduce, bn) is
 /// std::true_type; otherwise explains why not in `why` (what the library's static_assert says).
@@ -331,15 +380,16 @@ bool dispatch(Comm& comm, const options& o, const split_data& d, result& r, std:
     return ran;
 }
 
-/// Every combination is valid (synchronous training).
-struct always_valid {
+/// Synchronous training: every combination is valid except what the reduce::reproducible and
+/// bn::ghost rules reject (each needs the other).
+struct synchronous_valid {
     template <class R, class B>
-    std::true_type operator()(R, B) const {
-        return {};
+    auto operator()(std::type_identity<R>, std::type_identity<B>) const {
+        return std::bool_constant<reproducible_valid<lockstep::sync::synchronous, R, B>>{};
     }
     template <class R, class B>
-    std::string reason(R, B) const {
-        return {};
+    std::string reason(std::type_identity<R>, std::type_identity<B>) const {
+        return reproducible_reason<lockstep::sync::synchronous, R, B>();
     }
 };
 
@@ -348,8 +398,8 @@ template <class Sync, class Comm, class Valid>
 bool dispatch_all_bn(Comm& comm, const options& o, const split_data& d, result& r, std::string& why,
                      Valid valid) {
     namespace bn = lockstep::bn;
-    return dispatch<Sync, bn::local, bn::global, bn::group<2>, bn::running_only, bn::tower<0>>(
-        comm, o, d, r, why, valid);
+    return dispatch<Sync, bn::local, bn::global, bn::group<2>, bn::running_only, bn::tower<0>,
+                    bn::ghost<repro_chunk>>(comm, o, d, r, why, valid);
 }
 
 } // namespace digits

@@ -1,5 +1,5 @@
 // examples/digits/digits_sync.cpp: the sync::synchronous runs of the digits demo with --bn local,
-// global and group2 (every --reduce x --optim combination is valid).
+// global, group2 and ghost (--bn ghost goes with --reduce reproducible and only with it).
 // SPDX-License-Identifier: Apache-2.0
 #include "digits_comm.hpp"
 #include "digits_run.hpp"
@@ -10,8 +10,8 @@ template <class Comm>
 bool run_synchronous_local_bn(Comm& comm, const options& o, const split_data& d, result& r,
                               std::string& why) {
     namespace bn = lockstep::bn;
-    return dispatch<lockstep::sync::synchronous, bn::local, bn::global, bn::group<2>>(
-        comm, o, d, r, why, always_valid{});
+    return dispatch<lockstep::sync::synchronous, bn::local, bn::global, bn::group<2>,
+                    bn::ghost<repro_chunk>>(comm, o, d, r, why, synchronous_valid{});
 }
 
 template bool run_synchronous_local_bn(DIGITS_COMMUNICATOR&, const options&, const split_data&,

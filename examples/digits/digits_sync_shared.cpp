@@ -10,8 +10,8 @@ template <class Comm>
 bool run_synchronous_shared_bn(Comm& comm, const options& o, const split_data& d, result& r,
                                std::string& why) {
     namespace bn = lockstep::bn;
-    return dispatch<lockstep::sync::synchronous, bn::running_only, bn::tower<0>>(comm, o, d, r, why,
-                                                                                 always_valid{});
+    return dispatch<lockstep::sync::synchronous, bn::running_only, bn::tower<0>>(
+        comm, o, d, r, why, synchronous_valid{});
 }
 
 template bool run_synchronous_shared_bn(DIGITS_COMMUNICATOR&, const options&, const split_data&,
