@@ -178,17 +178,9 @@ result train_and_evaluate(Comm& comm, const options& o, const split_data& data) 
         if (root)
             res.accuracy = trainer.network().accuracy(data.test);
     } else {
-        // lockstep's checkpoints do not name reduce::reproducible or bn::ghost: no
-        // --save / --resume for them.
-        constexpr bool checkpoints = Reduce::kind != lockstep::reduce_kind::reproducible;
-        if (!checkpoints && (!o.save.empty() || !o.resume.empty()))
-            lockstep::fail(lockstep::errc::unsupported, comm.rank(), "digits",
-                           "--save and --resume are not available with --reduce reproducible "
-                           "(lockstep's checkpoints do not support it)");
         trainer_type trainer(comm, factory, optimizer_params<Optim>(o), tp);
-        if constexpr (checkpoints)
-            if (!o.resume.empty())
-                lockstep::load_checkpoint(trainer, o.resume);
+        if (!o.resume.empty())
+            lockstep::load_checkpoint(trainer, o.resume);
         const auto first = static_cast<std::size_t>(trainer.steps());
         std::size_t steps = (total + o.batch - 1) / o.batch;
         if (o.steps > 0)
@@ -203,9 +195,8 @@ result train_and_evaluate(Comm& comm, const options& o, const split_data& data) 
         }
         // Saved before finish(): local SGD's final average is for evaluation, a resumed run
         // continues from the replicas' own weights as an uninterrupted one does.
-        if constexpr (checkpoints)
-            if (!o.save.empty())
-                lockstep::save_checkpoint(trainer, o.save);
+        if (!o.save.empty())
+            lockstep::save_checkpoint(trainer, o.save);
         trainer.finish();
         comm.barrier();
         res.seconds =

@@ -124,6 +124,14 @@ struct policy_name<reduce::compressed<W>> {
                (std::is_same_v<W, half> ? "half" : "bfloat16") + ">";
     }
 };
+template <std::size_t C>
+struct policy_name<reduce::reproducible<C>> {
+    static std::string get() { return "reduce::reproducible<" + std::to_string(C) + ">"; }
+};
+template <std::size_t C>
+struct policy_name<bn::ghost<C>> {
+    static std::string get() { return "bn::ghost<" + std::to_string(C) + ">"; }
+};
 template <>
 struct policy_name<bn::local> {
     static std::string get() { return "bn::local"; }
