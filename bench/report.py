@@ -88,23 +88,18 @@ def plot_batch_norm(rows, png):
     plt.close(fig)
 
 
-def plot_allreduce(rows, png):
+def plot_series_by_size(series, png, ylabel, title):
+    """A log-log plot over message size: series = [(label, style, [(bytes, value)...])]."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    series = [("thread_group", "lockstep", "thread_group (lockstep)", "-o"),
-              ("thread_group", "traffic_bound", "thread_group traffic bound (DRAM)", "--"),
-              ("mpi", "plain", "mpi_communicator, verify off", "-s"),
-              ("mpi", "verify", "mpi_communicator (default, verify on)", "-^"),
-              ("mpi", "raw", "raw MPI_Allreduce (MPICH)", "-x")]
-    for backend, variant, name, style in series:
-        pts = sorted((int(r["bytes"]), num(r["busbw_gbps"])) for r in rows
-                     if r["backend"] == backend and r["variant"] == variant and r["busbw_gbps"])
+    for name, style, pts in series:
         if pts:
+            pts = sorted(pts)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name, markersize=4)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("message size per replica (bytes)")
-    ax.set_ylabel("bus bandwidth (GB/s), higher is better")
-    ax.set_title("all_reduce (sum, float), 2 replicas")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -112,27 +107,47 @@ def plot_allreduce(rows, png):
     plt.close(fig)
 
 
-def plot_reduce(rows, png):
+def plot_ratio_bars(rows, png, key, value, xlabel, title, height_in=4.5):
+    """Horizontal bars of rows[value] per rows[key] (one bar per backend), with a line at 1."""
     backends = list(dict.fromkeys(r["backend"] for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    height = 0.8 / len(backends)
+    keys = list(dict.fromkeys(r[key] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, height_in))
+    height = 0.8 / max(1, len(backends))
     for k, b in enumerate(backends):
         xs = []
-        for m in methods:
-            v = [num(r["median_over_flat"]) for r in rows if r["backend"] == b and r["method"] == m]
+        for m in keys:
+            v = [num(r[value]) for r in rows if r["backend"] == b and r[key] == m]
             xs.append(v[0] if v else 0)
-        ax.barh([i + k * height for i in range(len(methods))], xs, height, label=b)
+        ax.barh([i + k * height for i in range(len(keys))], xs, height, label=b)
     ax.axvline(1.0, color="k", linewidth=0.8)
-    ax.set_yticks([i + height * (len(backends) - 1) / 2 for i in range(len(methods))])
-    ax.set_yticklabels(methods, fontsize=8)
+    ax.set_yticks([i + height * (len(backends) - 1) / 2 for i in range(len(keys))])
+    ax.set_yticklabels(keys, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("median time / flat all_reduce's median (lower is better)")
-    ax.set_title("gradient reduction of ResNet-50's 161 tensors, 2 replicas")
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
+
+
+def plot_allreduce(rows, png):
+    series = [("thread_group", "lockstep", "thread_group (lockstep)", "-o"),
+              ("thread_group", "traffic_bound", "thread_group traffic bound (DRAM)", "--"),
+              ("mpi", "plain", "mpi_communicator, verify off", "-s"),
+              ("mpi", "verify", "mpi_communicator (default, verify on)", "-^"),
+              ("mpi", "raw", "raw MPI_Allreduce (MPICH)", "-x")]
+    plot_series_by_size(
+        [(name, style, [(int(r["bytes"]), num(r["busbw_gbps"])) for r in rows
+                        if r["backend"] == backend and r["variant"] == variant and r["busbw_gbps"]])
+         for backend, variant, name, style in series],
+        png, "bus bandwidth (GB/s), higher is better", "all_reduce (sum, float), 2 replicas")
+
+
+def plot_reduce(rows, png):
+    plot_ratio_bars(rows, png, "method", "median_over_flat",
+                    "median time / flat all_reduce's median (lower is better)",
+                    "gradient reduction of ResNet-50's 161 tensors, 2 replicas")
 
 
 def plot_optimizer(rows, png):
@@ -303,27 +318,17 @@ def section_reduce(rows):
 
 
 def plot_hierarchical(rows, png):
-    fig, ax = plt.subplots(figsize=(8, 4.5))
     series = [("flat", "flat mpi_communicator, shared memory", "-o"),
               ("hierarchical", "hierarchical 2 x 2, shared memory", "-s"),
               ("flat_10g", "flat, every collective over a 10 Gb/s link", "--o"),
               ("hierarchical_10g", "hierarchical, inter-node level over a 10 Gb/s link", "--s"),
               ("flat_1g", "flat, every collective over a 1 Gb/s link", ":o"),
               ("hierarchical_1g", "hierarchical, inter-node level over a 1 Gb/s link", ":s")]
-    for variant, name, style in series:
-        pts = sorted((int(r["bytes"]), num(r["ms"])) for r in rows if r["variant"] == variant)
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name, markersize=4)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("message size per replica (bytes)")
-    ax.set_ylabel("all_reduce time (ms), lower is better")
-    ax.set_title("all_reduce over 4 MPI processes: flat vs hierarchical (2 nodes x 2)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    plot_series_by_size(
+        [(name, style, [(int(r["bytes"]), num(r["ms"])) for r in rows if r["variant"] == variant])
+         for variant, name, style in series],
+        png, "all_reduce time (ms), lower is better",
+        "all_reduce over 4 MPI processes: flat vs hierarchical (2 nodes x 2)")
 
 
 def section_hierarchical(rows):
@@ -356,26 +361,10 @@ def section_hierarchical(rows):
 
 
 def plot_reproducible(rows, png):
-    backends = list(dict.fromkeys(r["backend"] for r in rows))
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    height = 0.8 / max(1, len(backends))
-    for k, b in enumerate(backends):
-        xs = []
-        for p in policies:
-            v = [num(r["ratio_to_bucketed"]) for r in rows if r["backend"] == b and r["policy"] == p]
-            xs.append(v[0] if v else 0)
-        ax.barh([i + k * height for i in range(len(policies))], xs, height, label=b)
-    ax.axvline(1.0, color="k", linewidth=0.8)
-    ax.set_yticks([i + height * (len(backends) - 1) / 2 for i in range(len(policies))])
-    ax.set_yticklabels(policies, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("step time / bucketed step time (lower is better)")
-    ax.set_title("reduce::reproducible and sharded vs bucketed, ResNet-50's gradients, 2 replicas")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    plot_ratio_bars(rows, png, "policy", "ratio_to_bucketed",
+                    "step time / bucketed step time (lower is better)",
+                    "reduce::reproducible and sharded vs bucketed, ResNet-50's gradients, "
+                    "2 replicas", height_in=3.5)
 
 
 def section_reproducible(rows):
