@@ -1,12 +1,15 @@
 // Tests of hierarchical_communicator composed of two thread_communicator levels (nodes x local
 // replicas as splits of one thread_group): the collective suite, the shapes split accepts and
-// refuses, and a trainer over it against flat replicas and one replica.
+// refuses, and trainers over it (bucketed, compressed, per-tensor, sharded, reproducible) against
+// flat replicas and one replica.
 // SPDX-License-Identifier: Apache-2.0
 #include "collective_suite.hpp"
 #include "lockstep/comm/hierarchical.hpp"
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/optim/adam.hpp"
+#include "lockstep/optim/lamb.hpp"
 #include "lockstep/optim/sgd.hpp"
+#include "train/repro_runner.hpp"
 #include "train/train_runner.hpp"
 
 #include <catch2/catch.hpp>
@@ -185,9 +188,31 @@ TEST_CASE("data_parallel over 2 nodes x 2 replicas trains like 4 flat replicas a
                         lockstep::reduce::compressed<lockstep::bfloat16>, lockstep::bn::global>(
             {.lr = 0.1, .momentum = 0.9}, batch_schedule());
     }
+    SECTION("lamb, sharded (ZeRO-1: reduce_scatter and all_gather over both levels)") {
+        check_like_flat<double, lockstep::optim::lamb<double>, lockstep::reduce::sharded<>,
+                        lockstep::bn::global>({.lr = 1e-2, .weight_decay = 1e-2}, batch_schedule());
+    }
     SECTION("adam, per-tensor, BN statistics per node (bn::group<2>)") {
         // Batches whose every pair of replicas holds at least 2 samples (a group BN needs them).
         check_like_flat<double, lockstep::optim::adam<double>, lockstep::reduce::per_tensor,
                         lockstep::bn::group<2>>({.lr = 1e-3}, {37, 12, 20, 9, 16, 37, 12, 20});
+    }
+}
+
+TEST_CASE("reduce::reproducible over 2 nodes x 2 replicas holds the bits of one replica",
+          "[comm][hierarchical][train][reproducible]") {
+    // The binned sums are exact, so the two-level summation order cannot show in any bit.
+    using T = float;
+    using opt = lockstep::optim::adamw<T>;
+    const auto batches = repro_schedule(20);
+    const lockstep::optim::adamw_params p{.lr = 1e-2, .weight_decay = 1e-2};
+    const auto one = repro_threads<T, opt>(1, p, batches);
+    std::vector<repro_record<T>> two(4);
+    run_two_level(2, 2, [&](two_level& comm) {
+        two[static_cast<std::size_t>(comm.rank())] = repro_train<T, opt>(comm, p, batches);
+    });
+    for (std::size_t r = 0; r < two.size(); ++r) {
+        INFO("replica " << r);
+        CHECK(repro_difference(two[r], one[0]) == "");
     }
 }
