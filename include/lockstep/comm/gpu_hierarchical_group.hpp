@@ -9,6 +9,7 @@
 // NCCL needs nvcc and the inter-node part needs MPI; elsewhere this header declares nothing.
 #if LOCKSTEP_HAS_NCCL && LOCKSTEP_HAS_MPI
 
+#include "lockstep/comm/detail/mpi_job_failure.hpp"
 #include "lockstep/comm/gpu_group.hpp"
 #include "lockstep/comm/hierarchical.hpp"
 #include "lockstep/comm/mpi_communicator.hpp"
@@ -111,27 +112,10 @@ private:
         } catch (const std::exception& e) {
             if (comm)
                 comm->abort();
-            if (params_.abort_on_failure && !echoes_peer(e))
-                abort_job(e, static_cast<int>(l));
+            if (params_.abort_on_failure && !detail::echoes_peer(e))
+                detail::abort_mpi_job("gpu_hierarchical_group", "replica", static_cast<int>(l), e);
             throw;
         }
-    }
-
-    // A peer_failure only echoes another replica's failure: that replica aborts the job with
-    // the root cause, so this one just leaves.
-    static bool echoes_peer(const std::exception& e) {
-        const auto* le = dynamic_cast<const lockstep::error*>(&e);
-        return le != nullptr && le->code() == errc::peer_failure;
-    }
-    [[noreturn]] static void abort_job(const std::exception& e, int device_index) {
-        int rank = -1;
-        MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-        std::fprintf(stderr,
-                     "lockstep: gpu_hierarchical_group process %d replica %d aborting: %s\n", rank,
-                     device_index, e.what());
-        std::fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, 1);
-        std::abort();
     }
 
     // devices: the list given, or every visible device (nullopt).

@@ -2,6 +2,7 @@
 // process composed into one hierarchical_communicator. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/detail/mpi_job_failure.hpp"
 #include "lockstep/comm/hierarchical.hpp"
 #include "lockstep/comm/mpi_communicator.hpp"
 #include "lockstep/comm/thread_group.hpp"
@@ -250,26 +251,10 @@ private:
             std::invoke(f, comm);
             inter_[l] = std::move(comm.inter());
         } catch (const std::exception& e) {
-            if (params_.abort_on_failure && !echoes_peer(e))
-                abort_job(e, static_cast<int>(l));
+            if (params_.abort_on_failure && !detail::echoes_peer(e))
+                detail::abort_mpi_job("hierarchical_group", "thread", static_cast<int>(l), e);
             throw;
         }
-    }
-
-    // A peer_failure only echoes another replica's failure: that replica aborts the job with
-    // the root cause, so this one just leaves.
-    static bool echoes_peer(const std::exception& e) {
-        const auto* le = dynamic_cast<const lockstep::error*>(&e);
-        return le != nullptr && le->code() == errc::peer_failure;
-    }
-    [[noreturn]] void abort_job(const std::exception& e, int thread) const {
-        int rank = -1;
-        MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-        std::fprintf(stderr, "lockstep: hierarchical_group process %d thread %d aborting: %s\n",
-                     rank, thread, e.what());
-        std::fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, 1);
-        std::abort();
     }
 
     thread_group threads_;

@@ -1,0 +1,35 @@
+// lockstep/comm/detail/mpi_job_failure.hpp: how a replica thread of an MPI job ends the job on a
+// failure (hierarchical_group, gpu_hierarchical_group). SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/error.hpp"
+
+#include <mpi.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+
+namespace lockstep::detail {
+
+/// True when e is errc::peer_failure: it only echoes another replica's failure, and that
+/// replica ends the job with the root cause, so this one just leaves.
+inline bool echoes_peer(const std::exception& e) {
+    const auto* le = dynamic_cast<const lockstep::error*>(&e);
+    return le != nullptr && le->code() == errc::peer_failure;
+}
+
+/// Prints "lockstep: <group> process P <unit> <index> aborting: <what>" to stderr (P: this
+/// process's rank in MPI_COMM_WORLD) and ends every process of the job with MPI_Abort.
+[[noreturn]] inline void abort_mpi_job(const char* group, const char* unit, int index,
+                                       const std::exception& e) {
+    int rank = -1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    std::fprintf(stderr, "lockstep: %s process %d %s %d aborting: %s\n", group, rank, unit, index,
+                 e.what());
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    std::abort();
+}
+
+} // namespace lockstep::detail
