@@ -10,6 +10,7 @@
 #include "lockstep/train/data_parallel.hpp"
 
 #include "cuda_test_support.hpp"
+#include "gpu_linear_net.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -31,34 +32,13 @@ using lockstep::cuda_system;
 using lockstep::host_system;
 using lockstep::nccl_communicator;
 
-constexpr std::size_t inputs = 4;
+namespace lin = lockstep_test::linear;
+using lin::inputs;
+using lin::lr;
+using lin::steps;
 constexpr std::size_t global_batch = 8;
-constexpr int steps = 3;
-constexpr double lr = 0.1;
-
-/// Sample s of the run (run-wide index): inputs x_j and target t.
-LOCKSTEP_HOST_DEVICE double input(std::uint64_t s, std::size_t j) {
-    return std::sin(0.37 * static_cast<double>(s) + 1.3 * static_cast<double>(j));
-}
-LOCKSTEP_HOST_DEVICE double target(std::uint64_t s) {
-    return std::cos(0.21 * static_cast<double>(s));
-}
-
-using context_type = lockstep::replica_context<float, nccl_communicator>;
-
-/// A linear model y = w . x + b in the registry (device memory after finalize), loss
-/// 0.5 (y - t)^2 per sample; gradients and loss are computed by linear_grad_fn on the device.
-struct linear_net {
-    context_type::handle w, b;
-    explicit linear_net(context_type& ctx) {
-        auto& reg = ctx.registry();
-        w = reg.add("fc.weight", {inputs});
-        b = reg.add("fc.bias", {1});
-        for (std::size_t j = 0; j < inputs; ++j)
-            w.value()[j] = 0.1f * static_cast<float>(j + 1);
-        b.value()[0] = 0.0f;
-    }
-};
+using linear_net = lin::net<nccl_communicator>;
+using context_type = linear_net::context_type;
 
 using trainer_type = lockstep::data_parallel<linear_net, lockstep::optim::sgd<float, cuda_system>,
                                              lockstep::sync::synchronous,
@@ -75,69 +55,6 @@ std::vector<float> to_host(std::span<const float> device, const cuda_system& sys
     std::vector<float> h(device.size());
     lockstep::copy(device, sys, std::span<float>(h), host_system{});
     return h;
-}
-
-/// Task j < inputs: the gradient of w_j over the shard, task `inputs`: of b, task inputs + 1:
-/// the loss, added into the trainer's loss slot. Each task sums the shard's samples in order.
-struct linear_grad_fn {
-    const float* w;
-    const float* b;
-    float* gw;
-    float* gb;
-    double* loss_slot;
-    std::size_t begin, end;
-    std::uint64_t offset;
-    double scale;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t task) const {
-        double sum = 0;
-        for (std::size_t p = begin; p < end; ++p) {
-            const std::uint64_t s = offset + p;
-            double y = b[0];
-            for (std::size_t j = 0; j < inputs; ++j)
-                y += static_cast<double>(w[j]) * input(s, j);
-            const double e = y - target(s);
-            sum += task < inputs ? e * input(s, task) : task == inputs ? e : 0.5 * e * e;
-        }
-        // One micro-batch per step: the trainer zeroed the gradients, so assigning accumulates.
-        if (task < inputs)
-            gw[task] = static_cast<float>(sum * scale);
-        else if (task == inputs)
-            gb[0] = static_cast<float>(sum * scale);
-        else if (loss_slot != nullptr)
-            *loss_slot += sum * scale;
-    }
-};
-
-/// The step function: one kernel on the replica's stream; the loss stays on the device.
-void linear_step(linear_net& net, lockstep::shard_range r, context_type& ctx) {
-    thrust::for_each(ctx.system().policy(), thrust::counting_iterator<std::size_t>(0),
-                     thrust::counting_iterator<std::size_t>(inputs + 2),
-                     linear_grad_fn{net.w.value().data(), net.b.value().data(), net.w.grad().data(),
-                                    net.b.grad().data(), ctx.loss_slot(), r.begin, r.end,
-                                    r.sample_offset, r.scale});
-}
-
-/// Full-batch gradient descent in double on one replica: the independent reference.
-std::vector<double> reference_parameters() {
-    std::vector<double> v(inputs + 1, 0.0);
-    for (std::size_t j = 0; j < inputs; ++j)
-        v[j] = static_cast<double>(0.1f * static_cast<float>(j + 1));
-    for (int k = 0; k < steps; ++k) {
-        std::vector<double> g(inputs + 1, 0.0);
-        for (std::size_t p = 0; p < global_batch; ++p) {
-            const std::uint64_t s = static_cast<std::uint64_t>(k) * global_batch + p;
-            double y = v[inputs];
-            for (std::size_t j = 0; j < inputs; ++j)
-                y += v[j] * input(s, j);
-            const double e = (y - target(s)) / static_cast<double>(global_batch);
-            for (std::size_t j = 0; j < inputs; ++j)
-                g[j] += e * input(s, j);
-            g[inputs] += e;
-        }
-        for (std::size_t i = 0; i < v.size(); ++i)
-            v[i] -= lr * g[i];
-    }
-    return v;
 }
 
 } // namespace
@@ -162,7 +79,7 @@ TEST_CASE("data_parallel trains over nccl_communicator: replicas agree with the 
                 for (int k = 0; k < steps; ++k)
                     (void)trainer.step(global_batch,
                                        [](linear_net& net, lockstep::shard_range sr,
-                                          context_type& ctx) { linear_step(net, sr, ctx); });
+                                          context_type& ctx) { lin::step(net, sr, ctx); });
                 params[r] = to_host(trainer.parameters(), comms[r].system());
             } catch (...) {
                 errors[r] = std::current_exception();
@@ -176,7 +93,7 @@ TEST_CASE("data_parallel trains over nccl_communicator: replicas agree with the 
 
     // Replicas hold identical bits (the reduced gradient is the same everywhere), and match
     // full-batch descent in double within float rounding of 3 steps on O(1) values.
-    const std::vector<double> ref = reference_parameters();
+    const std::vector<double> ref = lin::reference_parameters(global_batch);
     for (std::size_t r = 0; r < comms.size(); ++r) {
         REQUIRE(params[r].size() == ref.size());
         for (std::size_t i = 0; i < ref.size(); ++i) {
@@ -203,7 +120,7 @@ std::vector<std::vector<float>> run_lamb(std::vector<nccl_communicator>& comms) 
                 for (int k = 0; k < steps; ++k)
                     (void)trainer.step(global_batch,
                                        [](linear_net& net, lockstep::shard_range sr,
-                                          context_type& ctx) { linear_step(net, sr, ctx); });
+                                          context_type& ctx) { lin::step(net, sr, ctx); });
                 params[r] = to_host(trainer.parameters(), comms[r].system());
             } catch (...) {
                 errors[r] = std::current_exception();
