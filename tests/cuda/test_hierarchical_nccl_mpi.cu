@@ -11,7 +11,9 @@
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/data_parallel.hpp"
 
+#include "cuda_mpi_session.hpp"
 #include "cuda_test_support.hpp"
+#include "gpu_linear_net.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -231,90 +233,13 @@ int errors_everywhere(findings& f) {
 }
 
 // data_parallel over the hierarchical communicator: a linear model, gradients on the device.
-constexpr std::size_t inputs = 4;
+namespace lin = lockstep_test::linear;
+using lin::inputs;
+using lin::lr;
+using lin::steps;
 constexpr std::size_t global_batch = 16;
-constexpr int steps = 3;
-constexpr double lr = 0.1;
-
-LOCKSTEP_HOST_DEVICE double sample_input(std::uint64_t s, std::size_t j) {
-    return std::sin(0.37 * static_cast<double>(s) + 1.3 * static_cast<double>(j));
-}
-LOCKSTEP_HOST_DEVICE double sample_target(std::uint64_t s) {
-    return std::cos(0.21 * static_cast<double>(s));
-}
-
-using context_type = lockstep::replica_context<float, comm_type>;
-
-struct linear_net {
-    context_type::handle w, b;
-    explicit linear_net(context_type& ctx) {
-        auto& reg = ctx.registry();
-        w = reg.add("fc.weight", {inputs});
-        b = reg.add("fc.bias", {1});
-        for (std::size_t j = 0; j < inputs; ++j)
-            w.value()[j] = 0.1f * static_cast<float>(j + 1);
-        b.value()[0] = 0.0f;
-    }
-};
-
-struct linear_grad_fn {
-    const float* w;
-    const float* b;
-    float* gw;
-    float* gb;
-    double* loss_slot;
-    std::size_t begin, end;
-    std::uint64_t offset;
-    double scale;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t task) const {
-        double sum = 0;
-        for (std::size_t p = begin; p < end; ++p) {
-            const std::uint64_t s = offset + p;
-            double y = b[0];
-            for (std::size_t j = 0; j < inputs; ++j)
-                y += static_cast<double>(w[j]) * sample_input(s, j);
-            const double e = y - sample_target(s);
-            sum += task < inputs ? e * sample_input(s, task) : task == inputs ? e : 0.5 * e * e;
-        }
-        if (task < inputs)
-            gw[task] = static_cast<float>(sum * scale);
-        else if (task == inputs)
-            gb[0] = static_cast<float>(sum * scale);
-        else if (loss_slot != nullptr)
-            *loss_slot += sum * scale;
-    }
-};
-
-void linear_step(linear_net& net, lockstep::shard_range r, context_type& ctx) {
-    thrust::for_each(ctx.system().policy(), thrust::counting_iterator<std::size_t>(0),
-                     thrust::counting_iterator<std::size_t>(inputs + 2),
-                     linear_grad_fn{net.w.value().data(), net.b.value().data(), net.w.grad().data(),
-                                    net.b.grad().data(), ctx.loss_slot(), r.begin, r.end,
-                                    r.sample_offset, r.scale});
-}
-
-/// Full-batch gradient descent in double: what flat replicas compute, up to float rounding.
-std::vector<double> reference_parameters() {
-    std::vector<double> v(inputs + 1, 0.0);
-    for (std::size_t j = 0; j < inputs; ++j)
-        v[j] = static_cast<double>(0.1f * static_cast<float>(j + 1));
-    for (int k = 0; k < steps; ++k) {
-        std::vector<double> g(inputs + 1, 0.0);
-        for (std::size_t p = 0; p < global_batch; ++p) {
-            const std::uint64_t s = static_cast<std::uint64_t>(k) * global_batch + p;
-            double y = v[inputs];
-            for (std::size_t j = 0; j < inputs; ++j)
-                y += v[j] * sample_input(s, j);
-            const double e = (y - sample_target(s)) / static_cast<double>(global_batch);
-            for (std::size_t j = 0; j < inputs; ++j)
-                g[j] += e * sample_input(s, j);
-            g[inputs] += e;
-        }
-        for (std::size_t i = 0; i < v.size(); ++i)
-            v[i] -= lr * g[i];
-    }
-    return v;
-}
+using linear_net = lin::net<comm_type>;
+using context_type = linear_net::context_type;
 
 template <class Reduce>
 using trainer_type = lockstep::data_parallel<linear_net, lockstep::optim::sgd<float, cuda_system>,
@@ -324,13 +249,13 @@ template <class Reduce>
 void check_training(lockstep::overlap_mode overlap) {
     group_type group(MPI_COMM_WORLD, my_devices());
     findings f;
-    const std::vector<double> ref = reference_parameters();
+    const std::vector<double> ref = lin::reference_parameters(global_batch);
     group.run([&](comm_type& comm) {
         trainer_type<Reduce> trainer(comm, [](context_type& ctx) { return linear_net(ctx); },
                                      {.lr = lr}, {.overlap = overlap});
         for (int k = 0; k < steps; ++k)
             (void)trainer.step(global_batch, [](linear_net& net, lockstep::shard_range sr,
-                                                context_type& ctx) { linear_step(net, sr, ctx); });
+                                                context_type& ctx) { lin::step(net, sr, ctx); });
         const auto mine = download(trainer.parameters(), comm);
         // Every replica holds rank 0's bits, and all match the reference within float rounding.
         auto first = upload(mine, comm.system());
@@ -346,14 +271,13 @@ void check_training(lockstep::overlap_mode overlap) {
     CHECK(errors_everywhere(f) == 0);
 }
 
-/// True on every rank when no rank has a CUDA device (set by main).
-bool no_gpu_anywhere = false;
-
 } // namespace
 
 TEST_CASE("gpu_hierarchical_group without any device throws errc::cuda on every process",
           "[comm][hierarchical][nccl][mpi]") {
-    if (!no_gpu_anywhere)
+    int mine = lockstep::cuda_device_count() > 0 ? 1 : 0, gpus_somewhere = 0;
+    MPI_Allreduce(&mine, &gpus_somewhere, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (gpus_somewhere != 0)
         return; // with devices somewhere the other cases run instead
     try {
         group_type group(MPI_COMM_WORLD);
@@ -380,33 +304,5 @@ TEST_CASE("data_parallel over gpu_hierarchical_group trains like flat replicas",
 }
 
 int main(int argc, char** argv) {
-    int provided = 0;
-    if (MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS)
-        return 2;
-    // Without a GPU on every rank, only the cases that need none run (all ranks agree).
-    int mine = lockstep::cuda_device_count() > 0 ? 1 : 0, gpus_everywhere = 0;
-    MPI_Allreduce(&mine, &gpus_everywhere, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-    int gpus_somewhere = 0;
-    MPI_Allreduce(&mine, &gpus_somewhere, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    no_gpu_anywhere = gpus_somewhere == 0;
-    const int rank = world_rank();
-    int result = 0;
-    {
-        Catch::Session session;
-        result = session.applyCommandLine(argc, argv);
-        if (result == 0 && !gpus_everywhere && session.configData().testsOrTags.empty())
-            session.configData().testsOrTags.emplace_back("~[gpu]");
-        if (result == 0)
-            result = session.run();
-    }
-    // Every rank must agree on failure, or CTest sees a half-failed job as passed.
-    int worst = 0;
-    MPI_Allreduce(&result, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    MPI_Finalize();
-    if (worst == 0 && !gpus_everywhere) {
-        if (rank == 0)
-            std::printf("no CUDA device on every rank: the GPU cases were not run (skipped)\n");
-        return lockstep_test::skip_return_code;
-    }
-    return worst;
+    return lockstep_test::run_cuda_mpi_session(argc, argv);
 }

@@ -6,6 +6,7 @@
 #include "lockstep/comm/nccl_communicator.hpp"
 #include "lockstep/system/buffer.hpp"
 
+#include "cuda_mpi_session.hpp"
 #include "cuda_test_support.hpp"
 
 #include <catch2/catch.hpp>
@@ -164,30 +165,5 @@ TEST_CASE("the MPI constructor adopts the caller's stream", "[comm][nccl][mpi][g
 }
 
 int main(int argc, char** argv) {
-    int provided = 0;
-    if (MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS)
-        return 2;
-    // Without a GPU on every rank, only the cases that need none run (all ranks agree).
-    int mine = lockstep::cuda_device_count() > 0 ? 1 : 0, gpus_everywhere = 0;
-    MPI_Allreduce(&mine, &gpus_everywhere, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-    const int rank = world_rank();
-    int result = 0;
-    {
-        Catch::Session session;
-        result = session.applyCommandLine(argc, argv);
-        if (result == 0 && !gpus_everywhere && session.configData().testsOrTags.empty())
-            session.configData().testsOrTags.emplace_back("~[gpu]");
-        if (result == 0)
-            result = session.run();
-    }
-    // Every rank must agree on failure, or CTest sees a half-failed job as passed.
-    int worst = 0;
-    MPI_Allreduce(&result, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    MPI_Finalize();
-    if (worst == 0 && !gpus_everywhere) {
-        if (rank == 0)
-            std::printf("no CUDA device on every rank: the GPU cases were not run (skipped)\n");
-        return lockstep_test::skip_return_code;
-    }
-    return worst;
+    return lockstep_test::run_cuda_mpi_session(argc, argv);
 }
