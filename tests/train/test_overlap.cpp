@@ -4,14 +4,23 @@
 // on the stream end as errors on every replica. SPDX-License-Identifier: Apache-2.0
 #include "train_runner.hpp"
 
+#include "lockstep/comm/comm_stream.hpp"
+#include "lockstep/comm/simulated_link.hpp"
 #include "lockstep/optim/adam.hpp"
 #include "lockstep/optim/sgd.hpp"
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <string>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/resource.h>
+#include <unistd.h>
+#endif
 
 using namespace lockstep;
 using namespace lockstep_test;
@@ -111,3 +120,52 @@ TEST_CASE("a replica that fails with buckets in flight is an error on every repl
         CHECK(errors[static_cast<std::size_t>(r)].find("lockstep error") != std::string::npos);
     }
 }
+
+TEST_CASE("a forced overlap runs the communication thread below the compute where the "
+          "collectives use the compute cores, and at normal priority over a link",
+          "[train][thread][overlap]") {
+    std::vector<int> shared(2, -1), linked(2, -1);
+    thread_group(2).run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        const detail::overlap_setting s = detail::use_overlap(comm, overlap_mode::always);
+        shared[r] = s.enabled && s.priority == comm_priority::background ? 1 : 0;
+        simulated_link<thread_communicator> link(comm, {.bandwidth = 1e12});
+        const detail::overlap_setting l = detail::use_overlap(link, overlap_mode::always);
+        linked[r] = l.enabled && l.priority == comm_priority::normal ? 1 : 0;
+    });
+    CHECK(shared == std::vector<int>{1, 1});
+    CHECK(linked == std::vector<int>{1, 1});
+}
+
+#if defined(__linux__)
+TEST_CASE("comm_priority::background raises the communication thread's nice value; normal keeps "
+          "the caller's",
+          "[train][thread][overlap]") {
+    const auto nice_of_this_thread = [] {
+        errno = 0;
+        const int n = getpriority(PRIO_PROCESS, static_cast<id_t>(gettid()));
+        return errno == 0 ? n : -100;
+    };
+    const int caller = nice_of_this_thread();
+    REQUIRE(caller != -100);
+    std::vector<int> background(2, -100), normal(2, -100);
+    thread_group(2).run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        comm_stream<thread_communicator> low(comm, comm_priority::background);
+        comm_stream<thread_communicator> same(comm);
+        low.submit([&](thread_communicator& c) {
+            background[r] = nice_of_this_thread();
+            c.barrier(); // the stream's communicator works at that priority
+        });
+        same.submit([&](thread_communicator& c) {
+            normal[r] = nice_of_this_thread();
+            c.barrier();
+        });
+        low.join();
+        same.join();
+    });
+    const int expected = std::min(caller + detail::background_nice, 19);
+    CHECK(background == std::vector<int>(2, expected));
+    CHECK(normal == std::vector<int>(2, caller));
+}
+#endif

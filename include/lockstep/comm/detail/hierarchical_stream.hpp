@@ -32,12 +32,13 @@ public:
     using communicator_type = hierarchical_communicator<Intra, Inter, Routes>;
 
     /// Splits comm (collective: every replica constructs its stream at the same point) and
-    /// starts the communication thread.
-    explicit comm_stream(communicator_type& comm)
+    /// starts the communication thread at `priority`.
+    explicit comm_stream(communicator_type& comm, comm_priority priority = comm_priority::normal)
         : compute_(comm.system()), comm_(comm.split(0, comm.rank())),
-          done_(comm_.system().device()), worker_([device = comm_.system().device()] {
-              LOCKSTEP_CUDA_CHECK(cudaSetDevice(device));
-          }) {}
+          done_(comm_.system().device()),
+          worker_(
+              [device = comm_.system().device()] { LOCKSTEP_CUDA_CHECK(cudaSetDevice(device)); },
+              priority) {}
     comm_stream(const comm_stream&) = delete;
     comm_stream& operator=(const comm_stream&) = delete;
 

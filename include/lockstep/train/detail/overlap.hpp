@@ -5,6 +5,7 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
+#include "lockstep/train/detail/reducer_base.hpp"
 #include "lockstep/train/train_params.hpp"
 
 #include <span>
@@ -17,15 +18,17 @@
 
 namespace lockstep::detail {
 
-/// True when buckets go on a comm_stream: overlap_mode::never never; always wherever the
-/// backend allows it (MPI needs MPI_THREAD_MULTIPLE: the communication thread calls MPI while
-/// the compute thread may too); automatic where it also pays (the collectives do not run on the
-/// compute cores: communicator_traits, MPI spanning nodes). Collective: the replicas agree on
-/// the least of their answers, so all of them build a stream or none does.
+/// Buckets go on a comm_stream with overlap_mode::always wherever the backend allows it (MPI
+/// needs MPI_THREAD_MULTIPLE: the communication thread calls MPI while the compute thread may
+/// too), with automatic where it also pays (the collectives do not run on the compute cores:
+/// communicator_traits, MPI spanning nodes), never with never. Where the collectives do run on
+/// the compute cores (a forced always), the communication thread runs at
+/// comm_priority::background. Collective: the replicas agree on the least of their answers, so
+/// all of them build a stream or none does, all at the same priority.
 template <communicator Comm>
-bool use_overlap(Comm& comm, overlap_mode mode) {
+overlap_setting use_overlap(Comm& comm, overlap_mode mode) {
     if (mode == overlap_mode::never)
-        return false;
+        return {};
     bool possible = true;
     bool pays = !communicator_traits<Comm>::collectives_use_compute_cores;
 #if LOCKSTEP_HAS_MPI
@@ -36,9 +39,11 @@ bool use_overlap(Comm& comm, overlap_mode mode) {
         pays = comm.spans_nodes();
     }
 #endif
-    int mine = (mode == overlap_mode::always ? possible : possible && pays) ? 1 : 0;
-    host_all_reduce(comm, std::span<const int>(&mine, 1), std::span<int>(&mine, 1), reduce_op::min);
-    return mine != 0;
+    int mine[2] = {(mode == overlap_mode::always ? possible : possible && pays) ? 1 : 0,
+                   pays ? 1 : 0};
+    host_all_reduce(comm, std::span<const int>(mine), std::span<int>(mine), reduce_op::min);
+    return {.enabled = mine[0] != 0,
+            .priority = mine[1] != 0 ? comm_priority::normal : comm_priority::background};
 }
 
 } // namespace lockstep::detail

@@ -30,7 +30,8 @@ class reducer<reduce::parameter_server<Root>, T, Communicator>
     using base = reducer_base<reducer, T, Communicator>;
 
 public:
-    reducer(Communicator& comm, const std::vector<tensor_info>& tensors, bool overlap = false)
+    reducer(Communicator& comm, const std::vector<tensor_info>& tensors,
+            overlap_setting overlap = {})
         : base(comm,
                plan_buckets(tensors, sizeof(T), buckets::first_bucket_bytes, buckets::bucket_bytes),
                tensors.size(), overlap) {

@@ -116,8 +116,9 @@ class reducer<reduce::reproducible<C>, T, Communicator>
 public:
     using system_type = typename Communicator::system_type;
 
-    reducer(Communicator& comm, const std::vector<tensor_info>& tensors, bool /*overlap*/ = false)
-        : all_reduce_reducer<T, Communicator>(comm, tensors, 1, 1, false),
+    reducer(Communicator& comm, const std::vector<tensor_info>& tensors,
+            overlap_setting /*overlap*/ = {})
+        : all_reduce_reducer<T, Communicator>(comm, tensors, 1, 1, overlap_setting{}),
           acc_(count(tensors), comm.system()) {}
 
     binned_accumulator<T, system_type>& accumulator() noexcept { return acc_; }

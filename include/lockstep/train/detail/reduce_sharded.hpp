@@ -195,7 +195,8 @@ class reducer<reduce::sharded<Bytes, FirstBytes>, T, Communicator>
     using system_type = typename Communicator::system_type;
 
 public:
-    reducer(Communicator& comm, const std::vector<tensor_info>& tensors, bool overlap = false)
+    reducer(Communicator& comm, const std::vector<tensor_info>& tensors,
+            overlap_setting overlap = {})
         : base(comm,
                plan_buckets(tensors, sizeof(T), policy::first_bucket_bytes, policy::bucket_bytes),
                tensors.size(), overlap),

@@ -26,7 +26,7 @@ class all_reduce_reducer
 
 public:
     all_reduce_reducer(Communicator& comm, const std::vector<tensor_info>& tensors,
-                       std::size_t first_bytes, std::size_t bytes, bool overlap)
+                       std::size_t first_bytes, std::size_t bytes, overlap_setting overlap)
         : base(comm, plan_buckets(tensors, sizeof(T), first_bytes, bytes), tensors.size(),
                overlap) {}
 
@@ -39,7 +39,8 @@ public:
 template <class T, class Communicator>
 class reducer<reduce::per_tensor, T, Communicator> : public all_reduce_reducer<T, Communicator> {
 public:
-    reducer(Communicator& comm, const std::vector<tensor_info>& tensors, bool overlap = false)
+    reducer(Communicator& comm, const std::vector<tensor_info>& tensors,
+            overlap_setting overlap = {})
         : all_reduce_reducer<T, Communicator>(comm, tensors, 1, 1, overlap) {}
 };
 
@@ -50,7 +51,8 @@ class reducer<reduce::bucketed<Bytes, FirstBytes>, T, Communicator>
     using policy = reduce::bucketed<Bytes, FirstBytes>;
 
 public:
-    reducer(Communicator& comm, const std::vector<tensor_info>& tensors, bool overlap = false)
+    reducer(Communicator& comm, const std::vector<tensor_info>& tensors,
+            overlap_setting overlap = {})
         : all_reduce_reducer<T, Communicator>(comm, tensors, policy::first_bucket_bytes,
                                               policy::bucket_bytes, overlap) {}
 };

@@ -21,10 +21,10 @@ namespace lockstep::detail {
 
 /// reducer<Policy, T, Communicator> reduces one flat buffer laid out as `tensors` over the
 /// replicas of a communicator. Interface (every specialisation, through reducer_base):
-/// - reducer(comm, tensors, overlap = false): plans the pieces (buckets) once; with `overlap`
-///   the pieces are reduced on a comm_stream (a communication thread on the host, a side
-///   stream on CUDA) while the caller goes on computing (collective: every replica passes the
-///   same `overlap`).
+/// - reducer(comm, tensors, overlap = {}): plans the pieces (buckets) once; with
+///   `overlap.enabled` the pieces are reduced on a comm_stream (a communication thread at
+///   `overlap.priority` on the host, a side stream on CUDA) while the caller goes on computing
+///   (collective: every replica passes the same `overlap`).
 /// - begin(data, check = {}): starts the reduction of data (the flat gradient buffer); nothing
 ///   launched. check(k, piece), when given, is called right before piece k is launched.
 /// - mark_ready(t): tensor t of data is final; launches every piece now complete, in order.
@@ -39,6 +39,13 @@ namespace lockstep::detail {
 template <class Policy, class T, class Communicator>
 class reducer;
 
+/// Whether a reducer reduces its pieces on a comm_stream, and at which priority the stream's
+/// communication thread runs (detail::use_overlap decides both).
+struct overlap_setting {
+    bool enabled = false;
+    comm_priority priority = comm_priority::normal;
+};
+
 /// What every reducer shares: the bucket plan, the launch order, and where a piece is reduced
 /// (inline on the replica's communicator, or on its communication stream). A policy derives from
 /// it and supplies `reduce_piece(Communicator& c, std::span<T> piece)` (or
@@ -49,10 +56,11 @@ class reducer;
 template <class Derived, class T, class Communicator>
 class reducer_base {
 public:
-    reducer_base(Communicator& comm, std::vector<bucket> plan, std::size_t tensors, bool overlap)
+    reducer_base(Communicator& comm, std::vector<bucket> plan, std::size_t tensors,
+                 overlap_setting overlap)
         : comm_(&comm), launcher_(std::move(plan), tensors) {
-        if (overlap)
-            stream_.emplace(comm);
+        if (overlap.enabled)
+            stream_.emplace(comm, overlap.priority);
     }
 
     /// Called as check(k, piece) on the calling thread right before piece k (of plan()) is
