@@ -187,10 +187,15 @@ struct row {
     double compute_ms = 0; ///< a step without reduction
     double all_reduce_ms = 0;
     double model_ms = -1; ///< the simulated link's modelled wire time (-1: not simulated)
+    /// The simulated link's carriage: the buckets all_reduced alone over the wrapped communicator
+    /// (no wire time), memory work on the compute cores (-1: not simulated).
+    double carriage_ms = -1;
     double never_ms = 0;
     double always_ms = 0;
     bool always_overlaps = false;    ///< overlap_mode::always got a communication stream
     bool automatic_overlaps = false; ///< what overlap_mode::automatic chooses here
+    bool background =
+        false; ///< overlap_mode::always's communication thread runs at background priority
     std::size_t buckets = 0;
     bool ddp = false; ///< torch DDP's row: one step, overlapped as DDP does
 };
@@ -223,7 +228,9 @@ row run_config(Comm& comm, Fence fence, Model model, const options& opt, std::st
     const optim::sgd_params sgd{.lr = 1e-3, .momentum = 0.9};
     full_t never(comm, factory, sgd, train_params{.overlap = overlap_mode::never});
     full_t always(comm, factory, sgd, train_params{.overlap = overlap_mode::always});
-    const bool automatic = detail::use_overlap(comm, overlap_mode::automatic);
+    const bool automatic = detail::use_overlap(comm, overlap_mode::automatic).enabled;
+    const bool background =
+        detail::use_overlap(comm, overlap_mode::always).priority == comm_priority::background;
     solo_t solo(solo_comm, factory, sgd, train_params{.overlap = overlap_mode::never});
 
     // The reduction alone: the trainer's buckets, in its order, over a gradient-sized buffer.
@@ -262,17 +269,27 @@ row run_config(Comm& comm, Fence fence, Model model, const options& opt, std::st
     const double first = timed([&] { solo_net.backward(solo_ctx); });
     work->set_total(rate[0] * target_ms * 1e-3 * (target_ms / first));
 
-    std::vector<double> compute, reduce, step_never, step_always;
+    // The simulated link's carriage alone: its wrapped communicator, no wire time.
+    const auto carriage_alone = [&] {
+        if constexpr (requires { comm.inner(); })
+            for (const auto& b : never.buckets()) {
+                std::span<float> piece(grads.data() + b.offset, b.size);
+                comm.inner().all_reduce(std::span<const float>(piece), piece, reduce_op::sum);
+            }
+    };
+    std::vector<double> compute, reduce, carriage, step_never, step_always;
     const int reps = opt.quick ? 3 : opt.reps;
     for (int rep = 0; rep <= reps; ++rep) { // round-robin; repetition 0 warms up
         const double c = timed([&] { train_step(solo); });
         const double r = timed(reduce_alone);
+        const double k = timed(carriage_alone);
         const double n = timed([&] { train_step(never); });
         const double a = timed([&] { train_step(always); });
         if (rep == 0)
             continue;
         compute.push_back(c);
         reduce.push_back(r);
+        carriage.push_back(k);
         step_never.push_back(n);
         step_always.push_back(a);
     }
@@ -283,10 +300,12 @@ row run_config(Comm& comm, Fence fence, Model model, const options& opt, std::st
     out.compute_ms = median(compute);
     out.all_reduce_ms = median(reduce);
     out.model_ms = model_ms >= 0 ? model_ms : -1;
+    out.carriage_ms = model_ms >= 0 ? median(carriage) : -1;
     out.never_ms = median(step_never);
     out.always_ms = median(step_always);
     out.always_overlaps = always.overlaps();
     out.automatic_overlaps = automatic;
+    out.background = background;
     out.buckets = never.buckets().size();
     if (me == 0) {
         std::string sizes;
@@ -307,6 +326,14 @@ row run_config(Comm& comm, Fence fence, Model model, const options& opt, std::st
     }
     std::fflush(stdout);
     return out;
+}
+
+/// What a step that hides the wire completely still costs on cores that also carry the data:
+/// (compute + carriage) / max(compute, wire). -1 off the simulated link.
+double floor_over_max(const row& r) {
+    if (r.carriage_ms < 0)
+        return -1;
+    return (r.compute_ms + r.carriage_ms) / std::max(r.compute_ms, r.model_ms);
 }
 
 void print_header() {
@@ -337,6 +364,13 @@ void print_rows(const std::vector<row>& rows) {
         print_row(r, r.always_overlaps ? "always" : "always*", r.always_ms);
     }
     for (const row& r : rows)
+        if (r.carriage_ms >= 0)
+            std::printf("floor, %s, %d replicas: compute + carriage (the wrapped communicator's "
+                        "all_reduce alone, %.1f ms, memory work on the same cores) = %.1f ms = "
+                        "%.3f x max(compute, wire); overlap always = %.3f x that floor\n",
+                        r.backend.c_str(), r.replicas, r.carriage_ms, r.compute_ms + r.carriage_ms,
+                        floor_over_max(r), r.always_ms / (r.compute_ms + r.carriage_ms));
+    for (const row& r : rows)
         if (r.model_ms > 0)
             std::printf("wire model, %s, %d replicas: reduction alone %.1f ms / modelled %.1f ms "
                         "= %.3f\n",
@@ -349,20 +383,25 @@ void print_rows(const std::vector<row>& rows) {
                         r.backend.c_str());
     for (const row& r : rows)
         if (!r.ddp)
-            std::printf("overlap_mode::automatic, %s, %d replicas: %s\n", r.backend.c_str(),
-                        r.replicas, r.automatic_overlaps ? "always" : "never");
+            std::printf("overlap_mode::automatic, %s, %d replicas: %s; always's communication "
+                        "thread: %s priority\n",
+                        r.backend.c_str(), r.replicas, r.automatic_overlaps ? "always" : "never",
+                        r.background ? "background" : "normal");
 }
 
 /// The table's rows as CSV (nothing when path is empty); wire_model_ms is empty off the
 /// simulated link.
 void write_csv(const std::vector<row>& rows, const std::string& path) {
     bench_csv::writer csv(path, {"bench", "backend", "replicas", "mode", "compute_ms", "reduce_ms",
-                                 "wire_model_ms", "step_ms", "step_over_max", "step_over_sum"});
+                                 "wire_model_ms", "step_ms", "step_over_max", "step_over_sum",
+                                 "carriage_ms", "floor_over_max"});
     const auto add = [&](const row& r, const char* mode, double step) {
         const double wire = r.model_ms >= 0 ? r.model_ms : r.all_reduce_ms;
         csv.row({"overlap", r.backend, r.replicas, mode, r.compute_ms, r.all_reduce_ms,
                  r.model_ms >= 0 ? bench_csv::cell(r.model_ms) : bench_csv::cell(""), step,
-                 step / std::max(r.compute_ms, wire), step / (r.compute_ms + r.all_reduce_ms)});
+                 step / std::max(r.compute_ms, wire), step / (r.compute_ms + r.all_reduce_ms),
+                 r.carriage_ms >= 0 ? bench_csv::cell(r.carriage_ms) : bench_csv::cell(""),
+                 r.carriage_ms >= 0 ? bench_csv::cell(floor_over_max(r)) : bench_csv::cell("")});
     };
     for (const row& r : rows) {
         if (r.ddp) {
