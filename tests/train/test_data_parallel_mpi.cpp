@@ -92,6 +92,9 @@ TEST_CASE("buckets on a communication thread over MPI equal the inline reduction
     // The main below asks for MPI_THREAD_MULTIPLE; without it `always` falls back to inline.
     CHECK(on == (level == MPI_THREAD_MULTIPLE));
     CHECK_FALSE(off);
+    // One node: a forced overlap's communication thread runs below the compute.
+    REQUIRE_FALSE(world.spans_nodes());
+    CHECK(detail::use_overlap(world, overlap_mode::always).priority == comm_priority::background);
     REQUIRE(threaded.size() == inline_.size());
     for (std::size_t s = 0; s < threaded.size(); ++s)
         CHECK(std::memcmp(threaded[s].data(), inline_[s].data(),

@@ -121,14 +121,14 @@ TEST_CASE("a replica that fails with buckets in flight is an error on every repl
     }
 }
 
-TEST_CASE("a forced overlap runs the communication thread below the compute where the "
-          "collectives use the compute cores, and at normal priority over a link",
+TEST_CASE("a forced overlap on the thread group or a simulated link keeps the communication "
+          "thread at normal priority",
           "[train][thread][overlap]") {
     std::vector<int> shared(2, -1), linked(2, -1);
     thread_group(2).run([&](thread_communicator& comm) {
         const auto r = static_cast<std::size_t>(comm.rank());
         const detail::overlap_setting s = detail::use_overlap(comm, overlap_mode::always);
-        shared[r] = s.enabled && s.priority == comm_priority::background ? 1 : 0;
+        shared[r] = s.enabled && s.priority == comm_priority::normal ? 1 : 0;
         simulated_link<thread_communicator> link(comm, {.bandwidth = 1e12});
         const detail::overlap_setting l = detail::use_overlap(link, overlap_mode::always);
         linked[r] = l.enabled && l.priority == comm_priority::normal ? 1 : 0;

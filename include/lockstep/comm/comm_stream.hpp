@@ -34,11 +34,10 @@ enum class comm_priority {
     /// The priority of the thread that made it.
     normal,
     /// Lower than the compute threads' (Linux: nice raised by detail::background_nice, at most
-    /// 19): for communicators whose collectives are memory work on the compute cores
-    /// (communicator_traits), where a communication thread that competes with the compute for
-    /// a core only slows it. The thread then runs when the compute leaves a core idle (a replica
-    /// waiting for a slower one, the compute thread waiting in join) and otherwise after
-    /// backward. It also yields to the other processes of the machine. Elsewhere: normal.
+    /// 19; elsewhere normal). The thread then takes a core when the compute leaves one idle (a
+    /// replica waiting for a slower one, the compute thread waiting in join) instead of
+    /// competing with the compute for it. It also yields to the machine's other processes.
+    /// data_parallel uses it for a forced overlap on single-node MPI (detail::use_overlap).
     background
 };
 
@@ -46,8 +45,8 @@ namespace detail {
 
 /// How much comm_priority::background raises a communication thread's nice value. (Measured,
 /// single-node MPI, 2 ranks on 2 cores, ResNet-50-shaped step: +5, +10 and +19 all took a
-/// forced overlap from 1.0x to 0.90-0.93x the step without it; +10 yields less to other
-/// processes than +19.)
+/// forced overlap from 1.0-1.04x to 0.90-0.93x the step without it; +10 yields less to the
+/// machine's other processes than +19.)
 inline constexpr int background_nice = 10;
 
 /// Lowers the calling thread's CPU priority by background_nice (Linux: nice is per thread).

@@ -20,8 +20,8 @@ enum class overlap_mode {
     /// "communication" is memory work on the same cores as the compute.
     automatic,
     /// Always on a communication stream (MPI without MPI_THREAD_MULTIPLE falls back to inline).
-    /// Where the collectives use the compute cores (the thread group, single-node MPI) the
-    /// communication thread runs at comm_priority::background, below the compute.
+    /// On single-node MPI the communication thread runs at comm_priority::background, below
+    /// the compute.
     always,
     /// Always inline: a bucket is reduced in mark_ready / finish on the calling thread or stream.
     never
