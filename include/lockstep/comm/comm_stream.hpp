@@ -44,9 +44,10 @@ enum class comm_priority {
 namespace detail {
 
 /// How much comm_priority::background raises a communication thread's nice value. (Measured,
-/// single-node MPI, 2 ranks on 2 cores, ResNet-50-shaped step: +5, +10 and +19 all took a
-/// forced overlap from 1.0-1.04x to 0.90-0.93x the step without it; +10 yields less to the
-/// machine's other processes than +19.)
+/// single-node MPI, 2 ranks on 2 cores, ResNet-50-shaped step, docs/overlap.md: a forced
+/// overlap at +10 took 0.91-1.06x the step without it over 7 runs, median 0.97, against
+/// 0.96-1.02x at normal priority; +5 and +19 measured alike; +10 yields less to the machine's
+/// other processes than +19.)
 inline constexpr int background_nice = 10;
 
 /// Lowers the calling thread's CPU priority by background_nice (Linux: nice is per thread).
