@@ -194,8 +194,8 @@ struct row {
     double always_ms = 0;
     bool always_overlaps = false;    ///< overlap_mode::always got a communication stream
     bool automatic_overlaps = false; ///< what overlap_mode::automatic chooses here
-    bool background =
-        false; ///< overlap_mode::always's communication thread runs at background priority
+    /// overlap_mode::always's communication thread runs at background priority
+    bool background = false;
     std::size_t buckets = 0;
     bool ddp = false; ///< torch DDP's row: one step, overlapped as DDP does
 };
@@ -235,12 +235,13 @@ row run_config(Comm& comm, Fence fence, Model model, const options& opt, std::st
 
     // The reduction alone: the trainer's buckets, in its order, over a gradient-sized buffer.
     std::vector<float> grads(work->floats(), 1e-4f);
-    const auto reduce_alone = [&] {
+    const auto reduce_buckets = [&](auto& over) {
         for (const auto& b : never.buckets()) {
             std::span<float> piece(grads.data() + b.offset, b.size);
-            comm.all_reduce(std::span<const float>(piece), piece, reduce_op::sum);
+            over.all_reduce(std::span<const float>(piece), piece, reduce_op::sum);
         }
     };
+    const auto reduce_alone = [&] { reduce_buckets(comm); };
     double model_ms = 0;
     for (const auto& b : never.buckets())
         model_ms += model(b.size * sizeof(float));
@@ -272,10 +273,7 @@ row run_config(Comm& comm, Fence fence, Model model, const options& opt, std::st
     // The simulated link's carriage alone: its wrapped communicator, no wire time.
     const auto carriage_alone = [&] {
         if constexpr (requires { comm.inner(); })
-            for (const auto& b : never.buckets()) {
-                std::span<float> piece(grads.data() + b.offset, b.size);
-                comm.inner().all_reduce(std::span<const float>(piece), piece, reduce_op::sum);
-            }
+            reduce_buckets(comm.inner());
     };
     std::vector<double> compute, reduce, carriage, step_never, step_always;
     const int reps = opt.quick ? 3 : opt.reps;
