@@ -48,7 +48,11 @@ struct staged_upload<T, cuda_system> {
 /// all_reduce of host arrays. On a host communicator it is comm.all_reduce itself (no copy);
 /// otherwise send goes through pinned memory into a buffer in the communicator's memory, is
 /// reduced there in place, and comes back through pinned memory; the one wait polls through the
-/// communicator (wait_for), so a failed peer is an error, not a hang.
+/// communicator (wait_for), so a failed peer is an error, not a hang. Every allocation (the
+/// pinned staging of both directions, the device buffer) happens BEFORE the collective is
+/// enqueued: cudaMallocHost takes the driver's lock, and between an NCCL enqueue and its wait
+/// that can deadlock with another thread's NCCL operation that holds the lock while it waits
+/// for this replica's part of a collective.
 /// requires: send.size() == recv.size(). Collective.
 template <class Communicator, class T>
 void host_all_reduce(Communicator& comm, std::span<const T> send, std::span<T> recv, reduce_op op) {
@@ -59,8 +63,8 @@ void host_all_reduce(Communicator& comm, std::span<const T> send, std::span<T> r
         comm.all_reduce(send, recv, op);
     } else {
         staged_upload<T, system_type> staged(send, comm.system());
-        comm.all_reduce(std::span<const T>(staged.device.span()), staged.device.span(), op);
         staged_read<T, system_type> back(recv.size() == 0 ? 1 : recv.size(), comm.system());
+        comm.all_reduce(std::span<const T>(staged.device.span()), staged.device.span(), op);
         back.enqueue(std::span<const T>(staged.device.span()));
         const std::span<const T> v = wait_for(comm, back, "host_all_reduce");
         std::copy(v.begin(), v.end(), recv.begin());
@@ -68,7 +72,8 @@ void host_all_reduce(Communicator& comm, std::span<const T> send, std::span<T> r
 }
 
 /// all_gather of host arrays (recv holds comm.size() blocks of send.size()), staged like
-/// host_all_reduce when the communicator's memory is not the host. Collective.
+/// host_all_reduce when the communicator's memory is not the host (every allocation before the
+/// collective is enqueued, as there). Collective.
 template <class Communicator, class T>
 void host_all_gather(Communicator& comm, std::span<const T> send, std::span<T> recv) {
     using system_type = typename Communicator::system_type;
@@ -77,8 +82,8 @@ void host_all_gather(Communicator& comm, std::span<const T> send, std::span<T> r
     } else {
         staged_upload<T, system_type> mine(send, comm.system());
         buffer<T, system_type> all(recv.size(), comm.system());
-        comm.all_gather(std::span<const T>(mine.device.span()), all.span());
         staged_read<T, system_type> back(recv.size() == 0 ? 1 : recv.size(), comm.system());
+        comm.all_gather(std::span<const T>(mine.device.span()), all.span());
         back.enqueue(std::span<const T>(all.span()));
         const std::span<const T> v = wait_for(comm, back, "host_all_gather");
         std::copy(v.begin(), v.end(), recv.begin());
