@@ -130,6 +130,17 @@ public:
 
     friend bool operator==(const cuda_system&, const cuda_system&) = default;
 
+    /// True while stream() is being captured into a CUDA graph (cudaStreamIsCapturing: active,
+    /// or invalidated by an error): work enqueued now is recorded into the graph and runs only
+    /// when the graph is launched, so the host must not wait for it. Found by
+    /// detail::capturing (system/system.hpp) through argument-dependent lookup.
+    friend bool is_capturing(const cuda_system& sys) {
+        cuda_device_guard guard(sys.device_);
+        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+        LOCKSTEP_CUDA_CHECK(cudaStreamIsCapturing(sys.stream_, &status));
+        return status != cudaStreamCaptureStatusNone;
+    }
+
     // Copies between systems, found by argument-dependent lookup from lockstep::copy. Each
     // returns once the bytes have arrived (the copy is synchronised), as copy() promises.
 
@@ -262,10 +273,24 @@ public:
 
     /// The event handle.
     cudaEvent_t get() const noexcept { return event_; }
-    /// Records the event after the work enqueued so far on sys's stream.
+    /// Records the event after the work enqueued so far on sys's stream, for another stream's
+    /// wait (make_wait); inside a stream capture it becomes a dependency between graph nodes.
     void record(const cuda_system& sys) {
         cuda_device_guard guard(sys.device());
         LOCKSTEP_CUDA_CHECK(cudaEventRecord(event_, sys.stream()));
+    }
+    /// Records the event after the work enqueued so far on sys's stream, for a wait on the
+    /// HOST (cudaEventQuery, wait_for). While the stream is being captured into a CUDA graph a
+    /// plain record (record()) is only an edge between the graph's nodes, which the host can
+    /// never query (cudaErrorCapturedEvent); this one is then an external event record node
+    /// (cudaEventRecordExternal), so every launch of the graph records the event again.
+    void record_for_host(const cuda_system& sys) {
+        cuda_device_guard guard(sys.device());
+        if (is_capturing(sys))
+            LOCKSTEP_CUDA_CHECK(
+                cudaEventRecordWithFlags(event_, sys.stream(), cudaEventRecordExternal));
+        else
+            LOCKSTEP_CUDA_CHECK(cudaEventRecord(event_, sys.stream()));
     }
     /// Makes every later kernel of sys wait for the work this event recorded (no host wait).
     void make_wait(const cuda_system& sys) const {

@@ -19,7 +19,9 @@ namespace lockstep {
 /// complete (comm/host_wait.hpp's wait_for polls for it with the communicator's failure checks
 /// and timeout) values() holds the data. On CUDA the host side is pinned memory and completion
 /// is an event, so the copy never blocks and never synchronises the stream; on the host system
-/// the copy happens in enqueue().
+/// the copy happens in enqueue(). A read enqueued while the stream is being captured into a CUDA
+/// graph becomes part of the graph: every launch copies into the same host memory and records the
+/// event again, and the host waits for a launch, never during the capture (wait_for refuses).
 template <class T, class System>
 class staged_read;
 
@@ -61,8 +63,10 @@ public:
 
     std::size_t capacity() const noexcept { return values_.size(); }
     /// Queues the copy of src (device memory of the system) behind the work already enqueued
-    /// on its stream and records the completion event. requires: src.size() <= capacity();
-    /// the previous read was waited for (its host values are overwritten).
+    /// on its stream and records the completion event for the host (cuda_event::record_for_host:
+    /// inside a stream capture an external record, which each launch of the graph repeats).
+    /// requires: src.size() <= capacity(); the previous read was waited for (its host values
+    /// are overwritten).
     void enqueue(std::span<const T> src) {
         LOCKSTEP_REQUIRE(src.size() <= values_.size(), errc::internal, -1, "staged_read",
                          src.size(), " values for a read of ", values_.size());
@@ -72,7 +76,7 @@ public:
             LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(values_.data(), src.data(), size_ * sizeof(T),
                                                 cudaMemcpyDeviceToHost, sys_.stream()));
         }
-        done_.record(sys_);
+        done_.record_for_host(sys_);
     }
     /// The event recorded after the copy.
     cudaEvent_t event() const noexcept { return done_.get(); }

@@ -47,4 +47,17 @@ concept execution_system = std::copyable<S> && std::equality_comparable<S> &&
     noexcept;
 } &&(S::alignment > 0 && (S::alignment & (S::alignment - 1)) == 0);
 
+namespace detail {
+/// True while s's work is being captured into a graph instead of run (a CUDA stream capture):
+/// what the system's own `is_capturing(s)` says, found by argument-dependent lookup
+/// (cuda_system has one); false for a system without one (the host system runs work at once).
+template <execution_system S>
+bool capturing(const S& s) {
+    if constexpr (requires { is_capturing(s); })
+        return static_cast<bool>(is_capturing(s));
+    else
+        return false;
+}
+} // namespace detail
+
 } // namespace lockstep
