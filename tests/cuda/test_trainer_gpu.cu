@@ -338,8 +338,8 @@ TEST_CASE("GPU trainer: a step with three bn::global layers waits on the host on
 namespace {
 /// One warm-up step (it allocates the layers' workspaces and makes the momentum buffer's first
 /// step), then 3 steps: uncaptured, or one step captured in a CUDA graph on the communicator's
-/// stream and replayed 3 times. The data is the same batch every step (fixed_data), since a
-/// captured step replays its host-side arguments.
+/// stream and launched 3 times, each launch counted (count_replay). The data is the same batch
+/// every step (fixed_data), since a captured step replays its host-side arguments.
 run_log graph_run(nccl_communicator& comm, bool capture) {
     using net_t = tn::test_net<nccl_communicator, bn::global>;
     using trainer_t = data_parallel<net_t, optim::sgd<float, cuda_system>, sync::synchronous,
@@ -372,12 +372,16 @@ run_log graph_run(nccl_communicator& comm, bool capture) {
         LOCKSTEP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
         cudaGraphExec_t exec = nullptr;
         LOCKSTEP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-        for (int s = 0; s < 3; ++s)
+        for (int s = 0; s < 3; ++s) {
             LOCKSTEP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+            (void)trainer.count_replay();
+        }
         comm.synchronize();
         LOCKSTEP_CUDA_CHECK(cudaGraphExecDestroy(exec));
         LOCKSTEP_CUDA_CHECK(cudaGraphDestroy(graph));
     }
+    LOCKSTEP_REQUIRE(trainer.steps() == 4, errc::internal, comm.rank(), "graph_run",
+                     "steps() = ", trainer.steps(), " after 4 steps (or 1 and 3 counted launches)");
     log.params.push_back(to_host(std::span<const float>(trainer.parameters()), comm.system()));
     return log;
 }

@@ -20,6 +20,7 @@
 #include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/detail/reduce_reproducible.hpp"
 #include "lockstep/train/detail/reducer.hpp"
+#include "lockstep/train/detail/step_capture.hpp"
 #include "lockstep/train/detail/step_checks.hpp"
 #include "lockstep/train/detail/trainer_base.hpp"
 #include "lockstep/train/loss_scaler.hpp"
@@ -33,6 +34,7 @@
 #include <exception>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -94,7 +96,8 @@ public:
           status_(rows_ + status_size, comm.system()), skip_(1, comm.system()),
           checks_(reducer_.plan(), core_.registry().grads().size(), comm.system()),
           read_(rows_ + status_size, comm.system()),
-          scaler_(core_.params().loss_scale, comm.system(), comm.rank()) {
+          scaler_(core_.params().loss_scale, comm.system(), comm.rank()),
+          losses_(reproducible ? 3 : 0, comm.system()) {
         if constexpr (reproducible)
             LOCKSTEP_REQUIRE(core_.params().micro_batches == 1, errc::invalid_argument, comm.rank(),
                              "data_parallel", "micro_batches = ", core_.params().micro_batches,
@@ -139,29 +142,89 @@ public:
     /// that throws (here or in fn) aborts a communicator that can be aborted (nccl_communicator),
     /// so its peers get errc::peer_failure instead of waiting forever. requires: global_batch >= 1.
     /// ensures: the returned result is the same on every replica (synchronous).
+    /// Called while the communicator's stream is being captured into a CUDA graph (synchronous
+    /// steps; not local SGD, not buckets overlapped by a communication thread: else
+    /// errc::unsupported before any work), the step is RECORDED, not run: it returns with
+    /// ready == false without waiting (whatever train_params::read_result says), steps(),
+    /// samples() and read_result() stay as they were, and each launch of the graph is counted
+    /// by count_replay(). A launch repeats the device work with the values of the capture (lr,
+    /// global_batch, the step index and sample offsets fn saw); weights, optimizer state and
+    /// step count, the loss scale and the step's status advance in device memory. During the
+    /// capture ctx.loss_scale() throws with loss scaling (read loss_scale_device()). See
+    /// docs/train_api.md, "Capturing a step in a CUDA graph".
     template <class Fn>
     step_result step(std::size_t global_batch, Fn&& fn) {
+        const bool capture = detail::capturing(core_.comm().system());
+        if (capture)
+            detail::step_capture::check_capturable(
+                this->rank(), is_local_sgd_v<SyncPolicy>,
+                reducer_.overlaps() && !detail::overlaps_on_side_stream<Communicator>);
         try {
+            capturing_ = capture;
+            step_result r;
             if constexpr (is_local_sgd_v<SyncPolicy>)
-                return local_step(global_batch, fn);
+                r = local_step(global_batch, fn);
             else if constexpr (reproducible)
-                return reproducible_step(global_batch, fn);
+                r = reproducible_step(global_batch, fn);
             else
-                return synchronous_step(global_batch, fn);
+                r = synchronous_step(global_batch, fn);
+            if (capture) {
+                // Nothing ran: the host counts each launch instead (count_replay).
+                capture_.record(r.step, global_batch, r.lr);
+                core_.retract(global_batch);
+                capturing_ = false;
+            }
+            return r;
         } catch (...) {
+            capturing_ = false;
             reducer_.drain();
             abort_communicator();
             throw;
         }
     }
 
-    /// The result of the last step: waits for it (one synchronisation through the
-    /// communicator's polling wait) and throws the errors it found, as step() does with
-    /// train_params::read_result. Use it with read_result = false, e.g. every N steps.
-    /// requires: a step was taken.
+    /// Counts one launch of the CUDA graph holding the step captured last (see step()): call it
+    /// once per launch, after cudaGraphLaunch on the communicator's stream. ensures: steps()
+    /// grows by 1 and samples() by the captured global_batch, as after the plain step; the
+    /// result is this launch's (the graph records the read's event on every launch): with
+    /// train_params::read_result it is waited for here (through the communicator, throwing the
+    /// step's errors and aborting the communicator as step() does), else read_result() reads it.
+    /// requires: a step was captured; the stream is not being captured; train_params::lr gives
+    /// step steps() the captured rate, which every launch applies. Otherwise lockstep::error
+    /// (errc::invalid_argument) naming the values, and nothing is counted.
+    step_result count_replay() {
+        step_result r;
+        r.step = core_.steps();
+        r.lr = core_.lr_for(r.step);
+        const std::size_t global = capture_.check_replay(
+            this->rank(), detail::capturing(core_.comm().system()), r.step, r.lr);
+        (void)next_sample_offset(core_.samples(), global, this->rank());
+        core_.advance(global);
+        r.ready = false;
+        last_ = r;
+        if (!core_.params().read_result)
+            return r;
+        try {
+            return finish_result(r);
+        } catch (...) {
+            abort_communicator();
+            throw;
+        }
+    }
+
+    /// The result of the last step (or counted launch, count_replay()): waits for it (one
+    /// synchronisation through the communicator's polling wait) and throws the errors it found,
+    /// as step() does with train_params::read_result. Use it with read_result = false, e.g.
+    /// every N steps. requires: a step was taken; the stream is not being captured into a CUDA
+    /// graph (else errc::invalid_argument, and the communicator stays usable).
     step_result read_result() {
         LOCKSTEP_REQUIRE(core_.steps() > 0, errc::invalid_argument, this->rank(),
                          "data_parallel.read_result", "no step was taken yet");
+        LOCKSTEP_REQUIRE(!detail::capturing(core_.comm().system()), errc::invalid_argument,
+                         this->rank(), "data_parallel.read_result",
+                         "the stream is being captured into a CUDA graph: the result of step ",
+                         last_.step,
+                         " is read after a launch of the graph (count_replay), not inside it");
         try {
             return finish_result(last_);
         } catch (...) {
@@ -217,7 +280,7 @@ private:
         auto& ctx = core_.context();
         const auto sys = core_.comm().system();
         begin_status();
-        ctx.set_loss_scale(scaler_.scale_device(), scaler_.known_scale());
+        ctx.set_loss_scale(scaler_.scale_device(), host_loss_scale());
         core_.zero_grads();
         // Each piece is checked for NaN/inf right before its reduction: the counts are this
         // replica's own, so the message can name the replica and the tensor.
@@ -298,13 +361,11 @@ private:
         (void)next_sample_offset(core_.samples(), global, this->rank());
         const bn::detail::ghost_step_scope ghost_scope(global);
         begin_status();
-        ctx.set_loss_scale(scaler_.scale_device(), scaler_.known_scale());
+        ctx.set_loss_scale(scaler_.scale_device(), host_loss_scale());
         acc.clear();
         constexpr std::size_t chunk = ReducePolicy::chunk_samples;
         const shard_range mine =
             detail::reproducible_chunks(global, chunk, this->rank(), this->size());
-        if (losses_.empty())
-            losses_ = buffer<double, system_type>(3, sys);
         double* chunk_loss = losses_.data();
         {
             detail::status_scope scope(sink_);
@@ -374,7 +435,7 @@ private:
         auto& ctx = core_.context();
         const auto sys = core_.comm().system();
         begin_status();
-        ctx.set_loss_scale(scaler_.scale_device(), scaler_.known_scale());
+        ctx.set_loss_scale(scaler_.scale_device(), host_loss_scale());
         core_.zero_grads();
         double host_loss = 0;
         {
@@ -453,6 +514,15 @@ private:
         }
     }
 
+    /// What ctx.loss_scale() answers in this step: the scale the host knows, except while
+    /// capturing with loss scaling (a launch runs with the scale then in device memory, which
+    /// the host value at the capture would freeze into the graph).
+    std::optional<double> host_loss_scale() const {
+        if (capturing_ && scaler_.enabled())
+            return std::nullopt;
+        return scaler_.known_scale();
+    }
+
     /// Zeroes the step's status and points the layers' error reports and commit hooks at it.
     void begin_status() {
         const auto sys = core_.comm().system();
@@ -484,9 +554,13 @@ private:
     }
 
     /// Queues the read of the status; with read_result, waits for it and returns the result.
+    /// While capturing: the read is part of the graph (each launch repeats it); nothing waits
+    /// and last_ stays the last step that ran.
     step_result end_step(step_result r) {
         read_.enqueue(std::span<const double>(status_.span()));
         r.ready = false;
+        if (capturing_)
+            return r;
         last_ = r;
         if (core_.params().read_result)
             return finish_result(r);
@@ -660,6 +734,8 @@ private:
     std::vector<detail::step_commit_hook> commits_;
     std::function<void(std::span<T>, std::span<const tensor_info>)> gradient_hook_;
     step_result last_{};
+    bool capturing_ = false;       ///< the step being recorded is captured into a CUDA graph
+    detail::step_capture capture_; ///< the step captured last (count_replay)
     std::size_t since_average_ = 0;
     std::vector<double> local_settings_; ///< local SGD: {global_batch, lr} per step since average
     loss_scaler<system_type> scaler_;

@@ -281,6 +281,12 @@ public:
         ++steps_;
         samples_ += global;
     }
+    /// Takes back the last advance(global): a step captured into a CUDA graph ran nothing
+    /// (data_parallel counts each launch of the graph instead).
+    void retract(std::size_t global) {
+        --steps_;
+        samples_ -= global;
+    }
 
     /// Visitor path: network gradients -> flat gradient buffer (no-op with the registry).
     void pack_grads() {

@@ -1,0 +1,270 @@
+// The host's side of capturing a synchronous step into a CUDA graph (data_parallel::step while the
+// stream is being captured, data_parallel::count_replay per launch): what is counted, what is
+// refused and what is left usable. The host has no graphs: a system whose capture state the test
+// switches (its work still runs at once) checks the trainer's bookkeeping; the replay itself is
+// tests/cuda/test_graph_capture.cu. SPDX-License-Identifier: Apache-2.0
+#include "train_runner.hpp"
+
+#include "lockstep/comm/thread_group.hpp"
+#include "lockstep/optim/sgd.hpp"
+#include "lockstep/system/staged_read.hpp"
+#include "lockstep/train/data_parallel.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+using namespace lockstep;
+
+namespace {
+
+/// The calling replica thread's switch: true while its "stream" is being captured.
+thread_local bool capture_switch = false;
+
+/// The host system, except that detail::capturing() answers capture_switch.
+struct switch_system : host_system {
+    switch_system() = default;
+    explicit switch_system(const host_system& h) : host_system(h) {}
+    friend bool is_capturing(const switch_system&) { return capture_switch; }
+};
+static_assert(execution_system<switch_system>);
+
+} // namespace
+
+/// Reads on switch_system are host reads (the system's memory is host memory).
+template <class T>
+class lockstep::staged_read<T, switch_system> : public staged_read<T, host_system> {
+public:
+    staged_read(std::size_t n, const switch_system& sys) : staged_read<T, host_system>(n, sys) {}
+};
+
+namespace {
+
+/// thread_communicator on switch_system.
+class switch_communicator {
+public:
+    using system_type = switch_system;
+    explicit switch_communicator(thread_communicator& inner) : inner_(&inner) {}
+    switch_system system() const { return switch_system(inner_->system()); }
+    int rank() const { return inner_->rank(); }
+    int size() const { return inner_->size(); }
+    template <class T>
+    void all_reduce(std::span<const T> send, std::span<T> recv, reduce_op op) {
+        inner_->all_reduce(send, recv, op);
+    }
+    template <class T>
+    void broadcast(std::span<T> data, int root) {
+        inner_->broadcast(data, root);
+    }
+    template <class T>
+    void all_gather(std::span<const T> send, std::span<T> recv) {
+        inner_->all_gather(send, recv);
+    }
+    template <class T>
+    void reduce(std::span<const T> send, std::span<T> recv, reduce_op op, int root) {
+        inner_->reduce(send, recv, op, root);
+    }
+    template <class T>
+    void reduce_scatter(std::span<const T> send, std::span<T> recv,
+                        std::span<const std::size_t> counts, reduce_op op) {
+        inner_->reduce_scatter(send, recv, counts, op);
+    }
+    template <class T>
+    void reduce_scatter(std::span<const T> send, std::span<T> recv, reduce_op op) {
+        inner_->reduce_scatter(send, recv, op);
+    }
+    void barrier() { inner_->barrier(); }
+    switch_communicator split(int, int) {
+        throw std::logic_error("switch_communicator::split is not used by these tests");
+    }
+
+private:
+    thread_communicator* inner_;
+};
+static_assert(communicator<switch_communicator>);
+
+/// y = w . x, squared error against the shared feature data, on the registry.
+struct linear {
+    using context_type = replica_context<double, switch_communicator>;
+    context_type::handle w;
+    explicit linear(context_type& ctx) {
+        w = ctx.registry().add("w", {3});
+        for (std::size_t i = 0; i < 3; ++i)
+            w.value()[i] = 0.1 * static_cast<double>(i + 1);
+    }
+};
+
+double train(linear& n, const shard_range& r, linear::context_type&) {
+    double loss = 0;
+    for (std::size_t i = r.begin; i < r.end; ++i) {
+        const std::uint64_t s = r.sample_index(i);
+        double y = 0;
+        for (std::size_t k = 0; k < 3; ++k)
+            y += n.w.value()[k] * lockstep_test::feature(s, k);
+        const double e = y - lockstep_test::feature(s, 3);
+        loss += 0.5 * e * e * r.scale;
+        for (std::size_t k = 0; k < 3; ++k)
+            n.w.grad()[k] += e * r.scale * lockstep_test::feature(s, k);
+    }
+    return loss;
+}
+
+using sgd = optim::sgd<double, switch_system>;
+using trainer =
+    data_parallel<linear, sgd, sync::synchronous, reduce::per_tensor, switch_communicator>;
+using local_trainer =
+    data_parallel<linear, sgd, sync::local_sgd<2>, reduce::per_tensor, switch_communicator>;
+
+auto make = [](linear::context_type& ctx) { return linear(ctx); };
+auto fn = [](linear& n, const shard_range& r, linear::context_type& ctx) {
+    return train(n, r, ctx);
+};
+
+/// What one replica saw; checked on the main thread (Catch2 is not thread-safe).
+struct observed {
+    std::vector<std::int64_t> steps;
+    std::vector<std::uint64_t> samples;
+    std::vector<step_result> results;
+    std::vector<std::string> errors;
+    std::vector<int> codes;
+    void error(const lockstep::error& e) {
+        errors.emplace_back(e.what());
+        codes.push_back(static_cast<int>(e.code()));
+    }
+    void position(const trainer& t) {
+        steps.push_back(t.steps());
+        samples.push_back(t.samples());
+    }
+};
+
+} // namespace
+
+TEST_CASE("a step recorded under capture is not counted; count_replay counts each launch",
+          "[train][thread][capture]") {
+    std::vector<observed> seen(2);
+    thread_group(2).run([&](thread_communicator& inner) {
+        switch_communicator comm(inner);
+        observed& o = seen[static_cast<std::size_t>(comm.rank())];
+        trainer dp(comm, make, {.lr = 0.1});
+        o.results.push_back(dp.step(10, fn)); // a plain step first (the recommended warm-up)
+        o.position(dp);
+        capture_switch = true;
+        o.results.push_back(dp.step(10, fn)); // recorded: read_result = true does not wait
+        o.position(dp);
+        try {
+            (void)dp.read_result();
+        } catch (const error& e) {
+            o.error(e);
+        }
+        try {
+            (void)dp.count_replay();
+        } catch (const error& e) {
+            o.error(e);
+        }
+        capture_switch = false;
+        for (int k = 0; k < 3; ++k) {
+            o.results.push_back(dp.count_replay());
+            o.position(dp);
+        }
+        o.results.push_back(dp.read_result());
+        o.results.push_back(dp.step(10, fn)); // plain steps go on after launches
+        o.position(dp);
+    });
+    for (const observed& o : seen) {
+        CHECK(o.steps == std::vector<std::int64_t>{1, 1, 2, 3, 4, 5});
+        CHECK(o.samples == std::vector<std::uint64_t>{10, 10, 20, 30, 40, 50});
+        REQUIRE(o.results.size() == 7);
+        CHECK(o.results[0].ready);
+        CHECK(!o.results[1].ready);
+        CHECK(o.results[1].step == 1);
+        // Launches are steps 1, 2, 3, read as each one's result (read_result = true).
+        for (int k = 0; k < 3; ++k) {
+            CHECK(o.results[2 + k].step == 1 + k);
+            CHECK(o.results[2 + k].ready);
+            CHECK(o.results[2 + k].lr == 0.1);
+        }
+        CHECK(o.results[5].step == 3);
+        CHECK(o.results[5].ready);
+        CHECK(o.results[6].step == 4);
+        REQUIRE(o.errors.size() == 2);
+        CHECK(o.codes[0] == static_cast<int>(errc::invalid_argument));
+        CHECK_THAT(o.errors[0], Catch::Contains("data_parallel.read_result") &&
+                                    Catch::Contains("being captured into a CUDA graph"));
+        CHECK(o.codes[1] == static_cast<int>(errc::invalid_argument));
+        CHECK_THAT(o.errors[1], Catch::Contains("data_parallel.count_replay") &&
+                                    Catch::Contains("being captured into a CUDA graph"));
+    }
+}
+
+TEST_CASE("count_replay refuses without a capture and when the schedule moved the rate, "
+          "counting nothing",
+          "[train][thread][capture]") {
+    std::vector<observed> seen(2);
+    thread_group(2).run([&](thread_communicator& inner) {
+        switch_communicator comm(inner);
+        observed& o = seen[static_cast<std::size_t>(comm.rank())];
+        train_params tp;
+        tp.lr = [](std::int64_t s) { return s < 3 ? 0.1 : 0.05; };
+        trainer dp(comm, make, {.lr = 0.1}, tp);
+        try {
+            (void)dp.count_replay();
+        } catch (const error& e) {
+            o.error(e);
+        }
+        o.position(dp);
+        (void)dp.step(10, fn);
+        capture_switch = true;
+        (void)dp.step(10, fn); // captured at step 1, rate 0.1
+        capture_switch = false;
+        (void)dp.count_replay(); // step 1
+        (void)dp.count_replay(); // step 2
+        o.position(dp);
+        try {
+            (void)dp.count_replay(); // step 3: the schedule gives 0.05
+        } catch (const error& e) {
+            o.error(e);
+        }
+        o.position(dp);
+    });
+    for (const observed& o : seen) {
+        CHECK(o.steps == std::vector<std::int64_t>{0, 3, 3});
+        CHECK(o.samples == std::vector<std::uint64_t>{0, 30, 30});
+        REQUIRE(o.errors.size() == 2);
+        CHECK(o.codes[0] == static_cast<int>(errc::invalid_argument));
+        CHECK_THAT(o.errors[0], Catch::Contains("no step was captured"));
+        CHECK(o.codes[1] == static_cast<int>(errc::invalid_argument));
+        CHECK_THAT(o.errors[1], Catch::Contains("step 3: train_params::lr gives 0.05") &&
+                                    Catch::Contains("the graph applies 0.1") &&
+                                    Catch::Contains("captured at: capture the step again"));
+    }
+}
+
+TEST_CASE("a local SGD step under capture is refused before any work", "[train][thread][capture]") {
+    std::vector<observed> seen(2);
+    thread_group(2).run([&](thread_communicator& inner) {
+        switch_communicator comm(inner);
+        observed& o = seen[static_cast<std::size_t>(comm.rank())];
+        local_trainer dp(comm, make, {.lr = 0.1});
+        capture_switch = true;
+        try {
+            (void)dp.step(10, fn);
+        } catch (const error& e) {
+            o.error(e);
+        }
+        capture_switch = false;
+        o.steps.push_back(dp.steps());
+        // The communicator is still usable: the replicas train on.
+        (void)dp.step(10, fn);
+        o.steps.push_back(dp.steps());
+    });
+    for (const observed& o : seen) {
+        CHECK(o.steps == std::vector<std::int64_t>{0, 1});
+        REQUIRE(o.errors.size() == 1);
+        CHECK(o.codes[0] == static_cast<int>(errc::unsupported));
+        CHECK_THAT(o.errors[0], Catch::Contains("sync::local_sgd step cannot be captured"));
+    }
+}
