@@ -443,9 +443,11 @@ run_log shared_graph_run(shared_gpu_communicator& comm, bool capture, hand_off& 
                                     small_buckets, shared_gpu_communicator>;
     constexpr std::size_t batch = 12;
     const std::size_t cap = batch / static_cast<std::size_t>(comm.size()) + 1;
-    trainer_t trainer(comm,
-                      [&](auto& ctx) { return net_t(ctx, cap, tn::knobs{.fixed_data = true}); },
-                      {.lr = lr, .momentum = momentum}, {.read_result = false});
+    // The buckets are reduced inline: a communication thread cannot enqueue into a capture
+    // (data_parallel::step refuses it), and this communicator's overlap would use one.
+    trainer_t trainer(
+        comm, [&](auto& ctx) { return net_t(ctx, cap, tn::knobs{.fixed_data = true}); },
+        {.lr = lr, .momentum = momentum}, {.read_result = false, .overlap = overlap_mode::never});
     const auto fn = [](net_t& n, shard_range sr, auto& ctx) { n.train(sr, ctx); };
     (void)trainer.step(batch, fn);
     (void)trainer.read_result();
@@ -495,7 +497,12 @@ run_log shared_graph_run(shared_gpu_communicator& comm, bool capture, hand_off& 
             LOCKSTEP_CUDA_CHECK(cudaGraphDestroy(graph));
         }
         h.arrive_and_wait(me);
+        // Every replica's captured step ran in each of the 3 launches: each trainer counts them.
+        for (int s = 0; s < 3; ++s)
+            (void)trainer.count_replay();
     }
+    LOCKSTEP_REQUIRE(trainer.steps() == 4, errc::internal, me, "shared_graph_run",
+                     "steps() = ", trainer.steps(), " after 4 steps (or 1 and 3 counted launches)");
     run_log log;
     log.params.push_back(to_host(std::span<const float>(trainer.parameters()), sys));
     return log;
