@@ -257,11 +257,17 @@ void bench_nccl(int devices) {
                 devices, bytes / (1 << 20), ms / iterations, bytes / seconds * 1e-9, bus * 1e-9);
     LOCKSTEP_CUDA_CHECK(cudaEventDestroy(start));
     LOCKSTEP_CUDA_CHECK(cudaEventDestroy(stop));
+    // One thread owns every rank: finalized together in one group (one by one, the first would
+    // wait for the others), then destroyed locally.
+    BENCH_NCCL(ncclGroupStart());
+    for (std::size_t d = 0; d < comms.size(); ++d)
+        BENCH_NCCL(ncclCommFinalize(comms[d]));
+    BENCH_NCCL(ncclGroupEnd());
     for (std::size_t d = 0; d < comms.size(); ++d) {
         LOCKSTEP_CUDA_CHECK(cudaSetDevice(static_cast<int>(d)));
+        BENCH_NCCL(ncclCommDestroy(comms[d]));
         LOCKSTEP_CUDA_CHECK(cudaFree(data[d]));
         LOCKSTEP_CUDA_CHECK(cudaStreamDestroy(streams[d]));
-        BENCH_NCCL(ncclCommDestroy(comms[d]));
     }
 }
 #endif

@@ -67,7 +67,26 @@ if(CUDAToolkit_FOUND)
     HINTS ${NCCL_ROOT} ENV NCCL_ROOT ${CUDAToolkit_INCLUDE_DIRS} PATH_SUFFIXES include)
   find_library(LOCKSTEP_NCCL_LIBRARY nccl
     HINTS ${NCCL_ROOT} ENV NCCL_ROOT ${CUDAToolkit_LIBRARY_DIR} PATH_SUFFIXES lib lib64)
-  if(LOCKSTEP_NCCL_INCLUDE_DIR AND LOCKSTEP_NCCL_LIBRARY)
+  # 2.26 orders the kernels of two communicators of one GPU (NCCL_LAUNCH_ORDER_IMPLICIT), which
+  # a replica's communicator and its comm_stream's split need to be free of deadlock.
+  set(_lockstep_nccl_new_enough FALSE)
+  if(LOCKSTEP_NCCL_INCLUDE_DIR)
+    file(STRINGS "${LOCKSTEP_NCCL_INCLUDE_DIR}/nccl.h" _lockstep_nccl_defines
+      REGEX "^#define NCCL_(MAJOR|MINOR|PATCH) +[0-9]+")
+    foreach(_part MAJOR MINOR PATCH)
+      string(REGEX MATCH "NCCL_${_part} +([0-9]+)" _ "${_lockstep_nccl_defines}")
+      set(_lockstep_nccl_${_part} "${CMAKE_MATCH_1}")
+    endforeach()
+    set(_lockstep_nccl_version "${_lockstep_nccl_MAJOR}.${_lockstep_nccl_MINOR}.${_lockstep_nccl_PATCH}")
+    if(_lockstep_nccl_version VERSION_GREATER_EQUAL 2.26)
+      set(_lockstep_nccl_new_enough TRUE)
+    else()
+      message(WARNING "lockstep: NCCL ${_lockstep_nccl_version} (${LOCKSTEP_NCCL_INCLUDE_DIR}/nccl.h) "
+        "is older than 2.26, which lockstep::nccl needs (NCCL_LAUNCH_ORDER_IMPLICIT); the nccl "
+        "component is not available. Point NCCL_ROOT at NCCL 2.26 or newer.")
+    endif()
+  endif()
+  if(_lockstep_nccl_new_enough AND LOCKSTEP_NCCL_LIBRARY)
     add_library(lockstep::nccl INTERFACE IMPORTED GLOBAL)
     target_include_directories(lockstep::nccl INTERFACE "${LOCKSTEP_NCCL_INCLUDE_DIR}")
     target_link_libraries(lockstep::nccl INTERFACE lockstep::cuda "${LOCKSTEP_NCCL_LIBRARY}")

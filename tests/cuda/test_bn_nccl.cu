@@ -1,6 +1,7 @@
 // nn::batch_norm<bn::global> over NCCL against double references on the concatenated global
 // batch: native __half and __nv_bfloat16 storage in NHWC and NCHW, 20000 channels, more than 2^24
-// values per channel; and a layer on another stream than its communicator's is refused.
+// values per channel; a layer on another stream than its communicator's is refused; bn::group's
+// statistics run on the layer's stream.
 // Every case needs a GPU (tagged [gpu]). SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/nccl_communicator.hpp"
 #include "lockstep/nn/batch_norm.hpp"
@@ -13,12 +14,14 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -168,4 +171,87 @@ TEST_CASE("batch_norm on another stream than its communicator's is refused, nami
     INFO(backward_error);
     CHECK(backward_code == errc::invalid_argument);
     CHECK(backward_error.find("stream " + layer_stream) != std::string::npos);
+}
+
+namespace {
+void CUDART_CB hold_stream(void*) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+}
+} // namespace
+
+// bn::group's statistics run on a split of the layer's communicator: on the layer's own stream,
+// or they would read the partial sums before the layer's kernels wrote them. x reaches the layer
+// only after the stream was held on the host for 50 ms (until then it is NaN), so statistics on
+// an unordered stream would see NaN or stale values. Groups of G consecutive replicas (the last
+// one smaller): G = 1 (each replica alone, the one-GPU case) and G = 2.
+TEMPLATE_TEST_CASE("batch_norm<bn::group<G>> over NCCL runs on the layer's stream and matches the "
+                   "group's double reference",
+                   "[nn][bn][nccl][gpu]", bn::group<1>, bn::group<2>) {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    constexpr std::size_t C = 5;
+    constexpr std::size_t G = TestType::size;
+    gpu_group group;
+    const auto R = static_cast<std::size_t>(group.size());
+    std::vector<std::size_t> first(R + 1, 0);
+    for (std::size_t r = 0; r < R; ++r)
+        first[r + 1] = first[r] + 3 + r;
+    auto x = [](std::size_t i) {
+        return double(static_cast<float>(0.5 + std::sin(0.37 * double(i)) + 0.01 * double(i % C)));
+    };
+    auto dy = [](std::size_t i) { return double(static_cast<float>(std::cos(0.11 * double(i)))); };
+    std::vector<bn_out> outs(R);
+    group.run([&](nccl_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        const std::size_t n = first[r + 1] - first[r];
+        const cuda_system sys = comm.system();
+        std::vector<float> xs(n * C), dys(n * C);
+        for (std::size_t k = 0; k < xs.size(); ++k) {
+            xs[k] = static_cast<float>(x(first[r] * C + k));
+            dys[k] = static_cast<float>(dy(first[r] * C + k));
+        }
+        nn::batch_norm<float, TestType, nn::nc, cuda_system> layer(comm, C);
+        const auto source = to_device(xs, sys);
+        auto dy_dev = to_device(dys, sys);
+        buffer<float, cuda_system> x_dev(xs.size(), sys), y_dev(xs.size(), sys),
+            dx_dev(xs.size(), sys);
+        LOCKSTEP_CUDA_CHECK(
+            cudaMemsetAsync(x_dev.data(), 0xff, xs.size() * sizeof(float), sys.stream()));
+        sys.synchronize();
+        LOCKSTEP_CUDA_CHECK(cudaLaunchHostFunc(sys.stream(), hold_stream, nullptr));
+        LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(x_dev.data(), source.data(), xs.size() * sizeof(float),
+                                            cudaMemcpyDeviceToDevice, sys.stream()));
+        layer.forward_train(comm, std::span<const float>(x_dev.span()), {n, C}, y_dev.span());
+        layer.backward(comm, std::span<const float>(dy_dev.span()), dx_dev.span());
+        comm.synchronize();
+        auto widen = [](const std::vector<float>& v) {
+            return std::vector<double>(v.begin(), v.end());
+        };
+        outs[r].y = widen(to_host(std::span<const float>(y_dev.span()), sys));
+        outs[r].dx = widen(to_host(std::span<const float>(dx_dev.span()), sys));
+        outs[r].mean = widen(to_host(layer.batch_mean(), sys));
+        outs[r].invstd = widen(to_host(layer.batch_invstd(), sys));
+    });
+    for (std::size_t r = 0; r < R; ++r) {
+        const std::size_t g0 = r / G * G, g1 = std::min(g0 + G, R);
+        const std::size_t rows = first[g1] - first[g0];
+        const reference ref = make_reference(C, rows, [&](std::size_t c, std::size_t k) {
+            const std::size_t i = (first[g0] + k) * C + c;
+            return std::pair<double, double>(x(i), dy(i));
+        });
+        INFO("replica " << r << " of " << R << ", groups of " << G);
+        REQUIRE(outs[r].mean.size() == C);
+        for (std::size_t c = 0; c < C; ++c) {
+            CHECK(std::abs(outs[r].mean[c] - ref.mean[c]) <= 1e-5 * (1 + std::abs(ref.mean[c])));
+            CHECK(std::abs(outs[r].invstd[c] - ref.invstd[c]) <= 1e-4 * ref.invstd[c]);
+        }
+        const std::size_t n = first[r + 1] - first[r];
+        REQUIRE(outs[r].y.size() == n * C);
+        for (std::size_t k = 0; k < n * C; ++k) {
+            const std::size_t i = first[r] * C + k, c = k % C;
+            const double y_ref = ref.y(x(i), c), dx_ref = ref.dx(x(i), dy(i), c);
+            REQUIRE(std::abs(outs[r].y[k] - y_ref) <= 1e-4 * (1 + std::abs(y_ref)));
+            REQUIRE(std::abs(outs[r].dx[k] - dx_ref) <= 1e-4 * (1 + std::abs(dx_ref)));
+        }
+    }
 }

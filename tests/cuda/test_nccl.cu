@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <exception>
 #include <numeric>
 #include <span>
@@ -381,6 +382,114 @@ TEST_CASE("a failing nccl replica releases its peers", "[comm][nccl][gpu]") {
     }
     for (std::size_t r = 0; r < count; ++r)
         CHECK(aborted[r] == 1);
+}
+
+TEST_CASE("aborting one communicator of a replica aborts its splits and its parent",
+          "[comm][nccl][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    gpu_group group(std::vector<int>{0});
+    lockstep::cuda_stream side(0);
+    group.run([&](nccl_communicator& comm) {
+        nccl_communicator on_compute = comm.split(0, comm.rank());
+        nccl_communicator on_side = comm.split(0, comm.rank(), side.get());
+        // A split runs on its parent's stream unless given another.
+        CHECK(on_compute.system().stream() == comm.system().stream());
+        CHECK(on_side.system().stream() == side.get());
+        auto x = device_input<float>(0, 17, comm.system());
+        on_side.all_reduce(x.span(), x.span(), reduce_op::sum);
+        on_side.synchronize();
+
+        comm.abort();
+        CHECK(on_compute.aborted());
+        CHECK(on_side.aborted());
+        CHECK(on_side.native_handle() == nullptr);
+        try {
+            on_side.all_reduce(x.span(), x.span(), reduce_op::sum);
+            FAIL("an all_reduce on a split of an aborted communicator was enqueued");
+        } catch (const lockstep::error& e) {
+            CHECK(e.code() == lockstep::errc::communication);
+        }
+    });
+    group.run([&](nccl_communicator& comm) {
+        nccl_communicator sub = comm.split(0, comm.rank(), side.get());
+        nccl_communicator subsub = sub.split(0, sub.rank());
+        CHECK(subsub.system().stream() == side.get());
+        subsub.abort(); // a split's abort reaches its parent and its parent's parent
+        CHECK(sub.aborted());
+        CHECK(comm.aborted());
+        CHECK_THROWS_AS(comm.barrier(), lockstep::error);
+    });
+    lockstep::cuda_device_guard guard(0);
+    CHECK(cudaStreamQuery(side.get()) == cudaSuccess); // adopted, not destroyed
+}
+
+TEST_CASE("a failing nccl replica aborts the splits of every replica", "[comm][nccl][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    gpu_group group;
+    const auto count = static_cast<std::size_t>(group.size());
+    std::vector<int> split_aborted(count, 0);
+    std::vector<lockstep::errc> codes(count, lockstep::errc::internal);
+    group.run([&](nccl_communicator& comm) {
+        const auto i = static_cast<std::size_t>(comm.rank());
+        nccl_communicator sub = comm.split(0, comm.rank());
+        buffer<float, cuda_system> a(64, comm.system()),
+            b(comm.rank() == 0 ? 63 : 64, comm.system());
+        try {
+            comm.all_reduce(std::span<const float>(a.span()), b.span(), reduce_op::sum);
+            comm.synchronize();
+        } catch (const lockstep::error&) {
+        }
+        split_aborted[i] = sub.aborted() ? 1 : 0;
+        try {
+            sub.barrier();
+        } catch (const lockstep::error& e) {
+            codes[i] = e.code();
+        }
+    });
+    CHECK(codes[0] == lockstep::errc::communication);
+    for (std::size_t r = 0; r < count; ++r) {
+        CHECK(split_aborted[r] == 1);
+        if (r > 0)
+            CHECK(codes[r] == lockstep::errc::peer_failure);
+    }
+}
+
+TEST_CASE("the unique-id constructor leaves the replica's device current", "[comm][nccl][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    // The last device, made current after device 0 was: with one GPU both are device 0 and the
+    // check only confirms the device (a guard restoring the previous device shows with two).
+    const int device = lockstep::cuda_device_count() - 1;
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    ncclUniqueId id{};
+    REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+    nccl_communicator comm(id, 1, 0, device);
+    int current = -1;
+    REQUIRE(cudaGetDevice(&current) == cudaSuccess);
+    CHECK(current == comm.device());
+    CHECK(comm.device() == device);
+    comm.barrier();
+}
+
+static_assert(NCCL_VERSION_CODE >= NCCL_VERSION(2, 26, 0),
+              "lockstep needs NCCL 2.26 (NCCL_LAUNCH_ORDER_IMPLICIT)");
+
+TEST_CASE("lockstep's communicators run with NCCL's implicit launch order; destroy_all ends "
+          "init_all's ranks together",
+          "[comm][nccl][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    std::vector<int> devices(static_cast<std::size_t>(lockstep::cuda_device_count()));
+    std::iota(devices.begin(), devices.end(), 0);
+    auto comms = nccl_communicator::init_all(devices);
+    // Set before NCCL's first launch in this process (CTest starts the test without it).
+    const char* order = std::getenv("NCCL_LAUNCH_ORDER_IMPLICIT");
+    REQUIRE(order != nullptr);
+    CHECK(std::string(order) == "1");
+    nccl_communicator::destroy_all(comms);
+    CHECK(comms.empty());
 }
 
 TEST_CASE("host memory passed to an nccl collective is rejected, not crashed on",

@@ -100,6 +100,11 @@ TEST_CASE("MPI-bootstrapped NCCL collectives match the host reference", "[comm][
     nccl_communicator comm(MPI_COMM_WORLD, nccl_communicator::local_device(MPI_COMM_WORLD));
     REQUIRE(comm.rank() == rank);
     REQUIRE(comm.size() == size);
+    // The replica's device is left current: the caller's kernels go there, and no rank makes a
+    // context on another GPU.
+    int current = -1;
+    REQUIRE(cudaGetDevice(&current) == cudaSuccess);
+    CHECK(current == comm.device());
     const std::size_t n = 100003;
     const auto sys = comm.system();
 

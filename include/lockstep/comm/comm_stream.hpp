@@ -204,18 +204,21 @@ private:
 };
 
 #if LOCKSTEP_HAS_NCCL
-/// nccl_communicator: a side stream. The stream's communicator is a split of the replica's
-/// (ncclCommSplit: its own NCCL communicator and its own CUDA stream); submit() records an event
-/// on the compute stream and makes the side stream wait on it before the work is enqueued, and
-/// join() makes the compute stream wait on an event recorded on the side stream. No host wait
-/// and no thread (the comm_priority is accepted for a uniform interface and has no effect).
+/// nccl_communicator: a side stream. The stream's communicator is a split of the replica's onto
+/// a CUDA stream the comm_stream owns (ncclCommSplit: its own NCCL communicator, in the
+/// replica's family, so an abort of the replica's communicator stops its collectives too);
+/// submit() records an event on the compute stream and makes the side stream wait on it before
+/// the work is enqueued, and join() makes the compute stream wait on an event recorded on the
+/// side stream. No host wait and no thread (the comm_priority is accepted for a uniform
+/// interface and has no effect).
 template <>
 class comm_stream<nccl_communicator> {
 public:
     using communicator_type = nccl_communicator;
 
     explicit comm_stream(nccl_communicator& comm, comm_priority = comm_priority::normal)
-        : compute_(comm.system()), comm_(comm.split(0, comm.rank())), ready_(comm.device()),
+        : compute_(comm.system()), side_(comm.device()),
+          comm_(comm.split(0, comm.rank(), side_.get())), ready_(comm.device()),
           done_(comm.device()) {}
 
     nccl_communicator& comm() noexcept { return comm_; }
@@ -235,6 +238,7 @@ public:
 
 private:
     cuda_system compute_;
+    cuda_stream side_; // before comm_: outlives it
     nccl_communicator comm_;
     cuda_event ready_;
     cuda_event done_;

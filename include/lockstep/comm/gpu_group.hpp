@@ -130,7 +130,9 @@ public:
         }
         for (auto& t : threads)
             t.join();
-        comms.clear();
+        // This thread owns every rank: destroyed together (one by one, each would wait for the
+        // others).
+        nccl_communicator::destroy_all(comms);
         if (auto e = log.root_cause())
             std::rethrow_exception(e);
     }

@@ -369,9 +369,12 @@ public:
     }
 
     /// The replicas with the same color form a new hierarchical group, ranked by (key, rank).
-    /// Collective. requires: the group shapes described in the class comment, else every
-    /// replica throws errc::unsupported naming the first color that does not fit.
-    hierarchical_communicator split(int color, int key) {
+    /// Collective. `intra_args` go to the node communicator's split (nccl_communicator: a
+    /// stream for the child, whose default is the parent's). requires: the group shapes
+    /// described in the class comment, else every replica throws errc::unsupported naming the
+    /// first color that does not fit.
+    template <class... IntraArgs>
+    hierarchical_communicator split(int color, int key, IntraArgs&&... intra_args) {
         const int n = size();
         const int L = intra_.size();
         std::vector<int> all(2 * static_cast<std::size_t>(n));
@@ -429,7 +432,7 @@ public:
         // Inside the node: the members with my color, in their new order.
         const auto position =
             static_cast<int>(std::find(members.begin(), members.end(), rank()) - members.begin());
-        Intra intra = intra_.split(index, position);
+        Intra intra = intra_.split(index, position, std::forward<IntraArgs>(intra_args)...);
         // Across nodes: the replicas at my local rank with my color, by node.
         const auto block = static_cast<int>(
             std::find(block_nodes.begin(), block_nodes.end(), inter_.rank()) - block_nodes.begin());

@@ -30,8 +30,12 @@
 #include <vector>
 
 #include <nccl.h>
-#if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
-#error "lockstep's nccl_communicator needs NCCL 2.18 or newer (ncclCommSplit)."
+// A replica drives two communicators at once (its own on the compute stream, a split on the
+// comm_stream's side stream); NCCL orders their kernels on one device only from 2.26 on
+// (NCCL_LAUNCH_ORDER_IMPLICIT, see detail::use_implicit_launch_order): before, two
+// communicators active on one GPU can deadlock.
+#if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < NCCL_VERSION(2, 26, 0)
+#error "lockstep's nccl_communicator needs NCCL 2.26 or newer (NCCL_LAUNCH_ORDER_IMPLICIT)."
 #endif
 #if LOCKSTEP_HAS_MPI
 #include <mpi.h>
@@ -61,6 +65,11 @@ namespace lockstep {
 /// 12.8 and newer). The legacy default stream (null) cannot be adopted: null asks for an own
 /// stream.
 ///
+/// A replica may have two communicators active at once (its own and a split, e.g. the
+/// comm_stream's on a side stream): before its first communicator lockstep sets
+/// NCCL_LAUNCH_ORDER_IMPLICIT=1 unless the environment sets it (detail::use_implicit_launch_order,
+/// NCCL 2.26 or newer), so their kernels launch in the order the host issued them.
+///
 /// Driving the replicas: collectives only ENQUEUE work on the replica's stream (system()) and
 /// return; NCCL completes them when every replica has enqueued its part. The supported pattern
 /// is one host thread per replica (std::thread or a thread pool), each calling the collectives
@@ -69,12 +78,14 @@ namespace lockstep {
 /// synchronize, split) on one replica waits for the others.
 ///
 /// Failures never leave peers hanging: a replica whose call fails aborts its communicator
-/// (ncclCommAbort) and marks its clique failed; peers created in the same process (init_all and
-/// splits of those) see the mark in their next call or while they wait in synchronize() or
-/// barrier() or wait(), abort too and throw errc::peer_failure. Across processes, the waits
-/// poll ncclCommGetAsyncError (NCCL reports a vanished peer as ncclRemoteError) and give up
-/// after nccl_options::timeout. NCCL itself cannot check that replicas pass equal counts: unequal
-/// counts are undefined behaviour in NCCL (usually a hang until the timeout).
+/// (ncclCommAbort) together with every other communicator of its family (the one it was created
+/// with and all splits made from it, in one NCCL group: none is left running a collective that
+/// waits for the dead peer) and marks its clique failed; peers created in the same process
+/// (init_all and splits of those) see the mark in their next call or while they wait in
+/// synchronize() or barrier() or wait(), abort too and throw errc::peer_failure. Across processes,
+/// the waits poll ncclCommGetAsyncError (NCCL reports a vanished peer as ncclRemoteError) and give
+/// up after nccl_options::timeout. NCCL itself cannot check that replicas pass equal counts:
+/// unequal counts are undefined behaviour in NCCL (usually a hang until the timeout).
 ///
 /// Not provided: an any-source receive (NCCL has none), so nccl_communicator does NOT model
 /// point_to_point_communicator and asynchronous (parameter server) training cannot use it.
@@ -119,6 +130,7 @@ public:
             LOCKSTEP_REQUIRE(problem.empty(), errc::invalid_argument, static_cast<int>(i),
                              "nccl_communicator.init_all", problem);
         }
+        detail::use_implicit_launch_order();
         std::vector<ncclComm_t> raw(devices.size(), nullptr);
         LOCKSTEP_NCCL_CHECK(ncclCommInitAll(raw.data(), n, devices.data()));
         auto clique = std::make_shared<detail::nccl_clique>();
@@ -127,15 +139,22 @@ public:
         std::size_t adopted = 0;
         try {
             for (; adopted < raw.size(); ++adopted)
-                comms.push_back(nccl_communicator(adopt_tag{}, raw[adopted], devices[adopted],
-                                                  streams.empty() ? nullptr : streams[adopted],
-                                                  clique, options));
+                comms.push_back(
+                    nccl_communicator(adopt_tag{}, raw[adopted], devices[adopted],
+                                      {.adopted = streams.empty() ? nullptr : streams[adopted]},
+                                      clique, nullptr, options));
         } catch (...) {
-            // The adopting constructor destroyed raw[adopted]; the rest are not owned yet.
-            for (std::size_t k = adopted + 1; k < raw.size(); ++k)
+            // The adopting constructor aborted raw[adopted]; the rest are not owned yet. One
+            // thread aborts several ranks: in one NCCL group, so no abort waits for another.
+            const bool grouped = ncclGroupStart() == ncclSuccess;
+            for (std::size_t k = adopted + 1; k < raw.size(); ++k) {
+                detail::cuda_device_guard_noexcept guard(devices[k]);
                 (void)ncclCommAbort(raw[k]);
+            }
             for (auto& c : comms)
                 c.abort();
+            if (grouped)
+                (void)ncclGroupEnd();
             throw;
         }
         return comms;
@@ -145,10 +164,13 @@ public:
     /// until all `size` ranks have joined), on the adopted `stream` or (null) its own.
     /// requires: 0 <= rank < size, the same id on every rank, device in
     /// [0, cuda_device_count()), stream null or a stream of `device`.
+    /// ensures: `device` is the calling thread's current CUDA device (the replica's kernels go
+    /// there).
     nccl_communicator(const ncclUniqueId& id, int size, int rank, int device,
                       nccl_options options = {}, cudaStream_t stream = nullptr)
-        : nccl_communicator(adopt_tag{}, init_rank(id, size, rank, device, stream), device, stream,
-                            std::make_shared<detail::nccl_clique>(), options) {}
+        : nccl_communicator(adopt_tag{}, init_rank(id, size, rank, device, stream), device,
+                            {.adopted = stream}, std::make_shared<detail::nccl_clique>(), nullptr,
+                            options) {}
 
 #if LOCKSTEP_HAS_MPI
     /// One process per GPU: every process of `comm` calls this collectively with its own
@@ -156,11 +178,13 @@ public:
     /// communicator creates its own). Rank and size are those of `comm`; rank 0 creates the
     /// NCCL id and broadcasts it. A process whose device or stream is unusable makes EVERY
     /// process throw (the check is agreed with MPI_Allreduce before NCCL is entered, so nobody
-    /// hangs).
+    /// hangs). ensures: `device` is the calling thread's current CUDA device (the replica's
+    /// kernels go there, and no context is made on another GPU).
     nccl_communicator(MPI_Comm comm, int device, nccl_options options = {},
                       cudaStream_t stream = nullptr)
-        : nccl_communicator(adopt_tag{}, init_mpi(comm, device, stream), device, stream,
-                            std::make_shared<detail::nccl_clique>(), options) {}
+        : nccl_communicator(adopt_tag{}, init_mpi(comm, device, stream), device,
+                            {.adopted = stream}, std::make_shared<detail::nccl_clique>(), nullptr,
+                            options) {}
 
     /// The device this process should drive: its rank among the processes of `comm` on the
     /// same node, modulo the node's device count. requires: a CUDA device exists.
@@ -184,8 +208,35 @@ public:
     nccl_communicator(nccl_communicator&&) noexcept = default;
     nccl_communicator& operator=(nccl_communicator&&) noexcept = default;
     /// Destroys the NCCL communicator (aborts it when a replica of the clique failed, so the
-    /// destructor never waits for a peer that will not come).
+    /// destructor never waits for a peer that will not come). One thread destroying several
+    /// ranks of one communicator (init_all's) uses destroy_all().
     ~nccl_communicator() = default;
+
+    /// Destroys every communicator of `comms` (ranks that one thread owns, as init_all's):
+    /// ncclCommFinalize for all of them inside one NCCL group, then ncclCommDestroy (local
+    /// after the finalize); one by one, the first rank's destroy would wait for the others.
+    /// After a failure (an aborted communicator, a failed clique) all of them, and the splits of
+    /// their families, are aborted instead, in one group. ensures: comms is empty.
+    static void destroy_all(std::vector<nccl_communicator>& comms) noexcept {
+        const bool failed = std::any_of(comms.begin(), comms.end(), [](const auto& c) {
+            return c.h_.aborted() || (c.h_.clique() && c.h_.clique()->failed_rank.load() >= 0);
+        });
+        const bool grouped = ncclGroupStart() == ncclSuccess;
+        for (auto& c : comms)
+            if (failed)
+                c.abort(); // every rank's family in one group: no abort waits for another's kernel
+            else
+                (void)c.h_.finalize();
+        const bool ended = !grouped || ncclGroupEnd() == ncclSuccess;
+        if (!failed && !ended) {
+            const bool regrouped = ncclGroupStart() == ncclSuccess;
+            for (auto& c : comms)
+                c.abort();
+            if (regrouped)
+                (void)ncclGroupEnd();
+        }
+        comms.clear();
+    }
 
     /// This replica's rank in [0, size()).
     int rank() const noexcept {
@@ -422,28 +473,20 @@ public:
     }
 
     /// The sub-group of replicas passing the same color, ranked by (key, rank), as a new
-    /// communicator on the same device with its own stream (ncclCommSplit; collective over this
-    /// communicator, blocks until all replicas have called it). requires: color >= 0.
+    /// communicator on the same device and on this communicator's stream, so its collectives are
+    /// ordered with the replica's work there (ncclCommSplit; collective over this communicator,
+    /// blocks until all replicas have called it). It belongs to this replica's family: abort()
+    /// of either (or a failure either notices) aborts both. The stream stays alive while the
+    /// split does (shared when it is this communicator's own; an adopted one must outlive it).
+    /// requires: color >= 0.
     nccl_communicator split(int color, int key) {
-        const std::string name = next_operation("split");
-        h_.check_usable(name);
-        ncclComm_t child = nullptr;
-        ncclResult_t r = ncclSuccess;
-        {
-            cuda_device_guard guard(h_.device());
-            // A negative color still takes part (as "no group"), so the peers do not wait.
-            r = ncclCommSplit(h_.comm(), color >= 0 ? color : NCCL_SPLIT_NOCOLOR, key, &child,
-                              nullptr);
-        }
-        if (r != ncclSuccess)
-            h_.fail_and_abort(errc::nccl, name, detail::nccl_handle::describe(r));
-        if (color < 0) {
-            if (child != nullptr)
-                (void)ncclCommDestroy(child);
-            h_.fail_and_abort(errc::invalid_argument, name, "color ", color, " is negative");
-        }
-        return nccl_communicator(adopt_tag{}, child, h_.device(), nullptr, h_.clique(),
-                                 h_.options());
+        return split_onto(color, key, {.shared = h_.owned_stream(), .adopted = h_.stream()});
+    }
+
+    /// As split(color, key), on `stream` instead (e.g. a side stream of the caller, which must
+    /// outlive the split). requires: color >= 0; stream non-null, a stream of device().
+    nccl_communicator split(int color, int key, cudaStream_t stream) {
+        return split_onto(color, key, {.adopted = stream});
     }
 
     /// Sends data to replica `peer` (ncclSend); matched in order with peer's recv(data, rank()).
@@ -511,10 +554,41 @@ public:
     }
 
 private:
-    /// Takes ownership of `comm` (aborted if anything here throws); adopts `stream` unless null.
-    nccl_communicator(adopt_tag, ncclComm_t comm, int device, cudaStream_t stream,
-                      std::shared_ptr<detail::nccl_clique> clique, nccl_options options)
-        : h_(comm, device, stream, std::move(clique), options) {}
+    /// Takes ownership of `comm` (aborted if anything here throws); see nccl_handle.
+    nccl_communicator(adopt_tag, ncclComm_t comm, int device,
+                      detail::nccl_handle::stream_source stream,
+                      std::shared_ptr<detail::nccl_clique> clique,
+                      std::shared_ptr<detail::nccl_family> family, nccl_options options)
+        : h_(comm, device, std::move(stream), std::move(clique), std::move(family), options) {}
+
+    nccl_communicator split_onto(int color, int key, detail::nccl_handle::stream_source stream) {
+        const std::string name = next_operation("split");
+        h_.check_usable(name);
+        // A bad argument still enters ncclCommSplit (as "no group"), so the peers do not wait.
+        std::string problem;
+        if (color < 0)
+            problem = "color " + std::to_string(color) + " is negative";
+        else if (stream.adopted == nullptr)
+            problem = "stream is null (the legacy default stream cannot be adopted)";
+        else if (!stream.shared)
+            problem = detail::adopted_stream_problem(stream.adopted, h_.device());
+        ncclComm_t child = nullptr;
+        ncclResult_t r = ncclSuccess;
+        {
+            cuda_device_guard guard(h_.device());
+            r = ncclCommSplit(h_.comm(), problem.empty() ? color : NCCL_SPLIT_NOCOLOR, key, &child,
+                              nullptr);
+        }
+        if (r != ncclSuccess)
+            h_.fail_and_abort(errc::nccl, name, detail::nccl_handle::describe(r));
+        if (!problem.empty()) {
+            if (child != nullptr)
+                (void)ncclCommDestroy(child);
+            h_.fail_and_abort(errc::invalid_argument, name, problem);
+        }
+        return nccl_communicator(adopt_tag{}, child, h_.device(), std::move(stream), h_.clique(),
+                                 h_.family(), h_.options());
+    }
 
     static ncclComm_t init_rank(const ncclUniqueId& id, int size, int rank, int device,
                                 cudaStream_t stream) {
@@ -527,7 +601,9 @@ private:
         const std::string problem = detail::adopted_stream_problem(stream, device);
         LOCKSTEP_REQUIRE(problem.empty(), errc::invalid_argument, rank, "nccl_communicator",
                          problem);
-        cuda_device_guard guard(device);
+        // Left current: the replica's kernels go to its device (a guard would restore another).
+        LOCKSTEP_CUDA_CHECK(cudaSetDevice(device));
+        detail::use_implicit_launch_order();
         ncclComm_t comm = nullptr;
         LOCKSTEP_NCCL_CHECK(ncclCommInitRank(&comm, size, id, rank));
         return comm;

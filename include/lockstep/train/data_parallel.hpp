@@ -139,8 +139,10 @@ public:
     /// waits on the host: the non-finite check, the layers' error checks and the skip decision stay
     /// on the device (the optimizer kernels read the skip flag), and the host reads the step's
     /// status once at the end (train_params::read_result; else read_result() does it later). A step
-    /// that throws (here or in fn) aborts a communicator that can be aborted (nccl_communicator),
-    /// so its peers get errc::peer_failure instead of waiting forever. requires: global_batch >= 1.
+    /// that throws (here or in fn) aborts a communicator that can be aborted (nccl_communicator,
+    /// and with it every split made from it: the comm_stream's with buckets in flight,
+    /// bn::group's), so its peers get errc::peer_failure instead of waiting forever (and this
+    /// replica's teardown does not wait for them). requires: global_batch >= 1.
     /// ensures: the returned result is the same on every replica (synchronous).
     /// Called while the communicator's stream is being captured into a CUDA graph (synchronous
     /// steps; not local SGD, not buckets overlapped by a communication thread: else

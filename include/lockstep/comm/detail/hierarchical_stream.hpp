@@ -15,7 +15,8 @@
 namespace lockstep {
 
 /// hierarchical_communicator over a device intra-node part (nccl_communicator): a split of the
-/// replica's communicator (its intra-node part has its own stream, the side stream) driven by a
+/// replica's communicator (its intra-node part on the side stream, which the comm_stream owns,
+/// when the intra-node communicator's split takes a stream) driven by a
 /// communication thread (detail::ordered_worker, with the device made current on it), because
 /// every inter-node step blocks a host thread while the pinned copies cross to MPI.
 /// - submit(work): records a fresh event on the compute stream (on the calling thread, so it
@@ -34,8 +35,8 @@ public:
     /// Splits comm (collective: every replica constructs its stream at the same point) and
     /// starts the communication thread at `priority`.
     explicit comm_stream(communicator_type& comm, comm_priority priority = comm_priority::normal)
-        : compute_(comm.system()), comm_(comm.split(0, comm.rank())),
-          done_(comm_.system().device()),
+        : compute_(comm.system()), side_(comm.system().device()),
+          comm_(split_onto(comm, side_.get())), done_(comm_.system().device()),
           worker_(
               [device = comm_.system().device()] { LOCKSTEP_CUDA_CHECK(cudaSetDevice(device)); },
               priority) {}
@@ -64,7 +65,15 @@ public:
     }
 
 private:
+    static communicator_type split_onto(communicator_type& comm, cudaStream_t side) {
+        if constexpr (requires(Intra & intra) { intra.split(0, 0, side); })
+            return comm.split(0, comm.rank(), side);
+        else
+            return comm.split(0, comm.rank());
+    }
+
     cuda_system compute_;
+    cuda_stream side_; // the node communicator's split runs on it; before comm_: outlives it
     communicator_type comm_;
     cuda_event done_;
     detail::ordered_worker worker_; // last: stopped (queue drained) before the rest goes

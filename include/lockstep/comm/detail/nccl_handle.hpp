@@ -3,6 +3,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/detail/nccl_family.hpp"
 #include "lockstep/comm/timeout.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
@@ -11,10 +12,9 @@
 
 #include "lockstep/system/cuda_system.hpp"
 
-#include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <memory>
-#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -33,31 +33,6 @@ struct nccl_options {
 };
 
 namespace detail {
-
-/// What the communicators one process creates together (init_all, and their splits) share: the
-/// first replica that failed, so that the others stop waiting and fail too.
-struct nccl_clique {
-    std::atomic<int> failed_rank{-1};
-};
-
-/// Makes a device current for its lifetime without throwing (for noexcept paths).
-class cuda_device_guard_noexcept {
-public:
-    explicit cuda_device_guard_noexcept(int device) {
-        switched_ = cudaGetDevice(&previous_) == cudaSuccess && previous_ != device &&
-                    cudaSetDevice(device) == cudaSuccess;
-    }
-    cuda_device_guard_noexcept(const cuda_device_guard_noexcept&) = delete;
-    cuda_device_guard_noexcept& operator=(const cuda_device_guard_noexcept&) = delete;
-    ~cuda_device_guard_noexcept() {
-        if (switched_)
-            (void)cudaSetDevice(previous_);
-    }
-
-private:
-    int previous_ = 0;
-    bool switched_ = false;
-};
 
 /// Why `stream` cannot be adopted by a communicator of `device` (empty when it can): a caller's
 /// stream must belong to the communicator's device. The device of a stream is known to CUDA
@@ -82,46 +57,72 @@ inline std::string adopted_stream_problem(cudaStream_t stream, int device) {
     return {};
 }
 
-/// One replica's NCCL communicator with its stream (its own, or the caller's adopted one) and a
-/// one-int device scratch: owns them (never an adopted stream), knows whether it (or a peer of
-/// its clique) failed, and turns every failure into abort + lockstep::error, so no replica is
-/// left waiting. Move-only.
+/// One replica's NCCL communicator with its stream (its own, one shared with the communicator it
+/// was split from, or the caller's adopted one) and a one-int device scratch: owns them (never an
+/// adopted stream), belongs to the replica's family (abort() of any member aborts them all),
+/// knows whether it (or a peer of its clique) failed, and turns every failure into abort +
+/// lockstep::error, so no replica is left waiting. Move-only.
 class nccl_handle {
 public:
-    /// Takes ownership of `comm` (aborts it if anything here throws; scratch_ is allocated
-    /// last, so nothing else needs freeing then). `adopted` null: the handle creates its own
-    /// non-blocking stream on `device`; else it runs on `adopted`, which it never destroys.
-    /// requires: adopted is null or a stream of `device` (checked by the callers before NCCL).
-    nccl_handle(ncclComm_t comm, int device, cudaStream_t adopted,
-                std::shared_ptr<nccl_clique> clique, nccl_options options) try
-        : comm_(comm), clique_(std::move(clique)), options_(options), device_(device) {
-        if (adopted != nullptr)
-            stream_ = adopted;
-        else
-            stream_ = owned_stream_.emplace(device).get();
-        cuda_device_guard guard(device_);
-        LOCKSTEP_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
-        LOCKSTEP_NCCL_CHECK(ncclCommCount(comm_, &size_));
-        LOCKSTEP_CUDA_CHECK(cudaMalloc(&scratch_, sizeof(int)));
-    } catch (...) {
-        if (comm != nullptr) {
-            cuda_device_guard_noexcept guard(device);
-            (void)ncclCommAbort(comm);
+    /// Where a handle's stream comes from.
+    struct stream_source {
+        /// A stream the handle shares ownership of (a split on its parent's own stream).
+        std::shared_ptr<cuda_stream> shared = nullptr;
+        /// A stream of the caller, never destroyed (used when `shared` is null).
+        cudaStream_t adopted = nullptr;
+    };
+
+    /// Takes ownership of `comm` (aborts it if anything here throws). Both stream sources null:
+    /// the handle creates its own non-blocking stream on `device`. `family` null: the handle
+    /// starts the family of a new replica (named by its rank), else it joins `family`.
+    /// requires: the stream belongs to `device` (checked by the callers before NCCL).
+    nccl_handle(ncclComm_t comm, int device, stream_source stream,
+                std::shared_ptr<nccl_clique> clique, std::shared_ptr<nccl_family> family,
+                nccl_options options)
+        : clique_(std::move(clique)), options_(options), device_(device) {
+        try {
+            if (stream.shared)
+                owned_stream_ = std::move(stream.shared);
+            else if (stream.adopted == nullptr)
+                owned_stream_ = std::make_shared<cuda_stream>(device);
+            stream_ = owned_stream_ ? owned_stream_->get() : stream.adopted;
+            cuda_device_guard guard(device_);
+            LOCKSTEP_NCCL_CHECK(ncclCommUserRank(comm, &rank_));
+            LOCKSTEP_NCCL_CHECK(ncclCommCount(comm, &size_));
+            LOCKSTEP_CUDA_CHECK(cudaMalloc(&scratch_, sizeof(int)));
+            family_ = family ? std::move(family) : std::make_shared<nccl_family>(rank_);
+            member_ = family_->add(comm, device_);
+            LOCKSTEP_REQUIRE(member_ != 0, errc::communication, rank_, "nccl_communicator",
+                             "the replica's communicators were aborted after a failure");
+            comm_ = comm;
+        } catch (...) {
+            if (comm != nullptr) {
+                cuda_device_guard_noexcept guard(device);
+                (void)ncclCommAbort(comm);
+            }
+            if (scratch_ != nullptr) {
+                cuda_device_guard_noexcept guard(device);
+                (void)cudaFree(scratch_);
+            }
+            throw;
         }
     }
     nccl_handle(const nccl_handle&) = delete;
     nccl_handle& operator=(const nccl_handle&) = delete;
     nccl_handle(nccl_handle&& o) noexcept
         : owned_stream_(std::move(o.owned_stream_)), stream_(std::exchange(o.stream_, nullptr)),
-          comm_(std::exchange(o.comm_, nullptr)), scratch_(std::exchange(o.scratch_, nullptr)),
+          comm_(std::exchange(o.comm_, nullptr)), member_(std::exchange(o.member_, 0)),
+          family_(std::move(o.family_)), scratch_(std::exchange(o.scratch_, nullptr)),
           clique_(std::move(o.clique_)), options_(o.options_), device_(o.device_), rank_(o.rank_),
-          size_(o.size_), aborted_(o.aborted_) {}
+          size_(o.size_), aborted_(o.aborted_), finalized_(o.finalized_) {}
     nccl_handle& operator=(nccl_handle&& o) noexcept {
         if (this != &o) {
             release();
             owned_stream_ = std::move(o.owned_stream_);
             stream_ = std::exchange(o.stream_, nullptr);
             comm_ = std::exchange(o.comm_, nullptr);
+            member_ = std::exchange(o.member_, 0);
+            family_ = std::move(o.family_);
             scratch_ = std::exchange(o.scratch_, nullptr);
             clique_ = std::move(o.clique_);
             options_ = o.options_;
@@ -129,40 +130,56 @@ public:
             rank_ = o.rank_;
             size_ = o.size_;
             aborted_ = o.aborted_;
+            finalized_ = o.finalized_;
         }
         return *this;
     }
     /// Destroys the communicator, or aborts it when a replica of the clique failed (so this
-    /// never waits for a peer that will not come).
+    /// never waits for a peer that will not come); then frees the scratch.
     ~nccl_handle() { release(); }
 
-    ncclComm_t comm() const noexcept { return comm_; }
+    /// The NCCL communicator; null once aborted (by this handle or another of its family).
+    ncclComm_t comm() const noexcept { return aborted() ? nullptr : comm_; }
     cudaStream_t stream() const noexcept { return stream_; }
     cuda_system system() const noexcept { return cuda_system(device_, stream_); }
-    /// True when the stream is the caller's (adopted), not the handle's own.
+    /// True when the stream is the caller's (adopted), not owned by the handle (or shared).
     bool adopted_stream() const noexcept { return stream_ != nullptr && !owned_stream_; }
+    /// The stream's shared owner (null when adopted), for a split onto the same stream.
+    const std::shared_ptr<cuda_stream>& owned_stream() const noexcept { return owned_stream_; }
     int* scratch() const noexcept { return scratch_; }
     const std::shared_ptr<nccl_clique>& clique() const noexcept { return clique_; }
+    const std::shared_ptr<nccl_family>& family() const noexcept { return family_; }
     const nccl_options& options() const noexcept { return options_; }
     int device() const noexcept { return device_; }
     int rank() const noexcept { return rank_; }
     int size() const noexcept { return size_; }
-    bool aborted() const noexcept { return aborted_; }
+    /// True once this communicator or another of its family was aborted.
+    bool aborted() const noexcept { return aborted_ || (family_ && family_->aborted()); }
 
-    /// Aborts the NCCL communicator (ncclCommAbort: uncompleted operations are stopped) and
-    /// marks the clique failed. Every later call throws. Idempotent; safe on a moved-from
-    /// handle.
+    /// Aborts the NCCL communicator and every other communicator of the replica's family
+    /// (ncclCommAbort: uncompleted operations are stopped) and marks the clique failed. Every
+    /// later call throws. Idempotent; safe on a moved-from handle.
     void abort() noexcept {
         if (clique_) {
             int none = -1;
-            clique_->failed_rank.compare_exchange_strong(none, rank_);
+            clique_->failed_rank.compare_exchange_strong(none, replica());
         }
-        if (comm_ != nullptr && !aborted_) {
-            cuda_device_guard_noexcept guard(device_);
-            (void)ncclCommAbort(comm_);
-            comm_ = nullptr;
-        }
+        if (family_)
+            family_->abort_all(); // comm_ is a member: aborted there
+        comm_ = nullptr;
         aborted_ = true;
+    }
+
+    /// ncclCommFinalize (for nccl_communicator::destroy_all, inside its NCCL group): flushes
+    /// the communicator's work, after which the destructor's ncclCommDestroy frees it locally
+    /// without waiting for the peers. No-op once aborted.
+    ncclResult_t finalize() noexcept {
+        if (aborted() || comm_ == nullptr || finalized_)
+            return ncclSuccess;
+        cuda_device_guard_noexcept guard(device_);
+        const ncclResult_t r = ncclCommFinalize(comm_);
+        finalized_ = r == ncclSuccess || r == ncclInProgress;
+        return r;
     }
 
     static std::string describe(ncclResult_t r) {
@@ -201,10 +218,13 @@ public:
     /// Throws if this communicator was aborted, a peer of the clique failed, or NCCL holds an
     /// asynchronous error.
     void check_usable(const std::string& op) {
-        if (aborted_ || comm_ == nullptr)
-            fail(errc::communication, rank_, op, "the communicator was aborted after a failure");
         const int failed = clique_ ? clique_->failed_rank.load() : -1;
-        if (failed >= 0 && failed != rank_)
+        const bool peer_failed = failed >= 0 && failed != replica();
+        if (aborted() || comm_ == nullptr)
+            fail(peer_failed ? errc::peer_failure : errc::communication, rank_, op,
+                 "the communicator was aborted after a failure (of this replica, one of its "
+                 "communicators or a peer)");
+        if (peer_failed)
             fail_and_abort(errc::peer_failure, op, "replica ", failed,
                            " failed; this replica's communicator was aborted");
         ncclResult_t async = ncclSuccess;
@@ -275,33 +295,48 @@ private:
         }
     }
 
+    /// The replica the clique names: its rank in the communicator its family started with.
+    int replica() const noexcept { return family_ ? family_->replica() : rank_; }
+
+    /// The communicator goes first: cudaFree synchronises the device, which would wait forever
+    /// for a kernel of a communicator still waiting for a dead peer.
     void release() noexcept {
+        if (comm_ != nullptr) {
+            const bool peer_failed = clique_ && clique_->failed_rank.load() >= 0;
+            if (peer_failed && !finalized_ && family_) {
+                // With the rest of the family, in one group: aborted one by one, this abort
+                // could wait for a sibling's kernel that waits for the dead peer.
+                family_->abort_all();
+            } else if (!family_ || family_->remove(member_)) {
+                // (remove() is false when an abort of the family already freed it.)
+                cuda_device_guard_noexcept guard(device_);
+                if (peer_failed && !finalized_)
+                    (void)ncclCommAbort(comm_);
+                else
+                    (void)ncclCommDestroy(comm_);
+            }
+            comm_ = nullptr;
+        }
         if (scratch_ != nullptr) {
             cuda_device_guard_noexcept guard(device_);
             (void)cudaFree(scratch_);
             scratch_ = nullptr;
         }
-        if (comm_ != nullptr) {
-            cuda_device_guard_noexcept guard(device_);
-            const bool peer_failed = clique_ && clique_->failed_rank.load() >= 0;
-            if (peer_failed || aborted_)
-                (void)ncclCommAbort(comm_);
-            else
-                (void)ncclCommDestroy(comm_);
-            comm_ = nullptr;
-        }
     }
 
-    std::optional<cuda_stream> owned_stream_; // empty when adopted; declared first: destroyed last
-    cudaStream_t stream_ = nullptr;           // owned_stream_'s, or the caller's (not owned)
-    ncclComm_t comm_ = nullptr;               // owned
-    int* scratch_ = nullptr;                  // one device int for barrier()
+    std::shared_ptr<cuda_stream> owned_stream_; // null when adopted; declared first: goes last
+    cudaStream_t stream_ = nullptr;             // owned_stream_'s, or the caller's (not owned)
+    ncclComm_t comm_ = nullptr;                 // owned (through family_ once aborted)
+    std::uint64_t member_ = 0;                  // comm_'s id in family_
+    std::shared_ptr<nccl_family> family_;
+    int* scratch_ = nullptr; // one device int for barrier()
     std::shared_ptr<nccl_clique> clique_;
     nccl_options options_{};
     int device_ = 0;
     int rank_ = 0;
     int size_ = 0;
     bool aborted_ = false;
+    bool finalized_ = false;
 };
 
 } // namespace detail
