@@ -125,6 +125,7 @@ const std::vector<channel_geometry> geometries{
     {8, 16, 3136},  // NCHW 56x56 planes, several partitions per channel
     {3000, 19, 1},  // NHWC rows, channels not a multiple of the vector width (scalar path)
     {1000, 64, 1},  // NHWC rows, vector path
+    {50000, 24, 1}, // NHWC, 256 row partitions folded by a channel tile that is partly empty
     {37, 20000, 1}, // N x C with C = 20000 > 16384 channel tiles
     {1, 4, 1},      // one value per channel
     {0, 3, 16},     // empty batch

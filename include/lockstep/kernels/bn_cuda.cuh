@@ -81,8 +81,8 @@ inline void launched() {
 
 /// K1: this replica's packed statistics block (packed_moments layout) in one launch:
 /// block[status] = status, the exact count g.per_channel() in (count_hi, count_lo), and each
-/// channel's Welford mean and M2 (per-(channel, partition) blocks, partials Chan-merged in
-/// partition order in double with exact counts by the last block of each channel).
+/// channel's Welford mean and M2 (per-(channel, partition) blocks, partials Chan-merged in a
+/// fixed tree order in double with exact counts by the last block of each channel or tile).
 /// requires: x holds g.size() values; block holds packed_moments::size(g.channels) values;
 ///           workspace holds bn_workspace_bytes<T, Acc>(g) bytes, zero-filled before its first
 ///           use and not used concurrently by another launch.
@@ -169,8 +169,8 @@ void normalize(const cuda_system& sys, const T* x, T* y, channel_geometry g, con
 
 /// K4: the backward sums with a status slot (packed_sums layout) in one launch:
 /// sums[c] = sum dy, sums[C + c] = sum dy * (x - mean_c) (backward_accumulate), sums[2 C] =
-/// status. Partials per (channel, partition) are added in partition order (in double) by the
-/// last block of each channel: no floating-point atomics, the same bits on every run.
+/// status. Partials per (channel, partition) are added in a fixed tree order (in double) by the
+/// last block of each channel or tile: no floating-point atomics, the same bits on every run.
 /// requires: dy and x hold g.size() values; mean g.channels; sums packed_sums::size(g.channels);
 ///           workspace as for pack_local_moments (the two may share one workspace).
 template <class T, class Acc>

@@ -408,6 +408,66 @@ __device__ V ordered_fold(std::size_t count, Load load, Op op) {
     return r;
 }
 
+/// The rows kernels' last block: the fold over partitions [0, parts) of each of the `tile`
+/// channels of a channel tile (tile a power of two <= block_threads). lanes = block_threads /
+/// tile threads share a channel: thread t takes channel t / lanes and folds the contiguous
+/// partitions [parts g / lanes, parts (g + 1) / lanes) of it, g = t % lanes, with
+/// range(channel, q0, q1); then a channel's lanes are combined pairwise (g with g + s for
+/// s = 1, 2, 4, ...), so only adjacent ranges merge and the order depends on (parts, tile) alone.
+/// ensures: the channel's fold in its threads with g == 0 (leader); channel = t / lanes.
+template <class V>
+struct channel_fold_result {
+    V value;
+    unsigned channel;
+    bool leader;
+};
+template <class V, class Range, class Op>
+__device__ channel_fold_result<V> channel_fold(unsigned tile, std::size_t parts, Range range,
+                                               Op op) {
+    __shared__ alignas(V) unsigned char raw[sizeof(V) * block_threads];
+    V* s = reinterpret_cast<V*>(raw);
+    const unsigned t = threadIdx.x;
+    const unsigned lanes = block_threads / tile;
+    const unsigned j = t / lanes;
+    const unsigned g = t % lanes;
+    V v = range(j, parts * g / lanes, parts * (g + 1) / lanes);
+    s[t] = v;
+    __syncthreads();
+    for (unsigned step = 1; step < lanes; step *= 2) {
+        if (g % (2 * step) == 0) {
+            v = op(v, s[t + step]);
+            s[t] = v;
+        }
+        __syncthreads();
+    }
+    return {v, j, g == 0};
+}
+
+/// The row boundaries outer * q / parts of the row partitions, q = q0, q0 + 1, ..., stepped
+/// without a division per step.
+struct partition_walk {
+    std::size_t at;    ///< outer * q / parts
+    std::size_t rem;   ///< outer * q % parts
+    std::size_t quot;  ///< outer / parts
+    std::size_t extra; ///< outer % parts
+    std::size_t parts;
+    __device__ partition_walk(std::size_t outer, std::size_t parts_, std::size_t q0)
+        : at(outer * q0 / parts_), rem(outer * q0 % parts_), quot(outer / parts_),
+          extra(outer % parts_), parts(parts_) {}
+    /// Rows of partition q, advancing to q + 1.
+    __device__ std::size_t next() {
+        std::size_t hi = at + quot;
+        rem += extra;
+        if (rem >= parts) {
+            rem -= parts;
+            ++hi;
+        }
+        const std::size_t rows = hi - at;
+        at = hi;
+        return rows;
+    }
+};
+
 } // namespace detail
 } // namespace lockstep::kernels::cuda_path
 #endif

@@ -22,7 +22,10 @@ namespace lockstep::kernels::cuda_path::detail {
 // - rows (inner == 1): consecutive threads take consecutive channel vectors of a row (coalesced),
 //   tx indexes channel vectors, ty rows; a thread keeps its channels' state across rows.
 // Reductions write one partial per (channel, partition) block; the last block of a channel (or
-// channel tile) to arrive folds them in partition order in double with exact integer counts.
+// channel tile) to arrive folds them in double with exact integer counts, in a fixed order that
+// depends on the partition count (and tile) alone: contiguous partition ranges per thread, then
+// a pairwise tree (ordered_fold for planes, channel_fold for rows, whose threads split each
+// channel of the tile).
 
 /// The header of the packed forward block, written once per launch.
 template <class Acc>
@@ -173,20 +176,27 @@ __global__ void __launch_bounds__(block_threads)
     }
     if (!arrive_last(counters + blockIdx.x, parts))
         return;
-    for (std::size_t j = threadIdx.x; j < tile; j += block_threads) {
-        const std::size_t c = blockIdx.x * tile + j;
-        if (c >= C)
-            break;
-        moments<double> total;
-        for (std::size_t q = 0; q < parts; ++q) {
-            const auto rows = static_cast<double>(g.outer * (q + 1) / parts - g.outer * q / parts);
-            total =
-                merge(total,
-                      moments<double>{rows, static_cast<double>(__ldcg(partials + 2 * q * C + c)),
-                                      static_cast<double>(__ldcg(partials + (2 * q + 1) * C + c))});
-        }
-        block[packed_moments::mean(c)] = static_cast<Acc>(total.mean);
-        block[packed_moments::m2(c)] = static_cast<Acc>(total.m2);
+    const std::size_t first = blockIdx.x * tile;
+    const auto total = channel_fold<moments<double>>(
+        static_cast<unsigned>(tile), parts,
+        [&](std::size_t j, std::size_t q0, std::size_t q1) {
+            moments<double> m;
+            const std::size_t c = first + j;
+            if (c >= C)
+                return m;
+            partition_walk rows(g.outer, parts, q0);
+            for (std::size_t q = q0; q < q1; ++q)
+                m = merge(m, moments<double>{
+                                 static_cast<double>(rows.next()),
+                                 static_cast<double>(__ldcg(partials + 2 * q * C + c)),
+                                 static_cast<double>(__ldcg(partials + (2 * q + 1) * C + c))});
+            return m;
+        },
+        merge);
+    if (total.leader && first + total.channel < C) {
+        const std::size_t c = first + total.channel;
+        block[packed_moments::mean(c)] = static_cast<Acc>(total.value.mean);
+        block[packed_moments::m2(c)] = static_cast<Acc>(total.value.m2);
     }
     if (blockIdx.x == 0 && threadIdx.x == 0)
         write_header(block, header);
@@ -317,18 +327,25 @@ __global__ void __launch_bounds__(block_threads)
     }
     if (!arrive_last(counters + blockIdx.x, parts))
         return;
-    for (std::size_t j = threadIdx.x; j < tile; j += block_threads) {
-        const std::size_t c = blockIdx.x * tile + j;
-        if (c >= C)
-            break;
-        double a = 0;
-        double b = 0;
-        for (std::size_t q = 0; q < parts; ++q) {
-            a += static_cast<double>(__ldcg(partials + 2 * q * C + c));
-            b += static_cast<double>(__ldcg(partials + (2 * q + 1) * C + c));
-        }
-        sums[c] = static_cast<Acc>(a);
-        sums[C + c] = static_cast<Acc>(b);
+    const std::size_t first = blockIdx.x * tile;
+    const auto total = channel_fold<dy_sums<double>>(
+        static_cast<unsigned>(tile), parts,
+        [&](std::size_t j, std::size_t q0, std::size_t q1) {
+            dy_sums<double> d;
+            const std::size_t c = first + j;
+            if (c >= C)
+                return d;
+            for (std::size_t q = q0; q < q1; ++q) {
+                d.dy += static_cast<double>(__ldcg(partials + 2 * q * C + c));
+                d.dyx += static_cast<double>(__ldcg(partials + (2 * q + 1) * C + c));
+            }
+            return d;
+        },
+        add_dy_sums{});
+    if (total.leader && first + total.channel < C) {
+        const std::size_t c = first + total.channel;
+        sums[c] = static_cast<Acc>(total.value.dy);
+        sums[C + c] = static_cast<Acc>(total.value.dyx);
     }
     if (blockIdx.x == 0 && threadIdx.x == 0)
         sums[packed_sums::status(C)] = status;
