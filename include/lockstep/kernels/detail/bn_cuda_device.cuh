@@ -223,6 +223,80 @@ __device__ __forceinline__ void warp_run(Op& op, const T* ref, std::size_t off, 
     }
 }
 
+/// The block's threads walk channel c's values k in [a, b) flat: thread t takes k = a + t,
+/// a + t + block_threads, ... (consecutive threads, consecutive values of a run: coalesced
+/// whatever the plane size), four loads in flight (op.load, then op.apply; V == 1 ops). The
+/// tensor offset is stepped without a division per value.
+template <class Op>
+__device__ __forceinline__ void flat_channel(const channel_geometry& g, std::size_t c,
+                                             std::size_t a, std::size_t b, Op& op) {
+    std::size_t k = a + threadIdx.x;
+    if (k >= b)
+        return;
+    const std::size_t o = k / g.inner;
+    std::size_t i = k - o * g.inner;
+    std::size_t off = (o * g.channels + c) * g.inner + i;
+    const std::size_t plane = g.channels * g.inner;
+    const std::size_t di = block_threads % g.inner;
+    const std::size_t doff = block_threads / g.inner * plane + di;
+    const auto advance = [&] {
+        i += di;
+        off += doff;
+        if (i >= g.inner) {
+            i -= g.inner;
+            off += plane - g.inner;
+        }
+    };
+    for (; k + 3 * block_threads < b; k += 4 * block_threads) {
+        std::size_t at[4];
+        typename Op::regs r[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            at[u] = off;
+            op.load(off, r[u]);
+            advance();
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+            op.apply(at[u], r[u]);
+    }
+    for (; k < b; k += block_threads) {
+        typename Op::regs r;
+        op.load(off, r);
+        op.apply(off, r);
+        advance();
+    }
+}
+
+/// Tensor offsets a, a + stride, a + 2 stride, ... with their channel, stepped without a
+/// division per value (the flat elementwise kernels).
+struct flat_walk {
+    std::size_t off;
+    std::size_t i; ///< off % inner
+    std::size_t c; ///< off / inner % channels
+    std::size_t stride, di, dc, inner, channels;
+    __device__ flat_walk(const channel_geometry& g, std::size_t a, std::size_t stride_)
+        : off(a), stride(stride_), inner(g.inner), channels(g.channels) {
+        const std::size_t q = a / inner;
+        i = a - q * inner;
+        c = q % channels;
+        const std::size_t sq = stride / inner;
+        di = stride - sq * inner;
+        dc = sq % channels;
+    }
+    __device__ __forceinline__ void next() {
+        off += stride;
+        i += di;
+        c += dc;
+        if (i >= inner) {
+            i -= inner;
+            ++c;
+        }
+        if (c >= channels)
+            c -= channels;
+    }
+};
+
 /// Per-thread Welford moments: V lanes that step together (one reciprocal per vector) and one
 /// scalar accumulator for unaligned heads and tails.
 template <class T, class Acc, int V>

@@ -18,7 +18,9 @@ namespace lockstep::kernels::cuda_path::detail {
 // Two shapes cover every layout, as on the host:
 // - planes (inner > 1): a warp takes an item of 8 vectors per lane of one channel's values
 //   (reductions) or of the tensor (elementwise) and walks it run by run with a row pointer;
-//   16-byte vectors between an unaligned head and tail.
+//   16-byte vectors between an unaligned head and tail. Small planes (cuda_small_plane: runs
+//   too short for a warp of vectors) are walked flat instead: consecutive threads take
+//   consecutive values, one per lane, across run boundaries.
 // - rows (inner == 1): consecutive threads take consecutive channel vectors of a row (coalesced),
 //   tx indexes channel vectors, ty rows; a thread keeps its channels' state across rows.
 // Reductions write one partial per (channel, partition) block; the last block of a channel (or
@@ -46,8 +48,9 @@ __device__ __forceinline__ void write_header(Acc* block, const block_header<Acc>
 template <int V>
 inline constexpr std::size_t item_values = 32 * V * 8;
 
-/// K1, planes: block = (channel c, partition p) of cuda_partitions(g) partitions.
-template <class T, class Acc, int V>
+/// K1, planes: block = (channel c, partition p) of cuda_partitions(g) partitions; Flat (V == 1):
+/// the block walks the partition's values flat (small planes), else warp items run by run.
+template <class T, class Acc, int V, bool Flat = false>
 __global__ void __launch_bounds__(block_threads)
     moments_planes_kernel(const T* __restrict__ x, channel_geometry g, std::size_t parts,
                           Acc* partials, unsigned* counters, block_header<Acc> header, Acc* block) {
@@ -59,10 +62,16 @@ __global__ void __launch_bounds__(block_threads)
     const std::size_t k1 = n * (p + 1) / parts;
     const unsigned lane = threadIdx.x % 32;
     moments_op<T, Acc, V> op{x};
-    for (std::size_t a = n * p / parts + threadIdx.x / 32 * item_values<V>; a < k1;
-         a += block_warps * item_values<V>)
-        channel_runs(g, c, a, smin(a + item_values<V>, k1),
-                     [&](std::size_t off, std::size_t len) { warp_run<V>(op, x, off, len, lane); });
+    if constexpr (Flat) {
+        static_assert(V == 1);
+        flat_channel(g, c, n * p / parts, k1, op);
+    } else {
+        for (std::size_t a = n * p / parts + threadIdx.x / 32 * item_values<V>; a < k1;
+             a += block_warps * item_values<V>)
+            channel_runs(
+                g, c, a, smin(a + item_values<V>, k1),
+                [&](std::size_t off, std::size_t len) { warp_run<V>(op, x, off, len, lane); });
+    }
     const moments<Acc> m = reduce_t(tmp).Reduce(op.result(), chan_merge{});
     if (threadIdx.x == 0) {
         partials[2 * blockIdx.x] = m.mean;
@@ -209,7 +218,8 @@ __global__ void header_kernel(block_header<Acc> header, Acc* block) {
 }
 
 /// K4, planes: block = (channel c, partition p); partials hold (sum dy, sum dy (x - mean)).
-template <class T, class Acc, int V>
+/// Flat as for moments_planes_kernel.
+template <class T, class Acc, int V, bool Flat = false>
 __global__ void __launch_bounds__(block_threads)
     sums_planes_kernel(const T* __restrict__ dy, const T* __restrict__ x, channel_geometry g,
                        std::size_t parts, const Acc* mean, Acc status, Acc* partials,
@@ -222,10 +232,16 @@ __global__ void __launch_bounds__(block_threads)
     const std::size_t k1 = n * (p + 1) / parts;
     const unsigned lane = threadIdx.x % 32;
     sums_op<T, Acc, V> op{dy, x, mean[c]};
-    for (std::size_t a = n * p / parts + threadIdx.x / 32 * item_values<V>; a < k1;
-         a += block_warps * item_values<V>)
-        channel_runs(g, c, a, smin(a + item_values<V>, k1),
-                     [&](std::size_t off, std::size_t len) { warp_run<V>(op, x, off, len, lane); });
+    if constexpr (Flat) {
+        static_assert(V == 1);
+        flat_channel(g, c, n * p / parts, k1, op);
+    } else {
+        for (std::size_t a = n * p / parts + threadIdx.x / 32 * item_values<V>; a < k1;
+             a += block_warps * item_values<V>)
+            channel_runs(
+                g, c, a, smin(a + item_values<V>, k1),
+                [&](std::size_t off, std::size_t len) { warp_run<V>(op, x, off, len, lane); });
+    }
     const dy_sums<Acc> s = reduce_t(tmp).Reduce(op.result(), add_dy_sums{});
     if (threadIdx.x == 0) {
         partials[2 * blockIdx.x] = s.dy;
@@ -375,6 +391,40 @@ __global__ void __launch_bounds__(block_threads)
                });
 }
 
+/// Values per thread of the flat elementwise kernels (their grid covers size / this).
+inline constexpr std::size_t flat_values = 8;
+
+/// K3, small planes: thread t of the grid normalizes tensor offsets t, t + S, ... (S the grid's
+/// threads): consecutive threads, consecutive offsets; four values in flight.
+template <class T, class Acc>
+__global__ void __launch_bounds__(block_threads)
+    normalize_flat_kernel(const T* __restrict__ x, T* __restrict__ y, channel_geometry g,
+                          const Acc* mean, const Acc* scale, const Acc* beta) {
+    const std::size_t size = g.size();
+    const std::size_t a = std::size_t(blockIdx.x) * block_threads + threadIdx.x;
+    if (a >= size)
+        return;
+    flat_walk w(g, a, std::size_t(gridDim.x) * block_threads);
+    while (w.off + 3 * w.stride < size) {
+        std::size_t at[4], c[4];
+        T v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            at[u] = w.off;
+            c[u] = w.c;
+            v[u] = x[w.off];
+            w.next();
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+            y[at[u]] = from_acc<T>(
+                normalize_value(to_acc<Acc>(v[u]), mean[c[u]], scale[c[u]], beta[c[u]]));
+    }
+    for (; w.off < size; w.next())
+        y[w.off] =
+            from_acc<T>(normalize_value(to_acc<Acc>(x[w.off]), mean[w.c], scale[w.c], beta[w.c]));
+}
+
 /// K3, rows: thread (tx, ty) normalizes channel vector tx of rows ty, ty + ty_count, ...
 template <class T, class Acc, int V>
 __global__ void __launch_bounds__(block_threads)
@@ -465,6 +515,43 @@ __global__ void __launch_bounds__(block_threads)
             gradient_op<T, Acc, V> op{dy, x, dx, f.mean[c], co.k, co.a, co.b};
             warp_run<V>(op, x, off, len, lane);
         });
+}
+
+/// K5, small planes: as normalize_flat_kernel with dx (1 / count taken once per thread).
+template <class T, class Acc>
+__global__ void __launch_bounds__(block_threads)
+    gradient_flat_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
+                         channel_geometry g, fused_gradient_args<Acc> f) {
+    parameter_gradients(g.channels, f);
+    const std::size_t size = g.size();
+    const std::size_t a = std::size_t(blockIdx.x) * block_threads + threadIdx.x;
+    if (a >= size)
+        return;
+    const Acc per = gradient_reciprocal<Acc>(*f.count);
+    const auto grad = [&](T d, T v, std::size_t c) {
+        const gradient_coefficients<Acc> co =
+            fused_gradient_coefficients_per(c, g.channels, f.totals, per, f.gamma, f.invstd);
+        return from_acc<T>(
+            input_gradient(to_acc<Acc>(d), to_acc<Acc>(v), f.mean[c], co.k, co.a, co.b));
+    };
+    flat_walk w(g, a, std::size_t(gridDim.x) * block_threads);
+    while (w.off + 3 * w.stride < size) {
+        std::size_t at[4], c[4];
+        T d[4], v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            at[u] = w.off;
+            c[u] = w.c;
+            d[u] = dy[w.off];
+            v[u] = x[w.off];
+            w.next();
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+            dx[at[u]] = grad(d[u], v[u], c[u]);
+    }
+    for (; w.off < size; w.next())
+        dx[w.off] = grad(dy[w.off], x[w.off], w.c);
 }
 
 /// K5, rows: as normalize_rows_kernel with dx.
