@@ -297,6 +297,12 @@ int main() {
                 bench_bn<float>(sys, cudnn, s, nhwc, bandwidth);
                 bench_bn<__half>(sys, cudnn, s, nhwc, bandwidth);
             }
+        // small planes (7x7, 14x14): the NCHW kernels' flat mapping
+        const shape small_planes[] = {{256, 2048, 7, 7}, {32, 1024, 14, 14}};
+        for (const shape s : small_planes) {
+            bench_bn<float>(sys, cudnn, s, false, bandwidth);
+            bench_bn<__half>(sys, cudnn, s, false, bandwidth);
+        }
         BENCH_CUDNN(cudnnDestroy(cudnn));
 #if LOCKSTEP_HAS_NCCL
         bench_nccl(devices);

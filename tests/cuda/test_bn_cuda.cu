@@ -120,11 +120,15 @@ void reference_moments(const std::vector<T>& x, const channel_geometry& g, std::
 }
 
 const std::vector<channel_geometry> geometries{
-    {6, 5, 63},     // NCHW, odd planes: unaligned heads and tails in every plane
-    {4, 3, 197},    // NCHW, runs split across warp items
+    {6, 5, 63},     // NCHW, odd small planes (the flat mapping, cuda_small_plane)
+    {4, 3, 263},    // NCHW, odd planes over 1 KiB: unaligned heads and tails in every run
+    {4, 3, 197},    // NCHW, runs split across warp items (double; flat for smaller values)
     {8, 16, 3136},  // NCHW 56x56 planes, several partitions per channel
+    {256, 20, 49},  // NCHW 7x7 planes: flat, two partitions of float
+    {32, 10, 196},  // NCHW 14x14 planes: flat for 4-byte and smaller values, runs for double
     {3000, 19, 1},  // NHWC rows, channels not a multiple of the vector width (scalar path)
     {1000, 64, 1},  // NHWC rows, vector path
+    {50000, 24, 1}, // NHWC, 256 row partitions folded by a channel tile that is partly empty
     {37, 20000, 1}, // N x C with C = 20000 > 16384 channel tiles
     {1, 4, 1},      // one value per channel
     {0, 3, 16},     // empty batch

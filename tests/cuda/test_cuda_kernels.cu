@@ -12,12 +12,15 @@
 #include "lockstep/optim/lars.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/system/buffer.hpp"
+#include "lockstep/train/detail/step_checks.hpp"
 
 #include "cuda_test_support.hpp"
 
 #include <catch2/catch.hpp>
 
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <limits>
@@ -430,6 +433,92 @@ void check_skip(const Params& p) {
 }
 
 } // namespace
+
+namespace {
+
+/// The status_slot block and the replica row gradient_checks wrote on System: three pieces cut
+/// unevenly and checked last first, finish_local, then check_reduced over [begin, end).
+template <class System, class T>
+std::vector<double> gradient_check_slots(const std::vector<T>& x, std::size_t begin,
+                                         std::size_t end, const System& sys) {
+    const std::size_t n = x.size();
+    std::vector<detail::bucket> pieces(3);
+    pieces[0] = {.offset = 0, .size = n / 5};
+    pieces[1] = {.offset = n / 5, .size = n / 2 - n / 5};
+    pieces[2] = {.offset = n / 2, .size = n - n / 2};
+    buffer<T, System> data(n, sys);
+    copy(std::span<const T>(x), host_system{}, data.span(), sys);
+    buffer<double, System> slots(status_slot::slots + replica_slot::slots, sys);
+    copy(std::span<const double>(std::vector<double>(slots.size(), 0.0)), host_system{},
+         slots.span(), sys);
+    double* status = slots.data();
+    double* row = slots.data() + status_slot::slots;
+    detail::gradient_checks<System> checks(pieces, n, sys);
+    const std::span<const T> d(data.data(), n);
+    for (std::size_t k = pieces.size(); k-- > 0;)
+        checks.check_piece(sys, d, k, pieces[k]);
+    checks.finish_local(sys, 0.5, 8.0, 0.1, status, row);
+    if (begin == 0 && end == n)
+        checks.check_reduced(sys, d, true, status);
+    else
+        checks.check_reduced(sys, d, begin, end, true, status);
+    sys.synchronize();
+    std::vector<double> out(slots.size());
+    copy(std::span<const double>(slots.data(), slots.size()), sys, std::span<double>(out),
+         host_system{});
+    return out;
+}
+
+/// Equal bits, or both NaN (NaN payloads are not specified across devices).
+bool same_value(double a, double b) {
+    return std::bit_cast<std::uint64_t>(a) == std::bit_cast<std::uint64_t>(b) ||
+           (std::isnan(a) && std::isnan(b));
+}
+
+} // namespace
+
+TEMPLATE_TEST_CASE("gradient checks on cuda_system equal the host's bit for bit",
+                   "[train][checks][cuda][gpu]", float, double) {
+    using T = TestType;
+    if (lockstep_test::skip_without_gpu())
+        return;
+    const cuda_stream stream(0);
+    const cuda_system sys = stream.system();
+    const host_system host(2);
+    const double inf = std::numeric_limits<double>::infinity();
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    for (const std::size_t n : {std::size_t(1), std::size_t(255), std::size_t(257),
+                                std::size_t(16384), std::size_t(16385), std::size_t(3 * 16384 + 77),
+                                std::size_t(256 * 16384 + 5), std::size_t(700 * 16384 + 1000)}) {
+        // mixed magnitudes, so that another summation order rounds differently
+        std::vector<T> x(n);
+        for (std::size_t i = 0; i < n; ++i)
+            x[i] = static_cast<T>(std::ldexp(1.0, static_cast<int>((i * 7) % 23) - 11) *
+                                  std::sin(0.37 * static_cast<double>(i)));
+        for (int bad = 0; bad < 3; ++bad) {
+            CAPTURE(n, bad);
+            std::vector<T> y = x;
+            if (bad == 1) { // inf at tile and lane edges
+                for (std::size_t i : {n - 1, n / 2, std::size_t(16383), std::size_t(256)})
+                    if (i < n)
+                        y[i] = static_cast<T>(i % 2 ? -inf : inf);
+            } else if (bad == 2) { // NaN and inf
+                y[n / 3] = static_cast<T>(nan);
+                y[n - 1] = static_cast<T>(inf);
+            }
+            const std::size_t b = n / 3 + 1 < n ? n / 3 + 1 : 0;
+            for (const std::size_t begin : {std::size_t(0), b}) {
+                const std::vector<double> want = gradient_check_slots(y, begin, n, host);
+                const std::vector<double> got = gradient_check_slots(y, begin, n, sys);
+                REQUIRE(got.size() == want.size());
+                for (std::size_t k = 0; k < got.size(); ++k) {
+                    CAPTURE(begin, k, got[k], want[k]);
+                    CHECK(same_value(got[k], want[k]));
+                }
+            }
+        }
+    }
+}
 
 TEMPLATE_TEST_CASE("optimizers on cuda_system match host_system", "[optim][cuda][gpu]", float,
                    double) {

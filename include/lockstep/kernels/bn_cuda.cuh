@@ -73,6 +73,11 @@ inline unsigned grid_1d(std::size_t blocks) {
     return static_cast<unsigned>(blocks == 0 ? 1 : blocks);
 }
 
+/// Blocks of the flat elementwise kernels over `size` values: about flat_values per thread.
+inline unsigned flat_grid(std::size_t size) {
+    return grid_1d((size + block_threads * flat_values - 1) / (block_threads * flat_values));
+}
+
 inline void launched() {
     LOCKSTEP_CUDA_CHECK(cudaGetLastError());
 }
@@ -81,8 +86,8 @@ inline void launched() {
 
 /// K1: this replica's packed statistics block (packed_moments layout) in one launch:
 /// block[status] = status, the exact count g.per_channel() in (count_hi, count_lo), and each
-/// channel's Welford mean and M2 (per-(channel, partition) blocks, partials Chan-merged in
-/// partition order in double with exact counts by the last block of each channel).
+/// channel's Welford mean and M2 (per-(channel, partition) blocks, partials Chan-merged in a
+/// fixed tree order in double with exact counts by the last block of each channel or tile).
 /// requires: x holds g.size() values; block holds packed_moments::size(g.channels) values;
 ///           workspace holds bn_workspace_bytes<T, Acc>(g) bytes, zero-filled before its first
 ///           use and not used concurrently by another launch.
@@ -106,7 +111,11 @@ void pack_local_moments(const cuda_system& sys, const T* x, channel_geometry g, 
     auto* partials = reinterpret_cast<Acc*>(static_cast<std::byte*>(workspace) +
                                             kernels::detail::counter_bytes(g));
     const std::size_t parts = kernels::detail::cuda_partitions(g, sizeof(T));
-    if (g.inner > 1) {
+    if (kernels::detail::cuda_small_plane(g, sizeof(T))) {
+        detail::moments_planes_kernel<N, Acc, 1, true>
+            <<<detail::grid_1d(g.channels * parts), block_threads, 0, sys.stream()>>>(
+                xn, g, parts, partials, counters, header, block);
+    } else if (g.inner > 1) {
         detail::moments_planes_kernel<N, Acc, V>
             <<<detail::grid_1d(g.channels * parts), block_threads, 0, sys.stream()>>>(
                 xn, g, parts, partials, counters, header, block);
@@ -139,7 +148,11 @@ void normalize(const cuda_system& sys, const T* x, T* y, channel_geometry g, con
     if (g.size() == 0)
         return;
     LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
-    if (g.inner > 1) {
+    if (kernels::detail::cuda_small_plane(g, sizeof(T))) {
+        detail::normalize_flat_kernel<N, Acc>
+            <<<detail::flat_grid(g.size()), block_threads, 0, sys.stream()>>>(xn, yn, g, mean,
+                                                                              scale, beta);
+    } else if (g.inner > 1) {
         const std::size_t per_block = block_warps * detail::item_values<V>;
         const unsigned grid = detail::grid_1d((g.size() + per_block - 1) / per_block);
         if (detail::same_misalignment(x, y))
@@ -169,8 +182,8 @@ void normalize(const cuda_system& sys, const T* x, T* y, channel_geometry g, con
 
 /// K4: the backward sums with a status slot (packed_sums layout) in one launch:
 /// sums[c] = sum dy, sums[C + c] = sum dy * (x - mean_c) (backward_accumulate), sums[2 C] =
-/// status. Partials per (channel, partition) are added in partition order (in double) by the
-/// last block of each channel: no floating-point atomics, the same bits on every run.
+/// status. Partials per (channel, partition) are added in a fixed tree order (in double) by the
+/// last block of each channel or tile: no floating-point atomics, the same bits on every run.
 /// requires: dy and x hold g.size() values; mean g.channels; sums packed_sums::size(g.channels);
 ///           workspace as for pack_local_moments (the two may share one workspace).
 template <class T, class Acc>
@@ -191,7 +204,11 @@ void pack_backward_sums(const cuda_system& sys, const T* dy, const T* x, channel
     auto* partials = reinterpret_cast<Acc*>(static_cast<std::byte*>(workspace) +
                                             kernels::detail::counter_bytes(g));
     const std::size_t parts = kernels::detail::cuda_partitions(g, sizeof(T));
-    if (g.inner > 1) {
+    if (kernels::detail::cuda_small_plane(g, sizeof(T))) {
+        detail::sums_planes_kernel<N, Acc, 1, true>
+            <<<detail::grid_1d(g.channels * parts), block_threads, 0, sys.stream()>>>(
+                dyn, xn, g, parts, mean, status, partials, counters, sums);
+    } else if (g.inner > 1) {
         const unsigned grid = detail::grid_1d(g.channels * parts);
         if (detail::same_misalignment(dy, x))
             detail::sums_planes_kernel<N, Acc, V><<<grid, block_threads, 0, sys.stream()>>>(
@@ -240,7 +257,13 @@ void input_gradient_fused(const cuda_system& sys, const T* dy, const T* x, T* dx
         return;
     const std::size_t channel_blocks = (g.channels + block_threads - 1) / block_threads;
     LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
-    if (g.inner > 1) {
+    if (kernels::detail::cuda_small_plane(g, sizeof(T))) {
+        const std::size_t blocks = (g.size() + block_threads * detail::flat_values - 1) /
+                                   (block_threads * detail::flat_values);
+        detail::gradient_flat_kernel<N, Acc>
+            <<<detail::grid_1d(blocks > channel_blocks ? blocks : channel_blocks), block_threads, 0,
+               sys.stream()>>>(dyn, xn, dxn, g, args);
+    } else if (g.inner > 1) {
         const bool vec = detail::same_misalignment(dy, x, dx);
         const std::size_t per_block =
             block_warps * (vec ? detail::item_values<V> : detail::item_values<1>);

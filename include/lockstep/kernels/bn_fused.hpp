@@ -67,17 +67,31 @@ struct gradient_coefficients {
     Acc b; ///< invstd^2 * totals[C + c] / count
 };
 
+/// The factor 1 / count of every channel's dx coefficients (0 when count is 0), in Acc.
+template <class Acc>
+LOCKSTEP_HOST_DEVICE inline Acc gradient_reciprocal(double count) {
+    return count > 0.0 ? static_cast<Acc>(1.0 / count) : Acc(0);
+}
+
 /// Channel c's dx coefficients from the (replica-combined) sums `totals` (laid out as
-/// packed_sums) over `count` values: k = gamma * invstd, a = totals[c] / count,
-/// b = invstd^2 * totals[C + c] / count, and a = b = 0 when count is 0. Every path (host,
-/// generic, CUDA) computes them here, so all produce the same bits.
+/// packed_sums) and per = gradient_reciprocal<Acc>(count): k = gamma * invstd,
+/// a = totals[c] / count, b = invstd^2 * totals[C + c] / count, and a = b = 0 when count is 0.
+/// Every path (host, generic, CUDA) computes them here, so all produce the same bits.
+template <class Acc>
+LOCKSTEP_HOST_DEVICE inline gradient_coefficients<Acc>
+fused_gradient_coefficients_per(std::size_t c, std::size_t channels, const Acc* totals, Acc per,
+                                const Acc* gamma, const Acc* invstd) {
+    const Acc inv = invstd[c];
+    return {gamma[c] * inv, totals[c] * per, inv * inv * totals[channels + c] * per};
+}
+
+/// fused_gradient_coefficients_per over `count` values (the reciprocal taken here).
 template <class Acc>
 LOCKSTEP_HOST_DEVICE inline gradient_coefficients<Acc>
 fused_gradient_coefficients(std::size_t c, std::size_t channels, const Acc* totals, double count,
                             const Acc* gamma, const Acc* invstd) {
-    const Acc inv = invstd[c];
-    const Acc per = count > 0.0 ? static_cast<Acc>(1.0 / count) : Acc(0);
-    return {gamma[c] * inv, totals[c] * per, inv * inv * totals[channels + c] * per};
+    return fused_gradient_coefficients_per(c, channels, totals, gradient_reciprocal<Acc>(count),
+                                           gamma, invstd);
 }
 
 /// Channel c: dgamma[c] += local[C + c] * invstd[c], dbeta[c] += local[c] (this replica's
@@ -174,16 +188,16 @@ U* workspace_scratch(std::span<std::byte> workspace, const channel_geometry& g) 
 /// values, so per-block counts stay exact in float.
 inline std::size_t cuda_partitions(const channel_geometry& g, std::size_t value_bytes) {
     const std::size_t C = std::max<std::size_t>(g.channels, 1);
-    const std::size_t target = 16384 / value_bytes; // values per block: 16 KiB of input
     const std::size_t exact = std::size_t(1) << 22;
     if (g.inner > 1) {
+        // 32 KiB of input a block: one 4 KiB item for each of its 8 warps (smaller partitions
+        // leave warps idle; the channels x partitions blocks fill the device)
+        const std::size_t target = 32768 / value_bytes;
         const std::size_t n = g.per_channel();
-        std::size_t p = (n + target - 1) / target;
-        // small channel counts: split further (down to 2048 values a block) to fill the device
-        p = std::max(p, std::min((1024 + C - 1) / C, (n + 2047) / 2048));
-        p = std::clamp<std::size_t>(p, 1, 1024);
+        const std::size_t p = std::clamp<std::size_t>((n + target - 1) / target, 1, 1024);
         return std::max(p, (n + exact - 1) / exact);
     }
+    const std::size_t target = 16384 / value_bytes; // values per block: 16 KiB of input
     const std::size_t rows = g.outer;
     const std::size_t width = std::min<std::size_t>(C, 128); // channels a block covers, about
     const std::size_t tiles = (C + 127) / 128;
@@ -191,6 +205,13 @@ inline std::size_t cuda_partitions(const channel_geometry& g, std::size_t value_
     p = std::max(p, std::min((1024 + tiles - 1) / tiles, (rows + 31) / 32));
     p = std::clamp<std::size_t>(p, 1, 256);
     return std::min<std::size_t>(std::max(p, (rows + exact - 1) / exact), 65535);
+}
+
+/// True when the CUDA planes kernels map channel values flat (lane by lane over the runs) rather
+/// than run by run: a plane of fewer than 1 KiB holds less than two 16-byte vectors per lane of
+/// a warp (7x7 and 14x14 float planes), so a warp walking it run by run leaves most lanes idle.
+inline bool cuda_small_plane(const channel_geometry& g, std::size_t value_bytes) {
+    return g.inner > 1 && g.inner * value_bytes < 1024;
 }
 
 } // namespace detail

@@ -1,5 +1,5 @@
 // lockstep/kernels/detail/bn_cuda_device.cuh: device building blocks of the CUDA batch-norm kernels
-// (vector loads, run walkers, per-thread accumulators, ordered merges). SPDX-License-Identifier:
+// (native types, vector loads and stores, per-thread accumulators). SPDX-License-Identifier:
 // Apache-2.0
 #pragma once
 
@@ -154,75 +154,6 @@ __device__ __forceinline__ void store(T* p, const Acc (&v)[V]) {
     }
 }
 
-/// Calls f(offset, length) for the contiguous runs of channel c's values k in [a, b) (k counts
-/// as in channel_geometry::offset): one division per call, then a pointer walk plane by plane.
-template <class F>
-__device__ __forceinline__ void channel_runs(const channel_geometry& g, std::size_t c,
-                                             std::size_t a, std::size_t b, F&& f) {
-    std::size_t o = a / g.inner;
-    std::size_t i = a - o * g.inner;
-    while (a < b) {
-        const std::size_t len = smin(b - a, g.inner - i);
-        f((o * g.channels + c) * g.inner + i, len);
-        a += len;
-        ++o;
-        i = 0;
-    }
-}
-
-/// Calls f(offset, length, channel) for the runs of tensor offsets [a, b) cut at plane
-/// boundaries: one division per call and one modulo per plane.
-template <class F>
-__device__ __forceinline__ void plane_runs(const channel_geometry& g, std::size_t a, std::size_t b,
-                                           F&& f) {
-    std::size_t q = a / g.inner;
-    std::size_t i = a - q * g.inner;
-    while (a < b) {
-        const std::size_t len = smin(b - a, g.inner - i);
-        f(a, len, q % g.channels);
-        a += len;
-        ++q;
-        i = 0;
-    }
-}
-
-/// One warp processes the run [off, off + len): the values before the first 16-byte boundary of
-/// ref + off and the tail one per lane (op.scalar), the rest in V-wide vectors, four loads in
-/// flight per lane (op.load, then op.apply).
-template <int V, class T, class Op>
-__device__ __forceinline__ void warp_run(Op& op, const T* ref, std::size_t off, std::size_t len,
-                                         unsigned lane) {
-    if constexpr (V > 1) {
-        const auto addr = reinterpret_cast<std::uintptr_t>(ref + off);
-        const std::size_t head = smin(len, ((16 - addr % 16) % 16) / sizeof(T));
-        if (lane < head)
-            op.scalar(off + lane);
-        off += head;
-        len -= head;
-    }
-    const std::size_t nv = len / V;
-    std::size_t j = lane;
-    for (; j + 96 < nv; j += 128) {
-        typename Op::regs r[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-            op.load(off + (j + 32 * u) * V, r[u]);
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-            op.apply(off + (j + 32 * u) * V, r[u]);
-    }
-    for (; j < nv; j += 32) {
-        typename Op::regs r;
-        op.load(off + j * V, r);
-        op.apply(off + j * V, r);
-    }
-    if constexpr (V > 1) {
-        const std::size_t tail = len - nv * V;
-        if (lane < tail)
-            op.scalar(off + nv * V + lane);
-    }
-}
-
 /// Per-thread Welford moments: V lanes that step together (one reciprocal per vector) and one
 /// scalar accumulator for unaligned heads and tails.
 template <class T, class Acc, int V>
@@ -363,50 +294,6 @@ struct gradient_op {
             from_acc<T>(input_gradient(to_acc<Acc>(dy[off]), to_acc<Acc>(x[off]), mean, k, a, b));
     }
 };
-
-/// The block's arrival at `counter`, one of `expected` blocks: true in the last block to arrive,
-/// which also resets the counter to 0 (so the workspace needs no clearing between launches).
-/// Every thread fences its own writes first, so the last block sees every block's partials
-/// (read them with __ldcg: L1 is not coherent).
-__device__ __forceinline__ bool arrive_last(unsigned* counter, std::size_t expected) {
-    __shared__ bool last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned ticket = atomicAdd(counter, 1u);
-        last = ticket + 1 == expected;
-        if (last)
-            atomicExch(counter, 0u);
-    }
-    __syncthreads();
-    if (last)
-        __threadfence();
-    return last;
-}
-
-/// op-fold of load(0), ..., load(count - 1) in index order, across the block: thread t folds the
-/// contiguous range [count t / B, count (t + 1) / B), then neighbours are combined pairwise
-/// (t with t + s for s = 1, 2, 4, ...), so only adjacent ranges are ever merged and the
-/// result depends on count alone. ensures: the result in every thread.
-template <class V, class Load, class Op>
-__device__ V ordered_fold(std::size_t count, Load load, Op op) {
-    __shared__ alignas(V) unsigned char raw[sizeof(V) * block_threads];
-    V* s = reinterpret_cast<V*>(raw);
-    const unsigned t = threadIdx.x;
-    V v{};
-    for (std::size_t q = count * t / block_threads; q < count * (t + 1) / block_threads; ++q)
-        v = op(v, load(q));
-    s[t] = v;
-    __syncthreads();
-    for (unsigned step = 1; step < block_threads; step *= 2) {
-        if (t % (2 * step) == 0)
-            s[t] = op(s[t], s[t + step]);
-        __syncthreads();
-    }
-    const V r = s[0];
-    __syncthreads();
-    return r;
-}
 
 } // namespace detail
 } // namespace lockstep::kernels::cuda_path

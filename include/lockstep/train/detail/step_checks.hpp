@@ -8,6 +8,7 @@
 #include "lockstep/core/step_status.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/detail/bucket_plan.hpp"
+#include "lockstep/train/detail/check_order.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
 
 #include <cstddef>
@@ -19,90 +20,29 @@
 #include <thrust/iterator/counting_iterator.h>
 #include <thrust/transform.h>
 
+// The CUDA system's passes of the checks (found by argument-dependent lookup).
+#if LOCKSTEP_HAS_CUDA
+#include "lockstep/train/detail/check_order_cuda.cuh"
+#endif
+
 namespace lockstep::detail {
-
-/// Elements per task of the gradient checks: large enough that the host runs long vectorised
-/// loops, small enough that a GPU has many tasks.
-inline constexpr std::size_t check_tile = std::size_t(1) << 14;
-
-/// The tiles of n elements (>= 0).
-inline std::size_t check_tiles(std::size_t n) {
-    return (n + check_tile - 1) / check_tile;
-}
-
-/// Task t over elements [begin + t * tile, min(end, begin + (t + 1) * tile)) of data: writes
-/// out[3 (base + t) + {0, 1, 2}] = {NaN/inf elements, 1 + flat index of the first (0: none),
-/// sum of squares in double (0 unless `squares`)}.
-template <class T>
-struct tile_check_fn {
-    const T* data;
-    std::size_t begin, end, base;
-    double* out;
-    bool squares;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t t) const {
-        const std::size_t b = begin + t * check_tile;
-        const std::size_t e = b + check_tile < end ? b + check_tile : end;
-        const non_finite_fn<T> bad;
-        std::uint32_t count = 0;
-        for (std::size_t i = b; i < e; ++i)
-            count += static_cast<std::uint32_t>(bad(data[i]));
-        double first = 0;
-        if (count != 0)
-            for (std::size_t i = b; i < e; ++i)
-                if (bad(data[i])) {
-                    first = static_cast<double>(i + 1);
-                    break;
-                }
-        double sq = 0;
-        if (squares)
-            for (std::size_t i = b; i < e; ++i) {
-                const double x = static_cast<double>(data[i]);
-                sq += x * x;
-            }
-        double* o = out + 3 * (base + t);
-        o[0] = static_cast<double>(count);
-        o[1] = first;
-        o[2] = sq;
-    }
-};
-
-/// One task: sums tiles [0, tiles) of `partial` (tile order: independent of the thread count)
-/// into {count, first (the smallest non-zero), squares}.
-struct combine_tiles {
-    const double* partial;
-    std::size_t tiles;
-    LOCKSTEP_HOST_DEVICE void operator()(double& count, double& first, double& sq) const {
-        count = 0;
-        first = 0;
-        sq = 0;
-        for (std::size_t t = 0; t < tiles; ++t) {
-            const double* p = partial + 3 * t;
-            count += p[0];
-            if (p[1] != 0 && (first == 0 || p[1] < first))
-                first = p[1];
-            sq += p[2];
-        }
-    }
-};
 
 /// 1 when x is NaN or infinite.
 LOCKSTEP_HOST_DEVICE inline bool non_finite_double(double x) {
     return non_finite_fn<double>{}(x) != 0;
 }
 
-/// One task, before the status all_reduce: this replica's row and the summed slots from the
-/// pre-reduction tiles; status[loss] += loss first, then the loss is checked.
+/// Before the status all_reduce, from the pre-reduction tiles' sums: this replica's row and the
+/// summed slots; status[loss] += loss first, then the loss is checked.
 struct finish_local_fn {
-    const double* partial;
-    std::size_t tiles;
     double loss;
     double global_batch;
     double lr;
     double* status; ///< the status_slot block
     double* row;    ///< this replica's replica_slot row
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        double count, first, sq;
-        combine_tiles{partial, tiles}(count, first, sq);
+    LOCKSTEP_HOST_DEVICE void operator()(const check_sums& s) const {
+        const double count = s.count;
+        const double first = s.first;
         status[status_slot::loss] += loss;
         const double bad_loss = non_finite_double(status[status_slot::loss]) ? 1.0 : 0.0;
         status[status_slot::non_finite] = count;
@@ -115,18 +55,14 @@ struct finish_local_fn {
     }
 };
 
-/// One task, after the post-reduction tiles: the reduced gradient's count, first index and
-/// squared norm (local slots: the reduced gradient is the same on every replica).
+/// After the post-reduction tiles, from their sums: the reduced gradient's count, first index
+/// and squared norm (local slots: the reduced gradient is the same on every replica).
 struct finish_reduced_fn {
-    const double* partial;
-    std::size_t tiles;
     double* status;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        double count, first, sq;
-        combine_tiles{partial, tiles}(count, first, sq);
-        status[status_slot::reduced_non_finite] = count;
-        status[status_slot::reduced_first] = first;
-        status[status_slot::grad_norm2] = sq;
+    LOCKSTEP_HOST_DEVICE void operator()(const check_sums& s) const {
+        status[status_slot::reduced_non_finite] = s.count;
+        status[status_slot::reduced_first] = s.first;
+        status[status_slot::grad_norm2] = s.sq;
     }
 };
 
@@ -192,7 +128,8 @@ struct status_defaults_fn {
 /// The gradient checks of a trainer over a flat gradient buffer of n elements cut into
 /// reduction pieces: per-piece tiles before reduction (each piece's tiles have their own
 /// partial slots, so pieces may be checked in any order), and tiles over the whole buffer
-/// after it. Every pass is a kernel on the system's stream: nothing is read on the host.
+/// after it. Every pass is a kernel on the system's stream: nothing is read on the host. The sums
+/// follow check_order.hpp on every system, so host and GPU give the same bits.
 template <class System>
 class gradient_checks {
 public:
@@ -213,31 +150,23 @@ public:
     /// is reduced. requires: k < pieces.size(), b == pieces[k].
     template <class T>
     void check_piece(const System& sys, std::span<const T> data, std::size_t k, const bucket& b) {
-        const std::size_t tiles = check_tiles(b.size);
-        if (tiles == 0)
-            return;
-        thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                         thrust::counting_iterator<std::size_t>(tiles),
-                         tile_check_fn<T>{data.data(), b.offset, b.offset + b.size, base_[k],
-                                          pre_.data(), false});
+        grad_check_tiles(sys, data.data(), b.offset, b.offset + b.size, base_[k], pre_.data(),
+                         false);
     }
 
     /// After every piece was checked: this replica's row and the summed status slots.
     void finish_local(const System& sys, double loss, double global_batch, double lr,
                       double* status, double* row) {
-        one_task(sys,
-                 finish_local_fn{pre_.data(), piece_tiles_, loss, global_batch, lr, status, row});
+        grad_check_finish(sys, pre_.data(), piece_tiles_,
+                          finish_local_fn{loss, global_batch, lr, status, row});
     }
 
     /// Counts, finds the first and (with `norm`) sums the squares of the whole buffer (the
     /// reduced gradient) into the local status slots.
     template <class T>
     void check_reduced(const System& sys, std::span<const T> data, bool norm, double* status) {
-        if (whole_tiles_ != 0)
-            thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                             thrust::counting_iterator<std::size_t>(whole_tiles_),
-                             tile_check_fn<T>{data.data(), 0, data.size(), 0, post_.data(), norm});
-        one_task(sys, finish_reduced_fn{post_.data(), whole_tiles_, status});
+        grad_check_tiles(sys, data.data(), 0, data.size(), 0, post_.data(), norm);
+        grad_check_finish(sys, post_.data(), check_tiles(data.size()), finish_reduced_fn{status});
     }
 
     /// As check_reduced over elements [begin, end) of data only (reduce::sharded: the shard this
@@ -246,12 +175,8 @@ public:
     template <class T>
     void check_reduced(const System& sys, std::span<const T> data, std::size_t begin,
                        std::size_t end, bool norm, double* status) {
-        const std::size_t tiles = check_tiles(end - begin);
-        if (tiles != 0)
-            thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                             thrust::counting_iterator<std::size_t>(tiles),
-                             tile_check_fn<T>{data.data(), begin, end, 0, post_.data(), norm});
-        one_task(sys, finish_reduced_fn{post_.data(), tiles, status});
+        grad_check_tiles(sys, data.data(), begin, end, 0, post_.data(), norm);
+        grad_check_finish(sys, post_.data(), check_tiles(end - begin), finish_reduced_fn{status});
     }
 
     template <class F>

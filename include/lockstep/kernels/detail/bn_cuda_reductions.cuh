@@ -1,0 +1,359 @@
+// lockstep/kernels/detail/bn_cuda_reductions.cuh: the CUDA batch-norm reductions
+// (K1 moments, K4 backward sums) over planes and rows. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/config.hpp"
+
+#if LOCKSTEP_HAS_CUDA
+#include "lockstep/kernels/bn_fused.hpp"
+#include "lockstep/kernels/detail/bn_cuda_device.cuh"
+#include "lockstep/kernels/detail/bn_cuda_walks.cuh"
+
+#include <cstddef>
+
+#include <cub/block/block_reduce.cuh>
+
+namespace lockstep::kernels::cuda_path::detail {
+
+/// The header of the packed forward block, written once per launch.
+template <class Acc>
+struct block_header {
+    Acc status;
+    Acc count_hi;
+    Acc count_lo;
+};
+
+template <class Acc>
+__device__ __forceinline__ void write_header(Acc* block, const block_header<Acc>& h) {
+    block[packed_moments::status] = h.status;
+    block[packed_moments::count_hi] = h.count_hi;
+    block[packed_moments::count_lo] = h.count_lo;
+}
+
+/// K1, planes: block = (channel c, partition p) of cuda_partitions(g) partitions; Flat (V == 1):
+/// the block walks the partition's values flat (small planes), else warp items run by run.
+template <class T, class Acc, int V, bool Flat = false>
+__global__ void __launch_bounds__(block_threads)
+    moments_planes_kernel(const T* __restrict__ x, channel_geometry g, std::size_t parts,
+                          Acc* partials, unsigned* counters, block_header<Acc> header, Acc* block) {
+    using reduce_t = cub::BlockReduce<moments<Acc>, block_threads>;
+    __shared__ typename reduce_t::TempStorage tmp;
+    const std::size_t c = blockIdx.x / parts;
+    const std::size_t p = blockIdx.x - c * parts;
+    const std::size_t n = g.per_channel();
+    const std::size_t k1 = n * (p + 1) / parts;
+    const unsigned lane = threadIdx.x % 32;
+    moments_op<T, Acc, V> op{x};
+    if constexpr (Flat) {
+        static_assert(V == 1);
+        flat_channel(g, c, n * p / parts, k1, op);
+    } else {
+        for (std::size_t a = n * p / parts + threadIdx.x / 32 * item_values<V>; a < k1;
+             a += block_warps * item_values<V>)
+            channel_runs(
+                g, c, a, smin(a + item_values<V>, k1),
+                [&](std::size_t off, std::size_t len) { warp_run<V>(op, x, off, len, lane); });
+    }
+    const moments<Acc> m = reduce_t(tmp).Reduce(op.result(), chan_merge{});
+    if (threadIdx.x == 0) {
+        partials[2 * blockIdx.x] = m.mean;
+        partials[2 * blockIdx.x + 1] = m.m2;
+    }
+    if (!arrive_last(counters + c, parts))
+        return;
+    const Acc* mine = partials + 2 * c * parts;
+    const moments<double> total = ordered_fold<moments<double>>(
+        parts,
+        [&](std::size_t q) {
+            const auto count = static_cast<double>(n * (q + 1) / parts - n * q / parts);
+            return moments<double>{count, static_cast<double>(__ldcg(mine + 2 * q)),
+                                   static_cast<double>(__ldcg(mine + 2 * q + 1))};
+        },
+        chan_merge{});
+    if (threadIdx.x == 0) {
+        block[packed_moments::mean(c)] = static_cast<Acc>(total.mean);
+        block[packed_moments::m2(c)] = static_cast<Acc>(total.m2);
+        if (c == 0)
+            write_header(block, header);
+    }
+}
+
+/// K1, rows: block = (channel tile of tx_count * V channels, row partition blockIdx.y).
+/// partials hold [partition][mean | m2][channel].
+template <class T, class Acc, int V>
+__global__ void __launch_bounds__(block_threads)
+    moments_rows_kernel(const T* __restrict__ x, channel_geometry g, unsigned tx_count,
+                        std::size_t parts, Acc* partials, unsigned* counters,
+                        block_header<Acc> header, Acc* block) {
+    __shared__ Acc s_mean[block_threads * V];
+    __shared__ Acc s_m2[block_threads * V];
+    __shared__ Acc s_n[block_threads];
+    const std::size_t C = g.channels;
+    const unsigned ty_count = block_threads / tx_count;
+    const unsigned tx = threadIdx.x % tx_count;
+    const unsigned ty = threadIdx.x / tx_count;
+    const std::size_t tile = std::size_t(tx_count) * V;
+    const std::size_t c0 = blockIdx.x * tile + tx * V;
+    const std::size_t p = blockIdx.y;
+    const std::size_t r1 = g.outer * (p + 1) / parts;
+    Acc mean[V] = {};
+    Acc m2[V] = {};
+    Acc n = 0;
+    if (c0 < C) {
+        const T* col = x + c0;
+        std::size_t r = g.outer * p / parts + ty;
+        for (; r + 3 * ty_count < r1; r += 4 * ty_count) {
+            raw_t<V, T> q[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+                q[u] = load_raw<V>(col + (r + u * ty_count) * C);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                Acc v[V];
+                unpack<V, T>(q[u], v);
+                n += Acc(1);
+                const Acc inv = Acc(1) / n;
+#pragma unroll
+                for (int j = 0; j < V; ++j)
+                    welford_accumulate(mean[j], m2[j], v[j], inv);
+            }
+        }
+        for (; r < r1; r += ty_count) {
+            Acc v[V];
+            load<V>(col + r * C, v);
+            n += Acc(1);
+            const Acc inv = Acc(1) / n;
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+                welford_accumulate(mean[j], m2[j], v[j], inv);
+        }
+    }
+    // fold the rows of the block: ty with ty + s for s = 1, 2, 4, ... (fixed order)
+    const chan_merge merge;
+    s_n[threadIdx.x] = n;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        s_mean[threadIdx.x * V + j] = mean[j];
+        s_m2[threadIdx.x * V + j] = m2[j];
+    }
+    __syncthreads();
+    for (unsigned s = 1; s < ty_count; s *= 2) {
+        if (ty % (2 * s) == 0) {
+            const unsigned o = threadIdx.x + s * tx_count;
+            const Acc on = s_n[o];
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const moments<Acc> r = merge(moments<Acc>{n, mean[j], m2[j]},
+                                             moments<Acc>{on, s_mean[o * V + j], s_m2[o * V + j]});
+                mean[j] = r.mean;
+                m2[j] = r.m2;
+            }
+            n += on;
+            s_n[threadIdx.x] = n;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                s_mean[threadIdx.x * V + j] = mean[j];
+                s_m2[threadIdx.x * V + j] = m2[j];
+            }
+        }
+        __syncthreads();
+    }
+    if (ty == 0 && c0 < C) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            partials[2 * p * C + c0 + j] = mean[j];
+            partials[(2 * p + 1) * C + c0 + j] = m2[j];
+        }
+    }
+    if (!arrive_last(counters + blockIdx.x, parts))
+        return;
+    const std::size_t first = blockIdx.x * tile;
+    const auto total = channel_fold<moments<double>>(
+        static_cast<unsigned>(tile), parts,
+        [&](std::size_t j, std::size_t q0, std::size_t q1) {
+            moments<double> m;
+            const std::size_t c = first + j;
+            if (c >= C)
+                return m;
+            partition_walk rows(g.outer, parts, q0);
+            for (std::size_t q = q0; q < q1; ++q)
+                m = merge(m, moments<double>{
+                                 static_cast<double>(rows.next()),
+                                 static_cast<double>(__ldcg(partials + 2 * q * C + c)),
+                                 static_cast<double>(__ldcg(partials + (2 * q + 1) * C + c))});
+            return m;
+        },
+        merge);
+    if (total.leader && first + total.channel < C) {
+        const std::size_t c = first + total.channel;
+        block[packed_moments::mean(c)] = static_cast<Acc>(total.value.mean);
+        block[packed_moments::m2(c)] = static_cast<Acc>(total.value.m2);
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        write_header(block, header);
+}
+
+/// The header alone (no channels).
+template <class Acc>
+__global__ void header_kernel(block_header<Acc> header, Acc* block) {
+    write_header(block, header);
+}
+
+/// K4, planes: block = (channel c, partition p); partials hold (sum dy, sum dy (x - mean)).
+/// Flat as for moments_planes_kernel.
+template <class T, class Acc, int V, bool Flat = false>
+__global__ void __launch_bounds__(block_threads)
+    sums_planes_kernel(const T* __restrict__ dy, const T* __restrict__ x, channel_geometry g,
+                       std::size_t parts, const Acc* mean, Acc status, Acc* partials,
+                       unsigned* counters, Acc* sums) {
+    using reduce_t = cub::BlockReduce<dy_sums<Acc>, block_threads>;
+    __shared__ typename reduce_t::TempStorage tmp;
+    const std::size_t c = blockIdx.x / parts;
+    const std::size_t p = blockIdx.x - c * parts;
+    const std::size_t n = g.per_channel();
+    const std::size_t k1 = n * (p + 1) / parts;
+    const unsigned lane = threadIdx.x % 32;
+    sums_op<T, Acc, V> op{dy, x, mean[c]};
+    if constexpr (Flat) {
+        static_assert(V == 1);
+        flat_channel(g, c, n * p / parts, k1, op);
+    } else {
+        for (std::size_t a = n * p / parts + threadIdx.x / 32 * item_values<V>; a < k1;
+             a += block_warps * item_values<V>)
+            channel_runs(
+                g, c, a, smin(a + item_values<V>, k1),
+                [&](std::size_t off, std::size_t len) { warp_run<V>(op, x, off, len, lane); });
+    }
+    const dy_sums<Acc> s = reduce_t(tmp).Reduce(op.result(), add_dy_sums{});
+    if (threadIdx.x == 0) {
+        partials[2 * blockIdx.x] = s.dy;
+        partials[2 * blockIdx.x + 1] = s.dyx;
+    }
+    if (!arrive_last(counters + c, parts))
+        return;
+    const Acc* mine = partials + 2 * c * parts;
+    const dy_sums<double> total = ordered_fold<dy_sums<double>>(
+        parts,
+        [&](std::size_t q) {
+            return dy_sums<double>{static_cast<double>(__ldcg(mine + 2 * q)),
+                                   static_cast<double>(__ldcg(mine + 2 * q + 1))};
+        },
+        add_dy_sums{});
+    if (threadIdx.x == 0) {
+        sums[c] = static_cast<Acc>(total.dy);
+        sums[g.channels + c] = static_cast<Acc>(total.dyx);
+        if (c == 0)
+            sums[packed_sums::status(g.channels)] = status;
+    }
+}
+
+/// K4, rows: as moments_rows_kernel with the backward sums.
+template <class T, class Acc, int V>
+__global__ void __launch_bounds__(block_threads)
+    sums_rows_kernel(const T* __restrict__ dy, const T* __restrict__ x, channel_geometry g,
+                     unsigned tx_count, std::size_t parts, const Acc* mean, Acc status,
+                     Acc* partials, unsigned* counters, Acc* sums) {
+    __shared__ Acc s_dy[block_threads * V];
+    __shared__ Acc s_dyx[block_threads * V];
+    const std::size_t C = g.channels;
+    const unsigned ty_count = block_threads / tx_count;
+    const unsigned tx = threadIdx.x % tx_count;
+    const unsigned ty = threadIdx.x / tx_count;
+    const std::size_t tile = std::size_t(tx_count) * V;
+    const std::size_t c0 = blockIdx.x * tile + tx * V;
+    const std::size_t p = blockIdx.y;
+    const std::size_t r1 = g.outer * (p + 1) / parts;
+    Acc sdy[V] = {};
+    Acc sdyx[V] = {};
+    if (c0 < C) {
+        Acc mu[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+            mu[j] = mean[c0 + j];
+        std::size_t r = g.outer * p / parts + ty;
+        for (; r + 3 * ty_count < r1; r += 4 * ty_count) {
+            raw_t<V, T> qd[4], qx[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                qd[u] = load_raw<V>(dy + (r + u * ty_count) * C + c0);
+                qx[u] = load_raw<V>(x + (r + u * ty_count) * C + c0);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                Acc d[V], v[V];
+                unpack<V, T>(qd[u], d);
+                unpack<V, T>(qx[u], v);
+#pragma unroll
+                for (int j = 0; j < V; ++j)
+                    backward_accumulate(sdy[j], sdyx[j], d[j], v[j], mu[j]);
+            }
+        }
+        for (; r < r1; r += ty_count) {
+            Acc d[V], v[V];
+            load<V>(dy + r * C + c0, d);
+            load<V>(x + r * C + c0, v);
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+                backward_accumulate(sdy[j], sdyx[j], d[j], v[j], mu[j]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        s_dy[threadIdx.x * V + j] = sdy[j];
+        s_dyx[threadIdx.x * V + j] = sdyx[j];
+    }
+    __syncthreads();
+    for (unsigned s = 1; s < ty_count; s *= 2) {
+        if (ty % (2 * s) == 0) {
+            const unsigned o = threadIdx.x + s * tx_count;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                sdy[j] += s_dy[o * V + j];
+                sdyx[j] += s_dyx[o * V + j];
+                s_dy[threadIdx.x * V + j] = sdy[j];
+                s_dyx[threadIdx.x * V + j] = sdyx[j];
+            }
+        }
+        __syncthreads();
+    }
+    if (ty == 0 && c0 < C) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            partials[2 * p * C + c0 + j] = sdy[j];
+            partials[(2 * p + 1) * C + c0 + j] = sdyx[j];
+        }
+    }
+    if (!arrive_last(counters + blockIdx.x, parts))
+        return;
+    const std::size_t first = blockIdx.x * tile;
+    const auto total = channel_fold<dy_sums<double>>(
+        static_cast<unsigned>(tile), parts,
+        [&](std::size_t j, std::size_t q0, std::size_t q1) {
+            dy_sums<double> d;
+            const std::size_t c = first + j;
+            if (c >= C)
+                return d;
+            for (std::size_t q = q0; q < q1; ++q) {
+                d.dy += static_cast<double>(__ldcg(partials + 2 * q * C + c));
+                d.dyx += static_cast<double>(__ldcg(partials + (2 * q + 1) * C + c));
+            }
+            return d;
+        },
+        add_dy_sums{});
+    if (total.leader && first + total.channel < C) {
+        const std::size_t c = first + total.channel;
+        sums[c] = static_cast<Acc>(total.value.dy);
+        sums[C + c] = static_cast<Acc>(total.value.dyx);
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        sums[packed_sums::status(C)] = status;
+}
+
+/// The status alone (no channels).
+template <class Acc>
+__global__ void status_kernel(Acc status, Acc* sums) {
+    sums[0] = status;
+}
+
+} // namespace lockstep::kernels::cuda_path::detail
+#endif
