@@ -231,6 +231,11 @@ public:
         static constexpr const char* op = "batch_norm.forward_train";
         const int rank = comm.rank();
         check_system(comm, op);
+        // Outside a step the layer's error is read back after the all_gather: its pinned host
+        // side is allocated before the collective is enqueued (cudaMallocHost between enqueue
+        // and wait can deadlock with another thread's NCCL call).
+        if (lockstep::detail::current_status_sink() == nullptr)
+            (void)error_read();
         const std::string problem = check_input(x.size(), shape, y.size());
         has_forward_ = false;
         if constexpr (!bn::communicates<Policy>) {
@@ -383,6 +388,8 @@ public:
         if constexpr (traits::normalizes_across_replicas) {
             auto& sc = statistics_communicator(comm);
             std::span<param_type> combined = s_.combined_sums();
+            if (lockstep::detail::current_status_sink() == nullptr)
+                (void)status_read(); // allocated before the enqueue, as in forward_train
             sc.all_reduce(std::span<const param_type>(local), combined, reduce_op::sum);
             if (!problem.empty())
                 fail(errc::shape_mismatch, rank, op, problem);
