@@ -3,6 +3,7 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/detail/mpi_exit_guard.hpp"
 #include "lockstep/comm/detail/mpi_progress.hpp"
 #include "lockstep/comm/detail/mpi_signature.hpp"
 #include "lockstep/comm/detail/mpi_types.hpp"
@@ -101,7 +102,8 @@ struct mpi_communicator_params {
 ///
 /// Failure elsewhere: a replica that throws from its own code and will not call the next
 /// collective should call `abort(e)` (it prints the error and calls MPI_Abort on
-/// MPI_COMM_WORLD); otherwise its peers fail only when their timeout passes.
+/// MPI_COMM_WORLD); otherwise its peers fail only when their timeout passes. A replica that
+/// calls exit() while a communicator lives aborts the job the same way (see mpi_environment).
 class mpi_communicator {
 public:
     using system_type = host_system;
@@ -790,6 +792,7 @@ private:
     std::int64_t seq_ = 0;
     detail::mpi_collective kind_ = detail::mpi_collective::none;
     std::optional<error> broken_;
+    detail::mpi_exit_guard exit_guard_; // exit() while this lives aborts the job
 };
 
 static_assert(communicator<mpi_communicator>,

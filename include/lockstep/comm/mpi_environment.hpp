@@ -9,6 +9,7 @@
     "lockstep/comm/mpi_environment.hpp needs MPI: link lockstep::mpi (or define LOCKSTEP_HAS_MPI=1 and add MPI's include path)."
 #endif
 
+#include "lockstep/comm/detail/mpi_exit_guard.hpp"
 #include "lockstep/core/error.hpp"
 
 #include <mpi.h>
@@ -29,6 +30,12 @@ struct mpi_environment_params {
 /// per process, and on this machine's MPICH 4.0 MPI_THREAD_MULTIPLE made a 4-byte
 /// MPI_Allreduce about 1 us (~30%) slower. Ask for `.requested = MPI_THREAD_MULTIPLE` when
 /// other threads of the process call MPI concurrently.
+///
+/// Exit: a process that calls exit() or quick_exit() while an mpi_environment or an
+/// mpi_communicator lives and MPI is not finalised prints "lockstep: rank R exited while its MPI
+/// communicator was alive (not finalized); aborting the job" and calls MPI_Abort, so mpiexec
+/// reports failure instead of success with the peers killed mid-collective. _exit() and signals
+/// skip every handler and cannot be caught (detail/mpi_exit_guard.hpp).
 class mpi_environment {
 public:
     using params = mpi_environment_params;
@@ -79,6 +86,7 @@ private:
 
     int provided_ = MPI_THREAD_SINGLE;
     bool owns_ = false;
+    detail::mpi_exit_guard exit_guard_;
 };
 
 } // namespace lockstep
