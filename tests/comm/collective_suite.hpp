@@ -13,8 +13,14 @@
 // backend within the recursive-summation bound stated at reduction_matches(). Integer results
 // and max/min are exact on every backend. Every result is also hashed and the hashes compared
 // across replicas: results must be bitwise identical on every replica.
+//
+// half and bfloat16 (check_float16): inputs are input_value<float> rounded to 16 bits. A
+// rank-order backend (suite_options::rank_order_float16) must return round16(the float fold in
+// rank order) bit for bit; every backend's sums must lie within float16_bound() of the exact
+// (double) sum; max/min and copies are exact.
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/core/float16.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
 
@@ -40,7 +46,15 @@ struct suite_options {
     std::size_t large_count = (std::size_t{1} << 20) + 3;
     /// The largest count of the other collectives.
     std::size_t medium_count = 65537;
+    /// true: half/bfloat16 sums equal round16(the float fold in rank order) bit for bit (one
+    /// rounding); false: within float16_bound's any-order bound (NCCL, hierarchical levels).
+    bool rank_order_float16 = true;
 };
+
+/// Whether the suite runs the half/bfloat16 checks on C (specialise to false for a
+/// communicator that does not reduce 16-bit floats).
+template <class C>
+inline constexpr bool float16_collectives = true;
 
 /// The checks one replica made and the ones that failed (at most max_failures kept).
 struct suite_report {
@@ -101,6 +115,10 @@ std::string type_name() {
         return "int64";
     else if constexpr (std::is_same_v<T, std::uint8_t>)
         return "uint8";
+    else if constexpr (std::is_same_v<T, half>)
+        return "half";
+    else if constexpr (std::is_same_v<T, bfloat16>)
+        return "bfloat16";
     else
         return "T" + std::to_string(sizeof(T));
 }
@@ -566,6 +584,210 @@ void check_reduce_scatter(C& comm, suite_report& rep, const suite_options& opt, 
     }
 }
 
+/// Element i of rank r's 16-bit input: input_value<float>(r, i) rounded to W.
+template <class W>
+W input16(int rank, std::size_t i) {
+    return W(input_value<float>(rank, i));
+}
+
+/// op over ranks 0..n-1 of input16(r, i), folded in float in rank order and rounded once.
+template <class W>
+W reference16(int n, std::size_t i, reduce_op op) {
+    float acc = static_cast<float>(input16<W>(0, i));
+    for (int r = 1; r < n; ++r) {
+        const float v = static_cast<float>(input16<W>(r, i));
+        if (op == reduce_op::sum)
+            acc += v;
+        else if (op == reduce_op::max)
+            acc = acc < v ? v : acc;
+        else
+            acc = v < acc ? v : acc;
+    }
+    return W(acc);
+}
+
+/// The largest distance of a 16-bit sum at element i from the exact (double) sum of the n
+/// inputs, with u = W::unit_roundoff, t = half W's smallest subnormal (the absolute rounding
+/// error near zero) and S = sum_r |x_r|:
+/// - rank order (one rounding of the float fold f): |f - exact| <= (n-1) 2^-24 S, so
+///   |got - exact| <= u |exact| + t + n 2^-23 S;
+/// - any order or per-level rounding (at most n roundings to 16 bits, each of a partial sum
+///   bounded by S): n (u S + t).
+template <class W>
+double float16_bound(int n, std::size_t i, bool rank_order, double& exact) {
+    const double t = std::is_same_v<W, half> ? std::ldexp(1.0, -25) : std::ldexp(1.0, -134);
+    double abs_sum = 0;
+    exact = 0;
+    for (int r = 0; r < n; ++r) {
+        const double x = static_cast<float>(input16<W>(r, i));
+        exact += x;
+        abs_sum += std::fabs(x);
+    }
+    if (rank_order)
+        return W::unit_roundoff * std::fabs(exact) + t + n * std::ldexp(1.0, -23) * abs_sum;
+    return n * (W::unit_roundoff * abs_sum + t);
+}
+
+template <class W>
+std::string show16(W x) {
+    std::ostringstream os;
+    os.precision(9);
+    os << static_cast<float>(x) << " (bits 0x" << std::hex << x.bits << ")";
+    return os.str();
+}
+
+/// The first element i < m where got[i] is not an acceptable op-reduction of element
+/// offset + i: the rank-order reference bit for bit, or for sums of an any-order backend within
+/// float16_bound; for every backend's sums also within float16_bound of the double sum.
+template <class W>
+std::string mismatch16(const std::vector<W>& got, std::size_t offset, std::size_t m, int n,
+                       reduce_op op, const suite_options& opt) {
+    for (std::size_t i = 0; i < m; ++i) {
+        const W want = reference16<W>(n, offset + i, op);
+        const bool same = detail::same_bits(got[i], want);
+        if (op != reduce_op::sum && !same)
+            return "element " + std::to_string(i) + " is " + show16(got[i]) + ", expected " +
+                   show16(want);
+        if (op != reduce_op::sum)
+            continue;
+        double exact = 0;
+        const double bound = float16_bound<W>(n, offset + i, opt.rank_order_float16, exact);
+        const double err = std::fabs(static_cast<double>(static_cast<float>(got[i])) - exact);
+        if ((opt.rank_order_float16 && !same) || !(err <= bound))
+            return "element " + std::to_string(i) + " is " + show16(got[i]) + ", rank-order " +
+                   "reference " + show16(want) + ", double sum " + std::to_string(exact) +
+                   " (error " + std::to_string(err) + ", bound " + std::to_string(bound) + ")";
+    }
+    return {};
+}
+
+/// Every collective on half or bfloat16: all_reduce (out of place and in place), reduce_scatter
+/// (every scatter_layouts layout; in place; all_gather of equal slices gives all_reduce's bits
+/// on a rank-order backend), reduce to every root (non-roots' recv untouched), all_gather and
+/// broadcast (exact copies). Every reduction result is checked for equal bits across replicas.
+template <class W, communicator C>
+void check_float16(C& comm, suite_report& rep, const suite_options& opt) {
+    const int n = comm.size(), me = comm.rank();
+    const std::string tn = detail::type_name<W>();
+    const auto input = [&](int r, std::size_t count) {
+        std::vector<W> v(count);
+        for (std::size_t i = 0; i < count; ++i)
+            v[i] = input16<W>(r, i);
+        return v;
+    };
+    const auto ops = {reduce_op::sum, reduce_op::max, reduce_op::min};
+    // 5003 elements pass the thread group's 4 KiB stash (its chunked path).
+    const std::vector<std::size_t> counts{0, 1, 1009, 5003};
+    for (const std::size_t count : counts) {
+        const std::vector<W> in = input(me, count);
+        for (const reduce_op op : ops) {
+            for (const bool in_place : {false, true}) {
+                if (in_place && op != reduce_op::sum)
+                    continue;
+                const std::string what = "all_reduce<" + tn + "> " + std::string(to_string(op)) +
+                                         " count " + std::to_string(count) +
+                                         (in_place ? " in place" : "");
+                auto send = to_system(comm, in);
+                auto recv = to_system(comm, std::vector<W>(count, W(0.0f)));
+                auto& out = in_place ? send : recv;
+                comm.all_reduce(std::span<const W>(send.data(), count), out.span(), op);
+                const std::vector<W> got = to_host(out);
+                const std::string bad = mismatch16(got, 0, count, n, op, opt);
+                rep.check(bad.empty(), what + ": " + bad);
+                check_identical(comm, rep, got, what);
+            }
+        }
+    }
+    for (const std::vector<std::size_t>& layout : scatter_layouts(n, 5003)) {
+        std::size_t total = 0, offset = 0;
+        for (int r = 0; r < n; ++r) {
+            if (r == me)
+                offset = total;
+            total += layout[static_cast<std::size_t>(r)];
+        }
+        const std::size_t mine = layout[static_cast<std::size_t>(me)];
+        const bool equal = std::all_of(layout.begin(), layout.end(),
+                                       [&](std::size_t c) { return c == layout[0]; });
+        std::string described = "{";
+        for (std::size_t r = 0; r < layout.size(); ++r)
+            described += (r == 0 ? "" : ", ") + std::to_string(layout[r]);
+        described += "}";
+        const std::vector<W> in = input(me, total);
+        for (const reduce_op op : ops) {
+            auto whole_send = to_system(comm, in);
+            auto whole = to_system(comm, std::vector<W>(total, W(0.0f)));
+            comm.all_reduce(std::span<const W>(whole_send.data(), total), whole.span(), op);
+            const std::vector<W> all = to_host(whole);
+            for (const bool in_place : {false, true}) {
+                if (in_place && op != reduce_op::sum)
+                    continue;
+                const std::string what = "reduce_scatter<" + tn + "> " +
+                                         std::string(to_string(op)) + " counts " + described +
+                                         (in_place ? " in place" : "");
+                auto send = to_system(comm, in);
+                auto recv = to_system(comm, std::vector<W>(mine, W(77.0f)));
+                const std::span<W> out = in_place ? send.span().subspan(offset, mine) : recv.span();
+                comm.reduce_scatter(std::span<const W>(send.data(), total), out,
+                                    std::span<const std::size_t>(layout), op);
+                std::vector<W> got = to_host(in_place ? send : recv);
+                if (in_place)
+                    got = std::vector<W>(got.begin() + static_cast<std::ptrdiff_t>(offset),
+                                         got.begin() + static_cast<std::ptrdiff_t>(offset + mine));
+                const std::string bad = mismatch16(got, offset, mine, n, op, opt);
+                rep.check(bad.empty(), what + ": " + bad);
+                if (!equal)
+                    continue;
+                auto slice = to_system(comm, got);
+                auto gathered = to_system(comm, std::vector<W>(total, W(0.0f)));
+                comm.all_gather(std::span<const W>(slice.data(), mine), gathered.span());
+                const std::vector<W> g = to_host(gathered);
+                check_identical(comm, rep, g, what + " then all_gather");
+                if (opt.rank_order_float16)
+                    rep.check(detail::hash_bytes(g) == detail::hash_bytes(all),
+                              what + ": reduce_scatter then all_gather is not all_reduce's bits");
+            }
+        }
+    }
+    const W sentinel(77.0f);
+    for (int root = 0; root < n; ++root) {
+        const std::vector<W> in = input(me, 1009);
+        for (const reduce_op op : ops) {
+            const std::string what = "reduce<" + tn + "> " + std::string(to_string(op)) + " root " +
+                                     std::to_string(root) + " count 1009";
+            auto send = to_system(comm, in);
+            auto recv = to_system(comm, std::vector<W>(1009, sentinel));
+            comm.reduce(std::span<const W>(send.data(), 1009), recv.span(), op, root);
+            const std::vector<W> got = to_host(recv);
+            if (me == root) {
+                const std::string bad = mismatch16(got, 0, 1009, n, op, opt);
+                rep.check(bad.empty(), what + ": " + bad);
+            } else {
+                rep.check(got == std::vector<W>(1009, sentinel), what + ": non-root recv changed");
+            }
+        }
+    }
+    for (const std::size_t count : counts) {
+        const std::vector<W> in = input(me, count);
+        auto send = to_system(comm, in);
+        auto recv = to_system(comm, std::vector<W>(count * static_cast<std::size_t>(n), W(0.0f)));
+        comm.all_gather(std::span<const W>(send.data(), count), recv.span());
+        std::vector<W> want;
+        for (int r = 0; r < n; ++r) {
+            const std::vector<W> x = input(r, count);
+            want.insert(want.end(), x.begin(), x.end());
+        }
+        rep.check(to_host(recv) == want,
+                  "all_gather<" + tn + "> count " + std::to_string(count) + ": not the inputs");
+        for (int root = 0; root < n; ++root) {
+            auto data = to_system(comm, in);
+            comm.broadcast(data.span(), root);
+            rep.check(to_host(data) == input(root, count),
+                      "broadcast<" + tn + "> root " + std::to_string(root) + " count " +
+                          std::to_string(count) + ": not root's input");
+        }
+    }
+}
+
 /// Every collective for one element type.
 template <class T, communicator C>
 void check_type(C& comm, suite_report& rep, const suite_options& opt, bool with_large) {
@@ -583,7 +805,8 @@ void check_type(C& comm, suite_report& rep, const suite_options& opt, bool with_
 }
 
 /// Every collective for every element type comm carries (float, double, int always; int64
-/// and uint8 where the backend accepts them).
+/// and uint8 where the backend accepts them; half and bfloat16 unless float16_collectives<C>
+/// is false).
 template <communicator C>
 void check_all_types(C& comm, suite_report& rep, const suite_options& opt, bool with_large) {
     check_type<float>(comm, rep, opt, with_large);
@@ -593,6 +816,10 @@ void check_all_types(C& comm, suite_report& rep, const suite_options& opt, bool 
         check_type<std::int64_t>(comm, rep, opt, with_large);
     if constexpr (detail::carries<C, std::uint8_t>)
         check_type<std::uint8_t>(comm, rep, opt, with_large);
+    if constexpr (float16_collectives<C>) {
+        check_float16<half>(comm, rep, opt);
+        check_float16<bfloat16>(comm, rep, opt);
+    }
 }
 
 /// barrier: returns, repeatedly, on every replica (that it waits is a backend-specific test).

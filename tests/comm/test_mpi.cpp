@@ -132,7 +132,8 @@ TEST_CASE("mpi_communicator passes the collective suite", "[comm][mpi]") {
     mpi_communicator comm(MPI_COMM_WORLD);
     lockstep::testing::suite_report rep;
     // MPI reduces in an order of its choosing, so float sums are checked within the bound of
-    // any summation order (collective_suite.hpp, reduction_matches); the rest is exact.
+    // any summation order (collective_suite.hpp, reduction_matches); the rest is exact, and
+    // half/bfloat16 sums (folded by lockstep in rank order) are the rank-order reference's bits.
     in_step(comm, [&] {
         rep = lockstep::testing::run_collective_suite(comm, {.rank_order_sums = false});
     });

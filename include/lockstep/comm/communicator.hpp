@@ -49,6 +49,9 @@ constexpr std::string_view to_string(reduce_op op) noexcept {
 ///   recv.size(), so send.size() == size() * recv.size().
 /// - barrier(): returns once every replica has entered it.
 /// - split(color, key): the sub-group of replicas with the same color, ranked by (key, rank).
+/// The concept requires float, double and int; lockstep's backends also carry the 16-bit floats
+/// lockstep::half and lockstep::bfloat16 in every collective (sums formed in float: see each
+/// backend for the order and the number of roundings).
 template <class C>
 concept communicator = requires(C& c, const C& cc, std::span<float> f, std::span<const float> cf,
                                 std::span<double> d, std::span<const double> cd, std::span<int> i,

@@ -4,6 +4,7 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/detail/mpi_exit_guard.hpp"
+#include "lockstep/comm/detail/mpi_float16.hpp"
 #include "lockstep/comm/detail/mpi_progress.hpp"
 #include "lockstep/comm/detail/mpi_signature.hpp"
 #include "lockstep/comm/detail/mpi_types.hpp"
@@ -56,9 +57,12 @@ struct mpi_communicator_params {
 /// A communicator whose replicas are the processes of an MPI communicator (one replica per
 /// process, within a node or across nodes). Models lockstep::communicator,
 /// lockstep::point_to_point_communicator and lockstep::all_to_all_communicator. Element types:
-/// float, double, int, std::int64_t, std::uint8_t. Collectives follow MPI's rules: every replica
-/// calls them in the same order, from one thread at a time (the thread level of mpi_environment
-/// must allow that thread).
+/// float, double, int, std::int64_t, std::uint8_t, lockstep::half and lockstep::bfloat16. The
+/// 16-bit floats are reduced by lockstep, not by an MPI_Op: an exchange of their slices, a fold
+/// in rank order in float rounded once, and a gather (detail/mpi_float16.hpp), so every replica
+/// gets round16(the float fold in rank order), the thread group's bits. Collectives follow MPI's
+/// rules: every replica calls them in the same order, from one thread at a time (the thread level
+/// of mpi_environment must allow that thread).
 ///
 /// Verification (params::verify, default on): before each collective the replicas exchange a
 /// signature {collective, sequence number, count, element type, root, reduce_op, arguments ok,
@@ -207,6 +211,10 @@ public:
         LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), bad.empty() ? "" : bad + ": ",
                          "send.size() = ", send.size(), ", recv.size() = ", recv.size(),
                          " (sizes must be equal; buffers identical or disjoint)");
+        if constexpr (is_wire_float16_v<T>) {
+            all_reduce16(send.data(), recv.data(), recv.size(), op);
+            return;
+        }
         for_each_chunk(recv.size(), [&](std::size_t at, int n) {
             MPI_Request req = MPI_REQUEST_NULL;
             call(MPI_Iallreduce(in_place ? MPI_IN_PLACE : send.data() + at, recv.data() + at, n,
@@ -323,6 +331,10 @@ public:
         LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "root ", root, " of ", size_,
                          ", send.size() = ", send.size(), ", recv.size() = ", recv.size(),
                          " (root's sizes must be equal; buffers identical or disjoint)");
+        if constexpr (is_wire_float16_v<T>) {
+            reduce16(send.data(), at_root ? recv.data() : nullptr, send.size(), op, root);
+            return;
+        }
         // MPICH 4.0 and 4.1 crash on MPI_IN_PLACE at a non-zero root (pmodels/mpich#6540,
         // fixed in 4.2): reduce from a copy there.
         std::vector<T> copy;
@@ -367,7 +379,8 @@ public:
         // An empty recv holds no element, so it overlaps nothing (it may point into send).
         const bool in_place = shaped && !recv.empty() && recv.data() == send.data() + layout.offset;
         const bool ok = shaped && (in_place || recv.empty() || disjoint(send, recv));
-        const bool fits = send.size() <= std::size_t(std::numeric_limits<int>::max());
+        const bool fits = send.size() <= std::size_t(std::numeric_limits<int>::max()) &&
+                          (!is_wire_float16_v<T> || !shaped || detail::float16_fits(counts));
         begin(detail::mpi_collective::reduce_scatter, send.size(), detail::mpi_type<T>::id, 0, op,
               ok && fits, bad.empty() ? counts : std::span<const std::size_t>());
         LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
@@ -379,7 +392,15 @@ public:
                          "== counts[rank()], recv this replica's slice of send or disjoint)");
         LOCKSTEP_REQUIRE(fits, errc::unsupported, rank_, name(), "send.size() = ", send.size(),
                          " exceeds MPI's int count (", std::numeric_limits<int>::max(),
-                         "); reduce-scatter it in pieces");
+                         ", for half and bfloat16 also size() * the largest count); "
+                         "reduce-scatter it in pieces");
+        if constexpr (is_wire_float16_v<T>) {
+            // The exchange completes before the fold writes recv, so in place needs no copy.
+            if (layout.total != 0)
+                exchange_fold16(send.data(), recv.data(), detail::float16_plan_of(counts, rank_),
+                                layout.total, op);
+            return;
+        }
         std::vector<T> staged(in_place ? recv.size() : 0);
         // MPI refuses a receive buffer that aliases the send buffer even for zero elements: an
         // empty recv is handed over as a distinct (never written) address.
@@ -586,8 +607,60 @@ private:
     template <class T>
     static constexpr void check_type() {
         static_assert(detail::is_mpi_element<T>,
-                      "mpi_communicator carries float, double, int, std::int64_t and "
-                      "std::uint8_t elements; convert other types to one of these first.");
+                      "mpi_communicator carries float, double, int, std::int64_t, std::uint8_t, "
+                      "lockstep::half and lockstep::bfloat16 elements; convert other types to "
+                      "one of these first.");
+    }
+
+    // half and bfloat16 (detail/mpi_float16.hpp): out = this replica's slice of the rank-order
+    // fold of every replica's send, after an MPI_Ialltoallv of the slices. requires: p.mine
+    // elements at out; total = send's size > 0.
+    template <class W>
+    void exchange_fold16(const W* send, W* out, const detail::float16_plan& p, std::size_t total,
+                         reduce_op op) {
+        std::vector<W> gathered(std::max<std::size_t>(1, p.mine * static_cast<std::size_t>(size_)));
+        MPI_Request req = MPI_REQUEST_NULL;
+        call(MPI_Ialltoallv(send, p.send_counts.data(), p.send_displs.data(), MPI_UINT16_T,
+                            gathered.data(), p.recv_counts.data(), p.recv_displs.data(),
+                            MPI_UINT16_T, comm_, &req),
+             "MPI_Ialltoallv", total);
+        finish(req, "MPI_Ialltoallv", total, total * sizeof(W));
+        detail::fold_float16(system(), gathered.data(), size_, p.mine, out, op);
+    }
+    // Pieces whose even split over the ranks keeps every int offset of the plan in range.
+    static constexpr std::size_t float16_piece = std::numeric_limits<int>::max() / 2;
+    // The exchange and fold, then every replica gathers the folded slices (in place).
+    template <class W>
+    void all_reduce16(const W* send, W* recv, std::size_t count, reduce_op op) {
+        for (std::size_t at = 0; at < count; at += float16_piece) {
+            const std::size_t c = std::min(count - at, float16_piece);
+            const auto p = detail::float16_plan_of(detail::even_counts(c, size_), rank_);
+            W* out = recv + at;
+            exchange_fold16(send + at, out + p.displs[static_cast<std::size_t>(rank_)], p, c, op);
+            MPI_Request req = MPI_REQUEST_NULL;
+            call(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, out, p.counts.data(),
+                                 p.displs.data(), MPI_UINT16_T, comm_, &req),
+                 "MPI_Iallgatherv", count);
+            finish(req, "MPI_Iallgatherv", count, c * sizeof(W));
+        }
+    }
+    // The exchange and fold, then root gathers the folded slices (recv: root's, else null).
+    template <class W>
+    void reduce16(const W* send, W* recv, std::size_t count, reduce_op op, int root) {
+        const bool at_root = rank_ == root;
+        for (std::size_t at = 0; at < count; at += float16_piece) {
+            const std::size_t c = std::min(count - at, float16_piece);
+            const auto p = detail::float16_plan_of(detail::even_counts(c, size_), rank_);
+            std::vector<W> slice(at_root ? 0 : std::max<std::size_t>(1, p.mine));
+            W* out = at_root ? recv + at + p.displs[static_cast<std::size_t>(rank_)] : slice.data();
+            exchange_fold16(send + at, out, p, c, op);
+            MPI_Request req = MPI_REQUEST_NULL;
+            call(MPI_Igatherv(at_root ? MPI_IN_PLACE : out, static_cast<int>(p.mine), MPI_UINT16_T,
+                              at_root ? recv + at : nullptr, p.counts.data(), p.displs.data(),
+                              MPI_UINT16_T, root, comm_, &req),
+                 "MPI_Igatherv", count);
+            finish(req, "MPI_Igatherv", count, c * sizeof(W));
+        }
     }
     template <class A, class B>
     static bool disjoint(std::span<A> a, std::span<B> b) noexcept {

@@ -70,6 +70,13 @@ namespace lockstep {
 /// NCCL_LAUNCH_ORDER_IMPLICIT=1 unless the environment sets it (detail::use_implicit_launch_order,
 /// NCCL 2.26 or newer), so their kernels launch in the order the host issued them.
 ///
+/// Element types: nccl_element (detail/nccl_types.hpp), the 16-bit floats included: half and
+/// bfloat16 (lockstep's or CUDA's) are reduced by NCCL natively, in NCCL's order (ring or tree)
+/// and precision (its sum kernels round to 16 bits after each addition: error up to about
+/// (size() - 1) * u * sum |x|), not in lockstep's rank order; max and min are exact. Its ring
+/// and tree algorithms fold each element once and copy the result to every rank, so the
+/// replicas get the same bits in practice; NCCL does not document that as a guarantee.
+///
 /// Driving the replicas: collectives only ENQUEUE work on the replica's stream (system()) and
 /// return; NCCL completes them when every replica has enqueued its part. The supported pattern
 /// is one host thread per replica (std::thread or a thread pool), each calling the collectives

@@ -34,7 +34,8 @@ class thread_group;
 ///
 /// Semantics beyond the concept:
 /// - Reductions combine replicas in rank order 0, 1, ..., size()-1, so every replica gets the
-///   same bits and repeated runs give the same bits.
+///   same bits and repeated runs give the same bits. lockstep::half and lockstep::bfloat16 are
+///   combined in float and rounded once: the result is round16(the float fold in rank order).
 /// - Collectives of up to detail::shm::stash_bytes (4 KiB) per replica copy the send data into
 ///   a shared stash and need one rendezvous. Larger ones read the peers' buffers directly:
 ///   all_reduce is a reduce-scatter by chunk ownership (each replica reduces 1/size() of the
@@ -99,8 +100,9 @@ public:
     template <class T>
     void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
                     reduce_op op) {
-        static_assert(detail::shm::reducible<T>,
-                      "thread_communicator reduces arithmetic element types only (not bool).");
+        static_assert(detail::shm::reducible_element<T>,
+                      "thread_communicator reduces arithmetic element types (not bool), "
+                      "lockstep::half and lockstep::bfloat16 only.");
         const std::size_t count = send.size();
         const bool small = stashed<T>(count);
         auto s = start(record<T>(detail::shm::collective_kind::all_reduce, count, recv.size(),
@@ -201,8 +203,9 @@ public:
     template <class T>
     void reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
                 int root) {
-        static_assert(detail::shm::reducible<T>,
-                      "thread_communicator reduces arithmetic element types only (not bool).");
+        static_assert(detail::shm::reducible_element<T>,
+                      "thread_communicator reduces arithmetic element types (not bool), "
+                      "lockstep::half and lockstep::bfloat16 only.");
         const std::size_t count = send.size();
         const bool small = stashed<T>(count);
         auto s = start(record<T>(detail::shm::collective_kind::reduce, count, recv.size(),
@@ -244,8 +247,9 @@ public:
     template <class T>
     void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
                         std::span<const std::size_t> counts, reduce_op op) {
-        static_assert(detail::shm::reducible<T>,
-                      "thread_communicator reduces arithmetic element types only (not bool).");
+        static_assert(detail::shm::reducible_element<T>,
+                      "thread_communicator reduces arithmetic element types (not bool), "
+                      "lockstep::half and lockstep::bfloat16 only.");
         const std::size_t count = send.size();
         const bool small = stashed<T>(count);
         auto rec = record<T>(detail::shm::collective_kind::reduce_scatter, count, recv.size(),

@@ -5,6 +5,7 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/float16.hpp"
 
 #if !LOCKSTEP_HAS_MPI
 #error                                                                                             \
@@ -56,6 +57,21 @@ struct mpi_type<std::uint8_t> {
     static constexpr std::string_view name = "uint8_t";
 };
 
+/// The 16-bit floats travel as their bits (MPI has no such standard type); the communicator
+/// reduces them itself (detail/mpi_float16.hpp), never with an MPI_Op.
+template <>
+struct mpi_type<half> {
+    static MPI_Datatype datatype() noexcept { return MPI_UINT16_T; }
+    static constexpr std::int64_t id = 6;
+    static constexpr std::string_view name = "half";
+};
+template <>
+struct mpi_type<bfloat16> {
+    static MPI_Datatype datatype() noexcept { return MPI_UINT16_T; }
+    static constexpr std::int64_t id = 7;
+    static constexpr std::string_view name = "bfloat16";
+};
+
 /// True for the element types the MPI communicator carries.
 template <class T>
 inline constexpr bool is_mpi_element = requires {
@@ -77,6 +93,10 @@ constexpr std::string_view mpi_type_name(std::int64_t id) noexcept {
         return "int64_t";
     case 5:
         return "uint8_t";
+    case 6:
+        return "half";
+    case 7:
+        return "bfloat16";
     }
     return "unknown";
 }

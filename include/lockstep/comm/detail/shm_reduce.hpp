@@ -4,6 +4,7 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/config.hpp"
+#include "lockstep/core/float16.hpp"
 #include "lockstep/system/host_system.hpp"
 
 #include <algorithm>
@@ -31,7 +32,9 @@ enum class element_type : unsigned char {
     uint64,
     float32,
     float64,
-    bytes ///< any other trivially copyable type, compared by size only
+    float16,  ///< lockstep::half
+    bfloat16, ///< lockstep::bfloat16
+    bytes     ///< any other trivially copyable type, compared by size only
 };
 
 /// The tag of T.
@@ -41,6 +44,10 @@ constexpr element_type element_type_of() noexcept {
         return element_type::float32;
     else if constexpr (std::is_same_v<T, double>)
         return element_type::float64;
+    else if constexpr (std::is_same_v<T, half>)
+        return element_type::float16;
+    else if constexpr (std::is_same_v<T, bfloat16>)
+        return element_type::bfloat16;
     else if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
         constexpr bool s = std::is_signed_v<T>;
         if constexpr (sizeof(T) == 1)
@@ -80,6 +87,10 @@ inline std::string type_name(element_type t, std::size_t size) {
         return "float";
     case element_type::float64:
         return "double";
+    case element_type::float16:
+        return "half";
+    case element_type::bfloat16:
+        return "bfloat16";
     case element_type::bytes:
         break;
     }
@@ -91,9 +102,29 @@ inline std::string count_of(std::size_t n, element_type t, std::size_t size) {
     return std::to_string(n) + " " + type_name(t, size) + (n == 1 ? "" : "s");
 }
 
-/// Types the reductions accept: arithmetic, not bool.
+/// Arithmetic types, not bool: the types the element-wise functors below combine directly.
 template <class T>
 inline constexpr bool reducible = std::is_arithmetic_v<T> && !std::is_same_v<T, bool>;
+/// The types reduce_range accepts: reducible ones, and the 16-bit floats (see accumulator).
+template <class T>
+inline constexpr bool reducible_element = reducible<T> || is_wire_float16_v<T>;
+
+/// The type a reduction combines elements of T in: T itself, or float for half and bfloat16,
+/// which are converted exactly, combined in float and rounded once at the end, so a result is
+/// round16(the float fold in rank order) on every replica. (max and min are exact either way.)
+template <class T>
+struct accumulator {
+    using type = T;
+    LOCKSTEP_HOST_DEVICE static T load(T x) { return x; }
+    LOCKSTEP_HOST_DEVICE static T store(T x) { return x; }
+};
+template <class T>
+requires is_wire_float16_v<T>
+struct accumulator<T> {
+    using type = float;
+    LOCKSTEP_HOST_DEVICE static float load(T x) { return static_cast<float>(x); }
+    LOCKSTEP_HOST_DEVICE static T store(float x) { return T(x); }
+};
 
 // Tells the compiler that a loop has no dependences between iterations. The reduction loops
 // may write dst at exactly the index they read from a source (in-place collectives); without
@@ -132,9 +163,11 @@ struct min_fn {
 /// dst[i] = op(...op(op(s[0][i], s[1][i]), s[2][i])..., s[n-1][i]) for i in [first, first + n):
 /// the rank order every replica and every run uses, so all produce the same bits. Each
 /// element is read from every source before it is written, so dst may be one of the sources.
+/// The fold runs in accumulator<T>::type and is rounded to T once per element.
 template <class T, class Op>
 LOCKSTEP_HOST_DEVICE void reduce_block(const T* const* s, int n_sources, T* dst, std::size_t first,
                                        std::size_t n, Op op) {
+    using A = accumulator<T>;
     T* d = dst + first;
     const T* s0 = s[0] + first;
     if (n_sources == 1) {
@@ -149,38 +182,41 @@ LOCKSTEP_HOST_DEVICE void reduce_block(const T* const* s, int n_sources, T* dst,
     if (n_sources == 2) {
         LOCKSTEP_SHM_IVDEP
         for (std::size_t i = 0; i < n; ++i)
-            d[i] = op(s0[i], s1[i]);
+            d[i] = A::store(op(A::load(s0[i]), A::load(s1[i])));
         return;
     }
     const T* s2 = s[2] + first;
     if (n_sources == 3) {
         LOCKSTEP_SHM_IVDEP
         for (std::size_t i = 0; i < n; ++i)
-            d[i] = op(op(s0[i], s1[i]), s2[i]);
+            d[i] = A::store(op(op(A::load(s0[i]), A::load(s1[i])), A::load(s2[i])));
         return;
     }
     const T* s3 = s[3] + first;
     if (n_sources == 4) {
         LOCKSTEP_SHM_IVDEP
         for (std::size_t i = 0; i < n; ++i)
-            d[i] = op(op(op(s0[i], s1[i]), s2[i]), s3[i]);
+            d[i] = A::store(
+                op(op(op(A::load(s0[i]), A::load(s1[i])), A::load(s2[i])), A::load(s3[i])));
         return;
     }
     // More sources: fold through a local block, so dst is written only after every source of
     // the block has been read.
-    constexpr std::size_t block = sizeof(T) >= 4096 ? 1 : 4096 / sizeof(T);
-    T acc[block];
+    using Acc = typename A::type;
+    constexpr std::size_t block = sizeof(Acc) >= 4096 ? 1 : 4096 / sizeof(Acc);
+    Acc acc[block];
     for (std::size_t b = 0; b < n; b += block) {
         const std::size_t m = n - b < block ? n - b : block;
         for (std::size_t i = 0; i < m; ++i)
-            acc[i] = op(op(op(s0[b + i], s1[b + i]), s2[b + i]), s3[b + i]);
+            acc[i] = op(op(op(A::load(s0[b + i]), A::load(s1[b + i])), A::load(s2[b + i])),
+                        A::load(s3[b + i]));
         for (int j = 4; j < n_sources; ++j) {
             const T* sj = s[j] + first + b;
             for (std::size_t i = 0; i < m; ++i)
-                acc[i] = op(acc[i], sj[i]);
+                acc[i] = op(acc[i], A::load(sj[i]));
         }
         for (std::size_t i = 0; i < m; ++i)
-            d[b + i] = acc[i];
+            d[b + i] = A::store(acc[i]);
     }
 }
 
