@@ -8,6 +8,7 @@
 #include "lockstep/comm/nccl_communicator.hpp"
 #include "lockstep/policy/compat.hpp"
 
+#include "comm/collective_suite.hpp"
 #include "cuda_test_support.hpp"
 
 #include <catch2/catch.hpp>
@@ -199,6 +200,32 @@ TEMPLATE_TEST_CASE("nccl collectives match the host reference", "[comm][nccl][gp
                             input_value<T>(q, i));
             }
         }
+    }
+}
+
+// The collective suite's half and bfloat16 checks, with values that use the whole 16-bit
+// significand: NCCL reduces in its own order and rounds every partial sum to 16 bits, so sums
+// are checked within the suite's any-order bound (float16_bound: n * (u * sum|x| + t) of the
+// double sum); max, min, all_gather and broadcast are exact, and every reduction's result must
+// have the same bits on every replica.
+TEMPLATE_TEST_CASE("nccl half and bfloat16 collectives pass the suite's 16-bit checks",
+                   "[comm][nccl][gpu]", lockstep::half, lockstep::bfloat16) {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    gpu_group group;
+    std::vector<lockstep::testing::suite_report> reports(static_cast<std::size_t>(group.size()));
+    group.run([&](nccl_communicator& comm) {
+        auto& rep = reports[static_cast<std::size_t>(comm.rank())];
+        rep.rank = comm.rank();
+        rep.size = comm.size();
+        lockstep::testing::check_float16<TestType>(
+            comm, rep, {.rank_order_sums = false, .rank_order_float16 = false});
+    });
+    for (const auto& r : reports) {
+        INFO(r.text());
+        CHECK(r.rank >= 0);
+        CHECK(r.failed == 0);
+        CHECK(r.checks > 20);
     }
 }
 
