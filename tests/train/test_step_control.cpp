@@ -625,3 +625,61 @@ TEST_CASE("local SGD: a NaN gradient skips only that replica's step and restores
     CHECK(after[1] == before[1]); // replica 1's statistics restored
     CHECK(after[0] != before[0]); // replica 0 trained on
 }
+
+TEST_CASE("finish: a replica that stops early is an error on every replica, itself included",
+          "[train][thread][finish]") {
+    const int n = GENERATE(2, 3);
+    const int short_one = n - 1;
+    const auto e = errors_of(n, [&](int rank, thread_communicator& comm) {
+        trainer dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1});
+        for (int s = 0; s < (rank == short_one ? 2 : 3); ++s)
+            dp.step(12, train_fn);
+        dp.finish();
+    });
+    for (int r = 0; r < n; ++r) {
+        const auto& [msg, code] = e[static_cast<std::size_t>(r)];
+        INFO(msg);
+        CHECK(code == static_cast<int>(errc::shape_mismatch));
+        CHECK_THAT(msg, Catch::Contains("] replica " + std::to_string(r) + ": "));
+        // Both calls are named: the short replica's finish and a peer's step collective.
+        CHECK_THAT(msg,
+                   Catch::Contains("replica " + std::to_string(short_one) + " called all_reduce") &&
+                       Catch::Contains("tag 'data_parallel.finish'") &&
+                       Catch::Contains("replica 0 called all_reduce"));
+        if (r == short_one)
+            CHECK_THAT(msg, Catch::Contains("data_parallel.finish: this replica finished after 2 "
+                                            "step(s)"));
+    }
+}
+
+TEST_CASE("finish: equal step counts return them; unequal local steps name every count",
+          "[train][thread][finish][local_sgd]") {
+    SECTION("equal") {
+        std::vector<std::int64_t> done(3, -1);
+        thread_group(3).run([&](thread_communicator& comm) {
+            trainer dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1});
+            for (int s = 0; s < 3; ++s)
+                dp.step(12, train_fn);
+            done[static_cast<std::size_t>(comm.rank())] = dp.finish();
+        });
+        CHECK(done == std::vector<std::int64_t>(3, 3));
+    }
+    SECTION("local SGD steps between averages issue no collective: the counts tell") {
+        // local_sgd<2> averages after steps 2 and 4; replica 2's third step is local, so every
+        // replica reaches finish's collective, which compares the counts.
+        const auto e = errors_of(3, [](int rank, thread_communicator& comm) {
+            data_parallel<linear, sgd, sync::local_sgd<2>, reduce::per_tensor> dp(
+                comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1});
+            for (int s = 0; s < (rank == 2 ? 3 : 2); ++s)
+                dp.step(24, train_fn);
+            dp.finish();
+        });
+        for (const auto& [msg, code] : e) {
+            INFO(msg);
+            CHECK(code == static_cast<int>(errc::count_mismatch));
+            CHECK_THAT(msg, Catch::Contains("data_parallel.finish: replicas ran different numbers "
+                                            "of steps: replica 0 ran 2, replica 1 ran 2, replica "
+                                            "2 ran 3"));
+        }
+    }
+}

@@ -75,6 +75,32 @@ TEST_CASE("MPI: one NaN gradient element on rank 1 is named with its tensor and 
     CHECK_THAT(msg, !Catch::Contains("on replica 0"));
 }
 
+TEST_CASE("MPI: a rank that stops early is an error at finish on every rank, itself included",
+          "[train][mpi][finish]") {
+    mpi_communicator world(MPI_COMM_WORLD);
+    const int last = world.size() - 1;
+    trainer dp(world, [](auto& ctx) { return net(ctx); }, {.lr = 0.1});
+    std::string msg;
+    try {
+        for (int s = 0; s < (world.rank() == last ? 1 : 2); ++s)
+            dp.step(24, train_fn);
+        dp.finish();
+    } catch (const error& e) {
+        msg = e.what();
+    }
+    INFO(msg);
+    CHECK_THAT(msg, Catch::Contains("] replica " + std::to_string(world.rank()) + ": "));
+    CHECK_THAT(msg, Catch::Contains("replica " + std::to_string(last) + " called all_reduce") &&
+                        Catch::Contains("tag 'data_parallel.finish'"));
+    if (world.rank() == last)
+        CHECK_THAT(msg, Catch::Contains("finished after 1 step(s)"));
+    CHECK_FALSE(world.broken());
+    // Every rank is at the same collective again.
+    std::vector<int> one{1};
+    world.all_reduce(std::span<const int>(one), std::span<int>(one), reduce_op::sum);
+    CHECK(one[0] == world.size());
+}
+
 int main(int argc, char** argv) {
     return lockstep::testing::run_mpi_session(argc, argv);
 }

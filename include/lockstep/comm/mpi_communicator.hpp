@@ -2,6 +2,7 @@
 // (and mpi_environment, which starts MPI). SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/detail/mpi_exit_guard.hpp"
 #include "lockstep/comm/detail/mpi_float16.hpp"
@@ -66,19 +67,24 @@ struct mpi_communicator_params {
 ///
 /// Verification (params::verify, default on): before each collective the replicas exchange a
 /// signature {collective, sequence number, count, element type, root, reduce_op, arguments ok,
-/// a hash of reduce_scatter's per-rank counts} in one MPI_Iallreduce of 16 int64 (MPI_MAX over {v,
-/// -v} gives min and max at once). Replicas that disagree throw lockstep::error on every replica
-/// (errc::count_mismatch for counts) naming the collective, its sequence number and the min/max
-/// values; a replica whose own arguments are invalid throws its own error and the others get
-/// errc::peer_failure instead of waiting. Cost: one extra 128-byte all-reduce per collective (112
-/// bytes when the figures below were measured). bench_allreduce, 2 ranks on one node (MPICH 4.0.2,
-/// medians), measured while every operation was still a blocking MPI call: about +2 us,
-/// i.e. 2.3-2.5x raw MPI_Allreduce at 4 B, +25% at 16 KiB, +3-5% at 256 KiB, a few percent or noise
-/// from 1 MiB on; without verification lockstep was within 1-2% of raw MPI at every size. (Not
-/// re-measured for the polled nonblocking calls.) Turn it off ({.verify = false}) for many tiny
-/// collectives once a program is known to be consistent. Every replica must use the same `verify`.
-/// Without it, mismatched counts are MPI's undefined behaviour (truncation errors, garbage or a
-/// hang).
+/// a hash of reduce_scatter's per-rank counts, the collective_tag's id} in one MPI_Iallreduce of
+/// 18 int64 (MPI_MAX over {v, -v} gives min and max at once). Replicas that disagree throw
+/// lockstep::error on every replica (errc::count_mismatch for counts) naming the collective, its
+/// sequence number and the min/max values; when the collectives or tags differ (a call swapped,
+/// skipped or added on some replica) every replica then all-gathers each replica's call, so the
+/// error names them all ("replica 0 called all_gather #7 (4 float), replica 1 called all_reduce
+/// #7 (4 float, sum)"), before any data moves. all_reduce, broadcast and all_gather take an
+/// optional collective_tag; two calls of the same collective and shape in another order (or one
+/// skipped) pair silently unless they carry tags; a replica whose own arguments are invalid throws
+/// its own error and the others get errc::peer_failure instead of waiting. Cost: one extra 144-byte
+/// all-reduce per collective (112 bytes when the figures below were measured). bench_allreduce, 2
+/// ranks on one node (MPICH 4.0.2, medians), measured while every operation was still a blocking
+/// MPI call: about +2 us, i.e. 2.3-2.5x raw MPI_Allreduce at 4 B, +25% at 16 KiB, +3-5% at 256 KiB,
+/// a few percent or noise from 1 MiB on; without verification lockstep was within 1-2% of raw MPI
+/// at every size. (Not re-measured for the polled nonblocking calls.) Turn it off ({.verify =
+/// false}) for many tiny collectives once a program is known to be consistent. Every replica must
+/// use the same `verify`. Without it, mismatched counts are MPI's undefined behaviour (truncation
+/// errors, garbage or a hang).
 ///
 /// Arguments: a null span with a non-zero count, a span larger than memory can hold, sizes
 /// that do not fit together or a count MPI cannot describe are refused with lockstep::error
@@ -199,15 +205,16 @@ public:
     /// requires: send.size() == recv.size(), equal on every replica; send and recv identical
     /// or disjoint; non-null unless empty.
     template <class T>
-    void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                    reduce_op op) {
+    void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                    collective_tag tag = {}) {
         check_type<T>();
         const bool in_place = send.data() == recv.data();
         const std::string bad = detail::join_problems(
             {detail::span_problem(send, "send"), detail::span_problem(recv, "recv")});
         const bool ok =
             bad.empty() && send.size() == recv.size() && (in_place || disjoint(send, recv));
-        begin(detail::mpi_collective::all_reduce, send.size(), detail::mpi_type<T>::id, 0, op, ok);
+        begin(detail::mpi_collective::all_reduce, send.size(), detail::mpi_type<T>::id, 0, op, ok,
+              {}, tag);
         LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), bad.empty() ? "" : bad + ": ",
                          "send.size() = ", send.size(), ", recv.size() = ", recv.size(),
                          " (sizes must be equal; buffers identical or disjoint)");
@@ -228,12 +235,12 @@ public:
     /// data on every replica becomes root's data. requires: 0 <= root < size(), data.size()
     /// equal on every replica, data non-null unless empty.
     template <class T>
-    void broadcast(std::span<T> data, int root) {
+    void broadcast(std::span<T> data, int root, collective_tag tag = {}) {
         check_type<T>();
         const std::string bad = detail::span_problem(data, "data");
         const bool ok = bad.empty() && root >= 0 && root < size_;
         begin(detail::mpi_collective::broadcast, data.size(), detail::mpi_type<T>::id, root,
-              reduce_op::sum, ok);
+              reduce_op::sum, ok, {}, tag);
         LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
         LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "root ", root,
                          " is not a replica of this group of ", size_);
@@ -251,7 +258,8 @@ public:
     /// equal on every replica and <= INT_MAX (else errc::unsupported); spans non-null unless
     /// empty.
     template <class T>
-    void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
+    void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                    collective_tag tag = {}) {
         check_type<T>();
         const std::size_t n = send.size();
         const std::string bad = detail::join_problems(
@@ -263,8 +271,8 @@ public:
             bad.empty() && no_overflow && n != 0 && send.data() == recv.data() + rank_ * n;
         const bool ok = bad.empty() && no_overflow && recv.size() == total && fits &&
                         (in_place || disjoint(send, recv));
-        begin(detail::mpi_collective::all_gather, n, detail::mpi_type<T>::id, 0, reduce_op::sum,
-              ok);
+        begin(detail::mpi_collective::all_gather, n, detail::mpi_type<T>::id, 0, reduce_op::sum, ok,
+              {}, tag);
         LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
         LOCKSTEP_REQUIRE(fits, errc::unsupported, rank_, name(), "send.size() = ", n,
                          " exceeds MPI's int count (", std::numeric_limits<int>::max(),
@@ -699,7 +707,8 @@ private:
     // on every replica when they disagree. A replica whose own arguments failed (ok == false)
     // returns so that the caller throws its precise error; the others throw peer_failure.
     void begin(detail::mpi_collective kind, std::size_t count, std::int64_t type, int root,
-               reduce_op op, bool ok, std::span<const std::size_t> counts = {}) {
+               reduce_op op, bool ok, std::span<const std::size_t> counts = {},
+               collective_tag tag = {}) {
         require_usable(std::string(detail::to_string(kind)));
         ++seq_;
         kind_ = kind;
@@ -715,16 +724,38 @@ private:
                       static_cast<std::int64_t>(op),
                       ok ? 1 : 0,
                       kind == detail::mpi_collective::reduce_scatter ? detail::counts_hash(counts)
-                                                                     : 0};
+                                                                     : 0,
+                      tag.id()};
         auto v = detail::mpi_signature_pack(mine);
         MPI_Request req = MPI_REQUEST_NULL;
         call(MPI_Iallreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_INT64_T,
                             MPI_MAX, comm_, &req),
              "MPI_Iallreduce (verify)", count);
         finish(req, "MPI_Iallreduce (verify)", count, 0);
+        const auto range = detail::mpi_signature_unpack(v);
+        const std::string calls =
+            detail::mpi_calls_differ(range) ? gather_calls(mine, tag) : std::string();
         if (ok)
-            detail::require_agreement(mine, detail::mpi_signature_unpack(v), rank_,
-                                      detail::describe_counts(counts));
+            detail::require_agreement(mine, range, rank_, detail::describe_counts(counts), calls);
+    }
+
+    // After a mismatch of collectives or tags (so on every replica): every replica's call,
+    // "replica 0 called all_gather #7 (4 float), replica 1 called all_reduce #7 (...)".
+    std::string gather_calls(const detail::mpi_signature& mine, collective_tag tag) {
+        constexpr std::size_t w = detail::mpi_call_text_bytes;
+        std::vector<char> text(w * static_cast<std::size_t>(size_), '\0');
+        const std::string own = detail::mpi_describe_call(mine, tag.name).substr(0, w - 1);
+        std::copy(own.begin(), own.end(), text.begin() + static_cast<std::ptrdiff_t>(w * rank_));
+        MPI_Request req = MPI_REQUEST_NULL;
+        call(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, text.data(), static_cast<int>(w),
+                            MPI_CHAR, comm_, &req),
+             "MPI_Iallgather (verify)", w);
+        finish(req, "MPI_Iallgather (verify)", w, 0);
+        std::string out;
+        for (int j = 0; j < size_; ++j)
+            out += (j == 0 ? "" : ", ") + std::string("replica ") + std::to_string(j) + " called " +
+                   std::string(text.data() + w * static_cast<std::size_t>(j));
+        return out;
     }
 
     void ibarrier(const char* what) {

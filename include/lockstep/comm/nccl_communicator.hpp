@@ -533,7 +533,7 @@ public:
     /// after nccl_options::timeout. Prefer it over system().synchronize() while collectives
     /// are in flight (a stream waiting for a dead peer never becomes idle).
     void synchronize() {
-        h_.wait("synchronize");
+        h_.wait(reached("synchronize"));
     }
 
     /// Waits until `event` has completed (cudaEventQuery, polled), with the checks of
@@ -544,7 +544,8 @@ public:
     /// requires: event was created on device() and recorded (an unrecorded event counts as
     /// complete, as in CUDA).
     void wait(cudaEvent_t event, const char* what) {
-        h_.wait_event(std::string("wait (") + (what != nullptr ? what : "event") + ")", event);
+        h_.wait_event(reached(std::string("wait (") + (what != nullptr ? what : "event") + ")"),
+                      event);
     }
 
     /// Throws (after aborting) if NCCL reported an asynchronous error or a peer failed; cheap
@@ -644,6 +645,12 @@ private:
     }
 #endif
 
+    // "synchronize (after operation #41)": a timeout message then says how far this replica
+    // got, so comparing the replicas' messages shows which one skipped or added a call.
+    std::string reached(std::string op) const {
+        return sequence_ == 0 ? op + " (before any operation)"
+                              : op + " (after operation #" + std::to_string(sequence_ - 1) + ")";
+    }
     std::string next_operation(const char* op) {
         return std::string(op) + " #" + std::to_string(sequence_++);
     }

@@ -2,6 +2,7 @@
 // shared-memory collectives of a thread_group. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/detail/scatter_counts.hpp"
 #include "lockstep/comm/detail/shm_group.hpp"
@@ -41,10 +42,12 @@ class thread_group;
 ///   all_reduce is a reduce-scatter by chunk ownership (each replica reduces 1/size() of the
 ///   elements from every input) followed by an all-gather of the chunks, three rendezvous.
 /// - Every collective carries a per-group sequence number; replicas that disagree on the call
-///   (collective, element type, count, reduction, root, receive size, reduce_scatter's
-///   per-rank counts) all throw
-///   lockstep::error (errc::count_mismatch for counts, errc::shape_mismatch otherwise) naming
-///   "<collective> #<seq>" and every replica's values. The group stays usable after that.
+///   (collective, collective_tag, element type, count, reduction, root, receive size,
+///   reduce_scatter's per-rank counts) all throw lockstep::error (errc::count_mismatch for
+///   counts, errc::shape_mismatch otherwise) naming "<collective> #<seq>" and every replica's
+///   values ("replica 0 called all_gather #7 (4 float32s), replica 1 called all_reduce #7 (4
+///   float32s, sum)"), before any data moves. The group stays usable after that. Calls of the
+///   same collective and shape issued in another order pair silently unless they carry tags.
 /// - If any replica of the run fails (throws out of its function, times out, or destroys a
 ///   handle its peers wait for), every replica blocked in or later entering a collective, send
 ///   or recv throws errc::peer_failure naming the failed replica and its message.
@@ -98,15 +101,16 @@ public:
     /// recv[i] = op over all replicas (in rank order) of send[i]. send may alias recv.
     /// requires: every replica passes the same count, type and op; recv.size() == send.size().
     template <class T>
-    void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                    reduce_op op) {
+    /// tag: see collective_tag (compared across replicas; default: none).
+    void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                    collective_tag tag = {}) {
         static_assert(detail::shm::reducible_element<T>,
                       "thread_communicator reduces arithmetic element types (not bool), "
                       "lockstep::half and lockstep::bfloat16 only.");
         const std::size_t count = send.size();
         const bool small = stashed<T>(count);
         auto s = start(record<T>(detail::shm::collective_kind::all_reduce, count, recv.size(),
-                                 send.data(), recv.data(), op, 0),
+                                 send.data(), recv.data(), op, 0, tag),
                        small ? 1 : 3, small ? send.data() : nullptr, small ? count : 0);
         const int n = size();
         source_list<T> sources(n);
@@ -139,14 +143,14 @@ public:
         next_phase(s);
     }
 
-    /// data on every replica becomes data of replica `root`.
+    /// data on every replica becomes data of replica `root`. tag: see collective_tag.
     /// requires: every replica passes the same count, type and root, 0 <= root < size().
     template <class T>
-    void broadcast(std::span<T> data, int root) {
+    void broadcast(std::span<T> data, int root, collective_tag tag = {}) {
         static_assert(std::is_trivially_copyable_v<T>, "broadcast copies elements as bytes.");
         const bool small = stashed<T>(data.size());
         auto s = start(record<T>(detail::shm::collective_kind::broadcast, data.size(), data.size(),
-                                 data.data(), data.data(), reduce_op::sum, root),
+                                 data.data(), data.data(), reduce_op::sum, root, tag),
                        small ? 1 : 2, small && rank_ == root ? data.data() : nullptr,
                        small && rank_ == root ? data.size() : 0);
         if (rank_ != root)
@@ -156,16 +160,17 @@ public:
             next_phase(s);
     }
 
-    /// recv = the concatenation of every replica's send, in rank order.
+    /// recv = the concatenation of every replica's send, in rank order. tag: see collective_tag.
     /// requires: equal send counts; recv.size() == size() * send.size(); send may be the
     /// rank()-th slice of recv and must not overlap it otherwise.
     template <class T>
-    void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
+    void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                    collective_tag tag = {}) {
         static_assert(std::is_trivially_copyable_v<T>, "all_gather copies elements as bytes.");
         const std::size_t count = send.size();
         const bool small = stashed<T>(count);
         auto s = start(record<T>(detail::shm::collective_kind::all_gather, count, recv.size(),
-                                 send.data(), recv.data(), reduce_op::sum, 0),
+                                 send.data(), recv.data(), reduce_op::sum, 0, tag),
                        small ? 1 : 2, small ? send.data() : nullptr, small ? count : 0);
         for (int j = 0; j < size(); ++j)
             copy_elements(recv.data() + static_cast<std::size_t>(j) * count,
@@ -402,8 +407,9 @@ private:
     template <class T>
     static detail::shm::call_record record(detail::shm::collective_kind kind, std::size_t count,
                                            std::size_t recv_count, const void* send, void* recv,
-                                           reduce_op op, int root) {
+                                           reduce_op op, int root, collective_tag tag = {}) {
         detail::shm::call_record r;
+        r.tag = tag.name;
         r.kind = kind;
         r.type = detail::shm::element_type_of<T>();
         r.elem_size = sizeof(T);

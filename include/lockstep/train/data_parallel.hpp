@@ -15,6 +15,7 @@
 #include "lockstep/system/staged_read.hpp"
 #include "lockstep/train/asynchronous.hpp" // IWYU pragma: export
 #include "lockstep/train/detail/data_parallel_fwd.hpp"
+#include "lockstep/train/detail/finish_check.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
 #include "lockstep/train/detail/overlap.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
@@ -235,13 +236,22 @@ public:
         }
     }
 
-    /// Ends training: local SGD averages the weights if steps ran since the last average (a
-    /// collective); a no-op for synchronous training.
-    void finish() {
+    /// Ends training (collective: call it on every replica after its last step, as torch's
+    /// join() and hvd.join()): first checks that every replica ran as many steps (one small
+    /// tagged all_reduce, detail::finish_steps), then local SGD averages the weights if steps
+    /// ran since the last average. ensures: returns steps(); a replica that ran fewer or more
+    /// steps makes it throw lockstep::error on every replica, the short one included
+    /// (count_mismatch naming each replica's count, or, when a peer is still inside a step, the
+    /// mismatch of finish's collective with the peer's, naming both calls). The destructor
+    /// checks nothing (it cannot throw): without finish() a replica that stops early returns
+    /// normally while its peers fail (docs/train_api.md).
+    std::int64_t finish() {
+        const std::int64_t steps = detail::finish_steps(core_.comm(), this->steps());
         if constexpr (is_local_sgd_v<SyncPolicy>) {
             if (since_average_ > 0)
                 average();
         }
+        return steps;
     }
 
     /// The gradient hook: called on every replica as f(gradient, layout) after the reduction

@@ -57,10 +57,11 @@ constexpr std::string_view to_string(mpi_collective c) noexcept {
 /// What every replica must agree on before a collective runs. Fields that do not apply are 0
 /// (root and op of an all_gather); `arguments_ok` is 0 on a replica whose own arguments failed
 /// a local check, so the others are released with an error instead of waiting for it;
-/// `layout` is a positive hash of reduce_scatter's per-rank counts (counts_hash).
+/// `layout` is a positive hash of reduce_scatter's per-rank counts (counts_hash); `tag` is the
+/// caller's collective_tag::id() (0 for none).
 struct mpi_signature {
-    enum field : std::size_t { kind, sequence, count, type, root, op, arguments_ok, layout };
-    static constexpr std::size_t size = 8; ///< the number of fields
+    enum field : std::size_t { kind, sequence, count, type, root, op, arguments_ok, layout, tag };
+    static constexpr std::size_t size = 9; ///< the number of fields
     std::array<std::int64_t, size> value{};
 };
 
@@ -98,14 +99,46 @@ inline std::string mpi_operation_name(mpi_collective kind, std::int64_t sequence
     return std::string(to_string(kind)) + " #" + std::to_string(sequence);
 }
 
+/// The bytes of one replica's call description in the all-gather that follows a mismatch of
+/// collectives or tags (longer descriptions are cut).
+inline constexpr std::size_t mpi_call_text_bytes = 120;
+
+/// "all_reduce #7 (4 float, sum, tag 'bucket 2')": this replica's call, for messages.
+inline std::string mpi_describe_call(const mpi_signature& s, std::string_view tag) {
+    using f = mpi_signature;
+    const auto kind = mpi_collective(s.value[f::kind]);
+    std::string out = mpi_operation_name(kind, s.value[f::sequence]);
+    std::string args;
+    if (kind != mpi_collective::barrier && kind != mpi_collective::split)
+        args =
+            std::to_string(s.value[f::count]) + " " + std::string(mpi_type_name(s.value[f::type]));
+    if (kind == mpi_collective::all_reduce || kind == mpi_collective::reduce ||
+        kind == mpi_collective::reduce_scatter)
+        args += ", " + std::string(to_string(reduce_op(s.value[f::op])));
+    if (kind == mpi_collective::broadcast || kind == mpi_collective::reduce)
+        args += ", root " + std::to_string(s.value[f::root]);
+    if (!tag.empty())
+        args += (args.empty() ? "" : ", ") + std::string("tag '") + std::string(tag) + "'";
+    return args.empty() ? out : out + " (" + args + ")";
+}
+
+/// True when the replicas called different collectives or passed different tags (and none
+/// failed its own checks): then every replica all-gathers its call's description before
+/// require_agreement. The same on every replica, since every replica sees the same range.
+inline bool mpi_calls_differ(const mpi_signature_range& r) noexcept {
+    return r.min.value[mpi_signature::arguments_ok] != 0 &&
+           (!r.agree(mpi_signature::kind) || !r.agree(mpi_signature::tag));
+}
+
 /// Throws lockstep::error when the replicas' signatures disagree. Every replica sees the same
 /// range, so every replica throws, with the same code: peer_failure when a replica's own
 /// arguments failed (that replica reports them itself), invalid_argument for different
 /// collectives, sequence numbers, roots or reductions, count_mismatch for counts (and for
 /// reduce_scatter's per-rank counts, described by `layout_text` for this replica) and
-/// shape_mismatch for element types.
+/// shape_mismatch for element types and tags. `calls` lists every replica's call when
+/// mpi_calls_differ ("replica 0 called ..., replica 1 called ...").
 inline void require_agreement(const mpi_signature& mine, const mpi_signature_range& r, int rank,
-                              const std::string& layout_text = {}) {
+                              const std::string& layout_text = {}, const std::string& calls = {}) {
     using f = mpi_signature;
     const auto& lo = r.min.value;
     const auto& hi = r.max.value;
@@ -118,9 +151,14 @@ inline void require_agreement(const mpi_signature& mine, const mpi_signature_ran
              "was released instead of waiting");
     if (!r.agree(f::kind))
         fail(errc::invalid_argument, rank, name(),
-             "replicas called different collectives at this point: ",
-             to_string(mpi_collective(lo[f::kind])), " and ",
-             to_string(mpi_collective(hi[f::kind])));
+             "replicas called different collectives at this point (a call swapped, skipped or "
+             "added on some replica): ",
+             calls);
+    if (!r.agree(f::tag))
+        fail(errc::shape_mismatch, rank, name(),
+             "replicas passed different collective tags (a call swapped, skipped or added on "
+             "some replica): ",
+             calls);
     if (!r.agree(f::sequence))
         fail(errc::invalid_argument, rank, name(), "replicas are at collective #", lo[f::sequence],
              " to #", hi[f::sequence], ": one of them skipped or repeated a collective");

@@ -25,6 +25,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -90,7 +91,25 @@ struct call_record {
     /// What is wrong with this replica's own arguments ("" when nothing): a null span with a
     /// non-zero count, or more elements than memory can hold. Every member then throws it.
     std::string problem;
+    /// The caller's collective_tag name ("" for none), compared with the collective.
+    std::string tag;
 };
+
+/// "all_reduce #7 (4 float32s, sum, tag 'bucket 2')": one replica's call, for messages.
+inline std::string describe_call(const call_record& c, std::uint64_t seq) {
+    std::string s = std::string(name_of(c.kind)) + " #" + std::to_string(seq);
+    std::string args;
+    if (c.kind != collective_kind::barrier && c.kind != collective_kind::split)
+        args = count_of(c.count, c.type, c.elem_size);
+    if (c.kind == collective_kind::all_reduce || c.kind == collective_kind::reduce ||
+        c.kind == collective_kind::reduce_scatter)
+        args += ", " + std::string(to_string(c.op));
+    if (c.kind == collective_kind::broadcast || c.kind == collective_kind::reduce)
+        args += ", root " + std::to_string(c.root);
+    if (!c.tag.empty())
+        args += (args.empty() ? "" : ", ") + std::string("tag '") + c.tag + "'";
+    return args.empty() ? s : s + " (" + args + ")";
+}
 
 /// What is wrong with the spans of `c` (see call_record::problem), "" when they are usable.
 inline std::string record_problem(const call_record& c) {
@@ -378,9 +397,13 @@ inline void group_state::validate(int rank, op_label label) const {
                 return false;
         return true;
     };
-    if (!all_same([](const call_record& c) { return c.kind; }))
-        fail(errc::shape_mismatch, me, op(), "replicas called different collectives: ",
-             list([](const call_record& c) { return std::string("called ") + name_of(c.kind); }));
+    // A swapped, skipped or extra call shows here as another collective or tag at this
+    // sequence number; every replica's whole call is named so the two sides can be found.
+    if (!all_same([](const call_record& c) { return std::pair(c.kind, std::string_view(c.tag)); }))
+        fail(errc::shape_mismatch, me, op(),
+             "replicas called different collectives (a call swapped, skipped or added on some "
+             "replica): ",
+             list([&](const call_record& c) { return "called " + describe_call(c, seq); }));
     const collective_kind k = c0.kind;
     if (k == collective_kind::barrier || k == collective_kind::split)
         return;
