@@ -116,6 +116,34 @@ inline void commit_shard(const fs::path& path, int r, std::span<const std::byte>
     write_all(path, b.finish(ck::manifest_magic));
 }
 
+/// Re-encodes the commit marker `path` after edit(meta) (a valid marker: its CRC matches).
+inline void
+rewrite_marker(const fs::path& path,
+               const std::function<void(std::vector<std::pair<std::string, std::string>>&)>& edit) {
+    const auto m = read_all(path);
+    const auto h = ck::parse_header(m, ck::manifest_magic, "marker");
+    std::vector<std::pair<std::string, std::string>> meta;
+    for (std::size_t i = 0; i < h.meta_count(); ++i) {
+        auto [k, v] = h.meta(i);
+        meta.emplace_back(std::string(k), std::string(v));
+    }
+    edit(meta);
+    ck::file_builder b;
+    for (auto& [k, v] : meta)
+        b.meta(k, v);
+    write_all(path, b.finish(ck::manifest_magic));
+}
+
+/// Sets the marker's metadata entry `key` to `value`.
+inline void set_marker_value(const fs::path& path, const std::string& key,
+                             const std::string& value) {
+    rewrite_marker(path, [&](auto& meta) {
+        for (auto& [k, v] : meta)
+            if (k == key)
+                v = value;
+    });
+}
+
 /// One section of a shard being edited.
 struct raw_section {
     std::string name;

@@ -1,6 +1,7 @@
 // Checkpoints of data_parallel over MPI (one replica per process): resuming in new trainers with
 // another seed is bitwise equal to an uninterrupted run (synchronous, local SGD mid-period,
-// parameter server), and a checkpoint refused on one rank is refused on every rank.
+// parameter server), a checkpoint refused on one rank is refused on every rank, and two jobs
+// saving to one path concurrently leave one job's checkpoint.
 // SPDX-License-Identifier: Apache-2.0
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
@@ -18,6 +19,7 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -153,6 +155,73 @@ TEST_CASE("MPI: a checkpoint refused on one rank is refused on every rank, nothi
                        ": section 'optimizer.momentum' (f32 {83}) is missing") !=
           std::string::npos);
     CHECK(fingerprint(dp) == before);
+}
+
+TEST_CASE("MPI: two jobs (split communicators) saving to one path leave one job's checkpoint",
+          "[train][checkpoint][mpi]") {
+    using opt = optim::sgd<float>;
+    using dp_type = trainer_of<opt, sync::synchronous, reduce::per_tensor, storage::registry>;
+    using net = dp_type::network_type;
+    mpi_communicator world(MPI_COMM_WORLD);
+    REQUIRE(world.size() % 2 == 0);
+    shared_dir dir(world);
+    const fs::path path = dir.path / "shared.ckpt";
+    // Even and odd ranks are two independent jobs; rank w is rank w / 2 of job w % 2.
+    const int color = world.rank() % 2;
+    MPI_Comm job_comm = MPI_COMM_NULL;
+    REQUIRE(MPI_Comm_split(MPI_COMM_WORLD, color, world.rank(), &job_comm) == MPI_SUCCESS);
+    const optim::sgd_params op{.lr = 0.05, .momentum = 0.9};
+    auto step = [](dp_type& dp) {
+        dp.step(batch_of(dp.steps()),
+                [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); });
+    };
+    {
+        mpi_communicator job(job_comm);
+        dp_type dp(
+            job, [](auto& ctx) { return net(ctx); }, op,
+            params_for(static_cast<std::uint64_t>(11 + color)));
+        int failures = 0, matches = 0, differ = 0;
+        constexpr int rounds = 12;
+        for (int round = 0; round < rounds; ++round) {
+            step(dp);
+            const auto mine = fingerprint(dp);
+            std::vector<std::byte> all(mine.size() * static_cast<std::size_t>(world.size()));
+            MPI_Allgather(mine.data(), static_cast<int>(mine.size()), MPI_BYTE, all.data(),
+                          static_cast<int>(mine.size()), MPI_BYTE, MPI_COMM_WORLD);
+            MPI_Barrier(MPI_COMM_WORLD); // both jobs save at once
+            try {
+                save_checkpoint(dp, path);
+            } catch (const lockstep::error&) {
+                ++failures;
+            }
+            MPI_Barrier(MPI_COMM_WORLD);
+            // Loaded by this job's replica k: replica k of job 0 or of job 1 (world rank 2k + j).
+            dp_type fresh(
+                job, [](auto& ctx) { return net(ctx); }, op, params_for(3));
+            try {
+                load_checkpoint(fresh, path);
+            } catch (const lockstep::error&) {
+            }
+            const auto got = fingerprint(fresh);
+            const int k = job.rank();
+            bool any = false;
+            for (int j = 0; j < 2; ++j) {
+                const auto* p = all.data() + static_cast<std::size_t>(2 * k + j) * mine.size();
+                any = any || std::equal(got.begin(), got.end(), p, p + mine.size());
+            }
+            matches += any ? 1 : 0;
+            differ += std::equal(mine.begin(), mine.end(),
+                                 all.data() + static_cast<std::size_t>(2 * job.rank() + 1 - color) *
+                                                  mine.size())
+                          ? 0
+                          : 1;
+            MPI_Barrier(MPI_COMM_WORLD); // every load done before the next saves
+        }
+        CHECK(failures == 0);
+        CHECK(matches == rounds);
+        CHECK(differ == rounds); // the two jobs' states differ: the loads tell them apart
+    }
+    MPI_Comm_free(&job_comm);
 }
 
 int main(int argc, char** argv) {

@@ -19,6 +19,7 @@
 #include "lockstep/train/data_parallel.hpp"
 #include "lockstep/train/detail/agreement.hpp"
 #include "lockstep/train/detail/checkpoint_format.hpp"
+#include "lockstep/train/detail/checkpoint_marker.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
 #include "lockstep/train/detail/signature.hpp"
 #include "lockstep/train/detail/trainer_base.hpp"
@@ -387,62 +388,6 @@ void agree_or_fail(Comm& comm, const std::string& problem, const char* op,
     fail(errc::checkpoint, comm.rank(), op, msg);
 }
 
-inline std::string hex16(std::uint64_t v) {
-    char b[17];
-    std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
-    return b;
-}
-
-/// The shard file of replica r of save generation gen next to the commit marker `path`.
-inline std::filesystem::path shard_path(const std::filesystem::path& path, std::uint64_t gen,
-                                        int r) {
-    std::filesystem::path p = path;
-    p += "." + hex16(gen) + ".shard" + std::to_string(r);
-    return p;
-}
-
-/// True for the files a save of `base` creates besides the marker: "<base>.<16 hex>.shard<r>"
-/// and temporaries ending in ".tmp.<r>".
-inline bool is_save_file(const std::string& name, const std::string& base) {
-    if (name.size() <= base.size() + 1 || name.compare(0, base.size() + 1, base + ".") != 0)
-        return false;
-    std::string rest = name.substr(base.size() + 1);
-    auto digits = [](std::string_view s) {
-        return !s.empty() && s.find_first_not_of("0123456789") == std::string_view::npos;
-    };
-    const auto tmp = rest.rfind(".tmp.");
-    if (tmp != std::string::npos && digits(std::string_view(rest).substr(tmp + 5)))
-        rest.resize(tmp);
-    else if (rest.compare(0, 4, "tmp.") == 0 && digits(std::string_view(rest).substr(4)))
-        return true;
-    if (rest.size() < 23 || rest.find_first_not_of("0123456789abcdef") != 16 ||
-        rest.compare(16, 6, ".shard") != 0)
-        return false;
-    return digits(std::string_view(rest).substr(22));
-}
-
-/// After a commit: removes the files of other save generations of `path` (older checkpoints and
-/// the leftovers of crashed saves). Failures to remove are ignored: the commit stands.
-inline void remove_stale(const std::filesystem::path& path, std::uint64_t gen, int ranks) {
-    std::error_code ec;
-    std::filesystem::path dir = path.parent_path();
-    if (dir.empty())
-        dir = ".";
-    const std::string base = path.filename().string();
-    std::vector<std::string> keep;
-    for (int r = 0; r < ranks; ++r)
-        keep.push_back(shard_path(path, gen, r).filename().string());
-    std::vector<std::filesystem::path> doomed;
-    for (auto it = std::filesystem::directory_iterator(dir, ec);
-         !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
-        const std::string name = it->path().filename().string();
-        if (is_save_file(name, base) && std::find(keep.begin(), keep.end(), name) == keep.end())
-            doomed.push_back(it->path());
-    }
-    for (const auto& p : doomed)
-        std::filesystem::remove(p, ec);
-}
-
 /// A validated shard: its bytes and header.
 struct loaded_shard {
     std::vector<std::byte> bytes;
@@ -455,34 +400,12 @@ template <class DP>
 std::vector<std::string> validate(DP& dp, const std::filesystem::path& path, loaded_shard& out) {
     auto& core = checkpoint_access::core(dp);
     const int rank = core.comm().rank();
-    const int size = core.comm().size();
-    std::vector<std::string> problems;
-    const std::vector<std::byte> marker = read_file(path, rank);
-    const parsed_header m =
-        parse_header(marker, manifest_magic, "commit marker '" + path.string() + "'", rank);
-    const auto ws = m.find_meta("world_size");
-    if (!ws || *ws != std::to_string(size))
-        problems.push_back(concat("world size: checkpoint ", ws ? *ws : std::string("missing"),
-                                  ", trainer ", size));
-    const std::string key = "shard." + std::to_string(rank);
-    const auto file = m.find_meta(key + ".file");
-    const auto fsize = m.find_meta(key + ".size");
-    const auto fcrc = m.find_meta(key + ".crc32c");
-    if (!file || !fsize || !fcrc) {
-        problems.push_back(concat("the commit marker lists no shard for replica ", rank));
+    std::filesystem::path file;
+    std::vector<std::string> problems =
+        read_committed_shard(path, rank, core.comm().size(), out.bytes, file);
+    if (file.empty())
         return problems;
-    }
-    std::filesystem::path sp = path.parent_path() / *file;
-    out.bytes = read_file(sp, rank);
-    const std::string shard_what = "shard '" + sp.string() + "'";
-    if (std::to_string(out.bytes.size()) != *fsize ||
-        std::to_string(crc32c(std::span<const std::byte>(out.bytes))) != *fcrc) {
-        problems.push_back(concat(shard_what, " does not match the commit marker (", *fsize,
-                                  " bytes with CRC32C ", *fcrc, " committed, found ",
-                                  out.bytes.size(), " bytes with CRC32C ",
-                                  crc32c(std::span<const std::byte>(out.bytes)), ")"));
-        return problems;
-    }
+    const std::string shard_what = "shard '" + file.string() + "'";
     out.header = parse_header(out.bytes, shard_magic, shard_what, rank);
     for (std::string& p : verify_sections(out.bytes, out.header))
         problems.push_back(shard_what + ": " + std::move(p));
@@ -597,13 +520,15 @@ void restore(DP& dp, const loaded_shard& s) {
 
 /// Saves everything the next steps of dp depend on to the checkpoint `path` (collective: every
 /// replica calls it with the same path, on a file system every replica sees). Each replica
-/// writes its shard `<path>.<generation>.shard<rank>` (temporary name, fsync, rename, directory
-/// fsync); after all shards are durable, replica 0 writes the commit marker `path` (the
-/// manifest with every shard's size and CRC32C) the same way, then removes the files of older
-/// saves of `path`. The format is described in docs/checkpoints.md.
+/// writes its shard `<path>.<generation>.<pid>.<token>.shard<rank>`, names unique to this save
+/// (temporary name, fsync, rename, directory fsync); after all shards are durable, replica 0
+/// writes the commit marker `path` (the manifest with every shard's size and CRC32C) the same
+/// way, then removes the files no save can need (ckpt::remove_stale). The format is described
+/// in docs/checkpoints.md.
 /// ensures: on success `path` loads into a compatible trainer; a failure or crash at any point
 /// leaves the previous checkpoint at `path` loadable, and a failure on any replica throws one
-/// lockstep::error (checkpoint) on every replica.
+/// lockstep::error (checkpoint) on every replica. Jobs saving to the same path concurrently
+/// leave a checkpoint that loads as one of their saves.
 /// requires: no step in flight on this replica (call it between steps; with sync::asynchronous
 /// and sync::bounded_staleness<S>, between train() calls, when every replica holds the server's
 /// parameters and state).
@@ -617,20 +542,25 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
     const int size = comm.size();
     const std::string what = "saving checkpoint '" + path.string() + "' failed:";
 
-    // One fresh generation for this save, chosen by replica 0.
-    std::uint64_t gen = 0;
+    // One fresh generation for this save, chosen by replica 0 and in flight in its process
+    // (clean-up leaves its files alone) before any replica learns it.
+    ck::save_id id;
     if (rank == 0) {
         std::random_device rd;
-        gen =
+        id.gen =
             (std::uint64_t(rd()) << 32) ^ rd() ^
             static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+        id.owner = ck::this_process();
     }
-    const int mine[2] = {static_cast<int>(static_cast<std::uint32_t>(gen)),
-                         static_cast<int>(static_cast<std::uint32_t>(gen >> 32))};
-    std::vector<int> gens(2 * static_cast<std::size_t>(size));
-    detail::host_all_gather(comm, std::span<const int>(mine), std::span<int>(gens));
-    gen = std::uint64_t(static_cast<std::uint32_t>(gens[0])) |
-          std::uint64_t(static_cast<std::uint32_t>(gens[1])) << 32;
+    const ck::inflight_scope inflight(id.gen, rank == 0);
+    const int mine[4] = {static_cast<int>(static_cast<std::uint32_t>(id.gen)),
+                         static_cast<int>(static_cast<std::uint32_t>(id.gen >> 32)),
+                         static_cast<int>(id.owner.pid), static_cast<int>(id.owner.token)};
+    std::vector<int> ids(4 * static_cast<std::size_t>(size));
+    detail::host_all_gather(comm, std::span<const int>(mine), std::span<int>(ids));
+    id.gen = std::uint64_t(static_cast<std::uint32_t>(ids[0])) |
+             std::uint64_t(static_cast<std::uint32_t>(ids[1])) << 32;
+    id.owner = {static_cast<std::uint32_t>(ids[2]), static_cast<std::uint32_t>(ids[3])};
 
     std::string problem;
     std::uint32_t crc = 0;
@@ -639,7 +569,8 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
         const std::vector<std::byte> shard = ck::build_shard(dp);
         crc = crc32c(std::span<const std::byte>(shard));
         bytes = shard.size();
-        ck::write_durably(ck::shard_path(path, gen, rank), shard, rank, "shard");
+        ck::write_durably(ck::shard_path(path, id, rank), ck::shard_temp_path(path, id, rank),
+                          shard, rank, "shard");
     } catch (const std::exception& e) {
         problem = e.what();
     } catch (...) {
@@ -654,19 +585,22 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
     if (rank == 0) {
         try {
             ck::file_builder m;
-            m.meta("generation", ck::hex16(gen));
+            m.meta("generation", ck::hex16(id.gen));
             m.meta("world_size", std::to_string(size));
             for (int r = 0; r < size; ++r) {
                 const std::string key = "shard." + std::to_string(r);
                 const auto* v = &infos[3 * static_cast<std::size_t>(r)];
                 const std::uint64_t n = std::uint64_t(static_cast<std::uint32_t>(v[1])) |
                                         std::uint64_t(static_cast<std::uint32_t>(v[2])) << 32;
-                m.meta(key + ".file", ck::shard_path(path, gen, r).filename().string());
+                m.meta(key + ".file", ck::shard_path(path, id, r).filename().string());
                 m.meta(key + ".size", std::to_string(n));
                 m.meta(key + ".crc32c", std::to_string(static_cast<std::uint32_t>(v[0])));
             }
-            ck::write_durably(path, m.finish(ck::manifest_magic), 0, "manifest");
-            ck::remove_stale(path, gen, size);
+            // The generation this commit replaces: no save commits it again.
+            const auto replaced = ck::committed_generation(path);
+            ck::write_durably(path, ck::marker_temp_path(path, id), m.finish(ck::manifest_magic), 0,
+                              "manifest");
+            ck::remove_stale(path, id, replaced);
             ck::stage("cleanup.done", 0);
         } catch (const std::exception& e) {
             problem = e.what();
@@ -678,8 +612,10 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
 }
 
 /// Restores dp from the checkpoint `path` written by save_checkpoint (collective). Every
-/// replica first reads the commit marker and its shard and checks them: the marker and every
-/// section's CRC32C, sizes against the file, and compatibility with dp (world size, rank, element
+/// replica first reads the commit marker and its shard and checks them: the shard's name (a
+/// plain file name of the form saves write, in the marker's directory, no symbolic link) and
+/// recorded size against the file before reading it, the marker and every section's CRC32C,
+/// and compatibility with dp (world size, rank, element
 /// type, optimizer type and hyperparameters, learning rate at the resume step and after, sync,
 /// reduce and BN policies, every section's presence, element type and shape, no extra section).
 /// When any replica finds a difference, every replica throws ONE lockstep::error (checkpoint)

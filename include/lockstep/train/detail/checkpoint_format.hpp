@@ -532,16 +532,16 @@ inline void sync_directory(const std::filesystem::path& p, int replica) {
         fail_errno(replica, "cannot fsync directory", dir);
 }
 
-/// Writes bytes to `<target>.tmp.<replica>`, fsyncs it, renames it to target and fsyncs the
-/// directory; stages `<stage_prefix>.partial` (half written), `.written` (complete and
-/// fsynced, not yet renamed) and `.renamed`. ensures: target holds either its old content or
-/// all of bytes, whatever point a crash happens at.
-inline void write_durably(const std::filesystem::path& target, std::span<const std::byte> bytes,
-                          int replica, std::string_view stage_prefix) {
-    std::filesystem::path tmp = target;
-    tmp += ".tmp." + std::to_string(replica < 0 ? 0 : replica);
+/// Writes bytes to the new file `tmp` (a name unique to this write: an existing one is an
+/// error), fsyncs it, renames it to target and fsyncs the directory; stages
+/// `<stage_prefix>.partial` (half written), `.written` (complete and fsynced, not yet renamed)
+/// and `.renamed`. ensures: target holds either its old content or all of bytes, whatever point
+/// a crash happens at.
+inline void write_durably(const std::filesystem::path& target, const std::filesystem::path& tmp,
+                          std::span<const std::byte> bytes, int replica,
+                          std::string_view stage_prefix) {
     {
-        fd_guard f{::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)};
+        fd_guard f{::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644)};
         if (f.fd < 0)
             fail_errno(replica, "cannot create", tmp);
         std::size_t done = 0;
