@@ -31,13 +31,17 @@ TEST_CASE("a swapped, skipped or extra collective fails on every replica, naming
     CAPTURE(static_cast<int>(f), n);
     thread_group group(n);
     std::vector<lockstep::testing::fault_outcome> seen(static_cast<std::size_t>(n));
+    std::vector<int> after(static_cast<std::size_t>(n), 0);
     group.run([&](thread_communicator& comm) {
-        seen[static_cast<std::size_t>(comm.rank())] = lockstep::testing::run_call_fault(comm, f);
-        // The group stays usable: a collective after the error pairs again.
+        const auto r = static_cast<std::size_t>(comm.rank());
+        seen[r] = lockstep::testing::run_call_fault(comm, f);
+        // The group stays usable: a collective after the error pairs again. Recorded here and
+        // checked on the main thread (Catch2 assertions are not thread-safe).
         std::vector<int> one{1};
         comm.all_reduce(std::span<const int>(one), std::span<int>(one), reduce_op::sum);
-        CHECK(one[0] == n);
+        after[r] = one[0];
     });
+    CHECK(after == std::vector<int>(static_cast<std::size_t>(n), n));
     const auto want = lockstep::testing::expected_fault(f, 0);
     for (int r = 0; r < n; ++r) {
         const auto& o = seen[static_cast<std::size_t>(r)];
