@@ -28,58 +28,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-namespace {
-std::atomic<bool> tracking{false};
-std::atomic<std::size_t> largest{0};
-
-void note(std::size_t n) {
-    if (tracking.load(std::memory_order_relaxed)) {
-        std::size_t cur = largest.load(std::memory_order_relaxed);
-        while (n > cur && !largest.compare_exchange_weak(cur, n)) {
-        }
-    }
-}
-} // namespace
-
-// Every allocation of this program goes through here, so the parser's are measured.
-void* operator new(std::size_t n) {
-    note(n);
-    if (void* p = std::malloc(n == 0 ? 1 : n))
-        return p;
-    throw std::bad_alloc();
-}
-void* operator new[](std::size_t n) {
-    note(n);
-    if (void* p = std::malloc(n == 0 ? 1 : n))
-        return p;
-    throw std::bad_alloc();
-}
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
-    note(n);
-    return std::malloc(n == 0 ? 1 : n);
-}
-void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
-    note(n);
-    return std::malloc(n == 0 ? 1 : n);
-}
-void operator delete(void* p) noexcept {
-    std::free(p);
-}
-void operator delete(void* p, const std::nothrow_t&) noexcept {
-    std::free(p);
-}
-void operator delete[](void* p, const std::nothrow_t&) noexcept {
-    std::free(p);
-}
-void operator delete[](void* p) noexcept {
-    std::free(p);
-}
-void operator delete(void* p, std::size_t) noexcept {
-    std::free(p);
-}
-void operator delete[](void* p, std::size_t) noexcept {
-    std::free(p);
-}
+#include "allocation_tracker.hpp"
 
 namespace {
 
