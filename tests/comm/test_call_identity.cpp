@@ -23,13 +23,13 @@ bool contains(const std::string& s, const std::string& part) {
 
 } // namespace
 
-TEST_CASE("a swapped, skipped or extra collective fails on every replica, naming both calls",
-          "[comm][thread]") {
-    const auto f = GENERATE(call_fault::swapped_kinds, call_fault::swapped_tagged,
-                            call_fault::skipped, call_fault::skipped_tagged, call_fault::extra);
-    const int n = GENERATE(2, 3);
-    CAPTURE(static_cast<int>(f), n);
-    thread_group group(n);
+namespace {
+
+// Runs fault f on n replicas of a group that checks call sites or not, and checks that every
+// replica threw the error that names both calls, with every buffer untouched by the bad call.
+void check_fault(call_fault f, int n, bool sites) {
+    CAPTURE(static_cast<int>(f), n, sites);
+    thread_group group(n, {.check_call_sites = sites});
     std::vector<lockstep::testing::fault_outcome> seen(static_cast<std::size_t>(n));
     std::vector<int> after(static_cast<std::size_t>(n), 0);
     group.run([&](thread_communicator& comm) {
@@ -53,15 +53,36 @@ TEST_CASE("a swapped, skipped or extra collective fails on every replica, naming
         CHECK(contains(o.what, want.normal));
         CHECK(contains(o.what, want.odd_tag));
         CHECK(contains(o.what, want.normal_tag));
+        if (want.sites)
+            CHECK(lockstep::testing::named_sites(o.what).size() == 2);
         CHECK(o.buffers_ok);
     }
 }
 
-TEST_CASE("untagged calls of one shape in another order pair silently (the documented limit)",
+} // namespace
+
+TEST_CASE("a swapped, skipped or extra collective fails on every replica, naming both calls",
           "[comm][thread]") {
-    // Tags are what tells two same-shape all_reduces apart; without them the swap on replica 1
-    // pairs a with b. This pins down what docs/architecture.md says is not caught.
-    thread_group group(3);
+    const int n = GENERATE(2, 3);
+    const bool sites = GENERATE(false, true);
+    for (const auto f : lockstep::testing::default_faults)
+        check_fault(f, n, sites);
+}
+
+TEST_CASE("with call sites checked, same-shape untagged calls swapped or skipped fail, naming "
+          "both sites",
+          "[comm][thread]") {
+    const int n = GENERATE(2, 3);
+    for (const auto f : lockstep::testing::site_faults)
+        check_fault(f, n, true);
+}
+
+TEST_CASE("untagged calls of one shape in another order pair silently when call sites are not "
+          "checked (the documented limit)",
+          "[comm][thread]") {
+    // Without tags or call sites nothing tells two same-shape all_reduces apart; the swap on
+    // replica 1 pairs a with b. This pins down what collective_tag says is not caught.
+    thread_group group(3, {.check_call_sites = false});
     std::vector<float> first(3);
     group.run([&](thread_communicator& comm) {
         const int r = comm.rank();
@@ -73,4 +94,42 @@ TEST_CASE("untagged calls of one shape in another order pair silently (the docum
         first[static_cast<std::size_t>(r)] = a[0];
     });
     CHECK(first[0] == 1.0f + 200.0f + 3.0f); // the issue's 104-style value, not 6
+}
+
+TEST_CASE("with call sites checked, a name pairs calls made from different lines",
+          "[comm][thread]") {
+    // A root-dependent branch calls broadcast from two lines: legal, and named so that the
+    // call-site check does not refuse it; unnamed, the same code is refused on every replica.
+    for (const bool named : {true, false}) {
+        CAPTURE(named);
+        thread_group group(3, {.check_call_sites = true});
+        std::vector<float> got(3, 0.0f);
+        std::vector<std::string> errors(3);
+        group.run([&](thread_communicator& comm) {
+            const auto r = static_cast<std::size_t>(comm.rank());
+            const lockstep::collective_tag tag = named ? "weights" : "";
+            std::vector<float> v{float(10 * (r + 1))};
+            try {
+                if (r == 0)
+                    comm.broadcast(std::span<float>(v), 0,
+                                   named ? tag : lockstep::collective_tag{});
+                else
+                    comm.broadcast(std::span<float>(v), 0,
+                                   named ? tag : lockstep::collective_tag{});
+            } catch (const lockstep::error& e) {
+                errors[r] = e.what();
+            }
+            got[r] = v[0];
+        });
+        for (std::size_t r = 0; r < 3; ++r) {
+            CAPTURE(r, errors[r]);
+            if (named) {
+                CHECK(errors[r].empty());
+                CHECK(got[r] == 10.0f);
+            } else {
+                CHECK(contains(errors[r], "at test_call_identity.cpp:"));
+                CHECK(got[r] == float(10 * (r + 1)));
+            }
+        }
+    }
 }

@@ -27,12 +27,12 @@ bool contains(const std::string& s, const std::string& part) {
 
 } // namespace
 
-TEST_CASE("a swapped, skipped or extra collective fails on every rank, naming both calls",
-          "[comm][mpi][failure]") {
-    mpi_communicator comm(MPI_COMM_WORLD);
-    REQUIRE(comm.size() >= 2);
-    for (auto f : {call_fault::swapped_kinds, call_fault::swapped_tagged, call_fault::skipped,
-                   call_fault::skipped_tagged, call_fault::extra}) {
+namespace {
+
+// Runs every fault of `faults` on this rank and checks the error that names both calls.
+template <class Faults>
+void check_faults(mpi_communicator& comm, const Faults& faults) {
+    for (auto f : faults) {
         CAPTURE(static_cast<int>(f));
         const auto first = static_cast<std::uint64_t>(comm.sequence() + 1);
         lockstep::testing::fault_outcome o;
@@ -49,6 +49,8 @@ TEST_CASE("a swapped, skipped or extra collective fails on every rank, naming bo
         CHECK(contains(o.what, want.normal));
         CHECK(contains(o.what, want.odd_tag));
         CHECK(contains(o.what, want.normal_tag));
+        if (want.sites)
+            CHECK(lockstep::testing::named_sites(o.what).size() == 2);
         CHECK(o.buffers_ok);
         // The communicator stays usable and every rank is at the same collective again.
         CHECK_FALSE(comm.broken());
@@ -56,6 +58,26 @@ TEST_CASE("a swapped, skipped or extra collective fails on every rank, naming bo
         comm.all_reduce(std::span<const int>(one), std::span<int>(one), reduce_op::sum);
         CHECK(one[0] == comm.size());
     }
+}
+
+} // namespace
+
+TEST_CASE("a swapped, skipped or extra collective fails on every rank, naming both calls",
+          "[comm][mpi][failure]") {
+    for (const bool sites : {false, true}) {
+        CAPTURE(sites);
+        mpi_communicator comm(MPI_COMM_WORLD, {.check_call_sites = sites});
+        REQUIRE(comm.size() >= 2);
+        check_faults(comm, lockstep::testing::default_faults);
+    }
+}
+
+TEST_CASE("with call sites checked, same-shape untagged calls swapped or skipped fail on every "
+          "rank, naming both sites",
+          "[comm][mpi][failure]") {
+    mpi_communicator comm(MPI_COMM_WORLD, {.check_call_sites = true});
+    REQUIRE(comm.size() >= 2);
+    check_faults(comm, lockstep::testing::site_faults);
 }
 
 int main(int argc, char** argv) {

@@ -53,6 +53,11 @@ struct mpi_communicator_params {
     std::chrono::milliseconds timeout = default_timeout(std::chrono::seconds(300));
     /// What happens after a timeout or an MPI failure inside an operation.
     mpi_failure_action on_failure = mpi_failure_action::abort;
+    /// With verification: whether collectives without a collective_tag name compare their call
+    /// sites, so two calls of the same collective and shape issued in another order (or one
+    /// skipped) are an error instead of a wrong value (see collective_tag). Every replica must
+    /// use the same value. Default: the environment variable LOCKSTEP_CHECK_CALL_SITES=1.
+    bool check_call_sites = default_check_call_sites();
 };
 
 /// A communicator whose replicas are the processes of an MPI communicator (one replica per
@@ -73,18 +78,19 @@ struct mpi_communicator_params {
 /// sequence number and the min/max values; when the collectives or tags differ (a call swapped,
 /// skipped or added on some replica) every replica then all-gathers each replica's call, so the
 /// error names them all ("replica 0 called all_gather #7 (4 float), replica 1 called all_reduce
-/// #7 (4 float, sum)"), before any data moves. all_reduce, broadcast and all_gather take an
-/// optional collective_tag; two calls of the same collective and shape in another order (or one
-/// skipped) pair silently unless they carry tags; a replica whose own arguments are invalid throws
-/// its own error and the others get errc::peer_failure instead of waiting. Cost: one extra 144-byte
-/// all-reduce per collective (112 bytes when the figures below were measured). bench_allreduce, 2
-/// ranks on one node (MPICH 4.0.2, medians), measured while every operation was still a blocking
-/// MPI call: about +2 us, i.e. 2.3-2.5x raw MPI_Allreduce at 4 B, +25% at 16 KiB, +3-5% at 256 KiB,
-/// a few percent or noise from 1 MiB on; without verification lockstep was within 1-2% of raw MPI
-/// at every size. (Not re-measured for the polled nonblocking calls.) Turn it off ({.verify =
-/// false}) for many tiny collectives once a program is known to be consistent. Every replica must
-/// use the same `verify`. Without it, mismatched counts are MPI's undefined behaviour (truncation
-/// errors, garbage or a hang).
+/// #7 (4 float, sum)"), before any data moves. Every data collective takes an optional
+/// collective_tag: two calls of the same collective and shape in another order (or one skipped)
+/// are told apart by a tag name, or by the call site when params::check_call_sites is on
+/// ("all_reduce #7 (4 float, sum, at train.cpp:42)"), and pair silently otherwise; a replica whose
+/// own arguments are invalid throws its own error and the others get errc::peer_failure instead of
+/// waiting. Cost: one extra 144-byte all-reduce per collective (112 bytes when the figures below
+/// were measured). bench_allreduce, 2 ranks on one node (MPICH 4.0.2, medians), measured while
+/// every operation was still a blocking MPI call: about +2 us, i.e. 2.3-2.5x raw MPI_Allreduce at 4
+/// B, +25% at 16 KiB, +3-5% at 256 KiB, a few percent or noise from 1 MiB on; without verification
+/// lockstep was within 1-2% of raw MPI at every size. (Not re-measured for the polled nonblocking
+/// calls.) Turn it off ({.verify = false}) for many tiny collectives once a program is known to be
+/// consistent. Every replica must use the same `verify`. Without it, mismatched counts are MPI's
+/// undefined behaviour (truncation errors, garbage or a hang).
 ///
 /// Arguments: a null span with a non-zero count, a span larger than memory can hold, sizes
 /// that do not fit together or a count MPI cannot describe are refused with lockstep::error
@@ -294,7 +300,8 @@ public:
     /// form), non-null unless empty. A block beyond INT_MAX elements is refused with
     /// errc::unsupported.
     template <class T>
-    void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
+    void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                    collective_tag tag = {}) {
         check_type<T>();
         const std::size_t n = send.size();
         const std::size_t block = n / static_cast<std::size_t>(size_);
@@ -304,7 +311,7 @@ public:
                         recv.size() == n && disjoint(send, recv);
         const bool fits = block <= std::size_t(std::numeric_limits<int>::max());
         begin(detail::mpi_collective::all_to_all, n, detail::mpi_type<T>::id, 0, reduce_op::sum,
-              ok && fits);
+              ok && fits, {}, tag);
         LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
         LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "send.size() = ", n,
                          ", recv.size() = ", recv.size(), " (requires equal sizes, a multiple of ",
@@ -324,7 +331,7 @@ public:
     /// every replica, root's recv.size() == send.size(); spans non-null unless empty.
     template <class T>
     void reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                int root) {
+                int root, collective_tag tag = {}) {
         check_type<T>();
         const bool at_root = rank_ == root;
         const bool in_place = at_root && send.data() == recv.data();
@@ -334,7 +341,8 @@ public:
         const bool ok =
             bad.empty() && root >= 0 && root < size_ &&
             (!at_root || (send.size() == recv.size() && (in_place || disjoint(send, recv))));
-        begin(detail::mpi_collective::reduce, send.size(), detail::mpi_type<T>::id, root, op, ok);
+        begin(detail::mpi_collective::reduce, send.size(), detail::mpi_type<T>::id, root, op, ok,
+              {}, tag);
         LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
         LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "root ", root, " of ", size_,
                          ", send.size() = ", send.size(), ", recv.size() = ", recv.size(),
@@ -374,7 +382,8 @@ public:
     /// empty.
     template <class T>
     void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        std::span<const std::size_t> counts, reduce_op op) {
+                        std::span<const std::size_t> counts, reduce_op op,
+                        collective_tag tag = {}) {
         check_type<T>();
         const std::string bad = detail::join_problems({detail::span_problem(send, "send"),
                                                        detail::span_problem(recv, "recv"),
@@ -390,7 +399,7 @@ public:
         const bool fits = send.size() <= std::size_t(std::numeric_limits<int>::max()) &&
                           (!is_wire_float16_v<T> || !shaped || detail::float16_fits(counts));
         begin(detail::mpi_collective::reduce_scatter, send.size(), detail::mpi_type<T>::id, 0, op,
-              ok && fits, bad.empty() ? counts : std::span<const std::size_t>());
+              ok && fits, bad.empty() ? counts : std::span<const std::size_t>(), tag);
         LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
         LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "counts ",
                          detail::describe_counts(counts), " (", counts.size(),
@@ -437,15 +446,15 @@ public:
     /// every replica; otherwise as the counted form.
     template <class T>
     void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        reduce_op op) {
+                        reduce_op op, collective_tag tag = {}) {
         const std::vector<std::size_t> counts(static_cast<std::size_t>(std::max(size_, 0)),
                                               recv.size());
-        reduce_scatter<T>(send, recv, std::span<const std::size_t>(counts), op);
+        reduce_scatter<T>(send, recv, std::span<const std::size_t>(counts), op, tag);
     }
 
     /// Returns once every replica has entered it.
-    void barrier() {
-        begin(detail::mpi_collective::barrier, 0, 0, 0, reduce_op::sum, true);
+    void barrier(collective_tag tag = {}) {
+        begin(detail::mpi_collective::barrier, 0, 0, 0, reduce_op::sum, true, {}, tag);
         // The verification all-reduce already needs every replica's contribution before any
         // replica leaves it, so it is a barrier; MPI_Ibarrier would be a second one.
         if (!params_.verify)
@@ -725,7 +734,7 @@ private:
                       ok ? 1 : 0,
                       kind == detail::mpi_collective::reduce_scatter ? detail::counts_hash(counts)
                                                                      : 0,
-                      tag.id()};
+                      tag.id(params_.check_call_sites)};
         auto v = detail::mpi_signature_pack(mine);
         MPI_Request req = MPI_REQUEST_NULL;
         call(MPI_Iallreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_INT64_T,
@@ -744,7 +753,10 @@ private:
     std::string gather_calls(const detail::mpi_signature& mine, collective_tag tag) {
         constexpr std::size_t w = detail::mpi_call_text_bytes;
         std::vector<char> text(w * static_cast<std::size_t>(size_), '\0');
-        const std::string own = detail::mpi_describe_call(mine, tag.name).substr(0, w - 1);
+        const std::string own =
+            detail::mpi_describe_call(mine, tag.identity(params_.check_call_sites),
+                                      tag.by_site(params_.check_call_sites))
+                .substr(0, w - 1);
         std::copy(own.begin(), own.end(), text.begin() + static_cast<std::ptrdiff_t>(w * rank_));
         MPI_Request req = MPI_REQUEST_NULL;
         call(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, text.data(), static_cast<int>(w),

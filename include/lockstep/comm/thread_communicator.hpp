@@ -47,7 +47,9 @@ class thread_group;
 ///   counts, errc::shape_mismatch otherwise) naming "<collective> #<seq>" and every replica's
 ///   values ("replica 0 called all_gather #7 (4 float32s), replica 1 called all_reduce #7 (4
 ///   float32s, sum)"), before any data moves. The group stays usable after that. Calls of the
-///   same collective and shape issued in another order pair silently unless they carry tags.
+///   same collective and shape issued in another order (or one skipped) are told apart by their
+///   collective_tag: a name, or the call site when thread_group_params::check_call_sites is on
+///   ("... all_reduce #3 (4 float32s, sum, at train.cpp:42)"); with neither they pair silently.
 /// - If any replica of the run fails (throws out of its function, times out, or destroys a
 ///   handle its peers wait for), every replica blocked in or later entering a collective, send
 ///   or recv throws errc::peer_failure naming the failed replica and its message.
@@ -186,12 +188,13 @@ public:
     /// recv do not overlap. Violations throw on every replica (errc::count_mismatch,
     /// errc::invalid_argument for overlapping spans).
     template <class T>
-    void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
+    void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                    collective_tag tag = {}) {
         static_assert(std::is_trivially_copyable_v<T>, "all_to_all copies elements as bytes.");
         const std::size_t count = send.size();
         const bool small = stashed<T>(count);
         auto s = start(record<T>(detail::shm::collective_kind::all_to_all, count, recv.size(),
-                                 send.data(), recv.data(), reduce_op::sum, 0),
+                                 send.data(), recv.data(), reduce_op::sum, 0, tag),
                        small ? 1 : 2, small ? send.data() : nullptr, small ? count : 0);
         const std::size_t block = count / static_cast<std::size_t>(size());
         const std::size_t mine = static_cast<std::size_t>(rank_) * block;
@@ -207,14 +210,14 @@ public:
     /// requires: equal counts, type, op and root; on root recv.size() == send.size().
     template <class T>
     void reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                int root) {
+                int root, collective_tag tag = {}) {
         static_assert(detail::shm::reducible_element<T>,
                       "thread_communicator reduces arithmetic element types (not bool), "
                       "lockstep::half and lockstep::bfloat16 only.");
         const std::size_t count = send.size();
         const bool small = stashed<T>(count);
         auto s = start(record<T>(detail::shm::collective_kind::reduce, count, recv.size(),
-                                 send.data(), recv.data(), op, root),
+                                 send.data(), recv.data(), op, root, tag),
                        small ? 1 : 2, small ? send.data() : nullptr, small ? count : 0);
         const int n = size();
         source_list<T> sources(n);
@@ -251,14 +254,15 @@ public:
     /// errc::invalid_argument for overlapping spans) before any data moves.
     template <class T>
     void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        std::span<const std::size_t> counts, reduce_op op) {
+                        std::span<const std::size_t> counts, reduce_op op,
+                        collective_tag tag = {}) {
         static_assert(detail::shm::reducible_element<T>,
                       "thread_communicator reduces arithmetic element types (not bool), "
                       "lockstep::half and lockstep::bfloat16 only.");
         const std::size_t count = send.size();
         const bool small = stashed<T>(count);
         auto rec = record<T>(detail::shm::collective_kind::reduce_scatter, count, recv.size(),
-                             send.data(), recv.data(), op, 0);
+                             send.data(), recv.data(), op, 0, tag);
         if (counts.data() == nullptr && !counts.empty())
             rec.null_counts = counts.size();
         else
@@ -283,16 +287,16 @@ public:
     /// requires: send.size() == size() * recv.size(), recv.size() equal on every replica.
     template <class T>
     void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        reduce_op op) {
+                        reduce_op op, collective_tag tag = {}) {
         const std::vector<std::size_t> counts(static_cast<std::size_t>(std::max(size(), 0)),
                                               recv.size());
-        reduce_scatter<T>(send, recv, std::span<const std::size_t>(counts), op);
+        reduce_scatter<T>(send, recv, std::span<const std::size_t>(counts), op, tag);
     }
 
     /// Returns once every replica of the group has entered the barrier.
-    void barrier() {
+    void barrier(collective_tag tag = {}) {
         start(record<char>(detail::shm::collective_kind::barrier, 0, 0, nullptr, nullptr,
-                           reduce_op::sum, 0),
+                           reduce_op::sum, 0, tag),
               1);
     }
 
@@ -405,11 +409,13 @@ private:
     }
 
     template <class T>
-    static detail::shm::call_record record(detail::shm::collective_kind kind, std::size_t count,
-                                           std::size_t recv_count, const void* send, void* recv,
-                                           reduce_op op, int root, collective_tag tag = {}) {
+    detail::shm::call_record record(detail::shm::collective_kind kind, std::size_t count,
+                                    std::size_t recv_count, const void* send, void* recv,
+                                    reduce_op op, int root, collective_tag tag = {}) const {
         detail::shm::call_record r;
-        r.tag = tag.name;
+        const bool sites = group_ && group_->context().check_call_sites();
+        r.tag = tag.identity(sites);
+        r.tag_is_site = tag.by_site(sites);
         r.kind = kind;
         r.type = detail::shm::element_type_of<T>();
         r.elem_size = sizeof(T);

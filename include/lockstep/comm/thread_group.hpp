@@ -2,6 +2,7 @@
 // its own thread_communicator. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/detail/shm_group.hpp"
 #include "lockstep/comm/detail/shm_sync.hpp"
 #include "lockstep/comm/thread_communicator.hpp"
@@ -30,6 +31,11 @@ struct thread_group_params {
     /// errc::timeout and fails the run. Default: LOCKSTEP_TIMEOUT seconds when that
     /// environment variable is set, else 120 s.
     std::chrono::milliseconds timeout = default_timeout(std::chrono::seconds(120));
+    /// Whether collectives without a collective_tag name compare their call sites across
+    /// replicas, so that two calls of the same collective and shape issued in another order
+    /// (or one skipped) are an error instead of a wrong value (see collective_tag). Default:
+    /// the environment variable LOCKSTEP_CHECK_CALL_SITES=1.
+    bool check_call_sites = default_check_call_sites();
 };
 
 /// N replicas as threads of one process:
@@ -91,7 +97,8 @@ public:
     void run(F&& f) {
         LOCKSTEP_REQUIRE(control_ != nullptr, errc::invalid_argument, -1, "thread_group.run",
                          "this thread_group was moved from");
-        auto ctx = std::make_shared<detail::shm::run_context>(params_.timeout, size_);
+        auto ctx = std::make_shared<detail::shm::run_context>(params_.timeout, size_,
+                                                              params_.check_call_sites);
         {
             std::lock_guard lock(control_->mutex);
             if (control_->pending) {

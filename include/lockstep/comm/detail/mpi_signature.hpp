@@ -101,10 +101,12 @@ inline std::string mpi_operation_name(mpi_collective kind, std::int64_t sequence
 
 /// The bytes of one replica's call description in the all-gather that follows a mismatch of
 /// collectives or tags (longer descriptions are cut).
-inline constexpr std::size_t mpi_call_text_bytes = 120;
+inline constexpr std::size_t mpi_call_text_bytes = 200;
 
-/// "all_reduce #7 (4 float, sum, tag 'bucket 2')": this replica's call, for messages.
-inline std::string mpi_describe_call(const mpi_signature& s, std::string_view tag) {
+/// "all_reduce #7 (4 float, sum, tag 'bucket 2')": this replica's call, for messages. tag: the
+/// call's identity (collective_tag::identity); tag_is_site: it is a call site ("at f.cpp:42").
+inline std::string mpi_describe_call(const mpi_signature& s, std::string_view tag,
+                                     bool tag_is_site = false) {
     using f = mpi_signature;
     const auto kind = mpi_collective(s.value[f::kind]);
     std::string out = mpi_operation_name(kind, s.value[f::sequence]);
@@ -118,7 +120,8 @@ inline std::string mpi_describe_call(const mpi_signature& s, std::string_view ta
     if (kind == mpi_collective::broadcast || kind == mpi_collective::reduce)
         args += ", root " + std::to_string(s.value[f::root]);
     if (!tag.empty())
-        args += (args.empty() ? "" : ", ") + std::string("tag '") + std::string(tag) + "'";
+        args += (args.empty() ? "" : ", ") +
+                (tag_is_site ? "at " + std::string(tag) : "tag '" + std::string(tag) + "'");
     return args.empty() ? out : out + " (" + args + ")";
 }
 
@@ -156,8 +159,8 @@ inline void require_agreement(const mpi_signature& mine, const mpi_signature_ran
              calls);
     if (!r.agree(f::tag))
         fail(errc::shape_mismatch, rank, name(),
-             "replicas passed different collective tags (a call swapped, skipped or added on "
-             "some replica): ",
+             "replicas passed different collective tags or call sites (a call swapped, skipped "
+             "or added on some replica): ",
              calls);
     if (!r.agree(f::sequence))
         fail(errc::invalid_argument, rank, name(), "replicas are at collective #", lo[f::sequence],

@@ -26,6 +26,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -91,8 +92,11 @@ struct call_record {
     /// What is wrong with this replica's own arguments ("" when nothing): a null span with a
     /// non-zero count, or more elements than memory can hold. Every member then throws it.
     std::string problem;
-    /// The caller's collective_tag name ("" for none), compared with the collective.
+    /// The call's identity (collective_tag::identity: its name, its call site, or "" for
+    /// none), compared with the collective.
     std::string tag;
+    /// True when `tag` is a call site ("train.cpp:42"), false when it is a name.
+    bool tag_is_site = false;
 };
 
 /// "all_reduce #7 (4 float32s, sum, tag 'bucket 2')": one replica's call, for messages.
@@ -107,7 +111,8 @@ inline std::string describe_call(const call_record& c, std::uint64_t seq) {
     if (c.kind == collective_kind::broadcast || c.kind == collective_kind::reduce)
         args += ", root " + std::to_string(c.root);
     if (!c.tag.empty())
-        args += (args.empty() ? "" : ", ") + std::string("tag '") + c.tag + "'";
+        args += (args.empty() ? "" : ", ") +
+                (c.tag_is_site ? "at " + c.tag : std::string("tag '") + c.tag + "'");
     return args.empty() ? s : s + " (" + args + ")";
 }
 
@@ -399,10 +404,12 @@ inline void group_state::validate(int rank, op_label label) const {
     };
     // A swapped, skipped or extra call shows here as another collective or tag at this
     // sequence number; every replica's whole call is named so the two sides can be found.
-    if (!all_same([](const call_record& c) { return std::pair(c.kind, std::string_view(c.tag)); }))
+    if (!all_same([](const call_record& c) {
+            return std::tuple(c.kind, std::string_view(c.tag), c.tag_is_site);
+        }))
         fail(errc::shape_mismatch, me, op(),
-             "replicas called different collectives (a call swapped, skipped or added on some "
-             "replica): ",
+             "replicas called different collectives, tags or call sites (a call swapped, "
+             "skipped or added on some replica): ",
              list([&](const call_record& c) { return "called " + describe_call(c, seq); }));
     const collective_kind k = c0.kind;
     if (k == collective_kind::barrier || k == collective_kind::split)

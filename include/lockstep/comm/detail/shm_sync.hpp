@@ -32,14 +32,17 @@ inline void cpu_relax() noexcept {
 /// arrival, a message, a departure, a failure) is followed by notify().
 class run_context {
 public:
-    /// requires: timeout > 0, replicas >= 1 (the threads of the run).
-    run_context(std::chrono::milliseconds timeout, int replicas)
-        : spin_(spin_budget(replicas)), timeout_(timeout) {}
+    /// requires: timeout > 0, replicas >= 1 (the threads of the run). check_call_sites: see
+    /// thread_group_params.
+    run_context(std::chrono::milliseconds timeout, int replicas, bool check_call_sites = false)
+        : spin_(spin_budget(replicas)), timeout_(timeout), check_call_sites_(check_call_sites) {}
     run_context(const run_context&) = delete;
     run_context& operator=(const run_context&) = delete;
 
     /// How long a replica waits for its peers before it throws errc::timeout.
     std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+    /// Whether collectives compare the call sites of unnamed calls (collective_tag).
+    bool check_call_sites() const noexcept { return check_call_sites_; }
     /// The deadline of a wait that starts now.
     clock::time_point deadline() const { return clock::now() + timeout_; }
 
@@ -130,6 +133,7 @@ private:
     std::chrono::nanoseconds spin_;
 
     std::chrono::milliseconds timeout_;
+    bool check_call_sites_ = false;
     std::atomic<bool> failed_{false};
     mutable std::mutex failure_mutex_;
     std::exception_ptr root_;
