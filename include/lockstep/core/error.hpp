@@ -36,6 +36,7 @@ enum class errc {
     non_finite,       ///< a NaN or infinity where a finite value is required
     checkpoint,       ///< a checkpoint is truncated, corrupted or does not match
     unsupported,      ///< the operation is not available on this backend or build
+    divergence,       ///< replicas that must hold identical values do not (verify_every)
     internal          ///< a broken invariant inside lockstep (a bug)
 };
 
@@ -66,6 +67,8 @@ constexpr std::string_view to_string(errc c) noexcept {
         return "checkpoint";
     case errc::unsupported:
         return "unsupported";
+    case errc::divergence:
+        return "divergence";
     case errc::internal:
         return "internal";
     }

@@ -8,6 +8,7 @@
 #include "lockstep/comm/thread_communicator.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/step_status.hpp"
+#include "lockstep/policy/bn.hpp"
 #include "lockstep/policy/compat.hpp"
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/policy/sync.hpp"
@@ -21,9 +22,11 @@
 #include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/detail/reduce_reproducible.hpp"
 #include "lockstep/train/detail/reducer.hpp"
+#include "lockstep/train/detail/replica_consistency.hpp"
 #include "lockstep/train/detail/step_capture.hpp"
 #include "lockstep/train/detail/step_checks.hpp"
 #include "lockstep/train/detail/trainer_base.hpp"
+#include "lockstep/train/detail/visitor.hpp"
 #include "lockstep/train/loss_scaler.hpp"
 #include "lockstep/train/replica_context.hpp"
 #include "lockstep/train/shard.hpp"
@@ -38,6 +41,8 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -104,6 +109,15 @@ public:
                              "data_parallel", "micro_batches = ", core_.params().micro_batches,
                              ": reduce::reproducible cuts every global batch into chunks of ",
                              ReducePolicy::chunk_samples, " samples itself (use 1)");
+        const std::int64_t every = core_.params().verify_every;
+        LOCKSTEP_REQUIRE(every >= 0, errc::invalid_argument, comm.rank(), "data_parallel",
+                         "verify_every = ", every, " (must be >= 0; 0 is off)");
+        if constexpr (is_local_sgd_v<SyncPolicy>)
+            LOCKSTEP_REQUIRE(every % static_cast<std::int64_t>(SyncPolicy::period) == 0,
+                             errc::invalid_argument, comm.rank(), "data_parallel",
+                             "verify_every = ", every, " is not a multiple of local SGD's period ",
+                             SyncPolicy::period,
+                             ": the replicas hold the same weights only right after an average");
     }
     data_parallel(const data_parallel&) = delete;
     data_parallel& operator=(const data_parallel&) = delete;
@@ -176,6 +190,8 @@ public:
                 capture_.record(r.step, global_batch, r.lr);
                 core_.retract(global_batch);
                 capturing_ = false;
+            } else {
+                verify_replicas_if_due();
             }
             return r;
         } catch (...) {
@@ -718,6 +734,36 @@ private:
         if (!out.empty())
             fail(errc::invalid_argument, comm.rank(), "data_parallel.average",
                  "the replicas disagree (local SGD, checked at the average):", out);
+    }
+
+    /// train_params::verify_every: after every verify_every-th step, the replicas compare the
+    /// digests of what they must hold identically (detail/replica_consistency.hpp).
+    void verify_replicas_if_due() {
+        const std::int64_t every = core_.params().verify_every;
+        if (every == 0 || this->steps() % every != 0)
+            return;
+        constexpr bool same_optimizer_state = ReducePolicy::kind != reduce_kind::sharded &&
+                                              ReducePolicy::kind != reduce_kind::parameter_server &&
+                                              !is_local_sgd_v<SyncPolicy>;
+        constexpr bool same_state =
+            is_local_sgd_v<SyncPolicy> || []<class... P>(std::tuple<P...>*) {
+                return (bn::traits<P>::shares_running_statistics && ...);
+            }(static_cast<network_bn_policies_t<Network>*>(nullptr));
+        auto& reg = core_.registry();
+        std::vector<detail::consistency_section<T>> sections;
+        for (const tensor_info& t : reg.parameters())
+            sections.push_back({"param." + t.name, core_.values().subspan(t.offset, t.size)});
+        if constexpr (same_state) {
+            for (const tensor_info& t : reg.state_tensors())
+                sections.push_back({"state." + t.name, reg.states().subspan(t.offset, t.size)});
+            detail::visit_state<T>(core_.network(), [&](std::string_view name, std::span<T> st) {
+                sections.push_back({"state." + std::string(name), st});
+            });
+        }
+        if constexpr (same_optimizer_state)
+            for (const auto& slot : core_.optimizer().state().slots)
+                sections.push_back({"optimizer." + std::string(slot.name), slot.data});
+        detail::verify_replicas(core_.comm(), core_.comm().system(), this->steps(), sections);
     }
 
     /// Local SGD: values and state become the mean over replicas (collective).

@@ -89,6 +89,7 @@ std::vector<std::string> describe_settings(const typename Optimizer::params_type
     add_setting(out, "overlap", std::to_string(static_cast<int>(tp.overlap)));
     add_setting(out, "skip_non_finite", tp.skip_non_finite ? "true" : "false");
     add_setting(out, "max_grad_norm", exact(tp.max_grad_norm));
+    add_setting(out, "verify_every", std::to_string(tp.verify_every));
     std::string frozen, decay;
     for (const tensor_info& t : params) {
         if (tp.frozen && tp.frozen(t))

@@ -1,0 +1,216 @@
+// lockstep/train/detail/replica_consistency.hpp: the cross-replica consistency check
+// (train_params::verify_every): a digest of every tensor replicas must hold identically,
+// compared in one small all_gather, and on a mismatch the first differing element located.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/comm/collective_tag.hpp"
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/core/config.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/system/buffer.hpp"
+#include "lockstep/system/host_system.hpp"
+#include "lockstep/train/detail/host_collective.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <thrust/functional.h>
+#include <thrust/iterator/counting_iterator.h>
+#include <thrust/transform.h>
+#include <thrust/transform_reduce.h>
+
+namespace lockstep::detail {
+
+/// One tensor the replicas must hold bit for bit ("param.fc1.weight", "optimizer.m").
+template <class T>
+struct consistency_section {
+    std::string name;
+    std::span<const T> data;
+};
+
+/// The bits of x as an unsigned integer of its size.
+template <class T>
+LOCKSTEP_HOST_DEVICE std::uint64_t element_bits(T x) {
+    static_assert(sizeof(T) == 4 || sizeof(T) == 8, "verify_every digests 32- and 64-bit values");
+    if constexpr (sizeof(T) == 4)
+        return std::bit_cast<std::uint32_t>(x);
+    else
+        return std::bit_cast<std::uint64_t>(x);
+}
+
+/// splitmix64's finaliser: every input bit changes about half of the output bits.
+LOCKSTEP_HOST_DEVICE inline std::uint64_t mix64(std::uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/// The digest term of element i: mix64 of its bits and its index. A tensor's digest is the sum
+/// of its terms modulo 2^64: a sum, so any reduction order (any system, any thread count) gives
+/// the same digest, and position-dependent, so swapped elements change it.
+template <class T>
+struct digest_term_fn {
+    const T* data;
+    LOCKSTEP_HOST_DEVICE std::uint64_t operator()(std::size_t i) const {
+        return mix64(element_bits(data[i]) ^ mix64(i + 0x9e3779b97f4a7c15ull));
+    }
+};
+
+/// The digest of elements [b * block, min(n, (b + 1) * block)): one per block, computed by one
+/// thread each (only after a mismatch, to find the first differing block).
+template <class T>
+struct block_digest_fn {
+    const T* data;
+    std::size_t n, block;
+    LOCKSTEP_HOST_DEVICE std::int64_t operator()(std::size_t b) const {
+        std::uint64_t h = 0;
+        const std::size_t end = (b + 1) * block < n ? (b + 1) * block : n;
+        for (std::size_t i = b * block; i < end; ++i)
+            h += digest_term_fn<T>{data}(i);
+        return static_cast<std::int64_t>(h);
+    }
+};
+
+/// The digest of data (in sys's memory), as int64 (what the communicators exchange).
+template <class System, class T>
+std::int64_t tensor_digest(const System& sys, std::span<const T> data) {
+    if (data.empty())
+        return 0;
+    const std::uint64_t h = thrust::transform_reduce(
+        sys.policy(), thrust::counting_iterator<std::size_t>(0),
+        thrust::counting_iterator<std::size_t>(data.size()), digest_term_fn<T>{data.data()},
+        std::uint64_t{0}, thrust::plus<std::uint64_t>());
+    return static_cast<std::int64_t>(h);
+}
+
+/// The tag of the check's collectives (where the communicator takes one).
+inline constexpr collective_tag consistency_tag{"data_parallel.verify_replicas"};
+
+template <class Communicator, class T>
+void gather_tagged(Communicator& comm, std::span<const T> send, std::span<T> recv) {
+    if constexpr (requires { comm.all_gather(send, recv, consistency_tag); })
+        comm.all_gather(send, recv, consistency_tag);
+    else
+        host_all_gather(comm, send, recv);
+}
+
+/// The replicas (of `n`) whose value at column `j` of the gathered rows (row r: replica r's
+/// `width` values) differs from the reference value, the one most replicas hold (on a tie, the
+/// lowest replica's). Empty when every replica agrees.
+struct divergence {
+    int reference = 0;          ///< a replica holding the reference value
+    std::vector<int> differing; ///< replicas that hold another value
+    std::vector<int> agreeing;  ///< replicas that hold the reference value
+};
+
+template <class V>
+divergence divergence_at(const std::vector<V>& rows, std::size_t width, std::size_t j, int n) {
+    const auto at = [&](int r) { return rows[static_cast<std::size_t>(r) * width + j]; };
+    divergence d;
+    int best = 0;
+    for (int r = 0; r < n; ++r) {
+        int same = 0;
+        for (int q = 0; q < n; ++q)
+            same += at(q) == at(r) ? 1 : 0;
+        if (same > best) {
+            best = same;
+            d.reference = r;
+        }
+    }
+    for (int r = 0; r < n; ++r)
+        (at(r) == at(d.reference) ? d.agreeing : d.differing).push_back(r);
+    return d;
+}
+
+inline std::string replica_list(const std::vector<int>& rs) {
+    std::string s = rs.size() == 1 ? "replica " : "replicas ";
+    for (std::size_t i = 0; i < rs.size(); ++i)
+        s += (i == 0 ? "" : ", ") + std::to_string(rs[i]);
+    return s;
+}
+
+/// "0.5 (bits 0x3f000000)".
+template <class T>
+std::string describe_element(T v) {
+    char text[64];
+    std::snprintf(text, sizeof text, "%.17g (bits 0x%0*llx)", static_cast<double>(v),
+                  static_cast<int>(2 * sizeof(T)),
+                  static_cast<unsigned long long>(element_bits(v)));
+    return text;
+}
+
+/// The collective check of train_params::verify_every, on every replica of comm: the digests
+/// of `sections` (in sys's memory) are all-gathered (one all_gather of sections.size() int64).
+/// When they agree it returns. Otherwise every replica takes the same two further all_gathers
+/// (the per-block digests of the first differing tensor, then that block's elements) and throws
+/// lockstep::error (errc::divergence, operation "data_parallel.verify_replicas") naming the
+/// step, the differing replicas, the tensor, the element and every replica's value there.
+/// requires: every replica passes the same sections (names and sizes; the trainer's agreement
+/// check at construction guarantees it). Collective.
+template <class Communicator, class System, class T>
+void verify_replicas(Communicator& comm, const System& sys, std::int64_t step,
+                     const std::vector<consistency_section<T>>& sections) {
+    const int n = comm.size(), me = comm.rank();
+    const std::size_t s_count = sections.size();
+    std::vector<std::int64_t> mine(s_count);
+    for (std::size_t s = 0; s < s_count; ++s)
+        mine[s] = tensor_digest(sys, sections[s].data);
+    std::vector<std::int64_t> all(s_count * static_cast<std::size_t>(n));
+    gather_tagged(comm, std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));
+    std::size_t first = s_count;
+    for (std::size_t s = 0; s < s_count && first == s_count; ++s)
+        if (!divergence_at(all, s_count, s, n).differing.empty())
+            first = s;
+    if (first == s_count)
+        return;
+
+    // Every replica saw the same digests, so all of them locate the element together.
+    const auto& sec = sections[first];
+    const std::size_t size = sec.data.size();
+    constexpr std::size_t block = 4096;
+    const std::size_t blocks = (size + block - 1) / block;
+    buffer<std::int64_t, System> block_digests(blocks, sys);
+    thrust::transform(sys.policy(), thrust::counting_iterator<std::size_t>(0),
+                      thrust::counting_iterator<std::size_t>(blocks), block_digests.data(),
+                      block_digest_fn<T>{sec.data.data(), size, block});
+    std::vector<std::int64_t> my_blocks(blocks), all_blocks(blocks * static_cast<std::size_t>(n));
+    lockstep::copy(std::span<const std::int64_t>(block_digests.span()), sys,
+                   std::span<std::int64_t>(my_blocks), host_system{1});
+    gather_tagged(comm, std::span<const std::int64_t>(my_blocks),
+                  std::span<std::int64_t>(all_blocks));
+    std::size_t b = 0;
+    while (b + 1 < blocks && divergence_at(all_blocks, blocks, b, n).differing.empty())
+        ++b;
+    const std::size_t lo = b * block, width = std::min(size, lo + block) - lo;
+    std::vector<T> my_values(width), values(width * static_cast<std::size_t>(n));
+    lockstep::copy(sec.data.subspan(lo, width), sys, std::span<T>(my_values), host_system{1});
+    std::vector<std::uint64_t> bits(values.size());
+    gather_tagged(comm, std::span<const T>(my_values), std::span<T>(values));
+    for (std::size_t i = 0; i < values.size(); ++i)
+        bits[i] = element_bits(values[i]);
+    std::size_t e = 0;
+    while (e + 1 < width && divergence_at(bits, width, e, n).differing.empty())
+        ++e;
+    // The replicas are named from the tensor digests (a difference the element search could
+    // not place, which only a digest collision elsewhere could cause, still names them).
+    const divergence d = divergence_at(all, s_count, first, n);
+    std::string held;
+    for (int r = 0; r < n; ++r)
+        held += (r == 0 ? "" : ", ") + std::string("replica ") + std::to_string(r) + " " +
+                describe_element(values[static_cast<std::size_t>(r) * width + e]);
+    fail(errc::divergence, me, "data_parallel.verify_replicas", "after step ", step, " ",
+         replica_list(d.differing), d.differing.size() == 1 ? " holds" : " hold",
+         " other values than ", replica_list(d.agreeing), ": first in tensor '", sec.name, "' (",
+         first + 1, " of ", s_count, " compared tensors, ", size, " elements) at element ", lo + e,
+         ": ", held);
+}
+
+} // namespace lockstep::detail
