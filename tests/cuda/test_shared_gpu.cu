@@ -23,6 +23,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -291,6 +292,47 @@ TEST_CASE("shared GPU trainer: reduce::reproducible gives the same bits on 1, 2 
             INFO(replicas << " replicas, replica " << r);
             CHECK(many[r].params == one[0].params);
         }
+    }
+}
+
+TEST_CASE("shared GPU trainer: verify_every passes a healthy run and names one flipped bit in "
+          "device memory on every replica",
+          "[train][shared_gpu][verify][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    using net_t = tn::test_net<shared_gpu_communicator, bn::global>;
+    using trainer_t = data_parallel<net_t, optim::sgd<float, cuda_system>, sync::synchronous,
+                                    small_buckets, shared_gpu_communicator>;
+    constexpr int odd = 2;
+    constexpr std::size_t batch = 12;
+    const auto logs = on_shared_gpu(3, [&](shared_gpu_communicator& comm) {
+        const std::size_t cap = batch / static_cast<std::size_t>(comm.size()) + 1;
+        trainer_t trainer(comm, [&](auto& ctx) { return net_t(ctx, cap); },
+                          {.lr = lr, .momentum = momentum}, {.verify_every = 1});
+        const auto fn = [](net_t& n, shard_range sr, auto& ctx) { n.train(sr, ctx); };
+        (void)trainer.step(batch, fn); // checked: every replica agrees
+        (void)trainer.step(batch, fn);
+        if (comm.rank() == odd) {
+            // One bit of parameter 4, in device memory, on one replica.
+            auto values = trainer.registry().values();
+            float v = 0;
+            LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(comm.system().stream()));
+            LOCKSTEP_CUDA_CHECK(
+                cudaMemcpy(&v, values.data() + 4, sizeof v, cudaMemcpyDeviceToHost));
+            v = std::bit_cast<float>(std::bit_cast<std::uint32_t>(v) ^ (1u << 15));
+            LOCKSTEP_CUDA_CHECK(
+                cudaMemcpy(values.data() + 4, &v, sizeof v, cudaMemcpyHostToDevice));
+        }
+        (void)trainer.step(batch, fn); // checked: replica `odd` differs
+        return run_log{};
+    });
+    for (std::size_t r = 0; r < logs.size(); ++r) {
+        INFO("replica " << r << ": " << logs[r].error);
+        REQUIRE(logs[r].failed);
+        CHECK(logs[r].code == errc::divergence);
+        CHECK(logs[r].error.find("after step 3 replica 2 holds other values than replicas 0, 1: "
+                                 "first in tensor 'param.") != std::string::npos);
+        CHECK(logs[r].error.find("(bits 0x") != std::string::npos);
     }
 }
 

@@ -17,7 +17,7 @@ namespace lockstep {
 /// function whose default argument they are).
 struct call_site {
     const char* file = "";
-    std::uint32_t line = 0;
+    int line = 0; ///< int: what __builtin_LINE() returns (no narrowing in the default argument)
 
     /// The file's last path component ("train.cpp"): what messages show and hashes read.
     constexpr std::string_view file_name() const noexcept {
@@ -81,7 +81,8 @@ struct collective_tag {
     constexpr std::int64_t id(bool check_sites) const noexcept {
         if (!by_site(check_sites))
             return id();
-        return hash(site.file_name(), 1469598103934665603ull ^ site.line);
+        return hash(site.file_name(),
+                    1469598103934665603ull ^ static_cast<std::uint64_t>(site.line));
     }
 
 private:

@@ -8,7 +8,6 @@
 #include "lockstep/comm/thread_communicator.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/step_status.hpp"
-#include "lockstep/policy/bn.hpp"
 #include "lockstep/policy/compat.hpp"
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/policy/sync.hpp"
@@ -746,9 +745,8 @@ private:
                                               ReducePolicy::kind != reduce_kind::parameter_server &&
                                               !is_local_sgd_v<SyncPolicy>;
         constexpr bool same_state =
-            is_local_sgd_v<SyncPolicy> || []<class... P>(std::tuple<P...>*) {
-                return (bn::traits<P>::shares_running_statistics && ...);
-            }(static_cast<network_bn_policies_t<Network>*>(nullptr));
+            is_local_sgd_v<SyncPolicy> ||
+            detail::shares_running_statistics<network_bn_policies_t<Network>>::value;
         auto& reg = core_.registry();
         std::vector<detail::consistency_section<T>> sections;
         for (const tensor_info& t : reg.parameters())

@@ -8,6 +8,7 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/policy/bn.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
@@ -19,6 +20,7 @@
 #include <cstdio>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -28,6 +30,14 @@
 #include <thrust/transform_reduce.h>
 
 namespace lockstep::detail {
+
+/// True when every BN policy of the tuple keeps the running statistics identical on every
+/// replica (bn::traits::shares_running_statistics); true for no policy at all.
+template <class Tuple>
+struct shares_running_statistics;
+template <class... P>
+struct shares_running_statistics<std::tuple<P...>>
+    : std::bool_constant<(bn::traits<P>::shares_running_statistics && ...)> {};
 
 /// One tensor the replicas must hold bit for bit ("param.fc1.weight", "optimizer.m").
 template <class T>
