@@ -67,3 +67,28 @@ TEST_CASE("policy tags carry their constants", "[policy]") {
     CHECK(reduce::parameter_server<3>::root == 3);
     CHECK(std::is_same_v<reduce::compressed<lockstep::half>::wire_type, lockstep::half>);
 }
+
+TEST_CASE("policy tags carry the names checkpoints record", "[policy]") {
+    // The exact strings checkpoints have recorded since the format's first version: a change
+    // here would make every earlier checkpoint of that policy refuse to load.
+    CHECK(sync::synchronous::name() == "sync::synchronous");
+    CHECK(sync::local_sgd<4>::name() == "sync::local_sgd<4>");
+    CHECK(sync::asynchronous::name() == "sync::asynchronous");
+    CHECK(sync::bounded_staleness<2>::name() == "sync::bounded_staleness<2>");
+    CHECK(reduce::per_tensor::name() == "reduce::per_tensor");
+    CHECK(reduce::bucketed<>::name() == "reduce::bucketed<26214400, 1048576>");
+    CHECK(reduce::parameter_server<1>::name() == "reduce::parameter_server<1>");
+    CHECK(reduce::sharded<1024, 64>::name() == "reduce::sharded<1024, 64>");
+    CHECK(reduce::compressed<lockstep::half>::name() == "reduce::compressed<half>");
+    CHECK(reduce::compressed<lockstep::bfloat16>::name() == "reduce::compressed<bfloat16>");
+    CHECK(reduce::reproducible<8>::name() == "reduce::reproducible<8>");
+    CHECK(bn::traits<bn::local>::name() == "bn::local");
+    CHECK(bn::traits<bn::global>::name() == "bn::global");
+    CHECK(bn::traits<bn::group<2>>::name() == "bn::group<2>");
+    CHECK(bn::traits<bn::running_only>::name() == "bn::running_only");
+    CHECK(bn::traits<bn::tower<1>>::name() == "bn::tower<1>");
+    CHECK(bn::traits<bn::ghost<8>>::name() == "bn::ghost<8>");
+    CHECK(bn_policy_names<std::tuple<>>::get() == "none");
+    CHECK(bn_policy_names<std::tuple<bn::global, bn::ghost<4>>>::get() ==
+          "bn::global, bn::ghost<4>");
+}

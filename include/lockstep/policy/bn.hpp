@@ -5,6 +5,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <string>
 #include <type_traits>
 
 namespace lockstep::bn {
@@ -40,9 +41,10 @@ struct tower {
     static constexpr int replica = K;
 };
 
-/// Compile-time facts about a BNStatPolicy; specialised for every tag. Besides the flags and
-/// collective counts: `group_size`, the replicas that share statistics (0: all of them), and
-/// `running_replica`, the one replica whose statistics drive the running averages (-1: the
+/// Compile-time facts about a BNStatPolicy; specialised for every tag. `name()` is the policy's
+/// name, what checkpoints record and the construction-time agreement check compares. Besides the
+/// flags and collective counts: `group_size`, the replicas that share statistics (0: all of them),
+/// and `running_replica`, the one replica whose statistics drive the running averages (-1: the
 /// merge of the replicas that share statistics).
 template <class P>
 struct traits;
@@ -55,6 +57,7 @@ struct traits<local> {
     static constexpr int backward_collectives = 0;
     static constexpr int group_size = 0;
     static constexpr int running_replica = -1;
+    static std::string name() { return "bn::local"; }
 };
 template <>
 struct traits<global> {
@@ -64,6 +67,7 @@ struct traits<global> {
     static constexpr int backward_collectives = 1;
     static constexpr int group_size = 0;
     static constexpr int running_replica = -1;
+    static std::string name() { return "bn::global"; }
 };
 template <int G>
 struct traits<group<G>> {
@@ -73,6 +77,7 @@ struct traits<group<G>> {
     static constexpr int backward_collectives = 1;
     static constexpr int group_size = G;
     static constexpr int running_replica = -1;
+    static std::string name() { return "bn::group<" + std::to_string(G) + ">"; }
 };
 template <>
 struct traits<running_only> {
@@ -82,6 +87,7 @@ struct traits<running_only> {
     static constexpr int backward_collectives = 0;
     static constexpr int group_size = 0;
     static constexpr int running_replica = -1;
+    static std::string name() { return "bn::running_only"; }
 };
 template <int K>
 struct traits<tower<K>> {
@@ -91,6 +97,7 @@ struct traits<tower<K>> {
     static constexpr int backward_collectives = 0;
     static constexpr int group_size = 0;
     static constexpr int running_replica = K;
+    static std::string name() { return "bn::tower<" + std::to_string(K) + ">"; }
 };
 
 // --- bn::ghost ------------------------------------------------------------------------------
@@ -116,6 +123,7 @@ struct traits<ghost<C>> {
     static constexpr int backward_collectives = 0;
     static constexpr int group_size = 0;
     static constexpr int running_replica = -1;
+    static std::string name() { return "bn::ghost<" + std::to_string(C) + ">"; }
 };
 
 /// The chunk size of a bn::ghost<C> policy (C), 0 for every other policy.
@@ -182,6 +190,7 @@ namespace lockstep {
 /// A batch-norm statistics policy: one of the bn:: tags.
 template <class P>
 concept bn_stat_policy = requires {
+    { bn::traits<P>::name() } -> std::convertible_to<std::string>;
     { bn::traits<P>::normalizes_across_replicas } -> std::convertible_to<bool>;
     { bn::traits<P>::forward_collectives } -> std::convertible_to<int>;
     { bn::traits<P>::backward_collectives } -> std::convertible_to<int>;

@@ -8,6 +8,7 @@
 #include "lockstep/policy/sync.hpp"
 
 #include <cstddef>
+#include <string>
 #include <tuple>
 #include <type_traits>
 
@@ -35,6 +36,19 @@ struct network_bn_policies<Network> {
 };
 template <class Network>
 using network_bn_policies_t = typename network_bn_policies<Network>::type;
+
+/// The names of a tuple of BN policies, "bn::global, bn::local" ("none" for no policy): what
+/// checkpoints record and the construction-time agreement check compares.
+template <class Tuple>
+struct bn_policy_names;
+template <class... P>
+struct bn_policy_names<std::tuple<P...>> {
+    static std::string get() {
+        std::string s;
+        ((s += s.empty() ? "" : ", ", s += bn::traits<P>::name()), ...);
+        return s.empty() ? "none" : s;
+    }
+};
 
 namespace detail {
 template <class Tuple>

@@ -6,6 +6,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <string>
 #include <type_traits>
 
 namespace lockstep {
@@ -26,6 +27,8 @@ namespace reduce {
 /// produces gradients). The baseline: many small collectives pay latency per tensor.
 struct per_tensor {
     static constexpr reduce_kind kind = reduce_kind::per_tensor;
+    /// The policy's name: what checkpoints record and the agreement check compares.
+    static std::string name() { return "reduce::per_tensor"; }
 };
 
 /// Tensors packed into buckets of about Bytes (the first bucket FirstBytes, so the first
@@ -46,6 +49,10 @@ struct bucketed {
     /// Target bytes of the first bucket (the last tensors registered, the first gradients
     /// backward produces).
     static constexpr std::size_t first_bucket_bytes = FirstBytes < Bytes ? FirstBytes : Bytes;
+    static std::string name() {
+        return "reduce::bucketed<" + std::to_string(Bytes) + ", " + std::to_string(FirstBytes) +
+               ">";
+    }
 };
 
 /// Synchronous parameter server: gradients are summed onto replica Root, Root applies the
@@ -56,6 +63,7 @@ struct parameter_server {
     static_assert(Root >= 0, "reduce::parameter_server<Root> needs a non-negative root rank.");
     static constexpr reduce_kind kind = reduce_kind::parameter_server;
     static constexpr int root = Root;
+    static std::string name() { return "reduce::parameter_server<" + std::to_string(Root) + ">"; }
 };
 
 /// Gradients cast to a 16-bit Wire type (lockstep::half or lockstep::bfloat16, rounded to
@@ -71,6 +79,10 @@ struct compressed {
                   "lockstep::half or lockstep::bfloat16.");
     static constexpr reduce_kind kind = reduce_kind::compressed;
     using wire_type = Wire;
+    static std::string name() {
+        return std::string("reduce::compressed<") +
+               (std::is_same_v<Wire, half> ? "half" : "bfloat16") + ">";
+    }
 };
 
 /// ZeRO stage 1 (sharded optimizer state): the flat parameter buffer is split into one
@@ -93,6 +105,9 @@ struct sharded {
     static constexpr std::size_t bucket_bytes = Bytes;
     /// Target bytes of the first bucket (as reduce::bucketed).
     static constexpr std::size_t first_bucket_bytes = FirstBytes < Bytes ? FirstBytes : Bytes;
+    static std::string name() {
+        return "reduce::sharded<" + std::to_string(Bytes) + ", " + std::to_string(FirstBytes) + ">";
+    }
 };
 
 } // namespace reduce
@@ -119,14 +134,19 @@ struct reproducible {
     static constexpr reduce_kind kind = reduce_kind::reproducible;
     /// Samples per chunk (the last chunk of a global batch may be shorter).
     static constexpr std::size_t chunk_samples = ChunkSamples;
+    static std::string name() {
+        return "reduce::reproducible<" + std::to_string(ChunkSamples) + ">";
+    }
 };
 
 } // namespace reduce
 
-/// A ReducePolicy is an empty tag with a `kind`.
+/// A ReducePolicy is an empty tag with a `kind` and a `name()` (what checkpoints record and the
+/// construction-time agreement check compares).
 template <class P>
 concept reduce_policy = std::is_empty_v<P> && requires {
     { P::kind } -> std::convertible_to<reduce_kind>;
+    { P::name() } -> std::convertible_to<std::string>;
 };
 
 } // namespace lockstep

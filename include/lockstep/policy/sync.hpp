@@ -5,6 +5,7 @@
 #include <concepts>
 #include <cstddef>
 #include <limits>
+#include <string>
 #include <type_traits>
 
 namespace lockstep {
@@ -25,6 +26,8 @@ struct synchronous {
     static constexpr sync_kind kind = sync_kind::synchronous;
     /// Largest version difference between a gradient and the weights it is applied to.
     static constexpr std::size_t max_staleness = 0;
+    /// The policy's name: what checkpoints record and the agreement check compares.
+    static std::string name() { return "sync::synchronous"; }
 };
 
 /// Asynchronous parameter-server training: a worker pulls the newest parameters, computes a
@@ -33,6 +36,7 @@ struct synchronous {
 struct asynchronous {
     static constexpr sync_kind kind = sync_kind::asynchronous;
     static constexpr std::size_t max_staleness = std::numeric_limits<std::size_t>::max();
+    static std::string name() { return "sync::asynchronous"; }
 };
 
 /// As asynchronous, but no gradient older than S server versions is ever applied: a worker that
@@ -41,6 +45,7 @@ template <std::size_t S>
 struct bounded_staleness {
     static constexpr sync_kind kind = sync_kind::asynchronous;
     static constexpr std::size_t max_staleness = S;
+    static std::string name() { return "sync::bounded_staleness<" + std::to_string(S) + ">"; }
 };
 
 /// Local SGD (periodic model averaging): every replica steps on its own shard (its gradient is
@@ -53,15 +58,18 @@ struct local_sgd {
     static constexpr std::size_t max_staleness = 0;
     /// Steps between two weight averages.
     static constexpr std::size_t period = K;
+    static std::string name() { return "sync::local_sgd<" + std::to_string(K) + ">"; }
 };
 
 } // namespace sync
 
-/// A SyncPolicy is an empty tag with a `kind` and a `max_staleness`.
+/// A SyncPolicy is an empty tag with a `kind`, a `max_staleness` and a `name()` (what
+/// checkpoints record and the construction-time agreement check compares).
 template <class P>
 concept sync_policy = std::is_empty_v<P> && requires {
     { P::kind } -> std::convertible_to<sync_kind>;
     { P::max_staleness } -> std::convertible_to<std::size_t>;
+    { P::name() } -> std::convertible_to<std::string>;
 };
 
 /// True for the parameter-server policies (sync::asynchronous, sync::bounded_staleness<S>).

@@ -79,92 +79,6 @@ namespace detail::ckpt {
 
 using meta_list = std::vector<std::pair<std::string, std::string>>;
 
-/// The name a policy tag is recorded under, e.g. "sync::local_sgd<4>".
-template <class P>
-struct policy_name;
-template <>
-struct policy_name<sync::synchronous> {
-    static std::string get() { return "sync::synchronous"; }
-};
-template <std::size_t K>
-struct policy_name<sync::local_sgd<K>> {
-    static std::string get() { return "sync::local_sgd<" + std::to_string(K) + ">"; }
-};
-template <>
-struct policy_name<sync::asynchronous> {
-    static std::string get() { return "sync::asynchronous"; }
-};
-template <std::size_t S>
-struct policy_name<sync::bounded_staleness<S>> {
-    static std::string get() { return "sync::bounded_staleness<" + std::to_string(S) + ">"; }
-};
-template <>
-struct policy_name<reduce::per_tensor> {
-    static std::string get() { return "reduce::per_tensor"; }
-};
-template <std::size_t B, std::size_t F>
-struct policy_name<reduce::bucketed<B, F>> {
-    static std::string get() {
-        return "reduce::bucketed<" + std::to_string(B) + ", " + std::to_string(F) + ">";
-    }
-};
-template <int R>
-struct policy_name<reduce::parameter_server<R>> {
-    static std::string get() { return "reduce::parameter_server<" + std::to_string(R) + ">"; }
-};
-template <std::size_t B, std::size_t F>
-struct policy_name<reduce::sharded<B, F>> {
-    static std::string get() {
-        return "reduce::sharded<" + std::to_string(B) + ", " + std::to_string(F) + ">";
-    }
-};
-template <class W>
-struct policy_name<reduce::compressed<W>> {
-    static std::string get() {
-        return std::string("reduce::compressed<") +
-               (std::is_same_v<W, half> ? "half" : "bfloat16") + ">";
-    }
-};
-template <std::size_t C>
-struct policy_name<reduce::reproducible<C>> {
-    static std::string get() { return "reduce::reproducible<" + std::to_string(C) + ">"; }
-};
-template <std::size_t C>
-struct policy_name<bn::ghost<C>> {
-    static std::string get() { return "bn::ghost<" + std::to_string(C) + ">"; }
-};
-template <>
-struct policy_name<bn::local> {
-    static std::string get() { return "bn::local"; }
-};
-template <>
-struct policy_name<bn::global> {
-    static std::string get() { return "bn::global"; }
-};
-template <int G>
-struct policy_name<bn::group<G>> {
-    static std::string get() { return "bn::group<" + std::to_string(G) + ">"; }
-};
-template <>
-struct policy_name<bn::running_only> {
-    static std::string get() { return "bn::running_only"; }
-};
-template <int K>
-struct policy_name<bn::tower<K>> {
-    static std::string get() { return "bn::tower<" + std::to_string(K) + ">"; }
-};
-
-template <class Tuple>
-struct tuple_names;
-template <class... P>
-struct tuple_names<std::tuple<P...>> {
-    static std::string get() {
-        std::string s;
-        ((s += s.empty() ? "" : ", ", s += policy_name<P>::get()), ...);
-        return s.empty() ? "none" : s;
-    }
-};
-
 /// The optimizer's name and hyperparameters, as the agreement check describes them
 /// (describe_optimizer_params) under "optimizer.<name>"; the learning rate is left out (it is
 /// recorded with the schedule, see describe_trainer).
@@ -209,9 +123,9 @@ meta_list describe_trainer(DP& dp, std::int64_t steps) {
     m.emplace_back("world_size", std::to_string(core.comm().size()));
     m.emplace_back("rank", std::to_string(core.comm().rank()));
     describe_optimizer(m, core.optimizer().params());
-    m.emplace_back("sync", policy_name<typename DP::sync_policy_type>::get());
-    m.emplace_back("reduce", policy_name<typename DP::reduce_policy_type>::get());
-    m.emplace_back("bn", tuple_names<network_bn_policies_t<typename DP::network_type>>::get());
+    m.emplace_back("sync", DP::sync_policy_type::name());
+    m.emplace_back("reduce", DP::reduce_policy_type::name());
+    m.emplace_back("bn", bn_policy_names<network_bn_policies_t<typename DP::network_type>>::get());
     if constexpr (DP::reduce_policy_type::kind == reduce_kind::sharded) {
         // The optimizer sections hold this replica's shard only: restoring needs the same one.
         const shard_extent own = core.optimizer_shard();

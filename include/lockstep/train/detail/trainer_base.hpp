@@ -89,8 +89,8 @@ protected:
 
     /// The "name<TAB>value" lines of the sync, reduce and BN policies.
     static std::vector<std::string> policy_settings() {
-        return {"sync\t" + type_name<SyncPolicy>(), "reduce\t" + type_name<ReducePolicy>(),
-                "bn_policies\t" + type_name<network_bn_policies_t<Network>>()};
+        return {"sync\t" + SyncPolicy::name(), "reduce\t" + ReducePolicy::name(),
+                "bn_policies\t" + bn_policy_names<network_bn_policies_t<Network>>::get()};
     }
 
     core_type core_;
