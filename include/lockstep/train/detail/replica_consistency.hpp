@@ -63,14 +63,34 @@ LOCKSTEP_HOST_DEVICE inline std::uint64_t mix64(std::uint64_t z) {
     return z ^ (z >> 31);
 }
 
-/// The digest term of element i: mix64 of its bits and its index. A tensor's digest is the sum
-/// of its terms modulo 2^64: a sum, so any reduction order (any system, any thread count) gives
-/// the same digest, and position-dependent, so swapped elements change it.
+/// The digest term of element i, for locating a difference: mix64 of its bits and its index.
 template <class T>
 struct digest_term_fn {
     const T* data;
     LOCKSTEP_HOST_DEVICE std::uint64_t operator()(std::size_t i) const {
-        return mix64(element_bits(data[i]) ^ mix64(i + 0x9e3779b97f4a7c15ull));
+        return mix64(element_bits(data[i]) + (i + 1) * 0x9e3779b97f4a7c15ull);
+    }
+};
+
+/// The digest term of 64-bit word j of a tensor of n elements (two floats, or one double; a
+/// float tensor's last word holds one element when n is odd): mix64 of the word plus a
+/// multiple of its index. A tensor's digest is the sum of its terms modulo 2^64: a sum, so any
+/// reduction order (any system, any thread count) gives the same digest; mix64 is a bijection,
+/// so one changed word always changes the digest; the index makes it position-dependent.
+template <class T>
+struct digest_word_fn {
+    const T* data;
+    std::size_t n;
+    LOCKSTEP_HOST_DEVICE std::uint64_t operator()(std::size_t j) const {
+        std::uint64_t w = 0;
+        if constexpr (sizeof(T) == 4) {
+            w = element_bits(data[2 * j]);
+            if (2 * j + 1 < n)
+                w |= element_bits(data[2 * j + 1]) << 32;
+        } else {
+            w = element_bits(data[j]);
+        }
+        return mix64(w + (j + 1) * 0x9e3779b97f4a7c15ull);
     }
 };
 
@@ -94,9 +114,10 @@ template <class System, class T>
 std::int64_t tensor_digest(const System& sys, std::span<const T> data) {
     if (data.empty())
         return 0;
+    const std::size_t words = sizeof(T) == 4 ? (data.size() + 1) / 2 : data.size();
     const std::uint64_t h = thrust::transform_reduce(
         sys.policy(), thrust::counting_iterator<std::size_t>(0),
-        thrust::counting_iterator<std::size_t>(data.size()), digest_term_fn<T>{data.data()},
+        thrust::counting_iterator<std::size_t>(words), digest_word_fn<T>{data.data(), data.size()},
         std::uint64_t{0}, thrust::plus<std::uint64_t>());
     return static_cast<std::int64_t>(h);
 }
