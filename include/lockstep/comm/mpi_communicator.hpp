@@ -83,14 +83,18 @@ struct mpi_communicator_params {
 /// are told apart by a tag name, or by the call site when params::check_call_sites is on
 /// ("all_reduce #7 (4 float, sum, at train.cpp:42)"), and pair silently otherwise; a replica whose
 /// own arguments are invalid throws its own error and the others get errc::peer_failure instead of
-/// waiting. Cost: one extra 144-byte all-reduce per collective (112 bytes when the figures below
-/// were measured). bench_allreduce, 2 ranks on one node (MPICH 4.0.2, medians), measured while
-/// every operation was still a blocking MPI call: about +2 us, i.e. 2.3-2.5x raw MPI_Allreduce at 4
-/// B, +25% at 16 KiB, +3-5% at 256 KiB, a few percent or noise from 1 MiB on; without verification
-/// lockstep was within 1-2% of raw MPI at every size. (Not re-measured for the polled nonblocking
-/// calls.) Turn it off ({.verify = false}) for many tiny collectives once a program is known to be
-/// consistent. Every replica must use the same `verify`. Without it, mismatched counts are MPI's
-/// undefined behaviour (truncation errors, garbage or a hang).
+/// waiting. Cost: one extra 144-byte all-reduce per collective. Measured on the polled nonblocking
+/// calls below with `env OMP_NUM_THREADS=1 mpiexec -n 2 build/bench/bench/bench_allreduce`
+/// (bench/allreduce.cpp, `bench` preset; raw MPI_Allreduce, plain and verifying lockstep
+/// interleaved in each run), 2 ranks on one 2-core node shared with other work (1-minute load
+/// 0.3-3.8), MPICH 4.0.2, the median of 5 runs: verification adds 1.5-2.2 us per collective up to
+/// 64 KiB, i.e. 2.3x raw MPI at 4 B (3.3 us against 1.4 us), 1.25x at 16 KiB, 1.05x at 64
+/// KiB, 1.03x at 256 KiB, 1.01x at 1 MiB. Without it lockstep took 1.25x raw MPI's time at 4 B,
+/// 0.87-0.92x from 16 B to 1 KiB, 1.07-1.13x at 4 and 16 KiB, 1.00-1.01x from 64 KiB to 1 MiB
+/// and 1.12x at 256 MiB (1.06-1.20x over the runs); from 4 to 64 MiB the runs varied more than the
+/// variants differed. Turn it off ({.verify = false}) for many tiny collectives once a program is
+/// known to be consistent. Every replica must use the same `verify`. Without it, mismatched counts
+/// are MPI's undefined behaviour (truncation errors, garbage or a hang).
 ///
 /// Arguments: a null span with a non-zero count, a span larger than memory can hold, sizes
 /// that do not fit together or a count MPI cannot describe are refused with lockstep::error
