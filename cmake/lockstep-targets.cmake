@@ -1,21 +1,20 @@
 # lockstep-targets.cmake: defines lockstep::lockstep and its backend components. Used by the
 # source tree and by the installed lockstepConfig.cmake alike, so both define the same targets.
-# Input: LOCKSTEP_INCLUDE_DIR. Output: LOCKSTEP_<comp>_FOUND for openmp, cuda, nccl, mpi.
+# Input: LOCKSTEP_INCLUDE_DIR, LOCKSTEP_CCCL_HINTS (lockstep-cccl.cmake). Output: no target when
+# CCCL_FOUND is false, else LOCKSTEP_<comp>_FOUND for openmp, cuda, nccl, mpi.
 # SPDX-License-Identifier: Apache-2.0
 
 if(TARGET lockstep::lockstep)
   return()
 endif()
 
-# CCCL (Thrust, CUB, libcu++) ships with the CUDA toolkit; the host build needs its headers only.
-set(CCCL_ENABLE_DEFAULT_THRUST_TARGET OFF CACHE BOOL "lockstep passes explicit Thrust policies")
-find_package(CUDAToolkit QUIET)
-set(_lockstep_cccl_hints)
-if(CUDAToolkit_LIBRARY_DIR)
-  list(APPEND _lockstep_cccl_hints "${CUDAToolkit_LIBRARY_DIR}/cmake")
+# CCCL's headers (from the CUDA toolkit, a CCCL package or the nvidia-cuda-cccl wheel) are all
+# the host build needs; lockstep-cccl.cmake says where they are looked for.
+include("${CMAKE_CURRENT_LIST_DIR}/lockstep-cccl.cmake")
+if(NOT CCCL_FOUND)
+  # The caller (CMakeLists.txt or lockstepConfig.cmake) reports LOCKSTEP_CCCL_NOT_FOUND_MESSAGE.
+  return()
 endif()
-list(APPEND _lockstep_cccl_hints /usr/local/cuda/lib64/cmake /usr/local/cuda/lib/cmake)
-find_package(CCCL CONFIG QUIET REQUIRED HINTS ${_lockstep_cccl_hints})
 find_package(Threads REQUIRED)
 
 add_library(lockstep::lockstep INTERFACE IMPORTED GLOBAL)

@@ -22,7 +22,8 @@ if(STEP STREQUAL "install")
   endif()
   foreach(f include/lockstep/core/config.hpp share/cmake/lockstep/lockstepConfig.cmake
             share/cmake/lockstep/lockstepConfigVersion.cmake
-            share/cmake/lockstep/lockstep-targets.cmake)
+            share/cmake/lockstep/lockstep-targets.cmake
+            share/cmake/lockstep/lockstep-cccl.cmake)
     if(NOT EXISTS "${PREFIX}/${f}")
       message(FATAL_ERROR "the install lacks ${f}")
     endif()
