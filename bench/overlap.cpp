@@ -11,7 +11,9 @@
 //   nothing (solo_communicator), on every replica at once: backward, gradient zeroing, the
 //   non-finite check, the SGD update, no reduction;
 // - all_reduce: the trainer's gradient buckets all_reduced alone, in its order;
-// - step: the data_parallel step with train_params::overlap never and always.
+// - step: the data_parallel step with train_params::overlap never and always;
+// - verify: the step with train_params::verify_every = 1 (overlap never) minus the step without,
+//   the cost of one cross-replica consistency check (printed as a share of step time at 100).
 // The backward runs from the last tensor to the first; per tensor it burns a share of the
 // calibrated backward time proportional to ResNet-50's backward cost (weights x output pixels,
 // resnet50_output_pixels), writes the gradient and calls ctx.mark_ready. The backward is
@@ -192,6 +194,9 @@ struct row {
     double carriage_ms = -1;
     double never_ms = 0;
     double always_ms = 0;
+    /// train_params::verify_every = 1's check: the step with it minus the step without (both
+    /// overlap never), per repetition, median (-1: not measured).
+    double verify_ms = -1;
     bool always_overlaps = false;    ///< overlap_mode::always got a communication stream
     bool automatic_overlaps = false; ///< what overlap_mode::automatic chooses here
     /// overlap_mode::always's communication thread runs at background priority
@@ -232,6 +237,8 @@ row run_config(Comm& comm, Fence fence, Model model, const options& opt, std::st
     const bool background =
         detail::use_overlap(comm, overlap_mode::always).priority == comm_priority::background;
     solo_t solo(solo_comm, factory, sgd, train_params{.overlap = overlap_mode::never});
+    full_t verified(comm, factory, sgd,
+                    train_params{.overlap = overlap_mode::never, .verify_every = 1});
 
     // The reduction alone: the trainer's buckets, in its order, over a gradient-sized buffer.
     std::vector<float> grads(work->floats(), 1e-4f);
@@ -275,7 +282,7 @@ row run_config(Comm& comm, Fence fence, Model model, const options& opt, std::st
         if constexpr (requires { comm.inner(); })
             reduce_buckets(comm.inner());
     };
-    std::vector<double> compute, reduce, carriage, step_never, step_always;
+    std::vector<double> compute, reduce, carriage, step_never, step_always, verify;
     const int reps = opt.quick ? 3 : opt.reps;
     for (int rep = 0; rep <= reps; ++rep) { // round-robin; repetition 0 warms up
         const double c = timed([&] { train_step(solo); });
@@ -283,8 +290,10 @@ row run_config(Comm& comm, Fence fence, Model model, const options& opt, std::st
         const double k = timed(carriage_alone);
         const double n = timed([&] { train_step(never); });
         const double a = timed([&] { train_step(always); });
+        const double v = timed([&] { train_step(verified); });
         if (rep == 0)
             continue;
+        verify.push_back(v - n);
         compute.push_back(c);
         reduce.push_back(r);
         carriage.push_back(k);
@@ -301,6 +310,7 @@ row run_config(Comm& comm, Fence fence, Model model, const options& opt, std::st
     out.carriage_ms = model_ms >= 0 ? median(carriage) : -1;
     out.never_ms = median(step_never);
     out.always_ms = median(step_always);
+    out.verify_ms = median(verify);
     out.always_overlaps = always.overlaps();
     out.automatic_overlaps = automatic;
     out.background = background;
@@ -361,6 +371,13 @@ void print_rows(const std::vector<row>& rows) {
         print_row(r, "never", r.never_ms);
         print_row(r, r.always_overlaps ? "always" : "always*", r.always_ms);
     }
+    for (const row& r : rows)
+        if (r.verify_ms > -1 && !r.ddp)
+            std::printf("consistency check, %s, %d replicas: verify_every = 1 adds %.2f ms to a "
+                        "%.1f ms step (overlap never); at verify_every = 100: %.3f%% of step "
+                        "time\n",
+                        r.backend.c_str(), r.replicas, r.verify_ms, r.never_ms,
+                        100.0 * r.verify_ms / 100.0 / r.never_ms);
     for (const row& r : rows)
         if (r.carriage_ms >= 0)
             std::printf("floor, %s, %d replicas: compute + carriage (the wrapped communicator's "
