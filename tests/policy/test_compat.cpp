@@ -37,11 +37,11 @@ static_assert(
                      std::tuple<bn::ghost<8>, bn::ghost<8>>>());
 static_assert(check_compatible<sync::synchronous, reduce::reproducible<1>, thread_communicator>());
 static_assert(bn::ghost_chunk<bn::ghost<16>> == 16 && bn::ghost_chunk<bn::local> == 0);
-static_assert(bn::detail::chunks_of(37, 8, 0, 3).first == 0 &&
-              bn::detail::chunks_of(37, 8, 0, 3).count == 2 &&
-              bn::detail::chunks_of(37, 8, 2, 3).first == 4 &&
-              bn::detail::chunks_of(37, 8, 2, 3).count == 1 &&
-              bn::detail::chunks_of(37, 8, 7, 8).count == 0);
+static_assert(reduce::chunks_of(37, 8, 0, 3).first == 0 &&
+              reduce::chunks_of(37, 8, 0, 3).count == 2 &&
+              reduce::chunks_of(37, 8, 2, 3).first == 4 &&
+              reduce::chunks_of(37, 8, 2, 3).count == 1 &&
+              reduce::chunks_of(37, 8, 7, 8).count == 0);
 // Asynchronous: bn::local over a point-to-point communicator.
 static_assert(check_compatible<sync::asynchronous, reduce::per_tensor, thread_communicator,
                                std::tuple<bn::local>>());

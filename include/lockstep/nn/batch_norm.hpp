@@ -17,6 +17,7 @@
 #include "lockstep/nn/detail/bn_state.hpp"
 #include "lockstep/nn/layout.hpp"
 #include "lockstep/policy/bn.hpp"
+#include "lockstep/policy/reduce.hpp"
 #include "lockstep/system/host_system.hpp"
 #include "lockstep/system/staged_read.hpp"
 
@@ -36,7 +37,7 @@ namespace lockstep::nn {
 namespace detail {
 /// bn::ghost, channel c: the running statistics updated from every chunk block of a step in
 /// global chunk order (replica r's chunks are blocks [r per_replica, r per_replica + count_r),
-/// count_r from bn::detail::chunks_of), as finish_statistics_fn updates them from one batch.
+/// count_r from reduce::chunks_of), as finish_statistics_fn updates them from one batch.
 template <class Acc>
 struct ghost_running_fn {
     const Acc* blocks;
@@ -52,7 +53,7 @@ struct ghost_running_fn {
         Acc rm = running_mean[c];
         Acc rv = running_var[c];
         for (int r = 0; r < replicas; ++r) {
-            const std::size_t count = bn::detail::chunks_of(global, chunk, r, replicas).count;
+            const std::size_t count = reduce::chunks_of(global, chunk, r, replicas).count;
             for (std::size_t k = 0; k < count; ++k) {
                 const Acc* b = blocks + (static_cast<std::size_t>(r) * per_replica + k) * stride;
                 const double n = kernels::packed_moments::count(b);
@@ -551,8 +552,8 @@ private:
         const std::size_t global = bn::detail::current_ghost_global();
         constexpr std::size_t chunk = bn::ghost_chunk<Policy>;
         const int size = comm.size();
-        const bn::detail::chunk_run own = bn::detail::chunks_of(global, chunk, comm.rank(), size);
-        const std::size_t most = bn::detail::chunks_of(global, chunk, 0, size).count;
+        const reduce::chunk_run own = reduce::chunks_of(global, chunk, comm.rank(), size);
+        const std::size_t most = reduce::chunks_of(global, chunk, 0, size).count;
         LOCKSTEP_REQUIRE(own.count == ghost_chunks_, errc::invalid_argument, comm.rank(),
                          "batch_norm.forward_train", "bn::ghost: the layer normalized ",
                          ghost_chunks_, " non-empty batches in this step, the replica computes ",

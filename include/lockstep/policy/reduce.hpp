@@ -139,6 +139,21 @@ struct reproducible {
     }
 };
 
+/// The chunks [first, first + count) replica `rank` of `size` computes when a global batch of
+/// `global` samples is cut into chunks of `chunk` samples (reduce::reproducible<chunk>'s plan,
+/// which bn::ghost<chunk> layers follow): contiguous, balanced by chunk count (the first
+/// replicas get one more chunk). requires: chunk >= 1, 0 <= rank < size.
+struct chunk_run {
+    std::size_t first;
+    std::size_t count;
+};
+inline constexpr chunk_run chunks_of(std::size_t global, std::size_t chunk, int rank, int size) {
+    const std::size_t chunks = global / chunk + (global % chunk != 0 ? 1 : 0);
+    const auto s = static_cast<std::size_t>(size), r = static_cast<std::size_t>(rank);
+    const std::size_t base = chunks / s, extra = chunks % s;
+    return {r * base + (r < extra ? r : extra), base + (r < extra ? 1 : 0)};
+}
+
 } // namespace reduce
 
 /// A ReducePolicy is an empty tag with a `kind` and a `name()` (what checkpoints record and the

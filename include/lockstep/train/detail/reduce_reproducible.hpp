@@ -28,7 +28,7 @@ namespace lockstep::detail {
 /// samples that replica `rank` of `size` computes: contiguous, balanced by chunk count (the
 /// first replicas get one more), possibly none. requires: chunk >= 1.
 inline shard_range reproducible_chunks(std::size_t global, std::size_t chunk, int rank, int size) {
-    const bn::detail::chunk_run c = bn::detail::chunks_of(global, chunk, rank, size);
+    const reduce::chunk_run c = reduce::chunks_of(global, chunk, rank, size);
     shard_range out;
     out.begin = c.first;
     out.end = c.first + c.count;
