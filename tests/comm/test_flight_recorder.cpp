@@ -2,6 +2,7 @@
 // call all_gather where the others call all_reduce, merged by scripts/trace_merge.py.
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/flight_recorder.hpp"
+#include "lockstep/comm/simulated_link.hpp"
 #include "lockstep/comm/thread_group.hpp"
 
 #include <catch2/catch.hpp>
@@ -200,4 +201,28 @@ TEST_CASE("a thread replica that stalls is named as missing after the others tim
     CHECK(dir.files() == 2);
     CHECK(contains(report, "replica 1: no trace file"));
     CHECK(contains(report, "culprit: replica 1 (missing (the others wait in #1))"));
+}
+
+TEST_CASE("simulated_link shows its inner communicator's record", "[comm][thread][trace]") {
+    thread_group group(2);
+    std::vector<std::vector<lockstep::flight_entry>> seen(2);
+    group.run([&](thread_communicator& comm) {
+        lockstep::simulated_link<thread_communicator> link(comm);
+        std::vector<double> v(3, 1.0), all(6);
+        link.all_reduce(std::span<const double>(v), std::span<double>(v), reduce_op::max);
+        link.broadcast(std::span<double>(v), 1);
+        link.all_gather(std::span<const double>(v), std::span<double>(all));
+        seen[static_cast<std::size_t>(comm.rank())] = link.trace().entries();
+    });
+    // Checked here: Catch2's assertions are not thread-safe.
+    for (const auto& ops : seen) {
+        REQUIRE(ops.size() == 3);
+        CHECK(std::string(ops[0].op) == "all_reduce");
+        CHECK(std::string(ops[1].op) == "broadcast");
+        CHECK(ops[1].peer == 1);
+        CHECK(std::string(ops[2].type) == "float64");
+        CHECK(ops[2].seq == 2);
+        for (const auto& e : ops)
+            CHECK(e.state == op_state::done);
+    }
 }
