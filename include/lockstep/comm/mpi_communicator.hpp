@@ -11,6 +11,7 @@
 #include "lockstep/comm/detail/mpi_types.hpp"
 #include "lockstep/comm/detail/scatter_counts.hpp"
 #include "lockstep/comm/detail/span_checks.hpp"
+#include "lockstep/comm/flight_recorder.hpp"
 #include "lockstep/comm/mpi_environment.hpp"
 #include "lockstep/comm/timeout.hpp"
 #include "lockstep/core/checked_math.hpp"
@@ -120,6 +121,10 @@ struct mpi_communicator_params {
 /// A replica that leaves early (returns from main, finalises MPI) or calls one collective too
 /// many is therefore an error on the others within the timeout.
 ///
+/// Flight recorder: every collective is recorded in trace() (comm/flight_recorder.hpp); a
+/// timeout or a disagreement found by verification writes it (stderr, and LOCKSTEP_TRACE_DIR),
+/// before on_failure acts, and the error message ends with "[flight recorder: <file>]".
+///
 /// Failure elsewhere: a replica that throws from its own code and will not call the next
 /// collective should call `abort(e)` (it prints the error and calls MPI_Abort on
 /// MPI_COMM_WORLD); otherwise its peers fail only when their timeout passes. A replica that
@@ -210,6 +215,9 @@ public:
     bool broken() const noexcept { return broken_.has_value(); }
     /// The number of collectives this communicator has started (the "#n" in error messages).
     std::int64_t sequence() const noexcept { return seq_; }
+    /// This handle's record of its last collectives (flight_recorder): written to stderr and
+    /// LOCKSTEP_TRACE_DIR when an operation times out or the replicas disagree.
+    const flight_recorder& trace() const noexcept { return trace_; }
 
     /// recv[i] = op over replicas of send[i]. send == recv runs in place (MPI_IN_PLACE).
     /// requires: send.size() == recv.size(), equal on every replica; send and recv identical
@@ -223,8 +231,8 @@ public:
             {detail::span_problem(send, "send"), detail::span_problem(recv, "recv")});
         const bool ok =
             bad.empty() && send.size() == recv.size() && (in_place || disjoint(send, recv));
-        begin(detail::mpi_collective::all_reduce, send.size(), detail::mpi_type<T>::id, 0, op, ok,
-              {}, tag);
+        const auto traced = begin(detail::mpi_collective::all_reduce, send.size(),
+                                  detail::mpi_type<T>::id, 0, op, ok, {}, tag);
         LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), bad.empty() ? "" : bad + ": ",
                          "send.size() = ", send.size(), ", recv.size() = ", recv.size(),
                          " (sizes must be equal; buffers identical or disjoint)");
@@ -249,8 +257,8 @@ public:
         check_type<T>();
         const std::string bad = detail::span_problem(data, "data");
         const bool ok = bad.empty() && root >= 0 && root < size_;
-        begin(detail::mpi_collective::broadcast, data.size(), detail::mpi_type<T>::id, root,
-              reduce_op::sum, ok, {}, tag);
+        const auto traced = begin(detail::mpi_collective::broadcast, data.size(),
+                                  detail::mpi_type<T>::id, root, reduce_op::sum, ok, {}, tag);
         LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
         LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "root ", root,
                          " is not a replica of this group of ", size_);
@@ -281,8 +289,8 @@ public:
             bad.empty() && no_overflow && n != 0 && send.data() == recv.data() + rank_ * n;
         const bool ok = bad.empty() && no_overflow && recv.size() == total && fits &&
                         (in_place || disjoint(send, recv));
-        begin(detail::mpi_collective::all_gather, n, detail::mpi_type<T>::id, 0, reduce_op::sum, ok,
-              {}, tag);
+        const auto traced = begin(detail::mpi_collective::all_gather, n, detail::mpi_type<T>::id, 0,
+                                  reduce_op::sum, ok, {}, tag);
         LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
         LOCKSTEP_REQUIRE(fits, errc::unsupported, rank_, name(), "send.size() = ", n,
                          " exceeds MPI's int count (", std::numeric_limits<int>::max(),
@@ -314,8 +322,8 @@ public:
         const bool ok = bad.empty() && n % static_cast<std::size_t>(size_) == 0 &&
                         recv.size() == n && disjoint(send, recv);
         const bool fits = block <= std::size_t(std::numeric_limits<int>::max());
-        begin(detail::mpi_collective::all_to_all, n, detail::mpi_type<T>::id, 0, reduce_op::sum,
-              ok && fits, {}, tag);
+        const auto traced = begin(detail::mpi_collective::all_to_all, n, detail::mpi_type<T>::id, 0,
+                                  reduce_op::sum, ok && fits, {}, tag);
         LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
         LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "send.size() = ", n,
                          ", recv.size() = ", recv.size(), " (requires equal sizes, a multiple of ",
@@ -345,8 +353,8 @@ public:
         const bool ok =
             bad.empty() && root >= 0 && root < size_ &&
             (!at_root || (send.size() == recv.size() && (in_place || disjoint(send, recv))));
-        begin(detail::mpi_collective::reduce, send.size(), detail::mpi_type<T>::id, root, op, ok,
-              {}, tag);
+        const auto traced = begin(detail::mpi_collective::reduce, send.size(),
+                                  detail::mpi_type<T>::id, root, op, ok, {}, tag);
         LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
         LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "root ", root, " of ", size_,
                          ", send.size() = ", send.size(), ", recv.size() = ", recv.size(),
@@ -402,8 +410,9 @@ public:
         const bool ok = shaped && (in_place || recv.empty() || disjoint(send, recv));
         const bool fits = send.size() <= std::size_t(std::numeric_limits<int>::max()) &&
                           (!is_wire_float16_v<T> || !shaped || detail::float16_fits(counts));
-        begin(detail::mpi_collective::reduce_scatter, send.size(), detail::mpi_type<T>::id, 0, op,
-              ok && fits, bad.empty() ? counts : std::span<const std::size_t>(), tag);
+        const auto traced =
+            begin(detail::mpi_collective::reduce_scatter, send.size(), detail::mpi_type<T>::id, 0,
+                  op, ok && fits, bad.empty() ? counts : std::span<const std::size_t>(), tag);
         LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
         LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "counts ",
                          detail::describe_counts(counts), " (", counts.size(),
@@ -458,7 +467,8 @@ public:
 
     /// Returns once every replica has entered it.
     void barrier(collective_tag tag = {}) {
-        begin(detail::mpi_collective::barrier, 0, 0, 0, reduce_op::sum, true, {}, tag);
+        const auto traced =
+            begin(detail::mpi_collective::barrier, 0, 0, 0, reduce_op::sum, true, {}, tag);
         // The verification all-reduce already needs every replica's contribution before any
         // replica leaves it, so it is a barrier; MPI_Ibarrier would be a second one.
         if (!params_.verify)
@@ -468,7 +478,8 @@ public:
     /// The replicas with the same color, ranked by (key, rank); same `params` as this one.
     /// requires: color >= 0. Collective over this group.
     mpi_communicator split(int color, int key) {
-        begin(detail::mpi_collective::split, 0, 0, 0, reduce_op::sum, color >= 0);
+        const auto traced =
+            begin(detail::mpi_collective::split, 0, 0, 0, reduce_op::sum, color >= 0);
         LOCKSTEP_REQUIRE(color >= 0, errc::invalid_argument, rank_, name(), "color ", color,
                          " is negative");
         // MPI has no nonblocking split: make sure every replica has arrived first (the
@@ -611,6 +622,7 @@ private:
         seq_ = o.seq_;
         kind_ = o.kind_;
         broken_ = std::move(o.broken_);
+        trace_ = std::move(o.trace_);
     }
     void release() noexcept {
         control_.adopt(MPI_COMM_NULL);
@@ -719,14 +731,23 @@ private:
     // Starts collective number seq_ + 1; with verification, exchanges the signature and throws
     // on every replica when they disagree. A replica whose own arguments failed (ok == false)
     // returns so that the caller throws its precise error; the others throw peer_failure.
-    void begin(detail::mpi_collective kind, std::size_t count, std::int64_t type, int root,
-               reduce_op op, bool ok, std::span<const std::size_t> counts = {},
-               collective_tag tag = {}) {
+    // Returns the flight recorder's scope of the collective: the caller keeps it until it ends.
+    [[nodiscard]] flight_recorder::scope begin(detail::mpi_collective kind, std::size_t count,
+                                               std::int64_t type, int root, reduce_op op, bool ok,
+                                               std::span<const std::size_t> counts = {},
+                                               collective_tag tag = {}) {
         require_usable(std::string(detail::to_string(kind)));
         ++seq_;
         kind_ = kind;
+        const bool rooted =
+            kind == detail::mpi_collective::broadcast || kind == detail::mpi_collective::reduce;
+        flight_recorder::scope traced(
+            trace_,
+            trace_.record(detail::to_string(kind).data(), static_cast<std::uint64_t>(seq_),
+                          detail::mpi_type_name(type).data(), count, rooted ? root : -1),
+            static_cast<std::uint64_t>(seq_));
         if (!params_.verify)
-            return;
+            return traced;
         detail::mpi_signature mine;
         mine.value = {static_cast<std::int64_t>(kind),
                       seq_,
@@ -748,8 +769,18 @@ private:
         const auto range = detail::mpi_signature_unpack(v);
         const std::string calls =
             detail::mpi_calls_differ(range) ? gather_calls(mine, tag) : std::string();
-        if (ok)
-            detail::require_agreement(mine, range, rank_, detail::describe_counts(counts), calls);
+        if (ok) {
+            try {
+                detail::require_agreement(mine, range, rank_, detail::describe_counts(counts),
+                                          calls);
+            } catch (const error& e) {
+                trace_.fail_newest();
+                if (!flight_recorder::dumps_on(e.code()))
+                    throw;
+                throw flight_recorder::with_trace(e, trace_.dump(rank_, size_, e.what()));
+            }
+        }
+        return traced;
     }
 
     // After a mismatch of collectives or tags (so on every replica): every replica's call,
@@ -823,7 +854,11 @@ private:
     }
 
     // Marks the communicator broken with e, then aborts the job or throws e (params).
+    // A timeout also writes the flight recorder, and e then names its file.
     [[noreturn]] void poison(error e) {
+        trace_.fail_newest();
+        if (flight_recorder::dumps_on(e.code()))
+            e = flight_recorder::with_trace(e, trace_.dump(rank_, size_, e.what()));
         broken_ = e;
         if (params_.on_failure == mpi_failure_action::abort)
             abort(e);
@@ -913,6 +948,7 @@ private:
     detail::mpi_collective kind_ = detail::mpi_collective::none;
     std::optional<error> broken_;
     detail::mpi_exit_guard exit_guard_; // exit() while this lives aborts the job
+    flight_recorder trace_{"mpi"};
 };
 
 static_assert(communicator<mpi_communicator>,

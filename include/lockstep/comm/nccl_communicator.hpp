@@ -14,6 +14,7 @@
 #include "lockstep/comm/detail/nccl_types.hpp"
 #include "lockstep/comm/detail/scatter_counts.hpp"
 #include "lockstep/comm/detail/span_checks.hpp"
+#include "lockstep/comm/flight_recorder.hpp"
 #include "lockstep/system/cuda_system.hpp"
 
 #include <algorithm>
@@ -297,6 +298,7 @@ public:
             return ncclAllReduce(send.data(), recv.data(), recv.size(), detail::nccl_data_type<T>(),
                                  detail::nccl_reduce_op(op), h_.comm(), h_.stream());
         });
+        traced("all_reduce", trace_type_name<T>(), send.size(), -1);
     }
 
     /// data on every replica becomes root's data (ncclBroadcast, in place).
@@ -314,6 +316,7 @@ public:
             return ncclBroadcast(data.data(), data.data(), data.size(), detail::nccl_data_type<T>(),
                                  root, h_.comm(), h_.stream());
         });
+        traced("broadcast", trace_type_name<T>(), data.size(), root);
     }
 
     /// recv = every replica's send concatenated in rank order (ncclAllGather).
@@ -335,6 +338,7 @@ public:
             return ncclAllGather(send.data(), recv.data(), send.size(), detail::nccl_data_type<T>(),
                                  h_.comm(), h_.stream());
         });
+        traced("all_gather", trace_type_name<T>(), send.size(), -1);
     }
 
     /// Block r of recv = block rank() of replica r's send (blocks of send.size() / size()
@@ -372,6 +376,7 @@ public:
             const ncclResult_t end = ncclGroupEnd();
             return r != ncclSuccess ? r : end;
         });
+        traced("all_to_all", trace_type_name<T>(), send.size(), -1);
     }
 
     /// As all_reduce, but only root's recv is written (ncclReduce); on other replicas recv may
@@ -395,6 +400,7 @@ public:
                               detail::nccl_data_type<T>(), detail::nccl_reduce_op(op), root,
                               h_.comm(), h_.stream());
         });
+        traced("reduce", trace_type_name<T>(), send.size(), root);
     }
 
     /// Rank r receives counts[r] elements: recv[i] = op over replicas of send[offset + i],
@@ -439,6 +445,7 @@ public:
                                          detail::nccl_data_type<T>(), detail::nccl_reduce_op(op),
                                          h_.comm(), h_.stream());
             });
+            traced("reduce_scatter", trace_type_name<T>(), send.size(), -1);
             return;
         }
         h_.enqueue(name, [&] {
@@ -455,6 +462,7 @@ public:
             const ncclResult_t end = ncclGroupEnd();
             return r != ncclSuccess ? r : end;
         });
+        traced("reduce_scatter", trace_type_name<T>(), send.size(), -1);
     }
 
     /// The equal-count form (ncclReduceScatter): every replica receives recv.size() elements.
@@ -476,6 +484,7 @@ public:
             return ncclAllReduce(h_.scratch(), h_.scratch(), 1, ncclInt32, ncclSum, h_.comm(),
                                  h_.stream());
         });
+        traced("barrier", "int32", 1, -1);
         h_.wait(name);
     }
 
@@ -512,6 +521,7 @@ public:
                             detail::nccl_data_type<std::remove_const_t<T>>(), peer, h_.comm(),
                             h_.stream());
         });
+        traced("send", trace_type_name<T>(), data.size(), peer);
     }
     /// Receives data from replica `peer` (ncclRecv). requires: as send().
     template <nccl_element T>
@@ -526,6 +536,7 @@ public:
             return ncclRecv(data.data(), data.size(), detail::nccl_data_type<T>(), peer, h_.comm(),
                             h_.stream());
         });
+        traced("recv", trace_type_name<T>(), data.size(), peer);
     }
 
     /// Waits until the replica's stream is idle, polling NCCL's asynchronous errors and the
@@ -533,7 +544,8 @@ public:
     /// after nccl_options::timeout. Prefer it over system().synchronize() while collectives
     /// are in flight (a stream waiting for a dead peer never becomes idle).
     void synchronize() {
-        h_.wait(reached("synchronize"));
+        const std::string name = reached("synchronize");
+        wait_traced(name, true, [&] { h_.wait(name); });
     }
 
     /// Waits until `event` has completed (cudaEventQuery, polled), with the checks of
@@ -544,8 +556,9 @@ public:
     /// requires: event was created on device() and recorded (an unrecorded event counts as
     /// complete, as in CUDA).
     void wait(cudaEvent_t event, const char* what) {
-        h_.wait_event(reached(std::string("wait (") + (what != nullptr ? what : "event") + ")"),
-                      event);
+        const std::string name =
+            reached(std::string("wait (") + (what != nullptr ? what : "event") + ")");
+        wait_traced(name, false, [&] { h_.wait_event(name, event); });
     }
 
     /// Throws (after aborting) if NCCL reported an asynchronous error or a peer failed; cheap
@@ -559,6 +572,14 @@ public:
     /// barrier() throw errc::peer_failure. Every later call throws. Idempotent, never throws.
     void abort() noexcept {
         h_.abort();
+    }
+
+    /// This replica's record of its last operations (flight_recorder). Operations are recorded
+    /// as queued when enqueued and become done when synchronize() or barrier() finds the
+    /// stream idle; wait(event) leaves them queued. A timeout or peer failure seen by a wait
+    /// writes the record, and the error names the file.
+    const flight_recorder& trace() const noexcept {
+        return trace_;
     }
 
 private:
@@ -665,6 +686,28 @@ private:
         h_.require(problem.empty(), errc::invalid_argument, op, problem);
     }
 
+    // Records an enqueued operation (sequence_ - 1) as queued: NCCL runs it later on the stream.
+    void traced(const char* op, const char* type, std::size_t count, int peer) noexcept {
+        trace_.record(op, static_cast<std::uint64_t>(sequence_ - 1), type, count, peer,
+                      op_state::queued);
+    }
+    // Runs a wait; once the whole stream is idle (stream_idle) every queued operation is done.
+    // A failed wait writes the flight recorder and the error names its file; the operations
+    // stay queued, since the stream does not say which of them hangs.
+    template <class Wait>
+    void wait_traced(const std::string& op, bool stream_idle, Wait&& wait) {
+        try {
+            wait();
+        } catch (const error& e) {
+            if (!flight_recorder::dumps_on(e.code()))
+                throw;
+            throw flight_recorder::with_trace(
+                e, trace_.dump(h_.rank(), h_.size(), op + ": " + e.what()));
+        }
+        if (stream_idle)
+            trace_.complete_queued();
+    }
+
     void check_peer(const std::string& op, int peer) {
         h_.require(peer >= 0 && peer < h_.size() && peer != h_.rank(), errc::invalid_argument, op,
                    "peer ", peer, " is not another rank of ", h_.size(), " replicas");
@@ -672,6 +715,7 @@ private:
 
     detail::nccl_handle h_;
     long long sequence_ = 0;
+    flight_recorder trace_{"nccl"};
 };
 
 static_assert(communicator<nccl_communicator>,

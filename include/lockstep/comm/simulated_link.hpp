@@ -176,6 +176,10 @@ public:
     int size() const { return inner_->size(); }
     system_type system() const { return inner_->system(); }
     Communicator& inner() noexcept { return *inner_; }
+    /// The inner communicator's flight_recorder: every call is forwarded, and recorded, there,
+    /// each collective after the link's own one-element all_reduce (the common start time).
+    decltype(auto) trace() const requires requires(const Communicator& c) { c.trace(); }
+    { return inner_->trace(); }
     const params& parameters() const noexcept { return params_; }
     /// Whether this replica is the slow one.
     bool slow() const noexcept { return slow_; }

@@ -10,6 +10,7 @@
 #include "lockstep/comm/detail/shm_reduce.hpp"
 #include "lockstep/comm/detail/shm_sync.hpp"
 #include "lockstep/comm/detail/span_checks.hpp"
+#include "lockstep/comm/flight_recorder.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/system/host_system.hpp"
 
@@ -61,6 +62,9 @@ class thread_group;
 /// - thread_group::abort (from any thread) fails the run: every replica blocked in or later
 ///   entering a collective, send or recv throws errc::peer_failure naming the reason.
 /// - send is buffered: it copies the elements and returns at once.
+/// - Every collective is recorded in the handle's flight_recorder (trace()); a timeout, peer
+///   failure or disagreement writes it out (stderr, and LOCKSTEP_TRACE_DIR) and the error
+///   message names the file.
 /// A handle is used by one thread at a time; it is movable, not copyable.
 class thread_communicator {
 public:
@@ -69,7 +73,8 @@ public:
     /// Moves the handle, sequence numbers included. ensures: o is empty (size() == 0) and
     /// throws errc::invalid_argument from every communication call.
     thread_communicator(thread_communicator&& o) noexcept
-        : group_(std::move(o.group_)), rank_(o.rank_), seq_(o.seq_), epoch_(o.epoch_) {}
+        : group_(std::move(o.group_)), rank_(o.rank_), seq_(o.seq_), epoch_(o.epoch_),
+          trace_(std::move(o.trace_)) {}
     /// Leaves this handle's group (as the destructor does), then takes o's handle.
     thread_communicator& operator=(thread_communicator&& o) noexcept {
         if (this != &o) {
@@ -78,6 +83,7 @@ public:
             rank_ = o.rank_;
             seq_ = o.seq_;
             epoch_ = o.epoch_;
+            trace_ = std::move(o.trace_);
         }
         return *this;
     }
@@ -99,6 +105,8 @@ public:
     /// (thread_group::abort). Replica code that computes for long between collectives can
     /// poll it and return early: lockstep cannot interrupt user code.
     bool run_failed() const noexcept { return group_ && group_->context().failed(); }
+    /// This handle's record of its last collectives (see flight_recorder).
+    const flight_recorder& trace() const noexcept { return trace_; }
 
     /// recv[i] = op over all replicas (in rank order) of send[i]. send may alias recv.
     /// requires: every replica passes the same count, type and op; recv.size() == send.size().
@@ -384,6 +392,7 @@ private:
         int phases;
         int done;
         detail::shm::op_label op;
+        flight_recorder::scope traced; ///< marks the recorded collective done or failed
     };
 
     thread_communicator(std::shared_ptr<detail::shm::group_state> group, int rank)
@@ -442,18 +451,81 @@ private:
             stash_count = 0;
         }
         const std::uint64_t seq = seq_++;
-        session s{seq, epoch_ + 1, phases, 0, {name_of(rec.kind), seq}};
-        group_->throw_if_failed(rank_, s.op);
-        group_->publish(rank_, seq, std::move(rec), stash, stash_count * sizeof(T));
-        next_phase(s);
-        group_->validate(rank_, s.op);
+        const bool rooted = rec.kind == detail::shm::collective_kind::broadcast ||
+                            rec.kind == detail::shm::collective_kind::reduce;
+        session s{seq,
+                  epoch_ + 1,
+                  phases,
+                  0,
+                  {name_of(rec.kind), seq},
+                  {trace_,
+                   trace_.record(name_of(rec.kind), seq, trace_type(rec.type), rec.count,
+                                 rooted ? rec.root : -1),
+                   seq}};
+        try {
+            group_->throw_if_failed(rank_, s.op);
+            group_->publish(rank_, seq, std::move(rec), stash, stash_count * sizeof(T));
+            next_phase_untraced(s);
+            group_->validate(rank_, s.op);
+        } catch (const error& e) {
+            throw_traced(e);
+        }
         return s;
     }
 
     void next_phase(session& s) {
+        try {
+            next_phase_untraced(s);
+        } catch (const error& e) {
+            throw_traced(e);
+        }
+    }
+    void next_phase_untraced(session& s) {
         ++s.done;
         ++epoch_;
         group_->arrive_and_wait(rank_, epoch_, s.first, s.done == s.phases, s.op);
+    }
+
+    /// Called from a handler of e: writes the flight recorder for the errors it is kept for
+    /// and throws e again, naming the file.
+    [[noreturn]] void throw_traced(const error& e) {
+        trace_.fail_newest();
+        if (!flight_recorder::dumps_on(e.code()))
+            throw;
+        throw flight_recorder::with_trace(e, trace_.dump(replica(), size(), e.what()));
+    }
+
+    static const char* trace_type(detail::shm::element_type t) noexcept {
+        using et = detail::shm::element_type;
+        switch (t) {
+        case et::int8:
+            return "int8";
+        case et::uint8:
+            return "uint8";
+        case et::int16:
+            return "int16";
+        case et::uint16:
+            return "uint16";
+        case et::int32:
+            return "int32";
+        case et::uint32:
+            return "uint32";
+        case et::int64:
+            return "int64";
+        case et::uint64:
+            return "uint64";
+        case et::float32:
+            return "float32";
+        case et::float64:
+            return "float64";
+        case et::float16:
+            return "float16";
+        case et::bfloat16:
+            return "bfloat16";
+        case et::bytes:
+            return "bytes";
+        }
+        return "bytes";
     }
 
     /// Runs a data phase that may throw (kernels through Thrust); an exception leaves the
@@ -512,6 +584,7 @@ private:
     int rank_ = 0;
     std::uint64_t seq_ = 0;   ///< collectives this handle has started
     std::uint64_t epoch_ = 0; ///< phases this handle has arrived at
+    flight_recorder trace_{"thread"};
 };
 
 static_assert(point_to_point_communicator<thread_communicator>,

@@ -1,0 +1,253 @@
+// Tests of flight_recorder: the ring itself, and thread_group replicas that skip a collective or
+// call all_gather where the others call all_reduce, merged by scripts/trace_merge.py.
+// SPDX-License-Identifier: Apache-2.0
+#include "lockstep/comm/flight_recorder.hpp"
+#include "lockstep/comm/simulated_link.hpp"
+#include "lockstep/comm/thread_group.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+using lockstep::errc;
+using lockstep::flight_recorder;
+using lockstep::op_state;
+using lockstep::reduce_op;
+using lockstep::thread_communicator;
+using lockstep::thread_group;
+
+namespace {
+
+bool contains(const std::string& s, const std::string& part) {
+    return s.find(part) != std::string::npos;
+}
+
+/// A fresh directory for one test's trace files, set as LOCKSTEP_TRACE_DIR while it lives.
+struct trace_dir {
+    std::filesystem::path path;
+    explicit trace_dir(const std::string& name)
+        : path(std::filesystem::temp_directory_path() /
+               ("lockstep_flight_" + name + "_" + std::to_string(::getpid()))) {
+        std::filesystem::remove_all(path);
+        std::filesystem::create_directories(path);
+        ::setenv("LOCKSTEP_TRACE_DIR", path.c_str(), 1);
+    }
+    ~trace_dir() {
+        ::unsetenv("LOCKSTEP_TRACE_DIR");
+        std::filesystem::remove_all(path);
+    }
+    std::size_t files() const {
+        std::size_t n = 0;
+        for (const auto& e : std::filesystem::directory_iterator(path))
+            n += e.path().extension() == ".jsonl" ? 1 : 0;
+        return n;
+    }
+};
+
+/// The output of scripts/trace_merge.py over dir.
+std::string merge_report(const trace_dir& dir) {
+    const std::string cmd = std::string("python3 \"") + LOCKSTEP_SOURCE_DIR +
+                            "/scripts/trace_merge.py\" \"" + dir.path.string() + "\" 2>&1";
+    std::FILE* p = ::popen(cmd.c_str(), "r");
+    REQUIRE(p != nullptr);
+    std::string out;
+    char buf[512];
+    while (std::fgets(buf, sizeof buf, p) != nullptr)
+        out += buf;
+    const int status = ::pclose(p);
+    INFO(out);
+    CHECK(status == 0);
+    return out;
+}
+
+/// Runs body on every replica; collects the messages of the lockstep::errors they throw.
+template <class Body>
+std::vector<std::string> run_catching(thread_group& group, Body body) {
+    std::vector<std::string> what(static_cast<std::size_t>(group.size()));
+    try {
+        group.run([&](thread_communicator& comm) {
+            try {
+                body(comm);
+            } catch (const lockstep::error& e) {
+                what[static_cast<std::size_t>(comm.rank())] = e.what();
+            }
+        });
+    } catch (const lockstep::error&) {
+        // A timeout fails the run as well; the replicas' own messages are checked.
+    }
+    return what;
+}
+
+void sum(thread_communicator& comm, std::size_t count) {
+    std::vector<float> v(count, float(comm.rank() + 1));
+    comm.all_reduce(std::span<const float>(v), std::span<float>(v), reduce_op::sum);
+}
+
+} // namespace
+
+TEST_CASE("flight_recorder keeps the last K operations, oldest first", "[comm][trace]") {
+    flight_recorder rec("unit", 3);
+    REQUIRE(rec.capacity() == 3);
+    for (std::uint64_t seq = 0; seq < 5; ++seq) {
+        const auto slot = rec.record("all_reduce", seq, "float32", 10 + seq, -1);
+        if (seq != 4)
+            rec.finish(slot, seq, op_state::done);
+    }
+    const auto ops = rec.entries();
+    REQUIRE(ops.size() == 3);
+    CHECK(ops[0].seq == 2);
+    CHECK(ops[0].count == 12);
+    CHECK(ops[1].state == op_state::done);
+    CHECK(ops[1].end_ns >= ops[1].start_ns);
+    CHECK(ops[2].seq == 4);
+    CHECK(ops[2].state == op_state::running);
+    CHECK(ops[2].end_ns == 0);
+    rec.fail_newest();
+    CHECK(rec.entries()[2].state == op_state::failed);
+    // A slot the ring has moved past is left alone.
+    const auto old = rec.record("barrier", 5, "none", 0, -1);
+    rec.record("barrier", 6, "none", 0, -1);
+    rec.record("barrier", 7, "none", 0, -1);
+    rec.record("barrier", 8, "none", 0, -1);
+    rec.finish(old, 5, op_state::done);
+    for (const auto& e : rec.entries())
+        CHECK(e.state == op_state::running);
+}
+
+TEST_CASE("flight_recorder times an operation on the steady clock", "[comm][trace]") {
+    flight_recorder rec("unit", 2);
+    const auto before = std::chrono::steady_clock::now();
+    const auto slot = rec.record("barrier", 0, "none", 0, -1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    rec.finish(slot, 0, op_state::done);
+    const auto after = std::chrono::steady_clock::now();
+    const auto e = rec.entries().at(0);
+    const auto ns = [](auto t) {
+        return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+    };
+    // The ring's ticks map to steady-clock ns (within a millisecond of the reads around them).
+    CHECK(e.start_ns >= ns(before) - 1000000);
+    CHECK(e.end_ns <= ns(after) + 1000000);
+    CHECK(e.end_ns - e.start_ns >= 29000000);
+}
+
+TEST_CASE("flight_recorder with K = 0 records nothing", "[comm][trace]") {
+    flight_recorder rec("unit", 0);
+    CHECK(rec.record("all_reduce", 0, "float32", 1, -1) == flight_recorder::no_slot);
+    rec.fail_newest();
+    CHECK(rec.entries().empty());
+}
+
+TEST_CASE("a thread replica that skips a collective is named by the merged trace",
+          "[comm][thread][trace]") {
+    trace_dir dir("skip");
+    thread_group group(3, {.timeout = std::chrono::seconds(20)});
+    // Step i all-reduces i + 1 floats; replica 1 skips step 2, so its step 3 meets the others'
+    // step 2 as collective #2.
+    const auto what = run_catching(group, [](thread_communicator& comm) {
+        for (std::size_t step = 0; step < 4; ++step)
+            if (!(comm.rank() == 1 && step == 2))
+                sum(comm, step + 1);
+    });
+    for (const auto& w : what) {
+        INFO(w);
+        CHECK(contains(w, "all_reduce #2"));
+        CHECK(contains(w, "[flight recorder: " + dir.path.string() + "/lockstep-trace.thread."));
+    }
+    CHECK(dir.files() == 3);
+    const std::string report = merge_report(dir);
+    INFO(report);
+    CHECK(contains(report, "first divergence at #2: replicas 0, 2 called all_reduce #2 (3 "
+                           "float32, failed); replica 1 called all_reduce #2 (4 float32"));
+    CHECK(contains(report, "culprit: replica 1 at #2"));
+}
+
+TEST_CASE("a thread replica calling all_gather where the others all_reduce is named",
+          "[comm][thread][trace]") {
+    trace_dir dir("gather");
+    thread_group group(3, {.timeout = std::chrono::seconds(20)});
+    const auto what = run_catching(group, [](thread_communicator& comm) {
+        sum(comm, 4);
+        sum(comm, 4);
+        std::vector<float> v(4, 1.0f), all(12);
+        if (comm.rank() == 2)
+            comm.all_gather(std::span<const float>(v), std::span<float>(all));
+        else
+            comm.all_reduce(std::span<const float>(v), std::span<float>(v), reduce_op::sum);
+    });
+    for (const auto& w : what) {
+        INFO(w);
+        CHECK(contains(w, "[shape_mismatch]"));
+        CHECK(contains(w, "[flight recorder: "));
+    }
+    const std::string report = merge_report(dir);
+    INFO(report);
+    CHECK(contains(report, "first divergence at #2: replicas 0, 1 called all_reduce #2"));
+    CHECK(contains(report, "replica 2 called all_gather #2 (4 float32, failed)"));
+    CHECK(contains(report, "culprit: replica 2 at #2"));
+}
+
+TEST_CASE("a thread replica that stalls is named as missing after the others time out",
+          "[comm][thread][trace]") {
+    trace_dir dir("stall");
+    thread_group group(3, {.timeout = std::chrono::milliseconds(300)});
+    const auto what = run_catching(group, [](thread_communicator& comm) {
+        sum(comm, 4);
+        if (comm.rank() == 1) {
+            // Stalls outside the communicator past the timeout, then leaves without a call.
+            std::this_thread::sleep_for(std::chrono::milliseconds(800));
+            return;
+        }
+        sum(comm, 4);
+    });
+    CHECK(contains(what[0], "all_reduce #1"));
+    CHECK(what[1].empty());
+    const std::string report = merge_report(dir);
+    INFO(report);
+    CHECK(dir.files() == 2);
+    CHECK(contains(report, "replica 1: no trace file"));
+    CHECK(contains(report, "culprit: replica 1 (missing (the others wait in #1))"));
+}
+
+TEST_CASE("simulated_link shows its inner communicator's record", "[comm][thread][trace]") {
+    thread_group group(2);
+    std::vector<std::vector<lockstep::flight_entry>> seen(2);
+    group.run([&](thread_communicator& comm) {
+        lockstep::simulated_link<thread_communicator> link(comm);
+        std::vector<double> v(3, 1.0), all(6);
+        link.all_reduce(std::span<const double>(v), std::span<double>(v), reduce_op::max);
+        link.broadcast(std::span<double>(v), 1);
+        link.all_gather(std::span<const double>(v), std::span<double>(all));
+        seen[static_cast<std::size_t>(comm.rank())] = link.trace().entries();
+    });
+    // Checked here: Catch2's assertions are not thread-safe. Before each forwarded collective
+    // the link all-reduces one double (the replicas' common start time) through the same
+    // inner communicator.
+    for (const auto& ops : seen) {
+        REQUIRE(ops.size() == 6);
+        for (std::size_t i = 0; i < 6; i += 2) {
+            CHECK(std::string(ops[i].op) == "all_reduce");
+            CHECK(ops[i].count == 1);
+        }
+        CHECK(std::string(ops[1].op) == "all_reduce");
+        CHECK(ops[1].count == 3);
+        CHECK(std::string(ops[3].op) == "broadcast");
+        CHECK(ops[3].peer == 1);
+        CHECK(std::string(ops[5].op) == "all_gather");
+        CHECK(std::string(ops[5].type) == "float64");
+        CHECK(ops[5].seq == 5);
+        for (const auto& e : ops)
+            CHECK(e.state == op_state::done);
+    }
+}
