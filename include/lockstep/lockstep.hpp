@@ -46,6 +46,7 @@
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/comm_stream.hpp"
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/flight_recorder.hpp"
 #include "lockstep/comm/hierarchical.hpp"
 #include "lockstep/comm/host_wait.hpp"
 #include "lockstep/comm/simulated_link.hpp"
