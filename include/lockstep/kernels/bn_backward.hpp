@@ -8,6 +8,7 @@
 #include "lockstep/kernels/bn_fused.hpp"
 #include "lockstep/kernels/channel_geometry.hpp"
 #include "lockstep/kernels/detail/bn_host_path.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/system/system.hpp"
 
 #include <cstddef>
@@ -48,10 +49,10 @@ void bn_backward_sums(const System& sys, std::span<const T> dy, std::span<const 
                       channel_geometry g, std::span<const Acc> mean, std::span<Acc> sums,
                       std::span<Acc> workspace) {
     const std::size_t parts = generic_partitions(g);
-    detail::for_each_index(
+    kernels::for_each_index(
         sys, g.channels * parts,
         partial_backward_fn<T, Acc>{dy.data(), x.data(), g, parts, mean.data(), workspace.data()});
-    detail::for_each_index(
+    kernels::for_each_index(
         sys, g.channels, merge_backward_fn<Acc>{workspace.data(), parts, g.channels, sums.data()});
 }
 
@@ -63,20 +64,20 @@ void bn_pack_backward_sums(const System& sys, std::span<const T> dy, std::span<c
                            std::span<Acc> sums, std::span<std::byte> workspace) {
     const std::size_t parts = generic_partitions(g);
     Acc* partials = detail::workspace_scratch<Acc>(workspace, g);
-    detail::for_each_index(
+    kernels::for_each_index(
         sys, g.channels * parts,
         partial_backward_fn<T, Acc>{dy.data(), x.data(), g, parts, mean.data(), partials});
-    detail::for_each_index(sys, g.channels,
-                           merge_backward_fn<Acc>{partials, parts, g.channels, sums.data()});
-    detail::for_each_index(sys, 1, detail::write_status_fn<Acc>{sums.data(), g.channels, status});
+    kernels::for_each_index(sys, g.channels,
+                            merge_backward_fn<Acc>{partials, parts, g.channels, sums.data()});
+    kernels::for_each_index(sys, 1, detail::write_status_fn<Acc>{sums.data(), g.channels, status});
 }
 
 /// Generic input gradient: one task per value.
 template <class T, class Acc, execution_system System>
 void bn_input_gradient(const System& sys, std::span<const T> dy, std::span<const T> x,
                        std::span<T> dx, channel_geometry g, backward_coefficients<Acc> co) {
-    detail::for_each_index(sys, g.size(),
-                           input_gradient_fn<T, Acc>{dy.data(), x.data(), dx.data(), g, co});
+    kernels::for_each_index(sys, g.size(),
+                            input_gradient_fn<T, Acc>{dy.data(), x.data(), dx.data(), g, co});
 }
 
 /// Generic fused input gradient: one task per value (coefficients recomputed per value), then
@@ -88,15 +89,15 @@ void bn_input_gradient_fused(const System& sys, std::span<const T> dy, std::span
                              std::span<const Acc> gamma, std::span<const Acc> mean,
                              std::span<const Acc> invstd, std::span<Acc> dgamma,
                              std::span<Acc> dbeta) {
-    detail::for_each_index(sys, g.size(),
-                           fused_input_gradient_fn<T, Acc>{dy.data(), x.data(), dx.data(), g,
-                                                           totals.data(), count, gamma.data(),
-                                                           mean.data(), invstd.data()});
+    kernels::for_each_index(sys, g.size(),
+                            fused_input_gradient_fn<T, Acc>{dy.data(), x.data(), dx.data(), g,
+                                                            totals.data(), count, gamma.data(),
+                                                            mean.data(), invstd.data()});
     if (!dgamma.empty() || !dbeta.empty())
-        detail::for_each_index(sys, g.channels,
-                               parameter_gradients_fn<Acc>{g.channels, local.data(), invstd.data(),
-                                                           detail::data_or_null(dgamma),
-                                                           detail::data_or_null(dbeta)});
+        kernels::for_each_index(sys, g.channels,
+                                parameter_gradients_fn<Acc>{g.channels, local.data(), invstd.data(),
+                                                            detail::data_or_null(dgamma),
+                                                            detail::data_or_null(dbeta)});
 }
 
 namespace detail {

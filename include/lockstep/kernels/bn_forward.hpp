@@ -7,6 +7,7 @@
 #include "lockstep/kernels/bn_fused.hpp"
 #include "lockstep/kernels/channel_geometry.hpp"
 #include "lockstep/kernels/detail/bn_host_path.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/moments.hpp"
 #include "lockstep/system/system.hpp"
 
@@ -23,17 +24,6 @@
 #endif
 
 namespace lockstep::kernels {
-
-namespace detail {
-/// Runs f(i) for i in [0, n) with the system's Thrust policy.
-template <execution_system System, class F>
-void for_each_index(const System& sys, std::size_t n, F f) {
-    if (n == 0)
-        return;
-    thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                     thrust::counting_iterator<std::size_t>(n), f);
-}
-} // namespace detail
 
 /// Moments the generic moments kernel needs as workspace for geometry g.
 inline std::size_t moments_workspace_size(const channel_geometry& g) {
@@ -54,10 +44,10 @@ template <class T, class Acc, execution_system System>
 void bn_channel_moments(const System& sys, std::span<const T> x, channel_geometry g,
                         std::span<moments<Acc>> out, std::span<moments<Acc>> workspace) {
     const std::size_t parts = generic_partitions(g);
-    detail::for_each_index(sys, g.channels * parts,
-                           partial_moments_fn<T, Acc>{x.data(), g, parts, workspace.data()});
-    detail::for_each_index(sys, g.channels,
-                           merge_partials_fn<Acc>{workspace.data(), parts, out.data()});
+    kernels::for_each_index(sys, g.channels * parts,
+                            partial_moments_fn<T, Acc>{x.data(), g, parts, workspace.data()});
+    kernels::for_each_index(sys, g.channels,
+                            merge_partials_fn<Acc>{workspace.data(), parts, out.data()});
 }
 
 /// Generic packed statistics block: bn_channel_moments' passes into the workspace's scratch,
@@ -67,13 +57,13 @@ void bn_pack_local_moments(const System& sys, std::span<const T> x, channel_geom
                            std::span<Acc> block, std::span<std::byte> workspace) {
     moments<Acc>* local = detail::workspace_scratch<moments<Acc>>(workspace, g);
     const std::size_t parts = generic_partitions(g);
-    detail::for_each_index(sys, g.channels * parts,
-                           partial_moments_fn<T, Acc>{x.data(), g, parts, local + g.channels});
-    detail::for_each_index(sys, g.channels,
-                           merge_partials_fn<Acc>{local + g.channels, parts, local});
+    kernels::for_each_index(sys, g.channels * parts,
+                            partial_moments_fn<T, Acc>{x.data(), g, parts, local + g.channels});
+    kernels::for_each_index(sys, g.channels,
+                            merge_partials_fn<Acc>{local + g.channels, parts, local});
     pack_block_fn<Acc> pack{local, g.channels, status, 0, 0, block.data()};
     packed_moments::split_count(g.per_channel(), pack.count_hi, pack.count_lo);
-    detail::for_each_index(sys, std::max<std::size_t>(g.channels, 1), pack);
+    kernels::for_each_index(sys, std::max<std::size_t>(g.channels, 1), pack);
 }
 
 /// Generic normalization: one task per value.
@@ -81,7 +71,7 @@ template <class T, class Acc, execution_system System>
 void bn_normalize(const System& sys, std::span<const T> x, std::span<T> y, channel_geometry g,
                   std::span<const Acc> mean, std::span<const Acc> scale,
                   std::span<const Acc> beta) {
-    detail::for_each_index(
+    kernels::for_each_index(
         sys, g.size(),
         normalize_fn<T, Acc>{x.data(), y.data(), g, mean.data(), scale.data(), beta.data()});
 }

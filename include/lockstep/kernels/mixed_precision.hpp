@@ -8,6 +8,7 @@
 #include "lockstep/core/float16.hpp"
 #include "lockstep/core/float16_arrays.hpp"
 #include "lockstep/core/step_status.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/system/system.hpp"
 
 #include <cstddef>
@@ -163,9 +164,8 @@ void cast_down(const System& sys, std::span<const T> src, std::span<Low> dst) {
     const std::size_t n = src.size(), tile = cast_tile<System>();
     if (n == 0)
         return;
-    thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                     thrust::counting_iterator<std::size_t>((n + tile - 1) / tile),
-                     cast_down_fn<T, Low>{src.data(), dst.data(), n, tile});
+    kernels::for_each_index(sys, (n + tile - 1) / tile,
+                            cast_down_fn<T, Low>{src.data(), dst.data(), n, tile});
 }
 
 /// dst += T(src) * *factor element-wise on sys (factor null: * 1). requires: equal sizes, all
@@ -176,9 +176,8 @@ void accumulate_up(const System& sys, std::span<const Low> src, std::span<T> dst
     const std::size_t n = src.size(), tile = cast_tile<System>();
     if (n == 0)
         return;
-    thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                     thrust::counting_iterator<std::size_t>((n + tile - 1) / tile),
-                     accumulate_up_fn<Low, T>{src.data(), dst.data(), n, factor, tile});
+    kernels::for_each_index(sys, (n + tile - 1) / tile,
+                            accumulate_up_fn<Low, T>{src.data(), dst.data(), n, factor, tile});
 }
 
 /// data *= *factor element-wise on sys. requires: factor one double in sys's memory.
@@ -187,9 +186,8 @@ void multiply_by(const System& sys, std::span<T> data, const double* factor) {
     const std::size_t n = data.size(), tile = cast_tile<System>();
     if (n == 0)
         return;
-    thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                     thrust::counting_iterator<std::size_t>((n + tile - 1) / tile),
-                     multiply_by_fn<T>{data.data(), n, factor, tile});
+    kernels::for_each_index(sys, (n + tile - 1) / tile,
+                            multiply_by_fn<T>{data.data(), n, factor, tile});
 }
 
 } // namespace lockstep::kernels

@@ -13,6 +13,7 @@
 #include "lockstep/kernels/bn_functors.hpp"
 #include "lockstep/kernels/bn_fused.hpp"
 #include "lockstep/kernels/bn_statistics.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/moments.hpp"
 #include "lockstep/nn/detail/bn_state.hpp"
 #include "lockstep/nn/layout.hpp"
@@ -300,28 +301,28 @@ public:
         }
         keep_running_statistics();
         detail_status status = status_target();
-        kernels::detail::for_each_index(s_.sys, s_.channels,
-                                        kernels::finish_statistics_fn<param_type>{
-                                            .blocks = blocks,
-                                            .stride = kernels::packed_moments::size(s_.channels),
-                                            .count_blocks = count_blocks,
-                                            .self = self,
-                                            .running_first = running_first,
-                                            .running_last = running_last,
-                                            .normalize_merged = traits::normalizes_across_replicas,
-                                            .world_offset = world_offset,
-                                            .gamma = s_.gamma.data(),
-                                            .eps = static_cast<param_type>(p_.eps),
-                                            .momentum = static_cast<param_type>(p_.momentum),
-                                            .mean = s_.batch_mean().data(),
-                                            .invstd = s_.batch_invstd().data(),
-                                            .scale = s_.batch_scale().data(),
-                                            .running_mean = s_.running_mean().data(),
-                                            .running_var = s_.running_var().data(),
-                                            .count = s_.normalization_count(),
-                                            .status = status.slots,
-                                            .report_only_errors = status.shared,
-                                            .layer = static_cast<double>(status.layer)});
+        kernels::for_each_index(s_.sys, s_.channels,
+                                kernels::finish_statistics_fn<param_type>{
+                                    .blocks = blocks,
+                                    .stride = kernels::packed_moments::size(s_.channels),
+                                    .count_blocks = count_blocks,
+                                    .self = self,
+                                    .running_first = running_first,
+                                    .running_last = running_last,
+                                    .normalize_merged = traits::normalizes_across_replicas,
+                                    .world_offset = world_offset,
+                                    .gamma = s_.gamma.data(),
+                                    .eps = static_cast<param_type>(p_.eps),
+                                    .momentum = static_cast<param_type>(p_.momentum),
+                                    .mean = s_.batch_mean().data(),
+                                    .invstd = s_.batch_invstd().data(),
+                                    .scale = s_.batch_scale().data(),
+                                    .running_mean = s_.running_mean().data(),
+                                    .running_var = s_.running_var().data(),
+                                    .count = s_.normalization_count(),
+                                    .status = status.slots,
+                                    .report_only_errors = status.shared,
+                                    .layer = static_cast<double>(status.layer)});
         if constexpr (bn::is_ghost<Policy>) {
             if (ghost_step) {
                 record_ghost_chunk(comm, !xs.empty());
@@ -347,11 +348,11 @@ public:
         const std::string problem = check_input(x.size(), shape, y.size());
         if (!problem.empty())
             fail(errc::shape_mismatch, -1, "batch_norm.forward_eval", problem);
-        kernels::detail::for_each_index(s_.sys, s_.channels,
-                                        kernels::eval_coefficients_fn<param_type>{
-                                            s_.running_mean().data(), s_.running_var().data(),
-                                            s_.gamma.data(), static_cast<param_type>(p_.eps),
-                                            s_.eval_mean().data(), s_.eval_scale().data()});
+        kernels::for_each_index(s_.sys, s_.channels,
+                                kernels::eval_coefficients_fn<param_type>{
+                                    s_.running_mean().data(), s_.running_var().data(),
+                                    s_.gamma.data(), static_cast<param_type>(p_.eps),
+                                    s_.eval_mean().data(), s_.eval_scale().data()});
         kernels::normalize(
             s_.sys, x, y, Layout::geometry(shape), std::span<const param_type>(s_.eval_mean()),
             std::span<const param_type>(s_.eval_scale()), std::span<const param_type>(s_.beta));
@@ -499,7 +500,7 @@ private:
         const std::size_t n = s_.running.size();
         if (kept_running_.size() != n)
             kept_running_ = buffer<param_type, System>(n, s_.sys);
-        kernels::detail::for_each_index(
+        kernels::for_each_index(
             s_.sys, n,
             detail::copy_if_fn<param_type>{s_.running.data(), kept_running_.data(), nullptr});
         if constexpr (bn::is_ghost<Policy>) {
@@ -523,7 +524,7 @@ private:
         const std::size_t stride = kernels::packed_moments::size(s_.channels);
         const std::size_t at = ghost_chunks_ * stride;
         grow_ghost_blocks(at + stride, at);
-        kernels::detail::for_each_index(
+        kernels::for_each_index(
             s_.sys, stride,
             detail::copy_if_fn<param_type>{s_.block.data(), ghost_blocks_.data() + at, nullptr});
         ++ghost_chunks_;
@@ -534,7 +535,7 @@ private:
             return;
         buffer<param_type, System> grown(2 * n, s_.sys);
         if (keep != 0)
-            kernels::detail::for_each_index(
+            kernels::for_each_index(
                 s_.sys, keep,
                 detail::copy_if_fn<param_type>{ghost_blocks_.data(), grown.data(), nullptr});
         ghost_blocks_ = std::move(grown);
@@ -566,17 +567,17 @@ private:
             auto all = detail::ensure(ghost_gathered_,
                                       static_cast<std::size_t>(size) * most * stride, s_.sys);
             comm.all_gather(std::span<const param_type>(send), all);
-            kernels::detail::for_each_index(s_.sys, s_.channels,
-                                            detail::ghost_running_fn<param_type>{
-                                                .blocks = all.data(),
-                                                .stride = stride,
-                                                .per_replica = most,
-                                                .replicas = size,
-                                                .global = global,
-                                                .chunk = chunk,
-                                                .momentum = static_cast<param_type>(p_.momentum),
-                                                .running_mean = s_.running_mean().data(),
-                                                .running_var = s_.running_var().data()});
+            kernels::for_each_index(s_.sys, s_.channels,
+                                    detail::ghost_running_fn<param_type>{
+                                        .blocks = all.data(),
+                                        .stride = stride,
+                                        .per_replica = most,
+                                        .replicas = size,
+                                        .global = global,
+                                        .chunk = chunk,
+                                        .momentum = static_cast<param_type>(p_.momentum),
+                                        .running_mean = s_.running_mean().data(),
+                                        .running_var = s_.running_var().data()});
         }
         batches_ += static_cast<std::int64_t>(global / chunk + (global % chunk != 0 ? 1 : 0));
         ghost_chunks_ = 0;
@@ -585,10 +586,9 @@ private:
     /// The commit hook: running statistics = the kept copy when *skip != 0 (read on the device).
     static void commit_step(void* object, const int* skip) {
         auto& self = *static_cast<batch_norm*>(object);
-        kernels::detail::for_each_index(self.s_.sys, self.s_.running.size(),
-                                        detail::copy_if_fn<param_type>{self.kept_running_.data(),
-                                                                       self.s_.running.data(),
-                                                                       skip});
+        kernels::for_each_index(self.s_.sys, self.s_.running.size(),
+                                detail::copy_if_fn<param_type>{self.kept_running_.data(),
+                                                               self.s_.running.data(), skip});
     }
 
     /// Where the forward's device-side checks report: the step's shared status inside a

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "lockstep/core/error.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/optimizer_kernels.hpp"
 #include "lockstep/system/host_system.hpp"
 #include "lockstep/system/system.hpp"
@@ -86,9 +87,8 @@ concept optimizer = requires(O& o, const O& co, std::span<typename O::value_type
 };
 
 namespace optim::detail {
-/// Host passes over fewer elements than this run on the calling thread: an OpenMP parallel
-/// region costs more than it saves there (and much more when the cores are oversubscribed).
-inline constexpr std::size_t host_serial_below = 32768;
+/// Host passes over fewer elements than this run on the calling thread (see kernels/for_each.hpp).
+inline constexpr std::size_t host_serial_below = kernels::host_serial_below;
 } // namespace optim::detail
 
 namespace optim::detail {

@@ -8,6 +8,7 @@
 #include "lockstep/comm/thread_communicator.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/step_status.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/policy/compat.hpp"
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/policy/sync.hpp"
@@ -335,7 +336,7 @@ private:
         constexpr bool server = ReducePolicy::kind == reduce_kind::parameter_server;
         after_reduction(sys, !server || this->rank() == server_root());
         if constexpr (sharded)
-            decltype(checks_)::one_task(sys, detail::shard_checks_to_row_fn{fixed(), shard_row()});
+            kernels::for_each_index(sys, 1, detail::shard_checks_to_row_fn{fixed(), shard_row()});
         // The status (per-replica rows, loss, non-finite counts, layer errors) is summed over
         // replicas in one small all_reduce: every replica then takes the same skip decision,
         // and the gradient factor from the same norm (the reduced gradient is identical on
@@ -343,8 +344,8 @@ private:
         std::span<double> reduced = status_.span().first(rows_ + status_slot::reduced);
         core_.comm().all_reduce(std::span<const double>(reduced), reduced, reduce_op::sum);
         if constexpr (sharded)
-            decltype(checks_)::one_task(
-                sys,
+            kernels::for_each_index(
+                sys, 1,
                 detail::combine_shard_checks_fn{
                     row(0) + replica_slot::slots * static_cast<std::size_t>(core_.comm().size()),
                     core_.comm().size(), fixed()});
@@ -435,9 +436,10 @@ private:
         double* global_loss = chunk_loss + 2;
         acc.finalize(grads, global_loss);
         scaler_.unscale(core_.grads());
-        decltype(checks_)::one_task(sys, detail::reproducible_loss_fn{own_loss, global_loss,
-                                                                      this->rank() == 0,
-                                                                      fixed() + status_slot::loss});
+        kernels::for_each_index(sys, 1,
+                                detail::reproducible_loss_fn{own_loss, global_loss,
+                                                             this->rank() == 0,
+                                                             fixed() + status_slot::loss});
         step_result r;
         r.step = core_.steps();
         r.lr = core_.lr_for(r.step);
@@ -554,15 +556,15 @@ private:
     void begin_status() {
         const auto sys = core_.comm().system();
         thrust::fill(sys.policy(), status_.data(), status_.data() + status_.size(), 0.0);
-        decltype(checks_)::one_task(sys, detail::status_defaults_fn{fixed()});
+        kernels::for_each_index(sys, 1, detail::status_defaults_fn{fixed()});
         commits_.clear();
         sink_ = detail::status_sink{fixed(), 0, skip_.data(), &commits_, detail::next_step_id()};
     }
 
     void decide_skip(const system_type& sys, int replicas, const double* rows) {
-        decltype(checks_)::one_task(sys,
-                                    detail::decide_skip_fn{fixed(), rows, replicas, skip_.data(),
-                                                           core_.params().max_grad_norm});
+        kernels::for_each_index(sys, 1,
+                                detail::decide_skip_fn{fixed(), rows, replicas, skip_.data(),
+                                                       core_.params().max_grad_norm});
     }
 
     /// The layers that changed state in the forward pass keep or restore it (skip flag).

@@ -5,6 +5,7 @@
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/step_status.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/mixed_precision.hpp"
 #include "lockstep/system/buffer.hpp"
 
@@ -106,9 +107,8 @@ public:
         if (!enabled_)
             return;
         known_.reset();
-        thrust::for_each(
-            sys_.policy(), thrust::counting_iterator<std::size_t>(0),
-            thrust::counting_iterator<std::size_t>(1),
+        kernels::for_each_index(
+            sys_, 1,
             kernels::loss_scale_update_fn{.state = state_.data(),
                                           .status = status,
                                           .report = report,

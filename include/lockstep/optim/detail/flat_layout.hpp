@@ -3,6 +3,7 @@
 #pragma once
 
 #include "lockstep/core/error.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/segmented.hpp"
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/system/buffer.hpp"
@@ -31,37 +32,13 @@ namespace lockstep::optim::detail {
 template <execution_system System>
 inline constexpr std::size_t tile_elements = System::is_host ? 8192 : 1024;
 
-/// Runs f(i) for i in [0, count) with sys's policy (any system). The results are the same on
-/// every overload (each f(i) is independent).
-template <execution_system System, class F>
-void for_each_index(const System& sys, std::size_t count, std::size_t /*elements*/, const F& f) {
-    if (count == 0)
-        return;
-    thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                     thrust::counting_iterator<std::size_t>(count), f);
-}
-
-/// On the host system: serially when the pass touches fewer than host_serial_below elements.
-template <class F>
-void for_each_index(const host_system& sys, std::size_t count, std::size_t elements, const F& f) {
-    if (count == 0)
-        return;
-    if (elements < host_serial_below) {
-        thrust::for_each(thrust::cpp::par, thrust::counting_iterator<std::size_t>(0),
-                         thrust::counting_iterator<std::size_t>(count), f);
-        return;
-    }
-    thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                     thrust::counting_iterator<std::size_t>(count), f);
-}
-
 /// Runs f over every element of the tiles (n elements in all): one lane per element on any
 /// system (kernels::tile_lanes).
 template <execution_system System, class F>
 void apply_tiles(const System& sys, const kernels::tile* tiles, std::size_t tile_count,
                  std::size_t n, const F& f, const int* noop) {
     constexpr std::size_t ts = tile_elements<System>;
-    for_each_index(sys, tile_count * ts, n, kernels::tile_lanes<F, ts>{tiles, f, noop});
+    kernels::for_each_index(sys, tile_count * ts, kernels::tile_lanes<F, ts>{tiles, f, noop}, n);
 }
 
 /// On the host system: one task per tile, a vectorized loop (kernels::tile_apply); the same
@@ -69,7 +46,7 @@ void apply_tiles(const System& sys, const kernels::tile* tiles, std::size_t tile
 template <class F>
 void apply_tiles(const host_system& sys, const kernels::tile* tiles, std::size_t tile_count,
                  std::size_t n, const F& f, const int* noop) {
-    for_each_index(sys, tile_count, n, kernels::tile_apply<F>{tiles, f, noop});
+    kernels::for_each_index(sys, tile_count, kernels::tile_apply<F>{tiles, f, noop}, n);
 }
 
 /// Copies a host vector into a new buffer in sys's memory.
@@ -132,7 +109,8 @@ public:
     /// the noop flag (an int in System memory, or null) is set when the kernel runs.
     template <class F>
     void for_each_segment(const System& sys, const F& f, const int* noop = nullptr) const {
-        for_each_index(sys, segments_.size(), segments_.size(), kernels::unless_noop<F>{f, noop});
+        kernels::for_each_index(sys, segments_.size(), kernels::unless_noop<F>{f, noop},
+                                segments_.size());
     }
     /// The tiles (System memory), in element order.
     const kernels::tile* tiles() const noexcept { return tiles_.data(); }
@@ -158,10 +136,12 @@ public:
                 kernels::sum_pair* out, const int* noop = nullptr) const {
         if (partial.size() != tiles_.size())
             partial = buffer<kernels::sum_pair, System>(tiles_.size(), sys);
-        for_each_index(sys, tiles_.size(), n_,
-                       kernels::tile_reduce<F>{tiles_.data(), partial.data(), f, noop});
-        for_each_index(sys, segments_.size(), tiles_.size(),
-                       kernels::segment_sum{ranges_.data(), partial.data(), out});
+        kernels::for_each_index(sys, tiles_.size(),
+                                kernels::tile_reduce<F>{tiles_.data(), partial.data(), f, noop},
+                                n_);
+        kernels::for_each_index(sys, segments_.size(),
+                                kernels::segment_sum{ranges_.data(), partial.data(), out},
+                                tiles_.size());
     }
 
 private:

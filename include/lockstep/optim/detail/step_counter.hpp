@@ -2,6 +2,7 @@
 // scalars, kept in its system's memory. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/optimizer_kernels.hpp"
 #include "lockstep/optim/detail/flat_layout.hpp"
 #include "lockstep/system/buffer.hpp"
@@ -31,7 +32,7 @@ public:
     /// when the step is applied counts it and computes rule(t). ensures: noop() and state()
     /// describe this step for every pass enqueued after it.
     void begin(const System& sys, const int* skip, const Rule& rule) {
-        for_each_index(sys, 1, 1, kernels::begin_step<Rule>{state_.data(), skip, rule});
+        kernels::for_each_index(sys, 1, kernels::begin_step<Rule>{state_.data(), skip, rule}, 1);
     }
 
     /// The drivers' noop flag: the step state's `skip` field, in System memory.

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "lockstep/core/config.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
 
 #include <cstddef>
@@ -162,9 +163,7 @@ void grad_check_tiles(const System& sys, const T* data, std::size_t begin, std::
     const std::size_t tiles = check_tiles(end - begin);
     if (tiles == 0)
         return;
-    thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                     thrust::counting_iterator<std::size_t>(tiles),
-                     tile_check_fn<T>{data, begin, end, base, out, squares});
+    kernels::for_each_index(sys, tiles, tile_check_fn<T>{data, begin, end, base, out, squares});
 }
 
 /// finish(check_sums of tiles [0, tiles) of partial) in one task. F: a host/device callable
@@ -172,9 +171,7 @@ void grad_check_tiles(const System& sys, const T* data, std::size_t begin, std::
 template <class System, class F>
 void grad_check_finish(const System& sys, const double* partial, std::size_t tiles,
                        const F& finish) {
-    thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                     thrust::counting_iterator<std::size_t>(1),
-                     fold_then_fn<F>{partial, tiles, finish});
+    kernels::for_each_index(sys, 1, fold_then_fn<F>{partial, tiles, finish});
 }
 
 } // namespace lockstep::detail

@@ -6,6 +6,7 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/float16.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
 
@@ -104,30 +105,6 @@ private:
     buffer<int, System> send_, recv_, reduced_;
 };
 
-/// Runs fn(0 .. tasks-1) on sys with thrust::for_each (any system).
-template <execution_system System, class Fn>
-void for_each_task(const System& sys, std::size_t tasks, const Fn& fn) {
-    if (tasks == 0)
-        return;
-    thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                     thrust::counting_iterator<std::size_t>(tasks), fn);
-}
-
-/// On the host system: a plain loop when it has one thread or there is one task (no parallel
-/// region per call). The tasks are independent, so the results are the same.
-template <class Fn>
-void for_each_task(const host_system& sys, std::size_t tasks, const Fn& fn) {
-    if (tasks == 0)
-        return;
-    if (sys.threads() == 1 || tasks == 1) {
-        for (std::size_t t = 0; t < tasks; ++t)
-            fn(t);
-        return;
-    }
-    thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                     thrust::counting_iterator<std::size_t>(tasks), fn);
-}
-
 /// The sum over replicas of `piece`, in place, through 16-bit Wire values (lockstep::half or
 /// lockstep::bfloat16). A collective: every replica calls it with the same piece size and a
 /// workspace of the same chunk size. Per chunk of ws.chunk_elements() elements:
@@ -179,21 +156,22 @@ std::size_t compressed_all_reduce(Communicator& comm, std::span<T> piece,
                          s.total_words(), " words per buffer, the workspace holds ", ws.words());
         T* x = piece.data() + at;
         const std::size_t words = s.total_words(), block = s.block_words();
-        for_each_task(sys, tasks(2 * words),
-                      pack_wire_fn<Wire, T>{x, n, ws.send(), 2 * words, tile});
+        kernels::for_each_index(sys, tasks(2 * words),
+                                pack_wire_fn<Wire, T>{x, n, ws.send(), 2 * words, tile});
         comm.all_to_all(std::span<const int>(ws.send(), words), std::span<int>(ws.recv(), words));
         const std::size_t first = s.first(me);
-        for_each_task(sys, tasks(s.shard),
-                      sum_wire_fn<Wire, T>{ws.recv(), s.shard, comm.size(),
-                                           ws.reduced() + me * block, x + first, s.last(me) - first,
-                                           tile});
+        kernels::for_each_index(sys, tasks(s.shard),
+                                sum_wire_fn<Wire, T>{ws.recv(), s.shard, comm.size(),
+                                                     ws.reduced() + me * block, x + first,
+                                                     s.last(me) - first, tile});
         comm.all_gather(std::span<const int>(ws.reduced() + me * block, block),
                         std::span<int>(ws.reduced(), words));
         // The other shards: before and after this replica's (shard boundaries are even, so
         // they start on whole words).
-        for_each_task(sys, tasks(first), unpack_wire_fn<Wire, T>{ws.reduced(), x, first, tile});
+        kernels::for_each_index(sys, tasks(first),
+                                unpack_wire_fn<Wire, T>{ws.reduced(), x, first, tile});
         const std::size_t after = s.last(me);
-        for_each_task(
+        kernels::for_each_index(
             sys, tasks(n - after),
             unpack_wire_fn<Wire, T>{ws.reduced() + after / 2, x + after, n - after, tile});
         collectives += 2;

@@ -7,6 +7,7 @@
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/exact_sum.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/policy/bn.hpp"
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/system/buffer.hpp"
@@ -76,9 +77,7 @@ public:
 private:
     template <class F>
     void run(std::size_t count, const F& f) {
-        if (count != 0)
-            thrust::for_each(sys_.policy(), thrust::counting_iterator<std::size_t>(0),
-                             thrust::counting_iterator<std::size_t>(count), f);
+        kernels::for_each_index(sys_, count, f);
     }
     void write(const std::int64_t* top, std::span<T> g, double* loss) {
         run(n_, kernels::binned_finalize_fn<T>{top, bins_.data(), n_ + 1, 0, g.data()});

@@ -7,6 +7,7 @@
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/step_status.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/segmented.hpp"
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/policy/reduce.hpp"
@@ -125,13 +126,11 @@ public:
                          " segments, the shard ", map_.size());
         const auto sys = comm_->system();
         thrust::fill(sys.policy(), global_.data(), global_.data() + global_.size(), 0.0);
-        thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                         thrust::counting_iterator<std::size_t>(norms.size()),
-                         scatter_norms_fn{norms.data(), map_.data(), global_.data()});
+        kernels::for_each_index(sys, norms.size(),
+                                scatter_norms_fn{norms.data(), map_.data(), global_.data()});
         comm_->all_reduce(std::span<const double>(global_.span()), global_.span(), reduce_op::sum);
-        thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                         thrust::counting_iterator<std::size_t>(norms.size()),
-                         gather_norms_fn{global_.data(), map_.data(), norms.data()});
+        kernels::for_each_index(sys, norms.size(),
+                                gather_norms_fn{global_.data(), map_.data(), norms.data()});
     }
 
 private:

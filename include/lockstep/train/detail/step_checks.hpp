@@ -179,12 +179,6 @@ public:
         grad_check_finish(sys, post_.data(), check_tiles(end - begin), finish_reduced_fn{status});
     }
 
-    template <class F>
-    static void one_task(const System& sys, const F& f) {
-        thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
-                         thrust::counting_iterator<std::size_t>(1), f);
-    }
-
 private:
     std::vector<std::size_t> base_;
     std::size_t piece_tiles_ = 0;

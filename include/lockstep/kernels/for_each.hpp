@@ -1,0 +1,43 @@
+// lockstep/kernels/for_each.hpp: for_each_index, "run f(i) for every i in [0, n) on this system",
+// the one launch helper of every layer. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/system/host_system.hpp"
+#include "lockstep/system/system.hpp"
+
+#include <cstddef>
+#include <limits>
+#include <type_traits>
+
+#include <thrust/for_each.h>
+#include <thrust/iterator/counting_iterator.h>
+
+namespace lockstep::kernels {
+
+/// Host passes that touch fewer elements than this run on the calling thread: an OpenMP
+/// parallel region costs more than it saves there (and much more when the cores are
+/// oversubscribed).
+inline constexpr std::size_t host_serial_below = 32768;
+
+/// Runs f(i) for every i in [0, n) on sys: thrust::for_each with sys.policy() (one thread per
+/// index on a device). The calls must be independent of each other, so the result does not
+/// depend on how they are scheduled. On the host system the calls run as a plain loop on the
+/// calling thread when the system has one thread, when n <= 1, or when `elements` (a hint: the
+/// elements the whole pass touches; default: many) is below host_serial_below.
+template <execution_system System, class F>
+void for_each_index(const System& sys, std::size_t n, F f,
+                    std::size_t elements = std::numeric_limits<std::size_t>::max()) {
+    if (n == 0)
+        return;
+    if constexpr (std::is_same_v<System, host_system>) {
+        if (sys.threads() == 1 || n == 1 || elements < host_serial_below) {
+            for (std::size_t i = 0; i < n; ++i)
+                f(i);
+            return;
+        }
+    }
+    thrust::for_each(sys.policy(), thrust::counting_iterator<std::size_t>(0),
+                     thrust::counting_iterator<std::size_t>(n), f);
+}
+
+} // namespace lockstep::kernels
