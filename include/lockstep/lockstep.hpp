@@ -37,6 +37,7 @@
 #include "lockstep/kernels/mixed_precision.hpp"
 #include "lockstep/kernels/moments.hpp"
 #include "lockstep/kernels/optimizer_kernels.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/philox.hpp"
 #include "lockstep/kernels/segmented.hpp"
 #if LOCKSTEP_HAS_CUDA
