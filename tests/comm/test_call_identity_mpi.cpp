@@ -1,7 +1,6 @@
 // mpi_communicator (verification on) against a replica that swaps, skips or adds a collective:
 // an error on every rank naming the sequence number and both calls, and no wrong value. Its own
 // Catch2 main; CTest runs it with 3 ranks. SPDX-License-Identifier: Apache-2.0
-#define CATCH_CONFIG_RUNNER
 
 #include "support/mpi_session.hpp"
 

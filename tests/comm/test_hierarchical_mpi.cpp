@@ -2,7 +2,6 @@
 // one group of 2 x processes replicas. The collective suite, and data_parallel over it against
 // the same number of flat thread replicas and against one replica.
 // SPDX-License-Identifier: Apache-2.0
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include "support/mpi_session.hpp"

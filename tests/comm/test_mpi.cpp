@@ -1,6 +1,5 @@
 // Tests of mpi_communicator under mpiexec (CTest runs them with 2 and 3 ranks), with its own
 // Catch2 main. SPDX-License-Identifier: Apache-2.0
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include "support/mpi_session.hpp"

@@ -1,7 +1,6 @@
 // Tests of nn::batch_norm<bn::global> over MPI (one replica per process): every rank's slice of
 // y and dx, the summed dgamma/dbeta and the running statistics match single-device BN of the
 // concatenated batch. SPDX-License-Identifier: Apache-2.0
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include "support/mpi_session.hpp"

@@ -1,7 +1,6 @@
 // tests/train/test_async_hierarchical_mpi.cpp: the asynchronous trainers over hierarchical_group
 // (2 replica threads in each MPI process), with its own Catch2 main.
 // SPDX-License-Identifier: Apache-2.0
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include "support/mpi_session.hpp"

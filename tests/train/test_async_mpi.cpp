@@ -1,7 +1,6 @@
 // tests/train/test_async_mpi.cpp: the parameter-server protocol over MPI (one replica per
 // process): bookkeeping, the staleness bound and the final broadcast, with its own Catch2 main.
 // SPDX-License-Identifier: Apache-2.0
-#define CATCH_CONFIG_RUNNER
 #include "lockstep/comm/mpi_communicator.hpp"
 #include "lockstep/train/parameter_server.hpp"
 

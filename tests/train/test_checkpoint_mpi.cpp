@@ -3,7 +3,6 @@
 // parameter server), a checkpoint refused on one rank is refused on every rank, and two jobs
 // saving to one path concurrently leave one job's checkpoint.
 // SPDX-License-Identifier: Apache-2.0
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include "support/mpi_session.hpp"

@@ -2,7 +2,6 @@
 // emulation (each contribution rounded to the wire type, float sum in rank order, the sum
 // rounded), for sizes below the rank count, odd sizes and several chunks.
 // SPDX-License-Identifier: Apache-2.0
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include "support/mpi_session.hpp"

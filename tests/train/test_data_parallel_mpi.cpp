@@ -1,7 +1,6 @@
 // data_parallel over MPI (one replica per process) trains exactly like the same replicas as
 // threads of one process, and like one replica with the whole global batch.
 // SPDX-License-Identifier: Apache-2.0
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include "support/mpi_session.hpp"

@@ -1,7 +1,6 @@
 // Loss scaling over MPI (one replica per process): an overflow on one rank skips the step and
 // backs off the scale on every rank, with bitwise equal weights and scaler states everywhere.
 // SPDX-License-Identifier: Apache-2.0
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include "support/mpi_session.hpp"

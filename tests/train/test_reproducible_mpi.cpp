@@ -1,7 +1,6 @@
 // reduce::reproducible<8> with bn::ghost<8> over MPI (one replica per process): every process
 // holds the bits of 1 and of 3 thread replicas run in the same process, for SGD, AdamW and LAMB
 // in float and double. SPDX-License-Identifier: Apache-2.0
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include "support/mpi_session.hpp"

@@ -2,7 +2,6 @@
 // bucketed trainer over the same processes for SGD, Adam, AdamW, LARS, LAMB (float, double,
 // clipping on and off, registry and visitor), bitwise equal on every rank, an empty shard, a
 // communication thread, and a checkpoint round trip. SPDX-License-Identifier: Apache-2.0
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include "support/mpi_session.hpp"

@@ -2,7 +2,6 @@
 // a global_batch or lr that differs on the last rank, and one NaN gradient element on one rank,
 // fail on every rank naming both values (or the tensor and the rank); the communicator stays
 // usable afterwards. SPDX-License-Identifier: Apache-2.0
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include "support/mpi_session.hpp"

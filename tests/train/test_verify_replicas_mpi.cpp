@@ -2,7 +2,6 @@
 // rank in a parameter, an optimizer moment or a BN running statistic fails every rank at the next
 // check, naming the step, the rank, the tensor and the element; a healthy run passes.
 // SPDX-License-Identifier: Apache-2.0
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include "support/mpi_session.hpp"
