@@ -34,10 +34,10 @@
 #include "lockstep/kernels/bn_statistics.hpp"
 #include "lockstep/kernels/channel_geometry.hpp"
 #include "lockstep/kernels/exact_sum.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/mixed_precision.hpp"
 #include "lockstep/kernels/moments.hpp"
 #include "lockstep/kernels/optimizer_kernels.hpp"
-#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/philox.hpp"
 #include "lockstep/kernels/segmented.hpp"
 #if LOCKSTEP_HAS_CUDA
