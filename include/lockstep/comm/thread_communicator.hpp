@@ -328,6 +328,7 @@ public:
         const int leader = *std::min_element(ranks.begin(), ranks.end());
         if (leader == rank_) {
             std::vector<int> replicas;
+            replicas.reserve(ranks.size());
             for (int j : ranks)
                 replicas.push_back(group_->replica_of(j));
             std::string label = group_->label().empty() ? "" : group_->label() + " / ";

@@ -61,7 +61,7 @@ public:
         mpi_live_guards.fetch_add(1);
     }
     mpi_exit_guard(const mpi_exit_guard&) noexcept : mpi_exit_guard() {}
-    mpi_exit_guard& operator=(const mpi_exit_guard&) noexcept { return *this; }
+    mpi_exit_guard& operator=(const mpi_exit_guard&) noexcept = default;
     ~mpi_exit_guard() { mpi_live_guards.fetch_sub(1); }
 };
 

@@ -316,7 +316,7 @@ public:
     /// records it as the run's failure, leaves the collective like a failed wait does, and
     /// rethrows it.
     [[noreturn]] void abandon_current(int rank, std::uint64_t first, bool final_phase,
-                                      std::exception_ptr e) {
+                                      const std::exception_ptr& e) {
         ctx_->record_failure(replica_of(rank), e, describe(e));
         leave_collective(rank, first, final_phase);
         std::rethrow_exception(e);

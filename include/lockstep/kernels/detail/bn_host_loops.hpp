@@ -125,7 +125,10 @@ void host_channel_moments(int threads, const T* x, channel_geometry g, moments<A
         for (std::size_t c = 0; c < C; ++c) {
             moments<Acc> m;
             for (std::size_t p = 0; p < parts; ++p) {
-                const Acc rows = static_cast<Acc>(g.outer * (p + 1) / parts - g.outer * p / parts);
+                // Integer division on purpose: partition p's rows are [outer p / parts, ...).
+                const Acc rows = static_cast<Acc>(
+                    g.outer * (p + 1) / parts - // NOLINT(bugprone-integer-division)
+                    g.outer * p / parts);       // NOLINT(bugprone-integer-division)
                 m = merge(m, moments<Acc>{rows, state[p * 2 * C + c], state[p * 2 * C + C + c]});
             }
             out[c] = m;

@@ -171,8 +171,8 @@ void verify_same_tensors(Communicator& comm, const std::vector<tensor_info>& par
             if (!settings_differ)
                 msg += " replicas use different settings:";
             settings_differ = true;
-            msg += " " + name + ": " + a + " on replica 0, " + b + " on replica " +
-                   std::to_string(r) + ";";
+            msg.append(" ").append(name).append(": ").append(a).append(" on replica 0, ");
+            msg.append(b).append(" on replica ").append(std::to_string(r)).append(";");
         }
     }
     fail(tensors_differ ? errc::shape_mismatch : errc::invalid_argument, comm.rank(),
