@@ -125,7 +125,7 @@ public:
                 h1_[i * H + j] = acc;
             }
         z_.resize(n * H);
-        bn_->forward_train(ctx.comm(), std::span<const float>(h1_), {n, H}, std::span<float>(z_));
+        bn_->forward_train(ctx, std::span<const float>(h1_), {n, H}, std::span<float>(z_));
         // ReLU, then inverted dropout with masks keyed by the global sample index
         const lockstep::rng_stream drop = ctx.rng(0);
         const float p = o_.dropout, keep_scale = 1.0f / (1.0f - p);
@@ -182,7 +182,7 @@ public:
             da_[i] = (z_[i] > 0.0f && a_[i] != 0.0f) ? da_[i] * keep_scale : 0.0f;
         // batch norm backward, then fc1
         dh_.resize(n * H);
-        bn_->backward(ctx.comm(), std::span<const float>(da_), std::span<float>(dh_));
+        bn_->backward(ctx, std::span<const float>(da_), std::span<float>(dh_));
         for (std::size_t i = 0; i < n; ++i)
             for (std::size_t j = 0; j < H; ++j) {
                 const float g = dh_[i * H + j];

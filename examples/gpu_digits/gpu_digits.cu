@@ -259,7 +259,7 @@ public:
             linear(x_.data(), w1_.value().data(), b1_.value().data(), h_.data(), n, features,
                    hidden);
         }
-        bn_->forward_train(ctx.comm(), std::span<const float>(h_.data(), n * hidden), {n, hidden},
+        bn_->forward_train(ctx, std::span<const float>(h_.data(), n * hidden), {n, hidden},
                            std::span<float>(z_.data(), n * hidden));
         if (n > 0) {
             relu_dropout_kernel<<<blocks(n * hidden), 256, 0, s>>>(z_.data(), a_.data(), n, first,
@@ -288,7 +288,7 @@ public:
             check_cuda_launch(rank_, "relu_dropout_grad_kernel");
         }
         // dh into z_ (z is not needed any more).
-        bn_->backward(ctx.comm(), std::span<const float>(a_.data(), n * hidden),
+        bn_->backward(ctx, std::span<const float>(a_.data(), n * hidden),
                       std::span<float>(z_.data(), n * hidden));
         ctx.mark_ready(gamma_);
         ctx.mark_ready(beta_);

@@ -16,7 +16,6 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/float16.hpp"
 #include "lockstep/core/float16_arrays.hpp"
-#include "lockstep/core/step_status.hpp"
 
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_sync.hpp"
@@ -35,6 +34,7 @@
 #include "lockstep/kernels/channel_geometry.hpp"
 #include "lockstep/kernels/exact_sum.hpp"
 #include "lockstep/kernels/for_each.hpp"
+#include "lockstep/kernels/layer_report.hpp"
 #include "lockstep/kernels/mixed_precision.hpp"
 #include "lockstep/kernels/moments.hpp"
 #include "lockstep/kernels/optimizer_kernels.hpp"
@@ -73,6 +73,7 @@
 #include "lockstep/policy/sync.hpp"
 
 #include "lockstep/nn/batch_norm.hpp"
+#include "lockstep/nn/layer_step.hpp"
 #include "lockstep/nn/layout.hpp"
 
 #include "lockstep/optim/adam.hpp"
@@ -92,4 +93,5 @@
 #include "lockstep/train/replica_context.hpp"
 #include "lockstep/train/rng.hpp"
 #include "lockstep/train/shard.hpp"
+#include "lockstep/train/step_state.hpp"
 #include "lockstep/train/train_params.hpp"

@@ -250,7 +250,6 @@ public:
     /// back to the host inside the step.
     void train(const lockstep::shard_range& r, context_type& ctx) {
         using lockstep::nn::tensor_shape;
-        auto& comm = ctx.comm();
         const std::size_t n = r.size();
         LOCKSTEP_REQUIRE(n <= cap_, lockstep::errc::invalid_argument, ctx.rank(), "test_net",
                          "shard of ", n, " samples, capacity ", cap_);
@@ -260,16 +259,16 @@ public:
         const std::size_t nh = n * hidden, no = n * outputs;
 
         launch(sys_, nh, linear_fn{x_.data(), values_[w1].data(), h1_.data(), inputs, hidden});
-        bn_[0]->forward_train(comm, cspan(h1_, nh), hs, span(z1_, nh));
+        bn_[0]->forward_train(ctx, cspan(h1_, nh), hs, span(z1_, nh));
         if (ctx.step() == k_.throw_at_step && ctx.rank() == k_.throw_rank)
             lockstep::fail(lockstep::errc::internal, ctx.rank(), "test_net.train",
                            "failure injected after bn1's forward in step ", ctx.step());
         launch(sys_, nh, relu_fn{z1_.data(), a1_.data()});
         launch(sys_, nh, linear_fn{a1_.data(), values_[w2].data(), h2_.data(), hidden, hidden});
-        bn_[1]->forward_train(comm, cspan(h2_, nh), hs, span(z2_, nh));
+        bn_[1]->forward_train(ctx, cspan(h2_, nh), hs, span(z2_, nh));
         launch(sys_, nh, relu_fn{z2_.data(), a2_.data()});
         launch(sys_, no, linear_fn{a2_.data(), values_[w3].data(), h3_.data(), hidden, outputs});
-        bn_[2]->forward_train(comm, cspan(h3_, no), os, span(y_, no));
+        bn_[2]->forward_train(ctx, cspan(h3_, no), os, span(y_, no));
 
         launch(sys_, n, squared_error_fn{y_.data(), t_.data(), dy_.data(), loss_.data(), r.scale});
         if (ctx.loss_slot() != nullptr)
@@ -277,7 +276,7 @@ public:
 
         // Backward: each layer's gradients are marked ready as soon as they are final, so the
         // bucket reductions interleave with the BN layers' backward collectives.
-        bn_[2]->backward(comm, cspan(dy_, no), span(da_, no)); // da = dh3
+        bn_[2]->backward(ctx, cspan(dy_, no), span(da_, no)); // da = dh3
         mark(ctx, g3);
         mark(ctx, be3);
         launch(
@@ -287,7 +286,7 @@ public:
         launch(sys_, nh,
                linear_input_grad_fn{da_.data(), values_[w3].data(), db_.data(), hidden, outputs});
         launch(sys_, nh, relu_grad_fn{z2_.data(), db_.data()});
-        bn_[1]->backward(comm, cspan(db_, nh), span(da_, nh)); // da = dh2
+        bn_[1]->backward(ctx, cspan(db_, nh), span(da_, nh)); // da = dh2
         mark(ctx, g2);
         mark(ctx, be2);
         launch(sys_, hidden * hidden,
@@ -296,7 +295,7 @@ public:
         launch(sys_, nh,
                linear_input_grad_fn{da_.data(), values_[w2].data(), db_.data(), hidden, hidden});
         launch(sys_, nh, relu_grad_fn{z1_.data(), db_.data()});
-        bn_[0]->backward(comm, cspan(db_, nh), span(da_, nh)); // da = dh1
+        bn_[0]->backward(ctx, cspan(db_, nh), span(da_, nh)); // da = dh1
         mark(ctx, g1);
         mark(ctx, be1);
         launch(sys_, hidden * inputs,

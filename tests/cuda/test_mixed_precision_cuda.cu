@@ -95,14 +95,15 @@ TEST_CASE("loss_scaler on a GPU: backoff, growth and state round trip", "[gpu][m
     loss_scaler<cuda_system> s(cfg, dev);
     CHECK(s.state() == loss_scaler_state{1024, 0});
     CHECK(s.known_scale() == 1024.0);
-    buffer<double, cuda_system> status(status_slot::slots, dev), report(3, dev);
+    // [0] the non-finite count, [1] the skip decision, in device memory.
+    buffer<double, cuda_system> status(2, dev);
+    buffer<kernels::loss_scale_record, cuda_system> report(1, dev);
     auto step = [&](double non_finite) {
-        std::vector<double> st(status_slot::slots, 0.0);
-        st[status_slot::non_finite] = non_finite;
-        st[status_slot::skip] = non_finite > 0 ? 1 : 0;
+        const std::vector<double> st{non_finite, non_finite > 0 ? 1.0 : 0.0};
         copy(std::span<const double>(st), host_system{}, status.span(), dev);
-        s.update(status.data(), report.data());
-        return s.observe(to_host(std::span<const double>(report.span()), dev), true);
+        s.update(status.data(), status.data() + 1, report.data());
+        return s.observe(
+            to_host(std::span<const kernels::loss_scale_record>(report.span()), dev)[0], true);
     };
     CHECK(step(0).next == loss_scaler_state{1024, 1});
     const loss_scale_report grown = step(0);

@@ -105,8 +105,7 @@ public:
                 h[s * H + j] = acc;
             }
         if (sh_.batch_norm)
-            bn_->forward_train(ctx.comm(), std::span<const T>(h), nn::tensor_shape{n, H},
-                               std::span<T>(z));
+            bn_->forward_train(ctx, std::span<const T>(h), nn::tensor_shape{n, H}, std::span<T>(z));
         else
             z = h;
         std::vector<char> keep(n * H);
@@ -159,7 +158,7 @@ public:
                 dz[s * H + j] = pass ? T(acc * keep_scale) : T(0);
             }
         if (sh_.batch_norm)
-            bn_->backward(ctx.comm(), std::span<const T>(dz), std::span<T>(dh));
+            bn_->backward(ctx, std::span<const T>(dz), std::span<T>(dh));
         else
             dh = dz;
         if constexpr (S == storage::registry)

@@ -62,10 +62,10 @@ struct bn_stack {
                 t[s * channels + c] = static_cast<float>(std::cos(0.3 * g - double(c)));
             }
         const nn::tensor_shape shape{n, channels};
-        bn[0]->forward_train(ctx.comm(), std::span<const float>(a), shape, std::span<float>(b));
-        bn[1]->forward_train(ctx.comm(), std::span<const float>(b), shape, std::span<float>(a));
+        bn[0]->forward_train(ctx, std::span<const float>(a), shape, std::span<float>(b));
+        bn[1]->forward_train(ctx, std::span<const float>(b), shape, std::span<float>(a));
         std::vector<float> y(a.size());
-        bn[2]->forward_train(ctx.comm(), std::span<const float>(a), shape, std::span<float>(y));
+        bn[2]->forward_train(ctx, std::span<const float>(a), shape, std::span<float>(y));
         double loss = 0;
         std::vector<float> dy(y.size()), d1(y.size()), d2(y.size());
         for (std::size_t i = 0; i < y.size(); ++i) {
@@ -74,9 +74,9 @@ struct bn_stack {
         }
         if (poison && !dy.empty())
             dy[0] = std::numeric_limits<float>::quiet_NaN();
-        bn[2]->backward(ctx.comm(), std::span<const float>(dy), std::span<float>(d1));
-        bn[1]->backward(ctx.comm(), std::span<const float>(d1), std::span<float>(d2));
-        bn[0]->backward(ctx.comm(), std::span<const float>(d2), std::span<float>(d1));
+        bn[2]->backward(ctx, std::span<const float>(dy), std::span<float>(d1));
+        bn[1]->backward(ctx, std::span<const float>(d1), std::span<float>(d2));
+        bn[0]->backward(ctx, std::span<const float>(d2), std::span<float>(d1));
         return loss;
     }
 

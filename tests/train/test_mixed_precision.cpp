@@ -14,6 +14,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <array>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -328,11 +330,12 @@ TEST_CASE("loss_scaler: backoff on overflow, growth after the interval, state ro
     CHECK(s.state() == loss_scaler_state{1024, 0});
     CHECK(*s.scale_device() == 1024);
     CHECK(*s.inverse_device() == 1.0 / 1024);
-    std::vector<double> status(status_slot::slots, 0.0), report(3, -1.0);
-    auto step = [&](double non_finite, double skip) {
-        status[status_slot::non_finite] = non_finite;
-        status[status_slot::skip] = skip;
-        s.update(status.data(), report.data());
+    double non_finite = 0, skip = 0;
+    kernels::loss_scale_record report{-1, -1, -1};
+    auto step = [&](double overflow, double skipped) {
+        non_finite = overflow;
+        skip = skipped;
+        s.update(&non_finite, &skip, &report);
         return s.observe(report, true);
     };
     // Two good steps: the tracker counts; the third grows the scale and resets it.
@@ -358,12 +361,13 @@ TEST_CASE("loss_scaler: backoff on overflow, growth after the interval, state ro
     CHECK(t.state() == saved);
     CHECK(*t.inverse_device() == 1.0 / 1024);
     // The restored scaler continues exactly as the original.
-    std::vector<double> report2(3);
-    status[status_slot::non_finite] = 0;
-    status[status_slot::skip] = 0;
-    s.update(status.data(), report.data());
-    t.update(status.data(), report2.data());
-    CHECK(report == report2);
+    kernels::loss_scale_record report2{};
+    non_finite = 0;
+    skip = 0;
+    s.update(&non_finite, &skip, &report);
+    t.update(&non_finite, &skip, &report2);
+    CHECK(std::bit_cast<std::array<double, 3>>(report) ==
+          std::bit_cast<std::array<double, 3>>(report2));
     CHECK(t.state() == loss_scaler_state{1024, 2});
     // Invalid states and knobs are refused, naming the values; a refused restore changes nothing.
     CHECK_THROWS_WITH(t.restore({0.0, 0}), Catch::Contains("scale = 0"));
@@ -382,14 +386,14 @@ TEST_CASE("loss_scaler: backoff on overflow, growth after the interval, state ro
     // Growth stops where the scale would become infinite.
     loss_scaler<host_system> big(
         loss_scaling{.init_scale = std::ldexp(1.0, 1023), .growth_interval = 1}, sys);
-    status[status_slot::skip] = 0;
-    big.update(status.data(), report.data());
+    skip = 0;
+    big.update(&non_finite, &skip, &report);
     CHECK(big.state() == loss_scaler_state{std::ldexp(1.0, 1023), 0});
     // Disabled: scale 1 forever, update does nothing.
     loss_scaler<host_system> off(std::nullopt, sys);
     CHECK(!off.enabled());
-    status[status_slot::non_finite] = 3;
-    off.update(status.data(), report.data());
+    non_finite = 3;
+    off.update(&non_finite, &skip, &report);
     CHECK(off.state() == loss_scaler_state{1, 0});
     CHECK(off.observe(report, true).used == 1.0);
     CHECK_THROWS(off.restore({2, 0}));

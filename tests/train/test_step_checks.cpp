@@ -2,10 +2,10 @@
 // indices and squared norms of gradient_checks<host_system> against an independent recursive
 // reference of the stated order, bit for bit, over sizes around the tile and lane widths and with
 // NaN/inf at tile edges. SPDX-License-Identifier: Apache-2.0
-#include "lockstep/core/step_status.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
 #include "lockstep/train/detail/step_checks.hpp"
+#include "lockstep/train/step_state.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -60,11 +60,12 @@ std::vector<T> gradient(std::size_t n, unsigned seed) {
     return g;
 }
 
-/// What gradient_checks wrote: the status_slot block after finish_local and check_reduced over
+/// What gradient_checks wrote: the totals and outcome after finish_local and check_reduced over
 /// [begin, end), and this replica's row.
 struct check_result {
-    std::vector<double> status;
-    std::vector<double> row;
+    step_totals totals;
+    step_outcome outcome;
+    replica_row row;
 };
 
 /// Runs the checks as the trainer does: the pieces (three, cut unevenly, checked last first),
@@ -78,16 +79,15 @@ check_result run_checks(const std::vector<T>& x, std::size_t begin, std::size_t 
     pieces[1] = {.offset = n / 5, .size = n / 2 - n / 5};
     pieces[2] = {.offset = n / 2, .size = n - n / 2};
     detail::gradient_checks<host_system> checks(pieces, n, sys);
-    buffer<double, host_system> status(status_slot::slots, sys);
-    buffer<double, host_system> row(replica_slot::slots, sys);
+    check_result r{};
     for (std::size_t k = pieces.size(); k-- > 0;)
         checks.check_piece(sys, std::span<const T>(x), k, pieces[k]);
-    checks.finish_local(sys, 0.5, 8.0, 0.1, status.data(), row.data());
+    checks.finish_local(sys, 0.5, 8.0, 0.1, &r.totals, &r.row);
     if (begin == 0 && end == n)
-        checks.check_reduced(sys, std::span<const T>(x), true, status.data());
+        checks.check_reduced(sys, std::span<const T>(x), true, &r.outcome);
     else
-        checks.check_reduced(sys, std::span<const T>(x), begin, end, true, status.data());
-    return {{status.begin(), status.end()}, {row.begin(), row.end()}};
+        checks.check_reduced(sys, std::span<const T>(x), begin, end, true, &r.outcome);
+    return r;
 }
 
 std::uint64_t bits(double v) {
@@ -105,16 +105,16 @@ TEMPLATE_TEST_CASE("gradient checks sum squares in the documented order, bit for
         CAPTURE(n);
         const std::vector<T> x = gradient<T>(n, static_cast<unsigned>(n % 7));
         const check_result whole = run_checks(x, 0, n);
-        CHECK(bits(whole.status[status_slot::grad_norm2]) == bits(ordered_squares(x, 0, n)));
-        CHECK(whole.status[status_slot::reduced_non_finite] == 0.0);
-        CHECK(whole.status[status_slot::reduced_first] == 0.0);
-        CHECK(whole.status[status_slot::non_finite] == 0.0);
-        CHECK(whole.row[replica_slot::non_finite] == 0.0);
-        CHECK(whole.row[replica_slot::first_non_finite] == 0.0);
+        CHECK(bits(whole.outcome.grad_norm2) == bits(ordered_squares(x, 0, n)));
+        CHECK(whole.outcome.reduced_non_finite == 0.0);
+        CHECK(whole.outcome.reduced_first == 0.0);
+        CHECK(whole.totals.non_finite == 0.0);
+        CHECK(whole.row.non_finite == 0.0);
+        CHECK(whole.row.first_non_finite == 0.0);
         // a shard that starts inside a tile and a lane row
         const std::size_t b = n / 3 + 1 < n ? n / 3 + 1 : 0;
         const check_result part = run_checks(x, b, n);
-        CHECK(bits(part.status[status_slot::grad_norm2]) == bits(ordered_squares(x, b, n)));
+        CHECK(bits(part.outcome.grad_norm2) == bits(ordered_squares(x, b, n)));
     }
 }
 
@@ -151,12 +151,12 @@ TEMPLATE_TEST_CASE("gradient checks count NaN/inf and find the first, wherever t
         CAPTURE(p.at);
         const check_result r = run_checks(x, 0, n);
         const auto count = static_cast<double>(p.at.size());
-        CHECK(r.status[status_slot::non_finite] == count);
-        CHECK(r.row[replica_slot::non_finite] == count);
-        CHECK(r.row[replica_slot::first_non_finite] == static_cast<double>(first + 1));
-        CHECK(r.status[status_slot::reduced_non_finite] == count);
-        CHECK(r.status[status_slot::reduced_first] == static_cast<double>(first + 1));
-        const double norm2 = r.status[status_slot::grad_norm2];
+        CHECK(r.totals.non_finite == count);
+        CHECK(r.row.non_finite == count);
+        CHECK(r.row.first_non_finite == static_cast<double>(first + 1));
+        CHECK(r.outcome.reduced_non_finite == count);
+        CHECK(r.outcome.reduced_first == static_cast<double>(first + 1));
+        const double norm2 = r.outcome.grad_norm2;
         if (p.has_nan)
             CHECK(std::isnan(norm2));
         else
@@ -170,8 +170,8 @@ TEMPLATE_TEST_CASE("gradient checks count NaN/inf and find the first, wherever t
                 ++shard_count;
             }
         const check_result s = run_checks(x, b, n);
-        CHECK(s.status[status_slot::reduced_non_finite] == static_cast<double>(shard_count));
-        CHECK(s.status[status_slot::reduced_first] ==
+        CHECK(s.outcome.reduced_non_finite == static_cast<double>(shard_count));
+        CHECK(s.outcome.reduced_first ==
               (shard_count == 0 ? 0.0 : static_cast<double>(shard_first + 1)));
     }
 }

@@ -438,13 +438,13 @@ struct bn_net {
         if (nan_input && n > 0)
             x[0] = std::numeric_limits<float>::quiet_NaN();
         const nn::tensor_shape shape{n, channels};
-        bn->forward_train(ctx.comm(), std::span<const float>(x), shape, std::span<float>(y));
+        bn->forward_train(ctx, std::span<const float>(x), shape, std::span<float>(y));
         double loss = 0;
         for (std::size_t i = 0; i < y.size(); ++i) {
             loss += double(y[i] * t[i]) * r.scale;
             dy[i] = float(t[i] * r.scale);
         }
-        bn->backward(ctx.comm(), std::span<const float>(dy), std::span<float>(dx));
+        bn->backward(ctx, std::span<const float>(dy), std::span<float>(dx));
         return loss;
     }
     bn_ctx::handle gamma, beta;

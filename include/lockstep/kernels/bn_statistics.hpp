@@ -5,8 +5,8 @@
 #pragma once
 
 #include "lockstep/core/config.hpp"
-#include "lockstep/core/step_status.hpp"
 #include "lockstep/kernels/bn_fused.hpp"
+#include "lockstep/kernels/layer_report.hpp"
 #include "lockstep/kernels/moments.hpp"
 
 #include <cstddef>
@@ -50,9 +50,8 @@ struct wide_moments {
 /// - Errors (channel 0): a block whose status is not 0 (layer_error::peer_invalid_input, value
 ///   = that replica's world rank), or statistics over exactly one value per channel
 ///   (layer_error::single_value: the merged count when normalize_merged, else any block's).
-///   With `report_only_errors` (a step's shared status) an error adds 1 to
-///   status[layer_errors] and fills the error slots if they are empty; without it (a layer's
-///   own status) the three error slots are overwritten, with zeros when all is well.
+///   Reported through `report` (layer_report::write: a step's shared report counts errors and
+///   keeps the first; a layer's own record is overwritten, with zeros when all is well).
 template <class Acc>
 struct finish_statistics_fn {
     const Acc* blocks;
@@ -72,9 +71,7 @@ struct finish_statistics_fn {
     Acc* running_mean;
     Acc* running_var;
     double* count; ///< out: the values per channel the normalization statistics cover
-    double* status;
-    bool report_only_errors;
-    double layer;
+    layer_report report;
 
     LOCKSTEP_HOST_DEVICE wide_moments<Acc> merged(int first, int last, std::size_t c) const {
         wide_moments<Acc> m;
@@ -128,20 +125,7 @@ private:
                 }
             }
         }
-        if (!report_only_errors) {
-            status[status_slot::error_code] = static_cast<double>(code);
-            status[status_slot::error_layer] = layer;
-            status[status_slot::error_value] = value;
-            return;
-        }
-        if (code == layer_error::none)
-            return;
-        status[status_slot::layer_errors] += 1;
-        if (status[status_slot::error_code] == 0) {
-            status[status_slot::error_code] = static_cast<double>(code);
-            status[status_slot::error_layer] = layer;
-            status[status_slot::error_value] = value;
-        }
+        report.write(code, value);
     }
 };
 

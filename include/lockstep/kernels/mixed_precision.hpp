@@ -7,7 +7,6 @@
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/float16.hpp"
 #include "lockstep/core/float16_arrays.hpp"
-#include "lockstep/core/step_status.hpp"
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/system/system.hpp"
 
@@ -102,45 +101,44 @@ struct multiply_by_fn {
     }
 };
 
-/// The slots of a loss scaler's state in its system's memory.
-namespace loss_scale_state_slot {
-inline constexpr std::size_t scale = 0;          ///< the scale of the next (or current) step
-inline constexpr std::size_t growth_tracker = 1; ///< consecutive applied steps since a change
-inline constexpr std::size_t inverse = 2;        ///< 1 / scale (the unscale factor)
-inline constexpr std::size_t slots = 3;
-} // namespace loss_scale_state_slot
+/// A loss scaler's state in its system's memory.
+struct loss_scale_device_state {
+    double scale = 1;          ///< the scale of the next (or current) step
+    double growth_tracker = 0; ///< consecutive applied steps since a change
+    double inverse = 1;        ///< 1 / scale (the unscale factor)
+};
 
-/// The slots a loss scale update writes next to a step's status, for the host's end-of-step read.
-namespace loss_scale_report_slot {
-inline constexpr std::size_t used = 0;           ///< the scale the step's backward used
-inline constexpr std::size_t next = 1;           ///< the scale of the next step
-inline constexpr std::size_t growth_tracker = 2; ///< the growth tracker after the step
-inline constexpr std::size_t slots = 3;
-} // namespace loss_scale_report_slot
+/// What a loss scale update writes next to a step's state, for the host's end-of-step read.
+struct loss_scale_record {
+    double used = 0;           ///< the scale the step's backward used
+    double next = 0;           ///< the scale of the next step
+    double growth_tracker = 0; ///< the growth tracker after the step
+};
 
 /// One task, after the step's status is final (summed over replicas for synchronous steps,
 /// the skip decision taken): the dynamic loss scale update of torch.cuda.amp.GradScaler.
-/// - status[non_finite] > 0 (an overflow): scale *= backoff, tracker = 0;
-/// - else, the step applied (status[skip] == 0): tracker += 1, and when tracker reaches
+/// - *overflow > 0 (NaN/inf gradient elements): scale *= backoff, tracker = 0;
+/// - else, the step applied (*skipped == 0): tracker += 1, and when tracker reaches
 ///   interval: scale *= growth (kept when the product would be infinite), tracker = 0;
 /// - else (skipped for another reason): unchanged.
-/// report receives the scale used, the next scale and the tracker (loss_scale_report_slot).
+/// report receives the scale used, the next scale and the tracker.
 /// Deterministic in the status: replicas that see the same status take the same decision.
 struct loss_scale_update_fn {
-    double* state;        ///< loss_scale_state_slot layout
-    const double* status; ///< status_slot layout
-    double* report;       ///< loss_scale_report_slot layout
+    loss_scale_device_state* state;
+    const double* overflow; ///< the step's count of non-finite gradient elements
+    const double* skipped;  ///< the step's skip decision (1: skipped)
+    loss_scale_record* report;
     double growth;
     double backoff;
     double interval;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        const double used = state[loss_scale_state_slot::scale];
+        const double used = state->scale;
         double scale = used;
-        double tracker = state[loss_scale_state_slot::growth_tracker];
-        if (status[status_slot::non_finite] > 0) {
+        double tracker = state->growth_tracker;
+        if (*overflow > 0) {
             scale = used * backoff;
             tracker = 0;
-        } else if (status[status_slot::skip] == 0) {
+        } else if (*skipped == 0) {
             tracker += 1;
             if (tracker >= interval) {
                 const double grown = scale * growth;
@@ -149,12 +147,12 @@ struct loss_scale_update_fn {
                 tracker = 0;
             }
         }
-        state[loss_scale_state_slot::scale] = scale;
-        state[loss_scale_state_slot::growth_tracker] = tracker;
-        state[loss_scale_state_slot::inverse] = 1.0 / scale;
-        report[loss_scale_report_slot::used] = used;
-        report[loss_scale_report_slot::next] = scale;
-        report[loss_scale_report_slot::growth_tracker] = tracker;
+        state->scale = scale;
+        state->growth_tracker = tracker;
+        state->inverse = 1.0 / scale;
+        report->used = used;
+        report->next = scale;
+        report->growth_tracker = tracker;
     }
 };
 

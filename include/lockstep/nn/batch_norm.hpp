@@ -7,15 +7,16 @@
 #include "lockstep/comm/host_wait.hpp"
 #include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/error.hpp"
-#include "lockstep/core/step_status.hpp"
 #include "lockstep/kernels/bn_backward.hpp"
 #include "lockstep/kernels/bn_forward.hpp"
 #include "lockstep/kernels/bn_functors.hpp"
 #include "lockstep/kernels/bn_fused.hpp"
 #include "lockstep/kernels/bn_statistics.hpp"
 #include "lockstep/kernels/for_each.hpp"
+#include "lockstep/kernels/layer_report.hpp"
 #include "lockstep/kernels/moments.hpp"
 #include "lockstep/nn/detail/bn_state.hpp"
+#include "lockstep/nn/layer_step.hpp"
 #include "lockstep/nn/layout.hpp"
 #include "lockstep/policy/bn.hpp"
 #include "lockstep/policy/reduce.hpp"
@@ -131,7 +132,7 @@ struct batch_norm_params {
 ///   (bn::global, bn::group; the others 1 or none), and never wait on the host inside a step.
 template <class T, bn_stat_policy Policy = bn::local, tensor_layout Layout = nchw,
           class System = host_system>
-class batch_norm {
+class batch_norm final : private step_participant {
     static_assert(!System::is_host || std::is_same_v<T, float> || std::is_same_v<T, double>,
                   "nn::batch_norm on the host system takes float or double data; half and "
                   "bfloat16 storage is available on the CUDA system only.");
@@ -227,16 +228,65 @@ public:
     /// {N, H, W, C} or {N, C}) with C == channels(); x.size() == y.size() == shape.elements();
     /// the statistics are taken over more than one value per channel (globally under
     /// bn::global) unless over none.
+    /// Outside a trainer's step (no layer_step): the layer checks its own status at once and
+    /// throws what it found.
     template <communicator Comm>
     void forward_train(Comm& comm, std::span<const T> x, const tensor_shape& shape,
                        std::span<T> y) {
+        train_forward(comm, nullptr, x, shape, y);
+    }
+    /// Inside a trainer's step, with the replica_context the step function got: as above on
+    /// ctx.comm(), and the layer's device-side errors go to the step (reported at its end, the
+    /// step skipped on every replica), the running statistics are restored when the step is
+    /// skipped, and bn::ghost follows the reproducible step's chunks.
+    template <layer_context Ctx>
+    requires(!communicator<Ctx>) void forward_train(Ctx& ctx, std::span<const T> x,
+                                                    const tensor_shape& shape, std::span<T> y) {
+        train_forward(ctx.comm(), ctx.layer_step(), x, shape, y);
+    }
+
+    /// Inference forward with the running statistics; no communication.
+    /// requires: as forward_train (any number of values per channel).
+    void forward_eval(std::span<const T> x, const tensor_shape& shape, std::span<T> y) {
+        const std::string problem = check_input(x.size(), shape, y.size());
+        if (!problem.empty())
+            fail(errc::shape_mismatch, -1, "batch_norm.forward_eval", problem);
+        kernels::for_each_index(s_.sys, s_.channels,
+                                kernels::eval_coefficients_fn<param_type>{
+                                    s_.running_mean().data(), s_.running_var().data(),
+                                    s_.gamma.data(), static_cast<param_type>(p_.eps),
+                                    s_.eval_mean().data(), s_.eval_scale().data()});
+        kernels::normalize(
+            s_.sys, x, y, Layout::geometry(shape), std::span<const param_type>(s_.eval_mean()),
+            std::span<const param_type>(s_.eval_scale()), std::span<const param_type>(s_.beta));
+    }
+
+    /// Backward of the last forward_train: writes dx, adds this replica's partial sums to dgamma
+    /// and dbeta. Under bn::global and bn::group one all_reduce of (sum dy, sum dy * (x - mean))
+    /// makes dx the gradient of the combined batch. requires: dy.size() == dx.size() == the
+    /// size of the last forward_train's x, which is still valid. Outside a trainer's step (a
+    /// communicator): a peer's invalid gradients are checked at once (one host wait).
+    template <communicator Comm>
+    void backward(Comm& comm, std::span<const T> dy, std::span<T> dx) {
+        train_backward(comm, nullptr, dy, dx);
+    }
+    /// Inside a trainer's step (its replica_context): nothing waits on the host.
+    template <layer_context Ctx>
+    requires(!communicator<Ctx>) void backward(Ctx& ctx, std::span<const T> dy, std::span<T> dx) {
+        train_backward(ctx.comm(), ctx.layer_step(), dy, dx);
+    }
+
+private:
+    template <communicator Comm>
+    void train_forward(Comm& comm, layer_step* step, std::span<const T> x,
+                       const tensor_shape& shape, std::span<T> y) {
         static constexpr const char* op = "batch_norm.forward_train";
         const int rank = comm.rank();
         check_system(comm, op);
         // Outside a step the layer's error is read back after the all_gather: its pinned host
         // side is allocated before the collective is enqueued (cudaMallocHost between enqueue
         // and wait can deadlock with another thread's NCCL call).
-        if (lockstep::detail::current_status_sink() == nullptr)
+        if (step == nullptr)
             (void)error_read();
         const std::string problem = check_input(x.size(), shape, y.size());
         has_forward_ = false;
@@ -291,16 +341,15 @@ public:
         // kept and every chunk of the step is applied in global order at its end.
         bool ghost_step = false;
         if constexpr (bn::is_ghost<Policy>) {
-            auto* sink = lockstep::detail::current_status_sink();
-            ghost_step = sink != nullptr && sink->commits != nullptr &&
-                         bn::detail::current_ghost_global() != 0;
+            ghost_step = step != nullptr && step->ghost_global() != 0;
             if (ghost_step) {
                 running_first = 0;
                 running_last = 0;
             }
         }
-        keep_running_statistics();
-        detail_status status = status_target();
+        keep_running_statistics(step);
+        const kernels::layer_report report =
+            step != nullptr ? step->next_report() : kernels::layer_report{s_.own_error()};
         kernels::for_each_index(s_.sys, s_.channels,
                                 kernels::finish_statistics_fn<param_type>{
                                     .blocks = blocks,
@@ -320,19 +369,17 @@ public:
                                     .running_mean = s_.running_mean().data(),
                                     .running_var = s_.running_var().data(),
                                     .count = s_.normalization_count(),
-                                    .status = status.slots,
-                                    .report_only_errors = status.shared,
-                                    .layer = static_cast<double>(status.layer)});
+                                    .report = report});
         if constexpr (bn::is_ghost<Policy>) {
             if (ghost_step) {
-                record_ghost_chunk(comm, !xs.empty());
+                record_ghost_chunk(comm, step->ghost_global(), !xs.empty());
             } else {
                 ++batches_;
             }
         } else {
             ++batches_;
         }
-        if (!status.shared)
+        if (step == nullptr)
             throw_layer_error(comm, op, shape);
         kernels::normalize(
             s_.sys, xs, y.first(xs.size()), g, std::span<const param_type>(s_.batch_mean()),
@@ -342,28 +389,8 @@ public:
         has_forward_ = true;
     }
 
-    /// Inference forward with the running statistics; no communication.
-    /// requires: as forward_train (any number of values per channel).
-    void forward_eval(std::span<const T> x, const tensor_shape& shape, std::span<T> y) {
-        const std::string problem = check_input(x.size(), shape, y.size());
-        if (!problem.empty())
-            fail(errc::shape_mismatch, -1, "batch_norm.forward_eval", problem);
-        kernels::for_each_index(s_.sys, s_.channels,
-                                kernels::eval_coefficients_fn<param_type>{
-                                    s_.running_mean().data(), s_.running_var().data(),
-                                    s_.gamma.data(), static_cast<param_type>(p_.eps),
-                                    s_.eval_mean().data(), s_.eval_scale().data()});
-        kernels::normalize(
-            s_.sys, x, y, Layout::geometry(shape), std::span<const param_type>(s_.eval_mean()),
-            std::span<const param_type>(s_.eval_scale()), std::span<const param_type>(s_.beta));
-    }
-
-    /// Backward of the last forward_train: writes dx, adds this replica's partial sums to dgamma
-    /// and dbeta. Under bn::global and bn::group one all_reduce of (sum dy, sum dy * (x - mean))
-    /// makes dx the gradient of the combined batch. requires: dy.size() == dx.size() == the
-    /// size of the last forward_train's x, which is still valid.
     template <communicator Comm>
-    void backward(Comm& comm, std::span<const T> dy, std::span<T> dx) {
+    void train_backward(Comm& comm, layer_step* step, std::span<const T> dy, std::span<T> dx) {
         static constexpr const char* op = "batch_norm.backward";
         const int rank = comm.rank();
         check_system(comm, op);
@@ -390,14 +417,14 @@ public:
         if constexpr (traits::normalizes_across_replicas) {
             auto& sc = statistics_communicator(comm);
             std::span<param_type> combined = s_.combined_sums();
-            if (lockstep::detail::current_status_sink() == nullptr)
+            if (step == nullptr)
                 (void)status_read(); // allocated before the enqueue, as in forward_train
             sc.all_reduce(std::span<const param_type>(local), combined, reduce_op::sum);
             if (!problem.empty())
                 fail(errc::shape_mismatch, rank, op, problem);
             // Inside a trainer's step the replica with invalid gradients throws and its peers
             // learn of it from their next collective; outside, they check the status now.
-            if (lockstep::detail::current_status_sink() == nullptr) {
+            if (step == nullptr) {
                 status_read().enqueue(std::span<const param_type>(combined.last(1)));
                 const param_type failed = wait_for(comm, status_read(), op)[0];
                 LOCKSTEP_REQUIRE(failed == 0, errc::peer_failure, rank, op, failed,
@@ -414,7 +441,6 @@ public:
             p_.affine ? s_.dbeta : std::span<param_type>{});
     }
 
-private:
     // The constructor's checks, run before any buffer is sized from `channels`. Written so that
     // NaN fails every comparison; eps = inf would make every output 0.
     static std::size_t validated(std::size_t channels, const params& p) {
@@ -488,37 +514,48 @@ private:
         return s_.workspace.span().first(bytes);
     }
 
-    /// Inside a trainer's step whose sink takes commit hooks: on the layer's first forward of
-    /// the step, copies the running statistics aside (on the device) and registers a hook that
-    /// restores them when the trainer's skip flag is set, so a skipped step leaves them as they
-    /// were. num_batches_tracked (a host count) counts every training forward.
-    void keep_running_statistics() {
-        auto* sink = lockstep::detail::current_status_sink();
-        if (sink == nullptr || sink->commits == nullptr || sink->step_id == kept_step_)
+    /// Inside a trainer's step: on the layer's first forward of the step, copies the running
+    /// statistics aside (on the device) and joins the step, whose commit (commit_step) restores
+    /// them when the trainer's skip flag is set, so a skipped step leaves them as they were.
+    /// num_batches_tracked (a host count) counts every training forward.
+    void keep_running_statistics(layer_step* step) {
+        if (step == nullptr || step->id() == kept_step_)
             return;
-        kept_step_ = sink->step_id;
+        kept_step_ = step->id();
         const std::size_t n = s_.running.size();
         if (kept_running_.size() != n)
             kept_running_ = buffer<param_type, System>(n, s_.sys);
         kernels::for_each_index(
             s_.sys, n,
             detail::copy_if_fn<param_type>{s_.running.data(), kept_running_.data(), nullptr});
-        if constexpr (bn::is_ghost<Policy>) {
+        if constexpr (bn::is_ghost<Policy>)
             ghost_chunks_ = 0;
-            if (bn::detail::current_ghost_global() != 0) {
-                sink->commits->push_back({this, &batch_norm::commit_ghost_step});
-                return;
-            }
+        ghost_finish_ = nullptr;
+        step->join(*this);
+    }
+
+    /// The step's commit (step_participant): a reproducible step's bn::ghost layer first
+    /// gathers the step's chunks (finish_ghost_step); then the running statistics = the kept
+    /// copy when *skip != 0 (read on the device).
+    void commit_step(const int* skip) override {
+        if (ghost_finish_) {
+            const auto finish = std::move(ghost_finish_);
+            ghost_finish_ = nullptr;
+            finish(skip);
         }
-        sink->commits->push_back({this, &batch_norm::commit_step});
+        kernels::for_each_index(
+            s_.sys, s_.running.size(),
+            detail::copy_if_fn<param_type>{kept_running_.data(), s_.running.data(), skip});
     }
 
     // --- bn::ghost ---
     /// Keeps this chunk's statistics block (when the chunk is not empty) and the communicator
     /// the end of the step gathers them over.
     template <class Comm>
-    void record_ghost_chunk(Comm& comm, bool nonempty) {
-        ghost_finish_ = [this, &comm](const int* skip) { finish_ghost_step(comm, skip); };
+    void record_ghost_chunk(Comm& comm, std::size_t global, bool nonempty) {
+        ghost_finish_ = [this, &comm, global](const int* skip) {
+            finish_ghost_step(comm, global, skip);
+        };
         if (!nonempty)
             return;
         const std::size_t stride = kernels::packed_moments::size(s_.channels);
@@ -540,17 +577,12 @@ private:
                 detail::copy_if_fn<param_type>{ghost_blocks_.data(), grown.data(), nullptr});
         ghost_blocks_ = std::move(grown);
     }
-    static void commit_ghost_step(void* object, const int* skip) {
-        auto& self = *static_cast<batch_norm*>(object);
-        self.ghost_finish_(skip);
-    }
     /// The end of a reproducible step: every replica's chunk blocks are gathered (one
     /// all_gather, padded to the largest replica's chunk count), the running statistics are
     /// updated from them in global chunk order (replica order, then each replica's order), and
     /// restored when the step is skipped.
     template <class Comm>
-    void finish_ghost_step(Comm& comm, const int* skip) {
-        const std::size_t global = bn::detail::current_ghost_global();
+    void finish_ghost_step(Comm& comm, std::size_t global, const int* skip) {
         constexpr std::size_t chunk = bn::ghost_chunk<Policy>;
         const int size = comm.size();
         const reduce::chunk_run own = reduce::chunks_of(global, chunk, comm.rank(), size);
@@ -581,38 +613,18 @@ private:
         }
         batches_ += static_cast<std::int64_t>(global / chunk + (global % chunk != 0 ? 1 : 0));
         ghost_chunks_ = 0;
-        commit_step(this, skip);
+        (void)skip; // the running statistics are restored by commit_step, after this
     }
-    /// The commit hook: running statistics = the kept copy when *skip != 0 (read on the device).
-    static void commit_step(void* object, const int* skip) {
-        auto& self = *static_cast<batch_norm*>(object);
-        kernels::for_each_index(self.s_.sys, self.s_.running.size(),
-                                detail::copy_if_fn<param_type>{self.kept_running_.data(),
-                                                               self.s_.running.data(), skip});
-    }
-
-    /// Where the forward's device-side checks report: the step's shared status inside a
-    /// trainer's step (errors only, the layer numbered in forward order), else the layer's own.
-    struct detail_status {
-        double* slots;
-        bool shared;
-        int layer;
-    };
-    detail_status status_target() {
-        if (auto* sink = lockstep::detail::current_status_sink(); sink != nullptr)
-            return {sink->status, true, sink->layers++};
-        return {s_.own_status().data(), false, 0};
-    }
-
     /// The host side of the layer's status reads (pinned on CUDA), made on first use.
     staged_read<param_type, System>& status_read() {
         if (!read_)
             read_ = std::make_unique<staged_read<param_type, System>>(4, s_.sys);
         return *read_;
     }
-    staged_read<double, System>& error_read() {
+    staged_read<kernels::layer_error_record, System>& error_read() {
         if (!error_read_)
-            error_read_ = std::make_unique<staged_read<double, System>>(3, s_.sys);
+            error_read_ =
+                std::make_unique<staged_read<kernels::layer_error_record, System>>(1, s_.sys);
         return *error_read_;
     }
 
@@ -620,23 +632,22 @@ private:
     /// communicator) and throws what the device found.
     template <class Comm>
     void throw_layer_error(Comm& comm, const char* op, const tensor_shape& shape) {
-        error_read().enqueue(
-            std::span<const double>(s_.own_status().subspan(status_slot::error_code, 3)));
-        const std::span<const double> e = wait_for(comm, error_read(), op);
-        const auto code = static_cast<layer_error>(static_cast<int>(e[0]));
+        error_read().enqueue(std::span<const kernels::layer_error_record>(s_.own_error(), 1));
+        const kernels::layer_error_record e = wait_for(comm, error_read(), op)[0];
+        const auto code = static_cast<layer_error>(static_cast<int>(e.code));
         const int rank = comm.rank();
         if (code == layer_error::peer_invalid_input)
-            fail(errc::peer_failure, rank, op, "replica ", static_cast<int>(e[2]),
+            fail(errc::peer_failure, rank, op, "replica ", static_cast<int>(e.value),
                  " passed invalid input to this layer");
         if (code == layer_error::single_value) {
-            if (e[2] < 0)
+            if (e.value < 0)
                 fail(errc::invalid_argument, rank, op,
                      "expected more than 1 value per channel when training, got 1 over the "
                      "replicas sharing statistics (",
                      shape, " here)");
             fail(errc::invalid_argument, rank, op,
                  "expected more than 1 value per channel when training, replica ",
-                 static_cast<int>(e[2]), " has 1");
+                 static_cast<int>(e.value), " has 1");
         }
     }
 
@@ -696,18 +707,18 @@ private:
     detail::bn_state<param_type, System> s_;
     std::int64_t batches_ = 0;
     buffer<param_type, System> kept_running_; ///< running statistics before this step
-    std::uint64_t kept_step_ = 0;             ///< the step (status_sink::step_id) they belong to
+    std::uint64_t kept_step_ = 0;             ///< the step (layer_step::id) they belong to
     std::span<const T> saved_x_{};
     kernels::channel_geometry saved_geometry_{};
     bool has_forward_ = false;
     std::any group_comm_; ///< std::shared_ptr<Comm> of the communicator type last used
     const void* group_parent_ = nullptr;
     std::unique_ptr<staged_read<param_type, System>> read_;
-    std::unique_ptr<staged_read<double, System>> error_read_;
-    buffer<param_type, System> ghost_blocks_;   ///< bn::ghost: this step's chunk blocks
-    buffer<param_type, System> ghost_gathered_; ///< bn::ghost: every replica's chunk blocks
-    std::size_t ghost_chunks_ = 0;              ///< bn::ghost: blocks kept in this step
-    std::function<void(const int*)> ghost_finish_;
+    std::unique_ptr<staged_read<kernels::layer_error_record, System>> error_read_;
+    buffer<param_type, System> ghost_blocks_;      ///< bn::ghost: this step's chunk blocks
+    buffer<param_type, System> ghost_gathered_;    ///< bn::ghost: every replica's chunk blocks
+    std::size_t ghost_chunks_ = 0;                 ///< bn::ghost: blocks kept in this step
+    std::function<void(const int*)> ghost_finish_; ///< bn::ghost: the step's chunk gather
 };
 
 } // namespace lockstep::nn

@@ -136,29 +136,6 @@ inline constexpr std::size_t ghost_chunk<ghost<C>> = C;
 template <class P>
 inline constexpr bool is_ghost = ghost_chunk<P> != 0;
 
-namespace detail {
-/// The global batch of the reduce::reproducible step running on this thread (0: none). The
-/// trainer sets it for the duration of the step (ghost_step_scope); bn::ghost layers read it to
-/// know every replica's chunk count when they gather the chunk statistics.
-inline std::size_t& current_ghost_global() noexcept {
-    thread_local std::size_t global = 0;
-    return global;
-}
-/// Sets current_ghost_global() for its lifetime (restores the previous value).
-class ghost_step_scope {
-public:
-    explicit ghost_step_scope(std::size_t global) noexcept : saved_(current_ghost_global()) {
-        current_ghost_global() = global;
-    }
-    ghost_step_scope(const ghost_step_scope&) = delete;
-    ghost_step_scope& operator=(const ghost_step_scope&) = delete;
-    ~ghost_step_scope() { current_ghost_global() = saved_; }
-
-private:
-    std::size_t saved_;
-};
-} // namespace detail
-
 /// True when a replica's gradients depend on the other replicas' data in the same step
 /// (bn::global, bn::group): such a policy needs synchronous training, where every replica runs
 /// the same step at the same time (not asynchronous, bounded staleness or local SGD).

@@ -23,9 +23,26 @@ enum class reduce_kind {
 
 namespace reduce {
 
+/// What a ReducePolicy tells the trainer about itself, with the values of a plain all-reduce;
+/// each tag derives from it and overrides what differs.
+/// - update_root: the replica that alone applies the update (and broadcasts the result), or -1
+///   when every replica updates the whole buffer.
+/// - shards_optimizer_state: each replica's optimizer updates (and keeps state for) its shard
+///   of the flat buffer only.
+/// - chunk_samples: the step cuts every global batch into chunks of this many samples and calls
+///   the step function once per chunk (0: micro-batches as train_params says).
+/// - rounds_on_wire: what travels is rounded (the sum differs from the values' exact sum by
+///   more than the reduction order).
+struct policy_traits {
+    static constexpr int update_root = -1;
+    static constexpr bool shards_optimizer_state = false;
+    static constexpr std::size_t chunk_samples = 0;
+    static constexpr bool rounds_on_wire = false;
+};
+
 /// One all_reduce per parameter tensor, in reverse registration order (the order backward
 /// produces gradients). The baseline: many small collectives pay latency per tensor.
-struct per_tensor {
+struct per_tensor : policy_traits {
     static constexpr reduce_kind kind = reduce_kind::per_tensor;
     /// The policy's name: what checkpoints record and the agreement check compares.
     static std::string name() { return "reduce::per_tensor"; }
@@ -40,7 +57,7 @@ struct per_tensor {
 /// buffer, reduced in place.
 /// requires: Bytes >= 1, FirstBytes >= 1.
 template <std::size_t Bytes = std::size_t{25} << 20, std::size_t FirstBytes = std::size_t{1} << 20>
-struct bucketed {
+struct bucketed : policy_traits {
     static_assert(Bytes >= 1 && FirstBytes >= 1,
                   "reduce::bucketed<Bytes, FirstBytes> needs buckets of at least one byte.");
     static constexpr reduce_kind kind = reduce_kind::bucketed;
@@ -59,10 +76,11 @@ struct bucketed {
 /// optimizer (only Root holds optimizer state that moves), then broadcasts the parameters.
 /// requires: 0 <= Root < replicas (checked at construction).
 template <int Root = 0>
-struct parameter_server {
+struct parameter_server : policy_traits {
     static_assert(Root >= 0, "reduce::parameter_server<Root> needs a non-negative root rank.");
     static constexpr reduce_kind kind = reduce_kind::parameter_server;
     static constexpr int root = Root;
+    static constexpr int update_root = Root;
     static std::string name() { return "reduce::parameter_server<" + std::to_string(Root) + ">"; }
 };
 
@@ -73,11 +91,12 @@ struct parameter_server {
 /// replica sends; costs two roundings (each contribution and the sum: error <= u sum |g_r| +
 /// u |sum g_r|, u = Wire::unit_roundoff). Needs a communicator with all_to_all.
 template <class Wire>
-struct compressed {
+struct compressed : policy_traits {
     static_assert(is_wire_float16_v<Wire>,
                   "reduce::compressed<Wire> sends gradients as 16-bit floats: Wire must be "
                   "lockstep::half or lockstep::bfloat16.");
     static constexpr reduce_kind kind = reduce_kind::compressed;
+    static constexpr bool rounds_on_wire = true;
     using wire_type = Wire;
     static std::string name() {
         return std::string("reduce::compressed<") +
@@ -97,10 +116,11 @@ struct compressed {
 /// Works with sync::synchronous only (policy/compat.hpp).
 /// requires: Bytes >= 1, FirstBytes >= 1.
 template <std::size_t Bytes = std::size_t{25} << 20, std::size_t FirstBytes = std::size_t{1} << 20>
-struct sharded {
+struct sharded : policy_traits {
     static_assert(Bytes >= 1 && FirstBytes >= 1,
                   "reduce::sharded<Bytes, FirstBytes> needs buckets of at least one byte.");
     static constexpr reduce_kind kind = reduce_kind::sharded;
+    static constexpr bool shards_optimizer_state = true;
     /// Target bytes of every bucket but the first (as reduce::bucketed).
     static constexpr std::size_t bucket_bytes = Bytes;
     /// Target bytes of the first bucket (as reduce::bucketed).
@@ -128,7 +148,7 @@ namespace reduce {
 /// (bn::ghost<ChunkSamples>) are bitwise the same for every replica count.
 /// requires: ChunkSamples >= 1; sync::synchronous; every BN layer bn::ghost<ChunkSamples>.
 template <std::size_t ChunkSamples>
-struct reproducible {
+struct reproducible : policy_traits {
     static_assert(ChunkSamples >= 1,
                   "reduce::reproducible<ChunkSamples> needs chunks of at least one sample.");
     static constexpr reduce_kind kind = reduce_kind::reproducible;

@@ -60,14 +60,14 @@ struct checkpoint_access {
     template <class DP>
     static std::size_t since_average(const DP& dp) noexcept {
         if constexpr (is_local_sgd_v<typename DP::sync_policy_type>)
-            return dp.since_average_;
+            return dp.driver_.since_average();
         else
             return 0;
     }
     template <class DP>
     static void set_since_average(DP& dp, std::size_t n) noexcept {
         if constexpr (is_local_sgd_v<typename DP::sync_policy_type>)
-            dp.since_average_ = n;
+            dp.driver_.set_since_average(n);
         (void)dp;
         (void)n;
     }

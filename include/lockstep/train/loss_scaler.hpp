@@ -4,7 +4,6 @@
 #pragma once
 
 #include "lockstep/core/error.hpp"
-#include "lockstep/core/step_status.hpp"
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/mixed_precision.hpp"
 #include "lockstep/system/buffer.hpp"
@@ -41,8 +40,8 @@ struct loss_scaler_state {
     friend bool operator==(const loss_scaler_state&, const loss_scaler_state&) = default;
 };
 
-/// The scale after a step's status report (kernels::loss_scale_report_slot layout), as the host
-/// reads it at the end of a step.
+/// The scale after a step's report (a kernels::loss_scale_record), as the host reads it at the
+/// end of a step.
 struct loss_scale_report {
     double used = 1.0; ///< the scale the step's backward used
     loss_scaler_state next{};
@@ -63,7 +62,7 @@ public:
     explicit loss_scaler(std::optional<loss_scaling> cfg, System sys = default_system<System>(),
                          int rank = -1)
         : cfg_(cfg.value_or(loss_scaling{})), enabled_(cfg.has_value()), sys_(sys), rank_(rank),
-          state_(kernels::loss_scale_state_slot::slots, sys) {
+          state_(1, sys) {
         if (enabled_)
             check_config(cfg_, rank_);
         write({enabled_ ? cfg_.init_scale : 1.0, 0});
@@ -74,20 +73,16 @@ public:
 
     /// The current scale, one double in System memory (1 when disabled): read it in device code
     /// that seeds the backward pass. Valid for the scaler's lifetime; update() changes its value.
-    const double* scale_device() const noexcept {
-        return state_.data() + kernels::loss_scale_state_slot::scale;
-    }
+    const double* scale_device() const noexcept { return &state_.data()->scale; }
     /// 1 / the current scale, one double in System memory (the unscale factor).
-    const double* inverse_device() const noexcept {
-        return state_.data() + kernels::loss_scale_state_slot::inverse;
-    }
+    const double* inverse_device() const noexcept { return &state_.data()->inverse; }
 
     /// The current scale on the host when it is known without a wait: on a host system always
     /// (a plain read of host memory); on a device system after construction, restore(), or a
     /// report observe()d since the last update(). Otherwise nullopt.
     std::optional<double> known_scale() const {
         if constexpr (System::is_host) // the host may read the system's memory directly
-            return state_[kernels::loss_scale_state_slot::scale];
+            return state_[0].scale;
         else
             return known_;
     }
@@ -99,34 +94,33 @@ public:
             kernels::multiply_by(sys_, grads, inverse_device());
     }
 
-    /// The scale update of a step whose status (status_slot layout, in System memory) is final:
-    /// see kernels::loss_scale_update_fn. Writes the loss_scale_report_slot values at report (in
-    /// System memory) for the host's end-of-step read. One one-thread kernel, no host read.
-    /// Disabled: nothing (observe() then reports scale 1).
-    void update(const double* status, double* report) {
+    /// The scale update of a step whose status is final: see kernels::loss_scale_update_fn
+    /// (overflow: the step's non-finite gradient count, skipped: its skip decision, report: where
+    /// the host's end-of-step read finds the outcome; all in System memory). One one-thread
+    /// kernel, no host read. Disabled: nothing (observe() then reports scale 1).
+    void update(const double* overflow, const double* skipped, kernels::loss_scale_record* report) {
         if (!enabled_)
             return;
         known_.reset();
         kernels::for_each_index(
             sys_, 1,
             kernels::loss_scale_update_fn{.state = state_.data(),
-                                          .status = status,
+                                          .overflow = overflow,
+                                          .skipped = skipped,
                                           .report = report,
                                           .growth = cfg_.growth_factor,
                                           .backoff = cfg_.backoff_factor,
                                           .interval = static_cast<double>(cfg_.growth_interval)});
     }
 
-    /// The host's view of a step's report (the loss_scale_report_slot values it read). When the
-    /// report is of the last update(), the scale becomes known on the host (known_scale()).
-    /// Disabled: {1, {1, 0}} whatever report holds.
-    loss_scale_report observe(std::span<const double> report, bool last) {
-        namespace slot = kernels::loss_scale_report_slot;
+    /// The host's view of a step's report (read back to the host). When the report is of the
+    /// last update(), the scale becomes known on the host (known_scale()). Disabled: {1, {1, 0}}
+    /// whatever report holds.
+    loss_scale_report observe(const kernels::loss_scale_record& report, bool last) {
         if (!enabled_)
             return {};
-        loss_scale_report r{
-            report[slot::used],
-            {report[slot::next], static_cast<std::int64_t>(report[slot::growth_tracker])}};
+        loss_scale_report r{report.used,
+                            {report.next, static_cast<std::int64_t>(report.growth_tracker)}};
         if (last)
             known_ = r.next.scale;
         return r;
@@ -135,10 +129,10 @@ public:
     /// The state between steps (one synchronising read on a device system: not for use inside a
     /// step).
     loss_scaler_state state() const {
-        double s[kernels::loss_scale_state_slot::slots];
-        copy(std::span<const double>(state_.span()), sys_, std::span<double>(s), host_system{1});
-        return {s[kernels::loss_scale_state_slot::scale],
-                static_cast<std::int64_t>(s[kernels::loss_scale_state_slot::growth_tracker])};
+        kernels::loss_scale_device_state s;
+        copy(std::span<const kernels::loss_scale_device_state>(state_.span()), sys_,
+             std::span<kernels::loss_scale_device_state>(&s, 1), host_system{1});
+        return {s.scale, static_cast<std::int64_t>(s.growth_tracker)};
     }
 
     /// Restores a state() (e.g. from a checkpoint). requires: scale finite and > 0 (exactly 1
@@ -177,11 +171,10 @@ public:
 
 private:
     void write(const loss_scaler_state& s) {
-        double v[kernels::loss_scale_state_slot::slots];
-        v[kernels::loss_scale_state_slot::scale] = s.scale;
-        v[kernels::loss_scale_state_slot::growth_tracker] = static_cast<double>(s.growth_tracker);
-        v[kernels::loss_scale_state_slot::inverse] = 1.0 / s.scale;
-        copy(std::span<const double>(v), host_system{1}, state_.span(), sys_);
+        const kernels::loss_scale_device_state v{s.scale, static_cast<double>(s.growth_tracker),
+                                                 1.0 / s.scale};
+        copy(std::span<const kernels::loss_scale_device_state>(&v, 1), host_system{1},
+             state_.span(), sys_);
         known_ = s.scale;
     }
 
@@ -189,7 +182,7 @@ private:
     bool enabled_;
     System sys_;
     int rank_;
-    buffer<double, System> state_;
+    buffer<kernels::loss_scale_device_state, System> state_;
     std::optional<double> known_;
 };
 

@@ -4,6 +4,7 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/nn/layer_step.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 #include "lockstep/train/rng.hpp"
 
@@ -74,6 +75,10 @@ public:
     /// value changes at the end of each step, on the system's stream.
     const double* loss_scale_device() const noexcept { return loss_scale_device_; }
 
+    /// During a training step: the step as the network's layers see it (pass the context to
+    /// their training calls, e.g. nn::batch_norm::forward_train(ctx, ...)); null outside steps.
+    nn::layer_step* layer_step() const noexcept { return layer_step_; }
+
     /// Signals that backward has finished writing the gradient of parameter h for this step,
     /// so a bucketed reducer may launch the bucket h completes. Optional: every gradient not
     /// marked is reduced when the step function returns. Only meaningful with the registry and
@@ -90,6 +95,7 @@ public:
         training_ = training;
     }
     void set_loss_slot(double* slot) noexcept { loss_slot_ = slot; }
+    void set_layer_step(nn::layer_step* step) noexcept { layer_step_ = step; }
     void set_loss_scale(const double* device, std::optional<double> host) noexcept {
         loss_scale_device_ = device;
         loss_scale_host_ = host;
@@ -104,9 +110,33 @@ private:
     std::int64_t step_ = 0;
     bool training_ = false;
     double* loss_slot_ = nullptr;
+    nn::layer_step* layer_step_ = nullptr;
     const double* loss_scale_device_ = nullptr;
     std::optional<double> loss_scale_host_ = 1.0;
     std::function<void(std::size_t)> ready_hook_;
 };
+
+namespace detail {
+/// For trainers: a step function's view of the step for the scope's lifetime: ctx.loss_slot()
+/// is `loss` and ctx.layer_step() is `step`; both null again at the end (also when the step
+/// function throws).
+template <class Context>
+class step_scope {
+public:
+    step_scope(Context& ctx, double* loss, nn::layer_step* step) : ctx_(ctx) {
+        ctx_.set_loss_slot(loss);
+        ctx_.set_layer_step(step);
+    }
+    step_scope(const step_scope&) = delete;
+    step_scope& operator=(const step_scope&) = delete;
+    ~step_scope() {
+        ctx_.set_loss_slot(nullptr);
+        ctx_.set_layer_step(nullptr);
+    }
+
+private:
+    Context& ctx_;
+};
+} // namespace detail
 
 } // namespace lockstep

@@ -5,8 +5,8 @@
 
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
-#include "lockstep/core/step_status.hpp"
 #include "lockstep/kernels/bn_fused.hpp"
+#include "lockstep/kernels/layer_report.hpp"
 #include "lockstep/kernels/moments.hpp"
 #include "lockstep/system/buffer.hpp"
 
@@ -70,8 +70,8 @@ template <class Acc, class System>
 struct bn_state {
     bn_state(std::size_t c, const System& s)
         : channels(c), sys(s), own(4 * c, s), running(2 * c, s), forward(3 * c, s), eval(2 * c, s),
-          block(kernels::packed_moments::size(c), s), sums(2 * (2 * c + 1), s),
-          scalars(1 + status_slot::slots, s) {}
+          block(kernels::packed_moments::size(c), s), sums(2 * (2 * c + 1), s), scalars(1, s),
+          error(1, s) {}
 
     std::size_t channels;
     System sys;
@@ -82,7 +82,8 @@ struct bn_state {
     buffer<Acc, System> block;      ///< this replica's statistics block (kernels::packed_moments)
     buffer<Acc, System> gathered;   ///< every replica's block (communicating policies)
     buffer<Acc, System> sums;       ///< backward: local (sum dy, sum dy*xmu, status), then combined
-    buffer<double, System> scalars; ///< [0] normalization count, then a status (status_slot)
+    buffer<double, System> scalars; ///< the normalization count
+    buffer<kernels::layer_error_record, System> error; ///< the layer's own error record
     buffer<std::byte, System> workspace; ///< the kernels' workspace (see batch_norm::workspace)
 
     std::span<Acc> gamma, beta, dgamma, dbeta; ///< views of own or of the caller's spans
@@ -97,8 +98,8 @@ struct bn_state {
     std::span<Acc> local_sums() { return sums.span().first(2 * channels + 1); }
     std::span<Acc> combined_sums() { return sums.span().subspan(2 * channels + 1); }
     double* normalization_count() { return scalars.data(); }
-    /// The layer's own status (status_slot layout), used outside a trainer's step.
-    std::span<double> own_status() { return scalars.span().subspan(1); }
+    /// The layer's own error record, used outside a trainer's step.
+    kernels::layer_error_record* own_error() { return error.data(); }
 };
 
 } // namespace lockstep::nn::detail

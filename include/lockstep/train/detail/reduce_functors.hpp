@@ -6,7 +6,6 @@
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/float16.hpp"
 #include "lockstep/core/float16_arrays.hpp"
-#include "lockstep/core/step_status.hpp"
 
 #include <cstddef>
 #include <cstdint>

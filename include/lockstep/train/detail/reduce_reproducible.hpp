@@ -39,14 +39,19 @@ inline shard_range reproducible_chunks(std::size_t global, std::size_t chunk, in
 /// Exact, order-independent sums of n gradient elements and one loss (element n), in the binned
 /// representation of kernels/exact_sum.hpp, on System. Per step: clear(), add() per chunk,
 /// finalize_local() (this replica's own sum, for its checks), reduce() (collective), finalize().
+/// Three doubles in the system's memory hold a chunk's device loss, this replica's own loss and
+/// the global loss (chunk_loss(), own_loss(), global_loss()).
 template <class T, class System>
 class binned_accumulator {
 public:
     binned_accumulator(std::size_t n, const System& sys)
         : n_(n), sys_(sys), top_(n + 1, sys), global_top_(n + 1, sys),
-          bins_(kernels::binned::window * (n + 1), sys) {}
+          bins_(kernels::binned::window * (n + 1), sys), losses_(3, sys) {}
 
     std::size_t size() const noexcept { return n_; }
+    double* chunk_loss() noexcept { return losses_.data(); }
+    double* own_loss() noexcept { return losses_.data() + 1; }
+    double* global_loss() noexcept { return losses_.data() + 2; }
 
     /// ensures: every element (and the loss) is empty.
     void clear() { run(n_ + 1, kernels::binned_clear_fn{top_.data(), bins_.data(), n_ + 1}); }
@@ -89,6 +94,7 @@ private:
     buffer<std::int64_t, System> top_;        ///< this replica's top bin per element
     buffer<std::int64_t, System> global_top_; ///< the MAX over replicas of top_
     buffer<std::int64_t, System> bins_;       ///< window j of element i at j * (n + 1) + i
+    buffer<double, System> losses_;           ///< chunk, own and global loss
 };
 
 /// One task: the loss a replica adds to the step's status loss slot: the global exact loss on
@@ -107,8 +113,8 @@ struct reproducible_loss_fn {
 };
 
 /// reduce::reproducible<C>: the per-tensor plan (for the trainer's checks and buckets()) and the
-/// binned accumulator; data_parallel's reproducible step drives it (it is never launched
-/// piece by piece).
+/// binned accumulator; the reproducible step driver (reproducible_driver.hpp) drives it (it is
+/// never launched piece by piece).
 template <std::size_t C, class T, class Communicator>
 class reducer<reduce::reproducible<C>, T, Communicator>
     : public all_reduce_reducer<T, Communicator> {

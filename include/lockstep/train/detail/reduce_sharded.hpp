@@ -6,7 +6,6 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
-#include "lockstep/core/step_status.hpp"
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/segmented.hpp"
 #include "lockstep/optim/optimizer.hpp"
@@ -137,45 +136,6 @@ private:
     Communicator* comm_;
     buffer<double, system_type> global_;
     buffer<std::uint32_t, system_type> map_;
-};
-
-/// The doubles per replica of the sharded check block in the step's status (after the
-/// replica_slot rows, summed by the status all_reduce): its shard's reduced-gradient
-/// non-finite count, 1 + flat index of the first one (0: none), and squared norm.
-inline constexpr std::size_t shard_check_slots = 3;
-
-/// One task, before the status all_reduce: copies this replica's shard checks (the local
-/// status slots check_reduced wrote) into its row of the shard check block.
-struct shard_checks_to_row_fn {
-    const double* status; ///< the status_slot block
-    double* row;          ///< this replica's shard check row
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        row[0] = status[status_slot::reduced_non_finite];
-        row[1] = status[status_slot::reduced_first];
-        row[2] = status[status_slot::grad_norm2];
-    }
-};
-
-/// One task, after the status all_reduce: the reduced gradient's count (sum over shards), first
-/// index (the smallest) and squared norm (sum over shards in rank order: the same value on
-/// every replica) into the local status slots, as check_reduced writes them unsharded.
-struct combine_shard_checks_fn {
-    const double* rows; ///< the shard check block (replicas rows)
-    int replicas;
-    double* status; ///< the status_slot block
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        double count = 0, first = 0, sq = 0;
-        for (int r = 0; r < replicas; ++r) {
-            const double* p = rows + static_cast<std::size_t>(r) * shard_check_slots;
-            count += p[0];
-            if (p[1] != 0 && (first == 0 || p[1] < first))
-                first = p[1];
-            sq += p[2];
-        }
-        status[status_slot::reduced_non_finite] = count;
-        status[status_slot::reduced_first] = first;
-        status[status_slot::grad_norm2] = sq;
-    }
 };
 
 /// reduce::sharded<Bytes, FirstBytes> (ZeRO stage 1): the buckets of reduce::bucketed<Bytes,

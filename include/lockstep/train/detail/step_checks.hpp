@@ -5,11 +5,11 @@
 #pragma once
 
 #include "lockstep/core/config.hpp"
-#include "lockstep/core/step_status.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/detail/bucket_plan.hpp"
 #include "lockstep/train/detail/check_order.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
+#include "lockstep/train/step_state.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -32,74 +32,70 @@ LOCKSTEP_HOST_DEVICE inline bool non_finite_double(double x) {
     return non_finite_fn<double>{}(x) != 0;
 }
 
-/// Before the status all_reduce, from the pre-reduction tiles' sums: this replica's row and the
-/// summed slots; status[loss] += loss first, then the loss is checked.
+/// Before the status all_reduce, from the pre-reduction tiles' sums: this replica's row and its
+/// part of the totals; totals->loss += loss first, then the loss is checked.
 struct finish_local_fn {
     double loss;
     double global_batch;
     double lr;
-    double* status; ///< the status_slot block
-    double* row;    ///< this replica's replica_slot row
+    step_totals* totals;
+    replica_row* row; ///< this replica's row
     LOCKSTEP_HOST_DEVICE void operator()(const check_sums& s) const {
         const double count = s.count;
         const double first = s.first;
-        status[status_slot::loss] += loss;
-        const double bad_loss = non_finite_double(status[status_slot::loss]) ? 1.0 : 0.0;
-        status[status_slot::non_finite] = count;
-        status[status_slot::loss_non_finite] = bad_loss;
-        row[replica_slot::non_finite] = count;
-        row[replica_slot::first_non_finite] = first;
-        row[replica_slot::loss_non_finite] = bad_loss;
-        row[replica_slot::global_batch] = global_batch;
-        row[replica_slot::lr] = lr;
+        totals->loss += loss;
+        const double bad_loss = non_finite_double(totals->loss) ? 1.0 : 0.0;
+        totals->non_finite = count;
+        totals->loss_non_finite = bad_loss;
+        row->non_finite = count;
+        row->first_non_finite = first;
+        row->loss_non_finite = bad_loss;
+        row->global_batch = global_batch;
+        row->lr = lr;
     }
 };
 
 /// After the post-reduction tiles, from their sums: the reduced gradient's count, first index
-/// and squared norm (local slots: the reduced gradient is the same on every replica).
+/// and squared norm (this replica's own: the reduced gradient is the same on every replica).
 struct finish_reduced_fn {
-    double* status;
+    step_outcome* outcome;
     LOCKSTEP_HOST_DEVICE void operator()(const check_sums& s) const {
-        status[status_slot::reduced_non_finite] = s.count;
-        status[status_slot::reduced_first] = s.first;
-        status[status_slot::grad_norm2] = s.sq;
+        outcome->reduced_non_finite = s.count;
+        outcome->reduced_first = s.first;
+        outcome->grad_norm2 = s.sq;
     }
 };
 
-/// One task, after the status was summed over replicas: the skip decision (as the status slot
-/// and as the int the optimizer kernels read, 1: skip the update) and the gradient factor.
-/// Skipped: a non-finite gradient element (before or after reduction) or loss, a layer error, a
-/// skip request, or replicas that disagree on global_batch or lr (rows [0, replicas)).
-/// grad_factor = u * c, u = status[grad_unscale], c = min(1, max_norm / (u ||g|| + 1e-6)) when
-/// max_norm > 0 (torch.nn.utils.clip_grad_norm_), else 1.
+/// One task, after the totals were summed over replicas: the skip decision (in the outcome and
+/// as the int the optimizer kernels read, 1: skip the update) and the gradient factor.
+/// Skipped: a non-finite gradient element (before or after reduction) or loss, a layer error, or
+/// replicas that disagree on global_batch or lr (rows [0, replicas)).
+/// grad_factor = c = min(1, max_norm / (||g|| + 1e-6)) when max_norm > 0
+/// (torch.nn.utils.clip_grad_norm_), else 1.
 struct decide_skip_fn {
-    double* status;
-    const double* rows;
+    const step_totals* totals;
+    step_outcome* outcome;
+    const replica_row* rows;
     int replicas;
     int* skip;
     double max_norm;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
         bool mismatch = false;
         for (int r = 1; r < replicas; ++r) {
-            const double* row = rows + static_cast<std::size_t>(r) * replica_slot::slots;
-            mismatch = mismatch ||
-                       row[replica_slot::global_batch] != rows[replica_slot::global_batch] ||
-                       row[replica_slot::lr] != rows[replica_slot::lr];
+            const replica_row& row = rows[r];
+            mismatch = mismatch || row.global_batch != rows[0].global_batch || row.lr != rows[0].lr;
         }
-        const bool bad =
-            status[status_slot::non_finite] > 0 || status[status_slot::reduced_non_finite] > 0 ||
-            status[status_slot::loss_non_finite] > 0 || status[status_slot::layer_errors] > 0 ||
-            status[status_slot::skip_requests] > 0 || mismatch;
-        const double u = status[status_slot::grad_unscale];
+        const bool bad = totals->non_finite > 0 || outcome->reduced_non_finite > 0 ||
+                         totals->loss_non_finite > 0 || totals->layer_errors > 0 || mismatch;
         double c = 1.0;
         if (max_norm > 0) {
-            const double norm = u * ::sqrt(status[status_slot::grad_norm2]);
+            const double norm = ::sqrt(outcome->grad_norm2);
             c = max_norm / (norm + 1e-6);
             c = c < 1.0 ? c : 1.0;
         }
-        status[status_slot::mismatch] = mismatch ? 1.0 : 0.0;
-        status[status_slot::grad_factor] = u * c;
-        status[status_slot::skip] = bad ? 1.0 : 0.0;
+        outcome->mismatch = mismatch ? 1.0 : 0.0;
+        outcome->grad_factor = c;
+        outcome->skip = bad ? 1.0 : 0.0;
         *skip = bad ? 1 : 0;
     }
 };
@@ -116,12 +112,37 @@ struct scale_by_factor_fn {
     }
 };
 
-/// Resets the status_slot defaults that are not zero (grad_unscale = 1).
-struct status_defaults_fn {
-    double* status;
+/// reduce::sharded, one task, before the status all_reduce: copies this replica's shard checks (the
+/// outcome check_reduced wrote over its shard) into its shard row of the step's state.
+struct shard_checks_to_row_fn {
+    const step_outcome* outcome;
+    shard_row* row; ///< this replica's
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        status[status_slot::grad_unscale] = 1.0;
-        status[status_slot::grad_factor] = 1.0;
+        row->non_finite = outcome->reduced_non_finite;
+        row->first_non_finite = outcome->reduced_first;
+        row->grad_norm2 = outcome->grad_norm2;
+    }
+};
+
+/// reduce::sharded, one task, after the status all_reduce: the reduced gradient's count (sum over
+/// shards), first index (the smallest) and squared norm (sum over shards in rank order: the same
+/// value on every replica) into the outcome, as check_reduced writes them unsharded.
+struct combine_shard_checks_fn {
+    const shard_row* rows; ///< every replica's
+    int replicas;
+    step_outcome* outcome;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
+        double count = 0, first = 0, sq = 0;
+        for (int r = 0; r < replicas; ++r) {
+            const shard_row& p = rows[r];
+            count += p.non_finite;
+            if (p.first_non_finite != 0 && (first == 0 || p.first_non_finite < first))
+                first = p.first_non_finite;
+            sq += p.grad_norm2;
+        }
+        outcome->reduced_non_finite = count;
+        outcome->reduced_first = first;
+        outcome->grad_norm2 = sq;
     }
 };
 
@@ -154,19 +175,20 @@ public:
                          false);
     }
 
-    /// After every piece was checked: this replica's row and the summed status slots.
+    /// After every piece was checked: this replica's row and its part of the totals.
     void finish_local(const System& sys, double loss, double global_batch, double lr,
-                      double* status, double* row) {
+                      step_totals* totals, replica_row* row) {
         grad_check_finish(sys, pre_.data(), piece_tiles_,
-                          finish_local_fn{loss, global_batch, lr, status, row});
+                          finish_local_fn{loss, global_batch, lr, totals, row});
     }
 
     /// Counts, finds the first and (with `norm`) sums the squares of the whole buffer (the
-    /// reduced gradient) into the local status slots.
+    /// reduced gradient) into the outcome.
     template <class T>
-    void check_reduced(const System& sys, std::span<const T> data, bool norm, double* status) {
+    void check_reduced(const System& sys, std::span<const T> data, bool norm,
+                       step_outcome* outcome) {
         grad_check_tiles(sys, data.data(), 0, data.size(), 0, post_.data(), norm);
-        grad_check_finish(sys, post_.data(), check_tiles(data.size()), finish_reduced_fn{status});
+        grad_check_finish(sys, post_.data(), check_tiles(data.size()), finish_reduced_fn{outcome});
     }
 
     /// As check_reduced over elements [begin, end) of data only (reduce::sharded: the shard this
@@ -174,9 +196,9 @@ public:
     /// <= the n of the constructor.
     template <class T>
     void check_reduced(const System& sys, std::span<const T> data, std::size_t begin,
-                       std::size_t end, bool norm, double* status) {
+                       std::size_t end, bool norm, step_outcome* outcome) {
         grad_check_tiles(sys, data.data(), begin, end, 0, post_.data(), norm);
-        grad_check_finish(sys, post_.data(), check_tiles(end - begin), finish_reduced_fn{status});
+        grad_check_finish(sys, post_.data(), check_tiles(end - begin), finish_reduced_fn{outcome});
     }
 
 private:
@@ -186,14 +208,14 @@ private:
     buffer<double, System> pre_, post_;
 };
 
-/// grads *= status[grad_factor] unless *skip, on the device.
+/// grads *= *factor unless *skip, on the device (factor, skip: in sys's memory).
 template <class System, class T>
-void apply_grad_factor(const System& sys, std::span<T> grads, const double* status,
+void apply_grad_factor(const System& sys, std::span<T> grads, const double* factor,
                        const int* skip) {
     if (grads.empty())
         return;
     thrust::transform(sys.policy(), grads.data(), grads.data() + grads.size(), grads.data(),
-                      scale_by_factor_fn<T>{status + status_slot::grad_factor, skip});
+                      scale_by_factor_fn<T>{factor, skip});
 }
 
 } // namespace lockstep::detail

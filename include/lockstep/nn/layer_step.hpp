@@ -1,0 +1,87 @@
+// lockstep/nn/layer_step.hpp: layer_step, what a trainer's step hands the layers of the user's
+// network (where device-side errors go, the skip flag, the layers to commit), and
+// step_participant, a layer that keeps or restores its state when the step's fate is known.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/kernels/layer_report.hpp"
+
+#include <atomic>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace lockstep::nn {
+
+/// A layer whose state changes in a step's forward pass (batch-norm running statistics) before
+/// the trainer knows whether the step is applied. The trainer calls commit_step once per step,
+/// after its skip decision, on the replica's thread and stream: `skip` is the decision in the
+/// system's memory (an int, 1: skipped), for kernels that restore the state on the device.
+class step_participant {
+public:
+    virtual void commit_step(const int* skip) = 0;
+
+protected:
+    step_participant() = default;
+    step_participant(const step_participant&) = default;
+    step_participant& operator=(const step_participant&) = default;
+    ~step_participant() = default;
+};
+
+/// One training step as the layers see it. A trainer owns it for its lifetime, resets it at the
+/// start of every step (begin) and passes it through replica_context::layer_step(); a layer
+/// called outside a trainer's step gets none and checks its own status at once.
+class layer_step {
+public:
+    /// Starts a step, with an id() no other step of the process had: the layers report into
+    /// `first`/`errors` (device memory of the step's state) and the skip decision is read at
+    /// `skip`. `ghost_global`: the global batch of a reduce::reproducible step (bn::ghost layers
+    /// gather every replica's chunks at its end), 0 in other steps.
+    void begin(kernels::layer_error_record* first, double* errors, const int* skip,
+               std::size_t ghost_global) {
+        static std::atomic<std::uint64_t> ids{0};
+        id_ = ids.fetch_add(1, std::memory_order_relaxed) + 1;
+        first_ = first;
+        errors_ = errors;
+        skip_ = skip;
+        ghost_global_ = ghost_global;
+        layers_ = 0;
+        participants_.clear();
+    }
+
+    /// Where the next layer in forward order reports (its number is its order in this step).
+    kernels::layer_report next_report() noexcept {
+        return kernels::layer_report{first_, errors_, static_cast<double>(layers_++)};
+    }
+    /// p's commit_step runs after the skip decision of this step. requires: p outlives the step.
+    void join(step_participant& p) { participants_.push_back(&p); }
+    /// For the trainer, after the skip decision: every participant commits, once.
+    void commit() {
+        for (step_participant* p : participants_)
+            p->commit_step(skip_);
+        participants_.clear();
+    }
+
+    std::uint64_t id() const noexcept { return id_; }
+    std::size_t ghost_global() const noexcept { return ghost_global_; }
+
+private:
+    std::uint64_t id_ = 0;
+    kernels::layer_error_record* first_ = nullptr;
+    double* errors_ = nullptr;
+    const int* skip_ = nullptr;
+    std::size_t ghost_global_ = 0;
+    int layers_ = 0;
+    std::vector<step_participant*> participants_;
+};
+
+/// What a layer's training calls accept besides a bare communicator: an object that gives the
+/// communicator and the step being run (lockstep::replica_context).
+template <class Ctx>
+concept layer_context = requires(Ctx& c) {
+    c.comm();
+    { c.layer_step() } -> std::convertible_to<layer_step*>;
+};
+
+} // namespace lockstep::nn

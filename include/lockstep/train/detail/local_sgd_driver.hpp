@@ -1,0 +1,138 @@
+// lockstep/train/detail/local_sgd_driver.hpp: the step driver of sync::local_sgd<K>: each
+// replica steps alone, the weights and state are averaged over replicas every K steps.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/error.hpp"
+#include "lockstep/policy/sync.hpp"
+#include "lockstep/train/detail/agreement.hpp"
+#include "lockstep/train/detail/host_collective.hpp"
+#include "lockstep/train/detail/reduce_functors.hpp"
+#include "lockstep/train/detail/step_driver.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace lockstep::detail {
+
+/// sync::local_sgd<K> with any ReducePolicy (its plan only cuts the checks into pieces and
+/// averages the values): scale = 1 / (this replica's samples); the skip decision is this
+/// replica's own (no status collective); every K-th step, and at finish() when steps ran since,
+/// average(): the replicas' {global_batch, lr} since the last average are compared, then values
+/// and state become the mean over replicas.
+template <std::size_t K, class ReducePolicy>
+class step_driver<sync::local_sgd<K>, ReducePolicy> {
+public:
+    /// requires: train_params::verify_every a multiple of K (else lockstep::error,
+    /// invalid_argument): the replicas hold the same weights only right after an average (a
+    /// negative value is the trainer's to refuse).
+    template <class Stages>
+    explicit step_driver(Stages& s) {
+        const std::int64_t every = s.core().params().verify_every;
+        LOCKSTEP_REQUIRE(every < 0 || every % static_cast<std::int64_t>(K) == 0,
+                         errc::invalid_argument, s.rank(), "data_parallel",
+                         "verify_every = ", every, " is not a multiple of local SGD's period ", K,
+                         ": the replicas hold the same weights only right after an average");
+        s.set_local_sgd(true);
+    }
+
+    template <class Stages, class Fn>
+    step_result step(Stages& s, std::size_t global, Fn& fn) {
+        const shard_extent all = s.core().optimizer_shard(); // every element
+        s.begin(0);
+        s.zero();
+        const double loss = s.forward_backward(global, fn, true, false);
+        s.pack_gradients();
+        s.unscale();
+        s.check_pieces();
+        step_result r = s.open_result();
+        s.report(loss, global, r.lr);
+        settings_.push_back(static_cast<double>(global));
+        settings_.push_back(r.lr);
+        s.freeze();
+        s.hook();
+        s.check(all);
+        s.decide(s.rank(), 1); // this replica alone: no status collective
+        s.update_scale();
+        s.commit();
+        s.set_lr(r.lr);
+        s.clip(all);
+        s.update(all);
+        r = s.end(global, r);
+        if (++since_average_ == K)
+            average(s);
+        return r;
+    }
+
+    /// After the last step: an average when steps ran since the last one (collective).
+    template <class Stages>
+    void finish(Stages& s) {
+        if (since_average_ > 0)
+            average(s);
+    }
+
+    /// Steps since the last average (what a checkpoint keeps).
+    std::size_t since_average() const noexcept { return since_average_; }
+    void set_since_average(std::size_t n) noexcept { since_average_ = n; }
+
+private:
+    /// Values and state become the mean over replicas (collective).
+    template <class Stages>
+    void average(Stages& s) {
+        since_average_ = 0;
+        verify_steps(s);
+        auto& core = s.core();
+        auto& comm = core.comm();
+        using T = typename Stages::T;
+        s.reducer().average(core.values());
+        core.pack_state();
+        core.for_each_state_buffer([&](std::span<T> b) {
+            comm.all_reduce(std::span<const T>(b), b, reduce_op::sum);
+            scale(comm.system(), b, T(1) / static_cast<T>(comm.size()));
+        });
+        core.unpack_values();
+        core.unpack_state();
+    }
+
+    /// Before an average: every replica's global_batch and lr of each step since the last
+    /// average are gathered (one small all_gather) and compared; a difference throws on every
+    /// replica naming the step and both values.
+    template <class Stages>
+    void verify_steps(Stages& s) {
+        auto& comm = s.core().comm();
+        const std::size_t width = 2 * K;
+        std::vector<double> mine(width, 0.0);
+        const std::size_t n = std::min(settings_.size(), width);
+        std::copy(settings_.end() - static_cast<std::ptrdiff_t>(n), settings_.end(), mine.begin());
+        const std::int64_t first = s.core().steps() - static_cast<std::int64_t>(n / 2);
+        settings_.clear();
+        std::vector<double> all(width * static_cast<std::size_t>(comm.size()));
+        host_all_gather(comm, std::span<const double>(mine), std::span<double>(all));
+        std::string out;
+        for (int r = 1; r < comm.size(); ++r)
+            for (std::size_t k = 0; k < K; ++k) {
+                const double* a = all.data() + 2 * k;
+                const double* b = all.data() + static_cast<std::size_t>(r) * width + 2 * k;
+                if (a[0] != b[0])
+                    out += concat(" step ", first + static_cast<std::int64_t>(k),
+                                  ": global_batch: ", a[0], " on replica 0, ", b[0], " on replica ",
+                                  r, ";");
+                if (a[1] != b[1])
+                    out += concat(" step ", first + static_cast<std::int64_t>(k),
+                                  ": lr: ", exact(a[1]), " on replica 0, ", exact(b[1]),
+                                  " on replica ", r, ";");
+            }
+        if (!out.empty())
+            fail(errc::invalid_argument, comm.rank(), "data_parallel.average",
+                 "the replicas disagree (local SGD, checked at the average):", out);
+    }
+
+    std::size_t since_average_ = 0;
+    std::vector<double> settings_; ///< {global_batch, lr} per step since the last average
+};
+
+} // namespace lockstep::detail

@@ -1,0 +1,88 @@
+// lockstep/train/detail/reproducible_driver.hpp: the step driver of reduce::reproducible<C>
+// under sync::synchronous: one step function call per chunk, the chunks' gradients summed
+// exactly, one rounding. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/error.hpp"
+#include "lockstep/kernels/for_each.hpp"
+#include "lockstep/policy/reduce.hpp"
+#include "lockstep/policy/sync.hpp"
+#include "lockstep/train/detail/reduce_reproducible.hpp"
+#include "lockstep/train/detail/step_driver.hpp"
+#include "lockstep/train/shard.hpp"
+
+#include <cstddef>
+#include <span>
+
+namespace lockstep::detail {
+
+/// reduce::reproducible<C>: the global batch is cut into chunks [k C, min((k + 1) C, global));
+/// this replica computes its contiguous run of chunks, one fn call per chunk on zeroed gradients
+/// with scale = 1 / global, and adds each chunk's gradient and loss exactly into the binned
+/// accumulator (reduce_reproducible.hpp). Then this replica's own sums are checked (non-finite
+/// counts name the replica), the accumulator is reduced across replicas (int64 MAX, then int64
+/// SUM) and rounded once into the gradient, and the step continues as the synchronous one
+/// (status all_reduce, skip decision, update). The loss reported is the exact sum, rounded once
+/// (replica 0 contributes it to the status sum, the others 0). bn::ghost layers learn the global
+/// batch from the layers' step (begin(global)). ensures: every replica, for every replica
+/// count, holds the same bits.
+template <std::size_t C>
+class step_driver<sync::synchronous, reduce::reproducible<C>> {
+public:
+    /// requires: train_params::micro_batches == 1 (else lockstep::error, invalid_argument).
+    template <class Stages>
+    explicit step_driver(Stages& s) {
+        LOCKSTEP_REQUIRE(s.core().params().micro_batches == 1, errc::invalid_argument, s.rank(),
+                         "data_parallel", "micro_batches = ", s.core().params().micro_batches,
+                         ": reduce::reproducible cuts every global batch into chunks of ", C,
+                         " samples itself (use 1)");
+    }
+
+    template <class Stages, class Fn>
+    step_result step(Stages& s, std::size_t global, Fn& fn) {
+        using T = typename Stages::T;
+        auto& acc = s.reducer().accumulator();
+        const std::span<T> grads = s.core().grads().first(acc.size());
+        const shard_extent all = s.core().optimizer_shard(); // every element
+        LOCKSTEP_REQUIRE(global >= 1, errc::invalid_argument, s.rank(), "data_parallel.step",
+                         "global batch size is 0");
+        (void)next_sample_offset(s.core().samples(), global, s.rank());
+        const step_view v = s.begin(global);
+        acc.clear();
+        double* chunk_loss = acc.chunk_loss();
+        s.forward_backward_chunks(global, C, fn, chunk_loss, [&](double host_loss) {
+            acc.add(std::span<const T>(grads));
+            acc.add_loss(host_loss, chunk_loss);
+        });
+        // This replica's own sum first: its non-finite elements and loss are counted as its own.
+        double* own_loss = acc.own_loss();
+        acc.finalize_local(grads, own_loss);
+        s.check_pieces();
+        acc.reduce(s.core().comm());
+        s.reducer().count_step();
+        double* global_loss = acc.global_loss();
+        acc.finalize(grads, global_loss);
+        s.unscale();
+        kernels::for_each_index(
+            s.system(), 1,
+            reproducible_loss_fn{own_loss, global_loss, s.rank() == 0, &v.totals->loss});
+        step_result r = s.open_result();
+        s.report(0.0, global, r.lr);
+        s.freeze();
+        s.hook();
+        s.check(all);
+        s.sum_status();
+        s.decide(0, s.replicas());
+        s.update_scale();
+        s.commit(); // bn::ghost: the chunks' statistics gathered, running statistics updated
+        s.set_lr(r.lr);
+        s.clip(all);
+        s.update(all);
+        return s.end(global, r);
+    }
+
+    template <class Stages>
+    void finish(Stages& /*s*/) {}
+};
+
+} // namespace lockstep::detail

@@ -1,0 +1,130 @@
+// lockstep/train/detail/step_report.hpp: the errors of a finished step, as the host reads them
+// from the step's state: replicas that disagree, a layer's error, non-finite gradients or losses.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/error.hpp"
+#include "lockstep/kernels/layer_report.hpp"
+#include "lockstep/train/detail/agreement.hpp"
+#include "lockstep/train/parameter_registry.hpp"
+#include "lockstep/train/step_state.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+namespace lockstep::detail {
+
+/// How a trainer reports a step's errors.
+struct step_report_options {
+    bool local_sgd = false;       ///< rows are this replica's own (local SGD)
+    bool skip_non_finite = false; ///< train_params::skip_non_finite: a non-finite step is skipped
+    bool loss_scaling = false;    ///< a non-finite gradient is an overflow: skipped, never thrown
+};
+
+/// Reads a finished step's state (a host copy) and throws the errors it holds, on replica `rank`
+/// for step `step`; `parameters` name the flat elements.
+class step_report {
+public:
+    step_report(const step_view& st, int rank, std::int64_t step,
+                std::span<const tensor_info> parameters, step_report_options o)
+        : st_(st), rank_(rank), step_(step), parameters_(parameters), o_(o) {}
+
+    /// Throws lockstep::error when the replicas disagreed (invalid_argument, naming both values),
+    /// a layer reported an error (peer_failure or invalid_argument, naming the layer and the
+    /// replica), or a gradient element or loss is not finite (non_finite, naming each replica's
+    /// count and first tensor) unless such steps are skipped silently.
+    void throw_errors() const {
+        if (st_.outcome->mismatch != 0)
+            fail(errc::invalid_argument, rank_, "data_parallel.step", "step ", step_,
+                 " skipped: the replicas disagree:", mismatch_text());
+        if (st_.totals->layer_errors > 0)
+            throw_layer_error();
+        const bool bad = st_.totals->non_finite > 0 || st_.totals->loss_non_finite > 0 ||
+                         st_.outcome->reduced_non_finite > 0;
+        if (bad && !o_.skip_non_finite && !o_.loss_scaling)
+            fail(errc::non_finite, rank_, "data_parallel.step", "step ", step_, ":",
+                 non_finite_text());
+    }
+
+private:
+    void throw_layer_error() const {
+        const kernels::layer_error_record& e = st_.outcome->first_error;
+        const auto code = static_cast<layer_error>(static_cast<int>(e.code));
+        const auto layer = static_cast<int>(e.layer);
+        const auto value = static_cast<int>(e.value);
+        if (code == layer_error::peer_invalid_input)
+            fail(errc::peer_failure, rank_, "data_parallel.step", "step ", step_,
+                 " skipped: batch_norm layer ", layer, " (in forward order): replica ", value,
+                 " passed invalid input to it");
+        if (code == layer_error::single_value)
+            fail(errc::invalid_argument, rank_, "data_parallel.step", "step ", step_,
+                 " skipped: batch_norm layer ", layer,
+                 " (in forward order): expected more than 1 value per channel when training, "
+                 "got 1",
+                 value >= 0 ? lockstep::detail::concat(" on replica ", value)
+                            : std::string(" over the replicas sharing statistics"));
+        fail(errc::peer_failure, rank_, "data_parallel.step", "step ", step_,
+             " skipped: ", st_.totals->layer_errors,
+             " batch_norm layer error(s) on other replicas (statistics of another group)");
+    }
+
+    /// The replicas (rows) whose global_batch or lr differs from replica 0's, both values.
+    std::string mismatch_text() const {
+        std::string out;
+        const int n = o_.local_sgd ? 1 : st_.replicas;
+        const replica_row& r0 = st_.rows[0];
+        for (int r = 1; r < n; ++r) {
+            const replica_row& rr = st_.rows[r];
+            if (rr.global_batch != r0.global_batch)
+                out +=
+                    lockstep::detail::concat(" global_batch: ", r0.global_batch, " on replica 0, ",
+                                             rr.global_batch, " on replica ", r, ";");
+            if (rr.lr != r0.lr)
+                out += " lr: " + exact(r0.lr) + " on replica 0, " + exact(rr.lr) + " on replica " +
+                       std::to_string(r) + ";";
+        }
+        return out;
+    }
+
+    /// The registration name of the parameter holding flat element `index`, with the element.
+    std::string tensor_at(double one_based) const {
+        const auto index = static_cast<std::size_t>(one_based) - 1;
+        for (const tensor_info& t : parameters_)
+            if (index >= t.offset && index < t.offset + t.size)
+                return lockstep::detail::concat("'", t.name, "' (element ", index - t.offset, ")");
+        return lockstep::detail::concat("flat element ", index);
+    }
+
+    /// Per replica: its non-finite gradient elements before reduction, the first one's tensor,
+    /// a non-finite loss; or the reduced gradient's count when only the sum overflowed.
+    std::string non_finite_text() const {
+        std::string out;
+        const char* scope = o_.local_sgd ? " (local SGD)" : "";
+        for (int r = 0; r < st_.replicas; ++r) {
+            const replica_row& rr = st_.rows[r];
+            if (rr.non_finite > 0)
+                out += lockstep::detail::concat(
+                    " ", rr.non_finite, " non-finite gradient element(s) on replica ", r, scope,
+                    ", the first in ", tensor_at(rr.first_non_finite), ";");
+            if (rr.loss_non_finite > 0)
+                out +=
+                    lockstep::detail::concat(" the loss is not finite on replica ", r, scope, ";");
+        }
+        if (out.empty() && st_.outcome->reduced_non_finite > 0)
+            out = lockstep::detail::concat(
+                " the reduced gradient has ", st_.outcome->reduced_non_finite,
+                " non-finite element(s) (the sum over replicas overflowed), the first in ",
+                tensor_at(st_.outcome->reduced_first));
+        return out;
+    }
+
+    step_view st_;
+    int rank_;
+    std::int64_t step_;
+    std::span<const tensor_info> parameters_;
+    step_report_options o_;
+};
+
+} // namespace lockstep::detail

@@ -1,0 +1,321 @@
+// lockstep/train/detail/step_stages.hpp: step_stages, the named stages of a training step
+// (begin, zero, forward/backward, reduce, unscale, report, freeze, hook, check, sum, decide,
+// commit, clip, update, end), written once and composed by the step drivers.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/comm/host_wait.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/kernels/for_each.hpp"
+#include "lockstep/nn/layer_step.hpp"
+#include "lockstep/system/buffer.hpp"
+#include "lockstep/system/staged_read.hpp"
+#include "lockstep/train/detail/bucket_plan.hpp"
+#include "lockstep/train/detail/reduce_reproducible.hpp"
+#include "lockstep/train/detail/reduce_sharded.hpp"
+#include "lockstep/train/detail/step_checks.hpp"
+#include "lockstep/train/detail/step_report.hpp"
+#include "lockstep/train/loss_scaler.hpp"
+#include "lockstep/train/replica_context.hpp"
+#include "lockstep/train/step_state.hpp"
+#include "lockstep/train/train_params.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <functional>
+#include <optional>
+#include <span>
+#include <type_traits>
+#include <utility>
+
+#include <thrust/fill.h>
+
+namespace lockstep::detail {
+
+/// The stages a step driver composes, each a call into the file that does the work, over one
+/// replica's core (network, context, optimizer, flat buffers: replica_core.hpp) and reducer.
+/// Owns what the stages share: the step's state (step_state.hpp), the skip flag the optimizer
+/// kernels read, the gradient checks (step_checks.hpp), the host read of the state, the loss
+/// scaler (loss_scaler.hpp), the step as the layers see it (nn/layer_step.hpp) and the gradient
+/// hook. Nothing here knows which policy runs: the drivers say which stages run, in which
+/// order, over which elements.
+template <class Core, class Reducer>
+class step_stages {
+public:
+    using T = typename Core::value_type;
+    using system_type = typename Core::system_type;
+    using gradient_hook = std::function<void(std::span<T>, std::span<const tensor_info>)>;
+
+    /// `shard_rows`: the state keeps a shard_row per replica (reduce::sharded).
+    step_stages(Core& core, Reducer& reducer, bool shard_rows)
+        : core_(core), reducer_(reducer),
+          state_(core.comm().size(), shard_rows, core.comm().system()),
+          skip_(1, core.comm().system()),
+          checks_(reducer.plan(), core.registry().grads().size(), core.comm().system()),
+          read_(state_.memory().size(), core.comm().system()),
+          scaler_(core.params().loss_scale, core.comm().system(), core.comm().rank()) {}
+    step_stages(const step_stages&) = delete;
+    step_stages& operator=(const step_stages&) = delete;
+
+    Core& core() noexcept { return core_; }
+    Reducer& reducer() noexcept { return reducer_; }
+    loss_scaler<system_type>& scaler() noexcept { return scaler_; }
+    system_type system() { return core_.comm().system(); }
+    int rank() { return core_.comm().rank(); }
+    int replicas() { return core_.comm().size(); }
+
+    // --- the stages, in the order of a synchronous step ---
+
+    /// Resets the step's state, begins the layers' step (their reports go into it; ghost_global:
+    /// a reproducible step's global batch, else 0) and gives ctx the step's loss scale.
+    step_view begin(std::size_t ghost_global) {
+        state_.reset(system());
+        const step_view v = state_.view();
+        layer_step_.begin(&v.outcome->first_error, &v.totals->layer_errors, skip_.data(),
+                          ghost_global);
+        core_.context().set_loss_scale(scaler_.scale_device(), host_loss_scale());
+        return v;
+    }
+
+    /// Zeroes the gradients.
+    void zero() { core_.zero_grads(); }
+
+    /// Starts the reducer's step: each piece is checked for NaN/inf right before its reduction
+    /// (the counts are this replica's own, so the message can name the replica and the tensor).
+    void start_reduction() {
+        reducer_.begin(core_.grads(), [this](std::size_t k, const bucket& b) {
+            checks_.check_piece(system(), std::span<const T>(core_.grads()), k, b);
+        });
+    }
+
+    /// Forward and backward: fn over this replica's part of every micro-batch, the loss into the
+    /// state's totals (replica_core::run_micro_batches). `own_scale`: local SGD's scale.
+    /// `launch`: with a registry network, ctx.mark_ready launches the reducer's buckets in the
+    /// last backward.
+    template <class Fn>
+    double forward_backward(std::size_t global, Fn& fn, bool own_scale, bool launch) {
+        auto& ctx = core_.context();
+        const step_scope scope(ctx, &state_.view().totals->loss, &layer_step_);
+        return core_.run_micro_batches(global, fn, own_scale, [&] {
+            if constexpr (!Core::uses_visitor) {
+                if (launch)
+                    ctx.set_ready_hook([this](std::size_t t) { reducer_.mark_ready(t); });
+            }
+        });
+    }
+
+    /// Forward and backward once per chunk of `chunk` samples of the global batch that this
+    /// replica computes (reproducible_chunks: a contiguous run; a replica without chunks calls fn
+    /// once with an empty range, so the network's layers take part in the step), each on zeroed
+    /// gradients with scale = 1 / global and its loss in *chunk_loss (zeroed first); after each
+    /// chunk (its gradient packed into the flat buffer) `add(host loss)` takes it.
+    template <class Fn, class Add>
+    void forward_backward_chunks(std::size_t global, std::size_t chunk, Fn& fn, double* chunk_loss,
+                                 Add&& add) {
+        auto& ctx = core_.context();
+        const shard_range mine = reproducible_chunks(global, chunk, rank(), replicas());
+        const step_scope scope(ctx, chunk_loss, &layer_step_);
+        ctx.set_step(core_.steps(), true);
+        const std::size_t calls = mine.empty() ? 1 : mine.size();
+        for (std::size_t c = 0; c < calls; ++c) {
+            shard_range r;
+            if (!mine.empty()) {
+                r.begin = (mine.begin + c) * chunk;
+                r.end = std::min(global, r.begin + chunk);
+            } else {
+                r.begin = r.end = global;
+            }
+            r.global_size = global;
+            r.sample_offset = core_.samples();
+            r.scale = r.empty() ? 0.0 : 1.0 / static_cast<double>(global);
+            core_.zero_grads();
+            thrust::fill(system().policy(), chunk_loss, chunk_loss + 1, 0.0);
+            double host_loss = 0;
+            if constexpr (std::is_void_v<decltype(fn(core_.network(), r, ctx))>)
+                fn(core_.network(), r, ctx);
+            else
+                host_loss = static_cast<double>(fn(core_.network(), r, ctx));
+            core_.pack_grads();
+            add(host_loss);
+        }
+        ctx.set_step(core_.steps(), false);
+    }
+
+    /// The network's gradients into the flat buffer (visitor networks; else nothing).
+    void pack_gradients() { core_.pack_grads(); }
+
+    /// The rest of the reduction: pack_gradients, then every piece not yet launched is checked
+    /// and reduced, and the reducer's communication is joined.
+    void finish_reduction() {
+        pack_gradients();
+        reducer_.finish();
+    }
+
+    /// Each piece's NaN/inf count when no reducer launched it (local SGD, reproducible).
+    void check_pieces() {
+        const auto& plan = reducer_.plan();
+        for (std::size_t k = 0; k < plan.size(); ++k)
+            checks_.check_piece(system(), std::span<const T>(core_.grads()), k, plan[k]);
+    }
+
+    /// grads *= 1 / loss scale (loss scaling on).
+    void unscale() { scaler_.unscale(core_.grads()); }
+
+    /// The step's index and learning rate.
+    step_result open_result() {
+        step_result r;
+        r.step = core_.steps();
+        r.lr = core_.lr_for(r.step);
+        return r;
+    }
+
+    /// This replica's row (global_batch, lr, its non-finite count and first index, a non-finite
+    /// loss) and its part of the totals, from the pieces' checks.
+    void report(double host_loss, std::size_t global, double lr) {
+        const step_view v = state_.view();
+        checks_.finish_local(system(), host_loss, static_cast<double>(global), lr, v.totals,
+                             &v.rows[rank()]);
+    }
+
+    /// The gradients of frozen tensors are zeroed (train_params::frozen).
+    void freeze() { core_.zero_frozen_grads(); }
+
+    /// The user's gradient hook (set_gradient_hook), over the flat gradient.
+    void hook() {
+        if (gradient_hook_)
+            gradient_hook_(core_.grads(),
+                           std::span<const tensor_info>(core_.registry().parameters()));
+    }
+
+    /// The reduced gradient's non-finite count, first index and (with clipping) squared norm
+    /// over the optimizer's elements `own` (all, or this replica's shard).
+    void check(shard_extent own) {
+        checks_.check_reduced(system(), std::span<const T>(core_.grads()), own.offset,
+                              own.offset + own.count, core_.params().max_grad_norm > 0,
+                              state_.view().outcome);
+    }
+
+    /// reduce::sharded: this replica's shard checks into its shard row (before sum_status), and
+    /// every shard's rows combined into the outcome (after it).
+    void share_shard_checks() {
+        const step_view v = state_.view();
+        kernels::for_each_index(system(), 1, shard_checks_to_row_fn{v.outcome, &v.shards[rank()]});
+    }
+    void combine_shard_checks() {
+        const step_view v = state_.view();
+        kernels::for_each_index(system(), 1,
+                                combine_shard_checks_fn{v.shards, v.replicas, v.outcome});
+    }
+
+    /// [C] The status all_reduce: the rows and totals summed over replicas, so every replica
+    /// takes the same skip decision, and the gradient factor from the same norm.
+    void sum_status() {
+        const std::span<double> reduced = state_.reduced();
+        core_.comm().all_reduce(std::span<const double>(reduced), reduced, reduce_op::sum);
+    }
+
+    /// The skip decision and the gradient factor (one task), from the totals and the rows of
+    /// `replicas` replicas starting at `first_row` (all of them, or this replica's alone).
+    void decide(int first_row, int replicas) {
+        const step_view v = state_.view();
+        kernels::for_each_index(system(), 1,
+                                decide_skip_fn{v.totals, v.outcome, &v.rows[first_row], replicas,
+                                               skip_.data(), core_.params().max_grad_norm});
+    }
+
+    /// The loss scale's update from the step's outcome (one task).
+    void update_scale() {
+        const step_view v = state_.view();
+        scaler_.update(&v.totals->non_finite, &v.outcome->skip, v.scale_report);
+    }
+
+    /// The layers that joined the step keep or restore their state (the skip flag).
+    void commit() { layer_step_.commit(); }
+
+    /// The optimizer's learning rate for this step.
+    void set_lr(double lr) { core_.optimizer().set_lr(lr); }
+
+    /// The gradient factor (clipping) over the elements `own`, unless skipped (on the device).
+    void clip(shard_extent own) {
+        if (core_.params().max_grad_norm > 0)
+            apply_grad_factor(system(), core_.grads().subspan(own.offset, own.count),
+                              &state_.view().outcome->grad_factor, skip_.data());
+    }
+
+    /// The optimizer over the elements `own` of the values, unless skipped (the kernels read
+    /// the flag).
+    void update(shard_extent own) {
+        core_.optimizer().step(core_.values().subspan(own.offset, own.count),
+                               std::span<const T>(core_.grads().subspan(own.offset, own.count)),
+                               skip_.data());
+    }
+
+    /// The flat values back into the network (visitor networks), the step and sample counts
+    /// advanced, and the read of the state queued; with train_params::read_result it is waited
+    /// for and the step's errors thrown. While capturing: the read is part of the graph (each
+    /// launch repeats it); nothing waits and last() stays the last step that ran.
+    step_result end(std::size_t global, step_result r) {
+        core_.unpack_values();
+        core_.advance(global);
+        read_.enqueue(state_.memory());
+        r.ready = false;
+        if (capturing_)
+            return r;
+        last_ = r;
+        if (core_.params().read_result)
+            return finish_result(r);
+        return r;
+    }
+
+    // --- after the step ---
+
+    /// Waits for the state read of step r, fills r and throws the step's errors.
+    step_result finish_result(step_result r) {
+        const step_view st = state_.view_of(wait_for(core_.comm(), read_, "data_parallel.step"));
+        r.loss = st.totals->loss;
+        r.skipped = st.outcome->skip != 0;
+        r.loss_scale = scaler_.observe(*st.scale_report, r.step + 1 == core_.steps()).used;
+        r.ready = true;
+        step_report(st, rank(), r.step, std::span<const tensor_info>(core_.registry().parameters()),
+                    {.local_sgd = local_sgd_,
+                     .skip_non_finite = core_.params().skip_non_finite,
+                     .loss_scaling = scaler_.enabled()})
+            .throw_errors();
+        return r;
+    }
+
+    /// The last step that ran (or launch counted), and setting it (count_replay).
+    const step_result& last() const noexcept { return last_; }
+    void set_last(const step_result& r) noexcept { last_ = r; }
+
+    void set_gradient_hook(gradient_hook f) { gradient_hook_ = std::move(f); }
+    /// True while a step is being recorded into a CUDA graph.
+    void set_capturing(bool c) noexcept { capturing_ = c; }
+    /// Local SGD: the rows are this replica's own (the error texts say so).
+    void set_local_sgd(bool l) noexcept { local_sgd_ = l; }
+
+private:
+    /// What ctx.loss_scale() answers in this step: the scale the host knows, except while
+    /// capturing with loss scaling (a launch runs with the scale then in device memory, which
+    /// the host value at the capture would freeze into the graph).
+    std::optional<double> host_loss_scale() const {
+        if (capturing_ && scaler_.enabled())
+            return std::nullopt;
+        return scaler_.known_scale();
+    }
+
+    Core& core_;
+    Reducer& reducer_;
+    step_state<system_type> state_;
+    buffer<int, system_type> skip_; ///< 1: the optimizer kernels skip the update
+    gradient_checks<system_type> checks_;
+    staged_read<double, system_type> read_;
+    loss_scaler<system_type> scaler_;
+    nn::layer_step layer_step_;
+    gradient_hook gradient_hook_;
+    step_result last_{};
+    bool capturing_ = false;
+    bool local_sgd_ = false;
+};
+
+} // namespace lockstep::detail

@@ -1,0 +1,151 @@
+// lockstep/train/step_state.hpp: a synchronous training step's state in the replica's memory:
+// what each replica reports, what is summed over replicas, what every replica decides from the
+// sums, and the loss scale's report; step_state<System> owns it. SPDX-License-Identifier:
+// Apache-2.0
+#pragma once
+
+#include "lockstep/core/config.hpp"
+#include "lockstep/kernels/for_each.hpp"
+#include "lockstep/kernels/layer_report.hpp"
+#include "lockstep/kernels/mixed_precision.hpp"
+#include "lockstep/system/buffer.hpp"
+
+#include <cstddef>
+#include <span>
+#include <type_traits>
+
+#include <thrust/fill.h>
+
+namespace lockstep {
+
+/// What one replica reports of its own step. The state holds one row per replica; replica r
+/// writes row r only (the others stay zero), so the status all_reduce (a sum) hands every
+/// replica every replica's row without another collective.
+struct replica_row {
+    double non_finite = 0;       ///< NaN/inf elements of its local gradient
+    double first_non_finite = 0; ///< 1 + flat index of the first (0: none)
+    double loss_non_finite = 0;  ///< 1 when its loss is NaN/inf
+    double global_batch = 0;     ///< the global_batch it passed to step()
+    double lr = 0;               ///< the learning rate of its step
+};
+
+/// reduce::sharded: one replica's checks of the shard of the gradient it reduced (a row per
+/// replica, summed as replica_row): its non-finite count, 1 + flat index of the first one (0:
+/// none) and squared norm.
+struct shard_row {
+    double non_finite = 0;
+    double first_non_finite = 0;
+    double grad_norm2 = 0;
+};
+
+/// The values summed over replicas by the status all_reduce.
+struct step_totals {
+    double loss = 0;            ///< the loss the step function reported
+    double non_finite = 0;      ///< NaN/inf gradient elements before reduction
+    double layer_errors = 0;    ///< layers that found invalid statistics
+    double loss_non_finite = 0; ///< replicas whose loss is NaN/inf
+};
+
+/// This replica's own values: the first layer error it saw, the reduced gradient's checks, and
+/// the decisions every replica takes alike from the totals (on the device).
+struct step_outcome {
+    kernels::layer_error_record first_error{}; ///< the first layer error (code 0: none)
+    double skip = 0;                           ///< 1 when the update is skipped
+    double reduced_non_finite = 0;             ///< NaN/inf elements of the reduced gradient
+    double reduced_first = 0;                  ///< 1 + flat index of its first one (0: none)
+    double grad_norm2 = 0;                     ///< squared 2-norm of the gradient
+    double grad_factor = 1;                    ///< factor applied to the gradient (clipping)
+    double mismatch = 0;                       ///< 1 when replicas disagree on a step setting
+};
+
+/// Device pointers to the parts of a step's state, for the kernels that write them: `rows`
+/// (replicas rows), `shards` (replicas rows, reduce::sharded only, else null), `totals`,
+/// `outcome` and the loss scale's `scale_report`.
+struct step_view {
+    replica_row* rows = nullptr;
+    shard_row* shards = nullptr;
+    step_totals* totals = nullptr;
+    step_outcome* outcome = nullptr;
+    kernels::loss_scale_record* scale_report = nullptr;
+    int replicas = 0;
+};
+
+/// One task: *outcome = step_outcome{} (its defaults).
+struct reset_outcome_fn {
+    step_outcome* outcome;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const { *outcome = step_outcome{}; }
+};
+
+/// A synchronous step's state in the replica's System memory, laid out as
+/// [replica rows][shard rows (reduce::sharded)][totals] | [outcome][loss scale report]:
+/// the part before | is the prefix the status all_reduce sums (reduced()), and the host reads
+/// the whole state once at the end of the step (memory(), then view_of() over the copy).
+template <class System>
+class step_state {
+    template <class Part>
+    static constexpr std::size_t doubles = sizeof(Part) / sizeof(double);
+    static_assert(std::is_trivially_copyable_v<step_outcome> &&
+                  sizeof(replica_row) % sizeof(double) == 0 &&
+                  sizeof(shard_row) % sizeof(double) == 0 &&
+                  sizeof(step_totals) % sizeof(double) == 0 &&
+                  sizeof(step_outcome) % sizeof(double) == 0 &&
+                  sizeof(kernels::loss_scale_record) % sizeof(double) == 0);
+
+public:
+    /// requires: replicas >= 1.
+    step_state(int replicas, bool shards, const System& sys)
+        : replicas_(replicas), shards_(shards),
+          memory_(reduced_doubles(replicas, shards) + doubles<step_outcome> +
+                      doubles<kernels::loss_scale_record>,
+                  sys) {}
+
+    /// The state over `memory` (this state's memory, or a copy of it read back to the host).
+    step_view view_of(double* memory) const noexcept {
+        const auto n = static_cast<std::size_t>(replicas_);
+        step_view v;
+        v.replicas = replicas_;
+        v.rows = reinterpret_cast<replica_row*>(memory);
+        double* next = memory + n * doubles<replica_row>;
+        if (shards_) {
+            v.shards = reinterpret_cast<shard_row*>(next);
+            next += n * doubles<shard_row>;
+        }
+        v.totals = reinterpret_cast<step_totals*>(next);
+        v.outcome = reinterpret_cast<step_outcome*>(next + doubles<step_totals>);
+        v.scale_report = reinterpret_cast<kernels::loss_scale_record*>(next + doubles<step_totals> +
+                                                                       doubles<step_outcome>);
+        return v;
+    }
+    step_view view() noexcept { return view_of(memory_.data()); }
+    /// A read-only view over a host copy of memory().
+    step_view view_of(std::span<const double> copy) const noexcept {
+        return view_of(const_cast<double*>(copy.data()));
+    }
+
+    /// The prefix the status all_reduce sums: the rows and the totals.
+    std::span<double> reduced() noexcept {
+        return memory_.span().first(reduced_doubles(replicas_, shards_));
+    }
+    /// All of it, for the host's end-of-step read.
+    std::span<const double> memory() const noexcept { return memory_.span(); }
+
+    /// Every part to its initial value (step_outcome's defaults, zeros elsewhere), on the
+    /// system's stream (two kernels; nothing from the host, so a CUDA graph can capture it).
+    void reset(const System& sys) {
+        thrust::fill(sys.policy(), memory_.data(), memory_.data() + memory_.size(), 0.0);
+        kernels::for_each_index(sys, 1, reset_outcome_fn{view().outcome});
+    }
+
+private:
+    static std::size_t reduced_doubles(int replicas, bool shards) noexcept {
+        const auto n = static_cast<std::size_t>(replicas);
+        return n * doubles<replica_row> + (shards ? n * doubles<shard_row> : 0) +
+               doubles<step_totals>;
+    }
+
+    int replicas_;
+    bool shards_;
+    buffer<double, System> memory_;
+};
+
+} // namespace lockstep
