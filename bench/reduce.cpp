@@ -46,14 +46,14 @@ method make_method(const char* name, Comm& comm, const std::vector<tensor_info>&
     auto red = std::make_shared<detail::reducer<Policy, float, Comm>>(comm, tensors);
     std::span<float> g(grads), v(values);
     method m{name};
-    m.calls = red->plan().size() * (Policy::kind == reduce_kind::parameter_server ? 2 : 1);
+    m.calls = red->plan().size() * (Policy::update_root >= 0 ? 2 : 1);
     m.run = [red, g, v] {
         red->begin(g);
         red->finish();
         red->apply(v, [] {}); // parameter_server: the broadcast of the parameters is part of it
     };
     // compressed: two collectives per chunk of every bucket (all_to_all, all_gather).
-    if constexpr (Policy::kind == reduce_kind::compressed)
+    if constexpr (Policy::rounds_on_wire)
         m.issued = [red] { return red->collectives(); };
     return m;
 }

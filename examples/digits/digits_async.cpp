@@ -21,7 +21,7 @@ struct async_valid {
             return "asynchronous workers run forward at their own pace, so BN statistics cannot "
                    "be shared across replicas inside a step: use --bn local (the server keeps "
                    "the running statistics)";
-        if (R::kind == lockstep::reduce_kind::parameter_server)
+        if (R::update_root >= 0)
             return "sync::asynchronous already is a parameter server; reduce::parameter_server "
                    "is its synchronous form: drop --reduce ps";
         if (std::string w = reproducible_reason<lockstep::sync::asynchronous, R, B>(); !w.empty())

@@ -9,8 +9,7 @@ namespace {
 struct local_sgd_valid {
     template <class R, class B>
     auto operator()(std::type_identity<R>, std::type_identity<B>) const {
-        return std::bool_constant < !lockstep::bn::needs_synchronous<B> &&
-               R::kind != lockstep::reduce_kind::compressed &&
+        return std::bool_constant < !lockstep::bn::needs_synchronous<B> && !R::rounds_on_wire &&
                reproducible_valid<lockstep::sync::local_sgd<4>, R, B> > {};
     }
     template <class R, class B>
@@ -19,7 +18,7 @@ struct local_sgd_valid {
             return "bn::global and bn::group normalize across replicas inside every step, so "
                    "they need sync::synchronous; with local SGD use --bn local, running_only or "
                    "tower0";
-        if (R::kind == lockstep::reduce_kind::compressed)
+        if (R::rounds_on_wire)
             return "local SGD averages weights, and reduce::compressed would round them to 16 "
                    "bits: use --reduce per_tensor, bucketed or ps";
         return reproducible_reason<lockstep::sync::local_sgd<4>, R, B>();

@@ -313,7 +313,7 @@ inline bool known_bn(const std::string& name) {
 /// in its order and with its reasons: "" when they hold.
 template <class Sync, class R, class B>
 std::string reproducible_reason() {
-    constexpr bool reproducible = R::kind == lockstep::reduce_kind::reproducible;
+    constexpr bool reproducible = R::chunk_samples > 0;
     constexpr bool ghost = lockstep::bn::is_ghost<B>;
     constexpr bool synchronous =
         !lockstep::is_asynchronous_v<Sync> && !lockstep::is_local_sgd_v<Sync>;
@@ -336,10 +336,10 @@ std::string reproducible_reason() {
 
 /// True when (Sync, R, B) satisfies lockstep's reduce::reproducible and bn::ghost rules.
 template <class Sync, class R, class B>
-inline constexpr bool reproducible_valid =
-    (R::kind == lockstep::reduce_kind::reproducible) == lockstep::bn::is_ghost<B> &&
-    (R::kind != lockstep::reduce_kind::reproducible ||
-     (!lockstep::is_asynchronous_v<Sync> && !lockstep::is_local_sgd_v<Sync>));
+inline constexpr bool reproducible_valid = (R::chunk_samples > 0) == lockstep::bn::is_ghost<B> &&
+                                           (R::chunk_samples == 0 ||
+                                            (!lockstep::is_asynchronous_v<Sync> &&
+                                             !lockstep::is_local_sgd_v<Sync>));
 
 /// Runs the combination (Sync, --reduce, --optim, --bn among BNs) when valid(reduce, bn) is
 /// std::true_type; otherwise explains why not in `why` (what the library's static_assert says).

@@ -166,7 +166,7 @@ void check_like_flat(typename Opt::params_type p, const std::vector<std::size_t>
                     0);
         // Only the summation order differs from the flat replicas: rounding, 1e-10 in double.
         CHECK(max_tensor_rel_error(two[0][s], flat.params[0][s], flat.layout) <= 1e-10);
-        if constexpr (Reduce::kind == lockstep::reduce_kind::compressed) {
+        if constexpr (Reduce::rounds_on_wire) {
             // all_to_all and all_gather deliver the flat group's blocks in the flat rank order,
             // and compressed sums each shard in rank order itself: the same bits as flat.
             CHECK(std::memcmp(two[0][s].data(), flat.params[0][s].data(),

@@ -16,6 +16,15 @@ static_assert(reduce_policy<reduce::per_tensor> && reduce_policy<reduce::buckete
               reduce_policy<reduce::compressed<lockstep::half>> &&
               reduce_policy<reduce::sharded<>>);
 static_assert(!reduce_policy<sync::synchronous> && !reduce_policy<double>);
+// What each tag tells the trainer (reduce::policy_traits and the overrides).
+static_assert(reduce::per_tensor::update_root == -1 &&
+              reduce::parameter_server<1>::update_root == 1);
+static_assert(reduce::sharded<>::shards_optimizer_state &&
+              !reduce::bucketed<>::shards_optimizer_state);
+static_assert(reduce::reproducible<8>::chunk_samples == 8 &&
+              reduce::bucketed<>::chunk_samples == 0);
+static_assert(reduce::compressed<lockstep::half>::rounds_on_wire &&
+              !reduce::sharded<>::rounds_on_wire);
 
 // Everything synchronous goes with every BN policy and every reducer.
 static_assert(

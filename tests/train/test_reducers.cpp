@@ -104,10 +104,7 @@ TEST_CASE("buckets launch in plan order, each once its prefix is ready", "[train
 namespace {
 template <class Policy>
 constexpr int root_of() {
-    if constexpr (Policy::kind == reduce_kind::parameter_server)
-        return Policy::root;
-    else
-        return -1;
+    return Policy::update_root;
 }
 
 template <class Policy>
@@ -128,14 +125,13 @@ void check_sum_and_average(int replicas, double tol, double floor = 0) {
         red.mark_ready(5);
         red.finish();
         sums[comm.rank()] = g;
-        if constexpr (Policy::kind != reduce_kind::compressed) {
+        if constexpr (!Policy::rounds_on_wire) {
             red.average(v);
             means[comm.rank()] = v;
         }
     });
     for (int r = 0; r < replicas; ++r) {
-        const bool holds_sum =
-            Policy::kind != reduce_kind::parameter_server || r == root_of<Policy>();
+        const bool holds_sum = Policy::update_root < 0 || r == root_of<Policy>();
         double worst_sum = 0, worst_mean = 0;
         for (std::size_t i = 0; i < n; ++i) {
             double ref = 0, mag = 0;
@@ -152,7 +148,7 @@ void check_sum_and_average(int replicas, double tol, double floor = 0) {
             CHECK(worst_sum <= tol);
         CHECK(worst_mean <= tol);
         // Everyone who holds the result holds the same bits.
-        if (holds_sum && r > 0 && Policy::kind != reduce_kind::parameter_server)
+        if (holds_sum && r > 0 && Policy::update_root < 0)
             CHECK(sums[r] == sums[0]);
         if (!means[r].empty())
             CHECK(means[r] == means[0]);

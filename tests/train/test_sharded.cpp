@@ -224,7 +224,7 @@ std::vector<std::vector<std::vector<double>>> run_tiny(int replicas, typename Op
             comm, [](auto& ctx) { return net(ctx); }, op, {.max_grad_norm = 1.0});
         // 3 elements over 4 replicas: the last shard is empty (checked after the run: Catch2
         // assertions are not thread-safe).
-        if (Reduce::kind == reduce_kind::sharded && comm.rank() == 3)
+        if (Reduce::shards_optimizer_state && comm.rank() == 3)
             last_shard_bytes = dp.optimizer_state_bytes();
         for (std::size_t b : batch_schedule()) {
             dp.step(

@@ -72,10 +72,6 @@ struct bn_ghost_facts<std::tuple<P...>> {
     template <std::size_t C>
     static constexpr bool all_chunk = ((bn::ghost_chunk<P> == C) && ...);
 };
-template <class ReducePolicy>
-inline constexpr std::size_t reproducible_chunk = 0;
-template <std::size_t C>
-inline constexpr std::size_t reproducible_chunk<reduce::reproducible<C>> = C;
 } // namespace detail
 
 /// Checks, at compile time, that SyncPolicy x ReducePolicy x Communicator x the BN policies
@@ -104,18 +100,18 @@ constexpr bool check_compatible() {
                   "pushes first); this communicator has none (NCCL has no any-source receive): "
                   "run the asynchronous server over the thread_group, MPI or hierarchical_group "
                   "communicator.");
-    static_assert(!async || ReducePolicy::kind != reduce_kind::parameter_server,
+    static_assert(!async || ReducePolicy::update_root < 0,
                   "sync::asynchronous already is a parameter server (the server rank applies "
                   "each worker's gradient as it arrives); reduce::parameter_server<Root> is the "
                   "synchronous form of that layout. Use reduce::parameter_server<Root> with "
                   "sync::synchronous, or sync::asynchronous with reduce::per_tensor or "
                   "reduce::bucketed.");
-    static_assert(!local || ReducePolicy::kind != reduce_kind::compressed,
+    static_assert(!local || !ReducePolicy::rounds_on_wire,
                   "sync::local_sgd averages WEIGHTS, and reduce::compressed would round them to "
                   "16 bits on the wire, losing the model's precision: use reduce::per_tensor or "
                   "reduce::bucketed with sync::local_sgd.");
     // --- reduce::reproducible and bn::ghost ---
-    constexpr bool reproducible = ReducePolicy::kind == reduce_kind::reproducible;
+    constexpr bool reproducible = ReducePolicy::chunk_samples > 0;
     using ghost_facts = detail::bn_ghost_facts<BNPolicies>;
     static_assert(!reproducible || !(async || local),
                   "reduce::reproducible makes the weights independent of the replica count by "
@@ -133,10 +129,10 @@ constexpr bool check_compatible() {
                   "reduce::reproducible<ChunkSamples> (or use bn::local / bn::global with other "
                   "reducers).");
     static_assert(!reproducible || !ghost_facts::all_ghost ||
-                      ghost_facts::template all_chunk<detail::reproducible_chunk<ReducePolicy>>,
+                      ghost_facts::template all_chunk<ReducePolicy::chunk_samples>,
                   "bn::ghost<C> and reduce::reproducible<C> must use the same chunk size C: each "
                   "ghost batch is one chunk of the reducer.");
-    static_assert(!(async || local) || ReducePolicy::kind != reduce_kind::sharded,
+    static_assert(!(async || local) || !ReducePolicy::shards_optimizer_state,
                   "reduce::sharded splits the optimizer state over replicas that reduce every "
                   "step's gradient and update together: it needs sync::synchronous. "
                   "sync::asynchronous and sync::bounded_staleness update on the server, and "

@@ -11,16 +11,6 @@
 
 namespace lockstep {
 
-/// The family a ReducePolicy belongs to.
-enum class reduce_kind {
-    per_tensor,
-    bucketed,
-    parameter_server,
-    compressed,
-    reproducible,
-    sharded
-};
-
 namespace reduce {
 
 /// What a ReducePolicy tells the trainer about itself, with the values of a plain all-reduce;
@@ -43,7 +33,6 @@ struct policy_traits {
 /// One all_reduce per parameter tensor, in reverse registration order (the order backward
 /// produces gradients). The baseline: many small collectives pay latency per tensor.
 struct per_tensor : policy_traits {
-    static constexpr reduce_kind kind = reduce_kind::per_tensor;
     /// The policy's name: what checkpoints record and the agreement check compares.
     static std::string name() { return "reduce::per_tensor"; }
 };
@@ -60,7 +49,6 @@ template <std::size_t Bytes = std::size_t{25} << 20, std::size_t FirstBytes = st
 struct bucketed : policy_traits {
     static_assert(Bytes >= 1 && FirstBytes >= 1,
                   "reduce::bucketed<Bytes, FirstBytes> needs buckets of at least one byte.");
-    static constexpr reduce_kind kind = reduce_kind::bucketed;
     /// Target bytes of every bucket but the first.
     static constexpr std::size_t bucket_bytes = Bytes;
     /// Target bytes of the first bucket (the last tensors registered, the first gradients
@@ -78,7 +66,6 @@ struct bucketed : policy_traits {
 template <int Root = 0>
 struct parameter_server : policy_traits {
     static_assert(Root >= 0, "reduce::parameter_server<Root> needs a non-negative root rank.");
-    static constexpr reduce_kind kind = reduce_kind::parameter_server;
     static constexpr int root = Root;
     static constexpr int update_root = Root;
     static std::string name() { return "reduce::parameter_server<" + std::to_string(Root) + ">"; }
@@ -95,7 +82,6 @@ struct compressed : policy_traits {
     static_assert(is_wire_float16_v<Wire>,
                   "reduce::compressed<Wire> sends gradients as 16-bit floats: Wire must be "
                   "lockstep::half or lockstep::bfloat16.");
-    static constexpr reduce_kind kind = reduce_kind::compressed;
     static constexpr bool rounds_on_wire = true;
     using wire_type = Wire;
     static std::string name() {
@@ -119,7 +105,6 @@ template <std::size_t Bytes = std::size_t{25} << 20, std::size_t FirstBytes = st
 struct sharded : policy_traits {
     static_assert(Bytes >= 1 && FirstBytes >= 1,
                   "reduce::sharded<Bytes, FirstBytes> needs buckets of at least one byte.");
-    static constexpr reduce_kind kind = reduce_kind::sharded;
     static constexpr bool shards_optimizer_state = true;
     /// Target bytes of every bucket but the first (as reduce::bucketed).
     static constexpr std::size_t bucket_bytes = Bytes;
@@ -151,7 +136,6 @@ template <std::size_t ChunkSamples>
 struct reproducible : policy_traits {
     static_assert(ChunkSamples >= 1,
                   "reduce::reproducible<ChunkSamples> needs chunks of at least one sample.");
-    static constexpr reduce_kind kind = reduce_kind::reproducible;
     /// Samples per chunk (the last chunk of a global batch may be shorter).
     static constexpr std::size_t chunk_samples = ChunkSamples;
     static std::string name() {
@@ -176,12 +160,18 @@ inline constexpr chunk_run chunks_of(std::size_t global, std::size_t chunk, int 
 
 } // namespace reduce
 
-/// A ReducePolicy is an empty tag with a `kind` and a `name()` (what checkpoints record and the
-/// construction-time agreement check compares).
+/// A ReducePolicy is an empty tag with a `name()` (what checkpoints record and the
+/// construction-time agreement check compares) and the traits of reduce::policy_traits (derive
+/// from it and override what differs): what the trainer needs to know of it. Its reducer is a
+/// specialisation of train/detail's `reducer<Policy, T, Communicator>`; a policy whose step
+/// differs from the synchronous one has its own `step_driver`.
 template <class P>
 concept reduce_policy = std::is_empty_v<P> && requires {
-    { P::kind } -> std::convertible_to<reduce_kind>;
     { P::name() } -> std::convertible_to<std::string>;
+    { P::update_root } -> std::convertible_to<int>;
+    { P::shards_optimizer_state } -> std::convertible_to<bool>;
+    { P::chunk_samples } -> std::convertible_to<std::size_t>;
+    { P::rounds_on_wire } -> std::convertible_to<bool>;
 };
 
 } // namespace lockstep

@@ -126,7 +126,7 @@ meta_list describe_trainer(DP& dp, std::int64_t steps) {
     m.emplace_back("sync", DP::sync_policy_type::name());
     m.emplace_back("reduce", DP::reduce_policy_type::name());
     m.emplace_back("bn", bn_policy_names<network_bn_policies_t<typename DP::network_type>>::get());
-    if constexpr (DP::reduce_policy_type::kind == reduce_kind::sharded) {
+    if constexpr (DP::reduce_policy_type::shards_optimizer_state) {
         // The optimizer sections hold this replica's shard only: restoring needs the same one.
         const shard_extent own = core.optimizer_shard();
         m.emplace_back("reduce.shard", concat("[", own.offset, ", ", own.offset + own.count,

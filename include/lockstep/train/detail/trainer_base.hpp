@@ -84,7 +84,7 @@ protected:
     trainer_base(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt,
                  train_params tp, const std::vector<std::string>& policies, bool clips)
         : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp), policies,
-                clips, ReducePolicy::kind == reduce_kind::sharded) {}
+                clips, ReducePolicy::shards_optimizer_state) {}
     ~trainer_base() = default;
 
     /// The "name<TAB>value" lines of the sync, reduce and BN policies.
