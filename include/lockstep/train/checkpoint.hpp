@@ -8,6 +8,7 @@
 #include "lockstep/train/data_parallel.hpp"
 #include "lockstep/train/detail/checkpoint_format.hpp"
 #include "lockstep/train/detail/checkpoint_marker.hpp"
+#include "lockstep/train/detail/checkpoint_resize.hpp"
 #include "lockstep/train/detail/checkpoint_state.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
 
@@ -114,30 +115,57 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
     ck::agree_or_fail(comm, problem, "save_checkpoint", what);
 }
 
-/// Restores dp from the checkpoint `path` written by save_checkpoint (collective). Every
-/// replica first reads the commit marker and its shard and checks them: the shard's name (a
-/// plain file name of the form saves write, in the marker's directory, no symbolic link) and
-/// recorded size against the file before reading it, the marker and every section's CRC32C,
-/// and compatibility with dp (world size, rank, element
-/// type, optimizer type and hyperparameters, learning rate at the resume step and after, sync,
-/// reduce and BN policies, every section's presence, element type and shape, no extra section).
-/// When any replica finds a difference, every replica throws ONE lockstep::error (checkpoint)
-/// listing them all and dp is unchanged. Otherwise dp gets the parameters (also in the network's
-/// own buffers with the visitor), registry and visited state (BN running statistics), optimizer
-/// buffers and step count, steps(), the sample offset, local SGD's steps since the last average
-/// and the RNG seed: the steps that follow are bitwise those of the run that saved (synchronous
-/// and local SGD; the asynchronous trainers continue from the same state, in an order the
-/// arrival of gradients decides, as without a checkpoint).
+/// Restores dp from the checkpoint `path` written by save_checkpoint (collective), saved by the
+/// same or another number of replicas. Every replica first reads the commit marker and the
+/// shard it restores from and checks them: the shard's name (a plain file name of the form saves
+/// write, in the marker's directory, no symbolic link) and recorded size against the file before
+/// reading it, the marker and every section's CRC32C, and compatibility with dp (world size,
+/// rank, element type, optimizer type and hyperparameters, learning rate at the resume step and
+/// after, sync, reduce and BN policies, every section's presence, element type and shape, no
+/// extra section). When any replica finds a difference, every replica throws ONE
+/// lockstep::error (checkpoint) listing them all and dp is unchanged. Otherwise dp gets the
+/// parameters (also in the network's own buffers with the visitor), registry and visited state
+/// (BN running statistics), optimizer buffers and step count, steps(), the sample offset, local
+/// SGD's steps since the last average and the RNG seed: the steps that follow are bitwise those
+/// of the run that saved (synchronous and local SGD; the asynchronous trainers continue from the
+/// same state, in an order the arrival of gradients decides, as without a checkpoint).
+/// At another replica count (synchronous trainers only; local SGD and the asynchronous trainers
+/// refuse it, naming both counts), every replica restores from the shard of replica 0
+/// (reduce::parameter_server<Root>: Root's), BN running statistics included; with
+/// reduce::sharded each replica's new shard of the optimizer state is regathered from the old
+/// shards that overlap it (their headers and optimizer sections only). See docs/checkpoints.md.
 /// requires: no step in flight on this replica (asynchronous: between train() calls).
 template <class Network, class Optimizer, class Sync, class Reduce, class Comm>
 void load_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
                      const std::filesystem::path& path) {
     namespace ck = detail::ckpt;
+    using T = typename Optimizer::value_type;
     auto& comm = detail::checkpoint_access::core(dp).comm();
+    const std::string what = "checkpoint '" + path.string() + "' refused:";
+    // Every replica must take the same path below: they compare the save they read.
+    const auto saved = ck::read_committed_save(path, comm.rank());
+    const ck::committed_save mine = saved.value_or(ck::committed_save{});
+    const int row[3] = {mine.world_size, static_cast<int>(static_cast<std::uint32_t>(mine.gen)),
+                        static_cast<int>(static_cast<std::uint32_t>(mine.gen >> 32))};
+    std::vector<int> rows(3 * static_cast<std::size_t>(comm.size()));
+    detail::host_all_gather(comm, std::span<const int>(row), std::span<int>(rows));
+    bool same = true;
+    for (std::size_t i = 0; i < rows.size(); ++i)
+        same = same && rows[i] == row[i % 3];
+    if (!same) // seen by every replica: each compares every row with its own
+        ck::agree_or_fail(comm,
+                          "the replicas read different commit markers (a save committed meanwhile)",
+                          "load_checkpoint", what);
+
     ck::loaded_shard shard;
+    std::vector<std::vector<T>> slots;
+    const bool resized = saved && saved->world_size != comm.size();
     std::string problem;
     try {
-        for (const std::string& p : ck::validate(dp, path, shard)) {
+        const std::vector<std::string> problems =
+            resized ? ck::validate_resized(dp, path, saved->world_size, saved->gen, shard, slots)
+                    : ck::validate(dp, path, shard);
+        for (const std::string& p : problems) {
             if (!problem.empty())
                 problem += "; ";
             problem += p;
@@ -145,9 +173,9 @@ void load_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
     } catch (const std::exception& e) {
         problem = e.what();
     }
-    ck::agree_or_fail(comm, problem, "load_checkpoint",
-                      "checkpoint '" + path.string() + "' refused:");
-    ck::restore(dp, shard);
+    ck::agree_or_fail(comm, problem, "load_checkpoint", what);
+    constexpr bool sharded = Reduce::kind == reduce_kind::sharded;
+    ck::restore(dp, shard, resized && sharded ? &slots : nullptr);
 }
 
 } // namespace lockstep

@@ -21,6 +21,7 @@
 #include "lockstep/train/detail/checkpoint_format.hpp"
 #include "lockstep/train/detail/checkpoint_marker.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
+#include "lockstep/train/detail/reduce_sharded.hpp"
 #include "lockstep/train/detail/signature.hpp"
 #include "lockstep/train/detail/trainer_base.hpp"
 #include "lockstep/train/detail/visitor.hpp"
@@ -109,26 +110,42 @@ concept has_loss_scaler = requires(DP& dp) {
     dp.scaler().state();
 };
 
+/// The replica a shard was written by: its rank among world_size replicas.
+struct shard_owner {
+    int world_size = 1;
+    int rank = 0;
+};
+
+/// The replica dp is.
+template <class DP>
+shard_owner own_shard(DP& dp) {
+    auto& comm = checkpoint_access::core(dp).comm();
+    return {comm.size(), comm.rank()};
+}
+
 /// Everything the metadata of a shard records about the trainer dp when it has taken `steps`
 /// steps: element type, world size and rank, optimizer and hyperparameters, policies, and the
 /// learning rate at steps, steps + 1, + 10 and + 1000 (the schedule's position and continuation).
+/// `as`: the replica the shard describes (its world size, rank and, with reduce::sharded, its
+/// shard of the optimizer state); dp's own unless a checkpoint of another replica count is read.
 template <class DP>
-meta_list describe_trainer(DP& dp, std::int64_t steps) {
+meta_list describe_trainer(DP& dp, std::int64_t steps, shard_owner as) {
     using T = typename DP::value_type;
     auto& core = checkpoint_access::core(dp);
     meta_list m;
     m.emplace_back("trainer", "data_parallel");
     m.emplace_back("dtype", element_name<T>());
     m.emplace_back("dtype.size", std::to_string(sizeof(T)));
-    m.emplace_back("world_size", std::to_string(core.comm().size()));
-    m.emplace_back("rank", std::to_string(core.comm().rank()));
+    m.emplace_back("world_size", std::to_string(as.world_size));
+    m.emplace_back("rank", std::to_string(as.rank));
     describe_optimizer(m, core.optimizer().params());
     m.emplace_back("sync", DP::sync_policy_type::name());
     m.emplace_back("reduce", DP::reduce_policy_type::name());
     m.emplace_back("bn", bn_policy_names<network_bn_policies_t<typename DP::network_type>>::get());
     if constexpr (DP::reduce_policy_type::kind == reduce_kind::sharded) {
         // The optimizer sections hold this replica's shard only: restoring needs the same one.
-        const shard_extent own = core.optimizer_shard();
+        const shard_extent own =
+            shard_layout(core.values().size(), as.world_size)[static_cast<std::size_t>(as.rank)];
         m.emplace_back("reduce.shard", concat("[", own.offset, ", ", own.offset + own.count,
                                               ") of ", core.values().size()));
     }
@@ -202,12 +219,23 @@ void for_each_tensor_section(DP& dp, F&& f) {
           slot.data);
 }
 
-/// Every section dp's shard holds, in file order.
+/// True for the sections of the optimizer's state buffers ("optimizer.<slot>").
+inline bool is_optimizer_slot(std::string_view name) {
+    return name.substr(0, 10) == "optimizer." && name != "optimizer.step";
+}
+
+/// Every section the shard of replica `as` of dp's trainer holds, in file order (with
+/// reduce::sharded, the optimizer buffers hold that replica's shard).
 template <class DP>
-std::vector<section_spec> expected_sections(DP& dp) {
+std::vector<section_spec> expected_sections(DP& dp, shard_owner as) {
     using T = typename DP::value_type;
     std::vector<section_spec> out;
-    for_each_tensor_section(dp, [&](section_spec s, std::span<T>) { out.push_back(std::move(s)); });
+    const std::size_t n = checkpoint_access::core(dp).values().size();
+    for_each_tensor_section(dp, [&](section_spec s, std::span<T>) {
+        if (DP::reduce_policy_type::kind == reduce_kind::sharded && is_optimizer_slot(s.name))
+            s.shape = {shard_layout(n, as.world_size)[static_cast<std::size_t>(as.rank)].count};
+        out.push_back(std::move(s));
+    });
     out.push_back({"optimizer.step", dtype::i64, {1}});
     out.push_back({"trainer.counters", dtype::u64, {counter_count}});
     if constexpr (has_loss_scaler<DP>)
@@ -231,7 +259,7 @@ std::vector<std::byte> build_shard(DP& dp) {
     if constexpr (requires { core.comm().synchronize(); })
         core.comm().synchronize();
     file_builder b;
-    for (auto& [k, v] : describe_trainer(dp, core.steps()))
+    for (auto& [k, v] : describe_trainer(dp, core.steps(), own_shard(dp)))
         b.meta(k, v);
     for_each_tensor_section(dp, [&](section_spec s, std::span<T> data) {
         const std::vector<T> h = to_host(data, sys);
@@ -308,23 +336,63 @@ struct loaded_shard {
     parsed_header header; ///< views bytes
 };
 
-/// Reads the commit marker and this replica's shard and compares them with the trainer.
-/// Returns every difference found (empty: compatible and intact); `out` holds the shard then.
+/// Appends to `problems` (each prefixed by `prefix`) every difference between a shard's header
+/// h and what the trainer writes: metadata `expected` and sections `want`.
+inline void compare_header(const parsed_header& h, const meta_list& expected,
+                           const std::vector<section_spec>& want, const std::string& prefix,
+                           std::vector<std::string>& problems) {
+    for (const auto& [k, v] : expected) {
+        const auto got = h.find_meta(k);
+        if (!got)
+            problems.push_back(concat(prefix, k, ": missing in the checkpoint (trainer: ", v, ")"));
+        else if (*got != v)
+            problems.push_back(concat(prefix, k, ": checkpoint ", *got, ", trainer ", v));
+    }
+    for (std::size_t i = 0; i < h.meta_count(); ++i) {
+        const auto [k, v] = h.meta(i);
+        bool known = false;
+        for (const auto& e : expected)
+            known = known || e.first == k;
+        if (!known)
+            problems.push_back(
+                concat(prefix, k, ": ", v, " in the checkpoint, unknown to the trainer"));
+    }
+    for (const section_spec& s : want) {
+        const auto got = h.find_section(s.name);
+        if (!got)
+            problems.push_back(concat(prefix, "section '", s.name, "' (", dtype_name(s.type), " ",
+                                      shape_text(s.shape), ") is missing"));
+        else if (got->type != s.type || got->shape != s.shape)
+            problems.push_back(concat(prefix, "section '", s.name, "': checkpoint ",
+                                      dtype_name(got->type), " ", shape_text(got->shape),
+                                      ", trainer ", dtype_name(s.type), " ", shape_text(s.shape)));
+    }
+    for (std::size_t i = 0; i < h.section_count(); ++i) {
+        const section_entry e = h.section(i);
+        bool known = false;
+        for (const section_spec& s : want)
+            known = known || s.name == e.name;
+        if (!known)
+            problems.push_back(concat(prefix, "section '", e.name, "' (", dtype_name(e.type), " ",
+                                      shape_text(e.shape), ") is not part of this trainer"));
+    }
+}
+
+/// Parses the shard held in out.bytes (read from `file`, written by replica `as`) and appends to
+/// `problems` every difference from what dp's trainer would write as that replica: corrupted
+/// sections, metadata (policies, optimizer, schedule at the resume step...), sections'
+/// presence, type and shape, the loss scale's range.
 template <class DP>
-std::vector<std::string> validate(DP& dp, const std::filesystem::path& path, loaded_shard& out) {
+void check_shard(DP& dp, const std::filesystem::path& file, shard_owner as, loaded_shard& out,
+                 std::vector<std::string>& problems) {
     auto& core = checkpoint_access::core(dp);
     const int rank = core.comm().rank();
-    std::filesystem::path file;
-    std::vector<std::string> problems =
-        read_committed_shard(path, rank, core.comm().size(), out.bytes, file);
-    if (file.empty())
-        return problems;
     const std::string shard_what = "shard '" + file.string() + "'";
     out.header = parse_header(out.bytes, shard_magic, shard_what, rank);
     for (std::string& p : verify_sections(out.bytes, out.header))
         problems.push_back(shard_what + ": " + std::move(p));
     if (!problems.empty())
-        return problems;
+        return;
 
     // The position the file resumes at (for the schedule check): read only when well-formed.
     std::int64_t steps = core.steps();
@@ -333,47 +401,13 @@ std::vector<std::string> validate(DP& dp, const std::filesystem::path& path, loa
         steps = static_cast<std::int64_t>(get_u64(out.bytes.data() + c->offset));
     meta_list expected;
     try {
-        expected = describe_trainer(dp, steps);
+        expected = describe_trainer(dp, steps, as);
     } catch (const std::exception& e) {
         problems.push_back(
             concat("the trainer's learning rate schedule at step ", steps, " failed: ", e.what()));
-        expected = describe_trainer(dp, core.steps());
+        expected = describe_trainer(dp, core.steps(), as);
     }
-    for (const auto& [k, v] : expected) {
-        const auto got = out.header.find_meta(k);
-        if (!got)
-            problems.push_back(concat(k, ": missing in the checkpoint (trainer: ", v, ")"));
-        else if (*got != v)
-            problems.push_back(concat(k, ": checkpoint ", *got, ", trainer ", v));
-    }
-    for (std::size_t i = 0; i < out.header.meta_count(); ++i) {
-        const auto [k, v] = out.header.meta(i);
-        bool known = false;
-        for (const auto& e : expected)
-            known = known || e.first == k;
-        if (!known)
-            problems.push_back(concat(k, ": ", v, " in the checkpoint, unknown to the trainer"));
-    }
-    const std::vector<section_spec> want = expected_sections(dp);
-    for (const section_spec& s : want) {
-        const auto got = out.header.find_section(s.name);
-        if (!got)
-            problems.push_back(concat("section '", s.name, "' (", dtype_name(s.type), " ",
-                                      shape_text(s.shape), ") is missing"));
-        else if (got->type != s.type || got->shape != s.shape)
-            problems.push_back(concat("section '", s.name, "': checkpoint ", dtype_name(got->type),
-                                      " ", shape_text(got->shape), ", trainer ", dtype_name(s.type),
-                                      " ", shape_text(s.shape)));
-    }
-    for (std::size_t i = 0; i < out.header.section_count(); ++i) {
-        const section_entry e = out.header.section(i);
-        bool known = false;
-        for (const section_spec& s : want)
-            known = known || s.name == e.name;
-        if (!known)
-            problems.push_back(concat("section '", e.name, "' (", dtype_name(e.type), " ",
-                                      shape_text(e.shape), ") is not part of this trainer"));
-    }
+    compare_header(out.header, expected, expected_sections(dp, as), "", problems);
     if constexpr (has_loss_scaler<DP>) {
         // The loss scale's state is checked here, so that restoring it cannot fail half-way.
         const auto e = out.header.find_section("trainer.loss_scale");
@@ -390,6 +424,20 @@ std::vector<std::string> validate(DP& dp, const std::filesystem::path& path, loa
                                           ", growth tracker ", v[1], " out of range"));
         }
     }
+}
+
+/// Reads the commit marker and this replica's shard and compares them with the trainer.
+/// Returns every difference found (empty: compatible and intact); `out` holds the shard then.
+template <class DP>
+std::vector<std::string> validate(DP& dp, const std::filesystem::path& path, loaded_shard& out) {
+    auto& core = checkpoint_access::core(dp);
+    const int rank = core.comm().rank();
+    std::filesystem::path file;
+    std::vector<std::string> problems =
+        read_committed_shard(path, rank, core.comm().size(), out.bytes, file);
+    if (file.empty())
+        return problems;
+    check_shard(dp, file, own_shard(dp), out, problems);
     return problems;
 }
 
@@ -401,13 +449,20 @@ std::vector<E> section_values(const loaded_shard& s, std::string_view name) {
     return v;
 }
 
-/// Writes a validated shard into the trainer.
+/// Writes a validated shard into the trainer. `slots`: when not null, the optimizer's buffers
+/// (in state().slots order) instead of the shard's (a resharded optimizer state).
 template <class DP>
-void restore(DP& dp, const loaded_shard& s) {
+void restore(DP& dp, const loaded_shard& s,
+             const std::vector<std::vector<typename DP::value_type>>* slots = nullptr) {
     using T = typename DP::value_type;
     auto& core = checkpoint_access::core(dp);
     const auto sys = core.comm().system();
+    std::size_t next_slot = 0;
     for_each_tensor_section(dp, [&](const section_spec& spec, std::span<T> data) {
+        if (slots && is_optimizer_slot(spec.name)) {
+            copy(std::span<const T>((*slots)[next_slot++]), host_system{1}, data, sys);
+            return;
+        }
         const std::vector<T> h = section_values<T>(s, spec.name);
         copy(std::span<const T>(h), host_system{1}, data, sys);
     });

@@ -1,0 +1,417 @@
+// Checkpoints loaded at another replica count on thread replicas: right after the load every
+// replica holds bitwise the saved logical state (parameters, BN statistics of replica 0, the
+// optimizer state, regathered and resplit with reduce::sharded), a run continued at the new
+// count stays within a stated tolerance of an uninterrupted run at that count, and
+// reduce::reproducible continues to the bits of the uninterrupted run for every pair of counts
+// 1..4. Local SGD and the asynchronous trainers refuse another count on every replica, naming
+// both counts. SPDX-License-Identifier: Apache-2.0
+#include <catch2/catch.hpp>
+
+#include "checkpoint_support.hpp"
+#include "repro_runner.hpp"
+#include "train_runner.hpp"
+
+#include "lockstep/optim/adam.hpp"
+#include "lockstep/optim/lr_schedule.hpp"
+#include "lockstep/optim/sgd.hpp"
+#include "lockstep/train/checkpoint.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+using namespace lockstep_test;
+
+namespace {
+
+train_params params_for(std::uint64_t seed) {
+    return {.lr =
+                optim::linear_scaling{
+                    .base_lr = 0.05, .base_batch = 8, .global_batch = 16, .warmup_steps = 8},
+            .seed = seed};
+}
+
+/// Uneven global batches (37 over 4 replicas, 9 over 2...), at least one sample per replica.
+std::size_t batch_of(std::int64_t step) {
+    const std::size_t cycle[] = {37, 9, 12, 7, 20};
+    return cycle[static_cast<std::size_t>(step) % 5];
+}
+
+/// One replica's state: what a later step depends on.
+template <class T>
+struct replica_state {
+    std::vector<T> params;
+    std::vector<T> running; ///< BN running mean, then running variance
+    std::vector<std::vector<T>> slots;
+    std::int64_t optimizer_steps = 0;
+    std::int64_t steps = 0;
+    std::uint64_t samples = 0;
+    std::uint64_t seed = 0;
+};
+
+template <class Opt, class Reduce, class BN>
+using resize_trainer =
+    data_parallel<mlp<typename Opt::value_type, thread_communicator, storage::registry, BN>, Opt,
+                  sync::synchronous, Reduce, thread_communicator>;
+
+/// `replicas` trainers built with `seed`, loaded from `load` (if any), stepped until `steps`,
+/// saved to `save` (if any); every replica's state at the end.
+template <class Opt, class Reduce, class BN>
+std::vector<replica_state<typename Opt::value_type>>
+run(int replicas, typename Opt::params_type op, std::uint64_t seed, std::size_t steps,
+    const fs::path& load = {}, const fs::path& save = {}) {
+    using T = typename Opt::value_type;
+    using dp_type = resize_trainer<Opt, Reduce, BN>;
+    using net = typename dp_type::network_type;
+    std::vector<replica_state<T>> out(static_cast<std::size_t>(replicas));
+    thread_group(replicas).run([&](thread_communicator& comm) {
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, op, params_for(seed));
+        if (!load.empty())
+            load_checkpoint(dp, load);
+        while (static_cast<std::size_t>(dp.steps()) < steps)
+            dp.step(batch_of(dp.steps()),
+                    [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); });
+        if (!save.empty())
+            save_checkpoint(dp, save);
+        replica_state<T>& s = out[static_cast<std::size_t>(comm.rank())];
+        s.params.assign(dp.parameters().begin(), dp.parameters().end());
+        auto& bn = dp.network().batch_norm();
+        s.running.assign(bn.running_mean().begin(), bn.running_mean().end());
+        s.running.insert(s.running.end(), bn.running_var().begin(), bn.running_var().end());
+        for (const auto& slot : dp.optimizer().state().slots)
+            s.slots.emplace_back(slot.data.begin(), slot.data.end());
+        s.optimizer_steps = dp.optimizer().step_count();
+        s.steps = dp.steps();
+        s.samples = dp.samples();
+        s.seed = dp.context().seed();
+    });
+    return out;
+}
+
+/// Slot k of the logical (unsharded) optimizer state: the replicas' slots concatenated in rank
+/// order (sharded) or replica `source`'s.
+template <class T>
+std::vector<T> logical_slot(const std::vector<replica_state<T>>& run, std::size_t k, bool sharded,
+                            int source = 0) {
+    if (!sharded)
+        return run[static_cast<std::size_t>(source)].slots[k];
+    std::vector<T> out;
+    for (const auto& r : run)
+        out.insert(out.end(), r.slots[k].begin(), r.slots[k].end());
+    return out;
+}
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+/// max |a - b| / max(1, max |b|).
+template <class T>
+double relative_distance(const std::vector<T>& a, const std::vector<T>& b) {
+    REQUIRE(a.size() == b.size());
+    double diff = 0, scale = 1;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+        diff = std::max(diff, std::abs(static_cast<double>(a[i]) - static_cast<double>(b[i])));
+        scale = std::max(scale, std::abs(static_cast<double>(b[i])));
+    }
+    return diff / scale;
+}
+
+/// Saves after 5 steps with `from` replicas, loads into `to` replicas built with another seed:
+/// (1) right after the load every replica holds bitwise the saved parameters, the BN running
+/// statistics of replica `source`, the logical optimizer state (regathered over shards with
+/// reduce::sharded) and the counters; (2) after 11 steps the parameters are within `tolerance`
+/// (relative_distance) of an uninterrupted run at `to` replicas, while a run without the load is
+/// not (tolerance < 0: no such comparison, e.g. bn::local, whose math depends on the split).
+template <class Opt, class Reduce, class BN = bn::global>
+void check_resize(int from, int to, typename Opt::params_type op, double tolerance,
+                  int source = 0) {
+    using T = typename Opt::value_type;
+    constexpr bool sharded = Reduce::kind == reduce_kind::sharded;
+    INFO(from << " -> " << to << " replicas, " << Reduce::name());
+    temp_dir dir;
+    const fs::path path = dir.path / "resize.ckpt";
+    const auto saved = run<Opt, Reduce, BN>(from, op, 42, 5, {}, path);
+    const auto loaded = run<Opt, Reduce, BN>(to, op, 7, 5, path);
+    const auto& src = saved[static_cast<std::size_t>(source)];
+    REQUIRE(!src.slots.empty());
+    for (std::size_t k = 0; k < src.slots.size(); ++k) {
+        INFO("optimizer slot " << k);
+        const std::vector<T> want = logical_slot(saved, k, sharded, source);
+        CHECK(same_bits(logical_slot(loaded, k, sharded), want));
+        if (sharded) // each new replica holds its shard of the new layout
+            for (int r = 0; r < to; ++r)
+                CHECK(
+                    loaded[static_cast<std::size_t>(r)].slots[k].size() ==
+                    detail::shard_layout(src.params.size(), to)[static_cast<std::size_t>(r)].count);
+    }
+    for (int r = 0; r < to; ++r) {
+        INFO("new replica " << r);
+        const auto& l = loaded[static_cast<std::size_t>(r)];
+        CHECK(same_bits(l.params, src.params));
+        CHECK(same_bits(l.running, src.running));
+        if (!sharded)
+            for (std::size_t k = 0; k < l.slots.size(); ++k)
+                CHECK(same_bits(l.slots[k], src.slots[k]));
+        CHECK(l.optimizer_steps == src.optimizer_steps);
+        CHECK(l.steps == 5);
+        CHECK(l.samples == src.samples);
+        CHECK(l.seed == 42);
+    }
+    const auto resumed = run<Opt, Reduce, BN>(to, op, 7, 11, path);
+    const auto full = run<Opt, Reduce, BN>(to, op, 42, 11);
+    const auto other = run<Opt, Reduce, BN>(to, op, 7, 11);
+    for (int r = 0; r < to; ++r) {
+        INFO("new replica " << r);
+        const auto i = static_cast<std::size_t>(r);
+        const double d = relative_distance(resumed[i].params, full[i].params);
+        if (tolerance >= 0) {
+            CHECK(d <= tolerance);
+            CHECK(relative_distance(other[i].params, full[i].params) > 10 * tolerance);
+        }
+        CHECK(resumed[i].steps == 11);
+    }
+}
+
+} // namespace
+
+TEST_CASE("a checkpoint saved by N replicas resumes at M replicas, every synchronous policy",
+          "[train][checkpoint][thread]") {
+    // Double precision: runs at two replica counts differ only in the order of their sums
+    // (measured: below 1e-15).
+    constexpr double tol_double = 1e-12;
+    const optim::sgd_params momentum{.lr = 0.05, .momentum = 0.9};
+    using sgd_d = optim::sgd<double>;
+    using adam_d = optim::adam<double>;
+    SECTION("per_tensor, SGD momentum") {
+        for (auto [n, m] : {std::pair{2, 3}, {3, 2}, {4, 1}})
+            check_resize<sgd_d, reduce::per_tensor>(n, m, momentum, tol_double);
+    }
+    SECTION("bucketed, Adam") {
+        for (auto [n, m] : {std::pair{2, 3}, {3, 2}, {4, 1}})
+            check_resize<adam_d, reduce::bucketed<64, 32>>(n, m, {.lr = 1e-2}, tol_double);
+    }
+    SECTION("parameter_server<1>: the root's optimizer state, SGD momentum") {
+        for (auto [n, m] : {std::pair{2, 3}, {3, 2}})
+            check_resize<sgd_d, reduce::parameter_server<1>>(n, m, momentum, tol_double, 1);
+    }
+    SECTION("parameter_server<0>, Adam") {
+        check_resize<adam_d, reduce::parameter_server<0>>(4, 1, {.lr = 1e-2}, tol_double);
+    }
+    SECTION("compressed<bfloat16>, float, SGD momentum") {
+        // Each replica's contribution is rounded to bfloat16 (2^-9 relative): the split changes
+        // the rounding, so runs at two counts differ by that order (measured: 1.1e-3).
+        for (auto [n, m] : {std::pair{2, 3}, {3, 2}, {4, 1}})
+            check_resize<optim::sgd<float>, reduce::compressed<bfloat16>>(n, m, momentum, 1e-2);
+    }
+    SECTION("sharded (ZeRO-1): optimizer state regathered and resplit, Adam") {
+        for (auto [n, m] : {std::pair{2, 3}, {3, 2}, {4, 1}, {1, 4}, {3, 4}})
+            check_resize<adam_d, reduce::sharded<64, 32>>(n, m, {.lr = 1e-2}, tol_double);
+    }
+    SECTION("sharded, SGD momentum, float (measured: 1.7e-7)") {
+        for (auto [n, m] : {std::pair{2, 3}, {4, 3}})
+            check_resize<optim::sgd<float>, reduce::sharded<64, 32>>(n, m, momentum, 1e-5);
+    }
+    SECTION("bn::local: every new replica takes replica 0's running statistics") {
+        // Control: the saved replicas' statistics differ (each saw its own samples).
+        temp_dir dir;
+        const auto saved =
+            run<sgd_d, reduce::per_tensor, bn::local>(2, momentum, 42, 5, {}, dir.path / "x");
+        CHECK(!same_bits(saved[0].running, saved[1].running));
+        // Local batch statistics depend on the split: no comparison with the run at M.
+        for (auto [n, m] : {std::pair{2, 3}, {3, 2}})
+            check_resize<sgd_d, reduce::per_tensor, bn::local>(n, m, momentum, -1);
+    }
+}
+
+TEST_CASE("reduce::reproducible resumed at any replica count continues to the same bits",
+          "[train][checkpoint][thread][reproducible]") {
+    using opt = optim::adam<float>;
+    using net = mlp<float, thread_communicator, storage::registry, repro_bn>;
+    using dp_type = data_parallel<net, opt, sync::synchronous, repro_reduce, thread_communicator>;
+    const std::vector<std::size_t> batches = repro_schedule(12);
+    constexpr std::size_t save_at = 5;
+    // Records every replica; loads `load` first and saves to `save` after step save_at if given.
+    auto train = [&](int replicas, std::uint64_t seed, const fs::path& load, const fs::path& save) {
+        std::vector<repro_record<float>> out(static_cast<std::size_t>(replicas));
+        thread_group(replicas).run([&](thread_communicator& comm) {
+            dp_type dp(comm, [](auto& ctx) { return net(ctx); }, {.lr = 1e-2}, {.seed = seed});
+            if (!load.empty())
+                load_checkpoint(dp, load);
+            auto& rec = out[static_cast<std::size_t>(comm.rank())];
+            while (static_cast<std::size_t>(dp.steps()) < batches.size()) {
+                const auto b = batches[static_cast<std::size_t>(dp.steps())];
+                rec.losses.push_back(dp.step(b, [](net& n, const shard_range& r, auto& ctx) {
+                                           return n.train(r, ctx);
+                                       }).loss);
+                if (!save.empty() && static_cast<std::size_t>(dp.steps()) == save_at) {
+                    save_checkpoint(dp, save);
+                    break;
+                }
+            }
+            rec.params.assign(dp.parameters().begin(), dp.parameters().end());
+            for (const auto& slot : dp.optimizer().state().slots)
+                rec.state.emplace_back(slot.data.begin(), slot.data.end());
+            auto& bnl = dp.network().batch_norm();
+            rec.running.assign(bnl.running_mean().begin(), bnl.running_mean().end());
+            rec.running.insert(rec.running.end(), bnl.running_var().begin(),
+                               bnl.running_var().end());
+            rec.optimizer_steps = dp.optimizer().step_count();
+        });
+        return out;
+    };
+    std::vector<repro_record<float>> full; // per count; losses of the steps after save_at
+    for (int m = 1; m <= 4; ++m) {
+        full.push_back(train(m, 42, {}, {})[0]);
+        full.back().losses.erase(full.back().losses.begin(), full.back().losses.begin() + save_at);
+    }
+    const auto other = train(2, 7, {}, {})[0];
+    CHECK(repro_difference(other, full[0]) != "");
+    for (int n = 1; n <= 4; ++n) {
+        temp_dir dir;
+        const fs::path path = dir.path / "repro.ckpt";
+        train(n, 42, {}, path);
+        for (int m = 1; m <= 4; ++m) {
+            INFO("saved by " << n << " replicas, resumed by " << m);
+            // The uninterrupted runs agree at every count (the policy's promise).
+            CHECK(repro_difference(full[static_cast<std::size_t>(m - 1)], full[0]) == "");
+            for (const auto& rec : train(m, 7, path, {})) {
+                CHECK(repro_difference(rec, full[static_cast<std::size_t>(m - 1)]) == "");
+            }
+        }
+    }
+}
+
+namespace {
+
+/// Builds `replicas` trainers of type DP (seed 99, 2 train() calls or steps), loads `path`;
+/// every replica's message (empty: loaded) and whether its state stayed as it was.
+template <class DP, class Step>
+std::vector<std::pair<std::string, bool>> try_load(int replicas, const fs::path& path,
+                                                   typename DP::optimizer_type::params_type op,
+                                                   Step&& step) {
+    using net = typename DP::network_type;
+    std::vector<std::pair<std::string, bool>> out(static_cast<std::size_t>(replicas));
+    thread_group(replicas).run([&](thread_communicator& comm) {
+        DP dp(
+            comm, [](auto& ctx) { return net(ctx); }, op, params_for(99));
+        step(dp);
+        const std::vector<float> before(dp.parameters().begin(), dp.parameters().end());
+        auto& o = out[static_cast<std::size_t>(comm.rank())];
+        try {
+            load_checkpoint(dp, path);
+        } catch (const lockstep::error& e) {
+            o.first = e.code() == errc::checkpoint ? e.what() : "wrong code";
+        }
+        o.second =
+            same_bits(std::vector<float>(dp.parameters().begin(), dp.parameters().end()), before);
+    });
+    return out;
+}
+
+template <class Sync, class BN>
+using refused_trainer =
+    data_parallel<mlp<float, thread_communicator, storage::registry, BN>, optim::sgd<float>, Sync,
+                  reduce::per_tensor, thread_communicator>;
+
+} // namespace
+
+TEST_CASE("local SGD and the asynchronous trainers refuse another replica count on every "
+          "replica",
+          "[train][checkpoint][thread]") {
+    const optim::sgd_params op{.lr = 0.05, .momentum = 0.9};
+    temp_dir dir;
+    const fs::path path = dir.path / "refused.ckpt";
+    auto steps = [](auto& dp) {
+        using net = typename std::decay_t<decltype(dp)>::network_type;
+        auto fn = [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); };
+        if constexpr (is_asynchronous_v<typename std::decay_t<decltype(dp)>::sync_policy_type>)
+            dp.train(2, 8, fn);
+        else
+            for (int s = 0; s < 2; ++s)
+                dp.step(batch_of(s), fn);
+    };
+    auto check = [&](const auto& results, const std::string& sentence) {
+        for (const auto& [message, unchanged] : results) {
+            INFO(message);
+            CHECK(message.find(sentence) != std::string::npos);
+            CHECK(message.find("every replica: ") != std::string::npos);
+            CHECK(unchanged);
+        }
+    };
+    SECTION("sync::local_sgd<3>, 2 -> 3 replicas") {
+        using dp_type = refused_trainer<sync::local_sgd<3>, bn::running_only>;
+        try_load<dp_type>(2, path, op, [&](auto& dp) {
+            steps(dp);
+            save_checkpoint(dp, path);
+        });
+        check(try_load<dp_type>(3, path, op, steps),
+              "saved by 2 replicas, loaded by 3: sync::local_sgd<3> keeps each replica's own "
+              "parameters and optimizer state between averages, which no other replica count can "
+              "take over; resume with 2 replicas");
+        // Control: the same count loads.
+        for (const auto& [message, unchanged] : try_load<dp_type>(2, path, op, steps))
+            CHECK(message.empty());
+    }
+    SECTION("sync::asynchronous, 3 -> 2 replicas") {
+        using dp_type = refused_trainer<sync::asynchronous, bn::local>;
+        try_load<dp_type>(3, path, op, [&](auto& dp) {
+            steps(dp);
+            save_checkpoint(dp, path);
+        });
+        check(try_load<dp_type>(2, path, op, steps),
+              "saved by 3 replicas, loaded by 2: sync::asynchronous keeps each replica's own");
+    }
+    SECTION("sync::bounded_staleness<1>, 2 -> 3 replicas") {
+        using dp_type = refused_trainer<sync::bounded_staleness<1>, bn::local>;
+        try_load<dp_type>(2, path, op, [&](auto& dp) {
+            steps(dp);
+            save_checkpoint(dp, path);
+        });
+        check(try_load<dp_type>(3, path, op, steps),
+              "saved by 2 replicas, loaded by 3: sync::bounded_staleness<1> keeps");
+    }
+}
+
+TEST_CASE("reduce::sharded at another count: a corrupted old shard is refused on every replica",
+          "[train][checkpoint][thread]") {
+    using opt = optim::adam<double>;
+    using reduce_type = reduce::sharded<64, 32>;
+    temp_dir dir;
+    const fs::path path = dir.path / "sharded.ckpt";
+    run<opt, reduce_type, bn::global>(2, {.lr = 1e-2}, 42, 3, {}, path);
+    // One bit of replica 1's exp_avg_sq: only the new replicas whose shard overlaps it read it.
+    const fs::path file = shard_file(path, 1);
+    std::vector<std::byte> bytes = read_all(file);
+    const auto h = ck::parse_header(bytes, ck::shard_magic, "shard");
+    const auto sec = h.find_section("optimizer.exp_avg_sq");
+    REQUIRE(sec);
+    bytes[sec->offset + sec->length - 1] ^= std::byte{0x10};
+    write_all(file, bytes);
+    std::vector<std::string> messages(3);
+    std::vector<int> refused(3);
+    using dp_type = resize_trainer<opt, reduce_type, bn::global>;
+    using net = dp_type::network_type;
+    thread_group(3).run([&](thread_communicator& comm) {
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, {.lr = 1e-2}, params_for(7));
+        try {
+            load_checkpoint(dp, path);
+        } catch (const lockstep::error& e) {
+            refused[static_cast<std::size_t>(comm.rank())] = e.code() == errc::checkpoint;
+            messages[static_cast<std::size_t>(comm.rank())] = e.what();
+        }
+        CHECK(dp.steps() == 0);
+    });
+    for (std::size_t r = 0; r < 3; ++r) {
+        INFO(messages[r]);
+        CHECK(refused[r]);
+        CHECK(messages[r].find("replica 2: shard '" + file.string() +
+                               "': section 'optimizer.exp_avg_sq' is corrupted") !=
+              std::string::npos);
+    }
+}
