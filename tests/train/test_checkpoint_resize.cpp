@@ -195,61 +195,104 @@ using refused_trainer =
 
 } // namespace
 
-TEST_CASE("local SGD and the asynchronous trainers refuse another replica count on every "
-          "replica",
+TEST_CASE("local SGD refuses another replica count on every replica, nothing loaded",
           "[train][checkpoint][thread]") {
     const optim::sgd_params op{.lr = 0.05, .momentum = 0.9};
     temp_dir dir;
     const fs::path path = dir.path / "refused.ckpt";
-    auto steps = [](auto& dp) {
-        using net = typename std::decay_t<decltype(dp)>::network_type;
-        auto fn = [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); };
-        if constexpr (is_asynchronous_v<typename std::decay_t<decltype(dp)>::sync_policy_type>)
-            dp.train(2, 8, fn);
-        else
-            for (int s = 0; s < 2; ++s)
-                dp.step(batch_of(s), fn);
+    using dp_type = refused_trainer<sync::local_sgd<3>, bn::running_only>;
+    auto steps = [](dp_type& dp) {
+        for (int s = 0; s < 2; ++s)
+            dp.step(batch_of(s), [](dp_type::network_type& n, const shard_range& r, auto& ctx) {
+                return n.train(r, ctx);
+            });
     };
-    auto check = [&](const auto& results, const std::string& sentence) {
-        for (const auto& [message, unchanged] : results) {
-            INFO(message);
-            CHECK(message.find(sentence) != std::string::npos);
-            CHECK(message.find("every replica: ") != std::string::npos);
-            CHECK(unchanged);
-        }
+    try_load<dp_type>(2, path, op, [&](dp_type& dp) {
+        steps(dp);
+        save_checkpoint(dp, path);
+    });
+    for (const auto& [message, unchanged] : try_load<dp_type>(3, path, op, steps)) {
+        INFO(message);
+        CHECK(message.find("load_checkpoint: checkpoint '" + path.string() +
+                           "' refused: every replica: saved by 2 replicas, loaded by 3: "
+                           "sync::local_sgd<3> keeps each replica's own parameters and optimizer "
+                           "state between averages, which no other replica count can take over; "
+                           "resume with 2 replicas") != std::string::npos);
+        CHECK(unchanged);
+    }
+    // Control: the same count loads.
+    for (const auto& [message, unchanged] : try_load<dp_type>(2, path, op, steps))
+        CHECK(message.empty());
+}
+
+namespace {
+
+/// Asynchronous training with the server on replica `root`: `from` replicas train 6 steps and
+/// save; `to` replicas built with another seed load: each holds the server's state (parameters,
+/// BN statistics, optimizer buffers and step count, steps, seed) and trains on. Not compared
+/// with an uninterrupted run: the server applies gradients in their order of arrival.
+template <class Sync>
+void check_async_resize(int from, int to, int root) {
+    using dp_type = refused_trainer<Sync, bn::local>;
+    using net = typename dp_type::network_type;
+    INFO(Sync::name() << ", " << from << " -> " << to << " replicas, server " << root);
+    auto fn = [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); };
+    const optim::sgd_params op{.lr = 0.05, .momentum = 0.9};
+    temp_dir dir;
+    const fs::path path = dir.path / "async.ckpt";
+    auto state_of = [](dp_type& dp) {
+        replica_state<float> s;
+        s.params.assign(dp.parameters().begin(), dp.parameters().end());
+        auto& bn = dp.network().batch_norm();
+        s.running.assign(bn.running_mean().begin(), bn.running_mean().end());
+        s.running.insert(s.running.end(), bn.running_var().begin(), bn.running_var().end());
+        for (const auto& slot : dp.optimizer().state().slots)
+            s.slots.emplace_back(slot.data.begin(), slot.data.end());
+        s.optimizer_steps = dp.optimizer().step_count();
+        s.steps = dp.steps();
+        s.seed = dp.context().seed();
+        return s;
     };
-    SECTION("sync::local_sgd<3>, 2 -> 3 replicas") {
-        using dp_type = refused_trainer<sync::local_sgd<3>, bn::running_only>;
-        try_load<dp_type>(2, path, op, [&](auto& dp) {
-            steps(dp);
-            save_checkpoint(dp, path);
-        });
-        check(try_load<dp_type>(3, path, op, steps),
-              "saved by 2 replicas, loaded by 3: sync::local_sgd<3> keeps each replica's own "
-              "parameters and optimizer state between averages, which no other replica count can "
-              "take over; resume with 2 replicas");
-        // Control: the same count loads.
-        for (const auto& [message, unchanged] : try_load<dp_type>(2, path, op, steps))
-            CHECK(message.empty());
+    replica_state<float> server;
+    thread_group(from).run([&](thread_communicator& comm) {
+        dp_type dp(comm, [](auto& ctx) { return net(ctx); }, op, params_for(42), {.root = root});
+        dp.train(6, 8, fn);
+        save_checkpoint(dp, path);
+        if (comm.rank() == root)
+            server = state_of(dp);
+    });
+    REQUIRE(server.optimizer_steps > 0);
+    std::vector<replica_state<float>> loaded(static_cast<std::size_t>(to));
+    std::vector<std::int64_t> after(static_cast<std::size_t>(to));
+    thread_group(to).run([&](thread_communicator& comm) {
+        dp_type dp(comm, [](auto& ctx) { return net(ctx); }, op, params_for(7), {.root = root});
+        load_checkpoint(dp, path);
+        loaded[static_cast<std::size_t>(comm.rank())] = state_of(dp);
+        dp.train(4, 8, fn);
+        after[static_cast<std::size_t>(comm.rank())] = dp.steps();
+    });
+    for (int r = 0; r < to; ++r) {
+        INFO("new replica " << r);
+        const auto& l = loaded[static_cast<std::size_t>(r)];
+        CHECK(same_bits(l.params, server.params));
+        CHECK(same_bits(l.running, server.running));
+        REQUIRE(l.slots.size() == server.slots.size());
+        for (std::size_t k = 0; k < l.slots.size(); ++k)
+            CHECK(same_bits(l.slots[k], server.slots[k]));
+        CHECK(l.optimizer_steps == server.optimizer_steps);
+        CHECK(l.steps == 6);
+        CHECK(l.seed == 42);
+        CHECK(after[static_cast<std::size_t>(r)] == 10);
     }
-    SECTION("sync::asynchronous, 3 -> 2 replicas") {
-        using dp_type = refused_trainer<sync::asynchronous, bn::local>;
-        try_load<dp_type>(3, path, op, [&](auto& dp) {
-            steps(dp);
-            save_checkpoint(dp, path);
-        });
-        check(try_load<dp_type>(2, path, op, steps),
-              "saved by 3 replicas, loaded by 2: sync::asynchronous keeps each replica's own");
-    }
-    SECTION("sync::bounded_staleness<1>, 2 -> 3 replicas") {
-        using dp_type = refused_trainer<sync::bounded_staleness<1>, bn::local>;
-        try_load<dp_type>(2, path, op, [&](auto& dp) {
-            steps(dp);
-            save_checkpoint(dp, path);
-        });
-        check(try_load<dp_type>(3, path, op, steps),
-              "saved by 2 replicas, loaded by 3: sync::bounded_staleness<1> keeps");
-    }
+}
+
+} // namespace
+
+TEST_CASE("the asynchronous trainers resume at another replica count from the server's shard",
+          "[train][checkpoint][thread][async]") {
+    check_async_resize<sync::asynchronous>(3, 2, 0);
+    check_async_resize<sync::asynchronous>(2, 4, 1);
+    check_async_resize<sync::bounded_staleness<1>>(3, 2, 1);
 }
 
 TEST_CASE("reduce::sharded at another count: a corrupted old shard is refused on every replica",

@@ -129,11 +129,12 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
 /// SGD's steps since the last average and the RNG seed: the steps that follow are bitwise those
 /// of the run that saved (synchronous and local SGD; the asynchronous trainers continue from the
 /// same state, in an order the arrival of gradients decides, as without a checkpoint).
-/// At another replica count (synchronous trainers only; local SGD and the asynchronous trainers
-/// refuse it, naming both counts), every replica restores from the shard of replica 0
-/// (reduce::parameter_server<Root>: Root's), BN running statistics included; with
-/// reduce::sharded each replica's new shard of the optimizer state is regathered from the old
-/// shards that overlap it (their headers and optimizer sections only). See docs/checkpoints.md.
+/// At another replica count (every trainer but local SGD, which refuses it on every replica,
+/// naming both counts) every replica restores from the shard of replica 0 (the asynchronous
+/// trainers' server, reduce::parameter_server<Root>'s Root: the replica with the optimizer
+/// state), BN running statistics included; with reduce::sharded each replica's new shard of
+/// the optimizer state is regathered from the old shards that overlap it (their headers and
+/// optimizer sections only). See docs/checkpoints.md.
 /// requires: no step in flight on this replica (asynchronous: between train() calls).
 template <class Network, class Optimizer, class Sync, class Reduce, class Comm>
 void load_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,

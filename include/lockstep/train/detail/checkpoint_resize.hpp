@@ -60,22 +60,19 @@ std::string resize_refusal(int saved, int replicas) {
                       " keeps each replica's own parameters and optimizer state between averages, "
                       "which no other replica count can take over; resume with ",
                       saved, " replicas");
-    else if constexpr (is_asynchronous_v<sync_type>)
-        return concat("saved by ", saved, " replicas, loaded by ", replicas, ": ",
-                      sync_type::name(),
-                      " keeps each replica's own BN statistics and gradient clocks, and its "
-                      "staleness bounds depend on the replica count; resume with ",
-                      saved, " replicas");
     else
         return {};
 }
 
 /// The old replica whose shard every replica reads at another replica count: the one that
-/// holds the optimizer state (reduce::parameter_server<Root>'s root, replica 0 otherwise).
+/// holds the optimizer state (the server of the asynchronous trainers, the root of
+/// reduce::parameter_server<Root>, replica 0 otherwise).
 template <class DP>
-constexpr int source_replica() {
+int source_replica(const DP& dp) {
     using reduce_type = typename DP::reduce_policy_type;
-    if constexpr (reduce_type::kind == reduce_kind::parameter_server)
+    if constexpr (is_asynchronous_v<typename DP::sync_policy_type>)
+        return dp.params().root;
+    else if constexpr (reduce_type::kind == reduce_kind::parameter_server)
         return reduce_type::root;
     else
         return 0;
@@ -148,7 +145,7 @@ void read_old_shard_slots(DP& dp, const parsed_header& marker, const std::filesy
 
 /// Reads and checks, for a trainer of dp's type with another replica count than the `saved`
 /// replicas of the checkpoint `path` (generation `gen`), what this replica restores: the whole
-/// shard of source_replica<DP>() into `out` (parameters, BN and registry state, optimizer step
+/// shard of source_replica(dp) into `out` (parameters, BN and registry state, optimizer step
 /// and, unless sharded, buffers, counters, loss scale) and, with reduce::sharded, this replica's
 /// new shard of every optimizer buffer into `slots`, regathered from the old shards that overlap
 /// it. Returns every problem found (empty: `out` and `slots` are ready for restore()).
@@ -167,7 +164,7 @@ validate_resized(DP& dp, const std::filesystem::path& path, int saved, std::uint
     const parsed_header m = parse_header(marker, manifest_magic, where, rank);
     if (m.find_meta("generation") != hex16(gen))
         return {where + " changed while the replicas read it (a save committed meanwhile)"};
-    constexpr int src = source_replica<DP>();
+    const int src = source_replica(dp);
     recorded_shard rs;
     if (std::string p = recorded_shard_of(m, path, src, rs); !p.empty())
         return {p};
