@@ -333,3 +333,27 @@ TEST_CASE("reduce::sharded at another count: a corrupted old shard is refused on
               std::string::npos);
     }
 }
+
+TEST_CASE("a checkpoint with the first releases' shard names loads at another count",
+          "[train][checkpoint][thread]") {
+    // Files of the unchanged format (version 1) under the first shard names
+    // ("<path>.<generation>.shard<rank>"): the old shards, read whole and in part, still load.
+    using opt = optim::adam<double>;
+    using reduce_type = reduce::sharded<64, 32>;
+    temp_dir dir;
+    const fs::path path = dir.path / "old.ckpt";
+    const auto saved = run<opt, reduce_type, bn::global>(2, {.lr = 1e-2}, 42, 3, {}, path);
+    const auto marker = read_all(path);
+    const auto gen =
+        *ck::parse_header(marker, ck::manifest_magic, "marker").find_meta("generation");
+    for (int r = 0; r < 2; ++r) {
+        const std::string legacy = "old.ckpt." + gen + ".shard" + std::to_string(r);
+        fs::rename(shard_file(path, r), dir.path / legacy);
+        set_marker_value(path, "shard." + std::to_string(r) + ".file", legacy);
+    }
+    const auto loaded = run<opt, reduce_type, bn::global>(3, {.lr = 1e-2}, 7, 3, path);
+    for (std::size_t k = 0; k < saved[0].slots.size(); ++k)
+        CHECK(same_bits(logical_slot(loaded, k, true), logical_slot(saved, k, true)));
+    for (const auto& l : loaded)
+        CHECK(same_bits(l.params, saved[0].params));
+}
