@@ -12,8 +12,10 @@
 #include "lockstep/train/detail/checkpoint_state.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <random>
 #include <span>
@@ -21,6 +23,59 @@
 #include <vector>
 
 namespace lockstep {
+
+namespace detail::ckpt {
+
+/// Every replica's string (collective: two all_gathers).
+template <class Comm>
+std::vector<std::string> gather_strings(Comm& comm, const std::string& s) {
+    const int ranks = comm.size();
+    const int len = static_cast<int>(s.size());
+    std::vector<int> lens(static_cast<std::size_t>(ranks));
+    host_all_gather(comm, std::span<const int>(&len, 1), std::span<int>(lens));
+    int longest = 0;
+    for (int l : lens)
+        longest = std::max(longest, l);
+    const std::size_t words = (static_cast<std::size_t>(longest) + 3) / 4;
+    std::vector<int> packed(words == 0 ? 1 : words, 0);
+    std::memcpy(packed.data(), s.data(), s.size());
+    std::vector<int> all(packed.size() * static_cast<std::size_t>(ranks));
+    host_all_gather(comm, std::span<const int>(packed), std::span<int>(all));
+    std::vector<std::string> out(static_cast<std::size_t>(ranks));
+    for (int r = 0; r < ranks; ++r) {
+        out[r].resize(static_cast<std::size_t>(lens[r]));
+        std::memcpy(out[r].data(), all.data() + r * packed.size(), out[r].size());
+    }
+    return out;
+}
+
+/// Collective: when any replica reports a problem (non-empty), every replica throws ONE
+/// lockstep::error (checkpoint) listing every replica's problems.
+template <class Comm>
+void agree_or_fail(Comm& comm, const std::string& problem, const char* op,
+                   const std::string& what) {
+    const int mine = problem.empty() ? 0 : 1;
+    std::vector<int> flags(static_cast<std::size_t>(comm.size()));
+    host_all_gather(comm, std::span<const int>(&mine, 1), std::span<int>(flags));
+    bool any = false;
+    for (int f : flags)
+        any = any || f != 0;
+    if (!any)
+        return;
+    const std::vector<std::string> all = gather_strings(comm, problem);
+    bool same = true;
+    for (const auto& p : all)
+        same = same && p == all[0];
+    std::string msg = what;
+    if (same && all.size() > 1)
+        msg += " every replica: " + all[0];
+    for (std::size_t r = 0; r < all.size() && !(same && all.size() > 1); ++r)
+        if (!all[r].empty())
+            msg += " replica " + std::to_string(r) + ": " + all[r];
+    fail(errc::checkpoint, comm.rank(), op, msg);
+}
+
+} // namespace detail::ckpt
 
 /// Saves everything the next steps of dp depend on to the checkpoint `path` (collective: every
 /// replica calls it with the same path, on a file system every replica sees). Each replica
