@@ -45,7 +45,8 @@ void usage(const char* argv0) {
         "  --data FILE      digits CSV, gzipped or plain (default: the bundled copy)\n"
         "  --quiet          no progress bar\n"
         "  --save PATH      write a checkpoint after the last step (sync, local:K)\n"
-        "  --resume PATH    continue from a checkpoint (same options as the run that saved it)\n"
+        "  --resume PATH    continue from a checkpoint (same options as the run that saved it;\n"
+        "                   --replicas may differ with --sync sync)\n"
         "  --steps N        stop after N steps in total (an interruption to resume from)\n",
         argv0);
 }

@@ -1,8 +1,12 @@
 # examples/digits/resume_check.cmake: the digits demo stopped after STOP steps with --save and
 # continued in a new process with --resume ends with bitwise the weights (FNV-1a hash), last loss
-# and test accuracy of the uninterrupted run.
+# and test accuracy of the uninterrupted run. RESUME_ARGS are added to the resumed run's options
+# (e.g. "--replicas 3": a checkpoint saved by another replica count); with FLOOR the resumed run
+# must instead reach at least FLOOR % test accuracy and end unlike the interrupted run (for
+# policies whose results depend on the replica count).
 # Usage: cmake -DDIGITS=<digits> -DWORK=<dir> "-DARGS=<digits options>" -DSTOP=<n>
-#        [-DLAUNCHER=mpiexec|-n|2] -P resume_check.cmake   (LAUNCHER: '|'-separated command prefix)
+#        ["-DRESUME_ARGS=<options>"] [-DFLOOR=<percent>] [-DLAUNCHER=mpiexec|-n|2]
+#        -P resume_check.cmake   (LAUNCHER: '|'-separated command prefix)
 # SPDX-License-Identifier: Apache-2.0
 file(REMOVE_RECURSE "${WORK}")
 file(MAKE_DIRECTORY "${WORK}")
@@ -30,8 +34,15 @@ endfunction()
 
 run_digits(full)
 run_digits(first --steps ${STOP} --save "${WORK}/digits.ckpt")
-run_digits(resumed --resume "${WORK}/digits.ckpt")
-if(NOT resumed STREQUAL full)
+separate_arguments(resume_args UNIX_COMMAND "${RESUME_ARGS}")
+run_digits(resumed --resume "${WORK}/digits.ckpt" ${resume_args})
+if(DEFINED FLOOR)
+  string(REGEX MATCH "accuracy ([0-9.]+)" _ "${resumed}")
+  if(CMAKE_MATCH_1 LESS FLOOR OR resumed STREQUAL first)
+    message(FATAL_ERROR "resumed run: ${resumed} (at least ${FLOOR} % accuracy expected, and "
+                        "not the interrupted run's ${first})")
+  endif()
+elseif(NOT resumed STREQUAL full)
   message(FATAL_ERROR "resumed run: ${resumed}\nuninterrupted run: ${full}")
 endif()
 # The interrupted run must not already be the final one, or the comparison proves nothing.

@@ -3,7 +3,10 @@
 // appended bytes, with the header CRC usually recomputed so the mutation reaches the table
 // parser) and hand-made hostile headers. Every input is either parsed consistently or refused
 // with lockstep::error (checkpoint); no allocation made while parsing exceeds the file's size
-// (or 4 KiB, the room error messages need). Run under the asan preset (ASan + UBSan) in CI.
+// (or 4 KiB, the room error messages need). The header-only parse (parse_header_prefix, used
+// when a load at another replica count reads only a shard's header and some sections) accepts
+// exactly the headers the whole-file parse accepts, with the same sections. Run under the asan
+// preset (ASan + UBSan) in CI.
 // SPDX-License-Identifier: Apache-2.0
 // The replacement operator new/delete below pair malloc with free; GCC's heuristic does not see
 // through the replacement and warns at every inlined std::allocator call.
@@ -19,6 +22,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <new>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,7 +41,55 @@ struct outcome {
     bool refused = false; ///< lockstep::error with errc::checkpoint
     std::string message;
     std::size_t largest_allocation = 0;
+    bool prefix_agrees = true; ///< parse_header_prefix on the header bytes: same verdict, table
 };
+
+/// The bytes a reader of the header alone takes from `file` (checkpoint_resize.hpp): the fixed
+/// part, then as many as the header length field says when that lies inside the file.
+bytes header_prefix(const bytes& file) {
+    bytes head(file.begin(), file.begin() + static_cast<std::ptrdiff_t>(
+                                                std::min(file.size(), ck::min_header_bytes)));
+    if (head.size() == ck::min_header_bytes) {
+        const std::uint64_t length = ck::get_u64(head.data() + 16);
+        if (length > head.size() && length <= file.size())
+            head.assign(file.begin(), file.begin() + static_cast<std::ptrdiff_t>(length));
+    }
+    return head;
+}
+
+/// Whether parse_header_prefix on the header bytes of `file` agrees with parse_header on the
+/// whole file: both refuse, or both accept with the same metadata and sections.
+bool prefix_agrees(const bytes& file) {
+    std::optional<ck::parsed_header> whole, part;
+    const bytes head = header_prefix(file);
+    try {
+        whole = ck::parse_header(file, ck::shard_magic, "fuzz");
+    } catch (const lockstep::error&) {
+    }
+    try {
+        part = ck::parse_header_prefix(head, file.size(), ck::shard_magic, "fuzz");
+    } catch (const lockstep::error& e) {
+        if (e.code() != lockstep::errc::checkpoint)
+            return false;
+    }
+    if (whole.has_value() != part.has_value())
+        return false;
+    if (!whole)
+        return true;
+    if (whole->meta_count() != part->meta_count() ||
+        whole->section_count() != part->section_count())
+        return false;
+    for (std::size_t i = 0; i < whole->meta_count(); ++i)
+        if (whole->meta(i) != part->meta(i))
+            return false;
+    for (std::size_t i = 0; i < whole->section_count(); ++i) {
+        const ck::section_entry a = whole->section(i), b = part->section(i);
+        if (a.name != b.name || a.type != b.type || a.shape != b.shape || a.offset != b.offset ||
+            a.length != b.length || a.crc != b.crc)
+            return false;
+    }
+    return true;
+}
 
 /// Parses `file` like a load does (header, then every section's CRC and padding, then every
 /// entry decoded), measuring allocations.
@@ -67,6 +119,7 @@ outcome parse(const bytes& file) {
     }
     tracking = false;
     o.largest_allocation = largest;
+    o.prefix_agrees = prefix_agrees(file);
     return o;
 }
 
@@ -197,6 +250,7 @@ TEST_CASE("the header parser survives a deterministic mutation fuzz", "[train][c
         const outcome o = parse(f);
         INFO("iteration " << it << ": " << o.message);
         REQUIRE((o.parsed || o.refused));
+        REQUIRE(o.prefix_agrees);
         REQUIRE(o.largest_allocation <= std::max(f.size(), message_room));
         parsed += o.parsed;
         refused += o.refused;

@@ -224,10 +224,20 @@ TEST_CASE("an incompatible checkpoint is refused with every difference, nothing 
             2, path, base_params);
         CHECK(r.messages == std::vector<std::string>(2));
     }
-    SECTION("other world size") {
-        check_refused(try_load<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
-                          3, path, base_params),
-                      {"world size: checkpoint 2, trainer 3", "no shard for replica 2"});
+    SECTION("another world size loads (test_checkpoint_resize); shards that contradict it not") {
+        using loader = decltype([](int n, const fs::path& p) {
+            return try_load<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+                n, p, base_params);
+        });
+        const refusal loaded = loader{}(3, path);
+        CHECK(loaded.messages == std::vector<std::string>(3));
+        CHECK(!loaded.unchanged);
+        // The marker claims 3 replicas, its shards were written by 2.
+        set_marker_value(path, "world_size", "3");
+        check_refused(loader{}(2, path),
+                      {"was written by replica 0 of 2, the commit marker records "
+                       "it as replica 0 of 3"});
+        check_refused(loader{}(3, path), {"no shard for replica 2"});
     }
     SECTION("other shapes") {
         check_refused(try_load<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(

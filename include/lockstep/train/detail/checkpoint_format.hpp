@@ -119,8 +119,9 @@ inline std::uint64_t get_u64(const std::byte* p) {
 }
 
 class parsed_header;
-inline parsed_header parse_header(std::span<const std::byte> file, const magic_type& magic,
-                                  std::string_view what, int replica = -1);
+inline parsed_header parse_header_prefix(std::span<const std::byte> head, std::uint64_t size,
+                                         const magic_type& magic, std::string_view what,
+                                         int replica = -1);
 inline std::vector<std::string> verify_sections(std::span<const std::byte> file,
                                                 const parsed_header& h);
 
@@ -176,8 +177,8 @@ public:
     }
 
 private:
-    friend parsed_header parse_header(std::span<const std::byte>, const magic_type&,
-                                      std::string_view, int);
+    friend parsed_header parse_header_prefix(std::span<const std::byte>, std::uint64_t,
+                                             const magic_type&, std::string_view, int);
     friend std::vector<std::string> verify_sections(std::span<const std::byte>,
                                                     const parsed_header&);
     struct located {
@@ -311,21 +312,24 @@ private:
     std::vector<pending> sections_;
 };
 
-/// Parses and checks the header of a checkpoint file held in `file` (the whole file): the magic
-/// (`magic`, named `what` in messages), version, endianness, lengths against file.size(), the
-/// header CRC32C, every count and length against the bytes that remain BEFORE anything is
-/// allocated, shapes (no overflow, product * element size == length), offsets (after the header,
-/// inside the file, no two sections overlapping), unique names and keys. Section payload CRCs
-/// are checked by verify_sections. Throws lockstep::error (checkpoint) naming the first problem.
-/// ensures: no single allocation larger than file.size() bytes; the result views `file`.
-inline parsed_header parse_header(std::span<const std::byte> file, const magic_type& magic,
-                                  std::string_view what, int replica) {
+/// Parses and checks the header of a checkpoint file of `size` bytes from `head`, its first
+/// bytes (at least the header; the sections need not be there): the magic (`magic`, named `what`
+/// in messages), version, endianness, lengths against size, the header CRC32C, every count and
+/// length against the bytes that remain BEFORE anything is allocated, shapes (no overflow,
+/// product * element size == length), offsets (after the header, inside the file, no two
+/// sections overlapping), unique names and keys. Section payload CRCs are checked by
+/// verify_sections (whole files) or by the reader of a section. Throws lockstep::error
+/// (checkpoint) naming the first problem. ensures: no single allocation larger than head.size()
+/// bytes; the result views `head`.
+inline parsed_header parse_header_prefix(std::span<const std::byte> head, std::uint64_t size,
+                                         const magic_type& magic, std::string_view what,
+                                         int replica) {
+    const std::span<const std::byte> file = head;
     const char* op = "checkpoint";
-    const std::uint64_t size = file.size();
     auto bad = [&](auto&&... args) {
         fail(errc::checkpoint, replica, op, what, ": ", std::forward<decltype(args)>(args)...);
     };
-    if (size < min_header_bytes)
+    if (size < min_header_bytes || file.size() < min_header_bytes)
         bad("the file has ", size, " bytes, fewer than the smallest header (", min_header_bytes,
             " bytes)");
     if (std::memcmp(file.data(), magic.data(), magic.size()) != 0)
@@ -344,6 +348,8 @@ inline parsed_header parse_header(std::span<const std::byte> file, const magic_t
     if (length != size)
         bad("the header records a file of ", length, " bytes, the file has ", size,
             length > size ? " (truncated)" : " (bytes appended)");
+    if (header > file.size())
+        bad("header length ", header, " is more than the ", file.size(), " bytes read");
     const std::uint32_t stored_crc = get_u32(file.data() + header - 4);
     const std::uint32_t actual_crc = crc32c(file.first(header - 4));
     if (stored_crc != actual_crc)
@@ -462,6 +468,13 @@ inline parsed_header parse_header(std::span<const std::byte> file, const magic_t
                 "' overlap");
     }
     return h;
+}
+
+/// parse_header_prefix of a whole file held in `file`. ensures: no single allocation larger
+/// than file.size() bytes; the result views `file`.
+inline parsed_header parse_header(std::span<const std::byte> file, const magic_type& magic,
+                                  std::string_view what, int replica = -1) {
+    return parse_header_prefix(file, file.size(), magic, what, replica);
 }
 
 /// Problems of the payload of h in `file`, one message each: a section whose bytes do not match

@@ -193,11 +193,11 @@ inline std::string quote_value(std::string_view v) {
     return q + (v.size() > 120 ? "'..." : "'");
 }
 
-/// Reads the regular file p, which the marker records as `expected` bytes, into out. Refuses a
-/// symbolic link, anything but a regular file, and a file whose size is not `expected`, all
-/// before allocating: out never gets more bytes than the file has. Returns the problem, if any.
-inline std::string read_recorded_file(const std::filesystem::path& p, std::uint64_t expected,
-                                      std::vector<std::byte>& out) {
+/// Opens the regular file p, which the marker records as `expected` bytes, into f. Refuses a
+/// symbolic link, anything but a regular file, and a file whose size is not `expected`. Returns
+/// the problem, if any (f is then closed or never opened).
+inline std::string open_recorded_file(const std::filesystem::path& p, std::uint64_t expected,
+                                      fd_guard& f) {
     const std::string what = "shard '" + p.string() + "'";
     struct ::stat st {};
     if (::lstat(p.c_str(), &st) != 0)
@@ -207,7 +207,7 @@ inline std::string read_recorded_file(const std::filesystem::path& p, std::uint6
                       "directory";
     // O_NOFOLLOW: a link swapped in after the lstat is refused too; O_NONBLOCK: a FIFO does not
     // block the open.
-    fd_guard f{::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK)};
+    f.fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     if (f.fd < 0)
         return concat(what, ": ", std::strerror(errno));
     if (::fstat(f.fd, &st) != 0)
@@ -217,18 +217,92 @@ inline std::string read_recorded_file(const std::filesystem::path& p, std::uint6
     const auto actual = static_cast<std::uint64_t>(st.st_size);
     if (actual != expected)
         return concat(what, " has ", actual, " bytes, the commit marker records ", expected);
-    out.assign(static_cast<std::size_t>(actual), std::byte{0});
+    return {};
+}
+
+/// Reads bytes [offset, offset + out.size()) of the open file f (named p in messages) into out.
+/// Returns the problem, if any.
+inline std::string read_at(const fd_guard& f, const std::filesystem::path& p, std::uint64_t offset,
+                           std::span<std::byte> out) {
     std::size_t done = 0;
     while (done < out.size()) {
-        const ::ssize_t r = ::read(f.fd, out.data() + done, out.size() - done);
+        const ::ssize_t r = ::pread(f.fd, out.data() + done, out.size() - done,
+                                    static_cast<::off_t>(offset + done));
         if (r < 0 && (errno == EINTR || errno == EAGAIN))
             continue;
         if (r < 0)
-            return concat(what, ": ", std::strerror(errno));
+            return concat("shard '", p.string(), "': ", std::strerror(errno));
         if (r == 0)
-            return what + " shrank while read";
+            return "shard '" + p.string() + "' shrank while read";
         done += static_cast<std::size_t>(r);
     }
+    return {};
+}
+
+/// Reads the regular file p, which the marker records as `expected` bytes, into out. Refuses a
+/// symbolic link, anything but a regular file, and a file whose size is not `expected`, all
+/// before allocating: out never gets more bytes than the file has. Returns the problem, if any.
+inline std::string read_recorded_file(const std::filesystem::path& p, std::uint64_t expected,
+                                      std::vector<std::byte>& out) {
+    fd_guard f;
+    if (std::string problem = open_recorded_file(p, expected, f); !problem.empty())
+        return problem;
+    out.assign(static_cast<std::size_t>(expected), std::byte{0});
+    return read_at(f, p, 0, out);
+}
+
+/// The shard of one replica as the commit marker records it.
+struct recorded_shard {
+    std::filesystem::path file; ///< in the marker's directory
+    std::uint64_t size = 0;
+    std::uint32_t crc = 0;
+};
+
+/// The shard of replica `rank` the commit marker m (read from `path`) records, after checking
+/// that its name is a plain file name of the form save_checkpoint writes for this replica and
+/// the marker's generation (no separator, no "..", not absolute), and its size and CRC32C are
+/// numbers. Returns the problem, if any (`out` is then unspecified).
+inline std::string recorded_shard_of(const parsed_header& m, const std::filesystem::path& path,
+                                     int rank, recorded_shard& out) {
+    const std::string where = "commit marker '" + path.string() + "'";
+    const std::string key = "shard." + std::to_string(rank);
+    const auto file = m.find_meta(key + ".file");
+    const auto size = m.find_meta(key + ".size");
+    const auto crc = m.find_meta(key + ".crc32c");
+    if (!file || !size || !crc)
+        return concat("the commit marker lists no shard for replica ", rank);
+    const auto gen = m.find_meta("generation");
+    const std::string base = path.filename().string();
+    const auto parsed = parse_save_file(*file, base);
+    if (!gen || !parsed || parsed->what != save_file::kind::shard || parsed->gen_text != *gen ||
+        parsed->rank != static_cast<std::uint64_t>(rank))
+        return concat(where, ": ", key, ".file ", quote_value(*file),
+                      " is not the name of a shard of this checkpoint (expected '", base,
+                      ".<generation>.<pid>.<token>.shard", rank,
+                      "' in the marker's directory, generation ",
+                      gen ? quote_value(*gen) : std::string("missing"), ")");
+    const auto bytes = parse_decimal(*size);
+    const auto sum = parse_decimal(*crc);
+    if (!bytes || !sum || *sum > 0xFFFFFFFFu)
+        return concat(where, ": ", key, bytes ? ".crc32c " : ".size ",
+                      quote_value(bytes ? *crc : *size),
+                      bytes ? " is not a CRC32C" : " is not a byte count");
+    const std::filesystem::path dir = path.parent_path();
+    out.file = (dir.empty() ? std::filesystem::path(".") : dir) / *file;
+    out.size = *bytes;
+    out.crc = static_cast<std::uint32_t>(*sum);
+    return {};
+}
+
+/// Reads the whole shard `s` into `shard` and checks it against its record (size, CRC32C).
+/// Returns the problem, if any.
+inline std::string read_recorded_shard(const recorded_shard& s, std::vector<std::byte>& shard) {
+    if (std::string p = read_recorded_file(s.file, s.size, shard); !p.empty())
+        return p;
+    const std::uint32_t actual = crc32c(std::span<const std::byte>(shard));
+    if (actual != s.crc)
+        return concat("shard '", s.file.string(), "' does not match the commit marker (", s.size,
+                      " bytes with CRC32C ", s.crc, " committed, found CRC32C ", actual, ")");
     return {};
 }
 
@@ -253,47 +327,22 @@ inline std::vector<std::string> read_committed_shard(const std::filesystem::path
     if (!ws || *ws != std::to_string(world_size))
         problems.push_back(concat("world size: checkpoint ", ws ? *ws : std::string("missing"),
                                   ", trainer ", world_size));
-    const std::string key = "shard." + std::to_string(rank);
-    const auto file = m.find_meta(key + ".file");
-    const auto size = m.find_meta(key + ".size");
-    const auto crc = m.find_meta(key + ".crc32c");
-    if (!file || !size || !crc) {
-        problems.push_back(concat("the commit marker lists no shard for replica ", rank));
+    recorded_shard s;
+    if (std::string p = recorded_shard_of(m, path, rank, s); !p.empty()) {
+        problems.push_back(std::move(p));
         return problems;
     }
-    const auto gen = m.find_meta("generation");
-    const std::string base = path.filename().string();
-    const auto parsed = parse_save_file(*file, base);
-    if (!gen || !parsed || parsed->what != save_file::kind::shard || parsed->gen_text != *gen ||
-        parsed->rank != static_cast<std::uint64_t>(rank)) {
-        problems.push_back(concat(where, ": ", key, ".file ", quote_value(*file),
-                                  " is not the name of a shard of this checkpoint (expected '",
-                                  base, ".<generation>.<pid>.<token>.shard", rank,
-                                  "' in the marker's directory, generation ",
-                                  gen ? quote_value(*gen) : std::string("missing"), ")"));
-        return problems;
-    }
-    const auto bytes = parse_decimal(*size);
-    const auto sum = parse_decimal(*crc);
-    if (!bytes || !sum || *sum > 0xFFFFFFFFu) {
-        problems.push_back(concat(where, ": ", key, bytes ? ".crc32c " : ".size ",
-                                  quote_value(bytes ? *crc : *size),
-                                  bytes ? " is not a CRC32C" : " is not a byte count"));
-        return problems;
-    }
-    std::filesystem::path dir = path.parent_path();
-    const std::filesystem::path sp = (dir.empty() ? std::filesystem::path(".") : dir) / *file;
-    if (std::string p = read_recorded_file(sp, *bytes, shard); !p.empty()) {
-        problems.push_back(where + ": " + key + ".size " + *size + ": " + p);
+    if (std::string p = read_recorded_file(s.file, s.size, shard); !p.empty()) {
+        problems.push_back(concat(where, ": shard.", rank, ".size ", s.size, ": ", p));
         return problems;
     }
     const std::uint32_t actual = crc32c(std::span<const std::byte>(shard));
-    if (actual != *sum)
-        problems.push_back(concat("shard '", sp.string(), "' does not match the commit marker (",
-                                  *size, " bytes with CRC32C ", *crc, " committed, found CRC32C ",
-                                  actual, ")"));
+    if (actual != s.crc)
+        problems.push_back(
+            concat("shard '", s.file.string(), "' does not match the commit marker (", s.size,
+                   " bytes with CRC32C ", s.crc, " committed, found CRC32C ", actual, ")"));
     else
-        file_read = sp;
+        file_read = s.file;
     return problems;
 }
 

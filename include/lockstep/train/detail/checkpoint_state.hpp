@@ -1,0 +1,441 @@
+// lockstep/train/detail/checkpoint_state.hpp: what a checkpoint holds of a trainer (metadata and
+// sections), building a shard, checking one against a trainer and restoring it.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/crc32c.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/float16.hpp"
+#include "lockstep/optim/adam.hpp"
+#include "lockstep/optim/lamb.hpp"
+#include "lockstep/optim/lars.hpp"
+#include "lockstep/optim/sgd.hpp"
+#include "lockstep/policy/bn.hpp"
+#include "lockstep/policy/compat.hpp"
+#include "lockstep/policy/reduce.hpp"
+#include "lockstep/policy/sync.hpp"
+#include "lockstep/system/buffer.hpp"
+#include "lockstep/system/host_system.hpp"
+#include "lockstep/train/data_parallel.hpp"
+#include "lockstep/train/detail/agreement.hpp"
+#include "lockstep/train/detail/checkpoint_format.hpp"
+#include "lockstep/train/detail/checkpoint_marker.hpp"
+#include "lockstep/train/detail/host_collective.hpp"
+#include "lockstep/train/detail/reduce_sharded.hpp"
+#include "lockstep/train/detail/signature.hpp"
+#include "lockstep/train/detail/trainer_base.hpp"
+#include "lockstep/train/detail/visitor.hpp"
+#include "lockstep/train/loss_scaler.hpp"
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <span>
+#include <string>
+#include <system_error>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace lockstep {
+
+namespace detail {
+
+/// The trainer internals a checkpoint reads and restores (a friend of trainer_base and
+/// data_parallel).
+struct checkpoint_access {
+    /// The replica_core of any trainer (its trainer_base's).
+    template <class DP>
+    static auto& core(DP& dp) noexcept {
+        using base = trainer_base<typename DP::network_type, typename DP::optimizer_type,
+                                  typename DP::sync_policy_type, typename DP::reduce_policy_type,
+                                  typename DP::communicator_type>;
+        return static_cast<base&>(dp).core_;
+    }
+    /// Local SGD's steps since the last average (0 for the other trainers).
+    template <class DP>
+    static std::size_t since_average(const DP& dp) noexcept {
+        if constexpr (is_local_sgd_v<typename DP::sync_policy_type>)
+            return dp.driver_.since_average();
+        else
+            return 0;
+    }
+    template <class DP>
+    static void set_since_average(DP& dp, std::size_t n) noexcept {
+        if constexpr (is_local_sgd_v<typename DP::sync_policy_type>)
+            dp.driver_.set_since_average(n);
+        (void)dp;
+        (void)n;
+    }
+};
+
+} // namespace detail
+
+namespace detail::ckpt {
+
+using meta_list = std::vector<std::pair<std::string, std::string>>;
+
+/// The optimizer's name and hyperparameters, as the agreement check describes them
+/// (describe_optimizer_params) under "optimizer.<name>"; the learning rate is left out (it is
+/// recorded with the schedule, see describe_trainer).
+template <class P>
+void describe_optimizer(meta_list& m, const P& p) {
+    static_assert(std::is_same_v<P, optim::sgd_params> || std::is_same_v<P, optim::adam_params> ||
+                      std::is_same_v<P, optim::adamw_params> ||
+                      std::is_same_v<P, optim::lars_params> ||
+                      std::is_same_v<P, optim::lamb_params>,
+                  "checkpoints record sgd, adam, adamw, lars and lamb.");
+    m.emplace_back("optimizer", std::is_same_v<P, optim::sgd_params>     ? "sgd"
+                                : std::is_same_v<P, optim::adam_params>  ? "adam"
+                                : std::is_same_v<P, optim::adamw_params> ? "adamw"
+                                : std::is_same_v<P, optim::lars_params>  ? "lars"
+                                                                         : "lamb");
+    std::vector<std::string> settings;
+    describe_optimizer_params(settings, p);
+    for (const std::string& line : settings) {
+        const std::size_t tab = line.find('\t');
+        if (line.compare(0, tab, "lr") != 0)
+            m.emplace_back("optimizer." + line.substr(0, tab), line.substr(tab + 1));
+    }
+}
+
+/// True for the trainers that keep a dynamic loss scale (data_parallel::scaler()).
+template <class DP>
+concept has_loss_scaler = requires(DP& dp) {
+    dp.scaler().state();
+};
+
+/// The replica a shard was written by: its rank among world_size replicas.
+struct shard_owner {
+    int world_size = 1;
+    int rank = 0;
+};
+
+/// The replica dp is.
+template <class DP>
+shard_owner own_shard(DP& dp) {
+    auto& comm = checkpoint_access::core(dp).comm();
+    return {comm.size(), comm.rank()};
+}
+
+/// Everything the metadata of a shard records about the trainer dp when it has taken `steps`
+/// steps: element type, world size and rank, optimizer and hyperparameters, policies, and the
+/// learning rate at steps, steps + 1, + 10 and + 1000 (the schedule's position and continuation).
+/// `as`: the replica the shard describes (its world size, rank and, with reduce::sharded, its
+/// shard of the optimizer state); dp's own unless a checkpoint of another replica count is read.
+template <class DP>
+meta_list describe_trainer(DP& dp, std::int64_t steps, shard_owner as) {
+    using T = typename DP::value_type;
+    auto& core = checkpoint_access::core(dp);
+    meta_list m;
+    m.emplace_back("trainer", "data_parallel");
+    m.emplace_back("dtype", element_name<T>());
+    m.emplace_back("dtype.size", std::to_string(sizeof(T)));
+    m.emplace_back("world_size", std::to_string(as.world_size));
+    m.emplace_back("rank", std::to_string(as.rank));
+    describe_optimizer(m, core.optimizer().params());
+    m.emplace_back("sync", DP::sync_policy_type::name());
+    m.emplace_back("reduce", DP::reduce_policy_type::name());
+    m.emplace_back("bn", bn_policy_names<network_bn_policies_t<typename DP::network_type>>::get());
+    if constexpr (DP::reduce_policy_type::shards_optimizer_state) {
+        // The optimizer sections hold this replica's shard only: restoring needs the same one.
+        const shard_extent own =
+            shard_layout(core.values().size(), as.world_size)[static_cast<std::size_t>(as.rank)];
+        m.emplace_back("reduce.shard", concat("[", own.offset, ", ", own.offset + own.count,
+                                              ") of ", core.values().size()));
+    }
+    if constexpr (is_asynchronous_v<typename DP::sync_policy_type>) {
+        m.emplace_back("async.root", std::to_string(dp.params().root));
+        m.emplace_back("async.bn_momentum", exact(dp.params().bn_momentum));
+    }
+    if constexpr (has_loss_scaler<DP>) {
+        // The dynamic loss scale's knobs (its state is the section "trainer.loss_scale").
+        const auto& sc = dp.scaler();
+        if (sc.enabled()) {
+            const loss_scaling& c = sc.config();
+            m.emplace_back("loss_scale", "dynamic");
+            m.emplace_back("loss_scale.growth_factor", exact(c.growth_factor));
+            m.emplace_back("loss_scale.backoff_factor", exact(c.backoff_factor));
+            m.emplace_back("loss_scale.growth_interval", std::to_string(c.growth_interval));
+        } else {
+            m.emplace_back("loss_scale", "none");
+        }
+    }
+    std::string lr;
+    for (std::int64_t ahead : {0, 1, 10, 1000}) {
+        if (!lr.empty())
+            lr += ' ';
+        lr += exact(core.lr_for(steps + ahead));
+    }
+    m.emplace_back("lr.schedule", lr);
+    return m;
+}
+
+/// A section a trainer's shard must hold: name, element type and shape.
+struct section_spec {
+    std::string name;
+    dtype type;
+    std::vector<std::uint64_t> shape;
+};
+
+inline std::vector<std::uint64_t> shape64(const std::vector<std::size_t>& s) {
+    return std::vector<std::uint64_t>(s.begin(), s.end());
+}
+inline std::string shape_text(const std::vector<std::uint64_t>& s) {
+    std::string t = "{";
+    for (std::size_t i = 0; i < s.size(); ++i) {
+        if (i > 0)
+            t += ", ";
+        t += std::to_string(s[i]);
+    }
+    return t + "}";
+}
+
+inline constexpr std::size_t counter_count = 4; ///< steps, samples, since_average, seed
+
+/// Calls f(spec, span in the trainer's System memory) for every T section of dp in file order:
+/// parameters, registry state, visited state, optimizer buffers.
+template <class DP, class F>
+void for_each_tensor_section(DP& dp, F&& f) {
+    using T = typename DP::value_type;
+    auto& core = checkpoint_access::core(dp);
+    auto& reg = core.registry();
+    for (const tensor_info& t : reg.parameters())
+        f(section_spec{"param." + t.name, dtype_of<T>(), shape64(t.shape)},
+          core.values().subspan(t.offset, t.size));
+    for (const tensor_info& t : reg.state_tensors())
+        f(section_spec{"state." + t.name, dtype_of<T>(), shape64(t.shape)},
+          reg.states().subspan(t.offset, t.size));
+    visit_state<T>(core.network(), [&](std::string_view name, std::span<T> s) {
+        f(section_spec{"state." + std::string(name), dtype_of<T>(), {s.size()}}, s);
+    });
+    for (const auto& slot : core.optimizer().state().slots)
+        f(section_spec{"optimizer." + std::string(slot.name), dtype_of<T>(), {slot.data.size()}},
+          slot.data);
+}
+
+/// True for the sections of the optimizer's state buffers ("optimizer.<slot>").
+inline bool is_optimizer_slot(std::string_view name) {
+    return name.substr(0, 10) == "optimizer." && name != "optimizer.step";
+}
+
+/// Every section the shard of replica `as` of dp's trainer holds, in file order (with
+/// reduce::sharded, the optimizer buffers hold that replica's shard).
+template <class DP>
+std::vector<section_spec> expected_sections(DP& dp, shard_owner as) {
+    using T = typename DP::value_type;
+    std::vector<section_spec> out;
+    const std::size_t n = checkpoint_access::core(dp).values().size();
+    for_each_tensor_section(dp, [&](section_spec s, std::span<T>) {
+        if (DP::reduce_policy_type::shards_optimizer_state && is_optimizer_slot(s.name))
+            s.shape = {shard_layout(n, as.world_size)[static_cast<std::size_t>(as.rank)].count};
+        out.push_back(std::move(s));
+    });
+    out.push_back({"optimizer.step", dtype::i64, {1}});
+    out.push_back({"trainer.counters", dtype::u64, {counter_count}});
+    if constexpr (has_loss_scaler<DP>)
+        out.push_back({"trainer.loss_scale", dtype::f64, {2}});
+    return out;
+}
+
+template <class T, class System>
+std::vector<T> to_host(std::span<T> s, const System& sys) {
+    std::vector<T> h(s.size());
+    copy(std::span<const T>(s), sys, std::span<T>(h), host_system{1});
+    return h;
+}
+
+/// The bytes of this replica's shard file.
+template <class DP>
+std::vector<std::byte> build_shard(DP& dp) {
+    using T = typename DP::value_type;
+    auto& core = checkpoint_access::core(dp);
+    const auto sys = core.comm().system();
+    if constexpr (requires { core.comm().synchronize(); })
+        core.comm().synchronize();
+    file_builder b;
+    for (auto& [k, v] : describe_trainer(dp, core.steps(), own_shard(dp)))
+        b.meta(k, v);
+    for_each_tensor_section(dp, [&](section_spec s, std::span<T> data) {
+        const std::vector<T> h = to_host(data, sys);
+        b.section(std::move(s.name), std::move(s.shape), std::span<const T>(h));
+    });
+    const std::int64_t opt_step = core.optimizer().step_count();
+    b.section<std::int64_t>("optimizer.step", {1}, std::span<const std::int64_t>(&opt_step, 1));
+    const std::uint64_t counters[counter_count] = {
+        static_cast<std::uint64_t>(core.steps()), core.samples(),
+        static_cast<std::uint64_t>(checkpoint_access::since_average(dp)), core.context().seed()};
+    b.section<std::uint64_t>("trainer.counters", {counter_count},
+                             std::span<const std::uint64_t>(counters));
+    if constexpr (has_loss_scaler<DP>) {
+        // {scale of the next step, growth tracker} (scale 1, tracker 0 without loss scaling).
+        const loss_scaler_state st = dp.scaler().state();
+        const double v[2] = {st.scale, static_cast<double>(st.growth_tracker)};
+        b.section<double>("trainer.loss_scale", {2}, std::span<const double>(v));
+    }
+    return b.finish(shard_magic);
+}
+
+/// A validated shard: its bytes and header.
+struct loaded_shard {
+    std::vector<std::byte> bytes;
+    parsed_header header; ///< views bytes
+};
+
+/// Appends to `problems` (each prefixed by `prefix`) every difference between a shard's header
+/// h and what the trainer writes: metadata `expected` and sections `want`.
+inline void compare_header(const parsed_header& h, const meta_list& expected,
+                           const std::vector<section_spec>& want, const std::string& prefix,
+                           std::vector<std::string>& problems) {
+    for (const auto& [k, v] : expected) {
+        const auto got = h.find_meta(k);
+        if (!got)
+            problems.push_back(concat(prefix, k, ": missing in the checkpoint (trainer: ", v, ")"));
+        else if (*got != v)
+            problems.push_back(concat(prefix, k, ": checkpoint ", *got, ", trainer ", v));
+    }
+    for (std::size_t i = 0; i < h.meta_count(); ++i) {
+        const auto [k, v] = h.meta(i);
+        bool known = false;
+        for (const auto& e : expected)
+            known = known || e.first == k;
+        if (!known)
+            problems.push_back(
+                concat(prefix, k, ": ", v, " in the checkpoint, unknown to the trainer"));
+    }
+    for (const section_spec& s : want) {
+        const auto got = h.find_section(s.name);
+        if (!got)
+            problems.push_back(concat(prefix, "section '", s.name, "' (", dtype_name(s.type), " ",
+                                      shape_text(s.shape), ") is missing"));
+        else if (got->type != s.type || got->shape != s.shape)
+            problems.push_back(concat(prefix, "section '", s.name, "': checkpoint ",
+                                      dtype_name(got->type), " ", shape_text(got->shape),
+                                      ", trainer ", dtype_name(s.type), " ", shape_text(s.shape)));
+    }
+    for (std::size_t i = 0; i < h.section_count(); ++i) {
+        const section_entry e = h.section(i);
+        bool known = false;
+        for (const section_spec& s : want)
+            known = known || s.name == e.name;
+        if (!known)
+            problems.push_back(concat(prefix, "section '", e.name, "' (", dtype_name(e.type), " ",
+                                      shape_text(e.shape), ") is not part of this trainer"));
+    }
+}
+
+/// Parses the shard held in out.bytes (read from `file`, written by replica `as`) and appends to
+/// `problems` every difference from what dp's trainer would write as that replica: corrupted
+/// sections, metadata (policies, optimizer, schedule at the resume step...), sections'
+/// presence, type and shape, the loss scale's range.
+template <class DP>
+void check_shard(DP& dp, const std::filesystem::path& file, shard_owner as, loaded_shard& out,
+                 std::vector<std::string>& problems) {
+    auto& core = checkpoint_access::core(dp);
+    const int rank = core.comm().rank();
+    const std::string shard_what = "shard '" + file.string() + "'";
+    out.header = parse_header(out.bytes, shard_magic, shard_what, rank);
+    for (std::string& p : verify_sections(out.bytes, out.header))
+        problems.push_back(shard_what + ": " + std::move(p));
+    if (!problems.empty())
+        return;
+
+    // The position the file resumes at (for the schedule check): read only when well-formed.
+    std::int64_t steps = core.steps();
+    if (const auto c = out.header.find_section("trainer.counters");
+        c && c->type == dtype::u64 && c->length == 8 * counter_count)
+        steps = static_cast<std::int64_t>(get_u64(out.bytes.data() + c->offset));
+    meta_list expected;
+    try {
+        expected = describe_trainer(dp, steps, as);
+    } catch (const std::exception& e) {
+        problems.push_back(
+            concat("the trainer's learning rate schedule at step ", steps, " failed: ", e.what()));
+        expected = describe_trainer(dp, core.steps(), as);
+    }
+    compare_header(out.header, expected, expected_sections(dp, as), "", problems);
+    if constexpr (has_loss_scaler<DP>) {
+        // The loss scale's state is checked here, so that restoring it cannot fail half-way.
+        const auto e = out.header.find_section("trainer.loss_scale");
+        if (problems.empty() && e && e->type == dtype::f64 && e->length == 16) {
+            double v[2];
+            std::memcpy(v, out.bytes.data() + e->offset, sizeof v);
+            const auto& sc = dp.scaler();
+            const double interval =
+                sc.enabled() ? static_cast<double>(sc.config().growth_interval) : 1.0;
+            const bool ok = std::isfinite(v[0]) && v[0] > 0 && (sc.enabled() || v[0] == 1.0) &&
+                            v[1] >= 0 && v[1] < interval && v[1] == std::floor(v[1]);
+            if (!ok)
+                problems.push_back(concat("section 'trainer.loss_scale': scale ", v[0],
+                                          ", growth tracker ", v[1], " out of range"));
+        }
+    }
+}
+
+/// Reads the commit marker and this replica's shard and compares them with the trainer.
+/// Returns every difference found (empty: compatible and intact); `out` holds the shard then.
+template <class DP>
+std::vector<std::string> validate(DP& dp, const std::filesystem::path& path, loaded_shard& out) {
+    auto& core = checkpoint_access::core(dp);
+    const int rank = core.comm().rank();
+    std::filesystem::path file;
+    std::vector<std::string> problems =
+        read_committed_shard(path, rank, core.comm().size(), out.bytes, file);
+    if (file.empty())
+        return problems;
+    check_shard(dp, file, own_shard(dp), out, problems);
+    return problems;
+}
+
+template <class E>
+std::vector<E> section_values(const loaded_shard& s, std::string_view name) {
+    const auto e = s.header.find_section(name);
+    std::vector<E> v(e->length / sizeof(E));
+    std::memcpy(v.data(), s.bytes.data() + e->offset, e->length);
+    return v;
+}
+
+/// Writes a validated shard into the trainer. `slots`: when not null, the optimizer's buffers
+/// (in state().slots order) instead of the shard's (a resharded optimizer state).
+template <class DP>
+void restore(DP& dp, const loaded_shard& s,
+             const std::vector<std::vector<typename DP::value_type>>* slots = nullptr) {
+    using T = typename DP::value_type;
+    auto& core = checkpoint_access::core(dp);
+    const auto sys = core.comm().system();
+    std::size_t next_slot = 0;
+    for_each_tensor_section(dp, [&](const section_spec& spec, std::span<T> data) {
+        if (slots && is_optimizer_slot(spec.name)) {
+            copy(std::span<const T>((*slots)[next_slot++]), host_system{1}, data, sys);
+            return;
+        }
+        const std::vector<T> h = section_values<T>(s, spec.name);
+        copy(std::span<const T>(h), host_system{1}, data, sys);
+    });
+    // The values are in the flat buffer; the visitor's network gets them as after a step.
+    core.unpack_values();
+    auto& opt = core.optimizer();
+    const auto view = opt.state();
+    state_view<const T> saved{section_values<std::int64_t>(s, "optimizer.step")[0], {}};
+    for (const auto& slot : view.slots)
+        saved.slots.push_back({slot.name, std::span<const T>(slot.data)});
+    opt.load_state(saved);
+    const auto c = section_values<std::uint64_t>(s, "trainer.counters");
+    core.restore_position(static_cast<std::int64_t>(c[0]), c[1], c[3]);
+    if constexpr (has_loss_scaler<DP>) {
+        const auto v = section_values<double>(s, "trainer.loss_scale");
+        dp.scaler().restore({v[0], static_cast<std::int64_t>(v[1])});
+    }
+    checkpoint_access::set_since_average(dp, static_cast<std::size_t>(c[2]));
+    if constexpr (requires { core.comm().synchronize(); })
+        core.comm().synchronize();
+}
+
+} // namespace detail::ckpt
+
+} // namespace lockstep
