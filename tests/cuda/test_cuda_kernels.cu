@@ -13,6 +13,7 @@
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/detail/step_checks.hpp"
+#include "lockstep/train/step_state.hpp"
 
 #include "cuda_test_support.hpp"
 
@@ -436,8 +437,9 @@ void check_skip(const Params& p) {
 
 namespace {
 
-/// The status_slot block and the replica row gradient_checks wrote on System: three pieces cut
-/// unevenly and checked last first, finish_local, then check_reduced over [begin, end).
+/// What gradient_checks wrote on System (the totals, the outcome and the replica row, as their
+/// doubles in field order): three pieces cut unevenly and checked last first, finish_local, then
+/// check_reduced over [begin, end).
 template <class System, class T>
 std::vector<double> gradient_check_slots(const std::vector<T>& x, std::size_t begin,
                                          std::size_t end, const System& sys) {
@@ -448,24 +450,27 @@ std::vector<double> gradient_check_slots(const std::vector<T>& x, std::size_t be
     pieces[2] = {.offset = n / 2, .size = n - n / 2};
     buffer<T, System> data(n, sys);
     copy(std::span<const T>(x), host_system{}, data.span(), sys);
-    buffer<double, System> slots(status_slot::slots + replica_slot::slots, sys);
-    copy(std::span<const double>(std::vector<double>(slots.size(), 0.0)), host_system{},
-         slots.span(), sys);
-    double* status = slots.data();
-    double* row = slots.data() + status_slot::slots;
+    struct written {
+        lockstep::step_totals totals;
+        lockstep::step_outcome outcome;
+        lockstep::replica_row row;
+    };
+    const written zero{};
+    buffer<written, System> out_dev(1, sys);
+    copy(std::span<const written>(&zero, 1), host_system{}, out_dev.span(), sys);
+    written* w = out_dev.data();
     detail::gradient_checks<System> checks(pieces, n, sys);
     const std::span<const T> d(data.data(), n);
     for (std::size_t k = pieces.size(); k-- > 0;)
         checks.check_piece(sys, d, k, pieces[k]);
-    checks.finish_local(sys, 0.5, 8.0, 0.1, status, row);
-    if (begin == 0 && end == n)
-        checks.check_reduced(sys, d, true, status);
-    else
-        checks.check_reduced(sys, d, begin, end, true, status);
+    checks.finish_local(sys, 0.5, 8.0, 0.1, &w->totals, &w->row);
+    checks.check_reduced(sys, d, begin, end, true, &w->outcome);
     sys.synchronize();
-    std::vector<double> out(slots.size());
-    copy(std::span<const double>(slots.data(), slots.size()), sys, std::span<double>(out),
+    written got{};
+    copy(std::span<const written>(out_dev.data(), 1), sys, std::span<written>(&got, 1),
          host_system{});
+    std::vector<double> out(sizeof(written) / sizeof(double));
+    std::memcpy(out.data(), &got, sizeof(written));
     return out;
 }
 

@@ -35,7 +35,7 @@ template <class Opt, class Reduce, class BN = bn::global>
 void check_resize(int from, int to, typename Opt::params_type op, double tolerance,
                   int source = 0) {
     using T = typename Opt::value_type;
-    constexpr bool sharded = Reduce::kind == reduce_kind::sharded;
+    constexpr bool sharded = Reduce::shards_optimizer_state;
     INFO(from << " -> " << to << " replicas, " << Reduce::name());
     temp_dir dir;
     const fs::path path = dir.path / "resize.ckpt";
