@@ -34,6 +34,7 @@
 #include "lockstep/kernels/channel_geometry.hpp"
 #include "lockstep/kernels/exact_sum.hpp"
 #include "lockstep/kernels/for_each.hpp"
+#include "lockstep/kernels/float16_convert.hpp"
 #include "lockstep/kernels/layer_report.hpp"
 #include "lockstep/kernels/mixed_precision.hpp"
 #include "lockstep/kernels/moments.hpp"

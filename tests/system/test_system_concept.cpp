@@ -1,6 +1,7 @@
 // Tests of the execution_system concept and of per-system kernel operations found by
 // argument-dependent lookup: a system defined outside lockstep runs the kernels' generic path.
 // SPDX-License-Identifier: Apache-2.0
+#include "lockstep/core/float16.hpp"
 #include "lockstep/kernels/bn_backward.hpp"
 #include "lockstep/kernels/bn_forward.hpp"
 #include "lockstep/system/buffer.hpp"
@@ -232,4 +233,47 @@ TEST_CASE("a system's own operation is found by argument-dependent lookup", "[sy
                                      std::span<const float>(p), std::span<float>(s),
                                      std::span<float>(ws));
     CHECK(calls == 1);
+}
+
+namespace adl_probe {
+
+// Converts to host_system and has a lockstep type as template argument, so namespace lockstep
+// is one of its associated namespaces and lockstep::host (host_system's own) is not.
+template <class Tag>
+struct converts_to_host {
+    operator const lockstep::host_system&() const { return system; }
+    lockstep::host_system system{1};
+};
+
+// True when an unqualified bn_normalize(a...) finds a viable overload: no bn_normalize is
+// declared in this namespace, so only argument-dependent lookup can find one.
+template <class System>
+concept finds_host_normalize = requires(const System& s, std::span<const float> x,
+                                        std::span<float> y, channel_geometry g) {
+    bn_normalize(s, x, y, g, x, x, x);
+};
+
+} // namespace adl_probe
+
+TEST_CASE("host_system's own operations are found only through host_system", "[system][host]") {
+    // Found on host_system itself (its base puts namespace lockstep::host in the lookup).
+    STATIC_REQUIRE(adl_probe::finds_host_normalize<host_system>);
+    // Not through any other lockstep type: were the host overloads declared in namespace
+    // lockstep, the lockstep::half argument would bring them in and the conversion would make
+    // them viable.
+    STATIC_REQUIRE_FALSE(
+        adl_probe::finds_host_normalize<adl_probe::converts_to_host<lockstep::half>>);
+    // The user-defined conversion works with the overload named directly.
+    const adl_probe::converts_to_host<lockstep::half> h;
+    const channel_geometry g{2, 3, 4};
+    const auto x = values(g.size(), 3);
+    const auto p = values(g.channels, 4);
+    std::vector<float> y(g.size()), y_generic(g.size());
+    lockstep::host::bn_normalize(h, std::span<const float>(x), std::span<float>(y), g,
+                                 std::span<const float>(p), std::span<const float>(p),
+                                 std::span<const float>(p));
+    lockstep::kernels::normalize_generic(host_system{1}, std::span<const float>(x),
+                                         std::span<float>(y_generic), g, std::span<const float>(p),
+                                         std::span<const float>(p), std::span<const float>(p));
+    CHECK(y == y_generic);
 }

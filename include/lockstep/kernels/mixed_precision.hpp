@@ -6,7 +6,7 @@
 
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/float16.hpp"
-#include "lockstep/core/float16_arrays.hpp"
+#include "lockstep/kernels/float16_convert.hpp"
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/system/system.hpp"
 
@@ -18,11 +18,6 @@
 #include <thrust/for_each.h>
 #include <thrust/iterator/counting_iterator.h>
 
-// Host tasks convert a tile of cast_host_tile elements with the array conversions of
-// core/float16_arrays.hpp (F16C/AVX2 where the CPU has them); device tasks convert one element
-// with the scalar conversions of core/float16.hpp. Both give the same bits (round to nearest,
-// ties to even), so a host test pins down what a GPU computes.
-
 namespace lockstep::kernels {
 
 /// Elements per host task of the casts below.
@@ -30,7 +25,8 @@ inline constexpr std::size_t cast_host_tile = 4096;
 
 /// Elements per task on System: long tiles on the host, one element per thread on a device.
 /// Keyed on is_host rather than on the system type: host code converts a tile with the array
-/// conversions, device code one element (see above); the bits are the same either way.
+/// conversions, device code one element (kernels/float16_convert.hpp); the bits are the same
+/// either way.
 template <execution_system System>
 constexpr std::size_t cast_tile() {
     return System::is_host ? cast_host_tile : 1;
@@ -46,12 +42,7 @@ struct cast_down_fn {
     std::size_t tile;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t t) const {
         const std::size_t b = t * tile, e = b + tile < n ? b + tile : n;
-#if defined(__CUDA_ARCH__)
-        for (std::size_t i = b; i < e; ++i)
-            dst[i] = Low(static_cast<float>(src[i]));
-#else
-        lockstep::detail::to_wire_n<Low>(src + b, e - b, dst + b);
-#endif
+        round_to_16bit<Low>(src + b, e - b, dst + b);
     }
 };
 
@@ -69,19 +60,9 @@ struct accumulate_up_fn {
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t t) const {
         const std::size_t b = t * tile, e = b + tile < n ? b + tile : n;
         const T f = factor != nullptr ? static_cast<T>(*factor) : T(1);
-#if defined(__CUDA_ARCH__)
-        for (std::size_t i = b; i < e; ++i)
-            dst[i] += static_cast<T>(static_cast<float>(src[i])) * f;
-#else
-        constexpr std::size_t chunk = 512;
-        float v[chunk];
-        for (std::size_t at = b; at < e; at += chunk) {
-            const std::size_t m = e - at < chunk ? e - at : chunk;
-            lockstep::detail::from_wire_n<Low>(src + at, m, v);
-            for (std::size_t i = 0; i < m; ++i)
-                dst[at + i] += static_cast<T>(v[i]) * f;
-        }
-#endif
+        T* const d = dst + b;
+        for_each_widened<Low>(src + b, e - b,
+                              [d, f](std::size_t i, float v) { d[i] += static_cast<T>(v) * f; });
     }
 };
 

@@ -95,9 +95,9 @@ void copy(std::span<const T> src, const SrcSystem& src_sys, std::span<T> dst,
           const DstSystem& dst_sys) {
     LOCKSTEP_REQUIRE(src.size() == dst.size(), errc::shape_mismatch, -1, "copy", "source has ",
                      src.size(), " elements, destination ", dst.size());
-    // Unqualified so that argument-dependent lookup at instantiation also finds the copies
-    // other systems declare (cuda_system's hidden friends), whatever the include order.
-    using detail::copy_bytes;
+    // Unqualified: argument-dependent lookup at instantiation finds each system's copies
+    // (host_system's in namespace lockstep::host, cuda_system's hidden friends), whatever the
+    // include order.
     copy_bytes(dst.data(), dst_sys, src.data(), src_sys, src.size_bytes());
 }
 
@@ -108,7 +108,6 @@ template <class T, execution_system System>
 void copy_async(const System& sys, std::span<const T> src, std::span<T> dst) {
     LOCKSTEP_REQUIRE(src.size() == dst.size(), errc::shape_mismatch, -1, "copy_async",
                      "source has ", src.size(), " elements, destination ", dst.size());
-    using detail::copy_bytes_async;
     copy_bytes_async(dst.data(), src.data(), src.size_bytes(), sys);
 }
 

@@ -21,11 +21,22 @@
 
 namespace lockstep {
 
+namespace host {
+/// host_system's (empty) base: it makes namespace lockstep::host an associated namespace of
+/// host_system, so that argument-dependent lookup on a host_system finds the host overloads
+/// declared there (the batch-norm operations of kernels/detail/bn_host_path.hpp, copy_bytes
+/// below) and lookup on any other lockstep type does not. A base rather than moving the class
+/// keeps host_system's name (lockstep::host_system, as errors and type names print it).
+struct adl_tag {
+    friend constexpr bool operator==(const adl_tag&, const adl_tag&) = default;
+};
+} // namespace host
+
 /// Where memory lives and kernels run: host memory, kernels through Thrust's OpenMP system
 /// (the serial CPP system when OpenMP is absent). A host_system is a cheap value: it carries
 /// only its thread budget, so replicas running as threads of one process do not oversubscribe
 /// the cores.
-class host_system {
+class host_system : public host::adl_tag {
 public:
     /// True for systems whose memory the host may dereference.
     static constexpr bool is_host = true;
@@ -94,19 +105,20 @@ System default_system() {
     return System{};
 }
 
-namespace detail {
-/// Copies bytes between two host allocations.
+namespace host {
+/// Copies bytes between two host allocations. Found by argument-dependent lookup from
+/// lockstep::copy (system/buffer.hpp), as other systems' copy_bytes are.
 inline void copy_bytes(void* dst, const host_system&, const void* src, const host_system&,
                        std::size_t bytes) {
     if (bytes != 0)
         std::memmove(dst, src, bytes);
 }
 /// Copies bytes within the host system's memory, in order with its kernels (at once: host
-/// kernels are synchronous).
+/// kernels are synchronous). Found by argument-dependent lookup from lockstep::copy_async.
 inline void copy_bytes_async(void* dst, const void* src, std::size_t bytes, const host_system&) {
     if (bytes != 0)
         std::memmove(dst, src, bytes);
 }
-} // namespace detail
+} // namespace host
 
 } // namespace lockstep

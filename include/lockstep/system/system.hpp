@@ -32,9 +32,10 @@ namespace lockstep {
 /// Kernels state their preconditions once, then call a per-system operation unqualified
 /// (e.g. `bn_normalize(sys, ...)`): lockstep::kernels holds the generic Thrust version for
 /// any execution_system, and argument-dependent lookup on the system's type adds the overloads
-/// taking `const S&` that S's namespace declares (host_system's and cuda_system's in namespace
-/// lockstep). Overload resolution prefers the exact system type, so a system with no fast path
-/// runs the generic one.
+/// taking `const S&` that S's associated namespaces declare (host_system's in namespace
+/// lockstep::host, associated through its base host::adl_tag, so no other lockstep type finds
+/// them; cuda_system's in namespace lockstep). Overload resolution prefers the exact system
+/// type, so a system with no fast path runs the generic one.
 template <class S>
 concept execution_system = std::copyable<S> && std::equality_comparable<S> &&
     requires(const S& s, std::size_t bytes, void* p) {

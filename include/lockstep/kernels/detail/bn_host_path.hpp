@@ -15,15 +15,17 @@
 #include <span>
 #include <vector>
 
-// These live in namespace lockstep, host_system's namespace, so that the unqualified calls of
-// the public kernels (kernels/bn_forward.hpp, bn_backward.hpp) find them by argument-dependent
-// lookup next to the generic versions in lockstep::kernels, and prefer them for a host_system.
+// These live in namespace lockstep::host, host_system's own namespace (an associated namespace
+// of host_system through its base host::adl_tag, system/host_system.hpp), so that the
+// unqualified calls of the public kernels (kernels/bn_forward.hpp, bn_backward.hpp) find them
+// by argument-dependent lookup next to the generic versions in lockstep::kernels, and prefer
+// them for a host_system; lookup on other lockstep types does not see them.
 // Each takes spans the public kernel has already checked (no precondition is repeated here).
 // All of them run the vectorized OpenMP loops of bn_host_loops.hpp: the same functors as the
 // generic path with another partitioning, so reductions agree with it to rounding and
 // elementwise results bit for bit.
 
-namespace lockstep {
+namespace lockstep::host {
 
 /// Host per-channel moments into out (the workspace is unused).
 template <class T, class Acc>
@@ -110,4 +112,4 @@ void bn_input_gradient_fused(const host_system& sys, std::span<const T> dy, std:
         kernels::backward_coefficients<Acc>{mean.data(), k.data(), a.data(), b.data()});
 }
 
-} // namespace lockstep
+} // namespace lockstep::host
