@@ -296,11 +296,12 @@ void input_gradient_fused(const cuda_system& sys, const T* dy, const T* x, T* dx
 
 } // namespace lockstep::kernels::cuda_path
 
-// cuda_system's batch-norm operations: overloads on const cuda_system& in cuda_system's
-// namespace, found by argument-dependent lookup from the public kernels (kernels/bn_forward.hpp,
-// bn_backward.hpp) once those have checked the spans. channel_moments, backward_sums and
-// input_gradient have none here: on the CUDA system they run the generic Thrust path.
-namespace lockstep {
+// cuda_system's batch-norm operations: overloads on const cuda_system& in lockstep::gpu (the
+// namespace of cuda_system's base, system/cuda_system.hpp), found by argument-dependent lookup
+// on a cuda_system only, from the public kernels (kernels/bn_forward.hpp, bn_backward.hpp) once
+// those have checked the spans. channel_moments, backward_sums and input_gradient have none
+// here: on the CUDA system they run the generic Thrust path.
+namespace lockstep::gpu {
 
 /// The packed statistics block in one launch (cuda_path::pack_local_moments).
 template <class T, class Acc>
@@ -343,5 +344,5 @@ void bn_input_gradient_fused(const cuda_system& sys, std::span<const T> dy, std:
         dbeta.empty() ? nullptr : dbeta.data());
 }
 
-} // namespace lockstep
+} // namespace lockstep::gpu
 #endif

@@ -56,12 +56,23 @@ private:
     int previous_ = 0;
 };
 
+namespace gpu {
+/// cuda_system's (empty) base: it makes namespace lockstep::gpu an associated namespace of
+/// cuda_system, so that argument-dependent lookup on a cuda_system finds the CUDA overloads
+/// declared there (the batch-norm operations of kernels/bn_cuda.cuh) and lookup on any other
+/// lockstep type does not (as host_system's lockstep::host). Not named `cuda`: with `using
+/// namespace lockstep;` that would make `cuda::std` ambiguous.
+struct adl_tag {
+    friend constexpr bool operator==(const adl_tag&, const adl_tag&) = default;
+};
+} // namespace gpu
+
 /// Where memory lives and kernels run on a GPU: device memory of device `device()`, kernels
 /// through Thrust's CUDA system enqueued on `stream()` without implicit synchronisation.
 /// A cuda_system is a cheap, non-owning value (device ordinal + stream handle); the stream,
 /// when not the default stream, is owned elsewhere (a cuda_stream, or an nccl_communicator)
 /// and must outlive every kernel and every allocation made through the system.
-class cuda_system {
+class cuda_system : public gpu::adl_tag {
 public:
     /// Device memory is never dereferenced on the host.
     static constexpr bool is_host = false;
