@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <exception>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -386,7 +387,8 @@ public:
     /// Rank r receives counts[r] elements: recv[i] = op over replicas of send[offset + i],
     /// offset = counts[0] + ... + counts[rank() - 1] (MPI_Ireduce_scatter_block when every count
     /// is equal, else MPI_Ireduce_scatter). recv may be this replica's slice of send (in place:
-    /// the result goes through a temporary, since MPI_IN_PLACE means another layout).
+    /// the result goes through the communicator's scratch, kept between calls, since MPI_IN_PLACE
+    /// means another layout).
     /// requires: counts has size() entries summing to send.size(), equal on every replica
     /// (verified through a hash of the counts in the signature); recv.size() == counts[rank()];
     /// recv this replica's slice of send or disjoint from it (an empty recv may point anywhere,
@@ -431,11 +433,13 @@ public:
                                 layout.total, op);
             return;
         }
-        std::vector<T> staged(in_place ? recv.size() : 0);
+        // In place, the result lands in this communicator's scratch (kept between calls: no
+        // allocation, zero fill or page faults per call) and is copied into recv.
+        T* staged = in_place ? scratch<T>(recv.size()) : nullptr;
         // MPI refuses a receive buffer that aliases the send buffer even for zero elements: an
         // empty recv is handed over as a distinct (never written) address.
         T unused{};
-        T* out = in_place ? staged.data() : recv.empty() ? &unused : recv.data();
+        T* out = in_place ? staged : recv.empty() ? &unused : recv.data();
         MPI_Request req = MPI_REQUEST_NULL;
         if (layout.equal) {
             call(MPI_Ireduce_scatter_block(send.data(), out, static_cast<int>(layout.mine),
@@ -451,7 +455,7 @@ public:
             finish(req, "MPI_Ireduce_scatter", send.size(), send.size_bytes());
         }
         if (in_place)
-            std::copy(staged.begin(), staged.end(), recv.begin());
+            std::copy(staged, staged + recv.size(), recv.begin());
     }
 
     /// The equal-count form: every replica receives recv.size() elements
@@ -623,6 +627,21 @@ private:
         kind_ = o.kind_;
         broken_ = std::move(o.broken_);
         trace_ = std::move(o.trace_);
+        scratch_ = std::move(o.scratch_);
+        scratch_bytes_ = std::exchange(o.scratch_bytes_, 0);
+    }
+
+    /// n elements of T in the scratch (grown, never shrunk; uninitialised; valid until the next
+    /// call). Only collectives that finish before returning use it.
+    template <class T>
+    T* scratch(std::size_t n) {
+        static_assert(alignof(T) <= __STDCPP_DEFAULT_NEW_ALIGNMENT__);
+        const std::size_t bytes = n * sizeof(T);
+        if (bytes > scratch_bytes_) {
+            scratch_.reset(new std::byte[bytes]);
+            scratch_bytes_ = bytes;
+        }
+        return reinterpret_cast<T*>(scratch_.get());
     }
     void release() noexcept {
         control_.adopt(MPI_COMM_NULL);
@@ -949,6 +968,8 @@ private:
     std::optional<error> broken_;
     detail::mpi_exit_guard exit_guard_; // exit() while this lives aborts the job
     flight_recorder trace_{"mpi"};
+    std::unique_ptr<std::byte[]> scratch_; // reduce_scatter's in-place result (scratch())
+    std::size_t scratch_bytes_ = 0;
 };
 
 static_assert(communicator<mpi_communicator>,
