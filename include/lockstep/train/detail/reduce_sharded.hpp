@@ -143,8 +143,10 @@ private:
 /// with every replica's shard, so replica r receives, in place in the flat gradient buffer, the
 /// reduced gradient of [o_r, o_r + c_r) (elements outside its shard keep its own gradient).
 /// apply() runs the update (the optimizer over the shard), then all-gathers the updated
-/// shards through a staging buffer of replicas x max c_r elements (all_gather needs equal
-/// counts: each shard is padded to the largest), so every replica holds the same parameters.
+/// shards so every replica holds the same parameters: in place in the flat buffer when every
+/// shard has the same size (the buffer is then exactly replicas x c elements in rank order),
+/// else through a staging buffer of replicas x max c_r elements (all_gather needs equal
+/// counts: each shard is padded to the largest).
 template <std::size_t Bytes, std::size_t FirstBytes, class T, class Communicator>
 class reducer<reduce::sharded<Bytes, FirstBytes>, T, Communicator>
     : public reducer_base<reducer<reduce::sharded<Bytes, FirstBytes>, T, Communicator>, T,
@@ -164,7 +166,10 @@ public:
         for (const shard_extent& e : shards_)
             widest = std::max(widest, e.count);
         slot_ = widest;
-        staging_ = buffer<T, system_type>(slot_ * shards_.size(), comm.system());
+        even_ = std::all_of(shards_.begin(), shards_.end(),
+                            [&](const shard_extent& e) { return e.count == widest; });
+        if (!even_)
+            staging_ = buffer<T, system_type>(slot_ * shards_.size(), comm.system());
         for (const bucket& b : this->plan()) {
             std::vector<std::size_t> counts;
             for (const shard_extent& e : shards_) {
@@ -202,6 +207,12 @@ public:
         const auto me = static_cast<std::size_t>(comm.rank());
         const std::span<T> all = staging_.span();
         const shard_extent& mine = shards_[me];
+        if (even_) { // shard r is [r c, (r + 1) c): values is the gathered layout itself
+            comm.all_gather(std::span<const T>(values.subspan(mine.offset, mine.count)),
+                            values.first(slot_ * shards_.size()));
+            this->count_collective();
+            return;
+        }
         std::span<T> slot = all.subspan(me * slot_, slot_);
         if (mine.count != 0)
             copy_async(sys, std::span<const T>(values.subspan(mine.offset, mine.count)),
@@ -228,7 +239,8 @@ private:
     std::vector<shard_extent> shards_;
     std::vector<std::vector<std::size_t>> counts_; ///< per bucket: its part in every shard
     std::size_t slot_ = 0;                         ///< elements per replica in the staging
-    buffer<T, system_type> staging_;
+    bool even_ = false;                            ///< every shard holds slot_ elements
+    buffer<T, system_type> staging_;               ///< empty when even_
 };
 
 } // namespace lockstep::detail
