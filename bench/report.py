@@ -263,7 +263,10 @@ def section_allreduce(rows):
             "64 MiB arrays: a DRAM bound that sizes staying in cache can beat), and under "
             "`mpiexec -n 2` `mpi_communicator` (with and without its signature check) against raw "
             "`MPI_Allreduce` on the same buffers. Medians of the slowest replica's time per call. "
-            "Bus bandwidth = S / time x 2 (n - 1) / n (for n = 2 it equals S / time).", ""]
+            "Bus bandwidth = S / time x 2 (n - 1) / n (for n = 2 it equals S / time). Thread "
+            "group rows of tens of us at small sizes are sleeps, not transfers: a waiting replica "
+            "spins 4 us, then sleeps, and each wake-up costs about 15 us on the 2-core VM (on a "
+            "loaded machine every small row pays it).", ""]
     by = {}
     for r in rows:
         by.setdefault(int(r["bytes"]), {})[(r["backend"], r["variant"])] = r
