@@ -25,6 +25,9 @@
 //   waiting for the peer included; the program sets LOCKSTEP_TRACE_OPS so a step's collectives
 //   fit in it), mean over the replicas; the trainer's own collectives after the step function
 //   are not counted;
+// - last-arrival ms: per collective the shorter of the replicas' times (the replica that
+//   arrived last), summed: the collectives' cost without the wait for a late arrival, which a
+//   loaded machine inflates (a bn::local step absorbs such skew in its gradient reduction);
 // - global - local: the step times' difference, paired per repetition.
 // --csv FILE: one row per backend and policy.
 #include "csv.hpp"
@@ -156,9 +159,13 @@ using trainer_for = data_parallel<bn_stack<Policy>, optim::sgd<float, typename C
 /// One step's measurements on this replica.
 struct sample {
     double step_ms = 0;
-    double collective_ms = 0;
-    double collectives = 0;
+    double collective_ms = 0;   ///< this replica's time inside the collectives
+    double collectives = 0;     ///< how many
+    double last_arrival_ms = 0; ///< per collective the shorter replica's time, summed
 };
+
+/// The most collectives one step function may issue here (bn::global: 106).
+constexpr std::size_t max_collectives = 256;
 
 std::int64_t now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(steady::now().time_since_epoch())
@@ -166,7 +173,9 @@ std::int64_t now_ns() {
 }
 
 /// One step between barriers, and the collectives its step function issued (from the flight
-/// recorder of the communicator the layers called).
+/// recorder of the communicator the layers called). The replicas' times of each collective are
+/// compared after the step (a min all_reduce): the replica that arrived last did not wait for
+/// the other to arrive.
 template <class Trainer, class Comm>
 sample timed_step(Trainer& tr, Comm& comm, std::size_t global_batch) {
     std::int64_t begin = 0, end = 0;
@@ -182,11 +191,22 @@ sample timed_step(Trainer& tr, Comm& comm, std::size_t global_batch) {
     comm.barrier();
     sample s;
     s.step_ms = std::chrono::duration<double, std::milli>(steady::now() - t0).count();
+    std::vector<double> each(max_collectives, 0.0);
+    std::size_t count = 0;
     for (const flight_entry& e : trace->entries())
         if (e.start_ns >= begin && e.start_ns <= end && e.end_ns != 0) {
-            s.collective_ms += static_cast<double>(e.end_ns - e.start_ns) * 1e-6;
-            s.collectives += 1;
+            const double ms = static_cast<double>(e.end_ns - e.start_ns) * 1e-6;
+            s.collective_ms += ms;
+            if (count < each.size())
+                each[count] = ms;
+            ++count;
         }
+    LOCKSTEP_REQUIRE(count <= max_collectives, errc::internal, comm.rank(), "bench_bn_step", count,
+                     " collectives in one step function, more than ", max_collectives);
+    s.collectives = static_cast<double>(count);
+    comm.all_reduce(std::span<const double>(each), std::span<double>(each), reduce_op::min);
+    for (const double ms : each)
+        s.last_arrival_ms += ms;
     return s;
 }
 
@@ -201,6 +221,7 @@ struct row {
     double collectives = 0; ///< per step, on one replica
     double step_ms = 0;
     double collective_ms = 0;
+    double last_arrival_ms = 0;
     double minus_local_ms = 0; ///< paired step(global) - step(local)
 };
 
@@ -216,10 +237,11 @@ std::vector<row> run_all(Comm& comm, const options& o) {
         comm, [&](auto& ctx) { return bn_stack<bn::local>(ctx, o); }, sgd, tp);
     const std::size_t global_batch = o.batch * static_cast<std::size_t>(comm.size());
     const int reps = o.quick ? 3 : o.reps, warm = 2;
-    // Per repetition: step[2r + p] the step of policy p (0 global, 1 local); other[4r + 2p] its
-    // collective ms and other[4r + 2p + 1] its collective count.
+    // Per repetition r and policy p (0 global, 1 local): step[2r + p] its step ms, other[6r + 3p]
+    // its collective ms, other[6r + 3p + 1] its collective count, other[6r + 3p + 2] its
+    // last-arrival ms (the same on every replica).
     const auto n = static_cast<std::size_t>(reps);
-    std::vector<double> step(2 * n), other(4 * n);
+    std::vector<double> step(2 * n), other(6 * n);
     for (int r = -warm; r < reps; ++r) {
         sample g, l;
         if (r % 2 == 0) {
@@ -232,12 +254,13 @@ std::vector<row> run_all(Comm& comm, const options& o) {
         if (r < 0)
             continue;
         const auto i = static_cast<std::size_t>(r);
-        step[2 * i] = g.step_ms;
-        step[2 * i + 1] = l.step_ms;
-        other[4 * i] = g.collective_ms;
-        other[4 * i + 1] = g.collectives;
-        other[4 * i + 2] = l.collective_ms;
-        other[4 * i + 3] = l.collectives;
+        for (std::size_t p = 0; p < 2; ++p) {
+            const sample& x = p == 0 ? g : l;
+            step[2 * i + p] = x.step_ms;
+            other[6 * i + 3 * p] = x.collective_ms;
+            other[6 * i + 3 * p + 1] = x.collectives;
+            other[6 * i + 3 * p + 2] = x.last_arrival_ms;
+        }
     }
     // The slower replica's step; the replicas' mean of the collective figures.
     comm.all_reduce(std::span<const double>(step), std::span<double>(step), reduce_op::max);
@@ -248,16 +271,18 @@ std::vector<row> run_all(Comm& comm, const options& o) {
     out[0].policy = "global";
     out[1].policy = "local";
     for (std::size_t p = 0; p < 2; ++p) {
-        std::vector<double> s, c, k, d;
+        std::vector<double> s, c, k, a, d;
         for (std::size_t i = 0; i < n; ++i) {
             s.push_back(step[2 * i + p]);
-            c.push_back(other[4 * i + 2 * p]);
-            k.push_back(other[4 * i + 2 * p + 1]);
+            c.push_back(other[6 * i + 3 * p]);
+            k.push_back(other[6 * i + 3 * p + 1]);
+            a.push_back(other[6 * i + 3 * p + 2]);
             d.push_back(step[2 * i + p] - step[2 * i + 1]);
         }
         out[p].step_ms = median(s);
         out[p].collective_ms = median(c);
         out[p].collectives = median(k);
+        out[p].last_arrival_ms = median(a);
         out[p].minus_local_ms = median(d);
     }
     return out;
@@ -266,16 +291,17 @@ std::vector<row> run_all(Comm& comm, const options& o) {
 void report(const std::vector<row>& rows, const char* backend, int replicas, const options& o,
             bench_csv::writer& csv) {
     const row& local = rows[1];
-    std::printf("%-13s %2s %-7s %12s %9s %14s %11s %11s %16s\n", "backend", "n", "policy",
-                "collectives", "step ms", "collective ms", "coll/step", "step/local",
-                "global-local ms");
+    std::printf("%-13s %2s %-7s %12s %9s %14s %11s %13s %11s %16s\n", "backend", "n", "policy",
+                "collectives", "step ms", "collective ms", "coll/step", "last-arr. ms",
+                "step/local", "global-local ms");
     for (const row& r : rows) {
-        std::printf("%-13s %2d %-7s %12.0f %9.2f %14.3f %11.3f %11.3f %16.2f\n", backend, replicas,
-                    r.policy.c_str(), r.collectives, r.step_ms, r.collective_ms,
-                    r.collective_ms / r.step_ms, r.step_ms / local.step_ms, r.minus_local_ms);
+        std::printf("%-13s %2d %-7s %12.0f %9.2f %14.3f %11.3f %13.3f %11.3f %16.2f\n", backend,
+                    replicas, r.policy.c_str(), r.collectives, r.step_ms, r.collective_ms,
+                    r.collective_ms / r.step_ms, r.last_arrival_ms, r.step_ms / local.step_ms,
+                    r.minus_local_ms);
         csv.row({"bn_step", backend, replicas, o.batch, o.side, r.policy, r.collectives, r.step_ms,
-                 r.collective_ms, r.collective_ms / r.step_ms, r.step_ms / local.step_ms,
-                 r.minus_local_ms});
+                 r.collective_ms, r.collective_ms / r.step_ms, r.last_arrival_ms,
+                 r.step_ms / local.step_ms, r.minus_local_ms});
     }
 }
 
@@ -298,7 +324,8 @@ void print_machine(const options& o) {
                 layers.size(), o.side, o.side, channels, static_cast<double>(values) * 1e-6,
                 o.batch, o.quick ? 3 : o.reps, load[0], load[1], load[2]);
     std::printf("collective ms: time inside the step function's collectives (flight recorder), "
-                "mean over replicas; global-local: paired step-time difference\n\n");
+                "mean over replicas; last-arr.: per collective the shorter replica's time, "
+                "summed; global-local: paired step-time difference\n\n");
 }
 
 options parse(int argc, char** argv) {
@@ -362,7 +389,7 @@ bench_csv::writer open_csv(const std::string& path) {
     return {path,
             {"bench", "backend", "replicas", "batch_per_replica", "input_side", "policy",
              "collectives_per_step", "step_ms", "collective_ms", "collective_share",
-             "step_over_local", "minus_local_ms"}};
+             "last_arrival_ms", "step_over_local", "minus_local_ms"}};
 }
 
 } // namespace
