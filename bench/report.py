@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 PLOTS = ["batch_norm", "allreduce", "reduce", "optimizer", "digits", "overlap",
-         "hierarchical", "reproducible"]
+         "hierarchical", "reproducible", "bn_step"]
 
 
 def read(path):
@@ -263,7 +263,10 @@ def section_allreduce(rows):
             "64 MiB arrays: a DRAM bound that sizes staying in cache can beat), and under "
             "`mpiexec -n 2` `mpi_communicator` (with and without its signature check) against raw "
             "`MPI_Allreduce` on the same buffers. Medians of the slowest replica's time per call. "
-            "Bus bandwidth = S / time x 2 (n - 1) / n (for n = 2 it equals S / time).", ""]
+            "Bus bandwidth = S / time x 2 (n - 1) / n (for n = 2 it equals S / time). Thread "
+            "group rows of tens of us at small sizes are sleeps, not transfers: a waiting replica "
+            "spins 4 us, then sleeps, and each wake-up costs about 15 us on the 2-core VM (on a "
+            "loaded machine every small row pays it).", ""]
     by = {}
     for r in rows:
         by.setdefault(int(r["bytes"]), {})[(r["backend"], r["variant"])] = r
@@ -382,6 +385,40 @@ def section_reproducible(rows):
     out = [[r["backend"], f"`{r['policy']}`", fmt(num(r["step_ms"])),
             fmt(num(r["ratio_to_bucketed"]))] for r in rows]
     text += [table(["backend", "policy", "step ms", "/ bucketed"], out)]
+    return text
+
+
+def plot_bn_step(rows, png):
+    plot_ratio_bars(rows, png, "policy", "step_over_local",
+                    "step time / bn::local step time (lower is better)",
+                    "ResNet-50's 53 BN layers, forward + backward, 2 replicas", height_in=3)
+
+
+def section_bn_step(rows):
+    text = ["## Synchronized batch norm (bench/bn_step.cpp)", "",
+            "Training steps of a network made of ResNet-50's 53 batch-norm layers (their channels "
+            "and feature-map sides at the input side given in the table), NCHW float, forward "
+            "through every layer then backward, with `bn::global` (synchronized: one all_gather "
+            "in forward and one all_reduce in backward per layer) beside the same layers with "
+            "`bn::local` (no collectives) in the same run, round-robin; each inside "
+            "`data_parallel`'s synchronous step (`reduce::bucketed<>`, SGD with momentum), on 2 "
+            "thread replicas and 2 MPI processes (`mpi_communicator` with its default signature "
+            "check). BN alone, no convolutions: a whole network's "
+            "compute would make the ratio smaller. *collective ms* is the time a replica spends "
+            "inside the collectives its step function issues (the communicator's flight "
+            "recorder, waiting for the peer included), mean over the replicas; *last-arrival ms* "
+            "sums, per collective, the shorter of the replicas' times (the replica that arrived "
+            "last): the collectives' cost without the wait for a late arrival, which a loaded "
+            "machine inflates; *global - local* is the paired difference of step times. "
+            "Medians over the repetitions.", ""]
+    out = [[r["backend"], r["replicas"], r["batch_per_replica"], r["input_side"],
+            f"`bn::{r['policy']}`", fmt(num(r["collectives_per_step"])), fmt(num(r["step_ms"])),
+            fmt(num(r["collective_ms"])), fmt(num(r["collective_share"])),
+            fmt(num(r["last_arrival_ms"])), fmt(num(r["step_over_local"])),
+            fmt(num(r["minus_local_ms"]))] for r in rows]
+    text += [table(["backend", "replicas", "samples/replica", "input side", "policy",
+                    "collectives/step", "step ms", "collective ms", "collective/step",
+                    "last-arrival ms", "step/local", "global - local ms"], out)]
     return text
 
 
@@ -520,11 +557,12 @@ def main():
         "overlap": read(res / "overlap_threads.csv") + read(res / "overlap_mpi.csv"),
         "hierarchical": read(res / "hierarchical.csv"),
         "reproducible": read(res / "reproducible_threads.csv") + read(res / "reproducible_mpi.csv"),
+        "bn_step": read(res / "bn_step_threads.csv") + read(res / "bn_step_mpi.csv"),
     }
     plotters = {"batch_norm": plot_batch_norm, "allreduce": plot_allreduce,
                 "reduce": plot_reduce, "optimizer": plot_optimizer, "digits": plot_digits,
                 "overlap": plot_overlap, "hierarchical": plot_hierarchical,
-                "reproducible": plot_reproducible}
+                "reproducible": plot_reproducible, "bn_step": plot_bn_step}
     drawn = []
     for name in PLOTS:
         if data[name]:
@@ -588,7 +626,8 @@ def main():
                  section_digits_reproducible(data["digits_reproducible"])),
                 ("overlap", section_overlap(data["overlap"])),
                 ("hierarchical", section_hierarchical(data["hierarchical"])),
-                ("reproducible", section_reproducible(data["reproducible"]))]
+                ("reproducible", section_reproducible(data["reproducible"])),
+                ("bn_step", section_bn_step(data["bn_step"]))]
     for name, text in sections:
         lines += [""] + text[:1] + [""]
         if not data[name]:

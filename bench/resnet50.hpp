@@ -1,5 +1,6 @@
-// bench/resnet50.hpp: ResNet-50's parameter list (torchvision's 161 tensors) for the benchmarks
-// that reduce or train a network of its shape. SPDX-License-Identifier: Apache-2.0
+// bench/resnet50.hpp: ResNet-50's parameter list (torchvision's 161 tensors) and its batch-norm
+// layers' shapes, for the benchmarks that reduce or train a network of its shape.
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/train/parameter_registry.hpp"
@@ -78,6 +79,43 @@ inline std::vector<std::size_t> resnet50_output_pixels() {
         }
     }
     put(1, 2); // fc.weight, fc.bias
+    return out;
+}
+
+/// One batch-norm layer of resnet50_bn_layers(): its name (as in resnet50_tensors(), without
+/// ".weight"), its channels and the side of its square feature map.
+struct bn_layer {
+    std::string name;
+    std::size_t channels = 0;
+    std::size_t side = 0;
+};
+
+/// ResNet-50's 53 batch-norm layers in forward order (bn1, then per bottleneck bn1, bn2, bn3 and
+/// in each layer's first block the downsample's BN), for a side x side input. Every stride-2
+/// step (conv1, the max pool, the first conv2 of layers 2-4 and their downsample) maps a side s
+/// to ceil(s / 2), as the convolutions' padding does: 224 gives 112, 56, 28, 14, 7 (the channels
+/// and output pixels of resnet50_output_pixels()); 112 gives 56, 28, 14, 7, 4.
+/// requires: side >= 1.
+inline std::vector<bn_layer> resnet50_bn_layers(std::size_t side = 224) {
+    const auto half = [](std::size_t s) { return (s + 1) / 2; };
+    std::vector<bn_layer> out;
+    side = half(side);
+    out.push_back({"bn1", 64, side});
+    side = half(side); // the max pool
+    const std::size_t blocks[] = {3, 4, 6, 3};
+    for (std::size_t l = 0; l < 4; ++l) {
+        const std::size_t width = std::size_t{64} << l, in_side = side;
+        if (l > 0)
+            side = half(side);
+        for (std::size_t b = 0; b < blocks[l]; ++b) {
+            const std::string p = "layer" + std::to_string(l + 1) + "." + std::to_string(b);
+            out.push_back({p + ".bn1", width, b == 0 ? in_side : side});
+            out.push_back({p + ".bn2", width, side});
+            out.push_back({p + ".bn3", width * 4, side});
+            if (b == 0)
+                out.push_back({p + ".downsample.1", width * 4, side});
+        }
+    }
     return out;
 }
 
