@@ -29,6 +29,10 @@
 #include <string>
 #include <vector>
 
+#if LOCKSTEP_HAS_OPENMP
+#include <omp.h>
+#endif
+
 namespace {
 
 using clock_type = std::chrono::steady_clock;
@@ -210,6 +214,63 @@ paired_result time_paired(std::size_t bytes, int reps) {
     return {median(reduce), median(copy)};
 }
 
+#if LOCKSTEP_HAS_OPENMP
+// The same pairing for a plain OpenMP all_reduce written without lockstep: 2 OpenMP threads,
+// each owning a send and a recv buffer; thread t sums half t of both sends into its recv
+// (reduce-scatter), a barrier, then copies the other half out of the peer's recv (all-gather).
+// Returns {all_reduce, copy} medians of the slowest thread, as time_paired.
+paired_result time_paired_openmp(std::size_t bytes, int reps) {
+    const std::size_t n = bytes / sizeof(float);
+    std::vector<double> t(4 * static_cast<std::size_t>(reps));
+    std::vector<float> send[2], recv[2], a[2], b[2];
+#pragma omp parallel num_threads(2)
+    {
+        const int me = omp_get_thread_num();
+        const auto m = static_cast<std::size_t>(me);
+        if (omp_get_num_threads() == 2) {
+            // Each thread first-touches its own buffers, as the replicas do.
+            send[m].assign(n, 0.0f);
+            recv[m].assign(n, 0.0f);
+            a[m].assign(n, 0.0f);
+            b[m].assign(n, 0.0f);
+            fill(send[m], me);
+            fill(a[m], me);
+#pragma omp barrier
+            const std::size_t half = n / 2;
+            const std::size_t lo = me == 0 ? 0 : half, hi = me == 0 ? half : n;
+            const std::size_t plo = me == 0 ? half : 0, phi = me == 0 ? n : half;
+            const float* s0 = send[0].data();
+            const float* s1 = send[1].data();
+            float* mine = recv[m].data();
+            const float* peer = recv[1 - m].data();
+            for (int r = -2; r < reps; ++r) {
+#pragma omp barrier
+                auto t0 = clock_type::now();
+                for (std::size_t i = lo; i < hi; ++i)
+                    mine[i] = s0[i] + s1[i];
+#pragma omp barrier
+                std::memcpy(mine + plo, peer + plo, (phi - plo) * sizeof(float));
+                const double t_reduce = seconds_since(t0);
+#pragma omp barrier
+                t0 = clock_type::now();
+                stream_copy(a[m].data(), b[m].data(), n);
+                const double t_copy = seconds_since(t0);
+                if (r >= 0) {
+                    t[4 * static_cast<std::size_t>(r) + m] = t_reduce;
+                    t[4 * static_cast<std::size_t>(r) + 2 + m] = t_copy;
+                }
+            }
+        }
+    }
+    std::vector<double> reduce(static_cast<std::size_t>(reps)), copy(reduce.size());
+    for (std::size_t r = 0; r < reduce.size(); ++r) {
+        reduce[r] = std::max(t[4 * r], t[4 * r + 1]);
+        copy[r] = std::max(t[4 * r + 2], t[4 * r + 3]);
+    }
+    return {median(reduce), median(copy)};
+}
+#endif
+
 void run_threads(const options& o) {
     const std::size_t anchor_bytes = std::size_t{64} << 20;
     const copy_bandwidth bw = measure_copies(anchor_bytes, 11);
@@ -251,22 +312,38 @@ void run_threads(const options& o) {
                  double(bytes) / bound * 1e-9, busbw_gbps(bytes, bound, 2), 1.0, "traffic_bound"});
     }
     std::printf("\npaired with a STREAM copy of the same bytes on the same threads, interleaved "
-                "(robust to load):\n%12s %12s %12s %14s %12s\n",
-                "bytes", "all_red. us", "copy us", "copy GB/s", "time/bound");
-    // 64 MiB only: with send, recv, a and b per thread (512 MiB in all) nothing stays in cache;
-    // at 16 MiB the copy alone partly runs from cache (20 GB/s here), not against DRAM.
-    for (const std::size_t bytes : {std::size_t{64} << 20}) {
-        if (bytes > o.max_bytes)
-            continue;
-        const paired_result pr = time_paired(bytes, 15);
-        std::printf("%12zu %12.1f %12.1f %14.2f %12.2f\n", bytes, pr.all_reduce * 1e6,
-                    pr.copy * 1e6, 4.0 * double(bytes) / pr.copy * 1e-9, pr.all_reduce / pr.copy);
+                "(robust to load); the copy moves the all_reduce's traffic bound, so time/bound "
+                "= all_reduce / copy;\nplain = an OpenMP reduce-scatter + all-gather without "
+                "lockstep, paired the same way; lockstep/plain = the two time/bound ratios\n"
+                "%12s %12s %12s %14s %12s %12s %14s\n",
+                "bytes", "all_red. us", "copy us", "copy GB/s", "time/bound", "plain/bound",
+                "lockstep/plain");
+    // From 4 MiB, where the data (send, recv and the copy's a and b, per thread) exceeds the
+    // caches, so both sides run against DRAM.
+    for (std::size_t bytes = std::size_t{4} << 20; bytes <= o.max_bytes; bytes *= 4) {
+        const int reps = bytes >= (std::size_t{256} << 20) ? 9 : 15;
+        const paired_result pr = time_paired(bytes, reps);
+        double plain = 0;
+#if LOCKSTEP_HAS_OPENMP
+        const paired_result pp = time_paired_openmp(bytes, reps);
+        plain = pp.all_reduce / pp.copy;
+#endif
+        const double ratio = pr.all_reduce / pr.copy;
+        std::printf("%12zu %12.1f %12.1f %14.2f %12.3f %12.3f %14.3f\n", bytes, pr.all_reduce * 1e6,
+                    pr.copy * 1e6, 4.0 * double(bytes) / pr.copy * 1e-9, ratio, plain,
+                    plain > 0 ? ratio / plain : 0.0);
+        std::fflush(stdout);
         csv.row({"allreduce", "thread_group", 2, "lockstep_paired", bytes, pr.all_reduce * 1e6,
-                 double(bytes) / pr.all_reduce * 1e-9, busbw_gbps(bytes, pr.all_reduce, 2),
-                 pr.all_reduce / pr.copy, "paired_copy"});
+                 double(bytes) / pr.all_reduce * 1e-9, busbw_gbps(bytes, pr.all_reduce, 2), ratio,
+                 "paired_copy"});
         csv.row({"allreduce", "thread_group", 2, "paired_copy", bytes, pr.copy * 1e6,
                  double(bytes) / pr.copy * 1e-9, busbw_gbps(bytes, pr.copy, 2), 1.0,
                  "paired_copy"});
+#if LOCKSTEP_HAS_OPENMP
+        csv.row({"allreduce", "thread_group", 2, "openmp_paired", bytes, pp.all_reduce * 1e6,
+                 double(bytes) / pp.all_reduce * 1e-9, busbw_gbps(bytes, pp.all_reduce, 2), plain,
+                 "openmp_paired_copy"});
+#endif
     }
 }
 

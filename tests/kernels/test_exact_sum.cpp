@@ -204,3 +204,21 @@ TEST_CASE("binned sums keep values far below the largest within 2^-80 of it",
     c.add(std::vector<double>{-1.0});
     CHECK(c.value<double>()[0] == 0x1p-60);
 }
+
+TEST_CASE("scale_by_power_of_two gives ldexp's bits over the whole exponent range",
+          "[kernels][exact_sum]") {
+    // The integers binned_value scales: the 32-bit halves of its bins (0 .. 2^32 - 1, and signed
+    // upper halves down to -2^31), plus values up to 2^63 and zeros of both signs.
+    const double xs[] = {0.0,           -0.0,         1.0,        -1.0,   3.0,     4294967295.0,
+                         -2147483648.0, 2147483647.0, 0x1p53 - 1, 0x1p63, -0x1p63, 123456789.0};
+    std::size_t differ = 0, checked = 0;
+    for (const double x : xs)
+        for (int e = -1200; e <= 1100; ++e) {
+            const double want = std::ldexp(x, e);
+            const double got = lockstep::kernels::detail::scale_by_power_of_two(x, e);
+            differ += std::memcmp(&want, &got, sizeof(double)) != 0;
+            ++checked;
+        }
+    CHECK(checked == 12 * 2301);
+    CHECK(differ == 0);
+}

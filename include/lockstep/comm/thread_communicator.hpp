@@ -40,8 +40,10 @@ class thread_group;
 ///   combined in float and rounded once: the result is round16(the float fold in rank order).
 /// - Collectives of up to detail::shm::stash_bytes (4 KiB) per replica copy the send data into
 ///   a shared stash and need one rendezvous. Larger ones read the peers' buffers directly:
-///   all_reduce is a reduce-scatter by chunk ownership (each replica reduces 1/size() of the
-///   elements from every input) followed by an all-gather of the chunks, three rendezvous.
+///   in all_reduce each replica owns 1/size() of the elements, reduces them from every
+///   replica's input and writes the result into every replica's output in the same pass
+///   (reduce-scatter and all-gather fused: each byte read once and written once), two
+///   rendezvous.
 /// - Every collective carries a per-group sequence number; replicas that disagree on the call
 ///   (collective, collective_tag, element type, count, reduction, root, receive size,
 ///   reduce_scatter's per-rank counts) all throw lockstep::error (errc::count_mismatch for
@@ -121,7 +123,7 @@ public:
         const bool small = stashed<T>(count);
         auto s = start(record<T>(detail::shm::collective_kind::all_reduce, count, recv.size(),
                                  send.data(), recv.data(), op, 0, tag),
-                       small ? 1 : 3, small ? send.data() : nullptr, small ? count : 0);
+                       small ? 1 : 2, small ? send.data() : nullptr, small ? count : 0);
         const int n = size();
         source_list<T> sources(n);
         if (small) {
@@ -133,23 +135,23 @@ public:
             });
             return;
         }
-        for (int j = 0; j < n; ++j)
+        // This replica owns one chunk: it reduces it from every replica's send and writes the
+        // result into every replica's recv (its own first), reduce-scatter and all-gather in one
+        // pass: each byte of the chunk is read once per source and written once per recv.
+        // Only the owner reads or writes that chunk of anybody's buffers, so in-place calls are
+        // safe.
+        dest_list<T> dsts(n);
+        dsts[0] = recv.data();
+        for (int j = 0, k = 1; j < n; ++j) {
             sources[j] = peer_send<T>(j, s);
-        // Reduce-scatter: this replica owns one chunk and writes it only into its own recv.
-        // Only the owner reads that chunk of anybody's send, so in-place calls are safe.
+            if (j != rank_)
+                dsts[k++] = peer_recv<T>(j, s);
+        }
         const auto mine = detail::shm::owned_chunk<T>(count, rank_, n);
         guarded(s, [&] {
-            detail::shm::reduce_range(system(), sources.data(), n, recv.data(), mine.first,
-                                      mine.second, op);
+            detail::shm::reduce_to_all(system(), sources.data(), n, dsts.data(), n, mine.first,
+                                       mine.second, op);
         });
-        next_phase(s);
-        // All-gather: copy the chunks the peers own out of their recv.
-        for (int j = 0; j < n; ++j) {
-            if (j == rank_)
-                continue;
-            const auto [bj, ej] = detail::shm::owned_chunk<T>(count, j, n);
-            copy_elements(recv.data() + bj, peer_recv<T>(j, s) + bj, ej - bj);
-        }
         next_phase(s);
     }
 
@@ -559,21 +561,26 @@ private:
         return static_cast<T*>(group_->call(j, s.seq).recv);
     }
 
-    /// The peers' send pointers, on the stack for the usual small groups.
-    template <class T>
-    class source_list {
+    /// One pointer per replica (the peers' send or recv spans), on the stack for the usual
+    /// small groups.
+    template <class P>
+    class pointer_list {
     public:
-        explicit source_list(int n) {
+        explicit pointer_list(int n) {
             if (n > static_cast<int>(local_.size()))
                 heap_.resize(static_cast<std::size_t>(n));
         }
-        const T*& operator[](int j) noexcept { return data()[j]; }
-        const T** data() noexcept { return heap_.empty() ? local_.data() : heap_.data(); }
+        P& operator[](int j) noexcept { return data()[j]; }
+        P* data() noexcept { return heap_.empty() ? local_.data() : heap_.data(); }
 
     private:
-        std::array<const T*, 16> local_{};
-        std::vector<const T*> heap_;
+        std::array<P, 16> local_{};
+        std::vector<P> heap_;
     };
+    template <class T>
+    using source_list = pointer_list<const T*>;
+    template <class T>
+    using dest_list = pointer_list<T*>;
 
     template <class T>
     static void copy_elements(T* dst, const T* src, std::size_t n) {

@@ -135,6 +135,16 @@ LOCKSTEP_HOST_DEVICE inline void two_sum(double& s, double& err, double t) {
     s = a;
 }
 
+/// x * 2^e, exactly as ::ldexp(x, e) gives it for |x| < 2^64: a multiplication by the power
+/// of two built from its bits when both the power and every product are normal doubles (then
+/// the product is exact, as ldexp's is), ldexp itself near the ends of the range (subnormal
+/// or overflowing results).
+LOCKSTEP_HOST_DEVICE inline double scale_by_power_of_two(double x, int e) {
+    if (e >= -1022 && e <= 1023 - 64)
+        return x * std::bit_cast<double>(static_cast<std::uint64_t>(e + 1023) << 52);
+    return ::ldexp(x, e);
+}
+
 /// The value of one element's window whose top is `top` (not empty or non-finite): the bins
 /// carried into [0, 2^40) below the top, each split into exact doubles, summed from the lowest
 /// as a double-double and rounded once to double.
@@ -154,8 +164,8 @@ LOCKSTEP_HOST_DEVICE inline double binned_value(std::int64_t top, const std::int
         const int e = static_cast<int>((top - j) * w) + binned::position_exponent;
         const std::int64_t high = b[j] >> 32;
         const std::int64_t low = b[j] - high * (std::int64_t{1} << 32);
-        two_sum(s, err, ::ldexp(static_cast<double>(low), e));
-        two_sum(s, err, ::ldexp(static_cast<double>(high), e + 32));
+        two_sum(s, err, scale_by_power_of_two(static_cast<double>(low), e));
+        two_sum(s, err, scale_by_power_of_two(static_cast<double>(high), e + 32));
     }
     // A sum beyond the double range: s is the infinity (err would be NaN).
     return s - s == 0.0 ? s + err : s;

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -266,6 +267,72 @@ void reduce_range(const host_system& sys, const T* const* sources, int n_sources
         break;
     case reduce_op::min:
         reduce_range_with<T, min_fn>(sys, sources, n_sources, dst, begin, end);
+        break;
+    }
+}
+
+/// Reduces tile `t` of [begin, end) into dsts[0] and copies the result to dsts[1], ...,
+/// dsts[n_dsts - 1], block by block (the copies read a block that was just written, from
+/// cache): every byte of the tile is read once from each source and written once to each
+/// destination. Every source of a block is read before any destination of it is written, so a
+/// destination may be a source (in place); no other tile's elements are touched.
+template <class T, class Op>
+struct reduce_to_all_tile_fn {
+    static constexpr std::size_t tile = sizeof(T) >= 65536 ? 1 : 65536 / sizeof(T);
+    static constexpr std::size_t block = sizeof(T) >= 16384 ? 1 : 16384 / sizeof(T);
+
+    const T* const* sources;
+    int n_sources;
+    T* const* dsts;
+    int n_dsts;
+    std::size_t begin;
+    std::size_t end;
+
+    void operator()(std::size_t t) const {
+        const std::size_t first = begin + t * tile;
+        const std::size_t last = end - first < tile ? end : first + tile;
+        for (std::size_t b = first; b < last; b += block) {
+            const std::size_t m = last - b < block ? last - b : block;
+            reduce_block(sources, n_sources, dsts[0], b, m, Op{});
+            for (int j = 1; j < n_dsts; ++j)
+                if (dsts[j] != dsts[0])
+                    std::memcpy(dsts[j] + b, dsts[0] + b, m * sizeof(T));
+        }
+    }
+};
+
+template <class T, class Op>
+void reduce_to_all_with(const host_system& sys, const T* const* sources, int n_sources,
+                        T* const* dsts, int n_dsts, std::size_t begin, std::size_t end) {
+    const reduce_to_all_tile_fn<T, Op> fn{sources, n_sources, dsts, n_dsts, begin, end};
+    const std::size_t tiles = (end - begin + fn.tile - 1) / fn.tile;
+    if (tiles < 4 || sys.threads() == 1) {
+        for (std::size_t t = 0; t < tiles; ++t)
+            fn(t);
+        return;
+    }
+    thrust::for_each_n(sys.policy(), thrust::counting_iterator<std::size_t>(0), tiles, fn);
+}
+
+/// Elements [begin, end) of every source reduced in source order (reduce_range's bits) and
+/// written to every destination: one pass that reads each source and writes each destination
+/// once (an all_reduce's owned chunk, reduce-scatter and all-gather fused). requires: end >=
+/// begin; sources and destinations hold at least `end` elements; a destination is one of the
+/// sources (at the same index) or overlaps none of them.
+template <class T>
+void reduce_to_all(const host_system& sys, const T* const* sources, int n_sources, T* const* dsts,
+                   int n_dsts, std::size_t begin, std::size_t end, reduce_op op) {
+    if (end <= begin)
+        return;
+    switch (op) {
+    case reduce_op::sum:
+        reduce_to_all_with<T, sum_fn>(sys, sources, n_sources, dsts, n_dsts, begin, end);
+        break;
+    case reduce_op::max:
+        reduce_to_all_with<T, max_fn>(sys, sources, n_sources, dsts, n_dsts, begin, end);
+        break;
+    case reduce_op::min:
+        reduce_to_all_with<T, min_fn>(sys, sources, n_sources, dsts, n_dsts, begin, end);
         break;
     }
 }
