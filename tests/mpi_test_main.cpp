@@ -1,9 +1,7 @@
-// Catch2's implementation and the session of the MPI test executables, compiled once and linked
-// into each of them (each defines main() calling run_mpi_session with its MPI thread level).
-// SPDX-License-Identifier: Apache-2.0
-#define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
-
+// The session of the MPI test executables, compiled once and linked into each of them (each
+// defines main() calling run_mpi_session with its MPI thread level); Catch2's implementation is
+// in tests/catch2_session.cpp. SPDX-License-Identifier: Apache-2.0
+#include "support/catch2_session.hpp"
 #include "support/mpi_session.hpp"
 
 #include <mpi.h>
@@ -17,10 +15,9 @@ int run_mpi_session(int argc, char** argv, lockstep::mpi_environment_params p) {
     lockstep::mpi_environment env(argc, argv, p);
     int rank = 0;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    Catch::Session session;
     int failed = 0;
     try {
-        failed = session.run(argc, argv);
+        failed = run_catch2(argc, argv);
     } catch (const std::exception& e) {
         std::fprintf(stderr, "replica %d: %s\n", rank, e.what());
         MPI_Abort(MPI_COMM_WORLD, 3);

@@ -1,3 +1,7 @@
-// The Catch2 main shared by every (non-MPI) test executable. SPDX-License-Identifier: Apache-2.0
-#define CATCH_CONFIG_MAIN
-#include <catch2/catch.hpp>
+// The main of every test executable without MPI: the Catch2 session (Catch2's implementation is
+// in tests/catch2_session.cpp). SPDX-License-Identifier: Apache-2.0
+#include "support/catch2_session.hpp"
+
+int main(int argc, char** argv) {
+    return lockstep::testing::run_catch2(argc, argv);
+}

@@ -77,8 +77,11 @@ constexpr lockstep::simulated_link_params fast_link{.latency = 0us, .bandwidth =
 
 } // namespace
 
-TEST_CASE("simulated_link passes the collective suite", "[comm][thread][simulated_link]") {
-    const int n = GENERATE(2, 3, 4);
+namespace {
+
+/// The collective suite over the link on n replica threads: every replica runs it whole and
+/// passes.
+void check_suite(int n) {
     CAPTURE(n);
     thread_group group(n);
     std::vector<lockstep::testing::suite_report> reports(static_cast<std::size_t>(n));
@@ -92,6 +95,23 @@ TEST_CASE("simulated_link passes the collective suite", "[comm][thread][simulate
         CHECK(r.failed == 0);
         CHECK(r.checks > 200);
     }
+}
+
+} // namespace
+
+// One case per replica count, each with its own tag: tests/comm/CMakeLists.txt runs them as
+// separate CTest tests (PARTS), so a parallel ctest overlaps these long runs (ThreadSanitizer).
+TEST_CASE("simulated_link passes the collective suite on 2 replicas",
+          "[comm][thread][simulated_link][suite2]") {
+    check_suite(2);
+}
+TEST_CASE("simulated_link passes the collective suite on 3 replicas",
+          "[comm][thread][simulated_link][suite3]") {
+    check_suite(3);
+}
+TEST_CASE("simulated_link passes the collective suite on 4 replicas",
+          "[comm][thread][simulated_link][suite4]") {
+    check_suite(4);
 }
 
 TEST_CASE("simulated_link results are the wrapped communicator's bits",

@@ -6,20 +6,16 @@
 #include "lockstep/comm/nccl_communicator.hpp"
 #include "lockstep/system/cuda_system.hpp"
 
+#include "cuda_test_main.hpp"
+
 #include <catch2/catch.hpp>
 
-#include <cstdio>
 #include <exception>
 #include <numeric>
 #include <thread>
 #include <vector>
 
 namespace lockstep_test {
-
-/// The exit code CTest reads as "skipped" (SKIP_RETURN_CODE in tests/cuda/CMakeLists.txt): a
-/// CUDA test executable returns it where no CUDA device exists, after running the cases that
-/// need none.
-inline constexpr int skip_return_code = 77;
 
 /// True (after a Catch2 warning "no CUDA device: skipped") when no CUDA device is usable, so a
 /// GPU test case can `if (skip_without_gpu()) return;`. The CUDA build is compiled in CI on
@@ -30,26 +26,6 @@ inline bool skip_without_gpu() {
     WARN("no CUDA device: skipped");
     return true;
 }
-
-#ifdef CATCH_CONFIG_RUNNER // Catch::Session exists only where the test main is defined
-/// The main of a CUDA test executable: runs every Catch2 case; where no CUDA device exists it
-/// runs only the cases not tagged [gpu] (unless a test spec was given) and then returns
-/// skip_return_code instead of 0, so CTest reports the executable as skipped, not passed.
-inline int run_cuda_session(int argc, char** argv) {
-    Catch::Session session;
-    if (const int rc = session.applyCommandLine(argc, argv); rc != 0)
-        return rc;
-    const bool has_gpu = lockstep::cuda_device_count() > 0;
-    if (!has_gpu && session.configData().testsOrTags.empty())
-        session.configData().testsOrTags.emplace_back("~[gpu]");
-    const int failed = session.run();
-    if (failed != 0 || has_gpu)
-        return failed;
-    std::printf("no CUDA device: the GPU cases were not run (exit %d: skipped)\n",
-                skip_return_code);
-    return skip_return_code;
-}
-#endif
 
 #if LOCKSTEP_HAS_NCCL
 /// One NCCL communicator per visible device (ncclCommInitAll).

@@ -1,17 +1,15 @@
 // hierarchical_communicator<nccl_communicator, mpi_communicator> through gpu_hierarchical_group
 // (GPU replicas as threads inside each MPI process, the inter-node steps staged through pinned
-// host memory), run by CTest under mpiexec with its own Catch2 main: the collectives against
-// exact sums, and data_parallel over it against a double-precision reference. GPU cases skip on
-// every rank unless every rank has a GPU; then every rank exits with the skip code (CTest:
-// skipped). SPDX-License-Identifier: Apache-2.0
-#define CATCH_CONFIG_RUNNER
+// host memory), run by CTest under mpiexec with the MPI main of the CUDA tests
+// (cuda_mpi_test_main.cpp): the collectives against exact sums, and data_parallel over it
+// against a double-precision reference. GPU cases skip on every rank unless every rank has a GPU;
+// then every rank exits with the skip code (CTest: skipped). SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/gpu_hierarchical_group.hpp"
 #include "lockstep/comm/hierarchical.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/data_parallel.hpp"
 
-#include "cuda_mpi_session.hpp"
 #include "cuda_test_support.hpp"
 #include "gpu_linear_net.hpp"
 
@@ -301,8 +299,4 @@ TEST_CASE("data_parallel over gpu_hierarchical_group trains like flat replicas",
     check_training<lockstep::reduce::bucketed<>>(lockstep::overlap_mode::never);
     check_training<lockstep::reduce::bucketed<>>(lockstep::overlap_mode::always);
     check_training<lockstep::reduce::per_tensor>(lockstep::overlap_mode::never);
-}
-
-int main(int argc, char** argv) {
-    return lockstep_test::run_cuda_mpi_session(argc, argv);
 }

@@ -1,12 +1,11 @@
 // Tests of nccl_communicator bootstrapped through MPI (one process per GPU), run by CTest under
-// mpiexec with its own Catch2 main. GPU cases skip on every rank unless every rank has a GPU;
-// then the job exits with lockstep_test::skip_return_code on every rank (CTest: skipped).
+// mpiexec with the MPI main of the CUDA tests (cuda_mpi_test_main.cpp). GPU cases skip on every
+// rank unless every rank has a GPU; then the job exits with lockstep_test::skip_return_code on
+// every rank (CTest: skipped).
 // SPDX-License-Identifier: Apache-2.0
-#define CATCH_CONFIG_RUNNER
 #include "lockstep/comm/nccl_communicator.hpp"
 #include "lockstep/system/buffer.hpp"
 
-#include "cuda_mpi_session.hpp"
 #include "cuda_test_support.hpp"
 
 #include <catch2/catch.hpp>
@@ -167,8 +166,4 @@ TEST_CASE("the MPI constructor adopts the caller's stream", "[comm][nccl][mpi][g
     // The communicator is gone; the adopted stream still works.
     lockstep::cuda_device_guard guard(device);
     CHECK(cudaStreamQuery(mine.get()) == cudaSuccess);
-}
-
-int main(int argc, char** argv) {
-    return lockstep_test::run_cuda_mpi_session(argc, argv);
 }

@@ -7,9 +7,9 @@
 
 namespace lockstep::testing {
 
-/// Runs the Catch2 session of an MPI test on this rank. Defined once, with Catch2's
-/// implementation, in tests/mpi_test_main.cpp (linked into every MPI test executable), so no
-/// test translation unit compiles Catch2's implementation again.
+/// Runs the Catch2 session of an MPI test on this rank. Defined once, in tests/mpi_test_main.cpp
+/// (linked into every MPI test executable, with Catch2's implementation from
+/// tests/catch2_session.cpp), so no test translation unit compiles Catch2's implementation.
 /// ensures: returns 1 on every rank when any rank failed, else 0; a rank whose session throws
 /// prints the error and calls MPI_Abort, so no peer is left waiting.
 int run_mpi_session(int argc, char** argv, lockstep::mpi_environment_params p = {});
