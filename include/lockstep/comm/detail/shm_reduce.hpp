@@ -238,16 +238,32 @@ struct reduce_tile_fn {
     }
 };
 
-template <class T, class Op>
-void reduce_range_with(const host_system& sys, const T* const* sources, int n_sources, T* dst,
-                       std::size_t begin, std::size_t end) {
-    const reduce_tile_fn<T, Op> fn{sources, n_sources, dst, begin, end};
-    const std::size_t tiles = (end - begin + fn.tile - 1) / fn.tile;
+/// fn(t) for every tile t in [0, tiles): on the threads of sys from 4 tiles on, inline below
+/// (or with one thread).
+template <class Fn>
+void for_each_tile(const host_system& sys, std::size_t tiles, const Fn& fn) {
     if (tiles < 4 || sys.threads() == 1) {
-        reduce_block(sources, n_sources, dst, begin, end - begin, Op{});
+        for (std::size_t t = 0; t < tiles; ++t)
+            fn(t);
         return;
     }
     thrust::for_each_n(sys.policy(), thrust::counting_iterator<std::size_t>(0), tiles, fn);
+}
+
+/// f.template operator()<Op>() with Op the element-wise functor of op (sum_fn, max_fn, min_fn).
+template <class F>
+void with_reduction(reduce_op op, F&& f) {
+    switch (op) {
+    case reduce_op::sum:
+        f.template operator()<sum_fn>();
+        break;
+    case reduce_op::max:
+        f.template operator()<max_fn>();
+        break;
+    case reduce_op::min:
+        f.template operator()<min_fn>();
+        break;
+    }
 }
 
 /// Reduces elements [begin, end) of every source into dst, in source order, with the threads
@@ -258,17 +274,10 @@ void reduce_range(const host_system& sys, const T* const* sources, int n_sources
                   std::size_t begin, std::size_t end, reduce_op op) {
     if (end <= begin)
         return;
-    switch (op) {
-    case reduce_op::sum:
-        reduce_range_with<T, sum_fn>(sys, sources, n_sources, dst, begin, end);
-        break;
-    case reduce_op::max:
-        reduce_range_with<T, max_fn>(sys, sources, n_sources, dst, begin, end);
-        break;
-    case reduce_op::min:
-        reduce_range_with<T, min_fn>(sys, sources, n_sources, dst, begin, end);
-        break;
-    }
+    with_reduction(op, [&]<class Op>() {
+        const reduce_tile_fn<T, Op> fn{sources, n_sources, dst, begin, end};
+        for_each_tile(sys, (end - begin + fn.tile - 1) / fn.tile, fn);
+    });
 }
 
 /// Reduces tile `t` of [begin, end) into dsts[0] and copies the result to dsts[1], ...,
@@ -301,19 +310,6 @@ struct reduce_to_all_tile_fn {
     }
 };
 
-template <class T, class Op>
-void reduce_to_all_with(const host_system& sys, const T* const* sources, int n_sources,
-                        T* const* dsts, int n_dsts, std::size_t begin, std::size_t end) {
-    const reduce_to_all_tile_fn<T, Op> fn{sources, n_sources, dsts, n_dsts, begin, end};
-    const std::size_t tiles = (end - begin + fn.tile - 1) / fn.tile;
-    if (tiles < 4 || sys.threads() == 1) {
-        for (std::size_t t = 0; t < tiles; ++t)
-            fn(t);
-        return;
-    }
-    thrust::for_each_n(sys.policy(), thrust::counting_iterator<std::size_t>(0), tiles, fn);
-}
-
 /// Elements [begin, end) of every source reduced in source order (reduce_range's bits) and
 /// written to every destination: one pass that reads each source and writes each destination
 /// once (an all_reduce's owned chunk, reduce-scatter and all-gather fused). requires: end >=
@@ -324,17 +320,10 @@ void reduce_to_all(const host_system& sys, const T* const* sources, int n_source
                    int n_dsts, std::size_t begin, std::size_t end, reduce_op op) {
     if (end <= begin)
         return;
-    switch (op) {
-    case reduce_op::sum:
-        reduce_to_all_with<T, sum_fn>(sys, sources, n_sources, dsts, n_dsts, begin, end);
-        break;
-    case reduce_op::max:
-        reduce_to_all_with<T, max_fn>(sys, sources, n_sources, dsts, n_dsts, begin, end);
-        break;
-    case reduce_op::min:
-        reduce_to_all_with<T, min_fn>(sys, sources, n_sources, dsts, n_dsts, begin, end);
-        break;
-    }
+    with_reduction(op, [&]<class Op>() {
+        const reduce_to_all_tile_fn<T, Op> fn{sources, n_sources, dsts, n_dsts, begin, end};
+        for_each_tile(sys, (end - begin + fn.tile - 1) / fn.tile, fn);
+    });
 }
 
 /// The element range [first, last) replica `rank` of `size` owns in a chunked collective over
