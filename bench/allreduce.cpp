@@ -178,6 +178,17 @@ double time_thread_group(std::size_t bytes, const options& o) {
 struct paired_result {
     double all_reduce, copy;
 };
+// t holds, per repetition r, both threads' all_reduce times at 4 r and 4 r + 1 and their copy
+// times at 4 r + 2 and 4 r + 3: the medians over repetitions of the slower thread's times.
+paired_result slowest_medians(const std::vector<double>& t) {
+    std::vector<double> reduce(t.size() / 4), copy(reduce.size());
+    for (std::size_t r = 0; r < reduce.size(); ++r) {
+        reduce[r] = std::max(t[4 * r], t[4 * r + 1]);
+        copy[r] = std::max(t[4 * r + 2], t[4 * r + 3]);
+    }
+    return {median(reduce), median(copy)};
+}
+
 paired_result time_paired(std::size_t bytes, int reps) {
     const std::size_t n = bytes / sizeof(float);
     std::vector<double> t(4 * static_cast<std::size_t>(reps));
@@ -206,12 +217,7 @@ paired_result time_paired(std::size_t bytes, int reps) {
             }
         }
     });
-    std::vector<double> reduce(static_cast<std::size_t>(reps)), copy(reduce.size());
-    for (std::size_t r = 0; r < reduce.size(); ++r) {
-        reduce[r] = std::max(t[4 * r], t[4 * r + 1]);
-        copy[r] = std::max(t[4 * r + 2], t[4 * r + 3]);
-    }
-    return {median(reduce), median(copy)};
+    return slowest_medians(t);
 }
 
 #if LOCKSTEP_HAS_OPENMP
@@ -262,12 +268,7 @@ paired_result time_paired_openmp(std::size_t bytes, int reps) {
             }
         }
     }
-    std::vector<double> reduce(static_cast<std::size_t>(reps)), copy(reduce.size());
-    for (std::size_t r = 0; r < reduce.size(); ++r) {
-        reduce[r] = std::max(t[4 * r], t[4 * r + 1]);
-        copy[r] = std::max(t[4 * r + 2], t[4 * r + 3]);
-    }
-    return {median(reduce), median(copy)};
+    return slowest_medians(t);
 }
 #endif
 

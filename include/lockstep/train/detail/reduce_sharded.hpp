@@ -205,7 +205,6 @@ public:
         auto& comm = this->comm();
         const auto sys = comm.system();
         const auto me = static_cast<std::size_t>(comm.rank());
-        const std::span<T> all = staging_.span();
         const shard_extent& mine = shards_[me];
         if (even_) { // shard r is [r c, (r + 1) c): values is the gathered layout itself
             comm.all_gather(std::span<const T>(values.subspan(mine.offset, mine.count)),
@@ -213,6 +212,7 @@ public:
             this->count_collective();
             return;
         }
+        const std::span<T> all = staging_.span();
         std::span<T> slot = all.subspan(me * slot_, slot_);
         if (mine.count != 0)
             copy_async(sys, std::span<const T>(values.subspan(mine.offset, mine.count)),
