@@ -391,9 +391,9 @@ def section_reproducible(rows):
             "batch 64, SGD with momentum) whose backward only writes each gradient once per call, "
             "so the rows isolate the reduction policy's cost: `reduce::bucketed<>` calls it once "
             "per replica and all_reduces 4 bytes per parameter; `reduce::reproducible<C>` calls it "
-            "once per chunk of C samples, adds every chunk into the binned exact accumulator (32 "
-            "bytes per parameter) and reduces 32 bytes per parameter (int64 MAX of the top bins, "
-            "int64 SUM of three bins), in exchange for weights that are bitwise the same for every "
+            "once per chunk of C samples, keeps each chunk's gradient, reduces each element's "
+            "largest exponent (a uint8 MAX, 1 byte per parameter), converts the chunks to fixed "
+            "point anchored there and reduces 16 bytes per parameter (an int64 SUM), in exchange for weights that are bitwise the same for every "
             "replica count; `reduce::sharded<>` (ZeRO stage 1) reduce-scatters each bucket, "
             "updates its shard with its share of the optimizer state and all-gathers the "
             "parameters. 2 thread replicas and 2 MPI processes.", ""]

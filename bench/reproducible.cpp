@@ -1,5 +1,5 @@
 // bench_reproducible: the step of a network with ResNet-50's 161 parameter tensors (25.6 M
-// floats) trained with reduce::reproducible<C> (chunks of C samples, binned exact accumulation,
+// floats) trained with reduce::reproducible<C> (chunks of C samples, anchored fixed-point sums,
 // replica-count-independent bits) and reduce::sharded<> (ZeRO stage 1: reduce-scatter, sharded
 // optimizer state, all_gather) beside reduce::bucketed<> (one all_reduce per bucket), on 2
 // thread replicas, or under `mpiexec -n 2` (bench_reproducible_mpi). SPDX-License-Identifier:
@@ -11,8 +11,9 @@
 // The network's "backward" writes every gradient once per call (what accumulating weight
 // gradients costs; no other compute), so the rows isolate what the reduction policy costs: the
 // bucketed step calls it once per replica and all_reduces 4 bytes per parameter; the
-// reproducible step calls it once per chunk, adds each chunk into the binned accumulator (32
-// bytes per parameter) and reduces 8 + 24 bytes per parameter (an int64 MAX and an int64 SUM).
+// reproducible step calls it once per chunk, keeps every chunk but the last and takes each
+// element's largest exponent field, reduces 1 byte per parameter (a uint8 MAX), converts the
+// chunks to fixed point and reduces 16 bytes per parameter (an int64 SUM).
 // Global batch 64; SGD with momentum; each time is the median over repetitions of one step
 // between barriers.
 #include "lockstep/comm/thread_group.hpp"

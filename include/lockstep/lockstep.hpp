@@ -26,6 +26,7 @@
 #include "lockstep/system/cuda_system.hpp"
 #endif
 
+#include "lockstep/kernels/anchored_sum.hpp"
 #include "lockstep/kernels/bn_backward.hpp"
 #include "lockstep/kernels/bn_forward.hpp"
 #include "lockstep/kernels/bn_functors.hpp"

@@ -124,10 +124,11 @@ namespace reduce {
 /// Results that do not depend on the replica count. Every global batch is cut into chunks of
 /// ChunkSamples samples aligned to global positions, [k C, min((k + 1) C, global)) (the last one
 /// may be shorter); whole chunks go to replicas, contiguously and balanced by chunk count (a
-/// replica may get none). The step function is called once per chunk, and the chunk gradients
-/// are added exactly in a binned integer representation (kernels/exact_sum.hpp), reduced across
-/// replicas with one int64 MAX all_reduce (n + 1 values) and one int64 SUM all_reduce (3 (n + 1)
-/// values) for n gradient elements plus the loss, and converted back to T once per step. Given
+/// replica may get none). The step function is called once per chunk; the chunk gradients are
+/// summed in fixed point anchored at each element's largest exponent (kernels/anchored_sum.hpp:
+/// one MAX all_reduce of n + 1 exponent fields, then one int64 SUM all_reduce of 2 n + 3 limbs
+/// for n gradient elements plus the loss, which is summed in kernels/exact_sum.hpp's binned
+/// form) and converted back to T once per step. Given
 /// the same global batches, seed and policies, and a network whose own kernels are
 /// deterministic for a given input, the weights, optimizer state and BN running statistics
 /// (bn::ghost<ChunkSamples>) are bitwise the same for every replica count.

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "lockstep/core/error.hpp"
+#include "lockstep/kernels/anchored_sum.hpp"
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/policy/sync.hpp"
@@ -18,10 +19,11 @@ namespace lockstep::detail {
 
 /// reduce::reproducible<C>: the global batch is cut into chunks [k C, min((k + 1) C, global));
 /// this replica computes its contiguous run of chunks, one fn call per chunk on zeroed gradients
-/// with scale = 1 / global, and adds each chunk's gradient and loss exactly into the binned
-/// accumulator (reduce_reproducible.hpp). Then this replica's own sums are checked (non-finite
-/// counts name the replica), the accumulator is reduced across replicas (int64 MAX, then int64
-/// SUM) and rounded once into the gradient, and the step continues as the synchronous one
+/// with scale = 1 / global, and adds each chunk's gradient and loss into the anchored
+/// accumulator (reduce_reproducible.hpp). The exponent fields are reduced across replicas (MAX),
+/// the chunks converted to fixed point for those anchors, this replica's own sums checked
+/// (non-finite counts name the replica), the limbs reduced across replicas (int64 SUM) and
+/// rounded once into the gradient, and the step continues as the synchronous one
 /// (status all_reduce, skip decision, update). The loss reported is the exact sum, rounded once
 /// (replica 0 contributes it to the status sum, the others 0). bn::ghost layers learn the global
 /// batch from the layers' step (begin(global)). ensures: every replica, for every replica
@@ -46,19 +48,29 @@ public:
         const shard_extent all = s.core().optimizer_shard(); // every element
         LOCKSTEP_REQUIRE(global >= 1, errc::invalid_argument, s.rank(), "data_parallel.step",
                          "global batch size is 0");
+        const std::size_t chunks = (global + C - 1) / C;
+        LOCKSTEP_REQUIRE(chunks + static_cast<std::size_t>(s.replicas()) <=
+                             kernels::anchored_limits::max_terms,
+                         errc::invalid_argument, s.rank(), "data_parallel.step", "global batch ",
+                         global, " in chunks of ", C, " samples is ", chunks, " chunks on ",
+                         s.replicas(), " replicas; reduce::reproducible sums at most ",
+                         kernels::anchored_limits::max_terms, " chunks plus replicas");
         (void)next_sample_offset(s.core().samples(), global, s.rank());
         const step_view v = s.begin(global);
-        acc.clear();
+        const shard_range mine = reproducible_chunks(global, C, s.rank(), s.replicas());
+        acc.begin(mine.empty() ? 1 : mine.size()); // a replica without chunks adds one of zeros
         double* chunk_loss = acc.chunk_loss();
         s.forward_backward_chunks(global, C, fn, chunk_loss, [&](double host_loss) {
             acc.add(std::span<const T>(grads));
             acc.add_loss(host_loss, chunk_loss);
         });
-        // This replica's own sum first: its non-finite elements and loss are counted as its own.
+        acc.reduce_fields(s.core().comm());
+        acc.convert(std::span<const T>(grads));
+        // This replica's own sums: its non-finite elements and loss are counted as its own.
         double* own_loss = acc.own_loss();
-        acc.finalize_local(grads, own_loss);
+        acc.check_local(grads, own_loss);
         s.check_pieces();
-        acc.reduce(s.core().comm());
+        acc.reduce_limbs(s.core().comm());
         s.reducer().count_step();
         double* global_loss = acc.global_loss();
         acc.finalize(grads, global_loss);

@@ -1,0 +1,255 @@
+// Tests of the anchored fixed-point sums (kernels/anchored_sum.hpp), driven through the functors
+// the trainer uses: order and grouping independence (shuffled chunks, simulated replicas with
+// kept chunks), correct rounding against an exact 128-bit integer reference, the stated
+// precision under cancellation, zeros, subnormals, overflow and non-finite values, and the
+// replica's own non-finite check. SPDX-License-Identifier: Apache-2.0
+#include "lockstep/kernels/anchored_sum.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+using namespace lockstep;
+
+namespace {
+
+__extension__ using i128 = __int128;
+
+/// One simulated replica: its chunks (rows of n values), kept as the trainer keeps them (every
+/// chunk but the last in a store), and its exponent fields.
+template <class T>
+struct replica {
+    using field_t = typename kernels::anchored<T>::exponent_type;
+    std::size_t n;
+    std::vector<T> store, last;
+    std::vector<field_t> field;
+    std::size_t count = 0;
+
+    replica(const std::vector<std::vector<T>>& chunks, std::size_t elements)
+        : n(elements), last(elements, T(0)), field(elements) {
+        const std::size_t k = chunks.empty() ? 1 : chunks.size();
+        store.resize((k - 1) * n);
+        count = k;
+        for (std::size_t j = 0; j < k; ++j) {
+            const std::vector<T>& g = chunks.empty() ? last : chunks[j];
+            T* keep = j + 1 < k ? store.data() + j * n : nullptr;
+            for (std::size_t i = 0; i < n; ++i)
+                kernels::anchored_gather_fn<T>{g.data(), keep, field.data(), j == 0}(i);
+            if (j + 1 == k)
+                last = g;
+        }
+    }
+    kernels::anchored_chunks<T> chunks() const { return {store.data(), last.data(), count, n}; }
+};
+
+/// The trainer's sequence on simulated replicas: MAX of the fields, conversion, SUM of limbs,
+/// rounding. parts[r] = the chunks of replica r (possibly none).
+template <class T>
+std::vector<T> anchored_sum(const std::vector<std::vector<std::vector<T>>>& parts, std::size_t n) {
+    std::vector<replica<T>> reps;
+    reps.reserve(parts.size());
+    for (const auto& p : parts)
+        reps.emplace_back(p, n);
+    std::vector<typename kernels::anchored<T>::exponent_type> global(n, 0);
+    for (const replica<T>& r : reps)
+        for (std::size_t i = 0; i < n; ++i)
+            global[i] = std::max(global[i], r.field[i]);
+    std::vector<std::int64_t> hi(n, 0), lo(n, 0);
+    for (const replica<T>& r : reps) {
+        std::vector<std::int64_t> h(n), l(n);
+        for (std::size_t i = 0; i < n; ++i)
+            kernels::anchored_convert_fn<T>{r.chunks(), global.data(), h.data(), l.data()}(i);
+        for (std::size_t i = 0; i < n; ++i) {
+            hi[i] += h[i];
+            lo[i] += l[i];
+        }
+    }
+    std::vector<T> out(n);
+    for (std::size_t i = 0; i < n; ++i)
+        kernels::anchored_finalize_fn<T>{global.data(), hi.data(), lo.data(), out.data()}(i);
+    return out;
+}
+
+/// All chunks on one replica.
+template <class T>
+std::vector<T> one_replica_sum(const std::vector<std::vector<T>>& chunks) {
+    return anchored_sum<T>({chunks}, chunks.at(0).size());
+}
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+/// Values with random signs and exponents in [lo, hi] (and some exact zeros).
+template <class T>
+std::vector<std::vector<T>> random_terms(std::size_t terms, std::size_t n, int lo, int hi,
+                                         std::uint32_t seed) {
+    std::mt19937_64 gen(seed);
+    std::uniform_real_distribution<double> mant(1.0, 2.0);
+    std::uniform_int_distribution<int> ex(lo, hi);
+    std::vector<std::vector<T>> out(terms, std::vector<T>(n));
+    for (auto& row : out)
+        for (T& v : row) {
+            const double m = (gen() & 1 ? -1 : 1) * mant(gen);
+            v = gen() % 17 == 0 ? T(0) : static_cast<T>(std::ldexp(m, ex(gen)));
+        }
+    return out;
+}
+
+/// The T nearest to e 2^s (ties to even), found independently of the code under test: the
+/// candidates around a long double estimate compared exactly in 128-bit integers.
+/// requires: e 2^s and its neighbours in T are integer multiples of 2^s below 2^126.
+template <class T>
+T round_exact(i128 e, int s) {
+    constexpr int p = std::numeric_limits<T>::digits;
+    const i128 mag = e < 0 ? -e : e;
+    if (mag < (i128{1} << p))
+        return static_cast<T>(std::ldexp(static_cast<long double>(e), s)); // exact
+    const T guess = static_cast<T>(std::ldexp(static_cast<long double>(e), s));
+    T best = guess;
+    i128 best_d = -1;
+    for (T c : {std::nextafter(guess, -std::numeric_limits<T>::infinity()), guess,
+                std::nextafter(guess, std::numeric_limits<T>::infinity())}) {
+        const auto ci = static_cast<i128>(std::ldexp(static_cast<long double>(c), -s));
+        const i128 d = ci > e ? ci - e : e - ci;
+        if (best_d < 0 || d < best_d)
+            best = c, best_d = d;
+        else if (d == best_d) {
+            T even = c;
+            std::uint64_t bits = 0;
+            std::memcpy(&bits, &c, sizeof(T));
+            if (bits & 1)
+                even = best;
+            best = even;
+        }
+    }
+    return best;
+}
+
+} // namespace
+
+TEMPLATE_TEST_CASE("anchored sums do not depend on the order or grouping of chunks",
+                   "[kernels][anchored_sum]", float, double) {
+    using T = TestType;
+    const int span = std::is_same_v<T, float> ? 120 : 900;
+    const std::size_t n = 64, terms = 40;
+    const auto x = random_terms<T>(terms, n, -span, span, 7);
+    const std::vector<T> ref = one_replica_sum(x);
+
+    std::vector<std::size_t> perm(terms);
+    for (std::size_t i = 0; i < terms; ++i)
+        perm[i] = i;
+    std::mt19937 gen(11);
+    for (int trial = 0; trial < 4; ++trial) {
+        std::shuffle(perm.begin(), perm.end(), gen);
+        std::vector<std::vector<T>> shuffled;
+        shuffled.reserve(terms);
+        for (std::size_t k : perm)
+            shuffled.push_back(x[k]);
+        CHECK(same_bits(one_replica_sum(shuffled), ref));
+        // The same chunks over 1..8 simulated replicas, each a contiguous run (some empty).
+        for (int replicas : {1, 2, 3, 5, 8, 64}) {
+            std::vector<std::vector<std::vector<T>>> parts(static_cast<std::size_t>(replicas));
+            for (std::size_t k = 0; k < terms; ++k)
+                parts[k * static_cast<std::size_t>(replicas) / terms].push_back(shuffled[k]);
+            INFO("replicas " << replicas);
+            CHECK(same_bits(anchored_sum<T>(parts, n), ref));
+        }
+    }
+}
+
+TEMPLATE_TEST_CASE("anchored sums are the exact sum rounded once to nearest even",
+                   "[kernels][anchored_sum]", float, double) {
+    // Exponents in [-r, r] with 2 r + p - 1 <= 83: every value is a multiple of 2^-(r + p - 1)
+    // below 2^(r + 1), so the exact sum of 1000 values times 2^(r + p - 1) is an integer below
+    // 2^(2 r + p + 10) <= 2^94, and the anchored sum keeps every bit (its unit is 2^-83 times
+    // the largest value's leading bit).
+    using T = TestType;
+    constexpr int p = std::numeric_limits<T>::digits;
+    constexpr int r = (83 - (p - 1)) / 2;
+    const std::size_t n = 48, terms = 1000;
+    const auto x = random_terms<T>(terms, n, -r, r, 3);
+    const std::vector<T> got = one_replica_sum(x);
+    for (std::size_t i = 0; i < n; ++i) {
+        i128 exact = 0;
+        for (const auto& row : x)
+            exact += static_cast<i128>(std::ldexp(static_cast<long double>(row[i]), r + p - 1));
+        INFO("element " << i);
+        CHECK(got[i] == round_exact<T>(exact, -(r + p - 1)));
+    }
+    // Ties: 1 + 2^-p (float) lies halfway between 1 and its successor: to even (1).
+    const T half_ulp = std::ldexp(T(1), -p);
+    CHECK(one_replica_sum<T>({{T(1)}, {half_ulp}})[0] == T(1));
+    const T up = std::nextafter(T(1), T(2));
+    CHECK(one_replica_sum<T>({{up}, {half_ulp}})[0] == std::nextafter(up, T(2)));
+    CHECK(one_replica_sum<T>({{-up}, {-half_ulp}})[0] == -std::nextafter(up, T(2)));
+}
+
+TEMPLATE_TEST_CASE("anchored sums keep 83 bits below the largest value under cancellation",
+                   "[kernels][anchored_sum]", float, double) {
+    using T = TestType;
+    // 1 - 1 + 2^-80: the stated error bound (N 2^-83 max|x|) keeps 2^-80 exactly.
+    CHECK(one_replica_sum<T>({{T(1)}, {T(-1)}, {std::ldexp(T(1), -80)}})[0] ==
+          std::ldexp(T(1), -80));
+    CHECK(one_replica_sum<T>({{T(-1)}, {std::ldexp(T(-3), -83)}, {T(1)}})[0] ==
+          std::ldexp(T(-3), -83));
+    // Below the unit 2^-83 max|x|, values are truncated toward zero: the error stays below
+    // N 2^-83 max|x|.
+    const T tiny = std::ldexp(T(1.5), -90);
+    const T got = one_replica_sum<T>({{T(1)}, {T(-1)}, {tiny}, {tiny}})[0];
+    CHECK(std::abs(static_cast<double>(got) - 2 * static_cast<double>(tiny)) <
+          4 * std::ldexp(1.0, -83));
+    // The same terms over two replicas: the same bits.
+    CHECK(
+        same_bits(anchored_sum<T>({{{T(1)}, {tiny}}, {{T(-1)}, {tiny}}}, 1), std::vector<T>{got}));
+}
+
+TEMPLATE_TEST_CASE("anchored sums of zeros, subnormals, overflowing and non-finite values",
+                   "[kernels][anchored_sum]", float, double) {
+    using T = TestType;
+    using lim = std::numeric_limits<T>;
+    // No value or only zeros: +0.
+    const std::vector<T> zero = anchored_sum<T>({{}, {{T(-0.0)}}}, 1);
+    CHECK(zero[0] == T(0));
+    CHECK(!std::signbit(zero[0]));
+    // Subnormals are exact.
+    const T d = lim::denorm_min();
+    CHECK(one_replica_sum<T>({{d}, {d}, {T(3) * d}, {-d}})[0] == T(4) * d);
+    CHECK(one_replica_sum<T>({{lim::min()}, {-d}})[0] == lim::min() - d);
+    // A sum beyond T's range is an infinity of its sign.
+    CHECK(one_replica_sum<T>({{lim::max()}, {lim::max()}})[0] == lim::infinity());
+    CHECK(one_replica_sum<T>({{-lim::max()}, {-lim::max()}})[0] == -lim::infinity());
+    CHECK(one_replica_sum<T>({{lim::max()}, {-lim::max()}, {lim::max()}})[0] == lim::max());
+    // A NaN or an infinity anywhere: a quiet NaN, on every grouping.
+    CHECK(std::isnan(one_replica_sum<T>({{T(1)}, {lim::infinity()}, {T(2)}})[0]));
+    CHECK(std::isnan(anchored_sum<T>({{{T(1)}}, {{lim::quiet_NaN()}}}, 1)[0]));
+    CHECK(std::isnan(anchored_sum<T>({{{lim::infinity()}}, {{-lim::infinity()}}}, 1)[0]));
+}
+
+TEMPLATE_TEST_CASE("the own check marks exactly the replica's non-finite sums",
+                   "[kernels][anchored_sum]", float, double) {
+    using T = TestType;
+    using lim = std::numeric_limits<T>;
+    // Element 0: finite; 1: an infinity in a kept chunk; 2: overflows only when summed; 3: a NaN
+    // in the last chunk; 4: large but finite.
+    const std::vector<std::vector<T>> chunks = {
+        {T(1), lim::infinity(), lim::max(), T(2), lim::max()},
+        {T(2), T(1), lim::max(), lim::quiet_NaN(), -lim::max() / 2}};
+    const replica<T> r(chunks, 5);
+    std::vector<T> out = r.last;
+    for (std::size_t i = 0; i < 5; ++i)
+        kernels::anchored_own_check_fn<T>{
+            {r.store.data(), out.data(), r.count, r.n}, r.field.data(), out.data()}(i);
+    CHECK(std::isfinite(out[0]));
+    CHECK(std::isnan(out[1]));
+    CHECK(out[2] == lim::infinity());
+    CHECK(std::isnan(out[3]));
+    CHECK(out[4] == lim::max() / 2);
+}
