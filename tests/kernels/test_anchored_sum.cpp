@@ -5,6 +5,8 @@
 // replica's own non-finite check. SPDX-License-Identifier: Apache-2.0
 #include "lockstep/kernels/anchored_sum.hpp"
 
+#include "sum_terms.hpp"
+
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -16,6 +18,8 @@
 #include <vector>
 
 using namespace lockstep;
+using sum_terms::random_terms;
+using sum_terms::same_bits;
 
 namespace {
 
@@ -80,27 +84,6 @@ std::vector<T> anchored_sum(const std::vector<std::vector<std::vector<T>>>& part
 template <class T>
 std::vector<T> one_replica_sum(const std::vector<std::vector<T>>& chunks) {
     return anchored_sum<T>({chunks}, chunks.at(0).size());
-}
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-/// Values with random signs and exponents in [lo, hi] (and some exact zeros).
-template <class T>
-std::vector<std::vector<T>> random_terms(std::size_t terms, std::size_t n, int lo, int hi,
-                                         std::uint32_t seed) {
-    std::mt19937_64 gen(seed);
-    std::uniform_real_distribution<double> mant(1.0, 2.0);
-    std::uniform_int_distribution<int> ex(lo, hi);
-    std::vector<std::vector<T>> out(terms, std::vector<T>(n));
-    for (auto& row : out)
-        for (T& v : row) {
-            const double m = (gen() & 1 ? -1 : 1) * mant(gen);
-            v = gen() % 17 == 0 ? T(0) : static_cast<T>(std::ldexp(m, ex(gen)));
-        }
-    return out;
 }
 
 /// The T nearest to e 2^s (ties to even), found independently of the code under test: the

@@ -3,6 +3,8 @@
 // against an exact 128-bit integer reference. SPDX-License-Identifier: Apache-2.0
 #include "lockstep/kernels/exact_sum.hpp"
 
+#include "sum_terms.hpp"
+
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -16,6 +18,8 @@
 
 using namespace lockstep;
 using kernels::binned;
+using sum_terms::random_terms;
+using sum_terms::same_bits;
 
 namespace {
 
@@ -63,27 +67,6 @@ std::vector<Out> reduce_replicas(std::vector<host_acc>& parts) {
             sum.bins[k] += p.bins[k];
     }
     return sum.value<Out>(global);
-}
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-/// Values with random signs and exponents in [lo, hi] (and some exact zeros).
-template <class T>
-std::vector<std::vector<T>> random_terms(std::size_t terms, std::size_t n, int lo, int hi,
-                                         std::uint32_t seed) {
-    std::mt19937_64 gen(seed);
-    std::uniform_real_distribution<double> mant(1.0, 2.0);
-    std::uniform_int_distribution<int> ex(lo, hi);
-    std::vector<std::vector<T>> out(terms, std::vector<T>(n));
-    for (auto& row : out)
-        for (T& v : row) {
-            const double m = (gen() & 1 ? -1 : 1) * mant(gen);
-            v = gen() % 17 == 0 ? T(0) : static_cast<T>(std::ldexp(m, ex(gen)));
-        }
-    return out;
 }
 
 } // namespace
