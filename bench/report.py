@@ -391,10 +391,11 @@ def section_reproducible(rows):
             "batch 64, SGD with momentum) whose backward only writes each gradient once per call, "
             "so the rows isolate the reduction policy's cost: `reduce::bucketed<>` calls it once "
             "per replica and all_reduces 4 bytes per parameter; `reduce::reproducible<C>` calls it "
-            "once per chunk of C samples, keeps each chunk's gradient, reduces each element's "
-            "largest exponent (a uint8 MAX, 1 byte per parameter), converts the chunks to fixed "
-            "point anchored there and reduces 16 bytes per parameter (an int64 SUM), in exchange for weights that are bitwise the same for every "
-            "replica count; `reduce::sharded<>` (ZeRO stage 1) reduce-scatters each bucket, "
+            "once per chunk of C samples, keeps each chunk's gradient, sends each chunk's values of "
+            "every block of elements to the block's owner (an all_to_all per chunk index, 4 bytes "
+            "per parameter and chunk), which sums them in fixed point anchored at each element's "
+            "largest exponent and rounds once, and all-gathers the blocks (4 bytes per parameter), "
+            "in exchange for weights that are bitwise the same for every replica count; `reduce::sharded<>` (ZeRO stage 1) reduce-scatters each bucket, "
             "updates its shard with its share of the optimizer state and all-gathers the "
             "parameters. 2 thread replicas and 2 MPI processes.", ""]
     out = [[r["backend"], f"`{r['policy']}`", fmt(num(r["step_ms"])),

@@ -11,9 +11,10 @@
 // The network's "backward" writes every gradient once per call (what accumulating weight
 // gradients costs; no other compute), so the rows isolate what the reduction policy costs: the
 // bucketed step calls it once per replica and all_reduces 4 bytes per parameter; the
-// reproducible step calls it once per chunk, keeps every chunk but the last and takes each
-// element's largest exponent field, reduces 1 byte per parameter (a uint8 MAX), converts the
-// chunks to fixed point and reduces 16 bytes per parameter (an int64 SUM).
+// reproducible step calls it once per chunk, keeps every chunk but the last, sends each chunk's
+// values of every block of elements to the block's owner (an all_to_all per chunk index: 4
+// bytes per parameter and chunk), which sums them in fixed point anchored at each element's
+// largest exponent and rounds once, and all-gathers the blocks (4 bytes per parameter).
 // Global batch 64; SGD with momentum; each time is the median over repetitions of one step
 // between barriers.
 #include "lockstep/comm/thread_group.hpp"

@@ -1,8 +1,9 @@
 // Tests of the anchored fixed-point sums (kernels/anchored_sum.hpp), driven through the functors
-// the trainer uses: order and grouping independence (shuffled chunks, simulated replicas with
-// kept chunks), correct rounding against an exact 128-bit integer reference, the stated
-// precision under cancellation, zeros, subnormals, overflow and non-finite values, and the
-// replica's own non-finite check. SPDX-License-Identifier: Apache-2.0
+// the trainer uses: order and grouping independence (shuffled chunks, simulated replicas laid out
+// as the trainer's exchange lays them out, in T and carried as doubles), correct rounding against
+// an exact 128-bit integer reference, the stated precision under cancellation, zeros, subnormals,
+// overflow and non-finite values, and the replica's own non-finite check. SPDX-License-Identifier:
+// Apache-2.0
 #include "lockstep/kernels/anchored_sum.hpp"
 
 #include "sum_terms.hpp"
@@ -25,58 +26,33 @@ namespace {
 
 __extension__ using i128 = __int128;
 
-/// One simulated replica: its chunks (rows of n values), kept as the trainer keeps them (every
-/// chunk but the last in a store), and its exponent fields.
-template <class T>
-struct replica {
-    using field_t = typename kernels::anchored<T>::exponent_type;
-    std::size_t n;
-    std::vector<T> store, last;
-    std::vector<field_t> field;
-    std::size_t count = 0;
-
-    replica(const std::vector<std::vector<T>>& chunks, std::size_t elements)
-        : n(elements), last(elements, T(0)), field(elements) {
-        const std::size_t k = chunks.empty() ? 1 : chunks.size();
-        store.resize((k - 1) * n);
-        count = k;
-        for (std::size_t j = 0; j < k; ++j) {
-            const std::vector<T>& g = chunks.empty() ? last : chunks[j];
-            T* keep = j + 1 < k ? store.data() + j * n : nullptr;
-            for (std::size_t i = 0; i < n; ++i)
-                kernels::anchored_gather_fn<T>{g.data(), keep, field.data(), j == 0}(i);
-            if (j + 1 == k)
-                last = g;
-        }
-    }
-    kernels::anchored_chunks<T> chunks() const { return {store.data(), last.data(), count, n}; }
-};
-
-/// The trainer's sequence on simulated replicas: MAX of the fields, conversion, SUM of limbs,
-/// rounding. parts[r] = the chunks of replica r (possibly none).
+/// The trainer's exchange on simulated replicas: parts[r] = the chunks of replica r (possibly
+/// none), laid out as its all_to_all lays them out (value c of replica j of element i at
+/// j n + c R n + i, zeros past a replica's last chunk), summed by anchored_sum_fn; and the same
+/// values carried as doubles (the tail's layout: replica stride, then call stride), which must
+/// give the same bits.
 template <class T>
 std::vector<T> anchored_sum(const std::vector<std::vector<std::vector<T>>>& parts, std::size_t n) {
-    std::vector<replica<T>> reps;
-    reps.reserve(parts.size());
+    const std::size_t replicas = parts.size();
+    std::size_t calls = 1;
     for (const auto& p : parts)
-        reps.emplace_back(p, n);
-    std::vector<typename kernels::anchored<T>::exponent_type> global(n, 0);
-    for (const replica<T>& r : reps)
-        for (std::size_t i = 0; i < n; ++i)
-            global[i] = std::max(global[i], r.field[i]);
-    std::vector<std::int64_t> hi(n, 0), lo(n, 0);
-    for (const replica<T>& r : reps) {
-        std::vector<std::int64_t> h(n), l(n);
-        for (std::size_t i = 0; i < n; ++i)
-            kernels::anchored_convert_fn<T>{r.chunks(), global.data(), h.data(), l.data()}(i);
-        for (std::size_t i = 0; i < n; ++i) {
-            hi[i] += h[i];
-            lo[i] += l[i];
-        }
+        calls = std::max(calls, p.size());
+    std::vector<T> base(calls * replicas * n, T(0));
+    const std::size_t stride = calls * n;
+    std::vector<double> wide(replicas * stride, 0.0);
+    for (std::size_t j = 0; j < replicas; ++j)
+        for (std::size_t c = 0; c < parts[j].size(); ++c)
+            for (std::size_t i = 0; i < n; ++i) {
+                base[j * n + c * replicas * n + i] = parts[j][c].at(i);
+                wide[j * stride + c * n + i] = static_cast<double>(parts[j][c][i]);
+            }
+    std::vector<T> out(n), out_wide(n);
+    for (std::size_t i = 0; i < n; ++i) {
+        kernels::anchored_sum_fn<T>{{base.data(), replicas, calls, n, replicas * n}, out.data()}(i);
+        kernels::anchored_sum_fn<T, double>{{wide.data(), replicas, calls, stride, n},
+                                            out_wide.data()}(i);
     }
-    std::vector<T> out(n);
-    for (std::size_t i = 0; i < n; ++i)
-        kernels::anchored_finalize_fn<T>{global.data(), hi.data(), lo.data(), out.data()}(i);
+    CHECK(same_bits(out, out_wide));
     return out;
 }
 
@@ -175,6 +151,53 @@ TEMPLATE_TEST_CASE("anchored sums are the exact sum rounded once to nearest even
     CHECK(one_replica_sum<T>({{-up}, {-half_ulp}})[0] == -std::nextafter(up, T(2)));
 }
 
+TEST_CASE("float sums in one int64 agree with the two limbs and the exact sum",
+          "[kernels][anchored_sum]") {
+    // anchored_short_sum answers when every term lies within 31 binades of the anchor and the
+    // result is normal; otherwise the two-limb path does. Spans of 20 to 40 binades put terms on
+    // both sides of that line, and counts around 256 on both sides of its term limit.
+    const std::size_t n = 64;
+    std::uint32_t seed = 100;
+    for (int span : {20, 31, 32, 40})
+        for (std::size_t count : {2, 7, 256, 257}) {
+            const auto x = random_terms<float>(count, n, -span / 2, span - span / 2, ++seed);
+            const std::vector<float> got = one_replica_sum(x);
+            std::vector<float> two_limbs(n);
+            for (std::size_t i = 0; i < n; ++i) {
+                int a = 0;
+                for (const auto& row : x)
+                    a = std::max(a, static_cast<int>(kernels::detail::anchored_field(row[i])));
+                std::int64_t h = 0, l = 0;
+                for (const auto& row : x)
+                    kernels::detail::anchored_add(h, l, row[i], a);
+                two_limbs[i] = kernels::detail::anchored_value<float>(h, l, a);
+            }
+            INFO("span " << span << ", " << count << " terms");
+            CHECK(same_bits(got, two_limbs));
+            if (span <= 31) // every bit kept: the exact sum, rounded once
+                for (std::size_t i = 0; i < n; ++i) {
+                    i128 exact = 0;
+                    for (const auto& row : x)
+                        exact += static_cast<i128>(
+                            std::ldexp(static_cast<long double>(row[i]), span + 23));
+                    CHECK(got[i] == round_exact<float>(exact, -(span + 23)));
+                }
+        }
+    // Results at the edge of float's range: subnormal (the two-limb path), the smallest normal
+    // and an overflow (this path): max + 2^103 is a tie between max (odd) and 2^128, so it
+    // rounds to infinity; max + 2^102 rounds back to max.
+    const float d = std::numeric_limits<float>::denorm_min();
+    const float tiny = std::numeric_limits<float>::min();
+    CHECK(one_replica_sum<float>({{tiny}, {-d}})[0] == tiny - d);
+    CHECK(one_replica_sum<float>({{tiny + d}, {-d}})[0] == tiny);
+    CHECK(
+        one_replica_sum<float>({{std::numeric_limits<float>::max()}, {std::ldexp(1.0f, 103)}})[0] ==
+        std::numeric_limits<float>::infinity());
+    CHECK(
+        one_replica_sum<float>({{std::numeric_limits<float>::max()}, {std::ldexp(1.0f, 102)}})[0] ==
+        std::numeric_limits<float>::max());
+}
+
 TEMPLATE_TEST_CASE("anchored sums keep 83 bits below the largest value under cancellation",
                    "[kernels][anchored_sum]", float, double) {
     using T = TestType;
@@ -225,11 +248,11 @@ TEMPLATE_TEST_CASE("the own check marks exactly the replica's non-finite sums",
     const std::vector<std::vector<T>> chunks = {
         {T(1), lim::infinity(), lim::max(), T(2), lim::max()},
         {T(2), T(1), lim::max(), lim::quiet_NaN(), -lim::max() / 2}};
-    const replica<T> r(chunks, 5);
-    std::vector<T> out = r.last;
+    // Kept as the trainer keeps them: every chunk but the last in a store, the last in place.
+    const std::vector<T>& store = chunks[0];
+    std::vector<T> out = chunks[1];
     for (std::size_t i = 0; i < 5; ++i)
-        kernels::anchored_own_check_fn<T>{
-            {r.store.data(), out.data(), r.count, r.n}, r.field.data(), out.data()}(i);
+        kernels::anchored_own_check_fn<T>{{store.data(), out.data(), 2, 5}, out.data()}(i);
     CHECK(std::isfinite(out[0]));
     CHECK(std::isnan(out[1]));
     CHECK(out[2] == lim::infinity());

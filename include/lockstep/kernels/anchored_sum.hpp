@@ -14,15 +14,15 @@
 
 // The representation. A finite T value x is (-1)^s m 2^(e - bias) with an integer mantissa
 // 0 <= m < 2^p (p = 24 for float, 53 for double; subnormals have exponent field 0 and e = 1).
-// The anchor a of an element is the largest exponent field over every value added to it (over
-// every chunk of every replica: one MAX all_reduce of the fields, 1 byte per float element, 4
-// per double one), with a = max(a, 1). Each value becomes the integer
+// The anchor a of an element is the largest exponent field among every value summed into it,
+// with a = max(a, 1). Each value becomes the integer
 //     q(x) = trunc(m 2^(F - (a - e))),   F = 84 - p (60 for float, 31 for double),
-// whose unit is 2^(a - bias - F): |q| < 2^84. q travels as two signed int64 limbs, q = hi 2^40 +
-// lo with |lo| < 2^40 and |hi| < 2^44 (both with the sign of x), so the sums of up to 2^19
-// values stay inside int64 with no carry between the limbs: one SUM all_reduce of 16 bytes per
-// element. q is a function of x and a alone, and integer sums do not depend on the order, so the
-// sum is the same for any order, grouping and replica count.
+// whose unit is 2^(a - bias - F): |q| < 2^84. q is summed as two signed int64 limbs, q = hi 2^40
+// + lo with |lo| < 2^40 and |hi| < 2^44 (both with the sign of x), so the sums of up to 2^19
+// values stay inside int64 with no carry between the limbs. q is a function of x and a alone,
+// and integer sums do not depend on the order, so the sum is the same for any order, grouping
+// and replica count: whoever holds every value of an element (the trainer gathers them to the
+// replica that owns the element) gets the same bits.
 //
 // Precision: a value loses less than one unit, 2^(a - bias - F) <= 2^-83 max|x| (the largest
 // value has a bit at 2^(a - bias + p - 1)), so |kept - exact| < N 2^-83 max|x| for N values;
@@ -200,10 +200,47 @@ LOCKSTEP_HOST_DEVICE T anchored_value(std::int64_t hi, std::int64_t lo, int a) {
     return std::bit_cast<T>(bits);
 }
 
+/// The most terms anchored_short_sum takes: 256 terms of |q| < 2^55 stay inside int64.
+inline constexpr std::size_t anchored_short_terms = 256;
+
+/// The float sum of element i's terms for the anchor field a (not non_finite) when every
+/// non-zero term lies within 31 binades of it: then q = m 2^(31 - (a - e)) < 2^55 keeps every
+/// bit, the int64 sum is the exact sum, its conversion to float rounds once to nearest even, and
+/// the scaling by 2^(a - 181) is exact unless the result is subnormal. Returns false (the
+/// caller takes the two-limb path, which gives the same bits wherever this one answers) when a
+/// term lies further below or the result is subnormal. requires: at most anchored_short_terms.
+template <class Terms>
+LOCKSTEP_HOST_DEVICE bool anchored_short_sum(const Terms& terms, std::size_t i, int a, float& out) {
+    const int top = a == 0 ? 1 : a;
+    std::int64_t s = 0;
+    bool fits = true;
+    for (std::size_t j = 0; j < terms.replicas; ++j)
+        for (std::size_t c = 0; c < terms.calls; ++c) {
+            const auto bits =
+                std::bit_cast<std::uint32_t>(static_cast<float>(terms.value(j, c, i)));
+            const int e = static_cast<int>((bits >> 23) & 0xff);
+            const auto frac = static_cast<std::int64_t>(bits & 0x7fffff);
+            const std::int64_t m = e == 0 ? frac : (frac | 0x800000);
+            const int shift = 31 - (top - (e == 0 ? 1 : e));
+            fits = fits && (shift >= 0 || m == 0);
+            const std::int64_t q = shift >= 0 ? m << shift : 0;
+            s += (bits >> 31) != 0 ? -q : q;
+        }
+    if (!fits)
+        return false;
+    const auto r = static_cast<float>(s); // int64 -> float: round to nearest even
+    const double v = static_cast<double>(r) *
+                     std::bit_cast<double>(static_cast<std::uint64_t>(1023 + top - 181) << 52);
+    if (v != 0.0 && (v < 0 ? -v : v) < 0x1p-126)
+        return false;
+    out = static_cast<float>(v); // exact, or an infinity past float's range
+    return true;
+}
+
 } // namespace detail
 
-/// The gradients of one replica's chunks for anchored sums: chunk j < count - 1 at
-/// stored[j * stride], the last chunk at `last`. requires: count >= 1.
+/// The gradients of one replica's chunks: chunk j < count - 1 at stored[j * stride], the last
+/// chunk at `last`. requires: count >= 1.
 template <class T>
 struct anchored_chunks {
     const T* stored;
@@ -215,71 +252,77 @@ struct anchored_chunks {
     }
 };
 
-/// One chunk's pass: field[i] = the chunk's exponent field (first chunk) or the MAX with it;
-/// store[i] = g[i] when store is not null (every chunk but the last is kept).
-template <class T>
-struct anchored_gather_fn {
-    const T* g;
-    T* store;
-    typename anchored<T>::exponent_type* field;
-    bool first;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
-        const T x = g[i];
-        const auto e = detail::anchored_field(x);
-        field[i] = first || e > field[i] ? e : field[i];
-        if (store != nullptr)
-            store[i] = x;
+/// The values every replica contributed to a range of elements, as a collective laid them out:
+/// value c of replica j for element i at base[j * replica_stride + c * call_stride + i]
+/// (j < replicas, c < calls; zeros where a replica had fewer values). V is T, or double holding
+/// T values exactly.
+template <class V>
+struct anchored_terms {
+    const V* base;
+    std::size_t replicas;
+    std::size_t calls;
+    std::size_t replica_stride;
+    std::size_t call_stride;
+    LOCKSTEP_HOST_DEVICE V value(std::size_t j, std::size_t c, std::size_t i) const {
+        return base[j * replica_stride + c * call_stride + i];
     }
 };
 
-/// The limbs of element i: the sum of q over the chunks for the anchor field[i] (0 when it is
-/// non_finite).
-template <class T>
-struct anchored_convert_fn {
-    anchored_chunks<T> chunks;
-    const typename anchored<T>::exponent_type* field;
-    std::int64_t* hi;
-    std::int64_t* lo;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
-        const int a = field[i];
-        std::int64_t h = 0;
-        std::int64_t l = 0;
-        if (a != anchored<T>::non_finite)
-            for (std::size_t j = 0; j < chunks.count; ++j)
-                detail::anchored_add(h, l, chunks.value(j, i), a);
-        hi[i] = h;
-        lo[i] = l;
-    }
-};
-
-/// out[i] = element i's sum rounded to T (a quiet NaN when its field is non_finite).
-template <class T>
-struct anchored_finalize_fn {
-    const typename anchored<T>::exponent_type* field;
-    const std::int64_t* hi;
-    const std::int64_t* lo;
+/// out[i] = the sum of element i's terms, rounded once to T: its anchor is the largest exponent
+/// field among them (a quiet NaN when one is not finite), and every term's q for that anchor is
+/// summed in two int64 limbs (for float, in one int64 when no bit is cut: anchored_short_sum).
+/// requires: replicas * calls <= anchored_limits::max_terms.
+template <class T, class V = T>
+struct anchored_sum_fn {
+    anchored_terms<V> terms;
     T* out;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
-        const int a = field[i];
-        out[i] = a == anchored<T>::non_finite ? std::numeric_limits<T>::quiet_NaN()
-                                              : detail::anchored_value<T>(hi[i], lo[i], a);
+        using A = anchored<T>;
+        int a = 0;
+        for (std::size_t j = 0; j < terms.replicas; ++j)
+            for (std::size_t c = 0; c < terms.calls; ++c) {
+                const int e = detail::anchored_field(static_cast<T>(terms.value(j, c, i)));
+                a = e > a ? e : a;
+            }
+        if (a == A::non_finite) {
+            out[i] = std::numeric_limits<T>::quiet_NaN();
+            return;
+        }
+        if constexpr (std::is_same_v<T, float>) {
+            float r = 0;
+            if (terms.replicas * terms.calls <= detail::anchored_short_terms &&
+                detail::anchored_short_sum(terms, i, a, r)) {
+                out[i] = r;
+                return;
+            }
+        }
+        std::int64_t h = 0;
+        std::int64_t l = 0;
+        for (std::size_t j = 0; j < terms.replicas; ++j)
+            for (std::size_t c = 0; c < terms.calls; ++c)
+                detail::anchored_add(h, l, static_cast<T>(terms.value(j, c, i)), a);
+        out[i] = detail::anchored_value<T>(h, l, a);
     }
 };
 
-/// out[i] is non-finite exactly where this replica's own sum of its chunks is (its chunks'
-/// fields, before the MAX, in field): a quiet NaN for a non-finite value, the sum itself where
-/// it may leave T's range (fields within 32 of the top), 0 elsewhere. For the replica's own
-/// non-finite counts, at the cost of one pass.
+/// out[i] is non-finite exactly where this replica's own sum of its chunks is: a quiet NaN where
+/// a value is not finite, the sum itself where it may leave T's range (the chunks' largest field
+/// within 32 of the top), 0 elsewhere. For the replica's own non-finite counts, at the cost of
+/// one pass. out may be chunks.last.
 template <class T>
 struct anchored_own_check_fn {
     anchored_chunks<T> chunks;
-    const typename anchored<T>::exponent_type* field;
     T* out;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
-        const int a = field[i];
-        if (a == anchored<T>::non_finite) {
+        using A = anchored<T>;
+        int a = 0;
+        for (std::size_t j = 0; j < chunks.count; ++j) {
+            const int e = detail::anchored_field(chunks.value(j, i));
+            a = e > a ? e : a;
+        }
+        if (a == A::non_finite) {
             out[i] = std::numeric_limits<T>::quiet_NaN();
-        } else if (a < anchored<T>::non_finite - 32) {
+        } else if (a < A::non_finite - 32) {
             out[i] = T(0); // |sum| < 2^19 2^(a - bias + p) stays finite
         } else {
             std::int64_t h = 0;

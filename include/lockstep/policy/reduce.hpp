@@ -126,9 +126,10 @@ namespace reduce {
 /// may be shorter); whole chunks go to replicas, contiguously and balanced by chunk count (a
 /// replica may get none). The step function is called once per chunk; the chunk gradients are
 /// summed in fixed point anchored at each element's largest exponent (kernels/anchored_sum.hpp:
-/// one MAX all_reduce of n + 1 exponent fields, then one int64 SUM all_reduce of 2 n + 3 limbs
-/// for n gradient elements plus the loss, which is summed in kernels/exact_sum.hpp's binned
-/// form) and converted back to T once per step. Given
+/// an all_to_all per chunk index brings every replica's values of a block of elements to the
+/// block's owner, which sums and rounds them once to T; an all_gather returns the blocks; the
+/// loss is summed in kernels/exact_sum.hpp's binned form from every chunk's loss). The
+/// communicator must have all_to_all. Given
 /// the same global batches, seed and policies, and a network whose own kernels are
 /// deterministic for a given input, the weights, optimizer state and BN running statistics
 /// (bn::ghost<ChunkSamples>) are bitwise the same for every replica count.

@@ -12,12 +12,14 @@
 #include "lockstep/policy/bn.hpp"
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/system/buffer.hpp"
+#include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/detail/reducer.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 #include "lockstep/train/shard.hpp"
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -37,135 +39,194 @@ inline shard_range reproducible_chunks(std::size_t global, std::size_t chunk, in
     return out;
 }
 
-/// The loss's binned top (kernels/exact_sum.hpp) as an exponent field, so that it travels in
-/// the fields' MAX all_reduce: empty -> 0, top t -> t + 1 (t <= 52), non-finite -> non_finite.
-template <class Field>
-struct loss_top_encode_fn {
-    const std::int64_t* top;
-    Field* field;
-    Field non_finite;
+/// One task: a chunk's two loss terms, `value` and *device_value (0 when null), at out[0..1].
+struct loss_terms_fn {
+    const double* device_value;
+    double value;
+    double* out;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        const std::int64_t t = *top;
-        *field = t == kernels::binned::non_finite_top
-                     ? non_finite
-                     : static_cast<Field>(t == kernels::binned::empty_top ? 0 : t + 1);
+        out[0] = value;
+        out[1] = device_value != nullptr ? *device_value : 0.0;
     }
 };
 
-/// The inverse of loss_top_encode_fn on the MAX of the fields: the global top, to which the
-/// loss's window (top, bins) is moved.
-template <class Field>
-struct loss_top_align_fn {
-    const Field* field;
-    Field non_finite;
-    std::int64_t* global_top;
+/// Task k < calls * tail: value c = k / tail of tail element t = k % tail (element first + t) of
+/// this replica's chunks, as a double (exact), or 0 past its last chunk.
+template <class T>
+struct anchored_tail_fn {
+    kernels::anchored_chunks<T> chunks;
+    std::size_t first;
+    std::size_t tail;
+    double* out;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t k) const {
+        const std::size_t c = k / tail;
+        out[k] = c < chunks.count ? static_cast<double>(chunks.value(c, first + k % tail)) : 0.0;
+    }
+};
+
+/// One task: *out = the binned sum (kernels/exact_sum.hpp) of terms[j * stride + c] over
+/// replicas j and c < count, rounded once; top and bins (one element) are its workspace.
+struct gathered_loss_fn {
+    const double* terms;
+    std::size_t replicas;
+    std::size_t count;
+    std::size_t stride;
     std::int64_t* top;
     std::int64_t* bins;
+    double* out;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        const Field f = *field;
-        *global_top =
-            f == non_finite ? kernels::binned::non_finite_top : static_cast<std::int64_t>(f) - 1;
-        kernels::binned_align_fn{global_top, top, bins, 1}(0);
+        kernels::binned_clear_fn{top, bins, 1}(0);
+        for (std::size_t j = 0; j < replicas; ++j)
+            for (std::size_t c = 0; c < count; ++c)
+                kernels::detail::binned_add(*top, bins, 1, terms[j * stride + c]);
+        kernels::binned_finalize_fn<double>{top, bins, 1, 0, out}(0);
     }
 };
 
 /// Order-independent sums of n gradient elements (kernels/anchored_sum.hpp: fixed point
-/// anchored at each element's largest exponent) and one loss (kernels/exact_sum.hpp: binned),
-/// on System. Per step: begin(chunks), add() and add_loss() per chunk (every chunk but the last
-/// is kept: (chunks - 1) n values), reduce_fields() (collective), convert(), check_local() (this
-/// replica's own sums, for its checks), reduce_limbs() (collective), finalize(). Three doubles
-/// in the system's memory hold a chunk's device loss, this replica's own loss and the global
-/// loss (chunk_loss(), own_loss(), global_loss()). Memory: the fields (2 per element), the limbs
-/// (2 int64 per element) and the kept chunks.
+/// anchored at each element's largest exponent) and one loss (kernels/exact_sum.hpp: binned)
+/// over the replicas of a communicator with all_to_all, on System. The elements are cut into one
+/// block of b = n / replicas per replica (the tail of n mod replicas elements aside). Per step:
+/// begin(calls, max_calls); add() and add_loss() per chunk (every chunk but the last is kept:
+/// (calls - 1) n values); exchange() (collective: one all_to_all per call index, which brings
+/// every replica's values of this replica's block here, and one all_gather of the loss terms
+/// and the tail's values); check_local() (this replica's own sums, for its checks); finalize()
+/// (collective: this replica sums its block, an all_gather brings every block; the tail and the
+/// loss are summed on every replica). Each element's sum is formed from all of its values in one
+/// place, so no partial sum is rounded and the bits do not depend on the replica count. Memory:
+/// the kept chunks, max_calls n received values, and when some replica has fewer calls than
+/// max_calls, n zeros.
 template <class T, class System>
 class anchored_accumulator {
 public:
-    using field_type = typename kernels::anchored<T>::exponent_type;
-    static constexpr field_type non_finite = kernels::anchored<T>::non_finite;
-
-    anchored_accumulator(std::size_t n, const System& sys)
-        : n_(n), sys_(sys), field_(n + 1, sys), global_field_(n + 1, sys),
-          limbs_(2 * n + kernels::binned::window, sys), loss_top_(2, sys), losses_(3, sys) {}
+    anchored_accumulator(std::size_t n, int replicas, int rank, const System& sys)
+        : n_(n), replicas_(static_cast<std::size_t>(replicas)),
+          rank_(static_cast<std::size_t>(rank)), block_(n / replicas_),
+          tail_(n - block_ * replicas_), sys_(sys), loss_top_(1, sys),
+          loss_bins_(kernels::binned::window, sys), losses_(3, sys) {}
 
     std::size_t size() const noexcept { return n_; }
     double* chunk_loss() noexcept { return losses_.data(); }
     double* own_loss() noexcept { return losses_.data() + 1; }
     double* global_loss() noexcept { return losses_.data() + 2; }
 
-    /// Starts a step in which this replica adds `chunks` chunks. requires: chunks >= 1.
-    void begin(std::size_t chunks) {
-        chunks_ = chunks;
+    /// Starts a step in which this replica adds `calls` chunks and the busiest replica
+    /// max_calls. requires: 1 <= calls <= max_calls, the same max_calls on every replica.
+    void begin(std::size_t calls, std::size_t max_calls) {
+        calls_ = calls;
+        max_calls_ = max_calls;
         added_ = 0;
-        const std::size_t kept = (chunks - 1) * n_;
-        if (store_.size() < kept)
-            store_ = buffer<T, System>(kept, sys_);
-        run(1, kernels::binned_clear_fn{loss_top_.data(), loss_bins(), 1});
+        losses_added_ = 0;
+        stride_ = 2 * max_calls + max_calls * tail_;
+        grow(store_, (calls - 1) * n_);
+        grow(recv_, max_calls * blocks());
+        grow(small_send_, stride_);
+        grow(small_recv_, stride_ * replicas_);
+        if (calls < max_calls && blocks() > zeros_.size()) {
+            zeros_ = buffer<T, System>(blocks(), sys_);
+            zero(sys_, zeros_.span());
+        }
+        zero(sys_, small_send_.span().first(stride_));
+        run(1, kernels::binned_clear_fn{loss_top_.data(), loss_bins_.data(), 1});
     }
     /// Adds one chunk's gradient g (n values; the last chunk's must stay in g until check_local).
-    /// requires: g.size() == size(), fewer than `chunks` added.
+    /// requires: g.size() == size(), fewer than `calls` added.
     void add(std::span<const T> g) {
-        T* store = added_ + 1 < chunks_ ? store_.data() + added_ * n_ : nullptr;
-        run(n_, kernels::anchored_gather_fn<T>{g.data(), store, field_.data(), added_ == 0});
+        if (added_ + 1 < calls_)
+            copy_async(sys_, g.first(n_), store_.span().subspan(added_ * n_, n_));
         ++added_;
     }
     /// Adds one chunk's loss: `value` plus *device_value when not null (the system's memory).
     void add_loss(double value, const double* device_value) {
-        run(1, kernels::binned_add_scalar_fn{device_value, value, loss_top_.data(), loss_bins(), 1,
-                                             0});
+        run(1, kernels::binned_add_scalar_fn{device_value, value, loss_top_.data(),
+                                             loss_bins_.data(), 1, 0});
+        run(1, loss_terms_fn{device_value, value, small_send_.data() + 2 * losses_added_});
+        ++losses_added_;
     }
-    /// MAX all_reduce of the exponent fields (the loss's top with them). Collective on comm.
+    /// Brings every replica's values of this replica's block here, and every replica's loss
+    /// terms and tail values to every replica. last: the last chunk's gradient. Collective.
     template <class Communicator>
-    void reduce_fields(Communicator& comm) {
-        run(1, loss_top_encode_fn<field_type>{loss_top_.data(), field_.data() + n_, non_finite});
-        comm.all_reduce(std::span<const field_type>(field_.span()), global_field_.span(),
-                        reduce_op::max);
-    }
-    /// The limbs of every element for the global anchors. last: the last chunk's gradient.
-    void convert(std::span<const T> last) {
-        run(n_, kernels::anchored_convert_fn<T>{chunks(last.data()), global_field_.data(),
-                                                limbs_.data(), limbs_.data() + n_});
+    void exchange(Communicator& comm, std::span<const T> last) {
+        const std::size_t all = blocks();
+        if (block_ > 0)
+            for (std::size_t c = 0; c < max_calls_; ++c) {
+                const T* src = c + 1 < calls_    ? store_.data() + c * n_
+                               : c + 1 == calls_ ? last.data()
+                                                 : zeros_.data();
+                comm.all_to_all(std::span<const T>(src, all), recv_.span().subspan(c * all, all));
+            }
+        if (tail_ > 0)
+            run(max_calls_ * tail_, anchored_tail_fn<T>{chunks(last.data()), all, tail_,
+                                                        small_send_.data() + 2 * max_calls_});
+        comm.all_gather(std::span<const double>(small_send_.data(), stride_),
+                        small_recv_.span().first(stride_ * replicas_));
     }
     /// g (the last chunk's gradient) becomes non-finite exactly where this replica's own sums
-    /// are (finite elsewhere); *loss = this replica's own loss.
+    /// are (unchanged when it is the only chunk: a value is its own sum); *loss = this replica's
+    /// own loss.
     void check_local(std::span<T> g, double* loss) {
-        run(n_, kernels::anchored_own_check_fn<T>{chunks(g.data()), field_.data(), g.data()});
-        run(1, kernels::binned_finalize_fn<double>{loss_top_.data(), loss_bins(), 1, 0, loss});
+        if (calls_ > 1)
+            run(n_, kernels::anchored_own_check_fn<T>{chunks(g.data()), g.data()});
+        run(1,
+            kernels::binned_finalize_fn<double>{loss_top_.data(), loss_bins_.data(), 1, 0, loss});
     }
-    /// SUM all_reduce of the limbs (and of the loss's aligned bins). Collective on comm.
+    /// After exchange(): the global sums, rounded once, into g (n values) and *loss.
+    /// Collective.
     template <class Communicator>
-    void reduce_limbs(Communicator& comm) {
-        run(1, loss_top_align_fn<field_type>{global_field_.data() + n_, non_finite,
-                                             loss_top_.data() + 1, loss_top_.data(), loss_bins()});
-        comm.all_reduce(std::span<const std::int64_t>(limbs_.span()), limbs_.span(),
-                        reduce_op::sum);
+    void finalize(Communicator& comm, std::span<T> g, double* loss) {
+        const std::size_t all = blocks();
+        if (block_ > 0) {
+            T* mine = g.data() + rank_ * block_;
+            const kernels::anchored_terms<T> terms{recv_.data(), replicas_, max_calls_, block_,
+                                                   all};
+            run(block_, kernels::anchored_sum_fn<T>{terms, mine});
+            comm.all_gather(std::span<const T>(mine, block_), g.first(all));
+        }
+        if (tail_ > 0)
+            run(tail_, kernels::anchored_sum_fn<T, double>{{small_recv_.data() + 2 * max_calls_,
+                                                            replicas_, max_calls_, stride_, tail_},
+                                                           g.data() + all});
+        run(1, gathered_loss_fn{small_recv_.data(), replicas_, 2 * max_calls_, stride_,
+                                loss_top_.data(), loss_bins_.data(), loss});
     }
-    /// After reduce_limbs(): the global sums, rounded once: g (n values) and *loss.
-    void finalize(std::span<T> g, double* loss) {
-        run(n_, kernels::anchored_finalize_fn<T>{global_field_.data(), limbs_.data(),
-                                                 limbs_.data() + n_, g.data()});
-        run(1, kernels::binned_finalize_fn<double>{loss_top_.data() + 1, loss_bins(), 1, 0, loss});
-    }
+    /// The collectives of a step.
+    std::size_t collectives() const noexcept { return (block_ > 0 ? max_calls_ + 1 : 0) + 1; }
 
 private:
     template <class F>
-    void run(std::size_t count, const F& f) {
-        kernels::for_each_index(sys_, count, f);
+    void run(std::size_t count, const F& f,
+             std::size_t elements = std::numeric_limits<std::size_t>::max()) {
+        kernels::for_each_index(sys_, count, f, elements);
     }
-    std::int64_t* loss_bins() noexcept { return limbs_.data() + 2 * n_; }
+    template <class U>
+    void grow(buffer<U, System>& b, std::size_t count) {
+        if (b.size() < count)
+            b = buffer<U, System>(count, sys_);
+    }
+    std::size_t blocks() const noexcept { return block_ * replicas_; }
     kernels::anchored_chunks<T> chunks(const T* last) const noexcept {
-        return {store_.data(), last, chunks_, n_};
+        return {store_.data(), last, calls_, n_};
     }
 
     std::size_t n_;
+    std::size_t replicas_;
+    std::size_t rank_;
+    std::size_t block_; ///< elements per replica's block
+    std::size_t tail_;  ///< elements past the blocks, summed on every replica
     System sys_;
-    std::size_t chunks_ = 1;
+    std::size_t calls_ = 1;
+    std::size_t max_calls_ = 1;
     std::size_t added_ = 0;
-    buffer<field_type, System> field_;        ///< this replica's fields (element n: the loss)
-    buffer<field_type, System> global_field_; ///< their MAX over replicas: the anchors
-    buffer<std::int64_t, System> limbs_;      ///< hi of element i at i, lo at n + i, loss bins
-    buffer<std::int64_t, System> loss_top_;   ///< the loss's own and global top
-    buffer<double, System> losses_;           ///< chunk, own and global loss
-    buffer<T, System> store_;                 ///< every chunk but the last
+    std::size_t losses_added_ = 0;
+    std::size_t stride_ = 0;                ///< doubles per replica in the small all_gather
+    buffer<std::int64_t, System> loss_top_; ///< the loss's binned top
+    buffer<std::int64_t, System> loss_bins_;
+    buffer<double, System> losses_;     ///< chunk, own and global loss
+    buffer<T, System> store_;           ///< every chunk but the last
+    buffer<T, System> recv_;            ///< max_calls x replicas blocks of this replica's block
+    buffer<T, System> zeros_;           ///< what a replica with fewer calls sends
+    buffer<double, System> small_send_; ///< 2 loss terms per call, then each call's tail values
+    buffer<double, System> small_recv_; ///< every replica's small_send_
 };
 
 /// One task: the loss a replica adds to the step's status loss slot: the global exact loss on
@@ -184,24 +245,28 @@ struct reproducible_loss_fn {
 };
 
 /// reduce::reproducible<C>: the per-tensor plan (for the trainer's checks and buckets()) and the
-/// anchored accumulator; the reproducible step driver (reproducible_driver.hpp) drives it (it is
-/// never launched piece by piece).
+/// anchored accumulator; requires a communicator with all_to_all; the reproducible step driver
+/// (reproducible_driver.hpp) drives it (it is never launched piece by piece).
 template <std::size_t C, class T, class Communicator>
 class reducer<reduce::reproducible<C>, T, Communicator>
     : public all_reduce_reducer<T, Communicator> {
 public:
     using system_type = typename Communicator::system_type;
 
+    static_assert(all_to_all_communicator<Communicator>,
+                  "reduce::reproducible needs a communicator with all_to_all (thread_group, MPI, "
+                  "NCCL, and hierarchical ones whose parts have it)");
+
     reducer(Communicator& comm, const std::vector<tensor_info>& tensors,
             overlap_setting /*overlap*/ = {})
         : all_reduce_reducer<T, Communicator>(comm, tensors, 1, 1, overlap_setting{}),
-          acc_(count(tensors), comm.system()) {}
+          acc_(count(tensors), comm.size(), comm.rank(), comm.system()) {}
 
     anchored_accumulator<T, system_type>& accumulator() noexcept { return acc_; }
-    /// The collectives of a step: the MAX and SUM all_reduce.
+    /// Counts the collectives of a step.
     void count_step() noexcept {
-        this->count_collective();
-        this->count_collective();
+        for (std::size_t k = 0; k < acc_.collectives(); ++k)
+            this->count_collective();
     }
 
 private:

@@ -20,10 +20,11 @@ namespace lockstep::detail {
 /// reduce::reproducible<C>: the global batch is cut into chunks [k C, min((k + 1) C, global));
 /// this replica computes its contiguous run of chunks, one fn call per chunk on zeroed gradients
 /// with scale = 1 / global, and adds each chunk's gradient and loss into the anchored
-/// accumulator (reduce_reproducible.hpp). The exponent fields are reduced across replicas (MAX),
-/// the chunks converted to fixed point for those anchors, this replica's own sums checked
-/// (non-finite counts name the replica), the limbs reduced across replicas (int64 SUM) and
-/// rounded once into the gradient, and the step continues as the synchronous one
+/// accumulator (reduce_reproducible.hpp). Every replica's chunk values of a block of elements
+/// are exchanged to the block's owner (all_to_all), this replica's own sums checked (non-finite
+/// counts name the replica), each owner sums its block in fixed point anchored at each element's
+/// largest exponent and rounds once, the blocks are all-gathered into the gradient, and the step
+/// continues as the synchronous one
 /// (status all_reduce, skip decision, update). The loss reported is the exact sum, rounded once
 /// (replica 0 contributes it to the status sum, the others 0). bn::ghost layers learn the global
 /// batch from the layers' step (begin(global)). ensures: every replica, for every replica
@@ -58,22 +59,22 @@ public:
         (void)next_sample_offset(s.core().samples(), global, s.rank());
         const step_view v = s.begin(global);
         const shard_range mine = reproducible_chunks(global, C, s.rank(), s.replicas());
-        acc.begin(mine.empty() ? 1 : mine.size()); // a replica without chunks adds one of zeros
+        const shard_range busiest = reproducible_chunks(global, C, 0, s.replicas());
+        // A replica without chunks adds one of zeros.
+        acc.begin(mine.empty() ? 1 : mine.size(), busiest.empty() ? 1 : busiest.size());
         double* chunk_loss = acc.chunk_loss();
         s.forward_backward_chunks(global, C, fn, chunk_loss, [&](double host_loss) {
             acc.add(std::span<const T>(grads));
             acc.add_loss(host_loss, chunk_loss);
         });
-        acc.reduce_fields(s.core().comm());
-        acc.convert(std::span<const T>(grads));
+        acc.exchange(s.core().comm(), std::span<const T>(grads));
         // This replica's own sums: its non-finite elements and loss are counted as its own.
         double* own_loss = acc.own_loss();
         acc.check_local(grads, own_loss);
         s.check_pieces();
-        acc.reduce_limbs(s.core().comm());
-        s.reducer().count_step();
         double* global_loss = acc.global_loss();
-        acc.finalize(grads, global_loss);
+        acc.finalize(s.core().comm(), grads, global_loss);
+        s.reducer().count_step();
         s.unscale();
         kernels::for_each_index(
             s.system(), 1,
