@@ -5,6 +5,7 @@
 // overflow and non-finite values, and the replica's own non-finite check. SPDX-License-Identifier:
 // Apache-2.0
 #include "lockstep/kernels/anchored_sum.hpp"
+#include "lockstep/kernels/detail/anchored_sum_host.hpp"
 
 #include "sum_terms.hpp"
 
@@ -198,6 +199,41 @@ TEST_CASE("float sums in one int64 agree with the two limbs and the exact sum",
         std::numeric_limits<float>::max());
 }
 
+TEST_CASE("the host's float tiles give anchored_sum_fn's bits on both paths",
+          "[kernels][anchored_sum]") {
+    // Elements with terms inside and beyond 31 binades of their anchor, subnormal and normal
+    // results, overflows, NaNs and infinities, over 3 replicas x 2 calls and a partial tile.
+    using lim = std::numeric_limits<float>;
+    const std::size_t replicas = 3, calls = 2, n = 3 * kernels::detail::anchored_tile + 17;
+    std::vector<float> base(replicas * calls * n);
+    std::mt19937 gen(5);
+    const auto x = random_terms<float>(base.size() / n, n, -40, 40, 9);
+    for (std::size_t r = 0; r < x.size(); ++r)
+        for (std::size_t i = 0; i < n; ++i)
+            base[r * n + i] = x[r][i];
+    const float specials[] = {lim::quiet_NaN(), lim::infinity(),   -lim::infinity(),
+                              lim::max(),       lim::denorm_min(), -lim::min()};
+    for (std::size_t k = 0; k < 60; ++k)
+        base[gen() % base.size()] = specials[k % 6];
+    for (std::size_t i = 0; i < 20; ++i) // elements of subnormals only
+        for (std::size_t r = 0; r < replicas * calls; ++r)
+            base[r * n + 5 * i] = std::ldexp(float(r % 3) - 1.0f, -140);
+    const kernels::anchored_terms<float> terms{base.data(), replicas, calls, n, replicas * n};
+    std::vector<float> want(n);
+    for (std::size_t i = 0; i < n; ++i)
+        kernels::anchored_sum_fn<float>{terms, want.data()}(i);
+    for (bool portable : {false, true}) {
+        kernels::detail::anchored_portable_only() = portable;
+        std::vector<float> got(n, -1.0f);
+        const std::size_t w = kernels::detail::anchored_tile;
+        for (std::size_t t = 0; t < (n + w - 1) / w; ++t)
+            kernels::detail::anchored_sum_tiles_fn{terms, n, got.data()}(t);
+        INFO("portable " << portable);
+        CHECK(same_bits(got, want));
+    }
+    kernels::detail::anchored_portable_only() = false;
+}
+
 TEMPLATE_TEST_CASE("anchored sums keep 83 bits below the largest value under cancellation",
                    "[kernels][anchored_sum]", float, double) {
     using T = TestType;
@@ -258,4 +294,34 @@ TEMPLATE_TEST_CASE("the own check marks exactly the replica's non-finite sums",
     CHECK(out[2] == lim::infinity());
     CHECK(std::isnan(out[3]));
     CHECK(out[4] == lim::max() / 2);
+}
+
+TEST_CASE("the host's own-check tiles mark the same elements non-finite",
+          "[kernels][anchored_sum]") {
+    // Tile 0: small values only (left as they are); tile 1: an element that overflows only when
+    // summed and a large finite one; tile 2 (partial): a NaN in a kept chunk.
+    using lim = std::numeric_limits<float>;
+    const std::size_t w = kernels::detail::anchored_tile, n = 2 * w + 9;
+    const auto x = random_terms<float>(3, n, -20, 20, 4);
+    std::vector<float> store(2 * n);
+    std::copy(x[0].begin(), x[0].end(), store.begin());
+    std::copy(x[1].begin(), x[1].end(), store.begin() + n);
+    std::vector<float> last = x[2];
+    store[w + 3] = lim::max();
+    last[w + 3] = lim::max();
+    store[n + w + 7] = -lim::max();
+    store[2 * w + 4] = lim::quiet_NaN();
+    std::vector<float> want = last, got = last;
+    for (std::size_t i = 0; i < n; ++i)
+        kernels::anchored_own_check_fn<float>{{store.data(), want.data(), 3, n}, want.data()}(i);
+    for (std::size_t t = 0; t < 3; ++t)
+        kernels::detail::anchored_own_check_tiles_fn{
+            {store.data(), got.data(), 3, n}, n, got.data()}(t);
+    for (std::size_t i = 0; i < n; ++i) {
+        INFO("element " << i);
+        CHECK(std::isfinite(got[i]) == std::isfinite(want[i]));
+    }
+    CHECK(got[w + 3] == lim::infinity());
+    CHECK(std::isnan(got[2 * w + 4]));
+    CHECK(std::equal(got.begin(), got.begin() + static_cast<std::ptrdiff_t>(w), last.begin()));
 }

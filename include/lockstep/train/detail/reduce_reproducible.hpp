@@ -7,6 +7,7 @@
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
+#include "lockstep/kernels/detail/anchored_sum_host.hpp"
 #include "lockstep/kernels/exact_sum.hpp"
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/policy/bn.hpp"
@@ -21,6 +22,7 @@
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include <thrust/for_each.h>
@@ -165,8 +167,16 @@ public:
     /// are (unchanged when it is the only chunk: a value is its own sum); *loss = this replica's
     /// own loss.
     void check_local(std::span<T> g, double* loss) {
-        if (calls_ > 1)
-            run(n_, kernels::anchored_own_check_fn<T>{chunks(g.data()), g.data()});
+        if (calls_ > 1) {
+            if constexpr (System::is_host && std::is_same_v<T, float>) {
+                constexpr std::size_t w = kernels::detail::anchored_tile;
+                run((n_ + w - 1) / w,
+                    kernels::detail::anchored_own_check_tiles_fn{chunks(g.data()), n_, g.data()},
+                    n_);
+            } else {
+                run(n_, kernels::anchored_own_check_fn<T>{chunks(g.data()), g.data()});
+            }
+        }
         run(1,
             kernels::binned_finalize_fn<double>{loss_top_.data(), loss_bins_.data(), 1, 0, loss});
     }
@@ -179,7 +189,17 @@ public:
             T* mine = g.data() + rank_ * block_;
             const kernels::anchored_terms<T> terms{recv_.data(), replicas_, max_calls_, block_,
                                                    all};
-            run(block_, kernels::anchored_sum_fn<T>{terms, mine});
+            if constexpr (System::is_host && std::is_same_v<T, float>) {
+                if (replicas_ * max_calls_ <= kernels::detail::anchored_short_terms) {
+                    constexpr std::size_t w = kernels::detail::anchored_tile;
+                    run((block_ + w - 1) / w,
+                        kernels::detail::anchored_sum_tiles_fn{terms, block_, mine}, block_);
+                } else {
+                    run(block_, kernels::anchored_sum_fn<T>{terms, mine});
+                }
+            } else {
+                run(block_, kernels::anchored_sum_fn<T>{terms, mine});
+            }
             comm.all_gather(std::span<const T>(mine, block_), g.first(all));
         }
         if (tail_ > 0)
