@@ -218,6 +218,13 @@ TEST_CASE("the host's float tiles give anchored_sum_fn's bits on both paths",
     for (std::size_t i = 0; i < 20; ++i) // elements of subnormals only
         for (std::size_t r = 0; r < replicas * calls; ++r)
             base[r * n + 5 * i] = std::ldexp(float(r % 3) - 1.0f, -140);
+    // Just above and below a tie by less than a double resolves: 1 + 2^-24 + 2^-60 rounds up
+    // to 1 + 2^-23, 1 + 2^-24 - 2^-60 down to 1 (a double sum would make both the tie, 1).
+    for (std::size_t r = 0; r < replicas * calls; ++r) {
+        const float tie[] = {1.0f, std::ldexp(1.0f, -24), std::ldexp(1.0f, -60), 0, 0, 0};
+        base[r * n + 1] = tie[r];
+        base[r * n + 2] = r == 2 ? -tie[r] : tie[r];
+    }
     const kernels::anchored_terms<float> terms{base.data(), replicas, calls, n, replicas * n};
     std::vector<float> want(n);
     for (std::size_t i = 0; i < n; ++i)
@@ -230,6 +237,8 @@ TEST_CASE("the host's float tiles give anchored_sum_fn's bits on both paths",
             kernels::detail::anchored_sum_tiles_fn{terms, n, got.data()}(t);
         INFO("portable " << portable);
         CHECK(same_bits(got, want));
+        CHECK(got[1] == 1.0f + std::ldexp(1.0f, -23));
+        CHECK(got[2] == 1.0f);
     }
     kernels::detail::anchored_portable_only() = false;
 }

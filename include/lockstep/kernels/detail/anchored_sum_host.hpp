@@ -20,7 +20,7 @@
 namespace lockstep::kernels::detail {
 
 /// Elements per tile: the tile's anchors, sums and flags live in registers or L1.
-inline constexpr std::size_t anchored_tile = 64;
+inline constexpr std::size_t anchored_tile = 256;
 
 /// Test hook: set to true, the tiles take their portable loops even where AVX2 exists (tests run
 /// both paths on one machine). Not for production use.
@@ -29,77 +29,88 @@ inline std::atomic<bool>& anchored_portable_only() noexcept {
     return flag;
 }
 
-/// anchored_short_sum for the m <= anchored_tile elements [b, b + m) of terms at once, with no
-/// data-dependent branch in the loops over terms: each element's anchor, its q = m 2^(31 - (a -
-/// e)) summed in one int64, and whether a bit was cut. done[i] = 1 where out[b + i] was written
-/// (a quiet NaN for a non-finite anchor, or the exact sum rounded once and normal or infinite);
-/// 0 where anchored_sum_fn must answer. requires: terms.replicas * terms.calls <=
-/// anchored_short_terms.
-[[gnu::always_inline]] inline void anchored_tile_body(const anchored_terms<float>& terms,
-                                                      std::size_t b, std::size_t m, float* out,
-                                                      unsigned char* done) {
-    // Every lane is 64 bits wide (anchors and flags too) and every condition is arithmetic, so
-    // the loops vectorise in one width.
-    std::int64_t top[anchored_tile];
-    std::int64_t sum[anchored_tile];
-    std::int64_t cut[anchored_tile]; ///< non-zero where a bit was cut
-    for (std::size_t i = 0; i < anchored_tile; ++i) {
-        top[i] = 1;
-        sum[i] = 0;
-        cut[i] = 0;
-    }
-    for (std::size_t j = 0; j < terms.replicas; ++j)
-        for (std::size_t c = 0; c < terms.calls; ++c) {
-            const float* p = terms.base + j * terms.replica_stride + c * terms.call_stride + b;
-            for (std::size_t i = 0; i < m; ++i) {
-                const auto e =
-                    static_cast<std::int64_t>((std::bit_cast<std::uint32_t>(p[i]) >> 23) & 0xffu);
-                top[i] = e > top[i] ? e : top[i];
-            }
-        }
-    for (std::size_t j = 0; j < terms.replicas; ++j)
-        for (std::size_t c = 0; c < terms.calls; ++c) {
-            const float* p = terms.base + j * terms.replica_stride + c * terms.call_stride + b;
-            for (std::size_t i = 0; i < m; ++i) {
-                const auto u = static_cast<std::int64_t>(std::bit_cast<std::uint32_t>(p[i]));
-                const std::int64_t e = (u >> 23) & 0xff;
-                const std::int64_t normal = (e + 0xff) >> 8; // e != 0, as 0 or 1
-                const std::int64_t mant = (u & 0x7fffff) | (normal << 23);
-                const std::int64_t shift = 31 - top[i] + e + (1 - normal);
-                const std::int64_t below = shift >> 63; // shift < 0, as 0 or -1
-                cut[i] |= below & mant;
-                const std::int64_t q = (mant << (shift & ~below)) & ~below;
-                const std::int64_t neg = -(u >> 31); // 0 or -1
-                sum[i] += (q ^ neg) - neg;
-            }
-        }
-    for (std::size_t i = 0; i < m; ++i) {
-        if (top[i] == anchored<float>::non_finite) {
-            out[b + i] = std::numeric_limits<float>::quiet_NaN();
-            done[i] = 1;
-            continue;
-        }
-        const auto r = static_cast<float>(sum[i]); // int64 -> float: round to nearest even
-        const double v =
-            static_cast<double>(r) *
-            std::bit_cast<double>(static_cast<std::uint64_t>(1023 + top[i] - 181) << 52);
-        const bool ok = cut[i] == 0 && (v == 0.0 || (v < 0 ? -v : v) >= 0x1p-126);
-        if (ok)
-            out[b + i] = static_cast<float>(v);
-        done[i] = static_cast<unsigned char>(ok);
-    }
+/// The binades below the anchor that a tile's sum keeps exactly for k terms: 29 - ceil(log2 k),
+/// so that k terms of less than 2^(24 + bits) units sum to at most 2^53 units (exact in a
+/// double).
+inline int anchored_tile_bits(std::size_t k) {
+    int log2k = 0;
+    while ((std::size_t{1} << log2k) < k)
+        ++log2k;
+    return 29 - log2k;
 }
 
-inline void anchored_tile_portable(const anchored_terms<float>& terms, std::size_t b, std::size_t m,
+/// The float sums of the m <= anchored_tile elements [b, b + m) of terms at once, with no
+/// data-dependent branch. One pass takes each element's largest exponent field a (the anchor)
+/// and the smallest field of a non-zero term (1 for subnormals); where every non-zero term lies
+/// within bits = anchored_tile_bits(terms) binades of a, every term is a whole number of units
+/// u = 2^(a - 150 - bits) below 2^(24 + bits) units, so every partial sum in double is exact:
+/// the double sum is the exact sum, and its conversion to float is the one rounding, which is
+/// anchored_sum_fn's result (it keeps 60 bits below the anchor, so it cuts nothing there
+/// either), unless the result is subnormal (where flush-to-zero modes would differ). done[i] =
+/// 1 where out[b + i] holds it (or a quiet NaN for a non-finite anchor); 0 where
+/// anchored_sum_fn must answer. Returns true when every done[i] is 1. requires: terms.replicas *
+/// terms.calls <= anchored_short_terms.
+[[gnu::always_inline]] inline bool anchored_tile_body(const anchored_terms<float>& terms,
+                                                      std::size_t b, std::size_t m, float* out,
+                                                      unsigned char* done) {
+    const int bits = anchored_tile_bits(terms.replicas * terms.calls);
+    std::int32_t top[anchored_tile];
+    std::int32_t low[anchored_tile]; ///< the smallest field of a non-zero term (255: none)
+    double sum[anchored_tile];
+    for (std::size_t i = 0; i < anchored_tile; ++i) {
+        top[i] = 1;
+        low[i] = anchored<float>::non_finite;
+        sum[i] = 0.0;
+    }
+    for (std::size_t j = 0; j < terms.replicas; ++j)
+        for (std::size_t c = 0; c < terms.calls; ++c) {
+            const float* p = terms.base + j * terms.replica_stride + c * terms.call_stride + b;
+            for (std::size_t i = 0; i < m; ++i) {
+                const auto u = std::bit_cast<std::uint32_t>(p[i]);
+                const auto e = static_cast<std::int32_t>((u >> 23) & 0xffu);
+                const std::int32_t field =
+                    (u & 0x7fffffffu) == 0 ? anchored<float>::non_finite : (e > 1 ? e : 1);
+                top[i] = e > top[i] ? e : top[i];
+                low[i] = field < low[i] ? field : low[i];
+            }
+        }
+    for (std::size_t j = 0; j < terms.replicas; ++j)
+        for (std::size_t c = 0; c < terms.calls; ++c) {
+            const float* p = terms.base + j * terms.replica_stride + c * terms.call_stride + b;
+            for (std::size_t i = 0; i < m; ++i)
+                sum[i] += static_cast<double>(p[i]); // exact where the tile answers
+        }
+    std::int64_t all = -1;
+    for (std::size_t i = 0; i < m; ++i) {
+        const double v = sum[i];
+        const double mag = v < 0 ? -v : v;
+        // Masks of 0 or -1, combined with bit operations (no branch): a non-finite anchor gives
+        // a quiet NaN; a term too far below the anchor or a subnormal result leaves the element
+        // to anchored_sum_fn.
+        const std::int64_t nan = top[i] == anchored<float>::non_finite ? -1 : 0;
+        const std::int64_t within = low[i] >= top[i] - bits ? -1 : 0;
+        const std::int64_t normal = mag >= 0x1p-126 ? -1 : 0;
+        const std::int64_t zero = mag == 0.0 ? -1 : 0;
+        const double w = std::bit_cast<double>((std::bit_cast<std::int64_t>(v) & ~nan) |
+                                               (std::int64_t{0x7ff8000000000000} & nan));
+        out[b + i] = static_cast<float>(w); // the one rounding (to infinity past the range)
+        const std::int64_t ok = nan | (within & (normal | zero));
+        done[i] = static_cast<unsigned char>(ok & 1);
+        all &= ok;
+    }
+    return all != 0;
+}
+
+inline bool anchored_tile_portable(const anchored_terms<float>& terms, std::size_t b, std::size_t m,
                                    float* out, unsigned char* done) {
-    anchored_tile_body(terms, b, m, out, done);
+    return anchored_tile_body(terms, b, m, out, done);
 }
 
 #if LOCKSTEP_F16_X86
-LOCKSTEP_ANCHORED_AVX2 inline void anchored_tile_avx2(const anchored_terms<float>& terms,
+LOCKSTEP_ANCHORED_AVX2 inline bool anchored_tile_avx2(const anchored_terms<float>& terms,
                                                       std::size_t b, std::size_t m, float* out,
                                                       unsigned char* done) {
-    anchored_tile_body(terms, b, m, out, done);
+    return anchored_tile_body(terms, b, m, out, done);
 }
 #endif
 
@@ -114,18 +125,20 @@ struct anchored_sum_tiles_fn {
         const std::size_t b = t * anchored_tile;
         const std::size_t m = count - b < anchored_tile ? count - b : anchored_tile;
         unsigned char done[anchored_tile];
+        bool all = false;
 #if LOCKSTEP_F16_X86
         if (lockstep::detail::cpu_has_f16c() &&
             !anchored_portable_only().load(std::memory_order_relaxed))
-            anchored_tile_avx2(terms, b, m, out, done);
+            all = anchored_tile_avx2(terms, b, m, out, done);
         else
-            anchored_tile_portable(terms, b, m, out, done);
+            all = anchored_tile_portable(terms, b, m, out, done);
 #else
-        anchored_tile_portable(terms, b, m, out, done);
+        all = anchored_tile_portable(terms, b, m, out, done);
 #endif
-        for (std::size_t i = 0; i < m; ++i)
-            if (done[i] == 0)
-                anchored_sum_fn<float>{terms, out}(b + i);
+        if (!all)
+            for (std::size_t i = 0; i < m; ++i)
+                if (done[i] == 0)
+                    anchored_sum_fn<float>{terms, out}(b + i);
     }
 };
 
