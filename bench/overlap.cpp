@@ -13,7 +13,10 @@
 // - all_reduce: the trainer's gradient buckets all_reduced alone, in its order;
 // - step: the data_parallel step with train_params::overlap never and always;
 // - verify: the step with train_params::verify_every = 1 (overlap never) minus the step without,
-//   the cost of one cross-replica consistency check (printed as a share of step time at 100).
+//   the cost of one cross-replica consistency check (printed as a share of step time at 100);
+// - reproducible (thread group and MPI: communicators with all_to_all): the same network and
+//   backward trained with reduce::reproducible<1> (one chunk of one sample per replica; no
+//   overlap: the exchange needs every chunk's gradient), beside the bucketed step (never).
 // The backward runs from the last tensor to the first; per tensor it burns a share of the
 // calibrated backward time proportional to ResNet-50's backward cost (weights x output pixels,
 // resnet50_output_pixels), writes the gradient and calls ctx.mark_ready. The backward is
@@ -173,6 +176,12 @@ template <class Comm>
 using trainer_for = data_parallel<resnet_shaped<replica_context<float, Comm>>, optim::sgd<float>,
                                   sync::synchronous, bucket_policy, Comm>;
 
+/// The same network trained with reduce::reproducible<1>: one chunk of one sample per replica.
+template <class Comm>
+using reproducible_for =
+    data_parallel<resnet_shaped<replica_context<float, Comm>>, optim::sgd<float>, sync::synchronous,
+                  reduce::reproducible<1>, Comm>;
+
 template <class Trainer>
 void train_step(Trainer& tr) {
     tr.step(static_cast<std::size_t>(tr.size()), [](auto& net, const shard_range&, auto& ctx) {
@@ -202,7 +211,8 @@ struct row {
     /// overlap_mode::always's communication thread runs at background priority
     bool background = false;
     std::size_t buckets = 0;
-    bool ddp = false; ///< torch DDP's row: one step, overlapped as DDP does
+    bool ddp = false;            ///< torch DDP's row: one step, overlapped as DDP does
+    double reproducible_ms = -1; ///< reduce::reproducible<1>'s step (-1: not measured)
 };
 
 double median(std::vector<double> v) {
@@ -239,6 +249,12 @@ row run_config(Comm& comm, Fence fence, Model model, const options& opt, std::st
     solo_t solo(solo_comm, factory, sgd, train_params{.overlap = overlap_mode::never});
     full_t verified(comm, factory, sgd,
                     train_params{.overlap = overlap_mode::never, .verify_every = 1});
+    auto reproducible = [&] {
+        if constexpr (all_to_all_communicator<Comm>)
+            return std::make_unique<reproducible_for<Comm>>(comm, factory, sgd, train_params{});
+        else
+            return 0;
+    }();
 
     // The reduction alone: the trainer's buckets, in its order, over a gradient-sized buffer.
     std::vector<float> grads(work->floats(), 1e-4f);
@@ -282,7 +298,7 @@ row run_config(Comm& comm, Fence fence, Model model, const options& opt, std::st
         if constexpr (requires { comm.inner(); })
             reduce_buckets(comm.inner());
     };
-    std::vector<double> compute, reduce, carriage, step_never, step_always, verify;
+    std::vector<double> compute, reduce, carriage, step_never, step_always, verify, repro;
     const int reps = opt.quick ? 3 : opt.reps;
     for (int rep = 0; rep <= reps; ++rep) { // round-robin; repetition 0 warms up
         const double c = timed([&] { train_step(solo); });
@@ -291,8 +307,12 @@ row run_config(Comm& comm, Fence fence, Model model, const options& opt, std::st
         const double n = timed([&] { train_step(never); });
         const double a = timed([&] { train_step(always); });
         const double v = timed([&] { train_step(verified); });
+        double p = -1;
+        if constexpr (all_to_all_communicator<Comm>)
+            p = timed([&] { train_step(*reproducible); });
         if (rep == 0)
             continue;
+        repro.push_back(p);
         verify.push_back(v - n);
         compute.push_back(c);
         reduce.push_back(r);
@@ -311,6 +331,7 @@ row run_config(Comm& comm, Fence fence, Model model, const options& opt, std::st
     out.never_ms = median(step_never);
     out.always_ms = median(step_always);
     out.verify_ms = median(verify);
+    out.reproducible_ms = median(repro);
     out.always_overlaps = always.overlaps();
     out.automatic_overlaps = automatic;
     out.background = background;
@@ -379,6 +400,12 @@ void print_rows(const std::vector<row>& rows) {
                         r.backend.c_str(), r.replicas, r.verify_ms, r.never_ms,
                         100.0 * r.verify_ms / 100.0 / r.never_ms);
     for (const row& r : rows)
+        if (r.reproducible_ms > 0)
+            std::printf("reproducible, %s, %d replicas: reduce::reproducible<1> step %.1f ms = "
+                        "%.3f x the bucketed step (overlap never, %.1f ms)\n",
+                        r.backend.c_str(), r.replicas, r.reproducible_ms,
+                        r.reproducible_ms / r.never_ms, r.never_ms);
+    for (const row& r : rows)
         if (r.carriage_ms >= 0)
             std::printf("floor, %s, %d replicas: compute + carriage (the wrapped communicator's "
                         "all_reduce alone, %.1f ms, memory work on the same cores) = %.1f ms = "
@@ -425,6 +452,8 @@ void write_csv(const std::vector<row>& rows, const std::string& path) {
         }
         add(r, "never", r.never_ms);
         add(r, r.always_overlaps ? "always" : "always_inline", r.always_ms);
+        if (r.reproducible_ms > 0)
+            add(r, "reproducible", r.reproducible_ms);
     }
 }
 

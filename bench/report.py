@@ -518,7 +518,10 @@ def section_overlap(rows):
             "simulated link, *carriage* is the wrapped communicator's all_reduce of the same "
             "buckets alone (the data the link's model sends, moved by memory work on the compute "
             "cores) and *floor/max* = (compute + carriage) / max(compute, wire): what a step that "
-            "hides the wire completely still takes on these cores. "
+            "hides the wire completely still takes on these cores. The *reproducible* rows "
+            "train the same network and backward with `reduce::reproducible<1>` (one chunk of one "
+            "sample per replica; its exchange needs every gradient, so it does not overlap) on the "
+            "communicators with all_to_all. "
             "[overlap.md](overlap.md) describes the method.", ""]
     out = [[r["backend"], r["replicas"], r["mode"], fmt(num(r["compute_ms"])),
             fmt(num(r["reduce_ms"])), fmt(num(r["wire_model_ms"])),
@@ -527,6 +530,18 @@ def section_overlap(rows):
             fmt(num(r["step_over_sum"]))] for r in rows]
     text += [table(["backend", "n", "overlap", "compute ms", "reduce ms", "wire model ms",
                     "carriage ms", "step ms", "step/max", "floor/max", "step/sum"], out)]
+    ratios = []
+    for r in rows:
+        if r["mode"] != "reproducible":
+            continue
+        never = [q for q in rows if q["mode"] == "never" and q["backend"] == r["backend"]
+                 and q["replicas"] == r["replicas"]]
+        if never:
+            ratios.append(f"{r['backend']}, {r['replicas']} replicas: "
+                          f"{fmt(num(r['step_ms']) / num(never[0]['step_ms']))}x")
+    if ratios:
+        text += ["", "Reproducible step / bucketed step (overlap never): " + "; ".join(ratios) +
+                 "."]
     if rows and not any(r["mode"] == "ddp" for r in rows):
         text += ["", "No PyTorch DDP row: torch was not importable or its run failed (see "
                      "overlap_threads.txt)."]
