@@ -126,9 +126,12 @@ public:
         collective(
             d,
             [&](const auto& all) {
-                for (int j = 0; j < size(); ++j)
-                    copy_async(recv.data() + static_cast<std::size_t>(j) * send.size(),
-                               static_cast<const T*>(all[j].send), send.size());
+                for (int j = 0; j < size(); ++j) {
+                    T* to = recv.data() + static_cast<std::size_t>(j) * send.size();
+                    const auto* from = static_cast<const T*>(all[j].send);
+                    if (to != from) // in place: this replica's send is its own slot of recv
+                        copy_async(to, from, send.size());
+                }
             },
             [](const auto&) {});
     }
