@@ -38,7 +38,8 @@ constexpr std::string_view to_string(reduce_op op) noexcept {
 /// - all_reduce(send, recv, op): recv[i] = op over replicas of send[i]; send may alias recv.
 /// - broadcast(data, root): data on every replica becomes root's data.
 /// - all_gather(send, recv): recv = concatenation of every replica's send, in rank order;
-///   requires recv.size() == size() * send.size().
+///   requires recv.size() == size() * send.size(); send may be this replica's slot of recv (in
+///   place), else must not overlap it.
 /// - reduce(send, recv, op, root): as all_reduce, but only root's recv is written.
 /// - reduce_scatter(send, recv, counts, op): counts holds size() entries and send.size() is
 ///   their sum, equal on every replica; rank r's slice of send is the counts[r] elements from
