@@ -31,12 +31,9 @@ inline std::atomic<bool>& anchored_portable_only() noexcept {
 
 /// The binades below the anchor that a tile's sum keeps exactly for k terms: 29 - ceil(log2 k),
 /// so that k terms of less than 2^(24 + bits) units sum to at most 2^53 units (exact in a
-/// double).
+/// double). requires: k >= 1.
 inline int anchored_tile_bits(std::size_t k) {
-    int log2k = 0;
-    while ((std::size_t{1} << log2k) < k)
-        ++log2k;
-    return 29 - log2k;
+    return 29 - static_cast<int>(std::bit_width(k - 1)); // ceil(log2 k) for k >= 1
 }
 
 /// The float sums of the m <= anchored_tile elements [b, b + m) of terms at once, with no

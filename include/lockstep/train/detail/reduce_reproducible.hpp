@@ -168,9 +168,8 @@ public:
     /// own loss.
     void check_local(std::span<T> g, double* loss) {
         if (calls_ > 1) {
-            if constexpr (System::is_host && std::is_same_v<T, float>) {
-                constexpr std::size_t w = kernels::detail::anchored_tile;
-                run((n_ + w - 1) / w,
+            if constexpr (host_float) {
+                run(tiles(n_),
                     kernels::detail::anchored_own_check_tiles_fn{chunks(g.data()), n_, g.data()},
                     n_);
             } else {
@@ -189,17 +188,7 @@ public:
             T* mine = g.data() + rank_ * block_;
             const kernels::anchored_terms<T> terms{recv_.data(), replicas_, max_calls_, block_,
                                                    all};
-            if constexpr (System::is_host && std::is_same_v<T, float>) {
-                if (replicas_ * max_calls_ <= kernels::detail::anchored_short_terms) {
-                    constexpr std::size_t w = kernels::detail::anchored_tile;
-                    run((block_ + w - 1) / w,
-                        kernels::detail::anchored_sum_tiles_fn{terms, block_, mine}, block_);
-                } else {
-                    run(block_, kernels::anchored_sum_fn<T>{terms, mine});
-                }
-            } else {
-                run(block_, kernels::anchored_sum_fn<T>{terms, mine});
-            }
+            sum_block(terms, mine);
             comm.all_gather(std::span<const T>(mine, block_), g.first(all));
         }
         if (tail_ > 0)
@@ -217,6 +206,22 @@ private:
     void run(std::size_t count, const F& f,
              std::size_t elements = std::numeric_limits<std::size_t>::max()) {
         kernels::for_each_index(sys_, count, f, elements);
+    }
+    /// The host's float passes run in tiles (kernels/detail/anchored_sum_host.hpp).
+    static constexpr bool host_float = System::is_host && std::is_same_v<T, float>;
+    static std::size_t tiles(std::size_t count) noexcept {
+        return (count + kernels::detail::anchored_tile - 1) / kernels::detail::anchored_tile;
+    }
+    /// out[i] = the rounded sum of element i of this replica's block (block_ elements).
+    void sum_block(const kernels::anchored_terms<T>& terms, T* out) {
+        if constexpr (host_float) {
+            if (replicas_ * max_calls_ <= kernels::detail::anchored_short_terms) {
+                run(tiles(block_), kernels::detail::anchored_sum_tiles_fn{terms, block_, out},
+                    block_);
+                return;
+            }
+        }
+        run(block_, kernels::anchored_sum_fn<T>{terms, out});
     }
     template <class U>
     void grow(buffer<U, System>& b, std::size_t count) {
