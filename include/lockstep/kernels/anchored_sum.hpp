@@ -4,6 +4,7 @@
 #pragma once
 
 #include "lockstep/core/config.hpp"
+#include "lockstep/core/leading_zeros.hpp"
 
 #include <bit>
 #include <cmath>
@@ -171,7 +172,7 @@ LOCKSTEP_HOST_DEVICE T anchored_value(std::int64_t hi, std::int64_t lo, int a) {
     const std::uint64_t bottom = (mh << w) | ml;
     if (top == 0 && bottom == 0)
         return T(0);
-    const int length = top != 0 ? 128 - std::countl_zero(top) : 64 - std::countl_zero(bottom);
+    const int length = top != 0 ? 128 - countl_zero64(top) : 64 - countl_zero64(bottom);
     const int scale = (a == 0 ? 1 : a) - A::bias - f; // the exponent of bit 0
     const int lead = scale + length - 1;
     int lsb = lead - (A::mantissa_bits - 1);
@@ -187,7 +188,7 @@ LOCKSTEP_HOST_DEVICE T anchored_value(std::int64_t hi, std::int64_t lo, int a) {
         if (half && (sticky || (m & 1) != 0))
             ++m;
     }
-    const int m_length = 64 - std::countl_zero(m);
+    const int m_length = 64 - countl_zero64(m);
     if (lsb + m_length - 1 > A::max_exponent)
         return negative ? -std::numeric_limits<T>::infinity() : std::numeric_limits<T>::infinity();
     // m 2^lsb with m <= 2^p, from its bits: the field lsb - min_exponent sits below the hidden
