@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -33,6 +34,16 @@ namespace lockstep::detail {
 /// Reads and restores a trainer's private state for train/checkpoint.hpp (a friend of the
 /// trainers).
 struct checkpoint_access;
+
+/// An optimizer whose per-tensor norms a sharded trainer reduces across replicas (LARS, LAMB).
+/// The requirement names a std::function, not a lambda: nvcc's device pass evaluates a
+/// requires-expression holding a lambda as false, so the kernels of the branch it guards get
+/// host stubs but no device code (cudaErrorInvalidDeviceFunction at their first launch).
+template <class Optimizer>
+concept norm_reducing = requires(Optimizer& o,
+                                 std::function<void(std::span<kernels::sum_pair>)> f) {
+    o.set_norm_reduction(std::move(f));
+};
 
 /// Builds a Network in place from factory(ctx) (guaranteed elision: Network need not move).
 template <class Network, class Factory, class Context>
@@ -161,9 +172,7 @@ public:
             shard_segments(std::span<const tensor_segment>(segments_), shard_, map);
         opt_.emplace(shard_.count, std::move(opt), comm.system(),
                      std::span<const tensor_segment>(local));
-        if constexpr (requires(Optimizer & o) {
-                          o.set_norm_reduction([](std::span<kernels::sum_pair>) {});
-                      }) {
+        if constexpr (norm_reducing<Optimizer>) {
             norms_ = std::make_unique<sharded_norms<Communicator>>(comm, segments_.size(), map);
             opt_->set_norm_reduction(
                 [n = norms_.get()](std::span<kernels::sum_pair> s) { (*n)(s); });
