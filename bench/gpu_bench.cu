@@ -207,6 +207,10 @@ void bench_bn(const cuda_system& sys, cudnnHandle_t cudnn, shape s, bool nhwc, d
 /// All-reduce bus bandwidth of 256 MiB of float over every visible device (one process, one
 /// NCCL group call per step).
 void bench_nccl(int devices) {
+    if (devices < 2) { // one rank: NCCL copies nothing in place, so a time would mean nothing
+        std::printf("nccl all_reduce: needs 2 or more GPUs (%d visible); not measured\n", devices);
+        return;
+    }
     const std::size_t count = std::size_t(64) << 20;
     std::vector<ncclComm_t> comms(static_cast<std::size_t>(devices));
     std::vector<int> list(static_cast<std::size_t>(devices));
