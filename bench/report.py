@@ -647,7 +647,8 @@ def main():
                   "`bench` preset, runs everything (MPI rows under `mpiexec -n 2` with "
                   "`OMP_NUM_THREADS=1`) and writes the CSVs, text outputs and plots to "
                   "`build/bench-results/`. `bench/gpu_bench.cu` (CUDA batch norm against cuDNN, "
-                  "NCCL all_reduce) needs a GPU and is not part of this page."]
+                  "NCCL all_reduce) needs a GPU and is not part of this page; "
+                  "[gpu.md](gpu.md) has its figures from a run on an H200."]
 
     sections = [("batch_norm", section_batch_norm(data["batch_norm"])),
                 ("allreduce", section_allreduce(data["allreduce"])),
