@@ -397,7 +397,10 @@ def section_reproducible(rows):
             "largest exponent and rounds once, and all-gathers the blocks (4 bytes per parameter), "
             "in exchange for weights that are bitwise the same for every replica count; `reduce::sharded<>` (ZeRO stage 1) reduce-scatters each bucket, "
             "updates its shard with its share of the optimizer state and all-gathers the "
-            "parameters. 2 thread replicas and 2 MPI processes.", ""]
+            "parameters. 2 thread replicas and 2 MPI processes. The four trainers live side by side "
+            "and take turns, one step each per round, so a slow spell of the machine hits every "
+            "row alike: *step ms* is the median step, */ bucketed* the median over rounds of the "
+            "step over the bucketed step of the same round.", ""]
     out = [[r["backend"], f"`{r['policy']}`", fmt(num(r["step_ms"])),
             fmt(num(r["ratio_to_bucketed"]))] for r in rows]
     text += [table(["backend", "policy", "step ms", "/ bucketed"], out)]

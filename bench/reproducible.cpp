@@ -15,8 +15,10 @@
 // values of every block of elements to the block's owner (an all_to_all per chunk index: 4
 // bytes per parameter and chunk), which sums them in fixed point anchored at each element's
 // largest exponent and rounds once, and all-gathers the blocks (4 bytes per parameter).
-// Global batch 64; SGD with momentum; each time is the median over repetitions of one step
-// between barriers.
+// Global batch 64; SGD with momentum. The four trainers live side by side and take turns, one
+// step each per round, so a slow spell of the shared machine hits every row alike: a row's time
+// is the median over rounds of one step between barriers, its ratio the median over rounds of
+// its step over the bucketed step of the same round.
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/train/data_parallel.hpp"
@@ -30,7 +32,10 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 using namespace lockstep;
@@ -68,38 +73,51 @@ double median(std::vector<double> v) {
 struct row {
     std::string name;
     double ms = 0;
+    double ratio = 0; ///< median over rounds of this step / the bucketed step of the round
 };
 
-template <class Comm, class Reduce>
-double time_steps(Comm& comm, int reps) {
+/// One trainer of the bench network with policy Reduce, as a function that takes one step.
+template <class Reduce, class Comm>
+std::function<void()> make_trainer(Comm& comm) {
     using net = resnet_shaped<replica_context<float, Comm>>;
-    data_parallel<net, optim::sgd<float, typename Comm::system_type>, sync::synchronous, Reduce,
-                  Comm>
-        dp(comm, [](auto& ctx) { return net(ctx); }, {.lr = 1e-3, .momentum = 0.9});
-    std::vector<double> t;
-    for (int r = -1; r < reps; ++r) {
-        comm.barrier();
-        const auto t0 = std::chrono::steady_clock::now();
-        dp.step(global_batch,
-                [](net& n, const shard_range& s, auto& ctx) { return n.train(s, ctx); });
-        comm.barrier();
-        if (r >= 0)
-            t.push_back(
-                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                    .count());
-    }
-    return median(t);
+    using trainer = data_parallel<net, optim::sgd<float, typename Comm::system_type>,
+                                  sync::synchronous, Reduce, Comm>;
+    auto dp = std::make_shared<trainer>(
+        comm, [](auto& ctx) { return net(ctx); }, optim::sgd_params{.lr = 1e-3, .momentum = 0.9});
+    return [dp] {
+        dp->step(global_batch,
+                 [](net& n, const shard_range& s, auto& ctx) { return n.train(s, ctx); });
+    };
 }
 
 template <class Comm>
 std::vector<row> run_all(Comm& comm, int reps) {
+    std::vector<std::pair<std::string, std::function<void()>>> trainers;
+    trainers.emplace_back("bucketed<>", make_trainer<reduce::bucketed<>>(comm));
+    trainers.emplace_back("sharded<> (ZeRO stage 1)", make_trainer<reduce::sharded<>>(comm));
+    trainers.emplace_back("reproducible<32> (1 chunk per replica)",
+                          make_trainer<reduce::reproducible<32>>(comm));
+    trainers.emplace_back("reproducible<8> (4 chunks per replica)",
+                          make_trainer<reduce::reproducible<8>>(comm));
+    std::vector<std::vector<double>> ms(trainers.size());
+    for (int r = -1; r < reps; ++r) // round -1 warms every trainer up
+        for (std::size_t k = 0; k < trainers.size(); ++k) {
+            comm.barrier();
+            const auto t0 = std::chrono::steady_clock::now();
+            trainers[k].second();
+            comm.barrier();
+            if (r >= 0)
+                ms[k].push_back(
+                    std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                        .count());
+        }
     std::vector<row> rows;
-    rows.push_back({"bucketed<>", time_steps<Comm, reduce::bucketed<>>(comm, reps)});
-    rows.push_back({"sharded<> (ZeRO stage 1)", time_steps<Comm, reduce::sharded<>>(comm, reps)});
-    rows.push_back({"reproducible<32> (1 chunk per replica)",
-                    time_steps<Comm, reduce::reproducible<32>>(comm, reps)});
-    rows.push_back({"reproducible<8> (4 chunks per replica)",
-                    time_steps<Comm, reduce::reproducible<8>>(comm, reps)});
+    for (std::size_t k = 0; k < trainers.size(); ++k) {
+        std::vector<double> ratios;
+        for (std::size_t r = 0; r < ms[k].size(); ++r)
+            ratios.push_back(ms[k][r] / ms[0][r]);
+        rows.push_back({trainers[k].first, median(ms[k]), median(ratios)});
+    }
     return rows;
 }
 
@@ -108,14 +126,14 @@ void report(const std::vector<row>& rows, const char* backend, const std::string
                 backend, global_batch);
     std::printf("%-42s %10s %14s\n", "reduce policy", "step ms", "/ bucketed");
     for (const row& r : rows)
-        std::printf("%-42s %10.2f %14.3f\n", r.name.c_str(), r.ms, r.ms / rows[0].ms);
+        std::printf("%-42s %10.2f %14.3f\n", r.name.c_str(), r.ms, r.ratio);
     if (csv.empty())
         return;
     if (std::FILE* f = std::fopen(csv.c_str(), "w")) {
         std::fprintf(f, "bench,backend,policy,step_ms,ratio_to_bucketed\n");
         for (const row& r : rows)
             std::fprintf(f, "reproducible,%s,\"%s\",%.6f,%.6f\n", backend, r.name.c_str(), r.ms,
-                         r.ms / rows[0].ms);
+                         r.ratio);
         std::fclose(f);
     }
 }
