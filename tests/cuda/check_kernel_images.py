@@ -15,22 +15,10 @@ import subprocess
 import sys
 
 
-def split_params(name):
-    """'void f<a, b(c)>(int*)' -> 'f<a, b(c)>': drops the return type and the parameter list."""
-    depth = 0
-    for i, ch in enumerate(name):
-        if ch == "<":
-            depth += 1
-        elif ch == ">":
-            depth -= 1
-        elif ch == "(" and depth == 0:
-            head = name[:i]
-            return head[5:] if head.startswith("void ") else head
-    return name
-
-
-def unqualified(name):
-    """'a::b::f<c::d>' -> 'f<c::d>': drops the namespaces of the outermost name."""
+def kernel_name(name):
+    """'void a::b::f<c::d, e(g)>(int*)' -> 'f<c::d, e(g)>': the outermost name without its
+    return type, namespaces and parameter list (what a wrapper and its kernel share)."""
+    name = name.replace("(anonymous namespace)", "{anonymous}")
     depth = 0
     start = 0
     for i, ch in enumerate(name):
@@ -38,7 +26,11 @@ def unqualified(name):
             depth += 1
         elif ch == ">":
             depth -= 1
-        elif ch == ":" and depth == 0 and name[i + 1 : i + 2] == ":":
+        elif depth == 0 and ch == "(":
+            return name[start:i]
+        elif depth == 0 and ch == " ":
+            start = i + 1
+        elif depth == 0 and ch == ":" and name[i + 1 : i + 2] == ":":
             start = i + 2
     return name[start:]
 
@@ -66,11 +58,11 @@ def check(obj):
     missing = max(0, len(wrapper_symbols) - len(stub_symbols))
     print(f"{obj}: {len(wrapper_symbols)} launched kernels, {missing} without device code")
     if missing:
-        wrappers = {unqualified(split_params(w.split("__wrapper__device_stub_", 1)[1]))
+        wrappers = {kernel_name(w.split("__wrapper__device_stub_", 1)[1])
                     for w in demangle(wrapper_symbols)}
         kernels = [d.split("__device_stub_", 1)[1].split("(", 1)[0]
                    for d in demangle(stub_symbols)]
-        with_device = {unqualified(split_params(k)) for k in demangle(kernels)}
+        with_device = {kernel_name(k) for k in demangle(kernels)}
         for w in sorted(wrappers - with_device):
             print(f"    no device code: {w[:400]}")
     return len(wrapper_symbols), missing
