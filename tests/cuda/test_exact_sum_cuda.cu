@@ -12,6 +12,7 @@
 #include "lockstep/system/host_system.hpp"
 
 #include "cuda_test_support.hpp"
+#include "support/splitmix64.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -31,16 +32,7 @@ using lockstep::cuda_system;
 using lockstep::host_system;
 namespace kernels = lockstep::kernels;
 
-/// splitmix64: the test's deterministic stream of 64-bit words.
-struct words {
-    std::uint64_t state;
-    std::uint64_t next() {
-        std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-        return z ^ (z >> 31);
-    }
-};
+using words = lockstep_test::splitmix64;
 
 /// A value of T with a random sign and mantissa whose binary exponent is base + [0, spread).
 template <class T>
@@ -127,6 +119,14 @@ std::size_t bit_differences(const std::vector<T>& a, const std::vector<T>& b) {
     return count;
 }
 
+/// bit_differences between make's results on the host and on sys.
+template <class Out, class In, class Make>
+std::size_t host_device_differences(const cuda_system& sys, const std::vector<In>& values,
+                                    std::size_t n, Make make) {
+    return bit_differences(run_on<Out>(host_system{1}, values, n, make),
+                           run_on<Out>(sys, values, n, make));
+}
+
 /// Element i (of n): clear, add its terms (term t at t * n + i) in order, round once.
 template <class T>
 struct binned_sum_fn {
@@ -194,16 +194,13 @@ TEMPLATE_TEST_CASE("anchored sums on cuda_system equal the host's bit for bit",
             // anchored_terms: value c of replica j at j * (calls n) + c * n + i.
             return kernels::anchored_sum_fn<T>{{v, replicas, calls, calls * n, n}, out};
         };
-        const auto host = run_on<T>(host_system{1}, values, n, make);
-        const auto device = run_on<T>(sys, values, n, make);
         INFO(replicas << " replicas x " << calls << " calls");
-        CHECK(bit_differences(host, device) == 0);
+        CHECK(host_device_differences<T>(sys, values, n, make) == 0);
         // The own check: one replica's chunks (the last one apart, as the reducer keeps it).
         const auto check = [&](const T* v, T* out) {
             return kernels::anchored_own_check_fn<T>{{v, v + (calls - 1) * n, calls, n}, out};
         };
-        CHECK(bit_differences(run_on<T>(host_system{1}, values, n, check),
-                              run_on<T>(sys, values, n, check)) == 0);
+        CHECK(host_device_differences<T>(sys, values, n, check) == 0);
     }
 }
 

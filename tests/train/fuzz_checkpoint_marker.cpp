@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "allocation_tracker.hpp"
+#include "support/splitmix64.hpp"
 
 namespace {
 
@@ -80,16 +81,7 @@ bytes encode(const meta_list& meta) {
 }
 
 /// splitmix64: a deterministic stream of random words.
-struct rng {
-    std::uint64_t s;
-    std::uint64_t next() {
-        std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        return z ^ (z >> 31);
-    }
-    std::size_t below(std::size_t n) { return n == 0 ? 0 : next() % n; }
-};
+using rng = lockstep_test::splitmix64;
 
 /// A checkpoint directory `<root>/ckpt` with the marker m.ckpt and a valid shard, next to an
 /// outside file of 64 KiB (a size the mutations record) and, in the directory, a symbolic link
