@@ -604,6 +604,76 @@ TEST_CASE("in-place reduce_scatter reuses its scratch across sizes and types", "
     });
 }
 
+// A reduce_scatter with the given counts, in place or into a separate recv: this rank's slice
+// matches the naive reference, and send keeps this rank's values outside the slice (everywhere
+// when out of place).
+template <class T>
+void reduce_scatter_counts(mpi_communicator& comm, const std::vector<std::size_t>& counts,
+                           bool in_place) {
+    const int p = comm.size(), r = comm.rank();
+    std::size_t total = 0, offset = 0;
+    for (int j = 0; j < p; ++j) {
+        if (j == r)
+            offset = total;
+        total += counts[static_cast<std::size_t>(j)];
+    }
+    const std::size_t mine = counts[static_cast<std::size_t>(r)];
+    const auto in = inputs<T>(r, total);
+    std::vector<T> send = in, other(mine, T(7));
+    const std::span<T> recv =
+        in_place ? std::span<T>(send).subspan(offset, mine) : std::span<T>(other);
+    comm.reduce_scatter(std::span<const T>(send), recv, std::span<const std::size_t>(counts),
+                        reduce_op::sum);
+    const auto all = reference<T>(reduce_op::sum, p, total);
+    INFO("rank " << r << ", " << total << " elements of " << sizeof(T) << " bytes, this rank "
+                 << mine << " from " << offset << (in_place ? ", in place" : ""));
+    CHECK(differences(std::vector<T>(recv.begin(), recv.end()),
+                      std::vector<T>(all.begin() + static_cast<std::ptrdiff_t>(offset),
+                                     all.begin() + static_cast<std::ptrdiff_t>(offset + mine))) ==
+          "");
+    if (in_place)
+        std::copy(in.begin() + static_cast<std::ptrdiff_t>(offset),
+                  in.begin() + static_cast<std::ptrdiff_t>(offset + mine),
+                  send.begin() + static_cast<std::ptrdiff_t>(offset));
+    CHECK(differences(send, in) == ""); // the rest of send still holds this rank's values
+}
+
+TEST_CASE("a large reduce_scatter runs in pieces, in place and out of place", "[comm][mpi]") {
+    // Sends beyond twice the communicator's piece (1 MiB) are cut into pieces whose counts are
+    // their overlap with each rank's slice: one owner (as in most of ZeRO's buckets), slices
+    // whose boundaries fall inside pieces, and equal counts; totals that are not multiples of
+    // the piece.
+    mpi_communicator comm(MPI_COMM_WORLD);
+    in_step(comm, [&] {
+        const auto p = static_cast<std::size_t>(comm.size());
+        const auto layouts = [&](std::size_t bytes) {
+            const std::size_t total = (3 << 20) / bytes + 17;
+            std::vector<std::vector<std::size_t>> out;
+            std::vector<std::size_t> one(p, 0);
+            one[p - 1] = total; // the last rank owns everything
+            out.push_back(one);
+            std::vector<std::size_t> uneven(p);
+            std::size_t left = total;
+            for (std::size_t j = 0; j + 1 < p; ++j) {
+                uneven[j] = total / (p + 1) + 12345 * j;
+                left -= uneven[j];
+            }
+            uneven[p - 1] = left;
+            out.push_back(uneven);
+            out.emplace_back(p, total / p + 3);
+            return out;
+        };
+        for (const bool in_place : {true, false}) {
+            for (const auto& counts : layouts(sizeof(float)))
+                reduce_scatter_counts<float>(comm, counts, in_place);
+            for (const auto& counts : layouts(sizeof(double)))
+                reduce_scatter_counts<double>(comm, counts, in_place);
+            for (const auto& counts : layouts(sizeof(int)))
+                reduce_scatter_counts<int>(comm, counts, in_place);
+        }
+    });
+}
+
 TEST_CASE("reduce_scatter with an empty recv pointing into send", "[comm][mpi]") {
     // Even ranks receive nothing; their recv is an empty span at their (empty) slice of send,
     // which lies inside send (before an odd rank's slice), or at send's start for rank 0. Both
