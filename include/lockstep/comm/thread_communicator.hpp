@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -396,6 +397,7 @@ private:
         int done;
         detail::shm::op_label op;
         flight_recorder::scope traced; ///< marks the recorded collective done or failed
+        std::chrono::steady_clock::time_point began{}; ///< when this replica's data work began
     };
 
     thread_communicator(std::shared_ptr<detail::shm::group_state> group, int rank)
@@ -473,20 +475,27 @@ private:
         } catch (const error& e) {
             throw_traced(e);
         }
+        s.began = std::chrono::steady_clock::now();
         return s;
     }
 
+    /// After a data phase: waits for the peers doing theirs, spinning about as long as this
+    /// replica's took (run_context::data_phase_spin) before it sleeps.
     void next_phase(session& s) {
+        const auto now = std::chrono::steady_clock::now();
+        const auto spin = group_->context().data_phase_spin(now - s.began);
         try {
-            next_phase_untraced(s);
+            next_phase_untraced(s, spin);
         } catch (const error& e) {
             throw_traced(e);
         }
+        s.began = std::chrono::steady_clock::now();
     }
-    void next_phase_untraced(session& s) {
+    void next_phase_untraced(session& s,
+                             std::chrono::nanoseconds spin = std::chrono::nanoseconds(0)) {
         ++s.done;
         ++epoch_;
-        group_->arrive_and_wait(rank_, epoch_, s.first, s.done == s.phases, s.op);
+        group_->arrive_and_wait(rank_, epoch_, s.first, s.done == s.phases, s.op, spin);
     }
 
     /// Called from a handler of e: writes the flight recorder for the errors it is kept for

@@ -258,9 +258,10 @@ public:
     /// member has. `first` is the epoch of the collective's first phase; `final_phase` says no
     /// data phase follows. On failure (the run failed, a missing member departed, or the
     /// timeout passed) the group is aborted and this throws, after waiting until no peer can
-    /// still be reading rank's buffers.
+    /// still be reading rank's buffers. `spin`: see run_context::wait_until.
     void arrive_and_wait(int rank, std::uint64_t target, std::uint64_t first, bool final_phase,
-                         op_label label) {
+                         op_label label,
+                         std::chrono::nanoseconds spin = std::chrono::nanoseconds(0)) {
         member(rank).epoch.store(target);
         ctx_->notify();
         const auto complete = [&] {
@@ -278,7 +279,7 @@ public:
         const auto ready = [&] {
             return complete() || aborted() || ctx_->failed() || departed_missing();
         };
-        const bool in_time = ctx_->wait_until(ready, ctx_->deadline());
+        const bool in_time = ctx_->wait_until(ready, ctx_->deadline(), spin);
         // Epochs first, then the abort flag: a member that aborts sets the flag before it
         // reads the epochs, so either it sees this replica proceed or this replica sees it.
         if (complete() && !aborted())
