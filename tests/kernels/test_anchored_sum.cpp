@@ -12,11 +12,14 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 using namespace lockstep;
@@ -202,45 +205,78 @@ TEST_CASE("float sums in one int64 agree with the two limbs and the exact sum",
 TEST_CASE("the host's float tiles give anchored_sum_fn's bits on both paths",
           "[kernels][anchored_sum]") {
     // Elements with terms inside and beyond 31 binades of their anchor, subnormal and normal
-    // results, overflows, NaNs and infinities, over 3 replicas x 2 calls and a partial tile.
+    // results, overflows, NaNs and infinities, over 3 replicas x 2 calls, and over the two
+    // layouts of 2 terms (2 replicas x 1 call, 1 replica x 2 calls: float additions), each with
+    // a partial tile.
     using lim = std::numeric_limits<float>;
-    const std::size_t replicas = 3, calls = 2, n = 3 * kernels::detail::anchored_tile + 17;
-    std::vector<float> base(replicas * calls * n);
-    std::mt19937 gen(5);
-    const auto x = random_terms<float>(base.size() / n, n, -40, 40, 9);
-    for (std::size_t r = 0; r < x.size(); ++r)
+    for (const auto& [replicas, calls] :
+         {std::pair<std::size_t, std::size_t>{3, 2}, {2, 1}, {1, 2}}) {
+        const std::size_t terms_n = replicas * calls, n = 3 * kernels::detail::anchored_tile + 17;
+        INFO(replicas << " replicas x " << calls << " calls");
+        std::vector<float> base(terms_n * n);
+        std::mt19937 gen(5);
+        const auto x = random_terms<float>(terms_n, n, -40, 40, 9);
+        for (std::size_t r = 0; r < x.size(); ++r)
+            for (std::size_t i = 0; i < n; ++i)
+                base[r * n + i] = x[r][i];
+        const float specials[] = {lim::quiet_NaN(), lim::infinity(),   -lim::infinity(),
+                                  lim::max(),       lim::denorm_min(), -lim::min()};
+        for (std::size_t k = 0; k < 60; ++k)
+            base[gen() % base.size()] = specials[k % 6];
+        for (std::size_t i = 0; i < 20; ++i) // elements of subnormals only
+            for (std::size_t r = 0; r < terms_n; ++r)
+                base[r * n + 5 * i] = std::ldexp(float(r % 3) - 1.0f, -140);
+        if (terms_n == 6) {
+            // Just above and below a tie by less than a double resolves: 1 + 2^-24 + 2^-60
+            // rounds up to 1 + 2^-23, 1 + 2^-24 - 2^-60 down to 1 (a double sum would make both
+            // the tie, 1).
+            for (std::size_t r = 0; r < terms_n; ++r) {
+                const float tie[] = {1.0f, std::ldexp(1.0f, -24), std::ldexp(1.0f, -60), 0, 0, 0};
+                base[r * n + 1] = tie[r];
+                base[r * n + 2] = r == 2 ? -tie[r] : tie[r];
+            }
+        } else {
+            // Ties to even both ways, zeros of both signs, an overflow, inf - inf, and a term
+            // 100 binades below the other.
+            const float pairs[][2] = {{1.0f + 0x1p-23f, 0x1p-24f},
+                                      {1.0f, 0x1p-24f},
+                                      {-0.0f, -0.0f},
+                                      {lim::max(), lim::max()},
+                                      {lim::infinity(), -lim::infinity()},
+                                      {1.0f, 0x1p-100f},
+                                      {-0.0f, 0.0f}};
+            for (std::size_t k = 0; k < std::size(pairs); ++k)
+                for (std::size_t r = 0; r < 2; ++r)
+                    base[r * n + 1 + k] = pairs[k][r];
+        }
+        const std::size_t call_stride = replicas * n;
+        const kernels::anchored_terms<float> terms{base.data(), replicas, calls, n, call_stride};
+        std::vector<float> want(n);
         for (std::size_t i = 0; i < n; ++i)
-            base[r * n + i] = x[r][i];
-    const float specials[] = {lim::quiet_NaN(), lim::infinity(),   -lim::infinity(),
-                              lim::max(),       lim::denorm_min(), -lim::min()};
-    for (std::size_t k = 0; k < 60; ++k)
-        base[gen() % base.size()] = specials[k % 6];
-    for (std::size_t i = 0; i < 20; ++i) // elements of subnormals only
-        for (std::size_t r = 0; r < replicas * calls; ++r)
-            base[r * n + 5 * i] = std::ldexp(float(r % 3) - 1.0f, -140);
-    // Just above and below a tie by less than a double resolves: 1 + 2^-24 + 2^-60 rounds up
-    // to 1 + 2^-23, 1 + 2^-24 - 2^-60 down to 1 (a double sum would make both the tie, 1).
-    for (std::size_t r = 0; r < replicas * calls; ++r) {
-        const float tie[] = {1.0f, std::ldexp(1.0f, -24), std::ldexp(1.0f, -60), 0, 0, 0};
-        base[r * n + 1] = tie[r];
-        base[r * n + 2] = r == 2 ? -tie[r] : tie[r];
+            kernels::anchored_sum_fn<float>{terms, want.data()}(i);
+        for (bool portable : {false, true}) {
+            kernels::detail::anchored_portable_only() = portable;
+            std::vector<float> got(n, -1.0f);
+            const std::size_t w = kernels::detail::anchored_tile;
+            for (std::size_t t = 0; t < (n + w - 1) / w; ++t)
+                kernels::detail::anchored_sum_tiles_fn{terms, n, got.data()}(t);
+            INFO("portable " << portable);
+            CHECK(same_bits(got, want));
+            if (terms_n == 6) {
+                CHECK(got[1] == 1.0f + std::ldexp(1.0f, -23));
+                CHECK(got[2] == 1.0f);
+            } else {
+                CHECK(got[1] == 1.0f + 0x1p-22f);
+                CHECK(got[2] == 1.0f);
+                CHECK(std::bit_cast<std::uint32_t>(got[3]) == 0u);
+                CHECK(got[4] == lim::infinity());
+                CHECK(std::bit_cast<std::uint32_t>(got[5]) == 0x7fc00000u);
+                CHECK(got[6] == 1.0f);
+                CHECK(std::bit_cast<std::uint32_t>(got[7]) == 0u);
+            }
+        }
+        kernels::detail::anchored_portable_only() = false;
     }
-    const kernels::anchored_terms<float> terms{base.data(), replicas, calls, n, replicas * n};
-    std::vector<float> want(n);
-    for (std::size_t i = 0; i < n; ++i)
-        kernels::anchored_sum_fn<float>{terms, want.data()}(i);
-    for (bool portable : {false, true}) {
-        kernels::detail::anchored_portable_only() = portable;
-        std::vector<float> got(n, -1.0f);
-        const std::size_t w = kernels::detail::anchored_tile;
-        for (std::size_t t = 0; t < (n + w - 1) / w; ++t)
-            kernels::detail::anchored_sum_tiles_fn{terms, n, got.data()}(t);
-        INFO("portable " << portable);
-        CHECK(same_bits(got, want));
-        CHECK(got[1] == 1.0f + std::ldexp(1.0f, -23));
-        CHECK(got[2] == 1.0f);
-    }
-    kernels::detail::anchored_portable_only() = false;
 }
 
 TEMPLATE_TEST_CASE("anchored sums keep 83 bits below the largest value under cancellation",

@@ -98,6 +98,43 @@ inline int anchored_tile_bits(std::size_t k) {
     return all != 0;
 }
 
+/// The float sums of exactly 2 terms (terms.replicas * terms.calls == 2) over the m elements
+/// [b, b + m), as anchored_tile_body reports them, in one pass of float additions: an IEEE
+/// float addition rounds the exact sum once to nearest even, which is anchored_sum_fn's result
+/// wherever that is normal, infinite or zero (a term too far below the other for the limbs to
+/// keep is below half an ulp of it, so it cannot move the rounding either way; the sum starts
+/// from +0 as anchored_sum_fn's does, so -0 + -0 gives +0). A non-finite term gives
+/// anchored_sum_fn's quiet NaN; a subnormal result is left to anchored_sum_fn (done[i] = 0).
+[[gnu::always_inline]] inline bool anchored_pair_body(const anchored_terms<float>& terms,
+                                                      std::size_t b, std::size_t m, float* out,
+                                                      unsigned char* done) {
+    const float* p = terms.base + b;
+    const float* q = p + (terms.replicas == 2 ? terms.replica_stride : terms.call_stride);
+    // Float operations only and no branch, so the loop vectorises (GCC 12 vectorises no loop
+    // that mixes these float loads with their bits as integers).
+    const float quiet_nan = std::numeric_limits<float>::quiet_NaN(); // anchored_sum_fn's bits
+    unsigned all = 1;
+    for (std::size_t i = 0; i < m; ++i) {
+        const float x = p[i];
+        const float y = q[i];
+        const float sum = (0.0f + x) + y;
+        const bool finite = (x - x == 0.0f) & (y - y == 0.0f); // false for infinities and NaNs
+        const float mag = sum < 0.0f ? -sum : sum;
+        out[b + i] = finite ? sum : quiet_nan;
+        const unsigned ok = static_cast<unsigned>(!finite) |
+                            static_cast<unsigned>(mag >= 0x1p-126f) |
+                            static_cast<unsigned>(sum == 0.0f);
+        done[i] = static_cast<unsigned char>(ok);
+        all &= ok;
+    }
+    return all != 0;
+}
+
+inline bool anchored_pair_portable(const anchored_terms<float>& terms, std::size_t b, std::size_t m,
+                                   float* out, unsigned char* done) {
+    return anchored_pair_body(terms, b, m, out, done);
+}
+
 inline bool anchored_tile_portable(const anchored_terms<float>& terms, std::size_t b, std::size_t m,
                                    float* out, unsigned char* done) {
     return anchored_tile_body(terms, b, m, out, done);
@@ -109,11 +146,17 @@ LOCKSTEP_ANCHORED_AVX2 inline bool anchored_tile_avx2(const anchored_terms<float
                                                       unsigned char* done) {
     return anchored_tile_body(terms, b, m, out, done);
 }
+LOCKSTEP_ANCHORED_AVX2 inline bool anchored_pair_avx2(const anchored_terms<float>& terms,
+                                                      std::size_t b, std::size_t m, float* out,
+                                                      unsigned char* done) {
+    return anchored_pair_body(terms, b, m, out, done);
+}
 #endif
 
 /// Task t: the float sums of elements [t anchored_tile, min(..., count)) of terms into out,
 /// bit for bit what anchored_sum_fn<float> gives (which answers the elements the tile does
-/// not). Host only. requires: terms.replicas * terms.calls <= anchored_short_terms.
+/// not); 2 terms (2 replicas of one chunk, or one replica's 2 chunks) take anchored_pair_body. Host
+/// only. requires: terms.replicas * terms.calls <= anchored_short_terms.
 struct anchored_sum_tiles_fn {
     anchored_terms<float> terms;
     std::size_t count;
@@ -123,14 +166,18 @@ struct anchored_sum_tiles_fn {
         const std::size_t m = count - b < anchored_tile ? count - b : anchored_tile;
         unsigned char done[anchored_tile];
         bool all = false;
+        const bool pair = terms.replicas * terms.calls == 2;
 #if LOCKSTEP_F16_X86
         if (lockstep::detail::cpu_has_f16c() &&
             !anchored_portable_only().load(std::memory_order_relaxed))
-            all = anchored_tile_avx2(terms, b, m, out, done);
+            all = pair ? anchored_pair_avx2(terms, b, m, out, done)
+                       : anchored_tile_avx2(terms, b, m, out, done);
         else
-            all = anchored_tile_portable(terms, b, m, out, done);
+            all = pair ? anchored_pair_portable(terms, b, m, out, done)
+                       : anchored_tile_portable(terms, b, m, out, done);
 #else
-        all = anchored_tile_portable(terms, b, m, out, done);
+        all = pair ? anchored_pair_portable(terms, b, m, out, done)
+                   : anchored_tile_portable(terms, b, m, out, done);
 #endif
         if (!all)
             for (std::size_t i = 0; i < m; ++i)
