@@ -559,51 +559,6 @@ TEST_CASE("without verification the collectives still agree with the reference",
     });
 }
 
-// In place, the result goes through the communicator's scratch, which is kept between calls:
-// sizes that shrink and grow again and element types of different widths share it. Each call's
-// result matches the naive reference and the rest of send keeps this rank's own values.
-template <class T>
-void in_place_reduce_scatter(mpi_communicator& comm, std::size_t per_rank) {
-    const int p = comm.size(), r = comm.rank();
-    std::vector<std::size_t> counts(static_cast<std::size_t>(p));
-    std::size_t total = 0, offset = 0;
-    for (int j = 0; j < p; ++j) {
-        counts[static_cast<std::size_t>(j)] = per_rank + static_cast<std::size_t>(j);
-        if (j == r)
-            offset = total;
-        total += counts[static_cast<std::size_t>(j)];
-    }
-    const std::size_t mine = counts[static_cast<std::size_t>(r)];
-    const auto in = inputs<T>(r, total);
-    std::vector<T> send = in;
-    const std::span<T> recv = std::span<T>(send).subspan(offset, mine);
-    comm.reduce_scatter(std::span<const T>(send), recv, std::span<const std::size_t>(counts),
-                        reduce_op::sum);
-    const auto all = reference<T>(reduce_op::sum, p, total);
-    INFO("rank " << r << ", " << per_rank << " per rank, " << sizeof(T) << "-byte elements");
-    CHECK(differences(std::vector<T>(recv.begin(), recv.end()),
-                      std::vector<T>(all.begin() + static_cast<std::ptrdiff_t>(offset),
-                                     all.begin() + static_cast<std::ptrdiff_t>(offset + mine))) ==
-          "");
-    std::copy(in.begin() + static_cast<std::ptrdiff_t>(offset),
-              in.begin() + static_cast<std::ptrdiff_t>(offset + mine),
-              send.begin() + static_cast<std::ptrdiff_t>(offset));
-    CHECK(send == in); // outside its slice, send still holds this rank's values
-}
-
-TEST_CASE("in-place reduce_scatter reuses its scratch across sizes and types", "[comm][mpi]") {
-    mpi_communicator comm(MPI_COMM_WORLD);
-    in_step(comm, [&] {
-        for (const std::size_t n : {std::size_t{5}, std::size_t{70000}, std::size_t{3},
-                                    std::size_t{150000}, std::size_t{1}}) {
-            in_place_reduce_scatter<float>(comm, n);
-            in_place_reduce_scatter<double>(comm, n);
-            in_place_reduce_scatter<std::int64_t>(comm, n);
-            in_place_reduce_scatter<int>(comm, n);
-        }
-    });
-}
-
 // A reduce_scatter with the given counts, in place or into a separate recv: this rank's slice
 // matches the naive reference, and send keeps this rank's values outside the slice (everywhere
 // when out of place).
@@ -636,6 +591,30 @@ void reduce_scatter_counts(mpi_communicator& comm, const std::vector<std::size_t
                   in.begin() + static_cast<std::ptrdiff_t>(offset + mine),
                   send.begin() + static_cast<std::ptrdiff_t>(offset));
     CHECK(differences(send, in) == ""); // the rest of send still holds this rank's values
+}
+
+// In place, the result goes through the communicator's scratch, which is kept between calls:
+// sizes that shrink and grow again and element types of different widths share it. Each call's
+// result matches the naive reference and the rest of send keeps this rank's own values.
+template <class T>
+void in_place_reduce_scatter(mpi_communicator& comm, std::size_t per_rank) {
+    std::vector<std::size_t> counts(static_cast<std::size_t>(comm.size()));
+    for (std::size_t j = 0; j < counts.size(); ++j)
+        counts[j] = per_rank + j;
+    reduce_scatter_counts<T>(comm, counts, true);
+}
+
+TEST_CASE("in-place reduce_scatter reuses its scratch across sizes and types", "[comm][mpi]") {
+    mpi_communicator comm(MPI_COMM_WORLD);
+    in_step(comm, [&] {
+        for (const std::size_t n : {std::size_t{5}, std::size_t{70000}, std::size_t{3},
+                                    std::size_t{150000}, std::size_t{1}}) {
+            in_place_reduce_scatter<float>(comm, n);
+            in_place_reduce_scatter<double>(comm, n);
+            in_place_reduce_scatter<std::int64_t>(comm, n);
+            in_place_reduce_scatter<int>(comm, n);
+        }
+    });
 }
 
 TEST_CASE("a large reduce_scatter runs in pieces, in place and out of place", "[comm][mpi]") {
