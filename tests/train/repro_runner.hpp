@@ -20,6 +20,9 @@ namespace lockstep_test {
 /// has at least 2 samples (ghost BN needs more than one value per channel).
 inline constexpr std::size_t repro_chunk = 8;
 using repro_reduce = reduce::reproducible<repro_chunk>;
+/// The same sums exchanged by blocks at every size (the test network is small enough for
+/// repro_reduce to gather every chunk to every replica).
+using repro_blocks = reduce::reproducible<repro_chunk, 0>;
 using repro_bn = bn::ghost<repro_chunk>;
 
 /// 50 steps of uneven global batches: 37, 3, 12, 7, 20, 64, 10 (cycled).

@@ -1,7 +1,9 @@
 // reduce::reproducible<8> with bn::ghost<8>: the digits-like MLP (ghost BN, dropout keyed by the
 // global sample index) trained for 50 uneven steps on 1, 2, 3, 4, 5 and 8 thread replicas holds
 // bitwise identical parameters, optimizer state, BN running statistics and losses, for SGD,
-// AdamW and LAMB in float and double. SPDX-License-Identifier: Apache-2.0
+// AdamW and LAMB in float and double, whether the exchange gathers every chunk to every replica
+// (this small network under the default policy) or goes by blocks (reduce::reproducible<8, 0>).
+// SPDX-License-Identifier: Apache-2.0
 #include "optimizer_cases.hpp"
 #include "repro_runner.hpp"
 
@@ -30,6 +32,32 @@ void check_replica_counts() {
             CHECK(repro_difference(run[r], ref) == "");
         }
     }
+    for (int replicas : {1, 2, 3, 8}) {
+        const auto run = repro_threads<T, opt, repro_blocks>(replicas, Case<T>::params(), batches);
+        for (std::size_t r = 0; r < run.size(); ++r) {
+            INFO("blocks, replicas " << replicas << ", replica " << r);
+            CHECK(repro_difference(run[r], ref) == "");
+        }
+    }
+}
+
+/// The collectives one step of the test network issues on 2 thread replicas under Reduce.
+template <class Reduce>
+std::size_t step_collectives(std::size_t global) {
+    using net = mlp<float, thread_communicator, storage::registry, repro_bn>;
+    std::size_t out = 0;
+    thread_group group(2);
+    group.run([&](thread_communicator& comm) {
+        data_parallel<net, optim::sgd<float>, sync::synchronous, Reduce, thread_communicator> dp(
+            comm, [&](auto& ctx) { return net(ctx, mlp_shape{}); }, {.lr = 0.1f}, {.seed = 42});
+        const std::size_t before = dp.collectives();
+        (void)dp.step(global, [](net& n, const shard_range& range, auto& ctx) {
+            return n.train(range, ctx);
+        });
+        if (comm.rank() == 0)
+            out = dp.collectives() - before;
+    });
+    return out;
 }
 
 } // namespace
@@ -67,16 +95,26 @@ TEMPLATE_TEST_CASE("reduce::reproducible without BN trains like synchronous per_
     }
 }
 
-TEST_CASE("reduce::reproducible: a non-finite gradient skips the step on every replica",
+TEST_CASE("reduce::reproducible gathers a small network's chunks in 2 collectives, and blocks "
+          "take one all_to_all per chunk index",
           "[train][reproducible][thread]") {
+    // 37 samples in chunks of 8: 5 chunks, 3 on the busiest of 2 replicas.
+    CHECK(step_collectives<repro_reduce>(37) == 2);
+    CHECK(step_collectives<repro_blocks>(37) == 3 + 1 + 1);
+    CHECK(repro_reduce::name() == "reduce::reproducible<8>");
+    CHECK(repro_blocks::name() == "reduce::reproducible<8, 0>");
+}
+
+TEMPLATE_TEST_CASE("reduce::reproducible: a non-finite gradient skips the step on every replica",
+                   "[train][reproducible][thread]", repro_reduce, repro_blocks) {
     using net = mlp<double, thread_communicator, storage::registry, repro_bn>;
     thread_group group(3);
     std::vector<std::vector<double>> before(3), after(3);
     std::vector<int> skipped(3);
     group.run([&](thread_communicator& comm) {
         const auto r = static_cast<std::size_t>(comm.rank());
-        data_parallel<net, optim::sgd<double>, sync::synchronous, repro_reduce, thread_communicator>
-            dp(comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.1}, {.seed = 1});
+        data_parallel<net, optim::sgd<double>, sync::synchronous, TestType, thread_communicator> dp(
+            comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.1}, {.seed = 1});
         const auto fn = [](net& n, const shard_range& range, auto& ctx) {
             return n.train(range, ctx);
         };

@@ -1,6 +1,7 @@
 // reduce::reproducible<8> with bn::ghost<8> over MPI (one replica per process): every process
 // holds the bits of 1 and of 3 thread replicas run in the same process, for SGD, AdamW and LAMB
-// in float and double. SPDX-License-Identifier: Apache-2.0
+// in float and double, with the exchange that gathers every chunk (the test network is small)
+// and with the one by blocks (reduce::reproducible<8, 0>). SPDX-License-Identifier: Apache-2.0
 #include <catch2/catch.hpp>
 
 #include "support/mpi_session.hpp"
@@ -21,11 +22,14 @@ void check_mpi() {
     mpi_communicator world(MPI_COMM_WORLD);
     const auto batches = repro_schedule();
     const repro_record<T> mine = repro_train<T, Opt>(world, p, batches);
+    const repro_record<T> blocks =
+        repro_train<T, Opt, mpi_communicator, repro_blocks>(world, p, batches);
     const auto one = repro_threads<T, Opt>(1, p, batches);
     const auto three = repro_threads<T, Opt>(3, p, batches);
     INFO("rank " << world.rank() << " of " << world.size());
     CHECK(repro_difference(mine, one[0]) == "");
     CHECK(repro_difference(mine, three[2]) == "");
+    CHECK(repro_difference(blocks, one[0]) == "");
 }
 
 } // namespace

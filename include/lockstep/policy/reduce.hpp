@@ -125,23 +125,34 @@ namespace reduce {
 /// ChunkSamples samples aligned to global positions, [k C, min((k + 1) C, global)) (the last one
 /// may be shorter); whole chunks go to replicas, contiguously and balanced by chunk count (a
 /// replica may get none). The step function is called once per chunk; the chunk gradients are
-/// summed in fixed point anchored at each element's largest exponent (kernels/anchored_sum.hpp:
-/// an all_to_all per chunk index brings every replica's values of a block of elements to the
-/// block's owner, which sums and rounds them once to T; an all_gather returns the blocks; the
-/// loss is summed in kernels/exact_sum.hpp's binned form from every chunk's loss). The
-/// communicator must have all_to_all. Given
-/// the same global batches, seed and policies, and a network whose own kernels are
-/// deterministic for a given input, the weights, optimizer state and BN running statistics
+/// summed in fixed point anchored at each element's largest exponent (kernels/anchored_sum.hpp)
+/// wherever every value of an element has arrived, and rounded once to T. How they travel: when
+/// replicas x (the busiest replica's chunks) x parameters <= GatherValues, one all_gather brings
+/// every chunk to every replica, which sums every element itself (a small network's step then
+/// pays for one collective instead of several); otherwise an all_to_all per chunk index brings
+/// every replica's values of a block of elements to the block's owner, which sums its block,
+/// and an all_gather returns the blocks. Either way an element's sum is a function of its
+/// values alone, so the choice does not change a bit. The loss is summed in
+/// kernels/exact_sum.hpp's binned form from every chunk's loss. The communicator must have
+/// all_to_all. Given the same global batches, seed and policies, and a network whose own kernels
+/// are deterministic for a given input, the weights, optimizer state and BN running statistics
 /// (bn::ghost<ChunkSamples>) are bitwise the same for every replica count.
 /// requires: ChunkSamples >= 1; sync::synchronous; every BN layer bn::ghost<ChunkSamples>.
-template <std::size_t ChunkSamples>
+template <std::size_t ChunkSamples, std::size_t GatherValues = std::size_t{1} << 16>
 struct reproducible : policy_traits {
     static_assert(ChunkSamples >= 1,
                   "reduce::reproducible<ChunkSamples> needs chunks of at least one sample.");
     /// Samples per chunk (the last chunk of a global batch may be shorter).
     static constexpr std::size_t chunk_samples = ChunkSamples;
+    /// The most values (replicas x chunks x parameters) the exchange gathers to every replica.
+    static constexpr std::size_t gather_values = GatherValues;
+    /// "reduce::reproducible<C>", with ", G" when GatherValues is not the default (replicas and
+    /// checkpoints compare it: the exchanges differ).
     static std::string name() {
-        return "reduce::reproducible<" + std::to_string(ChunkSamples) + ">";
+        return "reduce::reproducible<" + std::to_string(ChunkSamples) +
+               (GatherValues == (std::size_t{1} << 16) ? std::string()
+                                                       : ", " + std::to_string(GatherValues)) +
+               ">";
     }
 };
 

@@ -87,22 +87,28 @@ struct gathered_loss_fn {
 
 /// Order-independent sums of n gradient elements (kernels/anchored_sum.hpp: fixed point
 /// anchored at each element's largest exponent) and one loss (kernels/exact_sum.hpp: binned)
-/// over the replicas of a communicator with all_to_all, on System. The elements are cut into one
-/// block of b = n / replicas per replica (the tail of n mod replicas elements aside). Per step:
-/// begin(calls, max_calls); add() and add_loss() per chunk (every chunk but the last is kept:
-/// (calls - 1) n values); exchange() (collective: one all_to_all per call index, which brings
-/// every replica's values of this replica's block here, and one all_gather of the loss terms
-/// and the tail's values); check_local() (this replica's own sums, for its checks); finalize()
-/// (collective: this replica sums its block, an all_gather brings every block; the tail and the
-/// loss are summed on every replica). Each element's sum is formed from all of its values in one
-/// place, so no partial sum is rounded and the bits do not depend on the replica count. Memory:
-/// the kept chunks, max_calls n received values, and when some replica has fewer calls than
-/// max_calls, n zeros.
+/// over the replicas of a communicator with all_to_all, on System. Per step: begin(calls,
+/// max_calls); add() and add_loss() per chunk; exchange() (collective); check_local() (this
+/// replica's own sums, for its checks); finalize() (collective). Each element's sum is formed
+/// from all of its values in one place, so no partial sum is rounded and the bits do not depend
+/// on the replica count, nor on which of the two exchanges a step takes:
+/// - gathered, when replicas x max_calls x n <= gather_values: every chunk is kept in this
+///   replica's slot of the receive buffer (max_calls n values, zeros past this replica's calls);
+///   exchange() all-gathers the slots in place and the loss terms (2 collectives); finalize()
+///   sums every element on every replica. Memory: replicas x max_calls x n values.
+/// - blocks, otherwise: the elements are cut into one block of b = n / replicas per replica (the
+///   tail of n mod replicas elements aside); every chunk but the last is kept ((calls - 1) n
+///   values); exchange() runs one all_to_all per call index, which brings every replica's values
+///   of this replica's block here, and one all_gather of the loss terms and the tail's values;
+///   finalize() sums this replica's block and all-gathers the blocks (the tail and the loss are
+///   summed on every replica). Memory: the kept chunks, max_calls n received values, and when
+///   some replica has fewer calls than max_calls, n zeros.
 template <class T, class System>
 class anchored_accumulator {
 public:
-    anchored_accumulator(std::size_t n, int replicas, int rank, const System& sys)
-        : n_(n), replicas_(static_cast<std::size_t>(replicas)),
+    anchored_accumulator(std::size_t n, int replicas, int rank, const System& sys,
+                         std::size_t gather_values = 0)
+        : n_(n), replicas_(static_cast<std::size_t>(replicas)), gather_values_(gather_values),
           rank_(static_cast<std::size_t>(rank)), block_(n / replicas_),
           tail_(n - block_ * replicas_), sys_(sys), loss_top_(1, sys),
           loss_bins_(kernels::binned::window, sys), losses_(3, sys) {}
@@ -119,6 +125,19 @@ public:
         max_calls_ = max_calls;
         added_ = 0;
         losses_added_ = 0;
+        gathered_ = n_ > 0 && replicas_ * max_calls <= gather_values_ / n_;
+        if (gathered_) {
+            stride_ = 2 * max_calls;
+            grow(recv_, replicas_ * max_calls * n_);
+            if (calls < max_calls)
+                zero(sys_, recv_.span().subspan(rank_ * max_calls * n_ + calls * n_,
+                                                (max_calls - calls) * n_));
+            grow(small_send_, stride_);
+            grow(small_recv_, stride_ * replicas_);
+            zero(sys_, small_send_.span().first(stride_));
+            run(1, kernels::binned_clear_fn{loss_top_.data(), loss_bins_.data(), 1});
+            return;
+        }
         stride_ = 2 * max_calls + max_calls * tail_;
         grow(store_, (calls - 1) * n_);
         grow(recv_, max_calls * blocks());
@@ -134,7 +153,10 @@ public:
     /// Adds one chunk's gradient g (n values; the last chunk's must stay in g until check_local).
     /// requires: g.size() == size(), fewer than `calls` added.
     void add(std::span<const T> g) {
-        if (added_ + 1 < calls_)
+        if (gathered_)
+            copy_async(sys_, g.first(n_),
+                       recv_.span().subspan((rank_ * max_calls_ + added_) * n_, n_));
+        else if (added_ + 1 < calls_)
             copy_async(sys_, g.first(n_), store_.span().subspan(added_ * n_, n_));
         ++added_;
     }
@@ -149,6 +171,14 @@ public:
     /// terms and tail values to every replica. last: the last chunk's gradient. Collective.
     template <class Communicator>
     void exchange(Communicator& comm, std::span<const T> last) {
+        if (gathered_) {
+            const std::size_t each = max_calls_ * n_;
+            comm.all_gather(std::span<const T>(recv_.data() + rank_ * each, each),
+                            recv_.span().first(each * replicas_)); // in place
+            comm.all_gather(std::span<const double>(small_send_.data(), stride_),
+                            small_recv_.span().first(stride_ * replicas_));
+            return;
+        }
         const std::size_t all = blocks();
         if (block_ > 0)
             for (std::size_t c = 0; c < max_calls_; ++c) {
@@ -183,12 +213,20 @@ public:
     /// Collective.
     template <class Communicator>
     void finalize(Communicator& comm, std::span<T> g, double* loss) {
+        if (gathered_) {
+            const kernels::anchored_terms<T> terms{recv_.data(), replicas_, max_calls_,
+                                                   max_calls_ * n_, n_};
+            sum_range(terms, n_, g.data());
+            run(1, gathered_loss_fn{small_recv_.data(), replicas_, 2 * max_calls_, stride_,
+                                    loss_top_.data(), loss_bins_.data(), loss});
+            return;
+        }
         const std::size_t all = blocks();
         if (block_ > 0) {
             T* mine = g.data() + rank_ * block_;
             const kernels::anchored_terms<T> terms{recv_.data(), replicas_, max_calls_, block_,
                                                    all};
-            sum_block(terms, mine);
+            sum_range(terms, block_, mine);
             comm.all_gather(std::span<const T>(mine, block_), g.first(all));
         }
         if (tail_ > 0)
@@ -199,7 +237,13 @@ public:
                                 loss_top_.data(), loss_bins_.data(), loss});
     }
     /// The collectives of a step.
-    std::size_t collectives() const noexcept { return (block_ > 0 ? max_calls_ + 1 : 0) + 1; }
+    std::size_t collectives() const noexcept {
+        if (gathered_)
+            return 2;
+        return (block_ > 0 ? max_calls_ + 1 : 0) + 1;
+    }
+    /// Whether this step's exchange gathers every chunk to every replica (see the class).
+    bool gathered() const noexcept { return gathered_; }
 
 private:
     template <class F>
@@ -212,16 +256,15 @@ private:
     static std::size_t tiles(std::size_t count) noexcept {
         return (count + kernels::detail::anchored_tile - 1) / kernels::detail::anchored_tile;
     }
-    /// out[i] = the rounded sum of element i of this replica's block (block_ elements).
-    void sum_block(const kernels::anchored_terms<T>& terms, T* out) {
+    /// out[i] = the rounded sum of element i of terms, for i < count.
+    void sum_range(const kernels::anchored_terms<T>& terms, std::size_t count, T* out) {
         if constexpr (host_float) {
             if (replicas_ * max_calls_ <= kernels::detail::anchored_short_terms) {
-                run(tiles(block_), kernels::detail::anchored_sum_tiles_fn{terms, block_, out},
-                    block_);
+                run(tiles(count), kernels::detail::anchored_sum_tiles_fn{terms, count, out}, count);
                 return;
             }
         }
-        run(block_, kernels::anchored_sum_fn<T>{terms, out});
+        run(count, kernels::anchored_sum_fn<T>{terms, out});
     }
     template <class U>
     void grow(buffer<U, System>& b, std::size_t count) {
@@ -230,25 +273,29 @@ private:
     }
     std::size_t blocks() const noexcept { return block_ * replicas_; }
     kernels::anchored_chunks<T> chunks(const T* last) const noexcept {
-        return {store_.data(), last, calls_, n_};
+        return {gathered_ ? recv_.data() + rank_ * max_calls_ * n_ : store_.data(), last, calls_,
+                n_};
     }
 
     std::size_t n_;
     std::size_t replicas_;
+    std::size_t gather_values_; ///< gathered exchange up to this many values
     std::size_t rank_;
     std::size_t block_; ///< elements per replica's block
     std::size_t tail_;  ///< elements past the blocks, summed on every replica
     System sys_;
     std::size_t calls_ = 1;
     std::size_t max_calls_ = 1;
+    bool gathered_ = false;
     std::size_t added_ = 0;
     std::size_t losses_added_ = 0;
     std::size_t stride_ = 0;                ///< doubles per replica in the small all_gather
     buffer<std::int64_t, System> loss_top_; ///< the loss's binned top
     buffer<std::int64_t, System> loss_bins_;
-    buffer<double, System> losses_;     ///< chunk, own and global loss
-    buffer<T, System> store_;           ///< every chunk but the last
-    buffer<T, System> recv_;            ///< max_calls x replicas blocks of this replica's block
+    buffer<double, System> losses_; ///< chunk, own and global loss
+    buffer<T, System> store_;       ///< blocks: every chunk but the last
+    buffer<T, System>
+        recv_; ///< what the exchange brings here (gathered: and this replica's chunks)
     buffer<T, System> zeros_;           ///< what a replica with fewer calls sends
     buffer<double, System> small_send_; ///< 2 loss terms per call, then each call's tail values
     buffer<double, System> small_recv_; ///< every replica's small_send_
@@ -272,8 +319,8 @@ struct reproducible_loss_fn {
 /// reduce::reproducible<C>: the per-tensor plan (for the trainer's checks and buckets()) and the
 /// anchored accumulator; requires a communicator with all_to_all; the reproducible step driver
 /// (reproducible_driver.hpp) drives it (it is never launched piece by piece).
-template <std::size_t C, class T, class Communicator>
-class reducer<reduce::reproducible<C>, T, Communicator>
+template <std::size_t C, std::size_t G, class T, class Communicator>
+class reducer<reduce::reproducible<C, G>, T, Communicator>
     : public all_reduce_reducer<T, Communicator> {
 public:
     using system_type = typename Communicator::system_type;
@@ -285,7 +332,7 @@ public:
     reducer(Communicator& comm, const std::vector<tensor_info>& tensors,
             overlap_setting /*overlap*/ = {})
         : all_reduce_reducer<T, Communicator>(comm, tensors, 1, 1, overlap_setting{}),
-          acc_(count(tensors), comm.size(), comm.rank(), comm.system()) {}
+          acc_(count(tensors), comm.size(), comm.rank(), comm.system(), G) {}
 
     anchored_accumulator<T, system_type>& accumulator() noexcept { return acc_; }
     /// Counts the collectives of a step.

@@ -20,17 +20,18 @@ namespace lockstep::detail {
 /// reduce::reproducible<C>: the global batch is cut into chunks [k C, min((k + 1) C, global));
 /// this replica computes its contiguous run of chunks, one fn call per chunk on zeroed gradients
 /// with scale = 1 / global, and adds each chunk's gradient and loss into the anchored
-/// accumulator (reduce_reproducible.hpp). Every replica's chunk values of a block of elements
-/// are exchanged to the block's owner (all_to_all), this replica's own sums checked (non-finite
-/// counts name the replica), each owner sums its block in fixed point anchored at each element's
-/// largest exponent and rounds once, the blocks are all-gathered into the gradient, and the step
-/// continues as the synchronous one
+/// accumulator (reduce_reproducible.hpp). The chunk values are exchanged (gathered to every
+/// replica, or each block of elements to its owner by all_to_all), this replica's own sums
+/// checked (non-finite counts name the replica), the sums formed in fixed point anchored at each
+/// element's largest exponent and rounded once (on every replica, or by each block's owner
+/// followed by an all_gather of the blocks) into the gradient, and the step continues as the
+/// synchronous one
 /// (status all_reduce, skip decision, update). The loss reported is the exact sum, rounded once
 /// (replica 0 contributes it to the status sum, the others 0). bn::ghost layers learn the global
 /// batch from the layers' step (begin(global)). ensures: every replica, for every replica
 /// count, holds the same bits.
-template <std::size_t C>
-class step_driver<sync::synchronous, reduce::reproducible<C>> {
+template <std::size_t C, std::size_t G>
+class step_driver<sync::synchronous, reduce::reproducible<C, G>> {
 public:
     /// requires: train_params::micro_batches == 1 (else lockstep::error, invalid_argument).
     template <class Stages>
