@@ -109,12 +109,17 @@ if "$digits" --help | grep -q -- '--mpi  *one replica' && command -v mpiexec >/d
   have_mpi=1
 fi
 policy_run() { # backend replicas policy -> "samples_per_s accuracy"
-  local out rate acc flags launch=()
+  local out rate acc flags launch=() threads=$cores
   if [[ $3 == reproducible ]]; then flags=(--reduce reproducible --bn ghost)
   else flags=(--reduce bucketed --bn local); fi
-  if [[ $1 == mpi ]]; then launch=(mpiexec -n "$2" "$digits" --mpi)
-  else launch=("$digits" --replicas "$2"); fi
-  out=$(OMP_NUM_THREADS=$cores "${launch[@]}" "${flags[@]}" --epochs "$epochs" \
+  # OMP_NUM_THREADS is each process's budget: MPI processes share the cores.
+  if [[ $1 == mpi ]]; then
+    launch=(mpiexec -n "$2" "$digits" --mpi)
+    threads=$((cores / $2 > 0 ? cores / $2 : 1))
+  else
+    launch=("$digits" --replicas "$2")
+  fi
+  out=$(OMP_NUM_THREADS=$threads "${launch[@]}" "${flags[@]}" --epochs "$epochs" \
         --batch "$batch" --hidden "$hidden" --quiet)
   rate=$(sed -n 's/.* = \([0-9.]*\) samples\/s.*/\1/p' <<<"$out")
   acc=$(sed -n 's/.*test accuracy: \([0-9.]*\) %.*/\1/p' <<<"$out")

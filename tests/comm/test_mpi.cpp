@@ -706,8 +706,14 @@ TEST_CASE("environment and system report what MPI provides", "[comm][mpi]") {
     CHECK_FALSE(again.owns());
     CHECK(again.thread_level() >= MPI_THREAD_FUNNELED);
     mpi_communicator comm(MPI_COMM_WORLD);
-    // Every test rank runs on this one node, so the cores are divided among all of them.
-    CHECK(comm.system().threads() == lockstep::host_system::default_threads(comm.size()));
+    // Every test rank runs on this one node, so the cores are divided among all of them (CTest
+    // sets OMP_NUM_THREADS=1, which is then the budget of each process).
+    CHECK(comm.system().threads() == lockstep::host_system::process_threads(comm.size()));
+    if (lockstep::host_system::omp_env_threads() == 0)
+        CHECK(comm.system().threads() ==
+              std::max(1, lockstep::host_system::hardware_threads() / comm.size()));
+    else
+        CHECK(comm.system().threads() == lockstep::host_system::omp_env_threads());
     int world = 0;
     MPI_Comm_size(MPI_COMM_WORLD, &world);
     CHECK(comm.size() == world);

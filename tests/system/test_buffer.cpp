@@ -6,7 +6,9 @@
 #include <thrust/reduce.h>
 #include <thrust/sequence.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 using lockstep::buffer;
@@ -41,6 +43,39 @@ TEST_CASE("host_system thread budget", "[system][host]") {
     CHECK(host_system(3).threads() == 3);
     CHECK(host_system().threads() >= 1);
     CHECK(host_system::default_threads(1000) == 1);
+}
+
+TEST_CASE("host_system's default budget follows OMP_NUM_THREADS, else the hardware threads",
+          "[system][host]") {
+    const char* old = std::getenv("OMP_NUM_THREADS");
+    const std::string saved = old != nullptr ? old : "";
+    const int hw = host_system::hardware_threads();
+    const auto with = [](const char* value) {
+        if (value != nullptr)
+            setenv("OMP_NUM_THREADS", value, 1);
+        else
+            unsetenv("OMP_NUM_THREADS");
+    };
+    with(nullptr);
+    CHECK(host_system::omp_env_threads() == 0);
+    CHECK(host_system::default_threads(1) == hw);
+    CHECK(host_system::process_threads(2) == std::max(1, hw / 2));
+    with("6");
+    CHECK(host_system::omp_env_threads() == 6);
+    CHECK(host_system::default_threads(1) == 6);
+    CHECK(host_system::default_threads(4) == 1); // 6 / 4
+    CHECK(host_system::default_threads(8) == 1); // never 0
+    CHECK(host_system::process_threads(3) == 6); // OpenMP's budget is per process
+    CHECK(host_system().threads() == 6);
+    with("4,2"); // nested levels: the first is the process's
+    CHECK(host_system::default_threads(2) == 2);
+    for (const char* bad : {"", "0", "-3", "x", "3x"}) {
+        INFO("OMP_NUM_THREADS=\"" << bad << "\"");
+        with(bad);
+        CHECK(host_system::omp_env_threads() == 0);
+        CHECK(host_system::default_threads(1) == hw);
+    }
+    with(old != nullptr ? saved.c_str() : nullptr);
 }
 
 TEST_CASE("buffer refuses element counts whose byte size overflows", "[system][host]") {

@@ -194,9 +194,10 @@ public:
 
     int rank() const noexcept { return rank_; }
     int size() const noexcept { return size_; }
-    /// A host_system whose thread budget is the node's cores divided by the processes of this
-    /// group on the node (for a split, those of the group it was split from).
-    host_system system() const { return host_system(host_system::default_threads(node_ranks_)); }
+    /// A host_system whose thread budget is OMP_NUM_THREADS when set, else the node's cores
+    /// divided by the processes of this group on the node (for a split, those of the group it
+    /// was split from).
+    host_system system() const { return host_system(host_system::process_threads(node_ranks_)); }
     /// The owned MPI communicator (MPI_COMM_NULL after a move).
     MPI_Comm native() const noexcept { return comm_; }
     /// True when the processes run on more than one node: collectives then cross a network

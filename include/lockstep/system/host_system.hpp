@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <new>
 #include <thread>
@@ -46,10 +47,37 @@ public:
     /// requires: threads >= 1 (0 means default_threads(1)).
     explicit host_system(int threads = 0) : threads_(threads > 0 ? threads : default_threads(1)) {}
 
-    /// The machine's hardware threads divided by the replicas sharing this process (>= 1).
+    /// OMP_NUM_THREADS's first value when it is a positive number (OpenMP's convention: the
+    /// threads of one process; "4,2" gives 4), else 0.
+    static int omp_env_threads() noexcept {
+        const char* env = std::getenv("OMP_NUM_THREADS"); // NOLINT(concurrency-mt-unsafe)
+        if (env == nullptr)
+            return 0;
+        long n = 0;
+        for (; *env >= '0' && *env <= '9' && n < (1L << 20); ++env)
+            n = 10 * n + (*env - '0');
+        return *env == '\0' || *env == ',' ? static_cast<int>(n) : 0;
+    }
+    /// The threads of a process that shares its node with `processes_on_node` processes:
+    /// OMP_NUM_THREADS when set, else the machine's hardware threads divided among them (>= 1).
+    static int process_threads(int processes_on_node) {
+        if (const int env = omp_env_threads(); env > 0)
+            return env;
+        return std::max(1, hardware_threads() / std::max(1, processes_on_node));
+    }
+    /// The threads of each of `replicas_in_process` replicas that share this process: the
+    /// process's threads (OMP_NUM_THREADS when set, else the machine's hardware threads) divided
+    /// among them (>= 1). Respecting OMP_NUM_THREADS keeps thread replicas inside an MPI process
+    /// (or beside other processes) from oversubscribing the cores, where OpenMP's spinning
+    /// barriers can cost a time slice each.
     static int default_threads(int replicas_in_process) {
-        const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-        return std::max(1, hw / std::max(1, replicas_in_process));
+        const int env = omp_env_threads();
+        return std::max(1, (env > 0 ? env : hardware_threads()) / std::max(1, replicas_in_process));
+    }
+
+    /// The machine's hardware threads (>= 1).
+    static int hardware_threads() noexcept {
+        return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
     }
 
     /// The number of OpenMP threads a kernel of this system may use.
