@@ -14,8 +14,10 @@
 #        have bench "digits_reproducible", variant "<threads|mpi>/<bucketed|reproducible>" and
 #        in the last column the ratio reproducible / bucketed samples/s (1 on bucketed rows).
 #        Knobs (environment): EPOCHS (20), BATCH (64, global),
-#        HIDDEN (128), REPEAT (3: the median of 3 runs is reported), CORES (nproc), PYTHON
-#        (/usr/bin/python3, the interpreter with Debian's python3-torch).
+#        HIDDEN (128), REPEAT (3: the median of 3 runs is reported), REPRO_EPOCHS (60) and
+#        REPRO_REPEAT (7: alternating pairs; the ratio is the median of the pairs' ratios) for
+#        the second section, CORES (nproc), PYTHON (/usr/bin/python3, the interpreter with
+#        Debian's python3-torch).
 # Fairness: both sides get the same cores. lockstep's thread group gives each replica
 # cores / replicas OpenMP threads; the torch script sets torch.set_num_threads(cores / procs).
 # Both use the same data, split, batch, epochs, network and optimizer (SGD, momentum 0.9), and
@@ -33,6 +35,8 @@ epochs=${EPOCHS:-20}
 batch=${BATCH:-64}
 hidden=${HIDDEN:-128}
 repeat=${REPEAT:-3}
+repro_epochs=${REPRO_EPOCHS:-60}
+repro_repeat=${REPRO_REPEAT:-7}
 cores=${CORES:-$(nproc)}
 python=${PYTHON:-/usr/bin/python3}
 
@@ -119,7 +123,7 @@ policy_run() { # backend replicas policy -> "samples_per_s accuracy"
   else
     launch=("$digits" --replicas "$2")
   fi
-  out=$(OMP_NUM_THREADS=$threads "${launch[@]}" "${flags[@]}" --epochs "$epochs" \
+  out=$(OMP_NUM_THREADS=$threads "${launch[@]}" "${flags[@]}" --epochs "$repro_epochs" \
         --batch "$batch" --hidden "$hidden" --quiet)
   rate=$(sed -n 's/.* = \([0-9.]*\) samples\/s.*/\1/p' <<<"$out")
   acc=$(sed -n 's/.*test accuracy: \([0-9.]*\) %.*/\1/p' <<<"$out")
@@ -127,21 +131,24 @@ policy_run() { # backend replicas policy -> "samples_per_s accuracy"
 }
 echo
 echo "reproducibility: --reduce reproducible --bn ghost (chunks of 16) vs --reduce bucketed" \
-     "--bn local, median of $repeat runs (alternating)"
+     "--bn local, $repro_epochs epochs, $repro_repeat alternating pairs: median rates, median of" \
+     "the pairs' ratios"
 printf '%-8s %9s %16s %16s %14s %10s %10s\n' backend replicas "bucketed smp/s" \
        "reprod. smp/s" "reprod./bucket" "acc b. %" "acc r. %"
 configs=("threads 1" "threads 2")
 if ((have_mpi)); then configs+=("mpi 2"); fi
 for c in "${configs[@]}"; do
   read -r backend n <<<"$c"
-  b_rates=() ; r_rates=() ; b_acc="" ; r_acc=""
-  for ((i = 0; i < repeat; ++i)); do
-    read -r r a < <(policy_run "$backend" "$n" bucketed); b_rates+=("$r"); b_acc=$a
-    read -r r a < <(policy_run "$backend" "$n" reproducible); r_rates+=("$r"); r_acc=$a
+  b_rates=() ; r_rates=() ; ratios=() ; b_acc="" ; r_acc=""
+  for ((i = 0; i < repro_repeat; ++i)); do
+    read -r rb a < <(policy_run "$backend" "$n" bucketed); b_rates+=("$rb"); b_acc=$a
+    read -r rr a < <(policy_run "$backend" "$n" reproducible); r_rates+=("$rr"); r_acc=$a
+    ratios+=("$(awk -v a="$rr" -v b="$rb" 'BEGIN {print a / b}')")
   done
   b=$(printf '%s\n' "${b_rates[@]}" | median)
   r=$(printf '%s\n' "${r_rates[@]}" | median)
-  ratio=$(awk -v a="$r" -v b="$b" 'BEGIN {print a / b}')
+  # The machine's slow spells hit both runs of a pair alike: the median of the pairs' ratios.
+  ratio=$(printf '%s\n' "${ratios[@]}" | median)
   printf '%-8s %9s %16.0f %16.0f %14.2f %10s %10s\n' "$backend" "$n" "$b" "$r" "$ratio" \
          "$b_acc" "$r_acc"
   if [[ -n "$csv" ]]; then
