@@ -121,6 +121,9 @@ struct sharded : policy_traits {
 
 namespace reduce {
 
+/// reduce::reproducible's default GatherValues.
+inline constexpr std::size_t default_gather_values = std::size_t{1} << 16;
+
 /// Results that do not depend on the replica count. Every global batch is cut into chunks of
 /// ChunkSamples samples aligned to global positions, [k C, min((k + 1) C, global)) (the last one
 /// may be shorter); whole chunks go to replicas, contiguously and balanced by chunk count (a
@@ -138,7 +141,7 @@ namespace reduce {
 /// are deterministic for a given input, the weights, optimizer state and BN running statistics
 /// (bn::ghost<ChunkSamples>) are bitwise the same for every replica count.
 /// requires: ChunkSamples >= 1; sync::synchronous; every BN layer bn::ghost<ChunkSamples>.
-template <std::size_t ChunkSamples, std::size_t GatherValues = std::size_t{1} << 16>
+template <std::size_t ChunkSamples, std::size_t GatherValues = default_gather_values>
 struct reproducible : policy_traits {
     static_assert(ChunkSamples >= 1,
                   "reduce::reproducible<ChunkSamples> needs chunks of at least one sample.");
@@ -150,8 +153,8 @@ struct reproducible : policy_traits {
     /// checkpoints compare it: the exchanges differ).
     static std::string name() {
         return "reduce::reproducible<" + std::to_string(ChunkSamples) +
-               (GatherValues == (std::size_t{1} << 16) ? std::string()
-                                                       : ", " + std::to_string(GatherValues)) +
+               (GatherValues == default_gather_values ? std::string()
+                                                      : ", " + std::to_string(GatherValues)) +
                ">";
     }
 };

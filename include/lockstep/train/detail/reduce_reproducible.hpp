@@ -132,21 +132,17 @@ public:
             if (calls < max_calls)
                 zero(sys_, recv_.span().subspan(rank_ * max_calls * n_ + calls * n_,
                                                 (max_calls - calls) * n_));
-            grow(small_send_, stride_);
-            grow(small_recv_, stride_ * replicas_);
-            zero(sys_, small_send_.span().first(stride_));
-            run(1, kernels::binned_clear_fn{loss_top_.data(), loss_bins_.data(), 1});
-            return;
+        } else {
+            stride_ = 2 * max_calls + max_calls * tail_;
+            grow(store_, (calls - 1) * n_);
+            grow(recv_, max_calls * blocks());
+            if (calls < max_calls && blocks() > zeros_.size()) {
+                zeros_ = buffer<T, System>(blocks(), sys_);
+                zero(sys_, zeros_.span());
+            }
         }
-        stride_ = 2 * max_calls + max_calls * tail_;
-        grow(store_, (calls - 1) * n_);
-        grow(recv_, max_calls * blocks());
         grow(small_send_, stride_);
         grow(small_recv_, stride_ * replicas_);
-        if (calls < max_calls && blocks() > zeros_.size()) {
-            zeros_ = buffer<T, System>(blocks(), sys_);
-            zero(sys_, zeros_.span());
-        }
         zero(sys_, small_send_.span().first(stride_));
         run(1, kernels::binned_clear_fn{loss_top_.data(), loss_bins_.data(), 1});
     }
@@ -242,8 +238,6 @@ public:
             return 2;
         return (block_ > 0 ? max_calls_ + 1 : 0) + 1;
     }
-    /// Whether this step's exchange gathers every chunk to every replica (see the class).
-    bool gathered() const noexcept { return gathered_; }
 
 private:
     template <class F>
@@ -292,10 +286,9 @@ private:
     std::size_t stride_ = 0;                ///< doubles per replica in the small all_gather
     buffer<std::int64_t, System> loss_top_; ///< the loss's binned top
     buffer<std::int64_t, System> loss_bins_;
-    buffer<double, System> losses_; ///< chunk, own and global loss
-    buffer<T, System> store_;       ///< blocks: every chunk but the last
-    buffer<T, System>
-        recv_; ///< what the exchange brings here (gathered: and this replica's chunks)
+    buffer<double, System> losses_;     ///< chunk, own and global loss
+    buffer<T, System> store_;           ///< blocks: every chunk but the last
+    buffer<T, System> recv_;            ///< what the exchange brings (gathered: and own chunks)
     buffer<T, System> zeros_;           ///< what a replica with fewer calls sends
     buffer<double, System> small_send_; ///< 2 loss terms per call, then each call's tail values
     buffer<double, System> small_recv_; ///< every replica's small_send_
