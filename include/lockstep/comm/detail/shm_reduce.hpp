@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -280,15 +279,77 @@ void reduce_range(const host_system& sys, const T* const* sources, int n_sources
     });
 }
 
-/// Reduces tile `t` of [begin, end) into dsts[0] and copies the result to dsts[1], ...,
-/// dsts[n_dsts - 1], block by block (the copies read a block that was just written, from
-/// cache): every byte of the tile is read once from each source and written once to each
-/// destination. Every source of a block is read before any destination of it is written, so a
-/// destination may be a source (in place); no other tile's elements are touched.
+/// dsts[k][i] = the fold in source order (reduce_block's bits) of the N sources at i, for every
+/// destination k < N and i in [first, last): one loop that stores each value to every
+/// destination straight from registers. (Reducing into one destination and copying it to the
+/// others, block by block, was 1.15-1.4x a STREAM copy of the same bytes at 4 MiB on 2 replicas;
+/// this loop is 0.93-0.95x.) Every source of an element is read before the element is written,
+/// so a destination may be a source at the same index.
+template <int N, class T, class Op>
+void reduce_to_all_fixed(const T* const* s, T* const* dsts, std::size_t first, std::size_t last) {
+    static_assert(N >= 2 && N <= 4);
+    using A = accumulator<T>;
+    const Op op{};
+    const T* s0 = s[0];
+    const T* s1 = s[1];
+    const T* s2 = N > 2 ? s[2] : nullptr;
+    const T* s3 = N > 3 ? s[3] : nullptr;
+    T* d0 = dsts[0];
+    T* d1 = dsts[1];
+    T* d2 = N > 2 ? dsts[2] : nullptr;
+    T* d3 = N > 3 ? dsts[3] : nullptr;
+    LOCKSTEP_SHM_IVDEP
+    for (std::size_t i = first; i < last; ++i) {
+        auto v = op(A::load(s0[i]), A::load(s1[i]));
+        if constexpr (N > 2)
+            v = op(v, A::load(s2[i]));
+        if constexpr (N > 3)
+            v = op(v, A::load(s3[i]));
+        const T r = A::store(v);
+        d0[i] = r;
+        d1[i] = r;
+        if constexpr (N > 2)
+            d2[i] = r;
+        if constexpr (N > 3)
+            d3[i] = r;
+    }
+}
+
+/// As reduce_to_all_fixed for any number of sources n_sources >= 1 and destinations n_dsts >= 1:
+/// each block of elements is folded into a local buffer (in L1), then stored to every
+/// destination.
+template <class T, class Op>
+void reduce_to_all_blocks(const T* const* s, int n_sources, T* const* dsts, int n_dsts,
+                          std::size_t first, std::size_t last) {
+    using A = accumulator<T>;
+    using Acc = typename A::type;
+    constexpr std::size_t block = sizeof(Acc) >= 4096 ? 1 : 4096 / sizeof(Acc);
+    const Op op{};
+    Acc acc[block];
+    for (std::size_t b = first; b < last; b += block) {
+        const std::size_t m = last - b < block ? last - b : block;
+        const T* s0 = s[0] + b;
+        for (std::size_t i = 0; i < m; ++i)
+            acc[i] = A::load(s0[i]);
+        for (int j = 1; j < n_sources; ++j) {
+            const T* sj = s[j] + b;
+            for (std::size_t i = 0; i < m; ++i)
+                acc[i] = op(acc[i], A::load(sj[i]));
+        }
+        for (int k = 0; k < n_dsts; ++k) {
+            T* d = dsts[k] + b;
+            for (std::size_t i = 0; i < m; ++i)
+                d[i] = A::store(acc[i]);
+        }
+    }
+}
+
+/// Reduces tile `t` of [begin, end) and writes it to every destination: every byte of the tile
+/// is read once from each source and written once to each destination, and no other tile's
+/// elements are touched (see reduce_to_all_fixed, reduce_to_all_blocks).
 template <class T, class Op>
 struct reduce_to_all_tile_fn {
     static constexpr std::size_t tile = sizeof(T) >= 65536 ? 1 : 65536 / sizeof(T);
-    static constexpr std::size_t block = sizeof(T) >= 16384 ? 1 : 16384 / sizeof(T);
 
     const T* const* sources;
     int n_sources;
@@ -300,13 +361,14 @@ struct reduce_to_all_tile_fn {
     void operator()(std::size_t t) const {
         const std::size_t first = begin + t * tile;
         const std::size_t last = end - first < tile ? end : first + tile;
-        for (std::size_t b = first; b < last; b += block) {
-            const std::size_t m = last - b < block ? last - b : block;
-            reduce_block(sources, n_sources, dsts[0], b, m, Op{});
-            for (int j = 1; j < n_dsts; ++j)
-                if (dsts[j] != dsts[0])
-                    std::memcpy(dsts[j] + b, dsts[0] + b, m * sizeof(T));
-        }
+        if (n_sources == n_dsts && n_sources == 2)
+            reduce_to_all_fixed<2, T, Op>(sources, dsts, first, last);
+        else if (n_sources == n_dsts && n_sources == 3)
+            reduce_to_all_fixed<3, T, Op>(sources, dsts, first, last);
+        else if (n_sources == n_dsts && n_sources == 4)
+            reduce_to_all_fixed<4, T, Op>(sources, dsts, first, last);
+        else
+            reduce_to_all_blocks<T, Op>(sources, n_sources, dsts, n_dsts, first, last);
     }
 };
 
