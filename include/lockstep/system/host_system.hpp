@@ -75,9 +75,12 @@ public:
         return std::max(1, (env > 0 ? env : hardware_threads()) / std::max(1, replicas_in_process));
     }
 
-    /// The machine's hardware threads (>= 1).
+    /// The machine's hardware threads (>= 1), asked once per process:
+    /// std::thread::hardware_concurrency reads the system each time (about 6 us here, more than
+    /// a small MPI all_reduce), and communicators ask on every collective.
     static int hardware_threads() noexcept {
-        return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+        static const int n = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+        return n;
     }
 
     /// The number of OpenMP threads a kernel of this system may use.
