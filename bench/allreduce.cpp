@@ -293,12 +293,12 @@ void run_threads(const options& o) {
     std::printf("%12s %12s %12s %12s %12s\n", "bytes", "time us", "algbw GB/s", "bound us",
                 "time/bound");
     // A throwaway run of the smallest size first. A replica that waits longer than its spin
-    // budget (4 us, detail::shm sync) sleeps, and waking it costs ~15 us on the 2-core VM; two
-    // replicas that start out of step keep waking each other, so every call of the row pays a
-    // wake-up (the median reads ~15 us whatever the size). On a quiet machine only the first row
-    // did, and this run took it away; on a loaded one every row pays it, with this run or
-    // without (once per phase: ~15 us up to 4 KiB, ~30 us from 16 KiB), so such rows measure
-    // sleeps, not the transfer.
+    // budget (at a collective's entry about twice its recent entry waits, 4 to 200 us,
+    // detail::shm sync) sleeps, and waking it costs ~15 us on the 2-core VM; two replicas that
+    // start out of step keep waking each other until their spin has adapted, so the first calls
+    // of the first row paid a wake-up each (15 us at 4 B before this run). On a loaded machine
+    // a row can still pay them (once per phase: ~15 us up to 4 KiB, ~30 us from 16 KiB): such
+    // rows measure sleeps, not the transfer.
     if (const auto all = sizes(o); !all.empty())
         (void)time_thread_group(all.front(), o);
     for (const std::size_t bytes : sizes(o)) {

@@ -265,8 +265,10 @@ def section_allreduce(rows):
             "`MPI_Allreduce` on the same buffers. Medians of the slowest replica's time per call. "
             "Bus bandwidth = S / time x 2 (n - 1) / n (for n = 2 it equals S / time). Thread "
             "group rows of tens of us at small sizes are sleeps, not transfers: a waiting replica "
-            "spins 4 us, then sleeps, and each wake-up costs about 15 us on the 2-core VM (on a "
-            "loaded machine every small row pays it).", ""]
+            "spins (at a collective's entry twice as long as its recent entries waited, 4 to "
+            "200 us; after a data phase about as long as its own part took), then sleeps, and "
+            "each wake-up costs about 15 us on the 2-core VM (on a loaded machine small rows "
+            "can pay it).", ""]
     by = {}
     for r in rows:
         by.setdefault(int(r["bytes"]), {})[(r["backend"], r["variant"])] = r

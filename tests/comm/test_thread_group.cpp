@@ -1,11 +1,13 @@
 // Tests of thread_group / thread_communicator: the collective suite on 1..4 replica threads,
 // plus what only shared memory can show. SPDX-License-Identifier: Apache-2.0
 #include "collective_suite.hpp"
+#include "lockstep/comm/detail/adaptive_spin.hpp"
 #include "lockstep/comm/thread_group.hpp"
 
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -229,4 +231,34 @@ TEST_CASE("reductions over more replicas than the fused loops cover", "[comm][th
         CHECK(r.failed == 0);
         CHECK(r.checks > 20);
     }
+}
+
+TEST_CASE("wait_estimate spins about twice the waits it has seen, within its bounds",
+          "[comm][thread]") {
+    using namespace std::chrono_literals;
+    using ns = std::chrono::nanoseconds;
+    lockstep::detail::wait_estimate w;
+    CHECK(w.typical() == 0ns);
+    CHECK(w.spin(4us, 200us) == 4us); // nothing seen: the floor
+    // Steady waits of 40 us: the moving average (weight 1/8) approaches 40 us from below.
+    for (int i = 0; i < 100; ++i)
+        w.record(40us, 200us);
+    CHECK(w.typical() > 39us);
+    CHECK(w.typical() <= 40us);
+    CHECK(w.spin(4us, 200us) > 78us);
+    CHECK(w.spin(4us, 200us) <= 80us);
+    CHECK(w.spin(4us, 50us) == 50us);     // the cap
+    CHECK(w.spin(100us, 200us) == 100us); // the floor
+    CHECK(w.spin(100us, 50us) == 100us);  // a cap below the floor: the floor
+    // One wait of 30 us moves it an eighth of the way.
+    const ns before = w.typical();
+    w.record(30us, 200us);
+    CHECK(w.typical() == before + (30us - before) / 8);
+    // Waits longer than `longest` halve it: a replica kept waiting long falls back to the floor.
+    const ns t = w.typical();
+    w.record(5ms, 200us);
+    CHECK(w.typical() == t / 2);
+    for (int i = 0; i < 40; ++i)
+        w.record(5ms, 200us);
+    CHECK(w.spin(4us, 200us) == 4us);
 }

@@ -77,7 +77,7 @@ public:
     /// throws errc::invalid_argument from every communication call.
     thread_communicator(thread_communicator&& o) noexcept
         : group_(std::move(o.group_)), rank_(o.rank_), seq_(o.seq_), epoch_(o.epoch_),
-          trace_(std::move(o.trace_)) {}
+          entry_waits_(o.entry_waits_), trace_(std::move(o.trace_)) {}
     /// Leaves this handle's group (as the destructor does), then takes o's handle.
     thread_communicator& operator=(thread_communicator&& o) noexcept {
         if (this != &o) {
@@ -86,6 +86,7 @@ public:
             rank_ = o.rank_;
             seq_ = o.seq_;
             epoch_ = o.epoch_;
+            entry_waits_ = o.entry_waits_;
             trace_ = std::move(o.trace_);
         }
         return *this;
@@ -470,7 +471,10 @@ private:
         try {
             group_->throw_if_failed(rank_, s.op);
             group_->publish(rank_, seq, std::move(rec), stash, stash_count * sizeof(T));
-            next_phase_untraced(s);
+            const auto arrived = std::chrono::steady_clock::now();
+            next_phase_untraced(s, group_->context().entry_spin(entry_waits_));
+            entry_waits_.record(std::chrono::steady_clock::now() - arrived,
+                                detail::shm::run_context::max_entry_spin);
             group_->validate(rank_, s.op);
         } catch (const error& e) {
             throw_traced(e);
@@ -599,8 +603,9 @@ private:
 
     std::shared_ptr<detail::shm::group_state> group_;
     int rank_ = 0;
-    std::uint64_t seq_ = 0;   ///< collectives this handle has started
-    std::uint64_t epoch_ = 0; ///< phases this handle has arrived at
+    std::uint64_t seq_ = 0;             ///< collectives this handle has started
+    std::uint64_t epoch_ = 0;           ///< phases this handle has arrived at
+    detail::wait_estimate entry_waits_; ///< how long its collectives' entries wait
     flight_recorder trace_{"thread"};
 };
 

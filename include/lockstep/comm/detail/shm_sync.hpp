@@ -2,6 +2,7 @@
 // threads (the first failure, and spin-then-block waiting). SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/detail/adaptive_spin.hpp"
 #include "lockstep/core/config.hpp"
 
 #include <algorithm>
@@ -133,6 +134,16 @@ public:
         return std::clamp<std::chrono::nanoseconds>(worked, spin_, max_data_spin);
     }
     static constexpr std::chrono::nanoseconds max_data_spin = std::chrono::milliseconds(2);
+
+    /// How long a replica spins at a collective's entry before it sleeps, from how long its
+    /// recent entries waited (wait_estimate: twice that, at least the fixed budget, at most
+    /// max_entry_spin). With more replicas than hardware threads the short spin stays.
+    std::chrono::nanoseconds entry_spin(const wait_estimate& entries) const noexcept {
+        if (!core_per_replica_)
+            return spin_;
+        return entries.spin(spin_, max_entry_spin);
+    }
+    static constexpr std::chrono::nanoseconds max_entry_spin = std::chrono::microseconds(200);
 
 private:
     static bool core_per_replica(int replicas) {
