@@ -3,6 +3,7 @@
 // Apache-2.0
 #pragma once
 
+#include "lockstep/comm/detail/adaptive_spin.hpp"
 #include "lockstep/comm/detail/mpi_types.hpp"
 
 #include <algorithm>
@@ -32,10 +33,17 @@ using mpi_clock = std::chrono::steady_clock;
 /// pieces, one per progress call), so an operation of many bytes spins for about as long as its
 /// transfer takes (1 ns per byte, at most 20 ms) before it sleeps: sleeping between the pieces
 /// of a transfer under way stretched a 4 MiB all-reduce between 2 local ranks about 3x.
+///
+/// A collective's wait with a core per process spins longer still: about twice as long as the
+/// communicator's recent collectives waited (wait_estimate, at most max_adaptive_spin). A peer
+/// that arrives late by about as much every step then finds this replica testing, not asleep:
+/// each sleep delays the collective by up to a nap, since MPI makes no progress while this
+/// process sleeps.
 struct mpi_poll_schedule {
     std::chrono::nanoseconds spin = std::chrono::microseconds(20);
     std::chrono::microseconds min_sleep{10};
     std::chrono::microseconds max_sleep{100};
+    static constexpr std::chrono::nanoseconds max_adaptive_spin = std::chrono::milliseconds(1);
 
     /// The schedule of an operation that moves `bytes` bytes per replica.
     static mpi_poll_schedule for_bytes(std::size_t bytes) noexcept {
