@@ -174,22 +174,25 @@ double time_thread_group(std::size_t bytes, const options& o) {
 // all_reduce of `bytes` per replica and, interleaved with it on the same 2 threads, each thread
 // copying its own `bytes` (a STREAM copy of 2 * bytes, half per thread). That copy reads 2*S
 // and writes 2*S, exactly the all_reduce's traffic bound, so time/bound = t_all_reduce /
-// t_copy, both medians of the slowest thread, measured under the same machine load.
+// t_copy, both of the slowest thread, measured under the same machine load: `ratio` is the
+// median over repetitions of that repetition's all_reduce / copy (a slow spell of the VM hits
+// both halves of a pair), all_reduce and copy the medians of the times.
 struct paired_result {
-    double all_reduce, copy;
+    double all_reduce, copy, ratio;
 };
 // t holds, per repetition r, both threads' all_reduce times at 4 r and 4 r + 1 and their copy
-// times at 4 r + 2 and 4 r + 3: the medians over repetitions of the slower thread's times.
+// times at 4 r + 2 and 4 r + 3 (several runs' repetitions may follow each other).
 paired_result slowest_medians(const std::vector<double>& t) {
-    std::vector<double> reduce(t.size() / 4), copy(reduce.size());
+    std::vector<double> reduce(t.size() / 4), copy(reduce.size()), ratio(reduce.size());
     for (std::size_t r = 0; r < reduce.size(); ++r) {
         reduce[r] = std::max(t[4 * r], t[4 * r + 1]);
         copy[r] = std::max(t[4 * r + 2], t[4 * r + 3]);
+        ratio[r] = reduce[r] / copy[r];
     }
-    return {median(reduce), median(copy)};
+    return {median(reduce), median(copy), median(ratio)};
 }
 
-paired_result time_paired(std::size_t bytes, int reps) {
+std::vector<double> time_paired(std::size_t bytes, int reps) {
     const std::size_t n = bytes / sizeof(float);
     std::vector<double> t(4 * static_cast<std::size_t>(reps));
     lockstep::thread_group group(2);
@@ -217,15 +220,15 @@ paired_result time_paired(std::size_t bytes, int reps) {
             }
         }
     });
-    return slowest_medians(t);
+    return t;
 }
 
 #if LOCKSTEP_HAS_OPENMP
 // The same pairing for a plain OpenMP all_reduce written without lockstep: 2 OpenMP threads,
 // each owning a send and a recv buffer; thread t sums half t of both sends into its recv
 // (reduce-scatter), a barrier, then copies the other half out of the peer's recv (all-gather).
-// Returns {all_reduce, copy} medians of the slowest thread, as time_paired.
-paired_result time_paired_openmp(std::size_t bytes, int reps) {
+// Returns the times as time_paired does.
+std::vector<double> time_paired_openmp(std::size_t bytes, int reps) {
     const std::size_t n = bytes / sizeof(float);
     std::vector<double> t(4 * static_cast<std::size_t>(reps));
     std::vector<float> send[2], recv[2], a[2], b[2];
@@ -268,7 +271,7 @@ paired_result time_paired_openmp(std::size_t bytes, int reps) {
             }
         }
     }
-    return slowest_medians(t);
+    return t;
 }
 #endif
 
@@ -322,14 +325,27 @@ void run_threads(const options& o) {
     // From 4 MiB, where the data (send, recv and the copy's a and b, per thread) exceeds the
     // caches, so both sides run against DRAM.
     for (std::size_t bytes = std::size_t{4} << 20; bytes <= o.max_bytes; bytes *= 4) {
-        const int reps = bytes >= (std::size_t{256} << 20) ? 9 : 15;
-        const paired_result pr = time_paired(bytes, reps);
+        // About 1 GiB per row and all_reduce (at least 9 repetitions): a median over few calls
+        // of a size that takes well under a millisecond is at the mercy of one slow spell of the
+        // VM. The two all_reduces take turns in 3 rounds, so a spell that outlasts a round hits
+        // both.
+        const int reps = std::max(3, static_cast<int>((std::size_t{1} << 30) / bytes / 3));
+        std::vector<double> lt, pt;
+        for (int round = 0; round < 3; ++round) {
+            const std::vector<double> l = time_paired(bytes, reps);
+            lt.insert(lt.end(), l.begin(), l.end());
+#if LOCKSTEP_HAS_OPENMP
+            const std::vector<double> p = time_paired_openmp(bytes, reps);
+            pt.insert(pt.end(), p.begin(), p.end());
+#endif
+        }
+        const paired_result pr = slowest_medians(lt);
         double plain = 0;
 #if LOCKSTEP_HAS_OPENMP
-        const paired_result pp = time_paired_openmp(bytes, reps);
-        plain = pp.all_reduce / pp.copy;
+        const paired_result pp = slowest_medians(pt);
+        plain = pp.ratio;
 #endif
-        const double ratio = pr.all_reduce / pr.copy;
+        const double ratio = pr.ratio;
         std::printf("%12zu %12.1f %12.1f %14.2f %12.3f %12.3f %14.3f\n", bytes, pr.all_reduce * 1e6,
                     pr.copy * 1e6, 4.0 * double(bytes) / pr.copy * 1e-9, ratio, plain,
                     plain > 0 ? ratio / plain : 0.0);

@@ -292,11 +292,12 @@ def section_allreduce(rows):
         plain = {int(r["bytes"]): r for r in rows if r["variant"] == "openmp_paired"}
         text += ["", "Paired with a STREAM copy on the same threads, interleaved call by call "
                      "(robust to load): the copy moves exactly the all_reduce's traffic bound "
-                     "(each thread reads and writes 2 x S bytes), so *time/bound* = all_reduce "
-                     "time / copy time, and *bound/time* is the fraction of the bound reached. "
-                     "*plain* is an OpenMP reduce-scatter + all-gather written without lockstep "
-                     "(two threads, each summing its half of both inputs, a barrier, then copying "
-                     "the other half), paired with its own copy the same way.", ""]
+                     "(each thread reads and writes 2 x S bytes), so *time/bound* = the median over "
+                     "calls of the call's all_reduce time / its copy's time, and *bound/time* is "
+                     "the fraction of the bound reached. *plain* is an OpenMP reduce-scatter + "
+                     "all-gather written without lockstep (two threads, each summing its half of "
+                     "both inputs, a barrier, then copying the other half), paired with its own "
+                     "copy the same way; the two take turns in 3 rounds of about 1/3 GiB each.", ""]
         out = []
         for r in sorted(paired, key=lambda r: int(r["bytes"])):
             b = int(r["bytes"])
