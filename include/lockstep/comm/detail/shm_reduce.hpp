@@ -160,6 +160,36 @@ struct min_fn {
     }
 };
 
+/// dsts[k][i] = op(...op(op(s[0][i], s[1][i]), s[2][i])..., s[n_sources-1][i]) for every
+/// destination k < n_dsts and i in [first, last), for any n_sources, n_dsts >= 1: each block of
+/// elements is folded into a local buffer (in L1), in accumulator<T>::type, then stored to every
+/// destination, so a destination may be a source.
+template <class T, class Op>
+LOCKSTEP_HOST_DEVICE void reduce_to_all_blocks(const T* const* s, int n_sources, T* const* dsts,
+                                               int n_dsts, std::size_t first, std::size_t last) {
+    using A = accumulator<T>;
+    using Acc = typename A::type;
+    constexpr std::size_t block = sizeof(Acc) >= 4096 ? 1 : 4096 / sizeof(Acc);
+    const Op op{};
+    Acc acc[block];
+    for (std::size_t b = first; b < last; b += block) {
+        const std::size_t m = last - b < block ? last - b : block;
+        const T* s0 = s[0] + b;
+        for (std::size_t i = 0; i < m; ++i)
+            acc[i] = A::load(s0[i]);
+        for (int j = 1; j < n_sources; ++j) {
+            const T* sj = s[j] + b;
+            for (std::size_t i = 0; i < m; ++i)
+                acc[i] = op(acc[i], A::load(sj[i]));
+        }
+        for (int k = 0; k < n_dsts; ++k) {
+            T* d = dsts[k] + b;
+            for (std::size_t i = 0; i < m; ++i)
+                d[i] = A::store(acc[i]);
+        }
+    }
+}
+
 /// dst[i] = op(...op(op(s[0][i], s[1][i]), s[2][i])..., s[n-1][i]) for i in [first, first + n):
 /// the rank order every replica and every run uses, so all produce the same bits. Each
 /// element is read from every source before it is written, so dst may be one of the sources.
@@ -202,22 +232,7 @@ LOCKSTEP_HOST_DEVICE void reduce_block(const T* const* s, int n_sources, T* dst,
     }
     // More sources: fold through a local block, so dst is written only after every source of
     // the block has been read.
-    using Acc = typename A::type;
-    constexpr std::size_t block = sizeof(Acc) >= 4096 ? 1 : 4096 / sizeof(Acc);
-    Acc acc[block];
-    for (std::size_t b = 0; b < n; b += block) {
-        const std::size_t m = n - b < block ? n - b : block;
-        for (std::size_t i = 0; i < m; ++i)
-            acc[i] = op(op(op(A::load(s0[b + i]), A::load(s1[b + i])), A::load(s2[b + i])),
-                        A::load(s3[b + i]));
-        for (int j = 4; j < n_sources; ++j) {
-            const T* sj = s[j] + first + b;
-            for (std::size_t i = 0; i < m; ++i)
-                acc[i] = op(acc[i], A::load(sj[i]));
-        }
-        for (std::size_t i = 0; i < m; ++i)
-            d[b + i] = A::store(acc[i]);
-    }
+    reduce_to_all_blocks<T, Op>(s, n_sources, &dst, 1, first, first + n);
 }
 
 /// Reduces tile `t` of [begin, end) (see reduce_block), for a parallel loop over tiles.
@@ -312,35 +327,6 @@ void reduce_to_all_fixed(const T* const* s, T* const* dsts, std::size_t first, s
             d2[i] = r;
         if constexpr (N > 3)
             d3[i] = r;
-    }
-}
-
-/// As reduce_to_all_fixed for any number of sources n_sources >= 1 and destinations n_dsts >= 1:
-/// each block of elements is folded into a local buffer (in L1), then stored to every
-/// destination.
-template <class T, class Op>
-void reduce_to_all_blocks(const T* const* s, int n_sources, T* const* dsts, int n_dsts,
-                          std::size_t first, std::size_t last) {
-    using A = accumulator<T>;
-    using Acc = typename A::type;
-    constexpr std::size_t block = sizeof(Acc) >= 4096 ? 1 : 4096 / sizeof(Acc);
-    const Op op{};
-    Acc acc[block];
-    for (std::size_t b = first; b < last; b += block) {
-        const std::size_t m = last - b < block ? last - b : block;
-        const T* s0 = s[0] + b;
-        for (std::size_t i = 0; i < m; ++i)
-            acc[i] = A::load(s0[i]);
-        for (int j = 1; j < n_sources; ++j) {
-            const T* sj = s[j] + b;
-            for (std::size_t i = 0; i < m; ++i)
-                acc[i] = op(acc[i], A::load(sj[i]));
-        }
-        for (int k = 0; k < n_dsts; ++k) {
-            T* d = dsts[k] + b;
-            for (std::size_t i = 0; i < m; ++i)
-                d[i] = A::store(acc[i]);
-        }
     }
 }
 

@@ -4,6 +4,7 @@
 
 #include "lockstep/comm/detail/adaptive_spin.hpp"
 #include "lockstep/core/config.hpp"
+#include "lockstep/system/host_system.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -12,7 +13,6 @@
 #include <exception>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <utility>
 
 namespace lockstep::detail::shm {
@@ -147,7 +147,7 @@ public:
 
 private:
     static bool core_per_replica(int replicas) {
-        return replicas <= std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+        return replicas <= host_system::hardware_threads();
     }
 
     /// How long a waiter spins before it sleeps. With a core per replica the awaited peer is
