@@ -233,6 +233,74 @@ TEST_CASE("reductions over more replicas than the fused loops cover", "[comm][th
     }
 }
 
+namespace {
+
+/// Element i of input array c of replica r in the all_combine tests: distinct per replica,
+/// array and element.
+float combine_input(int r, std::size_t c, std::size_t i) {
+    return static_cast<float>((static_cast<int>(i % 1013) - 500) * (r + 1)) * 0.25f +
+           static_cast<float>(c) * 3.0f;
+}
+
+/// The combine of the tests: out[m] = the sum over arrays j of (j + 1) * sources[j][first + m],
+/// in double, so the arrays' order shows in the result.
+struct weighted_sum {
+    void operator()(const float* const* sources, std::size_t n, std::size_t first, std::size_t m,
+                    float* out) const {
+        for (std::size_t k = 0; k < m; ++k) {
+            double s = 0;
+            for (std::size_t j = 0; j < n; ++j)
+                s += static_cast<double>(j + 1) * sources[j][first + k];
+            out[k] = static_cast<float>(s);
+        }
+    }
+};
+
+} // namespace
+
+TEST_CASE("all_combine stores the combine of every replica's arrays, in replica order, to every "
+          "replica",
+          "[comm][thread]") {
+    const int n = GENERATE(1, 2, 3, 5);
+    const std::size_t arrays = GENERATE(std::size_t{1}, std::size_t{3});
+    const bool in_place = GENERATE(false, true);
+    CAPTURE(n, arrays, in_place);
+    for (const std::size_t count : {std::size_t{0}, std::size_t{7}, std::size_t{70001}}) {
+        CAPTURE(count);
+        thread_group group(n);
+        std::vector<std::vector<float>> out(static_cast<std::size_t>(n));
+        group.run([&](thread_communicator& comm) {
+            const int r = comm.rank();
+            std::vector<std::vector<float>> in(arrays, std::vector<float>(count));
+            for (std::size_t c = 0; c < arrays; ++c)
+                for (std::size_t i = 0; i < count; ++i)
+                    in[c][i] = combine_input(r, c, i);
+            std::vector<float> recv(count, -1.0f);
+            std::vector<const float*> ptrs;
+            for (std::size_t c = 0; c < arrays; ++c)
+                ptrs.push_back(in[c].data());
+            std::span<float> target(recv);
+            if (in_place) { // the last array is the receive span
+                target = std::span<float>(in[arrays - 1]);
+                ptrs[arrays - 1] = target.data();
+            }
+            comm.all_combine(std::span<const float* const>(ptrs), count, target, weighted_sum{});
+            out[static_cast<std::size_t>(r)].assign(target.begin(), target.end());
+        });
+        std::size_t wrong = 0;
+        for (std::size_t i = 0; i < count; ++i) {
+            double want = 0;
+            for (int r = 0; r < n; ++r)
+                for (std::size_t c = 0; c < arrays; ++c)
+                    want += static_cast<double>(static_cast<std::size_t>(r) * arrays + c + 1) *
+                            combine_input(r, c, i);
+            for (int r = 0; r < n; ++r)
+                wrong += out[static_cast<std::size_t>(r)][i] != static_cast<float>(want) ? 1 : 0;
+        }
+        CHECK(wrong == 0);
+    }
+}
+
 TEST_CASE("wait_estimate spins about twice the waits it has seen, within its bounds",
           "[comm][thread]") {
     using namespace std::chrono_literals;

@@ -5,6 +5,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -281,6 +282,60 @@ TEST_CASE("all_to_all refuses uneven blocks, unequal counts and overlapping span
         CHECK(o.code == which.code);
         CHECK(contains(o.what, which.text));
         CHECK(contains(o.what, "all_to_all #0"));
+        CHECK(after[static_cast<std::size_t>(r)] == 3.0f);
+    }
+}
+
+TEST_CASE("all_combine refuses disagreeing arrays, counts and spans on every replica",
+          "[comm][thread]") {
+    struct misuse {
+        const char* name;
+        errc code;
+        const char* text;
+    };
+    const auto which = GENERATE(values<misuse>({
+        {"arrays", errc::shape_mismatch, "replica 1 passed 2"},
+        {"no arrays", errc::invalid_argument, "every replica passed 0 input arrays"},
+        {"null array", errc::invalid_argument, "replica 2 passed a null input array 1 span"},
+        {"unequal counts", errc::count_mismatch, "replica 1 passed 6 floats"},
+        {"receive size", errc::count_mismatch, "replica 0 passed a receive span of 6 floats"},
+    }));
+    CAPTURE(which.name);
+    thread_group group(3);
+    const std::string kind = which.name;
+    std::vector<outcome> seen(3);
+    std::vector<float> after(3, 0.0f);
+    group.run([&](thread_communicator& comm) {
+        const int me = comm.rank();
+        const std::size_t count = kind == "unequal counts" && me == 1 ? 6 : 3;
+        std::vector<float> a(count, 1.0f), b(count, 2.0f);
+        std::vector<const float*> ptrs{a.data()};
+        if (kind == "arrays" && me == 1)
+            ptrs.push_back(b.data());
+        if (kind == "no arrays")
+            ptrs.clear();
+        if (kind == "null array")
+            ptrs.push_back(me == 2 ? nullptr : b.data());
+        std::vector<float> recv(kind == "receive size" && me == 0 ? 6 : count, 0.0f);
+        try {
+            comm.all_combine(std::span<const float* const>(ptrs), count, std::span<float>(recv),
+                             [](const float* const*, std::size_t, std::size_t, std::size_t m,
+                                float* out) { std::fill(out, out + m, 0.0f); });
+        } catch (const lockstep::error& e) {
+            seen[static_cast<std::size_t>(me)] = {true, e.code(), e.what()};
+        }
+        // Refused before any data moves: the group stays usable.
+        std::vector<float> w{static_cast<float>(me)};
+        comm.all_reduce(std::span<const float>(w), std::span<float>(w), reduce_op::sum);
+        after[static_cast<std::size_t>(me)] = w[0];
+    });
+    for (int r = 0; r < 3; ++r) {
+        const auto& o = seen[static_cast<std::size_t>(r)];
+        CAPTURE(o.what);
+        CHECK(o.threw);
+        CHECK(o.code == which.code);
+        CHECK(contains(o.what, which.text));
+        CHECK(contains(o.what, "all_combine #0"));
         CHECK(after[static_cast<std::size_t>(r)] == 3.0f);
     }
 }

@@ -104,6 +104,23 @@ concept all_to_all_communicator = communicator<C> &&
     c.all_to_all(ci, i);
 };
 
+namespace detail {
+/// The combine functor all_combine is required to accept in combine_communicator.
+struct combine_probe {
+    void operator()(const float* const* /*sources*/, std::size_t /*n*/, std::size_t /*first*/,
+                    std::size_t /*m*/, float* /*out*/) const {}
+};
+} // namespace detail
+
+/// A communicator with all_combine(arrays, count, recv, combine): recv[i] = a caller's
+/// element-wise function of every replica's input arrays at i, computed once (by the element's
+/// owner) and stored to every replica; see thread_communicator::all_combine.
+template <class C>
+concept combine_communicator = communicator<C> &&
+    requires(C& c, std::span<const float* const> a, std::span<float> f) {
+    c.all_combine(a, std::size_t{0}, f, detail::combine_probe{});
+};
+
 /// A communicator with point-to-point messages (needed by asynchronous training):
 /// - send(data, dest, tag) / recv(data, source, tag): matched by (source, tag), in order.
 /// - recv_any(data, tag) -> int: receives the next message with `tag` from any replica and

@@ -5,6 +5,7 @@
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/detail/scatter_counts.hpp"
+#include "lockstep/comm/detail/shm_combine.hpp"
 #include "lockstep/comm/detail/shm_group.hpp"
 #include "lockstep/comm/detail/shm_p2p.hpp"
 #include "lockstep/comm/detail/shm_reduce.hpp"
@@ -303,6 +304,49 @@ public:
         const std::vector<std::size_t> counts(static_cast<std::size_t>(std::max(size(), 0)),
                                               recv.size());
         reduce_scatter<T>(send, recv, std::span<const std::size_t>(counts), op, tag);
+    }
+
+    /// recv[i] = combine's value for element i of every replica's input arrays, the same bits
+    /// on every replica, for a function no reduce_op names (an exact sum, say). Each replica
+    /// passes `arrays` input arrays of `count` elements; the replica that owns element i (one
+    /// contiguous share each) calls combine(sources, n, first, m, out) for tiles of m elements
+    /// from first, where sources are the n = size() * arrays.size() input arrays (replica 0's
+    /// arrays in order, then replica 1's, ...) and out a buffer distinct from all of them:
+    /// combine writes out[k] for k < m from sources[j][first + k]. The value is stored to every
+    /// replica's recv in the same pass (like all_reduce: each input byte read once, each output
+    /// byte written once), two rendezvous. An array may be recv itself (in place). combine runs
+    /// on this replica's threads and must not call collectives.
+    /// requires: equal count and arrays.size() >= 1 on every replica; recv.size() == count;
+    /// each array holds count elements. Violations throw on every replica before data moves.
+    template <class T, class Combine>
+    void all_combine(std::span<const T* const> arrays, std::size_t count, std::span<T> recv,
+                     const Combine& combine, collective_tag tag = {}) {
+        static_assert(std::is_trivially_copyable_v<T>, "all_combine copies elements as bytes.");
+        auto rec = record<T>(detail::shm::collective_kind::all_combine, count, recv.size(), nullptr,
+                             recv.data(), reduce_op::sum, 0, tag);
+        rec.arrays = reinterpret_cast<const void* const*>(arrays.data());
+        rec.array_count = arrays.size();
+        auto s = start(std::move(rec), 2);
+        const int n = size();
+        const std::size_t k = arrays.size(); // validate() has checked that every replica agrees
+        std::vector<const T*> sources(static_cast<std::size_t>(n) * k);
+        dest_list<T> dsts(n);
+        dsts[0] = recv.data();
+        for (int j = 0, d = 1; j < n; ++j) {
+            const auto* theirs = static_cast<const T* const*>(
+                static_cast<const void*>(group_->call(j, s.seq).arrays));
+            for (std::size_t c = 0; c < k; ++c)
+                sources[static_cast<std::size_t>(j) * k + c] = theirs[c];
+            if (j != rank_)
+                dsts[d++] = peer_recv<T>(j, s);
+        }
+        const auto mine = detail::shm::owned_chunk<T>(count, rank_, n);
+        guarded(s, [&] {
+            detail::shm::combine_to_all(system(), sources.data(), sources.size(), dsts.data(),
+                                        static_cast<std::size_t>(n), mine.first, mine.second,
+                                        combine);
+        });
+        next_phase(s);
     }
 
     /// Returns once every replica of the group has entered the barrier.

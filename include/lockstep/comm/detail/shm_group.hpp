@@ -43,7 +43,8 @@ enum class collective_kind : unsigned char {
     reduce,
     split,
     all_to_all,
-    reduce_scatter
+    reduce_scatter,
+    all_combine
 };
 
 inline const char* name_of(collective_kind k) noexcept {
@@ -64,6 +65,8 @@ inline const char* name_of(collective_kind k) noexcept {
         return "all_to_all";
     case collective_kind::reduce_scatter:
         return "reduce_scatter";
+    case collective_kind::all_combine:
+        return "all_combine";
     }
     return "collective";
 }
@@ -82,6 +85,9 @@ struct call_record {
     int key = 0;
     const void* send = nullptr;
     void* recv = nullptr;
+    /// all_combine: the replica's `arrays` input arrays of `count` elements (send is unused).
+    const void* const* arrays = nullptr;
+    std::size_t array_count = 0;
     std::shared_ptr<group_state> child; ///< split: the new group, published by its leader
     /// reduce_scatter: a copy of the per-rank counts (a copy, because a peer may still read
     /// the record after this replica has returned from a one-phase collective); empty for the
@@ -129,7 +135,15 @@ inline std::string record_problem(const call_record& c) {
                    std::to_string(limit) + ")";
         return {};
     };
-    std::string a = check(c.send, c.count, "send");
+    std::string a;
+    if (c.kind == collective_kind::all_combine) {
+        if (c.arrays == nullptr && c.array_count != 0)
+            a = "a null span of " + std::to_string(c.array_count) + " input arrays";
+        for (std::size_t k = 0; a.empty() && c.arrays != nullptr && k < c.array_count; ++k)
+            a = check(c.arrays[k], c.count, ("input array " + std::to_string(k)).c_str());
+    } else {
+        a = check(c.send, c.count, "send");
+    }
     std::string b = check(c.recv, c.recv_count, "receive");
     if (c.null_counts != 0)
         b += (b.empty() ? "" : " and ") + std::string("a null counts span of ") +
@@ -461,6 +475,16 @@ inline void group_state::validate(int rank, op_label label) const {
                      "form)");
         }
     }
+    if (k == collective_kind::all_combine) {
+        if (!all_same([](const call_record& c) { return c.array_count; }))
+            fail(
+                errc::shape_mismatch, me, op(),
+                "replicas disagree on the number of input arrays: ", list([](const call_record& c) {
+                    return "passed " + std::to_string(c.array_count);
+                }));
+        LOCKSTEP_REQUIRE(c0.array_count >= 1, errc::invalid_argument, me, op(),
+                         "every replica passed 0 input arrays (all_combine needs at least 1)");
+    }
     if (k == collective_kind::reduce_scatter)
         validate_scatter(rank, label);
     for (int j = 0; j < n; ++j) {
@@ -468,7 +492,8 @@ inline void group_state::validate(int rank, op_label label) const {
         std::size_t want = c.recv_count;
         if (k == collective_kind::reduce_scatter)
             want = c.counts[static_cast<std::size_t>(j)];
-        if (k == collective_kind::all_reduce || k == collective_kind::all_to_all)
+        if (k == collective_kind::all_reduce || k == collective_kind::all_to_all ||
+            k == collective_kind::all_combine)
             want = c.count;
         if (k == collective_kind::reduce && j == c.root)
             want = c.count;
