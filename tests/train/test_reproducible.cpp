@@ -2,7 +2,9 @@
 // global sample index) trained for 50 uneven steps on 1, 2, 3, 4, 5 and 8 thread replicas holds
 // bitwise identical parameters, optimizer state, BN running statistics and losses, for SGD,
 // AdamW and LAMB in float and double, whether the exchange gathers every chunk to every replica
-// (this small network under the default policy) or goes by blocks (reduce::reproducible<8, 0>).
+// (this small network under the default policy) or is summed in one all_combine pass
+// (reduce::reproducible<8, 0>); the three exchanges of the anchored accumulator (gathered, by
+// blocks with all_to_all, combined) give the same bits.
 // SPDX-License-Identifier: Apache-2.0
 #include "optimizer_cases.hpp"
 #include "repro_runner.hpp"
@@ -10,6 +12,11 @@
 #include "train_runner.hpp"
 
 #include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
 
 using namespace lockstep_test;
 
@@ -95,12 +102,15 @@ TEMPLATE_TEST_CASE("reduce::reproducible without BN trains like synchronous per_
     }
 }
 
-TEST_CASE("reduce::reproducible gathers a small network's chunks in 2 collectives, and blocks "
-          "take one all_to_all per chunk index",
+TEST_CASE("reduce::reproducible gathers a small network's chunks in 2 collectives, and the "
+          "thread group combines larger ones in 2 as well",
           "[train][reproducible][thread]") {
-    // 37 samples in chunks of 8: 5 chunks, 3 on the busiest of 2 replicas.
+    // 37 samples in chunks of 8: 5 chunks, 3 on the busiest of 2 replicas. Without gathering,
+    // the thread group sums every chunk in one all_combine (plus the loss terms' all_gather);
+    // communicators without all_combine take one all_to_all per chunk index
+    // (test_reproducible_mpi).
     CHECK(step_collectives<repro_reduce>(37) == 2);
-    CHECK(step_collectives<repro_blocks>(37) == 3 + 1 + 1);
+    CHECK(step_collectives<repro_blocks>(37) == 2);
     CHECK(repro_reduce::name() == "reduce::reproducible<8>");
     CHECK(repro_blocks::name() == "reduce::reproducible<8, 0>");
 }
@@ -140,4 +150,105 @@ TEST_CASE("reduce::reproducible refuses micro-batches", "[train][reproducible][t
             dp(comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.1}, {.micro_batches = 2});
     }),
                       Catch::Contains("reduce::reproducible cuts every global batch into chunks"));
+}
+
+namespace {
+
+/// Value of element i of global chunk c in the exchange test: exponents over 2^-40..2^40, both
+/// signs, and at element 5 values whose sums overflow on replicas 0 and 1 but cancel globally.
+float exchange_value(std::size_t c, std::size_t i) {
+    if (i == 5)
+        return c < 2   ? std::numeric_limits<float>::max()
+               : c < 4 ? -std::numeric_limits<float>::max()
+                       : 0.0f;
+    std::uint64_t h = (c + 1) * 0x9e3779b97f4a7c15ULL ^ (i + 1) * 0xbf58476d1ce4e5b9ULL;
+    h ^= h >> 31;
+    h *= 0x94d049bb133111ebULL;
+    h ^= h >> 29;
+    const float mant = static_cast<float>(h & 0xffffff) / 16777216.0f + 0.5f;
+    const int e = static_cast<int>((h >> 24) % 81) - 40;
+    return std::ldexp((h >> 40) & 1 ? -mant : mant, e);
+}
+
+struct exchange_result {
+    std::vector<float> marked; ///< g after check_local (this replica's own non-finite sums)
+    std::vector<float> sums;   ///< g after finalize
+    double global_loss = 0;
+};
+
+/// The anchored accumulator's step protocol on `replicas` thread replicas holding `chunks`
+/// chunks of n elements between them (balanced, contiguous), in one exchange mode.
+std::vector<exchange_result> run_exchange(int replicas, std::size_t chunks, std::size_t n,
+                                          std::size_t gather_values, bool combined) {
+    std::vector<exchange_result> out(static_cast<std::size_t>(replicas));
+    thread_group group(replicas);
+    group.run([&](thread_communicator& comm) {
+        const int r = comm.rank();
+        lockstep::detail::anchored_accumulator<float, host_system> acc(
+            n, replicas, r, comm.system(), gather_values, combined);
+        const shard_range mine = lockstep::detail::reproducible_chunks(chunks, 1, r, replicas);
+        const shard_range busiest = lockstep::detail::reproducible_chunks(chunks, 1, 0, replicas);
+        std::vector<float> g(n, 0.0f);
+        acc.begin(std::max<std::size_t>(mine.size(), 1), std::max<std::size_t>(busiest.size(), 1));
+        if (mine.empty()) {
+            acc.add(std::span<const float>(g));
+            acc.add_loss(0.0, nullptr);
+        }
+        for (std::size_t c = mine.begin; c < mine.end; ++c) {
+            for (std::size_t i = 0; i < n; ++i)
+                g[i] = exchange_value(c, i);
+            acc.add(std::span<const float>(g));
+            acc.add_loss(0.125 * static_cast<double>(c + 1), nullptr);
+        }
+        acc.exchange(comm, std::span<const float>(g));
+        double own = 0;
+        acc.check_local(std::span<float>(g), &own);
+        exchange_result& res = out[static_cast<std::size_t>(r)];
+        res.marked = g;
+        acc.finalize(comm, std::span<float>(g), &res.global_loss);
+        res.sums = g;
+    });
+    return out;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+} // namespace
+
+TEST_CASE("reduce::reproducible's exchanges (gathered, by blocks, combined in one pass) give the "
+          "anchored sum of every chunk, bit for bit",
+          "[train][reproducible][thread]") {
+    const std::size_t n = 10007;
+    const int replicas = GENERATE(1, 2, 3);
+    const std::size_t chunks = GENERATE(std::size_t{2}, std::size_t{3}, std::size_t{5});
+    CAPTURE(replicas, chunks);
+    // The reference: every chunk of each element summed by anchored_sum_fn in one place.
+    std::vector<float> all(chunks * n), want(n);
+    for (std::size_t c = 0; c < chunks; ++c)
+        for (std::size_t i = 0; i < n; ++i)
+            all[c * n + i] = exchange_value(c, i);
+    const kernels::anchored_terms<float> terms{all.data(), 1, chunks, 0, n};
+    for (std::size_t i = 0; i < n; ++i)
+        kernels::anchored_sum_fn<float>{terms, want.data()}(i);
+    // Element 5: 2 chunks overflow, 3 leave the largest float, 5 cancel to 0.
+    const float at5 = chunks == 2   ? std::numeric_limits<float>::infinity()
+                      : chunks == 3 ? std::numeric_limits<float>::max()
+                                    : 0.0f;
+    REQUIRE(want[5] == at5);
+    const auto gathered = run_exchange(replicas, chunks, n, std::size_t{1} << 30, false);
+    const auto blocks = run_exchange(replicas, chunks, n, 0, false);
+    const auto combined = run_exchange(replicas, chunks, n, 0, true);
+    for (std::size_t r = 0; r < static_cast<std::size_t>(replicas); ++r) {
+        CAPTURE(r);
+        CHECK(same_bits(gathered[r].sums, want));
+        CHECK(same_bits(blocks[r].sums, want));
+        CHECK(same_bits(combined[r].sums, want));
+        // Each replica's own check marks the same elements whichever exchange runs.
+        CHECK(same_bits(combined[r].marked, blocks[r].marked));
+        CHECK(same_bits(gathered[r].marked, blocks[r].marked));
+        CHECK(combined[r].global_loss == blocks[r].global_loss);
+        CHECK(gathered[r].global_loss == blocks[r].global_loss);
+    }
 }

@@ -11,7 +11,10 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
+#include <vector>
 
 #if LOCKSTEP_F16_X86
 #define LOCKSTEP_ANCHORED_AVX2 __attribute__((target("avx2")))
@@ -210,6 +213,40 @@ struct anchored_own_check_tiles_fn {
             for (std::size_t i = b; i < b + m; ++i)
                 anchored_own_check_fn<float>{chunks, out}(i);
     }
+};
+
+/// The anchored sums (anchored_sum_fn's bits) of elements [first, first + m) of n arrays of
+/// terms: out[k] = the sum of sources[j][first + k] over j < n, rounded once. Each tile of
+/// anchored_tile elements is copied from the arrays into one block (in L1) and summed there by
+/// anchored_sum_tiles_fn (float, n <= anchored_short_terms) or anchored_sum_fn, so the arrays
+/// may live anywhere (thread_communicator::all_combine's peers' buffers). out must not overlap
+/// a source. requires: 1 <= n <= anchored_limits::max_terms.
+template <class T>
+struct anchored_combine_fn {
+    void operator()(const T* const* sources, std::size_t n, std::size_t first, std::size_t m,
+                    T* out) const {
+        constexpr std::size_t on_stack = 16;
+        alignas(64) T local[n_local(on_stack)];
+        std::vector<T> heap(n > on_stack ? n * anchored_tile : 0);
+        T* stage = n > on_stack ? heap.data() : static_cast<T*>(local);
+        for (std::size_t b = 0; b < m; b += anchored_tile) {
+            const std::size_t mm = m - b < anchored_tile ? m - b : anchored_tile;
+            for (std::size_t j = 0; j < n; ++j)
+                std::memcpy(stage + j * anchored_tile, sources[j] + first + b, mm * sizeof(T));
+            const anchored_terms<T> terms{stage, n, 1, anchored_tile, 0};
+            if constexpr (std::is_same_v<T, float>) {
+                if (n <= anchored_short_terms) {
+                    anchored_sum_tiles_fn{terms, mm, out + b}(0);
+                    continue;
+                }
+            }
+            for (std::size_t i = 0; i < mm; ++i)
+                anchored_sum_fn<T>{terms, out + b}(i);
+        }
+    }
+
+private:
+    static constexpr std::size_t n_local(std::size_t arrays) { return arrays * anchored_tile; }
 };
 
 } // namespace lockstep::kernels::detail

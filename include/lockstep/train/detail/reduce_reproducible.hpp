@@ -103,13 +103,20 @@ struct gathered_loss_fn {
 ///   finalize() sums this replica's block and all-gathers the blocks (the tail and the loss are
 ///   summed on every replica). Memory: the kept chunks, max_calls n received values, and when
 ///   some replica has fewer calls than max_calls, n zeros.
+/// - combined, otherwise, on a communicator with all_combine (the thread group) when
+///   `combined` is passed: exchange() all-gathers the loss terms; finalize() has each replica's
+///   share of the elements summed from every replica's chunks where they lie and stored to
+///   every replica's g in one pass (comm.all_combine), no copy of the values in between. With
+///   one call, the chunk is g itself; with more, every chunk is kept (calls n values, as
+///   check_local marks g). Memory: the kept chunks, and n zeros when some replica has fewer
+///   calls than max_calls.
 template <class T, class System>
 class anchored_accumulator {
 public:
     anchored_accumulator(std::size_t n, int replicas, int rank, const System& sys,
-                         std::size_t gather_values = 0)
+                         std::size_t gather_values = 0, bool combined = false)
         : n_(n), replicas_(static_cast<std::size_t>(replicas)), gather_values_(gather_values),
-          rank_(static_cast<std::size_t>(rank)), block_(n / replicas_),
+          combined_(combined), rank_(static_cast<std::size_t>(rank)), block_(n / replicas_),
           tail_(n - block_ * replicas_), sys_(sys), loss_top_(1, sys),
           loss_bins_(kernels::binned::window, sys), losses_(3, sys) {}
 
@@ -132,6 +139,13 @@ public:
             if (calls < max_calls)
                 zero(sys_, recv_.span().subspan(rank_ * max_calls * n_ + calls * n_,
                                                 (max_calls - calls) * n_));
+        } else if (combined_) {
+            stride_ = 2 * max_calls;
+            grow(store_, calls > 1 ? calls * n_ : 0);
+            if (calls < max_calls && n_ > zeros_.size()) {
+                zeros_ = buffer<T, System>(n_, sys_);
+                zero(sys_, zeros_.span());
+            }
         } else {
             stride_ = 2 * max_calls + max_calls * tail_;
             grow(store_, (calls - 1) * n_);
@@ -152,7 +166,7 @@ public:
         if (gathered_)
             copy_async(sys_, g.first(n_),
                        recv_.span().subspan((rank_ * max_calls_ + added_) * n_, n_));
-        else if (added_ + 1 < calls_)
+        else if (added_ + 1 < calls_ || (combined_ && calls_ > 1))
             copy_async(sys_, g.first(n_), store_.span().subspan(added_ * n_, n_));
         ++added_;
     }
@@ -171,6 +185,11 @@ public:
             const std::size_t each = max_calls_ * n_;
             comm.all_gather(std::span<const T>(recv_.data() + rank_ * each, each),
                             recv_.span().first(each * replicas_)); // in place
+            comm.all_gather(std::span<const double>(small_send_.data(), stride_),
+                            small_recv_.span().first(stride_ * replicas_));
+            return;
+        }
+        if (combined_) {
             comm.all_gather(std::span<const double>(small_send_.data(), stride_),
                             small_recv_.span().first(stride_ * replicas_));
             return;
@@ -217,6 +236,13 @@ public:
                                     loss_top_.data(), loss_bins_.data(), loss});
             return;
         }
+        if (combined_) {
+            if constexpr (combine_communicator<Communicator>)
+                combine(comm, g);
+            run(1, gathered_loss_fn{small_recv_.data(), replicas_, 2 * max_calls_, stride_,
+                                    loss_top_.data(), loss_bins_.data(), loss});
+            return;
+        }
         const std::size_t all = blocks();
         if (block_ > 0) {
             T* mine = g.data() + rank_ * block_;
@@ -234,7 +260,7 @@ public:
     }
     /// The collectives of a step.
     std::size_t collectives() const noexcept {
-        if (gathered_)
+        if (gathered_ || combined_)
             return 2;
         return (block_ > 0 ? max_calls_ + 1 : 0) + 1;
     }
@@ -260,6 +286,18 @@ private:
         }
         run(count, kernels::anchored_sum_fn<T>{terms, out});
     }
+    /// combined: g = the sums of every replica's max_calls chunks (this replica's: g itself
+    /// for one call, else its kept chunks; zeros past its calls), by all_combine.
+    template <class Communicator>
+    void combine(Communicator& comm, std::span<T> g) {
+        std::vector<const T*> arrays(max_calls_);
+        for (std::size_t c = 0; c < max_calls_; ++c)
+            arrays[c] = c >= calls_   ? zeros_.data()
+                        : calls_ == 1 ? g.data()
+                                      : store_.data() + c * n_;
+        comm.all_combine(std::span<const T* const>(arrays), n_, g.first(n_),
+                         kernels::detail::anchored_combine_fn<T>{});
+    }
     template <class U>
     void grow(buffer<U, System>& b, std::size_t count) {
         if (b.size() < count)
@@ -274,6 +312,7 @@ private:
     std::size_t n_;
     std::size_t replicas_;
     std::size_t gather_values_; ///< gathered exchange up to this many values
+    bool combined_;             ///< all_combine when not gathered
     std::size_t rank_;
     std::size_t block_; ///< elements per replica's block
     std::size_t tail_;  ///< elements past the blocks, summed on every replica
@@ -325,7 +364,8 @@ public:
     reducer(Communicator& comm, const std::vector<tensor_info>& tensors,
             overlap_setting /*overlap*/ = {})
         : all_reduce_reducer<T, Communicator>(comm, tensors, 1, 1, overlap_setting{}),
-          acc_(count(tensors), comm.size(), comm.rank(), comm.system(), G) {}
+          acc_(count(tensors), comm.size(), comm.rank(), comm.system(), G,
+               combine_communicator<Communicator> && system_type::is_host) {}
 
     anchored_accumulator<T, system_type>& accumulator() noexcept { return acc_; }
     /// Counts the collectives of a step.
