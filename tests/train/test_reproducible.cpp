@@ -1,10 +1,9 @@
 // reduce::reproducible<8> with bn::ghost<8>: the digits-like MLP (ghost BN, dropout keyed by the
 // global sample index) trained for 50 uneven steps on 1, 2, 3, 4, 5 and 8 thread replicas holds
 // bitwise identical parameters, optimizer state, BN running statistics and losses, for SGD,
-// AdamW and LAMB in float and double, whether the exchange gathers every chunk to every replica
-// (this small network under the default policy) or is summed in one all_combine pass
-// (reduce::reproducible<8, 0>); the three exchanges of the anchored accumulator (gathered, by
-// blocks with all_to_all, combined) give the same bits.
+// AdamW and LAMB in float and double (thread replicas sum every chunk in one all_combine pass,
+// under reduce::reproducible<8> and <8, 0> alike); the three exchanges of the anchored
+// accumulator (gathered, by blocks with all_to_all, combined) give the same bits.
 // SPDX-License-Identifier: Apache-2.0
 #include "optimizer_cases.hpp"
 #include "repro_runner.hpp"
@@ -102,13 +101,12 @@ TEMPLATE_TEST_CASE("reduce::reproducible without BN trains like synchronous per_
     }
 }
 
-TEST_CASE("reduce::reproducible gathers a small network's chunks in 2 collectives, and the "
-          "thread group combines larger ones in 2 as well",
+TEST_CASE("reduce::reproducible on thread replicas takes 2 collectives a step at every size",
           "[train][reproducible][thread]") {
-    // 37 samples in chunks of 8: 5 chunks, 3 on the busiest of 2 replicas. Without gathering,
-    // the thread group sums every chunk in one all_combine (plus the loss terms' all_gather);
-    // communicators without all_combine take one all_to_all per chunk index
-    // (test_reproducible_mpi).
+    // 37 samples in chunks of 8: 5 chunks, 3 on the busiest of 2 replicas. The thread group
+    // sums every chunk in one all_combine (plus the loss terms' all_gather), whatever
+    // GatherValues says; communicators without all_combine gather or take one all_to_all per
+    // chunk index (test_reproducible_mpi).
     CHECK(step_collectives<repro_reduce>(37) == 2);
     CHECK(step_collectives<repro_blocks>(37) == 2);
     CHECK(repro_reduce::name() == "reduce::reproducible<8>");

@@ -91,8 +91,16 @@ struct gathered_loss_fn {
 /// max_calls); add() and add_loss() per chunk; exchange() (collective); check_local() (this
 /// replica's own sums, for its checks); finalize() (collective). Each element's sum is formed
 /// from all of its values in one place, so no partial sum is rounded and the bits do not depend
-/// on the replica count, nor on which of the two exchanges a step takes:
-/// - gathered, when replicas x max_calls x n <= gather_values: every chunk is kept in this
+/// on the replica count, nor on which of the three exchanges a step takes:
+/// - combined, at every size, on a communicator with all_combine (the thread group) when
+///   `combined` is passed: exchange() all-gathers the loss terms; finalize() has each replica's
+///   share of the elements summed from every replica's chunks where they lie and stored to
+///   every replica's g in one pass (comm.all_combine), no copy of the values in between. With
+///   one call, the chunk is g itself; with more, every chunk is kept (calls n values, as
+///   check_local marks g). Memory: the kept chunks, and n zeros when some replica has fewer
+///   calls than max_calls.
+/// - gathered, otherwise, when replicas x max_calls x n <= gather_values: every chunk is kept in
+/// this
 ///   replica's slot of the receive buffer (max_calls n values, zeros past this replica's calls);
 ///   exchange() all-gathers the slots in place and the loss terms (2 collectives); finalize()
 ///   sums every element on every replica. Memory: replicas x max_calls x n values.
@@ -103,13 +111,6 @@ struct gathered_loss_fn {
 ///   finalize() sums this replica's block and all-gathers the blocks (the tail and the loss are
 ///   summed on every replica). Memory: the kept chunks, max_calls n received values, and when
 ///   some replica has fewer calls than max_calls, n zeros.
-/// - combined, otherwise, on a communicator with all_combine (the thread group) when
-///   `combined` is passed: exchange() all-gathers the loss terms; finalize() has each replica's
-///   share of the elements summed from every replica's chunks where they lie and stored to
-///   every replica's g in one pass (comm.all_combine), no copy of the values in between. With
-///   one call, the chunk is g itself; with more, every chunk is kept (calls n values, as
-///   check_local marks g). Memory: the kept chunks, and n zeros when some replica has fewer
-///   calls than max_calls.
 template <class T, class System>
 class anchored_accumulator {
 public:
@@ -132,7 +133,7 @@ public:
         max_calls_ = max_calls;
         added_ = 0;
         losses_added_ = 0;
-        gathered_ = n_ > 0 && replicas_ * max_calls <= gather_values_ / n_;
+        gathered_ = !combined_ && n_ > 0 && replicas_ * max_calls <= gather_values_ / n_;
         if (gathered_) {
             stride_ = 2 * max_calls;
             grow(recv_, replicas_ * max_calls * n_);
@@ -312,7 +313,7 @@ private:
     std::size_t n_;
     std::size_t replicas_;
     std::size_t gather_values_; ///< gathered exchange up to this many values
-    bool combined_;             ///< all_combine when not gathered
+    bool combined_;             ///< all_combine (at every size)
     std::size_t rank_;
     std::size_t block_; ///< elements per replica's block
     std::size_t tail_;  ///< elements past the blocks, summed on every replica
