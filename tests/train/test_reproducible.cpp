@@ -153,8 +153,11 @@ TEST_CASE("reduce::reproducible refuses micro-batches", "[train][reproducible][t
 namespace {
 
 /// Value of element i of global chunk c in the exchange test: exponents over 2^-40..2^40, both
-/// signs, and at element 5 values whose sums overflow on replicas 0 and 1 but cancel globally.
+/// signs; at element 5 values whose sums overflow on replicas 0 and 1 but cancel globally, at
+/// element 7 a sum that is subnormal.
 float exchange_value(std::size_t c, std::size_t i) {
+    if (i == 7) // a subnormal sum: 1.5 x 2^-126 - 2^-126
+        return c == 0 ? 0x1.8p-126f : c == 1 ? -0x1p-126f : 0.0f;
     if (i == 5)
         return c < 2   ? std::numeric_limits<float>::max()
                : c < 4 ? -std::numeric_limits<float>::max()
@@ -235,14 +238,20 @@ TEST_CASE("reduce::reproducible's exchanges (gathered, by blocks, combined in on
                       : chunks == 3 ? std::numeric_limits<float>::max()
                                     : 0.0f;
     REQUIRE(want[5] == at5);
+    REQUIRE(want[7] == 0x1p-127f);
     const auto gathered = run_exchange(replicas, chunks, n, std::size_t{1} << 30, false);
     const auto blocks = run_exchange(replicas, chunks, n, 0, false);
     const auto combined = run_exchange(replicas, chunks, n, 0, true);
+    // The combined exchange again on the portable loops (no AVX2).
+    kernels::detail::anchored_portable_only() = true;
+    const auto portable = run_exchange(replicas, chunks, n, 0, true);
+    kernels::detail::anchored_portable_only() = false;
     for (std::size_t r = 0; r < static_cast<std::size_t>(replicas); ++r) {
         CAPTURE(r);
         CHECK(same_bits(gathered[r].sums, want));
         CHECK(same_bits(blocks[r].sums, want));
         CHECK(same_bits(combined[r].sums, want));
+        CHECK(same_bits(portable[r].sums, want));
         // Each replica's own check marks the same elements whichever exchange runs.
         CHECK(same_bits(combined[r].marked, blocks[r].marked));
         CHECK(same_bits(gathered[r].marked, blocks[r].marked));

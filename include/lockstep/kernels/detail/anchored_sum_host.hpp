@@ -108,11 +108,9 @@ inline int anchored_tile_bits(std::size_t k) {
 /// keep is below half an ulp of it, so it cannot move the rounding either way; the sum starts
 /// from +0 as anchored_sum_fn's does, so -0 + -0 gives +0). A non-finite term gives
 /// anchored_sum_fn's quiet NaN; a subnormal result is left to anchored_sum_fn (done[i] = 0).
-[[gnu::always_inline]] inline bool anchored_pair_body(const anchored_terms<float>& terms,
-                                                      std::size_t b, std::size_t m, float* out,
-                                                      unsigned char* done) {
-    const float* p = terms.base + b;
-    const float* q = p + (terms.replicas == 2 ? terms.replica_stride : terms.call_stride);
+/// (The loop, over the m elements of two arrays p and q into out[0, m).)
+[[gnu::always_inline]] inline bool anchored_pair_loop(const float* p, const float* q, std::size_t m,
+                                                      float* out, unsigned char* done) {
     // Float operations only and no branch, so the loop vectorises (GCC 12 vectorises no loop
     // that mixes these float loads with their bits as integers).
     const float quiet_nan = std::numeric_limits<float>::quiet_NaN(); // anchored_sum_fn's bits
@@ -123,7 +121,7 @@ inline int anchored_tile_bits(std::size_t k) {
         const float sum = (0.0f + x) + y;
         const bool finite = (x - x == 0.0f) & (y - y == 0.0f); // false for infinities and NaNs
         const float mag = sum < 0.0f ? -sum : sum;
-        out[b + i] = finite ? sum : quiet_nan;
+        out[i] = finite ? sum : quiet_nan;
         const unsigned ok = static_cast<unsigned>(!finite) |
                             static_cast<unsigned>(mag >= 0x1p-126f) |
                             static_cast<unsigned>(sum == 0.0f);
@@ -133,9 +131,21 @@ inline int anchored_tile_bits(std::size_t k) {
     return all != 0;
 }
 
+[[gnu::always_inline]] inline bool anchored_pair_body(const anchored_terms<float>& terms,
+                                                      std::size_t b, std::size_t m, float* out,
+                                                      unsigned char* done) {
+    const float* p = terms.base + b;
+    const float* q = p + (terms.replicas == 2 ? terms.replica_stride : terms.call_stride);
+    return anchored_pair_loop(p, q, m, out + b, done);
+}
+
 inline bool anchored_pair_portable(const anchored_terms<float>& terms, std::size_t b, std::size_t m,
                                    float* out, unsigned char* done) {
     return anchored_pair_body(terms, b, m, out, done);
+}
+inline bool anchored_pair_arrays_portable(const float* p, const float* q, std::size_t m, float* out,
+                                          unsigned char* done) {
+    return anchored_pair_loop(p, q, m, out, done);
 }
 
 inline bool anchored_tile_portable(const anchored_terms<float>& terms, std::size_t b, std::size_t m,
@@ -153,6 +163,11 @@ LOCKSTEP_ANCHORED_AVX2 inline bool anchored_pair_avx2(const anchored_terms<float
                                                       std::size_t b, std::size_t m, float* out,
                                                       unsigned char* done) {
     return anchored_pair_body(terms, b, m, out, done);
+}
+LOCKSTEP_ANCHORED_AVX2 inline bool anchored_pair_arrays_avx2(const float* p, const float* q,
+                                                             std::size_t m, float* out,
+                                                             unsigned char* done) {
+    return anchored_pair_loop(p, q, m, out, done);
 }
 #endif
 
@@ -229,6 +244,12 @@ struct anchored_combine_fn {
         alignas(64) T local[n_local(on_stack)];
         std::vector<T> heap(n > on_stack ? n * anchored_tile : 0);
         T* stage = n > on_stack ? heap.data() : static_cast<T*>(local);
+        if constexpr (std::is_same_v<T, float>) {
+            if (n == 2) {
+                pair(sources[0] + first, sources[1] + first, m, out);
+                return;
+            }
+        }
         for (std::size_t b = 0; b < m; b += anchored_tile) {
             const std::size_t mm = m - b < anchored_tile ? m - b : anchored_tile;
             for (std::size_t j = 0; j < n; ++j)
@@ -247,6 +268,30 @@ struct anchored_combine_fn {
 
 private:
     static constexpr std::size_t n_local(std::size_t arrays) { return arrays * anchored_tile; }
+    /// Two arrays: anchored_pair_loop straight from them (no staging), anchored_sum_fn for the
+    /// elements it leaves (subnormal results).
+    static void pair(const float* p, const float* q, std::size_t m, float* out) {
+        unsigned char done[anchored_tile];
+        for (std::size_t b = 0; b < m; b += anchored_tile) {
+            const std::size_t mm = m - b < anchored_tile ? m - b : anchored_tile;
+            bool all = false;
+#if LOCKSTEP_F16_X86
+            if (lockstep::detail::cpu_has_f16c() &&
+                !anchored_portable_only().load(std::memory_order_relaxed))
+                all = anchored_pair_arrays_avx2(p + b, q + b, mm, out + b, done);
+            else
+                all = anchored_pair_arrays_portable(p + b, q + b, mm, out + b, done);
+#else
+            all = anchored_pair_arrays_portable(p + b, q + b, mm, out + b, done);
+#endif
+            if (!all)
+                for (std::size_t i = 0; i < mm; ++i)
+                    if (done[i] == 0) {
+                        const float v[2] = {p[b + i], q[b + i]};
+                        anchored_sum_fn<float>{{v, 2, 1, 1, 0}, out + b + i}(0);
+                    }
+        }
+    }
 };
 
 } // namespace lockstep::kernels::detail
