@@ -131,20 +131,8 @@ inline int anchored_tile_bits(std::size_t k) {
     return all != 0;
 }
 
-[[gnu::always_inline]] inline bool anchored_pair_body(const anchored_terms<float>& terms,
-                                                      std::size_t b, std::size_t m, float* out,
-                                                      unsigned char* done) {
-    const float* p = terms.base + b;
-    const float* q = p + (terms.replicas == 2 ? terms.replica_stride : terms.call_stride);
-    return anchored_pair_loop(p, q, m, out + b, done);
-}
-
-inline bool anchored_pair_portable(const anchored_terms<float>& terms, std::size_t b, std::size_t m,
-                                   float* out, unsigned char* done) {
-    return anchored_pair_body(terms, b, m, out, done);
-}
-inline bool anchored_pair_arrays_portable(const float* p, const float* q, std::size_t m, float* out,
-                                          unsigned char* done) {
+inline bool anchored_pair_portable(const float* p, const float* q, std::size_t m, float* out,
+                                   unsigned char* done) {
     return anchored_pair_loop(p, q, m, out, done);
 }
 
@@ -159,21 +147,45 @@ LOCKSTEP_ANCHORED_AVX2 inline bool anchored_tile_avx2(const anchored_terms<float
                                                       unsigned char* done) {
     return anchored_tile_body(terms, b, m, out, done);
 }
-LOCKSTEP_ANCHORED_AVX2 inline bool anchored_pair_avx2(const anchored_terms<float>& terms,
-                                                      std::size_t b, std::size_t m, float* out,
-                                                      unsigned char* done) {
-    return anchored_pair_body(terms, b, m, out, done);
-}
-LOCKSTEP_ANCHORED_AVX2 inline bool anchored_pair_arrays_avx2(const float* p, const float* q,
-                                                             std::size_t m, float* out,
-                                                             unsigned char* done) {
+LOCKSTEP_ANCHORED_AVX2 inline bool anchored_pair_avx2(const float* p, const float* q, std::size_t m,
+                                                      float* out, unsigned char* done) {
     return anchored_pair_loop(p, q, m, out, done);
 }
 #endif
 
+/// Whether the tiles take their AVX2 loops (the CPU has them and the test hook allows them).
+inline bool anchored_use_avx2() noexcept {
+#if LOCKSTEP_F16_X86
+    return lockstep::detail::cpu_has_f16c() &&
+           !anchored_portable_only().load(std::memory_order_relaxed);
+#else
+    return false;
+#endif
+}
+
+/// anchored_pair_loop over two arrays p and q, on the AVX2 loop where anchored_use_avx2().
+inline bool anchored_pair(const float* p, const float* q, std::size_t m, float* out,
+                          unsigned char* done) {
+#if LOCKSTEP_F16_X86
+    if (anchored_use_avx2())
+        return anchored_pair_avx2(p, q, m, out, done);
+#endif
+    return anchored_pair_portable(p, q, m, out, done);
+}
+
+/// anchored_tile_body, on the AVX2 loop where anchored_use_avx2().
+inline bool anchored_tile_sums(const anchored_terms<float>& terms, std::size_t b, std::size_t m,
+                               float* out, unsigned char* done) {
+#if LOCKSTEP_F16_X86
+    if (anchored_use_avx2())
+        return anchored_tile_avx2(terms, b, m, out, done);
+#endif
+    return anchored_tile_portable(terms, b, m, out, done);
+}
+
 /// Task t: the float sums of elements [t anchored_tile, min(..., count)) of terms into out,
 /// bit for bit what anchored_sum_fn<float> gives (which answers the elements the tile does
-/// not); 2 terms (2 replicas of one chunk, or one replica's 2 chunks) take anchored_pair_body. Host
+/// not); 2 terms (2 replicas of one chunk, or one replica's 2 chunks) take anchored_pair_loop. Host
 /// only. requires: terms.replicas * terms.calls <= anchored_short_terms.
 struct anchored_sum_tiles_fn {
     anchored_terms<float> terms;
@@ -184,19 +196,14 @@ struct anchored_sum_tiles_fn {
         const std::size_t m = count - b < anchored_tile ? count - b : anchored_tile;
         unsigned char done[anchored_tile];
         bool all = false;
-        const bool pair = terms.replicas * terms.calls == 2;
-#if LOCKSTEP_F16_X86
-        if (lockstep::detail::cpu_has_f16c() &&
-            !anchored_portable_only().load(std::memory_order_relaxed))
-            all = pair ? anchored_pair_avx2(terms, b, m, out, done)
-                       : anchored_tile_avx2(terms, b, m, out, done);
-        else
-            all = pair ? anchored_pair_portable(terms, b, m, out, done)
-                       : anchored_tile_portable(terms, b, m, out, done);
-#else
-        all = pair ? anchored_pair_portable(terms, b, m, out, done)
-                   : anchored_tile_portable(terms, b, m, out, done);
-#endif
+        if (terms.replicas * terms.calls == 2) {
+            // The second term is the other replica's value or this replica's other chunk.
+            const float* p = terms.base + b;
+            const float* q = p + (terms.replicas == 2 ? terms.replica_stride : terms.call_stride);
+            all = anchored_pair(p, q, m, out + b, done);
+        } else {
+            all = anchored_tile_sums(terms, b, m, out, done);
+        }
         if (!all)
             for (std::size_t i = 0; i < m; ++i)
                 if (done[i] == 0)
@@ -240,16 +247,16 @@ template <class T>
 struct anchored_combine_fn {
     void operator()(const T* const* sources, std::size_t n, std::size_t first, std::size_t m,
                     T* out) const {
-        constexpr std::size_t on_stack = 16;
-        alignas(64) T local[n_local(on_stack)];
-        std::vector<T> heap(n > on_stack ? n * anchored_tile : 0);
-        T* stage = n > on_stack ? heap.data() : static_cast<T*>(local);
         if constexpr (std::is_same_v<T, float>) {
             if (n == 2) {
                 pair(sources[0] + first, sources[1] + first, m, out);
                 return;
             }
         }
+        constexpr std::size_t on_stack = 16;
+        alignas(64) T local[n_local(on_stack)];
+        std::vector<T> heap(n > on_stack ? n * anchored_tile : 0);
+        T* stage = n > on_stack ? heap.data() : static_cast<T*>(local);
         for (std::size_t b = 0; b < m; b += anchored_tile) {
             const std::size_t mm = m - b < anchored_tile ? m - b : anchored_tile;
             for (std::size_t j = 0; j < n; ++j)
@@ -274,17 +281,7 @@ private:
         unsigned char done[anchored_tile];
         for (std::size_t b = 0; b < m; b += anchored_tile) {
             const std::size_t mm = m - b < anchored_tile ? m - b : anchored_tile;
-            bool all = false;
-#if LOCKSTEP_F16_X86
-            if (lockstep::detail::cpu_has_f16c() &&
-                !anchored_portable_only().load(std::memory_order_relaxed))
-                all = anchored_pair_arrays_avx2(p + b, q + b, mm, out + b, done);
-            else
-                all = anchored_pair_arrays_portable(p + b, q + b, mm, out + b, done);
-#else
-            all = anchored_pair_arrays_portable(p + b, q + b, mm, out + b, done);
-#endif
-            if (!all)
+            if (!anchored_pair(p + b, q + b, mm, out + b, done))
                 for (std::size_t i = 0; i < mm; ++i)
                     if (done[i] == 0) {
                         const float v[2] = {p[b + i], q[b + i]};
