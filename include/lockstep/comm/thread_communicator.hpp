@@ -329,22 +329,22 @@ public:
         auto s = start(std::move(rec), 2);
         const int n = size();
         const std::size_t k = arrays.size(); // validate() has checked that every replica agrees
-        std::vector<const T*> sources(static_cast<std::size_t>(n) * k);
+        source_list<T> sources(n * static_cast<int>(k));
         dest_list<T> dsts(n);
         dsts[0] = recv.data();
         for (int j = 0, d = 1; j < n; ++j) {
             const auto* theirs = static_cast<const T* const*>(
                 static_cast<const void*>(group_->call(j, s.seq).arrays));
             for (std::size_t c = 0; c < k; ++c)
-                sources[static_cast<std::size_t>(j) * k + c] = theirs[c];
+                sources[j * static_cast<int>(k) + static_cast<int>(c)] = theirs[c];
             if (j != rank_)
                 dsts[d++] = peer_recv<T>(j, s);
         }
         const auto mine = detail::shm::owned_chunk<T>(count, rank_, n);
         guarded(s, [&] {
-            detail::shm::combine_to_all(system(), sources.data(), sources.size(), dsts.data(),
-                                        static_cast<std::size_t>(n), mine.first, mine.second,
-                                        combine);
+            detail::shm::combine_to_all(system(), sources.data(), static_cast<std::size_t>(n) * k,
+                                        dsts.data(), static_cast<std::size_t>(n), mine.first,
+                                        mine.second, combine);
         });
         next_phase(s);
     }
