@@ -54,6 +54,43 @@ bool contains(const std::string& s, const std::string& part) {
     return s.find(part) != std::string::npos;
 }
 
+/// A misuse of a collective: its name, the error every replica gets and part of its message.
+struct misuse {
+    const char* name;
+    errc code;
+    const char* text;
+};
+
+/// Runs call(comm) on each of 3 replicas: every replica throws which.code with which.text and
+/// `op` ("all_to_all #0") in its message, and, refused before any data moves, the group stays
+/// usable (an all_reduce after it sums every replica's rank).
+template <class Call>
+void check_refused(const misuse& which, const char* op, Call call) {
+    thread_group group(3);
+    std::vector<outcome> seen(3);
+    std::vector<float> after(3, 0.0f);
+    group.run([&](thread_communicator& comm) {
+        const int me = comm.rank();
+        try {
+            call(comm);
+        } catch (const lockstep::error& e) {
+            seen[static_cast<std::size_t>(me)] = {true, e.code(), e.what()};
+        }
+        std::vector<float> w{static_cast<float>(me)};
+        comm.all_reduce(std::span<const float>(w), std::span<float>(w), reduce_op::sum);
+        after[static_cast<std::size_t>(me)] = w[0];
+    });
+    for (int r = 0; r < 3; ++r) {
+        const auto& o = seen[static_cast<std::size_t>(r)];
+        CAPTURE(o.what);
+        CHECK(o.threw);
+        CHECK(o.code == which.code);
+        CHECK(contains(o.what, which.text));
+        CHECK(contains(o.what, op));
+        CHECK(after[static_cast<std::size_t>(r)] == 3.0f);
+    }
+}
+
 } // namespace
 
 TEST_CASE("a replica that throws releases its peers with peer_failure", "[comm][thread]") {
@@ -237,11 +274,6 @@ TEST_CASE("mismatched calls fail on every replica", "[comm][thread]") {
 TEST_CASE("all_to_all refuses uneven blocks, unequal counts and overlapping spans on every "
           "replica",
           "[comm][thread]") {
-    struct misuse {
-        const char* name;
-        errc code;
-        const char* text;
-    };
     const auto which = GENERATE(values<misuse>({
         {"uneven blocks", errc::count_mismatch, "not a whole number of blocks for 3 replicas"},
         {"unequal counts", errc::count_mismatch, "replica 1 passed 6 floats"},
@@ -249,11 +281,8 @@ TEST_CASE("all_to_all refuses uneven blocks, unequal counts and overlapping span
         {"receive size", errc::count_mismatch, "replica 0 passed a receive span of 6 floats"},
     }));
     CAPTURE(which.name);
-    thread_group group(3);
     const std::string kind = which.name;
-    std::vector<outcome> seen(3);
-    std::vector<float> after(3, 0.0f);
-    group.run([&](thread_communicator& comm) {
+    check_refused(which, "all_to_all #0", [&](thread_communicator& comm) {
         const int me = comm.rank();
         std::size_t count = 3;
         if (kind == "uneven blocks")
@@ -265,34 +294,12 @@ TEST_CASE("all_to_all refuses uneven blocks, unequal counts and overlapping span
         // In place: replica 2 receives into its own send span.
         const std::span<float> out =
             kind == "in place" && me == 2 ? std::span<float>(send) : std::span<float>(recv);
-        try {
-            comm.all_to_all(std::span<const float>(send), out);
-        } catch (const lockstep::error& e) {
-            seen[static_cast<std::size_t>(me)] = {true, e.code(), e.what()};
-        }
-        // Refused before any data moves: the group stays usable.
-        std::vector<float> w{static_cast<float>(me)};
-        comm.all_reduce(std::span<const float>(w), std::span<float>(w), reduce_op::sum);
-        after[static_cast<std::size_t>(me)] = w[0];
+        comm.all_to_all(std::span<const float>(send), out);
     });
-    for (int r = 0; r < 3; ++r) {
-        const auto& o = seen[static_cast<std::size_t>(r)];
-        CAPTURE(o.what);
-        CHECK(o.threw);
-        CHECK(o.code == which.code);
-        CHECK(contains(o.what, which.text));
-        CHECK(contains(o.what, "all_to_all #0"));
-        CHECK(after[static_cast<std::size_t>(r)] == 3.0f);
-    }
 }
 
 TEST_CASE("all_combine refuses disagreeing arrays, counts and spans on every replica",
           "[comm][thread]") {
-    struct misuse {
-        const char* name;
-        errc code;
-        const char* text;
-    };
     const auto which = GENERATE(values<misuse>({
         {"arrays", errc::shape_mismatch, "replica 1 passed 2"},
         {"no arrays", errc::invalid_argument, "every replica passed 0 input arrays"},
@@ -301,11 +308,8 @@ TEST_CASE("all_combine refuses disagreeing arrays, counts and spans on every rep
         {"receive size", errc::count_mismatch, "replica 0 passed a receive span of 6 floats"},
     }));
     CAPTURE(which.name);
-    thread_group group(3);
     const std::string kind = which.name;
-    std::vector<outcome> seen(3);
-    std::vector<float> after(3, 0.0f);
-    group.run([&](thread_communicator& comm) {
+    check_refused(which, "all_combine #0", [&](thread_communicator& comm) {
         const int me = comm.rank();
         const std::size_t count = kind == "unequal counts" && me == 1 ? 6 : 3;
         std::vector<float> a(count, 1.0f), b(count, 2.0f);
@@ -317,37 +321,15 @@ TEST_CASE("all_combine refuses disagreeing arrays, counts and spans on every rep
         if (kind == "null array")
             ptrs.push_back(me == 2 ? nullptr : b.data());
         std::vector<float> recv(kind == "receive size" && me == 0 ? 6 : count, 0.0f);
-        try {
-            comm.all_combine(std::span<const float* const>(ptrs), count, std::span<float>(recv),
-                             [](const float* const*, std::size_t, std::size_t, std::size_t m,
-                                float* out) { std::fill(out, out + m, 0.0f); });
-        } catch (const lockstep::error& e) {
-            seen[static_cast<std::size_t>(me)] = {true, e.code(), e.what()};
-        }
-        // Refused before any data moves: the group stays usable.
-        std::vector<float> w{static_cast<float>(me)};
-        comm.all_reduce(std::span<const float>(w), std::span<float>(w), reduce_op::sum);
-        after[static_cast<std::size_t>(me)] = w[0];
+        comm.all_combine(std::span<const float* const>(ptrs), count, std::span<float>(recv),
+                         [](const float* const*, std::size_t, std::size_t, std::size_t m,
+                            float* out) { std::fill(out, out + m, 0.0f); });
     });
-    for (int r = 0; r < 3; ++r) {
-        const auto& o = seen[static_cast<std::size_t>(r)];
-        CAPTURE(o.what);
-        CHECK(o.threw);
-        CHECK(o.code == which.code);
-        CHECK(contains(o.what, which.text));
-        CHECK(contains(o.what, "all_combine #0"));
-        CHECK(after[static_cast<std::size_t>(r)] == 3.0f);
-    }
 }
 
 TEST_CASE("reduce_scatter refuses disagreeing or misfitting counts and overlapping spans on "
           "every replica",
           "[comm][thread]") {
-    struct misuse {
-        const char* name;
-        errc code;
-        const char* text;
-    };
     const auto which = GENERATE(values<misuse>({
         {"different counts", errc::count_mismatch,
          "replica 0 passed counts {2, 3, 1}, replica 1 passed counts {2, 2, 2}"},
@@ -359,11 +341,8 @@ TEST_CASE("reduce_scatter refuses disagreeing or misfitting counts and overlappi
         {"null counts", errc::invalid_argument, "replica 2 passed a null counts span of 3"},
     }));
     CAPTURE(which.name);
-    thread_group group(3);
     const std::string kind = which.name;
-    std::vector<outcome> seen(3);
-    std::vector<float> after(3, 0.0f);
-    group.run([&](thread_communicator& comm) {
+    check_refused(which, "reduce_scatter #0", [&](thread_communicator& comm) {
         const int me = comm.rank();
         std::vector<float> send(6, 1.0f);
         std::vector<std::size_t> counts{2, 2, 2};
@@ -383,25 +362,8 @@ TEST_CASE("reduce_scatter refuses disagreeing or misfitting counts and overlappi
             kind == "null counts" && me == 2
                 ? std::span<const std::size_t>(static_cast<const std::size_t*>(nullptr), 3)
                 : std::span<const std::size_t>(counts);
-        try {
-            comm.reduce_scatter(std::span<const float>(send), out, cs, op);
-        } catch (const lockstep::error& e) {
-            seen[static_cast<std::size_t>(me)] = {true, e.code(), e.what()};
-        }
-        // Refused before any data moves: the group stays usable.
-        std::vector<float> w{static_cast<float>(me)};
-        comm.all_reduce(std::span<const float>(w), std::span<float>(w), reduce_op::sum);
-        after[static_cast<std::size_t>(me)] = w[0];
+        comm.reduce_scatter(std::span<const float>(send), out, cs, op);
     });
-    for (int r = 0; r < 3; ++r) {
-        const auto& o = seen[static_cast<std::size_t>(r)];
-        CAPTURE(o.what);
-        CHECK(o.threw);
-        CHECK(o.code == which.code);
-        CHECK(contains(o.what, which.text));
-        CHECK(contains(o.what, "reduce_scatter #0"));
-        CHECK(after[static_cast<std::size_t>(r)] == 3.0f);
-    }
 }
 
 TEST_CASE("reduce_scatter then all_gather is all_reduce, bit for bit, in place and above the "
