@@ -5,6 +5,7 @@
 // overflow and non-finite values, and the replica's own non-finite check. SPDX-License-Identifier:
 // Apache-2.0
 #include "lockstep/kernels/anchored_sum.hpp"
+#include "lockstep/kernels/detail/anchored_keep_host.hpp"
 #include "lockstep/kernels/detail/anchored_sum_host.hpp"
 
 #include "sum_terms.hpp"
@@ -320,53 +321,76 @@ TEMPLATE_TEST_CASE("anchored sums of zeros, subnormals, overflowing and non-fini
     CHECK(std::isnan(anchored_sum<T>({{{lim::infinity()}}, {{-lim::infinity()}}}, 1)[0]));
 }
 
-TEMPLATE_TEST_CASE("the own check marks exactly the replica's non-finite sums",
+TEMPLATE_TEST_CASE("the own check marks exactly the replica's non-finite chunk values",
                    "[kernels][anchored_sum]", float, double) {
     using T = TestType;
     using lim = std::numeric_limits<T>;
-    // Element 0: finite; 1: an infinity in a kept chunk; 2: overflows only when summed; 3: a NaN
-    // in the last chunk; 4: large but finite.
+    // Element 0: finite; 1: an infinity in a kept chunk; 2: an own sum beyond T's range (not
+    // marked: finite values); 3: a NaN in the last chunk; 4: large but finite; 5: a NaN in the
+    // second kept chunk.
     const std::vector<std::vector<T>> chunks = {
-        {T(1), lim::infinity(), lim::max(), T(2), lim::max()},
-        {T(2), T(1), lim::max(), lim::quiet_NaN(), -lim::max() / 2}};
+        {T(1), lim::infinity(), lim::max(), T(2), lim::max(), T(1)},
+        {T(3), T(4), lim::max(), T(5), T(6), lim::quiet_NaN()},
+        {T(2), T(1), lim::max(), lim::quiet_NaN(), -lim::max() / 2, T(7)}};
     // Kept as the trainer keeps them: every chunk but the last in a store, the last in place.
-    const std::vector<T>& store = chunks[0];
-    std::vector<T> out = chunks[1];
-    for (std::size_t i = 0; i < 5; ++i)
-        kernels::anchored_own_check_fn<T>{{store.data(), out.data(), 2, 5}, out.data()}(i);
-    CHECK(std::isfinite(out[0]));
+    std::vector<T> store = chunks[0];
+    store.insert(store.end(), chunks[1].begin(), chunks[1].end());
+    std::vector<T> out = chunks[2];
+    for (std::size_t i = 0; i < 6; ++i)
+        kernels::anchored_own_check_fn<T>{{store.data(), out.data(), 3, 6}, out.data()}(i);
+    CHECK(out[0] == T(2));
     CHECK(std::isnan(out[1]));
-    CHECK(out[2] == lim::infinity());
+    CHECK(out[2] == lim::max());
     CHECK(std::isnan(out[3]));
-    CHECK(out[4] == lim::max() / 2);
+    CHECK(out[4] == -lim::max() / 2);
+    CHECK(std::isnan(out[5]));
+    // One chunk: nothing is kept, nothing changes.
+    std::vector<T> alone = chunks[2];
+    for (std::size_t i = 0; i < 6; ++i)
+        kernels::anchored_own_check_fn<T>{{nullptr, alone.data(), 1, 6}, alone.data()}(i);
+    CHECK(std::equal(alone.begin(), alone.begin() + 3, chunks[2].begin()));
+    CHECK(std::isnan(alone[3]));
 }
 
-TEST_CASE("the host's own-check tiles mark the same elements non-finite",
+TEST_CASE("the host's keep tiles copy the chunks and flag the tiles the own check must read",
           "[kernels][anchored_sum]") {
-    // Tile 0: small values only (left as they are); tile 1: an element that overflows only when
-    // summed and a large finite one; tile 2 (partial): a NaN in a kept chunk.
+    // 3 chunks of n values over keep tiles 0, 1 and a partial tile 2: an infinity in tile 1 of
+    // chunk 0, a NaN at the last element of tile 2 of chunk 1, and in the last chunk (not kept)
+    // a NaN in tile 0. Destinations aligned and off by one float (the streaming and the plain
+    // copies), on the AVX2 and the portable loops.
     using lim = std::numeric_limits<float>;
-    const std::size_t w = kernels::detail::anchored_tile, n = 2 * w + 9;
+    const std::size_t w = kernels::detail::anchored_keep_tile, n = 2 * w + 9;
     const auto x = random_terms<float>(3, n, -20, 20, 4);
-    std::vector<float> store(2 * n);
-    std::copy(x[0].begin(), x[0].end(), store.begin());
-    std::copy(x[1].begin(), x[1].end(), store.begin() + n);
-    std::vector<float> last = x[2];
-    store[w + 3] = lim::max();
-    last[w + 3] = lim::max();
-    store[n + w + 7] = -lim::max();
-    store[2 * w + 4] = lim::quiet_NaN();
-    std::vector<float> want = last, got = last;
-    for (std::size_t i = 0; i < n; ++i)
-        kernels::anchored_own_check_fn<float>{{store.data(), want.data(), 3, n}, want.data()}(i);
-    for (std::size_t t = 0; t < 3; ++t)
-        kernels::detail::anchored_own_check_tiles_fn{
-            {store.data(), got.data(), 3, n}, n, got.data()}(t);
-    for (std::size_t i = 0; i < n; ++i) {
-        INFO("element " << i);
-        CHECK(std::isfinite(got[i]) == std::isfinite(want[i]));
-    }
-    CHECK(got[w + 3] == lim::infinity());
-    CHECK(std::isnan(got[2 * w + 4]));
-    CHECK(std::equal(got.begin(), got.begin() + static_cast<std::ptrdiff_t>(w), last.begin()));
+    std::vector<float> c0 = x[0], c1 = x[1], last = x[2];
+    c0[w + 3] = lim::infinity();
+    c1[n - 1] = lim::quiet_NaN();
+    last[5] = lim::quiet_NaN();
+    for (const bool portable : {false, true})
+        for (const std::size_t offset : {std::size_t{0}, std::size_t{1}}) {
+            CAPTURE(portable, offset);
+            kernels::detail::anchored_portable_only() = portable;
+            std::vector<float> space(2 * n + 16);
+            float* store = space.data() + offset;
+            std::vector<unsigned char> flags(3, 0);
+            for (std::size_t t = 0; t < 3; ++t) {
+                kernels::detail::anchored_keep_tiles_fn{c0.data(), store, n, flags.data()}(t);
+                kernels::detail::anchored_keep_tiles_fn{c1.data(), store + n, n, flags.data()}(t);
+            }
+            kernels::detail::anchored_portable_only() = false;
+            CHECK(same_bits(std::vector<float>(store, store + n), c0));
+            CHECK(same_bits(std::vector<float>(store + n, store + 2 * n), c1));
+            CHECK(flags == std::vector<unsigned char>{0, 1, 1});
+            // The marks of the flagged tiles are the element-wise check's everywhere.
+            std::vector<float> want = last, got = last;
+            for (std::size_t i = 0; i < n; ++i)
+                kernels::anchored_own_check_fn<float>{{store, want.data(), 3, n}, want.data()}(i);
+            for (std::size_t t = 0; t < 3; ++t)
+                kernels::detail::anchored_mark_tiles_fn{
+                    {store, got.data(), 3, n}, n, flags.data(), got.data()}(t);
+            CHECK(same_bits(got, want));
+            CHECK(std::isnan(got[w + 3]));
+            CHECK(std::isnan(got[n - 1]));
+            CHECK(std::isnan(got[5]));
+            CHECK(got[4] == last[4]);
+        }
 }

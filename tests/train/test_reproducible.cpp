@@ -259,3 +259,67 @@ TEST_CASE("reduce::reproducible's exchanges (gathered, by blocks, combined in on
         CHECK(gathered[r].global_loss == blocks[r].global_loss);
     }
 }
+
+namespace {
+
+/// One parameter of 3 elements whose chunk gradients (chunks of 8 samples, 4 chunks a step) are
+/// +max, +max, -max, -max at element 0 (a replica holding chunks 0 and 1 has an own sum beyond
+/// float's range; the global sum is 0), 0.25 (c + 1) at element 1, and 2^-20 c at element 2.
+template <class Context>
+struct cancelling_net {
+    typename Context::handle w;
+    explicit cancelling_net(Context& ctx) : w(ctx.registry().add("w", {3})) {}
+    double train(const shard_range& r, Context& ctx) {
+        const std::size_t c = r.begin / 8;
+        const std::span<float> g = w.grad();
+        g[0] += c < 2 ? std::numeric_limits<float>::max() : -std::numeric_limits<float>::max();
+        g[1] += 0.25f * static_cast<float>(c + 1);
+        g[2] += std::ldexp(static_cast<float>(c), -20);
+        ctx.mark_ready(w);
+        return 0.0;
+    }
+};
+
+struct cancelling_result {
+    std::vector<float> weights;
+    bool skipped = true;
+};
+
+std::vector<cancelling_result> run_cancelling(int replicas) {
+    using net = cancelling_net<replica_context<float, thread_communicator>>;
+    std::vector<cancelling_result> out(static_cast<std::size_t>(replicas));
+    thread_group group(replicas);
+    group.run([&](thread_communicator& comm) {
+        data_parallel<net, optim::sgd<float>, sync::synchronous, repro_reduce, thread_communicator>
+            dp(comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.5f});
+        cancelling_result& res = out[static_cast<std::size_t>(comm.rank())];
+        res.skipped = dp.step(32, [](net& n, const shard_range& range, auto& ctx) {
+                            return n.train(range, ctx);
+                        }).skipped;
+        const auto p = dp.parameters();
+        res.weights.assign(p.begin(), p.end());
+    });
+    return out;
+}
+
+} // namespace
+
+TEST_CASE("reduce::reproducible: own sums beyond the range that cancel globally skip nothing, on "
+          "any replica count",
+          "[train][reproducible][thread]") {
+    // The skip decision must not depend on how chunks are grouped: only a non-finite chunk value
+    // or a non-finite global sum skips. On one replica the 4 chunks' sum at element 0 is 0; on 2
+    // replicas each replica's own 2 chunks leave float's range.
+    const auto one = run_cancelling(1);
+    REQUIRE(!one[0].skipped);
+    // The reference: w = 0 - 0.5 x the exact sums (0, 2.5, 6 x 2^-20), each exact in float.
+    CHECK(one[0].weights == std::vector<float>{0.0f, -1.25f, -3.0f * 0x1p-20f});
+    for (int replicas : {2, 4}) {
+        const auto run = run_cancelling(replicas);
+        for (std::size_t r = 0; r < run.size(); ++r) {
+            INFO("replicas " << replicas << ", replica " << r);
+            CHECK(!run[r].skipped);
+            CHECK(same_bits(run[r].weights, one[0].weights));
+        }
+    }
+}

@@ -306,32 +306,25 @@ struct anchored_sum_fn {
     }
 };
 
-/// out[i] is non-finite exactly where this replica's own sum of its chunks is: a quiet NaN where
-/// a value is not finite, the sum itself where it may leave T's range (the chunks' largest field
-/// within 32 of the top), 0 elsewhere. For the replica's own non-finite counts, at the cost of
-/// one pass. out may be chunks.last.
+/// out[i] becomes a quiet NaN where one of this replica's kept chunks (every chunk but the last,
+/// which is out itself) holds a value that is not finite, and keeps its value elsewhere: out is
+/// then non-finite exactly where one of the replica's chunk values is, which names the replica
+/// in its own non-finite counts. A replica's own sum beyond T's range is not marked: whether a
+/// step is skipped must not depend on how the chunks fall on replicas, and a global sum beyond
+/// the range is caught by the check of the summed gradient. A marked element's global sum is
+/// the quiet NaN it was going to be, so out may still be summed as the last chunk.
+/// requires: out is chunks.last.
 template <class T>
 struct anchored_own_check_fn {
     anchored_chunks<T> chunks;
     T* out;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
-        using A = anchored<T>;
-        int a = 0;
-        for (std::size_t j = 0; j < chunks.count; ++j) {
-            const int e = detail::anchored_field(chunks.value(j, i));
-            a = e > a ? e : a;
-        }
-        if (a == A::non_finite) {
+        bool finite = true;
+        for (std::size_t j = 0; j + 1 < chunks.count; ++j)
+            finite = finite && detail::anchored_field(chunks.stored[j * chunks.stride + i]) !=
+                                   anchored<T>::non_finite;
+        if (!finite)
             out[i] = std::numeric_limits<T>::quiet_NaN();
-        } else if (a < A::non_finite - 32) {
-            out[i] = T(0); // |sum| < 2^19 2^(a - bias + p) stays finite
-        } else {
-            std::int64_t h = 0;
-            std::int64_t l = 0;
-            for (std::size_t j = 0; j < chunks.count; ++j)
-                detail::anchored_add(h, l, chunks.value(j, i), a);
-            out[i] = detail::anchored_value<T>(h, l, a);
-        }
     }
 };
 

@@ -1,6 +1,6 @@
-// lockstep/kernels/detail/anchored_sum_host.hpp: the host's float anchored sums and own checks in
-// tiles of elements (AVX2 where the CPU has it, else loops the compiler vectorises for the
-// baseline), bit for bit equal to anchored_sum_fn and anchored_own_check_fn.
+// lockstep/kernels/detail/anchored_sum_host.hpp: the host's float anchored sums in tiles of
+// elements (AVX2 where the CPU has it, else loops the compiler vectorises for the baseline), bit
+// for bit equal to anchored_sum_fn.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
@@ -17,6 +17,7 @@
 #include <vector>
 
 #if LOCKSTEP_F16_X86
+#include <immintrin.h>
 #define LOCKSTEP_ANCHORED_AVX2 __attribute__((target("avx2")))
 #endif
 
@@ -208,32 +209,6 @@ struct anchored_sum_tiles_fn {
             for (std::size_t i = 0; i < m; ++i)
                 if (done[i] == 0)
                     anchored_sum_fn<float>{terms, out}(b + i);
-    }
-};
-
-/// Task t: anchored_own_check_fn<float> over elements [t anchored_tile, min(..., count)),
-/// skipped where it would not change which elements are non-finite: when every value of the
-/// tile has an exponent field below non_finite - 32, this replica's own sums there are finite,
-/// and so is out (the last chunk). Host only; a read of the chunks in the common case.
-/// requires: out is chunks.last.
-struct anchored_own_check_tiles_fn {
-    anchored_chunks<float> chunks;
-    std::size_t count;
-    float* out;
-    void operator()(std::size_t t) const {
-        const std::size_t b = t * anchored_tile;
-        const std::size_t m = count - b < anchored_tile ? count - b : anchored_tile;
-        constexpr std::uint32_t limit = anchored<float>::non_finite - 32;
-        std::uint32_t high = 0; // non-zero when a field reaches limit
-        for (std::size_t j = 0; j < chunks.count; ++j) {
-            const float* p =
-                j + 1 == chunks.count ? chunks.last : chunks.stored + j * chunks.stride;
-            for (std::size_t i = b; i < b + m; ++i)
-                high |= (((std::bit_cast<std::uint32_t>(p[i]) >> 23) & 0xffu) + (256 - limit)) >> 8;
-        }
-        if (high != 0)
-            for (std::size_t i = b; i < b + m; ++i)
-                anchored_own_check_fn<float>{chunks, out}(i);
     }
 };
 

@@ -7,6 +7,7 @@
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
+#include "lockstep/kernels/detail/anchored_keep_host.hpp"
 #include "lockstep/kernels/detail/anchored_sum_host.hpp"
 #include "lockstep/kernels/exact_sum.hpp"
 #include "lockstep/kernels/for_each.hpp"
@@ -89,16 +90,15 @@ struct gathered_loss_fn {
 /// anchored at each element's largest exponent) and one loss (kernels/exact_sum.hpp: binned)
 /// over the replicas of a communicator with all_to_all, on System. Per step: begin(calls,
 /// max_calls); add() and add_loss() per chunk; exchange() (collective); check_local() (this
-/// replica's own sums, for its checks); finalize() (collective). Each element's sum is formed
-/// from all of its values in one place, so no partial sum is rounded and the bits do not depend
-/// on the replica count, nor on which of the three exchanges a step takes:
+/// replica's own non-finite chunk values, for its checks); finalize() (collective). Each element's
+/// sum is formed from all of its values in one place, so no partial sum is rounded and the bits do
+/// not depend on the replica count, nor on which of the three exchanges a step takes:
 /// - combined, at every size, on a communicator with all_combine (the thread group) when
 ///   `combined` is passed: exchange() all-gathers the loss terms; finalize() has each replica's
 ///   share of the elements summed from every replica's chunks where they lie and stored to
-///   every replica's g in one pass (comm.all_combine), no copy of the values in between. With
-///   one call, the chunk is g itself; with more, every chunk is kept (calls n values, as
-///   check_local marks g). Memory: the kept chunks, and n zeros when some replica has fewer
-///   calls than max_calls.
+///   every replica's g in one pass (comm.all_combine), no copy of the values in between: the
+///   last chunk is g itself, every other chunk is kept ((calls - 1) n values). Memory: the kept
+///   chunks, and n zeros when some replica has fewer calls than max_calls.
 /// - gathered, otherwise, when replicas x max_calls x n <= gather_values: every chunk is kept in
 /// this
 ///   replica's slot of the receive buffer (max_calls n values, zeros past this replica's calls);
@@ -142,7 +142,7 @@ public:
                                                 (max_calls - calls) * n_));
         } else if (combined_) {
             stride_ = 2 * max_calls;
-            grow(store_, calls > 1 ? calls * n_ : 0);
+            grow(store_, (calls - 1) * n_);
             if (calls < max_calls && n_ > zeros_.size()) {
                 zeros_ = buffer<T, System>(n_, sys_);
                 zero(sys_, zeros_.span());
@@ -156,19 +156,22 @@ public:
                 zero(sys_, zeros_.span());
             }
         }
+        if constexpr (host_float) {
+            grow(flags_, keep_tiles());
+            zero(sys_, flags_.span().first(keep_tiles()));
+        }
         grow(small_send_, stride_);
         grow(small_recv_, stride_ * replicas_);
         zero(sys_, small_send_.span().first(stride_));
         run(1, kernels::binned_clear_fn{loss_top_.data(), loss_bins_.data(), 1});
     }
-    /// Adds one chunk's gradient g (n values; the last chunk's must stay in g until check_local).
+    /// Adds one chunk's gradient g (n values; the last chunk's must stay in g until finalize).
     /// requires: g.size() == size(), fewer than `calls` added.
     void add(std::span<const T> g) {
         if (gathered_)
-            copy_async(sys_, g.first(n_),
-                       recv_.span().subspan((rank_ * max_calls_ + added_) * n_, n_));
-        else if (added_ + 1 < calls_ || (combined_ && calls_ > 1))
-            copy_async(sys_, g.first(n_), store_.span().subspan(added_ * n_, n_));
+            keep(g, recv_.data() + (rank_ * max_calls_ + added_) * n_);
+        else if (added_ + 1 < calls_)
+            keep(g, store_.data() + added_ * n_);
         ++added_;
     }
     /// Adds one chunk's loss: `value` plus *device_value when not null (the system's memory).
@@ -209,14 +212,16 @@ public:
         comm.all_gather(std::span<const double>(small_send_.data(), stride_),
                         small_recv_.span().first(stride_ * replicas_));
     }
-    /// g (the last chunk's gradient) becomes non-finite exactly where this replica's own sums
-    /// are (unchanged when it is the only chunk: a value is its own sum); *loss = this replica's
-    /// own loss.
+    /// g (the last chunk's gradient) becomes a quiet NaN where a kept chunk of this replica
+    /// holds a non-finite value (kernels::anchored_own_check_fn), so it is non-finite exactly
+    /// where one of the replica's chunk values is; the global sums do not change (such an
+    /// element's sum is a quiet NaN). *loss = this replica's own loss.
     void check_local(std::span<T> g, double* loss) {
         if (calls_ > 1) {
             if constexpr (host_float) {
-                run(tiles(n_),
-                    kernels::detail::anchored_own_check_tiles_fn{chunks(g.data()), n_, g.data()},
+                run(keep_tiles(),
+                    kernels::detail::anchored_mark_tiles_fn{chunks(g.data()), n_, flags_.data(),
+                                                            g.data()},
                     n_);
             } else {
                 run(n_, kernels::anchored_own_check_fn<T>{chunks(g.data()), g.data()});
@@ -277,6 +282,18 @@ private:
     static std::size_t tiles(std::size_t count) noexcept {
         return (count + kernels::detail::anchored_tile - 1) / kernels::detail::anchored_tile;
     }
+    std::size_t keep_tiles() const noexcept {
+        return (n_ + kernels::detail::anchored_keep_tile - 1) / kernels::detail::anchored_keep_tile;
+    }
+    /// dst[0, n) = g[0, n) (a kept chunk); on the host in float, flags the keep tiles that hold
+    /// a non-finite value for check_local.
+    void keep(std::span<const T> g, T* dst) {
+        if constexpr (host_float)
+            run(keep_tiles(),
+                kernels::detail::anchored_keep_tiles_fn{g.data(), dst, n_, flags_.data()}, n_);
+        else
+            copy_async(sys_, g.first(n_), std::span<T>(dst, n_));
+    }
     /// out[i] = the rounded sum of element i of terms, for i < count.
     void sum_range(const kernels::anchored_terms<T>& terms, std::size_t count, T* out) {
         if constexpr (host_float) {
@@ -287,15 +304,15 @@ private:
         }
         run(count, kernels::anchored_sum_fn<T>{terms, out});
     }
-    /// combined: g = the sums of every replica's max_calls chunks (this replica's: g itself
-    /// for one call, else its kept chunks; zeros past its calls), by all_combine.
+    /// combined: g = the sums of every replica's max_calls chunks (this replica's: its kept
+    /// chunks, then g itself; zeros past its calls), by all_combine.
     template <class Communicator>
     void combine(Communicator& comm, std::span<T> g) {
         std::vector<const T*> arrays(max_calls_);
         for (std::size_t c = 0; c < max_calls_; ++c)
-            arrays[c] = c >= calls_   ? zeros_.data()
-                        : calls_ == 1 ? g.data()
-                                      : store_.data() + c * n_;
+            arrays[c] = c + 1 < calls_    ? store_.data() + c * n_
+                        : c + 1 == calls_ ? g.data()
+                                          : zeros_.data();
         comm.all_combine(std::span<const T* const>(arrays), n_, g.first(n_),
                          kernels::detail::anchored_combine_fn<T>{});
     }
@@ -326,12 +343,13 @@ private:
     std::size_t stride_ = 0;                ///< doubles per replica in the small all_gather
     buffer<std::int64_t, System> loss_top_; ///< the loss's binned top
     buffer<std::int64_t, System> loss_bins_;
-    buffer<double, System> losses_;     ///< chunk, own and global loss
-    buffer<T, System> store_;           ///< blocks: every chunk but the last
-    buffer<T, System> recv_;            ///< what the exchange brings (gathered: and own chunks)
-    buffer<T, System> zeros_;           ///< what a replica with fewer calls sends
-    buffer<double, System> small_send_; ///< 2 loss terms per call, then each call's tail values
-    buffer<double, System> small_recv_; ///< every replica's small_send_
+    buffer<double, System> losses_;       ///< chunk, own and global loss
+    buffer<T, System> store_;             ///< blocks, combined: every chunk but the last
+    buffer<unsigned char, System> flags_; ///< host float: a keep tile holds a non-finite value
+    buffer<T, System> recv_;              ///< what the exchange brings (gathered: and own chunks)
+    buffer<T, System> zeros_;             ///< what a replica with fewer calls sends
+    buffer<double, System> small_send_;   ///< 2 loss terms per call, then each call's tail values
+    buffer<double, System> small_recv_;   ///< every replica's small_send_
 };
 
 /// One task: the loss a replica adds to the step's status loss slot: the global exact loss on

@@ -21,9 +21,9 @@ namespace lockstep::detail {
 /// this replica computes its contiguous run of chunks, one fn call per chunk on zeroed gradients
 /// with scale = 1 / global, and adds each chunk's gradient and loss into the anchored
 /// accumulator (reduce_reproducible.hpp). The chunk values are exchanged (gathered to every
-/// replica, or each block of elements to its owner by all_to_all), this replica's own sums
-/// checked (non-finite counts name the replica), the sums formed in fixed point anchored at each
-/// element's largest exponent and rounded once (on every replica, or by each block's owner
+/// replica, or each block of elements to its owner by all_to_all), this replica's own chunk
+/// values checked (non-finite counts name the replica), the sums formed in fixed point anchored at
+/// each element's largest exponent and rounded once (on every replica, or by each block's owner
 /// followed by an all_gather of the blocks) into the gradient, and the step continues as the
 /// synchronous one
 /// (status all_reduce, skip decision, update). The loss reported is the exact sum, rounded once
@@ -69,7 +69,9 @@ public:
             acc.add_loss(host_loss, chunk_loss);
         });
         acc.exchange(s.core().comm(), std::span<const T>(grads));
-        // This replica's own sums: its non-finite elements and loss are counted as its own.
+        // This replica's non-finite chunk values and loss are counted as its own; the skip
+        // decision depends on no partial sum (only on values and the global sums), so it is the
+        // same for every replica count.
         double* own_loss = acc.own_loss();
         acc.check_local(grads, own_loss);
         s.check_pieces();

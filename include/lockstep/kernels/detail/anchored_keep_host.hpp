@@ -1,0 +1,102 @@
+// lockstep/kernels/detail/anchored_keep_host.hpp: the host's copies that keep a chunk's float
+// gradient while flagging the tiles that hold a non-finite value, and the own check
+// (anchored_own_check_fn) over the flagged tiles only. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/kernels/anchored_sum.hpp"
+#include "lockstep/kernels/detail/anchored_sum_host.hpp"
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+
+namespace lockstep::kernels::detail {
+
+/// Elements per tile of the keep pass (16 KiB of floats), one flag each.
+inline constexpr std::size_t anchored_keep_tile = 4096;
+
+/// Copies src[0, m) to dst; returns 1 when one of the values is not finite (its exponent field
+/// all ones), else 0. (The loop: GCC vectorises it.)
+[[gnu::always_inline]] inline unsigned anchored_keep_loop(const float* src, float* dst,
+                                                          std::size_t m) {
+    std::uint32_t high = 0; // bit 31 set by a field of all ones
+    for (std::size_t i = 0; i < m; ++i) {
+        const auto u = std::bit_cast<std::uint32_t>(src[i]);
+        dst[i] = src[i];
+        high |= (u & 0x7f800000u) + 0x00800000u;
+    }
+    return high >> 31;
+}
+
+inline unsigned anchored_keep_portable(const float* src, float* dst, std::size_t m) {
+    return anchored_keep_loop(src, dst, m);
+}
+
+#if LOCKSTEP_F16_X86
+/// anchored_keep_loop with streaming stores where dst is 32-byte aligned: the kept chunk is read
+/// back long after (by the sums), so it bypasses the caches, and the copy moves 2 bytes of
+/// memory traffic per byte instead of 3.
+LOCKSTEP_ANCHORED_AVX2 inline unsigned anchored_keep_avx2(const float* src, float* dst,
+                                                          std::size_t m) {
+    if ((reinterpret_cast<std::uintptr_t>(dst) & 31u) != 0)
+        return anchored_keep_loop(src, dst, m);
+    const __m256i field = _mm256_set1_epi32(0x7f800000);
+    const __m256i unit = _mm256_set1_epi32(0x00800000);
+    __m256i high = _mm256_setzero_si256();
+    std::size_t i = 0;
+    for (; i + 8 <= m; i += 8) {
+        const __m256 v = _mm256_loadu_ps(src + i);
+        _mm256_stream_ps(dst + i, v);
+        high = _mm256_or_si256(
+            high, _mm256_add_epi32(_mm256_and_si256(_mm256_castps_si256(v), field), unit));
+    }
+    _mm_sfence(); // the streamed stores reach memory before the task ends
+    const unsigned tail = anchored_keep_loop(src + i, dst + i, m - i);
+    return tail | (_mm256_movemask_ps(_mm256_castsi256_ps(high)) != 0 ? 1u : 0u);
+}
+#endif
+
+/// Task t: copies elements [t anchored_keep_tile, min(..., count)) of src (a chunk's gradient)
+/// to dst (where the accumulator keeps it) and sets flags[t] to 1 when one of them is not
+/// finite (flags[t] is left as it is otherwise), so that the own check later reads only the
+/// flagged tiles. Host only.
+struct anchored_keep_tiles_fn {
+    const float* src;
+    float* dst;
+    std::size_t count;
+    unsigned char* flags;
+    void operator()(std::size_t t) const {
+        const std::size_t b = t * anchored_keep_tile;
+        const std::size_t m = count - b < anchored_keep_tile ? count - b : anchored_keep_tile;
+        unsigned bad = 0;
+#if LOCKSTEP_F16_X86
+        if (anchored_use_avx2())
+            bad = anchored_keep_avx2(src + b, dst + b, m);
+        else
+#endif
+            bad = anchored_keep_portable(src + b, dst + b, m);
+        if (bad != 0)
+            flags[t] = 1;
+    }
+};
+
+/// Task t: anchored_own_check_fn<float> over elements [t anchored_keep_tile, min(..., count))
+/// where flags[t] (set by anchored_keep_tiles_fn for every kept chunk) says a kept value there
+/// is not finite; elsewhere out is already what the check leaves. Host only. requires: out is
+/// chunks.last.
+struct anchored_mark_tiles_fn {
+    anchored_chunks<float> chunks;
+    std::size_t count;
+    const unsigned char* flags;
+    float* out;
+    void operator()(std::size_t t) const {
+        if (flags[t] == 0)
+            return;
+        const std::size_t b = t * anchored_keep_tile;
+        const std::size_t m = count - b < anchored_keep_tile ? count - b : anchored_keep_tile;
+        for (std::size_t i = b; i < b + m; ++i)
+            anchored_own_check_fn<float>{chunks, out}(i);
+    }
+};
+
+} // namespace lockstep::kernels::detail
