@@ -206,12 +206,13 @@ TEST_CASE("float sums in one int64 agree with the two limbs and the exact sum",
 TEST_CASE("the host's float tiles give anchored_sum_fn's bits on both paths",
           "[kernels][anchored_sum]") {
     // Elements with terms inside and beyond 31 binades of their anchor, subnormal and normal
-    // results, overflows, NaNs and infinities, over 3 replicas x 2 calls, and over the two
-    // layouts of 2 terms (2 replicas x 1 call, 1 replica x 2 calls: float additions), each with
-    // a partial tile.
+    // results, overflows, NaNs and infinities, over 3 replicas x 2 calls, 4 x 2 and 1 x 5, and
+    // over the two layouts of 2 terms (2 replicas x 1 call, 1 replica x 2 calls: float
+    // additions), each with a partial tile (whose last 17 mod 8 elements the AVX2 loops leave to
+    // the portable ones).
     using lim = std::numeric_limits<float>;
     for (const auto& [replicas, calls] :
-         {std::pair<std::size_t, std::size_t>{3, 2}, {2, 1}, {1, 2}}) {
+         {std::pair<std::size_t, std::size_t>{3, 2}, {4, 2}, {1, 5}, {2, 1}, {1, 2}}) {
         const std::size_t terms_n = replicas * calls, n = 3 * kernels::detail::anchored_tile + 17;
         INFO(replicas << " replicas x " << calls << " calls");
         std::vector<float> base(terms_n * n);
@@ -227,12 +228,12 @@ TEST_CASE("the host's float tiles give anchored_sum_fn's bits on both paths",
         for (std::size_t i = 0; i < 20; ++i) // elements of subnormals only
             for (std::size_t r = 0; r < terms_n; ++r)
                 base[r * n + 5 * i] = std::ldexp(float(r % 3) - 1.0f, -140);
-        if (terms_n == 6) {
+        if (terms_n > 2) {
             // Just above and below a tie by less than a double resolves: 1 + 2^-24 + 2^-60
             // rounds up to 1 + 2^-23, 1 + 2^-24 - 2^-60 down to 1 (a double sum would make both
             // the tie, 1).
             for (std::size_t r = 0; r < terms_n; ++r) {
-                const float tie[] = {1.0f, std::ldexp(1.0f, -24), std::ldexp(1.0f, -60), 0, 0, 0};
+                const float tie[8] = {1.0f, std::ldexp(1.0f, -24), std::ldexp(1.0f, -60)};
                 base[r * n + 1] = tie[r];
                 base[r * n + 2] = r == 2 ? -tie[r] : tie[r];
             }
@@ -263,7 +264,7 @@ TEST_CASE("the host's float tiles give anchored_sum_fn's bits on both paths",
                 kernels::detail::anchored_sum_tiles_fn{terms, n, got.data()}(t);
             INFO("portable " << portable);
             CHECK(same_bits(got, want));
-            if (terms_n == 6) {
+            if (terms_n > 2) {
                 CHECK(got[1] == 1.0f + std::ldexp(1.0f, -23));
                 CHECK(got[2] == 1.0f);
             } else {
@@ -277,6 +278,34 @@ TEST_CASE("the host's float tiles give anchored_sum_fn's bits on both paths",
             }
         }
         kernels::detail::anchored_portable_only() = false;
+        // Both loops leave the same elements to anchored_sum_fn (the tie elements among them).
+        const std::size_t w = kernels::detail::anchored_tile;
+        for (std::size_t b = 0; b < n; b += w) {
+            const std::size_t m = std::min(w, n - b);
+            std::vector<const float*> p;
+            for (std::size_t r = 0; r < replicas; ++r)
+                for (std::size_t c = 0; c < calls; ++c)
+                    p.push_back(base.data() + r * n + c * call_stride + b);
+            std::vector<float> out_fast(m), out_portable(m);
+            std::vector<unsigned char> done_fast(m), done_portable(m);
+            const bool all_fast = kernels::detail::anchored_tile_sums(
+                p.data(), p.size(), m, out_fast.data(), done_fast.data());
+            const bool all_portable = kernels::detail::anchored_tile_portable(
+                p.data(), p.size(), m, out_portable.data(), done_portable.data());
+            CHECK(all_fast == all_portable);
+            CHECK(done_fast == done_portable);
+            if (b == 0 && terms_n > 2)
+                CHECK((done_fast[1] == 0 && done_fast[2] == 0));
+        }
+    }
+}
+
+TEST_CASE("the AVX2 loops' done flags: one byte per bit of the mask", "[kernels][anchored_sum]") {
+    for (unsigned mask = 0; mask < 256; ++mask) {
+        unsigned char done[8] = {};
+        kernels::detail::anchored_spread_done(mask, done);
+        for (unsigned q = 0; q < 8; ++q)
+            CHECK(done[q] == ((mask >> q) & 1u));
     }
 }
 
@@ -393,4 +422,39 @@ TEST_CASE("the host's keep tiles copy the chunks and flag the tiles the own chec
             CHECK(std::isnan(got[5]));
             CHECK(got[4] == last[4]);
         }
+}
+
+TEMPLATE_TEST_CASE("anchored_combine_fn sums arrays where they lie with anchored_sum_fn's bits",
+                   "[kernels][anchored_sum]", float, double) {
+    // 1, 2, 3, 8, 17 and 300 arrays (300: past the tiles' 256 terms, element by element), the
+    // elements [first, first + m) with a partial tile, on both loops; specials scattered in.
+    using T = TestType;
+    using lim = std::numeric_limits<T>;
+    const std::size_t first = 37, m = 2 * kernels::detail::anchored_tile + 11, n = first + m + 5;
+    for (const std::size_t arrays : {1u, 2u, 3u, 8u, 17u, 300u}) {
+        CAPTURE(arrays);
+        auto x = random_terms<T>(arrays, n, -30, 30, static_cast<std::uint32_t>(arrays));
+        const T specials[] = {lim::quiet_NaN(), lim::infinity(), lim::max(), lim::denorm_min(),
+                              T(0)};
+        for (std::size_t k = 0; k < 25; ++k)
+            x[(k * 7) % arrays][first + (k * 131) % m] = specials[k % 5];
+        std::vector<const T*> sources;
+        sources.reserve(arrays);
+        for (const auto& a : x)
+            sources.push_back(a.data());
+        std::vector<T> column(arrays), want(m);
+        for (std::size_t i = 0; i < m; ++i) {
+            for (std::size_t j = 0; j < arrays; ++j)
+                column[j] = x[j][first + i];
+            kernels::anchored_sum_fn<T>{{column.data(), 1, arrays, 0, 1}, want.data() + i}(0);
+        }
+        for (const bool portable : {false, true}) {
+            CAPTURE(portable);
+            kernels::detail::anchored_portable_only() = portable;
+            std::vector<T> got(m, T(-1));
+            kernels::detail::anchored_combine_fn<T>{}(sources.data(), arrays, first, m, got.data());
+            kernels::detail::anchored_portable_only() = false;
+            CHECK(same_bits(got, want));
+        }
+    }
 }

@@ -1,5 +1,5 @@
 // lockstep/kernels/detail/anchored_sum_host.hpp: the host's float anchored sums in tiles of
-// elements (AVX2 where the CPU has it, else loops the compiler vectorises for the baseline), bit
+// elements (AVX2 loops spelled out where the CPU has it, else loops the compiler vectorises), bit
 // for bit equal to anchored_sum_fn.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
@@ -40,21 +40,21 @@ inline int anchored_tile_bits(std::size_t k) {
     return 29 - static_cast<int>(std::bit_width(k - 1)); // ceil(log2 k) for k >= 1
 }
 
-/// The float sums of the m <= anchored_tile elements [b, b + m) of terms at once, with no
-/// data-dependent branch. One pass takes each element's largest exponent field a (the anchor)
-/// and the smallest field of a non-zero term (1 for subnormals); where every non-zero term lies
-/// within bits = anchored_tile_bits(terms) binades of a, every term is a whole number of units
-/// u = 2^(a - 150 - bits) below 2^(24 + bits) units, so every partial sum in double is exact:
-/// the double sum is the exact sum, and its conversion to float is the one rounding, which is
-/// anchored_sum_fn's result (it keeps 60 bits below the anchor, so it cuts nothing there
-/// either), unless the result is subnormal (where flush-to-zero modes would differ). done[i] =
-/// 1 where out[b + i] holds it (or a quiet NaN for a non-finite anchor); 0 where
-/// anchored_sum_fn must answer. Returns true when every done[i] is 1. requires: terms.replicas *
-/// terms.calls <= anchored_short_terms.
-[[gnu::always_inline]] inline bool anchored_tile_body(const anchored_terms<float>& terms,
-                                                      std::size_t b, std::size_t m, float* out,
+/// The float sums of m <= anchored_tile elements of k arrays (element i's terms: p[j][i], j < k)
+/// into out[0, m), with no data-dependent branch. One pass takes each element's largest exponent
+/// field a (the anchor) and the smallest field of a non-zero term (1 for subnormals); where every
+/// non-zero term lies within bits = anchored_tile_bits(k) binades of a, every term is a whole
+/// number of units u = 2^(a - 150 - bits) below 2^(24 + bits) units, so every partial sum in
+/// double is exact: the double sum is the exact sum, and its conversion to float is the one
+/// rounding, which is anchored_sum_fn's result (it keeps 60 bits below the anchor, so it cuts
+/// nothing there either), unless the result is subnormal (where flush-to-zero modes would
+/// differ). done[i] = 1 where out[i] holds it (or a quiet NaN for a non-finite anchor); 0 where
+/// anchored_sum_fn must answer. Returns true when every done[i] is 1. requires: 1 <= k <=
+/// anchored_short_terms.
+[[gnu::always_inline]] inline bool anchored_tile_body(const float* const* p, std::size_t k,
+                                                      std::size_t m, float* out,
                                                       unsigned char* done) {
-    const int bits = anchored_tile_bits(terms.replicas * terms.calls);
+    const int bits = anchored_tile_bits(k);
     std::int32_t top[anchored_tile];
     std::int32_t low[anchored_tile]; ///< the smallest field of a non-zero term (255: none)
     double sum[anchored_tile];
@@ -63,24 +63,22 @@ inline int anchored_tile_bits(std::size_t k) {
         low[i] = anchored<float>::non_finite;
         sum[i] = 0.0;
     }
-    for (std::size_t j = 0; j < terms.replicas; ++j)
-        for (std::size_t c = 0; c < terms.calls; ++c) {
-            const float* p = terms.base + j * terms.replica_stride + c * terms.call_stride + b;
-            for (std::size_t i = 0; i < m; ++i) {
-                const auto u = std::bit_cast<std::uint32_t>(p[i]);
-                const auto e = static_cast<std::int32_t>((u >> 23) & 0xffu);
-                const std::int32_t field =
-                    (u & 0x7fffffffu) == 0 ? anchored<float>::non_finite : (e > 1 ? e : 1);
-                top[i] = e > top[i] ? e : top[i];
-                low[i] = field < low[i] ? field : low[i];
-            }
+    for (std::size_t j = 0; j < k; ++j) {
+        const float* q = p[j];
+        for (std::size_t i = 0; i < m; ++i) {
+            const auto u = std::bit_cast<std::uint32_t>(q[i]);
+            const auto e = static_cast<std::int32_t>((u >> 23) & 0xffu);
+            const std::int32_t field =
+                (u & 0x7fffffffu) == 0 ? anchored<float>::non_finite : (e > 1 ? e : 1);
+            top[i] = e > top[i] ? e : top[i];
+            low[i] = field < low[i] ? field : low[i];
         }
-    for (std::size_t j = 0; j < terms.replicas; ++j)
-        for (std::size_t c = 0; c < terms.calls; ++c) {
-            const float* p = terms.base + j * terms.replica_stride + c * terms.call_stride + b;
-            for (std::size_t i = 0; i < m; ++i)
-                sum[i] += static_cast<double>(p[i]); // exact where the tile answers
-        }
+    }
+    for (std::size_t j = 0; j < k; ++j) {
+        const float* q = p[j];
+        for (std::size_t i = 0; i < m; ++i)
+            sum[i] += static_cast<double>(q[i]); // exact where the tile answers
+    }
     std::int64_t all = -1;
     for (std::size_t i = 0; i < m; ++i) {
         const double v = sum[i];
@@ -94,7 +92,7 @@ inline int anchored_tile_bits(std::size_t k) {
         const std::int64_t zero = mag == 0.0 ? -1 : 0;
         const double w = std::bit_cast<double>((std::bit_cast<std::int64_t>(v) & ~nan) |
                                                (std::int64_t{0x7ff8000000000000} & nan));
-        out[b + i] = static_cast<float>(w); // the one rounding (to infinity past the range)
+        out[i] = static_cast<float>(w); // the one rounding (to infinity past the range)
         const std::int64_t ok = nan | (within & (normal | zero));
         done[i] = static_cast<unsigned char>(ok & 1);
         all &= ok;
@@ -102,14 +100,13 @@ inline int anchored_tile_bits(std::size_t k) {
     return all != 0;
 }
 
-/// The float sums of exactly 2 terms (terms.replicas * terms.calls == 2) over the m elements
-/// [b, b + m), as anchored_tile_body reports them, in one pass of float additions: an IEEE
-/// float addition rounds the exact sum once to nearest even, which is anchored_sum_fn's result
+/// The float sums of exactly 2 terms over m <= anchored_tile elements of two arrays p and q into
+/// out[0, m), as anchored_tile_body reports them, in one pass of float additions: an IEEE float
+/// addition rounds the exact sum once to nearest even, which is anchored_sum_fn's result
 /// wherever that is normal, infinite or zero (a term too far below the other for the limbs to
 /// keep is below half an ulp of it, so it cannot move the rounding either way; the sum starts
 /// from +0 as anchored_sum_fn's does, so -0 + -0 gives +0). A non-finite term gives
 /// anchored_sum_fn's quiet NaN; a subnormal result is left to anchored_sum_fn (done[i] = 0).
-/// (The loop, over the m elements of two arrays p and q into out[0, m).)
 [[gnu::always_inline]] inline bool anchored_pair_loop(const float* p, const float* q, std::size_t m,
                                                       float* out, unsigned char* done) {
     // Float operations only and no branch, so the loop vectorises (GCC 12 vectorises no loop
@@ -137,20 +134,115 @@ inline bool anchored_pair_portable(const float* p, const float* q, std::size_t m
     return anchored_pair_loop(p, q, m, out, done);
 }
 
-inline bool anchored_tile_portable(const anchored_terms<float>& terms, std::size_t b, std::size_t m,
-                                   float* out, unsigned char* done) {
-    return anchored_tile_body(terms, b, m, out, done);
+inline bool anchored_tile_portable(const float* const* p, std::size_t k, std::size_t m, float* out,
+                                   unsigned char* done) {
+    return anchored_tile_body(p, k, m, out, done);
+}
+
+/// done[0, 8) = the bits 0..7 of mask, one per byte.
+inline void anchored_spread_done(unsigned mask, unsigned char* done) {
+    // The mask in every byte, bit q kept in byte q, then 0x7f added to each byte (no carry out
+    // of a byte): bit 7 of byte q is bit q of the mask.
+    const std::uint64_t kept =
+        (std::uint64_t{mask & 0xffu} * 0x0101010101010101ULL) & 0x8040201008040201ULL;
+    const std::uint64_t bytes = ((kept + 0x7f7f7f7f7f7f7f7fULL) >> 7) & 0x0101010101010101ULL;
+    std::memcpy(done, &bytes, 8);
 }
 
 #if LOCKSTEP_F16_X86
-LOCKSTEP_ANCHORED_AVX2 inline bool anchored_tile_avx2(const anchored_terms<float>& terms,
-                                                      std::size_t b, std::size_t m, float* out,
+// The AVX2 loops spell the vector operations out, so that their speed does not depend on the
+// optimisation level the user compiles with (GCC 12 at -O2 vectorises neither body); they
+// compute what the loops above compute, element for element, and take those loops for the last
+// m mod 8 elements.
+
+/// anchored_tile_body, 8 elements at a time.
+LOCKSTEP_ANCHORED_AVX2 inline bool anchored_tile_avx2(const float* const* p, std::size_t k,
+                                                      std::size_t m, float* out,
                                                       unsigned char* done) {
-    return anchored_tile_body(terms, b, m, out, done);
+    const __m256i bits = _mm256_set1_epi32(anchored_tile_bits(k));
+    const __m256i byte = _mm256_set1_epi32(0xff);
+    const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+    const __m256i one = _mm256_set1_epi32(1);
+    const __m256i zero_i = _mm256_setzero_si256();
+    const __m256d smallest = _mm256_set1_pd(0x1p-126);
+    const __m256d sign = _mm256_set1_pd(-0.0);
+    const __m256 quiet_nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
+    unsigned all = 0xffu;
+    std::size_t i = 0;
+    for (; i + 8 <= m; i += 8) {
+        __m256i top = one;
+        __m256i low = byte; // non_finite
+        __m256d sum_low = _mm256_setzero_pd();
+        __m256d sum_high = _mm256_setzero_pd();
+        for (std::size_t j = 0; j < k; ++j) {
+            const __m256 v = _mm256_loadu_ps(p[j] + i);
+            const __m256i u = _mm256_castps_si256(v);
+            const __m256i e = _mm256_and_si256(_mm256_srli_epi32(u, 23), byte);
+            const __m256i zero = _mm256_cmpeq_epi32(_mm256_and_si256(u, magnitude), zero_i);
+            const __m256i field =
+                _mm256_or_si256(_mm256_max_epi32(e, one), _mm256_and_si256(zero, byte));
+            top = _mm256_max_epi32(top, e);
+            low = _mm256_min_epi32(low, field);
+            sum_low = _mm256_add_pd(sum_low, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+            sum_high = _mm256_add_pd(sum_high, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+        }
+        const __m256i nan = _mm256_cmpeq_epi32(top, byte);
+        const __m256i beyond = _mm256_cmpgt_epi32(_mm256_sub_epi32(top, bits), low);
+        // A normal or zero sum (of 4 doubles each: the 4 low elements, the 4 high ones).
+        const __m256d mag_low = _mm256_andnot_pd(sign, sum_low);
+        const __m256d mag_high = _mm256_andnot_pd(sign, sum_high);
+        const auto fine_low = static_cast<unsigned>(_mm256_movemask_pd(
+            _mm256_or_pd(_mm256_cmp_pd(mag_low, smallest, _CMP_GE_OQ),
+                         _mm256_cmp_pd(sum_low, _mm256_setzero_pd(), _CMP_EQ_OQ))));
+        const auto fine_high = static_cast<unsigned>(_mm256_movemask_pd(
+            _mm256_or_pd(_mm256_cmp_pd(mag_high, smallest, _CMP_GE_OQ),
+                         _mm256_cmp_pd(sum_high, _mm256_setzero_pd(), _CMP_EQ_OQ))));
+        const unsigned nan_mask =
+            static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(nan)));
+        const unsigned within =
+            ~static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(beyond))) & 0xffu;
+        const unsigned ok = nan_mask | (within & (fine_low | (fine_high << 4)));
+        // The one rounding, by the current rounding mode as static_cast<float> does.
+        const __m256 r = _mm256_set_m128(_mm256_cvtpd_ps(sum_high), _mm256_cvtpd_ps(sum_low));
+        _mm256_storeu_ps(out + i, _mm256_blendv_ps(r, quiet_nan, _mm256_castsi256_ps(nan)));
+        anchored_spread_done(ok, done + i);
+        all &= ok;
+    }
+    if (i == m)
+        return all == 0xffu;
+    const float* rest[anchored_short_terms];
+    for (std::size_t j = 0; j < k; ++j)
+        rest[j] = p[j] + i;
+    const bool tail = anchored_tile_body(rest, k, m - i, out + i, done + i);
+    return all == 0xffu && tail;
 }
+
+/// anchored_pair_loop, 8 elements at a time.
 LOCKSTEP_ANCHORED_AVX2 inline bool anchored_pair_avx2(const float* p, const float* q, std::size_t m,
                                                       float* out, unsigned char* done) {
-    return anchored_pair_loop(p, q, m, out, done);
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 smallest = _mm256_set1_ps(0x1p-126f);
+    const __m256 quiet_nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
+    unsigned all = 0xffu;
+    std::size_t i = 0;
+    for (; i + 8 <= m; i += 8) {
+        const __m256 x = _mm256_loadu_ps(p + i);
+        const __m256 y = _mm256_loadu_ps(q + i);
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(zero, x), y);
+        const __m256 finite = _mm256_and_ps(_mm256_cmp_ps(_mm256_sub_ps(x, x), zero, _CMP_EQ_OQ),
+                                            _mm256_cmp_ps(_mm256_sub_ps(y, y), zero, _CMP_EQ_OQ));
+        const __m256 mag = _mm256_andnot_ps(sign, sum);
+        _mm256_storeu_ps(out + i, _mm256_blendv_ps(quiet_nan, sum, finite));
+        const unsigned ok =
+            (~static_cast<unsigned>(_mm256_movemask_ps(finite)) & 0xffu) |
+            static_cast<unsigned>(_mm256_movemask_ps(_mm256_or_ps(
+                _mm256_cmp_ps(mag, smallest, _CMP_GE_OQ), _mm256_cmp_ps(sum, zero, _CMP_EQ_OQ))));
+        anchored_spread_done(ok, done + i);
+        all &= ok;
+    }
+    const bool tail = anchored_pair_loop(p + i, q + i, m - i, out + i, done + i);
+    return all == 0xffu && tail;
 }
 #endif
 
@@ -175,19 +267,19 @@ inline bool anchored_pair(const float* p, const float* q, std::size_t m, float* 
 }
 
 /// anchored_tile_body, on the AVX2 loop where anchored_use_avx2().
-inline bool anchored_tile_sums(const anchored_terms<float>& terms, std::size_t b, std::size_t m,
-                               float* out, unsigned char* done) {
+inline bool anchored_tile_sums(const float* const* p, std::size_t k, std::size_t m, float* out,
+                               unsigned char* done) {
 #if LOCKSTEP_F16_X86
     if (anchored_use_avx2())
-        return anchored_tile_avx2(terms, b, m, out, done);
+        return anchored_tile_avx2(p, k, m, out, done);
 #endif
-    return anchored_tile_portable(terms, b, m, out, done);
+    return anchored_tile_portable(p, k, m, out, done);
 }
 
 /// Task t: the float sums of elements [t anchored_tile, min(..., count)) of terms into out,
 /// bit for bit what anchored_sum_fn<float> gives (which answers the elements the tile does
-/// not); 2 terms (2 replicas of one chunk, or one replica's 2 chunks) take anchored_pair_loop. Host
-/// only. requires: terms.replicas * terms.calls <= anchored_short_terms.
+/// not); 2 terms (2 replicas of one chunk, or one replica's 2 chunks) take anchored_pair_loop.
+/// Host only. requires: terms.replicas * terms.calls <= anchored_short_terms.
 struct anchored_sum_tiles_fn {
     anchored_terms<float> terms;
     std::size_t count;
@@ -195,16 +287,15 @@ struct anchored_sum_tiles_fn {
     void operator()(std::size_t t) const {
         const std::size_t b = t * anchored_tile;
         const std::size_t m = count - b < anchored_tile ? count - b : anchored_tile;
+        const std::size_t k = terms.replicas * terms.calls;
+        const float* p[anchored_short_terms];
+        for (std::size_t j = 0; j < terms.replicas; ++j)
+            for (std::size_t c = 0; c < terms.calls; ++c)
+                p[j * terms.calls + c] =
+                    terms.base + j * terms.replica_stride + c * terms.call_stride + b;
         unsigned char done[anchored_tile];
-        bool all = false;
-        if (terms.replicas * terms.calls == 2) {
-            // The second term is the other replica's value or this replica's other chunk.
-            const float* p = terms.base + b;
-            const float* q = p + (terms.replicas == 2 ? terms.replica_stride : terms.call_stride);
-            all = anchored_pair(p, q, m, out + b, done);
-        } else {
-            all = anchored_tile_sums(terms, b, m, out, done);
-        }
+        const bool all = k == 2 ? anchored_pair(p[0], p[1], m, out + b, done)
+                                : anchored_tile_sums(p, k, m, out + b, done);
         if (!all)
             for (std::size_t i = 0; i < m; ++i)
                 if (done[i] == 0)
@@ -213,56 +304,46 @@ struct anchored_sum_tiles_fn {
 };
 
 /// The anchored sums (anchored_sum_fn's bits) of elements [first, first + m) of n arrays of
-/// terms: out[k] = the sum of sources[j][first + k] over j < n, rounded once. Each tile of
-/// anchored_tile elements is copied from the arrays into one block (in L1) and summed there by
-/// anchored_sum_tiles_fn (float, n <= anchored_short_terms) or anchored_sum_fn, so the arrays
-/// may live anywhere (thread_communicator::all_combine's peers' buffers). out must not overlap
-/// a source. requires: 1 <= n <= anchored_limits::max_terms.
+/// terms: out[k] = the sum of sources[j][first + k] over j < n, rounded once. Float sums of at
+/// most anchored_short_terms arrays run tile by tile straight from the arrays
+/// (anchored_pair_loop for 2, anchored_tile_body otherwise), so the arrays may live anywhere
+/// (thread_communicator::all_combine's peers' buffers); anchored_sum_fn answers the elements
+/// they leave, and every element otherwise. out must not overlap a source. requires: 1 <= n <=
+/// anchored_limits::max_terms.
 template <class T>
 struct anchored_combine_fn {
     void operator()(const T* const* sources, std::size_t n, std::size_t first, std::size_t m,
                     T* out) const {
+        constexpr std::size_t on_stack = 16;
+        T local[on_stack];
+        std::vector<T> heap(n > on_stack ? n : 0);
+        T* values = n > on_stack ? heap.data() : static_cast<T*>(local);
+        // Element `first + i`'s n values, summed by anchored_sum_fn, into out[i].
+        const auto one = [&](std::size_t i) {
+            for (std::size_t j = 0; j < n; ++j)
+                values[j] = sources[j][first + i];
+            anchored_sum_fn<T>{{values, 1, n, 0, 1}, out + i}(0);
+        };
         if constexpr (std::is_same_v<T, float>) {
-            if (n == 2) {
-                pair(sources[0] + first, sources[1] + first, m, out);
+            if (n <= anchored_short_terms) {
+                const float* p[anchored_short_terms];
+                unsigned char done[anchored_tile];
+                for (std::size_t b = 0; b < m; b += anchored_tile) {
+                    const std::size_t mm = m - b < anchored_tile ? m - b : anchored_tile;
+                    for (std::size_t j = 0; j < n; ++j)
+                        p[j] = sources[j] + first + b;
+                    const bool all = n == 2 ? anchored_pair(p[0], p[1], mm, out + b, done)
+                                            : anchored_tile_sums(p, n, mm, out + b, done);
+                    if (!all)
+                        for (std::size_t i = 0; i < mm; ++i)
+                            if (done[i] == 0)
+                                one(b + i);
+                }
                 return;
             }
         }
-        constexpr std::size_t on_stack = 16;
-        alignas(64) T local[n_local(on_stack)];
-        std::vector<T> heap(n > on_stack ? n * anchored_tile : 0);
-        T* stage = n > on_stack ? heap.data() : static_cast<T*>(local);
-        for (std::size_t b = 0; b < m; b += anchored_tile) {
-            const std::size_t mm = m - b < anchored_tile ? m - b : anchored_tile;
-            for (std::size_t j = 0; j < n; ++j)
-                std::memcpy(stage + j * anchored_tile, sources[j] + first + b, mm * sizeof(T));
-            const anchored_terms<T> terms{stage, n, 1, anchored_tile, 0};
-            if constexpr (std::is_same_v<T, float>) {
-                if (n <= anchored_short_terms) {
-                    anchored_sum_tiles_fn{terms, mm, out + b}(0);
-                    continue;
-                }
-            }
-            for (std::size_t i = 0; i < mm; ++i)
-                anchored_sum_fn<T>{terms, out + b}(i);
-        }
-    }
-
-private:
-    static constexpr std::size_t n_local(std::size_t arrays) { return arrays * anchored_tile; }
-    /// Two arrays: anchored_pair_loop straight from them (no staging), anchored_sum_fn for the
-    /// elements it leaves (subnormal results).
-    static void pair(const float* p, const float* q, std::size_t m, float* out) {
-        unsigned char done[anchored_tile];
-        for (std::size_t b = 0; b < m; b += anchored_tile) {
-            const std::size_t mm = m - b < anchored_tile ? m - b : anchored_tile;
-            if (!anchored_pair(p + b, q + b, mm, out + b, done))
-                for (std::size_t i = 0; i < mm; ++i)
-                    if (done[i] == 0) {
-                        const float v[2] = {p[b + i], q[b + i]};
-                        anchored_sum_fn<float>{{v, 2, 1, 1, 0}, out + b + i}(0);
-                    }
-        }
+        for (std::size_t i = 0; i < m; ++i)
+            one(i);
     }
 };
 
