@@ -11,10 +11,12 @@
 // The network's "backward" writes every gradient once per call (what accumulating weight
 // gradients costs; no other compute), so the rows isolate what the reduction policy costs: the
 // bucketed step calls it once per replica and all_reduces 4 bytes per parameter; the
-// reproducible step calls it once per chunk, keeps every chunk but the last, sends each chunk's
-// values of every block of elements to the block's owner (an all_to_all per chunk index: 4
-// bytes per parameter and chunk), which sums them in fixed point anchored at each element's
-// largest exponent and rounds once, and all-gathers the blocks (4 bytes per parameter).
+// reproducible step calls it once per chunk and keeps every chunk but the last. Over MPI it
+// sends each chunk's values of every block of elements to the block's owner (an all_to_all per
+// chunk index: 4 bytes per parameter and chunk), which sums them in fixed point anchored at each
+// element's largest exponent and rounds once, and all-gathers the blocks (4 bytes per
+// parameter); on thread replicas one all_combine has each block's owner read every replica's
+// chunks where they lie and store the sums into every replica's gradient.
 // Global batch 64; SGD with momentum. The four trainers live side by side and take turns, one
 // step each per round, so a slow spell of the shared machine hits every row alike: a row's time
 // is the median over rounds of one step between barriers, its ratio the median over rounds of
