@@ -264,7 +264,8 @@ namespace {
 
 /// One parameter of 3 elements whose chunk gradients (chunks of 8 samples, 4 chunks a step) are
 /// +max, +max, -max, -max at element 0 (a replica holding chunks 0 and 1 has an own sum beyond
-/// float's range; the global sum is 0), 0.25 (c + 1) at element 1, and 2^-20 c at element 2.
+/// float's range; the global sum is 0), 0.25 (c + 1) at element 1, and 2^-20 c at element 2;
+/// the chunk losses are max, max, -max, -max + 2^971 with double's max (their sum: 2^971, exact).
 template <class Context>
 struct cancelling_net {
     typename Context::handle w;
@@ -276,13 +277,15 @@ struct cancelling_net {
         g[1] += 0.25f * static_cast<float>(c + 1);
         g[2] += std::ldexp(static_cast<float>(c), -20);
         ctx.mark_ready(w);
-        return 0.0;
+        const double max = std::numeric_limits<double>::max();
+        return c < 2 ? max : c == 2 ? -max : -max + 0x1p971;
     }
 };
 
 struct cancelling_result {
     std::vector<float> weights;
     bool skipped = true;
+    double loss = 0;
 };
 
 std::vector<cancelling_result> run_cancelling(int replicas) {
@@ -293,9 +296,10 @@ std::vector<cancelling_result> run_cancelling(int replicas) {
         data_parallel<net, optim::sgd<float>, sync::synchronous, repro_reduce, thread_communicator>
             dp(comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.5f});
         cancelling_result& res = out[static_cast<std::size_t>(comm.rank())];
-        res.skipped = dp.step(32, [](net& n, const shard_range& range, auto& ctx) {
-                            return n.train(range, ctx);
-                        }).skipped;
+        const step_result r = dp.step(
+            32, [](net& n, const shard_range& range, auto& ctx) { return n.train(range, ctx); });
+        res.skipped = r.skipped;
+        res.loss = r.loss;
         const auto p = dp.parameters();
         res.weights.assign(p.begin(), p.end());
     });
@@ -308,10 +312,12 @@ TEST_CASE("reduce::reproducible: own sums beyond the range that cancel globally 
           "any replica count",
           "[train][reproducible][thread]") {
     // The skip decision must not depend on how chunks are grouped: only a non-finite chunk value
-    // or a non-finite global sum skips. On one replica the 4 chunks' sum at element 0 is 0; on 2
-    // replicas each replica's own 2 chunks leave float's range.
+    // or loss, or a non-finite global sum, skips. On one replica the 4 chunks' sum at element 0
+    // is 0 and their loss 2^971; on 2 replicas each replica's own 2 chunks leave the range of float
+    // (gradient) and double (loss).
     const auto one = run_cancelling(1);
     REQUIRE(!one[0].skipped);
+    CHECK(one[0].loss == 0x1p971);
     // The reference: w = 0 - 0.5 x the exact sums (0, 2.5, 6 x 2^-20), each exact in float.
     CHECK(one[0].weights == std::vector<float>{0.0f, -1.25f, -3.0f * 0x1p-20f});
     for (int replicas : {2, 4}) {
@@ -320,6 +326,7 @@ TEST_CASE("reduce::reproducible: own sums beyond the range that cancel globally 
             INFO("replicas " << replicas << ", replica " << r);
             CHECK(!run[r].skipped);
             CHECK(same_bits(run[r].weights, one[0].weights));
+            CHECK(run[r].loss == 0x1p971);
         }
     }
 }

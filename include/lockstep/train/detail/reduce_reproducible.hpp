@@ -67,6 +67,24 @@ struct anchored_tail_fn {
     }
 };
 
+/// One task: *out = the sum of the terms[0, count) that are not finite (NaN or an infinity), or 0
+/// when every term is finite: a replica's own loss check, which names the replica when one of
+/// its chunk losses is not finite and, unlike its partial sum, does not depend on how the chunks
+/// fall on replicas.
+struct non_finite_loss_fn {
+    const double* terms;
+    std::size_t count;
+    double* out;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
+        double s = 0.0;
+        for (std::size_t k = 0; k < count; ++k) {
+            const double v = terms[k];
+            s += (v - v == 0.0) ? 0.0 : v; // v - v is NaN exactly for NaN and infinities
+        }
+        *out = s;
+    }
+};
+
 /// One task: *out = the binned sum (kernels/exact_sum.hpp) of terms[j * stride + c] over
 /// replicas j and c < count, rounded once; top and bins (one element) are its workspace.
 struct gathered_loss_fn {
@@ -163,7 +181,6 @@ public:
         grow(small_send_, stride_);
         grow(small_recv_, stride_ * replicas_);
         zero(sys_, small_send_.span().first(stride_));
-        run(1, kernels::binned_clear_fn{loss_top_.data(), loss_bins_.data(), 1});
     }
     /// Adds one chunk's gradient g (n values; the last chunk's must stay in g until finalize).
     /// requires: g.size() == size(), fewer than `calls` added.
@@ -176,8 +193,6 @@ public:
     }
     /// Adds one chunk's loss: `value` plus *device_value when not null (the system's memory).
     void add_loss(double value, const double* device_value) {
-        run(1, kernels::binned_add_scalar_fn{device_value, value, loss_top_.data(),
-                                             loss_bins_.data(), 1, 0});
         run(1, loss_terms_fn{device_value, value, small_send_.data() + 2 * losses_added_});
         ++losses_added_;
     }
@@ -215,7 +230,8 @@ public:
     /// g (the last chunk's gradient) becomes a quiet NaN where a kept chunk of this replica
     /// holds a non-finite value (kernels::anchored_own_check_fn), so it is non-finite exactly
     /// where one of the replica's chunk values is; the global sums do not change (such an
-    /// element's sum is a quiet NaN). *loss = this replica's own loss.
+    /// element's sum is a quiet NaN). *loss = the sum of this replica's non-finite loss terms, 0
+    /// when all are finite (non_finite_loss_fn).
     void check_local(std::span<T> g, double* loss) {
         if (calls_ > 1) {
             if constexpr (host_float) {
@@ -227,8 +243,7 @@ public:
                 run(n_, kernels::anchored_own_check_fn<T>{chunks(g.data()), g.data()});
             }
         }
-        run(1,
-            kernels::binned_finalize_fn<double>{loss_top_.data(), loss_bins_.data(), 1, 0, loss});
+        run(1, non_finite_loss_fn{small_send_.data(), 2 * losses_added_, loss});
     }
     /// After exchange(): the global sums, rounded once, into g (n values) and *loss.
     /// Collective.
@@ -341,7 +356,7 @@ private:
     std::size_t added_ = 0;
     std::size_t losses_added_ = 0;
     std::size_t stride_ = 0;                ///< doubles per replica in the small all_gather
-    buffer<std::int64_t, System> loss_top_; ///< the loss's binned top
+    buffer<std::int64_t, System> loss_top_; ///< workspace of the global loss's binned sum
     buffer<std::int64_t, System> loss_bins_;
     buffer<double, System> losses_;       ///< chunk, own and global loss
     buffer<T, System> store_;             ///< blocks, combined: every chunk but the last
@@ -353,8 +368,8 @@ private:
 };
 
 /// One task: the loss a replica adds to the step's status loss slot: the global exact loss on
-/// replica 0 only (so the status sum over replicas is that loss, bitwise), plus this replica's
-/// own loss when it is not finite (so the replica that produced it is named).
+/// replica 0 only (so the status sum over replicas is that loss, bitwise), plus the sum of this
+/// replica's non-finite chunk losses (so the replica that produced one is named).
 struct reproducible_loss_fn {
     const double* own;
     const double* global;
