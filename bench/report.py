@@ -394,8 +394,8 @@ def section_reproducible(rows):
             "batch 64, SGD with momentum) whose backward only writes each gradient once per call, "
             "so the rows isolate the reduction policy's cost: `reduce::bucketed<>` calls it once "
             "per replica and all_reduces 4 bytes per parameter; `reduce::reproducible<C>` calls it "
-            "once per chunk of C samples, keeps each chunk's gradient, sends each chunk's values of "
-            "every block of elements to the block's owner (an all_to_all per chunk index, 4 bytes "
+            "once per chunk of C samples, keeps each chunk's gradient but the last, and over MPI "
+            "sends each chunk's values of every block of elements to the block's owner (an all_to_all per chunk index, 4 bytes "
             "per parameter and chunk), which sums them in fixed point anchored at each element's "
             "largest exponent and rounds once, and all-gathers the blocks (4 bytes per parameter); "
             "on the thread group one all_combine has each block's owner read every replica's "
@@ -403,9 +403,9 @@ def section_reproducible(rows):
             "weights that are bitwise the same for every replica count; `reduce::sharded<>` (ZeRO stage 1) reduce-scatters each bucket, "
             "updates its shard with its share of the optimizer state and all-gathers the "
             "parameters. 2 thread replicas and 2 MPI processes. The four trainers live side by side "
-            "and take turns, one step each per round, so a slow spell of the machine hits every "
-            "row alike: *step ms* is the median step, */ bucketed* the median over rounds of the "
-            "step over the bucketed step of the same round.", ""]
+            "and take turns, one step each per round (30 rounds), so a slow spell of the machine "
+            "hits every row alike: *step ms* is the median step, */ bucketed* the median over "
+            "rounds of the step over the bucketed step of the same round.", ""]
     out = [[r["backend"], f"`{r['policy']}`", fmt(num(r["step_ms"])),
             fmt(num(r["ratio_to_bucketed"]))] for r in rows]
     text += [table(["backend", "policy", "step ms", "/ bucketed"], out)]
