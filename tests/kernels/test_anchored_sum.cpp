@@ -19,6 +19,7 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <memory>
 #include <random>
 #include <utility>
 #include <vector>
@@ -385,8 +386,8 @@ TEST_CASE("the host's keep tiles copy the chunks and flag the tiles the own chec
           "[kernels][anchored_sum]") {
     // 3 chunks of n values over keep tiles 0, 1 and a partial tile 2: an infinity in tile 1 of
     // chunk 0, a NaN at the last element of tile 2 of chunk 1, and in the last chunk (not kept)
-    // a NaN in tile 0. Destinations aligned and off by one float (the streaming and the plain
-    // copies), on the AVX2 and the portable loops.
+    // a NaN in tile 0. Streaming to aligned destinations, to destinations off by one float
+    // (plain stores), and not streaming, on the AVX2 and the portable loops.
     using lim = std::numeric_limits<float>;
     const std::size_t w = kernels::detail::anchored_keep_tile, n = 2 * w + 9;
     const auto x = random_terms<float>(3, n, -20, 20, 4);
@@ -395,15 +396,20 @@ TEST_CASE("the host's keep tiles copy the chunks and flag the tiles the own chec
     c1[n - 1] = lim::quiet_NaN();
     last[5] = lim::quiet_NaN();
     for (const bool portable : {false, true})
-        for (const std::size_t offset : {std::size_t{0}, std::size_t{1}}) {
-            CAPTURE(portable, offset);
+        for (const auto& [offset, stream] :
+             {std::pair<std::size_t, bool>{0, true}, {1, true}, {0, false}}) {
+            CAPTURE(portable, offset, stream);
             kernels::detail::anchored_portable_only() = portable;
             std::vector<float> space(2 * n + 16);
-            float* store = space.data() + offset;
+            void* at = space.data();
+            std::size_t room = space.size() * sizeof(float);
+            float* store = static_cast<float*>(std::align(32, sizeof(float), at, room)) + offset;
             std::vector<unsigned char> flags(3, 0);
             for (std::size_t t = 0; t < 3; ++t) {
-                kernels::detail::anchored_keep_tiles_fn{c0.data(), store, n, flags.data()}(t);
-                kernels::detail::anchored_keep_tiles_fn{c1.data(), store + n, n, flags.data()}(t);
+                kernels::detail::anchored_keep_tiles_fn{c0.data(), store, n, flags.data(),
+                                                        stream}(t);
+                kernels::detail::anchored_keep_tiles_fn{c1.data(), store + n, n, flags.data(),
+                                                        stream}(t);
             }
             kernels::detail::anchored_portable_only() = false;
             CHECK(same_bits(std::vector<float>(store, store + n), c0));

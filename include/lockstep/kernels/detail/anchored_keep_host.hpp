@@ -33,12 +33,12 @@ inline unsigned anchored_keep_portable(const float* src, float* dst, std::size_t
 }
 
 #if LOCKSTEP_F16_X86
-/// anchored_keep_loop with streaming stores where dst is 32-byte aligned: the kept chunk is read
-/// back long after (by the sums), so it bypasses the caches, and the copy moves 2 bytes of
-/// memory traffic per byte instead of 3.
+/// anchored_keep_loop, with streaming stores where `stream` and dst is 32-byte aligned: a large
+/// kept chunk is read back long after (by the sums, after the next chunks' passes), so it
+/// bypasses the caches, and the copy moves 2 bytes of memory traffic per byte instead of 3.
 LOCKSTEP_ANCHORED_AVX2 inline unsigned anchored_keep_avx2(const float* src, float* dst,
-                                                          std::size_t m) {
-    if ((reinterpret_cast<std::uintptr_t>(dst) & 31u) != 0)
+                                                          std::size_t m, bool stream) {
+    if (!stream || (reinterpret_cast<std::uintptr_t>(dst) & 31u) != 0)
         return anchored_keep_loop(src, dst, m);
     const __m256i field = _mm256_set1_epi32(0x7f800000);
     const __m256i unit = _mm256_set1_epi32(0x00800000);
@@ -56,22 +56,27 @@ LOCKSTEP_ANCHORED_AVX2 inline unsigned anchored_keep_avx2(const float* src, floa
 }
 #endif
 
+/// Chunks of at least this many bytes are kept with streaming stores (smaller ones stay in the
+/// caches for the exchange that reads them soon after): anchored_keep_tiles_fn::stream.
+inline constexpr std::size_t anchored_stream_bytes = std::size_t(4) << 20;
+
 /// Task t: copies elements [t anchored_keep_tile, min(..., count)) of src (a chunk's gradient)
 /// to dst (where the accumulator keeps it) and sets flags[t] to 1 when one of them is not
 /// finite (flags[t] is left as it is otherwise), so that the own check later reads only the
-/// flagged tiles. Host only.
+/// flagged tiles. With `stream`, the AVX2 loop stores past the caches. Host only.
 struct anchored_keep_tiles_fn {
     const float* src;
     float* dst;
     std::size_t count;
     unsigned char* flags;
+    bool stream; ///< count * sizeof(float) >= anchored_stream_bytes, for the trainer
     void operator()(std::size_t t) const {
         const std::size_t b = t * anchored_keep_tile;
         const std::size_t m = count - b < anchored_keep_tile ? count - b : anchored_keep_tile;
         unsigned bad = 0;
 #if LOCKSTEP_F16_X86
         if (anchored_use_avx2())
-            bad = anchored_keep_avx2(src + b, dst + b, m);
+            bad = anchored_keep_avx2(src + b, dst + b, m, stream);
         else
 #endif
             bad = anchored_keep_portable(src + b, dst + b, m);

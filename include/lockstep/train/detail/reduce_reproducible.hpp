@@ -305,7 +305,10 @@ private:
     void keep(std::span<const T> g, T* dst) {
         if constexpr (host_float)
             run(keep_tiles(),
-                kernels::detail::anchored_keep_tiles_fn{g.data(), dst, n_, flags_.data()}, n_);
+                kernels::detail::anchored_keep_tiles_fn{g.data(), dst, n_, flags_.data(),
+                                                        n_ * sizeof(float) >=
+                                                            kernels::detail::anchored_stream_bytes},
+                n_);
         else
             copy_async(sys_, g.first(n_), std::span<T>(dst, n_));
     }
