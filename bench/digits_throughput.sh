@@ -15,7 +15,7 @@
 #        in the last column the ratio reproducible / bucketed samples/s (1 on bucketed rows).
 #        Knobs (environment): EPOCHS (20), BATCH (64, global),
 #        HIDDEN (128), REPEAT (3: the median of 3 runs is reported), REPRO_EPOCHS (60) and
-#        REPRO_REPEAT (7: alternating pairs; the ratio is the median of the pairs' ratios) for
+#        REPRO_REPEAT (21: alternating pairs; the ratio is the median of the pairs' ratios) for
 #        the second section, CORES (nproc), PYTHON (/usr/bin/python3, the interpreter with
 #        Debian's python3-torch).
 # Fairness: both sides get the same cores. lockstep's thread group gives each replica
@@ -36,7 +36,7 @@ batch=${BATCH:-64}
 hidden=${HIDDEN:-128}
 repeat=${REPEAT:-3}
 repro_epochs=${REPRO_EPOCHS:-60}
-repro_repeat=${REPRO_REPEAT:-7}
+repro_repeat=${REPRO_REPEAT:-21}
 cores=${CORES:-$(nproc)}
 python=${PYTHON:-/usr/bin/python3}
 

@@ -498,7 +498,7 @@ def section_digits_reproducible(rows):
         return []
     text = ["", "What reproducibility costs on the same MLP: `--reduce reproducible --bn ghost` "
                 "(`reduce::reproducible<16>`, `bn::ghost<16>`: weights bitwise the same for every "
-                "replica count) next to `--reduce bucketed --bn local`, 60 epochs, 7 alternating pairs of "
+                "replica count) next to `--reduce bucketed --bn local`, 60 epochs, 21 alternating pairs of "
                 "runs: median samples/s, and the median of the pairs' ratios; "
                 "thread replicas and `mpiexec -n 2 digits --mpi` (when the binary has MPI).", ""]
     out = []
