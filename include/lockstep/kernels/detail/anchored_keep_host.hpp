@@ -16,7 +16,7 @@ namespace lockstep::kernels::detail {
 inline constexpr std::size_t anchored_keep_tile = 4096;
 
 /// Copies src[0, m) to dst; returns 1 when one of the values is not finite (its exponent field
-/// all ones), else 0. (The loop: GCC vectorises it.)
+/// all ones), else 0. (The portable loop, vectorised where the compiler chooses to.)
 [[gnu::always_inline]] inline unsigned anchored_keep_loop(const float* src, float* dst,
                                                           std::size_t m) {
     std::uint32_t high = 0; // bit 31 set by a field of all ones

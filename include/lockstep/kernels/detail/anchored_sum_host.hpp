@@ -276,6 +276,15 @@ inline bool anchored_tile_sums(const float* const* p, std::size_t k, std::size_t
     return anchored_tile_portable(p, k, m, out, done);
 }
 
+/// The float sums of m <= anchored_tile elements of k arrays p[j] into out[0, m): one float
+/// addition each for 2 arrays (anchored_pair), anchored_tile_sums otherwise; done and the
+/// result as anchored_tile_body reports them. requires: 1 <= k <= anchored_short_terms.
+inline bool anchored_array_sums(const float* const* p, std::size_t k, std::size_t m, float* out,
+                                unsigned char* done) {
+    return k == 2 ? anchored_pair(p[0], p[1], m, out, done)
+                  : anchored_tile_sums(p, k, m, out, done);
+}
+
 /// Task t: the float sums of elements [t anchored_tile, min(..., count)) of terms into out,
 /// bit for bit what anchored_sum_fn<float> gives (which answers the elements the tile does
 /// not); 2 terms (2 replicas of one chunk, or one replica's 2 chunks) take anchored_pair_loop.
@@ -294,9 +303,7 @@ struct anchored_sum_tiles_fn {
                 p[j * terms.calls + c] =
                     terms.base + j * terms.replica_stride + c * terms.call_stride + b;
         unsigned char done[anchored_tile];
-        const bool all = k == 2 ? anchored_pair(p[0], p[1], m, out + b, done)
-                                : anchored_tile_sums(p, k, m, out + b, done);
-        if (!all)
+        if (!anchored_array_sums(p, k, m, out + b, done))
             for (std::size_t i = 0; i < m; ++i)
                 if (done[i] == 0)
                     anchored_sum_fn<float>{terms, out}(b + i);
@@ -332,9 +339,7 @@ struct anchored_combine_fn {
                     const std::size_t mm = m - b < anchored_tile ? m - b : anchored_tile;
                     for (std::size_t j = 0; j < n; ++j)
                         p[j] = sources[j] + first + b;
-                    const bool all = n == 2 ? anchored_pair(p[0], p[1], mm, out + b, done)
-                                            : anchored_tile_sums(p, n, mm, out + b, done);
-                    if (!all)
+                    if (!anchored_array_sums(p, n, mm, out + b, done))
                         for (std::size_t i = 0; i < mm; ++i)
                             if (done[i] == 0)
                                 one(b + i);
