@@ -1,8 +1,11 @@
 // Tests of buffer<T, host_system>, copies and the host system's policy.
 // SPDX-License-Identifier: Apache-2.0
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/system/buffer.hpp"
 
 #include <catch2/catch.hpp>
+#include <thrust/for_each.h>
+#include <thrust/iterator/counting_iterator.h>
 #include <thrust/reduce.h>
 #include <thrust/sequence.h>
 
@@ -10,6 +13,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <vector>
+
+#if LOCKSTEP_HAS_OPENMP
+#include <omp.h>
+#endif
 
 using lockstep::buffer;
 using lockstep::host_system;
@@ -43,6 +51,40 @@ TEST_CASE("host_system thread budget", "[system][host]") {
     CHECK(host_system(3).threads() == 3);
     CHECK(host_system().threads() >= 1);
     CHECK(host_system::default_threads(1000) == 1);
+}
+
+TEST_CASE("host passes below host_serial_below run in a team of one, larger ones on the budget",
+          "[system][host]") {
+    using lockstep::kernels::host_serial_below;
+    const host_system sys{2};
+    CHECK(lockstep::kernels::threads_for(sys, host_serial_below - 1) == 1);
+    CHECK(lockstep::kernels::threads_for(sys, host_serial_below) == 2);
+    // The largest team that ran a pass of 256 indices with policy_for(sys, elements), and what
+    // the pass wrote (every index once, whatever the team).
+    const auto team = [&](std::size_t elements) {
+        std::vector<int> threads(256, 0);
+        std::vector<int> seen(256, 0);
+        thrust::for_each(lockstep::kernels::policy_for(sys, elements),
+                         thrust::counting_iterator<std::size_t>(0),
+                         thrust::counting_iterator<std::size_t>(256), [&](std::size_t i) {
+#if LOCKSTEP_HAS_OPENMP
+                             threads[i] = omp_get_num_threads();
+#else
+                             threads[i] = 1;
+#endif
+                             seen[i] += 1;
+                         });
+        CHECK(std::count(seen.begin(), seen.end(), 1) == 256);
+        return *std::max_element(threads.begin(), threads.end());
+    };
+    CHECK(team(host_serial_below - 1) == 1);
+#if LOCKSTEP_HAS_OPENMP
+    // A large pass after a small one runs on the system's budget again (policy_for sets the
+    // calling thread's budget each time), where OpenMP may start a second thread.
+    if (omp_get_thread_limit() >= 2 && omp_get_dynamic() == 0)
+        CHECK(team(host_serial_below) == 2);
+#endif
+    CHECK(team(host_serial_below - 1) == 1);
 }
 
 TEST_CASE("host_system's default budget follows OMP_NUM_THREADS, else the hardware threads",

@@ -19,6 +19,24 @@ namespace lockstep::kernels {
 /// oversubscribed).
 inline constexpr std::size_t host_serial_below = 32768;
 
+/// The Thrust policy for a pass over `elements` elements on sys: on the host system, below
+/// host_serial_below, the policy of a one-thread host system (a team of one, with no other
+/// thread to wake); otherwise sys.policy(). For the Thrust algorithms (fill, copy, transform,
+/// reductions) that for_each_index does not cover.
+template <execution_system System>
+auto policy_for(const System& sys, std::size_t elements) {
+    if constexpr (std::is_same_v<System, host_system>)
+        return (elements < host_serial_below ? host_system{1} : sys).policy();
+    else
+        return sys.policy();
+}
+
+/// The OpenMP threads of a host loop over `elements` elements: 1 below host_serial_below,
+/// else sys.threads().
+inline int threads_for(const host_system& sys, std::size_t elements) noexcept {
+    return elements < host_serial_below ? 1 : sys.threads();
+}
+
 /// Runs f(i) for every i in [0, n) on sys: thrust::for_each with sys.policy() (one thread per
 /// index on a device). The calls must be independent of each other, so the result does not
 /// depend on how they are scheduled. On the host system the calls run as a plain loop on the

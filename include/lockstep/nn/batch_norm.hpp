@@ -255,7 +255,8 @@ public:
                                 kernels::eval_coefficients_fn<param_type>{
                                     s_.running_mean().data(), s_.running_var().data(),
                                     s_.gamma.data(), static_cast<param_type>(p_.eps),
-                                    s_.eval_mean().data(), s_.eval_scale().data()});
+                                    s_.eval_mean().data(), s_.eval_scale().data()},
+                                s_.channels);
         kernels::normalize(
             s_.sys, x, y, Layout::geometry(shape), std::span<const param_type>(s_.eval_mean()),
             std::span<const param_type>(s_.eval_scale()), std::span<const param_type>(s_.beta));
@@ -369,7 +370,8 @@ private:
                                     .running_mean = s_.running_mean().data(),
                                     .running_var = s_.running_var().data(),
                                     .count = s_.normalization_count(),
-                                    .report = report});
+                                    .report = report},
+                                s_.channels * static_cast<std::size_t>(count_blocks));
         if constexpr (bn::is_ghost<Policy>) {
             if (ghost_step) {
                 record_ghost_chunk(comm, step->ghost_global(), !xs.empty());
@@ -527,7 +529,7 @@ private:
             kept_running_ = buffer<param_type, System>(n, s_.sys);
         kernels::for_each_index(
             s_.sys, n,
-            detail::copy_if_fn<param_type>{s_.running.data(), kept_running_.data(), nullptr});
+            detail::copy_if_fn<param_type>{s_.running.data(), kept_running_.data(), nullptr}, n);
         if constexpr (bn::is_ghost<Policy>)
             ghost_chunks_ = 0;
         ghost_finish_ = nullptr;
@@ -545,7 +547,8 @@ private:
         }
         kernels::for_each_index(
             s_.sys, s_.running.size(),
-            detail::copy_if_fn<param_type>{kept_running_.data(), s_.running.data(), skip});
+            detail::copy_if_fn<param_type>{kept_running_.data(), s_.running.data(), skip},
+            s_.running.size());
     }
 
     // --- bn::ghost ---
@@ -563,7 +566,8 @@ private:
         grow_ghost_blocks(at + stride, at);
         kernels::for_each_index(
             s_.sys, stride,
-            detail::copy_if_fn<param_type>{s_.block.data(), ghost_blocks_.data() + at, nullptr});
+            detail::copy_if_fn<param_type>{s_.block.data(), ghost_blocks_.data() + at, nullptr},
+            stride);
         ++ghost_chunks_;
     }
     /// ghost_blocks_ holds at least n values; the first `keep` are kept.
@@ -574,7 +578,7 @@ private:
         if (keep != 0)
             kernels::for_each_index(
                 s_.sys, keep,
-                detail::copy_if_fn<param_type>{ghost_blocks_.data(), grown.data(), nullptr});
+                detail::copy_if_fn<param_type>{ghost_blocks_.data(), grown.data(), nullptr}, keep);
         ghost_blocks_ = std::move(grown);
     }
     /// The end of a reproducible step: every replica's chunk blocks are gathered (one
@@ -609,7 +613,8 @@ private:
                                         .chunk = chunk,
                                         .momentum = static_cast<param_type>(p_.momentum),
                                         .running_mean = s_.running_mean().data(),
-                                        .running_var = s_.running_var().data()});
+                                        .running_var = s_.running_var().data()},
+                                    all.size());
         }
         batches_ += static_cast<std::int64_t>(global / chunk + (global % chunk != 0 ? 1 : 0));
         ghost_chunks_ = 0;

@@ -6,6 +6,7 @@
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/float16.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/mixed_precision.hpp"
 #include "lockstep/system/buffer.hpp"
 
@@ -67,7 +68,8 @@ public:
     /// grads() = +0.
     void zero_grads() {
         if (!grads_.empty())
-            thrust::fill(sys_.policy(), grads_.data(), grads_.data() + grads_.size(), Low{});
+            thrust::fill(kernels::policy_for(sys_, grads_.size()), grads_.data(),
+                         grads_.data() + grads_.size(), Low{});
     }
 
     /// master_grads += T(grads()) (times *factor when factor is non-null: one double in System

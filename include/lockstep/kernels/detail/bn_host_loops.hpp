@@ -65,7 +65,7 @@ void host_channel_moments(int threads, const T* x, channel_geometry g, moments<A
             reciprocals<Acc>(samples_per_task * std::max<std::size_t>(1, full / L));
         const auto tasks = static_cast<std::ptrdiff_t>(C * parts);
 #if LOCKSTEP_HAS_OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
 #endif
         for (std::ptrdiff_t t = 0; t < tasks; ++t) {
             const std::size_t c = static_cast<std::size_t>(t) / parts;
@@ -99,7 +99,7 @@ void host_channel_moments(int threads, const T* x, channel_geometry g, moments<A
         const std::vector<Acc> inv = reciprocals<Acc>((g.outer + parts - 1) / parts);
         const auto tasks = static_cast<std::ptrdiff_t>(parts * blocks);
 #if LOCKSTEP_HAS_OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
 #endif
         for (std::ptrdiff_t t = 0; t < tasks; ++t) {
             const std::size_t p = static_cast<std::size_t>(t) / blocks;
@@ -144,7 +144,7 @@ void host_normalize(int threads, const T* x, T* y, channel_geometry g, const Acc
     if (g.inner > 1) {
         const auto planes = static_cast<std::ptrdiff_t>(g.outer * C);
 #if LOCKSTEP_HAS_OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
 #endif
         for (std::ptrdiff_t t = 0; t < planes; ++t) {
             const std::size_t c = static_cast<std::size_t>(t) % C;
@@ -157,7 +157,7 @@ void host_normalize(int threads, const T* x, T* y, channel_geometry g, const Acc
         const std::size_t chunks = (g.outer + rows_per_task - 1) / rows_per_task;
         const auto tasks = static_cast<std::ptrdiff_t>(chunks * blocks);
 #if LOCKSTEP_HAS_OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
 #endif
         for (std::ptrdiff_t t = 0; t < tasks; ++t) {
             const std::size_t r0 = static_cast<std::size_t>(t) / blocks * rows_per_task;
@@ -187,7 +187,7 @@ void host_backward_sums(int threads, const T* dy, const T* x, channel_geometry g
         std::vector<Acc> partial(2 * C * parts);
         const auto tasks = static_cast<std::ptrdiff_t>(C * parts);
 #if LOCKSTEP_HAS_OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
 #endif
         for (std::ptrdiff_t t = 0; t < tasks; ++t) {
             const std::size_t c = static_cast<std::size_t>(t) / parts;
@@ -224,7 +224,7 @@ void host_backward_sums(int threads, const T* dy, const T* x, channel_geometry g
         std::vector<Acc> state(parts * 2 * C, Acc(0));
         const auto tasks = static_cast<std::ptrdiff_t>(parts * blocks);
 #if LOCKSTEP_HAS_OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
 #endif
         for (std::ptrdiff_t t = 0; t < tasks; ++t) {
             const std::size_t p = static_cast<std::size_t>(t) / blocks;
@@ -260,7 +260,7 @@ void host_input_gradient(int threads, const T* dy, const T* x, T* dx, channel_ge
     if (g.inner > 1) {
         const auto planes = static_cast<std::ptrdiff_t>(g.outer * C);
 #if LOCKSTEP_HAS_OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
 #endif
         for (std::ptrdiff_t t = 0; t < planes; ++t) {
             const std::size_t c = static_cast<std::size_t>(t) % C;
@@ -274,7 +274,7 @@ void host_input_gradient(int threads, const T* dy, const T* x, T* dx, channel_ge
         const std::size_t chunks = (g.outer + rows_per_task - 1) / rows_per_task;
         const auto tasks = static_cast<std::ptrdiff_t>(chunks * blocks);
 #if LOCKSTEP_HAS_OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
 #endif
         for (std::ptrdiff_t t = 0; t < tasks; ++t) {
             const std::size_t r0 = static_cast<std::size_t>(t) / blocks * rows_per_task;

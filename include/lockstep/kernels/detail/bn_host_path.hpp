@@ -7,6 +7,7 @@
 #include "lockstep/kernels/bn_fused.hpp"
 #include "lockstep/kernels/channel_geometry.hpp"
 #include "lockstep/kernels/detail/bn_host_loops.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/moments.hpp"
 #include "lockstep/system/host_system.hpp"
 
@@ -21,7 +22,8 @@
 // by argument-dependent lookup next to the generic versions in lockstep::kernels, and prefer
 // them for a host_system; lookup on other lockstep types does not see them.
 // Each takes spans the public kernel has already checked (no precondition is repeated here).
-// All of them run the vectorized OpenMP loops of bn_host_loops.hpp: the same functors as the
+// All of them run the vectorized OpenMP loops of bn_host_loops.hpp (on the calling thread alone
+// below kernels::host_serial_below elements): the same functors as the
 // generic path with another partitioning, so reductions agree with it to rounding and
 // elementwise results bit for bit.
 
@@ -32,7 +34,8 @@ template <class T, class Acc>
 void bn_channel_moments(const host_system& sys, std::span<const T> x, kernels::channel_geometry g,
                         std::span<kernels::moments<Acc>> out,
                         std::span<kernels::moments<Acc>> /*workspace*/) {
-    kernels::detail::host_channel_moments(sys.threads(), x.data(), g, out.data());
+    kernels::detail::host_channel_moments(kernels::threads_for(sys, g.size()), x.data(), g,
+                                          out.data());
 }
 
 /// Host packed statistics block: host moments into the workspace's scratch, then packing.
@@ -43,7 +46,7 @@ void bn_pack_local_moments(const host_system& sys, std::span<const T> x,
     using kernels::moments;
     using kernels::packed_moments;
     moments<Acc>* local = kernels::detail::workspace_scratch<moments<Acc>>(workspace, g);
-    kernels::detail::host_channel_moments(sys.threads(), x.data(), g, local);
+    kernels::detail::host_channel_moments(kernels::threads_for(sys, g.size()), x.data(), g, local);
     kernels::pack_block_fn<Acc> pack{local, g.channels, status, 0, 0, block.data()};
     packed_moments::split_count(g.per_channel(), pack.count_hi, pack.count_lo);
     for (std::size_t c = 0; c < std::max<std::size_t>(g.channels, 1); ++c)
@@ -55,8 +58,8 @@ template <class T, class Acc>
 void bn_normalize(const host_system& sys, std::span<const T> x, std::span<T> y,
                   kernels::channel_geometry g, std::span<const Acc> mean,
                   std::span<const Acc> scale, std::span<const Acc> beta) {
-    kernels::detail::host_normalize(sys.threads(), x.data(), y.data(), g, mean.data(), scale.data(),
-                                    beta.data());
+    kernels::detail::host_normalize(kernels::threads_for(sys, g.size()), x.data(), y.data(), g,
+                                    mean.data(), scale.data(), beta.data());
 }
 
 /// Host backward sums (the workspace is unused).
@@ -64,8 +67,8 @@ template <class T, class Acc>
 void bn_backward_sums(const host_system& sys, std::span<const T> dy, std::span<const T> x,
                       kernels::channel_geometry g, std::span<const Acc> mean, std::span<Acc> sums,
                       std::span<Acc> /*workspace*/) {
-    kernels::detail::host_backward_sums(sys.threads(), dy.data(), x.data(), g, mean.data(),
-                                        sums.data());
+    kernels::detail::host_backward_sums(kernels::threads_for(sys, g.size()), dy.data(), x.data(), g,
+                                        mean.data(), sums.data());
 }
 
 /// Host packed backward sums: the backward sums, then the status slot.
@@ -73,8 +76,8 @@ template <class T, class Acc>
 void bn_pack_backward_sums(const host_system& sys, std::span<const T> dy, std::span<const T> x,
                            kernels::channel_geometry g, std::span<const Acc> mean, Acc status,
                            std::span<Acc> sums, std::span<std::byte> /*workspace*/) {
-    kernels::detail::host_backward_sums(sys.threads(), dy.data(), x.data(), g, mean.data(),
-                                        sums.data());
+    kernels::detail::host_backward_sums(kernels::threads_for(sys, g.size()), dy.data(), x.data(), g,
+                                        mean.data(), sums.data());
     sums[kernels::packed_sums::status(g.channels)] = status;
 }
 
@@ -83,7 +86,8 @@ template <class T, class Acc>
 void bn_input_gradient(const host_system& sys, std::span<const T> dy, std::span<const T> x,
                        std::span<T> dx, kernels::channel_geometry g,
                        kernels::backward_coefficients<Acc> co) {
-    kernels::detail::host_input_gradient(sys.threads(), dy.data(), x.data(), dx.data(), g, co);
+    kernels::detail::host_input_gradient(kernels::threads_for(sys, g.size()), dy.data(), x.data(),
+                                         dx.data(), g, co);
 }
 
 /// Host fused input gradient: the coefficients (and parameter gradients) per channel, then the
@@ -108,7 +112,7 @@ void bn_input_gradient_fused(const host_system& sys, std::span<const T> dy, std:
         kernels::add_parameter_gradients(c, C, local.data(), invstd.data(), dg, db);
     }
     kernels::detail::host_input_gradient(
-        sys.threads(), dy.data(), x.data(), dx.data(), g,
+        kernels::threads_for(sys, g.size()), dy.data(), x.data(), dx.data(), g,
         kernels::backward_coefficients<Acc>{mean.data(), k.data(), a.data(), b.data()});
 }
 

@@ -6,6 +6,7 @@
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/bn_fused.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/layer_report.hpp"
 #include "lockstep/kernels/moments.hpp"
 #include "lockstep/system/buffer.hpp"
@@ -23,7 +24,7 @@ namespace lockstep::nn::detail {
 template <class Acc, class System>
 void fill(const System& sys, std::span<Acc> s, Acc v) {
     if (!s.empty())
-        thrust::fill(sys.policy(), s.data(), s.data() + s.size(), v);
+        thrust::fill(kernels::policy_for(sys, s.size()), s.data(), s.data() + s.size(), v);
 }
 
 /// True for a value other than +0 or -0 (NaN included).
@@ -40,8 +41,8 @@ template <class Acc, class System>
 std::size_t count_nonzero(const System& sys, std::span<const Acc> s) {
     if (s.empty())
         return 0;
-    return static_cast<std::size_t>(
-        thrust::count_if(sys.policy(), s.data(), s.data() + s.size(), is_nonzero_fn{}));
+    return static_cast<std::size_t>(thrust::count_if(kernels::policy_for(sys, s.size()), s.data(),
+                                                     s.data() + s.size(), is_nonzero_fn{}));
 }
 
 /// Grows b to at least n elements (contents are not kept).

@@ -6,6 +6,7 @@
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/float16.hpp"
 #include "lockstep/kernels/float16_convert.hpp"
+#include "lockstep/kernels/for_each.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -115,8 +116,8 @@ template <class System, class T>
 void scale(const System& sys, std::span<T> data, T s) {
     if (data.empty())
         return;
-    thrust::transform(sys.policy(), data.data(), data.data() + data.size(), data.data(),
-                      scale_fn<T>{s});
+    thrust::transform(kernels::policy_for(sys, data.size()), data.data(), data.data() + data.size(),
+                      data.data(), scale_fn<T>{s});
 }
 
 /// data = 0 on sys.
@@ -124,7 +125,8 @@ template <class System, class T>
 void zero(const System& sys, std::span<T> data) {
     if (data.empty())
         return;
-    thrust::fill(sys.policy(), data.data(), data.data() + data.size(), T(0));
+    thrust::fill(kernels::policy_for(sys, data.size()), data.data(), data.data() + data.size(),
+                 T(0));
 }
 
 /// The number of NaN or infinite elements of data.
@@ -132,9 +134,9 @@ template <class System, class T>
 std::size_t count_non_finite(const System& sys, std::span<const T> data) {
     if (data.empty())
         return 0;
-    return static_cast<std::size_t>(
-        thrust::transform_reduce(sys.policy(), data.data(), data.data() + data.size(),
-                                 non_finite_fn<T>{}, std::size_t{0}, thrust::plus<std::size_t>()));
+    return static_cast<std::size_t>(thrust::transform_reduce(
+        kernels::policy_for(sys, data.size()), data.data(), data.data() + data.size(),
+        non_finite_fn<T>{}, std::size_t{0}, thrust::plus<std::size_t>()));
 }
 
 } // namespace lockstep::detail

@@ -222,8 +222,10 @@ public:
                 comm.all_to_all(std::span<const T>(src, all), recv_.span().subspan(c * all, all));
             }
         if (tail_ > 0)
-            run(max_calls_ * tail_, anchored_tail_fn<T>{chunks(last.data()), all, tail_,
-                                                        small_send_.data() + 2 * max_calls_});
+            run(max_calls_ * tail_,
+                anchored_tail_fn<T>{chunks(last.data()), all, tail_,
+                                    small_send_.data() + 2 * max_calls_},
+                max_calls_ * tail_);
         comm.all_gather(std::span<const double>(small_send_.data(), stride_),
                         small_recv_.span().first(stride_ * replicas_));
     }
@@ -240,7 +242,7 @@ public:
                                                             g.data()},
                     n_);
             } else {
-                run(n_, kernels::anchored_own_check_fn<T>{chunks(g.data()), g.data()});
+                run(n_, kernels::anchored_own_check_fn<T>{chunks(g.data()), g.data()}, calls_ * n_);
             }
         }
         run(1, non_finite_loss_fn{small_send_.data(), 2 * losses_added_, loss});
@@ -273,9 +275,11 @@ public:
             comm.all_gather(std::span<const T>(mine, block_), g.first(all));
         }
         if (tail_ > 0)
-            run(tail_, kernels::anchored_sum_fn<T, double>{{small_recv_.data() + 2 * max_calls_,
-                                                            replicas_, max_calls_, stride_, tail_},
-                                                           g.data() + all});
+            run(tail_,
+                kernels::anchored_sum_fn<T, double>{
+                    {small_recv_.data() + 2 * max_calls_, replicas_, max_calls_, stride_, tail_},
+                    g.data() + all},
+                tail_ * replicas_ * max_calls_);
         run(1, gathered_loss_fn{small_recv_.data(), replicas_, 2 * max_calls_, stride_,
                                 loss_top_.data(), loss_bins_.data(), loss});
     }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "lockstep/core/config.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/detail/bucket_plan.hpp"
 #include "lockstep/train/detail/check_order.hpp"
@@ -214,7 +215,8 @@ void apply_grad_factor(const System& sys, std::span<T> grads, const double* fact
                        const int* skip) {
     if (grads.empty())
         return;
-    thrust::transform(sys.policy(), grads.data(), grads.data() + grads.size(), grads.data(),
+    thrust::transform(kernels::policy_for(sys, grads.size()), grads.data(),
+                      grads.data() + grads.size(), grads.data(),
                       scale_by_factor_fn<T>{factor, skip});
 }
 
