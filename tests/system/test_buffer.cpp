@@ -53,38 +53,49 @@ TEST_CASE("host_system thread budget", "[system][host]") {
     CHECK(host_system::default_threads(1000) == 1);
 }
 
-TEST_CASE("host passes below host_serial_below run in a team of one, larger ones on the budget",
+TEST_CASE("host passes below host_serial_below run on the calling thread, larger ones on the "
+          "budget",
           "[system][host]") {
     using lockstep::kernels::host_serial_below;
     const host_system sys{2};
     CHECK(lockstep::kernels::threads_for(sys, host_serial_below - 1) == 1);
     CHECK(lockstep::kernels::threads_for(sys, host_serial_below) == 2);
-    // The largest team that ran a pass of 256 indices with policy_for(sys, elements), and what
-    // the pass wrote (every index once, whatever the team).
+    // The largest team that ran a pass of 256 indices through with_policy_for(sys, elements), and
+    // what the pass wrote (every index once, whatever the team).
     const auto team = [&](std::size_t elements) {
         std::vector<int> threads(256, 0);
         std::vector<int> seen(256, 0);
-        thrust::for_each(lockstep::kernels::policy_for(sys, elements),
-                         thrust::counting_iterator<std::size_t>(0),
-                         thrust::counting_iterator<std::size_t>(256), [&](std::size_t i) {
+        const int returned = lockstep::kernels::with_policy_for(sys, elements, [&](auto policy) {
+            thrust::for_each(policy, thrust::counting_iterator<std::size_t>(0),
+                             thrust::counting_iterator<std::size_t>(256), [&](std::size_t i) {
 #if LOCKSTEP_HAS_OPENMP
-                             threads[i] = omp_get_num_threads();
+                                 threads[i] = omp_get_num_threads();
 #else
-                             threads[i] = 1;
+                                 threads[i] = 1;
 #endif
-                             seen[i] += 1;
-                         });
+                                 seen[i] += 1;
+                             });
+            return 7;
+        });
+        CHECK(returned == 7);
         CHECK(std::count(seen.begin(), seen.end(), 1) == 256);
         return *std::max_element(threads.begin(), threads.end());
     };
-    CHECK(team(host_serial_below - 1) == 1);
 #if LOCKSTEP_HAS_OPENMP
-    // A large pass after a small one runs on the system's budget again (policy_for sets the
-    // calling thread's budget each time), where OpenMP may start a second thread.
-    if (omp_get_thread_limit() >= 2 && omp_get_dynamic() == 0)
+    // A small pass leaves the calling thread's OpenMP budget alone (the user's own OpenMP code
+    // inherits it): set it to 3, run one, read it back.
+    omp_set_num_threads(3);
+    CHECK(team(host_serial_below - 1) == 1);
+    CHECK(omp_get_max_threads() == 3);
+    // A large pass runs on the system's budget (sys.policy() sets it), where OpenMP may start a
+    // second thread.
+    if (omp_get_thread_limit() >= 2 && omp_get_dynamic() == 0) {
         CHECK(team(host_serial_below) == 2);
+        CHECK(omp_get_max_threads() == 2);
+    }
 #endif
     CHECK(team(host_serial_below - 1) == 1);
+    CHECK(team(0) == 1);
 }
 
 TEST_CASE("host_system's default budget follows OMP_NUM_THREADS, else the hardware threads",

@@ -11,6 +11,7 @@
 
 #include <thrust/for_each.h>
 #include <thrust/iterator/counting_iterator.h>
+#include <thrust/system/cpp/execution_policy.h>
 
 namespace lockstep::kernels {
 
@@ -19,16 +20,19 @@ namespace lockstep::kernels {
 /// oversubscribed).
 inline constexpr std::size_t host_serial_below = 32768;
 
-/// The Thrust policy for a pass over `elements` elements on sys: on the host system, below
-/// host_serial_below, the policy of a one-thread host system (a team of one, with no other
-/// thread to wake); otherwise sys.policy(). For the Thrust algorithms (fill, copy, transform,
-/// reductions) that for_each_index does not cover.
-template <execution_system System>
-auto policy_for(const System& sys, std::size_t elements) {
-    if constexpr (std::is_same_v<System, host_system>)
-        return (elements < host_serial_below ? host_system{1} : sys).policy();
-    else
-        return sys.policy();
+/// f(policy) with the Thrust policy for a pass over `elements` elements on sys, for the Thrust
+/// algorithms (fill, copy, transform, reductions) that for_each_index does not cover: on the host
+/// system, below host_serial_below elements (or with one thread), the serial CPP policy, so the
+/// pass runs on the calling thread and leaves the thread's OpenMP budget (an ICV the user's own
+/// OpenMP code inherits) as it was; otherwise f(sys.policy()). Returns what f returns (the same
+/// type for both policies).
+template <execution_system System, class F>
+decltype(auto) with_policy_for(const System& sys, std::size_t elements, F&& f) {
+    if constexpr (std::is_same_v<System, host_system>) {
+        if (elements < host_serial_below || sys.threads() == 1)
+            return f(thrust::cpp::par);
+    }
+    return f(sys.policy());
 }
 
 /// The OpenMP threads of a host loop over `elements` elements: 1 below host_serial_below,

@@ -68,8 +68,9 @@ public:
     /// grads() = +0.
     void zero_grads() {
         if (!grads_.empty())
-            thrust::fill(kernels::policy_for(sys_, grads_.size()), grads_.data(),
-                         grads_.data() + grads_.size(), Low{});
+            kernels::with_policy_for(sys_, grads_.size(), [&](auto policy) {
+                thrust::fill(policy, grads_.data(), grads_.data() + grads_.size(), Low{});
+            });
     }
 
     /// master_grads += T(grads()) (times *factor when factor is non-null: one double in System

@@ -132,8 +132,9 @@ public:
     /// Every part to its initial value (step_outcome's defaults, zeros elsewhere), on the
     /// system's stream (two kernels; nothing from the host, so a CUDA graph can capture it).
     void reset(const System& sys) {
-        thrust::fill(kernels::policy_for(sys, memory_.size()), memory_.data(),
-                     memory_.data() + memory_.size(), 0.0);
+        kernels::with_policy_for(sys, memory_.size(), [&](auto policy) {
+            thrust::fill(policy, memory_.data(), memory_.data() + memory_.size(), 0.0);
+        });
         kernels::for_each_index(sys, 1, reset_outcome_fn{view().outcome});
     }
 

@@ -24,7 +24,9 @@ namespace lockstep::nn::detail {
 template <class Acc, class System>
 void fill(const System& sys, std::span<Acc> s, Acc v) {
     if (!s.empty())
-        thrust::fill(kernels::policy_for(sys, s.size()), s.data(), s.data() + s.size(), v);
+        kernels::with_policy_for(sys, s.size(), [&](auto policy) {
+            thrust::fill(policy, s.data(), s.data() + s.size(), v);
+        });
 }
 
 /// True for a value other than +0 or -0 (NaN included).
@@ -41,8 +43,9 @@ template <class Acc, class System>
 std::size_t count_nonzero(const System& sys, std::span<const Acc> s) {
     if (s.empty())
         return 0;
-    return static_cast<std::size_t>(thrust::count_if(kernels::policy_for(sys, s.size()), s.data(),
-                                                     s.data() + s.size(), is_nonzero_fn{}));
+    return static_cast<std::size_t>(kernels::with_policy_for(sys, s.size(), [&](auto policy) {
+        return thrust::count_if(policy, s.data(), s.data() + s.size(), is_nonzero_fn{});
+    }));
 }
 
 /// Grows b to at least n elements (contents are not kept).

@@ -116,8 +116,10 @@ template <class System, class T>
 void scale(const System& sys, std::span<T> data, T s) {
     if (data.empty())
         return;
-    thrust::transform(kernels::policy_for(sys, data.size()), data.data(), data.data() + data.size(),
-                      data.data(), scale_fn<T>{s});
+    kernels::with_policy_for(sys, data.size(), [&](auto policy) {
+        thrust::transform(policy, data.data(), data.data() + data.size(), data.data(),
+                          scale_fn<T>{s});
+    });
 }
 
 /// data = 0 on sys.
@@ -125,8 +127,9 @@ template <class System, class T>
 void zero(const System& sys, std::span<T> data) {
     if (data.empty())
         return;
-    thrust::fill(kernels::policy_for(sys, data.size()), data.data(), data.data() + data.size(),
-                 T(0));
+    kernels::with_policy_for(sys, data.size(), [&](auto policy) {
+        thrust::fill(policy, data.data(), data.data() + data.size(), T(0));
+    });
 }
 
 /// The number of NaN or infinite elements of data.
@@ -134,9 +137,11 @@ template <class System, class T>
 std::size_t count_non_finite(const System& sys, std::span<const T> data) {
     if (data.empty())
         return 0;
-    return static_cast<std::size_t>(thrust::transform_reduce(
-        kernels::policy_for(sys, data.size()), data.data(), data.data() + data.size(),
-        non_finite_fn<T>{}, std::size_t{0}, thrust::plus<std::size_t>()));
+    return kernels::with_policy_for(sys, data.size(), [&](auto policy) {
+        return static_cast<std::size_t>(thrust::transform_reduce(
+            policy, data.data(), data.data() + data.size(), non_finite_fn<T>{}, std::size_t{0},
+            thrust::plus<std::size_t>()));
+    });
 }
 
 } // namespace lockstep::detail

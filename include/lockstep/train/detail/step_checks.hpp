@@ -215,9 +215,10 @@ void apply_grad_factor(const System& sys, std::span<T> grads, const double* fact
                        const int* skip) {
     if (grads.empty())
         return;
-    thrust::transform(kernels::policy_for(sys, grads.size()), grads.data(),
-                      grads.data() + grads.size(), grads.data(),
-                      scale_by_factor_fn<T>{factor, skip});
+    kernels::with_policy_for(sys, grads.size(), [&](auto policy) {
+        thrust::transform(policy, grads.data(), grads.data() + grads.size(), grads.data(),
+                          scale_by_factor_fn<T>{factor, skip});
+    });
 }
 
 } // namespace lockstep::detail

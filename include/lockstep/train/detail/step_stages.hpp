@@ -129,7 +129,9 @@ public:
             r.sample_offset = core_.samples();
             r.scale = r.empty() ? 0.0 : 1.0 / static_cast<double>(global);
             core_.zero_grads();
-            thrust::fill(kernels::policy_for(system(), 1), chunk_loss, chunk_loss + 1, 0.0);
+            kernels::with_policy_for(system(), 1, [&](auto policy) {
+                thrust::fill(policy, chunk_loss, chunk_loss + 1, 0.0);
+            });
             double host_loss = 0;
             if constexpr (std::is_void_v<decltype(fn(core_.network(), r, ctx))>)
                 fn(core_.network(), r, ctx);
