@@ -248,7 +248,7 @@ TEMPLATE_TEST_CASE("optimizer results do not depend on the thread count", "[opti
 TEMPLATE_TEST_CASE("all_finite finds NaN and infinities", "[optim][host]", float, double) {
     using T = TestType;
     host_system sys{2};
-    // 100001 elements: above optim::detail::host_serial_below, so the OpenMP path runs.
+    // 100001 elements: above kernels::host_serial_below, so the OpenMP path runs.
     std::vector<T> x(100001, T(1.5));
     CHECK(all_finite(std::span<const T>(x), sys));
     CHECK(all_finite(std::span<const T>(), sys));

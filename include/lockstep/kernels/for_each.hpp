@@ -20,6 +20,12 @@ namespace lockstep::kernels {
 /// oversubscribed).
 inline constexpr std::size_t host_serial_below = 32768;
 
+/// The OpenMP threads of a host loop over `elements` elements: 1 below host_serial_below,
+/// else sys.threads().
+inline int threads_for(const host_system& sys, std::size_t elements) noexcept {
+    return elements < host_serial_below ? 1 : sys.threads();
+}
+
 /// f(policy) with the Thrust policy for a pass over `elements` elements on sys, for the Thrust
 /// algorithms (fill, copy, transform, reductions) that for_each_index does not cover: on the host
 /// system, below host_serial_below elements (or with one thread), the serial CPP policy, so the
@@ -29,16 +35,10 @@ inline constexpr std::size_t host_serial_below = 32768;
 template <execution_system System, class F>
 decltype(auto) with_policy_for(const System& sys, std::size_t elements, F&& f) {
     if constexpr (std::is_same_v<System, host_system>) {
-        if (elements < host_serial_below || sys.threads() == 1)
+        if (threads_for(sys, elements) == 1)
             return f(thrust::cpp::par);
     }
     return f(sys.policy());
-}
-
-/// The OpenMP threads of a host loop over `elements` elements: 1 below host_serial_below,
-/// else sys.threads().
-inline int threads_for(const host_system& sys, std::size_t elements) noexcept {
-    return elements < host_serial_below ? 1 : sys.threads();
 }
 
 /// Runs f(i) for every i in [0, n) on sys: thrust::for_each with sys.policy() (one thread per
@@ -52,7 +52,7 @@ void for_each_index(const System& sys, std::size_t n, F f,
     if (n == 0)
         return;
     if constexpr (std::is_same_v<System, host_system>) {
-        if (sys.threads() == 1 || n == 1 || elements < host_serial_below) {
+        if (n == 1 || threads_for(sys, elements) == 1) {
             for (std::size_t i = 0; i < n; ++i)
                 f(i);
             return;

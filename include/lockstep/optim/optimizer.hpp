@@ -5,7 +5,6 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/optimizer_kernels.hpp"
-#include "lockstep/system/host_system.hpp"
 #include "lockstep/system/system.hpp"
 
 #include <concepts>
@@ -16,7 +15,6 @@
 #include <vector>
 
 #include <thrust/functional.h>
-#include <thrust/system/cpp/execution_policy.h>
 #include <thrust/transform_reduce.h>
 
 namespace lockstep {
@@ -86,36 +84,18 @@ concept optimizer = requires(O& o, const O& co, std::span<typename O::value_type
     o.load_state(saved);
 };
 
-namespace optim::detail {
-/// Host passes over fewer elements than this run on the calling thread (see kernels/for_each.hpp).
-inline constexpr std::size_t host_serial_below = kernels::host_serial_below;
-} // namespace optim::detail
-
-namespace optim::detail {
-/// all_finite through a Thrust execution policy.
-template <class T, class Policy>
-bool all_finite_with(const Policy& policy, std::span<const T> x) {
-    return thrust::transform_reduce(policy, x.data(), x.data() + x.size(), kernels::is_finite_fn{},
-                                    true, thrust::logical_and<bool>{});
-}
-} // namespace optim::detail
-
 /// True when every element of x (in sys's memory) is finite: a host-side check for callers
 /// outside a trainer (the result comes back to the host, so on a device it synchronises; the
 /// trainer instead counts non-finite values on the device and passes optimizers a skip flag).
-/// Runs with sys's policy. ensures: true for an empty span.
+/// Runs with sys's policy (kernels::with_policy_for: on the host system a span of fewer than
+/// kernels::host_serial_below elements is checked on the calling thread; same result, a
+/// logical and). ensures: true for an empty span.
 template <class T, execution_system System>
 bool all_finite(std::span<const T> x, const System& sys) {
-    return optim::detail::all_finite_with(sys.policy(), x);
-}
-
-/// As all_finite on any system; on the host system a span of fewer than host_serial_below
-/// elements is checked on the calling thread (same result: a logical and).
-template <class T>
-bool all_finite(std::span<const T> x, const host_system& sys) {
-    if (x.size() < optim::detail::host_serial_below)
-        return optim::detail::all_finite_with(thrust::cpp::par, x);
-    return optim::detail::all_finite_with(sys.policy(), x);
+    return kernels::with_policy_for(sys, x.size(), [&](auto policy) {
+        return thrust::transform_reduce(policy, x.data(), x.data() + x.size(),
+                                        kernels::is_finite_fn{}, true, thrust::logical_and<bool>{});
+    });
 }
 
 } // namespace lockstep
