@@ -430,6 +430,51 @@ TEST_CASE("the host's keep tiles copy the chunks and flag the tiles the own chec
         }
 }
 
+TEST_CASE("the host's keep-and-zero tiles keep any range of a chunk, leave zeros and flag its "
+          "tiles",
+          "[kernels][anchored_sum]") {
+    // A chunk of n values over keep tiles 0, 1 and a partial tile 2, kept in ranges that cut
+    // tiles anywhere (as tensors are marked ready, out of order): an infinity in tile 1 and a
+    // NaN in the last element. Streaming to an aligned store, to one off by one float (a scalar
+    // head, then streamed), and not streaming, on the AVX2 and the portable loops. The store
+    // holds the chunk's bits, the source holds zeros, and exactly tiles 1 and 2 are flagged.
+    using lim = std::numeric_limits<float>;
+    const std::size_t w = kernels::detail::anchored_keep_tile, n = 2 * w + 9;
+    std::vector<float> chunk = random_terms<float>(1, n, -20, 20, 7)[0];
+    chunk[w + 3] = lim::infinity();
+    chunk[n - 1] = lim::quiet_NaN();
+    const std::pair<std::size_t, std::size_t> ranges[] = {
+        {w + 1, n}, {3, 17}, {0, 3}, {17, w - 5}, {w - 5, w + 1}};
+    for (const bool portable : {false, true})
+        for (const auto& [offset, stream] :
+             {std::pair<std::size_t, bool>{0, true}, {1, true}, {0, false}}) {
+            CAPTURE(portable, offset, stream);
+            kernels::detail::anchored_portable_only() = portable;
+            std::vector<float> space(n + 16, -1.0f), src = chunk;
+            void* at = space.data();
+            std::size_t room = space.size() * sizeof(float);
+            float* store = static_cast<float*>(std::align(32, sizeof(float), at, room)) + offset;
+            std::vector<unsigned char> flags(3, 0);
+            std::size_t tasks = 0;
+            for (const auto& [first, end] : ranges) {
+                const kernels::detail::anchored_keep_zero_tiles_fn f{
+                    src.data(), store, first, end, flags.data(), stream};
+                const std::size_t k =
+                    kernels::detail::anchored_keep_zero_tiles_fn::tasks(first, end);
+                CHECK(k == (end - 1) / w - first / w + 1);
+                for (std::size_t t = 0; t < k; ++t)
+                    f(t);
+                tasks += k;
+            }
+            kernels::detail::anchored_portable_only() = false;
+            CHECK(tasks == 7);
+            CHECK(same_bits(std::vector<float>(store, store + n), chunk));
+            CHECK(std::all_of(src.begin(), src.end(),
+                              [](float v) { return std::bit_cast<std::uint32_t>(v) == 0u; }));
+            CHECK(flags == std::vector<unsigned char>{0, 1, 1});
+        }
+}
+
 TEMPLATE_TEST_CASE("anchored_combine_fn sums arrays where they lie with anchored_sum_fn's bits",
                    "[kernels][anchored_sum]", float, double) {
     // 1, 2, 3, 8, 17 and 300 arrays (300: past the tiles' 256 terms, element by element), the

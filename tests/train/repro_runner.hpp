@@ -75,17 +75,20 @@ std::string repro_difference(const repro_record<T>& a, const repro_record<T>& b)
 }
 
 /// One replica's part of a reproducible run over comm (collective). `BN` and `Reduce` default to
-/// the ghost / reproducible pair; `shape.batch_norm = false` makes the BN layer the identity.
+/// the ghost / reproducible pair; `shape.batch_norm = false` makes the BN layer the identity;
+/// `mark_ready`: the backward marks each tensor ready as it finishes it (else none).
 template <class T, class Opt, class Comm, class Reduce = repro_reduce, class BN = repro_bn>
 repro_record<T> repro_train(Comm& comm, typename Opt::params_type op,
-                            const std::vector<std::size_t>& batches, mlp_shape shape = {}) {
+                            const std::vector<std::size_t>& batches, mlp_shape shape = {},
+                            bool mark_ready = true) {
     using net = mlp<T, Comm, storage::registry, BN>;
     data_parallel<net, Opt, sync::synchronous, Reduce, Comm> dp(
         comm, [&](auto& ctx) { return net(ctx, shape); }, op, {.seed = 42});
     repro_record<T> rec;
     for (std::size_t b : batches) {
-        const step_result r = dp.step(
-            b, [](net& n, const shard_range& range, auto& ctx) { return n.train(range, ctx); });
+        const step_result r = dp.step(b, [&](net& n, const shard_range& range, auto& ctx) {
+            return n.train(range, ctx, mark_ready);
+        });
         rec.losses.push_back(r.loss);
         auto p = dp.parameters();
         rec.trace.emplace_back(p.begin(), p.end());
@@ -106,12 +109,13 @@ repro_record<T> repro_train(Comm& comm, typename Opt::params_type op,
 template <class T, class Opt, class Reduce = repro_reduce, class BN = repro_bn>
 std::vector<repro_record<T>> repro_threads(int replicas, typename Opt::params_type op,
                                            const std::vector<std::size_t>& batches,
-                                           mlp_shape shape = {}) {
+                                           mlp_shape shape = {}, bool mark_ready = true) {
     std::vector<repro_record<T>> out(static_cast<std::size_t>(replicas));
     thread_group group(replicas);
     group.run([&](thread_communicator& comm) {
         out[static_cast<std::size_t>(comm.rank())] =
-            repro_train<T, Opt, thread_communicator, Reduce, BN>(comm, op, batches, shape);
+            repro_train<T, Opt, thread_communicator, Reduce, BN>(comm, op, batches, shape,
+                                                                 mark_ready);
     });
     return out;
 }

@@ -12,6 +12,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -79,6 +80,28 @@ TEMPLATE_TEST_CASE("reduce::reproducible: bitwise the same weights, state and BN
     }
     SECTION("lamb") {
         check_replica_counts<TestType, lamb_case>();
+    }
+}
+
+TEMPLATE_TEST_CASE("reduce::reproducible: chunks kept as the backward marks tensors ready give "
+                   "the bits of chunks kept after it",
+                   "[train][reproducible][thread]", float, double) {
+    // Every chunk but a replica's last is kept tensor by tensor from mark_ready (the tensors not
+    // marked after the step function), which leaves the zeros the next chunk starts on; without
+    // marks, the whole chunk after the step function. 1 replica (up to 8 chunks a step) and 3,
+    // gathered and by blocks.
+    using T = TestType;
+    const auto batches = repro_schedule(14);
+    for (const int replicas : {1, 3}) {
+        CAPTURE(replicas);
+        const auto marked =
+            repro_threads<T, optim::adamw<T>>(replicas, adamw_case<T>::params(), batches, {}, true);
+        const auto after = repro_threads<T, optim::adamw<T>>(replicas, adamw_case<T>::params(),
+                                                             batches, {}, false);
+        const auto blocks = repro_threads<T, optim::adamw<T>, repro_blocks>(
+            replicas, adamw_case<T>::params(), batches, {}, true);
+        CHECK(repro_difference(marked[0], after[0]) == "");
+        CHECK(repro_difference(marked[0], blocks[0]) == "");
     }
 }
 
@@ -175,6 +198,7 @@ struct exchange_result {
     std::vector<float> marked; ///< g after check_local (this replica's own non-finite sums)
     std::vector<float> sums;   ///< g after finalize
     double global_loss = 0;
+    bool keeps = true; ///< keeps_current() said which chunks are kept; keep() left zeros
 };
 
 /// The anchored accumulator's step protocol on `replicas` thread replicas holding `chunks`
@@ -190,6 +214,7 @@ std::vector<exchange_result> run_exchange(int replicas, std::size_t chunks, std:
         const shard_range mine = lockstep::detail::reproducible_chunks(chunks, 1, r, replicas);
         const shard_range busiest = lockstep::detail::reproducible_chunks(chunks, 1, 0, replicas);
         std::vector<float> g(n, 0.0f);
+        exchange_result& res = out[static_cast<std::size_t>(r)];
         acc.begin(std::max<std::size_t>(mine.size(), 1), std::max<std::size_t>(busiest.size(), 1));
         if (mine.empty()) {
             acc.add(std::span<const float>(g));
@@ -198,13 +223,25 @@ std::vector<exchange_result> run_exchange(int replicas, std::size_t chunks, std:
         for (std::size_t c = mine.begin; c < mine.end; ++c) {
             for (std::size_t i = 0; i < n; ++i)
                 g[i] = exchange_value(c, i);
+            if (c + 1 < mine.end) {
+                // Kept in three parts, out of order, as a backward marks tensors ready; each
+                // leaves zeros in g.
+                const std::size_t a = n / 3, b = n - n / 5;
+                res.keeps = res.keeps && acc.keeps_current();
+                acc.keep(std::span<float>(g), b, n - b);
+                acc.keep(std::span<float>(g), 0, a);
+                acc.keep(std::span<float>(g), a, b - a);
+                res.keeps =
+                    res.keeps && std::all_of(g.begin(), g.end(), [](float x) { return x == 0.0f; });
+            } else {
+                res.keeps = res.keeps && !acc.keeps_current();
+            }
             acc.add(std::span<const float>(g));
             acc.add_loss(0.125 * static_cast<double>(c + 1), nullptr);
         }
         acc.exchange(comm, std::span<const float>(g));
         double own = 0;
         acc.check_local(std::span<float>(g), &own);
-        exchange_result& res = out[static_cast<std::size_t>(r)];
         res.marked = g;
         acc.finalize(comm, std::span<float>(g), &res.global_loss);
         res.sums = g;
@@ -248,6 +285,9 @@ TEST_CASE("reduce::reproducible's exchanges (gathered, by blocks, combined in on
     kernels::detail::anchored_portable_only() = false;
     for (std::size_t r = 0; r < static_cast<std::size_t>(replicas); ++r) {
         CAPTURE(r);
+        CHECK(gathered[r].keeps);
+        CHECK(blocks[r].keeps);
+        CHECK(combined[r].keeps);
         CHECK(same_bits(gathered[r].sums, want));
         CHECK(same_bits(blocks[r].sums, want));
         CHECK(same_bits(combined[r].sums, want));

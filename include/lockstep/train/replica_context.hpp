@@ -137,6 +137,21 @@ public:
 private:
     Context& ctx_;
 };
+
+/// For trainers: the ready hook a step installs in ctx (replica_context::set_ready_hook) is
+/// removed at the end of the scope, also when the step function throws, so no hook outlives
+/// what it refers to.
+template <class Context>
+class ready_hook_scope {
+public:
+    explicit ready_hook_scope(Context& ctx) : ctx_(ctx) {}
+    ready_hook_scope(const ready_hook_scope&) = delete;
+    ready_hook_scope& operator=(const ready_hook_scope&) = delete;
+    ~ready_hook_scope() { ctx_.set_ready_hook({}); }
+
+private:
+    Context& ctx_;
+};
 } // namespace detail
 
 } // namespace lockstep

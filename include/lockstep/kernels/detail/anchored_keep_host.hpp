@@ -56,6 +56,55 @@ LOCKSTEP_ANCHORED_AVX2 inline unsigned anchored_keep_avx2(const float* src, floa
 }
 #endif
 
+/// Copies src[0, m) to dst and zeroes src[0, m); returns 1 when one of the values is not finite,
+/// else 0. (The portable loop.)
+[[gnu::always_inline]] inline unsigned anchored_keep_zero_loop(float* src, float* dst,
+                                                               std::size_t m) {
+    std::uint32_t high = 0;
+    for (std::size_t i = 0; i < m; ++i) {
+        const auto u = std::bit_cast<std::uint32_t>(src[i]);
+        dst[i] = src[i];
+        src[i] = 0.0f;
+        high |= (u & 0x7f800000u) + 0x00800000u;
+    }
+    return high >> 31;
+}
+
+inline unsigned anchored_keep_zero_portable(float* src, float* dst, std::size_t m) {
+    return anchored_keep_zero_loop(src, dst, m);
+}
+
+#if LOCKSTEP_F16_X86
+/// anchored_keep_zero_loop, the stores to dst streamed where `stream` (after a scalar head up to
+/// dst's next 32-byte boundary): the values are read while the backward that wrote them may
+/// still hold them in the caches, and the zeros go back where they were read.
+LOCKSTEP_ANCHORED_AVX2 inline unsigned anchored_keep_zero_avx2(float* src, float* dst,
+                                                               std::size_t m, bool stream) {
+    if (!stream)
+        return anchored_keep_zero_loop(src, dst, m);
+    std::size_t head = ((32u - (reinterpret_cast<std::uintptr_t>(dst) & 31u)) & 31u);
+    if (head % sizeof(float) != 0)
+        return anchored_keep_zero_loop(src, dst, m);
+    head = head / sizeof(float) < m ? head / sizeof(float) : m;
+    unsigned bad = anchored_keep_zero_loop(src, dst, head);
+    const __m256i field = _mm256_set1_epi32(0x7f800000);
+    const __m256i unit = _mm256_set1_epi32(0x00800000);
+    const __m256 zero = _mm256_setzero_ps();
+    __m256i high = _mm256_setzero_si256();
+    std::size_t i = head;
+    for (; i + 8 <= m; i += 8) {
+        const __m256 v = _mm256_loadu_ps(src + i);
+        _mm256_stream_ps(dst + i, v);
+        _mm256_storeu_ps(src + i, zero);
+        high = _mm256_or_si256(
+            high, _mm256_add_epi32(_mm256_and_si256(_mm256_castps_si256(v), field), unit));
+    }
+    _mm_sfence(); // the streamed stores reach memory before the task ends
+    bad |= anchored_keep_zero_loop(src + i, dst + i, m - i);
+    return bad | (_mm256_movemask_ps(_mm256_castsi256_ps(high)) != 0 ? 1u : 0u);
+}
+#endif
+
 /// Chunks of at least this many bytes are kept with streaming stores (smaller ones stay in the
 /// caches for the exchange that reads them soon after): anchored_keep_tiles_fn::stream.
 inline constexpr std::size_t anchored_stream_bytes = std::size_t(4) << 20;
@@ -82,6 +131,40 @@ struct anchored_keep_tiles_fn {
             bad = anchored_keep_portable(src + b, dst + b, m);
         if (bad != 0)
             flags[t] = 1;
+    }
+};
+
+/// Task k: the part of keep tile t = first / anchored_keep_tile + k inside elements [first, end)
+/// of src (a chunk's gradient, as the backward finished it): copied to dst (the same offsets
+/// where the accumulator keeps the chunk) and zeroed in src (the next chunk's backward
+/// accumulates there), flags[t] set to 1 when one of them is not finite (left as it is
+/// otherwise). Tasks = the keep tiles [first, end) touches; a tile cut by two ranges is flagged
+/// by either. With `stream`, the AVX2 loop stores the kept values past the caches. Host only.
+struct anchored_keep_zero_tiles_fn {
+    float* src;
+    float* dst;
+    std::size_t first;
+    std::size_t end;
+    unsigned char* flags;
+    bool stream; ///< the chunk's bytes >= anchored_stream_bytes, for the trainer
+    void operator()(std::size_t k) const {
+        const std::size_t t = first / anchored_keep_tile + k;
+        const std::size_t b = t * anchored_keep_tile > first ? t * anchored_keep_tile : first;
+        const std::size_t e =
+            (t + 1) * anchored_keep_tile < end ? (t + 1) * anchored_keep_tile : end;
+        unsigned bad = 0;
+#if LOCKSTEP_F16_X86
+        if (anchored_use_avx2())
+            bad = anchored_keep_zero_avx2(src + b, dst + b, e - b, stream);
+        else
+#endif
+            bad = anchored_keep_zero_portable(src + b, dst + b, e - b);
+        if (bad != 0)
+            flags[t] = 1;
+    }
+    /// The tasks of [first, end). requires: first < end.
+    static std::size_t tasks(std::size_t first, std::size_t end) noexcept {
+        return (end - 1) / anchored_keep_tile - first / anchored_keep_tile + 1;
     }
 };
 

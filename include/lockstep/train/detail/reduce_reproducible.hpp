@@ -53,6 +53,17 @@ struct loss_terms_fn {
     }
 };
 
+/// Task i: dst[i] = g[i], then g[i] = 0 (a chunk's value kept, its slot left for the next).
+template <class T>
+struct keep_zero_fn {
+    T* g;
+    T* dst;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
+        dst[i] = g[i];
+        g[i] = T(0);
+    }
+};
+
 /// Task k < calls * tail: value c = k / tail of tail element t = k % tail (element first + t) of
 /// this replica's chunks, as a double (exact), or 0 past its last chunk.
 template <class T>
@@ -107,21 +118,21 @@ struct gathered_loss_fn {
 /// Order-independent sums of n gradient elements (kernels/anchored_sum.hpp: fixed point
 /// anchored at each element's largest exponent) and one loss (kernels/exact_sum.hpp: binned)
 /// over the replicas of a communicator with all_to_all, on System. Per step: begin(calls,
-/// max_calls); add() and add_loss() per chunk; exchange() (collective); check_local() (this
-/// replica's own non-finite chunk values, for its checks); finalize() (collective). Each element's
-/// sum is formed from all of its values in one place, so no partial sum is rounded and the bits do
-/// not depend on the replica count, nor on which of the three exchanges a step takes:
+/// max_calls); per chunk keep() (every chunk but the last, in parts, which leaves g zero for
+/// the next), add() and add_loss(); exchange() (collective); check_local() (this replica's own
+/// non-finite chunk values, for its checks); finalize() (collective). Each element's sum is
+/// formed from all of its values in one place, so no partial sum is rounded and the bits do not
+/// depend on the replica count, nor on which of the three exchanges a step takes:
 /// - combined, at every size, on a communicator with all_combine (the thread group) when
 ///   `combined` is passed: exchange() all-gathers the loss terms; finalize() has each replica's
 ///   share of the elements summed from every replica's chunks where they lie and stored to
 ///   every replica's g in one pass (comm.all_combine), no copy of the values in between: the
 ///   last chunk is g itself, every other chunk is kept ((calls - 1) n values). Memory: the kept
 ///   chunks, and n zeros when some replica has fewer calls than max_calls.
-/// - gathered, otherwise, when replicas x max_calls x n <= gather_values: every chunk is kept in
-/// this
-///   replica's slot of the receive buffer (max_calls n values, zeros past this replica's calls);
-///   exchange() all-gathers the slots in place and the loss terms (2 collectives); finalize()
-///   sums every element on every replica. Memory: replicas x max_calls x n values.
+/// - gathered, otherwise, when replicas x max_calls x n <= gather_values: every chunk is kept
+///   in this replica's slot of the receive buffer (max_calls n values, zeros past this replica's
+///   calls); exchange() all-gathers the slots in place and the loss terms (2 collectives);
+///   finalize() sums every element on every replica. Memory: replicas x max_calls x n values.
 /// - blocks, otherwise: the elements are cut into one block of b = n / replicas per replica (the
 ///   tail of n mod replicas elements aside); every chunk but the last is kept ((calls - 1) n
 ///   values); exchange() runs one all_to_all per call index, which brings every replica's values
@@ -150,6 +161,7 @@ public:
         calls_ = calls;
         max_calls_ = max_calls;
         added_ = 0;
+        kept_ = 0;
         losses_added_ = 0;
         gathered_ = !combined_ && n_ > 0 && replicas_ * max_calls <= gather_values_ / n_;
         if (gathered_) {
@@ -182,13 +194,45 @@ public:
         grow(small_recv_, stride_ * replicas_);
         zero(sys_, small_send_.span().first(stride_));
     }
-    /// Adds one chunk's gradient g (n values; the last chunk's must stay in g until finalize).
-    /// requires: g.size() == size(), fewer than `calls` added.
+    /// Whether the chunk being computed is kept apart from g (every chunk but the last), in
+    /// parts by keep().
+    bool keeps_current() const noexcept { return added_ + 1 < calls_; }
+    /// Elements [first, first + count) of the chunk being computed are final in g: they are kept
+    /// where the accumulator keeps the chunk and left zero in g (the next chunk accumulates
+    /// there), in one pass that the backward may still find in the caches (keep_zero_fn; on the
+    /// host in float, tiles that also flag non-finite values for check_local). Every element
+    /// of a kept chunk is kept exactly once, in parts in any order, before add() ends it.
+    /// requires: keeps_current(), first + count <= size(), g.size() == size().
+    void keep(std::span<T> g, std::size_t first, std::size_t count) {
+        LOCKSTEP_REQUIRE(keeps_current() && first <= n_ && count <= n_ - first &&
+                             count <= n_ - kept_,
+                         errc::internal, static_cast<int>(rank_), "reduce::reproducible.keep",
+                         "elements [", first, ", ", first + count, ") of chunk ", added_, " of ",
+                         calls_, " (", kept_, " of ", n_, " kept)");
+        if (count == 0)
+            return;
+        T* dst = slot(added_);
+        if constexpr (host_float)
+            run(kernels::detail::anchored_keep_zero_tiles_fn::tasks(first, first + count),
+                kernels::detail::anchored_keep_zero_tiles_fn{
+                    g.data(), dst, first, first + count, flags_.data(),
+                    n_ * sizeof(float) >= kernels::detail::anchored_stream_bytes},
+                count);
+        else
+            run(count, keep_zero_fn<T>{g.data() + first, dst + first}, count);
+        kept_ += count;
+    }
+    /// Ends the chunk being computed, whose gradient is in g (n values): a kept chunk must have
+    /// been kept whole by keep(); the last one stays in g until finalize (gathered: also copied
+    /// to this replica's slot). requires: g.size() == size(), fewer than `calls` added.
     void add(std::span<const T> g) {
-        if (gathered_)
-            keep(g, recv_.data() + (rank_ * max_calls_ + added_) * n_);
-        else if (added_ + 1 < calls_)
-            keep(g, store_.data() + added_ * n_);
+        if (keeps_current())
+            LOCKSTEP_REQUIRE(kept_ == n_, errc::internal, static_cast<int>(rank_),
+                             "reduce::reproducible.add", "chunk ", added_, " of ", calls_,
+                             " ended with ", kept_, " of its ", n_, " elements kept");
+        else if (gathered_)
+            copy_kept(g, slot(added_));
+        kept_ = 0;
         ++added_;
     }
     /// Adds one chunk's loss: `value` plus *device_value when not null (the system's memory).
@@ -306,7 +350,7 @@ private:
     }
     /// dst[0, n) = g[0, n) (a kept chunk); on the host in float, flags the keep tiles that hold
     /// a non-finite value for check_local.
-    void keep(std::span<const T> g, T* dst) {
+    void copy_kept(std::span<const T> g, T* dst) {
         if constexpr (host_float)
             run(keep_tiles(),
                 kernels::detail::anchored_keep_tiles_fn{g.data(), dst, n_, flags_.data(),
@@ -344,6 +388,10 @@ private:
             b = buffer<U, System>(count, sys_);
     }
     std::size_t blocks() const noexcept { return block_ * replicas_; }
+    /// Where chunk c of this replica is kept.
+    T* slot(std::size_t c) noexcept {
+        return gathered_ ? recv_.data() + (rank_ * max_calls_ + c) * n_ : store_.data() + c * n_;
+    }
     kernels::anchored_chunks<T> chunks(const T* last) const noexcept {
         return {gathered_ ? recv_.data() + rank_ * max_calls_ * n_ : store_.data(), last, calls_,
                 n_};
@@ -361,6 +409,7 @@ private:
     std::size_t max_calls_ = 1;
     bool gathered_ = false;
     std::size_t added_ = 0;
+    std::size_t kept_ = 0; ///< elements of the current chunk kept
     std::size_t losses_added_ = 0;
     std::size_t stride_ = 0;                ///< doubles per replica in the small all_gather
     buffer<std::int64_t, System> loss_top_; ///< workspace of the global loss's binned sum

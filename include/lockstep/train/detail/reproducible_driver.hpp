@@ -19,17 +19,17 @@ namespace lockstep::detail {
 
 /// reduce::reproducible<C>: the global batch is cut into chunks [k C, min((k + 1) C, global));
 /// this replica computes its contiguous run of chunks, one fn call per chunk on zeroed gradients
-/// with scale = 1 / global, and adds each chunk's gradient and loss into the anchored
-/// accumulator (reduce_reproducible.hpp). The chunk values are exchanged (gathered to every
-/// replica, or each block of elements to its owner by all_to_all), this replica's own chunk
-/// values checked (non-finite counts name the replica), the sums formed in fixed point anchored at
-/// each element's largest exponent and rounded once (on every replica, or by each block's owner
-/// followed by an all_gather of the blocks) into the gradient, and the step continues as the
-/// synchronous one
-/// (status all_reduce, skip decision, update). The loss reported is the exact sum, rounded once
-/// (replica 0 contributes it to the status sum, the others 0). bn::ghost layers learn the global
-/// batch from the layers' step (begin(global)). ensures: every replica, for every replica
-/// count, holds the same bits.
+/// with scale = 1 / global; the anchored accumulator (reduce_reproducible.hpp) keeps every
+/// chunk's gradient but the last, each tensor as the backward marks it ready (which leaves zeros
+/// for the next chunk: step_stages::forward_backward_chunks), and each chunk's loss. The chunk
+/// values are exchanged (gathered to every replica, or each block of elements to its owner by
+/// all_to_all), this replica's own chunk values checked (non-finite counts name the replica), the
+/// sums formed in fixed point anchored at each element's largest exponent and rounded once (on
+/// every replica, or by each block's owner followed by an all_gather of the blocks) into the
+/// gradient, and the step continues as the synchronous one (status all_reduce, skip decision,
+/// update). The loss reported is the exact sum, rounded once (replica 0 contributes it to the
+/// status sum, the others 0). bn::ghost layers learn the global batch from the layers' step
+/// (begin(global)). ensures: every replica, for every replica count, holds the same bits.
 template <std::size_t C, std::size_t G>
 class step_driver<sync::synchronous, reduce::reproducible<C, G>> {
 public:
@@ -64,10 +64,13 @@ public:
         // A replica without chunks adds one of zeros.
         acc.begin(mine.empty() ? 1 : mine.size(), busiest.empty() ? 1 : busiest.size());
         double* chunk_loss = acc.chunk_loss();
-        s.forward_backward_chunks(global, C, fn, chunk_loss, [&](double host_loss) {
-            acc.add(std::span<const T>(grads));
-            acc.add_loss(host_loss, chunk_loss);
-        });
+        s.forward_backward_chunks(
+            global, C, fn, chunk_loss,
+            [&](std::size_t first, std::size_t count) { acc.keep(grads, first, count); },
+            [&](double host_loss) {
+                acc.add(std::span<const T>(grads));
+                acc.add_loss(host_loss, chunk_loss);
+            });
         acc.exchange(s.core().comm(), std::span<const T>(grads));
         // This replica's non-finite chunk values and loss are counted as its own; the skip
         // decision depends on no partial sum (only on values and the global sums), so it is the

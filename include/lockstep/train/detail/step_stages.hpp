@@ -11,6 +11,7 @@
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/staged_read.hpp"
 #include "lockstep/train/detail/bucket_plan.hpp"
+#include "lockstep/train/detail/chunk_ready.hpp"
 #include "lockstep/train/detail/reduce_reproducible.hpp"
 #include "lockstep/train/detail/reduce_sharded.hpp"
 #include "lockstep/train/detail/step_checks.hpp"
@@ -107,16 +108,22 @@ public:
     /// Forward and backward once per chunk of `chunk` samples of the global batch that this
     /// replica computes (reproducible_chunks: a contiguous run; a replica without chunks calls fn
     /// once with an empty range, so the network's layers take part in the step), each on zeroed
-    /// gradients with scale = 1 / global and its loss in *chunk_loss (zeroed first); after each
-    /// chunk (its gradient packed into the flat buffer) `add(host loss)` takes it.
-    template <class Fn, class Add>
+    /// gradients with scale = 1 / global and its loss in *chunk_loss (zeroed first). Of every
+    /// chunk but the last, `keep(first, count)` takes each part of the flat gradient once, as it
+    /// is final, and leaves it zero: with a registry network, each tensor as ctx.mark_ready
+    /// marks it (while the backward may still hold it in the caches) and every element not
+    /// marked after fn returns (chunk_ready.hpp), and the next chunk starts on those zeros; with
+    /// a visitor network, the whole packed buffer after fn. After each chunk `add(host loss)`.
+    template <class Fn, class Keep, class Add>
     void forward_backward_chunks(std::size_t global, std::size_t chunk, Fn& fn, double* chunk_loss,
-                                 Add&& add) {
+                                 Keep&& keep, Add&& add) {
         auto& ctx = core_.context();
         const shard_range mine = reproducible_chunks(global, chunk, rank(), replicas());
         const step_scope scope(ctx, chunk_loss, &layer_step_);
+        const ready_hook_scope hook(ctx);
         ctx.set_step(core_.steps(), true);
         const std::size_t calls = mine.empty() ? 1 : mine.size();
+        chunk_ready ready(core_.registry().parameters(), core_.grads().size(), rank());
         for (std::size_t c = 0; c < calls; ++c) {
             shard_range r;
             if (!mine.empty()) {
@@ -128,16 +135,32 @@ public:
             r.global_size = global;
             r.sample_offset = core_.samples();
             r.scale = r.empty() ? 0.0 : 1.0 / static_cast<double>(global);
-            core_.zero_grads();
+            const bool kept = c + 1 < calls;
+            if (c == 0 || Core::uses_visitor)
+                core_.zero_grads(); // else the previous chunk's keep left zeros
             kernels::with_policy_for(system(), 1, [&](auto policy) {
                 thrust::fill(policy, chunk_loss, chunk_loss + 1, 0.0);
             });
+            if constexpr (!Core::uses_visitor) {
+                if (kept) {
+                    ready.reset();
+                    ctx.set_ready_hook([&](std::size_t t) { ready.mark(t, keep); });
+                }
+            }
             double host_loss = 0;
             if constexpr (std::is_void_v<decltype(fn(core_.network(), r, ctx))>)
                 fn(core_.network(), r, ctx);
             else
                 host_loss = static_cast<double>(fn(core_.network(), r, ctx));
             core_.pack_grads();
+            if (kept) {
+                if constexpr (Core::uses_visitor) {
+                    keep(std::size_t{0}, core_.grads().size());
+                } else {
+                    ctx.set_ready_hook({});
+                    ready.rest(keep);
+                }
+            }
             add(host_loss);
         }
         ctx.set_step(core_.steps(), false);
