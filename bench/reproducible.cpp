@@ -8,19 +8,22 @@
 //     bench_reproducible [--quick] [--reps N] [--csv FILE]
 //     mpiexec -n 2 bench_reproducible_mpi [--quick] [--reps N] [--csv FILE]
 //
-// The network's "backward" writes every gradient once per call (what accumulating weight
-// gradients costs; no other compute), so the rows isolate what the reduction policy costs: the
-// bucketed step calls it once per replica and all_reduces 4 bytes per parameter; the
-// reproducible step calls it once per chunk and keeps every chunk but the last. Over MPI it
-// sends each chunk's values of every block of elements to the block's owner (an all_to_all per
-// chunk index: 4 bytes per parameter and chunk), which sums them in fixed point anchored at each
-// element's largest exponent and rounds once, and all-gathers the blocks (4 bytes per
-// parameter); on thread replicas one all_combine has each block's owner read every replica's
-// chunks where they lie and store the sums into every replica's gradient.
-// Global batch 64; SGD with momentum. The four trainers live side by side and take turns, one
+// The network's "backward" adds to every gradient once per call and marks each tensor ready
+// (what accumulating weight gradients costs; no other compute), so the rows isolate what the
+// reduction policy costs: the bucketed step calls it once per replica and all_reduces 4 bytes
+// per parameter; the reproducible step calls it once per chunk and keeps every chunk but the
+// last, each tensor as it is marked ready. Over MPI it sends each chunk's values of every block
+// of elements to the block's owner (an all_to_all per chunk index: 4 bytes per parameter and
+// chunk), which sums them in fixed point anchored at each element's largest exponent and rounds
+// once, and all-gathers the blocks (4 bytes per parameter); on thread replicas one all_combine
+// has each block's owner read every replica's chunks where they lie and store the sums into
+// every replica's gradient. A bucketed trainer with 4 micro-batches calls the backward as often
+// as reproducible<8> does (4 times per replica), so "/ bucketed, same calls" is what the policy
+// costs beyond the calls.
+// Global batch 64; SGD with momentum. The five trainers live side by side and take turns, one
 // step each per round, so a slow spell of the shared machine hits every row alike: a row's time
-// is the median over rounds of one step between barriers, its ratio the median over rounds of
-// its step over the bucketed step of the same round.
+// is the median over rounds of one step between barriers, its ratios the medians over rounds of
+// its step over the bucketed step (with as many calls) of the same round.
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/train/data_parallel.hpp"
@@ -76,16 +79,20 @@ struct row {
     std::string name;
     double ms = 0;
     double ratio = 0; ///< median over rounds of this step / the bucketed step of the round
+    /// The same against the bucketed trainer that calls the step function as often per replica
+    /// (4 micro-batches for 4 chunks): what the policy costs beyond the calls themselves.
+    double same_calls = 0;
 };
 
 /// One trainer of the bench network with policy Reduce, as a function that takes one step.
 template <class Reduce, class Comm>
-std::function<void()> make_trainer(Comm& comm) {
+std::function<void()> make_trainer(Comm& comm, int micro_batches = 1) {
     using net = resnet_shaped<replica_context<float, Comm>>;
     using trainer = data_parallel<net, optim::sgd<float, typename Comm::system_type>,
                                   sync::synchronous, Reduce, Comm>;
     auto dp = std::make_shared<trainer>(
-        comm, [](auto& ctx) { return net(ctx); }, optim::sgd_params{.lr = 1e-3, .momentum = 0.9});
+        comm, [](auto& ctx) { return net(ctx); }, optim::sgd_params{.lr = 1e-3, .momentum = 0.9},
+        train_params{.micro_batches = micro_batches});
     return [dp] {
         dp->step(global_batch,
                  [](net& n, const shard_range& s, auto& ctx) { return n.train(s, ctx); });
@@ -94,19 +101,26 @@ std::function<void()> make_trainer(Comm& comm) {
 
 template <class Comm>
 std::vector<row> run_all(Comm& comm, int reps) {
-    std::vector<std::pair<std::string, std::function<void()>>> trainers;
-    trainers.emplace_back("bucketed<>", make_trainer<reduce::bucketed<>>(comm));
-    trainers.emplace_back("sharded<> (ZeRO stage 1)", make_trainer<reduce::sharded<>>(comm));
-    trainers.emplace_back("reproducible<32> (1 chunk per replica)",
-                          make_trainer<reduce::reproducible<32>>(comm));
-    trainers.emplace_back("reproducible<8> (4 chunks per replica)",
-                          make_trainer<reduce::reproducible<8>>(comm));
+    struct trainer {
+        std::string name;
+        std::function<void()> step;
+        std::size_t anchor; ///< the bucketed trainer with as many calls per replica
+    };
+    std::vector<trainer> trainers;
+    trainers.push_back({"bucketed<>", make_trainer<reduce::bucketed<>>(comm), 0});
+    trainers.push_back({"sharded<> (ZeRO stage 1)", make_trainer<reduce::sharded<>>(comm), 0});
+    trainers.push_back({"reproducible<32> (1 chunk per replica)",
+                        make_trainer<reduce::reproducible<32>>(comm), 0});
+    trainers.push_back(
+        {"reproducible<8> (4 chunks per replica)", make_trainer<reduce::reproducible<8>>(comm), 4});
+    trainers.push_back({"bucketed<>, 4 micro-batches (4 calls per replica)",
+                        make_trainer<reduce::bucketed<>>(comm, 4), 4});
     std::vector<std::vector<double>> ms(trainers.size());
     for (int r = -1; r < reps; ++r) // round -1 warms every trainer up
         for (std::size_t k = 0; k < trainers.size(); ++k) {
             comm.barrier();
             const auto t0 = std::chrono::steady_clock::now();
-            trainers[k].second();
+            trainers[k].step();
             comm.barrier();
             if (r >= 0)
                 ms[k].push_back(
@@ -114,28 +128,32 @@ std::vector<row> run_all(Comm& comm, int reps) {
                         .count());
         }
     std::vector<row> rows;
-    for (std::size_t k = 0; k < trainers.size(); ++k) {
+    const auto paired = [&](std::size_t k, std::size_t anchor) {
         std::vector<double> ratios;
         for (std::size_t r = 0; r < ms[k].size(); ++r)
-            ratios.push_back(ms[k][r] / ms[0][r]);
-        rows.push_back({trainers[k].first, median(ms[k]), median(ratios)});
-    }
+            ratios.push_back(ms[k][r] / ms[anchor][r]);
+        return median(ratios);
+    };
+    for (std::size_t k = 0; k < trainers.size(); ++k)
+        rows.push_back(
+            {trainers[k].name, median(ms[k]), paired(k, 0), paired(k, trainers[k].anchor)});
     return rows;
 }
 
 void report(const std::vector<row>& rows, const char* backend, const std::string& csv) {
     std::printf("%s, 2 replicas, global batch %zu, ResNet-50's 161 tensors (25.6 M floats)\n",
                 backend, global_batch);
-    std::printf("%-42s %10s %14s\n", "reduce policy", "step ms", "/ bucketed");
+    std::printf("%-50s %10s %12s %24s\n", "reduce policy", "step ms", "/ bucketed",
+                "/ bucketed, same calls");
     for (const row& r : rows)
-        std::printf("%-42s %10.2f %14.3f\n", r.name.c_str(), r.ms, r.ratio);
+        std::printf("%-50s %10.2f %12.3f %24.3f\n", r.name.c_str(), r.ms, r.ratio, r.same_calls);
     if (csv.empty())
         return;
     if (std::FILE* f = std::fopen(csv.c_str(), "w")) {
-        std::fprintf(f, "bench,backend,policy,step_ms,ratio_to_bucketed\n");
+        std::fprintf(f, "bench,backend,policy,step_ms,ratio_to_bucketed,ratio_to_same_calls\n");
         for (const row& r : rows)
-            std::fprintf(f, "reproducible,%s,\"%s\",%.6f,%.6f\n", backend, r.name.c_str(), r.ms,
-                         r.ratio);
+            std::fprintf(f, "reproducible,%s,\"%s\",%.6f,%.6f,%.6f\n", backend, r.name.c_str(),
+                         r.ms, r.ratio, r.same_calls);
         std::fclose(f);
     }
 }
