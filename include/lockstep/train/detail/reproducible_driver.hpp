@@ -19,7 +19,7 @@ namespace lockstep::detail {
 
 /// reduce::reproducible<C>: the global batch is cut into chunks [k C, min((k + 1) C, global));
 /// this replica computes its contiguous run of chunks, one fn call per chunk on zeroed gradients
-/// with scale = 1 / global; the anchored accumulator (reduce_reproducible.hpp) keeps every
+/// with scale = 1 / global; the anchored accumulator (anchored_accumulator.hpp) keeps every
 /// chunk's gradient but the last, each tensor as the backward marks it ready (which leaves zeros
 /// for the next chunk: step_stages::forward_backward_chunks), and each chunk's loss. The chunk
 /// values are exchanged (gathered to every replica, or each block of elements to its owner by

@@ -1,0 +1,407 @@
+// lockstep/train/detail/anchored_accumulator.hpp: the order-independent accumulator of
+// reduce::reproducible's chunk gradients and losses over the replicas of a communicator: keeps
+// the chunks, exchanges them (gathered, by blocks, or combined in one pass) and sums each
+// element once. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/core/config.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/kernels/anchored_sum.hpp"
+#include "lockstep/kernels/detail/anchored_keep_host.hpp"
+#include "lockstep/kernels/detail/anchored_sum_host.hpp"
+#include "lockstep/kernels/exact_sum.hpp"
+#include "lockstep/kernels/for_each.hpp"
+#include "lockstep/system/buffer.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+namespace lockstep::detail {
+
+/// One task: a chunk's two loss terms, `value` and *device_value (0 when null), at out[0..1].
+struct loss_terms_fn {
+    const double* device_value;
+    double value;
+    double* out;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
+        out[0] = value;
+        out[1] = device_value != nullptr ? *device_value : 0.0;
+    }
+};
+
+/// Task i: dst[i] = g[i], then g[i] = 0 (a chunk's value kept, its slot left for the next).
+template <class T>
+struct keep_zero_fn {
+    T* g;
+    T* dst;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
+        dst[i] = g[i];
+        g[i] = T(0);
+    }
+};
+
+/// Task k < calls * tail: value c = k / tail of tail element t = k % tail (element first + t) of
+/// this replica's chunks, as a double (exact), or 0 past its last chunk.
+template <class T>
+struct anchored_tail_fn {
+    kernels::anchored_chunks<T> chunks;
+    std::size_t first;
+    std::size_t tail;
+    double* out;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t k) const {
+        const std::size_t c = k / tail;
+        out[k] = c < chunks.count ? static_cast<double>(chunks.value(c, first + k % tail)) : 0.0;
+    }
+};
+
+/// One task: *out = the sum of the terms[0, count) that are not finite (NaN or an infinity), or 0
+/// when every term is finite: a replica's own loss check, which names the replica when one of
+/// its chunk losses is not finite and, unlike its partial sum, does not depend on how the chunks
+/// fall on replicas.
+struct non_finite_loss_fn {
+    const double* terms;
+    std::size_t count;
+    double* out;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
+        double s = 0.0;
+        for (std::size_t k = 0; k < count; ++k) {
+            const double v = terms[k];
+            s += (v - v == 0.0) ? 0.0 : v; // v - v is NaN exactly for NaN and infinities
+        }
+        *out = s;
+    }
+};
+
+/// One task: *out = the binned sum (kernels/exact_sum.hpp) of terms[j * stride + c] over
+/// replicas j and c < count, rounded once; top and bins (one element) are its workspace.
+struct gathered_loss_fn {
+    const double* terms;
+    std::size_t replicas;
+    std::size_t count;
+    std::size_t stride;
+    std::int64_t* top;
+    std::int64_t* bins;
+    double* out;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
+        kernels::binned_clear_fn{top, bins, 1}(0);
+        for (std::size_t j = 0; j < replicas; ++j)
+            for (std::size_t c = 0; c < count; ++c)
+                kernels::detail::binned_add(*top, bins, 1, terms[j * stride + c]);
+        kernels::binned_finalize_fn<double>{top, bins, 1, 0, out}(0);
+    }
+};
+
+/// Order-independent sums of n gradient elements (kernels/anchored_sum.hpp: fixed point
+/// anchored at each element's largest exponent) and one loss (kernels/exact_sum.hpp: binned)
+/// over the replicas of a communicator with all_to_all, on System. Per step: begin(calls,
+/// max_calls); per chunk keep() (every chunk but the last, in parts, which leaves g zero for
+/// the next), add() and add_loss(); exchange() (collective); check_local() (this replica's own
+/// non-finite chunk values, for its checks); finalize() (collective). Each element's sum is
+/// formed from all of its values in one place, so no partial sum is rounded and the bits do not
+/// depend on the replica count, nor on which of the three exchanges a step takes:
+/// - combined, at every size, on a communicator with all_combine (the thread group) when
+///   `combined` is passed: exchange() all-gathers the loss terms; finalize() has each replica's
+///   share of the elements summed from every replica's chunks where they lie and stored to
+///   every replica's g in one pass (comm.all_combine), no copy of the values in between: the
+///   last chunk is g itself, every other chunk is kept ((calls - 1) n values). Memory: the kept
+///   chunks, and n zeros when some replica has fewer calls than max_calls.
+/// - gathered, otherwise, when replicas x max_calls x n <= gather_values: every chunk is kept
+///   in this replica's slot of the receive buffer (max_calls n values, zeros past this replica's
+///   calls); exchange() all-gathers the slots in place and the loss terms (2 collectives);
+///   finalize() sums every element on every replica. Memory: replicas x max_calls x n values.
+/// - blocks, otherwise: the elements are cut into one block of b = n / replicas per replica (the
+///   tail of n mod replicas elements aside); every chunk but the last is kept ((calls - 1) n
+///   values); exchange() runs one all_to_all per call index, which brings every replica's values
+///   of this replica's block here, and one all_gather of the loss terms and the tail's values;
+///   finalize() sums this replica's block and all-gathers the blocks (the tail and the loss are
+///   summed on every replica). Memory: the kept chunks, max_calls n received values, and when
+///   some replica has fewer calls than max_calls, n zeros.
+template <class T, class System>
+class anchored_accumulator {
+public:
+    anchored_accumulator(std::size_t n, int replicas, int rank, const System& sys,
+                         std::size_t gather_values = 0, bool combined = false)
+        : n_(n), replicas_(static_cast<std::size_t>(replicas)), gather_values_(gather_values),
+          combined_(combined), rank_(static_cast<std::size_t>(rank)), block_(n / replicas_),
+          tail_(n - block_ * replicas_), sys_(sys), loss_top_(1, sys),
+          loss_bins_(kernels::binned::window, sys), losses_(3, sys) {}
+
+    std::size_t size() const noexcept { return n_; }
+    double* chunk_loss() noexcept { return losses_.data(); }
+    double* own_loss() noexcept { return losses_.data() + 1; }
+    double* global_loss() noexcept { return losses_.data() + 2; }
+
+    /// Starts a step in which this replica adds `calls` chunks and the busiest replica
+    /// max_calls. requires: 1 <= calls <= max_calls, the same max_calls on every replica.
+    void begin(std::size_t calls, std::size_t max_calls) {
+        calls_ = calls;
+        max_calls_ = max_calls;
+        added_ = 0;
+        kept_ = 0;
+        losses_added_ = 0;
+        gathered_ = !combined_ && n_ > 0 && replicas_ * max_calls <= gather_values_ / n_;
+        if (gathered_) {
+            stride_ = 2 * max_calls;
+            grow(recv_, replicas_ * max_calls * n_);
+            if (calls < max_calls)
+                zero(sys_, recv_.span().subspan(rank_ * max_calls * n_ + calls * n_,
+                                                (max_calls - calls) * n_));
+        } else if (combined_) {
+            stride_ = 2 * max_calls;
+            grow(store_, (calls - 1) * n_);
+            if (calls < max_calls && n_ > zeros_.size()) {
+                zeros_ = buffer<T, System>(n_, sys_);
+                zero(sys_, zeros_.span());
+            }
+        } else {
+            stride_ = 2 * max_calls + max_calls * tail_;
+            grow(store_, (calls - 1) * n_);
+            grow(recv_, max_calls * blocks());
+            if (calls < max_calls && blocks() > zeros_.size()) {
+                zeros_ = buffer<T, System>(blocks(), sys_);
+                zero(sys_, zeros_.span());
+            }
+        }
+        if constexpr (host_float) {
+            grow(flags_, keep_tiles());
+            zero(sys_, flags_.span().first(keep_tiles()));
+        }
+        grow(small_send_, stride_);
+        grow(small_recv_, stride_ * replicas_);
+        zero(sys_, small_send_.span().first(stride_));
+    }
+    /// Whether the chunk being computed is kept apart from g (every chunk but the last), in
+    /// parts by keep().
+    bool keeps_current() const noexcept { return added_ + 1 < calls_; }
+    /// Elements [first, first + count) of the chunk being computed are final in g: they are kept
+    /// where the accumulator keeps the chunk and left zero in g (the next chunk accumulates
+    /// there), in one pass that the backward may still find in the caches (keep_zero_fn; on the
+    /// host in float, tiles that also flag non-finite values for check_local). Every element
+    /// of a kept chunk is kept exactly once, in parts in any order, before add() ends it.
+    /// requires: keeps_current(), first + count <= size(), g.size() == size().
+    void keep(std::span<T> g, std::size_t first, std::size_t count) {
+        LOCKSTEP_REQUIRE(keeps_current() && first <= n_ && count <= n_ - first &&
+                             count <= n_ - kept_,
+                         errc::internal, static_cast<int>(rank_), "reduce::reproducible.keep",
+                         "elements [", first, ", ", first + count, ") of chunk ", added_, " of ",
+                         calls_, " (", kept_, " of ", n_, " kept)");
+        if (count == 0)
+            return;
+        T* dst = slot(added_);
+        if constexpr (host_float)
+            run(kernels::detail::anchored_keep_zero_tiles_fn::tasks(first, first + count),
+                kernels::detail::anchored_keep_zero_tiles_fn{
+                    g.data(), dst, first, first + count, flags_.data(),
+                    n_ * sizeof(float) >= kernels::detail::anchored_stream_bytes},
+                count);
+        else
+            run(count, keep_zero_fn<T>{g.data() + first, dst + first}, count);
+        kept_ += count;
+    }
+    /// Ends the chunk being computed, whose gradient is in g (n values): a kept chunk must have
+    /// been kept whole by keep(); the last one stays in g until finalize (gathered: also copied
+    /// to this replica's slot). requires: g.size() == size(), fewer than `calls` added.
+    void add(std::span<const T> g) {
+        if (keeps_current())
+            LOCKSTEP_REQUIRE(kept_ == n_, errc::internal, static_cast<int>(rank_),
+                             "reduce::reproducible.add", "chunk ", added_, " of ", calls_,
+                             " ended with ", kept_, " of its ", n_, " elements kept");
+        else if (gathered_)
+            copy_kept(g, slot(added_));
+        kept_ = 0;
+        ++added_;
+    }
+    /// Adds one chunk's loss: `value` plus *device_value when not null (the system's memory).
+    void add_loss(double value, const double* device_value) {
+        run(1, loss_terms_fn{device_value, value, small_send_.data() + 2 * losses_added_});
+        ++losses_added_;
+    }
+    /// Brings every replica's values of this replica's block here, and every replica's loss
+    /// terms and tail values to every replica. last: the last chunk's gradient. Collective.
+    template <class Communicator>
+    void exchange(Communicator& comm, std::span<const T> last) {
+        if (gathered_) {
+            const std::size_t each = max_calls_ * n_;
+            comm.all_gather(std::span<const T>(recv_.data() + rank_ * each, each),
+                            recv_.span().first(each * replicas_)); // in place
+            comm.all_gather(std::span<const double>(small_send_.data(), stride_),
+                            small_recv_.span().first(stride_ * replicas_));
+            return;
+        }
+        if (combined_) {
+            comm.all_gather(std::span<const double>(small_send_.data(), stride_),
+                            small_recv_.span().first(stride_ * replicas_));
+            return;
+        }
+        const std::size_t all = blocks();
+        if (block_ > 0)
+            for (std::size_t c = 0; c < max_calls_; ++c) {
+                const T* src = c + 1 < calls_    ? store_.data() + c * n_
+                               : c + 1 == calls_ ? last.data()
+                                                 : zeros_.data();
+                comm.all_to_all(std::span<const T>(src, all), recv_.span().subspan(c * all, all));
+            }
+        if (tail_ > 0)
+            run(max_calls_ * tail_,
+                anchored_tail_fn<T>{chunks(last.data()), all, tail_,
+                                    small_send_.data() + 2 * max_calls_},
+                max_calls_ * tail_);
+        comm.all_gather(std::span<const double>(small_send_.data(), stride_),
+                        small_recv_.span().first(stride_ * replicas_));
+    }
+    /// g (the last chunk's gradient) becomes a quiet NaN where a kept chunk of this replica
+    /// holds a non-finite value (kernels::anchored_own_check_fn), so it is non-finite exactly
+    /// where one of the replica's chunk values is; the global sums do not change (such an
+    /// element's sum is a quiet NaN). *loss = the sum of this replica's non-finite loss terms, 0
+    /// when all are finite (non_finite_loss_fn).
+    void check_local(std::span<T> g, double* loss) {
+        if (calls_ > 1) {
+            if constexpr (host_float) {
+                run(keep_tiles(),
+                    kernels::detail::anchored_mark_tiles_fn{chunks(g.data()), n_, flags_.data(),
+                                                            g.data()},
+                    n_);
+            } else {
+                run(n_, kernels::anchored_own_check_fn<T>{chunks(g.data()), g.data()}, calls_ * n_);
+            }
+        }
+        run(1, non_finite_loss_fn{small_send_.data(), 2 * losses_added_, loss});
+    }
+    /// After exchange(): the global sums, rounded once, into g (n values) and *loss.
+    /// Collective.
+    template <class Communicator>
+    void finalize(Communicator& comm, std::span<T> g, double* loss) {
+        if (gathered_) {
+            const kernels::anchored_terms<T> terms{recv_.data(), replicas_, max_calls_,
+                                                   max_calls_ * n_, n_};
+            sum_range(terms, n_, g.data());
+            run(1, gathered_loss_fn{small_recv_.data(), replicas_, 2 * max_calls_, stride_,
+                                    loss_top_.data(), loss_bins_.data(), loss});
+            return;
+        }
+        if (combined_) {
+            if constexpr (combine_communicator<Communicator>)
+                combine(comm, g);
+            run(1, gathered_loss_fn{small_recv_.data(), replicas_, 2 * max_calls_, stride_,
+                                    loss_top_.data(), loss_bins_.data(), loss});
+            return;
+        }
+        const std::size_t all = blocks();
+        if (block_ > 0) {
+            T* mine = g.data() + rank_ * block_;
+            const kernels::anchored_terms<T> terms{recv_.data(), replicas_, max_calls_, block_,
+                                                   all};
+            sum_range(terms, block_, mine);
+            comm.all_gather(std::span<const T>(mine, block_), g.first(all));
+        }
+        if (tail_ > 0)
+            run(tail_,
+                kernels::anchored_sum_fn<T, double>{
+                    {small_recv_.data() + 2 * max_calls_, replicas_, max_calls_, stride_, tail_},
+                    g.data() + all},
+                tail_ * replicas_ * max_calls_);
+        run(1, gathered_loss_fn{small_recv_.data(), replicas_, 2 * max_calls_, stride_,
+                                loss_top_.data(), loss_bins_.data(), loss});
+    }
+    /// The collectives of a step.
+    std::size_t collectives() const noexcept {
+        if (gathered_ || combined_)
+            return 2;
+        return (block_ > 0 ? max_calls_ + 1 : 0) + 1;
+    }
+
+private:
+    template <class F>
+    void run(std::size_t count, const F& f,
+             std::size_t elements = std::numeric_limits<std::size_t>::max()) {
+        kernels::for_each_index(sys_, count, f, elements);
+    }
+    /// The host's float passes run in tiles (kernels/detail/anchored_sum_host.hpp).
+    static constexpr bool host_float = System::is_host && std::is_same_v<T, float>;
+    static std::size_t tiles(std::size_t count) noexcept {
+        return (count + kernels::detail::anchored_tile - 1) / kernels::detail::anchored_tile;
+    }
+    std::size_t keep_tiles() const noexcept {
+        return (n_ + kernels::detail::anchored_keep_tile - 1) / kernels::detail::anchored_keep_tile;
+    }
+    /// dst[0, n) = g[0, n) (a kept chunk); on the host in float, flags the keep tiles that hold
+    /// a non-finite value for check_local.
+    void copy_kept(std::span<const T> g, T* dst) {
+        if constexpr (host_float)
+            run(keep_tiles(),
+                kernels::detail::anchored_keep_tiles_fn{g.data(), dst, n_, flags_.data(),
+                                                        n_ * sizeof(float) >=
+                                                            kernels::detail::anchored_stream_bytes},
+                n_);
+        else
+            copy_async(sys_, g.first(n_), std::span<T>(dst, n_));
+    }
+    /// out[i] = the rounded sum of element i of terms, for i < count.
+    void sum_range(const kernels::anchored_terms<T>& terms, std::size_t count, T* out) {
+        if constexpr (host_float) {
+            if (replicas_ * max_calls_ <= kernels::detail::anchored_short_terms) {
+                run(tiles(count), kernels::detail::anchored_sum_tiles_fn{terms, count, out}, count);
+                return;
+            }
+        }
+        run(count, kernels::anchored_sum_fn<T>{terms, out});
+    }
+    /// combined: g = the sums of every replica's max_calls chunks (this replica's: its kept
+    /// chunks, then g itself; zeros past its calls), by all_combine.
+    template <class Communicator>
+    void combine(Communicator& comm, std::span<T> g) {
+        std::vector<const T*> arrays(max_calls_);
+        for (std::size_t c = 0; c < max_calls_; ++c)
+            arrays[c] = c + 1 < calls_    ? store_.data() + c * n_
+                        : c + 1 == calls_ ? g.data()
+                                          : zeros_.data();
+        comm.all_combine(std::span<const T* const>(arrays), n_, g.first(n_),
+                         kernels::detail::anchored_combine_fn<T>{});
+    }
+    template <class U>
+    void grow(buffer<U, System>& b, std::size_t count) {
+        if (b.size() < count)
+            b = buffer<U, System>(count, sys_);
+    }
+    std::size_t blocks() const noexcept { return block_ * replicas_; }
+    /// Where chunk c of this replica is kept.
+    T* slot(std::size_t c) noexcept {
+        return gathered_ ? recv_.data() + (rank_ * max_calls_ + c) * n_ : store_.data() + c * n_;
+    }
+    kernels::anchored_chunks<T> chunks(const T* last) const noexcept {
+        return {gathered_ ? recv_.data() + rank_ * max_calls_ * n_ : store_.data(), last, calls_,
+                n_};
+    }
+
+    std::size_t n_;
+    std::size_t replicas_;
+    std::size_t gather_values_; ///< gathered exchange up to this many values
+    bool combined_;             ///< all_combine (at every size)
+    std::size_t rank_;
+    std::size_t block_; ///< elements per replica's block
+    std::size_t tail_;  ///< elements past the blocks, summed on every replica
+    System sys_;
+    std::size_t calls_ = 1;
+    std::size_t max_calls_ = 1;
+    bool gathered_ = false;
+    std::size_t added_ = 0;
+    std::size_t kept_ = 0; ///< elements of the current chunk kept
+    std::size_t losses_added_ = 0;
+    std::size_t stride_ = 0;                ///< doubles per replica in the small all_gather
+    buffer<std::int64_t, System> loss_top_; ///< workspace of the global loss's binned sum
+    buffer<std::int64_t, System> loss_bins_;
+    buffer<double, System> losses_;       ///< chunk, own and global loss
+    buffer<T, System> store_;             ///< blocks, combined: every chunk but the last
+    buffer<unsigned char, System> flags_; ///< host float: a keep tile holds a non-finite value
+    buffer<T, System> recv_;              ///< what the exchange brings (gathered: and own chunks)
+    buffer<T, System> zeros_;             ///< what a replica with fewer calls sends
+    buffer<double, System> small_send_;   ///< 2 loss terms per call, then each call's tail values
+    buffer<double, System> small_recv_;   ///< every replica's small_send_
+};
+
+} // namespace lockstep::detail
