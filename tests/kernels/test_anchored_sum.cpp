@@ -237,6 +237,11 @@ TEST_CASE("the host's float tiles give anchored_sum_fn's bits on both paths",
                 const float tie[8] = {1.0f, std::ldexp(1.0f, -24), std::ldexp(1.0f, -60)};
                 base[r * n + 1] = tie[r];
                 base[r * n + 2] = r == 2 ? -tie[r] : tie[r];
+                // Zeros of both signs only; zeros beside the smallest normal and a term 6
+                // binades above (within reach); zeros beside a subnormal and 1 (beyond).
+                base[r * n + 3] = r % 2 == 0 ? -0.0f : 0.0f;
+                base[r * n + 4] = r == 0 ? lim::min() : r == 1 ? 0x1p-120f : -0.0f;
+                base[r * n + 6] = r == 0 ? lim::denorm_min() : r == 1 ? 1.0f : 0.0f;
             }
         } else {
             // Ties to even both ways, zeros of both signs, an overflow, inf - inf, and a term

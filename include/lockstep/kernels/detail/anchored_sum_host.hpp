@@ -155,7 +155,12 @@ inline void anchored_spread_done(unsigned mask, unsigned char* done) {
 // compute what the loops above compute, element for element, and take those loops for the last
 // m mod 8 elements.
 
-/// anchored_tile_body, 8 elements at a time.
+/// anchored_tile_body, 8 elements at a time. The anchor and the smallest field come from the
+/// terms' magnitudes as integers (the bits of a non-negative float order as its value does):
+/// the largest magnitude's field is the largest field, and the smallest non-zero magnitude's
+/// field is the smallest field of a non-zero term (min of magnitude - 1 as unsigned, which sends
+/// zeros past every other term); both fields are taken once after the terms. The conversions
+/// to double read their halves from memory (no extraction from the 8-float load).
 LOCKSTEP_ANCHORED_AVX2 inline bool anchored_tile_avx2(const float* const* p, std::size_t k,
                                                       std::size_t m, float* out,
                                                       unsigned char* done) {
@@ -164,28 +169,32 @@ LOCKSTEP_ANCHORED_AVX2 inline bool anchored_tile_avx2(const float* const* p, std
     const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
     const __m256i one = _mm256_set1_epi32(1);
     const __m256i zero_i = _mm256_setzero_si256();
+    const __m256i ones = _mm256_set1_epi32(-1);
     const __m256d smallest = _mm256_set1_pd(0x1p-126);
     const __m256d sign = _mm256_set1_pd(-0.0);
     const __m256 quiet_nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
     unsigned all = 0xffu;
     std::size_t i = 0;
     for (; i + 8 <= m; i += 8) {
-        __m256i top = one;
-        __m256i low = byte; // non_finite
+        __m256i largest = zero_i; // the largest magnitude's bits
+        __m256i below = ones;     // the smallest non-zero magnitude's bits - 1 (unsigned)
         __m256d sum_low = _mm256_setzero_pd();
         __m256d sum_high = _mm256_setzero_pd();
         for (std::size_t j = 0; j < k; ++j) {
             const __m256 v = _mm256_loadu_ps(p[j] + i);
-            const __m256i u = _mm256_castps_si256(v);
-            const __m256i e = _mm256_and_si256(_mm256_srli_epi32(u, 23), byte);
-            const __m256i zero = _mm256_cmpeq_epi32(_mm256_and_si256(u, magnitude), zero_i);
-            const __m256i field =
-                _mm256_or_si256(_mm256_max_epi32(e, one), _mm256_and_si256(zero, byte));
-            top = _mm256_max_epi32(top, e);
-            low = _mm256_min_epi32(low, field);
-            sum_low = _mm256_add_pd(sum_low, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
-            sum_high = _mm256_add_pd(sum_high, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+            const __m256i mag = _mm256_and_si256(_mm256_castps_si256(v), magnitude);
+            largest = _mm256_max_epi32(largest, mag);
+            below = _mm256_min_epu32(below, _mm256_sub_epi32(mag, one));
+            sum_low = _mm256_add_pd(sum_low, _mm256_cvtps_pd(_mm_loadu_ps(p[j] + i)));
+            sum_high = _mm256_add_pd(sum_high, _mm256_cvtps_pd(_mm_loadu_ps(p[j] + i + 4)));
         }
+        // top = max(field, 1) of the largest; low = max(field, 1) of the smallest non-zero term,
+        // 255 when every term is zero (below + 1 wrapped to 0).
+        const __m256i top = _mm256_max_epi32(_mm256_srli_epi32(largest, 23), one);
+        const __m256i smallest_mag = _mm256_add_epi32(below, one);
+        const __m256i low =
+            _mm256_or_si256(_mm256_max_epi32(_mm256_srli_epi32(smallest_mag, 23), one),
+                            _mm256_and_si256(_mm256_cmpeq_epi32(smallest_mag, zero_i), byte));
         const __m256i nan = _mm256_cmpeq_epi32(top, byte);
         const __m256i beyond = _mm256_cmpgt_epi32(_mm256_sub_epi32(top, bits), low);
         // A normal or zero sum (of 4 doubles each: the 4 low elements, the 4 high ones).
