@@ -392,7 +392,8 @@ TEST_CASE("the host's keep tiles copy the chunks and flag the tiles the own chec
     // 3 chunks of n values over keep tiles 0, 1 and a partial tile 2: an infinity in tile 1 of
     // chunk 0, a NaN at the last element of tile 2 of chunk 1, and in the last chunk (not kept)
     // a NaN in tile 0. Streaming to aligned destinations, to destinations off by one float
-    // (plain stores), and not streaming, on the AVX2 and the portable loops.
+    // (a scalar head, then streamed), and not streaming, on the AVX2 and the portable loops;
+    // without `clear` the sources stay as they were.
     using lim = std::numeric_limits<float>;
     const std::size_t w = kernels::detail::anchored_keep_tile, n = 2 * w + 9;
     const auto x = random_terms<float>(3, n, -20, 20, 4);
@@ -400,6 +401,7 @@ TEST_CASE("the host's keep tiles copy the chunks and flag the tiles the own chec
     c0[w + 3] = lim::infinity();
     c1[n - 1] = lim::quiet_NaN();
     last[5] = lim::quiet_NaN();
+    const std::vector<float> c0_was = c0;
     for (const bool portable : {false, true})
         for (const auto& [offset, stream] :
              {std::pair<std::size_t, bool>{0, true}, {1, true}, {0, false}}) {
@@ -411,13 +413,14 @@ TEST_CASE("the host's keep tiles copy the chunks and flag the tiles the own chec
             float* store = static_cast<float*>(std::align(32, sizeof(float), at, room)) + offset;
             std::vector<unsigned char> flags(3, 0);
             for (std::size_t t = 0; t < 3; ++t) {
-                kernels::detail::anchored_keep_tiles_fn{c0.data(), store, n, flags.data(),
-                                                        stream}(t);
-                kernels::detail::anchored_keep_tiles_fn{c1.data(), store + n, n, flags.data(),
-                                                        stream}(t);
+                kernels::detail::anchored_keep_tiles_fn{c0.data(), store,        nullptr, 0,
+                                                        n,         flags.data(), stream}(t);
+                kernels::detail::anchored_keep_tiles_fn{c1.data(), store + n,    nullptr, 0,
+                                                        n,         flags.data(), stream}(t);
             }
             kernels::detail::anchored_portable_only() = false;
             CHECK(same_bits(std::vector<float>(store, store + n), c0));
+            CHECK(same_bits(c0, c0_was));
             CHECK(same_bits(std::vector<float>(store + n, store + 2 * n), c1));
             CHECK(flags == std::vector<unsigned char>{0, 1, 1});
             // The marks of the flagged tiles are the element-wise check's everywhere.
@@ -462,10 +465,9 @@ TEST_CASE("the host's keep-and-zero tiles keep any range of a chunk, leave zeros
             std::vector<unsigned char> flags(3, 0);
             std::size_t tasks = 0;
             for (const auto& [first, end] : ranges) {
-                const kernels::detail::anchored_keep_zero_tiles_fn f{
-                    src.data(), store, first, end, flags.data(), stream};
-                const std::size_t k =
-                    kernels::detail::anchored_keep_zero_tiles_fn::tasks(first, end);
+                const kernels::detail::anchored_keep_tiles_fn f{
+                    src.data(), store, src.data(), first, end, flags.data(), stream};
+                const std::size_t k = kernels::detail::anchored_keep_tiles_fn::tasks(first, end);
                 CHECK(k == (end - 1) / w - first / w + 1);
                 for (std::size_t t = 0; t < k; ++t)
                     f(t);

@@ -1,11 +1,13 @@
 // lockstep/kernels/detail/anchored_keep_host.hpp: the host's copies that keep a chunk's float
-// gradient while flagging the tiles that hold a non-finite value, and the own check
+// gradient (leaving zeros behind where asked) while flagging the tiles that hold a non-finite
+// value, and the own check
 // (anchored_own_check_fn) over the flagged tiles only. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/kernels/anchored_sum.hpp"
 #include "lockstep/kernels/detail/anchored_sum_host.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -15,78 +17,39 @@ namespace lockstep::kernels::detail {
 /// Elements per tile of the keep pass (16 KiB of floats), one flag each.
 inline constexpr std::size_t anchored_keep_tile = 4096;
 
-/// Copies src[0, m) to dst; returns 1 when one of the values is not finite (its exponent field
-/// all ones), else 0. (The portable loop, vectorised where the compiler chooses to.)
+/// Copies src[0, m) to dst and, where `clear` is not null (it is src itself), leaves zeros there
+/// (a chunk kept from the gradient the next chunk accumulates on); returns 1 when one of the
+/// values is not finite (its exponent field all ones), else 0. (The portable loop.)
 [[gnu::always_inline]] inline unsigned anchored_keep_loop(const float* src, float* dst,
-                                                          std::size_t m) {
+                                                          float* clear, std::size_t m) {
     std::uint32_t high = 0; // bit 31 set by a field of all ones
     for (std::size_t i = 0; i < m; ++i) {
         const auto u = std::bit_cast<std::uint32_t>(src[i]);
         dst[i] = src[i];
+        if (clear != nullptr)
+            clear[i] = 0.0f;
         high |= (u & 0x7f800000u) + 0x00800000u;
     }
     return high >> 31;
 }
 
-inline unsigned anchored_keep_portable(const float* src, float* dst, std::size_t m) {
-    return anchored_keep_loop(src, dst, m);
+inline unsigned anchored_keep_portable(const float* src, float* dst, float* clear, std::size_t m) {
+    return anchored_keep_loop(src, dst, clear, m);
 }
 
 #if LOCKSTEP_F16_X86
-/// anchored_keep_loop, with streaming stores where `stream` and dst is 32-byte aligned: a large
-/// kept chunk is read back long after (by the sums, after the next chunks' passes), so it
-/// bypasses the caches, and the copy moves 2 bytes of memory traffic per byte instead of 3.
-LOCKSTEP_ANCHORED_AVX2 inline unsigned anchored_keep_avx2(const float* src, float* dst,
-                                                          std::size_t m, bool stream) {
-    if (!stream || (reinterpret_cast<std::uintptr_t>(dst) & 31u) != 0)
-        return anchored_keep_loop(src, dst, m);
-    const __m256i field = _mm256_set1_epi32(0x7f800000);
-    const __m256i unit = _mm256_set1_epi32(0x00800000);
-    __m256i high = _mm256_setzero_si256();
-    std::size_t i = 0;
-    for (; i + 8 <= m; i += 8) {
-        const __m256 v = _mm256_loadu_ps(src + i);
-        _mm256_stream_ps(dst + i, v);
-        high = _mm256_or_si256(
-            high, _mm256_add_epi32(_mm256_and_si256(_mm256_castps_si256(v), field), unit));
-    }
-    _mm_sfence(); // the streamed stores reach memory before the task ends
-    const unsigned tail = anchored_keep_loop(src + i, dst + i, m - i);
-    return tail | (_mm256_movemask_ps(_mm256_castsi256_ps(high)) != 0 ? 1u : 0u);
-}
-#endif
-
-/// Copies src[0, m) to dst and zeroes src[0, m); returns 1 when one of the values is not finite,
-/// else 0. (The portable loop.)
-[[gnu::always_inline]] inline unsigned anchored_keep_zero_loop(float* src, float* dst,
-                                                               std::size_t m) {
-    std::uint32_t high = 0;
-    for (std::size_t i = 0; i < m; ++i) {
-        const auto u = std::bit_cast<std::uint32_t>(src[i]);
-        dst[i] = src[i];
-        src[i] = 0.0f;
-        high |= (u & 0x7f800000u) + 0x00800000u;
-    }
-    return high >> 31;
-}
-
-inline unsigned anchored_keep_zero_portable(float* src, float* dst, std::size_t m) {
-    return anchored_keep_zero_loop(src, dst, m);
-}
-
-#if LOCKSTEP_F16_X86
-/// anchored_keep_zero_loop, the stores to dst streamed where `stream` (after a scalar head up to
-/// dst's next 32-byte boundary): the values are read while the backward that wrote them may
-/// still hold them in the caches, and the zeros go back where they were read.
-LOCKSTEP_ANCHORED_AVX2 inline unsigned anchored_keep_zero_avx2(float* src, float* dst,
-                                                               std::size_t m, bool stream) {
-    if (!stream)
-        return anchored_keep_zero_loop(src, dst, m);
-    std::size_t head = ((32u - (reinterpret_cast<std::uintptr_t>(dst) & 31u)) & 31u);
-    if (head % sizeof(float) != 0)
-        return anchored_keep_zero_loop(src, dst, m);
-    head = head / sizeof(float) < m ? head / sizeof(float) : m;
-    unsigned bad = anchored_keep_zero_loop(src, dst, head);
+/// anchored_keep_loop, the stores to dst streamed where `stream` (after a scalar head up to
+/// dst's next 32-byte boundary): a large kept chunk is read back long after (by the sums, after
+/// the next chunks' passes), so it bypasses the caches, and the copy moves 2 bytes of memory
+/// traffic per byte instead of 3. The zeros go back where the values were read (while the
+/// backward that wrote them may still hold them in the caches).
+LOCKSTEP_ANCHORED_AVX2 inline unsigned
+anchored_keep_avx2(const float* src, float* dst, float* clear, std::size_t m, bool stream) {
+    const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(dst) & 31u;
+    if (!stream || misaligned % sizeof(float) != 0)
+        return anchored_keep_loop(src, dst, clear, m);
+    const std::size_t head = std::min((32u - misaligned) % 32u / sizeof(float), m);
+    unsigned bad = anchored_keep_loop(src, dst, clear, head);
     const __m256i field = _mm256_set1_epi32(0x7f800000);
     const __m256i unit = _mm256_set1_epi32(0x00800000);
     const __m256 zero = _mm256_setzero_ps();
@@ -95,12 +58,13 @@ LOCKSTEP_ANCHORED_AVX2 inline unsigned anchored_keep_zero_avx2(float* src, float
     for (; i + 8 <= m; i += 8) {
         const __m256 v = _mm256_loadu_ps(src + i);
         _mm256_stream_ps(dst + i, v);
-        _mm256_storeu_ps(src + i, zero);
+        if (clear != nullptr)
+            _mm256_storeu_ps(clear + i, zero);
         high = _mm256_or_si256(
             high, _mm256_add_epi32(_mm256_and_si256(_mm256_castps_si256(v), field), unit));
     }
     _mm_sfence(); // the streamed stores reach memory before the task ends
-    bad |= anchored_keep_zero_loop(src + i, dst + i, m - i);
+    bad |= anchored_keep_loop(src + i, dst + i, clear != nullptr ? clear + i : nullptr, m - i);
     return bad | (_mm256_movemask_ps(_mm256_castsi256_ps(high)) != 0 ? 1u : 0u);
 }
 #endif
@@ -109,56 +73,33 @@ LOCKSTEP_ANCHORED_AVX2 inline unsigned anchored_keep_zero_avx2(float* src, float
 /// caches for the exchange that reads them soon after): anchored_keep_tiles_fn::stream.
 inline constexpr std::size_t anchored_stream_bytes = std::size_t(4) << 20;
 
-/// Task t: copies elements [t anchored_keep_tile, min(..., count)) of src (a chunk's gradient)
-/// to dst (where the accumulator keeps it) and sets flags[t] to 1 when one of them is not
-/// finite (flags[t] is left as it is otherwise), so that the own check later reads only the
-/// flagged tiles. With `stream`, the AVX2 loop stores past the caches. Host only.
+/// Task k: the part of keep tile t = first / anchored_keep_tile + k inside elements [first, end)
+/// of src (a chunk's gradient): copied to dst (the same offsets, where the accumulator keeps the
+/// chunk), zeroed in src where `clear` (src itself, whose next chunk's backward accumulates
+/// there; null to leave src as it is), and flags[t] set to 1 when one of them is not finite
+/// (left as it is otherwise), so that the own check later reads only the flagged tiles. Tasks =
+/// the keep tiles [first, end) touches (tasks()); a tile cut by two ranges is flagged by
+/// either. With `stream`, the AVX2 loop stores the kept values past the caches. Host only.
 struct anchored_keep_tiles_fn {
     const float* src;
     float* dst;
-    std::size_t count;
-    unsigned char* flags;
-    bool stream; ///< count * sizeof(float) >= anchored_stream_bytes, for the trainer
-    void operator()(std::size_t t) const {
-        const std::size_t b = t * anchored_keep_tile;
-        const std::size_t m = count - b < anchored_keep_tile ? count - b : anchored_keep_tile;
-        unsigned bad = 0;
-#if LOCKSTEP_F16_X86
-        if (anchored_use_avx2())
-            bad = anchored_keep_avx2(src + b, dst + b, m, stream);
-        else
-#endif
-            bad = anchored_keep_portable(src + b, dst + b, m);
-        if (bad != 0)
-            flags[t] = 1;
-    }
-};
-
-/// Task k: the part of keep tile t = first / anchored_keep_tile + k inside elements [first, end)
-/// of src (a chunk's gradient, as the backward finished it): copied to dst (the same offsets
-/// where the accumulator keeps the chunk) and zeroed in src (the next chunk's backward
-/// accumulates there), flags[t] set to 1 when one of them is not finite (left as it is
-/// otherwise). Tasks = the keep tiles [first, end) touches; a tile cut by two ranges is flagged
-/// by either. With `stream`, the AVX2 loop stores the kept values past the caches. Host only.
-struct anchored_keep_zero_tiles_fn {
-    float* src;
-    float* dst;
+    float* clear;
     std::size_t first;
     std::size_t end;
     unsigned char* flags;
     bool stream; ///< the chunk's bytes >= anchored_stream_bytes, for the trainer
     void operator()(std::size_t k) const {
         const std::size_t t = first / anchored_keep_tile + k;
-        const std::size_t b = t * anchored_keep_tile > first ? t * anchored_keep_tile : first;
-        const std::size_t e =
-            (t + 1) * anchored_keep_tile < end ? (t + 1) * anchored_keep_tile : end;
+        const std::size_t b = std::max(t * anchored_keep_tile, first);
+        const std::size_t e = std::min((t + 1) * anchored_keep_tile, end);
+        float* const zeros = clear != nullptr ? clear + b : nullptr;
         unsigned bad = 0;
 #if LOCKSTEP_F16_X86
         if (anchored_use_avx2())
-            bad = anchored_keep_zero_avx2(src + b, dst + b, e - b, stream);
+            bad = anchored_keep_avx2(src + b, dst + b, zeros, e - b, stream);
         else
 #endif
-            bad = anchored_keep_zero_portable(src + b, dst + b, e - b);
+            bad = anchored_keep_portable(src + b, dst + b, zeros, e - b);
         if (bad != 0)
             flags[t] = 1;
     }

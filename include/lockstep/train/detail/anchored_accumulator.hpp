@@ -194,11 +194,7 @@ public:
             return;
         T* dst = slot(added_);
         if constexpr (host_float)
-            run(kernels::detail::anchored_keep_zero_tiles_fn::tasks(first, first + count),
-                kernels::detail::anchored_keep_zero_tiles_fn{
-                    g.data(), dst, first, first + count, flags_.data(),
-                    n_ * sizeof(float) >= kernels::detail::anchored_stream_bytes},
-                count);
+            keep_range(g.data(), dst, g.data(), first, first + count);
         else
             run(count, keep_zero_fn<T>{g.data() + first, dst + first}, count);
         kept_ += count;
@@ -329,15 +325,22 @@ private:
     std::size_t keep_tiles() const noexcept {
         return (n_ + kernels::detail::anchored_keep_tile - 1) / kernels::detail::anchored_keep_tile;
     }
+    /// Host float: elements [first, end) of src copied to dst at the same offsets (zeroed in
+    /// src where clear, which is src or null), flagging the keep tiles that hold a non-finite
+    /// value for check_local (kernels/detail/anchored_keep_host.hpp). requires: first < end.
+    void keep_range(const float* src, float* dst, float* clear, std::size_t first,
+                    std::size_t end) {
+        run(kernels::detail::anchored_keep_tiles_fn::tasks(first, end),
+            kernels::detail::anchored_keep_tiles_fn{src, dst, clear, first, end, flags_.data(),
+                                                    n_ * sizeof(float) >=
+                                                        kernels::detail::anchored_stream_bytes},
+            end - first);
+    }
     /// dst[0, n) = g[0, n) (a kept chunk); on the host in float, flags the keep tiles that hold
     /// a non-finite value for check_local.
     void copy_kept(std::span<const T> g, T* dst) {
         if constexpr (host_float)
-            run(keep_tiles(),
-                kernels::detail::anchored_keep_tiles_fn{g.data(), dst, n_, flags_.data(),
-                                                        n_ * sizeof(float) >=
-                                                            kernels::detail::anchored_stream_bytes},
-                n_);
+            keep_range(g.data(), dst, nullptr, 0, n_);
         else
             copy_async(sys_, g.first(n_), std::span<T>(dst, n_));
     }
