@@ -802,6 +802,39 @@ void check_float16(C& comm, suite_report& rep, const suite_options& opt) {
 }
 
 /// Every collective for one element type.
+/// all_to_all_others for every block count: block r != rank() of the result is block rank() of
+/// rank r's input, and the own block keeps what recv held before (a sentinel), untouched.
+template <class T, all_to_all_others_communicator C>
+void check_all_to_all_others(C& comm, suite_report& rep, const std::vector<std::size_t>& blocks) {
+    const int n = comm.size(), me = comm.rank();
+    const std::size_t ranks = static_cast<std::size_t>(n);
+    const T sentinel = input_value<T>(n + 7, 3);
+    for (const std::size_t block : blocks) {
+        const std::string what =
+            "all_to_all_others<" + detail::type_name<T>() + "> block " + std::to_string(block);
+        std::vector<T> in(block * ranks);
+        for (std::size_t i = 0; i < in.size(); ++i)
+            in[i] = input_value<T>(me, i);
+        auto send = to_system(comm, in);
+        auto recv = to_system(comm, std::vector<T>(block * ranks, sentinel));
+        comm.all_to_all_others(std::span<const T>(send.data(), send.size()), recv.span());
+        const std::vector<T> got = to_host(recv);
+        for (int r = 0; r < n; ++r) {
+            const std::string bad = first_mismatch(
+                got, static_cast<std::size_t>(r) * block, block,
+                [&](std::size_t k) {
+                    return r == me ? sentinel
+                                   : input_value<T>(r, static_cast<std::size_t>(me) * block + k);
+                },
+                [](T g, T w, std::size_t) { return detail::same_bits(g, w); });
+            rep.check(bad.empty(),
+                      what + (r == me ? ", own block (untouched)" : ", block from rank ") +
+                          (r == me ? std::string() : std::to_string(r)) + ": " + bad);
+        }
+        rep.check(to_host(send) == in, what + ": the send buffer changed");
+    }
+}
+
 template <class T, communicator C>
 void check_type(C& comm, suite_report& rep, const suite_options& opt, bool with_large) {
     std::vector<std::size_t> counts{0, 1, 1009, opt.medium_count};
@@ -815,6 +848,8 @@ void check_type(C& comm, suite_report& rep, const suite_options& opt, bool with_
     check_reduce_scatter<T>(comm, rep, opt, opt.medium_count);
     if constexpr (all_to_all_communicator<C>)
         check_all_to_all<T>(comm, rep, {0, 1, 1009, 4099});
+    if constexpr (all_to_all_others_communicator<C>)
+        check_all_to_all_others<T>(comm, rep, {0, 1, 1009, 4099});
 }
 
 /// Every collective for every element type comm carries (float, double, int always; int64

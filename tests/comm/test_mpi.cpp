@@ -395,6 +395,14 @@ TEST_CASE("replicas that disagree get an error on every rank, then continue",
                   comm.all_to_all(std::span<const int>(even),
                                   r == 0 ? std::span<int>(even) : std::span<int>(even_out));
               }) == (r == 0 ? errc::invalid_argument : errc::peer_failure));
+        // all_to_all on replica 0, all_to_all_others on the others: verification tells them
+        // apart before any data moves.
+        CHECK(code_of([&] {
+                  if (r == 0)
+                      comm.all_to_all(std::span<const int>(even), std::span<int>(even_out));
+                  else
+                      comm.all_to_all_others(std::span<const int>(even), std::span<int>(even_out));
+              }) == errc::invalid_argument);
 
         // reduce_scatter: equal totals but different per-rank counts (caught by the counts'
         // hash), and one replica's counts that do not sum to its send size.

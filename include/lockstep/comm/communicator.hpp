@@ -104,6 +104,16 @@ concept all_to_all_communicator = communicator<C> &&
     c.all_to_all(ci, i);
 };
 
+/// An all_to_all_communicator that can also leave out the block a replica sends itself:
+/// - all_to_all_others(send, recv): as all_to_all(send, recv), except that recv's own block
+///   (block rank()) is neither read nor written: a caller that reads its own block where it
+///   lies in send saves copying it (mpi_communicator: one block fewer through MPI).
+template <class C>
+concept all_to_all_others_communicator = all_to_all_communicator<C> &&
+    requires(C& c, std::span<float> f, std::span<const float> cf) {
+    c.all_to_all_others(cf, f);
+};
+
 namespace detail {
 /// The combine functor all_combine is required to accept in combine_communicator.
 struct combine_probe {

@@ -27,7 +27,8 @@ enum class mpi_collective : std::int64_t {
     barrier,
     split,
     all_to_all,
-    reduce_scatter
+    reduce_scatter,
+    all_to_all_others
 };
 
 constexpr std::string_view to_string(mpi_collective c) noexcept {
@@ -50,6 +51,8 @@ constexpr std::string_view to_string(mpi_collective c) noexcept {
         return "all_to_all";
     case mpi_collective::reduce_scatter:
         return "reduce_scatter";
+    case mpi_collective::all_to_all_others:
+        return "all_to_all_others";
     }
     return "unknown";
 }

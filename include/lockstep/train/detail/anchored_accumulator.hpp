@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <span>
 #include <type_traits>
@@ -56,6 +57,26 @@ struct anchored_tail_fn {
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t k) const {
         const std::size_t c = k / tail;
         out[k] = c < chunks.count ? static_cast<double>(chunks.value(c, first + k % tail)) : 0.0;
+    }
+};
+
+/// Task t: the anchored sums (kernels::detail::anchored_combine_fn) of elements [t tile, min((t
+/// + 1) tile, count)) of n source arrays into out, through a tile on the stack, so out may be one
+/// of the sources. Host only.
+template <class T>
+struct anchored_sources_fn {
+    static constexpr std::size_t tile = 4096;
+    const T* const* sources;
+    std::size_t n;
+    std::size_t count;
+    T* out;
+    static std::size_t tasks(std::size_t count) noexcept { return (count + tile - 1) / tile; }
+    void operator()(std::size_t t) const {
+        const std::size_t first = t * tile;
+        const std::size_t m = count - first < tile ? count - first : tile;
+        T sums[tile];
+        kernels::detail::anchored_combine_fn<T>{}(sources, n, first, m, sums);
+        std::memcpy(out + first, sums, m * sizeof(T));
     }
 };
 
@@ -117,10 +138,12 @@ struct gathered_loss_fn {
 /// - blocks, otherwise: the elements are cut into one block of b = n / replicas per replica (the
 ///   tail of n mod replicas elements aside); every chunk but the last is kept ((calls - 1) n
 ///   values); exchange() runs one all_to_all per call index, which brings every replica's values
-///   of this replica's block here, and one all_gather of the loss terms and the tail's values;
-///   finalize() sums this replica's block and all-gathers the blocks (the tail and the loss are
-///   summed on every replica). Memory: the kept chunks, max_calls n received values, and when
-///   some replica has fewer calls than max_calls, n zeros.
+///   of this replica's block here (on the host over a communicator with all_to_all_others, such
+///   as MPI: every other replica's, the sums reading this replica's own where they lie), and one
+///   all_gather of the loss terms and the tail's values; finalize() sums this replica's block
+///   and all-gathers the blocks (the tail and the loss are summed on every replica). Memory: the
+///   kept chunks, max_calls n received values, and when some replica has fewer calls than
+///   max_calls, n zeros.
 template <class T, class System>
 class anchored_accumulator {
 public:
@@ -237,10 +260,12 @@ public:
         const std::size_t all = blocks();
         if (block_ > 0)
             for (std::size_t c = 0; c < max_calls_; ++c) {
-                const T* src = c + 1 < calls_    ? store_.data() + c * n_
-                               : c + 1 == calls_ ? last.data()
-                                                 : zeros_.data();
-                comm.all_to_all(std::span<const T>(src, all), recv_.span().subspan(c * all, all));
+                const std::span<const T> src(own_chunk(c, last.data()), all);
+                const std::span<T> got = recv_.span().subspan(c * all, all);
+                if constexpr (sums_from_place<Communicator>)
+                    comm.all_to_all_others(src, got); // this replica's block read where it lies
+                else
+                    comm.all_to_all(src, got);
             }
         if (tail_ > 0)
             run(max_calls_ * tail_,
@@ -290,9 +315,22 @@ public:
         const std::size_t all = blocks();
         if (block_ > 0) {
             T* mine = g.data() + rank_ * block_;
-            const kernels::anchored_terms<T> terms{recv_.data(), replicas_, max_calls_, block_,
-                                                   all};
-            sum_range(terms, block_, mine);
+            if constexpr (sums_from_place<Communicator>) {
+                // Every replica's chunks of this block: the received ones, and this replica's
+                // own where they lie (g, the last of them, is also where the sums go).
+                std::vector<const T*> sources(replicas_ * max_calls_);
+                for (std::size_t j = 0; j < replicas_; ++j)
+                    for (std::size_t c = 0; c < max_calls_; ++c)
+                        sources[j * max_calls_ + c] = j == rank_
+                                                          ? own_chunk(c, g.data()) + rank_ * block_
+                                                          : recv_.data() + c * all + j * block_;
+                run(anchored_sources_fn<T>::tasks(block_),
+                    anchored_sources_fn<T>{sources.data(), sources.size(), block_, mine}, block_);
+            } else {
+                const kernels::anchored_terms<T> terms{recv_.data(), replicas_, max_calls_, block_,
+                                                       all};
+                sum_range(terms, block_, mine);
+            }
             comm.all_gather(std::span<const T>(mine, block_), g.first(all));
         }
         if (tail_ > 0)
@@ -360,9 +398,7 @@ private:
     void combine(Communicator& comm, std::span<T> g) {
         std::vector<const T*> arrays(max_calls_);
         for (std::size_t c = 0; c < max_calls_; ++c)
-            arrays[c] = c + 1 < calls_    ? store_.data() + c * n_
-                        : c + 1 == calls_ ? g.data()
-                                          : zeros_.data();
+            arrays[c] = own_chunk(c, g.data());
         comm.all_combine(std::span<const T* const>(arrays), n_, g.first(n_),
                          kernels::detail::anchored_combine_fn<T>{});
     }
@@ -372,6 +408,16 @@ private:
             b = buffer<U, System>(count, sys_);
     }
     std::size_t blocks() const noexcept { return block_ * replicas_; }
+    /// The blocks exchange on the host over a communicator that can leave a replica's own block
+    /// out (all_to_all_others): the sums read this replica's values where they lie.
+    template <class Communicator>
+    static constexpr bool sums_from_place =
+        System::is_host&& all_to_all_others_communicator<Communicator>;
+    /// This replica's chunk c in the blocks exchange: kept, the last (`last`), or zeros past its
+    /// calls.
+    const T* own_chunk(std::size_t c, const T* last) const noexcept {
+        return c + 1 < calls_ ? store_.data() + c * n_ : c + 1 == calls_ ? last : zeros_.data();
+    }
     /// Where chunk c of this replica is kept.
     T* slot(std::size_t c) noexcept {
         return gathered_ ? recv_.data() + (rank_ * max_calls_ + c) * n_ : store_.data() + c * n_;
