@@ -18,6 +18,7 @@ struct collective_counts {
     int all_gather = 0;
     int reduce = 0;
     int reduce_scatter = 0;
+    int all_to_all = 0;
     int barrier = 0;
     int split = 0;
     int send = 0;
@@ -25,7 +26,7 @@ struct collective_counts {
 
     /// Collectives that move data or synchronise (everything except split and point-to-point).
     int collectives() const {
-        return all_reduce + broadcast + all_gather + reduce + reduce_scatter + barrier;
+        return all_reduce + broadcast + all_gather + reduce + reduce_scatter + all_to_all + barrier;
     }
     friend bool operator==(const collective_counts&, const collective_counts&) = default;
 };
@@ -64,6 +65,13 @@ public:
     void all_gather(std::span<const T> send, std::span<T> recv) {
         ++counts_->all_gather;
         inner_->all_gather(send, recv);
+    }
+    /// Where the wrapped communicator has all_to_all.
+    template <class T>
+    void all_to_all(std::span<const T> send,
+                    std::span<T> recv) requires all_to_all_communicator<Comm> {
+        ++counts_->all_to_all;
+        inner_->all_to_all(send, recv);
     }
     template <class T>
     void reduce(std::span<const T> send, std::span<T> recv, reduce_op op, int root) {

@@ -10,6 +10,8 @@
 
 #include "train_runner.hpp"
 
+#include "support/counting_communicator.hpp"
+
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -254,6 +256,47 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 } // namespace
+
+TEST_CASE("reduce::reproducible's gathered exchange takes one all_gather for the chunks and the "
+          "loss terms",
+          "[train][reproducible][thread]") {
+    // Counted on the communicator itself: 2 replicas, 3 chunks of 1001 values (the busiest
+    // replica has 2, the other 1 and a region of zeros; 2 x 1001 chunk values is even, 1001 on
+    // one call would need padding), then the loss sum of every chunk.
+    const std::size_t n = 1001;
+    std::vector<double> losses(2);
+    std::vector<int> gathers(2), collectives(2);
+    thread_group group(2);
+    group.run([&](thread_communicator& inner) {
+        testing::counting_communicator<thread_communicator> comm(inner);
+        const int r = comm.rank();
+        lockstep::detail::anchored_accumulator<float, host_system> acc(n, 2, r, comm.system(),
+                                                                       std::size_t{1} << 30);
+        const std::size_t calls = r == 0 ? 2 : 1;
+        std::vector<float> g(n, 0.0f);
+        acc.begin(calls, 2);
+        for (std::size_t c = 0; c < calls; ++c) {
+            for (std::size_t i = 0; i < n; ++i)
+                g[i] = static_cast<float>(i % 7) + 0.5f * static_cast<float>(c + 2 * r);
+            if (acc.keeps_current())
+                acc.keep(std::span<float>(g), 0, n);
+            acc.add(std::span<const float>(g));
+            acc.add_loss(0.25 * static_cast<double>(c + 1 + 2 * r), nullptr);
+        }
+        acc.exchange(comm, std::span<const float>(g));
+        double own = 0;
+        acc.check_local(std::span<float>(g), &own);
+        acc.finalize(comm, std::span<float>(g), &losses[static_cast<std::size_t>(r)]);
+        gathers[static_cast<std::size_t>(r)] = comm.counts().all_gather;
+        collectives[static_cast<std::size_t>(r)] = comm.counts().collectives();
+        CHECK(acc.collectives() == 1);
+    });
+    // Loss terms 0.25 + 0.5 (replica 0) and 0.75 (replica 1), summed exactly.
+    CHECK(losses[0] == 1.5);
+    CHECK(losses[1] == 1.5);
+    CHECK(gathers == std::vector<int>{1, 1});
+    CHECK(collectives == std::vector<int>{1, 1});
+}
 
 TEST_CASE("reduce::reproducible's exchanges (gathered, by blocks, combined in one pass) give the "
           "anchored sum of every chunk, bit for bit",

@@ -35,6 +35,12 @@ struct loss_terms_fn {
     }
 };
 
+/// Task i: terms[i] = 0 (the loss terms of a step, written as doubles).
+struct zero_terms_fn {
+    double* terms;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const { terms[i] = 0.0; }
+};
+
 /// Task i: dst[i] = g[i], then g[i] = 0 (a chunk's value kept, its slot left for the next).
 template <class T>
 struct keep_zero_fn {
@@ -132,9 +138,10 @@ struct gathered_loss_fn {
 ///   last chunk is g itself, every other chunk is kept ((calls - 1) n values). Memory: the kept
 ///   chunks, and n zeros when some replica has fewer calls than max_calls.
 /// - gathered, otherwise, when replicas x max_calls x n <= gather_values: every chunk is kept
-///   in this replica's slot of the receive buffer (max_calls n values, zeros past this replica's
-///   calls); exchange() all-gathers the slots in place and the loss terms (2 collectives);
-///   finalize() sums every element on every replica. Memory: replicas x max_calls x n values.
+///   in this replica's region of the receive buffer (max_calls n values, zeros past this
+///   replica's calls, then its loss terms as doubles); exchange() all-gathers the regions in
+///   place (1 collective); finalize() sums every element on every replica. Memory: replicas x
+///   (max_calls x n values and the loss terms).
 /// - blocks, otherwise: the elements are cut into one block of b = n / replicas per replica (the
 ///   tail of n mod replicas elements aside); every chunk but the last is kept ((calls - 1) n
 ///   values); exchange() runs one all_to_all per call index, which brings every replica's values
@@ -170,10 +177,14 @@ public:
         gathered_ = !combined_ && n_ > 0 && replicas_ * max_calls <= gather_values_ / n_;
         if (gathered_) {
             stride_ = 2 * max_calls;
-            grow(recv_, replicas_ * max_calls * n_);
-            if (calls < max_calls)
-                zero(sys_, recv_.span().subspan(rank_ * max_calls * n_ + calls * n_,
-                                                (max_calls - calls) * n_));
+            // This replica's region: its chunks, a value of padding where T is narrower than a
+            // double and the chunk values are odd in number, then its loss terms (doubles).
+            constexpr std::size_t per_double = sizeof(double) / sizeof(T);
+            terms_at_ = max_calls * n_ + (max_calls * n_) % per_double;
+            region_ = terms_at_ + stride_ * per_double;
+            grow(recv_, replicas_ * region_);
+            zero(sys_, recv_.span().subspan(rank_ * region_ + calls * n_,
+                                            terms_at_ - calls * n_)); // zeros past its calls
         } else if (combined_) {
             stride_ = 2 * max_calls;
             grow(store_, (calls - 1) * n_);
@@ -196,7 +207,7 @@ public:
         }
         grow(small_send_, stride_);
         grow(small_recv_, stride_ * replicas_);
-        zero(sys_, small_send_.span().first(stride_));
+        kernels::for_each_index(sys_, stride_, zero_terms_fn{own_terms()});
     }
     /// Whether the chunk being computed is kept apart from g (every chunk but the last), in
     /// parts by keep().
@@ -237,19 +248,16 @@ public:
     }
     /// Adds one chunk's loss: `value` plus *device_value when not null (the system's memory).
     void add_loss(double value, const double* device_value) {
-        run(1, loss_terms_fn{device_value, value, small_send_.data() + 2 * losses_added_});
+        run(1, loss_terms_fn{device_value, value, own_terms() + 2 * losses_added_});
         ++losses_added_;
     }
     /// Brings every replica's values of this replica's block here, and every replica's loss
     /// terms and tail values to every replica. last: the last chunk's gradient. Collective.
     template <class Communicator>
     void exchange(Communicator& comm, std::span<const T> last) {
-        if (gathered_) {
-            const std::size_t each = max_calls_ * n_;
-            comm.all_gather(std::span<const T>(recv_.data() + rank_ * each, each),
-                            recv_.span().first(each * replicas_)); // in place
-            comm.all_gather(std::span<const double>(small_send_.data(), stride_),
-                            small_recv_.span().first(stride_ * replicas_));
+        if (gathered_) { // the chunks and the loss terms of every replica, in place
+            comm.all_gather(std::span<const T>(recv_.data() + rank_ * region_, region_),
+                            recv_.span().first(region_ * replicas_));
             return;
         }
         if (combined_) {
@@ -291,18 +299,19 @@ public:
                 run(n_, kernels::anchored_own_check_fn<T>{chunks(g.data()), g.data()}, calls_ * n_);
             }
         }
-        run(1, non_finite_loss_fn{small_send_.data(), 2 * losses_added_, loss});
+        run(1, non_finite_loss_fn{own_terms(), 2 * losses_added_, loss});
     }
     /// After exchange(): the global sums, rounded once, into g (n values) and *loss.
     /// Collective.
     template <class Communicator>
     void finalize(Communicator& comm, std::span<T> g, double* loss) {
         if (gathered_) {
-            const kernels::anchored_terms<T> terms{recv_.data(), replicas_, max_calls_,
-                                                   max_calls_ * n_, n_};
+            const kernels::anchored_terms<T> terms{recv_.data(), replicas_, max_calls_, region_,
+                                                   n_};
             sum_range(terms, n_, g.data());
-            run(1, gathered_loss_fn{small_recv_.data(), replicas_, 2 * max_calls_, stride_,
-                                    loss_top_.data(), loss_bins_.data(), loss});
+            run(1, gathered_loss_fn{terms_of(0), replicas_, 2 * max_calls_,
+                                    region_ * sizeof(T) / sizeof(double), loss_top_.data(),
+                                    loss_bins_.data(), loss});
             return;
         }
         if (combined_) {
@@ -344,7 +353,9 @@ public:
     }
     /// The collectives of a step.
     std::size_t collectives() const noexcept {
-        if (gathered_ || combined_)
+        if (gathered_)
+            return 1;
+        if (combined_)
             return 2;
         return (block_ > 0 ? max_calls_ + 1 : 0) + 1;
     }
@@ -420,12 +431,19 @@ private:
     }
     /// Where chunk c of this replica is kept.
     T* slot(std::size_t c) noexcept {
-        return gathered_ ? recv_.data() + (rank_ * max_calls_ + c) * n_ : store_.data() + c * n_;
+        return gathered_ ? recv_.data() + rank_ * region_ + c * n_ : store_.data() + c * n_;
     }
     kernels::anchored_chunks<T> chunks(const T* last) const noexcept {
-        return {gathered_ ? recv_.data() + rank_ * max_calls_ * n_ : store_.data(), last, calls_,
-                n_};
+        return {gathered_ ? recv_.data() + rank_ * region_ : store_.data(), last, calls_, n_};
     }
+    /// Gathered: replica j's loss terms, in its region of recv_ (written and read as doubles
+    /// only; the all_gather moves them as bytes).
+    double* terms_of(std::size_t j) noexcept {
+        return reinterpret_cast<double*>(recv_.data() + j * region_ + terms_at_);
+    }
+    /// This replica's loss terms (then, in blocks, its values of the tail): gathered in its
+    /// region of recv_, else in small_send_.
+    double* own_terms() noexcept { return gathered_ ? terms_of(rank_) : small_send_.data(); }
 
     std::size_t n_;
     std::size_t replicas_;
@@ -441,7 +459,9 @@ private:
     std::size_t added_ = 0;
     std::size_t kept_ = 0; ///< elements of the current chunk kept
     std::size_t losses_added_ = 0;
-    std::size_t stride_ = 0;                ///< doubles per replica in the small all_gather
+    std::size_t stride_ = 0;   ///< doubles per replica in the small all_gather
+    std::size_t terms_at_ = 0; ///< gathered: where a replica's loss terms start in its region
+    std::size_t region_ = 0;   ///< gathered: values of T per replica (chunks, padding, terms)
     buffer<std::int64_t, System> loss_top_; ///< workspace of the global loss's binned sum
     buffer<std::int64_t, System> loss_bins_;
     buffer<double, System> losses_;       ///< chunk, own and global loss
