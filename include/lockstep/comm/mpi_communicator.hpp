@@ -320,22 +320,9 @@ public:
     template <class T>
     void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
                     collective_tag tag = {}) {
-        check_type<T>();
+        const auto traced = begin_all_to_all(detail::mpi_collective::all_to_all, send, recv, tag);
         const std::size_t n = send.size();
         const std::size_t block = n / static_cast<std::size_t>(size_);
-        const std::string bad = detail::join_problems(
-            {detail::span_problem(send, "send"), detail::span_problem(recv, "recv")});
-        const bool ok = bad.empty() && n % static_cast<std::size_t>(size_) == 0 &&
-                        recv.size() == n && disjoint(send, recv);
-        const bool fits = block <= std::size_t(std::numeric_limits<int>::max());
-        const auto traced = begin(detail::mpi_collective::all_to_all, n, detail::mpi_type<T>::id, 0,
-                                  reduce_op::sum, ok && fits, {}, tag);
-        LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
-        LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "send.size() = ", n,
-                         ", recv.size() = ", recv.size(), " (requires equal sizes, a multiple of ",
-                         size_, ", and disjoint buffers)");
-        LOCKSTEP_REQUIRE(fits, errc::unsupported, rank_, name(), "blocks of ", block,
-                         " elements exceed MPI's int count; exchange them in pieces");
         MPI_Request req = MPI_REQUEST_NULL;
         call(MPI_Ialltoall(send.data(), static_cast<int>(block), detail::mpi_type<T>::datatype(),
                            recv.data(), static_cast<int>(block), detail::mpi_type<T>::datatype(),
@@ -355,22 +342,10 @@ public:
     template <class T>
     void all_to_all_others(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
                            collective_tag tag = {}) {
-        check_type<T>();
+        const auto traced =
+            begin_all_to_all(detail::mpi_collective::all_to_all_others, send, recv, tag);
         const std::size_t n = send.size();
         const std::size_t block = n / static_cast<std::size_t>(size_);
-        const std::string bad = detail::join_problems(
-            {detail::span_problem(send, "send"), detail::span_problem(recv, "recv")});
-        const bool ok = bad.empty() && n % static_cast<std::size_t>(size_) == 0 &&
-                        recv.size() == n && disjoint(send, recv);
-        const bool fits = block <= std::size_t(std::numeric_limits<int>::max());
-        const auto traced = begin(detail::mpi_collective::all_to_all_others, n,
-                                  detail::mpi_type<T>::id, 0, reduce_op::sum, ok && fits, {}, tag);
-        LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
-        LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "send.size() = ", n,
-                         ", recv.size() = ", recv.size(), " (requires equal sizes, a multiple of ",
-                         size_, ", and disjoint buffers)");
-        LOCKSTEP_REQUIRE(fits, errc::unsupported, rank_, name(), "blocks of ", block,
-                         " elements exceed MPI's int count; exchange them in pieces");
         if (block == 0 || size_ == 1)
             return;
         MPI_Datatype whole = MPI_DATATYPE_NULL;
@@ -960,6 +935,33 @@ private:
         MPI_Request req = MPI_REQUEST_NULL;
         call(MPI_Ibarrier(comm_, &req), what, 0);
         finish(req, what, 0, 0);
+    }
+
+    // all_to_all and all_to_all_others (kind): checks the spans, verifies the call (every
+    // replica's arguments valid, the same kind and counts) and returns its trace scope; a
+    // replica's own bad arguments throw errc::invalid_argument, blocks beyond INT_MAX elements
+    // errc::unsupported.
+    template <class T>
+    [[nodiscard]] flight_recorder::scope begin_all_to_all(detail::mpi_collective kind,
+                                                          std::span<const T> send,
+                                                          std::span<T> recv, collective_tag tag) {
+        check_type<T>();
+        const std::size_t n = send.size();
+        const std::size_t block = n / static_cast<std::size_t>(size_);
+        const std::string bad = detail::join_problems(
+            {detail::span_problem(send, "send"), detail::span_problem(recv, "recv")});
+        const bool ok = bad.empty() && n % static_cast<std::size_t>(size_) == 0 &&
+                        recv.size() == n && disjoint(send, recv);
+        const bool fits = block <= std::size_t(std::numeric_limits<int>::max());
+        auto traced =
+            begin(kind, n, detail::mpi_type<T>::id, 0, reduce_op::sum, ok && fits, {}, tag);
+        LOCKSTEP_REQUIRE(bad.empty(), errc::invalid_argument, rank_, name(), bad);
+        LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank_, name(), "send.size() = ", n,
+                         ", recv.size() = ", recv.size(), " (requires equal sizes, a multiple of ",
+                         size_, ", and disjoint buffers)");
+        LOCKSTEP_REQUIRE(fits, errc::unsupported, rank_, name(), "blocks of ", block,
+                         " elements exceed MPI's int count; exchange them in pieces");
+        return traced;
     }
 
     // Waits for a collective's request of `bytes` bytes per replica within the timeout; a
