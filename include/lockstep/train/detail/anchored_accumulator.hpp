@@ -205,8 +205,10 @@ public:
             grow(flags_, keep_tiles());
             zero(sys_, flags_.span().first(keep_tiles()));
         }
-        grow(small_send_, stride_);
-        grow(small_recv_, stride_ * replicas_);
+        if (!gathered_) { // gathered: the terms travel in the regions of recv_
+            grow(small_send_, stride_);
+            grow(small_recv_, stride_ * replicas_);
+        }
         kernels::for_each_index(sys_, stride_, zero_terms_fn{own_terms()});
     }
     /// Whether the chunk being computed is kept apart from g (every chunk but the last), in
@@ -424,8 +426,8 @@ private:
     template <class Communicator>
     static constexpr bool sums_from_place =
         System::is_host&& all_to_all_others_communicator<Communicator>;
-    /// This replica's chunk c in the blocks exchange: kept, the last (`last`), or zeros past its
-    /// calls.
+    /// This replica's chunk c in the blocks and combined exchanges: kept, the last (`last`), or
+    /// zeros past its calls.
     const T* own_chunk(std::size_t c, const T* last) const noexcept {
         return c + 1 < calls_ ? store_.data() + c * n_ : c + 1 == calls_ ? last : zeros_.data();
     }
@@ -469,8 +471,9 @@ private:
     buffer<unsigned char, System> flags_; ///< host float: a keep tile holds a non-finite value
     buffer<T, System> recv_;              ///< what the exchange brings (gathered: and own chunks)
     buffer<T, System> zeros_;             ///< what a replica with fewer calls sends
-    buffer<double, System> small_send_;   ///< 2 loss terms per call, then each call's tail values
-    buffer<double, System> small_recv_;   ///< every replica's small_send_
+    buffer<double, System> small_send_;   ///< not gathered: 2 loss terms per call, then each call's
+                                          ///< tail values
+    buffer<double, System> small_recv_;   ///< not gathered: every replica's small_send_
 };
 
 } // namespace lockstep::detail
