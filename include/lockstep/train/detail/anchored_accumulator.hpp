@@ -5,6 +5,7 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/detail/shm_combine.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
@@ -16,7 +17,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <span>
 #include <type_traits>
@@ -63,26 +63,6 @@ struct anchored_tail_fn {
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t k) const {
         const std::size_t c = k / tail;
         out[k] = c < chunks.count ? static_cast<double>(chunks.value(c, first + k % tail)) : 0.0;
-    }
-};
-
-/// Task t: the anchored sums (kernels::detail::anchored_combine_fn) of elements [t tile, min((t
-/// + 1) tile, count)) of n source arrays into out, through a tile on the stack, so out may be one
-/// of the sources. Host only.
-template <class T>
-struct anchored_sources_fn {
-    static constexpr std::size_t tile = 4096;
-    const T* const* sources;
-    std::size_t n;
-    std::size_t count;
-    T* out;
-    static std::size_t tasks(std::size_t count) noexcept { return (count + tile - 1) / tile; }
-    void operator()(std::size_t t) const {
-        const std::size_t first = t * tile;
-        const std::size_t m = count - first < tile ? count - first : tile;
-        T sums[tile];
-        kernels::detail::anchored_combine_fn<T>{}(sources, n, first, m, sums);
-        std::memcpy(out + first, sums, m * sizeof(T));
     }
 };
 
@@ -335,8 +315,11 @@ public:
                         sources[j * max_calls_ + c] = j == rank_
                                                           ? own_chunk(c, g.data()) + rank_ * block_
                                                           : recv_.data() + c * all + j * block_;
-                run(anchored_sources_fn<T>::tasks(block_),
-                    anchored_sources_fn<T>{sources.data(), sources.size(), block_, mine}, block_);
+                // Tile by tile through a buffer on the stack, as all_combine's pass, so mine
+                // may be one of the sources.
+                T* const to[1] = {mine};
+                detail::shm::combine_to_all(sys_, sources.data(), sources.size(), to, 1, 0, block_,
+                                            kernels::detail::anchored_combine_fn<T>{});
             } else {
                 const kernels::anchored_terms<T> terms{recv_.data(), replicas_, max_calls_, block_,
                                                        all};
