@@ -278,11 +278,13 @@ TEST_CASE("reduce::reproducible's gathered exchange takes one all_gather for the
         acc.begin(calls, 2);
         for (std::size_t c = 0; c < calls; ++c) {
             for (std::size_t i = 0; i < n; ++i)
-                g[i] = static_cast<float>(i % 7) + 0.5f * static_cast<float>(c + 2 * r);
+                g[i] = static_cast<float>(i % 7) +
+                       0.5f * static_cast<float>(c + 2 * static_cast<std::size_t>(r));
             if (acc.keeps_current())
                 acc.keep(std::span<float>(g), 0, n);
             acc.add(std::span<const float>(g));
-            acc.add_loss(0.25 * static_cast<double>(c + 1 + 2 * r), nullptr);
+            acc.add_loss(0.25 * static_cast<double>(c + 1 + 2 * static_cast<std::size_t>(r)),
+                         nullptr);
         }
         acc.exchange(comm, std::span<const float>(g));
         double own = 0;

@@ -157,11 +157,12 @@ public:
         gathered_ = !combined_ && n_ > 0 && replicas_ * max_calls <= gather_values_ / n_;
         if (gathered_) {
             stride_ = 2 * max_calls;
-            // This replica's region: its chunks, a value of padding where T is narrower than a
-            // double and the chunk values are odd in number, then its loss terms (doubles).
-            constexpr std::size_t per_double = sizeof(double) / sizeof(T);
-            terms_at_ = max_calls * n_ + (max_calls * n_) % per_double;
-            region_ = terms_at_ + stride_ * per_double;
+            // This replica's region: its chunks, padding up to a double's boundary (one float
+            // when the chunk values are odd in number), then its loss terms (doubles).
+            const std::size_t values_bytes = max_calls * n_ * sizeof(T);
+            terms_at_ =
+                (values_bytes + sizeof(double) - 1) / sizeof(double) * sizeof(double) / sizeof(T);
+            region_ = terms_at_ + stride_ * sizeof(double) / sizeof(T);
             grow(recv_, replicas_ * region_);
             zero(sys_, recv_.span().subspan(rank_ * region_ + calls * n_,
                                             terms_at_ - calls * n_)); // zeros past its calls
