@@ -801,7 +801,6 @@ void check_float16(C& comm, suite_report& rep, const suite_options& opt) {
     }
 }
 
-/// Every collective for one element type.
 /// all_to_all_others for every block count: block r != rank() of the result is block rank() of
 /// rank r's input, and the own block keeps what recv held before (a sentinel), untouched.
 template <class T, all_to_all_others_communicator C>
@@ -835,6 +834,7 @@ void check_all_to_all_others(C& comm, suite_report& rep, const std::vector<std::
     }
 }
 
+/// Every collective for one element type.
 template <class T, communicator C>
 void check_type(C& comm, suite_report& rep, const suite_options& opt, bool with_large) {
     std::vector<std::size_t> counts{0, 1, 1009, opt.medium_count};
