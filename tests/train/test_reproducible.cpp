@@ -19,6 +19,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
 
 using namespace lockstep_test;
 
@@ -162,6 +165,75 @@ TEMPLATE_TEST_CASE("reduce::reproducible: a non-finite gradient skips the step o
     for (std::size_t r = 0; r < 3; ++r) {
         CHECK(skipped[r] == 1);
         CHECK(after[r] == before[r]);
+    }
+}
+
+namespace {
+
+/// What step 2 of reduce::reproducible on float throws on each of 3 replicas (37 samples in
+/// chunks of 8: replica 1 computes two chunks) when replica 1's backward of its chunk
+/// `poisoned` (0: the kept one, 1: the last one, which stays in the gradient) makes a gradient
+/// element NaN; "" where nothing was thrown. Step 1 is clean and must not throw.
+template <class Reduce, bool Wrapped>
+std::vector<std::string> poisoned_chunk_messages(int poisoned) {
+    std::vector<std::string> what(3);
+    const auto body = [&](auto& comm) {
+        using C = std::remove_reference_t<decltype(comm)>;
+        using net = mlp<float, C, storage::registry, repro_bn>;
+        data_parallel<net, optim::sgd<float>, sync::synchronous, Reduce, C> dp(
+            comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.1f},
+            {.skip_non_finite = false, .seed = 1});
+        int call = 0;
+        bool poison = false;
+        const auto fn = [&](net& n, const shard_range& range, auto& ctx) {
+            n.poison = poison && comm.rank() == 1 && call == poisoned;
+            ++call;
+            return n.train(range, ctx);
+        };
+        const auto r = static_cast<std::size_t>(comm.rank());
+        try {
+            dp.step(37, fn);
+            call = 0;
+            poison = true;
+            dp.step(37, fn);
+        } catch (const error& e) {
+            what[r] = e.what();
+        }
+    };
+    thread_group group(3);
+    group.run([&](thread_communicator& inner) {
+        if constexpr (Wrapped) {
+            testing::counting_communicator<thread_communicator> comm(inner);
+            body(comm);
+        } else {
+            body(inner);
+        }
+    });
+    return what;
+}
+
+} // namespace
+
+// On the host in float the step counts this replica's non-finite chunk values only where the
+// flags of its keep and last-chunk passes saw one; a NaN in either kind of chunk must still be
+// named as replica 1's. The thread group sums through all_combine; the counting wrapper has no
+// all_combine, so the same policies take the gathered exchange (repro_reduce) and the blocks
+// exchange (repro_blocks).
+TEMPLATE_TEST_CASE("reduce::reproducible names the replica of a NaN in a kept or a last chunk",
+                   "[train][reproducible][thread]", repro_reduce, repro_blocks) {
+    for (int poisoned : {0, 1}) {
+        for (const auto& what : {poisoned_chunk_messages<TestType, false>(poisoned),
+                                 poisoned_chunk_messages<TestType, true>(poisoned)}) {
+            for (std::size_t r = 0; r < 3; ++r) {
+                INFO("chunk " << poisoned << " of replica 1 poisoned; replica " << r << ": "
+                              << what[r]);
+                CHECK_THAT(what[r],
+                           Catch::Contains("1 non-finite gradient element(s) on replica 1"));
+                CHECK_THAT(what[r], !Catch::Contains("on replica 0") &&
+                                        !Catch::Contains("on replica 2") &&
+                                        !Catch::Contains("overflowed"));
+            }
+        }
     }
 }
 

@@ -1,6 +1,6 @@
 // lockstep/kernels/detail/anchored_keep_host.hpp: the host's copies that keep a chunk's float
 // gradient (leaving zeros behind where asked) while flagging the tiles that hold a non-finite
-// value, and the own check
+// value, the same flags for a chunk left in place, and the own check
 // (anchored_own_check_fn) over the flagged tiles only. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
@@ -106,6 +106,28 @@ struct anchored_keep_tiles_fn {
     /// The tasks of [first, end). requires: first < end.
     static std::size_t tasks(std::size_t first, std::size_t end) noexcept {
         return (end - 1) / anchored_keep_tile - first / anchored_keep_tile + 1;
+    }
+};
+
+/// Task k: flags[t] = 1 for keep tile t = first / anchored_keep_tile + k when one of the
+/// elements of src inside [first, end) there is not finite (left as it is otherwise): the
+/// flags of anchored_keep_tiles_fn for a chunk that stays where the backward wrote it (the
+/// last one), read while the backward may still hold it in the caches. Tasks: as
+/// anchored_keep_tiles_fn::tasks. Host only.
+struct anchored_flag_tiles_fn {
+    const float* src;
+    std::size_t first;
+    std::size_t end;
+    unsigned char* flags;
+    void operator()(std::size_t k) const {
+        const std::size_t t = first / anchored_keep_tile + k;
+        const std::size_t b = std::max(t * anchored_keep_tile, first);
+        const std::size_t e = std::min((t + 1) * anchored_keep_tile, end);
+        std::uint32_t high = 0; // bit 31 set by an exponent field of all ones
+        for (std::size_t i = b; i < e; ++i)
+            high |= (std::bit_cast<std::uint32_t>(src[i]) & 0x7f800000u) + 0x00800000u;
+        if ((high >> 31) != 0)
+            flags[t] = 1;
     }
 };
 

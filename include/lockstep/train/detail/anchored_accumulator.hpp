@@ -106,9 +106,10 @@ struct gathered_loss_fn {
 /// Order-independent sums of n gradient elements (kernels/anchored_sum.hpp: fixed point
 /// anchored at each element's largest exponent) and one loss (kernels/exact_sum.hpp: binned)
 /// over the replicas of a communicator with all_to_all, on System. Per step: begin(calls,
-/// max_calls); per chunk keep() (every chunk but the last, in parts, which leaves g zero for
-/// the next), add() and add_loss(); exchange() (collective); check_local() (this replica's own
-/// non-finite chunk values, for its checks); finalize() (collective). Each element's sum is
+/// max_calls); per chunk take() in parts (keep() of every chunk but the last, which leaves g
+/// zero for the next; flags of the last), add() and add_loss(); exchange() (collective);
+/// check_local() (this replica's own non-finite chunk values, for its checks; own_values_finite()
+/// says when there are none); finalize() (collective). Each element's sum is
 /// formed from all of its values in one place, so no partial sum is rounded and the bits do not
 /// depend on the replica count, nor on which of the three exchanges a step takes:
 /// - combined, at every size, on a communicator with all_combine (the thread group) when
@@ -153,6 +154,7 @@ public:
         max_calls_ = max_calls;
         added_ = 0;
         kept_ = 0;
+        scanned_ = 0;
         losses_added_ = 0;
         gathered_ = !combined_ && n_ > 0 && replicas_ * max_calls <= gather_values_ / n_;
         if (gathered_) {
@@ -215,6 +217,46 @@ public:
         else
             run(count, keep_zero_fn<T>{g.data() + first, dst + first}, count);
         kept_ += count;
+    }
+    /// Elements [first, first + count) of the chunk being computed are final in g: keep() for
+    /// a kept chunk; of the last chunk, which stays in g, the host's float passes flag the keep
+    /// tiles that hold a non-finite value (anchored_flag_tiles_fn) while the backward may still
+    /// hold them in the caches, for own_values_finite(). requires: as keep(), but for any chunk.
+    void take(std::span<T> g, std::size_t first, std::size_t count) {
+        if (keeps_current()) {
+            keep(g, first, count);
+            return;
+        }
+        LOCKSTEP_REQUIRE(first <= n_ && count <= n_ - first && count <= n_ - scanned_,
+                         errc::internal, static_cast<int>(rank_), "reduce::reproducible.take",
+                         "elements [", first, ", ", first + count, ") of the last chunk (",
+                         scanned_, " of ", n_, " taken)");
+        if constexpr (host_float) {
+            if (count == 0 || gathered_) // gathered: add() flags the last chunk as it copies it
+                return;
+            run(kernels::detail::anchored_keep_tiles_fn::tasks(first, first + count),
+                kernels::detail::anchored_flag_tiles_fn{g.data(), first, first + count,
+                                                        flags_.data()},
+                count);
+            scanned_ += count;
+        }
+    }
+    /// Whether this replica's chunk values are known to be finite without reading them again:
+    /// on the host in float, when every element of every chunk was flagged (kept, or taken from
+    /// the last one) and no keep tile was flagged; elsewhere false. Then check_local leaves g as
+    /// it is, and counting g's non-finite values would find none.
+    bool own_values_finite() const noexcept {
+        if constexpr (host_float) {
+            if (added_ != calls_ || (!gathered_ && scanned_ != n_))
+                return false;
+            const unsigned char* f = flags_.data();
+            for (std::size_t t = 0; t < keep_tiles(); ++t)
+                if (f[t] != 0)
+                    return false;
+            return true;
+        } else {
+            return false;
+        }
     }
     /// Ends the chunk being computed, whose gradient is in g (n values): a kept chunk must have
     /// been kept whole by keep(); the last one stays in g until finalize (gathered: also copied
@@ -443,7 +485,8 @@ private:
     std::size_t max_calls_ = 1;
     bool gathered_ = false;
     std::size_t added_ = 0;
-    std::size_t kept_ = 0; ///< elements of the current chunk kept
+    std::size_t kept_ = 0;    ///< elements of the current chunk kept
+    std::size_t scanned_ = 0; ///< host float, not gathered: elements of the last chunk flagged
     std::size_t losses_added_ = 0;
     std::size_t stride_ = 0;   ///< doubles per replica in the small all_gather
     std::size_t terms_at_ = 0; ///< gathered: where a replica's loss terms start in its region

@@ -23,7 +23,9 @@ namespace lockstep::detail {
 /// chunk's gradient but the last, each tensor as the backward marks it ready (which leaves zeros
 /// for the next chunk: step_stages::forward_backward_chunks), and each chunk's loss. The chunk
 /// values are exchanged (gathered to every replica, or each block of elements to its owner by
-/// all_to_all), this replica's own chunk values checked (non-finite counts name the replica), the
+/// all_to_all), this replica's own chunk values checked (non-finite counts name the replica; on
+/// the host in float only where the keep passes and a pass over the last chunk as the backward
+/// marks it ready flagged a non-finite value), the
 /// sums formed in fixed point anchored at each element's largest exponent and rounded once (on
 /// every replica, or by each block's owner followed by an all_gather of the blocks) into the
 /// gradient, and the step continues as the synchronous one (status all_reduce, skip decision,
@@ -66,7 +68,7 @@ public:
         double* chunk_loss = acc.chunk_loss();
         s.forward_backward_chunks(
             global, C, fn, chunk_loss,
-            [&](std::size_t first, std::size_t count) { acc.keep(grads, first, count); },
+            [&](std::size_t first, std::size_t count) { acc.take(grads, first, count); },
             [&](double host_loss) {
                 acc.add(std::span<const T>(grads));
                 acc.add_loss(host_loss, chunk_loss);
@@ -77,7 +79,10 @@ public:
         // same for every replica count.
         double* own_loss = acc.own_loss();
         acc.check_local(grads, own_loss);
-        s.check_pieces();
+        if (acc.own_values_finite())
+            s.clear_pieces(); // what counting g would find: nothing
+        else
+            s.check_pieces();
         double* global_loss = acc.global_loss();
         acc.finalize(s.core().comm(), grads, global_loss);
         s.reducer().count_step();

@@ -176,6 +176,10 @@ public:
                          false);
     }
 
+    /// Every piece's tiles as check_piece leaves them where no element is NaN or infinite
+    /// (counts, first indices and squares 0), without reading the data.
+    void clear_pieces(const System& sys) { zero(sys, pre_.span()); }
+
     /// After every piece was checked: this replica's row and its part of the totals.
     void finish_local(const System& sys, double loss, double global_batch, double lr,
                       step_totals* totals, replica_row* row) {

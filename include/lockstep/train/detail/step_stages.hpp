@@ -109,14 +109,15 @@ public:
     /// replica computes (reproducible_chunks: a contiguous run; a replica without chunks calls fn
     /// once with an empty range, so the network's layers take part in the step), each on zeroed
     /// gradients with scale = 1 / global and its loss in *chunk_loss (zeroed first). Of every
-    /// chunk but the last, `keep(first, count)` takes each part of the flat gradient once, as it
-    /// is final, and leaves it zero: with a registry network, each tensor as ctx.mark_ready
-    /// marks it (while the backward may still hold it in the caches) and every element not
-    /// marked after fn returns (chunk_ready.hpp), and the next chunk starts on those zeros; with
-    /// a visitor network, the whole packed buffer after fn. After each chunk `add(host loss)`.
-    template <class Fn, class Keep, class Add>
+    /// chunk, `take(first, count)` takes each part of the flat gradient once, as it is final:
+    /// with a registry network, each tensor as ctx.mark_ready marks it (while the backward may
+    /// still hold it in the caches) and every element not marked after fn returns
+    /// (chunk_ready.hpp); with a visitor network, the whole packed buffer after fn, of every
+    /// chunk but the last. Of every chunk but the last, take leaves the part zero, and the next
+    /// chunk starts on those zeros. After each chunk `add(host loss)`.
+    template <class Fn, class Take, class Add>
     void forward_backward_chunks(std::size_t global, std::size_t chunk, Fn& fn, double* chunk_loss,
-                                 Keep&& keep, Add&& add) {
+                                 Take&& take, Add&& add) {
         auto& ctx = core_.context();
         const shard_range mine = reproducible_chunks(global, chunk, rank(), replicas());
         const step_scope scope(ctx, chunk_loss, &layer_step_);
@@ -142,10 +143,8 @@ public:
                 thrust::fill(policy, chunk_loss, chunk_loss + 1, 0.0);
             });
             if constexpr (!Core::uses_visitor) {
-                if (kept) {
-                    ready.reset();
-                    ctx.set_ready_hook([&](std::size_t t) { ready.mark(t, keep); });
-                }
+                ready.reset();
+                ctx.set_ready_hook([&](std::size_t t) { ready.mark(t, take); });
             }
             double host_loss = 0;
             if constexpr (std::is_void_v<decltype(fn(core_.network(), r, ctx))>)
@@ -153,13 +152,12 @@ public:
             else
                 host_loss = static_cast<double>(fn(core_.network(), r, ctx));
             core_.pack_grads();
-            if (kept) {
-                if constexpr (Core::uses_visitor) {
-                    keep(std::size_t{0}, core_.grads().size());
-                } else {
-                    ctx.set_ready_hook({});
-                    ready.rest(keep);
-                }
+            if constexpr (Core::uses_visitor) {
+                if (kept)
+                    take(std::size_t{0}, core_.grads().size());
+            } else {
+                ctx.set_ready_hook({});
+                ready.rest(take);
             }
             add(host_loss);
         }
@@ -182,6 +180,9 @@ public:
         for (std::size_t k = 0; k < plan.size(); ++k)
             checks_.check_piece(system(), std::span<const T>(core_.grads()), k, plan[k]);
     }
+    /// What check_pieces leaves when the gradient holds no non-finite value, without reading
+    /// it (the caller knows: reduce::reproducible's flags).
+    void clear_pieces() { checks_.clear_pieces(system()); }
 
     /// grads *= 1 / loss scale (loss scaling on).
     void unscale() { scaler_.unscale(core_.grads()); }
