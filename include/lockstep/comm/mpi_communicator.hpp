@@ -413,10 +413,11 @@ public:
 
     /// Rank r receives counts[r] elements: recv[i] = op over replicas of send[offset + i],
     /// offset = counts[0] + ... + counts[rank() - 1] (MPI_Ireduce_scatter_block when every count
-    /// is equal, else MPI_Ireduce_scatter; a send of more than 2 MiB as 1 MiB pieces, see
-    /// reduce_scatter_pieces). recv may be this replica's slice of send (in place: the result
-    /// goes through the communicator's scratch, kept between calls, since MPI_IN_PLACE means
-    /// another layout).
+    /// is equal, else MPI_Ireduce_scatter; a send of more than 2 MiB in steps of 1 MiB that
+    /// take their share of every receiver's slice, or all_reduce pieces when one rank receives
+    /// everything, see reduce_scatter_pieces). recv may be this replica's slice of send (in
+    /// place: a small result goes through the communicator's scratch, kept between calls,
+    /// since MPI_IN_PLACE means another layout).
     /// requires: counts has size() entries summing to send.size(), equal on every replica
     /// (verified through a hash of the counts in the signature); recv.size() == counts[rank()];
     /// recv this replica's slice of send or disjoint from it (an empty recv may point anywhere,
@@ -463,7 +464,7 @@ public:
         }
         // Whether to cut pieces depends on send.size() only, the same on every replica.
         if (send.size_bytes() > 2 * piece_bytes) {
-            reduce_scatter_pieces(send, recv, counts, layout.offset, in_place, op);
+            reduce_scatter_pieces(send, recv, counts, op);
             return;
         }
         // In place, the result lands in this communicator's scratch (kept between calls: no
@@ -665,13 +666,13 @@ private:
         scratch_bytes_ = std::exchange(o.scratch_bytes_, 0);
     }
 
-    /// The piece of send one step of a large reduce_scatter hands to MPI (sends over twice as
-    /// large are cut). Above MPICH's long-message threshold (512 KiB, where it switches from
-    /// recursive halving to pairwise exchange), small enough that the piece, MPI's own buffers
-    /// and a staged result stay in cache. On 2 local ranks (MPICH 4.0), 26 MB with one owner:
-    /// 1 MiB pieces 7.3 ms in place (through the scratch) against 9.9 ms as one call through a
-    /// staging buffer of the whole result and 8.0 ms as one call out of place; 256 KiB pieces
-    /// 18 ms, 2 MiB pieces 7.5-7.9 ms.
+    /// The bytes one step of a large reduce_scatter hands to MPI (sends over twice as large are
+    /// cut, see reduce_scatter_pieces): above MPICH's long-message threshold (512 KiB, where it
+    /// switches from recursive halving to pairwise exchange), small enough that the piece and
+    /// MPI's own buffers stay in cache. On 2 local ranks (MPICH 4.0, 25.6 M floats split evenly,
+    /// medians of 9): 1 MiB pieces that take their share of every rank's slice 19.8 ms (512 KiB
+    /// 20.1, 2 MiB 21.0), against 43 ms for 1 MiB pieces cut from send in order (each then has
+    /// one receiver) and 25.7 ms for all_reduce's 2 MiB pieces.
     static constexpr std::size_t piece_bytes = std::size_t(1) << 20;
     /// all_reduce cuts a buffer of more than 2 pieces into pieces of this many bytes, one
     /// MPI_Iallreduce each, so that a piece and MPI's own buffers stay in cache. Raw
@@ -686,49 +687,47 @@ private:
         return n * sizeof(T) > 2 * all_reduce_piece_bytes ? piece : n;
     }
 
-    /// A large reduce_scatter (checks done by the caller; recv starts at `offset` of send when
-    /// in place): contiguous pieces of send, each a reduce-scatter whose counts are the piece's
-    /// overlap with every rank's slice (rank order is kept, so the piece is a valid send). Out of
-    /// place a piece's result goes straight into recv; in place it is staged in the scratch and
-    /// copied into recv while still in cache (MPI_IN_PLACE would put it at the start of the
-    /// piece). Every replica cuts the same pieces: the counts are equal everywhere.
+    /// A large reduce_scatter (checks done by the caller), in steps that each carry a piece of
+    /// at most piece_bytes, shared out over the ranks that receive: step k takes elements
+    /// [k per, (k + 1) per) of every receiver's slice (fewer where a slice ends), copies them in
+    /// rank order into the scratch (while in cache) and reduce-scatters that, so every receiver
+    /// sums in every step (a slice that spans one piece per step when a single rank receives,
+    /// as in ZeRO's buckets that lie in one shard). send is only read, so in place needs nothing
+    /// more. Every replica cuts the same steps: the counts are equal everywhere.
     template <class T>
     void reduce_scatter_pieces(std::span<const T> send, std::span<T> recv,
-                               std::span<const std::size_t> counts, std::size_t offset,
-                               bool in_place, reduce_op op) {
-        const std::size_t piece = std::max<std::size_t>(1, piece_bytes / sizeof(T));
-        T* staged = in_place ? scratch<T>(std::min(piece, recv.size())) : nullptr;
-        // MPI refuses a receive buffer that aliases send even for zero elements: a piece with
-        // nothing for this rank gets the scratch (in place; recv is not empty then), recv
-        // (disjoint from send) or, when recv is empty, a distinct never-written address.
+                               std::span<const std::size_t> counts, reduce_op op) {
+        const std::size_t ranks = counts.size();
+        std::size_t receivers = 0, largest = 0;
+        std::vector<std::size_t> starts(ranks);
+        for (std::size_t r = 0, at = 0; r < ranks; at += counts[r], ++r) {
+            starts[r] = at;
+            largest = std::max(largest, counts[r]);
+            if (counts[r] != 0)
+                ++receivers;
+        }
+        const std::size_t per = std::max<std::size_t>(1, piece_bytes / sizeof(T) / receivers);
+        T* staged = scratch<T>(per * ranks);
+        // MPI refuses a receive buffer that aliases send even for zero elements: a step with
+        // nothing for this rank hands over a distinct, never written address.
         T unused{};
-        std::vector<int> piece_counts(counts.size());
-        for (std::size_t lo = 0; lo < send.size(); lo += piece) {
-            const std::size_t hi = std::min(send.size(), lo + piece);
-            std::size_t start = 0;
-            for (std::size_t r = 0; r < counts.size(); ++r) {
-                const std::size_t end = start + counts[r];
-                const std::size_t a = std::max(lo, start);
-                const std::size_t b = std::min(hi, end);
-                piece_counts[r] = b > a ? static_cast<int>(b - a) : 0;
-                start = end;
+        std::vector<int> piece_counts(ranks);
+        for (std::size_t lo = 0; lo < largest; lo += per) {
+            std::size_t total = 0;
+            for (std::size_t r = 0; r < ranks; ++r) {
+                const std::size_t c = counts[r] > lo ? std::min(per, counts[r] - lo) : 0;
+                piece_counts[r] = static_cast<int>(c);
+                const T* from = send.data() + starts[r] + lo;
+                std::copy(from, from + c, staged + total);
+                total += c;
             }
-            const auto mine =
-                static_cast<std::size_t>(piece_counts[static_cast<std::size_t>(rank_)]);
-            // Where this rank's part of the piece belongs in recv (meaningful when mine > 0).
-            const std::size_t at = std::max(lo, offset) - offset;
-            T* out = in_place       ? staged
-                     : mine != 0    ? recv.data() + at
-                     : recv.empty() ? &unused
-                                    : recv.data();
+            const bool mine = piece_counts[static_cast<std::size_t>(rank_)] != 0;
             MPI_Request req = MPI_REQUEST_NULL;
-            call(MPI_Ireduce_scatter(send.data() + lo, out, piece_counts.data(),
+            call(MPI_Ireduce_scatter(staged, mine ? recv.data() + lo : &unused, piece_counts.data(),
                                      detail::mpi_type<T>::datatype(), detail::to_mpi_op<T>(op),
                                      comm_, &req),
                  "MPI_Ireduce_scatter", send.size());
-            finish(req, "MPI_Ireduce_scatter", send.size(), (hi - lo) * sizeof(T));
-            if (in_place && mine != 0)
-                std::copy(staged, staged + mine, recv.begin() + static_cast<std::ptrdiff_t>(at));
+            finish(req, "MPI_Ireduce_scatter", send.size(), total * sizeof(T));
         }
     }
 
