@@ -4,16 +4,14 @@
 
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/communicator.hpp"
-#include "lockstep/comm/detail/mpi_exit_guard.hpp"
 #include "lockstep/comm/detail/mpi_float16.hpp"
-#include "lockstep/comm/detail/mpi_progress.hpp"
+#include "lockstep/comm/detail/mpi_handle.hpp"
 #include "lockstep/comm/detail/mpi_signature.hpp"
 #include "lockstep/comm/detail/mpi_types.hpp"
 #include "lockstep/comm/detail/scatter_counts.hpp"
 #include "lockstep/comm/detail/span_checks.hpp"
 #include "lockstep/comm/flight_recorder.hpp"
 #include "lockstep/comm/mpi_environment.hpp"
-#include "lockstep/comm/timeout.hpp"
 #include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
@@ -39,28 +37,6 @@
 #include <mpi.h>
 
 namespace lockstep {
-
-/// What an mpi_communicator does once a wait timed out or an MPI call failed inside an
-/// operation (the communicator is broken either way).
-enum class mpi_failure_action {
-    abort,      ///< print the error to stderr and end the job (MPI_Abort on MPI_COMM_WORLD)
-    throw_error ///< throw the error; the caller must end the job (e.g. abort(e))
-};
-
-/// Runtime options of mpi_communicator.
-struct mpi_communicator_params {
-    bool verify = true; ///< exchange a signature before each collective (see mpi_communicator)
-    /// How long one MPI operation may wait for the peers (default: LOCKSTEP_TIMEOUT seconds
-    /// when set, else 300 s). requires: > 0.
-    std::chrono::milliseconds timeout = default_timeout(std::chrono::seconds(300));
-    /// What happens after a timeout or an MPI failure inside an operation.
-    mpi_failure_action on_failure = mpi_failure_action::abort;
-    /// With verification: whether collectives without a collective_tag name compare their call
-    /// sites, so two calls of the same collective and shape issued in another order (or one
-    /// skipped) are an error instead of a wrong value (see collective_tag). Every replica must
-    /// use the same value. Default: the environment variable LOCKSTEP_CHECK_CALL_SITES=1.
-    bool check_call_sites = default_check_call_sites();
-};
 
 /// A communicator whose replicas are the processes of an MPI communicator (one replica per
 /// process, within a node or across nodes). Models lockstep::communicator,
@@ -131,7 +107,10 @@ struct mpi_communicator_params {
 /// collective should call `abort(e)` (it prints the error and calls MPI_Abort on
 /// MPI_COMM_WORLD); otherwise its peers fail only when their timeout passes. A replica that
 /// calls exit() while a communicator lives aborts the job the same way (see mpi_environment).
-class mpi_communicator {
+///
+/// What every operation stands on (the owned communicators, verification, waits, failure
+/// state and flight recorder) is its base, detail::mpi_handle (comm/detail/mpi_handle.hpp).
+class mpi_communicator : public detail::mpi_handle {
 public:
     using system_type = host_system;
     using params = mpi_communicator_params;
@@ -142,85 +121,7 @@ public:
     /// become lockstep::error (errc::mpi) instead of aborting. A process of comm that does not
     /// construct its communicator within p.timeout makes this fail with errc::timeout (by
     /// p.on_failure: abort, or throw).
-    explicit mpi_communicator(MPI_Comm comm, params p = {}) : params_(p) {
-        int initialized = 0;
-        LOCKSTEP_MPI_CHECK(MPI_Initialized(&initialized));
-        LOCKSTEP_REQUIRE(initialized, errc::invalid_argument, -1, "mpi_communicator",
-                         "MPI is not initialised: create a lockstep::mpi_environment first");
-        LOCKSTEP_REQUIRE(comm != MPI_COMM_NULL, errc::invalid_argument, -1, "mpi_communicator",
-                         "comm is MPI_COMM_NULL");
-        LOCKSTEP_REQUIRE(p.timeout.count() > 0, errc::invalid_argument, -1, "mpi_communicator",
-                         "timeout ", p.timeout.count(), " ms must be positive");
-        // Nonblocking, so that a process that never joins makes this a timeout, not a hang.
-        MPI_Request dup = MPI_REQUEST_NULL;
-        LOCKSTEP_MPI_CHECK(MPI_Comm_idup(comm, &comm_, &dup));
-        bool done = false;
-        LOCKSTEP_MPI_CHECK(
-            detail::mpi_poll([&](int& flag) { return MPI_Test(&dup, &flag, MPI_STATUS_IGNORE); },
-                             detail::mpi_clock::now() + p.timeout, control_, 0, done));
-        if (!done) {
-            const error e(errc::timeout, -1, "mpi_communicator",
-                          detail::concat("MPI_Comm_idup did not complete within ",
-                                         p.timeout.count(),
-                                         " ms: a process of the communicator did not construct "
-                                         "its mpi_communicator"));
-            if (p.on_failure == mpi_failure_action::abort)
-                abort(e);
-            throw e;
-        }
-        try {
-            setup();
-            // The cores of a node are shared by every process on it that this group knows of.
-            MPI_Comm node = MPI_COMM_NULL;
-            LOCKSTEP_MPI_CHECK(
-                MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
-            LOCKSTEP_MPI_CHECK(MPI_Comm_size(node, &node_ranks_));
-            LOCKSTEP_MPI_CHECK(MPI_Comm_free(&node));
-        } catch (...) {
-            release();
-            throw;
-        }
-    }
-    mpi_communicator(const mpi_communicator&) = delete;
-    mpi_communicator& operator=(const mpi_communicator&) = delete;
-    mpi_communicator(mpi_communicator&& o) noexcept { take(o); }
-    mpi_communicator& operator=(mpi_communicator&& o) noexcept {
-        if (this != &o) {
-            release();
-            take(o);
-        }
-        return *this;
-    }
-    ~mpi_communicator() { release(); }
-
-    int rank() const noexcept { return rank_; }
-    int size() const noexcept { return size_; }
-    /// A host_system whose thread budget is OMP_NUM_THREADS when set, else the node's cores
-    /// divided by the processes of this group on the node (for a split, those of the group it
-    /// was split from).
-    host_system system() const { return host_system(host_system::process_threads(node_ranks_)); }
-    /// The owned MPI communicator (MPI_COMM_NULL after a move).
-    MPI_Comm native() const noexcept { return comm_; }
-    /// True when the processes run on more than one node: collectives then cross a network
-    /// instead of running as shared-memory copies on the compute cores.
-    bool spans_nodes() const noexcept { return node_ranks_ < size_; }
-    bool verifying() const noexcept { return params_.verify; }
-    /// How long one MPI operation may wait for the peers.
-    std::chrono::milliseconds timeout() const noexcept { return params_.timeout; }
-    /// Sets the timeout of later operations. requires: t > 0.
-    void set_timeout(std::chrono::milliseconds t) {
-        LOCKSTEP_REQUIRE(t.count() > 0, errc::invalid_argument, rank_, "mpi_communicator",
-                         "timeout ", t.count(), " ms must be positive");
-        params_.timeout = t;
-    }
-    /// True once an operation timed out or an MPI call failed inside one: every later call
-    /// throws the first failure again.
-    bool broken() const noexcept { return broken_.has_value(); }
-    /// The number of collectives this communicator has started (the "#n" in error messages).
-    std::int64_t sequence() const noexcept { return seq_; }
-    /// This handle's record of its last collectives (flight_recorder): written to stderr and
-    /// LOCKSTEP_TRACE_DIR when an operation times out or the replicas disagree.
-    const flight_recorder& trace() const noexcept { return trace_; }
+    explicit mpi_communicator(MPI_Comm comm, params p = {}) : mpi_handle(comm, p) {}
 
     /// recv[i] = op over replicas of send[i]. send == recv runs in place (MPI_IN_PLACE). A
     /// buffer of more than 4 MiB runs as 2 MiB pieces, one MPI_Iallreduce each
@@ -605,66 +506,12 @@ public:
         return v;
     }
 
-    /// Ends every process of the job (MPI_Abort on MPI_COMM_WORLD, since peers outside this
-    /// sub-group may wait for this process too). Use when this replica cannot continue.
-    [[noreturn]] void abort(int code = 1) const noexcept {
-        MPI_Abort(MPI_COMM_WORLD, code);
-        std::abort();
-    }
-    /// Prints "lockstep: replica R of N aborting: <what>" to stderr, then abort(code).
-    [[noreturn]] void abort(const std::exception& e, int code = 1) const noexcept {
-        std::fprintf(stderr, "lockstep: replica %d of %d aborting: %s\n", rank_, size_, e.what());
-        std::fflush(stderr);
-        abort(code);
-    }
-
 private:
     // An empty handle (message_view fills it in).
     mpi_communicator() = default;
-
     // Adopts an MPI communicator made by split (already a fresh communicator: no dup).
     mpi_communicator(MPI_Comm adopted, params p, int node_ranks)
-        : comm_(adopted), params_(p), node_ranks_(node_ranks) {
-        try {
-            setup();
-        } catch (...) {
-            release();
-            throw;
-        }
-    }
-
-    void setup() {
-        LOCKSTEP_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
-        LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
-        LOCKSTEP_MPI_CHECK(MPI_Comm_size(comm_, &size_));
-        int* tag_ub = nullptr;
-        int found = 0;
-        LOCKSTEP_MPI_CHECK(MPI_Comm_get_attr(comm_, MPI_TAG_UB, &tag_ub, &found));
-        tag_ub_ = found && tag_ub != nullptr ? *tag_ub : 32767; // 32767: the standard's minimum
-        // Every replica is here (comm_ was just made collectively), so this cannot wait long.
-        MPI_Comm control = MPI_COMM_NULL;
-        LOCKSTEP_MPI_CHECK(MPI_Comm_dup(comm_, &control));
-        control_.adopt(control);
-        LOCKSTEP_MPI_CHECK(MPI_Comm_set_errhandler(control, MPI_ERRORS_RETURN));
-    }
-
-    void take(mpi_communicator& o) noexcept {
-        comm_ = std::exchange(o.comm_, MPI_COMM_NULL);
-        owns_ = o.owns_;
-        control_.take(o.control_);
-        params_ = o.params_;
-        rank_ = o.rank_;
-        size_ = o.size_;
-        node_ranks_ = o.node_ranks_;
-        tag_ub_ = o.tag_ub_;
-        seq_ = o.seq_;
-        waits_ = o.waits_;
-        kind_ = o.kind_;
-        broken_ = std::move(o.broken_);
-        trace_ = std::move(o.trace_);
-        scratch_ = std::move(o.scratch_);
-        scratch_bytes_ = std::exchange(o.scratch_bytes_, 0);
-    }
+        : mpi_handle(adopted, p, node_ranks) {}
 
     /// The bytes one step of a large reduce_scatter hands to MPI (sends over twice as large are
     /// cut, see reduce_scatter_pieces): above MPICH's long-message threshold (512 KiB, where it
@@ -731,39 +578,6 @@ private:
         }
     }
 
-    /// n elements of T in the scratch (grown, never shrunk; uninitialised; valid until the next
-    /// call). Only collectives that finish before returning use it.
-    template <class T>
-    T* scratch(std::size_t n) {
-        static_assert(alignof(T) <= __STDCPP_DEFAULT_NEW_ALIGNMENT__);
-        const std::size_t bytes = n * sizeof(T);
-        if (bytes > scratch_bytes_) {
-            scratch_.reset(new std::byte[bytes]);
-            scratch_bytes_ = bytes;
-        }
-        return reinterpret_cast<T*>(scratch_.get());
-    }
-    void release() noexcept {
-        control_.adopt(MPI_COMM_NULL);
-        if (comm_ == MPI_COMM_NULL || !owns_) {
-            comm_ = MPI_COMM_NULL;
-            return;
-        }
-        int finalized = 0;
-        MPI_Finalized(&finalized);
-        if (!finalized)
-            MPI_Comm_free(&comm_);
-        comm_ = MPI_COMM_NULL;
-    }
-
-    template <class T>
-    static constexpr void check_type() {
-        static_assert(detail::is_mpi_element<T>,
-                      "mpi_communicator carries float, double, int, std::int64_t, std::uint8_t, "
-                      "lockstep::half and lockstep::bfloat16 elements; convert other types to "
-                      "one of these first.");
-    }
-
     // half and bfloat16 (detail/mpi_float16.hpp): out = this replica's slice of the rank-order
     // fold of every replica's send, after an MPI_Ialltoallv of the slices. requires: p.mine
     // elements at out; total = send's size > 0.
@@ -814,128 +628,6 @@ private:
             finish(req, "MPI_Igatherv", count, c * sizeof(W));
         }
     }
-    template <class A, class B>
-    static bool disjoint(std::span<A> a, std::span<B> b) noexcept {
-        const auto a0 = reinterpret_cast<std::uintptr_t>(a.data()), a1 = a0 + a.size_bytes();
-        const auto b0 = reinterpret_cast<std::uintptr_t>(b.data()), b1 = b0 + b.size_bytes();
-        return a1 <= b0 || b1 <= a0;
-    }
-    // Calls f(offset, count) over [0, n) in pieces of at most `most` elements that MPI's int
-    // counts can describe (once for 0).
-    template <class F>
-    static void for_each_chunk(std::size_t n, F&& f) {
-        for_each_chunk(n, std::numeric_limits<int>::max(), std::forward<F>(f));
-    }
-    template <class F>
-    static void for_each_chunk(std::size_t n, std::size_t most, F&& f) {
-        const std::size_t max_chunk =
-            std::min<std::size_t>(std::max<std::size_t>(1, most), std::numeric_limits<int>::max());
-        std::size_t at = 0;
-        do {
-            const std::size_t c = std::min(n - at, max_chunk);
-            f(at, static_cast<int>(c));
-            at += c;
-        } while (at < n);
-    }
-
-    // "all_reduce #12": the collective in progress and its sequence number.
-    std::string name() const { return detail::mpi_operation_name(kind_, seq_); }
-    detail::mpi_clock::time_point deadline() const {
-        return detail::mpi_clock::now() + params_.timeout;
-    }
-
-    // Throws the first failure again once the communicator is broken.
-    void require_usable(const std::string& op) const {
-        LOCKSTEP_REQUIRE(comm_ != MPI_COMM_NULL, errc::invalid_argument, rank_, op,
-                         "the communicator was moved from");
-        if (broken_)
-            fail(broken_->code(), rank_, op,
-                 "the communicator is broken since an earlier failure: ", broken_->what());
-    }
-
-    // Starts collective number seq_ + 1; with verification, exchanges the signature and throws
-    // on every replica when they disagree. A replica whose own arguments failed (ok == false)
-    // returns so that the caller throws its precise error; the others throw peer_failure.
-    // Returns the flight recorder's scope of the collective: the caller keeps it until it ends.
-    [[nodiscard]] flight_recorder::scope begin(detail::mpi_collective kind, std::size_t count,
-                                               std::int64_t type, int root, reduce_op op, bool ok,
-                                               std::span<const std::size_t> counts = {},
-                                               collective_tag tag = {}) {
-        require_usable(std::string(detail::to_string(kind)));
-        ++seq_;
-        kind_ = kind;
-        const bool rooted =
-            kind == detail::mpi_collective::broadcast || kind == detail::mpi_collective::reduce;
-        flight_recorder::scope traced(
-            trace_,
-            trace_.record(detail::to_string(kind).data(), static_cast<std::uint64_t>(seq_),
-                          detail::mpi_type_name(type).data(), count, rooted ? root : -1),
-            static_cast<std::uint64_t>(seq_));
-        if (!params_.verify)
-            return traced;
-        detail::mpi_signature mine;
-        mine.value = {static_cast<std::int64_t>(kind),
-                      seq_,
-                      static_cast<std::int64_t>(std::min<std::size_t>(
-                          count, std::size_t(std::numeric_limits<std::int64_t>::max()))),
-                      type,
-                      root,
-                      static_cast<std::int64_t>(op),
-                      ok ? 1 : 0,
-                      kind == detail::mpi_collective::reduce_scatter ? detail::counts_hash(counts)
-                                                                     : 0,
-                      tag.id(params_.check_call_sites)};
-        auto v = detail::mpi_signature_pack(mine);
-        MPI_Request req = MPI_REQUEST_NULL;
-        call(MPI_Iallreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_INT64_T,
-                            MPI_MAX, comm_, &req),
-             "MPI_Iallreduce (verify)", count);
-        finish(req, "MPI_Iallreduce (verify)", count, 0);
-        const auto range = detail::mpi_signature_unpack(v);
-        const std::string calls =
-            detail::mpi_calls_differ(range) ? gather_calls(mine, tag) : std::string();
-        if (ok) {
-            try {
-                detail::require_agreement(mine, range, rank_, detail::describe_counts(counts),
-                                          calls);
-            } catch (const error& e) {
-                trace_.fail_newest();
-                if (!flight_recorder::dumps_on(e.code()))
-                    throw;
-                throw flight_recorder::with_trace(e, trace_.dump(rank_, size_, e.what()));
-            }
-        }
-        return traced;
-    }
-
-    // After a mismatch of collectives or tags (so on every replica): every replica's call,
-    // "replica 0 called all_gather #7 (4 float), replica 1 called all_reduce #7 (...)".
-    std::string gather_calls(const detail::mpi_signature& mine, collective_tag tag) {
-        constexpr std::size_t w = detail::mpi_call_text_bytes;
-        std::vector<char> text(w * static_cast<std::size_t>(size_), '\0');
-        const std::string own =
-            detail::mpi_describe_call(mine, tag.identity(params_.check_call_sites),
-                                      tag.by_site(params_.check_call_sites))
-                .substr(0, w - 1);
-        std::copy(own.begin(), own.end(), text.begin() + static_cast<std::ptrdiff_t>(w * rank_));
-        MPI_Request req = MPI_REQUEST_NULL;
-        call(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, text.data(), static_cast<int>(w),
-                            MPI_CHAR, comm_, &req),
-             "MPI_Iallgather (verify)", w);
-        finish(req, "MPI_Iallgather (verify)", w, 0);
-        std::string out;
-        for (int j = 0; j < size_; ++j)
-            out += (j == 0 ? "" : ", ") + std::string("replica ") + std::to_string(j) + " called " +
-                   std::string(text.data() + w * static_cast<std::size_t>(j));
-        return out;
-    }
-
-    void ibarrier(const char* what) {
-        MPI_Request req = MPI_REQUEST_NULL;
-        call(MPI_Ibarrier(comm_, &req), what, 0);
-        finish(req, what, 0, 0);
-    }
-
     // all_to_all and all_to_all_others (kind): checks the spans, verifies the call (every
     // replica's arguments valid, the same kind and counts) and returns its trace scope; a
     // replica's own bad arguments throw errc::invalid_argument, blocks beyond INT_MAX elements
@@ -963,90 +655,6 @@ private:
         return traced;
     }
 
-    // Waits for a collective's request of `bytes` bytes per replica within the timeout; a
-    // failure or timeout breaks the communicator.
-    // With a core per process it spins about twice as long as its recent collectives waited
-    // (detail::wait_estimate, at most mpi_poll_schedule::max_adaptive_spin) before it sleeps.
-    void finish(MPI_Request& req, const char* mpi_call, std::size_t count, std::size_t bytes) {
-        bool done = false;
-        auto schedule = detail::mpi_poll_schedule::for_bytes(bytes);
-        if (node_ranks_ <= host_system::hardware_threads())
-            schedule.spin =
-                waits_.spin(schedule.spin, detail::mpi_poll_schedule::max_adaptive_spin);
-        const auto began = detail::mpi_clock::now();
-        const int rc =
-            detail::mpi_poll([&](int& flag) { return MPI_Test(&req, &flag, MPI_STATUS_IGNORE); },
-                             deadline(), control_, seq_, done, schedule);
-        call(rc, mpi_call, count);
-        if (done) {
-            waits_.record(detail::mpi_clock::now() - began,
-                          detail::mpi_poll_schedule::max_adaptive_spin);
-            return;
-        }
-        // A census of the peers: who is inside this collective, who is behind or silent.
-        const auto grace =
-            std::min<std::chrono::milliseconds>(params_.timeout, std::chrono::seconds(1));
-        const auto peers = control_.census(rank_, size_, seq_, grace);
-        std::string missing, detail_text, arrived;
-        for (int j = 0; j < size_; ++j) {
-            const auto& p = peers[static_cast<std::size_t>(j)];
-            using st = detail::mpi_peer_report::state;
-            if (p.where == st::self || p.where == st::arrived) {
-                arrived += (arrived.empty() ? "" : ", ") + std::to_string(j);
-                continue;
-            }
-            missing += (missing.empty() ? "" : ", ") + std::to_string(j);
-            detail_text += (detail_text.empty() ? "" : "; ") + std::string("replica ") +
-                           std::to_string(j) + " ";
-            if (p.where == st::silent)
-                detail_text += "did not answer within " + std::to_string(grace.count()) +
-                               " ms (busy outside this communicator, exited or failed)";
-            else
-                detail_text +=
-                    "has started " + std::to_string(p.sequence) + " collective(s)" +
-                    (p.inside ? " and waits in an operation" : " and is between operations");
-        }
-        poison(error(errc::timeout, rank_, name(),
-                     detail::concat("timed out after ", params_.timeout.count(), " ms in ",
-                                    mpi_call, "; missing replica(s) ",
-                                    missing.empty() ? std::string("unknown") : missing,
-                                    missing.empty() ? "" : " (", detail_text,
-                                    missing.empty() ? "" : ")", "; arrived: ", arrived,
-                                    " (group of ", size_, ")")));
-    }
-
-    // Marks the communicator broken with e, then aborts the job or throws e (params).
-    // A timeout also writes the flight recorder, and e then names its file.
-    [[noreturn]] void poison(error e) {
-        trace_.fail_newest();
-        if (flight_recorder::dumps_on(e.code()))
-            e = flight_recorder::with_trace(e, trace_.dump(rank_, size_, e.what()));
-        broken_ = e;
-        if (params_.on_failure == mpi_failure_action::abort)
-            abort(e);
-        throw e;
-    }
-
-    void call(int rc, const char* mpi_call, std::size_t count) {
-        if (rc != MPI_SUCCESS)
-            poison(error(errc::mpi, rank_, name(),
-                         detail::concat(mpi_call, " failed: ", detail::mpi_error_text(rc),
-                                        " (count ", count, ", group of ", size_, ")")));
-    }
-    void call_p2p(int rc, const char* op, const char* mpi_call, int peer, int tag) {
-        if (rc != MPI_SUCCESS)
-            poison(error(errc::mpi, rank_, op,
-                         detail::concat(mpi_call, " with replica ", peer, ", tag ", tag,
-                                        " failed: ", detail::mpi_error_text(rc))));
-    }
-    [[noreturn]] void p2p_timeout(const char* op, const char* mpi_call, int peer, int tag) {
-        poison(error(
-            errc::timeout, rank_, op,
-            detail::concat("timed out after ", params_.timeout.count(), " ms in ", mpi_call,
-                           " (tag ", tag, "): missing replica ",
-                           peer == MPI_ANY_SOURCE ? std::string("(any)") : std::to_string(peer),
-                           " (group of ", size_, ")")));
-    }
     template <class T>
     void check_peer(int peer, int tag, std::span<T> data, const char* op) const {
         require_usable(op);
@@ -1097,23 +705,6 @@ private:
                  "MPI_Mrecv", from, tag);
         return from;
     }
-
-    MPI_Comm comm_ = MPI_COMM_NULL;
-    bool owns_ = true; // false for a message_view
-    detail::mpi_control control_;
-    params params_{};
-    int rank_ = -1;
-    int size_ = 0;
-    int node_ranks_ = 1;
-    int tag_ub_ = 32767;
-    std::int64_t seq_ = 0;
-    detail::wait_estimate waits_; // how long its collectives wait (finish)
-    detail::mpi_collective kind_ = detail::mpi_collective::none;
-    std::optional<error> broken_;
-    detail::mpi_exit_guard exit_guard_; // exit() while this lives aborts the job
-    flight_recorder trace_{"mpi"};
-    std::unique_ptr<std::byte[]> scratch_; // reduce_scatter's in-place result (scratch())
-    std::size_t scratch_bytes_ = 0;
 };
 
 static_assert(communicator<mpi_communicator>,
