@@ -1,12 +1,12 @@
 // lockstep/comm/thread_communicator.hpp: thread_communicator, one replica thread's handle on the
 // shared-memory collectives of a thread_group. SPDX-License-Identifier: Apache-2.0
 #pragma once
-
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/detail/scatter_counts.hpp"
 #include "lockstep/comm/detail/shm_combine.hpp"
 #include "lockstep/comm/detail/shm_group.hpp"
+#include "lockstep/comm/detail/shm_handle.hpp"
 #include "lockstep/comm/detail/shm_p2p.hpp"
 #include "lockstep/comm/detail/shm_reduce.hpp"
 #include "lockstep/comm/detail/shm_sync.hpp"
@@ -70,48 +70,22 @@ class thread_group;
 ///   failure or disagreement writes it out (stderr, and LOCKSTEP_TRACE_DIR) and the error
 ///   message names the file.
 /// A handle is used by one thread at a time; it is movable, not copyable.
-class thread_communicator {
+///
+/// What every operation stands on (membership, the checked rendezvous, phases, failures
+/// and the flight recorder) is its base, detail::shm::member_handle (comm/detail/shm_handle.hpp).
+class thread_communicator : public detail::shm::member_handle {
 public:
     using system_type = host_system;
 
     /// Moves the handle, sequence numbers included. ensures: o is empty (size() == 0) and
     /// throws errc::invalid_argument from every communication call.
-    thread_communicator(thread_communicator&& o) noexcept
-        : group_(std::move(o.group_)), rank_(o.rank_), seq_(o.seq_), epoch_(o.epoch_),
-          entry_waits_(o.entry_waits_), trace_(std::move(o.trace_)) {}
+    thread_communicator(thread_communicator&& o) noexcept = default;
     /// Leaves this handle's group (as the destructor does), then takes o's handle.
-    thread_communicator& operator=(thread_communicator&& o) noexcept {
-        if (this != &o) {
-            leave();
-            group_ = std::move(o.group_);
-            rank_ = o.rank_;
-            seq_ = o.seq_;
-            epoch_ = o.epoch_;
-            entry_waits_ = o.entry_waits_;
-            trace_ = std::move(o.trace_);
-        }
-        return *this;
-    }
+    thread_communicator& operator=(thread_communicator&& o) noexcept = default;
     thread_communicator(const thread_communicator&) = delete;
     thread_communicator& operator=(const thread_communicator&) = delete;
     /// Leaves the group: peers that wait for this replica afterwards throw errc::peer_failure.
-    ~thread_communicator() { leave(); }
-
-    /// This replica's rank in the group, 0 <= rank() < size().
-    int rank() const noexcept { return rank_; }
-    /// The number of replicas in the group.
-    int size() const noexcept { return group_ ? group_->size() : 0; }
-    /// This replica's index in the whole thread_group (equals rank() unless split).
-    int replica() const noexcept { return group_ ? group_->replica_of(rank_) : -1; }
-    /// The host system of this replica: the machine's hardware threads divided by the
-    /// replicas of the whole thread_group.
-    host_system system() const { return group_ ? group_->system() : host_system(); }
-    /// True once any replica of the run has failed or the run was aborted
-    /// (thread_group::abort). Replica code that computes for long between collectives can
-    /// poll it and return early: lockstep cannot interrupt user code.
-    bool run_failed() const noexcept { return group_ && group_->context().failed(); }
-    /// This handle's record of its last collectives (see flight_recorder).
-    const flight_recorder& trace() const noexcept { return trace_; }
+    ~thread_communicator() = default;
 
     /// recv[i] = op over all replicas (in rank order) of send[i]. send may alias recv.
     /// requires: every replica passes the same count, type and op; recv.size() == send.size().
@@ -435,222 +409,8 @@ public:
 private:
     friend class thread_group;
 
-    struct session {
-        std::uint64_t seq;
-        std::uint64_t first; ///< epoch of the first phase
-        int phases;
-        int done;
-        detail::shm::op_label op;
-        flight_recorder::scope traced; ///< marks the recorded collective done or failed
-        std::chrono::steady_clock::time_point began{}; ///< when this replica's data work began
-    };
-
     thread_communicator(std::shared_ptr<detail::shm::group_state> group, int rank)
-        : group_(std::move(group)), rank_(rank) {}
-
-    void leave() noexcept {
-        if (group_)
-            group_->depart(rank_);
-        group_.reset();
-    }
-
-    void require_group(const char* op) const {
-        LOCKSTEP_REQUIRE(group_ != nullptr, errc::invalid_argument, -1, op,
-                         "this thread_communicator was moved from");
-    }
-
-    /// Point-to-point spans are checked here, before anything is copied (no peer waits on
-    /// this call, so a local error is enough).
-    template <class T>
-    void require_span(const std::string& op, std::span<T> data) const {
-        const std::string problem = detail::span_problem(data, "data");
-        LOCKSTEP_REQUIRE(problem.empty(), errc::invalid_argument, replica(), op, problem);
-    }
-
-    template <class T>
-    detail::shm::call_record record(detail::shm::collective_kind kind, std::size_t count,
-                                    std::size_t recv_count, const void* send, void* recv,
-                                    reduce_op op, int root, collective_tag tag = {}) const {
-        detail::shm::call_record r;
-        const bool sites = group_ && group_->context().check_call_sites();
-        r.tag = tag.identity(sites);
-        r.tag_is_site = tag.by_site(sites);
-        r.kind = kind;
-        r.type = detail::shm::element_type_of<T>();
-        r.elem_size = sizeof(T);
-        r.count = count;
-        r.recv_count = recv_count;
-        r.op = op;
-        r.root = root;
-        r.send = send;
-        r.recv = recv;
-        return r;
-    }
-
-    /// Publishes the call, passes the first phase and checks that all replicas agree.
-    /// Small collectives copy `stash_count` elements from `stash` into this replica's stash.
-    template <class T = char>
-    session start(detail::shm::call_record rec, int phases, const T* stash = nullptr,
-                  std::size_t stash_count = 0) {
-        require_group(name_of(rec.kind));
-        // A replica's bad spans become an error on every replica (validate) and nothing is
-        // copied from them.
-        rec.problem = detail::shm::record_problem(rec);
-        if (!rec.problem.empty()) {
-            stash = nullptr;
-            stash_count = 0;
-        }
-        const std::uint64_t seq = seq_++;
-        const bool rooted = rec.kind == detail::shm::collective_kind::broadcast ||
-                            rec.kind == detail::shm::collective_kind::reduce;
-        session s{seq,
-                  epoch_ + 1,
-                  phases,
-                  0,
-                  {name_of(rec.kind), seq},
-                  {trace_,
-                   trace_.record(name_of(rec.kind), seq, trace_type(rec.type), rec.count,
-                                 rooted ? rec.root : -1),
-                   seq}};
-        try {
-            group_->throw_if_failed(rank_, s.op);
-            group_->publish(rank_, seq, std::move(rec), stash, stash_count * sizeof(T));
-            const auto arrived = std::chrono::steady_clock::now();
-            next_phase_untraced(s, group_->context().entry_spin(entry_waits_));
-            entry_waits_.record(std::chrono::steady_clock::now() - arrived,
-                                detail::shm::run_context::max_entry_spin);
-            group_->validate(rank_, s.op);
-        } catch (const error& e) {
-            throw_traced(e);
-        }
-        s.began = std::chrono::steady_clock::now();
-        return s;
-    }
-
-    /// After a data phase: waits for the peers doing theirs, spinning about as long as this
-    /// replica's took (run_context::data_phase_spin) before it sleeps.
-    void next_phase(session& s) {
-        const auto now = std::chrono::steady_clock::now();
-        const auto spin = group_->context().data_phase_spin(now - s.began);
-        try {
-            next_phase_untraced(s, spin);
-        } catch (const error& e) {
-            throw_traced(e);
-        }
-        s.began = std::chrono::steady_clock::now();
-    }
-    void next_phase_untraced(session& s,
-                             std::chrono::nanoseconds spin = std::chrono::nanoseconds(0)) {
-        ++s.done;
-        ++epoch_;
-        group_->arrive_and_wait(rank_, epoch_, s.first, s.done == s.phases, s.op, spin);
-    }
-
-    /// Called from a handler of e: writes the flight recorder for the errors it is kept for
-    /// and throws e again, naming the file.
-    [[noreturn]] void throw_traced(const error& e) {
-        trace_.fail_newest();
-        if (!flight_recorder::dumps_on(e.code()))
-            throw;
-        throw flight_recorder::with_trace(e, trace_.dump(replica(), size(), e.what()));
-    }
-
-    static const char* trace_type(detail::shm::element_type t) noexcept {
-        using et = detail::shm::element_type;
-        switch (t) {
-        case et::int8:
-            return "int8";
-        case et::uint8:
-            return "uint8";
-        case et::int16:
-            return "int16";
-        case et::uint16:
-            return "uint16";
-        case et::int32:
-            return "int32";
-        case et::uint32:
-            return "uint32";
-        case et::int64:
-            return "int64";
-        case et::uint64:
-            return "uint64";
-        case et::float32:
-            return "float32";
-        case et::float64:
-            return "float64";
-        case et::float16:
-            return "float16";
-        case et::bfloat16:
-            return "bfloat16";
-        case et::bytes:
-            return "bytes";
-        }
-        return "bytes";
-    }
-
-    /// Runs a data phase that may throw (kernels through Thrust); an exception leaves the
-    /// collective without leaving peers waiting for, or reading from, this replica.
-    template <class F>
-    void guarded(const session& s, F&& data_phase) {
-        try {
-            data_phase();
-        } catch (...) {
-            group_->abandon_current(rank_, s.first, s.done == s.phases, std::current_exception());
-        }
-    }
-
-    /// Whether `count` elements of T go through the stash (one phase).
-    template <class T>
-    static constexpr bool stashed(std::size_t count) noexcept {
-        return count <= detail::shm::stash_bytes / sizeof(T) && alignof(T) <= 64;
-    }
-    template <class T>
-    const T* stashed_send(int j, const session& s) const {
-        return reinterpret_cast<const T*>(group_->stash(j, s.seq));
-    }
-
-    template <class T>
-    const T* peer_send(int j, const session& s) const {
-        return static_cast<const T*>(group_->call(j, s.seq).send);
-    }
-    template <class T>
-    T* peer_recv(int j, const session& s) const {
-        return static_cast<T*>(group_->call(j, s.seq).recv);
-    }
-
-    /// One pointer per replica (the peers' send or recv spans), on the stack for the usual
-    /// small groups.
-    template <class P>
-    class pointer_list {
-    public:
-        explicit pointer_list(int n) {
-            if (n > static_cast<int>(local_.size()))
-                heap_.resize(static_cast<std::size_t>(n));
-        }
-        P& operator[](int j) noexcept { return data()[j]; }
-        P* data() noexcept { return heap_.empty() ? local_.data() : heap_.data(); }
-
-    private:
-        std::array<P, 16> local_{};
-        std::vector<P> heap_;
-    };
-    template <class T>
-    using source_list = pointer_list<const T*>;
-    template <class T>
-    using dest_list = pointer_list<T*>;
-
-    template <class T>
-    static void copy_elements(T* dst, const T* src, std::size_t n) {
-        if (n != 0 && dst != src)
-            std::memcpy(dst, src, n * sizeof(T));
-    }
-
-    std::shared_ptr<detail::shm::group_state> group_;
-    int rank_ = 0;
-    std::uint64_t seq_ = 0;             ///< collectives this handle has started
-    std::uint64_t epoch_ = 0;           ///< phases this handle has arrived at
-    detail::wait_estimate entry_waits_; ///< how long its collectives' entries wait
-    flight_recorder trace_{"thread"};
+        : member_handle(std::move(group), rank) {}
 };
 
 static_assert(point_to_point_communicator<thread_communicator>,
