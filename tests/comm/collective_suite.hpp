@@ -282,25 +282,28 @@ std::string first_mismatch(const std::vector<T>& got, std::size_t offset, std::s
     return {};
 }
 
-/// all_reduce for every reduction and count, out of place and in place.
+/// all_reduce for every reduction and count, out of place and in place. The buffers of one
+/// count are allocated once and rewritten before every call, and the references draw the other
+/// ranks' inputs again instead of keeping them: under ThreadSanitizer a fresh allocation of the
+/// large count costs more than the collective (the runtime remaps the shadow of every large
+/// block it frees, so each new block faults in its pages again).
 template <class T, communicator C>
 void check_all_reduce(C& comm, suite_report& rep, const std::vector<std::size_t>& counts,
                       const suite_options& opt) {
     const int n = comm.size(), me = comm.rank();
     for (const std::size_t count : counts) {
-        // Every rank's input, drawn once per count; the references fold them in rank order,
-        // exactly as reference_reduce() does.
-        std::vector<std::vector<T>> inputs(static_cast<std::size_t>(n), std::vector<T>(count));
-        for (int r = 0; r < n; ++r)
-            for (std::size_t i = 0; i < count; ++i)
-                inputs[static_cast<std::size_t>(r)][i] = input_value<T>(r, i);
-        const std::vector<T>& in = inputs[static_cast<std::size_t>(me)];
+        std::vector<T> in(count), ref(count), got(count);
+        for (std::size_t i = 0; i < count; ++i)
+            in[i] = input_value<T>(me, i);
+        buffer<T, typename C::system_type> send(count, comm.system()), recv(count, comm.system());
         for (const reduce_op op : {reduce_op::sum, reduce_op::max, reduce_op::min}) {
-            std::vector<T> ref = inputs[0];
+            // The reference folds every rank's input in rank order, exactly as
+            // reference_reduce() does.
+            for (std::size_t i = 0; i < count; ++i)
+                ref[i] = input_value<T>(0, i);
             for (int r = 1; r < n; ++r) {
-                const std::vector<T>& x = inputs[static_cast<std::size_t>(r)];
                 for (std::size_t i = 0; i < count; ++i) {
-                    const T v = x[i];
+                    const T v = input_value<T>(r, i);
                     T& acc = ref[i];
                     if (op == reduce_op::sum)
                         acc = static_cast<T>(acc + v);
@@ -316,11 +319,13 @@ void check_all_reduce(C& comm, suite_report& rep, const std::vector<std::size_t>
                 const std::string what = "all_reduce<" + detail::type_name<T>() + "> " +
                                          std::string(to_string(op)) + " count " +
                                          std::to_string(count) + (in_place ? " in place" : "");
-                auto send = to_system(comm, in);
-                auto recv = to_system(comm, std::vector<T>(count, T{}));
+                lockstep::copy(std::span<const T>(in), host_system{}, send.span(), send.system());
+                std::fill(got.begin(), got.end(), T{});
+                lockstep::copy(std::span<const T>(got), host_system{}, recv.span(), recv.system());
                 auto& out = in_place ? send : recv;
                 comm.all_reduce(std::span<const T>(send.data(), count), out.span(), op);
-                const std::vector<T> got = to_host(out);
+                lockstep::copy(std::span<const T>(out.data(), count), out.system(),
+                               std::span<T>(got), host_system{});
                 const std::string bad = first_mismatch(
                     got, 0, count, [&](std::size_t i) { return ref[i]; },
                     [&](T g, T w, std::size_t i) {
