@@ -282,37 +282,21 @@ std::string first_mismatch(const std::vector<T>& got, std::size_t offset, std::s
     return {};
 }
 
-/// all_reduce for every reduction and count, out of place and in place. The buffers of one
-/// count are allocated once and rewritten before every call, and the references draw the other
-/// ranks' inputs again instead of keeping them: under ThreadSanitizer a fresh allocation of the
-/// large count costs more than the collective (the runtime remaps the shadow of every large
-/// block it frees, so each new block faults in its pages again).
+/// all_reduce for every reduction and count, out of place and in place, against
+/// reference_reduce(). The buffers of one count are allocated once and rewritten before every
+/// call: under ThreadSanitizer a fresh allocation of the large count costs more than the
+/// collective (the runtime remaps the shadow of every large block it frees, so each new block
+/// faults in its pages again).
 template <class T, communicator C>
 void check_all_reduce(C& comm, suite_report& rep, const std::vector<std::size_t>& counts,
                       const suite_options& opt) {
     const int n = comm.size(), me = comm.rank();
     for (const std::size_t count : counts) {
-        std::vector<T> in(count), ref(count), got(count);
+        std::vector<T> in(count), got(count);
         for (std::size_t i = 0; i < count; ++i)
             in[i] = input_value<T>(me, i);
         buffer<T, typename C::system_type> send(count, comm.system()), recv(count, comm.system());
         for (const reduce_op op : {reduce_op::sum, reduce_op::max, reduce_op::min}) {
-            // The reference folds every rank's input in rank order, exactly as
-            // reference_reduce() does.
-            for (std::size_t i = 0; i < count; ++i)
-                ref[i] = input_value<T>(0, i);
-            for (int r = 1; r < n; ++r) {
-                for (std::size_t i = 0; i < count; ++i) {
-                    const T v = input_value<T>(r, i);
-                    T& acc = ref[i];
-                    if (op == reduce_op::sum)
-                        acc = static_cast<T>(acc + v);
-                    else if (op == reduce_op::max)
-                        acc = acc < v ? v : acc;
-                    else
-                        acc = v < acc ? v : acc;
-                }
-            }
             for (const bool in_place : {false, true}) {
                 if (in_place && op != reduce_op::sum)
                     continue;
@@ -327,7 +311,7 @@ void check_all_reduce(C& comm, suite_report& rep, const std::vector<std::size_t>
                 lockstep::copy(std::span<const T>(out.data(), count), out.system(),
                                std::span<T>(got), host_system{});
                 const std::string bad = first_mismatch(
-                    got, 0, count, [&](std::size_t i) { return ref[i]; },
+                    got, 0, count, [&](std::size_t i) { return reference_reduce<T>(n, i, op); },
                     [&](T g, T w, std::size_t i) {
                         return reduction_matches(g, w, n, i, op, opt);
                     });
