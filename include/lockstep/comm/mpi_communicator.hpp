@@ -192,8 +192,8 @@ public:
         std::size_t total = 0;
         const bool no_overflow = !mul_overflows(static_cast<std::size_t>(size_), n, &total);
         const bool fits = n <= std::size_t(std::numeric_limits<int>::max());
-        const bool in_place =
-            bad.empty() && no_overflow && n != 0 && send.data() == recv.data() + rank_ * n;
+        const bool in_place = bad.empty() && no_overflow && n != 0 &&
+                              send.data() == recv.data() + static_cast<std::size_t>(rank_) * n;
         const bool ok = bad.empty() && no_overflow && recv.size() == total && fits &&
                         (in_place || disjoint(send, recv));
         const auto traced = begin(detail::mpi_collective::all_gather, n, detail::mpi_type<T>::id, 0,

@@ -42,7 +42,7 @@ std::vector<std::string> gather_strings(Comm& comm, const std::string& s) {
     std::vector<int> all(packed.size() * static_cast<std::size_t>(ranks));
     host_all_gather(comm, std::span<const int>(packed), std::span<int>(all));
     std::vector<std::string> out(static_cast<std::size_t>(ranks));
-    for (int r = 0; r < ranks; ++r) {
+    for (std::size_t r = 0; r < out.size(); ++r) {
         out[r].resize(static_cast<std::size_t>(lens[r]));
         std::memcpy(out[r].data(), all.data() + r * packed.size(), out[r].size());
     }

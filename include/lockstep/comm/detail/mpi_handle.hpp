@@ -353,7 +353,7 @@ protected:
             detail::mpi_describe_call(mine, tag.identity(params_.check_call_sites),
                                       tag.by_site(params_.check_call_sites))
                 .substr(0, w - 1);
-        std::copy(own.begin(), own.end(), text.begin() + static_cast<std::ptrdiff_t>(w * rank_));
+        std::copy(own.begin(), own.end(), text.begin() + static_cast<std::ptrdiff_t>(w) * rank_);
         MPI_Request req = MPI_REQUEST_NULL;
         call(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, text.data(), static_cast<int>(w),
                             MPI_CHAR, comm_, &req),

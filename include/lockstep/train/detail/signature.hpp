@@ -43,8 +43,8 @@ std::vector<std::string> describe_tensors(const std::vector<tensor_info>& params
 
 /// FNV-1a, 64 bits.
 inline std::uint64_t fnv1a(const std::string& s, std::uint64_t h = 14695981039346656037ull) {
-    for (unsigned char c : s)
-        h = (h ^ c) * 1099511628211ull;
+    for (const char c : s)
+        h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
     return h;
 }
 
@@ -86,7 +86,7 @@ void verify_same_tensors(Communicator& comm, const std::vector<tensor_info>& par
     std::vector<int> all(mine.size() * static_cast<std::size_t>(ranks));
     host_all_gather(comm, std::span<const int>(mine), std::span<int>(all));
     bool same = true;
-    for (int r = 1; r < ranks; ++r)
+    for (std::size_t r = 1; r < static_cast<std::size_t>(ranks); ++r)
         for (std::size_t k = 0; k < mine.size(); ++k)
             same = same && all[r * mine.size() + k] == all[k];
     if (same)
@@ -105,7 +105,7 @@ void verify_same_tensors(Communicator& comm, const std::vector<tensor_info>& par
     std::vector<int> gathered(words * static_cast<std::size_t>(ranks));
     host_all_gather(comm, std::span<const int>(packed), std::span<int>(gathered));
     std::vector<std::vector<std::string>> lists(static_cast<std::size_t>(ranks));
-    for (int r = 0; r < ranks; ++r) {
+    for (std::size_t r = 0; r < lists.size(); ++r) {
         std::string t(static_cast<std::size_t>(lens[r]), '\0');
         std::memcpy(t.data(), gathered.data() + r * words, t.size());
         std::stringstream ss(t);
@@ -124,7 +124,7 @@ void verify_same_tensors(Communicator& comm, const std::vector<tensor_info>& par
         }
     std::string msg;
     bool tensors_differ = false;
-    for (int r = 1; r < ranks; ++r) {
+    for (std::size_t r = 1; r < tensors.size(); ++r) {
         const auto& a = tensors[0];
         const auto& b = tensors[r];
         std::size_t i = 0;
@@ -151,7 +151,7 @@ void verify_same_tensors(Communicator& comm, const std::vector<tensor_info>& par
         return false;
     };
     bool settings_differ = false;
-    for (int r = 1; r < ranks; ++r) {
+    for (std::size_t r = 1; r < sets.size(); ++r) {
         std::vector<std::string> names;
         for (const auto* list : {&sets[0], &sets[r]})
             for (const std::string& l : *list) {
