@@ -23,7 +23,7 @@ using lockstep::reduce_op;
 namespace {
 
 // Counts: empty, one, a prime, and one above MPICH's eager limit (rendezvous protocol).
-const std::vector<std::size_t> counts{0, 1, 7919, (1u << 18) + 3};
+const std::vector<std::size_t> message_counts{0, 1, 7919, (1u << 18) + 3};
 constexpr reduce_op ops[] = {reduce_op::sum, reduce_op::max, reduce_op::min};
 
 // Inputs differ per rank and element. Floating values are multiples of 1/4 below 2^6 and
@@ -145,7 +145,7 @@ TEST_CASE("exact reductions above the eager limit, in place at the root and in a
           "[comm][mpi]") {
     mpi_communicator comm(MPI_COMM_WORLD);
     const int p = comm.size();
-    const std::size_t n = counts.back();
+    const std::size_t n = message_counts.back();
     in_step(comm, [&] {
         for (const reduce_op op : ops) {
             INFO(to_string(op));
@@ -270,7 +270,7 @@ TEST_CASE("send/recv ring, recv_any and a wrongly sized message", "[comm][mpi]")
     in_step(comm, [&] {
         const int p = comm.size(), r = comm.rank();
         const int next = (r + 1) % p, prev = (r + p - 1) % p;
-        for (const std::size_t n : counts) {
+        for (const std::size_t n : message_counts) {
             // Even ranks send first, odd ranks receive first: no cycle of blocked senders even
             // when the message is too large to be buffered.
             const auto mine = inputs<float>(r, n);
@@ -555,7 +555,7 @@ TEST_CASE("without verification the collectives still agree with the reference",
     mpi_communicator comm(MPI_COMM_WORLD, {.verify = false});
     in_step(comm, [&] {
         CHECK_FALSE(comm.verifying());
-        for (const std::size_t n : counts) {
+        for (const std::size_t n : message_counts) {
             const auto send = inputs<float>(comm.rank(), n);
             std::vector<float> recv(n);
             comm.all_reduce(std::span<const float>(send), std::span<float>(recv), reduce_op::sum);

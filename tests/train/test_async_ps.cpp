@@ -32,13 +32,13 @@ TEST_CASE("staleness_gate keeps every applied gradient within S under random arr
             std::vector<int> queue;
             for (int w = 0; w < workers; ++w)
                 queue.push_back(w);
-            std::int64_t version = 0, max_seen = 0;
+            std::int64_t applied_version = 0, max_seen = 0;
             const int steps = 400;
             int applied = 0;
             while (applied < steps) {
                 while (!queue.empty() && gate.can_admit(queue.front())) {
                     gate.admit(queue.front());
-                    pulled[queue.front()] = version;
+                    pulled[queue.front()] = applied_version;
                     queue.erase(queue.begin());
                 }
                 std::vector<int> busy;
@@ -48,12 +48,12 @@ TEST_CASE("staleness_gate keeps every applied gradient within S under random arr
                 REQUIRE(!busy.empty()); // liveness: somebody always computes
                 const int y =
                     busy[std::uniform_int_distribution<std::size_t>(0, busy.size() - 1)(gen)];
-                const std::int64_t staleness = version - pulled[y];
+                const std::int64_t staleness = applied_version - pulled[y];
                 REQUIRE(gate.apply(y) == static_cast<std::uint64_t>(staleness));
                 REQUIRE(staleness <= static_cast<std::int64_t>(s));
                 max_seen = std::max(max_seen, staleness);
                 pulled[y] = -1;
-                ++version;
+                ++applied_version;
                 ++applied;
                 queue.push_back(y);
             }

@@ -45,7 +45,8 @@ struct recording_system {
         if (p != nullptr)
             ::operator delete (p, std::align_val_t{alignment});
     }
-    friend bool operator==(const recording_system&, const recording_system&) = default;
+    [[maybe_unused]] friend bool operator==(const recording_system&,
+                                            const recording_system&) = default;
     friend void copy_bytes(void* dst, const recording_system&, const void* src, const host_system&,
                            std::size_t bytes) {
         events.emplace_back("upload");

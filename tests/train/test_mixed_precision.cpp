@@ -149,9 +149,9 @@ struct scaler_model {
 struct precision {
     double u, tau;
 };
-constexpr precision half_precision{1.0 / 2048, 1.0 / 33554432.0};             // 2^-11, 2^-25
-constexpr precision bfloat16_precision{1.0 / 256, std::ldexp(1.0, -134)};     // 2^-8
-constexpr precision float_precision{1.0 / 16777216.0, std::ldexp(1.0, -150)}; // 2^-24
+constexpr precision half_precision{1.0 / 2048, 1.0 / 33554432.0}; // 2^-11, 2^-25
+constexpr precision bfloat16_precision{1.0 / 256, 0x1p-134};      // 2^-8, 2^-134
+constexpr precision float_precision{1.0 / 16777216.0, 0x1p-150};  // 2^-24, 2^-150
 
 double frobenius(const std::vector<double>& a) {
     double s = 0;
