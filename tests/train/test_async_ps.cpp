@@ -30,6 +30,7 @@ TEST_CASE("staleness_gate keeps every applied gradient within S under random arr
             detail::staleness_gate gate(workers, s);
             std::vector<std::int64_t> pulled(workers, -1); // version each worker computes on
             std::vector<int> queue;
+            queue.reserve(static_cast<std::size_t>(workers));
             for (int w = 0; w < workers; ++w)
                 queue.push_back(w);
             std::int64_t applied_version = 0, max_seen = 0;
