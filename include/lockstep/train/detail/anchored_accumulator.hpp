@@ -11,9 +11,9 @@
 #include "lockstep/kernels/anchored_sum.hpp"
 #include "lockstep/kernels/detail/anchored_keep_host.hpp"
 #include "lockstep/kernels/detail/anchored_sum_host.hpp"
-#include "lockstep/kernels/exact_sum.hpp"
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/system/buffer.hpp"
+#include "lockstep/train/detail/anchored_loss.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -23,23 +23,6 @@
 #include <vector>
 
 namespace lockstep::detail {
-
-/// One task: a chunk's two loss terms, `value` and *device_value (0 when null), at out[0..1].
-struct loss_terms_fn {
-    const double* device_value;
-    double value;
-    double* out;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        out[0] = value;
-        out[1] = device_value != nullptr ? *device_value : 0.0;
-    }
-};
-
-/// Task i: terms[i] = 0 (the loss terms of a step, written as doubles).
-struct zero_terms_fn {
-    double* terms;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const { terms[i] = 0.0; }
-};
 
 /// Task i: dst[i] = g[i], then g[i] = 0 (a chunk's value kept, its slot left for the next).
 template <class T>
@@ -63,43 +46,6 @@ struct anchored_tail_fn {
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t k) const {
         const std::size_t c = k / tail;
         out[k] = c < chunks.count ? static_cast<double>(chunks.value(c, first + k % tail)) : 0.0;
-    }
-};
-
-/// One task: *out = the sum of the terms[0, count) that are not finite (NaN or an infinity), or 0
-/// when every term is finite: a replica's own loss check, which names the replica when one of
-/// its chunk losses is not finite and, unlike its partial sum, does not depend on how the chunks
-/// fall on replicas.
-struct non_finite_loss_fn {
-    const double* terms;
-    std::size_t count;
-    double* out;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        double s = 0.0;
-        for (std::size_t k = 0; k < count; ++k) {
-            const double v = terms[k];
-            s += (v - v == 0.0) ? 0.0 : v; // v - v is NaN exactly for NaN and infinities
-        }
-        *out = s;
-    }
-};
-
-/// One task: *out = the binned sum (kernels/exact_sum.hpp) of terms[j * stride + c] over
-/// replicas j and c < count, rounded once; top and bins (one element) are its workspace.
-struct gathered_loss_fn {
-    const double* terms;
-    std::size_t replicas;
-    std::size_t count;
-    std::size_t stride;
-    std::int64_t* top;
-    std::int64_t* bins;
-    double* out;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        kernels::binned_clear_fn{top, bins, 1}(0);
-        for (std::size_t j = 0; j < replicas; ++j)
-            for (std::size_t c = 0; c < count; ++c)
-                kernels::detail::binned_add(*top, bins, 1, terms[j * stride + c]);
-        kernels::binned_finalize_fn<double>{top, bins, 1, 0, out}(0);
     }
 };
 
