@@ -2,9 +2,12 @@
 // the trainer uses: order and grouping independence (shuffled chunks, simulated replicas laid out
 // as the trainer's exchange lays them out, in T and carried as doubles), correct rounding against
 // an exact 128-bit integer reference, the stated precision under cancellation, zeros, subnormals,
-// overflow and non-finite values, and the replica's own non-finite check. SPDX-License-Identifier:
-// Apache-2.0
+// overflow and non-finite values, the replica's own non-finite check, and the report of the sums
+// that read the arrays where they lie (its counts against a direct count, on 1 and 2 threads).
+// SPDX-License-Identifier: Apache-2.0
+#include "lockstep/comm/detail/shm_combine.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
+#include "lockstep/kernels/detail/anchored_combine.hpp"
 #include "lockstep/kernels/detail/anchored_keep_host.hpp"
 #include "lockstep/kernels/detail/anchored_sum_host.hpp"
 
@@ -513,6 +516,93 @@ TEMPLATE_TEST_CASE("anchored_combine_fn sums arrays where they lie with anchored
             kernels::detail::anchored_combine_fn<T>{}(sources.data(), arrays, first, m, got.data());
             kernels::detail::anchored_portable_only() = false;
             CHECK(same_bits(got, want));
+        }
+    }
+}
+
+TEMPLATE_TEST_CASE("anchored_combine_fn reports the non-finite sums and each group's non-finite "
+                   "values",
+                   "[kernels][anchored_sum]", float, double) {
+    // Groups of arrays (a replica's chunks) summed by the all_combine pass over 40000 elements
+    // (10 tiles of the pass, on 1 and 2 threads), the flat indices offset by 1000 (a block that
+    // does not start at 0). Specials: a NaN and infinities in chosen groups, and at two elements
+    // finite values whose sum overflows. Reference: a direct count over the arrays.
+    using T = TestType;
+    using lim = std::numeric_limits<T>;
+    const std::size_t n = 40000, base = 1000;
+    for (const std::size_t groups : {1u, 2u, 3u}) {
+        for (const std::size_t size : {1u, 4u}) {
+            const std::size_t arrays = groups * size;
+            CAPTURE(groups, size);
+            auto x = random_terms<T>(arrays, n, -20, 20, static_cast<std::uint32_t>(arrays + 7));
+            // Non-finite values: group 0 at 5 elements (one of them twice), the last group at 2,
+            // one element shared; 2 overflowing elements (every array lim::max()).
+            const std::size_t bad0[] = {17, 4100, 4101, 22000, 39999};
+            for (const std::size_t i : bad0)
+                x[size - 1][i] = lim::quiet_NaN();
+            x[0][4100] = -lim::infinity();
+            const std::size_t bad_last[] = {4101, 30000};
+            for (const std::size_t i : bad_last)
+                x[arrays - 1][i] = lim::infinity();
+            for (const std::size_t i : {std::size_t{9000}, std::size_t{9001}})
+                for (std::size_t j = 0; j < arrays; ++j)
+                    x[j][i] = arrays > 1 ? lim::max() : lim::infinity();
+            std::vector<const T*> sources;
+            sources.reserve(arrays);
+            for (const auto& a : x)
+                sources.push_back(a.data());
+            // The direct counts.
+            std::vector<std::uint64_t> want(
+                kernels::detail::anchored_combine_report::words_for(groups));
+            for (std::size_t i = 0; i < n; ++i) {
+                bool sum_bad = false;
+                for (std::size_t j = 0; j < groups; ++j) {
+                    bool bad = false;
+                    for (std::size_t c = 0; c < size; ++c)
+                        bad = bad || !std::isfinite(x[j * size + c][i]);
+                    sum_bad = sum_bad || bad;
+                    if (bad) {
+                        ++want[1 + 2 * j];
+                        if (want[2 + 2 * j] == 0)
+                            want[2 + 2 * j] = base + i + 1;
+                    }
+                }
+                want[0] |= (sum_bad || (arrays > 1 && (i == 9000 || i == 9001))) ? 1 : 0;
+            }
+            REQUIRE(want[0] == 1);
+            REQUIRE(want[1] >= 5);
+            for (const int threads : {1, 2}) {
+                CAPTURE(threads);
+                std::vector<std::uint64_t> words(want.size(), 0);
+                std::vector<T> got(n, T(-1)), plain(n, T(-2));
+                const kernels::detail::anchored_combine_fn<T> reporting{
+                    {words.data(), groups, size, base}};
+                T* const to[1] = {got.data()};
+                T* const to_plain[1] = {plain.data()};
+                const host_system sys(threads);
+                lockstep::detail::shm::combine_to_all(sys, sources.data(), arrays, to, 1, 0, n,
+                                                      reporting);
+                lockstep::detail::shm::combine_to_all(sys, sources.data(), arrays, to_plain, 1, 0,
+                                                      n, kernels::detail::anchored_combine_fn<T>{});
+                CHECK(same_bits(got, plain)); // the report changes no sum
+                CHECK(words == want);
+            }
+            // Without a non-finite sum, the words stay zero.
+            for (const std::size_t i : {std::size_t{9000}, std::size_t{9001}})
+                for (std::size_t j = 0; j < arrays; ++j)
+                    x[j][i] = T(1);
+            for (const std::size_t i : bad0)
+                x[size - 1][i] = T(0);
+            x[0][4100] = T(0);
+            for (const std::size_t i : bad_last)
+                x[arrays - 1][i] = T(0);
+            std::vector<std::uint64_t> words(want.size(), 0);
+            std::vector<T> got(n);
+            T* const to[1] = {got.data()};
+            lockstep::detail::shm::combine_to_all(
+                host_system(2), sources.data(), arrays, to, 1, 0, n,
+                kernels::detail::anchored_combine_fn<T>{{words.data(), groups, size, base}});
+            CHECK(words == std::vector<std::uint64_t>(want.size(), 0));
         }
     }
 }

@@ -11,6 +11,7 @@
 #include "lockstep/optim/sgd.hpp"
 
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -118,6 +119,48 @@ std::vector<repro_record<T>> repro_threads(int replicas, typename Opt::params_ty
                                                                  mark_ready);
     });
     return out;
+}
+
+/// One parameter "w" of 3 elements whose chunk gradients (chunks of repro_chunk samples) are,
+/// at element 0, float's largest value in every chunk when `overflow` (the sum of 2 chunks or
+/// more is beyond float's range), else 1; at element 1, 0.25 (c + 1); at element 2, a NaN in
+/// chunk `nan_chunk` and 2^-20 c in the others. The backward marks w ready.
+template <class Context>
+struct extreme_net {
+    typename Context::handle w;
+    bool overflow = false;
+    std::size_t nan_chunk = std::numeric_limits<std::size_t>::max();
+    explicit extreme_net(Context& ctx) : w(ctx.registry().add("w", {3})) {}
+    double train(const shard_range& r, Context& ctx) {
+        const std::size_t c = r.begin / repro_chunk;
+        const std::span<float> g = w.grad();
+        if (!r.empty()) {
+            g[0] += overflow ? std::numeric_limits<float>::max() : 1.0f;
+            g[1] += 0.25f * static_cast<float>(c + 1);
+            g[2] += c == nan_chunk ? std::numeric_limits<float>::quiet_NaN()
+                                   : std::ldexp(static_cast<float>(c), -20);
+        }
+        ctx.mark_ready(w);
+        return 0.0;
+    }
+};
+
+/// What one step of 32 samples (4 chunks) of extreme_net under Reduce throws on this replica
+/// ("" when nothing), non-finite gradients reported as errors (skip_non_finite = false).
+template <class Reduce, class Comm>
+std::string extreme_step_message(Comm& comm, bool overflow, std::size_t nan_chunk) {
+    using net = extreme_net<replica_context<float, Comm>>;
+    data_parallel<net, optim::sgd<float>, sync::synchronous, Reduce, Comm> dp(
+        comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.5f}, {.skip_non_finite = false});
+    dp.network().overflow = overflow;
+    dp.network().nan_chunk = nan_chunk;
+    try {
+        dp.step(32,
+                [](net& n, const shard_range& range, auto& ctx) { return n.train(range, ctx); });
+    } catch (const error& e) {
+        return e.what();
+    }
+    return "";
 }
 
 } // namespace lockstep_test

@@ -237,6 +237,52 @@ TEMPLATE_TEST_CASE("reduce::reproducible names the replica of a NaN in a kept or
     }
 }
 
+// A global sum beyond float's range skips the step on every replica and is named as the sum's
+// overflow, and a NaN in one chunk names the replica that computed it, whichever exchange runs:
+// on the thread group the sums report both (combined), through the counting wrapper (no
+// all_combine) the gathered and the blocks exchange count them in the gradient.
+TEMPLATE_TEST_CASE("reduce::reproducible names an overflowing sum and the replica of a NaN on "
+                   "every exchange",
+                   "[train][reproducible][thread]", repro_reduce, repro_blocks) {
+    for (const int replicas : {1, 2, 3}) {
+        for (const bool wrapped : {false, true}) {
+            CAPTURE(replicas, wrapped);
+            std::vector<std::string> overflow(static_cast<std::size_t>(replicas));
+            std::vector<std::string> nan(static_cast<std::size_t>(replicas));
+            std::vector<std::string> clean(static_cast<std::size_t>(replicas));
+            const auto body = [&](auto& comm) {
+                const auto r = static_cast<std::size_t>(comm.rank());
+                overflow[r] = extreme_step_message<TestType>(comm, true, 99);
+                nan[r] = extreme_step_message<TestType>(comm, false, 2);
+                clean[r] = extreme_step_message<TestType>(comm, false, 99);
+            };
+            thread_group group(replicas);
+            group.run([&](thread_communicator& inner) {
+                if (wrapped) {
+                    testing::counting_communicator<thread_communicator> comm(inner);
+                    body(comm);
+                } else {
+                    body(inner);
+                }
+            });
+            // Chunk 2 of 4 lies on replica 1 of 2 and 3, on replica 0 of 1.
+            const int holder = replicas == 1 ? 0 : 1;
+            for (std::size_t r = 0; r < static_cast<std::size_t>(replicas); ++r) {
+                CAPTURE(r);
+                CHECK_THAT(overflow[r],
+                           Catch::Contains("the reduced gradient has 1 non-finite element(s) "
+                                           "(the sum over replicas overflowed), the first in "
+                                           "'w' (element 0)"));
+                CHECK_THAT(nan[r], Catch::Contains(lockstep::detail::concat(
+                                       "1 non-finite gradient element(s) on replica ", holder,
+                                       ", the first in 'w' (element 2)")));
+                CHECK_THAT(nan[r], !Catch::Contains("overflowed"));
+                CHECK(clean[r].empty());
+            }
+        }
+    }
+}
+
 TEST_CASE("reduce::reproducible refuses micro-batches", "[train][reproducible][thread]") {
     using net = mlp<float, thread_communicator, storage::registry, repro_bn>;
     thread_group group(1);
@@ -251,8 +297,14 @@ namespace {
 
 /// Value of element i of global chunk c in the exchange test: exponents over 2^-40..2^40, both
 /// signs; at element 5 values whose sums overflow on replicas 0 and 1 but cancel globally, at
-/// element 7 a sum that is subnormal.
-float exchange_value(std::size_t c, std::size_t i) {
+/// element 7 a sum that is subnormal; with `poison`, a NaN in chunk 1 at elements 11 and 4000, an
+/// infinity in chunk 0 at element 4000 and in the last chunk (`chunks` of them) at element 9000.
+float exchange_value(std::size_t c, std::size_t i, bool poison = false, std::size_t chunks = 0) {
+    if (poison && ((c == 1 && (i == 11 || i == 4000)) || (c == 0 && i == 4000)))
+        return c == 1 ? std::numeric_limits<float>::quiet_NaN()
+                      : -std::numeric_limits<float>::infinity();
+    if (poison && c + 1 == chunks && i == 9000)
+        return std::numeric_limits<float>::infinity();
     if (i == 7) // a subnormal sum: 1.5 x 2^-126 - 2^-126
         return c == 0 ? 0x1.8p-126f : c == 1 ? -0x1p-126f : 0.0f;
     if (i == 5)
@@ -269,16 +321,22 @@ float exchange_value(std::size_t c, std::size_t i) {
 }
 
 struct exchange_result {
-    std::vector<float> marked; ///< g after check_local (this replica's own non-finite sums)
-    std::vector<float> sums;   ///< g after finalize
+    std::vector<float> sums; ///< g after finalize
     double global_loss = 0;
     bool keeps = true; ///< keeps_current() said which chunks are kept; keep() left zeros
+    /// This replica's own check: its non-finite elements and 1 + the first's index, counted in
+    /// g after check_local or, where the sums report, taken from own_report().
+    double own_count = 0;
+    double own_first = 0;
+    bool reports = false;
+    bool sums_finite = false; ///< sums_finite() after finalize
 };
 
 /// The anchored accumulator's step protocol on `replicas` thread replicas holding `chunks`
 /// chunks of n elements between them (balanced, contiguous), in one exchange mode.
 std::vector<exchange_result> run_exchange(int replicas, std::size_t chunks, std::size_t n,
-                                          std::size_t gather_values, bool combined) {
+                                          std::size_t gather_values, bool combined,
+                                          bool poison = false) {
     std::vector<exchange_result> out(static_cast<std::size_t>(replicas));
     thread_group group(replicas);
     group.run([&](thread_communicator& comm) {
@@ -296,7 +354,7 @@ std::vector<exchange_result> run_exchange(int replicas, std::size_t chunks, std:
         }
         for (std::size_t c = mine.begin; c < mine.end; ++c) {
             for (std::size_t i = 0; i < n; ++i)
-                g[i] = exchange_value(c, i);
+                g[i] = exchange_value(c, i, poison, chunks);
             if (c + 1 < mine.end) {
                 // Kept in three parts, out of order, as a backward marks tensors ready; each
                 // leaves zeros in g.
@@ -316,9 +374,20 @@ std::vector<exchange_result> run_exchange(int replicas, std::size_t chunks, std:
         acc.exchange(comm, std::span<const float>(g));
         double own = 0;
         acc.check_local(std::span<float>(g), &own);
-        res.marked = g;
+        res.reports = acc.reports_own();
+        if (!res.reports)
+            for (std::size_t i = 0; i < n; ++i)
+                if (!std::isfinite(g[i])) {
+                    res.own_first = res.own_first == 0 ? static_cast<double>(i + 1) : res.own_first;
+                    res.own_count += 1;
+                }
         acc.finalize(comm, std::span<float>(g), &res.global_loss);
         res.sums = g;
+        res.sums_finite = acc.sums_finite();
+        if (res.reports) {
+            res.own_count = acc.own_report()[0];
+            res.own_first = acc.own_report()[1];
+        }
     });
     return out;
 }
@@ -375,17 +444,18 @@ TEST_CASE("reduce::reproducible's gathered exchange takes one all_gather for the
 }
 
 TEST_CASE("reduce::reproducible's exchanges (gathered, by blocks, combined in one pass) give the "
-          "anchored sum of every chunk, bit for bit",
+          "anchored sum of every chunk, bit for bit, and the same own checks",
           "[train][reproducible][thread]") {
     const std::size_t n = 10007;
     const int replicas = GENERATE(1, 2, 3);
     const std::size_t chunks = GENERATE(std::size_t{2}, std::size_t{3}, std::size_t{5});
-    CAPTURE(replicas, chunks);
+    const bool poison = GENERATE(false, true);
+    CAPTURE(replicas, chunks, poison);
     // The reference: every chunk of each element summed by anchored_sum_fn in one place.
     std::vector<float> all(chunks * n), want(n);
     for (std::size_t c = 0; c < chunks; ++c)
         for (std::size_t i = 0; i < n; ++i)
-            all[c * n + i] = exchange_value(c, i);
+            all[c * n + i] = exchange_value(c, i, poison, chunks);
     const kernels::anchored_terms<float> terms{all.data(), 1, chunks, 0, n};
     for (std::size_t i = 0; i < n; ++i)
         kernels::anchored_sum_fn<float>{terms, want.data()}(i);
@@ -395,12 +465,15 @@ TEST_CASE("reduce::reproducible's exchanges (gathered, by blocks, combined in on
                                     : 0.0f;
     REQUIRE(want[5] == at5);
     REQUIRE(want[7] == 0x1p-127f);
-    const auto gathered = run_exchange(replicas, chunks, n, std::size_t{1} << 30, false);
-    const auto blocks = run_exchange(replicas, chunks, n, 0, false);
-    const auto combined = run_exchange(replicas, chunks, n, 0, true);
+    const bool finite =
+        std::all_of(want.begin(), want.end(), [](float x) { return std::isfinite(x); });
+    REQUIRE(finite == (!poison && chunks != 2));
+    const auto gathered = run_exchange(replicas, chunks, n, std::size_t{1} << 30, false, poison);
+    const auto blocks = run_exchange(replicas, chunks, n, 0, false, poison);
+    const auto combined = run_exchange(replicas, chunks, n, 0, true, poison);
     // The combined exchange again on the portable loops (no AVX2).
     kernels::detail::anchored_portable_only() = true;
-    const auto portable = run_exchange(replicas, chunks, n, 0, true);
+    const auto portable = run_exchange(replicas, chunks, n, 0, true, poison);
     kernels::detail::anchored_portable_only() = false;
     for (std::size_t r = 0; r < static_cast<std::size_t>(replicas); ++r) {
         CAPTURE(r);
@@ -411,11 +484,34 @@ TEST_CASE("reduce::reproducible's exchanges (gathered, by blocks, combined in on
         CHECK(same_bits(blocks[r].sums, want));
         CHECK(same_bits(combined[r].sums, want));
         CHECK(same_bits(portable[r].sums, want));
-        // Each replica's own check marks the same elements whichever exchange runs.
-        CHECK(same_bits(combined[r].marked, blocks[r].marked));
-        CHECK(same_bits(gathered[r].marked, blocks[r].marked));
-        CHECK(combined[r].global_loss == blocks[r].global_loss);
-        CHECK(gathered[r].global_loss == blocks[r].global_loss);
+        // Each replica's own check: its elements with a non-finite value, counted directly.
+        const shard_range mine =
+            lockstep::detail::reproducible_chunks(chunks, 1, static_cast<int>(r), replicas);
+        double count = 0, first = 0;
+        for (std::size_t i = 0; i < n; ++i) {
+            bool bad = false;
+            for (std::size_t c = mine.begin; c < mine.end; ++c)
+                bad = bad || !std::isfinite(all[c * n + i]);
+            if (bad) {
+                count += 1;
+                first = first == 0 ? static_cast<double>(i + 1) : first;
+            }
+        }
+        if (poison && !mine.empty() && mine.end == chunks) // the last chunk's infinity
+            REQUIRE(count >= 1);
+        CHECK(combined[r].reports);
+        CHECK(!gathered[r].reports);
+        CHECK(!blocks[r].reports); // the thread group has no all_to_all_others
+        for (const auto* run : {&gathered, &blocks, &combined, &portable}) {
+            CHECK((*run)[r].own_count == count);
+            CHECK((*run)[r].own_first == first);
+            CHECK((*run)[r].global_loss == blocks[r].global_loss);
+        }
+        // The sums that report say when every one of them is finite; the others never do.
+        CHECK(combined[r].sums_finite == finite);
+        CHECK(portable[r].sums_finite == finite);
+        CHECK(!gathered[r].sums_finite);
+        CHECK(!blocks[r].sums_finite);
     }
 }
 

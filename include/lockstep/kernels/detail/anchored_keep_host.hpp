@@ -17,13 +17,6 @@ namespace lockstep::kernels::detail {
 /// Elements per tile of the keep pass (16 KiB of floats), one flag each.
 inline constexpr std::size_t anchored_keep_tile = 4096;
 
-/// Bit 31 set exactly when x is not finite (its exponent field all ones; the field plus one unit
-/// carries into bit 31), so OR-ing it over values and shifting right by 31 flags a range in a
-/// loop the compiler can vectorise.
-[[gnu::always_inline]] inline std::uint32_t anchored_non_finite_bit(float x) {
-    return (std::bit_cast<std::uint32_t>(x) & 0x7f800000u) + 0x00800000u;
-}
-
 /// The elements [begin, end) of keep tile t that lie inside [first, end).
 struct anchored_tile_part {
     std::size_t begin;
@@ -92,9 +85,11 @@ inline constexpr std::size_t anchored_stream_bytes = std::size_t(4) << 20;
 /// of src (a chunk's gradient): copied to dst (the same offsets, where the accumulator keeps the
 /// chunk), zeroed in src where `clear` (src itself, whose next chunk's backward accumulates
 /// there; null to leave src as it is), and flags[t] set to 1 when one of them is not finite
-/// (left as it is otherwise), so that the own check later reads only the flagged tiles. Tasks =
-/// the keep tiles [first, end) touches (tasks()); a tile cut by two ranges is flagged by
-/// either. With `stream`, the AVX2 loop stores the kept values past the caches. Host only.
+/// (left as it is otherwise), so that the own check later reads only the flagged tiles (flags
+/// null: none are set; the exchanges whose sums report each replica's non-finite values need
+/// none). Tasks = the keep tiles [first, end) touches (tasks()); a tile cut by two ranges is
+/// flagged by either. With `stream`, the AVX2 loop stores the kept values past the caches. Host
+/// only.
 struct anchored_keep_tiles_fn {
     const float* src;
     float* dst;
@@ -114,7 +109,7 @@ struct anchored_keep_tiles_fn {
         else
 #endif
             bad = anchored_keep_portable(src + b, dst + b, zeros, e - b);
-        if (bad != 0)
+        if (bad != 0 && flags != nullptr)
             flags[t] = 1;
     }
     /// The tasks of [first, end). requires: first < end.

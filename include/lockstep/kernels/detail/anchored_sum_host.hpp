@@ -13,8 +13,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <type_traits>
-#include <vector>
 
 #if LOCKSTEP_F16_X86
 #include <immintrin.h>
@@ -25,6 +23,18 @@ namespace lockstep::kernels::detail {
 
 /// Elements per tile: the tile's anchors, sums and flags live in registers or L1.
 inline constexpr std::size_t anchored_tile = 256;
+
+/// Bit 31 set exactly when x is not finite (its exponent field all ones; the field plus one unit
+/// carries into bit 31), so OR-ing it over values and shifting right by 31 flags a range in a
+/// loop the compiler can vectorise.
+[[gnu::always_inline]] inline std::uint32_t anchored_non_finite_bit(float x) {
+    return (std::bit_cast<std::uint32_t>(x) & 0x7f800000u) + 0x00800000u;
+}
+
+/// Bit 63 set exactly when x is not finite, as anchored_non_finite_bit(float) does for floats.
+[[gnu::always_inline]] inline std::uint64_t anchored_non_finite_bit(double x) {
+    return (std::bit_cast<std::uint64_t>(x) & 0x7ff0000000000000u) + 0x0010000000000000u;
+}
 
 /// Test hook: set to true, the tiles take their portable loops even where AVX2 exists (tests run
 /// both paths on one machine). Not for production use.
@@ -316,48 +326,6 @@ struct anchored_sum_tiles_fn {
             for (std::size_t i = 0; i < m; ++i)
                 if (done[i] == 0)
                     anchored_sum_fn<float>{terms, out}(b + i);
-    }
-};
-
-/// The anchored sums (anchored_sum_fn's bits) of elements [first, first + m) of n arrays of
-/// terms: out[k] = the sum of sources[j][first + k] over j < n, rounded once. Float sums of at
-/// most anchored_short_terms arrays run tile by tile straight from the arrays
-/// (anchored_pair_loop for 2, anchored_tile_body otherwise), so the arrays may live anywhere
-/// (thread_communicator::all_combine's peers' buffers); anchored_sum_fn answers the elements
-/// they leave, and every element otherwise. out must not overlap a source. requires: 1 <= n <=
-/// anchored_limits::max_terms.
-template <class T>
-struct anchored_combine_fn {
-    void operator()(const T* const* sources, std::size_t n, std::size_t first, std::size_t m,
-                    T* out) const {
-        constexpr std::size_t on_stack = 16;
-        T local[on_stack];
-        std::vector<T> heap(n > on_stack ? n : 0);
-        T* values = n > on_stack ? heap.data() : static_cast<T*>(local);
-        // Element `first + i`'s n values, summed by anchored_sum_fn, into out[i].
-        const auto one = [&](std::size_t i) {
-            for (std::size_t j = 0; j < n; ++j)
-                values[j] = sources[j][first + i];
-            anchored_sum_fn<T>{{values, 1, n, 0, 1}, out + i}(0);
-        };
-        if constexpr (std::is_same_v<T, float>) {
-            if (n <= anchored_short_terms) {
-                const float* p[anchored_short_terms];
-                unsigned char done[anchored_tile];
-                for (std::size_t b = 0; b < m; b += anchored_tile) {
-                    const std::size_t mm = m - b < anchored_tile ? m - b : anchored_tile;
-                    for (std::size_t j = 0; j < n; ++j)
-                        p[j] = sources[j] + first + b;
-                    if (!anchored_array_sums(p, n, mm, out + b, done))
-                        for (std::size_t i = 0; i < mm; ++i)
-                            if (done[i] == 0)
-                                one(b + i);
-                }
-                return;
-            }
-        }
-        for (std::size_t i = 0; i < m; ++i)
-            one(i);
     }
 };
 

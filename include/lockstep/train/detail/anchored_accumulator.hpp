@@ -9,11 +9,13 @@
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
+#include "lockstep/kernels/detail/anchored_combine.hpp"
 #include "lockstep/kernels/detail/anchored_keep_host.hpp"
 #include "lockstep/kernels/detail/anchored_sum_host.hpp"
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/detail/anchored_loss.hpp"
+#include "lockstep/train/detail/anchored_report.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -53,17 +55,21 @@ struct anchored_tail_fn {
 /// anchored at each element's largest exponent) and one loss (kernels/exact_sum.hpp: binned)
 /// over the replicas of a communicator with all_to_all, on System. Per step: begin(calls,
 /// max_calls); per chunk take() in parts (keep() of every chunk but the last, which leaves g
-/// zero for the next; flags of the last), add() and add_loss(); exchange() (collective);
-/// check_local() (this replica's own non-finite chunk values, for its checks; own_values_finite()
-/// says when there are none); finalize() (collective). Each element's sum is
-/// formed from all of its values in one place, so no partial sum is rounded and the bits do not
-/// depend on the replica count, nor on which of the three exchanges a step takes:
+/// zero for the next; flags of the last where the sums do not report), add() and add_loss();
+/// exchange() (collective); check_local() (this replica's own non-finite loss terms and, where
+/// the sums do not report, its non-finite chunk values marked in g for its checks;
+/// own_values_finite() says when there are none); finalize() (collective; where the sums report,
+/// own_report() then holds this replica's own check and whether every sum is finite). Each
+/// element's sum is formed from all of its values in one place, so no partial sum is rounded and
+/// the bits do not depend on the replica count, nor on which of the three exchanges a step
+/// takes:
 /// - combined, at every size, on a communicator with all_combine (the thread group) when
-///   `combined` is passed: exchange() all-gathers the loss terms; finalize() has each replica's
-///   share of the elements summed from every replica's chunks where they lie and stored to
-///   every replica's g in one pass (comm.all_combine), no copy of the values in between: the
-///   last chunk is g itself, every other chunk is kept ((calls - 1) n values). Memory: the kept
-///   chunks, and n zeros when some replica has fewer calls than max_calls.
+///   `combined` is passed: finalize() has each replica's share of the elements summed from every
+///   replica's chunks where they lie and stored to every replica's g in one pass
+///   (comm.all_combine), no copy of the values in between: the last chunk is g itself, every
+///   other chunk is kept ((calls - 1) n values); then one all_gather of the loss terms and of
+///   what each replica's sums reported. Memory: the kept chunks, and n zeros when some replica
+///   has fewer calls than max_calls.
 /// - gathered, otherwise, when replicas x max_calls x n <= gather_values: every chunk is kept
 ///   in this replica's region of the receive buffer (max_calls n values, zeros past this
 ///   replica's calls, then its loss terms as doubles); exchange() all-gathers the regions in
@@ -73,20 +79,27 @@ struct anchored_tail_fn {
 ///   tail of n mod replicas elements aside); every chunk but the last is kept ((calls - 1) n
 ///   values); exchange() runs one all_to_all per call index, which brings every replica's values
 ///   of this replica's block here (on the host over a communicator with all_to_all_others, such
-///   as MPI: every other replica's, the sums reading this replica's own where they lie), and one
-///   all_gather of the loss terms and the tail's values; finalize() sums this replica's block
-///   and all-gathers the blocks (the tail and the loss are summed on every replica). Memory: the
-///   kept chunks, max_calls n received values, and when some replica has fewer calls than
-///   max_calls, n zeros.
+///   as MPI, when `in_place` is passed: every other replica's, the sums reading this replica's
+///   own where they lie, and reporting), and one all_gather of the loss terms and the tail's
+///   values; finalize() sums this replica's block and all-gathers the blocks (the tail and the
+///   loss are summed on every replica; in place, one more all_gather of what each replica's
+///   sums reported). Memory: the kept chunks, max_calls n received values, and when some replica
+///   has fewer calls than max_calls, n zeros.
+/// The sums report (combined, and blocks in place: both on the host) what they saw as they form
+/// each element (kernels/detail/anchored_combine.hpp): the elements where a replica's value is
+/// not finite, and whether a sum is not finite, so neither the last chunk nor the sums are read
+/// again to count them (train/detail/anchored_report.hpp). The other exchanges flag (host float)
+/// or mark the replica's non-finite values for its own check (check_local).
 template <class T, class System>
 class anchored_accumulator {
 public:
     anchored_accumulator(std::size_t n, int replicas, int rank, const System& sys,
-                         std::size_t gather_values = 0, bool combined = false)
+                         std::size_t gather_values = 0, bool combined = false,
+                         bool in_place = false)
         : n_(n), replicas_(static_cast<std::size_t>(replicas)), gather_values_(gather_values),
-          combined_(combined), rank_(static_cast<std::size_t>(rank)), block_(n / replicas_),
-          tail_(n - block_ * replicas_), sys_(sys), loss_top_(1, sys),
-          loss_bins_(kernels::binned::window, sys), losses_(3, sys) {}
+          combined_(combined), in_place_(in_place), rank_(static_cast<std::size_t>(rank)),
+          block_(n / replicas_), tail_(n - block_ * replicas_), sys_(sys), loss_top_(1, sys),
+          loss_bins_(kernels::binned::window, sys), losses_(3, sys), own_report_(3, sys) {}
 
     std::size_t size() const noexcept { return n_; }
     double* chunk_loss() noexcept { return losses_.data(); }
@@ -103,6 +116,7 @@ public:
         scanned_ = 0;
         losses_added_ = 0;
         gathered_ = !combined_ && n_ > 0 && replicas_ * max_calls <= gather_values_ / n_;
+        reports_ = combined_ || (!gathered_ && in_place_);
         if (gathered_) {
             stride_ = 2 * max_calls;
             // This replica's region: its chunks, padding up to a double's boundary (one float
@@ -115,7 +129,7 @@ public:
             zero(sys_, recv_.span().subspan(rank_ * region_ + calls * n_,
                                             terms_at_ - calls * n_)); // zeros past its calls
         } else if (combined_) {
-            stride_ = 2 * max_calls;
+            stride_ = 2 * max_calls + report_words(); // the loss terms, then the report
             grow(store_, (calls - 1) * n_);
             if (calls < max_calls && n_ > zeros_.size()) {
                 zeros_ = buffer<T, System>(n_, sys_);
@@ -131,8 +145,15 @@ public:
             }
         }
         if constexpr (host_float) {
-            grow(flags_, keep_tiles());
-            zero(sys_, flags_.span().first(keep_tiles()));
+            if (!reports_) {
+                grow(flags_, keep_tiles());
+                zero(sys_, flags_.span().first(keep_tiles()));
+            }
+        }
+        if (reports_) {
+            grow(words_, report_words());
+            zero(sys_, words_.span().first(report_words()));
+            grow(reports_gathered_, report_words() * (replicas_ + 1));
         }
         if (!gathered_) { // gathered: the terms travel in the regions of recv_
             grow(small_send_, stride_);
@@ -146,7 +167,8 @@ public:
     /// Elements [first, first + count) of the chunk being computed are final in g: they are kept
     /// where the accumulator keeps the chunk and left zero in g (the next chunk accumulates
     /// there), in one pass that the backward may still find in the caches (keep_zero_fn; on the
-    /// host in float, tiles that also flag non-finite values for check_local). Every element
+    /// host in float, tiles that also flag non-finite values for check_local unless the sums
+    /// report them). Every element
     /// of a kept chunk is kept exactly once, in parts in any order, before add() ends it.
     /// requires: keeps_current(), first + count <= size(), g.size() == size().
     void keep(std::span<T> g, std::size_t first, std::size_t count) {
@@ -167,7 +189,8 @@ public:
     /// Elements [first, first + count) of the chunk being computed are final in g: keep() for
     /// a kept chunk; of the last chunk, which stays in g, the host's float passes flag the keep
     /// tiles that hold a non-finite value (anchored_flag_tiles_fn) while the backward may still
-    /// hold them in the caches, for own_values_finite(). requires: as keep(), but for any chunk.
+    /// hold them in the caches, for own_values_finite(), unless the sums report them (then
+    /// nothing is read). requires: as keep(), but for any chunk.
     void take(std::span<T> g, std::size_t first, std::size_t count) {
         if (keeps_current()) {
             keep(g, first, count);
@@ -178,7 +201,8 @@ public:
                          "elements [", first, ", ", first + count, ") of the last chunk (",
                          scanned_, " of ", n_, " taken)");
         if constexpr (host_float) {
-            if (count == 0 || gathered_) // gathered: add() flags the last chunk as it copies it
+            // gathered: add() flags the last chunk as it copies it; reported: the sums count them
+            if (count == 0 || gathered_ || reports_)
                 return;
             run(kernels::detail::anchored_keep_tiles_fn::tasks(first, first + count),
                 kernels::detail::anchored_flag_tiles_fn{g.data(), first, first + count,
@@ -193,7 +217,7 @@ public:
     /// it is, and counting g's non-finite values would find none.
     bool own_values_finite() const noexcept {
         if constexpr (host_float) {
-            if (added_ != calls_ || (!gathered_ && scanned_ != n_))
+            if (reports_ || added_ != calls_ || (!gathered_ && scanned_ != n_))
                 return false;
             const unsigned char* f = flags_.data();
             for (std::size_t t = 0; t < keep_tiles(); ++t)
@@ -223,19 +247,22 @@ public:
         ++losses_added_;
     }
     /// Brings every replica's values of this replica's block here, and every replica's loss
-    /// terms and tail values to every replica. last: the last chunk's gradient. Collective.
+    /// terms and tail values to every replica (combined: nothing; finalize() moves it all).
+    /// last: the last chunk's gradient. Collective.
     template <class Communicator>
     void exchange(Communicator& comm, std::span<const T> last) {
+        LOCKSTEP_REQUIRE(in_place_ == sums_from_place<Communicator>, errc::internal,
+                         static_cast<int>(rank_), "reduce::reproducible.exchange",
+                         "the accumulator was built ", in_place_ ? "" : "not ",
+                         "to sum blocks in place, which this communicator ",
+                         sums_from_place<Communicator> ? "can" : "cannot");
         if (gathered_) { // the chunks and the loss terms of every replica, in place
             comm.all_gather(std::span<const T>(recv_.data() + rank_ * region_, region_),
                             recv_.span().first(region_ * replicas_));
             return;
         }
-        if (combined_) {
-            comm.all_gather(std::span<const double>(small_send_.data(), stride_),
-                            small_recv_.span().first(stride_ * replicas_));
+        if (combined_)
             return;
-        }
         const std::size_t all = blocks();
         if (block_ > 0)
             for (std::size_t c = 0; c < max_calls_; ++c) {
@@ -257,10 +284,11 @@ public:
     /// g (the last chunk's gradient) becomes a quiet NaN where a kept chunk of this replica
     /// holds a non-finite value (kernels::anchored_own_check_fn), so it is non-finite exactly
     /// where one of the replica's chunk values is; the global sums do not change (such an
-    /// element's sum is a quiet NaN). *loss = the sum of this replica's non-finite loss terms, 0
-    /// when all are finite (non_finite_loss_fn).
+    /// element's sum is a quiet NaN); where the sums report (reports_own()), g is left as it is.
+    /// *loss = the sum of this replica's non-finite loss terms, 0 when all are finite
+    /// (non_finite_loss_fn).
     void check_local(std::span<T> g, double* loss) {
-        if (calls_ > 1) {
+        if (calls_ > 1 && !reports_) {
             if constexpr (host_float) {
                 run(keep_tiles(),
                     kernels::detail::anchored_mark_tiles_fn{chunks(g.data()), n_, flags_.data(),
@@ -272,8 +300,8 @@ public:
         }
         run(1, non_finite_loss_fn{own_terms(), 2 * losses_added_, loss});
     }
-    /// After exchange(): the global sums, rounded once, into g (n values) and *loss.
-    /// Collective.
+    /// After exchange(): the global sums, rounded once, into g (n values) and *loss; where the
+    /// sums report, own_report() this replica's own check. Collective.
     template <class Communicator>
     void finalize(Communicator& comm, std::span<T> g, double* loss) {
         if (gathered_) {
@@ -288,6 +316,13 @@ public:
         if (combined_) {
             if constexpr (combine_communicator<Communicator>)
                 combine(comm, g);
+            // The loss terms and the report, gathered after the sums.
+            run(1, report_words_fn{words_.data(), report_words(),
+                                   small_send_.data() + 2 * max_calls_});
+            comm.all_gather(std::span<const double>(small_send_.data(), stride_),
+                            small_recv_.span().first(stride_ * replicas_));
+            run(1, own_report_fn<T>{small_recv_.data() + 2 * max_calls_, replicas_, stride_, rank_,
+                                    nullptr, 0, 0, 0, nullptr, own_report_.data()});
             run(1, gathered_loss_fn{small_recv_.data(), replicas_, 2 * max_calls_, stride_,
                                     loss_top_.data(), loss_bins_.data(), loss});
             return;
@@ -308,7 +343,7 @@ public:
                 // may be one of the sources.
                 T* const to[1] = {mine};
                 detail::shm::combine_to_all(sys_, sources.data(), sources.size(), to, 1, 0, block_,
-                                            kernels::detail::anchored_combine_fn<T>{});
+                                            reporting(rank_ * block_));
             } else {
                 const kernels::anchored_terms<T> terms{recv_.data(), replicas_, max_calls_, block_,
                                                        all};
@@ -322,8 +357,38 @@ public:
                     {small_recv_.data() + 2 * max_calls_, replicas_, max_calls_, stride_, tail_},
                     g.data() + all},
                 tail_ * replicas_ * max_calls_);
+        if (reports_) { // every replica's report on its block; the tail's values are here
+            const std::size_t w = report_words();
+            double* gathered = reports_gathered_.data() + w;
+            if (block_ > 0) {
+                run(1, report_words_fn{words_.data(), w, reports_gathered_.data()});
+                comm.all_gather(std::span<const double>(reports_gathered_.data(), w),
+                                reports_gathered_.span().subspan(w, w * replicas_));
+            }
+            run(1, own_report_fn<T>{gathered, block_ > 0 ? replicas_ : 0, w, rank_,
+                                    small_recv_.data() + rank_ * stride_ + 2 * max_calls_,
+                                    max_calls_, tail_, all, g.data() + all, own_report_.data()});
+        }
         run(1, gathered_loss_fn{small_recv_.data(), replicas_, 2 * max_calls_, stride_,
                                 loss_top_.data(), loss_bins_.data(), loss});
+    }
+    /// Whether finalize() reports this replica's own check and the sums' finiteness
+    /// (own_report(), sums_finite()) instead of check_local() marking g for it: the combined
+    /// exchange, and the blocks exchange in place.
+    bool reports_own() const noexcept { return reports_; }
+    /// After finalize(), where reports_own(): this replica's own check in System's memory,
+    /// [0] the elements where one of its chunk values is not finite, [1] 1 + the flat index of
+    /// the first (0: none), as a check of g after check_local would count them; [2] 1 when
+    /// every sum is finite.
+    const double* own_report() const noexcept { return own_report_.data(); }
+    /// After finalize(): true when the sums reported that every one of them is finite, so a
+    /// check of g as finalize() left it would count nothing (read on the host: the reporting
+    /// exchanges run on host systems only); false where they did not report, or one is not.
+    bool sums_finite() const {
+        if constexpr (System::is_host)
+            return reports_ && own_report_.data()[2] != 0.0;
+        else
+            return false;
     }
     /// The collectives of a step.
     std::size_t collectives() const noexcept {
@@ -331,7 +396,7 @@ public:
             return 1;
         if (combined_)
             return 2;
-        return (block_ > 0 ? max_calls_ + 1 : 0) + 1;
+        return (block_ > 0 ? max_calls_ + 1 + (reports_ ? 1 : 0) : 0) + 1;
     }
 
 private:
@@ -354,9 +419,9 @@ private:
     void keep_range(const float* src, float* dst, float* clear, std::size_t first,
                     std::size_t end) {
         run(kernels::detail::anchored_keep_tiles_fn::tasks(first, end),
-            kernels::detail::anchored_keep_tiles_fn{src, dst, clear, first, end, flags_.data(),
-                                                    n_ * sizeof(float) >=
-                                                        kernels::detail::anchored_stream_bytes},
+            kernels::detail::anchored_keep_tiles_fn{
+                src, dst, clear, first, end, reports_ ? nullptr : flags_.data(),
+                n_ * sizeof(float) >= kernels::detail::anchored_stream_bytes},
             end - first);
     }
     /// dst[0, n) = g[0, n) (a kept chunk); on the host in float, flags the keep tiles that hold
@@ -384,8 +449,15 @@ private:
         std::vector<const T*> arrays(max_calls_);
         for (std::size_t c = 0; c < max_calls_; ++c)
             arrays[c] = own_chunk(c, g.data());
-        comm.all_combine(std::span<const T* const>(arrays), n_, g.first(n_),
-                         kernels::detail::anchored_combine_fn<T>{});
+        comm.all_combine(std::span<const T* const>(arrays), n_, g.first(n_), reporting(0));
+    }
+    /// The sums' functor, reporting into words_ (every replica's max_calls chunks a group);
+    /// base: the flat index of its element 0.
+    kernels::detail::anchored_combine_fn<T> reporting(std::size_t base) noexcept {
+        return {{words_.data(), replicas_, max_calls_, base}};
+    }
+    std::size_t report_words() const noexcept {
+        return kernels::detail::anchored_combine_report::words_for(replicas_);
     }
     template <class U>
     void grow(buffer<U, System>& b, std::size_t count) {
@@ -423,6 +495,7 @@ private:
     std::size_t replicas_;
     std::size_t gather_values_; ///< gathered exchange up to this many values
     bool combined_;             ///< all_combine (at every size)
+    bool in_place_;             ///< blocks: the sums read this replica's own values in place
     std::size_t rank_;
     std::size_t block_; ///< elements per replica's block
     std::size_t tail_;  ///< elements past the blocks, summed on every replica
@@ -430,6 +503,7 @@ private:
     std::size_t calls_ = 1;
     std::size_t max_calls_ = 1;
     bool gathered_ = false;
+    bool reports_ = false; ///< this step's sums report (combined, or blocks in place)
     std::size_t added_ = 0;
     std::size_t kept_ = 0;    ///< elements of the current chunk kept
     std::size_t scanned_ = 0; ///< host float, not gathered: elements of the last chunk flagged
@@ -439,14 +513,17 @@ private:
     std::size_t region_ = 0;   ///< gathered: values of T per replica (chunks, padding, terms)
     buffer<std::int64_t, System> loss_top_; ///< workspace of the global loss's binned sum
     buffer<std::int64_t, System> loss_bins_;
-    buffer<double, System> losses_;       ///< chunk, own and global loss
-    buffer<T, System> store_;             ///< blocks, combined: every chunk but the last
-    buffer<unsigned char, System> flags_; ///< host float: a keep tile holds a non-finite value
-    buffer<T, System> recv_;              ///< what the exchange brings (gathered: and own chunks)
-    buffer<T, System> zeros_;             ///< what a replica with fewer calls sends
-    buffer<double, System> small_send_;   ///< not gathered: 2 loss terms per call, then each call's
-                                          ///< tail values
-    buffer<double, System> small_recv_;   ///< not gathered: every replica's small_send_
+    buffer<double, System> losses_;           ///< chunk, own and global loss
+    buffer<double, System> own_report_;       ///< reports_own(): own count, first, sums finite
+    buffer<std::uint64_t, System> words_;     ///< reports_own(): what this replica's sums saw
+    buffer<double, System> reports_gathered_; ///< blocks in place: own words, then every one
+    buffer<T, System> store_;                 ///< blocks, combined: every chunk but the last
+    buffer<unsigned char, System> flags_;     ///< host float: a keep tile holds a non-finite value
+    buffer<T, System> recv_;            ///< what the exchange brings (gathered: and own chunks)
+    buffer<T, System> zeros_;           ///< what a replica with fewer calls sends
+    buffer<double, System> small_send_; ///< not gathered: 2 loss terms per call, then each call's
+                                        ///< tail values
+    buffer<double, System> small_recv_; ///< not gathered: every replica's small_send_
 };
 
 } // namespace lockstep::detail

@@ -59,7 +59,8 @@ public:
             overlap_setting /*overlap*/ = {})
         : all_reduce_reducer<T, Communicator>(comm, tensors, 1, 1, overlap_setting{}),
           acc_(count(tensors), comm.size(), comm.rank(), comm.system(), G,
-               combine_communicator<Communicator> && system_type::is_host) {}
+               combine_communicator<Communicator> && system_type::is_host,
+               all_to_all_others_communicator<Communicator> && system_type::is_host) {}
 
     anchored_accumulator<T, system_type>& accumulator() noexcept { return acc_; }
     /// Counts the collectives of a step.

@@ -22,16 +22,19 @@ namespace lockstep::detail {
 /// with scale = 1 / global; the anchored accumulator (anchored_accumulator.hpp) keeps every
 /// chunk's gradient but the last, each tensor as the backward marks it ready (which leaves zeros
 /// for the next chunk: step_stages::forward_backward_chunks), and each chunk's loss. The chunk
-/// values are exchanged (gathered to every replica, or each block of elements to its owner by
-/// all_to_all), this replica's own chunk values checked (non-finite counts name the replica; on
-/// the host in float only where the keep passes and a pass over the last chunk as the backward
-/// marks it ready flagged a non-finite value), the
+/// values are exchanged (gathered to every replica, each block of elements to its owner by
+/// all_to_all, or read where they lie by all_combine), this replica's own chunk values checked
+/// (non-finite counts name the replica: counted by the sums themselves where the exchange
+/// reports, combined or blocks in place; else on the host in float only where the keep passes
+/// and a pass over the last chunk as the backward marks it ready flagged a non-finite value), the
 /// sums formed in fixed point anchored at each element's largest exponent and rounded once (on
-/// every replica, or by each block's owner followed by an all_gather of the blocks) into the
-/// gradient, and the step continues as the synchronous one (status all_reduce, skip decision,
-/// update). The loss reported is the exact sum, rounded once (replica 0 contributes it to the
-/// status sum, the others 0). bn::ghost layers learn the global batch from the layers' step
-/// (begin(global)). ensures: every replica, for every replica count, holds the same bits.
+/// every replica, or by each element's owner, followed by an all_gather of the blocks or stored
+/// to every replica) into the gradient, and the step continues as the synchronous one (status
+/// all_reduce, skip decision, update); the summed gradient is not read again to count its
+/// non-finite elements where the sums reported none and nothing changes it before the check. The
+/// loss reported is the exact sum, rounded once (replica 0 contributes it to the status sum, the
+/// others 0). bn::ghost layers learn the global batch from the layers' step (begin(global)).
+/// ensures: every replica, for every replica count, holds the same bits.
 template <std::size_t C, std::size_t G>
 class step_driver<sync::synchronous, reduce::reproducible<C, G>> {
 public:
@@ -79,12 +82,16 @@ public:
         // same for every replica count.
         double* own_loss = acc.own_loss();
         acc.check_local(grads, own_loss);
-        if (acc.own_values_finite())
-            s.clear_pieces(); // what counting g would find: nothing
-        else
-            s.check_pieces();
+        if (!acc.reports_own()) {
+            if (acc.own_values_finite())
+                s.clear_pieces(); // what counting g would find: nothing
+            else
+                s.check_pieces();
+        }
         double* global_loss = acc.global_loss();
         acc.finalize(s.core().comm(), grads, global_loss);
+        if (acc.reports_own())
+            s.load_pieces(acc.own_report()); // the sums counted this replica's values
         s.reducer().count_step();
         s.unscale();
         kernels::for_each_index(
@@ -94,7 +101,10 @@ public:
         s.report(0.0, global, r.lr);
         s.freeze();
         s.hook();
-        s.check(all);
+        if (acc.sums_finite() && s.checks_reduced_as_left())
+            s.clear_reduced(); // the sums saw every one of them: none is NaN or infinite
+        else
+            s.check(all);
         s.sum_status();
         s.decide(0, s.replicas());
         s.update_scale();

@@ -67,6 +67,24 @@ struct finish_reduced_fn {
     }
 };
 
+/// Task i < 3 tiles: the piece checks' tiles (three doubles each) as a gradient whose non-finite
+/// count is own[0] and 1 + first index own[1] leaves them: tile 0 = {own[0], own[1], 0}, every
+/// other tile zero (finish_local folds the tiles, so it finds that count and first index).
+struct load_pieces_fn {
+    const double* own;
+    double* tiles;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const { tiles[i] = i < 2 ? own[i] : 0.0; }
+};
+
+/// One task: the reduced gradient's checks as a gradient with no non-finite element leaves them
+/// without squares (count 0, first 0, squared norm 0).
+struct clear_reduced_fn {
+    step_outcome* outcome;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
+        finish_reduced_fn{outcome}(check_sums{});
+    }
+};
+
 /// One task, after the totals were summed over replicas: the skip decision (in the outcome and
 /// as the int the optimizer kernels read, 1: skip the update) and the gradient factor.
 /// Skipped: a non-finite gradient element (before or after reduction) or loss, a layer error, or
@@ -180,6 +198,14 @@ public:
     /// (counts, first indices and squares 0), without reading the data.
     void clear_pieces(const System& sys) { zero(sys, pre_.span()); }
 
+    /// Every piece's tiles as check_piece leaves them for a gradient with own[0] non-finite
+    /// elements, the first at flat index own[1] - 1 (own[1] = 0: none), without reading it
+    /// (own: two doubles in the system's memory; reduce::reproducible's report).
+    void load_pieces(const System& sys, const double* own) {
+        kernels::for_each_index(sys, 3 * (piece_tiles_ == 0 ? 1 : piece_tiles_),
+                                load_pieces_fn{own, pre_.data()});
+    }
+
     /// After every piece was checked: this replica's row and its part of the totals.
     void finish_local(const System& sys, double loss, double global_batch, double lr,
                       step_totals* totals, replica_row* row) {
@@ -194,6 +220,13 @@ public:
                        step_outcome* outcome) {
         grad_check_tiles(sys, data.data(), 0, data.size(), 0, post_.data(), norm);
         grad_check_finish(sys, post_.data(), check_tiles(data.size()), finish_reduced_fn{outcome});
+    }
+
+    /// What check_reduced without squares finds in a gradient with no non-finite element,
+    /// written into the outcome without reading it (the reducer knows: reduce::reproducible's
+    /// report).
+    void clear_reduced(const System& sys, step_outcome* outcome) {
+        kernels::for_each_index(sys, 1, clear_reduced_fn{outcome});
     }
 
     /// As check_reduced over elements [begin, end) of data only (reduce::sharded: the shard this

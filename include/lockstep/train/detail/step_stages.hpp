@@ -183,6 +183,10 @@ public:
     /// What check_pieces leaves when the gradient holds no non-finite value, without reading
     /// it (the caller knows: reduce::reproducible's flags).
     void clear_pieces() { checks_.clear_pieces(system()); }
+    /// What check_pieces leaves for a gradient with own[0] non-finite elements, the first at
+    /// flat index own[1] - 1, without reading it (own: the system's memory; the caller counted
+    /// them: reduce::reproducible's report).
+    void load_pieces(const double* own) { checks_.load_pieces(system(), own); }
 
     /// grads *= 1 / loss scale (loss scaling on).
     void unscale() { scaler_.unscale(core_.grads()); }
@@ -220,6 +224,16 @@ public:
                               own.offset + own.count, core_.params().max_grad_norm > 0,
                               state_.view().outcome);
     }
+
+    /// Whether check(all) would read the gradient as the reducer left it and count only its
+    /// non-finite elements: no loss scaling (unscale leaves it), no gradient hook and no
+    /// clipping (no squared norm). Zeroing frozen tensors keeps a finite gradient finite.
+    bool checks_reduced_as_left() const {
+        return !scaler_.enabled() && !gradient_hook_ && !(core_.params().max_grad_norm > 0);
+    }
+    /// What check(all) finds when checks_reduced_as_left() and the reducer knows that every
+    /// element it left is finite, without reading the gradient.
+    void clear_reduced() { checks_.clear_reduced(system(), state_.view().outcome); }
 
     /// reduce::sharded: this replica's shard checks into its shard row (before sum_status), and
     /// every shard's rows combined into the outcome (after it).

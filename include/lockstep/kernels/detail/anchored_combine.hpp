@@ -1,0 +1,129 @@
+// lockstep/kernels/detail/anchored_combine.hpp: anchored_combine_fn, the anchored sums of arrays
+// read where they lie (thread_communicator::all_combine's pass; a block's owner over MPI), and
+// its report of what the sums saw: whether one is not finite, and for each replica's group of
+// arrays the elements where one of its values is not finite. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/kernels/anchored_sum.hpp"
+#include "lockstep/kernels/detail/anchored_sum_host.hpp"
+
+#include <atomic>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace lockstep::kernels::detail {
+
+/// Where anchored_combine_fn reports what it saw in the elements it summed: words_for(groups)
+/// host words, zero before the first call, updated atomically (the tiles of one pass run on
+/// several threads) and only by a tile whose sums are not all finite:
+/// - words[0]: 1 when a sum is not finite (a non-finite value, whose sum is a quiet NaN, or an
+///   exact sum beyond T's range, an infinity), else 0;
+/// - words[1 + 2 j]: the elements holding a non-finite value of group j, the sources [j size,
+///   (j + 1) size) (a replica's chunks);
+/// - words[2 + 2 j]: 1 + the flat index (index_base + element) of the first of them, 0: none.
+/// words null: no report.
+struct anchored_combine_report {
+    std::uint64_t* words = nullptr;
+    std::size_t groups = 0;
+    std::size_t size = 0;       ///< sources per group
+    std::size_t index_base = 0; ///< the flat index of the arrays' element 0
+    static constexpr std::size_t words_for(std::size_t groups) noexcept { return 1 + 2 * groups; }
+};
+
+/// Adds to `report` what the sums out[0, m) of elements [first, first + m) of the sources saw:
+/// nothing, after one pass over out, when every sum is finite; else the words above, from the
+/// sources of the elements whose sum is a quiet NaN (exactly those with a non-finite value).
+template <class T>
+void anchored_note(const anchored_combine_report& report, const T* const* sources,
+                   std::size_t first, std::size_t m, const T* out) {
+    using bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+    bits high = 0;
+    for (std::size_t i = 0; i < m; ++i)
+        high |= anchored_non_finite_bit(out[i]);
+    if ((high >> (8 * sizeof(T) - 1)) == 0)
+        return;
+    std::atomic_ref<std::uint64_t>(report.words[0]).store(1, std::memory_order_relaxed);
+    for (std::size_t j = 0; j < report.groups; ++j) {
+        std::uint64_t count = 0;
+        std::uint64_t at = 0;
+        for (std::size_t i = 0; i < m; ++i) {
+            if (!std::isnan(out[i]))
+                continue;
+            bool bad = false;
+            for (std::size_t c = 0; c < report.size; ++c)
+                bad = bad || anchored_field(sources[j * report.size + c][first + i]) ==
+                                 anchored<T>::non_finite;
+            if (bad) {
+                ++count;
+                at = at == 0 ? report.index_base + first + i + 1 : at;
+            }
+        }
+        if (count == 0)
+            continue;
+        std::atomic_ref<std::uint64_t>(report.words[1 + 2 * j])
+            .fetch_add(count, std::memory_order_relaxed);
+        std::atomic_ref<std::uint64_t> least(report.words[2 + 2 * j]);
+        std::uint64_t now = least.load(std::memory_order_relaxed);
+        while ((now == 0 || at < now) &&
+               !least.compare_exchange_weak(now, at, std::memory_order_relaxed)) {
+        }
+    }
+}
+
+/// The anchored sums (anchored_sum_fn's bits) of elements [first, first + m) of n arrays of
+/// terms: out[k] = the sum of sources[j][first + k] over j < n, rounded once. Float sums of at
+/// most anchored_short_terms arrays run tile by tile straight from the arrays
+/// (anchored_pair_loop for 2, anchored_tile_body otherwise), so the arrays may live anywhere
+/// (thread_communicator::all_combine's peers' buffers); anchored_sum_fn answers the elements
+/// they leave, and every element otherwise. With report.words, each call adds what its sums saw
+/// (anchored_note), so the owner of the elements learns, without another pass, whether every
+/// sum is finite and which group's values were not. out must not overlap a source. requires: 1
+/// <= n <= anchored_limits::max_terms; with a report, n == report.groups * report.size.
+template <class T>
+struct anchored_combine_fn {
+    anchored_combine_report report{};
+    void operator()(const T* const* sources, std::size_t n, std::size_t first, std::size_t m,
+                    T* out) const {
+        sum(sources, n, first, m, out);
+        if (report.words != nullptr)
+            anchored_note(report, sources, first, m, out);
+    }
+
+private:
+    static void sum(const T* const* sources, std::size_t n, std::size_t first, std::size_t m,
+                    T* out) {
+        constexpr std::size_t on_stack = 16;
+        T local[on_stack];
+        std::vector<T> heap(n > on_stack ? n : 0);
+        T* values = n > on_stack ? heap.data() : static_cast<T*>(local);
+        // Element `first + i`'s n values, summed by anchored_sum_fn, into out[i].
+        const auto one = [&](std::size_t i) {
+            for (std::size_t j = 0; j < n; ++j)
+                values[j] = sources[j][first + i];
+            anchored_sum_fn<T>{{values, 1, n, 0, 1}, out + i}(0);
+        };
+        if constexpr (std::is_same_v<T, float>) {
+            if (n <= anchored_short_terms) {
+                const float* p[anchored_short_terms];
+                unsigned char done[anchored_tile];
+                for (std::size_t b = 0; b < m; b += anchored_tile) {
+                    const std::size_t mm = m - b < anchored_tile ? m - b : anchored_tile;
+                    for (std::size_t j = 0; j < n; ++j)
+                        p[j] = sources[j] + first + b;
+                    if (!anchored_array_sums(p, n, mm, out + b, done))
+                        for (std::size_t i = 0; i < mm; ++i)
+                            if (done[i] == 0)
+                                one(b + i);
+                }
+                return;
+            }
+        }
+        for (std::size_t i = 0; i < m; ++i)
+            one(i);
+    }
+};
+
+} // namespace lockstep::kernels::detail

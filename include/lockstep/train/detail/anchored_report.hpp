@@ -1,0 +1,76 @@
+// lockstep/train/detail/anchored_report.hpp: what the owners' anchored sums saw
+// (kernels/detail/anchored_combine.hpp), gathered and folded into this replica's own check (its
+// non-finite chunk values: count and first index) and whether every sum is finite, so that
+// reduce::reproducible reads neither its last chunk nor the summed gradient again to count them.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/config.hpp"
+#include "lockstep/kernels/anchored_sum.hpp"
+
+#include <cstddef>
+#include <cstdint>
+
+namespace lockstep::detail {
+
+/// One task: out[k] = words[k] for k < count (a report's words as doubles, exact below 2^53,
+/// for an all_gather of doubles).
+struct report_words_fn {
+    const std::uint64_t* words;
+    std::size_t count;
+    double* out;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
+        for (std::size_t k = 0; k < count; ++k)
+            out[k] = static_cast<double>(words[k]);
+    }
+};
+
+/// One task, after every owner's report (words_for(replicas) doubles each, owner o's at
+/// reports[o * stride]) reached this replica: its own check, out[0] = the elements where one of
+/// its values is not finite and out[1] = 1 + the flat index of the first (0: none), as the
+/// step's piece checks count them; out[2] = 1 when every sum is finite (no owner saw one that is
+/// not, nor is one of the tail's), else 0. The tail (the blocks exchange's n mod replicas
+/// elements, summed on every replica; tail = 0 otherwise): this replica's values, call c's at
+/// tail_values[c * tail], as doubles, for elements tail_first + t; their sums at tail_sums.
+template <class T>
+struct own_report_fn {
+    const double* reports;
+    std::size_t owners;
+    std::size_t stride;
+    std::size_t rank;
+    const double* tail_values;
+    std::size_t calls;
+    std::size_t tail;
+    std::size_t tail_first;
+    const T* tail_sums;
+    double* out;
+    LOCKSTEP_HOST_DEVICE static bool finite(double x) { return x - x == 0.0; }
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
+        double count = 0.0;
+        double first = 0.0;
+        bool all_finite = true;
+        for (std::size_t o = 0; o < owners; ++o) {
+            const double* w = reports + o * stride;
+            all_finite = all_finite && w[0] == 0.0;
+            count += w[1 + 2 * rank];
+            const double f = w[2 + 2 * rank];
+            first = f != 0.0 && (first == 0.0 || f < first) ? f : first;
+        }
+        // The tail lies past every block, so its first counts only when no block had one.
+        for (std::size_t t = 0; t < tail; ++t) {
+            bool bad = false;
+            for (std::size_t c = 0; c < calls; ++c)
+                bad = bad || !finite(tail_values[c * tail + t]);
+            if (bad) {
+                count += 1.0;
+                first = first == 0.0 ? static_cast<double>(tail_first + t + 1) : first;
+            }
+            all_finite = all_finite && finite(static_cast<double>(tail_sums[t]));
+        }
+        out[0] = count;
+        out[1] = first;
+        out[2] = all_finite ? 1.0 : 0.0;
+    }
+};
+
+} // namespace lockstep::detail
