@@ -86,6 +86,24 @@ inline bool cpu_has_f16c() noexcept {
     return ok;
 }
 
+/// True when the CPU and the OS support AVX-512F (CPUID, XGETBV: the OS saves the opmask and
+/// ZMM registers), checked once; the anchored sums' widest loops
+/// (kernels/detail/anchored_sum_host.hpp) take it.
+inline bool cpu_has_avx512f() noexcept {
+    static const bool ok = [] {
+        unsigned a = 0, b = 0, c = 0, d = 0;
+        if (!cpu_has_f16c() || __get_cpuid_max(0, nullptr) < 7)
+            return false;
+        unsigned lo = 0, hi = 0;
+        __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0)); // XCR0: XMM, YMM, opmask, ZMM state
+        if ((lo & 0xe6u) != 0xe6u)
+            return false;
+        __cpuid_count(7, 0, a, b, c, d);
+        return ((b >> 16) & 1u) != 0; // AVX512F
+    }();
+    return ok;
+}
+
 /// True when the array conversions take the F16C/AVX2 path.
 inline bool use_f16c() noexcept {
     return cpu_has_f16c() && !f16_portable_only().load(std::memory_order_relaxed);

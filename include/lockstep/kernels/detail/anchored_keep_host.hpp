@@ -75,6 +75,34 @@ anchored_keep_avx2(const float* src, float* dst, float* clear, std::size_t m, bo
     bad |= anchored_keep_loop(src + i, dst + i, clear != nullptr ? clear + i : nullptr, m - i);
     return bad | (_mm256_movemask_ps(_mm256_castsi256_ps(high)) != 0 ? 1u : 0u);
 }
+
+/// anchored_keep_avx2 on 512-bit registers (16 floats a store, after a head up to dst's next
+/// 64-byte boundary, so each streamed store fills a whole cache line).
+LOCKSTEP_ANCHORED_AVX512 inline unsigned
+anchored_keep_avx512(const float* src, float* dst, float* clear, std::size_t m, bool stream) {
+    const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(dst) & 63u;
+    if (!stream || misaligned % sizeof(float) != 0)
+        return anchored_keep_loop(src, dst, clear, m);
+    const std::size_t head = std::min((64u - misaligned) % 64u / sizeof(float), m);
+    unsigned bad = anchored_keep_loop(src, dst, clear, head);
+    const __m512i field = _mm512_set1_epi32(0x7f800000);
+    const __m512i unit = _mm512_set1_epi32(0x00800000);
+    const __m512 zero = _mm512_setzero_ps();
+    __m512i high = _mm512_setzero_si512();
+    std::size_t i = head;
+    for (; i + 16 <= m; i += 16) {
+        const __m512 v = _mm512_loadu_ps(src + i);
+        _mm512_stream_ps(dst + i, v);
+        if (clear != nullptr)
+            _mm512_storeu_ps(clear + i, zero);
+        high = _mm512_or_si512(
+            high, _mm512_add_epi32(_mm512_and_si512(_mm512_castps_si512(v), field), unit));
+    }
+    _mm_sfence(); // the streamed stores reach memory before the task ends
+    bad |= anchored_keep_loop(src + i, dst + i, clear != nullptr ? clear + i : nullptr, m - i);
+    const __mmask16 sign = _mm512_test_epi32_mask(high, _mm512_set1_epi32(INT32_MIN));
+    return bad | (sign != 0 ? 1u : 0u);
+}
 #endif
 
 /// Chunks of at least this many bytes are kept with streaming stores (smaller ones stay in the
@@ -88,8 +116,8 @@ inline constexpr std::size_t anchored_stream_bytes = std::size_t(4) << 20;
 /// (left as it is otherwise), so that the own check later reads only the flagged tiles (flags
 /// null: none are set; the exchanges whose sums report each replica's non-finite values need
 /// none). Tasks = the keep tiles [first, end) touches (tasks()); a tile cut by two ranges is
-/// flagged by either. With `stream`, the AVX2 loop stores the kept values past the caches. Host
-/// only.
+/// flagged by either. With `stream`, the AVX-512 and AVX2 loops store the kept values past the
+/// caches. Host only.
 struct anchored_keep_tiles_fn {
     const float* src;
     float* dst;
@@ -104,7 +132,9 @@ struct anchored_keep_tiles_fn {
         float* const zeros = clear != nullptr ? clear + b : nullptr;
         unsigned bad = 0;
 #if LOCKSTEP_F16_X86
-        if (anchored_use_avx2())
+        if (anchored_use_avx512())
+            bad = anchored_keep_avx512(src + b, dst + b, zeros, e - b, stream);
+        else if (anchored_use_avx2())
             bad = anchored_keep_avx2(src + b, dst + b, zeros, e - b, stream);
         else
 #endif

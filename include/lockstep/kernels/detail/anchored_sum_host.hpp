@@ -21,6 +21,13 @@ inline std::atomic<bool>& anchored_portable_only() noexcept {
     return flag;
 }
 
+/// Test hook: set to true, the tiles take their AVX2 loops even where AVX-512 exists. Not for
+/// production use.
+inline std::atomic<bool>& anchored_avx512_off() noexcept {
+    static std::atomic<bool> flag{false};
+    return flag;
+}
+
 inline bool anchored_pair_portable(const float* p, const float* q, std::size_t m, float* out,
                                    unsigned char* done) {
     return anchored_pair_loop(p, q, m, out, done);
@@ -41,6 +48,17 @@ inline bool anchored_use_avx2() noexcept {
 #endif
 }
 
+/// Whether the tiles take their AVX-512 loops (the CPU has them and the test hooks allow them).
+inline bool anchored_use_avx512() noexcept {
+#if LOCKSTEP_F16_X86
+    return lockstep::detail::cpu_has_avx512f() &&
+           !anchored_portable_only().load(std::memory_order_relaxed) &&
+           !anchored_avx512_off().load(std::memory_order_relaxed);
+#else
+    return false;
+#endif
+}
+
 /// anchored_pair_loop over two arrays p and q, on the AVX2 loop where anchored_use_avx2().
 inline bool anchored_pair(const float* p, const float* q, std::size_t m, float* out,
                           unsigned char* done) {
@@ -51,10 +69,13 @@ inline bool anchored_pair(const float* p, const float* q, std::size_t m, float* 
     return anchored_pair_portable(p, q, m, out, done);
 }
 
-/// anchored_tile_body, on the AVX2 loop where anchored_use_avx2().
+/// anchored_tile_body, on the AVX-512 loop where anchored_use_avx512(), else on the AVX2 loop
+/// where anchored_use_avx2().
 inline bool anchored_tile_sums(const float* const* p, std::size_t k, std::size_t m, float* out,
                                unsigned char* done) {
 #if LOCKSTEP_F16_X86
+    if (anchored_use_avx512())
+        return anchored_tile_avx512(p, k, m, out, done);
     if (anchored_use_avx2())
         return anchored_tile_avx2(p, k, m, out, done);
 #endif

@@ -1,5 +1,5 @@
 // lockstep/kernels/detail/anchored_x86_host.hpp: the host's float anchored sums of a tile on x86
-// vector registers (AVX2 intrinsics; the caller picks by CPUID), element for element
+// vector registers (AVX2 and AVX-512 intrinsics; the caller picks by CPUID), element for element
 // what anchored_tile_host.hpp's loops compute. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
@@ -13,6 +13,7 @@
 #if LOCKSTEP_F16_X86
 #include <immintrin.h>
 #define LOCKSTEP_ANCHORED_AVX2 __attribute__((target("avx2")))
+#define LOCKSTEP_ANCHORED_AVX512 __attribute__((target("avx512f")))
 #endif
 
 namespace lockstep::kernels::detail {
@@ -20,8 +21,8 @@ namespace lockstep::kernels::detail {
 #if LOCKSTEP_F16_X86
 // The loops spell the vector operations out, so that their speed does not depend on the
 // optimisation level the user compiles with (GCC 12 at -O2 vectorises neither body); they
-// compute what anchored_tile_host.hpp's loops compute, element for element, and take those loops
-// for the last m mod 8 elements.
+// compute what anchored_tile_host.hpp's loops compute, element for element, and the AVX2 ones take
+// those loops for the last m mod 8 elements.
 
 /// anchored_tile_body, 8 elements at a time. The anchor and the smallest field come from the
 /// terms' magnitudes as integers (the bits of a non-negative float order as its value does):
@@ -92,6 +93,68 @@ LOCKSTEP_ANCHORED_AVX2 inline bool anchored_tile_avx2(const float* const* p, std
         rest[j] = p[j] + i;
     const bool tail = anchored_tile_body(rest, k, m - i, out + i, done + i);
     return all == 0xffu && tail;
+}
+
+/// anchored_tile_body, 16 elements at a time: anchored_tile_avx2's operations on 512-bit
+/// registers (a mask register where it compares), then anchored_tile_avx2 for the last m mod 16
+/// elements.
+LOCKSTEP_ANCHORED_AVX512 inline bool anchored_tile_avx512(const float* const* p, std::size_t k,
+                                                          std::size_t m, float* out,
+                                                          unsigned char* done) {
+    const __m512i bits = _mm512_set1_epi32(anchored_tile_bits(k));
+    const __m512i byte = _mm512_set1_epi32(0xff);
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i zero_i = _mm512_setzero_si512();
+    const __m512i ones = _mm512_set1_epi32(-1);
+    const __m512d smallest = _mm512_set1_pd(0x1p-126);
+    const __m512d zero_d = _mm512_setzero_pd();
+    const __m512 quiet_nan = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000));
+    unsigned all = 0xffffu;
+    std::size_t i = 0;
+    for (; i + 16 <= m; i += 16) {
+        __m512i largest = zero_i;
+        __m512i below = ones;
+        __m512d sum_low = zero_d;
+        __m512d sum_high = zero_d;
+        for (std::size_t j = 0; j < k; ++j) {
+            const __m512i mag = _mm512_and_si512(_mm512_loadu_si512(p[j] + i), magnitude);
+            largest = _mm512_max_epi32(largest, mag);
+            below = _mm512_min_epu32(below, _mm512_sub_epi32(mag, one));
+            sum_low = _mm512_add_pd(sum_low, _mm512_cvtps_pd(_mm256_loadu_ps(p[j] + i)));
+            sum_high = _mm512_add_pd(sum_high, _mm512_cvtps_pd(_mm256_loadu_ps(p[j] + i + 8)));
+        }
+        const __m512i top = _mm512_max_epi32(_mm512_srli_epi32(largest, 23), one);
+        const __m512i smallest_mag = _mm512_add_epi32(below, one);
+        const __m512i low =
+            _mm512_mask_mov_epi32(_mm512_max_epi32(_mm512_srli_epi32(smallest_mag, 23), one),
+                                  _mm512_cmpeq_epi32_mask(smallest_mag, zero_i), byte);
+        const unsigned nan = _mm512_cmpeq_epi32_mask(top, byte);
+        const unsigned within =
+            ~static_cast<unsigned>(_mm512_cmpgt_epi32_mask(_mm512_sub_epi32(top, bits), low)) &
+            0xffffu;
+        const unsigned fine_low = _mm512_cmp_pd_mask(_mm512_abs_pd(sum_low), smallest, _CMP_GE_OQ) |
+                                  _mm512_cmp_pd_mask(sum_low, zero_d, _CMP_EQ_OQ);
+        const unsigned fine_high =
+            _mm512_cmp_pd_mask(_mm512_abs_pd(sum_high), smallest, _CMP_GE_OQ) |
+            _mm512_cmp_pd_mask(sum_high, zero_d, _CMP_EQ_OQ);
+        const unsigned ok = nan | (within & (fine_low | (fine_high << 8)));
+        // The one rounding, by the current rounding mode as static_cast<float> does.
+        const __m512 r = _mm512_castpd_ps(
+            _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm512_cvtpd_ps(sum_low))),
+                               _mm256_castps_pd(_mm512_cvtpd_ps(sum_high)), 1));
+        _mm512_storeu_ps(out + i, _mm512_mask_mov_ps(r, static_cast<__mmask16>(nan), quiet_nan));
+        anchored_spread_done(ok & 0xffu, done + i);
+        anchored_spread_done(ok >> 8, done + i + 8);
+        all &= ok;
+    }
+    if (i == m)
+        return all == 0xffffu;
+    const float* rest[anchored_short_terms];
+    for (std::size_t j = 0; j < k; ++j)
+        rest[j] = p[j] + i;
+    const bool tail = anchored_tile_avx2(rest, k, m - i, out + i, done + i);
+    return all == 0xffffu && tail;
 }
 
 /// anchored_pair_loop, 8 elements at a time.
