@@ -7,6 +7,7 @@
 
 #include "lockstep/core/config.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
+#include "lockstep/train/detail/reduce_functors.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -44,7 +45,6 @@ struct own_report_fn {
     std::size_t tail_first;
     const T* tail_sums;
     double* out;
-    LOCKSTEP_HOST_DEVICE static bool finite(double x) { return x - x == 0.0; }
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
         double count = 0.0;
         double first = 0.0;
@@ -60,12 +60,12 @@ struct own_report_fn {
         for (std::size_t t = 0; t < tail; ++t) {
             bool bad = false;
             for (std::size_t c = 0; c < calls; ++c)
-                bad = bad || !finite(tail_values[c * tail + t]);
+                bad = bad || non_finite_fn<double>{}(tail_values[c * tail + t]) != 0;
             if (bad) {
                 count += 1.0;
                 first = first == 0.0 ? static_cast<double>(tail_first + t + 1) : first;
             }
-            all_finite = all_finite && finite(static_cast<double>(tail_sums[t]));
+            all_finite = all_finite && non_finite_fn<T>{}(tail_sums[t]) == 0;
         }
         out[0] = count;
         out[1] = first;
