@@ -153,7 +153,8 @@ public:
         if (reports_) {
             grow(words_, report_words());
             zero(sys_, words_.span().first(report_words()));
-            grow(reports_gathered_, report_words() * (replicas_ + 1));
+            if (!combined_) // combined: the report travels with the loss terms
+                grow(reports_gathered_, report_words() * (replicas_ + 1));
         }
         if (!gathered_) { // gathered: the terms travel in the regions of recv_
             grow(small_send_, stride_);
