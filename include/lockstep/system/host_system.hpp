@@ -4,6 +4,7 @@
 
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/system/detail/host_cores.hpp"
 #include "lockstep/system/host_sync.hpp"
 #include "lockstep/system/system.hpp"
 
@@ -59,27 +60,41 @@ public:
         return *env == '\0' || *env == ',' ? static_cast<int>(n) : 0;
     }
     /// The threads of a process that shares its node with `processes_on_node` processes:
-    /// OMP_NUM_THREADS when set, else the machine's hardware threads divided among them (>= 1).
+    /// OMP_NUM_THREADS when set, else the cores this process may use divided among them (>= 1).
     static int process_threads(int processes_on_node) {
         if (const int env = omp_env_threads(); env > 0)
             return env;
         return std::max(1, hardware_threads() / std::max(1, processes_on_node));
     }
     /// The threads of each of `replicas_in_process` replicas that share this process: the
-    /// process's threads (OMP_NUM_THREADS when set, else the machine's hardware threads) divided
-    /// among them (>= 1). Respecting OMP_NUM_THREADS keeps thread replicas inside an MPI process
-    /// (or beside other processes) from oversubscribing the cores, where OpenMP's spinning
-    /// barriers can cost a time slice each.
+    /// process's threads (OMP_NUM_THREADS when set, else the cores it may use divided among the
+    /// processes of its job on this node, node_processes()) divided among them (>= 1). A thread
+    /// group inside each of several MPI processes so does not oversubscribe the cores, where
+    /// OpenMP's spinning barriers can cost a time slice each.
     static int default_threads(int replicas_in_process) {
-        const int env = omp_env_threads();
-        return std::max(1, (env > 0 ? env : hardware_threads()) / std::max(1, replicas_in_process));
+        return std::max(1, process_threads(node_processes()) / std::max(1, replicas_in_process));
     }
 
-    /// The machine's hardware threads (>= 1), asked once per process:
-    /// std::thread::hardware_concurrency reads the system each time (about 6 us here, more than
-    /// a small MPI all_reduce), and communicators ask on every collective.
+    /// The cores this process may use (>= 1), asked once per process: the machine's hardware
+    /// threads capped by the process's affinity mask and its cgroup's CPU quota
+    /// (detail/host_cores.hpp). Asked once: reading them costs more than a small MPI
+    /// all_reduce, and communicators ask on every collective.
     static int hardware_threads() noexcept {
-        static const int n = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+        static const int n = [] {
+            try {
+                return detail::usable_cores();
+            } catch (...) { // reading the cgroup files failed: the hardware count alone
+                return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+            }
+        }();
+        return n;
+    }
+    /// The processes of this job on this node, as the launcher's environment tells them
+    /// (mpiexec's MPI_LOCALNRANKS, Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE, ...; 1 when none), read
+    /// once per process. An mpi_communicator counts them exactly (MPI's shared-memory split).
+    static int node_processes() noexcept {
+        static const int n = detail::launcher_local_processes(
+            [](const char* name) { return std::getenv(name); }); // NOLINT(concurrency-mt-unsafe)
         return n;
     }
 

@@ -4,6 +4,7 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/policy/compat.hpp"
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/policy/sync.hpp"
@@ -185,8 +186,10 @@ public:
             pack_state();
             const T loss_t = static_cast<T>(loss);
             copy(std::span<const T>(&loss_t, 1), host_system{}, stats.first(1), sys);
-            thrust::transform(sys.policy(), state_.data(), state_.data() + state_.size(),
-                              before_.data(), stats.data() + 1, ema_delta_fn<T>{keep});
+            kernels::with_policy_for(sys, state_.size(), [&](auto policy) {
+                thrust::transform(policy, state_.data(), state_.data() + state_.size(),
+                                  before_.data(), stats.data() + 1, ema_delta_fn<T>{keep});
+            });
             loss_sum += loss;
             ++losses;
         };
@@ -204,8 +207,10 @@ public:
                 core_.optimizer().set_lr(
                     core_.lr_for(first_version + static_cast<std::int64_t>(info.version)));
                 core_.optimizer().step(core_.values(), grad);
-                thrust::transform(sys.policy(), state_.data(), state_.data() + state_.size(),
-                                  stats.data() + 1, state_.data(), ema_apply_fn<T>{keep});
+                kernels::with_policy_for(sys, state_.size(), [&](auto policy) {
+                    thrust::transform(policy, state_.data(), state_.data() + state_.size(),
+                                      stats.data() + 1, state_.data(), ema_apply_fn<T>{keep});
+                });
             }
             loss_sum += static_cast<double>(loss_t);
             ++losses;

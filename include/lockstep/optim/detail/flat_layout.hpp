@@ -156,7 +156,8 @@ private:
 template <class T, class System>
 buffer<T, System> zeros(std::size_t n, const System& sys, T value = T(0)) {
     buffer<T, System> b(n, sys);
-    thrust::fill(sys.policy(), b.data(), b.data() + n, value);
+    kernels::with_policy_for(
+        sys, n, [&](auto policy) { thrust::fill(policy, b.data(), b.data() + n, value); });
     return b;
 }
 
@@ -186,7 +187,9 @@ std::int64_t load_slots(const char* op, const state_view<const T>& saved, const 
     for (std::size_t k = 0; k < mine.slots.size(); ++k) {
         const auto& s = saved.slots[k].data;
         if (s.data() != mine.slots[k].data.data())
-            thrust::copy(sys.policy(), s.data(), s.data() + s.size(), mine.slots[k].data.data());
+            kernels::with_policy_for(sys, s.size(), [&](auto policy) {
+                thrust::copy(policy, s.data(), s.data() + s.size(), mine.slots[k].data.data());
+            });
     }
     return saved.step;
 }

@@ -124,7 +124,9 @@ public:
                          "reduce::sharded.norms", "the optimizer has ", norms.size(),
                          " segments, the shard ", map_.size());
         const auto sys = comm_->system();
-        thrust::fill(sys.policy(), global_.data(), global_.data() + global_.size(), 0.0);
+        kernels::with_policy_for(sys, global_.size(), [&](auto policy) {
+            thrust::fill(policy, global_.data(), global_.data() + global_.size(), 0.0);
+        });
         kernels::for_each_index(sys, norms.size(),
                                 scatter_norms_fn{norms.data(), map_.data(), global_.data()});
         comm_->all_reduce(std::span<const double>(global_.span()), global_.span(), reduce_op::sum);
