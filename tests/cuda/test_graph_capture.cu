@@ -1,9 +1,10 @@
 // A synchronous step captured into a CUDA graph on one GPU (one nccl_communicator rank) and
 // launched 10 times, each launch counted by count_replay(), against 10 plain steps on the same
 // batches: the same weights, losses, optimizer step count and host counters, bit for bit; the
-// host's waits refused during the capture, the communicator usable afterwards; a staged_read
-// enqueued under capture read after every launch. Every case needs a GPU (tagged [gpu]).
-// SPDX-License-Identifier: Apache-2.0
+// host's waits refused during the capture, the communicator usable afterwards; with three
+// batch-norm layers the same running statistics and num_batches_tracked; a capture without a
+// plain step before it refused before any work; a staged_read enqueued under capture read after
+// every launch. Every case needs a GPU (tagged [gpu]). SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/gpu_group.hpp"
 #include "lockstep/comm/host_wait.hpp"
 #include "lockstep/comm/nccl_communicator.hpp"
@@ -14,13 +15,16 @@
 
 #include "cuda_test_support.hpp"
 #include "gpu_linear_net.hpp"
+#include "gpu_test_net.hpp"
 
 #include <catch2/catch.hpp>
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -172,10 +176,110 @@ run_log graph_run(nccl_communicator& comm, overlap_mode overlap) {
 }
 
 template <class F>
-run_log on_one_gpu(F f) {
-    run_log log;
+auto on_one_gpu(F f) {
+    decltype(f(std::declval<nccl_communicator&>())) log;
     gpu_group(std::vector<int>{0}).run([&](nccl_communicator& comm) { log = f(comm); });
     return log;
+}
+
+namespace tn = lockstep_test::net;
+using bn_net = tn::test_net<nccl_communicator, bn::global>;
+using bn_trainer = data_parallel<bn_net, optim::sgd<float, cuda_system>, sync::synchronous,
+                                 reduce::bucketed<32, 16>, nccl_communicator>;
+
+/// What a run with the batch-norm network ends with, and what a refused capture saw.
+struct bn_log {
+    std::vector<float> params;
+    std::vector<std::vector<float>> running; ///< per layer: running mean, then running var
+    std::vector<std::int64_t> tracked;       ///< per layer: num_batches_tracked
+    std::int64_t steps = 0;
+    std::int64_t optimizer_steps = 0;
+    std::string refusal;
+    errc refusal_code = errc::internal;
+};
+
+void finish_bn_log(bn_log& log, bn_trainer& t, const cuda_system& sys) {
+    log.params = to_host(std::span<const float>(t.parameters()), sys);
+    for (int l = 0; l < 3; ++l) {
+        auto& layer = t.network().bn(l);
+        std::vector<float> r = to_host(std::span<const float>(layer.running_mean()), sys);
+        const std::vector<float> v = to_host(std::span<const float>(layer.running_var()), sys);
+        r.insert(r.end(), v.begin(), v.end());
+        log.running.push_back(r);
+        log.tracked.push_back(layer.num_batches_tracked());
+    }
+    log.steps = t.steps();
+    log.optimizer_steps = t.optimizer().step_count();
+}
+
+/// The batch-norm network (the same batch every step, fixed_data: a launch repeats the host's
+/// arguments) with 2 micro-batches per step (each layer counts 2 forwards a step): a warm-up
+/// step, then `launches` plain steps, or one step captured and launched `launches` times, each
+/// launch counted. Without `warm_up` the capture comes first: it must be refused before any
+/// work, and the trainer trains on afterwards.
+bn_log bn_run(nccl_communicator& comm, bool capture, bool warm_up) {
+    constexpr std::size_t batch = 12;
+    bn_trainer t(
+        comm, [&](bn_net::context_type& ctx) { return bn_net(ctx, batch, {.fixed_data = true}); },
+        {.lr = 0.05, .momentum = 0.9}, {.micro_batches = 2, .overlap = overlap_mode::never});
+    const auto fn = [](bn_net& n, shard_range r, bn_net::context_type& ctx) { n.train(r, ctx); };
+    bn_log log;
+    if (warm_up)
+        (void)t.step(batch, fn);
+    if (!capture) {
+        for (int k = 0; k < launches; ++k)
+            (void)t.step(batch, fn);
+        finish_bn_log(log, t, comm.system());
+        return log;
+    }
+    // Relaxed, as test_trainer_gpu's batch-norm graph: the mode does not decide the refusal.
+    const cudaStream_t stream = comm.system().stream();
+    LOCKSTEP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+    cudaGraph_t graph = nullptr;
+    try {
+        (void)t.step(batch, fn);
+    } catch (const error& e) {
+        log.refusal = e.what();
+        log.refusal_code = e.code();
+    } catch (...) {
+        (void)cudaStreamEndCapture(stream, &graph);
+        if (graph != nullptr)
+            (void)cudaGraphDestroy(graph);
+        throw;
+    }
+    LOCKSTEP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    if (warm_up && !log.refusal.empty()) { // unexpected: the test reports it, nothing is launched
+        LOCKSTEP_CUDA_CHECK(cudaGraphDestroy(graph));
+        return log;
+    }
+    if (!warm_up) {
+        // Refused before any work: an empty capture; the replica trains on.
+        std::size_t nodes = 1;
+        LOCKSTEP_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
+        LOCKSTEP_CUDA_CHECK(cudaGraphDestroy(graph));
+        LOCKSTEP_REQUIRE(nodes == 0, errc::internal, comm.rank(), "bn_run", "the refused capture ",
+                         "holds ", nodes, " nodes");
+        (void)t.step(batch, fn);
+        finish_bn_log(log, t, comm.system());
+        return log;
+    }
+    cudaGraphExec_t exec = nullptr;
+    LOCKSTEP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int k = 0; k < launches; ++k) {
+        LOCKSTEP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+        (void)t.count_replay();
+    }
+    comm.synchronize();
+    LOCKSTEP_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    LOCKSTEP_CUDA_CHECK(cudaGraphDestroy(graph));
+    finish_bn_log(log, t, comm.system());
+    return log;
+}
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+    return a.size() == b.size() &&
+           (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
 } // namespace
@@ -254,4 +358,46 @@ TEST_CASE("a staged_read enqueued under capture is refused during it and read af
     CHECK_THAT(refusal,
                Catch::Contains("test read") && Catch::Contains("being captured into a CUDA graph"));
     CHECK(seen == std::vector<double>{1.5, 3.0, 4.5});
+}
+
+TEST_CASE("a step with batch norm captured in a CUDA graph and launched 10 times equals 10 plain "
+          "steps, bit for bit, num_batches_tracked included",
+          "[train][nccl][graph][bn][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    const bn_log plain = on_one_gpu([](nccl_communicator& c) { return bn_run(c, false, true); });
+    const bn_log graph = on_one_gpu([](nccl_communicator& c) { return bn_run(c, true, true); });
+    CHECK(graph.refusal.empty());
+    CHECK(same_bits(graph.params, plain.params));
+    REQUIRE(graph.running.size() == 3);
+    REQUIRE(plain.running.size() == 3);
+    for (std::size_t l = 0; l < 3; ++l) {
+        INFO("layer " << l);
+        CHECK(same_bits(graph.running[l], plain.running[l]));
+        // 2 micro-batches a step, 1 + launches steps: each counted launch counts as a step.
+        CHECK(plain.tracked[l] == 2 * (launches + 1));
+        CHECK(graph.tracked[l] == plain.tracked[l]);
+    }
+    CHECK(graph.steps == launches + 1);
+    CHECK(plain.steps == launches + 1);
+    CHECK(graph.optimizer_steps == plain.optimizer_steps);
+}
+
+TEST_CASE("a step captured before any plain step is refused before any work; the trainer trains "
+          "on",
+          "[train][nccl][graph][bn][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    const bn_log log = on_one_gpu([](nccl_communicator& c) { return bn_run(c, true, false); });
+    CHECK(log.refusal_code == errc::invalid_argument);
+    CHECK_THAT(log.refusal,
+               Catch::Contains("replica 0: data_parallel.step") &&
+                   Catch::Contains("being captured into a CUDA graph") &&
+                   Catch::Contains("no plain step ran on this trainer before the capture") &&
+                   Catch::Contains("run one plain step of global batch 12 before capturing"));
+    // Only the plain step after the refusal ran and counted.
+    CHECK(log.steps == 1);
+    CHECK(log.optimizer_steps == 1);
+    for (std::size_t l = 0; l < 3; ++l)
+        CHECK(log.tracked[l] == 2);
 }

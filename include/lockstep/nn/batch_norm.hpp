@@ -110,6 +110,8 @@ struct batch_norm_params {
 ///   replica's chunk statistics are gathered (one all_gather) and applied in global chunk order,
 ///   each with its own count, and num_batches_tracked grows by the step's chunk count: the same
 ///   bits on every replica for every replica count. Outside such a step it acts as bn::local.
+///   num_batches_tracked is a host count: a data_parallel step captured into a CUDA graph adds
+///   nothing, each launch counted by data_parallel::count_replay adds what one plain step adds.
 /// - Every replica calls forward_train and backward of a communicating policy the same number
 ///   of times in the same order (an empty shard takes part with count 0).
 /// - Stream contract: every kernel of the layer runs on its system (on CUDA: one device, one
@@ -373,13 +375,12 @@ private:
                                     .report = report},
                                 s_.channels * static_cast<std::size_t>(count_blocks));
         if constexpr (bn::is_ghost<Policy>) {
-            if (ghost_step) {
-                record_ghost_chunk(comm, step->ghost_global(), !xs.empty());
-            } else {
-                ++batches_;
-            }
+            if (ghost_step)
+                record_ghost_chunk(comm, *step, !xs.empty());
+            else
+                count_batches(step, 1);
         } else {
-            ++batches_;
+            count_batches(step, 1);
         }
         if (step == nullptr)
             throw_layer_error(comm, op, shape);
@@ -519,7 +520,7 @@ private:
     /// Inside a trainer's step: on the layer's first forward of the step, copies the running
     /// statistics aside (on the device) and joins the step, whose commit (commit_step) restores
     /// them when the trainer's skip flag is set, so a skipped step leaves them as they were.
-    /// num_batches_tracked (a host count) counts every training forward.
+    /// num_batches_tracked (a host count) counts every training forward (count_batches).
     void keep_running_statistics(layer_step* step) {
         if (step == nullptr || step->id() == kept_step_)
             return;
@@ -555,9 +556,9 @@ private:
     /// Keeps this chunk's statistics block (when the chunk is not empty) and the communicator
     /// the end of the step gathers them over.
     template <class Comm>
-    void record_ghost_chunk(Comm& comm, std::size_t global, bool nonempty) {
-        ghost_finish_ = [this, &comm, global](const int* skip) {
-            finish_ghost_step(comm, global, skip);
+    void record_ghost_chunk(Comm& comm, layer_step& step, bool nonempty) {
+        ghost_finish_ = [this, &comm, &step](const int* skip) {
+            finish_ghost_step(comm, step, skip);
         };
         if (!nonempty)
             return;
@@ -586,8 +587,9 @@ private:
     /// updated from them in global chunk order (replica order, then each replica's order), and
     /// restored when the step is skipped.
     template <class Comm>
-    void finish_ghost_step(Comm& comm, std::size_t global, const int* skip) {
+    void finish_ghost_step(Comm& comm, layer_step& step, const int* skip) {
         constexpr std::size_t chunk = bn::ghost_chunk<Policy>;
+        const std::size_t global = step.ghost_global();
         const int size = comm.size();
         const reduce::chunk_run own = reduce::chunks_of(global, chunk, comm.rank(), size);
         const std::size_t most = reduce::chunks_of(global, chunk, 0, size).count;
@@ -616,10 +618,21 @@ private:
                                         .running_var = s_.running_var().data()},
                                     all.size());
         }
-        batches_ += static_cast<std::int64_t>(global / chunk + (global % chunk != 0 ? 1 : 0));
+        count_batches(&step,
+                      static_cast<std::int64_t>(global / chunk + (global % chunk != 0 ? 1 : 0)));
         ghost_chunks_ = 0;
         (void)skip; // the running statistics are restored by commit_step, after this
     }
+    /// num_batches_tracked += n: inside a trainer's step through it (layer_step::count), so that
+    /// each launch of a step captured into a CUDA graph counts as the plain step does
+    /// (data_parallel::count_replay adds what the capture recorded); outside a step at once.
+    void count_batches(layer_step* step, std::int64_t n) {
+        if (step != nullptr)
+            step->count(batches_, n);
+        else
+            batches_ += n;
+    }
+
     /// The host side of the layer's status reads (pinned on CUDA), made on first use.
     staged_read<param_type, System>& status_read() {
         if (!read_)

@@ -1,6 +1,7 @@
 // lockstep/nn/layer_step.hpp: layer_step, what a trainer's step hands the layers of the user's
-// network (where device-side errors go, the skip flag, the layers to commit), and
-// step_participant, a layer that keeps or restores its state when the step's fate is known.
+// network (where device-side errors go, the skip flag, the layers to commit, the layers' host
+// counters), and step_participant, a layer that keeps or restores its state when the step's fate
+// is known.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
@@ -29,6 +30,14 @@ protected:
     ~step_participant() = default;
 };
 
+/// A layer's host counter (e.g. batch_norm::num_batches_tracked) and what one step added to it.
+/// A step captured into a CUDA graph runs no host code on its launches: the trainer adds `added`
+/// to `*counter` once per launch (data_parallel::count_replay).
+struct step_count {
+    std::int64_t* counter;
+    std::int64_t added;
+};
+
 /// One training step as the layers see it. A trainer owns it for its lifetime, resets it at the
 /// start of every step (begin) and passes it through replica_context::layer_step(); a layer
 /// called outside a trainer's step gets none and checks its own status at once.
@@ -37,17 +46,20 @@ public:
     /// Starts a step, with an id() no other step of the process had: the layers report into
     /// `first`/`errors` (device memory of the step's state) and the skip decision is read at
     /// `skip`. `ghost_global`: the global batch of a reduce::reproducible step (bn::ghost layers
-    /// gather every replica's chunks at its end), 0 in other steps.
+    /// gather every replica's chunks at its end), 0 in other steps. `captured`: the step is
+    /// recorded into a CUDA graph, not run (count() records without adding).
     void begin(kernels::layer_error_record* first, double* errors, const int* skip,
-               std::size_t ghost_global) {
+               std::size_t ghost_global, bool captured = false) {
         static std::atomic<std::uint64_t> ids{0};
         id_ = ids.fetch_add(1, std::memory_order_relaxed) + 1;
         first_ = first;
         errors_ = errors;
         skip_ = skip;
         ghost_global_ = ghost_global;
+        captured_ = captured;
         layers_ = 0;
         participants_.clear();
+        counts_.clear();
     }
 
     /// Where the next layer in forward order reports (its number is its order in this step).
@@ -63,6 +75,24 @@ public:
         participants_.clear();
     }
 
+    /// A layer's host counter grows by n in this step: `counter += n` at once, and recorded
+    /// (counts()); in a captured step only recorded, since the capture is not a step: each
+    /// launch of the graph adds the recorded amounts (data_parallel::count_replay). requires:
+    /// counter stays at its address while a graph of this step is launched (a member of a layer
+    /// of the trainer's network).
+    void count(std::int64_t& counter, std::int64_t n) {
+        if (!captured_)
+            counter += n;
+        for (step_count& c : counts_)
+            if (c.counter == &counter) {
+                c.added += n;
+                return;
+            }
+        counts_.push_back({&counter, n});
+    }
+    /// What the layers counted in this step, one entry per counter.
+    const std::vector<step_count>& counts() const noexcept { return counts_; }
+
     std::uint64_t id() const noexcept { return id_; }
     std::size_t ghost_global() const noexcept { return ghost_global_; }
 
@@ -72,8 +102,10 @@ private:
     double* errors_ = nullptr;
     const int* skip_ = nullptr;
     std::size_t ghost_global_ = 0;
+    bool captured_ = false;
     int layers_ = 0;
     std::vector<step_participant*> participants_;
+    std::vector<step_count> counts_;
 };
 
 /// What a layer's training calls accept besides a bare communicator: an object that gives the

@@ -138,30 +138,35 @@ public:
     /// ensures: the returned result is the same on every replica (synchronous).
     /// Called while the communicator's stream is being captured into a CUDA graph (synchronous
     /// steps; not local SGD, not buckets overlapped by a communication thread: else
-    /// errc::unsupported before any work), the step is RECORDED, not run: it returns with
-    /// ready == false without waiting (whatever train_params::read_result says), steps(),
-    /// samples() and read_result() stay as they were, and each launch of the graph is counted
-    /// by count_replay(). A launch repeats the device work with the values of the capture (lr,
-    /// global_batch, the step index and sample offsets fn saw); weights, optimizer state and
-    /// step count, the loss scale and the step's status advance in device memory. During the
-    /// capture ctx.loss_scale() throws with loss scaling (read loss_scale_device()). See
-    /// docs/train_api.md, "Capturing a step in a CUDA graph".
+    /// errc::unsupported before any work; after a plain step of the same global_batch on this
+    /// trainer, which sets up what the step reuses: else errc::invalid_argument before any
+    /// work), the step is RECORDED, not run: it returns with ready == false without waiting
+    /// (whatever train_params::read_result says), steps(), samples(), read_result() and the
+    /// layers' host counters (batch_norm::num_batches_tracked) stay as they were, and each
+    /// launch of the graph is counted by count_replay(). A launch repeats the device work with
+    /// the values of the capture (lr, global_batch, the step index and sample offsets fn saw);
+    /// weights, optimizer state and step count, the loss scale and the step's status advance in
+    /// device memory. During the capture ctx.loss_scale() throws with loss scaling (read
+    /// loss_scale_device()). See docs/train_api.md, "Capturing a step in a CUDA graph".
     template <class Fn>
     step_result step(std::size_t global_batch, Fn&& fn) {
         const bool capture = detail::capturing(core_.comm().system());
-        if (capture)
+        if (capture) {
             detail::step_capture::check_capturable(
                 this->rank(), is_local_sgd_v<SyncPolicy>,
                 reducer_.overlaps() && !detail::overlaps_on_side_stream<Communicator>);
+            capture_.check_set_up(this->rank(), global_batch);
+        }
         try {
             stages_.set_capturing(capture);
             const step_result r = driver_.step(stages_, global_batch, fn);
             if (capture) {
                 // Nothing ran: the host counts each launch instead (count_replay).
-                capture_.record(r.step, global_batch, r.lr);
+                capture_.record(r.step, global_batch, r.lr, stages_.layer_counts());
                 core_.retract(global_batch);
                 stages_.set_capturing(false);
             } else {
+                capture_.note_plain_step(global_batch);
                 verify_replicas_if_due();
             }
             return r;
@@ -175,13 +180,17 @@ public:
 
     /// Counts one launch of the CUDA graph holding the step captured last (see step()): call it
     /// once per launch, after cudaGraphLaunch on the communicator's stream. ensures: steps()
-    /// grows by 1 and samples() by the captured global_batch, as after the plain step; the
-    /// result is this launch's (the graph records the read's event on every launch): with
-    /// train_params::read_result it is waited for here (through the communicator, throwing the
-    /// step's errors and aborting the communicator as step() does), else read_result() reads it.
+    /// grows by 1, samples() by the captured global_batch and every layer's host counter
+    /// (batch_norm::num_batches_tracked) by what the captured step counted, as after the plain
+    /// step; the result is this launch's (the graph records the read's event on every launch):
+    /// with train_params::read_result it is waited for here (through the communicator, throwing
+    /// the step's errors and aborting the communicator as step() does), else read_result()
+    /// reads it.
     /// requires: a step was captured; the stream is not being captured; train_params::lr gives
-    /// step steps() the captured rate, which every launch applies. Otherwise lockstep::error
-    /// (errc::invalid_argument) naming the values, and nothing is counted.
+    /// step steps() the captured rate, which every launch applies; no plain step of a global
+    /// batch not run before the capture ran since (it may have reallocated buffers the graph
+    /// uses). Otherwise lockstep::error (errc::invalid_argument) naming the values, and nothing
+    /// is counted.
     step_result count_replay() {
         step_result r;
         r.step = core_.steps();
@@ -190,6 +199,7 @@ public:
             this->rank(), detail::capturing(core_.comm().system()), r.step, r.lr);
         (void)next_sample_offset(core_.samples(), global, this->rank());
         core_.advance(global);
+        capture_.count_layers();
         r.ready = false;
         stages_.set_last(r);
         if (!core_.params().read_result)

@@ -4,11 +4,16 @@
 #pragma once
 
 #include "lockstep/core/error.hpp"
+#include "lockstep/nn/layer_step.hpp"
 #include "lockstep/train/detail/agreement.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace lockstep {
 class nccl_communicator;
@@ -29,7 +34,13 @@ inline constexpr bool overlaps_on_side_stream<nccl_communicator> = true;
 /// learning rate, the global batch, and the step index and sample offset the step function saw.
 /// What lives in device memory advances on every launch (weights, optimizer state and step
 /// count, loss scale, the step's status). The host's counters advance through
-/// data_parallel::count_replay(), one call per launch, which check_replay() guards.
+/// data_parallel::count_replay(), one call per launch, which check_replay() guards: the trainer's
+/// and the layers' (what the captured step recorded through nn::layer_step::count, added again
+/// per launch by count_layers()). A step's first run sets up what later steps reuse (buffers
+/// sized by the global batch, kept statistics, bn::group's split communicator); a graph must
+/// capture none of that setup, so a capture needs a plain step of its global batch before it
+/// (check_set_up), and launches are refused once a plain step of a new global batch may have
+/// reallocated what the graph uses.
 /// docs/train_api.md, "Capturing a step in a CUDA graph", states the contract.
 class step_capture {
 public:
@@ -49,10 +60,42 @@ public:
                          "the capture): use train_params::overlap = overlap_mode::never");
     }
 
-    /// Records the step just captured: its index, global batch and learning rate. Replaces the
-    /// step captured before (count_replay() counts launches of the last capture).
-    void record(std::int64_t step, std::size_t global, double lr) noexcept {
-        last_ = captured{step, global, lr};
+    /// A plain step (run, not captured) of `global` samples returned: what a step of this global
+    /// batch sets up on its first run exists from now on (the buffers only grow).
+    void note_plain_step(std::size_t global) {
+        if (std::find(plain_.begin(), plain_.end(), global) == plain_.end())
+            plain_.push_back(global);
+    }
+
+    /// Throws lockstep::error (errc::invalid_argument) naming the replica and the global batch
+    /// when no plain step of `global` samples ran on this trainer (note_plain_step) before a
+    /// capture of such a step: its first-run setup (allocations and their initialising kernels,
+    /// the batch-norm statistics kept for the skip decision, bn::group's communicator split)
+    /// would be captured instead of done once.
+    void check_set_up(int rank, std::size_t global) const {
+        if (std::find(plain_.begin(), plain_.end(), global) != plain_.end())
+            return;
+        const std::string before =
+            plain_.empty() ? std::string("no plain step ran on this trainer before the capture")
+                           : concat("no plain step of global batch ", global,
+                                    " ran on this trainer before the capture (the last plain "
+                                    "step's global batch was ",
+                                    plain_.back(), ")");
+        fail(errc::invalid_argument, rank, "data_parallel.step",
+             "the step is being captured into a CUDA graph, but ", before,
+             ": the first step of a global batch allocates and sets up what later steps reuse "
+             "(batch-norm buffers and kept statistics, bn::ghost's chunk blocks, "
+             "reduce::reproducible's accumulator, bn::group's split communicator), which the "
+             "graph would capture: run one plain step of global batch ",
+             global, " before capturing");
+    }
+
+    /// Records the step just captured: its index, global batch and learning rate, and what the
+    /// layers counted on the host in it (`counts`, added again per launch). Replaces the step
+    /// captured before (count_replay() counts launches of the last capture).
+    void record(std::int64_t step, std::size_t global, double lr,
+                std::vector<nn::step_count> counts) {
+        last_ = captured{step, global, lr, std::move(counts), plain_.size()};
     }
 
     /// True once a step was captured.
@@ -61,8 +104,9 @@ public:
     /// Checks that a launch of the captured step may be counted as step `step`, whose learning
     /// rate is `lr` (train_params::lr), and returns the captured global batch. Throws
     /// lockstep::error (errc::invalid_argument) naming the replica and the values when no step
-    /// was captured, when the stream is being captured (`capturing`), or when `lr` differs from
-    /// the captured rate every launch applies.
+    /// was captured, when the stream is being captured (`capturing`), when `lr` differs from
+    /// the captured rate every launch applies, or when a plain step of a global batch first run
+    /// after the capture may have grown (reallocated) buffers the graph uses.
     std::size_t check_replay(int rank, bool capturing, std::int64_t step, double lr) const {
         LOCKSTEP_REQUIRE(last_.has_value(), errc::invalid_argument, rank,
                          "data_parallel.count_replay",
@@ -76,7 +120,21 @@ public:
                          exact(lr), " but the graph applies ", exact(last_->lr),
                          ", the rate of step ", last_->step,
                          " it was captured at: capture the step again when the rate changes");
+        LOCKSTEP_REQUIRE(plain_.size() == last_->plain_batches, errc::invalid_argument, rank,
+                         "data_parallel.count_replay", "step ", step,
+                         ": a plain step of global batch ", plain_.back(),
+                         ", the first of that size, ran after the step of global batch ",
+                         last_->global,
+                         " was captured; it may have reallocated buffers the "
+                         "graph uses: capture the step again");
         return last_->global;
+    }
+
+    /// One launch's host counts of the layers: each counter the captured step counted grows by
+    /// what it counted (nn::layer_step::count). requires: check_replay passed.
+    void count_layers() {
+        for (const nn::step_count& c : last_->counts)
+            *c.counter += c.added;
     }
 
 private:
@@ -84,8 +142,11 @@ private:
         std::int64_t step;
         std::size_t global;
         double lr;
+        std::vector<nn::step_count> counts; ///< the layers' host counts of one launch
+        std::size_t plain_batches;          ///< plain_.size() at the capture
     };
     std::optional<captured> last_;
+    std::vector<std::size_t> plain_; ///< the global batches plain steps ran with (distinct)
 };
 
 } // namespace lockstep::detail

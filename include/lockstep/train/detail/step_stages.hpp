@@ -28,6 +28,7 @@
 #include <span>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <thrust/fill.h>
 
@@ -73,7 +74,7 @@ public:
         state_.reset(system());
         const step_view v = state_.view();
         layer_step_.begin(&v.outcome->first_error, &v.totals->layer_errors, skip_.data(),
-                          ghost_global);
+                          ghost_global, capturing_);
         core_.context().set_loss_scale(scaler_.scale_device(), host_loss_scale());
         return v;
     }
@@ -322,6 +323,12 @@ public:
                      .loss_scaling = scaler_.enabled()})
             .throw_errors();
         return r;
+    }
+
+    /// What the layers counted on the host in the last step (nn::layer_step::count): a captured
+    /// step's amounts, which each counted launch adds (count_replay).
+    const std::vector<nn::step_count>& layer_counts() const noexcept {
+        return layer_step_.counts();
     }
 
     /// The last step that ran (or launch counted), and setting it (count_replay).
