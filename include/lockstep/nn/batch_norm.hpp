@@ -232,9 +232,14 @@ public:
     /// bn::global) unless over none.
     /// Outside a trainer's step (no layer_step): the layer checks its own status at once and
     /// throws what it found.
+    /// Inside a trainer's step function this form is refused on every replica
+    /// (lockstep::error, invalid_argument, before any work): there the context form below is
+    /// the one that keeps the running statistics with the step's skip decision and bn::ghost
+    /// with the step's chunks.
     template <communicator Comm>
     void forward_train(Comm& comm, std::span<const T> x, const tensor_shape& shape,
                        std::span<T> y) {
+        refuse_inside_step(comm, "forward_train", "forward_train(ctx, x, shape, y)");
         train_forward(comm, nullptr, x, shape, y);
     }
     /// Inside a trainer's step, with the replica_context the step function got: as above on
@@ -271,6 +276,7 @@ public:
     /// communicator): a peer's invalid gradients are checked at once (one host wait).
     template <communicator Comm>
     void backward(Comm& comm, std::span<const T> dy, std::span<T> dx) {
+        refuse_inside_step(comm, "backward", "backward(ctx, dy, dx)");
         train_backward(comm, nullptr, dy, dx);
     }
     /// Inside a trainer's step (its replica_context): nothing waits on the host.
@@ -280,11 +286,28 @@ public:
     }
 
 private:
+    /// The communicator form inside a trainer's step function (nn::layer_step::running): the
+    /// running statistics would not follow the step's skip decision and bn::ghost would act as
+    /// bn::local, silently. Every replica makes the same call, so every replica throws here.
+    template <communicator Comm>
+    void refuse_inside_step(const Comm& comm, const char* call, const char* use) const {
+        if (layer_step::running() == nullptr)
+            return;
+        fail(errc::invalid_argument, comm.rank(), std::string("batch_norm.") + call,
+             "called with a communicator inside a data_parallel step (", bn::traits<Policy>::name(),
+             ", ", s_.channels, " channels): pass the step function's context instead, bn.", use,
+             ", so the layer's running statistics follow the step's skip decision, its errors "
+             "go into the step and bn::ghost normalizes the step's chunks (a communicator cannot "
+             "carry the step)");
+    }
+
     template <communicator Comm>
     void train_forward(Comm& comm, layer_step* step, std::span<const T> x,
                        const tensor_shape& shape, std::span<T> y) {
         static constexpr const char* op = "batch_norm.forward_train";
         const int rank = comm.rank();
+        if (step != nullptr)
+            step->check_policy(bn_facts_of<Policy>(), bn::traits<Policy>::name(), rank, op);
         check_system(comm, op);
         // Outside a step the layer's error is read back after the all_gather: its pinned host
         // side is allocated before the collective is enqueued (cudaMallocHost between enqueue
@@ -396,6 +419,8 @@ private:
     void train_backward(Comm& comm, layer_step* step, std::span<const T> dy, std::span<T> dx) {
         static constexpr const char* op = "batch_norm.backward";
         const int rank = comm.rank();
+        if (step != nullptr)
+            step->check_policy(bn_facts_of<Policy>(), bn::traits<Policy>::name(), rank, op);
         check_system(comm, op);
         std::string problem;
         if (!has_forward_)

@@ -11,6 +11,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 namespace lockstep {
 
@@ -50,6 +51,81 @@ struct bn_policy_names<std::tuple<P...>> {
     }
 };
 
+// The sentences of the rules that involve a BN policy. Macros, because static_assert takes only
+// a string literal: the compile-time checks below and the run-time check of a layer's first call
+// in a step (bn_rule_broken, for a policy missing from the network's bn_policies) print the
+// same sentence.
+#define LOCKSTEP_COMPAT_BN_NEEDS_SYNCHRONOUS                                                       \
+    "bn::global and bn::group compute batch statistics across replicas inside forward and "        \
+    "backward, so every replica must run the same step at the same time: they need "               \
+    "sync::synchronous. With sync::asynchronous, sync::bounded_staleness or sync::local_sgd use "  \
+    "bn::local (or bn::running_only / bn::tower with local SGD)."
+#define LOCKSTEP_COMPAT_BN_ASYNC_COLLECTIVE                                                        \
+    "Asynchronous workers run forward at their own pace, so a BN policy that calls a collective "  \
+    "in forward (bn::running_only, bn::tower) would pair different steps of different workers: "   \
+    "use bn::local with sync::asynchronous and sync::bounded_staleness (the server keeps the "     \
+    "running statistics)."
+#define LOCKSTEP_COMPAT_REPRODUCIBLE_NEEDS_GHOST                                                   \
+    "reduce::reproducible needs every batch-norm layer to normalize each chunk on its own: "       \
+    "bn::global, bn::group, bn::local, bn::running_only and bn::tower depend on how samples are "  \
+    "split over replicas; use bn::ghost<ChunkSamples> (the reducer's chunk size) in every layer."
+#define LOCKSTEP_COMPAT_GHOST_NEEDS_REPRODUCIBLE                                                   \
+    "bn::ghost<ChunkSamples> normalizes the chunks that reduce::reproducible cuts and gathers "    \
+    "their statistics at the end of its step: train it with reduce::reproducible<ChunkSamples> "   \
+    "(or use bn::local / bn::global with other reducers)."
+#define LOCKSTEP_COMPAT_GHOST_CHUNK                                                                \
+    "bn::ghost<C> and reduce::reproducible<C> must use the same chunk size C: each ghost batch "   \
+    "is one chunk of the reducer."
+
+/// What the compatibility rules ask of a trainer's SyncPolicy and ReducePolicy, as values.
+struct trainer_policy_facts {
+    bool asynchronous = false;
+    bool local_sgd = false;
+    std::size_t chunk_samples = 0; ///< reduce::reproducible's chunk, 0 for other reducers
+};
+template <sync_policy SyncPolicy, reduce_policy ReducePolicy>
+constexpr trainer_policy_facts trainer_facts_of() {
+    return {is_asynchronous_v<SyncPolicy>, is_local_sgd_v<SyncPolicy>, ReducePolicy::chunk_samples};
+}
+
+/// What the compatibility rules ask of one BN policy (bn::traits), as values.
+struct bn_policy_facts {
+    bool needs_synchronous = false;
+    bool communicates = false;
+    std::size_t ghost_chunk = 0; ///< bn::ghost<C>'s C, 0 for other policies
+    friend constexpr bool operator==(const bn_policy_facts&, const bn_policy_facts&) = default;
+};
+template <class P>
+constexpr bn_policy_facts bn_facts_of() {
+    return {bn::needs_synchronous<P>, bn::communicates<P>, bn::ghost_chunk<P>};
+}
+
+/// The sentence of the first rule a layer of BN policy `b` breaks in a trainer of `t`, or null.
+/// The compile-time check (check_compatible) applies the same rules to every policy of the
+/// network's bn_policies.
+constexpr const char* bn_rule_broken(const trainer_policy_facts& t, const bn_policy_facts& b) {
+    const bool reproducible = t.chunk_samples > 0;
+    if ((t.asynchronous || t.local_sgd) && b.needs_synchronous)
+        return LOCKSTEP_COMPAT_BN_NEEDS_SYNCHRONOUS;
+    if (t.asynchronous && b.communicates)
+        return LOCKSTEP_COMPAT_BN_ASYNC_COLLECTIVE;
+    if (reproducible && b.ghost_chunk == 0)
+        return LOCKSTEP_COMPAT_REPRODUCIBLE_NEEDS_GHOST;
+    if (b.ghost_chunk != 0 && !reproducible)
+        return LOCKSTEP_COMPAT_GHOST_NEEDS_REPRODUCIBLE;
+    if (reproducible && b.ghost_chunk != t.chunk_samples)
+        return LOCKSTEP_COMPAT_GHOST_CHUNK;
+    return nullptr;
+}
+
+/// The facts of a tuple of BN policies, one per policy, for layer_step::declare_policies.
+template <class Tuple>
+struct bn_facts_list;
+template <class... P>
+struct bn_facts_list<std::tuple<P...>> {
+    static std::vector<bn_policy_facts> get() { return {bn_facts_of<P>()...}; }
+};
+
 namespace detail {
 template <class Tuple>
 struct any_bn_needs_synchronous;
@@ -84,16 +160,9 @@ constexpr bool check_compatible() {
     constexpr bool async = is_asynchronous_v<SyncPolicy>;
     constexpr bool local = is_local_sgd_v<SyncPolicy>;
     static_assert(!(async || local) || !detail::any_bn_needs_synchronous<BNPolicies>::value,
-                  "bn::global and bn::group compute batch statistics across replicas inside "
-                  "forward and backward, so every replica must run the same step at the same "
-                  "time: they need sync::synchronous. With sync::asynchronous, "
-                  "sync::bounded_staleness or sync::local_sgd use bn::local (or "
-                  "bn::running_only / bn::tower with local SGD).");
+                  LOCKSTEP_COMPAT_BN_NEEDS_SYNCHRONOUS);
     static_assert(!async || !detail::any_bn_communicates<BNPolicies>::value,
-                  "Asynchronous workers run forward at their own pace, so a BN policy that "
-                  "calls a collective in forward (bn::running_only, bn::tower) would pair "
-                  "different steps of different workers: use bn::local with sync::asynchronous "
-                  "and sync::bounded_staleness (the server keeps the running statistics).");
+                  LOCKSTEP_COMPAT_BN_ASYNC_COLLECTIVE);
     static_assert(!async || point_to_point_communicator<Communicator>,
                   "sync::asynchronous and sync::bounded_staleness need point-to-point messages "
                   "with receive-from-any-source (the parameter server answers whichever worker "
@@ -119,19 +188,12 @@ constexpr bool check_compatible() {
                   "workers and local SGD apply updates that depend on the replica count: use "
                   "reduce::reproducible with sync::synchronous.");
     static_assert(!reproducible || ghost_facts::all_ghost,
-                  "reduce::reproducible needs every batch-norm layer to normalize each chunk on "
-                  "its own: bn::global, bn::group, bn::local, bn::running_only and bn::tower "
-                  "depend on how samples are split over replicas; use "
-                  "bn::ghost<ChunkSamples> (the reducer's chunk size) in every layer.");
+                  LOCKSTEP_COMPAT_REPRODUCIBLE_NEEDS_GHOST);
     static_assert(!ghost_facts::any_ghost || reproducible,
-                  "bn::ghost<ChunkSamples> normalizes the chunks that reduce::reproducible cuts "
-                  "and gathers their statistics at the end of its step: train it with "
-                  "reduce::reproducible<ChunkSamples> (or use bn::local / bn::global with other "
-                  "reducers).");
+                  LOCKSTEP_COMPAT_GHOST_NEEDS_REPRODUCIBLE);
     static_assert(!reproducible || !ghost_facts::all_ghost ||
                       ghost_facts::template all_chunk<ReducePolicy::chunk_samples>,
-                  "bn::ghost<C> and reduce::reproducible<C> must use the same chunk size C: each "
-                  "ghost batch is one chunk of the reducer.");
+                  LOCKSTEP_COMPAT_GHOST_CHUNK);
     static_assert(!(async || local) || !ReducePolicy::shards_optimizer_state,
                   "reduce::sharded splits the optimizer state over replicas that reduce every "
                   "step's gradient and update together: it needs sync::synchronous. "

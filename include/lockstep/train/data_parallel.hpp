@@ -95,6 +95,10 @@ public:
         const std::int64_t every = core_.params().verify_every;
         LOCKSTEP_REQUIRE(every >= 0, errc::invalid_argument, comm.rank(), "data_parallel",
                          "verify_every = ", every, " (must be >= 0; 0 is off)");
+        using declared = network_bn_policies_t<Network>;
+        stages_.layer_step().declare_policies(trainer_facts_of<SyncPolicy, ReducePolicy>(),
+                                              bn_facts_list<declared>::get(),
+                                              bn_policy_names<declared>::get());
     }
     data_parallel(const data_parallel&) = delete;
     data_parallel& operator=(const data_parallel&) = delete;

@@ -119,11 +119,12 @@ private:
 namespace detail {
 /// For trainers: a step function's view of the step for the scope's lifetime: ctx.loss_slot()
 /// is `loss` and ctx.layer_step() is `step`; both null again at the end (also when the step
-/// function throws).
+/// function throws). The calling thread is marked as running `step` (nn::layer_step::running:
+/// a layer given the bare communicator in the step function refuses the call).
 template <class Context>
 class step_scope {
 public:
-    step_scope(Context& ctx, double* loss, nn::layer_step* step) : ctx_(ctx) {
+    step_scope(Context& ctx, double* loss, nn::layer_step* step) : ctx_(ctx), running_(step) {
         ctx_.set_loss_slot(loss);
         ctx_.set_layer_step(step);
     }
@@ -136,6 +137,7 @@ public:
 
 private:
     Context& ctx_;
+    nn::layer_step::running_scope running_;
 };
 
 /// For trainers: the ready hook a step installs in ctx (replica_context::set_ready_hook) is

@@ -1,0 +1,212 @@
+// tests/nn/test_bn_misuse.cpp: the mistakes that used to change a batch-norm layer's meaning
+// without a word are refused on every replica: the bare communicator inside a trainer's step,
+// and a layer whose policy the network did not declare in bn_policies (with the compile-time
+// check's sentence where the combination cannot train). SPDX-License-Identifier: Apache-2.0
+#include "lockstep/lockstep.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+using namespace lockstep;
+
+namespace {
+
+using context = replica_context<float, thread_communicator>;
+constexpr std::size_t channels = 3;
+
+/// How the step function calls its layer.
+enum class call { context, communicator };
+
+/// x -> batch norm -> loss sum(y * t) * scale. Policy: the layer's; Declared: the network's
+/// bn_policies (std::tuple<> declares none, as a network without the alias does).
+template <class Policy, class Declared>
+struct bn_net {
+    using bn_policies = Declared;
+    using bn_type = nn::batch_norm<float, Policy, nn::nc>;
+    tensor_handle<float> gamma, beta;
+    std::unique_ptr<bn_type> bn;
+    explicit bn_net(context& ctx)
+        : gamma(ctx.registry().add("bn.gamma", {channels})),
+          beta(ctx.registry().add("bn.beta", {channels})) {
+        ctx.registry().finalize();
+        bn = std::make_unique<bn_type>(ctx.comm(), channels,
+                                       typename bn_type::parameter_spans{
+                                           gamma.value(), beta.value(), gamma.grad(), beta.grad()});
+    }
+    template <class F>
+    void for_each_state(F&& f) {
+        f("bn.running_mean", bn->running_mean());
+        f("bn.running_var", bn->running_var());
+    }
+    double train(const shard_range& r, context& ctx, call how) {
+        const std::size_t n = r.size();
+        std::vector<float> x(n * channels), y(x.size()), dy(x.size()), dx(x.size());
+        for (std::size_t i = 0; i < x.size(); ++i) // differs per sample, so per replica
+            x[i] =
+                static_cast<float>(std::sin(0.37 * double(r.sample_index(r.begin) * channels + i)));
+        if (how == call::context)
+            bn->forward_train(ctx, std::span<const float>(x), {n, channels}, std::span<float>(y));
+        else
+            bn->forward_train(ctx.comm(), std::span<const float>(x), {n, channels},
+                              std::span<float>(y));
+        for (std::size_t i = 0; i < y.size(); ++i)
+            dy[i] = static_cast<float>(r.scale * std::cos(double(i)));
+        if (how == call::context)
+            bn->backward(ctx, std::span<const float>(dy), std::span<float>(dx));
+        else
+            bn->backward(ctx.comm(), std::span<const float>(dy), std::span<float>(dx));
+        return 0.0;
+    }
+};
+
+/// Runs `steps` steps of bn_net<Policy, Declared> under ReducePolicy on `replicas` thread
+/// replicas; returns each replica's error message ("" when it trained).
+template <class Policy, class Declared, class ReducePolicy>
+std::vector<std::string> run(int replicas, call how, int steps = 2) {
+    using net = bn_net<Policy, Declared>;
+    std::vector<std::string> errors(static_cast<std::size_t>(replicas));
+    std::vector<errc> codes(errors.size(), errc::internal);
+    try {
+        thread_group(replicas).run([&](thread_communicator& comm) {
+            const auto r = static_cast<std::size_t>(comm.rank());
+            try {
+                data_parallel<net, optim::sgd<float>, sync::synchronous, ReducePolicy> trainer(
+                    comm, [](context& ctx) { return net(ctx); }, {.lr = 0.1});
+                for (int s = 0; s < steps; ++s)
+                    trainer.step(16, [&](net& n, const shard_range& sr, context& ctx) {
+                        return n.train(sr, ctx, how);
+                    });
+                trainer.finish();
+            } catch (const error& e) {
+                errors[r] = e.what();
+                codes[r] = e.code();
+                throw;
+            }
+        });
+    } catch (const error&) {
+    }
+    for (std::size_t r = 0; r < errors.size(); ++r)
+        if (!errors[r].empty())
+            CHECK(codes[r] == errc::invalid_argument);
+    return errors;
+}
+
+bool contains(const std::string& s, const std::string& part) {
+    return s.find(part) != std::string::npos;
+}
+
+} // namespace
+
+TEST_CASE("the bare communicator inside a step is refused on every replica", "[nn][bn][thread]") {
+    for (const int replicas : {1, 2, 3}) {
+        CAPTURE(replicas);
+        SECTION("bn::ghost with reduce::reproducible") {
+            const auto errors =
+                run<bn::ghost<4>, std::tuple<bn::ghost<4>>, reduce::reproducible<4>>(
+                    replicas, call::communicator);
+            for (const std::string& e : errors) {
+                CHECK(contains(e, "batch_norm.forward_train"));
+                CHECK(contains(e, "called with a communicator inside a data_parallel step"));
+                CHECK(contains(e, "bn.forward_train(ctx, x, shape, y)"));
+                CHECK(contains(e, "bn::ghost<4>"));
+            }
+        }
+        SECTION("bn::global with reduce::bucketed") {
+            const auto errors = run<bn::global, std::tuple<bn::global>, reduce::bucketed<>>(
+                replicas, call::communicator);
+            for (const std::string& e : errors)
+                CHECK(contains(e, "batch_norm.forward_train: called with a communicator"));
+        }
+    }
+    SECTION("the context form trains") {
+        const auto errors =
+            run<bn::global, std::tuple<bn::global>, reduce::bucketed<>>(2, call::context);
+        for (const std::string& e : errors)
+            CHECK(e.empty());
+    }
+}
+
+TEST_CASE("outside a trainer the communicator form still trains a layer", "[nn][bn][thread]") {
+    std::vector<float> mean(2);
+    thread_group(2).run([&](thread_communicator& comm) {
+        nn::batch_norm<float, bn::global, nn::nc> bn(comm, channels);
+        std::vector<float> x(4 * channels), y(x.size());
+        for (std::size_t i = 0; i < x.size(); ++i)
+            x[i] = static_cast<float>(comm.rank() * 10 + static_cast<int>(i));
+        bn.forward_train(comm, std::span<const float>(x), {4, channels}, std::span<float>(y));
+        mean[static_cast<std::size_t>(comm.rank())] = bn.running_mean()[0];
+    });
+    // Channel 0 holds 0, 3, 6, 9 and 10, 13, 16, 19: global mean 9.5, running 0.95.
+    CHECK(mean[0] == Approx(0.95).epsilon(1e-6));
+    CHECK(mean[1] == mean[0]);
+}
+
+TEST_CASE("a BN policy missing from bn_policies is refused at its first call", "[nn][bn][thread]") {
+    SECTION("bn::global under reduce::reproducible: the compile-time sentence") {
+        const auto errors =
+            run<bn::global, std::tuple<>, reduce::reproducible<4>>(2, call::context);
+        for (const std::string& e : errors) {
+            CHECK(contains(e, "batch_norm.forward_train: a layer of policy bn::global is not in "
+                              "the network's bn_policies (none)"));
+            CHECK(contains(e, LOCKSTEP_COMPAT_REPRODUCIBLE_NEEDS_GHOST));
+        }
+    }
+    SECTION("bn::ghost under reduce::bucketed: the compile-time sentence") {
+        const auto errors = run<bn::ghost<4>, std::tuple<>, reduce::bucketed<>>(3, call::context);
+        for (const std::string& e : errors)
+            CHECK(contains(e, LOCKSTEP_COMPAT_GHOST_NEEDS_REPRODUCIBLE));
+    }
+    SECTION("bn::ghost<8> declared as bn::ghost<4>") {
+        const auto errors =
+            run<bn::ghost<8>, std::tuple<bn::ghost<4>>, reduce::reproducible<4>>(2, call::context);
+        for (const std::string& e : errors) {
+            CHECK(contains(e, "a layer of policy bn::ghost<8> is not in the network's "
+                              "bn_policies (bn::ghost<4>)"));
+            CHECK(contains(e, LOCKSTEP_COMPAT_GHOST_CHUNK));
+        }
+    }
+    SECTION("a combination that could train is refused too, without a rule") {
+        const auto errors = run<bn::global, std::tuple<>, reduce::bucketed<>>(2, call::context);
+        for (const std::string& e : errors) {
+            CHECK(contains(e, "a layer of policy bn::global is not in the network's bn_policies"));
+            CHECK_FALSE(contains(e, "cannot train here"));
+        }
+    }
+    SECTION("a declared policy trains") {
+        const auto errors =
+            run<bn::ghost<4>, std::tuple<bn::ghost<4>>, reduce::reproducible<4>>(3, call::context);
+        for (const std::string& e : errors)
+            CHECK(e.empty());
+    }
+}
+
+TEST_CASE("bn_rule_broken gives the compile-time check's sentences", "[nn][bn][policy]") {
+    const auto facts = [](auto sync, auto reduce) {
+        return trainer_facts_of<decltype(sync), decltype(reduce)>();
+    };
+    const trainer_policy_facts bucketed = facts(sync::synchronous{}, reduce::bucketed<>{});
+    const trainer_policy_facts repro4 = facts(sync::synchronous{}, reduce::reproducible<4>{});
+    const trainer_policy_facts local = facts(sync::local_sgd<2>{}, reduce::bucketed<>{});
+    const trainer_policy_facts async = facts(sync::asynchronous{}, reduce::bucketed<>{});
+    CHECK(bn_rule_broken(bucketed, bn_facts_of<bn::global>()) == nullptr);
+    CHECK(bn_rule_broken(bucketed, bn_facts_of<bn::group<2>>()) == nullptr);
+    CHECK(bn_rule_broken(repro4, bn_facts_of<bn::ghost<4>>()) == nullptr);
+    CHECK(bn_rule_broken(local, bn_facts_of<bn::running_only>()) == nullptr);
+    CHECK(bn_rule_broken(async, bn_facts_of<bn::local>()) == nullptr);
+    CHECK(std::string(bn_rule_broken(local, bn_facts_of<bn::global>())) ==
+          LOCKSTEP_COMPAT_BN_NEEDS_SYNCHRONOUS);
+    CHECK(std::string(bn_rule_broken(async, bn_facts_of<bn::tower<0>>())) ==
+          LOCKSTEP_COMPAT_BN_ASYNC_COLLECTIVE);
+    CHECK(std::string(bn_rule_broken(repro4, bn_facts_of<bn::local>())) ==
+          LOCKSTEP_COMPAT_REPRODUCIBLE_NEEDS_GHOST);
+    CHECK(std::string(bn_rule_broken(bucketed, bn_facts_of<bn::ghost<4>>())) ==
+          LOCKSTEP_COMPAT_GHOST_NEEDS_REPRODUCIBLE);
+    CHECK(std::string(bn_rule_broken(repro4, bn_facts_of<bn::ghost<2>>())) ==
+          LOCKSTEP_COMPAT_GHOST_CHUNK);
+}
