@@ -1,24 +1,35 @@
-// gpu_bench: lockstep's CUDA batch norm (forward: moments + coefficients + normalize; backward:
-// sums + fused dx) next to cuDNN's batch norm and the memory-traffic bound, and an NCCL
-// all_reduce bandwidth line. SPDX-License-Identifier: Apache-2.0
+// gpu_bench: lockstep's CUDA batch norm (training forward and backward) next to cuDNN's four
+// entry points and the memory-traffic bound, per shape, layout and type; an NCCL all_reduce line.
+// SPDX-License-Identifier: Apache-2.0
 //
 // The traffic bound of a training BN step over S bytes of activations is 8 S: the forward reads
-// x twice and writes y (3 S), the backward reads dy and x twice and writes dx (5 S). It is
-// timed at the device's cudaMemcpy device-to-device bandwidth (read + write bytes per second),
-// and every time is printed as a ratio to it (1.00 = at the bound).
+// x twice and writes y (3 S), the backward reads dy and x twice and writes dx (5 S). It is timed
+// at the cudaMemcpy device-to-device rate (read + write bytes per second) measured in the same
+// run. Every timed call starts with the L2 evicted (gpu_bench_timer.cuh), so the bound is a DRAM
+// bound. docs/gpu_batch_norm.md says what the figures are for.
+#include "gpu_bench_cudnn.cuh"
+#include "gpu_bench_timer.cuh"
+
 #include "lockstep/kernels/bn_backward.hpp"
 #include "lockstep/kernels/bn_forward.hpp"
+#include "lockstep/kernels/bn_statistics.hpp"
+#include "lockstep/kernels/for_each.hpp"
+#include "lockstep/kernels/layer_report.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/cuda_system.hpp"
 
+#include <cmath>
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 #include <cudnn.h>
@@ -28,86 +39,96 @@
 
 namespace {
 
+using gpu_bench::cudnn_api;
+using gpu_bench::sample;
 using lockstep::buffer;
 using lockstep::cuda_system;
 using lockstep::kernels::channel_geometry;
 
-#define BENCH_CUDNN(expr)                                                                          \
-    do {                                                                                           \
-        const cudnnStatus_t bench_status_ = (expr);                                                \
-        if (bench_status_ != CUDNN_STATUS_SUCCESS) {                                               \
-            std::fprintf(stderr, "%s failed: %s\n", #expr, cudnnGetErrorString(bench_status_));    \
-            std::exit(1);                                                                          \
-        }                                                                                          \
-    } while (0)
-
-constexpr int warmup = 5;
-constexpr int iterations = 20;
-
-/// Milliseconds per call of f (enqueued on stream), averaged over `iterations` after warm-up.
-template <class F>
-double time_ms(cudaStream_t stream, F f) {
-    cudaEvent_t start, stop;
-    LOCKSTEP_CUDA_CHECK(cudaEventCreate(&start));
-    LOCKSTEP_CUDA_CHECK(cudaEventCreate(&stop));
-    for (int i = 0; i < warmup; ++i)
-        f();
-    LOCKSTEP_CUDA_CHECK(cudaEventRecord(start, stream));
-    for (int i = 0; i < iterations; ++i)
-        f();
-    LOCKSTEP_CUDA_CHECK(cudaEventRecord(stop, stream));
-    LOCKSTEP_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    LOCKSTEP_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    LOCKSTEP_CUDA_CHECK(cudaEventDestroy(start));
-    LOCKSTEP_CUDA_CHECK(cudaEventDestroy(stop));
-    return ms / iterations;
-}
-
-/// Device-to-device copy bandwidth in bytes per second (read + write).
-double copy_bandwidth(const cuda_system& sys) {
-    const std::size_t bytes = std::size_t(256) << 20;
-    buffer<std::byte, cuda_system> a(bytes, sys), b(bytes, sys);
-    LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(a.data(), 0, bytes, sys.stream()));
-    const double ms = time_ms(sys.stream(), [&] {
-        LOCKSTEP_CUDA_CHECK(
-            cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, sys.stream()));
-    });
-    return 2.0 * static_cast<double>(bytes) / (ms * 1e-3);
-}
-
-/// The merge + coefficients step between the forward collectives and normalize (one replica: the
-/// packed block is the merged statistics): mean, invstd, scale = gamma * invstd, the count for
-/// the backward pass, running statistics.
-__global__ void coefficients_kernel(const float* block, std::size_t channels, float eps,
-                                    const float* gamma, float* mean, float* invstd, float* scale,
-                                    double* count, float* running_mean, float* running_var) {
-    namespace k = lockstep::kernels;
-    const std::size_t c = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x;
-    const double n = k::packed_moments::count(block);
-    if (c == 0)
-        *count = n;
-    if (c >= channels)
-        return;
-    const float m = block[k::packed_moments::mean(c)];
-    const float m2 = block[k::packed_moments::m2(c)];
-    const float var = n > 0 ? static_cast<float>(m2 / n) : 0.0f;
-    const float inv = rsqrtf(var + eps);
-    mean[c] = m;
-    invstd[c] = inv;
-    scale[c] = gamma[c] * inv;
-    if (n > 1) {
-        running_mean[c] = 0.9f * running_mean[c] + 0.1f * m;
-        running_var[c] = 0.9f * running_var[c] + 0.1f * static_cast<float>(m2 / (n - 1));
-    }
-}
+constexpr int warmup = 5;      // the NCCL line's
+constexpr int iterations = 20; // the NCCL line's
 
 struct shape {
     int n, c, h, w;
 };
 
+/// Issue 47's shapes: ResNet-50's batch norms, and one larger than twice the L2.
+constexpr shape all_shapes[] = {{32, 64, 56, 56},   {64, 256, 28, 28}, {256, 64, 14, 14},
+                                {32, 1024, 14, 14}, {256, 2048, 7, 7}, {64, 256, 56, 56}};
+
+struct options {
+    std::string csv;
+    int warmup = 3;
+    int iterations = 20;
+    bool counts_given = false; ///< --iterations or --warmup on the command line
+    bool cudnn = true;
+    std::vector<std::string> shapes, layouts, types; // empty: all
+};
+
+void usage(std::FILE* to) {
+    std::fputs("usage: gpu_bench [--csv FILE] [--iterations N] [--warmup N] [--shape NxCxHxW]...\n"
+               "                 [--layout nchw|nhwc]... [--type float|half|bf16]... [--no-cudnn]\n"
+               "Times lockstep's CUDA batch norm (training forward, backward) against cuDNN and\n"
+               "the 8 S traffic bound for every shape, layout and type (or those named), then an\n"
+               "NCCL all_reduce line. Median of 20 calls after 3 warm-up calls (1 and 0 under a\n"
+               "profiler, unless given). Exits 77 without a CUDA device.\n",
+               to);
+}
+
+bool wanted(const std::vector<std::string>& list, const std::string& v) {
+    if (list.empty())
+        return true;
+    for (const auto& e : list)
+        if (e == v)
+            return true;
+    return false;
+}
+
+std::string shape_name(shape s) {
+    return std::to_string(s.n) + "x" + std::to_string(s.c) + "x" + std::to_string(s.h) + "x" +
+           std::to_string(s.w);
+}
+
 template <class T>
-void bench_bn(const cuda_system& sys, cudnnHandle_t cudnn, shape s, bool nhwc, double bandwidth) {
+const char* type_name() {
+    if constexpr (std::is_same_v<T, float>)
+        return "float";
+    else if constexpr (std::is_same_v<T, __half>)
+        return "half";
+    else
+        return "bf16";
+}
+
+template <class T>
+cudnnDataType_t cudnn_type() {
+    if constexpr (std::is_same_v<T, float>)
+        return CUDNN_DATA_FLOAT;
+    else if constexpr (std::is_same_v<T, __half>)
+        return CUDNN_DATA_HALF;
+    else
+        return CUDNN_DATA_BFLOAT16;
+}
+
+/// What the run shares between configurations.
+struct bench_context {
+    const cuda_system& sys;
+    cudnnHandle_t cudnn;
+    gpu_bench::timer& timer;
+    double bandwidth; ///< copy rate, bytes per second (read + write)
+    const options& opt;
+    std::FILE* csv;
+    std::string device;
+};
+
+constexpr double nan_ms = std::numeric_limits<double>::quiet_NaN();
+
+/// One (shape, layout, type): lockstep's forward and backward as nn::batch_norm<bn::local> runs
+/// them (pack_local_moments, finish_statistics_fn, normalize; pack_backward_sums,
+/// input_gradient_fused), then cuDNN's four entry points on the same data.
+template <class T>
+void bench_bn(bench_context& b, shape s, bool nhwc) {
+    namespace k = lockstep::kernels;
+    const cuda_system& sys = b.sys;
     const std::size_t C = static_cast<std::size_t>(s.c);
     const std::size_t hw = static_cast<std::size_t>(s.h) * static_cast<std::size_t>(s.w);
     const std::size_t N = static_cast<std::size_t>(s.n);
@@ -116,82 +137,193 @@ void bench_bn(const cuda_system& sys, cudnnHandle_t cudnn, shape s, bool nhwc, d
     const double bytes = static_cast<double>(size * sizeof(T));
 
     buffer<T, cuda_system> x(size, sys), y(size, sys), dy(size, sys), dx(size, sys);
-    {
-        // x, dy: any finite values (BN's speed does not depend on them)
-        std::vector<T> h(size);
-        for (std::size_t i = 0; i < size; ++i)
-            h[i] = static_cast<T>(static_cast<float>(i % 17) * 0.25f - 2.0f);
-        lockstep::copy(std::span<const T>(h), lockstep::host_system{}, x.span(), sys);
-        lockstep::copy(std::span<const T>(h), lockstep::host_system{}, dy.span(), sys);
-    }
+    buffer<T, cuda_system> y_cudnn(size, sys), dx_cudnn(size, sys);
+    const unsigned fill_grid = 1024;
+    gpu_bench::fill_kernel<<<fill_grid, 256, 0, sys.stream()>>>(x.data(), size, 1u, -1.5f, 2.5f);
+    gpu_bench::fill_kernel<<<fill_grid, 256, 0, sys.stream()>>>(dy.data(), size, 2u, -1.0f, 1.0f);
+    LOCKSTEP_CUDA_CHECK(cudaGetLastError());
     auto channel_buffer = [&](float v) {
-        buffer<float, cuda_system> b(C, sys);
-        std::vector<float> h(C, v);
-        lockstep::copy(std::span<const float>(h), lockstep::host_system{}, b.span(), sys);
-        return b;
+        buffer<float, cuda_system> p(C, sys);
+        const std::vector<float> h(C, v);
+        lockstep::copy(std::span<const float>(h), lockstep::host_system{}, p.span(), sys);
+        return p;
     };
     auto gamma = channel_buffer(1), beta = channel_buffer(0), mean = channel_buffer(0),
          invstd = channel_buffer(1), scale = channel_buffer(1), running_mean = channel_buffer(0),
          running_var = channel_buffer(1), dgamma = channel_buffer(0), dbeta = channel_buffer(0);
-    buffer<float, cuda_system> block(lockstep::kernels::packed_moments::size(C), sys);
-    buffer<float, cuda_system> sums(lockstep::kernels::packed_sums::size(C), sys);
+    buffer<float, cuda_system> block(k::packed_moments::size(C), sys);
+    buffer<float, cuda_system> sums(k::packed_sums::size(C), sys);
     buffer<double, cuda_system> count(1, sys);
-    buffer<std::byte, cuda_system> ws(lockstep::kernels::bn_workspace_bytes<T>(g), sys);
+    buffer<double, cuda_system> record(3, sys); // a layer_error_record
+    buffer<std::byte, cuda_system> ws(k::bn_workspace_bytes<T>(g), sys);
     LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(ws.data(), 0, ws.size_bytes(), sys.stream()));
 
     const auto cx = std::span<const T>(x.span());
     const auto cdy = std::span<const T>(dy.span());
-    auto cf = [](buffer<float, cuda_system>& b) { return std::span<const float>(b.span()); };
-    const unsigned cblocks = static_cast<unsigned>((C + 255) / 256);
-    const double fwd = time_ms(sys.stream(), [&] {
-        lockstep::kernels::pack_local_moments(sys, cx, g, 0.0f, block.span(), ws.span());
-        coefficients_kernel<<<cblocks, 256, 0, sys.stream()>>>(
-            block.data(), C, 1e-5f, gamma.data(), mean.data(), invstd.data(), scale.data(),
-            count.data(), running_mean.data(), running_var.data());
-        LOCKSTEP_CUDA_CHECK(cudaGetLastError());
-        lockstep::kernels::normalize(sys, cx, y.span(), g, cf(mean), cf(scale), cf(beta));
+    auto cf = [](buffer<float, cuda_system>& p) { return std::span<const float>(p.span()); };
+    const k::finish_statistics_fn<float> finish{
+        .blocks = block.data(),
+        .stride = k::packed_moments::size(C),
+        .count_blocks = 1,
+        .self = 0,
+        .running_first = 0,
+        .running_last = 1,
+        .normalize_merged = false,
+        .world_offset = 0,
+        .gamma = gamma.data(),
+        .eps = 1e-5f,
+        .momentum = 0.1f,
+        .mean = mean.data(),
+        .invstd = invstd.data(),
+        .scale = scale.data(),
+        .running_mean = running_mean.data(),
+        .running_var = running_var.data(),
+        .count = count.data(),
+        .report =
+            k::layer_report{.first = reinterpret_cast<k::layer_error_record*>(record.data())}};
+    const sample fwd = b.timer.time([&] {
+        k::pack_local_moments(sys, cx, g, 0.0f, block.span(), ws.span());
+        k::for_each_index(sys, C, finish, C);
+        k::normalize(sys, cx, y.span(), g, cf(mean), cf(scale), cf(beta));
     });
-    const double bwd = time_ms(sys.stream(), [&] {
-        lockstep::kernels::pack_backward_sums(sys, cdy, cx, g, cf(mean), 0.0f, sums.span(),
-                                              ws.span());
+    const sample bwd = b.timer.time([&] {
+        k::pack_backward_sums(sys, cdy, cx, g, cf(mean), 0.0f, sums.span(), ws.span());
         const auto totals = std::span<const float>(sums.span());
-        lockstep::kernels::input_gradient_fused(sys, cdy, cx, dx.span(), g, totals, totals,
-                                                count.data(), cf(gamma), cf(mean), cf(invstd),
-                                                dgamma.span(), dbeta.span());
+        k::input_gradient_fused(sys, cdy, cx, dx.span(), g, totals, totals, count.data(), cf(gamma),
+                                cf(mean), cf(invstd), dgamma.span(), dbeta.span());
     });
 
-    // cuDNN, legacy batch-norm API, same stream
-    const cudnnDataType_t type = std::is_same_v<T, float> ? CUDNN_DATA_FLOAT : CUDNN_DATA_HALF;
-    const cudnnTensorFormat_t format = nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
-    const cudnnBatchNormMode_t mode = CUDNN_BATCHNORM_SPATIAL_PERSISTENT;
-    cudnnTensorDescriptor_t xd, pd;
-    BENCH_CUDNN(cudnnCreateTensorDescriptor(&xd));
-    BENCH_CUDNN(cudnnCreateTensorDescriptor(&pd));
-    BENCH_CUDNN(cudnnSetTensor4dDescriptor(xd, format, type, s.n, s.c, s.h, s.w));
-    BENCH_CUDNN(cudnnDeriveBNTensorDescriptor(pd, xd, mode));
-    BENCH_CUDNN(cudnnSetStream(cudnn, sys.stream()));
-    const float one = 1, zero = 0;
-    const double cudnn_fwd = time_ms(sys.stream(), [&] {
-        BENCH_CUDNN(cudnnBatchNormalizationForwardTraining(
-            cudnn, mode, &one, &zero, xd, x.data(), xd, y.data(), pd, gamma.data(), beta.data(),
-            0.1, running_mean.data(), running_var.data(), 1e-5, mean.data(), invstd.data()));
-    });
-    const double cudnn_bwd = time_ms(sys.stream(), [&] {
-        BENCH_CUDNN(cudnnBatchNormalizationBackward(
-            cudnn, mode, &one, &zero, &one, &one, xd, x.data(), xd, dy.data(), xd, dx.data(), pd,
-            gamma.data(), dgamma.data(), dbeta.data(), 1e-5, mean.data(), invstd.data()));
-    });
-    BENCH_CUDNN(cudnnDestroyTensorDescriptor(xd));
-    BENCH_CUDNN(cudnnDestroyTensorDescriptor(pd));
+    // cuDNN: each entry point's forward (which saves its statistics), then its backward
+    struct cudnn_result {
+        sample fwd{nan_ms, nan_ms}, bwd{nan_ms, nan_ms};
+        std::string status = "skipped";
+    };
+    cudnn_result cr[std::size(gpu_bench::cudnn_apis)];
+    bool compared = false;
+    if (b.opt.cudnn) {
+        GPU_BENCH_CUDNN(cudnnSetStream(b.cudnn, sys.stream()));
+        gpu_bench::cudnn_bn bn(b.cudnn, s.n, s.c, s.h, s.w, nhwc, cudnn_type<T>());
+        for (std::size_t i = 0; i < std::size(gpu_bench::cudnn_apis); ++i) {
+            const cudnn_api a = gpu_bench::cudnn_apis[i];
+            cudnnStatus_t st = bn.prepare(a);
+            if (st == CUDNN_STATUS_SUCCESS)
+                st = bn.forward(a, x.data(), y_cudnn.data());
+            if (st == CUDNN_STATUS_SUCCESS)
+                st = bn.backward(a, x.data(), dy.data(), dx_cudnn.data());
+            LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(sys.stream()));
+            if (st != CUDNN_STATUS_SUCCESS) {
+                cr[i].status = cudnnGetErrorString(st);
+                continue;
+            }
+            // a call that fails after a good trial stops the calls and voids the entry point
+            cr[i].fwd = b.timer.time([&] {
+                if (st == CUDNN_STATUS_SUCCESS)
+                    st = bn.forward(a, x.data(), y_cudnn.data());
+            });
+            cr[i].bwd = b.timer.time([&] {
+                if (st == CUDNN_STATUS_SUCCESS)
+                    st = bn.backward(a, x.data(), dy.data(), dx_cudnn.data());
+            });
+            if (st != CUDNN_STATUS_SUCCESS) {
+                cr[i] = cudnn_result{};
+                cr[i].status = cudnnGetErrorString(st);
+                continue;
+            }
+            cr[i].status = "ok";
+            compared = true;
+        }
+    }
+    // lockstep's y and dx against the last cuDNN entry point's (same data, same statistics up
+    // to rounding): a benchmark of wrong results would mean nothing
+    double y_diff = nan_ms, dx_diff = nan_ms;
+    if (compared) {
+        buffer<unsigned, cuda_system> d(2, sys);
+        LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(d.data(), 0, d.size_bytes(), sys.stream()));
+        gpu_bench::max_diff_kernel<<<fill_grid, 256, 0, sys.stream()>>>(y.data(), y_cudnn.data(),
+                                                                        size, d.data());
+        gpu_bench::max_diff_kernel<<<fill_grid, 256, 0, sys.stream()>>>(dx.data(), dx_cudnn.data(),
+                                                                        size, d.data() + 1);
+        LOCKSTEP_CUDA_CHECK(cudaGetLastError());
+        unsigned h[2] = {0, 0};
+        LOCKSTEP_CUDA_CHECK(
+            cudaMemcpyAsync(h, d.data(), sizeof h, cudaMemcpyDeviceToHost, sys.stream()));
+        LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(sys.stream()));
+        float f[2];
+        std::memcpy(f, h, sizeof f);
+        y_diff = f[0];
+        dx_diff = f[1];
+    }
 
-    const double bound_fwd = 3 * bytes / bandwidth * 1e3;
-    const double bound_bwd = 5 * bytes / bandwidth * 1e3;
-    std::printf("%4dx%4dx%3dx%3d %s %-5s | fwd %8.3f ms (%5.2fx bound) cudnn %8.3f ms (%5.2fx) | "
-                "bwd %8.3f ms (%5.2fx bound) cudnn %8.3f ms (%5.2fx) | step vs cudnn %5.2f\n",
-                s.n, s.c, s.h, s.w, nhwc ? "NHWC" : "NCHW",
-                std::is_same_v<T, float> ? "float" : "half", fwd, fwd / bound_fwd, cudnn_fwd,
-                cudnn_fwd / bound_fwd, bwd, bwd / bound_bwd, cudnn_bwd, cudnn_bwd / bound_bwd,
-                (fwd + bwd) / (cudnn_fwd + cudnn_bwd));
+    const double bound_fwd = 3 * bytes / b.bandwidth * 1e3;
+    const double bound_bwd = 5 * bytes / b.bandwidth * 1e3;
+    const double bound_step = bound_fwd + bound_bwd;
+    const double step = fwd.median_ms + bwd.median_ms;
+    double best = nan_ms;
+    const char* best_name = "none";
+    for (std::size_t i = 0; i < std::size(gpu_bench::cudnn_apis); ++i) {
+        const double t = cr[i].fwd.median_ms + cr[i].bwd.median_ms;
+        if (t == t && !(t >= best)) {
+            best = t;
+            best_name = gpu_bench::name(gpu_bench::cudnn_apis[i]);
+        }
+    }
+    const double mib = bytes / (1 << 20);
+    const bool large = mib >= 16.0;
+    const char* target = !large ? "n/a" : (step <= 1.25 * bound_step ? "met" : "missed");
+    const std::string name = shape_name(s);
+    const char* layout = nhwc ? "NHWC" : "NCHW";
+    std::printf("%-16s %s %-5s %6.1f MiB | fwd %7.3f (%4.2fx) bwd %7.3f (%4.2fx) step %7.3f "
+                "(%4.2fx 8S, 1.25x %s) | cudnn",
+                name.c_str(), layout, type_name<T>(), mib, fwd.median_ms, fwd.median_ms / bound_fwd,
+                bwd.median_ms, bwd.median_ms / bound_bwd, step, step / bound_step, target);
+    for (std::size_t i = 0; i < std::size(gpu_bench::cudnn_apis); ++i) {
+        const double t = cr[i].fwd.median_ms + cr[i].bwd.median_ms;
+        if (t == t)
+            std::printf(" %s %.3f", gpu_bench::name(gpu_bench::cudnn_apis[i]), t);
+        else
+            std::printf(" %s n/a", gpu_bench::name(gpu_bench::cudnn_apis[i]));
+    }
+    std::printf(" | step / best cuDNN %5.2f | max |diff| y %.2g dx %.2g\n", step / best, y_diff,
+                dx_diff);
+    std::fflush(stdout);
+    if (b.csv != nullptr) {
+        std::fprintf(b.csv,
+                     "%s,%s,%.0f,%d,%d,%d,%d,%s,%s,%.3f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,"
+                     "%.6f,%.4f,%.4f,%.4f,%s",
+                     b.device.c_str(), name.c_str(), b.bandwidth * 1e-9, s.n, s.c, s.h, s.w, layout,
+                     type_name<T>(), mib, bound_fwd, bound_bwd, bound_step, fwd.median_ms,
+                     fwd.min_ms, bwd.median_ms, bwd.min_ms, step, fwd.median_ms / bound_fwd,
+                     bwd.median_ms / bound_bwd, step / bound_step, target);
+        for (const auto& r : cr)
+            std::fprintf(b.csv, ",%.6f,%.6f,%s", r.fwd.median_ms, r.bwd.median_ms,
+                         r.status.c_str());
+        std::fprintf(b.csv, ",%s,%.6f,%.4f,%.3g,%.3g\n", best_name, best, step / best, y_diff,
+                     dx_diff);
+        std::fflush(b.csv);
+    }
+}
+
+void csv_header(std::FILE* f) {
+    std::fputs("device,shape,copy_gbs,n,c,h,w,layout,type,mib,bound_fwd_ms,bound_bwd_ms,"
+               "bound_step_ms,fwd_ms,fwd_min_ms,bwd_ms,bwd_min_ms,step_ms,fwd_over_bound,"
+               "bwd_over_bound,step_over_bound,target_1p25",
+               f);
+    for (const cudnn_api a : gpu_bench::cudnn_apis)
+        std::fprintf(f, ",cudnn_%s_fwd_ms,cudnn_%s_bwd_ms,cudnn_%s_status", gpu_bench::name(a),
+                     gpu_bench::name(a), gpu_bench::name(a));
+    std::fputs(",best_cudnn,best_cudnn_step_ms,step_over_best_cudnn,y_max_diff,dx_max_diff\n", f);
+}
+
+/// Device-to-device copy rate in bytes per second (read + write), 256 MiB, L2 flushed first.
+double copy_bandwidth(const cuda_system& sys, gpu_bench::timer& t) {
+    const std::size_t bytes = std::size_t(256) << 20;
+    buffer<std::byte, cuda_system> a(bytes, sys), c(bytes, sys);
+    LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(a.data(), 0, bytes, sys.stream()));
+    const sample s = t.time([&] {
+        LOCKSTEP_CUDA_CHECK(
+            cudaMemcpyAsync(c.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, sys.stream()));
+    });
+    return 2.0 * static_cast<double>(bytes) / (s.median_ms * 1e-3);
 }
 
 #if LOCKSTEP_HAS_NCCL
@@ -276,38 +408,109 @@ void bench_nccl(int devices) {
 }
 #endif
 
+/// Parses argv into o; false (after a message) on a bad option.
+bool parse(int argc, char** argv, options& o) {
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        const bool has_value = i + 1 < argc;
+        auto count = [&](int& v) {
+            v = std::atoi(argv[++i]);
+            return v >= 0;
+        };
+        if (a == "--help" || a == "-h") {
+            usage(stdout);
+            std::exit(0);
+        } else if (a == "--csv" && has_value) {
+            o.csv = argv[++i];
+        } else if (a == "--iterations" && has_value) {
+            if (!count(o.iterations) || o.iterations == 0)
+                return false;
+            o.counts_given = true;
+        } else if (a == "--warmup" && has_value) {
+            if (!count(o.warmup))
+                return false;
+            o.counts_given = true;
+        } else if (a == "--shape" && has_value) {
+            o.shapes.emplace_back(argv[++i]);
+        } else if (a == "--layout" && has_value) {
+            o.layouts.emplace_back(argv[++i]);
+        } else if (a == "--type" && has_value) {
+            o.types.emplace_back(argv[++i]);
+        } else if (a == "--no-cudnn") {
+            o.cudnn = false;
+        } else {
+            std::fprintf(stderr, "gpu_bench: unknown or incomplete option '%s'\n", a.c_str());
+            return false;
+        }
+    }
+    return true;
+}
+
 } // namespace
 
-int main() {
+int main(int argc, char** argv) {
+    options opt;
+    if (!parse(argc, argv, opt)) {
+        usage(stderr);
+        return 2;
+    }
+    // Under a profiler (Nsight Compute and Systems inject themselves through this variable) one
+    // call per quantity, so that a launch count covers every configuration in little time.
+    if (!opt.counts_given && std::getenv("CUDA_INJECTION64_PATH") != nullptr) {
+        opt.warmup = 0;
+        opt.iterations = 1;
+        std::puts("gpu_bench: under a profiler: --warmup 0 --iterations 1");
+    }
     try {
         const int devices = lockstep::cuda_device_count();
         if (devices == 0) {
-            std::puts("no CUDA device");
-            return 0;
+            std::puts("gpu_bench: skipped: no CUDA device");
+            return 77;
         }
         const lockstep::cuda_stream stream(0);
         const cuda_system sys = stream.system();
-        const double bandwidth = copy_bandwidth(sys);
         cudaDeviceProp prop{};
         LOCKSTEP_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-        std::printf("device 0: %s, cudaMemcpy D2D %.1f GB/s (read + write); bound = 8 S bytes "
-                    "per step at that rate\n",
-                    prop.name, bandwidth * 1e-9);
-        cudnnHandle_t cudnn;
-        BENCH_CUDNN(cudnnCreate(&cudnn));
-        const shape shapes[] = {{32, 64, 56, 56}, {256, 64, 14, 14}, {64, 256, 28, 28}};
-        for (const shape s : shapes)
-            for (const bool nhwc : {false, true}) {
-                bench_bn<float>(sys, cudnn, s, nhwc, bandwidth);
-                bench_bn<__half>(sys, cudnn, s, nhwc, bandwidth);
+        gpu_bench::timer timer(sys.stream(), static_cast<std::size_t>(prop.l2CacheSize),
+                               prop.multiProcessorCount, opt.warmup, opt.iterations);
+        const double bandwidth = copy_bandwidth(sys, timer);
+        std::printf("device 0: %s, %d SMs, L2 %.0f MiB (flushed by reading %.0f MiB before every "
+                    "timed call), cudaMemcpy D2D %.1f GB/s (read + write); bound = 8 S bytes per "
+                    "step at that rate; median of %d calls\n",
+                    prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1048576.0,
+                    static_cast<double>(timer.flush_bytes()) / 1048576.0, bandwidth * 1e-9,
+                    timer.iterations());
+        std::FILE* csv = nullptr;
+        if (!opt.csv.empty()) {
+            csv = std::fopen(opt.csv.c_str(), "w");
+            if (csv == nullptr) {
+                std::fprintf(stderr, "gpu_bench: cannot write %s\n", opt.csv.c_str());
+                return 1;
             }
-        // small planes (7x7, 14x14): the NCHW kernels' flat mapping
-        const shape small_planes[] = {{256, 2048, 7, 7}, {32, 1024, 14, 14}};
-        for (const shape s : small_planes) {
-            bench_bn<float>(sys, cudnn, s, false, bandwidth);
-            bench_bn<__half>(sys, cudnn, s, false, bandwidth);
+            csv_header(csv);
         }
-        BENCH_CUDNN(cudnnDestroy(cudnn));
+        cudnnHandle_t cudnn;
+        GPU_BENCH_CUDNN(cudnnCreate(&cudnn));
+        std::printf("cuDNN %zu (step = forward + backward ms of each entry point)\n",
+                    cudnnGetVersion());
+        bench_context ctx{sys, cudnn, timer, bandwidth, opt, csv, prop.name};
+        for (const shape s : all_shapes) {
+            if (!wanted(opt.shapes, shape_name(s)))
+                continue;
+            for (const bool nhwc : {false, true}) {
+                if (!wanted(opt.layouts, nhwc ? "nhwc" : "nchw"))
+                    continue;
+                if (wanted(opt.types, "float"))
+                    bench_bn<float>(ctx, s, nhwc);
+                if (wanted(opt.types, "half"))
+                    bench_bn<__half>(ctx, s, nhwc);
+                if (wanted(opt.types, "bf16"))
+                    bench_bn<__nv_bfloat16>(ctx, s, nhwc);
+            }
+        }
+        GPU_BENCH_CUDNN(cudnnDestroy(cudnn));
+        if (csv != nullptr)
+            std::fclose(csv);
 #if LOCKSTEP_HAS_NCCL
         bench_nccl(devices);
 #else
