@@ -25,7 +25,8 @@ concept has_bn_policies_member = requires {
 /// The BNStatPolicies a network's batch-norm layers use, as a std::tuple of bn:: tags, so the
 /// trainer can reject combinations that cannot work. Default: `typename Network::bn_policies`
 /// when the network declares that member alias, else std::tuple<> (no batch norm). Specialise
-/// it for a network type you cannot change. Example:
+/// it for a network type you cannot change. A layer whose policy is not listed is refused at its
+/// first call in a data_parallel step (nn::layer_step::check_policy). Example:
 ///   struct my_net { using bn_policies = std::tuple<bn::global>; ... };
 template <class Network>
 struct network_bn_policies {
