@@ -166,6 +166,7 @@ public:
             sharded_all_reduce(send, recv, op);
             return;
         }
+        reserve<T>(n, 0);
         intra_.all_reduce(send, recv, op);
         stage_.inter(
             intra_, std::span<const T>(recv), recv,
@@ -177,6 +178,7 @@ public:
     void broadcast(std::span<T> data, int root) {
         require_root(root, "hierarchical_communicator.broadcast");
         const int L = intra_.size();
+        reserve<T>(data.size(), 0);
         if (inter_.rank() == root / L)
             intra_.broadcast(data, root % L);
         stage_.inter(
@@ -195,6 +197,7 @@ public:
         const std::size_t block = static_cast<std::size_t>(intra_.size()) * s;
         const std::span<T> mine =
             recv.subspan(static_cast<std::size_t>(inter_.rank()) * block, block);
+        reserve<T>(recv.size(), 0);
         intra_.all_gather(send, mine);
         stage_.inter(intra_, std::span<const T>(mine), recv,
                      [&](std::span<const T> in, std::span<T> out) { inter_.all_gather(in, out); });
@@ -217,6 +220,7 @@ public:
         LOCKSTEP_REQUIRE(partial.size() == send.size(), errc::count_mismatch, rank(),
                          "hierarchical_communicator.reduce", "root's recv has ", recv.size(),
                          " elements, send ", send.size());
+        reserve<T>(partial.size(), 0);
         intra_.reduce(send, partial, op, local_root);
         stage_.inter(
             intra_, std::span<const T>(partial), partial,
@@ -246,6 +250,7 @@ public:
             for (std::size_t dn = 0; dn < N; ++dn)
                 copy_block(by_local.subspan((dl * N + dn) * b, b),
                            send.subspan((dn * L + dl) * b, b));
+        reserve<T>(recv.size(), by_local.size());
         // got[l][n'] = the block of local replica l for (n', my local rank).
         intra_.all_to_all(std::span<const T>(by_local), got);
         // Step 2 order: by destination node n', then source local rank l.
@@ -347,6 +352,7 @@ public:
             }
         const std::span<T> mine =
             scratch<T>(1, local_counts[static_cast<std::size_t>(intra_.rank())]);
+        reserve<T>(recv.size(), mine.size());
         intra_.reduce_scatter(std::span<const T>(packed), mine,
                               std::span<const std::size_t>(local_counts), op);
         std::vector<std::size_t> node_counts(static_cast<std::size_t>(N));
@@ -469,6 +475,14 @@ private:
         return stage_.template scratch<T>(intra_, slot, n);
     }
 
+    /// Room in the staging for the next inter-node step (out_n elements, in_n more when its
+    /// input is disjoint from its output), made before the intra-node part enqueues anything
+    /// that step waits for (hierarchical_staging::reserve).
+    template <class T>
+    void reserve(std::size_t out_n, std::size_t in_n) {
+        stage_.template reserve<T>(intra_, out_n, in_n);
+    }
+
     /// dst = src in the intra-node memory. requires: equal sizes, no overlap.
     template <class T>
     void copy_block(std::span<T> dst, std::span<const T> src) {
@@ -490,6 +504,7 @@ private:
         const bool exact = shard * L == n;
         const std::span<T> gathered = exact ? std::span<T>() : scratch<T>(0, shard * L);
         const std::span<T> own = scratch<T>(1, shard);
+        reserve<T>(counts[me], 0);
         intra_.reduce_scatter(send, own.first(counts[me]), std::span<const std::size_t>(counts),
                               op);
         stage_.inter(

@@ -67,9 +67,13 @@ namespace lockstep {
 /// stream.
 ///
 /// A replica may have two communicators active at once (its own and a split, e.g. the
-/// comm_stream's on a side stream): before its first communicator lockstep sets
-/// NCCL_LAUNCH_ORDER_IMPLICIT=1 unless the environment sets it (detail::use_implicit_launch_order,
-/// NCCL 2.26 or newer), so their kernels launch in the order the host issued them.
+/// comm_stream's on a side stream): a program that includes this header sets
+/// NCCL_LAUNCH_ORDER_IMPLICIT=1 during its static initialisation, before main, unless the
+/// environment sets it (detail::use_implicit_launch_order, NCCL 2.26 or newer), so their kernels
+/// launch in the order the host issued them. The setting is process-wide (NCCL has no
+/// per-communicator field for it): the program's own NCCL communicators are ordered the same
+/// way; NCCL_LAUNCH_ORDER_IMPLICIT=0 in the environment keeps NCCL's default, at the risk of the
+/// deadlock above.
 ///
 /// Element types: nccl_element (detail/nccl_types.hpp), the 16-bit floats included: half and
 /// bfloat16 (lockstep's or CUDA's) are reduced by NCCL natively, in NCCL's order (ring or tree)
@@ -138,7 +142,6 @@ public:
             LOCKSTEP_REQUIRE(problem.empty(), errc::invalid_argument, static_cast<int>(i),
                              "nccl_communicator.init_all", problem);
         }
-        detail::use_implicit_launch_order();
         std::vector<ncclComm_t> raw(devices.size(), nullptr);
         LOCKSTEP_NCCL_CHECK(ncclCommInitAll(raw.data(), n, devices.data()));
         auto clique = std::make_shared<detail::nccl_clique>();
@@ -215,20 +218,29 @@ public:
     nccl_communicator& operator=(const nccl_communicator&) = delete;
     nccl_communicator(nccl_communicator&&) noexcept = default;
     nccl_communicator& operator=(nccl_communicator&&) noexcept = default;
-    /// Destroys the NCCL communicator (aborts it when a replica of the clique failed, so the
-    /// destructor never waits for a peer that will not come). One thread destroying several
-    /// ranks of one communicator (init_all's) uses destroy_all().
+    /// Destroys the NCCL communicator: once its stream is idle (polled with the checks and the
+    /// timeout of synchronize(); on a failure or the timeout it is aborted instead), or at once
+    /// by ncclCommAbort when a replica of the clique failed, so the destructor never waits for
+    /// a peer that will not come. One thread destroying several ranks of one communicator
+    /// (init_all's) uses destroy_all().
     ~nccl_communicator() = default;
 
-    /// Destroys every communicator of `comms` (ranks that one thread owns, as init_all's):
-    /// ncclCommFinalize for all of them inside one NCCL group, then ncclCommDestroy (local
-    /// after the finalize); one by one, the first rank's destroy would wait for the others.
+    /// Destroys every communicator of `comms` (ranks that one thread owns, as init_all's): each
+    /// stream drained as in the destructor, then ncclCommFinalize for all of them inside one
+    /// NCCL group, then ncclCommDestroy (local after the finalize); one by one, the first rank's
+    /// destroy would wait for the others.
     /// After a failure (an aborted communicator, a failed clique) all of them, and the splits of
     /// their families, are aborted instead, in one group. ensures: comms is empty.
     static void destroy_all(std::vector<nccl_communicator>& comms) noexcept {
-        const bool failed = std::any_of(comms.begin(), comms.end(), [](const auto& c) {
+        const auto broken = [](const auto& c) {
             return c.h_.aborted() || (c.h_.clique() && c.h_.clique()->failed_rank.load() >= 0);
-        });
+        };
+        // Each stream drained first, within the timeout (a drain that fails aborts).
+        if (!std::any_of(comms.begin(), comms.end(), broken))
+            for (auto& c : comms)
+                if (!c.h_.drain())
+                    break;
+        const bool failed = std::any_of(comms.begin(), comms.end(), broken);
         const bool grouped = ncclGroupStart() == ncclSuccess;
         for (auto& c : comms)
             if (failed)
@@ -632,7 +644,6 @@ private:
                          problem);
         // Left current: the replica's kernels go to its device (a guard would restore another).
         LOCKSTEP_CUDA_CHECK(cudaSetDevice(device));
-        detail::use_implicit_launch_order();
         ncclComm_t comm = nullptr;
         LOCKSTEP_NCCL_CHECK(ncclCommInitRank(&comm, size, id, rank));
         return comm;

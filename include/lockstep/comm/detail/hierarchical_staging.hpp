@@ -57,8 +57,15 @@ public:
             std::memcpy(dst.data(), src.data(), src.size_bytes());
     }
 
+    /// Makes room for the next inter() of `out_n` elements of T (and `in_n` more for an `in`
+    /// disjoint from `out`; 0 when `in` lies inside `out`). Called before the intra-node part
+    /// enqueues the collective that inter() then waits for, so nothing is allocated or freed
+    /// between that enqueue and its wait. Here: nothing to reserve.
+    template <class T, class Intra>
+    void reserve(Intra&, std::size_t /*out_n*/, std::size_t /*in_n*/) {}
+
     /// Runs f(in, out), an inter-node collective, on intra-node spans: here the spans
-    /// themselves. requires: `in` inside `out`, or disjoint from it.
+    /// themselves. requires: `in` inside `out`, or disjoint from it; reserve() made room.
     template <class T, class Intra, class F>
     void inter(Intra&, std::span<const T> in, std::span<T> out, F&& f) {
         f(in, out);
@@ -88,7 +95,9 @@ inline constexpr bool hierarchical_systems_supported<cuda_system, host_system> =
 /// stream, a wait for it through the intra-node communicator (Intra::wait polls NCCL's errors,
 /// the peers' failures and the timeout: never an unbounded stream wait), the inter-node
 /// collective on the pinned memory, and an asynchronous host-to-device copy back on the stream
-/// that later intra-node work is ordered after (no wait).
+/// that later intra-node work is ordered after (no wait). The pinned slots grow only in
+/// reserve(), before the intra-node enqueue: cudaMallocHost and cudaFreeHost between an NCCL
+/// enqueue and its wait can deadlock with a peer thread's NCCL call (as in host_collective.hpp).
 template <>
 class hierarchical_staging<cuda_system, host_system> {
 public:
@@ -125,6 +134,13 @@ public:
     template <class T, class Intra>
     void copy(Intra& intra, std::span<T> dst, std::span<const T> src) {
         copy_async(intra.system(), src, dst);
+    }
+
+    /// Grows the pinned slots (0: out_n elements of T, 1: in_n) before the intra-node enqueue.
+    template <class T, class Intra>
+    void reserve(Intra& intra, std::size_t out_n, std::size_t in_n) {
+        grow(intra, pinned0_, words_for<T>(out_n));
+        grow(intra, pinned1_, words_for<T>(in_n));
     }
 
     template <class T, class Intra, class F>
@@ -192,19 +208,29 @@ private:
         return *e;
     }
 
-    /// Pinned slot `slot` with room for n elements of T. Before a slot is reallocated, the copy
-    /// back out of it must have finished: waited for through the communicator.
+    /// Pinned slot `slot` with room for n elements of T, reserved before: never allocates (an
+    /// NCCL collective of the intra-node part may be in flight).
     template <class T, class Intra>
     std::span<T> pinned(Intra& intra, int slot, std::size_t n) {
         pinned_array<std::uint64_t>& p = slot == 0 ? pinned0_ : pinned1_;
-        const std::size_t words = words_for<T>(n);
-        if (p.size() < words) {
-            if (returning_)
-                intra.wait(returned_->get(), "hierarchical staging (host to device)");
-            returning_ = false;
-            p = pinned_array<std::uint64_t>(words);
-        }
+        LOCKSTEP_REQUIRE(p.size() >= words_for<T>(n), errc::internal, intra.rank(),
+                         "hierarchical staging", "pinned slot ", slot, " holds ", p.size(),
+                         " words, the call needs ", words_for<T>(n),
+                         ": reserve() was not called before the intra-node enqueue");
         return std::span<T>(reinterpret_cast<T*>(p.data()), n);
+    }
+
+    /// Reallocates `p` to `words` when smaller, once the replica's stream is idle (a polled
+    /// wait through the communicator): then no NCCL work of this replica is in flight while
+    /// cudaFreeHost and cudaMallocHost run, and the copy back out of `p` has finished. Slots
+    /// only grow, so this happens a few times per run.
+    template <class Intra>
+    void grow(Intra& intra, pinned_array<std::uint64_t>& p, std::size_t words) {
+        if (p.size() >= words)
+            return;
+        intra.synchronize();
+        returning_ = false;
+        p = pinned_array<std::uint64_t>(words);
     }
 
     void settle() noexcept {

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -84,6 +85,35 @@ public:
         return true;
     }
 
+    /// NCCL's asynchronous error of any member (ncclCommGetAsyncError on each: the replica's
+    /// communicator, the comm_stream's split, bn::group's split), so that a wait on one of them
+    /// (`self`) sees a failure that NCCL reported on another. ensures: `query` is the first
+    /// failed ncclCommGetAsyncError call's result (else ncclSuccess); `async` the first member's
+    /// error other than ncclSuccess and ncclInProgress (else ncclSuccess); `last` NCCL's last
+    /// error text then, and `sibling` whether that member is not `self`.
+    struct async_state {
+        ncclResult_t query = ncclSuccess;
+        ncclResult_t async = ncclSuccess;
+        bool sibling = false;
+        std::string last;
+    };
+    async_state async_error(ncclComm_t self) const {
+        const std::lock_guard<std::mutex> lock(mutex_);
+        async_state st;
+        for (const member& m : members_) {
+            ncclResult_t a = ncclSuccess;
+            const ncclResult_t r = ncclCommGetAsyncError(m.comm, &a);
+            if (r != ncclSuccess || (a != ncclSuccess && a != ncclInProgress)) {
+                st.query = r;
+                st.async = r != ncclSuccess ? ncclSuccess : a;
+                st.sibling = m.comm != self;
+                st.last = ncclGetLastError(m.comm);
+                return st;
+            }
+        }
+        return st;
+    }
+
     /// Aborts every member (ncclCommAbort inside ncclGroupStart/End, so that no abort waits for
     /// a kernel of another member) and marks the family aborted. Idempotent.
     void abort_all() noexcept {
@@ -108,25 +138,31 @@ private:
         int device;
     };
 
-    std::mutex mutex_;
+    mutable std::mutex mutex_;
     std::vector<member> members_; // guarded by mutex_
     std::uint64_t next_id_ = 1;   // guarded by mutex_
     std::atomic<bool> aborted_{false};
     int replica_;
 };
 
-/// Sets NCCL_LAUNCH_ORDER_IMPLICIT=1 in the process environment, once, before lockstep creates
-/// its first NCCL communicator, unless the environment names it already (the user's value
-/// stays). NCCL then launches the kernels of different communicators of one device in the order
-/// the host issued them, which lockstep keeps equal on every replica (bucket_plan, the layers'
-/// order); without it two communicators active on one GPU (the replica's and the comm_stream's
-/// split) can deadlock. NCCL reads the variable at its first launch in the process: a program
-/// that launches NCCL work of its own before creating a lockstep communicator sets it itself.
-/// (ncclConfig_t has no field for it up to NCCL 2.28.)
-inline void use_implicit_launch_order() {
-    static std::once_flag once;
-    std::call_once(once, [] { (void)::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", 0); });
+/// Sets NCCL_LAUNCH_ORDER_IMPLICIT=1 in the process environment unless the environment names
+/// it already (the user's value stays, "0" included). NCCL then launches the kernels of different
+/// communicators of one device in the order the host issued them, which lockstep keeps equal on
+/// every replica (bucket_plan, the layers' order); without it two communicators active on one
+/// GPU (the replica's and the comm_stream's split) can deadlock. ncclConfig_t has no field for
+/// it up to NCCL 2.28, and NCCL reads the variable once per process, so the setting is
+/// process-wide: it also orders the program's own NCCL communicators. It runs once, during the
+/// static initialisation of a program that includes nccl_communicator.hpp (see
+/// nccl_launch_order_set below), before main and so before the program's threads exist: a
+/// setenv later would race with other threads' getenv.
+inline bool use_implicit_launch_order() noexcept {
+    (void)::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", 0);
+    return true;
 }
+
+/// Runs use_implicit_launch_order() at static initialisation (one inline variable for the whole
+/// program).
+inline const bool nccl_launch_order_set = use_implicit_launch_order();
 
 } // namespace lockstep::detail
 

@@ -182,6 +182,22 @@ public:
         return r;
     }
 
+    /// Before a destroy: waits until the stream is idle, with wait()'s checks and timeout, so
+    /// that ncclCommDestroy never starts while a collective that waits for a peer is in flight
+    /// (it would wait for it without a deadline). Returns false when the wait failed: then the
+    /// family was aborted (a destroy is no longer needed, nor possible). Never throws.
+    bool drain() noexcept {
+        if (aborted() || comm_ == nullptr || finalized_)
+            return true;
+        try {
+            wait("destroy");
+            return true;
+        } catch (...) {
+            abort(); // done by the failed wait already; idempotent
+            return false;
+        }
+    }
+
     static std::string describe(ncclResult_t r) {
         return std::string(ncclGetErrorString(r)) + " (ncclResult_t " +
                std::to_string(static_cast<int>(r)) + ")";
@@ -216,7 +232,8 @@ public:
     }
 
     /// Throws if this communicator was aborted, a peer of the clique failed, or NCCL holds an
-    /// asynchronous error.
+    /// asynchronous error on any communicator of the replica's family (this one or a split: a
+    /// peer lost on the comm_stream's split shows there first, while this one waits).
     void check_usable(const std::string& op) {
         const int failed = clique_ ? clique_->failed_rank.load() : -1;
         const bool peer_failed = failed >= 0 && failed != replica();
@@ -227,14 +244,21 @@ public:
         if (peer_failed)
             fail_and_abort(errc::peer_failure, op, "replica ", failed,
                            " failed; this replica's communicator was aborted");
-        ncclResult_t async = ncclSuccess;
-        const ncclResult_t r = ncclCommGetAsyncError(comm_, &async);
-        if (r != ncclSuccess)
-            fail_and_abort(errc::nccl, op, "ncclCommGetAsyncError: ", describe(r));
-        if (async != ncclSuccess && async != ncclInProgress)
-            fail_and_abort(async == ncclRemoteError ? errc::peer_failure : errc::nccl, op,
-                           "asynchronous NCCL error ", describe(async), ": ",
-                           ncclGetLastError(comm_));
+        nccl_family::async_state st;
+        if (family_) {
+            st = family_->async_error(comm_);
+        } else {
+            st.query = ncclCommGetAsyncError(comm_, &st.async);
+            if (st.query != ncclSuccess || st.async != ncclSuccess)
+                st.last = ncclGetLastError(comm_);
+        }
+        const char* where =
+            st.sibling ? " (on another communicator of the replica's family: a split)" : "";
+        if (st.query != ncclSuccess)
+            fail_and_abort(errc::nccl, op, "ncclCommGetAsyncError: ", describe(st.query), where);
+        if (st.async != ncclSuccess && st.async != ncclInProgress)
+            fail_and_abort(st.async == ncclRemoteError ? errc::peer_failure : errc::nccl, op,
+                           "asynchronous NCCL error ", describe(st.async), where, ": ", st.last);
     }
 
     /// Makes the enqueueing NCCL call `call()` on this replica's device once check_usable()
@@ -299,8 +323,12 @@ private:
     int replica() const noexcept { return family_ ? family_->replica() : rank_; }
 
     /// The communicator goes first: cudaFree synchronises the device, which would wait forever
-    /// for a kernel of a communicator still waiting for a dead peer.
+    /// for a kernel of a communicator still waiting for a dead peer. A healthy communicator is
+    /// drained first (drain(): bounded by the timeout, else it is aborted), so a destroy after a
+    /// throw outside a step (a peer that will never join the last collective) does not hang.
     void release() noexcept {
+        if (comm_ != nullptr && !(clique_ && clique_->failed_rank.load() >= 0))
+            (void)drain();
         if (comm_ != nullptr) {
             const bool peer_failed = clique_ && clique_->failed_rank.load() >= 0;
             if (peer_failed && !finalized_ && family_) {

@@ -6,15 +6,17 @@
 
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/host_wait.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/policy/bn.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
+#include "lockstep/system/staged_read.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
+#include "lockstep/train/detail/replica_digest.hpp"
 
 #include <algorithm>
-#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -24,10 +26,8 @@
 #include <type_traits>
 #include <vector>
 
-#include <thrust/functional.h>
 #include <thrust/iterator/counting_iterator.h>
 #include <thrust/transform.h>
-#include <thrust/transform_reduce.h>
 
 namespace lockstep::detail {
 
@@ -38,61 +38,6 @@ struct shares_running_statistics;
 template <class... P>
 struct shares_running_statistics<std::tuple<P...>>
     : std::bool_constant<(bn::traits<P>::shares_running_statistics && ...)> {};
-
-/// One tensor the replicas must hold bit for bit ("param.fc1.weight", "optimizer.m").
-template <class T>
-struct consistency_section {
-    std::string name;
-    std::span<const T> data;
-};
-
-/// The bits of x as an unsigned integer of its size.
-template <class T>
-LOCKSTEP_HOST_DEVICE std::uint64_t element_bits(T x) {
-    static_assert(sizeof(T) == 4 || sizeof(T) == 8, "verify_every digests 32- and 64-bit values");
-    if constexpr (sizeof(T) == 4)
-        return std::bit_cast<std::uint32_t>(x);
-    else
-        return std::bit_cast<std::uint64_t>(x);
-}
-
-/// splitmix64's finaliser: every input bit changes about half of the output bits.
-LOCKSTEP_HOST_DEVICE inline std::uint64_t mix64(std::uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-/// The digest term of element i, for locating a difference: mix64 of its bits and its index.
-template <class T>
-struct digest_term_fn {
-    const T* data;
-    LOCKSTEP_HOST_DEVICE std::uint64_t operator()(std::size_t i) const {
-        return mix64(element_bits(data[i]) + (i + 1) * 0x9e3779b97f4a7c15ull);
-    }
-};
-
-/// The digest term of 64-bit word j of a tensor of n elements (two floats, or one double; a
-/// float tensor's last word holds one element when n is odd): mix64 of the word plus a
-/// multiple of its index. A tensor's digest is the sum of its terms modulo 2^64: a sum, so any
-/// reduction order (any system, any thread count) gives the same digest; mix64 is a bijection,
-/// so one changed word always changes the digest; the index makes it position-dependent.
-template <class T>
-struct digest_word_fn {
-    const T* data;
-    std::size_t n;
-    LOCKSTEP_HOST_DEVICE std::uint64_t operator()(std::size_t j) const {
-        std::uint64_t w = 0;
-        if constexpr (sizeof(T) == 4) {
-            w = element_bits(data[2 * j]);
-            if (2 * j + 1 < n)
-                w |= element_bits(data[2 * j + 1]) << 32;
-        } else {
-            w = element_bits(data[j]);
-        }
-        return mix64(w + (j + 1) * 0x9e3779b97f4a7c15ull);
-    }
-};
 
 /// The digest of elements [b * block, min(n, (b + 1) * block)): one per block, computed by one
 /// thread each (only after a mismatch, to find the first differing block).
@@ -109,19 +54,6 @@ struct block_digest_fn {
     }
 };
 
-/// The digest of data (in sys's memory), as int64 (what the communicators exchange).
-template <class System, class T>
-std::int64_t tensor_digest(const System& sys, std::span<const T> data) {
-    if (data.empty())
-        return 0;
-    const std::size_t words = sizeof(T) == 4 ? (data.size() + 1) / 2 : data.size();
-    const std::uint64_t h = thrust::transform_reduce(
-        sys.policy(), thrust::counting_iterator<std::size_t>(0),
-        thrust::counting_iterator<std::size_t>(words), digest_word_fn<T>{data.data(), data.size()},
-        std::uint64_t{0}, thrust::plus<std::uint64_t>());
-    return static_cast<std::int64_t>(h);
-}
-
 /// The tag of the check's collectives (where the communicator takes one).
 inline constexpr collective_tag consistency_tag{"data_parallel.verify_replicas"};
 
@@ -131,6 +63,37 @@ void gather_tagged(Communicator& comm, std::span<const T> send, std::span<T> rec
         comm.all_gather(send, recv, consistency_tag);
     else
         host_all_gather(comm, send, recv);
+}
+
+/// Every replica's digests of `sections` (row r: replica r's, one per section), on the host.
+/// A host communicator gathers the host digests directly. Otherwise (nccl_communicator) the
+/// digests stay in the communicator's memory: one digest pass, one all_gather, one read back
+/// and one polled wait (wait_for: the communicator's timeout and failure checks), with every
+/// allocation made before anything is enqueued.
+template <class Communicator, class System, class T>
+std::vector<std::int64_t> gathered_digests(Communicator& comm, const System& sys,
+                                           const std::vector<consistency_section<T>>& sections) {
+    const std::size_t count = sections.size() * static_cast<std::size_t>(comm.size());
+    std::vector<std::int64_t> all(count);
+    section_digests<System, T> digests(sys, sections);
+    if constexpr (Communicator::system_type::is_host) {
+        digests.enqueue();
+        const std::span<const std::int64_t> d = digests.digests();
+        const std::vector<std::int64_t> mine(d.begin(), d.end());
+        gather_tagged(comm, std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));
+    } else {
+        static_assert(std::is_same_v<System, typename Communicator::system_type>,
+                      "verify_replicas compares tensors in the communicator's memory");
+        buffer<std::int64_t, System> everyone(count, sys);
+        staged_read<std::int64_t, System> back(count == 0 ? 1 : count, sys);
+        digests.enqueue();
+        comm.all_gather(digests.digests(), everyone.span());
+        back.enqueue(std::span<const std::int64_t>(everyone.span()));
+        const std::span<const std::int64_t> v =
+            wait_for(comm, back, "data_parallel.verify_replicas");
+        std::copy(v.begin(), v.end(), all.begin());
+    }
+    return all;
 }
 
 /// The replicas (of `n`) whose value at column `j` of the gathered rows (row r: replica r's
@@ -179,7 +142,8 @@ std::string describe_element(T v) {
 }
 
 /// The collective check of train_params::verify_every, on every replica of comm: the digests
-/// of `sections` (in sys's memory) are all-gathered (one all_gather of sections.size() int64).
+/// of `sections` (in sys's memory) are all-gathered (gathered_digests: one all_gather of
+/// sections.size() int64; on a device communicator one polled host wait in all).
 /// When they agree it returns. Otherwise every replica takes the same two further all_gathers
 /// (the per-block digests of the first differing tensor, then that block's elements) and throws
 /// lockstep::error (errc::divergence, operation "data_parallel.verify_replicas") naming the
@@ -191,11 +155,7 @@ void verify_replicas(Communicator& comm, const System& sys, std::int64_t step,
                      const std::vector<consistency_section<T>>& sections) {
     const int n = comm.size(), me = comm.rank();
     const std::size_t s_count = sections.size();
-    std::vector<std::int64_t> mine(s_count);
-    for (std::size_t s = 0; s < s_count; ++s)
-        mine[s] = tensor_digest(sys, sections[s].data);
-    std::vector<std::int64_t> all(s_count * static_cast<std::size_t>(n));
-    gather_tagged(comm, std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));
+    const std::vector<std::int64_t> all = gathered_digests(comm, sys, sections);
     std::size_t first = s_count;
     for (std::size_t s = 0; s < s_count && first == s_count; ++s)
         if (!divergence_at(all, s_count, s, n).differing.empty())
