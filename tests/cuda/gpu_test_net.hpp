@@ -177,6 +177,10 @@ struct knobs {
     bool fixed_data = false; ///< key the data by batch position only (the same batch every step)
     int throw_at_step = -1;  ///< with throw_rank: throw lockstep::error after bn1's forward
     int throw_rank = -1;
+    /// Mark no gradient ready (the trainer reduces every bucket after the step function): the
+    /// bucket collectives then follow all of BN's backward collectives, another host order than
+    /// marking each gradient as it becomes final.
+    bool skip_marks = false;
 };
 
 /// The network on Comm's system with BN statistics policy BN. Visitor = false: parameters in the
@@ -315,7 +319,8 @@ private:
     }
     void mark(context_type& ctx, int id) {
         if constexpr (!Visitor)
-            ctx.mark_ready(handles_[id]);
+            if (!k_.skip_marks)
+                ctx.mark_ready(handles_[id]);
     }
 
     knobs k_;

@@ -1,0 +1,204 @@
+// Failures of one NCCL rank process mid-step (the rank launcher, --ranks 2 and 3): a rank whose
+// step function throws, and a rank SIGKILLed inside its step. Every survivor must end with a
+// lockstep::error (errc::peer_failure, or errc::timeout after its communicator's timeout:
+// LOCKSTEP_TIMEOUT) within that timeout, never hang, and the flight recorder files the survivors
+// write name the culprit (scripts/trace_merge.py: "culprit: replica R"). Each case is its own
+// CTest test ([throw], [kill]); the kill case ends with one rank fewer, so it runs last.
+// Every case needs a GPU (tagged [gpu]). SPDX-License-Identifier: Apache-2.0
+#include "lockstep/comm/nccl_communicator.hpp"
+#include "lockstep/optim/sgd.hpp"
+#include "lockstep/train/data_parallel.hpp"
+
+#include "gpu_test_net.hpp"
+#include "gpu_train_runner.hpp"
+#include "nccl_rank_support.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <csignal>
+#include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+#ifndef LOCKSTEP_SOURCE_DIR
+#error "LOCKSTEP_SOURCE_DIR (the project's source directory, for scripts/trace_merge.py) is needed"
+#endif
+
+namespace {
+
+using namespace lockstep;
+namespace tn = lockstep_test::net;
+namespace launcher = lockstep_test::ranks;
+using lockstep_test::nccl_ranks::rank_communicator;
+
+enum class fault { throws, sigkill };
+
+/// A directory for the flight recorder files of every rank, made by rank 0 and handed to the
+/// others through the launcher, set as LOCKSTEP_TRACE_DIR in every rank while it lives; rank 0
+/// removes it at the end.
+class shared_trace_dir {
+public:
+    shared_trace_dir() {
+        std::string mine;
+        if (launcher::rank() == 0) {
+            std::string pattern =
+                (std::filesystem::temp_directory_path() / "lockstep_rank_trace_XXXXXX").string();
+            REQUIRE(::mkdtemp(pattern.data()) != nullptr);
+            mine = pattern;
+        }
+        const auto bytes = launcher::share_from_rank0(std::as_bytes(std::span(mine)));
+        path_.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+        REQUIRE(!path_.empty());
+        ::setenv("LOCKSTEP_TRACE_DIR", path_.c_str(), 1);
+    }
+    shared_trace_dir(const shared_trace_dir&) = delete;
+    shared_trace_dir& operator=(const shared_trace_dir&) = delete;
+    ~shared_trace_dir() {
+        ::unsetenv("LOCKSTEP_TRACE_DIR");
+        if (launcher::rank() == 0) {
+            std::error_code ec;
+            std::filesystem::remove_all(path_, ec);
+        }
+    }
+    const std::string& path() const noexcept { return path_; }
+
+private:
+    std::string path_;
+};
+
+/// The output of scripts/trace_merge.py over dir (its exit status checked).
+std::string merge_report(const std::string& dir) {
+    const std::string cmd = std::string("python3 \"") + LOCKSTEP_SOURCE_DIR +
+                            "/scripts/trace_merge.py\" \"" + dir + "\" 2>&1";
+    std::FILE* p = ::popen(cmd.c_str(), "r");
+    REQUIRE(p != nullptr);
+    std::string out;
+    char buf[512];
+    while (std::fgets(buf, sizeof buf, p) != nullptr)
+        out += buf;
+    const int status = ::pclose(p);
+    INFO(out);
+    CHECK(status == 0);
+    return out;
+}
+
+/// How this rank's run ended.
+struct outcome {
+    bool failed = false;
+    errc code = errc::internal;
+    std::string what;
+    std::chrono::duration<double> elapsed{}; ///< from the start of step 1 (or of the run)
+    int steps_done = 0;
+};
+
+/// Trains bn::global over small buckets (overlap automatic: NCCL's side-stream split), reading
+/// every step's result. In step 1 the culprit's step function waits 300 ms (so the other ranks
+/// have enqueued their whole step and wait for its result) and then throws, or tells the
+/// launcher and SIGKILLs itself. The trainer aborts the communicator of a step that throws.
+outcome run_until_fault(nccl_communicator& comm, int culprit, fault kind) {
+    using net_t = tn::test_net<nccl_communicator, bn::global>;
+    using trainer_t = data_parallel<net_t, optim::sgd<float, cuda_system>, sync::synchronous,
+                                    lockstep_test::gpu_train::small_buckets, nccl_communicator>;
+    constexpr std::size_t batch = 12;
+    constexpr int steps = 5;
+    const std::size_t cap = batch / static_cast<std::size_t>(comm.size()) + 1;
+    const int me = comm.rank();
+    outcome out;
+    auto start = std::chrono::steady_clock::now();
+    try {
+        trainer_t trainer(
+            comm, [&](auto& ctx) { return net_t(ctx, cap); },
+            {.lr = lockstep_test::gpu_train::lr, .momentum = lockstep_test::gpu_train::momentum},
+            {.read_result = true});
+        const auto fn = [&](net_t& n, shard_range sr, auto& ctx) {
+            if (ctx.step() == 1 && me == culprit) {
+                std::this_thread::sleep_for(std::chrono::milliseconds(300));
+                if (kind == fault::sigkill) {
+                    launcher::planned_exit();
+                    std::fflush(nullptr);
+                    std::raise(SIGKILL);
+                }
+                lockstep::fail(errc::internal, me, "fault test", "rank ", me,
+                               " throws inside step 1");
+            }
+            n.train(sr, ctx);
+        };
+        for (int s = 0; s < steps; ++s) {
+            if (s == 1)
+                start = std::chrono::steady_clock::now();
+            (void)trainer.step(batch, fn);
+            ++out.steps_done;
+        }
+        trainer.finish();
+    } catch (const error& e) {
+        out.failed = true;
+        out.code = e.code();
+        out.what = e.what();
+    }
+    comm.abort(); // a no-op after the trainer's abort; ends a survivor's communicator at once
+    out.elapsed = std::chrono::steady_clock::now() - start;
+    return out;
+}
+
+/// The fault case: the last rank is the culprit (rank 0 survives and reads the recorder files).
+void check_fault(fault kind) {
+    shared_trace_dir dir;
+    auto comm = rank_communicator();
+    const int me = comm.rank();
+    const int culprit = comm.size() - 1;
+    const double timeout_s = std::chrono::duration<double>(comm.options().timeout).count();
+    const outcome out = run_until_fault(comm, culprit, kind);
+    REQUIRE((me != culprit || kind == fault::throws)); // a killed culprit never gets here
+
+    INFO("rank " << me << " of " << comm.size() << ", culprit " << culprit << ", after "
+                 << out.elapsed.count() << " s (timeout " << timeout_s << " s): " << out.what);
+    REQUIRE(out.failed);
+    CHECK(out.steps_done == 1); // step 0 completed everywhere, step 1 on none
+    if (me == culprit) {
+        CHECK(out.code == errc::internal);
+        CHECK(out.what.find("throws inside step 1") != std::string::npos);
+    } else {
+        CHECK((out.code == errc::peer_failure || out.code == errc::timeout));
+        // The survivor's wait dumped its ring and says where.
+        CHECK(out.what.find("[flight recorder: " + dir.path()) != std::string::npos);
+        // Never a hang: the error came within the communicator's timeout of step 1's start
+        // (plus the 300 ms the culprit waited and the abort), far below the launcher's case
+        // timeout.
+        CHECK(out.elapsed.count() < timeout_s + 5.0);
+    }
+
+    // Every rank still alive has written its file (or never will); rank 0 merges them.
+    REQUIRE(launcher::agree(true, "flight recorder files written"));
+    if (me == 0) {
+        const std::string report = merge_report(dir.path());
+        INFO(report);
+        CHECK(report.find("culprit: replica " + std::to_string(culprit) + " (missing") !=
+              std::string::npos);
+        for (int r = 0; r < comm.size(); ++r)
+            if (r != culprit)
+                CHECK(report.find("replica " + std::to_string(r) + ": ") != std::string::npos);
+    }
+}
+
+} // namespace
+
+TEST_CASE("NCCL ranks: a rank throwing mid-step ends as an error on every rank within the "
+          "timeout, and the flight recorder names it",
+          "[train][nccl][ranks][fault][throw][gpu]") {
+    check_fault(fault::throws);
+}
+
+// Declared last: afterwards the process runs with one rank fewer.
+TEST_CASE("NCCL ranks: a rank SIGKILLed mid-step ends as an error on every survivor within the "
+          "timeout, and the flight recorder names it",
+          "[train][nccl][ranks][fault][kill][gpu]") {
+    check_fault(fault::sigkill);
+}
