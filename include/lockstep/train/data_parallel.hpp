@@ -11,6 +11,7 @@
 #include "lockstep/policy/sync.hpp"
 #include "lockstep/train/asynchronous.hpp" // IWYU pragma: export
 #include "lockstep/train/detail/data_parallel_fwd.hpp"
+#include "lockstep/train/detail/empty_shards.hpp"
 #include "lockstep/train/detail/finish_check.hpp"
 #include "lockstep/train/detail/local_sgd_driver.hpp"
 #include "lockstep/train/detail/overlap.hpp"
@@ -174,6 +175,13 @@ public:
                 verify_replicas_if_due();
             }
             return r;
+        } catch (const error& e) {
+            stages_.set_capturing(false);
+            reducer_.drain();
+            abort_communicator();
+            detail::rethrow_naming_empty_shards(
+                e, global_batch, static_cast<std::size_t>(core_.params().micro_batches),
+                ReducePolicy::chunk_samples, this->size());
         } catch (...) {
             stages_.set_capturing(false);
             reducer_.drain();

@@ -139,9 +139,10 @@ inline bool mpi_calls_differ(const mpi_signature_range& r) noexcept {
 /// Throws lockstep::error when the replicas' signatures disagree. Every replica sees the same
 /// range, so every replica throws, with the same code: peer_failure when a replica's own
 /// arguments failed (that replica reports them itself), invalid_argument for different
-/// collectives, sequence numbers, roots or reductions, count_mismatch for counts (and for
-/// reduce_scatter's per-rank counts, described by `layout_text` for this replica) and
-/// shape_mismatch for element types and tags. `calls` lists every replica's call when
+/// sequence numbers, roots or reductions, count_mismatch for counts (and for reduce_scatter's
+/// per-rank counts, described by `layout_text` for this replica) and shape_mismatch for
+/// different collectives, element types and tags (the thread group's codes for the same
+/// mistakes). `calls` lists every replica's call when
 /// mpi_calls_differ ("replica 0 called ..., replica 1 called ...").
 inline void require_agreement(const mpi_signature& mine, const mpi_signature_range& r, int rank,
                               const std::string& layout_text = {}, const std::string& calls = {}) {
@@ -156,7 +157,7 @@ inline void require_agreement(const mpi_signature& mine, const mpi_signature_ran
              "another replica's arguments failed its checks (it reports them); this replica "
              "was released instead of waiting");
     if (!r.agree(f::kind))
-        fail(errc::invalid_argument, rank, name(),
+        fail(errc::shape_mismatch, rank, name(),
              "replicas called different collectives at this point (a call swapped, skipped or "
              "added on some replica): ",
              calls);

@@ -8,6 +8,7 @@
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/policy/sync.hpp"
+#include "lockstep/train/detail/global_batch_check.hpp"
 #include "lockstep/train/detail/reduce_reproducible.hpp"
 #include "lockstep/train/detail/step_driver.hpp"
 #include "lockstep/train/shard.hpp"
@@ -62,6 +63,10 @@ public:
                          global, " in chunks of ", C, " samples is ", chunks, " chunks on ",
                          s.replicas(), " replicas; reduce::reproducible sums at most ",
                          kernels::anchored_limits::max_terms, " chunks plus replicas");
+        check_same_global_batch(s.core().comm(), global, s.core().steps(), [] {
+            return concat("reduce::reproducible cuts it into chunks of ", C,
+                          " samples; every replica must exchange as many");
+        });
         (void)next_sample_offset(s.core().samples(), global, s.rank());
         const step_view v = s.begin(global);
         const shard_range mine = reproducible_chunks(global, C, s.rank(), s.replicas());
