@@ -98,12 +98,18 @@ private:
 };
 
 /// Whether communicators check call sites when none is configured: the environment variable
-/// LOCKSTEP_CHECK_CALL_SITES ("1" on, "0" or unset off). ensures: throws lockstep::error
-/// (errc::invalid_argument) quoting any other value.
+/// LOCKSTEP_CHECK_CALL_SITES ("1" on, "0" off); unset, on in builds without NDEBUG (debug builds,
+/// where a skipped or swapped collective is most often made, then name its source line) and off
+/// with NDEBUG. ensures: throws lockstep::error (errc::invalid_argument) quoting any other value.
 inline bool default_check_call_sites() {
-    const char* env = std::getenv("LOCKSTEP_CHECK_CALL_SITES");
-    if (env == nullptr)
+    const char* env = std::getenv("LOCKSTEP_CHECK_CALL_SITES"); // NOLINT(concurrency-mt-unsafe)
+    if (env == nullptr) {
+#ifdef NDEBUG
         return false;
+#else
+        return true;
+#endif
+    }
     const std::string_view v(env);
     LOCKSTEP_REQUIRE(v == "0" || v == "1", errc::invalid_argument, -1, "LOCKSTEP_CHECK_CALL_SITES",
                      "'", v, "' is neither 0 nor 1");
