@@ -98,7 +98,8 @@ struct loss_scale_record {
 
 /// One task, after the step's status is final (summed over replicas for synchronous steps,
 /// the skip decision taken): the dynamic loss scale update of torch.cuda.amp.GradScaler.
-/// - *overflow > 0 (NaN/inf gradient elements): scale *= backoff, tracker = 0;
+/// - *overflow > 0 (NaN/inf gradient elements): scale *= backoff, not below floor (a scale
+///   already at or below it is kept), tracker = 0;
 /// - else, the step applied (*skipped == 0): tracker += 1, and when tracker reaches
 ///   interval: scale *= growth (kept when the product would be infinite), tracker = 0;
 /// - else (skipped for another reason): unchanged.
@@ -112,12 +113,14 @@ struct loss_scale_update_fn {
     double growth;
     double backoff;
     double interval;
+    double floor = 0; ///< loss_scaling::min_scale
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
         const double used = state->scale;
         double scale = used;
         double tracker = state->growth_tracker;
         if (*overflow > 0) {
-            scale = used * backoff;
+            if (used > floor)
+                scale = used * backoff > floor ? used * backoff : floor;
             tracker = 0;
         } else if (*skipped == 0) {
             tracker += 1;

@@ -96,6 +96,9 @@ public:
         const std::int64_t every = core_.params().verify_every;
         LOCKSTEP_REQUIRE(every >= 0, errc::invalid_argument, comm.rank(), "data_parallel",
                          "verify_every = ", every, " (must be >= 0; 0 is off)");
+        const std::int64_t limit = core_.params().max_consecutive_skips;
+        LOCKSTEP_REQUIRE(limit >= 0, errc::invalid_argument, comm.rank(), "data_parallel",
+                         "max_consecutive_skips = ", limit, " (must be >= 0; 0 is off)");
         using declared = network_bn_policies_t<Network>;
         stages_.layer_step().declare_policies(trainer_facts_of<SyncPolicy, ReducePolicy>(),
                                               bn_facts_list<declared>::get(),
@@ -247,18 +250,27 @@ public:
 
     /// Ends training (collective: call it on every replica after its last step, as torch's
     /// join() and hvd.join()): first checks that every replica ran as many steps (one small
-    /// tagged all_reduce, detail::finish_steps), then local SGD averages the weights if steps
-    /// ran since the last average. ensures: returns steps(); a replica that ran fewer or more
-    /// steps makes it throw lockstep::error on every replica, the short one included
-    /// (count_mismatch naming each replica's count, or, when a peer is still inside a step, the
-    /// mismatch of finish's collective with the peer's, naming both calls). The destructor
-    /// checks nothing (it cannot throw): without finish() a replica that stops early returns
-    /// normally while its peers fail (docs/train_api.md).
+    /// tagged all_reduce, detail::finish_steps), then reads the last step's result if it was
+    /// not read (train_params::read_result = false: one wait, throwing its errors, the run of
+    /// skipped steps included), then local SGD averages the weights if steps ran since the last
+    /// average. ensures: returns steps(); skipped_steps() is the run's count of skipped steps;
+    /// a replica that ran fewer or more steps makes it throw lockstep::error on every replica,
+    /// the short one included (count_mismatch naming each replica's count, or, when a peer is
+    /// still inside a step, the mismatch of finish's collective with the peer's, naming both
+    /// calls). The destructor checks nothing (it cannot throw): without finish() a replica that
+    /// stops early returns normally while its peers fail (docs/train_api.md).
     std::int64_t finish() {
         const std::int64_t steps = detail::finish_steps(core_.comm(), this->steps());
+        if (stages_.unread() && !detail::capturing(core_.comm().system()))
+            (void)read_result();
         driver_.finish(stages_);
         return steps;
     }
+
+    /// The steps skipped on this replica since the trainer was built (step_result::skipped;
+    /// the same on every replica for synchronous training), as of the last result read: after
+    /// every step with train_params::read_result, else after read_result() or finish().
+    std::int64_t skipped_steps() const noexcept { return stages_.skipped_steps(); }
 
     /// The gradient hook: called on every replica as f(gradient, layout) after the reduction
     /// (synchronous: the reduced gradient, the same on every replica; reduce::parameter_server:

@@ -24,12 +24,18 @@ namespace lockstep {
 /// arithmetic; the trainer multiplies the reduced gradient by 1 / S before the update. A step
 /// whose gradient has a NaN or infinity (an overflow) is skipped and S *= backoff_factor; after
 /// growth_interval consecutive applied steps, S *= growth_factor. Powers of two (the defaults)
-/// make scaling and unscaling exact.
+/// make scaling and unscaling exact. S never backs off below min_scale (the floor): a step that
+/// overflows at the floor is skipped with S kept, and counts towards
+/// train_params::max_consecutive_skips (the skips of a scale still backing off do not).
 struct loss_scaling {
     double init_scale = 65536.0;         ///< S of the first step: finite, > 0
     double growth_factor = 2.0;          ///< > 1
     double backoff_factor = 0.5;         ///< in (0, 1)
     std::int64_t growth_interval = 2000; ///< >= 1
+    /// The floor of S: finite, > 0, <= init_scale. 1 (as DeepSpeed's min_loss_scale): below 1
+    /// the scale no longer protects small gradients, and a gradient that overflows unscaled is
+    /// not a scaling problem; 65536 reaches it in 16 back-offs.
+    double min_scale = 1.0;
 };
 
 /// A loss scaler's state between steps (what a checkpoint stores): the scale of the next step
@@ -110,7 +116,8 @@ public:
                                           .report = report,
                                           .growth = cfg_.growth_factor,
                                           .backoff = cfg_.backoff_factor,
-                                          .interval = static_cast<double>(cfg_.growth_interval)});
+                                          .interval = static_cast<double>(cfg_.growth_interval),
+                                          .floor = cfg_.min_scale});
     }
 
     /// The host's view of a step's report (read back to the host). When the report is of the
@@ -167,6 +174,10 @@ public:
         LOCKSTEP_REQUIRE(c.growth_interval >= 1 && c.growth_interval <= (std::int64_t(1) << 52),
                          errc::invalid_argument, rank, "loss_scaling",
                          "growth_interval = ", c.growth_interval, " (must be in [1, 2^52])");
+        LOCKSTEP_REQUIRE(std::isfinite(c.min_scale) && c.min_scale > 0 &&
+                             c.min_scale <= c.init_scale,
+                         errc::invalid_argument, rank, "loss_scaling", "min_scale = ", c.min_scale,
+                         " (must be finite, > 0 and <= init_scale = ", c.init_scale, ")");
     }
 
 private:

@@ -1,7 +1,7 @@
 // lockstep/train/step_state.hpp: a synchronous training step's state in the replica's memory:
 // what each replica reports, what is summed over replicas, what every replica decides from the
-// sums, and the loss scale's report; step_state<System> owns it. SPDX-License-Identifier:
-// Apache-2.0
+// sums, the loss scale's report and the run of skipped steps; step_state<System> owns it.
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/core/config.hpp"
@@ -56,17 +56,36 @@ struct step_outcome {
     double grad_norm2 = 0;                     ///< squared 2-norm of the gradient
     double grad_factor = 1;                    ///< factor applied to the gradient (clipping)
     double mismatch = 0;                       ///< 1 when replicas disagree on a step setting
+    double overflow = 0; ///< NaN/inf gradient elements before and after reduction (loss scale)
+};
+
+/// The run of skipped steps, kept across steps (train_params::max_consecutive_skips): counted on
+/// the device from each step's skip decision, so that a step never waits on the host for it.
+/// When the run reaches the limit, the step's cause (its rows, kept in the state's cause rows,
+/// and its reduced gradient's checks) is kept for the error the host throws at its next read.
+struct skip_streak {
+    double run = 0;                ///< consecutive skipped steps counted towards the limit
+    double skipped = 0;            ///< skipped steps since the trainer was built
+    double tripped = 0;            ///< 1 once run reached the limit (it stays 1)
+    double after_trip = 0;         ///< steps that ran after the one that reached it
+    double limit_run = 0;          ///< run at that step
+    double reduced_non_finite = 0; ///< that step's reduced gradient: its non-finite count
+    double reduced_first = 0;      ///< and 1 + the flat index of the first one (0: none)
+    double loss_scale = 0;         ///< the loss scale that step used (0: no loss scaling)
 };
 
 /// Device pointers to the parts of a step's state, for the kernels that write them: `rows`
 /// (replicas rows), `shards` (replicas rows, reduce::sharded only, else null), `totals`,
-/// `outcome` and the loss scale's `scale_report`.
+/// `outcome`, the loss scale's `scale_report`, and the `streak` of skipped steps with the
+/// `cause` rows (replicas rows) of the step that reached the limit.
 struct step_view {
     replica_row* rows = nullptr;
     shard_row* shards = nullptr;
     step_totals* totals = nullptr;
     step_outcome* outcome = nullptr;
     kernels::loss_scale_record* scale_report = nullptr;
+    skip_streak* streak = nullptr;
+    replica_row* cause = nullptr;
     int replicas = 0;
 };
 
@@ -77,8 +96,9 @@ struct reset_outcome_fn {
 };
 
 /// A synchronous step's state in the replica's System memory, laid out as
-/// [replica rows][shard rows (reduce::sharded)][totals] | [outcome][loss scale report]:
-/// the part before | is the prefix the status all_reduce sums (reduced()), and the host reads
+/// [replica rows][shard rows (reduce::sharded)][totals] | [outcome][loss scale report] ||
+/// [skip streak][cause rows]: the part before | is the prefix the status all_reduce sums
+/// (reduced()), the part after || lasts across steps (reset() leaves it), and the host reads
 /// the whole state once at the end of the step (memory(), then view_of() over the copy).
 template <class System>
 class step_state {
@@ -89,15 +109,18 @@ class step_state {
                   sizeof(shard_row) % sizeof(double) == 0 &&
                   sizeof(step_totals) % sizeof(double) == 0 &&
                   sizeof(step_outcome) % sizeof(double) == 0 &&
-                  sizeof(kernels::loss_scale_record) % sizeof(double) == 0);
+                  sizeof(kernels::loss_scale_record) % sizeof(double) == 0 &&
+                  sizeof(skip_streak) % sizeof(double) == 0);
 
 public:
-    /// requires: replicas >= 1.
+    /// requires: replicas >= 1. ensures: every part zero (the streak included).
     step_state(int replicas, bool shards, const System& sys)
         : replicas_(replicas), shards_(shards),
-          memory_(reduced_doubles(replicas, shards) + doubles<step_outcome> +
-                      doubles<kernels::loss_scale_record>,
-                  sys) {}
+          memory_(step_doubles(replicas, shards) + doubles<skip_streak> +
+                      static_cast<std::size_t>(replicas) * doubles<replica_row>,
+                  sys) {
+        fill_zero(sys, memory_.size());
+    }
 
     /// The state over `memory` (this state's memory, or a copy of it read back to the host).
     step_view view_of(double* memory) const noexcept {
@@ -114,6 +137,9 @@ public:
         v.outcome = reinterpret_cast<step_outcome*>(next + doubles<step_totals>);
         v.scale_report = reinterpret_cast<kernels::loss_scale_record*>(next + doubles<step_totals> +
                                                                        doubles<step_outcome>);
+        double* lasting = memory + step_doubles(replicas_, shards_);
+        v.streak = reinterpret_cast<skip_streak*>(lasting);
+        v.cause = reinterpret_cast<replica_row*>(lasting + doubles<skip_streak>);
         return v;
     }
     step_view view() noexcept { return view_of(memory_.data()); }
@@ -129,16 +155,25 @@ public:
     /// All of it, for the host's end-of-step read.
     std::span<const double> memory() const noexcept { return memory_.span(); }
 
-    /// Every part to its initial value (step_outcome's defaults, zeros elsewhere), on the
-    /// system's stream (two kernels; nothing from the host, so a CUDA graph can capture it).
+    /// Every part of the step to its initial value (step_outcome's defaults, zeros elsewhere),
+    /// the skip streak and cause rows left as they are, on the system's stream (two kernels;
+    /// nothing from the host, so a CUDA graph can capture it).
     void reset(const System& sys) {
-        kernels::with_policy_for(sys, memory_.size(), [&](auto policy) {
-            thrust::fill(policy, memory_.data(), memory_.data() + memory_.size(), 0.0);
-        });
+        fill_zero(sys, step_doubles(replicas_, shards_));
         kernels::for_each_index(sys, 1, reset_outcome_fn{view().outcome});
     }
 
 private:
+    void fill_zero(const System& sys, std::size_t n) {
+        kernels::with_policy_for(sys, n, [&](auto policy) {
+            thrust::fill(policy, memory_.data(), memory_.data() + n, 0.0);
+        });
+    }
+    /// The doubles of one step's parts (reset each step).
+    static std::size_t step_doubles(int replicas, bool shards) noexcept {
+        return reduced_doubles(replicas, shards) + doubles<step_outcome> +
+               doubles<kernels::loss_scale_record>;
+    }
     static std::size_t reduced_doubles(int replicas, bool shards) noexcept {
         const auto n = static_cast<std::size_t>(replicas);
         return n * doubles<replica_row> + (shards ? n * doubles<shard_row> : 0) +

@@ -40,6 +40,19 @@ struct train_params {
     /// naming per replica the count of non-finite gradient elements (before reduction), the
     /// tensor of the first one, and a non-finite loss.
     bool skip_non_finite = true;
+    /// A run of this many consecutive skipped steps stops training (data_parallel): the host's
+    /// read of the step that reaches it (step(), or read_result(), count_replay() or finish()
+    /// with read_result = false) throws lockstep::error (non_finite) on every replica, naming
+    /// the replicas and the first tensor of that step's non-finite values, and so does every
+    /// later read. The run is counted on the device with the skip decision; an applied step ends
+    /// it. With loss scaling, the skips of a scale still backing off do not count (nor end the
+    /// run): only overflows at loss_scaling::min_scale, and skips for another reason. 20: longer
+    /// than any run of bad batches seen in practice, far shorter than a run that no longer
+    /// trains. sync::local_sgd counts each replica's own run (its decisions are its own): only
+    /// that replica throws, its peers get errc::peer_failure at the next average. 0: off.
+    /// requires: >= 0; ignored by the asynchronous trainers. Every replica must pass the same
+    /// value.
+    std::int64_t max_consecutive_skips = 20;
     /// Synchronous steps: read the step's result on the host at the end of every step (one
     /// synchronisation, through the communicator's polling wait), so step() returns the loss and
     /// the skip decision and throws the step's errors. false: step() returns without waiting

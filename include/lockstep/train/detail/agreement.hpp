@@ -75,7 +75,8 @@ void describe_optimizer_params(std::vector<std::string>& out, const P& p) {
 }
 
 /// The settings of a trainer that must agree across replicas: the optimizer type and its
-/// hyperparameters, micro_batches, overlap, skip_non_finite, max_grad_norm, which tensors are
+/// hyperparameters, micro_batches, overlap, skip_non_finite, max_consecutive_skips,
+/// max_grad_norm, which tensors are
 /// frozen or decay, and the given policy names (sync, reduce, BN).
 template <class Optimizer>
 std::vector<std::string> describe_settings(const typename Optimizer::params_type& opt,
@@ -88,6 +89,7 @@ std::vector<std::string> describe_settings(const typename Optimizer::params_type
     add_setting(out, "micro_batches", std::to_string(tp.micro_batches));
     add_setting(out, "overlap", std::to_string(static_cast<int>(tp.overlap)));
     add_setting(out, "skip_non_finite", tp.skip_non_finite ? "true" : "false");
+    add_setting(out, "max_consecutive_skips", std::to_string(tp.max_consecutive_skips));
     add_setting(out, "max_grad_norm", exact(tp.max_grad_norm));
     add_setting(out, "verify_every", std::to_string(tp.verify_every));
     std::string frozen, decay;

@@ -58,6 +58,7 @@ public:
         s.check(all);
         s.decide(s.rank(), 1); // this replica alone: no status collective
         s.update_scale();
+        s.count_skip(s.replicas()); // this replica's own run: only its row is set
         s.commit();
         s.set_lr(r.lr);
         s.clip(all);

@@ -113,6 +113,7 @@ public:
         s.sum_status();
         s.decide(0, s.replicas());
         s.update_scale();
+        s.count_skip(s.replicas());
         s.commit(); // bn::ghost: the chunks' statistics gathered, running statistics updated
         s.set_lr(r.lr);
         s.clip(all);

@@ -41,6 +41,7 @@ public:
         s.combine_shard_checks();
         s.decide(0, s.replicas());
         s.update_scale();
+        s.count_skip(s.replicas());
         s.commit();
         s.set_lr(r.lr);
         s.reducer().apply(s.core().values(), [&] {

@@ -86,7 +86,8 @@ struct clear_reduced_fn {
 };
 
 /// One task, after the totals were summed over replicas: the skip decision (in the outcome and
-/// as the int the optimizer kernels read, 1: skip the update) and the gradient factor.
+/// as the int the optimizer kernels read, 1: skip the update), the overflow the loss scale
+/// backs off from, and the gradient factor.
 /// Skipped: a non-finite gradient element (before or after reduction) or loss, a layer error, or
 /// replicas that disagree on global_batch or lr (rows [0, replicas)).
 /// grad_factor = c = min(1, max_norm / (||g|| + 1e-6)) when max_norm > 0
@@ -113,9 +114,51 @@ struct decide_skip_fn {
             c = c < 1.0 ? c : 1.0;
         }
         outcome->mismatch = mismatch ? 1.0 : 0.0;
+        // A sum that overflows is an overflow too: the loss scale must back off from it.
+        outcome->overflow = totals->non_finite + outcome->reduced_non_finite;
         outcome->grad_factor = c;
         outcome->skip = bad ? 1.0 : 0.0;
         *skip = bad ? 1 : 0;
+    }
+};
+
+/// One task, after the skip decision and the loss scale's update: the run of skipped steps
+/// (train_params::max_consecutive_skips). A skipped step adds 1 to streak->skipped and to the run,
+/// except the skip of a loss scale still backing off (an overflow at a scale above floor, which
+/// neither counts nor ends the run); an applied step ends it. When the run reaches limit (> 0)
+/// for the first time, the step's rows [0, replicas) and reduced checks are kept as the cause.
+struct count_skip_fn {
+    const step_totals* totals;
+    const step_outcome* outcome;
+    const replica_row* rows;
+    int replicas;
+    const kernels::loss_scale_record* scale_report; ///< written by the update (loss scaling)
+    skip_streak* streak;
+    replica_row* cause; ///< replicas rows
+    double limit;       ///< 0: no limit
+    bool scaling;       ///< loss scaling is on
+    double floor;       ///< loss_scaling::min_scale
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
+        if (streak->tripped != 0)
+            streak->after_trip += 1;
+        if (outcome->skip == 0) {
+            streak->run = 0;
+            return;
+        }
+        streak->skipped += 1;
+        if (scaling && outcome->overflow > 0 && scale_report->used > floor)
+            return; // the scale backs off: GradScaler's normal skips
+        streak->run += 1;
+        if (limit > 0 && streak->tripped == 0 && streak->run >= limit) {
+            streak->tripped = 1;
+            streak->after_trip = 0;
+            streak->limit_run = streak->run;
+            streak->reduced_non_finite = outcome->reduced_non_finite;
+            streak->reduced_first = outcome->reduced_first;
+            streak->loss_scale = scaling ? scale_report->used : 0.0;
+            for (int r = 0; r < replicas; ++r)
+                cause[r] = rows[r];
+        }
     }
 };
 

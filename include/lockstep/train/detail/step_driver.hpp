@@ -44,6 +44,7 @@ public:
         s.sum_status();
         s.decide(0, s.replicas());
         s.update_scale();
+        s.count_skip(s.replicas());
         s.commit();
         s.set_lr(r.lr);
         // parameter_server: Root updates, then broadcasts; the others receive.

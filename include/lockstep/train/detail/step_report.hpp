@@ -1,5 +1,6 @@
 // lockstep/train/detail/step_report.hpp: the errors of a finished step, as the host reads them
-// from the step's state: replicas that disagree, a layer's error, non-finite gradients or losses.
+// from the step's state: replicas that disagree, a layer's error, non-finite gradients or losses,
+// a run of skipped steps that reached train_params::max_consecutive_skips.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
@@ -21,6 +22,7 @@ struct step_report_options {
     bool local_sgd = false;       ///< rows are this replica's own (local SGD)
     bool skip_non_finite = false; ///< train_params::skip_non_finite: a non-finite step is skipped
     bool loss_scaling = false;    ///< a non-finite gradient is an overflow: skipped, never thrown
+    double min_scale = 0;         ///< loss_scaling::min_scale (with loss scaling)
 };
 
 /// Reads a finished step's state (a host copy) and throws the errors it holds, on replica `rank`
@@ -33,8 +35,9 @@ public:
 
     /// Throws lockstep::error when the replicas disagreed (invalid_argument, naming both values),
     /// a layer reported an error (peer_failure or invalid_argument, naming the layer and the
-    /// replica), or a gradient element or loss is not finite (non_finite, naming each replica's
-    /// count and first tensor) unless such steps are skipped silently.
+    /// replica), a gradient element or loss is not finite (non_finite, naming each replica's
+    /// count and first tensor) unless such steps are skipped silently, or the run of skipped
+    /// steps reached the limit at this step or before (non_finite, naming that step's cause).
     void throw_errors() const {
         if (st_.outcome->mismatch != 0)
             fail(errc::invalid_argument, rank_, "data_parallel.step", "step ", step_,
@@ -45,10 +48,31 @@ public:
                          st_.outcome->reduced_non_finite > 0;
         if (bad && !o_.skip_non_finite && !o_.loss_scaling)
             fail(errc::non_finite, rank_, "data_parallel.step", "step ", step_, ":",
-                 non_finite_text());
+                 non_finite_text(st_.rows, st_.outcome->reduced_non_finite,
+                                 st_.outcome->reduced_first));
+        if (st_.streak->tripped != 0)
+            throw_runaway();
     }
 
 private:
+    /// The run of skipped steps reached the limit (at step `step_ - after_trip`): errc::non_finite
+    /// naming the cause kept at that step, as a non-finite step names it.
+    void throw_runaway() const {
+        const skip_streak& k = *st_.streak;
+        const auto at = step_ - static_cast<std::int64_t>(k.after_trip);
+        std::string floor;
+        if (k.loss_scale > 0 && k.loss_scale <= o_.min_scale)
+            floor = lockstep::detail::concat(" at the loss scale's floor ", k.loss_scale,
+                                             " (loss_scaling::min_scale)");
+        else if (k.loss_scale > 0)
+            floor = lockstep::detail::concat(" at loss scale ", k.loss_scale);
+        fail(errc::non_finite, rank_, "data_parallel.step", "step ", at, ": ", k.limit_run,
+             " consecutive steps skipped", floor,
+             ", the limit (train_params::max_consecutive_skips): training stops. Cause at step ",
+             at, ":", non_finite_text(st_.cause, k.reduced_non_finite, k.reduced_first), " ",
+             k.skipped, " step(s) skipped in all");
+    }
+
     void throw_layer_error() const {
         const kernels::layer_error_record& e = st_.outcome->first_error;
         const auto code = static_cast<layer_error>(static_cast<int>(e.code));
@@ -97,13 +121,15 @@ private:
         return lockstep::detail::concat("flat element ", index);
     }
 
-    /// Per replica: its non-finite gradient elements before reduction, the first one's tensor,
-    /// a non-finite loss; or the reduced gradient's count when only the sum overflowed.
-    std::string non_finite_text() const {
+    /// Per replica (`rows`): its non-finite gradient elements before reduction, the first one's
+    /// tensor, a non-finite loss; or the reduced gradient's count (`reduced`, 1 + index of the
+    /// first: `reduced_first`) when only the sum overflowed.
+    std::string non_finite_text(const replica_row* rows, double reduced,
+                                double reduced_first) const {
         std::string out;
         const char* scope = o_.local_sgd ? " (local SGD)" : "";
         for (int r = 0; r < st_.replicas; ++r) {
-            const replica_row& rr = st_.rows[r];
+            const replica_row& rr = rows[r];
             if (rr.non_finite > 0)
                 out += lockstep::detail::concat(
                     " ", rr.non_finite, " non-finite gradient element(s) on replica ", r, scope,
@@ -112,11 +138,11 @@ private:
                 out +=
                     lockstep::detail::concat(" the loss is not finite on replica ", r, scope, ";");
         }
-        if (out.empty() && st_.outcome->reduced_non_finite > 0)
+        if (out.empty() && reduced > 0)
             out = lockstep::detail::concat(
-                " the reduced gradient has ", st_.outcome->reduced_non_finite,
+                " the reduced gradient has ", reduced,
                 " non-finite element(s) (the sum over replicas overflowed), the first in ",
-                tensor_at(st_.outcome->reduced_first));
+                tensor_at(reduced_first));
         return out;
     }
 

@@ -1,6 +1,6 @@
 // lockstep/train/detail/step_stages.hpp: step_stages, the named stages of a training step
 // (begin, zero, forward/backward, reduce, unscale, report, freeze, hook, check, sum, decide,
-// commit, clip, update, end), written once and composed by the step drivers.
+// count skips, commit, clip, update, end), written once and composed by the step drivers.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
@@ -267,7 +267,27 @@ public:
     /// The loss scale's update from the step's outcome (one task).
     void update_scale() {
         const step_view v = state_.view();
-        scaler_.update(&v.totals->non_finite, &v.outcome->skip, v.scale_report);
+        scaler_.update(&v.outcome->overflow, &v.outcome->skip, v.scale_report);
+    }
+
+    /// The run of skipped steps (train_params::max_consecutive_skips), from the skip decision
+    /// and the loss scale's report (after update_scale), over the rows of `replicas` replicas
+    /// (one task; the host reads it with the step's state).
+    void count_skip(int replicas) {
+        const step_view v = state_.view();
+        const loss_scaling& sc = scaler_.config();
+        kernels::for_each_index(
+            system(), 1,
+            count_skip_fn{.totals = v.totals,
+                          .outcome = v.outcome,
+                          .rows = v.rows,
+                          .replicas = replicas,
+                          .scale_report = v.scale_report,
+                          .streak = v.streak,
+                          .cause = v.cause,
+                          .limit = static_cast<double>(core_.params().max_consecutive_skips),
+                          .scaling = scaler_.enabled(),
+                          .floor = sc.min_scale});
     }
 
     /// The layers that joined the step keep or restore their state (the skip flag).
@@ -303,6 +323,7 @@ public:
         if (capturing_)
             return r;
         last_ = r;
+        unread_ = true;
         if (core_.params().read_result)
             return finish_result(r);
         return r;
@@ -313,6 +334,8 @@ public:
     /// Waits for the state read of step r, fills r and throws the step's errors.
     step_result finish_result(step_result r) {
         const step_view st = state_.view_of(wait_for(core_.comm(), read_, "data_parallel.step"));
+        unread_ = false;
+        skipped_ = static_cast<std::int64_t>(st.streak->skipped);
         r.loss = st.totals->loss;
         r.skipped = st.outcome->skip != 0;
         r.loss_scale = scaler_.observe(*st.scale_report, r.step + 1 == core_.steps()).used;
@@ -320,7 +343,8 @@ public:
         step_report(st, rank(), r.step, std::span<const tensor_info>(core_.registry().parameters()),
                     {.local_sgd = local_sgd_,
                      .skip_non_finite = core_.params().skip_non_finite,
-                     .loss_scaling = scaler_.enabled()})
+                     .loss_scaling = scaler_.enabled(),
+                     .min_scale = scaler_.config().min_scale})
             .throw_errors();
         return r;
     }
@@ -335,7 +359,14 @@ public:
 
     /// The last step that ran (or launch counted), and setting it (count_replay).
     const step_result& last() const noexcept { return last_; }
-    void set_last(const step_result& r) noexcept { last_ = r; }
+    void set_last(const step_result& r) noexcept {
+        last_ = r;
+        unread_ = true;
+    }
+    /// True when the last step's (or launch's) state was not read yet (read_result = false).
+    bool unread() const noexcept { return unread_; }
+    /// Skipped steps since the trainer was built, as of the last read of a step's state.
+    std::int64_t skipped_steps() const noexcept { return skipped_; }
 
     void set_gradient_hook(gradient_hook f) { gradient_hook_ = std::move(f); }
     /// True while a step is being recorded into a CUDA graph.
@@ -363,6 +394,8 @@ private:
     nn::layer_step layer_step_;
     gradient_hook gradient_hook_;
     step_result last_{};
+    std::int64_t skipped_ = 0;
+    bool unread_ = false;
     bool capturing_ = false;
     bool local_sgd_ = false;
 };
