@@ -74,10 +74,13 @@ private:
     std::string path_;
 };
 
-/// The output of scripts/trace_merge.py over dir (its exit status checked).
+/// The output of scripts/trace_merge.py over dir (its exit status checked). The source tree is
+/// the environment's LOCKSTEP_SOURCE_DIR where set (scripts/gpu_check's bundle carries the
+/// script), else the one this test was built from.
 std::string merge_report(const std::string& dir) {
-    const std::string cmd = std::string("python3 \"") + LOCKSTEP_SOURCE_DIR +
-                            "/scripts/trace_merge.py\" \"" + dir + "\" 2>&1";
+    const char* env = std::getenv("LOCKSTEP_SOURCE_DIR"); // NOLINT(concurrency-mt-unsafe)
+    const std::string root = env != nullptr && *env != '\0' ? env : LOCKSTEP_SOURCE_DIR;
+    const std::string cmd = "python3 \"" + root + "/scripts/trace_merge.py\" \"" + dir + "\" 2>&1";
     std::FILE* p = ::popen(cmd.c_str(), "r");
     REQUIRE(p != nullptr);
     std::string out;

@@ -1,0 +1,914 @@
+#!/usr/bin/env python3
+# gpu_run.py: scripts/gpu_check's bundle tool: `stage` lays out a bundle from a CUDA build (the
+# CTest manifest, the executables, the digits data); `run` runs it stage by stage on a GPU machine.
+# SPDX-License-Identifier: Apache-2.0
+#
+# Python 3.8+, standard library only: it runs on the build machine and on the GPU machine.
+# The stages of `run`, in order, each under its own timeout (its process group killed at the
+# end) and each recording its result as it ends: env (versions, libraries, the NCCL check),
+# nccl_probe (2 ranks), every single-GPU CUDA test, the multi-rank tests, gpu_digits (accuracy),
+# gpu_bench, its PyTorch anchor, ncu (batch-norm kernel metrics). Without a GPU every stage is
+# recorded as skipped.
+import argparse
+import csv
+import glob
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+RESULTS = "results.jsonl"
+SUMMARY = "summary.md"
+ARCHIVE = "gpu-check-results.tar.gz"
+EXTRA_EXECUTABLES = {"gpu_bench": "bench", "gpu_digits": "digits", "gpu_check_probe": "probe"}
+DIGITS_DATA = "examples/digits/data/digits.csv.gz"
+SOURCE_FILES = ["scripts/trace_merge.py", "bench/torch_batch_norm.py"]
+# The wheels (and toolkit) whose lib folders are searched, by the library each must provide.
+RUNTIME_LIBS = ["libnccl.so", "libcudnn.so", "libcublas.so", "libcublasLt.so", "libcudart.so"]
+NCU_METRICS = [
+    "gpu__time_duration.sum",
+    "dram__bytes_read.sum",
+    "dram__bytes_write.sum",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+    "launch__registers_per_thread",
+    "launch__block_size",
+    "launch__grid_size",
+    "launch__occupancy_limit_registers",
+    "sm__maximum_warps_per_active_cycle_pct",
+    "sm__warps_active.avg.pct_of_peak_sustained_active",
+]
+LOG_LIMIT = 2 << 20  # bytes of one stage's log kept (head and tail) in the archive
+
+
+# ---------------------------------------------------------------------------------------------
+# stage: the bundle's layout from a build directory
+
+
+def ctest_tests(build_dir):
+    """The tests labelled cuda, as `ctest --show-only=json-v1` describes them."""
+    ctest = os.environ.get("CTEST", "ctest")
+    out = subprocess.run(
+        [ctest, "--test-dir", build_dir, "--show-only=json-v1", "-L", "cuda"], check=True, stdout=subprocess.PIPE, universal_newlines=True).stdout
+    return json.loads(out)["tests"]
+
+
+def ctest_file_commands(build_dir):
+    """Each test's command as CTestTestfile.cmake writes it: `ctest --show-only` names none for
+    a test whose executable is not built (the skip test's case), this file always does."""
+    commands = {}
+    for here, _, files in os.walk(build_dir):
+        if "CTestTestfile.cmake" not in files:
+            continue
+        with open(os.path.join(here, "CTestTestfile.cmake"), errors="replace") as f:
+            for line in f:
+                m = re.match(r"add_test\(\[=\[(.+?)\]=\] (.*)\)\s*$", line)
+                if m:
+                    commands[m.group(1)] = [x.replace('\\"', '"') for x in
+                                            re.findall(r'"((?:[^"\\]|\\.)*)"', m.group(2))]
+    return commands
+
+
+def find_executable(build_dir, name):
+    for sub in ("tests/cuda", "bench", "examples/gpu_digits", "tests", "examples"):
+        path = os.path.join(build_dir, sub, name)
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def needed_libraries(path):
+    """The DT_NEEDED entries of an ELF file (readelf), so the runner can say what is missing."""
+    try:
+        out = subprocess.run(["readelf", "-d", path], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, universal_newlines=True).stdout
+    except OSError:
+        return []
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
+
+
+def header_versions(build_dir):
+    """NCCL, cuDNN and cuBLAS versions of the headers the build compiled against."""
+    cache = {}
+    with open(os.path.join(build_dir, "CMakeCache.txt")) as f:
+        for line in f:
+            m = re.match(r"([A-Za-z_0-9]+):[A-Z]+=(.*)", line.strip())
+            if m:
+                cache[m.group(1)] = m.group(2)
+    dirs = [cache.get("LOCKSTEP_NCCL_INCLUDE_DIR", ""), cache.get("LOCKSTEP_CUDNN_INCLUDE_DIR", ""),
+            cache.get("CUDAToolkit_INCLUDE_DIR", ""), "/usr/local/cuda/include", "/usr/include"]
+
+    def grab(header, names):
+        for d in dirs:
+            path = os.path.join(d, header)
+            if d and os.path.isfile(path):
+                text = open(path, errors="replace").read()
+                parts = []
+                for n in names:
+                    m = re.search(r"#define\s+%s\s+(\d+)" % n, text)
+                    parts.append(m.group(1) if m else "?")
+                return {"version": ".".join(parts), "header": path}
+        return None
+
+    return {
+        "nccl": grab("nccl.h", ["NCCL_MAJOR", "NCCL_MINOR", "NCCL_PATCH"]),
+        "cudnn": grab("cudnn_version.h", ["CUDNN_MAJOR", "CUDNN_MINOR", "CUDNN_PATCHLEVEL"]),
+        "cublas": grab("cublas_api.h",
+                       ["CUBLAS_VER_MAJOR", "CUBLAS_VER_MINOR", "CUBLAS_VER_PATCH"]),
+        "cuda_architectures": cache.get("CMAKE_CUDA_ARCHITECTURES"),
+        "nvcc": cache.get("CMAKE_CUDA_COMPILER"),
+        "cudart": cache.get("CUDA_cudart_LIBRARY"),
+    }
+
+
+def git_state(source_dir):
+    def git(*args):
+        return subprocess.run(["git", "-C", source_dir] + list(args), stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, universal_newlines=True).stdout.strip()
+    status = git("status", "--porcelain", "--untracked-files=normal").splitlines()
+    untracked = [ln for ln in status if ln.startswith("??")]
+    return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(status),
+            "changed_files": len(status) - len(untracked), "untracked_files": len(untracked)}
+
+
+def classify(name, args, exe):
+    if exe == "gpu_digits":
+        return "digits"
+    if re.search(r"_r\d+$", name) or "--ranks" in args:
+        return "multi_rank"
+    return "single"
+
+
+def stage_bundle(a):
+    """Writes the bundle's tree: bin/, lib/, data/, manifest.json, build_info.json, gpu_run.py."""
+    build_dir = os.path.realpath(a.build_dir)
+    source_dir = os.path.realpath(a.source_dir)
+    out = os.path.abspath(a.out)
+    os.makedirs(os.path.join(out, "bin"), exist_ok=True)
+    os.makedirs(os.path.join(out, "data"), exist_ok=True)
+    os.makedirs(os.path.join(out, "lib"), exist_ok=True)
+    entries, executables, problems = [], {}, []
+
+    def bundle_executable(name, path):
+        if name in executables:
+            return executables[name]["path"] is not None
+        target = os.path.join(out, "bin", name)
+        present = path is not None and os.path.isfile(path)
+        if present:
+            if a.link:
+                if os.path.lexists(target):
+                    os.remove(target)
+                os.symlink(path, target)
+            else:
+                shutil.copy2(path, target)
+                subprocess.run(["strip", "--strip-unneeded", target], check=True)
+        executables[name] = {"path": "bin/" + name if present else None,
+                             "needs": needed_libraries(path) if present else []}
+        return present
+
+    file_commands = ctest_file_commands(build_dir)
+    for t in ctest_tests(build_dir):
+        name = t["name"]
+        if name.startswith("gpu_check"):
+            continue  # the runner's own test: running it inside the runner would recurse
+        props = {p["name"]: p["value"] for p in t.get("properties", [])}
+        command = t.get("command") or file_commands.get(name)
+        entry = {"name": name, "labels": props.get("LABELS", []),
+                 "timeout": float(props.get("TIMEOUT", 300)),
+                 "skip_code": props.get("SKIP_RETURN_CODE"),
+                 "environment": props.get("ENVIRONMENT", []),
+                 "processors": props.get("PROCESSORS", 1),
+                 # The runner gives each test a fresh folder instead (the build tree is not there).
+                 "working_directory": os.path.relpath(props.get("WORKING_DIRECTORY", build_dir),
+                                                      build_dir)}
+        if not command:
+            entry.update(kind="excluded", executable=None, args=[],
+                         excluded="CTest names no command for it")
+            entries.append(entry)
+            continue
+        exe_path = os.path.realpath(command[0])
+        exe = os.path.basename(exe_path)
+        if not exe_path.startswith(build_dir + os.sep):
+            entry.update(kind="excluded", executable=None, args=command[1:],
+                         excluded="runs %s (a build-machine test, not a bundled executable)" % exe)
+            entries.append(entry)
+            continue
+        args = []
+        for arg in command[1:]:
+            if arg.startswith(build_dir + os.sep) or arg.startswith(source_dir + os.sep):
+                problems.append("%s: argument %s is a path of this machine" % (name, arg))
+            args.append(arg)
+        if exe == "gpu_digits" and "--data" not in args:
+            args += ["--data", "{root}/data/digits.csv.gz"]
+        entry.update(kind=classify(name, args, exe), executable=exe, args=args, excluded=None)
+        bundle_executable(exe, exe_path if os.path.isfile(exe_path) else None)
+        entries.append(entry)
+    for exe in EXTRA_EXECUTABLES:
+        bundle_executable(exe, find_executable(build_dir, exe))
+    missing = sorted(n for n, e in executables.items() if e["path"] is None)
+    if missing and not a.allow_missing:
+        raise SystemExit("gpu_run.py stage: not built in %s: %s" % (build_dir, " ".join(missing)))
+    data = os.path.join(source_dir, DIGITS_DATA)
+    shutil.copy2(data, os.path.join(out, "data", "digits.csv.gz"))
+    versions = header_versions(build_dir)
+    # The CUDA runtime the build linked, for a GPU machine whose toolkit lies outside the
+    # loader's path (0.7 MiB); NCCL, cuDNN and cuBLAS come from that machine's wheels.
+    cudart = versions.get("cudart")
+    if cudart and os.path.isfile(cudart) and not a.link:
+        real = os.path.realpath(cudart)
+        soname = re.sub(r"(\.so\.\d+).*$", r"\1", os.path.basename(real))
+        shutil.copy2(real, os.path.join(out, "lib", soname))
+    shutil.copy2(os.path.abspath(__file__), os.path.join(out, "gpu_run.py"))
+    # Source files the stages run: trace_merge.py (the fault tests merge flight-recorder files
+    # with it; the runner points LOCKSTEP_SOURCE_DIR at src/) and gpu_bench's PyTorch anchor.
+    for rel in SOURCE_FILES:
+        if os.path.isfile(os.path.join(source_dir, rel)):
+            os.makedirs(os.path.dirname(os.path.join(out, "src", rel)), exist_ok=True)
+            shutil.copy2(os.path.join(source_dir, rel), os.path.join(out, "src", rel))
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump({"tests": entries, "executables": executables}, f, indent=1)
+    info = {"built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "build_dir": build_dir, "git": git_state(source_dir), "headers": versions,
+            "missing": missing, "problems": problems, "linked": bool(a.link),
+            "stale_steps": a.stale_steps}
+    with open(os.path.join(out, "build_info.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    for p in problems:
+        print("gpu_run.py stage: warning: " + p, file=sys.stderr)
+    print("staged %d tests, %d executables%s into %s" % (
+        len(entries), len(executables),
+        " (not built: %s)" % " ".join(missing) if missing else "", out))
+
+
+# ---------------------------------------------------------------------------------------------
+# run: the stages on the GPU machine
+
+
+def version_tuple(text):
+    nums = [int(x) for x in re.findall(r"\d+", text or "")[:3]]
+    return tuple(nums) if nums else None
+
+
+def nccl_code_to_version(code):
+    code = int(code)
+    if code >= 10000:  # NCCL_VERSION(X,Y,Z) = X*10000 + Y*100 + Z since 2.9
+        return "%d.%d.%d" % (code // 10000, (code // 100) % 100, code % 100)
+    return "%d.%d.%d" % (code // 1000, (code // 100) % 10, code % 100)
+
+
+def wheel_library_dirs():
+    """Folders of the NVIDIA pip wheels (the nvidia.* namespace, cu12 or cu13 layout) that hold
+    a library of RUNTIME_LIBS, and the versions of those wheels."""
+    import importlib.util
+    dirs, versions = [], {}
+    roots = []
+    try:
+        spec = importlib.util.find_spec("nvidia")
+        if spec and spec.submodule_search_locations:
+            roots += list(spec.submodule_search_locations)
+    except (ImportError, ValueError):
+        pass
+    # Wheels of another interpreter than the one running this (e.g. a conda PyTorch).
+    for pattern in ("/usr/local/lib/python3*/*-packages/nvidia",
+                    "/usr/lib/python3*/*-packages/nvidia",
+                    "/opt/conda/lib/python3*/site-packages/nvidia",
+                    os.path.expanduser("~/.local/lib/python3*/site-packages/nvidia")):
+        roots += [r for r in sorted(glob.glob(pattern)) if r not in roots]
+    for root in roots:
+        for here, subdirs, files in os.walk(root):
+            if here[len(root):].count(os.sep) > 3:
+                subdirs[:] = []
+                continue
+            if any(f.startswith(lib) for f in files for lib in RUNTIME_LIBS):
+                dirs.append(here)
+    try:
+        import importlib.metadata as md
+        for dist in md.distributions():
+            name = (dist.metadata["Name"] or "").lower()
+            if name.startswith(("nvidia-nccl", "nvidia-cudnn", "nvidia-cublas",
+                                "nvidia-cuda-runtime")) or name == "torch":
+                versions[name] = dist.version
+    except ImportError:
+        pass
+    return sorted(set(dirs)), versions
+
+
+class runner:
+    def __init__(self, a):
+        self.a = a
+        self.start = time.monotonic()
+        self.out = os.path.abspath(a.outdir)
+        os.makedirs(self.out, exist_ok=True)
+        self.root = os.path.abspath(a.bundle)
+        self.work = tempfile.mkdtemp(prefix="gpu-check-")
+        self.results_dir = os.path.join(self.work, "results")
+        os.makedirs(os.path.join(self.results_dir, "logs"))
+        with open(os.path.join(self.root, "manifest.json")) as f:
+            self.manifest = json.load(f)
+        with open(os.path.join(self.root, "build_info.json")) as f:
+            self.build_info = json.load(f)
+        for name in ("manifest.json", "build_info.json"):
+            shutil.copy2(os.path.join(self.root, name), self.results_dir)
+        self.results = []
+        self.env_info = {}
+        self.no_gpu = None  # the reason there is no GPU, or None
+        self.refused = {}  # executable -> why it cannot run here (a library)
+        self.nccl_answer = None
+        self.current = None  # (stage, start) of the stage running now, for a run killed outside
+        self.previous = load_previous(a.rerun_failed) if a.rerun_failed else None
+        self.env = dict(os.environ)
+        self.env.setdefault("LOCKSTEP_TIMEOUT", str(a.lockstep_timeout))
+        self.env["LOCKSTEP_SOURCE_DIR"] = os.path.join(self.root, "src")
+
+    def remaining(self):
+        return self.a.budget - (time.monotonic() - self.start)
+
+    # -- recording: every stage appends a line and refreshes the summary and the archive -------
+    def record(self, stage, status, reason="", seconds=0.0, exit_code=None, log=None, **extra):
+        r = {"stage": stage, "status": status, "reason": reason, "seconds": round(seconds, 1),
+             "exit": exit_code, "log": log}
+        r.update(extra)
+        self.current = None
+        self.results.append(r)
+        with open(os.path.join(self.results_dir, RESULTS), "a") as f:
+            f.write(json.dumps(r) + "\n")
+        print("[%6.1fs] %-40s %-8s %s" % (time.monotonic() - self.start, stage, status, reason),
+              flush=True)
+        self.publish()
+
+    def publish(self):
+        text = self.summary()
+        with open(os.path.join(self.results_dir, SUMMARY), "w") as f:
+            f.write(text)
+        tmp = os.path.join(self.out, "." + SUMMARY + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(self.out, SUMMARY))
+        shutil.copy2(os.path.join(self.results_dir, RESULTS), os.path.join(self.out, RESULTS))
+        tmp = os.path.join(self.out, "." + ARCHIVE + ".tmp")
+        with tarfile.open(tmp, "w:gz") as tar:
+            tar.add(self.results_dir, arcname="gpu-check-results")
+        os.replace(tmp, os.path.join(self.out, ARCHIVE))
+
+    def summary(self):
+        g = self.build_info.get("git", {})
+        h = self.build_info.get("headers", {})
+        e = self.env_info
+        counts = {}
+        for r in self.results:
+            counts[r["status"]] = counts.get(r["status"], 0) + 1
+        lines = [
+            "# GPU check",
+            "",
+            "- device: %s" % (e.get("device") or self.no_gpu or "not probed yet"),
+            "- driver %s, CUDA runtime %s; NCCL %s (headers %s), cuDNN %s (headers %s), "
+            "cuBLAS %s (headers %s)" % (
+                e.get("driver", "?"), e.get("cuda_runtime", "?"), e.get("nccl", "?"),
+                (h.get("nccl") or {}).get("version", "?"), e.get("cudnn", "?"),
+                (h.get("cudnn") or {}).get("version", "?"), e.get("cublas", "?"),
+                (h.get("cublas") or {}).get("version", "?")),
+            "- commit %s%s, built %s for sm_%s%s" % (
+                g.get("commit", "?")[:12], " (dirty: %d files changed, %d untracked)" % (
+                    g.get("changed_files", 0), g.get("untracked_files", 0))
+                if g.get("dirty") else "", self.build_info.get("built", "?"),
+                h.get("cuda_architectures", "?"),
+                ", %d build steps out of date when packed" % self.build_info["stale_steps"]
+                if self.build_info.get("stale_steps") else ""),
+            "- budget %ds, used %.0fs%s; %s" % (
+                self.a.budget, time.monotonic() - self.start,
+                "; rerun of the failed stages of " + self.a.rerun_failed
+                if self.a.rerun_failed else "",
+                ", ".join("%d %s" % (n, s) for s, n in sorted(counts.items()))),
+            "- libraries loaded: %s" % (", ".join(
+                "%s %s" % (k, v) for k, v in sorted(e.get("loaded", {}).items())) or "?"),
+            "",
+            "| stage | result | seconds | reason |",
+            "| --- | --- | ---: | --- |",
+        ]
+        for r in self.results:
+            reason = (r.get("reason") or "").replace("|", "/").replace("\n", " ")
+            lines.append("| %s | %s | %s | %s |" % (r["stage"], r["status"], r["seconds"],
+                                                    reason[:160]))
+        if self.current:
+            lines.append("| %s | running (for %.0fs when this was written) | | |" % (
+                self.current[0], time.monotonic() - self.current[1]))
+        lines += ["", "In %s: the logs, results.jsonl, env.json, gpu_bench.txt and .csv, "
+                  "torch_bn.csv, bn_compare.csv, ncu_bn.csv." % ARCHIVE, ""]
+        return "\n".join(lines)
+
+    def log_path(self, stage):
+        return os.path.join("logs", re.sub(r"[^A-Za-z0-9_.-]", "_", stage) + ".log")
+
+    # -- one process under its own timeout; its whole process group ends with it ---------------
+    def execute(self, stage, argv, timeout, cwd=None, env=None, log_name=None):
+        log_rel = log_name or self.log_path(stage)
+        log_file = os.path.join(self.results_dir, log_rel)
+        t0 = time.monotonic()
+        timed_out = False
+        self.current = (stage, t0)
+        self.publish()
+        with open(log_file, "wb") as log:
+            log.write(("$ %s\n" % " ".join(argv)).encode())
+            log.flush()
+            try:
+                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, cwd=cwd or self.work,
+                                        env=env or self.env, start_new_session=True)
+            except OSError as err:
+                log.write(("cannot start: %s\n" % err).encode())
+                return 127, False, time.monotonic() - t0, log_rel
+            try:
+                code = proc.wait(timeout=max(1.0, timeout))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                for sig in (signal.SIGTERM, signal.SIGKILL):
+                    try:
+                        os.killpg(proc.pid, sig)
+                    except ProcessLookupError:
+                        break
+                    try:
+                        proc.wait(timeout=5)
+                        break
+                    except subprocess.TimeoutExpired:
+                        continue
+                code = proc.returncode
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # helpers left behind (e.g. NCCL ranks)
+            except (ProcessLookupError, PermissionError):
+                pass
+            seconds = time.monotonic() - t0
+            log.write(("\n# exit %s after %.1fs%s\n" % (
+                code, seconds, " (killed: timeout %.0fs)" % timeout if timed_out else "")).encode())
+        trim_log(log_file)
+        return code, timed_out, seconds, log_rel
+
+    def tail(self, log_rel, lines=3):
+        try:
+            with open(os.path.join(self.results_dir, log_rel), errors="replace") as f:
+                text = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        text = [ln for ln in text if not ln.startswith(("# exit", "$ "))]
+        return " / ".join(text[-lines:])
+
+    # -- the stages ----------------------------------------------------------------------------
+    def skip_reason(self, stage, min_seconds, exe=None, rerun=True):
+        """Why `stage` (running executable `exe`) does not run now, or None. rerun=False: run
+        it in a rerun whatever it did before (a stage the repeated stages depend on)."""
+        if self.no_gpu:
+            return "no GPU: " + self.no_gpu
+        if rerun and self.previous is not None and not self.previous.wants(stage):
+            return "not rerun: %s in %s" % (self.previous.status(stage) or "not in",
+                                            self.previous.source)
+        if exe in self.refused:
+            return self.refused[exe]
+        left = self.remaining()
+        if left < min_seconds:
+            return "budget: %.0fs left, the stage needs at least %ds" % (max(left, 0), min_seconds)
+        return None
+
+    def stage_env(self):
+        t0 = time.monotonic()
+        info = self.env_info
+        lib_dirs, wheels = wheel_library_dirs()
+        info["wheels"] = wheels
+        path = list(lib_dirs)
+        for d in ("/usr/local/cuda/lib64", "/usr/local/cuda/lib"):
+            if os.path.isdir(d):
+                path.append(d)
+        path.append(os.path.join(self.root, "lib"))
+        if self.env.get("LD_LIBRARY_PATH"):
+            path.append(self.env["LD_LIBRARY_PATH"])
+        self.env["LD_LIBRARY_PATH"] = ":".join(path)
+        info["LD_LIBRARY_PATH"] = self.env["LD_LIBRARY_PATH"]
+        for lib, prefix in (("cudnn", "nvidia-cudnn"), ("cublas", "nvidia-cublas"),
+                            ("nccl", "nvidia-nccl")):
+            found = [v for k, v in wheels.items() if k.startswith(prefix)]
+            if found:
+                info[lib] = found[0] + " (wheel)"
+        log = []
+        if self.a.no_gpu:
+            self.no_gpu = "--no-gpu given"
+        elif self.a.pretend_gpu:
+            info["device"] = "none: --pretend-gpu (the selftest's fake bundle)"
+        elif shutil.which("nvidia-smi") is None:
+            self.no_gpu = "nvidia-smi not found"
+        else:
+            code, text = quick(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,"
+                                "compute_cap", "--format=csv,noheader"])
+            log.append("$ nvidia-smi\n" + text)
+            rows = [ln for ln in text.splitlines() if ln.strip()]
+            if code != 0 or not rows:
+                self.no_gpu = "nvidia-smi lists no device (%s)" % text.strip()[:120]
+            else:
+                info["device"] = "; ".join(rows)
+                info["driver"] = rows[0].split(",")[1].strip() if "," in rows[0] else "?"
+        probe = self.executable("gpu_check_probe")
+        if probe and not self.no_gpu:
+            code, text = quick([probe, "versions"], self.env)
+            log.append("$ gpu_check_probe versions\n" + text)
+            vals = dict(ln.split(None, 1) for ln in text.splitlines() if len(ln.split()) == 2)
+            if code == 0 and vals.get("nccl", "").isdigit():
+                info["cuda_runtime"] = vals.get("cuda_runtime")
+                info["nccl"] = nccl_code_to_version(vals["nccl"])
+                if vals.get("devices") == "0" and not self.a.pretend_gpu:
+                    self.no_gpu = "the CUDA runtime counts no device (driver %s)" % vals.get(
+                        "cuda_driver")
+        # What the loader finds for each executable (ldd), and the NCCL version check.
+        missing = {}
+        for name in sorted(self.manifest["executables"]):
+            path = self.executable(name)
+            if not path or shutil.which("ldd") is None:
+                continue
+            code, text = quick(["ldd", path], self.env)
+            log.append("$ ldd %s\n%s" % (name, text))
+            libs = re.findall(r"^\s*(\S+) => not found", text, re.M)
+            for lib, where in re.findall(r"^\s*(lib(?:nccl|cudnn|cublas|cudart)\S*) => (/\S+)",
+                                         text, re.M):
+                info.setdefault("loaded", {})[lib] = where
+            if libs:
+                missing[name] = libs
+                self.refused[name] = "%s not found (LD_LIBRARY_PATH: %s)" % (
+                    ", ".join(libs), "env.json")
+        built = version_tuple((self.build_info["headers"].get("nccl") or {}).get("version"))
+        runtime = version_tuple(info.get("nccl", "").split(" ")[0])
+        status, reason = "ran", ""
+        if built and runtime and runtime < built:
+            why = "NCCL %s is older than the headers %s the build used" % (
+                info["nccl"], ".".join(map(str, built)))
+            for name in self.manifest["executables"]:
+                if any(lib.startswith("libnccl") for lib in self.needs(name)):
+                    self.refused.setdefault(name, why)
+            status, reason = "failed", why
+        elif missing:
+            status = "failed"
+            reason = "; ".join("%s: %s not found" % (k, ", ".join(v))
+                               for k, v in sorted(missing.items()))
+        if self.no_gpu:
+            status, reason = "skipped", "no GPU: " + self.no_gpu
+        info["refused"] = self.refused
+        info["no_gpu"] = self.no_gpu
+        with open(os.path.join(self.results_dir, "env.json"), "w") as f:
+            json.dump(info, f, indent=1)
+        log_rel = self.log_path("env")
+        with open(os.path.join(self.results_dir, log_rel), "w") as f:
+            f.write("\n".join(log))
+        if not reason:
+            reason = "%s; NCCL %s, cuDNN %s, cuBLAS %s" % (
+                info.get("device", "?"), info.get("nccl", "?"), info.get("cudnn", "?"),
+                info.get("cublas", "?"))
+        self.record("env", status, reason, time.monotonic() - t0, log=log_rel)
+
+    def executable(self, name):
+        e = self.manifest["executables"].get(name)
+        if not e or not e.get("path"):
+            return None
+        path = os.path.join(self.root, e["path"])
+        return path if os.path.exists(path) else None
+
+    def needs(self, name):
+        return (self.manifest["executables"].get(name) or {}).get("needs", [])
+
+    def stage_nccl_probe(self, needed_by_rerun):
+        stage = "nccl_probe"
+        probe = self.executable("gpu_check_probe")
+        why = self.skip_reason(stage, 20, "gpu_check_probe", not needed_by_rerun)
+        if why is None and probe is None:
+            why = "gpu_check_probe is not in the bundle"
+        if why:
+            self.nccl_answer = why
+            self.record(stage, "skipped", why)
+            return
+        env = dict(self.env)
+        env.setdefault("NCCL_DEBUG", "WARN")  # NCCL's own reason into the log when it fails
+        code, timed_out, secs, log = self.execute(stage, [probe, "nccl", "--ranks", "2"],
+                                                  min(90, self.remaining()), env=env)
+        if code == 0:
+            self.record(stage, "passed", "2 ranks, one all_reduce", secs, code, log)
+        elif code == 77 and not timed_out:
+            self.nccl_answer = "the probe found no CUDA device"
+            self.record(stage, "skipped", self.nccl_answer, secs, code, log)
+        else:
+            self.nccl_answer = "timed out" if timed_out else self.tail(log, 2)
+            self.record(stage, "failed", "NCCL: " + self.nccl_answer, secs, code, log)
+
+    def run_test(self, t):
+        stage = t["kind"] + ":" + t["name"]
+        if t.get("excluded"):
+            self.record(stage, "skipped", t["excluded"])
+            return
+        exe = self.executable(t["executable"])
+        why = self.skip_reason(stage, 15, t["executable"])
+        if why is None and exe is None:
+            why = "%s is not in the bundle (not built)" % t["executable"]
+        if why is None and t["kind"] == "multi_rank" and self.nccl_answer is not None:
+            why = "stage 0 (2-rank NCCL probe) did not pass: " + self.nccl_answer
+        if why:
+            self.record(stage, "skipped", why)
+            return
+        args = [x.replace("{root}", self.root) for x in t["args"]]
+        if t["executable"].startswith("test_") and "-d" not in args:
+            args += ["-d", "yes"]  # Catch2: each case's duration in the log
+        env = dict(self.env)
+        for kv in t.get("environment", []):
+            k, _, v = kv.partition("=")
+            env[k] = v
+        cwd = os.path.join(self.work, "cwd", t["name"])
+        os.makedirs(cwd, exist_ok=True)
+        timeout = min(t["timeout"], self.remaining())
+        code, timed_out, secs, log = self.execute(stage, [exe] + args, timeout, cwd, env)
+        cut = self.cut_by_budget(stage, t["timeout"], secs, timed_out, log)
+        extra = {}
+        if t["kind"] == "digits":
+            m = re.findall(r"accuracy[^0-9]*([0-9.]+)", open(
+                os.path.join(self.results_dir, log), errors="replace").read())
+            if m:
+                extra["accuracy"] = float(m[-1])
+        if cut:
+            return
+        if timed_out:
+            self.record(stage, "failed", "timed out after %.0fs" % timeout, secs, code, log,
+                        **extra)
+        elif code == 0:
+            self.record(stage, "passed", "accuracy %s" % extra["accuracy"]
+                        if "accuracy" in extra else "", secs, code, log, **extra)
+        elif t.get("skip_code") is not None and code == t["skip_code"]:
+            self.record(stage, "skipped", "the test reported skip (exit %d): %s" % (
+                code, self.tail(log, 1)), secs, code, log, **extra)
+        else:
+            self.record(stage, "failed", "exit %s: %s" % (code, self.tail(log)), secs, code, log,
+                        **extra)
+
+    def stage_bench(self):
+        stage = "gpu_bench"
+        exe = self.executable("gpu_bench")
+        why = self.skip_reason(stage, 30, "gpu_bench")
+        if why is None and exe is None:
+            why = "gpu_bench is not in the bundle (not built: cuDNN missing at build time?)"
+        if why:
+            self.record(stage, "skipped", why)
+            return
+        argv = [exe]
+        if "--csv" in quick([exe, "--help"], self.env)[1]:
+            argv += ["--csv", os.path.join(self.results_dir, "gpu_bench.csv")]
+        code, timed_out, secs, log = self.execute(stage, argv, min(180, self.remaining()),
+                                                  log_name="gpu_bench.txt")
+        if self.cut_by_budget(stage, 180, secs, timed_out, log):
+            return
+        text = open(os.path.join(self.results_dir, log), errors="replace").read()
+        device = re.search(r"^device 0: ([^,]*, [^,]*)", text, re.M)
+        cudnn = re.search(r"^cuDNN (\d+)", text, re.M)
+        if cudnn:
+            self.env_info["cudnn_runtime"] = cudnn.group(1)
+        what = "%s; cuDNN %s" % (device.group(1) if device else "?",
+                                 cudnn.group(1) if cudnn else "?")
+        if timed_out:
+            self.record(stage, "failed", "timed out", secs, code, log)
+        elif code == 0:
+            self.record(stage, "passed", what, secs, code, log)
+        elif code == 77:
+            self.record(stage, "skipped", "gpu_bench reported skip: " + self.tail(log, 1), secs,
+                        code, log)
+        else:
+            self.record(stage, "failed", "exit %s: %s" % (code, self.tail(log)), secs, code, log)
+
+    def stage_torch_anchor(self):
+        """PyTorch's batch norm on gpu_bench's shapes (bench/torch_batch_norm.py), joined with
+        gpu_bench.csv: the anchor the bench's figures are read against."""
+        stage = "gpu_bench_torch"
+        script = os.path.join(self.root, "src", "bench", "torch_batch_norm.py")
+        why = self.skip_reason(stage, 30)
+        if why is None and not os.path.isfile(script):
+            why = "bench/torch_batch_norm.py is not in the bundle"
+        if why:
+            self.record(stage, "skipped", why)
+            return
+        torch_csv = os.path.join(self.results_dir, "torch_bn.csv")
+        code, timed_out, secs, log = self.execute(
+            stage, [sys.executable, script, "--csv", torch_csv], min(150, self.remaining()))
+        if self.cut_by_budget(stage, 150, secs, timed_out, log):
+            return
+        bench_csv = os.path.join(self.results_dir, "gpu_bench.csv")
+        joined = ""
+        if code == 0 and os.path.isfile(bench_csv):
+            c2, joined = quick([sys.executable, script, "--torch-csv", torch_csv, "--compare",
+                                bench_csv, "--combined",
+                                os.path.join(self.results_dir, "bn_compare.csv")], self.env)
+            with open(os.path.join(self.results_dir, "bn_compare.txt"), "w") as f:
+                f.write(joined)
+            joined = "; joined with gpu_bench.csv: bn_compare.csv" if c2 == 0 else (
+                "; the join failed (exit %d): bn_compare.txt" % c2)
+        if timed_out:
+            self.record(stage, "failed", "timed out", secs, code, log)
+        elif code == 0:
+            self.record(stage, "passed", "torch_bn.csv" + joined, secs, code, log)
+        elif code == 77:
+            self.record(stage, "skipped", "no PyTorch or no device: " + self.tail(log, 1), secs,
+                        code, log)
+        else:
+            self.record(stage, "failed", "exit %s: %s" % (code, self.tail(log)), secs, code, log)
+
+    def stage_ncu(self):
+        stage = "ncu"
+        bench = self.executable("gpu_bench")
+        probe = self.executable("gpu_check_probe")
+        ncu = shutil.which("ncu") or next((p for p in ("/usr/local/cuda/bin/ncu",)
+                                           if os.path.exists(p)), None)
+        why = self.skip_reason(stage, 60, "gpu_bench")
+        if why is None and self.a.pretend_gpu:
+            why = "not under --pretend-gpu"
+        if why is None and ncu is None:
+            why = "ncu not found"
+        if why is None and (bench is None or probe is None):
+            why = "gpu_bench or gpu_check_probe is not in the bundle"
+        if why:
+            self.record(stage, "skipped", why)
+            return
+        # Whether ncu may read the counters here: one kernel of the probe, one metric.
+        code, timed_out, secs, log = self.execute(
+            "ncu_probe", [ncu, "--metrics", "gpu__time_duration.sum", "--csv", probe, "kernel"],
+            min(60, self.remaining()))
+        text = open(os.path.join(self.results_dir, log), errors="replace").read()
+        if code != 0 or timed_out or "gpu__time_duration" not in text or "ERR_NVGPUCTRPERM" in text:
+            answer = "timed out" if timed_out else (
+                "ERR_NVGPUCTRPERM: no permission to read the GPU counters"
+                if "ERR_NVGPUCTRPERM" in text else "exit %s: %s" % (code, self.tail(log, 2)))
+            self.record(stage, "skipped", "ncu cannot profile here: " + answer, secs, code, log)
+            return
+        csv_rel = "ncu_bn.csv"
+        code, timed_out, secs2, log = self.execute(
+            stage, [ncu, "--csv", "--page", "raw", "--kernel-name-base", "demangled",
+                    "--kernel-name", "regex:lockstep::kernels", "--launch-count",
+                    str(self.a.ncu_kernels), "--metrics", ",".join(NCU_METRICS), "--log-file",
+                    os.path.join(self.results_dir, csv_rel), bench],
+            min(240, self.remaining()))
+        if self.cut_by_budget(stage, 240, secs2, timed_out, log):
+            return
+        rows = count_csv_rows(os.path.join(self.results_dir, csv_rel))
+        if code == 0 and not timed_out and rows > 0:
+            self.record(stage, "passed", "%d kernel launches profiled into %s" % (rows, csv_rel),
+                        secs + secs2, code, log)
+        else:
+            self.record(stage, "failed", "timed out" if timed_out else "exit %s, %d rows: %s" % (
+                code, rows, self.tail(log, 2)), secs + secs2, code, log)
+
+    def cut_by_budget(self, stage, own_timeout, secs, timed_out, log):
+        """Records `stage` as skipped when the end of the budget, not its own timeout, stopped
+        it (a rerun repeats it); True then."""
+        if not timed_out or secs + 6 >= own_timeout:  # 5 s: the grace after SIGTERM
+            return False
+        self.record(stage, "skipped", "budget: stopped after %.0fs at the end of the budget "
+                    "(its own timeout: %.0fs)" % (secs, own_timeout), secs, None, log)
+        return True
+
+    def guarded(self, stage, fn, *args):
+        """A stage whose runner code fails is recorded as failed; the next stage still runs."""
+        try:
+            fn(*args)
+        except Exception as err:  # noqa: BLE001 (a runner defect must not lose the other stages)
+            self.record(stage, "failed", "runner error: %s: %s" % (type(err).__name__, err))
+
+    def run(self):
+        self.guarded("env", self.stage_env)
+        tests = self.manifest["tests"]
+        # A rerun repeats the probe when a multi-rank test it repeats needs it.
+        self.guarded("nccl_probe", self.stage_nccl_probe, self.previous is not None and any(
+            t["kind"] == "multi_rank" and self.previous.wants("multi_rank:" + t["name"])
+            for t in tests))
+        for kind in ("single", "multi_rank", "digits", "excluded"):
+            for t in tests:
+                if t["kind"] == kind:
+                    self.guarded(kind + ":" + t["name"], self.run_test, t)
+        self.guarded("gpu_bench", self.stage_bench)
+        self.guarded("gpu_bench_torch", self.stage_torch_anchor)
+        self.guarded("ncu", self.stage_ncu)
+        shutil.rmtree(self.work, ignore_errors=True)
+        failed = [r["stage"] for r in self.results if r["status"] == "failed"]
+        print("gpu_run.py: %d stages, %d failed%s; %s and %s in %s" % (
+            len(self.results), len(failed), " (%s)" % ", ".join(failed) if failed else "",
+            SUMMARY, ARCHIVE, self.out))
+        return 1 if failed else 0
+
+
+def quick(argv, env=None, timeout=60):
+    """(exit code, stdout + stderr) of a short command; never raises."""
+    try:
+        p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                           stdin=subprocess.DEVNULL, universal_newlines=True, errors="replace",
+                           timeout=timeout)
+        return p.returncode, p.stdout
+    except subprocess.TimeoutExpired:
+        return 124, "timed out after %ds" % timeout
+    except OSError as err:
+        return 127, str(err)
+
+
+def trim_log(path):
+    size = os.path.getsize(path)
+    if size <= LOG_LIMIT:
+        return
+    with open(path, "rb") as f:
+        head = f.read(LOG_LIMIT // 2)
+        f.seek(size - LOG_LIMIT // 2)
+        tail = f.read()
+    with open(path, "wb") as f:
+        f.write(head + b"\n... (%d bytes cut) ...\n" % (size - LOG_LIMIT) + tail)
+
+
+def count_csv_rows(path):
+    """Kernel launches in ncu's --csv --page raw output (one row each, after the header)."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [ln for ln in f if ln.startswith('"')]
+    except OSError:
+        return 0
+    rows = list(csv.reader(io.StringIO("".join(lines))))
+    return sum(1 for r in rows if r and r[0].strip().isdigit())  # the "ID" column
+
+
+class load_previous:
+    """The results of an earlier run (its output folder, summary.md or results.jsonl): the
+    stages that failed there, or that its budget left out, are the ones a rerun repeats."""
+
+    def __init__(self, source):
+        self.source = source
+        self.statuses = {}
+        cut_by_budget = set()
+        path = source
+        if os.path.isdir(path):
+            path = os.path.join(source, RESULTS)
+            if not os.path.exists(path):
+                path = os.path.join(source, SUMMARY)
+        with open(path) as f:
+            text = f.read()
+        if path.endswith(".md"):
+            row = r"^\|\s*([^|]+?)\s*\|\s*(passed|failed|skipped|ran)\s*\|[^|]*\|([^|]*)\|"
+            for m in re.finditer(row, text, re.M):
+                self.statuses[m.group(1)] = m.group(2)
+                if m.group(3).strip().startswith("budget:"):
+                    cut_by_budget.add(m.group(1))
+        else:
+            for line in text.splitlines():
+                if line.strip():
+                    r = json.loads(line)
+                    self.statuses[r["stage"]] = r["status"]
+                    if (r.get("reason") or "").startswith("budget:"):
+                        cut_by_budget.add(r["stage"])
+        self.failed = {s for s, st in self.statuses.items() if st == "failed"}
+        self.failed |= cut_by_budget
+        if not self.statuses:
+            raise SystemExit("gpu_run.py: no stage results in %s" % source)
+
+    def status(self, stage):
+        return self.statuses.get(stage)
+
+    def wants(self, stage):
+        if stage == "ncu":  # its probe is part of the stage
+            return "ncu" in self.failed or "ncu_probe" in self.failed
+        return stage in self.failed
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    sub = parser.add_subparsers(dest="cmd")
+    s = sub.add_parser("stage", help="lay out a bundle tree from a CUDA build directory")
+    s.add_argument("--build-dir", required=True)
+    s.add_argument("--source-dir", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--link", action="store_true",
+                   help="symlink the executables instead of stripped copies (the skip test)")
+    s.add_argument("--stale-steps", type=int, default=0,
+                   help="build steps that were out of date when packed (recorded)")
+    s.add_argument("--allow-missing", action="store_true",
+                   help="record executables that are not built instead of failing")
+    r = sub.add_parser("run", help="run an unpacked bundle's stages")
+    r.add_argument("bundle", help="the unpacked bundle folder")
+    r.add_argument("outdir")
+    r.add_argument("--budget", type=int, default=300, help="seconds for the whole run")
+    r.add_argument("--rerun-failed", metavar="PREVIOUS",
+                   help="an earlier run's output folder, summary.md or results.jsonl")
+    r.add_argument("--no-gpu", action="store_true", help="skip every stage as without a GPU")
+    r.add_argument("--pretend-gpu", action="store_true", help=argparse.SUPPRESS)
+    r.add_argument("--lockstep-timeout", type=int, default=60,
+                   help="LOCKSTEP_TIMEOUT for the stages (seconds)")
+    r.add_argument("--ncu-kernels", type=int, default=120,
+                   help="batch-norm kernel launches ncu profiles")
+    a = parser.parse_args()
+    if a.cmd == "stage":
+        stage_bundle(a)
+        return 0
+    if a.cmd == "run":
+        return runner(a).run()
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
