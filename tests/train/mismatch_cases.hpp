@@ -35,6 +35,7 @@ inline std::vector<std::string> expected_parts(mistake m, int replicas) {
     const std::string last = std::to_string(replicas - 1);
     if (m == mistake::bn_skipped_on_empty_shard)
         return {"replicas called different collectives",
+                "tag 'batch_norm layer 0 (forward order) forward_train'",
                 "the step function saw no sample on replica " + last,
                 "batch norm: forward_train and backward with 0 samples"};
     return {"the replicas disagree: global_batch:", "9 on replica " + last};

@@ -301,6 +301,25 @@ private:
              "carry the step)");
     }
 
+    /// The name this layer's collectives carry where the communicator verifies them (thread
+    /// group, MPI): "batch_norm layer 2 (forward order) forward_train" inside a step, so a
+    /// replica that skipped a layer is told apart from its peers by name, whatever the build;
+    /// "batch_norm.forward_train" outside. Kept in the layer (the name must outlive the call).
+    std::string_view collective_name(const layer_step* step, std::string_view call) {
+        const int layer =
+            step != nullptr ? (call == "backward" ? forward_layer_ : step->next_layer()) : -1;
+        if (call != "backward")
+            forward_layer_ = layer;
+        std::string& name = call == "backward" ? backward_name_ : forward_name_;
+        if (layer != named_layer_[call == "backward" ? 1 : 0] || name.empty()) {
+            named_layer_[call == "backward" ? 1 : 0] = layer;
+            name = layer >= 0 ? lockstep::detail::concat("batch_norm layer ", layer,
+                                                         " (forward order) ", call)
+                              : lockstep::detail::concat("batch_norm.", call);
+        }
+        return name;
+    }
+
     template <communicator Comm>
     void train_forward(Comm& comm, layer_step* step, std::span<const T> x,
                        const tensor_shape& shape, std::span<T> y) {
@@ -346,7 +365,11 @@ private:
             const std::size_t stride = kernels::packed_moments::size(s_.channels);
             auto gathered =
                 detail::ensure(s_.gathered, static_cast<std::size_t>(sc.size()) * stride, s_.sys);
-            sc.all_gather(std::span<const param_type>(s_.block.span()), gathered);
+            const std::string_view tag = collective_name(step, "forward_train");
+            if constexpr (requires { sc.all_gather(std::span<const param_type>(), gathered, tag); })
+                sc.all_gather(std::span<const param_type>(s_.block.span()), gathered, tag);
+            else
+                sc.all_gather(std::span<const param_type>(s_.block.span()), gathered);
             if (!problem.empty())
                 fail(errc::shape_mismatch, rank, op, problem);
             blocks = gathered.data();
@@ -447,7 +470,14 @@ private:
             std::span<param_type> combined = s_.combined_sums();
             if (step == nullptr)
                 (void)status_read(); // allocated before the enqueue, as in forward_train
-            sc.all_reduce(std::span<const param_type>(local), combined, reduce_op::sum);
+            const std::string_view tag = collective_name(step, "backward");
+            if constexpr (requires {
+                              sc.all_reduce(std::span<const param_type>(), combined, reduce_op::sum,
+                                            tag);
+                          })
+                sc.all_reduce(std::span<const param_type>(local), combined, reduce_op::sum, tag);
+            else
+                sc.all_reduce(std::span<const param_type>(local), combined, reduce_op::sum);
             if (!problem.empty())
                 fail(errc::shape_mismatch, rank, op, problem);
             // Inside a trainer's step the replica with invalid gradients throws and its peers
@@ -754,6 +784,9 @@ private:
     std::span<const T> saved_x_{};
     kernels::channel_geometry saved_geometry_{};
     bool has_forward_ = false;
+    int forward_layer_ = -1;        ///< the last forward's number in its step (-1: none)
+    int named_layer_[2] = {-2, -2}; ///< the layer numbers forward_name_, backward_name_ hold
+    std::string forward_name_, backward_name_; ///< collective_name()'s names
     std::any group_comm_; ///< std::shared_ptr<Comm> of the communicator type last used
     const void* group_parent_ = nullptr;
     std::unique_ptr<staged_read<param_type, System>> read_;

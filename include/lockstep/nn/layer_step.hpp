@@ -70,6 +70,8 @@ public:
     kernels::layer_report next_report() noexcept {
         return kernels::layer_report{first_, errors_, static_cast<double>(layers_++)};
     }
+    /// The number the next layer in forward order gets from next_report().
+    int next_layer() const noexcept { return layers_; }
     /// p's commit_step runs after the skip decision of this step. requires: p outlives the step.
     void join(step_participant& p) { participants_.push_back(&p); }
     /// For the trainer, after the skip decision: every participant commits, once.
