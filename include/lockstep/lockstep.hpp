@@ -82,6 +82,7 @@
 #include "lockstep/nn/batch_norm.hpp"
 #include "lockstep/nn/layer_step.hpp"
 #include "lockstep/nn/layout.hpp"
+#include "lockstep/nn/policy_declaration.hpp"
 
 #include "lockstep/optim/adam.hpp"
 #include "lockstep/optim/lamb.hpp"

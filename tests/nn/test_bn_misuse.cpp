@@ -210,3 +210,37 @@ TEST_CASE("bn_rule_broken gives the compile-time check's sentences", "[nn][bn][p
     CHECK(std::string(bn_rule_broken(repro4, bn_facts_of<bn::ghost<2>>())) ==
           LOCKSTEP_COMPAT_GHOST_CHUNK);
 }
+
+TEST_CASE("asynchronous workers refuse an undeclared policy too", "[nn][bn][thread][async]") {
+    // bn::global in a network that declares no BN policy, trained by the parameter server: the
+    // compile-time check saw none, so the workers' first call refuses it with that check's
+    // sentence, and the server learns of it instead of pairing collectives of different steps.
+    using net = bn_net<bn::global, std::tuple<>>;
+    std::vector<std::string> errors(3);
+    try {
+        thread_group(3).run([&](thread_communicator& comm) {
+            try {
+                data_parallel<net, optim::sgd<float>, sync::asynchronous> trainer(
+                    comm, [](context& ctx) { return net(ctx); }, {.lr = 0.1});
+                (void)trainer.train(4, 8, [](net& n, const shard_range& r, context& ctx) {
+                    return n.train(r, ctx, call::context);
+                });
+            } catch (const error& e) {
+                errors[static_cast<std::size_t>(comm.rank())] = e.what();
+                throw;
+            }
+        });
+    } catch (const error&) {
+    }
+    CHECK_FALSE(errors[0].empty()); // the server
+    for (const int worker : {1, 2}) {
+        const std::string& e = errors[static_cast<std::size_t>(worker)];
+        INFO(e);
+        if (e.find("peer_failure") != std::string::npos)
+            continue; // the other worker failed first and the server stopped this one
+        CHECK(contains(e, "a layer of policy bn::global is not in the network's bn_policies"));
+        CHECK(contains(e, LOCKSTEP_COMPAT_BN_NEEDS_SYNCHRONOUS));
+    }
+    CHECK((contains(errors[1], LOCKSTEP_COMPAT_BN_NEEDS_SYNCHRONOUS) ||
+           contains(errors[2], LOCKSTEP_COMPAT_BN_NEEDS_SYNCHRONOUS)));
+}

@@ -18,6 +18,7 @@
 #include "lockstep/nn/detail/bn_state.hpp"
 #include "lockstep/nn/layer_step.hpp"
 #include "lockstep/nn/layout.hpp"
+#include "lockstep/nn/policy_declaration.hpp"
 #include "lockstep/policy/bn.hpp"
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/system/host_system.hpp"
@@ -240,7 +241,7 @@ public:
     void forward_train(Comm& comm, std::span<const T> x, const tensor_shape& shape,
                        std::span<T> y) {
         refuse_inside_step(comm, "forward_train", "forward_train(ctx, x, shape, y)");
-        train_forward(comm, nullptr, x, shape, y);
+        train_forward(comm, nullptr, nullptr, x, shape, y);
     }
     /// Inside a trainer's step, with the replica_context the step function got: as above on
     /// ctx.comm(), and the layer's device-side errors go to the step (reported at its end, the
@@ -249,7 +250,7 @@ public:
     template <layer_context Ctx>
     requires(!communicator<Ctx>) void forward_train(Ctx& ctx, std::span<const T> x,
                                                     const tensor_shape& shape, std::span<T> y) {
-        train_forward(ctx.comm(), ctx.layer_step(), x, shape, y);
+        train_forward(ctx.comm(), ctx.layer_step(), ctx.policies(), x, shape, y);
     }
 
     /// Inference forward with the running statistics; no communication.
@@ -277,12 +278,12 @@ public:
     template <communicator Comm>
     void backward(Comm& comm, std::span<const T> dy, std::span<T> dx) {
         refuse_inside_step(comm, "backward", "backward(ctx, dy, dx)");
-        train_backward(comm, nullptr, dy, dx);
+        train_backward(comm, nullptr, nullptr, dy, dx);
     }
     /// Inside a trainer's step (its replica_context): nothing waits on the host.
     template <layer_context Ctx>
     requires(!communicator<Ctx>) void backward(Ctx& ctx, std::span<const T> dy, std::span<T> dx) {
-        train_backward(ctx.comm(), ctx.layer_step(), dy, dx);
+        train_backward(ctx.comm(), ctx.layer_step(), ctx.policies(), dy, dx);
     }
 
 private:
@@ -321,12 +322,12 @@ private:
     }
 
     template <communicator Comm>
-    void train_forward(Comm& comm, layer_step* step, std::span<const T> x,
-                       const tensor_shape& shape, std::span<T> y) {
+    void train_forward(Comm& comm, layer_step* step, const policy_declaration* declared,
+                       std::span<const T> x, const tensor_shape& shape, std::span<T> y) {
         static constexpr const char* op = "batch_norm.forward_train";
         const int rank = comm.rank();
-        if (step != nullptr)
-            step->check_policy(bn_facts_of<Policy>(), bn::traits<Policy>::name(), rank, op);
+        if (declared != nullptr)
+            declared->check(bn_facts_of<Policy>(), bn::traits<Policy>::name(), rank, op);
         check_system(comm, op);
         // Outside a step the layer's error is read back after the all_gather: its pinned host
         // side is allocated before the collective is enqueued (cudaMallocHost between enqueue
@@ -439,11 +440,12 @@ private:
     }
 
     template <communicator Comm>
-    void train_backward(Comm& comm, layer_step* step, std::span<const T> dy, std::span<T> dx) {
+    void train_backward(Comm& comm, layer_step* step, const policy_declaration* declared,
+                        std::span<const T> dy, std::span<T> dx) {
         static constexpr const char* op = "batch_norm.backward";
         const int rank = comm.rank();
-        if (step != nullptr)
-            step->check_policy(bn_facts_of<Policy>(), bn::traits<Policy>::name(), rank, op);
+        if (declared != nullptr)
+            declared->check(bn_facts_of<Policy>(), bn::traits<Policy>::name(), rank, op);
         check_system(comm, op);
         std::string problem;
         if (!has_forward_)

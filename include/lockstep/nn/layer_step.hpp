@@ -5,16 +5,12 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-#include "lockstep/core/error.hpp"
 #include "lockstep/kernels/layer_report.hpp"
-#include "lockstep/policy/compat.hpp"
 
 #include <atomic>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <string>
-#include <string_view>
 #include <vector>
 
 namespace lockstep::nn {
@@ -102,37 +98,6 @@ public:
     std::uint64_t id() const noexcept { return id_; }
     std::size_t ghost_global() const noexcept { return ghost_global_; }
 
-    /// For trainers, once: the facts of their sync and reduce policies and the BN policies the
-    /// network declared (network_bn_policies, with their names for messages), which every layer
-    /// call in a step is checked against (check_policy).
-    void declare_policies(trainer_policy_facts trainer, std::vector<bn_policy_facts> declared,
-                          std::string declared_names) {
-        trainer_ = trainer;
-        declared_ = std::move(declared);
-        declared_names_ = std::move(declared_names);
-    }
-    /// A layer's check at each training call in a step, before its first collective: its BN
-    /// policy (facts `mine`, named `name`) must be among the network's declared bn_policies and
-    /// must not break a compatibility rule of the trainer's policies (the sentence the
-    /// compile-time check prints). Depends on types only, so every replica throws at the same
-    /// call. Else lockstep::error (invalid_argument) naming the replica, `operation`, the policy
-    /// and the fix.
-    void check_policy(const bn_policy_facts& mine, const std::string& name, int replica,
-                      std::string_view operation) const {
-        bool declared = false;
-        for (const bn_policy_facts& d : declared_)
-            declared = declared || d == mine;
-        if (declared)
-            return;
-        const char* rule = bn_rule_broken(trainer_, mine);
-        lockstep::fail(
-            errc::invalid_argument, replica, std::string(operation), "a layer of policy ", name,
-            " is not in the network's bn_policies (", declared_names_,
-            "): declare every BN policy the network uses, `using bn_policies = std::tuple<...>;`, "
-            "so the trainer checks them at compile time",
-            rule != nullptr ? std::string(". This one cannot train here: ") + rule : std::string());
-    }
-
     /// The step whose step function the calling thread is running now (set by the trainer's
     /// running_scope), or null. Read only to refuse a call that bypasses the step: a layer given
     /// a bare communicator has nothing else to tell it that a step is running (a communicator,
@@ -169,17 +134,18 @@ private:
     int layers_ = 0;
     std::vector<step_participant*> participants_;
     std::vector<step_count> counts_;
-    trainer_policy_facts trainer_{};
-    std::vector<bn_policy_facts> declared_;
-    std::string declared_names_ = "none";
 };
 
+class policy_declaration; // nn/policy_declaration.hpp
+
 /// What a layer's training calls accept besides a bare communicator: an object that gives the
-/// communicator and the step being run (lockstep::replica_context).
+/// communicator, the step being run and the trainer's policy declaration
+/// (lockstep::replica_context).
 template <class Ctx>
 concept layer_context = requires(Ctx& c) {
     c.comm();
     { c.layer_step() } -> std::convertible_to<layer_step*>;
+    { c.policies() } -> std::convertible_to<const policy_declaration*>;
 };
 
 } // namespace lockstep::nn

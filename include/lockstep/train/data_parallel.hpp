@@ -99,10 +99,6 @@ public:
         const std::int64_t limit = core_.params().max_consecutive_skips;
         LOCKSTEP_REQUIRE(limit >= 0, errc::invalid_argument, comm.rank(), "data_parallel",
                          "max_consecutive_skips = ", limit, " (must be >= 0; 0 is off)");
-        using declared = network_bn_policies_t<Network>;
-        stages_.layer_step().declare_policies(trainer_facts_of<SyncPolicy, ReducePolicy>(),
-                                              bn_facts_list<declared>::get(),
-                                              bn_policy_names<declared>::get());
     }
     data_parallel(const data_parallel&) = delete;
     data_parallel& operator=(const data_parallel&) = delete;

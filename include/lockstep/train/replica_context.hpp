@@ -5,6 +5,7 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/nn/layer_step.hpp"
+#include "lockstep/nn/policy_declaration.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 #include "lockstep/train/rng.hpp"
 
@@ -78,6 +79,9 @@ public:
     /// During a training step: the step as the network's layers see it (pass the context to
     /// their training calls, e.g. nn::batch_norm::forward_train(ctx, ...)); null outside steps.
     nn::layer_step* layer_step() const noexcept { return layer_step_; }
+    /// The trainer's policies and the network's declared BN policies, which every layer call
+    /// with this context is checked against (null: no trainer).
+    const nn::policy_declaration* policies() const noexcept { return policies_; }
 
     /// Signals that backward has finished writing the gradient of parameter h for this step,
     /// so a bucketed reducer may launch the bucket h completes. Optional: every gradient not
@@ -96,6 +100,7 @@ public:
     }
     void set_loss_slot(double* slot) noexcept { loss_slot_ = slot; }
     void set_layer_step(nn::layer_step* step) noexcept { layer_step_ = step; }
+    void set_policies(const nn::policy_declaration* p) noexcept { policies_ = p; }
     void set_loss_scale(const double* device, std::optional<double> host) noexcept {
         loss_scale_device_ = device;
         loss_scale_host_ = host;
@@ -111,6 +116,7 @@ private:
     bool training_ = false;
     double* loss_slot_ = nullptr;
     nn::layer_step* layer_step_ = nullptr;
+    const nn::policy_declaration* policies_ = nullptr;
     const double* loss_scale_device_ = nullptr;
     std::optional<double> loss_scale_host_ = 1.0;
     std::function<void(std::size_t)> ready_hook_;

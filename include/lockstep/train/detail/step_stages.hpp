@@ -354,8 +354,6 @@ public:
     const std::vector<nn::step_count>& layer_counts() const noexcept {
         return layer_step_.counts();
     }
-    /// The step the layers see: for the trainer's one-time declare_policies.
-    nn::layer_step& layer_step() noexcept { return layer_step_; }
 
     /// The last step that ran (or launch counted), and setting it (count_replay).
     const step_result& last() const noexcept { return last_; }

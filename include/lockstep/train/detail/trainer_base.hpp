@@ -4,6 +4,7 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/nn/policy_declaration.hpp"
 #include "lockstep/policy/compat.hpp"
 #include "lockstep/train/detail/agreement.hpp"
 #include "lockstep/train/detail/replica_core.hpp"
@@ -84,7 +85,12 @@ protected:
     trainer_base(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt,
                  train_params tp, const std::vector<std::string>& policies, bool clips)
         : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp), policies,
-                clips, ReducePolicy::shards_optimizer_state) {}
+                clips, ReducePolicy::shards_optimizer_state),
+          declared_(trainer_facts_of<SyncPolicy, ReducePolicy>(),
+                    bn_facts_list<network_bn_policies_t<Network>>::get(),
+                    bn_policy_names<network_bn_policies_t<Network>>::get()) {
+        core_.context().set_policies(&declared_);
+    }
     ~trainer_base() = default;
 
     /// The "name<TAB>value" lines of the sync, reduce and BN policies.
@@ -96,6 +102,9 @@ protected:
     core_type core_;
 
 private:
+    /// What the layers check their policies against (replica_context::policies).
+    nn::policy_declaration declared_;
+
     friend struct checkpoint_access;
 };
 
