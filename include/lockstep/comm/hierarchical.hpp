@@ -211,17 +211,19 @@ public:
         require_root(root, "hierarchical_communicator.reduce");
         const int L = intra_.size();
         const int local_root = root % L;
-        if (intra_.rank() != local_root) {
-            intra_.reduce(send, recv, op, local_root);
-            return;
+        const bool node_root = intra_.rank() == local_root;
+        // The node's partial sum lands in recv on the root, in staging on the other node roots;
+        // the rest of the node only sends. One call site for every replica (call-site checks).
+        std::span<T> partial = !node_root || rank() == root ? recv : scratch<T>(0, send.size());
+        if (node_root) {
+            LOCKSTEP_REQUIRE(partial.size() == send.size(), errc::count_mismatch, rank(),
+                             "hierarchical_communicator.reduce", "root's recv has ", recv.size(),
+                             " elements, send ", send.size());
+            reserve<T>(partial.size(), 0);
         }
-        // The node's partial sum lands in recv on the root, in staging elsewhere.
-        std::span<T> partial = rank() == root ? recv : scratch<T>(0, send.size());
-        LOCKSTEP_REQUIRE(partial.size() == send.size(), errc::count_mismatch, rank(),
-                         "hierarchical_communicator.reduce", "root's recv has ", recv.size(),
-                         " elements, send ", send.size());
-        reserve<T>(partial.size(), 0);
         intra_.reduce(send, partial, op, local_root);
+        if (!node_root)
+            return;
         stage_.inter(
             intra_, std::span<const T>(partial), partial,
             [&](std::span<const T> in, std::span<T> out) { inter_.reduce(in, out, op, root / L); });
