@@ -68,6 +68,12 @@ inline void check_pinned(const std::map<std::string, std::uint64_t>& table, cons
         CHECK(it->second == actual);
 }
 
+/// The 8 global batches of the pinned runs: uneven over 2 and 3 replicas, at least 2 samples per
+/// replica for bn::local at 3 replicas, every chunk of 8 at least 2 samples for bn::ghost<8>.
+inline std::vector<std::size_t> pinned_schedule() {
+    return {37, 8, 12, 7, 20, 64, 10, 37};
+}
+
 /// Options of one hashed run besides the policies.
 struct bits_options {
     train_params tp = {};

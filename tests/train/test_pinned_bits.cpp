@@ -94,12 +94,6 @@ const std::map<std::string, std::uint64_t> pinned = {
     // PINNED-END
 };
 
-/// The 8 global batches: uneven over 2 and 3 replicas, at least 2 samples per replica for
-/// bn::local at 3 replicas, every chunk of 8 at least 2 samples for bn::ghost<8>.
-std::vector<std::size_t> pinned_schedule() {
-    return {37, 8, 12, 7, 20, 64, 10, 37};
-}
-
 /// 66 parameters (in 4, hidden 8, out 2): even shards over 1, 2 and 3 replicas; the default
 /// shape's 83 are uneven over 2 and 3.
 constexpr mlp_shape even_shape{.in = 4, .hidden = 8, .out = 2};

@@ -43,11 +43,6 @@ const std::map<std::string, std::uint64_t> pinned = {
     // PINNED-END
 };
 
-/// test_pinned_bits.cpp's schedule.
-std::vector<std::size_t> pinned_schedule() {
-    return {37, 8, 12, 7, 20, 64, 10, 37};
-}
-
 using sgd_t = sgd_case<float>;
 using adam_t = adam_case<float>;
 
