@@ -92,6 +92,8 @@ struct replica_bits {
     std::uint64_t state = 0;
     /// dp.collectives() after each step (how many collectives the reducer issued so far).
     std::vector<std::size_t> collectives;
+    std::size_t buckets = 0; ///< dp.buckets().size(): the reduction pieces of a step
+    bool overlaps = false;   ///< dp.overlaps()
 };
 
 /// The state hash pinned for a run: common of replica 0, then the state hash of replica 0, or
@@ -130,6 +132,8 @@ replica_bits hashed_run(Comm& comm, bits_options o, typename Opt::params_type op
     data_parallel<net, Opt, Sync, Reduce, Comm> dp(
         comm, [&](auto& ctx) { return net(ctx, o.shape); }, op, o.tp);
     replica_bits out;
+    out.buckets = dp.buckets().size();
+    out.overlaps = dp.overlaps();
     fnv1a steps;
     for (std::size_t b : o.batches) {
         const step_result r = dp.step(b, [](net& n, const shard_range& range, auto& ctx) {

@@ -124,18 +124,21 @@ void check_agreement(const std::vector<replica_bits>& r) {
     }
 }
 
-/// The pinned check of one configuration at 1, 2 and 3 thread replicas.
+/// The pinned check of one configuration at 1, 2 and 3 thread replicas; every run's bits.
 template <class Opt, class Sync, class Reduce, class BN = bn::global>
-void each_count(const std::string& name, bits_options o, typename Opt::params_type op) {
+std::vector<std::vector<replica_bits>> each_count(const std::string& name, bits_options o,
+                                                  typename Opt::params_type op) {
     if (o.batches.empty())
         o.batches = pinned_schedule();
+    std::vector<std::vector<replica_bits>> out;
     for (int replicas : {1, 2, 3}) {
-        const auto r = thread_run<Opt, Sync, Reduce, BN>(replicas, o, op);
+        out.push_back(thread_run<Opt, Sync, Reduce, BN>(replicas, o, op));
         check_pinned(pinned, name + " R" + std::to_string(replicas),
-                     combine_bits<Reduce, is_local_sgd_v<Sync>>(r));
+                     combine_bits<Reduce, is_local_sgd_v<Sync>>(out.back()));
         if constexpr (!is_local_sgd_v<Sync>)
-            check_agreement(r);
+            check_agreement(out.back());
     }
+    return out;
 }
 
 } // namespace
@@ -146,13 +149,19 @@ TEST_CASE("pinned bits: per_tensor", "[train][thread][bits]") {
 }
 
 TEST_CASE("pinned bits: bucketed, inline and overlapped", "[train][thread][bits]") {
-    bits_options o;
-    o.tp.overlap = overlap_mode::never;
-    each_count<sgd_t::type, sync::synchronous, small_buckets>("bucketed<256,64> overlap=never sgd",
-                                                              o, sgd_t::params());
-    o.tp.overlap = overlap_mode::always;
-    each_count<sgd_t::type, sync::synchronous, small_buckets>("bucketed<256,64> overlap=always sgd",
-                                                              o, sgd_t::params());
+    for (const overlap_mode mode : {overlap_mode::never, overlap_mode::always}) {
+        bits_options o;
+        o.tp.overlap = mode;
+        const std::string name = std::string("bucketed<256,64> overlap=") +
+                                 (mode == overlap_mode::never ? "never" : "always") + " sgd";
+        for (const auto& run :
+             each_count<sgd_t::type, sync::synchronous, small_buckets>(name, o, sgd_t::params())) {
+            // Several buckets launch (83 floats in buckets of 16, then 64), overlapped or not
+            // as asked.
+            CHECK(run[0].buckets >= 2);
+            CHECK(run[0].overlaps == (mode == overlap_mode::always));
+        }
+    }
 }
 
 TEST_CASE("pinned bits: parameter_server", "[train][thread][bits]") {
