@@ -6,6 +6,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/policy/sync.hpp"
 #include "lockstep/train/detail/agreement.hpp"
+#include "lockstep/train/detail/gradient_collective.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/detail/step_driver.hpp"
@@ -41,6 +42,7 @@ public:
     }
 
     template <class Stages, class Collective, class Fn>
+        requires averaging_collective<Collective, typename Stages::T>
     step_result step(Stages& s, Collective& c, std::size_t global, Fn& fn) {
         const shard_extent all = s.core().optimizer_shard(); // every element
         s.begin(0);
