@@ -216,10 +216,10 @@ struct norm2_w_g {
 /// trust = eta ||w|| / (||g|| + wd_s ||w|| + eps) when the segment adapts and both norms are
 /// positive, else 1; writes scaled_lr[s] = lr * trust and trust_out[s] = trust.
 struct lars_trust {
-    const sum_pair* norms;
-    const segment_flags* flags;
-    double* scaled_lr;
-    double* trust_out;
+    const sum_pair* norms = nullptr;      ///< set by the layerwise pass
+    const segment_flags* flags = nullptr; ///< set by the layerwise pass
+    double* scaled_lr = nullptr;          ///< set by the layerwise pass
+    double* trust_out = nullptr;          ///< set by the layerwise pass
     double lr, eta, weight_decay, eps;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t s) const {
         const double wn = ::sqrt(norms[s].a), gn = ::sqrt(norms[s].b);
@@ -295,10 +295,10 @@ struct lamb_moments {
 /// phi(z) = min(max(z, phi_min), phi_max) when the segment adapts and both norms are positive,
 /// else 1; writes scaled_lr[s] = lr * ratio and trust_out[s] = ratio.
 struct lamb_trust {
-    const sum_pair* norms;
-    const segment_flags* flags;
-    double* scaled_lr;
-    double* trust_out;
+    const sum_pair* norms = nullptr;      ///< set by the layerwise pass
+    const segment_flags* flags = nullptr; ///< set by the layerwise pass
+    double* scaled_lr = nullptr;          ///< set by the layerwise pass
+    double* trust_out = nullptr;          ///< set by the layerwise pass
     double lr, phi_min, phi_max;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t s) const {
         const double wn = ::sqrt(norms[s].a), un = ::sqrt(norms[s].b);
