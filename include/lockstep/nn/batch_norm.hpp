@@ -5,7 +5,6 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/host_wait.hpp"
-#include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/bn_backward.hpp"
 #include "lockstep/kernels/bn_forward.hpp"
@@ -15,20 +14,20 @@
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/layer_report.hpp"
 #include "lockstep/kernels/moments.hpp"
+#include "lockstep/nn/batch_norm_params.hpp"
 #include "lockstep/nn/detail/bn_exchange.hpp"
+#include "lockstep/nn/detail/bn_parameters.hpp"
 #include "lockstep/nn/detail/bn_state.hpp"
+#include "lockstep/nn/detail/bn_status.hpp"
 #include "lockstep/nn/detail/ghost_statistics.hpp"
 #include "lockstep/nn/layer_step.hpp"
 #include "lockstep/nn/layout.hpp"
 #include "lockstep/nn/policy_declaration.hpp"
 #include "lockstep/policy/bn.hpp"
 #include "lockstep/system/host_system.hpp"
-#include "lockstep/system/staged_read.hpp"
 
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -36,25 +35,6 @@
 #include <variant>
 
 namespace lockstep::nn {
-
-/// What a batch_norm built over caller spans (batch_norm::parameter_spans) does with the values
-/// gamma and beta already hold.
-enum class initial_values {
-    /// The spans are fresh (a registry tensor holds zeros until set): the layer writes gamma = 1,
-    /// beta = 0. Spans that already hold a non-zero value are refused with lockstep::error.
-    fresh,
-    /// The caller initialised gamma and beta: the layer trains from them as they are.
-    keep,
-    /// The layer overwrites gamma = 1, beta = 0 whatever the spans hold.
-    reset
-};
-
-/// Runtime options of a batch-norm layer.
-struct batch_norm_params {
-    double eps = 1e-5;     ///< added to the variance before the square root
-    double momentum = 0.1; ///< running = (1 - momentum) * running + momentum * batch
-    bool affine = true;    ///< learn gamma and beta (else y = xhat)
-};
 
 /// Batch normalization over the channels of a (N, C, ...) tensor in Layout, on System, with
 /// the cross-replica statistics of Policy (see policy/bn.hpp).
@@ -114,10 +94,7 @@ public:
 
     /// Views of caller-owned parameter storage of `channels` values each, in sys's memory, and
     /// what the layer does with the values gamma and beta already hold (`values`).
-    struct parameter_spans {
-        std::span<param_type> gamma, beta, dgamma, dbeta;
-        initial_values values = initial_values::fresh;
-    };
+    using parameter_spans = batch_norm_spans<param_type>;
 
     /// A layer that owns its parameters, on the host system (with the machine's thread budget:
     /// prefer the communicator constructor in replicas). requires: channels >= 1, eps > 0,
@@ -141,7 +118,7 @@ public:
     requires std::is_same_v<typename Comm::system_type, System>
     batch_norm(const Comm& comm, std::size_t channels, params p, System sys)
         : batch_norm(channels, parameter_spans{}, p, std::move(sys), true) {
-        check_system(comm, "batch_norm");
+        detail::check_system(s_.sys, comm, "batch_norm");
     }
 
     /// A layer whose gamma, beta, dgamma and dbeta live in caller-provided spans (e.g. the
@@ -219,7 +196,8 @@ public:
     /// Inference forward with the running statistics; no communication.
     /// requires: as forward_train (any number of values per channel).
     void forward_eval(std::span<const T> x, const tensor_shape& shape, std::span<T> y) {
-        const std::string problem = check_input(x.size(), shape, y.size());
+        const std::string problem =
+            detail::check_input<Layout>(s_.channels, x.size(), shape, y.size());
         if (!problem.empty())
             fail(errc::shape_mismatch, -1, "batch_norm.forward_eval", problem);
         kernels::for_each_index(s_.sys, s_.channels,
@@ -272,13 +250,14 @@ private:
         const int rank = comm.rank();
         if (declared != nullptr)
             declared->check(bn_facts_of<Policy>(), bn::traits<Policy>::name(), rank, op);
-        check_system(comm, op);
+        detail::check_system(s_.sys, comm, op);
         // Outside a step the layer's error is read back after the all_gather: its pinned host
         // side is allocated before the collective is enqueued (cudaMallocHost between enqueue
         // and wait can deadlock with another thread's NCCL call).
         if (step == nullptr)
-            (void)error_read();
-        const std::string problem = check_input(x.size(), shape, y.size());
+            (void)status_.errors(s_.sys);
+        const std::string problem =
+            detail::check_input<Layout>(s_.channels, x.size(), shape, y.size());
         has_forward_ = false;
         if constexpr (!bn::communicates<Policy>) {
             if (!problem.empty())
@@ -349,7 +328,7 @@ private:
             count_batches(step, 1);
         }
         if (step == nullptr)
-            throw_layer_error(comm, op, shape);
+            status_.throw_error(comm, s_.sys, s_.own_error(), op, shape);
         kernels::normalize(
             s_.sys, xs, y.first(xs.size()), g, std::span<const param_type>(s_.batch_mean()),
             std::span<const param_type>(s_.batch_scale()), std::span<const param_type>(s_.beta));
@@ -365,7 +344,7 @@ private:
         const int rank = comm.rank();
         if (declared != nullptr)
             declared->check(bn_facts_of<Policy>(), bn::traits<Policy>::name(), rank, op);
-        check_system(comm, op);
+        detail::check_system(s_.sys, comm, op);
         std::string problem;
         if (!has_forward_)
             problem = "backward needs a preceding forward_train on this replica";
@@ -389,15 +368,15 @@ private:
         if constexpr (traits::normalizes_across_replicas) {
             std::span<param_type> combined = s_.combined_sums();
             if (step == nullptr)
-                (void)status_read(); // allocated before the enqueue, as in forward_train
+                (void)status_.sums(s_.sys); // allocated before the enqueue, as in forward_train
             exchange_.backward(comm, step, std::span<const param_type>(local), combined);
             if (!problem.empty())
                 fail(errc::shape_mismatch, rank, op, problem);
             // Inside a trainer's step the replica with invalid gradients throws and its peers
             // learn of it from their next collective; outside, they check the status now.
             if (step == nullptr) {
-                status_read().enqueue(std::span<const param_type>(combined.last(1)));
-                const param_type failed = wait_for(comm, status_read(), op)[0];
+                status_.sums(s_.sys).enqueue(std::span<const param_type>(combined.last(1)));
+                const param_type failed = wait_for(comm, status_.sums(s_.sys), op)[0];
                 LOCKSTEP_REQUIRE(failed == 0, errc::peer_failure, rank, op, failed,
                                  " other replica(s) passed invalid gradients to this layer");
             }
@@ -412,64 +391,9 @@ private:
             p_.affine ? s_.dbeta : std::span<param_type>{});
     }
 
-    // The constructor's checks, run before any buffer is sized from `channels`. Written so that
-    // NaN fails every comparison; eps = inf would make every output 0.
-    static std::size_t validated(std::size_t channels, const params& p) {
-        LOCKSTEP_REQUIRE(channels >= 1 && p.eps > 0 && std::isfinite(p.eps) && p.momentum >= 0 &&
-                             p.momentum <= 1,
-                         errc::invalid_argument, -1, "batch_norm", "channels = ", channels,
-                         ", eps = ", p.eps, ", momentum = ", p.momentum,
-                         " (need channels >= 1, finite eps > 0, 0 <= momentum <= 1)");
-        // The layer keeps 4 values per channel in one buffer (gamma, beta and their gradients).
-        (void)checked_bytes(checked_mul(4, channels, -1, "batch_norm", "4 * channels"),
-                            sizeof(param_type), -1, "batch_norm", "the parameter buffer");
-        return channels;
-    }
-
     batch_norm(std::size_t channels, parameter_spans ext, params p, System sys, bool owning)
-        : p_(p), s_(validated(channels, p), sys) {
-        auto own = s_.own.span();
-        if (owning || !p.affine) {
-            s_.gamma = own.first(channels);
-            s_.beta = own.subspan(channels, channels);
-            if (p.affine) {
-                s_.dgamma = own.subspan(2 * channels, channels);
-                s_.dbeta = own.subspan(3 * channels, channels);
-            }
-        }
-        if (!owning) {
-            LOCKSTEP_REQUIRE(
-                p.affine && ext.gamma.size() == channels && ext.beta.size() == channels &&
-                    ext.dgamma.size() == channels && ext.dbeta.size() == channels,
-                errc::shape_mismatch, -1, "batch_norm",
-                "external parameters need affine = true and ", channels, " values each, got gamma ",
-                ext.gamma.size(), ", beta ", ext.beta.size(), ", dgamma ", ext.dgamma.size(),
-                ", dbeta ", ext.dbeta.size());
-            s_.gamma = ext.gamma;
-            s_.beta = ext.beta;
-            s_.dgamma = ext.dgamma;
-            s_.dbeta = ext.dbeta;
-        }
-        if (!owning && ext.values == initial_values::fresh) {
-            // Values the caller set (e.g. initialised in the registry before finalize) are never
-            // silently overwritten: fresh spans must still hold the registry's zero fill.
-            const std::size_t set =
-                detail::count_nonzero(s_.sys, std::span<const param_type>(s_.gamma)) +
-                detail::count_nonzero(s_.sys, std::span<const param_type>(s_.beta));
-            LOCKSTEP_REQUIRE(set == 0, errc::invalid_argument, -1, "batch_norm",
-                             "gamma and beta over caller spans already hold ", set,
-                             " non-zero value(s) of ", 2 * channels,
-                             "; a layer over fresh spans would overwrite them with gamma = 1, "
-                             "beta = 0: pass parameter_spans{..., .values = "
-                             "nn::initial_values::keep} to train from the values set, or "
-                             "initial_values::reset to overwrite them");
-        }
-        if (owning || ext.values != initial_values::keep) {
-            detail::fill(s_.sys, s_.gamma, param_type(1));
-            detail::fill(s_.sys, s_.beta, param_type(0));
-        }
-        detail::fill(s_.sys, s_.dgamma, param_type(0));
-        detail::fill(s_.sys, s_.dbeta, param_type(0));
+        : p_(p), s_(detail::validated_channels<param_type>(channels, p), sys) {
+        detail::bind_parameters(s_, p, owning ? nullptr : &ext);
         reset_running_stats();
     }
 
@@ -532,76 +456,6 @@ private:
             batches_ += n;
     }
 
-    /// The host side of the layer's status reads (pinned on CUDA), made on first use.
-    staged_read<param_type, System>& status_read() {
-        if (!read_)
-            read_ = std::make_unique<staged_read<param_type, System>>(4, s_.sys);
-        return *read_;
-    }
-    staged_read<kernels::layer_error_record, System>& error_read() {
-        if (!error_read_)
-            error_read_ =
-                std::make_unique<staged_read<kernels::layer_error_record, System>>(1, s_.sys);
-        return *error_read_;
-    }
-
-    /// Outside a step: reads the layer's own status back (one synchronisation through the
-    /// communicator) and throws what the device found.
-    template <class Comm>
-    void throw_layer_error(Comm& comm, const char* op, const tensor_shape& shape) {
-        error_read().enqueue(std::span<const kernels::layer_error_record>(s_.own_error(), 1));
-        const kernels::layer_error_record e = wait_for(comm, error_read(), op)[0];
-        const auto code = static_cast<layer_error>(static_cast<int>(e.code));
-        const int rank = comm.rank();
-        if (code == layer_error::peer_invalid_input)
-            fail(errc::peer_failure, rank, op, "replica ", static_cast<int>(e.value),
-                 " passed invalid input to this layer");
-        if (code == layer_error::single_value) {
-            if (e.value < 0)
-                fail(errc::invalid_argument, rank, op,
-                     "expected more than 1 value per channel when training, got 1 over the "
-                     "replicas sharing statistics (",
-                     shape, " here)");
-            fail(errc::invalid_argument, rank, op,
-                 "expected more than 1 value per channel when training, replica ",
-                 static_cast<int>(e.value), " has 1");
-        }
-    }
-
-    /// The stream contract: the communicator's system must be the layer's.
-    template <class Comm>
-    void check_system(const Comm& comm, const char* op) const {
-        if constexpr (!System::is_host && std::is_same_v<typename Comm::system_type, System>) {
-            const System cs = comm.system();
-            LOCKSTEP_REQUIRE(cs == s_.sys, errc::invalid_argument, comm.rank(), op,
-                             "the layer runs on device ", s_.sys.device(), " stream ",
-                             static_cast<const void*>(s_.sys.stream()),
-                             ", its communicator on device ", cs.device(), " stream ",
-                             static_cast<const void*>(cs.stream()),
-                             ": construct the layer from the communicator (batch_norm(comm, "
-                             "channels)) or with comm.system()");
-        }
-    }
-
-    std::string check_input(std::size_t x_size, const tensor_shape& shape,
-                            std::size_t y_size) const {
-        if (shape.rank() != Layout::rank)
-            return lockstep::detail::concat("expected a rank-", Layout::rank, " ", Layout::name,
-                                            " tensor, got shape ", shape, " of rank ",
-                                            shape.rank());
-        if (shape[Layout::channel_axis] != s_.channels)
-            return lockstep::detail::concat("the layer has ", s_.channels, " channels, the input ",
-                                            shape[Layout::channel_axis], " (shape ", shape, ", ",
-                                            Layout::name, ")");
-        if (shape.elements_overflow())
-            return lockstep::detail::concat("shape ", shape,
-                                            ": the product of the extents overflows std::size_t");
-        if (x_size != shape.elements() || y_size != shape.elements())
-            return lockstep::detail::concat("shape ", shape, " has ", shape.elements(),
-                                            " values, x has ", x_size, " and y ", y_size);
-        return {};
-    }
-
     params p_;
     detail::bn_state<param_type, System> s_;
     std::int64_t batches_ = 0;
@@ -612,8 +466,7 @@ private:
     bool has_forward_ = false;
     layer_step* joined_ = nullptr; ///< the step whose commit restores them
     detail::statistics_exchange<Policy, param_type, System> exchange_;
-    std::unique_ptr<staged_read<param_type, System>> read_;
-    std::unique_ptr<staged_read<kernels::layer_error_record, System>> error_read_;
+    detail::layer_status<param_type, System> status_; ///< reads outside a step
     /// bn::ghost: the step's chunk statistics (nothing under the other policies).
     [[no_unique_address]] std::conditional_t<
         bn::is_ghost<Policy>, detail::ghost_statistics<bn::ghost_chunk<Policy>, param_type, System>,
