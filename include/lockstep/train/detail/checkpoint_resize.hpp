@@ -8,6 +8,7 @@
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/policy/sync.hpp"
 #include "lockstep/train/detail/checkpoint_format.hpp"
+#include "lockstep/train/detail/checkpoint_parser.hpp"
 #include "lockstep/train/detail/checkpoint_marker.hpp"
 #include "lockstep/train/detail/checkpoint_state.hpp"
 #include "lockstep/train/detail/durable_file.hpp"
