@@ -3,20 +3,15 @@
 #pragma once
 
 #include "lockstep/kernels/optimizer_kernels.hpp"
-#include "lockstep/optim/detail/flat_layout.hpp"
-#include "lockstep/optim/detail/state_block.hpp"
-#include "lockstep/optim/detail/step_counter.hpp"
+#include "lockstep/optim/detail/layerwise_block.hpp"
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
 
 #include <cmath>
 #include <cstddef>
-#include <cstdint>
-#include <functional>
 #include <limits>
 #include <span>
-#include <utility>
 
 namespace lockstep::optim {
 
@@ -43,9 +38,10 @@ struct lamb_params {
 /// Two fused passes: moments + r (kept in a scratch buffer) + per-tile ||w||^2, ||r||^2; then
 /// the per-segment ratios and w -= lr ratio_s r. Norms are accumulated in double, in a fixed
 /// order. The bias corrections are computed in double by a one-thread prologue in System memory,
-/// where t lives. State: "exp_avg" (m), "exp_avg_sq" (v), step count t.
+/// where t lives. State: "exp_avg" (m), "exp_avg_sq" (v), step count t. The norms, their
+/// reduction over replicas (set_norm_reduction) and trust_ratios() are layerwise_block's.
 template <class T, class System = host_system>
-class lamb : public detail::state_block<T, System, lamb_params, kernels::lamb_rule, 2> {
+class lamb : public detail::layerwise_block<T, System, lamb_params, kernels::lamb_rule, 2> {
     static_assert(std::is_floating_point_v<T>, "optim::lamb updates float or double parameters.");
 
 public:
@@ -54,11 +50,8 @@ public:
     /// Throws lockstep::error otherwise.
     explicit lamb(std::size_t n, lamb_params p = {}, System sys = default_system<System>(),
                   std::span<const tensor_segment> segments = {})
-        : detail::state_block<T, System, lamb_params, kernels::lamb_rule, 2>(
-              "lamb", {"exp_avg", "exp_avg_sq"}, {true, true}, n, p, sys, segments),
-          update_(n, sys_), partial_(layout_.tile_count(), sys_),
-          norms_(layout_.segment_count(), sys_), scaled_lr_(layout_.segment_count(), sys_),
-          trust_(detail::zeros<double>(layout_.segment_count(), sys_, 1.0)) {
+        : base("lamb", {"exp_avg", "exp_avg_sq"}, {true, true}, n, p, sys, segments),
+          update_(n, sys_) {
         detail::check_param("lamb", "lr", p.lr, 0.0);
         detail::check_param("lamb", "beta1", p.beta1, 0.0);
         detail::check_param("lamb", "beta2", p.beta2, 0.0);
@@ -83,65 +76,36 @@ public:
         detail::check_step("lamb.step", this->size(), w.size(), g.size());
         count_.begin(sys_, skip, kernels::lamb_rule{p_.beta1, p_.beta2});
         const int* noop = count_.noop();
-        layout_.reduce(sys_,
-                       kernels::lamb_moments<T>{.w = w.data(),
-                                                .g = g.data(),
-                                                .m = this->slot(0),
-                                                .v = this->slot(1),
-                                                .update = update_.data(),
-                                                .flags = layout_.flags(),
-                                                .step = count_.state(),
-                                                .beta1 = static_cast<T>(p_.beta1),
-                                                .one_minus_beta1 = static_cast<T>(1.0 - p_.beta1),
-                                                .beta2 = static_cast<T>(p_.beta2),
-                                                .one_minus_beta2 = static_cast<T>(1.0 - p_.beta2),
-                                                .eps = static_cast<T>(p_.eps),
-                                                .weight_decay = static_cast<T>(p_.weight_decay)},
-                       partial_, norms_.data(), noop);
-        if (norm_reduction_)
-            norm_reduction_(norms_.span());
-        layout_.for_each_segment(sys_,
-                                 kernels::lamb_trust{.norms = norms_.data(),
-                                                     .flags = layout_.flags(),
-                                                     .scaled_lr = scaled_lr_.data(),
-                                                     .trust_out = trust_.data(),
-                                                     .lr = p_.lr,
-                                                     .phi_min = p_.phi_min,
-                                                     .phi_max = p_.phi_max},
-                                 noop);
+        this->trust_pass(
+            kernels::lamb_moments<T>{.w = w.data(),
+                                     .g = g.data(),
+                                     .m = this->slot(0),
+                                     .v = this->slot(1),
+                                     .update = update_.data(),
+                                     .flags = layout_.flags(),
+                                     .step = count_.state(),
+                                     .beta1 = static_cast<T>(p_.beta1),
+                                     .one_minus_beta1 = static_cast<T>(1.0 - p_.beta1),
+                                     .beta2 = static_cast<T>(p_.beta2),
+                                     .one_minus_beta2 = static_cast<T>(1.0 - p_.beta2),
+                                     .eps = static_cast<T>(p_.eps),
+                                     .weight_decay = static_cast<T>(p_.weight_decay)},
+            kernels::lamb_trust{.lr = p_.lr, .phi_min = p_.phi_min, .phi_max = p_.phi_max}, noop);
         layout_.apply(sys_,
                       kernels::lamb_apply<T>{
-                          .w = w.data(), .update = update_.data(), .scaled_lr = scaled_lr_.data()},
+                          .w = w.data(), .update = update_.data(), .scaled_lr = this->scaled_lr()},
                       noop);
     }
     /// step(w, g, nullptr): a step that is always applied.
     void step(std::span<T> w, std::span<const T> g) { step(w, g, nullptr); }
 
-    /// The per-segment norm reduction, for an optimizer whose segments are parts of tensors
-    /// split over replicas (reduce::sharded): every step() (applied or skipped) calls f(norms)
-    /// on the calling thread once the per-segment partial sums {||w_s||^2, ||r_s||^2} are in norms
-    /// (segment_count() entries, System memory, on the system's stream; zero when the step is
-    /// skipped) and before the trust ratios are taken from them; f must leave there the sums
-    /// over the whole tensors (e.g. through an all_reduce), the same on every replica. An empty
-    /// f (the default) uses the segment's own sums: the segments are whole tensors.
-    void set_norm_reduction(std::function<void(std::span<kernels::sum_pair>)> f) {
-        norm_reduction_ = std::move(f);
-    }
-
-    /// The trust ratio of every segment in the last applied step (1 before the first), System
-    /// memory.
-    std::span<const double> trust_ratios() const noexcept { return trust_.span(); }
-
 private:
-    using base = detail::state_block<T, System, lamb_params, kernels::lamb_rule, 2>;
+    using base = detail::layerwise_block<T, System, lamb_params, kernels::lamb_rule, 2>;
     using base::count_;
     using base::layout_;
     using base::p_;
     using base::sys_;
-    buffer<T, System> update_;
-    buffer<kernels::sum_pair, System> partial_, norms_;
-    buffer<double, System> scaled_lr_, trust_;
-    std::function<void(std::span<kernels::sum_pair>)> norm_reduction_;
+    buffer<T, System> update_; ///< r of the step, between its two passes
 };
 
 } // namespace lockstep::optim

@@ -3,19 +3,13 @@
 #pragma once
 
 #include "lockstep/kernels/optimizer_kernels.hpp"
-#include "lockstep/optim/detail/flat_layout.hpp"
-#include "lockstep/optim/detail/state_block.hpp"
-#include "lockstep/optim/detail/step_counter.hpp"
+#include "lockstep/optim/detail/layerwise_block.hpp"
 #include "lockstep/optim/optimizer.hpp"
-#include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
 
 #include <cmath>
 #include <cstddef>
-#include <cstdint>
-#include <functional>
 #include <span>
-#include <utility>
 
 namespace lockstep::optim {
 
@@ -37,9 +31,10 @@ struct lars_params {
 /// Two passes: a segmented reduction of ||w_s||^2 and ||g_s||^2 (per tile, then per segment in
 /// a fixed order: deterministic), then one fused update. The norms are accumulated in double.
 /// Segments with adapt = false (biases, BN gamma/beta) get plain momentum SGD.
-/// State: "momentum" (v) and the step count (applied steps, in System memory).
+/// State: "momentum" (v) and the step count (applied steps, in System memory). The norms, their
+/// reduction over replicas (set_norm_reduction) and trust_ratios() are layerwise_block's.
 template <class T, class System = host_system>
-class lars : public detail::state_block<T, System, lars_params, kernels::count_rule, 1> {
+class lars : public detail::layerwise_block<T, System, lars_params, kernels::count_rule, 1> {
     static_assert(std::is_floating_point_v<T>, "optim::lars updates float or double parameters.");
 
 public:
@@ -48,11 +43,7 @@ public:
     /// lockstep::error otherwise.
     explicit lars(std::size_t n, lars_params p = {}, System sys = default_system<System>(),
                   std::span<const tensor_segment> segments = {})
-        : detail::state_block<T, System, lars_params, kernels::count_rule, 1>(
-              "lars", {"momentum"}, {true}, n, p, sys, segments),
-          partial_(layout_.tile_count(), sys_), norms_(layout_.segment_count(), sys_),
-          scaled_lr_(layout_.segment_count(), sys_),
-          trust_(detail::zeros<double>(layout_.segment_count(), sys_, 1.0)) {
+        : base("lars", {"momentum"}, {true}, n, p, sys, segments) {
         detail::check_param("lars", "lr", p.lr, 0.0);
         detail::check_param("lars", "momentum", p.momentum, 0.0);
         detail::check_param("lars", "weight_decay", p.weight_decay, 0.0);
@@ -73,26 +64,17 @@ public:
         detail::check_step("lars.step", this->size(), w.size(), g.size());
         count_.begin(sys_, skip, kernels::count_rule{});
         const int* noop = count_.noop();
-        layout_.reduce(sys_, kernels::norm2_w_g<T>{w.data(), g.data()}, partial_, norms_.data(),
-                       noop);
-        if (norm_reduction_)
-            norm_reduction_(norms_.span());
-        layout_.for_each_segment(sys_,
-                                 kernels::lars_trust{.norms = norms_.data(),
-                                                     .flags = layout_.flags(),
-                                                     .scaled_lr = scaled_lr_.data(),
-                                                     .trust_out = trust_.data(),
-                                                     .lr = p_.lr,
-                                                     .eta = p_.eta,
-                                                     .weight_decay = p_.weight_decay,
-                                                     .eps = p_.eps},
-                                 noop);
+        this->trust_pass(
+            kernels::norm2_w_g<T>{w.data(), g.data()},
+            kernels::lars_trust{
+                .lr = p_.lr, .eta = p_.eta, .weight_decay = p_.weight_decay, .eps = p_.eps},
+            noop);
         layout_.apply(sys_,
                       kernels::lars_update<T>{.w = w.data(),
                                               .g = g.data(),
                                               .v = this->slot(0),
                                               .flags = layout_.flags(),
-                                              .scaled_lr = scaled_lr_.data(),
+                                              .scaled_lr = this->scaled_lr(),
                                               .momentum = static_cast<T>(p_.momentum),
                                               .weight_decay = static_cast<T>(p_.weight_decay)},
                       noop);
@@ -100,30 +82,12 @@ public:
     /// step(w, g, nullptr): a step that is always applied.
     void step(std::span<T> w, std::span<const T> g) { step(w, g, nullptr); }
 
-    /// The per-segment norm reduction, for an optimizer whose segments are parts of tensors
-    /// split over replicas (reduce::sharded): every step() (applied or skipped) calls f(norms)
-    /// on the calling thread once the per-segment partial sums {||w_s||^2, ||g_s||^2} are in norms
-    /// (segment_count() entries, System memory, on the system's stream; zero when the step is
-    /// skipped) and before the trust ratios are taken from them; f must leave there the sums
-    /// over the whole tensors (e.g. through an all_reduce), the same on every replica. An empty
-    /// f (the default) uses the segment's own sums: the segments are whole tensors.
-    void set_norm_reduction(std::function<void(std::span<kernels::sum_pair>)> f) {
-        norm_reduction_ = std::move(f);
-    }
-
-    /// The trust ratio of every segment in the last applied step (1 before the first), System
-    /// memory.
-    std::span<const double> trust_ratios() const noexcept { return trust_.span(); }
-
 private:
-    using base = detail::state_block<T, System, lars_params, kernels::count_rule, 1>;
+    using base = detail::layerwise_block<T, System, lars_params, kernels::count_rule, 1>;
     using base::count_;
     using base::layout_;
     using base::p_;
     using base::sys_;
-    buffer<kernels::sum_pair, System> partial_, norms_;
-    buffer<double, System> scaled_lr_, trust_;
-    std::function<void(std::span<kernels::sum_pair>)> norm_reduction_;
 };
 
 } // namespace lockstep::optim

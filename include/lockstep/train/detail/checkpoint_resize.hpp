@@ -8,11 +8,11 @@
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/policy/sync.hpp"
 #include "lockstep/train/detail/checkpoint_format.hpp"
-#include "lockstep/train/detail/checkpoint_parser.hpp"
 #include "lockstep/train/detail/checkpoint_marker.hpp"
+#include "lockstep/train/detail/checkpoint_parser.hpp"
 #include "lockstep/train/detail/checkpoint_state.hpp"
 #include "lockstep/train/detail/durable_file.hpp"
-#include "lockstep/train/detail/reduce_sharded.hpp"
+#include "lockstep/train/detail/optimizer_shard.hpp"
 
 #include <algorithm>
 #include <cstddef>
