@@ -10,6 +10,8 @@
 #include <catch2/catch.hpp>
 
 #include <numeric>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -243,6 +245,64 @@ TEMPLATE_TEST_CASE("bn::group<2> on 4 replicas equals global BN within each pair
         CHECK(r.forward.collectives() == 1);
         CHECK(r.forward.split == 0);
         CHECK(r.backward.collectives() == 1);
+    }
+}
+
+TEST_CASE("bn::group splits again for a communicator built where a destroyed one stood",
+          "[nn][bn][thread]") {
+    // The layer keeps the sub-communicator it split for the communicator it was given. A is
+    // destroyed and B constructed in the same storage (same address), grouping the replicas
+    // differently: world {0, 1}, {2, 3} under A; world {0, 2}, {1, 3} under B (B's ranks
+    // follow the keys). A layer that kept A's group for B's address would normalize with A's
+    // pairs.
+    constexpr std::size_t C = 3;
+    const std::size_t samples[4] = {3, 4, 2, 5};
+    const int key_b[4] = {0, 2, 1, 3}; // B's rank of world replica r
+    std::vector<std::vector<double>> xs(4);
+    for (std::size_t r = 0; r < 4; ++r) // replica r's values lie around 3 r: the pairs differ
+        xs[r] = bn_test::random_values<double>(samples[r] * C, 70 + static_cast<unsigned>(r),
+                                               3.0 * static_cast<double>(r));
+    std::vector<std::vector<double>> mean_a(4), mean_b(4);
+    std::vector<int> same_storage(4, 0);
+    thread_group group(4, {.timeout = std::chrono::seconds(20)});
+    group.run([&](thread_communicator& comm) {
+        const int r = comm.rank();
+        const auto ru = static_cast<std::size_t>(r);
+        nn::batch_norm<double, bn::group<2>, nn::nc> layer(C, opts);
+        const std::span<const double> x(xs[ru]);
+        std::vector<double> y(x.size());
+        const nn::tensor_shape shape{samples[ru], C};
+        std::optional<thread_communicator> slot;
+        slot.emplace(comm.split(0, r));
+        layer.forward_train(*slot, x, shape, std::span<double>(y));
+        mean_a[ru].assign(layer.batch_mean().begin(), layer.batch_mean().end());
+        const thread_communicator* const a = &*slot;
+        comm.barrier(); // every replica is done with A before any leaves it
+        slot.reset();
+        slot.emplace(comm.split(0, key_b[ru]));
+        same_storage[ru] = &*slot == a;
+        layer.forward_train(*slot, x, shape, std::span<double>(y));
+        mean_b[ru].assign(layer.batch_mean().begin(), layer.batch_mean().end());
+    });
+    // The mean of each channel over the samples of world replicas p and q, in double.
+    const auto pair_mean = [&](std::size_t p, std::size_t q) {
+        std::vector<double> m(C, 0.0);
+        for (std::size_t r : {p, q})
+            for (std::size_t i = 0; i < xs[r].size(); ++i)
+                m[i % C] += xs[r][i];
+        for (double& v : m)
+            v /= static_cast<double>(samples[p] + samples[q]);
+        return m;
+    };
+    const std::size_t pair_a[4] = {1, 0, 3, 2}, pair_b[4] = {2, 3, 0, 1};
+    for (std::size_t r = 0; r < 4; ++r) {
+        CAPTURE(r);
+        CHECK(same_storage[r] == 1);
+        const auto want_a = pair_mean(r, pair_a[r]), want_b = pair_mean(r, pair_b[r]);
+        for (std::size_t c = 0; c < C; ++c) {
+            CHECK(mean_a[r][c] == Approx(want_a[c]).epsilon(1e-12));
+            CHECK(mean_b[r][c] == Approx(want_b[c]).epsilon(1e-12));
+        }
     }
 }
 

@@ -4,8 +4,10 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/communicator_identity.hpp"
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <span>
 
@@ -116,6 +118,9 @@ public:
         return inner_->recv_any(data, tag);
     }
 
+    /// This object's communicator_identity (what bn::group keys its split by).
+    std::uint64_t identity() const noexcept { return identity_.value(); }
+
 private:
     counting_communicator(std::shared_ptr<Comm> owned, std::shared_ptr<collective_counts> counts)
         : owned_(std::move(owned)), inner_(owned_.get()), counts_(std::move(counts)) {}
@@ -123,6 +128,7 @@ private:
     std::shared_ptr<Comm> owned_;
     Comm* inner_;
     std::shared_ptr<collective_counts> counts_;
+    communicator_identity identity_;
 };
 
 } // namespace lockstep::testing

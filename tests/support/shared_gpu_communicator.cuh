@@ -37,6 +37,7 @@
 // not wait for an event recorded outside its capture.
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/communicator_identity.hpp"
 #include "lockstep/comm/detail/scatter_counts.hpp"
 #include "lockstep/comm/detail/shm_reduce.hpp"
 #include "lockstep/comm/thread_group.hpp"
@@ -81,7 +82,8 @@ public:
     shared_gpu_communicator(shared_gpu_communicator&& o) noexcept
         : host_(o.host_), owned_(std::move(o.owned_)), run_(std::move(o.run_)), sys_(o.sys_),
           scratch_(std::exchange(o.scratch_, nullptr)),
-          scratch_bytes_(std::exchange(o.scratch_bytes_, 0)), seq_(o.seq_), aborted_(o.aborted_) {}
+          scratch_bytes_(std::exchange(o.scratch_bytes_, 0)), seq_(o.seq_), aborted_(o.aborted_),
+          identity_(std::move(o.identity_)) {}
     shared_gpu_communicator& operator=(shared_gpu_communicator&&) = delete;
     shared_gpu_communicator(const shared_gpu_communicator&) = delete;
     ~shared_gpu_communicator() { sys_.deallocate(scratch_, scratch_bytes_); }
@@ -235,6 +237,9 @@ public:
         }
     }
     bool aborted() const noexcept { return aborted_ || host_->run_failed(); }
+
+    /// This object's communicator_identity (what bn::group keys its split by).
+    std::uint64_t identity() const noexcept { return identity_.value(); }
 
 private:
     using descs = std::vector<shared_gpu_detail::call_desc>;
@@ -434,6 +439,7 @@ private:
     std::size_t scratch_bytes_ = 0;
     std::uint64_t seq_ = 0;
     bool aborted_ = false;
+    communicator_identity identity_;
 };
 
 static_assert(all_to_all_communicator<shared_gpu_communicator>,

@@ -16,6 +16,7 @@
 #include <catch2/catch.hpp>
 
 #include "lockstep/train/detail/checkpoint_format.hpp"
+#include "lockstep/train/detail/checkpoint_parser.hpp"
 
 #include <atomic>
 #include <cstddef>

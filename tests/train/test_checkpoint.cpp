@@ -18,6 +18,8 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <thread>
 #include <vector>
 
 using namespace lockstep_test;
@@ -410,18 +412,6 @@ TEST_CASE("corrupted, truncated, extended, empty or uncommitted checkpoints are 
     });
 }
 
-namespace {
-
-/// Restores the test hook at scope exit.
-struct hook_scope {
-    explicit hook_scope(std::function<void(std::string_view, int)> h) {
-        ck::checkpoint_test_hook = std::move(h);
-    }
-    ~hook_scope() { ck::checkpoint_test_hook = nullptr; }
-};
-
-} // namespace
-
 TEST_CASE("a save that crashes at any stage leaves the previous checkpoint loadable",
           "[train][checkpoint][thread]") {
     using dp_type = trainer_of<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>;
@@ -441,11 +431,10 @@ TEST_CASE("a save that crashes at any stage leaves the previous checkpoint loada
             const fs::path path = dir.path / "x.ckpt";
             std::vector<std::vector<std::byte>> at3(2), at5(2);
             std::vector<int> save_failed(2);
-            std::atomic<bool> armed{false};
-            hook_scope hook([&](std::string_view stage, int replica) {
-                if (armed && stage == c.stage && replica == c.replica)
+            const save_options crash{.on_stage = [&](std::string_view stage, int replica) {
+                if (stage == c.stage && replica == c.replica)
                     throw std::runtime_error("simulated crash");
-            });
+            }};
             thread_group(2).run([&](thread_communicator& comm) {
                 const auto r = static_cast<std::size_t>(comm.rank());
                 dp_type dp(
@@ -455,19 +444,12 @@ TEST_CASE("a save that crashes at any stage leaves the previous checkpoint loada
                 at3[r] = fingerprint(dp);
                 step_to(dp, 5);
                 at5[r] = fingerprint(dp);
-                comm.barrier();
-                if (r == 0)
-                    armed = true;
-                comm.barrier();
                 try {
-                    save_checkpoint(dp, path);
+                    save_checkpoint(dp, path, crash);
                 } catch (const lockstep::error& e) {
                     save_failed[r] =
                         e.code() == errc::checkpoint && contains(e.what(), "simulated crash");
                 }
-                comm.barrier();
-                if (r == 0)
-                    armed = false;
             });
             CHECK(save_failed == std::vector<int>{1, 1});
             std::vector<std::vector<std::byte>> loaded(2);
@@ -488,6 +470,49 @@ TEST_CASE("a save that crashes at any stage leaves the previous checkpoint loada
             CHECK(files == 3); // the marker and two shards
         }
     }
+}
+
+TEST_CASE("a save's stage hook is its own: a concurrent save in the process never sees it",
+          "[train][checkpoint][thread]") {
+    using dp_type = trainer_of<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>;
+    using net = dp_type::network_type;
+    temp_dir dir;
+    // Two jobs of two replicas each save at the same time, each with its own hook: job 0's
+    // crashes its save at shard.written, job 1's records the stages it sees.
+    std::vector<std::string> seen;
+    std::vector<int> failed(4, -1);
+    std::atomic<int> arrived{0};
+    const auto job = [&](int j) {
+        const fs::path path = dir.path / ("job" + std::to_string(j) + ".ckpt");
+        thread_group(2).run([&](thread_communicator& comm) {
+            const auto r = static_cast<std::size_t>(comm.rank());
+            dp_type dp(
+                comm, [](auto& ctx) { return net(ctx); }, base_params, params_for(42));
+            step_to(dp, 2);
+            const save_options own{.on_stage = [&](std::string_view stage, int replica) {
+                if (j == 0 && stage == "shard.written")
+                    throw std::runtime_error("simulated crash");
+                if (j == 1 && replica == 0)
+                    seen.emplace_back(stage);
+            }};
+            ++arrived; // both jobs' replicas are alive before either saves
+            while (arrived.load() < 4)
+                std::this_thread::yield();
+            try {
+                save_checkpoint(dp, path, own);
+                failed[static_cast<std::size_t>(j) * 2 + r] = 0;
+            } catch (const lockstep::error& e) {
+                failed[static_cast<std::size_t>(j) * 2 + r] = contains(e.what(), "simulated crash");
+            }
+        });
+    };
+    std::thread other(job, 1);
+    job(0);
+    other.join();
+    CHECK(failed == std::vector<int>{1, 1, 0, 0});
+    CHECK(seen == std::vector<std::string>{"shard.partial", "shard.written", "shard.renamed",
+                                           "manifest.partial", "manifest.written",
+                                           "manifest.renamed", "cleanup.done"});
 }
 
 namespace {

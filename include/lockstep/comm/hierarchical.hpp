@@ -4,6 +4,7 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/communicator_identity.hpp"
 #include "lockstep/comm/detail/hierarchical_staging.hpp"
 #include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/error.hpp"
@@ -110,6 +111,10 @@ public:
         : hierarchical_communicator(std::move(intra), std::move(inter), std::move(routes), {}) {}
     hierarchical_communicator(hierarchical_communicator&&) noexcept = default;
     hierarchical_communicator& operator=(hierarchical_communicator&&) noexcept = default;
+
+    /// This object's communicator_identity (identified_communicator): what caches of state
+    /// derived from the communicator are keyed by.
+    std::uint64_t identity() const noexcept { return identity_.value(); }
 
 private:
     // members: the routes' rank of each replica of this group (empty: the same as rank()).
@@ -527,6 +532,7 @@ private:
     // Scratch and the inter-node calls' staging; destroyed before the parts (device scratch is
     // freed on the intra-node part's stream).
     detail::hierarchical_staging<system_type, typename Inter::system_type> stage_;
+    communicator_identity identity_;
 };
 
 /// Facts for trainers: collectives run on the compute cores when the intra-node ones do.

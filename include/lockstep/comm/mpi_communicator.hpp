@@ -4,6 +4,7 @@
 
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/communicator_identity.hpp"
 #include "lockstep/comm/detail/mpi_float16.hpp"
 #include "lockstep/comm/detail/mpi_handle.hpp"
 #include "lockstep/comm/detail/mpi_signature.hpp"
@@ -506,6 +507,10 @@ public:
         return v;
     }
 
+    /// This object's communicator_identity (identified_communicator): what caches of state
+    /// derived from the communicator are keyed by.
+    std::uint64_t identity() const noexcept { return identity_.value(); }
+
 private:
     // An empty handle (message_view fills it in).
     mpi_communicator() = default;
@@ -705,6 +710,8 @@ private:
                  "MPI_Mrecv", from, tag);
         return from;
     }
+
+    communicator_identity identity_;
 };
 
 static_assert(communicator<mpi_communicator>,

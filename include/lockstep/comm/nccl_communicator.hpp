@@ -10,6 +10,7 @@
 #if LOCKSTEP_HAS_NCCL
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/communicator_identity.hpp"
 #include "lockstep/comm/detail/nccl_handle.hpp"
 #include "lockstep/comm/detail/nccl_types.hpp"
 #include "lockstep/comm/detail/scatter_counts.hpp"
@@ -594,6 +595,12 @@ public:
         return trace_;
     }
 
+    /// This object's communicator_identity (identified_communicator): what caches of state
+    /// derived from the communicator are keyed by.
+    std::uint64_t identity() const noexcept {
+        return identity_.value();
+    }
+
 private:
     /// Takes ownership of `comm` (aborted if anything here throws); see nccl_handle.
     nccl_communicator(adopt_tag, ncclComm_t comm, int device,
@@ -727,6 +734,7 @@ private:
     detail::nccl_handle h_;
     long long sequence_ = 0;
     flight_recorder trace_{"nccl"};
+    communicator_identity identity_;
 };
 
 static_assert(communicator<nccl_communicator>,

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/communicator_identity.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
@@ -282,6 +283,10 @@ public:
     }
     { inner_->wait(event, what); }
 
+    /// This object's communicator_identity (identified_communicator): what caches of state
+    /// derived from the communicator are keyed by.
+    std::uint64_t identity() const noexcept { return identity_.value(); }
+
 private:
     void validate() const {
         const int me = inner_->rank();
@@ -345,6 +350,7 @@ private:
     std::uint64_t calls_ = 0;
     std::chrono::nanoseconds modelled_{0};
     std::chrono::nanoseconds idled_{0};
+    communicator_identity identity_;
 };
 
 } // namespace lockstep

@@ -3,6 +3,7 @@
 #pragma once
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/communicator_identity.hpp"
 #include "lockstep/comm/detail/scatter_counts.hpp"
 #include "lockstep/comm/detail/shm_combine.hpp"
 #include "lockstep/comm/detail/shm_group.hpp"
@@ -406,11 +407,17 @@ public:
         return detail::shm::receive(*group_, rank_, data, tag, -1, op);
     }
 
+    /// This object's communicator_identity (identified_communicator): what caches of state
+    /// derived from the communicator are keyed by.
+    std::uint64_t identity() const noexcept { return identity_.value(); }
+
 private:
     friend class thread_group;
 
     thread_communicator(std::shared_ptr<detail::shm::group_state> group, int rank)
         : member_handle(std::move(group), rank) {}
+
+    communicator_identity identity_;
 };
 
 static_assert(point_to_point_communicator<thread_communicator>,

@@ -5,7 +5,6 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/host_wait.hpp"
-#include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/bn_backward.hpp"
 #include "lockstep/kernels/bn_forward.hpp"
@@ -15,83 +14,27 @@
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/layer_report.hpp"
 #include "lockstep/kernels/moments.hpp"
+#include "lockstep/nn/batch_norm_params.hpp"
+#include "lockstep/nn/detail/bn_exchange.hpp"
+#include "lockstep/nn/detail/bn_parameters.hpp"
 #include "lockstep/nn/detail/bn_state.hpp"
+#include "lockstep/nn/detail/bn_status.hpp"
+#include "lockstep/nn/detail/ghost_statistics.hpp"
 #include "lockstep/nn/layer_step.hpp"
 #include "lockstep/nn/layout.hpp"
 #include "lockstep/nn/policy_declaration.hpp"
 #include "lockstep/policy/bn.hpp"
-#include "lockstep/policy/reduce.hpp"
 #include "lockstep/system/host_system.hpp"
-#include "lockstep/system/staged_read.hpp"
 
-#include <any>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
-#include <memory>
 #include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <variant>
 
 namespace lockstep::nn {
-
-namespace detail {
-/// bn::ghost, channel c: the running statistics updated from every chunk block of a step in
-/// global chunk order (replica r's chunks are blocks [r per_replica, r per_replica + count_r),
-/// count_r from reduce::chunks_of), as finish_statistics_fn updates them from one batch.
-template <class Acc>
-struct ghost_running_fn {
-    const Acc* blocks;
-    std::size_t stride;
-    std::size_t per_replica;
-    int replicas;
-    std::size_t global;
-    std::size_t chunk;
-    Acc momentum;
-    Acc* running_mean;
-    Acc* running_var;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t c) const {
-        Acc rm = running_mean[c];
-        Acc rv = running_var[c];
-        for (int r = 0; r < replicas; ++r) {
-            const std::size_t count = reduce::chunks_of(global, chunk, r, replicas).count;
-            for (std::size_t k = 0; k < count; ++k) {
-                const Acc* b = blocks + (static_cast<std::size_t>(r) * per_replica + k) * stride;
-                const double n = kernels::packed_moments::count(b);
-                if (n > 1) {
-                    const Acc unbiased =
-                        b[kernels::packed_moments::m2(c)] / static_cast<Acc>(n - 1);
-                    rm = (Acc(1) - momentum) * rm + momentum * b[kernels::packed_moments::mean(c)];
-                    rv = (Acc(1) - momentum) * rv + momentum * unbiased;
-                }
-            }
-        }
-        running_mean[c] = rm;
-        running_var[c] = rv;
-    }
-};
-} // namespace detail
-
-/// What a batch_norm built over caller spans (batch_norm::parameter_spans) does with the values
-/// gamma and beta already hold.
-enum class initial_values {
-    /// The spans are fresh (a registry tensor holds zeros until set): the layer writes gamma = 1,
-    /// beta = 0. Spans that already hold a non-zero value are refused with lockstep::error.
-    fresh,
-    /// The caller initialised gamma and beta: the layer trains from them as they are.
-    keep,
-    /// The layer overwrites gamma = 1, beta = 0 whatever the spans hold.
-    reset
-};
-
-/// Runtime options of a batch-norm layer.
-struct batch_norm_params {
-    double eps = 1e-5;     ///< added to the variance before the square root
-    double momentum = 0.1; ///< running = (1 - momentum) * running + momentum * batch
-    bool affine = true;    ///< learn gamma and beta (else y = xhat)
-};
 
 /// Batch normalization over the channels of a (N, C, ...) tensor in Layout, on System, with
 /// the cross-replica statistics of Policy (see policy/bn.hpp).
@@ -151,10 +94,7 @@ public:
 
     /// Views of caller-owned parameter storage of `channels` values each, in sys's memory, and
     /// what the layer does with the values gamma and beta already hold (`values`).
-    struct parameter_spans {
-        std::span<param_type> gamma, beta, dgamma, dbeta;
-        initial_values values = initial_values::fresh;
-    };
+    using parameter_spans = batch_norm_spans<param_type>;
 
     /// A layer that owns its parameters, on the host system (with the machine's thread budget:
     /// prefer the communicator constructor in replicas). requires: channels >= 1, eps > 0,
@@ -178,7 +118,7 @@ public:
     requires std::is_same_v<typename Comm::system_type, System>
     batch_norm(const Comm& comm, std::size_t channels, params p, System sys)
         : batch_norm(channels, parameter_spans{}, p, std::move(sys), true) {
-        check_system(comm, "batch_norm");
+        detail::check_system(s_.sys, comm, "batch_norm");
     }
 
     /// A layer whose gamma, beta, dgamma and dbeta live in caller-provided spans (e.g. the
@@ -256,7 +196,8 @@ public:
     /// Inference forward with the running statistics; no communication.
     /// requires: as forward_train (any number of values per channel).
     void forward_eval(std::span<const T> x, const tensor_shape& shape, std::span<T> y) {
-        const std::string problem = check_input(x.size(), shape, y.size());
+        const std::string problem =
+            detail::check_input<Layout>(s_.channels, x.size(), shape, y.size());
         if (!problem.empty())
             fail(errc::shape_mismatch, -1, "batch_norm.forward_eval", problem);
         kernels::for_each_index(s_.sys, s_.channels,
@@ -302,25 +243,6 @@ private:
              "carry the step)");
     }
 
-    /// The name this layer's collectives carry where the communicator verifies them (thread
-    /// group, MPI): "batch_norm layer 2 (forward order) forward_train" inside a step, so a
-    /// replica that skipped a layer is told apart from its peers by name, whatever the build;
-    /// "batch_norm.forward_train" outside. Kept in the layer (the name must outlive the call).
-    std::string_view collective_name(const layer_step* step, std::string_view call) {
-        const int layer =
-            step != nullptr ? (call == "backward" ? forward_layer_ : step->next_layer()) : -1;
-        if (call != "backward")
-            forward_layer_ = layer;
-        std::string& name = call == "backward" ? backward_name_ : forward_name_;
-        if (layer != named_layer_[call == "backward" ? 1 : 0] || name.empty()) {
-            named_layer_[call == "backward" ? 1 : 0] = layer;
-            name = layer >= 0 ? lockstep::detail::concat("batch_norm layer ", layer,
-                                                         " (forward order) ", call)
-                              : lockstep::detail::concat("batch_norm.", call);
-        }
-        return name;
-    }
-
     template <communicator Comm>
     void train_forward(Comm& comm, layer_step* step, const policy_declaration* declared,
                        std::span<const T> x, const tensor_shape& shape, std::span<T> y) {
@@ -328,13 +250,14 @@ private:
         const int rank = comm.rank();
         if (declared != nullptr)
             declared->check(bn_facts_of<Policy>(), bn::traits<Policy>::name(), rank, op);
-        check_system(comm, op);
+        detail::check_system(s_.sys, comm, op);
         // Outside a step the layer's error is read back after the all_gather: its pinned host
         // side is allocated before the collective is enqueued (cudaMallocHost between enqueue
         // and wait can deadlock with another thread's NCCL call).
         if (step == nullptr)
-            (void)error_read();
-        const std::string problem = check_input(x.size(), shape, y.size());
+            (void)status_.errors(s_.sys);
+        const std::string problem =
+            detail::check_input<Layout>(s_.channels, x.size(), shape, y.size());
         has_forward_ = false;
         if constexpr (!bn::communicates<Policy>) {
             if (!problem.empty())
@@ -357,44 +280,18 @@ private:
         }
         kernels::pack_local_moments(s_.sys, xs, g, param_type(problem.empty() ? 0 : 1),
                                     s_.block.span(), workspace(g));
-        const param_type* blocks = s_.block.data();
-        int count_blocks = 1;
-        int self = 0;
-        int world_offset = rank;
-        if constexpr (bn::communicates<Policy>) {
-            auto& sc = statistics_communicator(comm);
-            const std::size_t stride = kernels::packed_moments::size(s_.channels);
-            auto gathered =
-                detail::ensure(s_.gathered, static_cast<std::size_t>(sc.size()) * stride, s_.sys);
-            const std::string_view tag = collective_name(step, "forward_train");
-            if constexpr (requires { sc.all_gather(std::span<const param_type>(), gathered, tag); })
-                sc.all_gather(std::span<const param_type>(s_.block.span()), gathered, tag);
-            else
-                sc.all_gather(std::span<const param_type>(s_.block.span()), gathered);
-            if (!problem.empty())
-                fail(errc::shape_mismatch, rank, op, problem);
-            blocks = gathered.data();
-            count_blocks = sc.size();
-            self = sc.rank();
-            world_offset = rank - sc.rank();
-        }
-        int running_first = self;
-        int running_last = self + 1;
-        if constexpr (traits::running_replica >= 0) {
-            running_first = traits::running_replica;
-            running_last = traits::running_replica + 1;
-        } else if constexpr (traits::shares_running_statistics || traits::group_size > 0) {
-            running_first = 0;
-            running_last = count_blocks;
-        }
+        detail::forward_blocks<param_type> f = exchange_.forward(
+            comm, step, std::span<const param_type>(s_.block.span()), s_.gathered, s_.sys);
+        if (!problem.empty())
+            fail(errc::shape_mismatch, rank, op, problem);
         // bn::ghost inside a reproducible step: no running update here; the chunk's block is
         // kept and every chunk of the step is applied in global order at its end.
         bool ghost_step = false;
         if constexpr (bn::is_ghost<Policy>) {
             ghost_step = step != nullptr && step->ghost_global() != 0;
             if (ghost_step) {
-                running_first = 0;
-                running_last = 0;
+                f.running_first = 0;
+                f.running_last = 0;
             }
         }
         keep_running_statistics(step);
@@ -402,14 +299,14 @@ private:
             step != nullptr ? step->next_report() : kernels::layer_report{s_.own_error()};
         kernels::for_each_index(s_.sys, s_.channels,
                                 kernels::finish_statistics_fn<param_type>{
-                                    .blocks = blocks,
+                                    .blocks = f.blocks,
                                     .stride = kernels::packed_moments::size(s_.channels),
-                                    .count_blocks = count_blocks,
-                                    .self = self,
-                                    .running_first = running_first,
-                                    .running_last = running_last,
+                                    .count_blocks = f.count,
+                                    .self = f.self,
+                                    .running_first = f.running_first,
+                                    .running_last = f.running_last,
                                     .normalize_merged = traits::normalizes_across_replicas,
-                                    .world_offset = world_offset,
+                                    .world_offset = f.world_offset,
                                     .gamma = s_.gamma.data(),
                                     .eps = static_cast<param_type>(p_.eps),
                                     .momentum = static_cast<param_type>(p_.momentum),
@@ -420,17 +317,18 @@ private:
                                     .running_var = s_.running_var().data(),
                                     .count = s_.normalization_count(),
                                     .report = report},
-                                s_.channels * static_cast<std::size_t>(count_blocks));
+                                s_.channels * static_cast<std::size_t>(f.count));
         if constexpr (bn::is_ghost<Policy>) {
             if (ghost_step)
-                record_ghost_chunk(comm, *step, !xs.empty());
+                ghost_.record(comm, *step, std::span<const param_type>(s_.block.span()),
+                              !xs.empty(), s_.sys);
             else
                 count_batches(step, 1);
         } else {
             count_batches(step, 1);
         }
         if (step == nullptr)
-            throw_layer_error(comm, op, shape);
+            status_.throw_error(comm, s_.sys, s_.own_error(), op, shape);
         kernels::normalize(
             s_.sys, xs, y.first(xs.size()), g, std::span<const param_type>(s_.batch_mean()),
             std::span<const param_type>(s_.batch_scale()), std::span<const param_type>(s_.beta));
@@ -446,7 +344,7 @@ private:
         const int rank = comm.rank();
         if (declared != nullptr)
             declared->check(bn_facts_of<Policy>(), bn::traits<Policy>::name(), rank, op);
-        check_system(comm, op);
+        detail::check_system(s_.sys, comm, op);
         std::string problem;
         if (!has_forward_)
             problem = "backward needs a preceding forward_train on this replica";
@@ -468,25 +366,17 @@ private:
                                     param_type(problem.empty() ? 0 : 1), local, workspace(g));
         const param_type* totals = local.data();
         if constexpr (traits::normalizes_across_replicas) {
-            auto& sc = statistics_communicator(comm);
             std::span<param_type> combined = s_.combined_sums();
             if (step == nullptr)
-                (void)status_read(); // allocated before the enqueue, as in forward_train
-            const std::string_view tag = collective_name(step, "backward");
-            if constexpr (requires {
-                              sc.all_reduce(std::span<const param_type>(), combined, reduce_op::sum,
-                                            tag);
-                          })
-                sc.all_reduce(std::span<const param_type>(local), combined, reduce_op::sum, tag);
-            else
-                sc.all_reduce(std::span<const param_type>(local), combined, reduce_op::sum);
+                (void)status_.sums(s_.sys); // allocated before the enqueue, as in forward_train
+            exchange_.backward(comm, step, std::span<const param_type>(local), combined);
             if (!problem.empty())
                 fail(errc::shape_mismatch, rank, op, problem);
             // Inside a trainer's step the replica with invalid gradients throws and its peers
             // learn of it from their next collective; outside, they check the status now.
             if (step == nullptr) {
-                status_read().enqueue(std::span<const param_type>(combined.last(1)));
-                const param_type failed = wait_for(comm, status_read(), op)[0];
+                status_.sums(s_.sys).enqueue(std::span<const param_type>(combined.last(1)));
+                const param_type failed = wait_for(comm, status_.sums(s_.sys), op)[0];
                 LOCKSTEP_REQUIRE(failed == 0, errc::peer_failure, rank, op, failed,
                                  " other replica(s) passed invalid gradients to this layer");
             }
@@ -501,64 +391,9 @@ private:
             p_.affine ? s_.dbeta : std::span<param_type>{});
     }
 
-    // The constructor's checks, run before any buffer is sized from `channels`. Written so that
-    // NaN fails every comparison; eps = inf would make every output 0.
-    static std::size_t validated(std::size_t channels, const params& p) {
-        LOCKSTEP_REQUIRE(channels >= 1 && p.eps > 0 && std::isfinite(p.eps) && p.momentum >= 0 &&
-                             p.momentum <= 1,
-                         errc::invalid_argument, -1, "batch_norm", "channels = ", channels,
-                         ", eps = ", p.eps, ", momentum = ", p.momentum,
-                         " (need channels >= 1, finite eps > 0, 0 <= momentum <= 1)");
-        // The layer keeps 4 values per channel in one buffer (gamma, beta and their gradients).
-        (void)checked_bytes(checked_mul(4, channels, -1, "batch_norm", "4 * channels"),
-                            sizeof(param_type), -1, "batch_norm", "the parameter buffer");
-        return channels;
-    }
-
     batch_norm(std::size_t channels, parameter_spans ext, params p, System sys, bool owning)
-        : p_(p), s_(validated(channels, p), sys) {
-        auto own = s_.own.span();
-        if (owning || !p.affine) {
-            s_.gamma = own.first(channels);
-            s_.beta = own.subspan(channels, channels);
-            if (p.affine) {
-                s_.dgamma = own.subspan(2 * channels, channels);
-                s_.dbeta = own.subspan(3 * channels, channels);
-            }
-        }
-        if (!owning) {
-            LOCKSTEP_REQUIRE(
-                p.affine && ext.gamma.size() == channels && ext.beta.size() == channels &&
-                    ext.dgamma.size() == channels && ext.dbeta.size() == channels,
-                errc::shape_mismatch, -1, "batch_norm",
-                "external parameters need affine = true and ", channels, " values each, got gamma ",
-                ext.gamma.size(), ", beta ", ext.beta.size(), ", dgamma ", ext.dgamma.size(),
-                ", dbeta ", ext.dbeta.size());
-            s_.gamma = ext.gamma;
-            s_.beta = ext.beta;
-            s_.dgamma = ext.dgamma;
-            s_.dbeta = ext.dbeta;
-        }
-        if (!owning && ext.values == initial_values::fresh) {
-            // Values the caller set (e.g. initialised in the registry before finalize) are never
-            // silently overwritten: fresh spans must still hold the registry's zero fill.
-            const std::size_t set =
-                detail::count_nonzero(s_.sys, std::span<const param_type>(s_.gamma)) +
-                detail::count_nonzero(s_.sys, std::span<const param_type>(s_.beta));
-            LOCKSTEP_REQUIRE(set == 0, errc::invalid_argument, -1, "batch_norm",
-                             "gamma and beta over caller spans already hold ", set,
-                             " non-zero value(s) of ", 2 * channels,
-                             "; a layer over fresh spans would overwrite them with gamma = 1, "
-                             "beta = 0: pass parameter_spans{..., .values = "
-                             "nn::initial_values::keep} to train from the values set, or "
-                             "initial_values::reset to overwrite them");
-        }
-        if (owning || ext.values != initial_values::keep) {
-            detail::fill(s_.sys, s_.gamma, param_type(1));
-            detail::fill(s_.sys, s_.beta, param_type(0));
-        }
-        detail::fill(s_.sys, s_.dgamma, param_type(0));
-        detail::fill(s_.sys, s_.dbeta, param_type(0));
+        : p_(p), s_(detail::validated_channels<param_type>(channels, p), sys) {
+        detail::bind_parameters(s_, p, owning ? nullptr : &ext);
         reset_running_stats();
     }
 
@@ -589,19 +424,21 @@ private:
             s_.sys, n,
             detail::copy_if_fn<param_type>{s_.running.data(), kept_running_.data(), nullptr}, n);
         if constexpr (bn::is_ghost<Policy>)
-            ghost_chunks_ = 0;
-        ghost_finish_ = nullptr;
+            ghost_.begin_step();
+        joined_ = step;
         step->join(*this);
     }
 
     /// The step's commit (step_participant): a reproducible step's bn::ghost layer first
-    /// gathers the step's chunks (finish_ghost_step); then the running statistics = the kept
-    /// copy when *skip != 0 (read on the device).
+    /// applies the step's chunks (ghost_statistics::finish, collective) and counts them; then
+    /// the running statistics = the kept copy when *skip != 0 (read on the device).
     void commit_step(const int* skip) override {
-        if (ghost_finish_) {
-            const auto finish = std::move(ghost_finish_);
-            ghost_finish_ = nullptr;
-            finish(skip);
+        if constexpr (bn::is_ghost<Policy>) {
+            if (ghost_.pending())
+                count_batches(joined_,
+                              ghost_.finish({.mean = s_.running_mean(),
+                                             .var = s_.running_var(),
+                                             .momentum = static_cast<param_type>(p_.momentum)}));
         }
         kernels::for_each_index(
             s_.sys, s_.running.size(),
@@ -609,77 +446,6 @@ private:
             s_.running.size());
     }
 
-    // --- bn::ghost ---
-    /// Keeps this chunk's statistics block (when the chunk is not empty) and the communicator
-    /// the end of the step gathers them over.
-    template <class Comm>
-    void record_ghost_chunk(Comm& comm, layer_step& step, bool nonempty) {
-        ghost_finish_ = [this, &comm, &step](const int* skip) {
-            finish_ghost_step(comm, step, skip);
-        };
-        if (!nonempty)
-            return;
-        const std::size_t stride = kernels::packed_moments::size(s_.channels);
-        const std::size_t at = ghost_chunks_ * stride;
-        grow_ghost_blocks(at + stride, at);
-        kernels::for_each_index(
-            s_.sys, stride,
-            detail::copy_if_fn<param_type>{s_.block.data(), ghost_blocks_.data() + at, nullptr},
-            stride);
-        ++ghost_chunks_;
-    }
-    /// ghost_blocks_ holds at least n values; the first `keep` are kept.
-    void grow_ghost_blocks(std::size_t n, std::size_t keep) {
-        if (ghost_blocks_.size() >= n)
-            return;
-        buffer<param_type, System> grown(2 * n, s_.sys);
-        if (keep != 0)
-            kernels::for_each_index(
-                s_.sys, keep,
-                detail::copy_if_fn<param_type>{ghost_blocks_.data(), grown.data(), nullptr}, keep);
-        ghost_blocks_ = std::move(grown);
-    }
-    /// The end of a reproducible step: every replica's chunk blocks are gathered (one
-    /// all_gather, padded to the largest replica's chunk count), the running statistics are
-    /// updated from them in global chunk order (replica order, then each replica's order), and
-    /// restored when the step is skipped.
-    template <class Comm>
-    void finish_ghost_step(Comm& comm, layer_step& step, const int* skip) {
-        constexpr std::size_t chunk = bn::ghost_chunk<Policy>;
-        const std::size_t global = step.ghost_global();
-        const int size = comm.size();
-        const reduce::chunk_run own = reduce::chunks_of(global, chunk, comm.rank(), size);
-        const std::size_t most = reduce::chunks_of(global, chunk, 0, size).count;
-        LOCKSTEP_REQUIRE(own.count == ghost_chunks_, errc::invalid_argument, comm.rank(),
-                         "batch_norm.forward_train", "bn::ghost: the layer normalized ",
-                         ghost_chunks_, " non-empty batches in this step, the replica computes ",
-                         own.count, " chunks of ", chunk,
-                         " samples (call each ghost layer once per chunk of the step)");
-        const std::size_t stride = kernels::packed_moments::size(s_.channels);
-        if (most != 0) {
-            grow_ghost_blocks(most * stride, ghost_chunks_ * stride);
-            const auto send = ghost_blocks_.span().first(most * stride);
-            auto all = detail::ensure(ghost_gathered_,
-                                      static_cast<std::size_t>(size) * most * stride, s_.sys);
-            comm.all_gather(std::span<const param_type>(send), all);
-            kernels::for_each_index(s_.sys, s_.channels,
-                                    detail::ghost_running_fn<param_type>{
-                                        .blocks = all.data(),
-                                        .stride = stride,
-                                        .per_replica = most,
-                                        .replicas = size,
-                                        .global = global,
-                                        .chunk = chunk,
-                                        .momentum = static_cast<param_type>(p_.momentum),
-                                        .running_mean = s_.running_mean().data(),
-                                        .running_var = s_.running_var().data()},
-                                    all.size());
-        }
-        count_batches(&step,
-                      static_cast<std::int64_t>(global / chunk + (global % chunk != 0 ? 1 : 0)));
-        ghost_chunks_ = 0;
-        (void)skip; // the running statistics are restored by commit_step, after this
-    }
     /// num_batches_tracked += n: inside a trainer's step through it (layer_step::count), so that
     /// each launch of a step captured into a CUDA graph counts as the plain step does
     /// (data_parallel::count_replay adds what the capture recorded); outside a step at once.
@@ -690,94 +456,6 @@ private:
             batches_ += n;
     }
 
-    /// The host side of the layer's status reads (pinned on CUDA), made on first use.
-    staged_read<param_type, System>& status_read() {
-        if (!read_)
-            read_ = std::make_unique<staged_read<param_type, System>>(4, s_.sys);
-        return *read_;
-    }
-    staged_read<kernels::layer_error_record, System>& error_read() {
-        if (!error_read_)
-            error_read_ =
-                std::make_unique<staged_read<kernels::layer_error_record, System>>(1, s_.sys);
-        return *error_read_;
-    }
-
-    /// Outside a step: reads the layer's own status back (one synchronisation through the
-    /// communicator) and throws what the device found.
-    template <class Comm>
-    void throw_layer_error(Comm& comm, const char* op, const tensor_shape& shape) {
-        error_read().enqueue(std::span<const kernels::layer_error_record>(s_.own_error(), 1));
-        const kernels::layer_error_record e = wait_for(comm, error_read(), op)[0];
-        const auto code = static_cast<layer_error>(static_cast<int>(e.code));
-        const int rank = comm.rank();
-        if (code == layer_error::peer_invalid_input)
-            fail(errc::peer_failure, rank, op, "replica ", static_cast<int>(e.value),
-                 " passed invalid input to this layer");
-        if (code == layer_error::single_value) {
-            if (e.value < 0)
-                fail(errc::invalid_argument, rank, op,
-                     "expected more than 1 value per channel when training, got 1 over the "
-                     "replicas sharing statistics (",
-                     shape, " here)");
-            fail(errc::invalid_argument, rank, op,
-                 "expected more than 1 value per channel when training, replica ",
-                 static_cast<int>(e.value), " has 1");
-        }
-    }
-
-    /// The stream contract: the communicator's system must be the layer's.
-    template <class Comm>
-    void check_system(const Comm& comm, const char* op) const {
-        if constexpr (!System::is_host && std::is_same_v<typename Comm::system_type, System>) {
-            const System cs = comm.system();
-            LOCKSTEP_REQUIRE(cs == s_.sys, errc::invalid_argument, comm.rank(), op,
-                             "the layer runs on device ", s_.sys.device(), " stream ",
-                             static_cast<const void*>(s_.sys.stream()),
-                             ", its communicator on device ", cs.device(), " stream ",
-                             static_cast<const void*>(cs.stream()),
-                             ": construct the layer from the communicator (batch_norm(comm, "
-                             "channels)) or with comm.system()");
-        }
-    }
-
-    std::string check_input(std::size_t x_size, const tensor_shape& shape,
-                            std::size_t y_size) const {
-        if (shape.rank() != Layout::rank)
-            return lockstep::detail::concat("expected a rank-", Layout::rank, " ", Layout::name,
-                                            " tensor, got shape ", shape, " of rank ",
-                                            shape.rank());
-        if (shape[Layout::channel_axis] != s_.channels)
-            return lockstep::detail::concat("the layer has ", s_.channels, " channels, the input ",
-                                            shape[Layout::channel_axis], " (shape ", shape, ", ",
-                                            Layout::name, ")");
-        if (shape.elements_overflow())
-            return lockstep::detail::concat("shape ", shape,
-                                            ": the product of the extents overflows std::size_t");
-        if (x_size != shape.elements() || y_size != shape.elements())
-            return lockstep::detail::concat("shape ", shape, " has ", shape.elements(),
-                                            " values, x has ", x_size, " and y ", y_size);
-        return {};
-    }
-
-    /// bn::group: the sub-communicator of this replica's group (split once, then cached for
-    /// this parent communicator); every other policy: comm itself.
-    template <class Comm>
-    Comm& statistics_communicator(Comm& comm) {
-        if constexpr (traits::group_size > 0) {
-            auto* cached = std::any_cast<std::shared_ptr<Comm>>(&group_comm_);
-            if (group_parent_ != &comm || cached == nullptr) {
-                const int rank = comm.rank();
-                group_comm_ = std::make_shared<Comm>(comm.split(rank / traits::group_size, rank));
-                group_parent_ = &comm;
-                cached = std::any_cast<std::shared_ptr<Comm>>(&group_comm_);
-            }
-            return **cached;
-        } else {
-            return comm;
-        }
-    }
-
     params p_;
     detail::bn_state<param_type, System> s_;
     std::int64_t batches_ = 0;
@@ -786,17 +464,14 @@ private:
     std::span<const T> saved_x_{};
     kernels::channel_geometry saved_geometry_{};
     bool has_forward_ = false;
-    int forward_layer_ = -1;        ///< the last forward's number in its step (-1: none)
-    int named_layer_[2] = {-2, -2}; ///< the layer numbers forward_name_, backward_name_ hold
-    std::string forward_name_, backward_name_; ///< collective_name()'s names
-    std::any group_comm_; ///< std::shared_ptr<Comm> of the communicator type last used
-    const void* group_parent_ = nullptr;
-    std::unique_ptr<staged_read<param_type, System>> read_;
-    std::unique_ptr<staged_read<kernels::layer_error_record, System>> error_read_;
-    buffer<param_type, System> ghost_blocks_;      ///< bn::ghost: this step's chunk blocks
-    buffer<param_type, System> ghost_gathered_;    ///< bn::ghost: every replica's chunk blocks
-    std::size_t ghost_chunks_ = 0;                 ///< bn::ghost: blocks kept in this step
-    std::function<void(const int*)> ghost_finish_; ///< bn::ghost: the step's chunk gather
+    layer_step* joined_ = nullptr; ///< the step whose commit restores them
+    detail::statistics_exchange<Policy, param_type, System> exchange_;
+    detail::layer_status<param_type, System> status_; ///< reads outside a step
+    /// bn::ghost: the step's chunk statistics (nothing under the other policies).
+    [[no_unique_address]] std::conditional_t<
+        bn::is_ghost<Policy>, detail::ghost_statistics<bn::ghost_chunk<Policy>, param_type, System>,
+        std::monostate>
+        ghost_;
 };
 
 } // namespace lockstep::nn

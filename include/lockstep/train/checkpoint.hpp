@@ -10,6 +10,7 @@
 #include "lockstep/train/detail/checkpoint_marker.hpp"
 #include "lockstep/train/detail/checkpoint_resize.hpp"
 #include "lockstep/train/detail/checkpoint_state.hpp"
+#include "lockstep/train/detail/durable_file.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
 
 #include <algorithm>
@@ -17,9 +18,11 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace lockstep {
@@ -77,6 +80,17 @@ void agree_or_fail(Comm& comm, const std::string& problem, const char* op,
 
 } // namespace detail::ckpt
 
+/// Options of save_checkpoint.
+struct save_options {
+    /// Fault injection: called on each replica at each stage of its save ("shard.partial",
+    /// "shard.written", "shard.renamed", "manifest.partial", "manifest.written",
+    /// "manifest.renamed", "cleanup.done"; the last four on replica 0 only) with the stage's name
+    /// and the replica; a hook that throws simulates a crash at that point (the save then fails
+    /// as a crash there would). Empty (the default): none. Each call's own: two trainers saving
+    /// in one process never see each other's hook.
+    std::function<void(std::string_view stage, int replica)> on_stage;
+};
+
 /// Saves everything the next steps of dp depend on to the checkpoint `path` (collective: every
 /// replica calls it with the same path, on a file system every replica sees). Each replica
 /// writes its shard `<path>.<generation>.<pid>.<token>.shard<rank>`, names unique to this save
@@ -93,7 +107,7 @@ void agree_or_fail(Comm& comm, const std::string& problem, const char* op,
 /// parameters and state).
 template <class Network, class Optimizer, class Sync, class Reduce, class Comm>
 void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
-                     const std::filesystem::path& path) {
+                     const std::filesystem::path& path, const save_options& options = {}) {
     namespace ck = detail::ckpt;
     auto& core = detail::checkpoint_access::core(dp);
     auto& comm = core.comm();
@@ -129,7 +143,7 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
         crc = crc32c(std::span<const std::byte>(shard));
         bytes = shard.size();
         ck::write_durably(ck::shard_path(path, id, rank), ck::shard_temp_path(path, id, rank),
-                          shard, rank, "shard");
+                          shard, rank, "shard", options.on_stage);
     } catch (const std::exception& e) {
         problem = e.what();
     } catch (...) {
@@ -158,9 +172,9 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
             // The generation this commit replaces: no save commits it again.
             const auto replaced = ck::committed_generation(path);
             ck::write_durably(path, ck::marker_temp_path(path, id), m.finish(ck::manifest_magic), 0,
-                              "manifest");
+                              "manifest", options.on_stage);
             ck::remove_stale(path, id, replaced);
-            ck::stage("cleanup.done", 0);
+            ck::stage(options.on_stage, "cleanup.done", 0);
         } catch (const std::exception& e) {
             problem = e.what();
         } catch (...) {

@@ -6,6 +6,8 @@
 #include "lockstep/core/crc32c.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/train/detail/checkpoint_format.hpp"
+#include "lockstep/train/detail/checkpoint_parser.hpp"
+#include "lockstep/train/detail/durable_file.hpp"
 
 #include <cerrno>
 #include <chrono>

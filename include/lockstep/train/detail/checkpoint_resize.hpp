@@ -9,7 +9,9 @@
 #include "lockstep/policy/sync.hpp"
 #include "lockstep/train/detail/checkpoint_format.hpp"
 #include "lockstep/train/detail/checkpoint_marker.hpp"
+#include "lockstep/train/detail/checkpoint_parser.hpp"
 #include "lockstep/train/detail/checkpoint_state.hpp"
+#include "lockstep/train/detail/durable_file.hpp"
 #include "lockstep/train/detail/optimizer_shard.hpp"
 
 #include <algorithm>

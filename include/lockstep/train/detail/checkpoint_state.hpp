@@ -19,6 +19,7 @@
 #include "lockstep/train/data_parallel.hpp"
 #include "lockstep/train/detail/agreement.hpp"
 #include "lockstep/train/detail/checkpoint_format.hpp"
+#include "lockstep/train/detail/checkpoint_parser.hpp"
 #include "lockstep/train/detail/checkpoint_marker.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
 #include "lockstep/train/detail/optimizer_shard.hpp"

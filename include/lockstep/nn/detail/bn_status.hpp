@@ -1,0 +1,104 @@
+// lockstep/nn/detail/bn_status.hpp: a batch-norm layer's checks of its input and communicator,
+// and the status it reads back outside a trainer's step. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/comm/host_wait.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/kernels/bn_statistics.hpp"
+#include "lockstep/kernels/layer_report.hpp"
+#include "lockstep/nn/layout.hpp"
+#include "lockstep/system/staged_read.hpp"
+
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
+
+namespace lockstep::nn::detail {
+
+/// What is wrong with an input of x_size values, shape `shape` and an output of y_size values
+/// for a layer of `channels` channels in Layout; empty when nothing is.
+template <tensor_layout Layout>
+std::string check_input(std::size_t channels, std::size_t x_size, const tensor_shape& shape,
+                        std::size_t y_size) {
+    if (shape.rank() != Layout::rank)
+        return lockstep::detail::concat("expected a rank-", Layout::rank, " ", Layout::name,
+                                        " tensor, got shape ", shape, " of rank ", shape.rank());
+    if (shape[Layout::channel_axis] != channels)
+        return lockstep::detail::concat("the layer has ", channels, " channels, the input ",
+                                        shape[Layout::channel_axis], " (shape ", shape, ", ",
+                                        Layout::name, ")");
+    if (shape.elements_overflow())
+        return lockstep::detail::concat("shape ", shape,
+                                        ": the product of the extents overflows std::size_t");
+    if (x_size != shape.elements() || y_size != shape.elements())
+        return lockstep::detail::concat("shape ", shape, " has ", shape.elements(),
+                                        " values, x has ", x_size, " and y ", y_size);
+    return {};
+}
+
+/// The stream contract: the communicator's system must be the layer's (sys); else throws
+/// lockstep::error (invalid_argument) naming both devices and streams.
+template <class System, class Comm>
+void check_system(const System& sys, const Comm& comm, const char* op) {
+    if constexpr (!System::is_host && std::is_same_v<typename Comm::system_type, System>) {
+        const System cs = comm.system();
+        LOCKSTEP_REQUIRE(cs == sys, errc::invalid_argument, comm.rank(), op,
+                         "the layer runs on device ", sys.device(), " stream ",
+                         static_cast<const void*>(sys.stream()), ", its communicator on device ",
+                         cs.device(), " stream ", static_cast<const void*>(cs.stream()),
+                         ": construct the layer from the communicator (batch_norm(comm, "
+                         "channels)) or with comm.system()");
+    }
+}
+
+/// The host side of a layer's status reads outside a trainer's step (pinned on CUDA), each
+/// made on first use: the backward status value and the layer's own error record.
+template <class Acc, class System>
+class layer_status {
+public:
+    /// The read of the backward status (one value of the combined sums).
+    staged_read<Acc, System>& sums(const System& sys) {
+        if (!sums_)
+            sums_ = std::make_unique<staged_read<Acc, System>>(4, sys);
+        return *sums_;
+    }
+    /// The read of the layer's own error record.
+    staged_read<kernels::layer_error_record, System>& errors(const System& sys) {
+        if (!errors_)
+            errors_ = std::make_unique<staged_read<kernels::layer_error_record, System>>(1, sys);
+        return *errors_;
+    }
+
+    /// Reads the error record `own` back (one synchronisation through the communicator) and
+    /// throws what the device found: a peer's invalid input (peer_failure) or statistics over
+    /// one value per channel (invalid_argument).
+    template <class Comm>
+    void throw_error(Comm& comm, const System& sys, const kernels::layer_error_record* own,
+                     const char* op, const tensor_shape& shape) {
+        errors(sys).enqueue(std::span<const kernels::layer_error_record>(own, 1));
+        const kernels::layer_error_record e = wait_for(comm, errors(sys), op)[0];
+        const auto code = static_cast<layer_error>(static_cast<int>(e.code));
+        const int rank = comm.rank();
+        if (code == layer_error::peer_invalid_input)
+            fail(errc::peer_failure, rank, op, "replica ", static_cast<int>(e.value),
+                 " passed invalid input to this layer");
+        if (code == layer_error::single_value) {
+            if (e.value < 0)
+                fail(errc::invalid_argument, rank, op,
+                     "expected more than 1 value per channel when training, got 1 over the "
+                     "replicas sharing statistics (",
+                     shape, " here)");
+            fail(errc::invalid_argument, rank, op,
+                 "expected more than 1 value per channel when training, replica ",
+                 static_cast<int>(e.value), " has 1");
+        }
+    }
+
+private:
+    std::unique_ptr<staged_read<Acc, System>> sums_;
+    std::unique_ptr<staged_read<kernels::layer_error_record, System>> errors_;
+};
+
+} // namespace lockstep::nn::detail
