@@ -4,14 +4,13 @@
 // element once. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/combine.hpp"
 #include "lockstep/comm/communicator.hpp"
-#include "lockstep/comm/detail/shm_combine.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
 #include "lockstep/kernels/detail/anchored_combine.hpp"
-#include "lockstep/kernels/detail/anchored_keep_host.hpp"
-#include "lockstep/kernels/detail/anchored_sum_host.hpp"
+#include "lockstep/kernels/detail/anchored_host.hpp"
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/detail/anchored_loss.hpp"
@@ -178,14 +177,15 @@ public:
                          errc::internal, static_cast<int>(rank_), "reduce::reproducible.keep",
                          "elements [", first, ", ", first + count, ") of chunk ", added_, " of ",
                          calls_, " (", kept_, " of ", n_, " kept)");
+        kept_ += count;
         if (count == 0)
             return;
-        T* dst = slot(added_);
         if constexpr (host_float)
-            keep_range(g.data(), dst, g.data(), first, first + count);
-        else
-            run(count, keep_zero_fn<T>{g.data() + first, dst + first}, count);
-        kept_ += count;
+            keep_range(g.data(), slot(added_), g.data(), first, first + count);
+        else if constexpr (System::is_host)
+            run(count, keep_zero_fn<T>{g.data() + first, slot(added_) + first}, count);
+        else if (kept_ == n_) // a device keeps the whole chunk in one launch
+            run(n_, keep_zero_fn<T>{g.data(), slot(added_)}, n_);
     }
     /// Elements [first, first + count) of the chunk being computed are final in g: keep() for
     /// a kept chunk; of the last chunk, which stays in g, the host's float passes flag the keep
@@ -206,8 +206,8 @@ public:
             if (count == 0 || gathered_ || reports_)
                 return;
             run(kernels::detail::anchored_keep_tiles_fn::tasks(first, first + count),
-                kernels::detail::anchored_flag_tiles_fn{g.data(), first, first + count,
-                                                        flags_.data()},
+                kernels::detail::anchored_keep_tiles_fn{g.data(), nullptr, nullptr, first,
+                                                        first + count, flags_.data(), false},
                 count);
             scanned_ += count;
         }
@@ -343,8 +343,8 @@ public:
                 // Tile by tile through a buffer on the stack, as all_combine's pass, so mine
                 // may be one of the sources.
                 T* const to[1] = {mine};
-                detail::shm::combine_to_all(sys_, sources.data(), sources.size(), to, 1, 0, block_,
-                                            reporting(rank_ * block_));
+                combine_in_place(sys_, std::span<const T* const>(sources), std::span<T* const>(to),
+                                 0, block_, reporting(rank_ * block_));
             } else {
                 const kernels::anchored_terms<T> terms{recv_.data(), replicas_, max_calls_, block_,
                                                        all};
