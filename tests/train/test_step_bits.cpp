@@ -12,6 +12,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "checkpoint_support.hpp"
 #include "optimizer_cases.hpp"
+#include "pinned_bits.hpp"
 #include "repro_runner.hpp"
 #include "train_runner.hpp"
 
@@ -72,50 +73,8 @@ const std::map<std::string, std::uint64_t> pinned = {
     // PINNED-END
 };
 
-/// 64-bit FNV-1a.
-struct fnv1a {
-    std::uint64_t h = 0xcbf29ce484222325ull;
-    void bytes(const void* p, std::size_t n) {
-        const auto* b = static_cast<const unsigned char*>(p);
-        for (std::size_t i = 0; i < n; ++i) {
-            h ^= b[i];
-            h *= 0x100000001b3ull;
-        }
-    }
-    template <class E>
-    void span(std::span<E> s) {
-        bytes(s.data(), s.size_bytes());
-    }
-    template <class V>
-    void value(const V& v) {
-        static_assert(std::is_trivially_copyable_v<V>);
-        bytes(&v, sizeof v);
-    }
-};
-
-std::string hex(std::uint64_t v) {
-    char buf[19];
-    std::snprintf(buf, sizeof buf, "0x%016llx", static_cast<unsigned long long>(v));
-    return buf;
-}
-
-bool print_mode() {
-    const char* e = std::getenv("LOCKSTEP_PRINT_STEP_BITS");
-    return e != nullptr && std::strcmp(e, "1") == 0;
-}
-
-/// Compares `actual` with the constant pinned for `name` (printing it in the table's form when
-/// LOCKSTEP_PRINT_STEP_BITS=1).
 void check_pinned(const std::string& name, std::uint64_t actual) {
-    if (print_mode())
-        std::printf("    {\"%s\", %sull},\n", name.c_str(), hex(actual).c_str());
-    const auto it = pinned.find(name);
-    INFO("configuration: " << name);
-    INFO("expected: " << (it == pinned.end() ? std::string("(none pinned)") : hex(it->second)));
-    INFO("actual:   " << hex(actual));
-    CHECK(it != pinned.end());
-    if (it != pinned.end())
-        CHECK(it->second == actual);
+    lockstep_test::check_pinned(pinned, name, actual);
 }
 
 /// One run besides the policies.
