@@ -10,7 +10,9 @@
 // time and the ratios to the flat all_reduce (best, median) and to bucketed<> (median).
 #include "csv.hpp"
 #include "lockstep/comm/thread_group.hpp"
-#include "lockstep/train/detail/reducer.hpp"
+#include "lockstep/train/detail/bucketed_collective.hpp"
+#include "lockstep/train/detail/compressed_collective.hpp"
+#include "lockstep/train/detail/parameter_server_collective.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 #include "resnet50.hpp"
 #if LOCKSTEP_BENCH_MPI
@@ -43,14 +45,17 @@ struct method {
 template <class Policy, class Comm>
 method make_method(const char* name, Comm& comm, const std::vector<tensor_info>& tensors,
                    std::vector<float>& grads, std::vector<float>& values) {
-    auto red = std::make_shared<detail::reducer<Policy, float, Comm>>(comm, tensors);
+    auto red = std::make_shared<detail::collective<Policy, float, Comm>>(comm, tensors);
     std::span<float> g(grads), v(values);
     method m{name};
     m.calls = red->plan().size() * (Policy::update_root >= 0 ? 2 : 1);
     m.run = [red, g, v] {
         red->begin(g);
         red->finish();
-        red->apply(v, [] {}); // parameter_server: the broadcast of the parameters is part of it
+        if constexpr (Policy::update_root >= 0)
+            red->broadcast(v); // parameter_server: the broadcast of the parameters is part of it
+        else
+            (void)v;
     };
     // compressed: two collectives per chunk of every bucket (all_to_all, all_gather).
     if constexpr (Policy::rounds_on_wire)

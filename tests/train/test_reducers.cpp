@@ -1,9 +1,11 @@
-// The reducers on their own: bucket plans, in-order launching, and every ReducePolicy's sum and
-// average against a double-precision reference over replicas with different data.
-// SPDX-License-Identifier: Apache-2.0
+// The collectives' reducers on their own: bucket plans, in-order launching, and every
+// ReducePolicy's sum and average against a double-precision reference over replicas with different
+// data. SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/thread_group.hpp"
+#include "lockstep/train/detail/bucketed_collective.hpp"
 #include "lockstep/train/detail/chunk_ready.hpp"
-#include "lockstep/train/detail/reducer.hpp"
+#include "lockstep/train/detail/compressed_collective.hpp"
+#include "lockstep/train/detail/parameter_server_collective.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -145,7 +147,7 @@ void check_sum_and_average(int replicas, double tol, double floor = 0) {
     std::vector<std::vector<double>> sums(static_cast<std::size_t>(replicas)),
         means(static_cast<std::size_t>(replicas));
     thread_group(replicas).run([&](thread_communicator& comm) {
-        detail::reducer<Policy, double, thread_communicator> red(comm, ts);
+        detail::collective<Policy, double, thread_communicator> red(comm, ts);
         std::vector<double> g(n), v(n);
         for (std::size_t i = 0; i < n; ++i)
             g[i] = v[i] = contribution(comm.rank(), i);
@@ -213,7 +215,7 @@ TEST_CASE("parameter_server rejects a root that is not a replica", "[train][redu
     std::vector<std::string> messages(2);
     thread_group(2).run([&](thread_communicator& comm) {
         try {
-            detail::reducer<reduce::parameter_server<2>, float, thread_communicator> red(
+            detail::collective<reduce::parameter_server<2>, float, thread_communicator> red(
                 comm, layout({4}));
         } catch (const error& e) {
             messages[comm.rank()] = e.what();

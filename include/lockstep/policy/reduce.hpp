@@ -178,9 +178,9 @@ inline constexpr chunk_run chunks_of(std::size_t global, std::size_t chunk, int 
 
 /// A ReducePolicy is an empty tag with a `name()` (what checkpoints record and the
 /// construction-time agreement check compares) and the traits of reduce::policy_traits (derive
-/// from it and override what differs): what the trainer needs to know of it. Its reducer is a
-/// specialisation of train/detail's `reducer<Policy, T, Communicator>`; a policy whose step
-/// differs from the synchronous one has its own `step_driver`.
+/// from it and override what differs): what the trainer needs to know of it. What it does in a
+/// step is its collective, a specialisation of train/detail's `collective<Policy, T,
+/// Communicator>` (gradient_collective.hpp; docs/writing_a_reduce_policy.md).
 template <class P>
 concept reduce_policy = std::is_empty_v<P> && requires {
     { P::name() } -> std::convertible_to<std::string>;

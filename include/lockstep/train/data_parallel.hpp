@@ -10,15 +10,18 @@
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/policy/sync.hpp"
 #include "lockstep/train/asynchronous.hpp" // IWYU pragma: export
+#include "lockstep/train/detail/bucketed_collective.hpp"
+#include "lockstep/train/detail/compressed_collective.hpp"
 #include "lockstep/train/detail/data_parallel_fwd.hpp"
 #include "lockstep/train/detail/empty_shards.hpp"
 #include "lockstep/train/detail/finish_check.hpp"
+#include "lockstep/train/detail/gradient_collective.hpp"
 #include "lockstep/train/detail/local_sgd_driver.hpp"
 #include "lockstep/train/detail/overlap.hpp"
-#include "lockstep/train/detail/reducer.hpp"
+#include "lockstep/train/detail/parameter_server_collective.hpp"
 #include "lockstep/train/detail/replica_consistency.hpp"
-#include "lockstep/train/detail/reproducible_driver.hpp"
-#include "lockstep/train/detail/sharded_driver.hpp"
+#include "lockstep/train/detail/reproducible_collective.hpp"
+#include "lockstep/train/detail/sharded_collective.hpp"
 #include "lockstep/train/detail/step_capture.hpp"
 #include "lockstep/train/detail/step_driver.hpp"
 #include "lockstep/train/detail/step_stages.hpp"
@@ -90,9 +93,9 @@ public:
                   train_params tp = {})
         : base_type(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp),
                     base_type::policy_settings(), true),
-          reducer_(comm, core_.registry().parameters(),
-                   detail::use_overlap(comm, core_.params().overlap)),
-          stages_(core_, reducer_, ReducePolicy::shards_optimizer_state), driver_(stages_) {
+          collective_(comm, core_.registry().parameters(),
+                      detail::use_overlap(comm, core_.params().overlap), core_.params()),
+          stages_(core_, collective_.plan(), collective_type::status_doubles), driver_(stages_) {
         const std::int64_t every = core_.params().verify_every;
         LOCKSTEP_REQUIRE(every >= 0, errc::invalid_argument, comm.rank(), "data_parallel",
                          "verify_every = ", every, " (must be >= 0; 0 is off)");
@@ -113,7 +116,7 @@ public:
     /// gradient of the mean loss over the global batch), one update is applied identically on
     /// every replica: weights are bitwise identical everywhere afterwards.
     /// reduce::reproducible<C>: fn is called once per chunk of C samples this replica computes
-    /// (train/detail/reproducible_driver.hpp), never with micro-batches.
+    /// (train/detail/reproducible_collective.hpp), never with micro-batches.
     /// sync::local_sgd<K>: scale = 1 / (this replica's samples), each replica updates alone,
     /// weights (and state) are averaged over replicas every K steps; each average first checks
     /// that every replica passed the same global_batch and used the same lr in the steps since
@@ -158,12 +161,12 @@ public:
         if (capture) {
             detail::step_capture::check_capturable(
                 this->rank(), is_local_sgd_v<SyncPolicy>,
-                reducer_.overlaps() && !detail::overlaps_on_side_stream<Communicator>);
+                collective_.overlaps() && !detail::overlaps_on_side_stream<Communicator>);
             capture_.check_set_up(this->rank(), global_batch);
         }
         try {
             stages_.set_capturing(capture);
-            const step_result r = driver_.step(stages_, global_batch, fn);
+            const step_result r = driver_.step(stages_, collective_, global_batch, fn);
             if (capture) {
                 // Nothing ran: the host counts each launch instead (count_replay).
                 capture_.record(r.step, global_batch, r.lr, stages_.layer_counts());
@@ -176,14 +179,14 @@ public:
             return r;
         } catch (const error& e) {
             stages_.set_capturing(false);
-            reducer_.drain();
+            collective_.drain();
             abort_communicator();
             detail::rethrow_naming_empty_shards(
                 e, global_batch, static_cast<std::size_t>(core_.params().micro_batches),
                 ReducePolicy::chunk_samples, this->size());
         } catch (...) {
             stages_.set_capturing(false);
-            reducer_.drain();
+            collective_.drain();
             abort_communicator();
             throw;
         }
@@ -259,7 +262,7 @@ public:
         const std::int64_t steps = detail::finish_steps(core_.comm(), this->steps());
         if (stages_.unread() && !detail::capturing(core_.comm().system()))
             (void)read_result();
-        driver_.finish(stages_);
+        driver_.finish(stages_, collective_);
         return steps;
     }
 
@@ -284,10 +287,10 @@ public:
     }
 
     /// The reduction pieces (buckets) in launch order, and collectives issued so far.
-    const std::vector<detail::bucket>& buckets() const noexcept { return reducer_.plan(); }
+    const std::vector<detail::bucket>& buckets() const noexcept { return collective_.plan(); }
     /// True when gradient buckets are reduced on a communication stream (train_params::overlap).
-    bool overlaps() const noexcept { return reducer_.overlaps(); }
-    std::size_t collectives() const noexcept { return reducer_.collectives(); }
+    bool overlaps() const noexcept { return collective_.overlaps(); }
+    std::size_t collectives() const noexcept { return collective_.collectives(); }
     /// The dynamic loss scale (train_params::loss_scale; disabled without it): its state() and
     /// restore() between steps are what a checkpoint keeps of it.
     loss_scaler<system_type>& scaler() noexcept { return stages_.scaler(); }
@@ -296,8 +299,8 @@ private:
     friend struct detail::checkpoint_access;
     using T = value_type;
     using base_type::core_;
-    using reducer_type = detail::reducer<ReducePolicy, T, Communicator>;
-    using stages_type = detail::step_stages<typename base_type::core_type, reducer_type>;
+    using collective_type = detail::collective<ReducePolicy, T, Communicator>;
+    using stages_type = detail::step_stages<typename base_type::core_type>;
 
     /// After a failure: abort the communicator when it can be aborted, so that peers waiting
     /// for this replica get an error instead of a hang.
@@ -340,10 +343,10 @@ private:
         detail::verify_replicas(core_.comm(), core_.comm().system(), this->steps(), sections);
     }
 
-    reducer_type reducer_;
-    stages_type stages_; ///< the stages of a step, and what they share
-    detail::step_driver<SyncPolicy, ReducePolicy> driver_; ///< how a step runs these policies
-    detail::step_capture capture_;                         ///< the step captured last
+    collective_type collective_; ///< what the ReducePolicy does in a step, and its state
+    stages_type stages_;         ///< the policy-free stages of a step, and what they share
+    detail::step_driver<SyncPolicy> driver_; ///< how a step runs under the SyncPolicy
+    detail::step_capture capture_;           ///< the step captured last
 };
 
 } // namespace lockstep

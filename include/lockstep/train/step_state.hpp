@@ -29,15 +29,6 @@ struct replica_row {
     double lr = 0;               ///< the learning rate of its step
 };
 
-/// reduce::sharded: one replica's checks of the shard of the gradient it reduced (a row per
-/// replica, summed as replica_row): its non-finite count, 1 + flat index of the first one (0:
-/// none) and squared norm.
-struct shard_row {
-    double non_finite = 0;
-    double first_non_finite = 0;
-    double grad_norm2 = 0;
-};
-
 /// The values summed over replicas by the status all_reduce.
 struct step_totals {
     double loss = 0;            ///< the loss the step function reported
@@ -75,12 +66,13 @@ struct skip_streak {
 };
 
 /// Device pointers to the parts of a step's state, for the kernels that write them: `rows`
-/// (replicas rows), `shards` (replicas rows, reduce::sharded only, else null), `totals`,
+/// (replicas rows), `collective` (replicas x the collective's doubles, summed as the rows: e.g.
+/// reduce::sharded's shard rows; null when the collective keeps none), `totals`,
 /// `outcome`, the loss scale's `scale_report`, and the `streak` of skipped steps with the
 /// `cause` rows (replicas rows) of the step that reached the limit.
 struct step_view {
     replica_row* rows = nullptr;
-    shard_row* shards = nullptr;
+    double* collective = nullptr;
     step_totals* totals = nullptr;
     step_outcome* outcome = nullptr;
     kernels::loss_scale_record* scale_report = nullptr;
@@ -96,7 +88,7 @@ struct reset_outcome_fn {
 };
 
 /// A synchronous step's state in the replica's System memory, laid out as
-/// [replica rows][shard rows (reduce::sharded)][totals] | [outcome][loss scale report] ||
+/// [replica rows][collective rows][totals] | [outcome][loss scale report] ||
 /// [skip streak][cause rows]: the part before | is the prefix the status all_reduce sums
 /// (reduced()), the part after || lasts across steps (reset() leaves it), and the host reads
 /// the whole state once at the end of the step (memory(), then view_of() over the copy).
@@ -106,17 +98,17 @@ class step_state {
     static constexpr std::size_t doubles = sizeof(Part) / sizeof(double);
     static_assert(std::is_trivially_copyable_v<step_outcome> &&
                   sizeof(replica_row) % sizeof(double) == 0 &&
-                  sizeof(shard_row) % sizeof(double) == 0 &&
                   sizeof(step_totals) % sizeof(double) == 0 &&
                   sizeof(step_outcome) % sizeof(double) == 0 &&
                   sizeof(kernels::loss_scale_record) % sizeof(double) == 0 &&
                   sizeof(skip_streak) % sizeof(double) == 0);
 
 public:
+    /// `collective`: the doubles per replica of the collective's rows (0: none).
     /// requires: replicas >= 1. ensures: every part zero (the streak included).
-    step_state(int replicas, bool shards, const System& sys)
-        : replicas_(replicas), shards_(shards),
-          memory_(step_doubles(replicas, shards) + doubles<skip_streak> +
+    step_state(int replicas, std::size_t collective, const System& sys)
+        : replicas_(replicas), collective_(collective),
+          memory_(step_doubles(replicas, collective) + doubles<skip_streak> +
                       static_cast<std::size_t>(replicas) * doubles<replica_row>,
                   sys) {
         fill_zero(sys, memory_.size());
@@ -129,15 +121,15 @@ public:
         v.replicas = replicas_;
         v.rows = reinterpret_cast<replica_row*>(memory);
         double* next = memory + n * doubles<replica_row>;
-        if (shards_) {
-            v.shards = reinterpret_cast<shard_row*>(next);
-            next += n * doubles<shard_row>;
+        if (collective_ != 0) {
+            v.collective = next;
+            next += n * collective_;
         }
         v.totals = reinterpret_cast<step_totals*>(next);
         v.outcome = reinterpret_cast<step_outcome*>(next + doubles<step_totals>);
         v.scale_report = reinterpret_cast<kernels::loss_scale_record*>(next + doubles<step_totals> +
                                                                        doubles<step_outcome>);
-        double* lasting = memory + step_doubles(replicas_, shards_);
+        double* lasting = memory + step_doubles(replicas_, collective_);
         v.streak = reinterpret_cast<skip_streak*>(lasting);
         v.cause = reinterpret_cast<replica_row*>(lasting + doubles<skip_streak>);
         return v;
@@ -150,7 +142,7 @@ public:
 
     /// The prefix the status all_reduce sums: the rows and the totals.
     std::span<double> reduced() noexcept {
-        return memory_.span().first(reduced_doubles(replicas_, shards_));
+        return memory_.span().first(reduced_doubles(replicas_, collective_));
     }
     /// All of it, for the host's end-of-step read.
     std::span<const double> memory() const noexcept { return memory_.span(); }
@@ -159,7 +151,7 @@ public:
     /// the skip streak and cause rows left as they are, on the system's stream (two kernels;
     /// nothing from the host, so a CUDA graph can capture it).
     void reset(const System& sys) {
-        fill_zero(sys, step_doubles(replicas_, shards_));
+        fill_zero(sys, step_doubles(replicas_, collective_));
         kernels::for_each_index(sys, 1, reset_outcome_fn{view().outcome});
     }
 
@@ -170,18 +162,17 @@ private:
         });
     }
     /// The doubles of one step's parts (reset each step).
-    static std::size_t step_doubles(int replicas, bool shards) noexcept {
-        return reduced_doubles(replicas, shards) + doubles<step_outcome> +
+    static std::size_t step_doubles(int replicas, std::size_t collective) noexcept {
+        return reduced_doubles(replicas, collective) + doubles<step_outcome> +
                doubles<kernels::loss_scale_record>;
     }
-    static std::size_t reduced_doubles(int replicas, bool shards) noexcept {
+    static std::size_t reduced_doubles(int replicas, std::size_t collective) noexcept {
         const auto n = static_cast<std::size_t>(replicas);
-        return n * doubles<replica_row> + (shards ? n * doubles<shard_row> : 0) +
-               doubles<step_totals>;
+        return n * doubles<replica_row> + n * collective + doubles<step_totals>;
     }
 
     int replicas_;
-    bool shards_;
+    std::size_t collective_;
     buffer<double, System> memory_;
 };
 

@@ -63,6 +63,22 @@ inline std::vector<bucket> plan_buckets(const std::vector<tensor_info>& tensors,
     return out;
 }
 
+/// The buckets of a policy with `first_bucket_bytes` and `bucket_bytes` (reduce::bucketed<>,
+/// reduce::sharded<>) over `tensors` of elements of `elem_bytes` bytes.
+template <class Buckets>
+std::vector<bucket> plan_buckets_of(const std::vector<tensor_info>& tensors,
+                                    std::size_t elem_bytes) {
+    return plan_buckets(tensors, elem_bytes, Buckets::first_bucket_bytes, Buckets::bucket_bytes);
+}
+
+/// The elements a flat buffer laid out as `tensors` spans: the largest offset + size.
+inline std::size_t flat_extent(const std::vector<tensor_info>& tensors) noexcept {
+    std::size_t n = 0;
+    for (const tensor_info& t : tensors)
+        n = t.offset + t.size > n ? t.offset + t.size : n;
+    return n;
+}
+
 /// Tracks which tensors of the step are ready and launches buckets strictly in plan order, each
 /// as soon as it and every bucket before it are complete: every replica then issues the same
 /// collectives in the same order whatever order (or whether) it marks tensors ready.

@@ -10,7 +10,7 @@
 #include "lockstep/train/detail/checkpoint_format.hpp"
 #include "lockstep/train/detail/checkpoint_marker.hpp"
 #include "lockstep/train/detail/checkpoint_state.hpp"
-#include "lockstep/train/detail/reduce_sharded.hpp"
+#include "lockstep/train/detail/optimizer_shard.hpp"
 
 #include <algorithm>
 #include <cstddef>

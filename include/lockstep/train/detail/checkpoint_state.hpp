@@ -21,7 +21,7 @@
 #include "lockstep/train/detail/checkpoint_format.hpp"
 #include "lockstep/train/detail/checkpoint_marker.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
-#include "lockstep/train/detail/reduce_sharded.hpp"
+#include "lockstep/train/detail/optimizer_shard.hpp"
 #include "lockstep/train/detail/signature.hpp"
 #include "lockstep/train/detail/trainer_base.hpp"
 #include "lockstep/train/detail/visitor.hpp"

@@ -4,7 +4,7 @@
 #pragma once
 
 #include "lockstep/core/error.hpp"
-#include "lockstep/train/detail/reduce_reproducible.hpp"
+#include "lockstep/policy/reduce.hpp"
 #include "lockstep/train/shard.hpp"
 
 #include <cstddef>
@@ -22,7 +22,7 @@ inline std::string empty_shard_replicas(std::size_t global, std::size_t micro_ba
     for (int r = 0; r < size; ++r) {
         bool empty = false;
         if (chunk_samples > 0) {
-            empty = reproducible_chunks(global, chunk_samples, r, size).empty();
+            empty = reduce::chunks_of(global, chunk_samples, r, size).count == 0;
         } else {
             for (std::size_t m = 0; m < micro_batches && !empty; ++m) {
                 const shard_range mb = micro_batch(global, m, micro_batches);

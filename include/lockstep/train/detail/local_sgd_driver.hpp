@@ -6,6 +6,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/policy/sync.hpp"
 #include "lockstep/train/detail/agreement.hpp"
+#include "lockstep/train/detail/gradient_collective.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/detail/step_driver.hpp"
@@ -19,13 +20,13 @@
 
 namespace lockstep::detail {
 
-/// sync::local_sgd<K> with any ReducePolicy (its plan only cuts the checks into pieces and
-/// averages the values): scale = 1 / (this replica's samples); the skip decision is this
-/// replica's own (no status collective); every K-th step, and at finish() when steps ran since,
-/// average(): the replicas' {global_batch, lr} since the last average are compared, then values
-/// and state become the mean over replicas.
-template <std::size_t K, class ReducePolicy>
-class step_driver<sync::local_sgd<K>, ReducePolicy> {
+/// sync::local_sgd<K> with any ReducePolicy whose collective averages (its plan only cuts the
+/// checks into pieces and averages the values): scale = 1 / (this replica's samples); the skip
+/// decision is this replica's own (no status collective); every K-th step, and at finish() when
+/// steps ran since, average(): the replicas' {global_batch, lr} since the last average are
+/// compared, then values and state become the mean over replicas.
+template <std::size_t K>
+class step_driver<sync::local_sgd<K>> {
 public:
     /// requires: train_params::verify_every a multiple of K (else lockstep::error,
     /// invalid_argument): the replicas hold the same weights only right after an average (a
@@ -40,15 +41,16 @@ public:
         s.set_local_sgd(true);
     }
 
-    template <class Stages, class Fn>
-    step_result step(Stages& s, std::size_t global, Fn& fn) {
+    template <class Stages, class Collective, class Fn>
+        requires averaging_collective<Collective, typename Stages::T>
+    step_result step(Stages& s, Collective& c, std::size_t global, Fn& fn) {
         const shard_extent all = s.core().optimizer_shard(); // every element
         s.begin(0);
         s.zero();
-        const double loss = s.forward_backward(global, fn, true, false);
+        const double loss = s.forward_backward(global, fn, true, no_ready_hook{});
         s.pack_gradients();
         s.unscale();
-        s.check_pieces();
+        s.check_pieces(c.plan());
         step_result r = s.open_result();
         s.report(loss, global, r.lr);
         settings_.push_back(static_cast<double>(global));
@@ -65,15 +67,15 @@ public:
         s.update(all);
         r = s.end(global, r);
         if (++since_average_ == K)
-            average(s);
+            average(s, c);
         return r;
     }
 
     /// After the last step: an average when steps ran since the last one (collective).
-    template <class Stages>
-    void finish(Stages& s) {
+    template <class Stages, class Collective>
+    void finish(Stages& s, Collective& c) {
         if (since_average_ > 0)
-            average(s);
+            average(s, c);
     }
 
     /// Steps since the last average (what a checkpoint keeps).
@@ -82,14 +84,14 @@ public:
 
 private:
     /// Values and state become the mean over replicas (collective).
-    template <class Stages>
-    void average(Stages& s) {
+    template <class Stages, class Collective>
+    void average(Stages& s, Collective& c) {
         since_average_ = 0;
         verify_steps(s);
         auto& core = s.core();
         auto& comm = core.comm();
         using T = typename Stages::T;
-        s.reducer().average(core.values());
+        c.average(core.values());
         core.pack_state();
         core.for_each_state_buffer([&](std::span<T> b) {
             comm.all_reduce(std::span<const T>(b), b, reduce_op::sum);

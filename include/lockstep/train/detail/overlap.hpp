@@ -4,8 +4,8 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/train/detail/gradient_collective.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
-#include "lockstep/train/detail/reducer_base.hpp"
 #include "lockstep/train/train_params.hpp"
 
 #include <span>

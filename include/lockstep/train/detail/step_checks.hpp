@@ -174,40 +174,6 @@ struct scale_by_factor_fn {
     }
 };
 
-/// reduce::sharded, one task, before the status all_reduce: copies this replica's shard checks (the
-/// outcome check_reduced wrote over its shard) into its shard row of the step's state.
-struct shard_checks_to_row_fn {
-    const step_outcome* outcome;
-    shard_row* row; ///< this replica's
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        row->non_finite = outcome->reduced_non_finite;
-        row->first_non_finite = outcome->reduced_first;
-        row->grad_norm2 = outcome->grad_norm2;
-    }
-};
-
-/// reduce::sharded, one task, after the status all_reduce: the reduced gradient's count (sum over
-/// shards), first index (the smallest) and squared norm (sum over shards in rank order: the same
-/// value on every replica) into the outcome, as check_reduced writes them unsharded.
-struct combine_shard_checks_fn {
-    const shard_row* rows; ///< every replica's
-    int replicas;
-    step_outcome* outcome;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        double count = 0, first = 0, sq = 0;
-        for (int r = 0; r < replicas; ++r) {
-            const shard_row& p = rows[r];
-            count += p.non_finite;
-            if (p.first_non_finite != 0 && (first == 0 || p.first_non_finite < first))
-                first = p.first_non_finite;
-            sq += p.grad_norm2;
-        }
-        outcome->reduced_non_finite = count;
-        outcome->reduced_first = first;
-        outcome->grad_norm2 = sq;
-    }
-};
-
 /// The gradient checks of a trainer over a flat gradient buffer of n elements cut into
 /// reduction pieces: per-piece tiles before reduction (each piece's tiles have their own
 /// partial slots, so pieces may be checked in any order), and tiles over the whole buffer

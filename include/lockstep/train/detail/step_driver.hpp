@@ -1,10 +1,10 @@
-// lockstep/train/detail/step_driver.hpp: step_driver<SyncPolicy, ReducePolicy>, how one training
-// step runs under a policy pair: the primary template is sync::synchronous with a reducer that
-// sums whole gradients (reduce::per_tensor, bucketed, parameter_server, compressed); the
-// specialisations are in sharded_driver.hpp, reproducible_driver.hpp and local_sgd_driver.hpp.
-// SPDX-License-Identifier: Apache-2.0
+// lockstep/train/detail/step_driver.hpp: step_driver<SyncPolicy>, how one training step runs
+// under a SyncPolicy, composing the ReducePolicy's collective (gradient_collective.hpp) with the
+// policy-free stages (step_stages.hpp): the primary template is sync::synchronous; sync::local_sgd
+// is in local_sgd_driver.hpp. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/train/detail/gradient_collective.hpp"
 #include "lockstep/train/detail/step_stages.hpp"
 #include "lockstep/train/train_params.hpp"
 
@@ -12,51 +12,39 @@
 
 namespace lockstep::detail {
 
-/// sync::synchronous over a reducer that leaves the summed gradient on every replica (or on
-/// ReducePolicy::update_root alone). Every driver has this interface: constructed from the
-/// trainer's stages (it refuses settings it cannot run, naming them), step() runs one step
-/// through the stages, finish() ends training (collective, after the step counts agreed).
-template <class SyncPolicy, class ReducePolicy>
+/// sync::synchronous with any collective: the gradient of the global batch's mean loss, reduced
+/// while backward runs, then one update, identical on every replica. Every driver has this
+/// interface: constructed from the trainer's stages (it refuses settings it cannot run, naming
+/// them), step(s, c, global, fn) runs one step of `global` samples through the stages and the
+/// collective c, finish(s, c) ends training (collective, after the step counts agreed).
+template <class SyncPolicy>
 class step_driver {
 public:
     template <class Stages>
     explicit step_driver(Stages& /*s*/) {}
 
-    /// One step of `global` samples: the gradient of the global batch's mean loss, summed over
-    /// replicas while backward runs, then one update, identical on every replica.
-    template <class Stages, class Fn>
-    step_result step(Stages& s, std::size_t global, Fn& fn) {
-        constexpr int root = ReducePolicy::update_root;
-        const bool updates = root < 0 || s.rank() == root;
-        const shard_extent all = s.core().optimizer_shard(); // every element
-        s.begin(0);
-        s.zero();
-        s.start_reduction();
-        const double loss = s.forward_backward(global, fn, false, true);
-        s.finish_reduction();
+    template <class Stages, class Collective, class Fn>
+    requires gradient_collective<Collective, Stages> step_result step(Stages& s, Collective& c,
+                                                                      std::size_t global, Fn& fn) {
+        const double loss = c.gradient(s, global, fn); // begins the step; reduced as it runs
         s.unscale();
         step_result r = s.open_result();
         s.report(loss, global, r.lr);
         s.freeze();
-        if (updates) // parameter_server: only Root holds the reduced gradient
+        if (c.reduced_here(s.rank()))
             s.hook();
-        s.check(all);
-        s.sum_status();
+        c.agree(s); // the reduced gradient's checks; the status summed over replicas
         s.decide(0, s.replicas());
         s.update_scale();
         s.count_skip(s.replicas());
-        s.commit();
+        s.commit(); // the layers keep or restore their state (bn::ghost: running statistics)
         s.set_lr(r.lr);
-        // parameter_server: Root updates, then broadcasts; the others receive.
-        s.reducer().apply(s.core().values(), [&] {
-            s.clip(all);
-            s.update(all);
-        });
+        c.update(s); // clipped and updated where the policy updates; values equal everywhere
         return s.end(global, r);
     }
 
-    template <class Stages>
-    void finish(Stages& /*s*/) {}
+    template <class Stages, class Collective>
+    void finish(Stages& /*s*/, Collective& /*c*/) {}
 };
 
 } // namespace lockstep::detail

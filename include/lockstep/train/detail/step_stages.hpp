@@ -1,6 +1,7 @@
 // lockstep/train/detail/step_stages.hpp: step_stages, the named stages of a training step
-// (begin, zero, forward/backward, reduce, unscale, report, freeze, hook, check, sum, decide,
-// count skips, commit, clip, update, end), written once and composed by the step drivers.
+// (begin, zero, forward/backward, unscale, report, freeze, hook, check, sum, decide, count skips,
+// commit, clip, update, end), written once, knowing no policy, composed by the step drivers and
+// the collectives.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
@@ -11,9 +12,7 @@
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/staged_read.hpp"
 #include "lockstep/train/detail/bucket_plan.hpp"
-#include "lockstep/train/detail/chunk_ready.hpp"
-#include "lockstep/train/detail/reduce_reproducible.hpp"
-#include "lockstep/train/detail/reduce_sharded.hpp"
+#include "lockstep/train/detail/optimizer_shard.hpp"
 #include "lockstep/train/detail/step_checks.hpp"
 #include "lockstep/train/detail/step_report.hpp"
 #include "lockstep/train/loss_scaler.hpp"
@@ -34,33 +33,39 @@
 
 namespace lockstep::detail {
 
-/// The stages a step driver composes, each a call into the file that does the work, over one
-/// replica's core (network, context, optimizer, flat buffers: replica_core.hpp) and reducer.
+/// forward_backward's `ready` when nothing happens as tensors become ready (local SGD).
+struct no_ready_hook {};
+
+/// The stages a step driver and a collective compose, each a call into the file that does the
+/// work, over one replica's core (network, context, optimizer, flat buffers: replica_core.hpp).
 /// Owns what the stages share: the step's state (step_state.hpp), the skip flag the optimizer
 /// kernels read, the gradient checks (step_checks.hpp), the host read of the state, the loss
 /// scaler (loss_scaler.hpp), the step as the layers see it (nn/layer_step.hpp) and the gradient
-/// hook. Nothing here knows which policy runs: the drivers say which stages run, in which
-/// order, over which elements.
-template <class Core, class Reducer>
+/// hook. Nothing here knows which policy runs: the drivers and collectives say which stages run,
+/// in which order, over which elements.
+template <class Core>
 class step_stages {
 public:
     using T = typename Core::value_type;
     using system_type = typename Core::system_type;
     using gradient_hook = std::function<void(std::span<T>, std::span<const tensor_info>)>;
 
-    /// `shard_rows`: the state keeps a shard_row per replica (reduce::sharded).
-    step_stages(Core& core, Reducer& reducer, bool shard_rows)
-        : core_(core), reducer_(reducer),
-          state_(core.comm().size(), shard_rows, core.comm().system()),
+    /// `plan`: the collective's reduction pieces (each checked for NaN/inf on its own);
+    /// `collective_doubles`: the doubles per replica the collective keeps in the step's status.
+    step_stages(Core& core, const std::vector<bucket>& plan, std::size_t collective_doubles)
+        : core_(core), state_(core.comm().size(), collective_doubles, core.comm().system()),
           skip_(1, core.comm().system()),
-          checks_(reducer.plan(), core.registry().grads().size(), core.comm().system()),
+          checks_(plan, core.registry().grads().size(), core.comm().system()),
           read_(state_.memory().size(), core.comm().system()),
           scaler_(core.params().loss_scale, core.comm().system(), core.comm().rank()) {}
     step_stages(const step_stages&) = delete;
     step_stages& operator=(const step_stages&) = delete;
 
     Core& core() noexcept { return core_; }
-    Reducer& reducer() noexcept { return reducer_; }
+    /// The gradient checks, the step's state and the layers' step (for a collective's stages).
+    gradient_checks<system_type>& checks() noexcept { return checks_; }
+    step_view view() noexcept { return state_.view(); }
+    nn::layer_step& layers() noexcept { return layer_step_; }
     loss_scaler<system_type>& scaler() noexcept { return scaler_; }
     system_type system() { return core_.comm().system(); }
     int rank() { return core_.comm().rank(); }
@@ -82,112 +87,29 @@ public:
     /// Zeroes the gradients.
     void zero() { core_.zero_grads(); }
 
-    /// Starts the reducer's step: each piece is checked for NaN/inf right before its reduction
-    /// (the counts are this replica's own, so the message can name the replica and the tensor).
-    void start_reduction() {
-        reducer_.begin(core_.grads(), [this](std::size_t k, const bucket& b) {
-            checks_.check_piece(system(), std::span<const T>(core_.grads()), k, b);
-        });
-    }
-
     /// Forward and backward: fn over this replica's part of every micro-batch, the loss into the
     /// state's totals (replica_core::run_micro_batches). `own_scale`: local SGD's scale.
-    /// `launch`: with a registry network, ctx.mark_ready launches the reducer's buckets in the
-    /// last backward.
-    template <class Fn>
-    double forward_backward(std::size_t global, Fn& fn, bool own_scale, bool launch) {
+    /// `ready(t)`: with a registry network, what ctx.mark_ready(t) does in the last backward (a
+    /// collective launches its pieces; no_ready_hook: nothing).
+    template <class Fn, class Ready>
+    double forward_backward(std::size_t global, Fn& fn, bool own_scale, Ready&& ready) {
         auto& ctx = core_.context();
         const step_scope scope(ctx, &state_.view().totals->loss, &layer_step_);
         return core_.run_micro_batches(global, fn, own_scale, [&] {
-            if constexpr (!Core::uses_visitor) {
-                if (launch)
-                    ctx.set_ready_hook([this](std::size_t t) { reducer_.mark_ready(t); });
-            }
+            if constexpr (!Core::uses_visitor &&
+                          !std::is_same_v<std::remove_cvref_t<Ready>, no_ready_hook>)
+                ctx.set_ready_hook(std::forward<Ready>(ready));
         });
-    }
-
-    /// Forward and backward once per chunk of `chunk` samples of the global batch that this
-    /// replica computes (reproducible_chunks: a contiguous run; a replica without chunks calls fn
-    /// once with an empty range, so the network's layers take part in the step), each on zeroed
-    /// gradients with scale = 1 / global and its loss in *chunk_loss (zeroed first). Of every
-    /// chunk, `take(first, count)` takes each part of the flat gradient once, as it is final:
-    /// with a registry network, each tensor as ctx.mark_ready marks it (while the backward may
-    /// still hold it in the caches) and every element not marked after fn returns
-    /// (chunk_ready.hpp); with a visitor network, the whole packed buffer after fn, of every
-    /// chunk but the last. Of every chunk but the last, take leaves the part zero, and the next
-    /// chunk starts on those zeros. After each chunk `add(host loss)`.
-    template <class Fn, class Take, class Add>
-    void forward_backward_chunks(std::size_t global, std::size_t chunk, Fn& fn, double* chunk_loss,
-                                 Take&& take, Add&& add) {
-        auto& ctx = core_.context();
-        const shard_range mine = reproducible_chunks(global, chunk, rank(), replicas());
-        const step_scope scope(ctx, chunk_loss, &layer_step_);
-        const ready_hook_scope hook(ctx);
-        ctx.set_step(core_.steps(), true);
-        const std::size_t calls = mine.empty() ? 1 : mine.size();
-        chunk_ready ready(core_.registry().parameters(), core_.grads().size(), rank());
-        for (std::size_t c = 0; c < calls; ++c) {
-            shard_range r;
-            if (!mine.empty()) {
-                r.begin = (mine.begin + c) * chunk;
-                r.end = std::min(global, r.begin + chunk);
-            } else {
-                r.begin = r.end = global;
-            }
-            r.global_size = global;
-            r.sample_offset = core_.samples();
-            r.scale = r.empty() ? 0.0 : 1.0 / static_cast<double>(global);
-            const bool kept = c + 1 < calls;
-            if (c == 0 || Core::uses_visitor)
-                core_.zero_grads(); // else the previous chunk's keep left zeros
-            kernels::with_policy_for(system(), 1, [&](auto policy) {
-                thrust::fill(policy, chunk_loss, chunk_loss + 1, 0.0);
-            });
-            if constexpr (!Core::uses_visitor) {
-                ready.reset();
-                ctx.set_ready_hook([&](std::size_t t) { ready.mark(t, take); });
-            }
-            double host_loss = 0;
-            if constexpr (std::is_void_v<decltype(fn(core_.network(), r, ctx))>)
-                fn(core_.network(), r, ctx);
-            else
-                host_loss = static_cast<double>(fn(core_.network(), r, ctx));
-            core_.pack_grads();
-            if constexpr (Core::uses_visitor) {
-                if (kept)
-                    take(std::size_t{0}, core_.grads().size());
-            } else {
-                ctx.set_ready_hook({});
-                ready.rest(take);
-            }
-            add(host_loss);
-        }
-        ctx.set_step(core_.steps(), false);
     }
 
     /// The network's gradients into the flat buffer (visitor networks; else nothing).
     void pack_gradients() { core_.pack_grads(); }
 
-    /// The rest of the reduction: pack_gradients, then every piece not yet launched is checked
-    /// and reduced, and the reducer's communication is joined.
-    void finish_reduction() {
-        pack_gradients();
-        reducer_.finish();
-    }
-
-    /// Each piece's NaN/inf count when no reducer launched it (local SGD, reproducible).
-    void check_pieces() {
-        const auto& plan = reducer_.plan();
+    /// Each piece of `plan`'s NaN/inf count when no collective launched it (local SGD).
+    void check_pieces(const std::vector<bucket>& plan) {
         for (std::size_t k = 0; k < plan.size(); ++k)
             checks_.check_piece(system(), std::span<const T>(core_.grads()), k, plan[k]);
     }
-    /// What check_pieces leaves when the gradient holds no non-finite value, without reading
-    /// it (the caller knows: reduce::reproducible's flags).
-    void clear_pieces() { checks_.clear_pieces(system()); }
-    /// What check_pieces leaves for a gradient with own[0] non-finite elements, the first at
-    /// flat index own[1] - 1, without reading it (own: the system's memory; the caller counted
-    /// them: reduce::reproducible's report).
-    void load_pieces(const double* own) { checks_.load_pieces(system(), own); }
 
     /// grads *= 1 / loss scale (loss scaling on).
     void unscale() { scaler_.unscale(core_.grads()); }
@@ -226,28 +148,12 @@ public:
                               state_.view().outcome);
     }
 
-    /// Whether check(all) would read the gradient as the reducer left it and count only its
+    /// Whether check(all) would read the gradient as the collective left it and count only its
     /// non-finite elements: no loss scaling (unscale leaves it), no gradient hook and no
     /// clipping (no squared norm). Zeroing frozen tensors keeps a finite gradient finite.
     bool checks_reduced_as_left() const {
         return !scaler_.enabled() && !gradient_hook_ && !(core_.params().max_grad_norm > 0);
     }
-    /// What check(all) finds when checks_reduced_as_left() and the reducer knows that every
-    /// element it left is finite, without reading the gradient.
-    void clear_reduced() { checks_.clear_reduced(system(), state_.view().outcome); }
-
-    /// reduce::sharded: this replica's shard checks into its shard row (before sum_status), and
-    /// every shard's rows combined into the outcome (after it).
-    void share_shard_checks() {
-        const step_view v = state_.view();
-        kernels::for_each_index(system(), 1, shard_checks_to_row_fn{v.outcome, &v.shards[rank()]});
-    }
-    void combine_shard_checks() {
-        const step_view v = state_.view();
-        kernels::for_each_index(system(), 1,
-                                combine_shard_checks_fn{v.shards, v.replicas, v.outcome});
-    }
-
     /// [C] The status all_reduce: the rows and totals summed over replicas, so every replica
     /// takes the same skip decision, and the gradient factor from the same norm.
     void sum_status() {
@@ -383,7 +289,6 @@ private:
     }
 
     Core& core_;
-    Reducer& reducer_;
     step_state<system_type> state_;
     buffer<int, system_type> skip_; ///< 1: the optimizer kernels skip the update
     gradient_checks<system_type> checks_;

@@ -1,4 +1,4 @@
-// lockstep/train/detail/reduce_parameter_server.hpp: the reducer of
+// lockstep/train/detail/parameter_server_collective.hpp: the collective of
 // reduce::parameter_server<Root> (sum onto Root, Root updates, parameters broadcast back).
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
@@ -7,9 +7,10 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/train/detail/bucket_plan.hpp"
+#include "lockstep/train/detail/bucketed_collective.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
-#include "lockstep/train/detail/reducer_base.hpp"
 #include "lockstep/train/parameter_registry.hpp"
+#include "lockstep/train/train_params.hpp"
 
 #include <cstddef>
 #include <span>
@@ -23,30 +24,38 @@ namespace lockstep::detail {
 /// about the same bytes, but Root's link carries all of it); what it buys is that optimizer
 /// state lives and moves on Root only.
 template <int Root, class T, class Communicator>
-class reducer<reduce::parameter_server<Root>, T, Communicator>
-    : public reducer_base<reducer<reduce::parameter_server<Root>, T, Communicator>, T,
-                          Communicator> {
-    using buckets = reduce::bucketed<>;
-    using base = reducer_base<reducer, T, Communicator>;
+class collective<reduce::parameter_server<Root>, T, Communicator>
+    : public piecewise_collective<collective<reduce::parameter_server<Root>, T, Communicator>, T,
+                                  Communicator> {
+    using base = piecewise_collective<collective, T, Communicator>;
 
 public:
-    reducer(Communicator& comm, const std::vector<tensor_info>& tensors,
-            overlap_setting overlap = {})
-        : base(comm,
-               plan_buckets(tensors, sizeof(T), buckets::first_bucket_bytes, buckets::bucket_bytes),
-               tensors.size(), overlap) {
+    /// requires: Root < comm.size() (else lockstep::error, invalid_argument).
+    collective(Communicator& comm, const std::vector<tensor_info>& tensors,
+               overlap_setting overlap = {}, const train_params& /*params*/ = {})
+        : base(comm, plan_buckets_of<reduce::bucketed<>>(tensors, sizeof(T)), tensors.size(),
+               overlap) {
         LOCKSTEP_REQUIRE(Root < comm.size(), errc::invalid_argument, comm.rank(),
                          "reduce::parameter_server", "root ", Root, " is not a replica (",
                          comm.size(), " replicas)");
     }
 
-    /// Root updates; everyone receives Root's parameters.
-    template <class Update>
-    void apply(std::span<T> values, Update&& update) {
-        if (this->comm().rank() == Root)
-            update();
-        broadcast(values);
+    /// One piece: summed onto Root.
+    void reduce_piece(Communicator& c, std::span<T> piece) {
+        c.reduce(std::span<const T>(piece), piece, reduce_op::sum, Root);
     }
+
+    /// Only Root holds the reduced gradient (the other replicas' is unspecified).
+    bool reduced_here(int rank) const noexcept { return rank == Root; }
+
+    /// Root clips and updates; everyone receives Root's parameters.
+    template <class Stages>
+    void update(Stages& s) {
+        if (s.rank() == Root)
+            base::update(s);
+        broadcast(s.core().values());
+    }
+
     void average(std::span<T> values) {
         this->begin(values);
         this->finish();
@@ -55,12 +64,7 @@ public:
         broadcast(values);
     }
 
-    /// One piece: summed onto Root.
-    void reduce_piece(Communicator& c, std::span<T> piece) {
-        c.reduce(std::span<const T>(piece), piece, reduce_op::sum, Root);
-    }
-
-private:
+    /// Root's values to every replica, bucket by bucket.
     void broadcast(std::span<T> values) {
         for (const bucket& b : this->plan()) {
             this->comm().broadcast(values.subspan(b.offset, b.size), Root);

@@ -1,15 +1,15 @@
-// lockstep/train/detail/reduce_compressed.hpp: the reducer of reduce::compressed<Wire> (buckets
-// reduced by compressed_all_reduce on 16-bit wire values). SPDX-License-Identifier: Apache-2.0
+// lockstep/train/detail/compressed_collective.hpp: the collective of reduce::compressed<Wire>
+// (buckets reduced by compressed_all_reduce on 16-bit wire values).
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
-#include "lockstep/core/error.hpp"
 #include "lockstep/policy/reduce.hpp"
-#include "lockstep/system/buffer.hpp"
 #include "lockstep/train/detail/bucket_plan.hpp"
+#include "lockstep/train/detail/bucketed_collective.hpp"
 #include "lockstep/train/detail/compressed_all_reduce.hpp"
-#include "lockstep/train/detail/reducer_base.hpp"
 #include "lockstep/train/parameter_registry.hpp"
+#include "lockstep/train/train_params.hpp"
 
 #include <algorithm>
 #include <cstddef>
@@ -27,17 +27,17 @@ namespace lockstep::detail {
 /// u = Wire::unit_roundoff (compressed_all_reduce.hpp states the details).
 /// requires: Communicator models all_to_all_communicator.
 template <class Wire, class T, class Communicator>
-class reducer<reduce::compressed<Wire>, T, Communicator>
-    : public reducer_base<reducer<reduce::compressed<Wire>, T, Communicator>, T, Communicator> {
-    using buckets = reduce::bucketed<>;
-    using base = reducer_base<reducer, T, Communicator>;
+class collective<reduce::compressed<Wire>, T, Communicator>
+    : public piecewise_collective<collective<reduce::compressed<Wire>, T, Communicator>, T,
+                                  Communicator> {
+    using base = piecewise_collective<collective, T, Communicator>;
+    using system_type = typename Communicator::system_type;
 
 public:
-    reducer(Communicator& comm, const std::vector<tensor_info>& tensors,
-            overlap_setting overlap = {})
-        : base(comm,
-               plan_buckets(tensors, sizeof(T), buckets::first_bucket_bytes, buckets::bucket_bytes),
-               tensors.size(), overlap) {
+    collective(Communicator& comm, const std::vector<tensor_info>& tensors,
+               overlap_setting overlap = {}, const train_params& /*params*/ = {})
+        : base(comm, plan_buckets_of<reduce::bucketed<>>(tensors, sizeof(T)), tensors.size(),
+               overlap) {
         std::size_t largest = 0;
         for (const bucket& b : this->plan())
             largest = std::max(largest, b.size);
@@ -56,8 +56,6 @@ public:
     }
 
 private:
-    using system_type = typename Communicator::system_type;
-
     compressed_workspace<T, system_type> ws_;
 };
 

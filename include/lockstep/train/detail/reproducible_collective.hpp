@@ -1,0 +1,242 @@
+// lockstep/train/detail/reproducible_collective.hpp: the collective of reduce::reproducible<C>:
+// one step function call per chunk of C samples, the chunks' gradients summed exactly over
+// replicas by the anchored accumulator, one rounding. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/core/config.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/kernels/anchored_sum.hpp"
+#include "lockstep/kernels/for_each.hpp"
+#include "lockstep/policy/reduce.hpp"
+#include "lockstep/train/detail/anchored_accumulator.hpp"
+#include "lockstep/train/detail/bucket_plan.hpp"
+#include "lockstep/train/detail/chunk_ready.hpp"
+#include "lockstep/train/detail/global_batch_check.hpp"
+#include "lockstep/train/detail/gradient_collective.hpp"
+#include "lockstep/train/parameter_registry.hpp"
+#include "lockstep/train/replica_context.hpp"
+#include "lockstep/train/shard.hpp"
+#include "lockstep/train/train_params.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+#include <thrust/fill.h>
+
+namespace lockstep::detail {
+
+/// The chunks [first, last) of a global batch of `global` samples cut into chunks of `chunk`
+/// samples that replica `rank` of `size` computes: contiguous, balanced by chunk count (the
+/// first replicas get one more), possibly none. requires: chunk >= 1.
+inline shard_range reproducible_chunks(std::size_t global, std::size_t chunk, int rank, int size) {
+    const reduce::chunk_run c = reduce::chunks_of(global, chunk, rank, size);
+    shard_range out;
+    out.begin = c.first;
+    out.end = c.first + c.count;
+    return out;
+}
+
+/// One task: the loss a replica adds to the step's status loss slot: the global exact loss on
+/// replica 0 only (so the status sum over replicas is that loss, bitwise), plus the sum of this
+/// replica's non-finite chunk losses (so the replica that produced one is named).
+struct reproducible_loss_fn {
+    const double* own;
+    const double* global;
+    bool first;
+    double* loss;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
+        const double o = *own;
+        const bool finite = o - o == 0.0;
+        *loss += (first ? *global : 0.0) + (finite ? 0.0 : o);
+    }
+};
+
+/// reduce::reproducible<C, G>: the global batch is cut into chunks [k C, min((k + 1) C, global));
+/// this replica computes its contiguous run of chunks, one fn call per chunk on zeroed gradients
+/// with scale = 1 / global; the anchored accumulator (anchored_accumulator.hpp) keeps every
+/// chunk's gradient but the last, each tensor as the backward marks it ready (which leaves zeros
+/// for the next chunk), and each chunk's loss. The chunk values are exchanged, this replica's
+/// own chunk values checked (non-finite counts name the replica), the sums formed in fixed point
+/// anchored at each element's largest exponent and rounded once into the gradient on every
+/// replica, and the step goes on as the synchronous one (status all_reduce, skip decision,
+/// update). The loss reported is the exact sum, rounded once (replica 0 contributes it to the
+/// status sum, the others 0). bn::ghost layers learn the global batch from the layers' step
+/// (begin(global)). Never launched piece by piece: plan() is per tensor, for the checks.
+/// ensures: every replica, for every replica count, holds the same bits.
+template <std::size_t C, std::size_t G, class T, class Communicator>
+class collective<reduce::reproducible<C, G>, T, Communicator> {
+public:
+    using system_type = typename Communicator::system_type;
+    static constexpr std::size_t status_doubles = 0;
+
+    static_assert(all_to_all_communicator<Communicator>,
+                  "reduce::reproducible needs a communicator with all_to_all (thread_group, MPI, "
+                  "NCCL, and hierarchical ones whose parts have it)");
+
+    /// requires: params.micro_batches == 1 (else lockstep::error, invalid_argument).
+    collective(Communicator& comm, const std::vector<tensor_info>& tensors,
+               overlap_setting /*overlap*/ = {}, const train_params& params = {})
+        : plan_(plan_buckets(tensors, sizeof(T), 1, 1)),
+          acc_(flat_extent(tensors), comm.size(), comm.rank(), comm.system(), G,
+               combine_communicator<Communicator> && system_type::is_host,
+               all_to_all_others_communicator<Communicator> && system_type::is_host) {
+        LOCKSTEP_REQUIRE(params.micro_batches == 1, errc::invalid_argument, comm.rank(),
+                         "data_parallel", "micro_batches = ", params.micro_batches,
+                         ": reduce::reproducible cuts every global batch into chunks of ", C,
+                         " samples itself (use 1)");
+    }
+
+    /// The step's gradient: one fn call per chunk, the chunk values exchanged and summed exactly
+    /// into the gradient, this replica's own values checked; returns 0 (the exact loss goes into
+    /// the status's loss slot on the device).
+    template <class Stages, class Fn>
+    double gradient(Stages& s, std::size_t global, Fn& fn) {
+        const int rank = s.rank(), replicas = s.replicas();
+        const std::span<T> grads = s.core().grads().first(acc_.size());
+        LOCKSTEP_REQUIRE(global >= 1, errc::invalid_argument, rank, "data_parallel.step",
+                         "global batch size is 0");
+        const std::size_t chunks = (global + C - 1) / C;
+        LOCKSTEP_REQUIRE(chunks + static_cast<std::size_t>(replicas) <=
+                             kernels::anchored_limits::max_terms,
+                         errc::invalid_argument, rank, "data_parallel.step", "global batch ",
+                         global, " in chunks of ", C, " samples is ", chunks, " chunks on ",
+                         replicas, " replicas; reduce::reproducible sums at most ",
+                         kernels::anchored_limits::max_terms, " chunks plus replicas");
+        check_same_global_batch(s.core().comm(), global, s.core().steps(), [] {
+            return concat("reduce::reproducible cuts it into chunks of ", C,
+                          " samples; every replica must exchange as many");
+        });
+        (void)next_sample_offset(s.core().samples(), global, rank);
+        const step_view v = s.begin(global);
+        const shard_range mine = reproducible_chunks(global, C, rank, replicas);
+        const shard_range busiest = reproducible_chunks(global, C, 0, replicas);
+        // A replica without chunks adds one of zeros.
+        acc_.begin(mine.empty() ? 1 : mine.size(), busiest.empty() ? 1 : busiest.size());
+        run_chunks(s, global, mine, fn, grads);
+        acc_.exchange(s.core().comm(), std::span<const T>(grads));
+        // This replica's non-finite chunk values and loss are counted as its own; the skip
+        // decision depends on no partial sum (only on values and the global sums), so it is the
+        // same for every replica count.
+        double* own_loss = acc_.own_loss();
+        acc_.check_local(grads, own_loss);
+        auto& checks = s.checks();
+        if (!acc_.reports_own()) {
+            if (acc_.own_values_finite())
+                checks.clear_pieces(s.system()); // what counting g would find: nothing
+            else
+                for (std::size_t k = 0; k < plan_.size(); ++k)
+                    checks.check_piece(s.system(), std::span<const T>(grads), k, plan_[k]);
+        }
+        double* global_loss = acc_.global_loss();
+        acc_.finalize(s.core().comm(), grads, global_loss);
+        if (acc_.reports_own()) // the sums counted this replica's values
+            checks.load_pieces(s.system(), acc_.own_report());
+        collectives_.fetch_add(acc_.collectives(), std::memory_order_relaxed);
+        kernels::for_each_index(
+            s.system(), 1, reproducible_loss_fn{own_loss, global_loss, rank == 0, &v.totals->loss});
+        return 0.0;
+    }
+
+    bool reduced_here(int /*rank*/) const noexcept { return true; }
+
+    /// The reduced gradient checked (not read where the sums saw every element finite and the
+    /// check would only count them), then the status summed.
+    template <class Stages>
+    void agree(Stages& s) {
+        if (acc_.sums_finite() && s.checks_reduced_as_left())
+            s.checks().clear_reduced(s.system(), s.view().outcome);
+        else
+            s.check(s.core().optimizer_shard());
+        s.sum_status();
+    }
+
+    template <class Stages>
+    void update(Stages& s) {
+        const auto all = s.core().optimizer_shard(); // every element
+        s.clip(all);
+        s.update(all);
+    }
+
+    const std::vector<bucket>& plan() const noexcept { return plan_; }
+    std::size_t collectives() const noexcept {
+        return collectives_.load(std::memory_order_relaxed);
+    }
+    bool overlaps() const noexcept { return false; }
+    void drain() noexcept {}
+
+    anchored_accumulator<T, system_type>& accumulator() noexcept { return acc_; }
+
+private:
+    /// Forward and backward once per chunk of this replica's run `mine` (a replica without chunks
+    /// calls fn once with an empty range, so the network's layers take part in the step), each
+    /// on zeroed gradients with scale = 1 / global and its loss in the accumulator's chunk loss
+    /// (zeroed first). Of every chunk, the accumulator takes each part of the flat gradient once,
+    /// as it is final: with a registry network, each tensor as ctx.mark_ready marks it (while the
+    /// backward may still hold it in the caches) and every element not marked after fn returns
+    /// (chunk_ready.hpp); with a visitor network, the whole packed buffer after fn, of every chunk
+    /// but the last. Of every chunk but the last, taking leaves the part zero, and the next chunk
+    /// starts on those zeros.
+    template <class Stages, class Fn>
+    void run_chunks(Stages& s, std::size_t global, shard_range mine, Fn& fn, std::span<T> grads) {
+        using core_type = std::remove_reference_t<decltype(s.core())>;
+        auto& core = s.core();
+        auto& ctx = core.context();
+        double* chunk_loss = acc_.chunk_loss();
+        const auto take = [&](std::size_t first, std::size_t count) {
+            acc_.take(grads, first, count);
+        };
+        const step_scope scope(ctx, chunk_loss, &s.layers());
+        const ready_hook_scope hook(ctx);
+        ctx.set_step(core.steps(), true);
+        const std::size_t calls = mine.empty() ? 1 : mine.size();
+        chunk_ready ready(core.registry().parameters(), core.grads().size(), s.rank());
+        for (std::size_t c = 0; c < calls; ++c) {
+            shard_range r;
+            if (!mine.empty()) {
+                r.begin = (mine.begin + c) * C;
+                r.end = std::min(global, r.begin + C);
+            } else {
+                r.begin = r.end = global;
+            }
+            r.global_size = global;
+            r.sample_offset = core.samples();
+            r.scale = r.empty() ? 0.0 : 1.0 / static_cast<double>(global);
+            if (c == 0 || core_type::uses_visitor)
+                core.zero_grads(); // else the previous chunk's take left zeros
+            kernels::with_policy_for(s.system(), 1, [&](auto policy) {
+                thrust::fill(policy, chunk_loss, chunk_loss + 1, 0.0);
+            });
+            if constexpr (!core_type::uses_visitor) {
+                ready.reset();
+                ctx.set_ready_hook([&](std::size_t t) { ready.mark(t, take); });
+            }
+            double host_loss = 0;
+            if constexpr (std::is_void_v<decltype(fn(core.network(), r, ctx))>)
+                fn(core.network(), r, ctx);
+            else
+                host_loss = static_cast<double>(fn(core.network(), r, ctx));
+            core.pack_grads();
+            if constexpr (core_type::uses_visitor) {
+                if (c + 1 < calls)
+                    take(std::size_t{0}, core.grads().size());
+            } else {
+                ctx.set_ready_hook({});
+                ready.rest(take);
+            }
+            acc_.add(std::span<const T>(grads));
+            acc_.add_loss(host_loss, chunk_loss);
+        }
+        ctx.set_step(core.steps(), false);
+    }
+
+    std::vector<bucket> plan_;
+    anchored_accumulator<T, system_type> acc_;
+    std::atomic<std::size_t> collectives_{0};
+};
+
+} // namespace lockstep::detail
