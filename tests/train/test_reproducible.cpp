@@ -334,15 +334,18 @@ struct exchange_result {
 
 /// The anchored accumulator's step protocol on `replicas` thread replicas holding `chunks`
 /// chunks of n elements between them (balanced, contiguous), in one exchange mode.
+template <class Communicator>
 std::vector<exchange_result> run_exchange(int replicas, std::size_t chunks, std::size_t n,
-                                          std::size_t gather_values, bool combined,
-                                          bool poison = false) {
+                                          std::size_t gather_values, bool poison = false) {
     std::vector<exchange_result> out(static_cast<std::size_t>(replicas));
     thread_group group(replicas);
-    group.run([&](thread_communicator& comm) {
+    group.run([&](thread_communicator& inner) {
+        Communicator comm(inner);
         const int r = comm.rank();
-        lockstep::detail::anchored_accumulator<float, host_system> acc(
-            n, replicas, r, comm.system(), gather_values, combined);
+        lockstep::detail::anchored_accumulator<
+            float, host_system,
+            lockstep::detail::anchored_exchange_for<std::remove_cvref_t<Communicator>>>
+            acc(n, replicas, r, comm.system(), gather_values);
         const shard_range mine = lockstep::detail::reproducible_chunks(chunks, 1, r, replicas);
         const shard_range busiest = lockstep::detail::reproducible_chunks(chunks, 1, 0, replicas);
         std::vector<float> g(n, 0.0f);
@@ -468,9 +471,13 @@ TEST_CASE("reduce::reproducible's exchanges (gathered, by blocks, combined in on
     const bool finite =
         std::all_of(want.begin(), want.end(), [](float x) { return std::isfinite(x); });
     REQUIRE(finite == (!poison && chunks != 2));
-    const auto gathered = run_exchange(replicas, chunks, n, std::size_t{1} << 30, false, poison);
-    const auto blocks = run_exchange(replicas, chunks, n, 0, false, poison);
-    const auto combined = run_exchange(replicas, chunks, n, 0, true, poison);
+    // The thread group without all_combine (counting_communicator forwards none) exchanges by
+    // blocks, or gathered.
+    using blocks_comm = testing::counting_communicator<thread_communicator>;
+    const auto gathered =
+        run_exchange<blocks_comm>(replicas, chunks, n, std::size_t{1} << 30, poison);
+    const auto blocks = run_exchange<blocks_comm>(replicas, chunks, n, 0, poison);
+    const auto combined = run_exchange<thread_communicator&>(replicas, chunks, n, 0, poison);
     for (std::size_t r = 0; r < static_cast<std::size_t>(replicas); ++r) {
         CAPTURE(r);
         CHECK(gathered[r].keeps);
