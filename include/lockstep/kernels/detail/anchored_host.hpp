@@ -13,11 +13,8 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
-
-#if LOCKSTEP_HOST_X86
-#include <immintrin.h>
-#endif
 
 namespace lockstep::kernels::detail {
 
@@ -58,19 +55,40 @@ inline constexpr std::size_t anchored_stream_bytes = std::size_t(4) << 20;
     std::uint32_t largest[anchored_tile];
     std::uint32_t below[anchored_tile];
     double sum[anchored_tile];
-    for (std::size_t i = 0; i < anchored_tile; ++i) {
-        largest[i] = 0;
-        below[i] = ~0u;
-        sum[i] = 0.0;
-    }
-    for (std::size_t j = 0; j < k; ++j) {
-        const float* q = p[j];
+    // In blocks of `lanes` elements whose accumulators stay in registers over the k terms (a
+    // whole tile's would go through memory once per term), the last m mod lanes elements alone.
+    constexpr std::size_t lanes = 16;
+    for (std::size_t b = 0; b < m; b += lanes) {
+        const std::size_t w = m - b < lanes ? m - b : lanes;
+        std::uint32_t l[lanes];
+        std::uint32_t d[lanes];
+        double a[lanes];
+        for (std::size_t i = 0; i < lanes; ++i) {
+            l[i] = 0;
+            d[i] = ~0u;
+            a[i] = 0.0;
+        }
+        for (std::size_t j = 0; j < k; ++j) {
+            const float* q = p[j] + b;
+            const auto add = [&](std::size_t i) __attribute__((always_inline)) {
+                const std::uint32_t mag = std::bit_cast<std::uint32_t>(q[i]) & 0x7fffffffu;
+                l[i] = mag > l[i] ? mag : l[i];
+                d[i] = mag - 1u < d[i] ? mag - 1u : d[i];
+                a[i] += static_cast<double>(q[i]); // exact where the tile answers
+            };
+            if (w == lanes) {
 #pragma omp simd
-        for (std::size_t i = 0; i < m; ++i) {
-            const std::uint32_t mag = std::bit_cast<std::uint32_t>(q[i]) & 0x7fffffffu;
-            largest[i] = mag > largest[i] ? mag : largest[i];
-            below[i] = mag - 1u < below[i] ? mag - 1u : below[i];
-            sum[i] += static_cast<double>(q[i]); // exact where the tile answers
+                for (std::size_t i = 0; i < lanes; ++i)
+                    add(i);
+            } else {
+                for (std::size_t i = 0; i < w; ++i)
+                    add(i);
+            }
+        }
+        for (std::size_t i = 0; i < w; ++i) {
+            largest[b + i] = l[i];
+            below[b + i] = d[i];
+            sum[b + i] = a[i];
         }
     }
     unsigned all = 1;
@@ -157,30 +175,32 @@ struct anchored_sum_tiles_fn {
 anchored_keep_loop(const float* src, float* dst, float* clear, std::size_t m, bool stream) {
     std::uint32_t high = 0;
     std::size_t i = 0;
-#if LOCKSTEP_HOST_X86
-    // Streamed stores (SSE2: every x86-64) bypass the caches and skip reading dst's lines
-    // first, 2 bytes of memory traffic per byte kept instead of 3; the compilers here drop
-    // `omp simd nontemporal`. After a head up to dst's next 16-byte boundary.
-    const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(dst) % 16;
+#if defined(__clang__)
+    // Streamed stores bypass the caches and skip reading dst's lines first: 2 bytes of memory
+    // traffic per byte kept instead of 3. Whole lines of 16 floats (the widest stores the
+    // target has), after a head up to dst's next 64-byte boundary; neither compiler here keeps
+    // `omp simd nontemporal`, and only clang has __builtin_nontemporal_store.
+    using lines = float __attribute__((ext_vector_type(16)));
+    using words = std::uint32_t __attribute__((ext_vector_type(16)));
+    const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(dst) % 64;
     if (stream && misaligned % sizeof(float) == 0) {
-        for (; i < std::min((16 - misaligned) % 16 / sizeof(float), m); ++i) {
+        for (; i < std::min((64 - misaligned) % 64 / sizeof(float), m); ++i) {
             high |= anchored_non_finite_bit(src[i]);
             dst[i] = src[i];
             if (clear != nullptr)
                 clear[i] = 0.0f;
         }
-        __m128i bits = _mm_setzero_si128();
-        for (; i + 4 <= m; i += 4) {
-            const __m128 v = _mm_loadu_ps(src + i);
-            _mm_stream_ps(dst + i, v);
+        words bits = 0;
+        for (; i + 16 <= m; i += 16) {
+            lines v;
+            std::memcpy(&v, src + i, sizeof v);
+            __builtin_nontemporal_store(v, reinterpret_cast<lines*>(dst + i));
             if (clear != nullptr) // while the line is in the caches
-                _mm_storeu_ps(clear + i, _mm_setzero_ps());
-            bits = _mm_or_si128(
-                bits, _mm_add_epi32(_mm_and_si128(_mm_castps_si128(v), _mm_set1_epi32(0x7f800000)),
-                                    _mm_set1_epi32(0x00800000)));
+                std::memset(clear + i, 0, sizeof v);
+            bits |= (__builtin_bit_cast(words, v) & 0x7f800000u) + 0x00800000u;
         }
-        _mm_sfence(); // the streamed stores reach memory before the task ends
-        high |= _mm_movemask_ps(_mm_castsi128_ps(bits)) != 0 ? 0x80000000u : 0u;
+        for (std::size_t q = 0; q < 16; ++q)
+            high |= bits[q];
     }
 #endif
 #pragma omp simd reduction(| : high)
