@@ -50,6 +50,7 @@
 #endif
 
 #include "lockstep/comm/collective_tag.hpp"
+#include "lockstep/comm/combine.hpp"
 #include "lockstep/comm/comm_stream.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/flight_recorder.hpp"
