@@ -17,8 +17,8 @@
 #include "lockstep/core/crc32c.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/float16.hpp"
-#include "lockstep/kernels/float16_arrays.hpp"
 #include "lockstep/core/leading_zeros.hpp"
+#include "lockstep/kernels/float16_arrays.hpp"
 
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_sync.hpp"
@@ -53,6 +53,7 @@
 #include "lockstep/comm/combine.hpp"
 #include "lockstep/comm/comm_stream.hpp"
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/communicator_identity.hpp"
 #include "lockstep/comm/flight_recorder.hpp"
 #include "lockstep/comm/hierarchical.hpp"
 #include "lockstep/comm/host_wait.hpp"
@@ -81,6 +82,7 @@
 #include "lockstep/policy/sync.hpp"
 
 #include "lockstep/nn/batch_norm.hpp"
+#include "lockstep/nn/batch_norm_params.hpp"
 #include "lockstep/nn/layer_step.hpp"
 #include "lockstep/nn/layout.hpp"
 #include "lockstep/nn/policy_declaration.hpp"
