@@ -42,8 +42,8 @@ public:
     }
 
     template <class Stages, class Collective, class Fn>
-        requires averaging_collective<Collective, typename Stages::T>
-    step_result step(Stages& s, Collective& c, std::size_t global, Fn& fn) {
+    requires averaging_collective<Collective, typename Stages::T>
+        step_result step(Stages& s, Collective& c, std::size_t global, Fn& fn) {
         const shard_extent all = s.core().optimizer_shard(); // every element
         s.begin(0);
         s.zero();
