@@ -113,6 +113,9 @@ public:
                   sys) {
         fill_zero(sys, memory_.size());
     }
+    /// The former step_state(replicas, bool shards, sys): a bool would convert to 1 double per
+    /// replica; the collective says how many (reduce::sharded's collective: 3).
+    step_state(int replicas, bool shards, const System& sys) = delete;
 
     /// The state over `memory` (this state's memory, or a copy of it read back to the host).
     step_view view_of(double* memory) const noexcept {
