@@ -171,9 +171,8 @@ struct anchored_sum_tiles_fn {
 
 /// Copies src[0, m) to dst (streaming stores past the caches where `stream`) and, where `clear`
 /// (src itself) is not null, leaves zeros there; returns 1 when one of the values is not finite.
-[[gnu::always_inline]] inline unsigned anchored_keep_loop(const float* src, float* dst,
-                                                          float* clear, std::size_t m,
-                                                          [[maybe_unused]] bool stream) {
+[[gnu::always_inline]] inline unsigned
+anchored_keep_loop(const float* src, float* dst, float* clear, std::size_t m, bool stream) {
     std::uint32_t high = 0;
     std::size_t i = 0;
 #if defined(__clang__)
