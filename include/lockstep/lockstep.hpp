@@ -17,8 +17,8 @@
 #include "lockstep/core/crc32c.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/float16.hpp"
+#include "lockstep/core/float16_arrays.hpp"
 #include "lockstep/core/leading_zeros.hpp"
-#include "lockstep/kernels/float16_arrays.hpp"
 
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_sync.hpp"

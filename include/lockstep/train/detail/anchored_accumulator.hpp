@@ -403,7 +403,7 @@ private:
              std::size_t elements = std::numeric_limits<std::size_t>::max()) {
         kernels::for_each_index(sys_, count, f, elements);
     }
-    /// The host's float passes run in tiles (kernels/detail/anchored_host.hpp).
+    /// The host's float passes run in tiles (kernels/detail/anchored_sum_host.hpp).
     static constexpr bool host_float = System::is_host && std::is_same_v<T, float>;
     static std::size_t tiles(std::size_t count) noexcept {
         return (count + kernels::detail::anchored_tile - 1) / kernels::detail::anchored_tile;
@@ -413,7 +413,7 @@ private:
     }
     /// Host float: elements [first, end) of src copied to dst at the same offsets (zeroed in
     /// src where clear, which is src or null), flagging the keep tiles that hold a non-finite
-    /// value for check_local (kernels/detail/anchored_host.hpp). requires: first < end.
+    /// value for check_local (kernels/detail/anchored_keep_host.hpp). requires: first < end.
     void keep_range(const float* src, float* dst, float* clear, std::size_t first,
                     std::size_t end) {
         run(kernels::detail::anchored_keep_tiles_fn::tasks(first, end),

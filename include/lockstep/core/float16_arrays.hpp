@@ -1,4 +1,4 @@
-// lockstep/kernels/float16_arrays.hpp: float <-> half / bfloat16 conversion of whole arrays on the
+// lockstep/core/float16_arrays.hpp: float <-> half / bfloat16 conversion of whole arrays on the
 // host (F16C/AVX2 where the CPU has them, else branch-free loops the compiler vectorises), bit
 // for bit equal to the scalar conversions of float16.hpp. SPDX-License-Identifier: Apache-2.0
 #pragma once
