@@ -50,7 +50,6 @@
 #endif
 
 #include "lockstep/comm/collective_tag.hpp"
-#include "lockstep/comm/combine.hpp"
 #include "lockstep/comm/comm_stream.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/communicator_identity.hpp"
