@@ -17,8 +17,8 @@
 #include "lockstep/core/crc32c.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/float16.hpp"
-#include "lockstep/core/float16_arrays.hpp"
 #include "lockstep/core/leading_zeros.hpp"
+#include "lockstep/kernels/float16_arrays.hpp"
 
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_sync.hpp"
@@ -50,6 +50,7 @@
 #endif
 
 #include "lockstep/comm/collective_tag.hpp"
+#include "lockstep/comm/combine.hpp"
 #include "lockstep/comm/comm_stream.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/communicator_identity.hpp"

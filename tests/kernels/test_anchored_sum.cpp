@@ -5,11 +5,10 @@
 // overflow and non-finite values, the replica's own non-finite check, and the report of the sums
 // that read the arrays where they lie (its counts against a direct count, on 1 and 2 threads).
 // SPDX-License-Identifier: Apache-2.0
-#include "lockstep/comm/detail/shm_combine.hpp"
+#include "lockstep/comm/combine.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
 #include "lockstep/kernels/detail/anchored_combine.hpp"
-#include "lockstep/kernels/detail/anchored_keep_host.hpp"
-#include "lockstep/kernels/detail/anchored_sum_host.hpp"
+#include "lockstep/kernels/detail/anchored_host.hpp"
 
 #include "sum_terms.hpp"
 
@@ -30,25 +29,6 @@
 using namespace lockstep;
 using sum_terms::random_terms;
 using sum_terms::same_bits;
-
-namespace {
-
-/// The host's loops a test runs: the widest the CPU has (AVX-512, else AVX2, else portable),
-/// AVX2 (where the CPU has it), and the portable ones. Where the CPU lacks a path, the runs
-/// that ask for it take the next narrower one.
-enum class vector_path { widest, avx2, portable };
-constexpr vector_path all_paths[] = {vector_path::widest, vector_path::avx2, vector_path::portable};
-
-void use_path(vector_path p) {
-    kernels::detail::anchored_portable_only() = p == vector_path::portable;
-    kernels::detail::anchored_avx512_off() = p == vector_path::avx2;
-}
-
-const char* path_name(vector_path p) {
-    return p == vector_path::widest ? "widest" : p == vector_path::avx2 ? "avx2" : "portable";
-}
-
-} // namespace
 
 namespace {
 
@@ -226,13 +206,11 @@ TEST_CASE("float sums in one int64 agree with the two limbs and the exact sum",
         std::numeric_limits<float>::max());
 }
 
-TEST_CASE("the host's float tiles give anchored_sum_fn's bits on every path",
-          "[kernels][anchored_sum]") {
+TEST_CASE("the host's float tiles give anchored_sum_fn's bits", "[kernels][anchored_sum]") {
     // Elements with terms inside and beyond 31 binades of their anchor, subnormal and normal
     // results, overflows, NaNs and infinities, over 3 replicas x 2 calls, 4 x 2 and 1 x 5, and
     // over the two layouts of 2 terms (2 replicas x 1 call, 1 replica x 2 calls: float
-    // additions), each with a partial tile (whose last 17 mod 8 elements the AVX2 loops leave to
-    // the portable ones), on every path.
+    // additions), each with a partial tile.
     using lim = std::numeric_limits<float>;
     for (const auto& [replicas, calls] :
          {std::pair<std::size_t, std::size_t>{3, 2}, {4, 2}, {1, 5}, {2, 1}, {1, 2}}) {
@@ -284,13 +262,11 @@ TEST_CASE("the host's float tiles give anchored_sum_fn's bits on every path",
         std::vector<float> want(n);
         for (std::size_t i = 0; i < n; ++i)
             kernels::anchored_sum_fn<float>{terms, want.data()}(i);
-        for (const vector_path path : all_paths) {
-            use_path(path);
+        {
             std::vector<float> got(n, -1.0f);
             const std::size_t w = kernels::detail::anchored_tile;
             for (std::size_t t = 0; t < (n + w - 1) / w; ++t)
                 kernels::detail::anchored_sum_tiles_fn{terms, n, got.data()}(t);
-            INFO("path " << path_name(path));
             CHECK(same_bits(got, want));
             if (terms_n > 2) {
                 CHECK(got[1] == 1.0f + std::ldexp(1.0f, -23));
@@ -305,45 +281,29 @@ TEST_CASE("the host's float tiles give anchored_sum_fn's bits on every path",
                 CHECK(std::bit_cast<std::uint32_t>(got[7]) == 0u);
             }
         }
-        use_path(vector_path::widest);
-        // Every path leaves the same elements to anchored_sum_fn (the tie elements among them)
-        // and gives the portable loop's sums where it answers.
+        // The tile loops answer exactly where they are sure (their sums are anchored_sum_fn's
+        // bits), say so for the whole tile, and leave the tie elements to anchored_sum_fn.
         const std::size_t w = kernels::detail::anchored_tile;
-        for (const vector_path path : all_paths) {
-            INFO("path " << path_name(path));
-            use_path(path);
-            for (std::size_t b = 0; b < n; b += w) {
-                const std::size_t m = std::min(w, n - b);
-                std::vector<const float*> p;
-                for (std::size_t r = 0; r < replicas; ++r)
-                    for (std::size_t c = 0; c < calls; ++c)
-                        p.push_back(base.data() + r * n + c * call_stride + b);
-                std::vector<float> out_fast(m), out_portable(m);
-                std::vector<unsigned char> done_fast(m), done_portable(m);
-                const bool all_fast = kernels::detail::anchored_tile_sums(
-                    p.data(), p.size(), m, out_fast.data(), done_fast.data());
-                const bool all_portable = kernels::detail::anchored_tile_portable(
-                    p.data(), p.size(), m, out_portable.data(), done_portable.data());
-                CHECK(all_fast == all_portable);
-                CHECK(done_fast == done_portable);
-                for (std::size_t i = 0; i < m; ++i)
-                    if (done_portable[i] != 0)
-                        CHECK(std::bit_cast<std::uint32_t>(out_fast[i]) ==
-                              std::bit_cast<std::uint32_t>(out_portable[i]));
-                if (b == 0 && terms_n > 2)
-                    CHECK((done_fast[1] == 0 && done_fast[2] == 0));
+        for (std::size_t b = 0; b < n; b += w) {
+            const std::size_t m = std::min(w, n - b);
+            std::vector<const float*> p;
+            for (std::size_t r = 0; r < replicas; ++r)
+                for (std::size_t c = 0; c < calls; ++c)
+                    p.push_back(base.data() + r * n + c * call_stride + b);
+            std::vector<float> out(m);
+            std::vector<unsigned char> done(m, 7);
+            const bool all = kernels::detail::anchored_array_sums(p.data(), p.size(), m, out.data(),
+                                                                  done.data());
+            CHECK(all == std::all_of(done.begin(), done.end(), [](unsigned char d) { return d; }));
+            for (std::size_t i = 0; i < m; ++i) {
+                CHECK(done[i] <= 1);
+                if (done[i] != 0)
+                    CHECK(std::bit_cast<std::uint32_t>(out[i]) ==
+                          std::bit_cast<std::uint32_t>(want[b + i]));
             }
+            if (b == 0 && terms_n > 2)
+                CHECK((done[1] == 0 && done[2] == 0));
         }
-        use_path(vector_path::widest);
-    }
-}
-
-TEST_CASE("the AVX2 loops' done flags: one byte per bit of the mask", "[kernels][anchored_sum]") {
-    for (unsigned mask = 0; mask < 256; ++mask) {
-        unsigned char done[8] = {};
-        kernels::detail::anchored_spread_done(mask, done);
-        for (unsigned q = 0; q < 8; ++q)
-            CHECK(done[q] == ((mask >> q) & 1u));
     }
 }
 
@@ -424,8 +384,8 @@ TEST_CASE("the host's keep tiles copy the chunks and flag the tiles the own chec
     // 3 chunks of n values over keep tiles 0, 1 and a partial tile 2: an infinity in tile 1 of
     // chunk 0, a NaN at the last element of tile 2 of chunk 1, and in the last chunk (not kept)
     // a NaN in tile 0. Streaming to 64-byte aligned destinations, to destinations off by one
-    // float or 8 (a scalar head, then streamed), and not streaming, on every path;
-    // without `clear` the sources stay as they were.
+    // float or 8 (a scalar head, then streamed), and not streaming; without `clear` the sources
+    // stay as they were.
     using lim = std::numeric_limits<float>;
     const std::size_t w = kernels::detail::anchored_keep_tile, n = 2 * w + 9;
     const auto x = random_terms<float>(3, n, -20, 20, 4);
@@ -434,41 +394,37 @@ TEST_CASE("the host's keep tiles copy the chunks and flag the tiles the own chec
     c1[n - 1] = lim::quiet_NaN();
     last[5] = lim::quiet_NaN();
     const std::vector<float> c0_was = c0;
-    for (const vector_path path : all_paths)
-        for (const auto& [offset, stream] :
-             {std::pair<std::size_t, bool>{0, true}, {1, true}, {8, true}, {0, false}}) {
-            INFO("path " << path_name(path));
-            CAPTURE(offset, stream);
-            use_path(path);
-            std::vector<float> space(2 * n + 32);
-            void* at = space.data();
-            std::size_t room = space.size() * sizeof(float);
-            float* store = static_cast<float*>(std::align(64, sizeof(float), at, room)) + offset;
-            std::vector<unsigned char> flags(3, 0);
-            for (std::size_t t = 0; t < 3; ++t) {
-                kernels::detail::anchored_keep_tiles_fn{c0.data(), store,        nullptr, 0,
-                                                        n,         flags.data(), stream}(t);
-                kernels::detail::anchored_keep_tiles_fn{c1.data(), store + n,    nullptr, 0,
-                                                        n,         flags.data(), stream}(t);
-            }
-            use_path(vector_path::widest);
-            CHECK(same_bits(std::vector<float>(store, store + n), c0));
-            CHECK(same_bits(c0, c0_was));
-            CHECK(same_bits(std::vector<float>(store + n, store + 2 * n), c1));
-            CHECK(flags == std::vector<unsigned char>{0, 1, 1});
-            // The marks of the flagged tiles are the element-wise check's everywhere.
-            std::vector<float> want = last, got = last;
-            for (std::size_t i = 0; i < n; ++i)
-                kernels::anchored_own_check_fn<float>{{store, want.data(), 3, n}, want.data()}(i);
-            for (std::size_t t = 0; t < 3; ++t)
-                kernels::detail::anchored_mark_tiles_fn{
-                    {store, got.data(), 3, n}, n, flags.data(), got.data()}(t);
-            CHECK(same_bits(got, want));
-            CHECK(std::isnan(got[w + 3]));
-            CHECK(std::isnan(got[n - 1]));
-            CHECK(std::isnan(got[5]));
-            CHECK(got[4] == last[4]);
+    for (const auto& [offset, stream] :
+         {std::pair<std::size_t, bool>{0, true}, {1, true}, {8, true}, {0, false}}) {
+        CAPTURE(offset, stream);
+        std::vector<float> space(2 * n + 32);
+        void* at = space.data();
+        std::size_t room = space.size() * sizeof(float);
+        float* store = static_cast<float*>(std::align(64, sizeof(float), at, room)) + offset;
+        std::vector<unsigned char> flags(3, 0);
+        for (std::size_t t = 0; t < 3; ++t) {
+            kernels::detail::anchored_keep_tiles_fn{c0.data(), store,        nullptr, 0,
+                                                    n,         flags.data(), stream}(t);
+            kernels::detail::anchored_keep_tiles_fn{c1.data(), store + n,    nullptr, 0,
+                                                    n,         flags.data(), stream}(t);
         }
+        CHECK(same_bits(std::vector<float>(store, store + n), c0));
+        CHECK(same_bits(c0, c0_was));
+        CHECK(same_bits(std::vector<float>(store + n, store + 2 * n), c1));
+        CHECK(flags == std::vector<unsigned char>{0, 1, 1});
+        // The marks of the flagged tiles are the element-wise check's everywhere.
+        std::vector<float> want = last, got = last;
+        for (std::size_t i = 0; i < n; ++i)
+            kernels::anchored_own_check_fn<float>{{store, want.data(), 3, n}, want.data()}(i);
+        for (std::size_t t = 0; t < 3; ++t)
+            kernels::detail::anchored_mark_tiles_fn{
+                {store, got.data(), 3, n}, n, flags.data(), got.data()}(t);
+        CHECK(same_bits(got, want));
+        CHECK(std::isnan(got[w + 3]));
+        CHECK(std::isnan(got[n - 1]));
+        CHECK(std::isnan(got[5]));
+        CHECK(got[4] == last[4]);
+    }
 }
 
 TEST_CASE("the host's keep-and-zero tiles keep any range of a chunk, leave zeros and flag its "
@@ -477,7 +433,7 @@ TEST_CASE("the host's keep-and-zero tiles keep any range of a chunk, leave zeros
     // A chunk of n values over keep tiles 0, 1 and a partial tile 2, kept in ranges that cut
     // tiles anywhere (as tensors are marked ready, out of order): an infinity in tile 1 and a
     // NaN in the last element. Streaming to a 64-byte aligned store, to one off by one float (a
-    // scalar head, then streamed; off by 8 floats, unflagged), and not streaming, on every path.
+    // scalar head, then streamed; off by 8 floats, unflagged), and not streaming.
     // The store holds the chunk's bits, the source holds zeros, and exactly tiles 1 and 2 are
     // flagged.
     using lim = std::numeric_limits<float>;
@@ -487,38 +443,34 @@ TEST_CASE("the host's keep-and-zero tiles keep any range of a chunk, leave zeros
     chunk[n - 1] = lim::quiet_NaN();
     const std::pair<std::size_t, std::size_t> ranges[] = {
         {w + 1, n}, {3, 17}, {0, 3}, {17, w - 5}, {w - 5, w + 1}};
-    for (const vector_path path : all_paths)
-        for (const auto& [offset, stream] :
-             {std::pair<std::size_t, bool>{0, true}, {1, true}, {8, true}, {0, false}}) {
-            INFO("path " << path_name(path));
-            CAPTURE(offset, stream);
-            use_path(path);
-            std::vector<float> space(n + 32, -1.0f), src = chunk;
-            void* at = space.data();
-            std::size_t room = space.size() * sizeof(float);
-            float* store = static_cast<float*>(std::align(64, sizeof(float), at, room)) + offset;
-            std::vector<unsigned char> flags(3, 0);
-            std::size_t tasks = 0;
-            // Without flags (the exchanges whose sums report): the same copy, nothing flagged.
-            const bool flagged = offset != 8;
-            for (const auto& [first, end] : ranges) {
-                const kernels::detail::anchored_keep_tiles_fn f{
-                    src.data(), store, src.data(), first, end, flagged ? flags.data() : nullptr,
-                    stream};
-                const std::size_t k = kernels::detail::anchored_keep_tiles_fn::tasks(first, end);
-                CHECK(k == (end - 1) / w - first / w + 1);
-                for (std::size_t t = 0; t < k; ++t)
-                    f(t);
-                tasks += k;
-            }
-            use_path(vector_path::widest);
-            CHECK(tasks == 7);
-            CHECK(same_bits(std::vector<float>(store, store + n), chunk));
-            CHECK(std::all_of(src.begin(), src.end(),
-                              [](float v) { return std::bit_cast<std::uint32_t>(v) == 0u; }));
-            CHECK(flags == (flagged ? std::vector<unsigned char>{0, 1, 1}
-                                    : std::vector<unsigned char>{0, 0, 0}));
+    for (const auto& [offset, stream] :
+         {std::pair<std::size_t, bool>{0, true}, {1, true}, {8, true}, {0, false}}) {
+        CAPTURE(offset, stream);
+        std::vector<float> space(n + 32, -1.0f), src = chunk;
+        void* at = space.data();
+        std::size_t room = space.size() * sizeof(float);
+        float* store = static_cast<float*>(std::align(64, sizeof(float), at, room)) + offset;
+        std::vector<unsigned char> flags(3, 0);
+        std::size_t tasks = 0;
+        // Without flags (the exchanges whose sums report): the same copy, nothing flagged.
+        const bool flagged = offset != 8;
+        for (const auto& [first, end] : ranges) {
+            const kernels::detail::anchored_keep_tiles_fn f{
+                src.data(), store, src.data(), first, end, flagged ? flags.data() : nullptr,
+                stream};
+            const std::size_t k = kernels::detail::anchored_keep_tiles_fn::tasks(first, end);
+            CHECK(k == (end - 1) / w - first / w + 1);
+            for (std::size_t t = 0; t < k; ++t)
+                f(t);
+            tasks += k;
         }
+        CHECK(tasks == 7);
+        CHECK(same_bits(std::vector<float>(store, store + n), chunk));
+        CHECK(std::all_of(src.begin(), src.end(),
+                          [](float v) { return std::bit_cast<std::uint32_t>(v) == 0u; }));
+        CHECK(flags == (flagged ? std::vector<unsigned char>{0, 1, 1}
+                                : std::vector<unsigned char>{0, 0, 0}));
+    }
 }
 
 TEMPLATE_TEST_CASE("anchored_combine_fn sums arrays where they lie with anchored_sum_fn's bits",
@@ -545,12 +497,9 @@ TEMPLATE_TEST_CASE("anchored_combine_fn sums arrays where they lie with anchored
                 column[j] = x[j][first + i];
             kernels::anchored_sum_fn<T>{{column.data(), 1, arrays, 0, 1}, want.data() + i}(0);
         }
-        for (const vector_path path : all_paths) {
-            INFO("path " << path_name(path));
-            use_path(path);
+        {
             std::vector<T> got(m, T(-1));
             kernels::detail::anchored_combine_fn<T>{}(sources.data(), arrays, first, m, got.data());
-            use_path(vector_path::widest);
             CHECK(same_bits(got, want));
         }
     }

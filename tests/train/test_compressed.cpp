@@ -5,7 +5,7 @@
 #include "train_runner.hpp"
 
 #include "lockstep/core/float16.hpp"
-#include "lockstep/core/float16_arrays.hpp"
+#include "lockstep/kernels/float16_arrays.hpp"
 #include "lockstep/optim/adam.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/train/detail/compressed_all_reduce.hpp"

@@ -334,15 +334,18 @@ struct exchange_result {
 
 /// The anchored accumulator's step protocol on `replicas` thread replicas holding `chunks`
 /// chunks of n elements between them (balanced, contiguous), in one exchange mode.
+template <class Communicator>
 std::vector<exchange_result> run_exchange(int replicas, std::size_t chunks, std::size_t n,
-                                          std::size_t gather_values, bool combined,
-                                          bool poison = false) {
+                                          std::size_t gather_values, bool poison = false) {
     std::vector<exchange_result> out(static_cast<std::size_t>(replicas));
     thread_group group(replicas);
-    group.run([&](thread_communicator& comm) {
+    group.run([&](thread_communicator& inner) {
+        Communicator comm(inner);
         const int r = comm.rank();
-        lockstep::detail::anchored_accumulator<float, host_system> acc(
-            n, replicas, r, comm.system(), gather_values, combined);
+        lockstep::detail::anchored_accumulator<
+            float, host_system,
+            lockstep::detail::anchored_exchange_for<std::remove_cvref_t<Communicator>>>
+            acc(n, replicas, r, comm.system(), gather_values);
         const shard_range mine = lockstep::detail::reproducible_chunks(chunks, 1, r, replicas);
         const shard_range busiest = lockstep::detail::reproducible_chunks(chunks, 1, 0, replicas);
         std::vector<float> g(n, 0.0f);
@@ -468,16 +471,13 @@ TEST_CASE("reduce::reproducible's exchanges (gathered, by blocks, combined in on
     const bool finite =
         std::all_of(want.begin(), want.end(), [](float x) { return std::isfinite(x); });
     REQUIRE(finite == (!poison && chunks != 2));
-    const auto gathered = run_exchange(replicas, chunks, n, std::size_t{1} << 30, false, poison);
-    const auto blocks = run_exchange(replicas, chunks, n, 0, false, poison);
-    const auto combined = run_exchange(replicas, chunks, n, 0, true, poison);
-    // The combined exchange again on the AVX2 loops (no AVX-512) and on the portable loops.
-    kernels::detail::anchored_avx512_off() = true;
-    const auto avx2 = run_exchange(replicas, chunks, n, 0, true, poison);
-    kernels::detail::anchored_avx512_off() = false;
-    kernels::detail::anchored_portable_only() = true;
-    const auto portable = run_exchange(replicas, chunks, n, 0, true, poison);
-    kernels::detail::anchored_portable_only() = false;
+    // The thread group without all_combine (counting_communicator forwards none) exchanges by
+    // blocks, or gathered.
+    using blocks_comm = testing::counting_communicator<thread_communicator>;
+    const auto gathered =
+        run_exchange<blocks_comm>(replicas, chunks, n, std::size_t{1} << 30, poison);
+    const auto blocks = run_exchange<blocks_comm>(replicas, chunks, n, 0, poison);
+    const auto combined = run_exchange<thread_communicator&>(replicas, chunks, n, 0, poison);
     for (std::size_t r = 0; r < static_cast<std::size_t>(replicas); ++r) {
         CAPTURE(r);
         CHECK(gathered[r].keeps);
@@ -486,8 +486,6 @@ TEST_CASE("reduce::reproducible's exchanges (gathered, by blocks, combined in on
         CHECK(same_bits(gathered[r].sums, want));
         CHECK(same_bits(blocks[r].sums, want));
         CHECK(same_bits(combined[r].sums, want));
-        CHECK(same_bits(avx2[r].sums, want));
-        CHECK(same_bits(portable[r].sums, want));
         // Each replica's own check: its elements with a non-finite value, counted directly.
         const shard_range mine =
             lockstep::detail::reproducible_chunks(chunks, 1, static_cast<int>(r), replicas);
@@ -506,15 +504,13 @@ TEST_CASE("reduce::reproducible's exchanges (gathered, by blocks, combined in on
         CHECK(combined[r].reports);
         CHECK(!gathered[r].reports);
         CHECK(!blocks[r].reports); // the thread group has no all_to_all_others
-        for (const auto* run : {&gathered, &blocks, &combined, &avx2, &portable}) {
+        for (const auto* run : {&gathered, &blocks, &combined}) {
             CHECK((*run)[r].own_count == count);
             CHECK((*run)[r].own_first == first);
             CHECK((*run)[r].global_loss == blocks[r].global_loss);
         }
         // The sums that report say when every one of them is finite; the others never do.
         CHECK(combined[r].sums_finite == finite);
-        CHECK(avx2[r].sums_finite == finite);
-        CHECK(portable[r].sums_finite == finite);
         CHECK(!gathered[r].sums_finite);
         CHECK(!blocks[r].sums_finite);
     }

@@ -199,21 +199,6 @@ struct binned_add_fn {
     }
 };
 
-/// One task: element `element` += value (+ *device_value when not null).
-struct binned_add_scalar_fn {
-    const double* device_value;
-    double value;
-    std::int64_t* top;
-    std::int64_t* bins;
-    std::size_t stride;
-    std::size_t element;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        detail::binned_add(top[element], bins + element, stride, value);
-        if (device_value != nullptr)
-            detail::binned_add(top[element], bins + element, stride, *device_value);
-    }
-};
-
 /// Element i's window moved to the top global_top[i] >= top[i] (what the cross-replica MAX
 /// of the tops gave), so that the bins of every replica line up for the integer SUM.
 struct binned_align_fn {

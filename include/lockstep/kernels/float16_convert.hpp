@@ -5,14 +5,14 @@
 
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/float16.hpp"
-#include "lockstep/core/float16_arrays.hpp"
+#include "lockstep/kernels/float16_arrays.hpp"
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
-// Host code converts a range with the array conversions of core/float16_arrays.hpp (F16C/AVX2
+// Host code converts a range with the array conversions of kernels/float16_arrays.hpp (F16C/AVX2
 // where the CPU has them); device code converts element by element with the scalar conversions
 // of core/float16.hpp. Both round to nearest even and give the same bits (NaN payloads as
 // float16_arrays.hpp states), so a host test pins down what a GPU computes.

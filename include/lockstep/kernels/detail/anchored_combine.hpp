@@ -5,7 +5,7 @@
 #pragma once
 
 #include "lockstep/kernels/anchored_sum.hpp"
-#include "lockstep/kernels/detail/anchored_sum_host.hpp"
+#include "lockstep/kernels/detail/anchored_host.hpp"
 
 #include <atomic>
 #include <cmath>
@@ -76,7 +76,7 @@ void anchored_note(const anchored_combine_report& report, const T* const* source
 /// The anchored sums (anchored_sum_fn's bits) of elements [first, first + m) of n arrays of
 /// terms: out[k] = the sum of sources[j][first + k] over j < n, rounded once. Float sums of at
 /// most anchored_short_terms arrays run tile by tile straight from the arrays
-/// (anchored_pair_loop for 2, anchored_tile_body otherwise), so the arrays may live anywhere
+/// (anchored_array_sums, anchored_host.hpp), so the arrays may live anywhere
 /// (thread_communicator::all_combine's peers' buffers); anchored_sum_fn answers the elements
 /// they leave, and every element otherwise. With report.words, each call adds what its sums saw
 /// (anchored_note), so the owner of the elements learns, without another pass, whether every

@@ -4,14 +4,13 @@
 // element once. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/combine.hpp"
 #include "lockstep/comm/communicator.hpp"
-#include "lockstep/comm/detail/shm_combine.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
 #include "lockstep/kernels/detail/anchored_combine.hpp"
-#include "lockstep/kernels/detail/anchored_keep_host.hpp"
-#include "lockstep/kernels/detail/anchored_sum_host.hpp"
+#include "lockstep/kernels/detail/anchored_host.hpp"
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/detail/anchored_loss.hpp"
@@ -51,54 +50,56 @@ struct anchored_tail_fn {
     }
 };
 
-/// Order-independent sums of n gradient elements (kernels/anchored_sum.hpp: fixed point
-/// anchored at each element's largest exponent) and one loss (kernels/exact_sum.hpp: binned)
-/// over the replicas of a communicator with all_to_all, on System. Per step: begin(calls,
-/// max_calls); per chunk take() in parts (keep() of every chunk but the last, which leaves g
-/// zero for the next; flags of the last where the sums do not report), add() and add_loss();
-/// exchange() (collective); check_local() (this replica's own non-finite loss terms and, where
-/// the sums do not report, its non-finite chunk values marked in g for its checks;
-/// own_values_finite() says when there are none); finalize() (collective; where the sums report,
-/// own_report() then holds this replica's own check and whether every sum is finite). Each
-/// element's sum is formed from all of its values in one place, so no partial sum is rounded and
-/// the bits do not depend on the replica count, nor on which of the three exchanges a step
-/// takes:
-/// - combined, at every size, on a communicator with all_combine (the thread group) when
-///   `combined` is passed: finalize() has each replica's share of the elements summed from every
-///   replica's chunks where they lie and stored to every replica's g in one pass
-///   (comm.all_combine), no copy of the values in between: the last chunk is g itself, every
-///   other chunk is kept ((calls - 1) n values); then one all_gather of the loss terms and of
-///   what each replica's sums reported. Memory: the kept chunks, and n zeros when some replica
-///   has fewer calls than max_calls.
-/// - gathered, otherwise, when replicas x max_calls x n <= gather_values: every chunk is kept
-///   in this replica's region of the receive buffer (max_calls n values, zeros past this
-///   replica's calls, then its loss terms as doubles); exchange() all-gathers the regions in
-///   place (1 collective); finalize() sums every element on every replica. Memory: replicas x
-///   (max_calls x n values and the loss terms).
-/// - blocks, otherwise: the elements are cut into one block of b = n / replicas per replica (the
-///   tail of n mod replicas elements aside); every chunk but the last is kept ((calls - 1) n
-///   values); exchange() runs one all_to_all per call index, which brings every replica's values
-///   of this replica's block here (on the host over a communicator with all_to_all_others, such
-///   as MPI, when `in_place` is passed: every other replica's, the sums reading this replica's
-///   own where they lie, and reporting), and one all_gather of the loss terms and the tail's
-///   values; finalize() sums this replica's block and all-gathers the blocks (the tail and the
-///   loss are summed on every replica; in place, one more all_gather of what each replica's
-///   sums reported). Memory: the kept chunks, max_calls n received values, and when some replica
-///   has fewer calls than max_calls, n zeros.
-/// The sums report (combined, and blocks in place: both on the host) what they saw as they form
-/// each element (kernels/detail/anchored_combine.hpp): the elements where a replica's value is
-/// not finite, and whether a sum is not finite, so neither the last chunk nor the sums are read
-/// again to count them (train/detail/anchored_report.hpp). The other exchanges flag (host float)
-/// or mark the replica's non-finite values for its own check (check_local).
-template <class T, class System>
+/// How an accumulator's chunks reach the sums, fixed by its communicator's type
+/// (anchored_exchange_for); the bits are the same for all.
+enum class anchored_exchange {
+    blocks,   ///< gathered when small, else each block of elements to its owner by all_to_all
+    in_place, ///< blocks, the owner reading its own values where they lie (host, MPI)
+    combined, ///< one all_combine pass at every size (host, the thread group)
+};
+
+/// The exchange of a communicator: combined where it has all_combine, in place where it has
+/// all_to_all_others (both on the host only), else blocks.
+template <class Communicator>
+inline constexpr anchored_exchange anchored_exchange_for =
+    !Communicator::system_type::is_host            ? anchored_exchange::blocks
+    : combine_communicator<Communicator>           ? anchored_exchange::combined
+    : all_to_all_others_communicator<Communicator> ? anchored_exchange::in_place
+                                                   : anchored_exchange::blocks;
+
+/// Order-independent sums of n gradient elements (kernels/anchored_sum.hpp) and one loss
+/// (kernels/exact_sum.hpp) over the replicas of a communicator, on System. Per step: begin();
+/// per chunk take() in parts (keep() of every chunk but the last, which leaves g zero for the
+/// next), add() and add_loss(); exchange() (collective); check_local(); finalize() (collective).
+/// Each element's sum is formed from all of its values in one place and rounded once, so the
+/// bits depend neither on the replica count nor on the exchange:
+/// - combined: finalize() has each replica's share of the elements summed from every
+///   replica's chunks where they lie (the last chunk is g itself) and stored to every replica's
+///   g in one all_combine pass, then one all_gather of the loss terms and the sums' reports.
+/// - blocks, in place: each step gathered when replicas x max_calls x n <= gather_values
+///   (every chunk kept in this replica's region of recv_, one all_gather, every element summed
+///   on every replica); else the elements are cut into one block per replica (the tail of n mod
+///   replicas elements summed on every replica), one all_to_all per call index brings every
+///   replica's values of this replica's block here (in place: the owner reads its own where they
+///   lie, and its sums report), one all_gather moves the loss terms and tail values, and
+///   finalize() sums the block and all-gathers the blocks.
+/// Where the sums report (kernels/detail/anchored_combine.hpp), this replica's non-finite
+/// values and whether every sum is finite come from them (own_report(), sums_finite()); else
+/// check_local() marks them in g (on the host in float, only in the tiles the keep passes
+/// flagged).
+template <class T, class System, anchored_exchange Exchange = anchored_exchange::blocks>
 class anchored_accumulator {
+    static constexpr bool combined = Exchange == anchored_exchange::combined;
+    static constexpr bool in_place = Exchange == anchored_exchange::in_place;
+    static_assert(System::is_host || Exchange == anchored_exchange::blocks,
+                  "the combined and in-place exchanges read the chunks on the host");
+
 public:
     anchored_accumulator(std::size_t n, int replicas, int rank, const System& sys,
-                         std::size_t gather_values = 0, bool combined = false,
-                         bool in_place = false)
+                         std::size_t gather_values = 0)
         : n_(n), replicas_(static_cast<std::size_t>(replicas)), gather_values_(gather_values),
-          combined_(combined), in_place_(in_place), rank_(static_cast<std::size_t>(rank)),
-          block_(n / replicas_), tail_(n - block_ * replicas_), sys_(sys), loss_top_(1, sys),
+          rank_(static_cast<std::size_t>(rank)), block_(n / replicas_),
+          tail_(n - block_ * replicas_), sys_(sys), loss_top_(1, sys),
           loss_bins_(kernels::binned::window, sys), losses_(3, sys), own_report_(3, sys) {}
 
     std::size_t size() const noexcept { return n_; }
@@ -115,8 +116,7 @@ public:
         kept_ = 0;
         scanned_ = 0;
         losses_added_ = 0;
-        gathered_ = !combined_ && n_ > 0 && replicas_ * max_calls <= gather_values_ / n_;
-        reports_ = combined_ || (!gathered_ && in_place_);
+        gathered_ = !combined && n_ > 0 && replicas_ * max_calls <= gather_values_ / n_;
         if (gathered_) {
             stride_ = 2 * max_calls;
             // This replica's region: its chunks, padding up to a double's boundary (one float
@@ -128,7 +128,7 @@ public:
             grow(recv_, replicas_ * region_);
             zero(sys_, recv_.span().subspan(rank_ * region_ + calls * n_,
                                             terms_at_ - calls * n_)); // zeros past its calls
-        } else if (combined_) {
+        } else if (combined) {
             stride_ = 2 * max_calls + report_words(); // the loss terms, then the report
             grow(store_, (calls - 1) * n_);
             if (calls < max_calls && n_ > zeros_.size()) {
@@ -145,15 +145,15 @@ public:
             }
         }
         if constexpr (host_float) {
-            if (!reports_) {
+            if (!reports_own()) {
                 grow(flags_, keep_tiles());
                 zero(sys_, flags_.span().first(keep_tiles()));
             }
         }
-        if (reports_) {
+        if (reports_own()) {
             grow(words_, report_words());
             zero(sys_, words_.span().first(report_words()));
-            if (!combined_) // combined: the report travels with the loss terms
+            if (!combined) // combined: the report travels with the loss terms
                 grow(reports_gathered_, report_words() * (replicas_ + 1));
         }
         if (!gathered_) { // gathered: the terms travel in the regions of recv_
@@ -178,14 +178,15 @@ public:
                          errc::internal, static_cast<int>(rank_), "reduce::reproducible.keep",
                          "elements [", first, ", ", first + count, ") of chunk ", added_, " of ",
                          calls_, " (", kept_, " of ", n_, " kept)");
+        kept_ += count;
         if (count == 0)
             return;
-        T* dst = slot(added_);
         if constexpr (host_float)
-            keep_range(g.data(), dst, g.data(), first, first + count);
-        else
-            run(count, keep_zero_fn<T>{g.data() + first, dst + first}, count);
-        kept_ += count;
+            keep_range(g.data(), slot(added_), g.data(), first, first + count);
+        else if constexpr (System::is_host)
+            run(count, keep_zero_fn<T>{g.data() + first, slot(added_) + first}, count);
+        else if (kept_ == n_) // a device keeps the whole chunk in one launch
+            run(n_, keep_zero_fn<T>{g.data(), slot(added_)}, n_);
     }
     /// Elements [first, first + count) of the chunk being computed are final in g: keep() for
     /// a kept chunk; of the last chunk, which stays in g, the host's float passes flag the keep
@@ -203,11 +204,11 @@ public:
                          scanned_, " of ", n_, " taken)");
         if constexpr (host_float) {
             // gathered: add() flags the last chunk as it copies it; reported: the sums count them
-            if (count == 0 || gathered_ || reports_)
+            if (count == 0 || gathered_ || reports_own())
                 return;
             run(kernels::detail::anchored_keep_tiles_fn::tasks(first, first + count),
-                kernels::detail::anchored_flag_tiles_fn{g.data(), first, first + count,
-                                                        flags_.data()},
+                kernels::detail::anchored_keep_tiles_fn{g.data(), nullptr, nullptr, first,
+                                                        first + count, flags_.data(), false},
                 count);
             scanned_ += count;
         }
@@ -218,7 +219,7 @@ public:
     /// it is, and counting g's non-finite values would find none.
     bool own_values_finite() const noexcept {
         if constexpr (host_float) {
-            if (reports_ || added_ != calls_ || (!gathered_ && scanned_ != n_))
+            if (reports_own() || added_ != calls_ || (!gathered_ && scanned_ != n_))
                 return false;
             const unsigned char* f = flags_.data();
             for (std::size_t t = 0; t < keep_tiles(); ++t)
@@ -252,24 +253,21 @@ public:
     /// last: the last chunk's gradient. Collective.
     template <class Communicator>
     void exchange(Communicator& comm, std::span<const T> last) {
-        LOCKSTEP_REQUIRE(in_place_ == sums_from_place<Communicator>, errc::internal,
-                         static_cast<int>(rank_), "reduce::reproducible.exchange",
-                         "the accumulator was built ", in_place_ ? "" : "not ",
-                         "to sum blocks in place, which this communicator ",
-                         sums_from_place<Communicator> ? "can" : "cannot");
+        static_assert(Exchange == anchored_exchange_for<Communicator>,
+                      "the accumulator's exchange is the one its communicator type calls for");
         if (gathered_) { // the chunks and the loss terms of every replica, in place
             comm.all_gather(std::span<const T>(recv_.data() + rank_ * region_, region_),
                             recv_.span().first(region_ * replicas_));
             return;
         }
-        if (combined_)
+        if constexpr (combined)
             return;
         const std::size_t all = blocks();
         if (block_ > 0)
             for (std::size_t c = 0; c < max_calls_; ++c) {
                 const std::span<const T> src(own_chunk(c, last.data()), all);
                 const std::span<T> got = recv_.span().subspan(c * all, all);
-                if constexpr (sums_from_place<Communicator>)
+                if constexpr (in_place)
                     comm.all_to_all_others(src, got); // this replica's block read where it lies
                 else
                     comm.all_to_all(src, got);
@@ -289,7 +287,7 @@ public:
     /// *loss = the sum of this replica's non-finite loss terms, 0 when all are finite
     /// (non_finite_loss_fn).
     void check_local(std::span<T> g, double* loss) {
-        if (calls_ > 1 && !reports_) {
+        if (calls_ > 1 && !reports_own()) {
             if constexpr (host_float) {
                 run(keep_tiles(),
                     kernels::detail::anchored_mark_tiles_fn{chunks(g.data()), n_, flags_.data(),
@@ -314,9 +312,8 @@ public:
                                     loss_bins_.data(), loss});
             return;
         }
-        if (combined_) {
-            if constexpr (combine_communicator<Communicator>)
-                combine(comm, g);
+        if constexpr (combined) {
+            combine(comm, g);
             // The loss terms and the report, gathered after the sums.
             run(1, report_words_fn{words_.data(), report_words(),
                                    small_send_.data() + 2 * max_calls_});
@@ -331,7 +328,7 @@ public:
         const std::size_t all = blocks();
         if (block_ > 0) {
             T* mine = g.data() + rank_ * block_;
-            if constexpr (sums_from_place<Communicator>) {
+            if constexpr (in_place) {
                 // Every replica's chunks of this block: the received ones, and this replica's
                 // own where they lie (g, the last of them, is also where the sums go).
                 std::vector<const T*> sources(replicas_ * max_calls_);
@@ -343,8 +340,8 @@ public:
                 // Tile by tile through a buffer on the stack, as all_combine's pass, so mine
                 // may be one of the sources.
                 T* const to[1] = {mine};
-                detail::shm::combine_to_all(sys_, sources.data(), sources.size(), to, 1, 0, block_,
-                                            reporting(rank_ * block_));
+                combine_in_place(sys_, std::span<const T* const>(sources), std::span<T* const>(to),
+                                 0, block_, reporting(rank_ * block_));
             } else {
                 const kernels::anchored_terms<T> terms{recv_.data(), replicas_, max_calls_, block_,
                                                        all};
@@ -358,7 +355,7 @@ public:
                     {small_recv_.data() + 2 * max_calls_, replicas_, max_calls_, stride_, tail_},
                     g.data() + all},
                 tail_ * replicas_ * max_calls_);
-        if (reports_) { // every replica's report on its block; the tail's values are here
+        if (reports_own()) { // every replica's report on its block; the tail's values are here
             const std::size_t w = report_words();
             double* gathered = reports_gathered_.data() + w;
             if (block_ > 0) {
@@ -376,7 +373,7 @@ public:
     /// Whether finalize() reports this replica's own check and the sums' finiteness
     /// (own_report(), sums_finite()) instead of check_local() marking g for it: the combined
     /// exchange, and the blocks exchange in place.
-    bool reports_own() const noexcept { return reports_; }
+    bool reports_own() const noexcept { return combined || (in_place && !gathered_); }
     /// After finalize(), where reports_own(): this replica's own check in System's memory,
     /// [0] the elements where one of its chunk values is not finite, [1] 1 + the flat index of
     /// the first (0: none), as a check of g after check_local would count them; [2] 1 when
@@ -387,7 +384,7 @@ public:
     /// exchanges run on host systems only); false where they did not report, or one is not.
     bool sums_finite() const {
         if constexpr (System::is_host)
-            return reports_ && own_report_.data()[2] != 0.0;
+            return reports_own() && own_report_.data()[2] != 0.0;
         else
             return false;
     }
@@ -395,9 +392,9 @@ public:
     std::size_t collectives() const noexcept {
         if (gathered_)
             return 1;
-        if (combined_)
+        if (combined)
             return 2;
-        return (block_ > 0 ? max_calls_ + 1 + (reports_ ? 1 : 0) : 0) + 1;
+        return (block_ > 0 ? max_calls_ + 1 + (reports_own() ? 1 : 0) : 0) + 1;
     }
 
 private:
@@ -406,7 +403,7 @@ private:
              std::size_t elements = std::numeric_limits<std::size_t>::max()) {
         kernels::for_each_index(sys_, count, f, elements);
     }
-    /// The host's float passes run in tiles (kernels/detail/anchored_sum_host.hpp).
+    /// The host's float passes run in tiles (kernels/detail/anchored_host.hpp).
     static constexpr bool host_float = System::is_host && std::is_same_v<T, float>;
     static std::size_t tiles(std::size_t count) noexcept {
         return (count + kernels::detail::anchored_tile - 1) / kernels::detail::anchored_tile;
@@ -416,12 +413,12 @@ private:
     }
     /// Host float: elements [first, end) of src copied to dst at the same offsets (zeroed in
     /// src where clear, which is src or null), flagging the keep tiles that hold a non-finite
-    /// value for check_local (kernels/detail/anchored_keep_host.hpp). requires: first < end.
+    /// value for check_local (kernels/detail/anchored_host.hpp). requires: first < end.
     void keep_range(const float* src, float* dst, float* clear, std::size_t first,
                     std::size_t end) {
         run(kernels::detail::anchored_keep_tiles_fn::tasks(first, end),
             kernels::detail::anchored_keep_tiles_fn{
-                src, dst, clear, first, end, reports_ ? nullptr : flags_.data(),
+                src, dst, clear, first, end, reports_own() ? nullptr : flags_.data(),
                 n_ * sizeof(float) >= kernels::detail::anchored_stream_bytes},
             end - first);
     }
@@ -466,11 +463,6 @@ private:
             b = buffer<U, System>(count, sys_);
     }
     std::size_t blocks() const noexcept { return block_ * replicas_; }
-    /// The blocks exchange on the host over a communicator that can leave a replica's own block
-    /// out (all_to_all_others): the sums read this replica's values where they lie.
-    template <class Communicator>
-    static constexpr bool sums_from_place =
-        System::is_host&& all_to_all_others_communicator<Communicator>;
     /// This replica's chunk c in the blocks and combined exchanges: kept, the last (`last`), or
     /// zeros past its calls.
     const T* own_chunk(std::size_t c, const T* last) const noexcept {
@@ -495,8 +487,6 @@ private:
     std::size_t n_;
     std::size_t replicas_;
     std::size_t gather_values_; ///< gathered exchange up to this many values
-    bool combined_;             ///< all_combine (at every size)
-    bool in_place_;             ///< blocks: the sums read this replica's own values in place
     std::size_t rank_;
     std::size_t block_; ///< elements per replica's block
     std::size_t tail_;  ///< elements past the blocks, summed on every replica
@@ -504,7 +494,6 @@ private:
     std::size_t calls_ = 1;
     std::size_t max_calls_ = 1;
     bool gathered_ = false;
-    bool reports_ = false; ///< this step's sums report (combined, or blocks in place)
     std::size_t added_ = 0;
     std::size_t kept_ = 0;    ///< elements of the current chunk kept
     std::size_t scanned_ = 0; ///< host float, not gathered: elements of the last chunk flagged

@@ -72,6 +72,8 @@ template <std::size_t C, std::size_t G, class T, class Communicator>
 class collective<reduce::reproducible<C, G>, T, Communicator> {
 public:
     using system_type = typename Communicator::system_type;
+    using accumulator_type =
+        anchored_accumulator<T, system_type, anchored_exchange_for<Communicator>>;
     static constexpr std::size_t status_doubles = 0;
 
     static_assert(all_to_all_communicator<Communicator>,
@@ -82,9 +84,7 @@ public:
     collective(Communicator& comm, const std::vector<tensor_info>& tensors,
                overlap_setting /*overlap*/ = {}, const train_params& params = {})
         : plan_(plan_buckets(tensors, sizeof(T), 1, 1)),
-          acc_(flat_extent(tensors), comm.size(), comm.rank(), comm.system(), G,
-               combine_communicator<Communicator> && system_type::is_host,
-               all_to_all_others_communicator<Communicator> && system_type::is_host) {
+          acc_(flat_extent(tensors), comm.size(), comm.rank(), comm.system(), G) {
         LOCKSTEP_REQUIRE(params.micro_batches == 1, errc::invalid_argument, comm.rank(),
                          "data_parallel", "micro_batches = ", params.micro_batches,
                          ": reduce::reproducible cuts every global batch into chunks of ", C,
@@ -169,7 +169,7 @@ public:
     bool overlaps() const noexcept { return false; }
     void drain() noexcept {}
 
-    anchored_accumulator<T, system_type>& accumulator() noexcept { return acc_; }
+    accumulator_type& accumulator() noexcept { return acc_; }
 
 private:
     /// Forward and backward once per chunk of this replica's run `mine` (a replica without chunks
@@ -235,7 +235,7 @@ private:
     }
 
     std::vector<bucket> plan_;
-    anchored_accumulator<T, system_type> acc_;
+    accumulator_type acc_;
     std::atomic<std::size_t> collectives_{0};
 };
 

@@ -1,10 +1,11 @@
-// lockstep/core/float16_arrays.hpp: float <-> half / bfloat16 conversion of whole arrays on the
+// lockstep/kernels/float16_arrays.hpp: float <-> half / bfloat16 conversion of whole arrays on the
 // host (F16C/AVX2 where the CPU has them, else branch-free loops the compiler vectorises), bit
 // for bit equal to the scalar conversions of float16.hpp. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/float16.hpp"
+#include "lockstep/system/detail/cpu_features.hpp"
 
 #include <atomic>
 #include <cstddef>
@@ -13,10 +14,9 @@
 #include <type_traits>
 
 // The F16C/AVX2 path: x86 host code of GCC or Clang (also the host pass of nvcc), selected at run
-// time by CPUID, so the default build (no -march) uses it wherever the CPU has it.
-#if !defined(__CUDA_ARCH__) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// time (detail::cpu_has_f16c), so the default build (no -march) uses it wherever the CPU has it.
+#if LOCKSTEP_HOST_X86
 #define LOCKSTEP_F16_X86 1
-#include <cpuid.h>
 #include <immintrin.h>
 #define LOCKSTEP_F16_TARGET __attribute__((target("avx2,f16c")))
 #else
@@ -65,45 +65,6 @@ inline std::uint16_t float_to_bfloat16_bits_select(float f) {
 }
 
 #if LOCKSTEP_F16_X86
-/// True when the CPU and the OS support AVX2 and F16C (CPUID, XGETBV), checked once.
-inline bool cpu_has_f16c() noexcept {
-    static const bool ok = [] {
-        unsigned a = 0, b = 0, c = 0, d = 0;
-        if (!__get_cpuid(1, &a, &b, &c, &d))
-            return false;
-        const bool f16c = (c >> 29) & 1u, avx = (c >> 28) & 1u, osxsave = (c >> 27) & 1u;
-        if (!(f16c && avx && osxsave))
-            return false;
-        unsigned lo = 0, hi = 0;
-        __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0)); // XCR0: the OS saves XMM and YMM
-        if ((lo & 6u) != 6u)
-            return false;
-        if (__get_cpuid_max(0, nullptr) < 7)
-            return false;
-        __cpuid_count(7, 0, a, b, c, d);
-        return ((b >> 5) & 1u) != 0; // AVX2
-    }();
-    return ok;
-}
-
-/// True when the CPU and the OS support AVX-512F (CPUID, XGETBV: the OS saves the opmask and
-/// ZMM registers), checked once; the anchored sums' widest loops
-/// (kernels/detail/anchored_sum_host.hpp) take it.
-inline bool cpu_has_avx512f() noexcept {
-    static const bool ok = [] {
-        unsigned a = 0, b = 0, c = 0, d = 0;
-        if (!cpu_has_f16c() || __get_cpuid_max(0, nullptr) < 7)
-            return false;
-        unsigned lo = 0, hi = 0;
-        __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0)); // XCR0: XMM, YMM, opmask, ZMM state
-        if ((lo & 0xe6u) != 0xe6u)
-            return false;
-        __cpuid_count(7, 0, a, b, c, d);
-        return ((b >> 16) & 1u) != 0; // AVX512F
-    }();
-    return ok;
-}
-
 /// True when the array conversions take the F16C/AVX2 path.
 inline bool use_f16c() noexcept {
     return cpu_has_f16c() && !f16_portable_only().load(std::memory_order_relaxed);
