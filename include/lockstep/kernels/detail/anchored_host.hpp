@@ -1,13 +1,17 @@
 // lockstep/kernels/detail/anchored_host.hpp: the host's float loops of the anchored sums (a tile
-// of elements read straight from their arrays of terms) and of the pass that keeps a chunk and
-// flags its non-finite tiles: plain loops with no data-dependent branch, run on the widest vector
-// registers the host has (on_widest_vectors), bit for bit anchored_sum_fn's results where they
-// answer.
+// of elements read straight from their arrays of terms, in blocks of GNU vector types) and of the
+// pass that keeps a chunk and flags its non-finite tiles: no data-dependent branch, run on the
+// widest vector registers the host has (on_widest_vectors), bit for bit anchored_sum_fn's results
+// where they answer.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/kernels/anchored_sum.hpp"
 #include "lockstep/system/detail/cpu_features.hpp"
+
+#if LOCKSTEP_HOST_X86
+#include <xmmintrin.h>
+#endif
 
 #include <algorithm>
 #include <bit>
@@ -36,113 +40,142 @@ inline constexpr std::size_t anchored_stream_bytes = std::size_t(4) << 20;
     return (std::bit_cast<std::uint64_t>(x) & 0x7ff0000000000000u) + 0x0010000000000000u;
 }
 
+/// Eight lanes of an anchored block in GNU vector types, which GCC and Clang compile to the
+/// registers of the function's target (GCC 12's vectoriser leaves a plain loop's finish, with
+/// its double compares and byte stores, in scalar code, and does worse with 16 lanes).
+using anchored_lanes = std::int32_t __attribute__((vector_size(32)));
+using anchored_bits = std::uint32_t __attribute__((vector_size(32)));
+using anchored_floats = float __attribute__((vector_size(32)));
+using anchored_sums = double __attribute__((vector_size(64)));
+
+/// The float sums of 8 elements, p[j][at, at + 8) for j < k, into out[0, 8). Each element's
+/// anchor a (its largest exponent field) and the smallest field of a non-zero term come first;
+/// where every non-zero term lies within `bits` = 29 - ceil(log2 k) binades of a, every term is
+/// a whole number of units 2^(a - 150 - bits) below 2^(24 + bits) units, so every partial sum
+/// in double is exact and the conversion to float is the one rounding: anchored_sum_fn's result
+/// (which keeps 60 bits below the anchor), unless the result is subnormal (where flush-to-zero
+/// modes would differ). ok[i] (a mask) is -1 where out[i] holds it (or a quiet NaN for a non-finite
+/// anchor), 0 where anchored_sum_fn must answer.
+[[gnu::always_inline]] inline void anchored_block(const float* const* p, std::size_t k,
+                                                  std::size_t at, int bits, float* out,
+                                                  std::int32_t* ok) {
+    // The magnitudes' bits order as their values (signed: the top bit is clear): the largest
+    // one's field is the anchor. The smallest non-zero one's comes from the least key, the
+    // magnitude + INT_MAX (wrapping), which sends zeros past every other term.
+    anchored_lanes largest{};
+    anchored_lanes least = anchored_lanes{} + 0x7fffffff;
+    anchored_sums sum{};
+    for (std::size_t j = 0; j < k; ++j) {
+        anchored_floats x;
+        std::memcpy(&x, p[j] + at, sizeof x);
+        const anchored_lanes mag = __builtin_bit_cast(anchored_lanes, x) & 0x7fffffff;
+        const auto key = __builtin_bit_cast(anchored_lanes,
+                                            __builtin_bit_cast(anchored_bits, mag) + 0x7fffffffu);
+        largest = mag > largest ? mag : largest;
+        least = key < least ? key : least;
+        sum += __builtin_convertvector(x, anchored_sums); // exact where the block answers
+    }
+    // Fields of 0 (zeros, subnormals) count as 1; a smallest magnitude of 0: every term is 0.
+    const anchored_lanes field = largest >> 23;
+    const anchored_lanes top = field == 0 ? 1 : field;
+    const auto smallest =
+        __builtin_bit_cast(anchored_lanes, __builtin_bit_cast(anchored_bits, least) - 0x7fffffffu);
+    const anchored_lanes lowest = smallest >> 23;
+    const anchored_lanes low = smallest == 0 ? 255 : (lowest == 0 ? 1 : lowest);
+    // Normal or zero, read from the rounded sum's bits (GCC 12 splits double compares into
+    // lanes); the sum scaled by 2^64 (exact) tells a zero from one flushed to zero.
+    const auto rounded =
+        __builtin_bit_cast(anchored_lanes, __builtin_convertvector(sum, anchored_floats));
+    const auto scaled =
+        __builtin_bit_cast(anchored_lanes, __builtin_convertvector(sum * 0x1p64, anchored_floats));
+    // A non-finite anchor gives a quiet NaN; a term too far below the anchor or a subnormal
+    // result leaves the element to anchored_sum_fn.
+    const anchored_lanes nan = top == anchored<float>::non_finite;
+    const anchored_lanes normal =
+        ((rounded & 0x7fffffff) >= 0x00800000) | (((rounded | scaled) & 0x7fffffff) == 0);
+    const anchored_lanes result = nan != 0 ? 0x7fc00000 : rounded;
+    const anchored_lanes mask = nan | ((low >= top - bits) & normal);
+    std::memcpy(out, &result, sizeof result);
+    std::memcpy(ok, &mask, sizeof mask);
+}
+
+/// The float sums of exactly 2 terms, p[0][at + i] + p[1][at + i] for i < 8, as anchored_block
+/// reports them, in float additions: one IEEE addition rounds the exact sum once to nearest
+/// even, anchored_sum_fn's result wherever that is normal, infinite or zero (a term too far
+/// below the other for the limbs to keep is below half an ulp of it; the sum starts from +0 as
+/// anchored_sum_fn's does, so -0 + -0 gives +0). A non-finite term gives a quiet NaN; a
+/// subnormal result is left to anchored_sum_fn.
+[[gnu::always_inline]] inline void anchored_pair_block(const float* const* p, std::size_t at,
+                                                       float* out, std::int32_t* ok) {
+    anchored_floats x;
+    anchored_floats y;
+    std::memcpy(&x, p[0] + at, sizeof x);
+    std::memcpy(&y, p[1] + at, sizeof y);
+    const anchored_floats sum = (0.0f + x) + y;
+    const anchored_lanes finite = (x - x == 0.0f) & (y - y == 0.0f); // 0 for infinities, NaNs
+    const auto bits = __builtin_bit_cast(anchored_lanes, sum);
+    const anchored_lanes result = finite != 0 ? bits : 0x7fc00000;
+    const anchored_lanes mask = ~finite | ((bits & 0x7fffffff) >= 0x00800000) | (sum == 0.0f);
+    std::memcpy(out, &result, sizeof result);
+    std::memcpy(ok, &mask, sizeof mask);
+}
+
 /// The float sums of m <= anchored_tile elements of k arrays (element i's terms: p[j][i], j < k)
-/// into out[0, m). Each element's anchor a (its largest exponent field) and the smallest field
-/// of a non-zero term come first; where every non-zero term lies within bits = 29 -
-/// ceil(log2 k) binades of a, every term is a whole number of units 2^(a - 150 - bits) below
-/// 2^(24 + bits) units, so every partial sum in double is exact and the conversion to float is
-/// the one rounding: anchored_sum_fn's result (which keeps 60 bits below the anchor), unless the
-/// result is subnormal (where flush-to-zero modes would differ). done[i] = 1 where out[i] holds
-/// it (or a quiet NaN for a non-finite anchor), 0 where anchored_sum_fn must answer. Returns
-/// true when every done[i] is 1. requires: 1 <= k <= anchored_short_terms.
-[[gnu::always_inline]] inline bool anchored_tile_loop(const float* const* p, std::size_t k,
-                                                      std::size_t m, float* out,
-                                                      unsigned char* done) {
-    const int bits = 29 - static_cast<int>(std::bit_width(k - 1));
-    // The magnitudes' bits order as their values: the largest one's field is the anchor, the
-    // smallest non-zero one's (min of magnitude - 1, unsigned, sends zeros past every other
-    // term) the smallest field.
-    std::uint32_t largest[anchored_tile];
-    std::uint32_t below[anchored_tile];
-    double sum[anchored_tile];
-    // In blocks of `lanes` elements whose accumulators stay in registers over the k terms (a
-    // whole tile's would go through memory once per term), the last m mod lanes elements alone.
-    constexpr std::size_t lanes = 16;
-    for (std::size_t b = 0; b < m; b += lanes) {
-        const std::size_t w = m - b < lanes ? m - b : lanes;
-        std::uint32_t l[lanes];
-        std::uint32_t d[lanes];
-        double a[lanes];
-        for (std::size_t i = 0; i < lanes; ++i) {
-            l[i] = 0;
-            d[i] = ~0u;
-            a[i] = 0.0;
-        }
-        for (std::size_t j = 0; j < k; ++j) {
-            const float* q = p[j] + b;
-            const auto add = [&](std::size_t i) __attribute__((always_inline)) {
-                const std::uint32_t mag = std::bit_cast<std::uint32_t>(q[i]) & 0x7fffffffu;
-                l[i] = mag > l[i] ? mag : l[i];
-                d[i] = mag - 1u < d[i] ? mag - 1u : d[i];
-                a[i] += static_cast<double>(q[i]); // exact where the tile answers
-            };
-            if (w == lanes) {
-#pragma omp simd
-                for (std::size_t i = 0; i < lanes; ++i)
-                    add(i);
-            } else {
-                for (std::size_t i = 0; i < w; ++i)
-                    add(i);
-            }
-        }
-        for (std::size_t i = 0; i < w; ++i) {
-            largest[b + i] = l[i];
-            below[b + i] = d[i];
-            sum[b + i] = a[i];
-        }
-    }
-    unsigned all = 1;
-#pragma omp simd reduction(& : all)
-    for (std::size_t i = 0; i < m; ++i) {
-        const double v = sum[i];
-        const double mag = v < 0 ? -v : v;
-        // A non-finite anchor gives a quiet NaN; a term too far below the anchor or a subnormal
-        // result leaves the element to anchored_sum_fn.
-        const auto top = static_cast<std::int32_t>(std::max(largest[i] >> 23, 1u));
-        const std::uint32_t smallest = below[i] + 1u; // 0: every term is zero
-        const auto low =
-            static_cast<std::int32_t>(smallest == 0 ? 255u : std::max(smallest >> 23, 1u));
-        const bool nan = top == anchored<float>::non_finite;
-        const bool ok = nan | ((low >= top - bits) & ((mag >= 0x1p-126) | (mag == 0.0)));
-        out[i] = nan ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(v);
-        done[i] = static_cast<unsigned char>(ok);
-        all &= static_cast<unsigned>(ok);
-    }
-    return all != 0;
-}
-
-/// The float sums of exactly 2 terms, p[i] + q[i], as anchored_tile_loop reports them, in float
-/// additions: one IEEE addition rounds the exact sum once to nearest even, anchored_sum_fn's
-/// result wherever that is normal, infinite or zero (a term too far below the other for the
-/// limbs to keep is below half an ulp of it; the sum starts from +0 as anchored_sum_fn's does,
-/// so -0 + -0 gives +0). A non-finite term gives a quiet NaN; a subnormal result is left to
-/// anchored_sum_fn (done[i] = 0).
-[[gnu::always_inline]] inline bool anchored_pair_loop(const float* p, const float* q, std::size_t m,
-                                                      float* out, unsigned char* done) {
-    unsigned all = 1;
-#pragma omp simd reduction(& : all)
-    for (std::size_t i = 0; i < m; ++i) {
-        const float x = p[i];
-        const float y = q[i];
-        const float sum = (0.0f + x) + y;
-        const bool finite = (x - x == 0.0f) & (y - y == 0.0f); // false for infinities and NaNs
-        const float mag = sum < 0.0f ? -sum : sum;
-        out[i] = finite ? sum : std::numeric_limits<float>::quiet_NaN();
-        const bool ok = !finite | (mag >= 0x1p-126f) | (sum == 0.0f);
-        done[i] = static_cast<unsigned char>(ok);
-        all &= static_cast<unsigned>(ok);
-    }
-    return all != 0;
-}
-
-/// The float sums of m <= anchored_tile elements of k arrays p[j] (anchored_pair_loop for 2,
-/// anchored_tile_loop otherwise) on the host's widest vector registers.
+/// into out[0, m), 8 elements at a time by `block` (anchored_block or anchored_pair_block), a
+/// short last block through zero-padded copies of its terms. done[i] = 1 where out[i] holds
+/// anchored_sum_fn's result, 0 where it must answer; returns true when every done[i] is 1.
 /// requires: 1 <= k <= anchored_short_terms.
+template <class Block>
+[[gnu::always_inline]] inline bool anchored_blocks(const Block& block, const float* const* p,
+                                                   std::size_t k, std::size_t m, float* out,
+                                                   unsigned char* done) {
+    constexpr std::size_t lanes = sizeof(anchored_lanes) / sizeof(std::int32_t);
+    // The blocks' masks (-1: done) go to `okay` and become `done` bytes only where an element
+    // is left to anchored_sum_fn (GCC 12 narrows vectors lane by lane).
+    std::int32_t okay[anchored_tile];
+    std::size_t b = 0;
+    for (; b + lanes <= m; b += lanes)
+        block(p, b, out + b, okay + b);
+    if (b < m) {
+        float padded[anchored_short_terms][lanes] = {};
+        const float* q[anchored_short_terms];
+        for (std::size_t j = 0; j < k; ++j) {
+            std::copy(p[j] + b, p[j] + m, padded[j]);
+            q[j] = padded[j];
+        }
+        float o[lanes];
+        std::int32_t d[lanes];
+        block(q, 0, o, d);
+        std::copy(o, o + (m - b), out + b);
+        std::copy(d, d + (m - b), okay + b);
+    }
+    std::int32_t all = -1;
+    for (std::size_t i = 0; i < m; ++i)
+        all &= okay[i];
+    if (all != 0)
+        std::memset(done, 1, m);
+    else
+        for (std::size_t i = 0; i < m; ++i)
+            done[i] = static_cast<unsigned char>(okay[i] & 1);
+    return all != 0;
+}
+
+/// The float sums of m <= anchored_tile elements of k arrays p[j] (anchored_pair_block for 2,
+/// anchored_block otherwise) on the host's widest vector registers, as anchored_blocks reports
+/// them. requires: 1 <= k <= anchored_short_terms.
 inline bool anchored_array_sums(const float* const* p, std::size_t k, std::size_t m, float* out,
                                 unsigned char* done) {
     return lockstep::detail::on_widest_vectors([&]() __attribute__((always_inline)) {
-        return k == 2 ? anchored_pair_loop(p[0], p[1], m, out, done)
-                      : anchored_tile_loop(p, k, m, out, done);
+        if (k == 2)
+            return anchored_blocks(
+                [](const float* const* q, std::size_t at, float* o, std::int32_t* ok)
+                    __attribute__((always_inline)) { anchored_pair_block(q, at, o, ok); },
+                p, k, m, out, done);
+        const int bits = 29 - static_cast<int>(std::bit_width(k - 1));
+        return anchored_blocks(
+            [ k, bits ](const float* const* q, std::size_t at, float* o, std::int32_t* ok)
+                __attribute__((always_inline)) { anchored_block(q, k, at, bits, o, ok); },
+            p, k, m, out, done);
     });
 }
 
@@ -176,13 +209,11 @@ struct anchored_sum_tiles_fn {
                                                           [[maybe_unused]] bool stream) {
     std::uint32_t high = 0;
     std::size_t i = 0;
-#if defined(__clang__)
+#if LOCKSTEP_HOST_X86
     // Streamed stores bypass the caches and skip reading dst's lines first: 2 bytes of memory
-    // traffic per byte kept instead of 3. Whole lines of 16 floats (the widest stores the
-    // target has), after a head up to dst's next 64-byte boundary; neither compiler here keeps
-    // `omp simd nontemporal`, and only clang has __builtin_nontemporal_store.
-    using lines = float __attribute__((ext_vector_type(16)));
-    using words = std::uint32_t __attribute__((ext_vector_type(16)));
+    // traffic per byte kept instead of 3. Whole lines of 16 floats in four SSE streaming stores
+    // (the x86-64 baseline; the CPU combines them into one line write), after a head up to
+    // dst's next 64-byte boundary; neither compiler here keeps `omp simd nontemporal`.
     const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(dst) % 64;
     if (stream && misaligned % sizeof(float) == 0) {
         for (; i < std::min((64 - misaligned) % 64 / sizeof(float), m); ++i) {
@@ -191,16 +222,20 @@ struct anchored_sum_tiles_fn {
             if (clear != nullptr)
                 clear[i] = 0.0f;
         }
-        words bits = 0;
+        anchored_bits bits{};
         for (; i + 16 <= m; i += 16) {
-            lines v;
-            std::memcpy(&v, src + i, sizeof v);
-            __builtin_nontemporal_store(v, reinterpret_cast<lines*>(dst + i));
+            for (std::size_t q = 0; q < 16; q += 4)
+                _mm_stream_ps(dst + i + q, _mm_loadu_ps(src + i + q));
+            anchored_bits low;
+            anchored_bits high8;
+            std::memcpy(&low, src + i, sizeof low);
+            std::memcpy(&high8, src + i + 8, sizeof high8);
             if (clear != nullptr) // while the line is in the caches
-                std::memset(clear + i, 0, sizeof v);
-            bits |= (__builtin_bit_cast(words, v) & 0x7f800000u) + 0x00800000u;
+                std::memset(clear + i, 0, 16 * sizeof(float));
+            bits |= ((low & 0x7f800000u) + 0x00800000u) | ((high8 & 0x7f800000u) + 0x00800000u);
         }
-        for (std::size_t q = 0; q < 16; ++q)
+        _mm_sfence(); // the streamed stores are ordered before the task's end is published
+        for (std::size_t q = 0; q < sizeof bits / sizeof bits[0]; ++q)
             high |= bits[q];
     }
 #endif
