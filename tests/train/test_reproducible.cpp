@@ -388,8 +388,8 @@ std::vector<exchange_result> run_exchange(int replicas, std::size_t chunks, std:
         res.sums = g;
         res.sums_finite = acc.sums_finite();
         if (res.reports) {
-            res.own_count = acc.own_report()[0];
-            res.own_first = acc.own_report()[1];
+            res.own_count = acc.own_report()->own.count;
+            res.own_first = acc.own_report()->own.first;
         }
     });
     return out;

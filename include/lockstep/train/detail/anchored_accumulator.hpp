@@ -100,12 +100,12 @@ public:
         : n_(n), replicas_(static_cast<std::size_t>(replicas)), gather_values_(gather_values),
           rank_(static_cast<std::size_t>(rank)), block_(n / replicas_),
           tail_(n - block_ * replicas_), sys_(sys), loss_top_(1, sys),
-          loss_bins_(kernels::binned::window, sys), losses_(3, sys), own_report_(3, sys) {}
+          loss_bins_(kernels::binned::window, sys), losses_(1, sys), own_report_(1, sys) {}
 
     std::size_t size() const noexcept { return n_; }
-    double* chunk_loss() noexcept { return losses_.data(); }
-    double* own_loss() noexcept { return losses_.data() + 1; }
-    double* global_loss() noexcept { return losses_.data() + 2; }
+    double* chunk_loss() noexcept { return &losses_.data()->chunk; }
+    double* own_loss() noexcept { return &losses_.data()->own; }
+    double* global_loss() noexcept { return &losses_.data()->global; }
 
     /// Starts a step in which this replica adds `calls` chunks and the busiest replica
     /// max_calls. requires: 1 <= calls <= max_calls, the same max_calls on every replica.
@@ -118,25 +118,25 @@ public:
         losses_added_ = 0;
         gathered_ = !combined && n_ > 0 && replicas_ * max_calls <= gather_values_ / n_;
         if (gathered_) {
-            stride_ = 2 * max_calls;
+            row_ = {max_calls, 0};
             // This replica's region: its chunks, padding up to a double's boundary (one float
             // when the chunk values are odd in number), then its loss terms (doubles).
             const std::size_t values_bytes = max_calls * n_ * sizeof(T);
             terms_at_ =
                 (values_bytes + sizeof(double) - 1) / sizeof(double) * sizeof(double) / sizeof(T);
-            region_ = terms_at_ + stride_ * sizeof(double) / sizeof(T);
+            region_ = terms_at_ + row_.size() * sizeof(double) / sizeof(T);
             grow(recv_, replicas_ * region_);
             zero(sys_, recv_.span().subspan(rank_ * region_ + calls * n_,
                                             terms_at_ - calls * n_)); // zeros past its calls
         } else if (combined) {
-            stride_ = 2 * max_calls + report_words(); // the loss terms, then the report
+            row_ = {max_calls, report_words()}; // the loss terms, then the report
             grow(store_, (calls - 1) * n_);
             if (calls < max_calls && n_ > zeros_.size()) {
                 zeros_ = buffer<T, System>(n_, sys_);
                 zero(sys_, zeros_.span());
             }
         } else {
-            stride_ = 2 * max_calls + max_calls * tail_;
+            row_ = {max_calls, max_calls * tail_}; // the loss terms, then the tail
             grow(store_, (calls - 1) * n_);
             grow(recv_, max_calls * blocks());
             if (calls < max_calls && blocks() > zeros_.size()) {
@@ -157,10 +157,10 @@ public:
                 grow(reports_gathered_, report_words() * (replicas_ + 1));
         }
         if (!gathered_) { // gathered: the terms travel in the regions of recv_
-            grow(small_send_, stride_);
-            grow(small_recv_, stride_ * replicas_);
+            grow(small_send_, row_.size());
+            grow(small_recv_, row_.size() * replicas_);
         }
-        kernels::for_each_index(sys_, stride_, zero_terms_fn{own_terms()});
+        kernels::for_each_index(sys_, row_.size(), zero_terms_fn{own_terms()});
     }
     /// Whether the chunk being computed is kept apart from g (every chunk but the last), in
     /// parts by keep().
@@ -275,10 +275,9 @@ public:
         if (tail_ > 0)
             run(max_calls_ * tail_,
                 anchored_tail_fn<T>{chunks(last.data()), all, tail_,
-                                    small_send_.data() + 2 * max_calls_},
+                                    row_.extra(small_send_.data())},
                 max_calls_ * tail_);
-        comm.all_gather(std::span<const double>(small_send_.data(), stride_),
-                        small_recv_.span().first(stride_ * replicas_));
+        gather_rows(comm);
     }
     /// g (the last chunk's gradient) becomes a quiet NaN where a kept chunk of this replica
     /// holds a non-finite value (kernels::anchored_own_check_fn), so it is non-finite exactly
@@ -307,7 +306,7 @@ public:
             const kernels::anchored_terms<T> terms{recv_.data(), replicas_, max_calls_, region_,
                                                    n_};
             sum_range(terms, n_, g.data());
-            run(1, gathered_loss_fn{terms_of(0), replicas_, 2 * max_calls_,
+            run(1, gathered_loss_fn{terms_of(0), replicas_, row_.terms(),
                                     region_ * sizeof(T) / sizeof(double), loss_top_.data(),
                                     loss_bins_.data(), loss});
             return;
@@ -315,13 +314,11 @@ public:
         if constexpr (combined) {
             combine(comm, g);
             // The loss terms and the report, gathered after the sums.
-            run(1, report_words_fn{words_.data(), report_words(),
-                                   small_send_.data() + 2 * max_calls_});
-            comm.all_gather(std::span<const double>(small_send_.data(), stride_),
-                            small_recv_.span().first(stride_ * replicas_));
-            run(1, own_report_fn<T>{small_recv_.data() + 2 * max_calls_, replicas_, stride_, rank_,
+            run(1, report_words_fn{words_.data(), report_words(), row_.extra(small_send_.data())});
+            gather_rows(comm);
+            run(1, own_report_fn<T>{row_.extra(small_recv_.data()), replicas_, row_.size(), rank_,
                                     nullptr, 0, 0, 0, nullptr, own_report_.data()});
-            run(1, gathered_loss_fn{small_recv_.data(), replicas_, 2 * max_calls_, stride_,
+            run(1, gathered_loss_fn{small_recv_.data(), replicas_, row_.terms(), row_.size(),
                                     loss_top_.data(), loss_bins_.data(), loss});
             return;
         }
@@ -352,7 +349,7 @@ public:
         if (tail_ > 0)
             run(tail_,
                 kernels::anchored_sum_fn<T, double>{
-                    {small_recv_.data() + 2 * max_calls_, replicas_, max_calls_, stride_, tail_},
+                    {row_.extra(small_recv_.data()), replicas_, max_calls_, row_.size(), tail_},
                     g.data() + all},
                 tail_ * replicas_ * max_calls_);
         if (reports_own()) { // every replica's report on its block; the tail's values are here
@@ -364,27 +361,26 @@ public:
                                 reports_gathered_.span().subspan(w, w * replicas_));
             }
             run(1, own_report_fn<T>{gathered, block_ > 0 ? replicas_ : 0, w, rank_,
-                                    small_recv_.data() + rank_ * stride_ + 2 * max_calls_,
+                                    row_.extra(small_recv_.data() + rank_ * row_.size()),
                                     max_calls_, tail_, all, g.data() + all, own_report_.data()});
         }
-        run(1, gathered_loss_fn{small_recv_.data(), replicas_, 2 * max_calls_, stride_,
+        run(1, gathered_loss_fn{small_recv_.data(), replicas_, row_.terms(), row_.size(),
                                 loss_top_.data(), loss_bins_.data(), loss});
     }
     /// Whether finalize() reports this replica's own check and the sums' finiteness
     /// (own_report(), sums_finite()) instead of check_local() marking g for it: the combined
     /// exchange, and the blocks exchange in place.
     bool reports_own() const noexcept { return combined || (in_place && !gathered_); }
-    /// After finalize(), where reports_own(): this replica's own check in System's memory,
-    /// [0] the elements where one of its chunk values is not finite, [1] 1 + the flat index of
-    /// the first (0: none), as a check of g after check_local would count them; [2] 1 when
-    /// every sum is finite.
-    const double* own_report() const noexcept { return own_report_.data(); }
+    /// After finalize(), where reports_own(): this replica's own check in System's memory (its
+    /// chunk values' non-finite count and first index, as a check of g after check_local would
+    /// count them) and whether every sum is finite.
+    const anchored_own_report* own_report() const noexcept { return own_report_.data(); }
     /// After finalize(): true when the sums reported that every one of them is finite, so a
     /// check of g as finalize() left it would count nothing (read on the host: the reporting
     /// exchanges run on host systems only); false where they did not report, or one is not.
     bool sums_finite() const {
         if constexpr (System::is_host)
-            return reports_own() && own_report_.data()[2] != 0.0;
+            return reports_own() && own_report_.data()->sums_finite;
         else
             return false;
     }
@@ -480,6 +476,12 @@ private:
     double* terms_of(std::size_t j) noexcept {
         return reinterpret_cast<double*>(recv_.data() + j * region_ + terms_at_);
     }
+    /// Not gathered: every replica's row of small_send_ into small_recv_. Collective.
+    template <class Communicator>
+    void gather_rows(Communicator& comm) {
+        comm.all_gather(std::span<const double>(small_send_.data(), row_.size()),
+                        small_recv_.span().first(row_.size() * replicas_));
+    }
     /// This replica's loss terms (then, in blocks, its values of the tail): gathered in its
     /// region of recv_, else in small_send_.
     double* own_terms() noexcept { return gathered_ ? terms_of(rank_) : small_send_.data(); }
@@ -498,13 +500,13 @@ private:
     std::size_t kept_ = 0;    ///< elements of the current chunk kept
     std::size_t scanned_ = 0; ///< host float, not gathered: elements of the last chunk flagged
     std::size_t losses_added_ = 0;
-    std::size_t stride_ = 0;   ///< doubles per replica in the small all_gather
+    anchored_row row_;         ///< a replica's doubles in the small all_gather
     std::size_t terms_at_ = 0; ///< gathered: where a replica's loss terms start in its region
     std::size_t region_ = 0;   ///< gathered: values of T per replica (chunks, padding, terms)
     buffer<std::int64_t, System> loss_top_; ///< workspace of the global loss's binned sum
     buffer<std::int64_t, System> loss_bins_;
-    buffer<double, System> losses_;           ///< chunk, own and global loss
-    buffer<double, System> own_report_;       ///< reports_own(): own count, first, sums finite
+    buffer<anchored_losses, System> losses_;
+    buffer<anchored_own_report, System> own_report_; ///< reports_own()
     buffer<std::uint64_t, System> words_;     ///< reports_own(): what this replica's sums saw
     buffer<double, System> reports_gathered_; ///< blocks in place: own words, then every one
     buffer<T, System> store_;                 ///< blocks, combined: every chunk but the last

@@ -12,6 +12,26 @@
 
 namespace lockstep::detail {
 
+/// A step's losses in the system's memory: the chunk being computed (the user's function writes
+/// it), this replica's own check (non_finite_loss_fn) and the global sum.
+struct anchored_losses {
+    double chunk;
+    double own;
+    double global;
+};
+
+/// The layout of one replica's doubles in the accumulator's small all_gather (and, gathered, of
+/// the loss terms in its region): its loss terms, 2 per call (loss_terms_fn), then `more`
+/// doubles: each call's tail values (blocks) or the sums' report words (combined).
+struct anchored_row {
+    std::size_t calls = 1;
+    std::size_t more = 0;
+    std::size_t terms() const noexcept { return 2 * calls; }
+    std::size_t size() const noexcept { return terms() + more; }
+    /// Where the doubles after the loss terms of the row at `row` start.
+    double* extra(double* row) const noexcept { return row + terms(); }
+};
+
 /// One task: a chunk's two loss terms, `value` and *device_value (0 when null), at out[0..1].
 struct loss_terms_fn {
     const double* device_value;

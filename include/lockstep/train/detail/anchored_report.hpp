@@ -7,6 +7,7 @@
 
 #include "lockstep/core/config.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
+#include "lockstep/train/detail/check_order.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
 
 #include <cstddef>
@@ -26,13 +27,20 @@ struct report_words_fn {
     }
 };
 
+/// What finalize() leaves where the sums report: this replica's own check (its non-finite chunk
+/// values as the step's piece checks count them; no squares) and whether every sum is finite.
+struct anchored_own_report {
+    check_sums own;
+    bool sums_finite;
+};
+
 /// One task, after every owner's report (words_for(replicas) doubles each, owner o's at
-/// reports[o * stride]) reached this replica: its own check, out[0] = the elements where one of
-/// its values is not finite and out[1] = 1 + the flat index of the first (0: none), as the
-/// step's piece checks count them; out[2] = 1 when every sum is finite (no owner saw one that is
-/// not, nor is one of the tail's), else 0. The tail (the blocks exchange's n mod replicas
-/// elements, summed on every replica; tail = 0 otherwise): this replica's values, call c's at
-/// tail_values[c * tail], as doubles, for elements tail_first + t; their sums at tail_sums.
+/// reports[o * stride]) reached this replica: its own check, out->own.count = the elements where
+/// one of its values is not finite and out->own.first = 1 + the flat index of the first (0:
+/// none); out->sums_finite when no owner saw a sum that is not finite, nor is one of the tail's.
+/// The tail (the blocks exchange's n mod replicas elements, summed on every replica; tail = 0
+/// otherwise): this replica's values, call c's at tail_values[c * tail], as doubles, for elements
+/// tail_first + t; their sums at tail_sums.
 template <class T>
 struct own_report_fn {
     const double* reports;
@@ -44,7 +52,7 @@ struct own_report_fn {
     std::size_t tail;
     std::size_t tail_first;
     const T* tail_sums;
-    double* out;
+    anchored_own_report* out;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
         double count = 0.0;
         double first = 0.0;
@@ -67,9 +75,8 @@ struct own_report_fn {
             }
             all_finite = all_finite && non_finite_fn<T>{}(tail_sums[t]) == 0;
         }
-        out[0] = count;
-        out[1] = first;
-        out[2] = all_finite ? 1.0 : 0.0;
+        out->own = check_sums{count, first, 0.0};
+        out->sums_finite = all_finite;
     }
 };
 

@@ -135,7 +135,7 @@ public:
         double* global_loss = acc_.global_loss();
         acc_.finalize(s.core().comm(), grads, global_loss);
         if (acc_.reports_own()) // the sums counted this replica's values
-            checks.load_pieces(s.system(), acc_.own_report());
+            checks.load_pieces(s.system(), &acc_.own_report()->own);
         collectives_.fetch_add(acc_.collectives(), std::memory_order_relaxed);
         kernels::for_each_index(
             s.system(), 1, reproducible_loss_fn{own_loss, global_loss, rank == 0, &v.totals->loss});

@@ -67,13 +67,15 @@ struct finish_reduced_fn {
     }
 };
 
-/// Task i < 3 tiles: the piece checks' tiles (three doubles each) as a gradient whose non-finite
-/// count is own[0] and 1 + first index own[1] leaves them: tile 0 = {own[0], own[1], 0}, every
-/// other tile zero (finish_local folds the tiles, so it finds that count and first index).
+/// Task i < 3 tiles: the piece checks' tiles (three doubles each) as a gradient whose checks are
+/// own's count and first index leaves them: tile 0 = {own.count, own.first, 0}, every other
+/// tile zero (finish_local folds the tiles, so it finds that count and first index).
 struct load_pieces_fn {
-    const double* own;
+    const check_sums* own;
     double* tiles;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const { tiles[i] = i < 2 ? own[i] : 0.0; }
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
+        tiles[i] = i == 0 ? own->count : i == 1 ? own->first : 0.0;
+    }
 };
 
 /// One task: the reduced gradient's checks as a gradient with no non-finite element leaves them
@@ -207,10 +209,10 @@ public:
     /// (counts, first indices and squares 0), without reading the data.
     void clear_pieces(const System& sys) { zero(sys, pre_.span()); }
 
-    /// Every piece's tiles as check_piece leaves them for a gradient with own[0] non-finite
-    /// elements, the first at flat index own[1] - 1 (own[1] = 0: none), without reading it
-    /// (own: two doubles in the system's memory; reduce::reproducible's report).
-    void load_pieces(const System& sys, const double* own) {
+    /// Every piece's tiles as check_piece leaves them for a gradient with own->count non-finite
+    /// elements, the first at flat index own->first - 1 (0: none), without reading it (own: in
+    /// the system's memory; reduce::reproducible's report).
+    void load_pieces(const System& sys, const check_sums* own) {
         kernels::for_each_index(sys, 3 * (piece_tiles_ == 0 ? 1 : piece_tiles_),
                                 load_pieces_fn{own, pre_.data()});
     }
