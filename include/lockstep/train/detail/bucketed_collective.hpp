@@ -77,9 +77,7 @@ public:
     /// Clipped and updated on every replica alike: the values stay equal.
     template <class Stages>
     void update(Stages& s) {
-        const auto all = s.core().optimizer_shard(); // every element
-        s.clip(all);
-        s.update(all);
+        update_every_element(s);
     }
 
     /// values = the mean over replicas (local SGD): the pieces reduced, then scaled.

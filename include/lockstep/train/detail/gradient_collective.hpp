@@ -87,4 +87,13 @@ concept averaging_collective = requires(C& c, std::span<T> values) {
     c.average(values);
 };
 
+/// The update of a collective after which every replica holds the reduced gradient: clipped and
+/// updated on every replica alike, so the values stay equal.
+template <class Stages>
+void update_every_element(Stages& s) {
+    const auto all = s.core().optimizer_shard(); // every element
+    s.clip(all);
+    s.update(all);
+}
+
 } // namespace lockstep::detail

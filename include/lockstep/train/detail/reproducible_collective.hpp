@@ -157,9 +157,7 @@ public:
 
     template <class Stages>
     void update(Stages& s) {
-        const auto all = s.core().optimizer_shard(); // every element
-        s.clip(all);
-        s.update(all);
+        update_every_element(s);
     }
 
     const std::vector<bucket>& plan() const noexcept { return plan_; }
