@@ -19,8 +19,9 @@
 // has each block's owner read every replica's chunks where they lie and store the sums into
 // every replica's gradient. A bucketed trainer with 4 micro-batches calls the backward as often
 // as reproducible<8> does (4 times per replica), so "/ bucketed, same calls" is what the policy
-// costs beyond the calls.
-// Global batch 64; SGD with momentum. The five trainers live side by side and take turns, one
+// costs beyond the calls. The last row reports stragglers (train_params::report_stragglers_every)
+// after every step, a hundred times as often as K = 100.
+// Global batch 64; SGD with momentum. The six trainers live side by side and take turns, one
 // step each per round, so a slow spell of the shared machine hits every row alike: a row's time
 // is the median over rounds of one step between barriers, its ratios the medians over rounds of
 // its step over the bucketed step (with as many calls) of the same round.
@@ -35,6 +36,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -86,13 +88,13 @@ struct row {
 
 /// One trainer of the bench network with policy Reduce, as a function that takes one step.
 template <class Reduce, class Comm>
-std::function<void()> make_trainer(Comm& comm, int micro_batches = 1) {
+std::function<void()> make_trainer(Comm& comm, int micro_batches = 1, std::int64_t stragglers = 0) {
     using net = resnet_shaped<replica_context<float, Comm>>;
     using trainer = data_parallel<net, optim::sgd<float, typename Comm::system_type>,
                                   sync::synchronous, Reduce, Comm>;
     auto dp = std::make_shared<trainer>(
         comm, [](auto& ctx) { return net(ctx); }, optim::sgd_params{.lr = 1e-3, .momentum = 0.9},
-        train_params{.micro_batches = micro_batches});
+        train_params{.micro_batches = micro_batches, .report_stragglers_every = stragglers});
     return [dp] {
         dp->step(global_batch,
                  [](net& n, const shard_range& s, auto& ctx) { return n.train(s, ctx); });
@@ -115,6 +117,8 @@ std::vector<row> run_all(Comm& comm, int reps) {
         {"reproducible<8> (4 chunks per replica)", make_trainer<reduce::reproducible<8>>(comm), 4});
     trainers.push_back({"bucketed<>, 4 micro-batches (4 calls per replica)",
                         make_trainer<reduce::bucketed<>>(comm, 4), 4});
+    trainers.push_back({"bucketed<>, a straggler report every step",
+                        make_trainer<reduce::bucketed<>>(comm, 1, 1), 0});
     std::vector<std::vector<double>> ms(trainers.size());
     for (int r = -1; r < reps; ++r) // round -1 warms every trainer up
         for (std::size_t k = 0; k < trainers.size(); ++k) {

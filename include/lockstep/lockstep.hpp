@@ -105,4 +105,5 @@
 #include "lockstep/train/rng.hpp"
 #include "lockstep/train/shard.hpp"
 #include "lockstep/train/step_state.hpp"
+#include "lockstep/train/straggler_report.hpp"
 #include "lockstep/train/train_params.hpp"

@@ -142,6 +142,32 @@ TEST_CASE("flight_recorder times an operation on the steady clock", "[comm][trac
     CHECK(e.end_ns - e.start_ns >= 29000000);
 }
 
+TEST_CASE("flight_recorder adds up the time between operations, also with K = 0", "[comm][trace]") {
+    for (const std::size_t k : {std::size_t(0), std::size_t(1), std::size_t(4)}) {
+        CAPTURE(k);
+        flight_recorder rec("unit", k);
+        const auto pause = [](int ms) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+        };
+        pause(20); // before the first operation: not between two
+        auto a = rec.record("all_reduce", 0, "float32", 1, -1);
+        pause(30); // inside an operation: not between
+        rec.finish(a, 0, op_state::done);
+        CHECK(rec.between_ns() < 5000000);
+        pause(40); // between the end of one and the start of the next
+        auto b = rec.record("all_reduce", 1, "float32", 1, -1);
+        const std::int64_t one = rec.between_ns();
+        CHECK(one >= 39000000);
+        CHECK(one < 60000000);
+        pause(10); // an operation queued before b ended counts from b's start
+        auto c = rec.record("all_gather", 2, "float32", 1, -1, op_state::queued);
+        rec.finish(b, 1, op_state::done);
+        rec.finish(c, 2, op_state::done);
+        CHECK(rec.between_ns() - one >= 9000000);
+        CHECK(rec.between_ns() - one < 30000000);
+    }
+}
+
 TEST_CASE("flight_recorder with K = 0 records nothing", "[comm][trace]") {
     flight_recorder rec("unit", 0);
     CHECK(rec.record("all_reduce", 0, "float32", 1, -1) == flight_recorder::no_slot);

@@ -117,25 +117,33 @@ public:
     /// Records the start of an operation; returns its slot for finish (no_slot when K == 0).
     std::size_t record(const char* op, std::uint64_t seq, const char* type, std::uint64_t count,
                        int peer, op_state state = op_state::running) noexcept {
+        const std::int64_t t = ticks();
+        if (last_end_ != 0 && t > last_end_)
+            between_ += t - last_end_;
+        last_end_ = t; // an operation queued before the last one ended counts from its start
         if (ring_.empty())
             return no_slot;
         const std::size_t slot = static_cast<std::size_t>(recorded_++ % ring_.size());
-        ring_[slot] = flight_entry{seq, op, type, count, peer, state, ticks(), 0};
+        ring_[slot] = flight_entry{seq, op, type, count, peer, state, t, 0};
         return slot;
     }
 
     /// Sets the state of the operation in `slot` (its end time too, for done and failed),
     /// unless the ring has moved past it since.
     void finish(std::size_t slot, std::uint64_t seq, op_state state) noexcept {
+        const bool ended = state == op_state::done || state == op_state::failed;
+        const std::int64_t t = ended ? ticks() : 0;
+        last_end_ = std::max(last_end_, t);
         if (slot >= ring_.size() || ring_[slot].seq != seq)
             return;
         ring_[slot].state = state;
-        if (state == op_state::done || state == op_state::failed)
-            ring_[slot].end_ns = ticks();
+        if (ended)
+            ring_[slot].end_ns = t;
     }
     /// Marks every queued operation done, now (an asynchronous backend whose stream went idle).
     void complete_queued() noexcept {
         const std::int64_t now = ticks();
+        last_end_ = std::max(last_end_, now);
         for (auto& e : ring_)
             if (e.state == op_state::queued) {
                 e.state = op_state::done;
@@ -152,6 +160,13 @@ public:
             e.end_ns = ticks();
         }
     }
+
+    /// The time this handle spent between its operations since it was made, in steady-clock ns:
+    /// the sum over its operations, in order, of the time from the end of the one before to the
+    /// start of the next (an operation queued before the one before ended counts from that one's
+    /// start). A replica's own work between collectives, which its peers wait for
+    /// (train_params::report_stragglers_every). Counted with K == 0 too.
+    std::int64_t between_ns() const noexcept { return tick_scale(origin_).span_ns(between_); }
 
     /// The recorded operations, oldest first (at most capacity()), times in steady-clock ns.
     std::vector<flight_entry> entries() const {
@@ -261,6 +276,14 @@ private:
             return t;
 #endif
         }
+        /// A duration of t ticks in ns.
+        std::int64_t span_ns(std::int64_t t) const noexcept {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+            return ns(a.ticks + t) - a.ns;
+#else
+            return t;
+#endif
+        }
     };
 
     static std::string json_string(const std::string& s) {
@@ -341,6 +364,8 @@ private:
     tick_point origin_ = tick_now();
     std::vector<flight_entry> ring_;
     std::uint64_t recorded_ = 0;
+    std::int64_t last_end_ = 0; ///< ticks: when the newest operation ended (or started)
+    std::int64_t between_ = 0;  ///< ticks between operations (between_ns)
 };
 
 } // namespace lockstep

@@ -90,7 +90,8 @@ public:
     /// declared the same tensors, broadcasts replica 0's values and state, prepares the
     /// optimizer); `ap` configures the server. Only the root's optimizer ever steps.
     /// requires: 0 < ap.bn_momentum <= 1 (else errc::invalid_argument), no
-    /// train_params::loss_scale, max_grad_norm == 0 and verify_every == 0 (else
+    /// train_params::loss_scale, max_grad_norm == 0, verify_every == 0 and
+    /// report_stragglers_every == 0 (else
     /// errc::unsupported); train() checks
     /// comm.size() >= 2 (a server and a worker) and 0 <= ap.root < comm.size().
     template <class Factory>
@@ -108,6 +109,11 @@ public:
                          "verify_every = ", core_.params().verify_every,
                          ": the asynchronous trainers' replicas do not hold identical parameters "
                          "while they train (use 0)");
+        LOCKSTEP_REQUIRE(
+            core_.params().report_stragglers_every == 0, errc::unsupported, comm.rank(),
+            "data_parallel(asynchronous)",
+            "report_stragglers_every = ", core_.params().report_stragglers_every,
+            ": the asynchronous trainers' replicas do not wait for each other (use 0)");
         LOCKSTEP_REQUIRE(ap_.bn_momentum > 0 && ap_.bn_momentum <= 1, errc::invalid_argument,
                          comm.rank(), "data_parallel(asynchronous)",
                          "bn_momentum = ", ap_.bn_momentum, " (must be in (0, 1])");

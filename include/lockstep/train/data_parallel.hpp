@@ -25,6 +25,7 @@
 #include "lockstep/train/detail/step_capture.hpp"
 #include "lockstep/train/detail/step_driver.hpp"
 #include "lockstep/train/detail/step_stages.hpp"
+#include "lockstep/train/detail/straggler_meter.hpp"
 #include "lockstep/train/detail/trainer_base.hpp"
 #include "lockstep/train/detail/visitor.hpp"
 #include "lockstep/train/loss_scaler.hpp"
@@ -95,7 +96,8 @@ public:
                     base_type::policy_settings(), true),
           collective_(comm, core_.registry().parameters(),
                       detail::use_overlap(comm, core_.params().overlap), core_.params()),
-          stages_(core_, collective_.plan(), collective_type::status_doubles), driver_(stages_) {
+          stages_(core_, collective_.plan(), collective_type::status_doubles), driver_(stages_),
+          stragglers_(comm, core_.params().report_stragglers_every) {
         const std::int64_t every = core_.params().verify_every;
         LOCKSTEP_REQUIRE(every >= 0, errc::invalid_argument, comm.rank(), "data_parallel",
                          "verify_every = ", every, " (must be >= 0; 0 is off)");
@@ -175,6 +177,7 @@ public:
             } else {
                 capture_.note_plain_step(global_batch);
                 verify_replicas_if_due();
+                stragglers_.after_step(core_.comm(), this->steps());
             }
             return r;
         } catch (const error& e) {
@@ -271,6 +274,10 @@ public:
     /// every step with train_params::read_result, else after read_result() or finish().
     std::int64_t skipped_steps() const noexcept { return stages_.skipped_steps(); }
 
+    /// The latest report of train_params::report_stragglers_every (empty while it is off or
+    /// before its first report): the same on every replica.
+    const std::optional<straggler_report>& straggler() const noexcept { return stragglers_.last(); }
+
     /// The gradient hook: called on every replica as f(gradient, layout) after the reduction
     /// (synchronous: the reduced gradient, the same on every replica; reduce::parameter_server:
     /// on Root only, where the update runs; reduce::sharded: only this replica's shard,
@@ -347,6 +354,7 @@ private:
     stages_type stages_;         ///< the policy-free stages of a step, and what they share
     detail::step_driver<SyncPolicy> driver_; ///< how a step runs under the SyncPolicy
     detail::step_capture capture_;           ///< the step captured last
+    detail::straggler_meter stragglers_;     ///< train_params::report_stragglers_every
 };
 
 } // namespace lockstep

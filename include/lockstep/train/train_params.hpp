@@ -105,6 +105,15 @@ struct train_params {
     /// multiple of K (the replicas agree only right after an average); 0 for the asynchronous
     /// trainers. Every replica must pass the same value (checked at construction).
     std::int64_t verify_every = 0;
+    /// The slow replica named (data_parallel with sync::synchronous or sync::local_sgd): after
+    /// every report_stragglers_every-th step, one all_gather of one double per replica makes a
+    /// straggler_report (data_parallel::straggler()): every replica's own time per step over
+    /// the steps since the last report (its work between collectives, timed by its
+    /// communicator's flight recorder) and the slowest replica with its lag behind the median
+    /// of the others. Host communicators only (the thread group, MPI; else errc::unsupported).
+    /// 0: off. requires: >= 0; 0 for the asynchronous trainers. Every replica must pass the same
+    /// value (checked at construction).
+    std::int64_t report_stragglers_every = 0;
 };
 
 /// What one data_parallel::step returns (the same on every replica for synchronous training).

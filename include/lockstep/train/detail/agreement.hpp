@@ -76,7 +76,7 @@ void describe_optimizer_params(std::vector<std::string>& out, const P& p) {
 
 /// The settings of a trainer that must agree across replicas: the optimizer type and its
 /// hyperparameters, micro_batches, overlap, skip_non_finite, max_consecutive_skips,
-/// max_grad_norm, which tensors are
+/// max_grad_norm, verify_every, report_stragglers_every, which tensors are
 /// frozen or decay, and the given policy names (sync, reduce, BN).
 template <class Optimizer>
 std::vector<std::string> describe_settings(const typename Optimizer::params_type& opt,
@@ -92,6 +92,7 @@ std::vector<std::string> describe_settings(const typename Optimizer::params_type
     add_setting(out, "max_consecutive_skips", std::to_string(tp.max_consecutive_skips));
     add_setting(out, "max_grad_norm", exact(tp.max_grad_norm));
     add_setting(out, "verify_every", std::to_string(tp.verify_every));
+    add_setting(out, "report_stragglers_every", std::to_string(tp.report_stragglers_every));
     std::string frozen, decay;
     for (const tensor_info& t : params) {
         if (tp.frozen && tp.frozen(t))

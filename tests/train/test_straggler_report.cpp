@@ -1,0 +1,107 @@
+// train_params::report_stragglers_every on thread replicas: a replica that sleeps in every step is
+// named, with its delay within 20 %, by the same report on every replica, every K steps and not
+// between; off, nothing is reported; a negative K or an asynchronous trainer is refused.
+// SPDX-License-Identifier: Apache-2.0
+#include "straggler_cases.hpp"
+
+#include "lockstep/comm/thread_group.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+using namespace lockstep_test;
+
+TEST_CASE("the replica that sleeps in every step is named with its delay",
+          "[train][thread][straggler]") {
+    const double delay = std::chrono::duration<double>(straggler_delay).count();
+    for (const int replicas : {2, 3}) {
+        for (const int slow : {0, replicas - 1}) {
+            CAPTURE(replicas, slow);
+            std::vector<std::vector<std::optional<straggler_report>>> seen(
+                static_cast<std::size_t>(replicas));
+            thread_group(replicas).run([&](thread_communicator& comm) {
+                seen[static_cast<std::size_t>(comm.rank())] = run_straggler(comm, slow, 6, 3);
+            });
+            for (const auto& mine : seen) {
+                REQUIRE(mine.size() == 6);
+                CHECK(!mine[0]);
+                CHECK(!mine[1]);
+                REQUIRE(mine[2]); // after steps 0..2
+                CHECK(mine[2]->first_step == 0);
+                CHECK(mine[2]->last_step == 2);
+                REQUIRE(mine[5]);
+                const straggler_report& r = *mine[5];
+                CHECK(r.first_step == 3);
+                CHECK(r.last_step == 5);
+                CHECK(r.slowest == slow);
+                CHECK(r.lag_seconds == Approx(delay).epsilon(0.2));
+                REQUIRE(r.own_seconds.size() == static_cast<std::size_t>(replicas));
+                CHECK(r.own_seconds[static_cast<std::size_t>(slow)] >= delay);
+                // The same report on every replica.
+                CHECK(r.own_seconds == seen[0][5]->own_seconds);
+                CHECK(r.lag_seconds == seen[0][5]->lag_seconds);
+            }
+        }
+    }
+}
+
+TEST_CASE("without report_stragglers_every nothing is reported", "[train][thread][straggler]") {
+    std::vector<std::vector<std::optional<straggler_report>>> seen(2);
+    thread_group(2).run([&](thread_communicator& comm) {
+        seen[static_cast<std::size_t>(comm.rank())] = run_straggler(comm, -1, 3, 0);
+    });
+    for (const auto& mine : seen) {
+        REQUIRE(mine.size() == 3);
+        for (const auto& r : mine)
+            CHECK(!r);
+    }
+}
+
+namespace {
+/// The error every replica of 2 threads got from constructing a trainer with train_params tp:
+/// (code, message), code -1 when none.
+template <class Trainer>
+std::vector<std::pair<int, std::string>> refusals(train_params tp) {
+    std::vector<std::pair<int, std::string>> out(2, {-1, ""});
+    thread_group(2).run([&](thread_communicator& comm) {
+        using net = typename Trainer::network_type;
+        try {
+            Trainer dp(
+                comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.1}, tp);
+        } catch (const error& e) {
+            out[static_cast<std::size_t>(comm.rank())] = {static_cast<int>(e.code()), e.what()};
+        }
+    });
+    return out;
+}
+} // namespace
+
+TEST_CASE("a negative report_stragglers_every is refused on every replica",
+          "[train][thread][straggler]") {
+    using net = mlp<float, thread_communicator, storage::registry>;
+    const auto out =
+        refusals<data_parallel<net, optim::sgd<float>>>({.report_stragglers_every = -2});
+    for (std::size_t rank = 0; rank < out.size(); ++rank) {
+        CHECK(out[rank].first == static_cast<int>(errc::invalid_argument));
+        CHECK_THAT(out[rank].second,
+                   Catch::Contains("replica " + std::to_string(rank) +
+                                   ": data_parallel: report_stragglers_every = -2 (must be >= 0; "
+                                   "0 is off)"));
+    }
+}
+
+TEST_CASE("the asynchronous trainers refuse report_stragglers_every",
+          "[train][thread][straggler]") {
+    using net = mlp<float, thread_communicator, storage::registry, bn::local>;
+    const auto out =
+        refusals<data_parallel<net, optim::sgd<float>, sync::asynchronous, reduce::bucketed<>>>(
+            {.report_stragglers_every = 5});
+    for (const auto& [code, msg] : out) {
+        CHECK(code == static_cast<int>(errc::unsupported));
+        CHECK_THAT(msg, Catch::Contains("report_stragglers_every = 5: the asynchronous trainers' "
+                                        "replicas do not wait for each other (use 0)"));
+    }
+}
