@@ -5,6 +5,7 @@
 #include "straggler_cases.hpp"
 
 #include "lockstep/comm/thread_group.hpp"
+#include "support/counting_communicator.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -103,5 +104,28 @@ TEST_CASE("the asynchronous trainers refuse report_stragglers_every",
         CHECK(code == static_cast<int>(errc::unsupported));
         CHECK_THAT(msg, Catch::Contains("report_stragglers_every = 5: the asynchronous trainers' "
                                         "replicas do not wait for each other (use 0)"));
+    }
+}
+
+TEST_CASE("a communicator whose collectives are not timed refuses report_stragglers_every",
+          "[train][thread][straggler]") {
+    // counting_communicator has no flight recorder (trace()): nothing times its collectives.
+    using comm_type = lockstep::testing::counting_communicator<thread_communicator>;
+    using net = mlp<float, comm_type, storage::registry>;
+    std::vector<std::pair<int, std::string>> out(2, {-1, ""});
+    thread_group(2).run([&](thread_communicator& inner) {
+        comm_type comm(inner);
+        try {
+            data_parallel<net, optim::sgd<float>, sync::synchronous, reduce::bucketed<>, comm_type>
+                dp(comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.1},
+                   {.report_stragglers_every = 3});
+        } catch (const error& e) {
+            out[static_cast<std::size_t>(inner.rank())] = {static_cast<int>(e.code()), e.what()};
+        }
+    });
+    for (const auto& [code, msg] : out) {
+        CHECK(code == static_cast<int>(errc::unsupported));
+        CHECK_THAT(msg, Catch::Contains("report_stragglers_every = 3: this communicator's "
+                                        "collectives are not timed on the host"));
     }
 }
