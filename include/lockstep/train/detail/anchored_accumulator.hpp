@@ -7,12 +7,12 @@
 #include "lockstep/comm/combine.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/config.hpp"
-#include "lockstep/core/error.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
 #include "lockstep/kernels/detail/anchored_combine.hpp"
 #include "lockstep/kernels/detail/anchored_host.hpp"
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/system/buffer.hpp"
+#include "lockstep/train/detail/anchored_keeper.hpp"
 #include "lockstep/train/detail/anchored_loss.hpp"
 #include "lockstep/train/detail/anchored_report.hpp"
 
@@ -24,17 +24,6 @@
 #include <vector>
 
 namespace lockstep::detail {
-
-/// Task i: dst[i] = g[i], then g[i] = 0 (a chunk's value kept, its slot left for the next).
-template <class T>
-struct keep_zero_fn {
-    T* g;
-    T* dst;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
-        dst[i] = g[i];
-        g[i] = T(0);
-    }
-};
 
 /// Task k < calls * tail: value c = k / tail of tail element t = k % tail (element first + t) of
 /// this replica's chunks, as a double (exact), or 0 past its last chunk.
@@ -70,7 +59,8 @@ inline constexpr anchored_exchange anchored_exchange_for =
 /// Order-independent sums of n gradient elements (kernels/anchored_sum.hpp) and one loss
 /// (kernels/exact_sum.hpp) over the replicas of a communicator, on System. Per step: begin();
 /// per chunk take() in parts (keep() of every chunk but the last, which leaves g zero for the
-/// next), add() and add_loss(); exchange() (collective); check_local(); finalize() (collective).
+/// next), add() and add_loss() (the chunks wait in an anchored_keeper); exchange() (collective);
+/// check_local(); finalize() (collective).
 /// Each element's sum is formed from all of its values in one place and rounded once, so the
 /// bits depend neither on the replica count nor on the exchange:
 /// - combined: finalize() has each replica's share of the elements summed from every
@@ -100,7 +90,8 @@ public:
         : n_(n), replicas_(static_cast<std::size_t>(replicas)), gather_values_(gather_values),
           rank_(static_cast<std::size_t>(rank)), block_(n / replicas_),
           tail_(n - block_ * replicas_), sys_(sys), loss_top_(1, sys),
-          loss_bins_(kernels::binned::window, sys), losses_(1, sys), own_report_(1, sys) {}
+          loss_bins_(kernels::binned::window, sys), losses_(1, sys), own_report_(1, sys),
+          keeper_(n, rank, sys) {}
 
     std::size_t size() const noexcept { return n_; }
     double* chunk_loss() noexcept { return &losses_.data()->chunk; }
@@ -110,11 +101,7 @@ public:
     /// Starts a step in which this replica adds `calls` chunks and the busiest replica
     /// max_calls. requires: 1 <= calls <= max_calls, the same max_calls on every replica.
     void begin(std::size_t calls, std::size_t max_calls) {
-        calls_ = calls;
         max_calls_ = max_calls;
-        added_ = 0;
-        kept_ = 0;
-        scanned_ = 0;
         losses_added_ = 0;
         gathered_ = !combined && n_ > 0 && replicas_ * max_calls <= gather_values_ / n_;
         if (gathered_) {
@@ -130,26 +117,22 @@ public:
                                             terms_at_ - calls * n_)); // zeros past its calls
         } else if (combined) {
             row_ = {max_calls, report_words()}; // the loss terms, then the report
-            grow(store_, (calls - 1) * n_);
             if (calls < max_calls && n_ > zeros_.size()) {
                 zeros_ = buffer<T, System>(n_, sys_);
                 zero(sys_, zeros_.span());
             }
         } else {
             row_ = {max_calls, max_calls * tail_}; // the loss terms, then the tail
-            grow(store_, (calls - 1) * n_);
             grow(recv_, max_calls * blocks());
             if (calls < max_calls && blocks() > zeros_.size()) {
                 zeros_ = buffer<T, System>(blocks(), sys_);
                 zero(sys_, zeros_.span());
             }
         }
-        if constexpr (host_float) {
-            if (!reports_own()) {
-                grow(flags_, keep_tiles());
-                zero(sys_, flags_.span().first(keep_tiles()));
-            }
-        }
+        // The sums count this replica's non-finite values where they report; else the keeper's
+        // passes flag them (the gathered exchange keeps the chunks in this replica's region).
+        keeper_.begin(calls, gathered_ ? recv_.data() + rank_ * region_ : nullptr, gathered_,
+                      !reports_own());
         if (reports_own()) {
             grow(words_, report_words());
             zero(sys_, words_.span().first(report_words()));
@@ -162,87 +145,19 @@ public:
         }
         kernels::for_each_index(sys_, row_.size(), zero_terms_fn{own_terms()});
     }
-    /// Whether the chunk being computed is kept apart from g (every chunk but the last), in
-    /// parts by keep().
-    bool keeps_current() const noexcept { return added_ + 1 < calls_; }
-    /// Elements [first, first + count) of the chunk being computed are final in g: they are kept
-    /// where the accumulator keeps the chunk and left zero in g (the next chunk accumulates
-    /// there), in one pass that the backward may still find in the caches (keep_zero_fn; on the
-    /// host in float, tiles that also flag non-finite values for check_local unless the sums
-    /// report them). Every element
-    /// of a kept chunk is kept exactly once, in parts in any order, before add() ends it.
-    /// requires: keeps_current(), first + count <= size(), g.size() == size().
+    /// The chunks' passes (anchored_keeper): whether the chunk being computed is kept apart
+    /// from g; its elements [first, first + count) final in g (keep: of a kept chunk; take: of
+    /// any); the chunk ended (add); whether this replica's chunk values are known to be finite
+    /// without reading them again.
+    bool keeps_current() const noexcept { return keeper_.keeps_current(); }
     void keep(std::span<T> g, std::size_t first, std::size_t count) {
-        LOCKSTEP_REQUIRE(keeps_current() && first <= n_ && count <= n_ - first &&
-                             count <= n_ - kept_,
-                         errc::internal, static_cast<int>(rank_), "reduce::reproducible.keep",
-                         "elements [", first, ", ", first + count, ") of chunk ", added_, " of ",
-                         calls_, " (", kept_, " of ", n_, " kept)");
-        kept_ += count;
-        if (count == 0)
-            return;
-        if constexpr (host_float)
-            keep_range(g.data(), slot(added_), g.data(), first, first + count);
-        else if constexpr (System::is_host)
-            run(count, keep_zero_fn<T>{g.data() + first, slot(added_) + first}, count);
-        else if (kept_ == n_) // a device keeps the whole chunk in one launch
-            run(n_, keep_zero_fn<T>{g.data(), slot(added_)}, n_);
+        keeper_.keep(g, first, count);
     }
-    /// Elements [first, first + count) of the chunk being computed are final in g: keep() for
-    /// a kept chunk; of the last chunk, which stays in g, the host's float passes flag the keep
-    /// tiles that hold a non-finite value (anchored_flag_tiles_fn) while the backward may still
-    /// hold them in the caches, for own_values_finite(), unless the sums report them (then
-    /// nothing is read). requires: as keep(), but for any chunk.
     void take(std::span<T> g, std::size_t first, std::size_t count) {
-        if (keeps_current()) {
-            keep(g, first, count);
-            return;
-        }
-        LOCKSTEP_REQUIRE(first <= n_ && count <= n_ - first && count <= n_ - scanned_,
-                         errc::internal, static_cast<int>(rank_), "reduce::reproducible.take",
-                         "elements [", first, ", ", first + count, ") of the last chunk (",
-                         scanned_, " of ", n_, " taken)");
-        if constexpr (host_float) {
-            // gathered: add() flags the last chunk as it copies it; reported: the sums count them
-            if (count == 0 || gathered_ || reports_own())
-                return;
-            run(kernels::detail::anchored_keep_tiles_fn::tasks(first, first + count),
-                kernels::detail::anchored_keep_tiles_fn{g.data(), nullptr, nullptr, first,
-                                                        first + count, flags_.data(), false},
-                count);
-            scanned_ += count;
-        }
+        keeper_.take(g, first, count);
     }
-    /// Whether this replica's chunk values are known to be finite without reading them again:
-    /// on the host in float, when every element of every chunk was flagged (kept, or taken from
-    /// the last one) and no keep tile was flagged; elsewhere false. Then check_local leaves g as
-    /// it is, and counting g's non-finite values would find none.
-    bool own_values_finite() const noexcept {
-        if constexpr (host_float) {
-            if (reports_own() || added_ != calls_ || (!gathered_ && scanned_ != n_))
-                return false;
-            const unsigned char* f = flags_.data();
-            for (std::size_t t = 0; t < keep_tiles(); ++t)
-                if (f[t] != 0)
-                    return false;
-            return true;
-        } else {
-            return false;
-        }
-    }
-    /// Ends the chunk being computed, whose gradient is in g (n values): a kept chunk must have
-    /// been kept whole by keep(); the last one stays in g until finalize (gathered: also copied
-    /// to this replica's slot). requires: g.size() == size(), fewer than `calls` added.
-    void add(std::span<const T> g) {
-        if (keeps_current())
-            LOCKSTEP_REQUIRE(kept_ == n_, errc::internal, static_cast<int>(rank_),
-                             "reduce::reproducible.add", "chunk ", added_, " of ", calls_,
-                             " ended with ", kept_, " of its ", n_, " elements kept");
-        else if (gathered_)
-            copy_kept(g, slot(added_));
-        kept_ = 0;
-        ++added_;
-    }
+    void add(std::span<const T> g) { keeper_.add(g); }
+    bool own_values_finite() const noexcept { return keeper_.own_values_finite(); }
     /// Adds one chunk's loss: `value` plus *device_value when not null (the system's memory).
     void add_loss(double value, const double* device_value) {
         run(1, loss_terms_fn{device_value, value, own_terms() + 2 * losses_added_});
@@ -274,7 +189,7 @@ public:
             }
         if (tail_ > 0)
             run(max_calls_ * tail_,
-                anchored_tail_fn<T>{chunks(last.data()), all, tail_,
+                anchored_tail_fn<T>{keeper_.chunks(last.data()), all, tail_,
                                     row_.extra(small_send_.data())},
                 max_calls_ * tail_);
         gather_rows(comm);
@@ -286,16 +201,8 @@ public:
     /// *loss = the sum of this replica's non-finite loss terms, 0 when all are finite
     /// (non_finite_loss_fn).
     void check_local(std::span<T> g, double* loss) {
-        if (calls_ > 1 && !reports_own()) {
-            if constexpr (host_float) {
-                run(keep_tiles(),
-                    kernels::detail::anchored_mark_tiles_fn{chunks(g.data()), n_, flags_.data(),
-                                                            g.data()},
-                    n_);
-            } else {
-                run(n_, kernels::anchored_own_check_fn<T>{chunks(g.data()), g.data()}, calls_ * n_);
-            }
-        }
+        if (keeper_.calls() > 1 && !reports_own())
+            keeper_.mark_own(g);
         run(1, non_finite_loss_fn{own_terms(), 2 * losses_added_, loss});
     }
     /// After exchange(): the global sums, rounded once, into g (n values) and *loss; where the
@@ -404,28 +311,6 @@ private:
     static std::size_t tiles(std::size_t count) noexcept {
         return (count + kernels::detail::anchored_tile - 1) / kernels::detail::anchored_tile;
     }
-    std::size_t keep_tiles() const noexcept {
-        return (n_ + kernels::detail::anchored_keep_tile - 1) / kernels::detail::anchored_keep_tile;
-    }
-    /// Host float: elements [first, end) of src copied to dst at the same offsets (zeroed in
-    /// src where clear, which is src or null), flagging the keep tiles that hold a non-finite
-    /// value for check_local (kernels/detail/anchored_host.hpp). requires: first < end.
-    void keep_range(const float* src, float* dst, float* clear, std::size_t first,
-                    std::size_t end) {
-        run(kernels::detail::anchored_keep_tiles_fn::tasks(first, end),
-            kernels::detail::anchored_keep_tiles_fn{
-                src, dst, clear, first, end, reports_own() ? nullptr : flags_.data(),
-                n_ * sizeof(float) >= kernels::detail::anchored_stream_bytes},
-            end - first);
-    }
-    /// dst[0, n) = g[0, n) (a kept chunk); on the host in float, flags the keep tiles that hold
-    /// a non-finite value for check_local.
-    void copy_kept(std::span<const T> g, T* dst) {
-        if constexpr (host_float)
-            keep_range(g.data(), dst, nullptr, 0, n_);
-        else
-            copy_async(sys_, g.first(n_), std::span<T>(dst, n_));
-    }
     /// out[i] = the rounded sum of element i of terms, for i < count.
     void sum_range(const kernels::anchored_terms<T>& terms, std::size_t count, T* out) {
         if constexpr (host_float) {
@@ -462,14 +347,7 @@ private:
     /// This replica's chunk c in the blocks and combined exchanges: kept, the last (`last`), or
     /// zeros past its calls.
     const T* own_chunk(std::size_t c, const T* last) const noexcept {
-        return c + 1 < calls_ ? store_.data() + c * n_ : c + 1 == calls_ ? last : zeros_.data();
-    }
-    /// Where chunk c of this replica is kept.
-    T* slot(std::size_t c) noexcept {
-        return gathered_ ? recv_.data() + rank_ * region_ + c * n_ : store_.data() + c * n_;
-    }
-    kernels::anchored_chunks<T> chunks(const T* last) const noexcept {
-        return {gathered_ ? recv_.data() + rank_ * region_ : store_.data(), last, calls_, n_};
+        return c < keeper_.calls() ? keeper_.chunk(c, last) : zeros_.data();
     }
     /// Gathered: replica j's loss terms, in its region of recv_ (written and read as doubles
     /// only; the all_gather moves them as bytes).
@@ -493,12 +371,8 @@ private:
     std::size_t block_; ///< elements per replica's block
     std::size_t tail_;  ///< elements past the blocks, summed on every replica
     System sys_;
-    std::size_t calls_ = 1;
     std::size_t max_calls_ = 1;
     bool gathered_ = false;
-    std::size_t added_ = 0;
-    std::size_t kept_ = 0;    ///< elements of the current chunk kept
-    std::size_t scanned_ = 0; ///< host float, not gathered: elements of the last chunk flagged
     std::size_t losses_added_ = 0;
     anchored_row row_;         ///< a replica's doubles in the small all_gather
     std::size_t terms_at_ = 0; ///< gathered: where a replica's loss terms start in its region
@@ -509,13 +383,12 @@ private:
     buffer<anchored_own_report, System> own_report_; ///< reports_own()
     buffer<std::uint64_t, System> words_;     ///< reports_own(): what this replica's sums saw
     buffer<double, System> reports_gathered_; ///< blocks in place: own words, then every one
-    buffer<T, System> store_;                 ///< blocks, combined: every chunk but the last
-    buffer<unsigned char, System> flags_;     ///< host float: a keep tile holds a non-finite value
     buffer<T, System> recv_;            ///< what the exchange brings (gathered: and own chunks)
     buffer<T, System> zeros_;           ///< what a replica with fewer calls sends
     buffer<double, System> small_send_; ///< not gathered: 2 loss terms per call, then each call's
                                         ///< tail values
     buffer<double, System> small_recv_; ///< not gathered: every replica's small_send_
+    anchored_keeper<T, System> keeper_; ///< where this replica's chunks wait for the exchange
 };
 
 } // namespace lockstep::detail
