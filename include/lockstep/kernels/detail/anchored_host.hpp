@@ -18,7 +18,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 
 namespace lockstep::kernels::detail {
 
@@ -226,13 +225,13 @@ struct anchored_sum_tiles_fn {
         for (; i + 16 <= m; i += 16) {
             for (std::size_t q = 0; q < 16; q += 4)
                 _mm_stream_ps(dst + i + q, _mm_loadu_ps(src + i + q));
-            anchored_bits low;
-            anchored_bits high8;
-            std::memcpy(&low, src + i, sizeof low);
-            std::memcpy(&high8, src + i + 8, sizeof high8);
+            anchored_bits lower;
+            anchored_bits upper;
+            std::memcpy(&lower, src + i, sizeof lower);
+            std::memcpy(&upper, src + i + 8, sizeof upper);
             if (clear != nullptr) // while the line is in the caches
                 std::memset(clear + i, 0, 16 * sizeof(float));
-            bits |= ((low & 0x7f800000u) + 0x00800000u) | ((high8 & 0x7f800000u) + 0x00800000u);
+            bits |= ((lower & 0x7f800000u) + 0x00800000u) | ((upper & 0x7f800000u) + 0x00800000u);
         }
         _mm_sfence(); // the streamed stores are ordered before the task's end is published
         for (std::size_t q = 0; q < sizeof bits / sizeof bits[0]; ++q)
