@@ -14,7 +14,9 @@ namespace lockstep {
 /// a synchronous step evens out the wall-clock step times, but not this, and no clock sync is
 /// needed. One all_gather of one double per replica makes the report, the same on every replica.
 struct straggler_report {
-    std::int64_t first_step = 0; ///< the window: steps [first_step, last_step] (0-based)
+    /// The window: steps [first_step, last_step] (0-based). The first window also counts a
+    /// replica's time from the trainer's construction to its first step's first collective.
+    std::int64_t first_step = 0;
     std::int64_t last_step = 0;
     int slowest = -1; ///< the replica with the most own time per step (the lowest rank on a tie)
     double lag_seconds = 0.0; ///< its own time per step minus the median of the other replicas'

@@ -24,7 +24,8 @@ concept host_timed_communicator = Communicator::system_type::is_host &&
 };
 
 /// The reports of train_params::report_stragglers_every = K: after every K-th step, every
-/// replica's own time per step since the last report (or the first step), gathered.
+/// replica's own time per step since the last report (or, the first time, since the trainer's
+/// construction: its last collective then is where the first window's time starts), gathered.
 class straggler_meter {
 public:
     /// requires: every >= 0 (0: off); every > 0 only on a host_timed_communicator (else
