@@ -47,7 +47,12 @@ void usage(const char* argv0) {
         "  --save PATH      write a checkpoint after the last step (sync, local:K)\n"
         "  --resume PATH    continue from a checkpoint (same options as the run that saved it;\n"
         "                   --replicas may differ with --sync sync)\n"
-        "  --steps N        stop after N steps in total (an interruption to resume from)\n",
+        "  --steps N        stop after N steps in total (an interruption to resume from)\n"
+        "  --checkpoint PATH  resume from PATH when it exists, save to it after the last step\n"
+        "                   (a job that tools/lockstep-run relaunches continues where it was)\n"
+        "  --checkpoint-every K  also save to --checkpoint before every K-th step\n"
+        "  --kill-at S:R    fault injection: replica R SIGKILLs itself before step S in the\n"
+        "                   first launch of a job (LOCKSTEP_RUN_ATTEMPT unset or 0)\n",
         argv0);
 }
 
@@ -113,7 +118,20 @@ digits::options parse(int argc, char** argv) {
             o.resume = value();
         else if (a == "--steps")
             o.steps = std::size_t(number(1));
-        else
+        else if (a == "--checkpoint")
+            o.checkpoint = value();
+        else if (a == "--checkpoint-every")
+            o.checkpoint_every = std::size_t(number(1));
+        else if (a == "--kill-at") {
+            const std::string v = value();
+            unsigned long step = 0;
+            int rank = -1, used = 0;
+            if (std::sscanf(v.c_str(), "%lu:%d%n", &step, &rank, &used) != 2 ||
+                used != int(v.size()) || rank < 0)
+                bad("--kill-at " + v + ": expected STEP:RANK");
+            o.kill_step = step;
+            o.kill_rank = rank;
+        } else
             bad("unknown option " + std::string(a));
     }
     const bool sync_ok = o.sync == "sync" || o.sync == "async" || o.sync.starts_with("stale:") ||
@@ -126,6 +144,10 @@ digits::options parse(int argc, char** argv) {
         bad("unknown --reduce " + o.reduce);
     if (!digits::known_optimizer(o.optim))
         bad("unknown --optim " + o.optim);
+    if (!o.checkpoint.empty() && (!o.save.empty() || !o.resume.empty()))
+        bad("--checkpoint replaces --save and --resume: give one or the other");
+    if (o.checkpoint_every > 0 && o.checkpoint.empty())
+        bad("--checkpoint-every needs --checkpoint");
     return o;
 }
 
@@ -179,7 +201,9 @@ int main(int argc, char** argv) {
             try {
                 run(comm, o, data);
             } catch (const std::exception& e) {
-                comm.abort(e); // peers may wait in a collective for this process
+                // peers may wait in a collective for this process; a lost peer's timeout ends the
+                // job with status 75, which tools/lockstep-run relaunches
+                comm.abort(e, lockstep::exit_status(e));
             }
             return 0;
 #else

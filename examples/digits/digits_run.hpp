@@ -17,9 +17,12 @@
 #include <lockstep/train/data_parallel.hpp>
 
 #include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -40,10 +43,21 @@ struct options {
     bool mpi = false;
     bool progress = true;
     std::string data;
-    std::string save;      ///< checkpoint written after the last step (empty: none)
-    std::string resume;    ///< checkpoint loaded before the first step (empty: none)
-    std::size_t steps = 0; ///< stop after this many steps in total (0: all epochs)
+    std::string save;                 ///< checkpoint written after the last step (empty: none)
+    std::string resume;               ///< checkpoint loaded before the first step (empty: none)
+    std::size_t steps = 0;            ///< stop after this many steps in total (0: all epochs)
+    std::string checkpoint;           ///< resumed from when it exists, saved to (empty: none)
+    std::size_t checkpoint_every = 0; ///< also save to `checkpoint` every this many steps
+    std::size_t kill_step = 0;        ///< fault injection: replica kill_rank SIGKILLs itself
+    int kill_rank = -1;               ///< before step kill_step, in a job's first launch
 };
+
+/// True in the first launch of a job (tools/lockstep-run sets LOCKSTEP_RUN_ATTEMPT; a program
+/// started otherwise is in its first launch).
+inline bool first_launch() {
+    const char* attempt = std::getenv("LOCKSTEP_RUN_ATTEMPT");
+    return attempt == nullptr || std::string_view(attempt) == "0";
+}
 
 /// What a run measured (printed by rank 0).
 struct result {
@@ -148,9 +162,10 @@ result train_and_evaluate(Comm& comm, const options& o, const split_data& data) 
     auto epoch_of = [&](std::size_t done) { return std::min(o.epochs, int(done / n) + 1); };
 
     if constexpr (lockstep::is_asynchronous_v<Sync>) {
-        if (!o.save.empty() || !o.resume.empty() || o.steps > 0)
+        if (!o.save.empty() || !o.resume.empty() || o.steps > 0 || !o.checkpoint.empty())
             lockstep::fail(lockstep::errc::unsupported, comm.rank(), "digits",
-                           "--save, --resume and --steps need --sync sync or local:K");
+                           "--save, --resume, --checkpoint and --steps need --sync sync or "
+                           "local:K");
         const auto workers = static_cast<std::size_t>(comm.size() - 1);
         const std::size_t batch = (o.batch + workers - 1) / workers;
         const std::size_t steps = (total + batch - 1) / batch;
@@ -181,12 +196,18 @@ result train_and_evaluate(Comm& comm, const options& o, const split_data& data) 
         trainer_type trainer(comm, factory, optimizer_params<Optim>(o), tp);
         if (!o.resume.empty())
             lockstep::load_checkpoint(trainer, o.resume);
+        else if (!o.checkpoint.empty() && std::filesystem::exists(o.checkpoint))
+            lockstep::load_checkpoint(trainer, o.checkpoint); // a relaunch: continue from it
         const auto first = static_cast<std::size_t>(trainer.steps());
         std::size_t steps = (total + o.batch - 1) / o.batch;
         if (o.steps > 0)
             steps = std::min(steps, o.steps);
         double loss = 0;
         for (std::size_t s = first; s < steps; ++s) {
+            if (s == o.kill_step && comm.rank() == o.kill_rank && first_launch())
+                std::raise(SIGKILL); // a lost replica, as tools/lockstep-run sees one
+            if (s > first && o.checkpoint_every > 0 && s % o.checkpoint_every == 0)
+                lockstep::save_checkpoint(trainer, o.checkpoint);
             const auto r = trainer.step(o.batch, fn);
             loss = r.loss;
             const std::size_t done = std::min(total, (s + 1) * o.batch);
@@ -195,8 +216,8 @@ result train_and_evaluate(Comm& comm, const options& o, const split_data& data) 
         }
         // Saved before finish(): local SGD's final average is for evaluation, a resumed run
         // continues from the replicas' own weights as an uninterrupted one does.
-        if (!o.save.empty())
-            lockstep::save_checkpoint(trainer, o.save);
+        if (!o.save.empty() || !o.checkpoint.empty())
+            lockstep::save_checkpoint(trainer, o.save.empty() ? o.checkpoint : o.save);
         trainer.finish();
         comm.barrier();
         res.seconds =

@@ -127,6 +127,18 @@ template <class... Args>
                 detail::concat(std::forward<Args>(details)...));
 }
 
+/// The exit status for a process that ends on `e`, as a launcher that relaunches failed jobs
+/// reads it (tools/lockstep-run, docs/fault_tolerance.md): 75 (EX_TEMPFAIL, "try again") when a
+/// participant did not arrive in time or a transport failed (errc::timeout, errc::communication):
+/// a replica hung or became unreachable, and a relaunch may succeed; 1 for any other error
+/// (a rerun would meet it again).
+inline int exit_status(const std::exception& e) noexcept {
+    const auto* le = dynamic_cast<const error*>(&e);
+    const bool try_again =
+        le != nullptr && (le->code() == errc::timeout || le->code() == errc::communication);
+    return try_again ? 75 : 1;
+}
+
 } // namespace lockstep
 
 /// Throws lockstep::error when cond is false; the remaining arguments are streamed into the
