@@ -52,7 +52,8 @@ void usage(const char* argv0) {
         "                   (a job that tools/lockstep-run relaunches continues where it was)\n"
         "  --checkpoint-every K  also save to --checkpoint before every K-th step\n"
         "  --kill-at S:R    fault injection: replica R SIGKILLs itself before step S in the\n"
-        "                   first launch of a job (LOCKSTEP_RUN_ATTEMPT unset or 0)\n",
+        "                   first launch of a job (LOCKSTEP_RUN_ATTEMPT unset or 0)\n"
+        "  --stall-at S:R   the same, but replica R stops responding (sleeps for 10 minutes)\n",
         argv0);
 }
 
@@ -122,15 +123,14 @@ digits::options parse(int argc, char** argv) {
             o.checkpoint = value();
         else if (a == "--checkpoint-every")
             o.checkpoint_every = std::size_t(number(1));
-        else if (a == "--kill-at") {
+        else if (a == "--kill-at" || a == "--stall-at") {
             const std::string v = value();
             unsigned long step = 0;
             int rank = -1, used = 0;
             if (std::sscanf(v.c_str(), "%lu:%d%n", &step, &rank, &used) != 2 ||
                 used != int(v.size()) || rank < 0)
-                bad("--kill-at " + v + ": expected STEP:RANK");
-            o.kill_step = step;
-            o.kill_rank = rank;
+                bad(std::string(a) + " " + v + ": expected STEP:RANK");
+            o.fault = {.step = step, .rank = rank, .stall = a == "--stall-at"};
         } else
             bad("unknown option " + std::string(a));
     }

@@ -25,6 +25,7 @@
 #include <filesystem>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <type_traits>
 
 namespace digits {
@@ -48,8 +49,13 @@ struct options {
     std::size_t steps = 0;            ///< stop after this many steps in total (0: all epochs)
     std::string checkpoint;           ///< resumed from when it exists, saved to (empty: none)
     std::size_t checkpoint_every = 0; ///< also save to `checkpoint` every this many steps
-    std::size_t kill_step = 0;        ///< fault injection: replica kill_rank SIGKILLs itself
-    int kill_rank = -1;               ///< before step kill_step, in a job's first launch
+    /// Fault injection: replica `rank` SIGKILLs itself (stall: sleeps for 10 minutes) before
+    /// step `step` in a job's first launch (none: rank < 0).
+    struct fault_injection {
+        std::size_t step = 0;
+        int rank = -1;
+        bool stall = false;
+    } fault;
 };
 
 /// True in the first launch of a job (tools/lockstep-run sets LOCKSTEP_RUN_ATTEMPT; a program
@@ -204,8 +210,11 @@ result train_and_evaluate(Comm& comm, const options& o, const split_data& data) 
             steps = std::min(steps, o.steps);
         double loss = 0;
         for (std::size_t s = first; s < steps; ++s) {
-            if (s == o.kill_step && comm.rank() == o.kill_rank && first_launch())
-                std::raise(SIGKILL); // a lost replica, as tools/lockstep-run sees one
+            if (s == o.fault.step && comm.rank() == o.fault.rank && first_launch()) {
+                if (!o.fault.stall)
+                    std::raise(SIGKILL); // a lost replica, as tools/lockstep-run sees one
+                std::this_thread::sleep_for(std::chrono::minutes(10)); // a hung one
+            }
             if (s > first && o.checkpoint_every > 0 && s % o.checkpoint_every == 0)
                 lockstep::save_checkpoint(trainer, o.checkpoint);
             const auto r = trainer.step(o.batch, fn);

@@ -2,14 +2,17 @@
 # tests/tools/test_lockstep_run.py: tools/lockstep-run's decisions, each over real mpiexec jobs
 # of small shell programs that die, fail or succeed on chosen ranks and launches: a lost rank
 # shrinks the job, --min and --max-restarts stop it, an error stops it at once, status 75
-# relaunches at the same count, --slots gives the count back. Every rank writes what it saw.
+# relaunches at the same count, --slots gives the count back, SIGTERM to the launcher stops the
+# job without a relaunch. Every rank writes what it saw.
 # Usage: test_lockstep_run.py <tools/lockstep-run> <mpiexec>
 # SPDX-License-Identifier: Apache-2.0
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 LAUNCHER, MPIEXEC = sys.argv[1], sys.argv[2]
@@ -102,6 +105,34 @@ class LockstepRun(unittest.TestCase):
         os.unlink(slots.name)
         self.assertEqual((status, counts), (0, [3, 3]), log)
         self.assertIn("lost rank 2", log)
+
+    def test_sigterm_stops_without_relaunch(self):
+        work = tempfile.mkdtemp(prefix="lockstep-run-test.")
+        self.addCleanup(shutil.rmtree, work)
+        seen = os.path.join(work, "seen")
+        os.makedirs(seen)
+        env = dict(os.environ, SEEN=seen, ACTION="sleep 60")
+        proc = subprocess.Popen([sys.executable, LAUNCHER, "-n", "2", "--backoff", "0.05",
+                                 "--mpiexec", MPIEXEC, "--", "sh", "-c", RANK_PROGRAM],
+                                env=env, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while len([n for n in os.listdir(seen) if not n.endswith(".tmp")]) < 2:
+            self.assertLess(time.monotonic(), deadline, "the ranks did not start")
+            time.sleep(0.05)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, log = proc.communicate(timeout=30)
+        self.assertLess(time.monotonic() - started, 20, log)
+        self.assertNotEqual(proc.returncode, 0)
+        self.assertIn("stopped by SIGTERM: not relaunching", log)
+        self.assertNotIn("launch 1", log)
+
+    def test_missing_mpiexec(self):
+        proc = subprocess.run([sys.executable, LAUNCHER, "-n", "2", "--mpiexec",
+                               "/nonexistent/mpiexec", "--", "true"],
+                              capture_output=True, text=True, timeout=30)
+        self.assertEqual(proc.returncode, 127)
+        self.assertIn("cannot start /nonexistent/mpiexec", proc.stderr)
 
     def test_refuses_bad_options(self):
         proc = subprocess.run([sys.executable, LAUNCHER, "-n", "2", "--min", "3", "--", "true"],

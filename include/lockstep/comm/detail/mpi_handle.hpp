@@ -43,7 +43,8 @@ namespace lockstep {
 /// What an mpi_communicator does once a wait timed out or an MPI call failed inside an
 /// operation (the communicator is broken either way).
 enum class mpi_failure_action {
-    abort,      ///< print the error to stderr and end the job (MPI_Abort on MPI_COMM_WORLD)
+    abort,      ///< print the error to stderr and end the job (MPI_Abort on MPI_COMM_WORLD, with
+                ///< status exit_status(e): 75 for a timeout, which tools/lockstep-run relaunches)
     throw_error ///< throw the error; the caller must end the job (e.g. abort(e))
 };
 
@@ -144,7 +145,7 @@ protected:
                                          " ms: a process of the communicator did not construct "
                                          "its mpi_communicator"));
             if (p.on_failure == mpi_failure_action::abort)
-                abort(e);
+                abort(e, exit_status(e));
             throw e;
         }
         try {
@@ -431,7 +432,7 @@ protected:
             e = flight_recorder::with_trace(e, trace_.dump(rank_, size_, e.what()));
         broken_ = e;
         if (params_.on_failure == mpi_failure_action::abort)
-            abort(e);
+            abort(e, exit_status(e));
         throw e;
     }
 

@@ -20,7 +20,8 @@ inline bool echoes_peer(const std::exception& e) {
 }
 
 /// Prints "lockstep: <group> process P <unit> <index> aborting: <what>" to stderr (P: this
-/// process's rank in MPI_COMM_WORLD) and ends every process of the job with MPI_Abort.
+/// process's rank in MPI_COMM_WORLD) and ends every process of the job with MPI_Abort, its
+/// status exit_status(e) (75 for a timeout or a transport failure: tools/lockstep-run relaunches).
 [[noreturn]] inline void abort_mpi_job(const char* group, const char* unit, int index,
                                        const std::exception& e) {
     int rank = -1;
@@ -28,7 +29,7 @@ inline bool echoes_peer(const std::exception& e) {
     std::fprintf(stderr, "lockstep: %s process %d %s %d aborting: %s\n", group, rank, unit, index,
                  e.what());
     std::fflush(stderr);
-    MPI_Abort(MPI_COMM_WORLD, 1);
+    MPI_Abort(MPI_COMM_WORLD, exit_status(e));
     std::abort();
 }
 
