@@ -219,7 +219,7 @@ void input_gradient_generic(const System& sys, std::span<const T> dy, std::span<
 /// vectorized OpenMP loops.
 template <class T, class Acc, execution_system System>
 void input_gradient(const System& sys, std::span<const T> dy, std::span<const T> x, std::span<T> dx,
-                    channel_geometry g, backward_coefficients<Acc> co) {
+                    channel_geometry g, const backward_coefficients<Acc>& co) {
     detail::require_input_gradient(dy, x, dx, g);
     bn_input_gradient(sys, dy, x, dx, g, co);
 }

@@ -59,7 +59,7 @@ protected:
     /// requires: every name outlives the block (string literals). present[k] false: slot k
     /// holds no memory.
     state_block(const char* name, std::array<const char*, Slots> slot_names,
-                std::array<bool, Slots> present, std::size_t n, Params p, System sys,
+                std::array<bool, Slots> present, std::size_t n, const Params& p, System sys,
                 std::span<const tensor_segment> segments)
         : name_(name), slot_names_(slot_names), present_(present), p_(p), sys_(sys),
           layout_(n, segments, sys_, name), count_(sys_) {
