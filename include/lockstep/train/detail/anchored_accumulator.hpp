@@ -306,8 +306,7 @@ private:
              std::size_t elements = std::numeric_limits<std::size_t>::max()) {
         kernels::for_each_index(sys_, count, f, elements);
     }
-    /// The host's float passes run in tiles (kernels/detail/anchored_host.hpp).
-    static constexpr bool host_float = System::is_host && std::is_same_v<T, float>;
+    static constexpr bool host_float = kernels::detail::anchored_host_tiles<T, System>;
     static std::size_t tiles(std::size_t count) noexcept {
         return (count + kernels::detail::anchored_tile - 1) / kernels::detail::anchored_tile;
     }

@@ -164,8 +164,7 @@ public:
     }
 
 private:
-    /// The host's float passes run in tiles (kernels/detail/anchored_host.hpp).
-    static constexpr bool host_float = System::is_host && std::is_same_v<T, float>;
+    static constexpr bool host_float = kernels::detail::anchored_host_tiles<T, System>;
 
     template <class F>
     void run(std::size_t count, const F& f,
