@@ -20,14 +20,18 @@ namespace lockstep_test {
 inline constexpr std::chrono::milliseconds straggler_delay{50};
 
 /// `steps` steps of 12 samples under data_parallel<mlp, sgd> on comm with report_stragglers_every
-/// = every; replica `slow` sleeps straggler_delay in its step function at every step. Returns
+/// = every; replica `slow` sleeps straggler_delay in its step function at every step, replica
+/// `slow_setup` sleeps `setup` between the trainer's construction and its first step. Returns
 /// straggler() after each step.
 template <class Comm>
-std::vector<std::optional<straggler_report>> run_straggler(Comm& comm, int slow, int steps,
-                                                           std::int64_t every) {
+std::vector<std::optional<straggler_report>>
+run_straggler(Comm& comm, int slow, int steps, std::int64_t every, int slow_setup = -1,
+              std::chrono::milliseconds setup = std::chrono::milliseconds(0)) {
     using net = mlp<float, Comm, storage::registry>;
     data_parallel<net, optim::sgd<float>, sync::synchronous, reduce::bucketed<>, Comm> dp(
         comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.1}, {.report_stragglers_every = every});
+    if (comm.rank() == slow_setup)
+        std::this_thread::sleep_for(setup);
     std::vector<std::optional<straggler_report>> out;
     for (int k = 0; k < steps; ++k) {
         dp.step(12, [&](net& n, const shard_range& r, auto& ctx) {

@@ -30,8 +30,8 @@ TEST_CASE("the replica that sleeps in every step is named with its delay",
                 REQUIRE(mine.size() == 6);
                 CHECK(!mine[0]);
                 CHECK(!mine[1]);
-                REQUIRE(mine[2]); // after steps 0..2
-                CHECK(mine[2]->first_step == 0);
+                REQUIRE(mine[2]); // after steps 1..2 (the first step is in no window)
+                CHECK(mine[2]->first_step == 1);
                 CHECK(mine[2]->last_step == 2);
                 REQUIRE(mine[5]);
                 const straggler_report& r = *mine[5];
@@ -46,6 +46,31 @@ TEST_CASE("the replica that sleeps in every step is named with its delay",
                 CHECK(r.lag_seconds == seen[0][5]->lag_seconds);
             }
         }
+    }
+}
+
+TEST_CASE("what a replica does before its first step is in no window",
+          "[train][thread][straggler]") {
+    // Replica 1 spends 300 ms between the trainer's construction and its first step (loading
+    // data, say); no replica is slow in its steps. Were the first step measured from the
+    // construction, replica 1's own time would read about 300 ms / 2 steps = 150 ms per step in
+    // the first window; every window must instead show a lag far below that (50 ms: step times
+    // here are a few ms, with the noise of a shared machine).
+    std::vector<std::vector<std::optional<straggler_report>>> seen(2);
+    thread_group(2).run([&](thread_communicator& comm) {
+        seen[static_cast<std::size_t>(comm.rank())] =
+            run_straggler(comm, -1, 4, 2, 1, std::chrono::milliseconds(300));
+    });
+    for (const auto& mine : seen) {
+        REQUIRE(mine.size() == 4);
+        CHECK(!mine[0]);
+        REQUIRE(mine[1]); // after step 1: the window [1, 1]
+        CHECK(mine[1]->first_step == 1);
+        CHECK(mine[1]->last_step == 1);
+        CHECK(mine[1]->lag_seconds < 0.05);
+        REQUIRE(mine[3]);
+        CHECK(mine[3]->first_step == 2);
+        CHECK(mine[3]->lag_seconds < 0.05);
     }
 }
 

@@ -14,8 +14,9 @@ namespace lockstep {
 /// a synchronous step evens out the wall-clock step times, but not this, and no clock sync is
 /// needed. One all_gather of one double per replica makes the report, the same on every replica.
 struct straggler_report {
-    /// The window: steps [first_step, last_step] (0-based). The first window also counts a
-    /// replica's time from the trainer's construction to its first step's first collective.
+    /// The window: steps [first_step, last_step] (0-based). The first step a trainer runs is
+    /// in no window (its time includes what the program did before it), so the first window
+    /// starts one step later.
     std::int64_t first_step = 0;
     std::int64_t last_step = 0;
     int slowest = -1; ///< the replica with the most own time per step (the lowest rank on a tie)

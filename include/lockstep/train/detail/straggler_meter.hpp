@@ -24,8 +24,9 @@ concept host_timed_communicator = Communicator::system_type::is_host &&
 };
 
 /// The reports of train_params::report_stragglers_every = K: after every K-th step, every
-/// replica's own time per step since the last report (or, the first time, since the trainer's
-/// construction: its last collective then is where the first window's time starts), gathered.
+/// replica's own time per step since the last report, gathered. The first step a trainer runs
+/// is not measured: its time from the trainer's last collective includes whatever the program
+/// did before its first step (loading data, warming up), which is no step's work.
 class straggler_meter {
 public:
     /// requires: every >= 0 (0: off); every > 0 only on a host_timed_communicator (else
@@ -34,9 +35,7 @@ public:
     straggler_meter(const Communicator& comm, std::int64_t every) : every_(every) {
         LOCKSTEP_REQUIRE(every >= 0, errc::invalid_argument, comm.rank(), "data_parallel",
                          "report_stragglers_every = ", every, " (must be >= 0; 0 is off)");
-        if constexpr (host_timed_communicator<Communicator>)
-            base_ns_ = comm.trace().between_ns();
-        else
+        if constexpr (!host_timed_communicator<Communicator>)
             LOCKSTEP_REQUIRE(every == 0, errc::unsupported, comm.rank(), "data_parallel",
                              "report_stragglers_every = ", every,
                              ": this communicator's collectives are not timed on the host (the "
@@ -51,13 +50,16 @@ public:
         if constexpr (host_timed_communicator<Communicator>) {
             if (every_ == 0)
                 return;
-            if (first_ < 0) // the first step this trainer ran (a resumed one starts past 0)
-                first_ = steps - 1;
+            if (first_ < 0) { // the first step this trainer ran (a resumed one starts past 0)
+                first_ = steps;
+                base_ns_ = comm.trace().between_ns();
+                return;
+            }
             if (steps % every_ != 0)
                 return;
-            const std::int64_t window = steps - first_;
+            const std::int64_t window = steps - first_; // >= 1: the first step only begins one
             const double own = static_cast<double>(comm.trace().between_ns() - base_ns_) * 1e-9 /
-                               static_cast<double>(window > 0 ? window : 1);
+                               static_cast<double>(window);
             straggler_report r{first_, steps - 1, -1, 0.0,
                                std::vector<double>(static_cast<std::size_t>(comm.size()))};
             comm.all_gather(std::span<const double>(&own, 1), std::span<double>(r.own_seconds));
@@ -85,7 +87,7 @@ public:
 
 private:
     std::int64_t every_;
-    std::int64_t first_ = -1;  ///< the first step of the current window (-1: none ran yet)
+    std::int64_t first_ = -1;  ///< the first step of the current window (-1: no step ran yet)
     std::int64_t base_ns_ = 0; ///< between_ns() when the window began
     std::optional<straggler_report> last_;
 };
