@@ -25,7 +25,7 @@ namespace lockstep::kernels::detail {
 /// Whether values of T on System take this file's tiled passes (the host, in float); the others
 /// run the element functors of kernels/anchored_sum.hpp.
 template <class T, class System>
-inline constexpr bool anchored_host_tiles = System::is_host&& std::is_same_v<T, float>;
+inline constexpr bool anchored_host_tiles = (System::is_host && std::is_same_v<T, float>);
 
 /// Elements per tile of the sums: the tile's anchors, sums and flags live in registers or L1.
 inline constexpr std::size_t anchored_tile = 256;
