@@ -4,6 +4,7 @@
 
 #include "lockstep/core/float16.hpp"
 
+#include <algorithm>
 #include <concepts>
 #include <cstddef>
 #include <string>
@@ -53,7 +54,7 @@ struct bucketed : policy_traits {
     static constexpr std::size_t bucket_bytes = Bytes;
     /// Target bytes of the first bucket (the last tensors registered, the first gradients
     /// backward produces).
-    static constexpr std::size_t first_bucket_bytes = FirstBytes < Bytes ? FirstBytes : Bytes;
+    static constexpr std::size_t first_bucket_bytes = std::min(FirstBytes, Bytes);
     static std::string name() {
         return "reduce::bucketed<" + std::to_string(Bytes) + ", " + std::to_string(FirstBytes) +
                ">";
@@ -109,7 +110,7 @@ struct sharded : policy_traits {
     /// Target bytes of every bucket but the first (as reduce::bucketed).
     static constexpr std::size_t bucket_bytes = Bytes;
     /// Target bytes of the first bucket (as reduce::bucketed).
-    static constexpr std::size_t first_bucket_bytes = FirstBytes < Bytes ? FirstBytes : Bytes;
+    static constexpr std::size_t first_bucket_bytes = std::min(FirstBytes, Bytes);
     static std::string name() {
         return "reduce::sharded<" + std::to_string(Bytes) + ", " + std::to_string(FirstBytes) + ">";
     }
