@@ -51,6 +51,8 @@ void usage(const char* argv0) {
         "  --checkpoint PATH  resume from PATH when it exists, save to it after the last step\n"
         "                   (a job that tools/lockstep-run relaunches continues where it was)\n"
         "  --checkpoint-every K  also save to --checkpoint before every K-th step\n"
+        "  --checkpoint-async  those saves in the background (--sync sync; the final save\n"
+        "                   still blocks)\n"
         "  --kill-at S:R    fault injection: replica R SIGKILLs itself before step S in the\n"
         "                   first launch of a job (LOCKSTEP_RUN_ATTEMPT unset or 0)\n"
         "  --stall-at S:R   the same, but replica R stops responding (sleeps for 10 minutes)\n",
@@ -123,6 +125,8 @@ digits::options parse(int argc, char** argv) {
             o.checkpoint = value();
         else if (a == "--checkpoint-every")
             o.checkpoint_every = std::size_t(number(1));
+        else if (a == "--checkpoint-async")
+            o.checkpoint_async = true;
         else if (a == "--kill-at" || a == "--stall-at") {
             const std::string v = value();
             unsigned long step = 0;
@@ -148,6 +152,8 @@ digits::options parse(int argc, char** argv) {
         bad("--checkpoint replaces --save and --resume: give one or the other");
     if (o.checkpoint_every > 0 && o.checkpoint.empty())
         bad("--checkpoint-every needs --checkpoint");
+    if (o.checkpoint_async && (o.checkpoint_every == 0 || o.sync != "sync"))
+        bad("--checkpoint-async needs --checkpoint-every and --sync sync");
     return o;
 }
 

@@ -12,6 +12,7 @@
 #include <lockstep/policy/bn.hpp>
 #include <lockstep/policy/reduce.hpp>
 #include <lockstep/policy/sync.hpp>
+#include <lockstep/train/async_checkpoint.hpp>
 #include <lockstep/train/asynchronous.hpp>
 #include <lockstep/train/checkpoint.hpp>
 #include <lockstep/train/data_parallel.hpp>
@@ -49,6 +50,7 @@ struct options {
     std::size_t steps = 0;            ///< stop after this many steps in total (0: all epochs)
     std::string checkpoint;           ///< resumed from when it exists, saved to (empty: none)
     std::size_t checkpoint_every = 0; ///< also save to `checkpoint` every this many steps
+    bool checkpoint_async = false;    ///< those saves in the background (--sync sync)
     /// Fault injection: replica `rank` SIGKILLs itself (stall: sleeps for 10 minutes) before
     /// step `step` in a job's first launch (none: rank < 0).
     struct fault_injection {
@@ -138,6 +140,18 @@ typename Optim::params_type optimizer_params(const options& o) {
 
 /// Trains the MLP with one compiled combination of policies on this replica's communicator and
 /// evaluates it. Collective: every replica calls it.
+/// The save before every --checkpoint-every-th step: in the background with
+/// --checkpoint-async (synchronous trainers: a later step commits it), else blocking.
+template <class Trainer>
+void save_periodic(Trainer& trainer, const options& o) {
+    if constexpr (std::is_same_v<typename Trainer::sync_policy_type, lockstep::sync::synchronous>)
+        if (o.checkpoint_async) {
+            lockstep::save_checkpoint_async(trainer, o.checkpoint);
+            return;
+        }
+    lockstep::save_checkpoint(trainer, o.checkpoint);
+}
+
 template <class Sync, class Reduce, class Optim, class BN, class Comm>
 result train_and_evaluate(Comm& comm, const options& o, const split_data& data) {
     using net = mlp<BN>;
@@ -216,7 +230,7 @@ result train_and_evaluate(Comm& comm, const options& o, const split_data& data) 
                 std::this_thread::sleep_for(std::chrono::minutes(10)); // a hung one
             }
             if (s > first && o.checkpoint_every > 0 && s % o.checkpoint_every == 0)
-                lockstep::save_checkpoint(trainer, o.checkpoint);
+                save_periodic(trainer, o);
             const auto r = trainer.step(o.batch, fn);
             loss = r.loss;
             const std::size_t done = std::min(total, (s + 1) * o.batch);

@@ -94,6 +94,7 @@
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/optim/sgd.hpp"
 
+#include "lockstep/train/async_checkpoint.hpp"
 #include "lockstep/train/asynchronous.hpp"
 #include "lockstep/train/checkpoint.hpp"
 #include "lockstep/train/compute_copy.hpp"

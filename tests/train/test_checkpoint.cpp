@@ -577,6 +577,15 @@ TEST_CASE("CRC32C matches the published check value", "[train][checkpoint]") {
     const std::uint32_t whole = crc32c(data);
     for (std::size_t k = 0; k <= data.size(); ++k)
         CHECK(crc32c_update(crc32c(std::span(data).first(k)), std::span(data).subspan(k)) == whole);
+    // Combining the CRCs of the two parts (without their bytes) gives the whole's, at every
+    // split, and over a long run of zeros (the squaring's higher powers).
+    for (std::size_t k = 0; k <= data.size(); ++k)
+        CHECK(crc32c_combine(crc32c(std::span(data).first(k)), crc32c(std::span(data).subspan(k)),
+                             data.size() - k) == whole);
+    std::vector<std::byte> zeros(1 << 20, std::byte{0});
+    std::vector<std::byte> joined = data;
+    joined.insert(joined.end(), zeros.begin(), zeros.end());
+    CHECK(crc32c_combine(whole, crc32c(zeros), zeros.size()) == crc32c(joined));
 }
 
 TEST_CASE("the dynamic loss scale's state is checkpointed and restored", "[train][checkpoint]") {

@@ -49,6 +49,54 @@ inline std::uint32_t crc32c_update(std::uint32_t crc, std::span<const std::byte>
     return ~c;
 }
 
+namespace detail {
+/// mat (32 columns over GF(2)) times vec.
+constexpr std::uint32_t gf2_times(const std::uint32_t* mat, std::uint32_t vec) noexcept {
+    std::uint32_t sum = 0;
+    for (; vec != 0; vec >>= 1, ++mat)
+        if ((vec & 1u) != 0)
+            sum ^= *mat;
+    return sum;
+}
+/// square = mat * mat.
+constexpr void gf2_square(std::uint32_t* square, const std::uint32_t* mat) noexcept {
+    for (int n = 0; n < 32; ++n)
+        square[n] = gf2_times(mat, mat[n]);
+}
+} // namespace detail
+
+/// The CRC32C of a followed by b from crc_a = crc32c(a), crc_b = crc32c(b) and b's length,
+/// without reading the bytes (zlib's crc32_combine with the Castagnoli polynomial: the operator
+/// that appends len_b zero bytes, applied by repeated squaring; O(log len_b)).
+constexpr std::uint32_t crc32c_combine(std::uint32_t crc_a, std::uint32_t crc_b,
+                                       std::uint64_t len_b) noexcept {
+    if (len_b == 0)
+        return crc_a;
+    std::uint32_t even[32] = {}; // the operator for 2^k zero bits, alternately
+    std::uint32_t odd[32] = {};
+    odd[0] = 0x82F63B78u; // the reflected polynomial: one zero bit
+    std::uint32_t row = 1;
+    for (int n = 1; n < 32; ++n) {
+        odd[n] = row;
+        row <<= 1;
+    }
+    detail::gf2_square(even, odd); // two zero bits
+    detail::gf2_square(odd, even); // four
+    do {
+        detail::gf2_square(even, odd); // one zero byte, then 4, 16, ... (with odd: 2, 8, ...)
+        if ((len_b & 1u) != 0)
+            crc_a = detail::gf2_times(even, crc_a);
+        len_b >>= 1;
+        if (len_b == 0)
+            break;
+        detail::gf2_square(odd, even);
+        if ((len_b & 1u) != 0)
+            crc_a = detail::gf2_times(odd, crc_a);
+        len_b >>= 1;
+    } while (len_b != 0);
+    return crc_a ^ crc_b;
+}
+
 /// The CRC32C of data (0 for an empty span).
 inline std::uint32_t crc32c(std::span<const std::byte> data) noexcept {
     return crc32c_update(0, data);

@@ -6,6 +6,7 @@
 #include "lockstep/core/crc32c.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/train/data_parallel.hpp"
+#include "lockstep/train/detail/checkpoint_commit.hpp"
 #include "lockstep/train/detail/checkpoint_format.hpp"
 #include "lockstep/train/detail/checkpoint_marker.hpp"
 #include "lockstep/train/detail/checkpoint_resize.hpp"
@@ -27,59 +28,6 @@
 
 namespace lockstep {
 
-namespace detail::ckpt {
-
-/// Every replica's string (collective: two all_gathers).
-template <class Comm>
-std::vector<std::string> gather_strings(Comm& comm, const std::string& s) {
-    const int ranks = comm.size();
-    const int len = static_cast<int>(s.size());
-    std::vector<int> lens(static_cast<std::size_t>(ranks));
-    host_all_gather(comm, std::span<const int>(&len, 1), std::span<int>(lens));
-    int longest = 0;
-    for (int l : lens)
-        longest = std::max(longest, l);
-    const std::size_t words = (static_cast<std::size_t>(longest) + 3) / 4;
-    std::vector<int> packed(words == 0 ? 1 : words, 0);
-    std::memcpy(packed.data(), s.data(), s.size());
-    std::vector<int> all(packed.size() * static_cast<std::size_t>(ranks));
-    host_all_gather(comm, std::span<const int>(packed), std::span<int>(all));
-    std::vector<std::string> out(static_cast<std::size_t>(ranks));
-    for (std::size_t r = 0; r < out.size(); ++r) {
-        out[r].resize(static_cast<std::size_t>(lens[r]));
-        std::memcpy(out[r].data(), all.data() + r * packed.size(), out[r].size());
-    }
-    return out;
-}
-
-/// Collective: when any replica reports a problem (non-empty), every replica throws ONE
-/// lockstep::error (checkpoint) listing every replica's problems.
-template <class Comm>
-void agree_or_fail(Comm& comm, const std::string& problem, const char* op,
-                   const std::string& what) {
-    const int mine = problem.empty() ? 0 : 1;
-    std::vector<int> flags(static_cast<std::size_t>(comm.size()));
-    host_all_gather(comm, std::span<const int>(&mine, 1), std::span<int>(flags));
-    bool any = false;
-    for (int f : flags)
-        any = any || f != 0;
-    if (!any)
-        return;
-    const std::vector<std::string> all = gather_strings(comm, problem);
-    bool same = true;
-    for (const auto& p : all)
-        same = same && p == all[0];
-    std::string msg = what;
-    if (same && all.size() > 1)
-        msg += " every replica: " + all[0];
-    for (std::size_t r = 0; r < all.size() && !(same && all.size() > 1); ++r)
-        if (!all[r].empty())
-            msg += " replica " + std::to_string(r) + ": " + all[r];
-    fail(errc::checkpoint, comm.rank(), op, msg);
-}
-
-} // namespace detail::ckpt
-
 /// Options of save_checkpoint.
 struct save_options {
     /// Fault injection: called on each replica at each stage of its save ("shard.partial",
@@ -89,6 +37,11 @@ struct save_options {
     /// as a crash there would). Empty (the default): none. Each call's own: two trainers saving
     /// in one process never see each other's hook.
     std::function<void(std::string_view stage, int replica)> on_stage;
+    /// save_checkpoint_async only: the share of its time each background writer works; it
+    /// sleeps the rest, between slices of 4 MiB (summed or written), so that the steps running
+    /// beside it keep more of the memory bandwidth (bench_checkpoint measures it). 1: no pause.
+    /// requires: 0 < background_share <= 1.
+    double background_share = 0.5;
 };
 
 /// Saves everything the next steps of dp depend on to the checkpoint `path` (collective: every
@@ -102,6 +55,8 @@ struct save_options {
 /// leaves the previous checkpoint at `path` loadable, and a failure on any replica throws one
 /// lockstep::error (checkpoint) on every replica. Jobs saving to the same path concurrently
 /// leave a checkpoint that loads as one of their saves.
+/// A background save of dp still unresolved (save_checkpoint_async) is waited for first, and
+/// its failure thrown unless every replica's step results reported it.
 /// requires: no step in flight on this replica (call it between steps; with sync::asynchronous
 /// and sync::bounded_staleness<S>, between train() calls, when every replica holds the server's
 /// parameters and state).
@@ -114,36 +69,25 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
     const int rank = comm.rank();
     const int size = comm.size();
     const std::string what = "saving checkpoint '" + path.string() + "' failed:";
+    // A background save still in flight commits (or fails) first: it never replaces this one.
+    detail::checkpoint_access::resolve_background(dp, comm, "save_checkpoint");
 
-    // One fresh generation for this save, chosen by replica 0 and in flight in its process
-    // (clean-up leaves its files alone) before any replica learns it.
-    ck::save_id id;
-    if (rank == 0) {
-        std::random_device rd;
-        id.gen =
-            (std::uint64_t(rd()) << 32) ^ rd() ^
-            static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-        id.owner = ck::this_process();
-    }
-    const ck::inflight_scope inflight(id.gen, rank == 0);
-    const int mine[4] = {static_cast<int>(static_cast<std::uint32_t>(id.gen)),
-                         static_cast<int>(static_cast<std::uint32_t>(id.gen >> 32)),
-                         static_cast<int>(id.owner.pid), static_cast<int>(id.owner.token)};
-    std::vector<int> ids(4 * static_cast<std::size_t>(size));
-    detail::host_all_gather(comm, std::span<const int>(mine), std::span<int>(ids));
-    id.gen = std::uint64_t(static_cast<std::uint32_t>(ids[0])) |
-             std::uint64_t(static_cast<std::uint32_t>(ids[1])) << 32;
-    id.owner = {static_cast<std::uint32_t>(ids[2]), static_cast<std::uint32_t>(ids[3])};
+    // One fresh generation for this save, in flight in replica 0's process until it returns.
+    std::optional<ck::inflight_scope> inflight;
+    const ck::save_id id = ck::agree_save_id(comm, inflight);
 
     std::string problem;
     std::uint32_t crc = 0;
     std::uint64_t bytes = 0;
     try {
-        const std::vector<std::byte> shard = ck::build_shard(dp);
-        crc = crc32c(std::span<const std::byte>(shard));
-        bytes = shard.size();
+        const ck::file_builder snapshot = ck::snapshot_shard(dp);
+        std::vector<std::byte> header;
+        const auto file = snapshot.encode(ck::shard_magic, header);
+        crc = file.crc;
+        bytes = file.size;
         ck::write_durably(ck::shard_path(path, id, rank), ck::shard_temp_path(path, id, rank),
-                          shard, rank, "shard", options.on_stage);
+                          std::span<const std::span<const std::byte>>(file.pieces), rank, "shard",
+                          options.on_stage);
     } catch (const std::exception& e) {
         problem = e.what();
     } catch (...) {
@@ -157,24 +101,14 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
 
     if (rank == 0) {
         try {
-            ck::file_builder m;
-            m.meta("generation", ck::hex16(id.gen));
-            m.meta("world_size", std::to_string(size));
-            for (int r = 0; r < size; ++r) {
-                const std::string key = "shard." + std::to_string(r);
-                const auto* v = &infos[3 * static_cast<std::size_t>(r)];
-                const std::uint64_t n = std::uint64_t(static_cast<std::uint32_t>(v[1])) |
-                                        std::uint64_t(static_cast<std::uint32_t>(v[2])) << 32;
-                m.meta(key + ".file", ck::shard_path(path, id, r).filename().string());
-                m.meta(key + ".size", std::to_string(n));
-                m.meta(key + ".crc32c", std::to_string(static_cast<std::uint32_t>(v[0])));
+            std::vector<ck::shard_record> shards(static_cast<std::size_t>(size));
+            for (std::size_t r = 0; r < shards.size(); ++r) {
+                const auto* v = &infos[3 * r];
+                shards[r] = {static_cast<std::uint32_t>(v[0]),
+                             std::uint64_t(static_cast<std::uint32_t>(v[1])) |
+                                 std::uint64_t(static_cast<std::uint32_t>(v[2])) << 32};
             }
-            // The generation this commit replaces: no save commits it again.
-            const auto replaced = ck::committed_generation(path);
-            ck::write_durably(path, ck::marker_temp_path(path, id), m.finish(ck::manifest_magic), 0,
-                              "manifest", options.on_stage);
-            ck::remove_stale(path, id, replaced);
-            ck::stage(options.on_stage, "cleanup.done", 0);
+            ck::commit_save(path, id, shards, options.on_stage);
         } catch (const std::exception& e) {
             problem = e.what();
         } catch (...) {
@@ -204,6 +138,7 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
 /// state), BN running statistics included; with reduce::sharded each replica's new shard of
 /// the optimizer state is regathered from the old shards that overlap it (their headers and
 /// optimizer sections only). See docs/checkpoints.md.
+/// A background save of dp still unresolved is waited for first, as by save_checkpoint.
 /// requires: no step in flight on this replica (asynchronous: between train() calls).
 template <class Network, class Optimizer, class Sync, class Reduce, class Comm>
 void load_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
@@ -212,6 +147,7 @@ void load_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
     using T = typename Optimizer::value_type;
     auto& comm = detail::checkpoint_access::core(dp).comm();
     const std::string what = "checkpoint '" + path.string() + "' refused:";
+    detail::checkpoint_access::resolve_background(dp, comm, "load_checkpoint");
     // Every replica must take the same path below: they compare the save they read.
     const auto saved = ck::read_committed_save(path, comm.rank());
     const ck::committed_save mine = saved.value_or(ck::committed_save{});

@@ -10,6 +10,7 @@
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/policy/sync.hpp"
 #include "lockstep/train/asynchronous.hpp" // IWYU pragma: export
+#include "lockstep/train/detail/background_save.hpp"
 #include "lockstep/train/detail/bucketed_collective.hpp"
 #include "lockstep/train/detail/compressed_collective.hpp"
 #include "lockstep/train/detail/data_parallel_fwd.hpp"
@@ -97,7 +98,9 @@ public:
           collective_(comm, core_.registry().parameters(),
                       detail::use_overlap(comm, core_.params().overlap), core_.params()),
           stages_(core_, collective_.plan(), collective_type::status_doubles), driver_(stages_),
-          stragglers_(comm, core_.params().report_stragglers_every) {
+          stragglers_(comm, core_.params().report_stragglers_every), saves_(comm.rank()) {
+        if constexpr (!is_local_sgd_v<SyncPolicy>)
+            stages_.set_rider(&saves_);
         const std::int64_t every = core_.params().verify_every;
         LOCKSTEP_REQUIRE(every >= 0, errc::invalid_argument, comm.rank(), "data_parallel",
                          "verify_every = ", every, " (must be >= 0; 0 is off)");
@@ -255,17 +258,20 @@ public:
     /// tagged all_reduce, detail::finish_steps), then reads the last step's result if it was
     /// not read (train_params::read_result = false: one wait, throwing its errors, the run of
     /// skipped steps included), then local SGD averages the weights if steps ran since the last
-    /// average. ensures: returns steps(); skipped_steps() is the run's count of skipped steps;
-    /// a replica that ran fewer or more steps makes it throw lockstep::error on every replica,
-    /// the short one included (count_mismatch naming each replica's count, or, when a peer is
-    /// still inside a step, the mismatch of finish's collective with the peer's, naming both
-    /// calls). The destructor checks nothing (it cannot throw): without finish() a replica that
-    /// stops early returns normally while its peers fail (docs/train_api.md).
+    /// average, then waits for a background checkpoint save still unresolved
+    /// (save_checkpoint_async: commits it, or throws its failure unless every replica's step
+    /// results reported it already). ensures: returns steps(); skipped_steps() is the run's count
+    /// of skipped steps; a replica that ran fewer or more steps makes it throw lockstep::error on
+    /// every replica, the short one included (count_mismatch naming each replica's count, or, when
+    /// a peer is still inside a step, the mismatch of finish's collective with the peer's, naming
+    /// both calls). The destructor checks nothing (it cannot throw): without finish() a replica
+    /// that stops early returns normally while its peers fail (docs/train_api.md).
     std::int64_t finish() {
         const std::int64_t steps = detail::finish_steps(core_.comm(), this->steps());
         if (stages_.unread() && !detail::capturing(core_.comm().system()))
             (void)read_result();
         driver_.finish(stages_, collective_);
+        (void)saves_.resolve(core_.comm(), "data_parallel.finish", false);
         return steps;
     }
 
@@ -355,6 +361,7 @@ private:
     detail::step_driver<SyncPolicy> driver_; ///< how a step runs under the SyncPolicy
     detail::step_capture capture_;           ///< the step captured last
     detail::straggler_meter stragglers_;     ///< train_params::report_stragglers_every
+    detail::background_save saves_;          ///< save_checkpoint_async's save in flight
 };
 
 } // namespace lockstep

@@ -9,6 +9,7 @@
 #include "lockstep/kernels/layer_report.hpp"
 #include "lockstep/kernels/mixed_precision.hpp"
 #include "lockstep/system/buffer.hpp"
+#include "lockstep/train/train_params.hpp"
 
 #include <cstddef>
 #include <span>
@@ -17,6 +18,16 @@
 #include <thrust/fill.h>
 
 namespace lockstep {
+
+/// What a replica's rows say of the background checkpoint save (save_checkpoint_async) in
+/// flight: levels that hold until the next save begins, so any later step's status tells them
+/// (train/detail/background_save.hpp). All zero: no save yet.
+struct save_word {
+    double index = 0; ///< which save of the trainer (1, 2, ...: the same on every replica)
+    double state = 0; ///< background_save::level of this replica's part
+    double crc = 0;   ///< its shard's CRC32C, once durable
+    double bytes = 0; ///< its shard's size in bytes, once durable
+};
 
 /// What one replica reports of its own step. The state holds one row per replica; replica r
 /// writes row r only (the others stay zero), so the status all_reduce (a sum) hands every
@@ -27,6 +38,23 @@ struct replica_row {
     double loss_non_finite = 0;  ///< 1 when its loss is NaN/inf
     double global_batch = 0;     ///< the global_batch it passed to step()
     double lr = 0;               ///< the learning rate of its step
+    save_word save{};            ///< its background checkpoint save
+};
+
+/// What rides on a synchronous step's status besides the step's own checks: the word this
+/// replica puts into its row, and what every replica's row showed once the host reads the step
+/// (a background checkpoint save: train/detail/background_save.hpp).
+class status_rider {
+public:
+    virtual save_word word() const = 0;
+    /// The rows of every replica, as the status all_reduce left them; the event they show.
+    virtual checkpoint_event observe(std::span<const replica_row> rows) = 0;
+
+protected:
+    status_rider() = default;
+    status_rider(const status_rider&) = default;
+    status_rider& operator=(const status_rider&) = default;
+    ~status_rider() = default;
 };
 
 /// The values summed over replicas by the status all_reduce.

@@ -116,6 +116,15 @@ struct train_params {
     std::int64_t report_stragglers_every = 0;
 };
 
+/// What a step's status showed of the background checkpoint save in flight
+/// (save_checkpoint_async): nothing new, or its end, seen by every replica at the same step.
+enum class checkpoint_event {
+    none,      ///< no save ended (none in flight, or still being written)
+    committed, ///< the save is committed: a load now finds it
+    failed     ///< the save failed on some replica; the previous checkpoint stands
+               ///< (wait_checkpoint throws the reasons)
+};
+
 /// What one data_parallel::step returns (the same on every replica for synchronous training).
 struct step_result {
     /// The loss of the step: the sum of the step function's results over replicas and
@@ -135,6 +144,9 @@ struct step_result {
     bool ready = true;
     /// The loss scale the step's backward used (train_params::loss_scale; 1 without scaling).
     double loss_scale = 1.0;
+    /// The background checkpoint save that this step's status showed ending (read with the
+    /// result: none while ready is false).
+    checkpoint_event checkpoint = checkpoint_event::none;
 };
 
 } // namespace lockstep

@@ -10,6 +10,7 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -119,6 +120,9 @@ inline void put_string(std::vector<std::byte>& out, std::string_view s) {
         out.push_back(static_cast<std::byte>(c));
 }
 
+/// The slices a paced writer works in (file_builder::encode, write_durably) between its pauses.
+inline constexpr std::size_t slice_bytes = std::size_t{4} << 20;
+
 /// Builds one checkpoint file in memory: metadata and sections in the order they are added.
 class file_builder {
 public:
@@ -137,11 +141,15 @@ public:
         sections_.push_back(std::move(p));
     }
 
-    /// Adds a section of already encoded little-endian bytes.
+    /// Adds a section of already encoded little-endian bytes (copied, or taken over).
     void raw_section(std::string name, dtype type, std::vector<std::uint64_t> shape,
                      std::span<const std::byte> bytes) {
-        sections_.push_back(
-            pending{std::move(name), type, std::move(shape), {bytes.begin(), bytes.end()}});
+        raw_section(std::move(name), type, std::move(shape),
+                    std::vector<std::byte>(bytes.begin(), bytes.end()));
+    }
+    void raw_section(std::string name, dtype type, std::vector<std::uint64_t> shape,
+                     std::vector<std::byte>&& bytes) {
+        sections_.push_back(pending{std::move(name), type, std::move(shape), std::move(bytes)});
     }
 
     /// The whole file: header (with its CRC32C), then the 8-byte aligned section payloads.
@@ -149,6 +157,29 @@ public:
     /// a name (e.g. a registry state tensor and a visited state tensor): the file would be
     /// refused when loaded.
     std::vector<std::byte> finish(const magic_type& magic) const {
+        std::vector<std::byte> header;
+        const encoded_file file = encode(magic, header);
+        std::vector<std::byte> out;
+        out.reserve(file.size);
+        for (const auto& p : file.pieces)
+            out.insert(out.end(), p.begin(), p.end());
+        return out;
+    }
+
+    /// The file finish() returns, as the pieces it concatenates.
+    struct encoded_file {
+        /// In order: the header, then per section its padding and its payload.
+        std::vector<std::span<const std::byte>> pieces;
+        std::uint32_t crc = 0;  ///< CRC32C of the whole file
+        std::uint64_t size = 0; ///< bytes of the whole file
+    };
+    /// The file as pieces: the header written into `header_out`, the payloads views of this
+    /// builder (a writer need not copy them); its CRC32C combined from the sections' own
+    /// (crc32c_combine), so the payloads are read once. Throws as finish() does.
+    /// `pace` (if any) is called after every slice of slice_bytes summed (a background writer
+    /// sleeps there).
+    encoded_file encode(const magic_type& magic, std::vector<std::byte>& header_out,
+                        const std::function<void()>& pace = {}) const {
         for (std::size_t i = 0; i < sections_.size(); ++i)
             for (std::size_t j = 0; j < i; ++j)
                 LOCKSTEP_REQUIRE(sections_[i].name != sections_[j].name, errc::invalid_argument, -1,
@@ -169,6 +200,7 @@ public:
             header += min_section_bytes + s.name.size() + 8 * s.shape.size();
         header += table.size();
         std::uint64_t offset = round_up(header);
+        std::vector<std::uint32_t> section_crcs;
         for (const auto& s : sections_) {
             put_string(table, s.name);
             put_u32(table, static_cast<std::uint32_t>(s.type));
@@ -178,13 +210,21 @@ public:
                 put_u64(table, d);
             put_u64(table, offset);
             put_u64(table, s.bytes.size());
-            put_u32(table, crc32c(std::span<const std::byte>(s.bytes)));
+            std::uint32_t crc = 0;
+            for (std::size_t at = 0; at < s.bytes.size(); at += slice_bytes) {
+                crc = crc32c_update(crc, std::span<const std::byte>(s.bytes).subspan(
+                                             at, std::min(slice_bytes, s.bytes.size() - at)));
+                if (pace)
+                    pace();
+            }
+            section_crcs.push_back(crc);
+            put_u32(table, section_crcs.back());
             offset = round_up(offset + s.bytes.size());
         }
         const std::uint64_t file_length =
             sections_.empty() ? header : offset - pad(sections_.back().bytes.size());
-        std::vector<std::byte> out;
-        out.reserve(file_length);
+        std::vector<std::byte>& out = header_out;
+        out.clear();
         for (char c : magic)
             out.push_back(static_cast<std::byte>(c));
         put_u32(out, format_version);
@@ -195,11 +235,21 @@ public:
         put_u32(out, static_cast<std::uint32_t>(sections_.size()));
         out.insert(out.end(), table.begin(), table.end());
         put_u32(out, crc32c(std::span<const std::byte>(out)));
-        for (const auto& s : sections_) {
-            out.resize(round_up(out.size()), std::byte{0});
-            out.insert(out.end(), s.bytes.begin(), s.bytes.end());
+        static constexpr std::byte zeros[payload_alignment] = {};
+        encoded_file file;
+        file.pieces.emplace_back(out);
+        file.crc = crc32c(std::span<const std::byte>(out));
+        file.size = out.size();
+        for (std::size_t i = 0; i < sections_.size(); ++i) {
+            const std::span<const std::byte> padding(zeros,
+                                                     static_cast<std::size_t>(pad(file.size)));
+            file.pieces.push_back(padding);
+            file.crc = crc32c_update(file.crc, padding);
+            file.pieces.emplace_back(sections_[i].bytes);
+            file.crc = crc32c_combine(file.crc, section_crcs[i], sections_[i].bytes.size());
+            file.size += padding.size() + sections_[i].bytes.size();
         }
-        return out;
+        return file;
     }
 
 private:

@@ -58,6 +58,18 @@ struct checkpoint_access {
                                   typename DP::communicator_type>;
         return static_cast<base&>(dp).core_;
     }
+    /// The background save of a synchronous trainer (save_checkpoint_async).
+    template <class DP>
+    static auto& background(DP& dp) noexcept {
+        return dp.saves_;
+    }
+    /// Waits for dp's background save when it has one unresolved (collective; see
+    /// background_save::resolve): a blocking save or a load never races it.
+    template <class DP, class Comm>
+    static void resolve_background(DP& dp, Comm& comm, const char* op) {
+        if constexpr (requires { dp.saves_; })
+            (void)dp.saves_.resolve(comm, op, false);
+    }
     /// Local SGD's steps since the last average (0 for the other trainers).
     template <class DP>
     static std::size_t since_average(const DP& dp) noexcept {
@@ -251,9 +263,10 @@ std::vector<T> to_host(std::span<T> s, const System& sys) {
     return h;
 }
 
-/// The bytes of this replica's shard file.
+/// This replica's shard file before encoding: every section copied to the host (the snapshot a
+/// save writes; encode(shard_magic, ...) or finish(shard_magic) encodes it).
 template <class DP>
-std::vector<std::byte> build_shard(DP& dp) {
+file_builder snapshot_shard(DP& dp) {
     using T = typename DP::value_type;
     auto& core = checkpoint_access::core(dp);
     const auto sys = core.comm().system();
@@ -263,8 +276,12 @@ std::vector<std::byte> build_shard(DP& dp) {
     for (auto& [k, v] : describe_trainer(dp, core.steps(), own_shard(dp)))
         b.meta(k, v);
     for_each_tensor_section(dp, [&](section_spec s, std::span<T> data) {
-        const std::vector<T> h = to_host(data, sys);
-        b.section(std::move(s.name), std::move(s.shape), std::span<const T>(h));
+        // One copy, from the system's memory into the section's bytes (little-endian: the
+        // file's order, as file_builder::section asserts).
+        std::vector<std::byte> bytes(data.size_bytes());
+        copy(std::span<const T>(data), sys,
+             std::span<T>(reinterpret_cast<T*>(bytes.data()), data.size()), host_system{1});
+        b.raw_section(std::move(s.name), dtype_of<T>(), std::move(s.shape), std::move(bytes));
     });
     const std::int64_t opt_step = core.optimizer().step_count();
     b.section<std::int64_t>("optimizer.step", {1}, std::span<const std::int64_t>(&opt_step, 1));
@@ -279,7 +296,7 @@ std::vector<std::byte> build_shard(DP& dp) {
         const double v[2] = {st.scale, static_cast<double>(st.growth_tracker)};
         b.section<double>("trainer.loss_scale", {2}, std::span<const double>(v));
     }
-    return b.finish(shard_magic);
+    return b;
 }
 
 /// A validated shard: its bytes and header.

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "lockstep/core/error.hpp"
+#include "lockstep/train/detail/checkpoint_format.hpp"
 
 #include <algorithm>
 #include <cerrno>
@@ -60,34 +61,46 @@ inline void sync_directory(const std::filesystem::path& p, int replica) {
         fail_errno(replica, "cannot fsync directory", dir);
 }
 
-/// Writes bytes to the new file `tmp` (a name unique to this write: an existing one is an
-/// error), fsyncs it, renames it to target and fsyncs the directory; stages
+/// Writes the concatenation of `pieces` to the new file `tmp` (a name unique to this write: an
+/// existing one is an error), fsyncs it, renames it to target and fsyncs the directory; stages
 /// `<stage_prefix>.partial` (half written), `.written` (complete and fsynced, not yet renamed)
-/// and `.renamed` (hook). ensures: target holds either its old content or all of bytes, whatever
-/// point a crash happens at.
+/// and `.renamed` (hook); `pace` (if any) is called after every write of at most slice_bytes.
+/// ensures: target holds either its old content or all of the bytes, whatever point a crash
+/// happens at.
 inline void write_durably(const std::filesystem::path& target, const std::filesystem::path& tmp,
-                          std::span<const std::byte> bytes, int replica,
-                          std::string_view stage_prefix, const stage_hook& hook = {}) {
+                          std::span<const std::span<const std::byte>> pieces, int replica,
+                          std::string_view stage_prefix, const stage_hook& hook = {},
+                          const std::function<void()>& pace = {}) {
+    std::size_t total = 0;
+    for (const auto& piece : pieces)
+        total += piece.size();
+    const std::size_t half = std::max<std::size_t>(total / 2, 1);
     {
         fd_guard f{::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644)};
         if (f.fd < 0)
             fail_errno(replica, "cannot create", tmp);
         std::size_t done = 0;
         bool staged_half = false;
-        while (done < bytes.size()) {
-            std::size_t chunk = bytes.size() - done;
-            if (!staged_half)
-                chunk = std::max<std::size_t>(bytes.size() / 2, 1);
-            const ::ssize_t w = ::write(f.fd, bytes.data() + done, chunk);
-            if (w < 0) {
-                if (errno == EINTR)
-                    continue;
-                fail_errno(replica, "cannot write", tmp);
-            }
-            done += static_cast<std::size_t>(w);
-            if (!staged_half) {
-                staged_half = true;
-                stage(hook, std::string(stage_prefix) + ".partial", replica);
+        for (const auto& piece : pieces) {
+            std::size_t at = 0;
+            while (at < piece.size()) {
+                std::size_t chunk = std::min(piece.size() - at, slice_bytes);
+                if (!staged_half)
+                    chunk = std::min(chunk, half - done);
+                const ::ssize_t w = ::write(f.fd, piece.data() + at, chunk);
+                if (w < 0) {
+                    if (errno == EINTR)
+                        continue;
+                    fail_errno(replica, "cannot write", tmp);
+                }
+                at += static_cast<std::size_t>(w);
+                done += static_cast<std::size_t>(w);
+                if (!staged_half && done >= half) {
+                    staged_half = true;
+                    stage(hook, std::string(stage_prefix) + ".partial", replica);
+                }
+                if (pace)
+                    pace();
             }
         }
         if (::fsync(f.fd) != 0)
@@ -98,6 +111,15 @@ inline void write_durably(const std::filesystem::path& target, const std::filesy
         fail_errno(replica, "cannot rename to " + target.string() + " from", tmp);
     sync_directory(target, replica);
     stage(hook, std::string(stage_prefix) + ".renamed", replica);
+}
+
+/// write_durably of one piece.
+inline void write_durably(const std::filesystem::path& target, const std::filesystem::path& tmp,
+                          std::span<const std::byte> bytes, int replica,
+                          std::string_view stage_prefix, const stage_hook& hook = {}) {
+    const std::span<const std::byte> one[1] = {bytes};
+    write_durably(target, tmp, std::span<const std::span<const std::byte>>(one), replica,
+                  stage_prefix, hook);
 }
 
 /// The whole content of a regular file (allocates exactly its size).

@@ -41,6 +41,7 @@ struct finish_local_fn {
     double lr;
     step_totals* totals;
     replica_row* row; ///< this replica's row
+    save_word save;   ///< its background checkpoint save
     LOCKSTEP_HOST_DEVICE void operator()(const check_sums& s) const {
         const double count = s.count;
         const double first = s.first;
@@ -53,6 +54,7 @@ struct finish_local_fn {
         row->loss_non_finite = bad_loss;
         row->global_batch = global_batch;
         row->lr = lr;
+        row->save = save;
     }
 };
 
@@ -219,9 +221,9 @@ public:
 
     /// After every piece was checked: this replica's row and its part of the totals.
     void finish_local(const System& sys, double loss, double global_batch, double lr,
-                      step_totals* totals, replica_row* row) {
+                      step_totals* totals, replica_row* row, save_word save = {}) {
         grad_check_finish(sys, pre_.data(), piece_tiles_,
-                          finish_local_fn{loss, global_batch, lr, totals, row});
+                          finish_local_fn{loss, global_batch, lr, totals, row, save});
     }
 
     /// Counts, finds the first and (with `norm`) sums the squares of the whole buffer (the

@@ -127,7 +127,7 @@ public:
     void report(double host_loss, std::size_t global, double lr) {
         const step_view v = state_.view();
         checks_.finish_local(system(), host_loss, static_cast<double>(global), lr, v.totals,
-                             &v.rows[rank()]);
+                             &v.rows[rank()], rider_ != nullptr ? rider_->word() : save_word{});
     }
 
     /// The gradients of frozen tensors are zeroed (train_params::frozen).
@@ -246,6 +246,9 @@ public:
         r.skipped = st.outcome->skip != 0;
         r.loss_scale = scaler_.observe(*st.scale_report, r.step + 1 == core_.steps()).used;
         r.ready = true;
+        if (rider_ != nullptr && !local_sgd_)
+            r.checkpoint = rider_->observe(
+                std::span<const replica_row>(st.rows, static_cast<std::size_t>(replicas())));
         step_report(st, rank(), r.step, std::span<const tensor_info>(core_.registry().parameters()),
                     {.local_sgd = local_sgd_,
                      .skip_non_finite = core_.params().skip_non_finite,
@@ -277,6 +280,8 @@ public:
     void set_capturing(bool c) noexcept { capturing_ = c; }
     /// Local SGD: the rows are this replica's own (the error texts say so).
     void set_local_sgd(bool l) noexcept { local_sgd_ = l; }
+    /// What rides on each step's status (a background checkpoint save; null: nothing).
+    void set_rider(status_rider* r) noexcept { rider_ = r; }
 
 private:
     /// What ctx.loss_scale() answers in this step: the scale the host knows, except while
@@ -296,6 +301,7 @@ private:
     loss_scaler<system_type> scaler_;
     nn::layer_step layer_step_;
     gradient_hook gradient_hook_;
+    status_rider* rider_ = nullptr;
     step_result last_{};
     std::int64_t skipped_ = 0;
     bool unread_ = false;

@@ -1,0 +1,272 @@
+// lockstep/train/detail/background_save.hpp: background_save, a synchronous trainer's checkpoint
+// save that does not stop training (save_checkpoint_async): a writer thread per replica, the
+// levels each replica reports in its step's row, replica 0's commit once every row says its
+// shard is durable, and the collective wait.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/comm/comm_stream.hpp"
+#include "lockstep/core/crc32c.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/train/detail/checkpoint_commit.hpp"
+#include "lockstep/train/step_state.hpp"
+#include "lockstep/train/train_params.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace lockstep::detail {
+
+/// Keeps the thread that calls it busy for at most `share` of its time: each call sleeps
+/// (1 - share) / share times the time since the previous call returned.
+class duty_pacer {
+public:
+    explicit duty_pacer(double share) : share_(share) {}
+    void operator()() const {
+        if (share_ >= 1)
+            return;
+        const auto busy = std::chrono::steady_clock::now() - since_;
+        std::this_thread::sleep_for(busy * ((1 - share_) / share_));
+        since_ = std::chrono::steady_clock::now();
+    }
+
+private:
+    double share_;
+    mutable std::chrono::steady_clock::time_point since_ = std::chrono::steady_clock::now();
+};
+
+/// One trainer's background saves, one at a time. A save begins at a step boundary with a
+/// snapshot of the replica's shard on the host (ckpt::snapshot_shard, taken by the caller);
+/// this replica's writer thread encodes it, sums its CRC32C and writes it durably (no
+/// collective). Each later step's row carries this replica's level (word(); the status
+/// all_reduce hands every replica every row); when replica 0 reads a step whose rows say every
+/// shard is durable, its writer writes the commit marker; when it reads one that says a shard
+/// failed, it refuses the save. The save's end is the level in replica 0's row (committed or
+/// refused), which every replica reads from the same step's rows: observe() reports it at the
+/// same step everywhere. resolve() (collective) waits for the writers and decides what the
+/// steps have not decided yet.
+class background_save final : public status_rider {
+public:
+    /// save_word::state: a replica's shard, then replica 0's decisions (committing, committed,
+    /// refused).
+    static constexpr int none = 0, writing = 1, durable = 2, failed = 3, committing = 4,
+                         committed = 5, refused = 6;
+
+    explicit background_save(int rank) : rank_(rank) {}
+    background_save(const background_save&) = delete;
+    background_save& operator=(const background_save&) = delete;
+    ~background_save() { join(); }
+
+    /// True from begin() to resolve(): the same on every replica (both are collective).
+    bool unresolved() const noexcept { return unresolved_; }
+
+    /// Where replica 0 registers the next save's generation as in flight in its process (until
+    /// resolve()): ckpt::agree_save_id's argument.
+    std::optional<ckpt::inflight_scope>& inflight() noexcept { return inflight_; }
+
+    /// Begins the save `id` to `path`: this replica's writer thread encodes
+    /// `snapshot` and writes it as its shard (`hook`: save_options::on_stage, called on the
+    /// writer thread). `problem`: the snapshot could not be taken (the save fails; no thread).
+    /// requires: !unresolved().
+    void begin(const std::filesystem::path& path, const ckpt::save_id& id,
+               ckpt::file_builder snapshot, ckpt::stage_hook hook, double share,
+               std::string problem) {
+        join(); // resolve() joined it; a writer must never be replaced while it runs
+        path_ = path;
+        id_ = id;
+        hook_ = std::move(hook);
+        share_ = share;
+        ++index_;
+        unresolved_ = true;
+        seen_ = false;
+        outcome_.store(none);
+        shard_error_.clear();
+        marker_error_.clear();
+        crc_ = 0;
+        bytes_ = 0;
+        if (!problem.empty()) {
+            shard_error_ = std::move(problem);
+            shard_.store(failed, std::memory_order_release);
+            return;
+        }
+        shard_.store(writing, std::memory_order_release);
+        // At a lower priority (comm_stream.hpp): the steps go first, the writer takes the rest.
+        writer_ = std::thread([this, s = std::move(snapshot)] {
+            lower_thread_priority();
+            write_shard(s);
+        });
+    }
+
+    /// This replica's level for its row: replica 0's decision once taken, else its shard's.
+    save_word word() const override {
+        if (index_ == 0)
+            return {};
+        const int decided = outcome_.load(std::memory_order_acquire);
+        const int st = decided != none ? decided : shard_.load(std::memory_order_acquire);
+        save_word w{static_cast<double>(index_), static_cast<double>(st), 0, 0};
+        if (shard_.load(std::memory_order_acquire) == durable) {
+            w.crc = static_cast<double>(crc_);
+            w.bytes = static_cast<double>(bytes_);
+        }
+        return w;
+    }
+
+    /// From a step's rows: replica 0 decides (commits in the background once every shard is
+    /// durable, refuses once one failed); every replica reports the end replica 0's row shows.
+    checkpoint_event observe(std::span<const replica_row> rows) override {
+        if (!unresolved_ || seen_ || rows.empty())
+            return checkpoint_event::none;
+        const auto cur = static_cast<double>(index_);
+        if (rank_ == 0 && outcome_.load() == none) {
+            bool all_durable = true, any_failed = false;
+            for (const replica_row& r : rows) {
+                // A row of an earlier save (a CUDA graph replays the word it captured) is not
+                // this save's yet.
+                all_durable = all_durable && r.save.index == cur && r.save.state == durable;
+                any_failed = any_failed || (r.save.index == cur && r.save.state == failed);
+            }
+            if (any_failed) {
+                outcome_.store(refused);
+            } else if (all_durable) {
+                std::vector<ckpt::shard_record> shards;
+                for (const replica_row& r : rows)
+                    shards.push_back({static_cast<std::uint32_t>(r.save.crc),
+                                      static_cast<std::uint64_t>(r.save.bytes)});
+                join(); // the shard is durable: the writer is done
+                outcome_.store(committing);
+                writer_ = std::thread([this, s = std::move(shards)] {
+                    lower_thread_priority();
+                    write_marker(s);
+                });
+            }
+        }
+        const save_word& w0 = rows[0].save;
+        if (w0.index != cur)
+            return checkpoint_event::none;
+        if (w0.state == committed || w0.state == refused) {
+            seen_ = true;
+            return w0.state == committed ? checkpoint_event::committed : checkpoint_event::failed;
+        }
+        return checkpoint_event::none;
+    }
+
+    /// Collective, when unresolved() (else nothing): waits for this replica's writer, then
+    /// decides what the steps did not: replica 0 commits when every shard is durable and it has
+    /// not yet. ensures: !unresolved(). Returns committed, or failed when the save failed and
+    /// every replica's step results already reported it and `always_throw` is false; else
+    /// throws one lockstep::error (checkpoint) on every replica naming each replica's problem.
+    template <class Comm>
+    checkpoint_event resolve(Comm& comm, const char* op, bool always_throw) {
+        if (!unresolved_)
+            return checkpoint_event::none;
+        join();
+        unresolved_ = false;
+        std::string problem = shard_.load() == failed ? shard_error_ : std::string();
+        const int mine[5] = {problem.empty() ? 1 : 0, seen_ ? 1 : 0, static_cast<int>(crc_),
+                             static_cast<int>(static_cast<std::uint32_t>(bytes_)),
+                             static_cast<int>(static_cast<std::uint32_t>(bytes_ >> 32))};
+        std::vector<int> all(5 * static_cast<std::size_t>(comm.size()));
+        host_all_gather(comm, std::span<const int>(mine), std::span<int>(all));
+        bool shards_ok = true, all_seen = true;
+        std::vector<ckpt::shard_record> shards;
+        for (std::size_t r = 0; r < all.size(); r += 5) {
+            shards_ok = shards_ok && all[r] == 1;
+            all_seen = all_seen && all[r + 1] == 1;
+            shards.push_back({static_cast<std::uint32_t>(all[r + 2]),
+                              std::uint64_t(static_cast<std::uint32_t>(all[r + 3])) |
+                                  std::uint64_t(static_cast<std::uint32_t>(all[r + 4])) << 32});
+        }
+        if (rank_ == 0) {
+            if (outcome_.load() == none && shards_ok)
+                write_marker(shards);
+            if (problem.empty())
+                problem = marker_error_; // a shard's failure is its replica's to name
+        }
+        const int bad = problem.empty() ? 0 : 1;
+        std::vector<int> flags(static_cast<std::size_t>(comm.size()));
+        host_all_gather(comm, std::span<const int>(&bad, 1), std::span<int>(flags));
+        bool any_bad = false;
+        for (int f : flags)
+            any_bad = any_bad || f != 0;
+        inflight_.reset();
+        if (!any_bad)
+            return checkpoint_event::committed;
+        if (all_seen && !always_throw)
+            return checkpoint_event::failed;
+        ckpt::agree_or_fail(comm, problem, op,
+                            "saving checkpoint '" + path_.string() + "' in the background failed:");
+        return checkpoint_event::failed; // not reached: agree_or_fail throws when any_bad
+    }
+
+private:
+    void join() {
+        if (writer_.joinable())
+            writer_.join();
+    }
+
+    /// The writer: the shard encoded, summed and written durably, its payloads written from the
+    /// snapshot as they are (no copy of the file in memory) and read once for their CRC32C.
+    void write_shard(const ckpt::file_builder& snapshot) {
+        try {
+            const duty_pacer pace(share_);
+            const std::function<void()> pause = [&pace] { pace(); };
+            std::vector<std::byte> header;
+            const auto file = snapshot.encode(ckpt::shard_magic, header, pause);
+            crc_ = file.crc;
+            bytes_ = file.size;
+            ckpt::write_durably(ckpt::shard_path(path_, id_, rank_),
+                                ckpt::shard_temp_path(path_, id_, rank_),
+                                std::span<const std::span<const std::byte>>(file.pieces), rank_,
+                                "shard", hook_, pause);
+            shard_.store(durable, std::memory_order_release);
+        } catch (const std::exception& e) {
+            shard_error_ = e.what();
+            shard_.store(failed, std::memory_order_release);
+        } catch (...) {
+            shard_error_ = "unknown exception while writing the shard";
+            shard_.store(failed, std::memory_order_release);
+        }
+    }
+
+    /// Replica 0: the commit marker (ckpt::commit_save), then the decision.
+    void write_marker(const std::vector<ckpt::shard_record>& shards) {
+        try {
+            ckpt::commit_save(path_, id_, shards, hook_);
+            outcome_.store(committed, std::memory_order_release);
+        } catch (const std::exception& e) {
+            marker_error_ = e.what();
+            outcome_.store(refused, std::memory_order_release);
+        } catch (...) {
+            marker_error_ = "unknown exception while writing the commit marker";
+            outcome_.store(refused, std::memory_order_release);
+        }
+    }
+
+    int rank_;
+    std::filesystem::path path_;
+    ckpt::save_id id_;
+    ckpt::stage_hook hook_;
+    double share_ = 1;
+    std::optional<ckpt::inflight_scope> inflight_;
+    std::int64_t index_ = 0; ///< saves begun (save_word::index of the last)
+    bool unresolved_ = false;
+    bool seen_ = false; ///< observe() reported the save's end
+    std::thread writer_;
+    // Written by the writer thread before it publishes the level it stores (release).
+    std::atomic<int> shard_{none};
+    std::atomic<int> outcome_{none}; ///< replica 0's decision
+    std::uint32_t crc_ = 0;
+    std::uint64_t bytes_ = 0;
+    std::string shard_error_, marker_error_;
+};
+
+} // namespace lockstep::detail

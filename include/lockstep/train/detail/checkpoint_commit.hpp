@@ -1,0 +1,128 @@
+// lockstep/train/detail/checkpoint_commit.hpp: what every save does around writing the shards,
+// blocking or in the background: the replicas agree on the save's generation, agree on failure,
+// and replica 0 writes the commit marker naming every shard's size and CRC32C.
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/error.hpp"
+#include "lockstep/train/detail/checkpoint_format.hpp"
+#include "lockstep/train/detail/checkpoint_marker.hpp"
+#include "lockstep/train/detail/durable_file.hpp"
+#include "lockstep/train/detail/host_collective.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace lockstep::detail::ckpt {
+
+/// Every replica's string (collective: two all_gathers).
+template <class Comm>
+std::vector<std::string> gather_strings(Comm& comm, const std::string& s) {
+    const int ranks = comm.size();
+    const int len = static_cast<int>(s.size());
+    std::vector<int> lens(static_cast<std::size_t>(ranks));
+    host_all_gather(comm, std::span<const int>(&len, 1), std::span<int>(lens));
+    int longest = 0;
+    for (int l : lens)
+        longest = std::max(longest, l);
+    const std::size_t words = (static_cast<std::size_t>(longest) + 3) / 4;
+    std::vector<int> packed(words == 0 ? 1 : words, 0);
+    std::memcpy(packed.data(), s.data(), s.size());
+    std::vector<int> all(packed.size() * static_cast<std::size_t>(ranks));
+    host_all_gather(comm, std::span<const int>(packed), std::span<int>(all));
+    std::vector<std::string> out(static_cast<std::size_t>(ranks));
+    for (std::size_t r = 0; r < out.size(); ++r) {
+        out[r].resize(static_cast<std::size_t>(lens[r]));
+        std::memcpy(out[r].data(), all.data() + r * packed.size(), out[r].size());
+    }
+    return out;
+}
+
+/// Collective: when any replica reports a problem (non-empty), every replica throws ONE
+/// lockstep::error (checkpoint) listing every replica's problems.
+template <class Comm>
+void agree_or_fail(Comm& comm, const std::string& problem, const char* op,
+                   const std::string& what) {
+    const int mine = problem.empty() ? 0 : 1;
+    std::vector<int> flags(static_cast<std::size_t>(comm.size()));
+    host_all_gather(comm, std::span<const int>(&mine, 1), std::span<int>(flags));
+    bool any = false;
+    for (int f : flags)
+        any = any || f != 0;
+    if (!any)
+        return;
+    const std::vector<std::string> all = gather_strings(comm, problem);
+    bool same = true;
+    for (const auto& p : all)
+        same = same && p == all[0];
+    std::string msg = what;
+    if (same && all.size() > 1)
+        msg += " every replica: " + all[0];
+    for (std::size_t r = 0; r < all.size() && !(same && all.size() > 1); ++r)
+        if (!all[r].empty())
+            msg += " replica " + std::to_string(r) + ": " + all[r];
+    fail(errc::checkpoint, comm.rank(), op, msg);
+}
+
+/// One fresh save id (collective: one all_gather), drawn by replica 0; `inflight` is registered
+/// in replica 0's process (clean-up leaves the save's files alone) before any replica learns it.
+template <class Comm>
+save_id agree_save_id(Comm& comm, std::optional<inflight_scope>& inflight) {
+    save_id id;
+    const int rank = comm.rank();
+    if (rank == 0) {
+        std::random_device rd;
+        id.gen =
+            (std::uint64_t(rd()) << 32) ^ rd() ^
+            static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+        id.owner = this_process();
+    }
+    inflight.emplace(id.gen, rank == 0);
+    const int mine[4] = {static_cast<int>(static_cast<std::uint32_t>(id.gen)),
+                         static_cast<int>(static_cast<std::uint32_t>(id.gen >> 32)),
+                         static_cast<int>(id.owner.pid), static_cast<int>(id.owner.token)};
+    std::vector<int> ids(4 * static_cast<std::size_t>(comm.size()));
+    host_all_gather(comm, std::span<const int>(mine), std::span<int>(ids));
+    id.gen = std::uint64_t(static_cast<std::uint32_t>(ids[0])) |
+             std::uint64_t(static_cast<std::uint32_t>(ids[1])) << 32;
+    id.owner = {static_cast<std::uint32_t>(ids[2]), static_cast<std::uint32_t>(ids[3])};
+    return id;
+}
+
+/// What the commit marker records of one replica's shard.
+struct shard_record {
+    std::uint32_t crc = 0;
+    std::uint64_t bytes = 0;
+};
+
+/// Replica 0, once every shard of the save id is durable: writes the commit marker `path` (the
+/// manifest naming each shard, its size and CRC32C) durably, then removes the files no save can
+/// need (remove_stale) and runs the hook's "cleanup.done". No collective: a background writer
+/// calls it too. Throws lockstep::error (checkpoint) when the marker cannot be written; the
+/// previous marker then stands.
+inline void commit_save(const std::filesystem::path& path, const save_id& id,
+                        std::span<const shard_record> shards, const stage_hook& hook) {
+    file_builder m;
+    m.meta("generation", hex16(id.gen));
+    m.meta("world_size", std::to_string(shards.size()));
+    for (std::size_t r = 0; r < shards.size(); ++r) {
+        const std::string key = "shard." + std::to_string(r);
+        m.meta(key + ".file", shard_path(path, id, static_cast<int>(r)).filename().string());
+        m.meta(key + ".size", std::to_string(shards[r].bytes));
+        m.meta(key + ".crc32c", std::to_string(shards[r].crc));
+    }
+    // The generation this commit replaces: no save commits it again.
+    const auto replaced = committed_generation(path);
+    write_durably(path, marker_temp_path(path, id), m.finish(manifest_magic), 0, "manifest", hook);
+    remove_stale(path, id, replaced);
+    stage(hook, "cleanup.done", 0);
+}
+
+} // namespace lockstep::detail::ckpt

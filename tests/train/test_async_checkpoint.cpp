@@ -1,0 +1,336 @@
+// save_checkpoint_async on thread replicas: the snapshot is the state at the save however many
+// steps run during the write (it loads as, and resumes as, a blocking save at that step), the
+// commit is reported by the same step on every replica, a failure or crash at any stage of the
+// background write leaves the previous checkpoint loadable and is reported on every replica,
+// an unreported failure is thrown by the next save, wait_checkpoint and finish(), and a second
+// save waits for the first.
+// SPDX-License-Identifier: Apache-2.0
+#include <catch2/catch.hpp>
+
+#include "checkpoint_support.hpp"
+#include "train_runner.hpp"
+
+#include "lockstep/optim/sgd.hpp"
+#include "lockstep/train/async_checkpoint.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+using namespace lockstep_test;
+
+namespace {
+
+using opt_type = optim::sgd<float>;
+const optim::sgd_params sgd{.lr = 0.05, .momentum = 0.9};
+using dp_type = data_parallel<mlp<float, thread_communicator, storage::registry, bn::global>,
+                              opt_type, sync::synchronous, reduce::per_tensor, thread_communicator>;
+using net = dp_type::network_type;
+
+train_params params_for(std::uint64_t seed) {
+    return {.seed = seed};
+}
+
+bool contains(const std::string& s, const std::string& part) {
+    return s.find(part) != std::string::npos;
+}
+
+std::size_t batch_of(std::int64_t step) {
+    const std::size_t cycle[] = {37, 9, 12, 7, 20};
+    return cycle[static_cast<std::size_t>(step) % 5];
+}
+
+step_result one_step(dp_type& dp) {
+    return dp.step(batch_of(dp.steps()),
+                   [](auto& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); });
+}
+
+/// Steps until a step reports the background save's end (at most `limit` steps, sleeping 1 ms
+/// between them so the writer threads run): the event and the step that reported it (-1: none).
+std::pair<checkpoint_event, std::int64_t> step_until_end(dp_type& dp, int limit = 2000) {
+    for (int i = 0; i < limit; ++i) {
+        const step_result r = one_step(dp);
+        if (r.checkpoint != checkpoint_event::none)
+            return {r.checkpoint, r.step};
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return {checkpoint_event::none, -1};
+}
+
+/// A gate a writer thread waits at until the test opens it (or 10 s pass: a test that forgot
+/// to open it fails instead of hanging).
+struct gate {
+    std::atomic<bool> open{false};
+    void wait() const {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (!open.load() && std::chrono::steady_clock::now() < until)
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+};
+
+/// Every replica's fingerprint after loading `path` into trainers built with another seed.
+std::vector<std::vector<std::byte>> load_all(int replicas, const fs::path& path) {
+    std::vector<std::vector<std::byte>> out(static_cast<std::size_t>(replicas));
+    thread_group(replicas).run([&](thread_communicator& comm) {
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, sgd, params_for(7));
+        load_checkpoint(dp, path);
+        out[static_cast<std::size_t>(comm.rank())] = fingerprint(dp);
+    });
+    return out;
+}
+
+std::size_t files_in(const fs::path& dir) {
+    std::size_t n = 0;
+    for (const auto& e : fs::directory_iterator(dir)) {
+        (void)e;
+        ++n;
+    }
+    return n;
+}
+
+} // namespace
+
+TEST_CASE("a background save is the state at the save, committed at one step on every replica",
+          "[train][checkpoint][thread]") {
+    constexpr int replicas = 3;
+    temp_dir dir;
+    const fs::path blocking = dir.path / "blocking.ckpt";
+    const fs::path background = dir.path / "background.ckpt";
+    gate held;
+    std::vector<std::vector<std::byte>> at_save(replicas), at_end(replicas), undisturbed(replicas);
+    std::vector<int> none_while_held(replicas), waited(replicas);
+    std::vector<std::int64_t> committed_at(replicas), steps_at_end(replicas);
+    const save_options hold{.on_stage = [&](std::string_view stage, int) {
+        if (stage == "shard.partial")
+            held.wait();
+    }};
+    thread_group(replicas).run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, sgd, params_for(42));
+        while (dp.steps() < 3)
+            one_step(dp);
+        save_checkpoint(dp, blocking);
+        at_save[r] = fingerprint(dp);
+        save_checkpoint_async(dp, background, hold);
+        // Every writer is held half-way through its shard while 6 steps change every tensor.
+        int none = 1;
+        for (int i = 0; i < 6; ++i)
+            none = none && one_step(dp).checkpoint == checkpoint_event::none;
+        comm.barrier();
+        if (r == 0)
+            held.open = true;
+        none_while_held[r] = none;
+        const auto [event, step] = step_until_end(dp);
+        committed_at[r] = event == checkpoint_event::committed ? step : -1;
+        waited[r] = wait_checkpoint(dp) == checkpoint_event::committed;
+        while (dp.steps() < 40)
+            one_step(dp);
+        dp.finish();
+        at_end[r] = fingerprint(dp);
+        steps_at_end[r] = dp.steps();
+    });
+    for (int r = 0; r < replicas; ++r) {
+        INFO("replica " << r);
+        CHECK(none_while_held[r] == 1);
+        CHECK(committed_at[r] >= 9);
+        CHECK(committed_at[r] == committed_at[0]); // the same step on every replica
+        CHECK(waited[r] == 1);
+        CHECK(steps_at_end[r] == 40);
+    }
+    // Never torn: what loads is the state at the save, as the blocking save at that step.
+    CHECK(load_all(replicas, background) == at_save);
+    CHECK(load_all(replicas, blocking) == at_save);
+    // And it resumes to the end of the undisturbed run, bit for bit.
+    std::vector<std::vector<std::byte>> resumed(replicas);
+    thread_group(replicas).run([&](thread_communicator& comm) {
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, sgd, params_for(7));
+        load_checkpoint(dp, background);
+        while (dp.steps() < 40)
+            one_step(dp);
+        resumed[static_cast<std::size_t>(comm.rank())] = fingerprint(dp);
+    });
+    CHECK(resumed == at_end);
+    // Both checkpoints' files, each a marker and three shards: nothing else.
+    CHECK(files_in(dir.path) == 2 * (1 + std::size_t{replicas}));
+}
+
+TEST_CASE("a background save that fails at any stage keeps the previous checkpoint",
+          "[train][checkpoint][thread]") {
+    struct crash_case {
+        const char* stage;
+        int replica;
+        bool committed; ///< a load finds the new checkpoint afterwards
+    };
+    const crash_case cases[] = {{"shard.partial", 1, false},    {"shard.written", 0, false},
+                                {"shard.renamed", 2, false},    {"manifest.partial", 0, false},
+                                {"manifest.written", 0, false}, {"manifest.renamed", 0, true},
+                                {"cleanup.done", 0, true}};
+    constexpr int replicas = 3;
+    for (const crash_case& c : cases) {
+        DYNAMIC_SECTION("crash at " << c.stage << " on replica " << c.replica) {
+            temp_dir dir;
+            const fs::path path = dir.path / "x.ckpt";
+            std::vector<std::vector<std::byte>> at3(replicas), at5(replicas);
+            std::vector<int> reported(replicas), thrown(replicas);
+            std::vector<std::int64_t> failed_at(replicas);
+            std::string message;
+            const save_options crash{.on_stage = [&](std::string_view stage, int replica) {
+                if (stage == c.stage && replica == c.replica)
+                    throw std::runtime_error("simulated crash");
+            }};
+            thread_group(replicas).run([&](thread_communicator& comm) {
+                const auto r = static_cast<std::size_t>(comm.rank());
+                dp_type dp(
+                    comm, [](auto& ctx) { return net(ctx); }, sgd, params_for(42));
+                while (dp.steps() < 3)
+                    one_step(dp);
+                save_checkpoint_async(dp, path);
+                at3[r] = fingerprint(dp);
+                (void)wait_checkpoint(dp);
+                while (dp.steps() < 5)
+                    one_step(dp);
+                at5[r] = fingerprint(dp);
+                save_checkpoint_async(dp, path, crash);
+                const auto [event, step] = step_until_end(dp);
+                reported[r] = event == checkpoint_event::failed;
+                failed_at[r] = step;
+                try {
+                    (void)wait_checkpoint(dp);
+                } catch (const lockstep::error& e) {
+                    thrown[r] = e.code() == errc::checkpoint &&
+                                contains(e.what(), "replica " + std::to_string(c.replica) +
+                                                       ": simulated crash");
+                    if (r == 0)
+                        message = e.what();
+                }
+                dp.finish(); // reported and thrown: nothing left to throw
+            });
+            INFO(message);
+            for (int r = 0; r < replicas; ++r) {
+                INFO("replica " << r);
+                CHECK(reported[r] == 1);
+                CHECK(failed_at[r] == failed_at[0]);
+                CHECK(thrown[r] == 1);
+            }
+            CHECK(load_all(replicas, path) == (c.committed ? at5 : at3));
+            // A later save removes every leftover of the failed one.
+            thread_group(replicas).run([&](thread_communicator& comm) {
+                dp_type dp(
+                    comm, [](auto& ctx) { return net(ctx); }, sgd, params_for(1));
+                load_checkpoint(dp, path);
+                save_checkpoint_async(dp, path);
+                dp.finish();
+            });
+            CHECK(files_in(dir.path) == 1 + replicas);
+        }
+    }
+}
+
+TEST_CASE("a background failure no step reported is thrown by the next save and by finish",
+          "[train][checkpoint][thread]") {
+    constexpr int replicas = 2;
+    temp_dir dir;
+    const fs::path path = dir.path / "x.ckpt";
+    const save_options crash{.on_stage = [](std::string_view stage, int replica) {
+        if (stage == "shard.written" && replica == 1)
+            throw std::runtime_error("simulated crash");
+    }};
+    std::vector<int> next_save_threw(replicas), finish_threw(replicas), third_committed(replicas);
+    thread_group(replicas).run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, sgd, params_for(42));
+        one_step(dp);
+        save_checkpoint_async(dp, path, crash);
+        try {
+            save_checkpoint_async(dp, path); // no step in between: nothing reported the failure
+        } catch (const lockstep::error& e) {
+            next_save_threw[r] = e.code() == errc::checkpoint &&
+                                 contains(e.what(), "replica 1: simulated crash") &&
+                                 contains(e.what(), "save_checkpoint_async");
+        }
+        save_checkpoint_async(dp, path);
+        third_committed[r] = wait_checkpoint(dp) == checkpoint_event::committed;
+        one_step(dp);
+        save_checkpoint_async(dp, path, crash);
+        try {
+            dp.finish();
+        } catch (const lockstep::error& e) {
+            finish_threw[r] = e.code() == errc::checkpoint && contains(e.what(), "simulated crash");
+        }
+    });
+    CHECK(next_save_threw == std::vector<int>{1, 1});
+    CHECK(third_committed == std::vector<int>{1, 1});
+    CHECK(finish_threw == std::vector<int>{1, 1});
+}
+
+TEST_CASE("a second background save waits for the first: one in flight",
+          "[train][checkpoint][thread]") {
+    constexpr int replicas = 2;
+    temp_dir dir;
+    const fs::path path = dir.path / "x.ckpt";
+    std::mutex m;
+    std::vector<std::string> order; // replica 0's stages, tagged with the save
+    gate held;
+    const auto recorder = [&](const std::string& tag, bool hold) {
+        return save_options{.on_stage = [&, tag, hold](std::string_view stage, int replica) {
+            if (hold && stage == "shard.partial")
+                held.wait();
+            if (replica == 0) {
+                const std::lock_guard lock(m);
+                order.push_back(tag + std::string(stage));
+            }
+        }};
+    };
+    std::vector<std::vector<std::byte>> second(replicas);
+    thread_group(replicas).run([&](thread_communicator& comm) {
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, sgd, params_for(42));
+        one_step(dp);
+        save_checkpoint_async(dp, path, recorder("1:", true));
+        one_step(dp);
+        if (comm.rank() == 0) // the second save has to wait for the held first one
+            std::thread([&] {
+                std::this_thread::sleep_for(std::chrono::milliseconds(50));
+                held.open = true;
+            }).detach();
+        save_checkpoint_async(dp, path, recorder("2:", false));
+        second[static_cast<std::size_t>(comm.rank())] = fingerprint(dp);
+        one_step(dp);
+        dp.finish();
+    });
+    const std::vector<std::string> expected{
+        "1:shard.partial",    "1:shard.written",    "1:shard.renamed",    "1:manifest.partial",
+        "1:manifest.written", "1:manifest.renamed", "1:cleanup.done",     "2:shard.partial",
+        "2:shard.written",    "2:shard.renamed",    "2:manifest.partial", "2:manifest.written",
+        "2:manifest.renamed", "2:cleanup.done"};
+    CHECK(order == expected);
+    CHECK(load_all(replicas, path) == second);
+}
+
+TEST_CASE("a background share outside (0, 1] is refused on every replica before any work",
+          "[train][checkpoint][thread]") {
+    temp_dir dir;
+    std::vector<int> refused(2);
+    thread_group(2).run([&](thread_communicator& comm) {
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, sgd, params_for(42));
+        try {
+            save_checkpoint_async(dp, dir.path / "x.ckpt", {.on_stage = {}, .background_share = 0});
+        } catch (const lockstep::error& e) {
+            refused[static_cast<std::size_t>(comm.rank())] =
+                e.code() == errc::invalid_argument && contains(e.what(), "background_share = 0");
+        }
+        dp.finish(); // nothing was begun: nothing to wait for
+    });
+    CHECK(refused == std::vector<int>{1, 1});
+    CHECK(files_in(dir.path) == 0);
+}
