@@ -1,7 +1,8 @@
 // Checkpoints of data_parallel over MPI (one replica per process): resuming in new trainers with
 // another seed is bitwise equal to an uninterrupted run (synchronous, local SGD mid-period,
-// parameter server), a checkpoint refused on one rank is refused on every rank, and two jobs
-// saving to one path concurrently leave one job's checkpoint.
+// parameter server), a background save (reduce::sharded) commits at one step on every rank and
+// resumes bitwise, a checkpoint refused on one rank is refused on every rank, and two jobs saving
+// to one path concurrently leave one job's checkpoint.
 // SPDX-License-Identifier: Apache-2.0
 #include <catch2/catch.hpp>
 
@@ -14,13 +15,16 @@
 #include "lockstep/optim/adam.hpp"
 #include "lockstep/optim/lr_schedule.hpp"
 #include "lockstep/optim/sgd.hpp"
+#include "lockstep/train/async_checkpoint.hpp"
 #include "lockstep/train/checkpoint.hpp"
 
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace lockstep_test;
@@ -120,6 +124,47 @@ TEST_CASE("MPI: resuming from a checkpoint is bitwise equal to an uninterrupted 
         check_resume<optim::sgd<double>, sync::synchronous, reduce::parameter_server<1>,
                      storage::registry>({.lr = 0.05, .momentum = 0.9}, 4, 10);
     }
+}
+
+TEST_CASE("MPI: a background save commits at one step on every rank and resumes bitwise",
+          "[train][checkpoint][mpi]") {
+    using dp_type =
+        trainer_of<optim::adam<float>, sync::synchronous, reduce::sharded<64>, storage::registry>;
+    using net = dp_type::network_type;
+    const optim::adam_params adam{.lr = 1e-2};
+    mpi_communicator world(MPI_COMM_WORLD);
+    shared_dir dir(world);
+    const fs::path path = dir.path / "background.ckpt";
+    const auto full =
+        run<optim::adam<float>, sync::synchronous, reduce::sharded<64>, storage::registry>(
+            world, adam, 42, 30, {}, {}, 0);
+    double committed_at = -1; // the step that reported the commit (-1: none)
+    {
+        dp_type dp(
+            world, [](auto& ctx) { return net(ctx); }, adam, params_for(42));
+        const auto fn = [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); };
+        while (dp.steps() < 5)
+            dp.step(batch_of(dp.steps()), fn);
+        save_checkpoint_async(dp, path);
+        while (dp.steps() < 30) {
+            const step_result r = dp.step(batch_of(dp.steps()), fn);
+            if (r.checkpoint == checkpoint_event::committed)
+                committed_at = static_cast<double>(r.step);
+            if (committed_at < 0)
+                std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+        dp.finish();
+        CHECK(fingerprint(dp) == full);
+    }
+    // Every rank saw the commit, at the same step, before the end.
+    std::vector<double> each(static_cast<std::size_t>(world.size()));
+    world.all_gather(std::span<const double>(&committed_at, 1), std::span<double>(each));
+    CHECK(committed_at >= 5);
+    CHECK(std::all_of(each.begin(), each.end(), [&](double s) { return s == committed_at; }));
+    const auto resumed =
+        run<optim::adam<float>, sync::synchronous, reduce::sharded<64>, storage::registry>(
+            world, adam, 7, 30, path, {}, 0);
+    CHECK(resumed == full);
 }
 
 TEST_CASE("MPI: a checkpoint refused on one rank is refused on every rank, nothing loaded",
