@@ -14,7 +14,6 @@
 #include "lockstep/train/detail/checkpoint_state.hpp"
 #include "lockstep/train/train_params.hpp"
 
-#include <exception>
 #include <filesystem>
 #include <string>
 #include <type_traits>
@@ -63,12 +62,9 @@ void save_checkpoint_async(data_parallel<Network, Optimizer, Sync, Reduce, Comm>
     (void)background.resolve(comm, "save_checkpoint_async", false);
     const ck::save_id id = ck::agree_save_id(comm, background.inflight());
     ck::file_builder snapshot;
-    std::string problem;
-    try {
-        snapshot = ck::snapshot_shard(dp);
-    } catch (const std::exception& e) {
-        problem = e.what(); // the save fails on every replica through the steps' status
-    }
+    // A snapshot that fails fails the save on every replica, through the steps' status.
+    std::string problem = ck::failure_of([&] { snapshot = ck::snapshot_shard(dp); },
+                                         "unknown exception while taking the snapshot");
     background.begin(path, id, std::move(snapshot), options.on_stage, options.background_share,
                      std::move(problem));
 }

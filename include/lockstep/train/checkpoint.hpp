@@ -3,7 +3,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-#include "lockstep/core/crc32c.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/train/data_parallel.hpp"
 #include "lockstep/train/detail/checkpoint_commit.hpp"
@@ -14,13 +13,11 @@
 #include "lockstep/train/detail/durable_file.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
 
-#include <algorithm>
-#include <chrono>
+#include <array>
 #include <cstdint>
-#include <cstring>
 #include <filesystem>
 #include <functional>
-#include <random>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -76,44 +73,21 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
     std::optional<ck::inflight_scope> inflight;
     const ck::save_id id = ck::agree_save_id(comm, inflight);
 
-    std::string problem;
-    std::uint32_t crc = 0;
-    std::uint64_t bytes = 0;
-    try {
-        const ck::file_builder snapshot = ck::snapshot_shard(dp);
-        std::vector<std::byte> header;
-        const auto file = snapshot.encode(ck::shard_magic, header);
-        crc = file.crc;
-        bytes = file.size;
-        ck::write_durably(ck::shard_path(path, id, rank), ck::shard_temp_path(path, id, rank),
-                          std::span<const std::span<const std::byte>>(file.pieces), rank, "shard",
-                          options.on_stage);
-    } catch (const std::exception& e) {
-        problem = e.what();
-    } catch (...) {
-        problem = "unknown exception while writing the shard";
-    }
-    const int info[3] = {static_cast<int>(crc), static_cast<int>(static_cast<std::uint32_t>(bytes)),
-                         static_cast<int>(static_cast<std::uint32_t>(bytes >> 32))};
+    ck::shard_record mine;
+    std::string problem = ck::failure_of(
+        [&] { mine = ck::write_shard(ck::snapshot_shard(dp), path, id, rank, options.on_stage); },
+        "unknown exception while writing the shard");
+    const std::array<int, 3> info = mine.pack();
     std::vector<int> infos(3 * static_cast<std::size_t>(size));
     detail::host_all_gather(comm, std::span<const int>(info), std::span<int>(infos));
     ck::agree_or_fail(comm, problem, "save_checkpoint", what);
 
     if (rank == 0) {
-        try {
-            std::vector<ck::shard_record> shards(static_cast<std::size_t>(size));
-            for (std::size_t r = 0; r < shards.size(); ++r) {
-                const auto* v = &infos[3 * r];
-                shards[r] = {static_cast<std::uint32_t>(v[0]),
-                             std::uint64_t(static_cast<std::uint32_t>(v[1])) |
-                                 std::uint64_t(static_cast<std::uint32_t>(v[2])) << 32};
-            }
-            ck::commit_save(path, id, shards, options.on_stage);
-        } catch (const std::exception& e) {
-            problem = e.what();
-        } catch (...) {
-            problem = "unknown exception while writing the commit marker";
-        }
+        std::vector<ck::shard_record> shards;
+        for (std::size_t r = 0; r < infos.size(); r += 3)
+            shards.push_back(ck::shard_record::unpack(&infos[r]));
+        problem = ck::failure_of([&] { ck::commit_save(path, id, shards, options.on_stage); },
+                                 "unknown exception while writing the commit marker");
     }
     ck::agree_or_fail(comm, problem, "save_checkpoint", what);
 }

@@ -12,6 +12,7 @@
 #include "lockstep/train/step_state.hpp"
 #include "lockstep/train/train_params.hpp"
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -91,8 +92,7 @@ public:
         outcome_.store(none);
         shard_error_.clear();
         marker_error_.clear();
-        crc_ = 0;
-        bytes_ = 0;
+        shard_record_ = {};
         if (!problem.empty()) {
             shard_error_ = std::move(problem);
             shard_.store(failed, std::memory_order_release);
@@ -114,8 +114,8 @@ public:
         const int st = decided != none ? decided : shard_.load(std::memory_order_acquire);
         save_word w{static_cast<double>(index_), static_cast<double>(st), 0, 0};
         if (shard_.load(std::memory_order_acquire) == durable) {
-            w.crc = static_cast<double>(crc_);
-            w.bytes = static_cast<double>(bytes_);
+            w.crc = static_cast<double>(shard_record_.crc);
+            w.bytes = static_cast<double>(shard_record_.bytes);
         }
         return w;
     }
@@ -171,19 +171,18 @@ public:
         join();
         unresolved_ = false;
         std::string problem = shard_.load() == failed ? shard_error_ : std::string();
-        const int mine[5] = {problem.empty() ? 1 : 0, seen_ ? 1 : 0, static_cast<int>(crc_),
-                             static_cast<int>(static_cast<std::uint32_t>(bytes_)),
-                             static_cast<int>(static_cast<std::uint32_t>(bytes_ >> 32))};
+        // Per replica: its shard's record, whether it is durable, whether a step showed the end.
+        const std::array<int, 3> record = shard_record_.pack();
+        const int mine[5] = {record[0], record[1], record[2], problem.empty() ? 1 : 0,
+                             seen_ ? 1 : 0};
         std::vector<int> all(5 * static_cast<std::size_t>(comm.size()));
         host_all_gather(comm, std::span<const int>(mine), std::span<int>(all));
         bool shards_ok = true, all_seen = true;
         std::vector<ckpt::shard_record> shards;
         for (std::size_t r = 0; r < all.size(); r += 5) {
-            shards_ok = shards_ok && all[r] == 1;
-            all_seen = all_seen && all[r + 1] == 1;
-            shards.push_back({static_cast<std::uint32_t>(all[r + 2]),
-                              std::uint64_t(static_cast<std::uint32_t>(all[r + 3])) |
-                                  std::uint64_t(static_cast<std::uint32_t>(all[r + 4])) << 32});
+            shards.push_back(ckpt::shard_record::unpack(&all[r]));
+            shards_ok = shards_ok && all[r + 3] == 1;
+            all_seen = all_seen && all[r + 4] == 1;
         }
         if (rank_ == 0) {
             if (outcome_.load() == none && shards_ok)
@@ -213,42 +212,23 @@ private:
             writer_.join();
     }
 
-    /// The writer: the shard encoded, summed and written durably, its payloads written from the
-    /// snapshot as they are (no copy of the file in memory) and read once for their CRC32C.
+    /// The writer: the shard written (ckpt::write_shard, paced), then its level.
     void write_shard(const ckpt::file_builder& snapshot) {
-        try {
-            const duty_pacer pace(share_);
-            const std::function<void()> pause = [&pace] { pace(); };
-            std::vector<std::byte> header;
-            const auto file = snapshot.encode(ckpt::shard_magic, header, pause);
-            crc_ = file.crc;
-            bytes_ = file.size;
-            ckpt::write_durably(ckpt::shard_path(path_, id_, rank_),
-                                ckpt::shard_temp_path(path_, id_, rank_),
-                                std::span<const std::span<const std::byte>>(file.pieces), rank_,
-                                "shard", hook_, pause);
-            shard_.store(durable, std::memory_order_release);
-        } catch (const std::exception& e) {
-            shard_error_ = e.what();
-            shard_.store(failed, std::memory_order_release);
-        } catch (...) {
-            shard_error_ = "unknown exception while writing the shard";
-            shard_.store(failed, std::memory_order_release);
-        }
+        const duty_pacer pace(share_);
+        shard_error_ = ckpt::failure_of(
+            [&] {
+                shard_record_ =
+                    ckpt::write_shard(snapshot, path_, id_, rank_, hook_, [&pace] { pace(); });
+            },
+            "unknown exception while writing the shard");
+        shard_.store(shard_error_.empty() ? durable : failed, std::memory_order_release);
     }
 
     /// Replica 0: the commit marker (ckpt::commit_save), then the decision.
     void write_marker(const std::vector<ckpt::shard_record>& shards) {
-        try {
-            ckpt::commit_save(path_, id_, shards, hook_);
-            outcome_.store(committed, std::memory_order_release);
-        } catch (const std::exception& e) {
-            marker_error_ = e.what();
-            outcome_.store(refused, std::memory_order_release);
-        } catch (...) {
-            marker_error_ = "unknown exception while writing the commit marker";
-            outcome_.store(refused, std::memory_order_release);
-        }
+        marker_error_ = ckpt::failure_of([&] { ckpt::commit_save(path_, id_, shards, hook_); },
+                                         "unknown exception while writing the commit marker");
+        outcome_.store(marker_error_.empty() ? committed : refused, std::memory_order_release);
     }
 
     int rank_;
@@ -264,8 +244,7 @@ private:
     // Written by the writer thread before it publishes the level it stores (release).
     std::atomic<int> shard_{none};
     std::atomic<int> outcome_{none}; ///< replica 0's decision
-    std::uint32_t crc_ = 0;
-    std::uint64_t bytes_ = 0;
+    ckpt::shard_record shard_record_;
     std::string shard_error_, marker_error_;
 };
 

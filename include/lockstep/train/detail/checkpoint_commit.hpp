@@ -11,13 +11,17 @@
 #include "lockstep/train/detail/host_collective.hpp"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace lockstep::detail::ckpt {
@@ -100,7 +104,47 @@ save_id agree_save_id(Comm& comm, std::optional<inflight_scope>& inflight) {
 struct shard_record {
     std::uint32_t crc = 0;
     std::uint64_t bytes = 0;
+    /// As three ints for a host all_gather: the CRC, the size's low and high halves.
+    std::array<int, 3> pack() const noexcept {
+        return {static_cast<int>(crc), static_cast<int>(static_cast<std::uint32_t>(bytes)),
+                static_cast<int>(static_cast<std::uint32_t>(bytes >> 32))};
+    }
+    /// The record pack() wrote at v[0..3).
+    static shard_record unpack(const int* v) noexcept {
+        return {static_cast<std::uint32_t>(v[0]),
+                std::uint64_t(static_cast<std::uint32_t>(v[1])) |
+                    std::uint64_t(static_cast<std::uint32_t>(v[2])) << 32};
+    }
 };
+
+/// What f() throws, as text for agree_or_fail ("" when it returns; `unknown` for an exception
+/// that is not a std::exception).
+template <class F>
+std::string failure_of(F&& f, const char* unknown) {
+    try {
+        std::forward<F>(f)();
+        return {};
+    } catch (const std::exception& e) {
+        return e.what();
+    } catch (...) {
+        return unknown;
+    }
+}
+
+/// Writes the shard `snapshot` of replica `rank` of the save id next to `path` durably, from
+/// the snapshot's own payloads (file_builder::encode: no copy of the file, each payload read
+/// once for its CRC32C); `pace` (if any) between slices. Returns what the marker records of it.
+/// No collective: a background writer calls it too.
+inline shard_record write_shard(const file_builder& snapshot, const std::filesystem::path& path,
+                                const save_id& id, int rank, const stage_hook& hook,
+                                const std::function<void()>& pace = {}) {
+    std::vector<std::byte> header;
+    const file_builder::encoded_file file = snapshot.encode(shard_magic, header, pace);
+    write_durably(shard_path(path, id, rank), shard_temp_path(path, id, rank),
+                  std::span<const std::span<const std::byte>>(file.pieces), rank, "shard", hook,
+                  pace);
+    return {file.crc, file.size};
+}
 
 /// Replica 0, once every shard of the save id is durable: writes the commit marker `path` (the
 /// manifest naming each shard, its size and CRC32C) durably, then removes the files no save can

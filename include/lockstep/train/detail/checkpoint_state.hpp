@@ -256,13 +256,6 @@ std::vector<section_spec> expected_sections(DP& dp, shard_owner as) {
     return out;
 }
 
-template <class T, class System>
-std::vector<T> to_host(std::span<T> s, const System& sys) {
-    std::vector<T> h(s.size());
-    copy(std::span<const T>(s), sys, std::span<T>(h), host_system{1});
-    return h;
-}
-
 /// This replica's shard file before encoding: every section copied to the host (the snapshot a
 /// save writes; encode(shard_magic, ...) or finish(shard_magic) encodes it).
 template <class DP>

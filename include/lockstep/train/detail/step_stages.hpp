@@ -246,7 +246,7 @@ public:
         r.skipped = st.outcome->skip != 0;
         r.loss_scale = scaler_.observe(*st.scale_report, r.step + 1 == core_.steps()).used;
         r.ready = true;
-        if (rider_ != nullptr && !local_sgd_)
+        if (rider_ != nullptr)
             r.checkpoint = rider_->observe(
                 std::span<const replica_row>(st.rows, static_cast<std::size_t>(replicas())));
         step_report(st, rank(), r.step, std::span<const tensor_info>(core_.registry().parameters()),
