@@ -49,6 +49,7 @@
 #include "lockstep/kernels/bn_cuda.cuh"
 #endif
 
+#include "lockstep/comm/collective_event.hpp"
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/combine.hpp"
 #include "lockstep/comm/comm_stream.hpp"

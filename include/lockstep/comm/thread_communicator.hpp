@@ -10,6 +10,7 @@
 #include "lockstep/comm/detail/shm_handle.hpp"
 #include "lockstep/comm/detail/shm_p2p.hpp"
 #include "lockstep/comm/detail/shm_reduce.hpp"
+#include "lockstep/comm/detail/shm_shrink.hpp"
 #include "lockstep/comm/detail/shm_sync.hpp"
 #include "lockstep/comm/detail/span_checks.hpp"
 #include "lockstep/comm/flight_recorder.hpp"
@@ -408,8 +409,40 @@ public:
     }
 
     /// This object's communicator_identity (identified_communicator): what caches of state
-    /// derived from the communicator are keyed by.
+    /// derived from the communicator are keyed by. A shrink gives the handle a new one.
     std::uint64_t identity() const noexcept { return identity_.value(); }
+
+    /// How many times this handle's group was shrunk (0 for thread_group::run's group).
+    int generation() const noexcept { return group_ ? group_->context().generation() : 0; }
+
+    /// Leaves this group, failed or not, for a new one made of the replicas that call shrink()
+    /// (collective over the survivors; a thread_group's own communicator only, not a split:
+    /// else errc::unsupported). The survivors agree through the group itself: the decision is
+    /// taken once, by the first survivor that sees every member either arrived here or gone (its
+    /// handle destroyed: its thread ended), or after the group's timeout (a member that has not
+    /// arrived by then is left out: a stalled thread keeps running its own code but is not in
+    /// the new group). ensures: this handle belongs to the new group (generation() + 1, a new
+    /// identity(), sequence numbers from 0), rank() is this replica's position among the
+    /// survivors in their old rank order, size() their number, replica() unchanged; the old group
+    /// is dead: its splits and every handle still on it (an excluded replica's) throw
+    /// errc::peer_failure from every later call, and an excluded replica's own shrink() throws
+    /// it too, so nothing it does reaches the survivors. Returns the thread_group indices of the
+    /// replicas left out; thread_group::lost() lists them after run() with the reasons.
+    std::vector<int> shrink() {
+        require_group("thread_communicator.shrink");
+        const std::shared_ptr<detail::shm::group_state> old = group_;
+        detail::shm::shrink_outcome next = detail::shm::shrink_group(*old, rank_);
+        old->depart(rank_);
+        group_ = std::move(next.group);
+        rank_ = next.rank;
+        seq_ = 0;
+        epoch_ = 0;
+        identity_ = communicator_identity();
+        std::vector<int> lost;
+        for (const auto& x : old->context().excluded())
+            lost.push_back(x.replica);
+        return lost;
+    }
 
 private:
     friend class thread_group;

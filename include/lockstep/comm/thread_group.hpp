@@ -2,6 +2,7 @@
 // its own thread_communicator. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/collective_event.hpp"
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/detail/shm_group.hpp"
 #include "lockstep/comm/detail/shm_sync.hpp"
@@ -36,6 +37,20 @@ struct thread_group_params {
     /// (or one skipped) are an error instead of a wrong value (see collective_tag). Default:
     /// the environment variable LOCKSTEP_CHECK_CALL_SITES=1.
     bool check_call_sites = default_check_call_sites();
+    /// Fault injection (tests): called on the replica's own thread when it enters each
+    /// collective and when it has arrived at the collective's first phase (collective_event).
+    /// A hook that throws there makes the replica fail at that point as a crash would: the
+    /// exception leaves the collective (after arrival, as a failed data phase does: peers that
+    /// saw the arrival may complete the collective, the others get errc::peer_failure). Empty
+    /// (the default): none.
+    std::function<void(const collective_event&)> on_collective = {};
+};
+
+/// A replica a shrink left out of a thread_group's run (thread_communicator::shrink).
+struct lost_replica {
+    int replica;        ///< its index in the thread_group
+    int generation;     ///< the generation of the group it was lost from
+    std::string reason; ///< its failure, or why it was left out (departed, stalled)
 };
 
 /// N replicas as threads of one process:
@@ -56,11 +71,11 @@ public:
 
     /// requires: size >= 1, p.timeout > 0.
     explicit thread_group(int size, params p = {})
-        : size_(size), params_(p), control_(std::make_unique<control>()) {
+        : size_(size), params_(std::move(p)), control_(std::make_unique<control>()) {
         LOCKSTEP_REQUIRE(size >= 1, errc::invalid_argument, -1, "thread_group", "size ", size,
                          " must be at least 1");
-        LOCKSTEP_REQUIRE(p.timeout.count() > 0, errc::invalid_argument, -1, "thread_group",
-                         "timeout ", p.timeout.count(), " ms must be positive");
+        LOCKSTEP_REQUIRE(params_.timeout.count() > 0, errc::invalid_argument, -1, "thread_group",
+                         "timeout ", params_.timeout.count(), " ms must be positive");
     }
 
     /// The number of replicas run() starts.
@@ -80,6 +95,8 @@ public:
                          "this thread_group was moved from");
         std::lock_guard lock(control_->mutex);
         if (auto ctx = control_->current) {
+            while (auto next = ctx->successor()) // the survivors' group after a shrink
+                ctx = next;
             const error e(errc::peer_failure, -1, "thread_group.abort", reason);
             return ctx->record_failure(-1, std::make_exception_ptr(e), std::move(reason));
         }
@@ -92,6 +109,8 @@ public:
     /// 0..size()-1, and joins them all. f is called concurrently and must allow that.
     /// ensures: returns when every replica has returned; if any replica failed, rethrows the
     /// first failure (the root cause, not the peer_failure errors it caused in the others).
+    /// After a shrink (thread_communicator::shrink) only the failures of the newest group count:
+    /// run() returns normally when the survivors did, and lost() names the replicas left out.
     template <class F>
     requires std::invocable<F&, thread_communicator&>
     void run(F&& f) {
@@ -99,6 +118,8 @@ public:
                          "this thread_group was moved from");
         auto ctx = std::make_shared<detail::shm::run_context>(params_.timeout, size_,
                                                               params_.check_call_sites);
+        ctx->set_hook(params_.on_collective);
+        lost_.clear();
         {
             std::lock_guard lock(control_->mutex);
             if (control_->pending) {
@@ -120,6 +141,7 @@ public:
         std::iota(replicas.begin(), replicas.end(), 0);
         auto world = std::make_shared<detail::shm::group_state>(ctx, std::move(replicas),
                                                                 std::string(), size_);
+        world->mark_world();
         const auto replica_main = [&](int r) {
             // Made outside the try block: a failing replica records its failure before its
             // handle departs, so peers report the failure rather than the departure.
@@ -127,8 +149,10 @@ public:
             try {
                 std::invoke(f, comm);
             } catch (...) {
+                // Into the context of the group the replica is in now (a shrink's, maybe).
                 const auto e = std::current_exception();
-                ctx->record_failure(r, e, detail::shm::describe(e));
+                auto& at = comm.group_ ? comm.group_->context() : *ctx;
+                at.record_failure(r, e, detail::shm::describe(e));
             }
         };
         std::vector<std::thread> threads;
@@ -144,9 +168,19 @@ public:
         }
         for (auto& t : threads)
             t.join();
-        if (auto e = ctx->root_failure())
+        auto last = ctx;
+        while (auto next = last->successor()) {
+            for (auto& x : last->excluded())
+                lost_.push_back({x.replica, last->generation(), std::move(x.reason)});
+            last = next;
+        }
+        if (auto e = last->root_failure())
             std::rethrow_exception(e);
     }
+
+    /// The replicas the last run() lost to shrinks, in the order they were left out (empty
+    /// when nothing shrank).
+    const std::vector<lost_replica>& lost() const noexcept { return lost_; }
 
 private:
     // What abort() reaches: the run in progress, or an abort waiting for the next run.
@@ -159,6 +193,7 @@ private:
     int size_;
     params params_;
     std::unique_ptr<control> control_;
+    std::vector<lost_replica> lost_;
 };
 
 } // namespace lockstep

@@ -15,6 +15,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -240,6 +241,27 @@ public:
     /// True once any collective of this group was abandoned after a failure (the group is
     /// dead: every later collective throws at once).
     bool aborted() const noexcept { return aborted_.load(); }
+    /// Makes the group dead (a shrink replaced it) and wakes its waiters.
+    void abort_group() {
+        aborted_.store(true);
+        ctx_->notify();
+    }
+
+    /// What the survivors of a shrink of this group agree through (comm/detail/shm_shrink.hpp):
+    /// who arrived, and once decided, the survivors' ranks and their new group.
+    struct shrink_slot {
+        std::mutex mutex;
+        std::condition_variable changed;
+        std::vector<char> arrived;
+        bool decided = false;
+        std::vector<int> survivors;
+        std::shared_ptr<group_state> next;
+    };
+    shrink_slot& shrink_state() noexcept { return shrink_; }
+    /// True for a group thread_group::run or a shrink made (not a split): the groups that
+    /// can shrink.
+    bool world() const noexcept { return world_; }
+    void mark_world() noexcept { world_ = true; }
 
     /// Marks rank's handle destroyed and wakes the peers (who may be waiting for it).
     void depart(int rank) {
@@ -278,6 +300,17 @@ public:
                          std::chrono::nanoseconds spin = std::chrono::nanoseconds(0)) {
         member(rank).epoch.store(target);
         ctx_->notify();
+        if (target == first && ctx_->hook()) {
+            // Fault injection: a hook that throws here leaves the collective as a failed data
+            // phase does (peers may already be past this phase).
+            try {
+                ctx_->hook()({collective_event::moment::arrived, replica_of(rank), rank,
+                              ctx_->generation(), label.seq, label.name, label_,
+                              call(rank, label.seq).tag});
+            } catch (...) {
+                abandon_current(rank, first, final_phase, std::current_exception());
+            }
+        }
         const auto complete = [&] {
             for (int j = 0; j < size(); ++j)
                 if (member(j).epoch.load() < target)
@@ -389,6 +422,8 @@ private:
     std::unique_ptr<member_slot[]> members_;
     std::unique_ptr<mailbox[]> mailboxes_;
     std::atomic<bool> aborted_{false};
+    bool world_ = false;
+    shrink_slot shrink_;
 };
 
 inline void group_state::validate(int rank, op_label label) const {

@@ -54,6 +54,11 @@ public:
     /// (thread_group::abort). Replica code that computes for long between collectives can
     /// poll it and return early: lockstep cannot interrupt user code.
     bool run_failed() const noexcept { return group_ && group_->context().failed(); }
+    /// The first failure of this handle's group (null when none): what the others' errors were
+    /// caused by, e.g. for telling a lost replica from a deterministic error.
+    std::exception_ptr run_failure() const {
+        return group_ ? group_->context().root_failure() : nullptr;
+    }
     /// This handle's record of its last collectives (see flight_recorder).
     const flight_recorder& trace() const noexcept { return trace_; }
 
@@ -155,6 +160,10 @@ protected:
                    trace_.record(name_of(rec.kind), seq, trace_type(rec.type), rec.count,
                                  rooted ? rec.root : -1),
                    seq}};
+        if (const auto& hook = group_->context().hook())
+            hook({collective_event::moment::entered, replica(), rank_,
+                  group_->context().generation(), seq, name_of(rec.kind), group_->label(),
+                  rec.tag});
         try {
             group_->throw_if_failed(rank_, s.op);
             group_->publish(rank_, seq, std::move(rec), stash, stash_count * sizeof(T));

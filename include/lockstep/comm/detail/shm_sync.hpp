@@ -2,6 +2,7 @@
 // threads (the first failure, and spin-then-block waiting). SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/collective_event.hpp"
 #include "lockstep/comm/detail/adaptive_spin.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/system/host_system.hpp"
@@ -11,9 +12,12 @@
 #include <chrono>
 #include <condition_variable>
 #include <exception>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace lockstep::detail::shm {
 
@@ -72,10 +76,24 @@ public:
     /// after thread_group::abort, recorded with replica -1). requires: failed().
     std::string failure_description() const {
         std::lock_guard lock(failure_mutex_);
+        if (successor_) // a shrink replaced the group: what a replica still on it must learn
+            return superseded_ + " (it had failed: " + root_text() + ")";
+        return root_text();
+    }
+    /// What a replica still on this group is told once a shrink replaced it.
+    void set_superseded(std::string text) {
+        std::lock_guard lock(failure_mutex_);
+        superseded_ = std::move(text);
+    }
+
+private:
+    std::string root_text() const {
         if (root_replica_ < 0)
             return "the run was aborted: " + root_what_;
         return "replica " + std::to_string(root_replica_) + " failed: " + root_what_;
     }
+
+public:
     /// The replica whose failure is recorded (-1 if none).
     int failed_replica() const {
         std::lock_guard lock(failure_mutex_);
@@ -112,6 +130,38 @@ public:
         const bool ok = sleep_.wait_until(lock, deadline, ready);
         sleepers_.fetch_sub(1);
         return ok;
+    }
+
+    /// The fault-injection hook (thread_group_params::on_collective; empty: none).
+    using event_hook = std::function<void(const collective_event&)>;
+    const event_hook& hook() const noexcept { return hook_; }
+    void set_hook(event_hook h) { hook_ = std::move(h); }
+
+    /// The generation of the group this context serves: 0 for thread_group::run's, g + 1 for
+    /// the group a shrink of generation g made (each shrink starts a context of its own, so
+    /// the survivors' collectives never see the old group's failure).
+    int generation() const noexcept { return generation_; }
+    void set_generation(int g) noexcept { generation_ = g; }
+
+    /// A replica a shrink left out: its thread_group index and why.
+    struct excluded_replica {
+        int replica;
+        std::string reason;
+    };
+    /// The context of the group that replaced this one's (shrink), null when none did, and
+    /// the replicas that shrink left out.
+    std::shared_ptr<run_context> successor() const {
+        std::lock_guard lock(failure_mutex_);
+        return successor_;
+    }
+    std::vector<excluded_replica> excluded() const {
+        std::lock_guard lock(failure_mutex_);
+        return excluded_;
+    }
+    void set_successor(std::shared_ptr<run_context> next, std::vector<excluded_replica> left) {
+        std::lock_guard lock(failure_mutex_);
+        successor_ = std::move(next);
+        excluded_ = std::move(left);
     }
 
     /// Wakes every sleeping replica so it re-evaluates what it waits for.
@@ -170,6 +220,11 @@ private:
     std::exception_ptr root_;
     int root_replica_ = -1;
     std::string root_what_;
+    std::shared_ptr<run_context> successor_;
+    std::vector<excluded_replica> excluded_;
+    std::string superseded_;
+    event_hook hook_;
+    int generation_ = 0;
 
     std::atomic<int> sleepers_{0};
     std::mutex sleep_mutex_;
