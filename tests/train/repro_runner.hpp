@@ -75,6 +75,21 @@ std::string repro_difference(const repro_record<T>& a, const repro_record<T>& b)
     return "";
 }
 
+/// Puts what dp holds after its last step into rec: parameters, optimizer state, the BN layer's
+/// running statistics and count, the optimizer's step count.
+template <class T, class DP>
+void record_final(repro_record<T>& rec, DP& dp) {
+    auto p = dp.parameters();
+    rec.params.assign(p.begin(), p.end());
+    for (const auto& slot : dp.optimizer().state().slots)
+        rec.state.emplace_back(slot.data.begin(), slot.data.end());
+    auto& bnl = dp.network().batch_norm();
+    rec.running.assign(bnl.running_mean().begin(), bnl.running_mean().end());
+    rec.running.insert(rec.running.end(), bnl.running_var().begin(), bnl.running_var().end());
+    rec.batches_tracked = bnl.num_batches_tracked();
+    rec.optimizer_steps = dp.optimizer().step_count();
+}
+
 /// One replica's part of a reproducible run over comm (collective). `BN` and `Reduce` default to
 /// the ghost / reproducible pair; `shape.batch_norm = false` makes the BN layer the identity;
 /// `mark_ready`: the backward marks each tensor ready as it finishes it (else none).
@@ -94,15 +109,7 @@ repro_record<T> repro_train(Comm& comm, typename Opt::params_type op,
         auto p = dp.parameters();
         rec.trace.emplace_back(p.begin(), p.end());
     }
-    auto p = dp.parameters();
-    rec.params.assign(p.begin(), p.end());
-    for (const auto& slot : dp.optimizer().state().slots)
-        rec.state.emplace_back(slot.data.begin(), slot.data.end());
-    auto& bnl = dp.network().batch_norm();
-    rec.running.assign(bnl.running_mean().begin(), bnl.running_mean().end());
-    rec.running.insert(rec.running.end(), bnl.running_var().begin(), bnl.running_var().end());
-    rec.batches_tracked = bnl.num_batches_tracked();
-    rec.optimizer_steps = dp.optimizer().step_count();
+    record_final(rec, dp);
     return rec;
 }
 

@@ -23,6 +23,7 @@
 #include "lockstep/train/detail/replica_consistency.hpp"
 #include "lockstep/train/detail/reproducible_collective.hpp"
 #include "lockstep/train/detail/sharded_collective.hpp"
+#include "lockstep/train/detail/shrink_recovery.hpp"
 #include "lockstep/train/detail/step_capture.hpp"
 #include "lockstep/train/detail/step_driver.hpp"
 #include "lockstep/train/detail/step_stages.hpp"
@@ -40,6 +41,7 @@
 #include <exception>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -95,12 +97,11 @@ public:
                   train_params tp = {})
         : base_type(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp),
                     base_type::policy_settings(), true),
-          collective_(comm, core_.registry().parameters(),
-                      detail::use_overlap(comm, core_.params().overlap), core_.params()),
-          stages_(core_, collective_.plan(), collective_type::status_doubles), driver_(stages_),
-          stragglers_(comm, core_.params().report_stragglers_every), saves_(comm.rank()) {
-        if constexpr (!is_local_sgd_v<SyncPolicy>)
-            stages_.set_rider(&saves_);
+          saves_(std::make_unique<detail::background_save>(comm.rank())),
+          parts_(std::make_unique<step_parts>(core_, saves_.get())),
+          stragglers_(comm, core_.params().report_stragglers_every) {
+        detail::check_shrink_settings<Communicator, ReducePolicy, SyncPolicy>(core_.params(),
+                                                                              comm.rank());
         const std::int64_t every = core_.params().verify_every;
         LOCKSTEP_REQUIRE(every >= 0, errc::invalid_argument, comm.rank(), "data_parallel",
                          "verify_every = ", every, " (must be >= 0; 0 is off)");
@@ -160,42 +161,24 @@ public:
     /// weights, optimizer state and step count, the loss scale and the step's status advance in
     /// device memory. During the capture ctx.loss_scale() throws with loss scaling (read
     /// loss_scale_device()). See docs/train_api.md, "Capturing a step in a CUDA graph".
+    /// With train_params::on_replica_failure = shrink, the step starts with a fence (one
+    /// barrier) and a host copy of the state it changes (detail::step_rollback); when a replica
+    /// is lost during it (detail::is_replica_loss), the survivors shrink the communicator
+    /// (thread_communicator::shrink), agree on the step to start from (detail::agree_redo: this
+    /// one, or the one before when some survivor had not completed it), put that step's start
+    /// back, rebuild what depends on the replica count and compute again with the same global
+    /// batch: the result has lost > 0, and fn must compute what its shard_range names (global
+    /// sample indices), since this call's fn may compute the step before it again. A second
+    /// failure in the same call, a deterministic error, or fewer survivors than
+    /// train_params::min_replicas throw as without shrink. See docs/fault_tolerance.md.
     template <class Fn>
     step_result step(std::size_t global_batch, Fn&& fn) {
-        const bool capture = detail::capturing(core_.comm().system());
-        if (capture) {
-            detail::step_capture::check_capturable(
-                this->rank(), is_local_sgd_v<SyncPolicy>,
-                collective_.overlaps() && !detail::overlaps_on_side_stream<Communicator>);
-            capture_.check_set_up(this->rank(), global_batch);
-        }
-        try {
-            stages_.set_capturing(capture);
-            const step_result r = driver_.step(stages_, collective_, global_batch, fn);
-            if (capture) {
-                // Nothing ran: the host counts each launch instead (count_replay).
-                capture_.record(r.step, global_batch, r.lr, stages_.layer_counts());
-                core_.retract(global_batch);
-                stages_.set_capturing(false);
-            } else {
-                capture_.note_plain_step(global_batch);
-                verify_replicas_if_due();
-                stragglers_.after_step(core_.comm(), this->steps());
-            }
-            return r;
-        } catch (const error& e) {
-            stages_.set_capturing(false);
-            collective_.drain();
-            abort_communicator();
-            detail::rethrow_naming_empty_shards(
-                e, global_batch, static_cast<std::size_t>(core_.params().micro_batches),
-                ReducePolicy::chunk_samples, this->size());
-        } catch (...) {
-            stages_.set_capturing(false);
-            collective_.drain();
-            abort_communicator();
-            throw;
-        }
+        if constexpr (detail::shrinkable_communicator<Communicator>)
+            if (core_.params().on_replica_failure == replica_failure::shrink)
+                return shrinks_.step(
+                    core_, parts_, global_batch, [&](std::size_t g) { return step_once(g, fn); },
+                    [&] { rebuild(); });
+        return step_once(global_batch, fn);
     }
 
     /// Counts one launch of the CUDA graph holding the step captured last (see step()): call it
@@ -221,11 +204,11 @@ public:
         core_.advance(global);
         capture_.count_layers();
         r.ready = false;
-        stages_.set_last(r);
+        parts_->stages.set_last(r);
         if (!core_.params().read_result)
             return r;
         try {
-            return stages_.finish_result(r);
+            return parts_->stages.finish_result(r);
         } catch (...) {
             abort_communicator();
             throw;
@@ -243,10 +226,10 @@ public:
         LOCKSTEP_REQUIRE(!detail::capturing(core_.comm().system()), errc::invalid_argument,
                          this->rank(), "data_parallel.read_result",
                          "the stream is being captured into a CUDA graph: the result of step ",
-                         stages_.last().step,
+                         parts_->stages.last().step,
                          " is read after a launch of the graph (count_replay), not inside it");
         try {
-            return stages_.finish_result(stages_.last());
+            return parts_->stages.finish_result(parts_->stages.last());
         } catch (...) {
             abort_communicator();
             throw;
@@ -268,17 +251,17 @@ public:
     /// that stops early returns normally while its peers fail (docs/train_api.md).
     std::int64_t finish() {
         const std::int64_t steps = detail::finish_steps(core_.comm(), this->steps());
-        if (stages_.unread() && !detail::capturing(core_.comm().system()))
+        if (parts_->stages.unread() && !detail::capturing(core_.comm().system()))
             (void)read_result();
-        driver_.finish(stages_, collective_);
-        (void)saves_.resolve(core_.comm(), "data_parallel.finish", false);
+        parts_->driver.finish(parts_->stages, parts_->collective);
+        (void)saves_->resolve(core_.comm(), "data_parallel.finish", false);
         return steps;
     }
 
     /// The steps skipped on this replica since the trainer was built (step_result::skipped;
     /// the same on every replica for synchronous training), as of the last result read: after
     /// every step with train_params::read_result, else after read_result() or finish().
-    std::int64_t skipped_steps() const noexcept { return stages_.skipped_steps(); }
+    std::int64_t skipped_steps() const noexcept { return parts_->stages.skipped_steps(); }
 
     /// The latest report of train_params::report_stragglers_every (empty while it is off or
     /// before its first report): the same on every replica.
@@ -296,17 +279,19 @@ public:
     /// An empty f removes the hook.
     void
     set_gradient_hook(std::function<void(std::span<value_type>, std::span<const tensor_info>)> f) {
-        stages_.set_gradient_hook(std::move(f));
+        parts_->stages.set_gradient_hook(std::move(f));
     }
 
     /// The reduction pieces (buckets) in launch order, and collectives issued so far.
-    const std::vector<detail::bucket>& buckets() const noexcept { return collective_.plan(); }
+    const std::vector<detail::bucket>& buckets() const noexcept {
+        return parts_->collective.plan();
+    }
     /// True when gradient buckets are reduced on a communication stream (train_params::overlap).
-    bool overlaps() const noexcept { return collective_.overlaps(); }
-    std::size_t collectives() const noexcept { return collective_.collectives(); }
+    bool overlaps() const noexcept { return parts_->collective.overlaps(); }
+    std::size_t collectives() const noexcept { return parts_->collective.collectives(); }
     /// The dynamic loss scale (train_params::loss_scale; disabled without it): its state() and
     /// restore() between steps are what a checkpoint keeps of it.
-    loss_scaler<system_type>& scaler() noexcept { return stages_.scaler(); }
+    loss_scaler<system_type>& scaler() noexcept { return parts_->stages.scaler(); }
 
 private:
     friend struct detail::checkpoint_access;
@@ -314,6 +299,75 @@ private:
     using base_type::core_;
     using collective_type = detail::collective<ReducePolicy, T, Communicator>;
     using stages_type = detail::step_stages<typename base_type::core_type>;
+
+    /// What a step runs through, rebuilt at another replica count after a shrink: the
+    /// ReducePolicy's collective, the policy-free stages and the SyncPolicy's driver.
+    struct step_parts {
+        collective_type collective; ///< what the ReducePolicy does in a step, and its state
+        stages_type stages;         ///< the policy-free stages of a step, and what they share
+        detail::step_driver<SyncPolicy> driver; ///< how a step runs under the SyncPolicy
+        step_parts(typename base_type::core_type& core, detail::background_save* rider)
+            : collective(core.comm(), core.registry().parameters(),
+                         detail::use_overlap(core.comm(), core.params().overlap), core.params()),
+              stages(core, collective.plan(), collective_type::status_doubles), driver(stages) {
+            if constexpr (!is_local_sgd_v<SyncPolicy>)
+                stages.set_rider(rider);
+        }
+    };
+
+    /// One step (see step()), without recovery.
+    template <class Fn>
+    step_result step_once(std::size_t global_batch, Fn& fn) {
+        const bool capture = detail::capturing(core_.comm().system());
+        if (capture) {
+            detail::step_capture::check_capturable(
+                this->rank(), is_local_sgd_v<SyncPolicy>,
+                parts_->collective.overlaps() && !detail::overlaps_on_side_stream<Communicator>);
+            capture_.check_set_up(this->rank(), global_batch);
+        }
+        try {
+            parts_->stages.set_capturing(capture);
+            const step_result r =
+                parts_->driver.step(parts_->stages, parts_->collective, global_batch, fn);
+            if (capture) {
+                // Nothing ran: the host counts each launch instead (count_replay).
+                capture_.record(r.step, global_batch, r.lr, parts_->stages.layer_counts());
+                core_.retract(global_batch);
+                parts_->stages.set_capturing(false);
+            } else {
+                capture_.note_plain_step(global_batch);
+                verify_replicas_if_due();
+                stragglers_.after_step(core_.comm(), this->steps());
+            }
+            return r;
+        } catch (const error& e) {
+            parts_->stages.set_capturing(false);
+            parts_->collective.drain();
+            abort_communicator();
+            detail::rethrow_naming_empty_shards(
+                e, global_batch, static_cast<std::size_t>(core_.params().micro_batches),
+                ReducePolicy::chunk_samples, this->size());
+        } catch (...) {
+            parts_->stages.set_capturing(false);
+            parts_->collective.drain();
+            abort_communicator();
+            throw;
+        }
+    }
+
+    /// After a shrink: everything that depends on the replica count, built anew (the gradient
+    /// hook kept); a background save in flight is abandoned (its commit needed the lost
+    /// replica's shard: the previous checkpoint stands).
+    void rebuild() {
+        auto& comm = core_.comm();
+        auto saves = std::make_unique<detail::background_save>(comm.rank());
+        auto parts = std::make_unique<step_parts>(core_, saves.get());
+        parts->stages.set_gradient_hook(parts_->stages.gradient_hook_function());
+        parts_ = std::move(parts);
+        saves_ = std::move(saves);
+        stragglers_ = detail::straggler_meter(comm, core_.params().report_stragglers_every);
+        capture_ = detail::step_capture{};
+    }
 
     /// After a failure: abort the communicator when it can be aborted, so that peers waiting
     /// for this replica get an error instead of a hang.
@@ -356,12 +410,12 @@ private:
         detail::verify_replicas(core_.comm(), core_.comm().system(), this->steps(), sections);
     }
 
-    collective_type collective_; ///< what the ReducePolicy does in a step, and its state
-    stages_type stages_;         ///< the policy-free stages of a step, and what they share
-    detail::step_driver<SyncPolicy> driver_; ///< how a step runs under the SyncPolicy
-    detail::step_capture capture_;           ///< the step captured last
-    detail::straggler_meter stragglers_;     ///< train_params::report_stragglers_every
-    detail::background_save saves_;          ///< save_checkpoint_async's save in flight
+    std::unique_ptr<detail::background_save> saves_; ///< save_checkpoint_async's save in flight
+    std::unique_ptr<step_parts> parts_;              ///< rebuilt after a shrink
+    detail::step_capture capture_;                   ///< the step captured last
+    detail::straggler_meter stragglers_;             ///< train_params::report_stragglers_every
+    /// on_replica_failure = shrink: the steps' fences and rollback, the recovery.
+    detail::shrink_steps<typename base_type::core_type> shrinks_;
 };
 
 } // namespace lockstep

@@ -175,6 +175,10 @@ public:
     std::span<double> reduced() noexcept {
         return memory_.span().first(reduced_doubles(replicas_, collective_));
     }
+    /// The skip streak (skip_streak's doubles), which lasts across steps.
+    std::span<double> streak() noexcept {
+        return memory_.span().subspan(step_doubles(replicas_, collective_), doubles<skip_streak>);
+    }
     /// All of it, for the host's end-of-step read.
     std::span<const double> memory() const noexcept { return memory_.span(); }
 

@@ -27,6 +27,17 @@ enum class overlap_mode {
     never
 };
 
+/// What a synchronous trainer does when a replica is lost during a step
+/// (train_params::on_replica_failure). A replica is lost when its thread ends, fails with
+/// anything but a deterministic lockstep::error (invalid_argument, shape_mismatch,
+/// count_mismatch, non_finite, checkpoint, unsupported, divergence, internal), or misses the
+/// group's timeout; thread_group::abort is not a loss.
+enum class replica_failure {
+    stop,  ///< the step throws on every replica (errc::peer_failure or errc::timeout)
+    shrink ///< the survivors shrink the communicator, put back the state from before the step
+           ///< and compute it again with the same global batch (step_result::lost)
+};
+
 /// Runtime knobs of data_parallel (designated initialisers: `{.micro_batches = 4, .seed = 7}`).
 struct train_params {
     /// Micro-batches per step (gradient accumulation): gradients are zeroed once per step,
@@ -114,6 +125,16 @@ struct train_params {
     /// 0: off. requires: >= 0; 0 for the asynchronous trainers. Every replica must pass the same
     /// value (checked at construction).
     std::int64_t report_stragglers_every = 0;
+    /// What a synchronous data_parallel does when a replica is lost during a step
+    /// (replica_failure; docs/fault_tolerance.md). shrink: with a communicator that can shrink
+    /// (thread_communicator), a replicated optimizer state (not reduce::sharded,
+    /// reduce::parameter_server or local SGD: they roll back to a checkpoint) and read_result
+    /// (else errc::unsupported at construction), and no CUDA graph capture. Every replica must
+    /// pass the same value (checked at construction).
+    replica_failure on_replica_failure = replica_failure::stop;
+    /// With replica_failure::shrink: the fewest replicas the run continues with; a shrink to
+    /// fewer throws on the survivors (errc::peer_failure, naming both counts). requires: >= 1.
+    int min_replicas = 1;
 };
 
 /// What a step's status showed of the background checkpoint save in flight
@@ -147,6 +168,11 @@ struct step_result {
     /// The background checkpoint save that this step's status showed ending (read with the
     /// result: none while ready is false).
     checkpoint_event checkpoint = checkpoint_event::none;
+    /// The replicas lost in this step (train_params::on_replica_failure = shrink): 0, or how
+    /// many the group shrank by before the step was computed again on the survivors. rank()
+    /// and size() of the trainer and its communicator have changed then; the step's result is
+    /// that of the computation on the survivors.
+    int lost = 0;
 };
 
 } // namespace lockstep

@@ -76,8 +76,8 @@ void describe_optimizer_params(std::vector<std::string>& out, const P& p) {
 
 /// The settings of a trainer that must agree across replicas: the optimizer type and its
 /// hyperparameters, micro_batches, overlap, skip_non_finite, max_consecutive_skips,
-/// max_grad_norm, verify_every, report_stragglers_every, which tensors are
-/// frozen or decay, and the given policy names (sync, reduce, BN).
+/// max_grad_norm, verify_every, report_stragglers_every, on_replica_failure, min_replicas,
+/// which tensors are frozen or decay, and the given policy names (sync, reduce, BN).
 template <class Optimizer>
 std::vector<std::string> describe_settings(const typename Optimizer::params_type& opt,
                                            const train_params& tp,
@@ -93,6 +93,9 @@ std::vector<std::string> describe_settings(const typename Optimizer::params_type
     add_setting(out, "max_grad_norm", exact(tp.max_grad_norm));
     add_setting(out, "verify_every", std::to_string(tp.verify_every));
     add_setting(out, "report_stragglers_every", std::to_string(tp.report_stragglers_every));
+    add_setting(out, "on_replica_failure",
+                tp.on_replica_failure == replica_failure::shrink ? "shrink" : "stop");
+    add_setting(out, "min_replicas", std::to_string(tp.min_replicas));
     std::string frozen, decay;
     for (const tensor_info& t : params) {
         if (tp.frozen && tp.frozen(t))

@@ -61,27 +61,27 @@ struct checkpoint_access {
     /// The background save of a synchronous trainer (save_checkpoint_async).
     template <class DP>
     static auto& background(DP& dp) noexcept {
-        return dp.saves_;
+        return *dp.saves_;
     }
     /// Waits for dp's background save when it has one unresolved (collective; see
     /// background_save::resolve): a blocking save or a load never races it.
     template <class DP, class Comm>
     static void resolve_background(DP& dp, Comm& comm, const char* op) {
         if constexpr (requires { dp.saves_; })
-            (void)dp.saves_.resolve(comm, op, false);
+            (void)dp.saves_->resolve(comm, op, false);
     }
     /// Local SGD's steps since the last average (0 for the other trainers).
     template <class DP>
     static std::size_t since_average(const DP& dp) noexcept {
         if constexpr (is_local_sgd_v<typename DP::sync_policy_type>)
-            return dp.driver_.since_average();
+            return dp.parts_->driver.since_average();
         else
             return 0;
     }
     template <class DP>
     static void set_since_average(DP& dp, std::size_t n) noexcept {
         if constexpr (is_local_sgd_v<typename DP::sync_policy_type>)
-            dp.driver_.set_since_average(n);
+            dp.parts_->driver.set_since_average(n);
         (void)dp;
         (void)n;
     }

@@ -276,6 +276,15 @@ public:
     std::int64_t skipped_steps() const noexcept { return skipped_; }
 
     void set_gradient_hook(gradient_hook f) { gradient_hook_ = std::move(f); }
+    const gradient_hook& gradient_hook_function() const noexcept { return gradient_hook_; }
+    /// The skip streak in the system's memory (it lasts across steps), and putting a host copy
+    /// of one back (a step computed again after a shrink; skipped_steps() follows it).
+    std::span<double> streak() noexcept { return state_.streak(); }
+    void restore_streak(std::span<const double> host) {
+        copy(host, host_system{1}, state_.streak(), system());
+        skipped_ =
+            static_cast<std::int64_t>(reinterpret_cast<const skip_streak*>(host.data())->skipped);
+    }
     /// True while a step is being recorded into a CUDA graph.
     void set_capturing(bool c) noexcept { capturing_ = c; }
     /// Local SGD: the rows are this replica's own (the error texts say so).

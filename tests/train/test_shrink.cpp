@@ -1,0 +1,314 @@
+// train_params::on_replica_failure = shrink on the thread group: a replica lost at a named step
+// and point (tests/support/replica_loss.hpp) leaves survivors that continue with the same global
+// batch; with reduce::reproducible + bn::ghost their weights, optimizer state, BN statistics and
+// losses equal an undisturbed run's bit for bit, and with other policies within rounding.
+// SPDX-License-Identifier: Apache-2.0
+#include "checkpoint_support.hpp"
+#include "repro_runner.hpp"
+
+#include "../support/replica_loss.hpp"
+
+#include "lockstep/comm/thread_group.hpp"
+#include "lockstep/optim/adam.hpp"
+#include "lockstep/optim/sgd.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+using namespace lockstep_test;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr std::size_t shrink_steps = 8;
+constexpr std::size_t shrink_batch = 37;
+
+/// One replica's view of a run: its record, the lost counts its steps reported, and what it saw
+/// when it was the one lost.
+struct shrink_run {
+    std::vector<repro_record<float>> records; ///< by thread index (the lost one's stays empty)
+    std::vector<int> lost_reported;           ///< by thread index: the sum of step_result::lost
+    std::vector<int> final_size;              ///< by thread index: size() after the last step
+    std::vector<lockstep::lost_replica> lost;
+    std::size_t per_step = 0;
+    std::string victim_saw; ///< the stalled victim's error once it called into the old group
+};
+
+/// Trains shrink_steps steps of shrink_batch samples on `replicas` thread replicas with Reduce
+/// and BN, losing `loss` (none: undisturbed).
+template <class Reduce = repro_reduce, class BN = repro_bn, class Opt = optim::adam<float>>
+shrink_run train_losing(int replicas, std::optional<replica_loss> loss,
+                        train_params tp = {.seed = 42}, std::chrono::milliseconds timeout = 20s) {
+    using net = mlp<float, thread_communicator, storage::registry, BN>;
+    tp.on_replica_failure = replica_failure::shrink;
+    loss_injector inject(replicas, loss);
+    thread_group group(replicas, {.timeout = timeout, .on_collective = inject.hook()});
+    shrink_run out;
+    const auto count = static_cast<std::size_t>(replicas);
+    out.records.resize(count);
+    out.lost_reported.assign(count, 0);
+    out.final_size.assign(count, 0);
+    std::mutex m;
+    group.run([&](thread_communicator& comm) {
+        const auto me = static_cast<std::size_t>(comm.replica());
+        try {
+            data_parallel<net, Opt, sync::synchronous, Reduce, thread_communicator> dp(
+                comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.05f}, tp);
+            repro_record<float> rec;
+            int lost = 0;
+            for (std::size_t s = 0; s < shrink_steps; ++s) {
+                const step_result r =
+                    dp.step(shrink_batch, [](net& n, const shard_range& range, auto& ctx) {
+                        return n.train(range, ctx);
+                    });
+                lost += r.lost;
+                rec.losses.push_back(r.loss);
+            }
+            (void)dp.finish();
+            if (loss && loss->point == loss_point::stall)
+                inject.release(); // the stalled thread may go on: it learns it was left out
+            record_final(rec, dp);
+            std::lock_guard lock(m);
+            out.records[me] = std::move(rec);
+            out.lost_reported[me] = lost;
+            out.final_size[me] = comm.size();
+        } catch (const replica_killed&) {
+            inject.mark_dead(); // this thread ends: the replica is lost
+        } catch (const lockstep::error& e) {
+            if (!(loss && loss->point == loss_point::stall &&
+                  static_cast<int>(me) == loss->replica))
+                throw;
+            std::lock_guard lock(m);
+            out.victim_saw = e.what();
+        }
+    });
+    out.lost = group.lost();
+    out.per_step = inject.per_step();
+    return out;
+}
+
+bool contains(const std::string& s, const std::string& part) {
+    return s.find(part) != std::string::npos;
+}
+
+} // namespace
+
+TEST_CASE("reproducible + ghost: survivors end with an undisturbed run's bits", "[shrink]") {
+    struct scenario {
+        int replicas;
+        int victim;
+        std::int64_t step;
+        loss_point point;
+    };
+    const scenario cases[] = {
+        {2, 1, 3, loss_point::exchange},
+        {3, 0, 2, loss_point::checks},
+        {3, 2, 4, loss_point::after_checks_on_some},
+        {4, 1, 5, loss_point::fence},
+        {5, 3, 1, loss_point::exchange},
+        {4, 0, 0, loss_point::exchange},
+        {3, 1, 3, loss_point::stall},
+    };
+    const shrink_run ref = train_losing(3, std::nullopt);
+    REQUIRE(ref.per_step >= 3); // fence, exchange, checks at least
+    for (const scenario& c : cases) {
+        DYNAMIC_SECTION(c.replicas << " replicas, replica " << c.victim << " lost in step "
+                                   << c.step << " at point " << static_cast<int>(c.point)) {
+            const shrink_run counted = train_losing(c.replicas, std::nullopt);
+            const auto timeout = c.point == loss_point::stall ? 400ms : 20000ms;
+            const shrink_run run =
+                train_losing(c.replicas, replica_loss{c.victim, c.step, c.point, counted.per_step},
+                             {.seed = 42}, timeout);
+            REQUIRE(run.lost.size() == 1);
+            CHECK(run.lost[0].replica == c.victim);
+            for (int r = 0; r < c.replicas; ++r) {
+                if (r == c.victim)
+                    continue;
+                const auto i = static_cast<std::size_t>(r);
+                CHECK(run.lost_reported[i] == 1);
+                CHECK(run.final_size[i] == c.replicas - 1);
+                const std::string differs = repro_difference(run.records[i], ref.records[0]);
+                INFO("replica " << r << " differs from the undisturbed run in: " << differs);
+                CHECK(differs.empty());
+            }
+            if (c.point == loss_point::stall) {
+                CHECK(contains(run.lost[0].reason, "did not join the shrink"));
+                INFO(run.victim_saw);
+                CHECK(contains(run.victim_saw, "it cannot rejoin"));
+            }
+        }
+    }
+}
+
+TEST_CASE("other policies continue with the global batch within rounding", "[shrink]") {
+    using bucketed = reduce::bucketed<256>;
+    const shrink_run ref = train_losing<bucketed, bn::global>(3, std::nullopt);
+    const shrink_run counted = train_losing<bucketed, bn::global>(3, std::nullopt);
+    const shrink_run run = train_losing<bucketed, bn::global>(
+        3, replica_loss{1, 4, loss_point::exchange, counted.per_step});
+    REQUIRE(run.lost.size() == 1);
+    // The survivors hold identical weights; against the undisturbed 3-replica run, only the
+    // order of the sums over replicas differs (2 instead of 3 partial gradients and BN
+    // moments): 8 Adam steps of lr 0.05 stay within 1e-4 absolute of it.
+    const std::string differs = repro_difference(run.records[0], run.records[2]);
+    INFO("the survivors differ in: " << differs);
+    CHECK(differs.empty());
+    for (std::size_t k = 0; k < ref.records[0].params.size(); ++k)
+        CHECK(run.records[0].params[k] == Approx(ref.records[0].params[k]).margin(1e-4).epsilon(0));
+    CHECK(run.lost_reported[0] == 1);
+}
+
+TEST_CASE("what does not shrink: deterministic errors, a second loss, min_replicas, policies",
+          "[shrink]") {
+    using net = mlp<float, thread_communicator, storage::registry, repro_bn>;
+    SECTION("a replica's own deterministic error is thrown as without shrink") {
+        thread_group group(3, {.timeout = 20s});
+        REQUIRE_THROWS_WITH(group.run([&](thread_communicator& comm) {
+            data_parallel<net, optim::sgd<float>, sync::synchronous, repro_reduce,
+                          thread_communicator>
+                dp(comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.05f},
+                   {.on_replica_failure = replica_failure::shrink});
+            for (int s = 0; s < 3; ++s)
+                dp.step(shrink_batch, [&](net& n, const shard_range& range, auto& ctx) {
+                    if (s == 1 && comm.replica() == 2)
+                        lockstep::fail(errc::invalid_argument, comm.replica(), "load_batch",
+                                       "sample ", range.begin, " is corrupt");
+                    return n.train(range, ctx);
+                });
+        }),
+                            Catch::Contains("is corrupt"));
+        CHECK(group.lost().empty());
+    }
+    SECTION("fewer survivors than min_replicas stop the run") {
+        const shrink_run counted = train_losing(3, std::nullopt);
+        try {
+            (void)train_losing(3, replica_loss{2, 2, loss_point::exchange, counted.per_step},
+                               {.seed = 42, .min_replicas = 3});
+            FAIL("the run should have stopped");
+        } catch (const lockstep::error& e) {
+            CHECK(e.code() == errc::peer_failure);
+            CHECK(contains(e.what(), "fewer than train_params::min_replicas = 3"));
+        }
+    }
+    SECTION("a second loss while the step is computed again stops the run") {
+        const shrink_run counted = train_losing(4, std::nullopt);
+        // Replica 1 is lost in step 2; in the step computed again (generation 1) replica 3's
+        // thread ends too.
+        std::atomic<bool> first{false};
+        thread_group::params p{.timeout = 20s};
+        loss_injector inject(4, replica_loss{1, 2, loss_point::exchange, counted.per_step});
+        auto hook = inject.hook();
+        p.on_collective = [&](const collective_event& e) {
+            hook(e);
+            if (e.generation == 1 && e.replica == 3 && e.tag == "data_parallel.fence")
+                throw replica_killed("replica 3 lost in the step computed again");
+        };
+        thread_group group(4, p);
+        REQUIRE_THROWS_AS(group.run([&](thread_communicator& comm) {
+            data_parallel<net, optim::sgd<float>, sync::synchronous, repro_reduce,
+                          thread_communicator>
+                dp(comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.05f},
+                   {.on_replica_failure = replica_failure::shrink});
+            try {
+                for (int s = 0; s < 4; ++s)
+                    dp.step(shrink_batch, [](net& n, const shard_range& range, auto& ctx) {
+                        return n.train(range, ctx);
+                    });
+            } catch (const replica_killed&) {
+                first.store(true);
+            }
+        }),
+                          lockstep::error);
+        CHECK(first.load());
+    }
+    SECTION("policies whose state is not replicated refuse shrink at construction") {
+        using global_net = mlp<float, thread_communicator, storage::registry, bn::global>;
+        thread_group group(2);
+        REQUIRE_THROWS_WITH(group.run([&](thread_communicator& comm) {
+            data_parallel<global_net, optim::sgd<float>, sync::synchronous, reduce::sharded<>,
+                          thread_communicator>
+                dp(comm, [](auto& ctx) { return global_net(ctx); }, {.lr = 0.05f},
+                   {.on_replica_failure = replica_failure::shrink});
+        }),
+                            Catch::Contains("cannot be rebuilt from the survivors"));
+    }
+}
+
+TEST_CASE("reduce::sharded rolls back to the last checkpoint on the shrunk communicator",
+          "[shrink]") {
+    // What fault_tolerance.md says sharded trainers do: the step throws (stop), the survivors
+    // shrink the communicator themselves, build a trainer on it and load the last checkpoint at
+    // the new count. Against a reference that saves at step 3 on 3 replicas and resumes on 2:
+    // the same operations, so the same bits.
+    using net = mlp<float, thread_communicator, storage::registry, bn::global>;
+    using trainer = data_parallel<net, optim::adam<float>, sync::synchronous, reduce::sharded<256>,
+                                  thread_communicator>;
+    const temp_dir dir("shrink");
+    const auto factory = [](auto& ctx) { return net(ctx); };
+    std::atomic<bool> kill{false}; // the reference runs lose nothing
+    const auto fn = [&](net& n, const shard_range& range, auto& ctx) {
+        if (kill.load() && ctx.step() == 5 && ctx.comm().replica() == 1)
+            throw replica_killed("replica 1 lost in step 5");
+        return n.train(range, ctx);
+    };
+    const auto train = [&](trainer& dp, std::int64_t until) {
+        while (dp.steps() < until)
+            (void)dp.step(shrink_batch, fn);
+    };
+    std::vector<float> reference;
+    thread_group(3).run([&](thread_communicator& comm) {
+        trainer dp(comm, factory, {.lr = 0.05f});
+        train(dp, 3);
+        save_checkpoint(dp, dir.path / "reference");
+    });
+    thread_group(2).run([&](thread_communicator& comm) {
+        trainer dp(comm, factory, {.lr = 0.05f});
+        load_checkpoint(dp, dir.path / "reference");
+        train(dp, shrink_steps);
+        if (comm.rank() == 0)
+            reference.assign(dp.parameters().begin(), dp.parameters().end());
+    });
+
+    kill.store(true);
+    std::vector<std::vector<float>> survivors(3);
+    std::vector<int> sizes(3, 0);
+    thread_group group(3, {.timeout = 20s});
+    group.run([&](thread_communicator& comm) {
+        try {
+            auto dp = std::make_unique<trainer>(comm, factory, optim::adam_params{.lr = 0.05f});
+            train(*dp, 3);
+            save_checkpoint(*dp, dir.path / "run");
+            try {
+                train(*dp, shrink_steps);
+            } catch (const lockstep::error& e) {
+                if (e.code() != errc::peer_failure)
+                    throw;
+                dp.reset(); // the old trainer goes first: it refers to the communicator
+                (void)comm.shrink();
+                dp = std::make_unique<trainer>(comm, factory, optim::adam_params{.lr = 0.05f});
+                load_checkpoint(*dp, dir.path / "run");
+                train(*dp, shrink_steps);
+            }
+            const auto me = static_cast<std::size_t>(comm.replica());
+            survivors[me].assign(dp->parameters().begin(), dp->parameters().end());
+            sizes[me] = comm.size();
+        } catch (const replica_killed&) {
+            // the lost replica's thread ends
+        }
+    });
+    REQUIRE(group.lost().size() == 1);
+    CHECK(group.lost()[0].replica == 1);
+    for (std::size_t r : {std::size_t{0}, std::size_t{2}}) {
+        CHECK(sizes[r] == 2);
+        CHECK(survivors[r] == reference);
+    }
+}
