@@ -55,7 +55,10 @@ void usage(const char* argv0) {
         "                   still blocks)\n"
         "  --kill-at S:R    fault injection: replica R SIGKILLs itself before step S in the\n"
         "                   first launch of a job (LOCKSTEP_RUN_ATTEMPT unset or 0)\n"
-        "  --stall-at S:R   the same, but replica R stops responding (sleeps for 10 minutes)\n",
+        "  --stall-at S:R   the same, but replica R stops responding (sleeps for 10 minutes)\n"
+        "  --lose-at S:R    threads: replica R's thread ends before step S (a lost replica)\n"
+        "  --shrink         threads, --sync sync: continue on the survivors when a replica is\n"
+        "                   lost (train_params::on_replica_failure = shrink)\n",
         argv0);
 }
 
@@ -127,7 +130,17 @@ digits::options parse(int argc, char** argv) {
             o.checkpoint_every = std::size_t(number(1));
         else if (a == "--checkpoint-async")
             o.checkpoint_async = true;
-        else if (a == "--kill-at" || a == "--stall-at") {
+        else if (a == "--shrink")
+            o.shrink = true;
+        else if (a == "--lose-at") {
+            const std::string v = value();
+            unsigned long step = 0;
+            int rank = -1, used = 0;
+            if (std::sscanf(v.c_str(), "%lu:%d%n", &step, &rank, &used) != 2 ||
+                used != int(v.size()) || rank < 0)
+                bad("--lose-at " + v + ": expected STEP:RANK");
+            o.lose = {.step = step, .rank = rank};
+        } else if (a == "--kill-at" || a == "--stall-at") {
             const std::string v = value();
             unsigned long step = 0;
             int rank = -1, used = 0;
@@ -198,6 +211,9 @@ void run(Comm& comm, const digits::options& o, const digits::split_data& data) {
 
 int main(int argc, char** argv) {
     const digits::options o = parse(argc, argv);
+    if (o.mpi && (o.shrink || o.lose.rank >= 0))
+        bad("--shrink and --lose-at are for thread replicas (an MPI job that lost a rank is "
+            "relaunched: tools/lockstep-run)");
     try {
         const digits::split_data data = digits::load(o.data);
         if (o.mpi) {
@@ -218,7 +234,15 @@ int main(int argc, char** argv) {
 #endif
         }
         lockstep::thread_group group(o.replicas);
-        group.run([&](lockstep::thread_communicator& comm) { run(comm, o, data); });
+        group.run([&](lockstep::thread_communicator& comm) {
+            try {
+                run(comm, o, data);
+            } catch (const digits::lost_thread&) {
+                // this replica's thread ends here
+            }
+        });
+        for (const lockstep::lost_replica& l : group.lost())
+            std::printf("  lost replica %d: %s\n", l.replica, l.reason.c_str());
     } catch (const std::exception& e) {
         std::fprintf(stderr, "digits: %s\n", e.what());
         return 1;

@@ -32,6 +32,9 @@
 namespace digits {
 
 /// What the command line asks for (see usage() in digits.cpp).
+/// What a thread lost by --lose-at throws: its thread catches it and ends.
+struct lost_thread {};
+
 struct options {
     int replicas = 4;
     int epochs = 20;
@@ -58,6 +61,10 @@ struct options {
         int rank = -1;
         bool stall = false;
     } fault;
+    /// Fault injection on the thread group: replica `rank`'s thread ends before step `step`
+    /// (it throws lost_thread, which its thread catches); none: rank < 0.
+    fault_injection lose{};
+    bool shrink = false; ///< train_params::on_replica_failure = shrink (threads, --sync sync)
 };
 
 /// True in the first launch of a job (tools/lockstep-run sets LOCKSTEP_RUN_ATTEMPT; a program
@@ -165,6 +172,8 @@ result train_and_evaluate(Comm& comm, const options& o, const split_data& data) 
     lockstep::train_params tp{.seed = o.seed, .decay = [](const lockstep::tensor_info& t) {
                                   return t.name.ends_with(".weight");
                               }};
+    if (o.shrink)
+        tp.on_replica_failure = lockstep::replica_failure::shrink;
     auto factory = [&](auto& ctx) { return net(mo, ctx.system()); };
     auto fn = [&](net& m, const lockstep::shard_range& r, auto& ctx) {
         return m.train(ctx, data.train, order, r);
@@ -229,6 +238,8 @@ result train_and_evaluate(Comm& comm, const options& o, const split_data& data) 
                     std::raise(SIGKILL); // a lost replica, as tools/lockstep-run sees one
                 std::this_thread::sleep_for(std::chrono::minutes(10)); // a hung one
             }
+            if (s == o.lose.step && comm.rank() == o.lose.rank)
+                throw lost_thread{}; // this thread ends: a lost replica
             if (s > first && o.checkpoint_every > 0 && s % o.checkpoint_every == 0)
                 save_periodic(trainer, o);
             const auto r = trainer.step(o.batch, fn);
@@ -249,7 +260,7 @@ result train_and_evaluate(Comm& comm, const options& o, const split_data& data) 
         res.samples = (steps > first ? steps - first : 0) * o.batch;
         res.final_loss = loss;
         res.weights_hash = fnv1a_bytes(trainer.parameters());
-        if (root)
+        if (comm.rank() == 0) // (after a shrink, maybe another replica than at the start)
             res.accuracy = trainer.network().accuracy(data.test);
     }
     res.samples_per_s = double(res.samples) / res.seconds;

@@ -1,5 +1,6 @@
 # examples/digits/reproducible_check.cmake: the digits demo with --reduce reproducible --bn ghost
-# ends with bitwise the same weights (FNV-1a hash) on every replica count and over MPI.
+# ends with bitwise the same weights (FNV-1a hash) on every replica count, over MPI and after
+# losing a thread replica with --shrink.
 # Usage: cmake -DDIGITS=<digits> -DFLOOR=<accuracy %> [-DLAUNCHER=mpiexec|-n|2]
 #        -P reproducible_check.cmake   (LAUNCHER: '|'-separated command prefix of the --mpi run)
 # SPDX-License-Identifier: Apache-2.0
@@ -63,6 +64,11 @@ if(launcher)
   list(APPEND sgd_runs sgd_mpi)
 endif()
 check_same(${sgd_runs})
+
+# Replica 1 of 3 lost before step 12 (its thread ends): with --shrink the 2 others compute the
+# step again and finish with the same weights.
+run_digits(sgd_shrink -- --replicas 3 --shrink --lose-at 12:1)
+check_same(sgd_1 sgd_shrink)
 
 # AdamW and LAMB (their updates take per-tensor norms and moments) on fewer replica counts.
 run_digits(adamw_1 -- --replicas 1 --optim adamw)
