@@ -165,6 +165,19 @@ TEST_CASE("other policies continue with the global batch within rounding", "[shr
     for (std::size_t k = 0; k < ref.records[0].params.size(); ++k)
         CHECK(run.records[0].params[k] == Approx(ref.records[0].params[k]).margin(1e-4).epsilon(0));
     CHECK(run.lost_reported[0] == 1);
+
+    // The same with the buckets reduced by a communication thread over a split of the
+    // communicator (train_params::overlap): the split is made again from the shrunk one.
+    const train_params overlap{.overlap = overlap_mode::always, .seed = 42};
+    const shrink_run counted_overlapped =
+        train_losing<bucketed, bn::global>(3, std::nullopt, overlap);
+    const shrink_run overlapped = train_losing<bucketed, bn::global>(
+        3, replica_loss{1, 4, loss_point::exchange, counted_overlapped.per_step}, overlap);
+    REQUIRE(overlapped.lost.size() == 1);
+    CHECK(overlapped.final_size[2] == 2);
+    for (std::size_t k = 0; k < ref.records[0].params.size(); ++k)
+        CHECK(overlapped.records[2].params[k] ==
+              Approx(ref.records[0].params[k]).margin(1e-4).epsilon(0));
 }
 
 TEST_CASE("what does not shrink: deterministic errors, a second loss, min_replicas, policies",
