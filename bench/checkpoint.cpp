@@ -127,19 +127,8 @@ int main(int argc, char** argv) {
                 v.push_back(step().first);
             return median(v);
         };
-        // Calibrated in place: the backward's units scaled until a step takes --step-ms (the
-        // same on every replica: replica 0's measure, gathered).
-        work->set_total(0);
-        double bare = median_step(3); // the update, the checks: what the burner adds to
-        double units = 1e8;           // about 30-100 ms on these cores
-        for (int round = 0; round < 3; ++round) {
-            work->set_total(units);
-            double per_unit = std::max(median_step(3) - bare, 1.0) / units;
-            comm.broadcast(std::span<double>(&per_unit, 1), 0);
-            comm.broadcast(std::span<double>(&bare, 1), 0);
-            units = std::max(opt.step_ms - bare, 1.0) / per_unit;
-        }
-        work->set_total(units);
+        // Calibrated in place: the backward's units scaled until a step takes --step-ms.
+        bench_nets::calibrate(*work, comm, opt.step_ms, median_step);
         const auto save_in_background = [&](background& b, double share, const char* name) {
             step();
             step();

@@ -57,6 +57,24 @@ struct workload {
     std::size_t floats() const { return tensors.back().offset + tensors.back().size; }
 };
 
+/// Scales w's backward until a step takes target_ms: median_step(n) runs n steps and returns
+/// their median in ms; replica 0's measure is broadcast over comm, so every replica burns the
+/// same (3 rounds from a step with no backward compute).
+template <class Comm, class MedianStep>
+void calibrate(workload& w, Comm& comm, double target_ms, MedianStep&& median_step) {
+    w.set_total(0);
+    double bare = median_step(3); // the update, the checks: what the burner adds to
+    double units = 1e8;           // about 30-100 ms on these cores
+    for (int round = 0; round < 3; ++round) {
+        w.set_total(units);
+        double per_unit = std::max(median_step(3) - bare, 1.0) / units;
+        comm.broadcast(std::span<double>(&per_unit, 1), 0);
+        comm.broadcast(std::span<double>(&bare, 1), 0);
+        units = std::max(target_ms - bare, 1.0) / per_unit;
+    }
+    w.set_total(units);
+}
+
 /// The user's network: ResNet-50's tensors from the registry.
 template <class Context>
 struct resnet_shaped {
