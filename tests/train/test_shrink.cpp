@@ -124,7 +124,7 @@ TEST_CASE("reproducible + ghost: survivors end with an undisturbed run's bits", 
         DYNAMIC_SECTION(c.replicas << " replicas, replica " << c.victim << " lost in step "
                                    << c.step << " at point " << static_cast<int>(c.point)) {
             const shrink_run counted = train_losing(c.replicas, std::nullopt);
-            const auto timeout = c.point == loss_point::stall ? 400ms : 20000ms;
+            const auto timeout = c.point == loss_point::stall ? 2000ms : 20000ms;
             const shrink_run run =
                 train_losing(c.replicas, replica_loss{c.victim, c.step, c.point, counted.per_step},
                              {.seed = 42}, timeout);
