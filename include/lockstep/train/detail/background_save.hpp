@@ -190,20 +190,14 @@ public:
             if (problem.empty())
                 problem = marker_error_; // a shard's failure is its replica's to name
         }
-        const int bad = problem.empty() ? 0 : 1;
-        std::vector<int> flags(static_cast<std::size_t>(comm.size()));
-        host_all_gather(comm, std::span<const int>(&bad, 1), std::span<int>(flags));
-        bool any_bad = false;
-        for (int f : flags)
-            any_bad = any_bad || f != 0;
+        const bool any_bad = ckpt::any_problem(comm, problem);
         inflight_.reset();
         if (!any_bad)
             return checkpoint_event::committed;
         if (all_seen && !always_throw)
             return checkpoint_event::failed;
-        ckpt::agree_or_fail(comm, problem, op,
-                            "saving checkpoint '" + path_.string() + "' in the background failed:");
-        return checkpoint_event::failed; // not reached: agree_or_fail throws when any_bad
+        ckpt::fail_agreed(comm, problem, op,
+                          "saving checkpoint '" + path_.string() + "' in the background failed:");
     }
 
 private:

@@ -49,19 +49,21 @@ std::vector<std::string> gather_strings(Comm& comm, const std::string& s) {
     return out;
 }
 
-/// Collective: when any replica reports a problem (non-empty), every replica throws ONE
-/// lockstep::error (checkpoint) listing every replica's problems.
+/// Collective (one all_gather of one int): whether any replica reports a problem (non-empty);
+/// the same answer on every replica.
 template <class Comm>
-void agree_or_fail(Comm& comm, const std::string& problem, const char* op,
-                   const std::string& what) {
+bool any_problem(Comm& comm, const std::string& problem) {
     const int mine = problem.empty() ? 0 : 1;
     std::vector<int> flags(static_cast<std::size_t>(comm.size()));
     host_all_gather(comm, std::span<const int>(&mine, 1), std::span<int>(flags));
-    bool any = false;
-    for (int f : flags)
-        any = any || f != 0;
-    if (!any)
-        return;
+    return std::any_of(flags.begin(), flags.end(), [](int f) { return f != 0; });
+}
+
+/// Collective, once any_problem() said true: every replica throws ONE lockstep::error
+/// (checkpoint) listing every replica's problems.
+template <class Comm>
+[[noreturn]] void fail_agreed(Comm& comm, const std::string& problem, const char* op,
+                              const std::string& what) {
     const std::vector<std::string> all = gather_strings(comm, problem);
     bool same = true;
     for (const auto& p : all)
@@ -73,6 +75,15 @@ void agree_or_fail(Comm& comm, const std::string& problem, const char* op,
         if (!all[r].empty())
             msg += " replica " + std::to_string(r) + ": " + all[r];
     fail(errc::checkpoint, comm.rank(), op, msg);
+}
+
+/// Collective: when any replica reports a problem (non-empty), every replica throws ONE
+/// lockstep::error (checkpoint) listing every replica's problems.
+template <class Comm>
+void agree_or_fail(Comm& comm, const std::string& problem, const char* op,
+                   const std::string& what) {
+    if (any_problem(comm, problem))
+        fail_agreed(comm, problem, op, what);
 }
 
 /// One fresh save id (collective: one all_gather), drawn by replica 0; `inflight` is registered
