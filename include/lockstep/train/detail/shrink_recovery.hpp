@@ -174,10 +174,11 @@ public:
 private:
     /// Shrinks, agrees on the step to start from, puts its start back (parameters, state,
     /// counters, loss scale, skip streak) and rebuilds the parts. Returns the replicas lost.
+    /// (The failed step drained its collective before it threw: once() is data_parallel's
+    /// step_once.)
     template <class Parts, class Rebuild>
     int recover(Core& core, std::unique_ptr<Parts>& parts, const error& cause, Rebuild& rebuild) {
         auto& comm = core.comm();
-        parts->collective.drain();
         const int before = comm.size();
         const std::int64_t live = core.steps();
         const std::vector<int> gone = comm.shrink();

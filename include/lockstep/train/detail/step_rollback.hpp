@@ -74,15 +74,17 @@ public:
     void restore(Core& core, const std::vector<nn::step_count>& counts,
                  std::uint64_t layers_id) const {
         const auto sys = core.comm().system();
-        std::size_t k = 0;
-        for_each_part(core, [&](std::span<T> part) {
-            copy(std::span<const T>(parts_[k++]), host_system{1}, part, sys);
-        });
-        core.unpack_values();
         auto& opt = core.optimizer();
-        state_view<const T> saved{optimizer_steps_, {}};
         const auto view = opt.state();
         std::size_t first = parts_.size() - view.slots.size(); // the slots were kept last
+        std::size_t k = 0;
+        for_each_part(core, [&](std::span<T> part) { // the slots: by load_state below
+            if (k < first)
+                copy(std::span<const T>(parts_[k]), host_system{1}, part, sys);
+            ++k;
+        });
+        core.unpack_values();
+        state_view<const T> saved{optimizer_steps_, {}};
         for (const auto& slot : view.slots)
             saved.slots.push_back({slot.name, std::span<const T>(parts_[first++])});
         opt.load_state(saved); // the buffers and the step count
