@@ -36,6 +36,7 @@
 #include "lockstep/nn/batch_norm.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/train/data_parallel.hpp"
+#include "median.hpp"
 #include "resnet50.hpp"
 #if LOCKSTEP_BENCH_MPI
 #include "lockstep/comm/mpi_communicator.hpp"
@@ -210,10 +211,7 @@ sample timed_step(Trainer& tr, Comm& comm, std::size_t global_batch) {
     return s;
 }
 
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0 : v[v.size() / 2];
-}
+using bench_stats::median;
 
 /// What one backend measured for one policy (medians).
 struct row {

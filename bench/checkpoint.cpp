@@ -17,6 +17,7 @@
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/train/async_checkpoint.hpp"
+#include "median.hpp"
 #include "resnet_shaped.hpp"
 
 #include <algorithm>
@@ -49,10 +50,7 @@ double ms_since(steady::time_point t0) {
     return std::chrono::duration<double, std::milli>(steady::now() - t0).count();
 }
 
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0 : v[v.size() / 2];
-}
+using bench_stats::median;
 
 /// One background save, measured on replica 0 (ms from the call).
 struct background {

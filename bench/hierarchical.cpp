@@ -14,6 +14,7 @@
 #include "lockstep/comm/mpi_communicator.hpp"
 #include "lockstep/comm/mpi_environment.hpp"
 #include "lockstep/comm/simulated_link.hpp"
+#include "median.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -27,10 +28,7 @@ using namespace lockstep;
 
 namespace {
 
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0 : v[v.size() / 2];
-}
+using bench_stats::median;
 
 template <class Comm>
 double time_all_reduce(Comm& comm, mpi_communicator& fence, std::vector<float>& x, int reps) {

@@ -28,6 +28,7 @@
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/train/data_parallel.hpp"
+#include "median.hpp"
 #include "resnet50.hpp"
 #include "resnet_shaped.hpp"
 #if LOCKSTEP_BENCH_MPI
@@ -154,10 +155,7 @@ struct row {
     double reproducible_ms = -1; ///< reduce::reproducible<1>'s step (-1: not measured)
 };
 
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0 : v[v.size() / 2];
-}
+using bench_stats::median;
 
 /// Runs one configuration on this replica. comm: the communicator trained over; fence(): a
 /// barrier that costs no modelled wire time; model(bytes): the modelled wire time of one

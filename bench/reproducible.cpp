@@ -28,6 +28,7 @@
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/train/data_parallel.hpp"
+#include "median.hpp"
 #include "resnet50.hpp"
 #if LOCKSTEP_BENCH_MPI
 #include "lockstep/comm/mpi_communicator.hpp"
@@ -72,10 +73,7 @@ struct resnet_shaped {
     }
 };
 
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0 : v[v.size() / 2];
-}
+using bench_stats::median;
 
 struct row {
     std::string name;

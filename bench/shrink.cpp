@@ -14,6 +14,7 @@
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/train/data_parallel.hpp"
+#include "median.hpp"
 #include "resnet_shaped.hpp"
 
 #include <algorithm>
@@ -32,10 +33,7 @@ using steady = std::chrono::steady_clock;
 
 namespace {
 
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0 : v[v.size() / 2];
-}
+using bench_stats::median;
 
 } // namespace
 
