@@ -138,7 +138,7 @@ digits::options parse(int argc, char** argv) {
             int rank = -1, used = 0;
             if (std::sscanf(v.c_str(), "%lu:%d%n", &step, &rank, &used) != 2 ||
                 used != int(v.size()) || rank < 0)
-                bad("--lose-at " + v + ": expected STEP:RANK");
+                bad("--lose-at " + v + ": expected STEP:REPLICA");
             o.lose = {.step = step, .rank = rank};
         } else if (a == "--kill-at" || a == "--stall-at") {
             const std::string v = value();

@@ -31,9 +31,20 @@
 
 namespace digits {
 
-/// What the command line asks for (see usage() in digits.cpp).
 /// What a thread lost by --lose-at throws: its thread catches it and ends.
 struct lost_thread {};
+
+/// The replica `comm` stands for: its thread_group index, which a shrink keeps (ranks are
+/// renumbered), else its rank.
+template <class Comm>
+int replica_of(const Comm& comm) {
+    if constexpr (requires { comm.replica(); })
+        return comm.replica();
+    else
+        return comm.rank();
+}
+
+/// What the command line asks for (see usage() in digits.cpp).
 
 struct options {
     int replicas = 4;
@@ -238,7 +249,9 @@ result train_and_evaluate(Comm& comm, const options& o, const split_data& data) 
                     std::raise(SIGKILL); // a lost replica, as tools/lockstep-run sees one
                 std::this_thread::sleep_for(std::chrono::minutes(10)); // a hung one
             }
-            if (s == o.lose.step && comm.rank() == o.lose.rank)
+            // Replica, not rank: after the shrink the survivors' ranks are renumbered, and a
+            // survivor that computes step s - 1 again must not meet this test as the lost one.
+            if (s == o.lose.step && replica_of(comm) == o.lose.rank)
                 throw lost_thread{}; // this thread ends: a lost replica
             if (s > first && o.checkpoint_every > 0 && s % o.checkpoint_every == 0)
                 save_periodic(trainer, o);
