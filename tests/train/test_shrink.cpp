@@ -325,3 +325,51 @@ TEST_CASE("reduce::sharded rolls back to the last checkpoint on the shrunk commu
         CHECK(survivors[r] == reference);
     }
 }
+
+TEST_CASE("bn::group layers split the shrunk communicator again", "[shrink]") {
+    // bn::group<2> on 4 replicas normalizes over replicas {0, 1} and {2, 3}; replica 1 is lost
+    // in the gradient exchange of step 3, and the survivors 0, 2, 3 (ranks 0, 1, 2) normalize
+    // over {0, 2} and {3} from then on (the last group is smaller). Every survivor had passed
+    // step 3's fence, so step 3 is the first computed on 3 (a loss at the fence could leave
+    // one survivor failing in step 2's last collective, and step 2 computed again on 3: under
+    // bn::group the grouping changes the weights). Against a reference that saves at step 3 on
+    // 4 replicas and resumes on 3: the same operations in the same order, so the weights have
+    // the same bits. (The running statistics are not compared: each replica keeps its own under
+    // bn::group, and a resumed run starts every replica from replica 0's.)
+    using group_bn = bn::group<2>;
+    using net = mlp<float, thread_communicator, storage::registry, group_bn>;
+    using trainer = data_parallel<net, optim::adam<float>, sync::synchronous, reduce::bucketed<256>,
+                                  thread_communicator>;
+    const temp_dir dir("shrink_group");
+    const auto factory = [](auto& ctx) { return net(ctx); };
+    const auto fn = [](net& n, const shard_range& range, auto& ctx) { return n.train(range, ctx); };
+    const train_params tp{.seed = 42, .on_replica_failure = replica_failure::shrink};
+    const auto train = [&](trainer& dp, std::int64_t until) {
+        while (dp.steps() < until)
+            (void)dp.step(shrink_batch, fn);
+    };
+    std::vector<float> reference;
+    thread_group(4).run([&](thread_communicator& comm) {
+        trainer dp(comm, factory, {.lr = 0.05f}, tp);
+        train(dp, 3);
+        save_checkpoint(dp, dir.path / "reference");
+    });
+    thread_group(3).run([&](thread_communicator& comm) {
+        trainer dp(comm, factory, {.lr = 0.05f}, tp);
+        load_checkpoint(dp, dir.path / "reference");
+        train(dp, shrink_steps);
+        if (comm.rank() == 0)
+            reference.assign(dp.parameters().begin(), dp.parameters().end());
+    });
+
+    const shrink_run counted = train_losing<reduce::bucketed<256>, group_bn>(4, std::nullopt);
+    const shrink_run run = train_losing<reduce::bucketed<256>, group_bn>(
+        4, replica_loss{1, 3, loss_point::exchange, counted.per_step});
+    REQUIRE(run.lost.size() == 1);
+    CHECK(run.lost[0].replica == 1);
+    for (std::size_t r : {std::size_t{0}, std::size_t{2}, std::size_t{3}}) {
+        CHECK(run.final_size[r] == 3);
+        CHECK(run.lost_reported[r] == 1);
+        CHECK(run.records[r].params == reference);
+    }
+}
