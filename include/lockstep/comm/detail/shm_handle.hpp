@@ -8,6 +8,7 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/detail/shm_group.hpp"
 #include "lockstep/comm/detail/shm_sync.hpp"
+#include "lockstep/comm/detail/shm_validate.hpp"
 #include "lockstep/comm/detail/span_checks.hpp"
 #include "lockstep/comm/flight_recorder.hpp"
 #include "lockstep/core/error.hpp"
@@ -171,7 +172,7 @@ protected:
             next_phase_untraced(s, group_->context().entry_spin(entry_waits_));
             entry_waits_.record(std::chrono::steady_clock::now() - arrived,
                                 run_context::max_entry_spin);
-            group_->validate(rank_, s.op);
+            validate_calls(*group_, rank_, s.op);
         } catch (const error& e) {
             throw_traced(e);
         }
