@@ -3,6 +3,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "call_identity_cases.hpp"
 #include "lockstep/comm/thread_group.hpp"
+#include "support/contains.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -15,13 +16,7 @@ using lockstep::thread_communicator;
 using lockstep::thread_group;
 using lockstep::testing::call_fault;
 
-namespace {
-
-bool contains(const std::string& s, const std::string& part) {
-    return s.find(part) != std::string::npos;
-}
-
-} // namespace
+using lockstep_test::contains;
 
 namespace {
 

@@ -2,6 +2,7 @@
 // an error on every rank naming the sequence number and both calls, and no wrong value. Its own
 // Catch2 main; CTest runs it with 3 ranks. SPDX-License-Identifier: Apache-2.0
 
+#include "support/contains.hpp"
 #include "support/mpi_session.hpp"
 
 #include "call_identity_cases.hpp"
@@ -18,13 +19,7 @@ using lockstep::mpi_communicator;
 using lockstep::reduce_op;
 using lockstep::testing::call_fault;
 
-namespace {
-
-bool contains(const std::string& s, const std::string& part) {
-    return s.find(part) != std::string::npos;
-}
-
-} // namespace
+using lockstep_test::contains;
 
 namespace {
 

@@ -4,6 +4,7 @@
 #include "lockstep/comm/flight_recorder.hpp"
 #include "lockstep/comm/simulated_link.hpp"
 #include "lockstep/comm/thread_group.hpp"
+#include "support/contains.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -27,11 +28,9 @@ using lockstep::reduce_op;
 using lockstep::thread_communicator;
 using lockstep::thread_group;
 
-namespace {
+using lockstep_test::contains;
 
-bool contains(const std::string& s, const std::string& part) {
-    return s.find(part) != std::string::npos;
-}
+namespace {
 
 /// A fresh directory for one test's trace files, set as LOCKSTEP_TRACE_DIR while it lives.
 struct trace_dir {

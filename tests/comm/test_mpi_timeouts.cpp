@@ -6,6 +6,7 @@
 // and the exit status (MPI_Abort's output can be lost when the job is torn down, files are not).
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/mpi_communicator.hpp"
+#include "support/contains.hpp"
 
 #include <chrono>
 #include <cstdio>
@@ -14,6 +15,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+using lockstep_test::contains;
 
 namespace {
 
@@ -28,10 +31,6 @@ void record(const std::string& line) {
     std::ofstream f(g_dir + "/rank" + std::to_string(g_rank) + ".txt", std::ios::app);
     f << line << '\n';
     f.flush();
-}
-
-bool contains(const std::string& s, const std::string& part) {
-    return s.find(part) != std::string::npos;
 }
 
 void sum(mpi_communicator& comm, std::vector<float>& v) {

@@ -2,6 +2,7 @@
 // with its peers must turn into a clear error on every replica, never a hang.
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/thread_group.hpp"
+#include "support/contains.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -24,6 +25,8 @@ using lockstep::reduce_op;
 using lockstep::thread_communicator;
 using lockstep::thread_group;
 using namespace std::chrono_literals;
+
+using lockstep_test::contains;
 
 namespace {
 
@@ -48,10 +51,6 @@ std::vector<outcome> run_recording(thread_group& group, Body body) {
         }
     });
     return out;
-}
-
-bool contains(const std::string& s, const std::string& part) {
-    return s.find(part) != std::string::npos;
 }
 
 /// A misuse of a collective: its name, the error every replica gets and part of its message.

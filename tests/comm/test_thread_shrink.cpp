@@ -2,6 +2,7 @@
 // out, continue in a new group, and an excluded replica that is still alive cannot reach them.
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/thread_group.hpp"
+#include "support/contains.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -22,11 +23,9 @@ using lockstep::thread_communicator;
 using lockstep::thread_group;
 using namespace std::chrono_literals;
 
-namespace {
+using lockstep_test::contains;
 
-bool contains(const std::string& s, const std::string& part) {
-    return s.find(part) != std::string::npos;
-}
+namespace {
 
 /// What a survivor saw: the error of its failed collective, the shrink's answer, its new rank
 /// and size, and a sum over the new group.

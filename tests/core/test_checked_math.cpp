@@ -2,6 +2,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/timeout.hpp"
 #include "lockstep/core/checked_math.hpp"
+#include "support/contains.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -11,6 +12,8 @@
 #include <vector>
 
 using lockstep::errc;
+
+using lockstep_test::contains;
 
 namespace {
 template <class F>
@@ -23,9 +26,6 @@ std::string message_of(F f) {
     }
     FAIL("no lockstep::error");
     return {};
-}
-bool contains(const std::string& s, const std::string& p) {
-    return s.find(p) != std::string::npos;
 }
 } // namespace
 

@@ -1,6 +1,7 @@
 // batch_norm's constructor and input checks: non-finite or out-of-range eps and momentum,
 // channel counts and shapes whose sizes overflow. SPDX-License-Identifier: Apache-2.0
 #include "lockstep/nn/batch_norm.hpp"
+#include "support/contains.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -12,10 +13,9 @@
 
 using namespace lockstep;
 
+using lockstep_test::contains;
+
 namespace {
-bool contains(const std::string& s, const std::string& p) {
-    return s.find(p) != std::string::npos;
-}
 template <class F>
 std::string message_of(F f) {
     try {

@@ -3,6 +3,7 @@
 // and a layer whose policy the network did not declare in bn_policies (with the compile-time
 // check's sentence where the combination cannot train). SPDX-License-Identifier: Apache-2.0
 #include "lockstep/lockstep.hpp"
+#include "support/contains.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -14,6 +15,8 @@
 #include <vector>
 
 using namespace lockstep;
+
+using lockstep_test::contains;
 
 namespace {
 
@@ -95,10 +98,6 @@ std::vector<std::string> run(int replicas, call how, int steps = 2) {
         if (!errors[r].empty())
             CHECK(codes[r] == errc::invalid_argument);
     return errors;
-}
-
-bool contains(const std::string& s, const std::string& part) {
-    return s.find(part) != std::string::npos;
 }
 
 } // namespace

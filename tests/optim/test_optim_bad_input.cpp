@@ -4,6 +4,7 @@
 #include "lockstep/optim/lamb.hpp"
 #include "lockstep/optim/lars.hpp"
 #include "lockstep/optim/sgd.hpp"
+#include "support/contains.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -12,6 +13,8 @@
 
 using namespace lockstep;
 using namespace lockstep::optim;
+
+using lockstep_test::contains;
 
 namespace {
 const double infinity = std::numeric_limits<double>::infinity();
@@ -25,9 +28,6 @@ std::string message_of(F f) {
         return e.what();
     }
     return "no error";
-}
-bool contains(const std::string& s, const std::string& p) {
-    return s.find(p) != std::string::npos;
 }
 } // namespace
 

@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 
 #include "checkpoint_support.hpp"
+#include "support/contains.hpp"
 #include "train_runner.hpp"
 
 #include "lockstep/optim/sgd.hpp"
@@ -35,10 +36,6 @@ using net = dp_type::network_type;
 
 train_params params_for(std::uint64_t seed) {
     return {.seed = seed};
-}
-
-bool contains(const std::string& s, const std::string& part) {
-    return s.find(part) != std::string::npos;
 }
 
 std::size_t batch_of(std::int64_t step) {

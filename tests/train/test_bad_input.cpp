@@ -8,6 +8,7 @@
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/train/data_parallel.hpp"
 #include "mlp_fixture.hpp"
+#include "support/contains.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -17,11 +18,7 @@
 
 using namespace lockstep;
 
-namespace {
-bool contains(const std::string& s, const std::string& p) {
-    return s.find(p) != std::string::npos;
-}
-} // namespace
+using lockstep_test::contains;
 
 TEST_CASE("the registry refuses shapes whose element count overflows", "[train]") {
     parameter_registry<float> reg(host_system{1}, 2);

@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include "checkpoint_support.hpp"
+#include "support/contains.hpp"
 #include "train_runner.hpp"
 
 #include "lockstep/optim/adam.hpp"
@@ -196,10 +197,6 @@ const optim::sgd_params base_params{.lr = 0.05, .momentum = 0.9};
 void save_reference(const fs::path& path) {
     run<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
         {.replicas = 2, .steps = 3, .save = path, .save_at = 3}, base_params);
-}
-
-bool contains(const std::string& s, const std::string& part) {
-    return s.find(part) != std::string::npos;
 }
 
 void check_refused(const refusal& r, const std::vector<std::string>& parts) {

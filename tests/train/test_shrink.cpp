@@ -11,6 +11,7 @@
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/optim/adam.hpp"
 #include "lockstep/optim/sgd.hpp"
+#include "support/contains.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -94,10 +95,6 @@ shrink_run train_losing(int replicas, std::optional<replica_loss> loss,
     out.lost = group.lost();
     out.per_step = inject.per_step();
     return out;
-}
-
-bool contains(const std::string& s, const std::string& part) {
-    return s.find(part) != std::string::npos;
 }
 
 } // namespace
