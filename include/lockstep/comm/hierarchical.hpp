@@ -436,6 +436,7 @@ public:
         // Colors are made non-negative (MPI and NCCL splits need that): their index among the
         // distinct colors.
         std::vector<int> colors;
+        colors.reserve(static_cast<std::size_t>(n));
         for (int r = 0; r < n; ++r)
             colors.push_back(all[2 * static_cast<std::size_t>(r)]);
         std::sort(colors.begin(), colors.end());
