@@ -5,6 +5,7 @@
 
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/leading_zeros.hpp"
+#include "lockstep/kernels/for_each.hpp"
 
 #include <bit>
 #include <cmath>
@@ -327,5 +328,69 @@ struct anchored_own_check_fn {
             out[i] = std::numeric_limits<T>::quiet_NaN();
     }
 };
+
+/// Task i: dst[i] = src[i], then clear[i] = 0 where clear (src itself, or null) is not null: a
+/// chunk's value kept, its slot left zero for the next chunk.
+template <class T>
+struct anchored_keep_fn {
+    const T* src;
+    T* dst;
+    T* clear;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
+        dst[i] = src[i];
+        if (clear != nullptr)
+            clear[i] = T(0);
+    }
+};
+
+/// A pass over elements [first, end) of a chunk's gradient src (n values): copied to dst at the
+/// same offsets (dst null: only read), left zero where clear (src itself, or null) is not null.
+/// flags (null: none): one byte per keep tile of the chunk, set to 1 for a tile that holds a
+/// non-finite value by the systems that flag (anchored_flags).
+template <class T>
+struct anchored_keep_pass {
+    const T* src;
+    T* dst;
+    T* clear;
+    std::size_t first;
+    std::size_t end;
+    std::size_t n;
+    unsigned char* flags;
+};
+
+// The passes of reduce::reproducible's accumulator on a System, element by element through the
+// functors above. host_system's overloads for float (kernels/detail/anchored_host.hpp, in
+// namespace lockstep::host, found by argument-dependent lookup on the system) run vector tiles
+// with the same bits, and their keep passes flag the tiles that hold a non-finite value.
+
+/// Whether the keep passes on sys flag tiles for values of T.
+template <class System, class T>
+constexpr bool anchored_flags(const System& /*sys*/, const T* /*type*/) noexcept {
+    return false;
+}
+
+/// out[i] = the sum of element i of terms (anchored_sum_fn), for i < count.
+template <class System, class T, class V>
+void anchored_sums(const System& sys, const anchored_terms<V>& terms, std::size_t count, T* out) {
+    for_each_index(sys, count, anchored_sum_fn<T, V>{terms, out});
+}
+
+/// The pass p, flagging nothing.
+template <class System, class T>
+void anchored_keep(const System& sys, const anchored_keep_pass<T>& p) {
+    if (p.dst != nullptr && p.first < p.end)
+        for_each_index(sys, p.end - p.first,
+                       anchored_keep_fn<T>{p.src + p.first, p.dst + p.first,
+                                           p.clear != nullptr ? p.clear + p.first : nullptr},
+                       p.end - p.first);
+}
+
+/// out (the last chunk, n values) marked by anchored_own_check_fn; flags, where the keep passes
+/// set them (not null), say which tiles can hold a non-finite kept value.
+template <class System, class T>
+void anchored_mark_own(const System& sys, const anchored_chunks<T>& chunks, std::size_t n,
+                       const unsigned char* /*flags*/, T* out) {
+    for_each_index(sys, n, anchored_own_check_fn<T>{chunks, out}, chunks.count * n);
+}
 
 } // namespace lockstep::kernels

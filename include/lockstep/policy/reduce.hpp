@@ -136,8 +136,8 @@ inline constexpr std::size_t default_gather_values = std::size_t{1} << 16;
 /// pays for one collective instead of several); otherwise an all_to_all per chunk index brings
 /// every replica's values of a block of elements to the block's owner, which sums its block,
 /// and an all_gather returns the blocks. Either way an element's sum is a function of its
-/// values alone, so the choice does not change a bit. The loss is summed in
-/// kernels/exact_sum.hpp's binned form from every chunk's loss. The communicator must have
+/// values alone, so the choice does not change a bit. The loss is the same anchored sum of
+/// every chunk's loss. The communicator must have
 /// all_to_all. Given the same global batches, seed and policies, and a network whose own kernels
 /// are deterministic for a given input, the weights, optimizer state and BN running statistics
 /// (bn::ghost<ChunkSamples>) are bitwise the same for every replica count.

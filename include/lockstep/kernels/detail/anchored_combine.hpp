@@ -7,6 +7,7 @@
 #include "lockstep/kernels/anchored_sum.hpp"
 #include "lockstep/kernels/detail/anchored_host.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstddef>
@@ -76,9 +77,9 @@ void anchored_note(const anchored_combine_report& report, const T* const* source
 /// The anchored sums (anchored_sum_fn's bits) of elements [first, first + m) of n arrays of
 /// terms: out[k] = the sum of sources[j][first + k] over j < n, rounded once. Float sums of at
 /// most anchored_short_terms arrays run tile by tile straight from the arrays
-/// (anchored_array_sums, anchored_host.hpp), so the arrays may live anywhere
-/// (thread_communicator::all_combine's peers' buffers); anchored_sum_fn answers the elements
-/// they leave, and every element otherwise. With report.words, each call adds what its sums saw
+/// (anchored_tile_sums, anchored_host.hpp), so the arrays may live anywhere
+/// (thread_communicator::all_combine's peers' buffers); anchored_sum_fn answers every element
+/// otherwise. With report.words, each call adds what its sums saw
 /// (anchored_note), so the owner of the elements learns, without another pass, whether every
 /// sum is finite and which group's values were not. out must not overlap a source. requires: 1
 /// <= n <= anchored_limits::max_terms; with a report, n == report.groups * report.size.
@@ -95,34 +96,23 @@ struct anchored_combine_fn {
 private:
     static void sum(const T* const* sources, std::size_t n, std::size_t first, std::size_t m,
                     T* out) {
-        constexpr std::size_t on_stack = 16;
-        T local[on_stack];
-        std::vector<T> heap(n > on_stack ? n : 0);
-        T* values = n > on_stack ? heap.data() : static_cast<T*>(local);
-        // Element `first + i`'s n values, summed by anchored_sum_fn, into out[i].
-        const auto one = [&](std::size_t i) {
-            for (std::size_t j = 0; j < n; ++j)
-                values[j] = sources[j][first + i];
-            anchored_sum_fn<T>{{values, 1, n, 0, 1}, out + i}(0);
-        };
         if constexpr (std::is_same_v<T, float>) {
             if (n <= anchored_short_terms) {
                 const float* p[anchored_short_terms];
-                unsigned char done[anchored_tile];
                 for (std::size_t b = 0; b < m; b += anchored_tile) {
-                    const std::size_t mm = m - b < anchored_tile ? m - b : anchored_tile;
                     for (std::size_t j = 0; j < n; ++j)
                         p[j] = sources[j] + first + b;
-                    if (!anchored_array_sums(p, n, mm, out + b, done))
-                        for (std::size_t i = 0; i < mm; ++i)
-                            if (done[i] == 0)
-                                one(b + i);
+                    anchored_tile_sums(p, n, std::min(m - b, anchored_tile), out + b);
                 }
                 return;
             }
         }
-        for (std::size_t i = 0; i < m; ++i)
-            one(i);
+        std::vector<T> values(n); // element first + i's values, summed by anchored_sum_fn
+        for (std::size_t i = 0; i < m; ++i) {
+            for (std::size_t j = 0; j < n; ++j)
+                values[j] = sources[j][first + i];
+            anchored_sum_fn<T>{{values.data(), 1, n, 0, 1}, out + i}(0);
+        }
     }
 };
 

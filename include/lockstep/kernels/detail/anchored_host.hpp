@@ -2,12 +2,13 @@
 // of elements read straight from their arrays of terms, in blocks of GNU vector types) and of the
 // pass that keeps a chunk and flags its non-finite tiles: no data-dependent branch, run on the
 // widest vector registers the host has (on_widest_vectors), bit for bit anchored_sum_fn's results
-// where they answer.
+// where they answer; and host_system's overloads of the accumulator's passes that run them.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/kernels/anchored_sum.hpp"
 #include "lockstep/system/detail/cpu_features.hpp"
+#include "lockstep/system/host_system.hpp"
 
 #if LOCKSTEP_HOST_X86
 #include <xmmintrin.h>
@@ -18,14 +19,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 namespace lockstep::kernels::detail {
-
-/// Whether values of T on System take this file's tiled passes (the host, in float); the others
-/// run the element functors of kernels/anchored_sum.hpp.
-template <class T, class System>
-inline constexpr bool anchored_host_tiles = (System::is_host && std::is_same_v<T, float>);
 
 /// Elements per tile of the sums: the tile's anchors, sums and flags live in registers or L1.
 inline constexpr std::size_t anchored_tile = 256;
@@ -184,26 +179,39 @@ inline bool anchored_array_sums(const float* const* p, std::size_t k, std::size_
     });
 }
 
-/// Task t: the float sums of elements [t anchored_tile, min(..., count)) of terms into out,
-/// bit for bit what anchored_sum_fn<float> gives (which answers the elements the tile does
-/// not). Host only. requires: terms.replicas * terms.calls <= anchored_short_terms.
+/// The float sums of m <= anchored_tile elements of k arrays p[j] into out[0, m), bit for bit
+/// anchored_sum_fn's: anchored_array_sums, then anchored_sum_fn for the elements it leaves.
+/// requires: 1 <= k <= anchored_short_terms.
+inline void anchored_tile_sums(const float* const* p, std::size_t k, std::size_t m, float* out) {
+    unsigned char done[anchored_tile];
+    if (anchored_array_sums(p, k, m, out, done))
+        return;
+    float values[anchored_short_terms];
+    for (std::size_t i = 0; i < m; ++i) {
+        if (done[i] != 0)
+            continue;
+        for (std::size_t j = 0; j < k; ++j)
+            values[j] = p[j][i];
+        anchored_sum_fn<float>{{values, 1, k, 0, 1}, out + i}(0);
+    }
+}
+
+/// Task t: the float sums of elements [t anchored_tile, min(..., count)) of terms into out
+/// (anchored_tile_sums). Host only. requires: terms.replicas * terms.calls <=
+/// anchored_short_terms.
 struct anchored_sum_tiles_fn {
     anchored_terms<float> terms;
     std::size_t count;
     float* out;
     void operator()(std::size_t t) const {
         const std::size_t b = t * anchored_tile;
-        const std::size_t m = std::min(count - b, anchored_tile);
         const float* p[anchored_short_terms];
         for (std::size_t j = 0; j < terms.replicas; ++j)
             for (std::size_t c = 0; c < terms.calls; ++c)
                 p[j * terms.calls + c] =
                     terms.base + j * terms.replica_stride + c * terms.call_stride + b;
-        unsigned char done[anchored_tile];
-        if (!anchored_array_sums(p, terms.replicas * terms.calls, m, out + b, done))
-            for (std::size_t i = 0; i < m; ++i)
-                if (done[i] == 0)
-                    anchored_sum_fn<float>{terms, out}(b + i);
+        anchored_tile_sums(p, terms.replicas * terms.calls, std::min(count - b, anchored_tile),
+                           out + b);
     }
 };
 
@@ -318,3 +326,47 @@ struct anchored_mark_tiles_fn {
 };
 
 } // namespace lockstep::kernels::detail
+
+// host_system's overloads of the passes of kernels/anchored_sum.hpp for float, in its own
+// namespace so that argument-dependent lookup on a host_system finds them (as the batch-norm
+// operations of bn_host_path.hpp): the tiles above, the same bits.
+namespace lockstep::host {
+
+/// The keep passes flag the keep tiles that hold a non-finite float.
+constexpr bool anchored_flags(const host_system& /*sys*/, const float* /*type*/) noexcept {
+    return true;
+}
+
+/// Tile by tile (anchored_sum_tiles_fn) up to anchored_short_terms terms per element.
+inline void anchored_sums(const host_system& sys, const kernels::anchored_terms<float>& terms,
+                          std::size_t count, float* out) {
+    using namespace kernels::detail;
+    if (terms.replicas * terms.calls > anchored_short_terms)
+        return kernels::anchored_sums<host_system, float, float>(sys, terms, count, out);
+    kernels::for_each_index(sys, (count + anchored_tile - 1) / anchored_tile,
+                            anchored_sum_tiles_fn{terms, count, out}, count);
+}
+
+/// Keep tile by keep tile (anchored_keep_tiles_fn), flagging; streaming stores for a chunk of at
+/// least anchored_stream_bytes.
+inline void anchored_keep(const host_system& sys, const kernels::anchored_keep_pass<float>& p) {
+    using namespace kernels::detail;
+    if (p.first < p.end && (p.dst != nullptr || p.flags != nullptr))
+        kernels::for_each_index(
+            sys, anchored_keep_tiles_fn::tasks(p.first, p.end),
+            anchored_keep_tiles_fn{p.src, p.dst, p.clear, p.first, p.end, p.flags,
+                                   p.n * sizeof(float) >= anchored_stream_bytes},
+            p.end - p.first);
+}
+
+/// In the flagged tiles only (anchored_mark_tiles_fn) when flags is not null.
+inline void anchored_mark_own(const host_system& sys, const kernels::anchored_chunks<float>& chunks,
+                              std::size_t n, const unsigned char* flags, float* out) {
+    using namespace kernels::detail;
+    if (flags == nullptr)
+        return kernels::anchored_mark_own<host_system, float>(sys, chunks, n, nullptr, out);
+    kernels::for_each_index(sys, (n + anchored_keep_tile - 1) / anchored_keep_tile,
+                            anchored_mark_tiles_fn{chunks, n, flags, out}, n);
+}
+
+} // namespace lockstep::host

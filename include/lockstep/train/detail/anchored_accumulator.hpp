@@ -56,11 +56,10 @@ inline constexpr anchored_exchange anchored_exchange_for =
     : all_to_all_others_communicator<Communicator> ? anchored_exchange::in_place
                                                    : anchored_exchange::blocks;
 
-/// Order-independent sums of n gradient elements (kernels/anchored_sum.hpp) and one loss
-/// (kernels/exact_sum.hpp) over the replicas of a communicator, on System. Per step: begin();
-/// per chunk take() in parts (keep() of every chunk but the last, which leaves g zero for the
-/// next), add() and add_loss() (the chunks wait in an anchored_keeper); exchange() (collective);
-/// check_local(); finalize() (collective).
+/// Order-independent sums (kernels/anchored_sum.hpp) of n gradient elements and one loss over the
+/// replicas of a communicator, on System. Per step: begin(); per chunk take() in parts (keep() of
+/// every chunk but the last, which leaves g zero for the next), add() and add_loss() (the chunks
+/// wait in an anchored_keeper); exchange() (collective); check_local(); finalize() (collective).
 /// Each element's sum is formed from all of its values in one place and rounded once, so the
 /// bits depend neither on the replica count nor on the exchange:
 /// - combined: finalize() has each replica's share of the elements summed from every
@@ -89,8 +88,7 @@ public:
                          std::size_t gather_values = 0)
         : n_(n), replicas_(static_cast<std::size_t>(replicas)), gather_values_(gather_values),
           rank_(static_cast<std::size_t>(rank)), block_(n / replicas_),
-          tail_(n - block_ * replicas_), sys_(sys), loss_top_(1, sys),
-          loss_bins_(kernels::binned::window, sys), losses_(1, sys), own_report_(1, sys),
+          tail_(n - block_ * replicas_), sys_(sys), losses_(1, sys), own_report_(1, sys),
           keeper_(n, rank, sys) {}
 
     std::size_t size() const noexcept { return n_; }
@@ -214,8 +212,7 @@ public:
                                                    n_};
             sum_range(terms, n_, g.data());
             run(1, gathered_loss_fn{terms_of(0), replicas_, row_.terms(),
-                                    region_ * sizeof(T) / sizeof(double), loss_top_.data(),
-                                    loss_bins_.data(), loss});
+                                    region_ * sizeof(T) / sizeof(double), loss});
             return;
         }
         if constexpr (combined) {
@@ -225,8 +222,8 @@ public:
             gather_rows(comm);
             run(1, own_report_fn<T>{row_.extra(small_recv_.data()), replicas_, row_.size(), rank_,
                                     nullptr, 0, 0, 0, nullptr, own_report_.data()});
-            run(1, gathered_loss_fn{small_recv_.data(), replicas_, row_.terms(), row_.size(),
-                                    loss_top_.data(), loss_bins_.data(), loss});
+            run(1,
+                gathered_loss_fn{small_recv_.data(), replicas_, row_.terms(), row_.size(), loss});
             return;
         }
         const std::size_t all = blocks();
@@ -271,8 +268,7 @@ public:
                                     row_.extra(small_recv_.data() + rank_ * row_.size()),
                                     max_calls_, tail_, all, g.data() + all, own_report_.data()});
         }
-        run(1, gathered_loss_fn{small_recv_.data(), replicas_, row_.terms(), row_.size(),
-                                loss_top_.data(), loss_bins_.data(), loss});
+        run(1, gathered_loss_fn{small_recv_.data(), replicas_, row_.terms(), row_.size(), loss});
     }
     /// Whether finalize() reports this replica's own check and the sums' finiteness
     /// (own_report(), sums_finite()) instead of check_local() marking g for it: the combined
@@ -306,19 +302,10 @@ private:
              std::size_t elements = std::numeric_limits<std::size_t>::max()) {
         kernels::for_each_index(sys_, count, f, elements);
     }
-    static constexpr bool host_float = kernels::detail::anchored_host_tiles<T, System>;
-    static std::size_t tiles(std::size_t count) noexcept {
-        return (count + kernels::detail::anchored_tile - 1) / kernels::detail::anchored_tile;
-    }
-    /// out[i] = the rounded sum of element i of terms, for i < count.
+    /// out[i] = the rounded sum of element i of terms, for i < count (the system's pass).
     void sum_range(const kernels::anchored_terms<T>& terms, std::size_t count, T* out) {
-        if constexpr (host_float) {
-            if (replicas_ * max_calls_ <= kernels::detail::anchored_short_terms) {
-                run(tiles(count), kernels::detail::anchored_sum_tiles_fn{terms, count, out}, count);
-                return;
-            }
-        }
-        run(count, kernels::anchored_sum_fn<T>{terms, out});
+        using kernels::anchored_sums; // host_system's overload found by argument-dependent lookup
+        anchored_sums(sys_, terms, count, out);
     }
     /// combined: g = the sums of every replica's max_calls chunks (this replica's: its kept
     /// chunks, then g itself; zeros past its calls), by all_combine.
@@ -376,8 +363,6 @@ private:
     anchored_row row_;         ///< a replica's doubles in the small all_gather
     std::size_t terms_at_ = 0; ///< gathered: where a replica's loss terms start in its region
     std::size_t region_ = 0;   ///< gathered: values of T per replica (chunks, padding, terms)
-    buffer<std::int64_t, System> loss_top_; ///< workspace of the global loss's binned sum
-    buffer<std::int64_t, System> loss_bins_;
     buffer<anchored_losses, System> losses_;
     buffer<anchored_own_report, System> own_report_; ///< reports_own()
     buffer<std::uint64_t, System> words_;     ///< reports_own(): what this replica's sums saw

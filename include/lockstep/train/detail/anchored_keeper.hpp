@@ -8,33 +8,19 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
 #include "lockstep/kernels/detail/anchored_host.hpp"
-#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/system/buffer.hpp"
-#include "lockstep/train/detail/reduce_functors.hpp"
 
 #include <cstddef>
-#include <limits>
 #include <span>
-#include <type_traits>
 
 namespace lockstep::detail {
-
-/// Task i: dst[i] = g[i], then g[i] = 0 (a chunk's value kept, its slot left for the next).
-template <class T>
-struct keep_zero_fn {
-    T* g;
-    T* dst;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
-        dst[i] = g[i];
-        g[i] = T(0);
-    }
-};
 
 /// One replica's chunks of a step, n values each: begin(); per chunk take() in parts (keep() of
 /// every chunk but the last, which leaves g zero for the next), then add(). A kept chunk goes to
 /// a slot: this keeper's store, or slots the caller gives (the gathered exchange keeps them in
-/// its send region, and copies the last chunk there too). On the host in float, the passes that
-/// keep (or, for the last chunk, only read) the values flag the keep tiles that hold a
+/// its send region, and copies the last chunk there too). The passes are the system's
+/// (kernels::anchored_keep, anchored_mark_own); where they flag (host_system, float), the passes
+/// that keep (or, for the last chunk, only read) the values flag the keep tiles that hold a
 /// non-finite value, so that own_values_finite() and mark_own() read only those tiles.
 template <class T, class System>
 class anchored_keeper {
@@ -43,14 +29,15 @@ public:
 
     /// Starts a step of `calls` chunks, kept at `slots` ((calls - 1) * n values, or calls * n
     /// when the last is copied there too: copy_last) or, when null, in this keeper's store;
-    /// `flagging`: the host's float passes flag non-finite keep tiles. requires: calls >= 1.
+    /// `flagging`: flag non-finite keep tiles where the system's passes can. requires: calls >= 1.
     void begin(std::size_t calls, T* slots, bool copy_last, bool flagging) {
         calls_ = calls;
         added_ = 0;
         kept_ = 0;
         scanned_ = 0;
         copy_last_ = copy_last;
-        flagging_ = host_float && flagging;
+        using kernels::anchored_flags;
+        flagging_ = flagging && anchored_flags(sys_, static_cast<const T*>(nullptr));
         if (slots == nullptr) {
             if (store_.size() < (calls - 1) * n_)
                 store_ = buffer<T, System>((calls - 1) * n_, sys_);
@@ -69,8 +56,8 @@ public:
     bool keeps_current() const noexcept { return added_ + 1 < calls_; }
     /// Elements [first, first + count) of the chunk being computed are final in g: they are kept
     /// in its slot and left zero in g (the next chunk accumulates there), in one pass that the
-    /// backward may still find in the caches (keep_zero_fn; on the host in float, tiles that
-    /// also flag). Every element of a kept chunk is kept exactly once, in parts in any order,
+    /// backward may still find in the caches (on a device, the whole chunk once it is kept).
+    /// Every element of a kept chunk is kept exactly once, in parts in any order,
     /// before add() ends it. requires: keeps_current(), first + count <= n, g.size() == n.
     void keep(std::span<T> g, std::size_t first, std::size_t count) {
         LOCKSTEP_REQUIRE(keeps_current() && first <= n_ && count <= n_ - first &&
@@ -79,14 +66,10 @@ public:
                          ", ", first + count, ") of chunk ", added_, " of ", calls_, " (", kept_,
                          " of ", n_, " kept)");
         kept_ += count;
-        if (count == 0)
-            return;
-        if constexpr (host_float)
-            keep_range(g.data(), slot(added_), g.data(), first, first + count);
-        else if constexpr (System::is_host)
-            run(count, keep_zero_fn<T>{g.data() + first, slot(added_) + first}, count);
-        else if (kept_ == n_) // a device keeps the whole chunk in one launch
-            run(n_, keep_zero_fn<T>{g.data(), slot(added_)}, n_);
+        if (System::is_host)
+            pass(g.data(), slot(added_), g.data(), first, first + count);
+        else if (kept_ == n_ && count > 0) // a device keeps the whole chunk in one launch
+            pass(g.data(), slot(added_), g.data(), 0, n_);
     }
     /// Elements [first, first + count) of the chunk being computed are final in g: keep() for a
     /// kept chunk; of the last chunk, which stays in g, the host's float passes flag its keep
@@ -101,15 +84,10 @@ public:
                          errc::internal, rank_, "reduce::reproducible.take", "elements [", first,
                          ", ", first + count, ") of the last chunk (", scanned_, " of ", n_,
                          " taken)");
-        if constexpr (host_float) {
-            if (count == 0 || copy_last_ || !flagging_)
-                return;
-            run(kernels::detail::anchored_keep_tiles_fn::tasks(first, first + count),
-                kernels::detail::anchored_keep_tiles_fn{g.data(), nullptr, nullptr, first,
-                                                        first + count, flags_.data(), false},
-                count);
-            scanned_ += count;
-        }
+        if (count == 0 || copy_last_ || !flagging_)
+            return;
+        pass(g.data(), nullptr, nullptr, first, first + count);
+        scanned_ += count;
     }
     /// Ends the chunk being computed, whose gradient is in g (n values): a kept chunk must have
     /// been kept whole by keep(); the last one stays in g (copy_last: also copied to its slot).
@@ -120,7 +98,7 @@ public:
                              "chunk ", added_, " of ", calls_, " ended with ", kept_, " of its ",
                              n_, " elements kept");
         else if (copy_last_)
-            copy_kept(g, slot(added_));
+            pass(g.data(), slot(added_), nullptr, 0, n_);
         kept_ = 0;
         ++added_;
     }
@@ -128,31 +106,20 @@ public:
     /// when flagging, every element of every chunk was flagged (kept, copied or taken from the
     /// last one) and no keep tile was flagged; else false.
     bool own_values_finite() const noexcept {
-        if constexpr (host_float) {
-            if (!flagging_ || added_ != calls_ || (!copy_last_ && scanned_ != n_))
-                return false;
-            const unsigned char* f = flags_.data();
-            for (std::size_t t = 0; t < keep_tiles(); ++t)
-                if (f[t] != 0)
-                    return false;
-            return true;
-        } else {
+        if (!flagging_ || added_ != calls_ || (!copy_last_ && scanned_ != n_))
             return false;
-        }
+        const unsigned char* f = flags_.data(); // flagging: host memory
+        for (std::size_t t = 0; t < keep_tiles(); ++t)
+            if (f[t] != 0)
+                return false;
+        return true;
     }
     /// g (the last chunk) becomes a quiet NaN where a kept chunk holds a non-finite value
-    /// (kernels::anchored_own_check_fn; flagging: in the flagged tiles only).
+    /// (kernels::anchored_mark_own; flagging: in the flagged tiles only).
     void mark_own(std::span<T> g) {
-        if constexpr (host_float) {
-            if (flagging_) {
-                run(keep_tiles(),
-                    kernels::detail::anchored_mark_tiles_fn{chunks(g.data()), n_, flags_.data(),
-                                                            g.data()},
-                    n_);
-                return;
-            }
-        }
-        run(n_, kernels::anchored_own_check_fn<T>{chunks(g.data()), g.data()}, calls_ * n_);
+        using kernels::anchored_mark_own;
+        anchored_mark_own(sys_, chunks(g.data()), n_, flagging_ ? flags_.data() : nullptr,
+                          g.data());
     }
     /// Chunk c < calls(): its slot, or `last` for the last one.
     const T* chunk(std::size_t c, const T* last) const noexcept {
@@ -164,34 +131,16 @@ public:
     }
 
 private:
-    static constexpr bool host_float = kernels::detail::anchored_host_tiles<T, System>;
-
-    template <class F>
-    void run(std::size_t count, const F& f,
-             std::size_t elements = std::numeric_limits<std::size_t>::max()) {
-        kernels::for_each_index(sys_, count, f, elements);
-    }
     std::size_t keep_tiles() const noexcept {
         return (n_ + kernels::detail::anchored_keep_tile - 1) / kernels::detail::anchored_keep_tile;
     }
     T* slot(std::size_t c) noexcept { return slots_ + c * n_; }
-    /// Host float: elements [first, end) of src copied to dst at the same offsets (zeroed in
-    /// src where clear, which is src or null), flagging (kernels/detail/anchored_host.hpp).
-    /// requires: first < end.
-    void keep_range(const float* src, float* dst, float* clear, std::size_t first,
-                    std::size_t end) {
-        run(kernels::detail::anchored_keep_tiles_fn::tasks(first, end),
-            kernels::detail::anchored_keep_tiles_fn{
-                src, dst, clear, first, end, flagging_ ? flags_.data() : nullptr,
-                n_ * sizeof(float) >= kernels::detail::anchored_stream_bytes},
-            end - first);
-    }
-    /// dst[0, n) = g[0, n) (the last chunk, copied); on the host in float, flagging.
-    void copy_kept(std::span<const T> g, T* dst) {
-        if constexpr (host_float)
-            keep_range(g.data(), dst, nullptr, 0, n_);
-        else
-            copy_async(sys_, g.first(n_), std::span<T>(dst, n_));
+    /// The system's pass over elements [first, end) of src (kernels::anchored_keep_pass; clear:
+    /// src or null).
+    void pass(const T* src, T* dst, T* clear, std::size_t first, std::size_t end) {
+        using kernels::anchored_keep; // host_system's overload found by argument-dependent lookup
+        anchored_keep(sys_, kernels::anchored_keep_pass<T>{src, dst, clear, first, end, n_,
+                                                           flagging_ ? flags_.data() : nullptr});
     }
 
     std::size_t n_;

@@ -1,14 +1,13 @@
 // lockstep/train/detail/anchored_loss.hpp: the loss terms of reduce::reproducible's chunks, as
 // doubles: kept per chunk, checked for this replica's non-finite terms, and summed over every
-// replica's terms in binned exact arithmetic (kernels/exact_sum.hpp), rounded once.
+// replica's terms as the gradients are (kernels/anchored_sum.hpp), rounded once.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/core/config.hpp"
-#include "lockstep/kernels/exact_sum.hpp"
+#include "lockstep/kernels/anchored_sum.hpp"
 
 #include <cstddef>
-#include <cstdint>
 
 namespace lockstep::detail {
 
@@ -67,22 +66,16 @@ struct non_finite_loss_fn {
     }
 };
 
-/// One task: *out = the binned sum (kernels/exact_sum.hpp) of terms[j * stride + c] over
-/// replicas j and c < count, rounded once; top and bins (one element) are its workspace.
+/// One task: *out = the anchored sum (kernels/anchored_sum.hpp) of terms[j * stride + c] over
+/// replicas j and c < count, rounded once: every replica's loss terms, wherever they came from.
 struct gathered_loss_fn {
     const double* terms;
     std::size_t replicas;
     std::size_t count;
     std::size_t stride;
-    std::int64_t* top;
-    std::int64_t* bins;
     double* out;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        kernels::binned_clear_fn{top, bins, 1}(0);
-        for (std::size_t j = 0; j < replicas; ++j)
-            for (std::size_t c = 0; c < count; ++c)
-                kernels::detail::binned_add(*top, bins, 1, terms[j * stride + c]);
-        kernels::binned_finalize_fn<double>{top, bins, 1, 0, out}(0);
+        kernels::anchored_sum_fn<double>{{terms, replicas, count, stride, 1}, out}(0);
     }
 };
 
