@@ -8,6 +8,8 @@
 
 #include "support/mpi_session.hpp"
 
+#include "mpi_shared_dir.hpp"
+
 #include "checkpoint_support.hpp"
 #include "mlp_fixture.hpp"
 
@@ -50,30 +52,6 @@ template <class Opt, class Sync, class Reduce, storage S>
 using trainer_of = data_parallel<mlp<typename Opt::value_type, mpi_communicator, S, bn_for<Sync>>,
                                  Opt, Sync, Reduce, mpi_communicator>;
 
-/// A directory every rank uses: rank 0's name, broadcast; removed by rank 0 at scope exit.
-struct shared_dir {
-    fs::path path;
-    int rank = 0;
-    explicit shared_dir(mpi_communicator& world) : rank(world.rank()) {
-        int id = ::getpid();
-        MPI_Bcast(&id, 1, MPI_INT, 0, MPI_COMM_WORLD);
-        static int n = 0;
-        path = fs::temp_directory_path() /
-               ("lockstep_ckpt_mpi_" + std::to_string(id) + "_" + std::to_string(n++));
-        if (rank == 0) {
-            fs::remove_all(path);
-            fs::create_directories(path);
-        }
-        MPI_Barrier(MPI_COMM_WORLD);
-    }
-    ~shared_dir() {
-        MPI_Barrier(MPI_COMM_WORLD);
-        std::error_code ec;
-        if (rank == 0)
-            fs::remove_all(path, ec);
-    }
-};
-
 /// Trainer built with `seed`, optionally loaded, stepped to `steps`, optionally saved at
 /// `save_at`; returns this rank's fingerprint.
 template <class Opt, class Sync, class Reduce, storage S>
@@ -98,7 +76,7 @@ std::vector<std::byte> run(mpi_communicator& world, typename Opt::params_type op
 template <class Opt, class Sync, class Reduce, storage S>
 void check_resume(typename Opt::params_type op, std::size_t save_at, std::size_t total) {
     mpi_communicator world(MPI_COMM_WORLD);
-    shared_dir dir(world);
+    mpi_shared_dir dir(world, "lockstep_ckpt_mpi_");
     const fs::path path = dir.path / "mpi.ckpt";
     const auto full = run<Opt, Sync, Reduce, S>(world, op, 42, total, {}, {}, 0);
     run<Opt, Sync, Reduce, S>(world, op, 42, save_at, {}, path, save_at);
@@ -133,7 +111,7 @@ TEST_CASE("MPI: a background save commits at one step on every rank and resumes 
     using net = dp_type::network_type;
     const optim::adam_params adam{.lr = 1e-2};
     mpi_communicator world(MPI_COMM_WORLD);
-    shared_dir dir(world);
+    mpi_shared_dir dir(world, "lockstep_ckpt_mpi_");
     const fs::path path = dir.path / "background.ckpt";
     const auto full =
         run<optim::adam<float>, sync::synchronous, reduce::sharded<64>, storage::registry>(
@@ -173,7 +151,7 @@ TEST_CASE("MPI: a checkpoint refused on one rank is refused on every rank, nothi
     using dp_type = trainer_of<opt, sync::synchronous, reduce::per_tensor, storage::registry>;
     using net = dp_type::network_type;
     mpi_communicator world(MPI_COMM_WORLD);
-    shared_dir dir(world);
+    mpi_shared_dir dir(world, "lockstep_ckpt_mpi_");
     const fs::path path = dir.path / "bad.ckpt";
     run<opt, sync::synchronous, reduce::per_tensor, storage::registry>(
         world, {.lr = 0.05, .momentum = 0.9}, 42, 3, {}, path, 3);
@@ -208,7 +186,7 @@ TEST_CASE("MPI: two jobs (split communicators) saving to one path leave one job'
     using net = dp_type::network_type;
     mpi_communicator world(MPI_COMM_WORLD);
     REQUIRE(world.size() % 2 == 0);
-    shared_dir dir(world);
+    mpi_shared_dir dir(world, "lockstep_ckpt_mpi_");
     const fs::path path = dir.path / "shared.ckpt";
     // Even and odd ranks are two independent jobs; rank w is rank w / 2 of job w % 2.
     const int color = world.rank() % 2;

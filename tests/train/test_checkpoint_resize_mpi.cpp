@@ -7,6 +7,8 @@
 
 #include "support/mpi_session.hpp"
 
+#include "mpi_shared_dir.hpp"
+
 #include "resize_runner.hpp"
 
 #include "lockstep/comm/mpi_communicator.hpp"
@@ -20,30 +22,6 @@
 using namespace lockstep_test;
 
 namespace {
-
-/// A directory every rank uses: rank 0's name, broadcast; removed by rank 0 at scope exit.
-struct shared_dir {
-    fs::path path;
-    int rank = 0;
-    explicit shared_dir(mpi_communicator& world) : rank(world.rank()) {
-        int id = ::getpid();
-        MPI_Bcast(&id, 1, MPI_INT, 0, MPI_COMM_WORLD);
-        static int n = 0;
-        path = fs::temp_directory_path() /
-               ("lockstep_resize_mpi_" + std::to_string(id) + "_" + std::to_string(n++));
-        if (rank == 0) {
-            fs::remove_all(path);
-            fs::create_directories(path);
-        }
-        MPI_Barrier(MPI_COMM_WORLD);
-    }
-    ~shared_dir() {
-        MPI_Barrier(MPI_COMM_WORLD);
-        std::error_code ec;
-        if (rank == 0)
-            fs::remove_all(path, ec);
-    }
-};
 
 /// 0/1 on every rank: whether every rank's `ok` holds (so that each rank reports the same).
 bool all_ranks(bool ok) {
@@ -63,7 +41,7 @@ TEST_CASE("MPI: reduce::reproducible resumed at another replica count keeps the 
     auto full = repro_threads_resumed(1, batches, 42)[0];
     full.losses.erase(full.losses.begin(), full.losses.begin() + save_at);
     SECTION("saved by p + 1 thread replicas, resumed by the p MPI ranks") {
-        shared_dir dir(world);
+        mpi_shared_dir dir(world, "lockstep_resize_mpi_");
         const fs::path path = dir.path / "repro.ckpt";
         if (world.rank() == 0)
             repro_threads_resumed(p + 1, batches, 42, {}, path, save_at);
@@ -73,7 +51,7 @@ TEST_CASE("MPI: reduce::reproducible resumed at another replica count keeps the 
         CHECK(repro_difference(mine, full) == "");
     }
     SECTION("saved by the p MPI ranks, resumed by 1 and p + 1 thread replicas") {
-        shared_dir dir(world);
+        mpi_shared_dir dir(world, "lockstep_resize_mpi_");
         const fs::path path = dir.path / "repro.ckpt";
         repro_replica(world, batches, 42, {}, path, save_at);
         MPI_Barrier(MPI_COMM_WORLD);
@@ -98,7 +76,7 @@ TEST_CASE("MPI: reduce::sharded regathers its optimizer state at another replica
     const int p = world.size();
     const auto r = static_cast<std::size_t>(world.rank());
     SECTION("saved by p + 1 thread replicas, loaded by the p MPI ranks") {
-        shared_dir dir(world);
+        mpi_shared_dir dir(world, "lockstep_resize_mpi_");
         const fs::path path = dir.path / "sharded.ckpt";
         // Every rank runs the saving threads (deterministic), rank 0's save to the file.
         const auto saved = run<opt, reduce_type, bn::global>(p + 1, op, 42, 5, {},
@@ -124,7 +102,7 @@ TEST_CASE("MPI: reduce::sharded regathers its optimizer state at another replica
                                 full[r].params) > 1e-3);
     }
     SECTION("saved by the p MPI ranks, loaded by p + 1 and 1 thread replicas") {
-        shared_dir dir(world);
+        mpi_shared_dir dir(world, "lockstep_resize_mpi_");
         const fs::path path = dir.path / "sharded.ckpt";
         const auto mine = train_replica<opt, reduce_type, bn::global>(world, op, 42, 5, {}, path);
         // The logical state of the MPI run: every rank's shard, gathered in rank order.
