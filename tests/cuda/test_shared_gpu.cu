@@ -5,11 +5,13 @@
 // against one replica and a double reference, every reducer, local SGD, bn::group, the sharded
 // and reproducible policies against the host thread group, a throwing replica, the host
 // synchronisations and collectives per step; test_bn_nccl.cu's 16-bit batch norm in NHWC and NCHW;
-// one step of every replica captured as one CUDA graph.
-// Every case needs a GPU (tagged [gpu]). SPDX-License-Identifier: Apache-2.0
+// one step of every replica captured as one CUDA graph; save_checkpoint_async's side-stream
+// snapshot. Every case needs a GPU (tagged [gpu]). SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/cuda_system.hpp"
+#include "lockstep/train/async_checkpoint.hpp"
+#include "lockstep/train/checkpoint.hpp"
 
 #include "bn_gpu_cases.hpp"
 #include "comm/collective_suite.hpp"
@@ -30,10 +32,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#include <unistd.h>
 
 // The test communicator folds arithmetic types only; the suite's half/bfloat16 checks are for
 // lockstep's own communicators.
@@ -590,5 +596,69 @@ TEST_CASE("shared GPU trainer: one synchronous step of 3 replicas captured as ON
     for (std::size_t r = 0; r < plain.size(); ++r) {
         INFO("replica " << r);
         CHECK(same_bits(graph[r].params.back(), plain[r].params.back()));
+    }
+}
+
+TEST_CASE("shared GPU trainer: save_checkpoint_async copies on a side stream the state of its "
+          "step, which loads and resumes as the trainer ran on",
+          "[train][checkpoint][shared_gpu][gpu]") {
+    // 2 replicas, bn::global and momentum: 3 steps, a blocking save and an asynchronous one at the
+    // same boundary, then 3 steps enqueued at once (their kernels wait for the side stream's
+    // copies, the host for nothing), then wait_checkpoint. Both checkpoints load to the
+    // parameters after step 3, and the trainer resumed from the asynchronous one reaches the
+    // first trainer's parameters after step 6 bit for bit (momentum and BN statistics were
+    // copied at step 3 too). A snapshot that let step 4 run first would differ.
+    if (lockstep_test::skip_without_gpu())
+        return;
+    namespace fs = std::filesystem;
+    const fs::path dir = fs::temp_directory_path() /
+                         ("lockstep_gpu_ckpt_" + std::to_string(static_cast<long>(::getpid())));
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    constexpr std::size_t batch = 24;
+    const auto logs = on_shared_gpu(2, [&](shared_gpu_communicator& comm) {
+        using net_t = tn::test_net<shared_gpu_communicator, bn::global>;
+        using trainer_t = data_parallel<net_t, optim::sgd<float, cuda_system>, sync::synchronous,
+                                        small_buckets, shared_gpu_communicator>;
+        const auto make = [&] {
+            return std::make_unique<trainer_t>(
+                comm, [](auto& ctx) { return net_t(ctx, batch / 2 + 1, tn::knobs{}); },
+                optim::sgd_params{.lr = lr, .momentum = momentum});
+        };
+        const auto fn = [](net_t& n, shard_range sr, auto& ctx) { n.train(sr, ctx); };
+        const auto params = [&](trainer_t& t) {
+            return to_host(std::span<const float>(t.parameters()), comm.system());
+        };
+        run_log log;
+        auto a = make();
+        for (int s = 0; s < 3; ++s)
+            (void)a->step(batch, fn);
+        log.params.push_back(params(*a));
+        save_checkpoint(*a, dir / "blocking");
+        save_checkpoint_async(*a, dir / "async");
+        for (int s = 0; s < 3; ++s)
+            (void)a->step(batch, fn);
+        log.losses.push_back(wait_checkpoint(*a) == checkpoint_event::committed ? 1.0 : 0.0);
+        log.params.push_back(params(*a));
+        for (const char* name : {"blocking", "async"}) {
+            auto b = make();
+            load_checkpoint(*b, dir / name);
+            log.params.push_back(params(*b));
+            for (int s = 0; s < 3; ++s)
+                (void)b->step(batch, fn);
+            log.params.push_back(params(*b));
+        }
+        return log;
+    });
+    fs::remove_all(dir);
+    require_clean(logs);
+    for (const run_log& l : logs) {
+        REQUIRE(l.params.size() == 6);
+        CHECK(l.losses == std::vector<double>{1.0});
+        CHECK(l.params[2] == l.params[0]); // loaded from the blocking save: step 3
+        CHECK(l.params[4] == l.params[0]); // from the asynchronous one: step 3, not later
+        CHECK(l.params[3] == l.params[1]); // resumed: step 6, as the first trainer
+        CHECK(l.params[5] == l.params[1]);
+        CHECK(l.params[1] != l.params[0]);
     }
 }

@@ -26,23 +26,25 @@ namespace lockstep {
 /// save of dp if it is still unresolved (as wait_checkpoint, except that a failure every
 /// replica's step results already reported is not thrown again): at most one is in flight.
 /// Then the replicas agree on the save's generation (one small all_gather) and each takes a
-/// snapshot of its shard on the host (everything save_checkpoint writes; on a device system the
-/// copy waits for the stream), before it returns: the steps that follow never change what is
-/// saved. Each replica's writer thread then encodes the snapshot (CRC32C of every section and
-/// of the shard) and writes it durably as save_checkpoint does, issuing no collective; each
-/// step's status carries every replica's progress (step_result::checkpoint): the first step
-/// whose status shows every shard durable makes replica 0's writer write the commit marker, and
-/// a later step reports `committed` on every replica at the same step (`failed` when a shard or
-/// the marker could not be written: the previous checkpoint at `path` stands, and its files
-/// are removed by the next commit). finish() and wait_checkpoint() resolve a save the steps
-/// did not. The format, the file names and the crash safety are save_checkpoint's: a crash at
-/// any point leaves the previous checkpoint loadable.
-/// Memory: the snapshot (the shard's size) until the writer has encoded it, then the encoded
-/// shard until it is written. options.on_stage runs on the writer thread (replica 0's manifest
-/// stages too: on the thread of the step that decides the commit only in wait/finish).
-/// requires: a synchronous trainer (sync::synchronous; local SGD's rows are its own and the
-/// asynchronous trainers have no step status: compile error); no step in flight; the stream is
-/// not being captured into a CUDA graph (else errc::invalid_argument, nothing saved).
+/// snapshot of its shard (everything save_checkpoint writes) before it returns: the steps that
+/// follow never change what is saved. On the host it is copied at once; on CUDA the copies run
+/// on a side stream into page-locked host memory the trainer keeps for its saves (the shard's
+/// bytes), after the work enqueued so far, and the trainer's stream waits for them before the
+/// next step's kernels: the host does not wait (ckpt::snapshot_staging). Each replica's writer
+/// thread then encodes the snapshot (CRC32C of every section and of the shard) and writes it
+/// durably as save_checkpoint does, issuing no collective; each step's status carries every
+/// replica's progress (step_result::checkpoint): the first step whose status shows every shard
+/// durable makes replica 0's writer write the commit marker, and a later step reports `committed`
+/// on every replica at the same step (`failed` when a shard or the marker could not be written: the
+/// previous checkpoint at `path` stands, and its files are removed by the next commit). finish()
+/// and wait_checkpoint() resolve a save the steps did not. The format, the file names and the crash
+/// safety are save_checkpoint's: a crash at any point leaves the previous checkpoint loadable.
+/// Memory: the snapshot (the shard's size) until the shard is written (on CUDA: the page-locked
+/// staging, kept for the next save), and the encoded header. options.on_stage runs on the writer
+/// thread (replica 0's manifest stages too: on the thread of the step that decides the commit only
+/// in wait/finish). requires: a synchronous trainer (sync::synchronous; local SGD's rows are its
+/// own and the asynchronous trainers have no step status: compile error); no step in flight; the
+/// stream is not being captured into a CUDA graph (else errc::invalid_argument, nothing saved).
 template <class Network, class Optimizer, class Sync, class Reduce, class Comm>
 void save_checkpoint_async(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
                            const std::filesystem::path& path, const save_options& options = {}) {
@@ -62,11 +64,13 @@ void save_checkpoint_async(data_parallel<Network, Optimizer, Sync, Reduce, Comm>
     (void)background.resolve(comm, "save_checkpoint_async", false);
     const ck::save_id id = ck::agree_save_id(comm, background.inflight());
     ck::file_builder snapshot;
+    auto& staging = detail::checkpoint_access::staging(dp);
     // A snapshot that fails fails the save on every replica, through the steps' status.
-    std::string problem = ck::failure_of([&] { snapshot = ck::snapshot_shard(dp); },
+    std::string problem = ck::failure_of([&] { snapshot = ck::snapshot_shard(dp, staging); },
                                          "unknown exception while taking the snapshot");
-    background.begin(path, id, std::move(snapshot), options.on_stage, options.background_share,
-                     std::move(problem));
+    background.begin(
+        path, id, std::move(snapshot), [&staging] { staging.wait(); }, options.on_stage,
+        options.background_share, std::move(problem));
 }
 
 /// Waits for dp's background save (collective): each replica's writer finishes, replica 0

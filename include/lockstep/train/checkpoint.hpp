@@ -75,7 +75,10 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
 
     ck::shard_record mine;
     std::string problem = ck::failure_of(
-        [&] { mine = ck::write_shard(ck::snapshot_shard(dp), path, id, rank, options.on_stage); },
+        [&] {
+            ck::immediate_snapshot now;
+            mine = ck::write_shard(ck::snapshot_shard(dp, now), path, id, rank, options.on_stage);
+        },
         "unknown exception while writing the shard");
     const std::array<int, 3> info = mine.pack();
     std::vector<int> infos(3 * static_cast<std::size_t>(size));

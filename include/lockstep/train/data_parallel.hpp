@@ -24,6 +24,7 @@
 #include "lockstep/train/detail/reproducible_collective.hpp"
 #include "lockstep/train/detail/sharded_collective.hpp"
 #include "lockstep/train/detail/shrink_recovery.hpp"
+#include "lockstep/train/detail/snapshot_staging.hpp"
 #include "lockstep/train/detail/step_capture.hpp"
 #include "lockstep/train/detail/step_driver.hpp"
 #include "lockstep/train/detail/step_stages.hpp"
@@ -410,6 +411,9 @@ private:
         detail::verify_replicas(core_.comm(), core_.comm().system(), this->steps(), sections);
     }
 
+    /// save_checkpoint_async's copies out of the system's memory, kept between saves (declared
+    /// before saves_: the writer that reads them is joined first).
+    detail::ckpt::snapshot_staging<system_type> staging_;
     std::unique_ptr<detail::background_save> saves_; ///< save_checkpoint_async's save in flight
     std::unique_ptr<step_parts> parts_;              ///< rebuilt after a shrink
     detail::step_capture capture_;                   ///< the step captured last

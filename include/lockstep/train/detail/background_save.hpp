@@ -74,13 +74,14 @@ public:
     /// resolve()): ckpt::agree_save_id's argument.
     std::optional<ckpt::inflight_scope>& inflight() noexcept { return inflight_; }
 
-    /// Begins the save `id` to `path`: this replica's writer thread encodes
+    /// Begins the save `id` to `path`: this replica's writer thread calls `ready` (which returns
+    /// once the snapshot's bytes are all there: ckpt::snapshot_staging's wait()), encodes
     /// `snapshot` and writes it as its shard (`hook`: save_options::on_stage, called on the
     /// writer thread). `problem`: the snapshot could not be taken (the save fails; no thread).
     /// requires: !unresolved().
     void begin(const std::filesystem::path& path, const ckpt::save_id& id,
-               ckpt::file_builder snapshot, ckpt::stage_hook hook, double share,
-               std::string problem) {
+               ckpt::file_builder snapshot, std::function<void()> ready, ckpt::stage_hook hook,
+               double share, std::string problem) {
         join(); // resolve() joined it; a writer must never be replaced while it runs
         path_ = path;
         id_ = id;
@@ -100,9 +101,9 @@ public:
         }
         shard_.store(writing, std::memory_order_release);
         // At a lower priority (comm_stream.hpp): the steps go first, the writer takes the rest.
-        writer_ = std::thread([this, s = std::move(snapshot)] {
+        writer_ = std::thread([this, s = std::move(snapshot), r = std::move(ready)] {
             lower_thread_priority();
-            write_shard(s);
+            write_shard(s, r);
         });
     }
 
@@ -206,11 +207,13 @@ private:
             writer_.join();
     }
 
-    /// The writer: the shard written (ckpt::write_shard, paced), then its level.
-    void write_shard(const ckpt::file_builder& snapshot) {
+    /// The writer: the snapshot's bytes awaited, the shard written (ckpt::write_shard, paced),
+    /// then its level.
+    void write_shard(const ckpt::file_builder& snapshot, const std::function<void()>& ready) {
         const duty_pacer pace(share_);
         shard_error_ = ckpt::failure_of(
             [&] {
+                ready();
                 shard_record_ =
                     ckpt::write_shard(snapshot, path_, id_, rank_, hook_, [&pace] { pace(); });
             },

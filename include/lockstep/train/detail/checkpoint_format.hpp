@@ -135,10 +135,9 @@ public:
         static_assert(std::endian::native == std::endian::little,
                       "lockstep checkpoints store little-endian elements: this host is not "
                       "little-endian.");
-        pending p{std::move(name), dtype_of<E>(), std::move(shape), {}};
         const auto* b = reinterpret_cast<const std::byte*>(data.data());
-        p.bytes.assign(b, b + data.size_bytes());
-        sections_.push_back(std::move(p));
+        raw_section(std::move(name), dtype_of<E>(), std::move(shape),
+                    std::vector<std::byte>(b, b + data.size_bytes()));
     }
 
     /// Adds a section of already encoded little-endian bytes (copied, or taken over).
@@ -149,7 +148,16 @@ public:
     }
     void raw_section(std::string name, dtype type, std::vector<std::uint64_t> shape,
                      std::vector<std::byte>&& bytes) {
-        sections_.push_back(pending{std::move(name), type, std::move(shape), std::move(bytes)});
+        pending p{std::move(name), type, std::move(shape), std::move(bytes), {}};
+        p.bytes = p.owned; // a moved vector keeps its storage
+        sections_.push_back(std::move(p));
+    }
+    /// Adds a section of encoded little-endian bytes that the builder does not copy: the caller
+    /// keeps them alive and unchanged until the builder's last encode() or finish() has been
+    /// written (a device snapshot's page-locked staging).
+    void borrowed_section(std::string name, dtype type, std::vector<std::uint64_t> shape,
+                          std::span<const std::byte> bytes) {
+        sections_.push_back(pending{std::move(name), type, std::move(shape), {}, bytes});
     }
 
     /// The whole file: header (with its CRC32C), then the 8-byte aligned section payloads.
@@ -212,8 +220,8 @@ public:
             put_u64(table, s.bytes.size());
             std::uint32_t crc = 0;
             for (std::size_t at = 0; at < s.bytes.size(); at += slice_bytes) {
-                crc = crc32c_update(crc, std::span<const std::byte>(s.bytes).subspan(
-                                             at, std::min(slice_bytes, s.bytes.size() - at)));
+                crc = crc32c_update(
+                    crc, s.bytes.subspan(at, std::min(slice_bytes, s.bytes.size() - at)));
                 if (pace)
                     pace();
             }
@@ -257,7 +265,8 @@ private:
         std::string name;
         dtype type;
         std::vector<std::uint64_t> shape;
-        std::vector<std::byte> bytes;
+        std::vector<std::byte> owned;     ///< the payload, unless borrowed
+        std::span<const std::byte> bytes; ///< the payload: owned, or borrowed
     };
     static std::uint64_t round_up(std::uint64_t n) {
         return (n + payload_alignment - 1) / payload_alignment * payload_alignment;

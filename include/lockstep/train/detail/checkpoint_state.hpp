@@ -24,6 +24,7 @@
 #include "lockstep/train/detail/host_collective.hpp"
 #include "lockstep/train/detail/optimizer_shard.hpp"
 #include "lockstep/train/detail/signature.hpp"
+#include "lockstep/train/detail/snapshot_staging.hpp"
 #include "lockstep/train/detail/trainer_base.hpp"
 #include "lockstep/train/detail/visitor.hpp"
 #include "lockstep/train/loss_scaler.hpp"
@@ -62,6 +63,11 @@ struct checkpoint_access {
     template <class DP>
     static auto& background(DP& dp) noexcept {
         return *dp.saves_;
+    }
+    /// Where dp's background saves stage their snapshots (snapshot_staging.hpp).
+    template <class DP>
+    static auto& staging(DP& dp) noexcept {
+        return dp.staging_;
     }
     /// Waits for dp's background save when it has one unresolved (collective; see
     /// background_save::resolve): a blocking save or a load never races it.
@@ -256,26 +262,25 @@ std::vector<section_spec> expected_sections(DP& dp, shard_owner as) {
     return out;
 }
 
-/// This replica's shard file before encoding: every section copied to the host (the snapshot a
-/// save writes; encode(shard_magic, ...) or finish(shard_magic) encodes it).
-template <class DP>
-file_builder snapshot_shard(DP& dp) {
+/// This replica's shard file before encoding: every section copied out of the system's memory
+/// by `staging` (snapshot_staging.hpp: immediate_snapshot for the blocking save), the snapshot a
+/// save writes once staging.wait() has returned (encode(shard_magic, ...) or finish(shard_magic)).
+template <class DP, class Staging>
+file_builder snapshot_shard(DP& dp, Staging& staging) {
     using T = typename DP::value_type;
     auto& core = checkpoint_access::core(dp);
     const auto sys = core.comm().system();
-    if constexpr (requires { core.comm().synchronize(); })
-        core.comm().synchronize();
+    std::size_t bytes = 0;
+    for_each_tensor_section(
+        dp, [&](const section_spec&, std::span<T> data) { bytes += data.size_bytes(); });
+    staging.begin(core.comm(), bytes);
     file_builder b;
     for (auto& [k, v] : describe_trainer(dp, core.steps(), own_shard(dp)))
         b.meta(k, v);
     for_each_tensor_section(dp, [&](section_spec s, std::span<T> data) {
-        // One copy, from the system's memory into the section's bytes (little-endian: the
-        // file's order, as file_builder::section asserts).
-        std::vector<std::byte> bytes(data.size_bytes());
-        copy(std::span<const T>(data), sys,
-             std::span<T>(reinterpret_cast<T*>(bytes.data()), data.size()), host_system{1});
-        b.raw_section(std::move(s.name), dtype_of<T>(), std::move(s.shape), std::move(bytes));
+        staging.section(b, std::move(s.name), std::move(s.shape), std::span<const T>(data), sys);
     });
+    staging.end(sys);
     const std::int64_t opt_step = core.optimizer().step_count();
     b.section<std::int64_t>("optimizer.step", {1}, std::span<const std::int64_t>(&opt_step, 1));
     const std::uint64_t counters[counter_count] = {
