@@ -201,7 +201,7 @@ TEST_CASE("MPI: two jobs (split communicators) saving to one path leave one job'
         mpi_communicator job(job_comm);
         dp_type dp(
             job, [](auto& ctx) { return net(ctx); }, op,
-            params_for(static_cast<std::uint64_t>(11 + color)));
+            params_for(std::uint64_t{11} + static_cast<std::uint64_t>(color)));
         int failures = 0, matches = 0, differ = 0;
         constexpr int rounds = 12;
         for (int round = 0; round < rounds; ++round) {

@@ -48,7 +48,9 @@ TEST_CASE("MPI: reduce::reproducible resumed at another replica count keeps the 
         MPI_Barrier(MPI_COMM_WORLD);
         const auto mine = repro_replica(world, batches, 7, path, {}, 0);
         INFO("rank " << world.rank() << " of " << p);
-        CHECK(repro_difference(mine, full) == "");
+        const std::string difference = repro_difference(mine, full);
+        INFO(difference);
+        CHECK(difference.empty());
     }
     SECTION("saved by the p MPI ranks, resumed by 1 and p + 1 thread replicas") {
         mpi_shared_dir dir(world, "lockstep_resize_mpi_");
@@ -60,8 +62,10 @@ TEST_CASE("MPI: reduce::reproducible resumed at another replica count keeps the 
             for (int m : {1, p + 1})
                 for (const auto& rec : repro_threads_resumed(m, batches, 7, path)) {
                     INFO(m << " thread replicas");
-                    CHECK(repro_difference(rec, full) == "");
-                    ok = ok && repro_difference(rec, full).empty();
+                    const std::string difference = repro_difference(rec, full);
+                    INFO(difference);
+                    CHECK(difference.empty());
+                    ok = ok && difference.empty();
                 }
         CHECK(all_ranks(ok));
     }
