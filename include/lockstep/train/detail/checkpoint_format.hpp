@@ -148,16 +148,14 @@ public:
     }
     void raw_section(std::string name, dtype type, std::vector<std::uint64_t> shape,
                      std::vector<std::byte>&& bytes) {
-        pending p{std::move(name), type, std::move(shape), std::move(bytes), {}};
-        p.bytes = p.owned; // a moved vector keeps its storage
-        sections_.push_back(std::move(p));
+        sections_.push_back(pending{std::move(name), type, std::move(shape), std::move(bytes)});
     }
     /// Adds a section of encoded little-endian bytes that the builder does not copy: the caller
     /// keeps them alive and unchanged until the builder's last encode() or finish() has been
     /// written (a device snapshot's page-locked staging).
     void borrowed_section(std::string name, dtype type, std::vector<std::uint64_t> shape,
                           std::span<const std::byte> bytes) {
-        sections_.push_back(pending{std::move(name), type, std::move(shape), {}, bytes});
+        sections_.push_back(pending{std::move(name), type, std::move(shape), {}, bytes, true});
     }
 
     /// The whole file: header (with its CRC32C), then the 8-byte aligned section payloads.
@@ -217,20 +215,20 @@ public:
             for (std::uint64_t d : s.shape)
                 put_u64(table, d);
             put_u64(table, offset);
-            put_u64(table, s.bytes.size());
+            put_u64(table, s.bytes().size());
             std::uint32_t crc = 0;
-            for (std::size_t at = 0; at < s.bytes.size(); at += slice_bytes) {
+            for (std::size_t at = 0; at < s.bytes().size(); at += slice_bytes) {
                 crc = crc32c_update(
-                    crc, s.bytes.subspan(at, std::min(slice_bytes, s.bytes.size() - at)));
+                    crc, s.bytes().subspan(at, std::min(slice_bytes, s.bytes().size() - at)));
                 if (pace)
                     pace();
             }
             section_crcs.push_back(crc);
             put_u32(table, section_crcs.back());
-            offset = round_up(offset + s.bytes.size());
+            offset = round_up(offset + s.bytes().size());
         }
         const std::uint64_t file_length =
-            sections_.empty() ? header : offset - pad(sections_.back().bytes.size());
+            sections_.empty() ? header : offset - pad(sections_.back().bytes().size());
         std::vector<std::byte>& out = header_out;
         out.clear();
         for (char c : magic)
@@ -253,9 +251,9 @@ public:
                                                      static_cast<std::size_t>(pad(file.size)));
             file.pieces.push_back(padding);
             file.crc = crc32c_update(file.crc, padding);
-            file.pieces.emplace_back(sections_[i].bytes);
-            file.crc = crc32c_combine(file.crc, section_crcs[i], sections_[i].bytes.size());
-            file.size += padding.size() + sections_[i].bytes.size();
+            file.pieces.emplace_back(sections_[i].bytes());
+            file.crc = crc32c_combine(file.crc, section_crcs[i], sections_[i].bytes().size());
+            file.size += padding.size() + sections_[i].bytes().size();
         }
         return file;
     }
@@ -265,8 +263,13 @@ private:
         std::string name;
         dtype type;
         std::vector<std::uint64_t> shape;
-        std::vector<std::byte> owned;     ///< the payload, unless borrowed
-        std::span<const std::byte> bytes; ///< the payload: owned, or borrowed
+        std::vector<std::byte> owned; ///< the payload, unless borrowed
+        std::span<const std::byte> borrowed = {};
+        bool borrows = false;
+        /// The payload (a view computed on use, so a copied builder views its own bytes).
+        std::span<const std::byte> bytes() const noexcept {
+            return borrows ? borrowed : std::span<const std::byte>(owned);
+        }
     };
     static std::uint64_t round_up(std::uint64_t n) {
         return (n + payload_alignment - 1) / payload_alignment * payload_alignment;
