@@ -107,11 +107,15 @@ private:
                 return;
             }
         }
-        std::vector<T> values(n); // element first + i's values, summed by anchored_sum_fn
+        // Element first + i's values, summed by anchored_sum_fn: on the stack up to
+        // anchored_short_terms of them (this runs once per tile of every all_combine).
+        T local[anchored_short_terms];
+        std::vector<T> heap(n > anchored_short_terms ? n : 0);
+        T* values = n > anchored_short_terms ? heap.data() : static_cast<T*>(local);
         for (std::size_t i = 0; i < m; ++i) {
             for (std::size_t j = 0; j < n; ++j)
                 values[j] = sources[j][first + i];
-            anchored_sum_fn<T>{{values.data(), 1, n, 0, 1}, out + i}(0);
+            anchored_sum_fn<T>{{values, 1, n, 0, 1}, out + i}(0);
         }
     }
 };
