@@ -1,5 +1,6 @@
 // gpu_bench: lockstep's CUDA batch norm (training forward and backward) next to cuDNN's four
-// entry points and the memory-traffic bound, per shape, layout and type; an NCCL all_reduce line.
+// entry points and the memory-traffic bound, per shape, layout and type; an NCCL all_reduce line
+// and the cost of nccl_communicator's device timing (report_stragglers_every).
 // SPDX-License-Identifier: Apache-2.0
 //
 // The traffic bound of a training BN step over S bytes of activations is 8 S: the forward reads
@@ -34,6 +35,12 @@
 #include <cuda_runtime_api.h>
 #include <cudnn.h>
 #if LOCKSTEP_HAS_NCCL
+#include "lockstep/comm/nccl_communicator.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <span>
+
 #include <nccl.h>
 #endif
 
@@ -70,8 +77,9 @@ void usage(std::FILE* to) {
                "                 [--layout nchw|nhwc]... [--type float|half|bf16]... [--no-cudnn]\n"
                "Times lockstep's CUDA batch norm (training forward, backward) against cuDNN and\n"
                "the 8 S traffic bound for every shape, layout and type (or those named), then an\n"
-               "NCCL all_reduce line. Median of 20 calls after 3 warm-up calls (1 and 0 under a\n"
-               "profiler, unless given). Exits 77 without a CUDA device.\n",
+               "NCCL all_reduce line and the cost of nccl_communicator's device timing. Median\n"
+               "of 20 calls after 3 warm-up calls (1 and 0 under a profiler, unless given).\n"
+               "Exits 77 without a CUDA device.\n",
                to);
 }
 
@@ -408,6 +416,50 @@ void bench_nccl(int devices) {
 }
 #endif
 
+#if LOCKSTEP_HAS_NCCL
+/// The cost of report_stragglers_every's device timing on NCCL (two CUDA events per collective):
+/// the host time per collective of 2000 one-element all_reduces on a one-rank
+/// nccl_communicator of device 0 with time_between_on_device() beside one without, in 7
+/// alternating rounds (medians). Multiplied by a step's collectives, it is the timing's cost
+/// per step; the timed communicator's gaps are printed beside its wall time as a check.
+void bench_gap_timer() {
+    const int device[] = {0};
+    auto plain = lockstep::nccl_communicator::init_all(device);
+    auto timed = lockstep::nccl_communicator::init_all(device);
+    timed[0].time_between_on_device();
+    constexpr int calls = 2000;
+    const auto round = [&](lockstep::nccl_communicator& comm) {
+        lockstep::buffer<float, cuda_system> x(1, comm.system());
+        comm.synchronize();
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < calls; ++i)
+            comm.all_reduce(std::span<const float>(x.span()), x.span(), lockstep::reduce_op::sum);
+        comm.synchronize();
+        return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                   .count() /
+               calls;
+    };
+    std::vector<double> off, on;
+    double wall_us = 0;
+    const std::int64_t gaps_before = timed[0].device_between_ns();
+    for (int r = 0; r < 7; ++r) {
+        off.push_back(round(plain[0]));
+        on.push_back(round(timed[0]));
+        wall_us += on.back() * calls;
+    }
+    const auto median = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+    };
+    const double gaps_us = static_cast<double>(timed[0].device_between_ns() - gaps_before) * 1e-3;
+    std::printf("nccl_communicator device timing (report_stragglers_every): %.2f us per one-rank "
+                "all_reduce without, %.2f us with (+%.2f us per collective, ratio %.3f); the "
+                "timed gaps %.0f us of %.0f us wall\n",
+                median(off), median(on), median(on) - median(off), median(on) / median(off),
+                gaps_us, wall_us);
+}
+#endif
+
 /// Parses argv into o; false (after a message) on a bad option.
 bool parse(int argc, char** argv, options& o) {
     for (int i = 1; i < argc; ++i) {
@@ -513,6 +565,10 @@ int main(int argc, char** argv) {
             std::fclose(csv);
 #if LOCKSTEP_HAS_NCCL
         bench_nccl(devices);
+        if (std::getenv("CUDA_INJECTION64_PATH") == nullptr) // a profiler would trace 28000 calls
+            bench_gap_timer();
+        else
+            std::puts("nccl_communicator device timing: not measured under a profiler");
 #else
         std::puts("nccl: not built with lockstep::nccl");
 #endif

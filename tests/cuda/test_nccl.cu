@@ -10,6 +10,7 @@
 
 #include "comm/collective_suite.hpp"
 #include "cuda_test_support.hpp"
+#include "device_delay.cuh"
 
 #include <catch2/catch.hpp>
 
@@ -759,4 +760,57 @@ TEST_CASE("a stream of another device or a null stream is refused before NCCL",
         CHECK(what.find("device 1") != std::string::npos);
         CHECK(what.find("device 0") != std::string::npos);
     }
+}
+
+// The device timing behind report_stragglers_every (stream_gap_timer): the gap between two
+// collectives is the stream's time between them, here a 20 ms delay kernel, within 20 % (and
+// at least the delay: the kernel ends no earlier); collectives enqueued while the stream is
+// captured into a CUDA graph add no gap; off, nothing is timed.
+TEST_CASE("nccl_communicator times its stream between collectives on the device",
+          "[comm][nccl][gpu][straggler]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    const int device[] = {0};
+    auto comms = nccl_communicator::init_all(device);
+    nccl_communicator& comm = comms[0];
+    buffer<float, cuda_system> x(1, comm.system());
+    const auto reduce = [&] {
+        comm.all_reduce(std::span<const float>(x.span()), x.span(), reduce_op::sum);
+    };
+    constexpr std::chrono::milliseconds delay{20};
+    reduce();
+    lockstep_test::device_delay(comm.system().stream(), delay);
+    reduce();
+    comm.synchronize();
+    CHECK(comm.device_between_ns() == 0); // off
+    comm.time_between_on_device();
+    reduce();
+    lockstep_test::device_delay(comm.system().stream(), delay);
+    reduce();
+    comm.synchronize();
+    const std::int64_t one = comm.device_between_ns();
+    CHECK(one >= std::chrono::nanoseconds(delay).count());
+    CHECK(static_cast<double>(one) == Approx(1e6 * delay.count()).epsilon(0.2));
+    // Captured: no event is recorded, so the delay between the captured collectives is no gap.
+    const cudaStream_t stream = comm.system().stream();
+    LOCKSTEP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    reduce();
+    lockstep_test::device_delay(stream, delay);
+    reduce();
+    cudaGraph_t graph = nullptr;
+    LOCKSTEP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    cudaGraphExec_t exec = nullptr;
+    LOCKSTEP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    LOCKSTEP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    comm.synchronize();
+    CHECK(comm.device_between_ns() == one);
+    LOCKSTEP_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    LOCKSTEP_CUDA_CHECK(cudaGraphDestroy(graph));
+    // After the capture, the next pair is timed again.
+    reduce();
+    lockstep_test::device_delay(stream, delay);
+    reduce();
+    comm.synchronize();
+    CHECK(static_cast<double>(comm.device_between_ns() - one) ==
+          Approx(1e6 * delay.count()).epsilon(0.2));
 }

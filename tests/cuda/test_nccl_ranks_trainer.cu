@@ -4,13 +4,15 @@
 // side-stream split with bn::global and bn::group<2> layers; ranks issuing BN and bucket
 // collectives in different host orders; every reduce policy against the host thread group with
 // equal bits on every rank; reduce::reproducible with bn::ghost bit for bit against GPU thread
-// groups of 1 and N replicas; a step captured in a CUDA graph. Every case needs a GPU ([gpu]).
+// groups of 1 and N replicas; a step captured in a CUDA graph; the straggler report naming a rank
+// whose device is slow. Every case needs a GPU ([gpu]).
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/nccl_communicator.hpp"
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/train/data_parallel.hpp"
 
+#include "device_delay.cuh"
 #include "gpu_test_net.hpp"
 #include "gpu_train_runner.hpp"
 #include "nccl_rank_support.hpp"
@@ -18,9 +20,12 @@
 
 #include <catch2/catch.hpp>
 
+#include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -301,4 +306,45 @@ TEST_CASE("NCCL ranks: a synchronous step with bn::global captured in a CUDA gra
     REQUIRE(plain.params.size() == 1);
     CHECK(max_abs_diff(graph.params[0], plain.params[0]) <= 1e-6);
     check_bits_equal_rank0(graph);
+}
+
+// report_stragglers_every on NCCL ranks: the last rank's stream is held 50 ms in every step by
+// a kernel (a slow GPU; its host is as fast as the others'). The report after 6 steps (window
+// steps 3..5, timed with CUDA events on each rank's stream) names it with its lag within 20 %,
+// the same report on every rank. On one GPU the ranks' contexts time-slice it: a rank's own
+// work may wait for another's time slice, which is milliseconds beside the delay.
+TEST_CASE("NCCL ranks: the straggler report names the rank whose device is slow",
+          "[train][nccl][ranks][straggler][gpu]") {
+    using net_t = tn::test_net<nccl_communicator, bn::global>;
+    using trainer_t = data_parallel<net_t, optim::sgd<float, cuda_system>, sync::synchronous,
+                                    small_buckets, nccl_communicator>;
+    constexpr std::chrono::milliseconds delay{50};
+    constexpr std::size_t batch = 12;
+    const int slow = rank_count() - 1;
+    auto comm = rank_communicator();
+    const std::optional<straggler_report> rep = aborting_on_failure(comm, [&] {
+        const std::size_t cap = batch / static_cast<std::size_t>(comm.size()) + 1;
+        trainer_t trainer(comm, [&](auto& ctx) { return net_t(ctx, cap); },
+                          {.lr = lr, .momentum = momentum}, {.report_stragglers_every = 3});
+        for (int s = 0; s < 6; ++s)
+            (void)trainer.step(batch, [&](net_t& n, shard_range sr, auto& ctx) {
+                if (comm.rank() == slow)
+                    lockstep_test::device_delay(ctx.system().stream(), delay);
+                n.train(sr, ctx);
+            });
+        trainer.finish();
+        return trainer.straggler();
+    });
+    REQUIRE(rep);
+    CHECK(rep->first_step == 3);
+    CHECK(rep->last_step == 5);
+    REQUIRE(rep->own_seconds.size() == static_cast<std::size_t>(rank_count()));
+    INFO("rank " << my_rank() << ": own seconds per step " << rep->own_seconds[0] << ", ..., "
+                 << rep->own_seconds.back());
+    CHECK(rep->slowest == slow);
+    CHECK(rep->lag_seconds == Approx(std::chrono::duration<double>(delay).count()).epsilon(0.2));
+    std::vector<std::uint64_t> mine;
+    for (const double x : rep->own_seconds)
+        mine.push_back(std::bit_cast<std::uint64_t>(x));
+    CHECK(mine == rank0_values(mine));
 }

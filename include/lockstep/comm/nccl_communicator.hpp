@@ -15,6 +15,7 @@
 #include "lockstep/comm/detail/nccl_types.hpp"
 #include "lockstep/comm/detail/scatter_counts.hpp"
 #include "lockstep/comm/detail/span_checks.hpp"
+#include "lockstep/comm/detail/stream_gap_timer.hpp"
 #include "lockstep/comm/flight_recorder.hpp"
 #include "lockstep/system/cuda_system.hpp"
 
@@ -307,7 +308,7 @@ public:
             return;
         h_.check_memory(name, "send", send.data());
         h_.check_memory(name, "recv", recv.data());
-        h_.enqueue(name, [&] {
+        enqueue(name, [&] {
             return ncclAllReduce(send.data(), recv.data(), recv.size(), detail::nccl_data_type<T>(),
                                  detail::nccl_reduce_op(op), h_.comm(), h_.stream());
         });
@@ -325,7 +326,7 @@ public:
         if (data.empty())
             return;
         h_.check_memory(name, "data", data.data());
-        h_.enqueue(name, [&] {
+        enqueue(name, [&] {
             return ncclBroadcast(data.data(), data.data(), data.size(), detail::nccl_data_type<T>(),
                                  root, h_.comm(), h_.stream());
         });
@@ -347,7 +348,7 @@ public:
             return;
         h_.check_memory(name, "send", send.data());
         h_.check_memory(name, "recv", recv.data());
-        h_.enqueue(name, [&] {
+        enqueue(name, [&] {
             return ncclAllGather(send.data(), recv.data(), send.size(), detail::nccl_data_type<T>(),
                                  h_.comm(), h_.stream());
         });
@@ -377,7 +378,7 @@ public:
         h_.check_memory(name, "send", send.data());
         h_.check_memory(name, "recv", recv.data());
         const std::size_t block = send.size() / ranks;
-        h_.enqueue(name, [&] {
+        enqueue(name, [&] {
             ncclResult_t r = ncclGroupStart();
             for (std::size_t p = 0; p < ranks && r == ncclSuccess; ++p) {
                 r = ncclSend(send.data() + p * block, block, detail::nccl_data_type<T>(),
@@ -408,7 +409,7 @@ public:
         h_.check_memory(name, "send", send.data());
         if (h_.rank() == root)
             h_.check_memory(name, "recv", recv.data());
-        h_.enqueue(name, [&] {
+        enqueue(name, [&] {
             return ncclReduce(send.data(), recv.empty() ? nullptr : recv.data(), send.size(),
                               detail::nccl_data_type<T>(), detail::nccl_reduce_op(op), root,
                               h_.comm(), h_.stream());
@@ -453,7 +454,7 @@ public:
         if (!recv.empty())
             h_.check_memory(name, "recv", recv.data());
         if (layout.equal) {
-            h_.enqueue(name, [&] {
+            enqueue(name, [&] {
                 return ncclReduceScatter(send.data(), recv.data(), recv.size(),
                                          detail::nccl_data_type<T>(), detail::nccl_reduce_op(op),
                                          h_.comm(), h_.stream());
@@ -461,7 +462,7 @@ public:
             traced("reduce_scatter", trace_type_name<T>(), send.size(), -1);
             return;
         }
-        h_.enqueue(name, [&] {
+        enqueue(name, [&] {
             ncclResult_t r = ncclGroupStart();
             std::size_t offset = 0;
             for (std::size_t p = 0; p < ranks && r == ncclSuccess; offset += counts[p], ++p) {
@@ -493,7 +494,7 @@ public:
     /// on the stream, and throws on a failure, a failed peer or the timeout).
     void barrier() {
         const std::string name = next_operation("barrier");
-        h_.enqueue(name, [&] {
+        enqueue(name, [&] {
             return ncclAllReduce(h_.scratch(), h_.scratch(), 1, ncclInt32, ncclSum, h_.comm(),
                                  h_.stream());
         });
@@ -529,7 +530,7 @@ public:
         if (data.empty())
             return;
         h_.check_memory(name, "data", data.data());
-        h_.enqueue(name, [&] {
+        enqueue(name, [&] {
             return ncclSend(data.data(), data.size(),
                             detail::nccl_data_type<std::remove_const_t<T>>(), peer, h_.comm(),
                             h_.stream());
@@ -545,7 +546,7 @@ public:
         if (data.empty())
             return;
         h_.check_memory(name, "data", data.data());
-        h_.enqueue(name, [&] {
+        enqueue(name, [&] {
             return ncclRecv(data.data(), data.size(), detail::nccl_data_type<T>(), peer, h_.comm(),
                             h_.stream());
         });
@@ -593,6 +594,22 @@ public:
     /// writes the record, and the error names the file.
     const flight_recorder& trace() const noexcept {
         return trace_;
+    }
+
+    /// Starts timing, on the device, the time this replica's stream spends between this
+    /// communicator's collectives (detail::stream_gap_timer: two CUDA events per collective
+    /// from now on), which device_between_ns() reads; train_params::report_stragglers_every
+    /// turns it on. Collectives driven inside an nccl_group are launched at its end, after
+    /// their events: their gaps are not the stream's. Idempotent.
+    void time_between_on_device() {
+        gaps_.start(h_.device());
+    }
+
+    /// The device time between collectives since time_between_on_device(), in ns, over the
+    /// gaps whose next collective the stream has reached (after synchronize(): all of them);
+    /// 0 while off. Throws errc::cuda when the timing's events failed.
+    std::int64_t device_between_ns() {
+        return gaps_.between_ns();
     }
 
     /// This object's communicator_identity (identified_communicator): what caches of state
@@ -694,6 +711,15 @@ private:
         return std::string(op) + " #" + std::to_string(sequence_++);
     }
 
+    // Makes the enqueueing NCCL call `call()` (nccl_handle::enqueue), between the events of the
+    // device timing when it is on.
+    template <class Call>
+    void enqueue(const std::string& name, Call call) {
+        gaps_.before(h_.stream());
+        h_.enqueue(name, call);
+        gaps_.after(h_.stream());
+    }
+
     // A null span with a non-zero count, or one larger than memory can hold, is refused before
     // anything is enqueued (like every argument error here, it aborts the communicator so the
     // peers get peer_failure instead of waiting).
@@ -734,6 +760,7 @@ private:
     detail::nccl_handle h_;
     long long sequence_ = 0;
     flight_recorder trace_{"nccl"};
+    detail::stream_gap_timer gaps_; // off unless time_between_on_device()
     communicator_identity identity_;
 };
 

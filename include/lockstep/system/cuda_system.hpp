@@ -56,6 +56,27 @@ private:
     int previous_ = 0;
 };
 
+namespace detail {
+/// Makes a device current for its lifetime without throwing (for noexcept paths).
+class cuda_device_guard_noexcept {
+public:
+    explicit cuda_device_guard_noexcept(int device) {
+        switched_ = cudaGetDevice(&previous_) == cudaSuccess && previous_ != device &&
+                    cudaSetDevice(device) == cudaSuccess;
+    }
+    cuda_device_guard_noexcept(const cuda_device_guard_noexcept&) = delete;
+    cuda_device_guard_noexcept& operator=(const cuda_device_guard_noexcept&) = delete;
+    ~cuda_device_guard_noexcept() {
+        if (switched_)
+            (void)cudaSetDevice(previous_);
+    }
+
+private:
+    int previous_ = 0;
+    bool switched_ = false;
+};
+} // namespace detail
+
 namespace gpu {
 /// cuda_system's (empty) base: it makes namespace lockstep::gpu an associated namespace of
 /// cuda_system, so that argument-dependent lookup on a cuda_system finds the CUDA overloads

@@ -323,7 +323,8 @@ private:
         if (capture) {
             detail::step_capture::check_capturable(
                 this->rank(), is_local_sgd_v<SyncPolicy>,
-                parts_->collective.overlaps() && !detail::overlaps_on_side_stream<Communicator>);
+                parts_->collective.overlaps() && !detail::overlaps_on_side_stream<Communicator>,
+                core_.params().report_stragglers_every);
             capture_.check_set_up(this->rank(), global_batch);
         }
         try {

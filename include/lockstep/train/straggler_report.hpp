@@ -10,7 +10,8 @@ namespace lockstep {
 
 /// Every replica's own time per step over a window of steps, and the replica the others waited
 /// for. A replica's own time is what it spends between its collectives, from the end of one to
-/// its arrival at the next (its communicator's flight_recorder::between_ns): the all_reduce of
+/// its arrival at the next (on the host, its communicator's flight_recorder::between_ns; on
+/// NCCL, its stream's device time, nccl_communicator::device_between_ns): the all_reduce of
 /// a synchronous step evens out the wall-clock step times, but not this, and no clock sync is
 /// needed. One all_gather of one double per replica makes the report, the same on every replica.
 struct straggler_report {

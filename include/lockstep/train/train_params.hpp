@@ -119,11 +119,13 @@ struct train_params {
     /// The slow replica named (data_parallel with sync::synchronous or sync::local_sgd): after
     /// every report_stragglers_every-th step, one all_gather of one double per replica makes a
     /// straggler_report (data_parallel::straggler()): every replica's own time per step over
-    /// the steps since the last report (its work between collectives, timed by its
-    /// communicator's flight recorder) and the slowest replica with its lag behind the median
-    /// of the others. Host communicators only (the thread group, MPI; else errc::unsupported).
-    /// 0: off. requires: >= 0; 0 for the asynchronous trainers. Every replica must pass the same
-    /// value (checked at construction).
+    /// the steps since the last report (its work between collectives: timed on the host by the
+    /// thread group's and MPI's flight recorders, on the device by nccl_communicator, with two
+    /// CUDA events per collective, the first step and each report waiting for the stream) and
+    /// the slowest replica with its lag behind the median of the others. Other communicators
+    /// and a step captured in a CUDA graph refuse it (errc::unsupported). 0: off.
+    /// requires: >= 0; 0 for the asynchronous trainers. Every replica must pass the same value
+    /// (checked at construction).
     std::int64_t report_stragglers_every = 0;
     /// What a synchronous data_parallel does when a replica is lost during a step
     /// (replica_failure; docs/fault_tolerance.md). shrink: with a communicator that can shrink

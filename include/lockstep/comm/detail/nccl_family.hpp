@@ -7,6 +7,8 @@
 
 #if LOCKSTEP_HAS_NCCL
 
+#include "lockstep/system/cuda_system.hpp"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -25,25 +27,6 @@ namespace lockstep::detail {
 /// others stop waiting and fail too.
 struct nccl_clique {
     std::atomic<int> failed_rank{-1};
-};
-
-/// Makes a device current for its lifetime without throwing (for noexcept paths).
-class cuda_device_guard_noexcept {
-public:
-    explicit cuda_device_guard_noexcept(int device) {
-        switched_ = cudaGetDevice(&previous_) == cudaSuccess && previous_ != device &&
-                    cudaSetDevice(device) == cudaSuccess;
-    }
-    cuda_device_guard_noexcept(const cuda_device_guard_noexcept&) = delete;
-    cuda_device_guard_noexcept& operator=(const cuda_device_guard_noexcept&) = delete;
-    ~cuda_device_guard_noexcept() {
-        if (switched_)
-            (void)cudaSetDevice(previous_);
-    }
-
-private:
-    int previous_ = 0;
-    bool switched_ = false;
 };
 
 /// One replica's NCCL communicators: the one it was created with and every split made from it

@@ -48,8 +48,11 @@ public:
     /// local SGD (every K-th step averages and checks its agreement on the host), and buckets
     /// overlapped by a communication THREAD (`threaded_overlap`: its enqueues are not the
     /// capturing thread's). nccl_communicator's overlap is a side stream forked from the
-    /// compute stream and joined back by events, which a capture follows.
-    static void check_capturable(int rank, bool local_sgd, bool threaded_overlap) {
+    /// compute stream and joined back by events, which a capture follows. Nor with
+    /// `report_stragglers_every` > 0: a graph's launches run no collective whose gaps the
+    /// straggler report could time.
+    static void check_capturable(int rank, bool local_sgd, bool threaded_overlap,
+                                 std::int64_t report_stragglers_every) {
         LOCKSTEP_REQUIRE(!local_sgd, errc::unsupported, rank, "data_parallel.step",
                          "a sync::local_sgd step cannot be captured in a CUDA graph (every K-th "
                          "step averages the weights and checks the replicas' settings on the "
@@ -58,6 +61,12 @@ public:
                          "a step whose bucket reductions overlap on a communication thread "
                          "cannot be captured in a CUDA graph (that thread's enqueues are not in "
                          "the capture): use train_params::overlap = overlap_mode::never");
+        LOCKSTEP_REQUIRE(report_stragglers_every == 0, errc::unsupported, rank,
+                         "data_parallel.step",
+                         "a step is not captured in a CUDA graph with report_stragglers_every = ",
+                         report_stragglers_every,
+                         " (a graph's launches run no collective whose gaps the report could "
+                         "time): use 0 in a trainer whose steps are captured");
     }
 
     /// A plain step (run, not captured) of `global` samples returned: what a step of this global
