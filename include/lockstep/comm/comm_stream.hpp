@@ -209,15 +209,16 @@ private:
 /// replica's family, so an abort of the replica's communicator stops its collectives too);
 /// submit() records an event on the compute stream and makes the side stream wait on it before
 /// the work is enqueued, and join() makes the compute stream wait on an event recorded on the
-/// side stream. No host wait and no thread (the comm_priority is accepted for a uniform
-/// interface and has no effect).
+/// side stream (nccl_communicator::device_wait, so the replica's device timing counts that wait
+/// as time in collectives). No host wait and no thread (the comm_priority is accepted for a
+/// uniform interface and has no effect). requires: comm outlives the comm_stream.
 template <>
 class comm_stream<nccl_communicator> {
 public:
     using communicator_type = nccl_communicator;
 
     explicit comm_stream(nccl_communicator& comm, comm_priority = comm_priority::normal)
-        : compute_(comm.system()), side_(comm.device()),
+        : compute_(comm.system()), parent_(&comm), side_(comm.device()),
           comm_(comm.split(0, comm.rank(), side_.get())), ready_(comm.device()),
           done_(comm.device()) {}
 
@@ -233,12 +234,13 @@ public:
     /// Orders the compute stream after every submitted item (device-side wait).
     void join() {
         done_.record(comm_.system());
-        done_.make_wait(compute_);
+        parent_->device_wait(done_.get());
     }
 
 private:
     cuda_system compute_;
-    cuda_stream side_; // before comm_: outlives it
+    nccl_communicator* parent_; // the compute stream's communicator
+    cuda_stream side_;          // before comm_: outlives it
     nccl_communicator comm_;
     cuda_event ready_;
     cuda_event done_;

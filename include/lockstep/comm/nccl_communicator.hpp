@@ -605,6 +605,20 @@ public:
         gaps_.start(h_.device());
     }
 
+    /// Makes this communicator's stream wait on the device (no host wait) for `event`, recorded
+    /// after collectives on another stream of the replica (comm_stream's side stream): with the
+    /// device timing on, the stream's wait there counts as time in collectives, not as the
+    /// replica's own work, as a collective on this stream would (a replica waiting for a slower
+    /// one's buckets is not the slow one). requires: event recorded on device().
+    void device_wait(cudaEvent_t event) {
+        gaps_.before(h_.stream());
+        {
+            cuda_device_guard guard(h_.device());
+            LOCKSTEP_CUDA_CHECK(cudaStreamWaitEvent(h_.stream(), event, 0));
+        }
+        gaps_.after(h_.stream());
+    }
+
     /// The device time between collectives since time_between_on_device(), in ns, over the
     /// gaps whose next collective the stream has reached (after synchronize(): all of them);
     /// 0 while off. Throws errc::cuda when the timing's events failed.
