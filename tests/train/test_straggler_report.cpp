@@ -1,6 +1,7 @@
 // train_params::report_stragglers_every on thread replicas: a replica that sleeps in every step is
 // named, with its delay within 20 %, by the same report on every replica, every K steps and not
-// between; off, nothing is reported; a negative K or an asynchronous trainer is refused.
+// between; off, nothing is reported; a negative K or an asynchronous trainer is refused; a
+// communicator timed on its device (as nccl_communicator) is read as the meter promises.
 // SPDX-License-Identifier: Apache-2.0
 #include "straggler_cases.hpp"
 
@@ -152,5 +153,82 @@ TEST_CASE("a communicator whose collectives are not timed refuses report_straggl
         CHECK(code == static_cast<int>(errc::unsupported));
         CHECK_THAT(msg, Catch::Contains("report_stragglers_every = 3: this communicator's "
                                         "collectives are not timed"));
+    }
+}
+
+namespace {
+/// A thread communicator that claims to time its replica on a device (as nccl_communicator
+/// does): its "device time between collectives" is a clock the step function advances, so the
+/// report's figures are exact; it counts how often the meter turned the timing on and waited
+/// for the stream.
+class device_clock_communicator
+    : public lockstep::testing::counting_communicator<thread_communicator> {
+public:
+    using counting_communicator::counting_communicator;
+    explicit device_clock_communicator(counting_communicator&& c)
+        : counting_communicator(std::move(c)) {}
+    device_clock_communicator split(int color, int key) {
+        return device_clock_communicator(counting_communicator::split(color, key));
+    }
+    void time_between_on_device() { ++turned_on; }
+    std::int64_t device_between_ns() const { return clock_ns; }
+    void synchronize() { ++synchronized; }
+
+    std::int64_t clock_ns = 0;
+    int turned_on = 0;
+    int synchronized = 0;
+};
+} // namespace
+
+// The device path of the meter, exactly: replica 1's clock advances 50 ms per step, the others'
+// 1 ms. The reports after steps 3 and 6 (windows 1..2 and 3..5) give those times per step and a
+// lag of 49 ms, the same on every replica; the timing was turned on once, and the meter waited
+// for the stream at the first step and at each report (3 times in 6 steps), never between (the
+// trainer's construction waits once more, as on any communicator that can).
+TEST_CASE("a communicator timed on its device is read at the first step and at each report",
+          "[train][thread][straggler]") {
+    using comm_type = device_clock_communicator;
+    using net = mlp<float, comm_type, storage::registry>;
+    struct seen_by {
+        std::vector<std::optional<straggler_report>> reports;
+        int turned_on = 0, synchronized = 0;
+    };
+    std::vector<seen_by> seen(3);
+    thread_group(3).run([&](thread_communicator& inner) {
+        comm_type comm(inner);
+        const std::int64_t per_step = comm.rank() == 1 ? 50'000'000 : 1'000'000;
+        data_parallel<net, optim::sgd<float>, sync::synchronous, reduce::bucketed<>, comm_type> dp(
+            comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.1}, {.report_stragglers_every = 3});
+        seen_by& mine = seen[static_cast<std::size_t>(inner.rank())];
+        const int built = comm.synchronized; // the construction's own wait
+        for (int k = 0; k < 6; ++k) {
+            dp.step(12, [&](net& n, const shard_range& r, auto& ctx) {
+                comm.clock_ns += per_step;
+                return n.train(r, ctx);
+            });
+            mine.reports.push_back(dp.straggler());
+        }
+        mine.turned_on = comm.turned_on;
+        mine.synchronized = comm.synchronized - built;
+        dp.finish();
+    });
+    for (const seen_by& mine : seen) {
+        CHECK(mine.turned_on == 1);
+        CHECK(mine.synchronized == 3);
+        REQUIRE(mine.reports.size() == 6);
+        CHECK(!mine.reports[1]);
+        REQUIRE(mine.reports[2]);
+        CHECK(mine.reports[2]->first_step == 1);
+        CHECK(mine.reports[2]->last_step == 2);
+        REQUIRE(mine.reports[5]);
+        const straggler_report& r = *mine.reports[5];
+        CHECK(r.first_step == 3);
+        CHECK(r.last_step == 5);
+        REQUIRE(r.own_seconds.size() == 3);
+        CHECK(r.own_seconds[0] == Approx(0.001).epsilon(1e-12));
+        CHECK(r.own_seconds[1] == Approx(0.05).epsilon(1e-12));
+        CHECK(r.own_seconds[2] == Approx(0.001).epsilon(1e-12));
+        CHECK(r.slowest == 1);
+        CHECK(r.lag_seconds == Approx(0.049).epsilon(1e-12));
     }
 }
