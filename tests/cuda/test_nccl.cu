@@ -504,6 +504,27 @@ TEST_CASE("the unique-id constructor leaves the replica's device current", "[com
 static_assert(NCCL_VERSION_CODE >= NCCL_VERSION(2, 26, 0),
               "lockstep needs NCCL 2.26 (NCCL_LAUNCH_ORDER_IMPLICIT)");
 
+// The headers are checked when compiling; the library is checked when a communicator is made,
+// since another libnccl.so.2 may be loaded at run time. Runs without a GPU (ncclGetVersion
+// needs none).
+TEST_CASE("an NCCL library older than 2.26 loaded at run time is refused, naming both versions",
+          "[comm][nccl]") {
+    using lockstep::detail::nccl_runtime_problem;
+    CHECK(nccl_runtime_problem(NCCL_VERSION(2, 26, 0)).empty());
+    CHECK(nccl_runtime_problem(NCCL_VERSION(2, 28, 9)).empty());
+    const std::string old = nccl_runtime_problem(NCCL_VERSION(2, 21, 5));
+    CHECK_THAT(old, Catch::Contains("version 2.21.5"));
+    CHECK_THAT(old, Catch::Contains("lockstep needs 2.26.0 or newer"));
+    CHECK_THAT(old, Catch::Contains("compiled against " + std::to_string(NCCL_MAJOR) + "." +
+                                    std::to_string(NCCL_MINOR) + "."));
+    CHECK_THAT(nccl_runtime_problem(0), Catch::Contains("of unknown version"));
+    int loaded = 0;
+    REQUIRE(ncclGetVersion(&loaded) == ncclSuccess);
+    INFO("the NCCL library this test loaded: " << loaded);
+    CHECK(lockstep::detail::loaded_nccl_problem() == nccl_runtime_problem(loaded));
+    CHECK(lockstep::detail::loaded_nccl_problem().empty());
+}
+
 TEST_CASE("lockstep's communicators run with NCCL's implicit launch order; destroy_all ends "
           "init_all's ranks together",
           "[comm][nccl][gpu]") {

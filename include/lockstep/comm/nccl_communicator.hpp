@@ -58,6 +58,8 @@ namespace lockstep {
 ///   `nccl_communicator comm(MPI_COMM_WORLD, nccl_communicator::local_device(MPI_COMM_WORLD));`
 ///   (the NCCL unique id travels by MPI_Bcast).
 /// - any other bootstrap: the (ncclUniqueId, size, rank, device) constructor.
+/// Every way refuses an NCCL library older than 2.26 loaded at run time (errc::unsupported,
+/// naming it and the headers' version; detail::loaded_nccl_problem).
 ///
 /// Streams: every way of creation either creates the communicator's own non-blocking stream
 /// (the default) or ADOPTS a stream of the caller (one per device for init_all): collectives
@@ -144,6 +146,8 @@ public:
             LOCKSTEP_REQUIRE(problem.empty(), errc::invalid_argument, static_cast<int>(i),
                              "nccl_communicator.init_all", problem);
         }
+        LOCKSTEP_REQUIRE(detail::loaded_nccl_problem().empty(), errc::unsupported, -1,
+                         "nccl_communicator.init_all", detail::loaded_nccl_problem());
         std::vector<ncclComm_t> raw(devices.size(), nullptr);
         LOCKSTEP_NCCL_CHECK(ncclCommInitAll(raw.data(), n, devices.data()));
         auto clique = std::make_shared<detail::nccl_clique>();
@@ -680,6 +684,8 @@ private:
         const std::string problem = detail::adopted_stream_problem(stream, device);
         LOCKSTEP_REQUIRE(problem.empty(), errc::invalid_argument, rank, "nccl_communicator",
                          problem);
+        LOCKSTEP_REQUIRE(detail::loaded_nccl_problem().empty(), errc::unsupported, rank,
+                         "nccl_communicator", detail::loaded_nccl_problem());
         // Left current: the replica's kernels go to its device (a guard would restore another).
         LOCKSTEP_CUDA_CHECK(cudaSetDevice(device));
         ncclComm_t comm = nullptr;
@@ -696,20 +702,22 @@ private:
         // agree before anyone enters ncclCommInitRank.
         ncclUniqueId id{};
         const int available = cuda_device_count();
-        std::string problem;
-        if (device < 0 || device >= available)
+        std::string problem = detail::loaded_nccl_problem();
+        const errc code = problem.empty() ? errc::invalid_argument : errc::unsupported;
+        if (problem.empty() && (device < 0 || device >= available))
             problem = "device " + std::to_string(device) + " is not usable (" +
                       std::to_string(available) + " CUDA devices)";
-        else
+        if (problem.empty())
             problem = detail::adopted_stream_problem(stream, device);
         if (problem.empty() && rank == 0 && ncclGetUniqueId(&id) != ncclSuccess)
             problem = "the NCCL id could not be created (ncclGetUniqueId)";
         int ok = problem.empty() ? 1 : 0;
         int all_ok = 0;
         LOCKSTEP_MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm));
-        LOCKSTEP_REQUIRE(ok, errc::invalid_argument, rank, "nccl_communicator(MPI_Comm)", problem);
+        LOCKSTEP_REQUIRE(ok, code, rank, "nccl_communicator(MPI_Comm)", problem);
         LOCKSTEP_REQUIRE(all_ok, errc::peer_failure, rank, "nccl_communicator(MPI_Comm)",
-                         "another process has no usable CUDA device, stream or NCCL id");
+                         "another process has no usable NCCL library, CUDA device, stream or "
+                         "NCCL id");
         LOCKSTEP_MPI_CHECK(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm));
         return init_rank(id, size, rank, device, stream);
     }

@@ -143,6 +143,42 @@ inline bool use_implicit_launch_order() noexcept {
     return true;
 }
 
+/// The oldest NCCL library lockstep runs on: 2.26, the first with NCCL_LAUNCH_ORDER_IMPLICIT.
+/// The headers are checked when compiling (nccl_communicator.hpp), but a program may load
+/// another libnccl.so.2 at run time (LD_LIBRARY_PATH, a Python wheel's), where the setting would
+/// be ignored and two active communicators of a replica could deadlock.
+inline constexpr int nccl_oldest_runtime = NCCL_VERSION(2, 26, 0);
+
+/// "2.28.9" for NCCL's version code 22809 (NCCL_VERSION's encoding since 2.9).
+inline std::string nccl_version_name(int code) {
+    return std::to_string(code / 10000) + "." + std::to_string(code % 10000 / 100) + "." +
+           std::to_string(code % 100);
+}
+
+/// Why NCCL library version `runtime` (ncclGetVersion; 0: unknown) cannot be used, or "" when
+/// it can.
+inline std::string nccl_runtime_problem(int runtime) {
+    if (runtime >= nccl_oldest_runtime)
+        return {};
+    return "the NCCL library loaded at run time is " +
+           (runtime > 0 ? "version " + nccl_version_name(runtime)
+                        : std::string("of unknown version (ncclGetVersion failed)")) +
+           "; lockstep needs " + nccl_version_name(nccl_oldest_runtime) +
+           " or newer (NCCL_LAUNCH_ORDER_IMPLICIT orders a replica's two active communicators) "
+           "and was compiled against " +
+           nccl_version_name(NCCL_VERSION_CODE) +
+           ": put a newer libnccl.so.2 first on the library path (LD_LIBRARY_PATH)";
+}
+
+/// nccl_runtime_problem of the library this process loaded (asked once).
+inline const std::string& loaded_nccl_problem() {
+    static const std::string problem = [] {
+        int v = 0;
+        return nccl_runtime_problem(ncclGetVersion(&v) == ncclSuccess ? v : 0);
+    }();
+    return problem;
+}
+
 /// Runs use_implicit_launch_order() at static initialisation (one inline variable for the whole
 /// program).
 inline const bool nccl_launch_order_set = use_implicit_launch_order();
