@@ -10,6 +10,7 @@
 // bound. docs/gpu_batch_norm.md says what the figures are for.
 #include "gpu_bench_cudnn.cuh"
 #include "gpu_bench_timer.cuh"
+#include "median.hpp"
 
 #include "lockstep/kernels/bn_backward.hpp"
 #include "lockstep/kernels/bn_forward.hpp"
@@ -37,7 +38,6 @@
 #if LOCKSTEP_HAS_NCCL
 #include "lockstep/comm/nccl_communicator.hpp"
 
-#include <algorithm>
 #include <chrono>
 #include <span>
 
@@ -447,10 +447,7 @@ void bench_gap_timer() {
         on.push_back(round(timed[0]));
         wall_us += on.back() * calls;
     }
-    const auto median = [](std::vector<double> v) {
-        std::sort(v.begin(), v.end());
-        return v[v.size() / 2];
-    };
+    using bench_stats::median;
     const double gaps_us = static_cast<double>(timed[0].device_between_ns() - gaps_before) * 1e-3;
     std::printf("nccl_communicator device timing (report_stragglers_every): %.2f us per one-rank "
                 "all_reduce without, %.2f us with (+%.2f us per collective, ratio %.3f); the "

@@ -20,7 +20,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
-#include <numeric>
 #include <optional>
 #include <span>
 #include <string>
@@ -67,9 +66,7 @@ TEST_CASE("data_parallel trains over nccl_communicator: replicas agree with the 
           "[train][nccl][cuda][gpu]") {
     if (lockstep_test::skip_without_gpu())
         return;
-    std::vector<int> devices(static_cast<std::size_t>(lockstep::cuda_device_count()));
-    std::iota(devices.begin(), devices.end(), 0);
-    auto comms = nccl_communicator::init_all(devices);
+    auto comms = lockstep_test::all_devices();
 
     // One host thread per replica; Catch2 assertions stay on the main thread.
     std::vector<std::vector<float>> params(comms.size());
@@ -144,9 +141,7 @@ TEST_CASE("reduce::sharded over nccl_communicator equals the unsharded trainer",
           "[train][nccl][cuda][gpu]") {
     if (lockstep_test::skip_without_gpu())
         return;
-    std::vector<int> devices(static_cast<std::size_t>(lockstep::cuda_device_count()));
-    std::iota(devices.begin(), devices.end(), 0);
-    auto comms = nccl_communicator::init_all(devices);
+    auto comms = lockstep_test::all_devices();
     const auto sharded = run_lamb<lockstep::reduce::sharded<8, 8>>(comms);
     const auto whole = run_lamb<lockstep::reduce::bucketed<8, 8>>(comms);
     for (std::size_t r = 0; r < comms.size(); ++r) {

@@ -44,7 +44,6 @@ public:
         if (!s_)
             s_ = std::make_unique<state>(device);
     }
-    bool on() const noexcept { return s_ != nullptr; }
 
     /// Before a collective is enqueued on `stream`: closes the open pair at the stream's arrival.
     void before(cudaStream_t stream) noexcept {
@@ -95,10 +94,8 @@ private:
             if (!failure.empty())
                 (void)cudaGetLastError();
         }
-        static bool capturing(cudaStream_t stream) {
-            cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-            LOCKSTEP_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-            return status != cudaStreamCaptureStatusNone;
+        bool capturing(cudaStream_t stream) const {
+            return is_capturing(cuda_system(device, stream));
         }
         cudaEvent_t take() {
             if (!spare.empty()) {

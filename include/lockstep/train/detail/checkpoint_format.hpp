@@ -155,7 +155,7 @@ public:
     /// written (a device snapshot's page-locked staging).
     void borrowed_section(std::string name, dtype type, std::vector<std::uint64_t> shape,
                           std::span<const std::byte> bytes) {
-        sections_.push_back(pending{std::move(name), type, std::move(shape), {}, bytes, true});
+        sections_.push_back(pending{std::move(name), type, std::move(shape), {}, bytes});
     }
 
     /// The whole file: header (with its CRC32C), then the 8-byte aligned section payloads.
@@ -263,12 +263,11 @@ private:
         std::string name;
         dtype type;
         std::vector<std::uint64_t> shape;
-        std::vector<std::byte> owned; ///< the payload, unless borrowed
-        std::span<const std::byte> borrowed = {};
-        bool borrows = false;
+        std::vector<std::byte> owned;             ///< the payload, unless borrowed
+        std::span<const std::byte> borrowed = {}; ///< the payload when borrowed, else empty
         /// The payload (a view computed on use, so a copied builder views its own bytes).
         std::span<const std::byte> bytes() const noexcept {
-            return borrows ? borrowed : std::span<const std::byte>(owned);
+            return borrowed.empty() ? std::span<const std::byte>(owned) : borrowed;
         }
     };
     static std::uint64_t round_up(std::uint64_t n) {
