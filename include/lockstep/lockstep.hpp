@@ -55,6 +55,7 @@
 #include "lockstep/comm/comm_stream.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/communicator_identity.hpp"
+#include "lockstep/comm/file_coordinator.hpp"
 #include "lockstep/comm/flight_recorder.hpp"
 #include "lockstep/comm/hierarchical.hpp"
 #include "lockstep/comm/host_wait.hpp"

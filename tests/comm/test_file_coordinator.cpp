@@ -1,0 +1,140 @@
+// file_coordinator across processes (the rank launcher, 3 ranks on the CPU): the survivors of a
+// generation take one decision on who continues, the same on every rank; a member that never
+// comes (SIGKILLed) or comes after the deadline is left out, and one left out cannot join the
+// next generation; a directory holding an earlier run's decisions is refused.
+// SPDX-License-Identifier: Apache-2.0
+#include "lockstep/comm/file_coordinator.hpp"
+
+#include "support/rank_launcher.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <system_error>
+#include <vector>
+
+namespace {
+
+namespace ranks = lockstep_test::ranks;
+using lockstep::errc;
+using lockstep::file_coordinator;
+using namespace std::chrono_literals;
+
+/// A directory of rank 0's making, the same on every rank (rank 0 removes it at the end).
+class shared_dir {
+public:
+    shared_dir() {
+        std::string mine;
+        if (ranks::rank() == 0) {
+            std::string pattern =
+                (std::filesystem::temp_directory_path() / "lockstep_coordinator_XXXXXX").string();
+            REQUIRE(::mkdtemp(pattern.data()) != nullptr);
+            mine = pattern;
+        }
+        const auto bytes = ranks::share_from_rank0(std::as_bytes(std::span(mine)));
+        path_.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+        REQUIRE(!path_.empty());
+    }
+    shared_dir(const shared_dir&) = delete;
+    shared_dir& operator=(const shared_dir&) = delete;
+    ~shared_dir() {
+        if (ranks::rank() == 0) {
+            std::error_code ec;
+            std::filesystem::remove_all(path_, ec);
+        }
+    }
+    const std::string& path() const noexcept { return path_; }
+
+private:
+    std::string path_;
+};
+
+const std::vector<int> all3{0, 1, 2};
+
+} // namespace
+
+TEST_CASE("file_coordinator: when every member comes, all continue, in every generation",
+          "[coordinator]") {
+    REQUIRE(ranks::size() == 3);
+    shared_dir dir;
+    const file_coordinator c(dir.path());
+    const int me = ranks::rank();
+    CHECK(c(0, me, all3, 30s) == all3);
+    CHECK(c(1, me, all3, 30s) == all3);
+    REQUIRE(ranks::agree(true, "done with the directory"));
+}
+
+TEST_CASE("file_coordinator: a member that comes after the deadline is left out and cannot join "
+          "the next generation",
+          "[coordinator]") {
+    shared_dir dir;
+    const file_coordinator c(dir.path());
+    const int me = ranks::rank();
+    std::vector<int> got;
+    if (me != 2) {
+        const auto start = std::chrono::steady_clock::now();
+        got = c(0, me, all3, 300ms);
+        // Nobody published before the deadline: rank 2 had not come.
+        CHECK(std::chrono::steady_clock::now() - start >= 300ms);
+        CHECK(got == std::vector<int>{0, 1});
+    }
+    REQUIRE(ranks::agree(true, "ranks 0 and 1 have the decision"));
+    if (me == 2) {
+        got = c(0, me, all3, 30s); // late: it sees the decision without itself
+        CHECK(got == std::vector<int>{0, 1});
+        // Fenced: it is no member of generation 1.
+        try {
+            (void)c(1, me, got, 30s);
+            FAIL("a member left out joined the next generation");
+        } catch (const lockstep::error& e) {
+            CHECK(e.code() == errc::invalid_argument);
+        }
+    } else {
+        CHECK(c(1, me, got, 30s) == got);
+    }
+    REQUIRE(ranks::agree(true, "done with the directory"));
+}
+
+TEST_CASE("file_coordinator: a directory with an earlier run's decision is refused",
+          "[coordinator]") {
+    shared_dir dir;
+    if (ranks::rank() == 0) {
+        const std::filesystem::path own = std::filesystem::path(dir.path()) / "rank0";
+        const file_coordinator c(own);
+        CHECK(c(0, 0, std::vector<int>{0}, 1s) == std::vector<int>{0});
+        try {
+            const file_coordinator again(own);
+            FAIL("a directory holding g0.decision was accepted");
+        } catch (const lockstep::error& e) {
+            CHECK(e.code() == errc::invalid_argument);
+            CHECK(std::string(e.what()).find("g0.decision") != std::string::npos);
+        }
+        CHECK_THROWS_AS(c(0, 3, std::vector<int>{0, 1}, 1s), lockstep::error); // not a member
+        CHECK_THROWS_AS(c(0, 0, std::vector<int>{0}, 0ms), lockstep::error);   // no deadline
+    }
+}
+
+// Declared last: afterwards the executable runs with one rank fewer.
+TEST_CASE("file_coordinator: the survivors of a SIGKILLed member leave it out", "[coordinator]") {
+    shared_dir dir;
+    const file_coordinator c(dir.path());
+    const int me = ranks::rank();
+    REQUIRE(ranks::agree(true, "directory shared"));
+    if (me == 2) {
+        ranks::planned_exit();
+        std::fflush(nullptr);
+        std::raise(SIGKILL);
+    }
+    CHECK(c(0, me, all3, 500ms) == std::vector<int>{0, 1});
+    CHECK(c(1, me, std::vector<int>{0, 1}, 30s) == std::vector<int>{0, 1});
+    REQUIRE(ranks::agree(true, "done with the directory"));
+}
+
+int main(int argc, char** argv) {
+    return ranks::rank_main(argc, argv, nullptr, 77);
+}
