@@ -88,7 +88,9 @@ if(CUDAToolkit_FOUND)
   if(_lockstep_nccl_new_enough AND LOCKSTEP_NCCL_LIBRARY)
     add_library(lockstep::nccl INTERFACE IMPORTED GLOBAL)
     target_include_directories(lockstep::nccl INTERFACE "${LOCKSTEP_NCCL_INCLUDE_DIR}")
-    target_link_libraries(lockstep::nccl INTERFACE lockstep::cuda "${LOCKSTEP_NCCL_LIBRARY}")
+    # dl: ncclCommRevoke and ncclCommShrink are looked up at run time (comm/detail/nccl_shrink.hpp).
+    target_link_libraries(lockstep::nccl INTERFACE lockstep::cuda "${LOCKSTEP_NCCL_LIBRARY}"
+                                                   ${CMAKE_DL_LIBS})
     target_compile_definitions(lockstep::nccl INTERFACE LOCKSTEP_HAS_NCCL=1)
     set(LOCKSTEP_nccl_FOUND TRUE)
   endif()

@@ -2,9 +2,12 @@
 // step function throws, and a rank SIGKILLed inside its step. Every survivor must end with a
 // lockstep::error (errc::peer_failure, or errc::timeout after its communicator's timeout:
 // LOCKSTEP_TIMEOUT) within that timeout, never hang, and the flight recorder files the survivors
-// write name the culprit (scripts/trace_merge.py: "culprit: replica R"). Each case is its own
-// CTest test ([throw], [kill]); the kill case ends with one rank fewer, so it runs last.
-// Every case needs a GPU (tagged [gpu]). SPDX-License-Identifier: Apache-2.0
+// write name the culprit (scripts/trace_merge.py: "culprit: replica R"); with
+// on_replica_failure = shrink the survivors instead continue without it (ncclCommRevoke,
+// ncclCommShrink) to the bits of an undisturbed run. Each case is its own CTest test ([throw],
+// [kill], [shrink]); the kill and shrink cases end with one rank fewer. Every case needs a GPU
+// (tagged [gpu]). SPDX-License-Identifier: Apache-2.0
+#include "lockstep/comm/file_coordinator.hpp"
 #include "lockstep/comm/nccl_communicator.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/train/data_parallel.hpp"
@@ -18,6 +21,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -37,16 +41,18 @@ namespace {
 using namespace lockstep;
 namespace tn = lockstep_test::net;
 namespace launcher = lockstep_test::ranks;
+using lockstep_test::nccl_ranks::hash_bits;
+using lockstep_test::nccl_ranks::rank0_values;
 using lockstep_test::nccl_ranks::rank_communicator;
 
 enum class fault { throws, sigkill };
 
-/// A directory for the flight recorder files of every rank, made by rank 0 and handed to the
-/// others through the launcher, set as LOCKSTEP_TRACE_DIR in every rank while it lives; rank 0
-/// removes it at the end.
-class shared_trace_dir {
+/// A directory of every rank, made by rank 0 and handed to the others through the launcher;
+/// with `trace`, set as LOCKSTEP_TRACE_DIR (the flight recorder files) in every rank while it
+/// lives; rank 0 removes it at the end.
+class shared_dir {
 public:
-    shared_trace_dir() {
+    explicit shared_dir(bool trace = false) : trace_(trace) {
         std::string mine;
         if (launcher::rank() == 0) {
             std::string pattern =
@@ -57,12 +63,14 @@ public:
         const auto bytes = launcher::share_from_rank0(std::as_bytes(std::span(mine)));
         path_.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
         REQUIRE(!path_.empty());
-        ::setenv("LOCKSTEP_TRACE_DIR", path_.c_str(), 1);
+        if (trace_)
+            ::setenv("LOCKSTEP_TRACE_DIR", path_.c_str(), 1);
     }
-    shared_trace_dir(const shared_trace_dir&) = delete;
-    shared_trace_dir& operator=(const shared_trace_dir&) = delete;
-    ~shared_trace_dir() {
-        ::unsetenv("LOCKSTEP_TRACE_DIR");
+    shared_dir(const shared_dir&) = delete;
+    shared_dir& operator=(const shared_dir&) = delete;
+    ~shared_dir() {
+        if (trace_)
+            ::unsetenv("LOCKSTEP_TRACE_DIR");
         if (launcher::rank() == 0) {
             std::error_code ec;
             std::filesystem::remove_all(path_, ec);
@@ -72,6 +80,7 @@ public:
 
 private:
     std::string path_;
+    bool trace_;
 };
 
 /// The output of scripts/trace_merge.py over dir (its exit status checked). The source tree is
@@ -153,7 +162,7 @@ outcome run_until_fault(nccl_communicator& comm, int culprit, fault kind) {
 
 /// The fault case: the last rank is the culprit (rank 0 survives and reads the recorder files).
 void check_fault(fault kind) {
-    shared_trace_dir dir;
+    shared_dir dir(true);
     auto comm = rank_communicator();
     const int me = comm.rank();
     const int culprit = comm.size() - 1;
@@ -191,6 +200,57 @@ void check_fault(fault kind) {
     }
 }
 
+/// One run with on_replica_failure = shrink: reduce::reproducible<2> + bn::ghost<2>, `steps`
+/// steps of 12 samples, the survivors agreeing through a file_coordinator over `dir`. With
+/// culprit >= 0, that rank (by its first rank) waits 300 ms inside step `kill_step` (the others
+/// wait for it in the exchange), tells the launcher and SIGKILLs itself.
+struct shrink_log {
+    std::vector<std::uint64_t> params; ///< hash_bits of the parameters after each step
+    std::vector<double> losses;
+    std::vector<int> lost; ///< step_result::lost of each step
+    int size_after = 0;
+};
+shrink_log run_shrinking(const std::string& dir, int culprit, int kill_step) {
+    using net_t = tn::test_net<nccl_communicator, bn::ghost<2>>;
+    using trainer_t = data_parallel<net_t, optim::sgd<float, cuda_system>, sync::synchronous,
+                                    reduce::reproducible<2>, nccl_communicator>;
+    constexpr std::size_t batch = 12;
+    constexpr int steps = 5;
+    nccl_options options;
+    options.survivors = file_coordinator(dir);
+    auto comm = rank_communicator(options);
+    const int me = comm.rank();
+    train_params tp;
+    tp.on_replica_failure = replica_failure::shrink;
+    tp.min_replicas = 1;
+    shrink_log log;
+    {
+        trainer_t trainer(
+            comm, [&](auto& ctx) { return net_t(ctx, batch); },
+            {.lr = lockstep_test::gpu_train::lr, .momentum = lockstep_test::gpu_train::momentum},
+            tp);
+        const auto fn = [&](net_t& n, shard_range sr, auto& ctx) {
+            if (me == culprit && ctx.step() == kill_step) {
+                std::this_thread::sleep_for(std::chrono::milliseconds(300));
+                launcher::planned_exit();
+                std::fflush(nullptr);
+                std::raise(SIGKILL);
+            }
+            n.train(sr, ctx);
+        };
+        for (int s = 0; s < steps; ++s) {
+            const step_result r = trainer.step(batch, fn);
+            log.losses.push_back(r.loss);
+            log.lost.push_back(r.lost);
+            log.params.push_back(hash_bits(lockstep_test::gpu_train::to_host(
+                std::span<const float>(trainer.parameters()), comm.system())));
+        }
+        trainer.finish();
+    }
+    log.size_after = comm.size();
+    return log;
+}
+
 } // namespace
 
 TEST_CASE("NCCL ranks: a rank throwing mid-step ends as an error on every rank within the "
@@ -204,4 +264,33 @@ TEST_CASE("NCCL ranks: a rank SIGKILLed mid-step ends as an error on every survi
           "timeout, and the flight recorder names it",
           "[train][nccl][ranks][fault][kill][gpu]") {
     check_fault(fault::sigkill);
+}
+
+// Declared last too: afterwards the process runs with one rank fewer. reduce::reproducible's
+// bits do not depend on the replica count, and the data order is keyed by the global sample
+// index, so the survivors of a rank lost in step 2 (found by the timeout or NCCL's remote error,
+// left out by the file_coordinator's decision after one more timeout, the communicator shrunk
+// with ncclCommShrink, step 2 computed again on fewer ranks) end every step with the parameter
+// bits and losses of the undisturbed run, and all survivors hold rank 0's.
+TEST_CASE("NCCL ranks: with on_replica_failure = shrink the survivors of a rank SIGKILLed "
+          "mid-step continue to the bits of an undisturbed run",
+          "[train][nccl][ranks][fault][shrink][gpu]") {
+    shared_dir dir;
+    const int me = launcher::rank();
+    const int ranks = launcher::size();
+    const shrink_log calm = run_shrinking(dir.path() + "/calm", -1, -1);
+    CHECK(calm.size_after == ranks);
+    CHECK(calm.lost == std::vector<int>(calm.lost.size(), 0));
+    REQUIRE(launcher::agree(true, "undisturbed run done"));
+    const int culprit = ranks - 1;
+    const shrink_log hit = run_shrinking(dir.path() + "/hit", culprit, 2);
+    REQUIRE(me != culprit); // a killed culprit never gets here
+    INFO("rank " << me << " of " << ranks << ", culprit " << culprit);
+    CHECK(hit.size_after == ranks - 1);
+    CHECK(hit.lost == std::vector<int>{0, 0, 1, 0, 0});
+    CHECK(hit.params == calm.params);
+    CHECK(hit.losses == calm.losses);
+    std::vector<std::uint64_t> mine = hit.params;
+    mine.push_back(hash_bits(hit.losses));
+    CHECK(mine == rank0_values(mine));
 }

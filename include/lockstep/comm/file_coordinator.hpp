@@ -41,8 +41,11 @@ using survivor_agreement = std::function<std::vector<int>(std::uint64_t generati
 /// passed since its call; the first caller to get there publishes the members that arrived as
 /// the decision (`g<g>.decision`, written to a temporary name and linked, so it appears whole
 /// and only once), and every caller returns that decision. A member that arrives after it sees
-/// itself left out. One directory per job: the constructor refuses one holding the files of an
-/// earlier run (their decisions would be taken for this run's).
+/// itself left out. One directory per job and communicator: the constructor refuses one holding
+/// an earlier run's decisions (they would be taken for this run's), but cannot tell an earlier
+/// run's arrival marks from this run's (a member wrongly counted as arrived makes the survivors'
+/// shrink wait for it and fail with errc::timeout). On NFS, mount
+/// with lookupcache=positive (or none), or a new file may stay unseen for seconds.
 class file_coordinator {
 public:
     /// Creates `dir` when missing. Throws lockstep::error: errc::communication when it cannot be
@@ -55,10 +58,13 @@ public:
                          ec.message());
         for (const auto& e : std::filesystem::directory_iterator(dir_)) {
             const std::string name = e.path().filename().string();
-            LOCKSTEP_REQUIRE(name.rfind('g', 0) != 0 || name.find(".decision") == std::string::npos,
-                             errc::invalid_argument, -1, "file_coordinator", "the directory ",
-                             dir_.string(), " holds ", name,
-                             " from an earlier run; give every job a directory of its own");
+            // (Not the arrival marks: a process of this run may have arrived already.)
+            const bool decided =
+                name.rfind('g', 0) == 0 && name.find(".decision") != std::string::npos;
+            LOCKSTEP_REQUIRE(!decided, errc::invalid_argument, -1, "file_coordinator",
+                             "the directory ", dir_.string(), " holds ", name,
+                             " from an earlier run; give every job and communicator a directory "
+                             "of its own");
         }
     }
 

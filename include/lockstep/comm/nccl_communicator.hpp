@@ -9,9 +9,12 @@
 // NCCL needs the CUDA system, hence nvcc; elsewhere this header declares nothing.
 #if LOCKSTEP_HAS_NCCL
 
+#include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/communicator_identity.hpp"
 #include "lockstep/comm/detail/nccl_handle.hpp"
+#include "lockstep/comm/detail/nccl_membership.hpp"
+#include "lockstep/comm/detail/nccl_shrink.hpp"
 #include "lockstep/comm/detail/nccl_types.hpp"
 #include "lockstep/comm/detail/scatter_counts.hpp"
 #include "lockstep/comm/detail/span_checks.hpp"
@@ -24,6 +27,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <span>
 #include <string>
@@ -96,7 +100,8 @@ namespace lockstep {
 /// Failures never leave peers hanging: a replica whose call fails aborts its communicator
 /// (ncclCommAbort) together with every other communicator of its family (the one it was created
 /// with and all splits made from it, in one NCCL group: none is left running a collective that
-/// waits for the dead peer) and marks its clique failed; peers created in the same process
+/// waits for the dead peer) and marks its clique failed (with nccl_options::survivors set it
+/// revokes them instead, for shrink()); peers created in the same process
 /// (init_all and splits of those) see the mark in their next call or while they wait in
 /// synchronize() or barrier() or wait(), abort too and throw errc::peer_failure. Across processes,
 /// the waits poll ncclCommGetAsyncError (NCCL reports a vanished peer as ncclRemoteError) and give
@@ -151,6 +156,7 @@ public:
         std::vector<ncclComm_t> raw(devices.size(), nullptr);
         LOCKSTEP_NCCL_CHECK(ncclCommInitAll(raw.data(), n, devices.data()));
         auto clique = std::make_shared<detail::nccl_clique>();
+        clique->several_ranks = n > 1;
         std::vector<nccl_communicator> comms;
         comms.reserve(devices.size());
         std::size_t adopted = 0;
@@ -294,9 +300,10 @@ public:
     ncclComm_t native_handle() const noexcept {
         return h_.comm();
     }
-    /// True once this communicator was aborted (after a failure); every later call throws.
+    /// True once this communicator was aborted or revoked (after a failure); every later call
+    /// throws (but shrink(), once revoked).
     bool aborted() const noexcept {
-        return h_.aborted();
+        return h_.aborted() || h_.revoked();
     }
 
     /// recv[i] = op over replicas of send[i] (ncclAllReduce); send may equal recv (in place).
@@ -495,8 +502,9 @@ public:
 
     /// Returns once every replica has entered the barrier: a one-element all-reduce on the
     /// replica's stream, then synchronize() (so it also waits for this replica's earlier work
-    /// on the stream, and throws on a failure, a failed peer or the timeout).
-    void barrier() {
+    /// on the stream, and throws on a failure, a failed peer or the timeout). The tag names the
+    /// barrier for the caller only: NCCL compares nothing across replicas.
+    void barrier(collective_tag /*tag*/ = {}) {
         const std::string name = next_operation("barrier");
         enqueue(name, [&] {
             return ncclAllReduce(h_.scratch(), h_.scratch(), 1, ncclInt32, ncclSum, h_.comm(),
@@ -509,10 +517,11 @@ public:
     /// The sub-group of replicas passing the same color, ranked by (key, rank), as a new
     /// communicator on the same device and on this communicator's stream, so its collectives are
     /// ordered with the replica's work there (ncclCommSplit; collective over this communicator,
-    /// blocks until all replicas have called it). It belongs to this replica's family: abort()
-    /// of either (or a failure either notices) aborts both. The stream stays alive while the
-    /// split does (shared when it is this communicator's own; an adopted one must outlive it).
-    /// requires: color >= 0.
+    /// blocks until all replicas have called it, at most nccl_options::timeout: then every
+    /// communicator of the family is aborted and errc::timeout thrown). It belongs to this
+    /// replica's family: abort() of either (or a failure either notices) aborts both. The stream
+    /// stays alive while the split does (shared when it is this communicator's own; an adopted one
+    /// must outlive it). requires: color >= 0.
     nccl_communicator split(int color, int key) {
         return split_onto(color, key, {.shared = h_.owned_stream(), .adopted = h_.stream()});
     }
@@ -587,9 +596,51 @@ public:
 
     /// Aborts the NCCL communicator (ncclCommAbort: uncompleted operations are stopped) and
     /// marks the clique failed, so peers of the clique blocked in synchronize(), wait() or
-    /// barrier() throw errc::peer_failure. Every later call throws. Idempotent, never throws.
+    /// barrier() throw errc::peer_failure. Every later call throws. With nccl_options::survivors
+    /// set (can_shrink()), revokes instead (ncclCommRevoke: the same, but the communicators are
+    /// kept for shrink(); the destructor aborts them). Idempotent, never throws.
     void abort() noexcept {
-        h_.abort();
+        h_.stop();
+    }
+
+    /// Why shrink() cannot continue on the survivors here ("" when it can): it needs
+    /// nccl_options::survivors, a non-zero timeout and NCCL 2.28.7 or newer at run time.
+    std::string shrink_problem() const {
+        return h_.shrink_problem();
+    }
+
+    /// The first failure this communicator threw (what shrink_steps asks to tell a lost peer
+    /// from a deterministic error), or null.
+    std::exception_ptr run_failure() const {
+        return h_.failure();
+    }
+
+    /// How many times this communicator was shrunk.
+    std::uint64_t generation() const noexcept {
+        return membership_.generation();
+    }
+
+    /// Leaves this communicator, failed (revoked) or not, for one of the survivors (collective
+    /// over them). The survivors agree through nccl_options::survivors (e.g. a file_coordinator)
+    /// on who continues: every member of this generation that comes within two timeouts. The
+    /// family is revoked first (its operations in flight stop), then ncclCommShrink leaves the
+    /// others out (made on a helper thread, at most the timeout), then the old family (this
+    /// communicator's and its splits) is aborted, not destroyed. ensures: rank() is this
+    /// replica's position among the survivors in their old rank order, size() their number,
+    /// generation() + 1, a new identity() (so splits are made again from the new communicator),
+    /// sequence numbers from 0, the same device and stream. Returns the members left out: their
+    /// ranks in the communicator this one was created as (generation 0), ascending. Throws
+    /// errc::unsupported where shrink_problem() is not empty, errc::peer_failure when the
+    /// survivors left this replica out (it came too late: it must not continue), errc::timeout
+    /// or errc::nccl when the new communicator could not be made (every communicator aborted).
+    std::vector<int> shrink() {
+        const std::string op = "nccl_communicator.shrink";
+        const std::string problem = h_.shrink_problem();
+        LOCKSTEP_REQUIRE(problem.empty(), errc::unsupported, h_.rank(), op, problem);
+        std::vector<int> lost = membership_.next(h_, op);
+        sequence_ = 0;
+        identity_ = communicator_identity();
+        return lost;
     }
 
     /// This replica's record of its last operations (flight_recorder). Operations are recorded
@@ -656,14 +707,18 @@ private:
         else if (!stream.shared)
             problem = detail::adopted_stream_problem(stream.adopted, h_.device());
         ncclComm_t child = nullptr;
-        ncclResult_t r = ncclSuccess;
-        {
-            cuda_device_guard guard(h_.device());
-            r = ncclCommSplit(h_.comm(), problem.empty() ? color : NCCL_SPLIT_NOCOLOR, key, &child,
-                              nullptr);
+        try {
+            const int c = problem.empty() ? color : NCCL_SPLIT_NOCOLOR;
+            ncclComm_t parent = h_.comm();
+            child = detail::nccl_child_within(
+                parent, h_.device(), h_.options().timeout, *h_.family(), h_.rank(), name,
+                "the split (ncclCommSplit)", [parent, c, key](ncclComm_t* out) {
+                    return ncclCommSplit(parent, c, key, out, nullptr);
+                });
+        } catch (...) {
+            h_.stop();
+            throw;
         }
-        if (r != ncclSuccess)
-            h_.fail_and_abort(errc::nccl, name, detail::nccl_handle::describe(r));
         if (!problem.empty()) {
             if (child != nullptr)
                 (void)ncclCommDestroy(child);
@@ -784,6 +839,7 @@ private:
     flight_recorder trace_{"nccl"};
     detail::stream_gap_timer gaps_; // off unless time_between_on_device()
     communicator_identity identity_;
+    detail::nccl_membership membership_; // the generation and its members (shrink())
 };
 
 static_assert(communicator<nccl_communicator>,

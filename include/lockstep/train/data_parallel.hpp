@@ -101,8 +101,7 @@ public:
           saves_(std::make_unique<detail::background_save>(comm.rank())),
           parts_(std::make_unique<step_parts>(core_, saves_.get())),
           stragglers_(comm, core_.params().report_stragglers_every) {
-        detail::check_shrink_settings<Communicator, ReducePolicy, SyncPolicy>(core_.params(),
-                                                                              comm.rank());
+        detail::check_shrink_settings<ReducePolicy, SyncPolicy>(core_.params(), comm);
         const std::int64_t every = core_.params().verify_every;
         LOCKSTEP_REQUIRE(every >= 0, errc::invalid_argument, comm.rank(), "data_parallel",
                          "verify_every = ", every, " (must be >= 0; 0 is off)");

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <exception>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -27,13 +28,16 @@ namespace lockstep::detail {
 /// others stop waiting and fail too.
 struct nccl_clique {
     std::atomic<int> failed_rank{-1};
+    /// Several ranks of one process (init_all): they cannot shrink (a lost one is a lost
+    /// process, and all of them with it).
+    bool several_ranks = false;
 };
 
 /// One replica's NCCL communicators: the one it was created with and every split made from it
-/// (the comm_stream's, bn::group's). A failure noticed on any of them aborts all of them, in one
-/// NCCL group: kernels of a communicator left running would spin for the dead peer, and the
-/// device synchronisation of a later cudaFree or cudaFreeHost (or of an abort one by one) would
-/// then never return. Thread-safe.
+/// (the comm_stream's, bn::group's). A failure noticed on any of them aborts all of them (or,
+/// where the communicator can shrink, revokes them), in one NCCL group: kernels of a communicator
+/// left running would spin for the dead peer, and the device synchronisation of a later cudaFree or
+/// cudaFreeHost (or of an abort one by one) would then never return. Thread-safe.
 class nccl_family {
 public:
     /// `replica`: the replica's rank in the communicator the family started with (the one its
@@ -97,6 +101,54 @@ public:
         return st;
     }
 
+    /// True once revoke_all() ran (and abort_all() did not yet).
+    bool revoked() const noexcept { return revoked_.load(std::memory_order_acquire); }
+
+    /// Revokes every member with `revoke` (ncclCommRevoke, looked up at run time: nccl_shrink.hpp):
+    /// their operations in flight stop and every later one fails, but the communicators stay, for
+    /// a shrink (or an abort); marks the family revoked. When a revoke fails, aborts them all
+    /// instead (a shrink then fails at once). Idempotent; a no-op once aborted.
+    template <class Revoke>
+    void revoke_all(Revoke revoke) noexcept {
+        {
+            const std::lock_guard<std::mutex> lock(mutex_);
+            if (aborted() || revoked())
+                return;
+            revoked_.store(true, std::memory_order_release);
+            // In one group, as abort_all: every member's kernels are told to stop before any
+            // revoke waits for its own.
+            bool ok = ncclGroupStart() == ncclSuccess;
+            for (const member& m : members_) {
+                cuda_device_guard_noexcept guard(m.device);
+                ok = revoke(m.comm, 0) == ncclSuccess && ok; // NCCL_REVOKE_DEFAULT
+            }
+            if (ok && ncclGroupEnd() == ncclSuccess)
+                return;
+        }
+        abort_all();
+    }
+
+    /// Takes `comm` out of the family without ending it: a call still running on it elsewhere
+    /// (nccl_child_within's helper past its deadline) keeps it; nobody frees it.
+    void forget(ncclComm_t comm) noexcept {
+        const std::lock_guard<std::mutex> lock(mutex_);
+        members_.erase(std::remove_if(members_.begin(), members_.end(),
+                                      [&](const member& m) { return m.comm == comm; }),
+                       members_.end());
+    }
+
+    /// The first failure any member's handle threw (what nccl_communicator::run_failure
+    /// returns), kept by record_failure(); null before one.
+    std::exception_ptr failure() const {
+        const std::lock_guard<std::mutex> lock(mutex_);
+        return failure_;
+    }
+    void record_failure(std::exception_ptr e) {
+        const std::lock_guard<std::mutex> lock(mutex_);
+        if (!failure_)
+            failure_ = std::move(e);
+    }
+
     /// Aborts every member (ncclCommAbort inside ncclGroupStart/End, so that no abort waits for
     /// a kernel of another member) and marks the family aborted. Idempotent.
     void abort_all() noexcept {
@@ -124,7 +176,9 @@ private:
     mutable std::mutex mutex_;
     std::vector<member> members_; // guarded by mutex_
     std::uint64_t next_id_ = 1;   // guarded by mutex_
+    std::exception_ptr failure_;  // guarded by mutex_
     std::atomic<bool> aborted_{false};
+    std::atomic<bool> revoked_{false};
     int replica_;
 };
 

@@ -4,6 +4,8 @@
 #pragma once
 
 #include "lockstep/comm/detail/nccl_family.hpp"
+#include "lockstep/comm/detail/nccl_shrink.hpp"
+#include "lockstep/comm/file_coordinator.hpp"
 #include "lockstep/comm/timeout.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
@@ -14,6 +16,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <string>
 #include <thread>
@@ -30,6 +33,11 @@ struct nccl_options {
     /// before they abort the communicator and throw errc::timeout; zero waits forever.
     /// Default: LOCKSTEP_TIMEOUT seconds when that environment variable is set, else 10 min.
     std::chrono::milliseconds timeout = default_timeout(std::chrono::minutes(10));
+    /// How the survivors agree on who continues after a loss (e.g. a file_coordinator over a
+    /// directory of the job). Set: a failure revokes the replica's communicators (ncclCommRevoke)
+    /// instead of aborting them, and nccl_communicator::shrink() continues on the survivors
+    /// (train_params::on_replica_failure = shrink). Empty (the default): a failure aborts.
+    survivor_agreement survivors;
 };
 
 namespace detail {
@@ -60,8 +68,9 @@ inline std::string adopted_stream_problem(cudaStream_t stream, int device) {
 /// One replica's NCCL communicator with its stream (its own, one shared with the communicator it
 /// was split from, or the caller's adopted one) and a one-int device scratch: owns them (never an
 /// adopted stream), belongs to the replica's family (abort() of any member aborts them all),
-/// knows whether it (or a peer of its clique) failed, and turns every failure into abort +
-/// lockstep::error, so no replica is left waiting. Move-only.
+/// knows whether it (or a peer of its clique) failed, and turns every failure into stop() +
+/// lockstep::error, so no replica is left waiting: an abort, or where the communicator can
+/// shrink (can_shrink()) a revoke that keeps it for nccl_communicator::shrink(). Move-only.
 class nccl_handle {
 public:
     /// Where a handle's stream comes from.
@@ -113,8 +122,8 @@ public:
         : owned_stream_(std::move(o.owned_stream_)), stream_(std::exchange(o.stream_, nullptr)),
           comm_(std::exchange(o.comm_, nullptr)), member_(std::exchange(o.member_, 0)),
           family_(std::move(o.family_)), scratch_(std::exchange(o.scratch_, nullptr)),
-          clique_(std::move(o.clique_)), options_(o.options_), device_(o.device_), rank_(o.rank_),
-          size_(o.size_), aborted_(o.aborted_), finalized_(o.finalized_) {}
+          clique_(std::move(o.clique_)), options_(std::move(o.options_)), device_(o.device_),
+          rank_(o.rank_), size_(o.size_), aborted_(o.aborted_), finalized_(o.finalized_) {}
     nccl_handle& operator=(nccl_handle&& o) noexcept {
         if (this != &o) {
             release();
@@ -125,7 +134,7 @@ public:
             family_ = std::move(o.family_);
             scratch_ = std::exchange(o.scratch_, nullptr);
             clique_ = std::move(o.clique_);
-            options_ = o.options_;
+            options_ = std::move(o.options_);
             device_ = o.device_;
             rank_ = o.rank_;
             size_ = o.size_;
@@ -155,6 +164,45 @@ public:
     int size() const noexcept { return size_; }
     /// True once this communicator or another of its family was aborted.
     bool aborted() const noexcept { return aborted_ || (family_ && family_->aborted()); }
+    /// True once the family was revoked (stop() where can_shrink()), until it is aborted.
+    bool revoked() const noexcept { return family_ && family_->revoked() && !aborted(); }
+    /// Why a failure cannot revoke and shrink() cannot continue on the survivors ("" when they
+    /// can): no survivor agreement in the options, a zero timeout, or an NCCL without revoke.
+    std::string shrink_problem() const {
+        if (!options_.survivors)
+            return "nccl_options::survivors is not set (how the survivors agree on who "
+                   "continues: e.g. a lockstep::file_coordinator over a directory of the job)";
+        if (clique_ && clique_->several_ranks)
+            return "its ranks live in one process (init_all, gpu_group): losing one loses the "
+                   "process; shrinking needs one process per rank";
+        if (options_.timeout.count() <= 0)
+            return "nccl_options::timeout is 0: the survivors need a deadline to leave a lost "
+                   "replica out";
+        return nccl_fault_api::loaded().problem();
+    }
+    bool can_shrink() const { return shrink_problem().empty(); }
+    /// The first failure a handle of the family threw (fail_and_abort), or null.
+    std::exception_ptr failure() const { return family_ ? family_->failure() : nullptr; }
+
+    /// After a failure: aborts (abort()), or where can_shrink() revokes every communicator of the
+    /// family (their operations stop, every later call throws; they stay for a shrink, and are
+    /// aborted when the handle goes). Marks the clique failed either way. Never throws.
+    void stop() noexcept {
+        bool shrinkable = false;
+        try {
+            shrinkable = can_shrink();
+        } catch (...) {
+        }
+        if (!shrinkable || !family_) {
+            abort();
+            return;
+        }
+        if (clique_) {
+            int none = -1;
+            clique_->failed_rank.compare_exchange_strong(none, replica());
+        }
+        family_->revoke_all(nccl_fault_api::loaded().revoke);
+    }
 
     /// Aborts the NCCL communicator and every other communicator of the replica's family
     /// (ncclCommAbort: uncompleted operations are stopped) and marks the clique failed. Every
@@ -203,11 +251,22 @@ public:
                std::to_string(static_cast<int>(r)) + ")";
     }
 
-    /// Aborts, marks the clique failed and throws `code` naming this replica and `op`.
+    /// Stops (stop(): aborts, or revokes), marks the clique failed and throws `code` naming this
+    /// replica and `op`; the family keeps the first such failure (failure()). A call that fails
+    /// because another thread revoked the family meanwhile throws errc::peer_failure, as
+    /// check_usable() would have.
     template <class... Args>
     [[noreturn]] void fail_and_abort(errc code, const std::string& op, Args&&... details) {
-        abort();
-        fail(code, rank_, op, std::forward<Args>(details)...);
+        if (code == errc::nccl && revoked())
+            code = errc::peer_failure;
+        stop();
+        try {
+            fail(code, rank_, op, std::forward<Args>(details)...);
+        } catch (...) {
+            if (family_)
+                family_->record_failure(std::current_exception());
+            throw;
+        }
     }
 
     template <class... Args>
@@ -241,6 +300,10 @@ public:
             fail(peer_failed ? errc::peer_failure : errc::communication, rank_, op,
                  "the communicator was aborted after a failure (of this replica, one of its "
                  "communicators or a peer)");
+        if (revoked()) // a failure of its own is the family's failure(): the caller reads that
+            fail(errc::peer_failure, rank_, op,
+                 "the communicator was revoked after a failure; shrink() continues on the "
+                 "survivors");
         if (peer_failed)
             fail_and_abort(errc::peer_failure, op, "replica ", failed,
                            " failed; this replica's communicator was aborted");
@@ -327,6 +390,13 @@ private:
     /// drained first (drain(): bounded by the timeout, else it is aborted), so a destroy after a
     /// throw outside a step (a peer that will never join the last collective) does not hang.
     void release() noexcept {
+        if (comm_ != nullptr && revoked() && family_->remove(member_)) {
+            // Revoked: its kernels stopped, so it is aborted alone (the others stay for a shrink),
+            // never destroyed.
+            cuda_device_guard_noexcept guard(device_);
+            (void)ncclCommAbort(comm_);
+            comm_ = nullptr;
+        }
         if (comm_ != nullptr && !(clique_ && clique_->failed_rank.load() >= 0))
             (void)drain();
         if (comm_ != nullptr) {

@@ -28,8 +28,11 @@
 
 namespace lockstep::detail {
 
-/// A communicator whose survivors can leave a failed group for a new one (thread_communicator):
-/// shrink() returns the replicas left out, run_failure() the failure that ended the group.
+/// A communicator whose survivors can leave a failed group for a new one (thread_communicator,
+/// nccl_communicator): shrink() returns the replicas left out, run_failure() the failure that
+/// ended the group (on NCCL: the first failure this replica saw). One that can be unable to
+/// shrink at run time says why in shrink_problem() (nccl_communicator without a survivor
+/// agreement).
 template <class C>
 concept shrinkable_communicator = communicator<C> && requires(C& c, const C& cc) {
     { c.shrink() } -> std::same_as<std::vector<int>>;
@@ -106,8 +109,9 @@ redo_point agree_redo(Comm& comm, std::int64_t kept, std::int64_t live) {
 
 /// train_params::on_replica_failure and min_replicas, checked at construction (every replica
 /// passes the same values: the agreement checks them).
-template <class Communicator, class ReducePolicy, class SyncPolicy>
-void check_shrink_settings(const train_params& tp, int rank) {
+template <class ReducePolicy, class SyncPolicy, class Communicator>
+void check_shrink_settings(const train_params& tp, const Communicator& comm) {
+    const int rank = comm.rank();
     LOCKSTEP_REQUIRE(tp.min_replicas >= 1, errc::invalid_argument, rank, "data_parallel",
                      "min_replicas = ", tp.min_replicas, " (must be >= 1)");
     if (tp.on_replica_failure != replica_failure::shrink)
@@ -115,8 +119,13 @@ void check_shrink_settings(const train_params& tp, int rank) {
     LOCKSTEP_REQUIRE(shrinkable_communicator<Communicator>, errc::unsupported, rank,
                      "data_parallel",
                      "on_replica_failure = shrink needs a communicator that can shrink "
-                     "(thread_communicator); across processes relaunch from the last checkpoint "
-                     "instead (tools/lockstep-run)");
+                     "(thread_communicator, nccl_communicator); with MPI relaunch from the last "
+                     "checkpoint instead (tools/lockstep-run)");
+    if constexpr (requires { comm.shrink_problem(); }) {
+        const std::string problem = comm.shrink_problem();
+        LOCKSTEP_REQUIRE(problem.empty(), errc::unsupported, rank, "data_parallel",
+                         "on_replica_failure = shrink: this communicator cannot shrink: ", problem);
+    }
     LOCKSTEP_REQUIRE(tp.read_result, errc::unsupported, rank, "data_parallel",
                      "on_replica_failure = shrink reads every step's result (read_result = true): "
                      "a result left unread would be lost with the step's state when the group "
