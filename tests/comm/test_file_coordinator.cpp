@@ -6,6 +6,7 @@
 #include "lockstep/comm/file_coordinator.hpp"
 
 #include "support/rank_launcher.hpp"
+#include "support/rank_shared_dir.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -15,7 +16,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
-#include <system_error>
 #include <vector>
 
 namespace {
@@ -25,34 +25,7 @@ using lockstep::errc;
 using lockstep::file_coordinator;
 using namespace std::chrono_literals;
 
-/// A directory of rank 0's making, the same on every rank (rank 0 removes it at the end).
-class shared_dir {
-public:
-    shared_dir() {
-        std::string mine;
-        if (ranks::rank() == 0) {
-            std::string pattern =
-                (std::filesystem::temp_directory_path() / "lockstep_coordinator_XXXXXX").string();
-            REQUIRE(::mkdtemp(pattern.data()) != nullptr);
-            mine = pattern;
-        }
-        const auto bytes = ranks::share_from_rank0(std::as_bytes(std::span(mine)));
-        path_.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-        REQUIRE(!path_.empty());
-    }
-    shared_dir(const shared_dir&) = delete;
-    shared_dir& operator=(const shared_dir&) = delete;
-    ~shared_dir() {
-        if (ranks::rank() == 0) {
-            std::error_code ec;
-            std::filesystem::remove_all(path_, ec);
-        }
-    }
-    const std::string& path() const noexcept { return path_; }
-
-private:
-    std::string path_;
-};
+using ranks::shared_dir;
 
 const std::vector<int> all3{0, 1, 2};
 
@@ -61,7 +34,7 @@ const std::vector<int> all3{0, 1, 2};
 TEST_CASE("file_coordinator: when every member comes, all continue, in every generation",
           "[coordinator]") {
     REQUIRE(ranks::size() == 3);
-    shared_dir dir;
+    shared_dir dir("lockstep_coordinator");
     const file_coordinator c(dir.path());
     const int me = ranks::rank();
     CHECK(c(0, me, all3, 30s) == all3);
@@ -72,7 +45,7 @@ TEST_CASE("file_coordinator: when every member comes, all continue, in every gen
 TEST_CASE("file_coordinator: a member that comes after the deadline is left out and cannot join "
           "the next generation",
           "[coordinator]") {
-    shared_dir dir;
+    shared_dir dir("lockstep_coordinator");
     const file_coordinator c(dir.path());
     const int me = ranks::rank();
     std::vector<int> got;
@@ -102,7 +75,7 @@ TEST_CASE("file_coordinator: a member that comes after the deadline is left out 
 
 TEST_CASE("file_coordinator: a directory with an earlier run's decision is refused",
           "[coordinator]") {
-    shared_dir dir;
+    shared_dir dir("lockstep_coordinator");
     if (ranks::rank() == 0) {
         const std::filesystem::path own = std::filesystem::path(dir.path()) / "rank0";
         const file_coordinator c(own);
@@ -121,7 +94,7 @@ TEST_CASE("file_coordinator: a directory with an earlier run's decision is refus
 
 // Declared last: afterwards the executable runs with one rank fewer.
 TEST_CASE("file_coordinator: the survivors of a SIGKILLed member leave it out", "[coordinator]") {
-    shared_dir dir;
+    shared_dir dir("lockstep_coordinator");
     const file_coordinator c(dir.path());
     const int me = ranks::rank();
     REQUIRE(ranks::agree(true, "directory shared"));

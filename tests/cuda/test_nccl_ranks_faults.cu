@@ -15,6 +15,7 @@
 #include "gpu_test_net.hpp"
 #include "gpu_train_runner.hpp"
 #include "nccl_rank_support.hpp"
+#include "support/rank_shared_dir.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -24,9 +25,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
+#include <span>
 #include <string>
-#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -47,40 +47,17 @@ using lockstep_test::nccl_ranks::rank_communicator;
 
 enum class fault { throws, sigkill };
 
-/// A directory of every rank, made by rank 0 and handed to the others through the launcher;
-/// with `trace`, set as LOCKSTEP_TRACE_DIR (the flight recorder files) in every rank while it
-/// lives; rank 0 removes it at the end.
-class shared_dir {
-public:
-    explicit shared_dir(bool trace = false) : trace_(trace) {
-        std::string mine;
-        if (launcher::rank() == 0) {
-            std::string pattern =
-                (std::filesystem::temp_directory_path() / "lockstep_rank_trace_XXXXXX").string();
-            REQUIRE(::mkdtemp(pattern.data()) != nullptr);
-            mine = pattern;
-        }
-        const auto bytes = launcher::share_from_rank0(std::as_bytes(std::span(mine)));
-        path_.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-        REQUIRE(!path_.empty());
-        if (trace_)
-            ::setenv("LOCKSTEP_TRACE_DIR", path_.c_str(), 1);
-    }
-    shared_dir(const shared_dir&) = delete;
-    shared_dir& operator=(const shared_dir&) = delete;
-    ~shared_dir() {
-        if (trace_)
-            ::unsetenv("LOCKSTEP_TRACE_DIR");
-        if (launcher::rank() == 0) {
-            std::error_code ec;
-            std::filesystem::remove_all(path_, ec);
-        }
-    }
-    const std::string& path() const noexcept { return path_; }
+using launcher::shared_dir;
 
-private:
-    std::string path_;
-    bool trace_;
+/// LOCKSTEP_TRACE_DIR (the flight recorder files) set to `dir` in this rank while it lives.
+class trace_dir_env {
+public:
+    explicit trace_dir_env(const std::string& dir) {
+        ::setenv("LOCKSTEP_TRACE_DIR", dir.c_str(), 1);
+    }
+    trace_dir_env(const trace_dir_env&) = delete;
+    trace_dir_env& operator=(const trace_dir_env&) = delete;
+    ~trace_dir_env() { ::unsetenv("LOCKSTEP_TRACE_DIR"); }
 };
 
 /// The output of scripts/trace_merge.py over dir (its exit status checked). The source tree is
@@ -162,7 +139,8 @@ outcome run_until_fault(nccl_communicator& comm, int culprit, fault kind) {
 
 /// The fault case: the last rank is the culprit (rank 0 survives and reads the recorder files).
 void check_fault(fault kind) {
-    shared_dir dir(true);
+    shared_dir dir("lockstep_rank_trace");
+    const trace_dir_env trace(dir.path());
     auto comm = rank_communicator();
     const int me = comm.rank();
     const int culprit = comm.size() - 1;
@@ -275,7 +253,7 @@ TEST_CASE("NCCL ranks: a rank SIGKILLed mid-step ends as an error on every survi
 TEST_CASE("NCCL ranks: with on_replica_failure = shrink the survivors of a rank SIGKILLed "
           "mid-step continue to the bits of an undisturbed run",
           "[train][nccl][ranks][fault][shrink][gpu]") {
-    shared_dir dir;
+    shared_dir dir("lockstep_rank_shrink");
     const int me = launcher::rank();
     const int ranks = launcher::size();
     const shrink_log calm = run_shrinking(dir.path() + "/calm", -1, -1);
