@@ -197,10 +197,7 @@ public:
             abort();
             return;
         }
-        if (clique_) {
-            int none = -1;
-            clique_->failed_rank.compare_exchange_strong(none, replica());
-        }
+        mark_clique_failed();
         family_->revoke_all(nccl_fault_api::loaded().revoke);
     }
 
@@ -208,10 +205,7 @@ public:
     /// (ncclCommAbort: uncompleted operations are stopped) and marks the clique failed. Every
     /// later call throws. Idempotent; safe on a moved-from handle.
     void abort() noexcept {
-        if (clique_) {
-            int none = -1;
-            clique_->failed_rank.compare_exchange_strong(none, replica());
-        }
+        mark_clique_failed();
         if (family_)
             family_->abort_all(); // comm_ is a member: aborted there
         comm_ = nullptr;
@@ -379,6 +373,14 @@ private:
                 std::this_thread::yield();
             else
                 std::this_thread::sleep_for(std::chrono::microseconds(100));
+        }
+    }
+
+    /// Names this replica in the clique as the one that failed, unless one is named already.
+    void mark_clique_failed() noexcept {
+        if (clique_) {
+            int none = -1;
+            clique_->failed_rank.compare_exchange_strong(none, replica());
         }
     }
 
