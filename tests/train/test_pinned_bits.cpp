@@ -211,19 +211,20 @@ TEST_CASE("pinned bits: loss scaling and clipping", "[train][thread][bits]") {
 //
 // Which exchange ran is read from dp.collectives() after each step (the accumulator's count of
 // a step's collectives, anchored_accumulator::collectives()): combined 2; gathered 1; blocks
-// max_calls + 2 (max_calls all_to_alls, the blocks' all_gather, the loss terms' all_gather),
-// one more in place (the reports' all_gather). Which one a communicator takes: the thread group
-// has all_combine (combined, whatever GatherValues); hierarchical_communicator<thread, thread>
-// has all_to_all but neither all_combine nor all_to_all_others (gathered when replicas x
-// max_calls x parameters <= GatherValues, else blocks, not in place); MPI has all_to_all_others
-// (gathered, else blocks in place: test_pinned_bits_mpi.cpp).
+// (on the host, in place or not) max_calls + 3 (max_calls all_to_alls, the blocks' all_gather,
+// the reports' all_gather, the loss terms' all_gather). Which one a communicator takes: the
+// thread group has all_combine (combined, whatever GatherValues);
+// hierarchical_communicator<thread, thread> has all_to_all but neither all_combine nor
+// all_to_all_others (gathered when replicas x max_calls x parameters <= GatherValues, else
+// blocks, not in place); MPI has all_to_all_others (gathered, else blocks in place:
+// test_pinned_bits_mpi.cpp).
 
 namespace {
 
 using two_level = hierarchical_communicator<thread_communicator, thread_communicator>;
 constexpr std::size_t repro_params = 83; // the default shape's
 
-enum class exchange { combined, gathered, blocks, blocks_in_place };
+enum class exchange { combined, gathered, blocks };
 
 /// The collectives of one step of reduce::reproducible<8, gather_values> on `replicas`.
 std::size_t step_collectives(exchange e, std::size_t batch, std::size_t replicas,
@@ -234,7 +235,7 @@ std::size_t step_collectives(exchange e, std::size_t batch, std::size_t replicas
         return 2;
     if (replicas * max_calls * repro_params <= gather_values)
         return 1;
-    return max_calls + 2 + (e == exchange::blocks_in_place ? 1 : 0);
+    return max_calls + 3;
 }
 
 /// Checks that every step of a run took the exchange `e` (or gathered, where its size allows).
@@ -311,18 +312,19 @@ TEST_CASE("pinned bits: reproducible, gathered and blocks over a two-level commu
     const int shapes[][2] = {{1, 2}, {2, 1}, {2, 2}, {3, 1}};
     for (const auto& shape : shapes) {
         const int nodes = shape[0], local = shape[1];
-        const std::string suffix = " " + std::to_string(nodes) + "x" + std::to_string(local);
+        const std::string suffix =
+            " two_level " + std::to_string(nodes) + "x" + std::to_string(local);
         CAPTURE(nodes, local);
         const auto gathered = repro_two_level<repro_reduce>(nodes, local);
         check_exchange(gathered, exchange::gathered, repro_reduce::gather_values, 8, 0);
-        check_pinned(pinned, repro_name + " gathered two_level" + suffix,
+        check_pinned(pinned, std::string(repro_name).append(" gathered").append(suffix),
                      combine_bits<repro_reduce>(gathered));
         CHECK(combine_bits<repro_reduce>(gathered) == reference);
         check_agreement(gathered);
 
         const auto blocks = repro_two_level<repro_blocks>(nodes, local);
         check_exchange(blocks, exchange::blocks, 0, 0, 8);
-        check_pinned(pinned, repro_name + " blocks two_level" + suffix,
+        check_pinned(pinned, std::string(repro_name).append(" blocks").append(suffix),
                      combine_bits<repro_blocks>(blocks));
         CHECK(combine_bits<repro_blocks>(blocks) == reference);
         check_agreement(blocks);

@@ -344,9 +344,7 @@ struct anchored_keep_fn {
 };
 
 /// A pass over elements [first, end) of a chunk's gradient src (n values): copied to dst at the
-/// same offsets (dst null: only read), left zero where clear (src itself, or null) is not null.
-/// flags (null: none): one byte per keep tile of the chunk, set to 1 for a tile that holds a
-/// non-finite value by the systems that flag (anchored_flags).
+/// same offsets, left zero where clear (src itself, or null) is not null.
 template <class T>
 struct anchored_keep_pass {
     const T* src;
@@ -355,19 +353,12 @@ struct anchored_keep_pass {
     std::size_t first;
     std::size_t end;
     std::size_t n;
-    unsigned char* flags;
 };
 
 // The passes of reduce::reproducible's accumulator on a System, element by element through the
-// functors above. host_system's overloads for float (kernels/detail/anchored_host.hpp, in
-// namespace lockstep::host, found by argument-dependent lookup on the system) run vector tiles
-// with the same bits, and their keep passes flag the tiles that hold a non-finite value.
-
-/// Whether the keep passes on sys flag tiles for values of T.
-template <class System, class T>
-constexpr bool anchored_flags(const System& /*sys*/, const T* /*type*/) noexcept {
-    return false;
-}
+// functors above. host_system's keep pass for float (kernels/detail/anchored_host.hpp, in
+// namespace lockstep::host, found by argument-dependent lookup on the system) runs in tiles; on
+// the host the accumulator sums through anchored_combine_fn (kernels/detail/anchored_combine.hpp).
 
 /// out[i] = the sum of element i of terms (anchored_sum_fn), for i < count.
 template <class System, class T, class V>
@@ -375,7 +366,7 @@ void anchored_sums(const System& sys, const anchored_terms<V>& terms, std::size_
     for_each_index(sys, count, anchored_sum_fn<T, V>{terms, out});
 }
 
-/// The pass p, flagging nothing.
+/// The pass p.
 template <class System, class T>
 void anchored_keep(const System& sys, const anchored_keep_pass<T>& p) {
     if (p.dst != nullptr && p.first < p.end)
@@ -385,11 +376,9 @@ void anchored_keep(const System& sys, const anchored_keep_pass<T>& p) {
                        p.end - p.first);
 }
 
-/// out (the last chunk, n values) marked by anchored_own_check_fn; flags, where the keep passes
-/// set them (not null), say which tiles can hold a non-finite kept value.
+/// out (the last chunk, n values) marked by anchored_own_check_fn.
 template <class System, class T>
-void anchored_mark_own(const System& sys, const anchored_chunks<T>& chunks, std::size_t n,
-                       const unsigned char* /*flags*/, T* out) {
+void anchored_mark_own(const System& sys, const anchored_chunks<T>& chunks, std::size_t n, T* out) {
     for_each_index(sys, n, anchored_own_check_fn<T>{chunks, out}, chunks.count * n);
 }
 

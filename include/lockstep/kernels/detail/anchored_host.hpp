@@ -1,8 +1,8 @@
 // lockstep/kernels/detail/anchored_host.hpp: the host's float loops of the anchored sums (a tile
-// of elements read straight from their arrays of terms, in blocks of GNU vector types) and of the
-// pass that keeps a chunk and flags its non-finite tiles: no data-dependent branch, run on the
-// widest vector registers the host has (on_widest_vectors), bit for bit anchored_sum_fn's results
-// where they answer; and host_system's overloads of the accumulator's passes that run them.
+// of elements read straight from their arrays of terms, in blocks of GNU vector types: no
+// data-dependent branch, run on the widest vector registers the host has (on_widest_vectors), bit
+// for bit anchored_sum_fn's results where they answer; anchored_combine_fn runs them) and of the
+// pass that keeps a chunk, with host_system's overload of the accumulator's keep pass.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
@@ -24,7 +24,7 @@ namespace lockstep::kernels::detail {
 
 /// Elements per tile of the sums: the tile's anchors, sums and flags live in registers or L1.
 inline constexpr std::size_t anchored_tile = 256;
-/// Elements per tile of the keep pass (16 KiB of floats), one non-finite flag each.
+/// Elements per task of the keep pass (16 KiB of floats).
 inline constexpr std::size_t anchored_keep_tile = 4096;
 /// Chunks of at least this many bytes are kept with streaming stores (a large kept chunk is read
 /// back long after, by the sums; smaller ones stay in the caches for the exchange).
@@ -196,31 +196,10 @@ inline void anchored_tile_sums(const float* const* p, std::size_t k, std::size_t
     }
 }
 
-/// Task t: the float sums of elements [t anchored_tile, min(..., count)) of terms into out
-/// (anchored_tile_sums). Host only. requires: terms.replicas * terms.calls <=
-/// anchored_short_terms.
-struct anchored_sum_tiles_fn {
-    anchored_terms<float> terms;
-    std::size_t count;
-    float* out;
-    void operator()(std::size_t t) const {
-        const std::size_t b = t * anchored_tile;
-        const float* p[anchored_short_terms];
-        for (std::size_t j = 0; j < terms.replicas; ++j)
-            for (std::size_t c = 0; c < terms.calls; ++c)
-                p[j * terms.calls + c] =
-                    terms.base + j * terms.replica_stride + c * terms.call_stride + b;
-        anchored_tile_sums(p, terms.replicas * terms.calls, std::min(count - b, anchored_tile),
-                           out + b);
-    }
-};
-
 /// Copies src[0, m) to dst (streaming stores past the caches where `stream`) and, where `clear`
-/// (src itself) is not null, leaves zeros there; returns 1 when one of the values is not finite.
-[[gnu::always_inline]] inline unsigned anchored_keep_loop(const float* src, float* dst,
-                                                          float* clear, std::size_t m,
-                                                          [[maybe_unused]] bool stream) {
-    std::uint32_t high = 0;
+/// (src itself) is not null, leaves zeros there.
+[[gnu::always_inline]] inline void anchored_keep_loop(const float* src, float* dst, float* clear,
+                                                      std::size_t m, [[maybe_unused]] bool stream) {
     std::size_t i = 0;
 #if LOCKSTEP_HOST_X86
     // Streamed stores bypass the caches and skip reading dst's lines first: 2 bytes of memory
@@ -229,78 +208,39 @@ struct anchored_sum_tiles_fn {
     // dst's next 64-byte boundary; neither compiler here keeps `omp simd nontemporal`.
     const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(dst) % 64;
     if (stream && misaligned % sizeof(float) == 0) {
-        for (; i < std::min((64 - misaligned) % 64 / sizeof(float), m); ++i) {
-            high |= anchored_non_finite_bit(src[i]);
-            dst[i] = src[i];
-            if (clear != nullptr)
-                clear[i] = 0.0f;
-        }
-        anchored_bits bits{};
+        i = std::min((64 - misaligned) % 64 / sizeof(float), m);
+        std::copy(src, src + i, dst);
+        if (clear != nullptr)
+            std::fill(clear, clear + i, 0.0f);
         for (; i + 16 <= m; i += 16) {
             for (std::size_t q = 0; q < 16; q += 4)
                 _mm_stream_ps(dst + i + q, _mm_loadu_ps(src + i + q));
-            anchored_bits lower;
-            anchored_bits upper;
-            std::memcpy(&lower, src + i, sizeof lower);
-            std::memcpy(&upper, src + i + 8, sizeof upper);
             if (clear != nullptr) // while the line is in the caches
                 std::memset(clear + i, 0, 16 * sizeof(float));
-            bits |= ((lower & 0x7f800000u) + 0x00800000u) | ((upper & 0x7f800000u) + 0x00800000u);
         }
         _mm_sfence(); // the streamed stores are ordered before the task's end is published
-        for (std::size_t q = 0; q < sizeof bits / sizeof bits[0]; ++q)
-            high |= bits[q];
     }
 #endif
-#pragma omp simd reduction(| : high)
-    for (std::size_t j = i; j < m; ++j) {
-        high |= anchored_non_finite_bit(src[j]);
-        dst[j] = src[j];
-    }
+    std::copy(src + i, src + m, dst + i);
     if (clear != nullptr)
         std::fill(clear + i, clear + m, 0.0f);
-    return high >> 31;
-}
-
-/// The elements [begin, end) of keep tile t that lie inside [first, last).
-inline std::pair<std::size_t, std::size_t> anchored_keep_part(std::size_t t, std::size_t first,
-                                                              std::size_t last) {
-    return {std::max(t * anchored_keep_tile, first), std::min((t + 1) * anchored_keep_tile, last)};
 }
 
 /// Task k: the part of keep tile t = first / anchored_keep_tile + k inside elements [first, end)
 /// of src (a chunk's gradient) copied to dst at the same offsets (where the accumulator keeps
-/// the chunk; dst null: nothing copied, the chunk stays in src), zeroed in src where `clear`,
-/// and flags[t] set to 1 when one of them is not finite (flags null: none), so that the own
-/// check reads only the flagged tiles. Tasks: tasks(first, end); a tile cut by two ranges is
-/// flagged by either. Host only.
+/// the chunk), and zeroed in src where `clear`. Tasks: tasks(first, end). Host only.
 struct anchored_keep_tiles_fn {
     const float* src;
     float* dst;
     float* clear;
     std::size_t first;
     std::size_t end;
-    unsigned char* flags;
     bool stream; ///< the chunk's bytes >= anchored_stream_bytes
     void operator()(std::size_t k) const {
         const std::size_t t = first / anchored_keep_tile + k;
-        const auto part = anchored_keep_part(t, first, end);
-        const std::size_t b = part.first;
-        const std::size_t e = part.second;
-        unsigned bad = 0;
-        if (dst != nullptr) {
-            float* const zeros = clear != nullptr ? clear + b : nullptr;
-            bad = lockstep::detail::on_widest_vectors([&]() __attribute__((always_inline)) {
-                return anchored_keep_loop(src + b, dst + b, zeros, e - b, stream);
-            });
-        } else {
-            std::uint32_t high = 0;
-            for (std::size_t i = b; i < e; ++i)
-                high |= anchored_non_finite_bit(src[i]);
-            bad = high >> 31;
-        }
-        if (bad != 0 && flags != nullptr)
-            flags[t] = 1;
+        const std::size_t b = std::max(t * anchored_keep_tile, first);
+        const std::size_t e = std::min((t + 1) * anchored_keep_tile, end);
+        anchored_keep_loop(src + b, dst + b, clear != nullptr ? clear + b : nullptr, e - b, stream);
     }
     /// The tasks of [first, end). requires: first < end.
     static std::size_t tasks(std::size_t first, std::size_t end) noexcept {
@@ -308,65 +248,23 @@ struct anchored_keep_tiles_fn {
     }
 };
 
-/// Task t: anchored_own_check_fn<float> over elements [t anchored_keep_tile, min(..., count))
-/// where flags[t] says a kept value there is not finite; elsewhere out is already what the
-/// check leaves. Host only. requires: out is chunks.last.
-struct anchored_mark_tiles_fn {
-    anchored_chunks<float> chunks;
-    std::size_t count;
-    const unsigned char* flags;
-    float* out;
-    void operator()(std::size_t t) const {
-        if (flags[t] == 0)
-            return;
-        const std::size_t b = t * anchored_keep_tile;
-        for (std::size_t i = b; i < std::min(count, b + anchored_keep_tile); ++i)
-            anchored_own_check_fn<float>{chunks, out}(i);
-    }
-};
-
 } // namespace lockstep::kernels::detail
 
-// host_system's overloads of the passes of kernels/anchored_sum.hpp for float, in its own
-// namespace so that argument-dependent lookup on a host_system finds them (as the batch-norm
-// operations of bn_host_path.hpp): the tiles above, the same bits.
+// host_system's overload of the keep pass of kernels/anchored_sum.hpp for float, in its own
+// namespace so that argument-dependent lookup on a host_system finds it (as the batch-norm
+// operations of bn_host_path.hpp): the tiles above.
 namespace lockstep::host {
 
-/// The keep passes flag the keep tiles that hold a non-finite float.
-constexpr bool anchored_flags(const host_system& /*sys*/, const float* /*type*/) noexcept {
-    return true;
-}
-
-/// Tile by tile (anchored_sum_tiles_fn) up to anchored_short_terms terms per element.
-inline void anchored_sums(const host_system& sys, const kernels::anchored_terms<float>& terms,
-                          std::size_t count, float* out) {
-    using namespace kernels::detail;
-    if (terms.replicas * terms.calls > anchored_short_terms)
-        return kernels::anchored_sums<host_system, float, float>(sys, terms, count, out);
-    kernels::for_each_index(sys, (count + anchored_tile - 1) / anchored_tile,
-                            anchored_sum_tiles_fn{terms, count, out}, count);
-}
-
-/// Keep tile by keep tile (anchored_keep_tiles_fn), flagging; streaming stores for a chunk of at
-/// least anchored_stream_bytes.
+/// Keep tile by keep tile (anchored_keep_tiles_fn); streaming stores for a chunk of at least
+/// anchored_stream_bytes.
 inline void anchored_keep(const host_system& sys, const kernels::anchored_keep_pass<float>& p) {
     using namespace kernels::detail;
-    if (p.first < p.end && (p.dst != nullptr || p.flags != nullptr))
+    if (p.first < p.end && p.dst != nullptr)
         kernels::for_each_index(
             sys, anchored_keep_tiles_fn::tasks(p.first, p.end),
-            anchored_keep_tiles_fn{p.src, p.dst, p.clear, p.first, p.end, p.flags,
+            anchored_keep_tiles_fn{p.src, p.dst, p.clear, p.first, p.end,
                                    p.n * sizeof(float) >= anchored_stream_bytes},
             p.end - p.first);
-}
-
-/// In the flagged tiles only (anchored_mark_tiles_fn) when flags is not null.
-inline void anchored_mark_own(const host_system& sys, const kernels::anchored_chunks<float>& chunks,
-                              std::size_t n, const unsigned char* flags, float* out) {
-    using namespace kernels::detail;
-    if (flags == nullptr)
-        return kernels::anchored_mark_own<host_system, float>(sys, chunks, n, nullptr, out);
-    kernels::for_each_index(sys, (n + anchored_keep_tile - 1) / anchored_keep_tile,
-                            anchored_mark_tiles_fn{chunks, n, flags, out}, n);
 }
 
 } // namespace lockstep::host

@@ -70,12 +70,11 @@ inline constexpr anchored_exchange anchored_exchange_for =
 ///   on every replica); else the elements are cut into one block per replica (the tail of n mod
 ///   replicas elements summed on every replica), one all_to_all per call index brings every
 ///   replica's values of this replica's block here (in place: the owner reads its own where they
-///   lie, and its sums report), one all_gather moves the loss terms and tail values, and
-///   finalize() sums the block and all-gathers the blocks.
-/// Where the sums report (kernels/detail/anchored_combine.hpp), this replica's non-finite
-/// values and whether every sum is finite come from them (own_report(), sums_finite()); else
-/// check_local() marks them in g (on the host in float, only in the tiles the keep passes
-/// flagged).
+///   lie), one all_gather moves the loss terms and tail values, and finalize() sums the block
+///   and all-gathers the blocks (on the host, then the owners' reports).
+/// On the host the sums report (kernels/detail/anchored_combine.hpp): this replica's non-finite
+/// values and whether every sum is finite come from them (own_report(), sums_finite()); on a
+/// device check_local() marks them in g.
 template <class T, class System, anchored_exchange Exchange = anchored_exchange::blocks>
 class anchored_accumulator {
     static constexpr bool combined = Exchange == anchored_exchange::combined;
@@ -127,11 +126,9 @@ public:
                 zero(sys_, zeros_.span());
             }
         }
-        // The sums count this replica's non-finite values where they report; else the keeper's
-        // passes flag them (the gathered exchange keeps the chunks in this replica's region).
-        keeper_.begin(calls, gathered_ ? recv_.data() + rank_ * region_ : nullptr, gathered_,
-                      !reports_own());
-        if (reports_own()) {
+        // The gathered exchange keeps the chunks in this replica's region.
+        keeper_.begin(calls, gathered_ ? region(rank_) : nullptr, gathered_);
+        if constexpr (reports_own()) {
             grow(words_, report_words());
             zero(sys_, words_.span().first(report_words()));
             if (!combined) // combined: the report travels with the loss terms
@@ -145,8 +142,7 @@ public:
     }
     /// The chunks' passes (anchored_keeper): whether the chunk being computed is kept apart
     /// from g; its elements [first, first + count) final in g (keep: of a kept chunk; take: of
-    /// any); the chunk ended (add); whether this replica's chunk values are known to be finite
-    /// without reading them again.
+    /// any); the chunk ended (add).
     bool keeps_current() const noexcept { return keeper_.keeps_current(); }
     void keep(std::span<T> g, std::size_t first, std::size_t count) {
         keeper_.keep(g, first, count);
@@ -155,7 +151,6 @@ public:
         keeper_.take(g, first, count);
     }
     void add(std::span<const T> g) { keeper_.add(g); }
-    bool own_values_finite() const noexcept { return keeper_.own_values_finite(); }
     /// Adds one chunk's loss: `value` plus *device_value when not null (the system's memory).
     void add_loss(double value, const double* device_value) {
         run(1, loss_terms_fn{device_value, value, own_terms() + 2 * losses_added_});
@@ -208,9 +203,15 @@ public:
     template <class Communicator>
     void finalize(Communicator& comm, std::span<T> g, double* loss) {
         if (gathered_) {
-            const kernels::anchored_terms<T> terms{recv_.data(), replicas_, max_calls_, region_,
-                                                   n_};
-            sum_range(terms, n_, g.data());
+            if constexpr (System::is_host) { // every element here: this replica's report alone
+                sum_reporting([&](std::size_t j, std::size_t c) { return region(j) + c * n_; }, n_,
+                              g.data(), 0);
+                run(1, report_words_fn{words_.data(), report_words(), reports_gathered_.data()});
+                run(1, own_report_fn<T>{reports_gathered_.data(), 1, report_words(), rank_, nullptr,
+                                        0, 0, 0, nullptr, own_report_.data()});
+            } else {
+                sum_range({recv_.data(), replicas_, max_calls_, region_, n_}, n_, g.data());
+            }
             run(1, gathered_loss_fn{terms_of(0), replicas_, row_.terms(),
                                     region_ * sizeof(T) / sizeof(double), loss});
             return;
@@ -229,25 +230,15 @@ public:
         const std::size_t all = blocks();
         if (block_ > 0) {
             T* mine = g.data() + rank_ * block_;
-            if constexpr (in_place) {
-                // Every replica's chunks of this block: the received ones, and this replica's
-                // own where they lie (g, the last of them, is also where the sums go).
-                std::vector<const T*> sources(replicas_ * max_calls_);
-                for (std::size_t j = 0; j < replicas_; ++j)
-                    for (std::size_t c = 0; c < max_calls_; ++c)
-                        sources[j * max_calls_ + c] = j == rank_
-                                                          ? own_chunk(c, g.data()) + rank_ * block_
-                                                          : recv_.data() + c * all + j * block_;
-                // Tile by tile through a buffer on the stack, as all_combine's pass, so mine
-                // may be one of the sources.
-                T* const to[1] = {mine};
-                combine_in_place(sys_, std::span<const T* const>(sources), std::span<T* const>(to),
-                                 0, block_, reporting(rank_ * block_));
-            } else {
-                const kernels::anchored_terms<T> terms{recv_.data(), replicas_, max_calls_, block_,
-                                                       all};
-                sum_range(terms, block_, mine);
-            }
+            if constexpr (System::is_host) // in place: this replica's own where they lie
+                sum_reporting(
+                    [&](std::size_t j, std::size_t c) {
+                        return in_place && j == rank_ ? own_chunk(c, g.data()) + rank_ * block_
+                                                      : recv_.data() + c * all + j * block_;
+                    },
+                    block_, mine, rank_ * block_);
+            else
+                sum_range({recv_.data(), replicas_, max_calls_, block_, all}, block_, mine);
             comm.all_gather(std::span<const T>(mine, block_), g.first(all));
         }
         if (tail_ > 0)
@@ -256,7 +247,7 @@ public:
                     {row_.extra(small_recv_.data()), replicas_, max_calls_, row_.size(), tail_},
                     g.data() + all},
                 tail_ * replicas_ * max_calls_);
-        if (reports_own()) { // every replica's report on its block; the tail's values are here
+        if constexpr (reports_own()) { // every replica's report on its block; the tail's here
             const std::size_t w = report_words();
             double* gathered = reports_gathered_.data() + w;
             if (block_ > 0) {
@@ -271,19 +262,17 @@ public:
         run(1, gathered_loss_fn{small_recv_.data(), replicas_, row_.terms(), row_.size(), loss});
     }
     /// Whether finalize() reports this replica's own check and the sums' finiteness
-    /// (own_report(), sums_finite()) instead of check_local() marking g for it: the combined
-    /// exchange, and the blocks exchange in place.
-    bool reports_own() const noexcept { return combined || (in_place && !gathered_); }
+    /// (own_report(), sums_finite()) instead of check_local() marking g for it: on the host.
+    static constexpr bool reports_own() noexcept { return System::is_host; }
     /// After finalize(), where reports_own(): this replica's own check in System's memory (its
     /// chunk values' non-finite count and first index, as a check of g after check_local would
     /// count them) and whether every sum is finite.
     const anchored_own_report* own_report() const noexcept { return own_report_.data(); }
     /// After finalize(): true when the sums reported that every one of them is finite, so a
-    /// check of g as finalize() left it would count nothing (read on the host: the reporting
-    /// exchanges run on host systems only); false where they did not report, or one is not.
+    /// check of g as finalize() left it would count nothing; false on a device, or one is not.
     bool sums_finite() const {
-        if constexpr (System::is_host)
-            return reports_own() && own_report_.data()->sums_finite;
+        if constexpr (reports_own())
+            return own_report_.data()->sums_finite;
         else
             return false;
     }
@@ -293,7 +282,7 @@ public:
             return 1;
         if (combined)
             return 2;
-        return (block_ > 0 ? max_calls_ + 1 + (reports_own() ? 1 : 0) : 0) + 1;
+        return (block_ > 0 ? max_calls_ + (reports_own() ? 2 : 1) : 0) + 1;
     }
 
 private:
@@ -302,10 +291,23 @@ private:
              std::size_t elements = std::numeric_limits<std::size_t>::max()) {
         kernels::for_each_index(sys_, count, f, elements);
     }
-    /// out[i] = the rounded sum of element i of terms, for i < count (the system's pass).
+    /// A device's sums: out[i] = the rounded sum of element i of terms, for i < count.
     void sum_range(const kernels::anchored_terms<T>& terms, std::size_t count, T* out) {
-        using kernels::anchored_sums; // host_system's overload found by argument-dependent lookup
-        anchored_sums(sys_, terms, count, out);
+        kernels::anchored_sums(sys_, terms, count, out);
+    }
+    /// The host's sums: out[i] = the rounded sum of element i of every replica's max_calls
+    /// chunks (replica j's chunk c at at(j, c)), for i < count, tile by tile through a buffer on
+    /// the stack as all_combine's pass (so out may be one of the chunks), reporting into words_
+    /// (base: the flat index of out[0]).
+    template <class At>
+    void sum_reporting(const At& at, std::size_t count, T* out, std::size_t base) {
+        std::vector<const T*> sources(replicas_ * max_calls_);
+        for (std::size_t j = 0; j < replicas_; ++j)
+            for (std::size_t c = 0; c < max_calls_; ++c)
+                sources[j * max_calls_ + c] = at(j, c);
+        T* const to[1] = {out};
+        combine_in_place(sys_, std::span<const T* const>(sources), std::span<T* const>(to), 0,
+                         count, reporting(base));
     }
     /// combined: g = the sums of every replica's max_calls chunks (this replica's: its kept
     /// chunks, then g itself; zeros past its calls), by all_combine.
@@ -335,10 +337,12 @@ private:
     const T* own_chunk(std::size_t c, const T* last) const noexcept {
         return c < keeper_.calls() ? keeper_.chunk(c, last) : zeros_.data();
     }
+    /// Gathered: replica j's region of recv_ (its chunks, then its loss terms).
+    T* region(std::size_t j) noexcept { return recv_.data() + j * region_; }
     /// Gathered: replica j's loss terms, in its region of recv_ (written and read as doubles
     /// only; the all_gather moves them as bytes).
     double* terms_of(std::size_t j) noexcept {
-        return reinterpret_cast<double*>(recv_.data() + j * region_ + terms_at_);
+        return reinterpret_cast<double*>(region(j) + terms_at_);
     }
     /// Not gathered: every replica's row of small_send_ into small_recv_. Collective.
     template <class Communicator>
@@ -366,7 +370,7 @@ private:
     buffer<anchored_losses, System> losses_;
     buffer<anchored_own_report, System> own_report_; ///< reports_own()
     buffer<std::uint64_t, System> words_;     ///< reports_own(): what this replica's sums saw
-    buffer<double, System> reports_gathered_; ///< blocks in place: own words, then every one
+    buffer<double, System> reports_gathered_; ///< own words (blocks: then every owner's)
     buffer<T, System> recv_;            ///< what the exchange brings (gathered: and own chunks)
     buffer<T, System> zeros_;           ///< what a replica with fewer calls sends
     buffer<double, System> small_send_; ///< not gathered: 2 loss terms per call, then each call's

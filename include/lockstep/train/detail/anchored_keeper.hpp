@@ -1,6 +1,6 @@
 // lockstep/train/detail/anchored_keeper.hpp: where one replica keeps its chunk gradients of a
 // reduce::reproducible step until the exchange (every chunk but the last, which stays in the
-// gradient), and which of their values are not finite.
+// gradient), and the mark of this replica's non-finite values in the last chunk.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
@@ -19,36 +19,26 @@ namespace lockstep::detail {
 /// every chunk but the last, which leaves g zero for the next), then add(). A kept chunk goes to
 /// a slot: this keeper's store, or slots the caller gives (the gathered exchange keeps them in
 /// its send region, and copies the last chunk there too). The passes are the system's
-/// (kernels::anchored_keep, anchored_mark_own); where they flag (host_system, float), the passes
-/// that keep (or, for the last chunk, only read) the values flag the keep tiles that hold a
-/// non-finite value, so that own_values_finite() and mark_own() read only those tiles.
+/// (kernels::anchored_keep: host_system's float tiles, found by argument-dependent lookup).
 template <class T, class System>
 class anchored_keeper {
 public:
     anchored_keeper(std::size_t n, int rank, const System& sys) : n_(n), rank_(rank), sys_(sys) {}
 
     /// Starts a step of `calls` chunks, kept at `slots` ((calls - 1) * n values, or calls * n
-    /// when the last is copied there too: copy_last) or, when null, in this keeper's store;
-    /// `flagging`: flag non-finite keep tiles where the system's passes can. requires: calls >= 1.
-    void begin(std::size_t calls, T* slots, bool copy_last, bool flagging) {
+    /// when the last is copied there too: copy_last) or, when null, in this keeper's store.
+    /// requires: calls >= 1.
+    void begin(std::size_t calls, T* slots, bool copy_last) {
         calls_ = calls;
         added_ = 0;
         kept_ = 0;
-        scanned_ = 0;
         copy_last_ = copy_last;
-        using kernels::anchored_flags;
-        flagging_ = flagging && anchored_flags(sys_, static_cast<const T*>(nullptr));
         if (slots == nullptr) {
             if (store_.size() < (calls - 1) * n_)
                 store_ = buffer<T, System>((calls - 1) * n_, sys_);
             slots = store_.data();
         }
         slots_ = slots;
-        if (flagging_) {
-            if (flags_.size() < keep_tiles())
-                flags_ = buffer<unsigned char, System>(keep_tiles(), sys_);
-            zero(sys_, flags_.span().first(keep_tiles()));
-        }
     }
     std::size_t calls() const noexcept { return calls_; }
     /// Whether the chunk being computed is kept apart from g (every chunk but the last), in
@@ -72,22 +62,10 @@ public:
             pass(g.data(), slot(added_), g.data(), 0, n_);
     }
     /// Elements [first, first + count) of the chunk being computed are final in g: keep() for a
-    /// kept chunk; of the last chunk, which stays in g, the host's float passes flag its keep
-    /// tiles while the backward may still hold them in the caches (unless add() copies it, which
-    /// flags it then, or nothing flags). requires: as keep(), but for any chunk.
+    /// kept chunk; the last chunk stays in g. requires: as keep(), but for any chunk.
     void take(std::span<T> g, std::size_t first, std::size_t count) {
-        if (keeps_current()) {
+        if (keeps_current())
             keep(g, first, count);
-            return;
-        }
-        LOCKSTEP_REQUIRE(first <= n_ && count <= n_ - first && count <= n_ - scanned_,
-                         errc::internal, rank_, "reduce::reproducible.take", "elements [", first,
-                         ", ", first + count, ") of the last chunk (", scanned_, " of ", n_,
-                         " taken)");
-        if (count == 0 || copy_last_ || !flagging_)
-            return;
-        pass(g.data(), nullptr, nullptr, first, first + count);
-        scanned_ += count;
     }
     /// Ends the chunk being computed, whose gradient is in g (n values): a kept chunk must have
     /// been kept whole by keep(); the last one stays in g (copy_last: also copied to its slot).
@@ -102,24 +80,10 @@ public:
         kept_ = 0;
         ++added_;
     }
-    /// Whether this replica's chunk values are known to be finite without reading them again:
-    /// when flagging, every element of every chunk was flagged (kept, copied or taken from the
-    /// last one) and no keep tile was flagged; else false.
-    bool own_values_finite() const noexcept {
-        if (!flagging_ || added_ != calls_ || (!copy_last_ && scanned_ != n_))
-            return false;
-        const unsigned char* f = flags_.data(); // flagging: host memory
-        for (std::size_t t = 0; t < keep_tiles(); ++t)
-            if (f[t] != 0)
-                return false;
-        return true;
-    }
     /// g (the last chunk) becomes a quiet NaN where a kept chunk holds a non-finite value
-    /// (kernels::anchored_mark_own; flagging: in the flagged tiles only).
+    /// (kernels::anchored_mark_own).
     void mark_own(std::span<T> g) {
-        using kernels::anchored_mark_own;
-        anchored_mark_own(sys_, chunks(g.data()), n_, flagging_ ? flags_.data() : nullptr,
-                          g.data());
+        kernels::anchored_mark_own(sys_, chunks(g.data()), n_, g.data());
     }
     /// Chunk c < calls(): its slot, or `last` for the last one.
     const T* chunk(std::size_t c, const T* last) const noexcept {
@@ -131,16 +95,12 @@ public:
     }
 
 private:
-    std::size_t keep_tiles() const noexcept {
-        return (n_ + kernels::detail::anchored_keep_tile - 1) / kernels::detail::anchored_keep_tile;
-    }
     T* slot(std::size_t c) noexcept { return slots_ + c * n_; }
     /// The system's pass over elements [first, end) of src (kernels::anchored_keep_pass; clear:
     /// src or null).
     void pass(const T* src, T* dst, T* clear, std::size_t first, std::size_t end) {
         using kernels::anchored_keep; // host_system's overload found by argument-dependent lookup
-        anchored_keep(sys_, kernels::anchored_keep_pass<T>{src, dst, clear, first, end, n_,
-                                                           flagging_ ? flags_.data() : nullptr});
+        anchored_keep(sys_, kernels::anchored_keep_pass<T>{src, dst, clear, first, end, n_});
     }
 
     std::size_t n_;
@@ -148,13 +108,10 @@ private:
     System sys_;
     std::size_t calls_ = 1;
     std::size_t added_ = 0;
-    std::size_t kept_ = 0;    ///< elements of the current chunk kept
-    std::size_t scanned_ = 0; ///< flagging, not copy_last: elements of the last chunk flagged
+    std::size_t kept_ = 0; ///< elements of the current chunk kept
     bool copy_last_ = false;
-    bool flagging_ = false;
     T* slots_ = nullptr;
-    buffer<T, System> store_;             ///< the slots when the caller gives none
-    buffer<unsigned char, System> flags_; ///< flagging: a keep tile holds a non-finite value
+    buffer<T, System> store_; ///< the slots when the caller gives none
 };
 
 } // namespace lockstep::detail

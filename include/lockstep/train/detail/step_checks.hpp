@@ -207,10 +207,6 @@ public:
                          false);
     }
 
-    /// Every piece's tiles as check_piece leaves them where no element is NaN or infinite
-    /// (counts, first indices and squares 0), without reading the data.
-    void clear_pieces(const System& sys) { zero(sys, pre_.span()); }
-
     /// Every piece's tiles as check_piece leaves them for a gradient with own->count non-finite
     /// elements, the first at flat index own->first - 1 (0: none), without reading it (own: in
     /// the system's memory; reduce::reproducible's report).
