@@ -1,7 +1,7 @@
 // The order-independent sums (kernels/anchored_sum.hpp, kernels/exact_sum.hpp) and
 // core/leading_zeros.hpp on cuda_system give the same bits as on host_system, where the host
 // tests check them against exact references: the same functors, values over every range that
-// selects a different path (the one-int64 float sum, the two-limb sum, subnormals, cancellation,
+// selects a different path (the one-int64 float sum, the 128-bit sum, subnormals, cancellation,
 // overflow, NaN). SPDX-License-Identifier: Apache-2.0
 #include "lockstep/core/leading_zeros.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
@@ -59,7 +59,7 @@ std::vector<T> test_values(std::size_t n, std::size_t terms, std::uint64_t seed)
                 break; // within 31 binades: the short sum
             case 1:
                 x = spread_value<T>(w, -70, 70);
-                break; // wider: the two-limb sum
+                break; // wider: the 128-bit sum
             case 2:
                 x = spread_value<T>(w, L::min_exponent - 30, 40);
                 break; // subnormals

@@ -159,10 +159,10 @@ TEMPLATE_TEST_CASE("anchored sums are the exact sum rounded once to nearest even
     CHECK(one_replica_sum<T>({{-up}, {-half_ulp}})[0] == -std::nextafter(up, T(2)));
 }
 
-TEST_CASE("float sums in one int64 agree with the two limbs and the exact sum",
+TEST_CASE("float sums in one int64 agree with the 128-bit sum and the exact sum",
           "[kernels][anchored_sum]") {
     // anchored_short_sum answers when every term lies within 31 binades of the anchor and the
-    // result is normal; otherwise the two-limb path does. Spans of 20 to 40 binades put terms on
+    // result is normal; otherwise the 128-bit path does. Spans of 20 to 40 binades put terms on
     // both sides of that line, and counts around 256 on both sides of its term limit.
     const std::size_t n = 64;
     std::uint32_t seed = 100;
@@ -170,18 +170,18 @@ TEST_CASE("float sums in one int64 agree with the two limbs and the exact sum",
         for (std::size_t count : {2, 7, 256, 257}) {
             const auto x = random_terms<float>(count, n, -span / 2, span - span / 2, ++seed);
             const std::vector<float> got = one_replica_sum(x);
-            std::vector<float> two_limbs(n);
+            std::vector<float> wide(n);
             for (std::size_t i = 0; i < n; ++i) {
                 int a = 0;
                 for (const auto& row : x)
                     a = std::max(a, static_cast<int>(kernels::detail::anchored_field(row[i])));
-                std::int64_t h = 0, l = 0;
+                kernels::detail::anchored_int sum = 0;
                 for (const auto& row : x)
-                    kernels::detail::anchored_add(h, l, row[i], a);
-                two_limbs[i] = kernels::detail::anchored_value<float>(h, l, a);
+                    kernels::detail::anchored_add(sum, row[i], a);
+                wide[i] = kernels::detail::anchored_value<float>(sum, a);
             }
             INFO("span " << span << ", " << count << " terms");
-            CHECK(same_bits(got, two_limbs));
+            CHECK(same_bits(got, wide));
             if (span <= 31) // every bit kept: the exact sum, rounded once
                 for (std::size_t i = 0; i < n; ++i) {
                     i128 exact = 0;
@@ -191,7 +191,7 @@ TEST_CASE("float sums in one int64 agree with the two limbs and the exact sum",
                     CHECK(got[i] == round_exact<float>(exact, -(span + 23)));
                 }
         }
-    // Results at the edge of float's range: subnormal (the two-limb path), the smallest normal
+    // Results at the edge of float's range: subnormal (the 128-bit path), the smallest normal
     // and an overflow (this path): max + 2^103 is a tie between max (odd) and 2^128, so it
     // rounds to infinity; max + 2^102 rounds back to max.
     const float d = std::numeric_limits<float>::denorm_min();
@@ -516,8 +516,7 @@ TEMPLATE_TEST_CASE("anchored_combine_fn reports the non-finite sums and each gro
             for (const auto& a : x)
                 sources.push_back(a.data());
             // The direct counts.
-            std::vector<std::uint64_t> want(
-                kernels::detail::anchored_combine_report::words_for(groups));
+            std::vector<double> want(kernels::detail::anchored_combine_report::words_for(groups));
             for (std::size_t i = 0; i < n; ++i) {
                 bool sum_bad = false;
                 for (std::size_t j = 0; j < groups; ++j) {
@@ -528,16 +527,17 @@ TEMPLATE_TEST_CASE("anchored_combine_fn reports the non-finite sums and each gro
                     if (bad) {
                         ++want[1 + 2 * j];
                         if (want[2 + 2 * j] == 0)
-                            want[2 + 2 * j] = base + i + 1;
+                            want[2 + 2 * j] = static_cast<double>(base + i + 1);
                     }
                 }
-                want[0] |= (sum_bad || (arrays > 1 && (i == 9000 || i == 9001))) ? 1 : 0;
+                if (sum_bad || (arrays > 1 && (i == 9000 || i == 9001)))
+                    want[0] = 1;
             }
             REQUIRE(want[0] == 1);
             REQUIRE(want[1] >= 5);
             for (const int threads : {1, 2}) {
                 CAPTURE(threads);
-                std::vector<std::uint64_t> words(want.size(), 0);
+                std::vector<double> words(want.size(), 0.0);
                 std::vector<T> got(n, T(-1)), plain(n, T(-2));
                 const kernels::detail::anchored_combine_fn<T> reporting{
                     {words.data(), groups, size, base}};
@@ -560,13 +560,13 @@ TEMPLATE_TEST_CASE("anchored_combine_fn reports the non-finite sums and each gro
             x[0][4100] = T(0);
             for (const std::size_t i : bad_last)
                 x[arrays - 1][i] = T(0);
-            std::vector<std::uint64_t> words(want.size(), 0);
+            std::vector<double> words(want.size(), 0.0);
             std::vector<T> got(n);
             T* const to[1] = {got.data()};
             lockstep::detail::shm::combine_to_all(
                 host_system(2), sources.data(), arrays, to, 1, 0, n,
                 kernels::detail::anchored_combine_fn<T>{{words.data(), groups, size, base}});
-            CHECK(words == std::vector<std::uint64_t>(want.size(), 0));
+            CHECK(words == std::vector<double>(want.size(), 0.0));
         }
     }
 }

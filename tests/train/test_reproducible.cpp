@@ -346,19 +346,19 @@ std::vector<exchange_result> run_exchange(int replicas, std::size_t chunks, std:
             float, host_system,
             lockstep::detail::anchored_exchange_for<std::remove_cvref_t<Communicator>>>
             acc(n, replicas, r, comm.system(), gather_values);
-        const shard_range mine = lockstep::detail::reproducible_chunks(chunks, 1, r, replicas);
-        const shard_range busiest = lockstep::detail::reproducible_chunks(chunks, 1, 0, replicas);
+        const reduce::chunk_run mine = reduce::chunks_of(chunks, 1, r, replicas);
+        const reduce::chunk_run busiest = reduce::chunks_of(chunks, 1, 0, replicas);
         std::vector<float> g(n, 0.0f);
         exchange_result& res = out[static_cast<std::size_t>(r)];
-        acc.begin(std::max<std::size_t>(mine.size(), 1), std::max<std::size_t>(busiest.size(), 1));
-        if (mine.empty()) {
+        acc.begin(std::max<std::size_t>(mine.count, 1), std::max<std::size_t>(busiest.count, 1));
+        if (mine.count == 0) {
             acc.add(std::span<const float>(g));
             acc.add_loss(0.0, nullptr);
         }
-        for (std::size_t c = mine.begin; c < mine.end; ++c) {
+        for (std::size_t c = mine.first; c < mine.first + mine.count; ++c) {
             for (std::size_t i = 0; i < n; ++i)
                 g[i] = exchange_value(c, i, poison, chunks);
-            if (c + 1 < mine.end) {
+            if (c + 1 < mine.first + mine.count) {
                 // Kept in three parts, out of order, as a backward marks tensors ready; each
                 // leaves zeros in g.
                 const std::size_t a = n / 3, b = n - n / 5;
@@ -481,19 +481,18 @@ TEST_CASE("reduce::reproducible's exchanges (gathered, by blocks, combined in on
         CHECK(same_bits(blocks[r].sums, want));
         CHECK(same_bits(combined[r].sums, want));
         // Each replica's own check: its elements with a non-finite value, counted directly.
-        const shard_range mine =
-            lockstep::detail::reproducible_chunks(chunks, 1, static_cast<int>(r), replicas);
+        const reduce::chunk_run mine = reduce::chunks_of(chunks, 1, static_cast<int>(r), replicas);
         double count = 0, first = 0;
         for (std::size_t i = 0; i < n; ++i) {
             bool bad = false;
-            for (std::size_t c = mine.begin; c < mine.end; ++c)
+            for (std::size_t c = mine.first; c < mine.first + mine.count; ++c)
                 bad = bad || !std::isfinite(all[c * n + i]);
             if (bad) {
                 count += 1;
                 first = first == 0 ? static_cast<double>(i + 1) : first;
             }
         }
-        if (poison && !mine.empty() && mine.end == chunks) // the last chunk's infinity
+        if (poison && mine.count > 0 && mine.first + mine.count == chunks) // the last's infinity
             REQUIRE(count >= 1);
         // The sums on the host report, whatever the exchange.
         CHECK(combined[r].reports);

@@ -19,12 +19,11 @@
 // The anchor a of an element is the largest exponent field among every value summed into it,
 // with a = max(a, 1). Each value becomes the integer
 //     q(x) = trunc(m 2^(F - (a - e))),   F = 84 - p (60 for float, 31 for double),
-// whose unit is 2^(a - bias - F): |q| < 2^84. q is summed as two signed int64 limbs, q = hi 2^40
-// + lo with |lo| < 2^40 and |hi| < 2^44 (both with the sign of x), so the sums of up to 2^19
-// values stay inside int64 with no carry between the limbs. q is a function of x and a alone,
-// and integer sums do not depend on the order, so the sum is the same for any order, grouping
-// and replica count: whoever holds every value of an element (the trainer gathers them to the
-// replica that owns the element) gets the same bits.
+// whose unit is 2^(a - bias - F): |q| < 2^84, summed in a signed 128-bit integer (at most
+// max_terms values: |sum| < 2^103). q is a function of x and a alone, and integer sums do not
+// depend on the order, so the sum is the same for any order, grouping and replica count:
+// whoever holds every value of an element (the trainer gathers them to the replica that owns
+// the element) gets the same bits.
 //
 // Precision: a value loses less than one unit, 2^(a - bias - F) <= 2^-83 max|x| (the largest
 // value has a bit at 2^(a - bias + p - 1)), so |kept - exact| < N 2^-83 max|x| for N values;
@@ -62,32 +61,28 @@ struct anchored<double> {
 /// Limits shared by both types.
 struct anchored_limits {
     static constexpr int value_bits = 84; ///< |q| < 2^value_bits
-    static constexpr int limb_bits = 40;  ///< q = hi 2^limb_bits + lo
-    /// The most values one element may receive: |sum of hi| < 2^19 2^44 = 2^63.
+    /// The most values one element may receive (the trainer's chunks plus replicas).
     static constexpr std::size_t max_terms = std::size_t{1} << 19;
 };
 
 namespace detail {
 
-template <class T>
 struct anchored_parts {
     std::uint64_t mantissa;
     int field; ///< the exponent field (non_finite for NaN and infinities)
     bool negative;
 };
 
-LOCKSTEP_HOST_DEVICE inline anchored_parts<float> anchored_split(float x) {
-    const auto bits = std::bit_cast<std::uint32_t>(x);
-    const int e = static_cast<int>((bits >> 23) & 0xff);
-    const std::uint64_t frac = bits & ((std::uint32_t{1} << 23) - 1);
-    return {e == 0 ? frac : (frac | (std::uint64_t{1} << 23)), e, (bits >> 31) != 0};
-}
-
-LOCKSTEP_HOST_DEVICE inline anchored_parts<double> anchored_split(double x) {
-    const auto bits = std::bit_cast<std::uint64_t>(x);
-    const int e = static_cast<int>((bits >> 52) & 0x7ff);
-    const std::uint64_t frac = bits & ((std::uint64_t{1} << 52) - 1);
-    return {e == 0 ? frac : (frac | (std::uint64_t{1} << 52)), e, (bits >> 63) != 0};
+/// x's mantissa (with the hidden bit of a normal value), exponent field and sign.
+template <class T>
+LOCKSTEP_HOST_DEVICE anchored_parts anchored_split(T x) {
+    using bits_type = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+    constexpr int p = anchored<T>::mantissa_bits - 1; // stored mantissa bits
+    const auto bits = std::bit_cast<bits_type>(x);
+    const int e = static_cast<int>((bits >> p) & anchored<T>::non_finite);
+    const std::uint64_t frac = bits & ((bits_type{1} << p) - 1);
+    return {e == 0 ? frac : (frac | (std::uint64_t{1} << p)), e,
+            (bits >> (8 * sizeof(T) - 1)) != 0};
 }
 
 /// The exponent field of x (non_finite for NaN and infinities).
@@ -96,97 +91,47 @@ LOCKSTEP_HOST_DEVICE typename anchored<T>::exponent_type anchored_field(T x) {
     return static_cast<typename anchored<T>::exponent_type>(anchored_split(x).field);
 }
 
-/// Adds q(x) for the anchor field `a` (not non_finite, >= every field added) to (hi, lo).
+/// The sum of an element's integers q (CUDA supports __int128 in device code too).
+__extension__ using anchored_int = __int128;
+__extension__ using anchored_uint = unsigned __int128;
+
+/// Adds q(x) for the anchor field `a` (not non_finite, >= every field added) to sum.
 template <class T>
-LOCKSTEP_HOST_DEVICE void anchored_add(std::int64_t& hi, std::int64_t& lo, T x, int a) {
-    constexpr int w = anchored_limits::limb_bits;
+LOCKSTEP_HOST_DEVICE void anchored_add(anchored_int& sum, T x, int a) {
     constexpr int f = anchored_limits::value_bits - anchored<T>::mantissa_bits;
-    constexpr std::uint64_t mask = (std::uint64_t{1} << w) - 1;
-    const anchored_parts<T> v = anchored_split(x);
-    if (v.mantissa == 0)
-        return;
-    const int e = v.field == 0 ? 1 : v.field;
-    const int k = f - ((a == 0 ? 1 : a) - e); // q = m 2^k, k <= f
-    std::uint64_t h = 0;
-    std::uint64_t l = 0;
-    if (k >= 0) {
-        l = (v.mantissa << k) & mask; // the low bits of m 2^k (k < 64)
-        h = k >= w ? v.mantissa << (k - w) : v.mantissa >> (w - k);
-    } else if (k > -64) {
-        const std::uint64_t q = v.mantissa >> (-k);
-        l = q & mask;
-        h = q >> w;
-    }
-    const auto hs = static_cast<std::int64_t>(h);
-    const auto ls = static_cast<std::int64_t>(l);
-    hi += v.negative ? -hs : hs;
-    lo += v.negative ? -ls : ls;
+    const anchored_parts v = anchored_split(x);
+    const int k = f - ((a == 0 ? 1 : a) - (v.field == 0 ? 1 : v.field)); // q = m 2^k, k <= f
+    const anchored_int q = k >= 0    ? anchored_int(v.mantissa) << k
+                           : k > -64 ? anchored_int(v.mantissa >> -k)
+                                     : 0;
+    sum += v.negative ? -q : q;
 }
 
-/// Bit j (0..127) of the 128-bit integer (hi, lo).
-LOCKSTEP_HOST_DEVICE inline bool bit128(std::uint64_t hi, std::uint64_t lo, int j) {
-    return j >= 64 ? ((hi >> (j - 64)) & 1) != 0 : ((lo >> j) & 1) != 0;
-}
-
-/// True when a bit below j (0..128) of (hi, lo) is set.
-LOCKSTEP_HOST_DEVICE inline bool any_below128(std::uint64_t hi, std::uint64_t lo, int j) {
-    if (j <= 0)
-        return false;
-    if (j <= 64)
-        return (j == 64 ? lo : (lo & ((std::uint64_t{1} << j) - 1))) != 0;
-    return lo != 0 || (hi & ((std::uint64_t{1} << (j - 64)) - 1)) != 0;
-}
-
-/// (hi, lo) >> d for 0 < d < 128, when the result fits 64 bits.
-LOCKSTEP_HOST_DEVICE inline std::uint64_t shift_right128(std::uint64_t hi, std::uint64_t lo,
-                                                         int d) {
-    if (d >= 64)
-        return hi >> (d - 64);
-    return (lo >> d) | (hi << (64 - d));
-}
-
-/// The element's value (hi 2^40 + lo) 2^(a - bias - F) rounded once to T, to nearest even
-/// (a: the anchor field, not non_finite).
+/// The element's value sum 2^(a - bias - F) rounded once to T, to nearest even (a: the anchor
+/// field, not non_finite).
 template <class T>
-LOCKSTEP_HOST_DEVICE T anchored_value(std::int64_t hi, std::int64_t lo, int a) {
+LOCKSTEP_HOST_DEVICE T anchored_value(anchored_int sum, int a) {
     using A = anchored<T>;
-    constexpr int w = anchored_limits::limb_bits;
     constexpr int f = anchored_limits::value_bits - A::mantissa_bits;
-    // Carry lo into [0, 2^40), then take the magnitude of hi 2^40 + lo as 128 bits.
-    const std::int64_t carry = lo >> w; // floor: C++20 shifts are arithmetic
-    hi += carry;
-    lo -= carry * (std::int64_t{1} << w);
-    const bool negative = hi < 0;
-    std::uint64_t mh = 0;
-    std::uint64_t ml = static_cast<std::uint64_t>(lo);
-    if (negative) { // -(hi 2^40 + lo) = (-hi - 1) 2^40 + (2^40 - lo) when lo > 0
-        mh = static_cast<std::uint64_t>(-(hi + 1));
-        ml = (std::uint64_t{1} << w) - ml;
-        if (ml == (std::uint64_t{1} << w)) {
-            ml = 0;
-            ++mh;
-        }
-    } else {
-        mh = static_cast<std::uint64_t>(hi);
-    }
-    const std::uint64_t top = mh >> (64 - w);
-    const std::uint64_t bottom = (mh << w) | ml;
-    if (top == 0 && bottom == 0)
+    const bool negative = sum < 0;
+    const anchored_uint mag = negative ? -anchored_uint(sum) : anchored_uint(sum);
+    if (mag == 0)
         return T(0);
-    const int length = top != 0 ? 128 - countl_zero64(top) : 64 - countl_zero64(bottom);
+    const auto top = static_cast<std::uint64_t>(mag >> 64);
+    const int length =
+        top != 0 ? 128 - countl_zero64(top) : 64 - countl_zero64(static_cast<std::uint64_t>(mag));
     const int scale = (a == 0 ? 1 : a) - A::bias - f; // the exponent of bit 0
-    const int lead = scale + length - 1;
-    int lsb = lead - (A::mantissa_bits - 1);
+    int lsb = scale + length - 1 - (A::mantissa_bits - 1);
     lsb = lsb < A::min_exponent ? A::min_exponent : lsb;
     const int drop = lsb - scale;
     std::uint64_t m = 0;
     if (drop <= 0) {
-        m = bottom << (-drop); // length <= p: fits
-    } else {
-        m = shift_right128(top, bottom, drop);
-        const bool half = bit128(top, bottom, drop - 1);
-        const bool sticky = any_below128(top, bottom, drop - 1);
-        if (half && (sticky || (m & 1) != 0))
+        m = static_cast<std::uint64_t>(mag << -drop); // length <= p: fits
+    } else {                                          // 0 < drop <= 104
+        m = static_cast<std::uint64_t>(mag >> drop);
+        const anchored_uint rest = mag & ((anchored_uint(1) << drop) - 1);
+        const anchored_uint half = anchored_uint(1) << (drop - 1);
+        if (rest > half || (rest == half && (m & 1) != 0))
             ++m;
     }
     const int m_length = 64 - countl_zero64(m);
@@ -209,7 +154,7 @@ inline constexpr std::size_t anchored_short_terms = 256;
 /// non-zero term lies within 31 binades of it: then q = m 2^(31 - (a - e)) < 2^55 keeps every
 /// bit, the int64 sum is the exact sum, its conversion to float rounds once to nearest even, and
 /// the scaling by 2^(a - 181) is exact unless the result is subnormal. Returns false (the
-/// caller takes the two-limb path, which gives the same bits wherever this one answers) when a
+/// caller takes the 128-bit path, which gives the same bits wherever this one answers) when a
 /// term lies further below or the result is subnormal. requires: at most anchored_short_terms.
 template <class Terms>
 LOCKSTEP_HOST_DEVICE bool anchored_short_sum(const Terms& terms, std::size_t i, int a, float& out) {
@@ -218,15 +163,12 @@ LOCKSTEP_HOST_DEVICE bool anchored_short_sum(const Terms& terms, std::size_t i, 
     bool fits = true;
     for (std::size_t j = 0; j < terms.replicas; ++j)
         for (std::size_t c = 0; c < terms.calls; ++c) {
-            const auto bits =
-                std::bit_cast<std::uint32_t>(static_cast<float>(terms.value(j, c, i)));
-            const int e = static_cast<int>((bits >> 23) & 0xff);
-            const auto frac = static_cast<std::int64_t>(bits & 0x7fffff);
-            const std::int64_t m = e == 0 ? frac : (frac | 0x800000);
-            const int shift = 31 - (top - (e == 0 ? 1 : e));
+            const anchored_parts v = anchored_split(static_cast<float>(terms.value(j, c, i)));
+            const auto m = static_cast<std::int64_t>(v.mantissa);
+            const int shift = 31 - (top - (v.field == 0 ? 1 : v.field));
             fits = fits && (shift >= 0 || m == 0);
             const std::int64_t q = shift >= 0 ? m << shift : 0;
-            s += (bits >> 31) != 0 ? -q : q;
+            s += v.negative ? -q : q;
         }
     if (!fits)
         return false;
@@ -272,11 +214,12 @@ struct anchored_terms {
 
 /// out[i] = the sum of element i's terms, rounded once to T: its anchor is the largest exponent
 /// field among them (a quiet NaN when one is not finite), and every term's q for that anchor is
-/// summed in two int64 limbs (for float, in one int64 when no bit is cut: anchored_short_sum).
+/// summed in 128 bits (for float, in one int64 when no bit is cut: anchored_short_sum). Terms:
+/// anchored_terms<V>, or any type with its members replicas, calls and value(j, c, i).
 /// requires: replicas * calls <= anchored_limits::max_terms.
-template <class T, class V = T>
+template <class T, class V = T, class Terms = anchored_terms<V>>
 struct anchored_sum_fn {
-    anchored_terms<V> terms;
+    Terms terms;
     T* out;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
         using A = anchored<T>;
@@ -298,12 +241,11 @@ struct anchored_sum_fn {
                 return;
             }
         }
-        std::int64_t h = 0;
-        std::int64_t l = 0;
+        detail::anchored_int sum = 0;
         for (std::size_t j = 0; j < terms.replicas; ++j)
             for (std::size_t c = 0; c < terms.calls; ++c)
-                detail::anchored_add(h, l, static_cast<T>(terms.value(j, c, i)), a);
-        out[i] = detail::anchored_value<T>(h, l, a);
+                detail::anchored_add(sum, static_cast<T>(terms.value(j, c, i)), a);
+        out[i] = detail::anchored_value<T>(sum, a);
     }
 };
 

@@ -13,13 +13,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
-#include <vector>
 
 namespace lockstep::kernels::detail {
 
 /// Where anchored_combine_fn reports what it saw in the elements it summed: words_for(groups)
-/// host words, zero before the first call, updated atomically (the tiles of one pass run on
-/// several threads) and only by a tile whose sums are not all finite:
+/// host doubles (whole numbers, exact below 2^53, ready for an all_gather), zero before the
+/// first call, updated atomically (the tiles of one pass run on several threads) and only by a
+/// tile whose sums are not all finite:
 /// - words[0]: 1 when a sum is not finite (a non-finite value, whose sum is a quiet NaN, or an
 ///   exact sum beyond T's range, an infinity), else 0;
 /// - words[1 + 2 j]: the elements holding a non-finite value of group j, the sources [j size,
@@ -27,7 +27,7 @@ namespace lockstep::kernels::detail {
 /// - words[2 + 2 j]: 1 + the flat index (index_base + element) of the first of them, 0: none.
 /// words null: no report.
 struct anchored_combine_report {
-    std::uint64_t* words = nullptr;
+    double* words = nullptr;
     std::size_t groups = 0;
     std::size_t size = 0;       ///< sources per group
     std::size_t index_base = 0; ///< the flat index of the arrays' element 0
@@ -46,10 +46,10 @@ void anchored_note(const anchored_combine_report& report, const T* const* source
         high |= anchored_non_finite_bit(out[i]);
     if ((high >> (8 * sizeof(T) - 1)) == 0)
         return;
-    std::atomic_ref<std::uint64_t>(report.words[0]).store(1, std::memory_order_relaxed);
+    std::atomic_ref<double>(report.words[0]).store(1.0, std::memory_order_relaxed);
     for (std::size_t j = 0; j < report.groups; ++j) {
-        std::uint64_t count = 0;
-        std::uint64_t at = 0;
+        double count = 0;
+        double at = 0;
         for (std::size_t i = 0; i < m; ++i) {
             if (!std::isnan(out[i]))
                 continue;
@@ -59,15 +59,15 @@ void anchored_note(const anchored_combine_report& report, const T* const* source
                                  anchored<T>::non_finite;
             if (bad) {
                 ++count;
-                at = at == 0 ? report.index_base + first + i + 1 : at;
+                at = at == 0 ? static_cast<double>(report.index_base + first + i + 1) : at;
             }
         }
         if (count == 0)
             continue;
-        std::atomic_ref<std::uint64_t>(report.words[1 + 2 * j])
+        std::atomic_ref<double>(report.words[1 + 2 * j])
             .fetch_add(count, std::memory_order_relaxed);
-        std::atomic_ref<std::uint64_t> least(report.words[2 + 2 * j]);
-        std::uint64_t now = least.load(std::memory_order_relaxed);
+        std::atomic_ref<double> least(report.words[2 + 2 * j]);
+        double now = least.load(std::memory_order_relaxed);
         while ((now == 0 || at < now) &&
                !least.compare_exchange_weak(now, at, std::memory_order_relaxed)) {
         }
@@ -107,16 +107,9 @@ private:
                 return;
             }
         }
-        // Element first + i's values, summed by anchored_sum_fn: on the stack up to
-        // anchored_short_terms of them (this runs once per tile of every all_combine).
-        T local[anchored_short_terms];
-        std::vector<T> heap(n > anchored_short_terms ? n : 0);
-        T* values = n > anchored_short_terms ? heap.data() : static_cast<T*>(local);
-        for (std::size_t i = 0; i < m; ++i) {
-            for (std::size_t j = 0; j < n; ++j)
-                values[j] = sources[j][first + i];
-            anchored_sum_fn<T>{{values, 1, n, 0, 1}, out + i}(0);
-        }
+        const anchored_sum_fn<T, T, anchored_arrays<T>> each{{sources, n, first}, out};
+        for (std::size_t i = 0; i < m; ++i)
+            each(i);
     }
 };
 

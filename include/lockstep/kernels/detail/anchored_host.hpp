@@ -40,6 +40,16 @@ inline constexpr std::size_t anchored_stream_bytes = std::size_t(4) << 20;
     return (std::bit_cast<std::uint64_t>(x) & 0x7ff0000000000000u) + 0x0010000000000000u;
 }
 
+/// Element i's terms sources[c][first + i], c < calls, as anchored_sum_fn reads them.
+template <class T>
+struct anchored_arrays {
+    const T* const* sources;
+    std::size_t calls;
+    std::size_t first;
+    static constexpr std::size_t replicas = 1;
+    T value(std::size_t /*j*/, std::size_t c, std::size_t i) const { return sources[c][first + i]; }
+};
+
 /// Eight lanes of an anchored block in GNU vector types, which GCC and Clang compile to the
 /// registers of the function's target (GCC 12's vectoriser leaves a plain loop's finish, with
 /// its double compares and byte stores, in scalar code, and does worse with 16 lanes).
@@ -102,8 +112,8 @@ using anchored_sums = double __attribute__((vector_size(64)));
 /// The float sums of exactly 2 terms, p[0][at + i] + p[1][at + i] for i < 8, as anchored_block
 /// reports them, in float additions: one IEEE addition rounds the exact sum once to nearest
 /// even, anchored_sum_fn's result wherever that is normal, infinite or zero (a term too far
-/// below the other for the limbs to keep is below half an ulp of it; the sum starts from +0 as
-/// anchored_sum_fn's does, so -0 + -0 gives +0). A non-finite term gives a quiet NaN; a
+/// below the other for the 128-bit sum to keep is below half an ulp of it; the sum starts from +0
+/// as anchored_sum_fn's does, so -0 + -0 gives +0). A non-finite term gives a quiet NaN; a
 /// subnormal result is left to anchored_sum_fn.
 [[gnu::always_inline]] inline void anchored_pair_block(const float* const* p, std::size_t at,
                                                        float* out, std::int32_t* ok) {
@@ -186,14 +196,10 @@ inline void anchored_tile_sums(const float* const* p, std::size_t k, std::size_t
     unsigned char done[anchored_tile];
     if (anchored_array_sums(p, k, m, out, done))
         return;
-    float values[anchored_short_terms];
-    for (std::size_t i = 0; i < m; ++i) {
-        if (done[i] != 0)
-            continue;
-        for (std::size_t j = 0; j < k; ++j)
-            values[j] = p[j][i];
-        anchored_sum_fn<float>{{values, 1, k, 0, 1}, out + i}(0);
-    }
+    const anchored_sum_fn<float, float, anchored_arrays<float>> each{{p, k, 0}, out};
+    for (std::size_t i = 0; i < m; ++i)
+        if (done[i] == 0)
+            each(i);
 }
 
 /// Copies src[0, m) to dst (streaming stores past the caches where `stream`) and, where `clear`

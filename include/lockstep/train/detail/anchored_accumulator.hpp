@@ -114,31 +114,25 @@ public:
                                             terms_at_ - calls * n_)); // zeros past its calls
         } else if (combined) {
             row_ = {max_calls, report_words()}; // the loss terms, then the report
-            if (calls < max_calls && n_ > zeros_.size()) {
-                zeros_ = buffer<T, System>(n_, sys_);
-                zero(sys_, zeros_.span());
-            }
         } else {
             row_ = {max_calls, max_calls * tail_}; // the loss terms, then the tail
             grow(recv_, max_calls * blocks());
-            if (calls < max_calls && blocks() > zeros_.size()) {
-                zeros_ = buffer<T, System>(blocks(), sys_);
-                zero(sys_, zeros_.span());
-            }
+        }
+        if (!gathered_ && calls < max_calls && n_ > zeros_.size()) {
+            zeros_ = buffer<T, System>(n_, sys_);
+            zero(sys_, zeros_.span());
         }
         // The gathered exchange keeps the chunks in this replica's region.
         keeper_.begin(calls, gathered_ ? region(rank_) : nullptr, gathered_);
-        if constexpr (reports_own()) {
-            grow(words_, report_words());
-            zero(sys_, words_.span().first(report_words()));
-            if (!combined) // combined: the report travels with the loss terms
-                grow(reports_gathered_, report_words() * (replicas_ + 1));
+        if (reports_own() && !combined) { // combined: the report travels with the loss terms
+            grow(reports_, report_words() * (replicas_ + 1));
+            zero(sys_, reports_.span().first(report_words()));
         }
         if (!gathered_) { // gathered: the terms travel in the regions of recv_
             grow(small_send_, row_.size());
             grow(small_recv_, row_.size() * replicas_);
         }
-        kernels::for_each_index(sys_, row_.size(), zero_terms_fn{own_terms()});
+        zero(sys_, std::span<double>(own_terms(), row_.size()));
     }
     /// The chunks' passes (anchored_keeper): whether the chunk being computed is kept apart
     /// from g; its elements [first, first + count) final in g (keep: of a kept chunk; take: of
@@ -206,9 +200,8 @@ public:
             if constexpr (System::is_host) { // every element here: this replica's report alone
                 sum_reporting([&](std::size_t j, std::size_t c) { return region(j) + c * n_; }, n_,
                               g.data(), 0);
-                run(1, report_words_fn{words_.data(), report_words(), reports_gathered_.data()});
-                run(1, own_report_fn<T>{reports_gathered_.data(), 1, report_words(), rank_, nullptr,
-                                        0, 0, 0, nullptr, own_report_.data()});
+                run(1, own_report_fn<T>{reports_.data(), 1, report_words(), rank_, nullptr, 0, 0, 0,
+                                        nullptr, own_report_.data()});
             } else {
                 sum_range({recv_.data(), replicas_, max_calls_, region_, n_}, n_, g.data());
             }
@@ -218,9 +211,8 @@ public:
         }
         if constexpr (combined) {
             combine(comm, g);
-            // The loss terms and the report, gathered after the sums.
-            run(1, report_words_fn{words_.data(), report_words(), row_.extra(small_send_.data())});
-            gather_rows(comm);
+            gather_rows(comm); // the loss terms and the report, after the sums
+
             run(1, own_report_fn<T>{row_.extra(small_recv_.data()), replicas_, row_.size(), rank_,
                                     nullptr, 0, 0, 0, nullptr, own_report_.data()});
             run(1,
@@ -249,13 +241,10 @@ public:
                 tail_ * replicas_ * max_calls_);
         if constexpr (reports_own()) { // every replica's report on its block; the tail's here
             const std::size_t w = report_words();
-            double* gathered = reports_gathered_.data() + w;
-            if (block_ > 0) {
-                run(1, report_words_fn{words_.data(), w, reports_gathered_.data()});
-                comm.all_gather(std::span<const double>(reports_gathered_.data(), w),
-                                reports_gathered_.span().subspan(w, w * replicas_));
-            }
-            run(1, own_report_fn<T>{gathered, block_ > 0 ? replicas_ : 0, w, rank_,
+            if (block_ > 0)
+                comm.all_gather(std::span<const double>(reports_.data(), w),
+                                reports_.span().subspan(w, w * replicas_));
+            run(1, own_report_fn<T>{reports_.data() + w, block_ > 0 ? replicas_ : 0, w, rank_,
                                     row_.extra(small_recv_.data() + rank_ * row_.size()),
                                     max_calls_, tail_, all, g.data() + all, own_report_.data()});
         }
@@ -297,8 +286,8 @@ private:
     }
     /// The host's sums: out[i] = the rounded sum of element i of every replica's max_calls
     /// chunks (replica j's chunk c at at(j, c)), for i < count, tile by tile through a buffer on
-    /// the stack as all_combine's pass (so out may be one of the chunks), reporting into words_
-    /// (base: the flat index of out[0]).
+    /// the stack as all_combine's pass (so out may be one of the chunks), reporting (base: the
+    /// flat index of out[0]).
     template <class At>
     void sum_reporting(const At& at, std::size_t count, T* out, std::size_t base) {
         std::vector<const T*> sources(replicas_ * max_calls_);
@@ -318,10 +307,12 @@ private:
             arrays[c] = own_chunk(c, g.data());
         comm.all_combine(std::span<const T* const>(arrays), n_, g.first(n_), reporting(0));
     }
-    /// The sums' functor, reporting into words_ (every replica's max_calls chunks a group);
+    /// The sums' functor, reporting into this replica's words (combined: after its loss terms
+    /// in small_send_; else at the start of reports_), every replica's max_calls chunks a group;
     /// base: the flat index of its element 0.
     kernels::detail::anchored_combine_fn<T> reporting(std::size_t base) noexcept {
-        return {{words_.data(), replicas_, max_calls_, base}};
+        double* words = combined ? row_.extra(small_send_.data()) : reports_.data();
+        return {{words, replicas_, max_calls_, base}};
     }
     std::size_t report_words() const noexcept {
         return kernels::detail::anchored_combine_report::words_for(replicas_);
@@ -369,8 +360,7 @@ private:
     std::size_t region_ = 0;   ///< gathered: values of T per replica (chunks, padding, terms)
     buffer<anchored_losses, System> losses_;
     buffer<anchored_own_report, System> own_report_; ///< reports_own()
-    buffer<std::uint64_t, System> words_;     ///< reports_own(): what this replica's sums saw
-    buffer<double, System> reports_gathered_; ///< own words (blocks: then every owner's)
+    buffer<double, System> reports_;    ///< not combined: own report (blocks: then every owner's)
     buffer<T, System> recv_;            ///< what the exchange brings (gathered: and own chunks)
     buffer<T, System> zeros_;           ///< what a replica with fewer calls sends
     buffer<double, System> small_send_; ///< not gathered: 2 loss terms per call, then each call's

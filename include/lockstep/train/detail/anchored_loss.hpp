@@ -42,12 +42,6 @@ struct loss_terms_fn {
     }
 };
 
-/// Task i: terms[i] = 0 (the loss terms of a step, written as doubles).
-struct zero_terms_fn {
-    double* terms;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const { terms[i] = 0.0; }
-};
-
 /// One task: *out = the sum of the terms[0, count) that are not finite (NaN or an infinity), or 0
 /// when every term is finite: a replica's own loss check, which names the replica when one of
 /// its chunk losses is not finite and, unlike its partial sum, does not depend on how the chunks

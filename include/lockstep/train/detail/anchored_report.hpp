@@ -11,21 +11,8 @@
 #include "lockstep/train/detail/reduce_functors.hpp"
 
 #include <cstddef>
-#include <cstdint>
 
 namespace lockstep::detail {
-
-/// One task: out[k] = words[k] for k < count (a report's words as doubles, exact below 2^53,
-/// for an all_gather of doubles).
-struct report_words_fn {
-    const std::uint64_t* words;
-    std::size_t count;
-    double* out;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        for (std::size_t k = 0; k < count; ++k)
-            out[k] = static_cast<double>(words[k]);
-    }
-};
 
 /// What finalize() leaves where the sums report: this replica's own check (its non-finite chunk
 /// values as the step's piece checks count them; no squares) and whether every sum is finite.

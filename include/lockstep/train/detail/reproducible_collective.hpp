@@ -30,17 +30,6 @@
 
 namespace lockstep::detail {
 
-/// The chunks [first, last) of a global batch of `global` samples cut into chunks of `chunk`
-/// samples that replica `rank` of `size` computes: contiguous, balanced by chunk count (the
-/// first replicas get one more), possibly none. requires: chunk >= 1.
-inline shard_range reproducible_chunks(std::size_t global, std::size_t chunk, int rank, int size) {
-    const reduce::chunk_run c = reduce::chunks_of(global, chunk, rank, size);
-    shard_range out;
-    out.begin = c.first;
-    out.end = c.first + c.count;
-    return out;
-}
-
 /// One task: the loss a replica adds to the step's status loss slot: the global exact loss on
 /// replica 0 only (so the status sum over replicas is that loss, bitwise), plus the sum of this
 /// replica's non-finite chunk losses (so the replica that produced one is named).
@@ -113,10 +102,10 @@ public:
         });
         (void)next_sample_offset(s.core().samples(), global, rank);
         const step_view v = s.begin(global);
-        const shard_range mine = reproducible_chunks(global, C, rank, replicas);
-        const shard_range busiest = reproducible_chunks(global, C, 0, replicas);
+        const reduce::chunk_run mine = reduce::chunks_of(global, C, rank, replicas);
+        const reduce::chunk_run busiest = reduce::chunks_of(global, C, 0, replicas);
         // A replica without chunks adds one of zeros.
-        acc_.begin(mine.empty() ? 1 : mine.size(), busiest.empty() ? 1 : busiest.size());
+        acc_.begin(std::max<std::size_t>(mine.count, 1), std::max<std::size_t>(busiest.count, 1));
         run_chunks(s, global, mine, fn, grads);
         acc_.exchange(s.core().comm(), std::span<const T>(grads));
         // This replica's non-finite chunk values and loss are counted as its own; the skip
@@ -176,7 +165,8 @@ private:
     /// but the last. Of every chunk but the last, taking leaves the part zero, and the next chunk
     /// starts on those zeros.
     template <class Stages, class Fn>
-    void run_chunks(Stages& s, std::size_t global, shard_range mine, Fn& fn, std::span<T> grads) {
+    void run_chunks(Stages& s, std::size_t global, reduce::chunk_run mine, Fn& fn,
+                    std::span<T> grads) {
         using core_type = std::remove_reference_t<decltype(s.core())>;
         auto& core = s.core();
         auto& ctx = core.context();
@@ -187,12 +177,12 @@ private:
         const step_scope scope(ctx, chunk_loss, &s.layers());
         const ready_hook_scope hook(ctx);
         ctx.set_step(core.steps(), true);
-        const std::size_t calls = mine.empty() ? 1 : mine.size();
+        const std::size_t calls = std::max<std::size_t>(mine.count, 1);
         chunk_ready ready(core.registry().parameters(), core.grads().size(), s.rank());
         for (std::size_t c = 0; c < calls; ++c) {
             shard_range r;
-            if (!mine.empty()) {
-                r.begin = (mine.begin + c) * C;
+            if (mine.count > 0) {
+                r.begin = (mine.first + c) * C;
                 r.end = std::min(global, r.begin + C);
             } else {
                 r.begin = r.end = global;
