@@ -501,6 +501,28 @@ TEST_CASE("the unique-id constructor leaves the replica's device current", "[com
     comm.barrier();
 }
 
+// Its own CTest test (test_nccl_init_timeout, hidden from the default run): the abandoned
+// ncclCommInitRank stays on its helper thread, waiting for the rank that never comes, until the
+// process ends.
+TEST_CASE("joining by id fails with errc::timeout when a rank never joins",
+          "[.][init_timeout][comm][nccl][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    ncclUniqueId id{};
+    REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+        nccl_communicator comm(id, 2, 0, 0, {.timeout = std::chrono::milliseconds(1500)});
+        FAIL("rank 0 of 2 was made without rank 1");
+    } catch (const lockstep::error& e) {
+        CHECK(e.code() == lockstep::errc::timeout);
+        CHECK_THAT(e.what(), Catch::Contains("ncclCommInitRank did not return within 1500 ms"));
+    }
+    // Bounded by the timeout, not by NCCL (which would wait for rank 1 forever).
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(60));
+}
+
 static_assert(NCCL_VERSION_CODE >= NCCL_VERSION(2, 26, 0),
               "lockstep needs NCCL 2.26 (NCCL_LAUNCH_ORDER_IMPLICIT)");
 

@@ -12,6 +12,7 @@
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/communicator_identity.hpp"
+#include "lockstep/comm/detail/nccl_deadline.hpp"
 #include "lockstep/comm/detail/nccl_handle.hpp"
 #include "lockstep/comm/detail/nccl_membership.hpp"
 #include "lockstep/comm/detail/nccl_shrink.hpp"
@@ -184,16 +185,17 @@ public:
     }
 
     /// Joins communicator `id` as `rank` of `size`, driving `device` (ncclCommInitRank; blocks
-    /// until all `size` ranks have joined), on the adopted `stream` or (null) its own.
+    /// until all `size` ranks have joined, at most options.timeout: then errc::timeout, the call
+    /// left to a helper thread, as a split's), on the adopted `stream` or (null) its own.
     /// requires: 0 <= rank < size, the same id on every rank, device in
     /// [0, cuda_device_count()), stream null or a stream of `device`.
     /// ensures: `device` is the calling thread's current CUDA device (the replica's kernels go
     /// there).
     nccl_communicator(const ncclUniqueId& id, int size, int rank, int device,
                       nccl_options options = {}, cudaStream_t stream = nullptr)
-        : nccl_communicator(adopt_tag{}, init_rank(id, size, rank, device, stream), device,
-                            {.adopted = stream}, std::make_shared<detail::nccl_clique>(), nullptr,
-                            options) {}
+        : nccl_communicator(adopt_tag{}, init_rank(id, size, rank, device, stream, options.timeout),
+                            device, {.adopted = stream}, std::make_shared<detail::nccl_clique>(),
+                            nullptr, options) {}
 
 #if LOCKSTEP_HAS_MPI
     /// One process per GPU: every process of `comm` calls this collectively with its own
@@ -205,7 +207,7 @@ public:
     /// kernels go there, and no context is made on another GPU).
     nccl_communicator(MPI_Comm comm, int device, nccl_options options = {},
                       cudaStream_t stream = nullptr)
-        : nccl_communicator(adopt_tag{}, init_mpi(comm, device, stream), device,
+        : nccl_communicator(adopt_tag{}, init_mpi(comm, device, stream, options.timeout), device,
                             {.adopted = stream}, std::make_shared<detail::nccl_clique>(), nullptr,
                             options) {}
 
@@ -729,7 +731,7 @@ private:
     }
 
     static ncclComm_t init_rank(const ncclUniqueId& id, int size, int rank, int device,
-                                cudaStream_t stream) {
+                                cudaStream_t stream, std::chrono::milliseconds timeout) {
         LOCKSTEP_REQUIRE(size > 0 && rank >= 0 && rank < size, errc::invalid_argument, rank,
                          "nccl_communicator", "rank ", rank, " of ", size, " replicas");
         const int available = cuda_device_count();
@@ -743,13 +745,27 @@ private:
                          "nccl_communicator", detail::loaded_nccl_problem());
         // Left current: the replica's kernels go to its device (a guard would restore another).
         LOCKSTEP_CUDA_CHECK(cudaSetDevice(device));
-        ncclComm_t comm = nullptr;
-        LOCKSTEP_NCCL_CHECK(ncclCommInitRank(&comm, size, id, rank));
-        return comm;
+        const detail::nccl_made made =
+            detail::nccl_make_within(device, timeout, [id, size, rank](ncclComm_t* comm) {
+                return ncclCommInitRank(comm, size, id, rank);
+            });
+        LOCKSTEP_REQUIRE(made.in_time, errc::timeout, rank, "nccl_communicator",
+                         "ncclCommInitRank did not return within ", timeout.count(),
+                         " ms (nccl_options::timeout): a rank of ", size,
+                         " did not join (its process ended, or it was given another id)");
+        if (made.result != ncclSuccess) {
+            if (made.comm != nullptr)
+                (void)ncclCommAbort(made.comm);
+            fail(errc::nccl, rank, "nccl_communicator",
+                 "ncclCommInitRank: ", ncclGetErrorString(made.result), " (ncclResult_t ",
+                 static_cast<int>(made.result), ")");
+        }
+        return made.comm;
     }
 
 #if LOCKSTEP_HAS_MPI
-    static ncclComm_t init_mpi(MPI_Comm comm, int device, cudaStream_t stream) {
+    static ncclComm_t init_mpi(MPI_Comm comm, int device, cudaStream_t stream,
+                               std::chrono::milliseconds timeout) {
         int rank = 0, size = 0;
         LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &rank));
         LOCKSTEP_MPI_CHECK(MPI_Comm_size(comm, &size));
@@ -774,7 +790,7 @@ private:
                          "another process has no usable NCCL library, CUDA device, stream or "
                          "NCCL id");
         LOCKSTEP_MPI_CHECK(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm));
-        return init_rank(id, size, rank, device, stream);
+        return init_rank(id, size, rank, device, stream, timeout);
     }
 #endif
 

@@ -1,22 +1,21 @@
 // lockstep/comm/detail/nccl_shrink.hpp: what nccl_communicator::shrink and split need of NCCL:
 // ncclCommRevoke and ncclCommShrink looked up in the library loaded at run time, and a child
-// communicator (a split, the survivors') made against a deadline. SPDX-License-Identifier:
-// Apache-2.0
+// communicator (a split, the survivors') made against a deadline (nccl_deadline.hpp).
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/core/config.hpp"
 
 #if LOCKSTEP_HAS_NCCL
 
+#include "lockstep/comm/detail/nccl_deadline.hpp"
 #include "lockstep/comm/detail/nccl_family.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/system/cuda_system.hpp"
 
-#include <atomic>
 #include <chrono>
-#include <memory>
 #include <string>
-#include <thread>
+#include <utility>
 #include <vector>
 
 #include <dlfcn.h>
@@ -58,54 +57,34 @@ struct nccl_fault_api {
 };
 
 /// Makes a child communicator of `parent` (a member of `family`) with `make(&child)`
-/// (ncclCommSplit or ncclCommShrink, which return only once every rank that takes part made the
-/// call) on a helper thread, while this one waits at most `timeout` (zero: no limit). When
-/// `make` fails, `family` is aborted and errc::nccl thrown. Past the deadline the helper may
-/// still be inside NCCL using the parent, so the parent is taken out of the family and left
-/// alive (leaked: an abort would free it under the helper), the helper detached with what it
-/// owns (`make` is moved into it: it must hold its arguments by value), the rest of the family
-/// aborted and errc::timeout thrown naming `what`. Returns the child (null where `make` made
-/// none: a split with NCCL_SPLIT_NOCOLOR).
+/// (ncclCommSplit or ncclCommShrink) within `timeout` (nccl_make_within). When `make` fails,
+/// `family` is aborted and errc::nccl thrown. Past the deadline the helper may still be inside
+/// NCCL using the parent, so the parent is taken out of the family and left alive (leaked: an
+/// abort would free it under the helper), the rest of the family aborted and errc::timeout
+/// thrown naming `what`. Returns the child (null where `make` made none: a split with
+/// NCCL_SPLIT_NOCOLOR).
 template <class Make>
 ncclComm_t nccl_child_within(ncclComm_t parent, int device, std::chrono::milliseconds timeout,
                              nccl_family& family, int rank, const std::string& op, const char* what,
                              Make make) {
-    struct attempt {
-        explicit attempt(Make m) : make(std::move(m)) {}
-        Make make;
-        ncclComm_t child = nullptr;
-        ncclResult_t result = ncclSuccess;
-        std::atomic<bool> done{false};
-    };
-    auto a = std::make_shared<attempt>(std::move(make));
-    std::thread maker([a, device] {
-        cuda_device_guard_noexcept guard(device);
-        a->result = a->make(&a->child);
-        a->done.store(true, std::memory_order_release);
-    });
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (!a->done.load(std::memory_order_acquire) &&
-           (timeout.count() <= 0 || std::chrono::steady_clock::now() < deadline))
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    if (!a->done.load(std::memory_order_acquire)) {
-        maker.detach();
+    const nccl_made made = nccl_make_within(device, timeout, std::move(make));
+    if (!made.in_time) {
         family.forget(parent);
         family.abort_all();
         fail(errc::timeout, rank, op, what, " was not made within ", timeout.count(),
              " ms: a replica did not take part; communicators aborted (the parent left to the "
              "NCCL call still waiting for it)");
     }
-    maker.join();
-    if (a->result != ncclSuccess) {
-        if (a->child != nullptr) {
+    if (made.result != ncclSuccess) {
+        if (made.comm != nullptr) {
             cuda_device_guard_noexcept guard(device);
-            (void)ncclCommAbort(a->child);
+            (void)ncclCommAbort(made.comm);
         }
         family.abort_all();
-        fail(errc::nccl, rank, op, what, ": ", ncclGetErrorString(a->result), " (ncclResult_t ",
-             static_cast<int>(a->result), ")");
+        fail(errc::nccl, rank, op, what, ": ", ncclGetErrorString(made.result), " (ncclResult_t ",
+             static_cast<int>(made.result), ")");
     }
-    return a->child;
+    return made.comm;
 }
 
 /// The survivors' communicator out of the revoked `parent` (rank `rank`, device `device`):
