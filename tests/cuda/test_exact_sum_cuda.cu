@@ -56,7 +56,7 @@ std::vector<T> test_values(std::size_t n, std::size_t terms, std::uint64_t seed)
             switch (i % 8) {
             case 0:
                 x = spread_value<T>(w, -8, 8);
-                break; // within 31 binades: the short sum
+                break; // within 16 binades
             case 1:
                 x = spread_value<T>(w, -70, 70);
                 break; // wider: the 128-bit sum

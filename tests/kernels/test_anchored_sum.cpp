@@ -159,11 +159,11 @@ TEMPLATE_TEST_CASE("anchored sums are the exact sum rounded once to nearest even
     CHECK(one_replica_sum<T>({{-up}, {-half_ulp}})[0] == -std::nextafter(up, T(2)));
 }
 
-TEST_CASE("float sums in one int64 agree with the 128-bit sum and the exact sum",
-          "[kernels][anchored_sum]") {
-    // anchored_short_sum answers when every term lies within 31 binades of the anchor and the
-    // result is normal; otherwise the 128-bit path does. Spans of 20 to 40 binades put terms on
-    // both sides of that line, and counts around 256 on both sides of its term limit.
+TEST_CASE("float sums agree with the 128-bit sum and the exact sum", "[kernels][anchored_sum]") {
+    // The host's vector blocks answer when every term lies within 29 - ceil(log2 k) binades of
+    // the anchor and the result is normal; anchored_sum_fn answers the rest. Spans of 20 to 40
+    // binades put terms on both sides of that line, and counts around 256 on both sides of the
+    // tiles' term limit.
     const std::size_t n = 64;
     std::uint32_t seed = 100;
     for (int span : {20, 31, 32, 40})
@@ -191,8 +191,8 @@ TEST_CASE("float sums in one int64 agree with the 128-bit sum and the exact sum"
                     CHECK(got[i] == round_exact<float>(exact, -(span + 23)));
                 }
         }
-    // Results at the edge of float's range: subnormal (the 128-bit path), the smallest normal
-    // and an overflow (this path): max + 2^103 is a tie between max (odd) and 2^128, so it
+    // Results at the edge of float's range: subnormal (anchored_sum_fn), the smallest normal
+    // and an overflow (the vector blocks): max + 2^103 is a tie between max (odd) and 2^128, so it
     // rounds to infinity; max + 2^102 rounds back to max.
     const float d = std::numeric_limits<float>::denorm_min();
     const float tiny = std::numeric_limits<float>::min();

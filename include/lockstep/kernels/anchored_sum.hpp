@@ -33,29 +33,16 @@
 
 namespace lockstep::kernels {
 
-/// Constants of the anchored representation of T (float or double).
+/// Constants of the anchored representation of T (float or double), from its IEEE format.
 template <class T>
-struct anchored;
-
-template <>
-struct anchored<float> {
-    /// The exponent field's type on the wire (MAX all_reduce).
-    using exponent_type = std::uint8_t;
-    static constexpr int mantissa_bits = 24;  ///< p, with the hidden bit
-    static constexpr int bias = 150;          ///< x = m 2^(e - bias)
-    static constexpr int min_exponent = -149; ///< of the smallest subnormal
-    static constexpr int max_exponent = 127;  ///< of the largest finite value's leading bit
-    static constexpr exponent_type non_finite = 255;
-};
-
-template <>
-struct anchored<double> {
-    using exponent_type = int;
-    static constexpr int mantissa_bits = 53;
-    static constexpr int bias = 1075;
-    static constexpr int min_exponent = -1074;
-    static constexpr int max_exponent = 1023;
-    static constexpr exponent_type non_finite = 2047;
+struct anchored {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>);
+    using limits = std::numeric_limits<T>;
+    static constexpr int mantissa_bits = limits::digits;                  ///< p: 24, 53
+    static constexpr int bias = limits::max_exponent - 2 + mantissa_bits; ///< x = m 2^(e - bias)
+    static constexpr int min_exponent = 1 - bias;                         ///< smallest subnormal's
+    static constexpr int max_exponent = limits::max_exponent - 1;         ///< largest leading bit
+    static constexpr int non_finite = 2 * limits::max_exponent - 1;       ///< field of NaN, inf
 };
 
 /// Limits shared by both types.
@@ -87,8 +74,8 @@ LOCKSTEP_HOST_DEVICE anchored_parts anchored_split(T x) {
 
 /// The exponent field of x (non_finite for NaN and infinities).
 template <class T>
-LOCKSTEP_HOST_DEVICE typename anchored<T>::exponent_type anchored_field(T x) {
-    return static_cast<typename anchored<T>::exponent_type>(anchored_split(x).field);
+LOCKSTEP_HOST_DEVICE int anchored_field(T x) {
+    return anchored_split(x).field;
 }
 
 /// The sum of an element's integers q (CUDA supports __int128 in device code too).
@@ -147,40 +134,6 @@ LOCKSTEP_HOST_DEVICE T anchored_value(anchored_int sum, int a) {
     return std::bit_cast<T>(bits);
 }
 
-/// The most terms anchored_short_sum takes: 256 terms of |q| < 2^55 stay inside int64.
-inline constexpr std::size_t anchored_short_terms = 256;
-
-/// The float sum of element i's terms for the anchor field a (not non_finite) when every
-/// non-zero term lies within 31 binades of it: then q = m 2^(31 - (a - e)) < 2^55 keeps every
-/// bit, the int64 sum is the exact sum, its conversion to float rounds once to nearest even, and
-/// the scaling by 2^(a - 181) is exact unless the result is subnormal. Returns false (the
-/// caller takes the 128-bit path, which gives the same bits wherever this one answers) when a
-/// term lies further below or the result is subnormal. requires: at most anchored_short_terms.
-template <class Terms>
-LOCKSTEP_HOST_DEVICE bool anchored_short_sum(const Terms& terms, std::size_t i, int a, float& out) {
-    const int top = a == 0 ? 1 : a;
-    std::int64_t s = 0;
-    bool fits = true;
-    for (std::size_t j = 0; j < terms.replicas; ++j)
-        for (std::size_t c = 0; c < terms.calls; ++c) {
-            const anchored_parts v = anchored_split(static_cast<float>(terms.value(j, c, i)));
-            const auto m = static_cast<std::int64_t>(v.mantissa);
-            const int shift = 31 - (top - (v.field == 0 ? 1 : v.field));
-            fits = fits && (shift >= 0 || m == 0);
-            const std::int64_t q = shift >= 0 ? m << shift : 0;
-            s += v.negative ? -q : q;
-        }
-    if (!fits)
-        return false;
-    const auto r = static_cast<float>(s); // int64 -> float: round to nearest even
-    const double v = static_cast<double>(r) *
-                     std::bit_cast<double>(static_cast<std::uint64_t>(1023 + top - 181) << 52);
-    if (v != 0.0 && (v < 0 ? -v : v) < 0x1p-126)
-        return false;
-    out = static_cast<float>(v); // exact, or an infinity past float's range
-    return true;
-}
-
 } // namespace detail
 
 /// The gradients of one replica's chunks: chunk j < count - 1 at stored[j * stride], the last
@@ -213,9 +166,8 @@ struct anchored_terms {
 };
 
 /// out[i] = the sum of element i's terms, rounded once to T: its anchor is the largest exponent
-/// field among them (a quiet NaN when one is not finite), and every term's q for that anchor is
-/// summed in 128 bits (for float, in one int64 when no bit is cut: anchored_short_sum). Terms:
-/// anchored_terms<V>, or any type with its members replicas, calls and value(j, c, i).
+/// field among them (a quiet NaN when one is not finite), every term's q for that anchor summed
+/// in 128 bits. Terms: anchored_terms<V>, or any type with replicas, calls and value(j, c, i).
 /// requires: replicas * calls <= anchored_limits::max_terms.
 template <class T, class V = T, class Terms = anchored_terms<V>>
 struct anchored_sum_fn {
@@ -233,14 +185,6 @@ struct anchored_sum_fn {
             out[i] = std::numeric_limits<T>::quiet_NaN();
             return;
         }
-        if constexpr (std::is_same_v<T, float>) {
-            float r = 0;
-            if (terms.replicas * terms.calls <= detail::anchored_short_terms &&
-                detail::anchored_short_sum(terms, i, a, r)) {
-                out[i] = r;
-                return;
-            }
-        }
         detail::anchored_int sum = 0;
         for (std::size_t j = 0; j < terms.replicas; ++j)
             for (std::size_t c = 0; c < terms.calls; ++c)
@@ -249,14 +193,10 @@ struct anchored_sum_fn {
     }
 };
 
-/// out[i] becomes a quiet NaN where one of this replica's kept chunks (every chunk but the last,
-/// which is out itself) holds a value that is not finite, and keeps its value elsewhere: out is
-/// then non-finite exactly where one of the replica's chunk values is, which names the replica
-/// in its own non-finite counts. A replica's own sum beyond T's range is not marked: whether a
-/// step is skipped must not depend on how the chunks fall on replicas, and a global sum beyond
-/// the range is caught by the check of the summed gradient. A marked element's global sum is
-/// the quiet NaN it was going to be, so out may still be summed as the last chunk.
-/// requires: out is chunks.last.
+/// out[i] (the last chunk) becomes a quiet NaN where a kept chunk holds a non-finite value, so it
+/// is non-finite exactly where one of the replica's chunk values is (its own non-finite counts
+/// name it). A replica's own sum beyond T's range is not marked: a skip must not depend on how
+/// the chunks fall on replicas. A marked element's global sum is the NaN it was going to be.
 template <class T>
 struct anchored_own_check_fn {
     anchored_chunks<T> chunks;
@@ -264,15 +204,14 @@ struct anchored_own_check_fn {
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
         bool finite = true;
         for (std::size_t j = 0; j + 1 < chunks.count; ++j)
-            finite = finite && detail::anchored_field(chunks.stored[j * chunks.stride + i]) !=
-                                   anchored<T>::non_finite;
+            finite =
+                finite && detail::anchored_field(chunks.value(j, i)) != anchored<T>::non_finite;
         if (!finite)
             out[i] = std::numeric_limits<T>::quiet_NaN();
     }
 };
 
-/// Task i: dst[i] = src[i], then clear[i] = 0 where clear (src itself, or null) is not null: a
-/// chunk's value kept, its slot left zero for the next chunk.
+/// Task i: dst[i] = src[i], then clear[i] = 0 unless clear (src itself, or null) is null.
 template <class T>
 struct anchored_keep_fn {
     const T* src;
@@ -285,8 +224,7 @@ struct anchored_keep_fn {
     }
 };
 
-/// A pass over elements [first, end) of a chunk's gradient src (n values): copied to dst at the
-/// same offsets, left zero where clear (src itself, or null) is not null.
+/// A pass over elements [first, end) of a chunk's gradient src (n values): anchored_keep_fn.
 template <class T>
 struct anchored_keep_pass {
     const T* src;
@@ -297,10 +235,9 @@ struct anchored_keep_pass {
     std::size_t n;
 };
 
-// The passes of reduce::reproducible's accumulator on a System, element by element through the
-// functors above. host_system's keep pass for float (kernels/detail/anchored_host.hpp, in
-// namespace lockstep::host, found by argument-dependent lookup on the system) runs in tiles; on
-// the host the accumulator sums through anchored_combine_fn (kernels/detail/anchored_combine.hpp).
+// The passes of reduce::reproducible's accumulator on a System, element by element. host_system
+// overloads the keep pass for float (kernels/detail/anchored_host.hpp, found by argument-dependent
+// lookup); on the host the accumulator sums through kernels/detail/anchored_combine.hpp.
 
 /// out[i] = the sum of element i of terms (anchored_sum_fn), for i < count.
 template <class System, class T, class V>
@@ -311,7 +248,7 @@ void anchored_sums(const System& sys, const anchored_terms<V>& terms, std::size_
 /// The pass p.
 template <class System, class T>
 void anchored_keep(const System& sys, const anchored_keep_pass<T>& p) {
-    if (p.dst != nullptr && p.first < p.end)
+    if (p.first < p.end)
         for_each_index(sys, p.end - p.first,
                        anchored_keep_fn<T>{p.src + p.first, p.dst + p.first,
                                            p.clear != nullptr ? p.clear + p.first : nullptr},

@@ -17,9 +17,8 @@
 namespace lockstep::kernels::detail {
 
 /// Where anchored_combine_fn reports what it saw in the elements it summed: words_for(groups)
-/// host doubles (whole numbers, exact below 2^53, ready for an all_gather), zero before the
-/// first call, updated atomically (the tiles of one pass run on several threads) and only by a
-/// tile whose sums are not all finite:
+/// host doubles (whole numbers, ready for an all_gather), zero before the first call, updated
+/// atomically (a pass's tiles run on several threads) by a tile whose sums are not all finite:
 /// - words[0]: 1 when a sum is not finite (a non-finite value, whose sum is a quiet NaN, or an
 ///   exact sum beyond T's range, an infinity), else 0;
 /// - words[1 + 2 j]: the elements holding a non-finite value of group j, the sources [j size,
@@ -34,9 +33,9 @@ struct anchored_combine_report {
     static constexpr std::size_t words_for(std::size_t groups) noexcept { return 1 + 2 * groups; }
 };
 
-/// Adds to `report` what the sums out[0, m) of elements [first, first + m) of the sources saw:
-/// nothing, after one pass over out, when every sum is finite; else the words above, from the
-/// sources of the elements whose sum is a quiet NaN (exactly those with a non-finite value).
+/// Adds to `report` what the sums out[0, m) of elements [first, first + m) saw: nothing when every
+/// sum is finite (one pass over out); else the words above, from the sources of the elements
+/// whose sum is a quiet NaN (exactly those with a non-finite value).
 template <class T>
 void anchored_note(const anchored_combine_report& report, const T* const* sources,
                    std::size_t first, std::size_t m, const T* out) {
@@ -74,15 +73,13 @@ void anchored_note(const anchored_combine_report& report, const T* const* source
     }
 }
 
-/// The anchored sums (anchored_sum_fn's bits) of elements [first, first + m) of n arrays of
-/// terms: out[k] = the sum of sources[j][first + k] over j < n, rounded once. Float sums of at
-/// most anchored_short_terms arrays run tile by tile straight from the arrays
-/// (anchored_tile_sums, anchored_host.hpp), so the arrays may live anywhere
-/// (thread_communicator::all_combine's peers' buffers); anchored_sum_fn answers every element
-/// otherwise. With report.words, each call adds what its sums saw
-/// (anchored_note), so the owner of the elements learns, without another pass, whether every
-/// sum is finite and which group's values were not. out must not overlap a source. requires: 1
-/// <= n <= anchored_limits::max_terms; with a report, n == report.groups * report.size.
+/// The anchored sums (anchored_sum_fn's bits) of elements [first, first + m) of n arrays, read
+/// where they lie (all_combine's peers' buffers): out[k] = the sum of sources[j][first + k] over
+/// j < n, rounded once; float sums of at most anchored_tile_terms arrays tile by tile
+/// (anchored_tile_sums). With report.words, each call adds what its sums saw (anchored_note), so
+/// the owner learns, without another pass, whether every sum is finite and which group's values
+/// were not. out must not overlap a source. requires: 1 <= n <= anchored_limits::max_terms; with
+/// a report, n == report.groups * report.size.
 template <class T>
 struct anchored_combine_fn {
     anchored_combine_report report{};
@@ -97,8 +94,8 @@ private:
     static void sum(const T* const* sources, std::size_t n, std::size_t first, std::size_t m,
                     T* out) {
         if constexpr (std::is_same_v<T, float>) {
-            if (n <= anchored_short_terms) {
-                const float* p[anchored_short_terms];
+            if (n <= anchored_tile_terms) {
+                const float* p[anchored_tile_terms];
                 for (std::size_t b = 0; b < m; b += anchored_tile) {
                     for (std::size_t j = 0; j < n; ++j)
                         p[j] = sources[j] + first + b;

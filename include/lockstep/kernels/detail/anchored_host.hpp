@@ -24,6 +24,8 @@ namespace lockstep::kernels::detail {
 
 /// Elements per tile of the sums: the tile's anchors, sums and flags live in registers or L1.
 inline constexpr std::size_t anchored_tile = 256;
+/// The most arrays a tile sums (their pointers on the stack).
+inline constexpr std::size_t anchored_tile_terms = 256;
 /// Elements per task of the keep pass (16 KiB of floats).
 inline constexpr std::size_t anchored_keep_tile = 4096;
 /// Chunks of at least this many bytes are kept with streaming stores (a large kept chunk is read
@@ -131,14 +133,12 @@ using anchored_sums = double __attribute__((vector_size(64)));
 }
 
 /// The float sums of m <= anchored_tile elements of k arrays (element i's terms: p[j][i], j < k)
-/// into out[0, m), 8 elements at a time by `block` (anchored_block or anchored_pair_block), a
-/// short last block through zero-padded copies of its terms. done[i] = 1 where out[i] holds
+/// into out[0, m), 8 elements at a time by `block` (anchored_block or anchored_pair_block); the
+/// elements of a short last block are left to anchored_sum_fn. done[i] = 1 where out[i] holds
 /// anchored_sum_fn's result, 0 where it must answer; returns true when every done[i] is 1.
-/// requires: 1 <= k <= anchored_short_terms.
 template <class Block>
 [[gnu::always_inline]] inline bool anchored_blocks(const Block& block, const float* const* p,
-                                                   std::size_t k, std::size_t m, float* out,
-                                                   unsigned char* done) {
+                                                   std::size_t m, float* out, unsigned char* done) {
     constexpr std::size_t lanes = sizeof(anchored_lanes) / sizeof(std::int32_t);
     // The blocks' masks (-1: done) go to `okay` and become `done` bytes only where an element
     // is left to anchored_sum_fn (GCC 12 narrows vectors lane by lane).
@@ -146,19 +146,7 @@ template <class Block>
     std::size_t b = 0;
     for (; b + lanes <= m; b += lanes)
         block(p, b, out + b, okay + b);
-    if (b < m) {
-        float padded[anchored_short_terms][lanes] = {};
-        const float* q[anchored_short_terms];
-        for (std::size_t j = 0; j < k; ++j) {
-            std::copy(p[j] + b, p[j] + m, padded[j]);
-            q[j] = padded[j];
-        }
-        float o[lanes];
-        std::int32_t d[lanes];
-        block(q, 0, o, d);
-        std::copy(o, o + (m - b), out + b);
-        std::copy(d, d + (m - b), okay + b);
-    }
+    std::fill(okay + b, okay + m, 0);
     std::int32_t all = -1;
     for (std::size_t i = 0; i < m; ++i)
         all &= okay[i];
@@ -172,7 +160,7 @@ template <class Block>
 
 /// The float sums of m <= anchored_tile elements of k arrays p[j] (anchored_pair_block for 2,
 /// anchored_block otherwise) on the host's widest vector registers, as anchored_blocks reports
-/// them. requires: 1 <= k <= anchored_short_terms.
+/// them. requires: 1 <= k <= anchored_tile_terms.
 inline bool anchored_array_sums(const float* const* p, std::size_t k, std::size_t m, float* out,
                                 unsigned char* done) {
     return lockstep::detail::on_widest_vectors([&]() __attribute__((always_inline)) {
@@ -180,18 +168,18 @@ inline bool anchored_array_sums(const float* const* p, std::size_t k, std::size_
             return anchored_blocks(
                 [](const float* const* q, std::size_t at, float* o, std::int32_t* ok)
                     __attribute__((always_inline)) { anchored_pair_block(q, at, o, ok); },
-                p, k, m, out, done);
+                p, m, out, done);
         const int bits = 29 - static_cast<int>(std::bit_width(k - 1));
         return anchored_blocks(
             [ k, bits ](const float* const* q, std::size_t at, float* o, std::int32_t* ok)
                 __attribute__((always_inline)) { anchored_block(q, k, at, bits, o, ok); },
-            p, k, m, out, done);
+            p, m, out, done);
     });
 }
 
 /// The float sums of m <= anchored_tile elements of k arrays p[j] into out[0, m), bit for bit
 /// anchored_sum_fn's: anchored_array_sums, then anchored_sum_fn for the elements it leaves.
-/// requires: 1 <= k <= anchored_short_terms.
+/// requires: 1 <= k <= anchored_tile_terms.
 inline void anchored_tile_sums(const float* const* p, std::size_t k, std::size_t m, float* out) {
     unsigned char done[anchored_tile];
     if (anchored_array_sums(p, k, m, out, done))
@@ -265,7 +253,7 @@ namespace lockstep::host {
 /// anchored_stream_bytes.
 inline void anchored_keep(const host_system& sys, const kernels::anchored_keep_pass<float>& p) {
     using namespace kernels::detail;
-    if (p.first < p.end && p.dst != nullptr)
+    if (p.first < p.end)
         kernels::for_each_index(
             sys, anchored_keep_tiles_fn::tasks(p.first, p.end),
             anchored_keep_tiles_fn{p.src, p.dst, p.clear, p.first, p.end,

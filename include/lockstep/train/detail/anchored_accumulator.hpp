@@ -57,30 +57,28 @@ inline constexpr anchored_exchange anchored_exchange_for =
                                                    : anchored_exchange::blocks;
 
 /// Order-independent sums (kernels/anchored_sum.hpp) of n gradient elements and one loss over the
-/// replicas of a communicator, on System. Per step: begin(); per chunk take() in parts (keep() of
-/// every chunk but the last, which leaves g zero for the next), add() and add_loss() (the chunks
-/// wait in an anchored_keeper); exchange() (collective); check_local(); finalize() (collective).
-/// Each element's sum is formed from all of its values in one place and rounded once, so the
-/// bits depend neither on the replica count nor on the exchange:
-/// - combined: finalize() has each replica's share of the elements summed from every
-///   replica's chunks where they lie (the last chunk is g itself) and stored to every replica's
-///   g in one all_combine pass, then one all_gather of the loss terms and the sums' reports.
-/// - blocks, in place: each step gathered when replicas x max_calls x n <= gather_values
-///   (every chunk kept in this replica's region of recv_, one all_gather, every element summed
-///   on every replica); else the elements are cut into one block per replica (the tail of n mod
-///   replicas elements summed on every replica), one all_to_all per call index brings every
-///   replica's values of this replica's block here (in place: the owner reads its own where they
-///   lie), one all_gather moves the loss terms and tail values, and finalize() sums the block
-///   and all-gathers the blocks (on the host, then the owners' reports).
-/// On the host the sums report (kernels/detail/anchored_combine.hpp): this replica's non-finite
-/// values and whether every sum is finite come from them (own_report(), sums_finite()); on a
-/// device check_local() marks them in g.
+/// replicas of a communicator, on System. Per step: begin(); per chunk take() in parts, add() and
+/// add_loss() (the chunks wait in an anchored_keeper); exchange(), check_local() and finalize()
+/// (collective). Each element's sum is formed from all of its values in one place and rounded
+/// once, so the bits depend neither on the replica count nor on the exchange:
+/// - combined: finalize() sums each replica's share of the elements from every replica's chunks
+///   where they lie into every replica's g in one all_combine pass, then all-gathers the loss
+///   terms and the sums' reports.
+/// - blocks, in place: gathered when replicas x max_calls x n <= gather_values (every chunk in
+///   this replica's region of recv_, one all_gather, every element summed on every replica);
+///   else one block of elements per replica (the n mod replicas tail summed on every replica):
+///   one all_to_all per call index brings every replica's values of this replica's block here
+///   (in place: the owner's own stay where they lie), one all_gather the loss terms and tail
+///   values; finalize() sums the block and all-gathers the blocks (host: then the reports).
+/// On the host the sums report this replica's non-finite values and whether every sum is finite
+/// (own_report(), sums_finite()); on a device check_local() marks them in g.
 template <class T, class System, anchored_exchange Exchange = anchored_exchange::blocks>
 class anchored_accumulator {
     static constexpr bool combined = Exchange == anchored_exchange::combined;
     static constexpr bool in_place = Exchange == anchored_exchange::in_place;
     static_assert(System::is_host || Exchange == anchored_exchange::blocks,
                   "the combined and in-place exchanges read the chunks on the host");
+    using terms_type = kernels::anchored_terms<T>;
 
 public:
     anchored_accumulator(std::size_t n, int replicas, int rank, const System& sys,
@@ -134,13 +132,7 @@ public:
         }
         zero(sys_, std::span<double>(own_terms(), row_.size()));
     }
-    /// The chunks' passes (anchored_keeper): whether the chunk being computed is kept apart
-    /// from g; its elements [first, first + count) final in g (keep: of a kept chunk; take: of
-    /// any); the chunk ended (add).
-    bool keeps_current() const noexcept { return keeper_.keeps_current(); }
-    void keep(std::span<T> g, std::size_t first, std::size_t count) {
-        keeper_.keep(g, first, count);
-    }
+    /// anchored_keeper's passes: elements of the chunk being computed final in g; its end.
     void take(std::span<T> g, std::size_t first, std::size_t count) {
         keeper_.take(g, first, count);
     }
@@ -189,7 +181,7 @@ public:
     /// (non_finite_loss_fn).
     void check_local(std::span<T> g, double* loss) {
         if (keeper_.calls() > 1 && !reports_own())
-            keeper_.mark_own(g);
+            kernels::anchored_mark_own(sys_, keeper_.chunks(g.data()), n_, g.data());
         run(1, non_finite_loss_fn{own_terms(), 2 * losses_added_, loss});
     }
     /// After exchange(): the global sums, rounded once, into g (n values) and *loss; where the
@@ -203,52 +195,22 @@ public:
                 run(1, own_report_fn<T>{reports_.data(), 1, report_words(), rank_, nullptr, 0, 0, 0,
                                         nullptr, own_report_.data()});
             } else {
-                sum_range({recv_.data(), replicas_, max_calls_, region_, n_}, n_, g.data());
+                kernels::anchored_sums(sys_,
+                                       terms_type{recv_.data(), replicas_, max_calls_, region_, n_},
+                                       n_, g.data());
             }
-            run(1, gathered_loss_fn{terms_of(0), replicas_, row_.terms(),
-                                    region_ * sizeof(T) / sizeof(double), loss});
-            return;
-        }
-        if constexpr (combined) {
+        } else if constexpr (combined) {
             combine(comm, g);
             gather_rows(comm); // the loss terms and the report, after the sums
-
             run(1, own_report_fn<T>{row_.extra(small_recv_.data()), replicas_, row_.size(), rank_,
                                     nullptr, 0, 0, 0, nullptr, own_report_.data()});
-            run(1,
-                gathered_loss_fn{small_recv_.data(), replicas_, row_.terms(), row_.size(), loss});
-            return;
+        } else {
+            finalize_blocks(comm, g);
         }
-        const std::size_t all = blocks();
-        if (block_ > 0) {
-            T* mine = g.data() + rank_ * block_;
-            if constexpr (System::is_host) // in place: this replica's own where they lie
-                sum_reporting(
-                    [&](std::size_t j, std::size_t c) {
-                        return in_place && j == rank_ ? own_chunk(c, g.data()) + rank_ * block_
-                                                      : recv_.data() + c * all + j * block_;
-                    },
-                    block_, mine, rank_ * block_);
-            else
-                sum_range({recv_.data(), replicas_, max_calls_, block_, all}, block_, mine);
-            comm.all_gather(std::span<const T>(mine, block_), g.first(all));
-        }
-        if (tail_ > 0)
-            run(tail_,
-                kernels::anchored_sum_fn<T, double>{
-                    {row_.extra(small_recv_.data()), replicas_, max_calls_, row_.size(), tail_},
-                    g.data() + all},
-                tail_ * replicas_ * max_calls_);
-        if constexpr (reports_own()) { // every replica's report on its block; the tail's here
-            const std::size_t w = report_words();
-            if (block_ > 0)
-                comm.all_gather(std::span<const double>(reports_.data(), w),
-                                reports_.span().subspan(w, w * replicas_));
-            run(1, own_report_fn<T>{reports_.data() + w, block_ > 0 ? replicas_ : 0, w, rank_,
-                                    row_.extra(small_recv_.data() + rank_ * row_.size()),
-                                    max_calls_, tail_, all, g.data() + all, own_report_.data()});
-        }
-        run(1, gathered_loss_fn{small_recv_.data(), replicas_, row_.terms(), row_.size(), loss});
+        const bool in_regions = gathered_; // else every replica's row of small_recv_
+        run(1, gathered_loss_fn{
+                   in_regions ? terms_of(0) : small_recv_.data(), replicas_, row_.terms(),
+                   in_regions ? region_ * sizeof(T) / sizeof(double) : row_.size(), loss});
     }
     /// Whether finalize() reports this replica's own check and the sums' finiteness
     /// (own_report(), sums_finite()) instead of check_local() marking g for it: on the host.
@@ -275,14 +237,46 @@ public:
     }
 
 private:
+    /// finalize() of the blocks exchange: this replica's block summed and all-gathered, the tail
+    /// summed here, the owners' reports all-gathered (host).
+    template <class Communicator>
+    void finalize_blocks(Communicator& comm, std::span<T> g) {
+        const std::size_t all = blocks();
+        if (block_ > 0) {
+            T* mine = g.data() + rank_ * block_;
+            if constexpr (System::is_host) // in place: this replica's own where they lie
+                sum_reporting(
+                    [&](std::size_t j, std::size_t c) {
+                        return in_place && j == rank_ ? own_chunk(c, g.data()) + rank_ * block_
+                                                      : recv_.data() + c * all + j * block_;
+                    },
+                    block_, mine, rank_ * block_);
+            else
+                kernels::anchored_sums(sys_,
+                                       terms_type{recv_.data(), replicas_, max_calls_, block_, all},
+                                       block_, mine);
+            comm.all_gather(std::span<const T>(mine, block_), g.first(all));
+        }
+        if (tail_ > 0)
+            run(tail_,
+                kernels::anchored_sum_fn<T, double>{
+                    {row_.extra(small_recv_.data()), replicas_, max_calls_, row_.size(), tail_},
+                    g.data() + all},
+                tail_ * replicas_ * max_calls_);
+        if constexpr (reports_own()) { // every replica's report on its block; the tail's here
+            const std::size_t w = report_words();
+            if (block_ > 0)
+                comm.all_gather(std::span<const double>(reports_.data(), w),
+                                reports_.span().subspan(w, w * replicas_));
+            run(1, own_report_fn<T>{reports_.data() + w, block_ > 0 ? replicas_ : 0, w, rank_,
+                                    row_.extra(small_recv_.data() + rank_ * row_.size()),
+                                    max_calls_, tail_, all, g.data() + all, own_report_.data()});
+        }
+    }
     template <class F>
     void run(std::size_t count, const F& f,
              std::size_t elements = std::numeric_limits<std::size_t>::max()) {
         kernels::for_each_index(sys_, count, f, elements);
-    }
-    /// A device's sums: out[i] = the rounded sum of element i of terms, for i < count.
-    void sum_range(const kernels::anchored_terms<T>& terms, std::size_t count, T* out) {
-        kernels::anchored_sums(sys_, terms, count, out);
     }
     /// The host's sums: out[i] = the rounded sum of element i of every replica's max_calls
     /// chunks (replica j's chunk c at at(j, c)), for i < count, tile by tile through a buffer on

@@ -1,10 +1,8 @@
 // lockstep/train/detail/anchored_keeper.hpp: where one replica keeps its chunk gradients of a
 // reduce::reproducible step until the exchange (every chunk but the last, which stays in the
-// gradient), and the mark of this replica's non-finite values in the last chunk.
-// SPDX-License-Identifier: Apache-2.0
+// gradient). SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-#include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
 #include "lockstep/kernels/detail/anchored_host.hpp"
@@ -15,61 +13,46 @@
 
 namespace lockstep::detail {
 
-/// One replica's chunks of a step, n values each: begin(); per chunk take() in parts (keep() of
-/// every chunk but the last, which leaves g zero for the next), then add(). A kept chunk goes to
-/// a slot: this keeper's store, or slots the caller gives (the gathered exchange keeps them in
-/// its send region, and copies the last chunk there too). The passes are the system's
-/// (kernels::anchored_keep: host_system's float tiles, found by argument-dependent lookup).
+/// One replica's chunks of a step, n values each: begin(); per chunk take() in parts, then add().
+/// A kept chunk goes to a slot: this keeper's store, or slots the caller gives (the gathered
+/// exchange keeps them in its send region, and copies the last chunk there too). The passes are
+/// the system's (kernels::anchored_keep; host_system's float tiles by argument-dependent lookup).
 template <class T, class System>
 class anchored_keeper {
 public:
     anchored_keeper(std::size_t n, int rank, const System& sys) : n_(n), rank_(rank), sys_(sys) {}
 
-    /// Starts a step of `calls` chunks, kept at `slots` ((calls - 1) * n values, or calls * n
-    /// when the last is copied there too: copy_last) or, when null, in this keeper's store.
-    /// requires: calls >= 1.
+    /// Starts a step of `calls` >= 1 chunks, kept at `slots` ((calls - 1) * n values, calls * n
+    /// with copy_last) or, when null, in this keeper's store.
     void begin(std::size_t calls, T* slots, bool copy_last) {
         calls_ = calls;
-        added_ = 0;
-        kept_ = 0;
+        added_ = kept_ = 0;
         copy_last_ = copy_last;
-        if (slots == nullptr) {
-            if (store_.size() < (calls - 1) * n_)
-                store_ = buffer<T, System>((calls - 1) * n_, sys_);
-            slots = store_.data();
-        }
-        slots_ = slots;
+        if (slots == nullptr && store_.size() < (calls - 1) * n_)
+            store_ = buffer<T, System>((calls - 1) * n_, sys_);
+        slots_ = slots != nullptr ? slots : store_.data();
     }
     std::size_t calls() const noexcept { return calls_; }
-    /// Whether the chunk being computed is kept apart from g (every chunk but the last), in
-    /// parts by keep().
-    bool keeps_current() const noexcept { return added_ + 1 < calls_; }
-    /// Elements [first, first + count) of the chunk being computed are final in g: they are kept
-    /// in its slot and left zero in g (the next chunk accumulates there), in one pass that the
-    /// backward may still find in the caches (on a device, the whole chunk once it is kept).
-    /// Every element of a kept chunk is kept exactly once, in parts in any order,
-    /// before add() ends it. requires: keeps_current(), first + count <= n, g.size() == n.
-    void keep(std::span<T> g, std::size_t first, std::size_t count) {
-        LOCKSTEP_REQUIRE(keeps_current() && first <= n_ && count <= n_ - first &&
-                             count <= n_ - kept_,
-                         errc::internal, rank_, "reduce::reproducible.keep", "elements [", first,
-                         ", ", first + count, ") of chunk ", added_, " of ", calls_, " (", kept_,
-                         " of ", n_, " kept)");
+    /// Elements [first, first + count) of the chunk being computed are final in g (n values):
+    /// of a kept chunk, copied to its slot and left zero in g (the next chunk accumulates there)
+    /// in one pass that the backward may still find in the caches (a device keeps the whole
+    /// chunk in one launch once it is taken); every element exactly once, in any order. The
+    /// last chunk stays in g.
+    void take(std::span<T> g, std::size_t first, std::size_t count) {
+        if (!keeps_current())
+            return;
+        LOCKSTEP_REQUIRE(first <= n_ && count <= n_ - first && count <= n_ - kept_, errc::internal,
+                         rank_, "reduce::reproducible.take", "elements [", first, ", ",
+                         first + count, ") of chunk ", added_, " of ", calls_, " (", kept_, " of ",
+                         n_, " kept)");
         kept_ += count;
         if (System::is_host)
             pass(g.data(), slot(added_), g.data(), first, first + count);
-        else if (kept_ == n_ && count > 0) // a device keeps the whole chunk in one launch
+        else if (kept_ == n_ && count > 0)
             pass(g.data(), slot(added_), g.data(), 0, n_);
     }
-    /// Elements [first, first + count) of the chunk being computed are final in g: keep() for a
-    /// kept chunk; the last chunk stays in g. requires: as keep(), but for any chunk.
-    void take(std::span<T> g, std::size_t first, std::size_t count) {
-        if (keeps_current())
-            keep(g, first, count);
-    }
-    /// Ends the chunk being computed, whose gradient is in g (n values): a kept chunk must have
-    /// been kept whole by keep(); the last one stays in g (copy_last: also copied to its slot).
-    /// requires: g.size() == n, fewer than `calls` added.
+    /// Ends the chunk being computed, whose gradient is in g: a kept chunk must have been taken
+    /// whole; the last one stays in g (copy_last: also copied to its slot).
     void add(std::span<const T> g) {
         if (keeps_current())
             LOCKSTEP_REQUIRE(kept_ == n_, errc::internal, rank_, "reduce::reproducible.add",
@@ -79,11 +62,6 @@ public:
             pass(g.data(), slot(added_), nullptr, 0, n_);
         kept_ = 0;
         ++added_;
-    }
-    /// g (the last chunk) becomes a quiet NaN where a kept chunk holds a non-finite value
-    /// (kernels::anchored_mark_own).
-    void mark_own(std::span<T> g) {
-        kernels::anchored_mark_own(sys_, chunks(g.data()), n_, g.data());
     }
     /// Chunk c < calls(): its slot, or `last` for the last one.
     const T* chunk(std::size_t c, const T* last) const noexcept {
@@ -95,9 +73,8 @@ public:
     }
 
 private:
+    bool keeps_current() const noexcept { return added_ + 1 < calls_; }
     T* slot(std::size_t c) noexcept { return slots_ + c * n_; }
-    /// The system's pass over elements [first, end) of src (kernels::anchored_keep_pass; clear:
-    /// src or null).
     void pass(const T* src, T* dst, T* clear, std::size_t first, std::size_t end) {
         using kernels::anchored_keep; // host_system's overload found by argument-dependent lookup
         anchored_keep(sys_, kernels::anchored_keep_pass<T>{src, dst, clear, first, end, n_});

@@ -42,10 +42,9 @@ struct loss_terms_fn {
     }
 };
 
-/// One task: *out = the sum of the terms[0, count) that are not finite (NaN or an infinity), or 0
-/// when every term is finite: a replica's own loss check, which names the replica when one of
-/// its chunk losses is not finite and, unlike its partial sum, does not depend on how the chunks
-/// fall on replicas.
+/// One task: *out = the sum of the terms[0, count) that are not finite, 0 when every term is: a
+/// replica's own loss check, which names it and, unlike its partial sum, does not depend on how
+/// the chunks fall on replicas.
 struct non_finite_loss_fn {
     const double* terms;
     std::size_t count;
@@ -60,8 +59,8 @@ struct non_finite_loss_fn {
     }
 };
 
-/// One task: *out = the anchored sum (kernels/anchored_sum.hpp) of terms[j * stride + c] over
-/// replicas j and c < count, rounded once: every replica's loss terms, wherever they came from.
+/// One task: *out = the anchored sum of terms[j * stride + c] over replicas j and c < count,
+/// rounded once: every replica's loss terms.
 struct gathered_loss_fn {
     const double* terms;
     std::size_t replicas;

@@ -21,13 +21,12 @@ struct anchored_own_report {
     bool sums_finite;
 };
 
-/// One task, after every owner's report (words_for(replicas) doubles each, owner o's at
-/// reports[o * stride]) reached this replica: its own check, out->own.count = the elements where
-/// one of its values is not finite and out->own.first = 1 + the flat index of the first (0:
-/// none); out->sums_finite when no owner saw a sum that is not finite, nor is one of the tail's.
-/// The tail (the blocks exchange's n mod replicas elements, summed on every replica; tail = 0
-/// otherwise): this replica's values, call c's at tail_values[c * tail], as doubles, for elements
-/// tail_first + t; their sums at tail_sums.
+/// One task, after every owner's report (owner o's words at reports[o * stride]) reached this
+/// replica: out->own.count = the elements where one of its values is not finite, out->own.first
+/// = 1 + the flat index of the first (0: none); out->sums_finite when no owner saw a sum that is
+/// not finite, nor is one of the tail's. The tail (the blocks exchange's n mod replicas elements
+/// tail_first + t, summed on every replica; else tail = 0): this replica's values, call c's at
+/// tail_values[c * tail], as doubles; their sums at tail_sums.
 template <class T>
 struct own_report_fn {
     const double* reports;

@@ -6,6 +6,7 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/error.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -14,26 +15,21 @@
 
 namespace lockstep::detail {
 
-/// Every replica's global batch, compared before the first collective that depends on it: one
-/// all_gather of one value per replica. A replica that passed another value makes every replica
-/// throw lockstep::error (invalid_argument, what the synchronous step's status check throws)
-/// naming each replica's value, instead of a count mismatch in the exchange that follows.
-/// Host systems only (thread group, MPI): there the value is on the host and the all_gather
-/// costs a few microseconds. NCCL verifies nothing: on a device system the check is not made,
-/// and replicas that disagree there exchange mismatched collectives (undefined, as with any
-/// NCCL call whose counts differ). why() says what depends on it, for the message (called only
-/// then).
+/// Every replica's global batch, compared before the first collective that depends on it by one
+/// all_gather of one value: a replica that passed another value makes every replica throw
+/// lockstep::error (invalid_argument) naming each replica's value, instead of a count mismatch in
+/// the exchange that follows. Host systems only, where the value is on the host and the check
+/// costs microseconds; on a device system (NCCL) replicas that disagree exchange mismatched
+/// collectives, undefined as with any NCCL call whose counts differ. why(): what depends on it.
 template <communicator Comm, class Why>
-void check_same_global_batch(Comm& comm, std::size_t global, std::int64_t step, Why why) {
+void check_same_global_batch([[maybe_unused]] Comm& comm, [[maybe_unused]] std::size_t global,
+                             [[maybe_unused]] std::int64_t step, [[maybe_unused]] Why why) {
     if constexpr (Comm::system_type::is_host) {
         const int n = comm.size();
         const double mine = static_cast<double>(global);
         std::vector<double> all(static_cast<std::size_t>(n));
         comm.all_gather(std::span<const double>(&mine, 1), std::span<double>(all));
-        bool same = true;
-        for (const double g : all)
-            same = same && g == all[0];
-        if (same)
+        if (std::all_of(all.begin(), all.end(), [&](double g) { return g == all[0]; }))
             return;
         std::string values;
         for (int r = 0; r < n; ++r)
@@ -42,11 +38,6 @@ void check_same_global_batch(Comm& comm, std::size_t global, std::int64_t step, 
                              " on replica ", r);
         fail(errc::invalid_argument, comm.rank(), "data_parallel.step", "step ", step,
              ": the replicas disagree: global_batch:", values, " (", why(), ")");
-    } else {
-        (void)comm;
-        (void)global;
-        (void)step;
-        (void)why;
     }
 }
 

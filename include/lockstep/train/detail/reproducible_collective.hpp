@@ -47,15 +47,12 @@ struct reproducible_loss_fn {
 
 /// reduce::reproducible<C, G>: the global batch is cut into chunks [k C, min((k + 1) C, global));
 /// this replica computes its contiguous run of chunks, one fn call per chunk on zeroed gradients
-/// with scale = 1 / global; the anchored accumulator (anchored_accumulator.hpp) keeps every
-/// chunk's gradient but the last, each tensor as the backward marks it ready (which leaves zeros
-/// for the next chunk), and each chunk's loss. The chunk values are exchanged, this replica's
-/// own chunk values checked (non-finite counts name the replica), the sums formed in fixed point
-/// anchored at each element's largest exponent and rounded once into the gradient on every
-/// replica, and the step goes on as the synchronous one (status all_reduce, skip decision,
-/// update). The loss reported is the exact sum, rounded once (replica 0 contributes it to the
-/// status sum, the others 0). bn::ghost layers learn the global batch from the layers' step
-/// (begin(global)). Never launched piece by piece: plan() is per tensor, for the checks.
+/// with scale = 1 / global. The anchored accumulator keeps every chunk's gradient but the last and
+/// every chunk's loss, exchanges them, checks this replica's own values (its non-finite counts
+/// name it) and sums each element exactly, rounded once into every replica's gradient; then the
+/// step goes on as the synchronous one. Replica 0 adds the exact loss to the status sum, the
+/// others 0. bn::ghost layers learn the global batch from the layers' step (begin(global)).
+/// Never launched piece by piece: plan() is per tensor, for the checks.
 /// ensures: every replica, for every replica count, holds the same bits.
 template <std::size_t C, std::size_t G, class T, class Communicator>
 class collective<reduce::reproducible<C, G>, T, Communicator> {
@@ -80,9 +77,7 @@ public:
                          " samples itself (use 1)");
     }
 
-    /// The step's gradient: one fn call per chunk, the chunk values exchanged and summed exactly
-    /// into the gradient, this replica's own values checked; returns 0 (the exact loss goes into
-    /// the status's loss slot on the device).
+    /// The step's gradient; returns 0 (the exact loss goes into the status's loss slot).
     template <class Stages, class Fn>
     double gradient(Stages& s, std::size_t global, Fn& fn) {
         const int rank = s.rank(), replicas = s.replicas();
@@ -108,9 +103,8 @@ public:
         acc_.begin(std::max<std::size_t>(mine.count, 1), std::max<std::size_t>(busiest.count, 1));
         run_chunks(s, global, mine, fn, grads);
         acc_.exchange(s.core().comm(), std::span<const T>(grads));
-        // This replica's non-finite chunk values and loss are counted as its own; the skip
-        // decision depends on no partial sum (only on values and the global sums), so it is the
-        // same for every replica count.
+        // The skip decision depends on no partial sum, only on this replica's own chunk values
+        // and losses and the global sums: the same for every replica count.
         double* own_loss = acc_.own_loss();
         acc_.check_local(grads, own_loss);
         auto& checks = s.checks();
@@ -129,8 +123,8 @@ public:
 
     bool reduced_here(int /*rank*/) const noexcept { return true; }
 
-    /// The reduced gradient checked (not read where the sums saw every element finite and the
-    /// check would only count them), then the status summed.
+    /// The reduced gradient checked (not read where the sums saw every element finite), then the
+    /// status summed.
     template <class Stages>
     void agree(Stages& s) {
         if (acc_.sums_finite() && s.checks_reduced_as_left())
@@ -152,18 +146,14 @@ public:
     bool overlaps() const noexcept { return false; }
     void drain() noexcept {}
 
-    accumulator_type& accumulator() noexcept { return acc_; }
-
 private:
-    /// Forward and backward once per chunk of this replica's run `mine` (a replica without chunks
-    /// calls fn once with an empty range, so the network's layers take part in the step), each
-    /// on zeroed gradients with scale = 1 / global and its loss in the accumulator's chunk loss
-    /// (zeroed first). Of every chunk, the accumulator takes each part of the flat gradient once,
-    /// as it is final: with a registry network, each tensor as ctx.mark_ready marks it (while the
-    /// backward may still hold it in the caches) and every element not marked after fn returns
-    /// (chunk_ready.hpp); with a visitor network, the whole packed buffer after fn, of every chunk
-    /// but the last. Of every chunk but the last, taking leaves the part zero, and the next chunk
-    /// starts on those zeros.
+    /// Forward and backward once per chunk of this replica's run (a replica without chunks calls
+    /// fn once with an empty range, so its layers take part in the step), each with scale =
+    /// 1 / global and its loss in the accumulator's chunk loss. The accumulator takes each part of
+    /// the flat gradient once, as it is final: with a registry network, each tensor as
+    /// ctx.mark_ready marks it (while the backward may still hold it in the caches) and the rest
+    /// after fn returns (chunk_ready.hpp); with a visitor network, the whole packed buffer. Taking
+    /// a kept chunk leaves zeros, on which the next chunk starts.
     template <class Stages, class Fn>
     void run_chunks(Stages& s, std::size_t global, reduce::chunk_run mine, Fn& fn,
                     std::span<T> grads) {
@@ -181,12 +171,8 @@ private:
         chunk_ready ready(core.registry().parameters(), core.grads().size(), s.rank());
         for (std::size_t c = 0; c < calls; ++c) {
             shard_range r;
-            if (mine.count > 0) {
-                r.begin = (mine.first + c) * C;
-                r.end = std::min(global, r.begin + C);
-            } else {
-                r.begin = r.end = global;
-            }
+            r.begin = mine.count > 0 ? (mine.first + c) * C : global;
+            r.end = std::min(global, r.begin + C);
             r.global_size = global;
             r.sample_offset = core.samples();
             r.scale = r.empty() ? 0.0 : 1.0 / static_cast<double>(global);
@@ -206,8 +192,7 @@ private:
                 host_loss = static_cast<double>(fn(core.network(), r, ctx));
             core.pack_grads();
             if constexpr (core_type::uses_visitor) {
-                if (c + 1 < calls)
-                    take(std::size_t{0}, core.grads().size());
+                take(std::size_t{0}, core.grads().size()); // the last chunk stays
             } else {
                 ctx.set_ready_hook({});
                 ready.rest(take);
