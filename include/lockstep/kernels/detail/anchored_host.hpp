@@ -60,6 +60,15 @@ using anchored_bits = std::uint32_t __attribute__((vector_size(32)));
 using anchored_floats = float __attribute__((vector_size(32)));
 using anchored_sums = double __attribute__((vector_size(64)));
 
+/// Asks for the cache line 256 bytes past `at` (an integer address: never a pointer past an
+/// array; a prefetch does not fault). A tile reads k arrays at once, more streams than the
+/// hardware prefetcher follows: without it the blocks wait on memory (8 arrays of 4 Mi floats
+/// each, as MPI reproducible<8>'s owners sum them: about 1.3x as long).
+[[gnu::always_inline]] inline void anchored_prefetch(const float* at) {
+    // NOLINTNEXTLINE(performance-no-int-to-ptr): an address to prefetch, never dereferenced
+    __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(at) + 256));
+}
+
 /// The float sums of 8 elements, p[j][at, at + 8) for j < k, into out[0, 8). Each element's
 /// anchor a (its largest exponent field) and the smallest field of a non-zero term come first;
 /// where every non-zero term lies within `bits` = 29 - ceil(log2 k) binades of a, every term is
@@ -85,7 +94,10 @@ using anchored_sums = double __attribute__((vector_size(64)));
                                             __builtin_bit_cast(anchored_bits, mag) + 0x7fffffffu);
         largest = mag > largest ? mag : largest;
         least = key < least ? key : least;
-        sum += __builtin_convertvector(x, anchored_sums); // exact where the block answers
+        anchored_prefetch(p[j] + at);
+        // Exact where the block answers. Lane by lane, as GCC 12 turns it into one conversion
+        // (vcvtps2pd to 512 bits), where __builtin_convertvector takes four instructions.
+        sum += anchored_sums{x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]};
     }
     // Fields of 0 (zeros, subnormals) count as 1; a smallest magnitude of 0: every term is 0.
     const anchored_lanes field = largest >> 23;
