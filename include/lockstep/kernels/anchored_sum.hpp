@@ -224,17 +224,6 @@ struct anchored_keep_fn {
     }
 };
 
-/// A pass over elements [first, end) of a chunk's gradient src (n values): anchored_keep_fn.
-template <class T>
-struct anchored_keep_pass {
-    const T* src;
-    T* dst;
-    T* clear;
-    std::size_t first;
-    std::size_t end;
-    std::size_t n;
-};
-
 // The passes of reduce::reproducible's accumulator on a System, element by element. host_system
 // overloads the keep pass for float (kernels/detail/anchored_host.hpp, found by argument-dependent
 // lookup); on the host the accumulator sums through kernels/detail/anchored_combine.hpp.
@@ -245,14 +234,15 @@ void anchored_sums(const System& sys, const anchored_terms<V>& terms, std::size_
     for_each_index(sys, count, anchored_sum_fn<T, V>{terms, out});
 }
 
-/// The pass p.
+/// anchored_keep_fn over elements [first, end) of a chunk's gradient src (n values).
 template <class System, class T>
-void anchored_keep(const System& sys, const anchored_keep_pass<T>& p) {
-    if (p.first < p.end)
-        for_each_index(sys, p.end - p.first,
-                       anchored_keep_fn<T>{p.src + p.first, p.dst + p.first,
-                                           p.clear != nullptr ? p.clear + p.first : nullptr},
-                       p.end - p.first);
+void anchored_keep(const System& sys, const T* src, T* dst, T* clear, std::size_t first,
+                   std::size_t end, std::size_t /*n*/) {
+    if (first < end)
+        for_each_index(sys, end - first,
+                       anchored_keep_fn<T>{src + first, dst + first,
+                                           clear != nullptr ? clear + first : nullptr},
+                       end - first);
 }
 
 /// out (the last chunk, n values) marked by anchored_own_check_fn.

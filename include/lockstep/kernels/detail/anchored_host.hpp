@@ -144,48 +144,33 @@ using anchored_sums = double __attribute__((vector_size(64)));
     std::memcpy(ok, &mask, sizeof mask);
 }
 
-/// The float sums of m <= anchored_tile elements of k arrays (element i's terms: p[j][i], j < k)
-/// into out[0, m), 8 elements at a time by `block` (anchored_block or anchored_pair_block); the
-/// elements of a short last block are left to anchored_sum_fn. done[i] = 1 where out[i] holds
-/// anchored_sum_fn's result, 0 where it must answer; returns true when every done[i] is 1.
-template <class Block>
-[[gnu::always_inline]] inline bool anchored_blocks(const Block& block, const float* const* p,
-                                                   std::size_t m, float* out, unsigned char* done) {
-    constexpr std::size_t lanes = sizeof(anchored_lanes) / sizeof(std::int32_t);
-    // The blocks' masks (-1: done) go to `okay` and become `done` bytes only where an element
-    // is left to anchored_sum_fn (GCC 12 narrows vectors lane by lane).
-    std::int32_t okay[anchored_tile];
-    std::size_t b = 0;
-    for (; b + lanes <= m; b += lanes)
-        block(p, b, out + b, okay + b);
-    std::fill(okay + b, okay + m, 0);
-    std::int32_t all = -1;
-    for (std::size_t i = 0; i < m; ++i)
-        all &= okay[i];
-    if (all != 0)
-        std::memset(done, 1, m);
+/// The float sums of the first b = m - m % 8 of m <= anchored_tile elements of k arrays (element
+/// i's terms: p[j][i], j < k) into out[0, b), 8 at a time (anchored_pair_block for 2 arrays,
+/// anchored_block otherwise), and their masks into ok[0, b) (-1: out[i] is anchored_sum_fn's
+/// result, 0: it must answer); returns true when b == m and every mask is -1. The arguments are
+/// values: the blocks' byte stores would make a closure's members reload at every block.
+/// requires: 1 <= k <= anchored_tile_terms.
+[[gnu::always_inline]] inline bool anchored_blocks(const float* const* p, std::size_t k,
+                                                   std::size_t m, float* out, std::int32_t* ok) {
+    const std::size_t b = m - m % 8;
+    const int bits = 29 - static_cast<int>(std::bit_width(k - 1));
+    if (k == 2)
+        for (std::size_t at = 0; at < b; at += 8)
+            anchored_pair_block(p, at, out + at, ok + at);
     else
-        for (std::size_t i = 0; i < m; ++i)
-            done[i] = static_cast<unsigned char>(okay[i] & 1);
+        for (std::size_t at = 0; at < b; at += 8)
+            anchored_block(p, k, at, bits, out + at, ok + at);
+    std::int32_t all = b == m ? -1 : 0;
+    for (std::size_t i = 0; i < b; ++i)
+        all &= ok[i];
     return all != 0;
 }
 
-/// The float sums of m <= anchored_tile elements of k arrays p[j] (anchored_pair_block for 2,
-/// anchored_block otherwise) on the host's widest vector registers, as anchored_blocks reports
-/// them. requires: 1 <= k <= anchored_tile_terms.
+/// anchored_blocks on the host's widest vector registers.
 inline bool anchored_array_sums(const float* const* p, std::size_t k, std::size_t m, float* out,
-                                unsigned char* done) {
+                                std::int32_t* ok) {
     return lockstep::detail::on_widest_vectors([&]() __attribute__((always_inline)) {
-        if (k == 2)
-            return anchored_blocks(
-                [](const float* const* q, std::size_t at, float* o, std::int32_t* ok)
-                    __attribute__((always_inline)) { anchored_pair_block(q, at, o, ok); },
-                p, m, out, done);
-        const int bits = 29 - static_cast<int>(std::bit_width(k - 1));
-        return anchored_blocks(
-            [ k, bits ](const float* const* q, std::size_t at, float* o, std::int32_t* ok)
-                __attribute__((always_inline)) { anchored_block(q, k, at, bits, o, ok); },
-            p, m, out, done);
+        return anchored_blocks(p, k, m, out, ok);
     });
 }
 
@@ -193,12 +178,12 @@ inline bool anchored_array_sums(const float* const* p, std::size_t k, std::size_
 /// anchored_sum_fn's: anchored_array_sums, then anchored_sum_fn for the elements it leaves.
 /// requires: 1 <= k <= anchored_tile_terms.
 inline void anchored_tile_sums(const float* const* p, std::size_t k, std::size_t m, float* out) {
-    unsigned char done[anchored_tile];
-    if (anchored_array_sums(p, k, m, out, done))
+    std::int32_t ok[anchored_tile];
+    if (anchored_array_sums(p, k, m, out, ok))
         return;
     const anchored_sum_fn<float, float, anchored_arrays<float>> each{{p, k, 0}, out};
     for (std::size_t i = 0; i < m; ++i)
-        if (done[i] == 0)
+        if (i >= m - m % 8 || ok[i] == 0)
             each(i);
 }
 
@@ -263,14 +248,14 @@ namespace lockstep::host {
 
 /// Keep tile by keep tile (anchored_keep_tiles_fn); streaming stores for a chunk of at least
 /// anchored_stream_bytes.
-inline void anchored_keep(const host_system& sys, const kernels::anchored_keep_pass<float>& p) {
+inline void anchored_keep(const host_system& sys, const float* src, float* dst, float* clear,
+                          std::size_t first, std::size_t end, std::size_t n) {
     using namespace kernels::detail;
-    if (p.first < p.end)
-        kernels::for_each_index(
-            sys, anchored_keep_tiles_fn::tasks(p.first, p.end),
-            anchored_keep_tiles_fn{p.src, p.dst, p.clear, p.first, p.end,
-                                   p.n * sizeof(float) >= anchored_stream_bytes},
-            p.end - p.first);
+    if (first < end)
+        kernels::for_each_index(sys, anchored_keep_tiles_fn::tasks(first, end),
+                                anchored_keep_tiles_fn{src, dst, clear, first, end,
+                                                       n * sizeof(float) >= anchored_stream_bytes},
+                                end - first);
 }
 
 } // namespace lockstep::host

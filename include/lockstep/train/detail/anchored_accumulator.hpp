@@ -90,7 +90,6 @@ public:
 
     std::size_t size() const noexcept { return n_; }
     double* chunk_loss() noexcept { return &losses_.data()->chunk; }
-    double* own_loss() noexcept { return &losses_.data()->own; }
     double* global_loss() noexcept { return &losses_.data()->global; }
 
     /// Starts a step in which this replica adds `calls` chunks and the busiest replica
@@ -177,12 +176,9 @@ public:
     /// holds a non-finite value (kernels::anchored_own_check_fn), so it is non-finite exactly
     /// where one of the replica's chunk values is; the global sums do not change (such an
     /// element's sum is a quiet NaN); where the sums report (reports_own()), g is left as it is.
-    /// *loss = the sum of this replica's non-finite loss terms, 0 when all are finite
-    /// (non_finite_loss_fn).
-    void check_local(std::span<T> g, double* loss) {
+    void check_local(std::span<T> g) {
         if (keeper_.calls() > 1 && !reports_own())
             kernels::anchored_mark_own(sys_, keeper_.chunks(g.data()), n_, g.data());
-        run(1, non_finite_loss_fn{own_terms(), 2 * losses_added_, loss});
     }
     /// After exchange(): the global sums, rounded once, into g (n values) and *loss; where the
     /// sums report, own_report() this replica's own check. Collective.
@@ -212,6 +208,11 @@ public:
                    in_regions ? terms_of(0) : small_recv_.data(), replicas_, row_.terms(),
                    in_regions ? region_ * sizeof(T) / sizeof(double) : row_.size(), loss});
     }
+    /// After finalize(): adds status_loss_fn's loss (the global one where `first`, plus this
+    /// replica's non-finite loss terms) to *loss.
+    void add_status_loss(double* loss, bool first) {
+        run(1, status_loss_fn{own_terms(), 2 * losses_added_, global_loss(), first, loss});
+    }
     /// Whether finalize() reports this replica's own check and the sums' finiteness
     /// (own_report(), sums_finite()) instead of check_local() marking g for it: on the host.
     static constexpr bool reports_own() noexcept { return System::is_host; }
@@ -221,12 +222,7 @@ public:
     const anchored_own_report* own_report() const noexcept { return own_report_.data(); }
     /// After finalize(): true when the sums reported that every one of them is finite, so a
     /// check of g as finalize() left it would count nothing; false on a device, or one is not.
-    bool sums_finite() const {
-        if constexpr (reports_own())
-            return own_report_.data()->sums_finite;
-        else
-            return false;
-    }
+    bool sums_finite() const { return reports_own() && own_report_.data()->sums_finite; }
     /// The collectives of a step.
     std::size_t collectives() const noexcept {
         if (gathered_)

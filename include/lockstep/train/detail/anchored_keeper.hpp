@@ -77,7 +77,7 @@ private:
     T* slot(std::size_t c) noexcept { return slots_ + c * n_; }
     void pass(const T* src, T* dst, T* clear, std::size_t first, std::size_t end) {
         using kernels::anchored_keep; // host_system's overload found by argument-dependent lookup
-        anchored_keep(sys_, kernels::anchored_keep_pass<T>{src, dst, clear, first, end, n_});
+        anchored_keep(sys_, src, dst, clear, first, end, n_);
     }
 
     std::size_t n_;

@@ -1,6 +1,6 @@
 // lockstep/train/detail/anchored_loss.hpp: the loss terms of reduce::reproducible's chunks, as
-// doubles: kept per chunk, checked for this replica's non-finite terms, and summed over every
-// replica's terms as the gradients are (kernels/anchored_sum.hpp), rounded once.
+// doubles: kept per chunk, summed over every replica's terms as the gradients are
+// (kernels/anchored_sum.hpp), rounded once, and checked for this replica's non-finite terms.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
@@ -12,10 +12,9 @@
 namespace lockstep::detail {
 
 /// A step's losses in the system's memory: the chunk being computed (the user's function writes
-/// it), this replica's own check (non_finite_loss_fn) and the global sum.
+/// it) and the global sum.
 struct anchored_losses {
     double chunk;
-    double own;
     double global;
 };
 
@@ -42,20 +41,23 @@ struct loss_terms_fn {
     }
 };
 
-/// One task: *out = the sum of the terms[0, count) that are not finite, 0 when every term is: a
-/// replica's own loss check, which names it and, unlike its partial sum, does not depend on how
-/// the chunks fall on replicas.
-struct non_finite_loss_fn {
+/// One task: the loss a replica adds to the step's status loss slot: the global loss on replica
+/// 0 only (`first`: the status sum over replicas is that loss, bitwise), plus the sum of this
+/// replica's loss terms[0, count) that are not finite, which names it and, unlike its partial
+/// sum, does not depend on how the chunks fall on replicas.
+struct status_loss_fn {
     const double* terms;
     std::size_t count;
-    double* out;
+    const double* global;
+    bool first;
+    double* loss;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        double s = 0.0;
+        double own = 0.0;
         for (std::size_t k = 0; k < count; ++k) {
             const double v = terms[k];
-            s += (v - v == 0.0) ? 0.0 : v; // v - v is NaN exactly for NaN and infinities
+            own += (v - v == 0.0) ? 0.0 : v; // v - v is NaN exactly for NaN and infinities
         }
-        *out = s;
+        *loss += (first ? *global : 0.0) + own;
     }
 };
 

@@ -4,16 +4,15 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
-#include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
-#include "lockstep/kernels/for_each.hpp"
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/train/detail/anchored_accumulator.hpp"
 #include "lockstep/train/detail/bucket_plan.hpp"
 #include "lockstep/train/detail/chunk_ready.hpp"
 #include "lockstep/train/detail/global_batch_check.hpp"
 #include "lockstep/train/detail/gradient_collective.hpp"
+#include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 #include "lockstep/train/replica_context.hpp"
 #include "lockstep/train/shard.hpp"
@@ -26,24 +25,7 @@
 #include <type_traits>
 #include <vector>
 
-#include <thrust/fill.h>
-
 namespace lockstep::detail {
-
-/// One task: the loss a replica adds to the step's status loss slot: the global exact loss on
-/// replica 0 only (so the status sum over replicas is that loss, bitwise), plus the sum of this
-/// replica's non-finite chunk losses (so the replica that produced one is named).
-struct reproducible_loss_fn {
-    const double* own;
-    const double* global;
-    bool first;
-    double* loss;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        const double o = *own;
-        const bool finite = o - o == 0.0;
-        *loss += (first ? *global : 0.0) + (finite ? 0.0 : o);
-    }
-};
 
 /// reduce::reproducible<C, G>: the global batch is cut into chunks [k C, min((k + 1) C, global));
 /// this replica computes its contiguous run of chunks, one fn call per chunk on zeroed gradients
@@ -105,19 +87,16 @@ public:
         acc_.exchange(s.core().comm(), std::span<const T>(grads));
         // The skip decision depends on no partial sum, only on this replica's own chunk values
         // and losses and the global sums: the same for every replica count.
-        double* own_loss = acc_.own_loss();
-        acc_.check_local(grads, own_loss);
+        acc_.check_local(grads);
         auto& checks = s.checks();
         if (!acc_.reports_own())
             for (std::size_t k = 0; k < plan_.size(); ++k)
                 checks.check_piece(s.system(), std::span<const T>(grads), k, plan_[k]);
-        double* global_loss = acc_.global_loss();
-        acc_.finalize(s.core().comm(), grads, global_loss);
+        acc_.finalize(s.core().comm(), grads, acc_.global_loss());
         if (acc_.reports_own()) // the sums counted this replica's values
             checks.load_pieces(s.system(), &acc_.own_report()->own);
         collectives_.fetch_add(acc_.collectives(), std::memory_order_relaxed);
-        kernels::for_each_index(
-            s.system(), 1, reproducible_loss_fn{own_loss, global_loss, rank == 0, &v.totals->loss});
+        acc_.add_status_loss(&v.totals->loss, rank == 0);
         return 0.0;
     }
 
@@ -178,9 +157,7 @@ private:
             r.scale = r.empty() ? 0.0 : 1.0 / static_cast<double>(global);
             if (c == 0 || core_type::uses_visitor)
                 core.zero_grads(); // else the previous chunk's take left zeros
-            kernels::with_policy_for(s.system(), 1, [&](auto policy) {
-                thrust::fill(policy, chunk_loss, chunk_loss + 1, 0.0);
-            });
+            zero(s.system(), std::span<double>(chunk_loss, 1));
             if constexpr (!core_type::uses_visitor) {
                 ready.reset();
                 ctx.set_ready_hook([&](std::size_t t) { ready.mark(t, take); });
