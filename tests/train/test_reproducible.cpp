@@ -375,7 +375,8 @@ std::vector<exchange_result> run_exchange(int replicas, std::size_t chunks, std:
         acc.exchange(comm, std::span<const float>(g));
         acc.check_local(std::span<float>(g));
         res.reports = acc.reports_own();
-        acc.finalize(comm, std::span<float>(g), &res.global_loss);
+        acc.finalize(comm, std::span<float>(g));
+        res.global_loss = *acc.global_loss();
         res.sums = g;
         res.sums_finite = acc.sums_finite();
         if (res.reports) {
@@ -422,7 +423,8 @@ TEST_CASE("reduce::reproducible's gathered exchange takes one all_gather for the
         }
         acc.exchange(comm, std::span<const float>(g));
         acc.check_local(std::span<float>(g));
-        acc.finalize(comm, std::span<float>(g), &losses[static_cast<std::size_t>(r)]);
+        acc.finalize(comm, std::span<float>(g));
+        losses[static_cast<std::size_t>(r)] = *acc.global_loss();
         gathers[static_cast<std::size_t>(r)] = comm.counts().all_gather;
         collectives[static_cast<std::size_t>(r)] = comm.counts().collectives();
         claimed[static_cast<std::size_t>(r)] = acc.collectives();

@@ -144,10 +144,10 @@ using anchored_sums = double __attribute__((vector_size(64)));
     std::memcpy(ok, &mask, sizeof mask);
 }
 
-/// The float sums of the first b = m - m % 8 of m <= anchored_tile elements of k arrays (element
-/// i's terms: p[j][i], j < k) into out[0, b), 8 at a time (anchored_pair_block for 2 arrays,
-/// anchored_block otherwise), and their masks into ok[0, b) (-1: out[i] is anchored_sum_fn's
-/// result, 0: it must answer); returns true when b == m and every mask is -1. The arguments are
+/// The float sums of m <= anchored_tile elements of k arrays (element i's terms: p[j][i], j < k)
+/// into out[0, m), 8 at a time (anchored_pair_block for 2 arrays, anchored_block otherwise), and
+/// their masks into ok[0, m) (-1: out[i] is anchored_sum_fn's result, 0: it must answer, as for
+/// the elements of a short last block); returns true when every mask is -1. The arguments are
 /// values: the blocks' byte stores would make a closure's members reload at every block.
 /// requires: 1 <= k <= anchored_tile_terms.
 [[gnu::always_inline]] inline bool anchored_blocks(const float* const* p, std::size_t k,
@@ -160,8 +160,9 @@ using anchored_sums = double __attribute__((vector_size(64)));
     else
         for (std::size_t at = 0; at < b; at += 8)
             anchored_block(p, k, at, bits, out + at, ok + at);
-    std::int32_t all = b == m ? -1 : 0;
-    for (std::size_t i = 0; i < b; ++i)
+    std::fill(ok + b, ok + m, 0);
+    std::int32_t all = -1;
+    for (std::size_t i = 0; i < m; ++i)
         all &= ok[i];
     return all != 0;
 }
@@ -183,7 +184,7 @@ inline void anchored_tile_sums(const float* const* p, std::size_t k, std::size_t
         return;
     const anchored_sum_fn<float, float, anchored_arrays<float>> each{{p, k, 0}, out};
     for (std::size_t i = 0; i < m; ++i)
-        if (i >= m - m % 8 || ok[i] == 0)
+        if (ok[i] == 0)
             each(i);
 }
 

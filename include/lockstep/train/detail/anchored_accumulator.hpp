@@ -180,10 +180,10 @@ public:
         if (keeper_.calls() > 1 && !reports_own())
             kernels::anchored_mark_own(sys_, keeper_.chunks(g.data()), n_, g.data());
     }
-    /// After exchange(): the global sums, rounded once, into g (n values) and *loss; where the
-    /// sums report, own_report() this replica's own check. Collective.
+    /// After exchange(): the global sums, rounded once, into g (n values) and *global_loss();
+    /// where the sums report, own_report() this replica's own check. Collective.
     template <class Communicator>
-    void finalize(Communicator& comm, std::span<T> g, double* loss) {
+    void finalize(Communicator& comm, std::span<T> g) {
         if (gathered_) {
             if constexpr (System::is_host) { // every element here: this replica's report alone
                 sum_reporting([&](std::size_t j, std::size_t c) { return region(j) + c * n_; }, n_,
@@ -206,7 +206,7 @@ public:
         const bool in_regions = gathered_; // else every replica's row of small_recv_
         run(1, gathered_loss_fn{
                    in_regions ? terms_of(0) : small_recv_.data(), replicas_, row_.terms(),
-                   in_regions ? region_ * sizeof(T) / sizeof(double) : row_.size(), loss});
+                   in_regions ? region_ * sizeof(T) / sizeof(double) : row_.size(), global_loss()});
     }
     /// After finalize(): adds status_loss_fn's loss (the global one where `first`, plus this
     /// replica's non-finite loss terms) to *loss.

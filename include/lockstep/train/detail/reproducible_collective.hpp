@@ -92,7 +92,7 @@ public:
         if (!acc_.reports_own())
             for (std::size_t k = 0; k < plan_.size(); ++k)
                 checks.check_piece(s.system(), std::span<const T>(grads), k, plan_[k]);
-        acc_.finalize(s.core().comm(), grads, acc_.global_loss());
+        acc_.finalize(s.core().comm(), grads);
         if (acc_.reports_own()) // the sums counted this replica's values
             checks.load_pieces(s.system(), &acc_.own_report()->own);
         collectives_.fetch_add(acc_.collectives(), std::memory_order_relaxed);
