@@ -16,6 +16,7 @@
 #include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/crc32c.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/finite.hpp"
 #include "lockstep/core/float16.hpp"
 #include "lockstep/core/leading_zeros.hpp"
 #include "lockstep/kernels/float16_arrays.hpp"

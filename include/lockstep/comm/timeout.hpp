@@ -3,6 +3,7 @@
 #pragma once
 
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/finite.hpp"
 
 #include <cerrno>
 #include <chrono>
@@ -20,7 +21,7 @@ inline std::chrono::milliseconds parse_timeout_seconds(const char* text) {
     char* end = nullptr;
     errno = 0;
     const double v = std::strtod(s.c_str(), &end);
-    bool ok = !s.empty() && end != s.c_str() && errno == 0 && std::isfinite(v) && v > 0;
+    bool ok = !s.empty() && end != s.c_str() && errno == 0 && is_finite(v) && v > 0;
     for (const char* p = end; ok && p != nullptr && *p != '\0'; ++p)
         ok = *p == ' ' || *p == '\t' || *p == '\n';
     constexpr double max_seconds = 1e9; // ~31 years: beyond that milliseconds would overflow

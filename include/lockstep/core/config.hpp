@@ -9,6 +9,17 @@
 #define LOCKSTEP_VERSION                                                                           \
     (LOCKSTEP_VERSION_MAJOR * 10000 + LOCKSTEP_VERSION_MINOR * 100 + LOCKSTEP_VERSION_PATCH)
 
+// The headers compile with the user's flags. -ffast-math (GCC, Clang: __FAST_MATH__) and GCC's
+// -fassociative-math (__ASSOCIATIVE_MATH__) let the compiler reorder float sums that lockstep
+// performs in a stated order (the thread group's rank-order folds, for one), so such a build
+// stops here unless the user defines LOCKSTEP_ALLOW_FAST_MATH (docs/faq.md says what then holds).
+#if (defined(__FAST_MATH__) || defined(__ASSOCIATIVE_MATH__)) && !defined(LOCKSTEP_ALLOW_FAST_MATH)
+#error "lockstep: -ffast-math (or -fassociative-math) lets the compiler reorder the float sums \
+lockstep promises in a stated order; compile the files that include lockstep without it \
+(-fno-fast-math; GCC: also -fno-associative-math), or define LOCKSTEP_ALLOW_FAST_MATH to accept \
+sums in an order the compiler picks (docs/faq.md)"
+#endif
+
 // Functions that run on both the host and the device (the shared arithmetic functors).
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define LOCKSTEP_HOST_DEVICE __host__ __device__

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "lockstep/core/config.hpp"
+#include "lockstep/core/finite.hpp"
 #include "lockstep/core/float16.hpp"
 #include "lockstep/kernels/float16_convert.hpp"
 #include "lockstep/kernels/for_each.hpp"
@@ -126,7 +127,7 @@ struct loss_scale_update_fn {
             tracker += 1;
             if (tracker >= interval) {
                 const double grown = scale * growth;
-                if (grown <= 1.7976931348623157e308) // finite (a bit test is not needed: no NaN)
+                if (is_finite(grown))
                     scale = grown;
                 tracker = 0;
             }

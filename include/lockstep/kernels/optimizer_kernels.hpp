@@ -3,9 +3,9 @@
 #pragma once
 
 #include "lockstep/core/config.hpp"
+#include "lockstep/core/finite.hpp"
 #include "lockstep/kernels/segmented.hpp"
 
-#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -35,13 +35,11 @@ LOCKSTEP_HOST_DEVICE inline double sqrt_t(double x) {
 }
 } // namespace detail
 
-/// True when x is neither NaN nor infinite (bit test: immune to -ffast-math).
+/// True when x is neither NaN nor infinite (lockstep::is_finite).
 struct is_finite_fn {
-    LOCKSTEP_HOST_DEVICE bool operator()(float x) const {
-        return (std::bit_cast<std::uint32_t>(x) & 0x7f800000u) != 0x7f800000u;
-    }
-    LOCKSTEP_HOST_DEVICE bool operator()(double x) const {
-        return (std::bit_cast<std::uint64_t>(x) & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
+    template <class T>
+    LOCKSTEP_HOST_DEVICE bool operator()(T x) const {
+        return is_finite(x);
     }
 };
 

@@ -2,6 +2,7 @@
 // torch.optim.AdamW define them. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/core/finite.hpp"
 #include "lockstep/kernels/optimizer_kernels.hpp"
 #include "lockstep/optim/detail/flat_layout.hpp"
 #include "lockstep/optim/detail/state_block.hpp"
@@ -10,7 +11,6 @@
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
 
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -63,7 +63,7 @@ public:
         check_param(name(), "beta1", p.beta1, 0.0);
         check_param(name(), "beta2", p.beta2, 0.0);
         check_param(name(), "weight_decay", p.weight_decay, 0.0);
-        LOCKSTEP_REQUIRE(p.beta1 < 1 && p.beta2 < 1 && p.eps > 0 && std::isfinite(p.eps),
+        LOCKSTEP_REQUIRE(p.beta1 < 1 && p.beta2 < 1 && p.eps > 0 && is_finite(p.eps),
                          errc::invalid_argument, -1, name(),
                          "need beta1 < 1, beta2 < 1, finite eps > 0 (beta1 = ", p.beta1,
                          ", beta2 = ", p.beta2, ", eps = ", p.eps, ")");

@@ -2,13 +2,13 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/core/finite.hpp"
 #include "lockstep/kernels/optimizer_kernels.hpp"
 #include "lockstep/optim/detail/layerwise_block.hpp"
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
 
-#include <cmath>
 #include <cstddef>
 #include <limits>
 #include <span>
@@ -57,12 +57,12 @@ public:
         detail::check_param("lamb", "beta2", p.beta2, 0.0);
         detail::check_param("lamb", "weight_decay", p.weight_decay, 0.0);
         detail::check_param("lamb", "phi_min", p.phi_min, 0.0);
-        LOCKSTEP_REQUIRE(p.beta1 < 1 && p.beta2 < 1 && p.eps > 0 && std::isfinite(p.eps) &&
-                             p.phi_max >= p.phi_min,
-                         errc::invalid_argument, -1, "lamb",
-                         "need beta1 < 1, beta2 < 1, finite eps > 0, phi_max >= phi_min (beta1 = ",
-                         p.beta1, ", beta2 = ", p.beta2, ", eps = ", p.eps, ", phi = [", p.phi_min,
-                         ", ", p.phi_max, "])");
+        LOCKSTEP_REQUIRE(
+            p.beta1 < 1 && p.beta2 < 1 && p.eps > 0 && is_finite(p.eps) && p.phi_max >= p.phi_min,
+            errc::invalid_argument, -1, "lamb",
+            "need beta1 < 1, beta2 < 1, finite eps > 0, phi_max >= phi_min (beta1 = ", p.beta1,
+            ", beta2 = ", p.beta2, ", eps = ", p.eps, ", phi = [", p.phi_min, ", ", p.phi_max,
+            "])");
     }
 
     /// One update of w from g, unless *skip != 0 when the step's kernels run. requires:

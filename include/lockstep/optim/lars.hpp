@@ -2,12 +2,12 @@
 // Ginsburg 2017). SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/core/finite.hpp"
 #include "lockstep/kernels/optimizer_kernels.hpp"
 #include "lockstep/optim/detail/layerwise_block.hpp"
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/system/host_system.hpp"
 
-#include <cmath>
 #include <cstddef>
 #include <span>
 
@@ -48,7 +48,7 @@ public:
         detail::check_param("lars", "momentum", p.momentum, 0.0);
         detail::check_param("lars", "weight_decay", p.weight_decay, 0.0);
         detail::check_param("lars", "eps", p.eps, 0.0);
-        LOCKSTEP_REQUIRE(p.eta > 0 && std::isfinite(p.eta), errc::invalid_argument, -1, "lars",
+        LOCKSTEP_REQUIRE(p.eta > 0 && is_finite(p.eta), errc::invalid_argument, -1, "lars",
                          "eta = ", p.eta, " (must be finite and > 0)");
         LOCKSTEP_REQUIRE(p.momentum <= 1, errc::invalid_argument, -1, "lars",
                          "momentum = ", p.momentum, " (must be in [0, 1])");

@@ -4,11 +4,11 @@
 #pragma once
 
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/finite.hpp"
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/mixed_precision.hpp"
 #include "lockstep/system/buffer.hpp"
 
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -146,7 +146,7 @@ public:
     /// when disabled), 0 <= growth_tracker < growth_interval; else lockstep::error
     /// (invalid_argument) and nothing changes.
     void restore(const loss_scaler_state& s) {
-        LOCKSTEP_REQUIRE(std::isfinite(s.scale) && s.scale > 0, errc::invalid_argument, rank_,
+        LOCKSTEP_REQUIRE(is_finite(s.scale) && s.scale > 0, errc::invalid_argument, rank_,
                          "loss_scaler.restore", "scale = ", s.scale, " (must be finite and > 0)");
         LOCKSTEP_REQUIRE(enabled_ || (s.scale == 1.0 && s.growth_tracker == 0),
                          errc::invalid_argument, rank_, "loss_scaler.restore",
@@ -162,20 +162,19 @@ public:
     /// Throws lockstep::error (invalid_argument, naming rank) unless c is within the ranges
     /// loss_scaling states.
     static void check_config(const loss_scaling& c, int rank) {
-        LOCKSTEP_REQUIRE(std::isfinite(c.init_scale) && c.init_scale > 0, errc::invalid_argument,
-                         rank, "loss_scaling", "init_scale = ", c.init_scale,
+        LOCKSTEP_REQUIRE(is_finite(c.init_scale) && c.init_scale > 0, errc::invalid_argument, rank,
+                         "loss_scaling", "init_scale = ", c.init_scale,
                          " (must be finite and > 0)");
-        LOCKSTEP_REQUIRE(std::isfinite(c.growth_factor) && c.growth_factor > 1,
-                         errc::invalid_argument, rank, "loss_scaling",
-                         "growth_factor = ", c.growth_factor, " (must be finite and > 1)");
+        LOCKSTEP_REQUIRE(is_finite(c.growth_factor) && c.growth_factor > 1, errc::invalid_argument,
+                         rank, "loss_scaling", "growth_factor = ", c.growth_factor,
+                         " (must be finite and > 1)");
         LOCKSTEP_REQUIRE(c.backoff_factor > 0 && c.backoff_factor < 1, errc::invalid_argument, rank,
                          "loss_scaling", "backoff_factor = ", c.backoff_factor,
                          " (must be in (0, 1))");
         LOCKSTEP_REQUIRE(c.growth_interval >= 1 && c.growth_interval <= (std::int64_t(1) << 52),
                          errc::invalid_argument, rank, "loss_scaling",
                          "growth_interval = ", c.growth_interval, " (must be in [1, 2^52])");
-        LOCKSTEP_REQUIRE(std::isfinite(c.min_scale) && c.min_scale > 0 &&
-                             c.min_scale <= c.init_scale,
+        LOCKSTEP_REQUIRE(is_finite(c.min_scale) && c.min_scale > 0 && c.min_scale <= c.init_scale,
                          errc::invalid_argument, rank, "loss_scaling", "min_scale = ", c.min_scale,
                          " (must be finite, > 0 and <= init_scale = ", c.init_scale, ")");
     }

@@ -4,12 +4,12 @@
 // arrays the elements where one of its values is not finite. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/core/finite.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
 #include "lockstep/kernels/detail/anchored_host.hpp"
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -50,7 +50,7 @@ void anchored_note(const anchored_combine_report& report, const T* const* source
         double count = 0;
         double at = 0;
         for (std::size_t i = 0; i < m; ++i) {
-            if (!std::isnan(out[i]))
+            if (!is_nan(out[i]))
                 continue;
             bool bad = false;
             for (std::size_t c = 0; c < report.size; ++c)

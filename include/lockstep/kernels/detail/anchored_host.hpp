@@ -74,9 +74,10 @@ using anchored_sums = double __attribute__((vector_size(64)));
 /// where every non-zero term lies within `bits` = 29 - ceil(log2 k) binades of a, every term is
 /// a whole number of units 2^(a - 150 - bits) below 2^(24 + bits) units, so every partial sum
 /// in double is exact and the conversion to float is the one rounding: anchored_sum_fn's result
-/// (which keeps 60 bits below the anchor), unless the result is subnormal (where flush-to-zero
-/// modes would differ). ok[i] (a mask) is -1 where out[i] holds it (or a quiet NaN for a non-finite
-/// anchor), 0 where anchored_sum_fn must answer.
+/// (which keeps 60 bits below the anchor), unless a term or the result is subnormal (what a CPU
+/// flushing subnormals, as -ffast-math's start-up code sets it, reads or writes as 0); a zero sum
+/// is +0, as the flags cannot change. ok[i] (a mask) is -1 where out[i] holds it (or a quiet NaN
+/// for a non-finite anchor), 0 where anchored_sum_fn must answer.
 [[gnu::always_inline]] inline void anchored_block(const float* const* p, std::size_t k,
                                                   std::size_t at, int bits, float* out,
                                                   std::int32_t* ok) {
@@ -99,47 +100,49 @@ using anchored_sums = double __attribute__((vector_size(64)));
         // (vcvtps2pd to 512 bits), where __builtin_convertvector takes four instructions.
         sum += anchored_sums{x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]};
     }
-    // Fields of 0 (zeros, subnormals) count as 1; a smallest magnitude of 0: every term is 0.
-    const anchored_lanes field = largest >> 23;
-    const anchored_lanes top = field == 0 ? 1 : field;
+    // A smallest magnitude of 0: every term is 0; a smallest field of 0: a subnormal term.
+    const anchored_lanes top = largest >> 23;
     const auto smallest =
         __builtin_bit_cast(anchored_lanes, __builtin_bit_cast(anchored_bits, least) - 0x7fffffffu);
-    const anchored_lanes lowest = smallest >> 23;
-    const anchored_lanes low = smallest == 0 ? 255 : (lowest == 0 ? 1 : lowest);
+    const anchored_lanes low = smallest == 0 ? 255 : smallest >> 23;
     // Normal or zero, read from the rounded sum's bits (GCC 12 splits double compares into
     // lanes); the sum scaled by 2^64 (exact) tells a zero from one flushed to zero.
     const auto rounded =
         __builtin_bit_cast(anchored_lanes, __builtin_convertvector(sum, anchored_floats));
     const auto scaled =
         __builtin_bit_cast(anchored_lanes, __builtin_convertvector(sum * 0x1p64, anchored_floats));
-    // A non-finite anchor gives a quiet NaN; a term too far below the anchor or a subnormal
-    // result leaves the element to anchored_sum_fn.
+    // A non-finite anchor gives a quiet NaN; a term too far below the anchor, a subnormal term or
+    // a subnormal result leaves the element to anchored_sum_fn.
     const anchored_lanes nan = top == anchored<float>::non_finite;
-    const anchored_lanes normal =
-        ((rounded & 0x7fffffff) >= 0x00800000) | (((rounded | scaled) & 0x7fffffff) == 0);
-    const anchored_lanes result = nan != 0 ? 0x7fc00000 : rounded;
-    const anchored_lanes mask = nan | ((low >= top - bits) & normal);
+    const anchored_lanes zero = ((rounded | scaled) & 0x7fffffff) == 0;
+    const anchored_lanes normal = ((rounded & 0x7fffffff) >= 0x00800000) | zero;
+    const anchored_lanes result = nan != 0 ? 0x7fc00000 : (zero != 0 ? 0 : rounded);
+    const anchored_lanes mask = nan | ((low != 0) & (low >= top - bits) & normal);
     std::memcpy(out, &result, sizeof result);
     std::memcpy(ok, &mask, sizeof mask);
 }
 
 /// The float sums of exactly 2 terms, p[0][at + i] + p[1][at + i] for i < 8, as anchored_block
-/// reports them, in float additions: one IEEE addition rounds the exact sum once to nearest
-/// even, anchored_sum_fn's result wherever that is normal, infinite or zero (a term too far
-/// below the other for the 128-bit sum to keep is below half an ulp of it; the sum starts from +0
-/// as anchored_sum_fn's does, so -0 + -0 gives +0). A non-finite term gives a quiet NaN; a
-/// subnormal result is left to anchored_sum_fn.
+/// reports them, in one float addition, which rounds the exact sum once to nearest even:
+/// anchored_sum_fn's result where the larger magnitude is at least 2^-101: a term too far below
+/// the other for the 128-bit sum to keep, a subnormal one included, is below half an ulp of it,
+/// and a sum that does not cancel to +0 is normal or infinite, so no flush-to-zero mode changes
+/// it. Two zeros give +0, a non-finite term a quiet NaN; the rest (both terms below 2^-101) is
+/// left to anchored_sum_fn. Every decision reads the terms' bits, which no floating-point flag
+/// changes.
 [[gnu::always_inline]] inline void anchored_pair_block(const float* const* p, std::size_t at,
                                                        float* out, std::int32_t* ok) {
     anchored_floats x;
     anchored_floats y;
     std::memcpy(&x, p[0] + at, sizeof x);
     std::memcpy(&y, p[1] + at, sizeof y);
-    const anchored_floats sum = (0.0f + x) + y;
-    const anchored_lanes finite = (x - x == 0.0f) & (y - y == 0.0f); // 0 for infinities, NaNs
-    const auto bits = __builtin_bit_cast(anchored_lanes, sum);
-    const anchored_lanes result = finite != 0 ? bits : 0x7fc00000;
-    const anchored_lanes mask = ~finite | ((bits & 0x7fffffff) >= 0x00800000) | (sum == 0.0f);
+    const anchored_lanes a = __builtin_bit_cast(anchored_lanes, x) & 0x7fffffff; // magnitudes
+    const anchored_lanes b = __builtin_bit_cast(anchored_lanes, y) & 0x7fffffff;
+    const anchored_lanes hi = a > b ? a : b;
+    const anchored_lanes zeros = hi == 0;
+    const anchored_lanes bits = __builtin_bit_cast(anchored_lanes, x + y) & ~zeros;
+    const anchored_lanes result = hi >= 0x7f800000 ? 0x7fc00000 : bits;
+    const anchored_lanes mask = (hi >= 0x0d000000) | zeros;
     std::memcpy(out, &result, sizeof result);
     std::memcpy(ok, &mask, sizeof mask);
 }

@@ -5,10 +5,10 @@
 
 #include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/finite.hpp"
 #include "lockstep/nn/batch_norm_params.hpp"
 #include "lockstep/nn/detail/bn_state.hpp"
 
-#include <cmath>
 #include <cstddef>
 #include <span>
 
@@ -20,7 +20,7 @@ namespace lockstep::nn::detail {
 template <class Acc>
 std::size_t validated_channels(std::size_t channels, const batch_norm_params& p) {
     LOCKSTEP_REQUIRE(
-        channels >= 1 && p.eps > 0 && std::isfinite(p.eps) && p.momentum >= 0 && p.momentum <= 1,
+        channels >= 1 && p.eps > 0 && is_finite(p.eps) && p.momentum >= 0 && p.momentum <= 1,
         errc::invalid_argument, -1, "batch_norm", "channels = ", channels, ", eps = ", p.eps,
         ", momentum = ", p.momentum, " (need channels >= 1, finite eps > 0, 0 <= momentum <= 1)");
     // The layer keeps 4 values per channel in one buffer (gamma, beta and their gradients).

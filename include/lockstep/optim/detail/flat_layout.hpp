@@ -3,6 +3,7 @@
 #pragma once
 
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/finite.hpp"
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/segmented.hpp"
 #include "lockstep/optim/optimizer.hpp"
@@ -197,9 +198,8 @@ std::int64_t load_slots(const char* op, const state_view<const T>& saved, const 
 /// Throws lockstep::error (invalid_argument) naming op and the parameter when v is not finite
 /// or below lo.
 inline void check_param(const char* op, const char* name, double v, double lo) {
-    LOCKSTEP_REQUIRE(v == v && v >= lo && v < std::numeric_limits<double>::infinity(),
-                     errc::invalid_argument, -1, op, name, " = ", v, " (must be finite and >= ", lo,
-                     ")");
+    LOCKSTEP_REQUIRE(is_finite(v) && v >= lo, errc::invalid_argument, -1, op, name, " = ", v,
+                     " (must be finite and >= ", lo, ")");
 }
 
 } // namespace lockstep::optim::detail

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "lockstep/core/config.hpp"
+#include "lockstep/core/finite.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
 
 #include <cstddef>
@@ -53,10 +54,8 @@ struct status_loss_fn {
     double* loss;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
         double own = 0.0;
-        for (std::size_t k = 0; k < count; ++k) {
-            const double v = terms[k];
-            own += (v - v == 0.0) ? 0.0 : v; // v - v is NaN exactly for NaN and infinities
-        }
+        for (std::size_t k = 0; k < count; ++k)
+            own += is_finite(terms[k]) ? 0.0 : terms[k];
         *loss += (first ? *global : 0.0) + own;
     }
 };

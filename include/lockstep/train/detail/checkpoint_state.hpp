@@ -5,6 +5,7 @@
 
 #include "lockstep/core/crc32c.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/finite.hpp"
 #include "lockstep/core/float16.hpp"
 #include "lockstep/optim/adam.hpp"
 #include "lockstep/optim/lamb.hpp"
@@ -384,7 +385,7 @@ void check_shard(DP& dp, const std::filesystem::path& file, shard_owner as, load
             const auto& sc = dp.scaler();
             const double interval =
                 sc.enabled() ? static_cast<double>(sc.config().growth_interval) : 1.0;
-            const bool ok = std::isfinite(v[0]) && v[0] > 0 && (sc.enabled() || v[0] == 1.0) &&
+            const bool ok = is_finite(v[0]) && v[0] > 0 && (sc.enabled() || v[0] == 1.0) &&
                             v[1] >= 0 && v[1] < interval && v[1] == std::floor(v[1]);
             if (!ok)
                 problems.push_back(concat("section 'trainer.loss_scale': scale ", v[0],

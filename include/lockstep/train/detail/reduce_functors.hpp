@@ -4,13 +4,13 @@
 #pragma once
 
 #include "lockstep/core/config.hpp"
+#include "lockstep/core/finite.hpp"
 #include "lockstep/core/float16.hpp"
 #include "lockstep/kernels/float16_convert.hpp"
 #include "lockstep/kernels/for_each.hpp"
 
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <span>
 
 #include <thrust/fill.h>
@@ -29,18 +29,10 @@ struct scale_fn {
     LOCKSTEP_HOST_DEVICE T operator()(T x) const { return x * s; }
 };
 
-/// 1 when x is NaN or infinite, else 0 (a bit test, immune to -ffast-math).
+/// 1 when x is NaN or infinite, else 0 (lockstep::is_finite).
 template <class T>
 struct non_finite_fn {
-    LOCKSTEP_HOST_DEVICE int operator()(T x) const {
-        if constexpr (sizeof(T) == 4) {
-            return (detail::float_bits(static_cast<float>(x)) & 0x7f800000u) == 0x7f800000u;
-        } else {
-            std::uint64_t u;
-            std::memcpy(&u, &x, sizeof u);
-            return (u & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
-        }
-    }
+    LOCKSTEP_HOST_DEVICE int operator()(T x) const { return is_finite(x) ? 0 : 1; }
 };
 
 /// The wire kernels of reduce::compressed (compressed_all_reduce.hpp). Wire values travel as

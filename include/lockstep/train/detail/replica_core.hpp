@@ -6,6 +6,7 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/finite.hpp"
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/detail/agreement.hpp"
@@ -20,7 +21,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -87,8 +87,7 @@ public:
         : comm_(&comm), ctx_(std::make_unique<context_type>(comm, tp.seed)), tp_(std::move(tp)) {
         LOCKSTEP_REQUIRE(tp_.micro_batches >= 1, errc::invalid_argument, comm.rank(),
                          "data_parallel", "micro_batches = ", tp_.micro_batches, " (must be >= 1)");
-        LOCKSTEP_REQUIRE(tp_.max_grad_norm >= 0 &&
-                             tp_.max_grad_norm < std::numeric_limits<double>::infinity(),
+        LOCKSTEP_REQUIRE(tp_.max_grad_norm >= 0 && is_finite(tp_.max_grad_norm),
                          errc::invalid_argument, comm.rank(), "data_parallel",
                          "max_grad_norm = ", tp_.max_grad_norm, " (must be finite and >= 0)");
         LOCKSTEP_REQUIRE(clips || tp_.max_grad_norm == 0, errc::unsupported, comm.rank(),

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "lockstep/core/config.hpp"
+#include "lockstep/core/finite.hpp"
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/detail/bucket_plan.hpp"
@@ -28,11 +29,6 @@
 
 namespace lockstep::detail {
 
-/// 1 when x is NaN or infinite.
-LOCKSTEP_HOST_DEVICE inline bool non_finite_double(double x) {
-    return non_finite_fn<double>{}(x) != 0;
-}
-
 /// Before the status all_reduce, from the pre-reduction tiles' sums: this replica's row and its
 /// part of the totals; totals->loss += loss first, then the loss is checked.
 struct finish_local_fn {
@@ -46,7 +42,7 @@ struct finish_local_fn {
         const double count = s.count;
         const double first = s.first;
         totals->loss += loss;
-        const double bad_loss = non_finite_double(totals->loss) ? 1.0 : 0.0;
+        const double bad_loss = is_finite(totals->loss) ? 0.0 : 1.0;
         totals->non_finite = count;
         totals->loss_non_finite = bad_loss;
         row->non_finite = count;
