@@ -144,6 +144,18 @@ struct binned_sum_fn {
     }
 };
 
+/// The reducer's own check in place: out[i] starts as the last chunk's value (the reducer marks
+/// the chunk it keeps), then anchored_own_check_fn marks it.
+template <class T>
+struct own_check_in_place_fn {
+    kernels::anchored_chunks<T> chunks;
+    T* out;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
+        out[i] = chunks.last[i];
+        kernels::anchored_own_check_fn<T>{chunks, out}(i);
+    }
+};
+
 /// leading zeros of words[i] into out[i].
 struct leading_zeros_fn {
     const std::uint64_t* words;
@@ -198,7 +210,7 @@ TEMPLATE_TEST_CASE("anchored sums on cuda_system equal the host's bit for bit",
         CHECK(host_device_differences<T>(sys, values, n, make) == 0);
         // The own check: one replica's chunks (the last one apart, as the reducer keeps it).
         const auto check = [&](const T* v, T* out) {
-            return kernels::anchored_own_check_fn<T>{{v, v + (calls - 1) * n, calls, n}, out};
+            return own_check_in_place_fn<T>{{v, v + (calls - 1) * n, calls, n}, out};
         };
         CHECK(host_device_differences<T>(sys, values, n, check) == 0);
     }

@@ -154,30 +154,38 @@ TEMPLATE_TEST_CASE("NCCL ranks: a synchronous trainer overlapping on the side-st
 // The odd ranks mark no gradient ready (knobs::skip_marks): they issue every bucket collective
 // (side-stream split) after all BN backward collectives (compute stream), while the even ranks
 // interleave them. NCCL_LAUNCH_ORDER_IMPLICIT launches each process's kernels in its own host
-// order, which now differs between ranks; the step must still complete (no hang, no timeout) and
-// reduce the same buckets: the weights equal the run where every rank marks, within 1e-6
-// (the same data through the same collectives; bitwise expected), the same bits on every rank.
-TEST_CASE("NCCL ranks: ranks issuing BN and bucket collectives in different host orders train "
-          "as ranks issuing them in one order",
+// order, which then differs between ranks: a BN collective waits on one rank for a peer whose
+// device runs a bucket collective first, which waits in turn. The first GPU run (2026-12-04,
+// H200, 2 ranks) deadlocked here, as NCCL documents for communicators used in different orders:
+// lockstep does not yet reorder the launches, so the marks must be the same on every replica
+// (docs/overlap.md). Until it does, the promise is that the step fails loudly, never hangs: every
+// rank's step ends in lockstep::error (its wait's timeout, 3 s here, or the peer's abort) well
+// within 30 s. Every rank marking alike trains (the first case of this file checks the values).
+TEST_CASE("NCCL ranks: ranks issuing BN and bucket collectives in different host orders fail "
+          "with an error on every rank, never hang",
           "[train][nccl][ranks][order][gpu]") {
     constexpr int steps = 3;
     constexpr std::size_t batch = 12;
     const train_params tp{.overlap = overlap_mode::always};
-    const auto run = [&](bool odd_ranks_skip_marks) {
-        return on_ranks([&](nccl_communicator& comm) {
-            const tn::knobs k{.skip_marks = odd_ranks_skip_marks && comm.rank() % 2 == 1};
+    auto comm = rank_communicator({.timeout = std::chrono::seconds(3)});
+    const auto start = std::chrono::steady_clock::now();
+    bool threw = false;
+    std::string what;
+    try {
+        aborting_on_failure(comm, [&] {
+            const tn::knobs k{.skip_marks = comm.rank() % 2 == 1};
             return train_with<sync::synchronous, small_buckets, bn::global>(comm, steps, batch, tp,
                                                                             k);
         });
-    };
-    const run_log one_order = run(false);
-    const run_log mixed = run(true);
-    REQUIRE(mixed.params.size() == one_order.params.size());
-    for (std::size_t s = 0; s < mixed.params.size(); ++s) {
-        INFO("rank " << my_rank() << " after step " << s);
-        CHECK(max_abs_diff(mixed.params[s], one_order.params[s]) <= 1e-6);
+    } catch (const lockstep::error& e) {
+        threw = true;
+        what = e.what();
+        CHECK((e.code() == errc::timeout || e.code() == errc::peer_failure));
     }
-    check_bits_equal_rank0(mixed);
+    const auto took = std::chrono::steady_clock::now() - start;
+    INFO("rank " << my_rank() << ": " << what);
+    CHECK(threw);
+    CHECK(took < std::chrono::seconds(30));
 }
 
 namespace {

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -103,13 +104,20 @@ TEST_CASE("verify_replicas on the GPU waits only through the communicator's poll
     // Healthy: one rank agrees with itself.
     CHECK_NOTHROW(lockstep::detail::verify_replicas(comm, sys, 1, sections));
 
-    // The stream held (as by a collective whose peer never comes) for up to 8 s: the check
-    // must end with the communicator's 500 ms timeout, not block in a reduction until then.
+    // The stream held (as by a collective whose peer never comes) until a watchdog releases it
+    // after 2.5 s, as the abort that follows a timeout ends a stuck NCCL kernel. The check must
+    // end with the communicator's 500 ms timeout: a blocking reduction before the polled wait
+    // would instead wait for the release and then succeed. The pinned memory the throw frees
+    // (cudaFreeHost waits for the device) is freed once the hold has ended, within the 6 s.
     int* release = nullptr;
     REQUIRE(cudaHostAlloc(&release, sizeof(int), cudaHostAllocMapped) == cudaSuccess);
     *release = 0;
     hold_stream<<<1, 1, 0, sys.stream()>>>(release, 8'000'000'000ull);
     REQUIRE(cudaGetLastError() == cudaSuccess);
+    std::thread watchdog([release] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+        *static_cast<volatile int*>(release) = 1;
+    });
     const auto start = std::chrono::steady_clock::now();
     lockstep::errc code = lockstep::errc::internal;
     bool threw = false;
@@ -120,7 +128,7 @@ TEST_CASE("verify_replicas on the GPU waits only through the communicator's poll
         code = e.code();
     }
     const auto waited = std::chrono::steady_clock::now() - start;
-    *release = 1;
+    watchdog.join();
     CHECK(cudaDeviceSynchronize() == cudaSuccess);
     CHECK(threw);
     CHECK(code == lockstep::errc::timeout);
