@@ -1,7 +1,8 @@
 // file_coordinator across processes (the rank launcher, 3 ranks on the CPU): the survivors of a
 // generation take one decision on who continues, the same on every rank; a member that never
 // comes (SIGKILLed) or comes after the deadline is left out, and one left out cannot join the
-// next generation; a directory holding an earlier run's decisions is refused.
+// next generation; every survivor gets the first survivor's shared bytes, and waits for them at
+// most its timeout; a directory holding an earlier run's decisions is refused.
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/file_coordinator.hpp"
 
@@ -12,8 +13,10 @@
 
 #include <chrono>
 #include <csignal>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -29,6 +32,12 @@ using ranks::shared_dir;
 
 const std::vector<int> all3{0, 1, 2};
 
+std::vector<std::byte> bytes_of(const std::string& text) {
+    std::vector<std::byte> out(text.size());
+    std::memcpy(out.data(), text.data(), text.size());
+    return out;
+}
+
 } // namespace
 
 TEST_CASE("file_coordinator: when every member comes, all continue, in every generation",
@@ -39,6 +48,14 @@ TEST_CASE("file_coordinator: when every member comes, all continue, in every gen
     const int me = ranks::rank();
     CHECK(c(0, me, all3, 30s) == all3);
     CHECK(c(1, me, all3, 30s) == all3);
+    // share: every survivor gets the first survivor's bytes, and only the first one makes them.
+    int made = 0;
+    const auto mine = [&] {
+        ++made;
+        return bytes_of("from member " + std::to_string(me));
+    };
+    CHECK(c.share(1, me, all3, 30s, mine) == bytes_of("from member 0"));
+    CHECK(made == (me == 0 ? 1 : 0));
     REQUIRE(ranks::agree(true, "done with the directory"));
 }
 
@@ -89,6 +106,16 @@ TEST_CASE("file_coordinator: a directory with an earlier run's decision is refus
         }
         CHECK_THROWS_AS(c(0, 3, std::vector<int>{0, 1}, 1s), lockstep::error); // not a member
         CHECK_THROWS_AS(c(0, 0, std::vector<int>{0}, 0ms), lockstep::error);   // no deadline
+        // share: a first survivor (member 0) that never shares is waited for until the timeout.
+        const auto start = std::chrono::steady_clock::now();
+        try {
+            (void)c.share(7, 1, std::vector<int>{0, 1}, 200ms, [] { return bytes_of("x"); });
+            FAIL("share returned without the first survivor's bytes");
+        } catch (const lockstep::error& e) {
+            CHECK(e.code() == errc::timeout);
+            CHECK(std::string(e.what()).find("member 0") != std::string::npos);
+        }
+        CHECK(std::chrono::steady_clock::now() - start >= 200ms);
     }
 }
 
@@ -104,6 +131,8 @@ TEST_CASE("file_coordinator: the survivors of a SIGKILLed member leave it out", 
         std::raise(SIGKILL);
     }
     CHECK(c(0, me, all3, 500ms) == std::vector<int>{0, 1});
+    CHECK(c.share(0, me, std::vector<int>{0, 1}, 30s,
+                  [&] { return bytes_of(std::to_string(me)); }) == bytes_of("0"));
     CHECK(c(1, me, std::vector<int>{0, 1}, 30s) == std::vector<int>{0, 1});
     REQUIRE(ranks::agree(true, "done with the directory"));
 }

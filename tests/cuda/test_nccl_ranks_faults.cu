@@ -3,10 +3,10 @@
 // lockstep::error (errc::peer_failure, or errc::timeout after its communicator's timeout:
 // LOCKSTEP_TIMEOUT) within that timeout, never hang, and the flight recorder files the survivors
 // write name the culprit (scripts/trace_merge.py: "culprit: replica R"); with
-// on_replica_failure = shrink the survivors instead continue without it (ncclCommRevoke,
-// ncclCommShrink) to the bits of an undisturbed run. Each case is its own CTest test ([throw],
-// [kill], [shrink]); the kill and shrink cases end with one rank fewer. Every case needs a GPU
-// (tagged [gpu]). SPDX-License-Identifier: Apache-2.0
+// on_replica_failure = shrink the survivors instead continue without it (ncclCommRevoke, a new
+// communicator from the NCCL id the first survivor shares) to the bits of an undisturbed run. Each
+// case is its own CTest test ([throw], [kill], [shrink]); the kill and shrink cases end with one
+// rank fewer. Every case needs a GPU (tagged [gpu]). SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/file_coordinator.hpp"
 #include "lockstep/comm/nccl_communicator.hpp"
 #include "lockstep/optim/sgd.hpp"
@@ -247,9 +247,9 @@ TEST_CASE("NCCL ranks: a rank SIGKILLed mid-step ends as an error on every survi
 // Declared last too: afterwards the process runs with one rank fewer. reduce::reproducible's
 // bits do not depend on the replica count, and the data order is keyed by the global sample
 // index, so the survivors of a rank lost in step 2 (found by the timeout or NCCL's remote error,
-// left out by the file_coordinator's decision after one more timeout, the communicator shrunk
-// with ncclCommShrink, step 2 computed again on fewer ranks) end every step with the parameter
-// bits and losses of the undisturbed run, and all survivors hold rank 0's.
+// left out by the file_coordinator's decision after one more timeout, a new communicator made
+// from the id the first survivor shares, step 2 computed again on fewer ranks) end every step with
+// the parameter bits and losses of the undisturbed run, and all survivors hold rank 0's.
 TEST_CASE("NCCL ranks: with on_replica_failure = shrink the survivors of a rank SIGKILLed "
           "mid-step continue to the bits of an undisturbed run",
           "[train][nccl][ranks][fault][shrink][gpu]") {

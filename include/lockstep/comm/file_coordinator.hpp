@@ -8,11 +8,15 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <concepts>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
+#include <memory>
 #include <span>
 #include <sstream>
 #include <string>
@@ -24,15 +28,71 @@
 
 namespace lockstep {
 
-/// The survivors' one decision (nccl_communicator::shrink, nccl_options::survivors): called by
-/// every member of generation `generation` that is still alive, with its own member id and the
-/// generation's members (ids in ascending order), it returns the members that continue, in
-/// ascending order: the same list on every caller, whatever the order and timing of the calls.
-/// A caller missing from the list was left out (it arrived too late): it must not join the next
-/// generation. `timeout` bounds how long a caller waits for members that may never come.
-using survivor_agreement = std::function<std::vector<int>(std::uint64_t generation, int member,
-                                                          std::span<const int> members,
-                                                          std::chrono::milliseconds timeout)>;
+/// How the survivors of a group that lost a member across processes agree (nccl_options::
+/// survivors, nccl_communicator::shrink): a type-erased object with two collective calls over
+/// the members still alive. `decide(generation, member, members, timeout)` (operator()), called
+/// with the caller's member id and the generation's members (ids in ascending order), returns
+/// the members that continue, in ascending order: the same list on every caller, whatever the
+/// order and timing of the calls. A caller missing from the list was left out (it arrived too
+/// late): it must not join the next generation. `timeout` bounds how long a caller waits for
+/// members that may never come. `share(generation, member, survivors, timeout, make)`, called by
+/// every member of that decision, returns the bytes the first survivor (survivors.front()) got
+/// from its own `make()`, the same on every caller (the NCCL id the survivors' communicator is
+/// made from); a caller waits at most `timeout` for them. file_coordinator is one.
+class survivor_agreement {
+public:
+    using make_fn = std::function<std::vector<std::byte>()>;
+
+    survivor_agreement() = default;
+    /// Any object with both calls (file_coordinator); held by a shared pointer, so copies of the
+    /// agreement share it.
+    template <class C>
+    requires requires(const C& c, std::span<const int> m, const make_fn& f) {
+        {
+            c(std::uint64_t{}, 0, m, std::chrono::milliseconds{})
+            } -> std::convertible_to<std::vector<int>>;
+        {
+            c.share(std::uint64_t{}, 0, m, std::chrono::milliseconds{}, f)
+            } -> std::convertible_to<std::vector<std::byte>>;
+    }
+    survivor_agreement(C c) // NOLINT(google-explicit-constructor): assigned as an option
+        : impl_(std::make_shared<model<C>>(std::move(c))) {}
+
+    explicit operator bool() const noexcept { return impl_ != nullptr; }
+
+    std::vector<int> operator()(std::uint64_t generation, int member, std::span<const int> members,
+                                std::chrono::milliseconds timeout) const {
+        return impl_->decide(generation, member, members, timeout);
+    }
+    std::vector<std::byte> share(std::uint64_t generation, int member,
+                                 std::span<const int> survivors, std::chrono::milliseconds timeout,
+                                 const make_fn& make) const {
+        return impl_->share(generation, member, survivors, timeout, make);
+    }
+
+private:
+    struct concept_t {
+        virtual ~concept_t() = default;
+        virtual std::vector<int> decide(std::uint64_t, int, std::span<const int>,
+                                        std::chrono::milliseconds) const = 0;
+        virtual std::vector<std::byte> share(std::uint64_t, int, std::span<const int>,
+                                             std::chrono::milliseconds, const make_fn&) const = 0;
+    };
+    template <class C>
+    struct model final : concept_t {
+        explicit model(C c) : c_(std::move(c)) {}
+        std::vector<int> decide(std::uint64_t g, int m, std::span<const int> ms,
+                                std::chrono::milliseconds t) const override {
+            return c_(g, m, ms, t);
+        }
+        std::vector<std::byte> share(std::uint64_t g, int m, std::span<const int> s,
+                                     std::chrono::milliseconds t, const make_fn& f) const override {
+            return c_.share(g, m, s, t, f);
+        }
+        C c_;
+    };
+    std::shared_ptr<const concept_t> impl_;
+};
 
 /// A survivor_agreement through a directory that every process of the job sees (a local one for
 /// one machine, a shared file system across machines: it needs link() to fail atomically on an
@@ -41,7 +101,9 @@ using survivor_agreement = std::function<std::vector<int>(std::uint64_t generati
 /// passed since its call; the first caller to get there publishes the members that arrived as
 /// the decision (`g<g>.decision`, written to a temporary name and linked, so it appears whole
 /// and only once), and every caller returns that decision. A member that arrives after it sees
-/// itself left out. One directory per job and communicator: the constructor refuses one holding
+/// itself left out. `share` of generation g: the first survivor writes its bytes to
+/// `g<g>.shared` (under another name, then linked), the others wait for that file. One
+/// directory per job and communicator: the constructor refuses one holding
 /// an earlier run's decisions (they would be taken for this run's), but cannot tell an earlier
 /// run's arrival marks from this run's (a member wrongly counted as arrived makes the survivors'
 /// shrink wait for it and fail with errc::timeout). On NFS, mount
@@ -94,11 +156,47 @@ public:
                 if (std::filesystem::exists(dir_ / (g + ".arrived." + std::to_string(m)), ec))
                     arrived.push_back(m);
             if (arrived.size() == members.size() || std::chrono::steady_clock::now() >= deadline) {
-                publish(decision, g + ".proposal." + std::to_string(member), arrived, member);
+                std::string text;
+                for (int m : arrived)
+                    text += std::to_string(m) + '\n';
+                publish(decision, g + ".proposal", text, member);
                 return read(decision, members, member);
             }
             std::this_thread::sleep_for(std::chrono::milliseconds(2));
         }
+    }
+
+    /// survivor_agreement::share. requires: `member` in `survivors` (the decision), timeout > 0.
+    /// Throws errc::timeout when the first survivor's bytes do not come within `timeout` (it was
+    /// lost after the decision).
+    std::vector<std::byte> share(std::uint64_t generation, int member,
+                                 std::span<const int> survivors, std::chrono::milliseconds timeout,
+                                 const survivor_agreement::make_fn& make) const {
+        const std::string op = "file_coordinator.share";
+        LOCKSTEP_REQUIRE(std::binary_search(survivors.begin(), survivors.end(), member),
+                         errc::invalid_argument, member, op, "member ", member,
+                         " is not one of the survivors");
+        const std::string g = "g" + std::to_string(generation);
+        const std::filesystem::path shared = dir_ / (g + ".shared");
+        if (member == survivors.front()) {
+            std::vector<std::byte> bytes = make();
+            publish(shared, g + ".sharing", std::string(), member, bytes);
+            return bytes;
+        }
+        const auto deadline = std::chrono::steady_clock::now() + timeout;
+        for (std::error_code ec; !std::filesystem::exists(shared, ec);) {
+            LOCKSTEP_REQUIRE(std::chrono::steady_clock::now() < deadline, errc::timeout, member, op,
+                             "the first survivor (member ", survivors.front(),
+                             ") did not share its bytes of generation ", generation, " within ",
+                             timeout.count(), " ms: it was lost after the decision");
+            std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        }
+        std::ifstream f(shared, std::ios::binary);
+        const std::string text((std::istreambuf_iterator<char>(f)),
+                               std::istreambuf_iterator<char>());
+        std::vector<std::byte> out(text.size());
+        std::memcpy(out.data(), text.data(), text.size());
+        return out;
     }
 
 private:
@@ -108,15 +206,18 @@ private:
                          "cannot create ", (dir_ / name).string());
     }
 
-    /// Writes `arrived` to `proposal`, then links it to `decision` unless another caller's is
-    /// there already (link fails with EEXIST: that one stands).
+    /// Writes `text` (or `bytes`, when given) to `proposal`, then links it to `decision` unless
+    /// another caller's is there already (link fails with EEXIST: that one stands).
     void publish(const std::filesystem::path& decision, const std::string& proposal,
-                 const std::vector<int>& arrived, int member) const {
-        const std::filesystem::path tmp = dir_ / proposal;
+                 const std::string& text, int member, std::span<const std::byte> bytes = {}) const {
+        const std::filesystem::path tmp = dir_ / (proposal + "." + std::to_string(member));
         {
-            std::ofstream f(tmp, std::ios::trunc);
-            for (int m : arrived)
-                f << m << '\n';
+            std::ofstream f(tmp, std::ios::trunc | std::ios::binary);
+            if (bytes.empty())
+                f << text;
+            else
+                f.write(reinterpret_cast<const char*>(bytes.data()), // NOLINT: bytes as chars
+                        static_cast<std::streamsize>(bytes.size()));
             f.flush();
             LOCKSTEP_REQUIRE(static_cast<bool>(f), errc::communication, member, "file_coordinator",
                              "cannot write ", tmp.string());

@@ -625,8 +625,9 @@ public:
     /// Leaves this communicator, failed (revoked) or not, for one of the survivors (collective
     /// over them). The survivors agree through nccl_options::survivors (e.g. a file_coordinator)
     /// on who continues: every member of this generation that comes within two timeouts. The
-    /// family is revoked first (its operations in flight stop), then ncclCommShrink leaves the
-    /// others out (made on a helper thread, at most the timeout), then the old family (this
+    /// family is revoked first (its operations in flight stop); the survivors then join a new
+    /// communicator (ncclCommInitRank from the NCCL id the first survivor shares through the
+    /// agreement, made on a helper thread, at most the timeout), then the old family (this
     /// communicator's and its splits) is aborted, not destroyed. ensures: rank() is this
     /// replica's position among the survivors in their old rank order, size() their number,
     /// generation() + 1, a new identity() (so splits are made again from the new communicator),

@@ -1,5 +1,5 @@
 // lockstep/comm/detail/nccl_deadline.hpp: an NCCL call that makes a communicator
-// (ncclCommInitRank, ncclCommSplit, ncclCommShrink: each returns only once every rank that takes
+// (ncclCommInitRank, ncclCommSplit: each returns only once every rank that takes
 // part has made it) run against a deadline. SPDX-License-Identifier: Apache-2.0
 #pragma once
 

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <numeric>
 #include <span>
@@ -33,8 +34,9 @@ public:
     /// family, takes the survivors' decision (nccl_options::survivors, waiting at most two
     /// timeouts: a survivor can find the loss up to one timeout after another, since it waits
     /// for a survivor that already stopped answering), throws errc::peer_failure when it left
-    /// this replica out, makes the survivors' communicator (nccl_survivors_comm) on h's device and
-    /// stream and aborts h's family. Returns the members left out, ascending.
+    /// this replica out, takes the NCCL id the first survivor makes (the agreement's share, at
+    /// most two timeouts), makes the survivors' communicator from it (nccl_survivors_comm) on h's
+    /// device and stream and aborts h's family. Returns the members left out, ascending.
     /// requires: h.shrink_problem() empty.
     std::vector<int> next(nccl_handle& h, const std::string& op) {
         if (members_.empty()) { // generation 0: the members are the ranks
@@ -48,28 +50,47 @@ public:
         LOCKSTEP_REQUIRE(!h.aborted(), errc::communication, h.rank(), op,
                          "the communicator was aborted, not revoked: it cannot be shrunk");
         const nccl_options options = h.options();
-        const std::vector<int> survivors = options.survivors(
-            generation_, member_, std::span<const int>(members_), 2 * options.timeout);
-        if (!std::binary_search(survivors.begin(), survivors.end(), member_)) {
+        std::vector<int> survivors;
+        std::vector<std::byte> shared;
+        try {
+            survivors = options.survivors(generation_, member_, std::span<const int>(members_),
+                                          2 * options.timeout);
+            if (!std::binary_search(survivors.begin(), survivors.end(), member_))
+                fail(errc::peer_failure, h.rank(), op, "the survivors of generation ", generation_,
+                     " left this replica (member ", member_,
+                     ") out: it came to their decision after its deadline; it must not continue");
+            shared = options.survivors.share(generation_, member_, std::span<const int>(survivors),
+                                             2 * options.timeout, [] {
+                                                 ncclUniqueId id{};
+                                                 LOCKSTEP_NCCL_CHECK(ncclGetUniqueId(&id));
+                                                 std::vector<std::byte> b(sizeof id);
+                                                 std::memcpy(b.data(), &id, sizeof id);
+                                                 return b;
+                                             });
+        } catch (...) {
             h.abort();
-            fail(errc::peer_failure, h.rank(), op, "the survivors of generation ", generation_,
-                 " left this replica (member ", member_,
-                 ") out: it came to their decision after its deadline; it must not continue");
+            throw;
         }
-        std::vector<int> excluded, lost;
-        for (std::size_t r = 0; r < members_.size(); ++r)
-            if (!std::binary_search(survivors.begin(), survivors.end(), members_[r])) {
-                excluded.push_back(static_cast<int>(r));
-                lost.push_back(members_[r]);
-            }
-        ncclComm_t fresh = nccl_survivors_comm(h.comm(), h.device(), h.rank(), excluded,
-                                               options.timeout, *h.family(), op);
+        std::vector<int> lost;
+        for (int m : members_)
+            if (!std::binary_search(survivors.begin(), survivors.end(), m))
+                lost.push_back(m);
+        const auto at = std::lower_bound(survivors.begin(), survivors.end(), member_);
+        if (shared.size() != sizeof(ncclUniqueId)) {
+            h.abort();
+            fail(errc::internal, h.rank(), op, "the survivors shared ", shared.size(),
+                 " bytes, not an NCCL id of ", sizeof(ncclUniqueId));
+        }
+        ncclUniqueId id{};
+        std::memcpy(&id, shared.data(), sizeof id);
+        ncclComm_t fresh = nccl_survivors_comm(id, static_cast<int>(survivors.size()),
+                                               static_cast<int>(at - survivors.begin()), h.device(),
+                                               options.timeout, *h.family(), h.rank(), op);
         const nccl_handle::stream_source stream{
             .shared = h.owned_stream(), .adopted = h.adopted_stream() ? h.stream() : nullptr};
         h.abort(); // the old family: aborted, never destroyed (a destroy could wait for it)
         h = nccl_handle(fresh, h.device(), stream, std::make_shared<nccl_clique>(), nullptr,
                         options);
-        const auto at = std::lower_bound(survivors.begin(), survivors.end(), member_);
         LOCKSTEP_REQUIRE(h.rank() == static_cast<int>(at - survivors.begin()) &&
                              h.size() == static_cast<int>(survivors.size()),
                          errc::internal, h.rank(), op, "NCCL made rank ", h.rank(), " of ",

@@ -80,10 +80,10 @@ struct redo_point {
 
 /// Agrees with the survivors (collective over the shrunk comm) on the step to compute again.
 /// Each offers the steps it can start from: `kept` (the step whose start it kept, -1: none) and
-/// `live` (its step counter: the start of that step when it failed at the step's fence or
-/// after the step ended). A replica can be one step ahead of another (it completed the last
-/// collective of a step another failed in), never more; the earliest live step is chosen, which
-/// every survivor holds. Throws errc::internal when the offers do not overlap.
+/// `live` (the step its failed call had begun: its live state is that step's start when it
+/// failed at the step's fence, before keeping it). A replica can be one step ahead of another (it
+/// completed the last collective of a step another failed in), never more; the earliest live step
+/// is chosen, which every survivor holds. Throws errc::internal when the offers do not overlap.
 template <communicator Comm>
 redo_point agree_redo(Comm& comm, std::int64_t kept, std::int64_t live) {
     const std::int64_t lo = kept >= 0 ? kept : live;
@@ -160,7 +160,8 @@ public:
         const std::int64_t target = core.steps();
         int lost = 0;
         for (;;) {
-            const bool earlier = core.steps() < target;
+            const std::int64_t begun = core.steps();
+            const bool earlier = begun < target;
             const std::size_t g = earlier ? rollback_.global() : global;
             try {
                 core.comm().barrier(collective_tag("data_parallel.fence"));
@@ -175,7 +176,7 @@ public:
             } catch (const error& e) {
                 if (lost > 0 || !is_replica_loss(e, core.comm().run_failure()))
                     throw;
-                lost = recover(core, parts, e, rebuild);
+                lost = recover(core, parts, e, rebuild, begun);
             }
         }
     }
@@ -184,12 +185,16 @@ private:
     /// Shrinks, agrees on the step to start from, puts its start back (parameters, state,
     /// counters, loss scale, skip streak) and rebuilds the parts. Returns the replicas lost.
     /// (The failed step drained its collective before it threw: once() is data_parallel's
-    /// step_once.)
+    /// step_once.) `live` is the step the failed call had begun, not the step counter: on a
+    /// device the counter advances when the step's work is enqueued, before the wait for its
+    /// result finds the loss, and the work queued behind the aborted collectives (the update)
+    /// has run on whatever they left, so the step's start must be put back (on an H200 the
+    /// survivors otherwise continued one update ahead of an undisturbed run).
     template <class Parts, class Rebuild>
-    int recover(Core& core, std::unique_ptr<Parts>& parts, const error& cause, Rebuild& rebuild) {
+    int recover(Core& core, std::unique_ptr<Parts>& parts, const error& cause, Rebuild& rebuild,
+                std::int64_t live) {
         auto& comm = core.comm();
         const int before = comm.size();
-        const std::int64_t live = core.steps();
         const std::vector<int> gone = comm.shrink();
         std::string names;
         for (int r : gone)
