@@ -160,7 +160,8 @@ TEMPLATE_TEST_CASE("NCCL ranks: a synchronous trainer overlapping on the side-st
 // lockstep does not yet reorder the launches, so the marks must be the same on every replica
 // (docs/overlap.md). Until it does, the promise is that the step fails loudly, never hangs: every
 // rank's step ends in lockstep::error (its wait's timeout, 3 s here, or the peer's abort) well
-// within 30 s. Every rank marking alike trains (the first case of this file checks the values).
+// within 30 s, and the error names the likely cause (detail::with_mark_order_hint). Every rank
+// marking alike trains (the first case of this file checks the values).
 TEST_CASE("NCCL ranks: ranks issuing BN and bucket collectives in different host orders fail "
           "with an error on every rank, never hang",
           "[train][nccl][ranks][order][gpu]") {
@@ -181,6 +182,7 @@ TEST_CASE("NCCL ranks: ranks issuing BN and bucket collectives in different host
         threw = true;
         what = e.what();
         CHECK((e.code() == errc::timeout || e.code() == errc::peer_failure));
+        CHECK(what.find("mark_ready at the same program points") != std::string::npos);
     }
     const auto took = std::chrono::steady_clock::now() - start;
     INFO("rank " << my_rank() << ": " << what);

@@ -18,6 +18,7 @@
 #include "lockstep/train/detail/finish_check.hpp"
 #include "lockstep/train/detail/gradient_collective.hpp"
 #include "lockstep/train/detail/local_sgd_driver.hpp"
+#include "lockstep/train/detail/mark_order_hint.hpp"
 #include "lockstep/train/detail/overlap.hpp"
 #include "lockstep/train/detail/parameter_server_collective.hpp"
 #include "lockstep/train/detail/replica_consistency.hpp"
@@ -346,7 +347,9 @@ private:
             parts_->collective.drain();
             abort_communicator();
             detail::rethrow_naming_empty_shards(
-                e, global_batch, static_cast<std::size_t>(core_.params().micro_batches),
+                detail::with_mark_order_hint(e, parts_->collective.overlaps() &&
+                                                    detail::overlaps_on_side_stream<Communicator>),
+                global_batch, static_cast<std::size_t>(core_.params().micro_batches),
                 ReducePolicy::chunk_samples, this->size());
         } catch (...) {
             parts_->stages.set_capturing(false);
