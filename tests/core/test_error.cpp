@@ -15,6 +15,7 @@ TEST_CASE("error names the replica, the operation and the values", "[core]") {
         CHECK(e.code() == lockstep::errc::count_mismatch);
         CHECK(e.replica() == 2);
         CHECK(e.operation() == "all_reduce #5");
+        CHECK(e.details() == "got 7 elements, expected 3");
         CHECK(std::string(e.what()) ==
               "lockstep error [count_mismatch] replica 2: all_reduce #5: got 7 elements, "
               "expected 3");

@@ -159,7 +159,7 @@ public:
                 std::string text;
                 for (int m : arrived)
                     text += std::to_string(m) + '\n';
-                publish(decision, g + ".proposal", text, member);
+                publish(decision, g + ".proposal", std::as_bytes(std::span(text)), member);
                 return read(decision, members, member);
             }
             std::this_thread::sleep_for(std::chrono::milliseconds(2));
@@ -180,7 +180,7 @@ public:
         const std::filesystem::path shared = dir_ / (g + ".shared");
         if (member == survivors.front()) {
             std::vector<std::byte> bytes = make();
-            publish(shared, g + ".sharing", std::string(), member, bytes);
+            publish(shared, g + ".sharing", bytes, member);
             return bytes;
         }
         const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -206,18 +206,15 @@ private:
                          "cannot create ", (dir_ / name).string());
     }
 
-    /// Writes `text` (or `bytes`, when given) to `proposal`, then links it to `decision` unless
-    /// another caller's is there already (link fails with EEXIST: that one stands).
+    /// Writes `bytes` to `proposal`, then links it to `decision` unless another caller's is
+    /// there already (link fails with EEXIST: that one stands).
     void publish(const std::filesystem::path& decision, const std::string& proposal,
-                 const std::string& text, int member, std::span<const std::byte> bytes = {}) const {
+                 std::span<const std::byte> bytes, int member) const {
         const std::filesystem::path tmp = dir_ / (proposal + "." + std::to_string(member));
         {
             std::ofstream f(tmp, std::ios::trunc | std::ios::binary);
-            if (bytes.empty())
-                f << text;
-            else
-                f.write(reinterpret_cast<const char*>(bytes.data()), // NOLINT: bytes as chars
-                        static_cast<std::streamsize>(bytes.size()));
+            f.write(reinterpret_cast<const char*>(bytes.data()), // NOLINT: bytes as chars
+                    static_cast<std::streamsize>(bytes.size()));
             f.flush();
             LOCKSTEP_REQUIRE(static_cast<bool>(f), errc::communication, member, "file_coordinator",
                              "cannot write ", tmp.string());

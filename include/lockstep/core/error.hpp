@@ -82,7 +82,7 @@ class error : public std::runtime_error {
 public:
     error(errc code, int replica, std::string operation, const std::string& details)
         : std::runtime_error(compose(code, replica, operation, details)), code_(code),
-          replica_(replica), operation_(std::move(operation)) {}
+          replica_(replica), operation_(std::move(operation)), details_(details) {}
 
     /// The error code.
     errc code() const noexcept { return code_; }
@@ -90,6 +90,9 @@ public:
     int replica() const noexcept { return replica_; }
     /// The operation that failed, e.g. "all_reduce #12" or "batch_norm.forward".
     const std::string& operation() const noexcept { return operation_; }
+    /// What failed, as passed: what() without the code, replica and operation (so a handler can
+    /// rethrow with a cause added, keeping the rest).
+    const std::string& details() const noexcept { return details_; }
 
 private:
     static std::string compose(errc code, int replica, const std::string& op,
@@ -108,6 +111,7 @@ private:
     errc code_;
     int replica_;
     std::string operation_;
+    std::string details_;
 };
 
 namespace detail {

@@ -75,7 +75,8 @@ public:
         for (int m : members_)
             if (!std::binary_search(survivors.begin(), survivors.end(), m))
                 lost.push_back(m);
-        const auto at = std::lower_bound(survivors.begin(), survivors.end(), member_);
+        const int new_rank = static_cast<int>(
+            std::lower_bound(survivors.begin(), survivors.end(), member_) - survivors.begin());
         if (shared.size() != sizeof(ncclUniqueId)) {
             h.abort();
             fail(errc::internal, h.rank(), op, "the survivors shared ", shared.size(),
@@ -83,16 +84,15 @@ public:
         }
         ncclUniqueId id{};
         std::memcpy(&id, shared.data(), sizeof id);
-        ncclComm_t fresh = nccl_survivors_comm(id, static_cast<int>(survivors.size()),
-                                               static_cast<int>(at - survivors.begin()), h.device(),
-                                               options.timeout, *h.family(), h.rank(), op);
+        ncclComm_t fresh =
+            nccl_survivors_comm(id, static_cast<int>(survivors.size()), new_rank, h.device(),
+                                options.timeout, *h.family(), h.rank(), op);
         const nccl_handle::stream_source stream{
             .shared = h.owned_stream(), .adopted = h.adopted_stream() ? h.stream() : nullptr};
         h.abort(); // the old family: aborted, never destroyed (a destroy could wait for it)
         h = nccl_handle(fresh, h.device(), stream, std::make_shared<nccl_clique>(), nullptr,
                         options);
-        LOCKSTEP_REQUIRE(h.rank() == static_cast<int>(at - survivors.begin()) &&
-                             h.size() == static_cast<int>(survivors.size()),
+        LOCKSTEP_REQUIRE(h.rank() == new_rank && h.size() == static_cast<int>(survivors.size()),
                          errc::internal, h.rank(), op, "NCCL made rank ", h.rank(), " of ",
                          h.size(), " for member ", member_, " of ", survivors.size(), " survivors");
         members_ = survivors;

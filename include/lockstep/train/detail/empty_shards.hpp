@@ -52,9 +52,7 @@ inline std::string empty_shard_replicas(std::size_t global, std::size_t micro_ba
     if (empty.empty())
         throw e;
     throw error(e.code(), e.replica(), e.operation(),
-                concat(std::string(e.what()).substr(std::string(e.what()).find(e.operation()) +
-                                                    e.operation().size() + 2),
-                       "; in this step the step function saw no sample on ", empty,
+                concat(e.details(), "; in this step the step function saw no sample on ", empty,
                        " (global batch ", global, " over ", size,
                        " replicas): it must still call every layer that communicates (batch norm: "
                        "forward_train and backward with 0 samples), or the replicas call "

@@ -5,8 +5,6 @@
 
 #include "lockstep/core/error.hpp"
 
-#include <string>
-
 namespace lockstep::detail {
 
 /// `e` with the launch-order deadlock named, when it is a timeout or a peer's failure of a step
@@ -18,12 +16,8 @@ namespace lockstep::detail {
 inline error with_mark_order_hint(const error& e, bool side_stream_overlap) {
     if (!side_stream_overlap || (e.code() != errc::timeout && e.code() != errc::peer_failure))
         return e;
-    const std::string what = e.what();
-    const std::size_t at = what.find(e.operation());
-    const std::string details =
-        at == std::string::npos ? what : what.substr(at + e.operation().size() + 2);
     return {e.code(), e.replica(), e.operation(),
-            concat(details,
+            concat(e.details(),
                    "; with overlap on this GPU's communicators, this is also what replicas get "
                    "whose ctx.mark_ready calls fall at different points relative to their "
                    "batch-norm layers' collectives (a replica that marks fewer tensors, or none): "
