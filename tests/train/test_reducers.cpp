@@ -3,7 +3,6 @@
 // data. SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/train/detail/bucketed_collective.hpp"
-#include "lockstep/train/detail/chunk_ready.hpp"
 #include "lockstep/train/detail/compressed_collective.hpp"
 #include "lockstep/train/detail/parameter_server_collective.hpp"
 
@@ -102,36 +101,6 @@ TEST_CASE("buckets launch in plan order, each once its prefix is ready", "[train
     l.finish(launch);
     CHECK(launched == std::vector<std::size_t>{3, 1, 0});
     CHECK_THROWS_AS(l.mark_ready(9, launch), error);
-}
-
-TEST_CASE("chunk_ready takes each marked tensor once and the rest in maximal runs",
-          "[train][reducer]") {
-    // Tensors of 3, 2, 4, 1 elements at 0, 3, 5, 9 and 2 elements past them (n = 12).
-    const auto ts = layout({3, 2, 4, 1});
-    detail::chunk_ready ready(ts, 12, 1);
-    std::vector<std::pair<std::size_t, std::size_t>> taken;
-    auto take = [&](std::size_t first, std::size_t count) { taken.emplace_back(first, count); };
-    ready.reset();
-    ready.mark(2, take);
-    ready.mark(0, take);
-    ready.mark(2, take); // again: no effect
-    ready.rest(take);
-    CHECK(taken ==
-          std::vector<std::pair<std::size_t, std::size_t>>{{5, 4}, {0, 3}, {3, 2}, {9, 3}});
-    // A new chunk forgets the marks: nothing marked, one run of everything.
-    ready.reset();
-    taken.clear();
-    ready.rest(take);
-    CHECK(taken == std::vector<std::pair<std::size_t, std::size_t>>{{0, 12}});
-    // Every tensor marked: nothing left but the elements past them.
-    ready.reset();
-    taken.clear();
-    for (std::size_t t = 4; t-- > 0;)
-        ready.mark(t, take);
-    ready.rest(take);
-    CHECK(taken == std::vector<std::pair<std::size_t, std::size_t>>{
-                       {9, 1}, {5, 4}, {3, 2}, {0, 3}, {10, 2}});
-    CHECK_THROWS_AS(ready.mark(4, take), error);
 }
 
 namespace {

@@ -203,10 +203,12 @@ public:
         } else {
             finalize_blocks(comm, g);
         }
-        const bool in_regions = gathered_; // else every replica's row of small_recv_
-        run(1, gathered_loss_fn{
-                   in_regions ? terms_of(0) : small_recv_.data(), replicas_, row_.terms(),
-                   in_regions ? region_ * sizeof(T) / sizeof(double) : row_.size(), global_loss()});
+        // Every replica's loss terms (gathered: in the regions, else its row of small_recv_),
+        // summed as the gradient's elements are.
+        run(1, kernels::anchored_sum_fn<double>{
+                   {gathered_ ? terms_of(0) : small_recv_.data(), replicas_, row_.terms(),
+                    gathered_ ? region_ * sizeof(T) / sizeof(double) : row_.size(), 1},
+                   global_loss()});
     }
     /// After finalize(): adds status_loss_fn's loss (the global one where `first`, plus this
     /// replica's non-finite loss terms) to *loss.

@@ -6,7 +6,6 @@
 
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/finite.hpp"
-#include "lockstep/kernels/anchored_sum.hpp"
 
 #include <cstddef>
 
@@ -57,19 +56,6 @@ struct status_loss_fn {
         for (std::size_t k = 0; k < count; ++k)
             own += is_finite(terms[k]) ? 0.0 : terms[k];
         *loss += (first ? *global : 0.0) + own;
-    }
-};
-
-/// One task: *out = the anchored sum of terms[j * stride + c] over replicas j and c < count,
-/// rounded once: every replica's loss terms.
-struct gathered_loss_fn {
-    const double* terms;
-    std::size_t replicas;
-    std::size_t count;
-    std::size_t stride;
-    double* out;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        kernels::anchored_sum_fn<double>{{terms, replicas, count, stride, 1}, out}(0);
     }
 };
 

@@ -9,7 +9,6 @@
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/train/detail/anchored_accumulator.hpp"
 #include "lockstep/train/detail/bucket_plan.hpp"
-#include "lockstep/train/detail/chunk_ready.hpp"
 #include "lockstep/train/detail/global_batch_check.hpp"
 #include "lockstep/train/detail/gradient_collective.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
@@ -51,7 +50,7 @@ public:
     /// requires: params.micro_batches == 1 (else lockstep::error, invalid_argument).
     collective(Communicator& comm, const std::vector<tensor_info>& tensors,
                overlap_setting /*overlap*/ = {}, const train_params& params = {})
-        : plan_(plan_buckets(tensors, sizeof(T), 1, 1)),
+        : launcher_(plan_buckets(tensors, sizeof(T), 1, 1), tensors.size()),
           acc_(flat_extent(tensors), comm.size(), comm.rank(), comm.system(), G) {
         LOCKSTEP_REQUIRE(params.micro_batches == 1, errc::invalid_argument, comm.rank(),
                          "data_parallel", "micro_batches = ", params.micro_batches,
@@ -90,8 +89,8 @@ public:
         acc_.check_local(grads);
         auto& checks = s.checks();
         if (!acc_.reports_own())
-            for (std::size_t k = 0; k < plan_.size(); ++k)
-                checks.check_piece(s.system(), std::span<const T>(grads), k, plan_[k]);
+            for (std::size_t k = 0; k < plan().size(); ++k)
+                checks.check_piece(s.system(), std::span<const T>(grads), k, plan()[k]);
         acc_.finalize(s.core().comm(), grads);
         if (acc_.reports_own()) // the sums counted this replica's values
             checks.load_pieces(s.system(), &acc_.own_report()->own);
@@ -118,7 +117,7 @@ public:
         update_every_element(s);
     }
 
-    const std::vector<bucket>& plan() const noexcept { return plan_; }
+    const std::vector<bucket>& plan() const noexcept { return launcher_.plan(); }
     std::size_t collectives() const noexcept {
         return collectives_.load(std::memory_order_relaxed);
     }
@@ -129,10 +128,11 @@ private:
     /// Forward and backward once per chunk of this replica's run (a replica without chunks calls
     /// fn once with an empty range, so its layers take part in the step), each with scale =
     /// 1 / global and its loss in the accumulator's chunk loss. The accumulator takes each part of
-    /// the flat gradient once, as it is final: with a registry network, each tensor as
-    /// ctx.mark_ready marks it (while the backward may still hold it in the caches) and the rest
-    /// after fn returns (chunk_ready.hpp); with a visitor network, the whole packed buffer. Taking
-    /// a kept chunk leaves zeros, on which the next chunk starts.
+    /// the flat gradient once, as it is final: with a registry network, tensor by tensor in the
+    /// per-tensor plan's order (reverse registration, backward's) as ctx.mark_ready completes
+    /// them (while the backward may still hold them in the caches), the rest after fn returns
+    /// (ordered_launcher); with a visitor network, the whole packed buffer. Taking a kept chunk
+    /// leaves zeros, on which the next chunk starts.
     template <class Stages, class Fn>
     void run_chunks(Stages& s, std::size_t global, reduce::chunk_run mine, Fn& fn,
                     std::span<T> grads) {
@@ -140,14 +140,11 @@ private:
         auto& core = s.core();
         auto& ctx = core.context();
         double* chunk_loss = acc_.chunk_loss();
-        const auto take = [&](std::size_t first, std::size_t count) {
-            acc_.take(grads, first, count);
-        };
+        const auto take = [&](const bucket& b) { acc_.take(grads, b.offset, b.size); };
         const step_scope scope(ctx, chunk_loss, &s.layers());
         const ready_hook_scope hook(ctx);
         ctx.set_step(core.steps(), true);
         const std::size_t calls = std::max<std::size_t>(mine.count, 1);
-        chunk_ready ready(core.registry().parameters(), core.grads().size(), s.rank());
         for (std::size_t c = 0; c < calls; ++c) {
             shard_range r;
             r.begin = mine.count > 0 ? (mine.first + c) * C : global;
@@ -159,8 +156,8 @@ private:
                 core.zero_grads(); // else the previous chunk's take left zeros
             zero(s.system(), std::span<double>(chunk_loss, 1));
             if constexpr (!core_type::uses_visitor) {
-                ready.reset();
-                ctx.set_ready_hook([&](std::size_t t) { ready.mark(t, take); });
+                launcher_.reset();
+                ctx.set_ready_hook([&](std::size_t t) { launcher_.mark_ready(t, take); });
             }
             double host_loss = 0;
             if constexpr (std::is_void_v<decltype(fn(core.network(), r, ctx))>)
@@ -169,10 +166,10 @@ private:
                 host_loss = static_cast<double>(fn(core.network(), r, ctx));
             core.pack_grads();
             if constexpr (core_type::uses_visitor) {
-                take(std::size_t{0}, core.grads().size()); // the last chunk stays
+                acc_.take(grads, 0, grads.size()); // the last chunk stays
             } else {
                 ctx.set_ready_hook({});
-                ready.rest(take);
+                launcher_.finish(take);
             }
             acc_.add(std::span<const T>(grads));
             acc_.add_loss(host_loss, chunk_loss);
@@ -180,7 +177,7 @@ private:
         ctx.set_step(core.steps(), false);
     }
 
-    std::vector<bucket> plan_;
+    ordered_launcher launcher_; ///< the per-tensor plan: the checks' pieces, the takes' order
     accumulator_type acc_;
     std::atomic<std::size_t> collectives_{0};
 };
