@@ -85,9 +85,10 @@ inline std::size_t flat_extent(const std::vector<tensor_info>& tensors) noexcept
 class ordered_launcher {
 public:
     ordered_launcher() = default;
-    explicit ordered_launcher(std::vector<bucket> plan, std::size_t tensors)
+    /// rank: the replica that errors name.
+    ordered_launcher(std::vector<bucket> plan, std::size_t tensors, int rank)
         : plan_(std::move(plan)), bucket_of_(tensors, 0), pending_(plan_.size(), 0),
-          ready_(tensors, false) {
+          ready_(tensors, false), rank_(rank) {
         for (std::size_t b = 0; b < plan_.size(); ++b)
             for (std::size_t t = plan_[b].first_tensor; t <= plan_[b].last_tensor; ++t)
                 bucket_of_[t] = b;
@@ -106,7 +107,7 @@ public:
     /// Marks tensor t ready (again is a no-op) and launches every bucket now launchable.
     template <class Launch>
     void mark_ready(std::size_t t, Launch&& launch) {
-        LOCKSTEP_REQUIRE(t < ready_.size(), errc::invalid_argument, -1, "mark_ready",
+        LOCKSTEP_REQUIRE(t < ready_.size(), errc::invalid_argument, rank_, "mark_ready",
                          "tensor index ", t, " out of range (", ready_.size(), " parameters)");
         if (ready_[t])
             return;
@@ -129,6 +130,7 @@ private:
     std::vector<std::size_t> bucket_of_;
     std::vector<std::size_t> pending_;
     std::vector<bool> ready_;
+    int rank_ = -1;
     std::size_t next_ = 0;
 };
 

@@ -43,7 +43,7 @@ public:
 
     piecewise_collective(Communicator& comm, std::vector<bucket> plan, std::size_t tensors,
                          overlap_setting overlap)
-        : comm_(&comm), launcher_(std::move(plan), tensors) {
+        : comm_(&comm), launcher_(std::move(plan), tensors, comm.rank()) {
         if (overlap.enabled)
             stream_.emplace(comm, overlap.priority);
     }

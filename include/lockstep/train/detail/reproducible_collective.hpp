@@ -50,7 +50,7 @@ public:
     /// requires: params.micro_batches == 1 (else lockstep::error, invalid_argument).
     collective(Communicator& comm, const std::vector<tensor_info>& tensors,
                overlap_setting /*overlap*/ = {}, const train_params& params = {})
-        : launcher_(plan_buckets(tensors, sizeof(T), 1, 1), tensors.size()),
+        : launcher_(plan_buckets(tensors, sizeof(T), 1, 1), tensors.size(), comm.rank()),
           acc_(flat_extent(tensors), comm.size(), comm.rank(), comm.system(), G) {
         LOCKSTEP_REQUIRE(params.micro_batches == 1, errc::invalid_argument, comm.rank(),
                          "data_parallel", "micro_batches = ", params.micro_batches,
