@@ -14,11 +14,16 @@
 
 #include <catch2/catch.hpp>
 
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -332,14 +337,44 @@ struct exchange_result {
     bool sums_finite = false; ///< sums_finite() after finalize
 };
 
+/// Sets the CPU's flush of subnormal floats to zero (x86: MXCSR's DAZ and FTZ, what
+/// -ffast-math's start-up code sets) for the calling thread while it lives (x86-64 only; a
+/// no-op elsewhere).
+class flush_subnormals {
+public:
+    flush_subnormals() {
+#if defined(__x86_64__)
+        saved_ = _mm_getcsr();
+        _mm_setcsr(saved_ | 0x8040u);
+#endif
+    }
+    ~flush_subnormals() {
+#if defined(__x86_64__)
+        _mm_setcsr(saved_);
+#endif
+    }
+    flush_subnormals(const flush_subnormals&) = delete;
+    flush_subnormals& operator=(const flush_subnormals&) = delete;
+
+private:
+    unsigned saved_ = 0;
+};
+
 /// The anchored accumulator's step protocol on `replicas` thread replicas holding `chunks`
-/// chunks of n elements between them (balanced, contiguous), in one exchange mode.
+/// chunks of n elements between them (balanced, contiguous), in one exchange mode; chunk c's
+/// element i is value(c, i) (exchange_value with `poison`, when null); with `flush`, every
+/// replica runs it with subnormal floats flushed to zero (flush_subnormals).
 template <class Communicator>
 std::vector<exchange_result> run_exchange(int replicas, std::size_t chunks, std::size_t n,
-                                          std::size_t gather_values, bool poison = false) {
+                                          std::size_t gather_values, bool poison = false,
+                                          float (*value)(std::size_t, std::size_t) = nullptr,
+                                          bool flush = false) {
     std::vector<exchange_result> out(static_cast<std::size_t>(replicas));
     thread_group group(replicas);
     group.run([&](thread_communicator& inner) {
+        std::optional<flush_subnormals> flushing;
+        if (flush)
+            flushing.emplace();
         Communicator comm(inner);
         const int r = comm.rank();
         lockstep::detail::anchored_accumulator<
@@ -357,7 +392,7 @@ std::vector<exchange_result> run_exchange(int replicas, std::size_t chunks, std:
         }
         for (std::size_t c = mine.first; c < mine.first + mine.count; ++c) {
             for (std::size_t i = 0; i < n; ++i)
-                g[i] = exchange_value(c, i, poison, chunks);
+                g[i] = value != nullptr ? value(c, i) : exchange_value(c, i, poison, chunks);
             // Taken in three parts, out of order, as a backward marks tensors ready: a kept
             // chunk leaves zeros in g, the last one stays.
             const std::vector<float> before = g;
@@ -506,6 +541,48 @@ TEST_CASE("reduce::reproducible's exchanges (gathered, by blocks, combined in on
         CHECK(blocks[r].sums_finite == finite);
     }
 }
+
+#if defined(__x86_64__) // the flush mode set here is x86's MXCSR
+TEST_CASE("reduce::reproducible's exchanges keep subnormal terms where the CPU flushes them",
+          "[train][reproducible][thread]") {
+    // Every term subnormal; 8 elements on 3 replicas exchanged by blocks leave elements 6 and 7
+    // to the tail, which travels among the loss terms as doubles: carried by its bits, not
+    // converted (a conversion reads a subnormal float as 0 under denormals-are-zero). Every
+    // exchange, run with subnormals flushed on every replica, gives the sums of the reference
+    // formed without flushing.
+    constexpr std::size_t n = 8;
+    constexpr std::size_t chunks = 3;
+    // Formed here, without flushing (the replicas' arithmetic would flush them); read there.
+    static std::vector<float> all(chunks * n);
+    for (std::size_t c = 0; c < chunks; ++c)
+        for (std::size_t i = 0; i < n; ++i)
+            all[c * n + i] = std::ldexp(
+                static_cast<float>((c + 1) * (i + 1)) * (i % 2 == 0 ? 1.0f : -0.75f), -140);
+    const auto value = [](std::size_t c, std::size_t i) { return all[c * n + i]; };
+    std::vector<float> want(n);
+    REQUIRE(std::fpclassify(all[n - 1]) == FP_SUBNORMAL);
+    for (std::size_t i = 0; i < n; ++i)
+        kernels::anchored_sum_fn<float>{{all.data(), 1, chunks, 0, n}, want.data()}(i);
+    REQUIRE(want[n - 1] == std::ldexp(-0.75f * 8.0f * 6.0f, -140)); // exact: -36 x 2^-140
+    using blocks_comm = testing::counting_communicator<thread_communicator>;
+    for (const int replicas : {1, 2, 3}) {
+        CAPTURE(replicas);
+        const auto blocks = run_exchange<blocks_comm>(replicas, chunks, n, 0, false, value, true);
+        const auto gathered = run_exchange<blocks_comm>(replicas, chunks, n, std::size_t{1} << 30,
+                                                        false, value, true);
+        const auto combined =
+            run_exchange<thread_communicator&>(replicas, chunks, n, 0, false, value, true);
+        for (std::size_t r = 0; r < static_cast<std::size_t>(replicas); ++r) {
+            CAPTURE(r);
+            CHECK(same_bits(blocks[r].sums, want));
+            CHECK(same_bits(gathered[r].sums, want));
+            CHECK(same_bits(combined[r].sums, want));
+            CHECK(blocks[r].sums_finite);
+            CHECK(blocks[r].own_count == 0);
+        }
+    }
+}
+#endif
 
 namespace {
 

@@ -151,8 +151,7 @@ struct anchored_chunks {
 
 /// The values every replica contributed to a range of elements, as a collective laid them out:
 /// value c of replica j for element i at base[j * replica_stride + c * call_stride + i]
-/// (j < replicas, c < calls; zeros where a replica had fewer values). V is T, or double holding
-/// T values exactly.
+/// (j < replicas, c < calls; zeros where a replica had fewer values).
 template <class V>
 struct anchored_terms {
     const V* base;
@@ -162,6 +161,28 @@ struct anchored_terms {
     std::size_t call_stride;
     LOCKSTEP_HOST_DEVICE V value(std::size_t j, std::size_t c, std::size_t i) const {
         return base[j * replica_stride + c * call_stride + i];
+    }
+};
+
+/// x carried in a double by its bits (a float's zero-extended), and back: moving T values among
+/// doubles this way converts nothing, so a CPU that flushes subnormal floats to zero (DAZ/FTZ, as
+/// -ffast-math's start-up code sets them) cannot change a term on its way to the sums.
+template <class T>
+LOCKSTEP_HOST_DEVICE double anchored_carry(T x) {
+    using bits_type = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+    return std::bit_cast<double>(static_cast<std::uint64_t>(std::bit_cast<bits_type>(x)));
+}
+template <class T>
+LOCKSTEP_HOST_DEVICE T anchored_uncarry(double carried) {
+    using bits_type = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+    return std::bit_cast<T>(static_cast<bits_type>(std::bit_cast<std::uint64_t>(carried)));
+}
+
+/// anchored_terms of T values carried in doubles (anchored_carry).
+template <class T>
+struct anchored_carried_terms : anchored_terms<double> {
+    LOCKSTEP_HOST_DEVICE T value(std::size_t j, std::size_t c, std::size_t i) const {
+        return anchored_uncarry<T>(anchored_terms<double>::value(j, c, i));
     }
 };
 

@@ -26,7 +26,7 @@
 namespace lockstep::detail {
 
 /// Task k < calls * tail: value c = k / tail of tail element t = k % tail (element first + t) of
-/// this replica's chunks, as a double (exact), or 0 past its last chunk.
+/// this replica's chunks, carried in a double (kernels::anchored_carry), or 0 past its last chunk.
 template <class T>
 struct anchored_tail_fn {
     kernels::anchored_chunks<T> chunks;
@@ -35,7 +35,8 @@ struct anchored_tail_fn {
     double* out;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t k) const {
         const std::size_t c = k / tail;
-        out[k] = c < chunks.count ? static_cast<double>(chunks.value(c, first + k % tail)) : 0.0;
+        out[k] =
+            kernels::anchored_carry(c < chunks.count ? chunks.value(c, first + k % tail) : T(0));
     }
 };
 
@@ -257,8 +258,8 @@ private:
         }
         if (tail_ > 0)
             run(tail_,
-                kernels::anchored_sum_fn<T, double>{
-                    {row_.extra(small_recv_.data()), replicas_, max_calls_, row_.size(), tail_},
+                kernels::anchored_sum_fn<T, double, kernels::anchored_carried_terms<T>>{
+                    {{row_.extra(small_recv_.data()), replicas_, max_calls_, row_.size(), tail_}},
                     g.data() + all},
                 tail_ * replicas_ * max_calls_);
         if constexpr (reports_own()) { // every replica's report on its block; the tail's here

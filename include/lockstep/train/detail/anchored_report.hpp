@@ -6,6 +6,7 @@
 #pragma once
 
 #include "lockstep/core/config.hpp"
+#include "lockstep/core/finite.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
 #include "lockstep/train/detail/check_order.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
@@ -26,7 +27,7 @@ struct anchored_own_report {
 /// = 1 + the flat index of the first (0: none); out->sums_finite when no owner saw a sum that is
 /// not finite, nor is one of the tail's. The tail (the blocks exchange's n mod replicas elements
 /// tail_first + t, summed on every replica; else tail = 0): this replica's values, call c's at
-/// tail_values[c * tail], as doubles; their sums at tail_sums.
+/// tail_values[c * tail], carried in doubles (kernels::anchored_carry); their sums at tail_sums.
 template <class T>
 struct own_report_fn {
     const double* reports;
@@ -54,7 +55,7 @@ struct own_report_fn {
         for (std::size_t t = 0; t < tail; ++t) {
             bool bad = false;
             for (std::size_t c = 0; c < calls; ++c)
-                bad = bad || non_finite_fn<double>{}(tail_values[c * tail + t]) != 0;
+                bad = bad || !is_finite(kernels::anchored_uncarry<T>(tail_values[c * tail + t]));
             if (bad) {
                 count += 1.0;
                 first = first == 0.0 ? static_cast<double>(tail_first + t + 1) : first;
