@@ -10,6 +10,7 @@
 #include "lockstep/kernels/bn_fused.hpp"
 #include "lockstep/kernels/channel_geometry.hpp"
 #include "lockstep/kernels/detail/bn_cuda_kernels.cuh"
+#include "lockstep/kernels/detail/bn_launch_plan.hpp"
 #include "lockstep/system/cuda_system.hpp"
 
 #include <cstddef>
@@ -24,8 +25,8 @@
 // the CUDA types); Acc is double for double data and float otherwise. Pointers are device
 // pointers of sys's device, naturally aligned for their type; 16-byte aligned data (as every
 // cuda_system allocation is) takes the vector path, anything else a scalar path (same
-// arithmetic per value; reductions agree to rounding). Launch errors throw lockstep::error
-// (errc::cuda).
+// arithmetic per value; reductions agree to rounding): which kernel and grid, the plan of
+// kernels/detail/bn_launch_plan.hpp says. Launch errors throw lockstep::error (errc::cuda).
 namespace lockstep::kernels::cuda_path {
 
 namespace detail {
@@ -41,45 +42,20 @@ constexpr void check_types() {
                   "else in float: use Acc = kernels::accumulation_t<T>.");
 }
 
-inline std::uintptr_t misalignment(const void* p) {
-    return reinterpret_cast<std::uintptr_t>(p) % 16;
-}
-
-/// True when every pointer has the same position within 16 bytes (so vectors line up).
-template <class... P>
-bool same_misalignment(const void* first, const P*... rest) {
-    return ((misalignment(first) == misalignment(rest)) && ...);
-}
-
-/// Threads per block along the channels in the rows kernels: enough for the channel vectors,
-/// at most a warp (a power of two, so ty_count = block_threads / tx_count divides evenly).
-inline unsigned rows_tx(std::size_t channel_vectors) {
-    unsigned tx = 32;
-    while (tx > 1 && tx / 2 >= channel_vectors)
-        tx /= 2;
-    return tx;
-}
-
-/// Grid size along rows of the elementwise rows kernels: about 4 rows per thread.
-inline unsigned rows_grid_y(std::size_t rows, unsigned tx) {
-    const std::size_t per_block = std::size_t(block_threads / tx) * 4;
-    const std::size_t y = (rows + per_block - 1) / per_block;
-    return static_cast<unsigned>(y == 0 ? 1 : (y > 65535 ? 65535 : y));
-}
-
-inline unsigned grid_1d(std::size_t blocks) {
-    LOCKSTEP_REQUIRE(blocks < (std::size_t(1) << 31), errc::invalid_argument, -1,
-                     "kernels::cuda_path", "a grid of ", blocks, " blocks");
-    return static_cast<unsigned>(blocks == 0 ? 1 : blocks);
-}
-
-/// Blocks of the flat elementwise kernels over `size` values: about flat_values per thread.
-inline unsigned flat_grid(std::size_t size) {
-    return grid_1d((size + block_threads * flat_values - 1) / (block_threads * flat_values));
-}
-
 inline void launched() {
     LOCKSTEP_CUDA_CHECK(cudaGetLastError());
+}
+
+/// Launches the plan's kernel: f.template operator()<W>(grid, stream) with W = V (vectors of
+/// native type N) where the plan reads vectors, else W = 1; f picks the kernel of p.mapping.
+template <class N, class F>
+void launch(const cuda_system& sys, const bn_launch& p, F&& f) {
+    const dim3 grid(p.grid_x, p.grid_y);
+    if (p.vector)
+        f.template operator()<vector_width<N>>(grid, sys.stream());
+    else
+        f.template operator()<1>(grid, sys.stream());
+    launched();
 }
 
 } // namespace detail
@@ -98,7 +74,6 @@ void pack_local_moments(const cuda_system& sys, const T* x, channel_geometry g, 
     detail::check_types<T, Acc>();
     using N = native_t<T>;
     const N* xn = reinterpret_cast<const N*>(x);
-    constexpr int V = detail::vector_width<N>;
     detail::block_header<Acc> header{status, 0, 0};
     packed_moments::split_count(g.per_channel(), header.count_hi, header.count_lo);
     LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
@@ -111,27 +86,18 @@ void pack_local_moments(const cuda_system& sys, const T* x, channel_geometry g, 
     auto* partials = reinterpret_cast<Acc*>(static_cast<std::byte*>(workspace) +
                                             kernels::detail::counter_bytes(g));
     const std::size_t parts = kernels::detail::cuda_partitions(g, sizeof(T));
-    if (kernels::detail::cuda_small_plane(g, sizeof(T))) {
-        detail::moments_planes_kernel<N, Acc, 1, true>
-            <<<detail::grid_1d(g.channels * parts), block_threads, 0, sys.stream()>>>(
-                xn, g, parts, partials, counters, header, block);
-    } else if (g.inner > 1) {
-        detail::moments_planes_kernel<N, Acc, V>
-            <<<detail::grid_1d(g.channels * parts), block_threads, 0, sys.stream()>>>(
-                xn, g, parts, partials, counters, header, block);
-    } else if (g.channels % V == 0 && detail::misalignment(x) == 0) {
-        const unsigned tx = detail::rows_tx(g.channels / V);
-        const dim3 grid(detail::grid_1d((g.channels / V + tx - 1) / tx),
-                        static_cast<unsigned>(parts));
-        detail::moments_rows_kernel<N, Acc, V><<<grid, block_threads, 0, sys.stream()>>>(
-            xn, g, tx, parts, partials, counters, header, block);
-    } else {
-        const unsigned tx = detail::rows_tx(g.channels);
-        const dim3 grid(detail::grid_1d((g.channels + tx - 1) / tx), static_cast<unsigned>(parts));
-        detail::moments_rows_kernel<N, Acc, 1><<<grid, block_threads, 0, sys.stream()>>>(
-            xn, g, tx, parts, partials, counters, header, block);
-    }
-    detail::launched();
+    const detail::bn_launch p = detail::plan_bn_launch(g, sizeof(T), parts, 0, {x});
+    detail::launch<N>(sys, p, [&]<int W>(dim3 grid, cudaStream_t s) {
+        if (p.mapping == detail::bn_mapping::flat)
+            detail::moments_planes_kernel<N, Acc, 1, true>
+                <<<grid, block_threads, 0, s>>>(xn, g, parts, partials, counters, header, block);
+        else if (p.mapping == detail::bn_mapping::rows)
+            detail::moments_rows_kernel<N, Acc, W><<<grid, block_threads, 0, s>>>(
+                xn, g, p.tx, parts, partials, counters, header, block);
+        else if constexpr (W > 1) // planes: one pointer is in line with itself, so vectors
+            detail::moments_planes_kernel<N, Acc, W>
+                <<<grid, block_threads, 0, s>>>(xn, g, parts, partials, counters, header, block);
+    });
 }
 
 /// K3: y = normalize_value(x, mean_c, scale_c, beta_c) for every value of channel c.
@@ -144,40 +110,21 @@ void normalize(const cuda_system& sys, const T* x, T* y, channel_geometry g, con
     using N = native_t<T>;
     const N* xn = reinterpret_cast<const N*>(x);
     N* yn = reinterpret_cast<N*>(y);
-    constexpr int V = detail::vector_width<N>;
     if (g.size() == 0)
         return;
     LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
-    if (kernels::detail::cuda_small_plane(g, sizeof(T))) {
-        detail::normalize_flat_kernel<N, Acc>
-            <<<detail::flat_grid(g.size()), block_threads, 0, sys.stream()>>>(xn, yn, g, mean,
-                                                                              scale, beta);
-    } else if (g.inner > 1) {
-        const std::size_t per_block = block_warps * detail::item_values<V>;
-        const unsigned grid = detail::grid_1d((g.size() + per_block - 1) / per_block);
-        if (detail::same_misalignment(x, y))
-            detail::normalize_planes_kernel<N, Acc, V>
-                <<<grid, block_threads, 0, sys.stream()>>>(xn, yn, g, mean, scale, beta);
+    const detail::bn_launch p = detail::plan_bn_launch(g, sizeof(T), 0, 0, {x, y});
+    detail::launch<N>(sys, p, [&]<int W>(dim3 grid, cudaStream_t s) {
+        if (p.mapping == detail::bn_mapping::flat)
+            detail::normalize_flat_kernel<N, Acc>
+                <<<grid, block_threads, 0, s>>>(xn, yn, g, mean, scale, beta);
+        else if (p.mapping == detail::bn_mapping::planes)
+            detail::normalize_planes_kernel<N, Acc, W>
+                <<<grid, block_threads, 0, s>>>(xn, yn, g, mean, scale, beta);
         else
-            detail::normalize_planes_kernel<N, Acc, 1>
-                <<<detail::grid_1d((g.size() + block_warps * detail::item_values<1> - 1) /
-                                   (block_warps * detail::item_values<1>)),
-                   block_threads, 0, sys.stream()>>>(xn, yn, g, mean, scale, beta);
-    } else if (g.channels % V == 0 && detail::misalignment(x) == 0 &&
-               detail::misalignment(y) == 0) {
-        const unsigned tx = detail::rows_tx(g.channels / V);
-        const dim3 grid(detail::grid_1d((g.channels / V + tx - 1) / tx),
-                        detail::rows_grid_y(g.outer, tx));
-        detail::normalize_rows_kernel<N, Acc, V>
-            <<<grid, block_threads, 0, sys.stream()>>>(xn, yn, g, tx, mean, scale, beta);
-    } else {
-        const unsigned tx = detail::rows_tx(g.channels);
-        const dim3 grid(detail::grid_1d((g.channels + tx - 1) / tx),
-                        detail::rows_grid_y(g.outer, tx));
-        detail::normalize_rows_kernel<N, Acc, 1>
-            <<<grid, block_threads, 0, sys.stream()>>>(xn, yn, g, tx, mean, scale, beta);
-    }
-    detail::launched();
+            detail::normalize_rows_kernel<N, Acc, W>
+                <<<grid, block_threads, 0, s>>>(xn, yn, g, p.tx, mean, scale, beta);
+    });
 }
 
 /// K4: the backward sums with a status slot (packed_sums layout) in one launch:
@@ -193,7 +140,6 @@ void pack_backward_sums(const cuda_system& sys, const T* dy, const T* x, channel
     using N = native_t<T>;
     const N* dyn = reinterpret_cast<const N*>(dy);
     const N* xn = reinterpret_cast<const N*>(x);
-    constexpr int V = detail::vector_width<N>;
     LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
     if (g.channels == 0) {
         detail::status_kernel<<<1, 1, 0, sys.stream()>>>(status, sums);
@@ -204,32 +150,18 @@ void pack_backward_sums(const cuda_system& sys, const T* dy, const T* x, channel
     auto* partials = reinterpret_cast<Acc*>(static_cast<std::byte*>(workspace) +
                                             kernels::detail::counter_bytes(g));
     const std::size_t parts = kernels::detail::cuda_partitions(g, sizeof(T));
-    if (kernels::detail::cuda_small_plane(g, sizeof(T))) {
-        detail::sums_planes_kernel<N, Acc, 1, true>
-            <<<detail::grid_1d(g.channels * parts), block_threads, 0, sys.stream()>>>(
+    const detail::bn_launch p = detail::plan_bn_launch(g, sizeof(T), parts, 0, {dy, x});
+    detail::launch<N>(sys, p, [&]<int W>(dim3 grid, cudaStream_t s) {
+        if (p.mapping == detail::bn_mapping::flat)
+            detail::sums_planes_kernel<N, Acc, 1, true><<<grid, block_threads, 0, s>>>(
                 dyn, xn, g, parts, mean, status, partials, counters, sums);
-    } else if (g.inner > 1) {
-        const unsigned grid = detail::grid_1d(g.channels * parts);
-        if (detail::same_misalignment(dy, x))
-            detail::sums_planes_kernel<N, Acc, V><<<grid, block_threads, 0, sys.stream()>>>(
+        else if (p.mapping == detail::bn_mapping::planes)
+            detail::sums_planes_kernel<N, Acc, W><<<grid, block_threads, 0, s>>>(
                 dyn, xn, g, parts, mean, status, partials, counters, sums);
         else
-            detail::sums_planes_kernel<N, Acc, 1><<<grid, block_threads, 0, sys.stream()>>>(
-                dyn, xn, g, parts, mean, status, partials, counters, sums);
-    } else if (g.channels % V == 0 && detail::misalignment(dy) == 0 &&
-               detail::misalignment(x) == 0) {
-        const unsigned tx = detail::rows_tx(g.channels / V);
-        const dim3 grid(detail::grid_1d((g.channels / V + tx - 1) / tx),
-                        static_cast<unsigned>(parts));
-        detail::sums_rows_kernel<N, Acc, V><<<grid, block_threads, 0, sys.stream()>>>(
-            dyn, xn, g, tx, parts, mean, status, partials, counters, sums);
-    } else {
-        const unsigned tx = detail::rows_tx(g.channels);
-        const dim3 grid(detail::grid_1d((g.channels + tx - 1) / tx), static_cast<unsigned>(parts));
-        detail::sums_rows_kernel<N, Acc, 1><<<grid, block_threads, 0, sys.stream()>>>(
-            dyn, xn, g, tx, parts, mean, status, partials, counters, sums);
-    }
-    detail::launched();
+            detail::sums_rows_kernel<N, Acc, W><<<grid, block_threads, 0, s>>>(
+                dyn, xn, g, p.tx, parts, mean, status, partials, counters, sums);
+    });
 }
 
 /// K5: dx = input_gradient(dy, x, mean_c, k, a, b) with fused_gradient_coefficients (k = gamma
@@ -250,48 +182,26 @@ void input_gradient_fused(const cuda_system& sys, const T* dy, const T* x, T* dx
     const N* dyn = reinterpret_cast<const N*>(dy);
     const N* xn = reinterpret_cast<const N*>(x);
     N* dxn = reinterpret_cast<N*>(dx);
-    constexpr int V = detail::vector_width<N>;
     const detail::fused_gradient_args<Acc> args{totals, local,  count,  gamma,
                                                 mean,   invstd, dgamma, dbeta};
     if (g.channels == 0)
         return;
-    const std::size_t channel_blocks = (g.channels + block_threads - 1) / block_threads;
     LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
-    if (kernels::detail::cuda_small_plane(g, sizeof(T))) {
-        const std::size_t blocks = (g.size() + block_threads * detail::flat_values - 1) /
-                                   (block_threads * detail::flat_values);
-        detail::gradient_flat_kernel<N, Acc>
-            <<<detail::grid_1d(blocks > channel_blocks ? blocks : channel_blocks), block_threads, 0,
-               sys.stream()>>>(dyn, xn, dxn, g, args);
-    } else if (g.inner > 1) {
-        const bool vec = detail::same_misalignment(dy, x, dx);
-        const std::size_t per_block =
-            block_warps * (vec ? detail::item_values<V> : detail::item_values<1>);
-        std::size_t blocks = (g.size() + per_block - 1) / per_block;
-        blocks = blocks > channel_blocks ? blocks : channel_blocks;
-        if (vec)
-            detail::gradient_planes_kernel<N, Acc, V>
-                <<<detail::grid_1d(blocks), block_threads, 0, sys.stream()>>>(dyn, xn, dxn, g,
-                                                                              args);
+    // The flat and planes kernels give each channel's parameter gradients to one thread.
+    const std::size_t channel_blocks = (g.channels + block_threads - 1) / block_threads;
+    const detail::bn_launch p =
+        detail::plan_bn_launch(g, sizeof(T), 0, channel_blocks, {dy, x, dx});
+    detail::launch<N>(sys, p, [&]<int W>(dim3 grid, cudaStream_t s) {
+        if (p.mapping == detail::bn_mapping::flat)
+            detail::gradient_flat_kernel<N, Acc>
+                <<<grid, block_threads, 0, s>>>(dyn, xn, dxn, g, args);
+        else if (p.mapping == detail::bn_mapping::planes)
+            detail::gradient_planes_kernel<N, Acc, W>
+                <<<grid, block_threads, 0, s>>>(dyn, xn, dxn, g, args);
         else
-            detail::gradient_planes_kernel<N, Acc, 1>
-                <<<detail::grid_1d(blocks), block_threads, 0, sys.stream()>>>(dyn, xn, dxn, g,
-                                                                              args);
-    } else if (g.channels % V == 0 && detail::misalignment(dy) == 0 &&
-               detail::misalignment(x) == 0 && detail::misalignment(dx) == 0) {
-        const unsigned tx = detail::rows_tx(g.channels / V);
-        const dim3 grid(detail::grid_1d((g.channels / V + tx - 1) / tx),
-                        detail::rows_grid_y(g.outer, tx));
-        detail::gradient_rows_kernel<N, Acc, V>
-            <<<grid, block_threads, 0, sys.stream()>>>(dyn, xn, dxn, g, tx, args);
-    } else {
-        const unsigned tx = detail::rows_tx(g.channels);
-        const dim3 grid(detail::grid_1d((g.channels + tx - 1) / tx),
-                        detail::rows_grid_y(g.outer, tx));
-        detail::gradient_rows_kernel<N, Acc, 1>
-            <<<grid, block_threads, 0, sys.stream()>>>(dyn, xn, dxn, g, tx, args);
-    }
-    detail::launched();
+            detail::gradient_rows_kernel<N, Acc, W>
+                <<<grid, block_threads, 0, s>>>(dyn, xn, dxn, g, p.tx, args);
+    });
 }
 
 } // namespace lockstep::kernels::cuda_path

@@ -9,6 +9,7 @@
 #include "lockstep/core/float16.hpp"
 #include "lockstep/kernels/bn_functors.hpp"
 #include "lockstep/kernels/channel_geometry.hpp"
+#include "lockstep/kernels/detail/bn_launch_plan.hpp"
 #include "lockstep/kernels/moments.hpp"
 
 #include <cstddef>
@@ -19,11 +20,6 @@
 #include <cuda_fp16.h>
 
 namespace lockstep::kernels::cuda_path {
-
-/// Threads per block of every batch-norm kernel.
-inline constexpr int block_threads = 256;
-/// Warps per block.
-inline constexpr int block_warps = block_threads / 32;
 
 /// The CUDA type of a storage type: lockstep::half and lockstep::bfloat16 are layout-compatible
 /// with __half and __nv_bfloat16 and are processed as those.

@@ -19,20 +19,17 @@ __global__ void __launch_bounds__(block_threads)
     normalize_planes_kernel(const T* __restrict__ x, T* __restrict__ y, channel_geometry g,
                             const Acc* mean, const Acc* scale, const Acc* beta) {
     const std::size_t a =
-        (std::size_t(blockIdx.x) * block_warps + threadIdx.x / 32) * item_values<V>;
+        (std::size_t(blockIdx.x) * block_warps + threadIdx.x / 32) * item_values(V);
     const std::size_t size = g.size();
     if (a >= size)
         return;
     const unsigned lane = threadIdx.x % 32;
-    plane_runs(g, a, smin(a + item_values<V>, size),
+    plane_runs(g, a, smin(a + item_values(V), size),
                [&](std::size_t off, std::size_t len, std::size_t c) {
                    normalize_op<T, Acc, V> op{x, y, mean[c], scale[c], beta[c]};
                    warp_run<V>(op, x, off, len, lane);
                });
 }
-
-/// Values per thread of the flat elementwise kernels (their grid covers size / this).
-inline constexpr std::size_t flat_values = 8;
 
 /// K3, small planes: thread t of the grid normalizes tensor offsets t, t + S, ... (S the grid's
 /// threads): consecutive threads, consecutive offsets; four values in flight.
@@ -142,14 +139,14 @@ __global__ void __launch_bounds__(block_threads)
                            channel_geometry g, fused_gradient_args<Acc> f) {
     parameter_gradients(g.channels, f);
     const std::size_t a =
-        (std::size_t(blockIdx.x) * block_warps + threadIdx.x / 32) * item_values<V>;
+        (std::size_t(blockIdx.x) * block_warps + threadIdx.x / 32) * item_values(V);
     const std::size_t size = g.size();
     if (a >= size)
         return;
     const unsigned lane = threadIdx.x % 32;
     const double count = *f.count;
     plane_runs(
-        g, a, smin(a + item_values<V>, size), [&](std::size_t off, std::size_t len, std::size_t c) {
+        g, a, smin(a + item_values(V), size), [&](std::size_t off, std::size_t len, std::size_t c) {
             const gradient_coefficients<Acc> co =
                 fused_gradient_coefficients(c, g.channels, f.totals, count, f.gamma, f.invstd);
             gradient_op<T, Acc, V> op{dy, x, dx, f.mean[c], co.k, co.a, co.b};

@@ -48,10 +48,10 @@ __global__ void __launch_bounds__(block_threads)
         static_assert(V == 1);
         flat_channel(g, c, n * p / parts, k1, op);
     } else {
-        for (std::size_t a = n * p / parts + threadIdx.x / 32 * item_values<V>; a < k1;
-             a += block_warps * item_values<V>)
+        for (std::size_t a = n * p / parts + threadIdx.x / 32 * item_values(V); a < k1;
+             a += block_warps * item_values(V))
             channel_runs(
-                g, c, a, smin(a + item_values<V>, k1),
+                g, c, a, smin(a + item_values(V), k1),
                 [&](std::size_t off, std::size_t len) { warp_run<V>(op, x, off, len, lane); });
     }
     const moments<Acc> m = reduce_t(tmp).Reduce(op.result(), chan_merge{});
@@ -218,10 +218,10 @@ __global__ void __launch_bounds__(block_threads)
         static_assert(V == 1);
         flat_channel(g, c, n * p / parts, k1, op);
     } else {
-        for (std::size_t a = n * p / parts + threadIdx.x / 32 * item_values<V>; a < k1;
-             a += block_warps * item_values<V>)
+        for (std::size_t a = n * p / parts + threadIdx.x / 32 * item_values(V); a < k1;
+             a += block_warps * item_values(V))
             channel_runs(
-                g, c, a, smin(a + item_values<V>, k1),
+                g, c, a, smin(a + item_values(V), k1),
                 [&](std::size_t off, std::size_t len) { warp_run<V>(op, x, off, len, lane); });
     }
     const dy_sums<Acc> s = reduce_t(tmp).Reduce(op.result(), add_dy_sums{});

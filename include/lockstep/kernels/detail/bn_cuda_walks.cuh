@@ -14,10 +14,6 @@
 
 namespace lockstep::kernels::cuda_path::detail {
 
-/// Values per warp item of the planes kernels.
-template <int V>
-inline constexpr std::size_t item_values = 32 * V * 8;
-
 /// Calls f(offset, length) for the contiguous runs of channel c's values k in [a, b) (k counts
 /// as in channel_geometry::offset): one division per call, then a pointer walk plane by plane.
 template <class F>

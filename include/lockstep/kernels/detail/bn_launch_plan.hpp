@@ -1,0 +1,114 @@
+// lockstep/kernels/detail/bn_launch_plan.hpp: which CUDA batch-norm kernel a call launches and
+// on what grid, decided once per call on the host from the geometry, the value size and the data
+// pointers' alignment (kernels/bn_cuda.cuh launches what the plan says). Host code only, so the
+// choice is tested without a GPU. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/config.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/kernels/bn_fused.hpp"
+#include "lockstep/kernels/channel_geometry.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+
+namespace lockstep::kernels::cuda_path {
+
+/// Threads per block of every batch-norm kernel.
+inline constexpr int block_threads = 256;
+/// Warps per block.
+inline constexpr int block_warps = block_threads / 32;
+
+namespace detail {
+
+/// Values of a warp item of the planes kernels: 8 accesses of v values per lane.
+LOCKSTEP_HOST_DEVICE constexpr std::size_t item_values(int v) {
+    return std::size_t{32} * static_cast<std::size_t>(v) * 8;
+}
+/// Values per thread of the flat elementwise kernels (their grid covers size / this).
+inline constexpr std::size_t flat_values = 8;
+
+/// How a kernel maps the tensor onto its threads (kernels/detail/bn_cuda_kernels.cuh):
+enum class bn_mapping {
+    flat,   ///< small planes (cuda_small_plane): consecutive threads, consecutive values
+    planes, ///< inner > 1: a warp walks an item of a channel's (or the tensor's) values run by run
+    rows,   ///< inner == 1: threads along the channels (tx) and the rows
+};
+
+/// One launch: the mapping, whether it reads 16-byte vectors of V = 16 / value bytes values (else
+/// one value per access; flat never does), the grid, and for rows the threads along the channels.
+struct bn_launch {
+    bn_mapping mapping = bn_mapping::flat;
+    bool vector = false;
+    unsigned grid_x = 1;
+    unsigned grid_y = 1;
+    unsigned tx = 0;
+};
+
+/// A 1-D grid of `blocks` (at least 1). requires: blocks < 2^31 (else lockstep::error).
+inline unsigned grid_1d(std::size_t blocks) {
+    LOCKSTEP_REQUIRE(blocks < (std::size_t(1) << 31), errc::invalid_argument, -1,
+                     "kernels::cuda_path", "a grid of ", blocks, " blocks");
+    return static_cast<unsigned>(blocks == 0 ? 1 : blocks);
+}
+
+/// Threads per block along the channels in the rows kernels: enough for the channel vectors,
+/// at most a warp (a power of two, so block_threads / tx rows fit a block evenly).
+inline unsigned rows_tx(std::size_t channel_vectors) {
+    unsigned tx = 32;
+    while (tx > 1 && tx / 2 >= channel_vectors)
+        tx /= 2;
+    return tx;
+}
+
+/// Grid size along rows of the elementwise rows kernels: about 4 rows per thread.
+inline unsigned rows_grid_y(std::size_t rows, unsigned tx) {
+    const std::size_t per_block = std::size_t(block_threads / tx) * 4;
+    const std::size_t y = (rows + per_block - 1) / per_block;
+    return static_cast<unsigned>(y == 0 ? 1 : std::min<std::size_t>(y, 65535));
+}
+
+/// The launch of one batch-norm kernel over g, whose data (the tensors it reads and writes, of
+/// `value_bytes` bytes a value) lie at `data`:
+/// - flat where cuda_small_plane, else planes where inner > 1, else rows;
+/// - vectors: planes when every pointer has the same offset within 16 bytes (the items' heads
+///   line up), rows when the channels are a multiple of V and every pointer is 16-byte aligned;
+/// - a reduction (parts >= 1, cuda_partitions) has one block per (channel, partition) (flat,
+///   planes) or per (channel tile, partition) (rows: grid_y = parts); an elementwise kernel
+///   (parts == 0) covers the values, flat_values a thread (flat), an item a warp (planes), about
+///   4 rows a thread (rows), flat and planes with at least min_blocks blocks.
+inline bn_launch plan_bn_launch(const channel_geometry& g, std::size_t value_bytes,
+                                std::size_t parts, std::size_t min_blocks,
+                                std::initializer_list<const void*> data) {
+    const auto offset = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16; };
+    const std::size_t v = 16 / value_bytes;
+    bn_launch l;
+    if (g.inner > 1) {
+        l.mapping = kernels::detail::cuda_small_plane(g, value_bytes) ? bn_mapping::flat
+                                                                      : bn_mapping::planes;
+        l.vector = l.mapping == bn_mapping::planes &&
+                   std::all_of(data.begin(), data.end(),
+                               [&](const void* p) { return offset(p) == offset(*data.begin()); });
+        const std::size_t per_block =
+            l.mapping == bn_mapping::flat
+                ? block_threads * flat_values
+                : block_warps * item_values(l.vector ? static_cast<int>(v) : 1);
+        l.grid_x =
+            grid_1d(parts > 0 ? g.channels * parts
+                              : std::max((g.size() + per_block - 1) / per_block, min_blocks));
+        return l;
+    }
+    l.mapping = bn_mapping::rows;
+    l.vector = g.channels % v == 0 &&
+               std::all_of(data.begin(), data.end(), [&](const void* p) { return offset(p) == 0; });
+    const std::size_t vectors = l.vector ? g.channels / v : g.channels;
+    l.tx = rows_tx(vectors);
+    l.grid_x = grid_1d((vectors + l.tx - 1) / l.tx);
+    l.grid_y = parts > 0 ? static_cast<unsigned>(parts) : rows_grid_y(g.outer, l.tx);
+    return l;
+}
+
+} // namespace detail
+} // namespace lockstep::kernels::cuda_path
