@@ -45,6 +45,10 @@ struct anchored {
     static constexpr int non_finite = 2 * limits::max_exponent - 1;       ///< field of NaN, inf
 };
 
+/// The unsigned word holding the bits of a T (float or double).
+template <class T>
+using anchored_word = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+
 /// Limits shared by both types.
 struct anchored_limits {
     static constexpr int value_bits = 84; ///< |q| < 2^value_bits
@@ -63,7 +67,7 @@ struct anchored_parts {
 /// x's mantissa (with the hidden bit of a normal value), exponent field and sign.
 template <class T>
 LOCKSTEP_HOST_DEVICE anchored_parts anchored_split(T x) {
-    using bits_type = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+    using bits_type = anchored_word<T>;
     constexpr int p = anchored<T>::mantissa_bits - 1; // stored mantissa bits
     const auto bits = std::bit_cast<bits_type>(x);
     const int e = static_cast<int>((bits >> p) & anchored<T>::non_finite);
@@ -127,7 +131,7 @@ LOCKSTEP_HOST_DEVICE T anchored_value(anchored_int sum, int a) {
     // m 2^lsb with m <= 2^p, from its bits: the field lsb - min_exponent sits below the hidden
     // bit, so adding m carries it into the exponent field of a normal value (m >= 2^(p - 1)),
     // and a subnormal (lsb == min_exponent, m < 2^(p - 1)) keeps field 0.
-    using bits_type = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+    using bits_type = anchored_word<T>;
     const auto bits = (static_cast<bits_type>(lsb - A::min_exponent) << (A::mantissa_bits - 1)) +
                       static_cast<bits_type>(m) +
                       (negative ? bits_type{1} << (8 * sizeof(T) - 1) : bits_type{0});
@@ -169,13 +173,11 @@ struct anchored_terms {
 /// -ffast-math's start-up code sets them) cannot change a term on its way to the sums.
 template <class T>
 LOCKSTEP_HOST_DEVICE double anchored_carry(T x) {
-    using bits_type = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
-    return std::bit_cast<double>(static_cast<std::uint64_t>(std::bit_cast<bits_type>(x)));
+    return std::bit_cast<double>(static_cast<std::uint64_t>(std::bit_cast<anchored_word<T>>(x)));
 }
 template <class T>
 LOCKSTEP_HOST_DEVICE T anchored_uncarry(double carried) {
-    using bits_type = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
-    return std::bit_cast<T>(static_cast<bits_type>(std::bit_cast<std::uint64_t>(carried)));
+    return std::bit_cast<T>(static_cast<anchored_word<T>>(std::bit_cast<std::uint64_t>(carried)));
 }
 
 /// anchored_terms of T values carried in doubles (anchored_carry).

@@ -39,8 +39,7 @@ struct anchored_combine_report {
 template <class T>
 void anchored_note(const anchored_combine_report& report, const T* const* sources,
                    std::size_t first, std::size_t m, const T* out) {
-    using bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
-    bits high = 0;
+    anchored_word<T> high = 0;
     for (std::size_t i = 0; i < m; ++i)
         high |= anchored_non_finite_bit(out[i]);
     if ((high >> (8 * sizeof(T) - 1)) == 0)
