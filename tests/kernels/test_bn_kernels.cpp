@@ -132,6 +132,59 @@ TEST_CASE("chan_merge is exact against empty sets and equals the union", "[kerne
     CHECK(u.m2 == Approx(92.8).epsilon(1e-14));
 }
 
+TEST_CASE("shifted_moments folds parts into the moments of their union", "[kernels][bn]") {
+    // Parts of one channel as the GPU rows kernels see them: an empty first part (its mean, the
+    // shift, is 0), sizes from 1 to 5000, means from 50 to 50 + 15 * 40 (a batch sorted by
+    // sample), deviation 2. Reference: the two-pass double moments of the concatenated values.
+    const std::vector<std::size_t> sizes{0,   1,  7,    5000, 333, 64, 1200, 2,
+                                         999, 40, 3000, 17,   450, 1,  80,   2500};
+    std::vector<double> all;
+    std::vector<moments<double>> parts;
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+        const auto v = values<double>(sizes[k], 40 + static_cast<unsigned>(k),
+                                      50.0 + 40.0 * static_cast<double>(k), 2.0);
+        moments<double> m{static_cast<double>(v.size()), 0, 0};
+        for (double e : v)
+            m.mean += e / m.count;
+        for (double e : v)
+            m.m2 += (e - m.mean) * (e - m.mean);
+        parts.push_back(m);
+        all.insert(all.end(), v.begin(), v.end());
+    }
+    moments<double> want{static_cast<double>(all.size()), 0, 0};
+    for (double e : all)
+        want.mean += e / want.count;
+    for (double e : all)
+        want.m2 += (e - want.mean) * (e - want.mean);
+    const auto check = [&](const moments<double>& got) {
+        CHECK(got.count == want.count);
+        CHECK(std::abs(got.mean - want.mean) <= 1e-13 * want.mean);
+        CHECK(std::abs(got.m2 - want.m2) <= 1e-12 * want.m2);
+    };
+    // One fold about the first part's mean, and four lanes of four parts each combined pairwise
+    // (as channel_fold combines them) about the same shift.
+    kernels::shifted_moments one{parts[0].mean};
+    for (const auto& m : parts)
+        one.add(m.count, m.mean, m.m2);
+    check(one.result());
+    std::vector<kernels::shifted_moments> lanes(4, kernels::shifted_moments{parts[0].mean});
+    for (std::size_t k = 0; k < parts.size(); ++k)
+        lanes[k / 4].add(parts[k].count, parts[k].mean, parts[k].m2);
+    check(((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])).result());
+    // About the mean of a middle part, and Chan's merge of the same parts agrees.
+    kernels::shifted_moments mid{parts[8].mean};
+    moments<double> chan;
+    for (const auto& m : parts) {
+        mid.add(m.count, m.mean, m.m2);
+        chan = kernels::chan_merge{}(chan, m);
+    }
+    check(mid.result());
+    check(chan);
+    // Nothing added: all zero, whatever the shift.
+    const moments<double> none = kernels::shifted_moments{3.5}.result();
+    CHECK((none.count == 0 && none.mean == 0 && none.m2 == 0));
+}
+
 TEMPLATE_TEST_CASE("host fast path and generic path agree on normalize, backward sums and dx",
                    "[kernels][bn]", float, double) {
     using T = TestType;

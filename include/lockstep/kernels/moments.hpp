@@ -65,6 +65,40 @@ struct chan_merge {
     }
 };
 
+/// The moments of one channel from the (count, mean, M2) of its parts, without a division per
+/// part (the GPU rows kernels' fold of a channel's partitions): sums about a shift K that every
+/// fold of the channel shares (there: its first partition's mean), S1 = sum n (mean - K) and
+/// S2 = sum M2 + n (mean - K)^2, in double; then mean = K + S1 / N and M2 = S2 - S1^2 / N. The
+/// subtraction costs log2(1 + (mean - K)^2 / variance) of double's 53 bits, so a float result
+/// stays within its rounding unless K lies beyond 2^14 standard deviations from the mean. Folds
+/// of disjoint parts with the same shift combine by operator+ (exactly, in any fixed order).
+struct shifted_moments {
+    double shift = 0;
+    double count = 0;
+    double s1 = 0;
+    double s2 = 0;
+
+    /// Adds a part of n values with the given mean and M2.
+    LOCKSTEP_HOST_DEVICE void add(double n, double mean, double m2) {
+        const double d = mean - shift;
+        count += n;
+        s1 += n * d;
+        s2 += m2 + n * d * d;
+    }
+    /// The sums of two folds about the same shift.
+    LOCKSTEP_HOST_DEVICE shifted_moments operator+(const shifted_moments& o) const {
+        return {shift, count + o.count, s1 + o.s1, s2 + o.s2};
+    }
+    /// (count, mean, M2) of everything added; all zero when nothing was.
+    LOCKSTEP_HOST_DEVICE moments<double> result() const {
+        if (count == 0)
+            return {};
+        const double d = s1 / count;
+        const double m2 = s2 - s1 * d;
+        return {count, shift + d, m2 > 0 ? m2 : 0.0};
+    }
+};
+
 /// Moments of `lanes` Welford lanes that all saw `per_lane` values (the lane layout of the host
 /// fast path), merged in lane order into acc.
 template <class Acc>

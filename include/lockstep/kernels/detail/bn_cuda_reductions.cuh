@@ -167,27 +167,29 @@ __global__ void __launch_bounds__(block_threads)
     }
     if (!arrive_last(counters + blockIdx.x, parts))
         return;
+    // Each channel's partitions about its first partition's mean (shifted_moments: no division
+    // per partition, the loads batched), in an order fixed by (parts, tile).
     const std::size_t first = blockIdx.x * tile;
-    const auto total = channel_fold<moments<double>>(
+    const auto total = channel_fold<shifted_moments>(
         static_cast<unsigned>(tile), parts,
         [&](std::size_t j, std::size_t q0, std::size_t q1) {
-            moments<double> m;
             const std::size_t c = first + j;
             if (c >= C)
-                return m;
+                return shifted_moments{};
+            shifted_moments m{static_cast<double>(__ldcg(partials + c))};
             partition_walk rows(g.outer, parts, q0);
-            for (std::size_t q = q0; q < q1; ++q)
-                m = merge(m, moments<double>{
-                                 static_cast<double>(rows.next()),
-                                 static_cast<double>(__ldcg(partials + 2 * q * C + c)),
-                                 static_cast<double>(__ldcg(partials + (2 * q + 1) * C + c))});
+            batched_partials(partials + c, C, q0, q1, [&](Acc mean_q, Acc m2_q) {
+                m.add(static_cast<double>(rows.next()), static_cast<double>(mean_q),
+                      static_cast<double>(m2_q));
+            });
             return m;
         },
-        merge);
+        [](const shifted_moments& a, const shifted_moments& b) { return a + b; });
     if (total.leader && first + total.channel < C) {
         const std::size_t c = first + total.channel;
-        block[packed_moments::mean(c)] = static_cast<Acc>(total.value.mean);
-        block[packed_moments::m2(c)] = static_cast<Acc>(total.value.m2);
+        const moments<double> m = total.value.result();
+        block[packed_moments::mean(c)] = static_cast<Acc>(m.mean);
+        block[packed_moments::m2(c)] = static_cast<Acc>(m.m2);
     }
     if (blockIdx.x == 0 && threadIdx.x == 0)
         write_header(block, header);
@@ -333,10 +335,10 @@ __global__ void __launch_bounds__(block_threads)
             const std::size_t c = first + j;
             if (c >= C)
                 return d;
-            for (std::size_t q = q0; q < q1; ++q) {
-                d.dy += static_cast<double>(__ldcg(partials + 2 * q * C + c));
-                d.dyx += static_cast<double>(__ldcg(partials + (2 * q + 1) * C + c));
-            }
+            batched_partials(partials + c, C, q0, q1, [&](Acc dy_q, Acc dyx_q) {
+                d.dy += static_cast<double>(dy_q);
+                d.dyx += static_cast<double>(dyx_q);
+            });
             return d;
         },
         add_dy_sums{});

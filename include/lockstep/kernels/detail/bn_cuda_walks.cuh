@@ -236,6 +236,34 @@ __device__ channel_fold_result<V> channel_fold(unsigned tile, std::size_t parts,
     return {v, j, g == 0};
 }
 
+/// Partitions whose partials a rows fold loads before it uses them (batched_partials).
+inline constexpr int partial_batch = 8;
+
+/// Calls use(at[2 q stride], at[(2 q + 1) stride]) for q = q0, ..., q1 - 1 in that order (the
+/// rows kernels' [partition][first | second][channel] partials of one channel), with the loads of
+/// partial_batch partitions issued before their uses, so a fold waits for L2 once a batch rather
+/// than once a partition (its adds depend on each other; its loads do not). __ldcg: the
+/// partials were written by other blocks (L1 is not coherent).
+template <class Acc, class Use>
+__device__ __forceinline__ void batched_partials(const Acc* at, std::size_t stride, std::size_t q0,
+                                                 std::size_t q1, Use use) {
+    std::size_t q = q0;
+    for (; q + partial_batch <= q1; q += partial_batch) {
+        Acc a[partial_batch];
+        Acc b[partial_batch];
+#pragma unroll
+        for (int u = 0; u < partial_batch; ++u) {
+            a[u] = __ldcg(at + 2 * (q + u) * stride);
+            b[u] = __ldcg(at + (2 * (q + u) + 1) * stride);
+        }
+#pragma unroll
+        for (int u = 0; u < partial_batch; ++u)
+            use(a[u], b[u]);
+    }
+    for (; q < q1; ++q)
+        use(__ldcg(at + 2 * q * stride), __ldcg(at + (2 * q + 1) * stride));
+}
+
 /// The row boundaries outer * q / parts of the row partitions, q = q0, q0 + 1, ..., stepped
 /// without a division per step.
 struct partition_walk {
