@@ -131,8 +131,8 @@ struct bench_context {
 constexpr double nan_ms = std::numeric_limits<double>::quiet_NaN();
 
 /// One (shape, layout, type): lockstep's forward and backward as nn::batch_norm<bn::local> runs
-/// them (pack_local_moments, finish_statistics_fn, normalize; pack_backward_sums,
-/// input_gradient_fused), then cuDNN's four entry points on the same data.
+/// them (pack_local_moments, finish_and_normalize; pack_backward_sums, input_gradient_fused), then
+/// cuDNN's four entry points on the same data.
 template <class T>
 void bench_bn(bench_context& b, shape s, bool nhwc) {
     namespace k = lockstep::kernels;
@@ -191,8 +191,7 @@ void bench_bn(bench_context& b, shape s, bool nhwc) {
             k::layer_report{.first = reinterpret_cast<k::layer_error_record*>(record.data())}};
     const sample fwd = b.timer.time([&] {
         k::pack_local_moments(sys, cx, g, 0.0f, block.span(), ws.span());
-        k::for_each_index(sys, C, finish, C);
-        k::normalize(sys, cx, y.span(), g, cf(mean), cf(scale), cf(beta));
+        k::finish_and_normalize(sys, finish, cx, y.span(), g, cf(beta));
     });
     const sample bwd = b.timer.time([&] {
         k::pack_backward_sums(sys, cdy, cx, g, cf(mean), 0.0f, sums.span(), ws.span());

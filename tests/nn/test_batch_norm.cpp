@@ -194,7 +194,8 @@ TEST_CASE("batch_norm without affine normalizes only", "[nn][bn]") {
 }
 
 TEST_CASE("batch_norm can keep its parameters in caller-provided storage", "[nn][bn]") {
-    std::vector<float> flat(4 * 3, -7.0f); // gamma | beta | dgamma | dbeta, as a registry would
+    std::vector<float> flat(std::size_t{4} * 3,
+                            -7.0f); // gamma | beta | dgamma | dbeta, as a registry would
     std::span<float> all(flat);
     nn::batch_norm<float, bn::local, nn::nc> layer(3, {all.subspan(0, 3), all.subspan(3, 3),
                                                        all.subspan(6, 3), all.subspan(9, 3),
@@ -226,7 +227,7 @@ TEST_CASE("batch_norm can keep its parameters in caller-provided storage", "[nn]
 TEST_CASE("batch_norm over caller spans never silently overwrites values the caller set",
           "[nn][bn]") {
     using layer_t = nn::batch_norm<float, bn::local, nn::nc>;
-    std::vector<float> flat(4 * 3, 0.0f); // gamma | beta | dgamma | dbeta
+    std::vector<float> flat(std::size_t{4} * 3, 0.0f); // gamma | beta | dgamma | dbeta
     std::span<float> all(flat);
     auto spans = [&](nn::initial_values v) {
         return layer_t::parameter_spans{all.subspan(0, 3), all.subspan(3, 3), all.subspan(6, 3),
@@ -261,7 +262,7 @@ TEST_CASE("batch_norm over caller spans never silently overwrites values the cal
 
 TEST_CASE("batch_norm rejects bad input with a clear error", "[nn][bn]") {
     nn::batch_norm<float, bn::local, nn::nchw> layer(3);
-    std::vector<float> x(2 * 3 * 4, 1.0f), y(x.size());
+    std::vector<float> x(std::size_t{2} * 3 * 4, 1.0f), y(x.size());
     auto message = [&](auto&& call) -> std::string {
         try {
             solo(call);

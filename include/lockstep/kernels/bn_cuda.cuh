@@ -100,31 +100,57 @@ void pack_local_moments(const cuda_system& sys, const T* x, channel_geometry g, 
     });
 }
 
+namespace detail {
+
+/// K3 over g with the coefficients of `coef` (coefficient_arrays, eval_coefficients_fn,
+/// finish_statistics_fn): the plan's normalize kernel; a source that finishes (Coef::finishes)
+/// also runs coef(c) for every channel in the same launch, so it launches for an empty batch
+/// too.
+template <class T, class Acc, class Coef>
+void launch_normalize(const cuda_system& sys, const T* x, T* y, channel_geometry g,
+                      const Coef& coef, const Acc* beta) {
+    check_types<T, Acc>();
+    using N = native_t<T>;
+    const N* xn = reinterpret_cast<const N*>(x);
+    N* yn = reinterpret_cast<N*>(y);
+    if (g.channels == 0 || (!Coef::finishes && g.size() == 0))
+        return;
+    LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
+    const bn_launch p = plan_bn_launch(g, sizeof(T), 0, 0, {x, y});
+    launch<N>(sys, p, [&]<int W>(dim3 grid, cudaStream_t s) {
+        if (p.mapping == bn_mapping::flat)
+            normalize_flat_kernel<N, Acc, Coef>
+                <<<grid, block_threads, 0, s>>>(xn, yn, g, coef, beta);
+        else if (p.mapping == bn_mapping::planes)
+            normalize_planes_kernel<N, Acc, W, Coef>
+                <<<grid, block_threads, 0, s>>>(xn, yn, g, coef, beta);
+        else
+            normalize_rows_kernel<N, Acc, W, Coef>
+                <<<grid, block_threads, 0, s>>>(xn, yn, g, p.tx, coef, beta);
+    });
+}
+
+} // namespace detail
+
 /// K3: y = normalize_value(x, mean_c, scale_c, beta_c) for every value of channel c.
 /// requires: x and y hold g.size() values and do not overlap; mean, scale, beta hold
 ///           g.channels values.
 template <class T, class Acc>
 void normalize(const cuda_system& sys, const T* x, T* y, channel_geometry g, const Acc* mean,
                const Acc* scale, const Acc* beta) {
-    detail::check_types<T, Acc>();
-    using N = native_t<T>;
-    const N* xn = reinterpret_cast<const N*>(x);
-    N* yn = reinterpret_cast<N*>(y);
-    if (g.size() == 0)
-        return;
-    LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
-    const detail::bn_launch p = detail::plan_bn_launch(g, sizeof(T), 0, 0, {x, y});
-    detail::launch<N>(sys, p, [&]<int W>(dim3 grid, cudaStream_t s) {
-        if (p.mapping == detail::bn_mapping::flat)
-            detail::normalize_flat_kernel<N, Acc>
-                <<<grid, block_threads, 0, s>>>(xn, yn, g, mean, scale, beta);
-        else if (p.mapping == detail::bn_mapping::planes)
-            detail::normalize_planes_kernel<N, Acc, W>
-                <<<grid, block_threads, 0, s>>>(xn, yn, g, mean, scale, beta);
-        else
-            detail::normalize_rows_kernel<N, Acc, W>
-                <<<grid, block_threads, 0, s>>>(xn, yn, g, p.tx, mean, scale, beta);
-    });
+    detail::launch_normalize(sys, x, y, g, coefficient_arrays<Acc>{mean, scale}, beta);
+}
+
+/// F2 + K3 in one launch: fin(c) for every channel c (one thread each; fin writes the
+/// coefficients fin.mean, fin.scale and what else it keeps), and y normalized with the
+/// coefficients each block computes for the channels it touches with fin.coefficients, the
+/// arithmetic of fin(c). requires: as normalize for x, y and beta; fin's arrays do not overlap
+/// them (g.size() may be 0).
+template <class T, class Acc, class Finish>
+void finish_and_normalize(const cuda_system& sys, const Finish& fin, const T* x, T* y,
+                          channel_geometry g, const Acc* beta) {
+    static_assert(Finish::finishes);
+    detail::launch_normalize(sys, x, y, g, fin, beta);
 }
 
 /// K4: the backward sums with a status slot (packed_sums layout) in one launch:
@@ -229,6 +255,14 @@ void bn_normalize(const cuda_system& sys, std::span<const T> x, std::span<T> y,
                   std::span<const Acc> scale, std::span<const Acc> beta) {
     kernels::cuda_path::normalize(sys, x.data(), y.data(), g, mean.data(), scale.data(),
                                   beta.data());
+}
+
+/// The finish of every channel and the normalization in one launch
+/// (cuda_path::finish_and_normalize).
+template <class T, class Acc, class Finish>
+void bn_finish_normalize(const cuda_system& sys, const Finish& fin, std::span<const T> x,
+                         std::span<T> y, kernels::channel_geometry g, std::span<const Acc> beta) {
+    kernels::cuda_path::finish_and_normalize(sys, fin, x.data(), y.data(), g, beta.data());
 }
 
 /// The packed backward sums in one deterministic launch (cuda_path::pack_backward_sums).

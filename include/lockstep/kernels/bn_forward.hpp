@@ -76,6 +76,16 @@ void bn_normalize(const System& sys, std::span<const T> x, std::span<T> y, chann
         normalize_fn<T, Acc>{x.data(), y.data(), g, mean.data(), scale.data(), beta.data()});
 }
 
+/// Generic finish and normalization: fin(c) for every channel (writing fin.mean and fin.scale),
+/// then bn_normalize with them (the system's, so the host system runs its vectorized loops).
+template <class T, class Acc, execution_system System, class Finish>
+void bn_finish_normalize(const System& sys, const Finish& fin, std::span<const T> x, std::span<T> y,
+                         channel_geometry g, std::span<const Acc> beta) {
+    kernels::for_each_index(sys, g.channels, fin, fin.elements(g.channels));
+    bn_normalize(sys, x, y, g, std::span<const Acc>(fin.mean, g.channels),
+                 std::span<const Acc>(fin.scale, g.channels), beta);
+}
+
 namespace detail {
 template <class T, class Acc>
 void require_channel_moments(std::span<const T> x, const channel_geometry& g,
@@ -176,6 +186,25 @@ void normalize(const System& sys, std::span<const T> x, std::span<T> y, channel_
                std::span<const Acc> mean, std::span<const Acc> scale, std::span<const Acc> beta) {
     detail::require_normalize(x, y, g, mean, scale, beta);
     bn_normalize(sys, x, y, g, mean, scale, beta);
+}
+
+/// The coefficients of every channel finished by `fin` (finish_statistics_fn after the forward's
+/// exchange, eval_coefficients_fn for inference: fin(c) writes channel c's fin.mean[c],
+/// fin.scale[c] and what else it keeps), then y normalized with them. The CUDA system does both
+/// in one launch (cuda_path::finish_and_normalize: the blocks compute the coefficients of the
+/// channels they touch with fin.coefficients, the arithmetic of fin(c), while one thread per
+/// channel runs fin(c)); other systems run the two passes.
+/// requires: x.size() == y.size() == g.size() (g.size() may be 0: fin still runs for every
+///           channel); beta holds g.channels values; fin's arrays hold g.channels values and do
+///           not overlap x, y or beta.
+template <class T, class Acc, execution_system System, class Finish>
+void finish_and_normalize(const System& sys, const Finish& fin, std::span<const T> x,
+                          std::span<T> y, channel_geometry g, std::span<const Acc> beta) {
+    LOCKSTEP_REQUIRE(x.size() == g.size() && y.size() == g.size() && beta.size() >= g.channels,
+                     errc::shape_mismatch, -1, "kernels::finish_and_normalize", "x has ", x.size(),
+                     " values, y ", y.size(), ", expected ", g.size(), "; beta ", beta.size(),
+                     " for ", g.channels, " channels");
+    bn_finish_normalize(sys, fin, x, y, g, beta);
 }
 
 } // namespace lockstep::kernels

@@ -33,6 +33,26 @@ LOCKSTEP_HOST_DEVICE inline Acc input_gradient(Acc dy, Acc x, Acc mean, Acc k, A
     return k * (dy - a - (x - mean) * b);
 }
 
+/// One channel's normalization coefficients: y = normalize_value(x, mean, scale, beta).
+template <class Acc>
+struct channel_coefficients {
+    Acc mean;
+    Acc scale;
+};
+
+/// The coefficients of arrays written earlier (kernels::normalize's): channel c's are
+/// (mean[c], scale[c]). A coefficient source of the CUDA normalize kernels, as are
+/// eval_coefficients_fn and finish_statistics_fn, which also write them (finishes).
+template <class Acc>
+struct coefficient_arrays {
+    static constexpr bool finishes = false;
+    const Acc* mean;
+    const Acc* scale;
+    LOCKSTEP_HOST_DEVICE channel_coefficients<Acc> coefficients(std::size_t c) const {
+        return {mean[c], scale[c]};
+    }
+};
+
 /// Per-channel coefficients of the backward pass, read by the dx kernels.
 template <class Acc>
 struct backward_coefficients {
@@ -82,6 +102,7 @@ struct merge_partials_fn {
 /// Channel c, inference: coefficients from the running statistics.
 template <class Acc>
 struct eval_coefficients_fn {
+    static constexpr bool finishes = true;
     const Acc* running_mean;
     const Acc* running_var;
     const Acc* gamma;
@@ -89,10 +110,17 @@ struct eval_coefficients_fn {
     Acc* mean;
     Acc* scale;
 
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t c) const {
-        mean[c] = running_mean[c];
-        scale[c] = gamma[c] * inverse_sqrt(running_var[c] + eps);
+    /// Channel c's coefficients, as operator() writes them.
+    LOCKSTEP_HOST_DEVICE channel_coefficients<Acc> coefficients(std::size_t c) const {
+        return {running_mean[c], gamma[c] * inverse_sqrt(running_var[c] + eps)};
     }
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t c) const {
+        const channel_coefficients<Acc> k = coefficients(c);
+        mean[c] = k.mean;
+        scale[c] = k.scale;
+    }
+    /// The values operator() reads over every channel (for_each_index's work estimate).
+    std::size_t elements(std::size_t channels) const noexcept { return channels; }
 };
 
 /// Value i: y[i] = normalize_value(x[i]) with its channel's coefficients (generic path).

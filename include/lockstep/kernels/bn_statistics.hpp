@@ -5,6 +5,7 @@
 #pragma once
 
 #include "lockstep/core/config.hpp"
+#include "lockstep/kernels/bn_functors.hpp"
 #include "lockstep/kernels/bn_fused.hpp"
 #include "lockstep/kernels/layer_report.hpp"
 #include "lockstep/kernels/moments.hpp"
@@ -54,6 +55,7 @@ struct wide_moments {
 ///   keeps the first; a layer's own record is overwritten, with zeros when all is well).
 template <class Acc>
 struct finish_statistics_fn {
+    static constexpr bool finishes = true;
     const Acc* blocks;
     std::size_t stride;
     int count_blocks;
@@ -82,11 +84,29 @@ struct finish_statistics_fn {
         return m;
     }
 
+    /// Channel c's normalization statistics: the merged blocks' or this replica's.
+    LOCKSTEP_HOST_DEVICE wide_moments<Acc> normalization(std::size_t c) const {
+        return normalize_merged ? merged(0, count_blocks, c) : merged(self, self + 1, c);
+    }
+    /// 1 / sqrt(variance + eps) of statistics m.
+    LOCKSTEP_HOST_DEVICE Acc inverse_std(const wide_moments<Acc>& m) const {
+        const Acc var = m.count > 0 ? m.m2 / static_cast<Acc>(m.count) : Acc(0);
+        return inverse_sqrt(var + eps);
+    }
+    /// Channel c's coefficients, as operator() writes them (the fused CUDA normalize computes
+    /// them per block from the blocks with this arithmetic).
+    LOCKSTEP_HOST_DEVICE channel_coefficients<Acc> coefficients(std::size_t c) const {
+        const wide_moments<Acc> norm = normalization(c);
+        return {norm.mean, gamma[c] * inverse_std(norm)};
+    }
+    /// The values operator() reads over every channel (for_each_index's work estimate).
+    std::size_t elements(std::size_t channels) const noexcept {
+        return channels * static_cast<std::size_t>(count_blocks);
+    }
+
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t c) const {
-        const wide_moments<Acc> norm =
-            normalize_merged ? merged(0, count_blocks, c) : merged(self, self + 1, c);
-        const Acc var = norm.count > 0 ? norm.m2 / static_cast<Acc>(norm.count) : Acc(0);
-        const Acc inv = inverse_sqrt(var + eps);
+        const wide_moments<Acc> norm = normalization(c);
+        const Acc inv = inverse_std(norm);
         mean[c] = norm.mean;
         invstd[c] = inv;
         scale[c] = gamma[c] * inv;

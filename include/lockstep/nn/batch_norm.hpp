@@ -172,7 +172,7 @@ public:
     /// the statistics are taken over more than one value per channel (globally under
     /// bn::global) unless over none.
     /// Outside a trainer's step (no layer_step): the layer checks its own status at once and
-    /// throws what it found.
+    /// throws what it found (y is then written, its values unspecified).
     /// Inside a trainer's step function this form is refused on every replica
     /// (lockstep::error, invalid_argument, before any work): there the context form below is
     /// the one that keeps the running statistics with the step's skip decision and bn::ghost
@@ -200,15 +200,12 @@ public:
             detail::check_input<Layout>(s_.channels, x.size(), shape, y.size());
         if (!problem.empty())
             fail(errc::shape_mismatch, -1, "batch_norm.forward_eval", problem);
-        kernels::for_each_index(s_.sys, s_.channels,
-                                kernels::eval_coefficients_fn<param_type>{
-                                    s_.running_mean().data(), s_.running_var().data(),
-                                    s_.gamma.data(), static_cast<param_type>(p_.eps),
-                                    s_.eval_mean().data(), s_.eval_scale().data()},
-                                s_.channels);
-        kernels::normalize(
-            s_.sys, x, y, Layout::geometry(shape), std::span<const param_type>(s_.eval_mean()),
-            std::span<const param_type>(s_.eval_scale()), std::span<const param_type>(s_.beta));
+        kernels::finish_and_normalize(
+            s_.sys,
+            kernels::eval_coefficients_fn<param_type>{
+                s_.running_mean().data(), s_.running_var().data(), s_.gamma.data(),
+                static_cast<param_type>(p_.eps), s_.eval_mean().data(), s_.eval_scale().data()},
+            x, y, Layout::geometry(shape), std::span<const param_type>(s_.beta));
     }
 
     /// Backward of the last forward_train: writes dx, adds this replica's partial sums to dgamma
@@ -297,27 +294,29 @@ private:
         keep_running_statistics(step);
         const kernels::layer_report report =
             step != nullptr ? step->next_report() : kernels::layer_report{s_.own_error()};
-        kernels::for_each_index(s_.sys, s_.channels,
-                                kernels::finish_statistics_fn<param_type>{
-                                    .blocks = f.blocks,
-                                    .stride = kernels::packed_moments::size(s_.channels),
-                                    .count_blocks = f.count,
-                                    .self = f.self,
-                                    .running_first = f.running_first,
-                                    .running_last = f.running_last,
-                                    .normalize_merged = traits::normalizes_across_replicas,
-                                    .world_offset = f.world_offset,
-                                    .gamma = s_.gamma.data(),
-                                    .eps = static_cast<param_type>(p_.eps),
-                                    .momentum = static_cast<param_type>(p_.momentum),
-                                    .mean = s_.batch_mean().data(),
-                                    .invstd = s_.batch_invstd().data(),
-                                    .scale = s_.batch_scale().data(),
-                                    .running_mean = s_.running_mean().data(),
-                                    .running_var = s_.running_var().data(),
-                                    .count = s_.normalization_count(),
-                                    .report = report},
-                                s_.channels * static_cast<std::size_t>(f.count));
+        // The statistics finished and y normalized (one launch on the CUDA system).
+        kernels::finish_and_normalize(s_.sys,
+                                      kernels::finish_statistics_fn<param_type>{
+                                          .blocks = f.blocks,
+                                          .stride = kernels::packed_moments::size(s_.channels),
+                                          .count_blocks = f.count,
+                                          .self = f.self,
+                                          .running_first = f.running_first,
+                                          .running_last = f.running_last,
+                                          .normalize_merged = traits::normalizes_across_replicas,
+                                          .world_offset = f.world_offset,
+                                          .gamma = s_.gamma.data(),
+                                          .eps = static_cast<param_type>(p_.eps),
+                                          .momentum = static_cast<param_type>(p_.momentum),
+                                          .mean = s_.batch_mean().data(),
+                                          .invstd = s_.batch_invstd().data(),
+                                          .scale = s_.batch_scale().data(),
+                                          .running_mean = s_.running_mean().data(),
+                                          .running_var = s_.running_var().data(),
+                                          .count = s_.normalization_count(),
+                                          .report = report},
+                                      xs, y.first(xs.size()), g,
+                                      std::span<const param_type>(s_.beta));
         if constexpr (bn::is_ghost<Policy>) {
             if (ghost_step)
                 ghost_.record(comm, *step, std::span<const param_type>(s_.block.span()),
@@ -327,11 +326,8 @@ private:
         } else {
             count_batches(step, 1);
         }
-        if (step == nullptr)
+        if (step == nullptr) // y is written, its values unspecified, when this throws
             status_.throw_error(comm, s_.sys, s_.own_error(), op, shape);
-        kernels::normalize(
-            s_.sys, xs, y.first(xs.size()), g, std::span<const param_type>(s_.batch_mean()),
-            std::span<const param_type>(s_.batch_scale()), std::span<const param_type>(s_.beta));
         saved_x_ = x;
         saved_geometry_ = g;
         has_forward_ = true;

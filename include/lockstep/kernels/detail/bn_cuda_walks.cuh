@@ -30,8 +30,8 @@ __device__ __forceinline__ void channel_runs(const channel_geometry& g, std::siz
     }
 }
 
-/// Calls f(offset, length, channel) for the runs of tensor offsets [a, b) cut at plane
-/// boundaries: one division per call and one modulo per plane.
+/// Calls f(offset, length, plane) for the runs of tensor offsets [a, b) cut at plane
+/// boundaries (plane q holds channel q % channels): one division per call.
 template <class F>
 __device__ __forceinline__ void plane_runs(const channel_geometry& g, std::size_t a, std::size_t b,
                                            F&& f) {
@@ -39,7 +39,7 @@ __device__ __forceinline__ void plane_runs(const channel_geometry& g, std::size_
     std::size_t i = a - q * g.inner;
     while (a < b) {
         const std::size_t len = smin(b - a, g.inner - i);
-        f(a, len, q % g.channels);
+        f(a, len, q);
         a += len;
         ++q;
         i = 0;
