@@ -390,7 +390,7 @@ TEMPLATE_TEST_CASE("cuda_path finish_and_normalize writes what the finish and th
             device_array<T> x(xh, sys);
             // [0]: one launch, [1]: the generic finish pass, then the CUDA normalize
             struct outputs {
-                device_array<Acc> mean, invstd, scale, run_mean, run_var;
+                device_array<Acc> mean, invstd, scale, run_mean, run_var, kept;
                 device_array<double> count, record;
                 device_array<T> y;
             };
@@ -401,6 +401,7 @@ TEMPLATE_TEST_CASE("cuda_path finish_and_normalize writes what the finish and th
                                {zeros, sys},
                                {run_mean0, sys},
                                {run_var0, sys},
+                               {std::vector<Acc>(2 * C, Acc(-7)), sys},
                                {std::vector<double>{-1.0}, sys},
                                {std::vector<double>{-1.0, -1.0, -1.0}, sys},
                                {g.size(), sys}};
@@ -425,9 +426,12 @@ TEMPLATE_TEST_CASE("cuda_path finish_and_normalize writes what the finish and th
                     .running_mean = out.run_mean.span().data(),
                     .running_var = out.run_var.span().data(),
                     .count = out.count.span().data(),
-                    .report = kernels::layer_report{
-                        .first = reinterpret_cast<kernels::layer_error_record*>(
-                            out.record.span().data())}};
+                    .report =
+                        kernels::layer_report{.first =
+                                                  reinterpret_cast<kernels::layer_error_record*>(
+                                                      out.record.span().data())},
+                    .kept_mean = out.kept.span().data(),
+                    .kept_var = out.kept.span().data() + C};
             };
             kernels::finish_and_normalize(sys, finish(o[0]), x.cspan(), o[0].y.span(), g,
                                           beta.cspan());
@@ -441,6 +445,11 @@ TEMPLATE_TEST_CASE("cuda_path finish_and_normalize writes what the finish and th
             CHECK(o[0].run_var.download() == o[1].run_var.download());
             CHECK(o[0].count.download() == o[1].count.download());
             CHECK(o[0].record.download() == o[1].record.download());
+            // the running statistics kept before the update (what a skipped step restores)
+            std::vector<Acc> before(run_mean0);
+            before.insert(before.end(), run_var0.begin(), run_var0.end());
+            CHECK(o[0].kept.download() == before);
+            CHECK(o[1].kept.download() == before);
             const auto y0 = o[0].y.download(), y1 = o[1].y.download();
             std::size_t differ = 0;
             for (std::size_t i = 0; i < g.size(); ++i)

@@ -47,7 +47,9 @@ struct wide_moments {
 /// - Normalization statistics: the merge of blocks [0, blocks) when `normalize_merged`
 ///   (bn::global, bn::group), else block `self` alone (bn::local, running_only, tower).
 /// - Running statistics: the merge of blocks [running_first, running_last), unbiased variance
-///   over their count (skipped when that count is below 2).
+///   over their count (skipped when that count is below 2); with kept_mean, the values before
+///   this update are kept first (kept_mean[c], kept_var[c]: a trainer's step restores them when
+///   it is skipped).
 /// - Errors (channel 0): a block whose status is not 0 (layer_error::peer_invalid_input, value
 ///   = that replica's world rank), or statistics over exactly one value per channel
 ///   (layer_error::single_value: the merged count when normalize_merged, else any block's).
@@ -74,6 +76,8 @@ struct finish_statistics_fn {
     Acc* running_var;
     double* count; ///< out: the values per channel the normalization statistics cover
     layer_report report;
+    Acc* kept_mean = nullptr; ///< when not null, with kept_var: the running statistics kept
+    Acc* kept_var = nullptr;
 
     LOCKSTEP_HOST_DEVICE wide_moments<Acc> merged(int first, int last, std::size_t c) const {
         wide_moments<Acc> m;
@@ -110,6 +114,10 @@ struct finish_statistics_fn {
         mean[c] = norm.mean;
         invstd[c] = inv;
         scale[c] = gamma[c] * inv;
+        if (kept_mean != nullptr) {
+            kept_mean[c] = running_mean[c];
+            kept_var[c] = running_var[c];
+        }
         const wide_moments<Acc> run = merged(running_first, running_last, c);
         if (run.count > 1) {
             const Acc unbiased = run.m2 / static_cast<Acc>(run.count - 1);

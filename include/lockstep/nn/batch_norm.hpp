@@ -291,32 +291,34 @@ private:
                 f.running_last = 0;
             }
         }
-        keep_running_statistics(step);
+        const bool keep = keep_running_statistics(step);
         const kernels::layer_report report =
             step != nullptr ? step->next_report() : kernels::layer_report{s_.own_error()};
         // The statistics finished and y normalized (one launch on the CUDA system).
-        kernels::finish_and_normalize(s_.sys,
-                                      kernels::finish_statistics_fn<param_type>{
-                                          .blocks = f.blocks,
-                                          .stride = kernels::packed_moments::size(s_.channels),
-                                          .count_blocks = f.count,
-                                          .self = f.self,
-                                          .running_first = f.running_first,
-                                          .running_last = f.running_last,
-                                          .normalize_merged = traits::normalizes_across_replicas,
-                                          .world_offset = f.world_offset,
-                                          .gamma = s_.gamma.data(),
-                                          .eps = static_cast<param_type>(p_.eps),
-                                          .momentum = static_cast<param_type>(p_.momentum),
-                                          .mean = s_.batch_mean().data(),
-                                          .invstd = s_.batch_invstd().data(),
-                                          .scale = s_.batch_scale().data(),
-                                          .running_mean = s_.running_mean().data(),
-                                          .running_var = s_.running_var().data(),
-                                          .count = s_.normalization_count(),
-                                          .report = report},
-                                      xs, y.first(xs.size()), g,
-                                      std::span<const param_type>(s_.beta));
+        kernels::finish_and_normalize(
+            s_.sys,
+            kernels::finish_statistics_fn<param_type>{
+                .blocks = f.blocks,
+                .stride = kernels::packed_moments::size(s_.channels),
+                .count_blocks = f.count,
+                .self = f.self,
+                .running_first = f.running_first,
+                .running_last = f.running_last,
+                .normalize_merged = traits::normalizes_across_replicas,
+                .world_offset = f.world_offset,
+                .gamma = s_.gamma.data(),
+                .eps = static_cast<param_type>(p_.eps),
+                .momentum = static_cast<param_type>(p_.momentum),
+                .mean = s_.batch_mean().data(),
+                .invstd = s_.batch_invstd().data(),
+                .scale = s_.batch_scale().data(),
+                .running_mean = s_.running_mean().data(),
+                .running_var = s_.running_var().data(),
+                .count = s_.normalization_count(),
+                .report = report,
+                .kept_mean = keep ? kept_running_.data() : nullptr,
+                .kept_var = keep ? kept_running_.data() + s_.channels : nullptr},
+            xs, y.first(xs.size()), g, std::span<const param_type>(s_.beta));
         if constexpr (bn::is_ghost<Policy>) {
             if (ghost_step)
                 ghost_.record(comm, *step, std::span<const param_type>(s_.block.span()),
@@ -405,24 +407,23 @@ private:
         return s_.workspace.span().first(bytes);
     }
 
-    /// Inside a trainer's step: on the layer's first forward of the step, copies the running
-    /// statistics aside (on the device) and joins the step, whose commit (commit_step) restores
-    /// them when the trainer's skip flag is set, so a skipped step leaves them as they were.
+    /// Inside a trainer's step: on the layer's first forward of the step, joins the step and
+    /// returns true: that forward's finish keeps the running statistics aside (kept_running_,
+    /// on the device) before it updates them, and the step's commit (commit_step) restores them
+    /// when the trainer's skip flag is set, so a skipped step leaves them as they were.
     /// num_batches_tracked (a host count) counts every training forward (count_batches).
-    void keep_running_statistics(layer_step* step) {
+    bool keep_running_statistics(layer_step* step) {
         if (step == nullptr || step->id() == kept_step_)
-            return;
+            return false;
         kept_step_ = step->id();
         const std::size_t n = s_.running.size();
         if (kept_running_.size() != n)
             kept_running_ = buffer<param_type, System>(n, s_.sys);
-        kernels::for_each_index(
-            s_.sys, n,
-            detail::copy_if_fn<param_type>{s_.running.data(), kept_running_.data(), nullptr}, n);
         if constexpr (bn::is_ghost<Policy>)
             ghost_.begin_step();
         joined_ = step;
         step->join(*this);
+        return true;
     }
 
     /// The step's commit (step_participant): a reproducible step's bn::ghost layer first
