@@ -6,6 +6,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -116,4 +117,42 @@ TEST_CASE("a grid of 2^31 blocks or more is refused", "[kernels][bn]") {
     CHECK(cp::grid_1d(0) == 1);
     CHECK(cp::grid_1d((std::size_t{1} << 31) - 1) == (1u << 31) - 1);
     CHECK_THROWS_AS(cp::grid_1d(std::size_t{1} << 31), error);
+}
+
+TEST_CASE("a normalize block's table holds every plane the block touches", "[kernels][bn]") {
+    // Every block of the plan's normalize grid, for planes just over and under the flat
+    // mapping's 1 KiB, odd sizes and ResNet's, 2-, 4- and 8-byte values, aligned and not: the
+    // planes it touches fit the table the kernel declares (planes_block_entries,
+    // flat_block_entries), or the kernel would write past its shared memory.
+    std::size_t most_planes = 0;
+    std::size_t most_flat = 0;
+    for (const std::size_t bytes : {std::size_t{2}, std::size_t{4}, std::size_t{8}}) {
+        const std::size_t edge = 1024 / bytes; // the smallest plane mapped as planes
+        for (const std::size_t inner :
+             {std::size_t{2}, std::size_t{3}, std::size_t{49}, std::size_t{196}, edge - 1, edge,
+              edge + 1, std::size_t{784}, std::size_t{3136}, std::size_t{263}}) {
+            for (const std::uintptr_t offset : {std::uintptr_t{0}, std::uintptr_t{bytes}}) {
+                CAPTURE(bytes, inner, offset);
+                const channel_geometry g = nchw(64, 37, inner);
+                const cp::bn_launch p = cp::plan_bn_launch(g, bytes, 0, 0, {at(0), at(offset)});
+                const bool flat = p.mapping == bn_mapping::flat;
+                REQUIRE((flat || p.mapping == bn_mapping::planes));
+                const std::size_t span =
+                    cp::block_values(p.mapping, p.vector ? static_cast<int>(16 / bytes) : 1);
+                const std::size_t entries =
+                    flat ? cp::flat_block_entries : cp::planes_block_entries;
+                for (std::size_t b = 0; b < p.grid_x; ++b) {
+                    const cp::block_planes planes(g, b * span, span);
+                    CHECK(planes.count <= entries);
+                    (flat ? most_flat : most_planes) =
+                        std::max(flat ? most_flat : most_planes, planes.count);
+                }
+                // the blocks cover the tensor
+                CHECK(std::size_t{p.grid_x} * span >= g.size());
+            }
+        }
+    }
+    // and the cases come within the two planes a block may start and end in of the bounds
+    CHECK(most_planes >= cp::planes_block_entries - 2); // 32 edge-sized planes
+    CHECK(most_flat >= cp::flat_block_entries - 2);     // 2048 values of 2-value planes
 }

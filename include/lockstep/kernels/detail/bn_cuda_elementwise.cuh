@@ -53,27 +53,6 @@ __device__ __forceinline__ void begin_normalize(block_coefficients<Acc, Entries>
     __syncthreads();
 }
 
-/// Planes (channel q % C of plane q) a block of `span` values from `first` touches, and the first.
-struct block_planes {
-    std::size_t first = 0;
-    std::size_t count = 0;
-    __device__ block_planes(const channel_geometry& g, std::size_t begin, std::size_t span) {
-        const std::size_t size = g.size();
-        if (begin >= size)
-            return;
-        first = begin / g.inner;
-        count = (smin(begin + span, size) - 1) / g.inner - first + 1;
-    }
-};
-
-/// Entries of the planes kernel's table: a block covers block_warps items of at most
-/// 2048 x 16 / sizeof(T) values, and its planes hold at least 1024 / sizeof(T) (smaller ones
-/// are mapped flat), so it touches at most 32 planes plus the two it starts and ends in.
-inline constexpr std::size_t planes_block_entries = block_warps * item_values(1) * 16 / 1024 + 2;
-/// Entries of the flat kernel's table: block_threads * flat_values values of planes of at
-/// least 2 values.
-inline constexpr std::size_t flat_block_entries = block_threads * flat_values / 2 + 2;
-
 /// K3, planes: warp w of the grid normalizes tensor offsets [w I, (w + 1) I), I = item_values;
 /// the block's coefficients come from its table.
 template <class T, class Acc, int V, class Coef>
@@ -81,8 +60,9 @@ __global__ void __launch_bounds__(block_threads, 5)
     normalize_planes_kernel(const T* __restrict__ x, T* __restrict__ y, channel_geometry g,
                             Coef coef, const Acc* beta) {
     __shared__ block_coefficients<Acc, planes_block_entries> s;
-    const std::size_t first = std::size_t(blockIdx.x) * block_warps * item_values(V);
-    const block_planes planes(g, first, block_warps * item_values(V));
+    constexpr std::size_t span = block_values(bn_mapping::planes, V);
+    const std::size_t first = std::size_t(blockIdx.x) * span;
+    const block_planes planes(g, first, span);
     begin_normalize(s, g.channels, coef, beta, planes.count,
                     [&](std::size_t e) { return (planes.first + e) % g.channels; });
     const std::size_t a = first + threadIdx.x / 32 * item_values(V);
@@ -106,7 +86,7 @@ __global__ void __launch_bounds__(block_threads, 6)
     normalize_flat_kernel(const T* __restrict__ x, T* __restrict__ y, channel_geometry g, Coef coef,
                           const Acc* beta) {
     __shared__ block_coefficients<Acc, flat_block_entries> s;
-    constexpr std::size_t span = std::size_t(block_threads) * flat_values;
+    constexpr std::size_t span = block_values(bn_mapping::flat, 1);
     const std::size_t first = std::size_t(blockIdx.x) * span;
     const block_planes planes(g, first, span);
     begin_normalize(s, g.channels, coef, beta, planes.count,

@@ -30,12 +30,45 @@ LOCKSTEP_HOST_DEVICE constexpr std::size_t item_values(int v) {
 /// Values per thread of the flat elementwise kernels (their grid covers size / this).
 inline constexpr std::size_t flat_values = 8;
 
+/// The planes (plane q holds channel q % channels) that the `span` tensor offsets from `begin`
+/// touch: `count` planes from `first` (none when begin is past the tensor). The normalize kernels'
+/// blocks keep one table entry per plane they touch.
+struct block_planes {
+    std::size_t first = 0;
+    std::size_t count = 0;
+    LOCKSTEP_HOST_DEVICE block_planes(const channel_geometry& g, std::size_t begin,
+                                      std::size_t span) {
+        const std::size_t size = g.size();
+        if (begin >= size || span == 0)
+            return;
+        first = begin / g.inner;
+        const std::size_t end = begin + span < size ? begin + span : size;
+        count = (end - 1) / g.inner - first + 1;
+    }
+};
+
+/// Entries of the planes normalize kernel's table: a block covers block_warps items of at most
+/// 2048 x 16 / value bytes values, and its planes hold at least 1024 / value bytes values
+/// (smaller ones are mapped flat), so it touches at most 32 planes and the two it starts and
+/// ends in.
+inline constexpr std::size_t planes_block_entries = block_warps * item_values(1) * 16 / 1024 + 2;
+/// Entries of the flat normalize kernel's table: block_threads * flat_values values, of planes
+/// of at least 2 values.
+inline constexpr std::size_t flat_block_entries = block_threads * flat_values / 2 + 2;
+
 /// How a kernel maps the tensor onto its threads (kernels/detail/bn_cuda_kernels.cuh):
 enum class bn_mapping {
     flat,   ///< small planes (cuda_small_plane): consecutive threads, consecutive values
     planes, ///< inner > 1: a warp walks an item of a channel's (or the tensor's) values run by run
     rows,   ///< inner == 1: threads along the channels (tx) and the rows
 };
+
+/// Tensor values one block of an elementwise kernel covers (contiguous, from block index x
+/// this): flat, block_threads x flat_values; planes with v values per access, an item per warp.
+LOCKSTEP_HOST_DEVICE constexpr std::size_t block_values(bn_mapping m, int v) {
+    return m == bn_mapping::flat ? std::size_t{block_threads} * flat_values
+                                 : std::size_t{block_warps} * item_values(v);
+}
 
 /// One launch: the mapping, whether it reads 16-byte vectors of V = 16 / value bytes values (else
 /// one value per access; flat never does), the grid, and for rows the threads along the channels.
@@ -91,10 +124,7 @@ inline bn_launch plan_bn_launch(const channel_geometry& g, std::size_t value_byt
         l.vector = l.mapping == bn_mapping::planes &&
                    std::all_of(data.begin(), data.end(),
                                [&](const void* p) { return offset(p) == offset(*data.begin()); });
-        const std::size_t per_block =
-            l.mapping == bn_mapping::flat
-                ? block_threads * flat_values
-                : block_warps * item_values(l.vector ? static_cast<int>(v) : 1);
+        const std::size_t per_block = block_values(l.mapping, l.vector ? static_cast<int>(v) : 1);
         l.grid_x =
             grid_1d(parts > 0 ? g.channels * parts
                               : std::max((g.size() + per_block - 1) / per_block, min_blocks));
