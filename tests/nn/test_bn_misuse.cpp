@@ -24,7 +24,7 @@ using context = replica_context<float, thread_communicator>;
 constexpr std::size_t channels = 3;
 
 /// How the step function calls its layer.
-enum class call { context, communicator };
+enum class call { with_context, with_communicator };
 
 /// x -> batch norm -> loss sum(y * t) * scale. Policy: the layer's; Declared: the network's
 /// bn_policies (std::tuple<> declares none, as a network without the alias does).
@@ -53,14 +53,14 @@ struct bn_net {
         for (std::size_t i = 0; i < x.size(); ++i) // differs per sample, so per replica
             x[i] =
                 static_cast<float>(std::sin(0.37 * double(r.sample_index(r.begin) * channels + i)));
-        if (how == call::context)
+        if (how == call::with_context)
             bn->forward_train(ctx, std::span<const float>(x), {n, channels}, std::span<float>(y));
         else
             bn->forward_train(ctx.comm(), std::span<const float>(x), {n, channels},
                               std::span<float>(y));
         for (std::size_t i = 0; i < y.size(); ++i)
             dy[i] = static_cast<float>(r.scale * std::cos(double(i)));
-        if (how == call::context)
+        if (how == call::with_context)
             bn->backward(ctx, std::span<const float>(dy), std::span<float>(dx));
         else
             bn->backward(ctx.comm(), std::span<const float>(dy), std::span<float>(dx));
@@ -108,7 +108,7 @@ TEST_CASE("the bare communicator inside a step is refused on every replica", "[n
         SECTION("bn::ghost with reduce::reproducible") {
             const auto errors =
                 run<bn::ghost<4>, std::tuple<bn::ghost<4>>, reduce::reproducible<4>>(
-                    replicas, call::communicator);
+                    replicas, call::with_communicator);
             for (const std::string& e : errors) {
                 CHECK(contains(e, "batch_norm.forward_train"));
                 CHECK(contains(e, "called with a communicator inside a data_parallel step"));
@@ -118,14 +118,14 @@ TEST_CASE("the bare communicator inside a step is refused on every replica", "[n
         }
         SECTION("bn::global with reduce::bucketed") {
             const auto errors = run<bn::global, std::tuple<bn::global>, reduce::bucketed<>>(
-                replicas, call::communicator);
+                replicas, call::with_communicator);
             for (const std::string& e : errors)
                 CHECK(contains(e, "batch_norm.forward_train: called with a communicator"));
         }
     }
     SECTION("the context form trains") {
         const auto errors =
-            run<bn::global, std::tuple<bn::global>, reduce::bucketed<>>(2, call::context);
+            run<bn::global, std::tuple<bn::global>, reduce::bucketed<>>(2, call::with_context);
         for (const std::string& e : errors)
             CHECK(e.empty());
     }
@@ -149,7 +149,7 @@ TEST_CASE("outside a trainer the communicator form still trains a layer", "[nn][
 TEST_CASE("a BN policy missing from bn_policies is refused at its first call", "[nn][bn][thread]") {
     SECTION("bn::global under reduce::reproducible: the compile-time sentence") {
         const auto errors =
-            run<bn::global, std::tuple<>, reduce::reproducible<4>>(2, call::context);
+            run<bn::global, std::tuple<>, reduce::reproducible<4>>(2, call::with_context);
         for (const std::string& e : errors) {
             CHECK(contains(e, "batch_norm.forward_train: a layer of policy bn::global is not in "
                               "the network's bn_policies (none)"));
@@ -157,13 +157,14 @@ TEST_CASE("a BN policy missing from bn_policies is refused at its first call", "
         }
     }
     SECTION("bn::ghost under reduce::bucketed: the compile-time sentence") {
-        const auto errors = run<bn::ghost<4>, std::tuple<>, reduce::bucketed<>>(3, call::context);
+        const auto errors =
+            run<bn::ghost<4>, std::tuple<>, reduce::bucketed<>>(3, call::with_context);
         for (const std::string& e : errors)
             CHECK(contains(e, LOCKSTEP_COMPAT_GHOST_NEEDS_REPRODUCIBLE));
     }
     SECTION("bn::ghost<8> declared as bn::ghost<4>") {
-        const auto errors =
-            run<bn::ghost<8>, std::tuple<bn::ghost<4>>, reduce::reproducible<4>>(2, call::context);
+        const auto errors = run<bn::ghost<8>, std::tuple<bn::ghost<4>>, reduce::reproducible<4>>(
+            2, call::with_context);
         for (const std::string& e : errors) {
             CHECK(contains(e, "a layer of policy bn::ghost<8> is not in the network's "
                               "bn_policies (bn::ghost<4>)"));
@@ -171,15 +172,16 @@ TEST_CASE("a BN policy missing from bn_policies is refused at its first call", "
         }
     }
     SECTION("a combination that could train is refused too, without a rule") {
-        const auto errors = run<bn::global, std::tuple<>, reduce::bucketed<>>(2, call::context);
+        const auto errors =
+            run<bn::global, std::tuple<>, reduce::bucketed<>>(2, call::with_context);
         for (const std::string& e : errors) {
             CHECK(contains(e, "a layer of policy bn::global is not in the network's bn_policies"));
             CHECK_FALSE(contains(e, "cannot train here"));
         }
     }
     SECTION("a declared policy trains") {
-        const auto errors =
-            run<bn::ghost<4>, std::tuple<bn::ghost<4>>, reduce::reproducible<4>>(3, call::context);
+        const auto errors = run<bn::ghost<4>, std::tuple<bn::ghost<4>>, reduce::reproducible<4>>(
+            3, call::with_context);
         for (const std::string& e : errors)
             CHECK(e.empty());
     }
@@ -222,7 +224,7 @@ TEST_CASE("asynchronous workers refuse an undeclared policy too", "[nn][bn][thre
                 data_parallel<net, optim::sgd<float>, sync::asynchronous> trainer(
                     comm, [](context& ctx) { return net(ctx); }, {.lr = 0.1});
                 (void)trainer.train(4, 8, [](net& n, const shard_range& r, context& ctx) {
-                    return n.train(r, ctx, call::context);
+                    return n.train(r, ctx, call::with_context);
                 });
             } catch (const error& e) {
                 errors[static_cast<std::size_t>(comm.rank())] = e.what();
