@@ -3,9 +3,9 @@
 // allows, at others; the loaded state's hash and, after a few more steps, the end state's hash
 // are compared with constants recorded at 71fda83 (pinned_bits.hpp's FNV-1a;
 // LOCKSTEP_PRINT_STEP_BITS=1 prints them; they depend on what test_pinned_bits.cpp's header
-// says). The hidden case "[generate]" rewrote the fixtures:
-//   LOCKSTEP_WRITE_CHECKPOINT_FIXTURES=<repo>/tests/data/checkpoints \
-//     ./test_checkpoint_fixtures "[generate]"
+// says). The hidden case "[generate]" rewrote the fixtures, run with
+// LOCKSTEP_WRITE_CHECKPOINT_FIXTURES=<repo>/tests/data/checkpoints in the environment:
+//   ./test_checkpoint_fixtures "[generate]"
 // SPDX-License-Identifier: Apache-2.0
 #include "checkpoint_support.hpp"
 #include "mixed_fixture.hpp"
