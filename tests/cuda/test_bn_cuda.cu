@@ -121,12 +121,13 @@ void reference_moments(const std::vector<T>& x, const channel_geometry& g, std::
 }
 
 const std::vector<channel_geometry> geometries{
-    {6, 5, 63},     // NCHW, odd small planes (the flat mapping, cuda_small_plane)
-    {4, 3, 263},    // NCHW, odd planes over 1 KiB: unaligned heads and tails in every run
-    {4, 3, 197},    // NCHW, runs split across warp items (double; flat for smaller values)
-    {8, 16, 3136},  // NCHW 56x56 planes, several partitions per channel
-    {256, 20, 49},  // NCHW 7x7 planes: flat, two partitions of float
-    {32, 10, 196},  // NCHW 14x14 planes: flat for 4-byte and smaller values, runs for double
+    {6, 5, 63},     // NCHW, odd small planes: one value at a time
+    {4, 3, 263},    // NCHW, odd planes over 1 KiB: one value at a time
+    {4, 3, 197},    // NCHW, odd planes, partitions ending inside planes
+    {8, 16, 3136},  // NCHW 56x56 planes: vectors, several partitions per channel
+    {256, 20, 49},  // NCHW 7x7 planes: one value at a time, two partitions of float
+    {32, 10, 196},  // NCHW 14x14 planes: vectors of float and double, values of half
+    {16, 6, 8},     // NCHW planes of two float vectors; of one half vector (values)
     {3000, 19, 1},  // NHWC rows, channels not a multiple of the vector width (scalar path)
     {1000, 64, 1},  // NHWC rows, vector path
     {50000, 24, 1}, // NHWC, 256 row partitions folded by a channel tile that is partly empty
@@ -225,8 +226,8 @@ TEMPLATE_TEST_CASE("cuda_path normalize and fused dx agree with the generic path
     // a result rounded into T, computed in Acc from values of magnitude <= |want| + 1
     const double tol = unit_roundoff<T>() + 4 * acc_tolerance<T>();
     for (const channel_geometry g : geometries) {
-        // (x, y / dx) offsets: aligned, equally misaligned (vector path with heads), differently
-        // misaligned (scalar path)
+        // (x, y / dx) offsets: aligned (vectors where the plan allows), equally and differently
+        // misaligned (one value at a time)
         for (const auto [xoff, yoff] :
              {std::pair<std::size_t, std::size_t>{0, 0}, {1, 1}, {1, 0}}) {
             CAPTURE(g.outer, g.channels, g.inner, xoff, yoff);

@@ -1,8 +1,10 @@
-// Tests of the CUDA batch-norm launch plan (kernels/detail/bn_launch_plan.hpp), on the host: the
-// mapping, vectors and grid of every launcher's choice, on shapes of docs/gpu_batch_norm.md's grid
-// table (its figures computed by hand from the kernels' geometry) and on the alignment cases.
+// Tests of the CUDA batch-norm launch plan (kernels/detail/bn_launch_plan.hpp) and the kernels'
+// steps (kernels/detail/bn_steps.hpp), on the host: the mapping, vectors and grid of every
+// launcher's choice, on shapes of docs/gpu_batch_norm.md's grid table (its figures computed by
+// hand from the kernels' geometry) and on the alignment cases; the steps against divisions.
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/kernels/detail/bn_launch_plan.hpp"
+#include "lockstep/kernels/detail/bn_steps.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -33,7 +35,7 @@ channel_geometry nhwc(std::size_t n, std::size_t c, std::size_t hw) {
 
 } // namespace
 
-TEST_CASE("the planes mapping: a block per (channel, partition), a warp item per warp",
+TEST_CASE("the planes mapping: a block per (channel, partition), vectors of whole planes",
           "[kernels][bn]") {
     // 32x64x56x56 float NCHW: 13 partitions, 832 reduction blocks, 784 elementwise (docs).
     const channel_geometry g = nchw(32, 64, 3136);
@@ -46,37 +48,43 @@ TEST_CASE("the planes mapping: a block per (channel, partition), a warp item per
     CHECK(k1.grid_y == 1);
     const cp::bn_launch k3 = cp::plan_bn_launch(g, 4, 0, 0, {at(0), at(0)});
     CHECK(k3.vector);
-    CHECK(k3.grid_x == 784); // 6,422,528 values / (8 warps x 1024)
-    // Pointers at different offsets within 16 bytes: one value per access, items of 256.
+    CHECK(k3.grid_x == 784); // 6,422,528 values / (2048 units x 4)
+    // Any pointer off a 16-byte boundary: one value per access, 2048 values a block.
     const cp::bn_launch k3s = cp::plan_bn_launch(g, 4, 0, 0, {at(0), at(4)});
     CHECK_FALSE(k3s.vector);
     CHECK(k3s.grid_x == 3136);
-    // Equally misaligned pointers still line up: vectors after a head.
-    CHECK(cp::plan_bn_launch(g, 4, parts, 0, {at(8), at(8)}).vector);
-    // One pointer is always in line with itself.
-    CHECK(cp::plan_bn_launch(g, 2, cuda_partitions(g, 2), 0, {at(2)}).vector);
+    CHECK_FALSE(cp::plan_bn_launch(g, 4, parts, 0, {at(8), at(8)}).vector);
+    CHECK_FALSE(cp::plan_bn_launch(g, 2, cuda_partitions(g, 2), 0, {at(2)}).vector);
     // The fused dx kernel asks for a thread per channel: at least min_blocks blocks.
     CHECK(cp::plan_bn_launch(nchw(1, 8, 256), 4, 0, 1000, {at(0), at(0), at(0)}).grid_x == 1000);
 }
 
-TEST_CASE("the flat mapping for small planes, one value per access", "[kernels][bn]") {
-    // 256x64x14x14 float NCHW (784-byte planes): 7 partitions, 448 and 1568 blocks (docs).
+TEST_CASE("planes that are not whole vectors, at least two, are read one value at a time",
+          "[kernels][bn]") {
+    // 256x64x14x14 NCHW: float planes are 49 vectors (448 and 392 blocks), half planes 24.5
+    // vectors (scalar: 1568 elementwise blocks), 7x7 planes are odd (docs).
     const channel_geometry g = nchw(256, 64, 196);
     const std::size_t parts = cuda_partitions(g, 4);
     REQUIRE(parts == 7);
     const cp::bn_launch k1 = cp::plan_bn_launch(g, 4, parts, 0, {at(0)});
-    CHECK(k1.mapping == bn_mapping::flat);
-    CHECK_FALSE(k1.vector);
+    CHECK(k1.mapping == bn_mapping::planes);
+    CHECK(k1.vector);
     CHECK(k1.grid_x == 448);
     const cp::bn_launch k3 = cp::plan_bn_launch(g, 4, 0, 0, {at(0), at(0)});
-    CHECK(k3.mapping == bn_mapping::flat);
-    CHECK(k3.grid_x == 1568); // 3,211,264 values / (256 threads x 8)
-    // 14x14 half planes (392 B) are small too; 28x28 half (1568 B) are not.
-    CHECK(cp::plan_bn_launch(nchw(8, 4, 196), 2, 1, 0, {at(0)}).mapping == bn_mapping::flat);
-    CHECK(cp::plan_bn_launch(nchw(8, 4, 784), 2, 1, 0, {at(0)}).mapping == bn_mapping::planes);
+    CHECK(k3.vector);
+    CHECK(k3.grid_x == 392); // 3,211,264 values / (2048 units x 4)
+    const cp::bn_launch h3 = cp::plan_bn_launch(g, 2, 0, 0, {at(0), at(0)});
+    CHECK_FALSE(h3.vector);
+    CHECK(h3.grid_x == 1568);
+    CHECK_FALSE(cp::plan_bn_launch(nchw(256, 2048, 49), 4, 2, 0, {at(0)}).vector);
+    CHECK(cp::plan_bn_launch(nchw(64, 256, 784), 2, 4, 0, {at(0)}).vector); // 28x28 half
+    // A plane of one vector is read by values (a vector per plane would be the rows layout).
+    CHECK_FALSE(cp::plan_bn_launch(nchw(8, 4, 4), 4, 1, 0, {at(0)}).vector);
+    CHECK(cp::plan_bn_launch(nchw(8, 4, 8), 4, 1, 0, {at(0)}).vector);
+    CHECK(cp::plan_bn_launch(nchw(8, 4, 4), 8, 1, 0, {at(0)}).vector); // double: 2 vectors
     // Few values over many channels: the channel blocks of the fused dx kernel.
     const cp::bn_launch k5 = cp::plan_bn_launch(nchw(1, 2048, 4), 4, 0, 8, {at(0), at(0), at(0)});
-    CHECK(k5.mapping == bn_mapping::flat);
+    CHECK(k5.mapping == bn_mapping::planes);
     CHECK(k5.grid_x == 8);
 }
 
@@ -120,39 +128,72 @@ TEST_CASE("a grid of 2^31 blocks or more is refused", "[kernels][bn]") {
 }
 
 TEST_CASE("a normalize block's table holds every plane the block touches", "[kernels][bn]") {
-    // Every block of the plan's normalize grid, for planes just over and under the flat
-    // mapping's 1 KiB, odd sizes and ResNet's, 2-, 4- and 8-byte values, aligned and not: the
-    // planes it touches fit the table the kernel declares (planes_block_entries,
-    // flat_block_entries), or the kernel would write past its shared memory.
-    std::size_t most_planes = 0;
-    std::size_t most_flat = 0;
+    // Every block of the plan's normalize grid, for planes of one or a few vectors, odd sizes and
+    // ResNet's, 2-, 4- and 8-byte values, aligned and not: the planes it touches fit the table
+    // the kernel declares (planes_block_entries), or the kernel would write past its shared
+    // memory.
+    std::size_t most = 0;
     for (const std::size_t bytes : {std::size_t{2}, std::size_t{4}, std::size_t{8}}) {
-        const std::size_t edge = 1024 / bytes; // the smallest plane mapped as planes
+        const std::size_t v = 16 / bytes;
         for (const std::size_t inner :
-             {std::size_t{2}, std::size_t{3}, std::size_t{49}, std::size_t{196}, edge - 1, edge,
-              edge + 1, std::size_t{784}, std::size_t{3136}, std::size_t{263}}) {
+             {std::size_t{2}, std::size_t{3}, v, 2 * v, 2 * v + 1, std::size_t{49},
+              std::size_t{196}, std::size_t{263}, std::size_t{784}, std::size_t{3136}}) {
             for (const std::uintptr_t offset : {std::uintptr_t{0}, std::uintptr_t{bytes}}) {
                 CAPTURE(bytes, inner, offset);
                 const channel_geometry g = nchw(64, 37, inner);
                 const cp::bn_launch p = cp::plan_bn_launch(g, bytes, 0, 0, {at(0), at(offset)});
-                const bool flat = p.mapping == bn_mapping::flat;
-                REQUIRE((flat || p.mapping == bn_mapping::planes));
-                const std::size_t span =
-                    cp::block_values(p.mapping, p.vector ? static_cast<int>(16 / bytes) : 1);
-                const std::size_t entries =
-                    flat ? cp::flat_block_entries : cp::planes_block_entries;
+                REQUIRE(p.mapping == bn_mapping::planes);
+                const channel_geometry units = cp::unit_geometry(g, p.vector ? int(v) : 1);
+                CHECK(units.inner * (p.vector ? v : 1) == inner);
                 for (std::size_t b = 0; b < p.grid_x; ++b) {
-                    const cp::block_planes planes(g, b * span, span);
-                    CHECK(planes.count <= entries);
-                    (flat ? most_flat : most_planes) =
-                        std::max(flat ? most_flat : most_planes, planes.count);
+                    const cp::block_planes planes(units, b * cp::block_units, cp::block_units);
+                    CHECK(planes.count <= cp::planes_block_entries);
+                    most = std::max(most, planes.count);
                 }
                 // the blocks cover the tensor
-                CHECK(std::size_t{p.grid_x} * span >= g.size());
+                CHECK(std::size_t{p.grid_x} * cp::block_units >= units.size());
             }
         }
     }
-    // and the cases come within the two planes a block may start and end in of the bounds
-    CHECK(most_planes >= cp::planes_block_entries - 2); // 32 edge-sized planes
-    CHECK(most_flat >= cp::flat_block_entries - 2);     // 2048 values of 2-value planes
+    // and the cases come within the two planes a block may start and end in of the bound
+    CHECK(most >= cp::planes_block_entries - 2); // 2048 units of 2-unit planes
+}
+
+TEST_CASE("the kernels' division-free steps match the divisions they replace", "[kernels][bn]") {
+    // channel_walk: channel c's values k, k + stride, ... (flat_channel's threads); tensor_walk:
+    // offsets a, a + stride, ... with plane and channel (the elementwise planes kernels), for
+    // strides below, at and above a plane and a channel's row of planes.
+    for (const channel_geometry g :
+         {nchw(5, 3, 7), nchw(4, 6, 2), nchw(3, 2, 49), nchw(2, 1, 8), nchw(7, 5, 300)}) {
+        for (const std::size_t stride : {std::size_t{1}, std::size_t{5}, g.inner, g.inner + 1,
+                                         std::size_t{256}, g.channels * g.inner + 3}) {
+            CAPTURE(g.outer, g.channels, g.inner, stride);
+            for (std::size_t c = 0; c < g.channels; ++c) {
+                for (std::size_t k0 = 0; k0 < std::min<std::size_t>(g.inner + 2, 12); ++k0) {
+                    cp::channel_walk w(g, c, k0, stride);
+                    for (std::size_t k = k0; k < g.per_channel(); k += stride, w.next())
+                        REQUIRE(w.off == g.offset(c, k));
+                }
+            }
+            for (std::size_t a = 0; a < std::min<std::size_t>(g.size(), 20); ++a) {
+                cp::tensor_walk w(g, a, stride);
+                for (std::size_t off = a; off < g.size(); off += stride, w.next()) {
+                    REQUIRE(w.off == off);
+                    REQUIRE(w.plane == off / g.inner);
+                    REQUIRE(w.i == off % g.inner);
+                    REQUIRE(w.c == g.channel_of(off));
+                }
+            }
+        }
+    }
+    // partition_walk: the rows of partition q are outer (q + 1) / parts - outer q / parts.
+    for (const std::size_t outer : {std::size_t{1}, std::size_t{7}, std::size_t{50000}}) {
+        for (const std::size_t parts : {std::size_t{1}, std::size_t{3}, std::size_t{256}}) {
+            for (const std::size_t q0 : {std::size_t{0}, parts / 2}) {
+                cp::partition_walk w(outer, parts, q0);
+                for (std::size_t q = q0; q < parts; ++q)
+                    REQUIRE(w.next() == outer * (q + 1) / parts - outer * q / parts);
+            }
+        }
+    }
 }

@@ -24,8 +24,9 @@
 // float, double, __half or __nv_bfloat16 (or lockstep::half / lockstep::bfloat16, processed as
 // the CUDA types); Acc is double for double data and float otherwise. Pointers are device
 // pointers of sys's device, naturally aligned for their type; 16-byte aligned data (as every
-// cuda_system allocation is) takes the vector path, anything else a scalar path (same
-// arithmetic per value; reductions agree to rounding): which kernel and grid, the plan of
+// cuda_system allocation is) with planes of whole 16-byte vectors (NCHW) or channels of them
+// (NHWC) takes the vector path, anything else a scalar path (same arithmetic per value;
+// reductions agree to rounding): which kernel and grid, the plan of
 // kernels/detail/bn_launch_plan.hpp says. Launch errors throw lockstep::error (errc::cuda).
 namespace lockstep::kernels::cuda_path {
 
@@ -88,15 +89,12 @@ void pack_local_moments(const cuda_system& sys, const T* x, channel_geometry g, 
     const std::size_t parts = kernels::detail::cuda_partitions(g, sizeof(T));
     const detail::bn_launch p = detail::plan_bn_launch(g, sizeof(T), parts, 0, {x});
     detail::launch<N>(sys, p, [&]<int W>(dim3 grid, cudaStream_t s) {
-        if (p.mapping == detail::bn_mapping::flat)
-            detail::moments_planes_kernel<N, Acc, 1, true>
-                <<<grid, block_threads, 0, s>>>(xn, g, parts, partials, counters, header, block);
-        else if (p.mapping == detail::bn_mapping::rows)
+        if (p.mapping == detail::bn_mapping::planes)
+            detail::moments_planes_kernel<N, Acc, W><<<grid, block_threads, 0, s>>>(
+                xn, detail::unit_geometry(g, W), parts, partials, counters, header, block);
+        else
             detail::moments_rows_kernel<N, Acc, W><<<grid, block_threads, 0, s>>>(
                 xn, g, p.tx, parts, partials, counters, header, block);
-        else if constexpr (W > 1) // planes: one pointer is in line with itself, so vectors
-            detail::moments_planes_kernel<N, Acc, W>
-                <<<grid, block_threads, 0, s>>>(xn, g, parts, partials, counters, header, block);
     });
 }
 
@@ -118,12 +116,9 @@ void launch_normalize(const cuda_system& sys, const T* x, T* y, channel_geometry
     LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
     const bn_launch p = plan_bn_launch(g, sizeof(T), 0, 0, {x, y});
     launch<N>(sys, p, [&]<int W>(dim3 grid, cudaStream_t s) {
-        if (p.mapping == bn_mapping::flat)
-            normalize_flat_kernel<N, Acc, Coef>
-                <<<grid, block_threads, 0, s>>>(xn, yn, g, coef, beta);
-        else if (p.mapping == bn_mapping::planes)
+        if (p.mapping == bn_mapping::planes)
             normalize_planes_kernel<N, Acc, W, Coef>
-                <<<grid, block_threads, 0, s>>>(xn, yn, g, coef, beta);
+                <<<grid, block_threads, 0, s>>>(xn, yn, unit_geometry(g, W), coef, beta);
         else
             normalize_rows_kernel<N, Acc, W, Coef>
                 <<<grid, block_threads, 0, s>>>(xn, yn, g, p.tx, coef, beta);
@@ -178,12 +173,10 @@ void pack_backward_sums(const cuda_system& sys, const T* dy, const T* x, channel
     const std::size_t parts = kernels::detail::cuda_partitions(g, sizeof(T));
     const detail::bn_launch p = detail::plan_bn_launch(g, sizeof(T), parts, 0, {dy, x});
     detail::launch<N>(sys, p, [&]<int W>(dim3 grid, cudaStream_t s) {
-        if (p.mapping == detail::bn_mapping::flat)
-            detail::sums_planes_kernel<N, Acc, 1, true><<<grid, block_threads, 0, s>>>(
-                dyn, xn, g, parts, mean, status, partials, counters, sums);
-        else if (p.mapping == detail::bn_mapping::planes)
-            detail::sums_planes_kernel<N, Acc, W><<<grid, block_threads, 0, s>>>(
-                dyn, xn, g, parts, mean, status, partials, counters, sums);
+        if (p.mapping == detail::bn_mapping::planes)
+            detail::sums_planes_kernel<N, Acc, W>
+                <<<grid, block_threads, 0, s>>>(dyn, xn, detail::unit_geometry(g, W), parts, mean,
+                                                status, partials, counters, sums);
         else
             detail::sums_rows_kernel<N, Acc, W><<<grid, block_threads, 0, s>>>(
                 dyn, xn, g, p.tx, parts, mean, status, partials, counters, sums);
@@ -213,17 +206,14 @@ void input_gradient_fused(const cuda_system& sys, const T* dy, const T* x, T* dx
     if (g.channels == 0)
         return;
     LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
-    // The flat and planes kernels give each channel's parameter gradients to one thread.
+    // The planes kernel gives each channel's parameter gradients to one thread.
     const std::size_t channel_blocks = (g.channels + block_threads - 1) / block_threads;
     const detail::bn_launch p =
         detail::plan_bn_launch(g, sizeof(T), 0, channel_blocks, {dy, x, dx});
     detail::launch<N>(sys, p, [&]<int W>(dim3 grid, cudaStream_t s) {
-        if (p.mapping == detail::bn_mapping::flat)
-            detail::gradient_flat_kernel<N, Acc>
-                <<<grid, block_threads, 0, s>>>(dyn, xn, dxn, g, args);
-        else if (p.mapping == detail::bn_mapping::planes)
+        if (p.mapping == detail::bn_mapping::planes)
             detail::gradient_planes_kernel<N, Acc, W>
-                <<<grid, block_threads, 0, s>>>(dyn, xn, dxn, g, args);
+                <<<grid, block_threads, 0, s>>>(dyn, xn, dxn, detail::unit_geometry(g, W), args);
         else
             detail::gradient_rows_kernel<N, Acc, W>
                 <<<grid, block_threads, 0, s>>>(dyn, xn, dxn, g, p.tx, args);

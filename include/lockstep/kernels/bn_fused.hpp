@@ -190,8 +190,8 @@ inline std::size_t cuda_partitions(const channel_geometry& g, std::size_t value_
     const std::size_t C = std::max<std::size_t>(g.channels, 1);
     const std::size_t exact = std::size_t(1) << 22;
     if (g.inner > 1) {
-        // 32 KiB of input a block: one 4 KiB item for each of its 8 warps (smaller partitions
-        // leave warps idle; the channels x partitions blocks fill the device)
+        // 32 KiB of input a block: eight 16-byte loads a thread (smaller partitions leave
+        // threads idle; the channels x partitions blocks fill the device)
         const std::size_t target = 32768 / value_bytes;
         const std::size_t n = g.per_channel();
         const std::size_t p = std::clamp<std::size_t>((n + target - 1) / target, 1, 1024);
@@ -205,13 +205,6 @@ inline std::size_t cuda_partitions(const channel_geometry& g, std::size_t value_
     p = std::max(p, std::min((1024 + tiles - 1) / tiles, (rows + 31) / 32));
     p = std::clamp<std::size_t>(p, 1, 256);
     return std::min<std::size_t>(std::max(p, (rows + exact - 1) / exact), 65535);
-}
-
-/// True when the CUDA planes kernels map channel values flat (lane by lane over the runs) rather
-/// than run by run: a plane of fewer than 1 KiB holds less than two 16-byte vectors per lane of
-/// a warp (7x7 and 14x14 float planes), so a warp walking it run by run leaves most lanes idle.
-inline bool cuda_small_plane(const channel_geometry& g, std::size_t value_bytes) {
-    return g.inner > 1 && g.inner * value_bytes < 1024;
 }
 
 } // namespace detail

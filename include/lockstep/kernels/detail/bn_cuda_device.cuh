@@ -150,8 +150,8 @@ __device__ __forceinline__ void store(T* p, const Acc (&v)[V]) {
     }
 }
 
-/// Per-thread Welford moments: V lanes that step together (one reciprocal per vector) and one
-/// scalar accumulator for unaligned heads and tails.
+/// Per-thread Welford moments of units of V values (offsets in units): V lanes that step
+/// together, one reciprocal per unit.
 template <class T, class Acc, int V>
 struct moments_op {
     using regs = raw_t<V, T>;
@@ -159,12 +159,11 @@ struct moments_op {
     Acc mean[V] = {};
     Acc m2[V] = {};
     Acc steps = 0;
-    moments<Acc> single{};
 
-    __device__ __forceinline__ void load(std::size_t off, regs& r) const {
-        r = load_raw<V>(x + off);
+    __device__ __forceinline__ void load(std::size_t unit, regs& r) const {
+        r = load_raw<V>(x + unit * V);
     }
-    __device__ __forceinline__ void apply(std::size_t, const regs& r) {
+    __device__ __forceinline__ void apply(const regs& r) {
         Acc v[V];
         unpack<V, T>(r, v);
         steps += Acc(1);
@@ -173,12 +172,9 @@ struct moments_op {
         for (int j = 0; j < V; ++j)
             welford_accumulate(mean[j], m2[j], v[j], inv);
     }
-    __device__ __forceinline__ void scalar(std::size_t off) {
-        welford_update(single, to_acc<Acc>(x[off]));
-    }
     /// The moments of everything this thread saw.
     __device__ __forceinline__ moments<Acc> result() const {
-        return merge_lanes(single, mean, m2, steps > Acc(0) ? V : 0, steps);
+        return merge_lanes(moments<Acc>{}, mean, m2, steps > Acc(0) ? V : 0, steps);
     }
 };
 
@@ -196,7 +192,7 @@ struct add_dy_sums {
     }
 };
 
-/// Per-thread backward sums of one channel (mean mu): V lane pairs and a scalar pair.
+/// Per-thread backward sums of one channel (mean mu) over units of V values: V lane pairs.
 template <class T, class Acc, int V>
 struct sums_op {
     struct regs {
@@ -208,13 +204,12 @@ struct sums_op {
     Acc mu;
     Acc sdy[V] = {};
     Acc sdyx[V] = {};
-    dy_sums<Acc> single{};
 
-    __device__ __forceinline__ void load(std::size_t off, regs& r) const {
-        r.dy = load_raw<V>(dy + off);
-        r.x = load_raw<V>(x + off);
+    __device__ __forceinline__ void load(std::size_t unit, regs& r) const {
+        r.dy = load_raw<V>(dy + unit * V);
+        r.x = load_raw<V>(x + unit * V);
     }
-    __device__ __forceinline__ void apply(std::size_t, const regs& r) {
+    __device__ __forceinline__ void apply(const regs& r) {
         Acc d[V], v[V];
         unpack<V, T>(r.dy, d);
         unpack<V, T>(r.x, v);
@@ -222,72 +217,14 @@ struct sums_op {
         for (int j = 0; j < V; ++j)
             backward_accumulate(sdy[j], sdyx[j], d[j], v[j], mu);
     }
-    __device__ __forceinline__ void scalar(std::size_t off) {
-        backward_accumulate(single.dy, single.dyx, to_acc<Acc>(dy[off]), to_acc<Acc>(x[off]), mu);
-    }
     __device__ __forceinline__ dy_sums<Acc> result() const {
-        dy_sums<Acc> s = single;
+        dy_sums<Acc> s;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
             s.dy += sdy[j];
             s.dyx += sdyx[j];
         }
         return s;
-    }
-};
-
-/// y = normalize_value(x) over a run of one channel.
-template <class T, class Acc, int V>
-struct normalize_op {
-    using regs = raw_t<V, T>;
-    const T* x;
-    T* y;
-    Acc mean, scale, beta;
-
-    __device__ __forceinline__ void load(std::size_t off, regs& r) const {
-        r = load_raw<V>(x + off);
-    }
-    __device__ __forceinline__ void apply(std::size_t off, const regs& r) const {
-        Acc v[V];
-        unpack<V, T>(r, v);
-#pragma unroll
-        for (int j = 0; j < V; ++j)
-            v[j] = normalize_value(v[j], mean, scale, beta);
-        detail::store<V>(y + off, v);
-    }
-    __device__ __forceinline__ void scalar(std::size_t off) const {
-        y[off] = from_acc<T>(normalize_value(to_acc<Acc>(x[off]), mean, scale, beta));
-    }
-};
-
-/// dx = input_gradient(dy, x) over a run of one channel.
-template <class T, class Acc, int V>
-struct gradient_op {
-    struct regs {
-        raw_t<V, T> dy;
-        raw_t<V, T> x;
-    };
-    const T* dy;
-    const T* x;
-    T* dx;
-    Acc mean, k, a, b;
-
-    __device__ __forceinline__ void load(std::size_t off, regs& r) const {
-        r.dy = load_raw<V>(dy + off);
-        r.x = load_raw<V>(x + off);
-    }
-    __device__ __forceinline__ void apply(std::size_t off, const regs& r) const {
-        Acc d[V], v[V];
-        unpack<V, T>(r.dy, d);
-        unpack<V, T>(r.x, v);
-#pragma unroll
-        for (int j = 0; j < V; ++j)
-            d[j] = input_gradient(d[j], v[j], mean, k, a, b);
-        detail::store<V>(dx + off, d);
-    }
-    __device__ __forceinline__ void scalar(std::size_t off) const {
-        dx[off] =
-            from_acc<T>(input_gradient(to_acc<Acc>(dy[off]), to_acc<Acc>(x[off]), mean, k, a, b));
     }
 };
 

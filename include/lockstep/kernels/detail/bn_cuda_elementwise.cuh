@@ -7,7 +7,7 @@
 #if LOCKSTEP_HAS_CUDA
 #include "lockstep/kernels/bn_fused.hpp"
 #include "lockstep/kernels/detail/bn_cuda_device.cuh"
-#include "lockstep/kernels/detail/bn_cuda_walks.cuh"
+#include "lockstep/kernels/detail/bn_steps.hpp"
 
 #include <cstddef>
 
@@ -53,82 +53,52 @@ __device__ __forceinline__ void begin_normalize(block_coefficients<Acc, Entries>
     __syncthreads();
 }
 
-/// K3, planes: warp w of the grid normalizes tensor offsets [w I, (w + 1) I), I = item_values;
-/// the block's coefficients come from its table.
+/// Units a thread of an elementwise planes kernel loads before it uses them (16-byte vectors 4,
+/// single values twice as many).
+template <int V>
+inline constexpr int elementwise_batch = V == 1 ? 8 : 4;
+
+/// K3, planes: block b normalizes the units [b F, (b + 1) F) of the tensor (g in units of V
+/// values, unit_geometry; F = block_units), thread t the units b F + t, b F + t + block_threads,
+/// ... (consecutive threads, consecutive units); elementwise_batch units in flight; the
+/// coefficients of each unit's plane from the block's table.
 template <class T, class Acc, int V, class Coef>
 __global__ void __launch_bounds__(block_threads, 5)
     normalize_planes_kernel(const T* __restrict__ x, T* __restrict__ y, channel_geometry g,
                             Coef coef, const Acc* beta) {
     __shared__ block_coefficients<Acc, planes_block_entries> s;
-    constexpr std::size_t span = block_values(bn_mapping::planes, V);
-    const std::size_t first = std::size_t(blockIdx.x) * span;
-    const block_planes planes(g, first, span);
+    const std::size_t first = std::size_t(blockIdx.x) * block_units;
+    const block_planes planes(g, first, block_units);
     begin_normalize(s, g.channels, coef, beta, planes.count,
                     [&](std::size_t e) { return (planes.first + e) % g.channels; });
-    const std::size_t a = first + threadIdx.x / 32 * item_values(V);
-    const std::size_t size = g.size();
-    if (a >= size)
+    const std::size_t end = smin(first + block_units, g.size());
+    if (first + threadIdx.x >= end)
         return;
-    const unsigned lane = threadIdx.x % 32;
-    plane_runs(g, a, smin(a + item_values(V), size),
-               [&](std::size_t off, std::size_t len, std::size_t q) {
-                   const std::size_t e = q - planes.first;
-                   normalize_op<T, Acc, V> op{x, y, s.mean[e], s.scale[e], s.beta[e]};
-                   warp_run<V>(op, x, off, len, lane);
-               });
-}
-
-/// K3, small planes: block b normalizes tensor offsets [b F, (b + 1) F), F = block_threads *
-/// flat_values, thread t the offsets b F + t, b F + t + block_threads, ... (consecutive threads,
-/// consecutive offsets); four values in flight; coefficients from the block's table.
-template <class T, class Acc, class Coef>
-__global__ void __launch_bounds__(block_threads, 6)
-    normalize_flat_kernel(const T* __restrict__ x, T* __restrict__ y, channel_geometry g, Coef coef,
-                          const Acc* beta) {
-    __shared__ block_coefficients<Acc, flat_block_entries> s;
-    constexpr std::size_t span = block_values(bn_mapping::flat, 1);
-    const std::size_t first = std::size_t(blockIdx.x) * span;
-    const block_planes planes(g, first, span);
-    begin_normalize(s, g.channels, coef, beta, planes.count,
-                    [&](std::size_t e) { return (planes.first + e) % g.channels; });
-    const std::size_t end = smin(first + span, g.size());
-    std::size_t off = first + threadIdx.x;
-    if (off >= end)
-        return;
-    // entry e and in-plane index i of off, stepped by block_threads without a division
-    std::size_t e = off / g.inner;
-    std::size_t i = off - e * g.inner;
-    e -= planes.first;
-    const std::size_t de = block_threads / g.inner;
-    const std::size_t di = block_threads % g.inner;
-    const auto next = [&] {
-        off += block_threads;
-        e += de;
-        i += di;
-        if (i >= g.inner) {
-            i -= g.inner;
-            ++e;
-        }
-    };
-    const auto value = [&](T v, std::size_t at) {
-        return from_acc<T>(normalize_value(to_acc<Acc>(v), s.mean[at], s.scale[at], s.beta[at]));
-    };
-    while (off + 3 * block_threads < end) {
-        std::size_t at[4], en[4];
-        T v[4];
+    tensor_walk w(g, first + threadIdx.x, block_threads);
+    while (w.off < end) {
+        const std::size_t at = w.off;
+        raw_t<V, T> r[elementwise_batch<V>];
+        unsigned e[elementwise_batch<V>];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            at[u] = off;
-            en[u] = e;
-            v[u] = x[off];
-            next();
+        for (int u = 0; u < elementwise_batch<V>; ++u) {
+            e[u] = static_cast<unsigned>(w.plane - planes.first);
+            if (w.off < end)
+                r[u] = load_raw<V>(x + w.off * V);
+            w.next();
         }
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-            y[at[u]] = value(v[u], en[u]);
+        for (int u = 0; u < elementwise_batch<V>; ++u) {
+            const std::size_t unit = at + u * std::size_t{block_threads};
+            if (unit < end) {
+                Acc v[V];
+                unpack<V, T>(r[u], v);
+#pragma unroll
+                for (int j = 0; j < V; ++j)
+                    v[j] = normalize_value(v[j], s.mean[e[u]], s.scale[e[u]], s.beta[e[u]]);
+                store<V>(y + unit * V, v);
+            }
+        }
     }
-    for (; off < end; next())
-        y[off] = value(x[off], e);
 }
 
 /// K3, rows: thread (tx, ty) normalizes channel vector tx of rows ty, ty + ty_count, ...;
@@ -206,64 +176,50 @@ __device__ __forceinline__ void parameter_gradients(std::size_t C,
     });
 }
 
-/// K5, planes: as normalize_planes_kernel with dx, coefficients computed per run.
+/// K5, planes: the grid's threads walk the tensor's units (g in units of V values) by the grid's
+/// stride, elementwise_batch units in flight, each unit's coefficients computed from its channel
+/// (1 / count taken once per thread).
 template <class T, class Acc, int V>
-__global__ void __launch_bounds__(block_threads)
+__global__ void __launch_bounds__(block_threads, V == 1 ? 4 : 3)
     gradient_planes_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
                            channel_geometry g, fused_gradient_args<Acc> f) {
-    parameter_gradients(g.channels, f);
-    const std::size_t a =
-        (std::size_t(blockIdx.x) * block_warps + threadIdx.x / 32) * item_values(V);
-    const std::size_t size = g.size();
-    if (a >= size)
-        return;
-    const unsigned lane = threadIdx.x % 32;
-    const double count = *f.count;
-    plane_runs(
-        g, a, smin(a + item_values(V), size), [&](std::size_t off, std::size_t len, std::size_t q) {
-            const std::size_t c = q % g.channels;
-            const gradient_coefficients<Acc> co =
-                fused_gradient_coefficients(c, g.channels, f.totals, count, f.gamma, f.invstd);
-            gradient_op<T, Acc, V> op{dy, x, dx, f.mean[c], co.k, co.a, co.b};
-            warp_run<V>(op, x, off, len, lane);
-        });
-}
-
-/// K5, small planes: as normalize_flat_kernel with dx (1 / count taken once per thread).
-template <class T, class Acc>
-__global__ void __launch_bounds__(block_threads)
-    gradient_flat_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
-                         channel_geometry g, fused_gradient_args<Acc> f) {
     parameter_gradients(g.channels, f);
     const std::size_t size = g.size();
     const std::size_t a = std::size_t(blockIdx.x) * block_threads + threadIdx.x;
     if (a >= size)
         return;
     const Acc per = gradient_reciprocal<Acc>(*f.count);
-    const auto grad = [&](T d, T v, std::size_t c) {
-        const gradient_coefficients<Acc> co =
-            fused_gradient_coefficients_per(c, g.channels, f.totals, per, f.gamma, f.invstd);
-        return from_acc<T>(
-            input_gradient(to_acc<Acc>(d), to_acc<Acc>(v), f.mean[c], co.k, co.a, co.b));
-    };
-    flat_walk w(g, a, std::size_t(gridDim.x) * block_threads);
-    while (w.off + 3 * w.stride < size) {
-        std::size_t at[4], c[4];
-        T d[4], v[4];
+    tensor_walk w(g, a, std::size_t(gridDim.x) * block_threads);
+    while (w.off < size) {
+        const std::size_t at = w.off;
+        raw_t<V, T> rd[elementwise_batch<V>], rx[elementwise_batch<V>];
+        std::size_t c[elementwise_batch<V>];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            at[u] = w.off;
+        for (int u = 0; u < elementwise_batch<V>; ++u) {
             c[u] = w.c;
-            d[u] = dy[w.off];
-            v[u] = x[w.off];
+            if (w.off < size) {
+                rd[u] = load_raw<V>(dy + w.off * V);
+                rx[u] = load_raw<V>(x + w.off * V);
+            }
             w.next();
         }
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-            dx[at[u]] = grad(d[u], v[u], c[u]);
+        for (int u = 0; u < elementwise_batch<V>; ++u) {
+            const std::size_t unit = at + u * w.stride;
+            if (unit < size) {
+                const gradient_coefficients<Acc> co = fused_gradient_coefficients_per(
+                    c[u], g.channels, f.totals, per, f.gamma, f.invstd);
+                const Acc mu = f.mean[c[u]];
+                Acc d[V], v[V];
+                unpack<V, T>(rd[u], d);
+                unpack<V, T>(rx[u], v);
+#pragma unroll
+                for (int j = 0; j < V; ++j)
+                    d[j] = input_gradient(d[j], v[j], mu, co.k, co.a, co.b);
+                store<V>(dx + unit * V, d);
+            }
+        }
     }
-    for (; w.off < size; w.next())
-        dx[w.off] = grad(dy[w.off], x[w.off], w.c);
 }
 
 /// K5, rows: as normalize_rows_kernel with dx.

@@ -10,11 +10,11 @@
 #include "lockstep/kernels/detail/bn_cuda_reductions.cuh"
 
 // Two shapes cover every layout, as on the host:
-// - planes (inner > 1): a warp takes an item of 8 vectors per lane of one channel's values
-//   (reductions) or of the tensor (elementwise) and walks it run by run with a row pointer;
-//   16-byte vectors between an unaligned head and tail. Small planes (cuda_small_plane: runs
-//   too short for a warp of vectors) are walked flat instead: consecutive threads take
-//   consecutive values, one per lane, across run boundaries.
+// - planes (inner > 1): the tensor is walked in units of V values (16-byte vectors where every
+//   pointer is aligned and a plane is whole vectors, else single values), so every unit lies in
+//   one plane; consecutive threads take consecutive units of one channel's partition
+//   (reductions, flat_channel) or of the tensor (elementwise, tensor_walk), a few units in flight
+//   per thread, offsets stepped without a division per unit.
 // - rows (inner == 1): consecutive threads take consecutive channel vectors of a row (coalesced),
 //   tx indexes channel vectors, ty rows; a thread keeps its channels' state across rows.
 // Reductions write one partial per (channel, partition) block; the last block of a channel (or

@@ -30,10 +30,20 @@ __device__ __forceinline__ void write_header(Acc* block, const block_header<Acc>
     block[packed_moments::count_lo] = h.count_lo;
 }
 
-/// K1, planes: block = (channel c, partition p) of cuda_partitions(g) partitions; Flat (V == 1):
-/// the block walks the partition's values flat (small planes), else warp items run by run.
-template <class T, class Acc, int V, bool Flat = false>
-__global__ void __launch_bounds__(block_threads)
+/// Units a thread of a planes reduction loads before it uses them (16-byte vectors: 8 in the
+/// moments, 4 pairs in the sums; twice as many single values), and the blocks per SM their
+/// registers are held to.
+template <int V>
+inline constexpr int moments_batch = V == 1 ? 16 : 8;
+template <int V>
+inline constexpr int sums_batch = V == 1 ? 8 : 4;
+template <int V>
+inline constexpr int planes_reduction_blocks = V == 1 ? 4 : 3;
+
+/// K1, planes: block = (channel c, partition p) of cuda_partitions(g) partitions of the channel's
+/// units (g in units of V values, unit_geometry), walked flat (flat_channel).
+template <class T, class Acc, int V>
+__global__ void __launch_bounds__(block_threads, planes_reduction_blocks<V>)
     moments_planes_kernel(const T* __restrict__ x, channel_geometry g, std::size_t parts,
                           Acc* partials, unsigned* counters, block_header<Acc> header, Acc* block) {
     using reduce_t = cub::BlockReduce<moments<Acc>, block_threads>;
@@ -41,19 +51,8 @@ __global__ void __launch_bounds__(block_threads)
     const std::size_t c = blockIdx.x / parts;
     const std::size_t p = blockIdx.x - c * parts;
     const std::size_t n = g.per_channel();
-    const std::size_t k1 = n * (p + 1) / parts;
-    const unsigned lane = threadIdx.x % 32;
     moments_op<T, Acc, V> op{x};
-    if constexpr (Flat) {
-        static_assert(V == 1);
-        flat_channel(g, c, n * p / parts, k1, op);
-    } else {
-        for (std::size_t a = n * p / parts + threadIdx.x / 32 * item_values(V); a < k1;
-             a += block_warps * item_values(V))
-            channel_runs(
-                g, c, a, smin(a + item_values(V), k1),
-                [&](std::size_t off, std::size_t len) { warp_run<V>(op, x, off, len, lane); });
-    }
+    flat_channel<moments_batch<V>>(g, c, n * p / parts, n * (p + 1) / parts, op);
     const moments<Acc> m = reduce_t(tmp).Reduce(op.result(), chan_merge{});
     if (threadIdx.x == 0) {
         partials[2 * blockIdx.x] = m.mean;
@@ -65,7 +64,7 @@ __global__ void __launch_bounds__(block_threads)
     const moments<double> total = ordered_fold<moments<double>>(
         parts,
         [&](std::size_t q) {
-            const auto count = static_cast<double>(n * (q + 1) / parts - n * q / parts);
+            const auto count = static_cast<double>((n * (q + 1) / parts - n * q / parts) * V);
             return moments<double>{count, static_cast<double>(__ldcg(mine + 2 * q)),
                                    static_cast<double>(__ldcg(mine + 2 * q + 1))};
         },
@@ -201,10 +200,10 @@ __global__ void header_kernel(block_header<Acc> header, Acc* block) {
     write_header(block, header);
 }
 
-/// K4, planes: block = (channel c, partition p); partials hold (sum dy, sum dy (x - mean)).
-/// Flat as for moments_planes_kernel.
-template <class T, class Acc, int V, bool Flat = false>
-__global__ void __launch_bounds__(block_threads)
+/// K4, planes: block = (channel c, partition p), g in units, as moments_planes_kernel; partials
+/// hold (sum dy, sum dy (x - mean)).
+template <class T, class Acc, int V>
+__global__ void __launch_bounds__(block_threads, planes_reduction_blocks<V>)
     sums_planes_kernel(const T* __restrict__ dy, const T* __restrict__ x, channel_geometry g,
                        std::size_t parts, const Acc* mean, Acc status, Acc* partials,
                        unsigned* counters, Acc* sums) {
@@ -213,19 +212,8 @@ __global__ void __launch_bounds__(block_threads)
     const std::size_t c = blockIdx.x / parts;
     const std::size_t p = blockIdx.x - c * parts;
     const std::size_t n = g.per_channel();
-    const std::size_t k1 = n * (p + 1) / parts;
-    const unsigned lane = threadIdx.x % 32;
     sums_op<T, Acc, V> op{dy, x, mean[c]};
-    if constexpr (Flat) {
-        static_assert(V == 1);
-        flat_channel(g, c, n * p / parts, k1, op);
-    } else {
-        for (std::size_t a = n * p / parts + threadIdx.x / 32 * item_values(V); a < k1;
-             a += block_warps * item_values(V))
-            channel_runs(
-                g, c, a, smin(a + item_values(V), k1),
-                [&](std::size_t off, std::size_t len) { warp_run<V>(op, x, off, len, lane); });
-    }
+    flat_channel<sums_batch<V>>(g, c, n * p / parts, n * (p + 1) / parts, op);
     const dy_sums<Acc> s = reduce_t(tmp).Reduce(op.result(), add_dy_sums{});
     if (threadIdx.x == 0) {
         partials[2 * blockIdx.x] = s.dy;

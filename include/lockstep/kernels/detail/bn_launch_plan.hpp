@@ -18,17 +18,13 @@ namespace lockstep::kernels::cuda_path {
 
 /// Threads per block of every batch-norm kernel.
 inline constexpr int block_threads = 256;
-/// Warps per block.
-inline constexpr int block_warps = block_threads / 32;
 
 namespace detail {
 
-/// Values of a warp item of the planes kernels: 8 accesses of v values per lane.
-LOCKSTEP_HOST_DEVICE constexpr std::size_t item_values(int v) {
-    return std::size_t{32} * static_cast<std::size_t>(v) * 8;
-}
-/// Values per thread of the flat elementwise kernels (their grid covers size / this).
+/// Units (values, or 16-byte vectors of them) per thread of the elementwise planes kernels.
 inline constexpr std::size_t flat_values = 8;
+/// Units one block of an elementwise planes kernel covers (contiguous, from block index x this).
+inline constexpr std::size_t block_units = std::size_t{block_threads} * flat_values;
 
 /// The planes (plane q holds channel q % channels) that the `span` tensor offsets from `begin`
 /// touch: `count` planes from `first` (none when begin is past the tensor). The normalize kernels'
@@ -47,33 +43,21 @@ struct block_planes {
     }
 };
 
-/// Entries of the planes normalize kernel's table: a block covers block_warps items of at most
-/// 2048 x 16 / value bytes values, and its planes hold at least 1024 / value bytes values
-/// (smaller ones are mapped flat), so it touches at most 32 planes and the two it starts and
-/// ends in.
-inline constexpr std::size_t planes_block_entries = block_warps * item_values(1) * 16 / 1024 + 2;
-/// Entries of the flat normalize kernel's table: block_threads * flat_values values, of planes
-/// of at least 2 values.
-inline constexpr std::size_t flat_block_entries = block_threads * flat_values / 2 + 2;
+/// Entries of the planes normalize kernel's table: a block covers block_units units of planes
+/// of at least 2 units (plan_bn_launch), so it touches at most block_units / 2 planes and the
+/// two it starts and ends in.
+inline constexpr std::size_t planes_block_entries = block_units / 2 + 2;
 
 /// How a kernel maps the tensor onto its threads (kernels/detail/bn_cuda_kernels.cuh):
 enum class bn_mapping {
-    flat,   ///< small planes (cuda_small_plane): consecutive threads, consecutive values
-    planes, ///< inner > 1: a warp walks an item of a channel's (or the tensor's) values run by run
+    planes, ///< inner > 1: consecutive threads take consecutive units of a channel or the tensor
     rows,   ///< inner == 1: threads along the channels (tx) and the rows
 };
 
-/// Tensor values one block of an elementwise kernel covers (contiguous, from block index x
-/// this): flat, block_threads x flat_values; planes with v values per access, an item per warp.
-LOCKSTEP_HOST_DEVICE constexpr std::size_t block_values(bn_mapping m, int v) {
-    return m == bn_mapping::flat ? std::size_t{block_threads} * flat_values
-                                 : std::size_t{block_warps} * item_values(v);
-}
-
 /// One launch: the mapping, whether it reads 16-byte vectors of V = 16 / value bytes values (else
-/// one value per access; flat never does), the grid, and for rows the threads along the channels.
+/// one value per access), the grid, and for rows the threads along the channels.
 struct bn_launch {
-    bn_mapping mapping = bn_mapping::flat;
+    bn_mapping mapping = bn_mapping::planes;
     bool vector = false;
     unsigned grid_x = 1;
     unsigned grid_y = 1;
@@ -105,34 +89,32 @@ inline unsigned rows_grid_y(std::size_t rows, unsigned tx) {
 
 /// The launch of one batch-norm kernel over g, whose data (the tensors it reads and writes, of
 /// `value_bytes` bytes a value) lie at `data`:
-/// - flat where cuda_small_plane, else planes where inner > 1, else rows;
-/// - vectors: planes when every pointer has the same offset within 16 bytes (the items' heads
-///   line up), rows when the channels are a multiple of V and every pointer is 16-byte aligned;
-/// - a reduction (parts >= 1, cuda_partitions) has one block per (channel, partition) (flat,
-///   planes) or per (channel tile, partition) (rows: grid_y = parts); an elementwise kernel
-///   (parts == 0) covers the values, flat_values a thread (flat), an item a warp (planes), about
-///   4 rows a thread (rows), flat and planes with at least min_blocks blocks.
+/// - planes where inner > 1, else rows;
+/// - vectors where every pointer is 16-byte aligned and, for planes, a plane is whole vectors,
+///   at least two (so every vector lies in one plane), for rows the channels are;
+/// - a reduction (parts >= 1, cuda_partitions) has one block per (channel, partition) (planes)
+///   or per (channel tile, partition) (rows: grid_y = parts); an elementwise kernel (parts == 0)
+///   covers the values, block_units units a block (planes, with at least min_blocks blocks) or
+///   about 4 rows a thread (rows).
 inline bn_launch plan_bn_launch(const channel_geometry& g, std::size_t value_bytes,
                                 std::size_t parts, std::size_t min_blocks,
                                 std::initializer_list<const void*> data) {
-    const auto offset = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16; };
     const std::size_t v = 16 / value_bytes;
+    const bool aligned = std::all_of(data.begin(), data.end(), [](const void* p) {
+        return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
+    });
     bn_launch l;
     if (g.inner > 1) {
-        l.mapping = kernels::detail::cuda_small_plane(g, value_bytes) ? bn_mapping::flat
-                                                                      : bn_mapping::planes;
-        l.vector = l.mapping == bn_mapping::planes &&
-                   std::all_of(data.begin(), data.end(),
-                               [&](const void* p) { return offset(p) == offset(*data.begin()); });
-        const std::size_t per_block = block_values(l.mapping, l.vector ? static_cast<int>(v) : 1);
+        l.mapping = bn_mapping::planes;
+        l.vector = aligned && g.inner % v == 0 && g.inner / v >= 2;
+        const std::size_t units = g.size() / (l.vector ? v : 1);
         l.grid_x =
             grid_1d(parts > 0 ? g.channels * parts
-                              : std::max((g.size() + per_block - 1) / per_block, min_blocks));
+                              : std::max((units + block_units - 1) / block_units, min_blocks));
         return l;
     }
     l.mapping = bn_mapping::rows;
-    l.vector = g.channels % v == 0 &&
-               std::all_of(data.begin(), data.end(), [&](const void* p) { return offset(p) == 0; });
+    l.vector = g.channels % v == 0 && aligned;
     const std::size_t vectors = l.vector ? g.channels / v : g.channels;
     l.tx = rows_tx(vectors);
     l.grid_x = grid_1d((vectors + l.tx - 1) / l.tx);
