@@ -126,8 +126,8 @@ const std::vector<channel_geometry> geometries{
     {4, 3, 197},    // NCHW, odd planes, partitions ending inside planes
     {8, 16, 3136},  // NCHW 56x56 planes: vectors, several partitions per channel
     {256, 20, 49},  // NCHW 7x7 planes: one value at a time, two partitions of float
-    {32, 10, 196},  // NCHW 14x14 planes: vectors of float and double, values of half
-    {16, 6, 8},     // NCHW planes of two float vectors; of one half vector (values)
+    {32, 10, 196},  // NCHW 14x14 planes: 16-byte vectors of float and double, 8-byte of half
+    {16, 6, 8},     // NCHW planes of two float vectors, of two 8-byte half vectors
     {3000, 19, 1},  // NHWC rows, channels not a multiple of the vector width (scalar path)
     {1000, 64, 1},  // NHWC rows, vector path
     {50000, 24, 1}, // NHWC, 256 row partitions folded by a channel tile that is partly empty
@@ -148,7 +148,9 @@ TEMPLATE_TEST_CASE("cuda_path moments and backward sums agree with the generic p
     const cuda_system sys(0);
     const double tol = acc_tolerance<T>();
     for (const channel_geometry g : geometries) {
-        for (const std::size_t off : {std::size_t(0), std::size_t(1)}) {
+        // offsets in values: aligned, misaligned, and 8 bytes off for 16-bit values (8-byte
+        // vectors where the planes allow)
+        for (const std::size_t off : {std::size_t(0), std::size_t(1), 8 / sizeof(T)}) {
             CAPTURE(g.outer, g.channels, g.inner, off);
             const std::size_t C = g.channels;
             const auto xh = values<T>(g.size(), 3, 50.0, 2.0); // mean >> std: stability matters
@@ -227,9 +229,11 @@ TEMPLATE_TEST_CASE("cuda_path normalize and fused dx agree with the generic path
     const double tol = unit_roundoff<T>() + 4 * acc_tolerance<T>();
     for (const channel_geometry g : geometries) {
         // (x, y / dx) offsets: aligned (vectors where the plan allows), equally and differently
-        // misaligned (one value at a time)
-        for (const auto [xoff, yoff] :
-             {std::pair<std::size_t, std::size_t>{0, 0}, {1, 1}, {1, 0}}) {
+        // misaligned (one value at a time), 8 bytes off (8-byte vectors of 16-bit values)
+        for (const auto [xoff, yoff] : {std::pair<std::size_t, std::size_t>{0, 0},
+                                        {1, 1},
+                                        {1, 0},
+                                        {8 / sizeof(T), 8 / sizeof(T)}}) {
             CAPTURE(g.outer, g.channels, g.inner, xoff, yoff);
             const std::size_t C = g.channels;
             const auto xh = values<T>(g.size(), 5, 1.0, 3.0);

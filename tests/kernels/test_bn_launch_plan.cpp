@@ -43,18 +43,21 @@ TEST_CASE("the planes mapping: a block per (channel, partition), vectors of whol
     REQUIRE(parts == 13);
     const cp::bn_launch k1 = cp::plan_bn_launch(g, 4, parts, 0, {at(0)});
     CHECK(k1.mapping == bn_mapping::planes);
-    CHECK(k1.vector);
+    CHECK(k1.width == 4);
     CHECK(k1.grid_x == 832);
     CHECK(k1.grid_y == 1);
     const cp::bn_launch k3 = cp::plan_bn_launch(g, 4, 0, 0, {at(0), at(0)});
-    CHECK(k3.vector);
+    CHECK(k3.width == 4);
     CHECK(k3.grid_x == 784); // 6,422,528 values / (2048 units x 4)
     // Any pointer off a 16-byte boundary: one value per access, 2048 values a block.
     const cp::bn_launch k3s = cp::plan_bn_launch(g, 4, 0, 0, {at(0), at(4)});
-    CHECK_FALSE(k3s.vector);
+    CHECK(k3s.width == 1);
     CHECK(k3s.grid_x == 3136);
-    CHECK_FALSE(cp::plan_bn_launch(g, 4, parts, 0, {at(8), at(8)}).vector);
-    CHECK_FALSE(cp::plan_bn_launch(g, 2, cuda_partitions(g, 2), 0, {at(2)}).vector);
+    CHECK(cp::plan_bn_launch(g, 4, parts, 0, {at(8), at(8)}).width == 1);
+    CHECK(cp::plan_bn_launch(g, 2, cuda_partitions(g, 2), 0, {at(2)}).width == 1);
+    // 16-bit values: 8 a vector, or 4 (an 8-byte vector) where the pointers are 8-byte aligned.
+    CHECK(cp::plan_bn_launch(g, 2, 0, 0, {at(0), at(0)}).width == 8);
+    CHECK(cp::plan_bn_launch(g, 2, 0, 0, {at(0), at(8)}).width == 4);
     // The fused dx kernel asks for a thread per channel: at least min_blocks blocks.
     CHECK(cp::plan_bn_launch(nchw(1, 8, 256), 4, 0, 1000, {at(0), at(0), at(0)}).grid_x == 1000);
 }
@@ -62,26 +65,32 @@ TEST_CASE("the planes mapping: a block per (channel, partition), vectors of whol
 TEST_CASE("planes that are not whole vectors, at least two, are read one value at a time",
           "[kernels][bn]") {
     // 256x64x14x14 NCHW: float planes are 49 vectors (448 and 392 blocks), half planes 24.5
-    // vectors (scalar: 1568 elementwise blocks), 7x7 planes are odd (docs).
+    // 16-byte vectors and 49 8-byte ones (392 elementwise blocks), 7x7 planes are odd (docs).
     const channel_geometry g = nchw(256, 64, 196);
     const std::size_t parts = cuda_partitions(g, 4);
     REQUIRE(parts == 7);
     const cp::bn_launch k1 = cp::plan_bn_launch(g, 4, parts, 0, {at(0)});
     CHECK(k1.mapping == bn_mapping::planes);
-    CHECK(k1.vector);
+    CHECK(k1.width == 4);
     CHECK(k1.grid_x == 448);
     const cp::bn_launch k3 = cp::plan_bn_launch(g, 4, 0, 0, {at(0), at(0)});
-    CHECK(k3.vector);
+    CHECK(k3.width == 4);
     CHECK(k3.grid_x == 392); // 3,211,264 values / (2048 units x 4)
     const cp::bn_launch h3 = cp::plan_bn_launch(g, 2, 0, 0, {at(0), at(0)});
-    CHECK_FALSE(h3.vector);
-    CHECK(h3.grid_x == 1568);
-    CHECK_FALSE(cp::plan_bn_launch(nchw(256, 2048, 49), 4, 2, 0, {at(0)}).vector);
-    CHECK(cp::plan_bn_launch(nchw(64, 256, 784), 2, 4, 0, {at(0)}).vector); // 28x28 half
-    // A plane of one vector is read by values (a vector per plane would be the rows layout).
-    CHECK_FALSE(cp::plan_bn_launch(nchw(8, 4, 4), 4, 1, 0, {at(0)}).vector);
-    CHECK(cp::plan_bn_launch(nchw(8, 4, 8), 4, 1, 0, {at(0)}).vector);
-    CHECK(cp::plan_bn_launch(nchw(8, 4, 4), 8, 1, 0, {at(0)}).vector); // double: 2 vectors
+    CHECK(h3.width == 4);
+    CHECK(h3.grid_x == 392);
+    CHECK(cp::plan_bn_launch(g, 2, 0, 0, {at(0), at(4)}).width == 1);
+    CHECK(cp::plan_bn_launch(nchw(256, 2048, 49), 4, 2, 0, {at(0)}).width == 1);
+    CHECK(cp::plan_bn_launch(nchw(256, 2048, 49), 2, 1, 0, {at(0)}).width == 1);
+    CHECK(cp::plan_bn_launch(nchw(64, 256, 784), 2, 4, 0, {at(0)}).width == 8); // 28x28 half
+    // A plane of one vector is read by values (a vector per plane would be the rows layout);
+    // 8-byte vectors only for 16-bit values (float's would hold 2).
+    CHECK(cp::plan_bn_launch(nchw(8, 4, 4), 4, 1, 0, {at(0)}).width == 1);
+    CHECK(cp::plan_bn_launch(nchw(8, 4, 8), 4, 1, 0, {at(0)}).width == 4);
+    CHECK(cp::plan_bn_launch(nchw(8, 4, 6), 4, 1, 0, {at(0)}).width == 1);
+    CHECK(cp::plan_bn_launch(nchw(8, 4, 8), 2, 1, 0, {at(0)}).width == 4);
+    CHECK(cp::plan_bn_launch(nchw(8, 4, 4), 2, 1, 0, {at(0)}).width == 1);
+    CHECK(cp::plan_bn_launch(nchw(8, 4, 4), 8, 1, 0, {at(0)}).width == 2); // double: 2 vectors
     // Few values over many channels: the channel blocks of the fused dx kernel.
     const cp::bn_launch k5 = cp::plan_bn_launch(nchw(1, 2048, 4), 4, 0, 8, {at(0), at(0), at(0)});
     CHECK(k5.mapping == bn_mapping::planes);
@@ -97,7 +106,7 @@ TEST_CASE("the rows mapping: vectors only for aligned data and whole channel vec
     REQUIRE(parts == 196);
     const cp::bn_launch k1 = cp::plan_bn_launch(g, 4, parts, 0, {at(0)});
     CHECK(k1.mapping == bn_mapping::rows);
-    CHECK(k1.vector);
+    CHECK(k1.width == 4);
     CHECK(k1.tx == 32);
     CHECK(k1.grid_x == 8);
     CHECK(k1.grid_y == 196);
@@ -106,12 +115,12 @@ TEST_CASE("the rows mapping: vectors only for aligned data and whole channel vec
     CHECK(k3.grid_y == 196); // 6272 rows / (8 rows x 4 per block)
     // Any pointer off a 16-byte boundary, or channels not a multiple of V: one value per access.
     const cp::bn_launch off = cp::plan_bn_launch(g, 4, 0, 0, {at(0), at(4)});
-    CHECK_FALSE(off.vector);
+    CHECK(off.width == 1);
     CHECK(off.tx == 32);
     CHECK(off.grid_x == 32);
-    CHECK_FALSE(cp::plan_bn_launch(g, 4, parts, 0, {at(8), at(8)}).vector);
+    CHECK(cp::plan_bn_launch(g, 4, parts, 0, {at(8), at(8)}).width == 1);
     const cp::bn_launch odd = cp::plan_bn_launch(nhwc(4, 66, 9), 4, 3, 0, {at(0)});
-    CHECK_FALSE(odd.vector);
+    CHECK(odd.width == 1);
     CHECK(odd.grid_x == 3);
     CHECK(odd.grid_y == 3);
     // Few channels: the fewest threads along them that cover the vectors (a power of two).
@@ -138,13 +147,14 @@ TEST_CASE("a normalize block's table holds every plane the block touches", "[ker
         for (const std::size_t inner :
              {std::size_t{2}, std::size_t{3}, v, 2 * v, 2 * v + 1, std::size_t{49},
               std::size_t{196}, std::size_t{263}, std::size_t{784}, std::size_t{3136}}) {
-            for (const std::uintptr_t offset : {std::uintptr_t{0}, std::uintptr_t{bytes}}) {
+            for (const std::uintptr_t offset :
+                 {std::uintptr_t{0}, std::uintptr_t{bytes}, std::uintptr_t{8}}) {
                 CAPTURE(bytes, inner, offset);
                 const channel_geometry g = nchw(64, 37, inner);
                 const cp::bn_launch p = cp::plan_bn_launch(g, bytes, 0, 0, {at(0), at(offset)});
                 REQUIRE(p.mapping == bn_mapping::planes);
-                const channel_geometry units = cp::unit_geometry(g, p.vector ? int(v) : 1);
-                CHECK(units.inner * (p.vector ? v : 1) == inner);
+                const channel_geometry units = cp::unit_geometry(g, static_cast<int>(p.width));
+                CHECK(units.inner * p.width == inner);
                 for (std::size_t b = 0; b < p.grid_x; ++b) {
                     const cp::block_planes planes(units, b * cp::block_units, cp::block_units);
                     CHECK(planes.count <= cp::planes_block_entries);

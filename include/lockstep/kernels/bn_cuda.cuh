@@ -24,9 +24,9 @@
 // float, double, __half or __nv_bfloat16 (or lockstep::half / lockstep::bfloat16, processed as
 // the CUDA types); Acc is double for double data and float otherwise. Pointers are device
 // pointers of sys's device, naturally aligned for their type; 16-byte aligned data (as every
-// cuda_system allocation is) with planes of whole 16-byte vectors (NCHW) or channels of them
-// (NHWC) takes the vector path, anything else a scalar path (same arithmetic per value;
-// reductions agree to rounding): which kernel and grid, the plan of
+// cuda_system allocation is) with planes of whole 16-byte vectors (NCHW; 8-byte ones of 16-bit
+// values too) or channels of them (NHWC) takes a vector path, anything else a scalar path (same
+// arithmetic per value; reductions agree to rounding): which kernel and grid, the plan of
 // kernels/detail/bn_launch_plan.hpp says. Launch errors throw lockstep::error (errc::cuda).
 namespace lockstep::kernels::cuda_path {
 
@@ -47,17 +47,25 @@ inline void launched() {
     LOCKSTEP_CUDA_CHECK(cudaGetLastError());
 }
 
-/// Launches the plan's kernel: f.template operator()<W>(grid, stream) with W = V (vectors of
-/// native type N) where the plan reads vectors, else W = 1; f picks the kernel of p.mapping.
+/// Launches the plan's kernel: f.template operator()<W>(grid, stream) with W = p.width values of
+/// native type N per access (1, the 16-byte vector's V, or the 8-byte vector's V / 2 of 16-bit
+/// values, which only the planes kernels read); f picks the kernel of p.mapping.
 template <class N, class F>
 void launch(const cuda_system& sys, const bn_launch& p, F&& f) {
+    constexpr int V = vector_width<N>;
     const dim3 grid(p.grid_x, p.grid_y);
-    if (p.vector)
-        f.template operator()<vector_width<N>>(grid, sys.stream());
-    else
+    if (p.width == 1)
         f.template operator()<1>(grid, sys.stream());
+    else if (p.width == V)
+        f.template operator()<V>(grid, sys.stream());
+    else if constexpr (V / 2 >= 4)
+        f.template operator()<V / 2>(grid, sys.stream());
     launched();
 }
+
+/// True for the widths the rows kernels read (the plan never gives them an 8-byte vector).
+template <class N, int W>
+inline constexpr bool rows_width = W == 1 || W == vector_width<N>;
 
 } // namespace detail
 
@@ -92,7 +100,7 @@ void pack_local_moments(const cuda_system& sys, const T* x, channel_geometry g, 
         if (p.mapping == detail::bn_mapping::planes)
             detail::moments_planes_kernel<N, Acc, W><<<grid, block_threads, 0, s>>>(
                 xn, detail::unit_geometry(g, W), parts, partials, counters, header, block);
-        else
+        else if constexpr (detail::rows_width<N, W>)
             detail::moments_rows_kernel<N, Acc, W><<<grid, block_threads, 0, s>>>(
                 xn, g, p.tx, parts, partials, counters, header, block);
     });
@@ -119,7 +127,7 @@ void launch_normalize(const cuda_system& sys, const T* x, T* y, channel_geometry
         if (p.mapping == bn_mapping::planes)
             normalize_planes_kernel<N, Acc, W, Coef>
                 <<<grid, block_threads, 0, s>>>(xn, yn, unit_geometry(g, W), coef, beta);
-        else
+        else if constexpr (rows_width<N, W>)
             normalize_rows_kernel<N, Acc, W, Coef>
                 <<<grid, block_threads, 0, s>>>(xn, yn, g, p.tx, coef, beta);
     });
@@ -177,7 +185,7 @@ void pack_backward_sums(const cuda_system& sys, const T* dy, const T* x, channel
             detail::sums_planes_kernel<N, Acc, W>
                 <<<grid, block_threads, 0, s>>>(dyn, xn, detail::unit_geometry(g, W), parts, mean,
                                                 status, partials, counters, sums);
-        else
+        else if constexpr (detail::rows_width<N, W>)
             detail::sums_rows_kernel<N, Acc, W><<<grid, block_threads, 0, s>>>(
                 dyn, xn, g, p.tx, parts, mean, status, partials, counters, sums);
     });
@@ -214,7 +222,7 @@ void input_gradient_fused(const cuda_system& sys, const T* dy, const T* x, T* dx
         if (p.mapping == detail::bn_mapping::planes)
             detail::gradient_planes_kernel<N, Acc, W>
                 <<<grid, block_threads, 0, s>>>(dyn, xn, dxn, detail::unit_geometry(g, W), args);
-        else
+        else if constexpr (detail::rows_width<N, W>)
             detail::gradient_rows_kernel<N, Acc, W>
                 <<<grid, block_threads, 0, s>>>(dyn, xn, dxn, g, p.tx, args);
     });

@@ -70,22 +70,33 @@ __device__ __forceinline__ T from_acc(Acc v) {
 }
 
 /// The register form of V consecutive values of T: T itself for V == 1, else one 16-byte vector
-/// (float4, double2, or uint4 holding 4 half2 / bfloat162).
+/// (float4, double2, or uint4 holding 4 half2 / bfloat162) or, for 16-bit T, one 8-byte vector
+/// of 4 values (uint2).
 template <int V, class T>
 using raw_t = std::conditional_t<
     V == 1, T,
     std::conditional_t<std::is_same_v<T, float>, float4,
-                       std::conditional_t<std::is_same_v<T, double>, double2, uint4>>>;
+                       std::conditional_t<std::is_same_v<T, double>, double2,
+                                          std::conditional_t<V * sizeof(T) == 8, uint2, uint4>>>>;
 
-/// V consecutive values at p, unconverted: one 16-byte load when V > 1, which requires p to be
-/// 16-byte aligned. Kept apart from unpack so loads stay in flight in few registers.
+/// V consecutive values at p, unconverted: one 16-byte (or 8-byte) load when V > 1, which
+/// requires p to be aligned to it. Kept apart from unpack so loads stay in flight in few
+/// registers.
 template <int V, class T>
 __device__ __forceinline__ raw_t<V, T> load_raw(const T* p) {
-    static_assert(V == 1 || V == vector_width<T>);
+    static_assert(V == 1 || V == vector_width<T> || (sizeof(T) == 2 && V == 4));
     if constexpr (V == 1)
         return p[0];
     else
         return __ldg(reinterpret_cast<const raw_t<V, T>*>(p));
+}
+
+/// The 32-bit words of a vector of 16-bit values (2 values each).
+__device__ __forceinline__ void vector_words(const uint4& q, unsigned (&w)[4]) {
+    w[0] = q.x, w[1] = q.y, w[2] = q.z, w[3] = q.w;
+}
+__device__ __forceinline__ void vector_words(const uint2& q, unsigned (&w)[2]) {
+    w[0] = q.x, w[1] = q.y;
 }
 
 /// The V values of q as Acc.
@@ -98,9 +109,10 @@ __device__ __forceinline__ void unpack(const raw_t<V, T>& q, Acc (&v)[V]) {
     } else if constexpr (std::is_same_v<T, double>) {
         v[0] = q.x, v[1] = q.y;
     } else {
-        const unsigned words[4] = {q.x, q.y, q.z, q.w};
+        unsigned words[V / 2];
+        vector_words(q, words);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < V / 2; ++j) {
             float2 f;
             if constexpr (std::is_same_v<T, __half>) {
                 __half2 h;
@@ -125,7 +137,7 @@ __device__ __forceinline__ void load(const T* p, Acc (&v)[V]) {
     unpack<V, T>(load_raw<V>(p), v);
 }
 
-/// Stores V values at p (rounded as from_acc does); one 16-byte store when V > 1.
+/// Stores V values at p (rounded as from_acc does); one 16-byte (or 8-byte) store when V > 1.
 template <int V, class T, class Acc>
 __device__ __forceinline__ void store(T* p, const Acc (&v)[V]) {
     if constexpr (V == 1) {
@@ -135,9 +147,9 @@ __device__ __forceinline__ void store(T* p, const Acc (&v)[V]) {
     } else if constexpr (std::is_same_v<T, double>) {
         *reinterpret_cast<double2*>(p) = make_double2(v[0], v[1]);
     } else {
-        unsigned words[4];
+        unsigned words[V / 2];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < V / 2; ++j) {
             if constexpr (std::is_same_v<T, __half>) {
                 const __half2 h = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
                 __builtin_memcpy(&words[j], &h, sizeof h);
@@ -146,7 +158,10 @@ __device__ __forceinline__ void store(T* p, const Acc (&v)[V]) {
                 __builtin_memcpy(&words[j], &h, sizeof h);
             }
         }
-        *reinterpret_cast<uint4*>(p) = make_uint4(words[0], words[1], words[2], words[3]);
+        if constexpr (V == 8)
+            *reinterpret_cast<uint4*>(p) = make_uint4(words[0], words[1], words[2], words[3]);
+        else
+            *reinterpret_cast<uint2*>(p) = make_uint2(words[0], words[1]);
     }
 }
 

@@ -53,8 +53,8 @@ __device__ __forceinline__ void begin_normalize(block_coefficients<Acc, Entries>
     __syncthreads();
 }
 
-/// Units a thread of an elementwise planes kernel loads before it uses them (16-byte vectors 4,
-/// single values twice as many).
+/// Units a thread of an elementwise planes kernel loads before it uses them (vectors 4, single
+/// values twice as many).
 template <int V>
 inline constexpr int elementwise_batch = V == 1 ? 8 : 4;
 

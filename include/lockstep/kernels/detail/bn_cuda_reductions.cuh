@@ -30,8 +30,8 @@ __device__ __forceinline__ void write_header(Acc* block, const block_header<Acc>
     block[packed_moments::count_lo] = h.count_lo;
 }
 
-/// Units a thread of a planes reduction loads before it uses them (16-byte vectors: 8 in the
-/// moments, 4 pairs in the sums; twice as many single values), and the blocks per SM their
+/// Units a thread of a planes reduction loads before it uses them (vectors: 8 in the moments,
+/// 4 pairs in the sums; twice as many single values), and the blocks per SM their
 /// registers are held to.
 template <int V>
 inline constexpr int moments_batch = V == 1 ? 16 : 8;

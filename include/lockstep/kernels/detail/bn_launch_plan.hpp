@@ -54,11 +54,12 @@ enum class bn_mapping {
     rows,   ///< inner == 1: threads along the channels (tx) and the rows
 };
 
-/// One launch: the mapping, whether it reads 16-byte vectors of V = 16 / value bytes values (else
-/// one value per access), the grid, and for rows the threads along the channels.
+/// One launch: the mapping, the values each access reads (width: 1, a 16-byte vector's 16 / value
+/// bytes, or for 2-byte values an 8-byte vector's 4), the grid, and for rows the threads along
+/// the channels.
 struct bn_launch {
     bn_mapping mapping = bn_mapping::planes;
-    bool vector = false;
+    unsigned width = 1;
     unsigned grid_x = 1;
     unsigned grid_y = 1;
     unsigned tx = 0;
@@ -90,32 +91,39 @@ inline unsigned rows_grid_y(std::size_t rows, unsigned tx) {
 /// The launch of one batch-norm kernel over g, whose data (the tensors it reads and writes, of
 /// `value_bytes` bytes a value) lie at `data`:
 /// - planes where inner > 1, else rows;
-/// - vectors where every pointer is 16-byte aligned and, for planes, a plane is whole vectors,
-///   at least two (so every vector lies in one plane), for rows the channels are;
+/// - width: planes read the widest vector every pointer is aligned to whose values divide a plane
+///   at least twice (so every vector lies in one plane): 16 bytes, or 8 for 2-byte values (a
+///   vector of at least 4 values), else one value; rows read 16-byte vectors where the pointers
+///   are aligned to them and the channels are whole vectors, else one value;
 /// - a reduction (parts >= 1, cuda_partitions) has one block per (channel, partition) (planes)
 ///   or per (channel tile, partition) (rows: grid_y = parts); an elementwise kernel (parts == 0)
-///   covers the values, block_units units a block (planes, with at least min_blocks blocks) or
+///   covers the values, block_units accesses a block (planes, with at least min_blocks blocks) or
 ///   about 4 rows a thread (rows).
 inline bn_launch plan_bn_launch(const channel_geometry& g, std::size_t value_bytes,
                                 std::size_t parts, std::size_t min_blocks,
                                 std::initializer_list<const void*> data) {
     const std::size_t v = 16 / value_bytes;
-    const bool aligned = std::all_of(data.begin(), data.end(), [](const void* p) {
-        return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
-    });
+    const auto aligned = [&](std::size_t bytes) {
+        return std::all_of(data.begin(), data.end(), [&](const void* p) {
+            return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
+        });
+    };
     bn_launch l;
     if (g.inner > 1) {
         l.mapping = bn_mapping::planes;
-        l.vector = aligned && g.inner % v == 0 && g.inner / v >= 2;
-        const std::size_t units = g.size() / (l.vector ? v : 1);
+        for (const std::size_t w : {v, v / 2 >= 4 ? v / 2 : v}) {
+            if (l.width == 1 && aligned(w * value_bytes) && g.inner % w == 0 && g.inner / w >= 2)
+                l.width = static_cast<unsigned>(w);
+        }
+        const std::size_t units = g.size() / l.width;
         l.grid_x =
             grid_1d(parts > 0 ? g.channels * parts
                               : std::max((units + block_units - 1) / block_units, min_blocks));
         return l;
     }
     l.mapping = bn_mapping::rows;
-    l.vector = g.channels % v == 0 && aligned;
-    const std::size_t vectors = l.vector ? g.channels / v : g.channels;
+    l.width = g.channels % v == 0 && aligned(16) ? static_cast<unsigned>(v) : 1;
+    const std::size_t vectors = g.channels / l.width;
     l.tx = rows_tx(vectors);
     l.grid_x = grid_1d((vectors + l.tx - 1) / l.tx);
     l.grid_y = parts > 0 ? static_cast<unsigned>(parts) : rows_grid_y(g.outer, l.tx);
