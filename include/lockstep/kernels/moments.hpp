@@ -110,6 +110,56 @@ merge_lanes(moments<Acc> acc, const Acc* mean, const Acc* m2, std::size_t lanes,
     return acc;
 }
 
+/// V lanes of moments that take a batch of up to B values each at a time (the CUDA planes
+/// moments: a batch is a thread's loads in flight). Each lane sums the batch's deviations from
+/// its running mean (for the first batch, from the batch's first value) and their squares, and
+/// merges the batch in with Chan's formula: the batch's mean less the running one is the mean
+/// deviation (a multiply by 1 / B for a full batch, B a power of two), its M2 the squares less
+/// the deviation sum times that. One division a batch where a Welford step took a reciprocal a
+/// value, and deviations from a nearby value, so large means do not cancel.
+template <class Acc, int V>
+struct batched_lanes {
+    Acc mean[V] = {};
+    Acc m2[V] = {};
+    Acc count = 0; ///< values each lane has seen
+
+    /// Adds values 0, ..., n - 1 of the batch to every lane (0 < n <= B); value(u, v) writes
+    /// value u of each lane into v[0], ..., v[V - 1].
+    template <int B, class Value>
+    LOCKSTEP_HOST_DEVICE void add(int n, Value value) {
+        static_assert(B > 0 && (B & (B - 1)) == 0, "a full batch's mean is a multiply by 1 / B");
+        if (count == Acc(0))
+            value(0, mean); // the first batch's shift, merged below with weight 1
+        Acc s1[V] = {};
+        Acc s2[V] = {};
+        for (int u = 0; u < B; ++u) {
+            if (u < n) {
+                Acc v[V];
+                value(u, v);
+                for (int j = 0; j < V; ++j) {
+                    const Acc d = v[j] - mean[j];
+                    s1[j] += d;
+                    s2[j] += d * d;
+                }
+            }
+        }
+        const Acc k = Acc(n);
+        const Acc inv_k = n == B ? Acc(1) / Acc(B) : Acc(1) / k;
+        const Acc total = count + k;
+        const Acc w = k / total; // the batch's weight: 1 for the first batch
+        for (int j = 0; j < V; ++j) {
+            const Acc d = s1[j] * inv_k; // the batch's mean less the running one
+            mean[j] += d * w;
+            m2[j] += (s2[j] - s1[j] * d) + d * d * (count * w);
+        }
+        count = total;
+    }
+    /// The lanes merged in lane order (empty when nothing was added).
+    LOCKSTEP_HOST_DEVICE moments<Acc> result() const {
+        return merge_lanes(moments<Acc>{}, mean, m2, count > Acc(0) ? V : 0, count);
+    }
+};
+
 /// 1 / sqrt(v) in the precision of Acc, usable in device code.
 template <class Acc>
 LOCKSTEP_HOST_DEVICE inline Acc inverse_sqrt(Acc v) {

@@ -165,32 +165,24 @@ __device__ __forceinline__ void store(T* p, const Acc (&v)[V]) {
     }
 }
 
-/// Per-thread Welford moments of units of V values (offsets in units): V lanes that step
-/// together, one reciprocal per unit.
+/// Per-thread moments of units of V values (offsets in units): V lanes, a batch of units at a
+/// time (batched_lanes: one division a batch).
 template <class T, class Acc, int V>
 struct moments_op {
     using regs = raw_t<V, T>;
     const T* x;
-    Acc mean[V] = {};
-    Acc m2[V] = {};
-    Acc steps = 0;
+    batched_lanes<Acc, V> lanes{};
 
     __device__ __forceinline__ void load(std::size_t unit, regs& r) const {
         r = load_raw<V>(x + unit * V);
     }
-    __device__ __forceinline__ void apply(const regs& r) {
-        Acc v[V];
-        unpack<V, T>(r, v);
-        steps += Acc(1);
-        const Acc inv = Acc(1) / steps;
-#pragma unroll
-        for (int j = 0; j < V; ++j)
-            welford_accumulate(mean[j], m2[j], v[j], inv);
+    /// Adds the units r[0], ..., r[count - 1] (0 < count <= B).
+    template <int B>
+    __device__ __forceinline__ void apply(const regs (&r)[B], int count) {
+        lanes.template add<B>(count, [&](int u, Acc(&v)[V]) { unpack<V, T>(r[u], v); });
     }
     /// The moments of everything this thread saw.
-    __device__ __forceinline__ moments<Acc> result() const {
-        return merge_lanes(moments<Acc>{}, mean, m2, steps > Acc(0) ? V : 0, steps);
-    }
+    __device__ __forceinline__ moments<Acc> result() const { return lanes.result(); }
 };
 
 /// Sums of (dy, dy * (x - mean)) as one value for the block reductions.
@@ -224,13 +216,20 @@ struct sums_op {
         r.dy = load_raw<V>(dy + unit * V);
         r.x = load_raw<V>(x + unit * V);
     }
-    __device__ __forceinline__ void apply(const regs& r) {
-        Acc d[V], v[V];
-        unpack<V, T>(r.dy, d);
-        unpack<V, T>(r.x, v);
+    /// Adds the units r[0], ..., r[count - 1] in that order.
+    template <int B>
+    __device__ __forceinline__ void apply(const regs (&r)[B], int count) {
 #pragma unroll
-        for (int j = 0; j < V; ++j)
-            backward_accumulate(sdy[j], sdyx[j], d[j], v[j], mu);
+        for (int u = 0; u < B; ++u) {
+            if (u < count) {
+                Acc d[V], v[V];
+                unpack<V, T>(r[u].dy, d);
+                unpack<V, T>(r[u].x, v);
+#pragma unroll
+                for (int j = 0; j < V; ++j)
+                    backward_accumulate(sdy[j], sdyx[j], d[j], v[j], mu);
+            }
+        }
     }
     __device__ __forceinline__ dy_sums<Acc> result() const {
         dy_sums<Acc> s;

@@ -30,11 +30,13 @@ __device__ __forceinline__ void write_header(Acc* block, const block_header<Acc>
     block[packed_moments::count_lo] = h.count_lo;
 }
 
-/// Units a thread of a planes reduction loads before it uses them (vectors: 8 in the moments,
-/// 4 pairs in the sums; twice as many single values), and the blocks per SM their
-/// registers are held to.
+/// Units a thread of a planes reduction loads before it uses them (vectors: 8 in the moments, 4
+/// of 8 values, whose lanes take more registers; 4 pairs in the sums; twice as many single
+/// values), and the blocks per SM their registers are held to.
 template <int V>
-inline constexpr int moments_batch = V == 1 ? 16 : 8;
+inline constexpr int moments_batch = V == 1   ? 16
+                                     : V == 8 ? 4
+                                              : 8;
 template <int V>
 inline constexpr int sums_batch = V == 1 ? 8 : 4;
 template <int V>
@@ -95,38 +97,24 @@ __global__ void __launch_bounds__(block_threads)
     const std::size_t c0 = blockIdx.x * tile + tx * V;
     const std::size_t p = blockIdx.y;
     const std::size_t r1 = g.outer * (p + 1) / parts;
-    Acc mean[V] = {};
-    Acc m2[V] = {};
-    Acc n = 0;
+    // rows r, r + ty_count, ... of the partition, 4 loads in flight, merged 4 at a time
+    batched_lanes<Acc, V> lanes{};
     if (c0 < C) {
         const T* col = x + c0;
-        std::size_t r = g.outer * p / parts + ty;
-        for (; r + 3 * ty_count < r1; r += 4 * ty_count) {
+        for (std::size_t r = g.outer * p / parts + ty; r < r1; r += 4 * ty_count) {
+            const std::size_t left = (r1 - r + ty_count - 1) / ty_count;
+            const int count = left < 4 ? static_cast<int>(left) : 4;
             raw_t<V, T> q[4];
 #pragma unroll
             for (int u = 0; u < 4; ++u)
-                q[u] = load_raw<V>(col + (r + u * ty_count) * C);
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                Acc v[V];
-                unpack<V, T>(q[u], v);
-                n += Acc(1);
-                const Acc inv = Acc(1) / n;
-#pragma unroll
-                for (int j = 0; j < V; ++j)
-                    welford_accumulate(mean[j], m2[j], v[j], inv);
-            }
-        }
-        for (; r < r1; r += ty_count) {
-            Acc v[V];
-            load<V>(col + r * C, v);
-            n += Acc(1);
-            const Acc inv = Acc(1) / n;
-#pragma unroll
-            for (int j = 0; j < V; ++j)
-                welford_accumulate(mean[j], m2[j], v[j], inv);
+                if (u < count)
+                    q[u] = load_raw<V>(col + (r + u * ty_count) * C);
+            lanes.template add<4>(count, [&](int u, Acc(&v)[V]) { unpack<V, T>(q[u], v); });
         }
     }
+    Acc& n = lanes.count;
+    Acc(&mean)[V] = lanes.mean;
+    Acc(&m2)[V] = lanes.m2;
     // fold the rows of the block: ty with ty + s for s = 1, 2, 4, ... (fixed order)
     const chan_merge merge;
     s_n[threadIdx.x] = n;

@@ -16,9 +16,10 @@ namespace lockstep::kernels::cuda_path::detail {
 
 /// The block's threads walk channel c's units k in [a, b) (values, or vectors with op's V) flat:
 /// thread t takes k = a + t, a + t + block_threads, ... (consecutive threads, consecutive units:
-/// coalesced whatever the plane size), B loads in flight (op.load(offset, r) for the units of a
-/// batch, then op.apply(r) in k order; the batch's last units predicated off past b), the offset
-/// stepped without a division (channel_walk). Every unit lies in one plane (g in units).
+/// coalesced whatever the plane size), a batch of B at a time: op.load(offset, r[u]) for the
+/// batch's units before op.apply(r, count) takes them (count < B only in a thread's last batch),
+/// the offset stepped without a division (channel_walk). Every unit lies in one plane (g in
+/// units).
 template <int B, class Op>
 __device__ __forceinline__ void flat_channel(const channel_geometry& g, std::size_t c,
                                              std::size_t a, std::size_t b, Op& op) {
@@ -27,17 +28,16 @@ __device__ __forceinline__ void flat_channel(const channel_geometry& g, std::siz
         return;
     channel_walk w(g, c, k, block_threads);
     for (; k < b; k += B * block_threads) {
+        const std::size_t left = (b - k + block_threads - 1) / block_threads;
+        const int count = left < B ? static_cast<int>(left) : B;
         typename Op::regs r[B];
 #pragma unroll
         for (int u = 0; u < B; ++u) {
-            if (k + u * block_threads < b)
+            if (u < count)
                 op.load(w.off, r[u]);
             w.next();
         }
-#pragma unroll
-        for (int u = 0; u < B; ++u)
-            if (k + u * block_threads < b)
-                op.apply(r[u]);
+        op.apply(r, count);
     }
 }
 
