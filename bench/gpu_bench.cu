@@ -26,6 +26,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -69,16 +70,18 @@ struct options {
     int iterations = 20;
     bool counts_given = false; ///< --iterations or --warmup on the command line
     bool cudnn = true;
-    std::vector<std::string> shapes, layouts, types; // empty: all
+    std::vector<shape> shapes;               // empty: all_shapes
+    std::vector<std::string> layouts, types; // empty: all
 };
 
 void usage(std::FILE* to) {
     std::fputs("usage: gpu_bench [--csv FILE] [--iterations N] [--warmup N] [--shape NxCxHxW]...\n"
                "                 [--layout nchw|nhwc]... [--type float|half|bf16]... [--no-cudnn]\n"
                "Times lockstep's CUDA batch norm (training forward, backward) against cuDNN and\n"
-               "the 8 S traffic bound for every shape, layout and type (or those named), then an\n"
-               "NCCL all_reduce line and the cost of nccl_communicator's device timing. Median\n"
-               "of 20 calls after 3 warm-up calls (1 and 0 under a profiler, unless given).\n"
+               "the 8 S traffic bound for issue 47's shapes, every layout and type (or the\n"
+               "shapes, any, and the layouts and types named), then an NCCL all_reduce line\n"
+               "and the cost of nccl_communicator's device timing. Median of 20 calls after 3\n"
+               "warm-up calls (1 and 0 under a profiler, unless given).\n"
                "Exits 77 without a CUDA device.\n",
                to);
 }
@@ -90,6 +93,25 @@ bool wanted(const std::vector<std::string>& list, const std::string& v) {
         if (e == v)
             return true;
     return false;
+}
+
+/// s as N x C x H x W of positive ints ("32x288x35x35"); false when it is not that.
+bool parse_shape(const std::string& s, shape& out) {
+    int v[4];
+    std::size_t at = 0;
+    for (int k = 0; k < 4; ++k) {
+        std::size_t used = 0;
+        try {
+            v[k] = std::stoi(s.substr(at), &used);
+        } catch (const std::exception&) {
+            return false;
+        }
+        at += used;
+        if (v[k] <= 0 || (k < 3 && (at >= s.size() || s[at++] != 'x')))
+            return false;
+    }
+    out = {v[0], v[1], v[2], v[3]};
+    return at == s.size();
 }
 
 std::string shape_name(shape s) {
@@ -479,7 +501,10 @@ bool parse(int argc, char** argv, options& o) {
                 return false;
             o.counts_given = true;
         } else if (a == "--shape" && has_value) {
-            o.shapes.emplace_back(argv[++i]);
+            shape s{};
+            if (!parse_shape(argv[++i], s))
+                return false;
+            o.shapes.push_back(s);
         } else if (a == "--layout" && has_value) {
             o.layouts.emplace_back(argv[++i]);
         } else if (a == "--type" && has_value) {
@@ -542,9 +567,10 @@ int main(int argc, char** argv) {
         std::printf("cuDNN %zu (step = forward + backward ms of each entry point)\n",
                     cudnnGetVersion());
         bench_context ctx{sys, cudnn, timer, bandwidth, opt, csv, prop.name};
-        for (const shape s : all_shapes) {
-            if (!wanted(opt.shapes, shape_name(s)))
-                continue;
+        const std::vector<shape> shapes =
+            opt.shapes.empty() ? std::vector<shape>(std::begin(all_shapes), std::end(all_shapes))
+                               : opt.shapes;
+        for (const shape s : shapes) {
             for (const bool nhwc : {false, true}) {
                 if (!wanted(opt.layouts, nhwc ? "nhwc" : "nchw"))
                     continue;

@@ -28,6 +28,8 @@ RESULTS = "results.jsonl"
 SUMMARY = "summary.md"
 ARCHIVE = "gpu-check-results.tar.gz"
 EXTRA_EXECUTABLES = {"gpu_bench": "bench", "gpu_digits": "digits", "gpu_check_probe": "probe"}
+# A shape outside the issue's that gpu_bench also times: odd planes, read one value at a time.
+ODD_PLANES_SHAPE = "32x288x35x35"
 DIGITS_DATA = "examples/digits/data/digits.csv.gz"
 SOURCE_FILES = ["scripts/trace_merge.py", "bench/torch_batch_norm.py"]
 # The wheels (and toolkit) whose lib folders are searched, by the library each must provide.
@@ -679,6 +681,32 @@ class runner:
         else:
             self.record(stage, "failed", "exit %s: %s" % (code, self.tail(log)), secs, code, log)
 
+    def stage_bench_odd(self):
+        """gpu_bench on one shape beside the issue's: 32x288x35x35 (an Inception-v3 block),
+        whose odd planes the planes kernels read one value at a time."""
+        stage = "gpu_bench_odd"
+        exe = self.executable("gpu_bench")
+        why = self.skip_reason(stage, 20, "gpu_bench")
+        if why is None and exe is None:
+            why = "gpu_bench is not in the bundle (not built: cuDNN missing at build time?)"
+        if why:
+            self.record(stage, "skipped", why)
+            return
+        argv = [exe, "--shape", ODD_PLANES_SHAPE]
+        code, timed_out, secs, log = self.execute(stage, argv, min(60, self.remaining()),
+                                                  log_name="gpu_bench_odd.txt")
+        if self.cut_by_budget(stage, 60, secs, timed_out, log):
+            return
+        if timed_out:
+            self.record(stage, "failed", "timed out", secs, code, log)
+        elif code == 0:
+            self.record(stage, "passed", ODD_PLANES_SHAPE, secs, code, log)
+        elif code == 77:
+            self.record(stage, "skipped", "gpu_bench reported skip: " + self.tail(log, 1), secs,
+                        code, log)
+        else:
+            self.record(stage, "failed", "exit %s: %s" % (code, self.tail(log)), secs, code, log)
+
     def stage_torch_anchor(self):
         """PyTorch's batch norm on gpu_bench's shapes (bench/torch_batch_norm.py), joined with
         gpu_bench.csv: the anchor the bench's figures are read against."""
@@ -789,6 +817,7 @@ class runner:
         self.guarded("gpu_bench", self.stage_bench)
         self.guarded("gpu_bench_torch", self.stage_torch_anchor)
         self.guarded("ncu", self.stage_ncu)
+        self.guarded("gpu_bench_odd", self.stage_bench_odd)
         shutil.rmtree(self.work, ignore_errors=True)
         failed = [r["stage"] for r in self.results if r["status"] == "failed"]
         print("gpu_run.py: %d stages, %d failed%s; %s and %s in %s" % (
