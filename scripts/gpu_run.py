@@ -648,29 +648,22 @@ class runner:
             self.record(stage, "failed", "exit %s: %s" % (code, self.tail(log)), secs, code, log,
                         **extra)
 
-    def stage_bench(self):
-        stage = "gpu_bench"
+    def run_gpu_bench(self, stage, args, min_seconds, timeout, log_name, describe):
+        """gpu_bench as `stage`: with args(exe) under `timeout` seconds (when `min_seconds` are
+        left), its output in `log_name`; describe(output) is what a pass records."""
         exe = self.executable("gpu_bench")
-        why = self.skip_reason(stage, 30, "gpu_bench")
+        why = self.skip_reason(stage, min_seconds, "gpu_bench")
         if why is None and exe is None:
             why = "gpu_bench is not in the bundle (not built: cuDNN missing at build time?)"
         if why:
             self.record(stage, "skipped", why)
             return
-        argv = [exe]
-        if "--csv" in quick([exe, "--help"], self.env)[1]:
-            argv += ["--csv", os.path.join(self.results_dir, "gpu_bench.csv")]
-        code, timed_out, secs, log = self.execute(stage, argv, min(180, self.remaining()),
-                                                  log_name="gpu_bench.txt")
-        if self.cut_by_budget(stage, 180, secs, timed_out, log):
+        code, timed_out, secs, log = self.execute(stage, [exe] + args(exe),
+                                                  min(timeout, self.remaining()),
+                                                  log_name=log_name)
+        if self.cut_by_budget(stage, timeout, secs, timed_out, log):
             return
-        text = open(os.path.join(self.results_dir, log), errors="replace").read()
-        device = re.search(r"^device 0: ([^,]*, [^,]*)", text, re.M)
-        cudnn = re.search(r"^cuDNN (\d+)", text, re.M)
-        if cudnn:
-            self.env_info["cudnn_runtime"] = cudnn.group(1)
-        what = "%s; cuDNN %s" % (device.group(1) if device else "?",
-                                 cudnn.group(1) if cudnn else "?")
+        what = describe(open(os.path.join(self.results_dir, log), errors="replace").read())
         if timed_out:
             self.record(stage, "failed", "timed out", secs, code, log)
         elif code == 0:
@@ -681,31 +674,27 @@ class runner:
         else:
             self.record(stage, "failed", "exit %s: %s" % (code, self.tail(log)), secs, code, log)
 
+    def stage_bench(self):
+        def args(exe):
+            if "--csv" in quick([exe, "--help"], self.env)[1]:
+                return ["--csv", os.path.join(self.results_dir, "gpu_bench.csv")]
+            return []
+
+        def describe(text):
+            device = re.search(r"^device 0: ([^,]*, [^,]*)", text, re.M)
+            cudnn = re.search(r"^cuDNN (\d+)", text, re.M)
+            if cudnn:
+                self.env_info["cudnn_runtime"] = cudnn.group(1)
+            return "%s; cuDNN %s" % (device.group(1) if device else "?",
+                                     cudnn.group(1) if cudnn else "?")
+
+        self.run_gpu_bench("gpu_bench", args, 30, 180, "gpu_bench.txt", describe)
+
     def stage_bench_odd(self):
         """gpu_bench on one shape beside the issue's: 32x288x35x35 (an Inception-v3 block),
         whose odd planes the planes kernels read one value at a time."""
-        stage = "gpu_bench_odd"
-        exe = self.executable("gpu_bench")
-        why = self.skip_reason(stage, 20, "gpu_bench")
-        if why is None and exe is None:
-            why = "gpu_bench is not in the bundle (not built: cuDNN missing at build time?)"
-        if why:
-            self.record(stage, "skipped", why)
-            return
-        argv = [exe, "--shape", ODD_PLANES_SHAPE]
-        code, timed_out, secs, log = self.execute(stage, argv, min(60, self.remaining()),
-                                                  log_name="gpu_bench_odd.txt")
-        if self.cut_by_budget(stage, 60, secs, timed_out, log):
-            return
-        if timed_out:
-            self.record(stage, "failed", "timed out", secs, code, log)
-        elif code == 0:
-            self.record(stage, "passed", ODD_PLANES_SHAPE, secs, code, log)
-        elif code == 77:
-            self.record(stage, "skipped", "gpu_bench reported skip: " + self.tail(log, 1), secs,
-                        code, log)
-        else:
-            self.record(stage, "failed", "exit %s: %s" % (code, self.tail(log)), secs, code, log)
+        self.run_gpu_bench("gpu_bench_odd", lambda exe: ["--shape", ODD_PLANES_SHAPE], 20, 60,
+                           "gpu_bench_odd.txt", lambda text: ODD_PLANES_SHAPE)
 
     def stage_torch_anchor(self):
         """PyTorch's batch norm on gpu_bench's shapes (bench/torch_batch_norm.py), joined with
