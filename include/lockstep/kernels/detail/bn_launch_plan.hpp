@@ -21,7 +21,7 @@ inline constexpr int block_threads = 256;
 
 namespace detail {
 
-/// Units (values, or 16-byte vectors of them) per thread of the elementwise planes kernels.
+/// Units (values, or vectors of them) per thread of the elementwise planes kernels.
 inline constexpr std::size_t flat_values = 8;
 /// Units one block of an elementwise planes kernel covers (contiguous, from block index x this).
 inline constexpr std::size_t block_units = std::size_t{block_threads} * flat_values;
