@@ -211,8 +211,8 @@ TEST_CASE("pinned bits: loss scaling and clipping", "[train][thread][bits]") {
 //
 // Which exchange ran is read from dp.collectives() after each step (the accumulator's count of
 // a step's collectives, anchored_accumulator::collectives()): combined 2; gathered 1; blocks
-// (on the host, in place or not) max_calls + 3 (max_calls all_to_alls, the blocks' all_gather,
-// the reports' all_gather, the loss terms' all_gather). Which one a communicator takes: the
+// (in place or not) max_calls + 2 (max_calls all_to_alls, the blocks' all_gather, the rows'
+// all_gather: loss terms, tail values and the sums' reports). Which one a communicator takes: the
 // thread group has all_combine (combined, whatever GatherValues);
 // hierarchical_communicator<thread, thread> has all_to_all but neither all_combine nor
 // all_to_all_others (gathered when replicas x max_calls x parameters <= GatherValues, else
@@ -235,7 +235,7 @@ std::size_t step_collectives(exchange e, std::size_t batch, std::size_t replicas
         return 2;
     if (replicas * max_calls * repro_params <= gather_values)
         return 1;
-    return max_calls + 3;
+    return max_calls + 2;
 }
 
 /// Checks that every step of a run took the exchange `e` (or gathered, where its size allows).

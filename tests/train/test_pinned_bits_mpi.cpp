@@ -85,7 +85,7 @@ void check_run(const std::string& name, const std::vector<replica_bits>& r) {
 }
 
 /// The collectives of every step on this process (see test_pinned_bits.cpp): gathered 1; blocks
-/// in place max_calls + 3.
+/// in place max_calls + 2.
 void check_steps(const replica_bits& mine, std::size_t replicas, bool in_place) {
     const auto batches = pinned_schedule();
     REQUIRE(mine.collectives.size() == batches.size());
@@ -94,7 +94,7 @@ void check_steps(const replica_bits& mine, std::size_t replicas, bool in_place) 
         const std::size_t max_calls = (chunks + replicas - 1) / replicas;
         const std::size_t issued = mine.collectives[s] - (s == 0 ? 0 : mine.collectives[s - 1]);
         INFO("step " << s);
-        CHECK(issued == (in_place ? max_calls + 3 : 1));
+        CHECK(issued == (in_place ? max_calls + 2 : 1));
     }
 }
 

@@ -62,17 +62,18 @@ inline constexpr anchored_exchange anchored_exchange_for =
 /// add_loss() (the chunks wait in an anchored_keeper); exchange(), check_local() and finalize()
 /// (collective). Each element's sum is formed from all of its values in one place and rounded
 /// once, so the bits depend neither on the replica count nor on the exchange:
+/// - gathered when replicas x max_calls x n <= gather_values: one all_gather of every replica's
+///   region of recv_ (its chunks, then its row), every element summed on every replica;
 /// - combined: finalize() sums each replica's share of the elements from every replica's chunks
-///   where they lie into every replica's g in one all_combine pass, then all-gathers the loss
-///   terms and the sums' reports.
-/// - blocks, in place: gathered when replicas x max_calls x n <= gather_values (every chunk in
-///   this replica's region of recv_, one all_gather, every element summed on every replica);
-///   else one block of elements per replica (the n mod replicas tail summed on every replica):
-///   one all_to_all per call index brings every replica's values of this replica's block here
-///   (in place: the owner's own stay where they lie), one all_gather the loss terms and tail
-///   values; finalize() sums the block and all-gathers the blocks (host: then the reports).
-/// On the host the sums report this replica's non-finite values and whether every sum is finite
-/// (own_report(), sums_finite()); on a device check_local() marks them in g.
+///   where they lie into every replica's g in one all_combine pass;
+/// - blocks, in place: one block of elements per replica (the n mod replicas tail summed on every
+///   replica): one all_to_all per call index brings every replica's values of this replica's
+///   block here (in place: the owner's own stay where they lie); finalize() sums the block and
+///   all-gathers the blocks.
+/// Not gathered, finalize() then all-gathers every replica's row (anchored_row: its loss terms,
+/// tail values and report). On the host the sums report this replica's non-finite values and
+/// whether every sum is finite (own_report(), sums_finite()); on a device check_local() marks
+/// them in g.
 template <class T, class System, anchored_exchange Exchange = anchored_exchange::blocks>
 class anchored_accumulator {
     static constexpr bool combined = Exchange == anchored_exchange::combined;
@@ -99,38 +100,31 @@ public:
         max_calls_ = max_calls;
         losses_added_ = 0;
         gathered_ = !combined && n_ > 0 && replicas_ * max_calls <= gather_values_ / n_;
+        row_ = {max_calls, gathered_ || combined ? 0 : tail_,
+                reports_own() ? kernels::detail::anchored_combine_report::words_for(replicas_) : 0};
         if (gathered_) {
-            row_ = {max_calls, 0};
             // This replica's region: its chunks, padding up to a double's boundary (one float
-            // when the chunk values are odd in number), then its loss terms (doubles).
+            // when the chunk values are odd in number), then its row (doubles).
             const std::size_t values_bytes = max_calls * n_ * sizeof(T);
-            terms_at_ =
+            row_at_ =
                 (values_bytes + sizeof(double) - 1) / sizeof(double) * sizeof(double) / sizeof(T);
-            region_ = terms_at_ + row_.size() * sizeof(double) / sizeof(T);
+            region_ = row_at_ + row_.size() * sizeof(double) / sizeof(T);
             grow(recv_, replicas_ * region_);
             zero(sys_, recv_.span().subspan(rank_ * region_ + calls * n_,
-                                            terms_at_ - calls * n_)); // zeros past its calls
-        } else if (combined) {
-            row_ = {max_calls, report_words()}; // the loss terms, then the report
+                                            row_at_ - calls * n_)); // zeros past its calls
         } else {
-            row_ = {max_calls, max_calls * tail_}; // the loss terms, then the tail
-            grow(recv_, max_calls * blocks());
-        }
-        if (!gathered_ && calls < max_calls && n_ > zeros_.size()) {
-            zeros_ = buffer<T, System>(n_, sys_);
-            zero(sys_, zeros_.span());
+            if (!combined)
+                grow(recv_, max_calls * blocks());
+            grow(small_send_, row_.size());
+            grow(small_recv_, row_.size() * replicas_);
+            if (calls < max_calls && n_ > zeros_.size()) {
+                zeros_ = buffer<T, System>(n_, sys_);
+                zero(sys_, zeros_.span());
+            }
         }
         // The gathered exchange keeps the chunks in this replica's region.
         keeper_.begin(calls, gathered_ ? region(rank_) : nullptr, gathered_);
-        if (reports_own() && !combined) { // combined: the report travels with the loss terms
-            grow(reports_, report_words() * (replicas_ + 1));
-            zero(sys_, reports_.span().first(report_words()));
-        }
-        if (!gathered_) { // gathered: the terms travel in the regions of recv_
-            grow(small_send_, row_.size());
-            grow(small_recv_, row_.size() * replicas_);
-        }
-        zero(sys_, std::span<double>(own_terms(), row_.size()));
+        zero(sys_, std::span<double>(own_row(), row_.size()));
     }
     /// anchored_keeper's passes: elements of the chunk being computed final in g; its end.
     void take(std::span<T> g, std::size_t first, std::size_t count) {
@@ -139,18 +133,18 @@ public:
     void add(std::span<const T> g) { keeper_.add(g); }
     /// Adds one chunk's loss: `value` plus *device_value when not null (the system's memory).
     void add_loss(double value, const double* device_value) {
-        run(1, loss_terms_fn{device_value, value, own_terms() + 2 * losses_added_});
+        run(1, loss_terms_fn{device_value, value, own_row() + 2 * losses_added_});
         ++losses_added_;
     }
-    /// Brings every replica's values of this replica's block here, and every replica's loss
-    /// terms and tail values to every replica (combined: nothing; finalize() moves it all).
-    /// last: the last chunk's gradient. Collective.
+    /// Gathered: every replica's region to every replica. Blocks: every replica's values of this
+    /// replica's block here, and this replica's tail values into its row. Combined: nothing
+    /// (finalize() moves it all). last: the last chunk's gradient. Collective.
     template <class Communicator>
     void exchange(Communicator& comm, std::span<const T> last) {
         static_assert(Exchange == anchored_exchange_for<Communicator>,
                       "the accumulator's exchange is the one its communicator type calls for");
-        if (gathered_) { // the chunks and the loss terms of every replica, in place
-            comm.all_gather(std::span<const T>(recv_.data() + rank_ * region_, region_),
+        if (gathered_) { // the chunks and the rows of every replica, in place
+            comm.all_gather(std::span<const T>(region(rank_), region_),
                             recv_.span().first(region_ * replicas_));
             return;
         }
@@ -169,9 +163,8 @@ public:
         if (tail_ > 0)
             run(max_calls_ * tail_,
                 anchored_tail_fn<T>{keeper_.chunks(last.data()), all, tail_,
-                                    row_.extra(small_send_.data())},
+                                    row_.tail_values(own_row())},
                 max_calls_ * tail_);
-        gather_rows(comm);
     }
     /// g (the last chunk's gradient) becomes a quiet NaN where a kept chunk of this replica
     /// holds a non-finite value (kernels::anchored_own_check_fn), so it is non-finite exactly
@@ -185,36 +178,58 @@ public:
     /// where the sums report, own_report() this replica's own check. Collective.
     template <class Communicator>
     void finalize(Communicator& comm, std::span<T> g) {
+        const std::size_t all = blocks();
         if (gathered_) {
-            if constexpr (System::is_host) { // every element here: this replica's report alone
+            if constexpr (System::is_host) // every element here: this replica's report alone
                 sum_reporting([&](std::size_t j, std::size_t c) { return region(j) + c * n_; }, n_,
                               g.data(), 0);
-                run(1, own_report_fn<T>{reports_.data(), 1, report_words(), rank_, nullptr, 0, 0, 0,
-                                        nullptr, own_report_.data()});
-            } else {
+            else
                 kernels::anchored_sums(sys_,
                                        terms_type{recv_.data(), replicas_, max_calls_, region_, n_},
                                        n_, g.data());
-            }
         } else if constexpr (combined) {
             combine(comm, g);
-            gather_rows(comm); // the loss terms and the report, after the sums
-            run(1, own_report_fn<T>{row_.extra(small_recv_.data()), replicas_, row_.size(), rank_,
-                                    nullptr, 0, 0, 0, nullptr, own_report_.data()});
-        } else {
-            finalize_blocks(comm, g);
+        } else if (block_ > 0) { // this replica's block summed, then every block to every replica
+            T* mine = g.data() + rank_ * block_;
+            if constexpr (System::is_host) // in place: this replica's own where they lie
+                sum_reporting(
+                    [&](std::size_t j, std::size_t c) {
+                        return in_place && j == rank_ ? own_chunk(c, g.data()) + rank_ * block_
+                                                      : recv_.data() + c * all + j * block_;
+                    },
+                    block_, mine, rank_ * block_);
+            else
+                kernels::anchored_sums(sys_,
+                                       terms_type{recv_.data(), replicas_, max_calls_, block_, all},
+                                       block_, mine);
+            comm.all_gather(std::span<const T>(mine, block_), g.first(all));
         }
-        // Every replica's loss terms (gathered: in the regions, else its row of small_recv_),
-        // summed as the gradient's elements are.
-        run(1, kernels::anchored_sum_fn<double>{
-                   {gathered_ ? terms_of(0) : small_recv_.data(), replicas_, row_.terms(),
-                    gathered_ ? region_ * sizeof(T) / sizeof(double) : row_.size(), 1},
-                   global_loss()});
+        // Every replica's row (gathered: in its region), after the sums wrote the reports.
+        const double* rows = gathered_ ? terms_of(0) : small_recv_.data();
+        const std::size_t stride = gathered_ ? region_ * sizeof(T) / sizeof(double) : row_.size();
+        if (!gathered_)
+            comm.all_gather(std::span<const double>(small_send_.data(), row_.size()),
+                            small_recv_.span().first(row_.size() * replicas_));
+        if (row_.tail > 0) // the blocks' tail, summed here from every replica's tail values
+            run(tail_,
+                kernels::anchored_sum_fn<T, double, kernels::anchored_carried_terms<T>>{
+                    {{row_.tail_values(small_recv_.data()), replicas_, max_calls_, row_.size(),
+                      tail_}},
+                    g.data() + all},
+                tail_ * replicas_ * max_calls_);
+        if constexpr (reports_own()) // gathered: this replica's report covers every element
+            run(1, own_report_fn<T>{row_.report_words(gathered_ ? own_row() : small_recv_.data()),
+                                    gathered_ ? 1 : replicas_, row_.size(), rank_,
+                                    row_.tail_values(own_row()), max_calls_, row_.tail, all,
+                                    g.data() + all, own_report_.data()});
+        // Every replica's loss terms, summed as the gradient's elements are.
+        run(1, kernels::anchored_sum_fn<double>{{rows, replicas_, row_.terms(), stride, 1},
+                                                global_loss()});
     }
     /// After finalize(): adds status_loss_fn's loss (the global one where `first`, plus this
     /// replica's non-finite loss terms) to *loss.
     void add_status_loss(double* loss, bool first) {
-        run(1, status_loss_fn{own_terms(), 2 * losses_added_, global_loss(), first, loss});
+        run(1, status_loss_fn{own_row(), 2 * losses_added_, global_loss(), first, loss});
     }
     /// Whether finalize() reports this replica's own check and the sums' finiteness
     /// (own_report(), sums_finite()) instead of check_local() marking g for it: on the host.
@@ -232,46 +247,10 @@ public:
             return 1;
         if (combined)
             return 2;
-        return (block_ > 0 ? max_calls_ + (reports_own() ? 2 : 1) : 0) + 1;
+        return (block_ > 0 ? max_calls_ + 1 : 0) + 1;
     }
 
 private:
-    /// finalize() of the blocks exchange: this replica's block summed and all-gathered, the tail
-    /// summed here, the owners' reports all-gathered (host).
-    template <class Communicator>
-    void finalize_blocks(Communicator& comm, std::span<T> g) {
-        const std::size_t all = blocks();
-        if (block_ > 0) {
-            T* mine = g.data() + rank_ * block_;
-            if constexpr (System::is_host) // in place: this replica's own where they lie
-                sum_reporting(
-                    [&](std::size_t j, std::size_t c) {
-                        return in_place && j == rank_ ? own_chunk(c, g.data()) + rank_ * block_
-                                                      : recv_.data() + c * all + j * block_;
-                    },
-                    block_, mine, rank_ * block_);
-            else
-                kernels::anchored_sums(sys_,
-                                       terms_type{recv_.data(), replicas_, max_calls_, block_, all},
-                                       block_, mine);
-            comm.all_gather(std::span<const T>(mine, block_), g.first(all));
-        }
-        if (tail_ > 0)
-            run(tail_,
-                kernels::anchored_sum_fn<T, double, kernels::anchored_carried_terms<T>>{
-                    {{row_.extra(small_recv_.data()), replicas_, max_calls_, row_.size(), tail_}},
-                    g.data() + all},
-                tail_ * replicas_ * max_calls_);
-        if constexpr (reports_own()) { // every replica's report on its block; the tail's here
-            const std::size_t w = report_words();
-            if (block_ > 0)
-                comm.all_gather(std::span<const double>(reports_.data(), w),
-                                reports_.span().subspan(w, w * replicas_));
-            run(1, own_report_fn<T>{reports_.data() + w, block_ > 0 ? replicas_ : 0, w, rank_,
-                                    row_.extra(small_recv_.data() + rank_ * row_.size()),
-                                    max_calls_, tail_, all, g.data() + all, own_report_.data()});
-        }
-    }
     template <class F>
     void run(std::size_t count, const F& f,
              std::size_t elements = std::numeric_limits<std::size_t>::max()) {
@@ -300,15 +279,10 @@ private:
             arrays[c] = own_chunk(c, g.data());
         comm.all_combine(std::span<const T* const>(arrays), n_, g.first(n_), reporting(0));
     }
-    /// The sums' functor, reporting into this replica's words (combined: after its loss terms
-    /// in small_send_; else at the start of reports_), every replica's max_calls chunks a group;
-    /// base: the flat index of its element 0.
+    /// The sums' functor, reporting into this replica's row, every replica's max_calls chunks a
+    /// group; base: the flat index of its element 0.
     kernels::detail::anchored_combine_fn<T> reporting(std::size_t base) noexcept {
-        double* words = combined ? row_.extra(small_send_.data()) : reports_.data();
-        return {{words, replicas_, max_calls_, base}};
-    }
-    std::size_t report_words() const noexcept {
-        return kernels::detail::anchored_combine_report::words_for(replicas_);
+        return {{row_.report_words(own_row()), replicas_, max_calls_, base}};
     }
     template <class U>
     void grow(buffer<U, System>& b, std::size_t count) {
@@ -321,22 +295,15 @@ private:
     const T* own_chunk(std::size_t c, const T* last) const noexcept {
         return c < keeper_.calls() ? keeper_.chunk(c, last) : zeros_.data();
     }
-    /// Gathered: replica j's region of recv_ (its chunks, then its loss terms).
+    /// Gathered: replica j's region of recv_ (its chunks, then its row).
     T* region(std::size_t j) noexcept { return recv_.data() + j * region_; }
-    /// Gathered: replica j's loss terms, in its region of recv_ (written and read as doubles
-    /// only; the all_gather moves them as bytes).
+    /// Gathered: replica j's row, in its region of recv_ (written and read as doubles only; the
+    /// all_gather moves them as bytes).
     double* terms_of(std::size_t j) noexcept {
-        return reinterpret_cast<double*>(region(j) + terms_at_);
+        return reinterpret_cast<double*>(region(j) + row_at_);
     }
-    /// Not gathered: every replica's row of small_send_ into small_recv_. Collective.
-    template <class Communicator>
-    void gather_rows(Communicator& comm) {
-        comm.all_gather(std::span<const double>(small_send_.data(), row_.size()),
-                        small_recv_.span().first(row_.size() * replicas_));
-    }
-    /// This replica's loss terms (then, in blocks, its values of the tail): gathered in its
-    /// region of recv_, else in small_send_.
-    double* own_terms() noexcept { return gathered_ ? terms_of(rank_) : small_send_.data(); }
+    /// This replica's row: gathered in its region of recv_, else in small_send_.
+    double* own_row() noexcept { return gathered_ ? terms_of(rank_) : small_send_.data(); }
 
     std::size_t n_;
     std::size_t replicas_;
@@ -348,17 +315,15 @@ private:
     std::size_t max_calls_ = 1;
     bool gathered_ = false;
     std::size_t losses_added_ = 0;
-    anchored_row row_;         ///< a replica's doubles in the small all_gather
-    std::size_t terms_at_ = 0; ///< gathered: where a replica's loss terms start in its region
-    std::size_t region_ = 0;   ///< gathered: values of T per replica (chunks, padding, terms)
+    anchored_row row_;
+    std::size_t row_at_ = 0; ///< gathered: where a replica's row starts in its region
+    std::size_t region_ = 0; ///< gathered: values of T per replica (chunks, padding, row)
     buffer<anchored_losses, System> losses_;
     buffer<anchored_own_report, System> own_report_; ///< reports_own()
-    buffer<double, System> reports_;    ///< not combined: own report (blocks: then every owner's)
     buffer<T, System> recv_;            ///< what the exchange brings (gathered: and own chunks)
     buffer<T, System> zeros_;           ///< what a replica with fewer calls sends
-    buffer<double, System> small_send_; ///< not gathered: 2 loss terms per call, then each call's
-                                        ///< tail values
-    buffer<double, System> small_recv_; ///< not gathered: every replica's small_send_
+    buffer<double, System> small_send_; ///< not gathered: this replica's row
+    buffer<double, System> small_recv_; ///< not gathered: every replica's row
     anchored_keeper<T, System> keeper_; ///< where this replica's chunks wait for the exchange
 };
 

@@ -18,16 +18,17 @@ struct anchored_losses {
     double global;
 };
 
-/// The layout of one replica's doubles in the accumulator's small all_gather (and, gathered, of
-/// the loss terms in its region): its loss terms, 2 per call (loss_terms_fn), then `more`
-/// doubles: each call's tail values (blocks) or the sums' report words (combined).
+/// One replica's doubles in the accumulator's row all_gather (gathered: at the end of its
+/// region): its loss terms, 2 per call (loss_terms_fn), then each call's `tail` values (blocks),
+/// then `report` words of the host's sums (kernels/detail/anchored_combine.hpp).
 struct anchored_row {
     std::size_t calls = 1;
-    std::size_t more = 0;
+    std::size_t tail = 0;
+    std::size_t report = 0;
     std::size_t terms() const noexcept { return 2 * calls; }
-    std::size_t size() const noexcept { return terms() + more; }
-    /// Where the doubles after the loss terms of the row at `row` start.
-    double* extra(double* row) const noexcept { return row + terms(); }
+    std::size_t size() const noexcept { return terms() + calls * tail + report; }
+    double* tail_values(double* row) const noexcept { return row + terms(); }
+    double* report_words(double* row) const noexcept { return row + terms() + calls * tail; }
 };
 
 /// One task: a chunk's two loss terms, `value` and *device_value (0 when null), at out[0..1].
