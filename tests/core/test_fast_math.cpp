@@ -11,7 +11,7 @@
 #include "lockstep/kernels/optimizer_kernels.hpp"
 #include "lockstep/optim/detail/flat_layout.hpp"
 #include "lockstep/system/host_system.hpp"
-#include "lockstep/train/detail/anchored_loss.hpp"
+#include "lockstep/train/detail/anchored_row.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/loss_scaler.hpp"
 

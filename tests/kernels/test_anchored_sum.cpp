@@ -174,7 +174,8 @@ TEST_CASE("float sums agree with the 128-bit sum and the exact sum", "[kernels][
             for (std::size_t i = 0; i < n; ++i) {
                 int a = 0;
                 for (const auto& row : x)
-                    a = std::max(a, static_cast<int>(kernels::detail::anchored_field(row[i])));
+                    a = std::max(a,
+                                 static_cast<int>(kernels::detail::anchored_split(row[i]).field));
                 kernels::detail::anchored_int sum = 0;
                 for (const auto& row : x)
                     kernels::detail::anchored_add(sum, row[i], a);
@@ -299,7 +300,7 @@ TEST_CASE("the host's float tiles give anchored_sum_fn's bits", "[kernels][ancho
             std::vector<float> out(m);
             std::vector<std::int32_t> ok(m, 7);
             const bool all =
-                kernels::detail::anchored_array_sums(p.data(), p.size(), m, out.data(), ok.data());
+                kernels::detail::anchored_blocks(p.data(), p.size(), m, out.data(), ok.data());
             CHECK(all == std::all_of(ok.begin(), ok.end(), [](std::int32_t o) { return o == -1; }));
             for (std::size_t i = 0; i < m; ++i) {
                 CHECK((ok[i] == 0 || ok[i] == -1));
@@ -544,10 +545,11 @@ TEMPLATE_TEST_CASE("anchored_combine_fn reports the non-finite sums and each gro
                 T* const to[1] = {got.data()};
                 T* const to_plain[1] = {plain.data()};
                 const host_system sys(threads);
-                lockstep::detail::shm::combine_to_all(sys, sources.data(), arrays, to, 1, 0, n,
-                                                      reporting);
-                lockstep::detail::shm::combine_to_all(sys, sources.data(), arrays, to_plain, 1, 0,
-                                                      n, kernels::detail::anchored_combine_fn<T>{});
+                combine_in_place(sys, std::span<const T* const>(sources.data(), arrays),
+                                 std::span<T* const>(to), 0, n, reporting);
+                combine_in_place(sys, std::span<const T* const>(sources.data(), arrays),
+                                 std::span<T* const>(to_plain), 0, n,
+                                 kernels::detail::anchored_combine_fn<T>{});
                 CHECK(same_bits(got, plain)); // the report changes no sum
                 CHECK(words == want);
             }
@@ -563,8 +565,9 @@ TEMPLATE_TEST_CASE("anchored_combine_fn reports the non-finite sums and each gro
             std::vector<double> words(want.size(), 0.0);
             std::vector<T> got(n);
             T* const to[1] = {got.data()};
-            lockstep::detail::shm::combine_to_all(
-                host_system(2), sources.data(), arrays, to, 1, 0, n,
+            combine_in_place(
+                host_system(2), std::span<const T* const>(sources.data(), arrays),
+                std::span<T* const>(to), 0, n,
                 kernels::detail::anchored_combine_fn<T>{{words.data(), groups, size, base}});
             CHECK(words == std::vector<double>(want.size(), 0.0));
         }

@@ -2,10 +2,10 @@
 // shared-memory collectives of a thread_group. SPDX-License-Identifier: Apache-2.0
 #pragma once
 #include "lockstep/comm/collective_tag.hpp"
+#include "lockstep/comm/combine.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/communicator_identity.hpp"
 #include "lockstep/comm/detail/scatter_counts.hpp"
-#include "lockstep/comm/detail/shm_combine.hpp"
 #include "lockstep/comm/detail/shm_group.hpp"
 #include "lockstep/comm/detail/shm_handle.hpp"
 #include "lockstep/comm/detail/shm_p2p.hpp"
@@ -318,9 +318,11 @@ public:
         }
         const auto mine = detail::shm::owned_chunk<T>(count, rank_, n);
         guarded(s, [&] {
-            detail::shm::combine_to_all(system(), sources.data(), static_cast<std::size_t>(n) * k,
-                                        dsts.data(), static_cast<std::size_t>(n), mine.first,
-                                        mine.second, combine);
+            combine_in_place(
+                system(),
+                std::span<const T* const>(sources.data(), static_cast<std::size_t>(n) * k),
+                std::span<T* const>(dsts.data(), static_cast<std::size_t>(n)), mine.first,
+                mine.second, combine);
         });
         next_phase(s);
     }

@@ -8,7 +8,6 @@
 #include "lockstep/kernels/for_each.hpp"
 
 #include <bit>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -74,12 +73,6 @@ LOCKSTEP_HOST_DEVICE anchored_parts anchored_split(T x) {
     const std::uint64_t frac = bits & ((bits_type{1} << p) - 1);
     return {e == 0 ? frac : (frac | (std::uint64_t{1} << p)), e,
             (bits >> (8 * sizeof(T) - 1)) != 0};
-}
-
-/// The exponent field of x (non_finite for NaN and infinities).
-template <class T>
-LOCKSTEP_HOST_DEVICE int anchored_field(T x) {
-    return anchored_split(x).field;
 }
 
 /// The sum of an element's integers q (CUDA supports __int128 in device code too).
@@ -201,7 +194,7 @@ struct anchored_sum_fn {
         int a = 0;
         for (std::size_t j = 0; j < terms.replicas; ++j)
             for (std::size_t c = 0; c < terms.calls; ++c) {
-                const int e = detail::anchored_field(static_cast<T>(terms.value(j, c, i)));
+                const int e = detail::anchored_split(static_cast<T>(terms.value(j, c, i))).field;
                 a = e > a ? e : a;
             }
         if (a == A::non_finite) {
@@ -227,8 +220,8 @@ struct anchored_own_check_fn {
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
         bool finite = true;
         for (std::size_t j = 0; j + 1 < chunks.count; ++j)
-            finite =
-                finite && detail::anchored_field(chunks.value(j, i)) != anchored<T>::non_finite;
+            finite = finite &&
+                     detail::anchored_split(chunks.value(j, i)).field != anchored<T>::non_finite;
         if (!finite)
             out[i] = std::numeric_limits<T>::quiet_NaN();
     }
@@ -250,12 +243,6 @@ struct anchored_keep_fn {
 // The passes of reduce::reproducible's accumulator on a System, element by element. host_system
 // overloads the keep pass for float (kernels/detail/anchored_host.hpp, found by argument-dependent
 // lookup); on the host the accumulator sums through kernels/detail/anchored_combine.hpp.
-
-/// out[i] = the sum of element i of terms (anchored_sum_fn), for i < count.
-template <class System, class T, class V>
-void anchored_sums(const System& sys, const anchored_terms<V>& terms, std::size_t count, T* out) {
-    for_each_index(sys, count, anchored_sum_fn<T, V>{terms, out});
-}
 
 /// anchored_keep_fn over elements [first, end) of a chunk's gradient src (n values).
 template <class System, class T>

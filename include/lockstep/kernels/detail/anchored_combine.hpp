@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
-#include <cstdint>
 #include <type_traits>
 
 namespace lockstep::kernels::detail {
@@ -53,7 +52,7 @@ void anchored_note(const anchored_combine_report& report, const T* const* source
                 continue;
             bool bad = false;
             for (std::size_t c = 0; c < report.size; ++c)
-                bad = bad || anchored_field(sources[j * report.size + c][first + i]) ==
+                bad = bad || anchored_split(sources[j * report.size + c][first + i]).field ==
                                  anchored<T>::non_finite;
             if (bad) {
                 ++count;

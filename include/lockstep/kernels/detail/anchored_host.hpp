@@ -170,20 +170,14 @@ using anchored_sums = double __attribute__((vector_size(64)));
     return all != 0;
 }
 
-/// anchored_blocks on the host's widest vector registers.
-inline bool anchored_array_sums(const float* const* p, std::size_t k, std::size_t m, float* out,
-                                std::int32_t* ok) {
-    return lockstep::detail::on_widest_vectors([&]() __attribute__((always_inline)) {
-        return anchored_blocks(p, k, m, out, ok);
-    });
-}
-
 /// The float sums of m <= anchored_tile elements of k arrays p[j] into out[0, m), bit for bit
-/// anchored_sum_fn's: anchored_array_sums, then anchored_sum_fn for the elements it leaves.
-/// requires: 1 <= k <= anchored_tile_terms.
+/// anchored_sum_fn's: anchored_blocks on the host's widest vector registers, then anchored_sum_fn
+/// for the elements they leave. requires: 1 <= k <= anchored_tile_terms.
 inline void anchored_tile_sums(const float* const* p, std::size_t k, std::size_t m, float* out) {
     std::int32_t ok[anchored_tile];
-    if (anchored_array_sums(p, k, m, out, ok))
+    if (lockstep::detail::on_widest_vectors([&]() __attribute__((always_inline)) {
+            return anchored_blocks(p, k, m, out, ok);
+        }))
         return;
     const anchored_sum_fn<float, float, anchored_arrays<float>> each{{p, k, 0}, out};
     for (std::size_t i = 0; i < m; ++i)

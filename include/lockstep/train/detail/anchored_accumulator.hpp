@@ -9,18 +9,14 @@
 #include "lockstep/core/config.hpp"
 #include "lockstep/kernels/anchored_sum.hpp"
 #include "lockstep/kernels/detail/anchored_combine.hpp"
-#include "lockstep/kernels/detail/anchored_host.hpp"
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/detail/anchored_keeper.hpp"
-#include "lockstep/train/detail/anchored_loss.hpp"
-#include "lockstep/train/detail/anchored_report.hpp"
+#include "lockstep/train/detail/anchored_row.hpp"
 
 #include <cstddef>
-#include <cstdint>
 #include <limits>
 #include <span>
-#include <type_traits>
 #include <vector>
 
 namespace lockstep::detail {
@@ -80,7 +76,7 @@ class anchored_accumulator {
     static constexpr bool in_place = Exchange == anchored_exchange::in_place;
     static_assert(System::is_host || Exchange == anchored_exchange::blocks,
                   "the combined and in-place exchanges read the chunks on the host");
-    using terms_type = kernels::anchored_terms<T>;
+    using sum_fn = kernels::anchored_sum_fn<T>;
 
 public:
     anchored_accumulator(std::size_t n, int replicas, int rank, const System& sys,
@@ -184,9 +180,7 @@ public:
                 sum_reporting([&](std::size_t j, std::size_t c) { return region(j) + c * n_; }, n_,
                               g.data(), 0);
             else
-                kernels::anchored_sums(sys_,
-                                       terms_type{recv_.data(), replicas_, max_calls_, region_, n_},
-                                       n_, g.data());
+                run(n_, sum_fn{{recv_.data(), replicas_, max_calls_, region_, n_}, g.data()});
         } else if constexpr (combined) {
             combine(comm, g);
         } else if (block_ > 0) { // this replica's block summed, then every block to every replica
@@ -199,9 +193,7 @@ public:
                     },
                     block_, mine, rank_ * block_);
             else
-                kernels::anchored_sums(sys_,
-                                       terms_type{recv_.data(), replicas_, max_calls_, block_, all},
-                                       block_, mine);
+                run(block_, sum_fn{{recv_.data(), replicas_, max_calls_, block_, all}, mine});
             comm.all_gather(std::span<const T>(mine, block_), g.first(all));
         }
         // Every replica's row (gathered: in its region), after the sums wrote the reports.
