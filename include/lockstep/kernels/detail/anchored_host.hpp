@@ -217,7 +217,7 @@ inline void anchored_tile_sums(const float* const* p, std::size_t k, std::size_t
 
 /// Task k: the part of keep tile t = first / anchored_keep_tile + k inside elements [first, end)
 /// of src (a chunk's gradient) copied to dst at the same offsets (where the accumulator keeps
-/// the chunk), and zeroed in src where `clear`. Tasks: tasks(first, end). Host only.
+/// the chunk), and zeroed in src where `clear`. Host only.
 struct anchored_keep_tiles_fn {
     const float* src;
     float* dst;
@@ -230,10 +230,6 @@ struct anchored_keep_tiles_fn {
         const std::size_t b = std::max(t * anchored_keep_tile, first);
         const std::size_t e = std::min((t + 1) * anchored_keep_tile, end);
         anchored_keep_loop(src + b, dst + b, clear != nullptr ? clear + b : nullptr, e - b, stream);
-    }
-    /// The tasks of [first, end). requires: first < end.
-    static std::size_t tasks(std::size_t first, std::size_t end) noexcept {
-        return (end - 1) / anchored_keep_tile - first / anchored_keep_tile + 1;
     }
 };
 
@@ -250,7 +246,8 @@ inline void anchored_keep(const host_system& sys, const float* src, float* dst, 
                           std::size_t first, std::size_t end, std::size_t n) {
     using namespace kernels::detail;
     if (first < end)
-        kernels::for_each_index(sys, anchored_keep_tiles_fn::tasks(first, end),
+        kernels::for_each_index(sys,
+                                (end - 1) / anchored_keep_tile - first / anchored_keep_tile + 1,
                                 anchored_keep_tiles_fn{src, dst, clear, first, end,
                                                        n * sizeof(float) >= anchored_stream_bytes},
                                 end - first);

@@ -204,10 +204,9 @@ public:
                             small_recv_.span().first(row_.size() * replicas_));
         if (row_.tail > 0) // the blocks' tail, summed here from every replica's tail values
             run(tail_,
-                kernels::anchored_sum_fn<T, double, kernels::anchored_carried_terms<T>>{
-                    {{row_.tail_values(small_recv_.data()), replicas_, max_calls_, row_.size(),
-                      tail_}},
-                    g.data() + all},
+                kernels::anchored_sum_fn<T, double>{{row_.tail_values(small_recv_.data()),
+                                                     replicas_, max_calls_, row_.size(), tail_},
+                                                    g.data() + all},
                 tail_ * replicas_ * max_calls_);
         if constexpr (reports_own()) // gathered: this replica's report covers every element
             run(1, own_report_fn<T>{row_.report_words(gathered_ ? own_row() : small_recv_.data()),
@@ -285,7 +284,8 @@ private:
     /// This replica's chunk c in the blocks and combined exchanges: kept, the last (`last`), or
     /// zeros past its calls.
     const T* own_chunk(std::size_t c, const T* last) const noexcept {
-        return c < keeper_.calls() ? keeper_.chunk(c, last) : zeros_.data();
+        const kernels::anchored_chunks<T> k = keeper_.chunks(last);
+        return c + 1 < k.count ? k.stored + c * k.stride : c + 1 == k.count ? last : zeros_.data();
     }
     /// Gathered: replica j's region of recv_ (its chunks, then its row).
     T* region(std::size_t j) noexcept { return recv_.data() + j * region_; }

@@ -63,10 +63,6 @@ public:
         kept_ = 0;
         ++added_;
     }
-    /// Chunk c < calls(): its slot, or `last` for the last one.
-    const T* chunk(std::size_t c, const T* last) const noexcept {
-        return c + 1 < calls_ ? slots_ + c * n_ : last;
-    }
     /// The chunks (the last one at `last`) as the anchored functors read them.
     kernels::anchored_chunks<T> chunks(const T* last) const noexcept {
         return {slots_, last, calls_, n_};
