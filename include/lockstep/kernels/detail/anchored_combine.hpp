@@ -83,28 +83,20 @@ struct anchored_combine_fn {
     anchored_combine_report report{};
     void operator()(const T* const* sources, std::size_t n, std::size_t first, std::size_t m,
                     T* out) const {
-        sum(sources, n, first, m, out);
-        if (report.words != nullptr)
-            anchored_note(report, sources, first, m, out);
-    }
-
-private:
-    static void sum(const T* const* sources, std::size_t n, std::size_t first, std::size_t m,
-                    T* out) {
+        const bool tiles = std::is_same_v<T, float> && n <= anchored_tile_terms;
         if constexpr (std::is_same_v<T, float>) {
-            if (n <= anchored_tile_terms) {
-                const float* p[anchored_tile_terms];
-                for (std::size_t b = 0; b < m; b += anchored_tile) {
-                    for (std::size_t j = 0; j < n; ++j)
-                        p[j] = sources[j] + first + b;
-                    anchored_tile_sums(p, n, std::min(m - b, anchored_tile), out + b);
-                }
-                return;
+            const float* p[anchored_tile_terms];
+            for (std::size_t b = 0; tiles && b < m; b += anchored_tile) {
+                for (std::size_t j = 0; j < n; ++j)
+                    p[j] = sources[j] + first + b;
+                anchored_tile_sums(p, n, std::min(m - b, anchored_tile), out + b);
             }
         }
         const anchored_sum_fn<T, T, anchored_arrays<T>> each{{sources, n, first}, out};
-        for (std::size_t i = 0; i < m; ++i)
+        for (std::size_t i = 0; !tiles && i < m; ++i)
             each(i);
+        if (report.words != nullptr)
+            anchored_note(report, sources, first, m, out);
     }
 };
 

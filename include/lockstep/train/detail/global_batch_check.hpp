@@ -20,25 +20,26 @@ namespace lockstep::detail {
 /// lockstep::error (invalid_argument) naming each replica's value, instead of a count mismatch in
 /// the exchange that follows. Host systems only, where the value is on the host and the check
 /// costs microseconds; on a device system (NCCL) replicas that disagree exchange mismatched
-/// collectives, undefined as with any NCCL call whose counts differ. why(): what depends on it.
-template <communicator Comm, class Why>
-void check_same_global_batch([[maybe_unused]] Comm& comm, [[maybe_unused]] std::size_t global,
-                             [[maybe_unused]] std::int64_t step, [[maybe_unused]] Why why) {
-    if constexpr (Comm::system_type::is_host) {
-        const int n = comm.size();
-        const double mine = static_cast<double>(global);
-        std::vector<double> all(static_cast<std::size_t>(n));
-        comm.all_gather(std::span<const double>(&mine, 1), std::span<double>(all));
-        if (std::all_of(all.begin(), all.end(), [&](double g) { return g == all[0]; }))
-            return;
-        std::string values;
-        for (int r = 0; r < n; ++r)
-            values += concat(r == 0 ? " " : ", ",
-                             static_cast<std::uint64_t>(all[static_cast<std::size_t>(r)]),
-                             " on replica ", r);
-        fail(errc::invalid_argument, comm.rank(), "data_parallel.step", "step ", step,
-             ": the replicas disagree: global_batch:", values, " (", why(), ")");
-    }
+/// collectives, undefined as with any NCCL call whose counts differ. chunk: reduce::reproducible's
+/// chunk samples, which make the exchange depend on the global batch.
+template <communicator Comm>
+void check_same_global_batch(Comm& comm, std::size_t global, std::int64_t step, std::size_t chunk) {
+    if constexpr (!Comm::system_type::is_host)
+        return;
+    const int n = comm.size();
+    const double mine = static_cast<double>(global);
+    std::vector<double> all(static_cast<std::size_t>(n));
+    comm.all_gather(std::span<const double>(&mine, 1), std::span<double>(all));
+    if (std::all_of(all.begin(), all.end(), [&](double g) { return g == all[0]; }))
+        return;
+    std::string values;
+    for (int r = 0; r < n; ++r)
+        values +=
+            concat(r == 0 ? " " : ", ",
+                   static_cast<std::uint64_t>(all[static_cast<std::size_t>(r)]), " on replica ", r);
+    fail(errc::invalid_argument, comm.rank(), "data_parallel.step", "step ", step,
+         ": the replicas disagree: global_batch:", values, " (reduce::reproducible cuts it",
+         " into chunks of ", chunk, " samples; every replica must exchange as many)");
 }
 
 } // namespace lockstep::detail

@@ -72,10 +72,7 @@ public:
                          global, " in chunks of ", C, " samples is ", chunks, " chunks on ",
                          replicas, " replicas; reduce::reproducible sums at most ",
                          kernels::anchored_limits::max_terms, " chunks plus replicas");
-        check_same_global_batch(s.core().comm(), global, s.core().steps(), [] {
-            return concat("reduce::reproducible cuts it into chunks of ", C,
-                          " samples; every replica must exchange as many");
-        });
+        check_same_global_batch(s.core().comm(), global, s.core().steps(), C);
         (void)next_sample_offset(s.core().samples(), global, rank);
         const step_view v = s.begin(global);
         const reduce::chunk_run mine = reduce::chunks_of(global, C, rank, replicas);
