@@ -167,7 +167,8 @@ public:
     /// element's sum is a quiet NaN); where the sums report (reports_own()), g is left as it is.
     void check_local(std::span<T> g) {
         if (keeper_.calls() > 1 && !reports_own())
-            kernels::anchored_mark_own(sys_, keeper_.chunks(g.data()), n_, g.data());
+            run(n_, kernels::anchored_own_check_fn<T>{keeper_.chunks(g.data()), g.data()},
+                keeper_.calls() * n_);
     }
     /// After exchange(): the global sums, rounded once, into g (n values) and *global_loss();
     /// where the sums report, own_report() this replica's own check. Collective.
