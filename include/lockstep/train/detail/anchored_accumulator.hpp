@@ -101,8 +101,8 @@ public:
         if (gathered_) {
             // This replica's region: its chunks, padding up to a double's boundary (one float
             // when the chunk values are odd in number), then its row (doubles).
-            constexpr std::size_t per_double = sizeof(double) / sizeof(T);
-            row_at_ = (max_calls * n_ + per_double - 1) / per_double * per_double;
+            row_at_ = (max_calls * n_ * sizeof(T) + sizeof(double) - 1) / sizeof(double) *
+                      sizeof(double) / sizeof(T);
             region_ = row_at_ + row_.size() * sizeof(double) / sizeof(T);
             grow(recv_, replicas_ * region_);
             zero(sys_, recv_.span().subspan(rank_ * region_ + calls * n_,
