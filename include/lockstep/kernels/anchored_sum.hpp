@@ -13,9 +13,6 @@
 #include <limits>
 #include <type_traits>
 
-#include <thrust/copy.h>
-#include <thrust/fill.h>
-
 // The representation. A finite T value x is (-1)^s m 2^(e - bias) with an integer mantissa
 // 0 <= m < 2^p (p = 24 for float, 53 for double; subnormals have exponent field 0 and e = 1).
 // The anchor a of an element is the largest exponent field among every value summed into it,
@@ -230,16 +227,27 @@ struct anchored_own_check_fn {
 // pass for float (kernels/detail/anchored_host.hpp, found by argument-dependent lookup); on the
 // host the accumulator sums through kernels/detail/anchored_combine.hpp.
 
-/// Elements [first, end) of a chunk's gradient src (n values) copied to dst, then zeroed in
-/// clear (src itself) unless clear is null.
+/// Task i: dst[i] = src[i], then clear[i] = 0 unless clear (src itself, or null) is null.
+template <class T>
+struct anchored_keep_fn {
+    const T* src;
+    T* dst;
+    T* clear;
+    LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
+        dst[i] = src[i];
+        if (clear != nullptr)
+            clear[i] = T(0);
+    }
+};
+
+/// anchored_keep_fn over elements [first, end) of a chunk's gradient src (n values): one launch
+/// on a device.
 template <class System, class T>
 void anchored_keep(const System& sys, const T* src, T* dst, T* clear, std::size_t first,
                    std::size_t end, std::size_t /*n*/) {
-    with_policy_for(sys, end - first, [&](auto policy) {
-        thrust::copy(policy, src + first, src + end, dst + first);
-        if (clear != nullptr)
-            thrust::fill(policy, clear + first, clear + end, T(0));
-    });
+    const anchored_keep_fn<T> f{src + first, dst + first,
+                                clear != nullptr ? clear + first : nullptr};
+    for_each_index(sys, end - first, f, end - first);
 }
 
 } // namespace lockstep::kernels

@@ -210,9 +210,9 @@ public:
                 tail_ * replicas_ * max_calls_);
         if constexpr (reports_own()) // gathered: this replica's report covers every element
             run(1, own_report_fn<T>{row_.report_words(gathered_ ? own_row() : small_recv_.data()),
-                                    gathered_ ? 1 : replicas_, row_.size(), rank_,
-                                    row_.tail_values(own_row()), max_calls_, row_.tail, all,
-                                    g.data() + all, own_report_.data()});
+                                    gathered_ ? 1 : replicas_, row_, rank_,
+                                    row_.tail_values(own_row()), all, g.data() + all,
+                                    own_report_.data()});
         // Every replica's loss terms, summed as the gradient's elements are.
         run(1, kernels::anchored_sum_fn<double>{{rows, replicas_, row_.terms(), stride, 1},
                                                 global_loss()});

@@ -31,8 +31,10 @@ struct anchored_row {
     std::size_t calls = 1;
     std::size_t tail = 0;
     std::size_t report = 0;
-    std::size_t terms() const noexcept { return 2 * calls; }
-    std::size_t size() const noexcept { return terms() + calls * tail + report; }
+    LOCKSTEP_HOST_DEVICE std::size_t terms() const noexcept { return 2 * calls; }
+    LOCKSTEP_HOST_DEVICE std::size_t size() const noexcept {
+        return terms() + calls * tail + report;
+    }
     double* tail_values(double* row) const noexcept { return row + terms(); }
     double* report_words(double* row) const noexcept { return row + terms() + calls * tail; }
 };
@@ -73,21 +75,19 @@ struct anchored_own_report {
     bool sums_finite;
 };
 
-/// One task, after every owner's report (owner o's words at reports[o * stride]) reached this
-/// replica: out->own.count = the elements where one of its values is not finite, out->own.first
-/// = 1 + the flat index of the first (0: none); out->sums_finite when no owner saw a sum that is
-/// not finite, nor is one of the tail's. The tail (the blocks exchange's n mod replicas elements
-/// tail_first + t, summed on every replica; else tail = 0): this replica's values, call c's at
-/// tail_values[c * tail], carried in doubles (kernels::anchored_carry); their sums at tail_sums.
+/// One task, after every owner's report (owner o's words at reports[o * row.size()]) reached
+/// this replica: out->own.count = the elements where one of its values is not finite,
+/// out->own.first = 1 + the flat index of the first (0: none); out->sums_finite when no owner saw
+/// a sum that is not finite, nor is one of the tail's. The tail (the blocks exchange's row.tail
+/// elements tail_first + t, summed on every replica): this replica's values, call c's at
+/// tail_values[c * row.tail], carried in doubles (kernels::anchored_carry); sums at tail_sums.
 template <class T>
 struct own_report_fn {
     const double* reports;
     std::size_t owners;
-    std::size_t stride;
+    anchored_row row;
     std::size_t rank;
     const double* tail_values;
-    std::size_t calls;
-    std::size_t tail;
     std::size_t tail_first;
     const T* tail_sums;
     anchored_own_report* out;
@@ -96,17 +96,18 @@ struct own_report_fn {
         double first = 0.0;
         bool all_finite = true;
         for (std::size_t o = 0; o < owners; ++o) {
-            const double* w = reports + o * stride;
+            const double* w = reports + o * row.size();
             all_finite = all_finite && w[0] == 0.0;
             count += w[1 + 2 * rank];
             const double f = w[2 + 2 * rank];
             first = f != 0.0 && (first == 0.0 || f < first) ? f : first;
         }
         // The tail lies past every block, so its first counts only when no block had one.
-        for (std::size_t t = 0; t < tail; ++t) {
+        for (std::size_t t = 0; t < row.tail; ++t) {
             bool bad = false;
-            for (std::size_t c = 0; c < calls; ++c)
-                bad = bad || !is_finite(kernels::anchored_uncarry<T>(tail_values[c * tail + t]));
+            for (std::size_t c = 0; c < row.calls; ++c)
+                bad =
+                    bad || !is_finite(kernels::anchored_uncarry<T>(tail_values[c * row.tail + t]));
             if (bad) {
                 count += 1.0;
                 first = first == 0.0 ? static_cast<double>(tail_first + t + 1) : first;
