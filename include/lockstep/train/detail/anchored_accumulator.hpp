@@ -122,9 +122,7 @@ public:
         zero(sys_, std::span<double>(own_row(), row_.size()));
     }
     /// anchored_keeper's passes: elements of the chunk being computed final in g; its end.
-    void take(std::span<T> g, std::size_t first, std::size_t count) {
-        keeper_.take(g, first, count);
-    }
+    void take(std::span<T> g, std::size_t first, std::size_t n) { keeper_.take(g, first, n); }
     void add(std::span<const T> g) { keeper_.add(g); }
     /// Adds one chunk's loss: `value` plus *device_value when not null (the system's memory).
     void add_loss(double value, const double* device_value) {
@@ -234,11 +232,7 @@ public:
     bool sums_finite() const { return reports_own() && own_report_.data()->sums_finite; }
     /// The collectives of a step.
     std::size_t collectives() const noexcept {
-        if (gathered_)
-            return 1;
-        if (combined)
-            return 2;
-        return (block_ > 0 ? max_calls_ + 1 : 0) + 1;
+        return gathered_ ? 1 : combined ? 2 : (block_ > 0 ? max_calls_ + 1 : 0) + 1;
     }
 
 private:

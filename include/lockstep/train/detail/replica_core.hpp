@@ -232,6 +232,14 @@ public:
             });
     }
 
+    /// Before a step's work: a global batch of at least one sample, and a run-wide sample index
+    /// that does not wrap when the step adds it.
+    void check_global(std::size_t global) const {
+        LOCKSTEP_REQUIRE(global >= 1, errc::invalid_argument, comm_->rank(), "data_parallel.step",
+                         "global batch size is 0");
+        (void)next_sample_offset(samples_, global, comm_->rank());
+    }
+
     /// Runs fn (returning its loss as a number, or void when it adds the loss into
     /// ctx.loss_slot() on the device) over this replica's part of each of the M micro-batches of a
     /// global batch of `global` samples: micro-batch m is positions [global m / M, global (m + 1) /
@@ -241,10 +249,7 @@ public:
     /// of fn's results on this replica.
     template <class Fn, class BeforeLast>
     double run_micro_batches(std::size_t global, Fn& fn, bool own_scale, BeforeLast&& before_last) {
-        LOCKSTEP_REQUIRE(global >= 1, errc::invalid_argument, comm_->rank(), "data_parallel.step",
-                         "global batch size is 0");
-        // Before any work: the run-wide sample index must not wrap (advance adds global).
-        (void)next_sample_offset(samples_, global, comm_->rank());
+        check_global(global);
         const int rank = comm_->rank();
         const int size = comm_->size();
         const auto m_count = static_cast<std::size_t>(tp_.micro_batches);

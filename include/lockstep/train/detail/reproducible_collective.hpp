@@ -63,8 +63,7 @@ public:
     double gradient(Stages& s, std::size_t global, Fn& fn) {
         const int rank = s.rank(), replicas = s.replicas();
         const std::span<T> grads = s.core().grads().first(acc_.size());
-        LOCKSTEP_REQUIRE(global >= 1, errc::invalid_argument, rank, "data_parallel.step",
-                         "global batch size is 0");
+        s.core().check_global(global);
         const std::size_t chunks = (global + C - 1) / C;
         LOCKSTEP_REQUIRE(chunks + static_cast<std::size_t>(replicas) <=
                              kernels::anchored_limits::max_terms,
@@ -73,7 +72,6 @@ public:
                          replicas, " replicas; reduce::reproducible sums at most ",
                          kernels::anchored_limits::max_terms, " chunks plus replicas");
         check_same_global_batch(s.core().comm(), global, s.core().steps(), C);
-        (void)next_sample_offset(s.core().samples(), global, rank);
         const step_view v = s.begin(global);
         const reduce::chunk_run mine = reduce::chunks_of(global, C, rank, replicas);
         const reduce::chunk_run busiest = reduce::chunks_of(global, C, 0, replicas);
