@@ -1,6 +1,6 @@
 // Tests of the anchored fixed-point sums (kernels/anchored_sum.hpp), driven through the functors
 // the trainer uses: order and grouping independence (shuffled chunks, simulated replicas laid out
-// as the trainer's exchange lays them out, in T and carried as doubles), correct rounding against
+// as the trainer's exchange lays them out, and in the tail's layout), correct rounding against
 // an exact 128-bit integer reference, the stated precision under cancellation, zeros, subnormals,
 // overflow and non-finite values, the replica's own non-finite check, and the report of the sums
 // that read the arrays where they lie (its counts against a direct count, on 1 and 2 threads).
@@ -37,8 +37,7 @@ __extension__ using i128 = __int128;
 /// The trainer's exchange on simulated replicas: parts[r] = the chunks of replica r (possibly
 /// none), laid out as its all_to_all lays them out (value c of replica j of element i at
 /// j n + c R n + i, zeros past a replica's last chunk), summed by anchored_sum_fn; and the same
-/// values carried in doubles by their bits (kernels::anchored_carry; the tail's layout: replica
-/// stride, then call stride), which must give the same bits.
+/// values in the tail's layout (replica stride, then call stride), which must give the same bits.
 template <class T>
 std::vector<T> anchored_sum(const std::vector<std::vector<std::vector<T>>>& parts, std::size_t n) {
     const std::size_t replicas = parts.size();
@@ -47,18 +46,17 @@ std::vector<T> anchored_sum(const std::vector<std::vector<std::vector<T>>>& part
         calls = std::max(calls, p.size());
     std::vector<T> base(calls * replicas * n, T(0));
     const std::size_t stride = calls * n;
-    std::vector<double> wide(replicas * stride, 0.0);
+    std::vector<T> wide(replicas * stride, T(0));
     for (std::size_t j = 0; j < replicas; ++j)
         for (std::size_t c = 0; c < parts[j].size(); ++c)
             for (std::size_t i = 0; i < n; ++i) {
                 base[j * n + c * replicas * n + i] = parts[j][c].at(i);
-                wide[j * stride + c * n + i] = kernels::anchored_carry(parts[j][c][i]);
+                wide[j * stride + c * n + i] = parts[j][c][i];
             }
     std::vector<T> out(n), out_wide(n);
     for (std::size_t i = 0; i < n; ++i) {
         kernels::anchored_sum_fn<T>{{base.data(), replicas, calls, n, replicas * n}, out.data()}(i);
-        kernels::anchored_sum_fn<T, double>{{wide.data(), replicas, calls, stride, n},
-                                            out_wide.data()}(i);
+        kernels::anchored_sum_fn<T>{{wide.data(), replicas, calls, stride, n}, out_wide.data()}(i);
     }
     CHECK(same_bits(out, out_wide));
     return out;

@@ -546,8 +546,8 @@ TEST_CASE("reduce::reproducible's exchanges (gathered, by blocks, combined in on
 TEST_CASE("reduce::reproducible's exchanges keep subnormal terms where the CPU flushes them",
           "[train][reproducible][thread]") {
     // Every term subnormal; 8 elements on 3 replicas exchanged by blocks leave elements 6 and 7
-    // to the tail, which travels among the loss terms as doubles: carried by its bits, not
-    // converted (a conversion reads a subnormal float as 0 under denormals-are-zero). Every
+    // to the tail, which travels in the replicas' rows of doubles as floats moved by their bytes,
+    // not converted (a conversion reads a subnormal float as 0 under denormals-are-zero). Every
     // exchange, run with subnormals flushed on every replica, gives the sums of the reference
     // formed without flushing.
     constexpr std::size_t n = 8;

@@ -161,36 +161,20 @@ struct anchored_terms {
     }
 };
 
-/// x carried in a double by its bits (a float's zero-extended), and back: moving T values among
-/// doubles this way converts nothing, so a CPU that flushes subnormal floats to zero (DAZ/FTZ, as
-/// -ffast-math's start-up code sets them) cannot change a term on its way to the sums.
-template <class T>
-LOCKSTEP_HOST_DEVICE double anchored_carry(T x) {
-    return std::bit_cast<double>(static_cast<std::uint64_t>(std::bit_cast<anchored_word<T>>(x)));
-}
-template <class T>
-LOCKSTEP_HOST_DEVICE T anchored_uncarry(double carried) {
-    return std::bit_cast<T>(static_cast<anchored_word<T>>(std::bit_cast<std::uint64_t>(carried)));
-}
-
 /// out[i] = the sum of element i's terms, rounded once to T: its anchor is the largest exponent
 /// field among them (a quiet NaN when one is not finite), every term's q for that anchor summed
-/// in 128 bits. Terms: anchored_terms<V>, or any type with replicas, calls and value(j, c, i);
-/// V = double with T = float: floats carried in doubles (anchored_carry).
+/// in 128 bits. Terms: anchored_terms<V>, or any type with replicas, calls and value(j, c, i).
 /// requires: replicas * calls <= anchored_limits::max_terms.
 template <class T, class V = T, class Terms = anchored_terms<V>>
 struct anchored_sum_fn {
     Terms terms;
     T* out;
-    LOCKSTEP_HOST_DEVICE T term(std::size_t j, std::size_t c, std::size_t i) const {
-        return anchored_uncarry<T>(anchored_carry(terms.value(j, c, i)));
-    }
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const {
         using A = anchored<T>;
         int a = 0;
         for (std::size_t j = 0; j < terms.replicas; ++j)
             for (std::size_t c = 0; c < terms.calls; ++c) {
-                const int e = detail::anchored_split(term(j, c, i)).field;
+                const int e = detail::anchored_split(static_cast<T>(terms.value(j, c, i))).field;
                 a = e > a ? e : a;
             }
         if (a == A::non_finite) {
@@ -200,7 +184,7 @@ struct anchored_sum_fn {
         detail::anchored_int sum = 0;
         for (std::size_t j = 0; j < terms.replicas; ++j)
             for (std::size_t c = 0; c < terms.calls; ++c)
-                detail::anchored_add(sum, term(j, c, i), a);
+                detail::anchored_add(sum, static_cast<T>(terms.value(j, c, i)), a);
         out[i] = detail::anchored_value<T>(sum, a);
     }
 };

@@ -22,17 +22,16 @@
 namespace lockstep::detail {
 
 /// Task k < calls * tail: value c = k / tail of tail element t = k % tail (element first + t) of
-/// this replica's chunks, carried in a double (kernels::anchored_carry), or 0 past its last chunk.
+/// this replica's chunks, or 0 past its last chunk.
 template <class T>
 struct anchored_tail_fn {
     kernels::anchored_chunks<T> chunks;
     std::size_t first;
     std::size_t tail;
-    double* out;
+    T* out;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t k) const {
         const std::size_t c = k / tail;
-        out[k] =
-            kernels::anchored_carry(c < chunks.count ? chunks.value(c, first + k % tail) : T(0));
+        out[k] = c < chunks.count ? chunks.value(c, first + k % tail) : T(0);
     }
 };
 
@@ -96,7 +95,10 @@ public:
         max_calls_ = max_calls;
         losses_added_ = 0;
         gathered_ = !combined && n_ > 0 && replicas_ * max_calls <= gather_values_ / n_;
-        row_ = {max_calls, gathered_ || combined ? 0 : tail_,
+        row_ = {max_calls,
+                gathered_ || combined
+                    ? 0
+                    : (max_calls * tail_ * sizeof(T) + sizeof(double) - 1) / sizeof(double),
                 reports_own() ? kernels::detail::anchored_combine_report::words_for(replicas_) : 0};
         if (gathered_) {
             // This replica's region: its chunks, padding up to a double's boundary (one float
@@ -156,7 +158,7 @@ public:
         if (tail_ > 0)
             run(max_calls_ * tail_,
                 anchored_tail_fn<T>{keeper_.chunks(last.data()), all, tail_,
-                                    row_.tail_values(own_row())},
+                                    row_.tail_values<T>(own_row())},
                 max_calls_ * tail_);
     }
     /// g (the last chunk's gradient) becomes a quiet NaN where a kept chunk of this replica
@@ -202,15 +204,15 @@ public:
                             small_recv_.span().first(row_.size() * replicas_));
         if (row_.tail > 0) // the blocks' tail, summed here from every replica's tail values
             run(tail_,
-                kernels::anchored_sum_fn<T, double>{{row_.tail_values(small_recv_.data()),
-                                                     replicas_, max_calls_, row_.size(), tail_},
-                                                    g.data() + all},
+                sum_fn{{row_.tail_values<T>(small_recv_.data()), replicas_, max_calls_,
+                        row_.size() * sizeof(double) / sizeof(T), tail_},
+                       g.data() + all},
                 tail_ * replicas_ * max_calls_);
         if constexpr (reports_own()) // gathered: this replica's report covers every element
             run(1, own_report_fn<T>{row_.report_words(gathered_ ? own_row() : small_recv_.data()),
                                     gathered_ ? 1 : replicas_, row_, rank_,
-                                    row_.tail_values(own_row()), all, g.data() + all,
-                                    own_report_.data()});
+                                    row_.tail_values<T>(own_row()), row_.tail > 0 ? tail_ : 0, all,
+                                    g.data() + all, own_report_.data()});
         // Every replica's loss terms, summed as the gradient's elements are.
         run(1, kernels::anchored_sum_fn<double>{{rows, replicas_, row_.terms(), stride, 1},
                                                 global_loss()});

@@ -25,18 +25,21 @@ struct anchored_losses {
 };
 
 /// One replica's doubles in the accumulator's row all_gather (gathered: at the end of its
-/// region): its loss terms, 2 per call (loss_terms_fn), then each call's `tail` values (blocks),
-/// then `report` words of the host's sums (kernels/detail/anchored_combine.hpp).
+/// region): its loss terms, 2 per call (loss_terms_fn), then `tail` doubles holding each call's
+/// tail values (blocks; values of the gradient's type, which the all_gather moves as bytes, so
+/// no conversion can flush a subnormal), then `report` words of the host's sums
+/// (kernels/detail/anchored_combine.hpp).
 struct anchored_row {
     std::size_t calls = 1;
     std::size_t tail = 0;
     std::size_t report = 0;
     LOCKSTEP_HOST_DEVICE std::size_t terms() const noexcept { return 2 * calls; }
-    LOCKSTEP_HOST_DEVICE std::size_t size() const noexcept {
-        return terms() + calls * tail + report;
+    LOCKSTEP_HOST_DEVICE std::size_t size() const noexcept { return terms() + tail + report; }
+    template <class T>
+    T* tail_values(double* row) const noexcept {
+        return reinterpret_cast<T*>(row + terms());
     }
-    double* tail_values(double* row) const noexcept { return row + terms(); }
-    double* report_words(double* row) const noexcept { return row + terms() + calls * tail; }
+    double* report_words(double* row) const noexcept { return row + terms() + tail; }
 };
 
 /// One task: a chunk's two loss terms, `value` and *device_value (0 when null), at out[0..1].
@@ -78,16 +81,17 @@ struct anchored_own_report {
 /// One task, after every owner's report (owner o's words at reports[o * row.size()]) reached
 /// this replica: out->own.count = the elements where one of its values is not finite,
 /// out->own.first = 1 + the flat index of the first (0: none); out->sums_finite when no owner saw
-/// a sum that is not finite, nor is one of the tail's. The tail (the blocks exchange's row.tail
+/// a sum that is not finite, nor is one of the tail's. The tail (the blocks exchange's `tail`
 /// elements tail_first + t, summed on every replica): this replica's values, call c's at
-/// tail_values[c * row.tail], carried in doubles (kernels::anchored_carry); sums at tail_sums.
+/// tail_values[c * tail]; their sums at tail_sums.
 template <class T>
 struct own_report_fn {
     const double* reports;
     std::size_t owners;
     anchored_row row;
     std::size_t rank;
-    const double* tail_values;
+    const T* tail_values;
+    std::size_t tail;
     std::size_t tail_first;
     const T* tail_sums;
     anchored_own_report* out;
@@ -103,11 +107,10 @@ struct own_report_fn {
             first = f != 0.0 && (first == 0.0 || f < first) ? f : first;
         }
         // The tail lies past every block, so its first counts only when no block had one.
-        for (std::size_t t = 0; t < row.tail; ++t) {
+        for (std::size_t t = 0; t < tail; ++t) {
             bool bad = false;
             for (std::size_t c = 0; c < row.calls; ++c)
-                bad =
-                    bad || !is_finite(kernels::anchored_uncarry<T>(tail_values[c * row.tail + t]));
+                bad = bad || !is_finite(tail_values[c * tail + t]);
             if (bad) {
                 count += 1.0;
                 first = first == 0.0 ? static_cast<double>(tail_first + t + 1) : first;
