@@ -195,6 +195,11 @@ def stage_bundle(a):
                          excluded="CTest names no command for it")
             entries.append(entry)
             continue
+        if "no_gpu" in entry["labels"]:
+            entry.update(kind="excluded", executable=None, args=command[1:],
+                         excluded="needs no GPU (label no_gpu): it runs on the build machine")
+            entries.append(entry)
+            continue
         exe_path = os.path.realpath(command[0])
         exe = os.path.basename(exe_path)
         if not exe_path.startswith(build_dir + os.sep):

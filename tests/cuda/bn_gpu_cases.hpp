@@ -8,6 +8,8 @@
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/cuda_system.hpp"
 
+#include "bn_kernel_checks.hpp"
+
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -39,24 +41,8 @@ buffer<T, cuda_system> to_device(const std::vector<T>& h, const cuda_system& sys
     return d;
 }
 
-template <class T>
-T from_float(float f) {
-    if constexpr (std::is_same_v<T, __half>)
-        return __float2half_rn(f);
-    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
-        return __float2bfloat16_rn(f);
-    else
-        return f;
-}
-template <class T>
-double to_double(T v) {
-    if constexpr (std::is_same_v<T, __half>)
-        return static_cast<double>(__half2float(v));
-    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
-        return static_cast<double>(__bfloat162float(v));
-    else
-        return static_cast<double>(v);
-}
+using bn_data::to_double;
+using bn_data::to_value;
 
 /// One replica's results, on the host.
 struct bn_out {
@@ -180,8 +166,8 @@ void check_16bit_layer(Group& group) {
     const std::size_t N = first[R];
     std::vector<T> x(N * C * HW), dy(x.size());
     for (std::size_t i = 0; i < x.size(); ++i) {
-        x[i] = from_float<T>(static_cast<float>(2.0 + 1.5 * std::sin(0.37 * double(i))));
-        dy[i] = from_float<T>(static_cast<float>(std::cos(0.23 * double(i) + 0.5)));
+        x[i] = to_value<T>(2.0 + 1.5 * std::sin(0.37 * double(i)));
+        dy[i] = to_value<T>(std::cos(0.23 * double(i) + 0.5));
     }
     std::vector<bn_out> outs(R);
     group.run([&](auto& comm) {

@@ -7,6 +7,7 @@
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/cuda_system.hpp"
 
+#include "bn_kernel_checks.hpp"
 #include "cuda_test_support.hpp"
 
 #include <catch2/catch.hpp>
@@ -24,56 +25,9 @@ using namespace lockstep;
 using kernels::channel_geometry;
 using kernels::packed_moments;
 using kernels::packed_sums;
+using namespace lockstep_test::bn_data;
 
 namespace {
-
-template <class T>
-T to_value(double v) {
-    if constexpr (std::is_same_v<T, __half>)
-        return __float2half_rn(static_cast<float>(v));
-    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
-        return __float2bfloat16_rn(static_cast<float>(v));
-    else
-        return static_cast<T>(v);
-}
-template <class T>
-double to_double(T v) {
-    if constexpr (std::is_same_v<T, __half>)
-        return __half2float(v);
-    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
-        return __bfloat162float(v);
-    else
-        return static_cast<double>(v);
-}
-
-/// Unit roundoff of the storage type (the error of rounding one result into it).
-template <class T>
-constexpr double unit_roundoff() {
-    if constexpr (std::is_same_v<T, __half>)
-        return lockstep::half::unit_roundoff; // 2^-11
-    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
-        return lockstep::bfloat16::unit_roundoff; // 2^-8
-    else if constexpr (std::is_same_v<T, float>)
-        return 0x1p-24;
-    else
-        return 0x1p-53;
-}
-
-/// Relative tolerance of the accumulations (Acc = float, or double for double data).
-template <class T>
-constexpr double acc_tolerance() {
-    return std::is_same_v<T, double> ? 1e-12 : 2e-5;
-}
-
-template <class T>
-std::vector<T> values(std::size_t n, unsigned seed, double mean, double stddev) {
-    std::mt19937_64 gen(seed);
-    std::normal_distribution<double> z(mean, stddev);
-    std::vector<T> v(n);
-    for (auto& e : v)
-        e = to_value<T>(z(gen));
-    return v;
-}
 
 /// A device copy of h starting `offset` elements into its allocation (offset 1 misaligns it).
 template <class U>
@@ -104,38 +58,6 @@ buffer<std::byte, cuda_system> workspace(const channel_geometry& g, const cuda_s
     return ws;
 }
 
-/// Two-pass double moments of channel c.
-template <class T>
-void reference_moments(const std::vector<T>& x, const channel_geometry& g, std::size_t c,
-                       double& mean, double& m2) {
-    const double n = static_cast<double>(g.per_channel());
-    double s = 0;
-    for (std::size_t k = 0; k < g.per_channel(); ++k)
-        s += to_double(x[g.offset(c, k)]);
-    mean = n > 0 ? s / n : 0;
-    m2 = 0;
-    for (std::size_t k = 0; k < g.per_channel(); ++k) {
-        const double e = to_double(x[g.offset(c, k)]) - mean;
-        m2 += e * e;
-    }
-}
-
-const std::vector<channel_geometry> geometries{
-    {6, 5, 63},     // NCHW, odd small planes: one value at a time
-    {4, 3, 263},    // NCHW, odd planes over 1 KiB: one value at a time
-    {4, 3, 197},    // NCHW, odd planes, partitions ending inside planes
-    {8, 16, 3136},  // NCHW 56x56 planes: vectors, several partitions per channel
-    {256, 20, 49},  // NCHW 7x7 planes: one value at a time, two partitions of float
-    {32, 10, 196},  // NCHW 14x14 planes: 16-byte vectors of float and double, 8-byte of half
-    {16, 6, 8},     // NCHW planes of two float vectors, of two 8-byte half vectors
-    {3000, 19, 1},  // NHWC rows, channels not a multiple of the vector width (scalar path)
-    {1000, 64, 1},  // NHWC rows, vector path
-    {50000, 24, 1}, // NHWC, 256 row partitions folded by a channel tile that is partly empty
-    {37, 20000, 1}, // N x C with C = 20000 > 16384 channel tiles
-    {1, 4, 1},      // one value per channel
-    {0, 3, 16},     // empty batch
-};
-
 } // namespace
 
 TEMPLATE_TEST_CASE("cuda_path moments and backward sums agree with the generic path and a "
@@ -146,11 +68,8 @@ TEMPLATE_TEST_CASE("cuda_path moments and backward sums agree with the generic p
     if (lockstep_test::skip_without_gpu())
         return;
     const cuda_system sys(0);
-    const double tol = acc_tolerance<T>();
     for (const channel_geometry g : geometries) {
-        // offsets in values: aligned, misaligned, and 8 bytes off for 16-bit values (8-byte
-        // vectors where the planes allow)
-        for (const std::size_t off : {std::size_t(0), std::size_t(1), 8 / sizeof(T)}) {
+        for (const std::size_t off : reduction_offsets<T>()) {
             CAPTURE(g.outer, g.channels, g.inner, off);
             const std::size_t C = g.channels;
             const auto xh = values<T>(g.size(), 3, 50.0, 2.0); // mean >> std: stability matters
@@ -185,34 +104,10 @@ TEMPLATE_TEST_CASE("cuda_path moments and backward sums agree with the generic p
             const auto t1 = s1.download(), t2 = s2.download(), tg = sg.download();
             CHECK(h1 == h2); // deterministic, and the counters were reset
             CHECK(t1 == t2);
-            for (const auto* b : {h1.data(), hg.data()}) {
-                CHECK(b[packed_moments::status] == Acc(1));
-                CHECK(packed_moments::count(b) == static_cast<double>(g.per_channel()));
-            }
-            CHECK(t1[packed_sums::status(C)] == Acc(2));
-            CHECK(tg[packed_sums::status(C)] == Acc(2));
-            for (std::size_t c = 0; c < C; ++c) {
-                double mu = 0, m2 = 0;
-                reference_moments(xh, g, c, mu, m2);
-                for (const auto* b : {h1.data(), hg.data()}) {
-                    CHECK(std::abs(b[packed_moments::mean(c)] - mu) <= tol * (std::abs(mu) + 1));
-                    // M2 of data with mean 50 and std 2: float Welford loses ~1e-3 relative
-                    CHECK(std::abs(b[packed_moments::m2(c)] - m2) <= tol * 100 * (m2 + 1e-30));
-                }
-                double sdy = 0, sdyx = 0, mag_dy = 0, mag_dyx = 0;
-                for (std::size_t k = 0; k < g.per_channel(); ++k) {
-                    const std::size_t i = g.offset(c, k);
-                    const double d = to_double(dyh[i]), e = to_double(xh[i]) - meanh[c];
-                    sdy += d;
-                    sdyx += d * e;
-                    mag_dy += std::abs(d);
-                    mag_dyx += std::abs(d * e);
-                }
-                for (const auto& t : {t1, tg}) {
-                    CHECK(std::abs(t[c] - sdy) <= tol * (mag_dy + 1e-30));
-                    CHECK(std::abs(t[C + c] - sdyx) <= tol * (mag_dyx + 1e-30));
-                }
-            }
+            for (const auto& b : {h1, hg})
+                check_moments_block(b, xh, g, Acc(1));
+            for (const auto& t : {t1, tg})
+                check_backward_sums(t, dyh, xh, meanh, g, Acc(2));
         }
     }
 }
@@ -225,44 +120,21 @@ TEMPLATE_TEST_CASE("cuda_path normalize and fused dx agree with the generic path
     if (lockstep_test::skip_without_gpu())
         return;
     const cuda_system sys(0);
-    // a result rounded into T, computed in Acc from values of magnitude <= |want| + 1
-    const double tol = unit_roundoff<T>() + 4 * acc_tolerance<T>();
     for (const channel_geometry g : geometries) {
-        // (x, y / dx) offsets: aligned (vectors where the plan allows), equally and differently
-        // misaligned (one value at a time), 8 bytes off (8-byte vectors of 16-bit values)
-        for (const auto [xoff, yoff] : {std::pair<std::size_t, std::size_t>{0, 0},
-                                        {1, 1},
-                                        {1, 0},
-                                        {8 / sizeof(T), 8 / sizeof(T)}}) {
+        const elementwise_case<T> e{g};
+        for (const auto& [xoff, yoff] : elementwise_offsets<T>()) {
             CAPTURE(g.outer, g.channels, g.inner, xoff, yoff);
-            const std::size_t C = g.channels;
-            const auto xh = values<T>(g.size(), 5, 1.0, 3.0);
-            const auto dyh = values<T>(g.size(), 6, 0.0, 1.0);
-            const auto meanh = values<Acc>(C, 7, 1.0, 0.5);
-            const auto scaleh = values<Acc>(C, 8, 1.0, 0.5);
-            const auto betah = values<Acc>(C, 9, 0.0, 1.0);
-            device_array<T> x(xh, sys, xoff), dy(dyh, sys, xoff);
-            device_array<Acc> mean(meanh, sys), scale(scaleh, sys), beta(betah, sys);
+            device_array<T> x(e.x, sys, xoff), dy(e.dy, sys, xoff);
+            device_array<Acc> mean(e.mean, sys), scale(e.scale, sys), beta(e.beta, sys);
             device_array<T> y(g.size(), sys, yoff), yg(g.size(), sys, yoff);
             kernels::normalize(sys, x.cspan(), y.span(), g, mean.cspan(), scale.cspan(),
                                beta.cspan());
             kernels::normalize_generic(sys, x.cspan(), yg.span(), g, mean.cspan(), scale.cspan(),
                                        beta.cspan());
-
-            std::vector<Acc> totalsh(2 * C), localh(2 * C);
-            const auto tvals = values<Acc>(2 * C, 10, 0.0, 5.0);
-            for (std::size_t j = 0; j < 2 * C; ++j) {
-                localh[j] = tvals[j];
-                totalsh[j] = Acc(3) * tvals[j];
-            }
-            const auto gammah = values<Acc>(C, 11, 1.0, 0.3);
-            const auto invstdh = values<Acc>(C, 12, 2.0, 0.2);
-            const auto dg0 = values<Acc>(C, 13, 0.0, 1.0);
-            const auto db0 = values<Acc>(C, 14, 0.0, 1.0);
-            const double counth = 3.0 * static_cast<double>(g.per_channel()) + 1.0;
-            device_array<Acc> totals(totalsh, sys), local(localh, sys), gamma(gammah, sys),
-                invstd(invstdh, sys), dg(dg0, sys), db(db0, sys), dgg(dg0, sys), dbg(db0, sys);
-            device_array<double> count(std::vector<double>{counth}, sys);
+            device_array<Acc> totals(e.totals, sys), local(e.local, sys), gamma(e.gamma, sys),
+                invstd(e.invstd, sys), dg(e.dgamma0, sys), db(e.dbeta0, sys), dgg(e.dgamma0, sys),
+                dbg(e.dbeta0, sys);
+            device_array<double> count(std::vector<double>{e.count}, sys);
             device_array<T> dx(g.size(), sys, yoff), dxg(g.size(), sys, yoff);
             kernels::input_gradient_fused(sys, dy.cspan(), x.cspan(), dx.span(), g, totals.cspan(),
                                           local.cspan(), count.cspan().data(), gamma.cspan(),
@@ -274,33 +146,17 @@ TEMPLATE_TEST_CASE("cuda_path normalize and fused dx agree with the generic path
             sys.synchronize();
             const auto yh = y.download(), ygh = yg.download();
             const auto dxh = dx.download(), dxgh = dxg.download();
-            const auto dgh = dg.download(), dbh = db.download();
-            const auto dggh = dgg.download(), dbgh = dbg.download();
+            e.check_y(yh);
+            e.check_dx(dxh);
+            e.check_parameter_gradients(dg.download(), db.download());
+            e.check_parameter_gradients(dgg.download(), dbg.download());
+            element_misses y_generic, dx_generic; // the generic path's results, within rounding
             for (std::size_t i = 0; i < g.size(); ++i) {
-                const std::size_t c = g.channel_of(i);
-                const double want =
-                    (to_double(xh[i]) - meanh[c]) * double(scaleh[c]) + double(betah[c]);
-                CHECK(std::abs(to_double(yh[i]) - want) <= tol * (std::abs(want) + 1));
-                CHECK(std::abs(to_double(yh[i]) - to_double(ygh[i])) <= tol * (std::abs(want) + 1));
-                const double inv = invstdh[c];
-                const double a = totalsh[c] / counth;
-                const double b = inv * inv * totalsh[C + c] / counth;
-                const double grad =
-                    gammah[c] * inv * (to_double(dyh[i]) - a - (to_double(xh[i]) - meanh[c]) * b);
-                CHECK(std::abs(to_double(dxh[i]) - grad) <= 2 * tol * (std::abs(grad) + 1));
-                CHECK(std::abs(to_double(dxh[i]) - to_double(dxgh[i])) <=
-                      4 * tol * (std::abs(grad) + 1));
+                y_generic.add(i, to_double(yh[i]), to_double(ygh[i]), e.tol);
+                dx_generic.add(i, to_double(dxh[i]), to_double(dxgh[i]), 4 * e.tol);
             }
-            for (std::size_t c = 0; c < C; ++c) {
-                // exactly once per channel (twice would be off by a whole local sum)
-                const double want_g = dg0[c] + double(localh[C + c]) * invstdh[c];
-                const double want_b = double(db0[c]) + localh[c];
-                const double eps = 4 * acc_tolerance<T>();
-                CHECK(std::abs(dgh[c] - want_g) <= eps * (std::abs(want_g) + 1));
-                CHECK(std::abs(dbh[c] - want_b) <= eps * (std::abs(want_b) + 1));
-                CHECK(std::abs(dggh[c] - want_g) <= eps * (std::abs(want_g) + 1));
-                CHECK(std::abs(dbgh[c] - want_b) <= eps * (std::abs(want_b) + 1));
-            }
+            y_generic.check("y against the generic path");
+            dx_generic.check("dx against the generic path");
         }
     }
 }

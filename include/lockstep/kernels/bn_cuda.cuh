@@ -63,10 +63,6 @@ void launch(const cuda_system& sys, const bn_launch& p, F&& f) {
     launched();
 }
 
-/// True for the widths the rows kernels read (the plan never gives them an 8-byte vector).
-template <class N, int W>
-inline constexpr bool rows_width = W == 1 || W == vector_width<N>;
-
 } // namespace detail
 
 /// K1: this replica's packed statistics block (packed_moments layout) in one launch:

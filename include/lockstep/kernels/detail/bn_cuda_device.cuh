@@ -44,6 +44,10 @@ namespace detail {
 template <class T>
 inline constexpr int vector_width = static_cast<int>(16 / sizeof(T));
 
+/// True for the widths the rows kernels read (the plan never gives them an 8-byte vector).
+template <class N, int W>
+inline constexpr bool rows_width = W == 1 || W == vector_width<N>;
+
 __device__ __forceinline__ std::size_t smin(std::size_t a, std::size_t b) {
     return a < b ? a : b;
 }

@@ -67,7 +67,7 @@ __device__ __forceinline__ bool arrive_last(unsigned* counter, std::size_t expec
 /// result depends on count alone. ensures: the result in every thread.
 template <class V, class Load, class Op>
 __device__ V ordered_fold(std::size_t count, Load load, Op op) {
-    __shared__ alignas(V) unsigned char raw[sizeof(V) * block_threads];
+    alignas(V) __shared__ unsigned char raw[sizeof(V) * block_threads];
     V* s = reinterpret_cast<V*>(raw);
     const unsigned t = threadIdx.x;
     V v{};
@@ -101,7 +101,7 @@ struct channel_fold_result {
 template <class V, class Range, class Op>
 __device__ channel_fold_result<V> channel_fold(unsigned tile, std::size_t parts, Range range,
                                                Op op) {
-    __shared__ alignas(V) unsigned char raw[sizeof(V) * block_threads];
+    alignas(V) __shared__ unsigned char raw[sizeof(V) * block_threads];
     V* s = reinterpret_cast<V*>(raw);
     const unsigned t = threadIdx.x;
     const unsigned lanes = block_threads / tile;

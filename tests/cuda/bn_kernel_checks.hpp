@@ -1,0 +1,257 @@
+// The batch-norm kernel tests' data, references and checks, shared by the device test
+// (test_bn_cuda.cu) and the emulated one (test_bn_emulated.cpp): values in the CUDA storage
+// types, their precision, the geometries that reach every mapping and width, and each kernel's
+// results against double references over the same inputs. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/float16.hpp"
+#include "lockstep/kernels/bn_fused.hpp"
+#include "lockstep/kernels/channel_geometry.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstddef>
+#include <random>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace lockstep_test::bn_data {
+
+using lockstep::kernels::channel_geometry;
+using lockstep::kernels::packed_moments;
+using lockstep::kernels::packed_sums;
+
+template <class T>
+T to_value(double v) {
+    if constexpr (std::is_same_v<T, __half>)
+        return __float2half_rn(static_cast<float>(v));
+    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return __float2bfloat16_rn(static_cast<float>(v));
+    else
+        return static_cast<T>(v);
+}
+template <class T>
+double to_double(T v) {
+    if constexpr (std::is_same_v<T, __half>)
+        return __half2float(v);
+    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return __bfloat162float(v);
+    else
+        return static_cast<double>(v);
+}
+
+/// Unit roundoff of the storage type (the error of rounding one result into it).
+template <class T>
+constexpr double unit_roundoff() {
+    if constexpr (std::is_same_v<T, __half>)
+        return lockstep::half::unit_roundoff; // 2^-11
+    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return lockstep::bfloat16::unit_roundoff; // 2^-8
+    else if constexpr (std::is_same_v<T, float>)
+        return 0x1p-24;
+    else
+        return 0x1p-53;
+}
+
+/// Relative tolerance of the accumulations (Acc = float, or double for double data).
+template <class T>
+constexpr double acc_tolerance() {
+    return std::is_same_v<T, double> ? 1e-12 : 2e-5;
+}
+
+template <class T>
+std::vector<T> values(std::size_t n, unsigned seed, double mean, double stddev) {
+    std::mt19937_64 gen(seed);
+    std::normal_distribution<double> z(mean, stddev);
+    std::vector<T> v(n);
+    for (auto& e : v)
+        e = to_value<T>(z(gen));
+    return v;
+}
+
+/// Two-pass double moments of channel c.
+template <class T>
+void reference_moments(const std::vector<T>& x, const channel_geometry& g, std::size_t c,
+                       double& mean, double& m2) {
+    const double n = static_cast<double>(g.per_channel());
+    double s = 0;
+    for (std::size_t k = 0; k < g.per_channel(); ++k)
+        s += to_double(x[g.offset(c, k)]);
+    mean = n > 0 ? s / n : 0;
+    m2 = 0;
+    for (std::size_t k = 0; k < g.per_channel(); ++k) {
+        const double e = to_double(x[g.offset(c, k)]) - mean;
+        m2 += e * e;
+    }
+}
+
+inline const std::vector<channel_geometry> geometries{
+    {6, 5, 63},     // NCHW, odd small planes: one value at a time
+    {4, 3, 263},    // NCHW, odd planes over 1 KiB: one value at a time
+    {4, 3, 197},    // NCHW, odd planes, partitions ending inside planes
+    {8, 16, 3136},  // NCHW 56x56 planes: vectors, several partitions per channel
+    {256, 20, 49},  // NCHW 7x7 planes: one value at a time, two partitions of float
+    {32, 10, 196},  // NCHW 14x14 planes: 16-byte vectors of float and double, 8-byte of half
+    {16, 6, 8},     // NCHW planes of two float vectors, of two 8-byte half vectors
+    {3000, 19, 1},  // NHWC rows, channels not a multiple of the vector width (scalar path)
+    {1000, 64, 1},  // NHWC rows, vector path
+    {50000, 24, 1}, // NHWC, 256 row partitions folded by a channel tile that is partly empty
+    {37, 20000, 1}, // N x C with C = 20000 > 16384 channel tiles
+    {1, 4, 1},      // one value per channel
+    {0, 3, 16},     // empty batch
+};
+
+/// Where the reductions' inputs start, in values from a 16-byte boundary: aligned, misaligned,
+/// and 8 bytes off for 16-bit values (8-byte vectors where the planes allow).
+template <class T>
+std::vector<std::size_t> reduction_offsets() {
+    return {0, 1, 8 / sizeof(T)};
+}
+
+/// The elementwise kernels' (x and dy, y or dx) offsets: aligned (vectors where the plan
+/// allows), equally and differently misaligned (one value at a time), 8 bytes off (8-byte
+/// vectors of 16-bit values).
+template <class T>
+std::vector<std::pair<std::size_t, std::size_t>> elementwise_offsets() {
+    return {{0, 0}, {1, 1}, {1, 0}, {8 / sizeof(T), 8 / sizeof(T)}};
+}
+
+/// A packed statistics block (pack_local_moments) of x with status `status`: the status, the
+/// exact count and each channel's mean and M2 against reference_moments.
+template <class T, class Acc>
+void check_moments_block(const std::vector<Acc>& b, const std::vector<T>& x,
+                         const channel_geometry& g, Acc status) {
+    const double tol = acc_tolerance<T>();
+    CHECK(b[packed_moments::status] == status);
+    CHECK(packed_moments::count(b.data()) == static_cast<double>(g.per_channel()));
+    for (std::size_t c = 0; c < g.channels; ++c) {
+        double mu = 0, m2 = 0;
+        reference_moments(x, g, c, mu, m2);
+        CHECK(std::abs(b[packed_moments::mean(c)] - mu) <= tol * (std::abs(mu) + 1));
+        // M2 of data with mean 50 and std 2: float Welford loses ~1e-3 relative
+        CHECK(std::abs(b[packed_moments::m2(c)] - m2) <= tol * 100 * (m2 + 1e-30));
+    }
+}
+
+/// Packed backward sums (pack_backward_sums) of dy and x about `mean` with status `status`:
+/// each channel's sum dy and sum dy (x - mean) against double sums, within the accumulation's
+/// tolerance of the sums of magnitudes.
+template <class T, class Acc>
+void check_backward_sums(const std::vector<Acc>& t, const std::vector<T>& dy,
+                         const std::vector<T>& x, const std::vector<Acc>& mean,
+                         const channel_geometry& g, Acc status) {
+    const double tol = acc_tolerance<T>();
+    const std::size_t C = g.channels;
+    CHECK(t[packed_sums::status(C)] == status);
+    for (std::size_t c = 0; c < C; ++c) {
+        double sdy = 0, sdyx = 0, mag_dy = 0, mag_dyx = 0;
+        for (std::size_t k = 0; k < g.per_channel(); ++k) {
+            const std::size_t i = g.offset(c, k);
+            const double d = to_double(dy[i]), e = to_double(x[i]) - mean[c];
+            sdy += d;
+            sdyx += d * e;
+            mag_dy += std::abs(d);
+            mag_dyx += std::abs(d * e);
+        }
+        CHECK(std::abs(t[c] - sdy) <= tol * (mag_dy + 1e-30));
+        CHECK(std::abs(t[C + c] - sdyx) <= tol * (mag_dyx + 1e-30));
+    }
+}
+
+/// Elementwise results against their references, in one assertion per array (a million
+/// passing CHECKs cost seconds): how many miss |got - want| <= rel (|want| + 1), and the first.
+struct element_misses {
+    std::size_t count = 0;
+    std::size_t first = 0;
+    double got = 0;
+    double want = 0;
+    void add(std::size_t i, double got_i, double want_i, double rel) {
+        if (std::abs(got_i - want_i) <= rel * (std::abs(want_i) + 1))
+            return;
+        if (count++ == 0) {
+            first = i;
+            got = got_i;
+            want = want_i;
+        }
+    }
+    void check(const char* what) const {
+        INFO(what << ": " << count << " element(s) off, the first at " << first << ": " << got
+                  << " where " << want << " was expected");
+        CHECK(count == 0);
+    }
+};
+
+/// The inputs of the elementwise kernels (normalize, input_gradient_fused) over g, each from its
+/// own seed, and their double references.
+template <class T>
+struct elementwise_case {
+    using Acc = lockstep::kernels::accumulation_t<T>;
+    channel_geometry g;
+    std::vector<T> x = values<T>(g.size(), 5, 1.0, 3.0);
+    std::vector<T> dy = values<T>(g.size(), 6, 0.0, 1.0);
+    std::vector<Acc> mean = values<Acc>(g.channels, 7, 1.0, 0.5);
+    std::vector<Acc> scale = values<Acc>(g.channels, 8, 1.0, 0.5);
+    std::vector<Acc> beta = values<Acc>(g.channels, 9, 0.0, 1.0);
+    std::vector<Acc> local = values<Acc>(2 * g.channels, 10, 0.0, 5.0);
+    std::vector<Acc> totals = tripled(local);
+    std::vector<Acc> gamma = values<Acc>(g.channels, 11, 1.0, 0.3);
+    std::vector<Acc> invstd = values<Acc>(g.channels, 12, 2.0, 0.2);
+    std::vector<Acc> dgamma0 = values<Acc>(g.channels, 13, 0.0, 1.0);
+    std::vector<Acc> dbeta0 = values<Acc>(g.channels, 14, 0.0, 1.0);
+    double count = 3.0 * static_cast<double>(g.per_channel()) + 1.0;
+
+    /// A result rounded into T, computed in Acc from values of magnitude <= |want| + 1.
+    static constexpr double tol = unit_roundoff<T>() + 4 * acc_tolerance<T>();
+
+    static std::vector<Acc> tripled(const std::vector<Acc>& v) {
+        std::vector<Acc> t(v.size());
+        for (std::size_t j = 0; j < v.size(); ++j)
+            t[j] = Acc(3) * v[j];
+        return t;
+    }
+    double want_y(std::size_t i) const {
+        const std::size_t c = g.channel_of(i);
+        return (to_double(x[i]) - mean[c]) * double(scale[c]) + double(beta[c]);
+    }
+    double want_dx(std::size_t i) const {
+        const std::size_t c = g.channel_of(i);
+        const std::size_t C = g.channels;
+        const double inv = invstd[c];
+        const double a = totals[c] / count;
+        const double b = inv * inv * totals[C + c] / count;
+        return gamma[c] * inv * (to_double(dy[i]) - a - (to_double(x[i]) - mean[c]) * b);
+    }
+    /// y (normalize with mean, scale, beta) against want_y.
+    void check_y(const std::vector<T>& y) const {
+        element_misses m;
+        for (std::size_t i = 0; i < g.size(); ++i)
+            m.add(i, to_double(y[i]), want_y(i), tol);
+        m.check("y");
+    }
+    /// dx (input_gradient_fused) against want_dx.
+    void check_dx(const std::vector<T>& dx) const {
+        element_misses m;
+        for (std::size_t i = 0; i < g.size(); ++i)
+            m.add(i, to_double(dx[i]), want_dx(i), 2 * tol);
+        m.check("dx");
+    }
+    /// The parameter gradients, added exactly once per channel to dgamma0 and dbeta0 (twice
+    /// would be off by a whole local sum).
+    void check_parameter_gradients(const std::vector<Acc>& dg, const std::vector<Acc>& db) const {
+        const std::size_t C = g.channels;
+        const double eps = 4 * acc_tolerance<T>();
+        for (std::size_t c = 0; c < C; ++c) {
+            const double want_g = dgamma0[c] + double(local[C + c]) * invstd[c];
+            const double want_b = double(dbeta0[c]) + local[c];
+            CHECK(std::abs(dg[c] - want_g) <= eps * (std::abs(want_g) + 1));
+            CHECK(std::abs(db[c] - want_b) <= eps * (std::abs(want_b) + 1));
+        }
+    }
+};
+
+} // namespace lockstep_test::bn_data

@@ -1,0 +1,298 @@
+// The CUDA batch-norm kernels (kernels/detail/bn_cuda_*.cuh) run on the CPU by the block
+// emulator (tests/support/cuda_emulator.hpp), launched as kernels/bn_cuda.cuh launches them (the
+// plan, the partitions, the widths), and checked against the same double references as on a
+// device (bn_kernel_checks.hpp): every mapping, vector width and alignment, without a GPU. What
+// it cannot show: speed, the device's memory model and cub's fold order (the emulated
+// BlockReduce folds in thread order), so bits are compared run against run only.
+// SPDX-License-Identifier: Apache-2.0
+#include "support/cuda_emulator.hpp"
+
+#include "lockstep/kernels/bn_fused.hpp"
+#include "lockstep/kernels/channel_geometry.hpp"
+#include "lockstep/kernels/detail/bn_cuda_kernels.cuh"
+#include "lockstep/kernels/detail/bn_launch_plan.hpp"
+
+#include "bn_kernel_checks.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cstddef>
+#include <cstring>
+#include <initializer_list>
+#include <stdexcept>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+using namespace lockstep_test::bn_data;
+using lockstep::kernels::accumulation_t;
+using lockstep::kernels::channel_geometry;
+using lockstep::kernels::cuda_path::block_threads;
+namespace kd = lockstep::kernels::detail;
+namespace cd = lockstep::kernels::cuda_path::detail;
+
+namespace {
+
+/// n values of U from `offset` values into a 16-byte aligned allocation whose other values hold
+/// a sentinel byte pattern, so a write outside the n values shows (untouched()).
+template <class U>
+struct host_array {
+    std::vector<uint4> storage;
+    std::size_t offset;
+    std::size_t size;
+    host_array(std::size_t n, std::size_t off)
+        : storage(((n + off + 1) * sizeof(U) + sizeof(uint4) - 1) / sizeof(uint4) + 1), offset(off),
+          size(n) {
+        std::memset(storage.data(), 0x5a, storage.size() * sizeof(uint4));
+    }
+    host_array(const std::vector<U>& h, std::size_t off) : host_array(h.size(), off) {
+        if (!h.empty())
+            std::memcpy(data(), h.data(), h.size() * sizeof(U));
+    }
+    U* data() { return reinterpret_cast<U*>(storage.data()) + offset; }
+    std::vector<U> values() const {
+        std::vector<U> h(size);
+        if (size > 0)
+            std::memcpy(h.data(), reinterpret_cast<const U*>(storage.data()) + offset,
+                        size * sizeof(U));
+        return h;
+    }
+    /// True when every byte outside the n values still holds the sentinel.
+    bool untouched() const {
+        const auto* b = reinterpret_cast<const unsigned char*>(storage.data());
+        const std::size_t lo = offset * sizeof(U), hi = (offset + size) * sizeof(U);
+        for (std::size_t i = 0; i < storage.size() * sizeof(uint4); ++i)
+            if ((i < lo || i >= hi) && b[i] != 0x5a)
+                return false;
+        return true;
+    }
+};
+
+/// Emulates the plan's kernel as cuda_path::detail::launch launches it: f(width) on every
+/// thread of the plan's grid, width a std::integral_constant<int, W> of the plan's width W.
+template <class N, class F>
+void emulate_plan(const cd::bn_launch& p, F&& f) {
+    constexpr int V = cd::vector_width<N>;
+    const dim3 grid(p.grid_x, p.grid_y);
+    const auto run = [&](auto width) {
+        lockstep_emulator::emulate(grid, block_threads, [&] { f(width); });
+    };
+    if (p.width == 1)
+        run(std::integral_constant<int, 1>{});
+    else if (p.width == V)
+        run(std::integral_constant<int, V>{});
+    else if constexpr (V / 2 >= 4)
+        run(std::integral_constant<int, V / 2>{});
+    else
+        throw std::logic_error("a plan width no kernel takes");
+}
+
+// The launchers of kernels/bn_cuda.cuh, with the emulator in place of <<<...>>>.
+
+template <class N, class Acc>
+void pack_local_moments(const N* x, channel_geometry g, Acc status, Acc* block,
+                        std::byte* workspace) {
+    cd::block_header<Acc> header{status, 0, 0};
+    lockstep::kernels::packed_moments::split_count(g.per_channel(), header.count_hi,
+                                                   header.count_lo);
+    if (g.channels == 0) {
+        lockstep_emulator::emulate(dim3(1), 1, [&] { cd::header_kernel(header, block); });
+        return;
+    }
+    auto* counters = reinterpret_cast<unsigned*>(workspace);
+    auto* partials = reinterpret_cast<Acc*>(workspace + kd::counter_bytes(g));
+    const std::size_t parts = kd::cuda_partitions(g, sizeof(N));
+    const cd::bn_launch p = cd::plan_bn_launch(g, sizeof(N), parts, 0, {x});
+    emulate_plan<N>(p, [&](auto width) {
+        constexpr int W = decltype(width)::value;
+        if (p.mapping == cd::bn_mapping::planes)
+            cd::moments_planes_kernel<N, Acc, W>(x, cd::unit_geometry(g, W), parts, partials,
+                                                 counters, header, block);
+        else if constexpr (cd::rows_width<N, W>)
+            cd::moments_rows_kernel<N, Acc, W>(x, g, p.tx, parts, partials, counters, header,
+                                               block);
+    });
+}
+
+template <class N, class Acc>
+void pack_backward_sums(const N* dy, const N* x, channel_geometry g, const Acc* mean, Acc status,
+                        Acc* sums, std::byte* workspace) {
+    if (g.channels == 0) {
+        lockstep_emulator::emulate(dim3(1), 1, [&] { cd::status_kernel(status, sums); });
+        return;
+    }
+    auto* counters = reinterpret_cast<unsigned*>(workspace);
+    auto* partials = reinterpret_cast<Acc*>(workspace + kd::counter_bytes(g));
+    const std::size_t parts = kd::cuda_partitions(g, sizeof(N));
+    const cd::bn_launch p = cd::plan_bn_launch(g, sizeof(N), parts, 0, {dy, x});
+    emulate_plan<N>(p, [&](auto width) {
+        constexpr int W = decltype(width)::value;
+        if (p.mapping == cd::bn_mapping::planes)
+            cd::sums_planes_kernel<N, Acc, W>(dy, x, cd::unit_geometry(g, W), parts, mean, status,
+                                              partials, counters, sums);
+        else if constexpr (cd::rows_width<N, W>)
+            cd::sums_rows_kernel<N, Acc, W>(dy, x, g, p.tx, parts, mean, status, partials, counters,
+                                            sums);
+    });
+}
+
+template <class N, class Acc, class Coef>
+void launch_normalize(const N* x, N* y, channel_geometry g, const Coef& coef, const Acc* beta) {
+    if (g.channels == 0 || (!Coef::finishes && g.size() == 0))
+        return;
+    const cd::bn_launch p = cd::plan_bn_launch(g, sizeof(N), 0, 0, {x, y});
+    emulate_plan<N>(p, [&](auto width) {
+        constexpr int W = decltype(width)::value;
+        if (p.mapping == cd::bn_mapping::planes)
+            cd::normalize_planes_kernel<N, Acc, W, Coef>(x, y, cd::unit_geometry(g, W), coef, beta);
+        else if constexpr (cd::rows_width<N, W>)
+            cd::normalize_rows_kernel<N, Acc, W, Coef>(x, y, g, p.tx, coef, beta);
+    });
+}
+
+template <class N, class Acc>
+void input_gradient_fused(const N* dy, const N* x, N* dx, channel_geometry g,
+                          const cd::fused_gradient_args<Acc>& args) {
+    if (g.channels == 0)
+        return;
+    const std::size_t channel_blocks = (g.channels + block_threads - 1) / block_threads;
+    const cd::bn_launch p = cd::plan_bn_launch(g, sizeof(N), 0, channel_blocks, {dy, x, dx});
+    emulate_plan<N>(p, [&](auto width) {
+        constexpr int W = decltype(width)::value;
+        if (p.mapping == cd::bn_mapping::planes)
+            cd::gradient_planes_kernel<N, Acc, W>(dy, x, dx, cd::unit_geometry(g, W), args);
+        else if constexpr (cd::rows_width<N, W>)
+            cd::gradient_rows_kernel<N, Acc, W>(dy, x, dx, g, p.tx, args);
+    });
+}
+
+} // namespace
+
+TEMPLATE_TEST_CASE("emulated cuda_path moments and backward sums agree with a double reference",
+                   "[kernels][bn][emulated]", float, double, __half, __nv_bfloat16) {
+    using T = TestType;
+    using Acc = accumulation_t<T>;
+    using lockstep::kernels::packed_moments;
+    using lockstep::kernels::packed_sums;
+    for (const channel_geometry g : geometries) {
+        for (const std::size_t off : reduction_offsets<T>()) {
+            CAPTURE(g.outer, g.channels, g.inner, off);
+            const std::size_t C = g.channels;
+            const auto xh = values<T>(g.size(), 3, 50.0, 2.0);
+            const auto dyh = values<T>(g.size(), 4, 0.0, 1.0);
+            const std::vector<Acc> meanh(C, Acc(50));
+            host_array<T> x(xh, off), dy(dyh, off);
+            host_array<std::byte> ws(lockstep::kernels::bn_workspace_bytes<T>(g), 0);
+            std::memset(ws.data(), 0, ws.size);
+            // K1 twice (the arrival counters must be back at zero), K4 twice on the same workspace
+            host_array<Acc> b1(std::vector<Acc>(packed_moments::size(C), Acc(-7)), 0), b2 = b1;
+            host_array<Acc> s1(std::vector<Acc>(packed_sums::size(C), Acc(-7)), 0), s2 = s1;
+            pack_local_moments(x.data(), g, Acc(1), b1.data(), ws.data());
+            pack_local_moments(x.data(), g, Acc(1), b2.data(), ws.data());
+            pack_backward_sums(dy.data(), x.data(), g, meanh.data(), Acc(2), s1.data(), ws.data());
+            pack_backward_sums(dy.data(), x.data(), g, meanh.data(), Acc(2), s2.data(), ws.data());
+            CHECK(b1.values() == b2.values());
+            CHECK(s1.values() == s2.values());
+            check_moments_block(b1.values(), xh, g, Acc(1));
+            check_backward_sums(s1.values(), dyh, xh, meanh, g, Acc(2));
+            const auto counters = reinterpret_cast<const unsigned*>(ws.data());
+            for (std::size_t k = 0; k < kd::counter_bytes(g) / sizeof(unsigned); ++k)
+                CHECK(counters[k] == 0u);
+            CHECK((b1.untouched() && s1.untouched() && x.untouched() && dy.untouched()));
+        }
+    }
+}
+
+TEMPLATE_TEST_CASE("emulated cuda_path normalize and fused dx agree with a double reference",
+                   "[kernels][bn][emulated]", float, double, __half, __nv_bfloat16) {
+    using T = TestType;
+    using Acc = accumulation_t<T>;
+    for (const channel_geometry g : geometries) {
+        const elementwise_case<T> e{g};
+        for (const auto& [xoff, yoff] : elementwise_offsets<T>()) {
+            CAPTURE(g.outer, g.channels, g.inner, xoff, yoff);
+            host_array<T> x(e.x, xoff), dy(e.dy, xoff), y(g.size(), yoff), dx(g.size(), yoff);
+            host_array<Acc> dg(e.dgamma0, 0), db(e.dbeta0, 0);
+            launch_normalize(
+                x.data(), y.data(), g,
+                lockstep::kernels::coefficient_arrays<Acc>{e.mean.data(), e.scale.data()},
+                e.beta.data());
+            const cd::fused_gradient_args<Acc> args{
+                e.totals.data(), e.local.data(),  &e.count,  e.gamma.data(),
+                e.mean.data(),   e.invstd.data(), dg.data(), db.data()};
+            input_gradient_fused(dy.data(), x.data(), dx.data(), g, args);
+            e.check_y(y.values());
+            e.check_dx(dx.values());
+            e.check_parameter_gradients(dg.values(), db.values());
+            CHECK((y.untouched() && dx.untouched() && dg.untouched() && db.untouched()));
+        }
+    }
+}
+
+TEMPLATE_TEST_CASE("emulated cuda_path normalize with a finishing coefficient source writes "
+                   "every channel's coefficients and normalizes with them",
+                   "[kernels][bn][emulated]", float, double, __half, __nv_bfloat16) {
+    using T = TestType;
+    using Acc = accumulation_t<T>;
+    for (const channel_geometry g : geometries) {
+        CAPTURE(g.outer, g.channels, g.inner);
+        const std::size_t C = g.channels;
+        const elementwise_case<T> e{g};
+        const auto running_var = values<Acc>(C, 15, 2.0, 0.1);
+        host_array<T> x(e.x, 0), y(g.size(), 0);
+        host_array<Acc> mean(C, 0), scale(C, 0);
+        const lockstep::kernels::eval_coefficients_fn<Acc> fin{e.mean.data(),  running_var.data(),
+                                                               e.gamma.data(), Acc(1e-5),
+                                                               mean.data(),    scale.data()};
+        launch_normalize(x.data(), y.data(), g, fin, e.beta.data()); // also for an empty batch
+        // one thread per channel wrote what the host's arithmetic gives, bit for bit
+        std::vector<Acc> want_mean(C), want_scale(C);
+        for (std::size_t c = 0; c < C; ++c) {
+            want_mean[c] = fin.coefficients(c).mean;
+            want_scale[c] = fin.coefficients(c).scale;
+        }
+        CHECK(mean.values() == want_mean);
+        CHECK(scale.values() == want_scale);
+        const auto yv = y.values();
+        element_misses m;
+        for (std::size_t i = 0; i < g.size(); ++i) {
+            const std::size_t c = g.channel_of(i);
+            m.add(i, to_double(yv[i]),
+                  (to_double(e.x[i]) - want_mean[c]) * double(want_scale[c]) + double(e.beta[c]),
+                  e.tol);
+        }
+        m.check("y");
+        CHECK((y.untouched() && mean.untouched() && scale.untouched()));
+    }
+}
+
+TEST_CASE("the block emulator runs a block's threads in barrier phases and refuses divergent "
+          "barriers",
+          "[emulated]") {
+    // a block-wide sum through shared memory, with threads that return before the barrier
+    std::vector<unsigned> out(3, 0);
+    lockstep_emulator::emulate(dim3(3), 64, [&] {
+        __shared__ unsigned s[64];
+        s[threadIdx.x] = threadIdx.x + 1;
+        __syncthreads();
+        if (threadIdx.x % 2 == 1)
+            return;
+        __syncthreads(); // only the even threads: the odd ones have returned
+        if (threadIdx.x == 0) {
+            unsigned sum = 0;
+            for (unsigned t = 0; t < 64; ++t)
+                sum += s[t];
+            out[blockIdx.x] = sum + blockIdx.x * gridDim.x;
+        }
+    });
+    CHECK(out == std::vector<unsigned>{2080, 2083, 2086});
+    // two live threads waiting at different barriers
+    CHECK_THROWS_WITH(lockstep_emulator::emulate(dim3(1), 4,
+                                                 [] {
+                                                     if (threadIdx.x == 0)
+                                                         __syncthreads();
+                                                     else
+                                                         __syncthreads();
+                                                 }),
+                      Catch::Contains("wait at different __syncthreads() calls"));
+}
