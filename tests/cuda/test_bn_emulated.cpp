@@ -144,7 +144,7 @@ void launch_normalize(const N* x, N* y, channel_geometry g, const Coef& coef, co
     emulate_plan<N>(p, [&](auto width) {
         constexpr int W = decltype(width)::value;
         if (p.mapping == cd::bn_mapping::planes)
-            cd::normalize_planes_kernel<N, Acc, W, Coef>(x, y, cd::unit_geometry(g, W), coef, beta);
+            cd::normalize_planes_kernel<N, Acc, W, Coef>(x, y, g, coef, beta);
         else if constexpr (cd::rows_width<N, W>)
             cd::normalize_rows_kernel<N, Acc, W, Coef>(x, y, g, p.tx, coef, beta);
     });
@@ -160,7 +160,7 @@ void input_gradient_fused(const N* dy, const N* x, N* dx, channel_geometry g,
     emulate_plan<N>(p, [&](auto width) {
         constexpr int W = decltype(width)::value;
         if (p.mapping == cd::bn_mapping::planes)
-            cd::gradient_planes_kernel<N, Acc, W>(dy, x, dx, cd::unit_geometry(g, W), args);
+            cd::gradient_planes_kernel<N, Acc, W>(dy, x, dx, g, args);
         else if constexpr (cd::rows_width<N, W>)
             cd::gradient_rows_kernel<N, Acc, W>(dy, x, dx, g, p.tx, args);
     });

@@ -62,10 +62,12 @@ TEST_CASE("the planes mapping: a block per (channel, partition), vectors of whol
     CHECK(cp::plan_bn_launch(nchw(1, 8, 256), 4, 0, 1000, {at(0), at(0), at(0)}).grid_x == 1000);
 }
 
-TEST_CASE("planes that are not whole vectors, at least two, are read one value at a time",
+TEST_CASE("a reduction reads planes that are not whole vectors, at least two, one value at a "
+          "time; an elementwise kernel reads them in vectors that straddle planes",
           "[kernels][bn]") {
     // 256x64x14x14 NCHW: float planes are 49 vectors (448 and 392 blocks), half planes 24.5
-    // 16-byte vectors and 49 8-byte ones (392 elementwise blocks), 7x7 planes are odd (docs).
+    // 16-byte vectors and 49 8-byte ones (the reductions read 8-byte ones, the elementwise
+    // kernels 16-byte ones across planes: 196 blocks), 7x7 planes are odd (docs).
     const channel_geometry g = nchw(256, 64, 196);
     const std::size_t parts = cuda_partitions(g, 4);
     REQUIRE(parts == 7);
@@ -76,12 +78,24 @@ TEST_CASE("planes that are not whole vectors, at least two, are read one value a
     const cp::bn_launch k3 = cp::plan_bn_launch(g, 4, 0, 0, {at(0), at(0)});
     CHECK(k3.width == 4);
     CHECK(k3.grid_x == 392); // 3,211,264 values / (2048 units x 4)
+    CHECK(cp::plan_bn_launch(g, 2, cuda_partitions(g, 2), 0, {at(0)}).width == 4);
     const cp::bn_launch h3 = cp::plan_bn_launch(g, 2, 0, 0, {at(0), at(0)});
-    CHECK(h3.width == 4);
-    CHECK(h3.grid_x == 392);
+    CHECK(h3.width == 8);
+    CHECK(h3.grid_x == 196);
     CHECK(cp::plan_bn_launch(g, 2, 0, 0, {at(0), at(4)}).width == 1);
     CHECK(cp::plan_bn_launch(nchw(256, 2048, 49), 4, 2, 0, {at(0)}).width == 1);
     CHECK(cp::plan_bn_launch(nchw(256, 2048, 49), 2, 1, 0, {at(0)}).width == 1);
+    // 7x7: the normalize and dx kernels take 16-byte vectors over the tensor (49 values a plane,
+    // so a vector's lanes lie in at most two planes); a tensor that is not whole vectors, or a
+    // plane under two vectors' worth, one value at a time.
+    const cp::bn_launch s3 = cp::plan_bn_launch(nchw(256, 2048, 49), 4, 0, 0, {at(0), at(0)});
+    CHECK(s3.width == 4);
+    CHECK(s3.grid_x == 3136); // 25,690,112 values / (2048 vectors x 4)
+    CHECK(cp::plan_bn_launch(nchw(256, 2048, 49), 2, 0, 0, {at(0), at(0)}).width == 8);
+    CHECK(cp::plan_bn_launch(nchw(256, 2048, 49), 2, 0, 0, {at(0), at(8)}).width == 4);
+    CHECK(cp::plan_bn_launch(nchw(3, 5, 49), 4, 0, 0, {at(0), at(0)}).width == 1); // 735 values
+    CHECK(cp::plan_bn_launch(nchw(8, 4, 7), 4, 0, 0, {at(0), at(0)}).width == 1);  // 7 < 8
+    CHECK(cp::plan_bn_launch(nchw(8, 4, 9), 4, 0, 0, {at(0), at(0)}).width == 4);
     CHECK(cp::plan_bn_launch(nchw(64, 256, 784), 2, 4, 0, {at(0)}).width == 8); // 28x28 half
     // A plane of one vector is read by values (a vector per plane would be the rows layout);
     // 8-byte vectors only for 16-bit values (float's would hold 2).
@@ -153,15 +167,17 @@ TEST_CASE("a normalize block's table holds every plane the block touches", "[ker
                 const channel_geometry g = nchw(64, 37, inner);
                 const cp::bn_launch p = cp::plan_bn_launch(g, bytes, 0, 0, {at(0), at(offset)});
                 REQUIRE(p.mapping == bn_mapping::planes);
-                const channel_geometry units = cp::unit_geometry(g, static_cast<int>(p.width));
-                CHECK(units.inner * p.width == inner);
+                // whole vectors of the tensor, each in at most two planes
+                CHECK(g.size() % p.width == 0);
+                CHECK((p.width == 1 || inner >= 2 * p.width));
+                const std::size_t span = cp::block_units * p.width; // values a block covers
                 for (std::size_t b = 0; b < p.grid_x; ++b) {
-                    const cp::block_planes planes(units, b * cp::block_units, cp::block_units);
+                    const cp::block_planes planes(g, b * span, span);
                     CHECK(planes.count <= cp::planes_block_entries);
                     most = std::max(most, planes.count);
                 }
                 // the blocks cover the tensor
-                CHECK(std::size_t{p.grid_x} * cp::block_units >= units.size());
+                CHECK(std::size_t{p.grid_x} * span >= g.size());
             }
         }
     }

@@ -25,7 +25,8 @@
 // the CUDA types); Acc is double for double data and float otherwise. Pointers are device
 // pointers of sys's device, naturally aligned for their type; 16-byte aligned data (as every
 // cuda_system allocation is) with planes of whole 16-byte vectors (NCHW; 8-byte ones of 16-bit
-// values too) or channels of them (NHWC) takes a vector path, anything else a scalar path (same
+// values too; the normalize and dx kernels also where vectors straddle planes) or channels of
+// them (NHWC) takes a vector path, anything else a scalar path (same
 // arithmetic per value; reductions agree to rounding): which kernel and grid, the plan of
 // kernels/detail/bn_launch_plan.hpp says. Launch errors throw lockstep::error (errc::cuda).
 namespace lockstep::kernels::cuda_path {
@@ -122,7 +123,7 @@ void launch_normalize(const cuda_system& sys, const T* x, T* y, channel_geometry
     launch<N>(sys, p, [&]<int W>(dim3 grid, cudaStream_t s) {
         if (p.mapping == bn_mapping::planes)
             normalize_planes_kernel<N, Acc, W, Coef>
-                <<<grid, block_threads, 0, s>>>(xn, yn, unit_geometry(g, W), coef, beta);
+                <<<grid, block_threads, 0, s>>>(xn, yn, g, coef, beta);
         else if constexpr (rows_width<N, W>)
             normalize_rows_kernel<N, Acc, W, Coef>
                 <<<grid, block_threads, 0, s>>>(xn, yn, g, p.tx, coef, beta);
@@ -217,7 +218,7 @@ void input_gradient_fused(const cuda_system& sys, const T* dy, const T* x, T* dx
     detail::launch<N>(sys, p, [&]<int W>(dim3 grid, cudaStream_t s) {
         if (p.mapping == detail::bn_mapping::planes)
             detail::gradient_planes_kernel<N, Acc, W>
-                <<<grid, block_threads, 0, s>>>(dyn, xn, dxn, detail::unit_geometry(g, W), args);
+                <<<grid, block_threads, 0, s>>>(dyn, xn, dxn, g, args);
         else if constexpr (detail::rows_width<N, W>)
             detail::gradient_rows_kernel<N, Acc, W>
                 <<<grid, block_threads, 0, s>>>(dyn, xn, dxn, g, p.tx, args);

@@ -58,44 +58,63 @@ __device__ __forceinline__ void begin_normalize(block_coefficients<Acc, Entries>
 template <int V>
 inline constexpr int elementwise_batch = V == 1 ? 8 : 4;
 
-/// K3, planes: block b normalizes the units [b F, (b + 1) F) of the tensor (g in units of V
-/// values, unit_geometry; F = block_units), thread t the units b F + t, b F + t + block_threads,
-/// ... (consecutive threads, consecutive units); elementwise_batch units in flight; the
-/// coefficients of each unit's plane from the block's table.
+/// Where a vector of V values from tensor offset w.off lies: its lanes j < split in plane w.plane
+/// (channel w.c), the others in the next plane (only when a plane is not whole vectors: planes
+/// of at least 2 V values, so a vector straddles at most two).
+template <int V>
+__device__ __forceinline__ unsigned vector_split(const tensor_walk& w) {
+    if constexpr (V == 1) {
+        return 1; // known at compile time: single values keep no second plane's coefficients
+    } else {
+        const std::size_t left = w.inner - w.i;
+        return left < V ? static_cast<unsigned>(left) : V;
+    }
+}
+
+/// K3, planes: block b normalizes the values [b F V, (b + 1) F V) of the tensor (F =
+/// block_units) in vectors of V values, thread t the vectors from b F V + t V by block_threads V
+/// (consecutive threads, consecutive vectors); elementwise_batch vectors in flight; each lane's
+/// coefficients from the block's table (a vector's lanes take at most two entries).
 template <class T, class Acc, int V, class Coef>
 __global__ void __launch_bounds__(block_threads, 5)
     normalize_planes_kernel(const T* __restrict__ x, T* __restrict__ y, channel_geometry g,
                             Coef coef, const Acc* beta) {
     __shared__ block_coefficients<Acc, planes_block_entries> s;
-    const std::size_t first = std::size_t(blockIdx.x) * block_units;
-    const block_planes planes(g, first, block_units);
+    constexpr std::size_t span = block_units * V;
+    const std::size_t first = std::size_t(blockIdx.x) * span;
+    const block_planes planes(g, first, span);
     begin_normalize(s, g.channels, coef, beta, planes.count,
                     [&](std::size_t e) { return (planes.first + e) % g.channels; });
-    const std::size_t end = smin(first + block_units, g.size());
-    if (first + threadIdx.x >= end)
+    const std::size_t end = smin(first + span, g.size());
+    if (first + threadIdx.x * V >= end)
         return;
-    tensor_walk w(g, first + threadIdx.x, block_threads);
+    tensor_walk w(g, first + threadIdx.x * V, std::size_t{block_threads} * V);
     while (w.off < end) {
         const std::size_t at = w.off;
         raw_t<V, T> r[elementwise_batch<V>];
         unsigned e[elementwise_batch<V>];
+        unsigned split[elementwise_batch<V>];
 #pragma unroll
         for (int u = 0; u < elementwise_batch<V>; ++u) {
             e[u] = static_cast<unsigned>(w.plane - planes.first);
+            split[u] = vector_split<V>(w);
             if (w.off < end)
-                r[u] = load_raw<V>(x + w.off * V);
+                r[u] = load_raw<V>(x + w.off);
             w.next();
         }
 #pragma unroll
         for (int u = 0; u < elementwise_batch<V>; ++u) {
-            const std::size_t unit = at + u * std::size_t{block_threads};
-            if (unit < end) {
+            const std::size_t offset = at + u * std::size_t{block_threads} * V;
+            if (offset < end) {
+                const unsigned e1 = split[u] < V ? e[u] + 1 : e[u];
                 Acc v[V];
                 unpack<V, T>(r[u], v);
 #pragma unroll
-                for (int j = 0; j < V; ++j)
-                    v[j] = normalize_value(v[j], s.mean[e[u]], s.scale[e[u]], s.beta[e[u]]);
-                store<V>(y + unit * V, v);
+                for (int j = 0; j < V; ++j) {
+                    const unsigned k = j < static_cast<int>(split[u]) ? e[u] : e1;
+                    v[j] = normalize_value(v[j], s.mean[k], s.scale[k], s.beta[k]);
+                }
+                store<V>(y + offset, v);
             }
         }
     }
@@ -176,47 +195,58 @@ __device__ __forceinline__ void parameter_gradients(std::size_t C,
     });
 }
 
-/// K5, planes: the grid's threads walk the tensor's units (g in units of V values) by the grid's
-/// stride, elementwise_batch units in flight, each unit's coefficients computed from its channel
-/// (1 / count taken once per thread).
+/// K5, planes: the grid's threads walk the tensor in vectors of V values by the grid's stride,
+/// elementwise_batch vectors in flight, each lane's coefficients computed from its channel (a
+/// vector's lanes take at most two; 1 / count taken once per thread).
 template <class T, class Acc, int V>
 __global__ void __launch_bounds__(block_threads, V == 1 ? 4 : 3)
     gradient_planes_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
                            channel_geometry g, fused_gradient_args<Acc> f) {
     parameter_gradients(g.channels, f);
     const std::size_t size = g.size();
-    const std::size_t a = std::size_t(blockIdx.x) * block_threads + threadIdx.x;
+    const std::size_t a = (std::size_t(blockIdx.x) * block_threads + threadIdx.x) * V;
     if (a >= size)
         return;
     const Acc per = gradient_reciprocal<Acc>(*f.count);
-    tensor_walk w(g, a, std::size_t(gridDim.x) * block_threads);
+    tensor_walk w(g, a, std::size_t(gridDim.x) * block_threads * V);
     while (w.off < size) {
         const std::size_t at = w.off;
         raw_t<V, T> rd[elementwise_batch<V>], rx[elementwise_batch<V>];
         std::size_t c[elementwise_batch<V>];
+        unsigned split[elementwise_batch<V>];
 #pragma unroll
         for (int u = 0; u < elementwise_batch<V>; ++u) {
             c[u] = w.c;
+            split[u] = vector_split<V>(w);
             if (w.off < size) {
-                rd[u] = load_raw<V>(dy + w.off * V);
-                rx[u] = load_raw<V>(x + w.off * V);
+                rd[u] = load_raw<V>(dy + w.off);
+                rx[u] = load_raw<V>(x + w.off);
             }
             w.next();
         }
 #pragma unroll
         for (int u = 0; u < elementwise_batch<V>; ++u) {
-            const std::size_t unit = at + u * w.stride;
-            if (unit < size) {
-                const gradient_coefficients<Acc> co = fused_gradient_coefficients_per(
-                    c[u], g.channels, f.totals, per, f.gamma, f.invstd);
-                const Acc mu = f.mean[c[u]];
+            const std::size_t offset = at + u * w.stride;
+            if (offset < size) {
+                const auto coefficients = [&](std::size_t ch) {
+                    return fused_gradient_coefficients_per(ch, g.channels, f.totals, per, f.gamma,
+                                                           f.invstd);
+                };
+                const std::size_t c1 = c[u] + 1 == g.channels ? 0 : c[u] + 1;
+                const gradient_coefficients<Acc> co0 = coefficients(c[u]);
+                const gradient_coefficients<Acc> co1 = split[u] < V ? coefficients(c1) : co0;
+                const Acc mu0 = f.mean[c[u]];
+                const Acc mu1 = split[u] < V ? f.mean[c1] : mu0;
                 Acc d[V], v[V];
                 unpack<V, T>(rd[u], d);
                 unpack<V, T>(rx[u], v);
 #pragma unroll
-                for (int j = 0; j < V; ++j)
-                    d[j] = input_gradient(d[j], v[j], mu, co.k, co.a, co.b);
-                store<V>(dx + unit * V, d);
+                for (int j = 0; j < V; ++j) {
+                    const bool second = j >= static_cast<int>(split[u]);
+                    const gradient_coefficients<Acc>& co = second ? co1 : co0;
+                    d[j] = input_gradient(d[j], v[j], second ? mu1 : mu0, co.k, co.a, co.b);
+                }
+                store<V>(dx + offset, d);
             }
         }
     }

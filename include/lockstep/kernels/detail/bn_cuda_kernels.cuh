@@ -11,10 +11,12 @@
 
 // Two shapes cover every layout, as on the host:
 // - planes (inner > 1): the tensor is walked in units of V values (16-byte vectors where every
-//   pointer is aligned and a plane is whole vectors, 8-byte ones of 16-bit values likewise, else
-//   single values), so every unit lies in one plane; consecutive threads take consecutive units of
-//   one channel's partition (reductions, flat_channel) or of the tensor (elementwise, tensor_walk),
-//   a few units in flight per thread, offsets stepped without a division per unit.
+//   pointer is aligned and, for the reductions, a plane is whole vectors, so every unit lies in
+//   one plane, or, for the elementwise kernels, the tensor is whole vectors and a plane at least
+//   two vectors' worth, so a unit straddles at most two planes; 8-byte ones of 16-bit values
+//   likewise, else single values); consecutive threads take consecutive units of one channel's
+//   partition (reductions, flat_channel) or of the tensor (elementwise, tensor_walk), a few units
+//   in flight per thread, offsets stepped without a division per unit.
 // - rows (inner == 1): consecutive threads take consecutive channel vectors of a row (coalesced),
 //   tx indexes channel vectors, ty rows; a thread keeps its channels' state across rows.
 // Reductions write one partial per (channel, partition) block; the last block of a channel (or

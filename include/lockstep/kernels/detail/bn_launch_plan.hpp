@@ -43,9 +43,9 @@ struct block_planes {
     }
 };
 
-/// Entries of the planes normalize kernel's table: a block covers block_units units of planes
-/// of at least 2 units (plan_bn_launch), so it touches at most block_units / 2 planes and the
-/// two it starts and ends in.
+/// Entries of the planes normalize kernel's table: a block covers block_units vectors of planes
+/// of at least 2 vectors' worth of values (plan_bn_launch), so it touches at most block_units /
+/// 2 planes and the two it starts and ends in.
 inline constexpr std::size_t planes_block_entries = block_units / 2 + 2;
 
 /// How a kernel maps the tensor onto its threads (kernels/detail/bn_cuda_kernels.cuh):
@@ -91,10 +91,12 @@ inline unsigned rows_grid_y(std::size_t rows, unsigned tx) {
 /// The launch of one batch-norm kernel over g, whose data (the tensors it reads and writes, of
 /// `value_bytes` bytes a value) lie at `data`:
 /// - planes where inner > 1, else rows;
-/// - width: planes read the widest vector every pointer is aligned to whose values divide a plane
-///   at least twice (so every vector lies in one plane): 16 bytes, or 8 for 2-byte values (a
-///   vector of at least 4 values), else one value; rows read 16-byte vectors where the pointers
-///   are aligned to them and the channels are whole vectors, else one value;
+/// - width: planes read the widest vector every pointer is aligned to, 16 bytes or 8 for 2-byte
+///   values (a vector of at least 4 values), else one value, where for a reduction its values
+///   divide a plane at least twice (so every vector lies in one plane) and for an elementwise
+///   kernel they divide the tensor and a plane holds at least two vectors' worth (so a vector
+///   straddles at most two planes); rows read 16-byte vectors where the pointers are aligned to
+///   them and the channels are whole vectors, else one value;
 /// - a reduction (parts >= 1, cuda_partitions) has one block per (channel, partition) (planes)
 ///   or per (channel tile, partition) (rows: grid_y = parts); an elementwise kernel (parts == 0)
 ///   covers the values, block_units accesses a block (planes, with at least min_blocks blocks) or
@@ -112,7 +114,10 @@ inline bn_launch plan_bn_launch(const channel_geometry& g, std::size_t value_byt
     if (g.inner > 1) {
         l.mapping = bn_mapping::planes;
         for (const std::size_t w : {v, v / 2 >= 4 ? v / 2 : v}) {
-            if (l.width == 1 && aligned(w * value_bytes) && g.inner % w == 0 && g.inner / w >= 2)
+            // a reduction's vectors lie in one plane; an elementwise kernel's may straddle two
+            const bool fits = parts > 0 ? g.inner % w == 0 && g.inner / w >= 2
+                                        : g.size() % w == 0 && g.inner >= 2 * w;
+            if (l.width == 1 && aligned(w * value_bytes) && fits)
                 l.width = static_cast<unsigned>(w);
         }
         const std::size_t units = g.size() / l.width;
