@@ -6,6 +6,7 @@
 
 #include "lockstep/core/float16.hpp"
 #include "lockstep/kernels/bn_fused.hpp"
+#include "lockstep/kernels/bn_statistics.hpp"
 #include "lockstep/kernels/channel_geometry.hpp"
 
 #include <catch2/catch.hpp>
@@ -251,6 +252,125 @@ struct elementwise_case {
             CHECK(std::abs(dg[c] - want_g) <= eps * (std::abs(want_g) + 1));
             CHECK(std::abs(db[c] - want_b) <= eps * (std::abs(want_b) + 1));
         }
+    }
+};
+
+/// Where finish_statistics_fn writes (device or host pointers): the coefficients, the running
+/// statistics, the count, the layer's error record and the kept running statistics.
+template <class Acc>
+struct finish_outputs {
+    Acc* mean;
+    Acc* invstd;
+    Acc* scale;
+    Acc* running_mean;
+    Acc* running_var;
+    double* count;
+    double* record; ///< 3 doubles: a layer_error_record
+    Acc* kept;      ///< 2 C: kept_mean, then kept_var
+};
+
+/// A layer's finish over three replicas' statistics blocks (counts n + r, means near 1, M2 near
+/// n + r), this replica the second, normalizing with the merged statistics or its own, and the
+/// inputs of the normalization that follows it in one launch (finish_and_normalize).
+template <class T>
+struct finish_case {
+    using Acc = lockstep::kernels::accumulation_t<T>;
+    static constexpr int replicas = 3;
+    channel_geometry g;
+    bool merged;
+    std::size_t stride = packed_moments::size(g.channels);
+    std::vector<Acc> blocks = make_blocks(g, stride);
+    std::vector<T> x = values<T>(g.size(), 21, 1.0, 3.0);
+    std::vector<Acc> gamma = values<Acc>(g.channels, 22, 1.0, 0.3);
+    std::vector<Acc> beta = values<Acc>(g.channels, 23, 0.0, 1.0);
+    std::vector<Acc> running_mean0 = values<Acc>(g.channels, 24, 0.0, 1.0);
+    std::vector<Acc> running_var0 = values<Acc>(g.channels, 25, 2.0, 0.1);
+
+    static std::vector<Acc> make_blocks(const channel_geometry& geometry, std::size_t stride) {
+        const std::size_t C = geometry.channels;
+        std::vector<Acc> b(replicas * stride);
+        const auto stats = values<Acc>(2 * C * replicas, 20, 1.0, 0.5);
+        for (int r = 0; r < replicas; ++r) {
+            Acc* block = b.data() + static_cast<std::size_t>(r) * stride;
+            const std::size_t n = geometry.per_channel() + static_cast<std::size_t>(r);
+            packed_moments::split_count(n, block[packed_moments::count_hi],
+                                        block[packed_moments::count_lo]);
+            for (std::size_t c = 0; c < C; ++c) {
+                block[packed_moments::mean(c)] = stats[(r * C + c) * 2];
+                block[packed_moments::m2(c)] =
+                    static_cast<Acc>(n) * std::abs(stats[(r * C + c) * 2 + 1]);
+            }
+        }
+        return b;
+    }
+
+    /// The finish over `blocks_at` (where `blocks` lies) with gamma at `gamma_at`, writing `out`.
+    lockstep::kernels::finish_statistics_fn<Acc> finish(const Acc* blocks_at, const Acc* gamma_at,
+                                                        const finish_outputs<Acc>& out) const {
+        return lockstep::kernels::finish_statistics_fn<Acc>{
+            .blocks = blocks_at,
+            .stride = stride,
+            .count_blocks = replicas,
+            .self = 1,
+            .running_first = 0,
+            .running_last = replicas,
+            .normalize_merged = merged,
+            .world_offset = 0,
+            .gamma = gamma_at,
+            .eps = Acc(1e-5),
+            .momentum = Acc(0.1),
+            .mean = out.mean,
+            .invstd = out.invstd,
+            .scale = out.scale,
+            .running_mean = out.running_mean,
+            .running_var = out.running_var,
+            .count = out.count,
+            .report =
+                lockstep::kernels::layer_report{
+                    .first = reinterpret_cast<lockstep::kernels::layer_error_record*>(out.record)},
+            .kept_mean = out.kept,
+            .kept_var = out.kept + g.channels};
+    }
+
+    /// The running statistics as they were before the finish (what it keeps).
+    std::vector<Acc> kept_before() const {
+        std::vector<Acc> before(running_mean0);
+        before.insert(before.end(), running_var0.begin(), running_var0.end());
+        return before;
+    }
+
+    /// What the finish wrote (mean, scale, running mean) and y, the normalization it asked for,
+    /// against double references over the blocks.
+    void check(const std::vector<Acc>& mean, const std::vector<Acc>& scale,
+               const std::vector<Acc>& running_mean, const std::vector<T>& y) const {
+        const double tol = acc_tolerance<T>();
+        for (std::size_t c = 0; c < g.channels; ++c) {
+            double n = 0, s = 0, nr = 0, sr = 0;
+            for (int r = 0; r < replicas; ++r) {
+                const Acc* b = blocks.data() + static_cast<std::size_t>(r) * stride;
+                const double k = packed_moments::count(b);
+                const double m = b[packed_moments::mean(c)];
+                nr += k;
+                sr += k * m;
+                if (merged || r == 1) {
+                    n += k;
+                    s += k * m;
+                }
+            }
+            const double want = n > 0 ? s / n : 0;
+            CHECK(std::abs(mean[c] - want) <= 4 * tol * (std::abs(want) + 1));
+            if (nr > 1) {
+                const double want_run = 0.9 * double(running_mean0[c]) + 0.1 * sr / nr;
+                CHECK(std::abs(running_mean[c] - want_run) <= 4 * tol * (std::abs(want_run) + 1));
+            }
+        }
+        element_misses m;
+        for (std::size_t i = 0; i < g.size(); ++i) {
+            const std::size_t c = g.channel_of(i);
+            m.add(i, to_double(y[i]), (to_double(x[i]) - mean[c]) * double(scale[c]) + beta[c],
+                  unit_roundoff<T>() + 4 * tol);
+        }
+        m.check("y");
     }
 };
 

@@ -221,47 +221,31 @@ TEMPLATE_TEST_CASE("cuda_path finish_and_normalize writes what the finish and th
     if (lockstep_test::skip_without_gpu())
         return;
     const cuda_system sys(0);
-    const double tol = unit_roundoff<T>() + 4 * acc_tolerance<T>();
-    const int replicas = 3;
     for (const channel_geometry g : geometries) {
         for (const bool merged : {true, false}) {
             CAPTURE(g.outer, g.channels, g.inner, merged);
             const std::size_t C = g.channels;
-            const std::size_t stride = packed_moments::size(C);
-            // three replicas' statistics blocks: counts n + r, means near 1, M2 near n + r
-            std::vector<Acc> blocksh(replicas * stride);
-            const auto stats = values<Acc>(2 * C * replicas, 20, 1.0, 0.5);
-            for (int r = 0; r < replicas; ++r) {
-                Acc* b = blocksh.data() + static_cast<std::size_t>(r) * stride;
-                const std::size_t n = g.per_channel() + static_cast<std::size_t>(r);
-                packed_moments::split_count(n, b[packed_moments::count_hi],
-                                            b[packed_moments::count_lo]);
-                for (std::size_t c = 0; c < C; ++c) {
-                    b[packed_moments::mean(c)] = stats[(r * C + c) * 2];
-                    b[packed_moments::m2(c)] =
-                        static_cast<Acc>(n) * std::abs(stats[(r * C + c) * 2 + 1]);
-                }
-            }
-            const auto xh = values<T>(g.size(), 21, 1.0, 3.0);
-            const auto gammah = values<Acc>(C, 22, 1.0, 0.3);
-            const auto betah = values<Acc>(C, 23, 0.0, 1.0);
-            const auto run_mean0 = values<Acc>(C, 24, 0.0, 1.0);
-            const auto run_var0 = values<Acc>(C, 25, 2.0, 0.1);
-            device_array<Acc> blocks(blocksh, sys), gamma(gammah, sys), beta(betah, sys);
-            device_array<T> x(xh, sys);
+            const finish_case<T> f{g, merged};
+            device_array<Acc> blocks(f.blocks, sys), gamma(f.gamma, sys), beta(f.beta, sys);
+            device_array<T> x(f.x, sys);
             // [0]: one launch, [1]: the generic finish pass, then the CUDA normalize
             struct outputs {
                 device_array<Acc> mean, invstd, scale, run_mean, run_var, kept;
                 device_array<double> count, record;
                 device_array<T> y;
+                finish_outputs<Acc> at() {
+                    return {mean.span().data(),     invstd.span().data(),  scale.span().data(),
+                            run_mean.span().data(), run_var.span().data(), count.span().data(),
+                            record.span().data(),   kept.span().data()};
+                }
             };
             const std::vector<Acc> zeros(C, Acc(0));
             const auto make = [&] {
                 return outputs{{zeros, sys},
                                {zeros, sys},
                                {zeros, sys},
-                               {run_mean0, sys},
-                               {run_var0, sys},
+                               {f.running_mean0, sys},
+                               {f.running_var0, sys},
                                {std::vector<Acc>(2 * C, Acc(-7)), sys},
                                {std::vector<double>{-1.0}, sys},
                                {std::vector<double>{-1.0, -1.0, -1.0}, sys},
@@ -269,30 +253,7 @@ TEMPLATE_TEST_CASE("cuda_path finish_and_normalize writes what the finish and th
             };
             outputs o[2] = {make(), make()};
             const auto finish = [&](outputs& out) {
-                return kernels::finish_statistics_fn<Acc>{
-                    .blocks = blocks.cspan().data(),
-                    .stride = stride,
-                    .count_blocks = replicas,
-                    .self = 1,
-                    .running_first = 0,
-                    .running_last = replicas,
-                    .normalize_merged = merged,
-                    .world_offset = 0,
-                    .gamma = gamma.cspan().data(),
-                    .eps = Acc(1e-5),
-                    .momentum = Acc(0.1),
-                    .mean = out.mean.span().data(),
-                    .invstd = out.invstd.span().data(),
-                    .scale = out.scale.span().data(),
-                    .running_mean = out.run_mean.span().data(),
-                    .running_var = out.run_var.span().data(),
-                    .count = out.count.span().data(),
-                    .report =
-                        kernels::layer_report{.first =
-                                                  reinterpret_cast<kernels::layer_error_record*>(
-                                                      out.record.span().data())},
-                    .kept_mean = out.kept.span().data(),
-                    .kept_var = out.kept.span().data() + C};
+                return f.finish(blocks.cspan().data(), gamma.cspan().data(), out.at());
             };
             kernels::finish_and_normalize(sys, finish(o[0]), x.cspan(), o[0].y.span(), g,
                                           beta.cspan());
@@ -307,47 +268,15 @@ TEMPLATE_TEST_CASE("cuda_path finish_and_normalize writes what the finish and th
             CHECK(o[0].count.download() == o[1].count.download());
             CHECK(o[0].record.download() == o[1].record.download());
             // the running statistics kept before the update (what a skipped step restores)
-            std::vector<Acc> before(run_mean0);
-            before.insert(before.end(), run_var0.begin(), run_var0.end());
-            CHECK(o[0].kept.download() == before);
-            CHECK(o[1].kept.download() == before);
+            CHECK(o[0].kept.download() == f.kept_before());
+            CHECK(o[1].kept.download() == f.kept_before());
             const auto y0 = o[0].y.download(), y1 = o[1].y.download();
             std::size_t differ = 0;
             for (std::size_t i = 0; i < g.size(); ++i)
                 differ += to_double(y0[i]) != to_double(y1[i]) ? 1 : 0;
             CHECK(differ == 0);
             // and what was written is the normalization the statistics ask for
-            const auto mean = o[0].mean.download(), scale = o[0].scale.download();
-            const auto run_mean = o[0].run_mean.download();
-            for (std::size_t c = 0; c < C; ++c) {
-                double n = 0, s = 0, nr = 0, sr = 0;
-                for (int r = 0; r < replicas; ++r) {
-                    const Acc* b = blocksh.data() + static_cast<std::size_t>(r) * stride;
-                    const double k = packed_moments::count(b);
-                    const double m = b[packed_moments::mean(c)];
-                    if (!merged && r != 1)
-                        continue;
-                    n += k;
-                    s += k * m;
-                }
-                for (int r = 0; r < replicas; ++r) {
-                    const Acc* b = blocksh.data() + static_cast<std::size_t>(r) * stride;
-                    nr += packed_moments::count(b);
-                    sr += packed_moments::count(b) * b[packed_moments::mean(c)];
-                }
-                const double want = n > 0 ? s / n : 0;
-                CHECK(std::abs(mean[c] - want) <= 4 * acc_tolerance<T>() * (std::abs(want) + 1));
-                if (nr > 1) {
-                    const double want_run = 0.9 * double(run_mean0[c]) + 0.1 * sr / nr;
-                    CHECK(std::abs(run_mean[c] - want_run) <=
-                          4 * acc_tolerance<T>() * (std::abs(want_run) + 1));
-                }
-            }
-            for (std::size_t i = 0; i < g.size(); ++i) {
-                const std::size_t c = g.channel_of(i);
-                const double want = (to_double(xh[i]) - mean[c]) * double(scale[c]) + betah[c];
-                CHECK(std::abs(to_double(y0[i]) - want) <= tol * (std::abs(want) + 1));
-            }
+            f.check(o[0].mean.download(), o[0].scale.download(), o[0].run_mean.download(), y0);
         }
     }
 }

@@ -266,6 +266,69 @@ TEMPLATE_TEST_CASE("emulated cuda_path normalize with a finishing coefficient so
     }
 }
 
+TEMPLATE_TEST_CASE("emulated cuda_path finish_and_normalize writes what the finish and the "
+                   "normalize launched apart write, bit for bit",
+                   "[kernels][bn][emulated]", float, double, __half, __nv_bfloat16) {
+    using T = TestType;
+    using Acc = accumulation_t<T>;
+    for (const channel_geometry g : geometries) {
+        for (const bool merged : {true, false}) {
+            CAPTURE(g.outer, g.channels, g.inner, merged);
+            const std::size_t C = g.channels;
+            const finish_case<T> f{g, merged};
+            host_array<T> x(f.x, 0);
+            // [0]: one launch (the finish inside the normalize), [1]: the finish channel by
+            // channel on the host, then the normalize with the arrays it wrote
+            struct outputs {
+                host_array<Acc> mean, invstd, scale, run_mean, run_var, kept;
+                host_array<double> count, record;
+                host_array<T> y;
+                finish_outputs<Acc> at() {
+                    return {mean.data(),    invstd.data(), scale.data(),  run_mean.data(),
+                            run_var.data(), count.data(),  record.data(), kept.data()};
+                }
+            };
+            const std::vector<Acc> zeros(C, Acc(0));
+            const auto make = [&] {
+                return outputs{{zeros, 0},
+                               {zeros, 0},
+                               {zeros, 0},
+                               {f.running_mean0, 0},
+                               {f.running_var0, 0},
+                               {std::vector<Acc>(2 * C, Acc(-7)), 0},
+                               {std::vector<double>{-1.0}, 0},
+                               {std::vector<double>{-1.0, -1.0, -1.0}, 0},
+                               {g.size(), 0}};
+            };
+            outputs o[2] = {make(), make()};
+            launch_normalize(x.data(), o[0].y.data(), g,
+                             f.finish(f.blocks.data(), f.gamma.data(), o[0].at()), f.beta.data());
+            const auto fin = f.finish(f.blocks.data(), f.gamma.data(), o[1].at());
+            for (std::size_t c = 0; c < C; ++c)
+                fin(c);
+            launch_normalize(
+                x.data(), o[1].y.data(), g,
+                lockstep::kernels::coefficient_arrays<Acc>{o[1].mean.data(), o[1].scale.data()},
+                f.beta.data());
+            CHECK(o[0].mean.values() == o[1].mean.values());
+            CHECK(o[0].invstd.values() == o[1].invstd.values());
+            CHECK(o[0].scale.values() == o[1].scale.values());
+            CHECK(o[0].run_mean.values() == o[1].run_mean.values());
+            CHECK(o[0].run_var.values() == o[1].run_var.values());
+            CHECK(o[0].count.values() == o[1].count.values());
+            CHECK(o[0].record.values() == o[1].record.values());
+            CHECK(o[0].kept.values() == f.kept_before());
+            CHECK(o[1].kept.values() == f.kept_before());
+            const auto y0 = o[0].y.values(), y1 = o[1].y.values();
+            CHECK(std::memcmp(y0.data(), y1.data(), y0.size() * sizeof(T)) == 0);
+            f.check(o[0].mean.values(), o[0].scale.values(), o[0].run_mean.values(), y0);
+            for (const outputs& out : o)
+                CHECK((out.mean.untouched() && out.scale.untouched() && out.run_var.untouched() &&
+                       out.kept.untouched() && out.record.untouched() && out.y.untouched()));
+        }
+    }
+}
+
 TEST_CASE("the block emulator runs a block's threads in barrier phases and refuses divergent "
           "barriers",
           "[emulated]") {
