@@ -163,9 +163,9 @@ struct anchored_terms {
 
 /// out[i] = the sum of element i's terms, rounded once to T: its anchor is the largest exponent
 /// field among them (a quiet NaN when one is not finite), every term's q for that anchor summed
-/// in 128 bits. Terms: anchored_terms<V>, or any type with replicas, calls and value(j, c, i).
+/// in 128 bits. Terms: anchored_terms<T>, or any type with replicas, calls and value(j, c, i).
 /// requires: replicas * calls <= anchored_limits::max_terms.
-template <class T, class V = T, class Terms = anchored_terms<V>>
+template <class T, class Terms = anchored_terms<T>>
 struct anchored_sum_fn {
     Terms terms;
     T* out;

@@ -92,7 +92,7 @@ struct anchored_combine_fn {
                 anchored_tile_sums(p, n, std::min(m - b, anchored_tile), out + b);
             }
         }
-        const anchored_sum_fn<T, T, anchored_arrays<T>> each{{sources, n, first}, out};
+        const anchored_sum_fn<T, anchored_arrays<T>> each{{sources, n, first}, out};
         for (std::size_t i = 0; !tiles && i < m; ++i)
             each(i);
         if (report.words != nullptr)

@@ -179,7 +179,7 @@ inline void anchored_tile_sums(const float* const* p, std::size_t k, std::size_t
             return anchored_blocks(p, k, m, out, ok);
         }))
         return;
-    const anchored_sum_fn<float, float, anchored_arrays<float>> each{{p, k, 0}, out};
+    const anchored_sum_fn<float, anchored_arrays<float>> each{{p, k, 0}, out};
     for (std::size_t i = 0; i < m; ++i)
         if (ok[i] == 0)
             each(i);
