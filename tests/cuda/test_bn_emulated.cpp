@@ -1,16 +1,15 @@
 // The CUDA batch-norm kernels (kernels/detail/bn_cuda_*.cuh) run on the CPU by the block
-// emulator (tests/support/cuda_emulator.hpp), launched as kernels/bn_cuda.cuh launches them (the
-// plan, the partitions, the widths), and checked against the same double references as on a
-// device (bn_kernel_checks.hpp): every mapping, vector width and alignment, without a GPU. What
-// it cannot show: speed, the device's memory model and cub's fold order (the emulated
-// BlockReduce folds in thread order), so bits are compared run against run only.
+// emulator (tests/support/cuda_emulator.hpp), launched by kernels/bn_cuda.cuh's own launchers
+// (the plan, the partitions, the widths, the workspace), and checked against the same double
+// references as on a device (bn_kernel_checks.hpp): every mapping, vector width and alignment,
+// without a GPU. What it cannot show: speed, the device's memory model and cub's fold order (the
+// emulated BlockReduce folds in thread order), so bits are compared run against run only.
 // SPDX-License-Identifier: Apache-2.0
 #include "support/cuda_emulator.hpp"
 
+#include "lockstep/kernels/bn_cuda.cuh"
 #include "lockstep/kernels/bn_fused.hpp"
 #include "lockstep/kernels/channel_geometry.hpp"
-#include "lockstep/kernels/detail/bn_cuda_kernels.cuh"
-#include "lockstep/kernels/detail/bn_launch_plan.hpp"
 
 #include "bn_kernel_checks.hpp"
 
@@ -19,17 +18,12 @@
 #include <cstddef>
 #include <cstring>
 #include <initializer_list>
-#include <stdexcept>
-#include <type_traits>
-#include <utility>
 #include <vector>
 
 using namespace lockstep_test::bn_data;
 using lockstep::kernels::accumulation_t;
 using lockstep::kernels::channel_geometry;
-using lockstep::kernels::cuda_path::block_threads;
 namespace kd = lockstep::kernels::detail;
-namespace cd = lockstep::kernels::cuda_path::detail;
 
 namespace {
 
@@ -68,103 +62,9 @@ struct host_array {
     }
 };
 
-/// Emulates the plan's kernel as cuda_path::detail::launch launches it: f(width) on every
-/// thread of the plan's grid, width a std::integral_constant<int, W> of the plan's width W.
-template <class N, class F>
-void emulate_plan(const cd::bn_launch& p, F&& f) {
-    constexpr int V = cd::vector_width<N>;
-    const dim3 grid(p.grid_x, p.grid_y);
-    const auto run = [&](auto width) {
-        lockstep_emulator::emulate(grid, block_threads, [&] { f(width); });
-    };
-    if (p.width == 1)
-        run(std::integral_constant<int, 1>{});
-    else if (p.width == V)
-        run(std::integral_constant<int, V>{});
-    else if constexpr (V / 2 >= 4)
-        run(std::integral_constant<int, V / 2>{});
-    else
-        throw std::logic_error("a plan width no kernel takes");
-}
-
-// The launchers of kernels/bn_cuda.cuh, with the emulator in place of <<<...>>>.
-
-template <class N, class Acc>
-void pack_local_moments(const N* x, channel_geometry g, Acc status, Acc* block,
-                        std::byte* workspace) {
-    cd::block_header<Acc> header{status, 0, 0};
-    lockstep::kernels::packed_moments::split_count(g.per_channel(), header.count_hi,
-                                                   header.count_lo);
-    if (g.channels == 0) {
-        lockstep_emulator::emulate(dim3(1), 1, [&] { cd::header_kernel(header, block); });
-        return;
-    }
-    auto* counters = reinterpret_cast<unsigned*>(workspace);
-    auto* partials = reinterpret_cast<Acc*>(workspace + kd::counter_bytes(g));
-    const std::size_t parts = kd::cuda_partitions(g, sizeof(N));
-    const cd::bn_launch p = cd::plan_bn_launch(g, sizeof(N), parts, 0, {x});
-    emulate_plan<N>(p, [&](auto width) {
-        constexpr int W = decltype(width)::value;
-        if (p.mapping == cd::bn_mapping::planes)
-            cd::moments_planes_kernel<N, Acc, W>(x, cd::unit_geometry(g, W), parts, partials,
-                                                 counters, header, block);
-        else if constexpr (cd::rows_width<N, W>)
-            cd::moments_rows_kernel<N, Acc, W>(x, g, p.tx, parts, partials, counters, header,
-                                               block);
-    });
-}
-
-template <class N, class Acc>
-void pack_backward_sums(const N* dy, const N* x, channel_geometry g, const Acc* mean, Acc status,
-                        Acc* sums, std::byte* workspace) {
-    if (g.channels == 0) {
-        lockstep_emulator::emulate(dim3(1), 1, [&] { cd::status_kernel(status, sums); });
-        return;
-    }
-    auto* counters = reinterpret_cast<unsigned*>(workspace);
-    auto* partials = reinterpret_cast<Acc*>(workspace + kd::counter_bytes(g));
-    const std::size_t parts = kd::cuda_partitions(g, sizeof(N));
-    const cd::bn_launch p = cd::plan_bn_launch(g, sizeof(N), parts, 0, {dy, x});
-    emulate_plan<N>(p, [&](auto width) {
-        constexpr int W = decltype(width)::value;
-        if (p.mapping == cd::bn_mapping::planes)
-            cd::sums_planes_kernel<N, Acc, W>(dy, x, cd::unit_geometry(g, W), parts, mean, status,
-                                              partials, counters, sums);
-        else if constexpr (cd::rows_width<N, W>)
-            cd::sums_rows_kernel<N, Acc, W>(dy, x, g, p.tx, parts, mean, status, partials, counters,
-                                            sums);
-    });
-}
-
-template <class N, class Acc, class Coef>
-void launch_normalize(const N* x, N* y, channel_geometry g, const Coef& coef, const Acc* beta) {
-    if (g.channels == 0 || (!Coef::finishes && g.size() == 0))
-        return;
-    const cd::bn_launch p = cd::plan_bn_launch(g, sizeof(N), 0, 0, {x, y});
-    emulate_plan<N>(p, [&](auto width) {
-        constexpr int W = decltype(width)::value;
-        if (p.mapping == cd::bn_mapping::planes)
-            cd::normalize_planes_kernel<N, Acc, W, Coef>(x, y, g, coef, beta);
-        else if constexpr (cd::rows_width<N, W>)
-            cd::normalize_rows_kernel<N, Acc, W, Coef>(x, y, g, p.tx, coef, beta);
-    });
-}
-
-template <class N, class Acc>
-void input_gradient_fused(const N* dy, const N* x, N* dx, channel_geometry g,
-                          const cd::fused_gradient_args<Acc>& args) {
-    if (g.channels == 0)
-        return;
-    const std::size_t channel_blocks = (g.channels + block_threads - 1) / block_threads;
-    const cd::bn_launch p = cd::plan_bn_launch(g, sizeof(N), 0, channel_blocks, {dy, x, dx});
-    emulate_plan<N>(p, [&](auto width) {
-        constexpr int W = decltype(width)::value;
-        if (p.mapping == cd::bn_mapping::planes)
-            cd::gradient_planes_kernel<N, Acc, W>(dy, x, dx, g, args);
-        else if constexpr (cd::rows_width<N, W>)
-            cd::gradient_rows_kernel<N, Acc, W>(dy, x, dx, g, p.tx, args);
-    });
-}
+/// The launchers of kernels/bn_cuda.cuh, on the emulator (the stream is not used).
+const cudaStream_t emulated{};
+namespace cp = lockstep::kernels::cuda_path;
 
 } // namespace
 
@@ -187,10 +87,12 @@ TEMPLATE_TEST_CASE("emulated cuda_path moments and backward sums agree with a do
             // K1 twice (the arrival counters must be back at zero), K4 twice on the same workspace
             host_array<Acc> b1(std::vector<Acc>(packed_moments::size(C), Acc(-7)), 0), b2 = b1;
             host_array<Acc> s1(std::vector<Acc>(packed_sums::size(C), Acc(-7)), 0), s2 = s1;
-            pack_local_moments(x.data(), g, Acc(1), b1.data(), ws.data());
-            pack_local_moments(x.data(), g, Acc(1), b2.data(), ws.data());
-            pack_backward_sums(dy.data(), x.data(), g, meanh.data(), Acc(2), s1.data(), ws.data());
-            pack_backward_sums(dy.data(), x.data(), g, meanh.data(), Acc(2), s2.data(), ws.data());
+            cp::pack_local_moments(emulated, x.data(), g, Acc(1), b1.data(), ws.data());
+            cp::pack_local_moments(emulated, x.data(), g, Acc(1), b2.data(), ws.data());
+            cp::pack_backward_sums(emulated, dy.data(), x.data(), g, meanh.data(), Acc(2),
+                                   s1.data(), ws.data());
+            cp::pack_backward_sums(emulated, dy.data(), x.data(), g, meanh.data(), Acc(2),
+                                   s2.data(), ws.data());
             CHECK(b1.values() == b2.values());
             CHECK(s1.values() == s2.values());
             check_moments_block(b1.values(), xh, g, Acc(1));
@@ -213,14 +115,11 @@ TEMPLATE_TEST_CASE("emulated cuda_path normalize and fused dx agree with a doubl
             CAPTURE(g.outer, g.channels, g.inner, xoff, yoff);
             host_array<T> x(e.x, xoff), dy(e.dy, xoff), y(g.size(), yoff), dx(g.size(), yoff);
             host_array<Acc> dg(e.dgamma0, 0), db(e.dbeta0, 0);
-            launch_normalize(
-                x.data(), y.data(), g,
-                lockstep::kernels::coefficient_arrays<Acc>{e.mean.data(), e.scale.data()},
-                e.beta.data());
-            const cd::fused_gradient_args<Acc> args{
-                e.totals.data(), e.local.data(),  &e.count,  e.gamma.data(),
-                e.mean.data(),   e.invstd.data(), dg.data(), db.data()};
-            input_gradient_fused(dy.data(), x.data(), dx.data(), g, args);
+            cp::normalize(emulated, x.data(), y.data(), g, e.mean.data(), e.scale.data(),
+                          e.beta.data());
+            cp::input_gradient_fused(emulated, dy.data(), x.data(), dx.data(), g, e.totals.data(),
+                                     e.local.data(), &e.count, e.gamma.data(), e.mean.data(),
+                                     e.invstd.data(), dg.data(), db.data());
             e.check_y(y.values());
             e.check_dx(dx.values());
             e.check_parameter_gradients(dg.values(), db.values());
@@ -244,7 +143,8 @@ TEMPLATE_TEST_CASE("emulated cuda_path normalize with a finishing coefficient so
         const lockstep::kernels::eval_coefficients_fn<Acc> fin{e.mean.data(),  running_var.data(),
                                                                e.gamma.data(), Acc(1e-5),
                                                                mean.data(),    scale.data()};
-        launch_normalize(x.data(), y.data(), g, fin, e.beta.data()); // also for an empty batch
+        // also for an empty batch
+        cp::finish_and_normalize(emulated, fin, x.data(), y.data(), g, e.beta.data());
         // one thread per channel wrote what the host's arithmetic gives, bit for bit
         std::vector<Acc> want_mean(C), want_scale(C);
         for (std::size_t c = 0; c < C; ++c) {
@@ -301,15 +201,13 @@ TEMPLATE_TEST_CASE("emulated cuda_path finish_and_normalize writes what the fini
                                {g.size(), 0}};
             };
             outputs o[2] = {make(), make()};
-            launch_normalize(x.data(), o[0].y.data(), g,
-                             f.finish(f.blocks.data(), f.gamma.data(), o[0].at()), f.beta.data());
+            cp::finish_and_normalize(emulated, f.finish(f.blocks.data(), f.gamma.data(), o[0].at()),
+                                     x.data(), o[0].y.data(), g, f.beta.data());
             const auto fin = f.finish(f.blocks.data(), f.gamma.data(), o[1].at());
             for (std::size_t c = 0; c < C; ++c)
                 fin(c);
-            launch_normalize(
-                x.data(), o[1].y.data(), g,
-                lockstep::kernels::coefficient_arrays<Acc>{o[1].mean.data(), o[1].scale.data()},
-                f.beta.data());
+            cp::normalize(emulated, x.data(), o[1].y.data(), g, o[1].mean.data(), o[1].scale.data(),
+                          f.beta.data());
             CHECK(o[0].mean.values() == o[1].mean.values());
             CHECK(o[0].invstd.values() == o[1].invstd.values());
             CHECK(o[0].scale.values() == o[1].scale.values());

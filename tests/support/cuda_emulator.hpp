@@ -7,10 +7,11 @@
 // behaviour on a device).
 // __shared__ variables are statics: one copy, which is the block's since blocks run in turn.
 // Warp-level intrinsics and floating-point atomics are not provided: code that uses them does
-// not compile here. Include this header first in its translation unit, before any CUDA or
-// lockstep header; it needs the CUDA toolkit's headers (vector types, cuda_fp16.h) and no device.
-// Not for sanitizer builds (fibers switch stacks behind ASan's and TSan's backs).
-// SPDX-License-Identifier: Apache-2.0
+// not compile here. Launches through kernels/bn_cuda.cuh's launch_kernel run here
+// (LOCKSTEP_KERNEL_LAUNCH_HOOK), so a test calls the library's own launchers. Include this header
+// first in its translation unit, before any CUDA or lockstep header; it needs the CUDA toolkit's
+// headers (vector types, cuda_fp16.h) and no device. Not for sanitizer builds (fibers switch stacks
+// behind ASan's and TSan's backs). SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 // The fibers jump between their stacks with _longjmp, which glibc's checked longjmp refuses.
@@ -174,6 +175,10 @@ inline void emulate(dim3 grid, unsigned block_threads, const std::function<void(
 #define blockDim (::lockstep_emulator::block_size)
 
 #define __syncthreads() ::lockstep_emulator::sync_threads(__FILE__, __LINE__)
+
+// The library's kernel launches (kernels/bn_cuda.cuh's launch_kernel) run here instead.
+#define LOCKSTEP_KERNEL_LAUNCH_HOOK(kernel, grid, threads, ...)                                    \
+    ::lockstep_emulator::emulate(grid, threads, [&] { kernel(__VA_ARGS__); })
 inline void __threadfence() {
     std::atomic_thread_fence(std::memory_order_seq_cst);
 }

@@ -20,10 +20,11 @@
 
 #include <cuda_runtime_api.h>
 
-// Every launcher enqueues on sys.stream() and returns: no synchronisation, no allocation. T is
+// Every launcher enqueues on `stream` (of the current device) and returns: no synchronisation, no
+// allocation; the cuda_system overloads below set the device and pass the system's stream. T is
 // float, double, __half or __nv_bfloat16 (or lockstep::half / lockstep::bfloat16, processed as
 // the CUDA types); Acc is double for double data and float otherwise. Pointers are device
-// pointers of sys's device, naturally aligned for their type; 16-byte aligned data (as every
+// pointers of the current device, naturally aligned for their type; 16-byte aligned data (as every
 // cuda_system allocation is) with planes of whole 16-byte vectors (NCHW; 8-byte ones of 16-bit
 // values too; the normalize and dx kernels also where vectors straddle planes) or channels of
 // them (NHWC) takes a vector path, anything else a scalar path (same
@@ -44,25 +45,46 @@ constexpr void check_types() {
                   "else in float: use Acc = kernels::accumulation_t<T>.");
 }
 
-inline void launched() {
+/// Launches kernel k on grid x block threads on `stream` with the arguments a: the one place a
+/// batch-norm kernel is launched. LOCKSTEP_KERNEL_LAUNCH_HOOK, when defined (only by the CPU
+/// block emulator of the tests, tests/support/cuda_emulator.hpp), runs it instead, so the host
+/// test runs these very launchers.
+template <class... P, class... A>
+void launch_kernel(void (*k)(P...), dim3 grid, unsigned block, cudaStream_t stream, const A&... a) {
+#ifdef LOCKSTEP_KERNEL_LAUNCH_HOOK
+    (void)stream;
+    LOCKSTEP_KERNEL_LAUNCH_HOOK(k, grid, block, a...);
+#else
+    k<<<grid, block, 0, stream>>>(a...);
     LOCKSTEP_CUDA_CHECK(cudaGetLastError());
+#endif
 }
 
-/// Launches the plan's kernel: f.template operator()<W>(grid, stream) with W = p.width values of
-/// native type N per access (1, the 16-byte vector's V, or the 8-byte vector's V / 2 of 16-bit
-/// values, which only the planes kernels read); f picks the kernel of p.mapping.
+/// Launches the plan's kernel: f(grid, width) with width a std::integral_constant<int, W>, W =
+/// p.width values of native type N per access (1, the 16-byte vector's V, or the 8-byte vector's
+/// V / 2 of 16-bit values, which only the planes kernels read); f picks the kernel of p.mapping.
 template <class N, class F>
-void launch(const cuda_system& sys, const bn_launch& p, F&& f) {
+void launch(const bn_launch& p, F&& f) {
     constexpr int V = vector_width<N>;
     const dim3 grid(p.grid_x, p.grid_y);
     if (p.width == 1)
-        f.template operator()<1>(grid, sys.stream());
+        f(grid, std::integral_constant<int, 1>{});
     else if (p.width == V)
-        f.template operator()<V>(grid, sys.stream());
+        f(grid, std::integral_constant<int, V>{});
     else if constexpr (V / 2 >= 4)
-        f.template operator()<V / 2>(grid, sys.stream());
-    launched();
+        f(grid, std::integral_constant<int, V / 2>{});
 }
+
+/// The reductions' workspace: the arrival counters, then the partials (bn_workspace_bytes).
+template <class Acc>
+struct workspace_parts {
+    unsigned* counters;
+    Acc* partials;
+    workspace_parts(channel_geometry g, void* workspace)
+        : counters(static_cast<unsigned*>(workspace)),
+          partials(reinterpret_cast<Acc*>(static_cast<std::byte*>(workspace) +
+                                          kernels::detail::counter_bytes(g))) {}
+};
 
 } // namespace detail
 
@@ -75,31 +97,30 @@ void launch(const cuda_system& sys, const bn_launch& p, F&& f) {
 ///           use and not used concurrently by another launch.
 /// ensures: the workspace's counters are zero again when the kernel ends.
 template <class T, class Acc>
-void pack_local_moments(const cuda_system& sys, const T* x, channel_geometry g, Acc status,
-                        Acc* block, void* workspace) {
+void pack_local_moments(cudaStream_t stream, const T* x, channel_geometry g, Acc status, Acc* block,
+                        void* workspace) {
     detail::check_types<T, Acc>();
     using N = native_t<T>;
     const N* xn = reinterpret_cast<const N*>(x);
     detail::block_header<Acc> header{status, 0, 0};
     packed_moments::split_count(g.per_channel(), header.count_hi, header.count_lo);
-    LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
     if (g.channels == 0) {
-        detail::header_kernel<<<1, 1, 0, sys.stream()>>>(header, block);
-        detail::launched();
+        detail::launch_kernel(detail::header_kernel<Acc>, dim3(1), 1, stream, header, block);
         return;
     }
-    auto* counters = static_cast<unsigned*>(workspace);
-    auto* partials = reinterpret_cast<Acc*>(static_cast<std::byte*>(workspace) +
-                                            kernels::detail::counter_bytes(g));
+    const detail::workspace_parts<Acc> w(g, workspace);
     const std::size_t parts = kernels::detail::cuda_partitions(g, sizeof(T));
     const detail::bn_launch p = detail::plan_bn_launch(g, sizeof(T), parts, 0, {x});
-    detail::launch<N>(sys, p, [&]<int W>(dim3 grid, cudaStream_t s) {
+    detail::launch<N>(p, [&](dim3 grid, auto width) {
+        constexpr int W = decltype(width)::value;
         if (p.mapping == detail::bn_mapping::planes)
-            detail::moments_planes_kernel<N, Acc, W><<<grid, block_threads, 0, s>>>(
-                xn, detail::unit_geometry(g, W), parts, partials, counters, header, block);
+            detail::launch_kernel(detail::moments_planes_kernel<N, Acc, W>, grid, block_threads,
+                                  stream, xn, detail::unit_geometry(g, W), parts, w.partials,
+                                  w.counters, header, block);
         else if constexpr (detail::rows_width<N, W>)
-            detail::moments_rows_kernel<N, Acc, W><<<grid, block_threads, 0, s>>>(
-                xn, g, p.tx, parts, partials, counters, header, block);
+            detail::launch_kernel(detail::moments_rows_kernel<N, Acc, W>, grid, block_threads,
+                                  stream, xn, g, p.tx, parts, w.partials, w.counters, header,
+                                  block);
     });
 }
 
@@ -110,23 +131,23 @@ namespace detail {
 /// also runs coef(c) for every channel in the same launch, so it launches for an empty batch
 /// too.
 template <class T, class Acc, class Coef>
-void launch_normalize(const cuda_system& sys, const T* x, T* y, channel_geometry g,
-                      const Coef& coef, const Acc* beta) {
+void launch_normalize(cudaStream_t stream, const T* x, T* y, channel_geometry g, const Coef& coef,
+                      const Acc* beta) {
     check_types<T, Acc>();
     using N = native_t<T>;
     const N* xn = reinterpret_cast<const N*>(x);
     N* yn = reinterpret_cast<N*>(y);
     if (g.channels == 0 || (!Coef::finishes && g.size() == 0))
         return;
-    LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
     const bn_launch p = plan_bn_launch(g, sizeof(T), 0, 0, {x, y});
-    launch<N>(sys, p, [&]<int W>(dim3 grid, cudaStream_t s) {
+    launch<N>(p, [&](dim3 grid, auto width) {
+        constexpr int W = decltype(width)::value;
         if (p.mapping == bn_mapping::planes)
-            normalize_planes_kernel<N, Acc, W, Coef>
-                <<<grid, block_threads, 0, s>>>(xn, yn, g, coef, beta);
+            launch_kernel(normalize_planes_kernel<N, Acc, W, Coef>, grid, block_threads, stream, xn,
+                          yn, g, coef, beta);
         else if constexpr (rows_width<N, W>)
-            normalize_rows_kernel<N, Acc, W, Coef>
-                <<<grid, block_threads, 0, s>>>(xn, yn, g, p.tx, coef, beta);
+            launch_kernel(normalize_rows_kernel<N, Acc, W, Coef>, grid, block_threads, stream, xn,
+                          yn, g, p.tx, coef, beta);
     });
 }
 
@@ -136,9 +157,9 @@ void launch_normalize(const cuda_system& sys, const T* x, T* y, channel_geometry
 /// requires: x and y hold g.size() values and do not overlap; mean, scale, beta hold
 ///           g.channels values.
 template <class T, class Acc>
-void normalize(const cuda_system& sys, const T* x, T* y, channel_geometry g, const Acc* mean,
+void normalize(cudaStream_t stream, const T* x, T* y, channel_geometry g, const Acc* mean,
                const Acc* scale, const Acc* beta) {
-    detail::launch_normalize(sys, x, y, g, coefficient_arrays<Acc>{mean, scale}, beta);
+    detail::launch_normalize(stream, x, y, g, coefficient_arrays<Acc>{mean, scale}, beta);
 }
 
 /// F2 + K3 in one launch: fin(c) for every channel c (one thread each; fin writes the
@@ -147,10 +168,10 @@ void normalize(const cuda_system& sys, const T* x, T* y, channel_geometry g, con
 /// arithmetic of fin(c). requires: as normalize for x, y and beta; fin's arrays do not overlap
 /// them (g.size() may be 0).
 template <class T, class Acc, class Finish>
-void finish_and_normalize(const cuda_system& sys, const Finish& fin, const T* x, T* y,
+void finish_and_normalize(cudaStream_t stream, const Finish& fin, const T* x, T* y,
                           channel_geometry g, const Acc* beta) {
     static_assert(Finish::finishes);
-    detail::launch_normalize(sys, x, y, g, fin, beta);
+    detail::launch_normalize(stream, x, y, g, fin, beta);
 }
 
 /// K4: the backward sums with a status slot (packed_sums layout) in one launch:
@@ -160,31 +181,29 @@ void finish_and_normalize(const cuda_system& sys, const Finish& fin, const T* x,
 /// requires: dy and x hold g.size() values; mean g.channels; sums packed_sums::size(g.channels);
 ///           workspace as for pack_local_moments (the two may share one workspace).
 template <class T, class Acc>
-void pack_backward_sums(const cuda_system& sys, const T* dy, const T* x, channel_geometry g,
+void pack_backward_sums(cudaStream_t stream, const T* dy, const T* x, channel_geometry g,
                         const Acc* mean, Acc status, Acc* sums, void* workspace) {
     detail::check_types<T, Acc>();
     using N = native_t<T>;
     const N* dyn = reinterpret_cast<const N*>(dy);
     const N* xn = reinterpret_cast<const N*>(x);
-    LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
     if (g.channels == 0) {
-        detail::status_kernel<<<1, 1, 0, sys.stream()>>>(status, sums);
-        detail::launched();
+        detail::launch_kernel(detail::status_kernel<Acc>, dim3(1), 1, stream, status, sums);
         return;
     }
-    auto* counters = static_cast<unsigned*>(workspace);
-    auto* partials = reinterpret_cast<Acc*>(static_cast<std::byte*>(workspace) +
-                                            kernels::detail::counter_bytes(g));
+    const detail::workspace_parts<Acc> w(g, workspace);
     const std::size_t parts = kernels::detail::cuda_partitions(g, sizeof(T));
     const detail::bn_launch p = detail::plan_bn_launch(g, sizeof(T), parts, 0, {dy, x});
-    detail::launch<N>(sys, p, [&]<int W>(dim3 grid, cudaStream_t s) {
+    detail::launch<N>(p, [&](dim3 grid, auto width) {
+        constexpr int W = decltype(width)::value;
         if (p.mapping == detail::bn_mapping::planes)
-            detail::sums_planes_kernel<N, Acc, W>
-                <<<grid, block_threads, 0, s>>>(dyn, xn, detail::unit_geometry(g, W), parts, mean,
-                                                status, partials, counters, sums);
+            detail::launch_kernel(detail::sums_planes_kernel<N, Acc, W>, grid, block_threads,
+                                  stream, dyn, xn, detail::unit_geometry(g, W), parts, mean, status,
+                                  w.partials, w.counters, sums);
         else if constexpr (detail::rows_width<N, W>)
-            detail::sums_rows_kernel<N, Acc, W><<<grid, block_threads, 0, s>>>(
-                dyn, xn, g, p.tx, parts, mean, status, partials, counters, sums);
+            detail::launch_kernel(detail::sums_rows_kernel<N, Acc, W>, grid, block_threads, stream,
+                                  dyn, xn, g, p.tx, parts, mean, status, w.partials, w.counters,
+                                  sums);
     });
 }
 
@@ -197,10 +216,10 @@ void pack_backward_sums(const cuda_system& sys, const T* dy, const T* x, channel
 ///           totals their sum over the replicas the statistics were taken over); count points
 ///           to one double in device memory; gamma, mean, invstd, dgamma, dbeta g.channels.
 template <class T, class Acc>
-void input_gradient_fused(const cuda_system& sys, const T* dy, const T* x, T* dx,
-                          channel_geometry g, const Acc* totals, const Acc* local,
-                          const double* count, const Acc* gamma, const Acc* mean, const Acc* invstd,
-                          Acc* dgamma, Acc* dbeta) {
+void input_gradient_fused(cudaStream_t stream, const T* dy, const T* x, T* dx, channel_geometry g,
+                          const Acc* totals, const Acc* local, const double* count,
+                          const Acc* gamma, const Acc* mean, const Acc* invstd, Acc* dgamma,
+                          Acc* dbeta) {
     detail::check_types<T, Acc>();
     using N = native_t<T>;
     const N* dyn = reinterpret_cast<const N*>(dy);
@@ -210,18 +229,18 @@ void input_gradient_fused(const cuda_system& sys, const T* dy, const T* x, T* dx
                                                 mean,   invstd, dgamma, dbeta};
     if (g.channels == 0)
         return;
-    LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
     // The planes kernel gives each channel's parameter gradients to one thread.
     const std::size_t channel_blocks = (g.channels + block_threads - 1) / block_threads;
     const detail::bn_launch p =
         detail::plan_bn_launch(g, sizeof(T), 0, channel_blocks, {dy, x, dx});
-    detail::launch<N>(sys, p, [&]<int W>(dim3 grid, cudaStream_t s) {
+    detail::launch<N>(p, [&](dim3 grid, auto width) {
+        constexpr int W = decltype(width)::value;
         if (p.mapping == detail::bn_mapping::planes)
-            detail::gradient_planes_kernel<N, Acc, W>
-                <<<grid, block_threads, 0, s>>>(dyn, xn, dxn, g, args);
+            detail::launch_kernel(detail::gradient_planes_kernel<N, Acc, W>, grid, block_threads,
+                                  stream, dyn, xn, dxn, g, args);
         else if constexpr (detail::rows_width<N, W>)
-            detail::gradient_rows_kernel<N, Acc, W>
-                <<<grid, block_threads, 0, s>>>(dyn, xn, dxn, g, p.tx, args);
+            detail::launch_kernel(detail::gradient_rows_kernel<N, Acc, W>, grid, block_threads,
+                                  stream, dyn, xn, dxn, g, p.tx, args);
     });
 }
 
@@ -234,13 +253,21 @@ void input_gradient_fused(const cuda_system& sys, const T* dy, const T* x, T* dx
 // here: on the CUDA system they run the generic Thrust path.
 namespace lockstep::gpu {
 
+namespace detail {
+/// Makes sys's device current and returns its stream, for the cuda_path launchers.
+inline cudaStream_t bn_stream(const cuda_system& sys) {
+    LOCKSTEP_CUDA_CHECK(cudaSetDevice(sys.device()));
+    return sys.stream();
+}
+} // namespace detail
+
 /// The packed statistics block in one launch (cuda_path::pack_local_moments).
 template <class T, class Acc>
 void bn_pack_local_moments(const cuda_system& sys, std::span<const T> x,
                            kernels::channel_geometry g, Acc status, std::span<Acc> block,
                            std::span<std::byte> workspace) {
-    kernels::cuda_path::pack_local_moments(sys, x.data(), g, status, block.data(),
-                                           workspace.data());
+    kernels::cuda_path::pack_local_moments(detail::bn_stream(sys), x.data(), g, status,
+                                           block.data(), workspace.data());
 }
 
 /// The normalization in one launch (cuda_path::normalize).
@@ -248,8 +275,8 @@ template <class T, class Acc>
 void bn_normalize(const cuda_system& sys, std::span<const T> x, std::span<T> y,
                   kernels::channel_geometry g, std::span<const Acc> mean,
                   std::span<const Acc> scale, std::span<const Acc> beta) {
-    kernels::cuda_path::normalize(sys, x.data(), y.data(), g, mean.data(), scale.data(),
-                                  beta.data());
+    kernels::cuda_path::normalize(detail::bn_stream(sys), x.data(), y.data(), g, mean.data(),
+                                  scale.data(), beta.data());
 }
 
 /// The finish of every channel and the normalization in one launch
@@ -257,7 +284,8 @@ void bn_normalize(const cuda_system& sys, std::span<const T> x, std::span<T> y,
 template <class T, class Acc, class Finish>
 void bn_finish_normalize(const cuda_system& sys, const Finish& fin, std::span<const T> x,
                          std::span<T> y, kernels::channel_geometry g, std::span<const Acc> beta) {
-    kernels::cuda_path::finish_and_normalize(sys, fin, x.data(), y.data(), g, beta.data());
+    kernels::cuda_path::finish_and_normalize(detail::bn_stream(sys), fin, x.data(), y.data(), g,
+                                             beta.data());
 }
 
 /// The packed backward sums in one deterministic launch (cuda_path::pack_backward_sums).
@@ -265,8 +293,8 @@ template <class T, class Acc>
 void bn_pack_backward_sums(const cuda_system& sys, std::span<const T> dy, std::span<const T> x,
                            kernels::channel_geometry g, std::span<const Acc> mean, Acc status,
                            std::span<Acc> sums, std::span<std::byte> workspace) {
-    kernels::cuda_path::pack_backward_sums(sys, dy.data(), x.data(), g, mean.data(), status,
-                                           sums.data(), workspace.data());
+    kernels::cuda_path::pack_backward_sums(detail::bn_stream(sys), dy.data(), x.data(), g,
+                                           mean.data(), status, sums.data(), workspace.data());
 }
 
 /// dx and the parameter gradients in one launch (cuda_path::input_gradient_fused).
@@ -278,8 +306,8 @@ void bn_input_gradient_fused(const cuda_system& sys, std::span<const T> dy, std:
                              std::span<const Acc> mean, std::span<const Acc> invstd,
                              std::span<Acc> dgamma, std::span<Acc> dbeta) {
     kernels::cuda_path::input_gradient_fused(
-        sys, dy.data(), x.data(), dx.data(), g, totals.data(), local.data(), count, gamma.data(),
-        mean.data(), invstd.data(), dgamma.empty() ? nullptr : dgamma.data(),
+        detail::bn_stream(sys), dy.data(), x.data(), dx.data(), g, totals.data(), local.data(),
+        count, gamma.data(), mean.data(), invstd.data(), dgamma.empty() ? nullptr : dgamma.data(),
         dbeta.empty() ? nullptr : dbeta.data());
 }
 
