@@ -15,6 +15,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
 #include <initializer_list>
@@ -66,6 +67,12 @@ struct host_array {
 const cudaStream_t emulated{};
 namespace cp = lockstep::kernels::cuda_path;
 
+/// A new seed for each shuffled schedule (lockstep_emulator::schedule_seed), the same each run.
+unsigned next_seed() {
+    static unsigned seed = 0;
+    return ++seed;
+}
+
 } // namespace
 
 TEMPLATE_TEST_CASE("emulated cuda_path moments and backward sums agree with a double reference",
@@ -84,15 +91,20 @@ TEMPLATE_TEST_CASE("emulated cuda_path moments and backward sums agree with a do
             host_array<T> x(xh, off), dy(dyh, off);
             host_array<std::byte> ws(lockstep::kernels::bn_workspace_bytes<T>(g), 0);
             std::memset(ws.data(), 0, ws.size);
-            // K1 twice (the arrival counters must be back at zero), K4 twice on the same workspace
+            // K1 twice (the arrival counters must be back at zero), K4 twice on the same
+            // workspace; the second launches with blocks and threads in another order, as a
+            // device may run them: the same bits (a fixed fold order, no race)
             host_array<Acc> b1(std::vector<Acc>(packed_moments::size(C), Acc(-7)), 0), b2 = b1;
             host_array<Acc> s1(std::vector<Acc>(packed_sums::size(C), Acc(-7)), 0), s2 = s1;
             cp::pack_local_moments(emulated, x.data(), g, Acc(1), b1.data(), ws.data());
-            cp::pack_local_moments(emulated, x.data(), g, Acc(1), b2.data(), ws.data());
             cp::pack_backward_sums(emulated, dy.data(), x.data(), g, meanh.data(), Acc(2),
                                    s1.data(), ws.data());
-            cp::pack_backward_sums(emulated, dy.data(), x.data(), g, meanh.data(), Acc(2),
-                                   s2.data(), ws.data());
+            {
+                const lockstep_emulator::scoped_schedule shuffled(next_seed());
+                cp::pack_local_moments(emulated, x.data(), g, Acc(1), b2.data(), ws.data());
+                cp::pack_backward_sums(emulated, dy.data(), x.data(), g, meanh.data(), Acc(2),
+                                       s2.data(), ws.data());
+            }
             CHECK(b1.values() == b2.values());
             CHECK(s1.values() == s2.values());
             check_moments_block(b1.values(), xh, g, Acc(1));
@@ -115,6 +127,7 @@ TEMPLATE_TEST_CASE("emulated cuda_path normalize and fused dx agree with a doubl
             CAPTURE(g.outer, g.channels, g.inner, xoff, yoff);
             host_array<T> x(e.x, xoff), dy(e.dy, xoff), y(g.size(), yoff), dx(g.size(), yoff);
             host_array<Acc> dg(e.dgamma0, 0), db(e.dbeta0, 0);
+            const lockstep_emulator::scoped_schedule shuffled(next_seed());
             cp::normalize(emulated, x.data(), y.data(), g, e.mean.data(), e.scale.data(),
                           e.beta.data());
             cp::input_gradient_fused(emulated, dy.data(), x.data(), dx.data(), g, e.totals.data(),
@@ -201,8 +214,12 @@ TEMPLATE_TEST_CASE("emulated cuda_path finish_and_normalize writes what the fini
                                {g.size(), 0}};
             };
             outputs o[2] = {make(), make()};
-            cp::finish_and_normalize(emulated, f.finish(f.blocks.data(), f.gamma.data(), o[0].at()),
-                                     x.data(), o[0].y.data(), g, f.beta.data());
+            {
+                const lockstep_emulator::scoped_schedule shuffled(next_seed());
+                cp::finish_and_normalize(emulated,
+                                         f.finish(f.blocks.data(), f.gamma.data(), o[0].at()),
+                                         x.data(), o[0].y.data(), g, f.beta.data());
+            }
             const auto fin = f.finish(f.blocks.data(), f.gamma.data(), o[1].at());
             for (std::size_t c = 0; c < C; ++c)
                 fin(c);
@@ -227,8 +244,8 @@ TEMPLATE_TEST_CASE("emulated cuda_path finish_and_normalize writes what the fini
     }
 }
 
-TEST_CASE("the block emulator runs a block's threads in barrier phases and refuses divergent "
-          "barriers",
+TEST_CASE("the block emulator runs a block's threads in barrier phases, in index order or "
+          "shuffled, and refuses divergent barriers",
           "[emulated]") {
     // a block-wide sum through shared memory, with threads that return before the barrier
     std::vector<unsigned> out(3, 0);
@@ -247,6 +264,31 @@ TEST_CASE("the block emulator runs a block's threads in barrier phases and refus
         }
     });
     CHECK(out == std::vector<unsigned>{2080, 2083, 2086});
+    // a race (thread 0's write read without a barrier) that index order hides and a shuffled
+    // schedule shows; blocks in another order
+    const auto racy = [](std::vector<unsigned>& order) {
+        unsigned seen = 0;
+        lockstep_emulator::emulate(dim3(4), 64, [&] {
+            __shared__ unsigned flag;
+            if (threadIdx.x == 0) {
+                flag = blockIdx.x + 1;
+                order.push_back(blockIdx.x);
+            }
+            if (flag == blockIdx.x + 1)
+                ++seen;
+        });
+        return seen;
+    };
+    std::vector<unsigned> forward, shuffled;
+    CHECK(racy(forward) == 4 * 64);
+    CHECK(forward == std::vector<unsigned>{0, 1, 2, 3});
+    {
+        const lockstep_emulator::scoped_schedule schedule(7);
+        CHECK(racy(shuffled) < 4 * 64);
+    }
+    CHECK(shuffled != forward);
+    CHECK(std::is_permutation(shuffled.begin(), shuffled.end(), forward.begin(), forward.end()));
+    CHECK(lockstep_emulator::schedule_seed == 0);
     // two live threads waiting at different barriers
     CHECK_THROWS_WITH(lockstep_emulator::emulate(dim3(1), 4,
                                                  [] {

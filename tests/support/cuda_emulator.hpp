@@ -31,16 +31,33 @@
 #include <setjmp.h>
 #include <ucontext.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <numeric>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace lockstep_emulator {
+
+/// The order blocks, and the live threads of each barrier phase, run in: 0 (the default) index
+/// order; any other value a pseudo-random permutation drawn from it, a new one for every phase.
+/// A kernel whose results change with it races (a missing __syncthreads(), blocks reading what
+/// other blocks write) or folds in arrival order; on a device the order varies run to run.
+inline unsigned schedule_seed = 0;
+
+/// schedule_seed = seed for the scope's lifetime, then index order again.
+struct scoped_schedule {
+    explicit scoped_schedule(unsigned seed) { schedule_seed = seed; }
+    ~scoped_schedule() { schedule_seed = 0; }
+    scoped_schedule(const scoped_schedule&) = delete;
+    scoped_schedule& operator=(const scoped_schedule&) = delete;
+};
 
 inline uint3 thread_index{};
 inline uint3 block_index{};
@@ -113,8 +130,8 @@ inline void make_fiber(fiber& f, char* stack, std::size_t bytes) {
 }
 
 /// Runs body once per thread of every block of `grid` (block_threads threads, x only), blocks in
-/// order of (y, x), threads of a phase in order of x. throws std::runtime_error when the live
-/// threads of a phase wait at different __syncthreads calls.
+/// order of (y, x) and threads of a phase in order of x, or both permuted (schedule_seed). throws
+/// std::runtime_error when the live threads of a phase wait at different __syncthreads calls.
 inline void emulate(dim3 grid, unsigned block_threads, const std::function<void()>& body) {
     // the fibers' stacks, kept from call to call (fresh ones cost page faults every launch)
     constexpr std::size_t stack_bytes = 128 * 1024;
@@ -123,6 +140,12 @@ inline void emulate(dim3 grid, unsigned block_threads, const std::function<void(
         stacks.push_back(std::make_unique<char[]>(stack_bytes));
     std::vector<fiber> fibers(block_threads);
     std::vector<char> live(block_threads);
+    std::vector<unsigned> blocks(std::size_t{grid.x} * grid.y), threads(block_threads);
+    std::iota(blocks.begin(), blocks.end(), 0u);
+    std::iota(threads.begin(), threads.end(), 0u);
+    std::mt19937 shuffle(schedule_seed);
+    if (schedule_seed != 0)
+        std::shuffle(blocks.begin(), blocks.end(), shuffle);
     block_run run;
     run.body = &body;
     grid_size = grid;
@@ -131,36 +154,37 @@ inline void emulate(dim3 grid, unsigned block_threads, const std::function<void(
     struct clear_current {
         ~clear_current() { current = nullptr; }
     } const clear;
-    for (unsigned by = 0; by < grid.y; ++by) {
-        for (unsigned bx = 0; bx < grid.x; ++bx) {
-            block_index = uint3{bx, by, 0};
-            for (unsigned t = 0; t < block_threads; ++t) {
-                make_fiber(fibers[t], stacks[t].get(), stack_bytes);
-                live[t] = 1;
-            }
-            for (unsigned alive = block_threads; alive > 0;) {
-                barrier_site first_site; // where this phase's first live thread waits
-                for (unsigned t = 0; t < block_threads; ++t) {
-                    if (!live[t])
-                        continue;
-                    thread_index = uint3{t, 0, 0};
-                    run.running = &fibers[t];
-                    run.returned = false;
-                    resume(run, fibers[t]);
-                    if (run.returned) {
-                        live[t] = 0;
-                        --alive;
-                        continue;
-                    }
-                    if (first_site.file == nullptr) {
-                        first_site = run.waited_at;
-                    } else if (!(first_site == run.waited_at)) {
-                        throw std::runtime_error(
-                            "cuda_emulator: threads of block (" + std::to_string(bx) + ", " +
-                            std::to_string(by) + ") wait at different __syncthreads() calls (" +
-                            first_site.file + ":" + std::to_string(first_site.line) + " and " +
-                            run.waited_at.file + ":" + std::to_string(run.waited_at.line) + ")");
-                    }
+    for (const unsigned b : blocks) {
+        const unsigned bx = b % grid.x, by = b / grid.x;
+        block_index = uint3{bx, by, 0};
+        for (unsigned t = 0; t < block_threads; ++t) {
+            make_fiber(fibers[t], stacks[t].get(), stack_bytes);
+            live[t] = 1;
+        }
+        for (unsigned alive = block_threads; alive > 0;) {
+            if (schedule_seed != 0)
+                std::shuffle(threads.begin(), threads.end(), shuffle);
+            barrier_site first_site; // where this phase's first live thread waits
+            for (const unsigned t : threads) {
+                if (!live[t])
+                    continue;
+                thread_index = uint3{t, 0, 0};
+                run.running = &fibers[t];
+                run.returned = false;
+                resume(run, fibers[t]);
+                if (run.returned) {
+                    live[t] = 0;
+                    --alive;
+                    continue;
+                }
+                if (first_site.file == nullptr) {
+                    first_site = run.waited_at;
+                } else if (!(first_site == run.waited_at)) {
+                    throw std::runtime_error(
+                        "cuda_emulator: threads of block (" + std::to_string(bx) + ", " +
+                        std::to_string(by) + ") wait at different __syncthreads() calls (" +
+                        first_site.file + ":" + std::to_string(first_site.line) + " and " +
+                        run.waited_at.file + ":" + std::to_string(run.waited_at.line) + ")");
                 }
             }
         }
