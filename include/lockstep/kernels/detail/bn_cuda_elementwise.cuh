@@ -86,9 +86,10 @@ __global__ void __launch_bounds__(block_threads, 5)
     begin_normalize(s, g.channels, coef, beta, planes.count,
                     [&](std::size_t e) { return (planes.first + e) % g.channels; });
     const std::size_t end = smin(first + span, g.size());
-    if (first + threadIdx.x * V >= end)
+    const std::size_t start = first + std::size_t{threadIdx.x} * V;
+    if (start >= end)
         return;
-    tensor_walk w(g, first + threadIdx.x * V, std::size_t{block_threads} * V);
+    tensor_walk w(g, start, std::size_t{block_threads} * V);
     while (w.off < end) {
         const std::size_t at = w.off;
         raw_t<V, T> r[elementwise_batch<V>];

@@ -57,8 +57,8 @@ __global__ void __launch_bounds__(block_threads, planes_reduction_blocks<V>)
     flat_channel<moments_batch<V>>(g, c, n * p / parts, n * (p + 1) / parts, op);
     const moments<Acc> m = reduce_t(tmp).Reduce(op.result(), chan_merge{});
     if (threadIdx.x == 0) {
-        partials[2 * blockIdx.x] = m.mean;
-        partials[2 * blockIdx.x + 1] = m.m2;
+        partials[std::size_t{2} * blockIdx.x] = m.mean;
+        partials[std::size_t{2} * blockIdx.x + 1] = m.m2;
     }
     if (!arrive_last(counters + c, parts))
         return;
@@ -66,7 +66,8 @@ __global__ void __launch_bounds__(block_threads, planes_reduction_blocks<V>)
     const moments<double> total = ordered_fold<moments<double>>(
         parts,
         [&](std::size_t q) {
-            const auto count = static_cast<double>((n * (q + 1) / parts - n * q / parts) * V);
+            const std::size_t units = n * (q + 1) / parts - n * q / parts; // q's share of n
+            const auto count = static_cast<double>(units * V);
             return moments<double>{count, static_cast<double>(__ldcg(mine + 2 * q)),
                                    static_cast<double>(__ldcg(mine + 2 * q + 1))};
         },
@@ -94,21 +95,21 @@ __global__ void __launch_bounds__(block_threads)
     const unsigned tx = threadIdx.x % tx_count;
     const unsigned ty = threadIdx.x / tx_count;
     const std::size_t tile = std::size_t(tx_count) * V;
-    const std::size_t c0 = blockIdx.x * tile + tx * V;
+    const std::size_t c0 = blockIdx.x * tile + std::size_t{tx} * V;
     const std::size_t p = blockIdx.y;
     const std::size_t r1 = g.outer * (p + 1) / parts;
     // rows r, r + ty_count, ... of the partition, 4 loads in flight, merged 4 at a time
     batched_lanes<Acc, V> lanes{};
     if (c0 < C) {
         const T* col = x + c0;
-        for (std::size_t r = g.outer * p / parts + ty; r < r1; r += 4 * ty_count) {
+        for (std::size_t r = g.outer * p / parts + ty; r < r1; r += std::size_t{4} * ty_count) {
             const std::size_t left = (r1 - r + ty_count - 1) / ty_count;
             const int count = left < 4 ? static_cast<int>(left) : 4;
             raw_t<V, T> q[4];
 #pragma unroll
             for (int u = 0; u < 4; ++u)
                 if (u < count)
-                    q[u] = load_raw<V>(col + (r + u * ty_count) * C);
+                    q[u] = load_raw<V>(col + (r + std::size_t(u) * ty_count) * C);
             lanes.template add<4>(count, [&](int u, Acc(&v)[V]) { unpack<V, T>(q[u], v); });
         }
     }
@@ -204,8 +205,8 @@ __global__ void __launch_bounds__(block_threads, planes_reduction_blocks<V>)
     flat_channel<sums_batch<V>>(g, c, n * p / parts, n * (p + 1) / parts, op);
     const dy_sums<Acc> s = reduce_t(tmp).Reduce(op.result(), add_dy_sums{});
     if (threadIdx.x == 0) {
-        partials[2 * blockIdx.x] = s.dy;
-        partials[2 * blockIdx.x + 1] = s.dyx;
+        partials[std::size_t{2} * blockIdx.x] = s.dy;
+        partials[std::size_t{2} * blockIdx.x + 1] = s.dyx;
     }
     if (!arrive_last(counters + c, parts))
         return;
@@ -238,7 +239,7 @@ __global__ void __launch_bounds__(block_threads)
     const unsigned tx = threadIdx.x % tx_count;
     const unsigned ty = threadIdx.x / tx_count;
     const std::size_t tile = std::size_t(tx_count) * V;
-    const std::size_t c0 = blockIdx.x * tile + tx * V;
+    const std::size_t c0 = blockIdx.x * tile + std::size_t{tx} * V;
     const std::size_t p = blockIdx.y;
     const std::size_t r1 = g.outer * (p + 1) / parts;
     Acc sdy[V] = {};
@@ -249,12 +250,12 @@ __global__ void __launch_bounds__(block_threads)
         for (int j = 0; j < V; ++j)
             mu[j] = mean[c0 + j];
         std::size_t r = g.outer * p / parts + ty;
-        for (; r + 3 * ty_count < r1; r += 4 * ty_count) {
+        for (; r + std::size_t{3} * ty_count < r1; r += std::size_t{4} * ty_count) {
             raw_t<V, T> qd[4], qx[4];
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
-                qd[u] = load_raw<V>(dy + (r + u * ty_count) * C + c0);
-                qx[u] = load_raw<V>(x + (r + u * ty_count) * C + c0);
+                qd[u] = load_raw<V>(dy + (r + std::size_t(u) * ty_count) * C + c0);
+                qx[u] = load_raw<V>(x + (r + std::size_t(u) * ty_count) * C + c0);
             }
 #pragma unroll
             for (int u = 0; u < 4; ++u) {

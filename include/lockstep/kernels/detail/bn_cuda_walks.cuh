@@ -27,7 +27,7 @@ __device__ __forceinline__ void flat_channel(const channel_geometry& g, std::siz
     if (k >= b)
         return;
     channel_walk w(g, c, k, block_threads);
-    for (; k < b; k += B * block_threads) {
+    for (; k < b; k += std::size_t{B} * block_threads) {
         const std::size_t left = (b - k + block_threads - 1) / block_threads;
         const int count = left < B ? static_cast<int>(left) : B;
         typename Op::regs r[B];
