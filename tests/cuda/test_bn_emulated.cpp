@@ -244,6 +244,21 @@ TEMPLATE_TEST_CASE("emulated cuda_path finish_and_normalize writes what the fini
     }
 }
 
+TEST_CASE("cuda_path's launch refuses a plan width that no kernel takes",
+          "[kernels][bn][emulated]") {
+    namespace cd = lockstep::kernels::cuda_path::detail;
+    int launched = 0;
+    const auto count = [&](dim3, auto) { ++launched; };
+    cd::launch<float>(cd::bn_launch{.width = 4}, count);
+    cd::launch<__half>(cd::bn_launch{.width = 4}, count); // the 8-byte vector of 16-bit values
+    CHECK(launched == 2);
+    CHECK_THROWS_WITH(cd::launch<float>(cd::bn_launch{.width = 2}, count),
+                      Catch::Contains("width 2 fits no kernel of 4-byte values"));
+    CHECK_THROWS_WITH(cd::launch<double>(cd::bn_launch{.width = 4}, count),
+                      Catch::Contains("width 4 fits no kernel of 8-byte values"));
+    CHECK(launched == 2);
+}
+
 TEST_CASE("the block emulator runs a block's threads in barrier phases, in index order or "
           "shuffled, and refuses divergent barriers",
           "[emulated]") {

@@ -63,16 +63,21 @@ void launch_kernel(void (*k)(P...), dim3 grid, unsigned block, cudaStream_t stre
 /// Launches the plan's kernel: f(grid, width) with width a std::integral_constant<int, W>, W =
 /// p.width values of native type N per access (1, the 16-byte vector's V, or the 8-byte vector's
 /// V / 2 of 16-bit values, which only the planes kernels read); f picks the kernel of p.mapping.
+/// throws lockstep::error (errc::internal) for any other width: nothing would be launched.
 template <class N, class F>
 void launch(const bn_launch& p, F&& f) {
     constexpr int V = vector_width<N>;
     const dim3 grid(p.grid_x, p.grid_y);
     if (p.width == 1)
-        f(grid, std::integral_constant<int, 1>{});
-    else if (p.width == V)
-        f(grid, std::integral_constant<int, V>{});
-    else if constexpr (V / 2 >= 4)
-        f(grid, std::integral_constant<int, V / 2>{});
+        return f(grid, std::integral_constant<int, 1>{});
+    if (p.width == V)
+        return f(grid, std::integral_constant<int, V>{});
+    if constexpr (V / 2 >= 4) {
+        if (p.width == V / 2)
+            return f(grid, std::integral_constant<int, V / 2>{});
+    }
+    LOCKSTEP_REQUIRE(false, errc::internal, -1, "batch-norm launch", "the launch plan's width ",
+                     p.width, " fits no kernel of ", sizeof(N), "-byte values");
 }
 
 /// The reductions' workspace: the arrival counters, then the partials (bn_workspace_bytes).
