@@ -14,6 +14,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <bit>
+#include <cstdint>
 #include <cstring>
 #include <span>
 #include <vector>
@@ -81,7 +83,7 @@ TEST_CASE("hierarchical_communicator ranks node-major and sums each node, then a
         const float expect = (v[0] + v[1]) + (v[2] + v[3]);
         for (const auto& g : got)
             for (float e : g)
-                REQUIRE(std::memcmp(&e, &expect, sizeof e) == 0);
+                REQUIRE(std::bit_cast<std::uint32_t>(e) == std::bit_cast<std::uint32_t>(expect));
     }
 }
 
@@ -215,6 +217,6 @@ TEST_CASE("reduce::reproducible over 2 nodes x 2 replicas holds the bits of one 
     });
     for (std::size_t r = 0; r < two.size(); ++r) {
         INFO("replica " << r);
-        CHECK(repro_difference(two[r], one[0]) == "");
+        CHECK(repro_difference(two[r], one[0]).empty());
     }
 }

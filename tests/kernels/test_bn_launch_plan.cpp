@@ -169,7 +169,7 @@ TEST_CASE("a normalize block's table holds every plane the block touches", "[ker
                 REQUIRE(p.mapping == bn_mapping::planes);
                 // whole vectors of the tensor, each in at most two planes
                 CHECK(g.size() % p.width == 0);
-                CHECK((p.width == 1 || inner >= 2 * p.width));
+                CHECK((p.width == 1 || inner >= std::size_t{2} * p.width));
                 const std::size_t span = cp::block_units * p.width; // values a block covers
                 for (std::size_t b = 0; b < p.grid_x; ++b) {
                     const cp::block_planes planes(g, b * span, span);

@@ -119,7 +119,7 @@ TEST_CASE("sgd: a bad layout names the optimizer, the segment and the values",
           "[optim][sgd][host]") {
     const lockstep::tensor_segment s[] = {{0, 3}, {2, 2}};
     try {
-        sgd<float>(4, {}, lockstep::host_system{}, s);
+        const sgd<float> opt(4, {}, lockstep::host_system{}, s);
         FAIL("an overlapping layout was accepted");
     } catch (const lockstep::error& e) {
         const std::string what = e.what();

@@ -166,7 +166,7 @@ struct fixture {
     std::vector<replica_hashes> check(int replicas, Make make, Step step) const {
         temp_dir tmp("fixture");
         fs::copy(fixture_dir / name, tmp.path / name);
-        const auto r = run(replicas, tmp.path / name / "ckpt", {}, after, make, step);
+        auto r = run(replicas, tmp.path / name / "ckpt", {}, after, make, step);
         const std::string at = " R" + std::to_string(replicas);
         check_pinned(pinned, name + " loaded" + at, combined(r, &replica_hashes::loaded));
         check_pinned(pinned, name + " final" + at, combined(r, &replica_hashes::final));

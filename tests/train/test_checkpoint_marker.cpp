@@ -125,7 +125,7 @@ TEST_CASE("a hostile commit marker cannot make the loader read outside the check
         DYNAMIC_SECTION("hostile shard.0.file #" << i) {
             INFO(name);
             set_marker_value(path, "shard.0.file", name);
-            refused_with("shard.0.file '" + name + not_a_shard);
+            refused_with(std::string("shard.0.file '").append(name).append(not_a_shard));
         }
     }
     SECTION("a symbolic link of the expected name to a valid shard outside") {
@@ -198,7 +198,7 @@ TEST_CASE("two jobs saving to one path concurrently leave a checkpoint of one of
                     save_checkpoint(dp, path);
                 } catch (const std::exception& e) {
                     std::lock_guard lock(failures_mutex);
-                    failures.push_back(e.what());
+                    failures.emplace_back(e.what());
                 }
                 sync.arrive_and_wait();
                 sync.arrive_and_wait();

@@ -146,7 +146,7 @@ TEST_CASE("reduce::reproducible resumed at any replica count continues to the sa
         full.back().losses.erase(full.back().losses.begin(), full.back().losses.begin() + save_at);
     }
     const auto other = train(2, 7, {}, {})[0];
-    CHECK(repro_difference(other, full[0]) != "");
+    CHECK(!repro_difference(other, full[0]).empty());
     for (int n = 1; n <= 4; ++n) {
         temp_dir dir;
         const fs::path path = dir.path / "repro.ckpt";
@@ -154,9 +154,9 @@ TEST_CASE("reduce::reproducible resumed at any replica count continues to the sa
         for (int m = 1; m <= 4; ++m) {
             INFO("saved by " << n << " replicas, resumed by " << m);
             // The uninterrupted runs agree at every count (the policy's promise).
-            CHECK(repro_difference(full[static_cast<std::size_t>(m - 1)], full[0]) == "");
+            CHECK(repro_difference(full[static_cast<std::size_t>(m - 1)], full[0]).empty());
             for (const auto& rec : train(m, 7, path, {})) {
-                CHECK(repro_difference(rec, full[static_cast<std::size_t>(m - 1)]) == "");
+                CHECK(repro_difference(rec, full[static_cast<std::size_t>(m - 1)]).empty());
             }
         }
     }

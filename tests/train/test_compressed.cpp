@@ -132,7 +132,7 @@ void check_array_conversions() {
     std::vector<unsigned char> bytes(2 * 65536 + 1);
     for (std::uint32_t b = 0; b < 65536; ++b) {
         const auto v = static_cast<std::uint16_t>(b);
-        std::memcpy(bytes.data() + 1 + 2 * b, &v, 2);
+        std::memcpy(bytes.data() + 1 + std::size_t{2} * b, &v, 2);
     }
     std::vector<float> fast(65536), portable(65536);
     d::from_wire_n<Wire>(bytes.data() + 1, 65536, fast.data());
@@ -150,7 +150,7 @@ void check_array_conversions() {
     CHECK(bad == 0);
     for (std::size_t len = 1; len <= 17; ++len) {
         std::vector<float> got(len);
-        d::from_wire_n<Wire>(bytes.data() + 1 + 2 * 0x7bf0, len, got.data());
+        d::from_wire_n<Wire>(bytes.data() + 1 + std::size_t{2} * 0x7bf0, len, got.data());
         for (std::size_t i = 0; i < len; ++i)
             CHECK(float_bits(got[i]) ==
                   float_bits(float(Wire::from_bits(static_cast<std::uint16_t>(0x7bf0 + i)))));

@@ -38,7 +38,7 @@ TEST_CASE("the registry path and the visitor path train the same network to the 
             CHECK(reg.layout[t].name == vis.layout[t].name);
             CHECK(reg.layout[t].offset == vis.layout[t].offset);
         }
-        CHECK(first_divergence(vis) == "");
+        CHECK(first_divergence(vis).empty());
         for (std::size_t s = 0; s < reg.params[0].size(); ++s) {
             INFO("step " << s);
             CHECK(same_bits(reg.params[0][s], vis.params[0][s]));
@@ -119,7 +119,7 @@ TEST_CASE("gradient accumulation over micro-batches equals the single big batch"
         const auto acc = train_run<double, optim::adam<double>, sync::synchronous, small_buckets,
                                    storage::registry>(
             {.replicas = 3, .micro_batches = 4, .shape = plain}, {.lr = 1e-2});
-        CHECK(first_divergence(acc) == "");
+        CHECK(first_divergence(acc).empty());
         for (std::size_t s = 0; s < ref.params[0].size(); ++s) {
             INFO("step " << s);
             CHECK(max_tensor_rel_error(acc.params[0][s], ref.params[0][s], ref.layout) <= 1e-10);
@@ -135,7 +135,7 @@ TEST_CASE("gradient accumulation over micro-batches equals the single big batch"
         const auto acc = train_run<double, optim::adam<double>, sync::synchronous,
                                    reduce::per_tensor, storage::registry>(
             {.replicas = 3, .batches = batches, .micro_batches = 2}, {.lr = 1e-2});
-        CHECK(first_divergence(acc) == "");
+        CHECK(first_divergence(acc).empty());
         CHECK(max_tensor_rel_error(acc.params[0].back(), ref.params[0].back(), ref.layout) <=
               1e-10);
     }
@@ -191,7 +191,7 @@ TEST_CASE("a non-finite gradient on one replica skips the step on every replica"
     SECTION("skip") {
         const auto run = train_run<float, sgd, sync::synchronous, small_buckets, storage::registry>(
             {.replicas = 3, .poison_rank = 1, .poison_step = 4}, sgd_p);
-        CHECK(first_divergence(run) == "");
+        CHECK(first_divergence(run).empty());
         for (int r = 0; r < 3; ++r) {
             CHECK(run.results[r][4].skipped);
             CHECK_FALSE(run.results[r][3].skipped);
@@ -235,7 +235,7 @@ TEST_CASE("local SGD: independent steps, weights averaged every K steps and at t
         const auto sync_run =
             train_run<float, sgd, sync::synchronous, reduce::per_tensor, storage::registry,
                       bn::local>({.replicas = 4, .batches = even}, plain);
-        CHECK(first_divergence(local) == "");
+        CHECK(first_divergence(local).empty());
         for (std::size_t s = 0; s < even.size(); ++s) {
             INFO("step " << s);
             CHECK(max_tensor_rel_error(local.params[0][s], sync_run.params[0][s],

@@ -348,24 +348,24 @@ public:
                          " elements, counts sum to ", offset.back());
         // Local-rank-major order: for l, for node: the range of replica node * L + l.
         const std::span<T> packed = scratch<T>(0, send.size());
-        std::vector<std::size_t> local_counts(static_cast<std::size_t>(L), 0);
+        const auto nodes = static_cast<std::size_t>(N), locals = static_cast<std::size_t>(L);
+        std::vector<std::size_t> local_counts(locals, 0);
         std::size_t at = 0;
-        for (int l = 0; l < L; ++l)
-            for (int n = 0; n < N; ++n) {
-                const auto r = static_cast<std::size_t>(n * L + l);
+        for (std::size_t l = 0; l < locals; ++l)
+            for (std::size_t n = 0; n < nodes; ++n) {
+                const std::size_t r = n * locals + l;
                 copy_block(packed.subspan(at, counts[r]), send.subspan(offset[r], counts[r]));
                 at += counts[r];
-                local_counts[static_cast<std::size_t>(l)] += counts[r];
+                local_counts[l] += counts[r];
             }
         const std::span<T> mine =
             scratch<T>(1, local_counts[static_cast<std::size_t>(intra_.rank())]);
         reserve<T>(recv.size(), mine.size());
         intra_.reduce_scatter(std::span<const T>(packed), mine,
                               std::span<const std::size_t>(local_counts), op);
-        std::vector<std::size_t> node_counts(static_cast<std::size_t>(N));
-        for (int n = 0; n < N; ++n)
-            node_counts[static_cast<std::size_t>(n)] =
-                counts[static_cast<std::size_t>(n * L + intra_.rank())];
+        std::vector<std::size_t> node_counts(nodes);
+        for (std::size_t n = 0; n < nodes; ++n)
+            node_counts[n] = counts[n * locals + static_cast<std::size_t>(intra_.rank())];
         stage_.inter(
             intra_, std::span<const T>(mine), recv, [&](std::span<const T> in, std::span<T> out) {
                 inter_.reduce_scatter(in, out, std::span<const std::size_t>(node_counts), op);

@@ -206,7 +206,7 @@ public:
     /// more for the point-to-point mailboxes.
     /// requires: MPI initialised with MPI_THREAD_MULTIPLE; threads >= 1 and equal in every
     /// process (the first run() checks it).
-    hierarchical_group(MPI_Comm comm, int threads, params p = {})
+    hierarchical_group(MPI_Comm comm, int threads, const params& p = {})
         : threads_(threads, p.threads), params_(p) {
         int level = MPI_THREAD_SINGLE;
         LOCKSTEP_MPI_CHECK(MPI_Query_thread(&level));
