@@ -249,14 +249,20 @@ TEST_CASE("cuda_path's launch refuses a plan width that no kernel takes",
     namespace cd = lockstep::kernels::cuda_path::detail;
     int launched = 0;
     const auto count = [&](dim3, auto) { ++launched; };
+    const auto rows = cd::bn_mapping::rows;
     cd::launch<float>(cd::bn_launch{.width = 4}, count);
+    cd::launch<float>(cd::bn_launch{.mapping = rows, .width = 4}, count);
     cd::launch<__half>(cd::bn_launch{.width = 4}, count); // the 8-byte vector of 16-bit values
-    CHECK(launched == 2);
+    cd::launch<__half>(cd::bn_launch{.mapping = rows, .width = 8}, count);
+    CHECK(launched == 4);
     CHECK_THROWS_WITH(cd::launch<float>(cd::bn_launch{.width = 2}, count),
-                      Catch::Contains("width 2 fits no kernel of 4-byte values"));
+                      Catch::Contains("width 2 fits no planes kernel of 4-byte values"));
     CHECK_THROWS_WITH(cd::launch<double>(cd::bn_launch{.width = 4}, count),
-                      Catch::Contains("width 4 fits no kernel of 8-byte values"));
-    CHECK(launched == 2);
+                      Catch::Contains("width 4 fits no planes kernel of 8-byte values"));
+    // Only the planes kernels read 16-bit values in 8-byte vectors.
+    CHECK_THROWS_WITH(cd::launch<__half>(cd::bn_launch{.mapping = rows, .width = 4}, count),
+                      Catch::Contains("width 4 fits no rows kernel of 2-byte values"));
+    CHECK(launched == 4);
 }
 
 TEST_CASE("the block emulator runs a block's threads in barrier phases, in index order or "
@@ -299,6 +305,11 @@ TEST_CASE("the block emulator runs a block's threads in barrier phases, in index
     CHECK(forward == std::vector<unsigned>{0, 1, 2, 3});
     {
         const lockstep_emulator::scoped_schedule schedule(7);
+        {
+            const lockstep_emulator::scoped_schedule inner(9);
+            CHECK(lockstep_emulator::schedule_seed == 9);
+        }
+        CHECK(lockstep_emulator::schedule_seed == 7); // scopes nest
         CHECK(racy(shuffled) < 4 * 64);
     }
     CHECK(shuffled != forward);

@@ -51,12 +51,15 @@ namespace lockstep_emulator {
 /// other blocks write) or folds in arrival order; on a device the order varies run to run.
 inline unsigned schedule_seed = 0;
 
-/// schedule_seed = seed for the scope's lifetime, then index order again.
+/// schedule_seed = seed for the scope's lifetime, then the seed it had before (scopes nest).
 struct scoped_schedule {
-    explicit scoped_schedule(unsigned seed) { schedule_seed = seed; }
-    ~scoped_schedule() { schedule_seed = 0; }
+    explicit scoped_schedule(unsigned seed) : previous(schedule_seed) { schedule_seed = seed; }
+    ~scoped_schedule() { schedule_seed = previous; }
     scoped_schedule(const scoped_schedule&) = delete;
     scoped_schedule& operator=(const scoped_schedule&) = delete;
+
+private:
+    unsigned previous;
 };
 
 inline uint3 thread_index{};

@@ -63,7 +63,8 @@ void launch_kernel(void (*k)(P...), dim3 grid, unsigned block, cudaStream_t stre
 /// Launches the plan's kernel: f(grid, width) with width a std::integral_constant<int, W>, W =
 /// p.width values of native type N per access (1, the 16-byte vector's V, or the 8-byte vector's
 /// V / 2 of 16-bit values, which only the planes kernels read); f picks the kernel of p.mapping.
-/// throws lockstep::error (errc::internal) for any other width: nothing would be launched.
+/// throws lockstep::error (errc::internal) for any other width, or V / 2 with the rows mapping:
+/// no kernel takes it, and nothing would be launched.
 template <class N, class F>
 void launch(const bn_launch& p, F&& f) {
     constexpr int V = vector_width<N>;
@@ -73,11 +74,12 @@ void launch(const bn_launch& p, F&& f) {
     if (p.width == V)
         return f(grid, std::integral_constant<int, V>{});
     if constexpr (V / 2 >= 4) {
-        if (p.width == V / 2)
+        if (p.width == V / 2 && p.mapping == bn_mapping::planes)
             return f(grid, std::integral_constant<int, V / 2>{});
     }
     LOCKSTEP_REQUIRE(false, errc::internal, -1, "batch-norm launch", "the launch plan's width ",
-                     p.width, " fits no kernel of ", sizeof(N), "-byte values");
+                     p.width, " fits no ", p.mapping == bn_mapping::planes ? "planes" : "rows",
+                     " kernel of ", sizeof(N), "-byte values");
 }
 
 /// The reductions' workspace: the arrival counters, then the partials (bn_workspace_bytes).

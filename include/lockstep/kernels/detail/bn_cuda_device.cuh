@@ -44,7 +44,8 @@ namespace detail {
 template <class T>
 inline constexpr int vector_width = static_cast<int>(16 / sizeof(T));
 
-/// True for the widths the rows kernels read (the plan never gives them an 8-byte vector).
+/// True for the widths the rows kernels read: the plan never gives them an 8-byte vector, and
+/// cuda_path::detail::launch refuses one, so no rows kernel is compiled for it.
 template <class N, int W>
 inline constexpr bool rows_width = W == 1 || W == vector_width<N>;
 
