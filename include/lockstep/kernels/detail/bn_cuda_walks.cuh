@@ -19,26 +19,35 @@ namespace lockstep::kernels::cuda_path::detail {
 /// coalesced whatever the plane size), a batch of B at a time: op.load(offset, r[u]) for the
 /// batch's units before op.apply(r, count) takes them (count < B only in a thread's last batch),
 /// the offset stepped without a division (channel_walk). Every unit lies in one plane (g in
-/// units).
+/// units). The full batches run without a guard per unit (count is the constant B there).
 template <int B, class Op>
 __device__ __forceinline__ void flat_channel(const channel_geometry& g, std::size_t c,
                                              std::size_t a, std::size_t b, Op& op) {
+    constexpr std::size_t span = std::size_t{B} * block_threads;
     std::size_t k = a + threadIdx.x;
     if (k >= b)
         return;
     channel_walk w(g, c, k, block_threads);
-    for (; k < b; k += std::size_t{B} * block_threads) {
-        const std::size_t left = (b - k + block_threads - 1) / block_threads;
-        const int count = left < B ? static_cast<int>(left) : B;
+    for (; k + (span - block_threads) < b; k += span) { // the batch's last unit is below b
         typename Op::regs r[B];
 #pragma unroll
         for (int u = 0; u < B; ++u) {
-            if (u < count)
-                op.load(w.off, r[u]);
+            op.load(w.off, r[u]);
             w.next();
         }
-        op.apply(r, count);
+        op.apply(r, B);
     }
+    if (k >= b)
+        return;
+    const int count = static_cast<int>((b - k + block_threads - 1) / block_threads);
+    typename Op::regs r[B];
+#pragma unroll
+    for (int u = 0; u < B; ++u) {
+        if (u < count)
+            op.load(w.off, r[u]);
+        w.next();
+    }
+    op.apply(r, count);
 }
 
 /// The block's arrival at `counter`, one of `expected` blocks: true in the last block to arrive,
