@@ -28,7 +28,8 @@ RESULTS = "results.jsonl"
 SUMMARY = "summary.md"
 ARCHIVE = "gpu-check-results.tar.gz"
 EXTRA_EXECUTABLES = {"gpu_bench": "bench", "gpu_digits": "digits", "gpu_check_probe": "probe"}
-# A shape outside the issue's that gpu_bench also times: odd planes, read one value at a time.
+# A shape outside the issue's that gpu_bench also times: odd planes too wide for the channel tiles,
+# whose reductions read one value at a time.
 ODD_PLANES_SHAPE = "32x288x35x35"
 DIGITS_DATA = "examples/digits/data/digits.csv.gz"
 SOURCE_FILES = ["scripts/trace_merge.py", "bench/torch_batch_norm.py"]
@@ -697,7 +698,8 @@ class runner:
 
     def stage_bench_odd(self):
         """gpu_bench on one shape beside the issue's: 32x288x35x35 (an Inception-v3 block),
-        whose odd planes the planes kernels read one value at a time."""
+        whose odd planes (too wide for the channel tiles) the reductions read one value at a
+        time."""
         self.run_gpu_bench("gpu_bench_odd", lambda exe: ["--shape", ODD_PLANES_SHAPE], 20, 60,
                            "gpu_bench_odd.txt", lambda text: ODD_PLANES_SHAPE)
 

@@ -92,11 +92,14 @@ void reference_moments(const std::vector<T>& x, const channel_geometry& g, std::
 }
 
 inline const std::vector<channel_geometry> geometries{
-    {6, 5, 63},     // NCHW, odd small planes: one value at a time
+    {6, 5, 63},     // NCHW, odd small planes, channels no whole tile: one value at a time
     {4, 3, 263},    // NCHW, odd planes over 1 KiB: one value at a time
     {4, 3, 197},    // NCHW, odd planes, partitions ending inside planes
     {8, 16, 3136},  // NCHW 56x56 planes: vectors, several partitions per channel
-    {256, 20, 49},  // NCHW 7x7 planes: one value at a time, two partitions of float
+    {256, 20, 49},  // NCHW 7x7: tiles of float (7 partitions) and double, half one at a time
+    {40, 16, 49},   // NCHW 7x7: tiles of 8 half channels, 4 float, 2 double
+    {64, 8, 9},     // NCHW 3x3: tiles of 9 vectors, 28 samples a block round
+    {30, 12, 6},    // NCHW 2x3: tiles of 2 float, 4 half channels; vectors of double
     {32, 10, 196},  // NCHW 14x14 planes: 16-byte vectors of float and double, 8-byte of half
     {16, 6, 8},     // NCHW planes of two float vectors, of two 8-byte half vectors
     {3000, 19, 1},  // NHWC rows, channels not a multiple of the vector width (scalar path)
@@ -120,6 +123,16 @@ std::vector<std::size_t> reduction_offsets() {
 template <class T>
 std::vector<std::pair<std::size_t, std::size_t>> elementwise_offsets() {
     return {{0, 0}, {1, 1}, {1, 0}, {8 / sizeof(T), 8 / sizeof(T)}};
+}
+
+/// The means the backward sums subtract: one per channel, near the data's 50 and different for
+/// neighbouring channels, so a kernel that subtracts another channel's mean shows.
+template <class Acc>
+std::vector<Acc> channel_means(std::size_t channels) {
+    std::vector<Acc> m(channels);
+    for (std::size_t c = 0; c < channels; ++c)
+        m[c] = Acc(48 + static_cast<int>(c % 5));
+    return m;
 }
 
 /// A packed statistics block (pack_local_moments) of x with status `status`: the status, the

@@ -74,9 +74,7 @@ TEMPLATE_TEST_CASE("cuda_path moments and backward sums agree with the generic p
             const std::size_t C = g.channels;
             const auto xh = values<T>(g.size(), 3, 50.0, 2.0); // mean >> std: stability matters
             const auto dyh = values<T>(g.size(), 4, 0.0, 1.0);
-            std::vector<Acc> meanh(C);
-            for (auto& m : meanh)
-                m = Acc(50);
+            const auto meanh = channel_means<Acc>(C);
             device_array<T> x(xh, sys, off), dy(dyh, sys, off);
             device_array<Acc> mean(meanh, sys);
             auto ws = workspace<T>(g, sys);

@@ -87,7 +87,7 @@ TEMPLATE_TEST_CASE("emulated cuda_path moments and backward sums agree with a do
             const std::size_t C = g.channels;
             const auto xh = values<T>(g.size(), 3, 50.0, 2.0);
             const auto dyh = values<T>(g.size(), 4, 0.0, 1.0);
-            const std::vector<Acc> meanh(C, Acc(50));
+            const auto meanh = channel_means<Acc>(C);
             host_array<T> x(xh, off), dy(dyh, off);
             host_array<std::byte> ws(lockstep::kernels::bn_workspace_bytes<T>(g), 0);
             std::memset(ws.data(), 0, ws.size);
@@ -112,7 +112,8 @@ TEMPLATE_TEST_CASE("emulated cuda_path moments and backward sums agree with a do
             const auto counters = reinterpret_cast<const unsigned*>(ws.data());
             for (std::size_t k = 0; k < kd::counter_bytes(g) / sizeof(unsigned); ++k)
                 CHECK(counters[k] == 0u);
-            CHECK((b1.untouched() && s1.untouched() && x.untouched() && dy.untouched()));
+            CHECK((b1.untouched() && s1.untouched() && x.untouched() && dy.untouched() &&
+                   ws.untouched()));
         }
     }
 }
@@ -250,11 +251,13 @@ TEST_CASE("cuda_path's launch refuses a plan width that no kernel takes",
     int launched = 0;
     const auto count = [&](dim3, auto) { ++launched; };
     const auto rows = cd::bn_mapping::rows;
+    const auto tiles = cd::bn_mapping::tiles;
     cd::launch<float>(cd::bn_launch{.width = 4}, count);
     cd::launch<float>(cd::bn_launch{.mapping = rows, .width = 4}, count);
     cd::launch<__half>(cd::bn_launch{.width = 4}, count); // the 8-byte vector of 16-bit values
     cd::launch<__half>(cd::bn_launch{.mapping = rows, .width = 8}, count);
-    CHECK(launched == 4);
+    cd::launch<__half>(cd::bn_launch{.mapping = tiles, .width = 8}, count);
+    CHECK(launched == 5);
     CHECK_THROWS_WITH(cd::launch<float>(cd::bn_launch{.width = 2}, count),
                       Catch::Contains("width 2 fits no planes kernel of 4-byte values"));
     CHECK_THROWS_WITH(cd::launch<double>(cd::bn_launch{.width = 4}, count),
@@ -262,7 +265,12 @@ TEST_CASE("cuda_path's launch refuses a plan width that no kernel takes",
     // Only the planes kernels read 16-bit values in 8-byte vectors.
     CHECK_THROWS_WITH(cd::launch<__half>(cd::bn_launch{.mapping = rows, .width = 4}, count),
                       Catch::Contains("width 4 fits no rows kernel of 2-byte values"));
-    CHECK(launched == 4);
+    // The tiles kernels read 16-byte vectors only.
+    CHECK_THROWS_WITH(cd::launch<float>(cd::bn_launch{.mapping = tiles, .width = 1}, count),
+                      Catch::Contains("width 1 fits no tiles kernel of 4-byte values"));
+    CHECK_THROWS_WITH(cd::launch<__half>(cd::bn_launch{.mapping = tiles, .width = 4}, count),
+                      Catch::Contains("width 4 fits no tiles kernel of 2-byte values"));
+    CHECK(launched == 5);
 }
 
 TEST_CASE("the block emulator runs a block's threads in barrier phases, in index order or "

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <tuple>
 
 using lockstep::error;
 using lockstep::kernels::channel_geometry;
@@ -62,8 +63,8 @@ TEST_CASE("the planes mapping: a block per (channel, partition), vectors of whol
     CHECK(cp::plan_bn_launch(nchw(1, 8, 256), 4, 0, 1000, {at(0), at(0), at(0)}).grid_x == 1000);
 }
 
-TEST_CASE("a reduction reads planes that are not whole vectors, at least two, one value at a "
-          "time; an elementwise kernel reads them in vectors that straddle planes",
+TEST_CASE("a reduction reads planes that are not whole vectors, at least two, in channel tiles "
+          "or one value at a time; an elementwise kernel in vectors that straddle planes",
           "[kernels][bn]") {
     // 256x64x14x14 NCHW: float planes are 49 vectors (448 and 392 blocks), half planes 24.5
     // 16-byte vectors and 49 8-byte ones (the reductions read 8-byte ones, the elementwise
@@ -83,8 +84,6 @@ TEST_CASE("a reduction reads planes that are not whole vectors, at least two, on
     CHECK(h3.width == 8);
     CHECK(h3.grid_x == 196);
     CHECK(cp::plan_bn_launch(g, 2, 0, 0, {at(0), at(4)}).width == 1);
-    CHECK(cp::plan_bn_launch(nchw(256, 2048, 49), 4, 2, 0, {at(0)}).width == 1);
-    CHECK(cp::plan_bn_launch(nchw(256, 2048, 49), 2, 1, 0, {at(0)}).width == 1);
     // 7x7: the normalize and dx kernels take 16-byte vectors over the tensor (49 values a plane,
     // so a vector's lanes lie in at most two planes); a tensor that is not whole vectors, or a
     // plane under two vectors' worth, one value at a time.
@@ -97,18 +96,67 @@ TEST_CASE("a reduction reads planes that are not whole vectors, at least two, on
     CHECK(cp::plan_bn_launch(nchw(8, 4, 7), 4, 0, 0, {at(0), at(0)}).width == 1);  // 7 < 8
     CHECK(cp::plan_bn_launch(nchw(8, 4, 9), 4, 0, 0, {at(0), at(0)}).width == 4);
     CHECK(cp::plan_bn_launch(nchw(64, 256, 784), 2, 4, 0, {at(0)}).width == 8); // 28x28 half
-    // A plane of one vector is read by values (a vector per plane would be the rows layout);
-    // 8-byte vectors only for 16-bit values (float's would hold 2).
-    CHECK(cp::plan_bn_launch(nchw(8, 4, 4), 4, 1, 0, {at(0)}).width == 1);
+    // A plane of one vector is no planes vector (that would be the rows layout) but a tile of one
+    // channel; 8-byte vectors only for 16-bit values (float's would hold 2).
+    CHECK(cp::plan_bn_launch(nchw(8, 4, 4), 4, 1, 0, {at(0)}).mapping == bn_mapping::tiles);
+    CHECK(cp::plan_bn_launch(nchw(8, 4, 4), 4, 1, 0, {at(0)}).tile.channels == 1);
     CHECK(cp::plan_bn_launch(nchw(8, 4, 8), 4, 1, 0, {at(0)}).width == 4);
-    CHECK(cp::plan_bn_launch(nchw(8, 4, 6), 4, 1, 0, {at(0)}).width == 1);
+    CHECK(cp::plan_bn_launch(nchw(8, 4, 6), 4, 1, 0, {at(0)}).tile.channels == 2);
     CHECK(cp::plan_bn_launch(nchw(8, 4, 8), 2, 1, 0, {at(0)}).width == 4);
-    CHECK(cp::plan_bn_launch(nchw(8, 4, 4), 2, 1, 0, {at(0)}).width == 1);
+    CHECK(cp::plan_bn_launch(nchw(8, 4, 8), 2, 1, 0, {at(0)}).mapping == bn_mapping::planes);
+    CHECK(cp::plan_bn_launch(nchw(8, 4, 4), 2, 1, 0, {at(0)}).tile.channels == 2);
     CHECK(cp::plan_bn_launch(nchw(8, 4, 4), 8, 1, 0, {at(0)}).width == 2); // double: 2 vectors
+    CHECK(cp::plan_bn_launch(nchw(8, 4, 4), 8, 1, 0, {at(0)}).mapping == bn_mapping::planes);
     // Few values over many channels: the channel blocks of the fused dx kernel.
     const cp::bn_launch k5 = cp::plan_bn_launch(nchw(1, 2048, 4), 4, 0, 8, {at(0), at(0), at(0)});
     CHECK(k5.mapping == bn_mapping::planes);
     CHECK(k5.grid_x == 8);
+}
+
+TEST_CASE("the tiles mapping: reductions over planes of no whole vectors read tiles of channels "
+          "whose planes are, where the data is aligned and the channels whole tiles",
+          "[kernels][bn]") {
+    using lockstep::kernels::detail::cuda_tile_partitions;
+    // 256x2048x7x7 NCHW (docs): a tile is 4 float channels (196 values, 49 vectors), 8 half ones
+    // (392 values, 49 vectors) or 2 double ones; 5 samples' tiles a block round (245 threads);
+    // 7 partitions of the samples (about 28 KiB a block).
+    const channel_geometry g = nchw(256, 2048, 49);
+    for (const auto& [bytes, channels, blocks] :
+         {std::tuple{4, 4u, 3584u}, std::tuple{2, 8u, 1792u}, std::tuple{8, 2u, 7168u}}) {
+        CAPTURE(bytes);
+        const std::size_t value_bytes = static_cast<std::size_t>(bytes);
+        const cp::bn_launch k1 =
+            cp::plan_bn_launch(g, value_bytes, cuda_partitions(g, value_bytes), 0, {at(0)});
+        CHECK(k1.mapping == bn_mapping::tiles);
+        CHECK(k1.width == 16 / value_bytes);
+        CHECK(k1.tile.channels == channels);
+        CHECK(k1.tile.vectors == 49);
+        CHECK(k1.tile.rows == 5);
+        CHECK(k1.parts == 7);
+        CHECK(cuda_tile_partitions(g, value_bytes) == 7);
+        CHECK(k1.grid_x == blocks);
+        // off a 16-byte boundary: the planes mapping, one value at a time
+        const cp::bn_launch s1 =
+            cp::plan_bn_launch(g, value_bytes, cuda_partitions(g, value_bytes), 0, {at(8)});
+        CHECK(s1.mapping == bn_mapping::planes);
+        CHECK(s1.width == 1);
+        CHECK(s1.parts == cuda_partitions(g, value_bytes));
+    }
+    // The workspace holds the tiles' partials (8192 channels: more than the generic path's)
+    const channel_geometry wide = nchw(256, 8192, 49);
+    CHECK(cuda_tile_partitions(wide, 4) == 7);
+    CHECK(lockstep::kernels::bn_workspace_bytes<float>(wide) >=
+          lockstep::kernels::detail::counter_bytes(wide) +
+              std::size_t{2} * 8192 * 7 * sizeof(float));
+    // channels that are no whole tiles, and a tile too wide for a block (17x17 float: 289
+    // vectors), take single values; 3x3 float: 9 vectors, 28 samples a round
+    CHECK(cp::plan_bn_launch(nchw(64, 2050, 49), 4, 1, 0, {at(0)}).width == 1);
+    CHECK(cp::plan_bn_launch(nchw(64, 20, 289), 4, 1, 0, {at(0)}).width == 1);
+    const cp::bn_launch t9 = cp::plan_bn_launch(nchw(64, 8, 9), 4, 1, 0, {at(0)});
+    CHECK(t9.tile.vectors == 9);
+    CHECK(t9.tile.rows == 28);
+    // an elementwise kernel never takes tiles
+    CHECK(cp::plan_bn_launch(g, 4, 0, 0, {at(0), at(0)}).mapping == bn_mapping::planes);
 }
 
 TEST_CASE("the rows mapping: vectors only for aligned data and whole channel vectors",

@@ -26,8 +26,9 @@
 // the CUDA types); Acc is double for double data and float otherwise. Pointers are device
 // pointers of the current device, naturally aligned for their type; 16-byte aligned data (as every
 // cuda_system allocation is) with planes of whole 16-byte vectors (NCHW; 8-byte ones of 16-bit
-// values too; the normalize and dx kernels also where vectors straddle planes) or channels of
-// them (NHWC) takes a vector path, anything else a scalar path (same
+// values too; the normalize and dx kernels also where vectors straddle planes, the reductions
+// channel tiles of whole vectors where planes are not) or channels of them (NHWC) takes a vector
+// path, anything else a scalar path (same
 // arithmetic per value; reductions agree to rounding): which kernel and grid, the plan of
 // kernels/detail/bn_launch_plan.hpp says. Launch errors throw lockstep::error (errc::cuda).
 namespace lockstep::kernels::cuda_path {
@@ -62,14 +63,14 @@ void launch_kernel(void (*k)(P...), dim3 grid, unsigned block, cudaStream_t stre
 
 /// Launches the plan's kernel: f(grid, width) with width a std::integral_constant<int, W>, W =
 /// p.width values of native type N per access (1, the 16-byte vector's V, or the 8-byte vector's
-/// V / 2 of 16-bit values, which only the planes kernels read); f picks the kernel of p.mapping.
-/// throws lockstep::error (errc::internal) for any other width, or V / 2 with the rows mapping:
-/// no kernel takes it, and nothing would be launched.
+/// V / 2 of 16-bit values, which only the planes kernels read; the tiles kernels read V only);
+/// f picks the kernel of p.mapping. throws lockstep::error (errc::internal) for any other width,
+/// or a width the mapping's kernels do not take: nothing would be launched.
 template <class N, class F>
 void launch(const bn_launch& p, F&& f) {
     constexpr int V = vector_width<N>;
     const dim3 grid(p.grid_x, p.grid_y);
-    if (p.width == 1)
+    if (p.width == 1 && p.mapping != bn_mapping::tiles)
         return f(grid, std::integral_constant<int, 1>{});
     if (p.width == V)
         return f(grid, std::integral_constant<int, V>{});
@@ -77,9 +78,11 @@ void launch(const bn_launch& p, F&& f) {
         if (p.width == V / 2 && p.mapping == bn_mapping::planes)
             return f(grid, std::integral_constant<int, V / 2>{});
     }
+    const char* mapping = p.mapping == bn_mapping::planes ? "planes"
+                          : p.mapping == bn_mapping::rows ? "rows"
+                                                          : "tiles";
     LOCKSTEP_REQUIRE(false, errc::internal, -1, "batch-norm launch", "the launch plan's width ",
-                     p.width, " fits no ", p.mapping == bn_mapping::planes ? "planes" : "rows",
-                     " kernel of ", sizeof(N), "-byte values");
+                     p.width, " fits no ", mapping, " kernel of ", sizeof(N), "-byte values");
 }
 
 /// The reductions' workspace: the arrival counters, then the partials (bn_workspace_bytes).
@@ -116,18 +119,24 @@ void pack_local_moments(cudaStream_t stream, const T* x, channel_geometry g, Acc
         return;
     }
     const detail::workspace_parts<Acc> w(g, workspace);
-    const std::size_t parts = kernels::detail::cuda_partitions(g, sizeof(T));
-    const detail::bn_launch p = detail::plan_bn_launch(g, sizeof(T), parts, 0, {x});
+    const detail::bn_launch p = detail::plan_bn_launch(
+        g, sizeof(T), kernels::detail::cuda_partitions(g, sizeof(T)), 0, {x});
     detail::launch<N>(p, [&](dim3 grid, auto width) {
         constexpr int W = decltype(width)::value;
-        if (p.mapping == detail::bn_mapping::planes)
+        if (p.mapping == detail::bn_mapping::planes) {
             detail::launch_kernel(detail::moments_planes_kernel<N, Acc, W>, grid, block_threads,
-                                  stream, xn, detail::unit_geometry(g, W), parts, w.partials,
+                                  stream, xn, detail::unit_geometry(g, W), p.parts, w.partials,
                                   w.counters, header, block);
-        else if constexpr (detail::rows_width<N, W>)
+        } else if (p.mapping == detail::bn_mapping::tiles) {
+            if constexpr (W == detail::vector_width<N>)
+                detail::launch_kernel(detail::moments_tiles_kernel<N, Acc, W>, grid, block_threads,
+                                      stream, xn, g, p.tile, p.parts, w.partials, w.counters,
+                                      header, block);
+        } else if constexpr (detail::rows_width<N, W>) {
             detail::launch_kernel(detail::moments_rows_kernel<N, Acc, W>, grid, block_threads,
-                                  stream, xn, g, p.tx, parts, w.partials, w.counters, header,
+                                  stream, xn, g, p.tx, p.parts, w.partials, w.counters, header,
                                   block);
+        }
     });
 }
 
@@ -199,18 +208,24 @@ void pack_backward_sums(cudaStream_t stream, const T* dy, const T* x, channel_ge
         return;
     }
     const detail::workspace_parts<Acc> w(g, workspace);
-    const std::size_t parts = kernels::detail::cuda_partitions(g, sizeof(T));
-    const detail::bn_launch p = detail::plan_bn_launch(g, sizeof(T), parts, 0, {dy, x});
+    const detail::bn_launch p = detail::plan_bn_launch(
+        g, sizeof(T), kernels::detail::cuda_partitions(g, sizeof(T)), 0, {dy, x});
     detail::launch<N>(p, [&](dim3 grid, auto width) {
         constexpr int W = decltype(width)::value;
-        if (p.mapping == detail::bn_mapping::planes)
+        if (p.mapping == detail::bn_mapping::planes) {
             detail::launch_kernel(detail::sums_planes_kernel<N, Acc, W>, grid, block_threads,
-                                  stream, dyn, xn, detail::unit_geometry(g, W), parts, mean, status,
-                                  w.partials, w.counters, sums);
-        else if constexpr (detail::rows_width<N, W>)
+                                  stream, dyn, xn, detail::unit_geometry(g, W), p.parts, mean,
+                                  status, w.partials, w.counters, sums);
+        } else if (p.mapping == detail::bn_mapping::tiles) {
+            if constexpr (W == detail::vector_width<N>)
+                detail::launch_kernel(detail::sums_tiles_kernel<N, Acc, W>, grid, block_threads,
+                                      stream, dyn, xn, g, p.tile, p.parts, mean, status, w.partials,
+                                      w.counters, sums);
+        } else if constexpr (detail::rows_width<N, W>) {
             detail::launch_kernel(detail::sums_rows_kernel<N, Acc, W>, grid, block_threads, stream,
-                                  dyn, xn, g, p.tx, parts, mean, status, w.partials, w.counters,
+                                  dyn, xn, g, p.tx, p.parts, mean, status, w.partials, w.counters,
                                   sums);
+        }
     });
 }
 

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <numeric>
 #include <span>
 
 namespace lockstep::kernels {
@@ -207,6 +208,26 @@ inline std::size_t cuda_partitions(const channel_geometry& g, std::size_t value_
     return std::min<std::size_t>(std::max(p, (rows + exact - 1) / exact), 65535);
 }
 
+/// Channels a tile of the CUDA reductions holds when planes of `inner` values are read in vectors
+/// of v values (v a power of two): the fewest whose planes of one sample are whole vectors.
+inline std::size_t tile_channels(std::size_t inner, std::size_t v) {
+    return v / std::gcd(inner, v);
+}
+
+/// How the CUDA reductions' channel tiles (NCHW planes of no whole 16-byte vectors, read
+/// tile_channels at a time, kernels/detail/bn_launch_plan.hpp) split the samples: about 32 KiB
+/// of input a (tile, partition) block, at most 2^22 values of a channel a partition. Depends on
+/// the geometry and the value size only.
+inline std::size_t cuda_tile_partitions(const channel_geometry& g, std::size_t value_bytes) {
+    const std::size_t exact = std::size_t(1) << 22;
+    const std::size_t target = 32768 / value_bytes;
+    const std::size_t n = g.per_channel();
+    const std::size_t tile = tile_channels(std::max<std::size_t>(g.inner, 1), 16 / value_bytes);
+    const std::size_t p = std::clamp<std::size_t>((tile * n + target - 1) / target, 1,
+                                                  std::max<std::size_t>(g.outer, 1));
+    return std::max(p, (n + exact - 1) / exact);
+}
+
 } // namespace detail
 
 /// Bytes of workspace pack_local_moments and pack_backward_sums need for values of type T
@@ -219,7 +240,10 @@ std::size_t bn_workspace_bytes(const channel_geometry& g) {
     const std::size_t parts = generic_partitions(g);
     const std::size_t generic_moments = (C * parts + C) * sizeof(moments<Acc>);
     const std::size_t generic_sums = 2 * C * parts * sizeof(Acc);
-    const std::size_t cuda = 2 * C * detail::cuda_partitions(g, sizeof(T)) * sizeof(Acc);
+    const std::size_t cuda_parts =
+        std::max(detail::cuda_partitions(g, sizeof(T)),
+                 g.inner > 1 ? detail::cuda_tile_partitions(g, sizeof(T)) : std::size_t{0});
+    const std::size_t cuda = 2 * C * cuda_parts * sizeof(Acc);
     return detail::counter_bytes(g) + std::max({generic_moments, generic_sums, cuda});
 }
 

@@ -204,16 +204,18 @@ struct add_dy_sums {
     }
 };
 
-/// Per-thread backward sums of one channel (mean mu) over units of V values: V lane pairs.
-template <class T, class Acc, int V>
+/// Per-thread backward sums over units of V values: V lane pairs, of one channel (mean mu[0],
+/// M = 1) or of a channel per lane (mean mu[j] for lane j, M = V: the channel tiles).
+template <class T, class Acc, int V, int M = 1>
 struct sums_op {
+    static_assert(M == 1 || M == V);
     struct regs {
         raw_t<V, T> dy;
         raw_t<V, T> x;
     };
     const T* dy;
     const T* x;
-    Acc mu;
+    Acc mu[M];
     Acc sdy[V] = {};
     Acc sdyx[V] = {};
 
@@ -232,7 +234,7 @@ struct sums_op {
                 unpack<V, T>(r[u].x, v);
 #pragma unroll
                 for (int j = 0; j < V; ++j)
-                    backward_accumulate(sdy[j], sdyx[j], d[j], v[j], mu);
+                    backward_accumulate(sdy[j], sdyx[j], d[j], v[j], mu[M == 1 ? 0 : j]);
             }
         }
     }

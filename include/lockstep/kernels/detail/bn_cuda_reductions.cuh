@@ -42,6 +42,33 @@ inline constexpr int sums_batch = V == 1 ? 8 : 4;
 template <int V>
 inline constexpr int planes_reduction_blocks = V == 1 ? 4 : 3;
 
+/// The moments of one channel from its partitions' partials (mean, M2 at mine[2 q], mine[2 q + 1]
+/// for q < parts, partition q of count(q) values; written by other blocks, read with __ldcg),
+/// Chan-merged in double in ordered_fold's order (fixed by parts). ensures: in every thread.
+template <class Acc, class Count>
+__device__ moments<double> fold_moment_partials(const Acc* mine, std::size_t parts, Count count) {
+    return ordered_fold<moments<double>>(
+        parts,
+        [&](std::size_t q) {
+            return moments<double>{count(q), static_cast<double>(__ldcg(mine + 2 * q)),
+                                   static_cast<double>(__ldcg(mine + 2 * q + 1))};
+        },
+        chan_merge{});
+}
+
+/// The backward sums of one channel from its partitions' partials (sum dy, sum dy (x - mean) at
+/// mine[2 q], mine[2 q + 1]), added in double in ordered_fold's order.
+template <class Acc>
+__device__ dy_sums<double> fold_sum_partials(const Acc* mine, std::size_t parts) {
+    return ordered_fold<dy_sums<double>>(
+        parts,
+        [&](std::size_t q) {
+            return dy_sums<double>{static_cast<double>(__ldcg(mine + 2 * q)),
+                                   static_cast<double>(__ldcg(mine + 2 * q + 1))};
+        },
+        add_dy_sums{});
+}
+
 /// K1, planes: block = (channel c, partition p) of cuda_partitions(g) partitions of the channel's
 /// units (g in units of V values, unit_geometry), walked flat (flat_channel).
 template <class T, class Acc, int V>
@@ -62,16 +89,11 @@ __global__ void __launch_bounds__(block_threads, planes_reduction_blocks<V>)
     }
     if (!arrive_last(counters + c, parts))
         return;
-    const Acc* mine = partials + 2 * c * parts;
-    const moments<double> total = ordered_fold<moments<double>>(
-        parts,
-        [&](std::size_t q) {
+    const moments<double> total =
+        fold_moment_partials(partials + 2 * c * parts, parts, [&](std::size_t q) {
             const std::size_t units = n * (q + 1) / parts - n * q / parts; // q's share of n
-            const auto count = static_cast<double>(units * V);
-            return moments<double>{count, static_cast<double>(__ldcg(mine + 2 * q)),
-                                   static_cast<double>(__ldcg(mine + 2 * q + 1))};
-        },
-        chan_merge{});
+            return static_cast<double>(units * V);
+        });
     if (threadIdx.x == 0) {
         block[packed_moments::mean(c)] = static_cast<Acc>(total.mean);
         block[packed_moments::m2(c)] = static_cast<Acc>(total.m2);
@@ -210,14 +232,7 @@ __global__ void __launch_bounds__(block_threads, planes_reduction_blocks<V>)
     }
     if (!arrive_last(counters + c, parts))
         return;
-    const Acc* mine = partials + 2 * c * parts;
-    const dy_sums<double> total = ordered_fold<dy_sums<double>>(
-        parts,
-        [&](std::size_t q) {
-            return dy_sums<double>{static_cast<double>(__ldcg(mine + 2 * q)),
-                                   static_cast<double>(__ldcg(mine + 2 * q + 1))};
-        },
-        add_dy_sums{});
+    const dy_sums<double> total = fold_sum_partials(partials + 2 * c * parts, parts);
     if (threadIdx.x == 0) {
         sums[c] = static_cast<Acc>(total.dy);
         sums[g.channels + c] = static_cast<Acc>(total.dyx);

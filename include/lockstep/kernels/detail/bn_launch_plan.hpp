@@ -52,17 +52,44 @@ inline constexpr std::size_t planes_block_entries = block_units / 2 + 2;
 enum class bn_mapping {
     planes, ///< inner > 1: consecutive threads take consecutive units of a channel or the tensor
     rows,   ///< inner == 1: threads along the channels (tx) and the rows
+    tiles,  ///< inner > 1, a reduction over planes of no whole vectors: tiles of channels
 };
 
+/// The channel tiles of an NCHW reduction whose planes are not whole vectors of v values (7x7,
+/// 3x3, ...): the `channels` = v / gcd(inner, v) planes of one sample that a tile holds are
+/// contiguous and whole vectors, `vectors` = channels inner / v of them; a block reads `rows`
+/// = block_threads / vectors samples' tiles at once, thread t the vector t % vectors of sample
+/// t / vectors (threads from rows vectors on idle), so each lane of a thread's vectors always
+/// holds the same channel.
+struct tile_shape {
+    unsigned channels = 0;
+    unsigned vectors = 0;
+    unsigned rows = 0;
+};
+
+/// The tile shape of planes of `inner` values read in vectors of v (v a power of two).
+inline tile_shape channel_tile(std::size_t inner, std::size_t v) {
+    const std::size_t ct = kernels::detail::tile_channels(inner, v);
+    const std::size_t vectors = ct * inner / v;
+    tile_shape t;
+    t.channels = static_cast<unsigned>(ct);
+    t.vectors = static_cast<unsigned>(std::min<std::size_t>(vectors, std::size_t{1} << 30));
+    t.rows = vectors <= block_threads ? static_cast<unsigned>(block_threads / vectors) : 0;
+    return t;
+}
+
 /// One launch: the mapping, the values each access reads (width: 1, a 16-byte vector's 16 / value
-/// bytes, or for 2-byte values an 8-byte vector's 4), the grid, and for rows the threads along
-/// the channels.
+/// bytes, or for 2-byte values an 8-byte vector's 4), the grid, for rows the threads along the
+/// channels, for a reduction its partitions (of a channel's units for planes, of the rows for
+/// rows, of the samples for tiles) and for tiles their shape.
 struct bn_launch {
     bn_mapping mapping = bn_mapping::planes;
     unsigned width = 1;
     unsigned grid_x = 1;
     unsigned grid_y = 1;
     unsigned tx = 0;
+    std::size_t parts = 0;
+    tile_shape tile{};
 };
 
 /// A 1-D grid of `blocks` (at least 1). requires: blocks < 2^31 (else lockstep::error).
@@ -97,10 +124,13 @@ inline unsigned rows_grid_y(std::size_t rows, unsigned tx) {
 ///   kernel they divide the tensor and a plane holds at least two vectors' worth (so a vector
 ///   straddles at most two planes); rows read 16-byte vectors where the pointers are aligned to
 ///   them and the channels are whole vectors, else one value;
-/// - a reduction (parts >= 1, cuda_partitions) has one block per (channel, partition) (planes)
-///   or per (channel tile, partition) (rows: grid_y = parts); an elementwise kernel (parts == 0)
-///   covers the values, block_units accesses a block (planes, with at least min_blocks blocks) or
-///   about 4 rows a thread (rows).
+/// - a reduction whose planes take no vector takes tiles instead where the pointers are aligned
+///   to 16 bytes, the channels are whole tiles (channel_tile) and a tile's vectors fit a block;
+/// - a reduction (parts >= 1, cuda_partitions) has one block per (channel, partition) (planes),
+///   per (channel tile, partition) (rows: grid_y = parts) or per (tile, partition of the
+///   samples) (tiles: cuda_tile_partitions of them, in the plan's parts); an elementwise kernel
+///   (parts == 0) covers the values, block_units accesses a block (planes, with at least
+///   min_blocks blocks) or about 4 rows a thread (rows).
 inline bn_launch plan_bn_launch(const channel_geometry& g, std::size_t value_bytes,
                                 std::size_t parts, std::size_t min_blocks,
                                 std::initializer_list<const void*> data) {
@@ -120,6 +150,17 @@ inline bn_launch plan_bn_launch(const channel_geometry& g, std::size_t value_byt
             if (l.width == 1 && aligned(w * value_bytes) && fits)
                 l.width = static_cast<unsigned>(w);
         }
+        const tile_shape t = channel_tile(g.inner, v);
+        if (parts > 0 && l.width == 1 && aligned(16) && g.channels % t.channels == 0 &&
+            t.rows > 0) {
+            l.mapping = bn_mapping::tiles;
+            l.width = static_cast<unsigned>(v);
+            l.tile = t;
+            l.parts = kernels::detail::cuda_tile_partitions(g, value_bytes);
+            l.grid_x = grid_1d(g.channels / t.channels * l.parts);
+            return l;
+        }
+        l.parts = parts;
         const std::size_t units = g.size() / l.width;
         l.grid_x =
             grid_1d(parts > 0 ? g.channels * parts
@@ -127,6 +168,7 @@ inline bn_launch plan_bn_launch(const channel_geometry& g, std::size_t value_byt
         return l;
     }
     l.mapping = bn_mapping::rows;
+    l.parts = parts;
     l.width = g.channels % v == 0 && aligned(16) ? static_cast<unsigned>(v) : 1;
     const std::size_t vectors = g.channels / l.width;
     l.tx = rows_tx(vectors);
