@@ -47,6 +47,15 @@ NCU_METRICS = [
     "launch__occupancy_limit_registers",
     "sm__maximum_warps_per_active_cycle_pct",
     "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "smsp__inst_executed.sum",
+]
+# The configurations ncu profiles, one gpu_bench call each (its forward and backward: 4 launches):
+# the 7x7 channel tiles in both types, the NCHW planes vectors, the NHWC rows and their fold.
+NCU_CASES = [
+    ("7x7_nchw_half", ["--shape", "256x2048x7x7", "--layout", "nchw", "--type", "half"]),
+    ("7x7_nchw_float", ["--shape", "256x2048x7x7", "--layout", "nchw", "--type", "float"]),
+    ("56x56_nchw_float", ["--shape", "32x64x56x56", "--layout", "nchw", "--type", "float"]),
+    ("28x28_nhwc_half", ["--shape", "64x256x28x28", "--layout", "nhwc", "--type", "half"]),
 ]
 LOG_LIMIT = 2 << 20  # bytes of one stage's log kept (head and tail) in the archive
 
@@ -408,7 +417,7 @@ class runner:
             lines.append("| %s | running (for %.0fs when this was written) | | |" % (
                 self.current[0], time.monotonic() - self.current[1]))
         lines += ["", "In %s: the logs, results.jsonl, env.json, gpu_bench.txt and .csv, "
-                  "torch_bn.csv, bn_compare.csv, ncu_bn.csv." % ARCHIVE, ""]
+                  "torch_bn.csv, bn_compare.csv, ncu_<case>.csv." % ARCHIVE, ""]
         return "\n".join(lines)
 
     def log_path(self, stage):
@@ -766,22 +775,39 @@ class runner:
                 if "ERR_NVGPUCTRPERM" in text else "exit %s: %s" % (code, self.tail(log, 2)))
             self.record(stage, "skipped", "ncu cannot profile here: " + answer, secs, code, log)
             return
-        csv_rel = "ncu_bn.csv"
-        code, timed_out, secs2, log = self.execute(
-            stage, [ncu, "--csv", "--page", "raw", "--kernel-name-base", "demangled",
-                    "--kernel-name", "regex:lockstep::kernels", "--launch-count",
-                    str(self.a.ncu_kernels), "--metrics", ",".join(NCU_METRICS), "--log-file",
-                    os.path.join(self.results_dir, csv_rel), bench],
-            min(240, self.remaining()))
-        if self.cut_by_budget(stage, 240, secs2, timed_out, log):
-            return
-        rows = count_csv_rows(os.path.join(self.results_dir, csv_rel))
-        if code == 0 and not timed_out and rows > 0:
-            self.record(stage, "passed", "%d kernel launches profiled into %s" % (rows, csv_rel),
-                        secs + secs2, code, log)
+        # One gpu_bench call per case, without cuDNN, one timed call of each pass (explicit: the
+        # bench's own profiler detection is not relied on), into ncu_<case>.csv.
+        secs2, failures, profiled, log = 0.0, [], [], None
+        for name, args in NCU_CASES:
+            if self.remaining() < 20:
+                self.record(stage, "skipped", "budget: %.0fs left before %s; profiled: %s" % (
+                    max(self.remaining(), 0), name, ", ".join(profiled) or "none"), secs + secs2,
+                    None, log)
+                return
+            csv_rel = "ncu_%s.csv" % name
+            code, timed_out, t, log = self.execute(
+                stage, [ncu, "--csv", "--page", "raw", "--kernel-name-base", "demangled",
+                        "--kernel-name", "regex:lockstep::kernels", "--launch-count",
+                        str(self.a.ncu_kernels), "--metrics", ",".join(NCU_METRICS),
+                        "--log-file", os.path.join(self.results_dir, csv_rel), bench,
+                        "--warmup", "0", "--iterations", "1", "--no-cudnn"] + args,
+                min(120, self.remaining()),
+                log_name=os.path.join("logs", "ncu_%s.log" % name))
+            secs2 += t
+            if self.cut_by_budget(stage, 120, t, timed_out, log):
+                return
+            rows = count_csv_rows(os.path.join(self.results_dir, csv_rel))
+            if code == 0 and not timed_out and rows > 0:
+                profiled.append("%s %d" % (csv_rel, rows))
+            else:
+                failures.append("%s: %s" % (name, "timed out" if timed_out else "exit %s, %d rows: %s"
+                                            % (code, rows, self.tail(log, 2))))
+        if not failures:
+            self.record(stage, "passed", "kernel launches profiled: " + ", ".join(profiled),
+                        secs + secs2, 0, log)
         else:
-            self.record(stage, "failed", "timed out" if timed_out else "exit %s, %d rows: %s" % (
-                code, rows, self.tail(log, 2)), secs + secs2, code, log)
+            self.record(stage, "failed", "profiled: %s; failed: %s" % (
+                ", ".join(profiled) or "none", "; ".join(failures)), secs + secs2, 1, log)
 
     def cut_by_budget(self, stage, own_timeout, secs, timed_out, log):
         """Records `stage` as skipped when the end of the budget, not its own timeout, stopped
@@ -923,8 +949,8 @@ def main():
     r.add_argument("--pretend-gpu", action="store_true", help=argparse.SUPPRESS)
     r.add_argument("--lockstep-timeout", type=int, default=60,
                    help="LOCKSTEP_TIMEOUT for the stages (seconds)")
-    r.add_argument("--ncu-kernels", type=int, default=120,
-                   help="batch-norm kernel launches ncu profiles")
+    r.add_argument("--ncu-kernels", type=int, default=8,
+                   help="batch-norm kernel launches ncu profiles per case (NCU_CASES)")
     a = parser.parse_args()
     if a.cmd == "stage":
         stage_bundle(a)
