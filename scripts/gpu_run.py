@@ -29,7 +29,7 @@ SUMMARY = "summary.md"
 ARCHIVE = "gpu-check-results.tar.gz"
 EXTRA_EXECUTABLES = {"gpu_bench": "bench", "gpu_digits": "digits", "gpu_check_probe": "probe"}
 # A shape outside the issue's that gpu_bench also times: odd planes too wide for the channel tiles,
-# whose reductions read one value at a time.
+# whose reductions read the vectors inside each plane and its edges by value.
 ODD_PLANES_SHAPE = "32x288x35x35"
 DIGITS_DATA = "examples/digits/data/digits.csv.gz"
 SOURCE_FILES = ["scripts/trace_merge.py", "bench/torch_batch_norm.py"]
@@ -707,8 +707,8 @@ class runner:
 
     def stage_bench_odd(self):
         """gpu_bench on one shape beside the issue's: 32x288x35x35 (an Inception-v3 block),
-        whose odd planes (too wide for the channel tiles) the reductions read one value at a
-        time."""
+        whose odd planes (too wide for the channel tiles) the reductions read in the vectors
+        inside each plane and its edges by value."""
         self.run_gpu_bench("gpu_bench_odd", lambda exe: ["--shape", ODD_PLANES_SHAPE], 20, 60,
                            "gpu_bench_odd.txt", lambda text: ODD_PLANES_SHAPE)
 

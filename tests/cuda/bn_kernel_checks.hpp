@@ -100,6 +100,8 @@ inline const std::vector<channel_geometry> geometries{
     {40, 16, 49},   // NCHW 7x7: tiles of 8 half channels, 4 float, 2 double
     {64, 8, 9},     // NCHW 3x3: tiles of 9 vectors, 28 samples a block round
     {30, 12, 6},    // NCHW 2x3: tiles of 2 float, 4 half channels; vectors of double
+    {16, 8, 1225},  // NCHW 35x35, too wide for a tile: vectors inside planes, edges by value
+    {4, 8, 289},    // NCHW 17x17 likewise, one partition
     {32, 10, 196},  // NCHW 14x14 planes: 16-byte vectors of float and double, 8-byte of half
     {16, 6, 8},     // NCHW planes of two float vectors, of two 8-byte half vectors
     {3000, 19, 1},  // NHWC rows, channels not a multiple of the vector width (scalar path)

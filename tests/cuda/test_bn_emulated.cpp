@@ -270,7 +270,15 @@ TEST_CASE("cuda_path's launch refuses a plan width that no kernel takes",
                       Catch::Contains("width 1 fits no tiles kernel of 4-byte values"));
     CHECK_THROWS_WITH(cd::launch<__half>(cd::bn_launch{.mapping = tiles, .width = 4}, count),
                       Catch::Contains("width 4 fits no tiles kernel of 2-byte values"));
-    CHECK(launched == 5);
+    // Edges (planes of no whole vectors) only with the 16-byte vector of the planes kernels.
+    cd::launch<__half>(cd::bn_launch{.width = 8, .edges = true}, count);
+    CHECK(launched == 6);
+    CHECK_THROWS_WITH(cd::launch<__half>(cd::bn_launch{.width = 4, .edges = true}, count),
+                      Catch::Contains("edges come with width 4"));
+    CHECK_THROWS_WITH(
+        cd::launch<float>(cd::bn_launch{.mapping = tiles, .width = 4, .edges = true}, count),
+        Catch::Contains("edges come with width 4"));
+    CHECK(launched == 6);
 }
 
 TEST_CASE("the block emulator runs a block's threads in barrier phases, in index order or "

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 using lockstep::error;
 using lockstep::kernels::channel_geometry;
@@ -45,6 +46,7 @@ TEST_CASE("the planes mapping: a block per (channel, partition), vectors of whol
     const cp::bn_launch k1 = cp::plan_bn_launch(g, 4, parts, 0, {at(0)});
     CHECK(k1.mapping == bn_mapping::planes);
     CHECK(k1.width == 4);
+    CHECK(!k1.edges);
     CHECK(k1.grid_x == 832);
     CHECK(k1.grid_y == 1);
     const cp::bn_launch k3 = cp::plan_bn_launch(g, 4, 0, 0, {at(0), at(0)});
@@ -148,15 +150,37 @@ TEST_CASE("the tiles mapping: reductions over planes of no whole vectors read ti
     CHECK(lockstep::kernels::bn_workspace_bytes<float>(wide) >=
           lockstep::kernels::detail::counter_bytes(wide) +
               std::size_t{2} * 8192 * 7 * sizeof(float));
-    // channels that are no whole tiles, and a tile too wide for a block (17x17 float: 289
-    // vectors), take single values; 3x3 float: 9 vectors, 28 samples a round
+    // channels that are no whole tiles take single values where their planes start at different
+    // lanes (2050 x 49 values: no whole vectors); 3x3 float: 9 vectors, 28 samples a round
     CHECK(cp::plan_bn_launch(nchw(64, 2050, 49), 4, 1, 0, {at(0)}).width == 1);
-    CHECK(cp::plan_bn_launch(nchw(64, 20, 289), 4, 1, 0, {at(0)}).width == 1);
     const cp::bn_launch t9 = cp::plan_bn_launch(nchw(64, 8, 9), 4, 1, 0, {at(0)});
     CHECK(t9.tile.vectors == 9);
     CHECK(t9.tile.rows == 28);
     // an elementwise kernel never takes tiles
     CHECK(cp::plan_bn_launch(g, 4, 0, 0, {at(0), at(0)}).mapping == bn_mapping::planes);
+}
+
+TEST_CASE("a reduction over planes too wide for a tile reads the vectors inside each plane",
+          "[kernels][bn]") {
+    // 32x288x35x35 (gpu_bench_odd) and 17x17: a float tile would be 1225 or 289 vectors, more
+    // than a block's threads; every plane of a channel starts at the same lane (C x HW is whole
+    // vectors), so the planes mapping reads 16-byte vectors and each plane's edges by value.
+    for (const channel_geometry g : {nchw(32, 288, 1225), nchw(64, 16, 289)}) {
+        CAPTURE(g.inner);
+        for (const std::size_t bytes : {std::size_t{2}, std::size_t{4}, std::size_t{8}}) {
+            const cp::bn_launch k1 = cp::plan_bn_launch(g, bytes, 5, 0, {at(0), at(0)});
+            CHECK(k1.mapping == bn_mapping::planes);
+            CHECK(k1.width == 16 / bytes);
+            CHECK(k1.edges);
+            CHECK(k1.parts == 5);
+            CHECK(k1.grid_x == g.channels * 5);
+            CHECK(cp::plan_bn_launch(g, bytes, 5, 0, {at(0), at(8)}).width == 1);
+        }
+    }
+    // planes of a channel at different lanes (5 x 35 x 35 values: no whole vectors), or planes
+    // under two vectors' worth: single values
+    CHECK(cp::plan_bn_launch(nchw(32, 5, 1225), 4, 5, 0, {at(0)}).width == 1);
+    CHECK(cp::plan_bn_launch(nchw(32, 5, 7), 4, 5, 0, {at(0)}).width == 1);
 }
 
 TEST_CASE("the rows mapping: vectors only for aligned data and whole channel vectors",
@@ -257,6 +281,40 @@ TEST_CASE("the kernels' division-free steps match the divisions they replace", "
                     REQUIRE(w.i == off % g.inner);
                     REQUIRE(w.c == g.channel_of(off));
                 }
+            }
+        }
+    }
+    // plane_vectors: a channel's vectors inside its planes and the plane's edges hold each of
+    // its values once; channel_walk over those vectors, plane by plane.
+    for (const channel_geometry g :
+         {nchw(3, 8, 35), nchw(2, 16, 49), nchw(3, 4, 8), nchw(2, 8, 17), nchw(2, 2, 13)}) {
+        for (const std::size_t v :
+             {std::size_t{1}, std::size_t{2}, std::size_t{4}, std::size_t{8}}) {
+            if (g.channels * g.inner % v != 0 || g.inner < 2 * v)
+                continue;
+            CAPTURE(g.channels, g.inner, v);
+            for (std::size_t c = 0; c < g.channels; ++c) {
+                const cp::plane_vectors pv(g, c, v);
+                REQUIRE(pv.head < v);
+                REQUIRE(pv.tail < v);
+                REQUIRE(pv.units >= 1);
+                std::vector<std::size_t> seen;
+                cp::channel_walk w(pv, 0, 1);
+                for (std::size_t s = 0; s < g.outer; ++s) {
+                    for (std::size_t u = 0; u < pv.units; ++u, w.next()) {
+                        REQUIRE(w.off == pv.first + s * pv.plane + u);
+                        for (std::size_t j = 0; j < v; ++j)
+                            seen.push_back(w.off * v + j);
+                    }
+                    for (std::size_t j = 0; j < pv.head + pv.tail; ++j)
+                        seen.push_back(pv.edge(s, j));
+                }
+                std::sort(seen.begin(), seen.end());
+                std::vector<std::size_t> want;
+                for (std::size_t k = 0; k < g.per_channel(); ++k)
+                    want.push_back(g.offset(c, k));
+                std::sort(want.begin(), want.end());
+                REQUIRE(seen == want);
             }
         }
     }

@@ -27,9 +27,9 @@
 // pointers of the current device, naturally aligned for their type; 16-byte aligned data (as every
 // cuda_system allocation is) with planes of whole 16-byte vectors (NCHW; 8-byte ones of 16-bit
 // values too; the normalize and dx kernels also where vectors straddle planes, the reductions
-// channel tiles of whole vectors where planes are not) or channels of them (NHWC) takes a vector
-// path, anything else a scalar path (same
-// arithmetic per value; reductions agree to rounding): which kernel and grid, the plan of
+// channel tiles of whole vectors where planes are not, or the vectors inside each plane with its
+// edges by value) or channels of them (NHWC) takes a vector path, anything else a scalar path
+// (same arithmetic per value; reductions agree to rounding): which kernel and grid, the plan of
 // kernels/detail/bn_launch_plan.hpp says. Launch errors throw lockstep::error (errc::cuda).
 namespace lockstep::kernels::cuda_path {
 
@@ -65,11 +65,15 @@ void launch_kernel(void (*k)(P...), dim3 grid, unsigned block, cudaStream_t stre
 /// p.width values of native type N per access (1, the 16-byte vector's V, or the 8-byte vector's
 /// V / 2 of 16-bit values, which only the planes kernels read; the tiles kernels read V only);
 /// f picks the kernel of p.mapping. throws lockstep::error (errc::internal) for any other width,
-/// or a width the mapping's kernels do not take: nothing would be launched.
+/// a width the mapping's kernels do not take, or edges with any but the planes kernels' V:
+/// nothing would be launched.
 template <class N, class F>
 void launch(const bn_launch& p, F&& f) {
     constexpr int V = vector_width<N>;
     const dim3 grid(p.grid_x, p.grid_y);
+    LOCKSTEP_REQUIRE(!p.edges || (p.mapping == bn_mapping::planes && p.width == V), errc::internal,
+                     -1, "batch-norm launch", "the launch plan's edges come with width ", p.width,
+                     ": only the planes reductions of ", V, " values a vector read edges");
     if (p.width == 1 && p.mapping != bn_mapping::tiles)
         return f(grid, std::integral_constant<int, 1>{});
     if (p.width == V)
@@ -123,15 +127,21 @@ void pack_local_moments(cudaStream_t stream, const T* x, channel_geometry g, Acc
         g, sizeof(T), kernels::detail::cuda_partitions(g, sizeof(T)), 0, {x});
     detail::launch<N>(p, [&](dim3 grid, auto width) {
         constexpr int W = decltype(width)::value;
-        if (p.mapping == detail::bn_mapping::planes) {
+        if (p.mapping == detail::bn_mapping::planes && !p.edges) {
             detail::launch_kernel(detail::moments_planes_kernel<N, Acc, W>, grid, block_threads,
                                   stream, xn, detail::unit_geometry(g, W), p.parts, w.partials,
                                   w.counters, header, block);
-        } else if (p.mapping == detail::bn_mapping::tiles) {
-            if constexpr (W == detail::vector_width<N>)
-                detail::launch_kernel(detail::moments_tiles_kernel<N, Acc, W>, grid, block_threads,
-                                      stream, xn, g, p.tile, p.parts, w.partials, w.counters,
-                                      header, block);
+        } else if (p.mapping != detail::bn_mapping::rows) { // edges or tiles: 16-byte vectors
+            if constexpr (W == detail::vector_width<N>) {
+                if (p.edges)
+                    detail::launch_kernel(detail::moments_planes_kernel<N, Acc, W, true>, grid,
+                                          block_threads, stream, xn, g, p.parts, w.partials,
+                                          w.counters, header, block);
+                else
+                    detail::launch_kernel(detail::moments_tiles_kernel<N, Acc, W>, grid,
+                                          block_threads, stream, xn, g, p.tile, p.parts, w.partials,
+                                          w.counters, header, block);
+            }
         } else if constexpr (detail::rows_width<N, W>) {
             detail::launch_kernel(detail::moments_rows_kernel<N, Acc, W>, grid, block_threads,
                                   stream, xn, g, p.tx, p.parts, w.partials, w.counters, header,
@@ -212,15 +222,21 @@ void pack_backward_sums(cudaStream_t stream, const T* dy, const T* x, channel_ge
         g, sizeof(T), kernels::detail::cuda_partitions(g, sizeof(T)), 0, {dy, x});
     detail::launch<N>(p, [&](dim3 grid, auto width) {
         constexpr int W = decltype(width)::value;
-        if (p.mapping == detail::bn_mapping::planes) {
+        if (p.mapping == detail::bn_mapping::planes && !p.edges) {
             detail::launch_kernel(detail::sums_planes_kernel<N, Acc, W>, grid, block_threads,
                                   stream, dyn, xn, detail::unit_geometry(g, W), p.parts, mean,
                                   status, w.partials, w.counters, sums);
-        } else if (p.mapping == detail::bn_mapping::tiles) {
-            if constexpr (W == detail::vector_width<N>)
-                detail::launch_kernel(detail::sums_tiles_kernel<N, Acc, W>, grid, block_threads,
-                                      stream, dyn, xn, g, p.tile, p.parts, mean, status, w.partials,
-                                      w.counters, sums);
+        } else if (p.mapping != detail::bn_mapping::rows) { // edges or tiles: 16-byte vectors
+            if constexpr (W == detail::vector_width<N>) {
+                if (p.edges)
+                    detail::launch_kernel(detail::sums_planes_kernel<N, Acc, W, true>, grid,
+                                          block_threads, stream, dyn, xn, g, p.parts, mean, status,
+                                          w.partials, w.counters, sums);
+                else
+                    detail::launch_kernel(detail::sums_tiles_kernel<N, Acc, W>, grid, block_threads,
+                                          stream, dyn, xn, g, p.tile, p.parts, mean, status,
+                                          w.partials, w.counters, sums);
+            }
         } else if constexpr (detail::rows_width<N, W>) {
             detail::launch_kernel(detail::sums_rows_kernel<N, Acc, W>, grid, block_threads, stream,
                                   dyn, xn, g, p.tx, p.parts, mean, status, w.partials, w.counters,

@@ -69,9 +69,17 @@ __device__ dy_sums<double> fold_sum_partials(const Acc* mine, std::size_t parts)
         add_dy_sums{});
 }
 
+/// Values a planes reduction's plane_vectors count a vector as: V with edges (g counts values),
+/// else 1 (g counts units).
+template <int V, bool Edges>
+inline constexpr std::size_t plane_vector_values = Edges ? std::size_t{V} : std::size_t{1};
+
 /// K1, planes: block = (channel c, partition p) of cuda_partitions(g) partitions of the channel's
-/// units (g in units of V values, unit_geometry), walked flat (flat_channel).
-template <class T, class Acc, int V>
+/// units, the vectors of V values inside its planes (plane_vectors), walked flat (flat_channel).
+/// Without Edges the planes are whole vectors and g counts units (unit_geometry); with Edges g
+/// counts values, and the block also reads the planes' edges (the values outside those vectors)
+/// of its share of the samples one at a time (plane_edges), after the walk.
+template <class T, class Acc, int V, bool Edges = false>
 __global__ void __launch_bounds__(block_threads, planes_reduction_blocks<V>)
     moments_planes_kernel(const T* __restrict__ x, channel_geometry g, std::size_t parts,
                           Acc* partials, unsigned* counters, block_header<Acc> header, Acc* block) {
@@ -79,10 +87,19 @@ __global__ void __launch_bounds__(block_threads, planes_reduction_blocks<V>)
     __shared__ typename reduce_t::TempStorage tmp;
     const std::size_t c = blockIdx.x / parts;
     const std::size_t p = blockIdx.x - c * parts;
-    const std::size_t n = g.per_channel();
+    const plane_vectors pv(g, c, plane_vector_values<V, Edges>);
+    const std::size_t n = g.outer * pv.units;
     moments_op<T, Acc, V> op{x};
-    flat_channel<moments_batch<V>>(g, c, n * p / parts, n * (p + 1) / parts, op);
-    const moments<Acc> m = reduce_t(tmp).Reduce(op.result(), chan_merge{});
+    flat_channel<moments_batch<V>>(pv, n * p / parts, n * (p + 1) / parts, op);
+    moments<Acc> mine = op.result();
+    if constexpr (Edges) {
+        batched_lanes<Acc, 1> e{};
+        plane_edges(pv, g.outer * p / parts, g.outer * (p + 1) / parts, [&](std::size_t off) {
+            e.template add<1>(1, [&](int, Acc(&v)[1]) { v[0] = to_acc<Acc>(x[off]); });
+        });
+        mine = chan_merge{}(mine, e.result());
+    }
+    const moments<Acc> m = reduce_t(tmp).Reduce(mine, chan_merge{});
     if (threadIdx.x == 0) {
         partials[std::size_t{2} * blockIdx.x] = m.mean;
         partials[std::size_t{2} * blockIdx.x + 1] = m.m2;
@@ -92,7 +109,10 @@ __global__ void __launch_bounds__(block_threads, planes_reduction_blocks<V>)
     const moments<double> total =
         fold_moment_partials(partials + 2 * c * parts, parts, [&](std::size_t q) {
             const std::size_t units = n * (q + 1) / parts - n * q / parts; // q's share of n
-            return static_cast<double>(units * V);
+            if constexpr (!Edges)
+                return static_cast<double>(units * V);
+            const std::size_t samples = g.outer * (q + 1) / parts - g.outer * q / parts;
+            return static_cast<double>(units * V + samples * (pv.head + pv.tail));
         });
     if (threadIdx.x == 0) {
         block[packed_moments::mean(c)] = static_cast<Acc>(total.mean);
@@ -211,9 +231,9 @@ __global__ void header_kernel(block_header<Acc> header, Acc* block) {
     write_header(block, header);
 }
 
-/// K4, planes: block = (channel c, partition p), g in units, as moments_planes_kernel; partials
-/// hold (sum dy, sum dy (x - mean)).
-template <class T, class Acc, int V>
+/// K4, planes: block = (channel c, partition p), as moments_planes_kernel; partials hold
+/// (sum dy, sum dy (x - mean)).
+template <class T, class Acc, int V, bool Edges = false>
 __global__ void __launch_bounds__(block_threads, planes_reduction_blocks<V>)
     sums_planes_kernel(const T* __restrict__ dy, const T* __restrict__ x, channel_geometry g,
                        std::size_t parts, const Acc* mean, Acc status, Acc* partials,
@@ -222,9 +242,15 @@ __global__ void __launch_bounds__(block_threads, planes_reduction_blocks<V>)
     __shared__ typename reduce_t::TempStorage tmp;
     const std::size_t c = blockIdx.x / parts;
     const std::size_t p = blockIdx.x - c * parts;
-    const std::size_t n = g.per_channel();
+    const plane_vectors pv(g, c, plane_vector_values<V, Edges>);
+    const std::size_t n = g.outer * pv.units;
     sums_op<T, Acc, V> op{dy, x, mean[c]};
-    flat_channel<sums_batch<V>>(g, c, n * p / parts, n * (p + 1) / parts, op);
+    flat_channel<sums_batch<V>>(pv, n * p / parts, n * (p + 1) / parts, op);
+    if constexpr (Edges)
+        plane_edges(pv, g.outer * p / parts, g.outer * (p + 1) / parts, [&](std::size_t off) {
+            backward_accumulate(op.sdy[0], op.sdyx[0], to_acc<Acc>(dy[off]), to_acc<Acc>(x[off]),
+                                op.mu[0]);
+        });
     const dy_sums<Acc> s = reduce_t(tmp).Reduce(op.result(), add_dy_sums{});
     if (threadIdx.x == 0) {
         partials[std::size_t{2} * blockIdx.x] = s.dy;

@@ -14,20 +14,20 @@
 
 namespace lockstep::kernels::cuda_path::detail {
 
-/// The block's threads walk channel c's units k in [a, b) (values, or vectors with op's V) flat:
-/// thread t takes k = a + t, a + t + block_threads, ... (consecutive threads, consecutive units:
-/// coalesced whatever the plane size), a batch of B at a time: op.load(offset, r[u]) for the
-/// batch's units before op.apply(r, count) takes them (count < B only in a thread's last batch),
-/// the offset stepped without a division (channel_walk). Every unit lies in one plane (g in
-/// units). The full batches run without a guard per unit (count is the constant B there).
+/// The block's threads walk a channel's units k in [a, b) (values, or vectors with op's V: the
+/// vectors inside its planes, pv) flat: thread t takes k = a + t, a + t + block_threads, ...
+/// (consecutive threads, consecutive units: coalesced whatever the plane size), a batch of B at
+/// a time: op.load(offset, r[u]) for the batch's units before op.apply(r, count) takes them
+/// (count < B only in a thread's last batch), the offset stepped without a division
+/// (channel_walk). The full batches run without a guard per unit (count is the constant B there).
 template <int B, class Op>
-__device__ __forceinline__ void flat_channel(const channel_geometry& g, std::size_t c,
-                                             std::size_t a, std::size_t b, Op& op) {
+__device__ __forceinline__ void flat_channel(const plane_vectors& pv, std::size_t a, std::size_t b,
+                                             Op& op) {
     constexpr std::size_t span = std::size_t{B} * block_threads;
     std::size_t k = a + threadIdx.x;
     if (k >= b)
         return;
-    channel_walk w(g, c, k, block_threads);
+    channel_walk w(pv, k, block_threads);
     for (; k + (span - block_threads) < b; k += span) { // the batch's last unit is below b
         typename Op::regs r[B];
 #pragma unroll
@@ -48,6 +48,21 @@ __device__ __forceinline__ void flat_channel(const channel_geometry& g, std::siz
         w.next();
     }
     op.apply(r, count);
+}
+
+/// The block's threads take the edge values (plane_vectors) of the channel's planes in samples
+/// [s0, s1), thread t the t-th, (t + block_threads)-th, ... in sample order: use(tensor offset).
+/// Nothing where planes are whole vectors.
+template <class Use>
+__device__ __forceinline__ void plane_edges(const plane_vectors& pv, std::size_t s0, std::size_t s1,
+                                            Use use) {
+    const std::size_t e = pv.head + pv.tail;
+    if (e == 0)
+        return;
+    for (std::size_t k = threadIdx.x; k < (s1 - s0) * e; k += block_threads) {
+        const std::size_t s = k / e;
+        use(pv.edge(s0 + s, k - s * e));
+    }
 }
 
 /// The block's arrival at `counter`, one of `expected` blocks: true in the last block to arrive,

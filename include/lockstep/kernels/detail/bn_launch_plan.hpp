@@ -81,7 +81,8 @@ inline tile_shape channel_tile(std::size_t inner, std::size_t v) {
 /// One launch: the mapping, the values each access reads (width: 1, a 16-byte vector's 16 / value
 /// bytes, or for 2-byte values an 8-byte vector's 4), the grid, for rows the threads along the
 /// channels, for a reduction its partitions (of a channel's units for planes, of the rows for
-/// rows, of the samples for tiles) and for tiles their shape.
+/// rows, of the samples for tiles), for tiles their shape, and for planes whether they are no
+/// whole vectors (edges: the reductions read the values outside the vectors one at a time).
 struct bn_launch {
     bn_mapping mapping = bn_mapping::planes;
     unsigned width = 1;
@@ -90,6 +91,7 @@ struct bn_launch {
     unsigned tx = 0;
     std::size_t parts = 0;
     tile_shape tile{};
+    bool edges = false;
 };
 
 /// A 1-D grid of `blocks` (at least 1). requires: blocks < 2^31 (else lockstep::error).
@@ -126,6 +128,9 @@ inline unsigned rows_grid_y(std::size_t rows, unsigned tx) {
 ///   them and the channels are whole vectors, else one value;
 /// - a reduction whose planes take no vector takes tiles instead where the pointers are aligned
 ///   to 16 bytes, the channels are whole tiles (channel_tile) and a tile's vectors fit a block;
+///   else, aligned to 16 bytes, with channels x inner whole vectors and planes of at least two
+///   vectors' worth, the 16-byte vectors inside each plane and its edges one value at a time
+///   (plane_vectors; the planes mapping);
 /// - a reduction (parts >= 1, cuda_partitions) has one block per (channel, partition) (planes),
 ///   per (channel tile, partition) (rows: grid_y = parts) or per (tile, partition of the
 ///   samples) (tiles: cuda_tile_partitions of them, in the plan's parts); an elementwise kernel
@@ -159,6 +164,12 @@ inline bn_launch plan_bn_launch(const channel_geometry& g, std::size_t value_byt
             l.parts = kernels::detail::cuda_tile_partitions(g, value_bytes);
             l.grid_x = grid_1d(g.channels / t.channels * l.parts);
             return l;
+        }
+        // no tile either: the vectors inside each plane, its edges one value at a time
+        if (parts > 0 && l.width == 1 && aligned(16) && g.channels * g.inner % v == 0 &&
+            g.inner >= 2 * v) {
+            l.width = static_cast<unsigned>(v);
+            l.edges = true;
         }
         l.parts = parts;
         const std::size_t units = g.size() / l.width;

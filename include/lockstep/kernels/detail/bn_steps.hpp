@@ -17,6 +17,34 @@ LOCKSTEP_HOST_DEVICE constexpr channel_geometry unit_geometry(const channel_geom
     return {g.outer, g.channels, g.inner / static_cast<std::size_t>(v)};
 }
 
+/// Channel c's vectors of v values (vector q: values q v, ..., q v + v - 1 of the tensor) that lie
+/// wholly inside its planes, and the values of each plane outside them, its edges: `head` before
+/// them and `tail` after, fewer than v each. Sample s's vectors are first + s plane, ...,
+/// first + s plane + units - 1. With v = 1 every value is a vector and there are no edges.
+/// requires: g.channels g.inner % v == 0 (every plane of the channel starts at the same lane) and
+/// g.inner >= 2 v - 1 (at least one vector inside a plane).
+struct plane_vectors {
+    std::size_t v;
+    std::size_t plane; ///< vectors a sample: channels inner / v
+    std::size_t first; ///< the first vector inside the channel's plane of sample 0
+    std::size_t units; ///< vectors inside each plane
+    std::size_t head;  ///< values of a plane before its vectors
+    std::size_t tail;  ///< values of a plane after them
+    LOCKSTEP_HOST_DEVICE plane_vectors(const channel_geometry& g, std::size_t c, std::size_t v_)
+        : v(v_), plane(g.channels * g.inner / v_) {
+        const std::size_t start = c * g.inner;
+        first = (start + v - 1) / v;
+        units = (start + g.inner) / v - first;
+        head = first * v - start;
+        tail = g.inner - head - units * v;
+    }
+    /// The tensor offset of edge value j (< head + tail; the head's first) of sample s.
+    LOCKSTEP_HOST_DEVICE std::size_t edge(std::size_t s, std::size_t j) const {
+        const std::size_t at = j < head ? first * v - head + j : (first + units) * v + (j - head);
+        return s * plane * v + at;
+    }
+};
+
 /// The offsets of channel c's values k, k + stride, k + 2 stride, ... (k counts as in
 /// channel_geometry::offset), one division at the start and none per step.
 struct channel_walk {
@@ -26,16 +54,22 @@ struct channel_walk {
     std::size_t doff;  ///< the offset's step when i does not wrap
     std::size_t wrap;  ///< what a wrap of i adds to the offset
     std::size_t inner; ///< g.inner
+    /// Units k, k + stride, ... of `inner_` a plane, plane o's units from base + o * plane.
+    LOCKSTEP_HOST_DEVICE channel_walk(std::size_t plane, std::size_t base, std::size_t inner_,
+                                      std::size_t k, std::size_t stride)
+        : di(stride % inner_), inner(inner_) {
+        const std::size_t o = k / inner;
+        i = k - o * inner;
+        off = o * plane + base + i;
+        doff = stride / inner * plane + di;
+        wrap = plane - inner;
+    }
     LOCKSTEP_HOST_DEVICE channel_walk(const channel_geometry& g, std::size_t c, std::size_t k,
                                       std::size_t stride)
-        : di(stride % g.inner), inner(g.inner) {
-        const std::size_t o = k / g.inner;
-        i = k - o * g.inner;
-        off = (o * g.channels + c) * g.inner + i;
-        const std::size_t plane = g.channels * g.inner;
-        doff = stride / g.inner * plane + di;
-        wrap = plane - g.inner;
-    }
+        : channel_walk(g.channels * g.inner, c * g.inner, g.inner, k, stride) {}
+    /// The vectors of pv (units k count them plane by plane, `units` a plane).
+    LOCKSTEP_HOST_DEVICE channel_walk(const plane_vectors& pv, std::size_t k, std::size_t stride)
+        : channel_walk(pv.plane, pv.first, pv.units, k, stride) {}
     LOCKSTEP_HOST_DEVICE void next() {
         i += di;
         off += doff;
