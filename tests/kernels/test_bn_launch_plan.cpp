@@ -268,7 +268,7 @@ TEST_CASE("the kernels' division-free steps match the divisions they replace", "
             CAPTURE(g.outer, g.channels, g.inner, stride);
             for (std::size_t c = 0; c < g.channels; ++c) {
                 for (std::size_t k0 = 0; k0 < std::min<std::size_t>(g.inner + 2, 12); ++k0) {
-                    cp::channel_walk w(g, c, k0, stride);
+                    cp::channel_walk w(cp::plane_vectors(g, c, 1), k0, stride);
                     for (std::size_t k = k0; k < g.per_channel(); k += stride, w.next())
                         REQUIRE(w.off == g.offset(c, k));
                 }

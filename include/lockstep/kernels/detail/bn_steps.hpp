@@ -45,15 +45,16 @@ struct plane_vectors {
     }
 };
 
-/// The offsets of channel c's values k, k + stride, k + 2 stride, ... (k counts as in
-/// channel_geometry::offset), one division at the start and none per step.
+/// The offsets of a channel's units k, k + stride, k + 2 stride, ... (counted plane by plane,
+/// `inner` a plane; channel c's values of g are the units of plane_vectors(g, c, 1), and k then
+/// counts as in channel_geometry::offset), one division at the start and none per step.
 struct channel_walk {
-    std::size_t off;   ///< g.offset(c, k)
+    std::size_t off;   ///< the offset of unit k
     std::size_t i;     ///< k % inner
     std::size_t di;    ///< stride % inner
     std::size_t doff;  ///< the offset's step when i does not wrap
     std::size_t wrap;  ///< what a wrap of i adds to the offset
-    std::size_t inner; ///< g.inner
+    std::size_t inner; ///< units a plane
     /// Units k, k + stride, ... of `inner_` a plane, plane o's units from base + o * plane.
     LOCKSTEP_HOST_DEVICE channel_walk(std::size_t plane, std::size_t base, std::size_t inner_,
                                       std::size_t k, std::size_t stride)
@@ -64,9 +65,6 @@ struct channel_walk {
         doff = stride / inner * plane + di;
         wrap = plane - inner;
     }
-    LOCKSTEP_HOST_DEVICE channel_walk(const channel_geometry& g, std::size_t c, std::size_t k,
-                                      std::size_t stride)
-        : channel_walk(g.channels * g.inner, c * g.inner, g.inner, k, stride) {}
     /// The vectors of pv (units k count them plane by plane, `units` a plane).
     LOCKSTEP_HOST_DEVICE channel_walk(const plane_vectors& pv, std::size_t k, std::size_t stride)
         : channel_walk(pv.plane, pv.first, pv.units, k, stride) {}
