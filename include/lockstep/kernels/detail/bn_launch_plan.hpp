@@ -155,21 +155,21 @@ inline bn_launch plan_bn_launch(const channel_geometry& g, std::size_t value_byt
             if (l.width == 1 && aligned(w * value_bytes) && fits)
                 l.width = static_cast<unsigned>(w);
         }
-        const tile_shape t = channel_tile(g.inner, v);
-        if (parts > 0 && l.width == 1 && aligned(16) && g.channels % t.channels == 0 &&
-            t.rows > 0) {
-            l.mapping = bn_mapping::tiles;
-            l.width = static_cast<unsigned>(v);
-            l.tile = t;
-            l.parts = kernels::detail::cuda_tile_partitions(g, value_bytes);
-            l.grid_x = grid_1d(g.channels / t.channels * l.parts);
-            return l;
-        }
-        // no tile either: the vectors inside each plane, its edges one value at a time
-        if (parts > 0 && l.width == 1 && aligned(16) && g.channels * g.inner % v == 0 &&
-            g.inner >= 2 * v) {
-            l.width = static_cast<unsigned>(v);
-            l.edges = true;
+        if (parts > 0 && l.width == 1 && aligned(16)) { // a reduction over odd planes
+            const tile_shape t = channel_tile(g.inner, v);
+            if (g.channels % t.channels == 0 && t.rows > 0) {
+                l.mapping = bn_mapping::tiles;
+                l.width = static_cast<unsigned>(v);
+                l.tile = t;
+                l.parts = kernels::detail::cuda_tile_partitions(g, value_bytes);
+                l.grid_x = grid_1d(g.channels / t.channels * l.parts);
+                return l;
+            }
+            // no tile: the vectors inside each plane, its edges one value at a time
+            if (g.channels * g.inner % v == 0 && g.inner >= 2 * v) {
+                l.width = static_cast<unsigned>(v);
+                l.edges = true;
+            }
         }
         l.parts = parts;
         const std::size_t units = g.size() / l.width;
