@@ -24,6 +24,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 PLOTS = ["batch_norm", "allreduce", "reduce", "optimizer", "digits", "overlap",
          "hierarchical", "reproducible", "bn_step"]
 
+# The GPU figures come from docs/gpu.md (a run on a GPU machine, not from build/bench-results/):
+# update this summary with that page after each GPU run.
+GPU_SUMMARY = (
+    "[gpu.md](gpu.md#figures) has its figures from the run of 2026-12-04 on an H200 (commit "
+    "27239b8, whose kernels have changed since, not yet measured: "
+    "[gpu_batch_norm.md](gpu_batch_norm.md)): lockstep's batch norm at 1.29-4.07x its traffic "
+    "bound where the activations are at least 16 MiB, and 1.00-2.50x slower than the best of "
+    "cuDNN and PyTorch on every shape, each ratio against the anchor timed in the same call.")
+
 
 def read(path):
     """The rows of a CSV as dicts ([] when the file is missing or has no rows)."""
@@ -479,7 +488,7 @@ def section_digits(rows):
             "thread group next to the same network, data, batch and optimizer in PyTorch DDP "
             "(gloo) with 1 and 2 processes; both sides get the same cores and count training "
             "samples per second of the training loop only; median of the runs. The network is "
-            "tiny (9.6 k parameters): the numbers measure per-step overhead more than arithmetic. "
+            "tiny (9.7 k parameters): the numbers measure per-step overhead more than arithmetic. "
             "With one replica both sides run their kernels on OpenMP threads over all cores, and "
             "on a loaded machine OpenMP's spinning waits make that row slow "
             "([the digits example](../examples/digits/README.md) has runs with "
@@ -662,11 +671,11 @@ def main():
     lines += ["", "Every benchmark times its anchor in the same run, on the same threads; the "
                   "tables show the ratios to it. Reproduce with `bash scripts/bench` (add "
                   "`--quick` for a short pipeline check); it installs what is missing, builds the "
-                  "`bench` preset, runs everything (MPI rows under `mpiexec -n 2` with "
-                  "`OMP_NUM_THREADS=1`) and writes the CSVs, text outputs and plots to "
-                  "`build/bench-results/`. `bench/gpu_bench.cu` (CUDA batch norm against cuDNN, "
-                  "NCCL all_reduce) needs a GPU and is not part of this page; "
-                  "[gpu.md](gpu.md) has its figures from a run on an H200."]
+                  "`bench` preset, runs everything (MPI rows under `mpiexec -n 2`, the "
+                  "hierarchical ones under `-n 4`, with `OMP_NUM_THREADS=1`) and writes the CSVs, "
+                  "text outputs and plots to `build/bench-results/`. `bench/gpu_bench.cu` (CUDA "
+                  "batch norm against cuDNN, NCCL all_reduce) needs a GPU and is not part of this "
+                  "page; " + GPU_SUMMARY]
 
     sections = [("batch_norm", section_batch_norm(data["batch_norm"])),
                 ("allreduce", section_allreduce(data["allreduce"])),

@@ -1,6 +1,6 @@
-// Synchronous data parallelism equals one replica with the whole global batch: every
-// ReducePolicy x every optimizer x float/double, 1-4 replicas, uneven and empty shards, bn::global
-// and dropout. SPDX-License-Identifier: Apache-2.0
+// Synchronous data parallelism equals one replica with the whole global batch: per_tensor,
+// bucketed and parameter_server x every optimizer x float/double, 1-4 replicas, uneven and empty
+// shards, bn::global and dropout. SPDX-License-Identifier: Apache-2.0
 #include "optimizer_cases.hpp"
 #include "train_runner.hpp"
 

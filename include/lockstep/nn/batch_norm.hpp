@@ -44,11 +44,13 @@ namespace lockstep::nn {
 ///   to dgamma and dbeta. The trainer sums them across replicas like every other gradient;
 ///   under bn::global the sum equals the single-device gradient of the global batch, and dx
 ///   needs no further reduction (it already is the single-device dx).
-/// - running_mean, running_var and num_batches_tracked are state (checkpoints carry them):
-///   running = (1 - momentum) * running + momentum * batch, with the unbiased variance over the
-///   count that produced it: the global count under bn::global and bn::running_only, the group
-///   count under bn::group, replica K's count under bn::tower<K>, the local count under
-///   bn::local. A batch of zero values leaves them unchanged (num_batches_tracked still counts).
+/// - running_mean and running_var are state (checkpoints carry them once the network exposes
+///   them through for_each_state or the registry; num_batches_tracked, a host count, only if
+///   exposed likewise): running = (1 - momentum) * running + momentum * batch, with the
+///   unbiased variance over the count that produced it: the global count under bn::global and
+///   bn::running_only, the group count under bn::group, replica K's count under bn::tower<K>,
+///   the local count under bn::local. A batch of zero values leaves them unchanged
+///   (num_batches_tracked still counts).
 ///   bn::ghost<C> inside a reduce::reproducible step: each call (one chunk) is normalized with its
 ///   own statistics and leaves the running statistics alone; at the end of the step every
 ///   replica's chunk statistics are gathered (one all_gather) and applied in global chunk order,

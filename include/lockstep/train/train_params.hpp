@@ -105,16 +105,17 @@ struct train_params {
     /// Cross-replica consistency check (data_parallel only): every verify_every steps, after
     /// the update, the replicas compare a digest of every tensor they must hold bit for bit (the
     /// parameters; the optimizer state, except with reduce::sharded and sync::local_sgd, where it
-    /// is per replica; the registry and visited state, i.e. BN running statistics, when every BN
-    /// policy of the network shares them (bn::traits::shares_running_statistics) or with local
-    /// SGD, which averages them) in one all_gather of one int64 per tensor, plus a host read of
-    /// the digests. A difference throws lockstep::error (errc::divergence) on every replica
-    /// naming the step, the replicas that differ, the first differing tensor and element and
-    /// every replica's value there. Use it to catch silent drift (a non-deterministic kernel on
-    /// one replica, a corrupted value, a data pipeline that differs): while developing, or every
-    /// few hundred steps in long runs. 0: off. requires: >= 0; with sync::local_sgd<K> a
-    /// multiple of K (the replicas agree only right after an average); 0 for the asynchronous
-    /// trainers. Every replica must pass the same value (checked at construction).
+    /// is per replica, and reduce::parameter_server, where only Root's is used; the registry and
+    /// visited state, i.e. BN running statistics, when every BN policy of the network shares
+    /// them (bn::traits::shares_running_statistics) or with local SGD, which averages them) in
+    /// one all_gather of one int64 per tensor, plus a host read of the digests. A difference throws
+    /// lockstep::error (errc::divergence) on every replica naming the step, the replicas that
+    /// differ, the first differing tensor and element and every replica's value there. Use it to
+    /// catch silent drift (a non-deterministic kernel on one replica, a corrupted value, a data
+    /// pipeline that differs): while developing, or every few hundred steps in long runs. 0: off.
+    /// requires: >= 0; with sync::local_sgd<K> a multiple of K (the replicas agree only right after
+    /// an average); 0 for the asynchronous trainers. Every replica must pass the same value
+    /// (checked at construction).
     std::int64_t verify_every = 0;
     /// The slow replica named (data_parallel with sync::synchronous or sync::local_sgd): after
     /// every report_stragglers_every-th step, one all_gather of one double per replica makes a
