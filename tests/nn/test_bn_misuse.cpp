@@ -1,7 +1,8 @@
 // tests/nn/test_bn_misuse.cpp: the mistakes that used to change a batch-norm layer's meaning
 // without a word are refused on every replica: the bare communicator inside a trainer's step,
-// and a layer whose policy the network did not declare in bn_policies (with the compile-time
-// check's sentence where the combination cannot train). SPDX-License-Identifier: Apache-2.0
+// and a layer whose policy the network did not declare in bn_policies, by name (with the
+// compile-time check's sentence where the combination cannot train).
+// SPDX-License-Identifier: Apache-2.0
 #include "lockstep/lockstep.hpp"
 #include "support/contains.hpp"
 
@@ -178,6 +179,26 @@ TEST_CASE("a BN policy missing from bn_policies is refused at its first call", "
             CHECK(contains(e, "a layer of policy bn::global is not in the network's bn_policies"));
             CHECK_FALSE(contains(e, "cannot train here"));
         }
+    }
+    // Policies that act alike are still told apart: under a bn::global declaration a bn::group
+    // layer's running statistics would be compared by verify_every as if shared, and recorded
+    // in checkpoints under the wrong name.
+    SECTION("bn::group<2> declared as bn::global") {
+        const auto errors =
+            run<bn::group<2>, std::tuple<bn::global>, reduce::bucketed<>>(2, call::with_context);
+        for (const std::string& e : errors) {
+            CHECK(contains(e, "batch_norm.forward_train: a layer of policy bn::group<2> is not in "
+                              "the network's bn_policies (bn::global)"));
+            CHECK_FALSE(contains(e, "cannot train here"));
+        }
+    }
+    SECTION("bn::tower<1> declared as bn::tower<0>, bn::local") {
+        const auto errors =
+            run<bn::tower<1>, std::tuple<bn::tower<0>, bn::local>, reduce::bucketed<>>(
+                2, call::with_context);
+        for (const std::string& e : errors)
+            CHECK(contains(e, "a layer of policy bn::tower<1> is not in the network's "
+                              "bn_policies (bn::tower<0>, bn::local)"));
     }
     SECTION("a declared policy trains") {
         const auto errors = run<bn::ghost<4>, std::tuple<bn::ghost<4>>, reduce::reproducible<4>>(

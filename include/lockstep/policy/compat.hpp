@@ -25,8 +25,9 @@ concept has_bn_policies_member = requires {
 /// The BNStatPolicies a network's batch-norm layers use, as a std::tuple of bn:: tags, so the
 /// trainer can reject combinations that cannot work. Default: `typename Network::bn_policies`
 /// when the network declares that member alias, else std::tuple<> (no batch norm). Specialise
-/// it for a network type you cannot change. A layer whose policy is not listed is refused at its
-/// first call in a data_parallel step (nn::layer_step::check_policy). Example:
+/// it for a network type you cannot change. A layer whose policy is not listed (by name, so
+/// bn::group<2> for bn::global or bn::tower<1> for bn::tower<0> count as missing) is refused at
+/// its first training call with a trainer's context (nn::policy_declaration::check). Example:
 ///   struct my_net { using bn_policies = std::tuple<bn::global>; ... };
 template <class Network>
 struct network_bn_policies {
@@ -39,12 +40,14 @@ struct network_bn_policies<Network> {
 template <class Network>
 using network_bn_policies_t = typename network_bn_policies<Network>::type;
 
-/// The names of a tuple of BN policies, "bn::global, bn::local" ("none" for no policy): what
-/// checkpoints record and the construction-time agreement check compares.
+/// The names of a tuple of BN policies: get() joins them, "bn::global, bn::local" ("none" for
+/// no policy), what checkpoints record and the construction-time agreement check compares;
+/// list() gives them one by one, what a layer's policy is checked against.
 template <class Tuple>
 struct bn_policy_names;
 template <class... P>
 struct bn_policy_names<std::tuple<P...>> {
+    static std::vector<std::string> list() { return {bn::traits<P>::name()...}; }
     static std::string get() {
         std::string s;
         ((s += s.empty() ? "" : ", ", s += bn::traits<P>::name()), ...);
@@ -118,14 +121,6 @@ constexpr const char* bn_rule_broken(const trainer_policy_facts& t, const bn_pol
         return LOCKSTEP_COMPAT_GHOST_CHUNK;
     return nullptr;
 }
-
-/// The facts of a tuple of BN policies, one per policy, for layer_step::declare_policies.
-template <class Tuple>
-struct bn_facts_list;
-template <class... P>
-struct bn_facts_list<std::tuple<P...>> {
-    static std::vector<bn_policy_facts> get() { return {bn_facts_of<P>()...}; }
-};
 
 namespace detail {
 template <class Tuple>

@@ -87,8 +87,7 @@ protected:
         : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp), policies,
                 clips, ReducePolicy::shards_optimizer_state),
           declared_(trainer_facts_of<SyncPolicy, ReducePolicy>(),
-                    bn_facts_list<network_bn_policies_t<Network>>::get(),
-                    bn_policy_names<network_bn_policies_t<Network>>::get()) {
+                    bn_policy_names<network_bn_policies_t<Network>>::list()) {
         core_.context().set_policies(&declared_);
     }
     ~trainer_base() = default;
