@@ -52,7 +52,8 @@ float through(float v) {
 /// Compute, products accumulated in float, the output stored in Compute; the backward seed r *
 /// scale * S and the weight gradient stored in Compute, accumulated into the float gradient.
 /// Initial weights depend on the rank (the trainer's broadcast makes them agree). `poison`: this
-/// replica's gradient gets an infinity (an overflow) in this step.
+/// replica's gradient gets an infinity (an overflow) in this step; `poison_loss`: its loss is a
+/// NaN (the gradient stays finite).
 template <class Compute, class Comm = thread_communicator>
 struct linreg {
     using ctx_type = replica_context<float, Comm>;
@@ -107,12 +108,13 @@ struct linreg {
             for (std::size_t i = 0; i < g.size(); ++i)
                 reg.grads()[i] += g[i];
         }
-        return loss;
+        return poison_loss ? std::numeric_limits<double>::quiet_NaN() : loss;
     }
 
     typename ctx_type::handle w;
     copy_type copy;
     bool poison = false;
+    bool poison_loss = false;
     double weight = 1.0; ///< the loss is weight * (1/2N) sum ||W x - t||^2
     std::vector<double> scales_seen;
 };

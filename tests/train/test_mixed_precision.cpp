@@ -11,6 +11,7 @@
 #include "lockstep/train/loss_scaler.hpp"
 
 #include "mixed_fixture.hpp"
+#include "support/contains.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -56,7 +57,8 @@ struct run_options {
     std::optional<loss_scaling> scaling = {};
     bool read_result = true;
     bool skip_non_finite = true;
-    std::set<std::pair<int, int>> poison = {}; ///< (step, replica)
+    std::set<std::pair<int, int>> poison = {};      ///< (step, replica): an infinite gradient
+    std::set<std::pair<int, int>> poison_loss = {}; ///< (step, replica): a NaN loss
     double weight = 1.0; ///< loss weight (the learning rate is lr / weight: the same dynamics)
 };
 
@@ -80,6 +82,7 @@ std::vector<record> run(const run_options& o) {
             snap();
             for (int k = 0; k < o.steps; ++k) {
                 trainer.network().poison = o.poison.count({k, comm.rank()}) != 0;
+                trainer.network().poison_loss = o.poison_loss.count({k, comm.rank()}) != 0;
                 trainer.network().weight = o.weight;
                 const auto before = host_sync_count();
                 step_result r =
@@ -433,6 +436,35 @@ TEMPLATE_TEST_CASE("an overflow on ONE replica skips the step and backs off the 
                 CHECK((r.weights[std::size_t(k) + 1] == r.weights[std::size_t(k)]) ==
                       want_skip[std::size_t(k)]);
         }
+    }
+}
+
+TEST_CASE("under loss scaling a non-finite loss still throws with skip_non_finite = false",
+          "[train][mixed][thread]") {
+    // The scale multiplies the backward seed, never the loss: a NaN loss is no overflow, so
+    // skip_non_finite = false must throw for it as without scaling (it used to skip silently).
+    const loss_scaling cfg{.init_scale = 1024, .growth_interval = 2};
+    for (const bool read_each : {true, false}) {
+        CAPTURE(read_each);
+        const auto recs = run<lockstep::half>({.replicas = 3,
+                                               .steps = 4,
+                                               .scaling = cfg,
+                                               .read_result = read_each,
+                                               .skip_non_finite = false,
+                                               .poison_loss = {{2, 1}}});
+        for (const record& r : recs) {
+            INFO(r.error);
+            CHECK(lockstep_test::contains(r.error, "[non_finite]"));
+            CHECK(lockstep_test::contains(r.error, "step 2: "));
+            CHECK(r.skipped == std::vector<bool>{false, false});
+        }
+        // With skipping on, the same step is skipped and the scale does not back off.
+        const auto skipping = run<lockstep::half>(
+            {.replicas = 3, .steps = 4, .scaling = cfg, .poison_loss = {{2, 1}}});
+        require_same_everywhere(skipping);
+        CHECK(skipping[0].error.empty());
+        CHECK(skipping[0].skipped == std::vector<bool>{false, false, true, false});
+        CHECK(skipping[0].scales == std::vector<double>{1024, 1024, 2048, 2048});
     }
 }
 

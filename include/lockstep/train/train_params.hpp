@@ -49,7 +49,8 @@ struct train_params {
     /// A step whose gradient or loss has a NaN or infinity on any replica is skipped on every
     /// replica (true), or also throws lockstep::error (non_finite) on every replica (false),
     /// naming per replica the count of non-finite gradient elements (before reduction), the
-    /// tensor of the first one, and a non-finite loss.
+    /// tensor of the first one, and a non-finite loss. With loss_scale set, a non-finite
+    /// gradient is an overflow and never throws; a non-finite loss still does.
     bool skip_non_finite = true;
     /// A run of this many consecutive skipped steps stops training (data_parallel): the host's
     /// read of the step that reaches it (step(), or read_result(), count_replay() or finish()

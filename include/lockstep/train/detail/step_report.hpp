@@ -21,7 +21,7 @@ namespace lockstep::detail {
 struct step_report_options {
     bool local_sgd = false;       ///< rows are this replica's own (local SGD)
     bool skip_non_finite = false; ///< train_params::skip_non_finite: a non-finite step is skipped
-    bool loss_scaling = false;    ///< a non-finite gradient is an overflow: skipped, never thrown
+    bool loss_scaling = false;    ///< a non-finite gradient is an overflow: skipped, not thrown
     double min_scale = 0;         ///< loss_scaling::min_scale (with loss scaling)
 };
 
@@ -44,9 +44,11 @@ public:
                  " skipped: the replicas disagree:", mismatch_text());
         if (st_.totals->layer_errors > 0)
             throw_layer_error();
-        const bool bad = st_.totals->non_finite > 0 || st_.totals->loss_non_finite > 0 ||
-                         st_.outcome->reduced_non_finite > 0;
-        if (bad && !o_.skip_non_finite && !o_.loss_scaling)
+        // Under loss scaling a non-finite gradient is an overflow (skipped, the scale backs
+        // off); a non-finite loss is not: the scale never touches the loss.
+        const bool bad_gradient = st_.totals->non_finite > 0 || st_.outcome->reduced_non_finite > 0;
+        const bool bad = st_.totals->loss_non_finite > 0 || (bad_gradient && !o_.loss_scaling);
+        if (bad && !o_.skip_non_finite)
             fail(errc::non_finite, rank_, "data_parallel.step", "step ", step_, ":",
                  non_finite_text(st_.rows, st_.outcome->reduced_non_finite,
                                  st_.outcome->reduced_first));
