@@ -335,6 +335,13 @@ TEST_CASE("nccl split, point-to-point ring and barrier", "[comm][nccl][gpu]") {
     const std::size_t n = 1031;
     std::vector<std::vector<double>> group_sum(count), from_left(count);
     std::vector<int> sub_rank(count), sub_size(count);
+    std::vector<int> queued_after_barrier(count, -1); // sub's and comm's, summed
+    const auto queued = [](const nccl_communicator& c) {
+        int q = 0;
+        for (const lockstep::flight_entry& e : c.trace().entries())
+            q += e.state == lockstep::op_state::queued ? 1 : 0;
+        return q;
+    };
     replicas.run([&](nccl_communicator& comm) {
         const int r = comm.rank();
         const auto i = static_cast<std::size_t>(r);
@@ -349,6 +356,8 @@ TEST_CASE("nccl split, point-to-point ring and barrier", "[comm][nccl][gpu]") {
             group_sum[i] = to_values(x);
         }
         sub.barrier();
+        // barrier() waits as synchronize() does: its recorder marks every operation done.
+        const int sub_queued = queued(sub);
         if (size > 1) {
             auto mine = device_input<double>(r, n, comm.system());
             buffer<double, cuda_system> theirs(n, comm.system());
@@ -360,6 +369,7 @@ TEST_CASE("nccl split, point-to-point ring and barrier", "[comm][nccl][gpu]") {
             from_left[i] = to_values(theirs);
         }
         comm.barrier();
+        queued_after_barrier[i] = sub_queued + queued(comm);
     });
     for (int r = 0; r < size; ++r) {
         const auto i = static_cast<std::size_t>(r);
@@ -371,6 +381,7 @@ TEST_CASE("nccl split, point-to-point ring and barrier", "[comm][nccl][gpu]") {
         }
         CHECK(sub_size[i] == members);
         CHECK(sub_rank[i] == above);
+        CHECK(queued_after_barrier[i] == 0);
         for (std::size_t k = 0; k < n; ++k) {
             double sum = 0;
             for (int q = r % 2; q < size; q += 2)

@@ -513,7 +513,7 @@ public:
                                  h_.stream());
         });
         traced("barrier", "int32", 1, -1);
-        h_.wait(name);
+        wait_traced(name, true, [&] { h_.wait(name); });
     }
 
     /// The sub-group of replicas passing the same color, ranked by (key, rank), as a new
