@@ -7,8 +7,8 @@
 # The stages of `run`, in order, each under its own timeout (its process group killed at the
 # end) and each recording its result as it ends: env (versions, libraries, the NCCL check),
 # nccl_probe (2 ranks), every single-GPU CUDA test, the multi-rank tests, gpu_digits (accuracy),
-# gpu_bench, its PyTorch anchor, ncu (batch-norm kernel metrics). Without a GPU every stage is
-# recorded as skipped.
+# gpu_bench, its PyTorch anchor, ncu (batch-norm kernel metrics), gpu_bench_odd (the odd-plane
+# shape 32x288x35x35). Without a GPU every stage is recorded as skipped.
 import argparse
 import csv
 import glob

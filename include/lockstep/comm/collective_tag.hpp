@@ -39,14 +39,14 @@ struct call_site {
 /// The identity is `name` when the caller gives one ("bucket 3"). Without a name it is the call
 /// site, which the default argument records on its own, and it is compared only when the
 /// communicator checks call sites (thread_group_params::check_call_sites,
-/// mpi_communicator_params::check_call_sites; default: the environment variable
-/// LOCKSTEP_CHECK_CALL_SITES=1). Call sites are what tell two calls of the same collective and
-/// shape apart: without them (and without names) such calls issued in another order, or one
-/// skipped, pair with each other and return a wrong value. Checking call sites requires that
-/// every replica issues each collective from the same source line (the same binary); code that
-/// calls one collective from different lines on different replicas (an `if (rank == 0)` branch
-/// on each side) passes the same name on both lines. A wrapper that forwards a collective_tag
-/// parameter with its own `= {}` default records its caller's site.
+/// mpi_communicator_params::check_call_sites; default: default_check_call_sites(), on in builds
+/// without NDEBUG, off with NDEBUG, LOCKSTEP_CHECK_CALL_SITES=1 or 0 overriding both). Call sites
+/// are what tell two calls of the same collective and shape apart: without them (and without names)
+/// such calls issued in another order, or one skipped, pair with each other and return a wrong
+/// value. Checking call sites requires that every replica issues each collective from the same
+/// source line (the same binary); code that calls one collective from different lines on different
+/// replicas (an `if (rank == 0)` branch on each side) passes the same name on both lines. A wrapper
+/// that forwards a collective_tag parameter with its own `= {}` default records its caller's site.
 /// requires: name outlives the call (a string literal is the usual case).
 struct collective_tag {
     std::string_view name;

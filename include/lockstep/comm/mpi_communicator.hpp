@@ -82,16 +82,18 @@ namespace lockstep {
 /// other replicas get errc::peer_failure from the same call instead of waiting; without it they
 /// are not told (they time out). The communicator stays usable after such an error.
 ///
-/// Timeouts: every MPI operation (collectives, the signature exchange, send, recv, split) is a
-/// nonblocking call polled with MPI_Test against params::timeout (default LOCKSTEP_TIMEOUT
-/// seconds, else 300 s) from its start. The polling spins for about 20 us, then sleeps between
-/// tests (10 us growing to 100 us), so a long wait does not take a core from the compute
-/// threads. Large operations spin longer (about 1 ns per byte, at most 20 ms): MPI moves data
-/// only inside MPI calls (shared-memory copies go in pieces), so sleeping while a transfer is
-/// under way would stretch it. On a timeout the replica asks every peer where it is (a census on a
-/// private duplicate communicator; peers that wait in any operation of this communicator answer
-/// within ~100 us, peers that compute, exited or finalised stay silent) and fails with
-/// errc::timeout: "all_reduce #12: timed out after 2000 ms in MPI_Iallreduce; missing replica(s) 2
+/// Timeouts: every MPI operation (collectives, the signature exchange, send, recv) is a
+/// nonblocking call polled with MPI_Test against params::timeout (split: the replicas' arrival is
+/// polled, by the signature exchange or an MPI_Ibarrier, then the blocking MPI_Comm_split runs)
+/// (default LOCKSTEP_TIMEOUT seconds, else 300 s) from its start. The polling spins for about 20
+/// us, then sleeps between tests (10 us growing to 100 us), so a long wait does not take a core
+/// from the compute threads. Large operations spin longer (about 1 ns per byte, at most 20 ms): MPI
+/// moves data only inside MPI calls (shared-memory copies go in pieces), so sleeping while a
+/// transfer is under way would stretch it. On a timeout the replica asks every peer where it is (a
+/// census on a private duplicate communicator; peers that wait in any operation of this
+/// communicator answer within ~100 us, peers that compute, exited or finalised stay silent) and
+/// fails with errc::timeout: "all_reduce #12: timed out after 2000 ms in MPI_Iallreduce; missing
+/// replica(s) 2
 /// (...)". An MPI call that fails inside an operation fails with errc::mpi naming the call. Either
 /// way the communicator is broken: every later call throws at once with the first failure's code
 /// and message. Then, by params::on_failure, it prints the error and ends the job with MPI_Abort

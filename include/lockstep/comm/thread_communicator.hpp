@@ -52,11 +52,11 @@ class thread_group;
 ///   (collective, collective_tag, element type, count, reduction, root, receive size,
 ///   reduce_scatter's per-rank counts) all throw lockstep::error (errc::count_mismatch for
 ///   counts, errc::shape_mismatch otherwise) naming "<collective> #<seq>" and every replica's
-///   values ("replica 0 called all_gather #7 (4 float32s), replica 1 called all_reduce #7 (4
-///   float32s, sum)"), before any data moves. The group stays usable after that. Calls of the
+///   values ("replica 0 called all_gather #7 (4 floats), replica 1 called all_reduce #7 (4
+///   floats, sum)"), before any data moves. The group stays usable after that. Calls of the
 ///   same collective and shape issued in another order (or one skipped) are told apart by their
 ///   collective_tag: a name, or the call site when thread_group_params::check_call_sites is on
-///   ("... all_reduce #3 (4 float32s, sum, at train.cpp:42)"); with neither they pair silently.
+///   ("... all_reduce #3 (4 floats, sum, at train.cpp:42)"); with neither they pair silently.
 /// - If any replica of the run fails (throws out of its function, times out, or destroys a
 ///   handle its peers wait for), every replica blocked in or later entering a collective, send
 ///   or recv throws errc::peer_failure naming the failed replica and its message.

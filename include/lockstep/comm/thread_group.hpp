@@ -35,7 +35,8 @@ struct thread_group_params {
     /// Whether collectives without a collective_tag name compare their call sites across
     /// replicas, so that two calls of the same collective and shape issued in another order
     /// (or one skipped) are an error instead of a wrong value (see collective_tag). Default:
-    /// the environment variable LOCKSTEP_CHECK_CALL_SITES=1.
+    /// default_check_call_sites(), i.e. LOCKSTEP_CHECK_CALL_SITES (1 on, 0 off); unset, on in
+    /// builds without NDEBUG and off with NDEBUG.
     bool check_call_sites = default_check_call_sites();
     /// Fault injection (tests): called on the replica's own thread when it enters each
     /// collective and when it has arrived at the collective's first phase (collective_event).

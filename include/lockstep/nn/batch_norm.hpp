@@ -99,7 +99,7 @@ public:
     using parameter_spans = batch_norm_spans<param_type>;
 
     /// A layer that owns its parameters, on the host system (with the machine's thread budget:
-    /// prefer the communicator constructor in replicas). requires: channels >= 1, eps > 0,
+    /// prefer the communicator constructor in replicas). requires: channels >= 1, finite eps > 0,
     /// 0 <= momentum <= 1. ensures: gamma = 1, beta = 0, dgamma = dbeta = 0,
     /// running_mean = 0, running_var = 1.
     explicit batch_norm(std::size_t channels, params p = {}) requires System::is_host

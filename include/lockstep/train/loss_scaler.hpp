@@ -31,7 +31,7 @@ struct loss_scaling {
     double init_scale = 65536.0;         ///< S of the first step: finite, > 0
     double growth_factor = 2.0;          ///< > 1
     double backoff_factor = 0.5;         ///< in (0, 1)
-    std::int64_t growth_interval = 2000; ///< >= 1
+    std::int64_t growth_interval = 2000; ///< in [1, 2^52]
     /// The floor of S: finite, > 0, <= init_scale. 1 (as DeepSpeed's min_loss_scale): below 1
     /// the scale no longer protects small gradients, and a gradient that overflows unscaled is
     /// not a scaling problem; 65536 reaches it in 16 back-offs.

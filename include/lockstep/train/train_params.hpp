@@ -131,10 +131,10 @@ struct train_params {
     std::int64_t report_stragglers_every = 0;
     /// What a synchronous data_parallel does when a replica is lost during a step
     /// (replica_failure; docs/fault_tolerance.md). shrink: with a communicator that can shrink
-    /// (thread_communicator), a replicated optimizer state (not reduce::sharded,
-    /// reduce::parameter_server or local SGD: they roll back to a checkpoint) and read_result
-    /// (else errc::unsupported at construction), and no CUDA graph capture. Every replica must
-    /// pass the same value (checked at construction).
+    /// (thread_communicator; nccl_communicator where its shrink_problem() is empty), a replicated
+    /// optimizer state (not reduce::sharded, reduce::parameter_server or local SGD: they roll back
+    /// to a checkpoint) and read_result (else errc::unsupported at construction), and no CUDA graph
+    /// capture. Every replica must pass the same value (checked at construction).
     replica_failure on_replica_failure = replica_failure::stop;
     /// With replica_failure::shrink: the fewest replicas the run continues with; a shrink to
     /// fewer throws on the survivors (errc::peer_failure, naming both counts). requires: >= 1.

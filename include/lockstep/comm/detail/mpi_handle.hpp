@@ -59,7 +59,8 @@ struct mpi_communicator_params {
     /// With verification: whether collectives without a collective_tag name compare their call
     /// sites, so two calls of the same collective and shape issued in another order (or one
     /// skipped) are an error instead of a wrong value (see collective_tag). Every replica must
-    /// use the same value. Default: the environment variable LOCKSTEP_CHECK_CALL_SITES=1.
+    /// use the same value. Default: default_check_call_sites(), i.e. LOCKSTEP_CHECK_CALL_SITES
+    /// (1 on, 0 off); unset, on in builds without NDEBUG and off with NDEBUG.
     bool check_call_sites = default_check_call_sites();
 };
 

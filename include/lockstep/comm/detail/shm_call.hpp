@@ -88,7 +88,7 @@ struct call_record {
     bool tag_is_site = false;
 };
 
-/// "all_reduce #7 (4 float32s, sum, tag 'bucket 2')": one replica's call, for messages.
+/// "all_reduce #7 (4 floats, sum, tag 'bucket 2')": one replica's call, for messages.
 inline std::string describe_call(const call_record& c, std::uint64_t seq) {
     std::string s = std::string(name_of(c.kind)) + " #" + std::to_string(seq);
     std::string args;
