@@ -391,6 +391,49 @@ TEST_CASE("a NaN loss with finite gradients skips the step on every replica",
     }
 }
 
+TEST_CASE("parameter_server: a NaN only Root's reduced gradient holds skips every replica",
+          "[train][thread][non_finite]") {
+    // The gradient hook runs where the reduced gradient lies: on Root alone. A NaN it writes is
+    // in no replica's own gradient, so only Root's check sees it; the others must still skip
+    // (their BN statistics, loss scale and results follow the decision) and, with
+    // skip_non_finite = false, throw errc::non_finite themselves rather than run on.
+    using ps = data_parallel<linear, sgd, sync::synchronous, reduce::parameter_server<1>>;
+    std::vector<std::vector<bool>> skipped(3);
+    std::vector<std::vector<std::vector<double>>> params(3);
+    thread_group(3).run([&](thread_communicator& comm) {
+        ps dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1});
+        int step = 0;
+        dp.set_gradient_hook([&](std::span<double> g, std::span<const tensor_info>) {
+            if (step == 2)
+                g[3] = std::numeric_limits<double>::quiet_NaN();
+        });
+        for (; step < 4; ++step) {
+            skipped[comm.rank()].push_back(dp.step(10, train_fn).skipped);
+            const auto p = dp.parameters();
+            params[comm.rank()].emplace_back(p.begin(), p.end());
+        }
+    });
+    for (int r = 0; r < 3; ++r) {
+        CHECK(skipped[r] == std::vector<bool>{false, false, true, false});
+        CHECK(params[r][2] == params[r][1]);
+        CHECK(params[r][3] != params[r][2]);
+        CHECK(params[r] == params[0]);
+    }
+    const auto e = errors_of(3, [](int, thread_communicator& comm) {
+        ps dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1},
+              {.skip_non_finite = false});
+        dp.set_gradient_hook([](std::span<double> g, std::span<const tensor_info>) {
+            g[3] = std::numeric_limits<double>::infinity();
+        });
+        dp.step(10, train_fn);
+    });
+    for (const auto& [msg, code] : e) {
+        INFO(msg);
+        CHECK(code == static_cast<int>(errc::non_finite));
+        CHECK_THAT(msg, Catch::Contains("step 0:"));
+    }
+}
+
 TEST_CASE("one NaN gradient element on one replica: the message names the tensor, the replica "
           "and count 1",
           "[train][thread][non_finite]") {

@@ -9,6 +9,7 @@
 #include "lockstep/train/detail/bucket_plan.hpp"
 #include "lockstep/train/detail/bucketed_collective.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
+#include "lockstep/train/detail/reduced_check_rows.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 #include "lockstep/train/train_params.hpp"
 
@@ -19,10 +20,12 @@
 namespace lockstep::detail {
 
 /// reduce::parameter_server<Root>: gradients are summed onto Root in the default buckets
-/// (reduce, in place), only Root runs the optimizer, and the parameters are broadcast from Root.
-/// Traffic per step: one reduce plus one broadcast of the whole model (a ring all_reduce moves
-/// about the same bytes, but Root's link carries all of it); what it buys is that optimizer
-/// state lives and moves on Root only.
+/// (reduce, in place), only Root checks the sum (after the gradient hook, which runs there) and
+/// shares its checks through the step's status, so every replica skips, scales and reports
+/// alike; only Root runs the optimizer, and the parameters are broadcast from Root. Traffic per
+/// step: one reduce plus one broadcast of the whole model (a ring all_reduce moves about the same
+/// bytes, but Root's link carries all of it); what it buys is that optimizer state lives and
+/// moves on Root only.
 template <int Root, class T, class Communicator>
 class collective<reduce::parameter_server<Root>, T, Communicator>
     : public piecewise_collective<collective<reduce::parameter_server<Root>, T, Communicator>, T,
@@ -30,6 +33,9 @@ class collective<reduce::parameter_server<Root>, T, Communicator>
     using base = piecewise_collective<collective, T, Communicator>;
 
 public:
+    /// Root's check row in the step's status (reduced_check_rows.hpp).
+    static constexpr std::size_t status_doubles = check_row_doubles;
+
     /// requires: Root < comm.size() (else lockstep::error, invalid_argument).
     collective(Communicator& comm, const std::vector<tensor_info>& tensors,
                overlap_setting overlap = {}, const train_params& /*params*/ = {})
@@ -47,6 +53,16 @@ public:
 
     /// Only Root holds the reduced gradient (the other replicas' is unspecified).
     bool reduced_here(int rank) const noexcept { return rank == Root; }
+
+    /// Root checks the sum; its checks reach every replica through the status (a replica's own
+    /// unreduced gradient says nothing of the sum: it can be finite where the sum overflows).
+    template <class Stages>
+    void agree(Stages& s) {
+        const bool root = s.rank() == Root;
+        if (root)
+            s.check(s.core().optimizer_shard());
+        share_reduced_checks(s, root);
+    }
 
     /// Root clips and updates; everyone receives Root's parameters.
     template <class Stages>

@@ -12,6 +12,7 @@
 #include "lockstep/train/detail/bucket_plan.hpp"
 #include "lockstep/train/detail/bucketed_collective.hpp"
 #include "lockstep/train/detail/optimizer_shard.hpp"
+#include "lockstep/train/detail/reduced_check_rows.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 #include "lockstep/train/step_state.hpp"
 #include "lockstep/train/train_params.hpp"
@@ -22,49 +23,6 @@
 #include <vector>
 
 namespace lockstep::detail {
-
-/// One replica's checks of the shard of the gradient it reduced (a row per replica in the step's
-/// status, summed with it): its non-finite count, 1 + flat index of the first one (0: none) and
-/// squared norm.
-struct shard_row {
-    double non_finite = 0;
-    double first_non_finite = 0;
-    double grad_norm2 = 0;
-};
-
-/// One task, before the status all_reduce: this replica's shard checks (the outcome
-/// check_reduced wrote over its shard) into its shard row.
-struct shard_checks_to_row_fn {
-    const step_outcome* outcome;
-    shard_row* row; ///< this replica's
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        row->non_finite = outcome->reduced_non_finite;
-        row->first_non_finite = outcome->reduced_first;
-        row->grad_norm2 = outcome->grad_norm2;
-    }
-};
-
-/// One task, after the status all_reduce: the reduced gradient's count (sum over shards), first
-/// index (the smallest) and squared norm (sum over shards in rank order: the same value on every
-/// replica) into the outcome, as check_reduced writes them unsharded.
-struct combine_shard_checks_fn {
-    const shard_row* rows; ///< every replica's
-    int replicas;
-    step_outcome* outcome;
-    LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
-        double count = 0, first = 0, sq = 0;
-        for (int r = 0; r < replicas; ++r) {
-            const shard_row& p = rows[r];
-            count += p.non_finite;
-            if (p.first_non_finite != 0 && (first == 0 || p.first_non_finite < first))
-                first = p.first_non_finite;
-            sq += p.grad_norm2;
-        }
-        outcome->reduced_non_finite = count;
-        outcome->reduced_first = first;
-        outcome->grad_norm2 = sq;
-    }
-};
 
 /// reduce::sharded<Bytes, FirstBytes> (ZeRO stage 1): the buckets of reduce::bucketed<Bytes,
 /// FirstBytes>; each bucket is reduce-scattered (sum) with counts = the bucket's intersection
@@ -87,8 +45,8 @@ class collective<reduce::sharded<Bytes, FirstBytes>, T, Communicator>
     using system_type = typename Communicator::system_type;
 
 public:
-    /// The shard rows in the step's status.
-    static constexpr std::size_t status_doubles = sizeof(shard_row) / sizeof(double);
+    /// The shards' check rows in the step's status (reduced_check_rows.hpp).
+    static constexpr std::size_t status_doubles = check_row_doubles;
 
     collective(Communicator& comm, const std::vector<tensor_info>& tensors,
                overlap_setting overlap = {}, const train_params& /*params*/ = {})
@@ -125,17 +83,11 @@ public:
         c.reduce_scatter(std::span<const T>(piece), piece.subspan(at, n), counts, reduce_op::sum);
     }
 
-    /// This replica's shard checked, its checks into its shard row, the status summed, and every
-    /// shard's rows combined into the outcome.
+    /// This replica's shard checked; every shard's checks shared through the status.
     template <class Stages>
     void agree(Stages& s) {
         s.check(s.core().optimizer_shard());
-        const step_view v = s.view();
-        auto* rows = reinterpret_cast<shard_row*>(v.collective);
-        kernels::for_each_index(s.system(), 1, shard_checks_to_row_fn{v.outcome, &rows[s.rank()]});
-        s.sum_status();
-        kernels::for_each_index(s.system(), 1,
-                                combine_shard_checks_fn{rows, v.replicas, v.outcome});
+        share_reduced_checks(s, true);
     }
 
     /// The shard clipped and updated, then every shard all-gathered.
