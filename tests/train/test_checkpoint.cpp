@@ -212,6 +212,45 @@ void check_refused(const refusal& r, const std::vector<std::string>& parts) {
 
 } // namespace
 
+TEST_CASE("read_result() after a resume refuses until the trainer takes its own step",
+          "[train][checkpoint][thread]") {
+    // The resumed trainer has a step count but no step state of its own: reading it used to
+    // return a made-up result (loss and skip flag from an unread buffer).
+    temp_dir dir;
+    const fs::path path = dir.path / "run.ckpt";
+    save_reference(path);
+    using dp_type = trainer_of<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>;
+    using net = typename dp_type::network_type;
+    std::vector<std::string> before(2);
+    std::vector<int> after(2, -1);
+    thread_group(2).run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, base_params,
+            [] {
+                train_params tp = params_for(5);
+                tp.read_result = false;
+                return tp;
+            }());
+        load_checkpoint(dp, path);
+        REQUIRE(dp.steps() == 3);
+        try {
+            (void)dp.read_result();
+        } catch (const lockstep::error& e) {
+            if (e.code() == errc::invalid_argument)
+                before[r] = e.what();
+        }
+        step_to(dp, 4);
+        after[r] = static_cast<int>(dp.read_result().step);
+    });
+    for (std::size_t r = 0; r < 2; ++r) {
+        INFO(before[r]);
+        CHECK(contains(before[r], "data_parallel.read_result: no step was taken yet by this "
+                                  "trainer"));
+        CHECK(after[r] == 3);
+    }
+}
+
 TEST_CASE("an incompatible checkpoint is refused with every difference, nothing loaded",
           "[train][checkpoint][thread]") {
     temp_dir dir;

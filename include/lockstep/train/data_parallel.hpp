@@ -219,11 +219,15 @@ public:
     /// The result of the last step (or counted launch, count_replay()): waits for it (one
     /// synchronisation through the communicator's polling wait) and throws the errors it found,
     /// as step() does with train_params::read_result. Use it with read_result = false, e.g.
-    /// every N steps. requires: a step was taken; the stream is not being captured into a CUDA
-    /// graph (else errc::invalid_argument, and the communicator stays usable).
+    /// every N steps. requires: this trainer took a step (one resumed from a checkpoint has a
+    /// step count but no step of its own until it takes one); the stream is not being captured
+    /// into a CUDA graph (else errc::invalid_argument, and the communicator stays usable).
     step_result read_result() {
-        LOCKSTEP_REQUIRE(core_.steps() > 0, errc::invalid_argument, this->rank(),
-                         "data_parallel.read_result", "no step was taken yet");
+        LOCKSTEP_REQUIRE(parts_->stages.has_last(), errc::invalid_argument, this->rank(),
+                         "data_parallel.read_result", "no step was taken yet",
+                         core_.steps() > 0 ? " by this trainer (its step count comes from a "
+                                             "checkpoint or a rebuild)"
+                                           : "");
         LOCKSTEP_REQUIRE(!detail::capturing(core_.comm().system()), errc::invalid_argument,
                          this->rank(), "data_parallel.read_result",
                          "the stream is being captured into a CUDA graph: the result of step ",

@@ -230,6 +230,7 @@ public:
             return r;
         last_ = r;
         unread_ = true;
+        has_last_ = true;
         if (core_.params().read_result)
             return finish_result(r);
         return r;
@@ -266,9 +267,13 @@ public:
 
     /// The last step that ran (or launch counted), and setting it (count_replay).
     const step_result& last() const noexcept { return last_; }
+    /// True once a step ran (or a launch was counted) through these stages: a trainer that
+    /// resumed from a checkpoint, or rebuilt after a shrink, has a step count but no step here.
+    bool has_last() const noexcept { return has_last_; }
     void set_last(const step_result& r) noexcept {
         last_ = r;
         unread_ = true;
+        has_last_ = true;
     }
     /// True when the last step's (or launch's) state was not read yet (read_result = false).
     bool unread() const noexcept { return unread_; }
@@ -314,6 +319,7 @@ private:
     step_result last_{};
     std::int64_t skipped_ = 0;
     bool unread_ = false;
+    bool has_last_ = false;
     bool capturing_ = false;
     bool local_sgd_ = false;
 };
