@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <string>
 #include <vector>
 
 using lockstep::hierarchical_communicator;
@@ -127,6 +128,33 @@ TEST_CASE("hierarchical_communicator: nodes with different local sizes are refus
         }
     });
     CHECK(refused == std::vector<int>{1, 1, 1});
+}
+
+TEST_CASE("hierarchical_communicator: nodes whose replicas disagree are refused everywhere",
+          "[comm][hierarchical]") {
+    // 3 nodes of 2: local rank 0's inter communicator orders the nodes A, B, C, local rank 1's
+    // A, C, B. Node A's replicas agree with each other, so only the other nodes saw the
+    // disagreement; node A must fail too instead of going on alone.
+    std::vector<std::string> refused(6);
+    thread_group group(6);
+    group.run([&](thread_communicator& world) {
+        const int node = world.rank() / 2, local = world.rank() % 2;
+        thread_communicator intra = world.split(node, local);
+        const int order[3] = {0, local == 0 ? 1 : 2, local == 0 ? 2 : 1};
+        thread_communicator inter = world.split(local, order[node]);
+        try {
+            two_level comm(std::move(intra), std::move(inter));
+        } catch (const lockstep::error& e) {
+            if (e.code() == lockstep::errc::invalid_argument)
+                refused[static_cast<std::size_t>(world.rank())] = e.what();
+        }
+    });
+    for (int r = 0; r < 6; ++r) {
+        INFO("replica " << r << ": " << refused[static_cast<std::size_t>(r)]);
+        CHECK(refused[static_cast<std::size_t>(r)].find(
+                  r < 2 ? "another node hold different inter-node ranks"
+                        : "of one node hold different inter-node ranks") != std::string::npos);
+    }
 }
 
 namespace {

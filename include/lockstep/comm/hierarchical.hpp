@@ -51,10 +51,12 @@ struct no_routes {};
 ///   inside the node (each replica owns 1/local_size() of the elements), all_reduced across nodes
 ///   shard by shard (each local rank on its own inter communicator, concurrently), and
 ///   all_gathered inside the node: each byte crosses the inter-node link once per node, not once
-///   per replica. Smaller ones are all_reduced inside the node, then across nodes. Every element
-///   is reduced in the same order (the node's replicas in local rank order, then the nodes in the
-///   inter communicator's order), so every replica holds the same bits; the order differs from a
-///   flat communicator's over the same replicas, so sums agree with it within rounding.
+///   per replica. Smaller ones are all_reduced inside the node, then across nodes. The node's
+///   sum is the intra part's and the nodes' the inter part's, each in its own order (rank order
+///   for thread_communicator and for 16-bit values over MPI; MPI's own order for float and
+///   double; NCCL's ring or tree), and every replica receives the same result of both, so every
+///   replica holds the same bits where each part gives its replicas the same bits; sums agree
+///   with a flat communicator's over the same replicas within rounding.
 /// - broadcast: inside the root's node, then across nodes (every local rank in parallel).
 /// - all_gather: inside the node into this node's block of recv, then the node blocks across
 ///   nodes.
@@ -67,7 +69,8 @@ struct no_routes {};
 ///   touch: ordered by (key, rank), a group's members come in one block per node, and every
 ///   block holds the same local ranks in the same order (the blocks' nodes may come in any
 ///   order). bn::group<G> with G a multiple or a divisor of local_size() qualifies. Other splits
-///   throw errc::unsupported naming the color.
+///   throw errc::unsupported on every replica, each naming its own color (or, when its own group
+///   fits, another replica's).
 /// - all_to_all (when both parts have it, so reduce::compressed works over it): inside the
 ///   node, then across nodes.
 /// Point-to-point messages (send, recv, recv_any; so the asynchronous trainers run over it) go
@@ -129,12 +132,18 @@ private:
                            intra_.all_reduce(in, out, reduce_op::max);
                        });
         const bool node_agrees = shape[2] == -shape[3] && shape[4] == -shape[5];
-        int sizes[2] = {intra_.size(), -intra_.size()};
+        // {L, -L, a node disagrees}: every inter communicator reaches every node, so a node
+        // whose replicas disagree is known everywhere (its own replicas name the values).
+        int sizes[3] = {intra_.size(), -intra_.size(), node_agrees ? 0 : 1};
         inter_.all_reduce(std::span<const int>(sizes), std::span<int>(sizes), reduce_op::max);
         LOCKSTEP_REQUIRE(node_agrees, errc::invalid_argument, rank(), "hierarchical_communicator",
                          "the replicas of one node hold different inter-node ranks (", -shape[3],
                          " to ", shape[2], ") or sizes (", -shape[5], " to ", shape[4],
                          "): every replica of a node must be at the same inter.rank()");
+        LOCKSTEP_REQUIRE(sizes[2] == 0, errc::invalid_argument, rank(), "hierarchical_communicator",
+                         "the replicas of another node hold different inter-node ranks or sizes "
+                         "(they name them): every replica of a node must be at the same "
+                         "inter.rank()");
         LOCKSTEP_REQUIRE(sizes[0] == -sizes[1], errc::invalid_argument, rank(),
                          "hierarchical_communicator", "the nodes have different local sizes (",
                          -sizes[1], " to ", sizes[0],
@@ -384,8 +393,8 @@ public:
     /// The replicas with the same color form a new hierarchical group, ranked by (key, rank).
     /// Collective. `intra_args` go to the node communicator's split (nccl_communicator: a
     /// stream for the child, whose default is the parent's). requires: the group shapes
-    /// described in the class comment, else every replica throws errc::unsupported naming the
-    /// first color that does not fit.
+    /// described in the class comment, else every replica throws errc::unsupported, naming its
+    /// own color when that group does not fit (else "another replica's color").
     template <class... IntraArgs>
     hierarchical_communicator split(int color, int key, IntraArgs&&... intra_args) {
         const int n = size();
