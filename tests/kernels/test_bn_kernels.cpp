@@ -341,6 +341,41 @@ TEST_CASE("kernels reject spans that do not match the geometry", "[kernels][bn]"
                     error);
 }
 
+TEST_CASE("kernels refuse a geometry whose size overflows, not its wrapped size", "[kernels][bn]") {
+    // 2^63 x 2 x 1 wraps to 0: empty spans matched the wrapped size, and the host loops then
+    // walked 2^63 rows of them.
+    const host_system sys;
+    const channel_geometry g{std::size_t(1) << 63, 2, 1};
+    REQUIRE(g.size() == 0);
+    std::vector<float> none, coef(2, 1.0f);
+    const auto refused = [](auto&& call, const char* op) {
+        try {
+            call();
+            FAIL("no error");
+        } catch (const error& e) {
+            INFO(e.what());
+            CHECK(e.code() == errc::invalid_argument);
+            CHECK(std::string(e.what()).find(op) != std::string::npos);
+            CHECK(std::string(e.what()).find("overflows") != std::string::npos);
+        }
+    };
+    const std::span<const float> c(coef);
+    refused(
+        [&] {
+            kernels::normalize(sys, std::span<const float>(none), std::span<float>(none), g, c, c,
+                               c);
+        },
+        "kernels::normalize");
+    const kernels::backward_coefficients<float> co{coef.data(), coef.data(), coef.data(),
+                                                   coef.data()};
+    refused(
+        [&] {
+            kernels::input_gradient(sys, std::span<const float>(none), std::span<const float>(none),
+                                    std::span<float>(none), g, co);
+        },
+        "kernels::input_gradient");
+}
+
 TEST_CASE("packed_moments splits the count into two halves exact in float", "[kernels][bn]") {
     // one channel of more than 2^24 values: a float count would round, the halves do not
     const channel_geometry g{3, 2, (std::size_t(1) << 24) + 5};

@@ -13,8 +13,8 @@
 namespace lockstep {
 
 /// True when a * b overflows std::size_t; otherwise stores the product in *out. The one
-/// overflow test every size product in lockstep goes through (the throwing helpers below
-/// included).
+/// overflow test every checked size product in lockstep goes through (the throwing helpers
+/// below included; kernels::checked_size checks a channel_geometry's size with them).
 constexpr bool mul_overflows(std::size_t a, std::size_t b, std::size_t* out) noexcept {
     return __builtin_mul_overflow(a, b, out);
 }

@@ -105,32 +105,35 @@ template <class T, class Acc>
 void require_backward_sums(std::span<const T> dy, std::span<const T> x, const channel_geometry& g,
                            std::span<const Acc> mean, std::span<Acc> sums,
                            std::span<Acc> workspace) {
-    LOCKSTEP_REQUIRE(dy.size() == g.size() && x.size() == g.size() && mean.size() >= g.channels &&
+    const std::size_t n = checked_size(g, "kernels::backward_sums");
+    LOCKSTEP_REQUIRE(dy.size() == n && x.size() == n && mean.size() >= g.channels &&
                          sums.size() >= 2 * g.channels &&
                          workspace.size() >= backward_workspace_size(g),
                      errc::shape_mismatch, -1, "kernels::backward_sums", "dy has ", dy.size(),
-                     " values, x ", x.size(), ", expected ", g.size());
+                     " values, x ", x.size(), ", expected ", n);
 }
 
 template <class T, class Acc>
 void require_pack_sums(std::span<const T> dy, std::span<const T> x, const channel_geometry& g,
                        std::span<const Acc> mean, std::span<Acc> sums,
                        std::span<std::byte> workspace) {
+    const std::size_t n = checked_size(g, "kernels::pack_backward_sums");
     const std::size_t need = bn_workspace_bytes<T, Acc>(g);
-    LOCKSTEP_REQUIRE(dy.size() == g.size() && x.size() == g.size() && mean.size() >= g.channels &&
+    LOCKSTEP_REQUIRE(dy.size() == n && x.size() == n && mean.size() >= g.channels &&
                          sums.size() >= packed_sums::size(g.channels) && workspace.size() >= need,
                      errc::shape_mismatch, -1, "kernels::pack_backward_sums", "dy has ", dy.size(),
-                     " values, x ", x.size(), ", expected ", g.size(), "; sums ", sums.size(),
-                     " for ", packed_sums::size(g.channels), ", workspace ", workspace.size(),
-                     " bytes for ", need);
+                     " values, x ", x.size(), ", expected ", n, "; sums ", sums.size(), " for ",
+                     packed_sums::size(g.channels), ", workspace ", workspace.size(), " bytes for ",
+                     need);
 }
 
 template <class T>
 void require_input_gradient(std::span<const T> dy, std::span<const T> x, std::span<T> dx,
                             const channel_geometry& g) {
-    LOCKSTEP_REQUIRE(dy.size() == g.size() && x.size() == g.size() && dx.size() == g.size(),
-                     errc::shape_mismatch, -1, "kernels::input_gradient", "dy has ", dy.size(),
-                     " values, x ", x.size(), ", dx ", dx.size(), ", expected ", g.size());
+    const std::size_t n = checked_size(g, "kernels::input_gradient");
+    LOCKSTEP_REQUIRE(dy.size() == n && x.size() == n && dx.size() == n, errc::shape_mismatch, -1,
+                     "kernels::input_gradient", "dy has ", dy.size(), " values, x ", x.size(),
+                     ", dx ", dx.size(), ", expected ", n);
 }
 
 template <class T, class Acc>
@@ -140,11 +143,11 @@ void require_fused_gradient(std::span<const T> dy, std::span<const T> x, std::sp
                             std::span<const Acc> gamma, std::span<const Acc> mean,
                             std::span<const Acc> invstd, std::span<Acc> dgamma,
                             std::span<Acc> dbeta) {
+    const std::size_t n = checked_size(g, "kernels::input_gradient_fused");
     const std::size_t C = g.channels;
-    LOCKSTEP_REQUIRE(dy.size() == g.size() && x.size() == g.size() && dx.size() == g.size(),
-                     errc::shape_mismatch, -1, "kernels::input_gradient_fused", "dy has ",
-                     dy.size(), " values, x ", x.size(), ", dx ", dx.size(), ", expected ",
-                     g.size());
+    LOCKSTEP_REQUIRE(dy.size() == n && x.size() == n && dx.size() == n, errc::shape_mismatch, -1,
+                     "kernels::input_gradient_fused", "dy has ", dy.size(), " values, x ", x.size(),
+                     ", dx ", dx.size(), ", expected ", n);
     LOCKSTEP_REQUIRE(totals.size() >= 2 * C && local.size() >= 2 * C && count != nullptr &&
                          gamma.size() >= C && mean.size() >= C && invstd.size() >= C &&
                          (dgamma.empty() || dgamma.size() >= C) &&
@@ -249,7 +252,10 @@ void input_gradient_fused_generic(const System& sys, std::span<const T> dy, std:
 /// As input_gradient_fused_generic with the system's bn_input_gradient_fused: on a host system
 /// the coefficients per channel, then the vectorized dx loops; on the CUDA system one launch
 /// (cuda_path::input_gradient_fused). Every path computes the coefficients with
-/// fused_gradient_coefficients, so dx has the same bits on all of them.
+/// fused_gradient_coefficients (the same bits on all of them) and each value with
+/// input_gradient; dx has the same bits on the host and generic paths of a host system, and on
+/// CUDA equals them within one rounding of Acc (nvcc contracts the value's multiply and add
+/// into one fused multiply-add; docs/gpu_batch_norm.md).
 template <class T, class Acc, execution_system System>
 void input_gradient_fused(const System& sys, std::span<const T> dy, std::span<const T> x,
                           std::span<T> dx, channel_geometry g, std::span<const Acc> totals,

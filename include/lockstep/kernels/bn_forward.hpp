@@ -90,21 +90,23 @@ namespace detail {
 template <class T, class Acc>
 void require_channel_moments(std::span<const T> x, const channel_geometry& g,
                              std::span<moments<Acc>> out, std::span<moments<Acc>> workspace) {
-    LOCKSTEP_REQUIRE(x.size() == g.size() && out.size() >= g.channels &&
+    const std::size_t n = checked_size(g, "kernels::channel_moments");
+    LOCKSTEP_REQUIRE(x.size() == n && out.size() >= g.channels &&
                          workspace.size() >= moments_workspace_size(g),
                      errc::shape_mismatch, -1, "kernels::channel_moments", "x has ", x.size(),
-                     " values for ", g.size(), ", out ", out.size(), " for ", g.channels,
+                     " values for ", n, ", out ", out.size(), " for ", g.channels,
                      " channels, workspace ", workspace.size(), " for ", moments_workspace_size(g));
 }
 
 template <class T, class Acc>
 void require_pack_moments(std::span<const T> x, const channel_geometry& g, std::span<Acc> block,
                           std::span<std::byte> workspace) {
+    const std::size_t n = checked_size(g, "kernels::pack_local_moments");
     const std::size_t need = bn_workspace_bytes<T, Acc>(g);
-    LOCKSTEP_REQUIRE(x.size() == g.size() && block.size() >= packed_moments::size(g.channels) &&
+    LOCKSTEP_REQUIRE(x.size() == n && block.size() >= packed_moments::size(g.channels) &&
                          workspace.size() >= need,
                      errc::shape_mismatch, -1, "kernels::pack_local_moments", "x has ", x.size(),
-                     " values for ", g.size(), ", block ", block.size(), " for ",
+                     " values for ", n, ", block ", block.size(), " for ",
                      packed_moments::size(g.channels), ", workspace ", workspace.size(),
                      " bytes for ", need);
 }
@@ -113,10 +115,11 @@ template <class T, class Acc>
 void require_normalize(std::span<const T> x, std::span<T> y, const channel_geometry& g,
                        std::span<const Acc> mean, std::span<const Acc> scale,
                        std::span<const Acc> beta) {
-    LOCKSTEP_REQUIRE(x.size() == g.size() && y.size() == g.size() && mean.size() >= g.channels &&
+    const std::size_t n = checked_size(g, "kernels::normalize");
+    LOCKSTEP_REQUIRE(x.size() == n && y.size() == n && mean.size() >= g.channels &&
                          scale.size() >= g.channels && beta.size() >= g.channels,
                      errc::shape_mismatch, -1, "kernels::normalize", "x has ", x.size(),
-                     " values, y ", y.size(), ", expected ", g.size());
+                     " values, y ", y.size(), ", expected ", n);
 }
 } // namespace detail
 

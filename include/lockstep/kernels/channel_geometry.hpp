@@ -2,6 +2,7 @@
 // memory, as one (outer, channels, inner) triple. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/config.hpp"
 
 #include <cstddef>
@@ -30,6 +31,15 @@ struct channel_geometry {
     }
     friend constexpr bool operator==(const channel_geometry&, const channel_geometry&) = default;
 };
+
+/// g.size() for a geometry that comes from outside (a kernel's precondition check), or throws
+/// lockstep::error (errc::invalid_argument) naming `operation` and the geometry when
+/// outer x channels x inner overflows std::size_t (a wrapped size would pass the kernels' size
+/// checks with too short spans).
+inline std::size_t checked_size(const channel_geometry& g, const char* operation) {
+    const std::size_t extents[] = {g.outer, g.channels, g.inner};
+    return checked_product(extents, -1, operation, "the geometry (outer, channels, inner)");
+}
 
 /// How many partitions the generic (Thrust) kernels split one channel into: enough tasks to keep
 /// a device busy, few enough that merging the partials stays cheap. Depends only on the

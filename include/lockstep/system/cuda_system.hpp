@@ -2,6 +2,7 @@
 // device, plus copies between host and device memory. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 
@@ -352,7 +353,8 @@ public:
         if (n == 0)
             return;
         void* p = nullptr;
-        LOCKSTEP_CUDA_CHECK(cudaMallocHost(&p, n * sizeof(T)));
+        LOCKSTEP_CUDA_CHECK(
+            cudaMallocHost(&p, checked_bytes(n, sizeof(T), -1, "pinned_array", "its size")));
         data_ = static_cast<T*>(p);
     }
     pinned_array(const pinned_array&) = delete;
