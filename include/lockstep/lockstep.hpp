@@ -9,8 +9,8 @@
 // compiler without MPI therefore gets every header except cuda_system.hpp, bn_cuda.cuh,
 // mpi_environment.hpp, mpi_communicator.hpp, hierarchical_group.hpp, gpu_group.hpp,
 // nccl_communicator.hpp and gpu_hierarchical_group.hpp; without MPI, mpi_unavailable.hpp makes
-// a use of mpi_communicator, mpi_environment or hierarchical_group a compile error that names
-// the target to link (lockstep::mpi).
+// constructing an mpi_communicator, mpi_environment or hierarchical_group a compile error that
+// names the target to link (lockstep::mpi).
 #include "lockstep/core/config.hpp"
 
 #include "lockstep/core/checked_math.hpp"

@@ -77,6 +77,7 @@ public:
                 try {
                     s();
                 } catch (...) {
+                    std::lock_guard<std::mutex> lock(mutex_);
                     failure_ = std::current_exception(); // reported by the first join()
                 }
             }
@@ -211,7 +212,9 @@ private:
 /// the work is enqueued, and join() makes the compute stream wait on an event recorded on the
 /// side stream (nccl_communicator::device_wait, so the replica's device timing counts that wait
 /// as time in collectives). No host wait and no thread (the comm_priority is accepted for a
-/// uniform interface and has no effect). requires: comm outlives the comm_stream.
+/// uniform interface and has no effect): an item runs inside submit(), so its error comes out
+/// of submit() (the family is aborted, so later items throw too) and join() rethrows nothing.
+/// requires: comm outlives the comm_stream.
 template <>
 class comm_stream<nccl_communicator> {
 public:

@@ -33,10 +33,11 @@ namespace lockstep {
 struct gpu_hierarchical_group_params {
     gpu_group_params gpus = {};       ///< the process's GPU replicas (timeout, adopted streams)
     mpi_communicator_params mpi = {}; ///< each local device index's inter-process communicator
-    /// A replica whose function throws (or that fails in a collective) ends the whole job with
-    /// MPI_Abort after printing the error, so no process is left waiting for it (true), or
+    /// A replica whose function throws (anything, or fails in a collective) ends the whole job
+    /// with MPI_Abort after printing the error, so no process is left waiting for it (true), or
     /// run() rethrows it in this process only (false: the other processes find out when their
-    /// MPI operations time out).
+    /// MPI operations time out). errc::peer_failure only echoes another replica's failure,
+    /// which ends the job itself: such a replica leaves without aborting.
     bool abort_on_failure = true;
 };
 
@@ -100,7 +101,9 @@ private:
     // One replica: its communicator from this thread's NCCL communicator and its device index's
     // MPI communicator, which returns to the group for the next run(). On a failure the NCCL
     // part is aborted here (gpu_group aborts only the moved-from handle it still holds), so
-    // this process's other replicas get errc::peer_failure instead of waiting.
+    // this process's other replicas get errc::peer_failure instead of waiting; when the
+    // communicator's construction itself throws, the NCCL part goes with it unaborted and the
+    // job ends through abort_on_failure.
     template <class F>
     void replica_main(F& f, nccl_communicator& intra) {
         const auto l = static_cast<std::size_t>(intra.rank());
@@ -114,6 +117,13 @@ private:
                 comm->abort();
             if (params_.abort_on_failure && !detail::echoes_peer(e))
                 detail::abort_mpi_job("gpu_hierarchical_group", "replica", static_cast<int>(l), e);
+            throw;
+        } catch (...) {
+            if (comm)
+                comm->abort();
+            if (params_.abort_on_failure)
+                detail::abort_mpi_job("gpu_hierarchical_group", "replica", static_cast<int>(l),
+                                      detail::non_standard_exception());
             throw;
         }
     }

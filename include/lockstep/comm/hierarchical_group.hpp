@@ -14,7 +14,6 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <exception>
 #include <functional>
 #include <optional>
@@ -29,10 +28,11 @@ namespace lockstep {
 struct hierarchical_group_params {
     thread_group_params threads = {}; ///< the replica threads inside each process
     mpi_communicator_params mpi = {}; ///< each local rank's inter-process communicator
-    /// A replica whose function throws (or that fails in a collective) ends the whole job with
-    /// MPI_Abort after printing the error, so no process is left waiting for it (true), or
+    /// A replica whose function throws (anything, or fails in a collective) ends the whole job
+    /// with MPI_Abort after printing the error, so no process is left waiting for it (true), or
     /// run() rethrows it in this process only (false: the other processes find out when their
-    /// MPI operations time out).
+    /// MPI operations time out). errc::peer_failure only echoes another replica's failure,
+    /// which ends the job itself: such a replica leaves without aborting.
     bool abort_on_failure = true;
 };
 
@@ -161,12 +161,8 @@ private:
                       detail::concat("timed out after ", params_.timeout.count(),
                                      " ms waiting for a message with tag ", tag,
                                      " from any replica (group of ", nodes_ * threads_, ")"));
-        if (params_.on_failure == mpi_failure_action::abort) {
-            std::fprintf(stderr, "lockstep: hierarchical replica %d aborting: %s\n", rank(),
-                         e.what());
-            std::fflush(stderr);
-            from_.front().abort();
-        }
+        if (params_.on_failure == mpi_failure_action::abort)
+            from_.front().abort(e, exit_status(e)); // 75: tools/lockstep-run relaunches
         throw e;
     }
 
@@ -204,8 +200,10 @@ public:
 
     /// Collective over comm: makes one duplicate of comm per thread index and threads x threads
     /// more for the point-to-point mailboxes.
-    /// requires: MPI initialised with MPI_THREAD_MULTIPLE; threads >= 1 and equal in every
-    /// process (the first run() checks it).
+    /// requires: MPI initialised with MPI_THREAD_MULTIPLE; threads >= 1 (else
+    /// errc::invalid_argument) and equal in every process (not checked as such: a process with
+    /// more threads waits for duplicates the others never make, and fails with errc::timeout
+    /// after params.mpi.timeout).
     hierarchical_group(MPI_Comm comm, int threads, const params& p = {})
         : threads_(threads, p.threads), params_(p) {
         int level = MPI_THREAD_SINGLE;
@@ -253,6 +251,11 @@ private:
         } catch (const std::exception& e) {
             if (params_.abort_on_failure && !detail::echoes_peer(e))
                 detail::abort_mpi_job("hierarchical_group", "thread", static_cast<int>(l), e);
+            throw;
+        } catch (...) {
+            if (params_.abort_on_failure)
+                detail::abort_mpi_job("hierarchical_group", "thread", static_cast<int>(l),
+                                      detail::non_standard_exception());
             throw;
         }
     }

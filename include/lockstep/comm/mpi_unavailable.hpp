@@ -1,5 +1,6 @@
-// lockstep/comm/mpi_unavailable.hpp: what the MPI names mean in a build without lockstep::mpi: a
-// use of any of them stops compiling with a sentence naming the CMake target to link.
+// lockstep/comm/mpi_unavailable.hpp: what the MPI names mean in a build without lockstep::mpi:
+// constructing any of them stops compiling with a sentence naming the CMake target to link
+// (other uses, such as a member, are ordinary compile errors).
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 

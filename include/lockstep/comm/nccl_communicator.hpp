@@ -101,8 +101,8 @@ namespace lockstep {
 /// Failures never leave peers hanging: a replica whose call fails aborts its communicator
 /// (ncclCommAbort) together with every other communicator of its family (the one it was created
 /// with and all splits made from it, in one NCCL group: none is left running a collective that
-/// waits for the dead peer) and marks its clique failed (with nccl_options::survivors set it
-/// revokes them instead, for shrink()); peers created in the same process
+/// waits for the dead peer) and marks its clique failed (with nccl_options::survivors set and
+/// shrink_problem() empty it revokes them instead, for shrink()); peers created in the same process
 /// (init_all and splits of those) see the mark in their next call or while they wait in
 /// synchronize() or barrier() or wait(), abort too and throw errc::peer_failure. Across processes,
 /// the waits poll ncclCommGetAsyncError (NCCL reports a vanished peer as ncclRemoteError) and give
@@ -519,8 +519,9 @@ public:
     /// The sub-group of replicas passing the same color, ranked by (key, rank), as a new
     /// communicator on the same device and on this communicator's stream, so its collectives are
     /// ordered with the replica's work there (ncclCommSplit; collective over this communicator,
-    /// blocks until all replicas have called it, at most nccl_options::timeout: then every
-    /// communicator of the family is aborted and errc::timeout thrown). It belongs to this
+    /// blocks until all replicas have called it, at most nccl_options::timeout: then every other
+    /// communicator of the family is aborted, this one marked aborted and left to the NCCL call
+    /// still running, and errc::timeout thrown). It belongs to this
     /// replica's family: abort() of either (or a failure either notices) aborts both. The stream
     /// stays alive while the split does (shared when it is this communicator's own; an adopted one
     /// must outlive it). requires: color >= 0.
@@ -606,13 +607,15 @@ public:
     }
 
     /// Why shrink() cannot continue on the survivors here ("" when it can): it needs
-    /// nccl_options::survivors, a non-zero timeout and NCCL 2.28.7 or newer at run time.
+    /// nccl_options::survivors, a non-zero timeout, one process per rank (not init_all or
+    /// gpu_group) and NCCL 2.28.7 or newer at run time.
     std::string shrink_problem() const {
         return h_.shrink_problem();
     }
 
-    /// The first failure this communicator threw (what shrink_steps asks to tell a lost peer
-    /// from a deterministic error), or null.
+    /// The first failure that stopped (aborted or revoked) this communicator's family through its
+    /// checks (what shrink_steps asks to tell a lost peer from a deterministic error), or null;
+    /// a failed split or shrink, or a CUDA error of device_wait, is thrown but not kept here.
     std::exception_ptr run_failure() const {
         return h_.failure();
     }
@@ -875,7 +878,9 @@ public:
     nccl_group() { LOCKSTEP_NCCL_CHECK(ncclGroupStart()); }
     nccl_group(const nccl_group&) = delete;
     nccl_group& operator=(const nccl_group&) = delete;
-    /// Ends the group; errors of the grouped calls are thrown here.
+    /// Ends the group; errors of the grouped calls are thrown here (errc::nccl), without aborting
+    /// the grouped communicators: on such an error call abort() on each of them, so their peers
+    /// are released.
     void end() {
         if (!open_)
             return;

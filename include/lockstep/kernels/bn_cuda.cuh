@@ -104,8 +104,9 @@ struct workspace_parts {
 
 /// K1: this replica's packed statistics block (packed_moments layout) in one launch:
 /// block[status] = status, the exact count g.per_channel() in (count_hi, count_lo), and each
-/// channel's Welford mean and M2 (per-(channel, partition) blocks, partials Chan-merged in a
-/// fixed tree order in double with exact counts by the last block of each channel or tile).
+/// channel's Welford mean and M2 (per-(channel, partition) blocks, partials folded in a fixed
+/// order in double with exact counts by the last block of each channel or tile: Chan merges
+/// for NCHW, sums about a shift for NHWC rows, kernels::shifted_moments).
 /// requires: x holds g.size() values; block holds packed_moments::size(g.channels) values;
 ///           workspace holds bn_workspace_bytes<T, Acc>(g) bytes, zero-filled before its first
 ///           use and not used concurrently by another launch.

@@ -54,7 +54,7 @@ struct wide_moments {
 ///   = that replica's world rank), or statistics over exactly one value per channel
 ///   (layer_error::single_value: the merged count when normalize_merged, else any block's).
 ///   Reported through `report` (layer_report::write: a step's shared report counts errors and
-///   keeps the first; a layer's own record is overwritten, with zeros when all is well).
+///   keeps the first; a layer's own record is overwritten, with code 0 when all is well).
 template <class Acc>
 struct finish_statistics_fn {
     static constexpr bool finishes = true;

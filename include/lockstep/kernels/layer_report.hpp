@@ -22,8 +22,9 @@ struct layer_error_record {
 };
 
 /// Where a layer's device-side checks report, as device pointers:
-/// - `errors` null: the layer's own record; `first` is overwritten by every check (zeros when
-///   all is well), and its owner reads it back.
+/// - `errors` null: the layer's own record; `first` is overwritten by every check (code 0,
+///   layer_error::none, when all is well; layer and value are written too), and its owner
+///   reads it back.
 /// - `errors` given (a step shared by several layers): an error adds 1 to *errors and fills
 ///   *first when it is still empty (code 0); a check that finds nothing writes nothing.
 struct layer_report {

@@ -76,7 +76,8 @@ namespace lockstep::nn {
 ///   synchronisation, through the communicator's polling wait) and throws on every replica
 ///   that shares the collective (bn::local: on the bad replica only).
 /// - Per training step, forward + backward of a communicating layer enqueue 5 passes (packed
-///   statistics, merge + coefficients, normalize; packed backward sums, dx) and 2 collectives
+///   statistics, merge + coefficients, normalize; packed backward sums, dx; on CUDA 4, the
+///   merge inside the normalize launch) and 2 collectives
 ///   (bn::global, bn::group; the others 1 or none), and never wait on the host inside a step.
 template <class T, bn_stat_policy Policy = bn::local, tensor_layout Layout = nchw,
           class System = host_system>

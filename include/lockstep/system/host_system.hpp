@@ -45,7 +45,7 @@ public:
     /// Bytes every allocation is aligned to (a cache line, and enough for vector loads).
     static constexpr std::size_t alignment = 64;
 
-    /// requires: threads >= 1 (0 means default_threads(1)).
+    /// threads: the OpenMP threads of its loops; 0 or less means default_threads(1).
     explicit host_system(int threads = 0) : threads_(threads > 0 ? threads : default_threads(1)) {}
 
     /// OMP_NUM_THREADS's first value when it is a positive number (OpenMP's convention: the

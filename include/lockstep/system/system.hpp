@@ -34,7 +34,8 @@ namespace lockstep {
 /// any execution_system, and argument-dependent lookup on the system's type adds the overloads
 /// taking `const S&` that S's associated namespaces declare (host_system's in namespace
 /// lockstep::host, associated through its base host::adl_tag, so no other lockstep type finds
-/// them; cuda_system's in namespace lockstep). Overload resolution prefers the exact system
+/// them; cuda_system's in namespace lockstep::gpu through its base gpu::adl_tag, its copies and
+/// is_capturing being hidden friends). Overload resolution prefers the exact system
 /// type, so a system with no fast path runs the generic one.
 template <class S>
 concept execution_system = std::copyable<S> && std::equality_comparable<S> &&

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <stdexcept>
 
 namespace lockstep::detail {
 
@@ -31,6 +32,11 @@ inline bool echoes_peer(const std::exception& e) {
     std::fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, exit_status(e));
     std::abort();
+}
+
+/// What abort_mpi_job is given for a thrown value that is no std::exception.
+inline std::runtime_error non_standard_exception() {
+    return std::runtime_error("a thrown value that is no std::exception");
 }
 
 } // namespace lockstep::detail

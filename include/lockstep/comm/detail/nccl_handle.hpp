@@ -30,13 +30,18 @@ namespace lockstep {
 /// Runtime options of an nccl_communicator.
 struct nccl_options {
     /// How long synchronize(), wait() and barrier() wait for the replica's stream or event
-    /// before they abort the communicator and throw errc::timeout; zero waits forever.
-    /// Default: LOCKSTEP_TIMEOUT seconds when that environment variable is set, else 10 min.
+    /// before they abort (or, where shrink can follow, revoke) the communicator and throw
+    /// errc::timeout; the same deadline bounds joining by id (ncclCommInitRank), split, shrink
+    /// (its agreement twice as long) and the drain before the destructor's destroy. Zero waits
+    /// forever. Default: LOCKSTEP_TIMEOUT seconds when that environment variable is set, else
+    /// 10 min.
     std::chrono::milliseconds timeout = default_timeout(std::chrono::minutes(10));
     /// How the survivors agree on who continues after a loss (e.g. a file_coordinator over a
-    /// directory of the job). Set: a failure revokes the replica's communicators (ncclCommRevoke)
-    /// instead of aborting them, and nccl_communicator::shrink() continues on the survivors
-    /// (train_params::on_replica_failure = shrink). Empty (the default): a failure aborts.
+    /// directory of the job). Set, where shrinking can work (a timeout above 0, one process per
+    /// rank, an NCCL with ncclCommRevoke: shrink_problem() is empty): a failure revokes the
+    /// replica's communicators (ncclCommRevoke) instead of aborting them, and
+    /// nccl_communicator::shrink() continues on the survivors (train_params::on_replica_failure
+    /// = shrink). Empty (the default), or shrinking impossible: a failure aborts.
     survivor_agreement survivors;
 };
 
