@@ -615,7 +615,7 @@ public:
 
     /// The first failure that stopped (aborted or revoked) this communicator's family through its
     /// checks (what shrink_steps asks to tell a lost peer from a deterministic error), or null;
-    /// a failed split or shrink, or a CUDA error of device_wait, is thrown but not kept here.
+    /// a failed split or shrink is thrown but not kept here.
     std::exception_ptr run_failure() const {
         return h_.failure();
     }
@@ -670,13 +670,18 @@ public:
     /// after collectives on another stream of the replica (comm_stream's side stream): with the
     /// device timing on, the stream's wait there counts as time in collectives, not as the
     /// replica's own work, as a collective on this stream would (a replica waiting for a slower
-    /// one's buckets is not the slow one). requires: event recorded on device().
+    /// one's buckets is not the slow one). requires: event recorded on device(). A CUDA error
+    /// stops the family, as a failed collective does, and throws errc::cuda.
     void device_wait(cudaEvent_t event) {
         gaps_.before(h_.stream());
+        cudaError_t st = cudaSuccess;
         {
             cuda_device_guard guard(h_.device());
-            LOCKSTEP_CUDA_CHECK(cudaStreamWaitEvent(h_.stream(), event, 0));
+            st = cudaStreamWaitEvent(h_.stream(), event, 0);
         }
+        if (st != cudaSuccess)
+            h_.fail_and_abort(errc::cuda, "device_wait",
+                              "cudaStreamWaitEvent: ", cudaGetErrorString(st));
         gaps_.after(h_.stream());
     }
 
