@@ -222,7 +222,7 @@ TEST_CASE("read_result() after a resume refuses until the trainer takes its own 
     using dp_type = trainer_of<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>;
     using net = typename dp_type::network_type;
     std::vector<std::string> before(2);
-    std::vector<int> after(2, -1);
+    std::vector<int> loaded(2, -1), after(2, -1); // Catch's checks stay on the main thread
     thread_group(2).run([&](thread_communicator& comm) {
         const auto r = static_cast<std::size_t>(comm.rank());
         dp_type dp(
@@ -233,7 +233,7 @@ TEST_CASE("read_result() after a resume refuses until the trainer takes its own 
                 return tp;
             }());
         load_checkpoint(dp, path);
-        REQUIRE(dp.steps() == 3);
+        loaded[r] = static_cast<int>(dp.steps());
         try {
             (void)dp.read_result();
         } catch (const lockstep::error& e) {
@@ -245,6 +245,7 @@ TEST_CASE("read_result() after a resume refuses until the trainer takes its own 
     });
     for (std::size_t r = 0; r < 2; ++r) {
         INFO(before[r]);
+        CHECK(loaded[r] == 3);
         CHECK(contains(before[r], "data_parallel.read_result: no step was taken yet by this "
                                   "trainer"));
         CHECK(after[r] == 3);
