@@ -679,9 +679,12 @@ public:
             cuda_device_guard guard(h_.device());
             st = cudaStreamWaitEvent(h_.stream(), event, 0);
         }
-        if (st != cudaSuccess)
+        if (st != cudaSuccess) { // as the handle's polled waits report a CUDA error
+            (void)cudaGetLastError();
             h_.fail_and_abort(errc::cuda, "device_wait",
-                              "cudaStreamWaitEvent: ", cudaGetErrorString(st));
+                              "cudaStreamWaitEvent: ", cudaGetErrorName(st), " (",
+                              cudaGetErrorString(st), ")");
+        }
         gaps_.after(h_.stream());
     }
 

@@ -35,14 +35,10 @@ public:
         for (const std::string& d : declared_)
             if (d == name)
                 return;
-        std::string declared_names;
-        for (const std::string& d : declared_)
-            declared_names += (declared_names.empty() ? "" : ", ") + d;
         const char* rule = bn_rule_broken(trainer_, mine);
         lockstep::fail(
             errc::invalid_argument, replica, std::string(operation), "a layer of policy ", name,
-            " is not in the network's bn_policies (",
-            declared_names.empty() ? std::string("none") : declared_names,
+            " is not in the network's bn_policies (", joined_bn_policy_names(declared_),
             "): declare every BN policy the network uses, `using bn_policies = std::tuple<...>;`, "
             "so the trainer checks them at compile time",
             rule != nullptr ? std::string(". This one cannot train here: ") + rule : std::string());

@@ -40,19 +40,23 @@ struct network_bn_policies<Network> {
 template <class Network>
 using network_bn_policies_t = typename network_bn_policies<Network>::type;
 
-/// The names of a tuple of BN policies: get() joins them, "bn::global, bn::local" ("none" for
-/// no policy), what checkpoints record and the construction-time agreement check compares;
-/// list() gives them one by one, what a layer's policy is checked against.
+/// BN policy names joined, "bn::global, bn::local" ("none" for no policy).
+inline std::string joined_bn_policy_names(const std::vector<std::string>& names) {
+    std::string s;
+    for (const std::string& n : names)
+        s += (s.empty() ? "" : ", ") + n;
+    return s.empty() ? "none" : s;
+}
+
+/// The names of a tuple of BN policies: list() one by one, what a layer's policy is checked
+/// against; get() joined, what checkpoints record and the construction-time agreement check
+/// compares.
 template <class Tuple>
 struct bn_policy_names;
 template <class... P>
 struct bn_policy_names<std::tuple<P...>> {
     static std::vector<std::string> list() { return {bn::traits<P>::name()...}; }
-    static std::string get() {
-        std::string s;
-        ((s += s.empty() ? "" : ", ", s += bn::traits<P>::name()), ...);
-        return s.empty() ? "none" : s;
-    }
+    static std::string get() { return joined_bn_policy_names(list()); }
 };
 
 // The sentences of the rules that involve a BN policy. Macros, because static_assert takes only
