@@ -14,6 +14,7 @@
 #include "lockstep/optim/sgd.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -77,6 +78,42 @@ std::pair<std::optional<lockstep::errc>, std::string> error_of(F&& f) {
 }
 
 } // namespace
+
+TEST_CASE("hierarchical_group refuses different thread counts on every process",
+          "[comm][hierarchical][mpi]") {
+    int rank = 0, size = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    REQUIRE(size == 2);
+    // Short, and thrown, so that a process left waiting fails this case fast.
+    hierarchical_group::params p;
+    p.mpi.timeout = std::chrono::milliseconds(3000);
+    p.mpi.on_failure = lockstep::mpi_failure_action::throw_error;
+    // Process r runs 1 + r threads: both throw, naming both counts.
+    const auto [code, what] = error_of([&] { hierarchical_group g(MPI_COMM_WORLD, 1 + rank, p); });
+    CHECK(code == lockstep::errc::invalid_argument);
+    CHECK_THAT(what, Catch::Contains("process 0 runs 1, process 1 runs 2") &&
+                         Catch::Contains("same thread count"));
+    // Process 1 asks for 0 threads: it reports its own error, process 0 a peer failure.
+    const auto [code0, what0] =
+        error_of([&] { hierarchical_group g(MPI_COMM_WORLD, rank == 1 ? 0 : 2, p); });
+    if (rank == 1) {
+        CHECK(code0 == lockstep::errc::invalid_argument);
+        CHECK_THAT(what0, Catch::Contains("threads 0 must be at least 1"));
+    } else {
+        CHECK(code0 == lockstep::errc::peer_failure);
+        CHECK_THAT(what0, Catch::Contains("process 1 could not set up its replicas"));
+    }
+    // Both processes are free for the next group.
+    hierarchical_group ok(MPI_COMM_WORLD, 1, p);
+    int ran = 0;
+    ok.run([&](comm_t& comm) {
+        int one[] = {1};
+        comm.all_reduce(std::span<const int>(one), std::span<int>(one), lockstep::reduce_op::sum);
+        ran = one[0];
+    });
+    CHECK(ran == 2);
+}
 
 TEST_CASE("hierarchical_group point-to-point: every pair, in order, recv_any, wrong sizes",
           "[comm][hierarchical][mpi][p2p]") {

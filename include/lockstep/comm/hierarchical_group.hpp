@@ -18,6 +18,7 @@
 #include <functional>
 #include <optional>
 #include <span>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -198,21 +199,15 @@ public:
         hierarchical_communicator<thread_communicator, mpi_communicator, hierarchical_group_routes>;
     using params = hierarchical_group_params;
 
-    /// Collective over comm: makes one duplicate of comm per thread index and threads x threads
-    /// more for the point-to-point mailboxes.
-    /// requires: MPI initialised with MPI_THREAD_MULTIPLE; threads >= 1 (else
-    /// errc::invalid_argument) and equal in every process (not checked as such: a process with
-    /// more threads waits for duplicates the others never make, and fails with errc::timeout
-    /// after params.mpi.timeout).
+    /// Collective over comm: the processes agree on the thread count through one all_gather
+    /// over a duplicate of comm made for it; when any process failed (MPI without
+    /// MPI_THREAD_MULTIPLE, threads < 1) or the processes give different counts, every process
+    /// throws (its own error, else errc::peer_failure, or errc::invalid_argument naming each
+    /// process's count), so none is left waiting. Then it makes one duplicate of comm per
+    /// thread index and threads x threads more for the point-to-point mailboxes.
+    /// requires: MPI initialised with MPI_THREAD_MULTIPLE; threads >= 1, equal in every process.
     hierarchical_group(MPI_Comm comm, int threads, const params& p = {})
-        : threads_(threads, p.threads), params_(p) {
-        int level = MPI_THREAD_SINGLE;
-        LOCKSTEP_MPI_CHECK(MPI_Query_thread(&level));
-        LOCKSTEP_REQUIRE(level == MPI_THREAD_MULTIPLE, errc::unsupported, -1, "hierarchical_group",
-                         "MPI provides thread level ", level, ", this needs MPI_THREAD_MULTIPLE (",
-                         MPI_THREAD_MULTIPLE,
-                         "): initialise MPI with mpi_environment(argc, argv, "
-                         "{.requested = MPI_THREAD_MULTIPLE, .required = MPI_THREAD_MULTIPLE})");
+        : threads_(agreed_threads(comm, threads, p.mpi), p.threads), params_(p) {
         inter_.reserve(static_cast<std::size_t>(threads));
         for (int l = 0; l < threads; ++l)
             inter_.emplace_back(comm, p.mpi);
@@ -237,6 +232,47 @@ public:
     }
 
 private:
+    // threads, once every process has checked its own setup and all give the same count;
+    // otherwise every process throws. Without this, a process with more threads would wait
+    // for duplicates the others never make.
+    static int agreed_threads(MPI_Comm comm, int threads, const mpi_communicator_params& p) {
+        int process = -1;
+        LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &process));
+        std::exception_ptr failure;
+        try {
+            int level = MPI_THREAD_SINGLE;
+            LOCKSTEP_MPI_CHECK(MPI_Query_thread(&level));
+            LOCKSTEP_REQUIRE(level == MPI_THREAD_MULTIPLE, errc::unsupported, process,
+                             "hierarchical_group", "MPI provides thread level ", level,
+                             ", this needs MPI_THREAD_MULTIPLE (", MPI_THREAD_MULTIPLE,
+                             "): initialise MPI with mpi_environment(argc, argv, "
+                             "{.requested = MPI_THREAD_MULTIPLE, .required = "
+                             "MPI_THREAD_MULTIPLE})");
+            LOCKSTEP_REQUIRE(threads >= 1, errc::invalid_argument, process, "hierarchical_group",
+                             "threads ", threads, " must be at least 1");
+        } catch (...) {
+            failure = std::current_exception();
+        }
+        mpi_communicator probe(comm, p); // its own duplicate: no later call's number moves
+        std::vector<int> counts(static_cast<std::size_t>(probe.size()));
+        const int mine[] = {failure ? 0 : threads}; // 0: this process failed
+        probe.all_gather(std::span<const int>(mine), std::span<int>(counts));
+        if (failure)
+            std::rethrow_exception(failure);
+        const auto failed = std::ranges::find(counts, 0);
+        LOCKSTEP_REQUIRE(failed == counts.end(), errc::peer_failure, process, "hierarchical_group",
+                         "process ", failed - counts.begin(),
+                         " could not set up its replicas (it reports why)");
+        if (std::ranges::all_of(counts, [&](int c) { return c == threads; }))
+            return threads;
+        std::string list;
+        for (std::size_t i = 0; i < counts.size(); ++i)
+            list += detail::concat(i == 0 ? "" : ", ", "process ", i, " runs ", counts[i]);
+        throw error(errc::invalid_argument, process, "hierarchical_group",
+                    detail::concat("the processes run different numbers of replica threads (", list,
+                                   "): pass the same thread count in every process"));
+    }
+
     // One replica: its communicator from this thread's handle and its local rank's MPI
     // communicator, which returns to the group for the next run().
     template <class F>
