@@ -8,7 +8,9 @@
 # end) and each recording its result as it ends: env (versions, libraries, the NCCL check),
 # nccl_probe (2 ranks), every single-GPU CUDA test, the multi-rank tests, gpu_digits (accuracy),
 # gpu_bench, its PyTorch anchor, ncu (batch-norm kernel metrics), gpu_bench_odd (the odd-plane
-# shape 32x288x35x35). Without a GPU every stage is recorded as skipped.
+# shape 32x288x35x35). A stage still running when the budget ends is killed and recorded as
+# failed (it may hang); one the budget leaves no time to start, as skipped. Without a GPU every
+# stage is recorded as skipped.
 import argparse
 import csv
 import glob
@@ -622,7 +624,7 @@ class runner:
             self.record(stage, "skipped", t["excluded"])
             return
         exe = self.executable(t["executable"])
-        why = self.skip_reason(stage, 15, t["executable"])
+        why = self.skip_reason(stage, self.a.test_min_seconds, t["executable"])
         if why is None and exe is None:
             why = "%s is not in the bundle (not built)" % t["executable"]
         if why is None and t["kind"] == "multi_rank" and self.nccl_answer is not None:
@@ -810,12 +812,13 @@ class runner:
                 ", ".join(profiled) or "none", "; ".join(failures)), secs + secs2, 1, log)
 
     def cut_by_budget(self, stage, own_timeout, secs, timed_out, log):
-        """Records `stage` as skipped when the end of the budget, not its own timeout, stopped
-        it (a rerun repeats it); True then."""
+        """Records `stage` as failed when the end of the budget, not its own timeout, stopped
+        it: it was still running, it may hang (a rerun repeats it); True then."""
         if not timed_out or secs + 6 >= own_timeout:  # 5 s: the grace after SIGTERM
             return False
-        self.record(stage, "skipped", "budget: stopped after %.0fs at the end of the budget "
-                    "(its own timeout: %.0fs)" % (secs, own_timeout), secs, None, log)
+        self.record(stage, "failed", "still running when the budget of %ds ran out, after %.0fs "
+                    "(its own timeout: %.0fs): it may hang" % (self.a.budget, secs, own_timeout),
+                    secs, None, log)
         return True
 
     def guarded(self, stage, fn, *args):
@@ -947,6 +950,8 @@ def main():
                    help="an earlier run's output folder, summary.md or results.jsonl")
     r.add_argument("--no-gpu", action="store_true", help="skip every stage as without a GPU")
     r.add_argument("--pretend-gpu", action="store_true", help=argparse.SUPPRESS)
+    # The budget a test needs left to start; the selftest lowers it to end a budget in seconds.
+    r.add_argument("--test-min-seconds", type=int, default=15, help=argparse.SUPPRESS)
     r.add_argument("--lockstep-timeout", type=int, default=60,
                    help="LOCKSTEP_TIMEOUT for the stages (seconds)")
     r.add_argument("--ncu-kernels", type=int, default=8,
