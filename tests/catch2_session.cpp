@@ -9,12 +9,15 @@
 
 namespace lockstep::testing {
 
-int run_catch2(int argc, char** argv, const char* default_spec) {
+int run_catch2(int argc, char** argv, const char* default_spec, bool* used_default) {
     Catch::Session session;
     if (const int rc = session.applyCommandLine(argc, argv); rc != 0)
         return rc;
-    if (default_spec != nullptr && session.configData().testsOrTags.empty())
+    const bool use = default_spec != nullptr && session.configData().testsOrTags.empty();
+    if (use)
         session.configData().testsOrTags.emplace_back(default_spec);
+    if (used_default != nullptr)
+        *used_default = use;
     return session.run();
 }
 

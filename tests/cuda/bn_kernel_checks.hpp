@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstddef>
 #include <random>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -354,35 +355,76 @@ struct finish_case {
         return before;
     }
 
-    /// What the finish wrote (mean, scale, running mean) and y, the normalization it asked for,
-    /// against double references over the blocks.
-    void check(const std::vector<Acc>& mean, const std::vector<Acc>& scale,
-               const std::vector<Acc>& running_mean, const std::vector<T>& y) const {
+    /// What a finish wrote, and y, the normalization after it, on the host.
+    struct written {
+        std::vector<Acc> mean, invstd, scale, running_mean, running_var;
+        std::vector<T> y;
+    };
+
+    /// The merge of the blocks r in [0, replicas) that `use(r)` selects, in double from their
+    /// counts, means and M2 (the finish's raw data): count, mean and M2 of the union.
+    template <class Use>
+    std::tuple<double, double, double> merged_moments(std::size_t c, Use use) const {
+        double n = 0, s = 0;
+        for (int r = 0; r < replicas; ++r) {
+            const Acc* b = blocks.data() + static_cast<std::size_t>(r) * stride;
+            if (use(r)) {
+                n += packed_moments::count(b);
+                s += packed_moments::count(b) * double(b[packed_moments::mean(c)]);
+            }
+        }
+        const double mean = n > 0 ? s / n : 0;
+        double m2 = 0;
+        for (int r = 0; r < replicas; ++r) {
+            const Acc* b = blocks.data() + static_cast<std::size_t>(r) * stride;
+            if (use(r)) {
+                const double d = double(b[packed_moments::mean(c)]) - mean;
+                m2 += double(b[packed_moments::m2(c)]) + packed_moments::count(b) * d * d;
+            }
+        }
+        return {n, mean, m2};
+    }
+
+    /// What the finish wrote and y against double references computed from the blocks alone:
+    /// the normalization statistics (merged, or this replica's block), invstd = 1 / sqrt(M2 / n +
+    /// eps), scale = gamma invstd, the running statistics over every block (momentum 0.1, the
+    /// unbiased variance), and y = (x - mean) scale + beta with the reference's mean and scale.
+    /// Tolerances (tol = acc_tolerance): mean and the running statistics 4 tol (|ref| + 1);
+    /// invstd and scale 64 units of Acc's roundoff, relative: the finish merges three blocks in
+    /// Acc (the count in double), divides, adds eps, takes one square root and multiplies, about
+    /// 15 roundings on positive terms only (every part of the merged M2 is), so no cancellation
+    /// grows them; the double reference adds a few of double's (as many as Acc's when Acc is
+    /// double). A missing eps or a variance over n - 1 is far outside. y adds the rounding into
+    /// T: unit_roundoff<T> + 4 tol relative to (|y| + 1).
+    void check(const written& got) const {
         const double tol = acc_tolerance<T>();
+        const double coefficient_tol = 64 * unit_roundoff<Acc>();
+        const double eps = double(Acc(1e-5)); // the finish's eps (finish())
+        std::vector<double> want_mean(g.channels), want_scale(g.channels);
         for (std::size_t c = 0; c < g.channels; ++c) {
-            double n = 0, s = 0, nr = 0, sr = 0;
-            for (int r = 0; r < replicas; ++r) {
-                const Acc* b = blocks.data() + static_cast<std::size_t>(r) * stride;
-                const double k = packed_moments::count(b);
-                const double m = b[packed_moments::mean(c)];
-                nr += k;
-                sr += k * m;
-                if (merged || r == 1) {
-                    n += k;
-                    s += k * m;
-                }
-            }
-            const double want = n > 0 ? s / n : 0;
-            CHECK(std::abs(mean[c] - want) <= 4 * tol * (std::abs(want) + 1));
+            INFO("channel " << c);
+            const auto [n, mean, m2] = merged_moments(c, [&](int r) { return merged || r == 1; });
+            const double invstd = 1.0 / std::sqrt((n > 0 ? m2 / n : 0.0) + eps);
+            want_mean[c] = mean;
+            want_scale[c] = double(gamma[c]) * invstd;
+            CHECK(std::abs(got.mean[c] - mean) <= 4 * tol * (std::abs(mean) + 1));
+            CHECK(std::abs(got.invstd[c] - invstd) <= coefficient_tol * invstd);
+            CHECK(std::abs(got.scale[c] - want_scale[c]) <=
+                  coefficient_tol * std::abs(want_scale[c]));
+            const auto [nr, mean_r, m2_r] = merged_moments(c, [](int) { return true; });
+            double want_rm = running_mean0[c], want_rv = running_var0[c]; // kept below 2 values
             if (nr > 1) {
-                const double want_run = 0.9 * double(running_mean0[c]) + 0.1 * sr / nr;
-                CHECK(std::abs(running_mean[c] - want_run) <= 4 * tol * (std::abs(want_run) + 1));
+                want_rm = 0.9 * double(running_mean0[c]) + 0.1 * mean_r;
+                want_rv = 0.9 * double(running_var0[c]) + 0.1 * m2_r / (nr - 1);
             }
+            CHECK(std::abs(got.running_mean[c] - want_rm) <= 4 * tol * (std::abs(want_rm) + 1));
+            CHECK(std::abs(got.running_var[c] - want_rv) <= 4 * tol * (std::abs(want_rv) + 1));
         }
         element_misses m;
         for (std::size_t i = 0; i < g.size(); ++i) {
             const std::size_t c = g.channel_of(i);
-            m.add(i, to_double(y[i]), (to_double(x[i]) - mean[c]) * double(scale[c]) + beta[c],
+            m.add(i, to_double(got.y[i]),
+                  (to_double(x[i]) - want_mean[c]) * want_scale[c] + double(beta[c]),
                   unit_roundoff<T>() + 4 * tol);
         }
         m.check("y");

@@ -1,5 +1,6 @@
-// Shared helpers of the CUDA tests: skip GPU tests cleanly where no device exists, and run one
-// replica per GPU through lockstep::gpu_group. SPDX-License-Identifier: Apache-2.0
+// Shared helpers of the CUDA tests: skip GPU tests cleanly where no device exists or, for the
+// [multi_gpu] cases, where fewer than two do, and run one replica per GPU through
+// lockstep::gpu_group. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/comm/gpu_group.hpp"
@@ -24,6 +25,21 @@ inline bool skip_without_gpu() {
     if (lockstep::cuda_device_count() > 0)
         return false;
     WARN("no CUDA device: skipped");
+    return true;
+}
+
+/// For a case tagged [multi_gpu], whose claim needs several replicas, one per GPU: false where
+/// multi_gpu_devices or more devices are usable; else true, after a Catch2 warning and with the
+/// case's name added to multi_gpu_not_run(), so the case can
+/// `if (skip_without_multi_gpu()) return;` and the main reports it as not run (the executable
+/// skipped, never passed). The main leaves [multi_gpu] out by itself; this catches a test spec
+/// that names such a case on a machine with one GPU.
+inline bool skip_without_multi_gpu() {
+    const int devices = lockstep::cuda_device_count();
+    if (devices >= multi_gpu_devices)
+        return false;
+    WARN(devices << " CUDA device(s): this case needs " << multi_gpu_devices << "; not run");
+    multi_gpu_not_run().push_back(Catch::getResultCapture().getCurrentTestName());
     return true;
 }
 

@@ -1,8 +1,9 @@
 // nn::batch_norm<bn::global> over NCCL against double references on the concatenated global
 // batch: native __half and __nv_bfloat16 storage in NHWC and NCHW, 20000 channels, more than 2^24
 // values per channel; a layer on another stream than its communicator's is refused; bn::group's
-// statistics run on the layer's stream.
-// Every case needs a GPU (tagged [gpu]). SPDX-License-Identifier: Apache-2.0
+// statistics run on the layer's stream. Every case needs a GPU (tagged [gpu]); the merges of
+// several replicas two or more ([multi_gpu]); the same layers on one replica run with one GPU.
+// SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/nccl_communicator.hpp"
 #include "lockstep/nn/batch_norm.hpp"
 #include "lockstep/system/buffer.hpp"
@@ -31,27 +32,39 @@
 using namespace lockstep;
 using namespace lockstep_test::bn_gpu;
 
-// Tolerances: bn_gpu_cases.hpp, check_16bit_layer.
-TEMPLATE_TEST_CASE("batch_norm<bn::global> with native 16-bit storage over NCCL matches a float "
-                   "reference",
+// Tolerances: bn_gpu_cases.hpp, check_16bit_layer. One replica: the layer's kernels and its
+// statistics through NCCL; several: their merge into the global batch's.
+TEMPLATE_TEST_CASE("batch_norm<bn::global> with native 16-bit storage on one NCCL replica matches "
+                   "a float reference",
                    "[nn][bn][nccl][gpu]", (format_case<__half, nn::nhwc>),
                    (format_case<__half, nn::nchw>), (format_case<__nv_bfloat16, nn::nhwc>),
                    (format_case<__nv_bfloat16, nn::nchw>)) {
     if (lockstep_test::skip_without_gpu())
         return;
+    gpu_group group(std::vector<int>{0});
+    check_16bit_layer<typename TestType::storage, typename TestType::layout>(group);
+}
+
+TEMPLATE_TEST_CASE("batch_norm<bn::global> with native 16-bit storage over NCCL matches a float "
+                   "reference",
+                   "[nn][bn][nccl][gpu][multi_gpu]", (format_case<__half, nn::nhwc>),
+                   (format_case<__half, nn::nchw>), (format_case<__nv_bfloat16, nn::nhwc>),
+                   (format_case<__nv_bfloat16, nn::nchw>)) {
+    if (lockstep_test::skip_without_multi_gpu())
+        return;
     gpu_group group;
+    REQUIRE(group.size() >= 2);
     check_16bit_layer<typename TestType::storage, typename TestType::layout>(group);
 }
 
 // Tolerances (float data, double reference): mean 1e-5 (|mean| + 1), invstd 1e-4 relative, y and
 // dx 1e-4 (1 + |ref|), running statistics 1e-5 (1 + |ref|), dgamma 1e-5 of the sum of |dy xhat|,
 // dbeta 1e-5 of the sum of |dy|. A count kept in float would stop at 2^24 and miss them.
-TEST_CASE("batch_norm<bn::global> over NCCL with 20000 channels matches a double reference",
-          "[nn][bn][nccl][gpu]") {
-    if (lockstep_test::skip_without_gpu())
-        return;
+namespace {
+/// A float bn::global layer of 20000 channels on every replica of `group` (replica r holds 3 + r
+/// samples) against the double reference of the whole batch.
+void check_20000_channels(gpu_group& group) {
     constexpr std::size_t C = 20000;
-    gpu_group group;
     const auto R = static_cast<std::size_t>(group.size());
     std::vector<std::size_t> first(R + 1, 0);
     for (std::size_t r = 0; r < R; ++r)
@@ -80,14 +93,31 @@ TEST_CASE("batch_norm<bn::global> over NCCL with 20000 channels matches a double
         offset[r] = first[r] * C;
     check_float_layer(outs, offset, ref, x, dy, [](std::size_t i) { return i % C; });
 }
+} // namespace
 
-TEST_CASE("batch_norm<bn::global> over NCCL with more than 2^24 values per channel matches a "
-          "double reference",
-          "[nn][bn][nccl][gpu][large]") {
+TEST_CASE("batch_norm<bn::global> with 20000 channels on one NCCL replica matches a double "
+          "reference",
+          "[nn][bn][nccl][gpu]") {
     if (lockstep_test::skip_without_gpu())
         return;
-    constexpr std::size_t side = 4097; // 1 x 1 x 4097 x 4097 = 16785409 > 2^24 values
+    gpu_group group(std::vector<int>{0});
+    check_20000_channels(group);
+}
+
+TEST_CASE("batch_norm<bn::global> over NCCL with 20000 channels matches a double reference",
+          "[nn][bn][nccl][gpu][multi_gpu]") {
+    if (lockstep_test::skip_without_multi_gpu())
+        return;
     gpu_group group;
+    REQUIRE(group.size() >= 2);
+    check_20000_channels(group);
+}
+
+namespace {
+/// A float bn::global layer of one channel with 4097 x 4097 > 2^24 values over the replicas of
+/// `group` (replica r holds rows [4097 r / R, 4097 (r + 1) / R)) against the double reference.
+void check_beyond_2_24(gpu_group& group) {
+    constexpr std::size_t side = 4097; // 1 x 1 x 4097 x 4097 = 16785409 > 2^24 values
     const auto R = static_cast<std::size_t>(group.size());
     std::vector<std::size_t> row(R + 1); // replica r holds rows [row[r], row[r+1])
     for (std::size_t r = 0; r <= R; ++r)
@@ -117,6 +147,26 @@ TEST_CASE("batch_norm<bn::global> over NCCL with more than 2^24 values per chann
     for (std::size_t r = 0; r < R; ++r)
         offset[r] = row[r] * side;
     check_float_layer(outs, offset, ref, x, dy, [](std::size_t) { return std::size_t(0); });
+}
+} // namespace
+
+TEST_CASE("batch_norm<bn::global> with more than 2^24 values per channel on one NCCL replica "
+          "matches a double reference",
+          "[nn][bn][nccl][gpu][large]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    gpu_group group(std::vector<int>{0});
+    check_beyond_2_24(group);
+}
+
+TEST_CASE("batch_norm<bn::global> over NCCL with more than 2^24 values per channel matches a "
+          "double reference",
+          "[nn][bn][nccl][gpu][large][multi_gpu]") {
+    if (lockstep_test::skip_without_multi_gpu())
+        return;
+    gpu_group group;
+    REQUIRE(group.size() >= 2);
+    check_beyond_2_24(group);
 }
 
 TEST_CASE("batch_norm on another stream than its communicator's is refused, naming both streams",
@@ -177,21 +227,17 @@ namespace {
 void CUDART_CB hold_stream(void*) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
 }
-} // namespace
 
 // bn::group's statistics run on a split of the layer's communicator: on the layer's own stream,
 // or they would read the partial sums before the layer's kernels wrote them. x reaches the layer
 // only after the stream was held on the host for 50 ms (until then it is NaN), so statistics on
 // an unordered stream would see NaN or stale values. Groups of G consecutive replicas (the last
-// one smaller): G = 1 (each replica alone, the one-GPU case) and G = 2.
-TEMPLATE_TEST_CASE("batch_norm<bn::group<G>> over NCCL runs on the layer's stream and matches the "
-                   "group's double reference",
-                   "[nn][bn][nccl][gpu]", bn::group<1>, bn::group<2>) {
-    if (lockstep_test::skip_without_gpu())
-        return;
+// one smaller): G = 1 (each replica alone, the one-GPU case) and G = 2 (two replicas or more:
+// with one, its group would be that one alone).
+template <class Policy>
+void check_group_layer(gpu_group& group) {
     constexpr std::size_t C = 5;
-    constexpr std::size_t G = TestType::size;
-    gpu_group group;
+    constexpr std::size_t G = Policy::size;
     const auto R = static_cast<std::size_t>(group.size());
     std::vector<std::size_t> first(R + 1, 0);
     for (std::size_t r = 0; r < R; ++r)
@@ -210,7 +256,7 @@ TEMPLATE_TEST_CASE("batch_norm<bn::group<G>> over NCCL runs on the layer's strea
             xs[k] = static_cast<float>(x(first[r] * C + k));
             dys[k] = static_cast<float>(dy(first[r] * C + k));
         }
-        nn::batch_norm<float, TestType, nn::nc, cuda_system> layer(comm, C);
+        nn::batch_norm<float, Policy, nn::nc, cuda_system> layer(comm, C);
         const auto source = to_device(xs, sys);
         auto dy_dev = to_device(dys, sys);
         buffer<float, cuda_system> x_dev(xs.size(), sys), y_dev(xs.size(), sys),
@@ -254,4 +300,24 @@ TEMPLATE_TEST_CASE("batch_norm<bn::group<G>> over NCCL runs on the layer's strea
             REQUIRE(std::abs(outs[r].dx[k] - dx_ref) <= 1e-4 * (1 + std::abs(dx_ref)));
         }
     }
+}
+} // namespace
+
+TEST_CASE("batch_norm<bn::group<1>> over NCCL runs on the layer's stream and matches each "
+          "replica's double reference",
+          "[nn][bn][nccl][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    gpu_group group;
+    check_group_layer<bn::group<1>>(group);
+}
+
+TEST_CASE("batch_norm<bn::group<2>> over NCCL runs on the layer's stream and matches the "
+          "group's double reference",
+          "[nn][bn][nccl][gpu][multi_gpu]") {
+    if (lockstep_test::skip_without_multi_gpu())
+        return;
+    gpu_group group;
+    REQUIRE(group.size() >= 2);
+    check_group_layer<bn::group<2>>(group);
 }

@@ -258,12 +258,15 @@ TEMPLATE_TEST_CASE("batch_norm with 16-bit storage on cuda_system follows the fl
     check_close(got, want, tolerance<T>());
 }
 
+// Needs two replicas or more: with one, its shard is the whole batch and no empty shard exists
+// (one replica's bn::global over NCCL against a double reference: test_bn_nccl.cu).
 TEST_CASE("batch_norm<bn::global> over NCCL equals one replica with the whole batch",
-          "[nn][bn][nccl][gpu]") {
-    if (lockstep_test::skip_without_gpu())
+          "[nn][bn][nccl][gpu][multi_gpu]") {
+    if (lockstep_test::skip_without_multi_gpu())
         return;
     auto comms = all_devices();
     const std::size_t replicas = comms.size(), channels = 4, h = 3, w = 5;
+    REQUIRE(replicas >= 2);
     // Uneven shards with an empty one: sizes cycle through {5, 0, 3, 8}.
     const std::size_t pattern[] = {5, 0, 3, 8};
     std::vector<std::size_t> first(replicas + 1, 0);

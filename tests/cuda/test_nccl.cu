@@ -1,6 +1,7 @@
 // Tests of nccl_communicator and gpu_group: every collective and element type over all visible
 // GPUs (one host thread per replica), checked against a host reference; failures, stream
-// adoption and the polling waits. The [gpu] cases are skipped where no GPU exists.
+// adoption and the polling waits. The [gpu] cases are skipped where no GPU exists, the
+// [multi_gpu] ones (claims about several replicas) where fewer than two do.
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/system/buffer.hpp" // before the CUDA headers on purpose: copy() must still
                                       // find the cuda_system copies (argument-dependent lookup)
@@ -122,11 +123,23 @@ struct collective_results {
     std::vector<double> sum, max, min, broadcast, gather, reduce;
 };
 
+/// The code of the lockstep::error that make() throws, or errc::internal when it throws none.
+template <class F>
+lockstep::errc code_of(F make) {
+    try {
+        make();
+    } catch (const lockstep::error& e) {
+        return e.code();
+    }
+    return lockstep::errc::internal;
+}
+
 } // namespace
 
 TEST_CASE("nccl_communicator rejects bad device lists without touching NCCL", "[comm][nccl]") {
     const std::vector<int> none;
-    CHECK_THROWS_AS(nccl_communicator::init_all(none), lockstep::error);
+    CHECK(code_of([&] { (void)nccl_communicator::init_all(none); }) ==
+          lockstep::errc::invalid_argument);
     const std::vector<int> twice{0, 0}; // duplicate, or missing without a GPU
     try {
         (void)nccl_communicator::init_all(twice);
@@ -135,14 +148,15 @@ TEST_CASE("nccl_communicator rejects bad device lists without touching NCCL", "[
         CHECK(e.code() == lockstep::errc::invalid_argument);
     }
     const std::vector<int> missing{lockstep::cuda_device_count()};
-    CHECK_THROWS_AS(nccl_communicator::init_all(missing), lockstep::error);
+    CHECK(code_of([&] { (void)nccl_communicator::init_all(missing); }) ==
+          lockstep::errc::invalid_argument);
 }
 
-TEMPLATE_TEST_CASE("nccl collectives match the host reference", "[comm][nccl][gpu]", float, double,
-                   int, std::int64_t, std::uint8_t, __half, __nv_bfloat16, lockstep::half,
-                   lockstep::bfloat16) {
+TEMPLATE_TEST_CASE("nccl collectives match the host reference", "[comm][nccl][gpu][multi_gpu]",
+                   float, double, int, std::int64_t, std::uint8_t, __half, __nv_bfloat16,
+                   lockstep::half, lockstep::bfloat16) {
     using T = TestType;
-    if (lockstep_test::skip_without_gpu())
+    if (lockstep_test::skip_without_multi_gpu())
         return;
     gpu_group group;
     const int size = group.size();
@@ -210,8 +224,8 @@ TEMPLATE_TEST_CASE("nccl collectives match the host reference", "[comm][nccl][gp
 // double sum); max, min, all_gather and broadcast are exact, and every reduction's result must
 // have the same bits on every replica.
 TEMPLATE_TEST_CASE("nccl half and bfloat16 collectives pass the suite's 16-bit checks",
-                   "[comm][nccl][gpu]", lockstep::half, lockstep::bfloat16) {
-    if (lockstep_test::skip_without_gpu())
+                   "[comm][nccl][gpu][multi_gpu]", lockstep::half, lockstep::bfloat16) {
+    if (lockstep_test::skip_without_multi_gpu())
         return;
     gpu_group group;
     std::vector<lockstep::testing::suite_report> reports(static_cast<std::size_t>(group.size()));
@@ -232,10 +246,10 @@ TEMPLATE_TEST_CASE("nccl half and bfloat16 collectives pass the suite's 16-bit c
 
 TEMPLATE_TEST_CASE("nccl reduce_scatter matches the host reference for equal, uneven and empty "
                    "counts, in place too",
-                   "[comm][nccl][gpu]", float, double, int, std::int64_t, std::uint8_t, __half,
-                   lockstep::bfloat16) {
+                   "[comm][nccl][gpu][multi_gpu]", float, double, int, std::int64_t, std::uint8_t,
+                   __half, lockstep::bfloat16) {
     using T = TestType;
-    if (lockstep_test::skip_without_gpu())
+    if (lockstep_test::skip_without_multi_gpu())
         return;
     gpu_group group;
     const int size = group.size();
@@ -326,8 +340,8 @@ TEST_CASE("nccl reduce_scatter refuses counts that do not fit before NCCL is ent
     }
 }
 
-TEST_CASE("nccl split, point-to-point ring and barrier", "[comm][nccl][gpu]") {
-    if (lockstep_test::skip_without_gpu())
+TEST_CASE("nccl split, point-to-point ring and barrier", "[comm][nccl][gpu][multi_gpu]") {
+    if (lockstep_test::skip_without_multi_gpu())
         return;
     gpu_group replicas;
     const int size = replicas.size();
@@ -358,7 +372,7 @@ TEST_CASE("nccl split, point-to-point ring and barrier", "[comm][nccl][gpu]") {
         sub.barrier();
         // barrier() waits as synchronize() does: its recorder marks every operation done.
         const int sub_queued = queued(sub);
-        if (size > 1) {
+        {
             auto mine = device_input<double>(r, n, comm.system());
             buffer<double, cuda_system> theirs(n, comm.system());
             lockstep::nccl_group group; // send and recv of one replica must not serialise
@@ -371,6 +385,7 @@ TEST_CASE("nccl split, point-to-point ring and barrier", "[comm][nccl][gpu]") {
         comm.barrier();
         queued_after_barrier[i] = sub_queued + queued(comm);
     });
+    REQUIRE(size >= 2);
     for (int r = 0; r < size; ++r) {
         const auto i = static_cast<std::size_t>(r);
         int members = 0, above = 0;
@@ -387,17 +402,17 @@ TEST_CASE("nccl split, point-to-point ring and barrier", "[comm][nccl][gpu]") {
             for (int q = r % 2; q < size; q += 2)
                 sum += input_value<float>(q, k);
             REQUIRE(group_sum[i][k] == sum);
-            if (size > 1)
-                REQUIRE(from_left[i][k] == input_value<double>((r + size - 1) % size, k));
+            REQUIRE(from_left[i][k] == input_value<double>((r + size - 1) % size, k));
         }
     }
 }
 
-TEST_CASE("a failing nccl replica releases its peers", "[comm][nccl][gpu]") {
-    if (lockstep_test::skip_without_gpu())
+TEST_CASE("a failing nccl replica releases its peers", "[comm][nccl][gpu][multi_gpu]") {
+    if (lockstep_test::skip_without_multi_gpu())
         return;
     gpu_group group;
     const auto count = static_cast<std::size_t>(group.size());
+    REQUIRE(count >= 2);
     std::vector<lockstep::errc> codes(count, lockstep::errc::internal);
     std::vector<int> thrown(count, 0), aborted(count, 0);
     group.run([&](nccl_communicator& comm) {
@@ -429,45 +444,63 @@ TEST_CASE("aborting one communicator of a replica aborts its splits and its pare
         return;
     gpu_group group(std::vector<int>{0});
     lockstep::cuda_stream side(0);
+    // Recorded on the replica's thread, checked here (Catch2 assertions on the main thread only).
+    struct first_run {
+        bool compute_on_parent_stream = false, side_on_side_stream = false;
+        bool compute_aborted = false, side_aborted = false, side_handle_null = false;
+        lockstep::errc enqueue_code = lockstep::errc::internal; // errc::internal: none thrown
+    } a;
+    struct second_run {
+        bool on_side_stream = false, sub_aborted = false, parent_aborted = false;
+        lockstep::errc barrier_code = lockstep::errc::internal;
+    } b;
     group.run([&](nccl_communicator& comm) {
         nccl_communicator on_compute = comm.split(0, comm.rank());
         nccl_communicator on_side = comm.split(0, comm.rank(), side.get());
         // A split runs on its parent's stream unless given another.
-        CHECK(on_compute.system().stream() == comm.system().stream());
-        CHECK(on_side.system().stream() == side.get());
+        a.compute_on_parent_stream = on_compute.system().stream() == comm.system().stream();
+        a.side_on_side_stream = on_side.system().stream() == side.get();
         auto x = device_input<float>(0, 17, comm.system());
         on_side.all_reduce(x.span(), x.span(), reduce_op::sum);
         on_side.synchronize();
 
         comm.abort();
-        CHECK(on_compute.aborted());
-        CHECK(on_side.aborted());
-        CHECK(on_side.native_handle() == nullptr);
-        try {
-            on_side.all_reduce(x.span(), x.span(), reduce_op::sum);
-            FAIL("an all_reduce on a split of an aborted communicator was enqueued");
-        } catch (const lockstep::error& e) {
-            CHECK(e.code() == lockstep::errc::communication);
-        }
+        a.compute_aborted = on_compute.aborted();
+        a.side_aborted = on_side.aborted();
+        a.side_handle_null = on_side.native_handle() == nullptr;
+        a.enqueue_code = code_of([&] { on_side.all_reduce(x.span(), x.span(), reduce_op::sum); });
     });
+    CHECK(a.compute_on_parent_stream);
+    CHECK(a.side_on_side_stream);
+    CHECK(a.compute_aborted);
+    CHECK(a.side_aborted);
+    CHECK(a.side_handle_null);
+    // An all_reduce on a split of an aborted communicator is refused, not enqueued.
+    CHECK(a.enqueue_code == lockstep::errc::communication);
     group.run([&](nccl_communicator& comm) {
         nccl_communicator sub = comm.split(0, comm.rank(), side.get());
         nccl_communicator subsub = sub.split(0, sub.rank());
-        CHECK(subsub.system().stream() == side.get());
+        b.on_side_stream = subsub.system().stream() == side.get();
         subsub.abort(); // a split's abort reaches its parent and its parent's parent
-        CHECK(sub.aborted());
-        CHECK(comm.aborted());
-        CHECK_THROWS_AS(comm.barrier(), lockstep::error);
+        b.sub_aborted = sub.aborted();
+        b.parent_aborted = comm.aborted();
+        b.barrier_code = code_of([&] { comm.barrier(); });
     });
+    CHECK(b.on_side_stream);
+    CHECK(b.sub_aborted);
+    CHECK(b.parent_aborted);
+    CHECK(b.barrier_code == lockstep::errc::communication); // its own abort, not a peer's
     lockstep::cuda_device_guard guard(0);
     CHECK(cudaStreamQuery(side.get()) == cudaSuccess); // adopted, not destroyed
 }
 
-TEST_CASE("a failing nccl replica aborts the splits of every replica", "[comm][nccl][gpu]") {
-    if (lockstep_test::skip_without_gpu())
+TEST_CASE("a failing nccl replica aborts the splits of every replica",
+          "[comm][nccl][gpu][multi_gpu]") {
+    if (lockstep_test::skip_without_multi_gpu())
         return;
     gpu_group group;
     const auto count = static_cast<std::size_t>(group.size());
+    REQUIRE(count >= 2);
     std::vector<int> split_aborted(count, 0);
     std::vector<lockstep::errc> codes(count, lockstep::errc::internal);
     group.run([&](nccl_communicator& comm) {
@@ -590,13 +623,13 @@ TEST_CASE("lockstep's communicators run with NCCL's implicit launch order; destr
     CHECK(comms.empty());
 }
 
-TEST_CASE("host memory passed to an nccl collective is rejected, not crashed on",
-          "[comm][nccl][gpu]") {
-    if (lockstep_test::skip_without_gpu())
-        return;
-    gpu_group group;
-    const auto count = static_cast<std::size_t>(group.size());
-    std::vector<lockstep::errc> codes(count, lockstep::errc::internal);
+namespace {
+
+/// The code each replica of `group` ends with when replica 0 passes host memory (a std::vector)
+/// to an all_reduce and the others device memory; errc::internal where nothing was thrown.
+std::vector<lockstep::errc> host_memory_codes(gpu_group& group) {
+    std::vector<lockstep::errc> codes(static_cast<std::size_t>(group.size()),
+                                      lockstep::errc::internal);
     group.run([&](nccl_communicator& comm) {
         const auto i = static_cast<std::size_t>(comm.rank());
         std::vector<float> host(16, 1.0f); // a std::vector: host memory
@@ -612,8 +645,29 @@ TEST_CASE("host memory passed to an nccl collective is rejected, not crashed on"
             codes[i] = e.code();
         }
     });
+    return codes;
+}
+
+} // namespace
+
+TEST_CASE("host memory passed to an nccl collective is rejected, not crashed on",
+          "[comm][nccl][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    gpu_group group(std::vector<int>{0});
+    CHECK(host_memory_codes(group) ==
+          std::vector<lockstep::errc>{lockstep::errc::invalid_argument});
+}
+
+TEST_CASE("host memory passed by one nccl replica fails its peers with errc::peer_failure",
+          "[comm][nccl][gpu][multi_gpu]") {
+    if (lockstep_test::skip_without_multi_gpu())
+        return;
+    gpu_group group;
+    const std::vector<lockstep::errc> codes = host_memory_codes(group);
+    REQUIRE(codes.size() >= 2);
     CHECK(codes[0] == lockstep::errc::invalid_argument);
-    for (std::size_t r = 1; r < count; ++r)
+    for (std::size_t r = 1; r < codes.size(); ++r)
         CHECK(codes[r] == lockstep::errc::peer_failure);
 }
 
@@ -646,14 +700,6 @@ private:
 
 TEST_CASE("gpu_group rejects bad devices and parameters without touching NCCL", "[comm][nccl]") {
     const int available = lockstep::cuda_device_count();
-    const auto code_of = [](auto make) {
-        try {
-            make();
-        } catch (const lockstep::error& e) {
-            return e.code();
-        }
-        return lockstep::errc::internal; // nothing thrown
-    };
     CHECK(code_of([] { gpu_group g(std::vector<int>{}); }) == lockstep::errc::invalid_argument);
     CHECK(code_of([&] { gpu_group g(std::vector<int>{available}); }) ==
           lockstep::errc::invalid_argument);
@@ -706,16 +752,27 @@ TEST_CASE("gpu_group runs one replica per GPU on its device", "[comm][nccl][gpu]
     }
 }
 
-TEST_CASE("a gpu_group replica that throws mid-run fails every replica; run() rethrows the cause",
-          "[comm][nccl][gpu]") {
-    if (lockstep_test::skip_without_gpu())
-        return;
-    gpu_group group({.timeout = std::chrono::seconds(60)});
-    const int size = group.size();
-    const auto count = static_cast<std::size_t>(size);
-    const int quitter = size - 1;
-    std::vector<lockstep::errc> codes(count, lockstep::errc::internal);
-    std::vector<int> completed(count, 0);
+namespace {
+
+/// What run_with_quitter saw: the quitter's rank, each replica's lockstep::error code
+/// (errc::internal: none) and completed collectives, and what run() threw.
+struct quit_outcome {
+    int quitter = -1;
+    std::vector<lockstep::errc> codes;
+    std::vector<int> completed;
+    bool returned = false;       ///< run() returned instead of throwing
+    bool lockstep_error = false; ///< run() threw a lockstep::error (not the cause)
+    std::string what;            ///< what run()'s exception says
+};
+
+/// Every replica of `group` runs all_reduces; after 3 the last replica throws a
+/// std::runtime_error (after 200 ms, so the others are blocked in synchronize() (even ranks) or
+/// wait() (odd ranks) for it).
+quit_outcome run_with_quitter(gpu_group& group) {
+    const auto count = static_cast<std::size_t>(group.size());
+    quit_outcome out{.quitter = group.size() - 1,
+                     .codes = std::vector<lockstep::errc>(count, lockstep::errc::internal),
+                     .completed = std::vector<int>(count, 0)};
     try {
         group.run([&](nccl_communicator& comm) {
             const int r = comm.rank();
@@ -723,10 +780,8 @@ TEST_CASE("a gpu_group replica that throws mid-run fails every replica; run() re
             buffer<float, cuda_system> x(1024, comm.system());
             test_event done(comm.device());
             try {
-                // Every replica completes some collectives, then one leaves: the others are
-                // blocked in synchronize() (even ranks) or wait() (odd ranks) for it.
                 for (int step = 0; step < 1000; ++step) {
-                    if (r == quitter && step == 3) {
+                    if (r == out.quitter && step == 3) {
                         std::this_thread::sleep_for(std::chrono::milliseconds(200));
                         throw std::runtime_error("replica " + std::to_string(r) + " gave up");
                     }
@@ -737,25 +792,53 @@ TEST_CASE("a gpu_group replica that throws mid-run fails every replica; run() re
                         done.record(comm.system().stream());
                         comm.wait(done.get(), "all_reduce done");
                     }
-                    ++completed[i];
+                    ++out.completed[i];
                 }
             } catch (const lockstep::error& e) {
-                codes[i] = e.code();
+                out.codes[i] = e.code();
                 throw;
             }
         });
-        FAIL("run() returned although replica " << quitter << " threw");
+        out.returned = true;
     } catch (const std::runtime_error& e) {
-        CHECK(dynamic_cast<const lockstep::error*>(&e) == nullptr);
-        CHECK(std::string(e.what()) == "replica " + std::to_string(quitter) + " gave up");
+        out.lockstep_error = dynamic_cast<const lockstep::error*>(&e) != nullptr;
+        out.what = e.what();
     }
-    CHECK(completed[static_cast<std::size_t>(quitter)] == 3);
-    for (int r = 0; r < size; ++r) {
-        if (r == quitter)
+    return out;
+}
+
+/// run() rethrew the quitter's own exception, after its 3 collectives.
+void check_cause_rethrown(const quit_outcome& out) {
+    CHECK_FALSE(out.returned);
+    CHECK_FALSE(out.lockstep_error);
+    CHECK(out.what == "replica " + std::to_string(out.quitter) + " gave up");
+    CHECK(out.completed[static_cast<std::size_t>(out.quitter)] == 3);
+}
+
+} // namespace
+
+TEST_CASE("a gpu_group replica that throws mid-run makes run() rethrow the cause",
+          "[comm][nccl][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    gpu_group group(std::vector<int>{0}, {.timeout = std::chrono::seconds(60)});
+    check_cause_rethrown(run_with_quitter(group));
+}
+
+TEST_CASE("a gpu_group replica that throws mid-run fails every replica; run() rethrows the cause",
+          "[comm][nccl][gpu][multi_gpu]") {
+    if (lockstep_test::skip_without_multi_gpu())
+        return;
+    gpu_group group({.timeout = std::chrono::seconds(60)});
+    const quit_outcome out = run_with_quitter(group);
+    REQUIRE(group.size() >= 2);
+    check_cause_rethrown(out);
+    for (int r = 0; r < group.size(); ++r) {
+        if (r == out.quitter)
             continue;
         CAPTURE(r);
-        CHECK(codes[static_cast<std::size_t>(r)] == lockstep::errc::peer_failure);
-        CHECK(completed[static_cast<std::size_t>(r)] >= 3);
+        CHECK(out.codes[static_cast<std::size_t>(r)] == lockstep::errc::peer_failure);
+        CHECK(out.completed[static_cast<std::size_t>(r)] >= 3);
     }
 }
 
@@ -802,8 +885,7 @@ TEST_CASE("nccl communicators adopt the caller's streams and never destroy them"
     }
 }
 
-TEST_CASE("a stream of another device or a null stream is refused before NCCL",
-          "[comm][nccl][gpu]") {
+TEST_CASE("a null stream is refused before NCCL", "[comm][nccl][gpu]") {
     if (lockstep_test::skip_without_gpu())
         return;
     const std::vector<int> zero{0};
@@ -814,10 +896,12 @@ TEST_CASE("a stream of another device or a null stream is refused before NCCL",
     } catch (const lockstep::error& e) {
         CHECK(e.code() == lockstep::errc::invalid_argument);
     }
-    if (lockstep::cuda_device_count() < 2) {
-        WARN("one CUDA device: the cross-device stream check needs two");
+}
+
+TEST_CASE("a stream of another device is refused before NCCL", "[comm][nccl][gpu][multi_gpu]") {
+    if (lockstep_test::skip_without_multi_gpu())
         return;
-    }
+    const std::vector<int> zero{0};
     lockstep::cuda_stream on_device_1(1);
     const std::vector<cudaStream_t> wrong{on_device_1.get()};
     try {

@@ -2,7 +2,8 @@
 // layers and small buckets over NCCL against one replica and a double reference; every reducer
 // and local SGD against the host thread group; the visitor path against the registry path; a
 // replica failing mid-step; the host synchronisations per step; a step captured in a CUDA graph.
-// Every case needs a GPU (tagged [gpu]). SPDX-License-Identifier: Apache-2.0
+// Every case needs a GPU (tagged [gpu]); those about several replicas two or more ([multi_gpu]).
+// SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/gpu_group.hpp"
 #include "lockstep/comm/nccl_communicator.hpp"
 #include "lockstep/comm/thread_group.hpp"
@@ -64,29 +65,56 @@ TEST_CASE("the GPU tests' network on the host thread group equals its double ref
     }
 }
 
-// (a) Tolerances: N replicas against one replica with the whole batch: the same float kernels
-// on shards; BN's merged statistics and the NCCL sums differ only in summation order: 1e-5
-// absolute on O(1) parameters after 4 steps. Against the double reference: float rounding of
-// the forward/backward chain through three BN layers, 1e-4 relative to (1 + |value|).
-TEST_CASE("GPU trainer: three bn::global layers, user kernels, small buckets: N replicas equal "
-          "one and the double reference",
+namespace {
+constexpr int bn3_steps = 4;
+constexpr std::size_t bn3_batch = 13; // uneven shards
+/// Three bn::global layers with user kernels and small buckets on one replica per device of
+/// `devices` (all when empty).
+std::vector<run_log> bn3_run(std::vector<int> devices = {}) {
+    return on_gpus(
+        [](nccl_communicator& comm) {
+            return train<sync::synchronous, small_buckets, bn::global>(comm, bn3_steps, bn3_batch);
+        },
+        std::move(devices));
+}
+} // namespace
+
+// (a) Tolerance against the double reference: float rounding of the forward/backward chain
+// through three BN layers, 1e-4 relative to (1 + |value|).
+TEST_CASE("GPU trainer: three bn::global layers, user kernels, small buckets: one replica equals "
+          "the double reference",
           "[train][nccl][bn][gpu]") {
     if (lockstep_test::skip_without_gpu())
         return;
-    constexpr int steps = 4;
-    constexpr std::size_t batch = 13; // uneven shards
-    auto run = [](nccl_communicator& comm) {
-        return train<sync::synchronous, small_buckets, bn::global>(comm, steps, batch);
-    };
-    const auto many = on_gpus(run);
-    const auto one = on_gpus(run, {0});
+    const auto one = bn3_run({0});
+    require_clean(one);
+    CHECK(one[0].buckets >= 6);
+    const auto [want, losses] = reference_run(bn3_steps, bn3_batch);
+    for (int s = 0; s < bn3_steps; ++s) {
+        INFO("step " << s);
+        CHECK(std::abs(one[0].losses[s] - losses[s]) <= 1e-4 * (1 + std::abs(losses[s])));
+        check_against(one[0].params[s], want[s], 1e-4);
+    }
+}
+
+// (a) Tolerances: N replicas against one replica with the whole batch: the same float kernels
+// on shards; BN's merged statistics and the NCCL sums differ only in summation order: 1e-5
+// absolute on O(1) parameters after 4 steps. Against the double reference as above.
+TEST_CASE("GPU trainer: three bn::global layers, user kernels, small buckets: N replicas equal "
+          "one and the double reference",
+          "[train][nccl][bn][gpu][multi_gpu]") {
+    if (lockstep_test::skip_without_multi_gpu())
+        return;
+    const auto many = bn3_run();
+    const auto one = bn3_run({0});
     require_clean(many);
     require_clean(one);
+    REQUIRE(many.size() >= 2);
     check_bitwise_replicas(many);
     CHECK(many[0].buckets >= 6);
 
-    const auto [want, losses] = reference_run(steps, batch);
-    for (int s = 0; s < steps; ++s) {
+    const auto [want, losses] = reference_run(bn3_steps, bn3_batch);
+    for (int s = 0; s < bn3_steps; ++s) {
         INFO("step " << s);
         CHECK(max_abs_diff(many[0].params[s], one[0].params[s]) <= 1e-5);
         CHECK(std::abs(many[0].losses[s] - one[0].losses[s]) <= 1e-5);
@@ -143,32 +171,57 @@ TEST_CASE("GPU trainer: the visitor path over the network's own device buffers e
     }
 }
 
-TEST_CASE("GPU trainer: a replica throwing mid-step (after a BN forward) ends as an error on "
-          "every replica, never a hang",
-          "[train][nccl][failure][gpu]") {
-    if (lockstep_test::skip_without_gpu())
-        return;
-    const int thrower = lockstep::cuda_device_count() > 1 ? 1 : 0;
+namespace {
+/// Replica `thrower` of one replica per device of `devices` (all when empty) throws after bn1's
+/// forward in step 1: the logs, and whether every replica ended within the 20 s timeout.
+std::pair<std::vector<run_log>, bool> throwing_run(int thrower, std::vector<int> devices = {}) {
     const auto timeout = std::chrono::seconds(20);
     const auto start = std::chrono::steady_clock::now();
-    const auto logs = on_gpus(
+    auto logs = on_gpus(
         [&](nccl_communicator& comm) {
             return train<sync::synchronous, small_buckets, bn::global>(
                 comm, 4, 12, tn::knobs{.throw_at_step = 1, .throw_rank = thrower});
         },
-        {}, timeout);
-    const auto elapsed = std::chrono::steady_clock::now() - start;
-    CHECK(elapsed < timeout);
+        std::move(devices), timeout);
+    return {std::move(logs), std::chrono::steady_clock::now() - start < timeout};
+}
+
+/// The thrower's log holds its own failure.
+void check_thrower(const run_log& log) {
+    INFO("the thrower: " << log.error);
+    REQUIRE(log.failed);
+    CHECK(log.code == errc::internal);
+    CHECK(log.error.find("failure injected after bn1's forward in step 1") != std::string::npos);
+}
+} // namespace
+
+TEST_CASE("GPU trainer: a replica throwing mid-step (after a BN forward) ends with its own error",
+          "[train][nccl][failure][gpu]") {
+    if (lockstep_test::skip_without_gpu())
+        return;
+    const auto [logs, in_time] = throwing_run(0, {0});
+    CHECK(in_time);
+    REQUIRE(logs.size() == 1);
+    check_thrower(logs[0]);
+}
+
+TEST_CASE("GPU trainer: a replica throwing mid-step (after a BN forward) ends as an error on "
+          "every replica, never a hang",
+          "[train][nccl][failure][gpu][multi_gpu]") {
+    if (lockstep_test::skip_without_multi_gpu())
+        return;
+    constexpr int thrower = 1;
+    const auto [logs, in_time] = throwing_run(thrower);
+    CHECK(in_time);
+    REQUIRE(logs.size() >= 2);
     for (std::size_t r = 0; r < logs.size(); ++r) {
+        if (static_cast<int>(r) == thrower) {
+            check_thrower(logs[r]);
+            continue;
+        }
         INFO("replica " << r << ": " << logs[r].error);
         REQUIRE(logs[r].failed);
-        if (static_cast<int>(r) == thrower) {
-            CHECK(logs[r].code == errc::internal);
-            CHECK(logs[r].error.find("failure injected after bn1's forward in step 1") !=
-                  std::string::npos);
-        } else {
-            CHECK(logs[r].code == errc::peer_failure);
-        }
+        CHECK(logs[r].code == errc::peer_failure);
     }
 }
 

@@ -1,7 +1,8 @@
 // data_parallel over nccl_communicator: the synchronous trainer (bucketed reduction, SGD on
-// cuda_system) instantiated with NCCL, and on machines with GPUs a few steps over every visible
-// device checked against a double-precision single-replica reference. The step function runs
-// its own device kernel and adds its loss on the device. Skipped without a GPU.
+// cuda_system) instantiated with NCCL, and on machines with GPUs a few steps on one device and
+// over every visible device (two or more: [multi_gpu]) checked against a double-precision
+// single-replica reference. The step function runs its own device kernel and adds its loss on
+// the device. Skipped without a GPU.
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/nccl_communicator.hpp"
 #include "lockstep/optim/lamb.hpp"
@@ -62,40 +63,55 @@ std::vector<float> to_host(std::span<const float> device, const cuda_system& sys
 
 } // namespace
 
-TEST_CASE("data_parallel trains over nccl_communicator: replicas agree with the reference",
+namespace {
+
+/// Every replica's parameters after `steps` SGD steps of trainer_type over comms, one host
+/// thread per replica (Catch2 assertions stay on the main thread).
+std::vector<std::vector<float>> run_sgd(std::vector<nccl_communicator>& comms) {
+    std::vector<std::vector<float>> params(comms.size());
+    lockstep_test::run_replicas(comms, [&](nccl_communicator& comm) {
+        trainer_type trainer(comm, [](context_type& ctx) { return linear_net(ctx); }, {.lr = lr});
+        for (int k = 0; k < steps; ++k)
+            (void)trainer.step(global_batch, [](linear_net& net, lockstep::shard_range sr,
+                                                context_type& ctx) { lin::step(net, sr, ctx); });
+        params[static_cast<std::size_t>(comm.rank())] =
+            to_host(trainer.parameters(), comm.system());
+    });
+    return params;
+}
+
+/// One communicator, on device 0.
+std::vector<nccl_communicator> device_0() {
+    const int zero = 0;
+    return nccl_communicator::init_all(std::span<const int>(&zero, 1));
+}
+
+} // namespace
+
+// Full-batch descent in double within float rounding of 3 steps on O(1) values: 1e-5.
+TEST_CASE("data_parallel trains over nccl_communicator: one replica matches the reference",
           "[train][nccl][cuda][gpu]") {
     if (lockstep_test::skip_without_gpu())
         return;
+    auto comms = device_0();
+    const auto params = run_sgd(comms);
+    const std::vector<double> ref = lin::reference_parameters(global_batch);
+    REQUIRE(params[0].size() == ref.size());
+    for (std::size_t i = 0; i < ref.size(); ++i)
+        CHECK(std::abs(static_cast<double>(params[0][i]) - ref[i]) <= 1e-5);
+}
+
+TEST_CASE("data_parallel trains over nccl_communicator: replicas agree with the reference",
+          "[train][nccl][cuda][gpu][multi_gpu]") {
+    if (lockstep_test::skip_without_multi_gpu())
+        return;
     auto comms = lockstep_test::all_devices();
-
-    // One host thread per replica; Catch2 assertions stay on the main thread.
-    std::vector<std::vector<float>> params(comms.size());
-    std::vector<std::exception_ptr> errors(comms.size());
-    std::vector<std::thread> threads;
-    for (std::size_t r = 0; r < comms.size(); ++r)
-        threads.emplace_back([&, r] {
-            try {
-                trainer_type trainer(comms[r], [](context_type& ctx) { return linear_net(ctx); },
-                                     {.lr = lr});
-                for (int k = 0; k < steps; ++k)
-                    (void)trainer.step(global_batch,
-                                       [](linear_net& net, lockstep::shard_range sr,
-                                          context_type& ctx) { lin::step(net, sr, ctx); });
-                params[r] = to_host(trainer.parameters(), comms[r].system());
-            } catch (...) {
-                errors[r] = std::current_exception();
-            }
-        });
-    for (auto& t : threads)
-        t.join();
-    for (auto& e : errors)
-        if (e)
-            std::rethrow_exception(e);
-
+    const auto params = run_sgd(comms);
+    REQUIRE(params.size() >= 2);
     // Replicas hold identical bits (the reduced gradient is the same everywhere), and match
     // full-batch descent in double within float rounding of 3 steps on O(1) values.
     const std::vector<double> ref = lin::reference_parameters(global_batch);
-    for (std::size_t r = 0; r < comms.size(); ++r) {
+    for (std::size_t r = 0; r < params.size(); ++r) {
         REQUIRE(params[r].size() == ref.size());
         for (std::size_t i = 0; i < ref.size(); ++i) {
             CHECK(params[r][i] == params[0][i]);
@@ -138,12 +154,13 @@ std::vector<std::vector<float>> run_lamb(std::vector<nccl_communicator>& comms) 
 } // namespace
 
 TEST_CASE("reduce::sharded over nccl_communicator equals the unsharded trainer",
-          "[train][nccl][cuda][gpu]") {
-    if (lockstep_test::skip_without_gpu())
+          "[train][nccl][cuda][gpu][multi_gpu]") {
+    if (lockstep_test::skip_without_multi_gpu())
         return;
     auto comms = lockstep_test::all_devices();
     const auto sharded = run_lamb<lockstep::reduce::sharded<8, 8>>(comms);
     const auto whole = run_lamb<lockstep::reduce::bucketed<8, 8>>(comms);
+    REQUIRE(comms.size() >= 2); // one shard per replica: with one, nothing is sharded
     for (std::size_t r = 0; r < comms.size(); ++r) {
         REQUIRE(sharded[r].size() == inputs + 1);
         for (std::size_t i = 0; i <= inputs; ++i) {
@@ -222,8 +239,9 @@ TEST_CASE("a step captured in a CUDA graph is refused with report_stragglers_eve
           "[train][nccl][cuda][gpu][straggler]") {
     if (lockstep_test::skip_without_gpu())
         return;
-    std::vector<nccl_communicator> comms;
-    comms.push_back(std::move(lockstep_test::all_devices().front()));
+    // Rank 0 of a clique of one: the first of all_devices() would wait for peers destroyed
+    // with the rest of its clique.
+    auto comms = device_0();
     std::string message;
     lockstep_test::run_replicas(comms, [&](nccl_communicator& comm) {
         trainer_type trainer(comm, [](context_type& ctx) { return linear_net(ctx); }, {.lr = lr},
