@@ -859,12 +859,12 @@ void check_all_types(C& comm, suite_report& rep, const suite_options& opt, bool 
     }
 }
 
-/// barrier: returns, repeatedly, on every replica (that it waits is a backend-specific test).
+/// barrier: returns, repeatedly, on every replica. It counts no check: reaching the checks
+/// after it is the test (that it waits is a backend-specific test).
 template <communicator C>
-void check_barrier(C& comm, suite_report& rep) {
+void check_barrier(C& comm, suite_report&) {
     for (int k = 0; k < 3; ++k)
         comm.barrier();
-    rep.check(true, "barrier");
 }
 
 /// split into even and odd ranks (keys reverse the order), then collectives on the sub-group;

@@ -209,13 +209,14 @@ void check_like_flat(typename Opt::params_type p, const std::vector<std::size_t>
 
 } // namespace
 
-TEST_CASE("data_parallel over 2 nodes x 2 replicas trains like 4 flat replicas and like one",
+TEST_CASE("data_parallel over 2 nodes x 2 replicas trains like 4 flat replicas (and, with exact "
+          "sums and bn::global, like one)",
           "[comm][hierarchical][train]") {
     SECTION("sgd, bucketed, synchronized BN") {
         check_like_flat<double, lockstep::optim::sgd<double>, lockstep::reduce::bucketed<>,
                         lockstep::bn::global>({.lr = 0.1, .momentum = 0.9}, batch_schedule());
     }
-    SECTION("sgd, compressed<bfloat16> (all_to_all over both levels)") {
+    SECTION("sgd, compressed<bfloat16> (all_to_all over both levels): the flat bits only") {
         check_like_flat<float, lockstep::optim::sgd<float>,
                         lockstep::reduce::compressed<lockstep::bfloat16>, lockstep::bn::global>(
             {.lr = 0.1, .momentum = 0.9}, batch_schedule());
@@ -224,7 +225,7 @@ TEST_CASE("data_parallel over 2 nodes x 2 replicas trains like 4 flat replicas a
         check_like_flat<double, lockstep::optim::lamb<double>, lockstep::reduce::sharded<>,
                         lockstep::bn::global>({.lr = 1e-2, .weight_decay = 1e-2}, batch_schedule());
     }
-    SECTION("adam, per-tensor, BN statistics per node (bn::group<2>)") {
+    SECTION("adam, per-tensor, BN statistics per node (bn::group<2>): like flat only") {
         // Batches whose every pair of replicas holds at least 2 samples (a group BN needs them).
         check_like_flat<double, lockstep::optim::adam<double>, lockstep::reduce::per_tensor,
                         lockstep::bn::group<2>>({.lr = 1e-3}, {37, 12, 20, 9, 16, 37, 12, 20});

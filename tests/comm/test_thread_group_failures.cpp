@@ -13,7 +13,6 @@
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -37,10 +36,11 @@ struct outcome {
     std::string what;
 };
 
-/// Runs body on each replica, records the lockstep::error it throws (if any) and rethrows it.
+/// Runs body on each replica, records the lockstep::error it throws (if any) in out[rank] and
+/// rethrows it.
 template <class Body>
-std::vector<outcome> run_recording(thread_group& group, Body body) {
-    std::vector<outcome> out(static_cast<std::size_t>(group.size()));
+void run_recording(thread_group& group, std::vector<outcome>& out, Body body) {
+    out.assign(static_cast<std::size_t>(group.size()), outcome{});
     group.run([&](thread_communicator& comm) {
         auto& o = out[static_cast<std::size_t>(comm.rank())];
         try {
@@ -50,7 +50,6 @@ std::vector<outcome> run_recording(thread_group& group, Body body) {
             throw;
         }
     });
-    return out;
 }
 
 /// A misuse of a collective: its name, the error every replica gets and part of its message.
@@ -96,7 +95,7 @@ TEST_CASE("a replica that throws releases its peers with peer_failure", "[comm][
     thread_group group(4);
     std::vector<outcome> out;
     try {
-        run_recording(group, [&](thread_communicator& comm) {
+        run_recording(group, out, [&](thread_communicator& comm) {
             std::vector<float> v(1000, 1.0f);
             comm.all_reduce(std::span<const float>(v), std::span<float>(v), reduce_op::sum);
             if (comm.rank() == 2) {
@@ -111,12 +110,21 @@ TEST_CASE("a replica that throws releases its peers with peer_failure", "[comm][
     } catch (const std::runtime_error& e) {
         CHECK(std::string(e.what()) == "replica two broke");
     }
+    // The peers, blocked in all_reduce #2, were released with peer_failure (not the timeout).
+    REQUIRE(out.size() == 4);
+    for (int r : {0, 1, 3}) {
+        const outcome& o = out[static_cast<std::size_t>(r)];
+        CAPTURE(r, o.what);
+        CHECK(o.threw);
+        CHECK(o.code == errc::peer_failure);
+        CHECK(contains(o.what, "replica 2"));
+    }
+    CHECK_FALSE(out[2].threw); // its own exception is not a lockstep::error
 }
 
 TEST_CASE("peers of a failed replica see who failed and why", "[comm][thread]") {
     thread_group group(3);
-    std::vector<outcome> out(3);
-    std::mutex m;
+    std::vector<outcome> out(3), later(3);
     REQUIRE_THROWS_WITH(group.run([&](thread_communicator& comm) {
         if (comm.rank() == 0) {
             std::this_thread::sleep_for(30ms);
@@ -132,8 +140,7 @@ TEST_CASE("peers of a failed replica see who failed and why", "[comm][thread]") 
             std::vector<int> v(3, 1);
             comm.broadcast(std::span<int>(v), 1);
         } catch (const lockstep::error& e) {
-            std::lock_guard lock(m);
-            CHECK(e.code() == errc::peer_failure);
+            later[static_cast<std::size_t>(comm.rank())] = {true, e.code(), e.what()};
         }
     }),
                         "bad shard");
@@ -143,6 +150,9 @@ TEST_CASE("peers of a failed replica see who failed and why", "[comm][thread]") 
         CHECK(o.code == errc::peer_failure);
         CHECK(contains(o.what, "barrier #0"));
         CHECK(contains(o.what, "replica 0 failed: bad shard"));
+        // The next collective fails at once too: the group is dead.
+        CHECK(later[static_cast<std::size_t>(r)].threw);
+        CHECK(later[static_cast<std::size_t>(r)].code == errc::peer_failure);
     }
 }
 
@@ -150,7 +160,7 @@ TEST_CASE("a replica that never arrives times out naming it", "[comm][thread]") 
     thread_group group(4, {.timeout = 200ms});
     std::vector<outcome> out;
     try {
-        out = run_recording(group, [&](thread_communicator& comm) {
+        run_recording(group, out, [&](thread_communicator& comm) {
             std::vector<double> v(10, 1.0);
             comm.all_reduce(std::span<const double>(v), std::span<double>(v), reduce_op::sum);
             if (comm.rank() == 3)

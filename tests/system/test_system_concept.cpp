@@ -233,6 +233,23 @@ TEST_CASE("a system's own operation is found by argument-dependent lookup", "[sy
                                      std::span<const float>(p), std::span<float>(s),
                                      std::span<float>(ws));
     CHECK(calls == 1);
+    std::vector<float> s_generic(s.size()), ws_generic(ws.size());
+    lockstep::kernels::backward_sums_generic(
+        sys, std::span<const float>(x), std::span<const float>(x), g, std::span<const float>(p),
+        std::span<float>(s_generic), std::span<float>(ws_generic));
+    CHECK(s == s_generic);
+    // ... and they are the sums (dy = x here): a double loop, within float rounding of 15 terms.
+    std::vector<double> want(2 * g.channels), size(2 * g.channels);
+    for (std::size_t i = 0; i < g.size(); ++i) {
+        const std::size_t c = g.channel_of(i);
+        const double term = double(x[i]) * (double(x[i]) - p[c]);
+        want[c] += x[i];
+        size[c] += std::abs(double(x[i]));
+        want[g.channels + c] += term;
+        size[g.channels + c] += std::abs(term);
+    }
+    for (std::size_t k = 0; k < want.size(); ++k)
+        CHECK(std::abs(s[k] - want[k]) <= 1e-6 * size[k]);
 }
 
 namespace adl_probe {
