@@ -11,6 +11,7 @@
 #include <fstream>
 #include <functional>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -76,16 +77,23 @@ inline std::vector<std::byte> read_all(const fs::path& p) {
 /// Replaces p's content with b. Overwrites in place and then sets the size, instead of
 /// truncating to zero first: ext4 flushes a file truncated to zero when it is closed
 /// (auto_da_alloc), which would make the thousands of rewrites of the corruption tests slow.
+/// Throws std::runtime_error on failure (no Catch2 assertion: replica threads call it too).
 inline void write_all(const fs::path& p, std::span<const std::byte> b) {
+    const auto fail = [&](const char* what) {
+        throw std::runtime_error("write_all(" + p.string() + "): " + what + " failed");
+    };
     ck::fd_guard f{::open(p.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644)};
-    REQUIRE(f.fd >= 0);
+    if (f.fd < 0)
+        fail("open");
     std::size_t done = 0;
     while (done < b.size()) {
         const ::ssize_t w = ::write(f.fd, b.data() + done, b.size() - done);
-        REQUIRE(w > 0);
+        if (w <= 0)
+            fail("write");
         done += static_cast<std::size_t>(w);
     }
-    REQUIRE(::ftruncate(f.fd, static_cast<::off_t>(b.size())) == 0);
+    if (::ftruncate(f.fd, static_cast<::off_t>(b.size())) != 0)
+        fail("ftruncate");
 }
 
 /// The shard file of replica r named by the commit marker `path`.

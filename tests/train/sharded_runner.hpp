@@ -26,7 +26,9 @@ constexpr double sharded_tolerance = std::is_same_v<T, float> ? 1e-5 : 1e-10;
 
 /// A linear model with `inputs` + 1 parameters ("w" {inputs}, "b" {1}) and a squared loss:
 /// with inputs = 2 (3 parameters) on 4 replicas one shard is empty and "w" spans two shards.
-/// requires: 1 <= inputs <= 2.
+/// Every weight k has its own feature, target coefficient and start value, so each one trains
+/// (a weight that stayed 0 would hide a shard that is never gathered).
+/// requires: inputs >= 1.
 template <class T, class Comm>
 class tiny_net {
 public:
@@ -36,9 +38,8 @@ public:
         w_ = reg.add("w", {inputs});
         b_ = reg.add("b", {1});
         reg.finalize();
-        w_.value()[0] = T(0.5);
-        if (inputs > 1)
-            w_.value()[1] = T(-0.25);
+        for (std::size_t k = 0; k < inputs; ++k)
+            w_.value()[k] = T(k == 0 ? 0.5 : k == 1 ? -0.25 : 0.125 * double(k));
         b_.value()[0] = T(0.1);
     }
     tiny_net(const tiny_net&) = delete;
@@ -46,17 +47,20 @@ public:
 
     double train(const shard_range& r, ctx_type& ctx) {
         double loss = 0;
+        std::vector<double> x(inputs_);
         for (std::size_t i = r.begin; i < r.end; ++i) {
             const std::uint64_t g = r.sample_index(i);
-            const double x0 = feature(g, 0), x1 = inputs_ > 1 ? feature(g, 1) : 0.0;
-            const double y = 2.0 * x0 - x1 + 0.5 + 0.1 * feature(g, 2);
-            double e = double(w_.value()[0]) * x0 + double(b_.value()[0]) - y;
-            if (inputs_ > 1)
-                e += double(w_.value()[1]) * x1;
+            double y = 0.5 + 0.1 * feature(g, inputs_ + 1);
+            double e = double(b_.value()[0]);
+            for (std::size_t k = 0; k < inputs_; ++k) {
+                x[k] = feature(g, k);
+                y += coefficient(k) * x[k];
+                e += double(w_.value()[k]) * x[k];
+            }
+            e -= y;
             loss += 0.5 * e * e * r.scale;
-            w_.grad()[0] += T(e * x0 * r.scale);
-            if (inputs_ > 1)
-                w_.grad()[1] += T(e * x1 * r.scale);
+            for (std::size_t k = 0; k < inputs_; ++k)
+                w_.grad()[k] += T(e * x[k] * r.scale);
             b_.grad()[0] += T(e * r.scale);
         }
         ctx.mark_ready(b_);
@@ -65,6 +69,8 @@ public:
     }
 
 private:
+    static double coefficient(std::size_t k) { return k == 0 ? 2.0 : k == 1 ? -1.0 : 0.3 * k; }
+
     std::size_t inputs_;
     typename parameter_registry<T, typename Comm::system_type>::handle w_, b_;
 };

@@ -17,7 +17,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <limits>
 #include <mutex>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -321,18 +323,24 @@ TEST_CASE("a second background save waits for the first: one in flight",
 TEST_CASE("a background share outside (0, 1] is refused on every replica before any work",
           "[train][checkpoint][thread]") {
     temp_dir dir;
-    std::vector<int> refused(2);
-    thread_group(2).run([&](thread_communicator& comm) {
-        dp_type dp(
-            comm, [](auto& ctx) { return net(ctx); }, sgd, params_for(42));
-        try {
-            save_checkpoint_async(dp, dir.path / "x.ckpt", {.on_stage = {}, .background_share = 0});
-        } catch (const lockstep::error& e) {
-            refused[static_cast<std::size_t>(comm.rank())] =
-                e.code() == errc::invalid_argument && contains(e.what(), "background_share = 0");
-        }
-        dp.finish(); // nothing was begun: nothing to wait for
-    });
-    CHECK(refused == std::vector<int>{1, 1});
-    CHECK(files_in(dir.path) == 0);
+    for (const double share : {0.0, 1.5, std::numeric_limits<double>::quiet_NaN()}) {
+        std::ostringstream shown;
+        shown << "background_share = " << share;
+        CAPTURE(shown.str());
+        std::vector<int> refused(2);
+        thread_group(2).run([&](thread_communicator& comm) {
+            dp_type dp(
+                comm, [](auto& ctx) { return net(ctx); }, sgd, params_for(42));
+            try {
+                save_checkpoint_async(dp, dir.path / "x.ckpt",
+                                      {.on_stage = {}, .background_share = share});
+            } catch (const lockstep::error& e) {
+                refused[static_cast<std::size_t>(comm.rank())] =
+                    e.code() == errc::invalid_argument && contains(e.what(), shown.str());
+            }
+            dp.finish(); // nothing was begun: nothing to wait for
+        });
+        CHECK(refused == std::vector<int>{1, 1});
+        CHECK(files_in(dir.path) == 0);
+    }
 }

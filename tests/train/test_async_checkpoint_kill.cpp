@@ -15,6 +15,8 @@
 
 #include <chrono>
 #include <csignal>
+#include <cstdio>
+#include <exception>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -66,8 +68,8 @@ std::vector<std::vector<std::byte>> load_all(const fs::path& path) {
 
 /// The child: a checkpoint after 3 steps, then a background save after 5 whose writer
 /// SIGKILLs the process at `stage` on `replica`; steps on while it writes. Exit status 3: the
-/// kill never came.
-[[noreturn]] void child(const fs::path& path, std::string_view stage, int replica) {
+/// kill never came; 4: an exception (it must not reach Catch2 in the forked child).
+[[noreturn]] void child(const fs::path& path, std::string_view stage, int replica) try {
     thread_group(replicas).run([&](thread_communicator& comm) {
         dp_type dp(
             comm, [](auto& ctx) { return net(ctx); }, sgd, train_params{.seed = 42});
@@ -85,6 +87,11 @@ std::vector<std::vector<std::byte>> load_all(const fs::path& path) {
         dp.finish();
     });
     ::_exit(3);
+} catch (const std::exception& e) {
+    std::fprintf(stderr, "child: %s\n", e.what());
+    ::_exit(4);
+} catch (...) {
+    ::_exit(4);
 }
 
 } // namespace

@@ -44,8 +44,9 @@ void check_equivalence(std::initializer_list<int> replica_counts) {
             INFO("step " << s << " (global batch " << batch_schedule()[s] << ")");
             CHECK(max_tensor_rel_error(run.params[0][s], ref.params[0][s], ref.layout) <=
                   tolerance<T>);
-            CHECK(run.results[0][s].loss ==
-                  Approx(ref.results[0][s].loss).epsilon(100 * tolerance<T>));
+            // The loss within the parameters' bound: it is computed from the previous step's
+            // parameters (within that bound), and a float sum's rounding (37 terms) is below it.
+            CHECK(run.results[0][s].loss == Approx(ref.results[0][s].loss).epsilon(tolerance<T>));
             CHECK_FALSE(run.results[0][s].skipped);
             for (int r = 1; r < replicas; ++r)
                 CHECK(run.results[r][s].loss == run.results[0][s].loss);

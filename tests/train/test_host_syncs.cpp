@@ -16,7 +16,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -94,6 +93,8 @@ struct run_record {
     std::vector<double> losses;
     std::vector<bool> skipped;
     std::vector<float> parameters;
+    std::vector<std::vector<float>> after_step; ///< parameters after each step
+    std::int64_t applied = -1;                  ///< the optimizer's step_count() at the end
     std::string error;
 };
 
@@ -122,9 +123,12 @@ run_record run(int replicas, int steps, std::size_t batch, bool read_each, int p
                 const step_result done = r.ready ? r : trainer.read_result();
                 rec.losses.push_back(done.loss);
                 rec.skipped.push_back(done.skipped);
+                const auto p = trainer.parameters();
+                rec.after_step.emplace_back(p.begin(), p.end());
             }
             const auto p = trainer.parameters();
             rec.parameters.assign(p.begin(), p.end());
+            rec.applied = trainer.optimizer().step_count();
         } catch (const error& e) {
             rec.error = e.what();
         }
@@ -161,21 +165,24 @@ TEST_CASE("with read_result = false a step never waits on the host; read_result(
 
 TEST_CASE("a NaN gradient on one replica skips the step on every replica, decided on the device",
           "[train][thread][sync]") {
-    const run_record clean = run(2, 3, 6, true);
     const run_record poisoned = run(2, 4, 6, false, 1);
+    INFO(poisoned.error);
     REQUIRE(poisoned.error.empty());
     CHECK(poisoned.skipped == std::vector<bool>{false, true, false, false});
     CHECK(poisoned.syncs == std::vector<std::uint64_t>(4, 0));
-    // Skipped on the device: the update and Adam's step count are untouched, so 3 applied steps
-    // differ from the clean run's 3 only through the batches they saw.
-    CHECK(poisoned.parameters.size() == clean.parameters.size());
+    // Skipped on the device: the parameters keep their bits through step 1, the other steps
+    // change them, and Adam counts 3 applied steps of 4.
+    REQUIRE(poisoned.after_step.size() == 4);
+    CHECK(poisoned.after_step[1] == poisoned.after_step[0]);
+    CHECK(poisoned.after_step[2] != poisoned.after_step[1]);
+    CHECK(poisoned.applied == 3);
 }
 
 TEST_CASE("a layer error found on the device (one value per channel) is an error on every "
           "replica at the end of the step",
           "[train][thread][sync]") {
     std::vector<std::string> errors(2);
-    std::mutex mu; // Catch2's assertions are not thread-safe: one replica at a time
+    std::vector<bool> unchanged(2, false); // Catch2 checks on this thread, after run()
     thread_group group(2, {.timeout = std::chrono::seconds(30)});
     group.run([&](thread_communicator& inner) {
         comm_type comm(inner);
@@ -189,9 +196,10 @@ TEST_CASE("a layer error found on the device (one value per channel) is an error
             errors[static_cast<std::size_t>(comm.rank())] = e.what();
         }
         const auto after = trainer.parameters();
-        std::lock_guard lock(mu);
-        CHECK(std::vector<float>(after.begin(), after.end()) == start);
+        unchanged[static_cast<std::size_t>(comm.rank())] =
+            std::vector<float>(after.begin(), after.end()) == start;
     });
+    CHECK(unchanged == std::vector<bool>{true, true});
     for (const auto& e : errors) {
         CHECK(e.find("invalid_argument") != std::string::npos);
         CHECK(e.find("step 0 skipped: batch_norm layer 0 (in forward order): expected more than "

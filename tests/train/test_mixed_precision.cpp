@@ -399,7 +399,8 @@ TEST_CASE("loss_scaler: backoff on overflow, growth after the interval, state ro
     off.update(&non_finite, &skip, &report);
     CHECK(off.state() == loss_scaler_state{1, 0});
     CHECK(off.observe(report, true).used == 1.0);
-    CHECK_THROWS(off.restore({2, 0}));
+    CHECK_THROWS_WITH(off.restore({2, 0}), Catch::Contains("loss scaling is off but the state has "
+                                                           "scale = 2"));
 }
 
 TEMPLATE_TEST_CASE("an overflow on ONE replica skips the step and backs off the scale on every "

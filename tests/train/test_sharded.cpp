@@ -40,6 +40,7 @@ struct sharded_options {
 template <class T>
 struct sharded_record {
     std::vector<std::vector<std::vector<T>>> params; ///< [rank][step]
+    std::vector<T> initial;                          ///< rank 0's, before the first step
     std::vector<std::vector<step_result>> results;   ///< [rank][step]
     std::vector<std::size_t> state_bytes;            ///< [rank]
     std::vector<tensor_info> layout;
@@ -65,8 +66,11 @@ sharded_record<T> run_mlp(const sharded_options& o, typename Opt::params_type op
         }
         data_parallel<net, Opt, sync::synchronous, Reduce, thread_communicator> dp(
             comm, [](auto& ctx) { return net(ctx); }, op, tp);
-        if (r == 0)
+        if (r == 0) {
             rec.layout = dp.registry().parameters();
+            const auto p = dp.parameters();
+            rec.initial.assign(p.begin(), p.end());
+        }
         rec.state_bytes[r] = dp.optimizer_state_bytes();
         const auto batches = batch_schedule();
         for (std::size_t s = 0; s < batches.size(); ++s) {
@@ -112,13 +116,21 @@ void check_against_bucketed(std::initializer_list<int> replica_counts, double ma
             INFO("step " << s);
             CHECK(max_tensor_rel_error(run.params[0][s], ref.params[0][s], ref.layout) <=
                   sharded_tolerance<T>);
+            // The loss within the parameters' bound: it is computed from the previous step's
+            // parameters (within that bound), and a float sum's rounding (37 terms) is below it.
             CHECK(run.results[0][s].loss ==
-                  Approx(ref.results[0][s].loss).epsilon(100 * sharded_tolerance<T>));
+                  Approx(ref.results[0][s].loss).epsilon(sharded_tolerance<T>));
             CHECK_FALSE(run.results[0][s].skipped);
         }
-        if (frozen_and_decay) // frozen: never updated
-            CHECK(same_bits(std::span<const T>(run.params[0].back()).subspan(40, 8),
-                            std::span<const T>(run.params[0].front()).subspan(40, 8)));
+        if (frozen_and_decay) { // frozen: never updated, from the start
+            const auto bn1 =
+                std::find_if(run.layout.begin(), run.layout.end(),
+                             [](const tensor_info& t) { return t.name == "bn1.weight"; });
+            REQUIRE(bn1 != run.layout.end());
+            CHECK(
+                same_bits(std::span<const T>(run.params[0].back()).subspan(bn1->offset, bn1->size),
+                          std::span<const T>(run.initial).subspan(bn1->offset, bn1->size)));
+        }
         // The optimizer state: the shards' bytes add up to the unsharded figure, and each
         // replica holds at most its balanced share.
         std::size_t sum = 0;

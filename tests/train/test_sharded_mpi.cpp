@@ -162,6 +162,9 @@ void check_tiny_against_per_tensor(mpi_communicator& world, std::size_t inputs) 
     REQUIRE(sharded.back().size() == inputs + 1);
     check_same_on_every_rank(world, sharded);
     REQUIRE(rel_error(ref.back(), ref.front()) > 1e-3);
+    // Every parameter trains, so every shard holds values the gather must carry.
+    for (std::size_t k = 0; k <= inputs; ++k)
+        CHECK(ref.back()[k] != ref.front()[k]);
     for (std::size_t s = 0; s < sharded.size(); ++s)
         CHECK(rel_error(sharded[s], ref[s]) <= 1e-10);
 }

@@ -213,32 +213,45 @@ TEST_CASE("what does not shrink: deterministic errors, a second loss, min_replic
         const shrink_run counted = train_losing(4, std::nullopt);
         // Replica 1 is lost in step 2; in the step computed again (generation 1) replica 3's
         // thread ends too.
-        std::atomic<bool> first{false};
+        std::atomic<bool> second{false}; // the hook killed replica 3 in generation 1
+        std::atomic<int> killed{0};      // bodies that saw their replica killed
         thread_group::params p{.timeout = 20s};
         loss_injector inject(4, replica_loss{1, 2, loss_point::exchange, counted.per_step});
         auto hook = inject.hook();
         p.on_collective = [&](const collective_event& e) {
             hook(e);
-            if (e.generation == 1 && e.replica == 3 && e.tag == "data_parallel.fence")
+            if (e.generation == 1 && e.replica == 3 && e.tag == "data_parallel.fence") {
+                second.store(true);
                 throw replica_killed("replica 3 lost in the step computed again");
+            }
         };
         thread_group group(4, p);
-        REQUIRE_THROWS_AS(group.run([&](thread_communicator& comm) {
-            data_parallel<net, optim::sgd<float>, sync::synchronous, repro_reduce,
-                          thread_communicator>
-                dp(comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.05f},
-                   {.on_replica_failure = replica_failure::shrink});
-            try {
-                for (int s = 0; s < 4; ++s)
-                    dp.step(shrink_batch, [](net& n, const shard_range& range, auto& ctx) {
-                        return n.train(range, ctx);
-                    });
-            } catch (const replica_killed&) {
-                first.store(true);
-            }
-        }),
-                          lockstep::error);
-        CHECK(first.load());
+        std::optional<errc> code;
+        std::string what;
+        try {
+            group.run([&](thread_communicator& comm) {
+                data_parallel<net, optim::sgd<float>, sync::synchronous, repro_reduce,
+                              thread_communicator>
+                    dp(comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.05f},
+                       {.on_replica_failure = replica_failure::shrink});
+                try {
+                    for (int s = 0; s < 4; ++s)
+                        dp.step(shrink_batch, [](net& n, const shard_range& range, auto& ctx) {
+                            return n.train(range, ctx);
+                        });
+                } catch (const replica_killed&) {
+                    killed.fetch_add(1);
+                }
+            });
+        } catch (const lockstep::error& e) {
+            code = e.code();
+            what = e.what();
+        }
+        INFO(what);
+        CHECK(second.load());
+        CHECK(killed.load() == 2);
+        CHECK(code == errc::peer_failure);
+        CHECK(contains(what, "replica 3"));
     }
     SECTION("policies whose state is not replicated refuse shrink at construction") {
         using global_net = mlp<float, thread_communicator, storage::registry, bn::global>;
