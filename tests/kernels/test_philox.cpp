@@ -3,6 +3,7 @@
 #include "lockstep/kernels/philox.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/rng.hpp"
+#include "lockstep/train/shard.hpp"
 
 #include <catch2/catch.hpp>
 #include <thrust/for_each.h>
@@ -46,13 +47,6 @@ struct fill_uniform {
     }
 };
 
-// The contiguous shard [begin, end) of a global batch of n samples for replica r of R (the
-// split the trainer uses: the first n % R replicas get one extra sample).
-std::pair<std::uint64_t, std::uint64_t> shard(std::uint64_t n, int r, int R) {
-    const std::uint64_t q = n / R, extra = n % R;
-    const std::uint64_t begin = r * q + std::min<std::uint64_t>(r, extra);
-    return {begin, begin + q + (static_cast<std::uint64_t>(r) < extra ? 1 : 0)};
-}
 } // namespace
 
 TEST_CASE("philox4x32_10 matches Random123's known-answer vectors", "[kernels][philox]") {
@@ -154,19 +148,20 @@ TEST_CASE("a sample's dropout mask does not depend on the replica count or rank"
     for (int replicas : {2, 3, 4}) {
         std::vector<int> merged(one.size(), -1);
         for (int r = 0; r < replicas; ++r) {
-            const auto [begin, end] = shard(global_batch, r, replicas);
+            // The trainer's split and sample index: position i of the step's global batch.
+            shard_range sr = shard(global_batch, r, replicas);
+            sr.sample_offset = first_sample;
             rng_stream rng{seed, 0};
-            for (std::uint64_t local = 0; local < end - begin; ++local)
+            for (std::size_t i = sr.begin; i < sr.end; ++i)
                 for (std::uint64_t e = 0; e < elements; ++e)
-                    merged[(begin + local) * elements + e] =
-                        rng.keep(first_sample + begin + local, e, p);
+                    merged[i * elements + e] = rng.keep(sr.sample_index(i), e, p);
         }
         CHECK(merged == one);
     }
     // Replica 2 of 4 explicitly: its samples are global 19..27 (shard sizes 10, 9, 9, 9).
-    const auto [b2, e2] = shard(global_batch, 2, 4);
-    CHECK(b2 == 19);
-    CHECK(e2 == 28);
+    const shard_range r2 = shard(global_batch, 2, 4);
+    CHECK(r2.begin == 19);
+    CHECK(r2.end == 28);
     // ... and masks differ between samples and between streams (no repetition).
     int same_sample = 0, same_stream = 0;
     for (std::uint64_t e = 0; e < elements; ++e) {

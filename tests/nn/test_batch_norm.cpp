@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 using namespace lockstep;
@@ -29,6 +30,22 @@ void solo(F&& f) {
     thread_group group(1, {.timeout = std::chrono::seconds(30)});
     group.run([&](thread_communicator& comm) { f(comm); });
 }
+
+/// Assertions made on solo()'s replica thread: recorded there (what, passed) and asserted on the
+/// test's thread once run() returned (Catch2's assertions belong on the main thread).
+struct deferred_checks {
+    std::vector<std::pair<std::string, bool>> results;
+    void operator()(bool passed, std::string what) {
+        results.emplace_back(std::move(what), passed);
+    }
+    void assert_all() const {
+        CHECK_FALSE(results.empty());
+        for (const auto& [what, passed] : results) {
+            INFO(what);
+            CHECK(passed);
+        }
+    }
+};
 
 std::vector<double> as_double(std::span<const float> s) {
     return {s.begin(), s.end()};
@@ -55,6 +72,7 @@ TEMPLATE_TEST_CASE("batch_norm matches the double-precision reference on one rep
         layer.gamma()[c] = static_cast<T>(gamma[c]);
         layer.beta()[c] = static_cast<T>(beta[c]);
     }
+    deferred_checks check_later;
     solo([&](auto& comm) {
         testing::counting_communicator counted(comm);
         for (unsigned step = 0; step < 3; ++step) {
@@ -69,21 +87,34 @@ TEMPLATE_TEST_CASE("batch_norm matches the double-precision reference on one rep
             rm = ref.running_mean;
             rv = ref.running_var;
             const double tol = bn_test::tolerance<T>();
-            CHECK(bn_test::rel_error(y, ref.y) <= tol);
-            CHECK(bn_test::rel_error(dx, ref.dx) <= tol);
+            check_later(bn_test::rel_error(y, ref.y) <= tol,
+                        "step " + std::to_string(step) + ": bn_test::rel_error(y, ref.y) <= tol");
+            check_later(bn_test::rel_error(dx, ref.dx) <= tol,
+                        "step " + std::to_string(step) + ": bn_test::rel_error(dx, ref.dx) <= tol");
             std::vector<double> dg(d.c), db(d.c);
             for (std::size_t c = 0; c < d.c; ++c) {
                 dg[c] = layer.dgamma()[c] - dg0[c]; // backward accumulates
                 db[c] = layer.dbeta()[c] - db0[c];
             }
-            CHECK(bn_test::rel_error(dg, ref.dgamma) <= tol);
-            CHECK(bn_test::rel_error(db, ref.dbeta) <= tol);
-            CHECK(bn_test::rel_error(layer.running_mean(), rm) <= tol);
-            CHECK(bn_test::rel_error(layer.running_var(), rv) <= tol);
-            CHECK(bn_test::rel_error(layer.batch_mean(), ref.mean) <= tol);
+            check_later(bn_test::rel_error(dg, ref.dgamma) <= tol,
+                        "step " + std::to_string(step) +
+                            ": bn_test::rel_error(dg, ref.dgamma) <= tol");
+            check_later(bn_test::rel_error(db, ref.dbeta) <= tol,
+                        "step " + std::to_string(step) +
+                            ": bn_test::rel_error(db, ref.dbeta) <= tol");
+            check_later(bn_test::rel_error(layer.running_mean(), rm) <= tol,
+                        "step " + std::to_string(step) +
+                            ": bn_test::rel_error(layer.running_mean(), rm) <= tol");
+            check_later(bn_test::rel_error(layer.running_var(), rv) <= tol,
+                        "step " + std::to_string(step) +
+                            ": bn_test::rel_error(layer.running_var(), rv) <= tol");
+            check_later(bn_test::rel_error(layer.batch_mean(), ref.mean) <= tol,
+                        "step " + std::to_string(step) +
+                            ": bn_test::rel_error(layer.batch_mean(), ref.mean) <= tol");
         }
-        CHECK(layer.num_batches_tracked() == 3);
-        CHECK(counted.counts().collectives() == 0); // bn::local never communicates
+        check_later(layer.num_batches_tracked() == 3, "layer.num_batches_tracked() == 3");
+        check_later(counted.counts().collectives() == 0,
+                    "counted.counts().collectives() == 0"); // bn::local never communicates
 
         // Inference uses the running statistics and no communication.
         const auto x = bn_test::random_values<T>(d.size(), 300, -1.0, 2.0);
@@ -95,9 +126,11 @@ TEMPLATE_TEST_CASE("batch_norm matches the double-precision reference on one rep
                     const std::size_t i = bn_test::index<L>(d, n, c, s);
                     expect[i] = (x[i] - rm[c]) / std::sqrt(rv[c] + p.eps) * gamma[c] + beta[c];
                 }
-        CHECK(bn_test::rel_error(y, expect) <= bn_test::tolerance<T>());
-        CHECK(counted.counts().collectives() == 0);
+        check_later(bn_test::rel_error(y, expect) <= bn_test::tolerance<T>(),
+                    "bn_test::rel_error(y, expect) <= bn_test::tolerance<T>()");
+        check_later(counted.counts().collectives() == 0, "counted.counts().collectives() == 0");
     });
+    check_later.assert_all();
 }
 
 TEMPLATE_TEST_CASE("batch_norm backward matches finite differences", "[nn][bn]", nn::nchw, nn::nhwc,
@@ -111,6 +144,7 @@ TEMPLATE_TEST_CASE("batch_norm backward matches finite differences", "[nn][bn]",
     layer.gamma()[1] = -0.6;
     layer.beta()[1] = 0.4;
     std::vector<double> y(d.size()), dx(d.size());
+    deferred_checks check_later;
     solo([&](auto& comm) {
         auto loss = [&](const std::vector<double>& x) {
             layer.forward_train(comm, std::span<const double>(x), bn_test::shape_of<L>(d),
@@ -130,7 +164,8 @@ TEMPLATE_TEST_CASE("batch_norm backward matches finite differences", "[nn][bn]",
             xm[i] -= h;
             fd[i] = (loss(xp) - loss(xm)) / (2 * h);
         }
-        CHECK(bn_test::rel_error(dx, fd) <= 1e-7); // central differences: O(h^2) + rounding
+        check_later(bn_test::rel_error(dx, fd) <= 1e-7,
+                    "bn_test::rel_error(dx, fd) <= 1e-7"); // central differences: O(h^2) + rounding
         const std::vector<double> dgamma(layer.dgamma().begin(), layer.dgamma().end());
         const std::vector<double> dbeta(layer.dbeta().begin(), layer.dbeta().end());
         std::vector<double> fdg(d.c), fdb(d.c);
@@ -149,9 +184,12 @@ TEMPLATE_TEST_CASE("batch_norm backward matches finite differences", "[nn][bn]",
             fdg[c] = (lgp - lgm) / (2 * h);
             fdb[c] = (lbp - lbm) / (2 * h);
         }
-        CHECK(bn_test::rel_error(dgamma, fdg) <= 1e-7);
-        CHECK(bn_test::rel_error(dbeta, fdb) <= 1e-7);
+        check_later(bn_test::rel_error(dgamma, fdg) <= 1e-7,
+                    "bn_test::rel_error(dgamma, fdg) <= 1e-7");
+        check_later(bn_test::rel_error(dbeta, fdb) <= 1e-7,
+                    "bn_test::rel_error(dbeta, fdb) <= 1e-7");
     });
+    check_later.assert_all();
 }
 
 TEST_CASE("batch_norm statistics are stable for data with a large mean", "[nn][bn]") {

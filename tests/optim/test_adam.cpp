@@ -42,26 +42,27 @@ TEMPLATE_TEST_CASE("adam: hand-computed steps", "[optim][adam][host]", float, do
         //         0.001999); w -= (0.1 / 0.19) m / (sqrt(v / bc2) + eps).
         const auto w = two_steps<adam<T>>({.lr = 0.1});
         const double w10 = 1 - 0.05 / (0.5 + eps), w11 = -2 - 0.025 / (0.25 + eps);
-        CHECK(w[0][0] == Approx(w10).margin(tol));
-        CHECK(w[0][1] == Approx(w11).margin(tol));
-        CHECK(w[1][0] == Approx(w10 - (0.1 / 0.19) * -0.005 / (0.5 + eps)).margin(tol));
+        CHECK(w[0][0] == Approx(w10).margin(tol).epsilon(0));
+        CHECK(w[0][1] == Approx(w11).margin(tol).epsilon(0));
+        CHECK(w[1][0] == Approx(w10 - (0.1 / 0.19) * -0.005 / (0.5 + eps)).margin(tol).epsilon(0));
         CHECK(w[1][1] ==
               Approx(w11 - (0.1 / 0.19) * 0.1225 / (std::sqrt(1.0624375e-3 / 0.001999) + eps))
-                  .margin(tol));
+                  .margin(tol)
+                  .epsilon(0));
     }
     SECTION("eps is added outside the square root") {
         // step 1 with eps = 0.1: w = {1 - 0.05 / (0.5 + 0.1), -2 - 0.025 / (0.25 + 0.1)}
         // = {0.91666..., -2.0714285...}; eps inside the root would give 1 - 0.05 / sqrt(0.35).
         const auto w = two_steps<adam<T>>({.lr = 0.1, .eps = 0.1});
-        CHECK(w[0][0] == Approx(1 - 0.05 / 0.6).margin(tol));
-        CHECK(w[0][1] == Approx(-2 - 0.025 / 0.35).margin(tol));
+        CHECK(w[0][0] == Approx(1 - 0.05 / 0.6).margin(tol).epsilon(0));
+        CHECK(w[0][1] == Approx(-2 - 0.025 / 0.35).margin(tol).epsilon(0));
     }
     SECTION("L2 weight decay 0.1 enters the moments") {
         // step 1: g' = g + 0.1 w = {0.6, 0.05}; sqrt(v / bc2) = |g'|; step size 1;
         //         w = {1 - 0.06 / (0.6 + eps), -2 - 0.005 / (0.05 + eps)}.
         const auto w = two_steps<adam<T>>({.lr = 0.1, .weight_decay = 0.1});
-        CHECK(w[0][0] == Approx(1 - 0.06 / (0.6 + eps)).margin(tol));
-        CHECK(w[0][1] == Approx(-2 - 0.005 / (0.05 + eps)).margin(tol));
+        CHECK(w[0][0] == Approx(1 - 0.06 / (0.6 + eps)).margin(tol).epsilon(0));
+        CHECK(w[0][1] == Approx(-2 - 0.005 / (0.05 + eps)).margin(tol).epsilon(0));
     }
 }
 
@@ -74,12 +75,14 @@ TEMPLATE_TEST_CASE("adamw: decoupled weight decay", "[optim][adam][host]", float
     // step 2: w'' = 0.99 w; then the same moment arithmetic as Adam's step 2.
     const auto w = two_steps<adamw<T>>({.lr = 0.1, .weight_decay = 0.1});
     const double w10 = 0.99 - 0.05 / (0.5 + eps), w11 = -1.98 - 0.025 / (0.25 + eps);
-    CHECK(w[0][0] == Approx(w10).margin(tol));
-    CHECK(w[0][1] == Approx(w11).margin(tol));
-    CHECK(w[1][0] == Approx(0.99 * w10 - (0.1 / 0.19) * -0.005 / (0.5 + eps)).margin(tol));
+    CHECK(w[0][0] == Approx(w10).margin(tol).epsilon(0));
+    CHECK(w[0][1] == Approx(w11).margin(tol).epsilon(0));
+    CHECK(w[1][0] ==
+          Approx(0.99 * w10 - (0.1 / 0.19) * -0.005 / (0.5 + eps)).margin(tol).epsilon(0));
     CHECK(w[1][1] ==
           Approx(0.99 * w11 - (0.1 / 0.19) * 0.1225 / (std::sqrt(1.0624375e-3 / 0.001999) + eps))
-              .margin(tol));
+              .margin(tol)
+              .epsilon(0));
     // PyTorch's AdamW default weight decay.
     CHECK(lockstep::optim::adamw_params{}.weight_decay == 0.01);
 }

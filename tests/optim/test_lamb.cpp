@@ -32,9 +32,9 @@ TEMPLATE_TEST_CASE("lamb: hand-computed steps with per-tensor trust ratios", "[o
     const double wb = 1 - 0.1 * (0.5 / (0.5 + eps));
     CHECK(opt.trust_ratios()[0] == Approx(ratio).epsilon(sizeof(T) == 4 ? 1e-6 : 1e-13));
     CHECK(opt.trust_ratios()[1] == 1.0);
-    CHECK(w[0] == Approx(w0).margin(tol));
-    CHECK(w[1] == Approx(w1).margin(tol));
-    CHECK(w[2] == Approx(wb).margin(tol));
+    CHECK(w[0] == Approx(w0).margin(tol).epsilon(0));
+    CHECK(w[1] == Approx(w1).margin(tol).epsilon(0));
+    CHECK(w[2] == Approx(wb).margin(tol).epsilon(0));
 
     // Step 2 with the same g: m = (0.09 + 0.1) g = 0.19 g, v = (0.000999 + 0.001) g^2 =
     //   0.001999 g^2; bc1 = 0.19, bc2 = 0.001999, so again m_hat = g, v_hat = g^2 and
@@ -42,9 +42,9 @@ TEMPLATE_TEST_CASE("lamb: hand-computed steps with per-tensor trust ratios", "[o
     opt.step(w, g);
     const double s0 = 0.6 / (0.6 + eps) + 0.1 * w0, s1 = -0.8 / (0.8 + eps) + 0.1 * w1;
     const double ratio2 = std::sqrt(w0 * w0 + w1 * w1) / std::sqrt(s0 * s0 + s1 * s1);
-    CHECK(w[0] == Approx(w0 - 0.1 * ratio2 * s0).margin(tol));
-    CHECK(w[1] == Approx(w1 - 0.1 * ratio2 * s1).margin(tol));
-    CHECK(w[2] == Approx(wb - 0.1 * (0.5 / (0.5 + eps))).margin(tol));
+    CHECK(w[0] == Approx(w0 - 0.1 * ratio2 * s0).margin(tol).epsilon(0));
+    CHECK(w[1] == Approx(w1 - 0.1 * ratio2 * s1).margin(tol).epsilon(0));
+    CHECK(w[2] == Approx(wb - 0.1 * (0.5 / (0.5 + eps))).margin(tol).epsilon(0));
 }
 
 TEST_CASE("lamb: phi clamps the weight norm in the trust ratio", "[optim][lamb][host]") {
@@ -57,7 +57,7 @@ TEST_CASE("lamb: phi clamps the weight norm in the trust ratio", "[optim][lamb][
     const double r0 = 0.6 / (0.6 + eps) + 0.3, r1 = -0.8 / (0.8 + eps) + 0.4;
     const double ratio = 2.0 / std::sqrt(r0 * r0 + r1 * r1);
     CHECK(opt.trust_ratios()[0] == Approx(ratio).epsilon(1e-13));
-    CHECK(w[0] == Approx(3 - 0.1 * ratio * r0).margin(1e-13));
+    CHECK(w[0] == Approx(3 - 0.1 * ratio * r0).margin(1e-13).epsilon(0));
     // And phi_min lifts a small norm: w = {0.003, 0.004} (norm 0.005) with phi_min = 0.01.
     lamb<double> lifted(2, {.lr = 0.1, .eps = eps, .weight_decay = 0.0, .phi_min = 0.01});
     std::vector<double> small{0.003, 0.004};

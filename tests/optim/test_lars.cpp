@@ -35,11 +35,11 @@ TEMPLATE_TEST_CASE("lars: hand-computed steps with per-tensor trust ratios", "[o
     CHECK(opt.trust_ratios()[0] == Approx(1.0 / 70.0).epsilon(sizeof(T) == 4 ? 1e-6 : 1e-14));
     CHECK(opt.trust_ratios()[1] == 1.0);
     CHECK(opt.trust_ratios()[2] == 1.0);
-    CHECK(w[0] == Approx(2.997).margin(tol));
-    CHECK(w[1] == Approx(3.996).margin(tol));
-    CHECK(w[2] == Approx(0.95).margin(tol));
-    CHECK(w[3] == Approx(-0.1).margin(tol));
-    CHECK(w[4] == Approx(0.1).margin(tol));
+    CHECK(w[0] == Approx(2.997).margin(tol).epsilon(0));
+    CHECK(w[1] == Approx(3.996).margin(tol).epsilon(0));
+    CHECK(w[2] == Approx(0.95).margin(tol).epsilon(0));
+    CHECK(w[3] == Approx(-0.1).margin(tol).epsilon(0));
+    CHECK(w[4] == Approx(0.1).margin(tol).epsilon(0));
 
     // Step 2, g = {-0.3, 0.4 | -0.5 | 0, 0}.
     // tensor 0: ||w|| = 4.995, ||g|| = 0.5, trust = 0.04995 / (0.5 + 2.4975) = 0.04995 / 2.9975;
@@ -52,11 +52,11 @@ TEMPLATE_TEST_CASE("lars: hand-computed steps with per-tensor trust ratios", "[o
     opt.step(w, g2);
     const double trust = 0.04995 / 2.9975;
     CHECK(opt.trust_ratios()[0] == Approx(trust).epsilon(sizeof(T) == 4 ? 1e-6 : 1e-13));
-    CHECK(w[0] == Approx(2.997 - (0.0027 + 0.1 * trust * 1.1985)).margin(tol));
-    CHECK(w[1] == Approx(3.996 - (0.0036 + 0.1 * trust * 2.398)).margin(tol));
-    CHECK(w[2] == Approx(0.955).margin(tol));
-    CHECK(w[3] == Approx(-0.185).margin(tol));
-    CHECK(w[4] == Approx(0.185).margin(tol));
+    CHECK(w[0] == Approx(2.997 - (0.0027 + 0.1 * trust * 1.1985)).margin(tol).epsilon(0));
+    CHECK(w[1] == Approx(3.996 - (0.0036 + 0.1 * trust * 2.398)).margin(tol).epsilon(0));
+    CHECK(w[2] == Approx(0.955).margin(tol).epsilon(0));
+    CHECK(w[3] == Approx(-0.185).margin(tol).epsilon(0));
+    CHECK(w[4] == Approx(0.185).margin(tol).epsilon(0));
 }
 
 TEST_CASE("lars: invalid parameters throw lockstep::error", "[optim][lars][host]") {

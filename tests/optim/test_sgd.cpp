@@ -36,20 +36,20 @@ TEMPLATE_TEST_CASE("sgd: hand-computed steps", "[optim][sgd][host]", float, doub
         // w1 = {1 - 0.1*0.5, -2 - 0.1*0.25} = {0.95, -2.025};
         // w2 = {0.95 + 0.05, -2.025 - 0.1} = {1.0, -2.125}.
         const auto w = two_steps<T>({.lr = 0.1});
-        CHECK(w[0][0] == Approx(0.95).margin(tol));
-        CHECK(w[0][1] == Approx(-2.025).margin(tol));
-        CHECK(w[1][0] == Approx(1.0).margin(tol));
-        CHECK(w[1][1] == Approx(-2.125).margin(tol));
+        CHECK(w[0][0] == Approx(0.95).margin(tol).epsilon(0));
+        CHECK(w[0][1] == Approx(-2.025).margin(tol).epsilon(0));
+        CHECK(w[1][0] == Approx(1.0).margin(tol).epsilon(0));
+        CHECK(w[1][1] == Approx(-2.125).margin(tol).epsilon(0));
     }
     SECTION("momentum 0.9 and weight decay 0.1") {
         // step 1: d = g + 0.1 w = {0.6, 0.05}; b = d; w = w - 0.1 b = {0.94, -2.005}.
         // step 2: d = {-0.5 + 0.094, 1 - 0.2005} = {-0.406, 0.7995};
         //         b = 0.9 {0.6, 0.05} + d = {0.134, 0.8445}; w = {0.94 - 0.0134, -2.005 - 0.08445}.
         const auto w = two_steps<T>({.lr = 0.1, .momentum = 0.9, .weight_decay = 0.1});
-        CHECK(w[0][0] == Approx(0.94).margin(tol));
-        CHECK(w[0][1] == Approx(-2.005).margin(tol));
-        CHECK(w[1][0] == Approx(0.9266).margin(tol));
-        CHECK(w[1][1] == Approx(-2.08945).margin(tol));
+        CHECK(w[0][0] == Approx(0.94).margin(tol).epsilon(0));
+        CHECK(w[0][1] == Approx(-2.005).margin(tol).epsilon(0));
+        CHECK(w[1][0] == Approx(0.9266).margin(tol).epsilon(0));
+        CHECK(w[1][1] == Approx(-2.08945).margin(tol).epsilon(0));
     }
     SECTION("Nesterov momentum 0.9 and weight decay 0.1") {
         // step 1: d = {0.6, 0.05}; b = d; d' = d + 0.9 b = {1.14, 0.095}; w = {0.886, -2.0095}.
@@ -58,19 +58,19 @@ TEMPLATE_TEST_CASE("sgd: hand-computed steps", "[optim][sgd][host]", float, doub
         //         d' = d + 0.9 b = {-0.29566, 1.558695}; w = {0.915566, -2.1653695}.
         const auto w =
             two_steps<T>({.lr = 0.1, .momentum = 0.9, .weight_decay = 0.1, .nesterov = true});
-        CHECK(w[0][0] == Approx(0.886).margin(tol));
-        CHECK(w[0][1] == Approx(-2.0095).margin(tol));
-        CHECK(w[1][0] == Approx(0.915566).margin(tol));
-        CHECK(w[1][1] == Approx(-2.1653695).margin(tol));
+        CHECK(w[0][0] == Approx(0.886).margin(tol).epsilon(0));
+        CHECK(w[0][1] == Approx(-2.0095).margin(tol).epsilon(0));
+        CHECK(w[1][0] == Approx(0.915566).margin(tol).epsilon(0));
+        CHECK(w[1][1] == Approx(-2.1653695).margin(tol).epsilon(0));
     }
     SECTION("dampening 0.5 is not applied on the first step") {
         // step 1: b = g = {0.5, 0.25}; w = {0.95, -2.025}.
         // step 2: b = 0.9 {0.5, 0.25} + 0.5 {-0.5, 1} = {0.2, 0.725}; w = {0.93, -2.0975}.
         const auto w = two_steps<T>({.lr = 0.1, .momentum = 0.9, .dampening = 0.5});
-        CHECK(w[0][0] == Approx(0.95).margin(tol));
-        CHECK(w[0][1] == Approx(-2.025).margin(tol));
-        CHECK(w[1][0] == Approx(0.93).margin(tol));
-        CHECK(w[1][1] == Approx(-2.0975).margin(tol));
+        CHECK(w[0][0] == Approx(0.95).margin(tol).epsilon(0));
+        CHECK(w[0][1] == Approx(-2.025).margin(tol).epsilon(0));
+        CHECK(w[1][0] == Approx(0.93).margin(tol).epsilon(0));
+        CHECK(w[1][1] == Approx(-2.0975).margin(tol).epsilon(0));
     }
 }
 

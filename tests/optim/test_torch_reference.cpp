@@ -34,13 +34,21 @@ std::vector<double> grad(int t) {
     return g;
 }
 
-// Runs the script with `python`; returns {exit status, name -> weights}.
-std::pair<int, std::map<std::string, std::vector<double>>> run_torch(const std::string& python) {
-    const std::string cmd = python + " '" LOCKSTEP_TORCH_REFERENCE "' 2>/dev/null";
+// What one run of the script gave: its exit status (-1: no exit status), name -> weights, and
+// its whole output (standard error included, for a failure's message).
+struct torch_run {
+    int status = -1;
+    std::map<std::string, std::vector<double>> weights;
+    std::string text;
+};
+
+// Runs the script with `python`.
+torch_run run_torch(const std::string& python) {
+    const std::string cmd = python + " '" LOCKSTEP_TORCH_REFERENCE "' 2>&1";
     FILE* p = popen(cmd.c_str(), "r");
     std::map<std::string, std::vector<double>> out;
     if (p == nullptr)
-        return {-1, out};
+        return {-1, out, "popen failed"};
     std::string text;
     char buf[4096];
     while (std::fgets(buf, sizeof buf, p) != nullptr)
@@ -56,16 +64,22 @@ std::pair<int, std::map<std::string, std::vector<double>>> run_torch(const std::
         while (ls >> x)
             out[name].push_back(x);
     }
-    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out, text};
 }
 
-// The first interpreter that has torch (Debian's python3-torch lives in /usr/bin/python3, which
-// a pyenv or venv python3 earlier in PATH does not see).
-std::pair<int, std::map<std::string, std::vector<double>>> run_torch() {
-    std::pair<int, std::map<std::string, std::vector<double>>> r{-1, {}};
+// No torch (the script's 77) or no interpreter (the shell's 127): try the next one.
+bool unavailable(int status) {
+    return status == 77 || status == 127;
+}
+
+// The script's run with the first interpreter that has torch (Debian's python3-torch lives in
+// /usr/bin/python3, which a pyenv or venv python3 earlier in PATH does not see). Any other
+// outcome (the script failed) ends the search: it is the result.
+torch_run run_torch() {
+    torch_run r;
     for (const char* python : {"/usr/bin/python3", "python3"}) {
         r = run_torch(python);
-        if (r.first == 0)
+        if (!unavailable(r.status))
             break;
     }
     return r;
@@ -84,13 +98,16 @@ std::vector<double> run_lockstep(typename O::params_type p) {
 } // namespace
 
 TEST_CASE("optimizers match PyTorch's (float64, 10 steps)", "[optim][torch][host]") {
-    const auto [status, torch] = run_torch();
-    if (status != 0) { // 77: no torch; 127: no python3
+    const torch_run run = run_torch();
+    if (unavailable(run.status)) {
         // Reported to CTest as skipped (SKIP_RETURN_CODE 77), never as a pass with no check.
         std::printf("python3 with torch is not available: the PyTorch cross-check is skipped\n");
         std::fflush(stdout);
         std::_Exit(77);
     }
+    INFO("the PyTorch script's output:\n" << run.text);
+    REQUIRE(run.status == 0); // the script itself failed
+    const auto& torch = run.weights;
     const std::map<std::string, std::vector<double>> mine = {
         {"sgd", run_lockstep<optim::sgd<double>>(
                     {.lr = 0.05, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01})},
