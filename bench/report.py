@@ -31,7 +31,8 @@ GPU_SUMMARY = (
     "27239b8, whose kernels have changed since, not yet measured: "
     "[gpu_batch_norm.md](gpu_batch_norm.md)): lockstep's batch norm at 1.29-4.07x its traffic "
     "bound where the activations are at least 16 MiB, and 1.00-2.50x slower than the best of "
-    "cuDNN and PyTorch on every shape, each ratio against the anchor timed in the same call.")
+    "cuDNN and PyTorch on every shape (cuDNN timed in the same call as lockstep; PyTorch in a "
+    "separate run of the same shapes, as CUDA-graph replays).")
 
 
 def read(path):
@@ -269,7 +270,9 @@ def section_allreduce(rows):
     text = ["## all_reduce bandwidth (bench/allreduce.cpp)", "",
             "all_reduce (sum, float) of S bytes per replica, 2 replicas: the thread group (one "
             "process) against its traffic bound (4 x S bytes at the STREAM-copy bandwidth of "
-            "64 MiB arrays: a DRAM bound that sizes staying in cache can beat), and under "
+            "64 MiB arrays with the same 2 threads: the speed of the plainest code moving those "
+            "bytes, not a hardware limit; where the arrays stay in a large last-level cache "
+            "(see [Machine and load](#machine-and-load)) lockstep can beat it), and under "
             "`mpiexec -n 2` `mpi_communicator` (with and without its signature check) against raw "
             "`MPI_Allreduce` on the same buffers. Medians of the slowest replica's time per call. "
             "Bus bandwidth = S / time x 2 (n - 1) / n (for n = 2 it equals S / time). Thread "
@@ -295,14 +298,15 @@ def section_allreduce(rows):
                     fmt(num(plain["ratio"])) if plain else "-",
                     fmt(num(verify["ratio"])) if verify else "-"])
     text += [table(["size", "thread_group GB/s", "thread_group time/bound", "raw MPI GB/s",
-                    "mpi_communicator GB/s", "plain/raw", "verify/raw"], out)]
+                    "mpi_communicator (verify off) GB/s", "plain/raw", "verify/raw"], out)]
     paired = [r for r in rows if r["variant"] == "lockstep_paired"]
     if paired:
         plain = {int(r["bytes"]): r for r in rows if r["variant"] == "openmp_paired"}
         text += ["", "Paired with a STREAM copy on the same threads, interleaved call by call "
                      "(robust to load): the copy moves exactly the all_reduce's traffic bound "
-                     "(each thread reads and writes 2 x S bytes), so *time/bound* = the median over "
-                     "calls of the call's all_reduce time / its copy's time, and *bound/time* is "
+                     "(the two threads together read 2 x S and write 2 x S bytes), so "
+                     "*time/bound* = the median over calls of the call's all_reduce time / its "
+                     "copy's time, and *bound/time* is "
                      "the fraction of the bound reached. *plain* is an OpenMP reduce-scatter + "
                      "all-gather written without lockstep (two threads, each summing its half of "
                      "both inputs, a barrier, then copying the other half), paired with its own "
@@ -540,7 +544,9 @@ def section_overlap(rows):
             "as long as its gradient reduction, trained with `reduce::bucketed<8 MiB>` and "
             "`train_params::overlap` never and always, over a simulated 10 Gb/s link (2 and 4 "
             "replicas), the thread group and MPI, beside PyTorch DDP on gloo running the same "
-            "network (when torch is installed). *step/max* = step / max(compute, wire) (1.0 = "
+            "network (when torch is installed; its backward is calibrated to the thread_group "
+            "row's reduction, not to its own gloo reduction, so its *step/max* measures gloo "
+            "more than its overlap). *step/max* = step / max(compute, wire) (1.0 = "
             "the reduction fully hidden); *step/sum* = step / (compute + reduce). On the "
             "simulated link, *carriage* is the wrapped communicator's all_reduce of the same "
             "buckets alone (the data the link's model sends, moved by memory work on the compute "
