@@ -135,14 +135,7 @@ private:
         LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &process));
         std::exception_ptr failure;
         try {
-            int level = MPI_THREAD_SINGLE;
-            LOCKSTEP_MPI_CHECK(MPI_Query_thread(&level));
-            LOCKSTEP_REQUIRE(level == MPI_THREAD_MULTIPLE, errc::unsupported, process,
-                             "gpu_hierarchical_group", "MPI provides thread level ", level,
-                             ", this needs MPI_THREAD_MULTIPLE (", MPI_THREAD_MULTIPLE,
-                             "): initialise MPI with mpi_environment(argc, argv, "
-                             "{.requested = MPI_THREAD_MULTIPLE, .required = "
-                             "MPI_THREAD_MULTIPLE})");
+            detail::require_thread_multiple("gpu_hierarchical_group", process);
             gpus_.emplace(devices ? std::move(*devices) : visible_devices(), params_.gpus);
         } catch (...) {
             failure = std::current_exception();

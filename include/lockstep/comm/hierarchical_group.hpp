@@ -240,14 +240,7 @@ private:
         LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &process));
         std::exception_ptr failure;
         try {
-            int level = MPI_THREAD_SINGLE;
-            LOCKSTEP_MPI_CHECK(MPI_Query_thread(&level));
-            LOCKSTEP_REQUIRE(level == MPI_THREAD_MULTIPLE, errc::unsupported, process,
-                             "hierarchical_group", "MPI provides thread level ", level,
-                             ", this needs MPI_THREAD_MULTIPLE (", MPI_THREAD_MULTIPLE,
-                             "): initialise MPI with mpi_environment(argc, argv, "
-                             "{.requested = MPI_THREAD_MULTIPLE, .required = "
-                             "MPI_THREAD_MULTIPLE})");
+            detail::require_thread_multiple("hierarchical_group", process);
             LOCKSTEP_REQUIRE(threads >= 1, errc::invalid_argument, process, "hierarchical_group",
                              "threads ", threads, " must be at least 1");
         } catch (...) {

@@ -1,5 +1,6 @@
-// lockstep/comm/detail/mpi_job_failure.hpp: how a replica thread of an MPI job ends the job on a
-// failure (hierarchical_group, gpu_hierarchical_group). SPDX-License-Identifier: Apache-2.0
+// lockstep/comm/detail/mpi_job_failure.hpp: what the groups of replica threads in every MPI
+// process (hierarchical_group, gpu_hierarchical_group) share: the thread level they need, and
+// how a replica thread ends the job on a failure. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
 #include "lockstep/core/error.hpp"
@@ -12,6 +13,18 @@
 #include <stdexcept>
 
 namespace lockstep::detail {
+
+/// Throws errc::unsupported (naming `group` and process rank `process`) unless MPI provides
+/// MPI_THREAD_MULTIPLE: the replica threads of a process call MPI at the same time.
+inline void require_thread_multiple(const char* group, int process) {
+    int level = MPI_THREAD_SINGLE;
+    LOCKSTEP_MPI_CHECK(MPI_Query_thread(&level));
+    LOCKSTEP_REQUIRE(level == MPI_THREAD_MULTIPLE, errc::unsupported, process, group,
+                     "MPI provides thread level ", level, ", this needs MPI_THREAD_MULTIPLE (",
+                     MPI_THREAD_MULTIPLE,
+                     "): initialise MPI with mpi_environment(argc, argv, "
+                     "{.requested = MPI_THREAD_MULTIPLE, .required = MPI_THREAD_MULTIPLE})");
+}
 
 /// True when e is errc::peer_failure: it only echoes another replica's failure, and that
 /// replica ends the job with the root cause, so this one just leaves.
