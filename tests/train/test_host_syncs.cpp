@@ -182,7 +182,9 @@ TEST_CASE("a layer error found on the device (one value per channel) is an error
           "replica at the end of the step",
           "[train][thread][sync]") {
     std::vector<std::string> errors(2);
-    std::vector<bool> unchanged(2, false); // Catch2 checks on this thread, after run()
+    // Catch2 checks on this thread, after run(); int, not bool: std::vector<bool> packs both
+    // replicas' flags into one word.
+    std::vector<int> unchanged(2, 0);
     thread_group group(2, {.timeout = std::chrono::seconds(30)});
     group.run([&](thread_communicator& inner) {
         comm_type comm(inner);
@@ -199,7 +201,7 @@ TEST_CASE("a layer error found on the device (one value per channel) is an error
         unchanged[static_cast<std::size_t>(comm.rank())] =
             std::vector<float>(after.begin(), after.end()) == start;
     });
-    CHECK(unchanged == std::vector<bool>{true, true});
+    CHECK(unchanged == std::vector<int>{1, 1});
     for (const auto& e : errors) {
         CHECK(e.find("invalid_argument") != std::string::npos);
         CHECK(e.find("step 0 skipped: batch_norm layer 0 (in forward order): expected more than "
