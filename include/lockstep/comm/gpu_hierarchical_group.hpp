@@ -70,9 +70,10 @@ public:
         : gpu_hierarchical_group(comm, std::nullopt, std::move(p)) {}
 
     /// Replica i of this process on devices[i]. Collective over comm: every process sets up
-    /// its devices, then the processes agree: when any process failed (no device, a bad device
-    /// list, MPI without MPI_THREAD_MULTIPLE) or the processes give different numbers of
-    /// devices, every process throws (its own error, else errc::peer_failure or
+    /// its devices, then the processes agree (one all_gather over a duplicate of comm, within
+    /// params::mpi.timeout): when any process failed (no device, a bad device list, MPI
+    /// without MPI_THREAD_MULTIPLE) or the processes give different numbers of devices, every
+    /// process throws (its own error, else errc::peer_failure or
     /// errc::invalid_argument naming the counts), so none is left waiting; then it makes one
     /// duplicate of comm per device index. requires: MPI initialised with
     /// MPI_THREAD_MULTIPLE; devices as for gpu_group.
@@ -140,20 +141,9 @@ private:
         } catch (...) {
             failure = std::current_exception();
         }
-        // {count, -count, failed}: MAX gives the range of counts and whether any process failed.
         const int mine = gpus_ ? gpus_->size() : 0;
-        int agreed[3] = {mine, -mine, failure ? 1 : 0};
-        LOCKSTEP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, agreed, 3, MPI_INT, MPI_MAX, comm));
-        if (failure)
-            std::rethrow_exception(failure);
-        LOCKSTEP_REQUIRE(agreed[2] == 0, errc::peer_failure, process, "gpu_hierarchical_group",
-                         "another process could not set up its devices (it reports why)");
-        LOCKSTEP_REQUIRE(agreed[0] == -agreed[1], errc::invalid_argument, process,
-                         "gpu_hierarchical_group",
-                         "the processes drive different numbers of "
-                         "devices (",
-                         -agreed[1], " to ", agreed[0], "; this one ", mine,
-                         "): every process needs the same number");
+        detail::agree_replica_counts(comm, mine, failure, params_.mpi, "gpu_hierarchical_group",
+                                     "devices", "every process needs the same number");
         inter_.reserve(static_cast<std::size_t>(mine));
         for (int l = 0; l < mine; ++l)
             inter_.emplace_back(comm, params_.mpi);

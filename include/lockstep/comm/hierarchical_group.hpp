@@ -18,7 +18,6 @@
 #include <functional>
 #include <optional>
 #include <span>
-#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -232,9 +231,9 @@ public:
     }
 
 private:
-    // threads, once every process has checked its own setup and all give the same count;
-    // otherwise every process throws. Without this, a process with more threads would wait
-    // for duplicates the others never make.
+    // threads, once every process has checked its own setup and all give the same count
+    // (detail::agree_replica_counts); otherwise every process throws. Without this, a process
+    // with more threads would wait for duplicates the others never make.
     static int agreed_threads(MPI_Comm comm, int threads, const mpi_communicator_params& p) {
         int process = -1;
         LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &process));
@@ -246,24 +245,10 @@ private:
         } catch (...) {
             failure = std::current_exception();
         }
-        mpi_communicator probe(comm, p); // its own duplicate: no later call's number moves
-        std::vector<int> counts(static_cast<std::size_t>(probe.size()));
-        const int mine[] = {failure ? 0 : threads}; // 0: this process failed
-        probe.all_gather(std::span<const int>(mine), std::span<int>(counts));
-        if (failure)
-            std::rethrow_exception(failure);
-        const auto failed = std::ranges::find(counts, 0);
-        LOCKSTEP_REQUIRE(failed == counts.end(), errc::peer_failure, process, "hierarchical_group",
-                         "process ", failed - counts.begin(),
-                         " could not set up its replicas (it reports why)");
-        if (std::ranges::all_of(counts, [&](int c) { return c == threads; }))
-            return threads;
-        std::string list;
-        for (std::size_t i = 0; i < counts.size(); ++i)
-            list += detail::concat(i == 0 ? "" : ", ", "process ", i, " runs ", counts[i]);
-        throw error(errc::invalid_argument, process, "hierarchical_group",
-                    detail::concat("the processes run different numbers of replica threads (", list,
-                                   "): pass the same thread count in every process"));
+        detail::agree_replica_counts(comm, threads, failure, p, "hierarchical_group",
+                                     "replica threads",
+                                     "pass the same thread count in every process");
+        return threads;
     }
 
     // One replica: its communicator from this thread's handle and its local rank's MPI

@@ -1,16 +1,23 @@
 // lockstep/comm/detail/mpi_job_failure.hpp: what the groups of replica threads in every MPI
-// process (hierarchical_group, gpu_hierarchical_group) share: the thread level they need, and
-// how a replica thread ends the job on a failure. SPDX-License-Identifier: Apache-2.0
+// process (hierarchical_group, gpu_hierarchical_group) share: the thread level they need, the
+// processes' agreement on their replica counts, and how a replica thread ends the job on a
+// failure. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/mpi_communicator.hpp"
 #include "lockstep/core/error.hpp"
 
 #include <mpi.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <span>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 namespace lockstep::detail {
 
@@ -24,6 +31,34 @@ inline void require_thread_multiple(const char* group, int process) {
                      MPI_THREAD_MULTIPLE,
                      "): initialise MPI with mpi_environment(argc, argv, "
                      "{.requested = MPI_THREAD_MULTIPLE, .required = MPI_THREAD_MULTIPLE})");
+}
+
+/// The agreement a group makes before it builds anything over comm (collective): every process
+/// gives its replica count, or its own setup's failure (`failure`, count ignored), through one
+/// all_gather over a duplicate of comm made for that (polled within p.timeout, so no later
+/// call's number moves). Then every process throws when any failed or the counts differ: its
+/// own failure, else errc::peer_failure naming the process that failed, else
+/// errc::invalid_argument naming each process's count (`unit`: what is counted, "replica
+/// threads"; `fix`: what to do about it). Returns when every process gives `count`.
+inline void agree_replica_counts(MPI_Comm comm, int count, const std::exception_ptr& failure,
+                                 const mpi_communicator_params& p, const char* group,
+                                 const char* unit, const char* fix) {
+    mpi_communicator probe(comm, p);
+    std::vector<int> counts(static_cast<std::size_t>(probe.size()));
+    const int mine[] = {failure ? 0 : count}; // 0: this process failed
+    probe.all_gather(std::span<const int>(mine), std::span<int>(counts));
+    if (failure)
+        std::rethrow_exception(failure);
+    const auto failed = std::ranges::find(counts, 0);
+    LOCKSTEP_REQUIRE(failed == counts.end(), errc::peer_failure, probe.rank(), group, "process ",
+                     failed - counts.begin(), " could not set up its replicas (it reports why)");
+    if (std::ranges::all_of(counts, [&](int c) { return c == count; }))
+        return;
+    std::string list;
+    for (std::size_t i = 0; i < counts.size(); ++i)
+        list += concat(i == 0 ? "" : ", ", "process ", i, " runs ", counts[i]);
+    throw error(errc::invalid_argument, probe.rank(), group,
+                concat("the processes run different numbers of ", unit, " (", list, "): ", fix));
 }
 
 /// True when e is errc::peer_failure: it only echoes another replica's failure, and that
