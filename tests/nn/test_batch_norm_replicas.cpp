@@ -248,6 +248,22 @@ TEMPLATE_TEST_CASE("bn::group<2> on 4 replicas equals global BN within each pair
     }
 }
 
+TEMPLATE_TEST_CASE("bn::group<2> on 3 replicas: a pair, then a group of one", "[nn][bn][thread]",
+                   (cfg<float, nn::nchw>), (cfg<double, nn::nc>)) {
+    // policy/bn.hpp: the last group is smaller when the group size does not divide the count.
+    using T = typename TestType::value_type;
+    using L = typename TestType::layout;
+    const global_batches<T, L> data(bn_test::make_dims<L>(1, 3, 9, 9), {3, 5, 4});
+    const auto rs = run<T, L, bn::group<2>>(data);
+    const auto pair = reference(data, 0, data.shards[0] + data.shards[1]);
+    check_outputs<T>(combine(rs, 0, 2), pair);
+    check_running(rs[0], pair);
+    check_running(rs[1], pair);
+    const auto alone = reference(data, data.first(2), data.shards[2]);
+    check_outputs<T>(combine(rs, 2, 3), alone);
+    check_running(rs[2], alone);
+}
+
 TEST_CASE("bn::group splits again for a communicator built where a destroyed one stood",
           "[nn][bn][thread]") {
     // The layer keeps the sub-communicator it split for the communicator it was given. A is

@@ -31,9 +31,15 @@ TEST_CASE("batch_norm refuses non-finite or out-of-range eps and momentum", "[nn
     using layer = nn::batch_norm<float, bn::local, nn::nc>;
     const double inf = std::numeric_limits<double>::infinity();
     const double nan = std::numeric_limits<double>::quiet_NaN();
-    for (double eps : {inf, nan, 0.0, -1e-5}) {
+    // 1e39 is inf and 1e-60 is 0 in float, the layer's precision: refused there, fine in double.
+    for (double eps : {inf, nan, 0.0, -1e-5, 1e39, 1e-60}) {
         CAPTURE(eps);
         CHECK(contains(message_of([&] { layer(4, {.eps = eps}); }), "finite eps > 0"));
+    }
+    for (double eps : {1e39, 1e-60}) {
+        CAPTURE(eps);
+        CHECK(message_of([&] { nn::batch_norm<double, bn::local, nn::nc>(4, {.eps = eps}); }) ==
+              "no error");
     }
     for (double momentum : {-0.1, 1.5, nan}) {
         CAPTURE(momentum);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/span_overlap.hpp"
 #include "lockstep/kernels/bn_forward.hpp"
 #include "lockstep/kernels/bn_functors.hpp"
 #include "lockstep/kernels/bn_fused.hpp"
@@ -127,6 +128,14 @@ void require_pack_sums(std::span<const T> dy, std::span<const T> x, const channe
                      need);
 }
 
+// What is wrong when dx shares memory with dy or x (the kernels read them through restrict
+// pointers), or "".
+template <class T>
+std::string gradient_overlap(std::span<const T> dy, std::span<const T> x, std::span<T> dx) {
+    std::string p = lockstep::detail::overlap_problem(dx, "dx", dy, "dy");
+    return p.empty() ? lockstep::detail::overlap_problem(dx, "dx", x, "x") : p;
+}
+
 template <class T>
 void require_input_gradient(std::span<const T> dy, std::span<const T> x, std::span<T> dx,
                             const channel_geometry& g) {
@@ -134,6 +143,9 @@ void require_input_gradient(std::span<const T> dy, std::span<const T> x, std::sp
     LOCKSTEP_REQUIRE(dy.size() == n && x.size() == n && dx.size() == n, errc::shape_mismatch, -1,
                      "kernels::input_gradient", "dy has ", dy.size(), " values, x ", x.size(),
                      ", dx ", dx.size(), ", expected ", n);
+    const std::string overlap = gradient_overlap(dy, x, dx);
+    LOCKSTEP_REQUIRE(overlap.empty(), errc::invalid_argument, -1, "kernels::input_gradient",
+                     overlap);
 }
 
 template <class T, class Acc>
@@ -148,6 +160,9 @@ void require_fused_gradient(std::span<const T> dy, std::span<const T> x, std::sp
     LOCKSTEP_REQUIRE(dy.size() == n && x.size() == n && dx.size() == n, errc::shape_mismatch, -1,
                      "kernels::input_gradient_fused", "dy has ", dy.size(), " values, x ", x.size(),
                      ", dx ", dx.size(), ", expected ", n);
+    const std::string overlap = gradient_overlap(dy, x, dx);
+    LOCKSTEP_REQUIRE(overlap.empty(), errc::invalid_argument, -1, "kernels::input_gradient_fused",
+                     overlap);
     LOCKSTEP_REQUIRE(totals.size() >= 2 * C && local.size() >= 2 * C && count != nullptr &&
                          gamma.size() >= C && mean.size() >= C && invstd.size() >= C &&
                          (dgamma.empty() || dgamma.size() >= C) &&

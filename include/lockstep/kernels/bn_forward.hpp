@@ -3,6 +3,7 @@
 #pragma once
 
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/span_overlap.hpp"
 #include "lockstep/kernels/bn_functors.hpp"
 #include "lockstep/kernels/bn_fused.hpp"
 #include "lockstep/kernels/channel_geometry.hpp"
@@ -120,6 +121,8 @@ void require_normalize(std::span<const T> x, std::span<T> y, const channel_geome
                          scale.size() >= g.channels && beta.size() >= g.channels,
                      errc::shape_mismatch, -1, "kernels::normalize", "x has ", x.size(),
                      " values, y ", y.size(), ", expected ", n);
+    const std::string overlap = lockstep::detail::overlap_problem(x, "x", y, "y");
+    LOCKSTEP_REQUIRE(overlap.empty(), errc::invalid_argument, -1, "kernels::normalize", overlap);
 }
 } // namespace detail
 
@@ -173,7 +176,7 @@ void pack_local_moments(const System& sys, std::span<const T> x, channel_geometr
 
 /// y = (x - mean[c]) * scale[c] + beta[c] for every value of channel c (generic Thrust path).
 /// requires: x.size() == y.size() == g.size(); mean, scale, beta hold g.channels values.
-/// x and y must not overlap.
+/// x and y must not overlap (refused with errc::invalid_argument).
 template <class T, class Acc, execution_system System>
 void normalize_generic(const System& sys, std::span<const T> x, std::span<T> y, channel_geometry g,
                        std::span<const Acc> mean, std::span<const Acc> scale,
@@ -203,10 +206,14 @@ void normalize(const System& sys, std::span<const T> x, std::span<T> y, channel_
 template <class T, class Acc, execution_system System, class Finish>
 void finish_and_normalize(const System& sys, const Finish& fin, std::span<const T> x,
                           std::span<T> y, channel_geometry g, std::span<const Acc> beta) {
-    LOCKSTEP_REQUIRE(x.size() == g.size() && y.size() == g.size() && beta.size() >= g.channels,
+    const std::size_t n = checked_size(g, "kernels::finish_and_normalize");
+    LOCKSTEP_REQUIRE(x.size() == n && y.size() == n && beta.size() >= g.channels,
                      errc::shape_mismatch, -1, "kernels::finish_and_normalize", "x has ", x.size(),
-                     " values, y ", y.size(), ", expected ", g.size(), "; beta ", beta.size(),
-                     " for ", g.channels, " channels");
+                     " values, y ", y.size(), ", expected ", n, "; beta ", beta.size(), " for ",
+                     g.channels, " channels");
+    const std::string overlap = lockstep::detail::overlap_problem(x, "x", y, "y");
+    LOCKSTEP_REQUIRE(overlap.empty(), errc::invalid_argument, -1, "kernels::finish_and_normalize",
+                     overlap);
     bn_finish_normalize(sys, fin, x, y, g, beta);
 }
 

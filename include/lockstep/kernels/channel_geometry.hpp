@@ -4,6 +4,7 @@
 
 #include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/config.hpp"
+#include "lockstep/core/error.hpp"
 
 #include <cstddef>
 
@@ -35,8 +36,12 @@ struct channel_geometry {
 /// g.size() for a geometry that comes from outside (a kernel's precondition check), or throws
 /// lockstep::error (errc::invalid_argument) naming `operation` and the geometry when
 /// outer x channels x inner overflows std::size_t (a wrapped size would pass the kernels' size
-/// checks with too short spans).
+/// checks with too short spans) or when inner is 0 (the kernels take inner <= 1 as one value per
+/// (outer, channel) row: an empty batch is outer 0 with inner 1, as nchw::geometry gives it).
 inline std::size_t checked_size(const channel_geometry& g, const char* operation) {
+    LOCKSTEP_REQUIRE(g.inner > 0, errc::invalid_argument, -1, operation, "the geometry (outer ",
+                     g.outer, ", channels ", g.channels,
+                     ", inner 0) has no values per row: give an empty batch as outer 0, inner 1");
     const std::size_t extents[] = {g.outer, g.channels, g.inner};
     return checked_product(extents, -1, operation, "the geometry (outer, channels, inner)");
 }

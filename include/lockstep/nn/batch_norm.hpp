@@ -6,6 +6,7 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/host_wait.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/span_overlap.hpp"
 #include "lockstep/kernels/bn_backward.hpp"
 #include "lockstep/kernels/bn_forward.hpp"
 #include "lockstep/kernels/bn_functors.hpp"
@@ -203,6 +204,9 @@ public:
             detail::check_input<Layout>(s_.channels, x.size(), shape, y.size());
         if (!problem.empty())
             fail(errc::shape_mismatch, -1, "batch_norm.forward_eval", problem);
+        const std::string overlap = lockstep::detail::overlap_problem(x, "x", y, "y");
+        if (!overlap.empty())
+            fail(errc::invalid_argument, -1, "batch_norm.forward_eval", overlap);
         kernels::finish_and_normalize(
             s_.sys,
             kernels::eval_coefficients_fn<param_type>{
@@ -256,12 +260,16 @@ private:
         // and wait can deadlock with another thread's NCCL call).
         if (step == nullptr)
             (void)status_.errors(s_.sys);
-        const std::string problem =
-            detail::check_input<Layout>(s_.channels, x.size(), shape, y.size());
+        std::string problem = detail::check_input<Layout>(s_.channels, x.size(), shape, y.size());
+        errc code = errc::shape_mismatch;
+        if (problem.empty()) { // y would overwrite the x that backward reads again
+            problem = lockstep::detail::overlap_problem(x, "x", y, "y");
+            code = errc::invalid_argument;
+        }
         has_forward_ = false;
         if constexpr (!bn::communicates<Policy>) {
             if (!problem.empty())
-                fail(errc::shape_mismatch, rank, op, problem);
+                fail(code, rank, op, problem);
         }
         if constexpr (traits::running_replica >= 0) {
             LOCKSTEP_REQUIRE(traits::running_replica < comm.size(), errc::invalid_argument, rank,
@@ -283,7 +291,7 @@ private:
         detail::forward_blocks<param_type> f = exchange_.forward(
             comm, step, std::span<const param_type>(s_.block.span()), s_.gathered, s_.sys);
         if (!problem.empty())
-            fail(errc::shape_mismatch, rank, op, problem);
+            fail(code, rank, op, problem);
         // bn::ghost inside a reproducible step: no running update here; the chunk's block is
         // kept and every chunk of the step is applied in global order at its end.
         bool ghost_step = false;
@@ -294,7 +302,10 @@ private:
                 f.running_last = 0;
             }
         }
-        const bool keep = keep_running_statistics(step);
+        // Outside a step the running statistics are kept too, and restored when the status check
+        // below throws: every replica then leaves them as they were (a peer's bad input leaves
+        // this replica's valid blocks unapplied).
+        const bool keep = step == nullptr ? keep_outside_step() : keep_running_statistics(step);
         const kernels::layer_report report =
             step != nullptr ? step->next_report() : kernels::layer_report{s_.own_error()};
         // The statistics finished and y normalized (one launch on the CUDA system).
@@ -322,6 +333,14 @@ private:
                 .kept_mean = keep ? kept_running_.data() : nullptr,
                 .kept_var = keep ? kept_running_.data() + s_.channels : nullptr},
             xs, y.first(xs.size()), g, std::span<const param_type>(s_.beta));
+        if (step == nullptr) { // y is written, its values unspecified, when this throws
+            try {
+                status_.throw_error(comm, s_.sys, s_.own_error(), op, shape);
+            } catch (...) {
+                restore_running(nullptr);
+                throw;
+            }
+        }
         if constexpr (bn::is_ghost<Policy>) {
             if (ghost_step)
                 ghost_.record(comm, *step, std::span<const param_type>(s_.block.span()),
@@ -331,8 +350,7 @@ private:
         } else {
             count_batches(step, 1);
         }
-        if (step == nullptr) // y is written, its values unspecified, when this throws
-            status_.throw_error(comm, s_.sys, s_.own_error(), op, shape);
+        forward_comm_ = detail::forward_communicator::of(comm);
         saved_x_ = x;
         saved_geometry_ = g;
         has_forward_ = true;
@@ -352,9 +370,18 @@ private:
         else if (dy.size() != saved_x_.size() || dx.size() != saved_x_.size())
             problem = lockstep::detail::concat("dy has ", dy.size(), " values and dx ", dx.size(),
                                                ", the forward input had ", saved_x_.size());
+        errc code = errc::shape_mismatch;
+        if (problem.empty()) {
+            problem = kernels::detail::gradient_overlap(dy, saved_x_, dx);
+            if constexpr (traits::normalizes_across_replicas) {
+                if (problem.empty())
+                    problem = forward_comm_.problem(comm);
+            }
+            code = errc::invalid_argument;
+        }
         if constexpr (!traits::normalizes_across_replicas) {
             if (!problem.empty())
-                fail(errc::shape_mismatch, rank, op, problem);
+                fail(code, rank, op, problem);
         }
         const std::size_t C = s_.channels;
         const kernels::channel_geometry g =
@@ -372,7 +399,7 @@ private:
                 (void)status_.sums(s_.sys); // allocated before the enqueue, as in forward_train
             exchange_.backward(comm, step, std::span<const param_type>(local), combined);
             if (!problem.empty())
-                fail(errc::shape_mismatch, rank, op, problem);
+                fail(code, rank, op, problem);
             // Inside a trainer's step the replica with invalid gradients throws and its peers
             // learn of it from their next collective; outside, they check the status now.
             if (step == nullptr) {
@@ -429,6 +456,23 @@ private:
         return true;
     }
 
+    /// Outside a step: the running statistics are kept before the forward's update
+    /// (kept_running_), so that restore_running can undo it when the layer's check throws.
+    bool keep_outside_step() {
+        const std::size_t n = s_.running.size();
+        if (kept_running_.size() != n)
+            kept_running_ = buffer<param_type, System>(n, s_.sys);
+        kept_step_ = 0; // no step's copy any more
+        return true;
+    }
+    /// running statistics = the kept copy when skip is null or *skip != 0 (read on the device).
+    void restore_running(const int* skip) {
+        kernels::for_each_index(
+            s_.sys, s_.running.size(),
+            detail::copy_if_fn<param_type>{kept_running_.data(), s_.running.data(), skip},
+            s_.running.size());
+    }
+
     /// The step's commit (step_participant): a reproducible step's bn::ghost layer first
     /// applies the step's chunks (ghost_statistics::finish, collective) and counts them; then
     /// the running statistics = the kept copy when *skip != 0 (read on the device).
@@ -440,10 +484,7 @@ private:
                                              .var = s_.running_var(),
                                              .momentum = static_cast<param_type>(p_.momentum)}));
         }
-        kernels::for_each_index(
-            s_.sys, s_.running.size(),
-            detail::copy_if_fn<param_type>{kept_running_.data(), s_.running.data(), skip},
-            s_.running.size());
+        restore_running(skip);
     }
 
     /// num_batches_tracked += n: inside a trainer's step through it (layer_step::count), so that
@@ -463,6 +504,7 @@ private:
     std::uint64_t kept_step_ = 0;             ///< the step (layer_step::id) they belong to
     std::span<const T> saved_x_{};
     kernels::channel_geometry saved_geometry_{};
+    detail::forward_communicator forward_comm_; ///< what the last forward_train ran on
     bool has_forward_ = false;
     layer_step* joined_ = nullptr; ///< the step whose commit restores them
     detail::statistics_exchange<Policy, param_type, System> exchange_;

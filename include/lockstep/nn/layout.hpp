@@ -74,9 +74,11 @@ struct nchw {
     static constexpr std::size_t rank = 4;
     static constexpr std::size_t channel_axis = 1;
     static constexpr const char* name = "nchw";
-    /// requires: s.rank() == rank.
+    /// requires: s.rank() == rank. An empty plane (H or W 0) is an empty batch: outer 0, inner 1.
     static kernels::channel_geometry geometry(const tensor_shape& s) {
-        return {s[0], s[1], s[2] * s[3]};
+        const std::size_t plane = s[2] * s[3];
+        return plane == 0 ? kernels::channel_geometry{0, s[1], 1}
+                          : kernels::channel_geometry{s[0], s[1], plane};
     }
 };
 

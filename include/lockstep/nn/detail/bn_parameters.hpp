@@ -15,14 +15,19 @@
 namespace lockstep::nn::detail {
 
 /// channels, checked before any buffer is sized from it: throws lockstep::error
-/// (invalid_argument) unless channels >= 1, finite eps > 0, 0 <= momentum <= 1 (written so
-/// that NaN fails every comparison; eps = inf would make every output 0).
+/// (invalid_argument) unless channels >= 1, eps > 0 and finite as the layer's Acc holds it
+/// (1e39 is inf and 1e-60 is 0 in float), 0 <= momentum <= 1 (written so that NaN fails every
+/// comparison; eps = inf would make every output 0, eps = 0 a constant channel NaN).
 template <class Acc>
 std::size_t validated_channels(std::size_t channels, const batch_norm_params& p) {
-    LOCKSTEP_REQUIRE(
-        channels >= 1 && p.eps > 0 && is_finite(p.eps) && p.momentum >= 0 && p.momentum <= 1,
-        errc::invalid_argument, -1, "batch_norm", "channels = ", channels, ", eps = ", p.eps,
-        ", momentum = ", p.momentum, " (need channels >= 1, finite eps > 0, 0 <= momentum <= 1)");
+    const Acc eps = static_cast<Acc>(p.eps);
+    LOCKSTEP_REQUIRE(channels >= 1 && p.eps > 0 && is_finite(p.eps) && eps > 0 && is_finite(eps) &&
+                         p.momentum >= 0 && p.momentum <= 1,
+                     errc::invalid_argument, -1, "batch_norm", "channels = ", channels,
+                     ", eps = ", p.eps, " (", eps,
+                     " as the layer computes), momentum = ", p.momentum,
+                     " (need channels >= 1, finite eps > 0 in the layer's precision, 0 <= "
+                     "momentum <= 1)");
     // The layer keeps 4 values per channel in one buffer (gamma, beta and their gradients).
     (void)checked_bytes(checked_mul(4, channels, -1, "batch_norm", "4 * channels"), sizeof(Acc), -1,
                         "batch_norm", "the parameter buffer");

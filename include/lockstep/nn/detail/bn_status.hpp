@@ -2,6 +2,8 @@
 // and the status it reads back outside a trainer's step. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/communicator_identity.hpp"
 #include "lockstep/comm/host_wait.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/bn_statistics.hpp"
@@ -10,6 +12,7 @@
 #include "lockstep/system/staged_read.hpp"
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
@@ -39,10 +42,15 @@ std::string check_input(std::size_t channels, std::size_t x_size, const tensor_s
 }
 
 /// The stream contract: the communicator's system must be the layer's (sys); else throws
-/// lockstep::error (invalid_argument) naming both devices and streams.
+/// lockstep::error (invalid_argument) naming both devices and streams. A communicator of another
+/// system type (host memory for a device layer, or the reverse) does not compile.
 template <class System, class Comm>
 void check_system(const System& sys, const Comm& comm, const char* op) {
-    if constexpr (!System::is_host && std::is_same_v<typename Comm::system_type, System>) {
+    static_assert(std::is_same_v<typename Comm::system_type, System>,
+                  "lockstep: the batch_norm layer's System and the communicator's system_type "
+                  "differ (its collectives would get memory of the wrong kind): use a "
+                  "communicator of the layer's system, or a layer of the communicator's");
+    if constexpr (!System::is_host) {
         const System cs = comm.system();
         LOCKSTEP_REQUIRE(cs == sys, errc::invalid_argument, comm.rank(), op,
                          "the layer runs on device ", sys.device(), " stream ",
@@ -52,6 +60,33 @@ void check_system(const System& sys, const Comm& comm, const char* op) {
                          "channels)) or with comm.system()");
     }
 }
+
+/// The communicator a forward_train ran on: its backward combines its sums over the same
+/// replicas (the statistics' count is theirs), so it must run on the same communicator.
+struct forward_communicator {
+    std::uint64_t identity = 0; ///< identified_communicator's identity(), else 0
+    int size = 0;
+
+    template <communicator Comm>
+    static forward_communicator of(const Comm& comm) {
+        if constexpr (identified_communicator<Comm>)
+            return {comm.identity(), comm.size()};
+        else
+            return {0, comm.size()};
+    }
+    /// What is wrong with running the backward on `comm`, or "".
+    template <communicator Comm>
+    std::string problem(const Comm& comm) const {
+        const forward_communicator now = of(comm);
+        if (now.identity == identity && now.size == size)
+            return {};
+        return lockstep::detail::concat(
+            "backward on another communicator (", now.size, " replicas, identity ", now.identity,
+            ") than its forward_train (", size, " replicas, identity ", identity,
+            "): the sums would be combined over other replicas than the statistics; pass the "
+            "forward's communicator");
+    }
+};
 
 /// The host side of a layer's status reads outside a trainer's step (pinned on CUDA), each
 /// made on first use: the backward status value and the layer's own error record.

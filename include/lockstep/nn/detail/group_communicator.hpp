@@ -21,9 +21,9 @@ class group_communicator {
 
 public:
     /// The group of `parent` (collective on parent the first time a parent is seen: every
-    /// replica of it calls this in the same order). requires: parent.size() is a multiple of
-    /// GroupSize (bn::group checks it). ensures: the same object while the parent is the one
-    /// last used.
+    /// replica of it calls this in the same order). The last group is smaller when
+    /// GroupSize does not divide parent.size() (policy/bn.hpp). ensures: the same object while the
+    /// parent is the one last used.
     template <identified_communicator Comm>
     Comm& of(Comm& parent) {
         auto* kept = dynamic_cast<split<Comm>*>(kept_.get());

@@ -1,0 +1,31 @@
+// lockstep/core/span_overlap.hpp: whether two spans share memory (the kernels read their inputs
+// through restrict pointers, so an output that aliases an input is undefined behaviour).
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/error.hpp"
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+namespace lockstep::detail {
+
+/// What is wrong when spans `a` and `b` (named in the text) share a byte, or "" when they do not
+/// (an empty span shares nothing). Addresses are compared as integers, so the spans may live in
+/// any memory (host or device).
+template <class A, class B>
+std::string overlap_problem(std::span<A> a, const char* a_name, std::span<B> b,
+                            const char* b_name) {
+    if (a.empty() || b.empty())
+        return {};
+    const auto a0 = reinterpret_cast<std::uintptr_t>(a.data());
+    const auto b0 = reinterpret_cast<std::uintptr_t>(b.data());
+    if (a0 >= b0 + b.size_bytes() || b0 >= a0 + a.size_bytes())
+        return {};
+    return concat(a_name, " and ", b_name, " overlap (", a.size(), " and ", b.size(), " values at ",
+                  static_cast<const void*>(a.data()), " and ", static_cast<const void*>(b.data()),
+                  "): in-place use is not supported, give ", b_name, " its own buffer");
+}
+
+} // namespace lockstep::detail
