@@ -4,7 +4,9 @@
 // header CRC recomputed) and hand-made hostile markers. Every input is refused with
 // lockstep::error (checkpoint) or a problem, or reads exactly the committed shard; no allocation
 // exceeds the larger of the marker and the shard (or 4 KiB, the room messages need), so nothing
-// outside the directory is read. Run under the asan preset (ASan + UBSan) in CI.
+// outside the directory is read; a reduce::sharded checkpoint claiming a huge world size is
+// refused with no allocation beyond its files' sizes. Run under the asan preset (ASan + UBSan)
+// in CI.
 // SPDX-License-Identifier: Apache-2.0
 // The replacement operator new/delete below pair malloc with free; GCC's heuristic does not see
 // through the replacement and warns at every inlined std::allocator call.
@@ -16,6 +18,10 @@
 #include "lockstep/train/detail/checkpoint_marker.hpp"
 
 #include "checkpoint_support.hpp"
+#include "train_runner.hpp"
+
+#include "lockstep/optim/sgd.hpp"
+#include "lockstep/train/checkpoint.hpp"
 
 #include <atomic>
 #include <cstddef>
@@ -52,12 +58,15 @@ struct outcome {
     std::size_t largest_allocation = 0;
 };
 
+/// The generation of the fixture's save (the one every mutated marker is read against).
+constexpr std::uint64_t fixture_gen = 0x0123456789abcdefull;
+
 outcome read_through(const fs::path& marker) {
     outcome o;
     largest = 0;
     tracking = true;
     try {
-        const auto problems = ck::read_committed_shard(marker, 0, 1, o.shard, o.file);
+        const auto problems = ck::read_committed_shard(marker, 0, 1, fixture_gen, o.shard, o.file);
         o.read = problems.empty() && !o.file.empty();
         o.refused = !problems.empty();
         if (!problems.empty())
@@ -90,7 +99,7 @@ struct fixture {
     temp_dir root{"fuzzmarker"};
     fs::path dir = root.path / "ckpt";
     fs::path marker = dir / "m.ckpt";
-    ck::save_id id{0x0123456789abcdefull, {4242, 0xdeadbeefu}};
+    ck::save_id id{fixture_gen, {4242, 0xdeadbeefu}};
     std::string shard_name;
     std::string link_name;
     bytes shard;
@@ -269,4 +278,77 @@ TEST_CASE("hand-made hostile markers are refused before any large allocation",
         CHECK(o.message.find(c.expected) != std::string::npos);
         CHECK(o.largest_allocation <= std::max(file.size(), message_room));
     }
+}
+
+TEST_CASE("a reduce::sharded checkpoint claiming a huge world size is refused without large "
+          "allocations",
+          "[train][checkpoint][fuzz]") {
+    using net =
+        lockstep_test::mlp<float, lockstep::thread_communicator, lockstep_test::storage::registry>;
+    using dp_type =
+        lockstep::data_parallel<net, lockstep::optim::sgd<float>, lockstep::sync::synchronous,
+                                lockstep::reduce::sharded<>, lockstep::thread_communicator>;
+    const lockstep::optim::sgd_params sgd{.lr = 0.05, .momentum = 0.9};
+    temp_dir dir{"hugeworld"};
+    const fs::path path = dir.path / "z.ckpt";
+    lockstep::thread_group(1).run([&](lockstep::thread_communicator& comm) {
+        dp_type dp(comm, [](auto& ctx) { return net(ctx); }, sgd, {.seed = 42});
+        dp.step(8,
+                [](net& n, const lockstep::shard_range& r, auto& ctx) { return n.train(r, ctx); });
+        lockstep::save_checkpoint(dp, path);
+    });
+    // The marker and shard 0 claim 2^20 replicas (a shard_layout of that many extents is 16 MiB;
+    // a world of 2^31 - 1 would be 32 GiB).
+    const std::string huge = std::to_string(1 << 20);
+    lockstep_test::set_marker_value(path, "world_size", huge);
+    const bool consistent = GENERATE(false, true);
+    // consistent: shard 0 is also the first shard of that world (one optimizer element), so that
+    // only the missing shards of the other replicas refuse it.
+    lockstep_test::rewrite_shard(path, 0,
+                                 [&](auto& meta, std::vector<lockstep_test::raw_section>& s) {
+                                     for (auto& [k, v] : meta) {
+                                         if (k == "world_size")
+                                             v = huge;
+                                         if (k == "reduce.shard" && consistent)
+                                             v = "[0, 1) of " + v.substr(v.find("of ") + 3);
+                                     }
+                                     for (lockstep_test::raw_section& x : s)
+                                         if (consistent && x.name == "optimizer.momentum") {
+                                             x.shape = {1};
+                                             x.bytes.resize(sizeof(float));
+                                         }
+                                 });
+    const std::size_t files =
+        std::max(read_all(path).size(), read_all(lockstep_test::shard_file(path, 0)).size());
+    // Two replicas load it (another replica count: the regathering of the optimizer state).
+    std::vector<std::string> messages(2);
+    std::vector<int> refused(2);
+    lockstep::thread_group(2).run([&](lockstep::thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        dp_type dp(comm, [](auto& ctx) { return net(ctx); }, sgd, {.seed = 7});
+        comm.barrier();
+        if (r == 0) {
+            largest = 0;
+            tracking = true;
+        }
+        comm.barrier();
+        try {
+            lockstep::load_checkpoint(dp, path);
+        } catch (const lockstep::error& e) {
+            refused[r] = e.code() == lockstep::errc::checkpoint;
+            messages[r] = e.what();
+        }
+        comm.barrier();
+        if (r == 0)
+            tracking = false;
+    });
+    const std::size_t largest_allocation = largest.exchange(0);
+    INFO("consistent: " << consistent << ", largest allocation " << largest_allocation);
+    CHECK(refused == std::vector<int>{1, 1});
+    for (const std::string& m : messages) {
+        INFO(m);
+        CHECK(m.find(consistent ? "the commit marker lists no shard for replica 1"
+                                : "reduce.shard: checkpoint [0, ") != std::string::npos);
+    }
+    CHECK(largest_allocation <= std::max(files, message_room));
 }

@@ -2,8 +2,8 @@
 // steps run during the write (it loads as, and resumes as, a blocking save at that step), the
 // commit is reported by the same step on every replica, a failure or crash at any stage of the
 // background write leaves the previous checkpoint loadable and is reported on every replica,
-// an unreported failure is thrown by the next save, wait_checkpoint and finish(), and a second
-// save waits for the first.
+// an unreported failure (none reported, or reported only by steps that threw) is thrown by the
+// next save, wait_checkpoint and finish(), and a second save waits for the first.
 // SPDX-License-Identifier: Apache-2.0
 #include <catch2/catch.hpp>
 
@@ -273,6 +273,56 @@ TEST_CASE("a background failure no step reported is thrown by the next save and 
     });
     CHECK(next_save_threw == std::vector<int>{1, 1});
     CHECK(third_committed == std::vector<int>{1, 1});
+    CHECK(finish_threw == std::vector<int>{1, 1});
+}
+
+TEST_CASE("a background failure shown only by steps that threw is thrown by finish",
+          "[train][checkpoint][thread]") {
+    constexpr int replicas = 2;
+    constexpr int throwing_steps = 10;
+    temp_dir dir;
+    const fs::path path = dir.path / "x.ckpt";
+    std::atomic<bool> crashed{false};
+    const save_options crash{.on_stage = [&](std::string_view stage, int replica) {
+        if (stage == "shard.written" && replica == 1) {
+            crashed = true;
+            throw std::runtime_error("simulated crash");
+        }
+    }};
+    std::vector<int> steps_threw(replicas), finish_threw(replicas);
+    thread_group(replicas).run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        train_params tp = params_for(42);
+        tp.skip_non_finite = false; // a non-finite loss throws errc::non_finite on every replica
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, sgd, tp);
+        one_step(dp);
+        save_checkpoint_async(dp, path, crash);
+        // Replica 1's shard failed (and its level is stored) before the next steps, whose rows
+        // show it, then replica 0's refusal: every one of them throws (a NaN loss), and the
+        // caller goes on. None returned a result, so none reported the failure.
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (!crashed && std::chrono::steady_clock::now() < until)
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        for (int i = 0; i < throwing_steps; ++i) {
+            try {
+                (void)dp.step(batch_of(dp.steps()), [](auto& n, const shard_range& sr, auto& ctx) {
+                    (void)n.train(sr, ctx);
+                    return std::numeric_limits<double>::quiet_NaN();
+                });
+            } catch (const lockstep::error& e) {
+                steps_threw[r] += e.code() == errc::non_finite ? 1 : 0;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        }
+        try {
+            dp.finish();
+        } catch (const lockstep::error& e) {
+            finish_threw[r] = e.code() == errc::checkpoint && contains(e.what(), "simulated crash");
+        }
+    });
+    CHECK(steps_threw == std::vector<int>(replicas, throwing_steps));
     CHECK(finish_threw == std::vector<int>{1, 1});
 }
 

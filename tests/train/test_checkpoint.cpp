@@ -1,7 +1,8 @@
 // Checkpoints of data_parallel on thread replicas: resuming is bitwise equal to not stopping
 // (synchronous, local SGD mid-period, parameter server; registry and visitor networks with BN
 // running statistics, dropout and an LR warm-up), incompatible checkpoints are refused with every
-// difference and leave the trainer unchanged, every corruption is refused, and a save that
+// difference and leave the trainer unchanged (counters and optimizer step out of range, a save
+// committed while the replicas load included), every corruption is refused, and a save that
 // crashes at any stage leaves the previous checkpoint loadable.
 // SPDX-License-Identifier: Apache-2.0
 #include <catch2/catch.hpp>
@@ -16,6 +17,9 @@
 #include "lockstep/train/checkpoint.hpp"
 
 #include <atomic>
+#include <chrono>
+#include <cstring>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -28,7 +32,10 @@ using namespace lockstep_test;
 namespace {
 
 /// The warm-up runs over the first 8 steps: checkpoints at step 3 or 5 resume inside it.
+/// warmup < 0: no schedule (the optimizer's learning rate at every step).
 train_params params_for(std::uint64_t seed, std::int64_t warmup = 8) {
+    if (warmup < 0)
+        return {.seed = seed};
     return {.lr =
                 optim::linear_scaling{
                     .base_lr = 0.05, .base_batch = 8, .global_batch = 16, .warmup_steps = warmup},
@@ -43,6 +50,7 @@ struct plan {
     fs::path load = {};
     fs::path save = {};
     std::size_t save_at = 0;
+    std::int64_t warmup = 8; ///< params_for's
 };
 
 /// Local SGD cannot share batch statistics inside a step: it averages running statistics; the
@@ -83,7 +91,7 @@ std::vector<std::vector<std::byte>> run(const plan& p, typename Opt::params_type
     thread_group group(p.replicas);
     group.run([&](thread_communicator& comm) {
         dp_type dp(
-            comm, [](auto& ctx) { return net(ctx); }, op, params_for(p.seed));
+            comm, [](auto& ctx) { return net(ctx); }, op, params_for(p.seed, p.warmup));
         if (!p.load.empty())
             load_checkpoint(dp, p.load);
         step_to(dp, p.steps, p.save, p.save_at);
@@ -324,6 +332,18 @@ TEST_CASE("an incompatible checkpoint is refused with every difference, nothing 
                           2, path, base_params),
                       {"replica 1: section 'state.bn1.running_var' (f32 {8}) is missing"});
     }
+    SECTION("a negative optimizer step count on one replica") {
+        rewrite_shard(path, 1, [](auto&, std::vector<raw_section>& s) {
+            for (raw_section& x : s)
+                if (x.name == "optimizer.step") {
+                    const std::int64_t v = -3;
+                    std::memcpy(x.bytes.data(), &v, sizeof v);
+                }
+        });
+        check_refused(try_load<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+                          2, path, base_params),
+                      {"replica 1: section 'optimizer.step': step count -3 is negative"});
+    }
     SECTION("an extra section and an extra metadata entry") {
         rewrite_shard(path, 0, [](auto& meta, std::vector<raw_section>& s) {
             s.push_back({"loss_scaler.scale", ck::dtype::f64, {1}, std::vector<std::byte>(8)});
@@ -334,6 +354,144 @@ TEST_CASE("an incompatible checkpoint is refused with every difference, nothing 
                       {"replica 0: ", "section 'loss_scaler.scale' (f64 {1}) is not part of",
                        "loss_scaler: dynamic in the checkpoint, unknown to the trainer"});
     }
+}
+
+namespace {
+
+/// Sets counter `index` of the section "trainer.counters" (steps, samples, since_average, seed)
+/// of replica r's shard to v.
+void set_counter(const fs::path& path, int r, std::size_t index, std::uint64_t v) {
+    rewrite_shard(path, r, [&](auto&, std::vector<raw_section>& s) {
+        for (raw_section& x : s)
+            if (x.name == "trainer.counters")
+                std::memcpy(x.bytes.data() + 8 * index, &v, sizeof v);
+    });
+}
+
+} // namespace
+
+TEST_CASE("counters out of range are refused on every replica, nothing loaded",
+          "[train][checkpoint][thread]") {
+    // No learning-rate schedule: the schedule's check cannot see the step count.
+    temp_dir dir;
+    const fs::path sync_path = dir.path / "sync.ckpt";
+    const fs::path local_path = dir.path / "local.ckpt";
+    using local = sync::local_sgd<4>;
+    run<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+        {.replicas = 2, .steps = 3, .save = sync_path, .save_at = 3, .warmup = -1}, base_params);
+    // 6 steps of local_sgd<4>: 2 steps since the average at step 4.
+    run<base_opt, local, reduce::per_tensor, storage::registry>(
+        {.replicas = 2, .steps = 6, .save = local_path, .save_at = 6, .warmup = -1}, base_params);
+    const auto load_sync = [&] {
+        return try_load<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+            2, sync_path, base_params, {}, -1);
+    };
+    const auto load_local = [&] {
+        return try_load<base_opt, local, reduce::per_tensor, storage::registry>(
+            2, local_path, base_params, {}, -1);
+    };
+
+    SECTION("the intact checkpoints load (control)") {
+        CHECK(load_sync().messages == std::vector<std::string>(2));
+        CHECK(load_local().messages == std::vector<std::string>(2));
+    }
+    SECTION("local SGD: K steps since the last average (it would never average again)") {
+        set_counter(local_path, 1, 2, 4);
+        check_refused(load_local(),
+                      {"replica 1: section 'trainer.counters': 4 step(s) since the last average, "
+                       "sync::local_sgd<4> averages every 4 steps"});
+    }
+    SECTION("synchronous: any step since an average") {
+        set_counter(sync_path, 0, 2, 1);
+        check_refused(load_sync(),
+                      {"replica 0: section 'trainer.counters': 1 step(s) since the last average, "
+                       "sync::synchronous does not average (must be 0)"});
+    }
+    SECTION("a step count near 2^63 (the schedule's look-ahead would overflow)") {
+        set_counter(sync_path, 1, 0, 0x7FFFFFFFFFFFFF00ull);
+        check_refused(load_sync(), {"replica 1: section 'trainer.counters': step count "
+                                    "9223372036854775552 is above the limit 4611686018427387904"});
+    }
+    SECTION("a step count of 2^64 - 1 (negative as a signed count)") {
+        set_counter(sync_path, 0, 0, std::numeric_limits<std::uint64_t>::max());
+        check_refused(load_sync(), {"replica 0: section 'trainer.counters': step count "
+                                    "18446744073709551615 is above the limit"});
+    }
+}
+
+TEST_CASE("a save committed while the replicas load is refused on every replica, nothing loaded",
+          "[train][checkpoint][thread]") {
+    using dp_type = trainer_of<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>;
+    using net = dp_type::network_type;
+    temp_dir dir;
+    const fs::path path = dir.path / "race.ckpt";
+    // Save A (3 steps), then save B (5 steps) to the same path (B's commit removes A's shards);
+    // the marker is then put back to A's.
+    save_reference(path);
+    const auto marker_a = read_all(path);
+    run<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+        {.replicas = 2, .steps = 5, .save = path, .save_at = 5}, base_params);
+    const auto marker_b = read_all(path);
+    const auto gen_of = [](const std::vector<std::byte>& m) {
+        return std::string(
+            *ck::parse_header(m, ck::manifest_magic, "marker").find_meta("generation"));
+    };
+    const std::string gen_a = gen_of(marker_a), gen_b = gen_of(marker_b);
+    REQUIRE(gen_a != gen_b);
+    write_all(path, marker_a);
+    // Each replica has read marker A when it enters the load's first collective (the all_gather
+    // of the generation every replica read): there, once replica 0 has entered it too, replica 1
+    // commits B (its marker replaces A's) before either replica reads its shard.
+    std::vector<int> armed(2); // per replica, set and read on its own thread
+    std::atomic<bool> zero_entered{false};
+    std::atomic<bool> swapped{false};
+    thread_group_params tp;
+    tp.on_collective = [&](const collective_event& e) {
+        const auto r = static_cast<std::size_t>(e.replica);
+        if (e.when != collective_event::moment::entered || armed[r] == 0)
+            return;
+        armed[r] = 0;
+        if (r == 0) {
+            zero_entered = true;
+            return;
+        }
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (!zero_entered && std::chrono::steady_clock::now() < until)
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        write_all(path, marker_b);
+        swapped = true;
+    };
+    std::vector<std::string> messages(2);
+    std::vector<int> refused(2), unchanged(2);
+    thread_group(2, tp).run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, base_params, params_for(99));
+        step_to(dp, 2);
+        const auto before = fingerprint(dp);
+        armed[r] = 1;
+        try {
+            load_checkpoint(dp, path);
+        } catch (const lockstep::error& e) {
+            refused[r] = e.code() == errc::checkpoint;
+            messages[r] = e.what();
+        }
+        unchanged[r] = fingerprint(dp) == before;
+    });
+    CHECK(swapped);
+    CHECK(refused == std::vector<int>{1, 1});
+    CHECK(unchanged == std::vector<int>{1, 1});
+    for (const std::string& m : messages) {
+        INFO(m);
+        CHECK(contains(m, "commit marker '" + path.string() +
+                              "' changed while the replicas read it (a save committed "
+                              "meanwhile): generation " +
+                              gen_a + " agreed, '" + gen_b + "' read now"));
+    }
+    // B stands: it loads once nothing changes during the load.
+    const auto r = try_load<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+        2, path, base_params);
+    CHECK(r.messages == std::vector<std::string>(2));
 }
 
 namespace {

@@ -1,8 +1,8 @@
 // The commit marker as a hostile input and a shared path (train/detail/checkpoint_marker.hpp):
 // shard names leading out of the checkpoint's directory, symbolic links and recorded sizes that
-// disagree with the file are refused before the shard is read; checkpoints with the first
-// format's shard names still load; two jobs saving to one path concurrently always leave a
-// checkpoint that loads as one of their saves.
+// disagree with the file are refused before the shard is read; a FIFO at the marker's path is
+// refused without blocking; checkpoints with the first format's shard names still load; two jobs
+// saving to one path concurrently always leave a checkpoint that loads as one of their saves.
 // SPDX-License-Identifier: Apache-2.0
 #include <catch2/catch.hpp>
 
@@ -13,9 +13,15 @@
 #include "lockstep/train/checkpoint.hpp"
 
 #include <barrier>
+#include <chrono>
+#include <future>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 using namespace lockstep_test;
 
@@ -156,6 +162,32 @@ TEST_CASE("a hostile commit marker cannot make the loader read outside the check
     // Nothing of that removed or changed the checkpoint or the file outside.
     CHECK(load_single(path).loaded == saved);
     CHECK(read_all(copy) == read_all(shard));
+}
+
+TEST_CASE("a FIFO at the marker's path is refused without blocking the load",
+          "[train][checkpoint][thread]") {
+    temp_dir dir;
+    const fs::path path = dir.path / "fifo.ckpt";
+    REQUIRE(::mkfifo(path.c_str(), 0644) == 0);
+    // The load runs beside this thread: an open that blocks on the FIFO (no writer) makes the
+    // wait time out here instead of hanging the test; the blocked opens are then released by
+    // opening the FIFO for writing, so that the load ends either way.
+    auto load = std::async(std::launch::async, [&] { return load_single(path); });
+    const bool finished = load.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+    for (int i = 0;
+         i < 1000 && load.wait_for(std::chrono::milliseconds(10)) != std::future_status::ready;
+         ++i) {
+        const int fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+        if (fd >= 0)
+            ::close(fd);
+    }
+    const load_outcome o = load.get();
+    INFO(o.message);
+    CHECK(finished);
+    CHECK(o.unchanged);
+    CHECK(o.message.find("load_checkpoint: checkpoint '" + path.string() + "' refused") !=
+          std::string::npos);
+    CHECK(o.message.find("'" + path.string() + "' is not a regular file") != std::string::npos);
 }
 
 TEST_CASE("a checkpoint with the first format's shard names still loads",

@@ -33,18 +33,19 @@ namespace lockstep {
 /// next step's kernels: the host does not wait (ckpt::snapshot_staging). Each replica's writer
 /// thread then encodes the snapshot (CRC32C of every section and of the shard) and writes it
 /// durably as save_checkpoint does, issuing no collective; each step's status carries every
-/// replica's progress (step_result::checkpoint): the first step whose status shows every shard
-/// durable makes replica 0's writer write the commit marker, and a later step reports `committed`
-/// on every replica at the same step (`failed` when a shard or the marker could not be written: the
-/// previous checkpoint at `path` stands, and its files are removed by the next commit). finish()
-/// and wait_checkpoint() resolve a save the steps did not. The format, the file names and the crash
-/// safety are save_checkpoint's: a crash at any point leaves the previous checkpoint loadable.
-/// Memory: the snapshot (the shard's size) until the shard is written (on CUDA: the page-locked
-/// staging, kept for the next save), and the encoded header. options.on_stage runs on the writer
-/// thread (replica 0's manifest stages too: on the thread of the step that decides the commit only
-/// in wait/finish). requires: a synchronous trainer (sync::synchronous; local SGD's rows are its
-/// own and the asynchronous trainers have no step status: compile error); no step in flight; the
-/// stream is not being captured into a CUDA graph (else errc::invalid_argument, nothing saved).
+/// replica's progress (step_result::checkpoint; a step that throws its errors reports and decides
+/// nothing): the first step whose status shows every shard durable makes replica 0's writer write
+/// the commit marker, and a later step reports `committed` on every replica at the same step
+/// (`failed` when a shard or the marker could not be written: the previous checkpoint at `path`
+/// stands, and its files are removed by the next commit). finish() and wait_checkpoint() resolve a
+/// save the steps did not. The format, the file names and the crash safety are save_checkpoint's: a
+/// crash at any point leaves the previous checkpoint loadable. Memory: the snapshot (the shard's
+/// size) until the shard is written (on CUDA: the page-locked staging, kept for the next save), and
+/// the encoded header. options.on_stage runs on the writer thread (replica 0's manifest stages too:
+/// on the thread of the step that decides the commit only in wait/finish). requires: a synchronous
+/// trainer (sync::synchronous; local SGD's rows are its own and the asynchronous trainers have no
+/// step status: compile error); no step in flight; the stream is not being captured into a CUDA
+/// graph (else errc::invalid_argument, nothing saved).
 template <class Network, class Optimizer, class Sync, class Reduce, class Comm>
 void save_checkpoint_async(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
                            const std::filesystem::path& path, const save_options& options = {}) {

@@ -102,7 +102,9 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
 /// reading it, the marker and every section's CRC32C, and compatibility with dp (world size,
 /// rank, element type, optimizer type and hyperparameters, learning rate at the resume step and
 /// after, sync, reduce and BN policies, every section's presence, element type and shape, no
-/// extra section). When any replica finds a difference, every replica throws ONE
+/// extra section, the counters' ranges), and that the marker still names the save every replica
+/// read first (a save that commits meanwhile is refused, naming both generations). When any
+/// replica finds a difference, every replica throws ONE
 /// lockstep::error (checkpoint) listing them all and dp is unchanged. Otherwise dp gets the
 /// parameters (also in the network's own buffers with the visitor), registry and visited state
 /// (BN running statistics), optimizer buffers and step count, steps(), the sample offset, local
@@ -146,8 +148,9 @@ void load_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
     std::string problem;
     try {
         const std::vector<std::string> problems =
-            resized ? ck::validate_resized(dp, path, saved->world_size, saved->gen, shard, slots)
-                    : ck::validate(dp, path, shard);
+            resized
+                ? ck::validate_resized(dp, path, saved->world_size, saved->gen, shard, slots)
+                : ck::validate(dp, path, saved ? std::optional(saved->gen) : std::nullopt, shard);
         for (const std::string& p : problems) {
             if (!problem.empty())
                 problem += "; ";

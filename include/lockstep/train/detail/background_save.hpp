@@ -53,8 +53,9 @@ private:
 /// shard is durable, its writer writes the commit marker; when it reads one that says a shard
 /// failed, it refuses the save. The save's end is the level in replica 0's row (committed or
 /// refused), which every replica reads from the same step's rows: observe() reports it at the
-/// same step everywhere. resolve() (collective) waits for the writers and decides what the
-/// steps have not decided yet.
+/// same step everywhere. Only steps that return their result are observed (one that throws its
+/// errors reads nothing: a later step reports the end). resolve() (collective) waits for the
+/// writers and decides what the steps have not decided yet.
 class background_save final : public status_rider {
 public:
     /// save_word::state: a replica's shard, then replica 0's decisions (committing, committed,
@@ -77,7 +78,8 @@ public:
     /// Begins the save `id` to `path`: this replica's writer thread calls `ready` (which returns
     /// once the snapshot's bytes are all there: ckpt::snapshot_staging's wait()), encodes
     /// `snapshot` and writes it as its shard (`hook`: save_options::on_stage, called on the
-    /// writer thread). `problem`: the snapshot could not be taken (the save fails; no thread).
+    /// writer thread). `problem`: the snapshot could not be taken (the save fails; no thread);
+    /// a writer thread that cannot start fails the save too.
     /// requires: !unresolved().
     void begin(const std::filesystem::path& path, const ckpt::save_id& id,
                ckpt::file_builder snapshot, std::function<void()> ready, ckpt::stage_hook hook,
@@ -101,10 +103,19 @@ public:
         }
         shard_.store(writing, std::memory_order_release);
         // At a lower priority (comm_stream.hpp): the steps go first, the writer takes the rest.
-        writer_ = std::thread([this, s = std::move(snapshot), r = std::move(ready)] {
-            lower_thread_priority();
-            write_shard(s, r);
-        });
+        // A writer that cannot start fails the save (as its failure would).
+        std::string not_started = ckpt::failure_of(
+            [&] {
+                writer_ = std::thread([this, s = std::move(snapshot), r = std::move(ready)] {
+                    lower_thread_priority();
+                    write_shard(s, r);
+                });
+            },
+            "unknown exception while starting the writer thread");
+        if (!not_started.empty()) {
+            shard_error_ = "cannot start the writer thread: " + not_started;
+            shard_.store(failed, std::memory_order_release);
+        }
     }
 
     /// This replica's level for its row: replica 0's decision once taken, else its shard's.
@@ -144,10 +155,19 @@ public:
                                       static_cast<std::uint64_t>(r.save.bytes)});
                 join(); // the shard is durable: the writer is done
                 outcome_.store(committing);
-                writer_ = std::thread([this, s = std::move(shards)] {
-                    lower_thread_priority();
-                    write_marker(s);
-                });
+                // A writer that cannot start refuses the save (as the marker's failure would).
+                marker_error_ = ckpt::failure_of(
+                    [&] {
+                        writer_ = std::thread([this, s = std::move(shards)] {
+                            lower_thread_priority();
+                            write_marker(s);
+                        });
+                    },
+                    "unknown exception while starting the writer thread");
+                if (!marker_error_.empty()) {
+                    marker_error_ = "cannot start the writer thread: " + marker_error_;
+                    outcome_.store(refused);
+                }
             }
         }
         const save_word& w0 = rows[0].save;
@@ -171,7 +191,13 @@ public:
             return checkpoint_event::none;
         join();
         unresolved_ = false;
-        std::string problem = shard_.load() == failed ? shard_error_ : std::string();
+        // Joined: the shard is durable or failed (begin() stores failed for a writer that
+        // never started); anything else is a failure too, never a shard to commit.
+        const int level = shard_.load();
+        std::string problem = level == durable ? std::string()
+                              : !shard_error_.empty()
+                                  ? shard_error_
+                                  : "the shard was never written (its writer did not run)";
         // Per replica: its shard's record, whether it is durable, whether a step showed the end.
         const std::array<int, 3> record = shard_record_.pack();
         const int mine[5] = {record[0], record[1], record[2], problem.empty() ? 1 : 0,

@@ -308,17 +308,31 @@ inline std::string read_recorded_shard(const recorded_shard& s, std::vector<std:
     return {};
 }
 
+/// Why a load stops when the commit marker (`where`) names another generation (`now`: its
+/// text, if any) than the one the replicas agreed on having read (`agreed`; none: no valid one).
+inline std::string marker_changed(const std::string& where, std::optional<std::uint64_t> agreed,
+                                  const std::optional<std::string>& now) {
+    return concat(where,
+                  " changed while the replicas read it (a save committed meanwhile): generation ",
+                  agreed ? hex16(*agreed) : std::string("none"), " agreed, ",
+                  now ? quote_value(*now) : std::string("none"), " read now");
+}
+
 /// Reads the commit marker `path` and the shard of replica `rank` it names into `shard`,
 /// checking, before anything is allocated or read from the shard: the marker's container
-/// (parse_header), its world size against `world_size`, that the shard's name is a plain file
-/// name of the form save_checkpoint writes for this replica and the marker's generation (no
-/// separator, no "..", not absolute), its recorded size and CRC32C as numbers, that the file
-/// is no symbolic link and has the recorded size; then its CRC32C. Returns every problem found
-/// (the world size's does not stop the reading). ensures: `file_read` is the shard's path when
-/// `shard` holds the file the marker committed, empty otherwise. A marker that does not parse
-/// throws lockstep::error (checkpoint).
+/// (parse_header), its world size against `world_size`, its generation against `generation`
+/// (the one the replicas agreed on having read: a marker that names another, or a valid one
+/// when none was agreed on, changed while the replicas read it and stops the reading), that the
+/// shard's name is a plain file name of the form save_checkpoint writes for this replica and
+/// the marker's generation (no separator, no "..", not absolute), its recorded size and CRC32C
+/// as numbers, that the file is no symbolic link and has the recorded size; then its CRC32C.
+/// Returns every problem found (the world size's does not stop the reading). ensures:
+/// `file_read` is the shard's path when `shard` holds the file the marker committed, empty
+/// otherwise. A marker that does not parse throws lockstep::error (checkpoint).
 inline std::vector<std::string> read_committed_shard(const std::filesystem::path& path, int rank,
-                                                     int world_size, std::vector<std::byte>& shard,
+                                                     int world_size,
+                                                     std::optional<std::uint64_t> generation,
+                                                     std::vector<std::byte>& shard,
                                                      std::filesystem::path& file_read) {
     file_read.clear();
     std::vector<std::string> problems;
@@ -329,6 +343,14 @@ inline std::vector<std::string> read_committed_shard(const std::filesystem::path
     if (!ws || *ws != std::to_string(world_size))
         problems.push_back(concat("world size: checkpoint ", ws ? *ws : std::string("missing"),
                                   ", trainer ", world_size));
+    // Without an agreed generation, a marker that names none (or one that does not parse) is
+    // refused below anyway; a world size that differs is refused above.
+    const auto gen_text = m.find_meta("generation");
+    const auto gen = gen_text ? name_detail::number(*gen_text, 16, 16) : std::nullopt;
+    if (gen != generation && (generation || (gen && problems.empty()))) {
+        problems.push_back(marker_changed(where, generation, gen_text));
+        return problems;
+    }
     recorded_shard s;
     if (std::string p = recorded_shard_of(m, path, rank, s); !p.empty()) {
         problems.push_back(std::move(p));

@@ -80,6 +80,14 @@ int source_replica(const DP& dp) {
         return 0;
 }
 
+/// The shard of shard_layout(n, replicas) that holds element e (requires: e < n).
+inline int shard_holding(std::size_t n, int replicas, std::size_t e) {
+    const auto s = static_cast<std::size_t>(replicas);
+    const std::size_t base = n / s, extra = n % s;
+    const std::size_t longer = extra * (base + 1); // the first `extra` shards hold base + 1
+    return static_cast<int>(e < longer ? e / (base + 1) : extra + (e - longer) / base);
+}
+
 /// reduce::sharded: copies into `slots` (this replica's new shard, state().slots order) the
 /// elements of replica q's old shard `old` that overlap the new shard `mine`, reading from q's
 /// file only its header and its optimizer sections (each checked against its CRC32C and the
@@ -164,8 +172,8 @@ validate_resized(DP& dp, const std::filesystem::path& path, int saved, std::uint
     const std::string where = "commit marker '" + path.string() + "'";
     const std::vector<std::byte> marker = read_file(path, rank);
     const parsed_header m = parse_header(marker, manifest_magic, where, rank);
-    if (m.find_meta("generation") != hex16(gen))
-        return {where + " changed while the replicas read it (a save committed meanwhile)"};
+    if (const auto now = m.find_meta("generation"); now != hex16(gen))
+        return {marker_changed(where, gen, now)};
     const int src = source_replica(dp);
     recorded_shard rs;
     if (std::string p = recorded_shard_of(m, path, src, rs); !p.empty())
@@ -187,12 +195,17 @@ validate_resized(DP& dp, const std::filesystem::path& path, int saved, std::uint
     if constexpr (DP::reduce_policy_type::shards_optimizer_state) {
         const std::int64_t steps =
             static_cast<std::int64_t>(section_values<std::uint64_t>(out, "trainer.counters")[0]);
-        const std::vector<shard_extent> old = shard_layout(core.values().size(), saved);
+        const std::size_t n = core.values().size();
         const shard_extent mine = core.optimizer_shard();
         const auto view = core.optimizer().state();
         slots.assign(view.slots.size(), std::vector<T>(mine.count));
-        for (int q = 0; q < saved && problems.empty(); ++q) {
-            const shard_extent o = old[static_cast<std::size_t>(q)];
+        // Only the old shards that overlap mine, from the one holding its first element (the
+        // saved world size comes from the file: nothing grows with it).
+        const int first = mine.count == 0 ? saved : shard_holding(n, saved, mine.offset);
+        for (int q = first; q < saved && problems.empty(); ++q) {
+            const shard_extent o = owned_extent(n, {saved, q});
+            if (o.offset >= mine.offset + mine.count)
+                break;
             const std::size_t from = std::max(o.offset, mine.offset);
             const std::size_t to = std::min(o.offset + o.count, mine.offset + mine.count);
             if (from >= to)

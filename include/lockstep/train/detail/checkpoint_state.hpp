@@ -36,6 +36,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -143,6 +144,14 @@ shard_owner own_shard(DP& dp) {
     return {comm.size(), comm.rank()};
 }
 
+/// With reduce::sharded, the elements of the n-element flat buffer whose optimizer state
+/// replica `as` holds: its extent of shard_layout(n, as.world_size), computed alone (the world
+/// size may come from a file: no allocation that grows with it).
+inline shard_extent owned_extent(std::size_t n, shard_owner as) {
+    const shard_range s = shard(0, n, as.rank, as.world_size);
+    return {s.begin, s.size()};
+}
+
 /// Everything the metadata of a shard records about the trainer dp when it has taken `steps`
 /// steps: element type, world size and rank, optimizer and hyperparameters, policies, and the
 /// learning rate at steps, steps + 1, + 10 and + 1000 (the schedule's position and continuation).
@@ -164,8 +173,7 @@ meta_list describe_trainer(DP& dp, std::int64_t steps, shard_owner as) {
     m.emplace_back("bn", bn_policy_names<network_bn_policies_t<typename DP::network_type>>::get());
     if constexpr (DP::reduce_policy_type::shards_optimizer_state) {
         // The optimizer sections hold this replica's shard only: restoring needs the same one.
-        const shard_extent own =
-            shard_layout(core.values().size(), as.world_size)[static_cast<std::size_t>(as.rank)];
+        const shard_extent own = owned_extent(core.values().size(), as);
         m.emplace_back("reduce.shard", concat("[", own.offset, ", ", own.offset + own.count,
                                               ") of ", core.values().size()));
     }
@@ -218,6 +226,11 @@ inline std::string shape_text(const std::vector<std::uint64_t>& s) {
 
 inline constexpr std::size_t counter_count = 4; ///< steps, samples, since_average, seed
 
+/// The largest step count a checkpoint may record (2^62): far beyond any run, and far enough
+/// from std::int64_t's end that steps() and the schedule's look-ahead (describe_trainer's
+/// learning rate at steps + 1000) never overflow.
+inline constexpr std::uint64_t max_checkpoint_steps = std::uint64_t{1} << 62;
+
 /// Calls f(spec, span in the trainer's System memory) for every T section of dp in file order:
 /// parameters, registry state, visited state, optimizer buffers.
 template <class DP, class F>
@@ -253,7 +266,7 @@ std::vector<section_spec> expected_sections(DP& dp, shard_owner as) {
     const std::size_t n = checkpoint_access::core(dp).values().size();
     for_each_tensor_section(dp, [&](section_spec s, std::span<T>) {
         if (DP::reduce_policy_type::shards_optimizer_state && is_optimizer_slot(s.name))
-            s.shape = {shard_layout(n, as.world_size)[static_cast<std::size_t>(as.rank)].count};
+            s.shape = {owned_extent(n, as).count};
         out.push_back(std::move(s));
     });
     out.push_back({"optimizer.step", dtype::i64, {1}});
@@ -349,7 +362,9 @@ inline void compare_header(const parsed_header& h, const meta_list& expected,
 /// Parses the shard held in out.bytes (read from `file`, written by replica `as`) and appends to
 /// `problems` every difference from what dp's trainer would write as that replica: corrupted
 /// sections, metadata (policies, optimizer, schedule at the resume step...), sections'
-/// presence, type and shape, the loss scale's range.
+/// presence, type and shape, the ranges of the counters (steps at most max_checkpoint_steps;
+/// steps since the last average below local SGD's K, 0 for the other trainers), of the
+/// optimizer's step count (not negative) and of the loss scale: restore() cannot fail then.
 template <class DP>
 void check_shard(DP& dp, const std::filesystem::path& file, shard_owner as, loaded_shard& out,
                  std::vector<std::string>& problems) {
@@ -362,11 +377,36 @@ void check_shard(DP& dp, const std::filesystem::path& file, shard_owner as, load
     if (!problems.empty())
         return;
 
-    // The position the file resumes at (for the schedule check): read only when well-formed.
+    // The position the file resumes at (for the schedule check): read only when well-formed
+    // and in range, as the steps since the last average.
     std::int64_t steps = core.steps();
     if (const auto c = out.header.find_section("trainer.counters");
-        c && c->type == dtype::u64 && c->length == 8 * counter_count)
-        steps = static_cast<std::int64_t>(get_u64(out.bytes.data() + c->offset));
+        c && c->type == dtype::u64 && c->length == 8 * counter_count) {
+        using sync_type = typename DP::sync_policy_type;
+        const std::uint64_t saved_steps = get_u64(out.bytes.data() + c->offset);
+        const std::uint64_t since = get_u64(out.bytes.data() + c->offset + 16);
+        if (saved_steps <= max_checkpoint_steps)
+            steps = static_cast<std::int64_t>(saved_steps);
+        else
+            problems.push_back(concat("section 'trainer.counters': step count ", saved_steps,
+                                      " is above the limit ", max_checkpoint_steps));
+        if constexpr (is_local_sgd_v<sync_type>) {
+            if (since >= sync_type::period)
+                problems.push_back(concat("section 'trainer.counters': ", since,
+                                          " step(s) since the last average, ", sync_type::name(),
+                                          " averages every ", sync_type::period, " steps"));
+        } else if (since != 0) {
+            problems.push_back(concat("section 'trainer.counters': ", since,
+                                      " step(s) since the last average, ", sync_type::name(),
+                                      " does not average (must be 0)"));
+        }
+    }
+    if (const auto e = out.header.find_section("optimizer.step");
+        e && e->type == dtype::i64 && e->length == 8) {
+        // load_state refuses a negative count: refused here, before restore() copies anything.
+        if (const auto v = static_cast<std::int64_t>(get_u64(out.bytes.data() + e->offset)); v < 0)
+            problems.push_back(concat("section 'optimizer.step': step count ", v, " is negative"));
+    }
     meta_list expected;
     try {
         expected = describe_trainer(dp, steps, as);
@@ -395,14 +435,17 @@ void check_shard(DP& dp, const std::filesystem::path& file, shard_owner as, load
 }
 
 /// Reads the commit marker and this replica's shard and compares them with the trainer.
+/// `generation`: the marker's generation the replicas agreed on (none: no valid marker was
+/// read); a marker that names another is refused (read_committed_shard).
 /// Returns every difference found (empty: compatible and intact); `out` holds the shard then.
 template <class DP>
-std::vector<std::string> validate(DP& dp, const std::filesystem::path& path, loaded_shard& out) {
+std::vector<std::string> validate(DP& dp, const std::filesystem::path& path,
+                                  std::optional<std::uint64_t> generation, loaded_shard& out) {
     auto& core = checkpoint_access::core(dp);
     const int rank = core.comm().rank();
     std::filesystem::path file;
     std::vector<std::string> problems =
-        read_committed_shard(path, rank, core.comm().size(), out.bytes, file);
+        read_committed_shard(path, rank, core.comm().size(), generation, out.bytes, file);
     if (file.empty())
         return problems;
     check_shard(dp, file, own_shard(dp), out, problems);

@@ -122,9 +122,11 @@ inline void write_durably(const std::filesystem::path& target, const std::filesy
                   stage_prefix, hook);
 }
 
-/// The whole content of a regular file (allocates exactly its size).
+/// The whole content of a regular file (allocates exactly its size); anything else (a FIFO, a
+/// device, a directory) throws lockstep::error (checkpoint) without blocking.
 inline std::vector<std::byte> read_file(const std::filesystem::path& p, int replica) {
-    fd_guard f{::open(p.c_str(), O_RDONLY | O_CLOEXEC)};
+    // O_NONBLOCK: opening a FIFO does not wait for a writer (no effect on a regular file).
+    fd_guard f{::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK)};
     if (f.fd < 0)
         fail_errno(replica, "cannot open", p);
     struct ::stat st {};

@@ -247,15 +247,17 @@ public:
         r.skipped = st.outcome->skip != 0;
         r.loss_scale = scaler_.observe(*st.scale_report, r.step + 1 == core_.steps()).used;
         r.ready = true;
-        if (rider_ != nullptr)
-            r.checkpoint = rider_->observe(
-                std::span<const replica_row>(st.rows, static_cast<std::size_t>(replicas())));
         step_report(st, rank(), r.step, std::span<const tensor_info>(core_.registry().parameters()),
                     {.local_sgd = local_sgd_,
                      .skip_non_finite = core_.params().skip_non_finite,
                      .loss_scaling = scaler_.enabled(),
                      .min_scale = scaler_.config().min_scale})
             .throw_errors();
+        // Only a step that returns its result observes the rows: an event a throwing step would
+        // take is reported by a later step's result (or thrown by resolve()), never lost.
+        if (rider_ != nullptr)
+            r.checkpoint = rider_->observe(
+                std::span<const replica_row>(st.rows, static_cast<std::size_t>(replicas())));
         return r;
     }
 
