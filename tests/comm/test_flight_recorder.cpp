@@ -292,3 +292,55 @@ TEST_CASE("simulated_link shows its inner communicator's record", "[comm][thread
             CHECK(e.state == op_state::done);
     }
 }
+
+TEST_CASE("a split and its parent on one replica write trace files of their own",
+          "[comm][thread][trace]") {
+    trace_dir dir("split");
+    thread_group group(2, {.timeout = std::chrono::seconds(20)});
+    // Each replica's split and then its parent disagree on a count (replica r passes r + 1 or
+    // r + 3 floats): both handles of each replica dump their rings.
+    std::vector<std::string> in_split(2), in_parent(2);
+    group.run([&](thread_communicator& comm) {
+        const auto me = static_cast<std::size_t>(comm.rank());
+        thread_communicator half = comm.split(0, comm.rank());
+        try {
+            sum(half, me + 1);
+        } catch (const lockstep::error& e) {
+            in_split[me] = e.what();
+        }
+        try {
+            sum(comm, me + 3);
+        } catch (const lockstep::error& e) {
+            in_parent[me] = e.what();
+        }
+    });
+    const auto file_of = [](const std::string& what) {
+        const std::string mark = "[flight recorder: ";
+        const auto at = what.find(mark);
+        if (at == std::string::npos)
+            return std::string();
+        const auto from = at + mark.size();
+        return what.substr(from, what.find(']', from) - from);
+    };
+    const auto first_line = [](const std::string& path) {
+        std::ifstream in(path);
+        std::string line;
+        std::getline(in, line);
+        return line;
+    };
+    CHECK(dir.files() == 4);
+    for (std::size_t r = 0; r < 2; ++r) {
+        CAPTURE(r, in_split[r], in_parent[r]);
+        CHECK(contains(in_split[r], "all_reduce #0 in split(color=0)"));
+        const std::string split_file = file_of(in_split[r]);
+        const std::string parent_file = file_of(in_parent[r]);
+        REQUIRE_FALSE(split_file.empty());
+        REQUIRE_FALSE(parent_file.empty());
+        CHECK(split_file != parent_file);
+        // Each file's header gives its own error as the reason.
+        CHECK(contains(first_line(split_file), "in split(color=0)"));
+        const std::string parent_header = first_line(parent_file);
+        CHECK(contains(parent_header, "all_reduce #1"));
+        CHECK_FALSE(contains(parent_header, "split(color=0)"));
+    }
+}

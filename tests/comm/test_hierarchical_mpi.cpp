@@ -19,7 +19,9 @@
 #include <mutex>
 #include <optional>
 #include <span>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -114,6 +116,35 @@ TEST_CASE("hierarchical_group refuses different thread counts on every process",
         ran = one[0];
     });
     CHECK(ran == 2);
+}
+
+TEST_CASE("hierarchical_group rethrows a failing replica's error, not its handle's departure",
+          "[comm][hierarchical][mpi]") {
+    // Thread 2 of each process throws while threads 0 and 1 wait for it in an intra-process
+    // barrier: its handle departs while the exception leaves, after the failure is recorded.
+    hierarchical_group::params p;
+    p.abort_on_failure = false;
+    p.mpi.timeout = std::chrono::milliseconds(20000);
+    p.mpi.on_failure = lockstep::mpi_failure_action::throw_error;
+    p.threads.timeout = std::chrono::seconds(20);
+    std::vector<std::string> lost;
+    for (int attempt = 0; attempt < 10; ++attempt) {
+        hierarchical_group g(MPI_COMM_WORLD, 3, p);
+        try {
+            g.run([&](comm_t& comm) {
+                if (comm.local_rank() == 2) {
+                    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+                    throw std::runtime_error("the real cause");
+                }
+                comm.intra().barrier();
+            });
+            lost.push_back("run returned");
+        } catch (const std::exception& e) {
+            if (!Catch::Contains("the real cause").match(e.what()))
+                lost.push_back(e.what());
+        }
+    }
+    CHECK(lost == std::vector<std::string>{});
 }
 
 TEST_CASE("hierarchical_group point-to-point: every pair, in order, recv_any, wrong sizes",

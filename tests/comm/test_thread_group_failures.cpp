@@ -11,13 +11,20 @@
 #include <chrono>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <csignal>
+#include <ctime>
+#include <sys/mman.h>
+#include <unistd.h>
 
 using lockstep::errc;
 using lockstep::reduce_op;
@@ -153,6 +160,30 @@ TEST_CASE("peers of a failed replica see who failed and why", "[comm][thread]") 
         // The next collective fails at once too: the group is dead.
         CHECK(later[static_cast<std::size_t>(r)].threw);
         CHECK(later[static_cast<std::size_t>(r)].code == errc::peer_failure);
+    }
+}
+
+TEST_CASE("a timeout of milliseconds::max() waits for a straggler instead of timing out",
+          "[comm][thread]") {
+    // The deadline is saturated (1e9 s): now + milliseconds::max() must not overflow into the
+    // past.
+    thread_group group(3, {.timeout = std::chrono::milliseconds::max()});
+    std::vector<outcome> out;
+    std::vector<int> sums(3, -1);
+    run_recording(group, out, [&](thread_communicator& comm) {
+        if (comm.rank() == 1)
+            std::this_thread::sleep_for(50ms);
+        comm.barrier();
+        if (comm.rank() == 2)
+            std::this_thread::sleep_for(50ms);
+        std::vector<int> v(2000, comm.rank() + 1); // 8 KB: the two-phase path
+        comm.all_reduce(std::span<const int>(v), std::span<int>(v), reduce_op::sum);
+        sums[static_cast<std::size_t>(comm.rank())] = v[1999];
+    });
+    for (int r = 0; r < 3; ++r) {
+        CAPTURE(r, out[static_cast<std::size_t>(r)].what);
+        CHECK_FALSE(out[static_cast<std::size_t>(r)].threw);
+        CHECK(sums[static_cast<std::size_t>(r)] == 6);
     }
 }
 
@@ -307,6 +338,63 @@ TEST_CASE("all_to_all refuses uneven blocks, unequal counts and overlapping span
             kind == "in place" && me == 2 ? std::span<float>(send) : std::span<float>(recv);
         comm.all_to_all(std::span<const float>(send), out);
     });
+}
+
+TEST_CASE("all_gather, all_reduce and reduce refuse partially overlapping spans on every "
+          "replica",
+          "[comm][thread]") {
+    // Replica 1's send is its recv shifted by one element: not the in-place form (all_gather:
+    // exactly its slot of recv; all_reduce and reduce on the root: exactly recv).
+    const std::string kind = GENERATE("all_gather", "all_reduce", "reduce");
+    const std::size_t count = GENERATE(std::size_t(3), std::size_t(2000)); // stash, two-phase
+    CAPTURE(kind, count);
+    const misuse which{"partial overlap", errc::invalid_argument,
+                       "replica 1 passed send and receive spans that overlap partially"};
+    check_refused(which, (kind + " #0").c_str(), [&](thread_communicator& comm) {
+        const int me = comm.rank();
+        const std::size_t recv_count = kind == "all_gather" ? 3 * count : count;
+        std::vector<float> buffer(recv_count + 1, static_cast<float>(me));
+        std::vector<float> own(count, static_cast<float>(me));
+        const std::span<float> recv(buffer.data(), recv_count);
+        const std::span<const float> send = me == 1
+                                                ? std::span<const float>(buffer.data() + 1, count)
+                                                : std::span<const float>(own);
+        if (kind == "all_gather")
+            comm.all_gather(send, recv);
+        else if (kind == "all_reduce")
+            comm.all_reduce(send, recv, reduce_op::sum);
+        else
+            comm.reduce(send, recv, reduce_op::sum, 1);
+    });
+}
+
+TEST_CASE("the in-place forms of all_gather, all_reduce and reduce are accepted",
+          "[comm][thread]") {
+    const std::size_t count = GENERATE(std::size_t(3), std::size_t(2000));
+    CAPTURE(count);
+    thread_group group(3);
+    std::vector<int> right(3, 0);
+    group.run([&](thread_communicator& comm) {
+        const int me = comm.rank();
+        const auto mine = static_cast<std::size_t>(me);
+        std::vector<float> gathered(3 * count, -1.0f);
+        std::fill_n(gathered.begin() + static_cast<std::ptrdiff_t>(mine * count), count,
+                    static_cast<float>(me + 1));
+        comm.all_gather(std::span<const float>(gathered.data() + mine * count, count),
+                        std::span<float>(gathered));
+        std::vector<float> summed(count, static_cast<float>(me + 1));
+        comm.all_reduce(std::span<const float>(summed), std::span<float>(summed), reduce_op::sum);
+        std::vector<float> reduced(count, static_cast<float>(10 * (me + 1)));
+        // Off the root, recv is not touched: overlapping spans are harmless there.
+        comm.reduce(std::span<const float>(reduced), std::span<float>(reduced), reduce_op::sum, 2);
+        bool ok = summed[count - 1] == 6.0f &&
+                  reduced[count - 1] == static_cast<float>(me == 2 ? 60 : 10 * (me + 1));
+        for (std::size_t r = 0; r < 3; ++r)
+            ok = ok && gathered[r * count] == static_cast<float>(r + 1) &&
+                 gathered[r * count + count - 1] == static_cast<float>(r + 1);
+        right[mine] = ok ? 1 : 0;
+    });
+    CHECK(right == std::vector<int>{1, 1, 1});
 }
 
 TEST_CASE("all_combine refuses disagreeing arrays, counts and spans on every replica",
@@ -486,6 +574,46 @@ TEST_CASE("recv errors: timeout and wrong size", "[comm][thread]") {
     CHECK(contains(out[0].what, "rank 1 sent 6 ints, expected 4 ints"));
 }
 
+TEST_CASE("a replica that moved its handle records its failure before the handle departs",
+          "[comm][thread]") {
+    // As hierarchical_group does: the handle lives in an object of the replica's own, destroyed
+    // while the exception leaves. Recorded from the handler first, the failure is what run()
+    // rethrows and what the peers name, not the departure.
+    for (int attempt = 0; attempt < 20; ++attempt) {
+        CAPTURE(attempt);
+        thread_group group(3, {.timeout = std::chrono::seconds(10)});
+        std::vector<outcome> out;
+        try {
+            run_recording(group, out, [&](thread_communicator& comm) {
+                std::optional<thread_communicator> mine;
+                try {
+                    mine.emplace(std::move(comm));
+                    if (mine->rank() == 2) {
+                        std::this_thread::sleep_for(5ms);
+                        throw std::runtime_error("the real cause");
+                    }
+                    std::vector<int> v(3, mine->rank());
+                    mine->all_reduce(std::span<const int>(v), std::span<int>(v), reduce_op::sum);
+                } catch (...) {
+                    if (mine)
+                        mine->record_failure(std::current_exception());
+                    throw;
+                }
+            });
+            FAIL("run returned although replica 2 threw");
+        } catch (const std::runtime_error& e) {
+            CHECK(std::string(e.what()) == "the real cause");
+        } catch (const lockstep::error& e) {
+            FAIL("run rethrew another replica's error: " << e.what());
+        }
+        for (int r = 0; r < 2; ++r) {
+            CAPTURE(r, out[static_cast<std::size_t>(r)].what);
+            CHECK(contains(out[static_cast<std::size_t>(r)].what,
+                           "replica 2 failed: the real cause"));
+        }
+    }
+}
+
 TEST_CASE("run rethrows exceptions of any type unchanged", "[comm][thread]") {
     thread_group group(2, {.timeout = 5s});
     std::string peer_saw;
@@ -553,6 +681,111 @@ TEST_CASE("abort from a watchdog thread releases blocked replicas with peer_fail
         // Aborted at 200 ms; the issue's bound is 1 s after the abort.
         CHECK(released_after[static_cast<std::size_t>(r)] < 1.2);
     }
+}
+
+namespace {
+
+/// A deterministic seam that holds a replica inside a data phase: writes to [lo, hi) (made
+/// read-only) fault, and the handler sleeps until `release` (at most 0.5 s), then makes the
+/// range writable and returns, so the write retries and the data phase goes on.
+namespace held_write {
+std::atomic<char*> lo{nullptr};
+std::atomic<char*> hi{nullptr};
+std::atomic<bool> hit{false};
+std::atomic<bool> release{false};
+struct sigaction previous {};
+
+void on_fault(int, siginfo_t* info, void*) {
+    char* const at = static_cast<char*>(info->si_addr);
+    if (at < lo.load() || at >= hi.load()) { // not ours: the fault repeats under the old handler
+        sigaction(SIGSEGV, &previous, nullptr);
+        return;
+    }
+    hit.store(true);
+    for (int i = 0; i < 500 && !release.load(); ++i) {
+        const timespec ms{0, 1000000};
+        nanosleep(&ms, nullptr);
+    }
+    mprotect(lo.load(), static_cast<std::size_t>(hi.load() - lo.load()), PROT_READ | PROT_WRITE);
+}
+} // namespace held_write
+
+} // namespace
+
+TEST_CASE("a replica that fails at the final phase of a large collective waits until no peer "
+          "writes its buffers",
+          "[comm][thread]") {
+    // Replica 1 is held in all_reduce's data phase (writing its own chunk, which it then writes
+    // into replica 0's recv); replica 0 waits at the final phase when a watchdog aborts the run.
+    // Once replica 0's all_reduce has thrown, its recv is its own again: replica 1 must not
+    // write it any more.
+    const std::size_t n = std::size_t(1) << 20; // 4 MiB of floats: the two-phase path
+    const std::size_t bytes = n * sizeof(float);
+    void* mapped = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    REQUIRE(mapped != MAP_FAILED);
+    std::span<float> recv1(static_cast<float*>(mapped), n);
+    std::fill(recv1.begin(), recv1.end(), 0.0f);
+    std::vector<float> send0(n, 1.0f), send1(n, 2.0f), recv0(n, 0.0f);
+    // The last quarter lies in replica 1's chunk (the second half): only replica 1 writes it.
+    held_write::lo = reinterpret_cast<char*>(recv1.data() + 3 * n / 4);
+    held_write::hi = reinterpret_cast<char*>(recv1.data() + n);
+    held_write::hit = false;
+    held_write::release = false;
+    REQUIRE(reinterpret_cast<std::uintptr_t>(held_write::lo.load()) %
+                static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE)) ==
+            0);
+    struct sigaction act {};
+    act.sa_sigaction = held_write::on_fault;
+    act.sa_flags = SA_SIGINFO;
+    sigemptyset(&act.sa_mask);
+    REQUIRE(sigaction(SIGSEGV, &act, &held_write::previous) == 0);
+    REQUIRE(mprotect(held_write::lo.load(), bytes / 4, PROT_READ) == 0);
+
+    thread_group group(2, {.timeout = std::chrono::seconds(60)});
+    std::vector<outcome> out(2);
+    std::vector<int> written_after_throw(2, -1);
+    std::atomic<bool> replica1_left{false};
+    std::thread watchdog([&] {
+        for (int i = 0; i < 10000 && !held_write::hit.load(); ++i)
+            std::this_thread::sleep_for(1ms);
+        std::this_thread::sleep_for(100ms); // replica 0 has done its chunk and waits
+        group.abort("watchdog: a replica is stuck in its data phase");
+    });
+    try {
+        run_recording(group, out, [&](thread_communicator& comm) {
+            const int me = comm.rank();
+            std::span<float> recv = me == 0 ? std::span<float>(recv0) : recv1;
+            try {
+                comm.all_reduce(std::span<const float>(me == 0 ? send0 : send1), recv,
+                                reduce_op::sum);
+            } catch (const lockstep::error&) {
+                if (me == 1) {
+                    replica1_left = true;
+                } else {
+                    std::fill(recv.begin(), recv.end(), -7.0f); // its buffer is its own again
+                    held_write::release = true;
+                    for (int i = 0; i < 10000 && !replica1_left.load(); ++i)
+                        std::this_thread::sleep_for(1ms);
+                    written_after_throw[0] = static_cast<int>(std::count_if(
+                        recv.begin(), recv.end(), [](float v) { return v != -7.0f; }));
+                }
+                throw;
+            }
+        });
+        FAIL("run returned although the group was aborted");
+    } catch (const lockstep::error& e) {
+        CHECK(e.code() == errc::peer_failure);
+    }
+    watchdog.join();
+    sigaction(SIGSEGV, &held_write::previous, nullptr);
+    munmap(mapped, bytes);
+    CHECK(held_write::hit.load()); // the seam held replica 1 in its data phase
+    CHECK(replica1_left.load());
+    for (int r = 0; r < 2; ++r) {
+        CAPTURE(r, out[static_cast<std::size_t>(r)].what);
+        CHECK(out[static_cast<std::size_t>(r)].code == errc::peer_failure);
+    }
+    CHECK(written_after_throw[0] == 0);
 }
 
 TEST_CASE("abort with no run in progress fails the next run before any replica starts",

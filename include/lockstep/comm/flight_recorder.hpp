@@ -6,6 +6,7 @@
 #include "lockstep/core/float16.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -88,9 +89,10 @@ constexpr const char* trace_type_name() noexcept {
 ///
 /// On a timeout, a peer failure or a disagreement between replicas, the communicator calls
 /// dump: it prints the last few operations to stderr and, when LOCKSTEP_TRACE_DIR is set,
-/// writes the whole ring to $LOCKSTEP_TRACE_DIR/lockstep-trace.<label>.<pid>.<replica>.jsonl
+/// writes the whole ring to $LOCKSTEP_TRACE_DIR/lockstep-trace.<label>.<pid>.<replica>.<id>.jsonl
 /// (one JSON object per line: a header, then the operations oldest first), which
-/// scripts/trace_merge.py merges across replicas.
+/// scripts/trace_merge.py merges across replicas. <id> numbers the recorders of the process
+/// (id()), so handles of one replica (a group and its split) write files of their own.
 class flight_recorder {
 public:
     static constexpr std::size_t no_slot = static_cast<std::size_t>(-1);
@@ -113,6 +115,9 @@ public:
     std::size_t capacity() const noexcept { return ring_.size(); }
     /// The backend label given at construction.
     const char* label() const noexcept { return label_; }
+    /// This recorder's number, unique in the process (a moved recorder keeps it): its files'
+    /// names end in it.
+    std::uint64_t id() const noexcept { return id_; }
 
     /// Records the start of an operation; returns its slot for finish (no_slot when K == 0).
     std::size_t record(const char* op, std::uint64_t seq, const char* type, std::uint64_t count,
@@ -328,7 +333,7 @@ private:
         std::string file;
         if (const char* dir = std::getenv("LOCKSTEP_TRACE_DIR"); dir != nullptr && *dir != '\0') {
             file = std::string(dir) + "/lockstep-trace." + label_ + "." + std::to_string(pid) +
-                   "." + std::to_string(replica) + ".jsonl";
+                   "." + std::to_string(replica) + "." + std::to_string(id_) + ".jsonl";
             if (std::FILE* f = std::fopen(file.c_str(), "w")) {
                 std::fprintf(f,
                              "{\"lockstep_trace\": 1, \"label\": \"%s\", \"replica\": %d, "
@@ -360,7 +365,13 @@ private:
         return file;
     }
 
+    static std::uint64_t next_id() noexcept {
+        static std::atomic<std::uint64_t> recorders{0};
+        return recorders.fetch_add(1);
+    }
+
     const char* label_;
+    std::uint64_t id_ = next_id();
     tick_point origin_ = tick_now();
     std::vector<flight_entry> ring_;
     std::uint64_t recorded_ = 0;

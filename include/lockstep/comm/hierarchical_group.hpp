@@ -252,21 +252,28 @@ private:
     }
 
     // One replica: its communicator from this thread's handle and its local rank's MPI
-    // communicator, which returns to the group for the next run().
+    // communicator, which returns to the group for the next run(). The communicator outlives
+    // the handlers: they record the failure while it still holds the thread handle, so the
+    // peers report this failure rather than the handle's departure.
     template <class F>
     void replica_main(F& f, thread_communicator& intra) {
         const auto l = static_cast<std::size_t>(intra.rank());
+        std::optional<communicator_type> comm;
+        const auto record_failure = [&] {
+            (comm ? comm->intra() : intra).record_failure(std::current_exception());
+        };
         try {
-            communicator_type comm(
-                std::move(intra), std::move(inter_[l]),
-                hierarchical_group_routes(mailboxes_, static_cast<int>(l), params_.mpi));
-            std::invoke(f, comm);
-            inter_[l] = std::move(comm.inter());
+            comm.emplace(std::move(intra), std::move(inter_[l]),
+                         hierarchical_group_routes(mailboxes_, static_cast<int>(l), params_.mpi));
+            std::invoke(f, *comm);
+            inter_[l] = std::move(comm->inter());
         } catch (const std::exception& e) {
+            record_failure();
             if (params_.abort_on_failure && !detail::echoes_peer(e))
                 detail::abort_mpi_job("hierarchical_group", "thread", static_cast<int>(l), e);
             throw;
         } catch (...) {
+            record_failure();
             if (params_.abort_on_failure)
                 detail::abort_mpi_job("hierarchical_group", "thread", static_cast<int>(l),
                                       detail::non_standard_exception());

@@ -89,7 +89,8 @@ public:
     /// Leaves the group: peers that wait for this replica afterwards throw errc::peer_failure.
     ~thread_communicator() = default;
 
-    /// recv[i] = op over all replicas (in rank order) of send[i]. send may alias recv.
+    /// recv[i] = op over all replicas (in rank order) of send[i]. send may be recv itself; any
+    /// other overlap of the two throws errc::invalid_argument on every replica.
     /// requires: every replica passes the same count, type and op; recv.size() == send.size().
     template <class T>
     /// tag: see collective_tag (compared across replicas; default: none).
@@ -153,7 +154,8 @@ public:
 
     /// recv = the concatenation of every replica's send, in rank order. tag: see collective_tag.
     /// requires: equal send counts; recv.size() == size() * send.size(); send may be the
-    /// rank()-th slice of recv and must not overlap it otherwise.
+    /// rank()-th slice of recv and must not overlap it otherwise (that throws
+    /// errc::invalid_argument on every replica).
     template <class T>
     void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
                     collective_tag tag = {}) {
@@ -195,7 +197,8 @@ public:
     }
 
     /// As all_reduce, but only recv of replica `root` is written (the others' recv is not
-    /// touched and may be empty). On root, send may alias recv.
+    /// touched and may be empty). On root, send may be recv itself; any other overlap there
+    /// throws errc::invalid_argument on every replica.
     /// requires: equal counts, type, op and root; on root recv.size() == send.size().
     template <class T>
     void reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,

@@ -30,7 +30,8 @@ namespace lockstep {
 struct thread_group_params {
     /// How long a replica waits for its peers (in a collective or a recv) before it throws
     /// errc::timeout and fails the run. Default: LOCKSTEP_TIMEOUT seconds when that
-    /// environment variable is set, else 120 s.
+    /// environment variable is set, else 120 s. Timeouts over 1e9 s (~31 years, e.g.
+    /// std::chrono::milliseconds::max() for "wait forever") are taken as 1e9 s.
     std::chrono::milliseconds timeout = default_timeout(std::chrono::seconds(120));
     /// Whether collectives without a collective_tag name compare their call sites across
     /// replicas, so that two calls of the same collective and shape issued in another order

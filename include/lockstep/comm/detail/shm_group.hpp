@@ -159,11 +159,11 @@ public:
     }
 
     /// Arrives at phase epoch `target` (rank's epoch becomes target) and waits until every
-    /// member has. `first` is the epoch of the collective's first phase; `final_phase` says no
-    /// data phase follows. On failure (the run failed, a missing member departed, or the
-    /// timeout passed) the group is aborted and this throws, after waiting until no peer can
-    /// still be reading rank's buffers. `spin`: see run_context::wait_until.
-    void arrive_and_wait(int rank, std::uint64_t target, std::uint64_t first, bool final_phase,
+    /// member has. `first` and `last` are the epochs of the collective's first and final phase
+    /// (no data phase follows `last`). On failure (the run failed, a missing member departed,
+    /// or the timeout passed) the group is aborted and this throws, after waiting until no peer
+    /// can still be reading or writing rank's buffers. `spin`: see run_context::wait_until.
+    void arrive_and_wait(int rank, std::uint64_t target, std::uint64_t first, std::uint64_t last,
                          op_label label,
                          std::chrono::nanoseconds spin = std::chrono::nanoseconds(0)) {
         member(rank).epoch.store(target);
@@ -176,7 +176,7 @@ public:
                               ctx_->generation(), label.seq, label.name, label_,
                               call(rank, label.seq).tag});
             } catch (...) {
-                abandon_current(rank, first, final_phase, std::current_exception());
+                abandon_current(rank, first, last, std::current_exception());
             }
         }
         const auto complete = [&] {
@@ -202,7 +202,7 @@ public:
         const int me = replica_of(rank);
         const std::string op = operation(label);
         if (aborted() || ctx_->failed()) {
-            abandon(rank, first, final_phase,
+            abandon(rank, first, last,
                     error(errc::peer_failure, me, op, ctx_->failure_description()));
         }
         if (departed_missing()) {
@@ -214,7 +214,7 @@ public:
                     "replica " + who +
                         " left the group (its communicator was destroyed) without joining");
             ctx_->record_failure(me, std::make_exception_ptr(e), e.what());
-            abandon(rank, first, final_phase, std::move(e));
+            abandon(rank, first, last, std::move(e));
         }
         (void)in_time;
         std::string missing;
@@ -225,16 +225,16 @@ public:
                 "timed out after " + std::to_string(ctx_->timeout().count()) +
                     " ms waiting for replica(s) " + missing + " (missing)");
         ctx_->record_failure(me, std::make_exception_ptr(e), e.what());
-        abandon(rank, first, final_phase, std::move(e));
+        abandon(rank, first, last, std::move(e));
     }
 
-    /// For an exception thrown inside a data phase (between phases `first`.. of a collective):
-    /// records it as the run's failure, leaves the collective like a failed wait does, and
-    /// rethrows it.
-    [[noreturn]] void abandon_current(int rank, std::uint64_t first, bool final_phase,
+    /// For an exception thrown inside a data phase (between phases `first`..`last` of a
+    /// collective): records it as the run's failure, leaves the collective like a failed wait
+    /// does, and rethrows it.
+    [[noreturn]] void abandon_current(int rank, std::uint64_t first, std::uint64_t last,
                                       const std::exception_ptr& e) {
         ctx_->record_failure(replica_of(rank), e, describe(e));
-        leave_collective(rank, first, final_phase);
+        leave_collective(rank, first, last);
         std::rethrow_exception(e);
     }
 
@@ -242,28 +242,32 @@ private:
     std::string name(const std::string& op) const { return op; }
     std::string name(op_label l) const { return operation(l); }
 
-    /// Leaves the current collective after a failure: marks the group dead, then, if peers
-    /// may be inside a data phase reading this replica's buffers, waits until each of them
-    /// has left too or never entered; then throws e.
-    [[noreturn]] void abandon(int rank, std::uint64_t first, bool final_phase, error e) {
-        leave_collective(rank, first, final_phase);
+    /// Leaves the current collective after a failure: marks the group dead, then waits until
+    /// no peer can still be reading or writing this replica's buffers; then throws e.
+    [[noreturn]] void abandon(int rank, std::uint64_t first, std::uint64_t last, error e) {
+        leave_collective(rank, first, last);
         throw std::move(e);
     }
 
-    /// Marks the group dead and leaves the current collective; unless final_phase, first
-    /// waits until no peer can still be reading this replica's buffers: members at or past
-    /// `first` are inside this collective, their data phases never block and their waits see
-    /// the abort, so each of them soon reaches left_epoch (or has departed).
-    void leave_collective(int rank, std::uint64_t first, bool final_phase) {
+    /// Marks the group dead and leaves the current collective (phases `first`..`last`), in
+    /// every phase, the final one included (peers may still be in the data phase before it,
+    /// reading this replica's send and writing its recv). It first waits until every member is
+    /// drained: below `first` (never entered), at or above `last` (its data work is done:
+    /// nothing follows the final phase but the wait, which sees the abort), at left_epoch, or
+    /// departed. The wait is bounded: a member between `first` and `last` is in a data phase,
+    /// which copies and reduces host memory and never blocks (an exception in it leaves through
+    /// abandon_current), or in a phase wait, which sees the abort; either way it soon arrives
+    /// at a later epoch or left_epoch. Nobody waits for a member that waits for it: a leaving
+    /// member is at left_epoch before it waits. (A collective_event hook that blocks at
+    /// `arrived` holds its member at `first`, as it holds its peers' phase waits.)
+    void leave_collective(int rank, std::uint64_t first, std::uint64_t last) {
         aborted_.store(true);
         member(rank).epoch.store(left_epoch);
         ctx_->notify();
-        if (final_phase)
-            return;
         const auto drained = [&] {
             for (int j = 0; j < size(); ++j) {
                 const std::uint64_t at = member(j).epoch.load();
-                if (at >= first && at != left_epoch && !member(j).departed.load())
+                if (at >= first && at < last && !member(j).departed.load())
                     return false;
             }
             return true;

@@ -62,6 +62,16 @@ public:
     }
     /// This handle's record of its last collectives (see flight_recorder).
     const flight_recorder& trace() const noexcept { return trace_; }
+    /// Records e, thrown on this replica, as the failure of its run (what thread_group::run
+    /// rethrows and what the peers' errc::peer_failure names) unless one is recorded already;
+    /// nothing on a moved-from handle. thread_group::run records a replica's exception once it
+    /// leaves the replica's function: code that moves the handle into an object of its own
+    /// (hierarchical_group) calls this from its handler while that object still holds the
+    /// handle, since peers that find a destroyed handle missing record its departure instead.
+    void record_failure(const std::exception_ptr& e) {
+        if (group_)
+            group_->context().record_failure(replica(), e, describe(e));
+    }
 
 protected:
     member_handle(std::shared_ptr<group_state> group, int rank)
@@ -95,6 +105,10 @@ protected:
         op_label op;
         flight_recorder::scope traced; ///< marks the recorded collective done or failed
         std::chrono::steady_clock::time_point began{}; ///< when this replica's data work began
+        /// The epoch of the final phase (no data phase follows it).
+        std::uint64_t last() const noexcept {
+            return first + static_cast<std::uint64_t>(phases) - 1;
+        }
     };
 
     void leave() noexcept {
@@ -196,7 +210,7 @@ protected:
                              std::chrono::nanoseconds spin = std::chrono::nanoseconds(0)) {
         ++s.done;
         ++epoch_;
-        group_->arrive_and_wait(rank_, epoch_, s.first, s.done == s.phases, s.op, spin);
+        group_->arrive_and_wait(rank_, epoch_, s.first, s.last(), s.op, spin);
     }
 
     /// Called from a handler of e: writes the flight recorder for the errors it is kept for
@@ -248,7 +262,7 @@ protected:
         try {
             data_phase();
         } catch (...) {
-            group_->abandon_current(rank_, s.first, s.done == s.phases, std::current_exception());
+            group_->abandon_current(rank_, s.first, s.last(), std::current_exception());
         }
     }
 

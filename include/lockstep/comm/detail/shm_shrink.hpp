@@ -97,7 +97,7 @@ inline shrink_outcome shrink_group(group_state& g, int rank) {
             return true;
         };
         // Departures do not signal `changed`: poll them.
-        const auto deadline = clock::now() + g.context().timeout();
+        const auto deadline = g.context().deadline();
         while (!s.decided && !known() && clock::now() < deadline)
             s.changed.wait_for(lock, std::chrono::milliseconds(1));
         if (!s.decided)

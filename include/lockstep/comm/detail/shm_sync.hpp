@@ -49,8 +49,11 @@ public:
     std::chrono::milliseconds timeout() const noexcept { return timeout_; }
     /// Whether collectives compare the call sites of unnamed calls (collective_tag).
     bool check_call_sites() const noexcept { return check_call_sites_; }
-    /// The deadline of a wait that starts now.
-    clock::time_point deadline() const { return clock::now() + timeout_; }
+    /// The deadline of a wait that starts now: now + timeout(), with timeouts over max_wait
+    /// (milliseconds::max() included) counted as max_wait, so the sum cannot overflow.
+    clock::time_point deadline() const { return clock::now() + std::min(timeout_, max_wait); }
+    /// The longest wait deadline() allows: 1e9 s (~31 years, the most LOCKSTEP_TIMEOUT takes).
+    static constexpr std::chrono::milliseconds max_wait = std::chrono::seconds(1000000000);
 
     /// True once any replica of the run has failed.
     bool failed() const noexcept { return failed_.load(); }

@@ -187,6 +187,33 @@ inline void validate_calls(const group_state& g, int rank, op_label label) {
                  " passed a receive span of ", count_of(c.recv_count, c.type, c.elem_size), " for ",
                  count_of(want, c.type, c.elem_size));
     }
+    // Sizes agree now. Send and recv may only overlap in the documented in-place form: every
+    // replica reads every record, so all throw the same error or none does.
+    if (k == collective_kind::all_reduce || k == collective_kind::reduce ||
+        k == collective_kind::all_gather) {
+        for (int j = 0; j < n; ++j) {
+            const call_record& c = g.call(j, seq);
+            if (k == collective_kind::reduce && j != c.root)
+                continue; // recv is not touched off the root
+            const auto s0 = reinterpret_cast<std::uintptr_t>(c.send);
+            const auto r0 = reinterpret_cast<std::uintptr_t>(c.recv);
+            const std::size_t send_bytes = c.count * c.elem_size;
+            const std::size_t recv_bytes = c.recv_count * c.elem_size;
+            // all_gather's in-place send is recv's slot rank(); the others' is recv itself.
+            const std::uintptr_t in_place = k == collective_kind::all_gather
+                                                ? r0 + static_cast<std::size_t>(j) * send_bytes
+                                                : r0;
+            const bool overlap =
+                send_bytes != 0 && recv_bytes != 0 && s0 < r0 + recv_bytes && r0 < s0 + send_bytes;
+            if (overlap && s0 != in_place)
+                fail(errc::invalid_argument, me, op(), "replica ", g.replica_of(j),
+                     " passed send and receive spans that overlap partially (",
+                     k == collective_kind::all_gather
+                         ? "in place, send must be exactly the rank()-th slice of recv"
+                         : "in place, send must be exactly recv",
+                     ")");
+        }
+    }
 }
 
 } // namespace lockstep::detail::shm
