@@ -19,6 +19,7 @@
 #include "lockstep/core/finite.hpp"
 #include "lockstep/core/float16.hpp"
 #include "lockstep/core/leading_zeros.hpp"
+#include "lockstep/core/span_overlap.hpp"
 #include "lockstep/kernels/float16_arrays.hpp"
 
 #include "lockstep/system/buffer.hpp"

@@ -6,6 +6,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <cstddef>
+#include <vector>
+
 using namespace lockstep;
 
 static_assert(sync_policy<sync::synchronous> && sync_policy<sync::asynchronous> &&
@@ -75,6 +78,35 @@ TEST_CASE("policy tags carry their constants", "[policy]") {
     CHECK(reduce::bucketed<100, 1000>::first_bucket_bytes == 100); // never above Bytes
     CHECK(reduce::parameter_server<3>::root == 3);
     CHECK(std::is_same_v<reduce::compressed<lockstep::half>::wire_type, lockstep::half>);
+}
+
+TEST_CASE("reduce::chunks_of refuses a chunk of 0 or a replica count < 1 at run time", "[policy]") {
+    // Run-time values (in a constant expression these do not compile); unchecked, they divided
+    // by zero.
+    struct bad_call {
+        std::size_t chunk;
+        int rank, size;
+        const char* names;
+    };
+    const std::vector<bad_call> calls = {
+        {0, 0, 3, "chunk = 0, rank = 0, size = 3"},
+        {8, 0, 0, "chunk = 8, rank = 0, size = 0"},
+        {8, 0, -2, "chunk = 8, rank = 0, size = -2"},
+        {8, 3, 3, "chunk = 8, rank = 3, size = 3"},
+    };
+    for (const bad_call& c : calls) {
+        INFO(c.names);
+        try {
+            (void)reduce::chunks_of(37, c.chunk, c.rank, c.size);
+            FAIL("chunks_of accepted " << c.names);
+        } catch (const lockstep::error& e) {
+            CHECK(e.code() == errc::invalid_argument);
+            CHECK_THAT(e.what(), Catch::Contains(c.names));
+        }
+    }
+    const std::vector<std::size_t> chunk = {8};
+    CHECK(reduce::chunks_of(37, chunk[0], 2, 3).first == 4);
+    CHECK(reduce::chunks_of(37, chunk[0], 2, 3).count == 1);
 }
 
 TEST_CASE("policy tags carry the names checkpoints record", "[policy]") {

@@ -119,3 +119,58 @@ TEST_CASE("data_parallel.step with a 2^62-sample global batch splits it without 
         CHECK(ranges[r][4].sample_offset == global);
     }
 }
+
+namespace {
+using mark_ctx = replica_context<float, thread_communicator>;
+/// Two parameters and two state tensors; fn marks one of the state tensors ready.
+struct with_state {
+    mark_ctx::handle p0, p1, s0, s1;
+    explicit with_state(mark_ctx& ctx) {
+        auto& reg = ctx.registry();
+        p0 = reg.add("p0", {4});
+        p1 = reg.add("p1", {4});
+        s0 = reg.add_state("s0", {1});
+        s1 = reg.add_state("running.s1", {1});
+    }
+};
+} // namespace
+
+TEST_CASE("mark_ready refuses a state tensor's handle, naming the tensor and the replica",
+          "[train][thread]") {
+    // A state handle's index counts state tensors: taken as a parameter index it would launch
+    // another tensor's bucket (here p1's, before its gradient is written).
+    std::vector<std::string> errors(2);
+    std::vector<int> codes(2, -1);
+    std::vector<std::vector<float>> before(2), after(2);
+    thread_group(2).run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        data_parallel<with_state, optim::sgd<float>, sync::synchronous, reduce::per_tensor> dp(
+            comm, [](auto& ctx) { return with_state(ctx); }, {.lr = 1.0});
+        auto p = dp.parameters();
+        before[r].assign(p.begin(), p.end());
+        try {
+            dp.step(2, [&](with_state& n, const shard_range& s, mark_ctx& ctx) {
+                ctx.mark_ready(n.s1);
+                for (int k = 0; k < 4; ++k) {
+                    n.p0.grad()[k] += float(s.begin + 1);
+                    n.p1.grad()[k] += float(s.begin + 1);
+                }
+                ctx.mark_ready(n.p1);
+                ctx.mark_ready(n.p0);
+                return 0.0;
+            });
+        } catch (const error& e) {
+            errors[r] = e.what();
+            codes[r] = static_cast<int>(e.code());
+        }
+        p = dp.parameters();
+        after[r].assign(p.begin(), p.end());
+    });
+    for (std::size_t r = 0; r < 2; ++r) {
+        CAPTURE(r, errors[r]);
+        CHECK(codes[r] == static_cast<int>(errc::invalid_argument));
+        CHECK(contains(errors[r], "replica " + std::to_string(r) + ": replica_context.mark_ready"));
+        CHECK(contains(errors[r], "'running.s1' is a state tensor"));
+        CHECK(after[r] == before[r]); // nothing applied
+    }
+}

@@ -22,7 +22,9 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace lockstep_test;
@@ -382,4 +384,94 @@ TEST_CASE("bn::group layers split the shrunk communicator again", "[shrink]") {
         CHECK(run.lost_reported[r] == 1);
         CHECK(run.records[r].params == reference);
     }
+}
+
+TEST_CASE("a loss inside the last micro-batch's bucket launch: the step is computed again on the "
+          "new collective",
+          "[shrink]") {
+    // micro_batches = 2, reduce::bucketed and bn::local (no collective in forward or backward):
+    // the first collective after step 3's fence is a bucket that mark_ready launches inside
+    // fn's last micro-batch, so replica 1's loss there makes fn throw on the survivors with the
+    // trainer's ready hook installed. Computed again, the step must launch its buckets on the
+    // collective rebuilt for 2 replicas, only from the last micro-batch (a hook left behind
+    // would call into the destroyed one from the first). Against a reference that saves at
+    // step 3 on 3 replicas and resumes on 2: the same operations in the same order, so the
+    // weights have the same bits (each replica keeps its own running statistics under
+    // bn::local: they are not compared).
+    using local_net = mlp<float, thread_communicator, storage::registry, bn::local>;
+    using trainer = data_parallel<local_net, optim::adam<float>, sync::synchronous,
+                                  reduce::bucketed<256>, thread_communicator>;
+    const temp_dir dir("shrink_micro");
+    const auto factory = [](auto& ctx) { return local_net(ctx); };
+    const auto fn = [](local_net& n, const shard_range& range, auto& ctx) {
+        return n.train(range, ctx);
+    };
+    const train_params tp{
+        .micro_batches = 2, .seed = 42, .on_replica_failure = replica_failure::shrink};
+    const auto train = [&](trainer& dp, std::int64_t until) {
+        while (dp.steps() < until)
+            (void)dp.step(shrink_batch, fn);
+    };
+    std::vector<float> reference;
+    thread_group(3).run([&](thread_communicator& comm) {
+        trainer dp(comm, factory, {.lr = 0.05f}, tp);
+        train(dp, 3);
+        save_checkpoint(dp, dir.path / "reference");
+    });
+    thread_group(2).run([&](thread_communicator& comm) {
+        trainer dp(comm, factory, {.lr = 0.05f}, tp);
+        load_checkpoint(dp, dir.path / "reference");
+        train(dp, shrink_steps);
+        if (comm.rank() == 0)
+            reference.assign(dp.parameters().begin(), dp.parameters().end());
+    });
+
+    const shrink_run counted = train_losing<reduce::bucketed<256>, bn::local>(3, std::nullopt, tp);
+    const shrink_run run = train_losing<reduce::bucketed<256>, bn::local>(
+        3, replica_loss{1, 3, loss_point::exchange, counted.per_step}, tp);
+    REQUIRE(run.lost.size() == 1);
+    CHECK(run.lost[0].replica == 1);
+    for (std::size_t r : {std::size_t{0}, std::size_t{2}}) {
+        CHECK(run.final_size[r] == 2);
+        CHECK(run.lost_reported[r] == 1);
+        CHECK(run.records[r].params == reference);
+    }
+}
+
+TEST_CASE("a replica that times out but joins the shrink at every try ends the run", "[shrink]") {
+    // Replica 1 stalls in step 1's step function longer than the group's timeout, at every
+    // try. The others time out and shrink; replica 1 still arrives at the shrink within its
+    // wait, so nobody is removed, and the step computed again times out the same way. The
+    // second failure of the call must end the run with the timeout instead of shrinking again
+    // (without end): at most two runs of step 1 on replica 1.
+    using net = mlp<float, thread_communicator, storage::registry, bn::local>;
+    std::atomic<int> attempts{0};
+    std::optional<errc> code;
+    std::string what;
+    thread_group group(3, {.timeout = 300ms});
+    try {
+        group.run([&](thread_communicator& comm) {
+            data_parallel<net, optim::sgd<float>, sync::synchronous, reduce::bucketed<256>,
+                          thread_communicator>
+                dp(comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.05f},
+                   {.on_replica_failure = replica_failure::shrink});
+            for (int s = 0; s < 3; ++s)
+                (void)dp.step(shrink_batch, [&](net& n, const shard_range& range, auto& ctx) {
+                    if (ctx.step() == 1 && comm.replica() == 1) {
+                        // A bound for the unfixed trainer, which would shrink forever.
+                        if (attempts.fetch_add(1) >= 3)
+                            throw std::runtime_error("step 1 computed again too often");
+                        std::this_thread::sleep_for(450ms);
+                    }
+                    return n.train(range, ctx);
+                });
+        });
+    } catch (const lockstep::error& e) {
+        code = e.code();
+        what = e.what();
+    }
+    INFO(what);
+    CHECK(attempts.load() <= 2);
+    CHECK(code == errc::timeout);
+    CHECK(group.lost().empty());
 }

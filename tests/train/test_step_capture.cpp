@@ -250,6 +250,38 @@ TEST_CASE("count_replay refuses without a capture and when the schedule moved th
     }
 }
 
+TEST_CASE("a capture with verify_every is refused before any work: count_replay's launches "
+          "would never be checked",
+          "[train][thread][capture]") {
+    std::vector<observed> seen(2);
+    thread_group(2).run([&](thread_communicator& inner) {
+        switch_communicator comm(inner);
+        observed& o = seen[static_cast<std::size_t>(comm.rank())];
+        trainer dp(comm, make, {.lr = 0.1}, {.verify_every = 1});
+        (void)dp.step(10, fn); // the plain step a capture needs: it checks the replicas
+        o.position(dp);
+        capture_switch = true;
+        try {
+            (void)dp.step(10, fn);
+        } catch (const error& e) {
+            o.error(e);
+        }
+        capture_switch = false;
+        o.position(dp);
+        // The communicator is still usable: the replicas train on, checked.
+        (void)dp.step(10, fn);
+        o.position(dp);
+    });
+    for (const observed& o : seen) {
+        CHECK(o.steps == std::vector<std::int64_t>{1, 1, 2});
+        CHECK(o.samples == std::vector<std::uint64_t>{10, 10, 20});
+        REQUIRE(o.errors.size() == 1);
+        CHECK(o.codes[0] == static_cast<int>(errc::unsupported));
+        CHECK_THAT(o.errors[0], Catch::Contains("verify_every = 1"));
+        CHECK_THAT(o.errors[0], Catch::Contains("count_replay"));
+    }
+}
+
 TEST_CASE("a local SGD step under capture is refused before any work", "[train][thread][capture]") {
     std::vector<observed> seen(2);
     thread_group(2).run([&](thread_communicator& inner) {

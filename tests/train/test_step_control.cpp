@@ -12,10 +12,12 @@
 
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -340,6 +342,35 @@ TEST_CASE("replicas that disagree on settings fail on every replica naming both 
             CHECK_THAT(msg, Catch::Contains("micro_batches: 2 on replica 0, 1 on replica 1;"));
         }
     }
+    SECTION("loss scaling on one replica only, or with another growth_interval") {
+        const auto off = errors_of(2, [](int rank, thread_communicator& comm) {
+            train_params tp;
+            if (rank == 1)
+                tp.loss_scale = loss_scaling{.init_scale = 1024};
+            trainer dp(
+                comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1}, tp);
+        });
+        for (const auto& [msg, code] : off) {
+            INFO(msg);
+            CHECK(code == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(msg, Catch::Contains("loss_scale: off on replica 0, init_scale=1024 "
+                                            "growth_factor=2 backoff_factor=0.5 "
+                                            "growth_interval=2000 min_scale=1 on replica 1;"));
+        }
+        const auto interval = errors_of(2, [](int rank, thread_communicator& comm) {
+            trainer dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1},
+                       {.loss_scale = loss_scaling{.growth_interval = rank == 0 ? 2000 : 7}});
+        });
+        for (const auto& [msg, code] : interval) {
+            INFO(msg);
+            CHECK(code == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(msg, Catch::Contains("loss_scale: init_scale=65536 growth_factor=2 "
+                                            "backoff_factor=0.5 growth_interval=2000 min_scale=1 "
+                                            "on replica 0, init_scale=65536 growth_factor=2 "
+                                            "backoff_factor=0.5 growth_interval=7 min_scale=1 on "
+                                            "replica 1;"));
+        }
+    }
     SECTION("global_batch 24 on two replicas, 23 on the third: the step is skipped") {
         std::vector<std::vector<double>> before(3), after(3);
         const auto e = errors_of(3, [&](int rank, thread_communicator& comm) {
@@ -378,6 +409,53 @@ TEST_CASE("replicas that disagree on settings fail on every replica naming both 
             CHECK(code == static_cast<int>(errc::invalid_argument));
             CHECK_THAT(msg, Catch::Contains("step 2 skipped"));
             CHECK_THAT(msg, Catch::Contains("lr: 0.05 on replica 0, 0.07 on replica 1;"));
+        }
+    }
+}
+
+TEST_CASE("a scheduled learning rate that is not finite or negative is refused before the step "
+          "changes anything",
+          "[train][thread][agreement]") {
+    // Step 2's rate is inf, NaN or negative on every replica (one schedule); with loss scaling
+    // growing every step, a check after the step's own work would leave the scale grown and
+    // the weights or counters moved.
+    for (const double bad : {std::numeric_limits<double>::infinity(),
+                             std::numeric_limits<double>::quiet_NaN(), -0.25}) {
+        INFO("rate " << bad);
+        std::vector<loss_scaler_state> scale_before(3), scale_after(3);
+        std::vector<std::vector<double>> before(3), after(3);
+        std::vector<std::int64_t> steps_after(3);
+        const auto e = errors_of(3, [&](int rank, thread_communicator& comm) {
+            train_params tp;
+            tp.lr = [bad](std::int64_t s) { return s == 2 ? bad : 0.05; };
+            tp.loss_scale = loss_scaling{.init_scale = 8, .growth_interval = 1};
+            trainer dp(
+                comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1}, tp);
+            const auto me = static_cast<std::size_t>(rank);
+            dp.step(10, train_fn);
+            dp.step(10, train_fn);
+            scale_before[me] = dp.scaler().state();
+            auto p = dp.parameters();
+            before[me].assign(p.begin(), p.end());
+            try {
+                dp.step(10, train_fn);
+            } catch (...) {
+                scale_after[me] = dp.scaler().state();
+                p = dp.parameters();
+                after[me].assign(p.begin(), p.end());
+                steps_after[me] = dp.steps();
+                throw;
+            }
+        });
+        for (std::size_t r = 0; r < 3; ++r) {
+            INFO(e[r].first);
+            CHECK(e[r].second == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(e[r].first, Catch::Contains("replica " + std::to_string(r) + ":"));
+            CHECK_THAT(e[r].first, Catch::Contains("the learning rate of step 2 is "));
+            CHECK(scale_before[r].scale == 32); // grown after steps 0 and 1
+            CHECK(scale_after[r] == scale_before[r]);
+            CHECK(after[r] == before[r]);
+            CHECK(steps_after[r] == 2);
         }
     }
 }
@@ -717,5 +795,76 @@ TEST_CASE("finish: equal step counts return them; unequal local steps name every
                                             "of steps: replica 0 ran 2, replica 1 ran 2, replica "
                                             "2 ran 3"));
         }
+    }
+}
+
+namespace {
+using reg_ctx = replica_context<double, thread_communicator>;
+/// linear's model with its tensors in the registry: each is marked ready after its gradient,
+/// so in a step's last micro-batch mark_ready launches its bucket from inside fn.
+struct linear_registry {
+    reg_ctx::handle w, b;
+    explicit linear_registry(reg_ctx& ctx) {
+        w = ctx.registry().add("w", {5});
+        b = ctx.registry().add("b", {1});
+        for (std::size_t i = 0; i < 5; ++i)
+            w.value()[i] = 0.1 * double(i + ctx.rank());
+    }
+    double train(const shard_range& r, reg_ctx& ctx) {
+        const auto W = w.value(), DW = w.grad(), B = b.value(), DB = b.grad();
+        double loss = 0;
+        for (std::size_t i = r.begin; i < r.end; ++i) {
+            const auto g = r.sample_index(i);
+            double y = B[0];
+            for (std::size_t k = 0; k < 5; ++k)
+                y += W[k] * feature(g, k);
+            const double e = y - 0.5 * feature(g, 5);
+            loss += e * e * r.scale;
+            for (std::size_t k = 0; k < 5; ++k)
+                DW[k] += 2 * e * r.scale * feature(g, k);
+            DB[0] += 2 * e * r.scale;
+        }
+        ctx.mark_ready(w);
+        ctx.mark_ready(b);
+        return loss;
+    }
+};
+} // namespace
+
+TEST_CASE("a step function that throws in the last micro-batch leaves no ready hook behind",
+          "[train][thread][hooks]") {
+    // micro_batches = 2 and per-tensor buckets launched by mark_ready. Step 0's fn throws on
+    // every replica at the start of its last micro-batch, after the trainer installed the ready
+    // hook; the replicas catch it and train the whole schedule. A hook left installed would
+    // launch the buckets in the next step's first micro-batch, with half of its gradient.
+    using reg_trainer = data_parallel<linear_registry, sgd, sync::synchronous, reduce::per_tensor>;
+    const std::vector<double> expect = reference_run{}.run(batches);
+    std::vector<std::vector<double>> out(3);
+    std::vector<std::string> caught(3);
+    thread_group(3, {.timeout = std::chrono::seconds(30)}).run([&](thread_communicator& comm) {
+        const auto me = static_cast<std::size_t>(comm.rank());
+        reg_trainer dp(comm, [](auto& ctx) { return linear_registry(ctx); },
+                       {.lr = 0.05, .momentum = 0.9}, {.micro_batches = 2});
+        int calls = 0;
+        auto fn = [&](linear_registry& n, const shard_range& r, reg_ctx& ctx) {
+            if (++calls == 2)
+                throw std::runtime_error("batch unavailable");
+            return n.train(r, ctx);
+        };
+        try {
+            dp.step(batches[0], fn);
+        } catch (const std::runtime_error& e) {
+            caught[me] = e.what();
+        }
+        for (std::size_t B : batches)
+            dp.step(B, fn);
+        const auto p = dp.parameters();
+        out[me].assign(p.begin(), p.end());
+    });
+    for (std::size_t r = 0; r < 3; ++r) {
+        CAPTURE(r);
+        CHECK(caught[r] == "batch unavailable");
+        CHECK(out[r] == out[0]);
+        CHECK(max_abs_diff(out[r], expect) <= tol);
     }
 }

@@ -3,13 +3,16 @@
 // between; off, nothing is reported; a negative K or an asynchronous trainer is refused; a
 // communicator timed on its device (as nccl_communicator) is read as the meter promises.
 // SPDX-License-Identifier: Apache-2.0
+#include "checkpoint_support.hpp"
 #include "straggler_cases.hpp"
 
 #include "lockstep/comm/thread_group.hpp"
+#include "lockstep/train/checkpoint.hpp"
 #include "support/counting_communicator.hpp"
 
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <string>
 #include <utility>
 #include <vector>
@@ -72,6 +75,63 @@ TEST_CASE("what a replica does before its first step is in no window",
         REQUIRE(mine[3]);
         CHECK(mine[3]->first_step == 2);
         CHECK(mine[3]->lag_seconds < 0.05);
+    }
+}
+
+TEST_CASE("after load_checkpoint of an earlier step the window starts again",
+          "[train][thread][straggler]") {
+    // K = 5: 10 steps with a save after step 5, the checkpoint loaded (steps() 10 -> 5), then
+    // steps 5..9 again. The report after the last step must cover steps 6..9 (the first step
+    // after the load is in no window, as a trainer's first step), with finite times naming the
+    // sleeping replica 1; a window measured from the report before the load (step 10) would be
+    // empty or negative (inf or NaN seconds).
+    const double delay = std::chrono::duration<double>(straggler_delay).count();
+    using net = mlp<float, thread_communicator, storage::registry>;
+    const temp_dir dir("straggler");
+    const auto path = dir.path / "run.ckpt";
+    std::vector<std::optional<straggler_report>> before_load(2), last(2);
+    std::vector<std::int64_t> steps_after_load(2);
+    thread_group(2).run([&](thread_communicator& comm) {
+        data_parallel<net, optim::sgd<float>, sync::synchronous, reduce::bucketed<>,
+                      thread_communicator>
+            dp(comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.1},
+               {.report_stragglers_every = 5});
+        auto fn = [&](net& n, const shard_range& r, auto& ctx) {
+            if (comm.rank() == 1)
+                std::this_thread::sleep_for(straggler_delay);
+            return n.train(r, ctx);
+        };
+        while (dp.steps() < 10) {
+            dp.step(12, fn);
+            if (dp.steps() == 5)
+                save_checkpoint(dp, path);
+        }
+        const auto me = static_cast<std::size_t>(comm.rank());
+        before_load[me] = dp.straggler();
+        load_checkpoint(dp, path);
+        steps_after_load[me] = dp.steps();
+        while (dp.steps() < 10)
+            dp.step(12, fn);
+        last[me] = dp.straggler();
+        dp.finish();
+    });
+    for (std::size_t me = 0; me < 2; ++me) {
+        CAPTURE(me);
+        REQUIRE(before_load[me]);
+        CHECK(before_load[me]->first_step == 5);
+        CHECK(steps_after_load[me] == 5);
+        REQUIRE(last[me]);
+        const straggler_report& r = *last[me];
+        CHECK(r.first_step == 6);
+        CHECK(r.last_step == 9);
+        REQUIRE(r.own_seconds.size() == 2);
+        for (double s : r.own_seconds) {
+            CHECK(std::isfinite(s));
+            CHECK(s >= 0);
+        }
+        CHECK(r.slowest == 1);
+        CHECK(r.lag_seconds == Approx(delay).epsilon(0.2));
+        CHECK(r.own_seconds == last[0]->own_seconds);
     }
 }
 

@@ -2,6 +2,7 @@
 // their concept. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/core/error.hpp"
 #include "lockstep/core/float16.hpp"
 
 #include <algorithm>
@@ -163,12 +164,19 @@ struct reproducible : policy_traits {
 /// The chunks [first, first + count) replica `rank` of `size` computes when a global batch of
 /// `global` samples is cut into chunks of `chunk` samples (reduce::reproducible<chunk>'s plan,
 /// which bn::ghost<chunk> layers follow): contiguous, balanced by chunk count (the first
-/// replicas get one more chunk). requires: chunk >= 1, 0 <= rank < size.
+/// replicas get one more chunk). requires: chunk >= 1, 0 <= rank < size: else, on the host,
+/// lockstep::error (errc::invalid_argument) naming the values (in a constant expression it does
+/// not compile; device code does not check).
 struct chunk_run {
     std::size_t first;
     std::size_t count;
 };
 inline constexpr chunk_run chunks_of(std::size_t global, std::size_t chunk, int rank, int size) {
+#if !defined(__CUDA_ARCH__)
+    LOCKSTEP_REQUIRE(chunk >= 1 && size >= 1 && rank >= 0 && rank < size, errc::invalid_argument,
+                     -1, "reduce::chunks_of", "chunk = ", chunk, ", rank = ", rank,
+                     ", size = ", size, " (requires chunk >= 1 and 0 <= rank < size)");
+#endif
     const std::size_t chunks = global / chunk + (global % chunk != 0 ? 1 : 0);
     const auto s = static_cast<std::size_t>(size), r = static_cast<std::size_t>(rank);
     const std::size_t base = chunks / s, extra = chunks % s;

@@ -172,8 +172,12 @@ public:
     /// sample indices), since this call's fn may compute the step before it again. A second
     /// failure in the same call, a deterministic error, or fewer survivors than
     /// train_params::min_replicas throw as without shrink. See docs/fault_tolerance.md.
+    /// The learning rate of step steps() (train_params::lr) must be finite and >= 0: else
+    /// errc::invalid_argument naming the replica, the step and the value, on every replica,
+    /// before any collective and with nothing changed.
     template <class Fn>
     step_result step(std::size_t global_batch, Fn&& fn) {
+        (void)core_.checked_lr(core_.steps());
         if constexpr (detail::shrinkable_communicator<Communicator>)
             if (core_.params().on_replica_failure == replica_failure::shrink)
                 return shrinks_.step(
@@ -328,7 +332,7 @@ private:
             detail::step_capture::check_capturable(
                 this->rank(), is_local_sgd_v<SyncPolicy>,
                 parts_->collective.overlaps() && !detail::overlaps_on_side_stream<Communicator>,
-                core_.params().report_stragglers_every);
+                core_.params().report_stragglers_every, core_.params().verify_every);
             capture_.check_set_up(this->rank(), global_batch);
         }
         try {

@@ -87,7 +87,13 @@ public:
     /// so a bucketed reducer may launch the bucket h completes. Optional: every gradient not
     /// marked is reduced when the step function returns. Only meaningful with the registry and
     /// on the last micro-batch of a step (earlier micro-batches still accumulate).
+    /// requires: h is a parameter (registry add), not state (add_state, which has no gradient):
+    /// else lockstep::error (errc::invalid_argument) naming the tensor and this replica.
     void mark_ready(const handle& h) {
+        LOCKSTEP_REQUIRE(h.kind() == tensor_kind::parameter, errc::invalid_argument, rank(),
+                         "replica_context.mark_ready", "'", h.name(),
+                         "' is a state tensor (add_state): only a parameter's gradient (add) can "
+                         "be marked ready");
         if (ready_hook_)
             ready_hook_(h.index());
     }

@@ -44,7 +44,8 @@ struct train_params {
     /// accumulated over M calls of the step function, reduced and applied once. >= 1.
     int micro_batches = 1;
     /// The learning rate of step s (0-based), e.g. an optim lr schedule; empty: the optimizer
-    /// params' lr for every step.
+    /// params' lr for every step. Finite and >= 0: data_parallel::step checks step s's before
+    /// its first collective (errc::invalid_argument naming the replica, the step and the value).
     std::function<double(std::int64_t)> lr = {};
     /// A step whose gradient or loss has a NaN or infinity on any replica is skipped on every
     /// replica (true), or also throws lockstep::error (non_finite) on every replica (false),

@@ -76,8 +76,9 @@ void describe_optimizer_params(std::vector<std::string>& out, const P& p) {
 
 /// The settings of a trainer that must agree across replicas: the optimizer type and its
 /// hyperparameters, micro_batches, overlap, skip_non_finite, max_consecutive_skips,
-/// max_grad_norm, verify_every, report_stragglers_every, on_replica_failure, min_replicas,
-/// which tensors are frozen or decay, and the given policy names (sync, reduce, BN).
+/// max_grad_norm, loss_scale (off, or each of its fields), verify_every,
+/// report_stragglers_every, on_replica_failure, min_replicas, which tensors are frozen or decay,
+/// and the given policy names (sync, reduce, BN).
 template <class Optimizer>
 std::vector<std::string> describe_settings(const typename Optimizer::params_type& opt,
                                            const train_params& tp,
@@ -91,6 +92,14 @@ std::vector<std::string> describe_settings(const typename Optimizer::params_type
     add_setting(out, "skip_non_finite", tp.skip_non_finite ? "true" : "false");
     add_setting(out, "max_consecutive_skips", std::to_string(tp.max_consecutive_skips));
     add_setting(out, "max_grad_norm", exact(tp.max_grad_norm));
+    if (const auto& ls = tp.loss_scale)
+        add_setting(out, "loss_scale",
+                    "init_scale=" + exact(ls->init_scale) + " growth_factor=" +
+                        exact(ls->growth_factor) + " backoff_factor=" + exact(ls->backoff_factor) +
+                        " growth_interval=" + std::to_string(ls->growth_interval) +
+                        " min_scale=" + exact(ls->min_scale));
+    else
+        add_setting(out, "loss_scale", "off");
     add_setting(out, "verify_every", std::to_string(tp.verify_every));
     add_setting(out, "report_stragglers_every", std::to_string(tp.report_stragglers_every));
     add_setting(out, "on_replica_failure",

@@ -222,6 +222,16 @@ public:
     double lr_for(std::int64_t s) const {
         return tp_.lr ? tp_.lr(s) : static_cast<double>(opt_->params().lr);
     }
+    /// lr_for(s), required finite and >= 0, else lockstep::error (errc::invalid_argument) naming
+    /// this replica, the step and the value. Trainers check it before a step's first collective:
+    /// every replica computes the same schedule, so every replica throws, with nothing changed.
+    double checked_lr(std::int64_t s) const {
+        const double lr = lr_for(s);
+        LOCKSTEP_REQUIRE(is_finite(lr) && lr >= 0, errc::invalid_argument, comm_->rank(),
+                         "data_parallel.step", "the learning rate of step ", s, " is ", lr,
+                         " (train_params::lr or the optimizer's lr: must be finite and >= 0)");
+        return lr;
+    }
 
     /// Zeroes every gradient (the flat buffer, and the network's own with the visitor).
     void zero_grads() {
@@ -263,6 +273,17 @@ public:
             own += part(m).size();
         double loss = 0;
         ctx_->set_step(steps_, true);
+        // The hook before_last installs and the training flag end with the loop, also when fn
+        // throws: a hook left behind would launch buckets in the next step's first micro-batch
+        // or call into a collective a shrink has destroyed.
+        struct loop_end {
+            context_type& ctx;
+            std::int64_t step;
+            ~loop_end() {
+                ctx.set_ready_hook({});
+                ctx.set_step(step, false);
+            }
+        } const end{*ctx_, steps_};
         for (std::size_t m = 0; m < m_count; ++m) {
             shard_range r = part(m);
             r.global_size = global;
@@ -276,8 +297,6 @@ public:
             else
                 loss += static_cast<double>(fn(*net_, r, *ctx_));
         }
-        ctx_->set_ready_hook({});
-        ctx_->set_step(steps_, false);
         return loss;
     }
 

@@ -143,7 +143,10 @@ void check_shrink_settings(const train_params& tp, const Communicator& comm) {
 /// The step of a synchronous trainer over `Core` (replica_core) with on_replica_failure =
 /// shrink: each step starts with a fence (one barrier) and a step_rollback; when a replica is
 /// lost during it, the survivors shrink the communicator, agree on the step to start from
-/// (agree_redo), put its start back, rebuild the trainer's parts and compute again.
+/// (agree_redo), put its start back, rebuild the trainer's parts and compute again. One recovery
+/// per step() call: a failure of the step computed again is thrown, also when the shrink removed
+/// nobody (a replica that timed out but still joined it), so a replica that stalls at every try
+/// ends the run with the redo's error instead of shrinking again forever.
 template <class Core>
 class shrink_steps {
 public:
@@ -159,6 +162,7 @@ public:
                          "shrink (a graph cannot be computed again on fewer replicas)");
         const std::int64_t target = core.steps();
         int lost = 0;
+        bool recovered = false; // a second failure in this call is thrown, lost or not
         for (;;) {
             const std::int64_t begun = core.steps();
             const bool earlier = begun < target;
@@ -174,8 +178,9 @@ public:
                     return r;
                 }
             } catch (const error& e) {
-                if (lost > 0 || !is_replica_loss(e, core.comm().run_failure()))
+                if (recovered || !is_replica_loss(e, core.comm().run_failure()))
                     throw;
+                recovered = true;
                 lost = recover(core, parts, e, rebuild, begun);
             }
         }

@@ -50,9 +50,11 @@ public:
     /// capturing thread's). nccl_communicator's overlap is a side stream forked from the
     /// compute stream and joined back by events, which a capture follows. Nor with
     /// `report_stragglers_every` > 0: a graph's launches run no collective whose gaps the
-    /// straggler report could time.
+    /// straggler report could time. Nor with `verify_every` > 0: the check compares the
+    /// replicas' weights on the host after a plain step, which count_replay does not run (a
+    /// launch it counts is not followed by a wait it could compare after).
     static void check_capturable(int rank, bool local_sgd, bool threaded_overlap,
-                                 std::int64_t report_stragglers_every) {
+                                 std::int64_t report_stragglers_every, std::int64_t verify_every) {
         LOCKSTEP_REQUIRE(!local_sgd, errc::unsupported, rank, "data_parallel.step",
                          "a sync::local_sgd step cannot be captured in a CUDA graph (every K-th "
                          "step averages the weights and checks the replicas' settings on the "
@@ -67,6 +69,12 @@ public:
                          report_stragglers_every,
                          " (a graph's launches run no collective whose gaps the report could "
                          "time): use 0 in a trainer whose steps are captured");
+        LOCKSTEP_REQUIRE(
+            verify_every == 0, errc::unsupported, rank, "data_parallel.step",
+            "a step is not captured in a CUDA graph with verify_every = ", verify_every,
+            " (the replicas' weights are compared after plain steps only; the "
+            "launches count_replay counts would never be checked): use 0 in a "
+            "trainer whose steps are captured");
     }
 
     /// A plain step (run, not captured) of `global` samples returned: what a step of this global

@@ -76,18 +76,20 @@ public:
         const auto sys = core.comm().system();
         auto& opt = core.optimizer();
         const auto view = opt.state();
-        std::size_t first = parts_.size() - view.slots.size(); // the slots were kept last
         std::size_t k = 0;
-        for_each_part(core, [&](std::span<T> part) { // the slots: by load_state below
-            if (k < first)
-                copy(std::span<const T>(parts_[k]), host_system{1}, part, sys);
+        for_each_part(core, [&](std::span<T> part) { // the optimizer's slots too, kept last
+            copy(std::span<const T>(parts_[k]), host_system{1}, part, sys);
             ++k;
         });
         core.unpack_values();
+        // load_state copies with the optimizer's system, so its source must be that system's
+        // memory (a host vector on cuda_system would be read as device memory): the slots were
+        // copied host -> system above, and load_state gets them in place (as a checkpoint's
+        // restore does), which sets the step count and copies nothing.
         state_view<const T> saved{optimizer_steps_, {}};
         for (const auto& slot : view.slots)
-            saved.slots.push_back({slot.name, std::span<const T>(parts_[first++])});
-        opt.load_state(saved); // the buffers and the step count
+            saved.slots.push_back({slot.name, std::span<const T>(slot.data)});
+        opt.load_state(saved); // the step count
         core.restore_position(step_, samples_, seed_);
         for (const auto& [counter, value] : counters_)
             *counter = value;

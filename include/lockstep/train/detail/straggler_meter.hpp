@@ -38,7 +38,9 @@ concept device_timed_communicator = requires(Communicator& c) {
 /// The reports of train_params::report_stragglers_every = K: after every K-th step, every
 /// replica's own time per step since the last report, gathered. The first step a trainer runs
 /// is not measured: its time from the trainer's last collective includes whatever the program
-/// did before its first step (loading data, warming up), which is no step's work.
+/// did before its first step (loading data, warming up), which is no step's work. Nor is the
+/// first step after the step count went back (load_checkpoint of an earlier step): the window
+/// starts again there.
 class straggler_meter {
 public:
     /// requires: every >= 0 (0: off); every > 0 only on a host_timed_communicator or a
@@ -69,7 +71,10 @@ public:
                       device_timed_communicator<Communicator>) {
             if (every_ == 0)
                 return;
-            if (first_ < 0) { // the first step this trainer ran (a resumed one starts past 0)
+            // The first step this trainer ran (a resumed one starts past 0), or the first after
+            // steps() went back (a checkpoint of an earlier step loaded): a window from first_
+            // would be empty or negative.
+            if (first_ < 0 || steps <= first_) {
                 first_ = steps;
                 base_ns_ = between_ns(comm, true);
                 return;
