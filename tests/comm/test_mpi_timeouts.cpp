@@ -1,5 +1,7 @@
 // Regression tests for MPI hangs and MPI errors on one rank: a rank that skips a collective and
-// finishes, stalls, steps once more, or passes a null buffer. Run as
+// finishes, stalls, steps once more, passes a null buffer, arrives after a peer timed out (late:
+// the timed-out request's buffers must stay valid), or never constructs a communicator that rank
+// 0 constructs (ctor: the timeout names replica 0). Run as
 //     mpiexec -n 3 test_mpi_timeouts <scenario> <result-dir>
 // with LOCKSTEP_TIMEOUT=2. Each rank that observes the expected error writes "ok: <what>" to
 // <result-dir>/rank<r>.txt, a wrong outcome writes "bad: ..."; the CTest script checks the file
@@ -9,6 +11,7 @@
 #include "support/contains.hpp"
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <span>
@@ -62,7 +65,8 @@ void sum(mpi_communicator& comm, std::vector<float>& v) {
 int main(int argc, char** argv) {
     lockstep::mpi_environment env(argc, argv);
     if (argc < 3) {
-        std::fprintf(stderr, "usage: test_mpi_timeouts skip|stall|extra|null|abort <dir>\n");
+        std::fprintf(stderr,
+                     "usage: test_mpi_timeouts skip|stall|extra|null|abort|late|ctor <dir>\n");
         return 2;
     }
     const std::string scenario = argv[1];
@@ -121,6 +125,64 @@ int main(int argc, char** argv) {
             sum(comm, w); // 1 + 2 + 3
             const bool usable = !comm.broken() && w[0] == 6.0f && w[3] == 6.0f;
             record(usable ? outcome : "bad: the communicator is not usable after the refusal");
+            return 0;
+        } else if (scenario == "late") {
+            // Rank 0 times out of a half all_reduce (300 ms) that the others join 800 ms late;
+            // MPI still completes rank 0's exchange while it waits in the next collective. The
+            // library's buffers of that request must stay valid (they used to be freed on the
+            // throw, and MPI wrote into whatever was allocated there next): rank 0 allocates a
+            // probe of the exchange buffer's size (n halves: n is a multiple of 2 and 3) at once.
+            constexpr std::size_t n = 6144;
+            mpi_communicator late(MPI_COMM_WORLD, {.verify = false,
+                                                   .timeout = std::chrono::milliseconds(300),
+                                                   .on_failure = throwing});
+            std::vector<lockstep::half> h(n, lockstep::half(1.0f));
+            if (comm.rank() != 0)
+                std::this_thread::sleep_for(std::chrono::milliseconds(800));
+            std::vector<std::uint16_t> probe;
+            std::string outcome = comm.rank() == 0 ? "bad: all_reduce returned although the "
+                                                     "others came 800 ms late"
+                                                   : "ok: late, then ";
+            try {
+                late.all_reduce(std::span<const lockstep::half>(h), std::span<lockstep::half>(h),
+                                reduce_op::sum);
+            } catch (const lockstep::error& e) {
+                probe.assign(n, 0xAAAA);
+                if (comm.rank() == 0)
+                    outcome = e.code() == errc::timeout ? "ok: " : "bad: ";
+                outcome += e.what();
+            }
+            sum(comm, v); // #2 on the world: the late peers arrive, rank 0's exchange completes
+            std::this_thread::sleep_for(std::chrono::milliseconds(200));
+            sum(comm, v);
+            std::size_t changed = 0;
+            for (const std::uint16_t x : probe)
+                changed += x != 0xAAAA;
+            record(changed == 0 ? outcome
+                                : "bad: MPI wrote " + std::to_string(changed) + " of " +
+                                      std::to_string(probe.size()) +
+                                      " elements of memory allocated after the timeout");
+            return 0;
+        } else if (scenario == "ctor") {
+            if (comm.rank() == 0) {
+                try {
+                    mpi_communicator lone(
+                        MPI_COMM_WORLD,
+                        {.timeout = std::chrono::milliseconds(300), .on_failure = throwing});
+                    record("bad: the constructor returned although no other process constructed "
+                           "its communicator");
+                } catch (const lockstep::error& e) {
+                    const std::string what = e.what();
+                    const bool good = e.code() == errc::timeout && e.replica() == 0 &&
+                                      contains(what, "replica 0:") &&
+                                      contains(what, "MPI_Comm_idup");
+                    record((good ? "ok: " : "bad: ") + what + " (replica() " +
+                           std::to_string(e.replica()) + ")");
+                }
+                comm.abort(2); // the others never join the MPI_Comm_idup: end the job
+            }
+            std::this_thread::sleep_for(std::chrono::seconds(20));
+            record("bad: rank 0 did not end the job");
             return 0;
         } else {
             record("bad: unknown scenario " + scenario);

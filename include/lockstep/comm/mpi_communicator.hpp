@@ -99,6 +99,11 @@ namespace lockstep {
 /// and message. Then, by params::on_failure, it prints the error and ends the job with MPI_Abort
 /// (the default: no replica is left waiting) or throws it (the caller must end the job, e.g.
 /// with abort(e): MPI cannot cancel the collective the peers are in, so MPI_Finalize may hang).
+/// The timed-out request stays outstanding: MPI may still complete it when the peers arrive,
+/// reading the caller's send spans and writing its recv spans (and data) of the failed call. With
+/// throw_error the caller must therefore keep those buffers allocated and leave them alone until
+/// the job ends, even after the communicator is destroyed; the library keeps its own buffers
+/// of that request (the signature, copies, the scratch) allocated for good.
 /// A replica that leaves early (returns from main, finalises MPI) or calls one collective too
 /// many is therefore an error on the others within the timeout.
 ///
@@ -297,11 +302,11 @@ public:
         }
         // MPICH 4.0 and 4.1 crash on MPI_IN_PLACE at a non-zero root (pmodels/mpich#6540,
         // fixed in 4.2): reduce from a copy there.
-        std::vector<T> copy;
         const bool pass_in_place = in_place && !(root != 0 && detail::mpi_in_place_reduce_broken);
+        const auto copy = buffer<T>(in_place && !pass_in_place ? send.size() : 0);
         if (in_place && !pass_in_place) {
-            copy.assign(send.begin(), send.end());
-            send = std::span<const T>(copy);
+            std::copy(send.begin(), send.end(), copy.data());
+            send = std::span<const T>(copy.span());
         }
         for_each_chunk(send.size(), [&](std::size_t at, int n) {
             const void* src =
@@ -376,8 +381,8 @@ public:
         T* staged = in_place ? scratch<T>(recv.size()) : nullptr;
         // MPI refuses a receive buffer that aliases the send buffer even for zero elements: an
         // empty recv is handed over as a distinct (never written) address.
-        T unused{};
-        T* out = in_place ? staged : recv.empty() ? &unused : recv.data();
+        const auto unused = buffer<T>(recv.empty() ? 1 : 0);
+        T* out = in_place ? staged : recv.empty() ? unused.data() : recv.data();
         MPI_Request req = MPI_REQUEST_NULL;
         if (layout.equal) {
             call(MPI_Ireduce_scatter_block(send.data(), out, static_cast<int>(layout.mine),
@@ -564,7 +569,7 @@ private:
         T* staged = scratch<T>(per * ranks);
         // MPI refuses a receive buffer that aliases send even for zero elements: a step with
         // nothing for this rank hands over a distinct, never written address.
-        T unused{};
+        const auto unused = buffer<T>(1);
         std::vector<int> piece_counts(ranks);
         for (std::size_t lo = 0; lo < largest; lo += per) {
             std::size_t total = 0;
@@ -577,9 +582,9 @@ private:
             }
             const bool mine = piece_counts[static_cast<std::size_t>(rank_)] != 0;
             MPI_Request req = MPI_REQUEST_NULL;
-            call(MPI_Ireduce_scatter(staged, mine ? recv.data() + lo : &unused, piece_counts.data(),
-                                     detail::mpi_type<T>::datatype(), detail::to_mpi_op<T>(op),
-                                     comm_, &req),
+            call(MPI_Ireduce_scatter(staged, mine ? recv.data() + lo : unused.data(),
+                                     piece_counts.data(), detail::mpi_type<T>::datatype(),
+                                     detail::to_mpi_op<T>(op), comm_, &req),
                  "MPI_Ireduce_scatter", send.size());
             finish(req, "MPI_Ireduce_scatter", send.size(), total * sizeof(T));
         }
@@ -591,7 +596,8 @@ private:
     template <class W>
     void exchange_fold16(const W* send, W* out, const detail::float16_plan& p, std::size_t total,
                          reduce_op op) {
-        std::vector<W> gathered(std::max<std::size_t>(1, p.mine * static_cast<std::size_t>(size_)));
+        const auto gathered =
+            buffer<W>(std::max<std::size_t>(1, p.mine * static_cast<std::size_t>(size_)));
         MPI_Request req = MPI_REQUEST_NULL;
         call(MPI_Ialltoallv(send, p.send_counts.data(), p.send_displs.data(), MPI_UINT16_T,
                             gathered.data(), p.recv_counts.data(), p.recv_displs.data(),
@@ -624,7 +630,7 @@ private:
         for (std::size_t at = 0; at < count; at += float16_piece) {
             const std::size_t c = std::min(count - at, float16_piece);
             const auto p = detail::float16_plan_of(detail::even_counts(c, size_), rank_);
-            std::vector<W> slice(at_root ? 0 : std::max<std::size_t>(1, p.mine));
+            const auto slice = buffer<W>(at_root ? 0 : std::max<std::size_t>(1, p.mine));
             W* out = at_root ? recv + at + p.displs[static_cast<std::size_t>(rank_)] : slice.data();
             exchange_fold16(send + at, out, p, c, op);
             MPI_Request req = MPI_REQUEST_NULL;

@@ -46,6 +46,8 @@
 #error "lockstep's nccl_communicator needs NCCL 2.26 or newer (NCCL_LAUNCH_ORDER_IMPLICIT)."
 #endif
 #if LOCKSTEP_HAS_MPI
+#include "lockstep/comm/mpi_communicator.hpp"
+
 #include <mpi.h>
 #endif
 
@@ -202,9 +204,12 @@ public:
     /// device (see local_device()) and, optionally, a stream of that device to adopt (null: the
     /// communicator creates its own). Rank and size are those of `comm`; rank 0 creates the
     /// NCCL id and broadcasts it. A process whose device or stream is unusable makes EVERY
-    /// process throw (the check is agreed with MPI_Allreduce before NCCL is entered, so nobody
-    /// hangs). ensures: `device` is the calling thread's current CUDA device (the replica's
-    /// kernels go there, and no context is made on another GPU).
+    /// process throw (the check is agreed before NCCL is entered, so nobody hangs: the others
+    /// get errc::peer_failure naming it). The agreement and the broadcast are polled
+    /// mpi_communicator collectives within options.timeout (errc::timeout naming the missing
+    /// processes when one does not call this; with a timeout of 0 they wait forever). ensures:
+    /// `device` is the calling thread's current CUDA device (the replica's kernels go there, and no
+    /// context is made on another GPU).
     nccl_communicator(MPI_Comm comm, int device, nccl_options options = {},
                       cudaStream_t stream = nullptr)
         : nccl_communicator(adopt_tag{}, init_mpi(comm, device, stream, options.timeout), device,
@@ -794,15 +799,43 @@ private:
             problem = detail::adopted_stream_problem(stream, device);
         if (problem.empty() && rank == 0 && ncclGetUniqueId(&id) != ncclSuccess)
             problem = "the NCCL id could not be created (ncclGetUniqueId)";
-        int ok = problem.empty() ? 1 : 0;
-        int all_ok = 0;
-        LOCKSTEP_MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm));
-        LOCKSTEP_REQUIRE(ok, code, rank, "nccl_communicator(MPI_Comm)", problem);
-        LOCKSTEP_REQUIRE(all_ok, errc::peer_failure, rank, "nccl_communicator(MPI_Comm)",
-                         "another process has no usable NCCL library, CUDA device, stream or "
-                         "NCCL id");
-        LOCKSTEP_MPI_CHECK(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, comm));
-        return init_rank(id, size, rank, device, stream, timeout);
+        // Polled within the timeout on a duplicate of comm (so a process that never comes is a
+        // timeout, not a hang). The buffers are on the heap: after a timeout MPI may still write
+        // them when the peers arrive, so they are then kept for good.
+        struct exchange {
+            std::vector<int> ok;
+            ncclUniqueId id{};
+        };
+        // (A timeout of 0 waits forever, as in nccl_options: here ten years.)
+        const std::chrono::milliseconds wait =
+            timeout.count() > 0 ? timeout : std::chrono::hours(24 * 365 * 10);
+        mpi_communicator probe(comm,
+                               {.timeout = wait, .on_failure = mpi_failure_action::throw_error});
+        auto ex = std::make_unique<exchange>();
+        ex->ok.assign(static_cast<std::size_t>(size) + 1, 0);
+        ex->id = id;
+        try {
+            ex->ok[0] = problem.empty() ? 1 : 0;
+            probe.all_gather(std::span<const int>(ex->ok.data(), 1),
+                             std::span<int>(ex->ok).subspan(1));
+            LOCKSTEP_REQUIRE(problem.empty(), code, rank, "nccl_communicator(MPI_Comm)", problem);
+            std::string failed;
+            for (int r = 0; r < size; ++r)
+                if (ex->ok[static_cast<std::size_t>(r) + 1] == 0)
+                    failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+            LOCKSTEP_REQUIRE(failed.empty(), errc::peer_failure, rank,
+                             "nccl_communicator(MPI_Comm)", "process(es) ", failed,
+                             " of the communicator have no usable NCCL library, CUDA device, "
+                             "stream or NCCL id (they report why)");
+            probe.broadcast(
+                std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(&ex->id), sizeof(ex->id)),
+                0);
+        } catch (...) {
+            if (probe.broken())
+                detail::keep_forever(ex.release());
+            throw;
+        }
+        return init_rank(ex->id, size, rank, device, stream, timeout);
     }
 #endif
 

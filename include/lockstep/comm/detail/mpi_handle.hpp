@@ -29,6 +29,7 @@
 #include <exception>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -65,6 +66,48 @@ struct mpi_communicator_params {
 };
 
 namespace detail {
+
+/// Keeps a block that an MPI request left outstanding by a failed operation may still read or
+/// write (a timeout cannot cancel a collective: MPI completes it when the peers arrive): never
+/// freed, and reachable, so leak checkers do not report it.
+inline void keep_forever(const void* block) noexcept {
+    if (block == nullptr)
+        return;
+    static std::mutex m;
+    static auto* kept = new std::vector<const void*>();
+    const std::lock_guard<std::mutex> lock(m);
+    try {
+        kept->push_back(block);
+    } catch (...) { // out of memory: then merely unreachable, still never freed
+    }
+}
+
+/// n value-initialised elements of T on the heap that the library hands to MPI as a request's
+/// buffer (the signature, reduce's copy, the 16-bit exchange, ...): freed at the end of the
+/// scope, unless `broken` was set meanwhile (the operation failed, so its request may be
+/// outstanding): then kept forever (keep_forever), as the census keeps its buffers.
+template <class T>
+class mpi_request_buffer {
+    static_assert(std::is_trivially_destructible_v<T>);
+
+public:
+    mpi_request_buffer(const std::optional<error>& broken, std::size_t n)
+        : broken_(&broken), data_(n == 0 ? nullptr : new T[n]()), size_(n) {}
+    mpi_request_buffer(const mpi_request_buffer&) = delete;
+    mpi_request_buffer& operator=(const mpi_request_buffer&) = delete;
+    ~mpi_request_buffer() {
+        if (broken_->has_value())
+            keep_forever(data_.release());
+    }
+    T* data() const noexcept { return data_.get(); }
+    std::size_t size() const noexcept { return size_; }
+    std::span<T> span() const noexcept { return {data_.get(), size_}; }
+
+private:
+    const std::optional<error>* broken_;
+    std::unique_ptr<T[]> data_;
+    std::size_t size_;
+};
 
 /// One process's handle on an MPI communicator, the base of mpi_communicator (whose comment
 /// states what it guarantees): it owns a duplicate of the communicator for the operations and
@@ -132,6 +175,9 @@ protected:
                          "comm is MPI_COMM_NULL");
         LOCKSTEP_REQUIRE(p.timeout.count() > 0, errc::invalid_argument, -1, "mpi_communicator",
                          "timeout ", p.timeout.count(), " ms must be positive");
+        // This process's place, for the timeout's message (setup() takes them from the dup).
+        LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &rank_));
+        LOCKSTEP_MPI_CHECK(MPI_Comm_size(comm, &size_));
         // Nonblocking, so that a process that never joins makes this a timeout, not a hang.
         MPI_Request dup = MPI_REQUEST_NULL;
         LOCKSTEP_MPI_CHECK(MPI_Comm_idup(comm, &comm_, &dup));
@@ -140,7 +186,7 @@ protected:
             detail::mpi_poll([&](int& flag) { return MPI_Test(&dup, &flag, MPI_STATUS_IGNORE); },
                              detail::mpi_clock::now() + p.timeout, control_, 0, done));
         if (!done) {
-            const error e(errc::timeout, -1, "mpi_communicator",
+            const error e(errc::timeout, rank_, "mpi_communicator",
                           detail::concat("MPI_Comm_idup did not complete within ",
                                          p.timeout.count(),
                                          " ms: a process of the communicator did not construct "
@@ -230,6 +276,12 @@ protected:
             scratch_bytes_ = bytes;
         }
         return reinterpret_cast<T*>(scratch_.get());
+    }
+    /// n value-initialised elements of T for the buffer of an MPI request of the operation in
+    /// progress, freed when it ends, or kept forever if it fails (detail::mpi_request_buffer).
+    template <class T>
+    detail::mpi_request_buffer<T> buffer(std::size_t n) const {
+        return detail::mpi_request_buffer<T>(broken_, n);
     }
     void release() noexcept {
         control_.adopt(MPI_COMM_NULL);
@@ -323,7 +375,10 @@ protected:
                       kind == detail::mpi_collective::reduce_scatter ? detail::counts_hash(counts)
                                                                      : 0,
                       tag.id(params_.check_call_sites)};
-        auto v = detail::mpi_signature_pack(mine);
+        // On the heap: after a timeout MPI may still write it (mpi_request_buffer).
+        const auto packed = buffer<decltype(detail::mpi_signature_pack(mine))>(1);
+        auto& v = *packed.data();
+        v = detail::mpi_signature_pack(mine);
         MPI_Request req = MPI_REQUEST_NULL;
         call(MPI_Iallreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_INT64_T,
                             MPI_MAX, comm_, &req),
@@ -350,12 +405,12 @@ protected:
     // "replica 0 called all_gather #7 (4 float), replica 1 called all_reduce #7 (...)".
     std::string gather_calls(const detail::mpi_signature& mine, collective_tag tag) {
         constexpr std::size_t w = detail::mpi_call_text_bytes;
-        std::vector<char> text(w * static_cast<std::size_t>(size_), '\0');
+        const auto text = buffer<char>(w * static_cast<std::size_t>(size_));
         const std::string own =
             detail::mpi_describe_call(mine, tag.identity(params_.check_call_sites),
                                       tag.by_site(params_.check_call_sites))
                 .substr(0, w - 1);
-        std::copy(own.begin(), own.end(), text.begin() + static_cast<std::ptrdiff_t>(w) * rank_);
+        std::copy(own.begin(), own.end(), text.data() + w * static_cast<std::size_t>(rank_));
         MPI_Request req = MPI_REQUEST_NULL;
         call(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, text.data(), static_cast<int>(w),
                             MPI_CHAR, comm_, &req),
@@ -426,12 +481,16 @@ protected:
     }
 
     // Marks the communicator broken with e, then aborts the job or throws e (params).
-    // A timeout also writes the flight recorder, and e then names its file.
+    // A timeout also writes the flight recorder, and e then names its file. The request of the
+    // failed operation may stay outstanding, so the library's buffers it may use are kept
+    // forever: the scratch here, the operation's mpi_request_buffers as they go out of scope.
     [[noreturn]] void poison(error e) {
         trace_.fail_newest();
         if (flight_recorder::dumps_on(e.code()))
             e = flight_recorder::with_trace(e, trace_.dump(rank_, size_, e.what()));
         broken_ = e;
+        detail::keep_forever(scratch_.release());
+        scratch_bytes_ = 0;
         if (params_.on_failure == mpi_failure_action::abort)
             abort(e, exit_status(e));
         throw e;
@@ -446,16 +505,18 @@ protected:
     void call_p2p(int rc, const char* op, const char* mpi_call, int peer, int tag) {
         if (rc != MPI_SUCCESS)
             poison(error(errc::mpi, rank_, op,
-                         detail::concat(mpi_call, " with replica ", peer, ", tag ", tag,
+                         detail::concat(mpi_call, " with replica ", peer_name(peer), ", tag ", tag,
                                         " failed: ", detail::mpi_error_text(rc))));
     }
     [[noreturn]] void p2p_timeout(const char* op, const char* mpi_call, int peer, int tag) {
-        poison(error(
-            errc::timeout, rank_, op,
-            detail::concat("timed out after ", params_.timeout.count(), " ms in ", mpi_call,
-                           " (tag ", tag, "): missing replica ",
-                           peer == MPI_ANY_SOURCE ? std::string("(any)") : std::to_string(peer),
-                           " (group of ", size_, ")")));
+        poison(error(errc::timeout, rank_, op,
+                     detail::concat("timed out after ", params_.timeout.count(), " ms in ",
+                                    mpi_call, " (tag ", tag, "): missing replica ", peer_name(peer),
+                                    " (group of ", size_, ")")));
+    }
+    // "3", or "(any)" for MPI_ANY_SOURCE.
+    static std::string peer_name(int peer) {
+        return peer == MPI_ANY_SOURCE ? std::string("(any)") : std::to_string(peer);
     }
 
     MPI_Comm comm_ = MPI_COMM_NULL;

@@ -117,12 +117,17 @@ public:
             revoked_.store(true, std::memory_order_release);
             // In one group, as abort_all: every member's kernels are told to stop before any
             // revoke waits for its own.
-            bool ok = ncclGroupStart() == ncclSuccess;
+            // A group that was started is always ended, even when a revoke failed: an open group
+            // would hold back the aborts of the fallback.
+            const bool grouped = ncclGroupStart() == ncclSuccess;
+            bool ok = grouped;
             for (const member& m : members_) {
                 cuda_device_guard_noexcept guard(m.device);
                 ok = revoke(m.comm, 0) == ncclSuccess && ok; // NCCL_REVOKE_DEFAULT
             }
-            if (ok && ncclGroupEnd() == ncclSuccess)
+            if (grouped)
+                ok = ncclGroupEnd() == ncclSuccess && ok;
+            if (ok)
                 return;
         }
         abort_all();
