@@ -14,6 +14,7 @@
 #include <cstring>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 using lockstep::errc;
@@ -551,6 +552,25 @@ TEST_CASE("a receive nobody answers times out and breaks only its communicator",
         CHECK_THROWS_AS(comm.set_timeout(std::chrono::milliseconds(0)), lockstep::error);
         // The world communicator is unaffected.
         world.barrier();
+    });
+}
+
+TEST_CASE("a timeout of milliseconds::max() waits for a late rank instead of timing out",
+          "[comm][mpi][failure]") {
+    // now + max() overflowed into the past: every wait timed out at once.
+    mpi_communicator world(MPI_COMM_WORLD);
+    in_step(world, [&] {
+        mpi_communicator comm(MPI_COMM_WORLD,
+                              {.timeout = std::chrono::milliseconds::max(),
+                               .on_failure = lockstep::mpi_failure_action::throw_error});
+        if (comm.rank() == comm.size() - 1)
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        std::vector<int> one{comm.rank()};
+        CHECK(code_of([&] {
+                  comm.barrier();
+                  comm.all_reduce(std::span<const int>(one), std::span<int>(one), reduce_op::sum);
+              }) == errc::internal); // internal: did not throw
+        CHECK(one[0] == comm.size() * (comm.size() - 1) / 2);
     });
 }
 

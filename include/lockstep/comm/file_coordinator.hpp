@@ -3,6 +3,7 @@
 // decision through a directory every process sees. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/timeout.hpp"
 #include "lockstep/core/error.hpp"
 
 #include <algorithm>
@@ -145,7 +146,7 @@ public:
                          "timeout = 0: the survivors need a deadline to leave a lost member out");
         const std::string g = "g" + std::to_string(generation);
         touch(g + ".arrived." + std::to_string(member), member);
-        const auto deadline = std::chrono::steady_clock::now() + timeout;
+        const auto deadline = deadline_after(timeout);
         const std::filesystem::path decision = dir_ / (g + ".decision");
         for (;;) {
             std::error_code ec;
@@ -183,7 +184,7 @@ public:
             publish(shared, g + ".sharing", bytes, member);
             return bytes;
         }
-        const auto deadline = std::chrono::steady_clock::now() + timeout;
+        const auto deadline = deadline_after(timeout);
         for (std::error_code ec; !std::filesystem::exists(shared, ec);) {
             LOCKSTEP_REQUIRE(std::chrono::steady_clock::now() < deadline, errc::timeout, member, op,
                              "the first survivor (member ", survivors.front(),

@@ -5,6 +5,7 @@
 #include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/span_overlap.hpp"
 
 // NCCL needs the CUDA system, hence nvcc; elsewhere this header declares nothing.
 #if LOCKSTEP_HAS_NCCL
@@ -314,12 +315,14 @@ public:
     }
 
     /// recv[i] = op over replicas of send[i] (ncclAllReduce); send may equal recv (in place).
-    /// requires: send.size() == recv.size(), equal on every replica.
+    /// requires: send.size() == recv.size(), equal on every replica; send and recv identical
+    /// or disjoint (a partial overlap is refused with errc::invalid_argument).
     template <nccl_element T>
     void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
                     reduce_op op) {
         const std::string name = next_operation("all_reduce");
         check_spans(name, send, recv);
+        check_disjoint(name, send, recv, send.data() == recv.data(), "send == recv");
         h_.require(send.size() == recv.size(), errc::shape_mismatch, name, "send has ", send.size(),
                    " elements, recv ", recv.size());
         if (recv.empty())
@@ -352,11 +355,17 @@ public:
     }
 
     /// recv = every replica's send concatenated in rank order (ncclAllGather).
-    /// requires: recv.size() == size() * send.size(); send.size() equal on every replica.
+    /// requires: recv.size() == size() * send.size(); send.size() equal on every replica; send
+    /// is recv's block rank() (in place) or disjoint from recv (else errc::invalid_argument).
     template <nccl_element T>
     void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
         const std::string name = next_operation("all_gather");
         check_spans(name, send, recv);
+        check_disjoint(name, send, recv,
+                       reinterpret_cast<std::uintptr_t>(send.data()) ==
+                           reinterpret_cast<std::uintptr_t>(recv.data()) +
+                               send.size_bytes() * static_cast<std::size_t>(h_.rank()),
+                       "send is recv's block rank()");
         std::size_t total = 0;
         const bool overflow =
             mul_overflows(send.size(), static_cast<std::size_t>(h_.size()), &total);
@@ -412,12 +421,15 @@ public:
     }
 
     /// As all_reduce, but only root's recv is written (ncclReduce); on other replicas recv may
-    /// be empty. requires: 0 <= root < size(); on root recv.size() == send.size().
+    /// be empty. requires: 0 <= root < size(); on root recv.size() == send.size() and send and
+    /// recv identical or disjoint (else errc::invalid_argument).
     template <nccl_element T>
     void reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
                 int root) {
         const std::string name = next_operation("reduce");
         check_spans(name, send, h_.rank() == root ? recv : std::span<T>());
+        if (h_.rank() == root)
+            check_disjoint(name, send, recv, send.data() == recv.data(), "send == recv");
         h_.require(root >= 0 && root < h_.size(), errc::invalid_argument, name, "root ", root,
                    " is not a rank of ", h_.size(), " replicas");
         h_.require(h_.rank() != root || recv.size() == send.size(), errc::shape_mismatch, name,
@@ -866,6 +878,17 @@ private:
         const std::string problem = detail::join_problems(
             {detail::span_problem(a, "send"), detail::span_problem(b, "recv")});
         h_.require(problem.empty(), errc::invalid_argument, op, problem);
+    }
+
+    // send and recv in NCCL's in-place form (in_place, described by `form`) or disjoint: a
+    // partial overlap is undefined in NCCL, so it is refused (aborting, as check_spans does).
+    template <class A, class B>
+    void check_disjoint(const std::string& op, std::span<A> send, std::span<B> recv, bool in_place,
+                        const char* form) {
+        const std::string overlap =
+            in_place ? std::string() : lockstep::detail::overlap_text(send, "send", recv, "recv");
+        h_.require(overlap.empty(), errc::invalid_argument, op, overlap,
+                   ": give them identical (in place: ", form, ") or disjoint");
     }
 
     // Records an enqueued operation (sequence_ - 1) as queued: NCCL runs it later on the stream.

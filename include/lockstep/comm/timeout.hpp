@@ -5,6 +5,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/finite.hpp"
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -41,6 +42,17 @@ inline std::chrono::milliseconds default_timeout(std::chrono::milliseconds fallb
     if (env == nullptr)
         return fallback;
     return parse_timeout_seconds(env);
+}
+
+/// The longest wait a communicator counts: 1e9 s, LOCKSTEP_TIMEOUT's limit. A longer timeout
+/// (std::chrono::milliseconds::max() included, a natural "no timeout") waits this long, so that
+/// now + timeout cannot overflow into the past.
+inline constexpr std::chrono::milliseconds max_wait = std::chrono::seconds(1000000000);
+
+/// The deadline of a wait of `timeout` that starts now: Clock::now() + min(timeout, max_wait).
+template <class Clock = std::chrono::steady_clock>
+typename Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
+    return Clock::now() + std::min(timeout, max_wait);
 }
 
 } // namespace lockstep

@@ -11,12 +11,11 @@
 
 namespace lockstep::detail {
 
-/// What is wrong when spans `a` and `b` (named in the text) share a byte, or "" when they do not
-/// (an empty span shares nothing). Addresses are compared as integers, so the spans may live in
-/// any memory (host or device).
+/// "a and b overlap (sizes and addresses)" when spans `a` and `b` (named in the text) share a
+/// byte, or "" when they do not (an empty span shares nothing). Addresses are compared as
+/// integers, so the spans may live in any memory (host or device).
 template <class A, class B>
-std::string overlap_problem(std::span<A> a, const char* a_name, std::span<B> b,
-                            const char* b_name) {
+std::string overlap_text(std::span<A> a, const char* a_name, std::span<B> b, const char* b_name) {
     if (a.empty() || b.empty())
         return {};
     const auto a0 = reinterpret_cast<std::uintptr_t>(a.data());
@@ -25,7 +24,18 @@ std::string overlap_problem(std::span<A> a, const char* a_name, std::span<B> b,
         return {};
     return concat(a_name, " and ", b_name, " overlap (", a.size(), " and ", b.size(), " values at ",
                   static_cast<const void*>(a.data()), " and ", static_cast<const void*>(b.data()),
-                  "): in-place use is not supported, give ", b_name, " its own buffer");
+                  ")");
+}
+
+/// overlap_text for an operation without an in-place form, with the fix: "" or "... overlap
+/// (...): in-place use is not supported, give <b_name> its own buffer".
+template <class A, class B>
+std::string overlap_problem(std::span<A> a, const char* a_name, std::span<B> b,
+                            const char* b_name) {
+    std::string text = overlap_text(a, a_name, b, b_name);
+    if (!text.empty())
+        text += concat(": in-place use is not supported, give ", b_name, " its own buffer");
+    return text;
 }
 
 } // namespace lockstep::detail

@@ -184,7 +184,7 @@ protected:
         bool done = false;
         LOCKSTEP_MPI_CHECK(
             detail::mpi_poll([&](int& flag) { return MPI_Test(&dup, &flag, MPI_STATUS_IGNORE); },
-                             detail::mpi_clock::now() + p.timeout, control_, 0, done));
+                             deadline_after<detail::mpi_clock>(p.timeout), control_, 0, done));
         if (!done) {
             const error e(errc::timeout, rank_, "mpi_communicator",
                           detail::concat("MPI_Comm_idup did not complete within ",
@@ -331,7 +331,7 @@ protected:
     // "all_reduce #12": the collective in progress and its sequence number.
     std::string name() const { return detail::mpi_operation_name(kind_, seq_); }
     detail::mpi_clock::time_point deadline() const {
-        return detail::mpi_clock::now() + params_.timeout;
+        return deadline_after<detail::mpi_clock>(params_.timeout);
     }
 
     // Throws the first failure again once the communicator is broken.

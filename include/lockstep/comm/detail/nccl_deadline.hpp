@@ -3,6 +3,7 @@
 // part has made it) run against a deadline. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/timeout.hpp"
 #include "lockstep/core/config.hpp"
 
 #if LOCKSTEP_HAS_NCCL
@@ -53,7 +54,7 @@ nccl_made nccl_make_within(int device, std::chrono::milliseconds timeout, Make m
             comm != nullptr)
             (void)ncclCommAbort(comm);
     });
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const auto deadline = deadline_after(timeout); // max() waits max_wait
     while (a->state.load(std::memory_order_acquire) == running &&
            (timeout.count() <= 0 || std::chrono::steady_clock::now() < deadline))
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
