@@ -131,10 +131,12 @@ inline constexpr std::size_t default_gather_values = std::size_t{1} << 16;
 /// may be shorter); whole chunks go to replicas, contiguously and balanced by chunk count (a
 /// replica may get none). The step function is called once per chunk; the chunk gradients are
 /// summed in fixed point anchored at each element's largest exponent (kernels/anchored_sum.hpp)
-/// wherever every value of an element has arrived, and rounded once to T. How they travel: when
-/// replicas x (the busiest replica's chunks) x parameters <= GatherValues, one all_gather brings
-/// every chunk to every replica, which sums every element itself (a small network's step then
-/// pays for one collective instead of several); otherwise an all_to_all per chunk index brings
+/// wherever every value of an element has arrived, and rounded once to T. How they travel
+/// depends on the communicator: on the thread group, one all_combine pass at every size; on the
+/// others, when replicas x (the busiest replica's chunks) x parameters <= GatherValues, one
+/// all_gather brings every chunk to every replica, which sums every element itself (a small
+/// network's step then pays for one collective instead of several); otherwise an all_to_all per
+/// chunk index (on MPI, all_to_all_others, the owner reading its own values in place) brings
 /// every replica's values of a block of elements to the block's owner, which sums its block,
 /// and an all_gather returns the blocks. Either way an element's sum is a function of its
 /// values alone, so the choice does not change a bit. The loss is the same anchored sum of
