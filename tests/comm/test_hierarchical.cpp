@@ -14,7 +14,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -61,6 +63,66 @@ TEST_CASE("hierarchical_communicator passes the collective suite", "[comm][hiera
         INFO(r.text());
         CHECK(r.failed == 0);
         CHECK(r.checks > 200);
+    }
+}
+
+TEST_CASE("hierarchical_communicator forwards the caller's call sites: swapped calls of one "
+          "shape fail on every replica",
+          "[comm][hierarchical]") {
+    // Gradient then loss, or loss then gradient: the same collective and shape, told apart only
+    // by the call sites. Swapped on odd ranks, the node parts see it; on node 1, the inter parts.
+    for (const int pattern : {0, 1}) {
+        CAPTURE(pattern);
+        thread_group group(4, {.timeout = std::chrono::seconds(10), .check_call_sites = true});
+        std::vector<int> codes(4, -1);
+        std::vector<std::string> whats(4);
+        bool run_threw = false;
+        try {
+            group.run([&](thread_communicator& world) {
+                thread_communicator intra = world.split(world.rank() / 2, world.rank());
+                thread_communicator inter = world.split(world.rank() % 2, world.rank());
+                two_level comm(std::move(intra), std::move(inter));
+                std::vector<float> grad(8, 1.0f), loss(8, 2.0f);
+                const auto grads = [&] {
+                    comm.all_reduce(std::span<const float>(grad), std::span<float>(grad),
+                                    reduce_op::sum);
+                };
+                const auto losses = [&] {
+                    comm.all_reduce(std::span<const float>(loss), std::span<float>(loss),
+                                    reduce_op::sum);
+                };
+                const bool swapped = pattern == 0 ? comm.rank() % 2 == 1 : comm.node() == 1;
+                const auto r = static_cast<std::size_t>(comm.rank());
+                try {
+                    if (swapped) {
+                        losses();
+                        grads();
+                    } else {
+                        grads();
+                        losses();
+                    }
+                } catch (const lockstep::error& e) {
+                    codes[r] = static_cast<int>(e.code());
+                    whats[r] = e.what();
+                    throw;
+                }
+            });
+        } catch (const lockstep::error&) {
+            run_threw = true;
+        }
+        CHECK(run_threw);
+        // The first part to see the mismatch fails the run: a replica of another part (the other
+        // inter part, in pattern 1) may get errc::peer_failure naming it instead.
+        const auto mismatch = static_cast<int>(lockstep::errc::shape_mismatch);
+        const auto peer = static_cast<int>(lockstep::errc::peer_failure);
+        CHECK(std::count(codes.begin(), codes.end(), mismatch) >= 1);
+        for (std::size_t r = 0; r < 4; ++r) {
+            CAPTURE(r, whats[r]);
+            CHECK((codes[r] == mismatch || codes[r] == peer));
+            CHECK(whats[r].find("called different collectives, tags or call sites") !=
+                  std::string::npos);
+            CHECK(whats[r].find("test_hierarchical.cpp:") != std::string::npos);
+        }
     }
 }
 

@@ -305,6 +305,57 @@ TEST_CASE("simulated_link keeps the wrapped checks: mismatches", "[comm][thread]
     }
 }
 
+TEST_CASE("simulated_link keeps the wrapped checks: swapped calls of one shape",
+          "[comm][thread][simulated_link]") {
+    // Replica 0 reduces the gradient, then the loss; replica 1 the other way round. Same
+    // collective and shape: only the call sites (check_call_sites) or the names tell them apart,
+    // so the link must forward its caller's collective_tag, not issue every call from one line.
+    for (const bool named : {false, true}) {
+        CAPTURE(named);
+        thread_group group(2, {.timeout = 10s, .check_call_sites = !named});
+        bool run_threw = false;
+        const auto out = run_recording(
+            group, {.latency = 1ms, .bandwidth = 1e9},
+            [named](sim_link& l) {
+                std::vector<float> grad(4, 1.0f), loss(4, 2.0f);
+                const auto grads = [&] {
+                    if (named)
+                        l.all_reduce(std::span<const float>(grad), std::span<float>(grad),
+                                     reduce_op::sum, "grad");
+                    else
+                        l.all_reduce(std::span<const float>(grad), std::span<float>(grad),
+                                     reduce_op::sum);
+                };
+                const auto losses = [&] {
+                    if (named)
+                        l.all_reduce(std::span<const float>(loss), std::span<float>(loss),
+                                     reduce_op::sum, "loss");
+                    else
+                        l.all_reduce(std::span<const float>(loss), std::span<float>(loss),
+                                     reduce_op::sum);
+                };
+                if (l.rank() == 0) {
+                    grads();
+                    losses();
+                } else {
+                    losses();
+                    grads();
+                }
+            },
+            &run_threw);
+        CHECK(run_threw);
+        for (const outcome& o : out) {
+            CAPTURE(o.what);
+            CHECK(o.threw);
+            CHECK(o.code == errc::shape_mismatch);
+            CHECK(o.what.find("called different collectives, tags or call sites") !=
+                  std::string::npos);
+            // The caller's call sites or names, not the link's own line.
+            CHECK(o.what.find(named ? "loss" : "test_simulated_link.cpp:") != std::string::npos);
+        }
+    }
+}
+
 TEST_CASE("a failing replica becomes an error on every replica of the link",
           "[comm][thread][simulated_link]") {
     thread_group group(3);

@@ -219,3 +219,46 @@ TEST_CASE("on_collective sees every collective twice and can fail a replica afte
     CHECK(entered == 4);
     CHECK(arrived == 3); // replica 0's second barrier failed before it arrived
 }
+
+TEST_CASE("an abort between a replica's loss and the survivors' shrink fails the shrunk group",
+          "[shrink]") {
+    // Replica 1's thread ends with a failure; replica 0 aborts the run after its barrier saw the
+    // loss and before it joins the shrink, so the survivors' decision (which waits for it) comes
+    // after the abort: the group the shrink makes must start aborted, not train on.
+    thread_group group(3, {.timeout = 10s});
+    std::vector<int> abort_returned(3, -1);
+    std::vector<int> shrunk_to(3, -1);
+    std::vector<std::string> after_shrink(3);
+    REQUIRE_THROWS_WITH(group.run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.replica());
+        if (comm.replica() == 1)
+            throw std::runtime_error("replica 1 is lost");
+        try {
+            comm.barrier();
+        } catch (const lockstep::error&) {
+        }
+        if (comm.replica() == 0)
+            abort_returned[r] = group.abort("the user stopped training") ? 1 : 0;
+        (void)comm.shrink();
+        shrunk_to[r] = comm.size();
+        try {
+            for (int i = 0; i < 200; ++i)
+                comm.barrier();
+            after_shrink[r] = "200 barriers after the abort";
+        } catch (const lockstep::error& e) {
+            after_shrink[r] = e.what();
+            throw;
+        }
+    }),
+                        Catch::Contains("thread_group.abort") &&
+                            Catch::Contains("the user stopped training"));
+    CHECK(abort_returned[0] == 0); // the failed group was not aborted by it: its successor is
+    for (int r : {0, 2}) {
+        CAPTURE(r);
+        CHECK(shrunk_to[static_cast<std::size_t>(r)] == 2);
+        CHECK(contains(after_shrink[static_cast<std::size_t>(r)],
+                       "the run was aborted: the user stopped training"));
+    }
+    REQUIRE(group.lost().size() == 1);
+    CHECK(group.lost()[0].replica == 1);
+}

@@ -3,9 +3,11 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/communicator_identity.hpp"
 #include "lockstep/comm/detail/hierarchical_staging.hpp"
+#include "lockstep/comm/detail/tag_forwarding.hpp"
 #include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/error.hpp"
 
@@ -83,6 +85,9 @@ struct no_routes {};
 /// at the same time. A Routes type provides, for ranks of the whole (unsplit) group:
 /// send(std::span<const T>, dest, tag), recv(std::span<T>, source, tag), recv_any(std::span<T>,
 /// tag) -> source, and share() -> another Routes object for the same replica (used by split).
+/// Each collective takes a collective_tag (default: its caller's call site) and hands it to
+/// every inner collective that takes one, so the parts compare the caller's names and call sites
+/// (thread_group_params::check_call_sites), not this file's lines.
 /// Errors: each part checks its own arguments and agreement and throws as it does alone; a
 /// failure inside one node reaches the other nodes through the inter communicator's own
 /// failure handling (an mpi_communicator ends the job, see hierarchical_group).
@@ -169,41 +174,44 @@ public:
     /// recv[i] = op over every replica of send[i] (see the class comment for the order).
     /// requires: send.size() == recv.size(), equal on every replica; send == recv or disjoint.
     template <class T>
-    void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                    reduce_op op) {
+    void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                    collective_tag tag = {}) {
         LOCKSTEP_REQUIRE(send.size() == recv.size(), errc::count_mismatch, rank(),
                          "hierarchical_communicator.all_reduce", "send has ", send.size(),
                          " elements, recv ", recv.size());
         const std::size_t n = send.size();
         const auto L = static_cast<std::size_t>(intra_.size());
         if (L > 1 && n >= L * sharded_from) {
-            sharded_all_reduce(send, recv, op);
+            sharded_all_reduce(send, recv, op, tag);
             return;
         }
         reserve<T>(n, 0);
-        intra_.all_reduce(send, recv, op);
-        stage_.inter(
-            intra_, std::span<const T>(recv), recv,
-            [&](std::span<const T> in, std::span<T> out) { inter_.all_reduce(in, out, op); });
+        detail::with_tag(intra_, tag).all_reduce(send, recv, op);
+        stage_.inter(intra_, std::span<const T>(recv), recv,
+                     [&](std::span<const T> in, std::span<T> out) {
+                         detail::with_tag(inter_, tag).all_reduce(in, out, op);
+                     });
     }
 
     /// data on every replica becomes root's data. requires: 0 <= root < size(), equal counts.
     template <class T>
-    void broadcast(std::span<T> data, int root) {
+    void broadcast(std::span<T> data, int root, collective_tag tag = {}) {
         require_root(root, "hierarchical_communicator.broadcast");
         const int L = intra_.size();
         reserve<T>(data.size(), 0);
         if (inter_.rank() == root / L)
-            intra_.broadcast(data, root % L);
-        stage_.inter(
-            intra_, std::span<const T>(data), data,
-            [&](std::span<const T>, std::span<T> out) { inter_.broadcast(out, root / L); });
+            detail::with_tag(intra_, tag).broadcast(data, root % L);
+        stage_.inter(intra_, std::span<const T>(data), data,
+                     [&](std::span<const T>, std::span<T> out) {
+                         detail::with_tag(inter_, tag).broadcast(out, root / L);
+                     });
     }
 
     /// recv = every replica's send in (global) rank order. requires: recv.size() == size() *
     /// send.size(), equal send counts; send may be this replica's slot of recv.
     template <class T>
-    void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
+    void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                    collective_tag tag = {}) {
         const std::size_t s = send.size();
         LOCKSTEP_REQUIRE(recv.size() == static_cast<std::size_t>(size()) * s, errc::count_mismatch,
                          rank(), "hierarchical_communicator.all_gather", "recv has ", recv.size(),
@@ -212,16 +220,18 @@ public:
         const std::span<T> mine =
             recv.subspan(static_cast<std::size_t>(inter_.rank()) * block, block);
         reserve<T>(recv.size(), 0);
-        intra_.all_gather(send, mine);
+        detail::with_tag(intra_, tag).all_gather(send, mine);
         stage_.inter(intra_, std::span<const T>(mine), recv,
-                     [&](std::span<const T> in, std::span<T> out) { inter_.all_gather(in, out); });
+                     [&](std::span<const T> in, std::span<T> out) {
+                         detail::with_tag(inter_, tag).all_gather(in, out);
+                     });
     }
 
     /// As all_reduce, but only root's recv is written. requires: 0 <= root < size(), equal
     /// counts; root's recv.size() == send.size().
     template <class T>
     void reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                int root) {
+                int root, collective_tag tag = {}) {
         require_root(root, "hierarchical_communicator.reduce");
         const int L = intra_.size();
         const int local_root = root % L;
@@ -235,12 +245,13 @@ public:
                              " elements, send ", send.size());
             reserve<T>(partial.size(), 0);
         }
-        intra_.reduce(send, partial, op, local_root);
+        detail::with_tag(intra_, tag).reduce(send, partial, op, local_root);
         if (!node_root)
             return;
-        stage_.inter(
-            intra_, std::span<const T>(partial), partial,
-            [&](std::span<const T> in, std::span<T> out) { inter_.reduce(in, out, op, root / L); });
+        stage_.inter(intra_, std::span<const T>(partial), partial,
+                     [&](std::span<const T> in, std::span<T> out) {
+                         detail::with_tag(inter_, tag).reduce(in, out, op, root / L);
+                     });
     }
 
     /// Block r of recv = block rank() of replica r's send (blocks of b = send.size() / size()
@@ -250,8 +261,9 @@ public:
     /// requires: send.size() equal on every replica and a multiple of size(); recv.size() ==
     /// send.size(); send and recv disjoint.
     template <class T>
-    void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv) requires
-        all_to_all_communicator<Intra> && all_to_all_communicator<Inter> {
+    void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                    collective_tag tag = {}) requires all_to_all_communicator<Intra> &&
+        all_to_all_communicator<Inter> {
         const auto L = static_cast<std::size_t>(intra_.size());
         const auto N = static_cast<std::size_t>(inter_.size());
         const auto n = L * N;
@@ -268,7 +280,7 @@ public:
                            send.subspan((dn * L + dl) * b, b));
         reserve<T>(recv.size(), by_local.size());
         // got[l][n'] = the block of local replica l for (n', my local rank).
-        intra_.all_to_all(std::span<const T>(by_local), got);
+        detail::with_tag(intra_, tag).all_to_all(std::span<const T>(by_local), got);
         // Step 2 order: by destination node n', then source local rank l.
         for (std::size_t dn = 0; dn < N; ++dn)
             for (std::size_t l = 0; l < L; ++l)
@@ -276,7 +288,9 @@ public:
                            std::span<const T>(got).subspan((l * N + dn) * b, b));
         // recv[n][l] = the block of replica n * L + l for this replica: global rank order.
         stage_.inter(intra_, std::span<const T>(by_local), recv,
-                     [&](std::span<const T> in, std::span<T> out) { inter_.all_to_all(in, out); });
+                     [&](std::span<const T> in, std::span<T> out) {
+                         detail::with_tag(inter_, tag).all_to_all(in, out);
+                     });
     }
 
     /// Sends data to replica dest with tag through the routes (returns once data may be
@@ -329,10 +343,10 @@ public:
     bool aborted() const noexcept requires(!system_type::is_host) { return intra_.aborted(); }
 
     /// Returns once every replica has entered it.
-    void barrier() {
-        intra_.barrier();
-        inter_.barrier();
-        intra_.barrier();
+    void barrier(collective_tag tag = {}) {
+        detail::with_tag(intra_, tag).barrier();
+        detail::with_tag(inter_, tag).barrier();
+        detail::with_tag(intra_, tag).barrier();
     }
 
     /// reduce_scatter with per-replica counts: replica r receives counts[r] elements, op over
@@ -342,7 +356,8 @@ public:
     /// place) or disjoint from it.
     template <class T>
     void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        std::span<const std::size_t> counts, reduce_op op) {
+                        std::span<const std::size_t> counts, reduce_op op,
+                        collective_tag tag = {}) {
         const int L = intra_.size();
         const int N = inter_.size();
         LOCKSTEP_REQUIRE(counts.size() == static_cast<std::size_t>(size()), errc::count_mismatch,
@@ -370,24 +385,26 @@ public:
         const std::span<T> mine =
             scratch<T>(1, local_counts[static_cast<std::size_t>(intra_.rank())]);
         reserve<T>(recv.size(), mine.size());
-        intra_.reduce_scatter(std::span<const T>(packed), mine,
-                              std::span<const std::size_t>(local_counts), op);
+        const std::span<const std::size_t> locals_of(local_counts);
+        detail::with_tag(intra_, tag)
+            .reduce_scatter(std::span<const T>(packed), mine, locals_of, op);
         std::vector<std::size_t> node_counts(nodes);
         for (std::size_t n = 0; n < nodes; ++n)
             node_counts[n] = counts[n * locals + static_cast<std::size_t>(intra_.rank())];
-        stage_.inter(
-            intra_, std::span<const T>(mine), recv, [&](std::span<const T> in, std::span<T> out) {
-                inter_.reduce_scatter(in, out, std::span<const std::size_t>(node_counts), op);
-            });
+        stage_.inter(intra_, std::span<const T>(mine), recv,
+                     [&](std::span<const T> in, std::span<T> out) {
+                         const std::span<const std::size_t> of(node_counts);
+                         detail::with_tag(inter_, tag).reduce_scatter(in, out, of, op);
+                     });
     }
 
     /// The equal-count form: every replica receives recv.size() elements.
     /// requires: send.size() == size() * recv.size(), equal on every replica.
     template <class T>
     void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        reduce_op op) {
+                        reduce_op op, collective_tag tag = {}) {
         const std::vector<std::size_t> counts(static_cast<std::size_t>(size()), recv.size());
-        reduce_scatter(send, recv, std::span<const std::size_t>(counts), op);
+        reduce_scatter(send, recv, std::span<const std::size_t>(counts), op, tag);
     }
 
     /// The replicas with the same color form a new hierarchical group, ranked by (key, rank).
@@ -509,7 +526,8 @@ private:
     /// Large all_reduce: reduce-scatter inside the node into equal shards (the last one
     /// shorter), all_reduce of each shard across nodes, all_gather inside the node.
     template <class T>
-    void sharded_all_reduce(std::span<const T> send, std::span<T> recv, reduce_op op) {
+    void sharded_all_reduce(std::span<const T> send, std::span<T> recv, reduce_op op,
+                            const collective_tag& tag) {
         const std::size_t n = send.size();
         const auto L = static_cast<std::size_t>(intra_.size());
         const auto me = static_cast<std::size_t>(intra_.rank());
@@ -522,17 +540,18 @@ private:
         const std::span<T> gathered = exact ? std::span<T>() : scratch<T>(0, shard * L);
         const std::span<T> own = scratch<T>(1, shard);
         reserve<T>(counts[me], 0);
-        intra_.reduce_scatter(send, own.first(counts[me]), std::span<const std::size_t>(counts),
-                              op);
-        stage_.inter(
-            intra_, std::span<const T>(own.first(counts[me])), own.first(counts[me]),
-            [&](std::span<const T> in, std::span<T> out) { inter_.all_reduce(in, out, op); });
-        if (exact) {
-            intra_.all_gather(std::span<const T>(own), recv);
-        } else {
-            intra_.all_gather(std::span<const T>(own), gathered);
+        const std::span<const std::size_t> of(counts);
+        const std::span<T> part = own.first(counts[me]);
+        detail::with_tag(intra_, tag).reduce_scatter(send, part, of, op);
+        stage_.inter(intra_, std::span<const T>(part), part,
+                     [&](std::span<const T> in, std::span<T> out) {
+                         detail::with_tag(inter_, tag).all_reduce(in, out, op);
+                     });
+        // One call site for both targets (call-site checks see the caller's tag anyway).
+        const std::span<T> target = exact ? recv : gathered;
+        detail::with_tag(intra_, tag).all_gather(std::span<const T>(own), target);
+        if (!exact)
             copy_block(recv, std::span<const T>(gathered.first(n)));
-        }
     }
 
     Intra intra_;

@@ -3,8 +3,10 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/communicator_identity.hpp"
+#include "lockstep/comm/detail/tag_forwarding.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
@@ -139,7 +141,11 @@ inline std::chrono::nanoseconds link_wire_time(const simulated_link_params& p, l
 ///   than the link allows); recv and recv_any are the wrapped ones. split is not delayed.
 /// Results are the wrapped communicator's, bit for bit, and everything it checks still holds:
 /// mismatched calls, peer failures and timeouts throw the same lockstep::error (the sequence
-/// numbers in its messages count the start agreements too). A one-replica group is not delayed.
+/// numbers in its messages count the start agreements too). Each collective takes a
+/// collective_tag (default: its caller's call site) and hands it to the wrapped collective when
+/// that takes one, so named calls and call-site checks (thread_group_params::check_call_sites)
+/// see the caller, not this file; the start agreement is tagged "simulated_link.start". A
+/// one-replica group is not delayed.
 /// Models communicator, and point_to_point_communicator when the wrapped one does. A handle is
 /// used by one thread at a time; movable, not copyable.
 template <communicator Communicator>
@@ -203,40 +209,46 @@ public:
     std::chrono::nanoseconds modelled() const noexcept { return modelled_; }
     std::chrono::nanoseconds idled() const noexcept { return idled_; }
 
+    /// The collectives. tag: see collective_tag; forwarded when the wrapped collective takes
+    /// one (else dropped).
     template <class T>
-    void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                    reduce_op op) {
+    void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
+                    collective_tag tag = {}) {
         collective(link_op::all_reduce, send.size_bytes(),
-                   [&] { inner_->all_reduce(send, recv, op); });
+                   [&] { detail::with_tag(*inner_, tag).all_reduce(send, recv, op); });
     }
     template <class T>
-    void broadcast(std::span<T> data, int root) {
-        collective(link_op::broadcast, data.size_bytes(), [&] { inner_->broadcast(data, root); });
+    void broadcast(std::span<T> data, int root, collective_tag tag = {}) {
+        collective(link_op::broadcast, data.size_bytes(),
+                   [&] { detail::with_tag(*inner_, tag).broadcast(data, root); });
     }
     template <class T>
-    void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
-        collective(link_op::all_gather, recv.size_bytes(), [&] { inner_->all_gather(send, recv); });
+    void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
+                    collective_tag tag = {}) {
+        collective(link_op::all_gather, recv.size_bytes(),
+                   [&] { detail::with_tag(*inner_, tag).all_gather(send, recv); });
     }
     template <class T>
     void reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                int root) {
+                int root, collective_tag tag = {}) {
         collective(link_op::reduce, send.size_bytes(),
-                   [&] { inner_->reduce(send, recv, op, root); });
+                   [&] { detail::with_tag(*inner_, tag).reduce(send, recv, op, root); });
     }
     template <class T>
     void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        std::span<const std::size_t> counts, reduce_op op) {
+                        std::span<const std::size_t> counts, reduce_op op,
+                        collective_tag tag = {}) {
         collective(link_op::reduce_scatter, send.size_bytes(),
-                   [&] { inner_->reduce_scatter(send, recv, counts, op); });
+                   [&] { detail::with_tag(*inner_, tag).reduce_scatter(send, recv, counts, op); });
     }
     template <class T>
     void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        reduce_op op) {
+                        reduce_op op, collective_tag tag = {}) {
         collective(link_op::reduce_scatter, send.size_bytes(),
-                   [&] { inner_->reduce_scatter(send, recv, op); });
+                   [&] { detail::with_tag(*inner_, tag).reduce_scatter(send, recv, op); });
     }
-    void barrier() {
-        collective(link_op::barrier, 0, [&] { inner_->barrier(); });
+    void barrier(collective_tag tag = {}) {
+        collective(link_op::barrier, 0, [&] { detail::with_tag(*inner_, tag).barrier(); });
     }
 
     /// The wrapped split, wrapped in an owning link with the same parameters. The slow replica
@@ -319,14 +331,15 @@ private:
     }
 
     /// The latest of the replicas' entry times (an all_reduce max through the wrapped
-    /// communicator, in the memory of its system).
+    /// communicator, in the memory of its system; named "simulated_link.start").
     clock::time_point common_start(clock::time_point entry) {
         double ns[1] = {static_cast<double>(
             std::chrono::duration_cast<std::chrono::nanoseconds>(entry.time_since_epoch())
                 .count())};
         lockstep::copy(std::span<const double>(ns), host_system{}, stamp_.span(), stamp_.system());
-        inner_->all_reduce(std::span<const double>(stamp_.data(), 1), stamp_.span(),
-                           reduce_op::max);
+        const std::span<const double> send(stamp_.data(), 1);
+        const collective_tag tag("simulated_link.start");
+        detail::with_tag(*inner_, tag).all_reduce(send, stamp_.span(), reduce_op::max);
         lockstep::copy(std::span<const double>(stamp_.data(), 1), stamp_.system(),
                        std::span<double>(ns), host_system{});
         return clock::time_point(std::chrono::duration_cast<clock::duration>(

@@ -89,18 +89,20 @@ public:
     /// later entering a collective, send or recv throws errc::peer_failure naming the reason,
     /// and run() rethrows lockstep::error(errc::peer_failure, operation "thread_group.abort")
     /// once every replica has returned. When no run is in progress, the next run() throws that
-    /// error at once without starting replicas. ensures: idempotent (a later call, or a call
-    /// after a replica failed, changes nothing); returns true when this call aborted a run in
-    /// progress.
+    /// error at once without starting replicas. A call after a replica failed changes nothing
+    /// for that group, but survivors that then shrink it (thread_communicator::shrink, e.g.
+    /// train_params::on_replica_failure = shrink) get a group that is aborted from the start, and
+    /// run() throws the abort's error. ensures: idempotent (a later call changes nothing);
+    /// returns true when this call aborted a run in progress at once (false when the run's
+    /// newest group had already failed).
     bool abort(std::string reason) {
         LOCKSTEP_REQUIRE(control_ != nullptr, errc::invalid_argument, -1, "thread_group.abort",
                          "this thread_group was moved from");
         std::lock_guard lock(control_->mutex);
         if (auto ctx = control_->current) {
-            while (auto next = ctx->successor()) // the survivors' group after a shrink
-                ctx = next;
+            // Reaches the survivors' group after a shrink, and a shrink still to come.
             const error e(errc::peer_failure, -1, "thread_group.abort", reason);
-            return ctx->record_failure(-1, std::make_exception_ptr(e), std::move(reason));
+            return ctx->record_abort(std::make_exception_ptr(e), std::move(reason));
         }
         if (!control_->pending)
             control_->pending = std::move(reason);

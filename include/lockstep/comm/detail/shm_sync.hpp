@@ -4,6 +4,7 @@
 
 #include "lockstep/comm/collective_event.hpp"
 #include "lockstep/comm/detail/adaptive_spin.hpp"
+#include "lockstep/comm/timeout.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/system/host_system.hpp"
 
@@ -49,11 +50,9 @@ public:
     std::chrono::milliseconds timeout() const noexcept { return timeout_; }
     /// Whether collectives compare the call sites of unnamed calls (collective_tag).
     bool check_call_sites() const noexcept { return check_call_sites_; }
-    /// The deadline of a wait that starts now: now + timeout(), with timeouts over max_wait
-    /// (milliseconds::max() included) counted as max_wait, so the sum cannot overflow.
-    clock::time_point deadline() const { return clock::now() + std::min(timeout_, max_wait); }
-    /// The longest wait deadline() allows: 1e9 s (~31 years, the most LOCKSTEP_TIMEOUT takes).
-    static constexpr std::chrono::milliseconds max_wait = std::chrono::seconds(1000000000);
+    /// The deadline of a wait that starts now: deadline_after(timeout()) (a timeout over
+    /// max_wait, milliseconds::max() included, waits max_wait: the sum cannot overflow).
+    clock::time_point deadline() const { return deadline_after<clock>(timeout_); }
 
     /// True once any replica of the run has failed.
     bool failed() const noexcept { return failed_.load(); }
@@ -73,6 +72,26 @@ public:
         }
         notify();
         return true;
+    }
+
+    /// Records thread_group::abort's error `e` (reason `what`): as the failure of the newest
+    /// context of the run (this one, or the one a shrink replaced it with), and, first abort
+    /// only, as this context's abort, which set_successor hands on: the group a shrink makes of
+    /// a failed group starts failed with it, so an abort between a replica's loss and the
+    /// survivors' shrink is not lost. Returns true when this call recorded the root failure.
+    bool record_abort(std::exception_ptr e, std::string what) {
+        std::shared_ptr<run_context> next;
+        {
+            std::lock_guard lock(failure_mutex_);
+            if (abort_)
+                return false; // idempotent: the first abort stands (and was handed on)
+            abort_ = e;
+            abort_what_ = what;
+            next = successor_; // read under the same mutex as set_successor's hand-on
+        }
+        if (next)
+            return next->record_abort(std::move(e), std::move(what));
+        return record_failure(-1, std::move(e), std::move(what));
     }
 
     /// "replica R failed: <what>" for the recorded failure ("the run was aborted: <reason>"
@@ -161,10 +180,20 @@ public:
         std::lock_guard lock(failure_mutex_);
         return excluded_;
     }
+    /// Links the context of the group that replaced this one's; an abort recorded here already
+    /// (record_abort) fails `next` too, before any survivor can use it.
     void set_successor(std::shared_ptr<run_context> next, std::vector<excluded_replica> left) {
-        std::lock_guard lock(failure_mutex_);
-        successor_ = std::move(next);
-        excluded_ = std::move(left);
+        std::exception_ptr aborted;
+        std::string what;
+        {
+            std::lock_guard lock(failure_mutex_);
+            successor_ = next;
+            excluded_ = std::move(left);
+            aborted = abort_;
+            what = abort_what_;
+        }
+        if (aborted)
+            next->record_abort(std::move(aborted), std::move(what));
     }
 
     /// Wakes every sleeping replica so it re-evaluates what it waits for.
@@ -226,6 +255,8 @@ private:
     std::shared_ptr<run_context> successor_;
     std::vector<excluded_replica> excluded_;
     std::string superseded_;
+    std::exception_ptr abort_; // thread_group::abort's error, handed on to successor_
+    std::string abort_what_;
     event_hook hook_;
     int generation_ = 0;
 
