@@ -156,7 +156,8 @@ public:
                 join(); // the shard is durable: the writer is done
                 outcome_.store(committing);
                 // A writer that cannot start refuses the save (as the marker's failure would).
-                marker_error_ = ckpt::failure_of(
+                // The started writer owns marker_error_: the failure is kept apart until known.
+                const std::string not_started = ckpt::failure_of(
                     [&] {
                         writer_ = std::thread([this, s = std::move(shards)] {
                             lower_thread_priority();
@@ -164,8 +165,8 @@ public:
                         });
                     },
                     "unknown exception while starting the writer thread");
-                if (!marker_error_.empty()) {
-                    marker_error_ = "cannot start the writer thread: " + marker_error_;
+                if (!not_started.empty()) {
+                    marker_error_ = "cannot start the writer thread: " + not_started;
                     outcome_.store(refused);
                 }
             }
