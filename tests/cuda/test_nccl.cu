@@ -12,6 +12,7 @@
 #include "comm/collective_suite.hpp"
 #include "cuda_test_support.hpp"
 #include "device_delay.cuh"
+#include "support/contains.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -657,6 +658,65 @@ TEST_CASE("host memory passed to an nccl collective is rejected, not crashed on"
     gpu_group group(std::vector<int>{0});
     CHECK(host_memory_codes(group) ==
           std::vector<lockstep::errc>{lockstep::errc::invalid_argument});
+}
+
+TEST_CASE("partially overlapping send and recv are refused before NCCL", "[comm][nccl][gpu]") {
+    // NCCL's result is undefined for them; the in-place forms and disjoint spans pass.
+    if (lockstep_test::skip_without_gpu())
+        return;
+    gpu_group group(std::vector<int>{0}, {.timeout = std::chrono::seconds(60)});
+    std::vector<std::string> refused;
+    std::vector<int> accepted(3, 0);
+    group.run([&](nccl_communicator& comm) {
+        buffer<float, cuda_system> a(65, comm.system());
+        const std::span<float> all = a.span();
+        const auto message = [](auto&& call) {
+            try {
+                call();
+            } catch (const lockstep::error& e) {
+                return std::string(lockstep::to_string(e.code())) + ": " + e.what();
+            }
+            return std::string("accepted");
+        };
+        // One rank: in place and disjoint run, shifted by one element does not.
+        accepted[0] = message([&] {
+                          comm.all_reduce(std::span<const float>(all.first(32)), all.first(32),
+                                          reduce_op::sum);
+                          comm.all_gather(std::span<const float>(all.first(32)), all.first(32));
+                          comm.reduce(std::span<const float>(all.first(32)), all.subspan(32, 32),
+                                      reduce_op::sum, 0);
+                          comm.synchronize();
+                      }) == "accepted";
+        // The first refusal aborts the communicator: one case per run.
+        refused.push_back(message([&] {
+            comm.all_reduce(std::span<const float>(all.first(64)), all.subspan(1, 64),
+                            reduce_op::sum);
+        }));
+    });
+    CHECK(accepted[0] == 1);
+    REQUIRE(refused.size() == 1);
+    CHECK(lockstep_test::contains(refused[0], "invalid_argument"));
+    CHECK(lockstep_test::contains(refused[0], "send and recv overlap"));
+}
+
+TEST_CASE("a collective no peer matches fails gpu_group::run at teardown",
+          "[comm][nccl][gpu][multi_gpu]") {
+    // Replica 0 enqueues one all_reduce more than the others and returns: the streams never go
+    // idle; the drain before destroy times out, and run() rethrows that instead of returning.
+    if (lockstep_test::skip_without_multi_gpu())
+        return;
+    gpu_group group({.timeout = std::chrono::seconds(3)});
+    try {
+        group.run([&](nccl_communicator& comm) {
+            buffer<float, cuda_system> a(16, comm.system());
+            comm.all_reduce(std::span<const float>(a.span()), a.span(), reduce_op::sum);
+            if (comm.rank() == 0)
+                comm.all_reduce(std::span<const float>(a.span()), a.span(), reduce_op::sum);
+        });
+        FAIL("run() returned although replica 0's last all_reduce was never matched");
+    } catch (const lockstep::error& e) {
+        CHECK(e.code() == lockstep::errc::timeout);
+    }
 }
 
 TEST_CASE("host memory passed by one nccl replica fails its peers with errc::peer_failure",

@@ -99,7 +99,9 @@ public:
     /// ensures: returns when every replica has returned and every communicator is destroyed;
     /// if any replica failed, rethrows the root cause: the first failure that is not an
     /// errc::peer_failure (the first failure when all are), not the errors it caused in the
-    /// others.
+    /// others. Else, when the streams did not go idle at the end (a collective one replica
+    /// enqueued and the others never matched: errc::timeout after parameters().timeout),
+    /// rethrows that failure.
     template <class F>
     requires std::invocable<F&, nccl_communicator&>
     void run(F&& f) {
@@ -132,9 +134,11 @@ public:
             t.join();
         // This thread owns every rank: destroyed together (one by one, each would wait for the
         // others).
-        nccl_communicator::destroy_all(comms);
+        const std::exception_ptr teardown = nccl_communicator::destroy_all(comms);
         if (auto e = log.root_cause())
             std::rethrow_exception(e);
+        if (teardown) // e.g. a collective one replica enqueued and the others never matched
+            std::rethrow_exception(teardown);
     }
 
 private:

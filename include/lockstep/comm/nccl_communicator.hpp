@@ -250,15 +250,18 @@ public:
     /// NCCL group, then ncclCommDestroy (local after the finalize); one by one, the first rank's
     /// destroy would wait for the others.
     /// After a failure (an aborted communicator, a failed clique) all of them, and the splits of
-    /// their families, are aborted instead, in one group. ensures: comms is empty.
-    static void destroy_all(std::vector<nccl_communicator>& comms) noexcept {
+    /// their families, are aborted instead, in one group. Returns the first drain's failure (e.g.
+    /// errc::timeout: a collective that some rank enqueued and the others never matched), else
+    /// null. ensures: comms is empty.
+    static std::exception_ptr destroy_all(std::vector<nccl_communicator>& comms) noexcept {
         const auto broken = [](const auto& c) {
             return c.h_.aborted() || (c.h_.clique() && c.h_.clique()->failed_rank.load() >= 0);
         };
         // Each stream drained first, within the timeout (a drain that fails aborts).
+        std::exception_ptr drained;
         if (!std::any_of(comms.begin(), comms.end(), broken))
             for (auto& c : comms)
-                if (!c.h_.drain())
+                if ((drained = c.h_.drain()))
                     break;
         const bool failed = std::any_of(comms.begin(), comms.end(), broken);
         const bool grouped = ncclGroupStart() == ncclSuccess;
@@ -276,6 +279,7 @@ public:
                 (void)ncclGroupEnd();
         }
         comms.clear();
+        return drained;
     }
 
     /// This replica's rank in [0, size()).

@@ -231,17 +231,18 @@ public:
 
     /// Before a destroy: waits until the stream is idle, with wait()'s checks and timeout, so
     /// that ncclCommDestroy never starts while a collective that waits for a peer is in flight
-    /// (it would wait for it without a deadline). Returns false when the wait failed: then the
-    /// family was aborted (a destroy is no longer needed, nor possible). Never throws.
-    bool drain() noexcept {
+    /// (it would wait for it without a deadline). Returns the wait's failure (null when the
+    /// stream went idle): then the family was aborted (a destroy is no longer needed, nor
+    /// possible). Never throws.
+    std::exception_ptr drain() noexcept {
         if (aborted() || comm_ == nullptr || finalized_)
-            return true;
+            return nullptr;
         try {
             wait("destroy");
-            return true;
+            return nullptr;
         } catch (...) {
             abort(); // done by the failed wait already; idempotent
-            return false;
+            return std::current_exception();
         }
     }
 
@@ -251,7 +252,8 @@ public:
     }
 
     /// Stops (stop(): aborts, or revokes), marks the clique failed and throws `code` naming this
-    /// replica and `op`; the family keeps the first such failure (failure()). A call that fails
+    /// replica (replica(): its rank in the communicator its family was created from, as the
+    /// peers' "replica N failed" does, also on a split) and `op`; the family keeps the first such failure (failure()). A call that fails
     /// because another thread revoked the family meanwhile throws errc::peer_failure, as
     /// check_usable() would have.
     template <class... Args>
@@ -260,7 +262,7 @@ public:
             code = errc::peer_failure;
         stop();
         try {
-            fail(code, rank_, op, std::forward<Args>(details)...);
+            fail(code, replica(), op, std::forward<Args>(details)...);
         } catch (...) {
             if (family_)
                 family_->record_failure(std::current_exception());
@@ -296,11 +298,11 @@ public:
         const int failed = clique_ ? clique_->failed_rank.load() : -1;
         const bool peer_failed = failed >= 0 && failed != replica();
         if (aborted() || comm_ == nullptr)
-            fail(peer_failed ? errc::peer_failure : errc::communication, rank_, op,
+            fail(peer_failed ? errc::peer_failure : errc::communication, replica(), op,
                  "the communicator was aborted after a failure (of this replica, one of its "
                  "communicators or a peer)");
         if (revoked()) // a failure of its own is the family's failure(): the caller reads that
-            fail(errc::peer_failure, rank_, op,
+            fail(errc::peer_failure, replica(), op,
                  "the communicator was revoked after a failure; shrink() continues on the "
                  "survivors");
         if (peer_failed)
