@@ -404,7 +404,7 @@ public:
     void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
                         reduce_op op, collective_tag tag = {}) {
         const std::vector<std::size_t> counts(static_cast<std::size_t>(size()), recv.size());
-        reduce_scatter(send, recv, std::span<const std::size_t>(counts), op, tag);
+        reduce_scatter<T>(send, recv, std::span<const std::size_t>(counts), op, tag);
     }
 
     /// The replicas with the same color form a new hierarchical group, ranked by (key, rank).

@@ -253,9 +253,9 @@ public:
 
     /// Stops (stop(): aborts, or revokes), marks the clique failed and throws `code` naming this
     /// replica (replica(): its rank in the communicator its family was created from, as the
-    /// peers' "replica N failed" does, also on a split) and `op`; the family keeps the first such failure (failure()). A call that fails
-    /// because another thread revoked the family meanwhile throws errc::peer_failure, as
-    /// check_usable() would have.
+    /// peers' "replica N failed" does, also on a split) and `op`; the family keeps the first such
+    /// failure (failure()). A call that fails because another thread revoked the family meanwhile
+    /// throws errc::peer_failure, as check_usable() would have.
     template <class... Args>
     [[noreturn]] void fail_and_abort(errc code, const std::string& op, Args&&... details) {
         if (code == errc::nccl && revoked())
