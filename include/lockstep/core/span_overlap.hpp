@@ -5,22 +5,28 @@
 
 #include "lockstep/core/error.hpp"
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
 
 namespace lockstep::detail {
 
+/// Whether the byte ranges [a, a + a_bytes) and [b, b + b_bytes) share a byte (an empty range
+/// shares none). Addresses are compared as integers, so they may be of any memory.
+inline bool bytes_overlap(const void* a, std::size_t a_bytes, const void* b,
+                          std::size_t b_bytes) noexcept {
+    const auto a0 = reinterpret_cast<std::uintptr_t>(a);
+    const auto b0 = reinterpret_cast<std::uintptr_t>(b);
+    return a_bytes != 0 && b_bytes != 0 && a0 < b0 + b_bytes && b0 < a0 + a_bytes;
+}
+
 /// "a and b overlap (sizes and addresses)" when spans `a` and `b` (named in the text) share a
 /// byte, or "" when they do not (an empty span shares nothing). Addresses are compared as
 /// integers, so the spans may live in any memory (host or device).
 template <class A, class B>
 std::string overlap_text(std::span<A> a, const char* a_name, std::span<B> b, const char* b_name) {
-    if (a.empty() || b.empty())
-        return {};
-    const auto a0 = reinterpret_cast<std::uintptr_t>(a.data());
-    const auto b0 = reinterpret_cast<std::uintptr_t>(b.data());
-    if (a0 >= b0 + b.size_bytes() || b0 >= a0 + a.size_bytes())
+    if (!bytes_overlap(a.data(), a.size_bytes(), b.data(), b.size_bytes()))
         return {};
     return concat(a_name, " and ", b_name, " overlap (", a.size(), " and ", b.size(), " values at ",
                   static_cast<const void*>(a.data()), " and ", static_cast<const void*>(b.data()),

@@ -9,6 +9,7 @@
 #include "lockstep/comm/detail/shm_group.hpp"
 #include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/span_overlap.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -144,12 +145,8 @@ inline void validate_calls(const group_state& g, int rank, op_label label) {
                  ", which is not a whole number of blocks for ", n, " replicas");
         for (int j = 0; j < n; ++j) {
             const call_record& c = g.call(j, seq);
-            const auto s0 = reinterpret_cast<std::uintptr_t>(c.send);
-            const auto r0 = reinterpret_cast<std::uintptr_t>(c.recv);
             const std::size_t bytes = c.count * c.elem_size;
-            const bool overlap =
-                c.count != 0 && c.recv_count == c.count && s0 < r0 + bytes && r0 < s0 + bytes;
-            if (overlap)
+            if (c.recv_count == c.count && bytes_overlap(c.send, bytes, c.recv, bytes))
                 fail(errc::invalid_argument, me, op(), "replica ", g.replica_of(j),
                      " passed overlapping send and receive spans (all_to_all has no in-place "
                      "form)");
@@ -195,17 +192,13 @@ inline void validate_calls(const group_state& g, int rank, op_label label) {
             const call_record& c = g.call(j, seq);
             if (k == collective_kind::reduce && j != c.root)
                 continue; // recv is not touched off the root
-            const auto s0 = reinterpret_cast<std::uintptr_t>(c.send);
-            const auto r0 = reinterpret_cast<std::uintptr_t>(c.recv);
             const std::size_t send_bytes = c.count * c.elem_size;
-            const std::size_t recv_bytes = c.recv_count * c.elem_size;
             // all_gather's in-place send is recv's slot rank(); the others' is recv itself.
-            const std::uintptr_t in_place = k == collective_kind::all_gather
-                                                ? r0 + static_cast<std::size_t>(j) * send_bytes
-                                                : r0;
-            const bool overlap =
-                send_bytes != 0 && recv_bytes != 0 && s0 < r0 + recv_bytes && r0 < s0 + send_bytes;
-            if (overlap && s0 != in_place)
+            const std::uintptr_t in_place =
+                reinterpret_cast<std::uintptr_t>(c.recv) +
+                (k == collective_kind::all_gather ? static_cast<std::size_t>(j) * send_bytes : 0);
+            if (bytes_overlap(c.send, send_bytes, c.recv, c.recv_count * c.elem_size) &&
+                reinterpret_cast<std::uintptr_t>(c.send) != in_place)
                 fail(errc::invalid_argument, me, op(), "replica ", g.replica_of(j),
                      " passed send and receive spans that overlap partially (",
                      k == collective_kind::all_gather
