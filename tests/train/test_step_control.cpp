@@ -460,6 +460,43 @@ TEST_CASE("a scheduled learning rate that is not finite or negative is refused b
     }
 }
 
+TEST_CASE("the asynchronous trainer refuses a bad scheduled learning rate before any work",
+          "[train][thread][agreement][async]") {
+    // Version 3 of 5 has a NaN rate: the server would meet it after applying three gradients,
+    // on the server only; every replica refuses it first, with nothing changed.
+    using async_t = data_parallel<linear, sgd, sync::asynchronous, reduce::per_tensor>;
+    std::vector<std::vector<double>> before(3), after(3);
+    std::vector<std::int64_t> steps_after(3);
+    const auto e = errors_of(3, [&](int rank, thread_communicator& comm) {
+        train_params tp;
+        tp.lr = [](std::int64_t s) {
+            return s == 3 ? std::numeric_limits<double>::quiet_NaN() : 0.05;
+        };
+        async_t dp(
+            comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1}, tp);
+        const auto me = static_cast<std::size_t>(rank);
+        auto p = dp.parameters();
+        before[me].assign(p.begin(), p.end());
+        try {
+            dp.train(5, 10, train_fn);
+        } catch (...) {
+            p = dp.parameters();
+            after[me].assign(p.begin(), p.end());
+            steps_after[me] = dp.steps();
+            throw;
+        }
+    });
+    for (std::size_t r = 0; r < 3; ++r) {
+        INFO(e[r].first);
+        CHECK(e[r].second == static_cast<int>(errc::invalid_argument));
+        CHECK_THAT(e[r].first, Catch::Contains("replica " + std::to_string(r) + ":"));
+        CHECK_THAT(e[r].first, Catch::Contains("async_trainer.train"));
+        CHECK_THAT(e[r].first, Catch::Contains("the learning rate of step 3 is "));
+        CHECK(after[r] == before[r]);
+        CHECK(steps_after[r] == 0);
+    }
+}
+
 TEST_CASE("a NaN loss with finite gradients skips the step on every replica",
           "[train][thread][non_finite]") {
     check_only_step_2_skipped<trainer>(

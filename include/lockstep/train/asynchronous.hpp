@@ -141,7 +141,10 @@ public:
     /// statistics. On return every replica holds the server's final parameters and state, and
     /// steps() and samples() have grown by `steps` and `steps * batch`.
     /// requires: steps >= 1, batch >= 1, the same batch on every replica (else
-    /// errc::count_mismatch on every replica), comm.size() >= 2, 0 <= ap.root < comm.size().
+    /// errc::count_mismatch on every replica), comm.size() >= 2, 0 <= ap.root < comm.size(),
+    /// and the learning rate of every version this call applies finite and >= 0 (else
+    /// errc::invalid_argument naming the replica, the version and the value, on every replica,
+    /// before any work).
     template <class Fn>
     async_result train(std::size_t steps, std::size_t batch, Fn&& fn) {
         using T = value_type;
@@ -150,6 +153,12 @@ public:
         LOCKSTEP_REQUIRE(steps >= 1 && batch >= 1, errc::invalid_argument, comm.rank(),
                          "data_parallel.train", "steps = ", steps, ", batch = ", batch,
                          " (both must be >= 1)");
+        // The server applies version v with lr_for(v): check them all before any collective,
+        // so a bad schedule throws on every replica with nothing changed, not on the server
+        // mid-run.
+        for (std::size_t k = 0; k < steps; ++k)
+            (void)core_.checked_lr(core_.steps() + static_cast<std::int64_t>(k),
+                                   "async_trainer.train");
         {
             // Workers map work items to samples with `batch`: every replica must use the same.
             const std::array<std::int64_t, 2> b{static_cast<std::int64_t>(batch),

@@ -225,10 +225,10 @@ public:
     /// lr_for(s), required finite and >= 0, else lockstep::error (errc::invalid_argument) naming
     /// this replica, the step and the value. Trainers check it before a step's first collective:
     /// every replica computes the same schedule, so every replica throws, with nothing changed.
-    double checked_lr(std::int64_t s) const {
+    double checked_lr(std::int64_t s, const char* op = "data_parallel.step") const {
         const double lr = lr_for(s);
-        LOCKSTEP_REQUIRE(is_finite(lr) && lr >= 0, errc::invalid_argument, comm_->rank(),
-                         "data_parallel.step", "the learning rate of step ", s, " is ", lr,
+        LOCKSTEP_REQUIRE(is_finite(lr) && lr >= 0, errc::invalid_argument, comm_->rank(), op,
+                         "the learning rate of step ", s, " is ", lr,
                          " (train_params::lr or the optimizer's lr: must be finite and >= 0)");
         return lr;
     }
