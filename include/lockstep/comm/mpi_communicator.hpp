@@ -701,11 +701,29 @@ private:
                  st.MPI_SOURCE, tag);
         // The message has arrived: receiving it completes locally.
         if (count == MPI_UNDEFINED || static_cast<std::size_t>(count) != data.size()) {
-            int bytes = 0;
-            call_p2p(MPI_Get_count(&st, MPI_BYTE, &bytes), op, "MPI_Get_count", st.MPI_SOURCE, tag);
+            // The size in bytes may exceed an int (2^31 floats from a sender): count it as
+            // MPI_Count and discard it in units of up to 8 bytes, which keeps the unit count
+            // within an int for any sender's type of up to 8 bytes.
+            MPI_Count bytes = 0;
+            call_p2p(MPI_Get_elements_x(&st, MPI_BYTE, &bytes), op, "MPI_Get_elements_x",
+                     st.MPI_SOURCE, tag);
+            int unit = 8;
+            while (bytes % unit != 0)
+                unit /= 2;
+            LOCKSTEP_REQUIRE(bytes / unit <= std::numeric_limits<int>::max(), errc::unsupported,
+                             rank_, op, "the message from replica ", st.MPI_SOURCE, " with tag ",
+                             tag, " holds ", bytes,
+                             " bytes, more than can be discarded; it is "
+                             "still queued");
+            MPI_Datatype unit_type = MPI_DATATYPE_NULL;
+            call_p2p(MPI_Type_contiguous(unit, MPI_BYTE, &unit_type), op, "MPI_Type_contiguous",
+                     st.MPI_SOURCE, tag);
+            call_p2p(MPI_Type_commit(&unit_type), op, "MPI_Type_commit", st.MPI_SOURCE, tag);
             std::vector<unsigned char> discard(static_cast<std::size_t>(bytes));
-            call_p2p(MPI_Mrecv(discard.data(), bytes, MPI_BYTE, &msg, MPI_STATUS_IGNORE), op,
-                     "MPI_Mrecv", st.MPI_SOURCE, tag);
+            const int rc = MPI_Mrecv(discard.data(), static_cast<int>(bytes / unit), unit_type,
+                                     &msg, MPI_STATUS_IGNORE);
+            MPI_Type_free(&unit_type);
+            call_p2p(rc, op, "MPI_Mrecv", st.MPI_SOURCE, tag);
             fail(errc::count_mismatch, rank_, op, "the message from replica ", st.MPI_SOURCE,
                  " with tag ", tag, " holds ", bytes, " bytes (",
                  count == MPI_UNDEFINED ? std::string("not a whole number of")
