@@ -399,11 +399,9 @@ public:
         h_.require(send.size() % ranks == 0 && recv.size() == send.size(), errc::shape_mismatch,
                    name, "send has ", send.size(), " elements, recv ", recv.size(),
                    " (requires equal sizes, a multiple of ", ranks, ")");
-        const auto s0 = reinterpret_cast<std::uintptr_t>(send.data());
-        const auto r0 = reinterpret_cast<std::uintptr_t>(recv.data());
-        h_.require(send.empty() || s0 + send.size_bytes() <= r0 || r0 + recv.size_bytes() <= s0,
-                   errc::invalid_argument, name,
-                   "send and recv overlap (all_to_all has no in-place form)");
+        const std::string overlap = lockstep::detail::overlap_problem(send, "send", recv, "recv");
+        h_.require(overlap.empty(), errc::invalid_argument, name, overlap,
+                   " (all_to_all has no in-place form)");
         if (send.empty())
             return;
         h_.check_memory(name, "send", send.data());
@@ -474,14 +472,9 @@ public:
                    " elements, recv ", recv.size(),
                    " (requires one count per replica summing to send's size, recv's size the "
                    "count of this rank)");
-        const auto s0 = reinterpret_cast<std::uintptr_t>(send.data());
-        const auto r0 = reinterpret_cast<std::uintptr_t>(recv.data());
-        const bool in_place = !recv.empty() && recv.data() == send.data() + layout.offset;
-        h_.require(in_place || send.empty() || recv.empty() || s0 + send.size_bytes() <= r0 ||
-                       r0 + recv.size_bytes() <= s0,
-                   errc::invalid_argument, name,
-                   "recv overlaps send but is not this rank's slice of it (elements ",
-                   layout.offset, " to ", layout.offset + layout.mine, ")");
+        check_disjoint(name, send, recv,
+                       !recv.empty() && recv.data() == send.data() + layout.offset,
+                       "recv is send's slice counts[rank()]");
         if (send.empty())
             return;
         h_.check_memory(name, "send", send.data());
