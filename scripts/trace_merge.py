@@ -6,7 +6,8 @@
 Usage: trace_merge.py [--timeline] PATH...
 
 Each PATH is a lockstep-trace.*.jsonl file or a directory holding them (LOCKSTEP_TRACE_DIR).
-Files are grouped by backend label and group size; for each group this prints every
+Files are grouped by backend label, group (a split's files apart from its parent's, where
+the backend names the group) and size; for each group this prints every
 replica's last operation, the first sequence number at which the replicas' operations
 disagree (different collective, element type, count or root) with the odd ones out, the
 replicas that wrote no file or stopped behind the others, and a one-line verdict:
@@ -53,8 +54,9 @@ def names(replicas):
     return word + " " + ", ".join(str(r) for r in replicas)
 
 
-def report_group(label, size, traces, timeline):
-    out = [f"== {label} group of {size} replicas: {len(traces)} trace file(s)"]
+def report_group(label, group, size, traces, timeline):
+    name = f"{label} {group}" if group else label
+    out = [f"== {name} group of {size} replicas: {len(traces)} trace file(s)"]
     by_replica = {t["replica"]: t for t in traces}
     for r in sorted(by_replica):
         t = by_replica[r]
@@ -160,16 +162,21 @@ def main(argv):
         return 2
     groups = {}
     for t in traces:
-        groups.setdefault((t["label"], t["size"]), []).append(t)
-    for (label, size), members in sorted(groups.items()):
-        # A replica dumps again on each later error; keep its newest file.
-        newest = {}
-        for t in members:
-            key = t["replica"]
-            if key not in newest or os.path.getmtime(t["path"]) >= os.path.getmtime(
-                    newest[key]["path"]):
-                newest[key] = t
-        print("\n".join(report_group(label, size, list(newest.values()), timeline)))
+        groups.setdefault((t["label"], t.get("group", ""), t["size"]), []).append(t)
+    for (label, group, size), members in sorted(groups.items()):
+        # One file per replica and group: the newest. Others of the same key come from another
+        # communicator the backend does not name (e.g. two MPI splits of one size): say so.
+        newest, others = {}, []
+        for t in sorted(members, key=lambda t: os.path.getmtime(t["path"])):
+            if t["replica"] in newest:
+                others.append(newest[t["replica"]])
+            newest[t["replica"]] = t
+        lines = report_group(label, group, size, list(newest.values()), timeline)
+        for t in sorted(others, key=lambda t: (t["replica"], t["path"])):
+            lines.append(f'not merged: replica {t["replica"]} also wrote {t["path"]} (another '
+                         "communicator of this backend and size: pass its files to "
+                         "trace_merge.py alone)")
+        print("\n".join(lines))
     return 0
 
 

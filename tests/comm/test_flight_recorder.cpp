@@ -1,5 +1,6 @@
 // Tests of flight_recorder: the ring itself, and thread_group replicas that skip a collective or
-// call all_gather where the others call all_reduce, merged by scripts/trace_merge.py.
+// call all_gather where the others call all_reduce, or fail in a split and its parent, merged
+// by scripts/trace_merge.py.
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/flight_recorder.hpp"
 #include "lockstep/comm/simulated_link.hpp"
@@ -343,4 +344,10 @@ TEST_CASE("a split and its parent on one replica write trace files of their own"
         CHECK(contains(parent_header, "all_reduce #1"));
         CHECK_FALSE(contains(parent_header, "split(color=0)"));
     }
+    // The merge keeps the two groups apart: both replicas' files in each, none left out.
+    const std::string report = merge_report(dir);
+    INFO(report);
+    CHECK(contains(report, "== thread group of 2 replicas: 2 trace file(s)"));
+    CHECK(contains(report, "== thread split(color=0) group of 2 replicas: 2 trace file(s)"));
+    CHECK_FALSE(contains(report, "not merged"));
 }

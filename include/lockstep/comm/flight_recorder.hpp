@@ -189,11 +189,14 @@ public:
     }
 
     /// Writes the ring (see the class comment) for `replica` of a group of `size`, after an
-    /// error described by `reason`. Returns the file written, or "" when LOCKSTEP_TRACE_DIR is
+    /// error described by `reason`; `group` names the group where the backend knows it ("" for
+    /// the whole group, "split(color=1)" for a split), so that trace_merge.py keeps a group's
+    /// and its split's files apart. Returns the file written, or "" when LOCKSTEP_TRACE_DIR is
     /// unset or the file cannot be written. Never throws.
-    std::string dump(int replica, int size, const std::string& reason) const noexcept {
+    std::string dump(int replica, int size, const std::string& reason,
+                     const std::string& group = {}) const noexcept {
         try {
-            return dump_or_throw(replica, size, reason);
+            return dump_or_throw(replica, size, reason, group);
         } catch (...) {
             return {};
         }
@@ -318,7 +321,8 @@ private:
         return buf;
     }
 
-    std::string dump_or_throw(int replica, int size, const std::string& reason) const {
+    std::string dump_or_throw(int replica, int size, const std::string& reason,
+                              const std::string& group) const {
         const auto ops = entries();
         // The offset lets files from different processes share one (wall-clock) time line.
         const auto wall = std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -337,9 +341,9 @@ private:
             if (std::FILE* f = std::fopen(file.c_str(), "w")) {
                 std::fprintf(f,
                              "{\"lockstep_trace\": 1, \"label\": \"%s\", \"replica\": %d, "
-                             "\"size\": %d, \"pid\": %ld, \"capacity\": %zu, "
+                             "\"size\": %d, \"group\": %s, \"pid\": %ld, \"capacity\": %zu, "
                              "\"wall_offset_ns\": %lld, \"reason\": %s}\n",
-                             label_, replica, size, pid, ring_.size(),
+                             label_, replica, size, json_string(group).c_str(), pid, ring_.size(),
                              static_cast<long long>(offset), json_string(reason).c_str());
                 for (const auto& e : ops)
                     std::fprintf(f, "%s\n", line_of(e).c_str());

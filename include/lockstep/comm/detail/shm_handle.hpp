@@ -219,7 +219,8 @@ protected:
         trace_.fail_newest();
         if (!flight_recorder::dumps_on(e.code()))
             throw;
-        throw flight_recorder::with_trace(e, trace_.dump(replica(), size(), e.what()));
+        throw flight_recorder::with_trace(
+            e, trace_.dump(replica(), size(), e.what(), group_->label()));
     }
 
     static const char* trace_type(element_type t) noexcept {
