@@ -267,6 +267,7 @@ public:
         for (int j = 0; j < size_; ++j)
             displs[static_cast<std::size_t>(j)] = j;
         counts[static_cast<std::size_t>(rank_)] = 0;
+        const auto kept = keep_arrays(counts, displs);
         MPI_Request req = MPI_REQUEST_NULL;
         const int rc = MPI_Ialltoallv(send.data(), counts.data(), displs.data(), whole, recv.data(),
                                       counts.data(), displs.data(), whole, comm_, &req);
@@ -366,9 +367,11 @@ public:
                          "reduce-scatter it in pieces");
         if constexpr (is_wire_float16_v<T>) {
             // The exchange completes before the fold writes recv, so in place needs no copy.
-            if (layout.total != 0)
-                exchange_fold16(send.data(), recv.data(), detail::float16_plan_of(counts, rank_),
-                                layout.total, op);
+            if (layout.total != 0) {
+                auto p = detail::float16_plan_of(counts, rank_);
+                const auto kept = keep_arrays(p);
+                exchange_fold16(send.data(), recv.data(), p, layout.total, op);
+            }
             return;
         }
         // Whether to cut pieces depends on send.size() only, the same on every replica.
@@ -391,7 +394,8 @@ public:
                  "MPI_Ireduce_scatter_block", send.size());
             finish(req, "MPI_Ireduce_scatter_block", send.size(), send.size_bytes());
         } else {
-            const std::vector<int> ints(counts.begin(), counts.end());
+            std::vector<int> ints(counts.begin(), counts.end());
+            const auto kept = keep_arrays(ints);
             call(MPI_Ireduce_scatter(send.data(), out, ints.data(), detail::mpi_type<T>::datatype(),
                                      detail::to_mpi_op<T>(op), comm_, &req),
                  "MPI_Ireduce_scatter", send.size());
@@ -571,6 +575,7 @@ private:
         // nothing for this rank hands over a distinct, never written address.
         const auto unused = buffer<T>(1);
         std::vector<int> piece_counts(ranks);
+        const auto kept = keep_arrays(piece_counts);
         for (std::size_t lo = 0; lo < largest; lo += per) {
             std::size_t total = 0;
             for (std::size_t r = 0; r < ranks; ++r) {
@@ -613,7 +618,8 @@ private:
     void all_reduce16(const W* send, W* recv, std::size_t count, reduce_op op) {
         for (std::size_t at = 0; at < count; at += float16_piece) {
             const std::size_t c = std::min(count - at, float16_piece);
-            const auto p = detail::float16_plan_of(detail::even_counts(c, size_), rank_);
+            auto p = detail::float16_plan_of(detail::even_counts(c, size_), rank_);
+            const auto kept = keep_arrays(p);
             W* out = recv + at;
             exchange_fold16(send + at, out + p.displs[static_cast<std::size_t>(rank_)], p, c, op);
             MPI_Request req = MPI_REQUEST_NULL;
@@ -629,7 +635,8 @@ private:
         const bool at_root = rank_ == root;
         for (std::size_t at = 0; at < count; at += float16_piece) {
             const std::size_t c = std::min(count - at, float16_piece);
-            const auto p = detail::float16_plan_of(detail::even_counts(c, size_), rank_);
+            auto p = detail::float16_plan_of(detail::even_counts(c, size_), rank_);
+            const auto kept = keep_arrays(p);
             const auto slice = buffer<W>(at_root ? 0 : std::max<std::size_t>(1, p.mine));
             W* out = at_root ? recv + at + p.displs[static_cast<std::size_t>(rank_)] : slice.data();
             exchange_fold16(send + at, out, p, c, op);

@@ -33,6 +33,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -107,6 +108,33 @@ private:
     const std::optional<error>* broken_;
     std::unique_ptr<T[]> data_;
     std::size_t size_;
+};
+
+/// Guards objects whose storage an MPI request reads until it completes (the count and
+/// displacement arrays of a vector collective: MPI may read them until then): declared after
+/// them, it moves them to the heap and keeps them forever (keep_forever) when `broken` was set
+/// meanwhile, so a timed-out request never reads freed arrays. A moved std::vector keeps its
+/// buffer, which is what the request holds.
+template <class... V>
+class mpi_request_arrays {
+public:
+    explicit mpi_request_arrays(const std::optional<error>& broken, V&... v)
+        : broken_(&broken), v_(v...) {}
+    mpi_request_arrays(const mpi_request_arrays&) = delete;
+    mpi_request_arrays& operator=(const mpi_request_arrays&) = delete;
+    ~mpi_request_arrays() {
+        if (!broken_->has_value())
+            return;
+        try {
+            keep_forever(
+                std::apply([](V&... v) { return new std::tuple<V...>(std::move(v)...); }, v_));
+        } catch (...) { // out of memory: the arrays go with their owners
+        }
+    }
+
+private:
+    const std::optional<error>* broken_;
+    std::tuple<V&...> v_;
 };
 
 /// One process's handle on an MPI communicator, the base of mpi_communicator (whose comment
@@ -282,6 +310,12 @@ protected:
     template <class T>
     detail::mpi_request_buffer<T> buffer(std::size_t n) const {
         return detail::mpi_request_buffer<T>(broken_, n);
+    }
+    /// Keeps the arrays an MPI request of the operation in progress reads, if it fails
+    /// (detail::mpi_request_arrays): declare the result after them.
+    template <class... V>
+    [[nodiscard]] detail::mpi_request_arrays<V...> keep_arrays(V&... v) const {
+        return detail::mpi_request_arrays<V...>(broken_, v...);
     }
     void release() noexcept {
         control_.adopt(MPI_COMM_NULL);
