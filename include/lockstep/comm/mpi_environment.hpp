@@ -14,12 +14,15 @@
 
 #include <mpi.h>
 
+#include <string>
+
 namespace lockstep {
 
 /// The thread levels mpi_environment asks for and needs.
 struct mpi_environment_params {
-    int requested = MPI_THREAD_SERIALIZED; ///< the level asked of MPI_Init_thread
-    int required = MPI_THREAD_FUNNELED;    ///< below this level the constructor throws
+    /// The level asked of MPI_Init_thread (raised to `required` when below it).
+    int requested = MPI_THREAD_SERIALIZED;
+    int required = MPI_THREAD_FUNNELED; ///< below this level the constructor throws
 };
 
 /// RAII owner of the MPI library: MPI_Init_thread in the constructor, MPI_Finalize in the
@@ -68,19 +71,26 @@ private:
         LOCKSTEP_MPI_CHECK(MPI_Finalized(&finalized));
         LOCKSTEP_REQUIRE(!finalized, errc::invalid_argument, -1, "mpi_environment",
                          "MPI was already finalised and cannot be initialised again");
+        const int requested = p.requested < p.required ? p.required : p.requested;
         if (initialized) {
             LOCKSTEP_MPI_CHECK(MPI_Query_thread(&provided_));
         } else {
-            LOCKSTEP_MPI_CHECK(MPI_Init_thread(argc, argv, p.requested, &provided_));
+            LOCKSTEP_MPI_CHECK(MPI_Init_thread(argc, argv, requested, &provided_));
             owns_ = true;
         }
         if (provided_ < p.required) {
+            const bool ours = owns_;
             if (owns_)
                 MPI_Finalize();
             owns_ = false;
             fail(errc::unsupported, -1, "mpi_environment", "MPI provides thread level ", provided_,
                  " but level ", p.required, " is required (0 single, 1 funneled, 2 serialized, ",
-                 "3 multiple)");
+                 "3 multiple); ",
+                 ours ? detail::concat("MPI_Init_thread was asked for level ", requested,
+                                       ": this MPI library does not provide it")
+                      : std::string("MPI was initialised before, at that level: initialise it "
+                                    "with MPI_Init_thread at the required level, or let "
+                                    "mpi_environment do it"));
         }
     }
 
