@@ -2,8 +2,9 @@
 # tests/tools/test_lockstep_run.py: tools/lockstep-run's decisions, each over real mpiexec jobs
 # of small shell programs that die, fail or succeed on chosen ranks and launches: a lost rank
 # shrinks the job, --min and --max-restarts stop it, an error stops it at once, status 75
-# relaunches at the same count, --slots gives the count back, SIGTERM to the launcher stops the
-# job without a relaunch. Every rank writes what it saw.
+# relaunches at the same count, --slots gives the count back (and a bad --slots file is refused
+# before the first launch), a rank's SIGABRT stops it like an error, SIGTERM to the launcher
+# stops the job without a relaunch. Every rank writes what it saw.
 # Usage: test_lockstep_run.py <tools/lockstep-run> <mpiexec>
 # SPDX-License-Identifier: Apache-2.0
 import os
@@ -27,6 +28,7 @@ echo "$LOCKSTEP_RUN_ATTEMPT $LOCKSTEP_RUN_REPLICAS $rank" > "$seen.tmp" && mv "$
 action=$(sh -c "$ACTION" x "$LOCKSTEP_RUN_ATTEMPT" "$rank")
 case "$action" in
   kill) kill -KILL $$ ;;
+  abort) kill -ABRT $$ ;;
   exit*) exit ${action#exit } ;;
 esac
 exit 0
@@ -91,6 +93,14 @@ class LockstepRun(unittest.TestCase):
         self.assertIn("rank 1 exit 3", log)
         self.assertIn("not relaunching", log)
 
+    def test_abort_stops_at_once(self):
+        # SIGABRT is the program's own abort (an uncaught exception), not a lost rank.
+        status, log, counts = self.run_job(3, 'if [ $2 = 2 ]; then echo abort; fi', "--min", "1")
+        self.assertNotEqual(status, 0)
+        self.assertEqual(counts, [3], log)
+        self.assertIn("rank 2 aborted (SIGABRT", log)
+        self.assertNotIn("relaunching with", log)
+
     def test_try_again_relaunches_with_as_many(self):
         status, log, counts = self.run_job(2, 'if [ $1 = 0 ]; then echo exit 75; fi')
         self.assertEqual((status, counts), (0, [2, 2]), log)
@@ -105,6 +115,19 @@ class LockstepRun(unittest.TestCase):
         os.unlink(slots.name)
         self.assertEqual((status, counts), (0, [3, 3]), log)
         self.assertIn("lost rank 2", log)
+
+    def test_unreadable_slots_are_refused_before_the_first_launch(self):
+        slots = tempfile.NamedTemporaryFile("w", suffix=".slots", delete=False)
+        slots.write("abc\n")
+        slots.close()
+        self.addCleanup(os.unlink, slots.name)
+        for path in (slots.name, slots.name + ".missing"):
+            proc = subprocess.run([sys.executable, LAUNCHER, "-n", "2", "--slots", path, "--",
+                                   "true"], capture_output=True, text=True, timeout=30)
+            self.assertEqual(proc.returncode, 2, proc.stderr)
+            self.assertIn(path, proc.stderr)
+            self.assertNotIn("Traceback", proc.stderr)
+            self.assertNotIn("launch 0", proc.stderr)
 
     def test_sigterm_stops_without_relaunch(self):
         work = tempfile.mkdtemp(prefix="lockstep-run-test.")
