@@ -10,7 +10,8 @@ Files are grouped by backend label, group (a split's files apart from its parent
 the backend names the group) and size; for each group this prints every
 replica's last operation, the first sequence number at which the replicas' operations
 disagree (different collective, element type, count or root) with the odd ones out, the
-replicas that wrote no file or stopped behind the others, and a one-line verdict:
+replicas that wrote no file, stopped behind the others, or came late (the others' timeouts
+name them missing), and a one-line verdict:
 "culprit: replica R at #S (...)". Exit status: 0 after a report, 2 on unreadable input.
 Python 3 standard library only.
 """
@@ -18,6 +19,7 @@ Python 3 standard library only.
 import glob
 import json
 import os
+import re
 import sys
 
 P2P = {"send", "recv", "recv_any"}
@@ -120,6 +122,20 @@ def report_group(label, group, size, traces, timeline):
         culprits = behind
         verdict = (f"culprit: {names(behind)} (behind: did not reach "
                    f"#{max(lasts.values())})")
+    if verdict is None:
+        # Every replica reached the same operation, but a timeout named who was missing: a
+        # replica that arrived late (stalled in its own code past the timeout) and then wrote
+        # its file on the error it met.
+        late = set()
+        for t in traces:
+            for m in re.finditer(r"(#\d+): timed out after \d+ ms waiting for replica\(s\) "
+                                 r"([\d, ]+) \(missing\)", t.get("reason", "")):
+                late.update((m.group(1), int(r)) for r in m.group(2).split(","))
+        if late:
+            seqs = sorted({seq for seq, _ in late})
+            culprits = sorted({r for _, r in late})
+            verdict = (f"culprit: {names(culprits)} (late: the others timed out waiting for it "
+                       f"in {', '.join(seqs)})")
     if missing and culprits != missing:
         out.append(f"missing: {names(missing)}")
     out.append(verdict or "culprit: none found")

@@ -262,6 +262,27 @@ TEST_CASE("a thread replica that stalls is named as missing after the others tim
     CHECK(contains(report, "culprit: replica 1 (missing (the others wait in #1))"));
 }
 
+TEST_CASE("a thread replica that comes back after the others timed out is named as late",
+          "[comm][thread][trace]") {
+    trace_dir dir("late");
+    thread_group group(3, {.timeout = std::chrono::milliseconds(300)});
+    const auto what = run_catching(group, [](thread_communicator& comm) {
+        sum(comm, 4);
+        if (comm.rank() == 1) // stalls past the timeout, then calls as the others did
+            std::this_thread::sleep_for(std::chrono::milliseconds(800));
+        sum(comm, 4);
+    });
+    for (const auto& w : what) {
+        INFO(w);
+        CHECK(contains(w, "all_reduce #1"));
+    }
+    const std::string report = merge_report(dir);
+    INFO(report);
+    CHECK(dir.files() == 3);
+    CHECK(contains(report, "no divergence"));
+    CHECK(contains(report, "culprit: replica 1 (late: the others timed out waiting for it in #1)"));
+}
+
 TEST_CASE("simulated_link shows its inner communicator's record", "[comm][thread][trace]") {
     thread_group group(2);
     std::vector<std::vector<lockstep::flight_entry>> seen(2);
