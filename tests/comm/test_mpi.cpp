@@ -305,20 +305,33 @@ TEST_CASE("send/recv ring, recv_any and a wrongly sized message", "[comm][mpi]")
         }
 
         // A message of the wrong size is an error naming both counts; it is consumed, so the
-        // next message arrives intact.
-        // A message of another element type whose bytes are not a whole number of the
-        // receiver's elements is reported the same way.
+        // next message arrives intact. A message of another element type is refused the same
+        // way, also when its bytes would fill the buffer (3 ints into 3 floats), and the
+        // buffer is not written.
         if (r == 0) {
             const std::vector<int> five{1, 2, 3, 4, 5}, three{7, 8, 9};
             const std::vector<std::uint8_t> odd_bytes{1, 2, 3};
             comm.send(std::span<const int>(five), 1, 13);
             comm.send(std::span<const std::uint8_t>(odd_bytes), 1, 13);
             comm.send(std::span<const int>(three), 1, 13);
+            comm.send(std::span<const int>(three), 1, 13);
         } else if (r == 1) {
             std::vector<int> four(4);
             CHECK(code_of([&] { comm.recv(std::span<int>(four), 0, 13); }) == errc::count_mismatch);
             CHECK(code_of([&] { comm.recv_any(std::span<int>(four), 13); }) ==
-                  errc::count_mismatch);
+                  errc::shape_mismatch);
+            std::vector<float> as_floats{-1.0f, -1.0f, -1.0f};
+            std::string what;
+            try {
+                comm.recv(std::span<float>(as_floats), 0, 13);
+            } catch (const lockstep::error& e) {
+                CHECK(e.code() == errc::shape_mismatch);
+                what = e.what();
+            }
+            CHECK_THAT(what, Catch::Contains("holds 3 int elements (12 bytes) but the receive "
+                                             "buffer holds 3 float elements; the message was "
+                                             "discarded"));
+            CHECK(as_floats == std::vector<float>{-1.0f, -1.0f, -1.0f});
             std::vector<int> three(3);
             comm.recv(std::span<int>(three), 0, 13);
             CHECK(three == std::vector<int>{7, 8, 9});

@@ -442,7 +442,9 @@ public:
         return mpi_communicator(sub, params_, node_ranks_);
     }
 
-    /// Sends data to replica dest with tag (MPI_Isend, waited for within the timeout).
+    /// Sends data to replica dest with tag (MPI_Isend, waited for within the timeout): a
+    /// 16-byte header (element type and count), then the data, so that the receiver can refuse
+    /// another type or count before it writes its buffer.
     /// requires: 0 <= dest < size(), 0 <= tag <= MPI_TAG_UB, data.size() <= INT_MAX, data
     /// non-null unless empty.
     template <class T>
@@ -450,22 +452,29 @@ public:
         using E = std::remove_const_t<T>;
         check_type<E>();
         check_peer(dest, tag, data, "send");
-        MPI_Request req = MPI_REQUEST_NULL;
+        const auto head = buffer<std::int64_t>(2); // kept if the send times out
+        head.data()[0] = detail::mpi_type<E>::id;
+        head.data()[1] = static_cast<std::int64_t>(data.size());
+        std::array<MPI_Request, 2> req{MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+        call_p2p(MPI_Isend(head.data(), 2, MPI_INT64_T, dest, tag, comm_, &req[0]), "send",
+                 "MPI_Isend", dest, tag);
         call_p2p(MPI_Isend(data.data(), static_cast<int>(data.size()),
-                           detail::mpi_type<E>::datatype(), dest, tag, comm_, &req),
+                           detail::mpi_type<E>::datatype(), dest, tag, comm_, &req[1]),
                  "send", "MPI_Isend", dest, tag);
         bool done = false;
         call_p2p(
-            detail::mpi_poll([&](int& flag) { return MPI_Test(&req, &flag, MPI_STATUS_IGNORE); },
-                             deadline(), control_, seq_, done,
-                             detail::mpi_poll_schedule::for_bytes(data.size_bytes())),
-            "send", "MPI_Test", dest, tag);
+            detail::mpi_poll(
+                [&](int& flag) { return MPI_Testall(2, req.data(), &flag, MPI_STATUSES_IGNORE); },
+                deadline(), control_, seq_, done,
+                detail::mpi_poll_schedule::for_bytes(data.size_bytes())),
+            "send", "MPI_Testall", dest, tag);
         if (!done)
             p2p_timeout("send", "MPI_Isend", dest, tag);
     }
     /// Receives the next message from replica source with tag into data. ensures: the
-    /// message held exactly data.size() elements, else it is consumed and errc::count_mismatch
-    /// is thrown naming both counts.
+    /// message held exactly data.size() elements of T, else it is consumed, data is not
+    /// written, and errc::count_mismatch (another count) or errc::shape_mismatch (another
+    /// element type) is thrown naming both.
     template <class T>
     void recv(std::span<T> data, int source, int tag) {
         check_peer(source, tag, data, "recv");
@@ -502,6 +511,9 @@ public:
     /// the other and on the peers' handles. It does not own the MPI communicator and has no
     /// census channel (its timeouts name the missing peer without asking where it is).
     /// requires: MPI_THREAD_MULTIPLE when the handles are used by different threads at once;
+    /// no two threads send to one replica with one tag at once, or receive from one replica
+    /// (or any) with one tag at once (a send is two MPI messages, header and data, that such
+    /// threads could interleave);
     /// the MPI communicator lives (this handle, or the one it moved into, is not destroyed)
     /// while the view is used; collectives stay on this handle (the view keeps its own
     /// sequence numbers, so collectives on both would not match).
@@ -689,13 +701,10 @@ private:
                          " elements exceed MPI's int count; send it in pieces");
     }
 
-    // Matched probe (polled against the timeout), then receive; a message of the wrong size is
-    // consumed and reported, so the next receive does not match it again.
-    template <class T>
-    int receive(std::span<T> data, int source, int tag, const char* op) {
-        check_type<T>();
+    // A matched probe polled against the deadline: the next message from source (MPI's
+    // non-overtaking order) with tag.
+    MPI_Message probe_message(int source, int tag, const char* op, MPI_Status& st) {
         MPI_Message msg = MPI_MESSAGE_NULL;
-        MPI_Status st;
         bool done = false;
         call_p2p(detail::mpi_poll(
                      [&](int& flag) { return MPI_Improbe(source, tag, comm_, &flag, &msg, &st); },
@@ -703,44 +712,73 @@ private:
                  op, "MPI_Improbe", source, tag);
         if (!done)
             p2p_timeout(op, "MPI_Improbe", source, tag);
-        int count = 0;
-        call_p2p(MPI_Get_count(&st, detail::mpi_type<T>::datatype(), &count), op, "MPI_Get_count",
+        return msg;
+    }
+
+    // Receives a probed message into nothing (its size in bytes may exceed an int: it is
+    // received in units of up to 8 bytes, which keeps the unit count within an int for any
+    // sender's type of up to 8 bytes); returns its size in bytes.
+    MPI_Count discard(MPI_Message& msg, const MPI_Status& st, int tag, const char* op) {
+        MPI_Count bytes = 0;
+        call_p2p(MPI_Get_elements_x(&st, MPI_BYTE, &bytes), op, "MPI_Get_elements_x", st.MPI_SOURCE,
+                 tag);
+        int unit = 8;
+        while (bytes % unit != 0)
+            unit /= 2;
+        LOCKSTEP_REQUIRE(bytes / unit <= std::numeric_limits<int>::max(), errc::unsupported, rank_,
+                         op, "the message from replica ", st.MPI_SOURCE, " with tag ", tag,
+                         " holds ", bytes,
+                         " bytes, more than can be discarded; it is still "
+                         "queued");
+        MPI_Datatype unit_type = MPI_DATATYPE_NULL;
+        call_p2p(MPI_Type_contiguous(unit, MPI_BYTE, &unit_type), op, "MPI_Type_contiguous",
                  st.MPI_SOURCE, tag);
-        // The message has arrived: receiving it completes locally.
-        if (count == MPI_UNDEFINED || static_cast<std::size_t>(count) != data.size()) {
-            // The size in bytes may exceed an int (2^31 floats from a sender): count it as
-            // MPI_Count and discard it in units of up to 8 bytes, which keeps the unit count
-            // within an int for any sender's type of up to 8 bytes.
-            MPI_Count bytes = 0;
-            call_p2p(MPI_Get_elements_x(&st, MPI_BYTE, &bytes), op, "MPI_Get_elements_x",
-                     st.MPI_SOURCE, tag);
-            int unit = 8;
-            while (bytes % unit != 0)
-                unit /= 2;
-            LOCKSTEP_REQUIRE(bytes / unit <= std::numeric_limits<int>::max(), errc::unsupported,
-                             rank_, op, "the message from replica ", st.MPI_SOURCE, " with tag ",
-                             tag, " holds ", bytes,
-                             " bytes, more than can be discarded; it is "
-                             "still queued");
-            MPI_Datatype unit_type = MPI_DATATYPE_NULL;
-            call_p2p(MPI_Type_contiguous(unit, MPI_BYTE, &unit_type), op, "MPI_Type_contiguous",
-                     st.MPI_SOURCE, tag);
-            call_p2p(MPI_Type_commit(&unit_type), op, "MPI_Type_commit", st.MPI_SOURCE, tag);
-            std::vector<unsigned char> discard(static_cast<std::size_t>(bytes));
-            const int rc = MPI_Mrecv(discard.data(), static_cast<int>(bytes / unit), unit_type,
-                                     &msg, MPI_STATUS_IGNORE);
-            MPI_Type_free(&unit_type);
-            call_p2p(rc, op, "MPI_Mrecv", st.MPI_SOURCE, tag);
-            fail(errc::count_mismatch, rank_, op, "the message from replica ", st.MPI_SOURCE,
-                 " with tag ", tag, " holds ", bytes, " bytes (",
-                 count == MPI_UNDEFINED ? std::string("not a whole number of")
-                                        : std::to_string(count),
-                 " ", detail::mpi_type<T>::name, " elements) but the receive buffer holds ",
-                 data.size(), "; the message was discarded");
-        }
+        call_p2p(MPI_Type_commit(&unit_type), op, "MPI_Type_commit", st.MPI_SOURCE, tag);
+        std::vector<unsigned char> sink(static_cast<std::size_t>(bytes));
+        const int rc = MPI_Mrecv(sink.data(), static_cast<int>(bytes / unit), unit_type, &msg,
+                                 MPI_STATUS_IGNORE);
+        MPI_Type_free(&unit_type);
+        call_p2p(rc, op, "MPI_Mrecv", st.MPI_SOURCE, tag);
+        return bytes;
+    }
+
+    // The sender's header (element type and count, see send), then its data from the same
+    // sender: another element type or count is consumed and reported (errc::shape_mismatch or
+    // errc::count_mismatch), so the next receive does not match it again, and data is not
+    // written.
+    template <class T>
+    int receive(std::span<T> data, int source, int tag, const char* op) {
+        check_type<T>();
+        MPI_Status st;
+        MPI_Message msg = probe_message(source, tag, op, st);
         const int from = st.MPI_SOURCE;
-        call_p2p(MPI_Mrecv(data.data(), count, detail::mpi_type<T>::datatype(), &msg, &st), op,
-                 "MPI_Mrecv", from, tag);
+        int words = 0;
+        call_p2p(MPI_Get_count(&st, MPI_INT64_T, &words), op, "MPI_Get_count", from, tag);
+        if (words != 2) { // not a lockstep header: some other sender's message
+            const MPI_Count bytes = discard(msg, st, tag, op);
+            fail(errc::count_mismatch, rank_, op, "the message from replica ", from, " with tag ",
+                 tag, " holds ", bytes,
+                 " bytes and no lockstep header (was it sent with MPI_Send "
+                 "instead of mpi_communicator::send?); the message was discarded");
+        }
+        std::array<std::int64_t, 2> head{};
+        call_p2p(MPI_Mrecv(head.data(), 2, MPI_INT64_T, &msg, MPI_STATUS_IGNORE), op, "MPI_Mrecv",
+                 from, tag);
+        msg = probe_message(from, tag, op, st);
+        const std::int64_t want = detail::mpi_type<T>::id;
+        const auto sent = [&] {
+            return detail::concat(head[1], " ", detail::mpi_type_name(head[0]), " elements");
+        };
+        if (head[0] != want || head[1] != static_cast<std::int64_t>(data.size())) {
+            const MPI_Count bytes = discard(msg, st, tag, op);
+            fail(head[0] != want ? errc::shape_mismatch : errc::count_mismatch, rank_, op,
+                 "the message from replica ", from, " with tag ", tag, " holds ", sent(), " (",
+                 bytes, " bytes) but the receive buffer holds ", data.size(), " ",
+                 detail::mpi_type<T>::name, " elements; the message was discarded");
+        }
+        call_p2p(MPI_Mrecv(data.data(), static_cast<int>(data.size()),
+                           detail::mpi_type<T>::datatype(), &msg, MPI_STATUS_IGNORE),
+                 op, "MPI_Mrecv", from, tag);
         return from;
     }
 
