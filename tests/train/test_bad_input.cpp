@@ -12,6 +12,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -172,5 +173,103 @@ TEST_CASE("mark_ready refuses a state tensor's handle, naming the tensor and the
         CHECK(contains(errors[r], "replica " + std::to_string(r) + ": replica_context.mark_ready"));
         CHECK(contains(errors[r], "'running.s1' is a state tensor"));
         CHECK(after[r] == before[r]); // nothing applied
+    }
+}
+
+TEST_CASE("mark_ready refuses a default-constructed handle and another registry's, on that "
+          "replica; its peers get peer_failure",
+          "[train][thread]") {
+    // Either handle has index 0: taken as this registry's it would mark p0 ready before its
+    // gradient is written, on that replica alone.
+    for (const bool foreign : {false, true}) {
+        INFO((foreign ? "another registry's handle" : "a default-constructed handle"));
+        std::vector<std::string> errors(3);
+        std::vector<int> codes(3, -1);
+        std::vector<std::vector<float>> before(3), after(3);
+        try {
+            thread_group(3, {.timeout = std::chrono::seconds(30)})
+                .run([&](thread_communicator& comm) {
+                    const auto r = static_cast<std::size_t>(comm.rank());
+                    parameter_registry<float> other; // e.g. a teacher model's
+                    const auto teacher = other.add("teacher.w", {4});
+                    other.finalize();
+                    data_parallel<with_state, optim::sgd<float>, sync::synchronous,
+                                  reduce::per_tensor>
+                        dp(comm, [](auto& ctx) { return with_state(ctx); }, {.lr = 1.0});
+                    auto p = dp.parameters();
+                    before[r].assign(p.begin(), p.end());
+                    try {
+                        dp.step(3, [&](with_state& n, const shard_range& s, mark_ctx& ctx) {
+                            if (ctx.rank() == 1)
+                                ctx.mark_ready(foreign ? teacher : mark_ctx::handle{});
+                            for (int k = 0; k < 4; ++k) {
+                                n.p0.grad()[k] += float(s.begin + 1);
+                                n.p1.grad()[k] += float(s.begin + 2);
+                            }
+                            ctx.mark_ready(n.p1);
+                            ctx.mark_ready(n.p0);
+                            return 0.0;
+                        });
+                    } catch (const error& e) {
+                        errors[r] = e.what();
+                        codes[r] = static_cast<int>(e.code());
+                        p = dp.parameters();
+                        after[r].assign(p.begin(), p.end());
+                        throw;
+                    }
+                    p = dp.parameters();
+                    after[r].assign(p.begin(), p.end());
+                });
+        } catch (const error&) {
+        }
+        for (std::size_t r = 0; r < 3; ++r) {
+            CAPTURE(r, errors[r]);
+            CHECK(after[r] == before[r]); // nothing applied
+            if (r != 1) {
+                CHECK(codes[r] == static_cast<int>(errc::peer_failure));
+                continue;
+            }
+            CHECK(codes[r] == static_cast<int>(errc::invalid_argument));
+            CHECK(contains(errors[r], "replica 1: replica_context.mark_ready"));
+            CHECK(contains(errors[r],
+                           foreign ? "'teacher.w' is a tensor of another parameter_registry"
+                                   : "the handle is default-constructed and names no tensor"));
+            CHECK(contains(errors[r], "ctx.registry().add"));
+        }
+    }
+}
+
+TEST_CASE("a default-constructed handle's accessors and another registry's handle are refused",
+          "[train]") {
+    const tensor_handle<float> none;
+    CHECK_FALSE(none.valid());
+    for (const char* op : {"tensor_handle.value", "tensor_handle.grad", "tensor_handle.info"}) {
+        INFO(op);
+        try {
+            const std::string what = op;
+            if (what == "tensor_handle.value")
+                (void)none.value();
+            else if (what == "tensor_handle.grad")
+                (void)none.grad();
+            else
+                (void)none.name();
+            FAIL("a default-constructed handle resolved to a tensor");
+        } catch (const error& e) {
+            CHECK(e.code() == errc::invalid_argument);
+            CHECK(e.operation() == op);
+            CHECK(contains(e.what(), "the handle is default-constructed and names no tensor"));
+        }
+    }
+    parameter_registry<float> a(host_system{1}, 0), b(host_system{1}, 0);
+    const auto wa = a.add("a.w", {2});
+    (void)b.add("b.w", {3});
+    CHECK(wa.belongs_to(a));
+    CHECK_FALSE(wa.belongs_to(b));
+    try {
+        (void)b.value(wa); // index 0 of b is b.w: silently the wrong tensor without the check
+        FAIL("b resolved a's handle");
+    } catch (const error& e) {
+        CHECK(e.code() == errc::invalid_argument);
+        CHECK(contains(e.what(), "the handle names a tensor of another parameter_registry"));
     }
 }

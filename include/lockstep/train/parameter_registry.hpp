@@ -55,19 +55,34 @@ public:
 
     /// The tensor's values. Before finalize(): host staging memory (initialise it there, the
     /// registry copies it into the flat buffer); after: the flat buffer in System's memory.
-    std::span<T> value() const { return reg_->value(*this); }
+    /// requires (here and for every accessor below but kind(), index(), valid()): valid(), else
+    /// lockstep::error (errc::invalid_argument).
+    std::span<T> value() const { return registry("tensor_handle.value").value(*this); }
     /// The tensor's gradient in the flat gradient buffer. requires: a parameter, finalized.
-    std::span<T> grad() const { return reg_->grad(*this); }
-    const tensor_info& info() const { return reg_->info(*this); }
+    std::span<T> grad() const { return registry("tensor_handle.grad").grad(*this); }
+    const tensor_info& info() const { return registry("tensor_handle.info").info(*this); }
     const std::string& name() const { return info().name; }
     const std::vector<std::size_t>& shape() const { return info().shape; }
     std::size_t size() const { return info().size; }
     tensor_kind kind() const noexcept { return kind_; }
     /// Registration index among the tensors of its kind.
     std::size_t index() const noexcept { return index_; }
+    /// False for a default-constructed handle (it names no tensor).
     bool valid() const noexcept { return reg_ != nullptr; }
+    /// Whether the handle names a tensor of `reg` (not of another model's registry).
+    bool belongs_to(const parameter_registry<T, System>& reg) const noexcept {
+        return reg_ == &reg;
+    }
 
 private:
+    // One pointer test per call: value() and grad() run once per tensor per step at most.
+    parameter_registry<T, System>& registry(const char* op) const {
+        LOCKSTEP_REQUIRE(reg_ != nullptr, errc::invalid_argument, -1, op,
+                         "the handle is default-constructed and names no tensor: assign it from "
+                         "parameter_registry::add or add_state (ctx.registry()) before use");
+        return *reg_;
+    }
+
     parameter_registry<T, System>* reg_ = nullptr;
     tensor_kind kind_ = tensor_kind::parameter;
     std::size_t index_ = 0;
@@ -146,7 +161,12 @@ public:
                          "gradient of '", t.name, "' requested before finalize()");
         return grads_.span().subspan(t.offset, t.size);
     }
+    /// requires (here and in value, grad): h was returned by this registry.
     const tensor_info& info(const handle& h) const {
+        LOCKSTEP_REQUIRE(h.belongs_to(*this), errc::invalid_argument, replica_,
+                         "parameter_registry",
+                         h.valid() ? "the handle names a tensor of another parameter_registry"
+                                   : "the handle is default-constructed and names no tensor");
         const auto& v = infos_[static_cast<int>(h.kind())];
         LOCKSTEP_REQUIRE(h.index() < v.size(), errc::invalid_argument, replica_,
                          "parameter_registry", "handle index ", h.index(), " out of range");

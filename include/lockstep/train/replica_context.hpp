@@ -87,9 +87,19 @@ public:
     /// so a bucketed reducer may launch the bucket h completes. Optional: every gradient not
     /// marked is reduced when the step function returns. Only meaningful with the registry and
     /// on the last micro-batch of a step (earlier micro-batches still accumulate).
-    /// requires: h is a parameter (registry add), not state (add_state, which has no gradient):
-    /// else lockstep::error (errc::invalid_argument) naming the tensor and this replica.
+    /// requires: h was returned by this replica's registry().add (not default-constructed, not
+    /// another registry's: either would mark this registry's tensor of the same index) and is a
+    /// parameter, not state (add_state, which has no gradient): else lockstep::error
+    /// (errc::invalid_argument) naming this replica and, where there is one, the tensor.
     void mark_ready(const handle& h) {
+        LOCKSTEP_REQUIRE(h.valid(), errc::invalid_argument, rank(), "replica_context.mark_ready",
+                         "the handle is default-constructed and names no tensor: mark only "
+                         "handles returned by ctx.registry().add");
+        LOCKSTEP_REQUIRE(
+            h.belongs_to(registry_), errc::invalid_argument, rank(), "replica_context.mark_ready",
+            "'", h.name(),
+            "' is a tensor of another parameter_registry (another model's or replica's): mark "
+            "only handles returned by this replica's ctx.registry().add");
         LOCKSTEP_REQUIRE(h.kind() == tensor_kind::parameter, errc::invalid_argument, rank(),
                          "replica_context.mark_ready", "'", h.name(),
                          "' is a state tensor (add_state): only a parameter's gradient (add) can "
