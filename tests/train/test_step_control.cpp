@@ -7,6 +7,7 @@
 #include "train_runner.hpp"
 
 #include "lockstep/optim/adam.hpp"
+#include "lockstep/optim/lr_schedule.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/train/asynchronous.hpp"
 
@@ -14,6 +15,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -240,19 +242,24 @@ TEST_CASE("the gradient hook sees the reduced gradient with the layout and may c
 
 namespace {
 /// Runs fn(rank, comm) on `replicas` thread replicas and returns each replica's error text
-/// ("" when none) and code.
+/// ("" when none) and code. A replica rethrows what it caught, so its peers are told of the
+/// failure (not of its communicator's departure); run()'s rethrow of it is dropped.
 template <class Fn>
 std::vector<std::pair<std::string, int>> errors_of(int replicas, Fn&& fn) {
     std::vector<std::pair<std::string, int>> out(static_cast<std::size_t>(replicas),
                                                  {std::string(), -1});
-    thread_group(replicas, {.timeout = std::chrono::seconds(30)})
-        .run([&](thread_communicator& comm) {
-            try {
-                fn(comm.rank(), comm);
-            } catch (const error& e) {
-                out[comm.rank()] = {e.what(), static_cast<int>(e.code())};
-            }
-        });
+    try {
+        thread_group(replicas, {.timeout = std::chrono::seconds(30)})
+            .run([&](thread_communicator& comm) {
+                try {
+                    fn(comm.rank(), comm);
+                } catch (const error& e) {
+                    out[comm.rank()] = {e.what(), static_cast<int>(e.code())};
+                    throw;
+                }
+            });
+    } catch (const error&) {
+    }
     return out;
 }
 
@@ -494,6 +501,78 @@ TEST_CASE("the asynchronous trainer refuses a bad scheduled learning rate before
         CHECK_THAT(e[r].first, Catch::Contains("the learning rate of step 3 is "));
         CHECK(after[r] == before[r]);
         CHECK(steps_after[r] == 0);
+    }
+}
+
+TEST_CASE("a schedule's error names the replica that met it", "[train][thread][agreement]") {
+    // optim's schedules know no replica (they throw with replica -1): the trainer names it.
+    using async_t = data_parallel<linear, sgd, sync::asynchronous, reduce::per_tensor>;
+    for (const bool async : {false, true}) {
+        INFO((async ? "asynchronous" : "synchronous"));
+        const auto e = errors_of(3, [async](int, thread_communicator& comm) {
+            train_params tp;
+            tp.lr = optim::cosine{.base_lr = 0.1, .total_steps = 4, .warmup_steps = 4};
+            const auto make = [](auto& ctx) { return linear(ctx.rank()); };
+            if (async)
+                async_t(comm, make, {.lr = 0.1}, tp).train(2, 10, train_fn);
+            else
+                trainer(comm, make, {.lr = 0.1}, tp).step(10, train_fn);
+        });
+        for (std::size_t r = 0; r < 3; ++r) {
+            INFO(e[r].first);
+            CHECK(e[r].second == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(e[r].first, Catch::Contains("replica " + std::to_string(r) +
+                                                   ": cosine: need 0 <= warmup_steps < total_steps "
+                                                   "(warmup_steps = 4, total_steps = 4)"));
+        }
+    }
+}
+
+TEST_CASE("the asynchronous trainer skips a non-finite loss with finite gradients",
+          "[train][thread][non_finite][async]") {
+    // Work item 2's loss is NaN, its gradient finite, whichever worker computes it: skipped
+    // (and left out of the server's mean_loss) like a non-finite gradient, or errc::non_finite
+    // on the server with skip_non_finite = false.
+    using async_t = data_parallel<linear, sgd, sync::asynchronous, reduce::per_tensor>;
+    const auto nan_at_2 = [](linear& n, const shard_range& r, auto&) {
+        const double loss = n.train(r);
+        return r.sample_offset == 2 * 10 ? std::numeric_limits<double>::quiet_NaN() : loss;
+    };
+    std::vector<std::uint64_t> skipped(3);
+    std::vector<double> mean_loss(3);
+    std::vector<std::vector<double>> params(3);
+    thread_group(3, {.timeout = std::chrono::seconds(30)}).run([&](thread_communicator& comm) {
+        const auto me = static_cast<std::size_t>(comm.rank());
+        async_t dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.05});
+        const async_result res = dp.train(6, 10, nan_at_2);
+        skipped[me] = res.skipped;
+        mean_loss[me] = res.mean_loss;
+        const auto p = dp.parameters();
+        params[me].assign(p.begin(), p.end());
+    });
+    CHECK(skipped[0] == 1);
+    CHECK(std::isfinite(mean_loss[0]));
+    for (std::size_t r = 0; r < 3; ++r) {
+        for (const double x : params[r])
+            CHECK(std::isfinite(x));
+        CHECK(params[r] == params[0]);
+    }
+
+    const auto e = errors_of(3, [&](int, thread_communicator& comm) {
+        async_t dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.05},
+                   {.skip_non_finite = false});
+        dp.train(6, 10, nan_at_2);
+    });
+    for (std::size_t r = 0; r < 3; ++r) {
+        INFO(e[r].first);
+        if (r != 0) {
+            CHECK(e[r].second == static_cast<int>(errc::peer_failure));
+            continue;
+        }
+        CHECK(e[r].second == static_cast<int>(errc::non_finite));
+        CHECK_THAT(e[r].first,
+                   Catch::Contains("replica 0: data_parallel.train: the loss of worker "));
+        CHECK_THAT(e[r].first, Catch::Contains(" for work item 2 is not finite (nan)"));
     }
 }
 

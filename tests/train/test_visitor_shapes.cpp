@@ -1,5 +1,6 @@
 // The visitor path keeps the shapes a network passes (f(name, values, grads, shape)), so decay
-// and frozen predicates over tensor_info::shape work as on the registry path.
+// and frozen predicates over tensor_info::shape work as on the registry path; a visitor that
+// later visits other tensors than it declared fails on its replica and nowhere hangs.
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/optim/sgd.hpp"
@@ -7,7 +8,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <array>
 #include <string>
+#include <utility>
 #include <vector>
 
 using namespace lockstep;
@@ -72,4 +75,167 @@ TEST_CASE("a visitor shape that does not hold the tensor's values is refused", "
         CHECK_THAT(e.what(), Catch::Contains("'w'") && Catch::Contains("{4, 2}") &&
                                  Catch::Contains("6 values"));
     }
+}
+
+namespace {
+
+/// How a visitor_change network's visitors differ from what they declared at construction.
+enum class visit_change { none, fewer, swap, grow, fewer_state, rename_state };
+
+/// w: 4, v: 4, b: 1 and state s: 3, t: 2; y = (w + v) . x + b, squared error against x0 - 2 x1.
+/// From `change` on, the visitors deviate as `change` says.
+struct visitor_change {
+    std::vector<double> w = std::vector<double>(4), gw = std::vector<double>(4);
+    std::vector<double> v = std::vector<double>(4, 0.2), gv = std::vector<double>(4);
+    std::vector<double> b = std::vector<double>(1), gb = std::vector<double>(1);
+    std::vector<double> s = std::vector<double>(3), t = std::vector<double>(2);
+    visit_change change = visit_change::none;
+    explicit visitor_change(int rank) {
+        for (std::size_t k = 0; k < 4; ++k)
+            w[k] = 0.1 * double(k + 1 + rank); // differs per replica until the broadcast
+    }
+    template <class F>
+    void for_each_parameter(F&& f) {
+        f("w", std::span<double>(w), std::span<double>(gw));
+        if (change == visit_change::fewer)
+            return;
+        if (change == visit_change::swap) {
+            f("b", std::span<double>(b), std::span<double>(gb));
+            f("v", std::span<double>(v), std::span<double>(gv));
+            return;
+        }
+        f("v", std::span<double>(v), std::span<double>(gv));
+        f("b", std::span<double>(b), std::span<double>(gb));
+    }
+    template <class F>
+    void for_each_state(F&& f) {
+        f("s", std::span<double>(s));
+        if (change != visit_change::fewer_state)
+            f(change == visit_change::rename_state ? "u" : "t", std::span<double>(t));
+    }
+    double train(const shard_range& r) {
+        double loss = 0;
+        for (std::size_t i = r.begin; i < r.end; ++i) {
+            const double g = double(r.sample_index(i));
+            const double x[4] = {g / 7 - 1, 1 - g / 5, g / 11, 0.5};
+            double y = b[0];
+            for (std::size_t k = 0; k < 4; ++k)
+                y += (w[k] + v[k]) * x[k];
+            const double e = y - (x[0] - 2 * x[1]);
+            loss += e * e * r.scale;
+            gb[0] += 2 * e * r.scale;
+            for (std::size_t k = 0; k < 4; ++k) {
+                gw[k] += 2 * e * r.scale * x[k];
+                gv[k] += 2 * e * r.scale * x[k];
+            }
+        }
+        return loss;
+    }
+};
+
+/// What each replica of a 3-replica run threw (text, code; -1: nothing) when replica 1's
+/// network switches to `change` before step 2 of 4; `grow` also resizes its w to 5. Local SGD
+/// (K = 2) averages, and so packs the visited state, after steps 1 and 3.
+template <class SyncPolicy>
+std::vector<std::pair<std::string, int>> run_changed(visit_change change, bool grow) {
+    std::vector<std::pair<std::string, int>> out(3, {std::string(), -1});
+    thread_group group(3, {.timeout = std::chrono::seconds(30)});
+    // Each replica rethrows what it caught, so the group records the failure (not the
+    // departure of its communicator) for the peers; run() then throws the first one.
+    try {
+        group.run([&](thread_communicator& comm) {
+            const auto me = static_cast<std::size_t>(comm.rank());
+            try {
+                data_parallel<visitor_change, optim::sgd<double>, SyncPolicy, reduce::bucketed<>>
+                    dp(comm, [](ctx_type& ctx) { return visitor_change(ctx.rank()); },
+                       {.lr = 0.05});
+                for (int step = 0; step < 4; ++step) {
+                    if (step == 2 && comm.rank() == 1) {
+                        dp.network().change = change;
+                        if (grow) {
+                            dp.network().w.resize(5, 0.0);
+                            dp.network().gw.resize(5, 0.0);
+                        }
+                    }
+                    dp.step(12, [](visitor_change& n, const shard_range& r, ctx_type&) {
+                        return n.train(r);
+                    });
+                }
+                dp.finish();
+            } catch (const error& e) {
+                out[me] = {e.what(), static_cast<int>(e.code())};
+                throw;
+            }
+        });
+    } catch (const error&) {
+    }
+    return out;
+}
+
+} // namespace
+
+TEST_CASE("a visitor that visits other tensors than it declared fails on its replica, its peers "
+          "get peer_failure",
+          "[train][visitor][thread]") {
+    struct expectation {
+        visit_change change;
+        bool grow;
+        std::vector<std::string> texts;
+    };
+    const std::string rule = " must visit the same tensors, in the same order, with the same "
+                             "sizes, every time";
+    const std::array<expectation, 5> cases = {{
+        {visit_change::fewer,
+         false,
+         {"replica 1: data_parallel: for_each_parameter visited 1 tensors, declared 3 at "
+          "construction ('v' and after are missing)",
+          "for_each_parameter" + rule}},
+        {visit_change::swap,
+         false,
+         {"for_each_parameter visited 'b' of 1 elements as tensor 1, declared at construction "
+          "as 'v' of 4 elements",
+          "for_each_parameter" + rule}},
+        {visit_change::none,
+         true,
+         {"for_each_parameter visited 'w' of 5 elements as tensor 0, declared at construction "
+          "as 'w' of 4 elements",
+          "for_each_parameter" + rule}},
+        {visit_change::fewer_state,
+         false,
+         {"for_each_state visited 1 tensors, declared 2 at construction ('t' and after are "
+          "missing)",
+          "for_each_state" + rule}},
+        {visit_change::rename_state,
+         false,
+         {"for_each_state visited 'u' of 2 elements as tensor 1, declared at construction as "
+          "'t' of 2 elements",
+          "for_each_state" + rule}},
+    }};
+    for (const expectation& c : cases) {
+        // The synchronous trainer visits only the parameters after construction.
+        const bool state =
+            c.change == visit_change::fewer_state || c.change == visit_change::rename_state;
+        const auto e = state ? run_changed<sync::local_sgd<2>>(c.change, c.grow)
+                             : run_changed<sync::synchronous>(c.change, c.grow);
+        for (std::size_t r = 0; r < 3; ++r) {
+            INFO("case " << static_cast<int>(c.change) << (c.grow ? " (grow)" : "") << ", replica "
+                         << r << ": " << e[r].first);
+            if (r == 1) {
+                CHECK(e[r].second == static_cast<int>(errc::shape_mismatch));
+                for (const std::string& text : c.texts)
+                    CHECK_THAT(e[r].first, Catch::Contains(text));
+            } else {
+                CHECK(e[r].second == static_cast<int>(errc::peer_failure));
+            }
+        }
+    }
+}
+
+TEST_CASE("a visitor that keeps visiting what it declared trains on", "[train][visitor][thread]") {
+    for (const auto& e : {run_changed<sync::synchronous>(visit_change::none, false),
+                          run_changed<sync::local_sgd<2>>(visit_change::none, false)})
+        for (const auto& [text, code] : e) {
+            INFO(text);
+            CHECK(code == -1);
+        }
 }

@@ -4,6 +4,7 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/finite.hpp"
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/policy/compat.hpp"
 #include "lockstep/policy/reduce.hpp"
@@ -51,7 +52,7 @@ struct async_result {
     /// Mean of the workers' batch losses over the applied gradients (root), or over this
     /// worker's computed batches (worker).
     double mean_loss = 0.0;
-    /// Gradients the server skipped because they were not finite (root).
+    /// Gradients the server skipped because they or their loss were not finite (root).
     std::uint64_t skipped = 0;
 };
 
@@ -135,11 +136,12 @@ public:
     /// train_params::lr of the server version, which counts the gradients applied since the
     /// trainer was made: steps() before this call, plus the gradients applied in it, so a run
     /// split over several train() calls follows one schedule; ctx.step() in fn is the version
-    /// the worker's parameters have, counted the same way), skips non-finite
-    /// gradients (when train_params::skip_non_finite is false: the server throws
-    /// errc::non_finite and every worker errc::peer_failure), and updates the running
-    /// statistics. On return every replica holds the server's final parameters and state, and
-    /// steps() and samples() have grown by `steps` and `steps * batch`.
+    /// the worker's parameters have, counted the same way), skips a gradient that is not
+    /// finite or whose loss is not (counted in async_result::skipped, left out of mean_loss;
+    /// when train_params::skip_non_finite is false: the server throws errc::non_finite naming
+    /// the worker and the work item, and every worker errc::peer_failure), and updates the
+    /// running statistics. On return every replica holds the server's final parameters and
+    /// state, and steps() and samples() have grown by `steps` and `steps * batch`.
     /// requires: steps >= 1, batch >= 1, the same batch on every replica (else
     /// errc::count_mismatch on every replica), comm.size() >= 2, 0 <= ap.root < comm.size(),
     /// and the learning rate of every version this call applies finite and >= 0 (else
@@ -213,20 +215,27 @@ public:
                          const apply_info& info) {
             T loss_t{};
             copy(stats.first(1), sys, std::span<T>(&loss_t, 1), host_system{});
-            if (count_non_finite(sys, grad) != 0) {
+            // A non-finite loss is skipped like a non-finite gradient (train_params::
+            // skip_non_finite), as the synchronous trainer does; neither enters mean_loss.
+            const bool loss_finite = is_finite(loss_t);
+            if (!loss_finite || count_non_finite(sys, grad) != 0) {
+                LOCKSTEP_REQUIRE(core_.params().skip_non_finite || loss_finite, errc::non_finite,
+                                 comm.rank(), "data_parallel.train", "the loss of worker ",
+                                 info.worker, " for work item ", info.index, " is not finite (",
+                                 loss_t, ")");
                 LOCKSTEP_REQUIRE(core_.params().skip_non_finite, errc::non_finite, comm.rank(),
                                  "data_parallel.train", "the gradient of worker ", info.worker,
                                  " for work item ", info.index, " is not finite");
                 ++result.skipped;
-            } else {
-                core_.optimizer().set_lr(
-                    core_.lr_for(first_version + static_cast<std::int64_t>(info.version)));
-                core_.optimizer().step(core_.values(), grad);
-                kernels::with_policy_for(sys, state_.size(), [&](auto policy) {
-                    thrust::transform(policy, state_.data(), state_.data() + state_.size(),
-                                      stats.data() + 1, state_.data(), ema_apply_fn<T>{keep});
-                });
+                return;
             }
+            core_.optimizer().set_lr(
+                core_.lr_for(first_version + static_cast<std::int64_t>(info.version)));
+            core_.optimizer().step(core_.values(), grad);
+            kernels::with_policy_for(sys, state_.size(), [&](auto policy) {
+                thrust::transform(policy, state_.data(), state_.data() + state_.size(),
+                                  stats.data() + 1, state_.data(), ema_apply_fn<T>{keep});
+            });
             loss_sum += static_cast<double>(loss_t);
             ++losses;
             if (ap_.on_apply)

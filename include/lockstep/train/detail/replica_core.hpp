@@ -13,6 +13,7 @@
 #include "lockstep/train/detail/optimizer_shard.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/detail/signature.hpp"
+#include "lockstep/train/detail/visit_check.hpp"
 #include "lockstep/train/detail/visitor.hpp"
 #include "lockstep/train/replica_context.hpp"
 #include "lockstep/train/shard.hpp"
@@ -201,8 +202,10 @@ public:
     const std::vector<std::size_t>& frozen() const noexcept { return frozen_; }
     /// Zeroes the gradients of the frozen parameters in the flat buffer.
     void zero_frozen_grads() {
-        for (std::size_t i : frozen_)
-            zero(comm_->system(), grads_of(i));
+        for (std::size_t i : frozen_) {
+            const tensor_info& t = registry().parameters()[i];
+            zero(comm_->system(), grads().subspan(t.offset, t.size));
+        }
     }
     std::span<T> grads() { return registry().grads(); }
     /// Calls f(span) on every non-empty flat state buffer: the registry's state, then the
@@ -218,9 +221,19 @@ public:
     std::int64_t steps() const noexcept { return steps_; }
     std::uint64_t samples() const noexcept { return samples_; }
 
-    /// The learning rate of step s: the schedule's, or the optimizer's params().lr.
+    /// The learning rate of step s: the schedule's, or the optimizer's params().lr. A
+    /// lockstep::error the schedule throws without a replica (optim's schedules know none) is
+    /// thrown again naming this one, with its code, operation and text.
     double lr_for(std::int64_t s) const {
-        return tp_.lr ? tp_.lr(s) : static_cast<double>(opt_->params().lr);
+        if (!tp_.lr)
+            return static_cast<double>(opt_->params().lr);
+        try {
+            return tp_.lr(s);
+        } catch (const error& e) {
+            if (e.replica() >= 0)
+                throw;
+            throw error(e.code(), comm_->rank(), e.operation(), e.details());
+        }
     }
     /// lr_for(s), required finite and >= 0, else lockstep::error (errc::invalid_argument) naming
     /// this replica, the step and the value. Trainers check it before a step's first collective:
@@ -321,30 +334,42 @@ public:
     }
 
     /// Visitor path: network gradients -> flat gradient buffer (no-op with the registry).
+    /// Here and in pack_values, unpack_values, pack_state, unpack_state: requires the visitor to
+    /// visit the tensors it declared at construction (visit_check), else lockstep::error
+    /// (errc::shape_mismatch) naming this replica and the tensor.
     void pack_grads() {
         if constexpr (uses_visitor) {
-            std::size_t i = 0;
-            visit_parameters(*net_, [&](std::string_view, std::span<T>, std::span<T> g) {
-                copy_async(comm_->system(), std::span<const T>(g), grads_of(i++));
+            visit_check seen(registry().parameters(), comm_->rank(), "for_each_parameter");
+            visit_parameters(*net_, [&](std::string_view name, std::span<T>, std::span<T> g) {
+                const tensor_info& t = seen.next(name, g.size());
+                copy_async(comm_->system(), std::span<const T>(g),
+                           grads().subspan(t.offset, t.size));
             });
+            seen.done();
         }
     }
     /// Visitor path: network values -> flat value buffer.
     void pack_values() {
         if constexpr (uses_visitor) {
-            std::size_t i = 0;
-            visit_parameters(*net_, [&](std::string_view, std::span<T> v, std::span<T>) {
-                copy_async(comm_->system(), std::span<const T>(v), values_of(i++));
+            visit_check seen(registry().parameters(), comm_->rank(), "for_each_parameter");
+            visit_parameters(*net_, [&](std::string_view name, std::span<T> v, std::span<T>) {
+                const tensor_info& t = seen.next(name, v.size());
+                copy_async(comm_->system(), std::span<const T>(v),
+                           values().subspan(t.offset, t.size));
             });
+            seen.done();
         }
     }
     /// Visitor path: flat value buffer -> network values.
     void unpack_values() {
         if constexpr (uses_visitor) {
-            std::size_t i = 0;
-            visit_parameters(*net_, [&](std::string_view, std::span<T> v, std::span<T>) {
-                copy_async(comm_->system(), std::span<const T>(values_of(i++)), v);
+            visit_check seen(registry().parameters(), comm_->rank(), "for_each_parameter");
+            visit_parameters(*net_, [&](std::string_view name, std::span<T> v, std::span<T>) {
+                const tensor_info& t = seen.next(name, v.size());
+                copy_async(comm_->system(), std::span<const T>(values().subspan(t.offset, t.size)),
+                           v);
             });
+            seen.done();
         }
     }
     /// State the network visits (for_each_state) <-> the trainer's packed state buffer.
@@ -362,35 +387,18 @@ public:
     }
 
 private:
-    std::span<T> values_of(std::size_t i) {
-        const tensor_info& t = checked(i);
-        return values().subspan(t.offset, t.size);
-    }
-    std::span<T> grads_of(std::size_t i) {
-        const tensor_info& t = checked(i);
-        return grads().subspan(t.offset, t.size);
-    }
-    const tensor_info& checked(std::size_t i) {
-        const auto& ps = registry().parameters();
-        LOCKSTEP_REQUIRE(i < ps.size(), errc::shape_mismatch, comm_->rank(), "data_parallel",
-                         "for_each_parameter visited more tensors than the ", ps.size(),
-                         " it declared at construction");
-        return ps[i];
-    }
     void move_state(bool pack) {
         if constexpr (has_state_visitor<Network, T>) {
-            std::size_t i = 0;
+            visit_check seen(vstate_, comm_->rank(), "for_each_state");
             visit_state<T>(*net_, [&](std::string_view name, std::span<T> s) {
-                LOCKSTEP_REQUIRE(i < vstate_.size() && vstate_[i].size == s.size(),
-                                 errc::shape_mismatch, comm_->rank(), "data_parallel", "state '",
-                                 name, "' changed since construction");
-                std::span<T> flat = vstate_buf_.span().subspan(vstate_[i].offset, s.size());
+                const tensor_info& t = seen.next(name, s.size());
+                std::span<T> flat = vstate_buf_.span().subspan(t.offset, t.size);
                 if (pack)
                     copy_async(comm_->system(), std::span<const T>(s), flat);
                 else
                     copy_async(comm_->system(), std::span<const T>(flat), s);
-                ++i;
             });
+            seen.done();
         }
         (void)pack;
     }
