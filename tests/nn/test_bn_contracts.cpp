@@ -1,7 +1,9 @@
 // tests/nn/test_bn_contracts.cpp: a batch-norm layer's contracts that used to fail silently are
 // kept or refused on every replica: empty planes write nothing, in-place use and a backward on
 // another communicator are refused, a failed forward leaves the running statistics and
-// num_batches_tracked as they were on every replica, eps is checked in the layer's precision.
+// num_batches_tracked as they were on every replica, eps is checked in the layer's precision
+// (a subnormal eps refused), a layer shared by several replicas is refused, and a backward
+// without a forward is reported as such by its replica.
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/kernels/bn_backward.hpp"
@@ -12,7 +14,10 @@
 #include <catch2/catch.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -205,4 +210,129 @@ TEST_CASE("a forward that fails on one replica leaves every replica's running st
         CHECK(var[r] == std::vector<float>(C, 0.0f));
         CHECK(batches[r] == 1);
     }
+}
+
+TEMPLATE_TEST_CASE("one layer shared by every replica is refused at another replica's first call",
+                   "[nn][bn][thread]", bn::global, bn::local) {
+    // Built once outside the replicas' function: the first replica to call it owns it, every
+    // other replica is refused before its call touches the layer (it would race on the saved
+    // input, the statistics buffers and num_batches_tracked). Under bn::global the owner waits
+    // in the all_gather for a peer that never comes: it must learn of the failure, not hang.
+    constexpr int replicas = 3;
+    nn::batch_norm<float, TestType, nn::nc> shared(C);
+    std::vector<outcome> out(replicas);
+    std::string thrown = "none";
+    try {
+        thread_group(replicas, {.timeout = std::chrono::seconds(20)})
+            .run([&](thread_communicator& comm) {
+                const auto r = static_cast<std::size_t>(comm.rank());
+                try {
+                    for (int step = 0; step < 20; ++step) {
+                        std::vector<float> x = input(comm.rank(), 4), y(x.size()), dx(x.size());
+                        shared.forward_train(comm, std::span<const float>(x), {16, C},
+                                             std::span(y));
+                        shared.backward(comm, std::span<const float>(x), std::span(dx));
+                    }
+                } catch (const error& e) {
+                    out[r] = {std::string(to_string(e.code())), e.what()};
+                    throw;
+                }
+            });
+    } catch (const error& e) {
+        thrown = e.what();
+    }
+    int refused = 0;
+    for (std::size_t r = 0; r < out.size(); ++r) {
+        CAPTURE(r, out[r].message);
+        if (out[r].code != "invalid_argument") {
+            // The owner: done (bn::local) or told of its peers' failure (bn::global).
+            CHECK((out[r].code == "none" || out[r].code == "peer_failure"));
+            continue;
+        }
+        ++refused;
+        CHECK(contains(out[r].message, "replica " + std::to_string(r) + ": batch_norm."));
+        CHECK(contains(out[r].message, "batch_norm is used by replica " + std::to_string(r) +
+                                           " but was first trained on replica "));
+        CHECK(contains(out[r].message, "make one layer per replica (construct it inside the "
+                                       "replica's function)"));
+    }
+    CHECK(refused == replicas - 1);
+    CHECK(contains(thrown, "make one layer per replica"));
+}
+
+TEST_CASE("a layer built from one replica's communicator is refused on another replica",
+          "[nn][bn][thread]") {
+    std::unique_ptr<nn::batch_norm<float, bn::local, nn::nc>> layer;
+    std::vector<outcome> out(2);
+    thread_group(2, {.timeout = std::chrono::seconds(20)}).run([&](thread_communicator& comm) {
+        if (comm.rank() == 0)
+            layer = std::make_unique<nn::batch_norm<float, bn::local, nn::nc>>(comm, C);
+        comm.barrier(); // replica 1 sees the layer replica 0 built
+        if (comm.rank() != 1)
+            return;
+        std::vector<float> x = input(1, 4), y(x.size());
+        try {
+            layer->forward_train(comm, std::span<const float>(x), {16, C}, std::span(y));
+        } catch (const error& e) {
+            out[1] = {std::string(to_string(e.code())), e.what()};
+        }
+    });
+    CHECK(out[0].code == "none");
+    CHECK(out[1].code == "invalid_argument");
+    CHECK(contains(out[1].message, "replica 1: batch_norm.forward_train: batch_norm is used by "
+                                   "replica 1 but was built for replica 0 (bn::local, 3 "
+                                   "channels)"));
+    CHECK(layer->num_batches_tracked() == 0);
+}
+
+TEST_CASE("a backward without a forward is reported by its replica, not as a mismatch",
+          "[nn][bn][thread]") {
+    // Replica 1 skips the forward: its backward all_reduce meets replica 0's forward all_gather.
+    // The communicator's mismatch is what replica 0 sees; replica 1 knows the cause.
+    const auto out = on_replicas(2, [](thread_communicator& comm, auto& layer) {
+        std::vector<float> x = input(comm.rank(), 2);
+        std::vector<float> y(x.size()), dx(x.size());
+        if (comm.rank() == 0)
+            layer.forward_train(comm, std::span<const float>(x), {2, C, 2, 2}, std::span(y));
+        layer.backward(comm, std::span<const float>(x), std::span(dx));
+    });
+    CHECK(out[1].code == "shape_mismatch");
+    CHECK(contains(out[1].message, "replica 1: batch_norm.backward: backward needs a preceding "
+                                   "forward_train on this replica"));
+    CHECK(out[0].code != "none");
+    CHECK(contains(out[0].message, "batch_norm"));
+}
+
+TEST_CASE("eps below the smallest normal value of the layer's precision is refused", "[nn][bn]") {
+    // A subnormal eps passed as > 0, but backward's invstd^2 = 1 / eps overflows to inf and a
+    // constant channel's dx became NaN (inf * 0).
+    auto message_of = [](auto make) -> std::string {
+        try {
+            make();
+        } catch (const error& e) {
+            return e.what();
+        }
+        return "no error";
+    };
+    const std::string f =
+        message_of([] { nn::batch_norm<float, bn::local, nn::nc>(C, {.eps = 1e-40}); });
+    CHECK(contains(f, "eps = 1e-40"));
+    CHECK(contains(f, "no smaller than its smallest normal value 1.17549e-38"));
+    const std::string d =
+        message_of([] { nn::batch_norm<double, bn::local, nn::nc>(C, {.eps = 1e-310}); });
+    CHECK(contains(d, "no smaller than its smallest normal value 2.22507e-308"));
+    // The bound itself trains: a constant channel's dx = invstd * (dy - mean(dy)) is huge (invstd
+    // = 1 / sqrt(eps)) but finite.
+    std::vector<float> dx(4 * C, sentinel);
+    thread_group(1).run([&](thread_communicator& comm) {
+        nn::batch_norm<float, bn::local, nn::nc> layer(
+            comm, C, {.eps = static_cast<double>(std::numeric_limits<float>::min())});
+        std::vector<float> x(4 * C, 3.0f), y(x.size()), dy(x.size());
+        for (std::size_t i = 0; i < dy.size(); ++i)
+            dy[i] = static_cast<float>(i % 5);
+        layer.forward_train(comm, std::span<const float>(x), {4, C}, std::span(y));
+        layer.backward(comm, std::span<const float>(dy), std::span(dx));
+    });
+    for (float v : dx)
+        CHECK(std::isfinite(v));
 }

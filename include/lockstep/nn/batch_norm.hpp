@@ -61,6 +61,9 @@ namespace lockstep::nn {
 ///   nothing, each launch counted by data_parallel::count_replay adds what one plain step adds.
 /// - Every replica calls forward_train and backward of a communicating policy the same number
 ///   of times in the same order (an empty shard takes part with count 0).
+/// - A layer belongs to one replica (the one whose communicator built it, else the first to
+///   train it): a call from another replica's thread and rank is refused (invalid_argument)
+///   before it touches the layer; make one layer per replica, inside the replica's function.
 /// - Stream contract: every kernel of the layer runs on its system (on CUDA: one device, one
 ///   stream), which must be the communicator's: construct the layer from the communicator
 ///   (`batch_norm(comm, channels)`) or pass comm.system(). A layer used with a communicator of
@@ -101,9 +104,9 @@ public:
     using parameter_spans = batch_norm_spans<param_type>;
 
     /// A layer that owns its parameters, on the host system (with the machine's thread budget:
-    /// prefer the communicator constructor in replicas). requires: channels >= 1, finite eps > 0,
-    /// 0 <= momentum <= 1. ensures: gamma = 1, beta = 0, dgamma = dbeta = 0,
-    /// running_mean = 0, running_var = 1.
+    /// prefer the communicator constructor in replicas). requires: channels >= 1, finite eps at
+    /// least std::numeric_limits<param_type>::min(), 0 <= momentum <= 1.
+    /// ensures: gamma = 1, beta = 0, dgamma = dbeta = 0, running_mean = 0, running_var = 1.
     explicit batch_norm(std::size_t channels, params p = {}) requires System::is_host
         : batch_norm(channels, parameter_spans{}, p, System{}, true) {}
     /// As above, on the system sys (e.g. comm.system()).
@@ -113,7 +116,7 @@ public:
     template <communicator Comm>
     requires std::is_same_v<typename Comm::system_type, System>
     batch_norm(const Comm& comm, std::size_t channels, params p = {})
-        : batch_norm(channels, parameter_spans{}, p, comm.system(), true) {}
+        : batch_norm(channels, parameter_spans{}, p, comm.system(), true, comm.rank()) {}
 
     /// As above on an explicit system, checked against the communicator's at construction:
     /// a system of another device or stream is refused with lockstep::error (invalid_argument)
@@ -121,7 +124,7 @@ public:
     template <communicator Comm>
     requires std::is_same_v<typename Comm::system_type, System>
     batch_norm(const Comm& comm, std::size_t channels, params p, System sys)
-        : batch_norm(channels, parameter_spans{}, p, std::move(sys), true) {
+        : batch_norm(channels, parameter_spans{}, p, std::move(sys), true, comm.rank()) {
         detail::check_system(s_.sys, comm, "batch_norm");
     }
 
@@ -139,7 +142,7 @@ public:
     template <communicator Comm>
     requires std::is_same_v<typename Comm::system_type, System>
     batch_norm(const Comm& comm, std::size_t channels, parameter_spans external, params p = {})
-        : batch_norm(channels, external, p, comm.system(), false) {}
+        : batch_norm(channels, external, p, comm.system(), false, comm.rank()) {}
 
     std::size_t channels() const noexcept { return s_.channels; }
     const params& options() const noexcept { return p_; }
@@ -232,6 +235,15 @@ public:
     }
 
 private:
+    /// Refuses a call from another replica than the layer's (detail::replica_owner) before the
+    /// call touches the layer; a peer waiting in a collective learns of it from thread_group.
+    void claim(int rank, const char* op) {
+        owner_.claim(rank, op, [&] {
+            return lockstep::detail::concat(bn::traits<Policy>::name(), ", ", s_.channels,
+                                            " channels");
+        });
+    }
+
     /// The communicator form inside a trainer's step function (nn::layer_step::running): the
     /// running statistics would not follow the step's skip decision and bn::ghost would act as
     /// bn::local, silently. Every replica makes the same call, so every replica throws here.
@@ -252,6 +264,7 @@ private:
                        std::span<const T> x, const tensor_shape& shape, std::span<T> y) {
         static constexpr const char* op = "batch_norm.forward_train";
         const int rank = comm.rank();
+        claim(rank, op);
         if (declared != nullptr)
             declared->check(bn_facts_of<Policy>(), bn::traits<Policy>::name(), rank, op);
         detail::check_system(s_.sys, comm, op);
@@ -361,6 +374,7 @@ private:
                         std::span<const T> dy, std::span<T> dx) {
         static constexpr const char* op = "batch_norm.backward";
         const int rank = comm.rank();
+        claim(rank, op);
         if (declared != nullptr)
             declared->check(bn_facts_of<Policy>(), bn::traits<Policy>::name(), rank, op);
         detail::check_system(s_.sys, comm, op);
@@ -397,7 +411,15 @@ private:
             std::span<param_type> combined = s_.combined_sums();
             if (step == nullptr)
                 (void)status_.sums(s_.sys); // allocated before the enqueue, as in forward_train
-            exchange_.backward(comm, step, std::span<const param_type>(local), combined);
+            try {
+                exchange_.backward(comm, step, std::span<const param_type>(local), combined);
+            } catch (const error&) {
+                // This replica's own diagnosis is the root cause: without a forward it meets its
+                // peers' forward all_gather, which the communicator reports as a mismatch.
+                if (problem.empty())
+                    throw;
+                fail(code, rank, op, problem);
+            }
             if (!problem.empty())
                 fail(code, rank, op, problem);
             // Inside a trainer's step the replica with invalid gradients throws and its peers
@@ -419,8 +441,9 @@ private:
             p_.affine ? s_.dbeta : std::span<param_type>{});
     }
 
-    batch_norm(std::size_t channels, parameter_spans ext, params p, System sys, bool owning)
-        : p_(p), s_(detail::validated_channels<param_type>(channels, p), sys) {
+    batch_norm(std::size_t channels, parameter_spans ext, params p, System sys, bool owning,
+               int rank = -1)
+        : p_(p), owner_(rank), s_(detail::validated_channels<param_type>(channels, p), sys) {
         detail::bind_parameters(s_, p, owning ? nullptr : &ext);
         reset_running_stats();
     }
@@ -498,6 +521,7 @@ private:
     }
 
     params p_;
+    detail::replica_owner owner_; ///< the replica whose calls the layer takes
     detail::bn_state<param_type, System> s_;
     std::int64_t batches_ = 0;
     buffer<param_type, System> kept_running_; ///< running statistics before this step

@@ -20,7 +20,9 @@ enum class initial_values {
 
 /// Runtime options of a batch-norm layer.
 struct batch_norm_params {
-    double eps = 1e-5;     ///< added to the variance before the square root
+    /// Added to the variance before the square root: finite and, in the layer's param_type, at
+    /// least its smallest normal value (1.2e-38 in float: backward's 1 / eps must not overflow).
+    double eps = 1e-5;
     double momentum = 0.1; ///< running = (1 - momentum) * running + momentum * batch
     bool affine = true;    ///< learn gamma and beta (else y = xhat)
 };

@@ -10,24 +10,28 @@
 #include "lockstep/nn/detail/bn_state.hpp"
 
 #include <cstddef>
+#include <limits>
 #include <span>
 
 namespace lockstep::nn::detail {
 
 /// channels, checked before any buffer is sized from it: throws lockstep::error
-/// (invalid_argument) unless channels >= 1, eps > 0 and finite as the layer's Acc holds it
-/// (1e39 is inf and 1e-60 is 0 in float), 0 <= momentum <= 1 (written so that NaN fails every
-/// comparison; eps = inf would make every output 0, eps = 0 a constant channel NaN).
+/// (invalid_argument) unless channels >= 1, eps finite and at least the smallest normal value
+/// of the layer's Acc as Acc holds it (1e39 is inf and 1e-60 is 0 in float), 0 <= momentum <= 1
+/// (written so that NaN fails every comparison; eps = inf would make every output 0, eps = 0 a
+/// constant channel NaN, and a subnormal eps too: backward's invstd^2 = 1 / eps overflows).
 template <class Acc>
 std::size_t validated_channels(std::size_t channels, const batch_norm_params& p) {
     const Acc eps = static_cast<Acc>(p.eps);
-    LOCKSTEP_REQUIRE(channels >= 1 && p.eps > 0 && is_finite(p.eps) && eps > 0 && is_finite(eps) &&
-                         p.momentum >= 0 && p.momentum <= 1,
-                     errc::invalid_argument, -1, "batch_norm", "channels = ", channels,
-                     ", eps = ", p.eps, " (", eps,
-                     " as the layer computes), momentum = ", p.momentum,
-                     " (need channels >= 1, finite eps > 0 in the layer's precision, 0 <= "
-                     "momentum <= 1)");
+    const Acc smallest = std::numeric_limits<Acc>::min();
+    LOCKSTEP_REQUIRE(
+        channels >= 1 && p.eps > 0 && is_finite(p.eps) && eps >= smallest && is_finite(eps) &&
+            p.momentum >= 0 && p.momentum <= 1,
+        errc::invalid_argument, -1, "batch_norm", "channels = ", channels, ", eps = ", p.eps, " (",
+        eps, " as the layer computes), momentum = ", p.momentum,
+        " (need channels >= 1, finite eps > 0 in the layer's precision and no "
+        "smaller than its smallest normal value ",
+        smallest, ", since backward's 1 / eps must not overflow, and 0 <= momentum <= 1)");
     // The layer keeps 4 values per channel in one buffer (gamma, beta and their gradients).
     (void)checked_bytes(checked_mul(4, channels, -1, "batch_norm", "4 * channels"), sizeof(Acc), -1,
                         "batch_norm", "the parameter buffer");

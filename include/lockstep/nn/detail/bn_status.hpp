@@ -14,8 +14,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
+#include <thread>
 #include <type_traits>
 
 namespace lockstep::nn::detail {
@@ -86,6 +88,52 @@ struct forward_communicator {
             "): the sums would be combined over other replicas than the statistics; pass the "
             "forward's communicator");
     }
+};
+
+/// The replica a layer belongs to. One layer object called by several replicas (built once
+/// outside the replicas' function) would race on its buffers and mix their statistics: the
+/// first call of a second replica is refused, before it touches the layer. A replica is its
+/// rank and its thread together: the same rank on another thread (a later run) and another
+/// rank on the same thread (a shrunk or split communicator) are the same replica, and the
+/// binding follows them; a call whose rank and thread both differ is another replica.
+class replica_owner {
+public:
+    replica_owner() = default;
+    /// Bound to `rank` on the constructing thread (a layer built from a communicator).
+    explicit replica_owner(int rank) : rank_(rank), how_("built for") {}
+    // A layer is moved or copied only while no replica calls it: the binding goes along.
+    replica_owner(const replica_owner& o) : rank_(o.rank_), thread_(o.thread_), how_(o.how_) {}
+    replica_owner& operator=(const replica_owner& o) {
+        rank_ = o.rank_;
+        thread_ = o.thread_;
+        how_ = o.how_;
+        return *this;
+    }
+
+    /// Binds the layer to (rank, this thread) on its first training call; refuses a call whose
+    /// rank and thread both differ from the binding with lockstep::error (invalid_argument)
+    /// naming both replicas and the fix; layer() names the layer ("bn::global, 3 channels").
+    template <class Describe>
+    void claim(int rank, const char* op, Describe&& layer) {
+        const std::thread::id me = std::this_thread::get_id();
+        const std::lock_guard<std::mutex> lock(mutex_);
+        LOCKSTEP_REQUIRE(rank_ < 0 || rank == rank_ || me == thread_, errc::invalid_argument, rank,
+                         op, "batch_norm is used by replica ", rank, " but was ", how_, " replica ",
+                         rank_, " (", layer(),
+                         "): one layer object shared by several replicas races on its buffers "
+                         "and mixes their statistics; make one layer per replica (construct it "
+                         "inside the replica's function)");
+        if (rank != rank_) // first bound, or rebound by a shrunk or split communicator
+            how_ = "first trained on";
+        rank_ = rank;
+        thread_ = me;
+    }
+
+private:
+    std::mutex mutex_;
+    int rank_ = -1; ///< -1: not bound yet
+    std::thread::id thread_ = std::this_thread::get_id();
+    const char* how_ = "first trained on";
 };
 
 /// The host side of a layer's status reads outside a trainer's step (pinned on CUDA), each
