@@ -462,6 +462,66 @@ TEST_CASE("replicas that disagree get an error on every rank, then continue",
     });
 }
 
+TEST_CASE("reduce_op values outside the enumerators are refused and mismatches name the tag",
+          "[comm][mpi][failure]") {
+    const bool verify = GENERATE(true, false);
+    CAPTURE(verify);
+    mpi_communicator comm(MPI_COMM_WORLD, {.verify = verify});
+    in_step(comm, [&] {
+        const int p = comm.size(), r = comm.rank();
+        const auto bad = static_cast<reduce_op>(7);
+        std::vector<float> f(4, 1.0f), g(4, 0.0f);
+        const std::size_t ranks = static_cast<std::size_t>(p);
+        std::vector<float> scatter_in(2 * ranks, 1.0f), scatter_out(2);
+        // Every rank passes it: every rank refuses it, naming the value, before MPI sees it.
+        for (const std::string kind : {"all_reduce", "reduce", "reduce_scatter"}) {
+            try {
+                if (kind == "all_reduce")
+                    comm.all_reduce(std::span<const float>(f), std::span<float>(g), bad);
+                else if (kind == "reduce")
+                    comm.reduce(std::span<const float>(f), std::span<float>(g), bad, 0);
+                else
+                    comm.reduce_scatter(std::span<const float>(scatter_in),
+                                        std::span<float>(scatter_out), bad);
+                FAIL_CHECK(kind << " with reduce_op 7 did not throw");
+            } catch (const lockstep::error& e) {
+                const std::string what = e.what();
+                INFO(what);
+                CHECK(e.code() == errc::invalid_argument);
+                CHECK(e.replica() == r);
+                CHECK(what.find(kind + " #") != std::string::npos);
+                CHECK(what.find("reduce_op value 7") != std::string::npos);
+            }
+        }
+        CHECK(g == std::vector<float>(4, 0.0f));
+        if (verify) {
+            // Only rank 0 passes it: rank 0 refuses it, the others are released.
+            CHECK(code_of([&] {
+                      comm.all_reduce(std::span<const float>(f), std::span<float>(g),
+                                      r == 0 ? bad : reduce_op::sum);
+                  }) == (r == 0 ? errc::invalid_argument : errc::peer_failure));
+            // A count mismatch names the collective's tag.
+            std::vector<float> x(static_cast<std::size_t>(10 + r), 1.0f);
+            try {
+                comm.all_reduce(std::span<const float>(x), std::span<float>(x), reduce_op::sum,
+                                "bucket 7");
+                FAIL_CHECK("mismatched counts did not throw");
+            } catch (const lockstep::error& e) {
+                const std::string what = e.what();
+                INFO(what);
+                CHECK(e.code() == errc::count_mismatch);
+                CHECK(what.find("all_reduce #" + std::to_string(comm.sequence()) +
+                                " ('bucket 7'): replicas passed different counts") !=
+                      std::string::npos);
+            }
+        }
+        // The communicator is still in step afterwards.
+        std::vector<int> one{r};
+        comm.all_reduce(std::span<const int>(one), std::span<int>(one), reduce_op::sum);
+        CHECK(one[0] == p * (p - 1) / 2);
+    });
+}
+
 TEST_CASE("a null or oversized span on rank 0 is an error on every rank, then the collectives "
           "continue",
           "[comm][mpi][failure]") {

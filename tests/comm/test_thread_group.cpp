@@ -2,12 +2,14 @@
 // plus what only shared memory can show. SPDX-License-Identifier: Apache-2.0
 #include "collective_suite.hpp"
 #include "lockstep/comm/detail/adaptive_spin.hpp"
+#include "lockstep/comm/detail/shm_reduce.hpp"
 #include "lockstep/comm/thread_group.hpp"
 
 #include <catch2/catch.hpp>
 
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -329,4 +331,67 @@ TEST_CASE("wait_estimate spins about twice the waits it has seen, within its bou
     for (int i = 0; i < 40; ++i)
         w.record(5ms, 200us);
     CHECK(w.spin(4us, 200us) == 4us);
+}
+
+TEST_CASE("integer sums wrap modulo 2^bits as MPI's do", "[comm][thread]") {
+    // Signed overflow would be undefined behaviour: in a constant expression it does not compile.
+    STATIC_REQUIRE(lockstep::detail::shm::sum_fn{}(INT32_MAX - 1, INT32_MAX - 1) == -4);
+    STATIC_REQUIRE(lockstep::detail::shm::sum_fn{}(INT64_MIN, std::int64_t{-1}) == INT64_MAX);
+    STATIC_REQUIRE(lockstep::detail::shm::sum_fn{}(std::int8_t{127}, std::int8_t{1}) == -128);
+    // Through the collectives, in the stash (small) and from the peers' buffers (large), on 3
+    // replicas (the reference wraps in the unsigned type, as the collectives must).
+    const std::size_t count = GENERATE(std::size_t{6}, std::size_t{3000});
+    CAPTURE(count);
+    thread_group group(3);
+    std::vector<std::vector<std::int32_t>> sum32(3), reduced32(3), scattered32(3);
+    std::vector<std::vector<std::int64_t>> sum64(3);
+    const auto value32 = [](int r, std::size_t i) {
+        return static_cast<std::int32_t>(INT32_MAX - static_cast<std::int32_t>(i % 5) - r);
+    };
+    const auto value64 = [](int r, std::size_t i) {
+        return static_cast<std::int64_t>(INT64_MIN + static_cast<std::int64_t>(i % 7) + r);
+    };
+    group.run([&](thread_communicator& comm) {
+        const int r = comm.rank();
+        const auto me = static_cast<std::size_t>(r);
+        std::vector<std::int32_t> a(count);
+        std::vector<std::int64_t> b(count);
+        for (std::size_t i = 0; i < count; ++i) {
+            a[i] = value32(r, i);
+            b[i] = value64(r, i);
+        }
+        sum32[me].resize(count);
+        comm.all_reduce(std::span<const std::int32_t>(a), std::span<std::int32_t>(sum32[me]),
+                        reduce_op::sum);
+        reduced32[me].resize(r == 0 ? count : 0);
+        comm.reduce(std::span<const std::int32_t>(a), std::span<std::int32_t>(reduced32[me]),
+                    reduce_op::sum, 0);
+        scattered32[me].resize(count / 3);
+        comm.reduce_scatter(std::span<const std::int32_t>(a),
+                            std::span<std::int32_t>(scattered32[me]), reduce_op::sum);
+        comm.all_reduce(std::span<const std::int64_t>(b), std::span<std::int64_t>(b),
+                        reduce_op::sum);
+        sum64[me] = b;
+    });
+    std::vector<std::int32_t> want32(count);
+    std::vector<std::int64_t> want64(count);
+    for (std::size_t i = 0; i < count; ++i) {
+        std::uint32_t w32 = 0;
+        std::uint64_t w64 = 0;
+        for (int r = 0; r < 3; ++r) {
+            w32 += static_cast<std::uint32_t>(value32(r, i));
+            w64 += static_cast<std::uint64_t>(value64(r, i));
+        }
+        want32[i] = static_cast<std::int32_t>(w32);
+        want64[i] = static_cast<std::int64_t>(w64);
+    }
+    const std::size_t slice = count / 3;
+    for (std::size_t r = 0; r < 3; ++r) {
+        CAPTURE(r);
+        CHECK(sum32[r] == want32);
+        CHECK(sum64[r] == want64);
+        CHECK(scattered32[r] == std::vector<std::int32_t>(want32.begin() + r * slice,
+                                                          want32.begin() + (r + 1) * slice));
+    }
+    CHECK(reduced32[0] == want32);
 }

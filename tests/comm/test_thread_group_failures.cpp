@@ -915,3 +915,172 @@ TEST_CASE("send and recv refuse a null span before copying anything", "[comm][th
         CHECK(contains(o.what, "data is a null pointer with 5 elements"));
     }
 }
+
+TEST_CASE("a handle kept past run() is refused at once naming the replica", "[comm][thread]") {
+    // Without the check a kept handle waits the whole timeout for peers that are gone (or, alone
+    // in its group, succeeds); the timeout is far above what the refusals may take.
+    const auto timeout = 3s;
+    const auto stale = [](errc code, const std::string& what, int replica) {
+        CAPTURE(what);
+        CHECK(code == errc::invalid_argument);
+        CHECK(contains(what, "replica " + std::to_string(replica) + ":"));
+        CHECK(contains(what, "valid only inside thread_group::run's function"));
+    };
+    const auto caught = [](auto&& call) -> outcome {
+        try {
+            call();
+        } catch (const lockstep::error& e) {
+            return {true, e.code(), e.what()};
+        }
+        return {};
+    };
+    for (const int n : {1, 2}) {
+        CAPTURE(n);
+        thread_group group(n, {.timeout = timeout});
+        std::vector<std::optional<thread_communicator>> kept(static_cast<std::size_t>(n));
+        std::vector<std::optional<thread_communicator>> kept_split(static_cast<std::size_t>(n));
+        group.run([&](thread_communicator& comm) {
+            const auto me = static_cast<std::size_t>(comm.rank());
+            kept_split[me].emplace(comm.split(0, comm.rank()));
+            kept[me].emplace(std::move(comm));
+        });
+        const auto began = std::chrono::steady_clock::now();
+        std::vector<float> v(4, 1.0f);
+        for (int r = 0; r < n; ++r) {
+            auto& c = *kept[static_cast<std::size_t>(r)];
+            auto& s = *kept_split[static_cast<std::size_t>(r)];
+            for (auto* h : {&c, &s}) {
+                auto o = caught([&] {
+                    h->all_reduce(std::span<const float>(v), std::span<float>(v), reduce_op::sum);
+                });
+                stale(o.code, o.what, r);
+                o = caught([&] { h->barrier(); });
+                stale(o.code, o.what, r);
+                o = caught([&] { (void)h->split(0, 0); });
+                stale(o.code, o.what, r);
+                o = caught([&] { h->send(std::span<const float>(v), 0, 1); });
+                stale(o.code, o.what, r);
+                o = caught([&] { h->recv(std::span<float>(v), 0, 1); });
+                stale(o.code, o.what, r);
+                o = caught([&] { (void)h->recv_any(std::span<float>(v), 1); });
+                stale(o.code, o.what, r);
+            }
+            const auto o = caught([&] { (void)c.shrink(); });
+            stale(o.code, o.what, r);
+        }
+        CHECK(std::chrono::steady_clock::now() - began < timeout / 3);
+        CHECK(v[0] == 1.0f); // nothing was reduced into it
+        // The group itself runs again with fresh handles.
+        std::vector<float> sums(static_cast<std::size_t>(n), 0.0f);
+        group.run([&](thread_communicator& comm) {
+            std::vector<float> w{1.0f};
+            comm.all_reduce(std::span<const float>(w), std::span<float>(w), reduce_op::sum);
+            sums[static_cast<std::size_t>(comm.rank())] = w[0];
+        });
+        for (const float s : sums)
+            CHECK(s == static_cast<float>(n));
+    }
+}
+
+TEST_CASE("a recv that does not fit consumes the message and says so as MPI's recv does",
+          "[comm][thread]") {
+    thread_group group(2);
+    std::vector<outcome> refused(2);
+    std::vector<float> got(2, 0.0f);
+    group.run([&](thread_communicator& comm) {
+        if (comm.rank() == 1) {
+            const std::vector<float> four(4, 1.0f), two(2, 2.0f);
+            const std::vector<int> ints(2, 3);
+            comm.send(std::span<const float>(four), 0, 3);
+            comm.send(std::span<const int>(ints), 0, 3);
+            comm.send(std::span<const float>(two), 0, 3);
+        } else {
+            std::vector<float> three(3), two(2);
+            try {
+                comm.recv(std::span<float>(three), 1, 3);
+            } catch (const lockstep::error& e) {
+                refused[0] = {true, e.code(), e.what()};
+            }
+            try {
+                comm.recv(std::span<float>(two), 1, 3); // the ints: another element type
+            } catch (const lockstep::error& e) {
+                refused[1] = {true, e.code(), e.what()};
+            }
+            // Both refused messages are gone: the next recv gets the third.
+            comm.recv(std::span<float>(two), 1, 3);
+            got = two;
+        }
+        comm.barrier();
+    });
+    CAPTURE(refused[0].what, refused[1].what);
+    CHECK(refused[0].code == errc::count_mismatch);
+    CHECK(contains(refused[0].what, "rank 1 sent 4 floats, expected 3 floats"));
+    CHECK(contains(refused[0].what, "the message was discarded"));
+    CHECK(refused[1].code == errc::shape_mismatch);
+    CHECK(contains(refused[1].what, "rank 1 sent 2 ints, expected 2 floats"));
+    CHECK(contains(refused[1].what, "the message was discarded"));
+    CHECK(got == std::vector<float>{2.0f, 2.0f});
+}
+
+TEST_CASE("a reduce_op value outside its enumerators is refused on every replica",
+          "[comm][thread]") {
+    const auto bad = static_cast<reduce_op>(7);
+    const std::string kind = GENERATE(as<std::string>{}, "all_reduce", "reduce", "reduce_scatter");
+    const std::size_t count = GENERATE(std::size_t{3}, std::size_t{3000}); // stash and direct
+    CAPTURE(kind, count);
+    const misuse which{"reduce_op", errc::invalid_argument, "passed reduce_op value 7"};
+    check_refused(which, (kind + " #0").c_str(), [&](thread_communicator& comm) {
+        std::vector<float> v(count, 1.0f), out(count, 0.0f);
+        if (kind == "all_reduce")
+            comm.all_reduce(std::span<const float>(v), std::span<float>(out), bad);
+        else if (kind == "reduce")
+            comm.reduce(std::span<const float>(v), std::span<float>(out), bad, 0);
+        else
+            comm.reduce_scatter(std::span<const float>(v), std::span<float>(out).first(count / 3),
+                                bad);
+    });
+}
+
+TEST_CASE("count and type mismatches name the collective's tag", "[comm][thread]") {
+    const std::string kind = GENERATE(as<std::string>{}, "count", "type", "site");
+    CAPTURE(kind);
+    thread_group group(2, {.check_call_sites = kind == "site"});
+    std::vector<outcome> seen(2);
+    group.run([&](thread_communicator& comm) {
+        const int me = comm.rank();
+        std::vector<double> d(me == 0 ? 9 : 11, 1.0), dall(2 * d.size());
+        std::vector<float> f(9, 1.0f), fall(2 * f.size());
+        try {
+            if (kind == "type" && me == 1)
+                comm.all_gather(std::span<const float>(f), std::span<float>(fall),
+                                "batch_norm.forward_train");
+            else if (kind == "type")
+                comm.all_gather(std::span<const double>(d).first(9),
+                                std::span<double>(dall).first(18), "batch_norm.forward_train");
+            else if (kind == "count")
+                comm.all_gather(std::span<const double>(d), std::span<double>(dall),
+                                "batch_norm.forward_train");
+            else
+                comm.all_gather(std::span<const double>(d), std::span<double>(dall));
+        } catch (const lockstep::error& e) {
+            seen[static_cast<std::size_t>(me)] = {true, e.code(), e.what()};
+        }
+    });
+    for (const auto& o : seen) {
+        CAPTURE(o.what);
+        CHECK(o.threw);
+        if (kind == "count") {
+            CHECK(o.code == errc::count_mismatch);
+            CHECK(contains(o.what, "all_gather #0 ('batch_norm.forward_train'): replicas disagree "
+                                   "on the element count: replica 0 passed 9 doubles"));
+        } else if (kind == "type") {
+            CHECK(o.code == errc::shape_mismatch);
+            CHECK(contains(o.what, "all_gather #0 ('batch_norm.forward_train'): replicas disagree "
+                                   "on the element type"));
+        } else {
+            CHECK(o.code == errc::count_mismatch);
+            CHECK(contains(o.what, "all_gather #0 (at test_thread_group_failures.cpp:"));
+            CHECK(contains(o.what, "): replicas disagree on the element count"));
+        }
+    }
+}

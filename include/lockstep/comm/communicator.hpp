@@ -11,8 +11,14 @@
 
 namespace lockstep {
 
-/// The reduction a collective applies element-wise.
+/// The reduction a collective applies element-wise. A value that is none of these (an integer
+/// cast to reduce_op) is refused with errc::invalid_argument naming it.
 enum class reduce_op { sum, max, min };
+
+/// Whether op is one of reduce_op's enumerators.
+constexpr bool is_reduce_op(reduce_op op) noexcept {
+    return op == reduce_op::sum || op == reduce_op::max || op == reduce_op::min;
+}
 
 /// The name of a reduction, e.g. "sum".
 constexpr std::string_view to_string(reduce_op op) noexcept {
@@ -36,6 +42,7 @@ constexpr std::string_view to_string(reduce_op op) noexcept {
 /// replica's thread budget, or a cuda_system with this replica's device and stream).
 /// Collectives (spans live in the memory of `C::system_type`):
 /// - all_reduce(send, recv, op): recv[i] = op over replicas of send[i]; send may alias recv.
+///   Integer sums wrap modulo 2^bits, as MPI's do (here and in reduce and reduce_scatter).
 /// - broadcast(data, root): data on every replica becomes root's data.
 /// - all_gather(send, recv): recv = concatenation of every replica's send, in rank order;
 ///   requires recv.size() == size() * send.size(); send may be this replica's slot of recv (in
@@ -133,8 +140,12 @@ concept combine_communicator = communicator<C> &&
 
 /// A communicator with point-to-point messages (needed by asynchronous training):
 /// - send(data, dest, tag) / recv(data, source, tag): matched by (source, tag), in order.
+///   ensures: the message held exactly data.size() elements of data's type, else it is
+///   consumed, data is not written, and lockstep::error (errc::count_mismatch for another
+///   count, errc::shape_mismatch for another element type) is thrown naming both: the message
+///   is lost, not left for a retry.
 /// - recv_any(data, tag) -> int: receives the next message with `tag` from any replica and
-///   returns its source.
+///   returns its source (a message that does not fit is consumed and refused as in recv).
 template <class C>
 concept point_to_point_communicator = communicator<C> &&
     requires(C& c, std::span<float> f, std::span<const float> cf) {

@@ -326,6 +326,7 @@ public:
                     reduce_op op) {
         const std::string name = next_operation("all_reduce");
         check_spans(name, send, recv);
+        check_op(name, op);
         check_disjoint(name, send, recv, send.data() == recv.data(), "send == recv");
         h_.require(send.size() == recv.size(), errc::shape_mismatch, name, "send has ", send.size(),
                    " elements, recv ", recv.size());
@@ -430,6 +431,7 @@ public:
                 int root) {
         const std::string name = next_operation("reduce");
         check_spans(name, send, h_.rank() == root ? recv : std::span<T>());
+        check_op(name, op);
         if (h_.rank() == root)
             check_disjoint(name, send, recv, send.data() == recv.data(), "send == recv");
         h_.require(root >= 0 && root < h_.size(), errc::invalid_argument, name, "root ", root,
@@ -461,6 +463,7 @@ public:
                         std::span<const std::size_t> counts, reduce_op op) {
         const std::string name = next_operation("reduce_scatter");
         check_spans(name, send, recv);
+        check_op(name, op);
         const std::string bad_counts = detail::span_problem(counts, "counts");
         h_.require(bad_counts.empty(), errc::invalid_argument, name, bad_counts);
         const std::size_t ranks = static_cast<std::size_t>(h_.size());
@@ -870,6 +873,12 @@ private:
     // A null span with a non-zero count, or one larger than memory can hold, is refused before
     // anything is enqueued (like every argument error here, it aborts the communicator so the
     // peers get peer_failure instead of waiting).
+    // A reduce_op that is none of the enumerators (an integer cast to it): refused (aborting, as
+    // check_spans does) instead of being reduced as a sum.
+    void check_op(const std::string& name, reduce_op op) {
+        h_.require(is_reduce_op(op), errc::invalid_argument, name, "reduce_op value ",
+                   static_cast<int>(op), " is none of sum, max, min");
+    }
     template <class A, class B>
     void check_spans(const std::string& op, std::span<A> a, std::span<B> b) {
         const std::string problem = detail::join_problems(

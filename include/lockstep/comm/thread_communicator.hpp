@@ -67,7 +67,15 @@ class thread_group;
 ///   nothing is copied and the group stays usable.
 /// - thread_group::abort (from any thread) fails the run: every replica blocked in or later
 ///   entering a collective, send or recv throws errc::peer_failure naming the reason.
-/// - send is buffered: it copies the elements and returns at once.
+/// - send is buffered: it copies the elements and returns at once. A recv whose span does not
+///   fit the message consumes it and throws (see recv), as mpi_communicator's does.
+/// - Integer sums wrap modulo 2^bits, as MPI's do (computed in the unsigned type of the same
+///   width: no undefined behaviour on signed overflow).
+/// - A reduce_op value that is none of sum, max and min throws errc::invalid_argument on every
+///   replica, naming the value, before any data moves.
+/// - A handle, and every split of it, is valid only inside thread_group::run's function: once
+///   run() has returned, every collective, split, shrink, send and recv on it throws
+///   errc::invalid_argument at once, naming the replica.
 /// - Every collective is recorded in the handle's flight_recorder (trace()); a timeout, peer
 ///   failure or disagreement writes it out (stderr, and LOCKSTEP_TRACE_DIR) and the error
 ///   message names the file.
@@ -390,8 +398,11 @@ public:
         detail::shm::post(*group_, rank_, dest, tag, std::span<const U>(data));
     }
 
-    /// Receives the oldest message from rank `source` with `tag` into data.
-    /// requires: 0 <= source < size(); the message holds data.size() elements of T.
+    /// Receives the oldest message from rank `source` with `tag` into data. ensures: the
+    /// message held exactly data.size() elements of T, else it is consumed and
+    /// errc::count_mismatch (errc::shape_mismatch for another element type) is thrown naming
+    /// both counts and saying the message was discarded (as mpi_communicator::recv).
+    /// requires: 0 <= source < size().
     template <class T>
     void recv(std::span<T> data, int source, int tag) {
         const std::string op =
@@ -404,7 +415,7 @@ public:
     }
 
     /// Receives the oldest message with `tag` from any rank into data; returns its source.
-    /// requires: the message holds data.size() elements of T.
+    /// A message that does not fit data is consumed and refused as in recv.
     template <class T>
     int recv_any(std::span<T> data, int tag) {
         const std::string op = "recv_any (tag " + std::to_string(tag) + ")";

@@ -115,6 +115,8 @@ public:
     /// first failure (the root cause, not the peer_failure errors it caused in the others).
     /// After a shrink (thread_communicator::shrink) only the failures of the newest group count:
     /// run() returns normally when the survivors did, and lost() names the replicas left out.
+    /// A handle is valid only inside f: one moved out and used after run() returned (or a split
+    /// of it) throws errc::invalid_argument from every collective, split, shrink, send and recv.
     template <class F>
     requires std::invocable<F&, thread_communicator&>
     void run(F&& f) {
@@ -134,13 +136,18 @@ public:
             }
             control_->current = ctx;
         }
+        // On every way out: abort() no longer reaches this run, and a handle kept past it
+        // (moved out of f) is refused at once, in every group the run's shrinks made too.
         struct detach {
             control* c;
+            std::shared_ptr<detail::shm::run_context> ctx;
             ~detach() {
+                for (auto at = ctx; at; at = at->successor())
+                    at->mark_finished();
                 std::lock_guard lock(c->mutex);
                 c->current.reset();
             }
-        } detach_on_exit{control_.get()};
+        } detach_on_exit{control_.get(), ctx};
         std::vector<int> replicas(static_cast<std::size_t>(size_));
         std::iota(replicas.begin(), replicas.end(), 0);
         auto world = std::make_shared<detail::shm::group_state>(ctx, std::move(replicas),

@@ -395,8 +395,14 @@ protected:
             trace_.record(detail::to_string(kind).data(), static_cast<std::uint64_t>(seq_),
                           detail::mpi_type_name(type).data(), count, rooted ? root : -1),
             static_cast<std::uint64_t>(seq_));
-        if (!params_.verify)
+        // A reduce_op outside its enumerators would reach MPI as MPI_OP_NULL (errc::mpi, a broken
+        // communicator): refuse it here, after the exchange when there is one, so that the
+        // peers are released with peer_failure instead of waiting.
+        const bool op_known = is_reduce_op(op);
+        if (!params_.verify) {
+            require_known_op(op, op_known);
             return traced;
+        }
         detail::mpi_signature mine;
         mine.value = {static_cast<std::int64_t>(kind),
                       seq_,
@@ -405,7 +411,7 @@ protected:
                       type,
                       root,
                       static_cast<std::int64_t>(op),
-                      ok ? 1 : 0,
+                      ok && op_known ? 1 : 0,
                       kind == detail::mpi_collective::reduce_scatter ? detail::counts_hash(counts)
                                                                      : 0,
                       tag.id(params_.check_call_sites)};
@@ -421,10 +427,13 @@ protected:
         const auto range = detail::mpi_signature_unpack(v);
         const std::string calls =
             detail::mpi_calls_differ(range) ? gather_calls(mine, tag) : std::string();
+        require_known_op(op, op_known);
         if (ok) {
             try {
-                detail::require_agreement(mine, range, rank_, detail::describe_counts(counts),
-                                          calls);
+                detail::require_agreement(
+                    mine, range, rank_, detail::describe_counts(counts), calls,
+                    detail::mpi_tag_text(tag.identity(params_.check_call_sites),
+                                         tag.by_site(params_.check_call_sites)));
             } catch (const error& e) {
                 trace_.fail_newest();
                 if (!flight_recorder::dumps_on(e.code()))
@@ -433,6 +442,14 @@ protected:
             }
         }
         return traced;
+    }
+
+    // Refuses a reduce_op value outside the enumerators (an integer cast to reduce_op).
+    void require_known_op(reduce_op op, bool known) const {
+        LOCKSTEP_REQUIRE(known, errc::invalid_argument, rank_, name(), "reduce_op value ",
+                         static_cast<int>(op),
+                         " is none of reduce_op::sum, max and min (an integer cast to "
+                         "reduce_op?); nothing was communicated");
     }
 
     // After a mismatch of collectives or tags (so on every replica): every replica's call,

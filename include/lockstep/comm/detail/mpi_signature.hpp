@@ -128,6 +128,15 @@ inline std::string mpi_describe_call(const mpi_signature& s, std::string_view ta
     return args.empty() ? out : out + " (" + args + ")";
 }
 
+/// " ('batch_norm.forward_train')" for a named call, " (at train.cpp:42)" for a call site, ""
+/// for none: what follows the collective's name in the messages of require_agreement once the
+/// replicas agree on the tag.
+inline std::string mpi_tag_text(std::string_view tag, bool tag_is_site) {
+    if (tag.empty())
+        return {};
+    return tag_is_site ? " (at " + std::string(tag) + ")" : " ('" + std::string(tag) + "')";
+}
+
 /// True when the replicas called different collectives or passed different tags (and none
 /// failed its own checks): then every replica all-gathers its call's description before
 /// require_agreement. The same on every replica, since every replica sees the same range.
@@ -143,15 +152,19 @@ inline bool mpi_calls_differ(const mpi_signature_range& r) noexcept {
 /// per-rank counts, described by `layout_text` for this replica) and shape_mismatch for
 /// different collectives, element types and tags (the thread group's codes for the same
 /// mistakes). `calls` lists every replica's call when
-/// mpi_calls_differ ("replica 0 called ..., replica 1 called ...").
+/// mpi_calls_differ ("replica 0 called ..., replica 1 called ..."). `tag_text` (mpi_tag_text)
+/// follows the collective's name in the messages after the tags agree.
 inline void require_agreement(const mpi_signature& mine, const mpi_signature_range& r, int rank,
-                              const std::string& layout_text = {}, const std::string& calls = {}) {
+                              const std::string& layout_text = {}, const std::string& calls = {},
+                              const std::string& tag_text = {}) {
     using f = mpi_signature;
     const auto& lo = r.min.value;
     const auto& hi = r.max.value;
     const auto name = [&] {
         return mpi_operation_name(mpi_collective(mine.value[f::kind]), mine.value[f::sequence]);
     };
+    // Every replica passed this tag once the tags agree.
+    const auto tagged = [&] { return name() + tag_text; };
     if (lo[f::arguments_ok] == 0)
         fail(errc::peer_failure, rank, name(),
              "another replica's arguments failed its checks (it reports them); this replica "
@@ -167,23 +180,24 @@ inline void require_agreement(const mpi_signature& mine, const mpi_signature_ran
              "or added on some replica): ",
              calls);
     if (!r.agree(f::sequence))
-        fail(errc::invalid_argument, rank, name(), "replicas are at collective #", lo[f::sequence],
-             " to #", hi[f::sequence], ": one of them skipped or repeated a collective");
+        fail(errc::invalid_argument, rank, tagged(), "replicas are at collective #",
+             lo[f::sequence], " to #", hi[f::sequence],
+             ": one of them skipped or repeated a collective");
     if (!r.agree(f::count))
-        fail(errc::count_mismatch, rank, name(), "replicas passed different counts: min ",
+        fail(errc::count_mismatch, rank, tagged(), "replicas passed different counts: min ",
              lo[f::count], ", max ", hi[f::count], " (this replica ", mine.value[f::count], ")");
     if (!r.agree(f::layout))
-        fail(errc::count_mismatch, rank, name(),
+        fail(errc::count_mismatch, rank, tagged(),
              "replicas passed different per-rank counts (this replica ", layout_text, ")");
     if (!r.agree(f::type))
-        fail(errc::shape_mismatch, rank, name(),
+        fail(errc::shape_mismatch, rank, tagged(),
              "replicas passed different element types: ", mpi_type_name(lo[f::type]), " and ",
              mpi_type_name(hi[f::type]));
     if (!r.agree(f::root))
-        fail(errc::invalid_argument, rank, name(), "replicas passed different roots: min ",
+        fail(errc::invalid_argument, rank, tagged(), "replicas passed different roots: min ",
              lo[f::root], ", max ", hi[f::root]);
     if (!r.agree(f::op))
-        fail(errc::invalid_argument, rank, name(),
+        fail(errc::invalid_argument, rank, tagged(),
              "replicas passed different reductions: ", to_string(reduce_op(lo[f::op])), " and ",
              to_string(reduce_op(hi[f::op])));
 }

@@ -117,9 +117,16 @@ protected:
         group_.reset();
     }
 
+    /// Refuses a moved-from handle, and one kept past the thread_group::run that made it (its
+    /// peers are gone: a wait would only time out).
     void require_group(const char* op) const {
         LOCKSTEP_REQUIRE(group_ != nullptr, errc::invalid_argument, -1, op,
                          "this thread_communicator was moved from");
+        if (group_->context().finished()) [[unlikely]]
+            fail(errc::invalid_argument, replica(), op,
+                 "the thread_group::run that made this handle has returned; a "
+                 "thread_communicator is valid only inside thread_group::run's function (keep "
+                 "neither it nor its splits past the run)");
     }
 
     /// Point-to-point spans are checked here, before anything is copied (no peer waits on

@@ -37,7 +37,9 @@ void post(group_state& g, int rank, int dest, int tag, std::span<const T> data) 
 /// Waits for the oldest message to `rank` with `tag` from `source` (-1: any) and copies it into
 /// data; returns its source. Throws errc::peer_failure if the run fails or every possible
 /// sender has left, errc::timeout (failing the run) after the run's timeout, and
-/// errc::shape_mismatch / errc::count_mismatch if the message does not fit data.
+/// errc::shape_mismatch / errc::count_mismatch if the message does not fit data: then the
+/// message is consumed (as mpi_communicator's recv consumes it) and the error says it was
+/// discarded.
 template <class T>
 int receive(group_state& g, int rank, std::span<T> data, int tag, int source,
             const std::string& op) {
@@ -84,10 +86,10 @@ int receive(group_state& g, int rank, std::span<T> data, int tag, int source,
     LOCKSTEP_REQUIRE(m.type == want && m.elem_size == sizeof(T), errc::shape_mismatch,
                      g.replica_of(rank), op, "rank ", m.source, " sent ",
                      count_of(m.count, m.type, m.elem_size), ", expected ",
-                     count_of(data.size(), want, sizeof(T)));
+                     count_of(data.size(), want, sizeof(T)), "; the message was discarded");
     LOCKSTEP_REQUIRE(m.count == data.size(), errc::count_mismatch, g.replica_of(rank), op, "rank ",
                      m.source, " sent ", count_of(m.count, m.type, m.elem_size), ", expected ",
-                     count_of(data.size(), want, sizeof(T)));
+                     count_of(data.size(), want, sizeof(T)), "; the message was discarded");
     if (!m.bytes.empty())
         std::memcpy(data.data(), m.bytes.data(), m.bytes.size());
     return m.source;

@@ -140,11 +140,18 @@ struct accumulator<T> {
 #define LOCKSTEP_SHM_IVDEP
 #endif
 
-/// The element-wise reductions.
+/// The element-wise reductions. Integer sums wrap modulo 2^bits, as MPI's do: signed ones are
+/// added in the unsigned type of the same width (signed overflow is undefined behaviour) and
+/// converted back (modular since C++20).
 struct sum_fn {
     template <class T>
-    LOCKSTEP_HOST_DEVICE T operator()(T a, T b) const {
-        return static_cast<T>(a + b);
+    LOCKSTEP_HOST_DEVICE constexpr T operator()(T a, T b) const {
+        if constexpr (std::is_integral_v<T> && std::is_signed_v<T>) {
+            using U = std::make_unsigned_t<T>;
+            return static_cast<T>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+        } else {
+            return static_cast<T>(a + b);
+        }
     }
 };
 struct max_fn {

@@ -57,6 +57,13 @@ public:
     /// True once any replica of the run has failed.
     bool failed() const noexcept { return failed_.load(); }
 
+    /// True once the thread_group::run this context serves has returned (mark_finished): a
+    /// handle kept past it has no peers left, so its every call is refused at once instead of
+    /// waiting out the timeout (or, alone in its group, succeeding).
+    bool finished() const noexcept { return finished_.load(std::memory_order_acquire); }
+    /// Called by thread_group::run after it has joined every replica thread.
+    void mark_finished() noexcept { finished_.store(true, std::memory_order_release); }
+
     /// Records `e`, thrown on `replica`, as the failure of the run unless one is recorded
     /// already, and wakes every sleeping replica. ensures: failed(); returns true when this
     /// call recorded the root failure.
@@ -248,6 +255,7 @@ private:
     std::chrono::milliseconds timeout_;
     bool check_call_sites_ = false;
     std::atomic<bool> failed_{false};
+    std::atomic<bool> finished_{false};
     mutable std::mutex failure_mutex_;
     std::exception_ptr root_;
     int root_replica_ = -1;
