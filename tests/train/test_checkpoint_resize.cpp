@@ -233,14 +233,18 @@ TEST_CASE("local SGD refuses another replica count on every replica, nothing loa
 namespace {
 
 /// Asynchronous training with the server on replica `root`: `from` replicas train 6 steps and
-/// save; `to` replicas built with another seed load: each holds the server's state (parameters,
-/// BN statistics, optimizer buffers and step count, steps, seed) and trains on. Not compared
-/// with an uninterrupted run: the server applies gradients in their order of arrival.
+/// save; `to` replicas built with another seed and the server on `new_root` (-1: `root`) load:
+/// each holds the saved server's state (parameters, BN statistics, optimizer buffers and step
+/// count, steps, seed) and trains on. Not compared with an uninterrupted run: the server applies
+/// gradients in their order of arrival.
 template <class Sync>
-void check_async_resize(int from, int to, int root) {
+void check_async_resize(int from, int to, int root, int new_root = -1) {
+    if (new_root < 0)
+        new_root = root;
     using dp_type = refused_trainer<Sync, bn::local>;
     using net = typename dp_type::network_type;
-    INFO(Sync::name() << ", " << from << " -> " << to << " replicas, server " << root);
+    INFO(Sync::name() << ", " << from << " -> " << to << " replicas, server " << root << " -> "
+                      << new_root);
     auto fn = [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); };
     const optim::sgd_params op{.lr = 0.05, .momentum = 0.9};
     temp_dir dir;
@@ -270,7 +274,7 @@ void check_async_resize(int from, int to, int root) {
     std::vector<replica_state<float>> loaded(static_cast<std::size_t>(to));
     std::vector<std::int64_t> after(static_cast<std::size_t>(to));
     thread_group(to).run([&](thread_communicator& comm) {
-        dp_type dp(comm, [](auto& ctx) { return net(ctx); }, op, params_for(7), {.root = root});
+        dp_type dp(comm, [](auto& ctx) { return net(ctx); }, op, params_for(7), {.root = new_root});
         load_checkpoint(dp, path);
         loaded[static_cast<std::size_t>(comm.rank())] = state_of(dp);
         dp.train(4, 8, fn);
@@ -298,6 +302,14 @@ TEST_CASE("the asynchronous trainers resume at another replica count from the se
     check_async_resize<sync::asynchronous>(3, 2, 0);
     check_async_resize<sync::asynchronous>(2, 4, 1);
     check_async_resize<sync::bounded_staleness<1>>(3, 2, 1);
+}
+
+TEST_CASE("an asynchronous checkpoint resumes with another server at any replica count",
+          "[train][checkpoint][thread][async]") {
+    check_async_resize<sync::asynchronous>(3, 2, 2, 0);
+    check_async_resize<sync::asynchronous>(3, 4, 2, 0);
+    check_async_resize<sync::asynchronous>(3, 3, 2, 0); // the same count: the server's shard
+    check_async_resize<sync::bounded_staleness<1>>(3, 2, 2, 1);
 }
 
 TEST_CASE("reduce::sharded at another count: a corrupted old shard is refused on every replica",

@@ -1,5 +1,5 @@
-// lockstep/train/detail/checkpoint_resize.hpp: loading a checkpoint saved with another replica
-// count: which shard a replica reads, and the regathering of reduce::sharded's optimizer state.
+// lockstep/train/detail/checkpoint_resize.hpp: which shard a replica reads and checks on a load
+// (at another replica count, or with another server), and reduce::sharded's regathering.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
@@ -66,18 +66,133 @@ std::string resize_refusal(int saved, int replicas) {
         return {};
 }
 
+/// Replica q's shard as a commit marker records it, opened, with its header alone read.
+struct shard_head {
+    recorded_shard rs;
+    fd_guard f;
+    std::vector<std::byte> bytes; ///< the header's bytes (parse_header_prefix with rs.size)
+};
+
+/// Opens replica q's shard recorded in the commit marker m (read from `path`) and reads its
+/// header into out.bytes, its length bounded by the file's size before anything is allocated.
+/// Returns the problem, if any.
+inline std::string read_shard_head(const parsed_header& m, const std::filesystem::path& path, int q,
+                                   shard_head& out) {
+    if (std::string p = recorded_shard_of(m, path, q, out.rs); !p.empty())
+        return p;
+    if (std::string p = open_recorded_file(out.rs.file, out.rs.size, out.f); !p.empty())
+        return p;
+    out.bytes.assign(
+        static_cast<std::size_t>(std::min<std::uint64_t>(out.rs.size, min_header_bytes)),
+        std::byte{0});
+    if (std::string p = read_at(out.f, out.rs.file, 0, out.bytes); !p.empty())
+        return p;
+    if (out.bytes.size() == min_header_bytes) {
+        const std::uint64_t length = get_u64(out.bytes.data() + 16);
+        if (length > out.bytes.size() && length <= out.rs.size) {
+            out.bytes.resize(static_cast<std::size_t>(length));
+            if (std::string p = read_at(out.f, out.rs.file, 0, out.bytes); !p.empty())
+                return p;
+        }
+    }
+    return {};
+}
+
+/// The server an asynchronous trainer's checkpoint records, from the header of one of its
+/// shards (`what`): its "async.root", a replica of the `saved` that wrote it, into `root`.
+/// Returns the problem, if any.
+inline std::string recorded_async_root(const parsed_header& shard, const std::string& what,
+                                       int saved, int& root) {
+    const auto r = shard.find_meta("async.root");
+    const auto v = r ? parse_decimal(*r) : std::nullopt;
+    if (!v || *v >= static_cast<std::uint64_t>(saved))
+        return concat(what, ": async.root ", r ? quote_value(*r) : std::string("missing"),
+                      " is not a replica of the ", saved, " that saved it");
+    root = static_cast<int>(*v);
+    return {};
+}
+
 /// The old replica whose shard every replica reads at another replica count: the one that
-/// holds the optimizer state (the server of the asynchronous trainers, the root of
-/// reduce::parameter_server<Root>, replica 0 otherwise).
+/// holds the optimizer state (the server of the asynchronous trainers: `async_root`, the one
+/// the checkpoint records, 0 when it records none; the root of
+/// reduce::parameter_server<Root>; replica 0 otherwise).
 template <class DP>
-int source_replica(const DP& dp) {
+int source_replica(int async_root) {
     using reduce_type = typename DP::reduce_policy_type;
     if constexpr (is_asynchronous_v<typename DP::sync_policy_type>)
-        return dp.params().root;
+        return async_root >= 0 ? async_root : 0;
     else if constexpr (reduce_type::update_root >= 0)
         return reduce_type::update_root;
     else
         return 0;
+}
+
+/// Reads the whole shard of replica `src` of the `saved` replicas the commit marker m (read
+/// from `path`) records into out, checks it against its record (size, CRC32C) and its own
+/// record of its writer, and compares it with dp's trainer as that replica (check_shard; the
+/// asynchronous trainers: with the server `async_root`, -1: the one the shard records).
+/// Returns every problem found.
+template <class DP>
+std::vector<std::string> read_source_shard(DP& dp, const parsed_header& m,
+                                           const std::filesystem::path& path, int saved, int src,
+                                           int async_root, loaded_shard& out) {
+    const int rank = checkpoint_access::core(dp).comm().rank();
+    recorded_shard rs;
+    if (std::string p = recorded_shard_of(m, path, src, rs); !p.empty())
+        return {p};
+    if (std::string p = read_recorded_shard(rs, out.bytes); !p.empty())
+        return {p};
+    // The shard's own record of its world, before the comparison with the trainer (whose
+    // "trainer" side would be the marker's count here).
+    if (const parsed_header h = parse_header(out.bytes, shard_magic, rs.file.string(), rank);
+        h.find_meta("world_size") != std::to_string(saved) ||
+        h.find_meta("rank") != std::to_string(src))
+        return {concat("shard '", rs.file.string(), "' was written by replica ",
+                       h.find_meta("rank").value_or("(missing)"), " of ",
+                       h.find_meta("world_size").value_or("(missing)"),
+                       ", the commit marker records it as replica ", src, " of ", saved)};
+    std::vector<std::string> problems;
+    check_shard(dp, rs.file, {saved, src, async_root}, out, problems);
+    return problems;
+}
+
+/// Reads the commit marker and this replica's shard and compares them with the trainer.
+/// `generation`: the marker's generation the replicas agreed on (none: no valid marker was
+/// read); a marker that names another is refused (read_committed_shard). The asynchronous
+/// trainers constructed with another server than the run that saved restore every replica
+/// from the saved server's shard (the only one with the optimizer state; the parameters and
+/// state are the same on every replica between train() calls).
+/// Returns every difference found (empty: compatible and intact); `out` holds the shard then.
+template <class DP>
+std::vector<std::string> validate(DP& dp, const std::filesystem::path& path,
+                                  std::optional<std::uint64_t> generation, loaded_shard& out) {
+    auto& core = checkpoint_access::core(dp);
+    const int rank = core.comm().rank();
+    const int replicas = core.comm().size();
+    std::filesystem::path file;
+    std::vector<std::string> problems =
+        read_committed_shard(path, rank, replicas, generation, out.bytes, file);
+    if (file.empty())
+        return problems;
+    if constexpr (is_asynchronous_v<typename DP::sync_policy_type>) {
+        // A root the shard does not record as a replica is reported by check_shard, with the
+        // shard's other differences.
+        int root = -1;
+        const std::string what = "shard '" + file.string() + "'";
+        const parsed_header h = parse_header(out.bytes, shard_magic, what, rank);
+        if (problems.empty() && recorded_async_root(h, what, replicas, root).empty() &&
+            root != dp.params().root && root != rank) {
+            const std::string where = "commit marker '" + path.string() + "'";
+            const std::vector<std::byte> marker = read_file(path, rank);
+            const parsed_header m = parse_header(marker, manifest_magic, where, rank);
+            if (const auto now = m.find_meta("generation");
+                !generation || now != hex16(*generation))
+                return {marker_changed(where, generation, now)};
+            return read_source_shard(dp, m, path, replicas, root, root, out);
+        }
+    }
+    check_shard(dp, file, own_shard(dp), out, problems);
+    return problems;
 }
 
 /// The shard of shard_layout(n, replicas) that holds element e (requires: e < n).
@@ -99,37 +214,21 @@ void read_old_shard_slots(DP& dp, const parsed_header& marker, const std::filesy
                           std::vector<std::string>& problems) {
     using T = typename DP::value_type;
     const int rank = checkpoint_access::core(dp).comm().rank();
-    recorded_shard rs;
-    if (std::string p = recorded_shard_of(marker, path, q, rs); !p.empty()) {
+    shard_head head;
+    if (std::string p = read_shard_head(marker, path, q, head); !p.empty()) {
         problems.push_back(std::move(p));
         return;
     }
-    fd_guard f;
-    if (std::string p = open_recorded_file(rs.file, rs.size, f); !p.empty()) {
-        problems.push_back(std::move(p));
-        return;
-    }
+    const recorded_shard& rs = head.rs;
+    const fd_guard& f = head.f;
     const std::string what = "shard '" + rs.file.string() + "'";
-    std::vector<std::byte> head(std::min<std::uint64_t>(rs.size, min_header_bytes));
-    if (std::string p = read_at(f, rs.file, 0, head); !p.empty()) {
-        problems.push_back(std::move(p));
-        return;
-    }
-    // The header's length, bounded by the file's size before anything is allocated.
-    if (head.size() == min_header_bytes) {
-        const std::uint64_t length = get_u64(head.data() + 16);
-        if (length > head.size() && length <= rs.size) {
-            head.resize(static_cast<std::size_t>(length));
-            if (std::string p = read_at(f, rs.file, 0, head); !p.empty()) {
-                problems.push_back(std::move(p));
-                return;
-            }
-        }
-    }
-    const parsed_header h = parse_header_prefix(head, rs.size, shard_magic, what, rank);
+    const parsed_header h = parse_header_prefix(head.bytes, rs.size, shard_magic, what, rank);
     const std::size_t before = problems.size();
     compare_header(h, describe_trainer(dp, steps, {saved, q}), expected_sections(dp, {saved, q}),
                    what + ": ", problems);
+    if (problems.size() == before)
+        if (std::string p = layout_refusal(dp, h); !p.empty())
+            problems.push_back(what + ": " + p);
     if (problems.size() != before)
         return;
     const auto view = checkpoint_access::core(dp).optimizer().state();
@@ -174,22 +273,24 @@ validate_resized(DP& dp, const std::filesystem::path& path, int saved, std::uint
     const parsed_header m = parse_header(marker, manifest_magic, where, rank);
     if (const auto now = m.find_meta("generation"); now != hex16(gen))
         return {marker_changed(where, gen, now)};
-    const int src = source_replica(dp);
-    recorded_shard rs;
-    if (std::string p = recorded_shard_of(m, path, src, rs); !p.empty())
-        return {p};
-    if (std::string p = read_recorded_shard(rs, out.bytes); !p.empty())
-        return {p};
-    // The shard's own record of its world, before the comparison with the trainer (whose
-    // "trainer" side would be the marker's count here).
-    if (const parsed_header h = parse_header(out.bytes, shard_magic, rs.file.string(), rank);
-        h.find_meta("world_size") != std::to_string(saved) ||
-        h.find_meta("rank") != std::to_string(src))
-        return {concat("shard '", rs.file.string(), "' was written by replica ",
-                       h.find_meta("rank").value_or("(missing)"), " of ",
-                       h.find_meta("world_size").value_or("(missing)"),
-                       ", the commit marker records it as replica ", src, " of ", saved)};
-    check_shard(dp, rs.file, {saved, src}, out, problems);
+    int async_root = -1;
+    if constexpr (is_asynchronous_v<typename DP::sync_policy_type>) {
+        // The saved server (not this trainer's, which may be another or not exist among the
+        // old replicas) holds the optimizer state: its number is in every shard's header.
+        shard_head head;
+        if (std::string p = read_shard_head(m, path, 0, head); !p.empty())
+            return {p};
+        // A root it does not record as a replica: shard 0 is compared, and check_shard reports
+        // that with the shard's other differences.
+        const std::string what = "shard '" + head.rs.file.string() + "'";
+        if (!recorded_async_root(
+                 parse_header_prefix(head.bytes, head.rs.size, shard_magic, what, rank), what,
+                 saved, async_root)
+                 .empty())
+            async_root = -1;
+    }
+    const int src = source_replica<DP>(async_root);
+    problems = read_source_shard(dp, m, path, saved, src, async_root, out);
     if (!problems.empty())
         return problems;
     if constexpr (DP::reduce_policy_type::shards_optimizer_state) {

@@ -20,6 +20,7 @@
 #include "lockstep/train/data_parallel.hpp"
 #include "lockstep/train/detail/agreement.hpp"
 #include "lockstep/train/detail/checkpoint_format.hpp"
+#include "lockstep/train/detail/checkpoint_layout.hpp"
 #include "lockstep/train/detail/checkpoint_marker.hpp"
 #include "lockstep/train/detail/checkpoint_parser.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
@@ -30,8 +31,10 @@
 #include "lockstep/train/detail/visitor.hpp"
 #include "lockstep/train/loss_scaler.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -135,6 +138,9 @@ concept has_loss_scaler = requires(DP& dp) {
 struct shard_owner {
     int world_size = 1;
     int rank = 0;
+    /// The asynchronous trainers' server the shard records (-1: the trainer's own). A load may
+    /// change the server: the saved one's shard is then restored (read_source_shard).
+    int async_root = -1;
 };
 
 /// The replica dp is.
@@ -178,7 +184,8 @@ meta_list describe_trainer(DP& dp, std::int64_t steps, shard_owner as) {
                                               ") of ", core.values().size()));
     }
     if constexpr (is_asynchronous_v<typename DP::sync_policy_type>) {
-        m.emplace_back("async.root", std::to_string(dp.params().root));
+        m.emplace_back("async.root",
+                       std::to_string(as.async_root >= 0 ? as.async_root : dp.params().root));
         m.emplace_back("async.bn_momentum", exact(dp.params().bn_momentum));
     }
     if constexpr (has_loss_scaler<DP>) {
@@ -255,6 +262,27 @@ void for_each_tensor_section(DP& dp, F&& f) {
 /// True for the sections of the optimizer's state buffers ("optimizer.<slot>").
 inline bool is_optimizer_slot(std::string_view name) {
     return name.substr(0, 10) == "optimizer." && name != "optimizer.step";
+}
+
+/// Why dp cannot take the optimizer state of the shard h (empty: it can). A flat optimizer
+/// buffer is moved tensor by tensor into the trainer's layout on restore (to_current_layout),
+/// but reduce::sharded keeps each replica's part of it for a range of the flat buffer, which
+/// another registration order would scatter over other replicas' shards.
+template <class DP>
+std::string layout_refusal(DP& dp, const parsed_header& h) {
+    if constexpr (DP::reduce_policy_type::shards_optimizer_state) {
+        const std::string moved =
+            moved_parameter(checkpoint_access::core(dp).registry().parameters(),
+                            saved_layout<typename DP::value_type>(h));
+        if (!moved.empty())
+            return concat(moved, ": ", DP::reduce_policy_type::name(),
+                          " keeps each replica's optimizer state for a range of the flat buffer, "
+                          "which another order would move to other replicas; register the "
+                          "tensors in the order of the run that saved the checkpoint");
+    }
+    (void)dp;
+    (void)h;
+    return {};
 }
 
 /// Every section the shard of replica `as` of dp's trainer holds, in file order (with
@@ -407,6 +435,19 @@ void check_shard(DP& dp, const std::filesystem::path& file, shard_owner as, load
         if (const auto v = static_cast<std::int64_t>(get_u64(out.bytes.data() + e->offset)); v < 0)
             problems.push_back(concat("section 'optimizer.step': step count ", v, " is negative"));
     }
+    if constexpr (is_asynchronous_v<typename DP::sync_policy_type>) {
+        // Any server of the run that saved is taken (its shard is the one restored): the value
+        // is checked for range instead of equality.
+        if (const auto r = out.header.find_meta("async.root"); r && as.async_root < 0) {
+            const auto v = parse_decimal(*r);
+            if (!v || *v >= static_cast<std::uint64_t>(as.world_size))
+                problems.push_back(concat("async.root: checkpoint ", quote_value(*r),
+                                          " is not a replica of the ", as.world_size,
+                                          " that saved it"));
+            else
+                as.async_root = static_cast<int>(*v);
+        }
+    }
     meta_list expected;
     try {
         expected = describe_trainer(dp, steps, as);
@@ -416,6 +457,9 @@ void check_shard(DP& dp, const std::filesystem::path& file, shard_owner as, load
         expected = describe_trainer(dp, core.steps(), as);
     }
     compare_header(out.header, expected, expected_sections(dp, as), "", problems);
+    if (problems.empty())
+        if (std::string p = layout_refusal(dp, out.header); !p.empty())
+            problems.push_back(std::move(p));
     if constexpr (has_loss_scaler<DP>) {
         // The loss scale's state is checked here, so that restoring it cannot fail half-way.
         const auto e = out.header.find_section("trainer.loss_scale");
@@ -434,24 +478,6 @@ void check_shard(DP& dp, const std::filesystem::path& file, shard_owner as, load
     }
 }
 
-/// Reads the commit marker and this replica's shard and compares them with the trainer.
-/// `generation`: the marker's generation the replicas agreed on (none: no valid marker was
-/// read); a marker that names another is refused (read_committed_shard).
-/// Returns every difference found (empty: compatible and intact); `out` holds the shard then.
-template <class DP>
-std::vector<std::string> validate(DP& dp, const std::filesystem::path& path,
-                                  std::optional<std::uint64_t> generation, loaded_shard& out) {
-    auto& core = checkpoint_access::core(dp);
-    const int rank = core.comm().rank();
-    std::filesystem::path file;
-    std::vector<std::string> problems =
-        read_committed_shard(path, rank, core.comm().size(), generation, out.bytes, file);
-    if (file.empty())
-        return problems;
-    check_shard(dp, file, own_shard(dp), out, problems);
-    return problems;
-}
-
 template <class E>
 std::vector<E> section_values(const loaded_shard& s, std::string_view name) {
     const auto e = s.header.find_section(name);
@@ -468,13 +494,22 @@ void restore(DP& dp, const loaded_shard& s,
     using T = typename DP::value_type;
     auto& core = checkpoint_access::core(dp);
     const auto sys = core.comm().system();
+    const std::vector<tensor_info>& params = core.registry().parameters();
+    const std::vector<saved_place> layout = saved_layout<T>(s.header);
+    // Parameters, state and counters are restored by name; a flat optimizer buffer (unsharded:
+    // one element per parameter element) follows its parameters when they were registered in
+    // another order (sharded state is refused then: layout_refusal).
+    const bool moved =
+        !DP::reduce_policy_type::shards_optimizer_state && !moved_parameter(params, layout).empty();
     std::size_t next_slot = 0;
     for_each_tensor_section(dp, [&](const section_spec& spec, std::span<T> data) {
         if (slots && is_optimizer_slot(spec.name)) {
             copy(std::span<const T>((*slots)[next_slot++]), host_system{1}, data, sys);
             return;
         }
-        const std::vector<T> h = section_values<T>(s, spec.name);
+        std::vector<T> h = section_values<T>(s, spec.name);
+        if (moved && is_optimizer_slot(spec.name) && h.size() == core.values().size())
+            h = to_current_layout(h, layout, params);
         copy(std::span<const T>(h), host_system{1}, data, sys);
     });
     // The values are in the flat buffer; the visitor's network gets them as after a step.
