@@ -17,6 +17,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <mutex>
 #include <sstream>
@@ -25,6 +28,9 @@
 #include <string_view>
 #include <thread>
 #include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 using namespace lockstep_test;
 
@@ -393,4 +399,139 @@ TEST_CASE("a background share outside (0, 1] is refused on every replica before 
         CHECK(refused == std::vector<int>{1, 1});
         CHECK(files_in(dir.path) == 0);
     }
+}
+
+namespace {
+
+/// What fd 2 receives while it lives (a temporary file behind it): the warnings a destructor
+/// prints, which cannot be thrown.
+class stderr_capture {
+public:
+    explicit stderr_capture(const fs::path& file) : file_(file) {
+        std::fflush(stderr);
+        saved_ = ::dup(2);
+        const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        ::dup2(fd, 2);
+        ::close(fd);
+    }
+    stderr_capture(const stderr_capture&) = delete;
+    stderr_capture& operator=(const stderr_capture&) = delete;
+    ~stderr_capture() { restore(); }
+    /// Restores fd 2 and returns what it received.
+    std::string text() {
+        restore();
+        std::ifstream in(file_);
+        return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    }
+
+private:
+    void restore() {
+        if (saved_ < 0)
+            return;
+        std::fflush(stderr);
+        ::dup2(saved_, 2);
+        ::close(saved_);
+        saved_ = -1;
+    }
+    fs::path file_;
+    int saved_ = -1;
+};
+
+} // namespace
+
+TEST_CASE("a background save its trainer is destroyed without awaiting is named on stderr",
+          "[train][checkpoint][thread]") {
+    constexpr int replicas = 2;
+    temp_dir dir;
+    const fs::path path = dir.path / "x.ckpt";
+    const auto run = [&](bool wait) {
+        stderr_capture captured(dir.path / "stderr.txt");
+        thread_group(replicas).run([&](thread_communicator& comm) {
+            dp_type dp(
+                comm, [](auto& ctx) { return net(ctx); }, sgd, params_for(42));
+            one_step(dp);
+            save_checkpoint(dp, path); // the previous checkpoint: step 1
+            one_step(dp);
+            // No step after it: no step reports its end, and replica 0 never commits it.
+            save_checkpoint_async(dp, path);
+            if (wait)
+                (void)dp.finish();
+        });
+        return captured.text();
+    };
+    const std::string lost = run(false);
+    INFO(lost);
+    for (int r = 0; r < replicas; ++r)
+        CHECK(contains(lost, "lockstep: replica " + std::to_string(r) +
+                                 ": the background checkpoint save of step 2 to '" + path.string() +
+                                 "' was neither committed nor awaited"));
+    CHECK(contains(lost, "call finish() or wait_checkpoint() before the trainer goes"));
+    CHECK(std::count(lost.begin(), lost.end(), '\n') == replicas);
+    const std::string awaited = run(true);
+    CHECK(awaited.empty());
+}
+
+TEST_CASE("a background save whose replicas pass different paths is refused before writing",
+          "[train][checkpoint][thread]") {
+    constexpr int replicas = 2;
+    temp_dir dir;
+    std::vector<std::string> thrown(replicas);
+    std::vector<int> codes(replicas, -1);
+    thread_group(replicas).run([&](thread_communicator& comm) {
+        const auto me = static_cast<std::size_t>(comm.rank());
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, sgd, params_for(42));
+        one_step(dp);
+        // A directory per replica: as replicas on nodes that share no file system.
+        try {
+            save_checkpoint_async(dp, dir.path / ("r" + std::to_string(me)) / "x.ckpt");
+        } catch (const lockstep::error& e) {
+            thrown[me] = e.what();
+            codes[me] = static_cast<int>(e.code());
+        }
+        (void)dp.finish();
+    });
+    for (std::size_t r = 0; r < replicas; ++r) {
+        INFO(thrown[r]);
+        CHECK(codes[r] == static_cast<int>(errc::invalid_argument));
+        CHECK_THAT(thrown[r], Catch::Contains("every replica must pass the same path"));
+    }
+    CHECK_FALSE(fs::exists(dir.path / "r0"));
+    CHECK_FALSE(fs::exists(dir.path / "r1"));
+}
+
+TEST_CASE("a background save whose shard replica 0 cannot see fails, uncommitted",
+          "[train][checkpoint][thread]") {
+    constexpr int replicas = 2;
+    temp_dir dir;
+    std::vector<int> event(replicas, -1);
+    std::vector<std::string> thrown(replicas);
+    const fs::path path = dir.path / "x.ckpt";
+    // Replica 1's shard vanishes once written, as on a file system replica 0 does not share.
+    save_options options;
+    options.on_stage = [&](std::string_view stage, int replica) {
+        if (replica != 1 || stage != "shard.renamed")
+            return;
+        for (const auto& e : fs::directory_iterator(dir.path))
+            if (e.path().string().ends_with(".shard1"))
+                fs::remove(e.path());
+    };
+    thread_group(replicas).run([&](thread_communicator& comm) {
+        const auto me = static_cast<std::size_t>(comm.rank());
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, sgd, params_for(42));
+        one_step(dp);
+        save_checkpoint_async(dp, path, options);
+        event[me] = static_cast<int>(step_until_end(dp).first);
+        try {
+            (void)dp.finish();
+        } catch (const lockstep::error& e) {
+            thrown[me] = e.what();
+        }
+    });
+    for (int e : event)
+        CHECK(e == static_cast<int>(checkpoint_event::failed));
+    for (const std::string& t : thrown)
+        CHECK(t.empty()); // every step result reported it: finish() does not throw it again
+    CHECK_FALSE(fs::exists(path));
 }

@@ -862,3 +862,270 @@ TEST_CASE("the dynamic loss scale's state is checkpointed and restored", "[train
         CHECK(contains(what, "loss_scale"));
     }
 }
+
+namespace {
+
+/// Two parameters of different sizes registered as (a, b), or (b, a) with BFirst: the same
+/// names and shapes at other offsets of the flat buffer. Their gradients differ tenfold, so
+/// optimizer state restored to the wrong tensor shows in the steps that follow.
+template <bool BFirst>
+struct two_tensors {
+    tensor_handle<float> a, b;
+    explicit two_tensors(replica_context<float, thread_communicator>& ctx) {
+        if (BFirst)
+            b = ctx.registry().add("b", {3});
+        a = ctx.registry().add("a", {4});
+        if (!BFirst)
+            b = ctx.registry().add("b", {3});
+        for (std::size_t k = 0; k < 4; ++k)
+            a.value()[k] = 0.1f * static_cast<float>(k);
+        for (std::size_t k = 0; k < 3; ++k)
+            b.value()[k] = -0.2f * static_cast<float>(k);
+    }
+    double train(const shard_range& r) {
+        double loss = 0;
+        for (std::size_t i = r.begin; i < r.end; ++i) {
+            const std::uint64_t g = r.sample_index(i);
+            for (std::size_t k = 0; k < 4; ++k) {
+                const float e = a.value()[k] - static_cast<float>(rng_stream{3, 0}.normal(g, k));
+                a.grad()[k] += static_cast<float>(2 * e * r.scale);
+                loss += e * e * r.scale;
+            }
+            for (std::size_t k = 0; k < 3; ++k) {
+                const float e =
+                    b.value()[k] - 10 * static_cast<float>(rng_stream{3, 0}.normal(g, 4 + k));
+                b.grad()[k] += static_cast<float>(2 * e * r.scale);
+                loss += e * e * r.scale;
+            }
+        }
+        return loss;
+    }
+};
+
+/// One replica's tensors by name: values, and every optimizer buffer's elements of each.
+struct named_state {
+    std::vector<float> a, b, opt_a, opt_b;
+    std::int64_t optimizer_steps = 0;
+    std::string error; ///< the load's message, when it threw
+    int unchanged = 0; ///< a refused load left the parameters as they were
+};
+
+bool bitwise(const std::vector<float>& x, const std::vector<float>& y) {
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), 4 * x.size()) == 0;
+}
+
+/// `replicas` replicas of two_tensors<BFirst> (Adam) step to `steps` steps with global batches
+/// of 8, loading `load` first and saving `save` at the end when given. With reduce::sharded the
+/// optimizer's part is its shard: opt_a and opt_b stay empty.
+template <bool BFirst, class Reduce>
+std::vector<named_state> run_ordered(int replicas, std::int64_t steps, const fs::path& load = {},
+                                     const fs::path& save = {}) {
+    using net = two_tensors<BFirst>;
+    using dp_type =
+        data_parallel<net, optim::adam<float>, sync::synchronous, Reduce, thread_communicator>;
+    std::vector<named_state> out(static_cast<std::size_t>(replicas));
+    thread_group(replicas).run([&](thread_communicator& comm) {
+        dp_type dp(comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.05}, {.seed = 42});
+        named_state& s = out[static_cast<std::size_t>(comm.rank())];
+        const std::vector<float> before(dp.parameters().begin(), dp.parameters().end());
+        try {
+            if (!load.empty())
+                load_checkpoint(dp, load);
+        } catch (const lockstep::error& e) {
+            s.error = e.what();
+            s.unchanged = std::equal(before.begin(), before.end(), dp.parameters().begin()) ? 1 : 0;
+            return;
+        }
+        while (dp.steps() < steps)
+            dp.step(8, [](net& n, const shard_range& r, auto&) { return n.train(r); });
+        if (!save.empty())
+            save_checkpoint(dp, save);
+        auto& n = dp.network();
+        s.a.assign(n.a.value().begin(), n.a.value().end());
+        s.b.assign(n.b.value().begin(), n.b.value().end());
+        if constexpr (!Reduce::shards_optimizer_state)
+            for (const auto& slot : dp.optimizer().state().slots) {
+                const auto ta = slot.data.subspan(n.a.info().offset, n.a.size());
+                const auto tb = slot.data.subspan(n.b.info().offset, n.b.size());
+                s.opt_a.insert(s.opt_a.end(), ta.begin(), ta.end());
+                s.opt_b.insert(s.opt_b.end(), tb.begin(), tb.end());
+            }
+        s.optimizer_steps = dp.optimizer().step_count();
+    });
+    return out;
+}
+
+} // namespace
+
+TEST_CASE("a network that registers its tensors in another order resumes with each tensor's "
+          "optimizer state",
+          "[train][checkpoint][thread]") {
+    temp_dir dir;
+    SECTION("the same replica count, reduce::bucketed: bitwise the uninterrupted run") {
+        const fs::path path = dir.path / "order.ckpt";
+        const auto full = run_ordered<false, reduce::bucketed<>>(2, 6);
+        const auto saved = run_ordered<false, reduce::bucketed<>>(2, 3, {}, path);
+        const auto loaded = run_ordered<true, reduce::bucketed<>>(2, 3, path);
+        const auto resumed = run_ordered<true, reduce::bucketed<>>(2, 6, path);
+        for (std::size_t r = 0; r < 2; ++r) {
+            INFO("replica " << r);
+            REQUIRE(loaded[r].error.empty());
+            CHECK(bitwise(loaded[r].opt_a, saved[r].opt_a)); // moved with its tensor
+            CHECK(bitwise(loaded[r].opt_b, saved[r].opt_b));
+            CHECK(bitwise(resumed[r].a, full[r].a));
+            CHECK(bitwise(resumed[r].b, full[r].b));
+            CHECK(bitwise(resumed[r].opt_a, full[r].opt_a));
+            CHECK(bitwise(resumed[r].opt_b, full[r].opt_b));
+        }
+    }
+    SECTION("2 -> 3 replicas, reduce::reproducible: bitwise the uninterrupted run at 3") {
+        using repro = reduce::reproducible<2>;
+        const fs::path path = dir.path / "order_resized.ckpt";
+        const auto full = run_ordered<false, repro>(3, 6);
+        const auto saved = run_ordered<false, repro>(2, 3, {}, path);
+        const auto loaded = run_ordered<true, repro>(3, 3, path);
+        const auto resumed = run_ordered<true, repro>(3, 6, path);
+        for (std::size_t r = 0; r < 3; ++r) {
+            INFO("new replica " << r);
+            REQUIRE(loaded[r].error.empty());
+            CHECK(bitwise(loaded[r].opt_a, saved[0].opt_a));
+            CHECK(bitwise(loaded[r].opt_b, saved[0].opt_b));
+            CHECK(bitwise(resumed[r].a, full[r].a));
+            CHECK(bitwise(resumed[r].b, full[r].b));
+        }
+    }
+    SECTION("reduce::sharded refuses another order on every replica, nothing loaded") {
+        using sharded = reduce::sharded<>;
+        const fs::path path = dir.path / "order_sharded.ckpt";
+        run_ordered<false, sharded>(2, 3, {}, path);
+        for (int replicas : {2, 3}) {
+            INFO(replicas << " replicas");
+            const auto loaded = run_ordered<true, sharded>(replicas, 3, path);
+            for (std::size_t r = 0; r < loaded.size(); ++r) {
+                INFO("replica " << r << ": " << loaded[r].error);
+                CHECK(loaded[r].error.find("replica " + std::to_string(r) +
+                                           ": load_checkpoint: ") != std::string::npos);
+                CHECK(loaded[r].error.find(
+                          "parameter 'b' was registered at position 1 by the run that saved the "
+                          "checkpoint (elements [4, 7) of the flat buffer) and at position 0 by "
+                          "this trainer (elements [0, 3))") != std::string::npos);
+                CHECK(loaded[r].error.find("register the tensors in the order of the run that "
+                                           "saved the checkpoint") != std::string::npos);
+                CHECK(loaded[r].unchanged == 1);
+            }
+        }
+        CHECK(run_ordered<false, sharded>(2, 4, path)[0].error.empty()); // control
+    }
+}
+
+namespace {
+
+/// A four-element network for the tests of checkpoint calls made wrongly.
+struct tiny_net {
+    tensor_handle<float> a;
+    explicit tiny_net(replica_context<float, thread_communicator>& ctx) {
+        a = ctx.registry().add("a", {4});
+        ctx.registry().finalize();
+    }
+};
+using tiny_dp = data_parallel<tiny_net, optim::sgd<float>, sync::synchronous, reduce::bucketed<>>;
+
+double tiny_step(tiny_net& n, const shard_range& r, replica_context<float, thread_communicator>&) {
+    for (float& g : n.a.grad())
+        g += static_cast<float>(static_cast<double>(r.size()) * r.scale);
+    return 0.0;
+}
+
+/// Each replica's error message from body(dp, comm) on 2 thread replicas ("" when none).
+template <class Body>
+std::vector<std::string> tiny_errors(Body body) {
+    std::vector<std::string> errors(2);
+    try {
+        thread_group(2, {.timeout = std::chrono::seconds(10)}).run([&](thread_communicator& comm) {
+            try {
+                tiny_dp dp(comm, [](auto& ctx) { return tiny_net(ctx); }, {.lr = 0.05});
+                body(dp, comm);
+                (void)dp.finish();
+            } catch (const lockstep::error& e) {
+                errors[static_cast<std::size_t>(comm.rank())] = e.what();
+                throw;
+            }
+        });
+    } catch (const std::exception&) {
+    }
+    return errors;
+}
+
+} // namespace
+
+TEST_CASE("replicas passing different checkpoint paths are refused on every replica",
+          "[train][checkpoint][thread]") {
+    temp_dir dir;
+    fs::create_directories(dir.path / "r0");
+    fs::create_directories(dir.path / "r1");
+    const auto mine = [&](thread_communicator& comm) {
+        return dir.path / ("r" + std::to_string(comm.rank())) / "x.ckpt";
+    };
+    SECTION("save_checkpoint: before anything is written") {
+        const auto errors = tiny_errors([&](tiny_dp& dp, thread_communicator& comm) {
+            dp.step(4, tiny_step);
+            save_checkpoint(dp, mine(comm));
+        });
+        for (const std::string& e : errors) {
+            INFO(e);
+            CHECK(contains(e, "invalid_argument"));
+            CHECK(contains(e, "save_checkpoint: the replicas passed different paths"));
+            CHECK(contains(e, "replica(s) 0 passed '" + (dir.path / "r0" / "x.ckpt").string()));
+            CHECK(contains(e, "replica(s) 1 passed '" + (dir.path / "r1" / "x.ckpt").string()));
+            CHECK(contains(e, "on a file system all of them share"));
+        }
+        CHECK(fs::is_empty(dir.path / "r0"));
+        CHECK(fs::is_empty(dir.path / "r1"));
+    }
+    SECTION("load_checkpoint") {
+        (void)tiny_errors([&](tiny_dp& dp, thread_communicator&) {
+            dp.step(4, tiny_step);
+            save_checkpoint(dp, dir.path / "r0" / "x.ckpt");
+        });
+        const auto errors = tiny_errors(
+            [&](tiny_dp& dp, thread_communicator& comm) { load_checkpoint(dp, mine(comm)); });
+        for (const std::string& e : errors) {
+            INFO(e);
+            CHECK(contains(e, "load_checkpoint: the replicas passed different paths"));
+            CHECK(contains(e, "replica(s) 1 passed '" + (dir.path / "r1" / "x.ckpt").string()));
+        }
+    }
+}
+
+TEST_CASE("a checkpoint call made on one replica only is named on every replica",
+          "[train][checkpoint][thread]") {
+    temp_dir dir;
+    const fs::path path = dir.path / "x.ckpt";
+    SECTION("save_checkpoint") {
+        const auto errors = tiny_errors([&](tiny_dp& dp, thread_communicator& comm) {
+            dp.step(4, tiny_step);
+            if (comm.rank() == 0)
+                save_checkpoint(dp, path);
+            dp.step(4, tiny_step);
+        });
+        for (const std::string& e : errors) {
+            INFO(e);
+            CHECK(contains(e, "tag 'save_checkpoint'"));
+        }
+    }
+    SECTION("load_checkpoint") {
+        (void)tiny_errors([&](tiny_dp& dp, thread_communicator&) {
+            dp.step(4, tiny_step);
+            save_checkpoint(dp, path);
+        });
+        const auto errors = tiny_errors([&](tiny_dp& dp, thread_communicator& comm) {
+            if (comm.rank() == 0)
+                load_checkpoint(dp, path);
+            dp.step(4, tiny_step);
+        });
+        for (const std::string& e : errors) {
+            INFO(e);
+            CHECK(contains(e, "tag 'load_checkpoint'"));
+        }
+    }
+}

@@ -11,10 +11,12 @@
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/optim/adam.hpp"
 #include "lockstep/optim/sgd.hpp"
+#include "lockstep/train/async_checkpoint.hpp"
 #include "support/contains.hpp"
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -24,6 +26,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -474,4 +477,115 @@ TEST_CASE("a replica that times out but joins the shrink at every try ends the r
     CHECK(attempts.load() <= 2);
     CHECK(code == errc::timeout);
     CHECK(group.lost().empty());
+}
+
+namespace {
+
+/// A background save (save_checkpoint_async) begun at step 3 on 3 replicas, with replica 2 lost
+/// in step `die_at` (-1: the step after the one that reported the save's end). Per replica (by
+/// thread index): the events its steps reported, what wait_checkpoint returned (as an int) or
+/// threw, and the step count a load of the checkpoint afterwards restores.
+struct save_lost_run {
+    std::vector<std::vector<int>> events = std::vector<std::vector<int>>(3);
+    std::vector<int> waited = std::vector<int>(3, -1);
+    std::vector<std::string> wait_error = std::vector<std::string>(3);
+    std::int64_t loaded_steps = -1;
+};
+
+save_lost_run save_then_lose(std::int64_t die_at, bool hold_writers) {
+    using net = mlp<float, thread_communicator, storage::registry, bn::global>;
+    using trainer = data_parallel<net, optim::sgd<float>, sync::synchronous, reduce::per_tensor,
+                                  thread_communicator>;
+    const temp_dir dir("shrink_save");
+    const fs::path path = dir.path / "x.ckpt";
+    const auto factory = [](auto& ctx) { return net(ctx); };
+    // Held writers never finish their shard before the loss: the save cannot have committed.
+    std::atomic<bool> released{!hold_writers};
+    const save_options held{.on_stage = [&](std::string_view stage, int) {
+        const auto until = std::chrono::steady_clock::now() + 10s;
+        while (stage == "shard.partial" && !released.load() &&
+               std::chrono::steady_clock::now() < until)
+            std::this_thread::sleep_for(1ms);
+    }};
+    save_lost_run out;
+    thread_group group(3, {.timeout = 20s});
+    group.run([&](thread_communicator& comm) {
+        const auto me = static_cast<std::size_t>(comm.replica());
+        std::int64_t dies = die_at;
+        const auto fn = [&](net& n, const shard_range& range, auto& ctx) {
+            if (ctx.step() == dies && me == 2) {
+                released.store(true);
+                throw replica_killed("replica 2 lost");
+            }
+            return n.train(range, ctx);
+        };
+        try {
+            trainer dp(comm, factory, {.lr = 0.05f},
+                       {.seed = 42, .on_replica_failure = replica_failure::shrink});
+            for (int s = 0; s < 2; ++s)
+                (void)dp.step(shrink_batch, fn);
+            save_checkpoint(dp, path); // the previous checkpoint: step 2
+            (void)dp.step(shrink_batch, fn);
+            save_checkpoint_async(dp, path, held); // step 3
+            // Until two steps after the loss (at most 500 steps while waiting for the commit).
+            for (int s = 0; s < 500 && (dies < 0 || dp.steps() < dies + 2); ++s) {
+                const step_result r = dp.step(shrink_batch, fn);
+                out.events[me].push_back(static_cast<int>(r.checkpoint));
+                if (r.checkpoint != checkpoint_event::none && dies < 0)
+                    dies = r.step + 1;
+                if (dies < 0) // wait for the committed save's report
+                    std::this_thread::sleep_for(1ms);
+            }
+            try {
+                out.waited[me] = static_cast<int>(wait_checkpoint(dp));
+            } catch (const lockstep::error& e) {
+                out.wait_error[me] = e.what();
+            }
+            (void)dp.finish();
+        } catch (const replica_killed&) {
+            // the lost replica's thread ends
+        }
+    });
+    thread_group(2).run([&](thread_communicator& comm) {
+        trainer dp(comm, factory, {.lr = 0.05f}, {.seed = 7});
+        load_checkpoint(dp, path);
+        if (comm.rank() == 0)
+            out.loaded_steps = dp.steps();
+    });
+    return out;
+}
+
+} // namespace
+
+TEST_CASE("a background save in flight when the group shrinks is reported failed, never dropped",
+          "[shrink]") {
+    const save_lost_run run = save_then_lose(4, true);
+    for (std::size_t r : {std::size_t{0}, std::size_t{1}}) {
+        INFO("replica " << r);
+        // The step computed again after the loss (step 4, the second after the save) reports it.
+        REQUIRE(run.events[r].size() >= 2);
+        CHECK(run.events[r][1] == static_cast<int>(checkpoint_event::failed));
+        CHECK(std::count(run.events[r].begin(), run.events[r].end(),
+                         static_cast<int>(checkpoint_event::none)) ==
+              static_cast<std::ptrdiff_t>(run.events[r].size()) - 1);
+        CHECK(run.waited[r] == -1);
+        CHECK(contains(run.wait_error[r], "wait_checkpoint"));
+        CHECK(contains(run.wait_error[r],
+                       "abandoned: the group shrank (replica(s) 2 lost) before it committed"));
+    }
+    CHECK(run.loaded_steps == 2); // the previous checkpoint stands
+}
+
+TEST_CASE("a background save committed before the group shrinks stays reported committed",
+          "[shrink]") {
+    const save_lost_run run = save_then_lose(-1, false);
+    for (std::size_t r : {std::size_t{0}, std::size_t{1}}) {
+        INFO("replica " << r << ": " << run.wait_error[r]);
+        CHECK(std::count(run.events[r].begin(), run.events[r].end(),
+                         static_cast<int>(checkpoint_event::committed)) == 1);
+        CHECK(std::count(run.events[r].begin(), run.events[r].end(),
+                         static_cast<int>(checkpoint_event::failed)) == 0);
+        CHECK(run.waited[r] == static_cast<int>(checkpoint_event::committed));
+    }
+    CHECK(run.loaded_steps == 3);
 }

@@ -63,7 +63,8 @@ void save_checkpoint_async(data_parallel<Network, Optimizer, Sync, Reduce, Comm>
                      " (must be in (0, 1]; 1: the writer never pauses)");
     auto& background = detail::checkpoint_access::background(dp);
     (void)background.resolve(comm, "save_checkpoint_async", false);
-    const ck::save_id id = ck::agree_save_id(comm, background.inflight());
+    const ck::save_id id =
+        ck::agree_save_id(comm, background.inflight(), path, "save_checkpoint_async");
     ck::file_builder snapshot;
     auto& staging = detail::checkpoint_access::staging(dp);
     // A snapshot that fails fails the save on every replica, through the steps' status.

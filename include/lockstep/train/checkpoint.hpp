@@ -71,7 +71,9 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
 
     // One fresh generation for this save, in flight in replica 0's process until it returns.
     std::optional<ck::inflight_scope> inflight;
-    const ck::save_id id = ck::agree_save_id(comm, inflight);
+    // The same all_gather compares the paths: replicas writing to different places would
+    // commit a checkpoint that can never load.
+    const ck::save_id id = ck::agree_save_id(comm, inflight, path, "save_checkpoint");
 
     ck::shard_record mine;
     std::string problem = ck::failure_of(
@@ -130,17 +132,37 @@ void load_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
     // Every replica must take the same path below: they compare the save they read.
     const auto saved = ck::read_committed_save(path, comm.rank());
     const ck::committed_save mine = saved.value_or(ck::committed_save{});
-    const int row[3] = {mine.world_size, static_cast<int>(static_cast<std::uint32_t>(mine.gen)),
-                        static_cast<int>(static_cast<std::uint32_t>(mine.gen >> 32))};
-    std::vector<int> rows(3 * static_cast<std::size_t>(comm.size()));
-    detail::host_all_gather(comm, std::span<const int>(row), std::span<int>(rows));
+    const std::array<int, 2> hash = ck::path_hash(path);
+    const int row[5] = {mine.world_size, static_cast<int>(static_cast<std::uint32_t>(mine.gen)),
+                        static_cast<int>(static_cast<std::uint32_t>(mine.gen >> 32)), hash[0],
+                        hash[1]};
+    std::vector<int> rows(5 * static_cast<std::size_t>(comm.size()));
+    // Tagged: a replica that does not call load_checkpoint is named by it in the mismatch.
+    ck::tagged_all_gather(comm, std::span<const int>(row), std::span<int>(rows),
+                          collective_tag("load_checkpoint"));
+    if (!ck::same_path_hash(rows, 5, 3))
+        ck::fail_different_paths(comm, path, "load_checkpoint");
     bool same = true;
-    for (std::size_t i = 0; i < rows.size(); ++i)
-        same = same && rows[i] == row[i % 3];
-    if (!same) // seen by every replica: each compares every row with its own
+    for (std::size_t i = 0; i < rows.size(); i += 5)
+        same = same && rows[i] == row[0] && rows[i + 1] == row[1] && rows[i + 2] == row[2];
+    if (!same) { // seen by every replica: each compares every row with its own
+        std::string read;
+        for (std::size_t i = 0; i < rows.size(); i += 5) {
+            const std::uint64_t gen = std::uint64_t(static_cast<std::uint32_t>(rows[i + 1])) |
+                                      std::uint64_t(static_cast<std::uint32_t>(rows[i + 2])) << 32;
+            read += (read.empty() ? "" : ", ") + std::string("replica ") + std::to_string(i / 5) +
+                    ": " +
+                    (rows[i] == 0 && gen == 0 ? std::string("no readable marker")
+                                              : "generation " + ck::hex16(gen) + " of " +
+                                                    std::to_string(rows[i]) + " replica(s)");
+        }
         ck::agree_or_fail(comm,
-                          "the replicas read different commit markers (a save committed meanwhile)",
+                          "the replicas read different commit markers (" + read +
+                              "): a save committed meanwhile, or the replicas do not share one "
+                              "file system (every replica must pass the same path, on a file "
+                              "system all of them share)",
                           "load_checkpoint", what);
+    }
 
     ck::loaded_shard shard;
     std::vector<std::vector<T>> slots;

@@ -99,7 +99,8 @@ public:
                   train_params tp = {})
         : base_type(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp),
                     base_type::policy_settings(), true),
-          saves_(std::make_unique<detail::background_save>(comm.rank())),
+          saves_(std::make_unique<detail::background_save>(comm.rank(), comm.size(),
+                                                           [this] { return core_.steps(); })),
           parts_(std::make_unique<step_parts>(core_, saves_.get())),
           stragglers_(comm, core_.params().report_stragglers_every) {
         detail::check_shrink_settings<ReducePolicy, SyncPolicy>(core_.params(), comm);
@@ -368,15 +369,16 @@ private:
     }
 
     /// After a shrink: everything that depends on the replica count, built anew (the gradient
-    /// hook kept); a background save in flight is abandoned (its commit needed the lost
-    /// replica's shard: the previous checkpoint stands).
+    /// hook kept). A background save in flight is decided (background_save::shrank, one small
+    /// all_gather): reported committed when it had committed, else failed, abandoned (its commit
+    /// needed the lost replica's shard: the previous checkpoint stands), by the next step's
+    /// result or wait_checkpoint / finish, as any background save's end.
     void rebuild() {
         auto& comm = core_.comm();
-        auto saves = std::make_unique<detail::background_save>(comm.rank());
-        auto parts = std::make_unique<step_parts>(core_, saves.get());
+        saves_->shrank(comm);
+        auto parts = std::make_unique<step_parts>(core_, saves_.get());
         parts->stages.set_gradient_hook(parts_->stages.gradient_hook_function());
         parts_ = std::move(parts);
-        saves_ = std::move(saves);
         stragglers_ = detail::straggler_meter(comm, core_.params().report_stragglers_every);
         capture_ = detail::step_capture{};
     }

@@ -5,6 +5,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/comm_stream.hpp"
 #include "lockstep/core/crc32c.hpp"
 #include "lockstep/core/error.hpp"
@@ -12,10 +13,12 @@
 #include "lockstep/train/step_state.hpp"
 #include "lockstep/train/train_params.hpp"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <optional>
@@ -63,10 +66,37 @@ public:
     static constexpr int none = 0, writing = 1, durable = 2, failed = 3, committing = 4,
                          committed = 5, refused = 6;
 
-    explicit background_save(int rank) : rank_(rank) {}
+    /// The save of replica `rank` of `size`; `steps` (if any) tells the trainer's step count
+    /// (what the destructor's warning names as the save's step).
+    background_save(int rank, int size, std::function<std::int64_t()> steps = {})
+        : rank_(rank), size_(size), steps_(std::move(steps)) {}
     background_save(const background_save&) = delete;
     background_save& operator=(const background_save&) = delete;
-    ~background_save() { join(); }
+    /// Waits for the writer. A save still unresolved whose end no step reported and that did not
+    /// commit here is lost without a word otherwise: a destructor cannot throw, so it prints one
+    /// line to stderr naming the replica, the save's step and path, and the fix (finish() or
+    /// wait_checkpoint() before the trainer goes); lost_unawaited() tells the same.
+    ~background_save() {
+        join();
+        if (!lost_unawaited())
+            return;
+        const std::string line =
+            "lockstep: replica " + std::to_string(rank_) + ": the background checkpoint save of " +
+            "step " + std::to_string(begun_step_) + " to '" + path_.string() +
+            "' was neither committed nor awaited when its trainer was destroyed: it is lost" +
+            (rank_ == 0 ? "" : " unless replica 0 committed it") +
+            " (the previous checkpoint at that path stands); call finish() or wait_checkpoint() "
+            "before the trainer goes\n";
+        std::fputs(line.c_str(), stderr);
+    }
+
+    /// True when a save is unresolved, no step reported its end and it did not commit on this
+    /// replica (replica 0 commits): what the destructor warns about.
+    /// requires: the writer is joined (after resolve(), or in the destructor).
+    bool lost_unawaited() const noexcept {
+        return unresolved_ && !seen_ && abandoned_ != committed &&
+               outcome_.load(std::memory_order_acquire) != committed;
+    }
 
     /// True from begin() to resolve(): the same on every replica (both are collective).
     bool unresolved() const noexcept { return unresolved_; }
@@ -87,6 +117,11 @@ public:
         join(); // resolve() joined it; a writer must never be replaced while it runs
         path_ = path;
         id_ = id;
+        begun_step_ = steps_ ? steps_() : -1;
+        shard_rank_ = rank_;
+        abandoned_ = none;
+        abandon_reason_.clear();
+        reported_ = checkpoint_event::none;
         hook_ = std::move(hook);
         share_ = share;
         ++index_;
@@ -137,6 +172,12 @@ public:
     checkpoint_event observe(std::span<const replica_row> rows) override {
         if (!unresolved_ || seen_ || rows.empty())
             return checkpoint_event::none;
+        if (abandoned_ != none) { // decided when the group shrank, the same on every survivor
+            seen_ = true;
+            reported_ =
+                abandoned_ == committed ? checkpoint_event::committed : checkpoint_event::failed;
+            return reported_;
+        }
         const auto cur = static_cast<double>(index_);
         if (rank_ == 0 && outcome_.load() == none) {
             bool all_durable = true, any_failed = false;
@@ -176,7 +217,9 @@ public:
             return checkpoint_event::none;
         if (w0.state == committed || w0.state == refused) {
             seen_ = true;
-            return w0.state == committed ? checkpoint_event::committed : checkpoint_event::failed;
+            reported_ =
+                w0.state == committed ? checkpoint_event::committed : checkpoint_event::failed;
+            return reported_;
         }
         return checkpoint_event::none;
     }
@@ -192,6 +235,18 @@ public:
             return checkpoint_event::none;
         join();
         unresolved_ = false;
+        if (abandoned_ != none) { // decided when the group shrank (shrank()), on every survivor
+            const bool was_committed = abandoned_ == committed;
+            abandoned_ = none;
+            inflight_.reset();
+            if (was_committed)
+                return checkpoint_event::committed;
+            if (seen_ && !always_throw)
+                return checkpoint_event::failed;
+            ckpt::fail_agreed(comm, abandon_reason_, op,
+                              "saving checkpoint '" + path_.string() +
+                                  "' in the background failed:");
+        }
         // Joined: the shard is durable or failed (begin() stores failed for a writer that
         // never started); anything else is a failure too, never a shard to commit.
         const int level = shard_.load();
@@ -204,7 +259,9 @@ public:
         const int mine[5] = {record[0], record[1], record[2], problem.empty() ? 1 : 0,
                              seen_ ? 1 : 0};
         std::vector<int> all(5 * static_cast<std::size_t>(comm.size()));
-        host_all_gather(comm, std::span<const int>(mine), std::span<int>(all));
+        // Tagged with the caller: a replica that skips it is named by the call it skipped.
+        ckpt::tagged_all_gather(comm, std::span<const int>(mine), std::span<int>(all),
+                                collective_tag(op));
         bool shards_ok = true, all_seen = true;
         std::vector<ckpt::shard_record> shards;
         for (std::size_t r = 0; r < all.size(); r += 5) {
@@ -228,6 +285,59 @@ public:
                           "saving checkpoint '" + path_.string() + "' in the background failed:");
     }
 
+    /// Collective over the survivors, after the group shrank (data_parallel's rebuild, with
+    /// the shrunk communicator): an unresolved save is decided here, the same on every survivor,
+    /// and the next step's result (or wait_checkpoint / finish) reports it as it reports any
+    /// save's end. Committed when a step had reported it committed, when replica 0's marker
+    /// writer committed it (joined here when it is running on a survivor) or when any survivor
+    /// reads a commit marker naming its generation; otherwise failed ("abandoned: the group
+    /// shrank (replica N lost) before it committed": the lost shard can never be written, and the
+    /// previous checkpoint stands). A shard writer still running is not waited for here (the next
+    /// save, a wait or the destructor joins it). ensures: rank and size are the communicator's.
+    template <class Comm>
+    void shrank(Comm& comm) {
+        const int old_rank = rank_, old_size = size_;
+        rank_ = comm.rank();
+        size_ = comm.size();
+        if (!unresolved_ || abandoned_ != none) // the same on every survivor
+            return;
+        bool committed_here = seen_ && reported_ == checkpoint_event::committed;
+        if (!seen_) {
+            if (outcome_.load() == committing)
+                join(); // replica 0's marker writer: its result decides
+            committed_here = outcome_.load() == committed ||
+                             ckpt::committed_generation(path_) == std::optional(id_.gen);
+        }
+        const int mine[2] = {old_rank, committed_here ? 1 : 0};
+        std::vector<int> all(2 * static_cast<std::size_t>(comm.size()));
+        ckpt::tagged_all_gather(comm, std::span<const int>(mine), std::span<int>(all),
+                                collective_tag("data_parallel.step"));
+        bool any_committed = false;
+        std::vector<int> present(static_cast<std::size_t>(std::max(old_size, 0)), 0);
+        for (std::size_t i = 0; i < all.size(); i += 2) {
+            any_committed = any_committed || all[i + 1] == 1;
+            if (all[i] >= 0 && all[i] < old_size)
+                present[static_cast<std::size_t>(all[i])] = 1;
+        }
+        std::string lost;
+        for (std::size_t r = 0; r < present.size(); ++r)
+            if (present[r] == 0)
+                lost += (lost.empty() ? "" : ", ") + std::to_string(r);
+        if (lost.empty())
+            lost = "none named";
+        if (seen_) {
+            abandoned_ = reported_ == checkpoint_event::committed ? committed : refused;
+            abandon_reason_ = "it failed (a step's result reported it) and the group shrank since "
+                              "(replica(s) " +
+                              lost + " lost)";
+        } else {
+            abandoned_ = any_committed ? committed : refused;
+            abandon_reason_ = "abandoned: the group shrank (replica(s) " + lost +
+                              " lost) before it committed; the previous checkpoint at '" +
+                              path_.string() + "' stands";
+        }
+    }
+
 private:
     void join() {
         if (writer_.joinable())
@@ -241,8 +351,8 @@ private:
         shard_error_ = ckpt::failure_of(
             [&] {
                 ready();
-                shard_record_ =
-                    ckpt::write_shard(snapshot, path_, id_, rank_, hook_, [&pace] { pace(); });
+                shard_record_ = ckpt::write_shard(snapshot, path_, id_, shard_rank_, hook_,
+                                                  [&pace] { pace(); });
             },
             "unknown exception while writing the shard");
         shard_.store(shard_error_.empty() ? durable : failed, std::memory_order_release);
@@ -256,6 +366,14 @@ private:
     }
 
     int rank_;
+    /// The save's shard index: rank_ at begin(), read by the writer (shrank() changes rank_).
+    int shard_rank_ = 0;
+    int size_;                            ///< the replicas (until the group shrinks)
+    std::function<std::int64_t()> steps_; ///< the trainer's step count (may be empty)
+    std::int64_t begun_step_ = -1;        ///< the step count when the save began
+    int abandoned_ = none;                ///< committed or refused: decided by shrank()
+    std::string abandon_reason_;          ///< why shrank() refused it
+    checkpoint_event reported_ = checkpoint_event::none; ///< what observe() reported
     std::filesystem::path path_;
     ckpt::save_id id_;
     ckpt::stage_hook hook_;

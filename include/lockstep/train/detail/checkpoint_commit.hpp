@@ -4,6 +4,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/train/detail/checkpoint_format.hpp"
 #include "lockstep/train/detail/checkpoint_marker.hpp"
@@ -21,6 +22,8 @@
 #include <random>
 #include <span>
 #include <string>
+#include <string_view>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -86,10 +89,72 @@ void agree_or_fail(Comm& comm, const std::string& problem, const char* op,
         fail_agreed(comm, problem, op, what);
 }
 
-/// One fresh save id (collective: one all_gather), drawn by replica 0; `inflight` is registered
-/// in replica 0's process (clean-up leaves the save's files alone) before any replica learns it.
+/// host_all_gather tagged `tag` where the communicator takes a collective_tag (the thread
+/// group's and MPI's), so that a replica that skips the checkpoint call is named by it in the
+/// mismatch message ("tag 'save_checkpoint'"); untagged elsewhere (NCCL). Collective.
+template <class Comm, class T>
+void tagged_all_gather(Comm& comm, std::span<const T> send, std::span<T> recv,
+                       const collective_tag& tag) {
+    if constexpr (Comm::system_type::is_host && requires { comm.all_gather(send, recv, tag); })
+        comm.all_gather(send, recv, tag);
+    else
+        host_all_gather(comm, send, recv);
+}
+
+/// A 64-bit FNV-1a hash of the path as the caller gave it (not canonicalised: an absolute path
+/// may legitimately be spelt differently on another node's mounts), as two ints.
+inline std::array<int, 2> path_hash(const std::filesystem::path& path) {
+    std::uint64_t h = 14695981039346656037ull;
+    for (char c : path.string()) {
+        h ^= static_cast<unsigned char>(c);
+        h *= 1099511628211ull;
+    }
+    return {static_cast<int>(static_cast<std::uint32_t>(h)),
+            static_cast<int>(static_cast<std::uint32_t>(h >> 32))};
+}
+
+/// Once an all_gather of every replica's path_hash showed that they differ (the same answer on
+/// every replica): every replica throws ONE lockstep::error (invalid_argument, operation `op`)
+/// naming which replicas passed which path (collective: gather_strings).
 template <class Comm>
-save_id agree_save_id(Comm& comm, std::optional<inflight_scope>& inflight) {
+[[noreturn]] void fail_different_paths(Comm& comm, const std::filesystem::path& path,
+                                       const char* op) {
+    const std::vector<std::string> paths = gather_strings(comm, path.string());
+    std::vector<std::pair<std::string, std::string>> groups; // path, its replicas
+    for (std::size_t r = 0; r < paths.size(); ++r) {
+        auto g = std::find_if(groups.begin(), groups.end(),
+                              [&](const auto& p) { return p.first == paths[r]; });
+        if (g == groups.end())
+            g = groups.insert(groups.end(), {paths[r], std::string()});
+        g->second += (g->second.empty() ? "" : ", ") + std::to_string(r);
+    }
+    std::string which;
+    for (const auto& [p, replicas] : groups)
+        which += (which.empty() ? "" : "; ") + std::string("replica(s) ") + replicas + " passed '" +
+                 p + "'";
+    fail(errc::invalid_argument, comm.rank(), op, "the replicas passed different paths: ", which,
+         ": every replica must pass the same path, on a file system all of them share (a "
+         "relative path is compared as given: it must also name the same place in every "
+         "replica's working directory)");
+}
+
+/// Whether the path_hash values at `at` of each `stride` ints of `all` are all the same.
+inline bool same_path_hash(std::span<const int> all, std::size_t stride, std::size_t at) {
+    for (std::size_t i = 0; i < all.size(); i += stride)
+        if (all[i + at] != all[at] || all[i + at + 1] != all[at + 1])
+            return false;
+    return true;
+}
+
+/// One fresh save id (collective: one all_gather, tagged `op`: "save_checkpoint" or
+/// "save_checkpoint_async"), drawn by replica 0; `inflight` is registered in replica 0's
+/// process (clean-up leaves the save's files alone) before any replica learns it. The same
+/// all_gather compares every replica's path (its path_hash): when they differ every replica
+/// throws lockstep::error (invalid_argument) naming which replicas passed which path, before
+/// anything is written.
+template <class Comm>
+save_id agree_save_id(Comm& comm, std::optional<inflight_scope>& inflight,
+                      const std::filesystem::path& path, const char* op) {
     save_id id;
     const int rank = comm.rank();
     if (rank == 0) {
@@ -100,11 +165,17 @@ save_id agree_save_id(Comm& comm, std::optional<inflight_scope>& inflight) {
         id.owner = this_process();
     }
     inflight.emplace(id.gen, rank == 0);
-    const int mine[4] = {static_cast<int>(static_cast<std::uint32_t>(id.gen)),
+    const std::array<int, 2> hash = path_hash(path);
+    const int mine[6] = {static_cast<int>(static_cast<std::uint32_t>(id.gen)),
                          static_cast<int>(static_cast<std::uint32_t>(id.gen >> 32)),
-                         static_cast<int>(id.owner.pid), static_cast<int>(id.owner.token)};
-    std::vector<int> ids(4 * static_cast<std::size_t>(comm.size()));
-    host_all_gather(comm, std::span<const int>(mine), std::span<int>(ids));
+                         static_cast<int>(id.owner.pid),
+                         static_cast<int>(id.owner.token),
+                         hash[0],
+                         hash[1]};
+    std::vector<int> ids(6 * static_cast<std::size_t>(comm.size()));
+    tagged_all_gather(comm, std::span<const int>(mine), std::span<int>(ids), collective_tag(op));
+    if (!same_path_hash(ids, 6, 4))
+        fail_different_paths(comm, path, op);
     id.gen = std::uint64_t(static_cast<std::uint32_t>(ids[0])) |
              std::uint64_t(static_cast<std::uint32_t>(ids[1])) << 32;
     id.owner = {static_cast<std::uint32_t>(ids[2]), static_cast<std::uint32_t>(ids[3])};
@@ -160,10 +231,30 @@ inline shard_record write_shard(const file_builder& snapshot, const std::filesys
 /// Replica 0, once every shard of the save id is durable: writes the commit marker `path` (the
 /// manifest naming each shard, its size and CRC32C) durably, then removes the files no save can
 /// need (remove_stale) and runs the hook's "cleanup.done". No collective: a background writer
-/// calls it too. Throws lockstep::error (checkpoint) when the marker cannot be written; the
-/// previous marker then stands.
+/// calls it too. Throws lockstep::error (checkpoint) when the marker cannot be written, or when
+/// a shard it would name is not at its place next to `path` with its recorded size as replica 0
+/// sees it (the replicas wrote to different paths, or to a file system replica 0 does not
+/// share: such a marker could never load); the previous marker then stands.
 inline void commit_save(const std::filesystem::path& path, const save_id& id,
                         std::span<const shard_record> shards, const stage_hook& hook) {
+    std::string missing;
+    for (std::size_t r = 0; r < shards.size(); ++r) {
+        const std::filesystem::path shard = shard_path(path, id, static_cast<int>(r));
+        std::error_code ec;
+        const std::uintmax_t bytes = std::filesystem::file_size(shard, ec);
+        if (!ec && bytes == shards[r].bytes)
+            continue;
+        missing += (missing.empty() ? "" : "; ") + std::string("the shard of replica ") +
+                   std::to_string(r) + " '" + shard.string() + "' " +
+                   (ec ? "is not there (" + ec.message() + ")"
+                       : "has " + std::to_string(bytes) + " bytes, not the " +
+                             std::to_string(shards[r].bytes) + " its replica wrote");
+    }
+    LOCKSTEP_REQUIRE(missing.empty(), errc::checkpoint, 0, "save_checkpoint",
+                     "not committed: replica 0 does not see every shard: ", missing,
+                     ": every replica must pass the same path, on a file system all of them "
+                     "share (the previous checkpoint at '",
+                     path.string(), "' stands)");
     file_builder m;
     m.meta("generation", hex16(id.gen));
     m.meta("world_size", std::to_string(shards.size()));
