@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -193,13 +194,18 @@ TEST_CASE("mark_ready refuses a default-constructed handle and another registry'
                     parameter_registry<float> other; // e.g. a teacher model's
                     const auto teacher = other.add("teacher.w", {4});
                     other.finalize();
-                    data_parallel<with_state, optim::sgd<float>, sync::synchronous,
-                                  reduce::per_tensor>
-                        dp(comm, [](auto& ctx) { return with_state(ctx); }, {.lr = 1.0});
-                    auto p = dp.parameters();
-                    before[r].assign(p.begin(), p.end());
+                    using dp_type = data_parallel<with_state, optim::sgd<float>, sync::synchronous,
+                                                  reduce::per_tensor>;
+                    // A peer may meet replica 1's failure while it still completes the
+                    // constructor's last collective: its error is recorded wherever it comes.
+                    std::optional<dp_type> dp;
                     try {
-                        dp.step(3, [&](with_state& n, const shard_range& s, mark_ctx& ctx) {
+                        dp.emplace(
+                            comm, [](auto& ctx) { return with_state(ctx); },
+                            optim::sgd_params{.lr = 1.0});
+                        auto p = dp->parameters();
+                        before[r].assign(p.begin(), p.end());
+                        dp->step(3, [&](with_state& n, const shard_range& s, mark_ctx& ctx) {
                             if (ctx.rank() == 1)
                                 ctx.mark_ready(foreign ? teacher : mark_ctx::handle{});
                             for (int k = 0; k < 4; ++k) {
@@ -213,11 +219,13 @@ TEST_CASE("mark_ready refuses a default-constructed handle and another registry'
                     } catch (const error& e) {
                         errors[r] = e.what();
                         codes[r] = static_cast<int>(e.code());
-                        p = dp.parameters();
-                        after[r].assign(p.begin(), p.end());
+                        if (dp) {
+                            const auto p = dp->parameters();
+                            after[r].assign(p.begin(), p.end());
+                        }
                         throw;
                     }
-                    p = dp.parameters();
+                    const auto p = dp->parameters();
                     after[r].assign(p.begin(), p.end());
                 });
         } catch (const error&) {
