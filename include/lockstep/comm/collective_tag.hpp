@@ -116,4 +116,17 @@ inline bool default_check_call_sites() {
     return v == "1";
 }
 
+namespace detail {
+
+/// " ('batch_norm.forward_train')" for a named call, " (at train.cpp:42)" for a call site, ""
+/// for none: what follows a collective's name in the backends' messages once the replicas
+/// agree on its tag.
+inline std::string tag_text(std::string_view tag, bool tag_is_site) {
+    if (tag.empty())
+        return {};
+    return tag_is_site ? " (at " + std::string(tag) + ")" : " ('" + std::string(tag) + "')";
+}
+
+} // namespace detail
+
 } // namespace lockstep

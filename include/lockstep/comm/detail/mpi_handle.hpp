@@ -430,10 +430,10 @@ protected:
         require_known_op(op, op_known);
         if (ok) {
             try {
-                detail::require_agreement(
-                    mine, range, rank_, detail::describe_counts(counts), calls,
-                    detail::mpi_tag_text(tag.identity(params_.check_call_sites),
-                                         tag.by_site(params_.check_call_sites)));
+                detail::require_agreement(mine, range, rank_, detail::describe_counts(counts),
+                                          calls,
+                                          detail::tag_text(tag.identity(params_.check_call_sites),
+                                                           tag.by_site(params_.check_call_sites)));
             } catch (const error& e) {
                 trace_.fail_newest();
                 if (!flight_recorder::dumps_on(e.code()))

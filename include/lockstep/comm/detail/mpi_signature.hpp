@@ -128,15 +128,6 @@ inline std::string mpi_describe_call(const mpi_signature& s, std::string_view ta
     return args.empty() ? out : out + " (" + args + ")";
 }
 
-/// " ('batch_norm.forward_train')" for a named call, " (at train.cpp:42)" for a call site, ""
-/// for none: what follows the collective's name in the messages of require_agreement once the
-/// replicas agree on the tag.
-inline std::string mpi_tag_text(std::string_view tag, bool tag_is_site) {
-    if (tag.empty())
-        return {};
-    return tag_is_site ? " (at " + std::string(tag) + ")" : " ('" + std::string(tag) + "')";
-}
-
 /// True when the replicas called different collectives or passed different tags (and none
 /// failed its own checks): then every replica all-gathers its call's description before
 /// require_agreement. The same on every replica, since every replica sees the same range.
@@ -152,7 +143,7 @@ inline bool mpi_calls_differ(const mpi_signature_range& r) noexcept {
 /// per-rank counts, described by `layout_text` for this replica) and shape_mismatch for
 /// different collectives, element types and tags (the thread group's codes for the same
 /// mistakes). `calls` lists every replica's call when
-/// mpi_calls_differ ("replica 0 called ..., replica 1 called ..."). `tag_text` (mpi_tag_text)
+/// mpi_calls_differ ("replica 0 called ..., replica 1 called ..."). `tag_text` (detail::tag_text)
 /// follows the collective's name in the messages after the tags agree.
 inline void require_agreement(const mpi_signature& mine, const mpi_signature_range& r, int rank,
                               const std::string& layout_text = {}, const std::string& calls = {},

@@ -3,6 +3,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/detail/scatter_counts.hpp"
 #include "lockstep/comm/detail/shm_call.hpp"
@@ -55,11 +56,10 @@ void validate_scatter(const group_state& g, int rank, op_label label, const Name
         const auto at = scatter_layout_of(c.counts, j);
         const auto s0 = reinterpret_cast<std::uintptr_t>(c.send);
         const auto r0 = reinterpret_cast<std::uintptr_t>(c.recv);
-        const std::size_t send_bytes = c.count * c.elem_size;
-        const std::size_t recv_bytes = at.mine * c.elem_size;
         const bool in_place = r0 == s0 + at.offset * c.elem_size;
-        const bool overlap = send_bytes != 0 && recv_bytes != 0 && c.recv_count == at.mine &&
-                             s0 < r0 + recv_bytes && r0 < s0 + send_bytes;
+        const bool overlap =
+            c.recv_count == at.mine &&
+            bytes_overlap(c.send, c.count * c.elem_size, c.recv, at.mine * c.elem_size);
         if (overlap && !in_place)
             fail(errc::invalid_argument, me, op(), "replica ", g.replica_of(j),
                  " passed a receive span that overlaps its send span but is not its own slice "
@@ -108,11 +108,7 @@ inline void validate_calls(const group_state& g, int rank, op_label label) {
              list([&](const call_record& c) { return "called " + describe_call(c, seq); }));
     // Every replica passed the same tag from here: name it with the collective, so a
     // disagreement points at the caller ("all_gather #0 ('batch_norm.forward_train')").
-    const auto tagged = [&] {
-        if (c0.tag.empty())
-            return op();
-        return op() + (c0.tag_is_site ? " (at " + c0.tag + ")" : " ('" + c0.tag + "')");
-    };
+    const auto tagged = [&] { return op() + tag_text(c0.tag, c0.tag_is_site); };
     const collective_kind k = c0.kind;
     if (k == collective_kind::barrier || k == collective_kind::split)
         return;
