@@ -262,3 +262,43 @@ TEST_CASE("an abort between a replica's loss and the survivors' shrink fails the
     REQUIRE(group.lost().size() == 1);
     CHECK(group.lost()[0].replica == 1);
 }
+
+TEST_CASE("a replica whose thread ended with the failure's peer_failure is not shrunk over",
+          "[shrink]") {
+    // Replica 1 is lost. Replica 2 lets its barrier's errc::peer_failure end its thread (it is
+    // not in a shrink: finish(), a checkpoint, code of its own); replicas 0 and 3 shrink. Replica
+    // 2 was healthy, so the shrink is refused on both rather than dropping it with replica 1,
+    // and run() throws replica 1's failure.
+    thread_group group(4, {.timeout = 10s});
+    std::vector<std::string> refused(4);
+    std::vector<int> shrunk_to(4, -1);
+    REQUIRE_THROWS_WITH(group.run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.replica());
+        if (comm.replica() == 1)
+            throw std::runtime_error("replica 1 is lost");
+        if (comm.replica() == 2) {
+            comm.barrier(); // throws errc::peer_failure: its thread ends with it
+            return;
+        }
+        try {
+            comm.barrier();
+        } catch (const lockstep::error&) {
+        }
+        try {
+            (void)comm.shrink();
+            shrunk_to[r] = comm.size();
+        } catch (const lockstep::error& e) {
+            refused[r] = e.what();
+            throw;
+        }
+    }),
+                        Catch::Contains("replica 1 is lost"));
+    for (int r : {0, 3}) {
+        CAPTURE(r, refused[static_cast<std::size_t>(r)]);
+        CHECK(shrunk_to[static_cast<std::size_t>(r)] == -1);
+        CHECK(contains(refused[static_cast<std::size_t>(r)],
+                       "thread_communicator.shrink: the group does not shrink: replica 1 failed: "
+                       "replica 1 is lost; replica 2 (errc::peer_failure) ended with an error"));
+    }
+    CHECK(group.lost().empty());
+}

@@ -17,6 +17,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -204,15 +205,32 @@ TEST_CASE("what does not shrink: deterministic errors, a second loss, min_replic
         CHECK(group.lost().empty());
     }
     SECTION("fewer survivors than min_replicas stop the run") {
-        const shrink_run counted = train_losing(3, std::nullopt);
+        // Replica 0 of 2 is lost: the survivor, replica 1, is rank 0 after the shrink; its error
+        // names it by its thread index, as it names the lost one.
+        const shrink_run counted = train_losing(2, std::nullopt);
         try {
-            (void)train_losing(3, replica_loss{2, 2, loss_point::exchange, counted.per_step},
-                               {.seed = 42, .min_replicas = 3});
+            (void)train_losing(2, replica_loss{0, 2, loss_point::exchange, counted.per_step},
+                               {.seed = 42, .min_replicas = 2});
             FAIL("the run should have stopped");
         } catch (const lockstep::error& e) {
+            INFO(e.what());
             CHECK(e.code() == errc::peer_failure);
-            CHECK(contains(e.what(), "fewer than train_params::min_replicas = 3"));
+            CHECK(e.replica() == 1);
+            CHECK(contains(
+                e.what(),
+                "replica 1: data_parallel.step: replica(s) 0 lost in step 2 leave 1 of 2"));
+            CHECK(contains(e.what(), "fewer than train_params::min_replicas = 2"));
         }
+    }
+    SECTION("min_replicas above the replica count is refused at construction") {
+        thread_group group(3, {.timeout = 20s});
+        REQUIRE_THROWS_WITH(group.run([&](thread_communicator& comm) {
+            data_parallel<net, optim::sgd<float>, sync::synchronous, repro_reduce,
+                          thread_communicator>
+                dp(comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.05f},
+                   {.on_replica_failure = replica_failure::shrink, .min_replicas = 5});
+        }),
+                            Catch::Contains("min_replicas = 5, more than the 3 replicas"));
     }
     SECTION("a second loss while the step is computed again stops the run") {
         const shrink_run counted = train_losing(4, std::nullopt);
@@ -588,4 +606,99 @@ TEST_CASE("a background save committed before the group shrinks stays reported c
         CHECK(run.waited[r] == static_cast<int>(checkpoint_event::committed));
     }
     CHECK(run.loaded_steps == 3);
+}
+
+TEST_CASE("a loss while a peer is in finish() stops the run: no healthy replica is shrunk over",
+          "[shrink]") {
+    // Replica 0 throws between its last step and finish(), once replica 1 waits in finish()'s
+    // collective (no shrink recovery there): errc::peer_failure ends replica 1's thread. Replica 2
+    // is either still in the last step's last collective, held there (after arriving, so the others
+    // complete it) until replica 1 has failed, and fails in it under the step's shrink recovery; or
+    // held before finish() until then. Both end the same: replica 1 is not a loss of its own, so no
+    // shrink leaves replica 2 training alone and run() throws replica 0's failure.
+    using net = mlp<float, thread_communicator, storage::registry, repro_bn>;
+    const std::size_t last = train_losing(3, std::nullopt).per_step - 1;
+    constexpr int steps = 2;
+    for (const bool in_step : {true, false}) {
+        DYNAMIC_SECTION("replica 2 " << (in_step ? "in the last step" : "in finish()")) {
+            std::atomic<bool> one_waits{false};  // replica 1 arrived in finish()'s collective
+            std::atomic<bool> one_failed{false}; // replica 1's finish() threw
+            const auto wait_for = [](const std::atomic<bool>& flag) { // bounded: fail, not hang
+                for (int i = 0; i < 20000 && !flag.load(); ++i)
+                    std::this_thread::sleep_for(1ms);
+            };
+            std::array<int, 3> fences{};        // steps begun, by replica (each its own thread)
+            std::array<std::size_t, 3> index{}; // collectives entered since the fence
+            thread_group::params p{.timeout = 20s};
+            p.on_collective = [&](const collective_event& e) {
+                if (e.replica == 0 || e.generation != 0 || !e.label.empty())
+                    return;
+                const auto r = static_cast<std::size_t>(e.replica);
+                if (e.when == collective_event::moment::entered) {
+                    const bool fence = e.tag == "data_parallel.fence";
+                    index[r] = fence ? 0 : index[r] + 1;
+                    fences[r] += fence ? 1 : 0;
+                } else if (fences[r] == steps && index[r] == last + 1 && r == 1) {
+                    one_waits.store(true); // in finish(): replica 0's failure aborts its wait
+                } else if (fences[r] == steps && index[r] == last && r == 2 && in_step) {
+                    wait_for(one_failed); // arrived: 0 and 1 complete the step without it
+                }
+            };
+            thread_group group(3, p);
+            std::mutex m;
+            std::vector<std::string> saw(3);
+            std::vector<int> finished(3, 0);
+            bool returned = false;
+            std::string what;
+            try {
+                group.run([&](thread_communicator& comm) {
+                    const auto me = static_cast<std::size_t>(comm.replica());
+                    try {
+                        data_parallel<net, optim::sgd<float>, sync::synchronous, repro_reduce,
+                                      thread_communicator>
+                            dp(comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.05f},
+                               {.seed = 42, .on_replica_failure = replica_failure::shrink});
+                        for (int s = 0; s < steps; ++s)
+                            (void)dp.step(shrink_batch,
+                                          [](net& n, const shard_range& range, auto& ctx) {
+                                              return n.train(range, ctx);
+                                          });
+                        if (me == 0) {
+                            wait_for(one_waits);
+                            throw std::runtime_error("replica 0 crashed before finish()");
+                        }
+                        if (me == 2 && !in_step)
+                            wait_for(one_failed);
+                        (void)dp.finish();
+                        std::lock_guard lock(m);
+                        finished[me] = dp.size();
+                    } catch (const std::exception& e) {
+                        {
+                            std::lock_guard lock(m);
+                            saw[me] = e.what();
+                        }
+                        if (me == 1)
+                            one_failed.store(true);
+                        throw;
+                    }
+                });
+                returned = true;
+            } catch (const std::exception& e) {
+                what = e.what();
+            }
+            INFO("run(): " << what << "\nreplica 1: " << saw[1] << "\nreplica 2: " << saw[2]);
+            CHECK_FALSE(returned);
+            CHECK(contains(what, "replica 0 crashed before finish()"));
+            CHECK(group.lost().empty());
+            CHECK(finished == std::vector<int>{0, 0, 0});
+            CHECK(contains(saw[0], "replica 0 crashed before finish()"));
+            CHECK(contains(saw[1], "replica 0 failed: replica 0 crashed before finish()"));
+            CHECK(contains(saw[2], "replica 0 failed: replica 0 crashed before finish()"));
+            if (in_step) {
+                CHECK(contains(saw[2], "the group does not shrink"));
+                CHECK(contains(saw[2], "replica 1 (errc::peer_failure) ended with an error the "
+                                       "group's failure causes"));
+            }
+        }
+    }
 }

@@ -443,7 +443,10 @@ public:
     /// is dead: its splits and every handle still on it (an excluded replica's) throw
     /// errc::peer_failure from every later call, and an excluded replica's own shrink() throws
     /// it too, so nothing it does reaches the survivors. Returns the thread_group indices of the
-    /// replicas left out; thread_group::lost() lists them after run() with the reasons.
+    /// replicas left out; thread_group::lost() lists them after run() with the reasons. Refused
+    /// (errc::peer_failure on every replica that calls it, no new group) when a member's thread
+    /// ended with the errc::peer_failure or errc::timeout the group's failure caused: that
+    /// replica was healthy, so the survivors do not drop it as a loss of its own.
     std::vector<int> shrink() {
         require_group("thread_communicator.shrink");
         const std::shared_ptr<detail::shm::group_state> old = group_;

@@ -5,6 +5,7 @@
 #include "lockstep/comm/collective_event.hpp"
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/detail/shm_group.hpp"
+#include "lockstep/comm/detail/shm_shrink.hpp"
 #include "lockstep/comm/detail/shm_sync.hpp"
 #include "lockstep/comm/thread_communicator.hpp"
 #include "lockstep/comm/timeout.hpp"
@@ -115,6 +116,9 @@ public:
     /// first failure (the root cause, not the peer_failure errors it caused in the others).
     /// After a shrink (thread_communicator::shrink) only the failures of the newest group count:
     /// run() returns normally when the survivors did, and lost() names the replicas left out.
+    /// A replica whose thread ended with the errc::peer_failure or errc::timeout a failure
+    /// caused (outside a shrink) is never shrunk over: that shrink is refused and throws on
+    /// every survivor, so run() rethrows the root failure.
     /// A handle is valid only inside f: one moved out and used after run() returned (or a split
     /// of it) throws errc::invalid_argument from every collective, split, shrink, send and recv.
     template <class F>
@@ -164,6 +168,10 @@ public:
                 const auto e = std::current_exception();
                 auto& at = comm.group_ ? comm.group_->context() : *ctx;
                 at.record_failure(r, e, detail::shm::describe(e));
+                // Ended by a peer's failure (peer_failure, timeout): the survivors' shrink of
+                // this group is refused rather than dropping this healthy replica silently.
+                if (comm.group_)
+                    detail::shm::note_departure(*comm.group_, comm.rank_, e);
             }
         };
         std::vector<std::thread> threads;

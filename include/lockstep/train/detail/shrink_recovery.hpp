@@ -108,7 +108,8 @@ redo_point agree_redo(Comm& comm, std::int64_t kept, std::int64_t live) {
 }
 
 /// train_params::on_replica_failure and min_replicas, checked at construction (every replica
-/// passes the same values: the agreement checks them).
+/// passes the same values: the agreement checks them). requires: min_replicas >= 1, and with
+/// shrink min_replicas <= comm.size() (else errc::invalid_argument naming both).
 template <class ReducePolicy, class SyncPolicy, class Communicator>
 void check_shrink_settings(const train_params& tp, const Communicator& comm) {
     const int rank = comm.rank();
@@ -116,6 +117,11 @@ void check_shrink_settings(const train_params& tp, const Communicator& comm) {
                      "min_replicas = ", tp.min_replicas, " (must be >= 1)");
     if (tp.on_replica_failure != replica_failure::shrink)
         return;
+    LOCKSTEP_REQUIRE(tp.min_replicas <= comm.size(), errc::invalid_argument, rank, "data_parallel",
+                     "on_replica_failure = shrink with min_replicas = ", tp.min_replicas,
+                     ", more than the ", comm.size(),
+                     " replicas: no shrink can leave that many; set min_replicas to at most ",
+                     comm.size());
     LOCKSTEP_REQUIRE(shrinkable_communicator<Communicator>, errc::unsupported, rank,
                      "data_parallel",
                      "on_replica_failure = shrink needs a communicator that can shrink "
@@ -200,11 +206,17 @@ private:
                 std::int64_t live) {
         auto& comm = core.comm();
         const int before = comm.size();
+        // This replica, named as `gone` names the lost ones, not by the rank the shrink is about
+        // to renumber: its thread index (thread_communicator::replica()); else its rank before
+        // the shrink (NCCL: at a first shrink, the generation-0 rank `gone` uses).
+        int me = comm.rank();
+        if constexpr (requires { comm.replica(); })
+            me = comm.replica();
         const std::vector<int> gone = comm.shrink();
         std::string names;
         for (int r : gone)
             names += (names.empty() ? "" : ", ") + std::to_string(r);
-        LOCKSTEP_REQUIRE(comm.size() >= core.params().min_replicas, errc::peer_failure, comm.rank(),
+        LOCKSTEP_REQUIRE(comm.size() >= core.params().min_replicas, errc::peer_failure, me,
                          "data_parallel.step", "replica(s) ", names, " lost in step ", live,
                          " leave ", comm.size(), " of ", before,
                          ", fewer than train_params::min_replicas = ", core.params().min_replicas,
