@@ -1,6 +1,7 @@
-// tests/train/mismatch_cases.hpp: the mistakes that make replicas disagree inside a step, written
-// once for every backend (test_mismatch.cpp: the thread group; test_mismatch_mpi.cpp: MPI), so
-// both check that the same mistake gives the same error code and names its cause.
+// tests/train/mismatch_cases.hpp: the mistakes that make replicas disagree (inside a step, or on
+// a setting at construction), written once for every backend (test_mismatch.cpp: the thread
+// group; test_mismatch_mpi.cpp: MPI), so both check that the same mistake gives the same error
+// code and names its cause.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
@@ -22,10 +23,12 @@ enum class mistake {
     global_batch_sharded,      ///< another global batch under reduce::sharded<>
     global_batch_reproducible, ///< another global batch under reduce::reproducible<4>
     bn_skipped_on_empty_shard, ///< bn::global not called where the shard is empty
+    seed_per_replica,          ///< another train_params::seed (a "seed + rank" habit)
 };
 inline constexpr mistake all_mistakes[] = {
     mistake::global_batch_bucketed, mistake::global_batch_sharded,
-    mistake::global_batch_reproducible, mistake::bn_skipped_on_empty_shard};
+    mistake::global_batch_reproducible, mistake::bn_skipped_on_empty_shard,
+    mistake::seed_per_replica};
 
 /// The code every backend throws for the mistake, and what the message must name.
 inline errc expected_code(mistake m) {
@@ -38,6 +41,10 @@ inline std::vector<std::string> expected_parts(mistake m, int replicas) {
                 "tag 'batch_norm layer 0 (forward order) forward_train'",
                 "the step function saw no sample on replica " + last,
                 "batch norm: forward_train and backward with 0 samples"};
+    if (m == mistake::seed_per_replica)
+        return {"data_parallel: parameter check", "replicas use different settings:",
+                "seed: 1234 on replica 0, " + std::to_string(1234 + replicas - 1) + " on replica " +
+                    last + ";"};
     return {"the replicas disagree: global_batch:", "9 on replica " + last};
 }
 
@@ -94,12 +101,15 @@ outcome run_with(Comm& comm, mistake m) {
     outcome out;
     try {
         data_parallel<net, optim::sgd<double>, sync::synchronous, Reduce, Comm> trainer(
-            comm, [](context& ctx) { return net(ctx); }, {.lr = 0.1});
+            comm, [](context& ctx) { return net(ctx); }, {.lr = 0.1},
+            {.seed = m == mistake::seed_per_replica && last ? 1234u + comm.size() - 1 : 1234u});
         trainer.network().skip_bn_when_empty = m == mistake::bn_skipped_on_empty_shard;
         auto fn = [](net& n, const shard_range& r, context& ctx) { return n.train(r, ctx); };
         trainer.step(8, fn); // agreed: every replica has samples
         if (m == mistake::bn_skipped_on_empty_shard)
             trainer.step(static_cast<std::size_t>(comm.size() - 1), fn); // the last shard empty
+        else if (m == mistake::seed_per_replica)
+            trainer.step(8, fn); // a step that agrees: only the seed differs
         else
             trainer.step(last ? 9 : 8, fn);
     } catch (const error& e) {
@@ -121,6 +131,7 @@ outcome run(Comm& comm, mistake m) {
     case mistake::global_batch_reproducible:
         return run_with<bn::ghost<4>, reduce::reproducible<4>>(comm, m);
     case mistake::bn_skipped_on_empty_shard:
+    case mistake::seed_per_replica:
         return run_with<bn::global, reduce::bucketed<>>(comm, m);
     }
     return {};

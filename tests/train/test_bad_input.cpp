@@ -1,10 +1,12 @@
 // Bad input to the training layer's bookkeeping: registry shapes whose product overflows, shard()
-// with no replicas, micro-batch and sample-offset arithmetic at huge batch sizes.
+// with no replicas, micro-batch and sample-offset arithmetic at huge batch sizes, optimizer
+// hyperparameters the trainer's optimizer refuses.
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/train/parameter_registry.hpp"
 #include "lockstep/train/shard.hpp"
 
 #include "lockstep/comm/thread_group.hpp"
+#include "lockstep/optim/adam.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/train/data_parallel.hpp"
 #include "mlp_fixture.hpp"
@@ -174,6 +176,35 @@ TEST_CASE("mark_ready refuses a state tensor's handle, naming the tensor and the
         CHECK(contains(errors[r], "replica " + std::to_string(r) + ": replica_context.mark_ready"));
         CHECK(contains(errors[r], "'running.s1' is a state tensor"));
         CHECK(after[r] == before[r]); // nothing applied
+    }
+}
+
+TEMPLATE_TEST_CASE("an optimizer refusing the trainer's hyperparameters names the replica on "
+                   "every replica",
+                   "[train][thread]", reduce::per_tensor, reduce::sharded<>) {
+    // The optimizer's constructor knows no replica; the trainer that builds it does (sharded:
+    // each replica builds its shard's optimizer, another construction path).
+    constexpr int replicas = 3;
+    std::vector<std::string> errors(replicas);
+    std::vector<int> named(replicas, -2), codes(replicas, -1);
+    thread_group(replicas).run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        try {
+            data_parallel<with_state, optim::adam<float>, sync::synchronous, TestType> dp(
+                comm, [](auto& ctx) { return with_state(ctx); }, {.beta1 = 1.0});
+        } catch (const error& e) {
+            errors[r] = e.what();
+            named[r] = e.replica();
+            codes[r] = static_cast<int>(e.code());
+        }
+    });
+    for (int r = 0; r < replicas; ++r) {
+        CAPTURE(r, errors[std::size_t(r)]);
+        CHECK(named[std::size_t(r)] == r);
+        CHECK(codes[std::size_t(r)] == static_cast<int>(errc::invalid_argument));
+        CHECK(contains(errors[std::size_t(r)], "replica " + std::to_string(r) + ": adam: "));
+        CHECK(contains(errors[std::size_t(r)], "need beta1 < 1"));
+        CHECK(contains(errors[std::size_t(r)], "beta1 = 1,"));
     }
 }
 

@@ -15,6 +15,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <cmath>
@@ -386,12 +387,30 @@ TEST_CASE("loss_scaler: backoff on overflow, growth after the interval, state ro
                       Catch::Contains("init_scale = -1"));
     CHECK_THROWS_WITH(loss_scaler<host_system>(loss_scaling{.growth_interval = 0}, sys),
                       Catch::Contains("growth_interval = 0"));
-    // Growth stops where the scale would become infinite.
-    loss_scaler<host_system> big(
-        loss_scaling{.init_scale = std::ldexp(1.0, 1023), .growth_interval = 1}, sys);
+    // Growth stops at max_scale: float's bound by default, double's when given.
+    static_assert(max_loss_scale<float>() == 0x1p126 && max_loss_scale<double>() == 0x1p1022);
+    loss_scaler<host_system> big(loss_scaling{.init_scale = 0x1p126, .growth_interval = 1}, sys);
+    CHECK(big.max_scale() == 0x1p126);
     skip = 0;
     big.update(&non_finite, &skip, &report);
-    CHECK(big.state() == loss_scaler_state{std::ldexp(1.0, 1023), 0});
+    CHECK(big.state() == loss_scaler_state{0x1p126, 0});
+    CHECK(*big.inverse_device() == 0x1p-126);
+    loss_scaler<host_system> wide(loss_scaling{.init_scale = 0x1p1021, .growth_interval = 1}, sys,
+                                  -1, max_loss_scale<double>());
+    wide.update(&non_finite, &skip, &report);
+    wide.update(&non_finite, &skip, &report);
+    CHECK(wide.state() == loss_scaler_state{0x1p1022, 0});
+    // A scale past the bound, or a floor below its inverse, is refused, naming both values.
+    CHECK_THROWS_WITH(loss_scaler<host_system>(loss_scaling{.init_scale = 0x1p127}, sys, 1),
+                      Catch::Contains("replica 1") &&
+                          Catch::Contains("init_scale = 1.70141e+38 is above the largest loss "
+                                          "scale 8.50706e+37 = 2^126"));
+    CHECK_THROWS_WITH(
+        loss_scaler<host_system>(loss_scaling{.min_scale = 0x1p-127}, sys),
+        Catch::Contains("min_scale = 5.87747e-39 is below the smallest loss scale 1.17549e-38 = "
+                        "2^-126"));
+    CHECK_THROWS_WITH(loss_scaler<host_system>(std::nullopt, sys, 0, 3.0),
+                      Catch::Contains("max_scale = 3 (must be a power of two"));
     // Disabled: scale 1 forever, update does nothing.
     loss_scaler<host_system> off(std::nullopt, sys);
     CHECK(!off.enabled());
@@ -562,6 +581,55 @@ record check_against_float(precision p, std::optional<loss_scaling> scaling, int
 }
 
 } // namespace
+
+TEST_CASE("float training whose loss scale would pass 2^150 stays bitwise unchanged, the scale "
+          "stopping at 2^126",
+          "[train][mixed][thread]") {
+    // Growing every step from 2^120, the scale would pass 2^150 at step 30, where 1 / S rounds
+    // to 0 in float: every unscaled gradient would be 0. The loss weight 2^-64 (and lr * 2^64)
+    // keeps the scaled gradients finite up to S = 2^160, so nothing overflows either way.
+    const double weight = 0x1p-64;
+    const auto plain = run<float>({.replicas = 3, .steps = 40, .weight = weight});
+    const auto scaled =
+        run<float>({.replicas = 3,
+                    .steps = 40,
+                    .scaling = loss_scaling{.init_scale = 0x1p120, .growth_interval = 1},
+                    .weight = weight});
+    require_same_everywhere(plain);
+    require_same_everywhere(scaled);
+    CHECK(scaled[0].skipped == std::vector<bool>(40, false));
+    for (std::size_t k = 0; k < scaled[0].scales.size(); ++k) {
+        CAPTURE(k);
+        CHECK(scaled[0].scales[k] == std::ldexp(1.0, std::min(120 + int(k), 126)));
+    }
+    CHECK(scaled[0].state == loss_scaler_state{0x1p126, 0});
+    CHECK(scaled[0].weights == plain[0].weights);
+    CHECK(scaled[0].losses == plain[0].losses);
+    CHECK(plain[0].weights.back() != plain[0].weights.front()); // it trained
+}
+
+TEST_CASE("loss_scaler.restore: a scale below min_scale starts at min_scale, one above the "
+          "largest at the largest",
+          "[train][mixed]") {
+    const host_system sys{1};
+    loss_scaler<host_system> s(
+        loss_scaling{.init_scale = 4096, .growth_interval = 100, .min_scale = 1024}, sys);
+    s.restore({2.0, 7}); // e.g. saved with min_scale 1, resumed with min_scale 1024
+    CHECK(s.state() == loss_scaler_state{1024, 0});
+    CHECK(*s.inverse_device() == 1.0 / 1024);
+    s.restore({2048, 7}); // within the bounds: as given
+    CHECK(s.state() == loss_scaler_state{2048, 7});
+    s.restore({0x1p150, 7}); // saved before the scale was bounded
+    CHECK(s.state() == loss_scaler_state{0x1p126, 0});
+    CHECK(*s.inverse_device() == 0x1p-126);
+    // At the floor an overflow keeps the scale.
+    s.restore({1.0, 0});
+    double overflow = 1, skipped = 1;
+    kernels::loss_scale_record report{};
+    s.update(&overflow, &skipped, &report);
+    CHECK(report.used == 1024);
+    CHECK(s.state() == loss_scaler_state{1024, 0});
+}
 
 TEST_CASE("training in bfloat16 stays within the unit-roundoff bound of float training",
           "[train][mixed][thread]") {

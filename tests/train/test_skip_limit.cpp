@@ -296,14 +296,15 @@ std::vector<scaled_outcome> run_scaled(loss_scaling cfg, double weight, int step
 
 /// The type's init scale and loss weight for a backward that overflows (as infinity) until
 /// the scale has halved at least 6 times: half overflows past 65504, bfloat16 (and float,
-/// through which both are rounded) past 2^128.
+/// through which both are rounded) past 2^128, so the weight takes the scale's seed there
+/// (scales stop at max_loss_scale<float>() = 2^126).
 template <class Compute>
 struct overflowing {
     static constexpr double init = 65536.0, weight = 4096.0;
 };
 template <>
 struct overflowing<bfloat16> {
-    static inline const double init = std::ldexp(1.0, 134), weight = 1.0;
+    static inline const double init = std::ldexp(1.0, 126), weight = 256.0;
 };
 
 } // namespace
@@ -338,9 +339,10 @@ TEMPLATE_TEST_CASE("loss scaling: a scale backing off skips many steps in a row 
         CHECK(o.code == static_cast<int>(errc::non_finite));
         CHECK(o.thrown_at == 6);
         CHECK(o.scales == std::vector<double>{init, init / 2, init / 4, init / 8, floor, floor});
-        CHECK_THAT(o.error, Catch::Contains("step 6: 3 consecutive steps skipped at the loss "
-                                            "scale's floor"));
-        CHECK_THAT(o.error, Catch::Contains("(loss_scaling::min_scale)"));
+        CHECK_THAT(o.error, Catch::Contains("step 6: 3 consecutive steps skipped at loss scale " +
+                                            lockstep::detail::concat(floor) +
+                                            ", the floor (loss_scaling::min_scale = " +
+                                            lockstep::detail::concat(floor) + "), the limit"));
         CHECK_THAT(o.error, Catch::Contains("non-finite gradient element(s) on replica 0, the "
                                             "first in 'w' (element "));
         CHECK_THAT(o.error, Catch::Contains("7 step(s) skipped in all"));
@@ -366,18 +368,66 @@ TEST_CASE("loss_scaling::min_scale: the scale backs off to the floor and stays; 
         Catch::Contains("min_scale = 16 (must be finite, > 0 and <= init_scale = 8)"));
 }
 
+TEST_CASE("loss scaling: a scale restored below min_scale starts at min_scale, and the runaway "
+          "at the floor names min_scale and the scale",
+          "[train][thread][mixed][non_finite]") {
+    // As a resume with min_scale raised from 1 to 1024 after the scale backed off to 2: the old
+    // code kept 2 and called it the floor.
+    std::vector<scaled_outcome> out(2);
+    std::vector<loss_scaler_state> restored(2);
+    thread_group(2, {.timeout = std::chrono::seconds(30)}).run([&](thread_communicator& comm) {
+        scaled_outcome& me = out[static_cast<std::size_t>(comm.rank())];
+        int k = 0;
+        try {
+            scaled_trainer<float> dp(
+                comm, [](auto& ctx) { return linreg<float>(ctx); }, {.lr = lr},
+                {.max_consecutive_skips = 3,
+                 .loss_scale =
+                     loss_scaling{.init_scale = 4096, .growth_interval = 100, .min_scale = 1024}});
+            dp.scaler().restore({2.0, 0});
+            restored[static_cast<std::size_t>(comm.rank())] = dp.scaler().state();
+            for (; k < 6; ++k) {
+                dp.network().poison = comm.rank() == 1; // overflows at every scale
+                const step_result r =
+                    dp.step(n_samples, [](linreg<float>& n, shard_range sr, auto& ctx) {
+                        return n.train(sr, ctx);
+                    });
+                me.skipped.push_back(r.skipped);
+                me.scales.push_back(r.loss_scale);
+            }
+            dp.finish();
+        } catch (const error& e) {
+            me.error = e.what();
+            me.code = static_cast<int>(e.code());
+            me.thrown_at = k;
+        }
+    });
+    for (std::size_t r = 0; r < 2; ++r) {
+        INFO(out[r].error);
+        CHECK(restored[r] == loss_scaler_state{1024, 0});
+        CHECK(out[r].scales == std::vector<double>{1024, 1024});
+        CHECK(out[r].code == static_cast<int>(errc::non_finite));
+        CHECK(out[r].thrown_at == 2);
+        CHECK_THAT(out[r].error,
+                   Catch::Contains("replica " + std::to_string(r) +
+                                   ": data_parallel.step: step 2: 3 consecutive steps skipped at "
+                                   "loss scale 1024, the floor (loss_scaling::min_scale = 1024), "
+                                   "the limit (train_params::max_consecutive_skips)"));
+    }
+}
+
 TEST_CASE("loss scaling: a reduced sum that overflows (each replica's gradient finite) backs the "
           "scale off too, instead of skipping at the same scale until the limit",
           "[train][thread][mixed][non_finite]") {
-    // bfloat16 from 2^132: at 2^128 each replica's scaled gradient is finite in float, their sum
-    // is not.
-    const double init = std::ldexp(1.0, 132);
-    const auto out = run_scaled<bfloat16>({.init_scale = init}, 1.0, 20);
+    // bfloat16 from 2^126 with the loss weight 2^6 (a seed as from S = 2^132): at S 2^122 each
+    // replica's scaled gradient is finite in float, their sum is not.
+    const double init = std::ldexp(1.0, 126), weight = 64.0;
+    const auto out = run_scaled<bfloat16>({.init_scale = init}, weight, 20);
     for (const scaled_outcome& o : out) {
         INFO(o.error);
         REQUIRE(o.error.empty());
         CHECK(o.scales == out[0].scales);
-        CHECK(o.scales.back() < std::ldexp(1.0, 128));
+        CHECK(o.scales.back() * weight < std::ldexp(1.0, 128));
         CHECK_FALSE(o.skipped.back());
     }
 }

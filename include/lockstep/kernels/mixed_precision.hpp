@@ -50,7 +50,8 @@ struct cast_down_fn {
 /// Task t over [t * tile, min((t + 1) * tile, n)): dst[i] += T(float(src[i])) * T(*factor)
 /// (factor null: 1). The factor lives in the system's memory (e.g. a loss scaler's inverse
 /// scale), so no host read; with a power-of-two factor the multiplication is exact (outside T's
-/// subnormals and overflow).
+/// subnormals and overflow). T(*factor) rounds: a loss scaler keeps its inverse in float's and
+/// double's normal range (loss_scaler's max_scale), so the cast of a power of two is exact.
 template <class Low, class T>
 struct accumulate_up_fn {
     const Low* src;
@@ -68,7 +69,8 @@ struct accumulate_up_fn {
 };
 
 /// Task t over [t * tile, min((t + 1) * tile, n)): data[i] *= T(*factor), the factor read from
-/// the system's memory (no host read).
+/// the system's memory (no host read). T(*factor) rounds (to 0 below T's subnormals): a loss
+/// scaler keeps its inverse in float's and double's normal range (loss_scaler's max_scale).
 template <class T>
 struct multiply_by_fn {
     T* data;
@@ -102,7 +104,7 @@ struct loss_scale_record {
 /// - *overflow > 0 (NaN/inf gradient elements): scale *= backoff, not below floor (a scale
 ///   already at or below it is kept), tracker = 0;
 /// - else, the step applied (*skipped == 0): tracker += 1, and when tracker reaches
-///   interval: scale *= growth (kept when the product would be infinite), tracker = 0;
+///   interval: scale *= growth, at most ceiling, tracker = 0;
 /// - else (skipped for another reason): unchanged.
 /// report receives the scale used, the next scale and the tracker.
 /// Deterministic in the status: replicas that see the same status take the same decision.
@@ -115,6 +117,9 @@ struct loss_scale_update_fn {
     double backoff;
     double interval;
     double floor = 0; ///< loss_scaling::min_scale
+    /// The largest scale (loss_scaler's max_scale: S and 1 / S normal numbers of the gradients'
+    /// type); 2^1022 by default, double's bound.
+    double ceiling = 0x1p1022;
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t) const {
         const double used = state->scale;
         double scale = used;
@@ -127,8 +132,7 @@ struct loss_scale_update_fn {
             tracker += 1;
             if (tracker >= interval) {
                 const double grown = scale * growth;
-                if (is_finite(grown))
-                    scale = grown;
+                scale = grown < ceiling ? grown : ceiling;
                 tracker = 0;
             }
         }

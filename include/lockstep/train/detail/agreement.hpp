@@ -75,10 +75,11 @@ void describe_optimizer_params(std::vector<std::string>& out, const P& p) {
 }
 
 /// The settings of a trainer that must agree across replicas: the optimizer type and its
-/// hyperparameters, micro_batches, overlap, skip_non_finite, max_consecutive_skips,
-/// max_grad_norm, loss_scale (off, or each of its fields), verify_every,
-/// report_stragglers_every, on_replica_failure, min_replicas, which tensors are frozen or decay,
-/// and the given policy names (sync, reduce, BN).
+/// hyperparameters, seed (ctx.rng draws are keyed by the global sample: a seed per replica would
+/// make a sample's randomness depend on the replica holding it), micro_batches, overlap,
+/// skip_non_finite, max_consecutive_skips, max_grad_norm, loss_scale (off, or each of its
+/// fields), verify_every, report_stragglers_every, on_replica_failure, min_replicas, which
+/// tensors are frozen or decay, and the given policy names (sync, reduce, BN).
 template <class Optimizer>
 std::vector<std::string> describe_settings(const typename Optimizer::params_type& opt,
                                            const train_params& tp,
@@ -87,6 +88,7 @@ std::vector<std::string> describe_settings(const typename Optimizer::params_type
     std::vector<std::string> out;
     add_setting(out, "optimizer", type_name<Optimizer>());
     describe_optimizer_params(out, opt);
+    add_setting(out, "seed", std::to_string(tp.seed));
     add_setting(out, "micro_batches", std::to_string(tp.micro_batches));
     add_setting(out, "overlap", std::to_string(static_cast<int>(tp.overlap)));
     add_setting(out, "skip_non_finite", tp.skip_non_finite ? "true" : "false");

@@ -161,8 +161,8 @@ public:
             segments_.push_back(tensor_segment{0, 0, false, false});
         if (!sharded) {
             shard_ = shard_extent{0, reg.parameter_count()};
-            opt_.emplace(reg.parameter_count(), std::move(opt), comm.system(),
-                         std::span<const tensor_segment>(segments_));
+            make_optimizer(reg.parameter_count(), std::move(opt), comm.system(),
+                           std::span<const tensor_segment>(segments_));
             return;
         }
         shard_ =
@@ -170,8 +170,8 @@ public:
         std::vector<std::uint32_t> map;
         const std::vector<tensor_segment> local =
             shard_segments(std::span<const tensor_segment>(segments_), shard_, map);
-        opt_.emplace(shard_.count, std::move(opt), comm.system(),
-                     std::span<const tensor_segment>(local));
+        make_optimizer(shard_.count, std::move(opt), comm.system(),
+                       std::span<const tensor_segment>(local));
         if constexpr (norm_reducing<Optimizer>) {
             norms_ = std::make_unique<sharded_norms<Communicator>>(comm, segments_.size(), map);
             opt_->set_norm_reduction(
@@ -230,9 +230,7 @@ public:
         try {
             return tp_.lr(s);
         } catch (const error& e) {
-            if (e.replica() >= 0)
-                throw;
-            throw error(e.code(), comm_->rank(), e.operation(), e.details());
+            rethrow_naming_replica(e);
         }
     }
     /// lr_for(s), required finite and >= 0, else lockstep::error (errc::invalid_argument) naming
@@ -387,6 +385,26 @@ public:
     }
 
 private:
+    /// In a handler of e: rethrows e naming this replica, unless it names one already (a user's
+    /// schedule or an optimizer's params check throws without knowing the replica).
+    [[noreturn]] void rethrow_naming_replica(const error& e) const {
+        if (e.replica() >= 0)
+            throw;
+        throw error(e.code(), comm_->rank(), e.operation(), e.details());
+    }
+
+    /// Builds the optimizer from `args` (the optimizer's constructor refuses bad params with a
+    /// lockstep::error): the refusal names this replica. Every replica holds the same params
+    /// (describe_settings), so every replica throws.
+    template <class... Args>
+    void make_optimizer(Args&&... args) {
+        try {
+            opt_.emplace(std::forward<Args>(args)...);
+        } catch (const error& e) {
+            rethrow_naming_replica(e);
+        }
+    }
+
     void move_state(bool pack) {
         if constexpr (has_state_visitor<Network, T>) {
             visit_check seen(vstate_, comm_->rank(), "for_each_state");

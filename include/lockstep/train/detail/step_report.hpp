@@ -64,8 +64,9 @@ private:
         const auto at = step_ - static_cast<std::int64_t>(k.after_trip);
         std::string floor;
         if (k.loss_scale > 0 && k.loss_scale <= o_.min_scale)
-            floor = lockstep::detail::concat(" at the loss scale's floor ", k.loss_scale,
-                                             " (loss_scaling::min_scale)");
+            floor = lockstep::detail::concat(
+                " at loss scale ", k.loss_scale,
+                ", the floor (loss_scaling::min_scale = ", o_.min_scale, ")");
         else if (k.loss_scale > 0)
             floor = lockstep::detail::concat(" at loss scale ", k.loss_scale);
         fail(errc::non_finite, rank_, "data_parallel.step", "step ", at, ": ", k.limit_run,
