@@ -2,8 +2,9 @@
 // (synchronous, local SGD mid-period, parameter server; registry and visitor networks with BN
 // running statistics, dropout and an LR warm-up), incompatible checkpoints are refused with every
 // difference and leave the trainer unchanged (counters and optimizer step out of range, a save
-// committed while the replicas load included), every corruption is refused, and a save that
-// crashes at any stage leaves the previous checkpoint loadable.
+// committed while the replicas load, another frozen set included), every corruption is refused,
+// a save that crashes at any stage leaves the previous checkpoint loadable, and a schedule
+// defined for the run's steps only (a table) saves and resumes.
 // SPDX-License-Identifier: Apache-2.0
 #include <catch2/catch.hpp>
 
@@ -16,9 +17,11 @@
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/train/checkpoint.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <stdexcept>
@@ -50,7 +53,8 @@ struct plan {
     fs::path load = {};
     fs::path save = {};
     std::size_t save_at = 0;
-    std::int64_t warmup = 8; ///< params_for's
+    std::int64_t warmup = 8;                      ///< params_for's
+    std::function<void(train_params&)> edit = {}; ///< changes params_for's (when set)
 };
 
 /// Local SGD cannot share batch statistics inside a step: it averages running statistics; the
@@ -90,8 +94,11 @@ std::vector<std::vector<std::byte>> run(const plan& p, typename Opt::params_type
     std::vector<std::vector<std::byte>> out(static_cast<std::size_t>(p.replicas));
     thread_group group(p.replicas);
     group.run([&](thread_communicator& comm) {
+        train_params tp = params_for(p.seed, p.warmup);
+        if (p.edit)
+            p.edit(tp);
         dp_type dp(
-            comm, [](auto& ctx) { return net(ctx); }, op, params_for(p.seed, p.warmup));
+            comm, [](auto& ctx) { return net(ctx); }, op, tp);
         if (!p.load.empty())
             load_checkpoint(dp, p.load);
         step_to(dp, p.steps, p.save, p.save_at);
@@ -162,10 +169,12 @@ struct refusal {
     bool trains_after = true;          ///< a step after the refused load works
 };
 
-/// Builds trainers (seed 99, 2 steps taken), tries to load `path`, records the outcome.
+/// Builds trainers (seed 99, 2 steps taken; `edit` changes params_for's parameters), tries to
+/// load `path`, records the outcome.
 template <class Opt, class Sync, class Reduce, storage S, class T = typename Opt::value_type>
 refusal try_load(int replicas, const fs::path& path, typename Opt::params_type op,
-                 mlp_shape shape = {}, std::int64_t warmup = 8) {
+                 mlp_shape shape = {}, std::int64_t warmup = 8,
+                 const std::function<void(train_params&)>& edit = {}) {
     using dp_type = trainer_of<Opt, Sync, Reduce, S, T>;
     using net = typename dp_type::network_type;
     refusal out;
@@ -175,8 +184,11 @@ refusal try_load(int replicas, const fs::path& path, typename Opt::params_type o
     thread_group group(replicas);
     group.run([&](thread_communicator& comm) {
         const auto r = static_cast<std::size_t>(comm.rank());
+        train_params tp = params_for(99, warmup);
+        if (edit)
+            edit(tp);
         dp_type dp(
-            comm, [&](auto& ctx) { return net(ctx, shape); }, op, params_for(99, warmup));
+            comm, [&](auto& ctx) { return net(ctx, shape); }, op, tp);
         step_to(dp, 2);
         const auto before = fingerprint(dp);
         try {
@@ -1127,5 +1139,152 @@ TEST_CASE("a checkpoint call made on one replica only is named on every replica"
             INFO(e);
             CHECK(contains(e, "tag 'load_checkpoint'"));
         }
+    }
+}
+
+namespace {
+
+/// Freezes the tensors named in `names` (train_params::frozen).
+std::function<void(train_params&)> freezing(std::vector<std::string> names) {
+    return [names](train_params& tp) {
+        tp.frozen = [names](const tensor_info& t) {
+            return std::find(names.begin(), names.end(), t.name) != names.end();
+        };
+    };
+}
+
+} // namespace
+
+TEST_CASE("a checkpoint records the frozen tensors: another set is refused, nothing loaded",
+          "[train][checkpoint][thread]") {
+    // The optimizer keeps one step count: a tensor frozen at the save and trained after the load
+    // would start Adam's bias correction at the run's count (torch: at its own first step).
+    using opt = optim::adam<float>;
+    using loader = decltype([](const fs::path& p, std::vector<std::string> frozen) {
+        return try_load<opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+            2, p, {.lr = 1e-2}, {}, 8, freezing(std::move(frozen)));
+    });
+    temp_dir dir;
+    const fs::path path = dir.path / "frozen.ckpt";
+    run<opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+        {.replicas = 2, .steps = 5, .save = path, .save_at = 5, .edit = freezing({"fc1.weight"})},
+        {.lr = 1e-2});
+    const std::string fix = "load it with that set, then construct a new trainer with the new "
+                            "set whose network starts from the loaded parameters";
+
+    SECTION("the same set resumes bitwise as the uninterrupted run") {
+        const auto full = run<opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+            {.replicas = 2, .steps = 9, .edit = freezing({"fc1.weight"})}, {.lr = 1e-2});
+        const auto resumed = run<opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+            {.replicas = 2, .seed = 7, .steps = 9, .load = path, .edit = freezing({"fc1.weight"})},
+            {.lr = 1e-2});
+        for (int r = 0; r < 2; ++r) {
+            INFO("replica " << r);
+            CHECK(resumed[r] == full[r]);
+        }
+    }
+    SECTION("unfreezing is refused, naming the tensor and the fix") {
+        check_refused(loader{}(path, {}),
+                      {"refused: every replica: frozen: checkpoint {fc1.weight}, trainer {} "
+                       "(unfrozen since the save: fc1.weight)",
+                       fix});
+    }
+    SECTION("freezing more, or another tensor, is refused, naming each change") {
+        check_refused(loader{}(path, {"fc1.weight", "bn1.weight"}),
+                      {"frozen: checkpoint {fc1.weight}, trainer {bn1.weight,fc1.weight} "
+                       "(frozen since the save: bn1.weight)",
+                       fix});
+        check_refused(loader{}(path, {"fc2.bias"}),
+                      {"frozen: checkpoint {fc1.weight}, trainer {fc2.bias} (unfrozen since the "
+                       "save: fc1.weight; frozen since the save: fc2.bias)"});
+    }
+    SECTION("a checkpoint written before the frozen set was recorded loads with any set") {
+        for (int r = 0; r < 2; ++r)
+            rewrite_shard(path, r, [](auto& meta, auto&) {
+                std::erase_if(meta, [](const auto& kv) { return kv.first == "frozen"; });
+            });
+        CHECK(loader{}(path, {}).messages == std::vector<std::string>(2));
+        CHECK(loader{}(path, {"fc1.weight"}).messages == std::vector<std::string>(2));
+    }
+}
+
+namespace {
+
+/// A learning rate schedule read from a table of `n` entries (a run of n steps), throwing
+/// std::out_of_range past its end; `scale` changes its values.
+std::function<void(train_params&)> lr_table(std::size_t n, double scale = 1.0) {
+    return [n, scale](train_params& tp) {
+        std::vector<double> table(n);
+        for (std::size_t s = 0; s < n; ++s)
+            table[s] = scale * 0.05 * (1.0 - static_cast<double>(s) / static_cast<double>(n));
+        tp.lr = [table](std::int64_t s) { return table.at(static_cast<std::size_t>(s)); };
+    };
+}
+
+} // namespace
+
+TEST_CASE("a schedule defined for the run's steps only saves and resumes; another is refused",
+          "[train][checkpoint][thread]") {
+    // The checkpoint records the schedule at steps() + 1, + 10 and + 1000, past such a table's
+    // end: "undefined" there, on save and load alike; the resume step's rate is required.
+    using opt = base_opt;
+    using loader = decltype([](const fs::path& p, std::function<void(train_params&)> edit) {
+        return try_load<opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+            2, p, base_params, {}, 8, edit);
+    });
+    temp_dir dir;
+    const fs::path path = dir.path / "table.ckpt";
+    constexpr std::size_t total = 11;
+    run<opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+        {.replicas = 2, .steps = 5, .save = path, .save_at = 5, .edit = lr_table(total)},
+        base_params);
+
+    SECTION("the same table resumes bitwise as the uninterrupted run") {
+        const auto full = run<opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+            {.replicas = 2, .steps = total, .edit = lr_table(total)}, base_params);
+        const auto resumed = run<opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+            {.replicas = 2, .seed = 7, .steps = total, .load = path, .edit = lr_table(total)},
+            base_params);
+        // Control: the table matters (another one ends elsewhere).
+        const auto other = run<opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+            {.replicas = 2, .steps = total, .edit = lr_table(total, 0.5)}, base_params);
+        for (int r = 0; r < 2; ++r) {
+            INFO("replica " << r);
+            CHECK(resumed[r] == full[r]);
+            CHECK(other[r] != full[r]);
+        }
+    }
+    SECTION("a table changed after the save is refused") {
+        // 5 + 10 < 20: defined where the saved table was not.
+        check_refused(loader{}(path, lr_table(20)), {"lr.schedule: checkpoint ", " undefined"});
+        check_refused(loader{}(path, lr_table(total, 0.5)), {"lr.schedule: checkpoint "});
+    }
+    SECTION("a table that ends before the resume step: the save fails, the load is refused, "
+            "naming the step") {
+        const std::string why = "the learning rate schedule threw at step 5, the step the "
+                                "checkpoint resumes at";
+        std::vector<std::string> errors(2);
+        thread_group(2).run([&](thread_communicator& comm) {
+            using dp_type =
+                trainer_of<opt, sync::synchronous, reduce::per_tensor, storage::registry>;
+            train_params tp = params_for(3);
+            lr_table(5)(tp);
+            dp_type dp(
+                comm, [](auto& ctx) { return dp_type::network_type(ctx); }, base_params, tp);
+            step_to(dp, 5);
+            try {
+                save_checkpoint(dp, dir.path / "short.ckpt");
+            } catch (const lockstep::error& e) {
+                if (e.code() == errc::checkpoint)
+                    errors[static_cast<std::size_t>(comm.rank())] = e.what();
+            }
+        });
+        for (const std::string& e : errors) {
+            INFO(e);
+            CHECK(contains(e, "save_checkpoint: saving checkpoint '"));
+            CHECK(contains(e, why));
+            CHECK(contains(e, "vector")); // the schedule's std::out_of_range, from at()
+        }
+        check_refused(loader{}(path, lr_table(5)), {why});
     }
 }

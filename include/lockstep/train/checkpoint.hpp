@@ -53,7 +53,11 @@ struct save_options {
 /// lockstep::error (checkpoint) on every replica. Jobs saving to the same path concurrently
 /// leave a checkpoint that loads as one of their saves.
 /// A background save of dp still unresolved (save_checkpoint_async) is waited for first, and
-/// its failure thrown unless every replica's step results reported it.
+/// its failure thrown unless every replica's step results reported it. With sync::local_sgd<K>
+/// the replicas' global_batch and lr of the steps since the last average are compared first,
+/// as the average compares them: a difference throws lockstep::error on every replica (the
+/// average's message), nothing written. A learning-rate schedule that throws at steps() fails
+/// the save, naming the step (later steps it does not define are recorded as undefined).
 /// requires: no step in flight on this replica (call it between steps; with sync::asynchronous
 /// and sync::bounded_staleness<S>, between train() calls, when every replica holds the server's
 /// parameters and state).
@@ -68,6 +72,8 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
     const std::string what = "saving checkpoint '" + path.string() + "' failed:";
     // A background save still in flight commits (or fails) first: it never replaces this one.
     detail::checkpoint_access::resolve_background(dp, comm, "save_checkpoint");
+    // Local SGD's steps since the last average are checked now: a resumed run cannot.
+    detail::checkpoint_access::verify_before_save(dp);
 
     // One fresh generation for this save, in flight in replica 0's process until it returns.
     std::optional<ck::inflight_scope> inflight;
@@ -103,24 +109,23 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
 /// write, in the marker's directory, no symbolic link) and recorded size against the file before
 /// reading it, the marker and every section's CRC32C, and compatibility with dp (world size,
 /// rank, element type, optimizer type and hyperparameters, learning rate at the resume step and
-/// after, sync, reduce and BN policies, every section's presence, element type and shape, no
-/// extra section, the counters' ranges), and that the marker still names the save every replica
-/// read first (a save that commits meanwhile is refused, naming both generations). When any
-/// replica finds a difference, every replica throws ONE
-/// lockstep::error (checkpoint) listing them all and dp is unchanged. Otherwise dp gets the
-/// parameters (also in the network's own buffers with the visitor), registry and visited state
-/// (BN running statistics), optimizer buffers and step count, steps(), the sample offset, local
-/// SGD's steps since the last average and the RNG seed: the steps that follow are bitwise those
-/// of the run that saved (synchronous and local SGD; the asynchronous trainers continue from the
-/// same state, in an order the arrival of gradients decides, as without a checkpoint).
-/// At another replica count (every trainer but local SGD, which refuses it on every replica,
-/// naming both counts) every replica restores from the shard of replica 0 (the asynchronous
-/// trainers' server, reduce::parameter_server<Root>'s Root: the replica with the optimizer
-/// state), BN running statistics included; with reduce::sharded each replica's new shard of
-/// the optimizer state is regathered from the old shards that overlap it (their headers and
-/// optimizer sections only). See docs/checkpoints.md.
-/// A background save of dp still unresolved is waited for first, as by save_checkpoint.
-/// requires: no step in flight on this replica (asynchronous: between train() calls).
+/// after, the frozen tensors, sync, reduce and BN policies, every section's presence, element type
+/// and shape, no extra section, the counters' ranges), and that the marker still names the save
+/// every replica read first (a save that commits meanwhile is refused, naming both generations).
+/// When any replica finds a difference, every replica throws ONE lockstep::error (checkpoint)
+/// listing them all and dp is unchanged. Otherwise dp gets the parameters (also in the network's
+/// own buffers with the visitor), registry and visited state (BN running statistics), optimizer
+/// buffers and step count, steps(), the sample offset, local SGD's steps since the last average and
+/// the RNG seed: the steps that follow are bitwise those of the run that saved (synchronous and
+/// local SGD; the asynchronous trainers continue from the same state, in an order the arrival of
+/// gradients decides, as without a checkpoint). At another replica count (every trainer but local
+/// SGD, which refuses it on every replica, naming both counts) every replica restores from the
+/// shard of replica 0 (the asynchronous trainers' server, reduce::parameter_server<Root>'s Root:
+/// the replica with the optimizer state), BN running statistics included; with reduce::sharded each
+/// replica's new shard of the optimizer state is regathered from the old shards that overlap it
+/// (their headers and optimizer sections only). See docs/checkpoints.md. A background save of dp
+/// still unresolved is waited for first, as by save_checkpoint. requires: no step in flight on this
+/// replica (asynchronous: between train() calls).
 template <class Network, class Optimizer, class Sync, class Reduce, class Comm>
 void load_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
                      const std::filesystem::path& path) {

@@ -46,6 +46,12 @@ struct train_params {
     /// The learning rate of step s (0-based), e.g. an optim lr schedule; empty: the optimizer
     /// params' lr for every step. Finite and >= 0: data_parallel::step checks step s's before
     /// its first collective (errc::invalid_argument naming the replica, the step and the value).
+    /// save_checkpoint and load_checkpoint evaluate it at the resume step steps() and at
+    /// steps() + 1, + 10 and + 1000 (the schedule's continuation, which a load must match): it
+    /// must not have undefined behaviour there (an unchecked lookup past a table's end), but may
+    /// throw: a step past steps() where it throws (any std::exception) is recorded as undefined,
+    /// so a schedule defined for the run's steps only saves and resumes; at steps() itself a
+    /// throw fails the save, or refuses the load (errc::checkpoint), naming the step.
     std::function<double(std::int64_t)> lr = {};
     /// A step whose gradient or loss has a NaN or infinity on any replica is skipped on every
     /// replica (true), or also throws lockstep::error (non_finite) on every replica (false),
@@ -76,7 +82,9 @@ struct train_params {
     /// Overlap of gradient reduction with backward (synchronous steps and local SGD's averages).
     /// Every replica must pass the same value.
     overlap_mode overlap = overlap_mode::automatic;
-    /// The seed of every replica's random streams (replica_context::rng).
+    /// The seed of every replica's random streams (replica_context::rng), keyed by the global
+    /// sample index: every replica must pass the same value (checked at construction), so a
+    /// sample's randomness does not depend on the replica holding it.
     std::uint64_t seed = 0;
     /// Which parameters get weight decay and LARS/LAMB trust-ratio adaptation; empty: all.
     /// Commonly `[](const tensor_info& t) { return t.shape.size() > 1; }` (no biases, no BN).
@@ -102,7 +110,14 @@ struct train_params {
     /// state change: it is left out of the optimizer's segments, so its momentum / moments stay
     /// as they are (every trainer). Its gradient is still reduced and, in the NaN/inf check,
     /// counted; synchronous and local SGD then zero it before the gradient hook, the clipping
-    /// norm and the update. Every replica must freeze the same tensors.
+    /// norm and the update. Every replica must freeze the same tensors. A checkpoint records the
+    /// frozen tensors, and load_checkpoint refuses another set (errc::checkpoint, naming the
+    /// tensors that changed): the optimizer keeps one step count for every tensor, so a tensor
+    /// frozen at the save and trained after the load would start Adam's bias correction and
+    /// momentum at the run's count, not its own first step as in torch. To train another set,
+    /// load with the saved one, then construct a new trainer whose network starts from the
+    /// loaded parameters (a fresh optimizer). A checkpoint written before the frozen tensors
+    /// were recorded loads with any set.
     std::function<bool(const tensor_info&)> frozen = {};
     /// Cross-replica consistency check (data_parallel only): every verify_every steps, after
     /// the update, the replicas compare a digest of every tensor they must hold bit for bit (the
@@ -138,7 +153,8 @@ struct train_params {
     /// capture. Every replica must pass the same value (checked at construction).
     replica_failure on_replica_failure = replica_failure::stop;
     /// With replica_failure::shrink: the fewest replicas the run continues with; a shrink to
-    /// fewer throws on the survivors (errc::peer_failure, naming both counts). requires: >= 1.
+    /// fewer throws on the survivors (errc::peer_failure, naming both counts). requires: >= 1 and,
+    /// with shrink, at most the replica count (else errc::invalid_argument at construction).
     int min_replicas = 1;
 };
 

@@ -43,6 +43,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <tuple>
 #include <type_traits>
@@ -80,6 +81,14 @@ struct checkpoint_access {
     static void resolve_background(DP& dp, Comm& comm, const char* op) {
         if constexpr (requires { dp.saves_; })
             (void)dp.saves_->resolve(comm, op, false);
+    }
+    /// Before a save (collective): local SGD compares the replicas' {global_batch, lr} of the
+    /// steps since its last check, as its next average would (nothing for the other trainers,
+    /// which agree on them in every step or train() call).
+    template <class DP>
+    static void verify_before_save(DP& dp) {
+        if constexpr (is_local_sgd_v<typename DP::sync_policy_type>)
+            dp.parts_->driver.verify_before_save(dp.parts_->stages);
     }
     /// Local SGD's steps since the last average (0 for the other trainers).
     template <class DP>
@@ -158,11 +167,70 @@ inline shard_extent owned_extent(std::size_t n, shard_owner as) {
     return {s.begin, s.size()};
 }
 
+/// The metadata value "frozen": the names of dp's frozen parameters (train_params::frozen),
+/// sorted (the set, whatever the registration order), e.g. "{bn1.weight,fc1.weight}".
+template <class DP>
+std::string frozen_names(DP& dp) {
+    auto& core = checkpoint_access::core(dp);
+    std::vector<std::string> names;
+    for (std::size_t i : core.frozen())
+        names.push_back(core.registry().parameters()[i].name);
+    std::sort(names.begin(), names.end());
+    std::string s;
+    for (const std::string& n : names)
+        s += (s.empty() ? "" : ",") + n;
+    return "{" + s + "}";
+}
+
+/// Why a checkpoint whose frozen set is `saved` cannot resume in a trainer whose set is
+/// `trainer` (the values of "frozen", which differ), naming the tensors unfrozen and frozen
+/// since the save and how to train with another set. The optimizer keeps one step count for
+/// every tensor (kernels/optimizer_kernels.hpp begin_step), so a tensor trained after the load
+/// but not before would start Adam's bias correction and momentum's first step mid-run, where
+/// torch (a count per parameter) starts them afresh.
+inline std::string frozen_refusal(std::string_view saved, std::string_view trainer) {
+    const auto names = [](std::string_view v) {
+        std::vector<std::string_view> out;
+        if (v.size() >= 2 && v.front() == '{' && v.back() == '}')
+            v = v.substr(1, v.size() - 2);
+        while (!v.empty()) {
+            const std::size_t c = v.find(',');
+            out.push_back(v.substr(0, c));
+            v = c == std::string_view::npos ? std::string_view{} : v.substr(c + 1);
+        }
+        return out;
+    };
+    const auto was = names(saved), now = names(trainer);
+    const auto missing_from = [](const auto& a, const auto& b) {
+        std::string s;
+        for (std::string_view n : a)
+            if (std::find(b.begin(), b.end(), n) == b.end())
+                s += concat(s.empty() ? "" : ", ", n);
+        return s;
+    };
+    const std::string unfrozen = missing_from(was, now), newly = missing_from(now, was);
+    return concat("frozen: checkpoint ", saved, ", trainer ", trainer, " (",
+                  unfrozen.empty() ? "" : "unfrozen since the save: " + unfrozen,
+                  !unfrozen.empty() && !newly.empty() ? "; " : "",
+                  newly.empty() ? "" : "frozen since the save: " + newly,
+                  "): a checkpoint resumes with the frozen set it was saved with (the optimizer "
+                  "keeps one step count for every tensor, so a tensor frozen at the save and "
+                  "trained after the load would get Adam's bias correction and momentum's "
+                  "first-step start at the run's step count, where torch starts them at the "
+                  "tensor's own first step); load it with that set, then construct a new trainer "
+                  "with the new set whose network starts from the loaded parameters (a fresh "
+                  "optimizer, as a new torch optimizer would start)");
+}
+
 /// Everything the metadata of a shard records about the trainer dp when it has taken `steps`
-/// steps: element type, world size and rank, optimizer and hyperparameters, policies, and the
-/// learning rate at steps, steps + 1, + 10 and + 1000 (the schedule's position and continuation).
+/// steps: element type, world size and rank, optimizer and hyperparameters, policies, the frozen
+/// tensors, and the learning rate at steps, steps + 1, + 10 and + 1000 (the schedule's position
+/// and continuation; "undefined" at a step past `steps` where the schedule throws, e.g. a table
+/// of the run's length, so that such a schedule saves and resumes).
 /// `as`: the replica the shard describes (its world size, rank and, with reduce::sharded, its
 /// shard of the optimizer state); dp's own unless a checkpoint of another replica count is read.
+/// throws: lockstep::error (checkpoint, no replica: the save or load that called names it) when
+/// the schedule throws at `steps`, naming the step and the schedule's exception.
 template <class DP>
 meta_list describe_trainer(DP& dp, std::int64_t steps, shard_owner as) {
     using T = typename DP::value_type;
@@ -177,6 +245,7 @@ meta_list describe_trainer(DP& dp, std::int64_t steps, shard_owner as) {
     m.emplace_back("sync", DP::sync_policy_type::name());
     m.emplace_back("reduce", DP::reduce_policy_type::name());
     m.emplace_back("bn", bn_policy_names<network_bn_policies_t<typename DP::network_type>>::get());
+    m.emplace_back("frozen", frozen_names(dp));
     if constexpr (DP::reduce_policy_type::shards_optimizer_state) {
         // The optimizer sections hold this replica's shard only: restoring needs the same one.
         const shard_extent own = owned_extent(core.values().size(), as);
@@ -203,9 +272,19 @@ meta_list describe_trainer(DP& dp, std::int64_t steps, shard_owner as) {
     }
     std::string lr;
     for (std::int64_t ahead : {0, 1, 10, 1000}) {
-        if (!lr.empty())
-            lr += ' ';
-        lr += exact(core.lr_for(steps + ahead));
+        std::string v;
+        try {
+            v = exact(core.lr_for(steps + ahead));
+        } catch (const std::exception& e) {
+            if (ahead == 0)
+                fail(errc::checkpoint, -1, "train_params::lr",
+                     "the learning rate schedule threw at step ", steps,
+                     ", the step the checkpoint resumes at (a checkpoint records the rate of that "
+                     "step and, where the schedule defines them, of 1, 10 and 1000 steps later): ",
+                     e.what());
+            v = "undefined";
+        }
+        lr += (lr.empty() ? "" : " ") + v;
     }
     m.emplace_back("lr.schedule", lr);
     return m;
@@ -346,14 +425,19 @@ struct loaded_shard {
 };
 
 /// Appends to `problems` (each prefixed by `prefix`) every difference between a shard's header
-/// h and what the trainer writes: metadata `expected` and sections `want`.
+/// h and what the trainer writes: metadata `expected` and sections `want`. A header without
+/// "frozen" (a checkpoint written before it was recorded) is not compared on it.
 inline void compare_header(const parsed_header& h, const meta_list& expected,
                            const std::vector<section_spec>& want, const std::string& prefix,
                            std::vector<std::string>& problems) {
     for (const auto& [k, v] : expected) {
         const auto got = h.find_meta(k);
+        if (!got && k == "frozen")
+            continue; // written before checkpoints recorded the frozen set: any set loads
         if (!got)
             problems.push_back(concat(prefix, k, ": missing in the checkpoint (trainer: ", v, ")"));
+        else if (*got != v && k == "frozen")
+            problems.push_back(prefix + frozen_refusal(*got, v));
         else if (*got != v)
             problems.push_back(concat(prefix, k, ": checkpoint ", *got, ", trainer ", v));
     }
@@ -451,9 +535,8 @@ void check_shard(DP& dp, const std::filesystem::path& file, shard_owner as, load
     meta_list expected;
     try {
         expected = describe_trainer(dp, steps, as);
-    } catch (const std::exception& e) {
-        problems.push_back(
-            concat("the trainer's learning rate schedule at step ", steps, " failed: ", e.what()));
+    } catch (const error& e) { // the schedule threw at the resume step: e names it
+        problems.push_back(e.details());
         expected = describe_trainer(dp, core.steps(), as);
     }
     compare_header(out.header, expected, expected_sections(dp, as), "", problems);

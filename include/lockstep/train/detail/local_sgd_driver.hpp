@@ -12,6 +12,7 @@
 #include "lockstep/train/detail/step_driver.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -23,8 +24,8 @@ namespace lockstep::detail {
 /// sync::local_sgd<K> with any ReducePolicy whose collective averages (its plan only cuts the
 /// checks into pieces and averages the values): scale = 1 / (this replica's samples); the skip
 /// decision is this replica's own (no status collective); every K-th step, and at finish() when
-/// steps ran since, average(): the replicas' {global_batch, lr} since the last average are
-/// compared, then values and state become the mean over replicas.
+/// steps ran since, average(): the replicas' {global_batch, lr} since the last check (average or
+/// checkpoint save) are compared, then values and state become the mean over replicas.
 template <std::size_t K>
 class step_driver<sync::local_sgd<K>> {
 public:
@@ -78,6 +79,13 @@ public:
             average(s, c);
     }
 
+    /// Before a checkpoint save (collective): the steps since the last check compared as the
+    /// average compares them, so a saved run never hides a disagreement from the next average.
+    template <class Stages>
+    void verify_before_save(Stages& s) {
+        verify_steps(s, "save_checkpoint");
+    }
+
     /// Steps since the last average (what a checkpoint keeps).
     std::size_t since_average() const noexcept { return since_average_; }
     void set_since_average(std::size_t n) noexcept { since_average_ = n; }
@@ -87,7 +95,7 @@ private:
     template <class Stages, class Collective>
     void average(Stages& s, Collective& c) {
         since_average_ = 0;
-        verify_steps(s);
+        verify_steps(s, "data_parallel.average");
         auto& core = s.core();
         auto& comm = core.comm();
         using T = typename Stages::T;
@@ -101,23 +109,35 @@ private:
         core.unpack_state();
     }
 
-    /// Before an average: every replica's global_batch and lr of each step since the last
-    /// average are gathered (one small all_gather) and compared; a difference throws on every
-    /// replica naming the step and both values.
+    /// Every replica's {global_batch, lr} of each step recorded since the last check (an
+    /// average or a save: each step is checked once) compared (collective: one all_gather of
+    /// the step counts, one of the settings, both sized by the steps taken, not by K); a
+    /// difference throws lockstep::error on every replica naming the step and both values
+    /// (invalid_argument), another step count naming both counts (count_mismatch).
     template <class Stages>
-    void verify_steps(Stages& s) {
+    void verify_steps(Stages& s, const char* op) {
         auto& comm = s.core().comm();
-        const std::size_t width = 2 * K;
-        std::vector<double> mine(width, 0.0);
-        const std::size_t n = std::min(settings_.size(), width);
-        std::copy(settings_.end() - static_cast<std::ptrdiff_t>(n), settings_.end(), mine.begin());
-        const std::int64_t first = s.core().steps() - static_cast<std::int64_t>(n / 2);
-        settings_.clear();
+        const std::int64_t steps = s.core().steps();
+        const std::array<std::int64_t, 2> mine{steps, static_cast<std::int64_t>(settings_.size())};
+        std::vector<std::int64_t> counts(2 * static_cast<std::size_t>(comm.size()));
+        host_all_gather(comm, std::span<const std::int64_t>(mine), std::span<std::int64_t>(counts));
+        for (int r = 1; r < comm.size(); ++r) {
+            const std::size_t at = 2 * static_cast<std::size_t>(r);
+            if (counts[at] != counts[0] || counts[at + 1] != counts[1])
+                fail(errc::count_mismatch, comm.rank(), op,
+                     "the replicas ran different numbers of steps (local SGD): ", counts[0],
+                     " on replica 0 (", counts[1] / 2, " since the last check), ", counts[at],
+                     " on replica ", r, " (", counts[at + 1] / 2,
+                     "): every replica calls step() as often");
+        }
+        const std::size_t width = settings_.size();
+        const std::int64_t first = steps - static_cast<std::int64_t>(width / 2);
         std::vector<double> all(width * static_cast<std::size_t>(comm.size()));
-        host_all_gather(comm, std::span<const double>(mine), std::span<double>(all));
+        host_all_gather(comm, std::span<const double>(settings_), std::span<double>(all));
+        settings_.clear();
         std::string out;
         for (int r = 1; r < comm.size(); ++r)
-            for (std::size_t k = 0; k < K; ++k) {
+            for (std::size_t k = 0; k < width / 2; ++k) {
                 const double* a = all.data() + 2 * k;
                 const double* b = all.data() + static_cast<std::size_t>(r) * width + 2 * k;
                 if (a[0] != b[0])
@@ -130,12 +150,12 @@ private:
                                   " on replica ", r, ";");
             }
         if (!out.empty())
-            fail(errc::invalid_argument, comm.rank(), "data_parallel.average",
-                 "the replicas disagree (local SGD, checked at the average):", out);
+            fail(errc::invalid_argument, comm.rank(), op,
+                 "the replicas disagree (local SGD, checked at the average or save):", out);
     }
 
     std::size_t since_average_ = 0;
-    std::vector<double> settings_; ///< {global_batch, lr} per step since the last average
+    std::vector<double> settings_; ///< {global_batch, lr} per step since the last check
 };
 
 } // namespace lockstep::detail
