@@ -69,7 +69,9 @@ public:
     }
 
 private:
-    static double coefficient(std::size_t k) { return k == 0 ? 2.0 : k == 1 ? -1.0 : 0.3 * k; }
+    static double coefficient(std::size_t k) {
+        return k == 0 ? 2.0 : k == 1 ? -1.0 : 0.3 * static_cast<double>(k);
+    }
 
     std::size_t inputs_;
     typename parameter_registry<T, typename Comm::system_type>::handle w_, b_;

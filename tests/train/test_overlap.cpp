@@ -169,3 +169,95 @@ TEST_CASE("comm_priority::background raises the communication thread's nice valu
     CHECK(normal == std::vector<int>(2, caller));
 }
 #endif
+
+namespace {
+
+/// A tied weight: backward adds to "tied.w" for the output layer, then (late = true) marks it
+/// ready before the embedding's backward adds more to it. Sample g contributes (1 + 10) (g + 1)
+/// to every element's mean-loss gradient.
+struct tied_net {
+    tensor_handle<float> w;
+    explicit tied_net(replica_context<float, thread_communicator>& c)
+        : w(c.registry().add("tied.w", {4})) {}
+};
+
+/// Each replica's weights after one step of lr 1 on 4 samples over 2 thread replicas, or its
+/// error ("" when none), with the mark before (late) or after the embedding's write.
+template <class Reduce>
+std::vector<std::pair<std::vector<float>, std::string>> tied_step(bool late) {
+    std::vector<std::pair<std::vector<float>, std::string>> out(2);
+    try {
+        thread_group(2).run([&](thread_communicator& comm) {
+            auto& mine = out[static_cast<std::size_t>(comm.rank())];
+            try {
+                data_parallel<tied_net, optim::sgd<float>, sync::synchronous, Reduce> dp(
+                    comm, [](auto& ctx) { return tied_net(ctx); }, {.lr = 1.0f},
+                    {.overlap = overlap_mode::never});
+                dp.step(4, [&](tied_net& n, const shard_range& r, auto& ctx) {
+                    for (std::size_t i = r.begin; i < r.end; ++i) {
+                        const auto x =
+                            static_cast<float>(r.sample_index(i) + 1) * static_cast<float>(r.scale);
+                        for (float& g : n.w.grad())
+                            g += x; // the output layer
+                    }
+                    if (late)
+                        ctx.mark_ready(n.w);
+                    for (std::size_t i = r.begin; i < r.end; ++i) {
+                        const auto x =
+                            static_cast<float>(r.sample_index(i) + 1) * static_cast<float>(r.scale);
+                        for (float& g : n.w.grad())
+                            g += 10 * x; // the embedding, the same tensor
+                    }
+                    if (!late)
+                        ctx.mark_ready(n.w);
+                    return 0.0;
+                });
+                const auto p = dp.parameters();
+                mine.first.assign(p.begin(), p.end());
+            } catch (const error& e) {
+                mine.second = e.what();
+                throw;
+            }
+        });
+    } catch (const error&) {
+    }
+    return out;
+}
+
+} // namespace
+
+// The late write would be lost where the piece was already reduced (parameter_server, sharded:
+// every replica alike, wrong) or summed on the writing replica only (per_tensor, bucketed,
+// compressed: replicas diverge). Inline only: on the communication thread the late write
+// races the reduction, which no test may do.
+TEMPLATE_TEST_CASE("a gradient written after mark_ready is refused on every replica",
+                   "[train][thread][overlap]", reduce::per_tensor, (reduce::bucketed<>),
+                   reduce::parameter_server<0>, reduce::sharded<>,
+                   reduce::compressed<lockstep::bfloat16>) {
+    // The mean-loss gradient: (1 + 10) (1 + 2 + 3 + 4) / 4 = 27.5, exact in float and bfloat16.
+    const auto good = tied_step<TestType>(false);
+    for (const auto& [w, err] : good) {
+        INFO(err);
+        CHECK(err.empty());
+        CHECK(w == std::vector<float>(4, -27.5f));
+    }
+    const auto late = tied_step<TestType>(true);
+    for (std::size_t r = 0; r < late.size(); ++r) {
+        const std::string& err = late[r].second;
+        INFO("replica " << r << ": " << err);
+        CHECK_THAT(err, Catch::Contains("replica " + std::to_string(r) +
+                                        ": data_parallel.step: the gradient of 'tied.w' (one "
+                                        "reduction piece) changed after ctx.mark_ready"));
+        CHECK(err.find("[invalid_argument]") != std::string::npos);
+    }
+}
+
+TEST_CASE("reduce::reproducible counts a gradient written after mark_ready in the next chunk",
+          "[train][thread][overlap][reproducible]") {
+    // Documented (train_api.md, mark_ready): the write is kept, not lost.
+    for (const auto& [w, err] : tied_step<reduce::reproducible<1>>(true)) {
+        INFO(err);
+        CHECK(err.empty());
+        CHECK(w == std::vector<float>(4, -27.5f));
+    }
+}

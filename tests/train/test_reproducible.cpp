@@ -242,6 +242,39 @@ TEMPLATE_TEST_CASE("reduce::reproducible names the replica of a NaN in a kept or
     }
 }
 
+// The global loss is NaN where one replica's chunk loss is: the status names that replica only
+// (replica 0 adds the global loss to the status sum, and was named for it).
+TEMPLATE_TEST_CASE("reduce::reproducible names only the replica whose chunk loss is NaN",
+                   "[train][reproducible][thread]", repro_reduce, repro_blocks) {
+    for (const int nan_on : {1, 2}) {
+        std::vector<std::string> what(3);
+        thread_group(3).run([&](thread_communicator& comm) {
+            using net = mlp<float, thread_communicator, storage::registry, repro_bn>;
+            data_parallel<net, optim::sgd<float>, sync::synchronous, TestType> dp(
+                comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.1f},
+                {.skip_non_finite = false, .seed = 1});
+            const auto fn = [&](net& n, const shard_range& range, auto& ctx) {
+                const double loss = n.train(range, ctx);
+                return comm.rank() == nan_on ? std::numeric_limits<double>::quiet_NaN() : loss;
+            };
+            try {
+                dp.step(37, fn);
+            } catch (const error& e) {
+                what[static_cast<std::size_t>(comm.rank())] = e.what();
+            }
+        });
+        for (std::size_t r = 0; r < 3; ++r) {
+            INFO("NaN loss on replica " << nan_on << "; replica " << r << ": " << what[r]);
+            CHECK_THAT(what[r], Catch::Contains(lockstep::detail::concat(
+                                    "the loss is not finite on replica ", nan_on, ";")));
+            for (int other = 0; other < 3; ++other)
+                if (other != nan_on)
+                    CHECK_THAT(what[r], !Catch::Contains(
+                                            lockstep::detail::concat("on replica ", other, ";")));
+        }
+    }
+}
+
 // A global sum beyond float's range skips the step on every replica and is named as the sum's
 // overflow, and a NaN in one chunk names the replica that computed it, whichever exchange runs:
 // on the thread group the sums report both (combined), through the counting wrapper (no

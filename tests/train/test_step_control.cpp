@@ -10,6 +10,7 @@
 #include "lockstep/optim/lr_schedule.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/train/asynchronous.hpp"
+#include "lockstep/train/checkpoint.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -17,11 +18,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+#include <unistd.h>
 
 using namespace lockstep_test;
 
@@ -785,6 +790,117 @@ TEST_CASE("local SGD: a global_batch that differs on one replica fails at the ne
         INFO(msg);
         CHECK(code == static_cast<int>(errc::invalid_argument));
         CHECK_THAT(msg, Catch::Contains("step 3: global_batch: 24 on replica 0, 23 on replica 1;"));
+    }
+}
+
+TEST_CASE("local SGD: save_checkpoint checks the steps since the last average before writing",
+          "[train][thread][agreement][local_sgd][checkpoint]") {
+    // A save between averages would drop what the next average checks: the resumed run would
+    // keep replica 1's shifted samples for good. The save itself compares them.
+    const auto path = std::filesystem::temp_directory_path() /
+                      ("lockstep_local_sgd_save_" + std::to_string(::getpid()) + ".ckpt");
+    std::filesystem::remove(path);
+    SECTION("another global_batch") {
+        const auto e = errors_of(3, [&](int rank, thread_communicator& comm) {
+            data_parallel<linear, sgd, sync::local_sgd<4>, reduce::per_tensor> dp(
+                comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1});
+            for (int s = 0; s < 2; ++s)
+                dp.step(s == 1 && rank == 1 ? 13 : 12, train_fn);
+            save_checkpoint(dp, path);
+        });
+        for (const auto& [msg, code] : e) {
+            INFO(msg);
+            CHECK(code == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(msg, Catch::Contains("save_checkpoint: the replicas disagree"));
+            CHECK_THAT(msg,
+                       Catch::Contains("step 1: global_batch: 12 on replica 0, 13 on replica 1;"));
+        }
+    }
+    SECTION("another learning rate") {
+        const auto e = errors_of(3, [&](int rank, thread_communicator& comm) {
+            data_parallel<linear, sgd, sync::local_sgd<4>, reduce::per_tensor> dp(
+                comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1});
+            dp.step(12, train_fn);
+            if (rank == 2)
+                dp.optimizer().set_lr(0.5);
+            dp.step(12, train_fn);
+            save_checkpoint(dp, path);
+        });
+        for (const auto& [msg, code] : e) {
+            INFO(msg);
+            CHECK(code == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(msg, Catch::Contains("step 1: lr: 0.1 on replica 0, 0.5 on replica 2;"));
+        }
+    }
+    SECTION("another step count") {
+        const auto e = errors_of(3, [&](int rank, thread_communicator& comm) {
+            data_parallel<linear, sgd, sync::local_sgd<4>, reduce::per_tensor> dp(
+                comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1});
+            for (int s = 0; s < (rank == 2 ? 3 : 2); ++s)
+                dp.step(12, train_fn);
+            save_checkpoint(dp, path);
+        });
+        for (const auto& [msg, code] : e) {
+            INFO(msg);
+            CHECK(code == static_cast<int>(errc::count_mismatch));
+            CHECK_THAT(msg, Catch::Contains("2 on replica 0 (2 since the last check), 3 on "
+                                            "replica 2 (3)"));
+        }
+    }
+    CHECK_FALSE(std::filesystem::exists(path)); // nothing committed
+}
+
+TEST_CASE("local SGD with a period longer than the run averages at finish, checking only the "
+          "steps taken",
+          "[train][thread][local_sgd]") {
+    // K = 2^40 ("average only at finish"): what the check gathers is sized by the 5 steps
+    // taken, not by K; the result is local_sgd<5>'s, whose average falls on the last step.
+    const auto run = [](auto period) {
+        using K = decltype(period);
+        std::vector<std::vector<double>> out(3);
+        thread_group(3).run([&](thread_communicator& comm) {
+            data_parallel<linear, sgd, sync::local_sgd<K::value>, reduce::per_tensor> dp(
+                comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1});
+            for (int s = 0; s < 5; ++s)
+                dp.step(12, train_fn);
+            dp.finish();
+            const auto p = dp.parameters();
+            out[comm.rank()].assign(p.begin(), p.end());
+        });
+        return out;
+    };
+    const auto huge = run(std::integral_constant<std::size_t, std::size_t(1) << 40>{});
+    const auto five = run(std::integral_constant<std::size_t, 5>{});
+    for (int r = 0; r < 3; ++r)
+        CHECK(huge[r] == five[0]);
+}
+
+TEST_CASE("the asynchronous trainer refuses learning rates that differ across replicas",
+          "[train][thread][agreement][async]") {
+    // An lr set on one replica only was ignored on a worker and silently changed the run on
+    // the server: refused on every replica before any work.
+    for (const int who : {0, 1}) {
+        using async_t = data_parallel<linear, sgd, sync::bounded_staleness<0>, reduce::per_tensor>;
+        std::vector<std::int64_t> steps_after(3);
+        const auto e = errors_of(3, [&](int rank, thread_communicator& comm) {
+            async_t dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.05});
+            dp.train(2, 8, train_fn);
+            if (rank == who)
+                dp.optimizer().set_lr(0.0);
+            try {
+                dp.train(2, 8, train_fn);
+            } catch (...) {
+                steps_after[static_cast<std::size_t>(rank)] = dp.steps();
+                throw;
+            }
+        });
+        for (std::size_t r = 0; r < 3; ++r) {
+            INFO("set_lr on replica " << who << ": " << e[r].first);
+            CHECK(e[r].second == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(e[r].first,
+                       Catch::Contains("replicas disagree on the learning rates of versions 2..3"));
+            CHECK(steps_after[r] == 2);
+        }
     }
 }
 

@@ -86,14 +86,14 @@ TEST_CASE("one flipped bit on one replica fails every replica at the next check,
             dp.step(12, fn);
             if (comm.rank() == odd)
                 site = flip_one_bit(dp, target);
-            dp.step(12, fn); // step 4: checked, replica `odd` differs
+            dp.step(12, fn); // step 3 (the 4th): checked, replica `odd` differs
         } catch (const error& e) {
             errors[r] = e.what();
             codes[r] = static_cast<int>(e.code());
         }
         steps_done[r] = static_cast<int>(dp.steps());
     });
-    const std::string want = expected_divergence(4, odd, n, site);
+    const std::string want = expected_divergence(3, odd, n, site);
     for (int r = 0; r < n; ++r) {
         const auto& e = errors[static_cast<std::size_t>(r)];
         CAPTURE(r, e, want);

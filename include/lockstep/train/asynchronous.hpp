@@ -9,6 +9,7 @@
 #include "lockstep/policy/compat.hpp"
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/policy/sync.hpp"
+#include "lockstep/train/detail/agreement.hpp"
 #include "lockstep/train/detail/data_parallel_fwd.hpp"
 #include "lockstep/train/detail/trainer_base.hpp"
 #include "lockstep/train/parameter_server.hpp"
@@ -146,7 +147,8 @@ public:
     /// errc::count_mismatch on every replica), comm.size() >= 2, 0 <= ap.root < comm.size(),
     /// and the learning rate of every version this call applies finite and >= 0 (else
     /// errc::invalid_argument naming the replica, the version and the value, on every replica,
-    /// before any work).
+    /// before any work) and the same on every replica (their sums compared in the batch's
+    /// all_reduce: else errc::invalid_argument on every replica, before any work).
     template <class Fn>
     async_result train(std::size_t steps, std::size_t batch, Fn&& fn) {
         using T = value_type;
@@ -158,19 +160,29 @@ public:
         // The server applies version v with lr_for(v): check them all before any collective,
         // so a bad schedule throws on every replica with nothing changed, not on the server
         // mid-run.
+        double lr_sum = 0;
         for (std::size_t k = 0; k < steps; ++k)
-            (void)core_.checked_lr(core_.steps() + static_cast<std::int64_t>(k),
-                                   "async_trainer.train");
+            lr_sum += core_.checked_lr(core_.steps() + static_cast<std::int64_t>(k),
+                                       "async_trainer.train");
         {
-            // Workers map work items to samples with `batch`: every replica must use the same.
-            const std::array<std::int64_t, 2> b{static_cast<std::int64_t>(batch),
-                                                -static_cast<std::int64_t>(batch)};
-            std::array<std::int64_t, 2> agreed{};
-            comm.all_reduce(std::span<const std::int64_t>(b), std::span<std::int64_t>(agreed),
-                            reduce_op::max);
+            // Workers map work items to samples with `batch`, and the server applies the
+            // schedule it holds: every replica must have the same of both (an lr set on one
+            // replica only would be ignored on a worker, or silently change the run on the
+            // server). Exact in double: batch < 2^53, and equal schedules sum alike.
+            const std::array<double, 4> b{static_cast<double>(batch), -static_cast<double>(batch),
+                                          lr_sum, -lr_sum};
+            std::array<double, 4> agreed{};
+            comm.all_reduce(std::span<const double>(b), std::span<double>(agreed), reduce_op::max);
             LOCKSTEP_REQUIRE(agreed[0] == -agreed[1], errc::count_mismatch, comm.rank(),
                              "data_parallel.train", "replicas disagree on the batch size: from ",
                              -agreed[1], " to ", agreed[0], " (this replica: ", batch, ")");
+            LOCKSTEP_REQUIRE(
+                agreed[2] == -agreed[3], errc::invalid_argument, comm.rank(), "data_parallel.train",
+                "replicas disagree on the learning rates of versions ", core_.steps(), "..",
+                core_.steps() + static_cast<std::int64_t>(steps) - 1, " (their sum: from ",
+                detail::exact(-agreed[3]), " to ", detail::exact(agreed[2]),
+                ", this replica: ", detail::exact(lr_sum),
+                "): set optimizer().set_lr or train_params::lr alike on every replica");
         }
         const T keep = static_cast<T>(1.0 - ap_.bn_momentum);
         const std::uint64_t first_sample = core_.samples();

@@ -77,6 +77,11 @@ class data_parallel
     static_assert(!is_asynchronous_v<SyncPolicy>,
                   "data_parallel with sync::asynchronous or sync::bounded_staleness is defined "
                   "in lockstep/train/asynchronous.hpp: include it.");
+    static_assert(
+        detail::has_collective_v<ReducePolicy, typename Optimizer::value_type, Communicator>,
+        "this ReducePolicy has no collective: specialise "
+        "lockstep::detail::collective<Policy, T, Communicator> and include it before "
+        "data_parallel is instantiated (docs/writing_a_reduce_policy.md, part 2).");
     using base_type =
         detail::trainer_base<Network, Optimizer, SyncPolicy, ReducePolicy, Communicator>;
 
@@ -89,9 +94,9 @@ public:
     /// Builds this replica's network with factory(ctx), checks that every replica declared
     /// the same parameters and state (else every replica throws lockstep::error naming the
     /// first differing tensor and both shapes) and the same settings: the optimizer type and
-    /// hyperparameters, micro_batches, overlap, skip_non_finite, max_grad_norm, the frozen and
-    /// decaying tensors, the sync, reduce and BN policies (else every replica throws naming each
-    /// differing setting with both values), broadcasts replica 0's values and state, and
+    /// hyperparameters, seed, micro_batches, overlap, skip_non_finite, max_grad_norm, the frozen
+    /// and decaying tensors, the sync, reduce and BN policies (else every replica throws naming
+    /// each differing setting with both values), broadcasts replica 0's values and state, and
     /// prepares the optimizer (params `opt`) over the flat parameter buffer. Collective: every
     /// replica of comm constructs its trainer. requires: comm outlives the trainer.
     template <class Factory>
@@ -421,7 +426,8 @@ private:
         if constexpr (same_optimizer_state)
             for (const auto& slot : core_.optimizer().state().slots)
                 sections.push_back({"optimizer." + std::string(slot.name), slot.data});
-        detail::verify_replicas(core_.comm(), core_.comm().system(), this->steps(), sections);
+        // Named by the index of the step just taken, as step_result::step and the other messages.
+        detail::verify_replicas(core_.comm(), core_.comm().system(), this->steps() - 1, sections);
     }
 
     /// save_checkpoint_async's copies out of the system's memory, kept between saves (declared

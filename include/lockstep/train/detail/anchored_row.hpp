@@ -56,7 +56,10 @@ struct loss_terms_fn {
 /// One task: the loss a replica adds to the step's status loss slot: the global loss on replica
 /// 0 only (`first`: the status sum over replicas is that loss, bitwise), plus the sum of this
 /// replica's loss terms[0, count) that are not finite, which names it and, unlike its partial
-/// sum, does not depend on how the chunks fall on replicas.
+/// sum, does not depend on how the chunks fall on replicas. A NaN global loss (the anchored sum
+/// is NaN exactly where a term is not finite; a sum beyond the range is an infinity) is left to
+/// the replicas whose own terms made it, which add them: replica 0 is not named for another's
+/// term, and the status sum stays non-finite.
 struct status_loss_fn {
     const double* terms;
     std::size_t count;
@@ -67,7 +70,8 @@ struct status_loss_fn {
         double own = 0.0;
         for (std::size_t k = 0; k < count; ++k)
             own += is_finite(terms[k]) ? 0.0 : terms[k];
-        *loss += (first ? *global : 0.0) + own;
+        const double g = *global;
+        *loss += (first && !is_nan(g) ? g : 0.0) + own;
     }
 };
 

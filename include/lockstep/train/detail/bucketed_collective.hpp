@@ -14,10 +14,14 @@
 #include "lockstep/train/parameter_registry.hpp"
 #include "lockstep/train/train_params.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <optional>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -34,7 +38,9 @@ namespace lockstep::detail {
 /// the collective(s) that sum one piece over c (run with c's system for its kernels; returning
 /// void for one collective, or the number it issued), and overrides reduced_here, agree, update
 /// and average where its policy differs. Every replica issues the same collectives in the same
-/// order, whatever it marks ready.
+/// order, whatever it marks ready. On a host system a piece launched while backward runs is
+/// digested once its reduction is done, and again after fn returns: a gradient written after
+/// its tensor was marked ready (it would be lost, or reduced on some replicas only) throws.
 template <class Derived, class T, class Communicator>
 class piecewise_collective {
 public:
@@ -43,7 +49,8 @@ public:
 
     piecewise_collective(Communicator& comm, std::vector<bucket> plan, std::size_t tensors,
                          overlap_setting overlap)
-        : comm_(&comm), launcher_(std::move(plan), tensors, comm.rank()) {
+        : comm_(&comm), launcher_(std::move(plan), tensors, comm.rank()),
+          launched_digest_(launcher_.plan().size()), launched_early_(launcher_.plan().size()) {
         if (overlap.enabled)
             stream_.emplace(comm, overlap.priority);
     }
@@ -52,15 +59,22 @@ public:
     /// (the stages' forward_backward), with the ready hook launching each piece as its tensors
     /// are final; then the network's gradients packed (visitor networks), every piece not yet
     /// launched launched, and the communication joined (on CUDA: the compute stream waits).
+    /// On a host system, a piece launched during fn whose values changed after its reduction
+    /// (fn wrote a gradient after marking its tensor ready) throws lockstep::error
+    /// (invalid_argument) on this replica, naming its tensors; its peers then fail as when fn
+    /// throws.
     template <class Stages, class Fn>
     double gradient(Stages& s, std::size_t global, Fn& fn) {
         s.begin(0);
         s.zero();
         begin(s.core().grads(), &s.checks());
+        in_backward_ = true;
         const double loss =
             s.forward_backward(global, fn, false, [this](std::size_t t) { mark_ready(t); });
+        in_backward_ = false;
         s.pack_gradients();
         finish();
+        check_unchanged(s.core().registry().parameters());
         return loss;
     }
 
@@ -95,6 +109,8 @@ public:
     void begin(std::span<T> data, gradient_checks<system_type>* checks = nullptr) {
         data_ = data;
         checks_ = checks;
+        in_backward_ = false;
+        std::fill(launched_early_.begin(), launched_early_.end(), char{0});
         launcher_.reset();
     }
     /// Tensor t of data is final: every piece now complete is launched, in order.
@@ -132,10 +148,62 @@ private:
             checks_->check_piece(comm_->system(), std::span<const T>(data_),
                                  static_cast<std::size_t>(&b - launcher_.plan().data()), b);
         const std::span<T> piece = data_.subspan(b.offset, b.size);
-        if (stream_)
-            stream_->submit([this, piece, pb = &b](Communicator& c) { reduce(c, piece, *pb); });
-        else
+        const auto k = static_cast<std::size_t>(&b - launcher_.plan().data());
+        const bool watch = system_type::is_host && in_backward_;
+        launched_early_[k] = watch ? 1 : 0;
+        if (stream_) {
+            stream_->submit([this, piece, pb = &b, k, watch](Communicator& c) {
+                reduce(c, piece, *pb);
+                if (watch)
+                    launched_digest_[k] = digest(piece); // read after join()
+            });
+        } else {
             reduce(*comm_, piece, b);
+            if (watch)
+                launched_digest_[k] = digest(piece);
+        }
+    }
+    /// A digest of a piece in host memory, at the cost of one read: the sum and the XOR of its
+    /// 64-bit words (integer passes the compiler vectorises). One changed word always changes
+    /// the sum; writes that cancel in both would have to be chosen for it.
+    static std::uint64_t digest(std::span<const T> piece) noexcept {
+        const auto* bytes = reinterpret_cast<const unsigned char*>(piece.data());
+        const std::size_t n = piece.size_bytes();
+        std::uint64_t sum = 0, x = 0;
+        std::size_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            std::uint64_t w;
+            std::memcpy(&w, bytes + i, 8);
+            sum += w;
+            x ^= w;
+        }
+        for (; i < n; ++i) {
+            sum += bytes[i];
+            x ^= std::uint64_t(bytes[i]) << (8 * (i % 8));
+        }
+        return sum ^ (x * 0x9e3779b97f4a7c15ull);
+    }
+    /// After finish(): every piece launched during fn still holds what its reduction left.
+    void check_unchanged(const std::vector<tensor_info>& tensors) const {
+        if constexpr (system_type::is_host) {
+            std::string changed;
+            const auto& plan = launcher_.plan();
+            for (std::size_t k = 0; k < plan.size(); ++k) {
+                if (launched_early_[k] == 0 ||
+                    digest(std::span<const T>(data_.subspan(plan[k].offset, plan[k].size))) ==
+                        launched_digest_[k])
+                    continue;
+                for (std::size_t t = plan[k].first_tensor; t <= plan[k].last_tensor; ++t)
+                    changed += (changed.empty() ? "'" : ", '") + tensors[t].name + "'";
+            }
+            if (!changed.empty())
+                fail(errc::invalid_argument, comm_->rank(), "data_parallel.step",
+                     "the gradient of ", changed,
+                     " (one reduction piece) changed after ctx.mark_ready launched its "
+                     "reduction: fn wrote it after marking it ready, so the write would be lost "
+                     "or summed on some replicas only; call mark_ready once backward has "
+                     "finished writing the tensor (e.g. after the last use of a shared weight)");
+        }
     }
     void reduce(Communicator& c, std::span<T> piece, const bucket& b) {
         Derived& self = static_cast<Derived&>(*this);
@@ -155,6 +223,9 @@ private:
 
     Communicator* comm_;
     ordered_launcher launcher_;
+    std::vector<std::uint64_t> launched_digest_; ///< per piece: its digest once reduced
+    std::vector<char> launched_early_;           ///< per piece: launched during fn (watched)
+    bool in_backward_ = false;                   ///< fn is running (gradient())
     std::span<T> data_;
     gradient_checks<system_type>* checks_ = nullptr;
     std::atomic<std::size_t> collectives_{0}; // the communication thread adds to it

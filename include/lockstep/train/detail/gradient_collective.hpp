@@ -31,6 +31,13 @@ namespace lockstep::detail {
 template <class Policy, class T, class Communicator>
 class collective;
 
+/// Whether `collective<Policy, T, Communicator>` is defined (a specialisation visible where the
+/// trainer is instantiated): data_parallel's static_assert turns a missing one into a sentence.
+template <class Policy, class T, class Communicator>
+inline constexpr bool has_collective_v = requires {
+    sizeof(collective<Policy, T, Communicator>);
+};
+
 /// Whether a collective reduces its pieces on a comm_stream, and at which priority the stream's
 /// communication thread runs (detail::use_overlap decides both).
 struct overlap_setting {

@@ -147,9 +147,10 @@ std::string describe_element(T v) {
 /// When they agree it returns. Otherwise every replica takes the same two further all_gathers
 /// (the per-block digests of the first differing tensor, then that block's elements) and throws
 /// lockstep::error (errc::divergence, operation "data_parallel.verify_replicas") naming the
-/// step, the differing replicas, the tensor, the element and every replica's value there.
-/// requires: every replica passes the same sections (names and sizes; the trainer's agreement
-/// check at construction guarantees it). Collective.
+/// step (`step`: the index of the step just taken, as step_result::step), the differing replicas,
+/// the tensor, the element and every replica's value there. requires: every replica passes the same
+/// sections (names and sizes; the trainer's agreement check at construction guarantees it).
+/// Collective.
 template <class Communicator, class System, class T>
 void verify_replicas(Communicator& comm, const System& sys, std::int64_t step,
                      const std::vector<consistency_section<T>>& sections) {
