@@ -1,0 +1,71 @@
+// lockstep/train/detail/checkpoint_access.hpp: checkpoint_access, the trainer internals a
+// checkpoint reads and restores (a friend of trainer_base and data_parallel).
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/policy/sync.hpp"
+#include "lockstep/train/data_parallel.hpp"
+#include "lockstep/train/detail/trainer_base.hpp"
+
+#include <cstddef>
+
+namespace lockstep {
+
+namespace detail {
+
+/// The trainer internals a checkpoint reads and restores (a friend of trainer_base and
+/// data_parallel).
+struct checkpoint_access {
+    /// The replica_core of any trainer (its trainer_base's).
+    template <class DP>
+    static auto& core(DP& dp) noexcept {
+        using base = trainer_base<typename DP::network_type, typename DP::optimizer_type,
+                                  typename DP::sync_policy_type, typename DP::reduce_policy_type,
+                                  typename DP::communicator_type>;
+        return static_cast<base&>(dp).core_;
+    }
+    /// The background save of a synchronous trainer (save_checkpoint_async).
+    template <class DP>
+    static auto& background(DP& dp) noexcept {
+        return *dp.saves_;
+    }
+    /// Where dp's background saves stage their snapshots (snapshot_staging.hpp).
+    template <class DP>
+    static auto& staging(DP& dp) noexcept {
+        return dp.staging_;
+    }
+    /// Waits for dp's background save when it has one unresolved (collective; see
+    /// background_save::resolve): a blocking save or a load never races it.
+    template <class DP, class Comm>
+    static void resolve_background(DP& dp, Comm& comm, const char* op) {
+        if constexpr (requires { dp.saves_; })
+            (void)dp.saves_->resolve(comm, op, false);
+    }
+    /// Before a save (collective): local SGD compares the replicas' {global_batch, lr} of the
+    /// steps since its last check, as its next average would (nothing for the other trainers,
+    /// which agree on them in every step or train() call).
+    template <class DP>
+    static void verify_before_save(DP& dp) {
+        if constexpr (is_local_sgd_v<typename DP::sync_policy_type>)
+            dp.parts_->driver.verify_before_save(dp.parts_->stages);
+    }
+    /// Local SGD's steps since the last average (0 for the other trainers).
+    template <class DP>
+    static std::size_t since_average(const DP& dp) noexcept {
+        if constexpr (is_local_sgd_v<typename DP::sync_policy_type>)
+            return dp.parts_->driver.since_average();
+        else
+            return 0;
+    }
+    template <class DP>
+    static void set_since_average(DP& dp, std::size_t n) noexcept {
+        if constexpr (is_local_sgd_v<typename DP::sync_policy_type>)
+            dp.parts_->driver.set_since_average(n);
+        (void)dp;
+        (void)n;
+    }
+};
+
+} // namespace detail
+
+} // namespace lockstep
