@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -263,28 +264,27 @@ struct scaled_outcome {
     int thrown_at = -1;
 };
 
-/// `steps` full-batch steps of linreg<Compute> (loss weight `weight`, lr / weight) on 2 thread
-/// replicas with loss scaling `cfg` and the limit 3.
-template <class Compute>
-std::vector<scaled_outcome> run_scaled(loss_scaling cfg, double weight, int steps) {
+/// `steps` full-batch steps on 2 thread replicas of the trainer make(comm) returns (a
+/// std::unique_ptr<scaled_trainer<Compute>>), before(comm, dp) ahead of each: each replica's
+/// skips and scales, and the error that stopped it (construction included) with its step.
+template <class Compute, class Make, class Before>
+std::vector<scaled_outcome> run_scaled_with(int steps, Make make, Before before) {
     std::vector<scaled_outcome> out(2);
     thread_group(2, {.timeout = std::chrono::seconds(30)}).run([&](thread_communicator& comm) {
         scaled_outcome& me = out[static_cast<std::size_t>(comm.rank())];
         int k = 0;
         try {
-            scaled_trainer<Compute> dp(comm, [](auto& ctx) { return linreg<Compute>(ctx); },
-                                       {.lr = lr / weight},
-                                       {.max_consecutive_skips = 3, .loss_scale = cfg});
+            const auto dp = make(comm);
             for (; k < steps; ++k) {
-                dp.network().weight = weight;
+                before(comm, *dp);
                 const step_result r =
-                    dp.step(n_samples, [](linreg<Compute>& n, shard_range sr, auto& ctx) {
+                    dp->step(n_samples, [](linreg<Compute>& n, shard_range sr, auto& ctx) {
                         return n.train(sr, ctx);
                     });
                 me.skipped.push_back(r.skipped);
                 me.scales.push_back(r.loss_scale);
             }
-            dp.finish();
+            dp->finish();
         } catch (const error& e) {
             me.error = e.what();
             me.code = static_cast<int>(e.code());
@@ -292,6 +292,21 @@ std::vector<scaled_outcome> run_scaled(loss_scaling cfg, double weight, int step
         }
     });
     return out;
+}
+
+/// `steps` full-batch steps of linreg<Compute> (loss weight `weight`, lr / weight) on 2 thread
+/// replicas with loss scaling `cfg` and the limit 3.
+template <class Compute>
+std::vector<scaled_outcome> run_scaled(loss_scaling cfg, double weight, int steps) {
+    return run_scaled_with<Compute>(
+        steps,
+        [&](thread_communicator& comm) {
+            return std::make_unique<scaled_trainer<Compute>>(
+                comm, [](auto& ctx) { return linreg<Compute>(ctx); },
+                optim::sgd_params{.lr = lr / weight},
+                train_params{.max_consecutive_skips = 3, .loss_scale = cfg});
+        },
+        [&](thread_communicator&, scaled_trainer<Compute>& dp) { dp.network().weight = weight; });
 }
 
 /// The type's init scale and loss weight for a backward that overflows (as infinity) until
@@ -373,35 +388,22 @@ TEST_CASE("loss scaling: a scale restored below min_scale starts at min_scale, a
           "[train][thread][mixed][non_finite]") {
     // As a resume with min_scale raised from 1 to 1024 after the scale backed off to 2: the old
     // code kept 2 and called it the floor.
-    std::vector<scaled_outcome> out(2);
     std::vector<loss_scaler_state> restored(2);
-    thread_group(2, {.timeout = std::chrono::seconds(30)}).run([&](thread_communicator& comm) {
-        scaled_outcome& me = out[static_cast<std::size_t>(comm.rank())];
-        int k = 0;
-        try {
-            scaled_trainer<float> dp(
-                comm, [](auto& ctx) { return linreg<float>(ctx); }, {.lr = lr},
-                {.max_consecutive_skips = 3,
-                 .loss_scale =
-                     loss_scaling{.init_scale = 4096, .growth_interval = 100, .min_scale = 1024}});
-            dp.scaler().restore({2.0, 0});
-            restored[static_cast<std::size_t>(comm.rank())] = dp.scaler().state();
-            for (; k < 6; ++k) {
-                dp.network().poison = comm.rank() == 1; // overflows at every scale
-                const step_result r =
-                    dp.step(n_samples, [](linreg<float>& n, shard_range sr, auto& ctx) {
-                        return n.train(sr, ctx);
-                    });
-                me.skipped.push_back(r.skipped);
-                me.scales.push_back(r.loss_scale);
-            }
-            dp.finish();
-        } catch (const error& e) {
-            me.error = e.what();
-            me.code = static_cast<int>(e.code());
-            me.thrown_at = k;
-        }
-    });
+    const auto out = run_scaled_with<float>(
+        6,
+        [&](thread_communicator& comm) {
+            auto dp = std::make_unique<scaled_trainer<float>>(
+                comm, [](auto& ctx) { return linreg<float>(ctx); }, optim::sgd_params{.lr = lr},
+                train_params{.max_consecutive_skips = 3,
+                             .loss_scale = loss_scaling{
+                                 .init_scale = 4096, .growth_interval = 100, .min_scale = 1024}});
+            dp->scaler().restore({2.0, 0});
+            restored[static_cast<std::size_t>(comm.rank())] = dp->scaler().state();
+            return dp;
+        },
+        [](thread_communicator& comm, scaled_trainer<float>& dp) {
+            dp.network().poison = comm.rank() == 1; // overflows at every scale
+        });
     for (std::size_t r = 0; r < 2; ++r) {
         INFO(out[r].error);
         CHECK(restored[r] == loss_scaler_state{1024, 0});
