@@ -210,6 +210,24 @@ TEST_CASE("a BN policy missing from bn_policies is refused at its first call", "
     }
 }
 
+// The layer refuses bn::tower<K> beyond the replicas at its first forward; the trainer refuses
+// it at construction, before the network is built or any data is loaded.
+TEST_CASE("bn::tower<K> beyond the replicas is refused when the trainer is built",
+          "[nn][bn][thread]") {
+    const auto errors = run<bn::tower<3>, std::tuple<bn::local, bn::tower<3>>, reduce::bucketed<>>(
+        3, call::with_context, 0);
+    for (std::size_t r = 0; r < errors.size(); ++r)
+        CHECK(
+            contains(errors[r], "replica " + std::to_string(r) +
+                                    ": data_parallel: bn::tower<3> (in the network's "
+                                    "bn_policies) takes replica 3's batch statistics, but the "
+                                    "communicator has 3 replica(s): use bn::tower<K> with K < 3"));
+    const auto fits =
+        run<bn::tower<2>, std::tuple<bn::tower<2>>, reduce::bucketed<>>(3, call::with_context);
+    for (const std::string& e : fits)
+        CHECK(e.empty());
+}
+
 TEST_CASE("bn_rule_broken gives the compile-time check's sentences", "[nn][bn][policy]") {
     const auto facts = [](auto sync, auto reduce) {
         return trainer_facts_of<decltype(sync), decltype(reduce)>();

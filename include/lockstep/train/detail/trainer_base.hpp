@@ -15,10 +15,29 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 namespace lockstep::detail {
+
+/// bn::tower<K> in a network's bn_policies takes replica K's statistics: refused at
+/// construction, before the network is built, when the communicator has K replicas or fewer
+/// (every replica throws: the size is the same on all). The layer checks again at each forward,
+/// for a layer used outside a trainer or after a shrink.
+template <class... P>
+void check_bn_towers(const std::tuple<P...>* /*policies*/, int rank, int size) {
+    (
+        [&] {
+            constexpr int k = bn::traits<P>::running_replica;
+            if constexpr (k >= 0)
+                LOCKSTEP_REQUIRE(k < size, errc::invalid_argument, rank, "data_parallel",
+                                 bn::traits<P>::name(), " (in the network's bn_policies) takes ",
+                                 "replica ", k, "'s batch statistics, but the communicator has ",
+                                 size, " replica(s): use bn::tower<K> with K < ", size);
+        }(),
+        ...);
+}
 
 /// The base of every data_parallel trainer (synchronous, local SGD and the asynchronous
 /// specialisations): checks the policy combination (policy/compat.hpp; an invalid one is a
@@ -84,13 +103,20 @@ protected:
     template <class Factory>
     trainer_base(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt,
                  train_params tp, const std::vector<std::string>& policies, bool clips)
-        : core_(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp), policies,
-                clips, ReducePolicy::shards_optimizer_state),
+        : core_(bn_towers_fit(comm), std::forward<Factory>(factory), std::move(opt), std::move(tp),
+                policies, clips, ReducePolicy::shards_optimizer_state),
           declared_(trainer_facts_of<SyncPolicy, ReducePolicy>(),
                     bn_policy_names<network_bn_policies_t<Network>>::list()) {
         core_.context().set_policies(&declared_);
     }
     ~trainer_base() = default;
+
+    /// check_bn_towers for this network on `comm`; returns `comm` (for core_'s initializer).
+    static Communicator& bn_towers_fit(Communicator& comm) {
+        check_bn_towers(static_cast<const network_bn_policies_t<Network>*>(nullptr), comm.rank(),
+                        comm.size());
+        return comm;
+    }
 
     /// The "name<TAB>value" lines of the sync, reduce and BN policies.
     static std::vector<std::string> policy_settings() {
