@@ -6,11 +6,12 @@
 # Python 3.8+, standard library only: it runs on the build machine and on the GPU machine.
 # The stages of `run`, in order, each under its own timeout (its process group killed at the
 # end) and each recording its result as it ends: env (versions, libraries, the NCCL check),
-# nccl_probe (2 ranks), every single-GPU CUDA test, the multi-rank tests, gpu_digits (accuracy),
-# gpu_bench, its PyTorch anchor, ncu (batch-norm kernel metrics), gpu_bench_odd (the odd-plane
-# shape 32x288x35x35). A stage still running when the budget ends is killed and recorded as
-# failed (it may hang); one the budget leaves no time to start, as skipped. Without a GPU every
-# stage is recorded as skipped.
+# nccl_probe (2 ranks), the multi-rank tests, the single-GPU tests of FIRST_SINGLE_TESTS,
+# gpu_digits (accuracy), gpu_bench, its PyTorch anchor, ncu (batch-norm kernel metrics),
+# gpu_bench_odd (the odd-plane shape 32x288x35x35), then the other single-GPU CUDA tests: what
+# has never passed on a GPU first, so a short budget leaves out what has. A stage still running
+# when the budget ends is killed and recorded as failed (it may hang); one the budget leaves no
+# time to start, as skipped. Without a GPU every stage is recorded as skipped.
 import argparse
 import csv
 import glob
@@ -60,6 +61,45 @@ NCU_CASES = [
     ("28x28_nhwc_half", ["--shape", "64x256x28x28", "--layout", "nhwc", "--type", "half"]),
 ]
 LOG_LIMIT = 2 << 20  # bytes of one stage's log kept (head and tail) in the archive
+# The single-GPU tests run before the benchmarks: the kernels gpu_bench times, shown correct first.
+FIRST_SINGLE_TESTS = ("test_bn_cuda",)
+# Each test's seconds in the last GPU run (2026-12-04, H200; docs/gpu.md). A test starts only
+# with 1.5x its last time left in the budget (so the budget does not cut a test that is merely
+# slow and record it failed) and is stopped at the longer of 4x that time, 60 s and
+# LOCKSTEP_TIMEOUT + 30 s (so one hang cannot take the rest of the budget; lockstep's own
+# timeout still fires first). A test not listed starts with --test-min-seconds left and runs
+# under its CTest timeout.
+LAST_SECONDS = {
+    "multi_rank:test_nccl_ranks_collectives_r2": 10.7,
+    "multi_rank:test_nccl_ranks_collectives_r3": 16.0,
+    "multi_rank:test_nccl_ranks_trainer_r2": 19.9,
+    "multi_rank:test_nccl_ranks_trainer_r3": 24.8,
+    "multi_rank:test_nccl_ranks_faults_throw_r2": 2.6,
+    "multi_rank:test_nccl_ranks_faults_throw_r3": 3.3,
+    "multi_rank:test_nccl_ranks_faults_kill_r2": 2.0,
+    "multi_rank:test_nccl_ranks_faults_kill_r3": 2.8,
+    "multi_rank:test_nccl_ranks_faults_shrink_r2": 23.0,
+    "multi_rank:test_nccl_ranks_faults_shrink_r3": 23.7,
+    "single:test_cuda_system": 0.6,
+    "single:test_nccl_init_timeout": 1.9,
+    "single:test_nccl": 51.0,
+    "single:test_cuda_kernels": 8.8,
+    "single:test_bn_cuda": 39.2,
+    "single:test_trainer_nccl": 5.9,
+    "single:test_trainer_gpu": 15.1,
+    "single:test_graph_capture": 5.9,
+    "single:test_bn_nccl": 16.9,
+    "single:test_mixed_precision_cuda": 2.8,
+    "single:test_shared_gpu": 13.4,
+    "single:test_exact_sum_cuda": 0.8,
+    "single:test_verify_cuda": 3.3,
+    "digits:example_gpu_digits": 2.6,
+}
+# The reasons a runner gives a stage it skips that a rerun may remove (the budget, no GPU, the
+# NCCL probe, a library or executable missing): --rerun-failed repeats such stages too. A stage
+# that skipped itself (exit 77, no ncu permission, an excluded test) is not repeated.
+RERUN_SKIP = re.compile(r"^(budget:|no GPU:|stage 0 )|is not in the bundle|not found \(LD_LIBRARY"
+                        r"|is older than the headers")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,7 +383,10 @@ class runner:
         self.current = None  # (stage, start) of the stage running now, for a run killed outside
         self.previous = load_previous(a.rerun_failed) if a.rerun_failed else None
         self.env = dict(os.environ)
-        self.env.setdefault("LOCKSTEP_TIMEOUT", str(a.lockstep_timeout))
+        if a.lockstep_timeout is not None:  # given: it overrides the tests' CTest values too
+            self.env["LOCKSTEP_TIMEOUT"] = str(a.lockstep_timeout)
+        else:
+            self.env.setdefault("LOCKSTEP_TIMEOUT", "60")
         self.env["LOCKSTEP_SOURCE_DIR"] = os.path.join(self.root, "src")
 
     def remaining(self):
@@ -624,7 +667,10 @@ class runner:
             self.record(stage, "skipped", t["excluded"])
             return
         exe = self.executable(t["executable"])
-        why = self.skip_reason(stage, self.a.test_min_seconds, t["executable"])
+        last = LAST_SECONDS.get(stage)
+        min_seconds = self.a.test_min_seconds if last is None else max(
+            self.a.test_min_seconds, int(1.5 * last + 0.999))
+        why = self.skip_reason(stage, min_seconds, t["executable"])
         if why is None and exe is None:
             why = "%s is not in the bundle (not built)" % t["executable"]
         if why is None and t["kind"] == "multi_rank" and self.nccl_answer is not None:
@@ -636,14 +682,22 @@ class runner:
         if t["executable"].startswith("test_") and "-d" not in args:
             args += ["-d", "yes"]  # Catch2: each case's duration in the log
         env = dict(self.env)
+        # The flight recorder's files (a timeout or disagreement) come back in the archive.
+        env["LOCKSTEP_TRACE_DIR"] = os.path.join(self.results_dir, "traces", t["name"])
+        os.makedirs(env["LOCKSTEP_TRACE_DIR"], exist_ok=True)
         for kv in t.get("environment", []):
             k, _, v = kv.partition("=")
-            env[k] = v
+            if not (k == "LOCKSTEP_TIMEOUT" and self.a.lockstep_timeout is not None):
+                env[k] = v
         cwd = os.path.join(self.work, "cwd", t["name"])
         os.makedirs(cwd, exist_ok=True)
-        timeout = min(t["timeout"], self.remaining())
+        own = t["timeout"]
+        if last is not None:
+            lockstep_timeout = int(env.get("LOCKSTEP_TIMEOUT", "60") or 60)
+            own = min(own, max(60.0, 4 * last, lockstep_timeout + 30.0))
+        timeout = min(own, self.remaining())
         code, timed_out, secs, log = self.execute(stage, [exe] + args, timeout, cwd, env)
-        cut = self.cut_by_budget(stage, t["timeout"], secs, timed_out, log)
+        cut = self.cut_by_budget(stage, own, secs, timed_out, log)
         extra = {}
         if t["kind"] == "digits":
             m = re.findall(r"accuracy[^0-9]*([0-9.]+)", open(
@@ -653,8 +707,9 @@ class runner:
         if cut:
             return
         if timed_out:
-            self.record(stage, "failed", "timed out after %.0fs" % timeout, secs, code, log,
-                        **extra)
+            self.record(stage, "failed", "timed out after %.0fs%s" % (
+                timeout, " (the cap from its %.1fs in the last GPU run, LAST_SECONDS)" % last
+                if own < t["timeout"] and timeout >= own else ""), secs, code, log, **extra)
         elif code == 0:
             self.record(stage, "passed", "accuracy %s" % extra["accuracy"]
                         if "accuracy" in extra else "", secs, code, log, **extra)
@@ -835,14 +890,20 @@ class runner:
         self.guarded("nccl_probe", self.stage_nccl_probe, self.previous is not None and any(
             t["kind"] == "multi_rank" and self.previous.wants("multi_rank:" + t["name"])
             for t in tests))
-        for kind in ("single", "multi_rank", "digits", "excluded"):
-            for t in tests:
-                if t["kind"] == kind:
-                    self.guarded(kind + ":" + t["name"], self.run_test, t)
+        first = [t for t in tests if t["kind"] == "single" and t["name"] in FIRST_SINGLE_TESTS]
+
+        def run_tests(selected):
+            for t in selected:
+                self.guarded(t["kind"] + ":" + t["name"], self.run_test, t)
+
+        run_tests([t for t in tests if t["kind"] == "multi_rank"] + first +
+                  [t for t in tests if t["kind"] == "digits"])
         self.guarded("gpu_bench", self.stage_bench)
         self.guarded("gpu_bench_torch", self.stage_torch_anchor)
         self.guarded("ncu", self.stage_ncu)
         self.guarded("gpu_bench_odd", self.stage_bench_odd)
+        run_tests([t for t in tests if t["kind"] == "single" and t not in first] +
+                  [t for t in tests if t["kind"] == "excluded"])
         shutil.rmtree(self.work, ignore_errors=True)
         failed = [r["stage"] for r in self.results if r["status"] == "failed"]
         print("gpu_run.py: %d stages, %d failed%s; %s and %s in %s" % (
@@ -889,12 +950,13 @@ def count_csv_rows(path):
 
 class load_previous:
     """The results of an earlier run (its output folder, summary.md or results.jsonl): the
-    stages that failed there, or that its budget left out, are the ones a rerun repeats."""
+    stages that failed there, or that the runner skipped for a reason a rerun may remove
+    (RERUN_SKIP: the budget, the NCCL probe, a missing library), are the ones a rerun repeats."""
 
     def __init__(self, source):
         self.source = source
         self.statuses = {}
-        cut_by_budget = set()
+        rerunnable = set()
         path = source
         if os.path.isdir(path):
             path = os.path.join(source, RESULTS)
@@ -906,17 +968,17 @@ class load_previous:
             row = r"^\|\s*([^|]+?)\s*\|\s*(passed|failed|skipped|ran)\s*\|[^|]*\|([^|]*)\|"
             for m in re.finditer(row, text, re.M):
                 self.statuses[m.group(1)] = m.group(2)
-                if m.group(3).strip().startswith("budget:"):
-                    cut_by_budget.add(m.group(1))
+                if m.group(2) == "skipped" and RERUN_SKIP.search(m.group(3).strip()):
+                    rerunnable.add(m.group(1))
         else:
             for line in text.splitlines():
                 if line.strip():
                     r = json.loads(line)
                     self.statuses[r["stage"]] = r["status"]
-                    if (r.get("reason") or "").startswith("budget:"):
-                        cut_by_budget.add(r["stage"])
+                    if r["status"] == "skipped" and RERUN_SKIP.search(r.get("reason") or ""):
+                        rerunnable.add(r["stage"])
         self.failed = {s for s, st in self.statuses.items() if st == "failed"}
-        self.failed |= cut_by_budget
+        self.failed |= rerunnable
         if not self.statuses:
             raise SystemExit("gpu_run.py: no stage results in %s" % source)
 
@@ -952,8 +1014,9 @@ def main():
     r.add_argument("--pretend-gpu", action="store_true", help=argparse.SUPPRESS)
     # The budget a test needs left to start; the selftest lowers it to end a budget in seconds.
     r.add_argument("--test-min-seconds", type=int, default=15, help=argparse.SUPPRESS)
-    r.add_argument("--lockstep-timeout", type=int, default=60,
-                   help="LOCKSTEP_TIMEOUT for the stages (seconds)")
+    r.add_argument("--lockstep-timeout", type=int, default=None,
+                   help="LOCKSTEP_TIMEOUT for every stage, the tests' own CTest values "
+                   "overridden (seconds; without it: 60, or a test's CTest value)")
     r.add_argument("--ncu-kernels", type=int, default=8,
                    help="batch-norm kernel launches ncu profiles per case (NCU_CASES)")
     a = parser.parse_args()

@@ -17,6 +17,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 using lockstep_test::ranks::launch;
@@ -192,6 +193,38 @@ TEST_CASE("launcher: a rank that hangs is killed after the timeout", "[launcher]
         static_cast<double>((hang_options.case_timeout + hang_options.grace).count());
     CHECK(s >= limit - 0.1);
     CHECK(s < limit + slack_s);
+}
+
+// scripts/gpu_run.py and CTest end a test that runs too long with SIGTERM (then SIGKILL 5 s
+// later): the launcher must still kill its ranks and say where they were.
+TEST_CASE("launcher: a SIGTERM from outside kills the ranks and still gives the verdict",
+          "[launcher][hang]") {
+    const launch_options slow{.ranks = 3, .case_timeout = 60s, .grace = 30s};
+    std::thread stopper([] {
+        std::this_thread::sleep_for(3s); // the ranks wait in their second agreement by then
+        ::kill(::getpid(), SIGTERM);
+    });
+    const auto [r, s] = probe("hang", 3, slow);
+    stopper.join();
+    INFO(r.report);
+    CHECK(r.exit_code == 1);
+    CHECK_THAT(first_line(r.report),
+               Catch::Matchers::Contains("FAILED: stopped by SIGTERM from outside after "));
+    CHECK_THAT(
+        first_line(r.report),
+        Catch::Matchers::EndsWith(" s: rank 1 had not arrived while ranks 0, 2 wait in agree"));
+    // The waiting ranks get "failed" and exit 1, unless the SIGKILL that follows at once is
+    // faster; the hung rank is killed.
+    for (const int waiting : {0, 2}) {
+        const auto& o = r.ranks[static_cast<std::size_t>(waiting)];
+        CHECK(((o.how == end::exited && o.value == 1) || o.how == end::killed_by_launcher));
+    }
+    CHECK(r.ranks[1].how == end::killed_by_launcher);
+    CHECK_THAT(rank_line(r.report, 1),
+               Catch::Matchers::EndsWith("killed by the launcher when SIGTERM stopped it <- the "
+                                         "failure"));
+    // At once: neither the 60 s case timeout nor the 30 s grace.
+    CHECK(s < 3.0 + slack_s);
 }
 
 TEST_CASE("launcher: a planned death counts as success", "[launcher]") {

@@ -126,7 +126,7 @@ int nccl_parent(int ranks) {
     const int n = devices();
     if (n == 0)
         return 77;
-    setenv("NCCL_SOCKET_IFNAME", "lo", 0);
+    setenv("NCCL_SOCKET_IFNAME", "lo", 1); // as the rank launcher: the interface the tests use
     ncclUniqueId id{};
     check(ncclGetUniqueId(&id), "ncclGetUniqueId");
     std::string hex;
@@ -141,25 +141,36 @@ int nccl_parent(int ranks) {
     std::fflush(stdout);
     std::vector<pid_t> children;
     for (int r = 0; r < ranks; ++r) {
+        // The child's environment is built here: between fork and exec only async-signal-safe
+        // calls (NCCL's bootstrap thread may hold the allocator's lock at the fork).
+        std::vector<std::string> env{"LOCKSTEP_PROBE_RANK=" + std::to_string(r),
+                                     "LOCKSTEP_PROBE_RANKS=" + std::to_string(ranks),
+                                     "LOCKSTEP_PROBE_ID=" + hex};
+        if (distinct_hosts)
+            env.insert(env.end(), {"NCCL_HOSTID=gpu-check-probe-" + std::to_string(r),
+                                   "NCCL_P2P_DISABLE=1", "NCCL_SHM_DISABLE=1", "NCCL_NET=Socket"});
+        for (char** e = environ; *e != nullptr; ++e) {
+            const std::string kv(*e);
+            const std::string key = kv.substr(0, kv.find('=') + 1);
+            if (std::none_of(env.begin(), env.end(),
+                             [&](const std::string& x) { return x.starts_with(key); }))
+                env.push_back(kv);
+        }
+        std::vector<char*> envp;
+        for (std::string& kv : env)
+            envp.push_back(kv.data());
+        envp.push_back(nullptr);
+        char* argv[] = {const_cast<char*>("gpu_check_probe"), const_cast<char*>("nccl-rank"),
+                        nullptr};
         const pid_t pid = fork();
         if (pid < 0) {
             std::perror("gpu_check_probe: fork");
             return 1;
         }
         if (pid == 0) {
-            setenv("LOCKSTEP_PROBE_RANK", std::to_string(r).c_str(), 1);
-            setenv("LOCKSTEP_PROBE_RANKS", std::to_string(ranks).c_str(), 1);
-            setenv("LOCKSTEP_PROBE_ID", hex.c_str(), 1);
-            if (distinct_hosts) {
-                setenv("NCCL_HOSTID", ("gpu-check-probe-" + std::to_string(r)).c_str(), 1);
-                setenv("NCCL_P2P_DISABLE", "1", 1);
-                setenv("NCCL_SHM_DISABLE", "1", 1);
-                setenv("NCCL_NET", "Socket", 1);
-            }
-            char* argv[] = {const_cast<char*>("gpu_check_probe"), const_cast<char*>("nccl-rank"),
-                            nullptr};
-            execv("/proc/self/exe", argv);
-            std::perror("gpu_check_probe: execv");
+            execve("/proc/self/exe", argv, envp.data());
+            static const char msg[] = "gpu_check_probe: execve failed\n";
+            (void)!write(2, msg, sizeof msg - 1);
             _exit(127);
         }
         children.push_back(pid);

@@ -74,15 +74,17 @@ inline int exit_code(const launcher& l) {
 }
 
 /// How rank r ended, in words.
-inline std::string describe(const rank_state& r, const launch_options& o) {
+inline std::string describe(const rank_state& r, const launch_options& o, int stopped_by) {
     if (!r.reaped)
         return "survived SIGKILL for 10 s (not reaped)";
     std::string s;
     if (r.killed && WIFSIGNALED(r.status) && WTERMSIG(r.status) == SIGKILL)
         s = r.hung ? "hung past the timeout (" + std::to_string(o.case_timeout.count()) +
                          " s); killed by the launcher"
-                   : "killed by the launcher " + std::to_string(o.grace.count()) +
-                         " s after the failure (did not exit in the grace period)";
+            : stopped_by != 0
+                ? "killed by the launcher when " + signal_name(stopped_by) + " stopped it"
+                : "killed by the launcher " + std::to_string(o.grace.count()) +
+                      " s after the failure (did not exit in the grace period)";
     else
         s = death(r);
     if (r.planned)
@@ -107,7 +109,7 @@ inline std::string report(const launcher& l, int code, const launch_options& o) 
         s += "FAILED: some ranks skipped (exit 77), others did not";
     s += '\n';
     for (const auto& r : l.states())
-        s += "  rank " + std::to_string(r.rank) + ": " + describe(r, o) + '\n';
+        s += "  rank " + std::to_string(r.rank) + ": " + describe(r, o, l.stopped_by()) + '\n';
     return s;
 }
 
@@ -121,7 +123,9 @@ inline std::string report(const launcher& l, int code, const launch_options& o) 
 /// set above. Each rank is its own process group and dies with the launcher (Linux).
 /// Relays share_from_rank0 and agree; when a rank dies unplanned, fails an agreement, exits
 /// while others wait for it, or no collective completes within case_timeout, answers every
-/// waiting rank "failed", gives the ranks grace to exit, then SIGKILLs the rest.
+/// waiting rank "failed", gives the ranks grace to exit, then SIGKILLs the rest. A SIGTERM or
+/// SIGINT while it runs (a caller's timeout) SIGKILLs every rank at once and returns exit code
+/// 1 with the verdict: which ranks waited in which collective, which had not arrived.
 /// requires: !argv.empty(), options.ranks >= 1.
 /// ensures: returns after every rank was reaped (within case_timeout + grace + a few seconds
 /// of the last completed collective); never hangs. Throws std::invalid_argument on bad

@@ -33,6 +33,40 @@ inline std::string rank_list(const std::vector<int>& ranks) {
     return s;
 }
 
+/// While alive, SIGTERM and SIGINT set stop_signal() instead of ending the process: the
+/// launcher then kills its ranks at once and still returns its verdict (which ranks waited in
+/// which collective, which had not arrived), so a caller's timeout (CTest, scripts/gpu_run.py)
+/// gets a diagnosis instead of a silent death. The old handlers come back at the end.
+class stop_signals {
+public:
+    stop_signals() {
+        flag() = 0;
+        struct sigaction sa {};
+        sa.sa_handler = &on_signal;
+        sigemptyset(&sa.sa_mask);
+        ::sigaction(SIGTERM, &sa, &old_term_);
+        ::sigaction(SIGINT, &sa, &old_int_);
+    }
+    ~stop_signals() {
+        ::sigaction(SIGTERM, &old_term_, nullptr);
+        ::sigaction(SIGINT, &old_int_, nullptr);
+    }
+    stop_signals(const stop_signals&) = delete;
+    stop_signals& operator=(const stop_signals&) = delete;
+
+    /// The signal received since construction, or 0.
+    static int stop_signal() { return flag(); }
+
+private:
+    static volatile std::sig_atomic_t& flag() {
+        static volatile std::sig_atomic_t f = 0;
+        return f;
+    }
+    static void on_signal(int sig) { flag() = sig; }
+    struct sigaction old_term_ {};
+    struct sigaction old_int_ {};
+};
+
 /// The launcher's state machine; launch() runs one.
 class launcher {
 public:
@@ -64,10 +98,17 @@ public:
 
     /// Relays and judges until every rank is reaped (or, after SIGKILL, 10 s have passed).
     void run() {
-        case_deadline_ = clock::now() + case_timeout_;
+        const stop_signals stop;
+        const auto start = clock::now();
+        case_deadline_ = start + case_timeout_;
         clock::time_point reap_deadline{};
         while (!all_reaped()) {
             auto now = clock::now();
+            if (stopped_by_ == 0 && stop_signals::stop_signal() != 0) {
+                stopped_by_ = stop_signals::stop_signal();
+                fail_stopped(std::chrono::duration_cast<std::chrono::seconds>(now - start));
+                kill_deadline_ = now; // no grace: whoever sent it waits for this process
+            }
             if (!failed_ && now >= case_deadline_)
                 fail_timeout();
             if (failed_ && !killed_all_ && now >= kill_deadline_) {
@@ -107,6 +148,8 @@ public:
     /// Whether a rank failed, died unplanned or hung (then exit code 1), and the verdict.
     bool failed() const { return failed_; }
     const std::string& reason() const { return reason_; }
+    /// The signal (SIGTERM, SIGINT) that stopped the launcher, or 0.
+    int stopped_by() const { return stopped_by_; }
     /// False only when a rank survived SIGKILL for 10 s.
     bool all_reaped() const {
         return std::all_of(ranks_.begin(), ranks_.end(), [](auto& r) { return r.reaped; });
@@ -360,6 +403,31 @@ private:
              waiting_list(members) + " in " + collective_name((*w)->posted));
     }
 
+    /// A stop from outside (stop_signals): the verdict names the ranks that had not arrived
+    /// where others wait (the likely hang) and where the others wait.
+    void fail_stopped(std::chrono::seconds after) {
+        std::vector<rank_state*> members;
+        for (auto& r : ranks_)
+            if (r.member() && !r.reaped)
+                members.push_back(&r);
+        std::vector<int> running;
+        for (auto* r : members)
+            if (!r->waiting)
+                running.push_back(r->rank);
+        const auto w =
+            std::find_if(members.begin(), members.end(), [](auto* r) { return r->waiting; });
+        std::string why = "stopped by " + signal_name(stopped_by_) + " from outside after " +
+                          std::to_string(after.count()) + " s: ";
+        if (w == members.end())
+            return fail(why + "no rank in a collective (" + rank_list(running) + " running)");
+        for (auto* r : members)
+            r->culprit = !r->waiting;
+        fail(why +
+             (running.empty() ? std::string("no rank running")
+                              : rank_list(running) + " had not arrived") +
+             " while " + waiting_list(members) + " in " + collective_name((*w)->posted));
+    }
+
     void kill_all() {
         for (auto& r : ranks_) {
             if (r.reaped || r.pid <= 0)
@@ -390,6 +458,7 @@ private:
     clock::time_point kill_deadline_{};
     bool failed_ = false;
     bool killed_all_ = false;
+    int stopped_by_ = 0;
     std::string reason_;
 };
 
