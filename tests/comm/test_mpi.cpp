@@ -663,6 +663,44 @@ TEST_CASE("without verification the collectives still agree with the reference",
     });
 }
 
+// A rank that verifies exchanges a signature its peers never send, so the data of one collective
+// would pair with the signature of another: the constructor compares verify (and, when it is on,
+// check_call_sites) and refuses a difference on every rank, naming each rank's value.
+TEST_CASE("verify or check_call_sites differing across ranks is refused at construction",
+          "[comm][mpi]") {
+    int r = 0, p = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &r);
+    MPI_Comm_size(MPI_COMM_WORLD, &p);
+    std::string others;
+    for (int j = 1; j < p; ++j)
+        others += (j == 1 ? "" : ", ") + std::to_string(j);
+    for (const bool sites : {false, true}) {
+        INFO((sites ? "check_call_sites" : "verify") << " true on rank 0 only");
+        lockstep::mpi_communicator_params params;
+        params.verify = sites || r == 0;
+        params.check_call_sites = sites && r == 0;
+        std::string what;
+        try {
+            mpi_communicator comm(MPI_COMM_WORLD, params);
+        } catch (const lockstep::error& e) {
+            CHECK(e.code() == errc::invalid_argument);
+            CHECK(e.replica() == r);
+            what = e.what();
+        }
+        CHECK_THAT(what, Catch::Contains(std::string("mpi_communicator_params::") +
+                                         (sites ? "check_call_sites" : "verify") +
+                                         " differs across replicas: true on replica(s) 0, false "
+                                         "on replica(s) " +
+                                         others + ". Every replica must pass the same"));
+    }
+    // Without verification check_call_sites does nothing, so it may differ.
+    lockstep::mpi_communicator_params params;
+    params.verify = false;
+    params.check_call_sites = r == 0;
+    mpi_communicator comm(MPI_COMM_WORLD, params);
+    CHECK(comm.size() == p);
+}
+
 // A reduce_scatter with the given counts, in place or into a separate recv: this rank's slice
 // matches the naive reference, and send keeps this rank's values outside the slice (everywhere
 // when out of place).

@@ -73,8 +73,10 @@ namespace lockstep {
 /// 0.87-0.92x from 16 B to 1 KiB, 1.07-1.13x at 4 and 16 KiB, 1.00-1.01x from 64 KiB to 1 MiB
 /// and 1.12x at 256 MiB (1.06-1.20x over the runs); from 4 to 64 MiB the runs varied more than the
 /// variants differed. Turn it off ({.verify = false}) for many tiny collectives once a program is
-/// known to be consistent. Every replica must use the same `verify`. Without it, mismatched counts
-/// are MPI's undefined behaviour (truncation errors, garbage or a hang).
+/// known to be consistent. Every replica must use the same `verify` (and, with it, the same
+/// `check_call_sites`): the constructor compares them and throws errc::invalid_argument on every
+/// replica when they differ. Without verification, mismatched counts are MPI's undefined
+/// behaviour (truncation errors, garbage or a hang).
 ///
 /// Arguments: a null span with a non-zero count, a span larger than memory can hold, sizes
 /// that do not fit together or a count MPI cannot describe are refused with lockstep::error

@@ -231,6 +231,7 @@ protected:
                 MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
             LOCKSTEP_MPI_CHECK(MPI_Comm_size(node, &node_ranks_));
             LOCKSTEP_MPI_CHECK(MPI_Comm_free(&node));
+            check_same_checks();
         } catch (...) {
             release();
             throw;
@@ -257,6 +258,35 @@ protected:
         } catch (...) {
             release();
             throw;
+        }
+    }
+
+    /// params::verify (and, when it is on, params::check_call_sites) must be the same on every
+    /// replica: a replica that verifies exchanges a signature its peers never send, so the data
+    /// of one collective pairs with the signature of another (wrong sums, garbled errors). One
+    /// all_gather of both flags at construction; a difference throws errc::invalid_argument on
+    /// every replica, naming each replica's values. Every replica is here (comm_ was just made
+    /// collectively), so the blocking call cannot wait long.
+    void check_same_checks() {
+        const int mine[2] = {params_.verify ? 1 : 0, params_.check_call_sites ? 1 : 0};
+        std::vector<int> all(2 * static_cast<std::size_t>(size_));
+        LOCKSTEP_MPI_CHECK(MPI_Allgather(mine, 2, MPI_INT, all.data(), 2, MPI_INT, comm_));
+        const auto replicas = [&](int flag, bool value) {
+            std::string list;
+            for (std::size_t r = 0; r < static_cast<std::size_t>(size_); ++r)
+                if ((all[2 * r + static_cast<std::size_t>(flag)] != 0) == value)
+                    list += (list.empty() ? "" : ", ") + std::to_string(r);
+            return list;
+        };
+        for (int flag = 0; flag < (params_.verify ? 2 : 1); ++flag) { // call sites: if verifying
+            const std::string on = replicas(flag, true), off = replicas(flag, false);
+            const char* name = flag == 0 ? "verify" : "check_call_sites";
+            LOCKSTEP_REQUIRE(
+                on.empty() || off.empty(), errc::invalid_argument, rank_, "mpi_communicator",
+                "mpi_communicator_params::", name, " differs across replicas: true on replica(s) ",
+                on, ", false on replica(s) ", off, ". Every replica must pass the same ", name,
+                " (a replica that verifies exchanges signatures its peers "
+                "never send, pairing the data of one collective with another)");
         }
     }
 
