@@ -614,6 +614,33 @@ TEST_CASE("a replica that moved its handle records its failure before the handle
     }
 }
 
+// A failing replica's split handle departs while its exception unwinds, before thread_group
+// records the exception: the peer waiting in the split records the departure (peer_failure)
+// first. run() must still rethrow the root cause, which replaces the echo when it is recorded.
+TEST_CASE("run rethrows the root cause recorded after the peer_failure it caused",
+          "[comm][thread]") {
+    thread_group group(2, {.timeout = 10s});
+    struct slow_unwind { // destroyed after the split: its departure has time to be seen
+        ~slow_unwind() { std::this_thread::sleep_for(300ms); }
+    };
+    try {
+        group.run([&](thread_communicator& comm) {
+            if (comm.rank() == 0) {
+                const slow_unwind later;
+                auto sub = comm.split(0, 0);
+                throw std::invalid_argument("the real cause");
+            }
+            auto sub = comm.split(0, 1);
+            sub.barrier(); // replica 0 never arrives: its handle departs
+        });
+        FAIL("run returned although replica 0 threw");
+    } catch (const std::invalid_argument& e) {
+        CHECK(std::string(e.what()) == "the real cause");
+    } catch (const lockstep::error& e) {
+        FAIL("run rethrew the echo instead of the cause: " << e.what());
+    }
+}
+
 TEST_CASE("run rethrows exceptions of any type unchanged", "[comm][thread]") {
     thread_group group(2, {.timeout = 5s});
     std::string peer_saw;

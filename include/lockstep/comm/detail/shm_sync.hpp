@@ -6,6 +6,7 @@
 #include "lockstep/comm/detail/adaptive_spin.hpp"
 #include "lockstep/comm/timeout.hpp"
 #include "lockstep/core/config.hpp"
+#include "lockstep/core/error.hpp"
 #include "lockstep/system/host_system.hpp"
 
 #include <algorithm>
@@ -65,14 +66,19 @@ public:
     void mark_finished() noexcept { finished_.store(true, std::memory_order_release); }
 
     /// Records `e`, thrown on `replica`, as the failure of the run unless one is recorded
-    /// already, and wakes every sleeping replica. ensures: failed(); returns true when this
-    /// call recorded the root failure.
+    /// already, and wakes every sleeping replica. A recorded errc::peer_failure only echoes a
+    /// failure that may be recorded after it (a parameter server tells its workers before it
+    /// throws; a failing replica's split communicator departs while it unwinds): the first
+    /// failure of another kind replaces it, so run() rethrows the root cause. ensures: failed();
+    /// returns true when this call recorded the root failure.
     bool record_failure(int replica, std::exception_ptr e, std::string what) {
+        const bool echo = echoes_peer(e);
         {
             std::lock_guard lock(failure_mutex_);
-            if (root_)
+            if (root_ && (echo || !root_echoes_))
                 return false;
             root_ = std::move(e);
+            root_echoes_ = echo;
             root_replica_ = replica;
             root_what_ = std::move(what);
             failed_.store(true);
@@ -116,6 +122,17 @@ public:
     }
 
 private:
+    static bool echoes_peer(const std::exception_ptr& e) {
+        try {
+            if (e)
+                std::rethrow_exception(e);
+        } catch (const lockstep::error& le) {
+            return le.code() == errc::peer_failure;
+        } catch (...) {
+        }
+        return false;
+    }
+
     std::string root_text() const {
         if (root_replica_ < 0)
             return "the run was aborted: " + root_what_;
@@ -258,6 +275,7 @@ private:
     std::atomic<bool> finished_{false};
     mutable std::mutex failure_mutex_;
     std::exception_ptr root_;
+    bool root_echoes_ = false; ///< root_ is an errc::peer_failure (replaceable: record_failure)
     int root_replica_ = -1;
     std::string root_what_;
     std::shared_ptr<run_context> successor_;
