@@ -129,11 +129,11 @@ void require_pack_sums(std::span<const T> dy, std::span<const T> x, const channe
 }
 
 // What is wrong when dx shares memory with dy or x (the kernels read them through restrict
-// pointers), or "".
+// pointers), or "": the fix names dx, the output (x is the forward's input, kept for backward).
 template <class T>
 std::string gradient_overlap(std::span<const T> dy, std::span<const T> x, std::span<T> dx) {
-    std::string p = lockstep::detail::overlap_problem(dx, "dx", dy, "dy");
-    return p.empty() ? lockstep::detail::overlap_problem(dx, "dx", x, "x") : p;
+    std::string p = lockstep::detail::overlap_problem(dy, "dy", dx, "dx");
+    return p.empty() ? lockstep::detail::overlap_problem(x, "x", dx, "dx") : p;
 }
 
 template <class T>
