@@ -148,7 +148,10 @@ public:
     /// and the learning rate of every version this call applies finite and >= 0 (else
     /// errc::invalid_argument naming the replica, the version and the value, on every replica,
     /// before any work) and the same on every replica (their sums compared in the batch's
-    /// all_reduce: else errc::invalid_argument on every replica, before any work).
+    /// all_reduce: else errc::invalid_argument on every replica, before any work), and the same
+    /// trainer on every replica (its ordinal on the communicator, detail/trainer_ordinal.hpp,
+    /// compared in that all_reduce: replicas that call train() on their trainers in another
+    /// order get errc::invalid_argument on every replica, before any work).
     template <class Fn>
     async_result train(std::size_t steps, std::size_t batch, Fn&& fn) {
         using T = value_type;
@@ -168,11 +171,20 @@ public:
             // Workers map work items to samples with `batch`, and the server applies the
             // schedule it holds: every replica must have the same of both (an lr set on one
             // replica only would be ignored on a worker, or silently change the run on the
-            // server). Exact in double: batch < 2^53, and equal schedules sum alike.
-            const std::array<double, 4> b{static_cast<double>(batch), -static_cast<double>(batch),
-                                          lr_sum, -lr_sum};
-            std::array<double, 4> agreed{};
+            // server), and train the same trainer (another one's messages would be taken for
+            // this one's). Exact in double: batch and the ordinal < 2^53, and equal schedules
+            // sum alike.
+            const auto nb = static_cast<double>(batch);
+            const auto ordinal = static_cast<double>(core_.ordinal());
+            const std::array<double, 6> b{nb, -nb, lr_sum, -lr_sum, ordinal, -ordinal};
+            std::array<double, 6> agreed{};
             comm.all_reduce(std::span<const double>(b), std::span<double>(agreed), reduce_op::max);
+            LOCKSTEP_REQUIRE(
+                agreed[4] == -agreed[5], errc::invalid_argument, comm.rank(), "data_parallel.train",
+                "the replicas train different trainers: trainer #",
+                static_cast<std::uint64_t>(-agreed[5]), " to #",
+                static_cast<std::uint64_t>(agreed[4]), " on this communicator (this replica: #",
+                core_.ordinal(), "): every replica must train its trainers in the same order");
             LOCKSTEP_REQUIRE(agreed[0] == -agreed[1], errc::count_mismatch, comm.rank(),
                              "data_parallel.train", "replicas disagree on the batch size: from ",
                              -agreed[1], " to ", agreed[0], " (this replica: ", batch, ")");

@@ -132,9 +132,9 @@ public:
     /// (train/detail/reproducible_collective.hpp), never with micro-batches.
     /// sync::local_sgd<K>: scale = 1 / (this replica's samples), each replica updates alone,
     /// weights (and state) are averaged over replicas every K steps; each average first checks
-    /// that every replica passed the same global_batch and used the same lr in the steps since
-    /// the last one (else it throws on every replica naming the step and both values); a skip
-    /// decision is this replica's own.
+    /// that every replica averages the same trainer and passed the same global_batch and used the
+    /// same lr in the steps since the last one (else it throws on every replica naming both
+    /// trainers, or the step and both values); a skip decision is this replica's own.
     /// Between reduction and update, on every replica alike: the gradients of frozen tensors
     /// are zeroed (train_params::frozen), the gradient hook runs (set_gradient_hook), the
     /// gradient norm is taken and the gradient scaled by the clipping factor
@@ -145,8 +145,10 @@ public:
     /// throws), with nothing applied and the BN running statistics restored on the device: a
     /// NaN/inf gradient element on any replica (counted per replica before reduction, and in the
     /// reduced gradient), a NaN/inf loss on any replica, a layer error, or replicas that passed
-    /// different global_batch or used different learning rates in this step (checked in the step's
-    /// status all_reduce; this one also throws, on every replica, naming both values). fn may also
+    /// different global_batch, used different learning rates or stepped different trainers
+    /// (their ordinals on the communicator, detail/trainer_ordinal.hpp: trainers stepped in
+    /// another order) in this step (checked in the step's status all_reduce; this one also
+    /// throws, on every replica, naming both values). fn may also
     /// return void and add its loss into ctx.loss_slot() on the device. Inside the step nothing
     /// waits on the host: the non-finite check, the layers' error checks and the skip decision stay
     /// on the device (the optimizer kernels read the skip flag), and the host reads the step's

@@ -38,6 +38,7 @@ struct replica_row {
     double loss_non_finite = 0;  ///< 1 when its loss is NaN/inf
     double global_batch = 0;     ///< the global_batch it passed to step()
     double lr = 0;               ///< the learning rate of its step
+    double trainer = 0;          ///< its trainer's ordinal (detail/trainer_ordinal.hpp)
     save_word save{};            ///< its background checkpoint save
 };
 

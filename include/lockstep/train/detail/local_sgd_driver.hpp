@@ -10,6 +10,7 @@
 #include "lockstep/train/detail/host_collective.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/detail/step_driver.hpp"
+#include "lockstep/train/detail/trainer_ordinal.hpp"
 
 #include <algorithm>
 #include <array>
@@ -24,8 +25,9 @@ namespace lockstep::detail {
 /// sync::local_sgd<K> with any ReducePolicy whose collective averages (its plan only cuts the
 /// checks into pieces and averages the values): scale = 1 / (this replica's samples); the skip
 /// decision is this replica's own (no status collective); every K-th step, and at finish() when
-/// steps ran since, average(): the replicas' {global_batch, lr} since the last check (average or
-/// checkpoint save) are compared, then values and state become the mean over replicas.
+/// steps ran since, average(): the replicas' trainer (its ordinal on the communicator,
+/// trainer_ordinal.hpp) and {global_batch, lr} since the last check (average or checkpoint
+/// save) are compared, then values and state become the mean over replicas.
 template <std::size_t K>
 class step_driver<sync::local_sgd<K>> {
 public:
@@ -109,20 +111,31 @@ private:
         core.unpack_state();
     }
 
-    /// Every replica's {global_batch, lr} of each step recorded since the last check (an
-    /// average or a save: each step is checked once) compared (collective: one all_gather of
-    /// the step counts, one of the settings, both sized by the steps taken, not by K); a
-    /// difference throws lockstep::error on every replica naming the step and both values
-    /// (invalid_argument), another step count naming both counts (count_mismatch).
+    /// Every replica's trainer ordinal and {global_batch, lr} of each step recorded since the
+    /// last check (an average or a save: each step is checked once) compared (collective: one
+    /// all_gather of the ordinal and step counts, one of the settings, sized by the steps taken,
+    /// not by K); another trainer throws lockstep::error on every replica naming both ordinals
+    /// (invalid_argument: the replicas step their trainers in another order), a difference in
+    /// the settings naming the step and both values (invalid_argument), another step count
+    /// naming both counts (count_mismatch).
     template <class Stages>
     void verify_steps(Stages& s, const char* op) {
         auto& comm = s.core().comm();
         const std::int64_t steps = s.core().steps();
-        const std::array<std::int64_t, 2> mine{steps, static_cast<std::int64_t>(settings_.size())};
-        std::vector<std::int64_t> counts(2 * static_cast<std::size_t>(comm.size()));
+        const std::array<std::int64_t, 3> mine{steps, static_cast<std::int64_t>(settings_.size()),
+                                               static_cast<std::int64_t>(s.core().ordinal())};
+        std::vector<std::int64_t> counts(3 * static_cast<std::size_t>(comm.size()));
         host_all_gather(comm, std::span<const std::int64_t>(mine), std::span<std::int64_t>(counts));
         for (int r = 1; r < comm.size(); ++r) {
-            const std::size_t at = 2 * static_cast<std::size_t>(r);
+            const std::size_t at = 3 * static_cast<std::size_t>(r);
+            if (counts[at + 2] != counts[2])
+                fail(errc::invalid_argument, comm.rank(), op,
+                     trainer_order_text(r, static_cast<double>(counts[at + 2]),
+                                        static_cast<double>(counts[2])),
+                     " (local SGD, checked at the average or save)");
+        }
+        for (int r = 1; r < comm.size(); ++r) {
+            const std::size_t at = 3 * static_cast<std::size_t>(r);
             if (counts[at] != counts[0] || counts[at + 1] != counts[1])
                 fail(errc::count_mismatch, comm.rank(), op,
                      "the replicas ran different numbers of steps (local SGD): ", counts[0],

@@ -13,6 +13,7 @@
 #include "lockstep/train/detail/optimizer_shard.hpp"
 #include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/detail/signature.hpp"
+#include "lockstep/train/detail/trainer_ordinal.hpp"
 #include "lockstep/train/detail/visit_check.hpp"
 #include "lockstep/train/detail/visitor.hpp"
 #include "lockstep/train/replica_context.hpp"
@@ -80,12 +81,14 @@ public:
     /// is refused). `sharded`: the optimizer holds state for this replica's shard of the flat
     /// buffer only (reduce::sharded; shard_layout), its segments are the tensors intersected
     /// with the shard, and LARS/LAMB get the norm reduction over replicas (sharded_norms).
-    /// Collective: every replica of comm must construct its trainer.
+    /// Collective: every replica of comm must construct its trainer. The trainer's ordinal on
+    /// comm (trainer_ordinal.hpp) is drawn first, so a construction that throws draws it too.
     template <class Factory>
     replica_core(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt,
                  train_params tp, const std::vector<std::string>& policies = {}, bool clips = false,
                  bool sharded = false)
-        : comm_(&comm), ctx_(std::make_unique<context_type>(comm, tp.seed)), tp_(std::move(tp)) {
+        : comm_(&comm), ordinal_(trainer_ordinal(comm)),
+          ctx_(std::make_unique<context_type>(comm, tp.seed)), tp_(std::move(tp)) {
         LOCKSTEP_REQUIRE(tp_.micro_batches >= 1, errc::invalid_argument, comm.rank(),
                          "data_parallel", "micro_batches = ", tp_.micro_batches, " (must be >= 1)");
         LOCKSTEP_REQUIRE(tp_.max_grad_norm >= 0 && is_finite(tp_.max_grad_norm),
@@ -196,6 +199,9 @@ public:
         return bytes;
     }
     const train_params& params() const noexcept { return tp_; }
+    /// Which trainer on this communicator object this one is (1, 2, ... in construction order;
+    /// 0: the communicator has no identity, unchecked): what the step's checks compare.
+    std::uint64_t ordinal() const noexcept { return ordinal_; }
     typename context_type::registry_type& registry() noexcept { return ctx_->registry(); }
     std::span<T> values() { return registry().values(); }
     /// The registration indices of the frozen parameters (train_params::frozen).
@@ -422,6 +428,7 @@ private:
     }
 
     Communicator* comm_;
+    std::uint64_t ordinal_; ///< trainer_ordinal(comm) at construction
     std::unique_ptr<context_type> ctx_;
     train_params tp_;
     std::optional<Network> net_;

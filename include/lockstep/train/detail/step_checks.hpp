@@ -38,6 +38,7 @@ struct finish_local_fn {
     step_totals* totals;
     replica_row* row; ///< this replica's row
     save_word save;   ///< its background checkpoint save
+    double trainer;   ///< the trainer's ordinal on its communicator (trainer_ordinal.hpp)
     LOCKSTEP_HOST_DEVICE void operator()(const check_sums& s) const {
         const double count = s.count;
         const double first = s.first;
@@ -50,6 +51,7 @@ struct finish_local_fn {
         row->loss_non_finite = bad_loss;
         row->global_batch = global_batch;
         row->lr = lr;
+        row->trainer = trainer;
         row->save = save;
     }
 };
@@ -89,7 +91,8 @@ struct clear_reduced_fn {
 /// as the int the optimizer kernels read, 1: skip the update), the overflow the loss scale
 /// backs off from, and the gradient factor.
 /// Skipped: a non-finite gradient element (before or after reduction) or loss, a layer error, or
-/// replicas that disagree on global_batch or lr (rows [0, replicas)).
+/// replicas that disagree on global_batch, lr or the trainer they step (its ordinal on the
+/// communicator: trainer_ordinal.hpp) (rows [0, replicas)).
 /// grad_factor = c = min(1, max_norm / (||g|| + 1e-6)) when max_norm > 0
 /// (torch.nn.utils.clip_grad_norm_), else 1.
 struct decide_skip_fn {
@@ -103,7 +106,8 @@ struct decide_skip_fn {
         bool mismatch = false;
         for (int r = 1; r < replicas; ++r) {
             const replica_row& row = rows[r];
-            mismatch = mismatch || row.global_batch != rows[0].global_batch || row.lr != rows[0].lr;
+            mismatch = mismatch || row.global_batch != rows[0].global_batch ||
+                       row.lr != rows[0].lr || row.trainer != rows[0].trainer;
         }
         const bool bad = totals->non_finite > 0 || outcome->reduced_non_finite > 0 ||
                          totals->loss_non_finite > 0 || totals->layer_errors > 0 || mismatch;
@@ -211,11 +215,13 @@ public:
                                 load_pieces_fn{own, pre_.data()});
     }
 
-    /// After every piece was checked: this replica's row and its part of the totals.
+    /// After every piece was checked: this replica's row and its part of the totals (`trainer`:
+    /// the trainer's ordinal on its communicator, trainer_ordinal.hpp; 0: unchecked).
     void finish_local(const System& sys, double loss, double global_batch, double lr,
-                      step_totals* totals, replica_row* row, save_word save = {}) {
+                      step_totals* totals, replica_row* row, save_word save = {},
+                      double trainer = 0) {
         grad_check_finish(sys, pre_.data(), piece_tiles_,
-                          finish_local_fn{loss, global_batch, lr, totals, row, save});
+                          finish_local_fn{loss, global_batch, lr, totals, row, save, trainer});
     }
 
     /// Counts, finds the first and (with `norm`) sums the squares of the whole buffer (the

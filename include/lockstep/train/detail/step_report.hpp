@@ -7,6 +7,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/layer_report.hpp"
 #include "lockstep/train/detail/agreement.hpp"
+#include "lockstep/train/detail/trainer_ordinal.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 #include "lockstep/train/step_state.hpp"
 
@@ -33,7 +34,8 @@ public:
                 std::span<const tensor_info> parameters, step_report_options o)
         : st_(st), rank_(rank), step_(step), parameters_(parameters), o_(o) {}
 
-    /// Throws lockstep::error when the replicas disagreed (invalid_argument, naming both values),
+    /// Throws lockstep::error when the replicas disagreed on global_batch, lr or the trainer
+    /// they stepped (invalid_argument, naming both values),
     /// a layer reported an error (peer_failure or invalid_argument, naming the layer and the
     /// replica), a gradient element or loss is not finite (non_finite, naming each replica's
     /// count and first tensor) unless such steps are skipped silently, or the run of skipped
@@ -97,13 +99,16 @@ private:
              " batch_norm layer error(s) on other replicas (statistics of another group)");
     }
 
-    /// The replicas (rows) whose global_batch or lr differs from replica 0's, both values.
+    /// The replicas (rows) whose trainer ordinal, global_batch or lr differs from replica 0's,
+    /// both values.
     std::string mismatch_text() const {
         std::string out;
         const int n = o_.local_sgd ? 1 : st_.replicas;
         const replica_row& r0 = st_.rows[0];
         for (int r = 1; r < n; ++r) {
             const replica_row& rr = st_.rows[r];
+            if (rr.trainer != r0.trainer)
+                out += " " + trainer_order_text(r, rr.trainer, r0.trainer) + ";";
             if (rr.global_batch != r0.global_batch)
                 out +=
                     lockstep::detail::concat(" global_batch: ", r0.global_batch, " on replica 0, ",

@@ -122,12 +122,14 @@ public:
         return r;
     }
 
-    /// This replica's row (global_batch, lr, its non-finite count and first index, a non-finite
-    /// loss) and its part of the totals, from the pieces' checks.
+    /// This replica's row (global_batch, lr, the trainer's ordinal on the communicator, its
+    /// non-finite count and first index, a non-finite loss) and its part of the totals, from the
+    /// pieces' checks.
     void report(double host_loss, std::size_t global, double lr) {
         const step_view v = state_.view();
         checks_.finish_local(system(), host_loss, static_cast<double>(global), lr, v.totals,
-                             &v.rows[rank()], rider_ != nullptr ? rider_->word() : save_word{});
+                             &v.rows[rank()], rider_ != nullptr ? rider_->word() : save_word{},
+                             static_cast<double>(core_.ordinal()));
     }
 
     /// The gradients of frozen tensors are zeroed (train_params::frozen).
