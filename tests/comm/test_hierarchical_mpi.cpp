@@ -147,6 +147,82 @@ TEST_CASE("hierarchical_group rethrows a failing replica's error, not its handle
     CHECK(lost == std::vector<std::string>{});
 }
 
+// A run whose replicas fail a collective that MPI refuses (the communicators stay usable) must
+// leave the group able to run again: each replica's MPI communicator returns to it on the way
+// out of a failure too.
+TEST_CASE("hierarchical_group runs again after a run whose replicas threw",
+          "[comm][hierarchical][mpi]") {
+    hierarchical_group::params p;
+    p.abort_on_failure = false;
+    p.mpi.on_failure = lockstep::mpi_failure_action::throw_error;
+    hierarchical_group g(MPI_COMM_WORLD, 2, p);
+    std::string first;
+    try {
+        g.run([&](comm_t& comm) { // the processes pass different counts: refused everywhere
+            std::vector<float> v(comm.node() == 0 ? 4 : 5, 1.0f);
+            comm.all_reduce(std::span<const float>(v), std::span<float>(v),
+                            lockstep::reduce_op::sum);
+        });
+    } catch (const lockstep::error& e) {
+        first = e.what();
+    }
+    CHECK_FALSE(first.empty());
+    std::vector<int> sums(2, -1);
+    g.run([&](comm_t& comm) {
+        std::vector<int> v(3, comm.rank() + 1);
+        comm.all_reduce(std::span<const int>(v), std::span<int>(v), lockstep::reduce_op::sum);
+        sums[static_cast<std::size_t>(comm.local_rank())] = v[0];
+    });
+    const int n = g.processes() * g.threads();
+    CHECK(sums == std::vector<int>(2, n * (n + 1) / 2));
+}
+
+// Process 0 passes 2 * sharded_from elements (the reduce-scatter path for 2 threads,
+// whose inter-node all_reduces take sharded_from each), process 1 sharded_from (the small path,
+// whose inter-node all_reduce takes as many): every replica must throw, naming its own rank and
+// count, instead of returning sums of unrelated elements.
+TEST_CASE("hierarchical_group: an all_reduce whose count differs between processes fails every "
+          "replica, naming its rank and count",
+          "[comm][hierarchical][mpi]") {
+    hierarchical_group::params p;
+    p.abort_on_failure = false;
+    p.mpi.on_failure = lockstep::mpi_failure_action::throw_error;
+    hierarchical_group g(MPI_COMM_WORLD, threads_per_process, p);
+    REQUIRE(g.processes() == 2);
+    std::vector<std::string> whats(threads_per_process);
+    std::vector<int> ranks(threads_per_process, -1), returned(threads_per_process, 0);
+    const std::size_t small = comm_t::sharded_from, large = 2 * comm_t::sharded_from;
+    int my_node = -1;
+    try {
+        g.run([&](comm_t& comm) {
+            const auto l = static_cast<std::size_t>(comm.local_rank());
+            my_node = comm.node();
+            std::vector<float> x(comm.node() == 0 ? large : small, 1.0f);
+            try {
+                comm.all_reduce(std::span<const float>(x), std::span<float>(x),
+                                lockstep::reduce_op::sum);
+                returned[l] = 1;
+            } catch (const lockstep::error& e) {
+                whats[l] = e.what();
+                ranks[l] = e.replica();
+                throw;
+            }
+        });
+    } catch (const lockstep::error&) {
+        // each replica's error is recorded above
+    }
+    for (int l = 0; l < threads_per_process; ++l) {
+        const auto i = static_cast<std::size_t>(l);
+        CAPTURE(l, whats[i]);
+        CHECK(returned[i] == 0);
+        CHECK(ranks[i] == my_node * threads_per_process + l);
+        CHECK_THAT(whats[i], Catch::Contains("hierarchical_communicator.all_reduce: this replica") &&
+                                 Catch::Contains("called it with " +
+                                                 std::to_string(my_node == 0 ? large : small) +
+                                                 " float32 (sum)"));
+    }
+}
+
 TEST_CASE("hierarchical_group point-to-point: every pair, in order, recv_any, wrong sizes",
           "[comm][hierarchical][mpi][p2p]") {
     hierarchical_group group(MPI_COMM_WORLD, threads_per_process);

@@ -252,15 +252,19 @@ private:
     }
 
     // One replica: its communicator from this thread's handle and its local rank's MPI
-    // communicator, which returns to the group for the next run(). The communicator outlives
-    // the handlers: they record the failure while it still holds the thread handle, so the
-    // peers report this failure rather than the handle's departure.
+    // communicator, which returns to the group for the next run(), after a failure too (an MPI
+    // communicator stays usable after a refused call; one that timed out throws its failure
+    // again). The communicator outlives the handlers: they record the failure while it still
+    // holds the thread handle, so the peers report this failure rather than the handle's
+    // departure.
     template <class F>
     void replica_main(F& f, thread_communicator& intra) {
         const auto l = static_cast<std::size_t>(intra.rank());
         std::optional<communicator_type> comm;
         const auto record_failure = [&] {
             (comm ? comm->intra() : intra).record_failure(std::current_exception());
+            if (comm)
+                inter_[l] = std::move(comm->inter());
         };
         try {
             comm.emplace(std::move(intra), std::move(inter_[l]),
