@@ -238,6 +238,7 @@ def stage_bundle(a):
                  "timeout": float(props.get("TIMEOUT", 300)),
                  "skip_code": props.get("SKIP_RETURN_CODE"),
                  "environment": props.get("ENVIRONMENT", []),
+                 "environment_modification": props.get("ENVIRONMENT_MODIFICATION", []),
                  "processors": props.get("PROCESSORS", 1),
                  # The runner gives each test a fresh folder instead (the build tree is not there).
                  "working_directory": os.path.relpath(props.get("WORKING_DIRECTORY", build_dir),
@@ -415,7 +416,7 @@ class runner:
         os.replace(tmp, os.path.join(self.out, SUMMARY))
         shutil.copy2(os.path.join(self.results_dir, RESULTS), os.path.join(self.out, RESULTS))
         tmp = os.path.join(self.out, "." + ARCHIVE + ".tmp")
-        with tarfile.open(tmp, "w:gz") as tar:
+        with tarfile.open(tmp, "w:gz", compresslevel=1) as tar:  # rewritten after every stage
             tar.add(self.results_dir, arcname="gpu-check-results")
         os.replace(tmp, os.path.join(self.out, ARCHIVE))
 
@@ -561,7 +562,7 @@ class runner:
         elif self.a.pretend_gpu:
             info["device"] = "none: --pretend-gpu (the selftest's fake bundle)"
         elif shutil.which("nvidia-smi") is None:
-            self.no_gpu = "nvidia-smi not found"
+            log.append("nvidia-smi not found: the CUDA runtime's device count decides")
         else:
             code, text = quick(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,"
                                 "compute_cap", "--format=csv,noheader"])
@@ -583,6 +584,12 @@ class runner:
                 if vals.get("devices") == "0" and not self.a.pretend_gpu:
                     self.no_gpu = "the CUDA runtime counts no device (driver %s)" % vals.get(
                         "cuda_driver")
+                elif "device" not in info:  # no nvidia-smi
+                    info["device"] = "%s CUDA device(s) (nvidia-smi not found)" % vals.get(
+                        "devices", "?")
+        if not self.no_gpu and "device" not in info:
+            self.no_gpu = "nvidia-smi not found and %s" % (
+                "the probe could not count the devices" if probe else "no probe in the bundle")
         # What the loader finds for each executable (ldd), and the NCCL version check.
         missing = {}
         for name in sorted(self.manifest["executables"]):
@@ -689,6 +696,7 @@ class runner:
             k, _, v = kv.partition("=")
             if not (k == "LOCKSTEP_TIMEOUT" and self.a.lockstep_timeout is not None):
                 env[k] = v
+        modify_environment(env, t.get("environment_modification", []), self.env)
         cwd = os.path.join(self.work, "cwd", t["name"])
         os.makedirs(cwd, exist_ok=True)
         own = t["timeout"]
@@ -910,6 +918,37 @@ class runner:
             len(self.results), len(failed), " (%s)" % ", ".join(failed) if failed else "",
             SUMMARY, ARCHIVE, self.out))
         return 1 if failed else 0
+
+
+def modify_environment(env, modifications, original):
+    """Applies CTest's ENVIRONMENT_MODIFICATION entries ("NAME=op:value", in order) to env:
+    reset (to `original`'s value), set, unset, string_append/prepend and
+    path_list_append/prepend (":"-separated) and cmake_list_append/prepend (";")."""
+    for m in modifications:
+        name, _, rest = m.partition("=")
+        op, _, value = rest.partition(":")
+        old = env.get(name)
+        if op == "reset":
+            if name in original:
+                env[name] = original[name]
+            else:
+                env.pop(name, None)
+        elif op == "set":
+            env[name] = value
+        elif op == "unset":
+            env.pop(name, None)
+        elif op in ("string_append", "string_prepend"):
+            env[name] = (old or "") + value if op == "string_append" else value + (old or "")
+        elif op.endswith(("list_append", "list_prepend")):
+            sep = ";" if op.startswith("cmake") else ":"
+            if not old:
+                env[name] = value
+            elif op.endswith("append"):
+                env[name] = old + sep + value
+            else:
+                env[name] = value + sep + old
+        else:
+            raise ValueError("ENVIRONMENT_MODIFICATION %r: unknown operation %r" % (m, op))
 
 
 def quick(argv, env=None, timeout=60):

@@ -265,8 +265,9 @@ public:
     /// every replica, the short one included (count_mismatch naming each replica's count, or, when
     /// a peer is still inside a step, the mismatch of finish's collective with the peer's, naming
     /// both calls; with overlap, a peer waiting in a bucket reduction on the side split ends in
-    /// the communicator's timeout instead). The destructor checks nothing (it cannot throw): without finish() a replica
-    /// that stops early returns normally while its peers fail (docs/train_api.md).
+    /// the communicator's timeout instead). The destructor checks nothing (it cannot throw):
+    /// without finish() a replica that stops early returns normally while its peers fail
+    /// (docs/train_api.md).
     std::int64_t finish() {
         const std::int64_t steps = detail::finish_steps(core_.comm(), this->steps());
         if (parts_->stages.unread() && !detail::capturing(core_.comm().system()))
