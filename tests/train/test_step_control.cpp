@@ -998,6 +998,36 @@ TEST_CASE("finish: a replica that stops early is an error on every replica, itse
     }
 }
 
+// With buckets on a communication thread, a peer still in its step waits in a bucket reduction on
+// that thread's split, not on the communicator: finish's collective runs there too and meets it,
+// instead of both replicas waiting out the timeout.
+TEST_CASE("finish: with overlap, a replica that stops early is still an error on every replica",
+          "[train][thread][finish][overlap]") {
+    const int n = GENERATE(2, 3);
+    const int short_one = n - 1;
+    const auto start = std::chrono::steady_clock::now();
+    const auto e = errors_of(n, [&](int rank, thread_communicator& comm) {
+        trainer dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1},
+                   {.overlap = overlap_mode::always});
+        REQUIRE(dp.overlaps());
+        for (int s = 0; s < (rank == short_one ? 2 : 3); ++s)
+            dp.step(12, train_fn);
+        dp.finish();
+    });
+    // Within the 30 s timeout errors_of's thread group sets, by a margin.
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(15));
+    for (int r = 0; r < n; ++r) {
+        const auto& [msg, code] = e[static_cast<std::size_t>(r)];
+        INFO(msg);
+        CHECK(code != static_cast<int>(errc::timeout));
+        CHECK_THAT(msg, Catch::Contains("] replica " + std::to_string(r) + ": "));
+        CHECK_THAT(msg, Catch::Contains("tag 'data_parallel.finish'"));
+        if (r == short_one)
+            CHECK_THAT(msg, Catch::Contains("data_parallel.finish: this replica finished after 2 "
+                                            "step(s)"));
+    }
+}
+
 TEST_CASE("finish: equal step counts return them; unequal local steps name every count",
           "[train][thread][finish][local_sgd]") {
     SECTION("equal") {

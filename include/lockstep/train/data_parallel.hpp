@@ -264,12 +264,13 @@ public:
     /// of skipped steps; a replica that ran fewer or more steps makes it throw lockstep::error on
     /// every replica, the short one included (count_mismatch naming each replica's count, or, when
     /// a peer is still inside a step, the mismatch of finish's collective with the peer's, naming
-    /// both calls; with overlap, a peer waiting in a bucket reduction on the side split ends in
-    /// the communicator's timeout instead). The destructor checks nothing (it cannot throw):
-    /// without finish() a replica that stops early returns normally while its peers fail
-    /// (docs/train_api.md).
+    /// both calls; with buckets overlapped on a host communication thread, finish's collective
+    /// runs on its split too, where such a peer may wait first; on NCCL a peer in a bucket
+    /// reduction ends in the communicator's timeout instead). The destructor checks nothing (it
+    /// cannot throw): without finish() a replica that stops early returns normally while its peers
+    /// fail (docs/train_api.md).
     std::int64_t finish() {
-        const std::int64_t steps = detail::finish_steps(core_.comm(), this->steps());
+        const std::int64_t steps = finish_counts();
         if (parts_->stages.unread() && !detail::capturing(core_.comm().system()))
             (void)read_result();
         parts_->driver.finish(parts_->stages, parts_->collective);
@@ -321,6 +322,51 @@ private:
 
     /// What a step runs through, rebuilt at another replica count after a shrink: the
     /// ReducePolicy's collective, the policy-free stages and the SyncPolicy's driver.
+    /// finish's step-count check (detail::finish_steps) on the communicator and, when buckets
+    /// are reduced on a host communication thread (overlap), concurrently on that thread's
+    /// split: a peer still inside a step waits on one of the two (in a batch-norm collective on
+    /// the communicator, or in a bucket reduction on the split), and finish's collective must
+    /// meet it there, or both would wait out the timeout. The more telling error wins: the
+    /// mismatch of finish's collective with the peer's over the echo of its failure.
+    std::int64_t finish_counts() {
+        const std::int64_t n = this->steps();
+        std::exception_ptr side;
+        bool on_side = false;
+        if constexpr (!detail::overlaps_on_side_stream<Communicator> &&
+                      requires(collective_type & c) { c.submit_to_stream([](Communicator&) {}); }) {
+            on_side = parts_->collective.submit_to_stream([n, &side](Communicator& c) {
+                try {
+                    (void)detail::finish_steps(c, n);
+                } catch (...) {
+                    side = std::current_exception();
+                }
+            });
+        }
+        if (!on_side)
+            return detail::finish_steps(core_.comm(), n);
+        std::exception_ptr main;
+        try {
+            (void)detail::finish_steps(core_.comm(), n);
+        } catch (...) {
+            main = std::current_exception();
+        }
+        parts_->collective.drain();
+        const auto echoes = [](const std::exception_ptr& e) {
+            try {
+                std::rethrow_exception(e);
+            } catch (const error& le) {
+                return le.code() == errc::peer_failure || le.code() == errc::timeout;
+            } catch (...) {
+                return false;
+            }
+        };
+        if (main && (!side || !echoes(main)))
+            std::rethrow_exception(main);
+        if (side)
+            std::rethrow_exception(side);
+        return n;
+    }
+
     struct step_parts {
         collective_type collective; ///< what the ReducePolicy does in a step, and its state
         stages_type stages;         ///< the policy-free stages of a step, and what they share

@@ -129,6 +129,15 @@ public:
         return collectives_.load(std::memory_order_relaxed);
     }
     bool overlaps() const noexcept { return stream_.has_value(); }
+    /// With overlap: submits fn(c) to the communication stream, after the items submitted
+    /// before it, and returns true (drain() waits for it; fn must not throw); else false.
+    template <class Fn>
+    bool submit_to_stream(Fn&& fn) {
+        if (!stream_)
+            return false;
+        stream_->submit(std::forward<Fn>(fn));
+        return true;
+    }
     void drain() noexcept {
         if (!stream_)
             return;
