@@ -216,10 +216,11 @@ TEST_CASE("hierarchical_group: an all_reduce whose count differs between process
         CAPTURE(l, whats[i]);
         CHECK(returned[i] == 0);
         CHECK(ranks[i] == my_node * threads_per_process + l);
-        CHECK_THAT(whats[i], Catch::Contains("hierarchical_communicator.all_reduce: this replica") &&
-                                 Catch::Contains("called it with " +
-                                                 std::to_string(my_node == 0 ? large : small) +
-                                                 " float32 (sum)"));
+        CHECK_THAT(whats[i],
+                   Catch::Contains("hierarchical_communicator.all_reduce: this replica") &&
+                       Catch::Contains("called it with " +
+                                       std::to_string(my_node == 0 ? large : small) +
+                                       " float32 (sum)"));
     }
 }
 

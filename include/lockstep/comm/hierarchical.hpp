@@ -6,18 +6,22 @@
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/communicator_identity.hpp"
+#include "lockstep/comm/detail/hierarchical_call.hpp"
 #include "lockstep/comm/detail/hierarchical_staging.hpp"
 #include "lockstep/comm/detail/tag_forwarding.hpp"
+#include "lockstep/comm/flight_recorder.hpp"
 #include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/error.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -48,17 +52,17 @@ struct no_routes {};
 ///
 /// Collectives (same contracts as the `communicator` concept; spans in the intra-node part's
 /// memory):
-/// - all_reduce: large messages (at least local_size() * sharded_from elements) are
-/// reduce-scattered
-///   inside the node (each replica owns 1/local_size() of the elements), all_reduced across nodes
-///   shard by shard (each local rank on its own inter communicator, concurrently), and
-///   all_gathered inside the node: each byte crosses the inter-node link once per node, not once
-///   per replica. Smaller ones are all_reduced inside the node, then across nodes. The node's
-///   sum is the intra part's and the nodes' the inter part's, each in its own order (rank order
-///   for thread_communicator and for 16-bit values over MPI; MPI's own order for float and
-///   double; NCCL's ring or tree), and every replica receives the same result of both, so every
-///   replica holds the same bits where each part gives its replicas the same bits; sums agree
-///   with a flat communicator's over the same replicas within rounding.
+/// - all_reduce: large messages (at least local_size() * sharded_from elements) are, after the
+///   nodes compare their counts (see Errors), reduce-scattered inside the node (each replica owns
+///   1/local_size() of the elements), all_reduced across nodes shard by shard (each local rank on
+///   its own inter communicator, concurrently), and all_gathered inside the node: each byte crosses
+///   the inter-node link once per node, not once per replica. Smaller ones are all_reduced inside
+///   the node, then across nodes. The node's sum is the intra part's and the nodes' the inter
+///   part's, each in its own order (rank order for thread_communicator and for 16-bit values over
+///   MPI; MPI's own order for float and double; NCCL's ring or tree), and every replica receives
+///   the same result of both, so every replica holds the same bits where each part gives its
+///   replicas the same bits; sums agree with a flat communicator's over the same replicas within
+///   rounding.
 /// - broadcast: inside the root's node, then across nodes (every local rank in parallel).
 /// - all_gather: inside the node into this node's block of recv, then the node blocks across
 ///   nodes.
@@ -88,9 +92,24 @@ struct no_routes {};
 /// Each collective takes a collective_tag (default: its caller's call site) and hands it to
 /// every inner collective that takes one, so the parts compare the caller's names and call sites
 /// (thread_group_params::check_call_sites), not this file's lines.
-/// Errors: each part checks its own arguments and agreement and throws as it does alone; a
-/// failure inside one node reaches the other nodes through the inter communicator's own
-/// failure handling (an mpi_communicator ends the job, see hierarchical_group).
+/// Errors: each part checks its own arguments and agreement (the counts, element types and
+/// reductions of the steps it runs) and throws as it does alone; a failure inside one node
+/// reaches the other nodes through the inter communicator's own failure handling (an
+/// mpi_communicator ends the job, see hierarchical_group). Arguments that differ between nodes
+/// fail every replica of the collective, not only those whose steps' counts differ (a large
+/// all_reduce's shards, or a small one's n, can be equal where the callers' counts are not):
+/// all_reduce's large-message path, reduce_scatter and reduce first all_gather the caller's
+/// {count, per-replica counts, element type, reduction, root} across nodes (one small
+/// inter-node collective, before any data moves) and throw errc::count_mismatch or
+/// errc::shape_mismatch on every replica when they differ; a node on the small all_reduce path
+/// meets that all_gather with its inter-node all_reduce, which the inter part refuses
+/// (errc::shape_mismatch) on both; broadcast, all_gather and all_to_all hand every replica's own
+/// count (all_gather: local_size() times it) to the inter part. The parts' refusals need parts
+/// that verify their collectives (thread_communicator; mpi_communicator with params::verify).
+/// An error a part throws during a collective is rethrown with its code, naming this replica's
+/// rank(), node and local rank and what the caller passed (count, element type, reduction or
+/// root), with the part's own text, which numbers that part's replicas (MPI: processes) and
+/// steps and states its steps' counts, as the detail.
 /// A replica's handle is used by one thread at a time.
 template <communicator Intra, communicator Inter, class Routes = no_routes>
 class hierarchical_communicator {
@@ -185,12 +204,15 @@ public:
             sharded_all_reduce(send, recv, op, tag);
             return;
         }
+        const call_text call{"all_reduce", n, trace_type_name<T>(), to_string(op), -1};
         reserve<T>(n, 0);
-        detail::with_tag(intra_, tag).all_reduce(send, recv, op);
-        stage_.inter(intra_, std::span<const T>(recv), recv,
-                     [&](std::span<const T> in, std::span<T> out) {
-                         detail::with_tag(inter_, tag).all_reduce(in, out, op);
-                     });
+        step(intra_part, call, [&] { detail::with_tag(intra_, tag).all_reduce(send, recv, op); });
+        step(inter_part, call, [&] {
+            stage_.inter(intra_, std::span<const T>(recv), recv,
+                         [&](std::span<const T> in, std::span<T> out) {
+                             detail::with_tag(inter_, tag).all_reduce(in, out, op);
+                         });
+        });
     }
 
     /// data on every replica becomes root's data. requires: 0 <= root < size(), equal counts.
@@ -198,13 +220,17 @@ public:
     void broadcast(std::span<T> data, int root, collective_tag tag = {}) {
         require_root(root, "hierarchical_communicator.broadcast");
         const int L = intra_.size();
+        const call_text call{"broadcast", data.size(), trace_type_name<T>(), {}, root};
         reserve<T>(data.size(), 0);
         if (inter_.rank() == root / L)
-            detail::with_tag(intra_, tag).broadcast(data, root % L);
-        stage_.inter(intra_, std::span<const T>(data), data,
-                     [&](std::span<const T>, std::span<T> out) {
-                         detail::with_tag(inter_, tag).broadcast(out, root / L);
-                     });
+            step(intra_part, call,
+                 [&] { detail::with_tag(intra_, tag).broadcast(data, root % L); });
+        step(inter_part, call, [&] {
+            stage_.inter(intra_, std::span<const T>(data), data,
+                         [&](std::span<const T>, std::span<T> out) {
+                             detail::with_tag(inter_, tag).broadcast(out, root / L);
+                         });
+        });
     }
 
     /// recv = every replica's send in (global) rank order. requires: recv.size() == size() *
@@ -219,12 +245,15 @@ public:
         const std::size_t block = static_cast<std::size_t>(intra_.size()) * s;
         const std::span<T> mine =
             recv.subspan(static_cast<std::size_t>(inter_.rank()) * block, block);
+        const call_text call{"all_gather", s, trace_type_name<T>(), {}, -1};
         reserve<T>(recv.size(), 0);
-        detail::with_tag(intra_, tag).all_gather(send, mine);
-        stage_.inter(intra_, std::span<const T>(mine), recv,
-                     [&](std::span<const T> in, std::span<T> out) {
-                         detail::with_tag(inter_, tag).all_gather(in, out);
-                     });
+        step(intra_part, call, [&] { detail::with_tag(intra_, tag).all_gather(send, mine); });
+        step(inter_part, call, [&] {
+            stage_.inter(intra_, std::span<const T>(mine), recv,
+                         [&](std::span<const T> in, std::span<T> out) {
+                             detail::with_tag(inter_, tag).all_gather(in, out);
+                         });
+        });
     }
 
     /// As all_reduce, but only root's recv is written. requires: 0 <= root < size(), equal
@@ -233,6 +262,10 @@ public:
     void reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
                 int root, collective_tag tag = {}) {
         require_root(root, "hierarchical_communicator.reduce");
+        const call_text call{"reduce", send.size(), trace_type_name<T>(), to_string(op), root};
+        // The replicas off the root's local rank leave after the node step: they compare the
+        // call across nodes first, so that a mismatch fails them too.
+        agree_across_nodes(call, 0, tag);
         const int L = intra_.size();
         const int local_root = root % L;
         const bool node_root = intra_.rank() == local_root;
@@ -245,13 +278,16 @@ public:
                              " elements, send ", send.size());
             reserve<T>(partial.size(), 0);
         }
-        detail::with_tag(intra_, tag).reduce(send, partial, op, local_root);
+        step(intra_part, call,
+             [&] { detail::with_tag(intra_, tag).reduce(send, partial, op, local_root); });
         if (!node_root)
             return;
-        stage_.inter(intra_, std::span<const T>(partial), partial,
-                     [&](std::span<const T> in, std::span<T> out) {
-                         detail::with_tag(inter_, tag).reduce(in, out, op, root / L);
-                     });
+        step(inter_part, call, [&] {
+            stage_.inter(intra_, std::span<const T>(partial), partial,
+                         [&](std::span<const T> in, std::span<T> out) {
+                             detail::with_tag(inter_, tag).reduce(in, out, op, root / L);
+                         });
+        });
     }
 
     /// Block r of recv = block rank() of replica r's send (blocks of b = send.size() / size()
@@ -271,6 +307,7 @@ public:
                          rank(), "hierarchical_communicator.all_to_all", "send has ", send.size(),
                          " elements, recv ", recv.size(), ", for ", n, " replicas");
         const std::size_t b = send.size() / n;
+        const call_text call{"all_to_all", send.size(), trace_type_name<T>(), {}, -1};
         // Step 1 order: by destination local rank l', then destination node n'.
         const std::span<T> by_local = scratch<T>(0, send.size());
         const std::span<T> got = scratch<T>(1, send.size());
@@ -280,17 +317,20 @@ public:
                            send.subspan((dn * L + dl) * b, b));
         reserve<T>(recv.size(), by_local.size());
         // got[l][n'] = the block of local replica l for (n', my local rank).
-        detail::with_tag(intra_, tag).all_to_all(std::span<const T>(by_local), got);
+        step(intra_part, call,
+             [&] { detail::with_tag(intra_, tag).all_to_all(std::span<const T>(by_local), got); });
         // Step 2 order: by destination node n', then source local rank l.
         for (std::size_t dn = 0; dn < N; ++dn)
             for (std::size_t l = 0; l < L; ++l)
                 copy_block(by_local.subspan((dn * L + l) * b, b),
                            std::span<const T>(got).subspan((l * N + dn) * b, b));
         // recv[n][l] = the block of replica n * L + l for this replica: global rank order.
-        stage_.inter(intra_, std::span<const T>(by_local), recv,
-                     [&](std::span<const T> in, std::span<T> out) {
-                         detail::with_tag(inter_, tag).all_to_all(in, out);
-                     });
+        step(inter_part, call, [&] {
+            stage_.inter(intra_, std::span<const T>(by_local), recv,
+                         [&](std::span<const T> in, std::span<T> out) {
+                             detail::with_tag(inter_, tag).all_to_all(in, out);
+                         });
+        });
     }
 
     /// Sends data to replica dest with tag through the routes (returns once data may be
@@ -370,6 +410,11 @@ public:
         LOCKSTEP_REQUIRE(send.size() == offset.back(), errc::count_mismatch, rank(),
                          "hierarchical_communicator.reduce_scatter", "send has ", send.size(),
                          " elements, counts sum to ", offset.back());
+        const call_text call{"reduce_scatter", send.size(), trace_type_name<T>(), to_string(op),
+                             -1};
+        // Each local rank's inter step sees only its own replicas' counts: the nodes compare
+        // every count first, so that any difference fails every replica.
+        agree_across_nodes(call, call_text::counts_hash(counts), tag);
         // Local-rank-major order: for l, for node: the range of replica node * L + l.
         const std::span<T> packed = scratch<T>(0, send.size());
         const auto nodes = static_cast<std::size_t>(N), locals = static_cast<std::size_t>(L);
@@ -386,16 +431,20 @@ public:
             scratch<T>(1, local_counts[static_cast<std::size_t>(intra_.rank())]);
         reserve<T>(recv.size(), mine.size());
         const std::span<const std::size_t> locals_of(local_counts);
-        detail::with_tag(intra_, tag)
-            .reduce_scatter(std::span<const T>(packed), mine, locals_of, op);
+        step(intra_part, call, [&] {
+            detail::with_tag(intra_, tag)
+                .reduce_scatter(std::span<const T>(packed), mine, locals_of, op);
+        });
         std::vector<std::size_t> node_counts(nodes);
         for (std::size_t n = 0; n < nodes; ++n)
             node_counts[n] = counts[n * locals + static_cast<std::size_t>(intra_.rank())];
-        stage_.inter(intra_, std::span<const T>(mine), recv,
-                     [&](std::span<const T> in, std::span<T> out) {
-                         const std::span<const std::size_t> of(node_counts);
-                         detail::with_tag(inter_, tag).reduce_scatter(in, out, of, op);
-                     });
+        step(inter_part, call, [&] {
+            stage_.inter(intra_, std::span<const T>(mine), recv,
+                         [&](std::span<const T> in, std::span<T> out) {
+                             const std::span<const std::size_t> of(node_counts);
+                             detail::with_tag(inter_, tag).reduce_scatter(in, out, of, op);
+                         });
+        });
     }
 
     /// The equal-count form: every replica receives recv.size() elements.
@@ -531,6 +580,11 @@ private:
         const std::size_t n = send.size();
         const auto L = static_cast<std::size_t>(intra_.size());
         const auto me = static_cast<std::size_t>(intra_.rank());
+        const call_text call{"all_reduce", n, trace_type_name<T>(), to_string(op), -1};
+        // The shards' counts need not tell a node with another count apart (nor does the small
+        // path's inter all_reduce of n / L elements): the nodes compare the caller's count
+        // first, in an inter-node all_gather, a collective the small path never issues there.
+        agree_across_nodes(call, 0, tag);
         const std::size_t shard = (n + L - 1) / L;
         std::vector<std::size_t> counts(L);
         for (std::size_t l = 0; l < L; ++l)
@@ -542,16 +596,77 @@ private:
         reserve<T>(counts[me], 0);
         const std::span<const std::size_t> of(counts);
         const std::span<T> part = own.first(counts[me]);
-        detail::with_tag(intra_, tag).reduce_scatter(send, part, of, op);
-        stage_.inter(intra_, std::span<const T>(part), part,
-                     [&](std::span<const T> in, std::span<T> out) {
-                         detail::with_tag(inter_, tag).all_reduce(in, out, op);
-                     });
+        step(intra_part, call,
+             [&] { detail::with_tag(intra_, tag).reduce_scatter(send, part, of, op); });
+        step(inter_part, call, [&] {
+            stage_.inter(intra_, std::span<const T>(part), part,
+                         [&](std::span<const T> in, std::span<T> out) {
+                             detail::with_tag(inter_, tag).all_reduce(in, out, op);
+                         });
+        });
         // One call site for both targets (call-site checks see the caller's tag anyway).
         const std::span<T> target = exact ? recv : gathered;
-        detail::with_tag(intra_, tag).all_gather(std::span<const T>(own), target);
+        step(intra_part, call,
+             [&] { detail::with_tag(intra_, tag).all_gather(std::span<const T>(own), target); });
         if (!exact)
             copy_block(recv, std::span<const T>(gathered.first(n)));
+    }
+
+    using call_text = detail::hierarchical_call;
+    enum part_kind { intra_part, inter_part };
+
+    /// Runs one step of a collective on one part; a lockstep::error it throws (which names the
+    /// part's own replica numbers (MPI: process ranks), sequence numbers and the step's counts)
+    /// is rethrown with its code, naming this replica's rank(), node and local rank and what the
+    /// caller passed, the part's text as the detail.
+    template <class F>
+    void step(part_kind part, const call_text& call, F&& f) {
+        try {
+            f();
+        } catch (const error& e) {
+            throw error(e.code(), rank(), std::string("hierarchical_communicator.") + call.op,
+                        detail::concat("this replica (node ", node(), ", local rank ", local_rank(),
+                                       ") called it with ", call.describe(), "; its ",
+                                       part == intra_part
+                                           ? "intra-node part (the communicator of node "
+                                           : "inter-node part (the communicator of local rank ",
+                                       part == intra_part ? node() : local_rank(),
+                                       part == intra_part ? ")" : " across the nodes)",
+                                       " failed: ", e.what(), path_hint(part, call, e.code())));
+        }
+    }
+
+    /// For an all_reduce's inter-node error of differing collectives: which path issues what.
+    std::string path_hint(part_kind part, const call_text& call, errc code) const {
+        if (part != inter_part || code != errc::shape_mismatch ||
+            std::string_view(call.op) != "all_reduce" || local_size() == 1)
+            return {};
+        return detail::concat(" (an all_reduce of at least local_size() x sharded_from = ",
+                              static_cast<std::size_t>(local_size()) * sharded_from,
+                              " elements begins with an all_gather of 5 int64 across nodes, the "
+                              "callers' counts, where a smaller one all_reduces: the nodes passed "
+                              "different counts or collectives)");
+    }
+
+    /// The caller's arguments, compared across nodes (nothing with one node): one inter-node
+    /// all_gather (host memory, this local rank's inter communicator, the caller's tag) of
+    /// {count, layout (a hash of reduce_scatter's counts, else 0), element type, reduction,
+    /// root}. Each local rank compares the nodes' replicas at that local rank, so where a node's
+    /// replicas agree among themselves (else its intra part refuses the call) a difference
+    /// between nodes fails every replica here, before any data moves.
+    /// ensures: returns when every node passed the same; else throws errc::count_mismatch
+    /// (counts) or errc::shape_mismatch (type, reduction, root), naming this replica's call and
+    /// the first node whose call differs.
+    void agree_across_nodes(const call_text& call, std::int64_t layout, const collective_tag& tag) {
+        if (nodes() == 1)
+            return;
+        const std::array<std::int64_t, 5> mine = call.key(layout);
+        std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(nodes()));
+        step(inter_part, call, [&] {
+            detail::with_tag(inter_, tag)
+                .all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));
+        });
+        detail::require_same_call(call, mine, all, rank(), node(), local_rank(), local_size());
     }
 
     Intra intra_;
