@@ -210,7 +210,18 @@ TEST_CASE("hierarchical_communicator: all_gather, broadcast and all_to_all error
             comm.broadcast(std::span<float>(x), 0);
         });
         check_every_replica_failed(out, "broadcast", [](int r) {
-            return "called it with " + std::to_string(r / local == 0 ? 2 : 3) + " float32 (root 0)";
+            return std::to_string(r / local == 0 ? 2 : 3) + " float32 (root 0)";
+        });
+    }
+    SECTION("broadcast from roots that differ between nodes inside one node block") {
+        // Roots 0 and 1 both lie in node 0: node 1 skips the intra step either way, so without
+        // the comparison its replicas would take replica 0's data believing it replica 1's.
+        const auto out = run_each([&](two_level& comm) {
+            std::vector<float> x(2, static_cast<float>(comm.rank()));
+            comm.broadcast(std::span<float>(x), comm.node());
+        });
+        check_every_replica_failed(out, "broadcast", [](int r) {
+            return "2 float32 (root " + std::to_string(r / local) + ")";
         });
     }
     SECTION("all_to_all") {

@@ -98,13 +98,13 @@ struct no_routes {};
 /// mpi_communicator ends the job, see hierarchical_group). Arguments that differ between nodes
 /// fail every replica of the collective, not only those whose steps' counts differ (a large
 /// all_reduce's shards, or a small one's n, can be equal where the callers' counts are not):
-/// all_reduce's large-message path, reduce_scatter and reduce first all_gather the caller's
-/// {count, per-replica counts, element type, reduction, root} across nodes (one small
+/// all_reduce's large-message path, reduce_scatter, reduce and broadcast first all_gather the
+/// caller's {count, per-replica counts, element type, reduction, root} across nodes (one small
 /// inter-node collective, before any data moves) and throw errc::count_mismatch or
 /// errc::shape_mismatch on every replica when they differ; a node on the small all_reduce path
 /// meets that all_gather with its inter-node all_reduce, which the inter part refuses
-/// (errc::shape_mismatch) on both; broadcast, all_gather and all_to_all hand every replica's own
-/// count (all_gather: local_size() times it) to the inter part. The parts' refusals need parts
+/// (errc::shape_mismatch) on both; all_gather and all_to_all hand every replica's own count
+/// (all_gather: local_size() times it) to the inter part. The parts' refusals need parts
 /// that verify their collectives (thread_communicator; mpi_communicator with params::verify).
 /// An error a part throws during a collective is rethrown with its code, naming this replica's
 /// rank(), node and local rank and what the caller passed (count, element type, reduction or
@@ -221,6 +221,10 @@ public:
         require_root(root, "hierarchical_communicator.broadcast");
         const int L = intra_.size();
         const call_text call{"broadcast", data.size(), trace_type_name<T>(), {}, root};
+        // Only the root's node runs the intra step, and roots in one node block broadcast
+        // across nodes from the same node: nodes that name different roots there would take
+        // another replica's data without a word. The nodes compare the call first.
+        agree_across_nodes(call, 0, tag);
         reserve<T>(data.size(), 0);
         if (inter_.rank() == root / L)
             step(intra_part, call,
