@@ -699,10 +699,7 @@ class runner:
         modify_environment(env, t.get("environment_modification", []), self.env)
         cwd = os.path.join(self.work, "cwd", t["name"])
         os.makedirs(cwd, exist_ok=True)
-        own = t["timeout"]
-        if last is not None:
-            lockstep_timeout = int(env.get("LOCKSTEP_TIMEOUT", "60") or 60)
-            own = min(own, max(60.0, 4 * last, lockstep_timeout + 30.0))
+        own = test_cap(last, t["timeout"], env.get("LOCKSTEP_TIMEOUT"))
         timeout = min(own, self.remaining())
         code, timed_out, secs, log = self.execute(stage, [exe] + args, timeout, cwd, env)
         cut = self.cut_by_budget(stage, own, secs, timed_out, log)
@@ -918,6 +915,19 @@ class runner:
             len(self.results), len(failed), " (%s)" % ", ".join(failed) if failed else "",
             SUMMARY, ARCHIVE, self.out))
         return 1 if failed else 0
+
+
+def test_cap(last, ctest_timeout, lockstep_timeout):
+    """The timeout of a test that took `last` seconds in the last GPU run (None: unknown) under
+    CTest's `ctest_timeout`, its LOCKSTEP_TIMEOUT (text, or None: 60 s): the longest of 4x
+    `last`, 60 s and LOCKSTEP_TIMEOUT + 30 s, at most `ctest_timeout`."""
+    if last is None:
+        return ctest_timeout
+    try:
+        lockstep = float(lockstep_timeout or 60)
+    except ValueError:  # the test refuses it itself
+        lockstep = 60.0
+    return min(ctest_timeout, max(60.0, 4 * last, lockstep + 30.0))
 
 
 def modify_environment(env, modifications, original):
