@@ -77,6 +77,10 @@ public:
             std::lock_guard lock(failure_mutex_);
             if (root_ && (echo || !root_echoes_))
                 return false;
+            // The echo it replaces stays alive with the context: other threads may still read
+            // the exception object (a thread's own exception_ptr to it may be its last).
+            if (root_)
+                replaced_.push_back(std::move(root_));
             root_ = std::move(e);
             root_echoes_ = echo;
             root_replica_ = replica;
@@ -276,6 +280,7 @@ private:
     mutable std::mutex failure_mutex_;
     std::exception_ptr root_;
     bool root_echoes_ = false; ///< root_ is an errc::peer_failure (replaceable: record_failure)
+    std::vector<std::exception_ptr> replaced_; ///< the echoes root_ replaced (kept alive)
     int root_replica_ = -1;
     std::string root_what_;
     std::shared_ptr<run_context> successor_;
