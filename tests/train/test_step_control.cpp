@@ -4,6 +4,7 @@
 // (NaN loss, BN running statistics of a skipped step, the message naming tensor and replica),
 // also for local SGD.
 // SPDX-License-Identifier: Apache-2.0
+#include "support/replica_errors.hpp"
 #include "train_runner.hpp"
 
 #include "lockstep/optim/adam.hpp"
@@ -246,27 +247,6 @@ TEST_CASE("the gradient hook sees the reduced gradient with the layout and may c
 }
 
 namespace {
-/// Runs fn(rank, comm) on `replicas` thread replicas and returns each replica's error text
-/// ("" when none) and code. A replica rethrows what it caught, so its peers are told of the
-/// failure (not of its communicator's departure); run()'s rethrow of it is dropped.
-template <class Fn>
-std::vector<std::pair<std::string, int>> errors_of(int replicas, Fn&& fn) {
-    std::vector<std::pair<std::string, int>> out(static_cast<std::size_t>(replicas),
-                                                 {std::string(), -1});
-    try {
-        thread_group(replicas, {.timeout = std::chrono::seconds(30)})
-            .run([&](thread_communicator& comm) {
-                try {
-                    fn(comm.rank(), comm);
-                } catch (const error& e) {
-                    out[comm.rank()] = {e.what(), static_cast<int>(e.code())};
-                    throw;
-                }
-            });
-    } catch (const error&) {
-    }
-    return out;
-}
 
 /// 4 steps of 10 samples by a Trainer on 3 thread replicas, before(rank, dp, step) ahead of
 /// each; checks on the main thread that every replica skipped step 2 alone, that step 2 left

@@ -5,6 +5,7 @@
 // other's. The same order on every replica trains each trainer as a 1-replica run does.
 // SPDX-License-Identifier: Apache-2.0
 #include "mlp_fixture.hpp"
+#include "support/replica_errors.hpp"
 
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/optim/sgd.hpp"
@@ -58,28 +59,6 @@ struct linear {
 
 using sgd = optim::sgd<double>;
 auto train_fn = [](linear& n, const shard_range& r, auto&) { return n.train(r); };
-
-/// Runs fn(rank, comm) on `replicas` thread replicas; each replica's error text ("" when none)
-/// and code (-1). A replica rethrows what it caught so its peers are told of the failure.
-template <class Fn>
-std::vector<std::pair<std::string, int>> errors_of(int replicas, Fn&& fn) {
-    std::vector<std::pair<std::string, int>> out(static_cast<std::size_t>(replicas),
-                                                 {std::string(), -1});
-    try {
-        thread_group(replicas, {.timeout = std::chrono::seconds(30)})
-            .run([&](thread_communicator& comm) {
-                try {
-                    fn(comm.rank(), comm);
-                } catch (const error& e) {
-                    out[static_cast<std::size_t>(comm.rank())] = {e.what(),
-                                                                  static_cast<int>(e.code())};
-                    throw;
-                }
-            });
-    } catch (const error&) {
-    }
-    return out;
-}
 
 /// Replica 0's initial values of a network built with `init` (what the broadcast gives all).
 std::vector<double> initial(double init) {
