@@ -3,6 +3,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/core/detail/fnv1a.hpp"
 #include "lockstep/core/error.hpp"
 
 #include <cstdint>
@@ -87,12 +88,7 @@ struct collective_tag {
 
 private:
     static constexpr std::int64_t hash(std::string_view s, std::uint64_t seed) noexcept {
-        std::uint64_t h = 14695981039346656037ull ^ seed;
-        for (char c : s) {
-            h ^= static_cast<unsigned char>(c);
-            h *= 1099511628211ull;
-        }
-        const auto v = static_cast<std::int64_t>(h >> 1);
+        const auto v = static_cast<std::int64_t>(detail::fnv1a(s, detail::fnv1a_basis ^ seed) >> 1);
         return v == 0 ? 1 : v;
     }
 };

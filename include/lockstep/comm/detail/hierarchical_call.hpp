@@ -3,6 +3,7 @@
 // it before any data moves. SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/core/detail/fnv1a.hpp"
 #include "lockstep/core/error.hpp"
 
 #include <algorithm>
@@ -47,13 +48,7 @@ struct hierarchical_call {
     }
 
     static std::int64_t fnv(const void* data, std::size_t bytes) noexcept {
-        std::uint64_t h = 14695981039346656037ull;
-        const auto* p = static_cast<const unsigned char*>(data);
-        for (std::size_t i = 0; i < bytes; ++i) {
-            h ^= p[i];
-            h *= 1099511628211ull;
-        }
-        return static_cast<std::int64_t>(h >> 1);
+        return static_cast<std::int64_t>(fnv1a_bytes(data, bytes) >> 1);
     }
 };
 

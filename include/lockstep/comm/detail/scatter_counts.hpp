@@ -3,6 +3,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/core/detail/fnv1a.hpp"
+
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -51,14 +53,9 @@ inline std::string describe_counts(std::span<const std::size_t> counts) {
 /// min/max: replicas with different counts get different values except with negligible
 /// probability; the value is positive, so negating it cannot overflow.
 inline std::int64_t counts_hash(std::span<const std::size_t> counts) noexcept {
-    std::uint64_t h = 0xcbf29ce484222325ull;
-    const auto mix = [&](std::uint64_t v) {
-        for (int b = 0; b < 8; ++b)
-            h = (h ^ ((v >> (8 * b)) & 0xff)) * 0x100000001b3ull;
-    };
-    mix(counts.size());
+    std::uint64_t h = fnv1a_u64(counts.size(), fnv1a_basis);
     for (const std::size_t c : counts)
-        mix(c);
+        h = fnv1a_u64(c, h);
     return static_cast<std::int64_t>(h >> 2) | 1;
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "lockstep/comm/collective_tag.hpp"
+#include "lockstep/core/detail/fnv1a.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/train/detail/checkpoint_format.hpp"
 #include "lockstep/train/detail/checkpoint_marker.hpp"
@@ -104,11 +105,7 @@ void tagged_all_gather(Comm& comm, std::span<const T> send, std::span<T> recv,
 /// A 64-bit FNV-1a hash of the path as the caller gave it (not canonicalised: an absolute path
 /// may legitimately be spelt differently on another node's mounts), as two ints.
 inline std::array<int, 2> path_hash(const std::filesystem::path& path) {
-    std::uint64_t h = 14695981039346656037ull;
-    for (char c : path.string()) {
-        h ^= static_cast<unsigned char>(c);
-        h *= 1099511628211ull;
-    }
+    const std::uint64_t h = fnv1a(path.string());
     return {static_cast<int>(static_cast<std::uint32_t>(h)),
             static_cast<int>(static_cast<std::uint32_t>(h >> 32))};
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/core/detail/fnv1a.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
 #include "lockstep/train/parameter_registry.hpp"
@@ -39,13 +40,6 @@ std::vector<std::string> describe_tensors(const std::vector<tensor_info>& params
             out.push_back(std::string(t.kind == tensor_kind::parameter ? "parameter" : "state") +
                           "\t" + t.name + "\t" + shape_string(t.shape) + "\t" + element_name<T>());
     return out;
-}
-
-/// FNV-1a, 64 bits.
-inline std::uint64_t fnv1a(const std::string& s, std::uint64_t h = 14695981039346656037ull) {
-    for (const char c : s)
-        h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-    return h;
 }
 
 /// "parameter 'fc1.weight' with shape {4, 3} (float)" from a description line.
