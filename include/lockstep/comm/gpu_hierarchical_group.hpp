@@ -37,7 +37,9 @@ struct gpu_hierarchical_group_params {
     /// with MPI_Abort after printing the error, so no process is left waiting for it (true), or
     /// run() rethrows it in this process only (false: the other processes find out when their
     /// MPI operations time out). errc::peer_failure only echoes another replica's failure,
-    /// which ends the job itself: such a replica leaves without aborting.
+    /// which ends the job itself: such a replica leaves without aborting. A failure no replica
+    /// ended the job for (a replica thread that returned while the others of its process waited
+    /// for it in a collective) ends it when run() would rethrow it.
     bool abort_on_failure = true;
 };
 
@@ -95,7 +97,9 @@ public:
     template <class F>
     requires std::invocable<F&, communicator_type&>
     void run(F&& f) {
-        gpus_->run([&](nccl_communicator& intra) { replica_main(f, intra); });
+        detail::run_or_end_job("gpu_hierarchical_group", params_.abort_on_failure, [&] {
+            gpus_->run([&](nccl_communicator& intra) { replica_main(f, intra); });
+        });
     }
 
 private:

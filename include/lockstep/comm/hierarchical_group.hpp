@@ -32,7 +32,9 @@ struct hierarchical_group_params {
     /// with MPI_Abort after printing the error, so no process is left waiting for it (true), or
     /// run() rethrows it in this process only (false: the other processes find out when their
     /// MPI operations time out). errc::peer_failure only echoes another replica's failure,
-    /// which ends the job itself: such a replica leaves without aborting.
+    /// which ends the job itself: such a replica leaves without aborting. A failure no replica
+    /// ended the job for (a replica thread that returned while the others of its process waited
+    /// for it in a collective) ends it when run() would rethrow it.
     bool abort_on_failure = true;
 };
 
@@ -223,11 +225,14 @@ public:
     /// Calls f(comm) on threads() new threads of this process, each with its replica's
     /// communicator, and joins them. Every process calls run() with the same number of threads.
     /// ensures: returns when every replica of this process has returned; a failure of any
-    /// replica ends the job (params::abort_on_failure) or is rethrown here.
+    /// replica, a replica thread that returned while the others waited for it in a collective
+    /// included, ends the job (params::abort_on_failure) or is rethrown here.
     template <class F>
     requires std::invocable<F&, communicator_type&>
     void run(F&& f) {
-        threads_.run([&](thread_communicator& intra) { replica_main(f, intra); });
+        detail::run_or_end_job("hierarchical_group", params_.abort_on_failure, [&] {
+            threads_.run([&](thread_communicator& intra) { replica_main(f, intra); });
+        });
     }
 
 private:

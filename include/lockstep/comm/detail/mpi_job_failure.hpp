@@ -87,4 +87,29 @@ inline std::runtime_error non_standard_exception() {
     return std::runtime_error("a thrown value that is no std::exception");
 }
 
+/// Runs a group's replica threads (`run_threads()`, which joins them and rethrows their root
+/// failure). When it throws and `abort` is set (params::abort_on_failure), ends the job through
+/// abort_mpi_job (unit "thread", the error's replica when it names one) before the error could
+/// reach the caller: a replica that threw has ended the job already unless its error only
+/// echoed another's (errc::peer_failure), so this is a failure no replica ended it for, e.g. a
+/// replica thread that returned while its process's other replicas waited for it in a collective
+/// (they throw errc::peer_failure naming it as having left), and the other processes may be
+/// waiting for this one in an inter-node step, which only the end of the job releases.
+template <class F>
+void run_or_end_job(const char* group, bool abort, F&& run_threads) {
+    try {
+        run_threads();
+    } catch (const std::exception& e) {
+        if (abort) {
+            const auto* le = dynamic_cast<const lockstep::error*>(&e);
+            abort_mpi_job(group, "thread", le != nullptr ? le->replica() : -1, e);
+        }
+        throw;
+    } catch (...) {
+        if (abort)
+            abort_mpi_job(group, "thread", -1, non_standard_exception());
+        throw;
+    }
+}
+
 } // namespace lockstep::detail
