@@ -287,6 +287,43 @@ TEST_CASE("a layer built from one replica's communicator is refused on another r
     CHECK(layer->num_batches_tracked() == 0);
 }
 
+TEST_CASE("a layer of an ended run's replica is refused on another replica of the next run",
+          "[nn][bn][thread]") {
+    // Run 1's replica 1 builds and trains the layer; in run 2 only replica 0 calls it. A
+    // thread created after another was joined often gets its std::thread::id (glibc reuses
+    // the stack), so each trial is a chance for the check to take run 2's replica 0 for the
+    // ended thread: every one of 10 trials must refuse it.
+    int refused = 0;
+    for (int trial = 0; trial < 10; ++trial) {
+        std::unique_ptr<nn::batch_norm<float, bn::local, nn::nc>> layer;
+        std::vector<float> x = input(1, 4), y(x.size());
+        thread_group(2, {.timeout = std::chrono::seconds(20)}).run([&](thread_communicator& comm) {
+            if (comm.rank() != 1)
+                return;
+            layer = std::make_unique<nn::batch_norm<float, bn::local, nn::nc>>(comm, C);
+            layer->forward_train(comm, std::span<const float>(x), {16, C}, std::span(y));
+        });
+        outcome out;
+        thread_group(2, {.timeout = std::chrono::seconds(20)}).run([&](thread_communicator& comm) {
+            if (comm.rank() != 0)
+                return;
+            try {
+                layer->forward_train(comm, std::span<const float>(x), {16, C}, std::span(y));
+            } catch (const error& e) {
+                out = {std::string(to_string(e.code())), e.what()};
+            }
+        });
+        CAPTURE(trial, out.message);
+        CHECK(out.code == "invalid_argument");
+        CHECK(contains(out.message, "replica 0: batch_norm.forward_train: batch_norm is used by "
+                                    "replica 0 but was built for replica 1 (bn::local, 3 "
+                                    "channels)"));
+        refused += out.code == "invalid_argument" ? 1 : 0;
+        CHECK(layer->num_batches_tracked() == 1);
+    }
+    CHECK(refused == 10);
+}
+
 TEST_CASE("a backward without a forward is reported by its replica, not as a mismatch",
           "[nn][bn][thread]") {
     // Replica 1 skips the forward: its backward all_reduce meets replica 0's forward all_gather.

@@ -11,13 +11,13 @@
 #include "lockstep/nn/layout.hpp"
 #include "lockstep/system/staged_read.hpp"
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <span>
 #include <string>
-#include <thread>
 #include <type_traits>
 
 namespace lockstep::nn::detail {
@@ -90,12 +90,21 @@ struct forward_communicator {
     }
 };
 
+/// A number of the calling thread, never given to another thread of the process (a
+/// std::thread::id may be: a thread created after one was joined often gets its id).
+inline std::uint64_t thread_serial() noexcept {
+    static std::atomic<std::uint64_t> next{1};
+    thread_local const std::uint64_t mine = next.fetch_add(1, std::memory_order_relaxed);
+    return mine;
+}
+
 /// The replica a layer belongs to. One layer object called by several replicas (built once
 /// outside the replicas' function) would race on its buffers and mix their statistics: the
 /// first call of a second replica is refused, before it touches the layer. A replica is its
 /// rank and its thread together: the same rank on another thread (a later run) and another
 /// rank on the same thread (a shrunk or split communicator) are the same replica, and the
-/// binding follows them; a call whose rank and thread both differ is another replica.
+/// binding follows them; a call whose rank and thread both differ is another replica (threads
+/// told apart by thread_serial, so a later run's thread is never taken for an ended one).
 class replica_owner {
 public:
     replica_owner() = default;
@@ -115,7 +124,7 @@ public:
     /// naming both replicas and the fix; layer() names the layer ("bn::global, 3 channels").
     template <class Describe>
     void claim(int rank, const char* op, Describe&& layer) {
-        const std::thread::id me = std::this_thread::get_id();
+        const std::uint64_t me = thread_serial();
         const std::lock_guard<std::mutex> lock(mutex_);
         LOCKSTEP_REQUIRE(rank_ < 0 || rank == rank_ || me == thread_, errc::invalid_argument, rank,
                          op, "batch_norm is used by replica ", rank, " but was ", how_, " replica ",
@@ -132,7 +141,7 @@ public:
 private:
     std::mutex mutex_;
     int rank_ = -1; ///< -1: not bound yet
-    std::thread::id thread_ = std::this_thread::get_id();
+    std::uint64_t thread_ = thread_serial();
     const char* how_ = "first trained on";
 };
 
