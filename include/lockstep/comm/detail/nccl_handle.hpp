@@ -326,7 +326,9 @@ public:
     }
 
     /// Makes the enqueueing NCCL call `call()` on this replica's device once check_usable()
-    /// passed, and checks its result.
+    /// passed, and checks its result: ncclRemoteError (a peer gone, e.g. while the call set up
+    /// a connection on demand) is errc::peer_failure as in the polled wait, so a shrink takes
+    /// it for the loss of a replica; any other error is errc::nccl.
     template <class Call>
     void enqueue(const std::string& op, Call call) {
         check_usable(op);
@@ -336,7 +338,8 @@ public:
             r = call();
         }
         if (r != ncclSuccess && r != ncclInProgress)
-            fail_and_abort(errc::nccl, op, describe(r), ": ", ncclGetLastError(comm_));
+            fail_and_abort(r == ncclRemoteError ? errc::peer_failure : errc::nccl, op, describe(r),
+                           ": ", ncclGetLastError(comm_));
     }
 
     /// Polls the stream until idle, checking for failures and the timeout (see
