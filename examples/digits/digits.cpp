@@ -47,7 +47,8 @@ void usage(const char* argv0) {
         "  --save PATH      write a checkpoint after the last step (sync, local:K)\n"
         "  --resume PATH    continue from a checkpoint (same options as the run that saved it;\n"
         "                   --replicas may differ with --sync sync)\n"
-        "  --steps N        stop after N steps in total (an interruption to resume from)\n"
+        "  --steps N        stop after N steps in total (an interruption to resume from;\n"
+        "                   with --resume at least the checkpoint's step)\n"
         "  --checkpoint PATH  resume from PATH when it exists, save to it after the last step\n"
         "                   (a job that tools/lockstep-run relaunches continues where it was)\n"
         "  --checkpoint-every K  also save to --checkpoint before every K-th step\n"
@@ -199,8 +200,11 @@ void run(Comm& comm, const digits::options& o, const digits::split_data& data) {
                 o.optim.c_str(), o.bn.c_str(), o.hidden, o.batch, o.epochs);
     if (!r.staleness.empty())
         std::printf("  staleness: %s\n", r.staleness.c_str());
-    std::printf("  train: %zu steps, %zu samples in %.3f s = %.0f samples/s, last loss %.4f\n",
-                r.steps, r.samples, r.seconds, r.samples_per_s, r.final_loss);
+    if (r.samples == 0) // resumed at the last step (--steps N from step N): no loss to print
+        std::printf("  train: no step to run (resumed after step %zu)\n", r.steps);
+    else
+        std::printf("  train: %zu steps, %zu samples in %.3f s = %.0f samples/s, last loss %.4f\n",
+                    r.steps, r.samples, r.seconds, r.samples_per_s, r.final_loss);
     std::printf("  test accuracy: %.2f %% (%zu samples)\n", 100.0 * r.accuracy, data.test.size());
     if (o.sync == "sync" || o.sync.starts_with("local:"))
         std::printf("  weights: FNV-1a %016llx after step %zu\n",

@@ -87,9 +87,13 @@ inline bool first_launch() {
 
 /// What a run measured (printed by rank 0).
 struct result {
-    double accuracy = 0, samples_per_s = 0, seconds = 0, final_loss = 0;
-    std::size_t samples = 0, steps = 0;
-    std::string staleness;          ///< async only: "max M, mean X, histogram ..."
+    double accuracy = 0, samples_per_s = 0, seconds = 0;
+    double final_loss = 0;   ///< the last step's loss (0 when this run made no step)
+    std::size_t samples = 0; ///< samples trained by this run (0: no step, e.g. --resume from
+                             ///< step N with --steps N)
+    std::size_t steps = 0;   ///< the step the final weights are after (synchronous, local SGD:
+                             ///< the trainer's steps(), counting the resumed checkpoint's)
+    std::string staleness;   ///< async only: "max M, mean X, histogram ..."
     std::uint64_t weights_hash = 0; ///< FNV-1a of the final parameters' bytes (synchronous,
                                     ///< local SGD): equal hashes are bitwise equal weights
 };
@@ -242,6 +246,17 @@ result train_and_evaluate(Comm& comm, const options& o, const split_data& data) 
         std::size_t steps = (total + o.batch - 1) / o.batch;
         if (o.steps > 0)
             steps = std::min(steps, o.steps);
+        // A run never goes back: one that stopped before the checkpoint's step would report
+        // step `steps` for the checkpoint's weights.
+        if (steps < first && o.steps > 0)
+            lockstep::fail(lockstep::errc::invalid_argument, comm.rank(), "digits", "--steps ",
+                           o.steps, " is below the checkpoint's step ", first, ": give --steps ",
+                           first, " or more (", first,
+                           ": no new step, the checkpoint's weights), or leave --steps out");
+        if (steps < first)
+            lockstep::fail(lockstep::errc::invalid_argument, comm.rank(), "digits", "--epochs ",
+                           o.epochs, " end at step ", steps, ", below the checkpoint's step ",
+                           first, ": give the --epochs of the run that saved it");
         double loss = 0;
         for (std::size_t s = first; s < steps; ++s) {
             if (s == o.fault.step && comm.rank() == o.fault.rank && first_launch()) {
@@ -269,8 +284,8 @@ result train_and_evaluate(Comm& comm, const options& o, const split_data& data) 
         comm.barrier();
         res.seconds =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        res.steps = steps;
-        res.samples = (steps > first ? steps - first : 0) * o.batch;
+        res.steps = static_cast<std::size_t>(trainer.steps());
+        res.samples = (steps - first) * o.batch; // 0: no step ran, final_loss stays 0
         res.final_loss = loss;
         res.weights_hash = fnv1a_bytes(trainer.parameters());
         if (comm.rank() == 0) // (after a shrink, maybe another replica than at the start)

@@ -1,6 +1,6 @@
 # examples/digits/reproducible_check.cmake: the digits demo with --reduce reproducible --bn ghost
 # ends with bitwise the same weights (FNV-1a hash) on every replica count, over MPI and after
-# losing a thread replica with --shrink.
+# losing a thread replica with --shrink (the run must print that it lost replica 1).
 # Usage: cmake -DDIGITS=<digits> -DFLOOR=<accuracy %> [-DLAUNCHER=mpiexec|-n|2]
 #        -P reproducible_check.cmake   (LAUNCHER: '|'-separated command prefix of the --mpi run)
 # SPDX-License-Identifier: Apache-2.0
@@ -10,7 +10,7 @@ string(REPLACE "|" ";" launcher "${LAUNCHER}")
 set(common --reduce reproducible --bn ghost --epochs 2 --batch 100 --quiet)
 
 # run_digits(<label> <prefix...> -- <options...>): the run's hash in ${label}_hash; fails when
-# the run fails or its test accuracy is below FLOOR.
+# the run fails or its test accuracy is below FLOOR; its output in ${label}_text.
 function(run_digits label)
   set(prefix)
   set(opts)
@@ -41,6 +41,7 @@ function(run_digits label)
   endif()
   message(STATUS "${label}: ${hash}, test accuracy ${acc} %")
   set(${label}_hash "${hash}" PARENT_SCOPE)
+  set(${label}_text "${text}" PARENT_SCOPE)
 endfunction()
 
 # check_same(<reference label> <labels...>): every run has the reference run's hash.
@@ -68,6 +69,10 @@ check_same(${sgd_runs})
 # Replica 1 of 3 lost before step 12 (its thread ends): with --shrink the 2 others compute the
 # step again and finish with the same weights.
 run_digits(sgd_shrink -- --replicas 3 --shrink --lose-at 12:1)
+if(NOT sgd_shrink_text MATCHES "lost replica 1:")
+  message(FATAL_ERROR "sgd_shrink: no 'lost replica 1:' line, the run lost no replica:\n"
+                      "${sgd_shrink_text}")
+endif()
 check_same(sgd_1 sgd_shrink)
 
 # AdamW and LAMB (their updates take per-tensor norms and moments) on fewer replica counts.
