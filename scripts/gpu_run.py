@@ -323,41 +323,237 @@ def nccl_code_to_version(code):
     return "%d.%d.%d" % (code // 1000, (code // 100) % 10, code % 100)
 
 
-def wheel_library_dirs():
-    """Folders of the NVIDIA pip wheels (the nvidia.* namespace, cu12 or cu13 layout) that hold
-    a library of RUNTIME_LIBS, and the versions of those wheels."""
-    import importlib.util
-    dirs, versions = [], {}
-    roots = []
+# The interpreters asked where torch and the NVIDIA wheels are, after --python (LOCKSTEP_PYTHON),
+# the PATH's python3 and python and the running one: the usual places of conda, venvs and pyenv
+# ("~": the home folder). A pattern matching no file costs nothing.
+PYTHON_PLACES = ["/opt/conda/bin/python", "/opt/conda/envs/*/bin/python", "~/.venv/bin/python",
+                 "~/*/.venv/bin/python", "~/venv/bin/python", "~/miniconda3/bin/python",
+                 "~/miniconda3/envs/*/bin/python", "~/anaconda3/bin/python",
+                 "~/anaconda3/envs/*/bin/python", "/opt/*/bin/python", "/opt/*/.venv/bin/python",
+                 "~/.pyenv/versions/*/bin/python", "/usr/local/bin/python3", "/usr/bin/python3"]
+# What each interpreter answers (any Python 3; a Python 2 or a broken one answers nothing usable).
+PYTHON_PROBE = r"""
+import importlib.util, json, os, sys
+def spec(name):
     try:
-        spec = importlib.util.find_spec("nvidia")
-        if spec and spec.submodule_search_locations:
-            roots += list(spec.submodule_search_locations)
-    except (ImportError, ValueError):
-        pass
-    # Wheels of another interpreter than the one running this (e.g. a conda PyTorch).
-    for pattern in ("/usr/local/lib/python3*/*-packages/nvidia",
-                    "/usr/lib/python3*/*-packages/nvidia",
-                    "/opt/conda/lib/python3*/site-packages/nvidia",
-                    os.path.expanduser("~/.local/lib/python3*/site-packages/nvidia")):
-        roots += [r for r in sorted(glob.glob(pattern)) if r not in roots]
-    for root in roots:
-        for here, subdirs, files in os.walk(root):
-            if here[len(root):].count(os.sep) > 3:
+        return importlib.util.find_spec(name)
+    except Exception:
+        return None
+t, n = spec("torch"), spec("nvidia")
+print(json.dumps({"prefix": sys.prefix,
+                  "torch": os.path.dirname(t.origin) if t is not None and t.origin else None,
+                  "nvidia": list(n.submodule_search_locations or []) if n is not None else []}))
+"""
+# Folders the bounded walk for */site-packages/nvidia never enters (at the root: the kernel's).
+WALK_SKIP_TOP = {"proc", "sys", "dev", "run"}
+WALK_SKIP = {".git", "node_modules", "__pycache__", ".cache"}
+
+
+def nccl_version_of(name):
+    """The version a file or dist-info folder name states: libnccl.so.2.28.9 or
+    nvidia_nccl_cu13-2.28.9.dist-info gives (2, 28, 9); None for any other name."""
+    m = re.match(r"libnccl\.so\.(\d+\.\d+\.\d+)$|nvidia_nccl_cu\d+-(\d+(?:\.\d+)+)\.dist-info$",
+                 name)
+    return version_tuple(m.group(1) or m.group(2)) if m else None
+
+
+def wheel_tree(locations, python=None, torch=None, how=""):
+    """One installation's NVIDIA wheels: `locations`, the nvidia package's folders in its
+    interpreter's own order (kept: it is the order that interpreter loads them in). Returns
+    its library folders (those holding a library of RUNTIME_LIBS, in that order), the wheels'
+    versions (from the dist-info folders beside each location) and its newest NCCL version (from
+    libnccl.so.X.Y.Z names and the nvidia-nccl wheels; None: not stated)."""
+    dirs, wheels, nccl = [], {}, None
+    for loc in locations:
+        for here, subdirs, files in os.walk(loc):
+            subdirs.sort()
+            if here[len(loc):].count(os.sep) > 3:
                 subdirs[:] = []
                 continue
             if any(f.startswith(lib) for f in files for lib in RUNTIME_LIBS):
                 dirs.append(here)
+            for f in files:
+                v = nccl_version_of(f)
+                nccl = max(nccl, v) if nccl and v else (nccl or v)
+        try:
+            beside = sorted(os.listdir(os.path.dirname(loc)))
+        except OSError:
+            beside = []
+        for f in beside:
+            m = re.match(r"(nvidia_[^-]*|torch)-([^-]+)\.dist-info$", f)
+            if m:
+                wheels.setdefault(m.group(1).replace("_", "-").lower(), m.group(2))
+            v = nccl_version_of(f)
+            nccl = max(nccl, v) if nccl and v else (nccl or v)
+    return {"python": python, "how": how, "locations": list(locations), "torch": torch,
+            "dirs": dirs, "wheels": wheels, "nccl": nccl}
+
+
+def ask_python(python, timeout):
+    """What `python` answers to PYTHON_PROBE within `timeout` seconds, or None."""
+    code, text = quick([python, "-c", PYTHON_PROBE], timeout=max(0.5, timeout))
     try:
-        import importlib.metadata as md
-        for dist in md.distributions():
-            name = (dist.metadata["Name"] or "").lower()
-            if name.startswith(("nvidia-nccl", "nvidia-cudnn", "nvidia-cublas",
-                                "nvidia-cuda-runtime")) or name == "torch":
-                versions[name] = dist.version
-    except ImportError:
-        pass
-    return sorted(set(dirs)), versions
+        answer = json.loads(text.strip().splitlines()[-1]) if code == 0 else None
+    except (ValueError, IndexError):
+        answer = None
+    return answer if isinstance(answer, dict) else None
+
+
+def python_candidates(root):
+    """The interpreters to ask, in order, without duplicates: PATH's python3 and python and the
+    running one (not under a simulated `root`), then PYTHON_PLACES, each under `root` ("~":
+    root/home there)."""
+    found = []
+    if root == "/":
+        for d in os.environ.get("PATH", "").split(os.pathsep):
+            for name in ("python3", "python"):
+                found.append(os.path.join(d or ".", name))
+        found.append(sys.executable)
+        home = os.path.expanduser("~")
+    else:
+        home = os.path.join(root, "home")
+    for pattern in PYTHON_PLACES:
+        if pattern.startswith("~"):
+            pattern = home + pattern[1:]
+        else:
+            pattern = os.path.join(root, pattern.lstrip("/"))
+        found += sorted(glob.glob(pattern))
+    out = []
+    for p in found:
+        p = os.path.abspath(p)  # not realpath: a venv's python is a link to its base's
+        if p not in out and os.path.isfile(p) and os.access(p, os.X_OK):
+            out.append(p)
+    return out
+
+
+def walk_site_packages(root, deadline, max_depth=8):
+    """Each */site-packages and */dist-packages under `root` that holds an nvidia package,
+    shallowest first (breadth first, at most `max_depth` folders down, until `deadline`
+    (time.monotonic()), never following a link nor entering WALK_SKIP(_TOP))."""
+    found, level = [], [root]
+    for depth in range(max_depth + 1):
+        below = []
+        for here in level:
+            if time.monotonic() > deadline:
+                return found
+            try:
+                entries = sorted(os.scandir(here), key=lambda e: e.name)
+            except OSError:
+                continue
+            for e in entries:
+                try:
+                    if not e.is_dir(follow_symlinks=False):
+                        continue
+                except OSError:
+                    continue
+                if e.name in WALK_SKIP or (depth == 0 and e.name in WALK_SKIP_TOP):
+                    continue
+                if e.name in ("site-packages", "dist-packages"):
+                    if os.path.isdir(os.path.join(e.path, "nvidia")):
+                        found.append(e.path)
+                else:
+                    below.append(e.path)
+        level = below
+    return found
+
+
+def site_python(site):
+    """The interpreter of a site-packages folder found by the walk (PREFIX/lib/pythonX.Y/...:
+    PREFIX/bin/pythonX.Y, python3 or python), or None."""
+    parts = site.split(os.sep)
+    if len(parts) >= 4 and parts[-3] in ("lib", "lib64") and parts[-2].startswith("python"):
+        prefix = os.sep.join(parts[:-3])
+        for name in (parts[-2], "python3", "python"):
+            p = os.path.join(prefix, "bin", name)
+            if os.path.isfile(p) and os.access(p, os.X_OK):
+                return p
+    return None
+
+
+def wheel_library_dirs(python=None, root="/", budget_s=30.0, nccl_version=None):
+    """The NVIDIA pip wheels (the nvidia.* namespace, cu12 or cu13 layout) of ONE installation,
+    and the interpreter that runs the PyTorch anchor. `python` (--python, LOCKSTEP_PYTHON) is
+    asked first and, when it holds the wheels, chosen; otherwise every interpreter of
+    python_candidates(root) is asked (PYTHON_PROBE, a few seconds each) and, when none holds
+    them or none holds torch, the folders under `root` are walked for */site-packages/nvidia
+    (walk_site_packages). Of the installations found the one holding torch is chosen (PyTorch's
+    own NCCL, the one its wheels were tested with), else the one with the newest NCCL (from file
+    and wheel names, else nccl_version(dirs), the bundle's probe); never a union, whose order
+    could put an older NCCL first. All within `budget_s` seconds. Returns a dict: dirs (the
+    chosen library folders, in load order), wheels (their versions), python (the interpreter for
+    the anchor: the chosen one, else one holding torch, else None), chosen (which and why) and
+    trees (every installation considered), log (what was asked)."""
+    deadline = time.monotonic() + budget_s
+    log, trees, pythons_with_torch = [], [], []
+    seen = set()
+
+    def add(tree):
+        key = tuple(os.path.realpath(x) for x in tree["locations"])
+        if tree["dirs"] and key not in seen:
+            seen.add(key)
+            trees.append(tree)
+
+    asked = []
+    if python:
+        asked.append((python, "given (--python or LOCKSTEP_PYTHON)"))
+    asked += [(p, "interpreter") for p in python_candidates(root) if p != python]
+    prefixes = set()
+    for p, how in asked:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            log.append("search budget of %.0fs spent: %s and later not asked" % (budget_s, p))
+            break
+        answer = ask_python(p, min(10.0, left))
+        log.append("%s: %s" % (p, json.dumps(answer) if answer else "no answer"))
+        if answer is None:
+            continue
+        if answer.get("prefix") in prefixes:  # e.g. python and python3 of one environment
+            continue
+        prefixes.add(answer.get("prefix"))
+        if answer.get("torch"):
+            pythons_with_torch.append(p)
+        add(wheel_tree([x for x in answer.get("nvidia") or [] if os.path.isdir(x)], p,
+                       answer.get("torch"), how))
+        if python and p == python and trees and trees[-1]["python"] == python:
+            break  # the given interpreter holds the wheels: nothing else is asked
+    given = python is not None and any(t["python"] == python for t in trees)
+    if not given and (not trees or not any(t["torch"] for t in trees)):
+        for site in walk_site_packages(root, deadline):
+            torch = os.path.join(site, "torch")
+            torch = torch if os.path.isdir(torch) else None
+            add(wheel_tree([os.path.join(site, "nvidia")], site_python(site) if torch else None,
+                           torch, "walk"))
+        log.append("walked %s for */site-packages/nvidia: %d installations in all" % (
+            root, len(trees)))
+    if nccl_version is not None and len(trees) > 1:
+        for t in trees:
+            if t["nccl"] is None and time.monotonic() < deadline:
+                t["nccl"] = nccl_version(t["dirs"])
+    chosen, why = None, "no NVIDIA wheels found"
+    if given:
+        chosen = next(t for t in trees if t["python"] == python)
+        why = "the interpreter given (--python or LOCKSTEP_PYTHON)"
+    elif trees:
+        order = {id(t): i for i, t in enumerate(trees)}
+        chosen = max(trees, key=lambda t: (t["torch"] is not None, t["nccl"] or (), -order[id(t)]))
+        with_torch = sum(1 for t in trees if t["torch"])
+        why = ("it holds torch" + (" and the newest NCCL of the %d that do" % with_torch
+                                   if with_torch > 1 else "")
+               if chosen["torch"] else "none holds torch; it has the newest NCCL")
+    anchor = python if python in pythons_with_torch else (
+        chosen["python"] if chosen and chosen["torch"] else
+        (pythons_with_torch[0] if pythons_with_torch else python))
+
+    def describe(t):
+        return "%s (%s; NCCL %s%s)" % (t["python"] or t["locations"][0], t["how"],
+                                       ".".join(map(str, t["nccl"])) if t["nccl"] else "?",
+                                       "; torch " + t["torch"] if t["torch"] else "")
+
+    text = "%s: %s, of %d installations" % (describe(chosen), why, len(trees)) if chosen else why
+    return {"dirs": chosen["dirs"] if chosen else [], "wheels": chosen["wheels"] if chosen else {},
+            "python": anchor, "chosen": text, "log": log,
+            "trees": [dict(t, nccl=".".join(map(str, t["nccl"])) if t["nccl"] else None)
+                      for t in trees]}
 
 
 class runner:
@@ -380,6 +576,7 @@ class runner:
         self.env_info = {}
         self.no_gpu = None  # the reason there is no GPU, or None
         self.refused = {}  # executable -> why it cannot run here (a library)
+        self.torch_python = None  # the interpreter holding torch (find_libraries)
         self.nccl_answer = None
         self.current = None  # (stage, start) of the stage running now, for a run killed outside
         self.previous = load_previous(a.rerun_failed) if a.rerun_failed else None
@@ -449,6 +646,7 @@ class runner:
                 "; rerun of the failed stages of " + self.a.rerun_failed
                 if self.a.rerun_failed else "",
                 ", ".join("%d %s" % (n, s) for s, n in sorted(counts.items()))),
+            "- NVIDIA wheels: %s" % e.get("wheel_tree", "not searched"),
             "- libraries loaded: %s" % (", ".join(
                 "%s %s" % (k, v) for k, v in sorted(e.get("loaded", {}).items())) or "?"),
             "",
@@ -540,22 +738,6 @@ class runner:
     def stage_env(self):
         t0 = time.monotonic()
         info = self.env_info
-        lib_dirs, wheels = wheel_library_dirs()
-        info["wheels"] = wheels
-        path = list(lib_dirs)
-        for d in ("/usr/local/cuda/lib64", "/usr/local/cuda/lib"):
-            if os.path.isdir(d):
-                path.append(d)
-        path.append(os.path.join(self.root, "lib"))
-        if self.env.get("LD_LIBRARY_PATH"):
-            path.append(self.env["LD_LIBRARY_PATH"])
-        self.env["LD_LIBRARY_PATH"] = ":".join(path)
-        info["LD_LIBRARY_PATH"] = self.env["LD_LIBRARY_PATH"]
-        for lib, prefix in (("cudnn", "nvidia-cudnn"), ("cublas", "nvidia-cublas"),
-                            ("nccl", "nvidia-nccl")):
-            found = [v for k, v in wheels.items() if k.startswith(prefix)]
-            if found:
-                info[lib] = found[0] + " (wheel)"
         log = []
         if self.a.no_gpu:
             self.no_gpu = "--no-gpu given"
@@ -574,6 +756,8 @@ class runner:
                 info["device"] = "; ".join(rows)
                 info["driver"] = rows[0].split(",")[1].strip() if "," in rows[0] else "?"
         probe = self.executable("gpu_check_probe")
+        if not self.no_gpu:
+            self.find_libraries(info, log, probe)
         if probe and not self.no_gpu:
             code, text = quick([probe, "versions"], self.env)
             log.append("$ gpu_check_probe versions\n" + text)
@@ -634,6 +818,43 @@ class runner:
                 info.get("device", "?"), info.get("nccl", "?"), info.get("cudnn", "?"),
                 info.get("cublas", "?"))
         self.record("env", status, reason, time.monotonic() - t0, log=log_rel)
+
+    def find_libraries(self, info, log, probe):
+        """Puts ONE installation's NVIDIA wheels (wheel_library_dirs: --python or
+        LOCKSTEP_PYTHON first; LOCKSTEP_WHEEL_SEARCH_ROOT, a folder standing in for / and its
+        home/ for ~, is the selftest's) on LD_LIBRARY_PATH, before the CUDA toolkit's and the
+        bundle's lib/, and records which and why (env.json, the summary). The search takes at
+        most a tenth of the budget left (2 to 30 s)."""
+        def probe_nccl(dirs):  # an installation's NCCL as the bundle's probe loads it
+            env = dict(self.env, LD_LIBRARY_PATH=":".join(dirs + [os.path.join(self.root, "lib")]))
+            code, text = quick([probe, "versions"], env, timeout=10)
+            m = re.search(r"^nccl (\d+)$", text, re.M)
+            return version_tuple(nccl_code_to_version(m.group(1))) if code == 0 and m else None
+
+        found = wheel_library_dirs(
+            self.a.python or os.environ.get("LOCKSTEP_PYTHON") or None,
+            os.environ.get("LOCKSTEP_WHEEL_SEARCH_ROOT") or "/",
+            min(30.0, max(2.0, self.remaining() / 10)), probe_nccl if probe else None)
+        self.torch_python = found["python"]
+        log.append("$ wheel search\n" + "\n".join(found["log"]) + "\nchosen: " + found["chosen"])
+        info["wheels"] = found["wheels"]
+        info["wheel_tree"] = found["chosen"]
+        info["wheel_trees"] = found["trees"]
+        info["torch_python"] = found["python"]
+        path = list(found["dirs"])
+        for d in ("/usr/local/cuda/lib64", "/usr/local/cuda/lib"):
+            if os.path.isdir(d):
+                path.append(d)
+        path.append(os.path.join(self.root, "lib"))
+        if self.env.get("LD_LIBRARY_PATH"):
+            path.append(self.env["LD_LIBRARY_PATH"])
+        self.env["LD_LIBRARY_PATH"] = ":".join(path)
+        info["LD_LIBRARY_PATH"] = self.env["LD_LIBRARY_PATH"]
+        for lib, prefix in (("cudnn", "nvidia-cudnn"), ("cublas", "nvidia-cublas"),
+                            ("nccl", "nvidia-nccl")):
+            versions = [v for k, v in found["wheels"].items() if k.startswith(prefix)]
+            if versions:
+                info[lib] = versions[0] + " (wheel)"
 
     def executable(self, name):
         e = self.manifest["executables"].get(name)
@@ -786,14 +1007,15 @@ class runner:
             self.record(stage, "skipped", why)
             return
         torch_csv = os.path.join(self.results_dir, "torch_bn.csv")
+        python = self.torch_python or sys.executable  # the interpreter holding torch
         code, timed_out, secs, log = self.execute(
-            stage, [sys.executable, script, "--csv", torch_csv], min(150, self.remaining()))
+            stage, [python, script, "--csv", torch_csv], min(150, self.remaining()))
         if self.cut_by_budget(stage, 150, secs, timed_out, log):
             return
         bench_csv = os.path.join(self.results_dir, "gpu_bench.csv")
         joined = ""
         if code == 0 and os.path.isfile(bench_csv):
-            c2, joined = quick([sys.executable, script, "--torch-csv", torch_csv, "--compare",
+            c2, joined = quick([python, script, "--torch-csv", torch_csv, "--compare",
                                 bench_csv, "--combined",
                                 os.path.join(self.results_dir, "bn_compare.csv")], self.env)
             with open(os.path.join(self.results_dir, "bn_compare.txt"), "w") as f:
@@ -1060,6 +1282,9 @@ def main():
     r.add_argument("--rerun-failed", metavar="PREVIOUS",
                    help="an earlier run's output folder, summary.md or results.jsonl")
     r.add_argument("--no-gpu", action="store_true", help="skip every stage as without a GPU")
+    r.add_argument("--python", metavar="PATH",
+                   help="the interpreter holding PyTorch and its NVIDIA wheels (default: "
+                   "LOCKSTEP_PYTHON, else the one of those found that holds torch)")
     r.add_argument("--pretend-gpu", action="store_true", help=argparse.SUPPRESS)
     # The budget a test needs left to start; the selftest lowers it to end a budget in seconds.
     r.add_argument("--test-min-seconds", type=int, default=15, help=argparse.SUPPRESS)
