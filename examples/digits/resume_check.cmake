@@ -61,12 +61,20 @@ if(NOT reloaded_text MATCHES "no step to run \\(resumed after step ${STOP}\\)"
   message(FATAL_ERROR "resumed with --steps ${STOP}: ${reloaded_weights} (the interrupted run's "
                       "${first_weights} after no step to run expected):\n${reloaded_text}")
 endif()
-# --steps below the checkpoint's step is refused, naming both.
+# --steps below the checkpoint's step is refused, naming both. Under mpiexec every rank refuses
+# it and ends the job with MPI_Abort, which can tear the job down before Hydra forwards the
+# message (as test_mpi_abort notes): there an empty stderr with a failed status passes too.
 math(EXPR below "${STOP} - 1")
 execute_process(COMMAND ${launcher} "${DIGITS}" ${args} --quiet --resume "${WORK}/digits.ckpt"
                         ${resume_args} --steps ${below}
                 OUTPUT_VARIABLE text ERROR_VARIABLE err RESULT_VARIABLE rc)
-if(rc EQUAL 0 OR NOT err MATCHES "--steps ${below} is below the checkpoint's step ${STOP}")
+set(refused FALSE)
+if(err MATCHES "--steps ${below} is below the checkpoint's step ${STOP}")
+  set(refused TRUE)
+elseif(launcher AND NOT err MATCHES "[^ \t\r\n]")
+  set(refused TRUE)
+endif()
+if(rc EQUAL 0 OR NOT refused)
   message(FATAL_ERROR "resumed with --steps ${below} (${rc}): not refused as below the "
                       "checkpoint's step ${STOP}:\n${text}\n${err}")
 endif()
