@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -127,6 +128,51 @@ TEST_CASE("a replica that throws releases its peers with peer_failure", "[comm][
         CHECK(contains(o.what, "replica 2"));
     }
     CHECK_FALSE(out[2].threw); // its own exception is not a lockstep::error
+}
+
+TEST_CASE("a collective every replica reached completes although a later one failed first",
+          "[comm][thread]") {
+    // Replica 0 arrives at all_reduce #0 (one phase) and then stalls in the hook; replicas 1
+    // and 2 see the phase complete, and replica 1 fails on arrival at barrier #1. Replica 0's
+    // all_reduce #0 is whole (every replica reached its final phase): it returns the sum, as it
+    // did on the others, and barrier #1 reports the failure. Each of 5 trials.
+    for (int trial = 0; trial < 5; ++trial) {
+        thread_group::params p{.timeout = 10s};
+        p.on_collective = [](const lockstep::collective_event& e) {
+            if (e.when != lockstep::collective_event::moment::arrived)
+                return;
+            if (e.replica == 0 && e.seq == 0)
+                std::this_thread::sleep_for(200ms);
+            if (e.replica == 1 && e.seq == 1)
+                throw std::runtime_error("replica 1 fails at the barrier");
+        };
+        thread_group group(3, p);
+        std::vector<double> sums(3, -1);
+        std::vector<std::string> errors(3);
+        try {
+            group.run([&](thread_communicator& comm) {
+                const auto r = static_cast<std::size_t>(comm.rank());
+                std::array<double, 4> v{};
+                v.fill(static_cast<double>(comm.rank() + 1));
+                try {
+                    comm.all_reduce(std::span<const double>(v), std::span<double>(v),
+                                    reduce_op::sum);
+                    sums[r] = v[3];
+                    comm.barrier();
+                } catch (const std::exception& e) {
+                    errors[r] = e.what();
+                    throw;
+                }
+            });
+        } catch (const std::runtime_error&) {
+        }
+        CAPTURE(trial, errors[0], errors[2]);
+        for (std::size_t r = 0; r < 3; ++r)
+            CHECK(sums[r] == 6.0); // 1 + 2 + 3
+        CHECK(contains(errors[0], "barrier #1"));
+        CHECK(contains(errors[0], "replica 1 fails at the barrier"));
+        CHECK(errors[1] == "replica 1 fails at the barrier");
+    }
 }
 
 TEST_CASE("peers of a failed replica see who failed and why", "[comm][thread]") {

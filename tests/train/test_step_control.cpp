@@ -1010,6 +1010,46 @@ TEST_CASE("finish: with overlap, a replica that stops early is still an error on
     }
 }
 
+TEST_CASE("with overlap, a step function's exception reaches every peer as the cause",
+          "[train][thread][overlap]") {
+    // Replica 1's fn throws while its peers' buckets wait on the communication thread's split,
+    // which departs as replica 1 unwinds its trainer: the peers must name the exception (fn's
+    // failure is recorded before the unwinding), not that departure. 3 trials each.
+    const int n = GENERATE(3, 6);
+    for (int trial = 0; trial < 3; ++trial) {
+        std::vector<std::string> errors(static_cast<std::size_t>(n));
+        std::string thrown;
+        try {
+            thread_group(n, {.timeout = std::chrono::seconds(30)})
+                .run([&](thread_communicator& comm) {
+                    try {
+                        trainer dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1},
+                                   {.overlap = overlap_mode::always});
+                        for (int s = 0; s < 3; ++s)
+                            dp.step(12, [&](linear& net, const shard_range& r, auto& ctx) {
+                                if (s == 1 && comm.rank() == 1)
+                                    throw std::runtime_error("replica 1 could not read its batch");
+                                return train_fn(net, r, ctx);
+                            });
+                        dp.finish();
+                    } catch (const std::exception& e) {
+                        errors[static_cast<std::size_t>(comm.rank())] = e.what();
+                        throw;
+                    }
+                });
+        } catch (const std::runtime_error& e) {
+            thrown = e.what();
+        }
+        CHECK(thrown == "replica 1 could not read its batch");
+        for (int r = 0; r < n; ++r) {
+            CAPTURE(n, trial, r, errors[static_cast<std::size_t>(r)]);
+            CHECK_THAT(errors[static_cast<std::size_t>(r)],
+                       Catch::Contains("replica 1 could not read its batch"));
+            CHECK_THAT(errors[static_cast<std::size_t>(r)], !Catch::Contains("left the group"));
+        }
+    }
+}
+
 TEST_CASE("finish: equal step counts return them; unequal local steps name every count",
           "[train][thread][finish][local_sgd]") {
     SECTION("equal") {

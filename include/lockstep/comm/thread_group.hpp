@@ -173,6 +173,9 @@ public:
                 if (comm.group_)
                     detail::shm::note_departure(*comm.group_, comm.rank_, e);
             }
+            // After its failure is recorded: peers that wait for a handle this thread left
+            // while unwinding now take it as gone (group_state::gone).
+            ctx->mark_thread_ended(r);
         };
         std::vector<std::thread> threads;
         threads.reserve(static_cast<std::size_t>(size_));
@@ -182,8 +185,10 @@ public:
         } catch (...) {
             const auto e = std::current_exception();
             ctx->record_failure(static_cast<int>(threads.size()), e, detail::shm::describe(e));
-            for (std::size_t r = threads.size(); r < static_cast<std::size_t>(size_); ++r)
+            for (std::size_t r = threads.size(); r < static_cast<std::size_t>(size_); ++r) {
                 world->depart(static_cast<int>(r));
+                ctx->mark_thread_ended(static_cast<int>(r));
+            }
         }
         for (auto& t : threads)
             t.join();

@@ -56,7 +56,13 @@ inline constexpr std::size_t stash_bytes = 4096;
 struct alignas(64) member_slot {
     std::atomic<std::uint64_t> epoch{0}; ///< phases this replica has arrived at
     std::atomic<bool> departed{false};   ///< its communicator handle was destroyed
-    std::array<call_record, 2> calls;    ///< indexed by sequence number parity
+    /// Destroyed while its thread unwound an exception (set before departed): the thread
+    /// records that exception as the run's failure when it reaches thread_group::run.
+    std::atomic<bool> unwound{false};
+    /// At left_epoch: the epoch of the first phase of the collective it left (a member leaves
+    /// a group once).
+    std::atomic<std::uint64_t> left_from{0};
+    std::array<call_record, 2> calls; ///< indexed by sequence number parity
     /// A copy of the send data of small collectives, indexed like calls.
     alignas(64) std::array<std::array<unsigned char, stash_bytes>, 2> stash;
 };
@@ -132,9 +138,23 @@ public:
     void mark_world() noexcept { world_ = true; }
 
     /// Marks rank's handle destroyed and wakes the peers (who may be waiting for it).
-    void depart(int rank) {
+    /// `unwinding`: destroyed while its thread unwinds an exception (see gone()).
+    void depart(int rank, bool unwinding = false) {
+        if (unwinding)
+            member(rank).unwound.store(true);
         member(rank).departed.store(true);
         ctx_->notify();
+    }
+
+    /// Whether rank's member is gone for good: its handle was destroyed, and, when that
+    /// happened while its thread unwound an exception (a trainer's split, e.g. the
+    /// communication thread's, destroyed by the step's exception), its thread has ended too.
+    /// Until then its peers wait for the run's failure, which that thread records as it leaves
+    /// (thread_group::run): they name the exception, not the departure. A thread that catches
+    /// the exception and goes on leaves them waiting until the timeout.
+    bool gone(int rank) const noexcept {
+        const member_slot& m = members_[static_cast<std::size_t>(rank)];
+        return m.departed.load() && (!m.unwound.load() || ctx_->thread_ended(replica_of(rank)));
     }
 
     /// Throws errc::peer_failure if the run has failed or the group is dead.
@@ -162,7 +182,9 @@ public:
     /// member has. `first` and `last` are the epochs of the collective's first and final phase
     /// (no data phase follows `last`). On failure (the run failed, a missing member departed,
     /// or the timeout passed) the group is aborted and this throws, after waiting until no peer
-    /// can still be reading or writing rank's buffers. `spin`: see run_context::wait_until.
+    /// can still be reading or writing rank's buffers; at the final phase, once every member
+    /// reached it (reached_by_all), it returns although the group failed since.
+    /// `spin`: see run_context::wait_until.
     void arrive_and_wait(int rank, std::uint64_t target, std::uint64_t first, std::uint64_t last,
                          op_label label,
                          std::chrono::nanoseconds spin = std::chrono::nanoseconds(0)) {
@@ -187,7 +209,7 @@ public:
         };
         const auto departed_missing = [&] {
             for (int j = 0; j < size(); ++j)
-                if (member(j).epoch.load() < target && member(j).departed.load())
+                if (member(j).epoch.load() < target && gone(j))
                     return true;
             return false;
         };
@@ -199,6 +221,13 @@ public:
         // reads the epochs, so either it sees this replica proceed or this replica sees it.
         if (complete() && !aborted())
             return;
+        // The final phase, which every member reached (one at left_epoch left a later
+        // collective, after it had come here): every data phase is done and this replica's
+        // result is whole, although the group failed since. It returns, as the members that
+        // saw the phase complete before the failure did, and its next collective reports the
+        // failure: members that all completed a collective agree that they did.
+        if (target == last && reached_by_all(target))
+            return;
         const int me = replica_of(rank);
         const std::string op = operation(label);
         if (aborted() || ctx_->failed()) {
@@ -208,7 +237,7 @@ public:
         if (departed_missing()) {
             std::string who;
             for (int j = 0; j < size(); ++j)
-                if (member(j).epoch.load() < target && member(j).departed.load())
+                if (member(j).epoch.load() < target && gone(j))
                     who += (who.empty() ? "" : ", ") + std::to_string(replica_of(j));
             error e(errc::peer_failure, me, op,
                     "replica " + who +
@@ -262,6 +291,7 @@ private:
     /// `arrived` holds its member at `first`, as it holds its peers' phase waits.)
     void leave_collective(int rank, std::uint64_t first, std::uint64_t last) {
         aborted_.store(true);
+        member(rank).left_from.store(first);
         member(rank).epoch.store(left_epoch);
         ctx_->notify();
         const auto drained = [&] {
@@ -274,6 +304,19 @@ private:
         };
         while (!ctx_->wait_until(drained, clock::now() + std::chrono::hours(1))) {
         }
+    }
+
+    /// Whether every member arrived at phase epoch `target`: its epoch is at least target, and
+    /// one at left_epoch left a collective that began after target (left_from is read after
+    /// the epoch, which leave_collective stores after it).
+    bool reached_by_all(std::uint64_t target) const noexcept {
+        for (int j = 0; j < size(); ++j) {
+            const member_slot& m = members_[static_cast<std::size_t>(j)];
+            const std::uint64_t at = m.epoch.load();
+            if (at < target || (at == left_epoch && m.left_from.load() <= target))
+                return false;
+        }
+        return true;
     }
 
     std::shared_ptr<run_context> ctx_;

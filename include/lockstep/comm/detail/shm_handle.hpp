@@ -113,7 +113,7 @@ protected:
 
     void leave() noexcept {
         if (group_)
-            group_->depart(rank_);
+            group_->depart(rank_, std::uncaught_exceptions() > 0);
         group_.reset();
     }
 

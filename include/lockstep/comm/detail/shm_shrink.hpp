@@ -30,10 +30,10 @@ enum member_at : char { not_arrived = 0, arrived_here = 1, ended_peer_failure, e
 
 /// Called on a replica's thread whose function threw `e` (thread_group::run), before its handle
 /// on g departs. When e is a lockstep::error with errc::peer_failure or errc::timeout (what a
-/// failure of the group causes in a replica that is not in a shrink: in finish(),
-/// save_checkpoint, or code of its own), marks the member so that a shrink of g not yet decided
-/// is refused (decide_shrink): the replica is healthy, not a loss of its own. Any other
-/// exception, or a shrink already decided: no effect.
+/// failure of the group causes in a replica that is not in a shrink: in the trainer's
+/// constructor, finish(), save_checkpoint, or code of its own), marks the member so that a shrink
+/// of g not yet decided is refused (decide_shrink): the replica is healthy, not a loss of its own.
+/// Any other exception, or a shrink already decided: no effect.
 inline void note_departure(group_state& g, int rank, const std::exception_ptr& e) {
     member_at why = not_arrived;
     try {
@@ -72,8 +72,9 @@ inline std::string shrink_refusal(group_state& g, const group_state::shrink_slot
     const std::string failure = g.context().failed() ? g.context().failure_description()
                                                      : std::string("no failure was recorded");
     return "the group does not shrink: " + failure + "; " + who +
-           " ended with an error the group's failure causes, outside a shrink (in finish(), "
-           "save_checkpoint, or code of its own): a healthy replica, not a loss of its own, so the "
+           " ended with an error the group's failure causes, outside a shrink (in a trainer's "
+           "constructor, finish(), save_checkpoint, or code of its own): a healthy replica, not a "
+           "loss of its own, so the "
            "run stops as without shrink (resume from the last checkpoint)";
 }
 
@@ -115,6 +116,7 @@ inline void decide_shrink(group_state& g, group_state::shrink_slot& s) {
                                              old.check_call_sites());
     ctx->set_generation(old.generation() + 1);
     ctx->set_hook(old.hook());
+    ctx->share_thread_ends(old);
     s.next = std::make_shared<group_state>(ctx, std::move(replicas), std::string(),
                                            g.replicas_in_process());
     s.next->mark_world();
