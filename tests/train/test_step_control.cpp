@@ -1013,8 +1013,9 @@ TEST_CASE("finish: with overlap, a replica that stops early is still an error on
 TEST_CASE("with overlap, a step function's exception reaches every peer as the cause",
           "[train][thread][overlap]") {
     // Replica 1's fn throws while its peers' buckets wait on the communication thread's split,
-    // which departs as replica 1 unwinds its trainer: the peers must name the exception (fn's
-    // failure is recorded before the unwinding), not that departure. 3 trials each.
+    // which departs as replica 1 unwinds its trainer: the peers must name the exception (a handle
+    // left while unwinding counts as gone only once its thread has recorded the failure and
+    // ended), not that departure. 3 trials each.
     const int n = GENERATE(3, 6);
     for (int trial = 0; trial < 3; ++trial) {
         std::vector<std::string> errors(static_cast<std::size_t>(n));

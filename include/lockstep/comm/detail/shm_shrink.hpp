@@ -74,8 +74,7 @@ inline std::string shrink_refusal(group_state& g, const group_state::shrink_slot
     return "the group does not shrink: " + failure + "; " + who +
            " ended with an error the group's failure causes, outside a shrink (in a trainer's "
            "constructor, finish(), save_checkpoint, or code of its own): a healthy replica, not a "
-           "loss of its own, so the "
-           "run stops as without shrink (resume from the last checkpoint)";
+           "loss of its own, so the run stops as without shrink (resume from the last checkpoint)";
 }
 
 /// Decides the shrink of g (called with the slot's mutex held). Refused (shrink_refusal not

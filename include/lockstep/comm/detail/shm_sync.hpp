@@ -44,7 +44,7 @@ public:
     run_context(std::chrono::milliseconds timeout, int replicas, bool check_call_sites = false)
         : spin_(spin_budget(replicas)), core_per_replica_(core_per_replica(replicas)),
           timeout_(timeout), check_call_sites_(check_call_sites),
-          ended_(std::make_shared<thread_ends>(replicas)) {}
+          ended_(new std::atomic<bool>[static_cast<std::size_t>(replicas)]()) {}
     run_context(const run_context&) = delete;
     run_context& operator=(const run_context&) = delete;
 
@@ -183,21 +183,13 @@ public:
         return ok;
     }
 
-    /// Which replica threads of the run (by their index in the thread_group) have ended.
-    struct thread_ends {
-        explicit thread_ends(int n)
-            : ended(std::make_unique<std::atomic<bool>[]>(static_cast<std::size_t>(n))) {}
-        std::unique_ptr<std::atomic<bool>[]> ended;
-    };
     /// Marks the thread of `replica` ended (thread_group::run, after it recorded the thread's
     /// failure) and wakes every sleeping replica.
     void mark_thread_ended(int replica) {
-        ended_->ended[static_cast<std::size_t>(replica)].store(true);
+        ended_[replica].store(true);
         notify();
     }
-    bool thread_ended(int replica) const noexcept {
-        return ended_->ended[static_cast<std::size_t>(replica)].load();
-    }
+    bool thread_ended(int replica) const noexcept { return ended_[replica].load(); }
     /// A shrink's context shares its predecessor's record (indexed as in the thread_group).
     void share_thread_ends(const run_context& from) { ended_ = from.ended_; }
 
@@ -308,7 +300,8 @@ private:
     std::exception_ptr abort_; // thread_group::abort's error, handed on to successor_
     std::string abort_what_;
     event_hook hook_;
-    std::shared_ptr<thread_ends> ended_;
+    /// Which replica threads of the run (by their index in the thread_group) have ended.
+    std::shared_ptr<std::atomic<bool>[]> ended_;
     int generation_ = 0;
 
     std::atomic<int> sleepers_{0};
