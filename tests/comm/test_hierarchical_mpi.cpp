@@ -4,6 +4,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <catch2/catch.hpp>
 
+#include "support/contains.hpp"
 #include "support/mpi_session.hpp"
 
 #include "collective_suite.hpp"
@@ -145,6 +146,46 @@ TEST_CASE("hierarchical_group rethrows a failing replica's error, not its handle
         }
     }
     CHECK(lost == std::vector<std::string>{});
+}
+
+// A failure the intra-node part raises itself (here a peer thread's departure) numbers the
+// process's threads 0..L-1; run() rethrows it as the hierarchical collective reported it, naming
+// the replica's rank in the whole job, its node and local rank.
+TEST_CASE("hierarchical_group rethrows an intra-node failure naming the replica's rank in the job",
+          "[comm][hierarchical][mpi]") {
+    hierarchical_group::params p;
+    p.abort_on_failure = false;
+    p.mpi.on_failure = lockstep::mpi_failure_action::throw_error;
+    p.threads.timeout = std::chrono::seconds(20);
+    hierarchical_group g(MPI_COMM_WORLD, 2, p);
+    const int last = g.processes() * 2 - 1;
+    std::string what;
+    try {
+        g.run([&](comm_t& comm) {
+            std::vector<float> v(4, 1.0f);
+            comm.all_reduce(std::span<const float>(v), std::span<float>(v),
+                            lockstep::reduce_op::sum);
+            if (comm.node() != g.processes() - 1 || comm.rank() == last)
+                return; // the last replica leaves; its node's other replica reduces again
+            comm.all_reduce(std::span<const float>(v), std::span<float>(v),
+                            lockstep::reduce_op::sum);
+        });
+    } catch (const lockstep::error& e) {
+        CHECK(e.code() == lockstep::errc::peer_failure);
+        what = e.what();
+    }
+    int rank = -1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (rank == g.processes() - 1) {
+        INFO(what);
+        CHECK(lockstep_test::contains(what, "replica " + std::to_string(last - 1) +
+                                                ": hierarchical_communicator.all_reduce"));
+        CHECK(lockstep_test::contains(what, "(node " + std::to_string(g.processes() - 1) +
+                                                ", local rank 0)"));
+        CHECK(lockstep_test::contains(what, "replica 1 left the group"));
+    } else {
+        CHECK(what.empty());
+    }
 }
 
 // A run whose replicas fail a collective that MPI refuses (the communicators stay usable) must

@@ -571,6 +571,49 @@ TEST_CASE("a replica that leaves the group releases its waiting peers", "[comm][
     }
 }
 
+// A wrapper's report of a failure the communicator raised on its replica (hierarchical_group's
+// communicators name the replica's rank in the whole job this way) is what run() rethrows; one
+// of another code leaves the root cause in place.
+TEST_CASE("run rethrows a replica's own report of the failure raised on it, same code only",
+          "[comm][thread]") {
+    // Replica 1 leaves at once (replica 0's barrier raises peer_failure) or after replica 0's
+    // barrier timed out (errc::timeout); replica 0 reports the error under wrapped_as.
+    const auto run_wrapped = [](bool late, errc wrapped_as) -> lockstep::error {
+        thread_group group(2, {.timeout = late ? 150ms : 5s});
+        try {
+            group.run([&](thread_communicator& comm) {
+                if (comm.rank() == 1) {
+                    if (late)
+                        std::this_thread::sleep_for(600ms);
+                    return;
+                }
+                try {
+                    comm.barrier();
+                } catch (const lockstep::error& e) {
+                    throw lockstep::error(wrapped_as, 7, "wrapper.barrier",
+                                          std::string("replica 7 of the job: ") + e.what());
+                }
+            });
+        } catch (const lockstep::error& e) {
+            return e;
+        }
+        FAIL("run returned although replica 1 left before the barrier");
+        return lockstep::error(errc::invalid_argument, -1, "", "");
+    };
+    const lockstep::error left = run_wrapped(false, errc::peer_failure);
+    CHECK(left.code() == errc::peer_failure);
+    CHECK(left.operation() == "wrapper.barrier");
+    CHECK(contains(left.what(), "replica 7 of the job: "));
+    CHECK(contains(left.what(), "replica 1 left the group"));
+    const lockstep::error late = run_wrapped(true, errc::timeout);
+    CHECK(late.code() == errc::timeout);
+    CHECK(late.operation() == "wrapper.barrier");
+    CHECK(contains(late.what(), "timed out after 150 ms waiting for replica(s) 1"));
+    const lockstep::error other = run_wrapped(true, errc::invalid_argument);
+    CHECK(other.code() == errc::timeout);
+    CHECK(other.operation() == "barrier #0");
+}
+
 TEST_CASE("recv errors: timeout and wrong size", "[comm][thread]") {
     thread_group group(2, {.timeout = 150ms});
     try {

@@ -114,6 +114,10 @@ public:
     /// 0..size()-1, and joins them all. f is called concurrently and must allow that.
     /// ensures: returns when every replica has returned; if any replica failed, rethrows the
     /// first failure (the root cause, not the peer_failure errors it caused in the others).
+    /// Where the communicator raised that failure on a replica (a timeout, a peer found gone)
+    /// and the replica's function let a lockstep::error of the same code out for it, run()
+    /// rethrows the function's error: the same failure with what the function added (a
+    /// wrapper's rank or layer).
     /// After a shrink (thread_communicator::shrink) only the failures of the newest group count:
     /// run() returns normally when the survivors did, and lost() names the replicas left out.
     /// A replica whose thread ended with the errc::peer_failure or errc::timeout a failure
@@ -167,7 +171,7 @@ public:
                 // Into the context of the group the replica is in now (a shrink's, maybe).
                 const auto e = std::current_exception();
                 auto& at = comm.group_ ? comm.group_->context() : *ctx;
-                at.record_failure(r, e, detail::shm::describe(e));
+                at.record_exit(r, e, detail::shm::describe(e));
                 // Ended by a peer's failure (peer_failure, timeout): the survivors' shrink of
                 // this group is refused rather than dropping this healthy replica silently.
                 if (comm.group_)

@@ -89,7 +89,8 @@ inline std::runtime_error non_standard_exception() {
 
 /// Runs a group's replica threads (`run_threads()`, which joins them and rethrows their root
 /// failure). When it throws and `abort` is set (params::abort_on_failure), ends the job through
-/// abort_mpi_job (unit "thread", the error's replica when it names one) before the error could
+/// abort_mpi_job (the error's replica when it names one: unit "replica" for a
+/// hierarchical_communicator's error, else "thread") before the error could
 /// reach the caller: a replica that threw has ended the job already unless its error only
 /// echoed another's (errc::peer_failure), so this is a failure no replica ended it for, e.g. a
 /// replica thread that returned while its process's other replicas waited for it in a collective
@@ -101,8 +102,13 @@ void run_or_end_job(const char* group, bool abort, F&& run_threads) {
         run_threads();
     } catch (const std::exception& e) {
         if (abort) {
+            // A hierarchical_communicator's error names the replica's rank in the whole job,
+            // the intra-node part's own error its thread (local rank).
             const auto* le = dynamic_cast<const lockstep::error*>(&e);
-            abort_mpi_job(group, "thread", le != nullptr ? le->replica() : -1, e);
+            const bool global =
+                le != nullptr && le->operation().starts_with("hierarchical_communicator.");
+            abort_mpi_job(group, global ? "replica" : "thread", le != nullptr ? le->replica() : -1,
+                          e);
         }
         throw;
     } catch (...) {

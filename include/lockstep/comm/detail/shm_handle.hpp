@@ -68,9 +68,11 @@ public:
     /// leaves the replica's function: code that moves the handle into an object of its own
     /// (hierarchical_group) calls this from its handler while that object still holds the
     /// handle, since peers that find a destroyed handle missing record its departure instead.
+    /// Like thread_group::run, it takes e as the run's failure in place of one the
+    /// communicator raised on this replica when e has the same code (run_context::record_exit).
     void record_failure(const std::exception_ptr& e) {
         if (group_)
-            group_->context().record_failure(replica(), e, describe(e));
+            group_->context().record_exit(replica(), e, describe(e));
     }
 
 protected:

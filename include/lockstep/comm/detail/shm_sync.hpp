@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -73,23 +74,27 @@ public:
     /// failure of another kind replaces it, so run() rethrows the root cause. ensures: failed();
     /// returns true when this call recorded the root failure.
     bool record_failure(int replica, std::exception_ptr e, std::string what) {
-        const bool echo = echoes_peer(e);
+        return record(replica, std::move(e), std::move(what), true);
+    }
+
+    /// As record_failure, for `e` leaving `replica`'s own code (thread_group::run, or a
+    /// handle's record_failure while an object of the caller's still holds it). Where the
+    /// recorded failure is one the communicator itself raised on that same replica (a timeout,
+    /// a departed peer it found) and e is a lockstep::error of the same code, e replaces it:
+    /// the same failure as the replica's code reported it, with what that code added (e.g. a
+    /// hierarchical_communicator's rank in the whole job).
+    bool record_exit(int replica, std::exception_ptr e, std::string what) {
         {
             std::lock_guard lock(failure_mutex_);
-            if (root_ && (echo || !root_echoes_))
-                return false;
-            // The echo it replaces stays alive with the context: other threads may still read
-            // the exception object (a thread's own exception_ptr to it may be its last).
-            if (root_)
+            if (root_ && replica >= 0 && raised_on_ == replica && same_code(root_, e)) {
                 replaced_.push_back(std::move(root_));
-            root_ = std::move(e);
-            root_echoes_ = echo;
-            root_replica_ = replica;
-            root_what_ = std::move(what);
-            failed_.store(true);
+                root_ = std::move(e);
+                root_what_ = std::move(what);
+                raised_on_ = -1;
+                return true;
+            }
         }
-        notify();
-        return true;
+        return record(replica, std::move(e), std::move(what), false);
     }
 
     /// Records thread_group::abort's error `e` (reason `what`): as the failure of the newest
@@ -127,6 +132,43 @@ public:
     }
 
 private:
+    // record_failure (`raised`: by the communicator itself) and record_exit's common path.
+    bool record(int replica, std::exception_ptr e, std::string what, bool raised) {
+        const bool echo = echoes_peer(e);
+        {
+            std::lock_guard lock(failure_mutex_);
+            if (root_ && (echo || !root_echoes_))
+                return false;
+            // The echo it replaces stays alive with the context: other threads may still read
+            // the exception object (a thread's own exception_ptr to it may be its last).
+            if (root_)
+                replaced_.push_back(std::move(root_));
+            root_ = std::move(e);
+            root_echoes_ = echo;
+            root_replica_ = replica;
+            raised_on_ = raised ? replica : -1;
+            root_what_ = std::move(what);
+            failed_.store(true);
+        }
+        notify();
+        return true;
+    }
+
+    static std::optional<errc> code_of(const std::exception_ptr& e) {
+        try {
+            if (e)
+                std::rethrow_exception(e);
+        } catch (const lockstep::error& le) {
+            return le.code();
+        } catch (...) {
+        }
+        return std::nullopt;
+    }
+    static bool same_code(const std::exception_ptr& a, const std::exception_ptr& b) {
+        const auto ca = code_of(a);
+        return ca && ca == code_of(b);
+    }
+
     static bool echoes_peer(const std::exception_ptr& e) {
         try {
             if (e)
@@ -221,7 +263,8 @@ public:
     }
     /// Links the context of the group that replaced this one's; an abort recorded here already
     /// (record_abort) fails `next` too, before any survivor can use it.
-    void set_successor(std::shared_ptr<run_context> next, std::vector<excluded_replica> left) {
+    void set_successor(const std::shared_ptr<run_context>& next,
+                       std::vector<excluded_replica> left) {
         std::exception_ptr aborted;
         std::string what;
         {
@@ -293,6 +336,7 @@ private:
     bool root_echoes_ = false; ///< root_ is an errc::peer_failure (replaceable: record_failure)
     std::vector<std::exception_ptr> replaced_; ///< the echoes root_ replaced (kept alive)
     int root_replica_ = -1;
+    int raised_on_ = -1; ///< root_ was raised by the communicator on this replica (record_exit)
     std::string root_what_;
     std::shared_ptr<run_context> successor_;
     std::vector<excluded_replica> excluded_;
