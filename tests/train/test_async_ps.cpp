@@ -323,6 +323,87 @@ TEST_CASE("a failing worker stops the run on every replica without a hang",
         CHECK(errors[r].find("peer_failure") != std::string::npos);
 }
 
+TEST_CASE("a stalled worker is named by the server's timeout, with its work item and version",
+          "[train][async][thread]") {
+    // Worker 1 stalls on its second item past the group's timeout. recv_any's own timeout names
+    // no sender: the server names the worker it waited for.
+    thread_group group(2, {.timeout = std::chrono::milliseconds(300)});
+    std::string server_error;
+    try {
+        group.run([&](thread_communicator& comm) {
+            buffer<float> params(4, comm.system());
+            std::fill(params.begin(), params.end(), 0.0f);
+            int my_items = 0;
+            try {
+                run_parameter_server<sync::asynchronous>(
+                    comm, params.span(), {}, 0, {.steps = 6},
+                    [&](const work_item&, std::span<float> g, std::span<float>) {
+                        if (++my_items == 2)
+                            std::this_thread::sleep_for(std::chrono::milliseconds(900));
+                        std::fill(g.begin(), g.end(), 1.0f);
+                    },
+                    [&](std::span<const float>, std::span<const float>, const apply_info&) {});
+            } catch (const error& e) {
+                if (comm.rank() == 0)
+                    server_error = e.what();
+                throw;
+            }
+        });
+        FAIL("the group finished although a worker stalled past the timeout");
+    } catch (const error& e) {
+        CHECK(e.code() == errc::timeout);
+        CHECK(std::string(e.what()) == server_error); // run() rethrows the server's report
+    }
+    INFO(server_error);
+    CHECK(server_error.find("replica 0: parameter_server: the server waited for a gradient from "
+                            "worker 1 (work item 1 on version 1) and got none; 1 of 6 gradients "
+                            "were taken: ") != std::string::npos);
+    CHECK(server_error.find("timed out after 300 ms") != std::string::npos);
+}
+
+TEST_CASE("a worker held back by the bound points its timeout at the server's report",
+          "[train][async][thread]") {
+    // bounded_staleness<0>: worker 1 waits for new work while worker 2 stalls; its own timeout
+    // says why it waited and where the straggler is named.
+    thread_group group(3, {.timeout = std::chrono::milliseconds(300)});
+    std::map<int, std::string> errors;
+    std::mutex mu;
+    try {
+        group.run([&](thread_communicator& comm) {
+            buffer<float> params(4, comm.system());
+            std::fill(params.begin(), params.end(), 0.0f);
+            int my_items = 0;
+            try {
+                run_parameter_server<sync::bounded_staleness<0>>(
+                    comm, params.span(), {}, 0, {.steps = 6},
+                    [&](const work_item&, std::span<float> g, std::span<float>) {
+                        if (comm.rank() == 2 && ++my_items == 2)
+                            std::this_thread::sleep_for(std::chrono::milliseconds(900));
+                        std::fill(g.begin(), g.end(), 1.0f);
+                    },
+                    [&](std::span<const float>, std::span<const float>, const apply_info&) {});
+            } catch (const error& e) {
+                std::lock_guard lock(mu);
+                errors[comm.rank()] = e.what();
+                throw;
+            }
+        });
+        FAIL("the group finished although a worker stalled past the timeout");
+    } catch (const error& e) {
+        CHECK(e.code() == errc::timeout);
+    }
+    INFO(errors[0] << "\n" << errors[1]);
+    // Whichever timed out first: the server names worker 2, worker 1 points at the server.
+    const bool server_named =
+        errors[0].find("the server waited for a gradient from worker 2 (") != std::string::npos;
+    const bool worker_pointed =
+        errors[1].find("replica 1: parameter_server: worker 1 waited for work from the server "
+                       "(rank 0) and got none") != std::string::npos;
+    CHECK((server_named || worker_pointed));
+    if (errors[1].starts_with("lockstep error [timeout]")) // worker 1's own timeout
+        CHECK(worker_pointed);
+}
+
 TEST_CASE("a failing server update aborts every worker", "[train][async][thread]") {
     std::mutex mu;
     std::map<int, std::string> errors;

@@ -521,7 +521,8 @@ TEST_CASE("the asynchronous trainer skips a non-finite loss with finite gradient
     using async_t = data_parallel<linear, sgd, sync::asynchronous, reduce::per_tensor>;
     const auto nan_at_2 = [](linear& n, const shard_range& r, auto&) {
         const double loss = n.train(r);
-        return r.sample_offset == 2 * 10 ? std::numeric_limits<double>::quiet_NaN() : loss;
+        return r.sample_offset == std::uint64_t{2 * 10} ? std::numeric_limits<double>::quiet_NaN()
+                                                        : loss;
     };
     std::vector<std::uint64_t> skipped(3);
     std::vector<double> mean_loss(3);
@@ -812,6 +813,24 @@ TEST_CASE("local SGD: save_checkpoint checks the steps since the last average be
             CHECK_THAT(msg, Catch::Contains("step 1: lr: 0.1 on replica 0, 0.5 on replica 2;"));
         }
     }
+    SECTION("a replica that does not save") {
+        // Replica 0 saves after 2 steps; the others step on to their average at step 4, whose
+        // check meets the save's: named as such, not as a step count to fix.
+        const auto e = errors_of(3, [&](int rank, thread_communicator& comm) {
+            data_parallel<linear, sgd, sync::local_sgd<4>, reduce::per_tensor> dp(
+                comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1});
+            for (int s = 0; s < (rank == 0 ? 2 : 4); ++s)
+                dp.step(12, train_fn);
+            if (rank == 0)
+                save_checkpoint(dp, path);
+        });
+        for (const auto& [msg, code] : e) {
+            INFO(msg);
+            CHECK(code == static_cast<int>(errc::shape_mismatch));
+            CHECK_THAT(msg, Catch::Contains("'save_checkpoint'"));
+            CHECK_THAT(msg, Catch::Contains("'data_parallel.average'"));
+        }
+    }
     SECTION("another step count") {
         const auto e = errors_of(3, [&](int rank, thread_communicator& comm) {
             data_parallel<linear, sgd, sync::local_sgd<4>, reduce::per_tensor> dp(
@@ -882,6 +901,81 @@ TEST_CASE("the asynchronous trainer refuses learning rates that differ across re
             CHECK(steps_after[r] == 2);
         }
     }
+}
+
+TEST_CASE("the asynchronous trainer refuses steps that differ across replicas, naming them",
+          "[train][thread][agreement][async]") {
+    // Sums of the rates over different step counts differ too: the steps are compared first,
+    // so the message names them rather than the learning rates.
+    using async_t = data_parallel<linear, sgd, sync::asynchronous, reduce::per_tensor>;
+    const auto e = errors_of(3, [&](int rank, thread_communicator& comm) {
+        async_t dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.05});
+        dp.train(rank == 0 ? 5 : 4, 8, train_fn);
+    });
+    for (std::size_t r = 0; r < 3; ++r) {
+        INFO(e[r].first);
+        CHECK(e[r].second == static_cast<int>(errc::count_mismatch));
+        CHECK_THAT(e[r].first, Catch::Contains("replicas disagree on the steps: from 4 to 5 (this "
+                                               "replica: " +
+                                               std::string(r == 0 ? "5" : "4") + ")"));
+    }
+}
+
+TEST_CASE("the asynchronous trainers refuse settings they have no use for",
+          "[train][thread][agreement][async]") {
+    using async_t = data_parallel<linear, sgd, sync::bounded_staleness<1>, reduce::per_tensor>;
+    struct refused {
+        train_params tp;
+        errc code;
+        const char* text;
+    };
+    const std::vector<refused> cases = {
+        {{.on_replica_failure = replica_failure::shrink},
+         errc::unsupported,
+         "on_replica_failure = shrink: the optimizer state lives on the server only"},
+        {{.min_replicas = 0}, errc::invalid_argument, "min_replicas = 0 (must be >= 1)"},
+        {{.read_result = false}, errc::unsupported, "read_result = false: "},
+        {{.overlap = overlap_mode::always}, errc::unsupported, "overlap = always: "},
+    };
+    for (const auto& c : cases) {
+        const auto e = errors_of(2, [&](int, thread_communicator& comm) {
+            async_t dp(
+                comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.05}, c.tp);
+        });
+        for (std::size_t r = 0; r < 2; ++r) {
+            INFO(e[r].first);
+            CHECK(e[r].second == static_cast<int>(c.code));
+            CHECK_THAT(e[r].first, Catch::Contains("replica " + std::to_string(r) +
+                                                   ": data_parallel(asynchronous): " + c.text));
+        }
+    }
+}
+
+TEST_CASE("on_apply's versions count from the trainer's construction, across train() calls",
+          "[train][thread][async]") {
+    // bounded_staleness<0>: every gradient is computed on the version it is applied to.
+    using async_t = data_parallel<linear, sgd, sync::bounded_staleness<0>, reduce::per_tensor>;
+    std::vector<std::uint64_t> versions, computed;
+    std::vector<std::int64_t> steps_seen;
+    thread_group(3, {.timeout = std::chrono::seconds(30)}).run([&](thread_communicator& comm) {
+        async_params ap;
+        ap.on_apply = [&](const apply_info& a, double) { // the server (replica 0) only
+            versions.push_back(a.version);
+            computed.push_back(a.computed_version);
+        };
+        async_t dp(
+            comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.05}, {}, ap);
+        dp.train(3, 8, train_fn);
+        dp.train(3, 8, [&](linear& n, const shard_range& r, auto& ctx) {
+            if (comm.rank() == 1)
+                steps_seen.push_back(ctx.step());
+            return n.train(r);
+        });
+    });
+    CHECK(versions == std::vector<std::uint64_t>{0, 1, 2, 3, 4, 5});
+    CHECK(computed == versions);
+    for (const std::int64_t s : steps_seen) // worker 1's ctx.step() counts the same way
+        CHECK(s >= 3);
 }
 
 TEST_CASE("replicas with other reduce or BN policies fail at construction naming both",

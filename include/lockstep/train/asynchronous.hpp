@@ -41,7 +41,9 @@ struct async_params {
     /// First of the four message tags of the protocol (tag .. tag + 3).
     int tag = 0x5053;
     /// Called on the server after each applied gradient with its bookkeeping and the worker's
-    /// mean batch loss (progress bars, logs). Runs on the server's thread; keep it short.
+    /// mean batch loss (progress bars, logs); its versions count the gradients the server took
+    /// since the trainer was made (train()), across train() calls and resumes. Runs on the
+    /// server's thread; keep it short.
     std::function<void(const apply_info&, double loss)> on_apply = {};
 };
 
@@ -91,11 +93,12 @@ public:
     /// As data_parallel's constructor (collective: builds the network, checks that every replica
     /// declared the same tensors, broadcasts replica 0's values and state, prepares the
     /// optimizer); `ap` configures the server. Only the root's optimizer ever steps.
-    /// requires: 0 < ap.bn_momentum <= 1 (else errc::invalid_argument), no
-    /// train_params::loss_scale, max_grad_norm == 0, verify_every == 0 and
-    /// report_stragglers_every == 0 (else
-    /// errc::unsupported); train() checks
-    /// comm.size() >= 2 (a server and a worker) and 0 <= ap.root < comm.size().
+    /// requires: 0 < ap.bn_momentum <= 1 and min_replicas >= 1 (else errc::invalid_argument),
+    /// no train_params::loss_scale, max_grad_norm == 0, verify_every == 0,
+    /// report_stragglers_every == 0, read_result, overlap not overlap_mode::always and
+    /// on_replica_failure == stop (else errc::unsupported: settings these trainers have no use
+    /// for are refused, not ignored); train() checks comm.size() >= 2 (a server and a worker)
+    /// and 0 <= ap.root < comm.size().
     template <class Factory>
     async_trainer(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt = {},
                   train_params tp = {}, async_params ap = {})
@@ -116,6 +119,22 @@ public:
             "data_parallel(asynchronous)",
             "report_stragglers_every = ", core_.params().report_stragglers_every,
             ": the asynchronous trainers' replicas do not wait for each other (use 0)");
+        LOCKSTEP_REQUIRE(core_.params().read_result, errc::unsupported, comm.rank(),
+                         "data_parallel(asynchronous)",
+                         "read_result = false: train() returns once the server applied every "
+                         "gradient, with nothing left to read later (use true)");
+        LOCKSTEP_REQUIRE(core_.params().overlap != overlap_mode::always, errc::unsupported,
+                         comm.rank(), "data_parallel(asynchronous)",
+                         "overlap = always: the asynchronous trainers reduce no gradient buckets "
+                         "(use automatic)");
+        LOCKSTEP_REQUIRE(core_.params().min_replicas >= 1, errc::invalid_argument, comm.rank(),
+                         "data_parallel(asynchronous)",
+                         "min_replicas = ", core_.params().min_replicas, " (must be >= 1)");
+        LOCKSTEP_REQUIRE(core_.params().on_replica_failure == replica_failure::stop,
+                         errc::unsupported, comm.rank(), "data_parallel(asynchronous)",
+                         "on_replica_failure = shrink: the optimizer state lives on the server "
+                         "only, so a lost server cannot be rebuilt from the survivors; keep stop "
+                         "and resume from the last checkpoint at the new count");
         LOCKSTEP_REQUIRE(ap_.bn_momentum > 0 && ap_.bn_momentum <= 1, errc::invalid_argument,
                          comm.rank(), "data_parallel(asynchronous)",
                          "bn_momentum = ", ap_.bn_momentum, " (must be in (0, 1])");
@@ -127,15 +146,16 @@ public:
     async_trainer(const async_trainer&) = delete;
     async_trainer& operator=(const async_trainer&) = delete;
 
-    /// Trains until the server has applied `steps` gradients (collective: every replica calls
-    /// it with the same arguments). Work item k is a batch of `batch` samples with global
-    /// sample indices samples() + k * batch .. + batch - 1; a worker runs
-    /// fn(Network&, shard_range, context_type&) -> double on it exactly like a synchronous
-    /// step function (range.scale = 1 / batch, so fn's gradient is that of the batch's mean
-    /// loss; train_params::micro_batches splits the batch), then pushes the gradient and its
-    /// BN statistics. The server applies each at once with the optimizer (learning rate
-    /// train_params::lr of the server version, which counts the gradients applied since the
-    /// trainer was made: steps() before this call, plus the gradients applied in it, so a run
+    /// Trains until the server has taken `steps` gradients (applied or skipped) (collective: every
+    /// replica calls it with the same arguments). Work item k is a batch of `batch` samples with
+    /// global sample indices samples() + k * batch .. + batch - 1; a worker runs fn(Network&,
+    /// shard_range, context_type&) -> double on it exactly like a synchronous step function
+    /// (range.scale = 1 / batch, so fn's gradient is that of the batch's mean loss;
+    /// train_params::micro_batches splits the batch), then pushes the gradient and its BN
+    /// statistics. The server applies each at once with the optimizer (learning rate
+    /// train_params::lr of the server version, which counts the gradients the server took
+    /// (applied or skipped) since the trainer was made: steps() before this call, plus those
+    /// taken in it, so a run
     /// split over several train() calls follows one schedule; ctx.step() in fn is the version
     /// the worker's parameters have, counted the same way), skips a gradient that is not
     /// finite or whose loss is not (counted in async_result::skipped, left out of mean_loss;
@@ -143,7 +163,7 @@ public:
     /// the worker and the work item, and every worker errc::peer_failure), and updates the
     /// running statistics. On return every replica holds the server's final parameters and
     /// state, and steps() and samples() have grown by `steps` and `steps * batch`.
-    /// requires: steps >= 1, batch >= 1, the same batch on every replica (else
+    /// requires: steps >= 1, batch >= 1, the same steps and batch on every replica (else
     /// errc::count_mismatch on every replica), comm.size() >= 2, 0 <= ap.root < comm.size(),
     /// and the learning rate of every version this call applies finite and >= 0 (else
     /// errc::invalid_argument naming the replica, the version and the value, on every replica,
@@ -174,10 +194,13 @@ public:
             // server), and train the same trainer (another one's messages would be taken for
             // this one's). Exact in double: batch and the ordinal < 2^53, and equal schedules
             // sum alike.
+            // Also `steps`: the sums of rates over different step counts differ, and would be
+            // blamed on the rates.
             const auto nb = static_cast<double>(batch);
             const auto ordinal = static_cast<double>(core_.ordinal());
-            const std::array<double, 6> b{nb, -nb, lr_sum, -lr_sum, ordinal, -ordinal};
-            std::array<double, 6> agreed{};
+            const auto ns = static_cast<double>(steps);
+            const std::array<double, 8> b{nb, -nb, lr_sum, -lr_sum, ordinal, -ordinal, ns, -ns};
+            std::array<double, 8> agreed{};
             comm.all_reduce(std::span<const double>(b), std::span<double>(agreed), reduce_op::max);
             LOCKSTEP_REQUIRE(
                 agreed[4] == -agreed[5], errc::invalid_argument, comm.rank(), "data_parallel.train",
@@ -185,6 +208,10 @@ public:
                 static_cast<std::uint64_t>(-agreed[5]), " to #",
                 static_cast<std::uint64_t>(agreed[4]), " on this communicator (this replica: #",
                 core_.ordinal(), "): every replica must train its trainers in the same order");
+            LOCKSTEP_REQUIRE(agreed[6] == -agreed[7], errc::count_mismatch, comm.rank(),
+                             "data_parallel.train", "replicas disagree on the steps: from ",
+                             -agreed[7], " to ", agreed[6], " (this replica: ", steps,
+                             "): every replica calls train() with the same steps and batch");
             LOCKSTEP_REQUIRE(agreed[0] == -agreed[1], errc::count_mismatch, comm.rank(),
                              "data_parallel.train", "replicas disagree on the batch size: from ",
                              -agreed[1], " to ", agreed[0], " (this replica: ", batch, ")");
@@ -262,8 +289,12 @@ public:
             });
             loss_sum += static_cast<double>(loss_t);
             ++losses;
-            if (ap_.on_apply)
-                ap_.on_apply(info, static_cast<double>(loss_t));
+            if (ap_.on_apply) { // versions counted since the trainer was made, as ctx.step()
+                apply_info since_made = info;
+                since_made.version += static_cast<std::uint64_t>(first_version);
+                since_made.computed_version += static_cast<std::uint64_t>(first_version);
+                ap_.on_apply(since_made, static_cast<double>(loss_t));
+            }
         };
 
         core_.pack_values();

@@ -34,13 +34,18 @@ struct apply_info {
     int worker = 0;                     ///< rank that computed the gradient
     std::uint64_t index = 0;            ///< its work item
     std::uint64_t computed_version = 0; ///< the version the gradient was computed on
-    std::uint64_t version = 0;          ///< the server version it is applied to (before the step)
-    std::uint64_t staleness = 0;        ///< version - computed_version
+    /// The server version it is applied to (before the step): gradients handed to apply
+    /// before it in this run_parameter_server call.
+    std::uint64_t version = 0;
+    std::uint64_t staleness = 0; ///< version - computed_version
 };
 
 /// Staleness measured by the server (filled on the root only; workers get computed counts).
 struct staleness_report {
-    std::uint64_t applied = 0;            ///< gradients applied (== steps after a clean run)
+    /// Gradients handed to apply (== steps after a run that did not fail; the asynchronous
+    /// trainers' apply skips a non-finite one, counted in async_result::skipped, as the
+    /// synchronous step counts a skipped step). The fields below count the same gradients.
+    std::uint64_t applied = 0;
     std::uint64_t max = 0;                ///< largest staleness applied
     double mean = 0.0;                    ///< mean staleness over applied gradients
     std::vector<std::uint64_t> histogram; ///< histogram[s] = gradients applied with staleness s
@@ -146,8 +151,25 @@ staleness_report run_parameter_server(Comm& comm, std::span<T> params, std::span
 
     if (rank != p.root) {
         std::array<int, 4> header{};
+        // A worker held back by the staleness bound waits for the server as long as the server
+        // waits for another worker: its timeout says so and where the straggler is named.
+        const auto receive_work = [&] {
+            try {
+                comm.recv(std::span<int>(header), p.root, tag + detail::ps_pull_header);
+            } catch (const error& e) {
+                if (e.code() != errc::timeout)
+                    throw;
+                fail(errc::timeout, rank, op, "worker ", rank,
+                     " waited for work from the server (rank ", p.root,
+                     ") and got none; the server holds a worker back while another's "
+                     "gradient would grow too stale (bounded_staleness), so the replica that "
+                     "stalled may be another worker: the server's error names the workers it "
+                     "waited for: ",
+                     e.what());
+            }
+        };
         for (;;) {
-            comm.recv(std::span<int>(header), p.root, tag + detail::ps_pull_header);
+            receive_work();
             if (header[0] == detail::ps_abort)
                 fail(errc::peer_failure, rank, op,
                      "the server aborted the run because another replica failed");
@@ -190,6 +212,7 @@ staleness_report run_parameter_server(Comm& comm, std::span<T> params, std::span
         std::uint64_t failed_item = 0;
         double staleness_sum = 0.0;
         std::array<int, 4> header{};
+        std::vector<std::uint64_t> item_of(static_cast<std::size_t>(size), 0); // being computed
 
         auto dispatch = [&] {
             while (!waiting.empty()) {
@@ -207,6 +230,7 @@ staleness_report run_parameter_server(Comm& comm, std::span<T> params, std::span
                 }
                 waiting.pop_front();
                 gate.admit(w);
+                item_of[static_cast<std::size_t>(w)] = next_item;
                 header = {detail::ps_work, static_cast<int>(gate.version()),
                           static_cast<int>(next_item++), 0};
                 comm.send(std::span<const int>(header), w, tag + detail::ps_pull_header);
@@ -226,6 +250,24 @@ staleness_report run_parameter_server(Comm& comm, std::span<T> params, std::span
                  " failed while computing work item ", failed_item, "; ", report.applied, " of ",
                  p.steps, " gradients were applied");
         };
+        // recv_any's timeout names no sender: the server knows which workers it waits for.
+        const auto receive_push = [&](std::array<int, 4>& h) {
+            try {
+                return comm.recv_any(std::span<int>(h), tag + detail::ps_push_header);
+            } catch (const error& e) {
+                if (e.code() != errc::timeout)
+                    throw;
+                std::string who;
+                for (int w = 0; w < size; ++w)
+                    if (w != p.root && gate.is_outstanding(w))
+                        who += detail::concat(who.empty() ? "" : ", ", "worker ", w, " (work item ",
+                                              item_of[static_cast<std::size_t>(w)], " on version ",
+                                              gate.version_of(w), ")");
+                fail(errc::timeout, rank, op, "the server waited for a gradient from ", who,
+                     " and got none; ", report.applied, " of ", p.steps,
+                     " gradients were taken: ", e.what());
+            }
+        };
         try {
             for (;;) {
                 dispatch();
@@ -234,7 +276,7 @@ staleness_report run_parameter_server(Comm& comm, std::span<T> params, std::span
                 LOCKSTEP_REQUIRE(gate.outstanding() > 0, errc::internal, rank, op,
                                  "no worker is computing and none can be admitted (version ",
                                  gate.version(), ", ", waiting.size(), " waiting)");
-                const int src = comm.recv_any(std::span<int>(header), tag + detail::ps_push_header);
+                const int src = receive_push(header);
                 LOCKSTEP_REQUIRE(src != p.root && src >= 0 && src < size &&
                                      gate.is_outstanding(src),
                                  errc::internal, rank, op, "unexpected push from rank ", src);

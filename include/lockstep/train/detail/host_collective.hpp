@@ -3,7 +3,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/detail/tag_forwarding.hpp"
 #include "lockstep/comm/host_wait.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
@@ -73,17 +75,19 @@ void host_all_reduce(Communicator& comm, std::span<const T> send, std::span<T> r
 
 /// all_gather of host arrays (recv holds comm.size() blocks of send.size()), staged like
 /// host_all_reduce when the communicator's memory is not the host (every allocation before the
-/// collective is enqueued, as there). Collective.
+/// collective is enqueued, as there). Collective. `tag`: the call's identity (collective_tag);
+/// by default one site, here, for every caller.
 template <class Communicator, class T>
-void host_all_gather(Communicator& comm, std::span<const T> send, std::span<T> recv) {
+void host_all_gather(Communicator& comm, std::span<const T> send, std::span<T> recv,
+                     const collective_tag& tag = collective_tag(call_site{__FILE__, __LINE__})) {
     using system_type = typename Communicator::system_type;
     if constexpr (system_type::is_host) {
-        comm.all_gather(send, recv);
+        with_tag(comm, tag).all_gather(send, recv);
     } else {
         staged_upload<T, system_type> mine(send, comm.system());
         buffer<T, system_type> all(recv.size(), comm.system());
         staged_read<T, system_type> back(recv.size() == 0 ? 1 : recv.size(), comm.system());
-        comm.all_gather(std::span<const T>(mine.device.span()), all.span());
+        with_tag(comm, tag).all_gather(std::span<const T>(mine.device.span()), all.span());
         back.enqueue(std::span<const T>(all.span()));
         const std::span<const T> v = wait_for(comm, back, "host_all_gather");
         std::copy(v.begin(), v.end(), recv.begin());

@@ -125,7 +125,9 @@ private:
         const std::array<std::int64_t, 3> mine{steps, static_cast<std::int64_t>(settings_.size()),
                                                static_cast<std::int64_t>(s.core().ordinal())};
         std::vector<std::int64_t> counts(3 * static_cast<std::size_t>(comm.size()));
-        host_all_gather(comm, std::span<const std::int64_t>(mine), std::span<std::int64_t>(counts));
+        // Named after op: a replica in a save and one in an average are told apart here.
+        host_all_gather(comm, std::span<const std::int64_t>(mine), std::span<std::int64_t>(counts),
+                        collective_tag(op));
         for (int r = 1; r < comm.size(); ++r) {
             const std::size_t at = 3 * static_cast<std::size_t>(r);
             if (counts[at + 2] != counts[2])
@@ -146,7 +148,8 @@ private:
         const std::size_t width = settings_.size();
         const std::int64_t first = steps - static_cast<std::int64_t>(width / 2);
         std::vector<double> all(width * static_cast<std::size_t>(comm.size()));
-        host_all_gather(comm, std::span<const double>(settings_), std::span<double>(all));
+        host_all_gather(comm, std::span<const double>(settings_), std::span<double>(all),
+                        collective_tag(op));
         settings_.clear();
         std::string out;
         for (int r = 1; r < comm.size(); ++r)
