@@ -71,3 +71,24 @@ TEST_CASE("adam and lamb refuse bad betas and eps", "[optim][host]") {
     CHECK(message_of([&] { adam<float>(4, {.lr = 1e-3, .beta1 = 0.0, .eps = 1e-6}); }) ==
           "no error");
 }
+
+TEST_CASE("values that are finite in double but not in the step's type are refused",
+          "[optim][host]") {
+    // eps = 1e-50 is 0 in float: a zero gradient element stepped by 0 / 0 (NaN in the weights).
+    CHECK(contains(message_of([&] { adam<float>(4, {.eps = 1e-50}); }),
+                   "eps = 1e-50 is 0 or subnormal in the optimizer's 32-bit floating point"));
+    CHECK(
+        contains(message_of([&] { adamw<float>(4, {.eps = 1e-40}); }), "use at least 1.17549e-38"));
+    CHECK(contains(message_of([&] { lamb<float>(4, {.eps = 1e-50}); }), "eps = 1e-50 is 0"));
+    CHECK_NOTHROW(adam<double>(4, {.eps = 1e-50})); // a normal double
+    CHECK_NOTHROW(adam<float>(4, {.eps = 1e-30}));
+    // lr = 1e39 is infinite in float.
+    CHECK(contains(message_of([&] { sgd<float>(4, {.lr = 1e39}); }),
+                   "lr = 1e+39 is infinite in the optimizer's 32-bit floating point"));
+    CHECK(contains(message_of([&] { lars<float>(4, {.weight_decay = 1e39}); }), "weight_decay"));
+    CHECK(contains(message_of([&] { lamb<float>(4, {.lr = 1e39}); }), "lr = 1e+39 is infinite"));
+    sgd<float> s(4);
+    CHECK(contains(message_of([&] { s.set_lr(1e39); }), "sgd.set_lr: lr = 1e+39 is infinite"));
+    CHECK(s.lr() == 0.01); // unchanged
+    CHECK_NOTHROW(sgd<double>(4, {.lr = 1e39}));
+}

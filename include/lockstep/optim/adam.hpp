@@ -52,21 +52,23 @@ class adam_impl : public state_block<T, System, Params, kernels::adam_rule, 2> {
 
 public:
     /// State for a flat buffer of n parameters (moments zero, step 0). requires: lr,
-    /// weight_decay >= 0, 0 <= beta1, beta2 < 1, finite eps > 0 (every value finite); segments as
+    /// weight_decay >= 0, 0 <= beta1, beta2 < 1, finite eps > 0 (every value finite, also as T;
+    /// eps at least T's smallest normal value); segments as
     /// tensor_segment says (only `decay` is used). Throws lockstep::error (invalid_argument)
     /// otherwise.
     explicit adam_impl(std::size_t n, Params p = {}, System sys = default_system<System>(),
                        std::span<const tensor_segment> segments = {})
         : state_block<T, System, Params, kernels::adam_rule, 2>(name(), {"exp_avg", "exp_avg_sq"},
                                                                 {true, true}, n, p, sys, segments) {
-        check_param(name(), "lr", p.lr, 0.0);
-        check_param(name(), "beta1", p.beta1, 0.0);
-        check_param(name(), "beta2", p.beta2, 0.0);
-        check_param(name(), "weight_decay", p.weight_decay, 0.0);
+        check_param<T>(name(), "lr", p.lr, 0.0);
+        check_param<T>(name(), "beta1", p.beta1, 0.0);
+        check_param<T>(name(), "beta2", p.beta2, 0.0);
+        check_param<T>(name(), "weight_decay", p.weight_decay, 0.0);
         LOCKSTEP_REQUIRE(p.beta1 < 1 && p.beta2 < 1 && p.eps > 0 && is_finite(p.eps),
                          errc::invalid_argument, -1, name(),
                          "need beta1 < 1, beta2 < 1, finite eps > 0 (beta1 = ", p.beta1,
                          ", beta2 = ", p.beta2, ", eps = ", p.eps, ")");
+        check_eps<T>(name(), p.eps);
     }
 
     /// One update of w from g, unless *skip != 0 when the step's kernels run. requires:

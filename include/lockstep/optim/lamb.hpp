@@ -46,23 +46,25 @@ class lamb : public detail::layerwise_block<T, System, lamb_params, kernels::lam
 
 public:
     /// State for n parameters laid out as `segments` (empty: one tensor). requires: lr,
-    /// weight_decay, phi_min >= 0, 0 <= beta1, beta2 < 1, finite eps > 0, phi_max >= phi_min.
+    /// weight_decay, phi_min >= 0, 0 <= beta1, beta2 < 1, finite eps > 0 (at least T's smallest
+    /// normal value), phi_max >= phi_min; lr and the others finite also as T.
     /// Throws lockstep::error otherwise.
     explicit lamb(std::size_t n, lamb_params p = {}, System sys = default_system<System>(),
                   std::span<const tensor_segment> segments = {})
         : base("lamb", {"exp_avg", "exp_avg_sq"}, {true, true}, n, p, sys, segments),
           update_(n, sys_) {
-        detail::check_param("lamb", "lr", p.lr, 0.0);
-        detail::check_param("lamb", "beta1", p.beta1, 0.0);
-        detail::check_param("lamb", "beta2", p.beta2, 0.0);
-        detail::check_param("lamb", "weight_decay", p.weight_decay, 0.0);
-        detail::check_param("lamb", "phi_min", p.phi_min, 0.0);
+        detail::check_param<T>("lamb", "lr", p.lr, 0.0);
+        detail::check_param<T>("lamb", "beta1", p.beta1, 0.0);
+        detail::check_param<T>("lamb", "beta2", p.beta2, 0.0);
+        detail::check_param<T>("lamb", "weight_decay", p.weight_decay, 0.0);
+        detail::check_param<T>("lamb", "phi_min", p.phi_min, 0.0);
         LOCKSTEP_REQUIRE(
             p.beta1 < 1 && p.beta2 < 1 && p.eps > 0 && is_finite(p.eps) && p.phi_max >= p.phi_min,
             errc::invalid_argument, -1, "lamb",
             "need beta1 < 1, beta2 < 1, finite eps > 0, phi_max >= phi_min (beta1 = ", p.beta1,
             ", beta2 = ", p.beta2, ", eps = ", p.eps, ", phi = [", p.phi_min, ", ", p.phi_max,
             "])");
+        detail::check_eps<T>("lamb", p.eps);
     }
 
     /// One update of w from g, unless *skip != 0 when the step's kernels run. requires:

@@ -44,10 +44,10 @@ public:
     explicit lars(std::size_t n, lars_params p = {}, System sys = default_system<System>(),
                   std::span<const tensor_segment> segments = {})
         : base("lars", {"momentum"}, {true}, n, p, sys, segments) {
-        detail::check_param("lars", "lr", p.lr, 0.0);
-        detail::check_param("lars", "momentum", p.momentum, 0.0);
-        detail::check_param("lars", "weight_decay", p.weight_decay, 0.0);
-        detail::check_param("lars", "eps", p.eps, 0.0);
+        detail::check_param<T>("lars", "lr", p.lr, 0.0);
+        detail::check_param<T>("lars", "momentum", p.momentum, 0.0);
+        detail::check_param<T>("lars", "weight_decay", p.weight_decay, 0.0);
+        detail::check_param<T>("lars", "eps", p.eps, 0.0);
         LOCKSTEP_REQUIRE(p.eta > 0 && is_finite(p.eta), errc::invalid_argument, -1, "lars",
                          "eta = ", p.eta, " (must be finite and > 0)");
         LOCKSTEP_REQUIRE(p.momentum <= 1, errc::invalid_argument, -1, "lars",

@@ -49,10 +49,10 @@ public:
                  std::span<const tensor_segment> segments = {})
         : detail::state_block<T, System, sgd_params, kernels::sgd_rule, 1>(
               "sgd", {"momentum"}, {p.momentum != 0}, n, p, sys, segments) {
-        detail::check_param("sgd", "lr", p.lr, 0.0);
-        detail::check_param("sgd", "momentum", p.momentum, 0.0);
-        detail::check_param("sgd", "dampening", p.dampening, 0.0);
-        detail::check_param("sgd", "weight_decay", p.weight_decay, 0.0);
+        detail::check_param<T>("sgd", "lr", p.lr, 0.0);
+        detail::check_param<T>("sgd", "momentum", p.momentum, 0.0);
+        detail::check_param<T>("sgd", "dampening", p.dampening, 0.0);
+        detail::check_param<T>("sgd", "weight_decay", p.weight_decay, 0.0);
         LOCKSTEP_REQUIRE(p.momentum <= 1.0, errc::invalid_argument, -1, "sgd",
                          "momentum = ", p.momentum, " (must be in [0, 1])");
         LOCKSTEP_REQUIRE(p.dampening <= 1.0, errc::invalid_argument, -1, "sgd",

@@ -202,4 +202,26 @@ inline void check_param(const char* op, const char* name, double v, double lo) {
                      " (must be finite and >= ", lo, ")");
 }
 
+/// As check_param, and within T's range: the steps compute in T, where a larger value would
+/// be infinite.
+template <class T>
+void check_param(const char* op, const char* name, double v, double lo) {
+    check_param(op, name, v, lo);
+    const auto top = static_cast<double>(std::numeric_limits<T>::max());
+    LOCKSTEP_REQUIRE(v <= top, errc::invalid_argument, -1, op, name, " = ", v,
+                     " is infinite in the optimizer's ", sizeof(T) * 8,
+                     "-bit floating point, the type its steps compute in (at most ", top, ")");
+}
+
+/// An epsilon added to a denominator: finite, and positive in T (a double below T's smallest
+/// normal value becomes 0 or a subnormal there, which devices flush to 0: 0 / 0 in the step).
+template <class T>
+void check_eps(const char* op, double eps) {
+    check_param<T>(op, "eps", eps, 0.0);
+    const auto least = static_cast<double>(std::numeric_limits<T>::min());
+    LOCKSTEP_REQUIRE(eps >= least, errc::invalid_argument, -1, op, "eps = ", eps,
+                     " is 0 or subnormal in the optimizer's ", sizeof(T) * 8,
+                     "-bit floating point, the type its steps compute in: use at least ", least);
+}
+
 } // namespace lockstep::optim::detail

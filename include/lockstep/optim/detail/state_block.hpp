@@ -33,7 +33,7 @@ public:
     double lr() const noexcept { return p_.lr; }
     /// Sets the learning rate of the next steps. requires: lr finite and >= 0.
     void set_lr(double lr) {
-        check_param((std::string(name_) + ".set_lr").c_str(), "lr", lr, 0.0);
+        check_param<T>((std::string(name_) + ".set_lr").c_str(), "lr", lr, 0.0);
         p_.lr = lr;
     }
     const Params& params() const noexcept { return p_; }
