@@ -75,6 +75,8 @@ inline void keep_forever(const void* block) noexcept {
     if (block == nullptr)
         return;
     static std::mutex m;
+    // Out of memory in this one first-use allocation ends the process (noexcept).
+    // NOLINTNEXTLINE(bugprone-unhandled-exception-at-new)
     static auto* kept = new std::vector<const void*>();
     const std::lock_guard<std::mutex> lock(m);
     try {

@@ -113,6 +113,8 @@ public:
     // A layer is moved or copied only while no replica calls it: the binding goes along.
     replica_owner(const replica_owner& o) : rank_(o.rank_), thread_(o.thread_), how_(o.how_) {}
     replica_owner& operator=(const replica_owner& o) {
+        if (this == &o)
+            return *this;
         rank_ = o.rank_;
         thread_ = o.thread_;
         how_ = o.how_;

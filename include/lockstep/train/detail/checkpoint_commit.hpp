@@ -127,8 +127,12 @@ template <class Comm>
     }
     std::string which;
     for (const auto& [p, replicas] : groups)
-        which += (which.empty() ? "" : "; ") + std::string("replica(s) ") + replicas + " passed '" +
-                 p + "'";
+        which.append(which.empty() ? "" : "; ")
+            .append("replica(s) ")
+            .append(replicas)
+            .append(" passed '")
+            .append(p)
+            .append("'");
     fail(errc::invalid_argument, comm.rank(), op, "the replicas passed different paths: ", which,
          ": every replica must pass the same path, on a file system all of them share (a "
          "relative path is compared as given: it must also name the same place in every "
