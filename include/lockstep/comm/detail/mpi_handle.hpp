@@ -143,8 +143,8 @@ private:
 /// states what it guarantees): it owns a duplicate of the communicator for the operations and
 /// one for the census of a timed-out replica (mpi_control), numbers and verifies collectives
 /// (begin), waits for their requests within the timeout (finish) and, once an operation
-/// failed, keeps the communicator broken (poison). mpi_communicator adds the collectives and
-/// the point-to-point messages.
+/// failed, keeps the communicator broken (poison). detail::mpi_messages adds the
+/// point-to-point messages (comm/detail/mpi_messages.hpp), mpi_communicator the collectives.
 class mpi_handle {
 public:
     using system_type = host_system;
