@@ -2,8 +2,9 @@
 // one replica: every replica throws naming both trainers (synchronous: in the step's status,
 // nothing applied; local SGD: at the average, before the weights are mixed; asynchronous: at
 // train()'s agreement, before any work), instead of reducing one trainer's gradients with the
-// other's. The same order on every replica trains each trainer as a 1-replica run does.
-// SPDX-License-Identifier: Apache-2.0
+// other's. The same order on every replica trains each trainer as a 1-replica run does. A
+// trainer entered again while a call runs (nested, or from another thread), or whose
+// communicator was moved from, is refused naming that. SPDX-License-Identifier: Apache-2.0
 #include "mlp_fixture.hpp"
 #include "support/replica_errors.hpp"
 
@@ -19,6 +20,7 @@
 #include <cmath>
 #include <span>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -184,4 +186,114 @@ TEST_CASE("asynchronous: two trainers trained in another order fail on every rep
         // Refused before any work.
         CHECK(after[r] == initial(r == 1 ? -0.3 : 0.5));
     }
+}
+
+// A second training call on a trainer while one runs (from its step function, its gradient
+// hook, on_apply, or another thread) would zero, reduce and apply the buffers the first still
+// uses: refused, naming both calls, before it touches anything.
+TEST_CASE("a step entered again from the step function or the gradient hook is refused",
+          "[train][thread][agreement]") {
+    using trainer = data_parallel<linear, sgd, sync::synchronous, reduce::bucketed<>>;
+    const std::string nested =
+        "data_parallel.step: called while data_parallel.step of this trainer runs on the same "
+        "thread";
+    for (const bool from_hook : {false, true}) {
+        INFO((from_hook ? "gradient hook" : "step function"));
+        const auto e = errors_of(2, [&](int, thread_communicator& comm) {
+            trainer t(comm, [](auto& ctx) { return linear(0.5, ctx.rank()); }, {.lr = 0.1});
+            if (from_hook)
+                t.set_gradient_hook(
+                    [&](std::span<double>, std::span<const tensor_info>) { t.step(8, train_fn); });
+            t.step(8, [&](linear& n, const shard_range& r, auto& ctx) {
+                if (!from_hook)
+                    t.step(8, train_fn);
+                return train_fn(n, r, ctx);
+            });
+        });
+        for (std::size_t r = 0; r < 2; ++r) {
+            INFO(e[r].first);
+            CHECK(e[r].second == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(e[r].first, Catch::Contains("replica " + std::to_string(r) + ": " + nested));
+        }
+    }
+}
+
+TEST_CASE("a training call on a second thread while a step runs is refused; the step goes on",
+          "[train][thread][agreement]") {
+    using trainer = data_parallel<linear, sgd, sync::synchronous, reduce::bucketed<>>;
+    std::vector<std::string> refused;
+    std::vector<std::vector<double>> weights(2);
+    const auto e = errors_of(2, [&](int rank, thread_communicator& comm) {
+        trainer t(comm, [](auto& ctx) { return linear(0.5, ctx.rank()); }, {.lr = 0.1});
+        for (int s = 0; s < 2; ++s)
+            t.step(8, [&](linear& n, const shard_range& r, auto& ctx) {
+                if (rank == 0 && s == 1) // another thread tries while this one is inside
+                    std::thread([&] {
+                        for (int call = 0; call < 3; ++call)
+                            try {
+                                if (call == 0)
+                                    t.step(8, train_fn);
+                                else if (call == 1)
+                                    (void)t.read_result();
+                                else
+                                    (void)t.finish();
+                                refused.emplace_back("not refused");
+                            } catch (const lockstep::error& x) {
+                                refused.emplace_back(x.what());
+                            }
+                    }).join();
+                return train_fn(n, r, ctx);
+            });
+        (void)t.finish();
+        const auto p = t.parameters();
+        weights[static_cast<std::size_t>(rank)].assign(p.begin(), p.end());
+    });
+    for (const auto& [msg, code] : e)
+        CHECK(code == -1);
+    REQUIRE(refused.size() == 3);
+    const char* ops[] = {"data_parallel.step", "data_parallel.read_result", "data_parallel.finish"};
+    for (std::size_t k = 0; k < 3; ++k) {
+        INFO(refused[k]);
+        CHECK_THAT(refused[k], Catch::Contains(std::string("replica 0: ") + ops[k] +
+                                               ": called on a second thread while another thread "
+                                               "is inside data_parallel.step of this trainer"));
+    }
+    CHECK(weights[0] == weights[1]);
+}
+
+TEST_CASE("a trainer whose communicator was moved from says so", "[train][thread][agreement]") {
+    using trainer = data_parallel<linear, sgd, sync::synchronous, reduce::bucketed<>>;
+    const auto e = errors_of(2, [&](int, thread_communicator& comm) {
+        trainer t(comm, [](auto& ctx) { return linear(0.5, ctx.rank()); }, {.lr = 0.1});
+        t.step(8, train_fn);
+        thread_communicator moved(std::move(comm));
+        t.step(8, train_fn);
+    });
+    for (const auto& [msg, code] : e) {
+        INFO(msg);
+        CHECK(code == static_cast<int>(errc::invalid_argument));
+        CHECK_THAT(msg, Catch::Contains("data_parallel.step: the communicator this trainer was "
+                                        "built on was moved from"));
+    }
+}
+
+TEST_CASE("train() called again from on_apply is refused on the server",
+          "[train][thread][agreement][async]") {
+    using async_t = data_parallel<linear, sgd, sync::asynchronous, reduce::per_tensor>;
+    const auto e = errors_of(3, [&](int, thread_communicator& comm) {
+        async_t* self = nullptr;
+        async_params ap;
+        ap.on_apply = [&](const apply_info&, double) { self->train(1, 4, train_fn); };
+        async_t t(
+            comm, [](auto& ctx) { return linear(0.5, ctx.rank()); }, {.lr = 0.1}, {}, ap);
+        self = &t;
+        t.train(4, 4, train_fn);
+    });
+    INFO(e[0].first);
+    CHECK(e[0].second == static_cast<int>(errc::invalid_argument));
+    CHECK_THAT(e[0].first, Catch::Contains("replica 0: data_parallel.train: called while "
+                                           "data_parallel.train of this trainer runs on the same "
+                                           "thread"));
+    for (std::size_t r = 1; r < 3; ++r)
+        CHECK(e[r].second == static_cast<int>(errc::peer_failure));
 }

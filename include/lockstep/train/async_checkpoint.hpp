@@ -53,6 +53,7 @@ void save_checkpoint_async(data_parallel<Network, Optimizer, Sync, Reduce, Comm>
                   "save_checkpoint_async agrees on the commit through the synchronous step's "
                   "status: use save_checkpoint with local SGD and the asynchronous trainers");
     namespace ck = detail::ckpt;
+    detail::checkpoint_access::check_use(dp, "save_checkpoint_async");
     auto& comm = detail::checkpoint_access::core(dp).comm();
     LOCKSTEP_REQUIRE(!detail::capturing(comm.system()), errc::invalid_argument, comm.rank(),
                      "save_checkpoint_async",
@@ -84,6 +85,7 @@ template <class Network, class Optimizer, class Sync, class Reduce, class Comm>
 checkpoint_event wait_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp) {
     static_assert(std::is_same_v<Sync, sync::synchronous>,
                   "wait_checkpoint waits for save_checkpoint_async (synchronous trainers)");
+    detail::checkpoint_access::check_use(dp, "wait_checkpoint");
     auto& comm = detail::checkpoint_access::core(dp).comm();
     return detail::checkpoint_access::background(dp).resolve(comm, "wait_checkpoint", true);
 }

@@ -175,6 +175,7 @@ public:
     template <class Fn>
     async_result train(std::size_t steps, std::size_t batch, Fn&& fn) {
         using T = value_type;
+        const auto inside = this->enter("data_parallel.train");
         auto& comm = core_.comm();
         const auto sys = comm.system();
         LOCKSTEP_REQUIRE(steps >= 1 && batch >= 1, errc::invalid_argument, comm.rank(),

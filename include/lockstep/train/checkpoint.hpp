@@ -65,6 +65,7 @@ template <class Network, class Optimizer, class Sync, class Reduce, class Comm>
 void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
                      const std::filesystem::path& path, const save_options& options = {}) {
     namespace ck = detail::ckpt;
+    detail::checkpoint_access::check_use(dp, "save_checkpoint");
     auto& core = detail::checkpoint_access::core(dp);
     auto& comm = core.comm();
     const int rank = comm.rank();
@@ -131,6 +132,7 @@ void load_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
                      const std::filesystem::path& path) {
     namespace ck = detail::ckpt;
     using T = typename Optimizer::value_type;
+    detail::checkpoint_access::check_use(dp, "load_checkpoint");
     auto& comm = detail::checkpoint_access::core(dp).comm();
     const std::string what = "checkpoint '" + path.string() + "' refused:";
     detail::checkpoint_access::resolve_background(dp, comm, "load_checkpoint");

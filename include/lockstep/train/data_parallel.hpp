@@ -185,6 +185,7 @@ public:
     /// before any collective and with nothing changed.
     template <class Fn>
     step_result step(std::size_t global_batch, Fn&& fn) {
+        const auto inside = this->enter("data_parallel.step");
         (void)core_.checked_lr(core_.steps());
         if constexpr (detail::shrinkable_communicator<Communicator>)
             if (core_.params().on_replica_failure == replica_failure::shrink)
@@ -208,6 +209,7 @@ public:
     /// uses). Otherwise lockstep::error (errc::invalid_argument) naming the values, and nothing
     /// is counted.
     step_result count_replay() {
+        const auto inside = this->enter("data_parallel.count_replay");
         step_result r;
         r.step = core_.steps();
         r.lr = core_.lr_for(r.step);
@@ -235,6 +237,7 @@ public:
     /// step count but no step of its own until it takes one); the stream is not being captured
     /// into a CUDA graph (else errc::invalid_argument, and the communicator stays usable).
     step_result read_result() {
+        this->check_use("data_parallel.read_result");
         LOCKSTEP_REQUIRE(parts_->stages.has_last(), errc::invalid_argument, this->rank(),
                          "data_parallel.read_result", "no step was taken yet",
                          core_.steps() > 0 ? " by this trainer (its step count comes from a "
@@ -270,6 +273,7 @@ public:
     /// cannot throw): without finish() a replica that stops early returns normally while its peers
     /// fail (docs/train_api.md).
     std::int64_t finish() {
+        this->check_use("data_parallel.finish");
         const std::int64_t steps = finish_counts();
         if (parts_->stages.unread() && !detail::capturing(core_.comm().system()))
             (void)read_result();

@@ -7,6 +7,7 @@
 #include "lockstep/nn/policy_declaration.hpp"
 #include "lockstep/policy/compat.hpp"
 #include "lockstep/train/detail/agreement.hpp"
+#include "lockstep/train/detail/exclusive_use.hpp"
 #include "lockstep/train/detail/replica_core.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 #include "lockstep/train/replica_context.hpp"
@@ -124,9 +125,31 @@ protected:
                 "bn_policies\t" + bn_policy_names<network_bn_policies_t<Network>>::get()};
     }
 
+    /// Enters a training call (a step, a counted replay, train()): refuses one while another
+    /// runs (exclusive_use) and a communicator that was moved from (its size is 0: every
+    /// later error would blame the batch split or a peer instead).
+    exclusive_use::scope enter(const char* op) {
+        check_communicator(op);
+        return use_.enter(core_.comm().rank(), op);
+    }
+    /// For read_result, finish and checkpoints: refuses a call on another thread while a
+    /// training call runs, and a moved-from communicator.
+    void check_use(const char* op) {
+        check_communicator(op);
+        use_.check_thread(core_.comm().rank(), op);
+    }
+
     core_type core_;
 
 private:
+    void check_communicator(const char* op) {
+        LOCKSTEP_REQUIRE(core_.comm().size() >= 1, errc::invalid_argument, core_.comm().rank(), op,
+                         "the communicator this trainer was built on was moved from (or its "
+                         "group's run ended): a trainer is used with the handle it was built on, "
+                         "inside the run that made it");
+    }
+
+    exclusive_use use_;
     /// What the layers check their policies against (replica_context::policies).
     nn::policy_declaration declared_;
 
