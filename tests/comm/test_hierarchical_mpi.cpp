@@ -139,13 +139,15 @@ TEST_CASE("hierarchical_group rethrows a failing replica's error, not its handle
                 }
                 comm.intra().barrier();
             });
-            lost.push_back("run returned");
+            lost.emplace_back("run returned");
         } catch (const std::exception& e) {
             if (!Catch::Contains("the real cause").match(e.what()))
-                lost.push_back(e.what());
+                lost.emplace_back(e.what());
         }
     }
-    CHECK(lost == std::vector<std::string>{});
+    for (const auto& what : lost)
+        UNSCOPED_INFO(what);
+    CHECK(lost.empty());
 }
 
 // A failure the intra-node part raises itself (here a peer thread's departure) numbers the

@@ -690,10 +690,10 @@ TEST_CASE("a replica that moved its handle records its failure before the handle
                 }
             });
             FAIL("run returned although replica 2 threw");
+        } catch (const lockstep::error& e) { // before its base, std::runtime_error
+            FAIL("run rethrew another replica's error: " << e.what());
         } catch (const std::runtime_error& e) {
             CHECK(std::string(e.what()) == "the real cause");
-        } catch (const lockstep::error& e) {
-            FAIL("run rethrew another replica's error: " << e.what());
         }
         for (int r = 0; r < 2; ++r) {
             CAPTURE(r, out[static_cast<std::size_t>(r)].what);

@@ -495,10 +495,14 @@ TEST_CASE("a save committed while the replicas load is refused on every replica,
     CHECK(unchanged == std::vector<int>{1, 1});
     for (const std::string& m : messages) {
         INFO(m);
-        CHECK(contains(m, "commit marker '" + path.string() +
-                              "' changed while the replicas read it (a save committed "
-                              "meanwhile): generation " +
-                              gen_a + " agreed, '" + gen_b + "' read now"));
+        CHECK(contains(m, std::string("commit marker '")
+                              .append(path.string())
+                              .append("' changed while the replicas read it (a save committed "
+                                      "meanwhile): generation ")
+                              .append(gen_a)
+                              .append(" agreed, '")
+                              .append(gen_b)
+                              .append("' read now")));
     }
     // B stands: it loads once nothing changes during the load.
     const auto r = try_load<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
@@ -1145,7 +1149,7 @@ TEST_CASE("a checkpoint call made on one replica only is named on every replica"
 namespace {
 
 /// Freezes the tensors named in `names` (train_params::frozen).
-std::function<void(train_params&)> freezing(std::vector<std::string> names) {
+std::function<void(train_params&)> freezing(const std::vector<std::string>& names) {
     return [names](train_params& tp) {
         tp.frozen = [names](const tensor_info& t) {
             return std::find(names.begin(), names.end(), t.name) != names.end();
@@ -1160,9 +1164,9 @@ TEST_CASE("a checkpoint records the frozen tensors: another set is refused, noth
     // The optimizer keeps one step count: a tensor frozen at the save and trained after the load
     // would start Adam's bias correction at the run's count (torch: at its own first step).
     using opt = optim::adam<float>;
-    using loader = decltype([](const fs::path& p, std::vector<std::string> frozen) {
+    using loader = decltype([](const fs::path& p, const std::vector<std::string>& frozen) {
         return try_load<opt, sync::synchronous, reduce::per_tensor, storage::registry>(
-            2, p, {.lr = 1e-2}, {}, 8, freezing(std::move(frozen)));
+            2, p, {.lr = 1e-2}, {}, 8, freezing(frozen));
     });
     temp_dir dir;
     const fs::path path = dir.path / "frozen.ckpt";
@@ -1228,7 +1232,7 @@ TEST_CASE("a schedule defined for the run's steps only saves and resumes; anothe
     // The checkpoint records the schedule at steps() + 1, + 10 and + 1000, past such a table's
     // end: "undefined" there, on save and load alike; the resume step's rate is required.
     using opt = base_opt;
-    using loader = decltype([](const fs::path& p, std::function<void(train_params&)> edit) {
+    using loader = decltype([](const fs::path& p, const std::function<void(train_params&)>& edit) {
         return try_load<opt, sync::synchronous, reduce::per_tensor, storage::registry>(
             2, p, base_params, {}, 8, edit);
     });

@@ -521,7 +521,7 @@ TEST_CASE("the asynchronous trainer skips a non-finite loss with finite gradient
     using async_t = data_parallel<linear, sgd, sync::asynchronous, reduce::per_tensor>;
     const auto nan_at_2 = [](linear& n, const shard_range& r, auto&) {
         const double loss = n.train(r);
-        return r.sample_offset == std::uint64_t{2 * 10} ? std::numeric_limits<double>::quiet_NaN()
+        return r.sample_offset == std::uint64_t{2} * 10 ? std::numeric_limits<double>::quiet_NaN()
                                                         : loss;
     };
     std::vector<std::uint64_t> skipped(3);

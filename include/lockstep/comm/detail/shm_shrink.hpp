@@ -127,7 +127,7 @@ inline void decide_shrink(group_state& g, group_state::shrink_slot& s) {
     const error gone(errc::peer_failure, -1, "thread_communicator.shrink", text);
     old.record_failure(-1, std::make_exception_ptr(gone), gone.what());
     old.set_superseded(std::move(text));
-    old.set_successor(std::move(ctx), std::move(left));
+    old.set_successor(ctx, std::move(left));
     g.abort_group();
     s.decided = true;
     s.changed.notify_all();
