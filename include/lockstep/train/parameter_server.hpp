@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <limits>
 #include <span>
 #include <string>
 #include <vector>
@@ -153,6 +154,8 @@ staleness_report run_parameter_server(Comm& comm, std::span<T> params, std::span
         std::array<int, 4> header{};
         // A worker held back by the staleness bound waits for the server as long as the server
         // waits for another worker: its timeout says so and where the straggler is named.
+        constexpr bool bounded =
+            SyncPolicy::max_staleness != std::numeric_limits<std::size_t>::max();
         const auto receive_work = [&] {
             try {
                 comm.recv(std::span<int>(header), p.root, tag + detail::ps_pull_header);
@@ -160,11 +163,12 @@ staleness_report run_parameter_server(Comm& comm, std::span<T> params, std::span
                 if (e.code() != errc::timeout)
                     throw;
                 fail(errc::timeout, rank, op, "worker ", rank,
-                     " waited for work from the server (rank ", p.root,
-                     ") and got none; the server holds a worker back while another's "
-                     "gradient would grow too stale (bounded_staleness), so the replica that "
-                     "stalled may be another worker: the server's error names the workers it "
-                     "waited for: ",
+                     " waited for work from the server (rank ", p.root, ") and got none; ",
+                     bounded ? "the server holds a worker back while another's gradient would "
+                               "grow staler than the bound, so the replica that stalled may be "
+                               "another worker: the server's error names the workers it waited "
+                               "for: "
+                             : "the server, or its apply, stalled: ",
                      e.what());
             }
         };
