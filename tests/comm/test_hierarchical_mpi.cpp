@@ -160,14 +160,16 @@ TEST_CASE("hierarchical_group rethrows an intra-node failure naming the replica'
     p.mpi.on_failure = lockstep::mpi_failure_action::throw_error;
     p.threads.timeout = std::chrono::seconds(20);
     hierarchical_group g(MPI_COMM_WORLD, 2, p);
-    const int last = g.processes() * 2 - 1;
+    // Read before run(): a replica returning moves its MPI part back into the group.
+    const int processes = g.processes();
+    const int last = processes * 2 - 1;
     std::string what;
     try {
         g.run([&](comm_t& comm) {
             std::vector<float> v(4, 1.0f);
             comm.all_reduce(std::span<const float>(v), std::span<float>(v),
                             lockstep::reduce_op::sum);
-            if (comm.node() != g.processes() - 1 || comm.rank() == last)
+            if (comm.node() != processes - 1 || comm.rank() == last)
                 return; // the last replica leaves; its node's other replica reduces again
             comm.all_reduce(std::span<const float>(v), std::span<float>(v),
                             lockstep::reduce_op::sum);
@@ -178,11 +180,11 @@ TEST_CASE("hierarchical_group rethrows an intra-node failure naming the replica'
     }
     int rank = -1;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    if (rank == g.processes() - 1) {
+    if (rank == processes - 1) {
         INFO(what);
         CHECK(lockstep_test::contains(what, "replica " + std::to_string(last - 1) +
                                                 ": hierarchical_communicator.all_reduce"));
-        CHECK(lockstep_test::contains(what, "(node " + std::to_string(g.processes() - 1) +
+        CHECK(lockstep_test::contains(what, "(node " + std::to_string(processes - 1) +
                                                 ", local rank 0)"));
         CHECK(lockstep_test::contains(what, "replica 1 left the group"));
     } else {
