@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -283,35 +284,58 @@ TEST_CASE("parameter server with one worker and a server on a non-zero root",
     CHECK(result[1] == 1.0f / 128.0f);
 }
 
-TEST_CASE("a failing worker stops the run on every replica without a hang",
-          "[train][async][thread]") {
-    std::mutex mu;
+namespace {
+
+/// What a parameter-server run that failed left: each replica's error text, and run()'s
+/// rethrow (empty when the group finished).
+struct ps_failure {
     std::map<int, std::string> errors;
-    thread_group group(4, {.timeout = std::chrono::seconds(30)});
+    std::optional<error> rethrown;
+};
+
+/// run_parameter_server<Sync> over 4 floats on `replicas` thread replicas (group timeout
+/// `timeout`, a budget of `steps` gradients) whose workers push all-ones gradients after
+/// calling before(rank, n) for their n-th work item (n from 1), which may throw or stall.
+template <class Sync, class Before>
+ps_failure run_failing_ps(int replicas, std::chrono::milliseconds timeout, std::size_t steps,
+                          Before before) {
+    ps_failure out;
+    std::mutex mu;
     try {
-        group.run([&](thread_communicator& comm) {
+        thread_group(replicas, {.timeout = timeout}).run([&](thread_communicator& comm) {
             buffer<float> params(4, comm.system());
             std::fill(params.begin(), params.end(), 0.0f);
             int my_items = 0;
             try {
-                run_parameter_server<sync::bounded_staleness<3>>(
-                    comm, params.span(), {}, 0, {.steps = 1000},
+                run_parameter_server<Sync>(
+                    comm, params.span(), {}, 0, {.steps = steps},
                     [&](const work_item&, std::span<float> g, std::span<float>) {
-                        if (comm.rank() == 2 && ++my_items == 3)
-                            fail(errc::invalid_argument, comm.rank(), "test.compute",
-                                 "injected failure");
+                        before(comm.rank(), ++my_items);
                         std::fill(g.begin(), g.end(), 1.0f);
                     },
                     [&](std::span<const float>, std::span<const float>, const apply_info&) {});
             } catch (const error& e) {
                 std::lock_guard lock(mu);
-                errors[comm.rank()] = e.what();
+                out.errors[comm.rank()] = e.what();
                 throw;
             }
         });
-        FAIL("the group finished although a worker failed");
-    } catch (const error&) {
+    } catch (const error& e) {
+        out.rethrown = e;
     }
+    return out;
+}
+
+} // namespace
+
+TEST_CASE("a failing worker stops the run on every replica without a hang",
+          "[train][async][thread]") {
+    auto [errors, rethrown] = run_failing_ps<sync::bounded_staleness<3>>(
+        4, std::chrono::seconds(30), 1000, [](int rank, int n) {
+            if (rank == 2 && n == 3)
+                fail(errc::invalid_argument, rank, "test.compute", "injected failure");
+        });
+    REQUIRE(rethrown); // the group did not finish although a worker failed
     REQUIRE(errors.size() == 4);
     CHECK(errors[2].find("injected failure") != std::string::npos);
     CHECK(errors[0].find("peer_failure") != std::string::npos);
@@ -327,33 +351,15 @@ TEST_CASE("a stalled worker is named by the server's timeout, with its work item
           "[train][async][thread]") {
     // Worker 1 stalls on its second item past the group's timeout. recv_any's own timeout names
     // no sender: the server names the worker it waited for.
-    thread_group group(2, {.timeout = std::chrono::milliseconds(300)});
-    std::string server_error;
-    try {
-        group.run([&](thread_communicator& comm) {
-            buffer<float> params(4, comm.system());
-            std::fill(params.begin(), params.end(), 0.0f);
-            int my_items = 0;
-            try {
-                run_parameter_server<sync::asynchronous>(
-                    comm, params.span(), {}, 0, {.steps = 6},
-                    [&](const work_item&, std::span<float> g, std::span<float>) {
-                        if (++my_items == 2)
-                            std::this_thread::sleep_for(std::chrono::milliseconds(900));
-                        std::fill(g.begin(), g.end(), 1.0f);
-                    },
-                    [&](std::span<const float>, std::span<const float>, const apply_info&) {});
-            } catch (const error& e) {
-                if (comm.rank() == 0)
-                    server_error = e.what();
-                throw;
-            }
+    auto [errors, rethrown] =
+        run_failing_ps<sync::asynchronous>(2, std::chrono::milliseconds(300), 6, [](int, int n) {
+            if (n == 2)
+                std::this_thread::sleep_for(std::chrono::milliseconds(900));
         });
-        FAIL("the group finished although a worker stalled past the timeout");
-    } catch (const error& e) {
-        CHECK(e.code() == errc::timeout);
-        CHECK(std::string(e.what()) == server_error); // run() rethrows the server's report
-    }
+    const std::string server_error = errors[0];
+    REQUIRE(rethrown); // the group did not finish although a worker stalled past the timeout
+    CHECK(rethrown->code() == errc::timeout);
+    CHECK(std::string(rethrown->what()) == server_error); // run() rethrows the server's report
     INFO(server_error);
     CHECK(server_error.find("replica 0: parameter_server: the server waited for a gradient from "
                             "worker 1 (work item 1 on version 1) and got none; 1 of 6 gradients "
@@ -365,33 +371,13 @@ TEST_CASE("a worker held back by the bound points its timeout at the server's re
           "[train][async][thread]") {
     // bounded_staleness<0>: worker 1 waits for new work while worker 2 stalls; its own timeout
     // says why it waited and where the straggler is named.
-    thread_group group(3, {.timeout = std::chrono::milliseconds(300)});
-    std::map<int, std::string> errors;
-    std::mutex mu;
-    try {
-        group.run([&](thread_communicator& comm) {
-            buffer<float> params(4, comm.system());
-            std::fill(params.begin(), params.end(), 0.0f);
-            int my_items = 0;
-            try {
-                run_parameter_server<sync::bounded_staleness<0>>(
-                    comm, params.span(), {}, 0, {.steps = 6},
-                    [&](const work_item&, std::span<float> g, std::span<float>) {
-                        if (comm.rank() == 2 && ++my_items == 2)
-                            std::this_thread::sleep_for(std::chrono::milliseconds(900));
-                        std::fill(g.begin(), g.end(), 1.0f);
-                    },
-                    [&](std::span<const float>, std::span<const float>, const apply_info&) {});
-            } catch (const error& e) {
-                std::lock_guard lock(mu);
-                errors[comm.rank()] = e.what();
-                throw;
-            }
+    auto [errors, rethrown] = run_failing_ps<sync::bounded_staleness<0>>(
+        3, std::chrono::milliseconds(300), 6, [](int rank, int n) {
+            if (rank == 2 && n == 2)
+                std::this_thread::sleep_for(std::chrono::milliseconds(900));
         });
-        FAIL("the group finished although a worker stalled past the timeout");
-    } catch (const error& e) {
-        CHECK(e.code() == errc::timeout);
-    }
+    REQUIRE(rethrown); // the group did not finish although a worker stalled past the timeout
+    CHECK(rethrown->code() == errc::timeout);
     INFO(errors[0] << "\n" << errors[1]);
     // Whichever timed out first: the server names worker 2, worker 1 points at the server.
     const bool server_named =

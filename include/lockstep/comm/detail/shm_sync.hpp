@@ -170,14 +170,7 @@ private:
     }
 
     static bool echoes_peer(const std::exception_ptr& e) {
-        try {
-            if (e)
-                std::rethrow_exception(e);
-        } catch (const lockstep::error& le) {
-            return le.code() == errc::peer_failure;
-        } catch (...) {
-        }
-        return false;
+        return code_of(e) == errc::peer_failure;
     }
 
     std::string root_text() const {

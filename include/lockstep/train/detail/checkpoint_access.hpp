@@ -16,22 +16,25 @@ namespace detail {
 /// The trainer internals a checkpoint reads and restores (a friend of trainer_base and
 /// data_parallel).
 struct checkpoint_access {
+    /// The trainer_base of any trainer.
+    template <class DP>
+    static auto& base(DP& dp) noexcept {
+        using base_type =
+            trainer_base<typename DP::network_type, typename DP::optimizer_type,
+                         typename DP::sync_policy_type, typename DP::reduce_policy_type,
+                         typename DP::communicator_type>;
+        return static_cast<base_type&>(dp);
+    }
     /// The replica_core of any trainer (its trainer_base's).
     template <class DP>
     static auto& core(DP& dp) noexcept {
-        using base = trainer_base<typename DP::network_type, typename DP::optimizer_type,
-                                  typename DP::sync_policy_type, typename DP::reduce_policy_type,
-                                  typename DP::communicator_type>;
-        return static_cast<base&>(dp).core_;
+        return base(dp).core_;
     }
     /// Refuses a checkpoint call (`op`) on another thread while a training call of dp runs,
     /// or on a trainer whose communicator was moved from (trainer_base::check_use).
     template <class DP>
     static void check_use(DP& dp, const char* op) {
-        using base = trainer_base<typename DP::network_type, typename DP::optimizer_type,
-                                  typename DP::sync_policy_type, typename DP::reduce_policy_type,
-                                  typename DP::communicator_type>;
-        static_cast<base&>(dp).check_use(op);
+        base(dp).check_use(op);
     }
     /// The background save of a synchronous trainer (save_checkpoint_async).
     template <class DP>
