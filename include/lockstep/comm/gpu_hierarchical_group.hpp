@@ -121,13 +121,13 @@ private:
             if (comm)
                 comm->abort();
             if (params_.abort_on_failure && !detail::echoes_peer(e))
-                detail::abort_mpi_job("gpu_hierarchical_group", "replica", static_cast<int>(l), e);
+                detail::abort_mpi_job("gpu_hierarchical_group", "thread", static_cast<int>(l), e);
             throw;
         } catch (...) {
             if (comm)
                 comm->abort();
             if (params_.abort_on_failure)
-                detail::abort_mpi_job("gpu_hierarchical_group", "replica", static_cast<int>(l),
+                detail::abort_mpi_job("gpu_hierarchical_group", "thread", static_cast<int>(l),
                                       detail::non_standard_exception());
             throw;
         }
