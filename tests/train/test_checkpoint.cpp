@@ -1146,6 +1146,112 @@ TEST_CASE("a checkpoint call made on one replica only is named on every replica"
     }
 }
 
+TEST_CASE("a save from the step function holds the state the step started from; a load "
+          "inside a training call is refused",
+          "[train][checkpoint][thread]") {
+    temp_dir dir;
+    const fs::path before = dir.path / "before.ckpt", inside = dir.path / "inside.ckpt";
+    std::vector<float> stepped(2);
+    // The step function saves, then adds its gradient: the save holds the state before it.
+    thread_group(2).run([&](thread_communicator& comm) {
+        tiny_dp dp(comm, [](auto& ctx) { return tiny_net(ctx); }, {.lr = 0.05});
+        dp.step(4, tiny_step);
+        save_checkpoint(dp, before);
+        dp.step(4, [&](tiny_net& n, const shard_range& r, auto& ctx) {
+            save_checkpoint(dp, inside);
+            return tiny_step(n, r, ctx);
+        });
+        stepped[static_cast<std::size_t>(comm.rank())] = dp.parameters()[0];
+    });
+    std::vector<std::vector<float>> got(4);
+    thread_group(2).run([&](thread_communicator& comm) {
+        for (std::size_t k = 0; k < 2; ++k) {
+            tiny_dp dp(comm, [](auto& ctx) { return tiny_net(ctx); }, {.lr = 0.05});
+            load_checkpoint(dp, k == 0 ? before : inside);
+            REQUIRE(dp.steps() == 1);
+            dp.step(4, tiny_step);
+            const auto p = dp.parameters();
+            got[2 * k + static_cast<std::size_t>(comm.rank())].assign(p.begin(), p.end());
+        }
+    });
+    for (std::size_t i = 0; i < 4; ++i) {
+        CHECK(got[i] == got[0]);
+        CHECK(got[i][0] == stepped[0]);
+    }
+    // A load after (or before) the step function's gradient would have the step apply the
+    // gradients of the replaced weights: refused on every replica, before anything is read.
+    for (const bool hook : {false, true}) {
+        INFO((hook ? "from the gradient hook" : "from the step function"));
+        const auto errors = tiny_errors([&](tiny_dp& dp, thread_communicator&) {
+            dp.step(4, tiny_step);
+            if (hook) {
+                dp.set_gradient_hook([&](std::span<float>, std::span<const tensor_info>) {
+                    load_checkpoint(dp, before);
+                });
+                dp.step(4, tiny_step);
+            } else {
+                dp.step(4, [&](tiny_net& n, const shard_range& r, auto& ctx) {
+                    const double loss = tiny_step(n, r, ctx);
+                    load_checkpoint(dp, before);
+                    return loss;
+                });
+            }
+        });
+        for (std::size_t r = 0; r < 2; ++r) {
+            INFO(errors[r]);
+            CHECK(contains(errors[r], "[invalid_argument] replica " + std::to_string(r) +
+                                          ": load_checkpoint: called while data_parallel.step "
+                                          "of this trainer runs on the same thread"));
+            CHECK(contains(errors[r], "call it between training calls"));
+        }
+    }
+}
+
+TEST_CASE("an asynchronous trainer's save from on_apply is refused on the server, not a timeout",
+          "[train][checkpoint][thread][async]") {
+    using dp_type = trainer_of<base_opt, sync::asynchronous, reduce::per_tensor, storage::registry>;
+    using net = dp_type::network_type;
+    temp_dir dir;
+    const fs::path path = dir.path / "apply.ckpt";
+    std::vector<std::string> errors(3);
+    try {
+        thread_group(3, {.timeout = std::chrono::seconds(20)}).run([&](thread_communicator& comm) {
+            try {
+                dp_type* self = nullptr;
+                async_params ap;
+                ap.on_apply = [&](const apply_info&, double) { save_checkpoint(*self, path); };
+                dp_type dp(
+                    comm, [](auto& ctx) { return net(ctx); }, base_params, params_for(42), ap);
+                self = &dp;
+                dp.train(4, 8,
+                         [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); });
+            } catch (const lockstep::error& e) {
+                errors[static_cast<std::size_t>(comm.rank())] = e.what();
+                throw;
+            }
+        });
+    } catch (const std::exception&) {
+    }
+    INFO(errors[0]);
+    CHECK(contains(errors[0], "[invalid_argument] replica 0: save_checkpoint: called while "
+                              "data_parallel.train of this trainer runs on the same thread"));
+    CHECK(contains(errors[0], "the workers are computing gradients, not saving"));
+    // The workers learn of it from the server's abort (directly, or echoed by the worker that
+    // got it) or from the thread group's report of the server's error, not from their timeout.
+    for (std::size_t r = 1; r < 3; ++r) {
+        INFO(errors[r]);
+        CHECK(contains(errors[r], "[peer_failure]"));
+        CHECK((contains(errors[r], "parameter_server: the server (rank 0) failed while applying "
+                                   "work item ") ||
+               contains(errors[r], "replica 0 failed: lockstep error [invalid_argument] replica "
+                                   "0: save_checkpoint: called while")));
+    }
+    // The worker whose gradient was being applied gets the abort first, naming the server.
+    const std::string abort_text = "the server (rank 0) failed while applying work item ";
+    CHECK((contains(errors[1], abort_text) || contains(errors[2], abort_text)));
+    CHECK(!fs::exists(path));
+}
+
 namespace {
 
 /// Freezes the tensors named in `names` (train_params::frozen).

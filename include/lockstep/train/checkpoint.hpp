@@ -4,6 +4,7 @@
 #pragma once
 
 #include "lockstep/core/error.hpp"
+#include "lockstep/policy/sync.hpp"
 #include "lockstep/train/data_parallel.hpp"
 #include "lockstep/train/detail/checkpoint_commit.hpp"
 #include "lockstep/train/detail/checkpoint_format.hpp"
@@ -58,14 +59,21 @@ struct save_options {
 /// as the average compares them: a difference throws lockstep::error on every replica (the
 /// average's message), nothing written. A learning-rate schedule that throws at steps() fails
 /// the save, naming the step (later steps it does not define are recorded as undefined).
-/// requires: no step in flight on this replica (call it between steps; with sync::asynchronous
-/// and sync::bounded_staleness<S>, between train() calls, when every replica holds the server's
-/// parameters and state).
+/// requires: no step in flight on this replica (call it between steps, or from a synchronous
+/// trainer's step function, where it saves the state the step started from; with
+/// sync::asynchronous and sync::bounded_staleness<S>, between train() calls, when every replica
+/// holds the server's parameters and state: from on_apply it throws errc::invalid_argument).
 template <class Network, class Optimizer, class Sync, class Reduce, class Comm>
 void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
                      const std::filesystem::path& path, const save_options& options = {}) {
     namespace ck = detail::ckpt;
-    detail::checkpoint_access::check_use(dp, "save_checkpoint");
+    if constexpr (is_asynchronous_v<Sync>)
+        detail::checkpoint_access::check_between(
+            dp, "save_checkpoint",
+            "the workers are computing gradients, not saving, and the server's state is "
+            "mid-train()");
+    else
+        detail::checkpoint_access::check_use(dp, "save_checkpoint");
     auto& core = detail::checkpoint_access::core(dp);
     auto& comm = core.comm();
     const int rank = comm.rank();
@@ -126,13 +134,16 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
 /// replica's new shard of the optimizer state is regathered from the old shards that overlap it
 /// (their headers and optimizer sections only). See docs/checkpoints.md. A background save of dp
 /// still unresolved is waited for first, as by save_checkpoint. requires: no step in flight on this
-/// replica (asynchronous: between train() calls).
+/// replica (asynchronous: between train() calls); inside a training call (the step function, the
+/// gradient hook, on_apply) it throws errc::invalid_argument.
 template <class Network, class Optimizer, class Sync, class Reduce, class Comm>
 void load_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
                      const std::filesystem::path& path) {
     namespace ck = detail::ckpt;
     using T = typename Optimizer::value_type;
-    detail::checkpoint_access::check_use(dp, "load_checkpoint");
+    detail::checkpoint_access::check_between(
+        dp, "load_checkpoint",
+        "the call in progress would go on with gradients and state of the weights it replaced");
     auto& comm = detail::checkpoint_access::core(dp).comm();
     const std::string what = "checkpoint '" + path.string() + "' refused:";
     detail::checkpoint_access::resolve_background(dp, comm, "load_checkpoint");

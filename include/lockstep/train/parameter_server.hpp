@@ -174,9 +174,14 @@ staleness_report run_parameter_server(Comm& comm, std::span<T> params, std::span
         };
         for (;;) {
             receive_work();
-            if (header[0] == detail::ps_abort)
-                fail(errc::peer_failure, rank, op,
-                     "the server aborted the run because another replica failed");
+            if (header[0] == detail::ps_abort) {
+                if (header[1] >= 0)
+                    fail(errc::peer_failure, rank, op, "the server stopped the run: worker ",
+                         header[1], " failed while computing work item ", header[2]);
+                fail(errc::peer_failure, rank, op, "the server (rank ", p.root,
+                     ") failed while applying work item ", header[2],
+                     " and stopped the run; its own error names the cause");
+            }
             if (header[0] == detail::ps_stop)
                 break;
             comm.recv(params, p.root, tag + detail::ps_pull_data);
@@ -222,7 +227,9 @@ staleness_report run_parameter_server(Comm& comm, std::span<T> params, std::span
             while (!waiting.empty()) {
                 const int w = waiting.front();
                 if (aborting || next_item >= p.steps) {
-                    header = {aborting ? detail::ps_abort : detail::ps_stop, 0, 0, 0};
+                    // An abort names who failed (a worker, or -1: the server) and its item.
+                    header = {aborting ? detail::ps_abort : detail::ps_stop, failed_worker,
+                              static_cast<int>(failed_item), 0};
                     comm.send(std::span<const int>(header), w, tag + detail::ps_pull_header);
                     waiting.pop_front();
                     ++finished;
@@ -321,6 +328,7 @@ staleness_report run_parameter_server(Comm& comm, std::span<T> params, std::span
                     } catch (...) {
                         gate.release(src);
                         server_failure = std::current_exception();
+                        failed_item = info.index;
                         aborting = true;
                     }
                 }

@@ -36,6 +36,12 @@ struct checkpoint_access {
     static void check_use(DP& dp, const char* op) {
         base(dp).check_use(op);
     }
+    /// Refuses a checkpoint call (`op`) during a training call of dp on any thread
+    /// (trainer_base::check_between; `why`: what would go wrong).
+    template <class DP>
+    static void check_between(DP& dp, const char* op, const char* why) {
+        base(dp).check_between(op, why);
+    }
     /// The background save of a synchronous trainer (save_checkpoint_async).
     template <class DP>
     static auto& background(DP& dp) noexcept {

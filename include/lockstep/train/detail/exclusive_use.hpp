@@ -14,8 +14,9 @@ namespace lockstep::detail {
 /// trainer. A second one would zero, reduce and apply the buffers the first still uses, and
 /// take sequence numbers of the same communicator, leaving the weights wrong or the replicas
 /// apart without a word: enter() refuses it. Calls that only read or finish (read_result,
-/// finish, checkpoints) may run inside a step on its own thread, but not on another thread
-/// meanwhile (check_thread).
+/// finish, a synchronous trainer's saves) may run inside a step on its own thread, but not on
+/// another thread meanwhile (check_thread); calls that need every replica between training calls
+/// (loads, the asynchronous trainers' saves) are refused inside one too (check_between).
 class exclusive_use {
 public:
     /// Leaves the call entered (its destructor), however it ends.
@@ -48,6 +49,20 @@ public:
         const std::lock_guard lock(mutex_);
         if (inside_ != nullptr && owner_ != std::this_thread::get_id())
             refuse(rank, op);
+    }
+
+    /// Throws as enter() when a call is in progress on any thread: for calls that must come
+    /// between training calls (`why`: what would go wrong inside one).
+    void check_between(int rank, const char* op, const char* why) const {
+        const std::lock_guard lock(mutex_);
+        if (inside_ == nullptr)
+            return;
+        if (owner_ != std::this_thread::get_id())
+            refuse(rank, op);
+        fail(errc::invalid_argument, rank, op, "called while ", inside_,
+             " of this trainer runs on the same thread (from the step function, the gradient "
+             "hook or on_apply): ",
+             why, "; call it between training calls");
     }
 
 private:

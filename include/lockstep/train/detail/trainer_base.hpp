@@ -138,6 +138,12 @@ protected:
         check_communicator(op);
         use_.check_thread(core_.comm().rank(), op);
     }
+    /// For calls that need every replica between training calls (loads, the asynchronous
+    /// trainers' saves): refuses them during one on any thread (`why`: what would go wrong).
+    void check_between(const char* op, const char* why) {
+        check_communicator(op);
+        use_.check_between(core_.comm().rank(), op, why);
+    }
 
     core_type core_;
 
