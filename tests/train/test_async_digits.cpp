@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <vector>
 
 using namespace lockstep;
@@ -232,4 +233,48 @@ TEST_CASE("asynchronous training split over two train() calls follows one learni
     CHECK(split_steps == 15);
     REQUIRE(whole.size() == split.size());
     CHECK(std::memcmp(whole.data(), split.data(), whole.size() * sizeof(float)) == 0);
+}
+
+TEST_CASE("a BN layer whose momentum is not async_params::bn_momentum is refused on the worker",
+          "[train][async][thread][digits]") {
+    // The server folds each worker's update of the running statistics (made with the layer's
+    // momentum) into its own with bn_momentum: unequal, a stale gradient's statistics would mix
+    // in the worker's old ones without a word.
+    const digits::mlp_options mo{.hidden = 16, .bn_momentum = 0.1};
+    const auto& d = data();
+    const digits::sampler order(d.train.size(), 2, 7);
+    std::vector<std::string> errors(3);
+    std::mutex mu;
+    try {
+        thread_group(3).run([&](thread_communicator& comm) {
+            try {
+                auto factory = [&](auto& ctx) { return net(mo, ctx.system()); };
+                data_parallel<net, sgd, sync::asynchronous> trainer(
+                    comm, factory, {.lr = 0.05}, {.seed = 7}, {.bn_momentum = 0.05});
+                trainer.train(4, 8, [&](net& m, const shard_range& r, auto& ctx) {
+                    return m.train(ctx, d.train, order, r);
+                });
+            } catch (const error& e) {
+                const std::lock_guard lock(mu);
+                errors[static_cast<std::size_t>(comm.rank())] = e.what();
+                throw;
+            }
+        });
+    } catch (const error&) {
+    }
+    // Each worker refuses its first work item (or is stopped by the other's failure first).
+    int refused = 0;
+    for (std::size_t r = 1; r < 3; ++r) {
+        INFO(errors[r]);
+        const std::string own = "[invalid_argument] replica " + std::to_string(r) +
+                                ": batch_norm.forward_train: this layer's momentum is 0.1 but "
+                                "the asynchronous trainer's server updates the running "
+                                "statistics with async_params::bn_momentum = 0.05: set "
+                                "bn_momentum to the layers' momentum";
+        refused += errors[r].find(own) != std::string::npos ? 1 : 0;
+        CHECK(errors[r].find("bn_momentum = 0.05") != std::string::npos);
+    }
+    CHECK(refused >= 1);
+    INFO(errors[0]);
+    CHECK(errors[0].find("peer_failure") != std::string::npos);
 }

@@ -265,8 +265,10 @@ private:
         static constexpr const char* op = "batch_norm.forward_train";
         const int rank = comm.rank();
         claim(rank, op);
-        if (declared != nullptr)
+        if (declared != nullptr) {
             declared->check(bn_facts_of<Policy>(), bn::traits<Policy>::name(), rank, op);
+            declared->check_momentum(p_.momentum, rank, op);
+        }
         detail::check_system(s_.sys, comm, op);
         // Outside a step the layer's error is read back after the all_gather: its pinned host
         // side is allocated before the collective is enqueued (cudaMallocHost between enqueue

@@ -6,6 +6,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/policy/compat.hpp"
 
+#include <charconv>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -44,9 +45,35 @@ public:
             rule != nullptr ? std::string(". This one cannot train here: ") + rule : std::string());
     }
 
+    /// For the asynchronous trainers: the momentum their server updates the running statistics
+    /// with (async_params::bn_momentum); none (0) elsewhere.
+    void set_server_momentum(double m) noexcept { server_momentum_ = m; }
+
+    /// A layer's check of its running statistics' momentum at each training call: where a
+    /// server momentum is set, `mine` must equal it. The server folds a worker's update of the
+    /// running statistics (made with `mine`) into its own with its momentum: unequal, a stale
+    /// gradient's statistics would mix in the worker's old ones. Else lockstep::error
+    /// (invalid_argument) naming the replica, `operation`, both values and the fix.
+    void check_momentum(double mine, int replica, std::string_view operation) const {
+        if (server_momentum_ == 0 || mine == server_momentum_)
+            return;
+        lockstep::fail(errc::invalid_argument, replica, std::string(operation),
+                       "this layer's momentum is ", shortest(mine),
+                       " but the asynchronous trainer's server updates the running statistics "
+                       "with async_params::bn_momentum = ",
+                       shortest(server_momentum_),
+                       ": set bn_momentum to the layers' momentum (one value for every BN layer)");
+    }
+
 private:
+    static std::string shortest(double v) {
+        char buf[32];
+        return {buf, std::to_chars(buf, buf + sizeof buf, v).ptr};
+    }
+
     trainer_policy_facts trainer_{};
     std::vector<std::string> declared_;
+    double server_momentum_ = 0;
 };
 
 } // namespace lockstep::nn

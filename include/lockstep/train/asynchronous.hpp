@@ -138,6 +138,7 @@ public:
         LOCKSTEP_REQUIRE(ap_.bn_momentum > 0 && ap_.bn_momentum <= 1, errc::invalid_argument,
                          comm.rank(), "data_parallel(asynchronous)",
                          "bn_momentum = ", ap_.bn_momentum, " (must be in (0, 1])");
+        this->declare_server_momentum(ap_.bn_momentum);
         std::size_t n = 0;
         core_.for_each_state_buffer([&](std::span<value_type> s) { n += s.size(); });
         state_ = buffer<value_type, system_type>(n, comm.system());

@@ -145,6 +145,10 @@ protected:
         use_.check_between(core_.comm().rank(), op, why);
     }
 
+    /// For the asynchronous trainers: the layers check their momentum against the one their
+    /// server updates the running statistics with (policy_declaration::check_momentum).
+    void declare_server_momentum(double m) noexcept { declared_.set_server_momentum(m); }
+
     core_type core_;
 
 private:
