@@ -215,9 +215,13 @@ TEST_CASE("a background save that fails at any stage keeps the previous checkpoi
                 try {
                     (void)wait_checkpoint(dp);
                 } catch (const lockstep::error& e) {
+                    // After the commit point the report says the save is the checkpoint.
+                    const std::string committed = "so '" + path.string() + "' loads this save";
                     thrown[r] = e.code() == errc::checkpoint &&
-                                contains(e.what(), "replica " + std::to_string(c.replica) +
-                                                       ": simulated crash");
+                                contains(e.what(), "in the background failed: replica " +
+                                                       std::to_string(c.replica) + ": ") &&
+                                contains(e.what(), "simulated crash") &&
+                                contains(e.what(), committed) == c.committed;
                     if (r == 0)
                         message = e.what();
                 }

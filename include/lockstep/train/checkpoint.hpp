@@ -49,9 +49,10 @@ struct save_options {
 /// writes the commit marker `path` (the manifest with every shard's size and CRC32C) the same
 /// way, then removes the files no save can need (ckpt::remove_stale). The format is described
 /// in docs/checkpoints.md.
-/// ensures: on success `path` loads into a compatible trainer; a failure or crash at any point
-/// leaves the previous checkpoint at `path` loadable, and a failure on any replica throws one
-/// lockstep::error (checkpoint) on every replica. Jobs saving to the same path concurrently
+/// ensures: on success `path` loads into a compatible trainer; a failure or crash before the
+/// marker's rename leaves the previous checkpoint at `path` loadable, one after it the new one
+/// (its error says so), and a failure on any replica throws one lockstep::error (checkpoint) on
+/// every replica. Jobs saving to the same path concurrently
 /// leave a checkpoint that loads as one of their saves.
 /// A background save of dp still unresolved (save_checkpoint_async) is waited for first, and
 /// its failure thrown unless every replica's step results reported it. With sync::local_sgd<K>

@@ -20,6 +20,7 @@
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -267,9 +268,21 @@ inline void commit_save(const std::filesystem::path& path, const save_id& id,
     }
     // The generation this commit replaces: no save commits it again.
     const auto replaced = committed_generation(path);
-    write_durably(path, marker_temp_path(path, id), m.finish(manifest_magic), 0, "manifest", hook);
-    remove_stale(path, id, replaced);
-    stage(hook, "cleanup.done", 0);
+    try {
+        write_durably(path, marker_temp_path(path, id), m.finish(manifest_magic), 0, "manifest",
+                      hook);
+        remove_stale(path, id, replaced);
+        stage(hook, "cleanup.done", 0);
+    } catch (const std::exception& e) {
+        // A failure after the marker's rename (the directory's fsync, the clean-up) comes after
+        // the commit point: the save is the checkpoint now, and the report must not say that
+        // the previous one stands.
+        if (committed_generation(path) != std::optional(id.gen))
+            throw;
+        fail(errc::checkpoint, 0, "save_checkpoint", "the commit marker was renamed into place ",
+             "before this failure, so '", path.string(), "' loads this save (generation ",
+             hex16(id.gen), "), which may not be durable yet: ", e.what());
+    }
 }
 
 } // namespace lockstep::detail::ckpt
