@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -82,6 +83,46 @@ TEST_CASE("parameter server over MPI: asynchronous and bounded staleness", "[tra
             CHECK(async_max > 1);
         else
             CHECK(async_max == 0);
+    }
+}
+
+TEST_CASE("a failure applying the last gradient reaches every worker, not its timeout",
+          "[train][async][mpi]") {
+    // The last work item's gradient arrives late and its apply fails. A worker done before it
+    // must still learn of the failure (errc::peer_failure naming the server), not wait in the
+    // final broadcast, which the failed server never joins, until its timeout.
+    mpi_communicator_params mp;
+    mp.timeout = std::chrono::seconds(20);
+    mp.on_failure = mpi_failure_action::throw_error;
+    mpi_communicator comm(MPI_COMM_WORLD, mp);
+    const std::size_t steps = 4 * static_cast<std::size_t>(comm.size());
+    buffer<float> params(2, comm.system());
+    std::fill(params.begin(), params.end(), 0.0f);
+    std::string message;
+    int code = -1;
+    try {
+        (void)run_parameter_server<sync::asynchronous>(
+            comm, params.span(), {}, 0, {.steps = steps},
+            [&](const work_item& item, std::span<float> g, std::span<float>) {
+                if (item.index == steps - 1)
+                    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+                std::fill(g.begin(), g.end(), 1.0f);
+            },
+            [&](std::span<const float>, std::span<const float>, const apply_info& info) {
+                if (info.index == steps - 1)
+                    fail(errc::non_finite, 0, "test.apply", "injected failure");
+            });
+    } catch (const error& e) {
+        message = e.what();
+        code = static_cast<int>(e.code());
+    }
+    INFO(message);
+    if (comm.rank() == 0) {
+        CHECK(code == static_cast<int>(errc::non_finite));
+    } else {
+        CHECK(code == static_cast<int>(errc::peer_failure));
+        CHECK(message.find("the server (rank 0) failed while applying work item " +
+                           std::to_string(steps - 1)) != std::string::npos);
     }
 }
 

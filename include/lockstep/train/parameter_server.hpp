@@ -152,8 +152,9 @@ staleness_report run_parameter_server(Comm& comm, std::span<T> params, std::span
 
     if (rank != p.root) {
         std::array<int, 4> header{};
-        // A worker held back by the staleness bound waits for the server as long as the server
-        // waits for another worker: its timeout says so and where the straggler is named.
+        // A worker held back by the staleness bound, or at the end told to stop only once no
+        // gradient is in flight, waits for the server as long as the server waits for another
+        // worker: its timeout says so and where the straggler is named.
         constexpr bool bounded =
             SyncPolicy::max_staleness != std::numeric_limits<std::size_t>::max();
         const auto receive_work = [&] {
@@ -168,7 +169,9 @@ staleness_report run_parameter_server(Comm& comm, std::span<T> params, std::span
                                "grow staler than the bound, so the replica that stalled may be "
                                "another worker: the server's error names the workers it waited "
                                "for: "
-                             : "the server, or its apply, stalled: ",
+                             : "the server, or its apply, stalled, or at the end of the run "
+                               "another worker's last gradient the server waits for before "
+                               "stopping: the server's error names the workers it waited for: ",
                      e.what());
             }
         };
@@ -226,6 +229,11 @@ staleness_report run_parameter_server(Comm& comm, std::span<T> params, std::span
         auto dispatch = [&] {
             while (!waiting.empty()) {
                 const int w = waiting.front();
+                // The last items: a worker is told to stop once no gradient is in flight, so a
+                // failure applying one still reaches it as an abort (a stopped worker waits in
+                // the final broadcast, which a failed server never joins).
+                if (!aborting && next_item >= p.steps && gate.outstanding() > 0)
+                    return;
                 if (aborting || next_item >= p.steps) {
                     // An abort names who failed (a worker, or -1: the server) and its item.
                     header = {aborting ? detail::ps_abort : detail::ps_stop, failed_worker,
