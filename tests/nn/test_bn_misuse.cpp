@@ -72,7 +72,7 @@ struct bn_net {
 /// Runs `steps` steps of bn_net<Policy, Declared> under ReducePolicy on `replicas` thread
 /// replicas; returns each replica's error message ("" when it trained).
 template <class Policy, class Declared, class ReducePolicy>
-std::vector<std::string> run(int replicas, call how, int steps = 2) {
+std::vector<std::string> run(int replicas, call how, int steps = 2, std::size_t global = 16) {
     using net = bn_net<Policy, Declared>;
     std::vector<std::string> errors(static_cast<std::size_t>(replicas));
     std::vector<errc> codes(errors.size(), errc::internal);
@@ -83,7 +83,7 @@ std::vector<std::string> run(int replicas, call how, int steps = 2) {
                 data_parallel<net, optim::sgd<float>, sync::synchronous, ReducePolicy> trainer(
                     comm, [](context& ctx) { return net(ctx); }, {.lr = 0.1});
                 for (int s = 0; s < steps; ++s)
-                    trainer.step(16, [&](net& n, const shard_range& sr, context& ctx) {
+                    trainer.step(global, [&](net& n, const shard_range& sr, context& ctx) {
                         return n.train(sr, ctx, how);
                     });
                 trainer.finish();
@@ -208,6 +208,18 @@ TEST_CASE("a BN policy missing from bn_policies is refused at its first call", "
         for (const std::string& e : errors)
             CHECK(e.empty());
     }
+}
+
+TEST_CASE("a bn::ghost chunk of one sample is refused, naming the chunk and the fix",
+          "[nn][bn][thread]") {
+    // 17 = 4 x 4 + 1: the last chunk holds one sample, whose batch statistics do not exist.
+    const auto errors = run<bn::ghost<4>, std::tuple<bn::ghost<4>>, reduce::reproducible<4>>(
+        1, call::with_context, 1, 17);
+    INFO(errors[0]);
+    CHECK(contains(errors[0], "expected more than 1 value per channel when training, got input "
+                              "(1, 3) (a chunk of bn::ghost<4>: a global batch of k x 4 + 1 "
+                              "leaves one sample in its last chunk; choose the global batch or "
+                              "ChunkSamples so that none does)"));
 }
 
 // The layer refuses bn::tower<K> beyond the replicas at its first forward; the trainer refuses

@@ -331,6 +331,26 @@ TEST_CASE("reduce::reproducible refuses micro-batches", "[train][reproducible][t
                       Catch::Contains("reduce::reproducible cuts every global batch into chunks"));
 }
 
+TEST_CASE("reduce::reproducible refuses more chunks than it sums, naming the fix",
+          "[train][reproducible][thread]") {
+    // 2^19 chunks of one sample plus one replica: one term more than the anchored sum takes
+    // (refused before any chunk is computed).
+    using net = mlp<float, thread_communicator, storage::registry, bn::ghost<1>>;
+    thread_group group(1);
+    CHECK_THROWS_WITH(
+        group.run([&](thread_communicator& comm) {
+            data_parallel<net, optim::sgd<float>, sync::synchronous, reduce::reproducible<1>,
+                          thread_communicator>
+                dp(comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.1});
+            dp.step(std::size_t{1} << 19,
+                    [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); });
+        }),
+        Catch::Contains("global batch 524288 in chunks of 1 samples is 524288 chunks on 1 "
+                        "replicas; reduce::reproducible sums at most 524288 chunks plus "
+                        "replicas: use a larger ChunkSamples (reduce::reproducible<C>) or a "
+                        "smaller global batch"));
+}
+
 namespace {
 
 /// Value of element i of global chunk c in the exchange test: exponents over 2^-40..2^40, both

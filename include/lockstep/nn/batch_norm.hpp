@@ -297,9 +297,15 @@ private:
                                                 : kernels::channel_geometry{0, s_.channels, 1};
         const std::span<const T> xs = problem.empty() ? x : std::span<const T>{};
         if constexpr (!bn::communicates<Policy>) {
-            LOCKSTEP_REQUIRE(g.per_channel() != 1, errc::invalid_argument, rank, op,
-                             "expected more than 1 value per channel when training, got input ",
-                             shape);
+            LOCKSTEP_REQUIRE(
+                g.per_channel() != 1, errc::invalid_argument, rank, op,
+                "expected more than 1 value per channel when training, got input ", shape,
+                bn::is_ghost<Policy> ? lockstep::detail::concat(
+                                           " (a chunk of bn::ghost<", bn::ghost_chunk<Policy>,
+                                           ">: a global batch of k x ", bn::ghost_chunk<Policy>,
+                                           " + 1 leaves one sample in its last chunk; choose the "
+                                           "global batch or ChunkSamples so that none does)")
+                                     : std::string());
         }
         kernels::pack_local_moments(s_.sys, xs, g, param_type(problem.empty() ? 0 : 1),
                                     s_.block.span(), workspace(g));

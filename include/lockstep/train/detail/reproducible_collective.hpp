@@ -65,12 +65,13 @@ public:
         const std::span<T> grads = s.core().grads().first(acc_.size());
         s.core().check_global(global);
         const std::size_t chunks = (global + C - 1) / C;
-        LOCKSTEP_REQUIRE(chunks + static_cast<std::size_t>(replicas) <=
-                             kernels::anchored_limits::max_terms,
-                         errc::invalid_argument, rank, "data_parallel.step", "global batch ",
-                         global, " in chunks of ", C, " samples is ", chunks, " chunks on ",
-                         replicas, " replicas; reduce::reproducible sums at most ",
-                         kernels::anchored_limits::max_terms, " chunks plus replicas");
+        LOCKSTEP_REQUIRE(
+            chunks + static_cast<std::size_t>(replicas) <= kernels::anchored_limits::max_terms,
+            errc::invalid_argument, rank, "data_parallel.step", "global batch ", global,
+            " in chunks of ", C, " samples is ", chunks, " chunks on ", replicas,
+            " replicas; reduce::reproducible sums at most ", kernels::anchored_limits::max_terms,
+            " chunks plus replicas: use a larger ChunkSamples (reduce::reproducible"
+            "<C>) or a smaller global batch");
         check_same_global_batch(s.core().comm(), global, s.core().steps(), C);
         const step_view v = s.begin(global);
         const reduce::chunk_run mine = reduce::chunks_of(global, C, rank, replicas);
