@@ -12,6 +12,7 @@
 #include "support/counting_communicator.hpp"
 
 #include <cstdio>
+#include <memory>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -133,6 +134,36 @@ TEST_CASE("bad input on the last rank is an error on every rank over MPI", "[nn]
         code = std::string(to_string(e.code()));
     }
     CHECK(code == (bad ? "shape_mismatch" : "peer_failure"));
+}
+
+TEST_CASE("1200 bn::group layers on one MPI communicator split it once", "[nn][bn][mpi]") {
+    // One split per layer would take two of MPICH's 2048 context ids per process each and fail
+    // near layer 1022 ("Too many communicators"). The layers share one split; each normalizes
+    // with its group's statistics: bitwise what bn::global gives on the group's communicator.
+    constexpr int layers = 1200;
+    mpi_communicator world(MPI_COMM_WORLD);
+    testing::counting_communicator comm(world);
+    mpi_communicator pair = world.split(world.rank() / 2, world.rank());
+    const auto x = bn_test::random_values<float>(4 * 3, 80 + static_cast<unsigned>(world.rank()),
+                                                 static_cast<double>(world.rank()));
+    const auto dy = bn_test::random_values<float>(x.size(), 90);
+    const nn::tensor_shape shape{4, 3};
+    nn::batch_norm<float, bn::global, nn::nc> reference(3);
+    std::vector<float> want_y(x.size()), want_dx(x.size());
+    reference.forward_train(pair, std::span<const float>(x), shape, std::span<float>(want_y));
+    reference.backward(pair, std::span<const float>(dy), std::span<float>(want_dx));
+
+    std::vector<std::unique_ptr<nn::batch_norm<float, bn::group<2>, nn::nc>>> net;
+    int same = 0;
+    for (int l = 0; l < layers; ++l) {
+        net.push_back(std::make_unique<nn::batch_norm<float, bn::group<2>, nn::nc>>(3));
+        std::vector<float> y(x.size()), dx(x.size());
+        net.back()->forward_train(comm, std::span<const float>(x), shape, std::span<float>(y));
+        net.back()->backward(comm, std::span<const float>(dy), std::span<float>(dx));
+        same += y == want_y && dx == want_dx;
+    }
+    CHECK(comm.counts().split == 1);
+    CHECK(same == layers);
 }
 
 int main(int argc, char** argv) {

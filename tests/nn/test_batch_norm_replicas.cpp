@@ -9,6 +9,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <span>
@@ -320,6 +321,100 @@ TEST_CASE("bn::group splits again for a communicator built where a destroyed one
             CHECK(mean_b[r][c] == Approx(want_b[c]).epsilon(1e-12));
         }
     }
+}
+
+TEST_CASE("bn::group layers on one communicator share one split per group size",
+          "[nn][bn][thread]") {
+    // 48 layers, bn::group<2> and bn::group<4> alternating, trained on one communicator: two
+    // splits per replica (one per group size: at rank 0 both give color 0, at rank 2 they do
+    // not, so the color alone must not pick the split), and every output bitwise what the same
+    // layers give when each has a communicator (so a split) of its own.
+    constexpr int layers = 48;
+    constexpr std::size_t C = 3;
+    const std::size_t samples[4] = {3, 4, 2, 5};
+    using pair_bn = nn::batch_norm<double, bn::group<2>, nn::nc>;
+    using quad_bn = nn::batch_norm<double, bn::group<4>, nn::nc>;
+    struct outputs {
+        std::vector<std::vector<double>> y, dx, running_mean, running_var;
+        int splits = 0;
+    };
+    const auto train = [&](bool shared) {
+        std::vector<outputs> out(4);
+        thread_group group(4, {.timeout = std::chrono::seconds(20)});
+        group.run([&](thread_communicator& comm) {
+            const auto r = static_cast<std::size_t>(comm.rank());
+            // shared: one communicator for every layer; else one each (each splits its own)
+            std::vector<std::unique_ptr<testing::counting_communicator<thread_communicator>>> cs;
+            for (int l = 0; l < (shared ? 1 : layers); ++l)
+                cs.push_back(
+                    std::make_unique<testing::counting_communicator<thread_communicator>>(comm));
+            const auto comm_of = [&](int l) -> auto& {
+                return *cs[shared ? 0 : l];
+            };
+            std::vector<std::unique_ptr<pair_bn>> pairs;
+            std::vector<std::unique_ptr<quad_bn>> quads;
+            for (int l = 0; l < layers; l += 2) {
+                pairs.push_back(std::make_unique<pair_bn>(C, opts));
+                quads.push_back(std::make_unique<quad_bn>(C, opts));
+            }
+            const nn::tensor_shape shape{samples[r], C};
+            auto& res = out[r];
+            res.y.resize(layers);
+            res.dx.resize(layers);
+            const auto seed = [&](int l, unsigned salt) {
+                return static_cast<unsigned>(1000 * l + 10 * static_cast<int>(r)) + salt;
+            };
+            const auto each = [&](int l, auto&& f) {
+                const auto i = static_cast<std::size_t>(l / 2);
+                if (l % 2 == 0)
+                    f(*pairs[i]);
+                else
+                    f(*quads[i]);
+            };
+            std::vector<std::vector<double>> xs; // backward reads them
+            for (int l = 0; l < layers; ++l) {   // forward in layer order ...
+                const auto& x = xs.emplace_back(bn_test::random_values<double>(
+                    samples[r] * C, seed(l, 1), static_cast<double>(r + l)));
+                auto& y = res.y[static_cast<std::size_t>(l)];
+                y.resize(x.size());
+                each(l, [&](auto& layer) {
+                    layer.forward_train(comm_of(l), std::span<const double>(x), shape,
+                                        std::span<double>(y));
+                });
+            }
+            for (int l = layers - 1; l >= 0; --l) { // ... backward in reverse
+                const auto dy = bn_test::random_values<double>(samples[r] * C, seed(l, 2));
+                auto& dx = res.dx[static_cast<std::size_t>(l)];
+                dx.resize(dy.size());
+                each(l, [&](auto& layer) {
+                    layer.backward(comm_of(l), std::span<const double>(dy), std::span<double>(dx));
+                });
+            }
+            for (int l = 0; l < layers; ++l)
+                each(l, [&](auto& layer) {
+                    res.running_mean.emplace_back(layer.running_mean().begin(),
+                                                  layer.running_mean().end());
+                    res.running_var.emplace_back(layer.running_var().begin(),
+                                                 layer.running_var().end());
+                });
+            for (const auto& c : cs)
+                res.splits += c->counts().split;
+        });
+        return out;
+    };
+    const auto shared = train(true), apart = train(false);
+    for (std::size_t r = 0; r < 4; ++r) {
+        CAPTURE(r);
+        CHECK(shared[r].splits == 2);
+        CHECK(apart[r].splits == layers);
+        CHECK(shared[r].y == apart[r].y);
+        CHECK(shared[r].dx == apart[r].dx);
+        CHECK(shared[r].running_mean == apart[r].running_mean);
+        CHECK(shared[r].running_var == apart[r].running_var);
+    }
+    // the groups differ: a pair layer's statistics are not its quad neighbour's
+    CHECK(shared[0].running_mean[0] != shared[2].running_mean[0]);
+    CHECK(shared[0].running_mean[1] == shared[2].running_mean[1]);
 }
 
 TEMPLATE_TEST_CASE("bn::running_only normalizes locally and shares exact global running stats",
