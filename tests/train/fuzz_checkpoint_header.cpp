@@ -1,12 +1,12 @@
 // Fuzz test of the checkpoint header parser (train/detail/checkpoint_format.hpp): a deterministic
 // mutator over a valid file (bit flips, extreme values written over header fields, truncation,
 // appended bytes, with the header CRC usually recomputed so the mutation reaches the table
-// parser) and hand-made hostile headers. Every input is either parsed consistently or refused
-// with lockstep::error (checkpoint); no allocation made while parsing exceeds the file's size
-// (or 4 KiB, the room error messages need). The header-only parse (parse_header_prefix, used
-// when a load at another replica count reads only a shard's header and some sections) accepts
-// exactly the headers the whole-file parse accepts, with the same sections. Run under the asan
-// preset (ASan + UBSan) in CI.
+// parser) and hand-made hostile headers. Every input is either parsed consistently (every
+// section found by its name) or refused with lockstep::error (checkpoint); no allocation made
+// while parsing exceeds the file's size (or 4 KiB, the room error messages need). The
+// header-only parse (parse_header_prefix, used when a load at another replica count reads only
+// a shard's header and some sections) accepts exactly the headers the whole-file parse accepts,
+// with the same sections. Run under the asan preset (ASan + UBSan) in CI.
 // SPDX-License-Identifier: Apache-2.0
 // The replacement operator new/delete below pair malloc with free; GCC's heuristic does not see
 // through the replacement and warns at every inlined std::allocator call.
@@ -112,6 +112,9 @@ outcome parse(const bytes& file) {
                 n *= d;
             if (s.offset + s.length > file.size() || n != s.length)
                 throw std::logic_error("inconsistent section accepted: " + s.name);
+            // Found by its name (the names are unique): this very entry.
+            if (const auto f = h.find_section(s.name); !f || f->offset != s.offset)
+                throw std::logic_error("find_section misses section " + s.name);
         }
         o.parsed = problems.empty();
         o.refused = !problems.empty();
@@ -421,4 +424,42 @@ TEST_CASE("hand-made hostile headers are refused before any large allocation",
         const outcome o = parse(f);
         CHECK(o.refused);
     }
+}
+
+TEST_CASE("find_section finds each of many sections; a duplicate name is refused when saving",
+          "[train][checkpoint]") {
+    // File order differs from name order ("t10" before "t9"), and names prefix one another.
+    std::vector<std::string> names = {"a", "a.b", "a.b.c", "b", "optimizer.step"};
+    for (int i = 0; i < 2000; ++i)
+        names.push_back((i % 2 ? "param.t" : "state.t") + std::to_string(i));
+    ck::file_builder b;
+    for (std::size_t i = 0; i < names.size(); ++i) {
+        const std::vector<std::uint64_t> v(i % 3 + 1, i);
+        b.section<std::uint64_t>(names[i], {v.size()}, v);
+    }
+    const bytes f = b.finish(ck::shard_magic);
+    const ck::parsed_header h = ck::parse_header(f, ck::shard_magic, "many");
+    REQUIRE(h.section_count() == names.size());
+    for (std::size_t i = 0; i < names.size(); ++i) {
+        const auto s = h.find_section(names[i]);
+        REQUIRE(s);
+        CHECK(s->name == names[i]);
+        CHECK(s->offset == h.section(i).offset);
+        CHECK(s->shape == std::vector<std::uint64_t>{i % 3 + 1});
+        CHECK(ck::get_u64(f.data() + s->offset) == i);
+    }
+    for (const char* absent :
+         {"", "0", "a.", "a.b.c.d", "c", "param.t", "param.t0", "state.t1", "param.t2000", "zzz"})
+        CHECK_FALSE(h.find_section(absent));
+
+    // The first repeated name in section order is the one named.
+    ck::file_builder d;
+    const std::vector<float> one = {1};
+    for (const std::string& n : names)
+        d.section<float>(n, {1}, one);
+    d.section<float>("param.t1999", {1}, one);
+    d.section<float>("a.b", {1}, one);
+    CHECK_THROWS_WITH(d.finish(ck::shard_magic),
+                      Catch::Contains("two sections are named 'param.t1999': give the tensors "
+                                      "distinct names"));
 }

@@ -96,3 +96,35 @@ TEST_CASE("parameter_registry rejects bad declarations with the name and the rep
     reg.finalize();
     CHECK_THROWS_WITH(reg.add("late", {1}), Catch::Contains("after finalize"));
 }
+
+TEST_CASE("parameter_registry finds each of many tensors by name and refuses every duplicate",
+          "[train][registry]") {
+    parameter_registry<float> reg(host_system{1}, 1);
+    constexpr std::size_t n = 3000;
+    for (std::size_t i = 0; i < n; ++i) {
+        if (i % 3 == 2)
+            reg.add_state("t" + std::to_string(i), {1});
+        else
+            reg.add("t" + std::to_string(i), {i % 5 + 1});
+    }
+    // A duplicate of either kind, declared as either kind, early or late, is refused.
+    for (const char* name : {"t0", "t2", "t1501", "t2999"}) {
+        CHECK_THROWS_WITH(reg.add(name, {1}),
+                          Catch::Contains(std::string("'") + name + "' is declared twice"));
+        CHECK_THROWS_WITH(reg.add_state(name, {1}),
+                          Catch::Contains(std::string("'") + name + "' is declared twice"));
+    }
+    REQUIRE(reg.parameters().size() == 2000);
+    REQUIRE(reg.state_tensors().size() == 1000);
+    reg.finalize();
+    for (std::size_t i = 0; i < n; ++i) {
+        const auto h = reg.find("t" + std::to_string(i));
+        REQUIRE(h.valid());
+        CHECK(h.kind() == (i % 3 == 2 ? tensor_kind::state : tensor_kind::parameter));
+        CHECK(h.index() == (i % 3 == 2 ? i / 3 : i - i / 3));
+        CHECK(h.name() == "t" + std::to_string(i));
+    }
+    CHECK_FALSE(reg.find("t").valid());
+    CHECK_FALSE(reg.find("t3000").valid());
+    CHECK_FALSE(reg.find("t00").valid());
+}

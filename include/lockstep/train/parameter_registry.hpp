@@ -14,6 +14,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -188,11 +189,8 @@ public:
     bool empty() const noexcept { return infos_[0].empty() && infos_[1].empty(); }
     /// The handle of a tensor by name, or an invalid handle.
     handle find(std::string_view name) {
-        for (int k = 0; k < 2; ++k)
-            for (std::size_t i = 0; i < infos_[k].size(); ++i)
-                if (infos_[k][i].name == name)
-                    return handle(this, tensor_kind(k), i);
-        return {};
+        const auto at = by_name_.find(std::string(name));
+        return at == by_name_.end() ? handle{} : handle(this, at->second.first, at->second.second);
     }
     const System& system() const noexcept { return sys_; }
 
@@ -218,6 +216,7 @@ private:
         infos_[k].push_back(tensor_info{std::move(name), std::move(shape), count_[k], n, kind});
         staging_[k].emplace_back(n, T(0));
         count_[k] += n;
+        by_name_.emplace(infos_[k].back().name, std::pair{kind, infos_[k].size() - 1});
         return handle(this, kind, infos_[k].size() - 1);
     }
 
@@ -227,6 +226,9 @@ private:
     std::vector<tensor_info> infos_[2];
     std::vector<std::vector<T>> staging_[2];
     std::size_t count_[2] = {0, 0};
+    // Every name's kind and index: find() (and so every add's duplicate check) in constant time,
+    // not a scan of the tensors declared before (quadratic construction for many tensors).
+    std::unordered_map<std::string, std::pair<tensor_kind, std::size_t>> by_name_;
     buffer<T, System> values_, grads_, state_;
 };
 

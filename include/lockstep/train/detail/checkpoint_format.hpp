@@ -14,6 +14,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -186,11 +187,14 @@ public:
     /// sleeps there).
     encoded_file encode(const magic_type& magic, std::vector<std::byte>& header_out,
                         const std::function<void()>& pace = {}) const {
-        for (std::size_t i = 0; i < sections_.size(); ++i)
-            for (std::size_t j = 0; j < i; ++j)
-                LOCKSTEP_REQUIRE(sections_[i].name != sections_[j].name, errc::invalid_argument, -1,
-                                 "save_checkpoint", "two sections are named '", sections_[i].name,
-                                 "': give the tensors distinct names");
+        // A set, not a pairwise check: a shard holds a section per tensor.
+        std::unordered_set<std::string_view> names;
+        for (const auto& s : sections_) {
+            const bool first = names.insert(s.name).second;
+            LOCKSTEP_REQUIRE(first, errc::invalid_argument, -1, "save_checkpoint",
+                             "two sections are named '", s.name,
+                             "': give the tensors distinct names");
+        }
         for (std::size_t i = 0; i < meta_.size(); ++i)
             for (std::size_t j = 0; j < i; ++j)
                 LOCKSTEP_REQUIRE(meta_[i].first != meta_[j].first, errc::invalid_argument, -1,

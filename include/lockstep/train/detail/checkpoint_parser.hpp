@@ -31,8 +31,8 @@ inline std::vector<std::string> verify_sections(std::span<const std::byte> file,
 
 /// A parsed and checked header: a view of the file (which must outlive it) with the positions
 /// of its metadata entries and sections. Its tables take fewer bytes than the header they
-/// describe (8 bytes per metadata entry of at least 8, 32 per section entry of at least 36),
-/// so parsing never allocates more than the file's size, whatever the header claims.
+/// describe (8 bytes per metadata entry of at least 8, 32 + 4 per section entry of at least
+/// 36), so parsing never allocates more than the file's size, whatever the header claims.
 class parsed_header {
 public:
     std::uint64_t header_length() const noexcept { return header_; }
@@ -70,9 +70,13 @@ public:
         return s;
     }
     std::optional<section_entry> find_section(std::string_view name) const {
-        for (std::size_t i = 0; i < sections_.size(); ++i)
-            if (section_name(i) == name)
-                return section(i);
+        // Binary search of the names parse_header_prefix sorted (a loader looks up every
+        // section: a scan would make loading quadratic in the number of tensors).
+        const auto at = std::lower_bound(
+            by_name_.begin(), by_name_.end(), name,
+            [&](std::uint32_t i, std::string_view n) { return section_name(i) < n; });
+        if (at != by_name_.end() && section_name(*at) == name)
+            return section(*at);
         return std::nullopt;
     }
     std::string_view section_name(std::size_t i) const {
@@ -92,7 +96,8 @@ private:
         std::uint32_t crc;
     };
     // The bound on allocations: each table entry is smaller than its smallest encoding.
-    static_assert(sizeof(located) <= min_section_bytes && sizeof(std::uint64_t) <= min_meta_bytes);
+    static_assert(sizeof(located) + sizeof(std::uint32_t) <= min_section_bytes &&
+                  sizeof(std::uint64_t) <= min_meta_bytes);
     std::string_view view(std::uint64_t p, std::uint64_t n) const {
         return {reinterpret_cast<const char*>(file_.data() + p), static_cast<std::size_t>(n)};
     }
@@ -101,6 +106,7 @@ private:
     std::uint64_t header_ = 0;
     std::vector<std::uint64_t> meta_;
     std::vector<located> sections_;
+    std::vector<std::uint32_t> by_name_; ///< section indices in name order
 };
 
 /// Parses and checks the header of a checkpoint file of `size` bytes from `head`, its first
@@ -237,7 +243,9 @@ inline parsed_header parse_header_prefix(std::span<const std::byte> head, std::u
                 bad("metadata key '", h.meta(by_key[i]).first, "' appears twice");
     }
     {
-        std::vector<std::uint32_t> by_name(h.sections_.size());
+        // Kept: find_section searches it.
+        std::vector<std::uint32_t>& by_name = h.by_name_;
+        by_name.resize(h.sections_.size());
         std::iota(by_name.begin(), by_name.end(), std::uint32_t{0});
         std::sort(by_name.begin(), by_name.end(), [&](std::uint32_t a, std::uint32_t b) {
             return h.section_name(a) < h.section_name(b);

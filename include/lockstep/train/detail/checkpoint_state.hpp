@@ -50,6 +50,7 @@
 #include <system_error>
 #include <tuple>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -227,14 +228,16 @@ inline void compare_header(const parsed_header& h, const meta_list& expected,
                                       dtype_name(got->type), " ", shape_text(got->shape),
                                       ", trainer ", dtype_name(s.type), " ", shape_text(s.shape)));
     }
+    // A set, not a scan of `want` per section: a shard holds a section per tensor.
+    std::unordered_set<std::string_view> wanted;
+    for (const section_spec& s : want)
+        wanted.insert(s.name);
     for (std::size_t i = 0; i < h.section_count(); ++i) {
+        if (wanted.contains(h.section_name(i)))
+            continue;
         const section_entry e = h.section(i);
-        bool known = false;
-        for (const section_spec& s : want)
-            known = known || s.name == e.name;
-        if (!known)
-            problems.push_back(concat(prefix, "section '", e.name, "' (", dtype_name(e.type), " ",
-                                      shape_text(e.shape), ") is not part of this trainer"));
+        problems.push_back(concat(prefix, "section '", e.name, "' (", dtype_name(e.type), " ",
+                                  shape_text(e.shape), ") is not part of this trainer"));
     }
 }
 
