@@ -29,6 +29,8 @@ int main(int argc, char** argv) {
         std::vector<float> x(16, 1.0f);
         comm.all_reduce(std::span<const float>(x), std::span<float>(x), lockstep::reduce_op::sum);
         record("passed all_reduce #1");
+        // Every rank's record is written before the culprit can abort the job.
+        comm.barrier();
         // The last replica fails between collectives; the others go on into the next one,
         // where only MPI_Abort can reach them.
         if (culprit)
