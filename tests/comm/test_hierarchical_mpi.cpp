@@ -192,6 +192,49 @@ TEST_CASE("hierarchical_group rethrows an intra-node failure naming the replica'
     }
 }
 
+TEST_CASE("a split hierarchical group's errors name the replica as the whole group does",
+          "[comm][hierarchical][mpi]") {
+    // Split by node (bn::group<2>'s split): the last process's second replica leaves before the
+    // split's all_reduce, and its node's first replica fails there. Its error must name it as
+    // the whole group does (replica and node), not by its split's numbers (replica 0, node 0).
+    hierarchical_group::params p;
+    p.abort_on_failure = false;
+    p.mpi.on_failure = lockstep::mpi_failure_action::throw_error;
+    p.threads.timeout = std::chrono::seconds(20);
+    hierarchical_group g(MPI_COMM_WORLD, 2, p);
+    const int processes = g.processes();
+    const int last = processes * 2 - 1;
+    std::string what;
+    try {
+        g.run([&](comm_t& comm) {
+            comm_t node = comm.split(comm.node(), comm.rank());
+            if (comm.rank() == last)
+                return;
+            std::vector<float> v(4, 1.0f);
+            node.all_reduce(std::span<const float>(v), std::span<float>(v),
+                            lockstep::reduce_op::sum);
+        });
+    } catch (const lockstep::error& e) {
+        what = e.what();
+    }
+    int rank = -1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (rank == processes - 1) {
+        INFO(what);
+        CHECK(lockstep_test::contains(
+            what, "replica " + std::to_string(last - 1) +
+                      ": hierarchical_communicator.all_reduce in split(color=" +
+                      std::to_string(processes - 1) + "): this replica (node " +
+                      std::to_string(processes - 1) +
+                      ", local rank 0; replica 0 of the split) called it with 4 float32 (sum); "
+                      "its intra-node part (the communicator of node " +
+                      std::to_string(processes - 1) + "), split, failed"));
+        CHECK(lockstep_test::contains(what, "replica 1 left the group"));
+    } else {
+        CHECK(what.empty());
+    }
+}
+
 // A run whose replicas fail a collective that MPI refuses (the communicators stay usable) must
 // leave the group able to run again: each replica's MPI communicator returns to it on the way
 // out of a failure too.

@@ -265,6 +265,30 @@ TEST_CASE("split builds sub-groups ranked by key", "[comm][mpi]") {
         // NOLINTEND(bugprone-use-after-move)
         moved.barrier();
         comm.barrier();
+
+        // A split's errors name it: their ranks are the split's, not the parent's.
+        mpi_communicator all = comm.split(0, -r);
+        std::vector<float> y(static_cast<std::size_t>(10 + r), 1.0f);
+        try {
+            all.all_reduce(std::span<const float>(y), std::span<float>(y), reduce_op::sum);
+            FAIL_CHECK("mismatched counts did not throw");
+        } catch (const lockstep::error& e) {
+            INFO(e.what());
+            CHECK(e.code() == errc::count_mismatch);
+            CHECK(std::string(e.what()).find("replica " + std::to_string(p - 1 - r) +
+                                             ": all_reduce #1 in split(color=0)") !=
+                  std::string::npos);
+        }
+        mpi_communicator nested = all.split(1, 0);
+        CHECK(code_of([&] {
+                  nested.all_reduce(std::span<const float>(y), std::span<float>(y), reduce_op::sum);
+              }) == errc::count_mismatch);
+        try {
+            nested.all_reduce(std::span<const float>(y), std::span<float>(y), reduce_op::sum);
+        } catch (const lockstep::error& e) {
+            CHECK(std::string(e.what()).find(" in split(color=0) / split(color=1)") !=
+                  std::string::npos);
+        }
     });
 }
 

@@ -147,7 +147,7 @@ private:
     // members: the routes' rank of each replica of this group (empty: the same as rank()).
     hierarchical_communicator(Intra intra, Inter inter, Routes routes, std::vector<int> members)
         : intra_(std::move(intra)), inter_(std::move(inter)), routes_(std::move(routes)),
-          members_(std::move(members)) {
+          members_(std::move(members)), origin_{rank(), node(), local_rank()} {
         // {L, -L, node, -node, nodes, -nodes}: max over both parts gives min and max at once.
         int shape[6] = {intra_.size(),  -intra_.size(), inter_.rank(),
                         -inter_.rank(), inter_.size(),  -inter_.size()};
@@ -530,14 +530,21 @@ public:
         const auto block = static_cast<int>(
             std::find(block_nodes.begin(), block_nodes.end(), inter_.rank()) - block_nodes.begin());
         Inter inter = inter_.split(index, block);
+        const auto child = [&](hierarchical_communicator c) {
+            // Its errors name this replica as the group split first does, and the split.
+            c.origin_ = origin_;
+            c.label_ = (label_.empty() ? "" : label_ + " / ") +
+                       "split(color=" + std::to_string(color) + ")";
+            return c;
+        };
         if constexpr (has_routes) {
             // The child's rank k is members[k] here: its routes' rank is that one's.
             for (int& m : members)
                 m = to_routes(m);
-            return hierarchical_communicator(std::move(intra), std::move(inter), routes_.share(),
-                                             std::move(members));
+            return child(hierarchical_communicator(std::move(intra), std::move(inter),
+                                                   routes_.share(), std::move(members)));
         } else {
-            return hierarchical_communicator(std::move(intra), std::move(inter));
+            return child(hierarchical_communicator(std::move(intra), std::move(inter)));
         }
     }
 
@@ -623,20 +630,27 @@ private:
     /// part's own replica numbers (MPI: process ranks), sequence numbers and the step's counts)
     /// is rethrown with its code, naming this replica's rank(), node and local rank and what the
     /// caller passed, the part's text as the detail.
+    /// In a split group the replica, node and local rank named are those of the group first
+    /// split (origin_), and the operation names the split: its own ranks are not the job's.
     template <class F>
     void step(part_kind part, const call_text& call, F&& f) {
         try {
             f();
         } catch (const error& e) {
-            throw error(e.code(), rank(), std::string("hierarchical_communicator.") + call.op,
-                        detail::concat("this replica (node ", node(), ", local rank ", local_rank(),
-                                       ") called it with ", call.describe(), "; its ",
-                                       part == intra_part
-                                           ? "intra-node part (the communicator of node "
-                                           : "inter-node part (the communicator of local rank ",
-                                       part == intra_part ? node() : local_rank(),
-                                       part == intra_part ? ")" : " across the nodes)",
-                                       " failed: ", e.what(), path_hint(part, call, e.code())));
+            const bool split = !label_.empty();
+            throw error(
+                e.code(), origin_.rank,
+                std::string("hierarchical_communicator.") + call.op +
+                    (split ? " in " + label_ : ""),
+                detail::concat(
+                    "this replica (node ", origin_.node, ", local rank ", origin_.local,
+                    split ? detail::concat("; replica ", rank(), " of the split") : std::string(),
+                    ") called it with ", call.describe(), "; its ",
+                    part == intra_part ? "intra-node part (the communicator of node "
+                                       : "inter-node part (the communicator of local rank ",
+                    part == intra_part ? origin_.node : origin_.local,
+                    part == intra_part ? ")" : " across the nodes)", split ? ", split," : "",
+                    " failed: ", e.what(), path_hint(part, call, e.code())));
         }
     }
 
@@ -677,6 +691,12 @@ private:
     Inter inter_;
     [[no_unique_address]] Routes routes_;
     std::vector<int> members_;
+    /// This replica in the group first split (the unsplit one's own rank, node and local rank),
+    /// and "" or the splits since ("split(color=1)", " / " between): what errors name.
+    struct {
+        int rank, node, local;
+    } origin_;
+    std::string label_;
     // Scratch and the inter-node calls' staging; destroyed before the parts (device scratch is
     // freed on the intra-node part's stream).
     detail::hierarchical_staging<system_type, typename Inter::system_type> stage_;

@@ -443,7 +443,10 @@ public:
             ibarrier("MPI_Ibarrier (before MPI_Comm_split)");
         MPI_Comm sub = MPI_COMM_NULL;
         call(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split", 0);
-        return mpi_communicator(sub, params_, node_ranks_);
+        mpi_communicator child(sub, params_, node_ranks_);
+        child.label_ =
+            (label_.empty() ? "" : label_ + " / ") + "split(color=" + std::to_string(color) + ")";
+        return child;
     }
 
     /// A second handle on the same MPI communicator for point-to-point messages (send, recv,
@@ -466,6 +469,7 @@ public:
         v.rank_ = rank_;
         v.size_ = size_;
         v.node_ranks_ = node_ranks_;
+        v.label_ = label_;
         v.tag_ub_ = tag_ub_;
         return v;
     }

@@ -315,6 +315,7 @@ protected:
         rank_ = o.rank_;
         size_ = o.size_;
         node_ranks_ = o.node_ranks_;
+        label_ = std::move(o.label_);
         tag_ub_ = o.tag_ub_;
         seq_ = o.seq_;
         waits_ = o.waits_;
@@ -395,7 +396,10 @@ protected:
     }
 
     // "all_reduce #12": the collective in progress and its sequence number.
-    std::string name() const { return detail::mpi_operation_name(kind_, seq_); }
+    std::string name() const {
+        std::string n = detail::mpi_operation_name(kind_, seq_);
+        return label_.empty() ? n : n + " in " + label_;
+    }
     detail::mpi_clock::time_point deadline() const {
         return deadline_after<detail::mpi_clock>(params_.timeout);
     }
@@ -465,12 +469,13 @@ protected:
                 detail::require_agreement(mine, range, rank_, detail::describe_counts(counts),
                                           calls,
                                           detail::tag_text(tag.identity(params_.check_call_sites),
-                                                           tag.by_site(params_.check_call_sites)));
+                                                           tag.by_site(params_.check_call_sites)),
+                                          label_);
             } catch (const error& e) {
                 trace_.fail_newest();
                 if (!flight_recorder::dumps_on(e.code()))
                     throw;
-                throw flight_recorder::with_trace(e, trace_.dump(rank_, size_, e.what()));
+                throw flight_recorder::with_trace(e, trace_.dump(rank_, size_, e.what(), label_));
             }
         }
         return traced;
@@ -570,7 +575,7 @@ protected:
     [[noreturn]] void poison(error e) {
         trace_.fail_newest();
         if (flight_recorder::dumps_on(e.code()))
-            e = flight_recorder::with_trace(e, trace_.dump(rank_, size_, e.what()));
+            e = flight_recorder::with_trace(e, trace_.dump(rank_, size_, e.what(), label_));
         broken_ = e;
         detail::keep_forever(scratch_.release());
         scratch_bytes_ = 0;
@@ -609,6 +614,10 @@ protected:
     int rank_ = -1;
     int size_ = 0;
     int node_ranks_ = 1;
+    /// "" for a communicator made from an MPI_Comm, else "split(color=c)" (after its parent's
+    /// label and " / "): messages name operations "all_gather #3 in split(color=1)", so ranks
+    /// read as the split's, not the parent's.
+    std::string label_;
     int tag_ub_ = 32767;
     std::int64_t seq_ = 0;
     detail::wait_estimate waits_; // how long its collectives wait (finish)

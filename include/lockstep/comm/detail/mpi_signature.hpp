@@ -144,15 +144,17 @@ inline bool mpi_calls_differ(const mpi_signature_range& r) noexcept {
 /// different collectives, element types and tags (the thread group's codes for the same
 /// mistakes). `calls` lists every replica's call when
 /// mpi_calls_differ ("replica 0 called ..., replica 1 called ..."). `tag_text` (detail::tag_text)
-/// follows the collective's name in the messages after the tags agree.
+/// follows the collective's name in the messages after the tags agree. `label`: the split's
+/// ("split(color=1)", "" for the whole group), named after the collective.
 inline void require_agreement(const mpi_signature& mine, const mpi_signature_range& r, int rank,
                               const std::string& layout_text = {}, const std::string& calls = {},
-                              const std::string& tag_text = {}) {
+                              const std::string& tag_text = {}, const std::string& label = {}) {
     using f = mpi_signature;
     const auto& lo = r.min.value;
     const auto& hi = r.max.value;
     const auto name = [&] {
-        return mpi_operation_name(mpi_collective(mine.value[f::kind]), mine.value[f::sequence]);
+        return mpi_operation_name(mpi_collective(mine.value[f::kind]), mine.value[f::sequence]) +
+               (label.empty() ? "" : " in " + label);
     };
     // Every replica passed this tag once the tags agree.
     const auto tagged = [&] { return name() + tag_text; };
