@@ -335,8 +335,8 @@ public:
     /// requires: counts has size() entries summing to send.size(), equal on every replica
     /// (verified through a hash of the counts in the signature); recv.size() == counts[rank()];
     /// recv this replica's slice of send or disjoint from it (an empty recv may point anywhere,
-    /// into send too); send.size() <= INT_MAX (else errc::unsupported); spans non-null unless
-    /// empty.
+    /// into send too); half and bfloat16: send.size() <= INT_MAX (else errc::unsupported; other
+    /// types are cut into pieces past 2 MiB, any size); spans non-null unless empty.
     template <class T>
     void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
                         std::span<const std::size_t> counts, reduce_op op,
@@ -353,8 +353,11 @@ public:
         // An empty recv holds no element, so it overlaps nothing (it may point into send).
         const bool in_place = shaped && !recv.empty() && recv.data() == send.data() + layout.offset;
         const bool ok = shaped && (in_place || recv.empty() || disjoint(send, recv));
-        const bool fits = send.size() <= std::size_t(std::numeric_limits<int>::max()) &&
-                          (!is_wire_float16_v<T> || !shaped || detail::float16_fits(counts));
+        // Past 2 pieces the send is cut (reduce_scatter_pieces: int counts per piece); only the
+        // 16-bit exchange hands MPI whole counts.
+        const bool fits =
+            !is_wire_float16_v<T> || (send.size() <= std::size_t(std::numeric_limits<int>::max()) &&
+                                      (!shaped || detail::float16_fits(counts)));
         const auto traced =
             begin(detail::mpi_collective::reduce_scatter, send.size(), detail::mpi_type<T>::id, 0,
                   op, ok && fits, bad.empty() ? counts : std::span<const std::size_t>(), tag);
@@ -366,9 +369,9 @@ public:
                          " (requires one count per replica summing to send.size(), recv.size() "
                          "== counts[rank()], recv this replica's slice of send or disjoint)");
         LOCKSTEP_REQUIRE(fits, errc::unsupported, rank_, name(), "send.size() = ", send.size(),
-                         " exceeds MPI's int count (", std::numeric_limits<int>::max(),
-                         ", for half and bfloat16 also size() * the largest count); "
-                         "reduce-scatter it in pieces");
+                         " half or bfloat16 values exceed MPI's int count (",
+                         std::numeric_limits<int>::max(),
+                         ", also size() * the largest count); reduce-scatter them in pieces");
         if constexpr (is_wire_float16_v<T>) {
             // The exchange completes before the fold writes recv, so in place needs no copy.
             if (layout.total != 0) {
