@@ -144,8 +144,9 @@ TEST_CASE("1200 bn::group layers on one MPI communicator split it once", "[nn][b
     mpi_communicator world(MPI_COMM_WORLD);
     testing::counting_communicator comm(world);
     mpi_communicator pair = world.split(world.rank() / 2, world.rank());
-    const auto x = bn_test::random_values<float>(4 * 3, 80 + static_cast<unsigned>(world.rank()),
-                                                 static_cast<double>(world.rank()));
+    const auto x =
+        bn_test::random_values<float>(std::size_t{4} * 3, 80 + static_cast<unsigned>(world.rank()),
+                                      static_cast<double>(world.rank()));
     const auto dy = bn_test::random_values<float>(x.size(), 90);
     const nn::tensor_shape shape{4, 3};
     nn::batch_norm<float, bn::global, nn::nc> reference(3);

@@ -345,6 +345,7 @@ TEST_CASE("bn::group layers on one communicator share one split per group size",
             const auto r = static_cast<std::size_t>(comm.rank());
             // shared: one communicator for every layer; else one each (each splits its own)
             std::vector<std::unique_ptr<testing::counting_communicator<thread_communicator>>> cs;
+            cs.reserve(shared ? 1 : static_cast<std::size_t>(layers));
             for (int l = 0; l < (shared ? 1 : layers); ++l)
                 cs.push_back(
                     std::make_unique<testing::counting_communicator<thread_communicator>>(comm));
