@@ -1253,9 +1253,6 @@ TEST_CASE("an asynchronous trainer's save from on_apply is refused on the server
                contains(errors[r], "replica 0 failed: lockstep error [invalid_argument] replica "
                                    "0: save_checkpoint: called while")));
     }
-    // The worker whose gradient was being applied gets the abort first, naming the server.
-    const std::string abort_text = "the server (rank 0) failed while applying work item ";
-    CHECK((contains(errors[1], abort_text) || contains(errors[2], abort_text)));
     CHECK(!fs::exists(path));
 }
 
