@@ -80,6 +80,23 @@ std::pair<std::optional<lockstep::errc>, std::string> error_of(F&& f) {
     return {std::nullopt, ""};
 }
 
+// A group's parameters for the cases in which a replica fails: errors throw (no abort) and the
+// threads' waits give up after 20 s.
+hierarchical_group::params failing_params() {
+    hierarchical_group::params p;
+    p.abort_on_failure = false;
+    p.mpi.on_failure = lockstep::mpi_failure_action::throw_error;
+    p.threads.timeout = std::chrono::seconds(20);
+    return p;
+}
+
+// Whether this process is the last of MPI_COMM_WORLD's `processes`.
+bool on_last_process(int processes) {
+    int rank = -1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    return rank == processes - 1;
+}
+
 } // namespace
 
 TEST_CASE("hierarchical_group refuses different thread counts on every process",
@@ -155,16 +172,11 @@ TEST_CASE("hierarchical_group rethrows a failing replica's error, not its handle
 // the replica's rank in the whole job, its node and local rank.
 TEST_CASE("hierarchical_group rethrows an intra-node failure naming the replica's rank in the job",
           "[comm][hierarchical][mpi]") {
-    hierarchical_group::params p;
-    p.abort_on_failure = false;
-    p.mpi.on_failure = lockstep::mpi_failure_action::throw_error;
-    p.threads.timeout = std::chrono::seconds(20);
-    hierarchical_group g(MPI_COMM_WORLD, 2, p);
+    hierarchical_group g(MPI_COMM_WORLD, 2, failing_params());
     // Read before run(): a replica returning moves its MPI part back into the group.
     const int processes = g.processes();
     const int last = processes * 2 - 1;
-    std::string what;
-    try {
+    const auto [code, what] = error_of([&] {
         g.run([&](comm_t& comm) {
             std::vector<float> v(4, 1.0f);
             comm.all_reduce(std::span<const float>(v), std::span<float>(v),
@@ -174,14 +186,10 @@ TEST_CASE("hierarchical_group rethrows an intra-node failure naming the replica'
             comm.all_reduce(std::span<const float>(v), std::span<float>(v),
                             lockstep::reduce_op::sum);
         });
-    } catch (const lockstep::error& e) {
-        CHECK(e.code() == lockstep::errc::peer_failure);
-        what = e.what();
-    }
-    int rank = -1;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    if (rank == processes - 1) {
+    });
+    if (on_last_process(processes)) {
         INFO(what);
+        CHECK(code == lockstep::errc::peer_failure);
         CHECK(lockstep_test::contains(what, "replica " + std::to_string(last - 1) +
                                                 ": hierarchical_communicator.all_reduce"));
         CHECK(lockstep_test::contains(what, "(node " + std::to_string(processes - 1) +
@@ -197,15 +205,10 @@ TEST_CASE("a split hierarchical group's errors name the replica as the whole gro
     // Split by node (bn::group<2>'s split): the last process's second replica leaves before the
     // split's all_reduce, and its node's first replica fails there. Its error must name it as
     // the whole group does (replica and node), not by its split's numbers (replica 0, node 0).
-    hierarchical_group::params p;
-    p.abort_on_failure = false;
-    p.mpi.on_failure = lockstep::mpi_failure_action::throw_error;
-    p.threads.timeout = std::chrono::seconds(20);
-    hierarchical_group g(MPI_COMM_WORLD, 2, p);
+    hierarchical_group g(MPI_COMM_WORLD, 2, failing_params());
     const int processes = g.processes();
     const int last = processes * 2 - 1;
-    std::string what;
-    try {
+    const auto [code, what] = error_of([&] {
         g.run([&](comm_t& comm) {
             comm_t node = comm.split(comm.node(), comm.rank());
             if (comm.rank() == last)
@@ -214,12 +217,8 @@ TEST_CASE("a split hierarchical group's errors name the replica as the whole gro
             node.all_reduce(std::span<const float>(v), std::span<float>(v),
                             lockstep::reduce_op::sum);
         });
-    } catch (const lockstep::error& e) {
-        what = e.what();
-    }
-    int rank = -1;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    if (rank == processes - 1) {
+    });
+    if (on_last_process(processes)) {
         INFO(what);
         CHECK(lockstep_test::contains(
             what, "replica " + std::to_string(last - 1) +
@@ -240,10 +239,7 @@ TEST_CASE("a split hierarchical group's errors name the replica as the whole gro
 // out of a failure too.
 TEST_CASE("hierarchical_group runs again after a run whose replicas threw",
           "[comm][hierarchical][mpi]") {
-    hierarchical_group::params p;
-    p.abort_on_failure = false;
-    p.mpi.on_failure = lockstep::mpi_failure_action::throw_error;
-    hierarchical_group g(MPI_COMM_WORLD, 2, p);
+    hierarchical_group g(MPI_COMM_WORLD, 2, failing_params());
     std::string first;
     try {
         g.run([&](comm_t& comm) { // the processes pass different counts: refused everywhere
@@ -272,10 +268,7 @@ TEST_CASE("hierarchical_group runs again after a run whose replicas threw",
 TEST_CASE("hierarchical_group: an all_reduce whose count differs between processes fails every "
           "replica, naming its rank and count",
           "[comm][hierarchical][mpi]") {
-    hierarchical_group::params p;
-    p.abort_on_failure = false;
-    p.mpi.on_failure = lockstep::mpi_failure_action::throw_error;
-    hierarchical_group g(MPI_COMM_WORLD, threads_per_process, p);
+    hierarchical_group g(MPI_COMM_WORLD, threads_per_process, failing_params());
     REQUIRE(g.processes() == 2);
     std::vector<std::string> whats(threads_per_process);
     std::vector<int> ranks(threads_per_process, -1), returned(threads_per_process, 0);

@@ -10,6 +10,7 @@
 
 #include "checkpoint_support.hpp"
 #include "support/contains.hpp"
+#include "support/replica_errors.hpp"
 #include "train_runner.hpp"
 
 #include "lockstep/optim/adam.hpp"
@@ -29,6 +30,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 using namespace lockstep_test;
@@ -1059,20 +1061,13 @@ double tiny_step(tiny_net& n, const shard_range& r, replica_context<float, threa
 /// Each replica's error message from body(dp, comm) on 2 thread replicas ("" when none).
 template <class Body>
 std::vector<std::string> tiny_errors(Body body) {
-    std::vector<std::string> errors(2);
-    try {
-        thread_group(2, {.timeout = std::chrono::seconds(10)}).run([&](thread_communicator& comm) {
-            try {
-                tiny_dp dp(comm, [](auto& ctx) { return tiny_net(ctx); }, {.lr = 0.05});
-                body(dp, comm);
-                (void)dp.finish();
-            } catch (const lockstep::error& e) {
-                errors[static_cast<std::size_t>(comm.rank())] = e.what();
-                throw;
-            }
-        });
-    } catch (const std::exception&) {
-    }
+    std::vector<std::string> errors;
+    for (auto& e : lockstep_test::errors_of(2, [&](int, thread_communicator& comm) {
+             tiny_dp dp(comm, [](auto& ctx) { return tiny_net(ctx); }, {.lr = 0.05});
+             body(dp, comm);
+             (void)dp.finish();
+         }))
+        errors.push_back(std::move(e.first));
     return errors;
 }
 
@@ -1220,25 +1215,18 @@ TEST_CASE("an asynchronous trainer's save from on_apply is refused on the server
     using net = dp_type::network_type;
     temp_dir dir;
     const fs::path path = dir.path / "apply.ckpt";
-    std::vector<std::string> errors(3);
-    try {
-        thread_group(3, {.timeout = std::chrono::seconds(20)}).run([&](thread_communicator& comm) {
-            try {
-                dp_type* self = nullptr;
-                async_params ap;
-                ap.on_apply = [&](const apply_info&, double) { save_checkpoint(*self, path); };
-                dp_type dp(
-                    comm, [](auto& ctx) { return net(ctx); }, base_params, params_for(42), ap);
-                self = &dp;
-                dp.train(4, 8,
-                         [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); });
-            } catch (const lockstep::error& e) {
-                errors[static_cast<std::size_t>(comm.rank())] = e.what();
-                throw;
-            }
-        });
-    } catch (const std::exception&) {
-    }
+    std::vector<std::string> errors;
+    for (auto& e : lockstep_test::errors_of(3, [&](int, thread_communicator& comm) {
+             dp_type* self = nullptr;
+             async_params ap;
+             ap.on_apply = [&](const apply_info&, double) { save_checkpoint(*self, path); };
+             dp_type dp(
+                 comm, [](auto& ctx) { return net(ctx); }, base_params, params_for(42), ap);
+             self = &dp;
+             dp.train(4, 8,
+                      [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); });
+         }))
+        errors.push_back(std::move(e.first));
     INFO(errors[0]);
     CHECK(contains(errors[0], "[invalid_argument] replica 0: save_checkpoint: called while "
                               "data_parallel.train of this trainer runs on the same thread"));
