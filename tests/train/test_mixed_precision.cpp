@@ -6,10 +6,12 @@
 #include "lockstep/kernels/mixed_precision.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/system/host_sync.hpp"
+#include "lockstep/train/checkpoint.hpp"
 #include "lockstep/train/compute_copy.hpp"
 #include "lockstep/train/data_parallel.hpp"
 #include "lockstep/train/loss_scaler.hpp"
 
+#include "checkpoint_support.hpp"
 #include "mixed_fixture.hpp"
 #include "support/contains.hpp"
 
@@ -691,4 +693,49 @@ TEST_CASE("a loss too small for half: without scaling its gradients underflow to
         half_precision, loss_scaling{.init_scale = 16777216.0, .growth_interval = 1000}, 30, 0,
         weight);
     CHECK(r.scales == std::vector<double>(30, 16777216.0));
+}
+
+// A network's compute_copy outlives a load_checkpoint on the same trainer. Loading another run's
+// checkpoint made at a step the copy was already cast for (here step 2, after the trainer
+// computed step 2 with its own weights) must not keep the copy of the replaced weights: the
+// next step computes with the loaded weights, as a fresh trainer that loads the same checkpoint.
+TEST_CASE("a load that returns to a step the 16-bit copy was cast for recasts it",
+          "[train][mixed][checkpoint]") {
+    using net_type = linreg<lockstep::half>;
+    temp_dir dir("mixed");
+    const auto path = dir.path / "other.ckpt";
+    const auto step = [](auto& trainer, double weight) {
+        trainer.network().weight = weight;
+        (void)trainer.step(n_samples, [](net_type& net, shard_range sr, ctx_type& ctx) {
+            return net.train(sr, ctx);
+        });
+    };
+    const auto make = [](comm_type& comm) {
+        return trainer_t<lockstep::half>(comm, [](ctx_type& ctx) { return net_type(ctx); },
+                                         {.lr = lr});
+    };
+    std::vector<std::vector<float>> loaded(2), fresh(2);
+    thread_group(2).run([&](comm_type& comm) { // the other run: another loss weight
+        auto trainer = make(comm);
+        step(trainer, 3.0);
+        step(trainer, 3.0);
+        save_checkpoint(trainer, path);
+        trainer.finish();
+    });
+    const auto load_and_step = [&](std::vector<std::vector<float>>& out, int steps_before) {
+        thread_group(2).run([&](comm_type& comm) {
+            auto trainer = make(comm);
+            for (int k = 0; k < steps_before; ++k)
+                step(trainer, 1.0);
+            load_checkpoint(trainer, path);
+            step(trainer, 1.0);
+            const auto p = trainer.parameters();
+            out[static_cast<std::size_t>(comm.rank())].assign(p.begin(), p.end());
+            trainer.finish();
+        });
+    };
+    load_and_step(loaded, 3); // computed step 2 before the load
+    load_and_step(fresh, 0);
+    CHECK(loaded[0] == fresh[0]);
+    CHECK(loaded[1] == fresh[1]);
 }

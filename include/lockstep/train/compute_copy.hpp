@@ -9,7 +9,9 @@
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/mixed_precision.hpp"
 #include "lockstep/system/buffer.hpp"
+#include "lockstep/train/detail/parameter_loads.hpp"
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -55,14 +57,19 @@ public:
 
     /// values() = Low(master), unless already done for `step` (pass ctx.step(): the first call of
     /// a step casts, the other micro-batches reuse the copy; pass a negative step to force it).
-    /// requires: master.size() == size(), in System memory, laid out as values().
+    /// A checkpoint load since the last cast makes the next call cast even for the same step (a
+    /// load can return to a step with other weights: detail::parameter_loads). Parameters the
+    /// user writes between steps need a negative step. requires: master.size() == size(), in
+    /// System memory, laid out as values().
     void refresh(std::span<const T> master, std::int64_t step = -1) {
         LOCKSTEP_REQUIRE(master.size() == size(), errc::shape_mismatch, -1, "compute_copy.refresh",
                          "master buffer has ", master.size(), " values, the copy ", size());
-        if (step >= 0 && step == refreshed_)
+        const std::uint64_t loads = detail::parameter_loads.load(std::memory_order_relaxed);
+        if (step >= 0 && step == refreshed_ && loads == loads_seen_)
             return;
         kernels::cast_down(sys_, master, values_.span());
         refreshed_ = step;
+        loads_seen_ = loads;
     }
 
     /// grads() = +0.
@@ -89,6 +96,7 @@ private:
     buffer<Low, System> values_;
     buffer<Low, System> grads_;
     std::int64_t refreshed_ = std::numeric_limits<std::int64_t>::min();
+    std::uint64_t loads_seen_ = 0;
 };
 
 } // namespace lockstep

@@ -28,6 +28,7 @@
 #include "lockstep/train/detail/checkpoint_parser.hpp"
 #include "lockstep/train/detail/host_collective.hpp"
 #include "lockstep/train/detail/optimizer_shard.hpp"
+#include "lockstep/train/detail/parameter_loads.hpp"
 #include "lockstep/train/detail/signature.hpp"
 #include "lockstep/train/detail/snapshot_staging.hpp"
 #include "lockstep/train/detail/trainer_base.hpp"
@@ -35,6 +36,7 @@
 #include "lockstep/train/loss_scaler.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstddef>
@@ -382,6 +384,7 @@ void restore(DP& dp, const loaded_shard& s,
     checkpoint_access::set_since_average(dp, static_cast<std::size_t>(c[2]));
     if constexpr (requires { core.comm().synchronize(); })
         core.comm().synchronize();
+    parameter_loads.fetch_add(1, std::memory_order_relaxed); // compute_copy casts again
 }
 
 } // namespace detail::ckpt
