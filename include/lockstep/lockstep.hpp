@@ -61,6 +61,7 @@
 #include "lockstep/comm/flight_recorder.hpp"
 #include "lockstep/comm/hierarchical.hpp"
 #include "lockstep/comm/host_wait.hpp"
+#include "lockstep/comm/named_timeout.hpp"
 #include "lockstep/comm/simulated_link.hpp"
 #include "lockstep/comm/thread_communicator.hpp"
 #include "lockstep/comm/thread_group.hpp"

@@ -10,10 +10,18 @@
 #include "lockstep/comm/hierarchical_group.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/train/asynchronous.hpp"
+#include "lockstep/train/parameter_server.hpp"
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <span>
+#include <string>
+#include <thread>
 #include <vector>
 
 using namespace lockstep_test;
@@ -137,6 +145,42 @@ TEST_CASE("bounded_staleness<0> over processes x 2 threads is sequential SGD: th
         if (s.rank == 0)
             CHECK(s.result.staleness.max == 0);
     }
+}
+
+TEST_CASE("a stalled worker over processes x 2 threads is named in the abort",
+          "[.][stall_abort][train][async][hierarchical][mpi]") {
+    // Hidden: CTest test_async_hierarchical_mpi_stall_abort runs it at 2 processes with
+    // LOCKSTEP_RESULT_DIR set, since MPI_Abort ends the job. Worker 1 (process 0, thread 1)
+    // stalls on its first item past the MPI timeout under the default failure policy (abort):
+    // the wait that times out (the server's, or another worker's for its next item) must end
+    // the job with the parameter server's account, not with the routes' receive, which names
+    // nobody. Each process's stderr goes to a file (an aborted job's last output may never
+    // reach the launcher), which CTest reads.
+    const char* dir = std::getenv("LOCKSTEP_RESULT_DIR");
+    REQUIRE(dir != nullptr);
+    int process = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &process);
+    const std::string base = std::string(dir) + "/rank" + std::to_string(process);
+    REQUIRE(std::freopen((base + ".stderr").c_str(), "w", stderr) != nullptr);
+    lockstep::hierarchical_group_params p;
+    p.mpi.timeout = std::chrono::milliseconds(1000);
+    REQUIRE(p.mpi.on_failure == lockstep::mpi_failure_action::abort);
+    hierarchical_group group(MPI_COMM_WORLD, threads_per_process, p);
+    std::ofstream(base + ".txt") << "started\n";
+    group.run([&](comm_t& comm) {
+        lockstep::buffer<float, lockstep::host_system> params(2, comm.system());
+        std::fill(params.begin(), params.end(), 0.0f);
+        (void)lockstep::run_parameter_server<lockstep::sync::asynchronous>(
+            comm, params.span(), {}, 0, {.steps = 8},
+            [&](const lockstep::work_item&, std::span<float> g, std::span<float>) {
+                if (comm.rank() == 1) // its first item: the others may take all the rest
+                    std::this_thread::sleep_for(std::chrono::seconds(20));
+                std::fill(g.begin(), g.end(), 1.0f);
+            },
+            [](std::span<const float>, std::span<const float>, const lockstep::apply_info&) {});
+    });
+    std::ofstream(base + ".txt", std::ios::app) << "bad: finished\n";
+    FAIL("the run went on past the timeout");
 }
 
 int main(int argc, char** argv) {

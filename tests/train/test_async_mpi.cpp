@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -124,6 +126,76 @@ TEST_CASE("a failure applying the last gradient reaches every worker, not its ti
         CHECK(message.find("the server (rank 0) failed while applying work item " +
                            std::to_string(steps - 1)) != std::string::npos);
     }
+}
+
+TEST_CASE("a stalled worker is named by the server's timeout under throw_error",
+          "[train][async][mpi]") {
+    // Worker 1 stalls on its first item past the timeout; the server's error names it. Every
+    // other rank times out too: worker 1 once it pushes after the stall, any other worker
+    // waiting to be told to stop.
+    mpi_communicator_params mp;
+    mp.timeout = std::chrono::milliseconds(500);
+    mp.on_failure = mpi_failure_action::throw_error;
+    mpi_communicator comm(MPI_COMM_WORLD, mp);
+    buffer<float> params(2, comm.system());
+    std::fill(params.begin(), params.end(), 0.0f);
+    std::string message;
+    int code = -1;
+    try {
+        (void)run_parameter_server<sync::asynchronous>(
+            comm, params.span(), {}, 0, {.steps = 6},
+            [&](const work_item&, std::span<float> g, std::span<float>) {
+                if (comm.rank() == 1) // its first item: the others may take all the rest
+                    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+                std::fill(g.begin(), g.end(), 1.0f);
+            },
+            [](std::span<const float>, std::span<const float>, const apply_info&) {});
+    } catch (const error& e) {
+        message = e.what();
+        code = static_cast<int>(e.code());
+    }
+    INFO(message);
+    CHECK(code == static_cast<int>(errc::timeout));
+    if (comm.rank() == 0)
+        CHECK(message.find("replica 0: parameter_server: the server waited for a gradient from "
+                           "worker 1 (work item 0 on version 0)") != std::string::npos);
+}
+
+TEST_CASE("a stalled worker is named in the server's abort under the default failure policy",
+          "[.][stall_abort][train][async][mpi]") {
+    // Hidden: CTest test_async_mpi_stall_abort_np2/np3 run it with LOCKSTEP_RESULT_DIR set,
+    // since MPI_Abort ends the job. Worker 1 stalls on its first item past the timeout; the wait
+    // that times out must end the job with the parameter server's account (the server's
+    // names the worker), not with a receive's, which names nobody. Each rank's stderr goes to a
+    // file (an aborted job's last output may never reach the launcher), which CTest reads.
+    const char* dir = std::getenv("LOCKSTEP_RESULT_DIR");
+    REQUIRE(dir != nullptr);
+    mpi_communicator_params mp;
+    mp.timeout = std::chrono::milliseconds(1000);
+    REQUIRE(mp.on_failure == mpi_failure_action::abort);
+    mpi_communicator comm(MPI_COMM_WORLD, mp);
+    const std::string base = std::string(dir) + "/rank" + std::to_string(comm.rank());
+    REQUIRE(std::freopen((base + ".stderr").c_str(), "w", stderr) != nullptr);
+    const auto record = [&](const std::string& line) {
+        std::ofstream(base + ".txt", std::ios::app) << line << '\n';
+    };
+    record("started");
+    buffer<float> params(2, comm.system());
+    std::fill(params.begin(), params.end(), 0.0f);
+    try {
+        (void)run_parameter_server<sync::asynchronous>(
+            comm, params.span(), {}, 0, {.steps = 6},
+            [&](const work_item&, std::span<float> g, std::span<float>) {
+                if (comm.rank() == 1) // its first item: the others may take all the rest
+                    std::this_thread::sleep_for(std::chrono::seconds(20));
+                std::fill(g.begin(), g.end(), 1.0f);
+            },
+            [](std::span<const float>, std::span<const float>, const apply_info&) {});
+        record("bad: finished although a worker stalled past the timeout");
+    } catch (const std::exception& e) {
+        record(std::string("bad: caught an error instead of the abort: ") + e.what());
+    }
+    FAIL("the run went on past the timeout");
 }
 
 int main(int argc, char** argv) {

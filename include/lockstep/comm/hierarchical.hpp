@@ -10,6 +10,7 @@
 #include "lockstep/comm/detail/hierarchical_staging.hpp"
 #include "lockstep/comm/detail/tag_forwarding.hpp"
 #include "lockstep/comm/flight_recorder.hpp"
+#include "lockstep/comm/named_timeout.hpp"
 #include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/error.hpp"
 
@@ -114,6 +115,12 @@ struct no_routes {};
 template <communicator Intra, communicator Inter, class Routes = no_routes>
 class hierarchical_communicator {
     static constexpr bool has_routes = !std::is_same_v<Routes, no_routes>;
+    // Routes whose receives take on_timeout (named_timeout_communicator).
+    static constexpr bool routes_name_timeouts =
+        has_routes && requires(Routes & r, std::span<int> i) {
+        r.recv(i, 0, 0, detail::same_error{});
+        r.recv_any(i, 0, detail::same_error{});
+    };
 
 public:
     using intra_type = Intra;
@@ -355,20 +362,26 @@ public:
         require_peer(source, "hierarchical_communicator.recv");
         routes_.recv(data, to_routes(source), tag);
     }
+    /// As recv(data, source, tag), whose timeout fails with on_timeout(e) in place of the
+    /// routes' error e (named_timeout_communicator). Only with routes that take on_timeout.
+    template <class T, class OnTimeout>
+    void recv(std::span<T> data, int source, int tag,
+              OnTimeout&& on_timeout) requires routes_name_timeouts {
+        require_peer(source, "hierarchical_communicator.recv");
+        routes_.recv(data, to_routes(source), tag, on_timeout);
+    }
 
     /// As recv, from any replica; returns the sender's rank. Waits at most the routes' timeout
     /// (then errc::timeout naming the tag). Only with routes.
     template <class T>
     int recv_any(std::span<T> data, int tag) requires has_routes {
-        const int from = routes_.recv_any(data, tag);
-        if (members_.empty())
-            return from;
-        const auto it = std::find(members_.begin(), members_.end(), from);
-        LOCKSTEP_REQUIRE(it != members_.end(), errc::invalid_argument, rank(),
-                         "hierarchical_communicator.recv_any", "a message with tag ", tag,
-                         " came from replica ", from,
-                         " of the whole group, which is not a member of this split group");
-        return static_cast<int>(it - members_.begin());
+        return from_member(routes_.recv_any(data, tag), tag);
+    }
+    /// As recv_any(data, tag), whose timeout fails with on_timeout(e) in place of the routes'
+    /// error e (named_timeout_communicator). Only with routes that take on_timeout.
+    template <class T, class OnTimeout>
+    int recv_any(std::span<T> data, int tag, OnTimeout&& on_timeout) requires routes_name_timeouts {
+        return from_member(routes_.recv_any(data, tag, on_timeout), tag);
     }
 
     /// This replica's routes (for messages on the whole, unsplit group). Only with routes.
@@ -549,6 +562,17 @@ public:
     }
 
 private:
+    // The rank in this group of the routes' replica `from`, a sender of recv_any.
+    int from_member(int from, int tag) const {
+        if (members_.empty())
+            return from;
+        const auto it = std::find(members_.begin(), members_.end(), from);
+        LOCKSTEP_REQUIRE(it != members_.end(), errc::invalid_argument, rank(),
+                         "hierarchical_communicator.recv_any", "a message with tag ", tag,
+                         " came from replica ", from,
+                         " of the whole group, which is not a member of this split group");
+        return static_cast<int>(it - members_.begin());
+    }
     void require_peer(int peer, const char* what) const {
         LOCKSTEP_REQUIRE(peer >= 0 && peer < size(), errc::invalid_argument, rank(), what,
                          "replica ", peer, " is not in [0, ", size(), ")");

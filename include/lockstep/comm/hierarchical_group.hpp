@@ -5,6 +5,7 @@
 #include "lockstep/comm/detail/mpi_job_failure.hpp"
 #include "lockstep/comm/hierarchical.hpp"
 #include "lockstep/comm/mpi_communicator.hpp"
+#include "lockstep/comm/named_timeout.hpp"
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/core/error.hpp"
 
@@ -84,6 +85,27 @@ public:
             from_[static_cast<std::size_t>(source % threads_)].recv(data, source / threads_, tag);
         });
     }
+    /// As recv(data, source, tag), except that its timeout fails with on_timeout(e) in place of
+    /// its own error e (in group terms), printed and ending the job as e would be
+    /// (named_timeout_communicator).
+    template <class T, class OnTimeout>
+    void recv(std::span<T> data, int source, int tag, OnTimeout&& on_timeout) {
+        require_replica(source, "recv");
+        bool named = false; // the mailbox failed with on_timeout's error: pass it on as it is
+        const auto in_group = [&](const error& e) {
+            error named_error = on_timeout(group_error("recv", source, tag, e));
+            named = true;
+            return named_error;
+        };
+        try {
+            from_[static_cast<std::size_t>(source % threads_)].recv(data, source / threads_, tag,
+                                                                    in_group);
+        } catch (const error& e) {
+            if (named)
+                throw;
+            throw group_error("recv", source, tag, e);
+        }
+    }
     /// Receives the next message with tag from any replica and returns its sender: polls the
     /// mailboxes of this replica's column in turn (a non-blocking probe each), then receives the
     /// message found. Waits at most params::mpi.timeout, then fails with errc::timeout naming
@@ -91,6 +113,12 @@ public:
     /// mpi_failure_action::abort).
     template <class T>
     int recv_any(std::span<T> data, int tag) {
+        return recv_any(data, tag, detail::same_error{});
+    }
+    /// As recv_any(data, tag), except that its timeout fails with on_timeout(e) in place of its
+    /// own error e, printed and ending the job as e would be (named_timeout_communicator).
+    template <class T, class OnTimeout>
+    int recv_any(std::span<T> data, int tag, OnTimeout&& on_timeout) {
         using clock = std::chrono::steady_clock;
         const auto start = clock::now();
         const auto deadline = start + params_.timeout;
@@ -110,7 +138,7 @@ public:
                 continue;
             const auto now = clock::now();
             if (now >= deadline)
-                timed_out(tag);
+                timed_out(tag, on_timeout);
             if (now - start < std::chrono::microseconds(20))
                 continue;
             std::this_thread::sleep_for(nap);
@@ -152,17 +180,22 @@ private:
         try {
             f();
         } catch (const error& e) {
-            throw error(e.code(), rank(), op,
-                        detail::concat("with replica ", peer, " (process ", peer / threads_,
-                                       ", thread ", peer % threads_, "), tag ", tag, ": ",
-                                       e.what()));
+            throw group_error(op, peer, tag, e);
         }
     }
-    [[noreturn]] void timed_out(int tag) const {
-        const error e(errc::timeout, rank(), "recv_any",
-                      detail::concat("timed out after ", params_.timeout.count(),
-                                     " ms waiting for a message with tag ", tag,
-                                     " from any replica (group of ", nodes_ * threads_, ")"));
+    error group_error(const char* op, int peer, int tag, const error& e) const {
+        return error(e.code(), rank(), op,
+                     detail::concat("with replica ", peer, " (process ", peer / threads_,
+                                    ", thread ", peer % threads_, "), tag ", tag, ": ", e.what()));
+    }
+    template <class OnTimeout>
+    [[noreturn]] void timed_out(int tag, OnTimeout&& on_timeout) const {
+        const error e = detail::named_timeout_error(
+            on_timeout,
+            error(errc::timeout, rank(), "recv_any",
+                  detail::concat("timed out after ", params_.timeout.count(),
+                                 " ms waiting for a message with tag ", tag,
+                                 " from any replica (group of ", nodes_ * threads_, ")")));
         if (params_.on_failure == mpi_failure_action::abort)
             from_.front().abort(e, exit_status(e)); // 75: tools/lockstep-run relaunches
         throw e;
@@ -298,6 +331,8 @@ private:
 
 static_assert(point_to_point_communicator<hierarchical_group::communicator_type>,
               "hierarchical_group's communicators must have point-to-point messages.");
+static_assert(named_timeout_communicator<hierarchical_group::communicator_type>,
+              "hierarchical_group's communicators must take on_timeout in recv and recv_any.");
 static_assert(
     !point_to_point_communicator<hierarchical_communicator<thread_communicator, mpi_communicator>>,
     "a hierarchical_communicator without routes must not claim point-to-point.");

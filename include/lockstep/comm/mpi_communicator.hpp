@@ -645,5 +645,7 @@ static_assert(all_to_all_communicator<mpi_communicator>,
               "mpi_communicator must model lockstep::all_to_all_communicator.");
 static_assert(all_to_all_others_communicator<mpi_communicator>,
               "mpi_communicator must model lockstep::all_to_all_others_communicator.");
+static_assert(named_timeout_communicator<mpi_communicator>,
+              "mpi_communicator must model lockstep::named_timeout_communicator.");
 
 } // namespace lockstep

@@ -7,6 +7,7 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/communicator_identity.hpp"
 #include "lockstep/comm/detail/tag_forwarding.hpp"
+#include "lockstep/comm/named_timeout.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
@@ -138,7 +139,8 @@ inline std::chrono::nanoseconds link_wire_time(const simulated_link_params& p, l
 ///   peers at their next collective with it, where they wait for it inside the wrapped
 ///   communicator, with that communicator's timeout.
 /// - send sleeps for the message's wire time, then sends (so the message arrives no earlier
-///   than the link allows); recv and recv_any are the wrapped ones. split is not delayed.
+///   than the link allows); recv and recv_any (also with on_timeout, where the wrapped one is a
+///   named_timeout_communicator) are the wrapped ones. split is not delayed.
 /// Results are the wrapped communicator's, bit for bit, and everything it checks still holds:
 /// mismatched calls, peer failures and timeouts throw the same lockstep::error (the sequence
 /// numbers in its messages count the start agreements too). Each collective takes a
@@ -278,6 +280,16 @@ public:
     template <class T>
     int recv_any(std::span<T> data, int tag) requires point_to_point_communicator<Communicator> {
         return inner_->recv_any(data, tag);
+    }
+    template <class T, class OnTimeout>
+    void recv(std::span<T> data, int source, int tag,
+              OnTimeout&& on_timeout) requires named_timeout_communicator<Communicator> {
+        inner_->recv(data, source, tag, on_timeout);
+    }
+    template <class T, class OnTimeout>
+    int recv_any(std::span<T> data, int tag,
+                 OnTimeout&& on_timeout) requires named_timeout_communicator<Communicator> {
+        return inner_->recv_any(data, tag, on_timeout);
     }
 
     /// Forwarded where the wrapped communicator has them (trainers ask for these).

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/named_timeout.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/policy/sync.hpp"
 #include "lockstep/system/buffer.hpp"
@@ -92,7 +93,12 @@ inline constexpr int ps_push_header = 2, ps_push_data = 3;
 /// Failures: if compute throws on a worker, it tells the server and rethrows; the server stops
 /// handing out work, collects the pushes still in flight, sends every other worker an abort
 /// (they throw errc::peer_failure) and throws errc::peer_failure naming the worker. If apply
-/// throws, the server aborts the workers the same way and rethrows. Nothing hangs.
+/// throws, the server aborts the workers the same way and rethrows. Nothing hangs: a wait past
+/// the communicator's timeout fails with errc::timeout, on the server naming the workers it
+/// waited for (work item and version), on a worker waiting for work saying that the server's
+/// error names the straggler. These are the errors the waits themselves fail with
+/// (recv_any_named, recv_named), so a communicator whose policy ends the job inside the wait
+/// (mpi_failure_action::abort, MPI's default) prints them.
 ///
 /// requires: comm.size() >= 2; every replica passes the same params.size(), state.size(),
 /// stats_size, steps and root (checked collectively: errc::count_mismatch on every replica);
@@ -157,23 +163,25 @@ staleness_report run_parameter_server(Comm& comm, std::span<T> params, std::span
         // worker: its timeout says so and where the straggler is named.
         constexpr bool bounded =
             SyncPolicy::max_staleness != std::numeric_limits<std::size_t>::max();
+        // The communicator fails with this account (recv_named), as the server's below.
+        const auto waited_for_work = [&](const error& e) {
+            return error(errc::timeout, rank, op,
+                         detail::concat(
+                             "worker ", rank, " waited for work from the server (rank ", p.root,
+                             ") and got none; ",
+                             bounded
+                                 ? "the server holds a worker back while another's gradient would "
+                                   "grow staler than the bound, so the replica that stalled may be "
+                                   "another worker: the server's error names the workers it waited "
+                                   "for: "
+                                 : "the server, or its apply, stalled, or at the end of the run "
+                                   "another worker's last gradient the server waits for before "
+                                   "stopping: the server's error names the workers it waited for: ",
+                             e.what()));
+        };
         const auto receive_work = [&] {
-            try {
-                comm.recv(std::span<int>(header), p.root, tag + detail::ps_pull_header);
-            } catch (const error& e) {
-                if (e.code() != errc::timeout)
-                    throw;
-                fail(errc::timeout, rank, op, "worker ", rank,
-                     " waited for work from the server (rank ", p.root, ") and got none; ",
-                     bounded ? "the server holds a worker back while another's gradient would "
-                               "grow staler than the bound, so the replica that stalled may be "
-                               "another worker: the server's error names the workers it waited "
-                               "for: "
-                             : "the server, or its apply, stalled, or at the end of the run "
-                               "another worker's last gradient the server waits for before "
-                               "stopping: the server's error names the workers it waited for: ",
-                     e.what());
-            }
+            recv_named(comm, std::span<int>(header), p.root, tag + detail::ps_pull_header,
+                       waited_for_work);
         };
         for (;;) {
             receive_work();
@@ -270,22 +278,23 @@ staleness_report run_parameter_server(Comm& comm, std::span<T> params, std::span
                  p.steps, " gradients were applied");
         };
         // recv_any's timeout names no sender: the server knows which workers it waits for.
+        // The communicator fails with the server's account (recv_any_named), so that it is what
+        // a policy that ends the job inside the wait prints (mpi_failure_action::abort).
+        const auto waited_for = [&](const error& e) {
+            std::string who;
+            for (int w = 0; w < size; ++w)
+                if (w != p.root && gate.is_outstanding(w))
+                    who += detail::concat(who.empty() ? "" : ", ", "worker ", w, " (work item ",
+                                          item_of[static_cast<std::size_t>(w)], " on version ",
+                                          gate.version_of(w), ")");
+            return error(errc::timeout, rank, op,
+                         detail::concat("the server waited for a gradient from ", who,
+                                        " and got none; ", report.applied, " of ", p.steps,
+                                        " gradients were taken: ", e.what()));
+        };
         const auto receive_push = [&](std::array<int, 4>& h) {
-            try {
-                return comm.recv_any(std::span<int>(h), tag + detail::ps_push_header);
-            } catch (const error& e) {
-                if (e.code() != errc::timeout)
-                    throw;
-                std::string who;
-                for (int w = 0; w < size; ++w)
-                    if (w != p.root && gate.is_outstanding(w))
-                        who += detail::concat(who.empty() ? "" : ", ", "worker ", w, " (work item ",
-                                              item_of[static_cast<std::size_t>(w)], " on version ",
-                                              gate.version_of(w), ")");
-                fail(errc::timeout, rank, op, "the server waited for a gradient from ", who,
-                     " and got none; ", report.applied, " of ", p.steps,
-                     " gradients were taken: ", e.what());
-            }
+            return recv_any_named(comm, std::span<int>(h), tag + detail::ps_push_header,
+                                  waited_for);
         };
         try {
             for (;;) {

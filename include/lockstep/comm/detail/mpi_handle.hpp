@@ -14,6 +14,7 @@
 #include "lockstep/comm/detail/scatter_counts.hpp"
 #include "lockstep/comm/flight_recorder.hpp"
 #include "lockstep/comm/mpi_environment.hpp"
+#include "lockstep/comm/named_timeout.hpp"
 #include "lockstep/comm/timeout.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
@@ -596,11 +597,16 @@ protected:
                          detail::concat(mpi_call, " with replica ", peer_name(peer), ", tag ", tag,
                                         " failed: ", detail::mpi_error_text(rc))));
     }
-    [[noreturn]] void p2p_timeout(const char* op, const char* mpi_call, int peer, int tag) {
-        poison(error(errc::timeout, rank_, op,
-                     detail::concat("timed out after ", params_.timeout.count(), " ms in ",
-                                    mpi_call, " (tag ", tag, "): missing replica ", peer_name(peer),
-                                    " (group of ", size_, ")")));
+    // A message's wait timed out: fails with on_timeout(the timeout's error), the caller's
+    // account of the wait (the error itself when that throws).
+    template <class OnTimeout>
+    [[noreturn]] void p2p_timeout(const char* op, const char* mpi_call, int peer, int tag,
+                                  OnTimeout&& on_timeout) {
+        const error e(errc::timeout, rank_, op,
+                      detail::concat("timed out after ", params_.timeout.count(), " ms in ",
+                                     mpi_call, " (tag ", tag, "): missing replica ",
+                                     peer_name(peer), " (group of ", size_, ")"));
+        poison(detail::named_timeout_error(on_timeout, e));
     }
     // "3", or "(any)" for MPI_ANY_SOURCE.
     static std::string peer_name(int peer) {

@@ -6,6 +6,7 @@
 #include "lockstep/comm/detail/mpi_handle.hpp"
 #include "lockstep/comm/detail/mpi_types.hpp"
 #include "lockstep/comm/detail/span_checks.hpp"
+#include "lockstep/comm/named_timeout.hpp"
 #include "lockstep/core/error.hpp"
 
 #include <array>
@@ -55,7 +56,7 @@ public:
                 detail::mpi_poll_schedule::for_bytes(data.size_bytes())),
             "send", "MPI_Testall", dest, tag);
         if (!done)
-            p2p_timeout("send", "MPI_Isend", dest, tag);
+            p2p_timeout("send", "MPI_Isend", dest, tag, detail::same_error{});
     }
     /// Receives the next message from replica source with tag into data. ensures: the
     /// message held exactly data.size() elements of T, else it is consumed, data is not
@@ -63,14 +64,26 @@ public:
     /// element type) is thrown naming both.
     template <class T>
     void recv(std::span<T> data, int source, int tag) {
+        recv(data, source, tag, detail::same_error{});
+    }
+    /// As recv(data, source, tag) (and recv_any below, as recv_any(data, tag)), except that
+    /// where its wait times out the communicator fails with on_timeout(e) (a lockstep::error)
+    /// in place of its own errc::timeout error e, under params::on_failure: the caller's account
+    /// of what the wait was for is what an abort prints (named_timeout_communicator).
+    template <class T, class OnTimeout>
+    void recv(std::span<T> data, int source, int tag, OnTimeout&& on_timeout) {
         check_peer(source, tag, data, "recv");
-        receive(data, source, tag, "recv");
+        receive(data, source, tag, "recv", on_timeout);
     }
     /// As recv, from any replica; returns the sender's rank.
     template <class T>
     int recv_any(std::span<T> data, int tag) {
+        return recv_any(data, tag, detail::same_error{});
+    }
+    template <class T, class OnTimeout>
+    int recv_any(std::span<T> data, int tag, OnTimeout&& on_timeout) {
         check_peer(0, tag, data, "recv_any");
-        return receive(data, MPI_ANY_SOURCE, tag, "recv_any");
+        return receive(data, MPI_ANY_SOURCE, tag, "recv_any", on_timeout);
     }
 
     /// probe's source for "from any replica".
@@ -113,8 +126,10 @@ private:
     }
 
     // A matched probe polled against the deadline: the next message from source (MPI's
-    // non-overtaking order) with tag.
-    MPI_Message probe_message(int source, int tag, const char* op, MPI_Status& st) {
+    // non-overtaking order) with tag. Its timeout fails with on_timeout(the timeout's error).
+    template <class OnTimeout>
+    MPI_Message probe_message(int source, int tag, const char* op, MPI_Status& st,
+                              OnTimeout&& on_timeout) {
         MPI_Message msg = MPI_MESSAGE_NULL;
         bool done = false;
         call_p2p(detail::mpi_poll(
@@ -122,7 +137,7 @@ private:
                      deadline(), control_, seq_, done),
                  op, "MPI_Improbe", source, tag);
         if (!done)
-            p2p_timeout(op, "MPI_Improbe", source, tag);
+            p2p_timeout(op, "MPI_Improbe", source, tag, on_timeout);
         return msg;
     }
 
@@ -157,11 +172,11 @@ private:
     // sender: another element type or count is consumed and reported (errc::shape_mismatch or
     // errc::count_mismatch), so the next receive does not match it again, and data is not
     // written.
-    template <class T>
-    int receive(std::span<T> data, int source, int tag, const char* op) {
+    template <class T, class OnTimeout>
+    int receive(std::span<T> data, int source, int tag, const char* op, OnTimeout&& on_timeout) {
         check_type<T>();
         MPI_Status st;
-        MPI_Message msg = probe_message(source, tag, op, st);
+        MPI_Message msg = probe_message(source, tag, op, st, on_timeout);
         const int from = st.MPI_SOURCE;
         int words = 0;
         call_p2p(MPI_Get_count(&st, MPI_INT64_T, &words), op, "MPI_Get_count", from, tag);
@@ -175,7 +190,7 @@ private:
         std::array<std::int64_t, 2> head{};
         call_p2p(MPI_Mrecv(head.data(), 2, MPI_INT64_T, &msg, MPI_STATUS_IGNORE), op, "MPI_Mrecv",
                  from, tag);
-        msg = probe_message(from, tag, op, st);
+        msg = probe_message(from, tag, op, st, on_timeout);
         const std::int64_t want = detail::mpi_type<T>::id;
         const auto sent = [&] {
             return detail::concat(head[1], " ", detail::mpi_type_name(head[0]), " elements");
