@@ -13,7 +13,7 @@
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/communicator_identity.hpp"
-#include "lockstep/comm/detail/nccl_deadline.hpp"
+#include "lockstep/comm/detail/nccl_bootstrap.hpp"
 #include "lockstep/comm/detail/nccl_handle.hpp"
 #include "lockstep/comm/detail/nccl_membership.hpp"
 #include "lockstep/comm/detail/nccl_shrink.hpp"
@@ -25,15 +25,12 @@
 #include "lockstep/system/cuda_system.hpp"
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <memory>
 #include <span>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -47,8 +44,6 @@
 #error "lockstep's nccl_communicator needs NCCL 2.26 or newer (NCCL_LAUNCH_ORDER_IMPLICIT)."
 #endif
 #if LOCKSTEP_HAS_MPI
-#include "lockstep/comm/mpi_communicator.hpp"
-
 #include <mpi.h>
 #endif
 
@@ -130,61 +125,13 @@ public:
     static std::vector<nccl_communicator> init_all(std::span<const int> devices,
                                                    nccl_options options = {},
                                                    std::span<const cudaStream_t> streams = {}) {
-        const int n = static_cast<int>(devices.size());
-        LOCKSTEP_REQUIRE(n > 0, errc::invalid_argument, -1, "nccl_communicator.init_all",
-                         "no devices given");
-        const int available = cuda_device_count();
-        for (int i = 0; i < n; ++i) {
-            LOCKSTEP_REQUIRE(devices[i] >= 0 && devices[i] < available, errc::invalid_argument, i,
-                             "nccl_communicator.init_all", "device ", devices[i],
-                             " does not exist (", available, " CUDA devices)");
-            for (int j = 0; j < i; ++j)
-                LOCKSTEP_REQUIRE(devices[j] != devices[i], errc::invalid_argument, i,
-                                 "nccl_communicator.init_all", "device ", devices[i],
-                                 " given twice (ranks ", j, " and ", i,
-                                 "); NCCL needs one device per rank");
-        }
-        LOCKSTEP_REQUIRE(streams.empty() || streams.size() == devices.size(),
-                         errc::invalid_argument, -1, "nccl_communicator.init_all", streams.size(),
-                         " streams for ", n, " devices; give one per device or none");
-        for (std::size_t i = 0; i < streams.size(); ++i) {
-            LOCKSTEP_REQUIRE(streams[i] != nullptr, errc::invalid_argument, static_cast<int>(i),
-                             "nccl_communicator.init_all",
-                             "stream is null (the legacy default stream cannot be adopted)");
-            const std::string problem = detail::adopted_stream_problem(streams[i], devices[i]);
-            LOCKSTEP_REQUIRE(problem.empty(), errc::invalid_argument, static_cast<int>(i),
-                             "nccl_communicator.init_all", problem);
-        }
-        LOCKSTEP_REQUIRE(detail::loaded_nccl_problem().empty(), errc::unsupported, -1,
-                         "nccl_communicator.init_all", detail::loaded_nccl_problem());
-        std::vector<ncclComm_t> raw(devices.size(), nullptr);
-        LOCKSTEP_NCCL_CHECK(ncclCommInitAll(raw.data(), n, devices.data()));
-        auto clique = std::make_shared<detail::nccl_clique>();
-        clique->several_ranks = n > 1;
-        std::vector<nccl_communicator> comms;
-        comms.reserve(devices.size());
-        std::size_t adopted = 0;
-        try {
-            for (; adopted < raw.size(); ++adopted)
-                comms.push_back(
-                    nccl_communicator(adopt_tag{}, raw[adopted], devices[adopted],
-                                      {.adopted = streams.empty() ? nullptr : streams[adopted]},
-                                      clique, nullptr, options));
-        } catch (...) {
-            // The adopting constructor aborted raw[adopted]; the rest are not owned yet. One
-            // thread aborts several ranks: in one NCCL group, so no abort waits for another.
-            const bool grouped = ncclGroupStart() == ncclSuccess;
-            for (std::size_t k = adopted + 1; k < raw.size(); ++k) {
-                detail::cuda_device_guard_noexcept guard(devices[k]);
-                (void)ncclCommAbort(raw[k]);
-            }
-            for (auto& c : comms)
-                c.abort();
-            if (grouped)
-                (void)ncclGroupEnd();
-            throw;
-        }
-        return comms;
+        return detail::nccl_init_all<nccl_communicator>(
+            devices, streams,
+            [&options](ncclComm_t raw, int device, cudaStream_t stream,
+                       std::shared_ptr<detail::nccl_clique> clique) {
+                return nccl_communicator(adopt_tag{}, raw, device, {.adopted = stream},
+                                         std::move(clique), nullptr, options);
+            });
     }
 
     /// Joins communicator `id` as `rank` of `size`, driving `device` (ncclCommInitRank; blocks
@@ -196,7 +143,8 @@ public:
     /// there).
     nccl_communicator(const ncclUniqueId& id, int size, int rank, int device,
                       nccl_options options = {}, cudaStream_t stream = nullptr)
-        : nccl_communicator(adopt_tag{}, init_rank(id, size, rank, device, stream, options.timeout),
+        : nccl_communicator(adopt_tag{},
+                            detail::nccl_init_rank(id, size, rank, device, stream, options.timeout),
                             device, {.adopted = stream}, std::make_shared<detail::nccl_clique>(),
                             nullptr, options) {}
 
@@ -213,24 +161,14 @@ public:
     /// context is made on another GPU).
     nccl_communicator(MPI_Comm comm, int device, nccl_options options = {},
                       cudaStream_t stream = nullptr)
-        : nccl_communicator(adopt_tag{}, init_mpi(comm, device, stream, options.timeout), device,
-                            {.adopted = stream}, std::make_shared<detail::nccl_clique>(), nullptr,
-                            options) {}
+        : nccl_communicator(
+              adopt_tag{}, detail::nccl_init_mpi(comm, device, stream, options.timeout), device,
+              {.adopted = stream}, std::make_shared<detail::nccl_clique>(), nullptr, options) {}
 
     /// The device this process should drive: its rank among the processes of `comm` on the
     /// same node, modulo the node's device count. requires: a CUDA device exists.
     static int local_device(MPI_Comm comm) {
-        MPI_Comm node = MPI_COMM_NULL;
-        LOCKSTEP_MPI_CHECK(
-            MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
-        int local_rank = 0;
-        const int rc = MPI_Comm_rank(node, &local_rank);
-        MPI_Comm_free(&node);
-        LOCKSTEP_MPI_CHECK(rc);
-        const int devices = cuda_device_count();
-        LOCKSTEP_REQUIRE(devices > 0, errc::cuda, local_rank, "nccl_communicator.local_device",
-                         "no CUDA device on this node");
-        return local_rank % devices;
+        return detail::nccl_local_device(comm);
     }
 #endif
 
@@ -758,98 +696,6 @@ private:
         return nccl_communicator(adopt_tag{}, child, h_.device(), std::move(stream), h_.clique(),
                                  h_.family(), h_.options());
     }
-
-    static ncclComm_t init_rank(const ncclUniqueId& id, int size, int rank, int device,
-                                cudaStream_t stream, std::chrono::milliseconds timeout) {
-        LOCKSTEP_REQUIRE(size > 0 && rank >= 0 && rank < size, errc::invalid_argument, rank,
-                         "nccl_communicator", "rank ", rank, " of ", size, " replicas");
-        const int available = cuda_device_count();
-        LOCKSTEP_REQUIRE(device >= 0 && device < available, errc::invalid_argument, rank,
-                         "nccl_communicator", "device ", device, " does not exist (", available,
-                         " CUDA devices)");
-        const std::string problem = detail::adopted_stream_problem(stream, device);
-        LOCKSTEP_REQUIRE(problem.empty(), errc::invalid_argument, rank, "nccl_communicator",
-                         problem);
-        LOCKSTEP_REQUIRE(detail::loaded_nccl_problem().empty(), errc::unsupported, rank,
-                         "nccl_communicator", detail::loaded_nccl_problem());
-        // Left current: the replica's kernels go to its device (a guard would restore another).
-        LOCKSTEP_CUDA_CHECK(cudaSetDevice(device));
-        const detail::nccl_made made =
-            detail::nccl_make_within(device, timeout, [id, size, rank](ncclComm_t* comm) {
-                return ncclCommInitRank(comm, size, id, rank);
-            });
-        LOCKSTEP_REQUIRE(made.in_time, errc::timeout, rank, "nccl_communicator",
-                         "ncclCommInitRank did not return within ", timeout.count(),
-                         " ms (nccl_options::timeout): a rank of ", size,
-                         " did not join (its process ended, or it was given another id)");
-        if (made.result != ncclSuccess) {
-            if (made.comm != nullptr)
-                (void)ncclCommAbort(made.comm);
-            fail(errc::nccl, rank, "nccl_communicator",
-                 "ncclCommInitRank: ", ncclGetErrorString(made.result), " (ncclResult_t ",
-                 static_cast<int>(made.result), ")");
-        }
-        return made.comm;
-    }
-
-#if LOCKSTEP_HAS_MPI
-    static ncclComm_t init_mpi(MPI_Comm comm, int device, cudaStream_t stream,
-                               std::chrono::milliseconds timeout) {
-        int rank = 0, size = 0;
-        LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &rank));
-        LOCKSTEP_MPI_CHECK(MPI_Comm_size(comm, &size));
-        // Every process checks what would otherwise fail inside NCCL on one rank only, and all
-        // agree before anyone enters ncclCommInitRank.
-        ncclUniqueId id{};
-        const int available = cuda_device_count();
-        std::string problem = detail::loaded_nccl_problem();
-        const errc code = problem.empty() ? errc::invalid_argument : errc::unsupported;
-        if (problem.empty() && (device < 0 || device >= available))
-            problem = "device " + std::to_string(device) + " is not usable (" +
-                      std::to_string(available) + " CUDA devices)";
-        if (problem.empty())
-            problem = detail::adopted_stream_problem(stream, device);
-        if (problem.empty() && rank == 0 && ncclGetUniqueId(&id) != ncclSuccess)
-            problem = "the NCCL id could not be created (ncclGetUniqueId)";
-        // Polled within the timeout on a duplicate of comm (so a process that never comes is a
-        // timeout, not a hang). The buffers are on the heap: after a timeout MPI may still write
-        // them when the peers arrive, so they are then kept for good.
-        struct exchange {
-            std::vector<int> ok;
-            ncclUniqueId id{};
-        };
-        // (A timeout of 0 waits forever, as in nccl_options: here ten years.)
-        const std::chrono::milliseconds wait =
-            timeout.count() > 0 ? timeout : std::chrono::hours(24 * 365 * 10);
-        mpi_communicator probe(comm,
-                               {.timeout = wait, .on_failure = mpi_failure_action::throw_error});
-        auto ex = std::make_unique<exchange>();
-        ex->ok.assign(static_cast<std::size_t>(size) + 1, 0);
-        ex->id = id;
-        try {
-            ex->ok[0] = problem.empty() ? 1 : 0;
-            probe.all_gather(std::span<const int>(ex->ok.data(), 1),
-                             std::span<int>(ex->ok).subspan(1));
-            LOCKSTEP_REQUIRE(problem.empty(), code, rank, "nccl_communicator(MPI_Comm)", problem);
-            std::string failed;
-            for (int r = 0; r < size; ++r)
-                if (ex->ok[static_cast<std::size_t>(r) + 1] == 0)
-                    failed += (failed.empty() ? "" : ", ") + std::to_string(r);
-            LOCKSTEP_REQUIRE(failed.empty(), errc::peer_failure, rank,
-                             "nccl_communicator(MPI_Comm)", "process(es) ", failed,
-                             " of the communicator have no usable NCCL library, CUDA device, "
-                             "stream or NCCL id (they report why)");
-            probe.broadcast(
-                std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(&ex->id), sizeof(ex->id)),
-                0);
-        } catch (...) {
-            if (probe.broken())
-                detail::keep_forever(ex.release());
-            throw;
-        }
-        return init_rank(ex->id, size, rank, device, stream, timeout);
-    }
-#endif
 
     // "synchronize (after operation #41)": a timeout message then says how far this replica
     // got, so comparing the replicas' messages shows which one skipped or added a call.
