@@ -7,6 +7,8 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/communicator_identity.hpp"
 #include "lockstep/comm/detail/hierarchical_call.hpp"
+#include "lockstep/comm/detail/hierarchical_origin.hpp"
+#include "lockstep/comm/detail/hierarchical_shape.hpp"
 #include "lockstep/comm/detail/hierarchical_staging.hpp"
 #include "lockstep/comm/detail/tag_forwarding.hpp"
 #include "lockstep/comm/flight_recorder.hpp"
@@ -22,7 +24,6 @@
 #include <memory>
 #include <span>
 #include <string>
-#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -154,32 +155,8 @@ private:
     // members: the routes' rank of each replica of this group (empty: the same as rank()).
     hierarchical_communicator(Intra intra, Inter inter, Routes routes, std::vector<int> members)
         : intra_(std::move(intra)), inter_(std::move(inter)), routes_(std::move(routes)),
-          members_(std::move(members)), origin_{rank(), node(), local_rank()} {
-        // {L, -L, node, -node, nodes, -nodes}: max over both parts gives min and max at once.
-        int shape[6] = {intra_.size(),  -intra_.size(), inter_.rank(),
-                        -inter_.rank(), inter_.size(),  -inter_.size()};
-        stage_.on_host(intra_, std::span<const int>(shape), std::span<int>(shape),
-                       [&](std::span<const int> in, std::span<int> out) {
-                           intra_.all_reduce(in, out, reduce_op::max);
-                       });
-        const bool node_agrees = shape[2] == -shape[3] && shape[4] == -shape[5];
-        // {L, -L, a node disagrees}: every inter communicator reaches every node, so a node
-        // whose replicas disagree is known everywhere (its own replicas name the values).
-        int sizes[3] = {intra_.size(), -intra_.size(), node_agrees ? 0 : 1};
-        inter_.all_reduce(std::span<const int>(sizes), std::span<int>(sizes), reduce_op::max);
-        LOCKSTEP_REQUIRE(node_agrees, errc::invalid_argument, rank(), "hierarchical_communicator",
-                         "the replicas of one node hold different inter-node ranks (", -shape[3],
-                         " to ", shape[2], ") or sizes (", -shape[5], " to ", shape[4],
-                         "): every replica of a node must be at the same inter.rank()");
-        LOCKSTEP_REQUIRE(sizes[2] == 0, errc::invalid_argument, rank(), "hierarchical_communicator",
-                         "the replicas of another node hold different inter-node ranks or sizes "
-                         "(they name them): every replica of a node must be at the same "
-                         "inter.rank()");
-        LOCKSTEP_REQUIRE(sizes[0] == -sizes[1], errc::invalid_argument, rank(),
-                         "hierarchical_communicator", "the nodes have different local sizes (",
-                         -sizes[1], " to ", sizes[0],
-                         "): every node needs the same number of "
-                         "replicas");
+          members_(std::move(members)), origin_{rank(), node(), local_rank(), {}} {
+        detail::check_hierarchical_shape(intra_, inter_, stage_, rank());
     }
 
 public:
@@ -481,77 +458,35 @@ public:
     template <class... IntraArgs>
     hierarchical_communicator split(int color, int key, IntraArgs&&... intra_args) {
         const int n = size();
-        const int L = intra_.size();
         std::vector<int> all(2 * static_cast<std::size_t>(n));
         const int mine[2] = {color, key};
         stage_.on_host(intra_, std::span<const int>(mine), std::span<int>(all),
                        [&](std::span<const int> in, std::span<int> out) { all_gather(in, out); });
-        // Members of my color, in the new order (key, rank).
-        std::vector<int> members;
-        for (int r = 0; r < n; ++r)
-            if (all[2 * static_cast<std::size_t>(r)] == color)
-                members.push_back(r);
-        std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
-            return all[2 * static_cast<std::size_t>(a) + 1] <
-                   all[2 * static_cast<std::size_t>(b) + 1];
-        });
-        // The shape: blocks of per_node members, one block per node (each node once, in any
-        // order), the same local ranks in the same order in every block.
-        std::vector<int> block_locals;
-        for (int m : members)
-            if (m / L == members.front() / L)
-                block_locals.push_back(m % L);
-        const std::size_t per_node = block_locals.size();
-        bool fits = members.size() % per_node == 0;
-        std::vector<int> block_nodes;
-        for (std::size_t i = 0; fits && i < members.size(); ++i) {
-            const int m = members[i];
-            if (i % per_node == 0) {
-                fits =
-                    std::find(block_nodes.begin(), block_nodes.end(), m / L) == block_nodes.end();
-                block_nodes.push_back(m / L);
-            }
-            fits = fits && m % L == block_locals[i % per_node] && m / L == block_nodes.back();
-        }
+        detail::hierarchical_split_plan plan = detail::plan_hierarchical_split(
+            std::span<const int>(all), color, rank(), intra_.size(), inter_.rank());
         // Every replica learns whether every group fits, so all of them throw or none does.
-        int ok[1] = {fits ? 1 : 0};
+        int ok[1] = {plan.fits ? 1 : 0};
         stage_.on_host(intra_, std::span<const int>(ok), std::span<int>(ok),
                        [&](std::span<const int> in, std::span<int> out) {
                            all_reduce(in, out, reduce_op::min);
                        });
         if (ok[0] == 0) {
             fail(errc::unsupported, rank(), "hierarchical_communicator.split",
-                 fits ? "another replica's color" : "color " + std::to_string(color),
+                 plan.fits ? "another replica's color" : "color " + std::to_string(color),
                  " does not form a group of the same local ranks on each of its nodes in "
                  "node-major (key, rank) order; a hierarchical communicator cannot represent it");
         }
-        // Colors are made non-negative (MPI and NCCL splits need that): their index among the
-        // distinct colors.
-        std::vector<int> colors;
-        colors.reserve(static_cast<std::size_t>(n));
-        for (int r = 0; r < n; ++r)
-            colors.push_back(all[2 * static_cast<std::size_t>(r)]);
-        std::sort(colors.begin(), colors.end());
-        colors.erase(std::unique(colors.begin(), colors.end()), colors.end());
-        const auto index = static_cast<int>(std::lower_bound(colors.begin(), colors.end(), color) -
-                                            colors.begin());
-        // Inside the node: the members with my color, in their new order.
-        const auto position =
-            static_cast<int>(std::find(members.begin(), members.end(), rank()) - members.begin());
-        Intra intra = intra_.split(index, position, std::forward<IntraArgs>(intra_args)...);
-        // Across nodes: the replicas at my local rank with my color, by node.
-        const auto block = static_cast<int>(
-            std::find(block_nodes.begin(), block_nodes.end(), inter_.rank()) - block_nodes.begin());
-        Inter inter = inter_.split(index, block);
+        Intra intra =
+            intra_.split(plan.color_index, plan.position, std::forward<IntraArgs>(intra_args)...);
+        Inter inter = inter_.split(plan.color_index, plan.block);
         const auto child = [&](hierarchical_communicator c) {
             // Its errors name this replica as the group split first does, and the split.
-            c.origin_ = origin_;
-            c.label_ = (label_.empty() ? "" : label_ + " / ") +
-                       "split(color=" + std::to_string(color) + ")";
+            c.origin_ = origin_.split(color);
             return c;
         };
         if constexpr (has_routes) {
             // The child's rank k is members[k] here: its routes' rank is that one's.
+            std::vector<int> members = std::move(plan.members);
             for (int& m : members)
                 m = to_routes(m);
             return child(hierarchical_communicator(std::move(intra), std::move(inter),
@@ -650,44 +585,19 @@ private:
     using call_text = detail::hierarchical_call;
     enum part_kind { intra_part, inter_part };
 
-    /// Runs one step of a collective on one part; a lockstep::error it throws (which names the
-    /// part's own replica numbers (MPI: process ranks), sequence numbers and the step's counts)
-    /// is rethrown with its code, naming this replica's rank(), node and local rank and what the
-    /// caller passed, the part's text as the detail.
-    /// In a split group the replica, node and local rank named are those of the group first
-    /// split (origin_), and the operation names the split: its own ranks are not the job's.
+    /// Runs one step of a collective on one part; a lockstep::error it throws is rethrown naming
+    /// this replica and what the caller passed (hierarchical_origin::rethrow), and for an
+    /// all_reduce's inter-node error of differing collectives which path issues what.
     template <class F>
     void step(part_kind part, const call_text& call, F&& f) {
         try {
             f();
         } catch (const error& e) {
-            const bool split = !label_.empty();
-            throw error(
-                e.code(), origin_.rank,
-                std::string("hierarchical_communicator.") + call.op +
-                    (split ? " in " + label_ : ""),
-                detail::concat(
-                    "this replica (node ", origin_.node, ", local rank ", origin_.local,
-                    split ? detail::concat("; replica ", rank(), " of the split") : std::string(),
-                    ") called it with ", call.describe(), "; its ",
-                    part == intra_part ? "intra-node part (the communicator of node "
-                                       : "inter-node part (the communicator of local rank ",
-                    part == intra_part ? origin_.node : origin_.local,
-                    part == intra_part ? ")" : " across the nodes)", split ? ", split," : "",
-                    " failed: ", e.what(), path_hint(part, call, e.code())));
+            origin_.rethrow(e, call, part == intra_part, rank(),
+                            detail::hierarchical_path_hint(
+                                part == intra_part, call, e.code(), local_size(),
+                                static_cast<std::size_t>(local_size()) * sharded_from));
         }
-    }
-
-    /// For an all_reduce's inter-node error of differing collectives: which path issues what.
-    std::string path_hint(part_kind part, const call_text& call, errc code) const {
-        if (part != inter_part || code != errc::shape_mismatch ||
-            std::string_view(call.op) != "all_reduce" || local_size() == 1)
-            return {};
-        return detail::concat(" (an all_reduce of at least local_size() x sharded_from = ",
-                              static_cast<std::size_t>(local_size()) * sharded_from,
-                              " elements begins with an all_gather of 5 int64 across nodes, the "
-                              "callers' counts, where a smaller one all_reduces: the nodes passed "
-                              "different counts or collectives)");
     }
 
     /// The caller's arguments, compared across nodes (nothing with one node): one inter-node
@@ -715,12 +625,8 @@ private:
     Inter inter_;
     [[no_unique_address]] Routes routes_;
     std::vector<int> members_;
-    /// This replica in the group first split (the unsplit one's own rank, node and local rank),
-    /// and "" or the splits since ("split(color=1)", " / " between): what errors name.
-    struct {
-        int rank, node, local;
-    } origin_;
-    std::string label_;
+    /// Whom and what its errors name (the group first split, the splits since).
+    detail::hierarchical_origin origin_;
     // Scratch and the inter-node calls' staging; destroyed before the parts (device scratch is
     // freed on the intra-node part's stream).
     detail::hierarchical_staging<system_type, typename Inter::system_type> stage_;
