@@ -14,7 +14,7 @@
 #include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/detail/signature.hpp"
 #include "lockstep/train/detail/trainer_ordinal.hpp"
-#include "lockstep/train/detail/visit_check.hpp"
+#include "lockstep/train/detail/visited_buffers.hpp"
 #include "lockstep/train/detail/visitor.hpp"
 #include "lockstep/train/replica_context.hpp"
 #include "lockstep/train/shard.hpp"
@@ -101,41 +101,14 @@ public:
         using maker = network_maker<Network, std::remove_reference_t<Factory>, context_type>;
         net_.emplace(maker{factory, *ctx_});
         auto& reg = ctx_->registry();
-        if constexpr (uses_visitor) {
-            LOCKSTEP_REQUIRE(reg.empty(), errc::invalid_argument, comm.rank(), "data_parallel",
-                             "the network both allocates from the registry and defines "
-                             "for_each_parameter: use one of the two");
-            visit_parameters(*net_, [&](std::string_view name, std::span<T> v, std::span<T> g,
-                                        const std::vector<std::size_t>& shape) {
-                LOCKSTEP_REQUIRE(v.size() == g.size(), errc::shape_mismatch, comm.rank(),
-                                 "data_parallel", "parameter '", name, "' has ", v.size(),
-                                 " values but ", g.size(), " gradients");
-                if (shape.empty()) {
-                    reg.add(std::string(name), {v.size()});
-                    return;
-                }
-                // The visitor's shape is kept (train_params::decay and frozen see it).
-                std::size_t n = 1;
-                for (std::size_t e : shape)
-                    n = e != 0 && n > v.size() / e ? v.size() + 1 : n * e;
-                LOCKSTEP_REQUIRE(n == v.size(), errc::shape_mismatch, comm.rank(), "data_parallel",
-                                 "parameter '", name, "': shape ", shape_string(shape),
-                                 " does not hold its ", v.size(), " values");
-                reg.add(std::string(name), shape);
-            });
-        }
+        if constexpr (uses_visitor)
+            register_visited_parameters<T>(*net_, reg, comm.rank());
         reg.finalize();
         // State the network exposes through for_each_state (with either path) is packed into a
         // buffer of the trainer's: e.g. BN running statistics a layer owns.
-        std::size_t offset = 0;
-        visit_state<T>(*net_, [&](std::string_view name, std::span<T> st) {
-            vstate_.push_back(
-                tensor_info{std::string(name), {st.size()}, offset, st.size(), tensor_kind::state});
-            offset += st.size();
-        });
-        vstate_buf_ = buffer<T, system_type>(offset, comm.system());
+        vstate_ = visited_state<T, system_type>(*net_, comm.system());
         std::vector<tensor_info> all_state = reg.state_tensors();
-        all_state.insert(all_state.end(), vstate_.begin(), vstate_.end());
+        all_state.insert(all_state.end(), vstate_.tensors().begin(), vstate_.tensors().end());
         verify_same_tensors<T>(comm, reg.parameters(), all_state,
                                describe_settings<Optimizer>(opt, tp_, reg.parameters(), policies));
         LOCKSTEP_REQUIRE(reg.parameter_count() > 0, errc::invalid_argument, comm.rank(),
@@ -220,8 +193,8 @@ public:
     void for_each_state_buffer(F&& f) {
         if (!registry().states().empty())
             f(registry().states());
-        if (!vstate_buf_.empty())
-            f(vstate_buf_.span());
+        if (!vstate_.empty())
+            f(vstate_.span());
     }
     /// Steps taken (including skipped ones) and samples consumed so far.
     std::int64_t steps() const noexcept { return steps_; }
@@ -342,43 +315,25 @@ public:
     /// visit the tensors it declared at construction (visit_check), else lockstep::error
     /// (errc::shape_mismatch) naming this replica and the tensor.
     void pack_grads() {
-        if constexpr (uses_visitor) {
-            visit_check seen(registry().parameters(), comm_->rank(), "for_each_parameter");
-            visit_parameters(*net_, [&](std::string_view name, std::span<T>, std::span<T> g) {
-                const tensor_info& t = seen.next(name, g.size());
-                copy_async(comm_->system(), std::span<const T>(g),
-                           grads().subspan(t.offset, t.size));
-            });
-            seen.done();
-        }
+        if constexpr (uses_visitor)
+            pack_visited_grads(*net_, registry().parameters(), grads(), comm_->system(),
+                               comm_->rank());
     }
     /// Visitor path: network values -> flat value buffer.
     void pack_values() {
-        if constexpr (uses_visitor) {
-            visit_check seen(registry().parameters(), comm_->rank(), "for_each_parameter");
-            visit_parameters(*net_, [&](std::string_view name, std::span<T> v, std::span<T>) {
-                const tensor_info& t = seen.next(name, v.size());
-                copy_async(comm_->system(), std::span<const T>(v),
-                           values().subspan(t.offset, t.size));
-            });
-            seen.done();
-        }
+        if constexpr (uses_visitor)
+            pack_visited_values(*net_, registry().parameters(), values(), comm_->system(),
+                                comm_->rank());
     }
     /// Visitor path: flat value buffer -> network values.
     void unpack_values() {
-        if constexpr (uses_visitor) {
-            visit_check seen(registry().parameters(), comm_->rank(), "for_each_parameter");
-            visit_parameters(*net_, [&](std::string_view name, std::span<T> v, std::span<T>) {
-                const tensor_info& t = seen.next(name, v.size());
-                copy_async(comm_->system(), std::span<const T>(values().subspan(t.offset, t.size)),
-                           v);
-            });
-            seen.done();
-        }
+        if constexpr (uses_visitor)
+            unpack_visited_values(*net_, registry().parameters(), values(), comm_->system(),
+                                  comm_->rank());
     }
     /// State the network visits (for_each_state) <-> the trainer's packed state buffer.
-    void pack_state() { move_state(true); }
-    void unpack_state() { move_state(false); }
+    void pack_state() { vstate_.move(*net_, comm_->system(), comm_->rank(), true); }
+    void unpack_state() { vstate_.move(*net_, comm_->system(), comm_->rank(), false); }
 
     /// Every replica gets root's values and state.
     void broadcast_from(int root) {
@@ -411,22 +366,6 @@ private:
         }
     }
 
-    void move_state(bool pack) {
-        if constexpr (has_state_visitor<Network, T>) {
-            visit_check seen(vstate_, comm_->rank(), "for_each_state");
-            visit_state<T>(*net_, [&](std::string_view name, std::span<T> s) {
-                const tensor_info& t = seen.next(name, s.size());
-                std::span<T> flat = vstate_buf_.span().subspan(t.offset, t.size);
-                if (pack)
-                    copy_async(comm_->system(), std::span<const T>(s), flat);
-                else
-                    copy_async(comm_->system(), std::span<const T>(flat), s);
-            });
-            seen.done();
-        }
-        (void)pack;
-    }
-
     Communicator* comm_;
     std::uint64_t ordinal_; ///< trainer_ordinal(comm) at construction
     std::unique_ptr<context_type> ctx_;
@@ -437,8 +376,7 @@ private:
     shard_extent shard_;
     std::unique_ptr<sharded_norms<Communicator>> norms_; ///< sharded LARS/LAMB only
     std::optional<Optimizer> opt_;
-    std::vector<tensor_info> vstate_;
-    buffer<T, system_type> vstate_buf_;
+    visited_state<T, system_type> vstate_; ///< the state the network visits, packed
     std::int64_t steps_ = 0;
     std::uint64_t samples_ = 0;
 };

@@ -1,0 +1,142 @@
+// lockstep/train/detail/visited_buffers.hpp: the visitor path of a trainer (path (b)): the tensors
+// a network that owns its buffers declares (for_each_parameter, for_each_state) laid out flat, and
+// the copies between its buffers and the trainer's flat ones. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include "lockstep/core/error.hpp"
+#include "lockstep/system/buffer.hpp"
+#include "lockstep/train/detail/visit_check.hpp"
+#include "lockstep/train/detail/visitor.hpp"
+#include "lockstep/train/parameter_registry.hpp"
+
+#include <cstddef>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace lockstep::detail {
+
+/// Adds the parameters the network's for_each_parameter visits to `reg` (still open), with the
+/// visitor's shape when it passes one (train_params::decay and frozen see it). Throws
+/// lockstep::error naming replica `rank` when the network also allocated from the registry
+/// (errc::invalid_argument), or a tensor's gradients or shape do not match its values
+/// (errc::shape_mismatch).
+template <class T, class Network, class Registry>
+void register_visited_parameters(Network& net, Registry& reg, int rank) {
+    LOCKSTEP_REQUIRE(reg.empty(), errc::invalid_argument, rank, "data_parallel",
+                     "the network both allocates from the registry and defines "
+                     "for_each_parameter: use one of the two");
+    visit_parameters(net, [&](std::string_view name, std::span<T> v, std::span<T> g,
+                              const std::vector<std::size_t>& shape) {
+        LOCKSTEP_REQUIRE(v.size() == g.size(), errc::shape_mismatch, rank, "data_parallel",
+                         "parameter '", name, "' has ", v.size(), " values but ", g.size(),
+                         " gradients");
+        if (shape.empty()) {
+            reg.add(std::string(name), {v.size()});
+            return;
+        }
+        // The visitor's shape is kept (train_params::decay and frozen see it).
+        std::size_t n = 1;
+        for (std::size_t e : shape)
+            n = e != 0 && n > v.size() / e ? v.size() + 1 : n * e;
+        LOCKSTEP_REQUIRE(n == v.size(), errc::shape_mismatch, rank, "data_parallel", "parameter '",
+                         name, "': shape ", shape_string(shape), " does not hold its ", v.size(),
+                         " values");
+        reg.add(std::string(name), shape);
+    });
+}
+
+/// The copies between the network's parameter buffers and the flat ones (`flat`: the
+/// registry's gradients or values, laid out as `declared`, its parameters()), enqueued on `sys`.
+/// requires: the visitor visits the tensors it declared at construction (visit_check), else
+/// lockstep::error (errc::shape_mismatch) naming replica `rank` and the tensor.
+/// Network gradients -> flat gradients.
+template <class T, class Network, class System>
+void pack_visited_grads(Network& net, std::span<const tensor_info> declared, std::span<T> flat,
+                        const System& sys, int rank) {
+    visit_check seen(declared, rank, "for_each_parameter");
+    visit_parameters(net, [&](std::string_view name, std::span<T>, std::span<T> g) {
+        const tensor_info& t = seen.next(name, g.size());
+        copy_async(sys, std::span<const T>(g), flat.subspan(t.offset, t.size));
+    });
+    seen.done();
+}
+/// Network values -> flat values.
+template <class T, class Network, class System>
+void pack_visited_values(Network& net, std::span<const tensor_info> declared, std::span<T> flat,
+                         const System& sys, int rank) {
+    visit_check seen(declared, rank, "for_each_parameter");
+    visit_parameters(net, [&](std::string_view name, std::span<T> v, std::span<T>) {
+        const tensor_info& t = seen.next(name, v.size());
+        copy_async(sys, std::span<const T>(v), flat.subspan(t.offset, t.size));
+    });
+    seen.done();
+}
+/// Flat values -> network values.
+template <class T, class Network, class System>
+void unpack_visited_values(Network& net, std::span<const tensor_info> declared, std::span<T> flat,
+                           const System& sys, int rank) {
+    visit_check seen(declared, rank, "for_each_parameter");
+    visit_parameters(net, [&](std::string_view name, std::span<T> v, std::span<T>) {
+        const tensor_info& t = seen.next(name, v.size());
+        copy_async(sys, std::span<const T>(flat.subspan(t.offset, t.size)), v);
+    });
+    seen.done();
+}
+
+/// The state a network visits (for_each_state, with either path: e.g. BN running statistics a
+/// layer owns), packed into a buffer of the trainer's so that it is broadcast, averaged and
+/// checkpointed like the registry's state.
+template <class T, class System>
+class visited_state {
+public:
+    visited_state() = default;
+
+    /// Lays out the state `net` visits now, in visiting order, and allocates its packed buffer.
+    template <class Network>
+    visited_state(Network& net, const System& sys) {
+        std::size_t offset = 0;
+        visit_state<T>(net, [&](std::string_view name, std::span<T> st) {
+            tensors_.push_back(
+                tensor_info{std::string(name), {st.size()}, offset, st.size(), tensor_kind::state});
+            offset += st.size();
+        });
+        flat_ = buffer<T, System>(offset, sys);
+    }
+
+    /// The state tensors as laid out in the packed buffer.
+    const std::vector<tensor_info>& tensors() const noexcept { return tensors_; }
+    /// The packed buffer (empty when the network visits no state).
+    std::span<T> span() noexcept { return flat_.span(); }
+    bool empty() const noexcept { return flat_.empty(); }
+
+    /// Network state -> packed buffer (`pack`), or back, enqueued on `sys`. requires: the
+    /// network visits the state it visited at construction (visit_check), else lockstep::error
+    /// (errc::shape_mismatch) naming replica `rank` and the tensor.
+    template <class Network>
+    void move(Network& net, const System& sys, int rank, bool pack) {
+        if constexpr (has_state_visitor<Network, T>) {
+            visit_check seen(tensors_, rank, "for_each_state");
+            visit_state<T>(net, [&](std::string_view name, std::span<T> s) {
+                const tensor_info& t = seen.next(name, s.size());
+                std::span<T> flat = flat_.span().subspan(t.offset, t.size);
+                if (pack)
+                    copy_async(sys, std::span<const T>(s), flat);
+                else
+                    copy_async(sys, std::span<const T>(flat), s);
+            });
+            seen.done();
+        }
+        (void)net;
+        (void)sys;
+        (void)rank;
+        (void)pack;
+    }
+
+private:
+    std::vector<tensor_info> tensors_;
+    buffer<T, System> flat_;
+};
+
+} // namespace lockstep::detail
