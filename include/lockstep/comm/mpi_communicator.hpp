@@ -12,6 +12,7 @@
 #include "lockstep/comm/detail/mpi_types.hpp"
 #include "lockstep/comm/detail/scatter_counts.hpp"
 #include "lockstep/comm/detail/span_checks.hpp"
+#include "lockstep/comm/detail/split_label.hpp"
 #include "lockstep/comm/flight_recorder.hpp"
 #include "lockstep/comm/mpi_environment.hpp"
 #include "lockstep/core/checked_math.hpp"
@@ -447,8 +448,7 @@ public:
         MPI_Comm sub = MPI_COMM_NULL;
         call(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split", 0);
         mpi_communicator child(sub, params_, node_ranks_);
-        child.label_ =
-            (label_.empty() ? "" : label_ + " / ") + "split(color=" + std::to_string(color) + ")";
+        child.label_ = detail::split_label(label_, color);
         return child;
     }
 

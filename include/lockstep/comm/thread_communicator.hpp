@@ -13,6 +13,7 @@
 #include "lockstep/comm/detail/shm_shrink.hpp"
 #include "lockstep/comm/detail/shm_sync.hpp"
 #include "lockstep/comm/detail/span_checks.hpp"
+#include "lockstep/comm/detail/split_label.hpp"
 #include "lockstep/comm/flight_recorder.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/system/host_system.hpp"
@@ -368,8 +369,7 @@ public:
             replicas.reserve(ranks.size());
             for (int j : ranks)
                 replicas.push_back(group_->replica_of(j));
-            std::string label = group_->label().empty() ? "" : group_->label() + " / ";
-            label += "split(color=" + std::to_string(color) + ")";
+            std::string label = detail::split_label(group_->label(), color);
             // Only the child field is written; peers read other fields of this record now.
             group_->member(rank_).calls[s.seq % 2].child =
                 std::make_shared<detail::shm::group_state>(group_->context_ptr(),

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "lockstep/comm/detail/hierarchical_call.hpp"
+#include "lockstep/comm/detail/split_label.hpp"
 #include "lockstep/core/error.hpp"
 
 #include <cstddef>
@@ -25,8 +26,7 @@ struct hierarchical_origin {
     /// to the label.
     hierarchical_origin split(int color) const {
         hierarchical_origin child = *this;
-        child.label =
-            (label.empty() ? "" : label + " / ") + "split(color=" + std::to_string(color) + ")";
+        child.label = split_label(label, color);
         return child;
     }
 
