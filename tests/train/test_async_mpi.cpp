@@ -134,7 +134,7 @@ TEST_CASE("a stalled worker is named by the server's timeout under throw_error",
     // other rank times out too: worker 1 once it pushes after the stall, any other worker
     // waiting to be told to stop.
     mpi_communicator_params mp;
-    mp.timeout = std::chrono::milliseconds(500);
+    mp.timeout = std::chrono::milliseconds(1500); // margin for a loaded machine's start-up
     mp.on_failure = mpi_failure_action::throw_error;
     mpi_communicator comm(MPI_COMM_WORLD, mp);
     buffer<float> params(2, comm.system());
@@ -146,7 +146,7 @@ TEST_CASE("a stalled worker is named by the server's timeout under throw_error",
             comm, params.span(), {}, 0, {.steps = 6},
             [&](const work_item&, std::span<float> g, std::span<float>) {
                 if (comm.rank() == 1) // its first item: the others may take all the rest
-                    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+                    std::this_thread::sleep_for(std::chrono::milliseconds(3000));
                 std::fill(g.begin(), g.end(), 1.0f);
             },
             [](std::span<const float>, std::span<const float>, const apply_info&) {});
@@ -171,7 +171,7 @@ TEST_CASE("a stalled worker is named in the server's abort under the default fai
     const char* dir = std::getenv("LOCKSTEP_RESULT_DIR");
     REQUIRE(dir != nullptr);
     mpi_communicator_params mp;
-    mp.timeout = std::chrono::milliseconds(1000);
+    mp.timeout = std::chrono::milliseconds(3000); // margin for a loaded machine's start-up
     REQUIRE(mp.on_failure == mpi_failure_action::abort);
     mpi_communicator comm(MPI_COMM_WORLD, mp);
     const std::string base = std::string(dir) + "/rank" + std::to_string(comm.rank());
