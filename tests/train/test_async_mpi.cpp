@@ -128,6 +128,25 @@ TEST_CASE("a failure applying the last gradient reaches every worker, not its ti
     }
 }
 
+namespace {
+
+// Six work items of an asynchronous parameter server on comm, worker 1 stalling for `stall` on
+// its first item (the others may take all the rest).
+void run_stalled(mpi_communicator& comm, std::chrono::milliseconds stall) {
+    buffer<float> params(2, comm.system());
+    std::fill(params.begin(), params.end(), 0.0f);
+    (void)run_parameter_server<sync::asynchronous>(
+        comm, params.span(), {}, 0, {.steps = 6},
+        [&](const work_item&, std::span<float> g, std::span<float>) {
+            if (comm.rank() == 1)
+                std::this_thread::sleep_for(stall);
+            std::fill(g.begin(), g.end(), 1.0f);
+        },
+        [](std::span<const float>, std::span<const float>, const apply_info&) {});
+}
+
+} // namespace
+
 TEST_CASE("a stalled worker is named by the server's timeout under throw_error",
           "[train][async][mpi]") {
     // Worker 1 stalls on its first item past the timeout; the server's error names it. Every
@@ -137,19 +156,10 @@ TEST_CASE("a stalled worker is named by the server's timeout under throw_error",
     mp.timeout = std::chrono::milliseconds(1500); // margin for a loaded machine's start-up
     mp.on_failure = mpi_failure_action::throw_error;
     mpi_communicator comm(MPI_COMM_WORLD, mp);
-    buffer<float> params(2, comm.system());
-    std::fill(params.begin(), params.end(), 0.0f);
     std::string message;
     int code = -1;
     try {
-        (void)run_parameter_server<sync::asynchronous>(
-            comm, params.span(), {}, 0, {.steps = 6},
-            [&](const work_item&, std::span<float> g, std::span<float>) {
-                if (comm.rank() == 1) // its first item: the others may take all the rest
-                    std::this_thread::sleep_for(std::chrono::milliseconds(3000));
-                std::fill(g.begin(), g.end(), 1.0f);
-            },
-            [](std::span<const float>, std::span<const float>, const apply_info&) {});
+        run_stalled(comm, std::chrono::milliseconds(3000));
     } catch (const error& e) {
         message = e.what();
         code = static_cast<int>(e.code());
@@ -180,17 +190,8 @@ TEST_CASE("a stalled worker is named in the server's abort under the default fai
         std::ofstream(base + ".txt", std::ios::app) << line << '\n';
     };
     record("started");
-    buffer<float> params(2, comm.system());
-    std::fill(params.begin(), params.end(), 0.0f);
     try {
-        (void)run_parameter_server<sync::asynchronous>(
-            comm, params.span(), {}, 0, {.steps = 6},
-            [&](const work_item&, std::span<float> g, std::span<float>) {
-                if (comm.rank() == 1) // its first item: the others may take all the rest
-                    std::this_thread::sleep_for(std::chrono::seconds(20));
-                std::fill(g.begin(), g.end(), 1.0f);
-            },
-            [](std::span<const float>, std::span<const float>, const apply_info&) {});
+        run_stalled(comm, std::chrono::seconds(20));
         record("bad: finished although a worker stalled past the timeout");
     } catch (const std::exception& e) {
         record(std::string("bad: caught an error instead of the abort: ") + e.what());
