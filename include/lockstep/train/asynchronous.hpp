@@ -18,6 +18,7 @@
 #include "lockstep/train/train_params.hpp"
 
 #include <array>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -61,14 +62,16 @@ struct async_result {
 
 namespace detail {
 
-/// running' = (1 - m) running + d, where d = m * batch statistic (the worker's contribution).
+/// running' = keep running + d, where d is the worker's contribution (below) and keep =
+/// (1 - m)^M for a work item of M micro-batches.
 template <class T>
 struct ema_apply_fn {
     T keep;
     LOCKSTEP_HOST_DEVICE T operator()(T running, T d) const { return keep * running + d; }
 };
-/// d = after - (1 - m) before: a BN layer that updated its running statistic from `before` to
-/// `after` = (1 - m) before + m batch contributed m * batch.
+/// d = after - keep before: a BN layer that updated its running statistic M times, from `before`
+/// to `after` = (1 - m)^M before + sum over micro-batches i of (1 - m)^(M - i) m batch_i,
+/// contributed the sum, whatever `before` (the worker's possibly stale copy) was.
 template <class T>
 struct ema_delta_fn {
     T keep;
@@ -225,10 +228,11 @@ public:
                 ", this replica: ", detail::exact(lr_sum),
                 "): set optimizer().set_lr or train_params::lr alike on every replica");
         }
-        const T keep = static_cast<T>(1.0 - ap_.bn_momentum);
         const std::uint64_t first_sample = core_.samples();
         const std::int64_t first_version = core_.steps(); // versions continue across calls
         const auto micro = static_cast<std::size_t>(core_.params().micro_batches);
+        // A BN layer runs once per micro-batch: M updates of its running statistics per item.
+        const T keep = static_cast<T>(std::pow(1.0 - ap_.bn_momentum, static_cast<double>(micro)));
         async_result result;
         double loss_sum = 0;
         std::uint64_t losses = 0;
