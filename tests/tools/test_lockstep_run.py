@@ -203,6 +203,12 @@ class LockstepRun(unittest.TestCase):
         self.addCleanup(lambda: proc.poll() is None and proc.kill())
         return proc, log_path, seen
 
+    def wait_started(self, seen, ranks=2):
+        """Waits until ranks 0..ranks-1 wrote $SEEN/pid.<rank>; returns the files' paths."""
+        pids = [os.path.join(seen, f"pid.{r}") for r in range(ranks)]
+        self.wait_for("the ranks did not start", lambda: all(map(os.path.exists, pids)))
+        return pids
+
     def wait_for(self, what, check, timeout=30):
         deadline = time.monotonic() + timeout
         while not check():
@@ -222,8 +228,7 @@ class LockstepRun(unittest.TestCase):
         # makes the rank lost, not stopped.
         proc, log_path, seen = self.start(
             2, [sys.executable, "-c", COUNTING_PROGRAM], {"RUN_FOR": "30"}, "--backoff", "0.05")
-        pids = [os.path.join(seen, f"pid.{r}") for r in range(2)]
-        self.wait_for("the ranks did not start", lambda: all(map(os.path.exists, pids)))
+        pids = self.wait_started(seen)
         program, wrapper = map(int, self.read(pids[1]).split())
         os.kill(wrapper, signal.SIGUSR1)
         self.wait_for("SIGUSR1 did not reach the program",
@@ -250,8 +255,7 @@ class LockstepRun(unittest.TestCase):
     def test_sigterm_reaches_each_program_once(self):
         proc, log_path, seen = self.start(
             2, [sys.executable, "-c", COUNTING_PROGRAM], {"RUN_FOR": "30"})
-        pids = [os.path.join(seen, f"pid.{r}") for r in range(2)]
-        self.wait_for("the ranks did not start", lambda: all(map(os.path.exists, pids)))
+        self.wait_started(seen)
         proc.send_signal(signal.SIGTERM)
         status, log = self.finish(proc, log_path)
         self.assertIn("stopped by SIGTERM: not relaunching", log)
@@ -291,8 +295,7 @@ class LockstepRun(unittest.TestCase):
         proc, log_path, seen = self.start(
             2, [sys.executable, "-c", COUNTING_PROGRAM], {"RUN_FOR": "3"},
             preexec_fn=ignoring(signal.SIGHUP, signal.SIGINT))
-        pids = [os.path.join(seen, f"pid.{r}") for r in range(2)]
-        self.wait_for("the ranks did not start", lambda: all(map(os.path.exists, pids)))
+        self.wait_started(seen)
         proc.send_signal(signal.SIGHUP)
         proc.send_signal(signal.SIGINT)
         status, log = self.finish(proc, log_path)
