@@ -316,20 +316,20 @@ public:
     /// (errc::shape_mismatch) naming this replica and the tensor.
     void pack_grads() {
         if constexpr (uses_visitor)
-            pack_visited_grads(*net_, registry().parameters(), grads(), comm_->system(),
-                               comm_->rank());
+            copy_visited(*net_, registry().parameters(), grads(), comm_->system(), comm_->rank(),
+                         visited_copy::grads_to_flat);
     }
     /// Visitor path: network values -> flat value buffer.
     void pack_values() {
         if constexpr (uses_visitor)
-            pack_visited_values(*net_, registry().parameters(), values(), comm_->system(),
-                                comm_->rank());
+            copy_visited(*net_, registry().parameters(), values(), comm_->system(), comm_->rank(),
+                         visited_copy::values_to_flat);
     }
     /// Visitor path: flat value buffer -> network values.
     void unpack_values() {
         if constexpr (uses_visitor)
-            unpack_visited_values(*net_, registry().parameters(), values(), comm_->system(),
-                                  comm_->rank());
+            copy_visited(*net_, registry().parameters(), values(), comm_->system(), comm_->rank(),
+                         visited_copy::flat_to_values);
     }
     /// State the network visits (for_each_state) <-> the trainer's packed state buffer.
     void pack_state() { vstate_.move(*net_, comm_->system(), comm_->rank(), true); }

@@ -47,40 +47,29 @@ void register_visited_parameters(Network& net, Registry& reg, int rank) {
     });
 }
 
-/// The copies between the network's parameter buffers and the flat ones (`flat`: the
+/// Which copy copy_visited makes between a network's parameter buffers and the flat ones.
+enum class visited_copy {
+    grads_to_flat,  ///< network gradients -> flat gradients
+    values_to_flat, ///< network values -> flat values
+    flat_to_values, ///< flat values -> network values
+};
+
+/// The copy `dir` between the network's parameter buffers and the flat ones (`flat`: the
 /// registry's gradients or values, laid out as `declared`, its parameters()), enqueued on `sys`.
 /// requires: the visitor visits the tensors it declared at construction (visit_check), else
 /// lockstep::error (errc::shape_mismatch) naming replica `rank` and the tensor.
-/// Network gradients -> flat gradients.
 template <class T, class Network, class System>
-void pack_visited_grads(Network& net, std::span<const tensor_info> declared, std::span<T> flat,
-                        const System& sys, int rank) {
+void copy_visited(Network& net, std::span<const tensor_info> declared, std::span<T> flat,
+                  const System& sys, int rank, visited_copy dir) {
     visit_check seen(declared, rank, "for_each_parameter");
-    visit_parameters(net, [&](std::string_view name, std::span<T>, std::span<T> g) {
-        const tensor_info& t = seen.next(name, g.size());
-        copy_async(sys, std::span<const T>(g), flat.subspan(t.offset, t.size));
-    });
-    seen.done();
-}
-/// Network values -> flat values.
-template <class T, class Network, class System>
-void pack_visited_values(Network& net, std::span<const tensor_info> declared, std::span<T> flat,
-                         const System& sys, int rank) {
-    visit_check seen(declared, rank, "for_each_parameter");
-    visit_parameters(net, [&](std::string_view name, std::span<T> v, std::span<T>) {
-        const tensor_info& t = seen.next(name, v.size());
-        copy_async(sys, std::span<const T>(v), flat.subspan(t.offset, t.size));
-    });
-    seen.done();
-}
-/// Flat values -> network values.
-template <class T, class Network, class System>
-void unpack_visited_values(Network& net, std::span<const tensor_info> declared, std::span<T> flat,
-                           const System& sys, int rank) {
-    visit_check seen(declared, rank, "for_each_parameter");
-    visit_parameters(net, [&](std::string_view name, std::span<T> v, std::span<T>) {
-        const tensor_info& t = seen.next(name, v.size());
-        copy_async(sys, std::span<const T>(flat.subspan(t.offset, t.size)), v);
+    visit_parameters(net, [&](std::string_view name, std::span<T> v, std::span<T> g) {
+        const std::span<T> mine = dir == visited_copy::grads_to_flat ? g : v;
+        const tensor_info& t = seen.next(name, mine.size());
+        const std::span<T> theirs = flat.subspan(t.offset, t.size);
+        if (dir == visited_copy::flat_to_values)
+            copy_async(sys, std::span<const T>(theirs), mine);
+        else
+            copy_async(sys, std::span<const T>(mine), theirs);
     });
     seen.done();
 }
