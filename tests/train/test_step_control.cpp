@@ -903,6 +903,49 @@ TEST_CASE("the asynchronous trainer refuses learning rates that differ across re
     }
 }
 
+TEST_CASE("the asynchronous trainer refuses rates that differ version by version but sum alike",
+          "[train][thread][agreement][async]") {
+    // Replica 1 applies the same two rates in the other order: equal sums, different runs on
+    // a server and a worker. Refused on every replica before any work. -0.0 and 0.0 apply
+    // alike and are accepted.
+    using async_t = data_parallel<linear, sgd, sync::bounded_staleness<0>, reduce::per_tensor>;
+    const auto swapped = [](int rank) {
+        return [rank](std::int64_t s) { return (s % 2 == 0) == (rank == 1) ? 0.25 : 0.125; };
+    };
+    std::vector<std::int64_t> steps_after(3);
+    const auto e = errors_of(3, [&](int rank, thread_communicator& comm) {
+        train_params tp;
+        tp.lr = swapped(rank);
+        async_t dp(
+            comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.05}, tp);
+        try {
+            dp.train(2, 8, train_fn);
+        } catch (...) {
+            steps_after[static_cast<std::size_t>(rank)] = dp.steps();
+            throw;
+        }
+    });
+    for (std::size_t r = 0; r < 3; ++r) {
+        INFO(e[r].first);
+        CHECK(e[r].second == static_cast<int>(errc::invalid_argument));
+        CHECK_THAT(e[r].first,
+                   Catch::Contains("replicas disagree on the learning rates of versions 0..1") &&
+                       Catch::Contains("equal sums of rates that differ version by version"));
+        CHECK(steps_after[r] == 0);
+    }
+    std::vector<std::int64_t> zero_steps(3);
+    thread_group(3).run([&](thread_communicator& comm) {
+        const double zero = comm.rank() == 1 ? -0.0 : 0.0;
+        train_params tp;
+        tp.lr = [zero](std::int64_t) { return zero; };
+        async_t dp(
+            comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.05}, tp);
+        dp.train(2, 8, train_fn);
+        zero_steps[static_cast<std::size_t>(comm.rank())] = dp.steps();
+    });
+    CHECK(zero_steps == std::vector<std::int64_t>{2, 2, 2});
+}
+
 TEST_CASE("the asynchronous trainer refuses steps that differ across replicas, naming them",
           "[train][thread][agreement][async]") {
     // Sums of the rates over different step counts differ too: the steps are compared first,

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
+#include "lockstep/core/detail/fnv1a.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/finite.hpp"
 #include "lockstep/kernels/for_each.hpp"
@@ -18,6 +19,7 @@
 #include "lockstep/train/train_params.hpp"
 
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -188,24 +190,34 @@ public:
         // The server applies version v with lr_for(v): check them all before any collective,
         // so a bad schedule throws on every replica with nothing changed, not on the server
         // mid-run.
+        // The sum names the rates in the message; a hash of their bits in version order catches
+        // rates that differ but sum alike (the same rates in another order).
         double lr_sum = 0;
-        for (std::size_t k = 0; k < steps; ++k)
-            lr_sum += core_.checked_lr(core_.steps() + static_cast<std::int64_t>(k),
-                                       "async_trainer.train");
+        std::uint64_t lr_hash = detail::fnv1a_basis;
+        for (std::size_t k = 0; k < steps; ++k) {
+            const double lr = core_.checked_lr(core_.steps() + static_cast<std::int64_t>(k),
+                                               "async_trainer.train");
+            lr_sum += lr;
+            const double zero_signless = lr == 0 ? 0.0 : lr; // -0.0 applies as 0.0
+            lr_hash = detail::fnv1a_u64(std::bit_cast<std::uint64_t>(zero_signless), lr_hash);
+        }
         {
             // Workers map work items to samples with `batch`, and the server applies the
             // schedule it holds: every replica must have the same of both (an lr set on one
             // replica only would be ignored on a worker, or silently change the run on the
             // server), and train the same trainer (another one's messages would be taken for
-            // this one's). Exact in double: batch and the ordinal < 2^53, and equal schedules
-            // sum alike.
+            // this one's). Exact in double: batch and the ordinal < 2^53, the hash's 32-bit
+            // halves, and equal schedules sum alike.
             // Also `steps`: the sums of rates over different step counts differ, and would be
             // blamed on the rates.
             const auto nb = static_cast<double>(batch);
             const auto ordinal = static_cast<double>(core_.ordinal());
             const auto ns = static_cast<double>(steps);
-            const std::array<double, 8> b{nb, -nb, lr_sum, -lr_sum, ordinal, -ordinal, ns, -ns};
-            std::array<double, 8> agreed{};
+            const auto hi = static_cast<double>(lr_hash >> 32);
+            const auto lo = static_cast<double>(lr_hash & 0xffffffffu);
+            const std::array<double, 12> b{nb, -nb, lr_sum, -lr_sum, ordinal, -ordinal,
+                                           ns, -ns, hi,     -hi,     lo,      -lo};
+            std::array<double, 12> agreed{};
             comm.all_reduce(std::span<const double>(b), std::span<double>(agreed), reduce_op::max);
             LOCKSTEP_REQUIRE(
                 agreed[4] == -agreed[5], errc::invalid_argument, comm.rank(), "data_parallel.train",
@@ -221,11 +233,14 @@ public:
                              "data_parallel.train", "replicas disagree on the batch size: from ",
                              -agreed[1], " to ", agreed[0], " (this replica: ", batch, ")");
             LOCKSTEP_REQUIRE(
-                agreed[2] == -agreed[3], errc::invalid_argument, comm.rank(), "data_parallel.train",
+                agreed[2] == -agreed[3] && agreed[8] == -agreed[9] && agreed[10] == -agreed[11],
+                errc::invalid_argument, comm.rank(), "data_parallel.train",
                 "replicas disagree on the learning rates of versions ", core_.steps(), "..",
                 core_.steps() + static_cast<std::int64_t>(steps) - 1, " (their sum: from ",
                 detail::exact(-agreed[3]), " to ", detail::exact(agreed[2]),
                 ", this replica: ", detail::exact(lr_sum),
+                agreed[2] == -agreed[3] ? "; equal sums of rates that differ version by version"
+                                        : "",
                 "): set optimizer().set_lr or train_params::lr alike on every replica");
         }
         const std::uint64_t first_sample = core_.samples();
