@@ -8,9 +8,9 @@
 // linked with lockstep::mpi, which also provides <mpi.h>) and NCCL (LOCKSTEP_HAS_NCCL). A host
 // compiler without MPI therefore gets every header except cuda_system.hpp, bn_cuda.cuh,
 // mpi_environment.hpp, mpi_communicator.hpp, hierarchical_group.hpp, gpu_group.hpp,
-// nccl_communicator.hpp and gpu_hierarchical_group.hpp; without MPI, mpi_unavailable.hpp makes
-// constructing an mpi_communicator, mpi_environment or hierarchical_group a compile error that
-// names the target to link (lockstep::mpi).
+// nccl_communicator.hpp, nccl_group.hpp and gpu_hierarchical_group.hpp; without MPI,
+// mpi_unavailable.hpp makes constructing an mpi_communicator, mpi_environment or
+// hierarchical_group a compile error that names the target to link (lockstep::mpi).
 #include "lockstep/core/config.hpp"
 
 #include "lockstep/core/checked_math.hpp"
@@ -76,6 +76,7 @@
 #if LOCKSTEP_HAS_NCCL
 #include "lockstep/comm/gpu_group.hpp"
 #include "lockstep/comm/nccl_communicator.hpp"
+#include "lockstep/comm/nccl_group.hpp"
 #endif
 #if LOCKSTEP_HAS_NCCL && LOCKSTEP_HAS_MPI
 #include "lockstep/comm/gpu_hierarchical_group.hpp"

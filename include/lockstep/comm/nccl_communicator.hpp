@@ -2,26 +2,21 @@
 // (NCCL collectives enqueued on each replica's stream). SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-#include "lockstep/core/checked_math.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
-#include "lockstep/core/span_overlap.hpp"
 
 // NCCL needs the CUDA system, hence nvcc; elsewhere this header declares nothing.
 #if LOCKSTEP_HAS_NCCL
 
-#include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/communicator_identity.hpp"
 #include "lockstep/comm/detail/nccl_bootstrap.hpp"
+#include "lockstep/comm/detail/nccl_collectives.hpp"
 #include "lockstep/comm/detail/nccl_handle.hpp"
 #include "lockstep/comm/detail/nccl_membership.hpp"
 #include "lockstep/comm/detail/nccl_shrink.hpp"
 #include "lockstep/comm/detail/nccl_types.hpp"
-#include "lockstep/comm/detail/scatter_counts.hpp"
-#include "lockstep/comm/detail/span_checks.hpp"
-#include "lockstep/comm/detail/stream_gap_timer.hpp"
-#include "lockstep/comm/flight_recorder.hpp"
+#include "lockstep/comm/nccl_group.hpp"
 #include "lockstep/system/cuda_system.hpp"
 
 #include <algorithm>
@@ -31,7 +26,6 @@
 #include <memory>
 #include <span>
 #include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -112,7 +106,10 @@ namespace lockstep {
 /// send/recv between two known ranks exist. A communicator is used by one thread at a time.
 /// Spans must be memory of device() (or managed memory): host memory is rejected with
 /// errc::invalid_argument before NCCL sees it.
-class nccl_communicator {
+///
+/// The collectives and send/recv come from its base detail::nccl_collectives, the waits, trace()
+/// and the device timing from detail::nccl_calls underneath.
+class nccl_communicator : public detail::nccl_collectives {
     struct adopt_tag {};
 
 public:
@@ -256,221 +253,6 @@ public:
         return h_.aborted() || h_.revoked();
     }
 
-    /// recv[i] = op over replicas of send[i] (ncclAllReduce); send may equal recv (in place).
-    /// requires: send.size() == recv.size(), equal on every replica; send and recv identical
-    /// or disjoint (a partial overlap is refused with errc::invalid_argument).
-    template <nccl_element T>
-    void all_reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                    reduce_op op) {
-        const std::string name = next_operation("all_reduce");
-        check_spans(name, send, recv);
-        check_op(name, op);
-        check_disjoint(name, send, recv, send.data() == recv.data(), "send == recv");
-        h_.require(send.size() == recv.size(), errc::shape_mismatch, name, "send has ", send.size(),
-                   " elements, recv ", recv.size());
-        if (recv.empty())
-            return;
-        h_.check_memory(name, "send", send.data());
-        h_.check_memory(name, "recv", recv.data());
-        enqueue(name, [&] {
-            return ncclAllReduce(send.data(), recv.data(), recv.size(), detail::nccl_data_type<T>(),
-                                 detail::nccl_reduce_op(op), h_.comm(), h_.stream());
-        });
-        traced("all_reduce", trace_type_name<T>(), send.size(), -1);
-    }
-
-    /// data on every replica becomes root's data (ncclBroadcast, in place).
-    /// requires: 0 <= root < size(); data.size() equal on every replica.
-    template <nccl_element T>
-    void broadcast(std::span<T> data, int root) {
-        const std::string name = next_operation("broadcast");
-        check_spans(name, data, data);
-        h_.require(root >= 0 && root < h_.size(), errc::invalid_argument, name, "root ", root,
-                   " is not a rank of ", h_.size(), " replicas");
-        if (data.empty())
-            return;
-        h_.check_memory(name, "data", data.data());
-        enqueue(name, [&] {
-            return ncclBroadcast(data.data(), data.data(), data.size(), detail::nccl_data_type<T>(),
-                                 root, h_.comm(), h_.stream());
-        });
-        traced("broadcast", trace_type_name<T>(), data.size(), root);
-    }
-
-    /// recv = every replica's send concatenated in rank order (ncclAllGather).
-    /// requires: recv.size() == size() * send.size(); send.size() equal on every replica; send
-    /// is recv's block rank() (in place) or disjoint from recv (else errc::invalid_argument).
-    template <nccl_element T>
-    void all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
-        const std::string name = next_operation("all_gather");
-        check_spans(name, send, recv);
-        check_disjoint(name, send, recv,
-                       reinterpret_cast<std::uintptr_t>(send.data()) ==
-                           reinterpret_cast<std::uintptr_t>(recv.data()) +
-                               send.size_bytes() * static_cast<std::size_t>(h_.rank()),
-                       "send is recv's block rank()");
-        std::size_t total = 0;
-        const bool overflow =
-            mul_overflows(send.size(), static_cast<std::size_t>(h_.size()), &total);
-        h_.require(!overflow && recv.size() == total, errc::shape_mismatch, name, "recv has ",
-                   recv.size(), " elements, expected ", h_.size(), " x ", send.size());
-        if (send.empty())
-            return;
-        h_.check_memory(name, "send", send.data());
-        h_.check_memory(name, "recv", recv.data());
-        enqueue(name, [&] {
-            return ncclAllGather(send.data(), recv.data(), send.size(), detail::nccl_data_type<T>(),
-                                 h_.comm(), h_.stream());
-        });
-        traced("all_gather", trace_type_name<T>(), send.size(), -1);
-    }
-
-    /// Block r of recv = block rank() of replica r's send (blocks of send.size() / size()
-    /// elements): one ncclSend and one ncclRecv per replica, itself included, inside
-    /// ncclGroupStart/End on the replica's stream.
-    /// requires: send.size() equal on every replica and a multiple of size(); recv.size() ==
-    /// send.size(); send and recv do not overlap.
-    template <nccl_element T>
-    void all_to_all(std::span<const std::type_identity_t<T>> send, std::span<T> recv) {
-        const std::string name = next_operation("all_to_all");
-        check_spans(name, send, recv);
-        const std::size_t ranks = static_cast<std::size_t>(h_.size());
-        h_.require(send.size() % ranks == 0 && recv.size() == send.size(), errc::shape_mismatch,
-                   name, "send has ", send.size(), " elements, recv ", recv.size(),
-                   " (requires equal sizes, a multiple of ", ranks, ")");
-        const std::string overlap = lockstep::detail::overlap_problem(send, "send", recv, "recv");
-        h_.require(overlap.empty(), errc::invalid_argument, name, overlap,
-                   " (all_to_all has no in-place form)");
-        if (send.empty())
-            return;
-        h_.check_memory(name, "send", send.data());
-        h_.check_memory(name, "recv", recv.data());
-        const std::size_t block = send.size() / ranks;
-        enqueue(name, [&] {
-            ncclResult_t r = ncclGroupStart();
-            for (std::size_t p = 0; p < ranks && r == ncclSuccess; ++p) {
-                r = ncclSend(send.data() + p * block, block, detail::nccl_data_type<T>(),
-                             static_cast<int>(p), h_.comm(), h_.stream());
-                if (r == ncclSuccess)
-                    r = ncclRecv(recv.data() + p * block, block, detail::nccl_data_type<T>(),
-                                 static_cast<int>(p), h_.comm(), h_.stream());
-            }
-            const ncclResult_t end = ncclGroupEnd();
-            return r != ncclSuccess ? r : end;
-        });
-        traced("all_to_all", trace_type_name<T>(), send.size(), -1);
-    }
-
-    /// As all_reduce, but only root's recv is written (ncclReduce); on other replicas recv may
-    /// be empty. requires: 0 <= root < size(); on root recv.size() == send.size() and send and
-    /// recv identical or disjoint (else errc::invalid_argument).
-    template <nccl_element T>
-    void reduce(std::span<const std::type_identity_t<T>> send, std::span<T> recv, reduce_op op,
-                int root) {
-        const std::string name = next_operation("reduce");
-        check_spans(name, send, h_.rank() == root ? recv : std::span<T>());
-        check_op(name, op);
-        if (h_.rank() == root)
-            check_disjoint(name, send, recv, send.data() == recv.data(), "send == recv");
-        h_.require(root >= 0 && root < h_.size(), errc::invalid_argument, name, "root ", root,
-                   " is not a rank of ", h_.size(), " replicas");
-        h_.require(h_.rank() != root || recv.size() == send.size(), errc::shape_mismatch, name,
-                   "send has ", send.size(), " elements, root's recv ", recv.size());
-        if (send.empty())
-            return;
-        h_.check_memory(name, "send", send.data());
-        if (h_.rank() == root)
-            h_.check_memory(name, "recv", recv.data());
-        enqueue(name, [&] {
-            return ncclReduce(send.data(), recv.empty() ? nullptr : recv.data(), send.size(),
-                              detail::nccl_data_type<T>(), detail::nccl_reduce_op(op), root,
-                              h_.comm(), h_.stream());
-        });
-        traced("reduce", trace_type_name<T>(), send.size(), root);
-    }
-
-    /// Rank r receives counts[r] elements: recv[i] = op over replicas of send[offset + i],
-    /// offset = counts[0] + ... + counts[rank() - 1], enqueued on the replica's stream: one
-    /// ncclReduceScatter when every count is equal, else one ncclReduce per rank with a non-zero
-    /// count (root r, its slice) inside ncclGroupStart/End. recv may be this replica's slice of
-    /// send (in place). requires: counts has size() entries summing to send.size(), equal on
-    /// every replica (NCCL cannot check that: unequal counts are undefined behaviour in NCCL);
-    /// recv.size() == counts[rank()]; recv this replica's slice of send or disjoint from it.
-    template <nccl_element T>
-    void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        std::span<const std::size_t> counts, reduce_op op) {
-        const std::string name = next_operation("reduce_scatter");
-        check_spans(name, send, recv);
-        check_op(name, op);
-        const std::string bad_counts = detail::span_problem(counts, "counts");
-        h_.require(bad_counts.empty(), errc::invalid_argument, name, bad_counts);
-        const std::size_t ranks = static_cast<std::size_t>(h_.size());
-        const auto layout = detail::scatter_layout_of(counts, h_.rank());
-        h_.require(counts.size() == ranks && !layout.overflow && layout.total == send.size() &&
-                       recv.size() == layout.mine,
-                   errc::shape_mismatch, name, "counts ", detail::describe_counts(counts), " (",
-                   counts.size(), " entries for ", ranks, " replicas), send has ", send.size(),
-                   " elements, recv ", recv.size(),
-                   " (requires one count per replica summing to send's size, recv's size the "
-                   "count of this rank)");
-        check_disjoint(name, send, recv,
-                       !recv.empty() && recv.data() == send.data() + layout.offset,
-                       "recv is send's slice counts[rank()]");
-        if (send.empty())
-            return;
-        h_.check_memory(name, "send", send.data());
-        if (!recv.empty())
-            h_.check_memory(name, "recv", recv.data());
-        if (layout.equal) {
-            enqueue(name, [&] {
-                return ncclReduceScatter(send.data(), recv.data(), recv.size(),
-                                         detail::nccl_data_type<T>(), detail::nccl_reduce_op(op),
-                                         h_.comm(), h_.stream());
-            });
-            traced("reduce_scatter", trace_type_name<T>(), send.size(), -1);
-            return;
-        }
-        enqueue(name, [&] {
-            ncclResult_t r = ncclGroupStart();
-            std::size_t offset = 0;
-            for (std::size_t p = 0; p < ranks && r == ncclSuccess; offset += counts[p], ++p) {
-                if (counts[p] == 0)
-                    continue;
-                const bool mine = static_cast<int>(p) == h_.rank();
-                r = ncclReduce(send.data() + offset, mine ? recv.data() : nullptr, counts[p],
-                               detail::nccl_data_type<T>(), detail::nccl_reduce_op(op),
-                               static_cast<int>(p), h_.comm(), h_.stream());
-            }
-            const ncclResult_t end = ncclGroupEnd();
-            return r != ncclSuccess ? r : end;
-        });
-        traced("reduce_scatter", trace_type_name<T>(), send.size(), -1);
-    }
-
-    /// The equal-count form (ncclReduceScatter): every replica receives recv.size() elements.
-    /// requires: send.size() == size() * recv.size(), equal on every replica.
-    template <nccl_element T>
-    void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        reduce_op op) {
-        const std::vector<std::size_t> counts(static_cast<std::size_t>(std::max(h_.size(), 0)),
-                                              recv.size());
-        reduce_scatter<T>(send, recv, std::span<const std::size_t>(counts), op);
-    }
-
-    /// Returns once every replica has entered the barrier: a one-element all-reduce on the
-    /// replica's stream, then synchronize() (so it also waits for this replica's earlier work
-    /// on the stream, and throws on a failure, a failed peer or the timeout). The tag names the
-    /// barrier for the caller only: NCCL compares nothing across replicas.
-    void barrier(collective_tag /*tag*/ = {}) {
-        const std::string name = next_operation("barrier");
-        enqueue(name, [&] {
-            return ncclAllReduce(h_.scratch(), h_.scratch(), 1, ncclInt32, ncclSum, h_.comm(),
-                                 h_.stream());
-        });
-        traced("barrier", "int32", 1, -1);
-        wait_traced(name, true, [&] { h_.wait(name); });
-    }
-
     /// The sub-group of replicas passing the same color, ranked by (key, rank), as a new
     /// communicator on the same device and on this communicator's stream, so its collectives are
     /// ordered with the replica's work there (ncclCommSplit; collective over this communicator,
@@ -488,62 +270,6 @@ public:
     /// outlive the split). requires: color >= 0; stream non-null, a stream of device().
     nccl_communicator split(int color, int key, cudaStream_t stream) {
         return split_onto(color, key, {.adopted = stream});
-    }
-
-    /// Sends data to replica `peer` (ncclSend); matched in order with peer's recv(data, rank()).
-    /// NCCL has no tags and no any-source receive. requires: 0 <= peer < size(), peer != rank().
-    template <class T>
-    requires nccl_element<std::remove_const_t<T>>
-    void send(std::span<T> data, int peer) {
-        const std::string name = next_operation("send");
-        check_spans(name, data, data);
-        check_peer(name, peer);
-        if (data.empty())
-            return;
-        h_.check_memory(name, "data", data.data());
-        enqueue(name, [&] {
-            return ncclSend(data.data(), data.size(),
-                            detail::nccl_data_type<std::remove_const_t<T>>(), peer, h_.comm(),
-                            h_.stream());
-        });
-        traced("send", trace_type_name<T>(), data.size(), peer);
-    }
-    /// Receives data from replica `peer` (ncclRecv). requires: as send().
-    template <nccl_element T>
-    void recv(std::span<T> data, int peer) {
-        const std::string name = next_operation("recv");
-        check_spans(name, data, data);
-        check_peer(name, peer);
-        if (data.empty())
-            return;
-        h_.check_memory(name, "data", data.data());
-        enqueue(name, [&] {
-            return ncclRecv(data.data(), data.size(), detail::nccl_data_type<T>(), peer, h_.comm(),
-                            h_.stream());
-        });
-        traced("recv", trace_type_name<T>(), data.size(), peer);
-    }
-
-    /// Waits until the replica's stream is idle, polling NCCL's asynchronous errors and the
-    /// clique's failure mark; aborts the communicator and throws on an error, a failed peer or
-    /// after nccl_options::timeout. Prefer it over system().synchronize() while collectives
-    /// are in flight (a stream waiting for a dead peer never becomes idle).
-    void synchronize() {
-        const std::string name = reached("synchronize");
-        wait_traced(name, true, [&] { h_.wait(name); });
-    }
-
-    /// Waits until `event` has completed (cudaEventQuery, polled), with the checks of
-    /// synchronize(): aborts and throws on a CUDA error, a failed peer (errc::peer_failure),
-    /// NCCL's asynchronous error or after nccl_options::timeout (errc::timeout). `what` names
-    /// the event in the error message. Use it instead of cudaEventSynchronize for an event
-    /// recorded after collectives (e.g. "the step's result is ready").
-    /// requires: event was created on device() and recorded (an unrecorded event counts as
-    /// complete, as in CUDA).
-    void wait(cudaEvent_t event, const char* what) {
-        const std::string name =
-            reached(std::string("wait (") + (what != nullptr ? what : "event") + ")");
-        wait_traced(name, false, [&] { h_.wait_event(name, event); });
     }
 
     /// Throws (after aborting) if NCCL reported an asynchronous error or a peer failed; cheap
@@ -604,52 +330,6 @@ public:
         return lost;
     }
 
-    /// This replica's record of its last operations (flight_recorder). Operations are recorded
-    /// as queued when enqueued and become done when synchronize() or barrier() finds the
-    /// stream idle; wait(event) leaves them queued. A timeout or peer failure seen by a wait
-    /// writes the record, and the error names the file.
-    const flight_recorder& trace() const noexcept {
-        return trace_;
-    }
-
-    /// Starts timing, on the device, the time this replica's stream spends between this
-    /// communicator's collectives (detail::stream_gap_timer: two CUDA events per collective
-    /// from now on), which device_between_ns() reads; train_params::report_stragglers_every
-    /// turns it on. Collectives driven inside an nccl_group are launched at its end, after
-    /// their events: their gaps are not the stream's. Idempotent.
-    void time_between_on_device() {
-        gaps_.start(h_.device());
-    }
-
-    /// Makes this communicator's stream wait on the device (no host wait) for `event`, recorded
-    /// after collectives on another stream of the replica (comm_stream's side stream): with the
-    /// device timing on, the stream's wait there counts as time in collectives, not as the
-    /// replica's own work, as a collective on this stream would (a replica waiting for a slower
-    /// one's buckets is not the slow one). requires: event recorded on device(). A CUDA error
-    /// stops the family, as a failed collective does, and throws errc::cuda.
-    void device_wait(cudaEvent_t event) {
-        gaps_.before(h_.stream());
-        cudaError_t st = cudaSuccess;
-        {
-            cuda_device_guard guard(h_.device());
-            st = cudaStreamWaitEvent(h_.stream(), event, 0);
-        }
-        if (st != cudaSuccess) { // as the handle's polled waits report a CUDA error
-            (void)cudaGetLastError();
-            h_.fail_and_abort(errc::cuda, "device_wait",
-                              "cudaStreamWaitEvent: ", cudaGetErrorName(st), " (",
-                              cudaGetErrorString(st), ")");
-        }
-        gaps_.after(h_.stream());
-    }
-
-    /// The device time between collectives since time_between_on_device(), in ns, over the
-    /// gaps whose next collective the stream has reached (after synchronize(): all of them);
-    /// 0 while off. Throws errc::cuda when the timing's events failed.
-    std::int64_t device_between_ns() {
-        return gaps_.between_ns();
-    }
-
     /// This object's communicator_identity (identified_communicator): what caches of state
     /// derived from the communicator are keyed by.
     std::uint64_t identity() const noexcept {
@@ -662,7 +342,8 @@ private:
                       detail::nccl_handle::stream_source stream,
                       std::shared_ptr<detail::nccl_clique> clique,
                       std::shared_ptr<detail::nccl_family> family, nccl_options options)
-        : h_(comm, device, std::move(stream), std::move(clique), std::move(family), options) {}
+        : nccl_collectives(comm, device, std::move(stream), std::move(clique), std::move(family),
+                           options) {}
 
     nccl_communicator split_onto(int color, int key, detail::nccl_handle::stream_source stream) {
         const std::string name = next_operation("split");
@@ -697,83 +378,6 @@ private:
                                  h_.family(), h_.options());
     }
 
-    // "synchronize (after operation #41)": a timeout message then says how far this replica
-    // got, so comparing the replicas' messages shows which one skipped or added a call.
-    std::string reached(std::string op) const {
-        return sequence_ == 0 ? op + " (before any operation)"
-                              : op + " (after operation #" + std::to_string(sequence_ - 1) + ")";
-    }
-    std::string next_operation(const char* op) {
-        return std::string(op) + " #" + std::to_string(sequence_++);
-    }
-
-    // Makes the enqueueing NCCL call `call()` (nccl_handle::enqueue), between the events of the
-    // device timing when it is on.
-    template <class Call>
-    void enqueue(const std::string& name, Call call) {
-        gaps_.before(h_.stream());
-        h_.enqueue(name, call);
-        gaps_.after(h_.stream());
-    }
-
-    // A null span with a non-zero count, or one larger than memory can hold, is refused before
-    // anything is enqueued (like every argument error here, it aborts the communicator so the
-    // peers get peer_failure instead of waiting).
-    // A reduce_op that is none of the enumerators (an integer cast to it): refused (aborting, as
-    // check_spans does) instead of being reduced as a sum.
-    void check_op(const std::string& name, reduce_op op) {
-        h_.require(is_reduce_op(op), errc::invalid_argument, name, "reduce_op value ",
-                   static_cast<int>(op), " is none of sum, max, min");
-    }
-    template <class A, class B>
-    void check_spans(const std::string& op, std::span<A> a, std::span<B> b) {
-        const std::string problem = detail::join_problems(
-            {detail::span_problem(a, "send"), detail::span_problem(b, "recv")});
-        h_.require(problem.empty(), errc::invalid_argument, op, problem);
-    }
-
-    // send and recv in NCCL's in-place form (in_place, described by `form`) or disjoint: a
-    // partial overlap is undefined in NCCL, so it is refused (aborting, as check_spans does).
-    template <class A, class B>
-    void check_disjoint(const std::string& op, std::span<A> send, std::span<B> recv, bool in_place,
-                        const char* form) {
-        const std::string overlap =
-            in_place ? std::string() : lockstep::detail::overlap_text(send, "send", recv, "recv");
-        h_.require(overlap.empty(), errc::invalid_argument, op, overlap,
-                   ": give them identical (in place: ", form, ") or disjoint");
-    }
-
-    // Records an enqueued operation (sequence_ - 1) as queued: NCCL runs it later on the stream.
-    void traced(const char* op, const char* type, std::size_t count, int peer) noexcept {
-        trace_.record(op, static_cast<std::uint64_t>(sequence_ - 1), type, count, peer,
-                      op_state::queued);
-    }
-    // Runs a wait; once the whole stream is idle (stream_idle) every queued operation is done.
-    // A failed wait writes the flight recorder and the error names its file; the operations
-    // stay queued, since the stream does not say which of them hangs.
-    template <class Wait>
-    void wait_traced(const std::string& op, bool stream_idle, Wait&& wait) {
-        try {
-            wait();
-        } catch (const error& e) {
-            if (!flight_recorder::dumps_on(e.code()))
-                throw;
-            throw flight_recorder::with_trace(
-                e, trace_.dump(h_.rank(), h_.size(), op + ": " + e.what()));
-        }
-        if (stream_idle)
-            trace_.complete_queued();
-    }
-
-    void check_peer(const std::string& op, int peer) {
-        h_.require(peer >= 0 && peer < h_.size() && peer != h_.rank(), errc::invalid_argument, op,
-                   "peer ", peer, " is not another rank of ", h_.size(), " replicas");
-    }
-
-    detail::nccl_handle h_;
-    long long sequence_ = 0;
-    flight_recorder trace_{"nccl"};
-    detail::stream_gap_timer gaps_; // off unless time_between_on_device()
     communicator_identity identity_;
     detail::nccl_membership membership_; // the generation and its members (shrink())
 };
@@ -785,33 +389,6 @@ static_assert(all_to_all_communicator<nccl_communicator>,
 static_assert(!point_to_point_communicator<nccl_communicator>,
               "nccl_communicator must not claim point_to_point_communicator: NCCL has no "
               "any-source receive, which asynchronous training needs.");
-
-/// Groups NCCL calls so that one host thread can drive several replicas (ncclGroupStart on
-/// construction, ncclGroupEnd in end() or the destructor): e.g.
-/// `{ nccl_group g; for (auto& c : comms) c.all_reduce(...); g.end(); }`.
-class nccl_group {
-public:
-    nccl_group() { LOCKSTEP_NCCL_CHECK(ncclGroupStart()); }
-    nccl_group(const nccl_group&) = delete;
-    nccl_group& operator=(const nccl_group&) = delete;
-    /// Ends the group; errors of the grouped calls are thrown here (errc::nccl), without aborting
-    /// the grouped communicators: on such an error call abort() on each of them, so their peers
-    /// are released.
-    void end() {
-        if (!open_)
-            return;
-        open_ = false;
-        LOCKSTEP_NCCL_CHECK(ncclGroupEnd());
-    }
-    /// Ends the group if end() was not called (errors are then lost: call end()).
-    ~nccl_group() {
-        if (open_)
-            (void)ncclGroupEnd();
-    }
-
-private:
-    bool open_ = true;
-};
 
 } // namespace lockstep
 
