@@ -334,6 +334,25 @@ TEST_CASE("replicas that disagree on settings fail on every replica naming both 
             CHECK_THAT(msg, Catch::Contains("micro_batches: 2 on replica 0, 1 on replica 1;"));
         }
     }
+    SECTION("read_result off on one replica, also where shrink refuses it") {
+        // A replica that reads a step's error throws while one that does not goes on; with
+        // shrink, the refusal of read_result = false came from that replica only.
+        for (const auto failure : {replica_failure::stop, replica_failure::shrink}) {
+            const auto e = errors_of(3, [failure](int rank, thread_communicator& comm) {
+                train_params tp;
+                tp.read_result = rank != 2;
+                tp.on_replica_failure = failure;
+                trainer dp(
+                    comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1}, tp);
+            });
+            for (const auto& [msg, code] : e) {
+                INFO(msg);
+                CHECK(code == static_cast<int>(errc::invalid_argument));
+                CHECK_THAT(msg, Catch::Contains("read_result: true on replica 0, false on "
+                                                "replica 2;"));
+            }
+        }
+    }
     SECTION("loss scaling on one replica only, or with another growth_interval") {
         const auto off = errors_of(2, [](int rank, thread_communicator& comm) {
             train_params tp;

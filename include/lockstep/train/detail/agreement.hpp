@@ -78,7 +78,8 @@ void describe_optimizer_params(std::vector<std::string>& out, const P& p) {
 /// hyperparameters, seed (ctx.rng draws are keyed by the global sample: a seed per replica would
 /// make a sample's randomness depend on the replica holding it), micro_batches, overlap,
 /// skip_non_finite, max_consecutive_skips, max_grad_norm, loss_scale (off, or each of its
-/// fields), verify_every, report_stragglers_every, on_replica_failure, min_replicas, which
+/// fields), read_result (a replica that reads a step's error throws while one that does not goes
+/// on), verify_every, report_stragglers_every, on_replica_failure, min_replicas, which
 /// tensors are frozen or decay, and the given policy names (sync, reduce, BN).
 template <class Optimizer>
 std::vector<std::string> describe_settings(const typename Optimizer::params_type& opt,
@@ -102,6 +103,7 @@ std::vector<std::string> describe_settings(const typename Optimizer::params_type
                         " min_scale=" + exact(ls->min_scale));
     else
         add_setting(out, "loss_scale", "off");
+    add_setting(out, "read_result", tp.read_result ? "true" : "false");
     add_setting(out, "verify_every", std::to_string(tp.verify_every));
     add_setting(out, "report_stragglers_every", std::to_string(tp.report_stragglers_every));
     add_setting(out, "on_replica_failure",
