@@ -406,6 +406,87 @@ TEST_CASE("replicas that disagree on settings fail on every replica naming both 
             CHECK(after[r] == before[r]); // nothing applied
         }
     }
+    SECTION("after a step skipped for different global_batch, training goes on from the same "
+            "samples on every replica") {
+        // Each replica had advanced samples() by its own global_batch: replica 2 then trained
+        // on samples shifted by one, silently. The skipped step now consumes no samples.
+        const auto run = [](bool mistake) {
+            std::vector<std::vector<double>> params(3);
+            std::vector<std::uint64_t> samples(3);
+            thread_group(3).run([&](thread_communicator& comm) {
+                trainer dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1});
+                dp.step(12, train_fn);
+                if (mistake) {
+                    try {
+                        dp.step(comm.rank() == 2 ? 23 : 24, train_fn);
+                    } catch (const error&) { // invalid_argument on every replica
+                    }
+                }
+                dp.step(24, train_fn);
+                dp.step(24, train_fn);
+                const auto p = dp.parameters();
+                params[static_cast<std::size_t>(comm.rank())].assign(p.begin(), p.end());
+                samples[static_cast<std::size_t>(comm.rank())] = dp.samples();
+            });
+            return std::pair(params, samples);
+        };
+        const auto [clean, clean_samples] = run(false);
+        const auto [after, after_samples] = run(true);
+        CHECK(clean_samples == std::vector<std::uint64_t>{60, 60, 60});
+        CHECK(after_samples == clean_samples);
+        for (std::size_t r = 0; r < 3; ++r)
+            CHECK(after[r] == clean[0]); // bitwise: the same samples, the same updates
+    }
+    SECTION("with read_result = false, a step on samples that drifted apart is refused") {
+        // The skipped step is not read before the next one, which each replica starts from its
+        // own samples(): refused, naming both first samples; the read puts every replica back
+        // at replica 0's, so the steps after it agree again.
+        std::vector<std::uint64_t> samples(3);
+        const auto e = errors_of(3, [&](int rank, thread_communicator& comm) {
+            trainer dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1},
+                       {.read_result = false});
+            dp.step(12, train_fn);
+            dp.step(rank == 2 ? 23 : 24, train_fn);
+            dp.step(24, train_fn);
+            try {
+                (void)dp.read_result();
+            } catch (const error&) {
+                dp.step(24, train_fn);
+                (void)dp.read_result(); // agrees again
+                samples[static_cast<std::size_t>(rank)] = dp.samples();
+                throw;
+            }
+        });
+        for (int r = 0; r < 3; ++r) {
+            INFO(e[r].first);
+            CHECK(e[r].second == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(e[r].first, Catch::Contains("step 2 skipped") &&
+                                       Catch::Contains("first sample: 36 on replica 0, 35 on "
+                                                       "replica 2"));
+        }
+        CHECK(samples == std::vector<std::uint64_t>{60, 60, 60});
+    }
+    SECTION("a loss scale restored on one replica only") {
+        // Each replica scaled its gradients by its own scale and divided the sum by it again:
+        // the replicas' weights parted silently.
+        const auto e = errors_of(2, [](int rank, thread_communicator& comm) {
+            train_params tp;
+            tp.loss_scale = loss_scaling{.init_scale = 65536};
+            trainer dp(
+                comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1}, tp);
+            dp.step(12, train_fn);
+            if (rank == 1)
+                dp.scaler().restore({.scale = 1024, .growth_tracker = 0});
+            dp.step(12, train_fn);
+        });
+        for (const auto& [msg, code] : e) {
+            INFO(msg);
+            CHECK(code == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(msg, Catch::Contains("step 1 skipped") &&
+                                Catch::Contains("loss scale: 65536 (growth tracker 1) on replica "
+                                                "0, 1024 (growth tracker 0) on replica 1"));
+        }
+    }
     SECTION("a learning-rate schedule that differs on one replica at step 2") {
         const auto e = errors_of(2, [](int rank, thread_communicator& comm) {
             train_params tp;

@@ -113,6 +113,8 @@ public:
     const double* scale_device() const noexcept { return &state_.data()->scale; }
     /// 1 / the current scale, one double in System memory (the unscale factor).
     const double* inverse_device() const noexcept { return &state_.data()->inverse; }
+    /// The whole state (scale, growth tracker, inverse), in System memory.
+    const kernels::loss_scale_device_state* state_device() const noexcept { return state_.data(); }
 
     /// The current scale on the host when it is known without a wait: on a host system always
     /// (a plain read of host memory); on a device system after construction, restore(), or a

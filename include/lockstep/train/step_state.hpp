@@ -39,6 +39,9 @@ struct replica_row {
     double global_batch = 0;     ///< the global_batch it passed to step()
     double lr = 0;               ///< the learning rate of its step
     double trainer = 0;          ///< its trainer's ordinal (detail/trainer_ordinal.hpp)
+    double first_sample = 0;     ///< the global index of its step's first sample (samples())
+    double loss_scale = 0;       ///< the loss scale its step used (1 without loss scaling)
+    double scale_growth = 0;     ///< its loss scale's growth tracker before the step
     save_word save{};            ///< its background checkpoint save
 };
 

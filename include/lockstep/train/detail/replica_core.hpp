@@ -303,6 +303,9 @@ public:
         ++steps_;
         samples_ += global;
     }
+    /// Sets the samples consumed to `samples`: after a step the replicas disagreed on (its
+    /// global_batch, its first sample), replica 0's first sample of it, on every replica.
+    void resume_samples_at(std::uint64_t samples) { samples_ = samples; }
     /// Takes back the last advance(global): a step captured into a CUDA graph ran nothing
     /// (data_parallel counts each launch of the graph instead).
     void retract(std::size_t global) {

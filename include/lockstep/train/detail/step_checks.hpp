@@ -7,6 +7,7 @@
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/finite.hpp"
 #include "lockstep/kernels/for_each.hpp"
+#include "lockstep/kernels/mixed_precision.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/detail/bucket_plan.hpp"
 #include "lockstep/train/detail/check_order.hpp"
@@ -36,9 +37,11 @@ struct finish_local_fn {
     double global_batch;
     double lr;
     step_totals* totals;
-    replica_row* row; ///< this replica's row
-    save_word save;   ///< its background checkpoint save
-    double trainer;   ///< the trainer's ordinal on its communicator (trainer_ordinal.hpp)
+    replica_row* row;    ///< this replica's row
+    save_word save;      ///< its background checkpoint save
+    double trainer;      ///< the trainer's ordinal on its communicator (trainer_ordinal.hpp)
+    double first_sample; ///< the global index of the step's first sample
+    const kernels::loss_scale_device_state* scale; ///< the loss scale the step uses (or null)
     LOCKSTEP_HOST_DEVICE void operator()(const check_sums& s) const {
         const double count = s.count;
         const double first = s.first;
@@ -52,6 +55,9 @@ struct finish_local_fn {
         row->global_batch = global_batch;
         row->lr = lr;
         row->trainer = trainer;
+        row->first_sample = first_sample;
+        row->loss_scale = scale != nullptr ? scale->scale : 1.0;
+        row->scale_growth = scale != nullptr ? scale->growth_tracker : 0.0;
         row->save = save;
     }
 };
@@ -91,8 +97,9 @@ struct clear_reduced_fn {
 /// as the int the optimizer kernels read, 1: skip the update), the overflow the loss scale
 /// backs off from, and the gradient factor.
 /// Skipped: a non-finite gradient element (before or after reduction) or loss, a layer error, or
-/// replicas that disagree on global_batch, lr or the trainer they step (its ordinal on the
-/// communicator: trainer_ordinal.hpp) (rows [0, replicas)).
+/// replicas that disagree on global_batch, lr, the trainer they step (its ordinal on the
+/// communicator: trainer_ordinal.hpp), the step's first sample or the loss scale (its value and
+/// growth tracker) (rows [0, replicas)).
 /// grad_factor = c = min(1, max_norm / (||g|| + 1e-6)) when max_norm > 0
 /// (torch.nn.utils.clip_grad_norm_), else 1.
 struct decide_skip_fn {
@@ -106,8 +113,10 @@ struct decide_skip_fn {
         bool mismatch = false;
         for (int r = 1; r < replicas; ++r) {
             const replica_row& row = rows[r];
-            mismatch = mismatch || row.global_batch != rows[0].global_batch ||
-                       row.lr != rows[0].lr || row.trainer != rows[0].trainer;
+            mismatch =
+                mismatch || row.global_batch != rows[0].global_batch || row.lr != rows[0].lr ||
+                row.trainer != rows[0].trainer || row.first_sample != rows[0].first_sample ||
+                row.loss_scale != rows[0].loss_scale || row.scale_growth != rows[0].scale_growth;
         }
         const bool bad = totals->non_finite > 0 || outcome->reduced_non_finite > 0 ||
                          totals->loss_non_finite > 0 || totals->layer_errors > 0 || mismatch;
@@ -216,12 +225,16 @@ public:
     }
 
     /// After every piece was checked: this replica's row and its part of the totals (`trainer`:
-    /// the trainer's ordinal on its communicator, trainer_ordinal.hpp; 0: unchecked).
+    /// the trainer's ordinal on its communicator, trainer_ordinal.hpp; 0: unchecked;
+    /// `first_sample`: the step's first global sample; `scale`: the loss scale's state in System
+    /// memory, read when the task runs; null: no loss scaling).
     void finish_local(const System& sys, double loss, double global_batch, double lr,
                       step_totals* totals, replica_row* row, save_word save = {},
-                      double trainer = 0) {
+                      double trainer = 0, double first_sample = 0,
+                      const kernels::loss_scale_device_state* scale = nullptr) {
         grad_check_finish(sys, pre_.data(), piece_tiles_,
-                          finish_local_fn{loss, global_batch, lr, totals, row, save, trainer});
+                          finish_local_fn{loss, global_batch, lr, totals, row, save, trainer,
+                                          first_sample, scale});
     }
 
     /// Counts, finds the first and (with `norm`) sums the squares of the whole buffer (the

@@ -34,8 +34,8 @@ public:
                 std::span<const tensor_info> parameters, step_report_options o)
         : st_(st), rank_(rank), step_(step), parameters_(parameters), o_(o) {}
 
-    /// Throws lockstep::error when the replicas disagreed on global_batch, lr or the trainer
-    /// they stepped (invalid_argument, naming both values),
+    /// Throws lockstep::error when the replicas disagreed on global_batch, lr, the trainer they
+    /// stepped, the step's first sample or the loss scale (invalid_argument, naming both values),
     /// a layer reported an error (peer_failure or invalid_argument, naming the layer and the
     /// replica), a gradient element or loss is not finite (non_finite, naming each replica's
     /// count and first tensor) unless such steps are skipped silently, or the run of skipped
@@ -99,8 +99,8 @@ private:
              " batch_norm layer error(s) on other replicas (statistics of another group)");
     }
 
-    /// The replicas (rows) whose trainer ordinal, global_batch or lr differs from replica 0's,
-    /// both values.
+    /// The replicas (rows) whose trainer ordinal, global_batch, lr, first sample or loss scale
+    /// differs from replica 0's, both values.
     std::string mismatch_text() const {
         std::string out;
         const int n = o_.local_sgd ? 1 : st_.replicas;
@@ -116,6 +116,18 @@ private:
             if (rr.lr != r0.lr)
                 out += " lr: " + exact(r0.lr) + " on replica 0, " + exact(rr.lr) + " on replica " +
                        std::to_string(r) + ";";
+            if (rr.first_sample != r0.first_sample)
+                out += lockstep::detail::concat(
+                    " first sample: ", static_cast<std::uint64_t>(r0.first_sample),
+                    " on replica 0, ", static_cast<std::uint64_t>(rr.first_sample), " on replica ",
+                    r,
+                    " (their samples() differ, e.g. after a step skipped for different "
+                    "global_batch that was not read before the next);");
+            if (rr.loss_scale != r0.loss_scale || rr.scale_growth != r0.scale_growth)
+                out += lockstep::detail::concat(
+                    " loss scale: ", exact(r0.loss_scale), " (growth tracker ", r0.scale_growth,
+                    ") on replica 0, ", exact(rr.loss_scale), " (growth tracker ", rr.scale_growth,
+                    ") on replica ", r, " (scaler().restore on some replicas only?);");
         }
         return out;
     }

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <span>
@@ -122,14 +123,15 @@ public:
         return r;
     }
 
-    /// This replica's row (global_batch, lr, the trainer's ordinal on the communicator, its
-    /// non-finite count and first index, a non-finite loss) and its part of the totals, from the
-    /// pieces' checks.
+    /// This replica's row (global_batch, lr, the trainer's ordinal on the communicator, the
+    /// step's first sample, the loss scale, its non-finite count and first index, a non-finite
+    /// loss) and its part of the totals, from the pieces' checks.
     void report(double host_loss, std::size_t global, double lr) {
         const step_view v = state_.view();
         checks_.finish_local(system(), host_loss, static_cast<double>(global), lr, v.totals,
                              &v.rows[rank()], rider_ != nullptr ? rider_->word() : save_word{},
-                             static_cast<double>(core_.ordinal()));
+                             static_cast<double>(core_.ordinal()),
+                             static_cast<double>(core_.samples()), scaler_.state_device());
     }
 
     /// The gradients of frozen tensors are zeroed (train_params::frozen).
@@ -233,6 +235,7 @@ public:
         last_ = r;
         unread_ = true;
         has_last_ = true;
+        last_replayed_ = false;
         if (core_.params().read_result)
             return finish_result(r);
         return r;
@@ -244,6 +247,11 @@ public:
     step_result finish_result(step_result r) {
         const step_view st = state_.view_of(wait_for(core_.comm(), read_, "data_parallel.step"));
         unread_ = false;
+        // A step the replicas disagreed on consumed no samples: every replica goes on from
+        // replica 0's first sample of it (each had advanced by its own global_batch). A graph's
+        // launch carries the first sample of the captured step: its samples() stand.
+        if (st.outcome->mismatch != 0 && !last_replayed_)
+            core_.resume_samples_at(static_cast<std::uint64_t>(st.rows[0].first_sample));
         skipped_ = static_cast<std::int64_t>(st.streak->skipped);
         r.loss = st.totals->loss;
         r.skipped = st.outcome->skip != 0;
@@ -278,6 +286,7 @@ public:
         last_ = r;
         unread_ = true;
         has_last_ = true;
+        last_replayed_ = true;
     }
     /// True when the last step's (or launch's) state was not read yet (read_result = false).
     bool unread() const noexcept { return unread_; }
@@ -324,6 +333,7 @@ private:
     std::int64_t skipped_ = 0;
     bool unread_ = false;
     bool has_last_ = false;
+    bool last_replayed_ = false; ///< the last result is a graph launch's (set_last)
     bool capturing_ = false;
     bool local_sgd_ = false;
 };
