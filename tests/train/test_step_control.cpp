@@ -1003,6 +1003,27 @@ TEST_CASE("the asynchronous trainer refuses learning rates that differ across re
     }
 }
 
+TEST_CASE("the asynchronous trainer: a rate only one replica's schedule refuses fails everywhere",
+          "[train][thread][agreement][async]") {
+    // The refusing replica threw before the agreement's all_reduce; the others waited in it
+    // (peer_failure on threads, the timeout under MPI). Now every replica throws at once.
+    using async_t = data_parallel<linear, sgd, sync::bounded_staleness<0>, reduce::per_tensor>;
+    const auto e = errors_of(3, [](int rank, thread_communicator& comm) {
+        train_params tp;
+        tp.lr = [rank](std::int64_t s) { return s == 1 && rank == 1 ? -0.5 : 0.05; };
+        async_t dp(
+            comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.05}, tp);
+        dp.train(2, 8, train_fn);
+    });
+    for (std::size_t r = 0; r < 3; ++r) {
+        INFO(e[r].first);
+        CHECK(e[r].second == static_cast<int>(errc::invalid_argument));
+        CHECK_THAT(e[r].first,
+                   r == 1 ? Catch::Contains("the learning rate of step 1 is -0.5")
+                          : Catch::Contains("replica 1 refused a learning rate of versions 0..1"));
+    }
+}
+
 TEST_CASE("the asynchronous trainer refuses rates that differ version by version but sum alike",
           "[train][thread][agreement][async]") {
     // Replica 1 applies the same two rates in the other order: equal sums, different runs on

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <span>
 #include <string>
@@ -172,8 +173,9 @@ public:
     /// requires: steps >= 1, batch >= 1, the same steps and batch on every replica (else
     /// errc::count_mismatch on every replica), comm.size() >= 2, 0 <= ap.root < comm.size(),
     /// and the learning rate of every version this call applies finite and >= 0 (else
-    /// errc::invalid_argument naming the replica, the version and the value, on every replica,
-    /// before any work) and the same on every replica (their sums compared in the batch's
+    /// errc::invalid_argument naming the replica, the version and the value, before any work;
+    /// where other replicas' schedules accept it, they throw errc::invalid_argument naming that
+    /// replica) and the same on every replica (compared version by version in the batch's
     /// all_reduce: else errc::invalid_argument on every replica, before any work), and the same
     /// trainer on every replica (its ordinal on the communicator, detail/trainer_ordinal.hpp,
     /// compared in that all_reduce: replicas that call train() on their trainers in another
@@ -192,14 +194,21 @@ public:
         // mid-run.
         // The sum names the rates in the message; a hash of their bits in version order catches
         // rates that differ but sum alike (the same rates in another order).
+        // A rate refused on some replicas only (a schedule that differs by replica) is reported
+        // through the all_reduce below, so the others throw too rather than wait in it.
         double lr_sum = 0;
         std::uint64_t lr_hash = detail::fnv1a_basis;
-        for (std::size_t k = 0; k < steps; ++k) {
-            const double lr = core_.checked_lr(core_.steps() + static_cast<std::int64_t>(k),
-                                               "async_trainer.train");
-            lr_sum += lr;
-            const double zero_signless = lr == 0 ? 0.0 : lr; // -0.0 applies as 0.0
-            lr_hash = detail::fnv1a_u64(std::bit_cast<std::uint64_t>(zero_signless), lr_hash);
+        std::exception_ptr bad_lr;
+        try {
+            for (std::size_t k = 0; k < steps; ++k) {
+                const double lr = core_.checked_lr(core_.steps() + static_cast<std::int64_t>(k),
+                                                   "async_trainer.train");
+                lr_sum += lr;
+                const double zero_signless = lr == 0 ? 0.0 : lr; // -0.0 applies as 0.0
+                lr_hash = detail::fnv1a_u64(std::bit_cast<std::uint64_t>(zero_signless), lr_hash);
+            }
+        } catch (const error&) {
+            bad_lr = std::current_exception();
         }
         {
             // Workers map work items to samples with `batch`, and the server applies the
@@ -215,10 +224,19 @@ public:
             const auto ns = static_cast<double>(steps);
             const auto hi = static_cast<double>(lr_hash >> 32);
             const auto lo = static_cast<double>(lr_hash & 0xffffffffu);
-            const std::array<double, 12> b{nb, -nb, lr_sum, -lr_sum, ordinal, -ordinal,
-                                           ns, -ns, hi,     -hi,     lo,      -lo};
-            std::array<double, 12> agreed{};
+            const double refused = bad_lr ? comm.rank() + 1.0 : 0.0; // the last refusing rank
+            const std::array<double, 13> b{nb,  -nb, lr_sum, -lr_sum, ordinal, -ordinal, ns,
+                                           -ns, hi,  -hi,    lo,      -lo,     refused};
+            std::array<double, 13> agreed{};
             comm.all_reduce(std::span<const double>(b), std::span<double>(agreed), reduce_op::max);
+            if (bad_lr)
+                std::rethrow_exception(bad_lr);
+            LOCKSTEP_REQUIRE(agreed[12] == 0, errc::invalid_argument, comm.rank(),
+                             "data_parallel.train", "replica ", static_cast<int>(agreed[12]) - 1,
+                             " refused a learning rate of versions ", core_.steps(), "..",
+                             core_.steps() + static_cast<std::int64_t>(steps) - 1,
+                             " that this replica's schedule accepts: its error names the version "
+                             "and the value; set train_params::lr alike on every replica");
             LOCKSTEP_REQUIRE(
                 agreed[4] == -agreed[5], errc::invalid_argument, comm.rank(), "data_parallel.train",
                 "the replicas train different trainers: trainer #",
