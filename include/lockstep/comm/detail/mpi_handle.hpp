@@ -48,7 +48,8 @@ namespace lockstep::detail {
 /// (comm/detail/mpi_operations.hpp) numbers and verifies collectives (begin), waits for their
 /// requests within the timeout (finish) and, once an operation failed, keeps the communicator
 /// broken (poison). detail::mpi_messages adds the point-to-point messages
-/// (comm/detail/mpi_messages.hpp), mpi_communicator the collectives.
+/// (comm/detail/mpi_messages.hpp); detail::mpi_all_to_all, detail::mpi_reduce_scatter and
+/// mpi_communicator the collectives.
 class mpi_handle : public mpi_operations {
 public:
     using system_type = host_system;
