@@ -8,6 +8,8 @@
 #include "lockstep/comm/communicator_identity.hpp"
 #include "lockstep/comm/detail/hierarchical_call.hpp"
 #include "lockstep/comm/detail/hierarchical_origin.hpp"
+#include "lockstep/comm/detail/hierarchical_parts.hpp"
+#include "lockstep/comm/detail/hierarchical_reduce_scatter.hpp"
 #include "lockstep/comm/detail/hierarchical_shape.hpp"
 #include "lockstep/comm/detail/hierarchical_staging.hpp"
 #include "lockstep/comm/detail/tag_forwarding.hpp"
@@ -29,9 +31,6 @@
 #include <vector>
 
 namespace lockstep {
-
-/// The Routes of a hierarchical_communicator without point-to-point messages.
-struct no_routes {};
 
 /// A communicator over nodes() x local_size() replicas, composed of two communicators this
 /// replica holds:
@@ -114,28 +113,19 @@ struct no_routes {};
 /// steps and states its steps' counts, as the detail.
 /// A replica's handle is used by one thread at a time.
 template <communicator Intra, communicator Inter, class Routes = no_routes>
-class hierarchical_communicator {
-    static constexpr bool has_routes = !std::is_same_v<Routes, no_routes>;
-    // Routes whose receives take on_timeout (named_timeout_communicator).
-    static constexpr bool routes_name_timeouts =
-        has_routes && requires(Routes & r, std::span<int> i) {
-        r.recv(i, 0, 0, detail::same_error{});
-        r.recv_any(i, 0, detail::same_error{});
-    };
+class hierarchical_communicator : public detail::hierarchical_reduce_scatter<Intra, Inter, Routes> {
+    using base = detail::hierarchical_reduce_scatter<Intra, Inter, Routes>;
 
 public:
     using intra_type = Intra;
     using inter_type = Inter;
     using routes_type = Routes;
     using system_type = typename Intra::system_type;
-    static_assert(detail::hierarchical_systems_supported<system_type, typename Inter::system_type>,
-                  "hierarchical_communicator composes two host-memory communicators of the same "
-                  "system, or a device intra-node communicator (nccl_communicator) with a "
-                  "host inter-node one (mpi_communicator); other pairs are not supported.");
-
-    /// Large all_reduces (per replica: at least local_size() * this many elements) go through
-    /// reduce-scatter / all_gather inside the node.
-    static constexpr std::size_t sharded_from = 4096;
+    // Its place and parts, sharded_from, identity() and the device-only members are
+    // detail::hierarchical_parts' (comm/detail/hierarchical_parts.hpp), send, recv, recv_any
+    // and routes() detail::hierarchical_messages', reduce_scatter
+    // detail::hierarchical_reduce_scatter's.
+    using base::rank, base::size, base::local_size, base::sharded_from;
 
     /// Takes both parts (and the routes, when Routes is not no_routes: this replica's routes of
     /// a group of the same shape, whose own rank is rank()). Collective over the whole group
@@ -147,33 +137,19 @@ public:
     hierarchical_communicator(hierarchical_communicator&&) noexcept = default;
     hierarchical_communicator& operator=(hierarchical_communicator&&) noexcept = default;
 
-    /// This object's communicator_identity (identified_communicator): what caches of state
-    /// derived from the communicator are keyed by.
-    std::uint64_t identity() const noexcept { return identity_.value(); }
-
 private:
     // members: the routes' rank of each replica of this group (empty: the same as rank()).
     hierarchical_communicator(Intra intra, Inter inter, Routes routes, std::vector<int> members)
-        : intra_(std::move(intra)), inter_(std::move(inter)), routes_(std::move(routes)),
-          members_(std::move(members)), origin_{rank(), node(), local_rank(), {}} {
-        detail::check_hierarchical_shape(intra_, inter_, stage_, rank());
-    }
+        : base(std::move(intra), std::move(inter), std::move(routes), std::move(members)) {}
+
+    using base::agree_across_nodes, base::copy_block, base::require_root, base::sharded_all_reduce,
+        base::step, base::to_routes;
+    using base::has_routes;
+    using base::intra_, base::inter_, base::origin_, base::routes_, base::stage_;
+    using base::intra_part, base::inter_part;
+    using typename base::call_text;
 
 public:
-    int rank() const noexcept { return inter_.rank() * intra_.size() + intra_.rank(); }
-    int size() const noexcept { return inter_.size() * intra_.size(); }
-    /// This replica's system (the intra-node communicator's).
-    system_type system() const { return intra_.system(); }
-    /// The replicas per node and this replica's rank among them.
-    int local_size() const noexcept { return intra_.size(); }
-    int local_rank() const noexcept { return intra_.rank(); }
-    /// The number of nodes and this replica's node.
-    int nodes() const noexcept { return inter_.size(); }
-    int node() const noexcept { return inter_.rank(); }
-    /// The parts (for collectives a caller wants to run on one level only).
-    Intra& intra() noexcept { return intra_; }
-    Inter& inter() noexcept { return inter_; }
-
     /// recv[i] = op over every replica of send[i] (see the class comment for the order).
     /// requires: send.size() == recv.size(), equal on every replica; send == recv or disjoint.
     template <class T>
@@ -189,7 +165,7 @@ public:
             return;
         }
         const call_text call{"all_reduce", n, trace_type_name<T>(), to_string(op), -1};
-        reserve<T>(n, 0);
+        this->template reserve<T>(n, 0);
         step(intra_part, call, [&] { detail::with_tag(intra_, tag).all_reduce(send, recv, op); });
         step(inter_part, call, [&] {
             stage_.inter(intra_, std::span<const T>(recv), recv,
@@ -209,7 +185,7 @@ public:
         // across nodes from the same node: nodes that name different roots there would take
         // another replica's data without a word. The nodes compare the call first.
         agree_across_nodes(call, 0, tag);
-        reserve<T>(data.size(), 0);
+        this->template reserve<T>(data.size(), 0);
         if (inter_.rank() == root / L)
             step(intra_part, call,
                  [&] { detail::with_tag(intra_, tag).broadcast(data, root % L); });
@@ -234,7 +210,7 @@ public:
         const std::span<T> mine =
             recv.subspan(static_cast<std::size_t>(inter_.rank()) * block, block);
         const call_text call{"all_gather", s, trace_type_name<T>(), {}, -1};
-        reserve<T>(recv.size(), 0);
+        this->template reserve<T>(recv.size(), 0);
         step(intra_part, call, [&] { detail::with_tag(intra_, tag).all_gather(send, mine); });
         step(inter_part, call, [&] {
             stage_.inter(intra_, std::span<const T>(mine), recv,
@@ -259,12 +235,13 @@ public:
         const bool node_root = intra_.rank() == local_root;
         // The node's partial sum lands in recv on the root, in staging on the other node roots;
         // the rest of the node only sends. One call site for every replica (call-site checks).
-        std::span<T> partial = !node_root || rank() == root ? recv : scratch<T>(0, send.size());
+        std::span<T> partial =
+            !node_root || rank() == root ? recv : this->template scratch<T>(0, send.size());
         if (node_root) {
             LOCKSTEP_REQUIRE(partial.size() == send.size(), errc::count_mismatch, rank(),
                              "hierarchical_communicator.reduce", "root's recv has ", recv.size(),
                              " elements, send ", send.size());
-            reserve<T>(partial.size(), 0);
+            this->template reserve<T>(partial.size(), 0);
         }
         step(intra_part, call,
              [&] { detail::with_tag(intra_, tag).reduce(send, partial, op, local_root); });
@@ -297,13 +274,13 @@ public:
         const std::size_t b = send.size() / n;
         const call_text call{"all_to_all", send.size(), trace_type_name<T>(), {}, -1};
         // Step 1 order: by destination local rank l', then destination node n'.
-        const std::span<T> by_local = scratch<T>(0, send.size());
-        const std::span<T> got = scratch<T>(1, send.size());
+        const std::span<T> by_local = this->template scratch<T>(0, send.size());
+        const std::span<T> got = this->template scratch<T>(1, send.size());
         for (std::size_t dl = 0; dl < L; ++dl)
             for (std::size_t dn = 0; dn < N; ++dn)
                 copy_block(by_local.subspan((dl * N + dn) * b, b),
                            send.subspan((dn * L + dl) * b, b));
-        reserve<T>(recv.size(), by_local.size());
+        this->template reserve<T>(recv.size(), by_local.size());
         // got[l][n'] = the block of local replica l for (n', my local rank).
         step(intra_part, call,
              [&] { detail::with_tag(intra_, tag).all_to_all(std::span<const T>(by_local), got); });
@@ -321,133 +298,11 @@ public:
         });
     }
 
-    /// Sends data to replica dest with tag through the routes (returns once data may be
-    /// reused). Matched by (source, tag), in order. Only with routes.
-    /// requires: 0 <= dest < size(); the tag and element type the routes accept (MPI: 0 <= tag
-    /// <= MPI_TAG_UB).
-    template <class T>
-    void send(std::span<T> data, int dest, int tag) requires has_routes {
-        require_peer(dest, "hierarchical_communicator.send");
-        routes_.send(std::span<const std::remove_const_t<T>>(data), to_routes(dest), tag);
-    }
-
-    /// Receives the next message from replica source with tag into data. Only with routes.
-    /// requires: 0 <= source < size(). ensures: the message held exactly data.size()
-    /// elements, else it is consumed and errc::count_mismatch is thrown.
-    template <class T>
-    void recv(std::span<T> data, int source, int tag) requires has_routes {
-        require_peer(source, "hierarchical_communicator.recv");
-        routes_.recv(data, to_routes(source), tag);
-    }
-    /// As recv(data, source, tag), whose timeout fails with on_timeout(e) in place of the
-    /// routes' error e (named_timeout_communicator). Only with routes that take on_timeout.
-    template <class T, class OnTimeout>
-    void recv(std::span<T> data, int source, int tag,
-              OnTimeout&& on_timeout) requires routes_name_timeouts {
-        require_peer(source, "hierarchical_communicator.recv");
-        routes_.recv(data, to_routes(source), tag, on_timeout);
-    }
-
-    /// As recv, from any replica; returns the sender's rank. Waits at most the routes' timeout
-    /// (then errc::timeout naming the tag). Only with routes.
-    template <class T>
-    int recv_any(std::span<T> data, int tag) requires has_routes {
-        return from_member(routes_.recv_any(data, tag), tag);
-    }
-    /// As recv_any(data, tag), whose timeout fails with on_timeout(e) in place of the routes'
-    /// error e (named_timeout_communicator). Only with routes that take on_timeout.
-    template <class T, class OnTimeout>
-    int recv_any(std::span<T> data, int tag, OnTimeout&& on_timeout) requires routes_name_timeouts {
-        return from_member(routes_.recv_any(data, tag, on_timeout), tag);
-    }
-
-    /// This replica's routes (for messages on the whole, unsplit group). Only with routes.
-    Routes& routes() noexcept requires has_routes { return routes_; }
-
-    /// Device intra-node part only (nccl_communicator): waits until this replica's stream is
-    /// idle, or until `event` has completed, through the intra-node part (which polls for
-    /// failures and its timeout); abort() aborts the intra-node part, so this node's replicas
-    /// fail instead of waiting (other nodes learn of it through the inter-node part).
-    void synchronize() requires(!system_type::is_host) { intra_.synchronize(); }
-    template <class Event>
-    void wait(Event event, const char* what) requires(!system_type::is_host) {
-        intra_.wait(event, what);
-    }
-    void abort() noexcept requires(!system_type::is_host) { intra_.abort(); }
-    bool aborted() const noexcept requires(!system_type::is_host) { return intra_.aborted(); }
-
     /// Returns once every replica has entered it.
     void barrier(collective_tag tag = {}) {
         detail::with_tag(intra_, tag).barrier();
         detail::with_tag(inter_, tag).barrier();
         detail::with_tag(intra_, tag).barrier();
-    }
-
-    /// reduce_scatter with per-replica counts: replica r receives counts[r] elements, op over
-    /// every replica of send[offset_r, offset_r + counts[r]) with offset_r = counts[0] + ... +
-    /// counts[r - 1]. requires: counts.size() == size(), equal on every replica; send.size() ==
-    /// sum of counts; recv.size() == counts[rank()]; recv is this replica's slice of send (in
-    /// place) or disjoint from it.
-    template <class T>
-    void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        std::span<const std::size_t> counts, reduce_op op,
-                        collective_tag tag = {}) {
-        const int L = intra_.size();
-        const int N = inter_.size();
-        LOCKSTEP_REQUIRE(counts.size() == static_cast<std::size_t>(size()), errc::count_mismatch,
-                         rank(), "hierarchical_communicator.reduce_scatter", "counts has ",
-                         counts.size(), " entries for ", size(), " replicas");
-        std::vector<std::size_t> offset(counts.size() + 1, 0);
-        for (std::size_t r = 0; r < counts.size(); ++r)
-            offset[r + 1] = checked_add(offset[r], counts[r], rank(),
-                                        "hierarchical_communicator.reduce_scatter", "the counts");
-        LOCKSTEP_REQUIRE(send.size() == offset.back(), errc::count_mismatch, rank(),
-                         "hierarchical_communicator.reduce_scatter", "send has ", send.size(),
-                         " elements, counts sum to ", offset.back());
-        const call_text call{"reduce_scatter", send.size(), trace_type_name<T>(), to_string(op),
-                             -1};
-        // Each local rank's inter step sees only its own replicas' counts: the nodes compare
-        // every count first, so that any difference fails every replica.
-        agree_across_nodes(call, call_text::counts_hash(counts), tag);
-        // Local-rank-major order: for l, for node: the range of replica node * L + l.
-        const std::span<T> packed = scratch<T>(0, send.size());
-        const auto nodes = static_cast<std::size_t>(N), locals = static_cast<std::size_t>(L);
-        std::vector<std::size_t> local_counts(locals, 0);
-        std::size_t at = 0;
-        for (std::size_t l = 0; l < locals; ++l)
-            for (std::size_t n = 0; n < nodes; ++n) {
-                const std::size_t r = n * locals + l;
-                copy_block(packed.subspan(at, counts[r]), send.subspan(offset[r], counts[r]));
-                at += counts[r];
-                local_counts[l] += counts[r];
-            }
-        const std::span<T> mine =
-            scratch<T>(1, local_counts[static_cast<std::size_t>(intra_.rank())]);
-        reserve<T>(recv.size(), mine.size());
-        const std::span<const std::size_t> locals_of(local_counts);
-        step(intra_part, call, [&] {
-            detail::with_tag(intra_, tag)
-                .reduce_scatter(std::span<const T>(packed), mine, locals_of, op);
-        });
-        std::vector<std::size_t> node_counts(nodes);
-        for (std::size_t n = 0; n < nodes; ++n)
-            node_counts[n] = counts[n * locals + static_cast<std::size_t>(intra_.rank())];
-        step(inter_part, call, [&] {
-            stage_.inter(intra_, std::span<const T>(mine), recv,
-                         [&](std::span<const T> in, std::span<T> out) {
-                             const std::span<const std::size_t> of(node_counts);
-                             detail::with_tag(inter_, tag).reduce_scatter(in, out, of, op);
-                         });
-        });
-    }
-
-    /// The equal-count form: every replica receives recv.size() elements.
-    /// requires: send.size() == size() * recv.size(), equal on every replica.
-    template <class T>
-    void reduce_scatter(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
-                        reduce_op op, collective_tag tag = {}) {
-        const std::vector<std::size_t> counts(static_cast<std::size_t>(size()), recv.size());
-        reduce_scatter<T>(send, recv, std::span<const std::size_t>(counts), op, tag);
     }
 
     /// The replicas with the same color form a new hierarchical group, ranked by (key, rank).
@@ -495,142 +350,6 @@ public:
             return child(hierarchical_communicator(std::move(intra), std::move(inter)));
         }
     }
-
-private:
-    // The rank in this group of the routes' replica `from`, a sender of recv_any.
-    int from_member(int from, int tag) const {
-        if (members_.empty())
-            return from;
-        const auto it = std::find(members_.begin(), members_.end(), from);
-        LOCKSTEP_REQUIRE(it != members_.end(), errc::invalid_argument, rank(),
-                         "hierarchical_communicator.recv_any", "a message with tag ", tag,
-                         " came from replica ", from,
-                         " of the whole group, which is not a member of this split group");
-        return static_cast<int>(it - members_.begin());
-    }
-    void require_peer(int peer, const char* what) const {
-        LOCKSTEP_REQUIRE(peer >= 0 && peer < size(), errc::invalid_argument, rank(), what,
-                         "replica ", peer, " is not in [0, ", size(), ")");
-    }
-    int to_routes(int r) const {
-        return members_.empty() ? r : members_[static_cast<std::size_t>(r)];
-    }
-
-    void require_root(int root, const char* what) const {
-        LOCKSTEP_REQUIRE(root >= 0 && root < size(), errc::invalid_argument, rank(), what, "root ",
-                         root, " is not in [0, ", size(), ")");
-    }
-
-    /// Scratch slot `slot` (0 or 1) in the intra-node memory with room for n elements of T
-    /// (kept between calls).
-    template <class T>
-    std::span<T> scratch(int slot, std::size_t n) {
-        return stage_.template scratch<T>(intra_, slot, n);
-    }
-
-    /// Room in the staging for the next inter-node step (out_n elements, in_n more when its
-    /// input is disjoint from its output), made before the intra-node part enqueues anything
-    /// that step waits for (hierarchical_staging::reserve).
-    template <class T>
-    void reserve(std::size_t out_n, std::size_t in_n) {
-        stage_.template reserve<T>(intra_, out_n, in_n);
-    }
-
-    /// dst = src in the intra-node memory. requires: equal sizes, no overlap.
-    template <class T>
-    void copy_block(std::span<T> dst, std::span<const T> src) {
-        stage_.copy(intra_, dst, src);
-    }
-
-    /// Large all_reduce: reduce-scatter inside the node into equal shards (the last one
-    /// shorter), all_reduce of each shard across nodes, all_gather inside the node.
-    template <class T>
-    void sharded_all_reduce(std::span<const T> send, std::span<T> recv, reduce_op op,
-                            const collective_tag& tag) {
-        const std::size_t n = send.size();
-        const auto L = static_cast<std::size_t>(intra_.size());
-        const auto me = static_cast<std::size_t>(intra_.rank());
-        const call_text call{"all_reduce", n, trace_type_name<T>(), to_string(op), -1};
-        // The shards' counts need not tell a node with another count apart (nor does the small
-        // path's inter all_reduce of n / L elements): the nodes compare the caller's count
-        // first, in an inter-node all_gather, a collective the small path never issues there.
-        agree_across_nodes(call, 0, tag);
-        const std::size_t shard = (n + L - 1) / L;
-        std::vector<std::size_t> counts(L);
-        for (std::size_t l = 0; l < L; ++l)
-            counts[l] = std::min(shard, n - std::min(n, l * shard));
-        // Gather target: recv itself when the shards tile it exactly, else a padded stage.
-        const bool exact = shard * L == n;
-        const std::span<T> gathered = exact ? std::span<T>() : scratch<T>(0, shard * L);
-        const std::span<T> own = scratch<T>(1, shard);
-        reserve<T>(counts[me], 0);
-        const std::span<const std::size_t> of(counts);
-        const std::span<T> part = own.first(counts[me]);
-        step(intra_part, call,
-             [&] { detail::with_tag(intra_, tag).reduce_scatter(send, part, of, op); });
-        step(inter_part, call, [&] {
-            stage_.inter(intra_, std::span<const T>(part), part,
-                         [&](std::span<const T> in, std::span<T> out) {
-                             detail::with_tag(inter_, tag).all_reduce(in, out, op);
-                         });
-        });
-        // One call site for both targets (call-site checks see the caller's tag anyway).
-        const std::span<T> target = exact ? recv : gathered;
-        step(intra_part, call,
-             [&] { detail::with_tag(intra_, tag).all_gather(std::span<const T>(own), target); });
-        if (!exact)
-            copy_block(recv, std::span<const T>(gathered.first(n)));
-    }
-
-    using call_text = detail::hierarchical_call;
-    enum part_kind { intra_part, inter_part };
-
-    /// Runs one step of a collective on one part; a lockstep::error it throws is rethrown naming
-    /// this replica and what the caller passed (hierarchical_origin::rethrow), and for an
-    /// all_reduce's inter-node error of differing collectives which path issues what.
-    template <class F>
-    void step(part_kind part, const call_text& call, F&& f) {
-        try {
-            f();
-        } catch (const error& e) {
-            origin_.rethrow(e, call, part == intra_part, rank(),
-                            detail::hierarchical_path_hint(
-                                part == intra_part, call, e.code(), local_size(),
-                                static_cast<std::size_t>(local_size()) * sharded_from));
-        }
-    }
-
-    /// The caller's arguments, compared across nodes (nothing with one node): one inter-node
-    /// all_gather (host memory, this local rank's inter communicator, the caller's tag) of
-    /// {count, layout (a hash of reduce_scatter's counts, else 0), element type, reduction,
-    /// root}. Each local rank compares the nodes' replicas at that local rank, so where a node's
-    /// replicas agree among themselves (else its intra part refuses the call) a difference
-    /// between nodes fails every replica here, before any data moves.
-    /// ensures: returns when every node passed the same; else throws errc::count_mismatch
-    /// (counts) or errc::shape_mismatch (type, reduction, root), naming this replica's call and
-    /// the first node whose call differs.
-    void agree_across_nodes(const call_text& call, std::int64_t layout, const collective_tag& tag) {
-        if (nodes() == 1)
-            return;
-        const std::array<std::int64_t, 5> mine = call.key(layout);
-        std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(nodes()));
-        step(inter_part, call, [&] {
-            detail::with_tag(inter_, tag)
-                .all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));
-        });
-        detail::require_same_call(call, mine, all, rank(), node(), local_rank(), local_size());
-    }
-
-    Intra intra_;
-    Inter inter_;
-    [[no_unique_address]] Routes routes_;
-    std::vector<int> members_;
-    /// Whom and what its errors name (the group first split, the splits since).
-    detail::hierarchical_origin origin_;
-    // Scratch and the inter-node calls' staging; destroyed before the parts (device scratch is
-    // freed on the intra-node part's stream).
-    detail::hierarchical_staging<system_type, typename Inter::system_type> stage_;
-    communicator_identity identity_;
 };
 
 /// Facts for trainers: collectives run on the compute cores when the intra-node ones do.
