@@ -12,7 +12,6 @@
 
 namespace lockstep {
 
-
 /// Groups NCCL calls so that one host thread can drive several replicas (ncclGroupStart on
 /// construction, ncclGroupEnd in end() or the destructor): e.g.
 /// `{ nccl_group g; for (auto& c : comms) c.all_reduce(...); g.end(); }`.
@@ -39,7 +38,6 @@ public:
 private:
     bool open_ = true;
 };
-
 
 } // namespace lockstep
 

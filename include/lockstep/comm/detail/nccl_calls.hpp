@@ -57,18 +57,14 @@ public:
     /// as queued when enqueued and become done when synchronize() or barrier() finds the
     /// stream idle; wait(event) leaves them queued. A timeout or peer failure seen by a wait
     /// writes the record, and the error names the file.
-    const flight_recorder& trace() const noexcept {
-        return trace_;
-    }
+    const flight_recorder& trace() const noexcept { return trace_; }
 
     /// Starts timing, on the device, the time this replica's stream spends between this
     /// communicator's collectives (detail::stream_gap_timer: two CUDA events per collective
     /// from now on), which device_between_ns() reads; train_params::report_stragglers_every
     /// turns it on. Collectives driven inside an nccl_group are launched at its end, after
     /// their events: their gaps are not the stream's. Idempotent.
-    void time_between_on_device() {
-        gaps_.start(h_.device());
-    }
+    void time_between_on_device() { gaps_.start(h_.device()); }
 
     /// Makes this communicator's stream wait on the device (no host wait) for `event`, recorded
     /// after collectives on another stream of the replica (comm_stream's side stream): with the
@@ -95,9 +91,7 @@ public:
     /// The device time between collectives since time_between_on_device(), in ns, over the
     /// gaps whose next collective the stream has reached (after synchronize(): all of them);
     /// 0 while off. Throws errc::cuda when the timing's events failed.
-    std::int64_t device_between_ns() {
-        return gaps_.between_ns();
-    }
+    std::int64_t device_between_ns() { return gaps_.between_ns(); }
 
 protected:
     nccl_calls(ncclComm_t comm, int device, nccl_handle::stream_source stream,
