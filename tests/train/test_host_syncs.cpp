@@ -1,8 +1,10 @@
 // A synchronous step with several bn::global layers waits on the host exactly once (the
-// end-of-step read), or never with read_result = false; the device-side decisions (layer errors,
-// non-finite skip, the clipping factor, the BN running statistics kept or restored) still reach
-// every replica. Counted with host_sync_count() on the host system,
-// which counts the same points the CUDA system would wait at. SPDX-License-Identifier: Apache-2.0
+// end-of-step read), or never with read_result = false, besides each layer's settings check
+// at its first training call (one all_reduce and one host wait per layer, in the first step); the
+// device-side decisions (layer errors, non-finite skip, the clipping factor, the BN running
+// statistics kept or restored) still reach every replica. Counted with host_sync_count() on the
+// host system, which counts the same points the CUDA system would wait at. SPDX-License-Identifier:
+// Apache-2.0
 #include "lockstep/comm/thread_group.hpp"
 #include "lockstep/nn/batch_norm.hpp"
 #include "lockstep/optim/adam.hpp"
@@ -30,6 +32,13 @@ using comm_type = testing::counting_communicator<thread_communicator>;
 using ctx_type = replica_context<float, comm_type>;
 constexpr std::size_t channels = 5;
 constexpr int layers = 3;
+
+/// The host waits (and collectives) of the first step's settings checks: one per BN layer.
+std::vector<std::uint64_t> first_step_more(std::size_t steps, std::uint64_t each) {
+    std::vector<std::uint64_t> v(steps, each);
+    v[0] += layers;
+    return v;
+}
 
 /// x -> bn1 -> bn2 -> bn3 -> loss = sum(y * t) * scale: three bn::global layers whose gamma and
 /// beta live in the registry. `poison` makes the loss's gradient NaN on this replica; `single`
@@ -142,9 +151,10 @@ TEST_CASE("a synchronous step with three bn::global layers waits on the host onc
     const run_record rec = run(2, 3, 7, true);
     INFO(rec.error);
     REQUIRE(rec.error.empty());
-    // One read of the step's status; 3 layers x (all_gather + all_reduce) + 1 bucket + status.
-    CHECK(rec.syncs == std::vector<std::uint64_t>(3, 1));
-    CHECK(rec.collectives == std::vector<int>(3, 2 * layers + 2));
+    // One read of the step's status; 3 layers x (all_gather + all_reduce) + 1 bucket + status;
+    // in the first step each layer's settings check adds one all_reduce and one host wait.
+    CHECK(rec.syncs == first_step_more(3, 1));
+    CHECK(rec.collectives == std::vector<int>{3 * layers + 2, 2 * layers + 2, 2 * layers + 2});
     for (const double l : rec.losses)
         CHECK(std::isfinite(l));
 }
@@ -154,7 +164,7 @@ TEST_CASE("with read_result = false a step never waits on the host; read_result(
     const run_record waiting = run(3, 3, 8, true);
     const run_record deferred = run(3, 3, 8, false);
     REQUIRE(deferred.error.empty());
-    CHECK(deferred.syncs == std::vector<std::uint64_t>(3, 0));
+    CHECK(deferred.syncs == first_step_more(3, 0));
     // The same step results and bitwise the same parameters after every step either way.
     CHECK(deferred.losses == waiting.losses);
     CHECK(deferred.after_step == waiting.after_step);
@@ -166,7 +176,7 @@ TEST_CASE("a NaN gradient on one replica skips the step on every replica, decide
     INFO(poisoned.error);
     REQUIRE(poisoned.error.empty());
     CHECK(poisoned.skipped == std::vector<bool>{false, true, false, false});
-    CHECK(poisoned.syncs == std::vector<std::uint64_t>(4, 0));
+    CHECK(poisoned.syncs == first_step_more(4, 0));
     // Skipped on the device: the parameters keep their bits through step 1, the other steps
     // change them, and Adam counts 3 applied steps of 4.
     REQUIRE(poisoned.after_step.size() == 4);

@@ -69,10 +69,19 @@ namespace lockstep::nn {
 ///   result is read); outside a step the layer reads its status back at once (one host
 ///   synchronisation, through the communicator's polling wait) and throws on every replica
 ///   that shares the collective (bn::local: on the bad replica only).
+/// - Every replica builds its own layer; the replicas that share its statistics (the policy's
+///   group; bn::ghost: a reproducible step's replicas) must build it with the same policy,
+///   channels, eps, momentum and affine. Once per layer, before its first statistics
+///   collective (bn::ghost: before its first step-end gather), one all_reduce of these values
+///   and one host wait compare them exactly (detail::settings_agreement); a difference throws
+///   lockstep::error (invalid_argument) on every replica of the group, naming the layer, each
+///   differing setting with this replica's value and the range, and the fix. bn::local layers
+///   share nothing and are not compared.
 /// - Per training step, forward + backward of a communicating layer enqueue 5 passes (packed
 ///   statistics, merge + coefficients, normalize; packed backward sums, dx; on CUDA 4, the
 ///   merge inside the normalize launch) and 2 collectives
-///   (bn::global, bn::group; the others 1 or none), and never wait on the host inside a step.
+///   (bn::global, bn::group; the others 1 or none), and never wait on the host inside a step
+///   (but for the settings check above, at the layer's first training call).
 /// - Its training passes and the state they keep are its base's, detail::bn_training.
 template <class T, bn_stat_policy Policy = bn::local, tensor_layout Layout = nchw,
           class System = host_system>

@@ -6,6 +6,7 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/moments.hpp"
+#include "lockstep/nn/detail/bn_agreement.hpp"
 #include "lockstep/nn/detail/bn_state.hpp"
 #include "lockstep/nn/detail/group_communicator.hpp"
 #include "lockstep/nn/layer_step.hpp"
@@ -83,6 +84,15 @@ public:
             sc.all_reduce(local, combined, reduce_op::sum, tag);
         else
             sc.all_reduce(local, combined, reduce_op::sum);
+    }
+
+    /// The settings check (settings_agreement::check) over the replicas that share the
+    /// statistics: the group's sub-communicator under bn::group, comm otherwise. Collective the
+    /// first time; call it before the first forward.
+    template <class Comm>
+    void agree(Comm& comm, settings_agreement& agreement, const char* op) {
+        if (!agreement.done())
+            agreement.check(statistics_communicator(comm), op);
     }
 
 private:

@@ -15,6 +15,7 @@
 #include "lockstep/kernels/layer_report.hpp"
 #include "lockstep/kernels/moments.hpp"
 #include "lockstep/nn/batch_norm_params.hpp"
+#include "lockstep/nn/detail/bn_agreement.hpp"
 #include "lockstep/nn/detail/bn_exchange.hpp"
 #include "lockstep/nn/detail/bn_parameters.hpp"
 #include "lockstep/nn/detail/bn_state.hpp"
@@ -50,7 +51,8 @@ protected:
     /// running statistics are left to the layer's reset_running_stats.
     bn_training(std::size_t channels, parameter_spans ext, params p, System sys, bool owning,
                 int rank)
-        : p_(p), owner_(rank), s_(detail::validated_channels<param_type>(channels, p), sys) {
+        : p_(p), owner_(rank), s_(detail::validated_channels<param_type>(channels, p), sys),
+          agreement_(traits::name(), channels, p) {
         detail::bind_parameters(s_, p, owning ? nullptr : &ext);
     }
 
@@ -111,6 +113,10 @@ protected:
                              traits::running_replica, " replicas, the communicator has ",
                              comm.size());
         }
+        // The replicas sharing the statistics built their layers alike (once per layer, before
+        // its first statistics collective; bn::ghost checks before its step-end gather).
+        if constexpr (bn::communicates<Policy>)
+            exchange_.agree(comm, agreement_, op);
         const kernels::channel_geometry g = problem.empty()
                                                 ? Layout::geometry(shape)
                                                 : kernels::channel_geometry{0, s_.channels, 1};
@@ -184,7 +190,7 @@ protected:
         if constexpr (bn::is_ghost<Policy>) {
             if (ghost_step)
                 ghost_.record(comm, *step, std::span<const param_type>(s_.block.span()),
-                              !xs.empty(), s_.sys);
+                              !xs.empty(), s_.sys, agreement_);
             else
                 count_batches(step, 1);
         } else {
@@ -353,6 +359,7 @@ protected:
     layer_step* joined_ = nullptr; ///< the step whose commit restores them
     detail::statistics_exchange<Policy, param_type, System> exchange_;
     detail::layer_status<param_type, System> status_; ///< reads outside a step
+    detail::settings_agreement agreement_;            ///< the settings check, once per layer
     /// bn::ghost: the step's chunk statistics (nothing under the other policies).
     [[no_unique_address]] std::conditional_t<
         bn::is_ghost<Policy>, detail::ghost_statistics<bn::ghost_chunk<Policy>, param_type, System>,

@@ -7,6 +7,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/for_each.hpp"
 #include "lockstep/kernels/moments.hpp"
+#include "lockstep/nn/detail/bn_agreement.hpp"
 #include "lockstep/nn/detail/bn_state.hpp"
 #include "lockstep/nn/layer_step.hpp"
 #include "lockstep/policy/reduce.hpp"
@@ -81,12 +82,13 @@ public:
 
     /// Keeps one chunk's statistics block (kernels::packed_moments of the layer's channels, in
     /// sys's memory) when the chunk is not empty, and makes finish gather over comm for `step`.
-    /// requires: comm and step outlive the step's finish; the same sys at every call.
+    /// `agreement`: the layer's settings check, run over comm before the first gather.
+    /// requires: comm, step and agreement outlive the step's finish; the same sys at every call.
     template <class Comm>
     void record(Comm& comm, const layer_step& step, std::span<const Acc> block, bool nonempty,
-                const System& sys) {
-        gather_ = [this, &comm, &step, sys](ghost_running<Acc> r) {
-            return gather(comm, step, r, sys);
+                const System& sys, settings_agreement& agreement) {
+        gather_ = [this, &comm, &step, sys, &agreement](ghost_running<Acc> r) {
+            return gather(comm, step, r, sys, agreement);
         };
         stride_ = block.size();
         if (!nonempty)
@@ -125,8 +127,8 @@ private:
     }
 
     template <class Comm>
-    std::int64_t gather(Comm& comm, const layer_step& step, ghost_running<Acc> r,
-                        const System& sys) {
+    std::int64_t gather(Comm& comm, const layer_step& step, ghost_running<Acc> r, const System& sys,
+                        settings_agreement& agreement) {
         const std::size_t global = step.ghost_global();
         const int size = comm.size();
         const reduce::chunk_run own = reduce::chunks_of(global, Chunk, comm.rank(), size);
@@ -139,6 +141,7 @@ private:
                          " samples (call each ghost layer once per chunk of the step)");
         const std::size_t most = busiest.count;
         if (most != 0) {
+            agreement.check(comm, "batch_norm.forward_train");
             grow(most * stride_, chunks_ * stride_, sys);
             const auto send = blocks_.span().first(most * stride_);
             auto all = ensure(gathered_, static_cast<std::size_t>(size) * most * stride_, sys);
