@@ -152,10 +152,10 @@ TEST_CASE("a stalled worker over processes x 2 threads is named in the abort",
     // Hidden: CTest test_async_hierarchical_mpi_stall_abort runs it at 2 processes with
     // LOCKSTEP_RESULT_DIR set, since MPI_Abort ends the job. Worker 1 (process 0, thread 1)
     // stalls on its first item past the MPI timeout under the default failure policy (abort):
-    // the wait that times out (the server's, or another worker's for its next item) must end
-    // the job with the parameter server's account, not with the routes' receive, which names
-    // nobody. Each process's stderr goes to a file (an aborted job's last output may never
-    // reach the launcher), which CTest reads.
+    // the server's wait times out first (a worker's wait for its next item lasts two timeouts)
+    // and must end the job with the parameter server's account naming worker 1, not with the
+    // routes' receive, which names nobody. Each process's stderr goes to a file (an aborted job's
+    // last output may never reach the launcher), which CTest reads.
     const char* dir = std::getenv("LOCKSTEP_RESULT_DIR");
     REQUIRE(dir != nullptr);
     int process = 0;

@@ -151,7 +151,7 @@ TEST_CASE("a stalled worker is named by the server's timeout under throw_error",
           "[train][async][mpi]") {
     // Worker 1 stalls on its first item past the timeout; the server's error names it. Every
     // other rank times out too: worker 1 once it pushes after the stall, any other worker
-    // waiting to be told to stop.
+    // waiting to be told to stop, each after two timeouts (patient()).
     mpi_communicator_params mp;
     mp.timeout = std::chrono::milliseconds(1500); // margin for a loaded machine's start-up
     mp.on_failure = mpi_failure_action::throw_error;
@@ -169,6 +169,10 @@ TEST_CASE("a stalled worker is named by the server's timeout under throw_error",
     if (comm.rank() == 0)
         CHECK(message.find("replica 0: parameter_server: the server waited for a gradient from "
                            "worker 1 (work item 0 on version 0)") != std::string::npos);
+    else
+        CHECK_THAT(message, Catch::Contains("waited for work from the server (rank 0) and got "
+                                            "none") &&
+                                Catch::Contains("recv: timed out after 3000 ms"));
 }
 
 TEST_CASE("a stalled worker is named in the server's abort under the default failure policy",

@@ -92,11 +92,11 @@ public:
     void recv(std::span<T> data, int source, int tag, OnTimeout&& on_timeout) {
         require_replica(source, "recv");
         bool named = false; // the mailbox failed with on_timeout's error: pass it on as it is
-        const auto in_group = [&](const error& e) {
+        const auto in_group = patient(detail::timeout_periods(on_timeout), [&](const error& e) {
             error named_error = on_timeout(group_error("recv", source, tag, e));
             named = true;
             return named_error;
-        };
+        });
         try {
             from_[static_cast<std::size_t>(source % threads_)].recv(data, source / threads_, tag,
                                                                     in_group);
@@ -121,7 +121,7 @@ public:
     int recv_any(std::span<T> data, int tag, OnTimeout&& on_timeout) {
         using clock = std::chrono::steady_clock;
         const auto start = clock::now();
-        const auto deadline = start + params_.timeout;
+        const auto deadline = start + params_.timeout * detail::timeout_periods(on_timeout);
         auto nap = std::chrono::microseconds(10);
         for (std::uint64_t i = 0;; ++i) {
             for (int k = 0; k < threads_; ++k) {
@@ -193,7 +193,8 @@ private:
         const error e = detail::named_timeout_error(
             on_timeout,
             error(errc::timeout, rank(), "recv_any",
-                  detail::concat("timed out after ", params_.timeout.count(),
+                  detail::concat("timed out after ",
+                                 params_.timeout.count() * detail::timeout_periods(on_timeout),
                                  " ms waiting for a message with tag ", tag,
                                  " from any replica (group of ", nodes_ * threads_, ")")));
         if (params_.on_failure == mpi_failure_action::abort)

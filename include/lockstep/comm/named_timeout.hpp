@@ -6,12 +6,45 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/error.hpp"
 
+#include <algorithm>
 #include <concepts>
 #include <span>
+#include <type_traits>
+#include <utility>
 
 namespace lockstep {
 
+/// An on_timeout that lets its wait last `periods` of the communicator's timeouts before it
+/// fails with f(e) (see patient()).
+template <class F>
+struct patient_timeout {
+    int periods;
+    F f;
+    error operator()(const error& e) const { return f(e); }
+};
+
+/// on_timeout for a wait that should outlast a peer's wait of one timeout: where the peer is
+/// the one who can name the cause (the parameter server, waiting for a straggler, against a
+/// worker waiting for the server), a wait of `periods` timeouts lets the peer's error end the
+/// job first under a policy that ends it inside the wait (mpi_failure_action::abort). The
+/// waits of mpi_communicator and hierarchical_group take it; a communicator that throws its
+/// timeouts (thread_communicator, whose peers' failures end its waits) waits one timeout.
+/// requires: periods >= 1 (else one).
+template <class F>
+patient_timeout<std::remove_cvref_t<F>> patient(int periods, F&& f) {
+    return {periods, std::forward<F>(f)};
+}
+
 namespace detail {
+/// How many timeouts a wait with on_timeout lasts: its periods (patient()), else 1.
+template <class OnTimeout>
+int timeout_periods(const OnTimeout& on_timeout) noexcept {
+    if constexpr (requires { on_timeout.periods; })
+        return std::max(1, on_timeout.periods);
+    else
+        return 1;
+}
+
 /// The on_timeout of a wait that fails with the communicator's own error.
 struct same_error {
     error operator()(const error& e) const { return e; }
@@ -38,7 +71,8 @@ error named_timeout_error(OnTimeout&& on_timeout, const error& e) {
 ///   the wait (mpi_failure_action::abort prints the error and calls MPI_Abort), which a rethrow
 ///   would come too late for.
 /// mpi_communicator and hierarchical_group's communicators are; a thread_communicator throws its
-/// timeouts, so recv_named / recv_any_named name them by rethrowing.
+/// timeouts, so recv_named / recv_any_named name them by rethrowing. Where on_timeout is a
+/// patient_timeout (patient()), the wait lasts its periods of timeouts.
 template <class C>
 concept named_timeout_communicator = point_to_point_communicator<C> &&
     requires(C& c, std::span<int> i) {

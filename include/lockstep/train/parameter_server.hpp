@@ -95,8 +95,9 @@ inline constexpr int ps_push_header = 2, ps_push_data = 3;
 /// (they throw errc::peer_failure) and throws errc::peer_failure naming the worker. If apply
 /// throws, the server aborts the workers the same way and rethrows. Nothing hangs: a wait past
 /// the communicator's timeout fails with errc::timeout, on the server naming the workers it
-/// waited for (work item and version), on a worker waiting for work saying that the server's
-/// error names the straggler. These are the errors the waits themselves fail with
+/// waited for (work item and version), on a worker waiting for work (after two timeouts on
+/// MPI and hierarchical_group, so that the server's error comes first) saying that the
+/// server's error names the straggler. These are the errors the waits themselves fail with
 /// (recv_any_named, recv_named), so a communicator whose policy ends the job inside the wait
 /// (mpi_failure_action::abort, MPI's default) prints them.
 ///
@@ -179,9 +180,12 @@ staleness_report run_parameter_server(Comm& comm, std::span<T> params, std::span
                                    "stopping: the server's error names the workers it waited for: ",
                              e.what()));
         };
+        // It waits two timeouts where the communicator can (patient()): the server, whose wait
+        // for the straggler began no later, times out first, so under a policy that ends the
+        // job inside the wait its error, naming the straggler, is the one printed.
         const auto receive_work = [&] {
             recv_named(comm, std::span<int>(header), p.root, tag + detail::ps_pull_header,
-                       waited_for_work);
+                       patient(2, waited_for_work));
         };
         for (;;) {
             receive_work();

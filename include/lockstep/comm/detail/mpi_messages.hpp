@@ -125,17 +125,20 @@ private:
                          " elements exceed MPI's int count; send it in pieces");
     }
 
-    // A matched probe polled against the deadline: the next message from source (MPI's
-    // non-overtaking order) with tag. Its timeout fails with on_timeout(the timeout's error).
+    // A matched probe polled against the deadline (on_timeout's periods of it: patient()): the
+    // next message from source (MPI's non-overtaking order) with tag. Its timeout fails with
+    // on_timeout(the timeout's error).
     template <class OnTimeout>
     MPI_Message probe_message(int source, int tag, const char* op, MPI_Status& st,
                               OnTimeout&& on_timeout) {
         MPI_Message msg = MPI_MESSAGE_NULL;
         bool done = false;
-        call_p2p(detail::mpi_poll(
-                     [&](int& flag) { return MPI_Improbe(source, tag, comm_, &flag, &msg, &st); },
-                     deadline(), control_, seq_, done),
-                 op, "MPI_Improbe", source, tag);
+        for (int left = detail::timeout_periods(on_timeout); !done && left > 0; --left)
+            call_p2p(
+                detail::mpi_poll(
+                    [&](int& flag) { return MPI_Improbe(source, tag, comm_, &flag, &msg, &st); },
+                    deadline(), control_, seq_, done),
+                op, "MPI_Improbe", source, tag);
         if (!done)
             p2p_timeout(op, "MPI_Improbe", source, tag, on_timeout);
         return msg;

@@ -300,8 +300,9 @@ protected:
     [[noreturn]] void p2p_timeout(const char* op, const char* mpi_call, int peer, int tag,
                                   OnTimeout&& on_timeout) {
         const error e(errc::timeout, rank_, op,
-                      detail::concat("timed out after ", params_.timeout.count(), " ms in ",
-                                     mpi_call, " (tag ", tag, "): missing replica ",
+                      detail::concat("timed out after ",
+                                     params_.timeout.count() * detail::timeout_periods(on_timeout),
+                                     " ms in ", mpi_call, " (tag ", tag, "): missing replica ",
                                      peer_name(peer), " (group of ", size_, ")"));
         poison(detail::named_timeout_error(on_timeout, e));
     }
