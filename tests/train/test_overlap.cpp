@@ -252,6 +252,41 @@ TEMPLATE_TEST_CASE("a gradient written after mark_ready is refused on every repl
     }
 }
 
+TEST_CASE("a gradient whose values are moved after mark_ready is refused",
+          "[train][thread][overlap]") {
+    // A late write that only moves values within the piece (here: swaps its two halves, whole
+    // 64-bit words) keeps the sum and the XOR of its words: the digest weighs each word by its
+    // position.
+    std::vector<std::string> err(2);
+    try {
+        thread_group(2).run([&](thread_communicator& comm) {
+            try {
+                data_parallel<tied_net, optim::sgd<float>, sync::synchronous, reduce::bucketed<>>
+                    dp(comm, [](auto& ctx) { return tied_net(ctx); }, {.lr = 1.0f},
+                       {.overlap = overlap_mode::never});
+                dp.step(4, [&](tied_net& n, const shard_range& r, auto& ctx) {
+                    const auto g = n.w.grad();
+                    for (std::size_t k = 0; k < g.size(); ++k)
+                        g[k] += static_cast<float>(k + 1) * static_cast<float>(r.size());
+                    ctx.mark_ready(n.w);
+                    std::rotate(g.begin(), g.begin() + 2, g.end());
+                    return 0.0;
+                });
+            } catch (const error& e) {
+                err[static_cast<std::size_t>(comm.rank())] = e.what();
+                throw;
+            }
+        });
+    } catch (const error&) {
+    }
+    for (std::size_t r = 0; r < 2; ++r) {
+        INFO("replica " << r << ": " << err[r]);
+        CHECK_THAT(err[r], Catch::Contains("replica " + std::to_string(r) +
+                                           ": data_parallel.step: the gradient of 'tied.w' (one "
+                                           "reduction piece) changed after ctx.mark_ready"));
+    }
+}
+
 TEST_CASE("reduce::reproducible counts a gradient written after mark_ready in the next chunk",
           "[train][thread][overlap][reproducible]") {
     // Documented (train_api.md, mark_ready): the write is kept, not lost.

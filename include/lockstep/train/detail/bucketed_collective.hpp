@@ -172,25 +172,29 @@ private:
                 launched_digest_[k] = digest(piece);
         }
     }
-    /// A digest of a piece in host memory, at the cost of one read: the sum and the XOR of its
-    /// 64-bit words (integer passes the compiler vectorises). One changed word always changes
-    /// the sum; writes that cancel in both would have to be chosen for it.
+    /// A digest of a piece in host memory, at the cost of one read: Fletcher's two sums of its
+    /// 64-bit words (the sum, and the sum of the running sums, which weighs each word by its
+    /// position) and their XOR. One changed word always changes the sum; values moved to other
+    /// positions (a transposed gradient) change the weighted sum; writes that cancel in all
+    /// three would have to be chosen for it.
     static std::uint64_t digest(std::span<const T> piece) noexcept {
         const auto* bytes = reinterpret_cast<const unsigned char*>(piece.data());
         const std::size_t n = piece.size_bytes();
-        std::uint64_t sum = 0, x = 0;
+        std::uint64_t sum = 0, weighted = 0, x = 0;
         std::size_t i = 0;
         for (; i + 8 <= n; i += 8) {
             std::uint64_t w;
             std::memcpy(&w, bytes + i, 8);
             sum += w;
+            weighted += sum;
             x ^= w;
         }
         for (; i < n; ++i) {
             sum += bytes[i];
+            weighted += sum;
             x ^= std::uint64_t(bytes[i]) << (8 * (i % 8));
         }
-        return sum ^ (x * 0x9e3779b97f4a7c15ull);
+        return sum ^ (weighted * 0xc2b2ae3d27d4eb4full) ^ (x * 0x9e3779b97f4a7c15ull);
     }
     /// After finish(): every piece launched during fn still holds what its reduction left.
     void check_unchanged(const std::vector<tensor_info>& tensors) const {
