@@ -466,6 +466,34 @@ TEST_CASE("replicas that disagree on settings fail on every replica naming both 
         }
         CHECK(samples == std::vector<std::uint64_t>{60, 60, 60});
     }
+    SECTION("steps skipped for a disagreement do not count toward max_consecutive_skips") {
+        // With read_result = false, 25 steps after an unread disagreement all start at drifted
+        // samples and are skipped; counted as a runaway they stopped training for good at the
+        // read. They are thrown as the disagreement, and training goes on after the read.
+        std::vector<std::int64_t> applied(3, -1);
+        const auto e = errors_of(3, [&](int rank, thread_communicator& comm) {
+            trainer dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1},
+                       {.max_consecutive_skips = 20, .read_result = false});
+            dp.step(rank == 2 ? 23 : 24, train_fn);
+            for (int s = 0; s < 25; ++s)
+                dp.step(24, train_fn);
+            try {
+                (void)dp.read_result();
+            } catch (const error&) {
+                dp.step(24, train_fn);
+                const step_result r = dp.read_result(); // no runaway: it applies
+                applied[static_cast<std::size_t>(rank)] = r.skipped ? 0 : 1;
+                throw;
+            }
+        });
+        for (int r = 0; r < 3; ++r) {
+            INFO(e[r].first);
+            CHECK(e[r].second == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(e[r].first,
+                       Catch::Contains("step 25 skipped") && Catch::Contains("first sample: "));
+        }
+        CHECK(applied == std::vector<std::int64_t>{1, 1, 1});
+    }
     SECTION("a loss scale restored on one replica only") {
         // Each replica scaled its gradients by its own scale and divided the sum by it again:
         // the replicas' weights parted silently.
@@ -872,6 +900,39 @@ TEST_CASE("local SGD: a global_batch that differs on one replica fails at the ne
         CHECK(code == static_cast<int>(errc::invalid_argument));
         CHECK_THAT(msg, Catch::Contains("step 3: global_batch: 24 on replica 0, 23 on replica 1;"));
     }
+}
+
+TEST_CASE("a load forgets the unread step taken before it", "[train][thread][checkpoint]") {
+    // With read_result = false the step before a load was not read: its read after the load
+    // threw a result of the replaced state and, for a step the replicas disagreed on, took
+    // samples() back to that step's first sample.
+    const auto path = std::filesystem::temp_directory_path() /
+                      ("lockstep_forget_unread_" + std::to_string(::getpid()) + ".ckpt");
+    std::filesystem::remove_all(path);
+    std::vector<std::string> read_after(3);
+    std::vector<std::uint64_t> samples(3);
+    thread_group(3).run([&](thread_communicator& comm) {
+        const auto rank = static_cast<std::size_t>(comm.rank());
+        trainer dp(comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.1},
+                   {.read_result = false});
+        dp.step(24, train_fn);
+        save_checkpoint(dp, path); // at 24 samples
+        dp.step(24, train_fn);
+        dp.step(comm.rank() == 2 ? 23 : 24, train_fn); // disagreed at sample 48, not read
+        load_checkpoint(dp, path);
+        try {
+            (void)dp.read_result();
+        } catch (const error& e) {
+            read_after[rank] = e.what();
+        }
+        dp.step(24, train_fn);
+        (void)dp.read_result(); // agrees
+        samples[rank] = dp.samples();
+    });
+    std::filesystem::remove_all(path);
+    for (const std::string& msg : read_after)
+        CHECK_THAT(msg, Catch::Contains("data_parallel.read_result: no step was taken yet"));
+    CHECK(samples == std::vector<std::uint64_t>{48, 48, 48});
 }
 
 TEST_CASE("local SGD: save_checkpoint checks the steps since the last average before writing",

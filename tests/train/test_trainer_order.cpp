@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <span>
 #include <string>
 #include <thread>
@@ -73,6 +74,36 @@ constexpr const char* swapped_text = "replica 1 stepped trainer #2 on this commu
                                      "trainers in the same order";
 
 } // namespace
+
+TEST_CASE("synchronous: after a swapped step each trainer keeps its own sample count",
+          "[train][thread][agreement]") {
+    // A refused step consumes no samples, but the rows it reads back may be the other
+    // trainer's: taking replica 0's first sample from them gave one trainer the other's count.
+    using trainer = data_parallel<linear, sgd, sync::synchronous, reduce::bucketed<>>;
+    std::vector<std::vector<std::uint64_t>> samples(2);
+    const auto e = errors_of(2, [&](int rank, thread_communicator& comm) {
+        trainer a(comm, [](auto& ctx) { return linear(0.5, ctx.rank()); }, {.lr = 0.1});
+        trainer b(comm, [](auto& ctx) { return linear(-0.3, ctx.rank()); }, {.lr = 0.1});
+        a.step(12, train_fn);
+        b.step(20, train_fn);
+        try {
+            if (rank == 1)
+                b.step(20, train_fn);
+            else
+                a.step(12, train_fn);
+        } catch (const error&) {
+            samples[static_cast<std::size_t>(rank)] = {a.samples(), b.samples()};
+            throw;
+        }
+    });
+    for (std::size_t r = 0; r < 2; ++r) {
+        INFO("replica " << r << ": " << e[r].first);
+        CHECK_THAT(e[r].first, Catch::Contains(swapped_text));
+        // Only its own global_batch ever moved each trainer's count.
+        CHECK(samples[r][0] % 12 == 0);
+        CHECK(samples[r][1] % 20 == 0);
+    }
+}
 
 TEST_CASE("synchronous: two trainers on one communicator stepped in another order on a replica "
           "fail on every replica, nothing applied",

@@ -234,7 +234,9 @@ public:
     /// synchronisation through the communicator's polling wait) and throws the errors it found,
     /// as step() does with train_params::read_result. Use it with read_result = false, e.g.
     /// every N steps. requires: this trainer took a step (one resumed from a checkpoint has a
-    /// step count but no step of its own until it takes one); the stream is not being captured
+    /// step count but no step of its own until it takes one; a load also forgets the step taken
+    /// before it, whose result, unread, belonged to the replaced state); the stream is not being
+    /// captured
     /// into a CUDA graph (else errc::invalid_argument, and the communicator stays usable).
     step_result read_result() {
         this->check_use("data_parallel.read_result");

@@ -67,6 +67,14 @@ struct checkpoint_access {
         if constexpr (is_local_sgd_v<typename DP::sync_policy_type>)
             dp.parts_->driver.verify_before_save(dp.parts_->stages);
     }
+    /// After a load: the last step of dp (a synchronous or local SGD trainer) belongs to the
+    /// state the load replaced, so no later read returns it, throws its errors or takes
+    /// samples() back to its first sample (step_stages::forget_last).
+    template <class DP>
+    static void forget_last_step(DP& dp) noexcept {
+        if constexpr (requires { dp.parts_->stages.forget_last(); })
+            dp.parts_->stages.forget_last();
+    }
     /// Local SGD's steps since the last average (0 for the other trainers).
     template <class DP>
     static std::size_t since_average(const DP& dp) noexcept {

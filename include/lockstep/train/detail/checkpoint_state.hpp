@@ -377,6 +377,7 @@ void restore(DP& dp, const loaded_shard& s,
     opt.load_state(saved);
     const auto c = section_values<std::uint64_t>(s, "trainer.counters");
     core.restore_position(static_cast<std::int64_t>(c[0]), c[1], c[3]);
+    checkpoint_access::forget_last_step(dp);
     if constexpr (has_loss_scaler<DP>) {
         const auto v = section_values<double>(s, "trainer.loss_scale");
         dp.scaler().restore({v[0], static_cast<std::int64_t>(v[1])});

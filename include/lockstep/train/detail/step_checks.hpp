@@ -137,8 +137,9 @@ struct decide_skip_fn {
 
 /// One task, after the skip decision and the loss scale's update: the run of skipped steps
 /// (train_params::max_consecutive_skips). A skipped step adds 1 to streak->skipped and to the run,
-/// except the skip of a loss scale still backing off (an overflow at a scale above floor, which
-/// neither counts nor ends the run); an applied step ends it. When the run reaches limit (> 0)
+/// except the skip of a loss scale still backing off (an overflow at a scale above floor) and a
+/// step the replicas disagreed on (thrown at its read), which neither count nor end the run; an
+/// applied step ends it. When the run reaches limit (> 0)
 /// for the first time, the step's rows [0, replicas) and reduced checks are kept as the cause.
 struct count_skip_fn {
     const step_totals* totals;
@@ -159,6 +160,8 @@ struct count_skip_fn {
             return;
         }
         streak->skipped += 1;
+        if (outcome->mismatch != 0)
+            return; // the replicas disagreed: its read throws that, whatever the run
         if (scaling && outcome->overflow > 0 && scale_report->used > floor)
             return; // the scale backs off: GradScaler's normal skips
         streak->run += 1;

@@ -243,14 +243,23 @@ public:
 
     // --- after the step ---
 
+    /// True when every replica's row of the step st is this trainer's (its ordinal).
+    bool rows_of_this_trainer(const step_view& st) const noexcept {
+        for (int r = 0; r < st.replicas; ++r)
+            if (st.rows[r].trainer != static_cast<double>(core_.ordinal()))
+                return false;
+        return true;
+    }
+
     /// Waits for the state read of step r, fills r and throws the step's errors.
     step_result finish_result(step_result r) {
         const step_view st = state_.view_of(wait_for(core_.comm(), read_, "data_parallel.step"));
         unread_ = false;
         // A step the replicas disagreed on consumed no samples: every replica goes on from
-        // replica 0's first sample of it (each had advanced by its own global_batch). A graph's
-        // launch carries the first sample of the captured step: its samples() stand.
-        if (st.outcome->mismatch != 0 && !last_replayed_)
+        // replica 0's first sample of it (each had advanced by its own global_batch), when every
+        // row is this trainer's (else row 0's count is another trainer's). A graph's launch
+        // carries the first sample of the captured step: its samples() stand.
+        if (st.outcome->mismatch != 0 && !last_replayed_ && rows_of_this_trainer(st))
             core_.resume_samples_at(static_cast<std::uint64_t>(st.rows[0].first_sample));
         skipped_ = static_cast<std::int64_t>(st.streak->skipped);
         r.loss = st.totals->loss;
@@ -287,6 +296,12 @@ public:
         unread_ = true;
         has_last_ = true;
         last_replayed_ = true;
+    }
+    /// Forgets the last step (a checkpoint load replaced the state it ran on): read_result()
+    /// then refuses as in a trainer that took no step yet.
+    void forget_last() noexcept {
+        unread_ = false;
+        has_last_ = false;
     }
     /// True when the last step's (or launch's) state was not read yet (read_result = false).
     bool unread() const noexcept { return unread_; }
