@@ -272,7 +272,8 @@ TEST_CASE("inside a trainer's step the settings check refuses on every replica",
             2, [](int r) { return with_eps(r == 1 ? 1e-2 : 1e-5); });
         for (const std::string& e : errors) {
             CAPTURE(e);
-            CHECK(contains(e, "(bn::global, 3 channels) built it with different settings (eps: "));
+            CHECK(contains(e, "(batch_norm layer 0 in forward order, bn::global, 3 channels) "
+                              "built it with different settings (eps: "));
             CHECK(contains(e, "same batch_norm_params"));
         }
     }
@@ -281,8 +282,8 @@ TEST_CASE("inside a trainer's step the settings check refuses on every replica",
             3, [](int r) { return with_momentum(r == 0 ? 0.5 : 0.1); });
         for (const std::string& e : errors) {
             CAPTURE(e);
-            CHECK(contains(e, "(bn::ghost<4>, 3 channels) built it with different settings "
-                              "(momentum: "));
+            CHECK(contains(e, "(batch_norm layer 0 in forward order, bn::ghost<4>, 3 channels) "
+                              "built it with different settings (momentum: "));
             CHECK(contains(e, "from 0.1 to 0.5 over the replicas"));
         }
     }

@@ -49,6 +49,13 @@ public:
 
     /// True once the check passed (or was never needed).
     bool done() const noexcept { return done_; }
+    /// Names the layer in the check's error by its number in forward order within a step
+    /// (nn::layer_step::next_layer()) at its first call there (bn::ghost runs once per chunk
+    /// before its check); unnamed outside a step.
+    void set_layer(int forward_index) noexcept {
+        if (layer_ < 0)
+            layer_ = forward_index;
+    }
 
     /// The check over `comm` (the replicas sharing the statistics), once: a no-op after it
     /// passed. Collective on comm the first time: every replica of comm calls it at the same
@@ -96,8 +103,11 @@ public:
                                              shown(i, agreed[2 * i]), " over the replicas");
         if (!problems.empty())
             fail(errc::invalid_argument, comm.rank(), op, "the ", comm.size(),
-                 " replicas that share this layer's statistics (", policy_, ", ", channels_,
-                 " channels) built it with different settings (",
+                 " replicas that share this layer's statistics (",
+                 layer_ >= 0
+                     ? lockstep::detail::concat("batch_norm layer ", layer_, " in forward order, ")
+                     : std::string(),
+                 policy_, ", ", channels_, " channels) built it with different settings (",
                  std::string_view(problems).substr(2),
                  "): construct every replica's layer with the same batch_norm_params, channel "
                  "count and BN policy (else each replica trains with its own settings, and N "
@@ -130,6 +140,7 @@ private:
     std::string policy_;
     std::size_t channels_ = 0;
     batch_norm_params p_{};
+    int layer_ = -1;
     bool done_ = false;
 };
 

@@ -115,6 +115,8 @@ protected:
         }
         // The replicas sharing the statistics built their layers alike (once per layer, before
         // its first statistics collective; bn::ghost checks before its step-end gather).
+        if (step != nullptr && !agreement_.done())
+            agreement_.set_layer(step->next_layer()); // its name in the check's error
         if constexpr (bn::communicates<Policy>)
             exchange_.agree(comm, agreement_, op);
         const kernels::channel_geometry g = problem.empty()
