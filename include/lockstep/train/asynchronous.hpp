@@ -207,7 +207,7 @@ public:
                 const double zero_signless = lr == 0 ? 0.0 : lr; // -0.0 applies as 0.0
                 lr_hash = detail::fnv1a_u64(std::bit_cast<std::uint64_t>(zero_signless), lr_hash);
             }
-        } catch (const error&) {
+        } catch (...) { // a lockstep::error, or the schedule's own exception
             bad_lr = std::current_exception();
         }
         {
