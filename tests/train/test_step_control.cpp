@@ -1085,6 +1085,34 @@ TEST_CASE("the asynchronous trainer: a rate only one replica's schedule refuses 
     }
 }
 
+TEST_CASE("the asynchronous trainer: a schedule's own exception on one replica fails everywhere",
+          "[train][thread][agreement][async]") {
+    using async_t = data_parallel<linear, sgd, sync::bounded_staleness<0>, reduce::per_tensor>;
+    std::vector<std::string> what(3);
+    try {
+        thread_group(3).run([&](thread_communicator& comm) {
+            train_params tp;
+            tp.lr = [rank = comm.rank()](std::int64_t s) {
+                if (s == 1 && rank == 1)
+                    throw std::out_of_range("no rate for version 1");
+                return 0.05;
+            };
+            async_t dp(
+                comm, [](auto& ctx) { return linear(ctx.rank()); }, {.lr = 0.05}, tp);
+            try {
+                dp.train(2, 8, train_fn);
+            } catch (const std::exception& e) {
+                what[static_cast<std::size_t>(comm.rank())] = e.what();
+                throw;
+            }
+        });
+    } catch (const std::exception&) {
+    }
+    CHECK_THAT(what[1], Catch::Contains("no rate for version 1"));
+    for (const std::size_t r : {0u, 2u})
+        CHECK_THAT(what[r], Catch::Contains("replica 1 refused a learning rate of versions 0..1"));
+}
+
 TEST_CASE("the asynchronous trainer refuses rates that differ version by version but sum alike",
           "[train][thread][agreement][async]") {
     // Replica 1 applies the same two rates in the other order: equal sums, different runs on
