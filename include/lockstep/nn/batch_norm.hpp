@@ -69,14 +69,15 @@ namespace lockstep::nn {
 ///   result is read); outside a step the layer reads its status back at once (one host
 ///   synchronisation, through the communicator's polling wait) and throws on every replica
 ///   that shares the collective (bn::local: on the bad replica only).
-/// - Every replica builds its own layer; the replicas that share its statistics (the policy's
-///   group; bn::ghost: a reproducible step's replicas) must build it with the same policy,
-///   channels, eps, momentum and affine. Once per layer, before its first statistics
+/// - Every replica builds its own layer; the replicas that train it with a policy that shares
+///   statistics (bn::ghost: a reproducible step's replicas) must build it with the same
+///   policy, channels, eps, momentum and affine. Once per layer, before its first statistics
 ///   collective (bn::ghost: before its first step-end gather), one all_reduce of these values
-///   and one host wait compare them exactly (detail::settings_agreement); a difference throws
-///   lockstep::error (invalid_argument) on every replica of the group, naming the layer, each
-///   differing setting with this replica's value and the range, and the fix. bn::local layers
-///   share nothing and are not compared.
+///   over the layer's communicator (bn::group: every group) and one host wait compare them
+///   exactly (detail::settings_agreement); a difference throws lockstep::error
+///   (invalid_argument) on every replica, naming the layer, each differing setting with this
+///   replica's value and the range, and the fix. bn::local layers share nothing and are not
+///   compared.
 /// - Per training step, forward + backward of a communicating layer enqueue 5 passes (packed
 ///   statistics, merge + coefficients, normalize; packed backward sums, dx; on CUDA 4, the
 ///   merge inside the normalize launch) and 2 collectives

@@ -31,15 +31,17 @@ struct write_values_fn {
     LOCKSTEP_HOST_DEVICE void operator()(std::size_t i) const { dst[i] = v[i]; }
 };
 
-/// Each replica builds its own layer, so nothing but this check makes the replicas that share
-/// a layer's statistics use one eps, momentum, affine, channel count and BN policy: with another
+/// Each replica builds its own layer, so nothing but this check makes the replicas that train a
+/// layer (and share its statistics) use one eps, momentum, affine, channel count and BN policy:
+/// with another
 /// eps on one replica, bn::global's replicas normalize the same merged statistics differently
 /// and train, still identical to each other, away from the one-replica result; with another
 /// momentum the running statistics the sharing policies keep equal drift apart. check() runs
 /// once per layer, before its first statistics collective: one all_reduce (max) of each
 /// setting as {v, -v}, which gives every replica the highest and lowest value, compared exactly.
-/// A mismatch throws lockstep::error (invalid_argument) on every replica of the group, naming
-/// the layer, each differing setting with this replica's value and the range, and the fix.
+/// A mismatch throws lockstep::error (invalid_argument) on every replica of the communicator
+/// (bn::group: of every group), naming the layer, each differing setting with this replica's
+/// value and the range, and the fix.
 class settings_agreement {
 public:
     settings_agreement() = default;
@@ -57,7 +59,7 @@ public:
             layer_ = forward_index;
     }
 
-    /// The check over `comm` (the replicas sharing the statistics), once: a no-op after it
+    /// The check over `comm` (every replica that trains the layer), once: a no-op after it
     /// passed. Collective on comm the first time: every replica of comm calls it at the same
     /// point (before the layer's first statistics collective). One host synchronisation.
     template <communicator Comm>
@@ -103,7 +105,7 @@ public:
                                              shown(i, agreed[2 * i]), " over the replicas");
         if (!problems.empty())
             fail(errc::invalid_argument, comm.rank(), op, "the ", comm.size(),
-                 " replicas that share this layer's statistics (",
+                 " replicas that train this layer (",
                  layer_ >= 0
                      ? lockstep::detail::concat("batch_norm layer ", layer_, " in forward order, ")
                      : std::string(),

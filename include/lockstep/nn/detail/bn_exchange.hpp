@@ -86,13 +86,14 @@ public:
             sc.all_reduce(local, combined, reduce_op::sum);
     }
 
-    /// The settings check (settings_agreement::check) over the replicas that share the
-    /// statistics: the group's sub-communicator under bn::group, comm otherwise. Collective the
-    /// first time; call it before the first forward.
+    /// The settings check (settings_agreement::check) over every replica of comm, bn::group's
+    /// other groups included (every replica builds the layer alike; a check within the group
+    /// only would fail there and leave the others to wait for it in the step's next
+    /// collective). Collective the first time; call it before the first forward.
     template <class Comm>
     void agree(Comm& comm, settings_agreement& agreement, const char* op) {
         if (!agreement.done())
-            agreement.check(statistics_communicator(comm), op);
+            agreement.check(comm, op);
     }
 
 private:
