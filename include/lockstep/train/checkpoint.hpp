@@ -6,6 +6,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/policy/sync.hpp"
 #include "lockstep/train/data_parallel.hpp"
+#include "lockstep/train/detail/checkpoint_cleanup.hpp"
 #include "lockstep/train/detail/checkpoint_commit.hpp"
 #include "lockstep/train/detail/checkpoint_format.hpp"
 #include "lockstep/train/detail/checkpoint_marker.hpp"

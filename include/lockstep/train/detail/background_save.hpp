@@ -9,6 +9,7 @@
 #include "lockstep/comm/comm_stream.hpp"
 #include "lockstep/core/crc32c.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/train/detail/checkpoint_cleanup.hpp"
 #include "lockstep/train/detail/checkpoint_commit.hpp"
 #include "lockstep/train/step_state.hpp"
 #include "lockstep/train/train_params.hpp"

@@ -7,6 +7,7 @@
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/core/detail/fnv1a.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/train/detail/checkpoint_cleanup.hpp"
 #include "lockstep/train/detail/checkpoint_format.hpp"
 #include "lockstep/train/detail/checkpoint_marker.hpp"
 #include "lockstep/train/detail/durable_file.hpp"
