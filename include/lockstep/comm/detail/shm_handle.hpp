@@ -34,7 +34,8 @@ namespace lockstep::detail::shm {
 /// comment states what it guarantees): the rank and sequence numbers, the call record each
 /// collective publishes (record), the rendezvous that checks every replica agrees (start), the
 /// phases after it (next_phase), data phases whose exceptions leave no peer waiting (guarded)
-/// and the flight recorder. thread_communicator adds the collectives and messages.
+/// and the flight recorder. thread_communicator adds the collectives and messages (the
+/// reducing collectives through its base reduction_handle, shm_reductions.hpp).
 class member_handle {
 public:
     using system_type = host_system;
