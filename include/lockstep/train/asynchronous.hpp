@@ -3,7 +3,6 @@
 #pragma once
 
 #include "lockstep/comm/communicator.hpp"
-#include "lockstep/core/detail/fnv1a.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/finite.hpp"
 #include "lockstep/kernels/for_each.hpp"
@@ -11,6 +10,7 @@
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/policy/sync.hpp"
 #include "lockstep/train/detail/agreement.hpp"
+#include "lockstep/train/detail/async_agreement.hpp"
 #include "lockstep/train/detail/data_parallel_fwd.hpp"
 #include "lockstep/train/detail/trainer_base.hpp"
 #include "lockstep/train/parameter_server.hpp"
@@ -18,12 +18,9 @@
 #include "lockstep/train/shard.hpp"
 #include "lockstep/train/train_params.hpp"
 
-#include <array>
-#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <exception>
 #include <functional>
 #include <span>
 #include <string>
@@ -189,78 +186,7 @@ public:
         LOCKSTEP_REQUIRE(steps >= 1 && batch >= 1, errc::invalid_argument, comm.rank(),
                          "data_parallel.train", "steps = ", steps, ", batch = ", batch,
                          " (both must be >= 1)");
-        // The server applies version v with lr_for(v): check them all before any collective,
-        // so a bad schedule throws on every replica with nothing changed, not on the server
-        // mid-run.
-        // The sum names the rates in the message; a hash of their bits in version order catches
-        // rates that differ but sum alike (the same rates in another order).
-        // A rate refused on some replicas only (a schedule that differs by replica) is reported
-        // through the all_reduce below, so the others throw too rather than wait in it.
-        double lr_sum = 0;
-        std::uint64_t lr_hash = detail::fnv1a_basis;
-        std::exception_ptr bad_lr;
-        try {
-            for (std::size_t k = 0; k < steps; ++k) {
-                const double lr = core_.checked_lr(core_.steps() + static_cast<std::int64_t>(k),
-                                                   "async_trainer.train");
-                lr_sum += lr;
-                const double zero_signless = lr == 0 ? 0.0 : lr; // -0.0 applies as 0.0
-                lr_hash = detail::fnv1a_u64(std::bit_cast<std::uint64_t>(zero_signless), lr_hash);
-            }
-        } catch (...) { // a lockstep::error, or the schedule's own exception
-            bad_lr = std::current_exception();
-        }
-        {
-            // Workers map work items to samples with `batch`, and the server applies the
-            // schedule it holds: every replica must have the same of both (an lr set on one
-            // replica only would be ignored on a worker, or silently change the run on the
-            // server), and train the same trainer (another one's messages would be taken for
-            // this one's). Exact in double: batch and the ordinal < 2^53, the hash's 32-bit
-            // halves, and equal schedules sum alike.
-            // Also `steps`: the sums of rates over different step counts differ, and would be
-            // blamed on the rates.
-            const auto nb = static_cast<double>(batch);
-            const auto ordinal = static_cast<double>(core_.ordinal());
-            const auto ns = static_cast<double>(steps);
-            const auto hi = static_cast<double>(lr_hash >> 32);
-            const auto lo = static_cast<double>(lr_hash & 0xffffffffu);
-            const double refused = bad_lr ? comm.rank() + 1.0 : 0.0; // the last refusing rank
-            const std::array<double, 13> b{nb,  -nb, lr_sum, -lr_sum, ordinal, -ordinal, ns,
-                                           -ns, hi,  -hi,    lo,      -lo,     refused};
-            std::array<double, 13> agreed{};
-            comm.all_reduce(std::span<const double>(b), std::span<double>(agreed), reduce_op::max);
-            if (bad_lr)
-                std::rethrow_exception(bad_lr);
-            LOCKSTEP_REQUIRE(agreed[12] == 0, errc::invalid_argument, comm.rank(),
-                             "data_parallel.train", "replica ", static_cast<int>(agreed[12]) - 1,
-                             " refused a learning rate of versions ", core_.steps(), "..",
-                             core_.steps() + static_cast<std::int64_t>(steps) - 1,
-                             " that this replica's schedule accepts: its error names the version "
-                             "and the value; set train_params::lr alike on every replica");
-            LOCKSTEP_REQUIRE(
-                agreed[4] == -agreed[5], errc::invalid_argument, comm.rank(), "data_parallel.train",
-                "the replicas train different trainers: trainer #",
-                static_cast<std::uint64_t>(-agreed[5]), " to #",
-                static_cast<std::uint64_t>(agreed[4]), " on this communicator (this replica: #",
-                core_.ordinal(), "): every replica must train its trainers in the same order");
-            LOCKSTEP_REQUIRE(agreed[6] == -agreed[7], errc::count_mismatch, comm.rank(),
-                             "data_parallel.train", "replicas disagree on the steps: from ",
-                             -agreed[7], " to ", agreed[6], " (this replica: ", steps,
-                             "): every replica calls train() with the same steps and batch");
-            LOCKSTEP_REQUIRE(agreed[0] == -agreed[1], errc::count_mismatch, comm.rank(),
-                             "data_parallel.train", "replicas disagree on the batch size: from ",
-                             -agreed[1], " to ", agreed[0], " (this replica: ", batch, ")");
-            LOCKSTEP_REQUIRE(
-                agreed[2] == -agreed[3] && agreed[8] == -agreed[9] && agreed[10] == -agreed[11],
-                errc::invalid_argument, comm.rank(), "data_parallel.train",
-                "replicas disagree on the learning rates of versions ", core_.steps(), "..",
-                core_.steps() + static_cast<std::int64_t>(steps) - 1, " (their sum: from ",
-                detail::exact(-agreed[3]), " to ", detail::exact(agreed[2]),
-                ", this replica: ", detail::exact(lr_sum),
-                agreed[2] == -agreed[3] ? "; equal sums of rates that differ version by version"
-                                        : "",
-                "): set optimizer().set_lr or train_params::lr alike on every replica");
-        }
+        detail::agree_async_call(core_, steps, batch);
         const std::uint64_t first_sample = core_.samples();
         const std::int64_t first_version = core_.steps(); // versions continue across calls
         const auto micro = static_cast<std::size_t>(core_.params().micro_batches);
