@@ -43,6 +43,10 @@ struct write_values_fn {
 /// (bn::group: of every group), naming the layer, each differing setting with this replica's
 /// value and the range, and the fix.
 class settings_agreement {
+    /// policy hash (two halves), channels, eps, momentum, affine: values() (declared first, so
+    /// that every use below sees it).
+    static constexpr std::size_t settings = 6;
+
 public:
     settings_agreement() = default;
     /// `policy`: the layer's BN policy name (bn::traits<P>::name()).
@@ -69,8 +73,10 @@ public:
         using System = typename Comm::system_type;
         const System sys = comm.system();
         const std::array<double, settings> mine = values();
-        std::array<double, 2 * settings> send{};
-        for (std::size_t i = 0; i < settings; ++i) {
+        std::array<double, 12> send{}; // {v, -v} per setting (a literal: cppcheck misreads
+                                       // 2 * settings here)
+        static_assert(send.size() == 2 * settings);
+        for (std::size_t i = 0; i < mine.size(); ++i) {
             send[2 * i] = mine[i];
             send[2 * i + 1] = -mine[i];
         }
@@ -118,8 +124,6 @@ public:
     }
 
 private:
-    static constexpr std::size_t settings = 6;
-
     /// policy hash (low and high 32 bits, exact in a double), channels, eps, momentum, affine.
     std::array<double, settings> values() const {
         const std::uint64_t h = lockstep::detail::fnv1a(policy_);
