@@ -5,6 +5,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/lockstep.hpp"
 #include "support/contains.hpp"
+#include "support/replica_errors.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -16,6 +17,8 @@
 #include <vector>
 
 using namespace lockstep;
+using lockstep_test::errors_of;
+using lockstep_test::texts_of;
 
 using lockstep_test::contains;
 
@@ -74,31 +77,19 @@ struct bn_net {
 template <class Policy, class Declared, class ReducePolicy>
 std::vector<std::string> run(int replicas, call how, int steps = 2, std::size_t global = 16) {
     using net = bn_net<Policy, Declared>;
-    std::vector<std::string> errors(static_cast<std::size_t>(replicas));
-    std::vector<errc> codes(errors.size(), errc::internal);
-    try {
-        thread_group(replicas).run([&](thread_communicator& comm) {
-            const auto r = static_cast<std::size_t>(comm.rank());
-            try {
-                data_parallel<net, optim::sgd<float>, sync::synchronous, ReducePolicy> trainer(
-                    comm, [](context& ctx) { return net(ctx); }, {.lr = 0.1});
-                for (int s = 0; s < steps; ++s)
-                    trainer.step(global, [&](net& n, const shard_range& sr, context& ctx) {
-                        return n.train(sr, ctx, how);
-                    });
-                trainer.finish();
-            } catch (const error& e) {
-                errors[r] = e.what();
-                codes[r] = e.code();
-                throw;
-            }
-        });
-    } catch (const error&) {
-    }
-    for (std::size_t r = 0; r < errors.size(); ++r)
-        if (!errors[r].empty())
-            CHECK(codes[r] == errc::invalid_argument);
-    return errors;
+    const auto errors = errors_of(replicas, [&](int, thread_communicator& comm) {
+        data_parallel<net, optim::sgd<float>, sync::synchronous, ReducePolicy> trainer(
+            comm, [](context& ctx) { return net(ctx); }, {.lr = 0.1});
+        for (int s = 0; s < steps; ++s)
+            trainer.step(global, [&](net& n, const shard_range& sr, context& ctx) {
+                return n.train(sr, ctx, how);
+            });
+        trainer.finish();
+    });
+    for (const auto& [text, code] : errors)
+        if (!text.empty())
+            CHECK(code == static_cast<int>(errc::invalid_argument));
+    return texts_of(errors);
 }
 
 } // namespace

@@ -5,6 +5,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/lockstep.hpp"
 #include "support/contains.hpp"
+#include "support/replica_errors.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -17,6 +18,8 @@
 #include <vector>
 
 using namespace lockstep;
+using lockstep_test::errors_of;
+using lockstep_test::texts_of;
 
 using lockstep_test::contains;
 
@@ -39,30 +42,18 @@ template <class Policy>
 std::vector<std::string> run_layers(
     int replicas, const std::function<nn::batch_norm_params(int)>& params_of,
     const std::function<std::size_t(int)>& channels_of = [](int) { return channels; }) {
-    std::vector<std::string> errors(static_cast<std::size_t>(replicas));
-    std::vector<errc> codes(errors.size(), errc::internal);
-    try {
-        thread_group(replicas).run([&](thread_communicator& comm) {
-            const auto r = static_cast<std::size_t>(comm.rank());
-            try {
-                const std::size_t c = channels_of(comm.rank());
-                nn::batch_norm<float, Policy, nn::nc> bn(comm, c, params_of(comm.rank()));
-                const std::vector<float> x = input(comm.rank(), 4, c);
-                std::vector<float> y(x.size());
-                for (int call = 0; call < 2; ++call)
-                    bn.forward_train(comm, std::span<const float>(x), {4, c}, std::span<float>(y));
-            } catch (const error& e) {
-                errors[r] = e.what();
-                codes[r] = e.code();
-                throw;
-            }
-        });
-    } catch (const error&) {
-    }
-    for (std::size_t r = 0; r < errors.size(); ++r)
-        if (!errors[r].empty())
-            CHECK(codes[r] == errc::invalid_argument);
-    return errors;
+    const auto errors = errors_of(replicas, [&](int rank, thread_communicator& comm) {
+        const std::size_t c = channels_of(rank);
+        nn::batch_norm<float, Policy, nn::nc> bn(comm, c, params_of(rank));
+        const std::vector<float> x = input(rank, 4, c);
+        std::vector<float> y(x.size());
+        for (int call = 0; call < 2; ++call)
+            bn.forward_train(comm, std::span<const float>(x), {4, c}, std::span<float>(y));
+    });
+    for (const auto& [text, code] : errors)
+        if (!text.empty())
+            CHECK(code == static_cast<int>(errc::invalid_argument));
+    return texts_of(errors);
 }
 
 nn::batch_norm_params with_eps(double eps) {
@@ -254,26 +245,14 @@ template <class Policy, class ReducePolicy>
 std::vector<std::string> run_trainer(int replicas,
                                      const std::function<nn::batch_norm_params(int)>& params_of) {
     using net = bn_net<Policy>;
-    std::vector<std::string> errors(static_cast<std::size_t>(replicas));
-    try {
-        thread_group(replicas).run([&](thread_communicator& comm) {
-            try {
-                data_parallel<net, optim::sgd<float>, sync::synchronous, ReducePolicy> trainer(
-                    comm, [&](context& ctx) { return net(ctx, params_of(comm.rank())); },
-                    {.lr = 0.1});
-                for (int s = 0; s < 2; ++s)
-                    trainer.step(16, [&](net& n, const shard_range& sr, context& ctx) {
-                        return n.train(sr, ctx);
-                    });
-                trainer.finish();
-            } catch (const error& e) {
-                errors[static_cast<std::size_t>(comm.rank())] = e.what();
-                throw;
-            }
-        });
-    } catch (const error&) {
-    }
-    return errors;
+    return texts_of(errors_of(replicas, [&](int rank, thread_communicator& comm) {
+        data_parallel<net, optim::sgd<float>, sync::synchronous, ReducePolicy> trainer(
+            comm, [&](context& ctx) { return net(ctx, params_of(rank)); }, {.lr = 0.1});
+        for (int s = 0; s < 2; ++s)
+            trainer.step(
+                16, [&](net& n, const shard_range& sr, context& ctx) { return n.train(sr, ctx); });
+        trainer.finish();
+    }));
 }
 
 } // namespace

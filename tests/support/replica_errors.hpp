@@ -36,4 +36,13 @@ std::vector<std::pair<std::string, int>> errors_of(int replicas, Fn&& fn) {
     return out;
 }
 
+/// The error texts of errors_of's result, replica by replica ("" when none).
+inline std::vector<std::string> texts_of(const std::vector<std::pair<std::string, int>>& errors) {
+    std::vector<std::string> out;
+    out.reserve(errors.size());
+    for (const auto& [text, code] : errors)
+        out.push_back(text);
+    return out;
+}
+
 } // namespace lockstep_test
