@@ -12,6 +12,7 @@
 #include "lockstep/comm/communicator_identity.hpp"
 #include "lockstep/comm/detail/nccl_bootstrap.hpp"
 #include "lockstep/comm/detail/nccl_collectives.hpp"
+#include "lockstep/comm/detail/nccl_failure_state.hpp"
 #include "lockstep/comm/detail/nccl_handle.hpp"
 #include "lockstep/comm/detail/nccl_membership.hpp"
 #include "lockstep/comm/detail/nccl_shrink.hpp"
