@@ -13,6 +13,7 @@
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/train/async_checkpoint.hpp"
 #include "support/contains.hpp"
+#include "support/replica_errors.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -45,16 +46,24 @@ struct shrink_run {
     std::vector<repro_record<float>> records; ///< by thread index (the lost one's stays empty)
     std::vector<int> lost_reported;           ///< by thread index: the sum of step_result::lost
     std::vector<int> final_size;              ///< by thread index: size() after the last step
+    std::vector<std::vector<double>> scales;  ///< by thread index: each step's loss_scale
     std::vector<lockstep::lost_replica> lost;
     std::size_t per_step = 0;
     std::string victim_saw; ///< the stalled victim's error once it called into the old group
 };
 
+/// A second replica lost: thread index `replica`'s step function throws in step `step`.
+struct second_loss {
+    int replica = -1;
+    std::int64_t step = -1;
+};
+
 /// Trains shrink_steps steps of shrink_batch samples on `replicas` thread replicas with Reduce
-/// and BN, losing `loss` (none: undisturbed).
+/// and BN, losing `loss` (none: undisturbed), then `then` (none by default).
 template <class Reduce = repro_reduce, class BN = repro_bn, class Opt = optim::adam<float>>
 shrink_run train_losing(int replicas, std::optional<replica_loss> loss,
-                        train_params tp = {.seed = 42}, std::chrono::milliseconds timeout = 20s) {
+                        train_params tp = {.seed = 42}, std::chrono::milliseconds timeout = 20s,
+                        second_loss then = {}) {
     using net = mlp<float, thread_communicator, storage::registry, BN>;
     tp.on_replica_failure = replica_failure::shrink;
     loss_injector inject(replicas, loss);
@@ -64,6 +73,7 @@ shrink_run train_losing(int replicas, std::optional<replica_loss> loss,
     out.records.resize(count);
     out.lost_reported.assign(count, 0);
     out.final_size.assign(count, 0);
+    out.scales.resize(count);
     std::mutex m;
     group.run([&](thread_communicator& comm) {
         const auto me = static_cast<std::size_t>(comm.replica());
@@ -72,13 +82,17 @@ shrink_run train_losing(int replicas, std::optional<replica_loss> loss,
                 comm, [](auto& ctx) { return net(ctx); }, {.lr = 0.05f}, tp);
             repro_record<float> rec;
             int lost = 0;
+            std::vector<double> scales;
             for (std::size_t s = 0; s < shrink_steps; ++s) {
                 const step_result r =
-                    dp.step(shrink_batch, [](net& n, const shard_range& range, auto& ctx) {
+                    dp.step(shrink_batch, [&](net& n, const shard_range& range, auto& ctx) {
+                        if (static_cast<int>(me) == then.replica && ctx.step() == then.step)
+                            throw replica_killed("the second replica lost");
                         return n.train(range, ctx);
                     });
                 lost += r.lost;
                 rec.losses.push_back(r.loss);
+                scales.push_back(r.loss_scale);
             }
             (void)dp.finish();
             if (loss && loss->point == loss_point::stall)
@@ -88,6 +102,7 @@ shrink_run train_losing(int replicas, std::optional<replica_loss> loss,
             out.records[me] = std::move(rec);
             out.lost_reported[me] = lost;
             out.final_size[me] = comm.size();
+            out.scales[me] = std::move(scales);
         } catch (const replica_killed&) {
             inject.mark_dead(); // this thread ends: the replica is lost
         } catch (const lockstep::error& e) {
@@ -149,6 +164,89 @@ TEST_CASE("reproducible + ghost: survivors end with an undisturbed run's bits", 
                 CHECK(contains(run.victim_saw, "it cannot rejoin"));
             }
         }
+    }
+}
+
+TEST_CASE("a loss in the step after a shrink continues whichever survivors had completed the "
+          "first loss's step",
+          "[shrink]") {
+    // Replica 2 of 5 is lost in step 3; at after_checks_on_some replica 0 had completed step 3
+    // and computes it again inside its call for step 4, in which replica 4 is lost. That is step
+    // 4's first failure on every survivor, as it is when nobody had completed step 3.
+    const shrink_run ref = train_losing(3, std::nullopt);
+    const shrink_run counted = train_losing(5, std::nullopt);
+    for (const loss_point p :
+         {loss_point::exchange, loss_point::checks, loss_point::after_checks_on_some}) {
+        DYNAMIC_SECTION("replica 2 lost in step 3 at point " << static_cast<int>(p)
+                                                             << ", replica 4 in step 4") {
+            const shrink_run run = train_losing(5, replica_loss{2, 3, p, counted.per_step},
+                                                {.seed = 42}, 20s, {.replica = 4, .step = 4});
+            REQUIRE(run.lost.size() == 2);
+            for (int r : {0, 1, 3}) {
+                const auto i = static_cast<std::size_t>(r);
+                CHECK(run.lost_reported[i] == 2);
+                CHECK(run.final_size[i] == 3);
+                const std::string differs = repro_difference(run.records[i], ref.records[0]);
+                INFO("replica " << r << " differs from the undisturbed run in: " << differs);
+                CHECK(differs.empty());
+            }
+        }
+    }
+}
+
+TEST_CASE("a trainer with shrink is the only live trainer on its communicator", "[shrink]") {
+    // A shrink changes the communicator under every trainer on it, and only the trainer whose
+    // step found the loss recovers: the other would meet the shrunk group with its old size.
+    using net = mlp<float, thread_communicator, storage::registry, repro_bn>;
+    using trainer =
+        data_parallel<net, optim::sgd<float>, sync::synchronous, repro_reduce, thread_communicator>;
+    const auto factory = [](auto& ctx) { return net(ctx); };
+    const train_params shrinks{.on_replica_failure = replica_failure::shrink};
+    for (const bool shrink_first : {true, false}) {
+        DYNAMIC_SECTION((shrink_first ? "shrink first" : "shrink second")) {
+            const auto errors = errors_of(3, [&](int, thread_communicator& comm) {
+                trainer a(comm, factory, {.lr = 0.05f}, shrink_first ? shrinks : train_params{});
+                trainer b(comm, factory, {.lr = 0.05f}, shrink_first ? train_params{} : shrinks);
+            });
+            for (std::size_t r = 0; r < 3; ++r) {
+                INFO("replica " << r << ": " << errors[r].first);
+                CHECK(errors[r].second == static_cast<int>(errc::unsupported));
+                CHECK(contains(errors[r].first, "replica " + std::to_string(r)));
+                CHECK(contains(errors[r].first, "1 live"));
+                CHECK(contains(errors[r].first, "comm.split(0, comm.rank())"));
+            }
+        }
+    }
+    // One after the other, or on a communicator of its own, is accepted.
+    const auto errors = errors_of(3, [&](int, thread_communicator& comm) {
+        { trainer a(comm, factory, {.lr = 0.05f}); }
+        trainer b(comm, factory, {.lr = 0.05f}, shrinks);
+        thread_communicator own = comm.split(0, comm.rank());
+        trainer c(own, factory, {.lr = 0.05f});
+        (void)b.step(shrink_batch, [](net& n, const shard_range& range, auto& ctx) {
+            return n.train(range, ctx);
+        });
+    });
+    for (std::size_t r = 0; r < 3; ++r) {
+        INFO("replica " << r);
+        CHECK(errors[r].first.empty());
+    }
+}
+
+TEST_CASE("the loss scale continues from the step's start, not from init_scale", "[shrink]") {
+    // Growing every step from 8: a scale restarted by the rebuild would compute step 4 again
+    // with 8 instead of 128 (the weights are the same either way: powers of two are exact).
+    train_params tp{.seed = 42};
+    tp.loss_scale = loss_scaling{.init_scale = 8, .growth_interval = 1};
+    const shrink_run counted = train_losing(3, std::nullopt, tp);
+    const shrink_run run =
+        train_losing(3, replica_loss{1, 4, loss_point::exchange, counted.per_step}, tp);
+    REQUIRE(run.lost.size() == 1);
+    REQUIRE(counted.scales[0].size() == shrink_steps);
+    CHECK(counted.scales[0][4] == 128.0);
+    for (std::size_t r : {std::size_t{0}, std::size_t{2}}) {
+        INFO("replica " << r);
+        CHECK(run.scales[r] == counted.scales[0]);
     }
 }
 
@@ -231,6 +329,28 @@ TEST_CASE("what does not shrink: deterministic errors, a second loss, min_replic
                    {.on_replica_failure = replica_failure::shrink, .min_replicas = 5});
         }),
                             Catch::Contains("min_replicas = 5, more than the 3 replicas"));
+    }
+    SECTION("bn::tower<2> with min_replicas 2 is refused at construction, 3 accepted") {
+        using tower_net = mlp<float, thread_communicator, storage::registry, bn::tower<2>>;
+        for (const int min : {2, 3}) {
+            const auto errors = errors_of(4, [&](int, thread_communicator& comm) {
+                data_parallel<tower_net, optim::sgd<float>, sync::synchronous, reduce::per_tensor,
+                              thread_communicator>
+                    dp(comm, [](auto& ctx) { return tower_net(ctx); }, {.lr = 0.05f},
+                       {.on_replica_failure = replica_failure::shrink, .min_replicas = min});
+            });
+            for (std::size_t r = 0; r < 4; ++r) {
+                INFO("min_replicas " << min << ", replica " << r << ": " << errors[r].first);
+                if (min == 3) {
+                    CHECK(errors[r].first.empty());
+                    continue;
+                }
+                CHECK(errors[r].second == static_cast<int>(errc::invalid_argument));
+                CHECK(contains(errors[r].first, "bn::tower<2> and min_replicas = 2: a shrink to 2 "
+                                                "or fewer replicas leaves no replica 2"));
+                CHECK(contains(errors[r].first, "set min_replicas to at least 3"));
+            }
+        }
     }
     SECTION("a second loss while the step is computed again stops the run") {
         const shrink_run counted = train_losing(4, std::nullopt);
@@ -500,17 +620,20 @@ TEST_CASE("a replica that times out but joins the shrink at every try ends the r
 namespace {
 
 /// A background save (save_checkpoint_async) begun at step 3 on 3 replicas, with replica 2 lost
-/// in step `die_at` (-1: the step after the one that reported the save's end). Per replica (by
-/// thread index): the events its steps reported, what wait_checkpoint returned (as an int) or
-/// threw, and the step count a load of the checkpoint afterwards restores.
+/// in step `die_at` (-1: the step after the one that reported the save's end), in its step
+/// function or, given `at`, at that point of the step. Per replica (by thread index): the events
+/// its steps reported, what wait_checkpoint returned (as an int) or threw, and the step count a
+/// load of the checkpoint afterwards restores.
 struct save_lost_run {
     std::vector<std::vector<int>> events = std::vector<std::vector<int>>(3);
     std::vector<int> waited = std::vector<int>(3, -1);
     std::vector<std::string> wait_error = std::vector<std::string>(3);
     std::int64_t loaded_steps = -1;
+    std::size_t per_step = 0;
 };
 
-save_lost_run save_then_lose(std::int64_t die_at, bool hold_writers) {
+save_lost_run save_then_lose(std::int64_t die_at, bool hold_writers,
+                             std::optional<replica_loss> at = std::nullopt) {
     using net = mlp<float, thread_communicator, storage::registry, bn::global>;
     using trainer = data_parallel<net, optim::sgd<float>, sync::synchronous, reduce::per_tensor,
                                   thread_communicator>;
@@ -518,20 +641,22 @@ save_lost_run save_then_lose(std::int64_t die_at, bool hold_writers) {
     const fs::path path = dir.path / "x.ckpt";
     const auto factory = [](auto& ctx) { return net(ctx); };
     // Held writers never finish their shard before the loss: the save cannot have committed.
+    // (The lost replica's trainer waits for its writer as it goes.)
     std::atomic<bool> released{!hold_writers};
+    loss_injector inject(3, at);
     const save_options held{.on_stage = [&](std::string_view stage, int) {
         const auto until = std::chrono::steady_clock::now() + 10s;
-        while (stage == "shard.partial" && !released.load() &&
+        while (stage == "shard.partial" && !released.load() && !inject.fired() &&
                std::chrono::steady_clock::now() < until)
             std::this_thread::sleep_for(1ms);
     }};
     save_lost_run out;
-    thread_group group(3, {.timeout = 20s});
+    thread_group group(3, {.timeout = 20s, .on_collective = inject.hook()});
     group.run([&](thread_communicator& comm) {
         const auto me = static_cast<std::size_t>(comm.replica());
         std::int64_t dies = die_at;
         const auto fn = [&](net& n, const shard_range& range, auto& ctx) {
-            if (ctx.step() == dies && me == 2) {
+            if (ctx.step() == dies && me == 2 && !at) {
                 released.store(true);
                 throw replica_killed("replica 2 lost");
             }
@@ -561,9 +686,10 @@ save_lost_run save_then_lose(std::int64_t die_at, bool hold_writers) {
             }
             (void)dp.finish();
         } catch (const replica_killed&) {
-            // the lost replica's thread ends
+            inject.mark_dead(); // the lost replica's thread ends
         }
     });
+    out.per_step = inject.per_step();
     thread_group(2).run([&](thread_communicator& comm) {
         trainer dp(comm, factory, {.lr = 0.05f}, {.seed = 7});
         load_checkpoint(dp, path);
@@ -592,6 +718,30 @@ TEST_CASE("a background save in flight when the group shrinks is reported failed
                        "abandoned: the group shrank (replica(s) 2 lost) before it committed"));
     }
     CHECK(run.loaded_steps == 2); // the previous checkpoint stands
+}
+
+TEST_CASE("a background save in flight is reported failed also where the step had completed",
+          "[shrink]") {
+    // Replica 0 completes step 4 before replica 2 is lost in it: it computes step 4 again inside
+    // its call for step 5, whose result carries the save's end that step 4's status showed.
+    const save_lost_run counted = // nobody lost (the loss is past the last step): a count
+        save_then_lose(5, false, replica_loss{2, 100, loss_point::exchange, 1});
+    const save_lost_run run = save_then_lose(
+        4, true, replica_loss{2, 4, loss_point::after_checks_on_some, counted.per_step});
+    for (std::size_t r : {std::size_t{0}, std::size_t{1}}) {
+        std::string events;
+        for (int e : run.events[r])
+            events += std::to_string(e) + " ";
+        INFO("replica " << r << ", events from step 3 on: " << events << run.wait_error[r]);
+        CHECK(std::count(run.events[r].begin(), run.events[r].end(),
+                         static_cast<int>(checkpoint_event::failed)) == 1);
+        CHECK(contains(run.wait_error[r],
+                       "abandoned: the group shrank (replica(s) 2 lost) before it committed"));
+    }
+    // Where the step had completed, the end rides on the next call's result.
+    REQUIRE(run.events[0].size() >= 3);
+    CHECK(run.events[0][2] == static_cast<int>(checkpoint_event::failed));
+    CHECK(run.loaded_steps == 2);
 }
 
 TEST_CASE("a background save committed before the group shrinks stays reported committed",

@@ -108,7 +108,8 @@ public:
                                                            [this] { return core_.steps(); })),
           parts_(std::make_unique<step_parts>(core_, saves_.get())),
           stragglers_(comm, core_.params().report_stragglers_every) {
-        detail::check_shrink_settings<ReducePolicy, SyncPolicy>(core_.params(), comm);
+        detail::check_shrink_settings<ReducePolicy, SyncPolicy, network_bn_policies_t<Network>>(
+            core_.params(), comm);
         const std::int64_t every = core_.params().verify_every;
         LOCKSTEP_REQUIRE(every >= 0, errc::invalid_argument, comm.rank(), "data_parallel",
                          "verify_every = ", every, " (must be >= 0; 0 is off)");

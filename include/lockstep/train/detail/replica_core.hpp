@@ -14,6 +14,7 @@
 #include "lockstep/train/detail/reduce_functors.hpp"
 #include "lockstep/train/detail/signature.hpp"
 #include "lockstep/train/detail/trainer_ordinal.hpp"
+#include "lockstep/train/detail/trainer_presence.hpp"
 #include "lockstep/train/detail/visited_buffers.hpp"
 #include "lockstep/train/detail/visitor.hpp"
 #include "lockstep/train/replica_context.hpp"
@@ -88,6 +89,7 @@ public:
                  train_params tp, const std::vector<std::string>& policies = {}, bool clips = false,
                  bool sharded = false)
         : comm_(&comm), ordinal_(trainer_ordinal(comm)),
+          presence_(&comm, tp.on_replica_failure == replica_failure::shrink, comm.rank()),
           ctx_(std::make_unique<context_type>(comm, tp.seed)), tp_(std::move(tp)) {
         LOCKSTEP_REQUIRE(tp_.micro_batches >= 1, errc::invalid_argument, comm.rank(),
                          "data_parallel", "micro_batches = ", tp_.micro_batches, " (must be >= 1)");
@@ -371,6 +373,7 @@ private:
 
     Communicator* comm_;
     std::uint64_t ordinal_; ///< trainer_ordinal(comm) at construction
+    trainer_presence presence_;
     std::unique_ptr<context_type> ctx_;
     train_params tp_;
     std::optional<Network> net_;

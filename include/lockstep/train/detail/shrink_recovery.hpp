@@ -7,6 +7,7 @@
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/policy/bn.hpp"
 #include "lockstep/policy/sync.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/system/host_system.hpp"
@@ -24,6 +25,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace lockstep::detail {
@@ -107,10 +109,21 @@ redo_point agree_redo(Comm& comm, std::int64_t kept, std::int64_t live) {
     return {redo, redo != live || kept == live};
 }
 
+/// The largest K of the bn::tower<K> among the BN policies `Policies` (a std::tuple), -1 if none.
+template <class P>
+constexpr int tower_replica = -1;
+template <int K>
+constexpr int tower_replica<bn::tower<K>> = K;
+template <class... P>
+constexpr int largest_tower(std::tuple<P...>*) {
+    return std::max({-1, tower_replica<P>...});
+}
+
 /// train_params::on_replica_failure and min_replicas, checked at construction (every replica
 /// passes the same values: the agreement checks them). requires: min_replicas >= 1, and with
-/// shrink min_replicas <= comm.size() (else errc::invalid_argument naming both).
-template <class ReducePolicy, class SyncPolicy, class Communicator>
+/// shrink min_replicas <= comm.size() (else errc::invalid_argument naming both) and, with
+/// bn::tower<K> among the network's BN policies `BnPolicies`, min_replicas > K.
+template <class ReducePolicy, class SyncPolicy, class BnPolicies, class Communicator>
 void check_shrink_settings(const train_params& tp, const Communicator& comm) {
     const int rank = comm.rank();
     LOCKSTEP_REQUIRE(tp.min_replicas >= 1, errc::invalid_argument, rank, "data_parallel",
@@ -144,15 +157,23 @@ void check_shrink_settings(const train_params& tp, const Communicator& comm) {
                      ": the optimizer state (or the weights) differ between replicas, so a lost "
                      "replica's cannot be rebuilt from the survivors; keep stop and resume from "
                      "the last checkpoint at the new count");
+    constexpr int tower = largest_tower(static_cast<BnPolicies*>(nullptr));
+    LOCKSTEP_REQUIRE(tp.min_replicas > tower, errc::invalid_argument, rank, "data_parallel",
+                     "on_replica_failure = shrink with bn::tower<", tower,
+                     "> and min_replicas = ", tp.min_replicas, ": a shrink to ", tower,
+                     " or fewer replicas leaves no replica ", tower,
+                     " to drive the running statistics; set min_replicas to at least ", tower + 1);
 }
 
 /// The step of a synchronous trainer over `Core` (replica_core) with on_replica_failure =
 /// shrink: each step starts with a fence (one barrier) and a step_rollback; when a replica is
 /// lost during it, the survivors shrink the communicator, agree on the step to start from
 /// (agree_redo), put its start back, rebuild the trainer's parts and compute again. One recovery
-/// per step() call: a failure of the step computed again is thrown, also when the shrink removed
+/// per step: a failure of the step computed again is thrown, also when the shrink removed
 /// nobody (a replica that timed out but still joined it), so a replica that stalls at every try
-/// ends the run with the redo's error instead of shrinking again forever.
+/// ends the run with the redo's error instead of shrinking again forever. A replica that had
+/// completed the step before the loss computes it again inside its next step() call, then that
+/// call's own step with a recovery of its own, as the survivors that begin it in a new call.
 template <class Core>
 class shrink_steps {
 public:
@@ -168,7 +189,11 @@ public:
                          "shrink (a graph cannot be computed again on fewer replicas)");
         const std::int64_t target = core.steps();
         int lost = 0;
-        bool recovered = false; // a second failure in this call is thrown, lost or not
+        bool recovered = false; // a second failure of the same step is thrown, lost or not
+        // The end of a background save that the status of a step computed again showed: that
+        // step's result is not returned, so the end rides on this call's (observe reports an
+        // end once).
+        checkpoint_event seen = checkpoint_event::none;
         for (;;) {
             const std::int64_t begun = core.steps();
             const bool earlier = begun < target;
@@ -181,13 +206,21 @@ public:
                 step_result r = once(g);
                 if (!earlier) {
                     r.lost = lost;
+                    if (r.checkpoint == checkpoint_event::none)
+                        r.checkpoint = seen;
                     return r;
                 }
+                // The step this replica had completed before the loss is complete again on
+                // the survivors: this call's own step is a new step, as it is for the
+                // survivors that begin it in a call of their own, and gets its own recovery.
+                if (r.checkpoint != checkpoint_event::none)
+                    seen = r.checkpoint;
+                recovered = false;
             } catch (const error& e) {
                 if (recovered || !is_replica_loss(e, core.comm().run_failure()))
                     throw;
                 recovered = true;
-                lost = recover(core, parts, e, rebuild, begun);
+                lost += recover(core, parts, e, rebuild, begun);
             }
         }
     }
