@@ -5,6 +5,7 @@
 #include "lockstep/nn/batch_norm.hpp"
 
 #include "bn_reference.hpp"
+#include "support/contains.hpp"
 #include "support/counting_communicator.hpp"
 
 #include <catch2/catch.hpp>
@@ -461,9 +462,10 @@ namespace {
 
 /// Runs one forward (and backward) of a Policy layer with 3 channels on `replicas` replicas;
 /// `input(rank)` gives each replica's shape and element count. Returns each replica's error
-/// code's name, or "none" when it finished without one.
+/// code's name, or "none" when it finished without one (and its message in `texts`, if given).
 template <class Policy>
-std::vector<std::string> errors(int replicas, auto input, bool bad_dy_on_last = false) {
+std::vector<std::string> errors(int replicas, auto input, bool bad_dy_on_last = false,
+                                std::vector<std::string>* texts = nullptr) {
     std::vector<std::string> codes(static_cast<std::size_t>(replicas), "none");
     std::vector<std::string> messages(codes.size());
     thread_group group(replicas, {.timeout = std::chrono::seconds(20)});
@@ -485,6 +487,8 @@ std::vector<std::string> errors(int replicas, auto input, bool bad_dy_on_last = 
     });
     for (const auto& m : messages)
         UNSCOPED_INFO(m);
+    if (texts != nullptr)
+        *texts = messages;
     return codes;
 }
 
@@ -503,6 +507,18 @@ TEST_CASE("bad input on one replica is an error on every replica, never a hang",
             return r == 2 ? input{{2, 4, 2, 2}, 32} : good(2);
         });
         CHECK(codes == std::vector<std::string>{"peer_failure", "peer_failure", "shape_mismatch"});
+    }
+    SECTION("channel mismatch on replica 3 under bn::group<2>: named by its rank, not its "
+            "place in the group") {
+        std::vector<std::string> texts;
+        const auto codes = errors<bn::group<2>>(
+            4,
+            [&](int r) {
+                return r == 3 ? input{{2, 4, 2, 2}, 32} : good(2);
+            },
+            false, &texts);
+        CHECK(codes == std::vector<std::string>{"none", "none", "peer_failure", "shape_mismatch"});
+        CHECK(lockstep_test::contains(texts[2], "replica 3 passed invalid input to this layer"));
     }
     SECTION("wrong rank on replica 0 under bn::running_only") {
         const auto codes = errors<bn::running_only>(2, [&](int r) {
