@@ -7,9 +7,14 @@
 
 #include "lockstep/optim/adam.hpp"
 #include "lockstep/optim/sgd.hpp"
+#include "lockstep/train/detail/replica_consistency.hpp"
+#include "support/contains.hpp"
 
 #include <catch2/catch.hpp>
 
+#include <bit>
+#include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -169,4 +174,38 @@ TEST_CASE("verify_every settings that cannot work are refused", "[train][thread]
                                           "period 4"));
     CHECK_THAT(errors[2], Catch::Contains("verify_every = 10: the asynchronous trainers"));
     CHECK_THAT(errors[3], Catch::Contains("verify_every: 10 on replica 0, 20 on replica 1"));
+}
+
+TEST_CASE("a difference past a large tensor's first block is located at its element",
+          "[train][thread][verify]") {
+    // The element search narrows to a block of 4096 elements, then to the element: a flip at
+    // element 8197 (block 2) of the second tensor is named there, with each replica's bits.
+    constexpr std::size_t large = 3 * 4096 + 10, at = 2 * 4096 + 5;
+    std::vector<std::string> errors(3);
+    std::vector<std::string> values(3);
+    thread_group(3).run([&](thread_communicator& comm) {
+        const auto me = static_cast<std::size_t>(comm.rank());
+        std::vector<float> small(10, 0.25f), big(large);
+        for (std::size_t i = 0; i < large; ++i)
+            big[i] = static_cast<float>(i) / 7.0f;
+        if (me == 1)
+            big[at] = std::bit_cast<float>(std::bit_cast<std::uint32_t>(big[at]) ^ 0x100u);
+        values[me] = detail::describe_element(big[at]);
+        const std::vector<detail::consistency_section<float>> sections{
+            {"small", std::span<const float>(small)}, {"large", std::span<const float>(big)}};
+        try {
+            detail::verify_replicas(comm, host_system{1}, 4, sections);
+        } catch (const error& e) {
+            errors[me] = e.what();
+        }
+    });
+    for (std::size_t r = 0; r < 3; ++r) {
+        INFO("replica " << r << ": " << errors[r]);
+        CHECK(contains(errors[r], "after step 4 replica 1 holds other values than replicas 0, 2: "
+                                  "first in tensor 'large' (2 of 2 compared tensors, 12298 "
+                                  "elements) at element 8197: "));
+        for (std::size_t v = 0; v < 3; ++v)
+            CHECK(contains(errors[r], "replica " + std::to_string(v) + " " + values[v]));
+    }
+    CHECK(values[1] != values[0]);
 }
