@@ -2,6 +2,9 @@
 // sync::bounded_staleness<S>) on the thread group: staleness bound, bookkeeping, shutdown,
 // failures. SPDX-License-Identifier: Apache-2.0
 #include "lockstep/comm/thread_group.hpp"
+#include "lockstep/optim/sgd.hpp"
+#include "lockstep/train/asynchronous.hpp"
+#include "lockstep/train/data_parallel.hpp"
 #include "lockstep/train/parameter_server.hpp"
 
 #include <catch2/catch.hpp>
@@ -9,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -474,4 +478,53 @@ TEST_CASE("a single replica cannot run a parameter server", "[train][async][thre
             [](std::span<const float>, std::span<const float>, const apply_info&) {});
     }),
                         Catch::Contains("needs a server and at least one worker"));
+}
+
+namespace {
+
+/// One weight whose gradient is 1 for every batch (loss = w, whatever the samples): the server's
+/// update w -= lr * 1 then depends only on the learning rate each applied gradient gets.
+struct unit_gradient_net {
+    using ctx_type = replica_context<double, thread_communicator>;
+    ctx_type::handle w;
+    explicit unit_gradient_net(ctx_type& ctx) : w(ctx.registry().add("w", {1})) {}
+    double train(const shard_range& r, ctx_type& ctx) {
+        if (ctx.rank() == 1) // worker 1 is slow: its gradients arrive stale
+            std::this_thread::sleep_for(std::chrono::milliseconds(6));
+        w.grad()[0] += r.scale * static_cast<double>(r.size());
+        ctx.mark_ready(w);
+        return w.value()[0] * r.scale * static_cast<double>(r.size());
+    }
+};
+
+} // namespace
+
+TEST_CASE("a stale gradient gets the learning rate of the version it is applied as",
+          "[train][async][thread]") {
+    // lr(v) = 2^-v for the server version v: each of the N gradients is applied as one version
+    // 0..N-1 whatever its staleness, so w = -sum_v 2^-v, exact in double. A rate taken from
+    // the version a stale gradient was computed on would count some rates twice.
+    constexpr std::size_t steps = 24;
+    double expected = 0.0; // the registry's initial weight
+    for (std::size_t v = 0; v < steps; ++v)
+        expected -= std::ldexp(1.0, -static_cast<int>(v));
+    std::vector<double> w(3);
+    staleness_report report;
+    thread_group(3).run([&](thread_communicator& comm) {
+        data_parallel<unit_gradient_net, optim::sgd<double>, sync::asynchronous> dp(
+            comm, [](auto& ctx) { return unit_gradient_net(ctx); }, {.lr = 1.0},
+            {.lr = [](std::int64_t v) { return std::ldexp(1.0, -static_cast<int>(v)); }});
+        const async_result r =
+            dp.train(steps, 4, [](unit_gradient_net& n, const shard_range& range, auto& ctx) {
+                return n.train(range, ctx);
+            });
+        w[static_cast<std::size_t>(comm.rank())] = dp.parameters()[0];
+        if (comm.rank() == 0)
+            report = r.staleness;
+    });
+    REQUIRE(report.max > 0); // some gradient was stale, so the versions differ
+    for (std::size_t r = 0; r < 3; ++r) {
+        INFO("replica " << r);
+        CHECK(w[r] == expected);
+    }
 }
