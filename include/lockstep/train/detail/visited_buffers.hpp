@@ -4,12 +4,15 @@
 #pragma once
 
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/span_overlap.hpp"
 #include "lockstep/system/buffer.hpp"
 #include "lockstep/train/detail/visit_check.hpp"
 #include "lockstep/train/detail/visitor.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 
+#include <algorithm>
 #include <cstddef>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -17,21 +20,76 @@
 
 namespace lockstep::detail {
 
+/// The spans a visitor passed for one parameter tensor.
+template <class T>
+struct visited_spans {
+    std::string name;
+    std::span<T> values, grads;
+    /// Visited again with the same two spans as `o` (a tied tensor, packed twice).
+    bool ties(const visited_spans& o) const noexcept {
+        return values.data() == o.values.data() && values.size() == o.values.size() &&
+               grads.data() == o.grads.data() && grads.size() == o.grads.size();
+    }
+};
+
+/// "" when no two of the visited spans share memory, except a tensor visited again with the same
+/// two spans (a tied tensor); else the first overlap found (the tensors, sizes and addresses) and
+/// the fix. The trainer zeroes the gradients and copies the values back every step, so values
+/// that alias gradients, or two tensors over one buffer, would train silently wrong.
+template <class T>
+std::string visited_overlap(const std::vector<visited_spans<T>>& tensors) {
+    struct piece {
+        std::size_t tensor;
+        bool grads;
+        std::span<T> span;
+    };
+    std::vector<piece> pieces;
+    for (std::size_t i = 0; i < tensors.size(); ++i)
+        for (const bool grads : {false, true})
+            if (const std::span<T> s = grads ? tensors[i].grads : tensors[i].values; !s.empty())
+                pieces.push_back(piece{i, grads, s});
+    // Sorted by address, a span overlaps an earlier one only if it overlaps the one reaching
+    // furthest (stable: the first of two spans at one address is the one visited first).
+    std::stable_sort(pieces.begin(), pieces.end(), [](const piece& a, const piece& b) {
+        return std::less<const T*>{}(a.span.data(), b.span.data());
+    });
+    auto role = [&](const piece& p) {
+        return concat("the ", p.grads ? "gradients" : "values", " of '", tensors[p.tensor].name,
+                      "'");
+    };
+    for (std::size_t k = 1, far = 0; k < pieces.size(); ++k) {
+        const piece& a = pieces[far];
+        const piece& b = pieces[k];
+        const bool tied = a.grads == b.grads && tensors[a.tensor].ties(tensors[b.tensor]);
+        const std::string text =
+            tied ? std::string() : overlap_text(a.span, role(a).c_str(), b.span, role(b).c_str());
+        if (!text.empty())
+            return concat(text, ": give every tensor its own value and gradient buffers, "
+                                "f(name, values, gradients), disjoint from every other tensor's "
+                                "(a tied tensor may be visited again with the same two spans)");
+        if (std::less<const T*>{}(a.span.data() + a.span.size(), b.span.data() + b.span.size()))
+            far = k;
+    }
+    return {};
+}
+
 /// Adds the parameters the network's for_each_parameter visits to `reg` (still open), with the
 /// visitor's shape when it passes one (train_params::decay and frozen see it). Throws
 /// lockstep::error naming replica `rank` when the network also allocated from the registry
-/// (errc::invalid_argument), or a tensor's gradients or shape do not match its values
-/// (errc::shape_mismatch).
+/// (errc::invalid_argument), a tensor's gradients or shape do not match its values
+/// (errc::shape_mismatch), or visited spans overlap (visited_overlap; errc::invalid_argument).
 template <class T, class Network, class Registry>
 void register_visited_parameters(Network& net, Registry& reg, int rank) {
     LOCKSTEP_REQUIRE(reg.empty(), errc::invalid_argument, rank, "data_parallel",
                      "the network both allocates from the registry and defines "
                      "for_each_parameter: use one of the two");
+    std::vector<visited_spans<T>> visited;
     visit_parameters(net, [&](std::string_view name, std::span<T> v, std::span<T> g,
                               const std::vector<std::size_t>& shape) {
         LOCKSTEP_REQUIRE(v.size() == g.size(), errc::shape_mismatch, rank, "data_parallel",
                          "parameter '", name, "' has ", v.size(), " values but ", g.size(),
                          " gradients");
+        visited.push_back(visited_spans<T>{std::string(name), v, g});
         if (shape.empty()) {
             reg.add(std::string(name), {v.size()});
             return;
@@ -45,6 +103,9 @@ void register_visited_parameters(Network& net, Registry& reg, int rank) {
                          " values");
         reg.add(std::string(name), shape);
     });
+    const std::string overlap = visited_overlap(visited);
+    LOCKSTEP_REQUIRE(overlap.empty(), errc::invalid_argument, rank, "data_parallel",
+                     "for_each_parameter: ", overlap);
 }
 
 /// Which copy copy_visited makes between a network's parameter buffers and the flat ones.
