@@ -245,11 +245,11 @@ TEST_CASE("a visitor that keeps visiting what it declared trains on", "[train][v
 namespace {
 
 /// How an overlap_net's visitor lays out its spans.
-enum class spans_layout { own, values_as_grads, shared_buffer, tied };
+enum class spans_layout { own, values_as_grads, shared_buffer, tied, b_first };
 
 /// y = w x + b against 3 x + 1, x = (sample mod 16) / 8 - 1. `layout`: own buffers; w's values
 /// passed as its gradients (a typo); b's values over the buffer that holds w's gradients; w visited
-/// again as "w.tied" with the same spans (a tied tensor: allowed).
+/// again as "w.tied" with the same spans (a tied tensor: allowed); own buffers, b visited first.
 struct overlap_net {
     std::vector<double> w = std::vector<double>(1), gw = std::vector<double>(2);
     std::vector<double> b = std::vector<double>(2), gb = std::vector<double>(2);
@@ -259,8 +259,14 @@ struct overlap_net {
     void for_each_parameter(F&& f) {
         const bool shared = layout == spans_layout::shared_buffer;
         const std::span<double> wv(w), wg(gw.data() + (shared ? 1 : 0), 1);
+        auto visit_b = [&] {
+            f("b", shared ? std::span<double>(gw) : std::span<double>(b), std::span<double>(gb));
+        };
+        if (layout == spans_layout::b_first)
+            visit_b();
         f("w", wv, layout == spans_layout::values_as_grads ? wv : wg);
-        f("b", shared ? std::span<double>(gw) : std::span<double>(b), std::span<double>(gb));
+        if (layout != spans_layout::b_first)
+            visit_b();
         if (layout == spans_layout::tied)
             f("w.tied", wv, wg);
     }
@@ -332,4 +338,45 @@ TEST_CASE("a tied tensor visited twice with the same spans trains as if visited 
     const std::vector<double> tied = train(spans_layout::tied);
     CHECK(tied == train(spans_layout::own));
     CHECK(tied[0] > 1); // it trained: w moved from 0 towards 3
+}
+
+namespace {
+
+/// Each replica's error when replica 1 visits in the other order (`swap`) or decays only 'b'.
+std::vector<std::pair<std::string, int>> order_errors(bool swap, bool decay_b_only) {
+    return lockstep_test::errors_of(2, [&](int rank, thread_communicator& comm) {
+        train_params tp;
+        if (decay_b_only && rank == 1)
+            tp.decay = [](const tensor_info& t) { return t.name == "b"; };
+        data_parallel<overlap_net, optim::sgd<double>> dp(
+            comm,
+            [&](ctx_type&) {
+                return overlap_net(swap && rank == 1 ? spans_layout::b_first : spans_layout::own);
+            },
+            {.lr = 0.1}, tp);
+    });
+}
+
+} // namespace
+
+TEST_CASE("replicas visiting their tensors in different orders are told so, and not that "
+          "their decay sets differ",
+          "[train][visitor][thread]") {
+    const auto swapped = order_errors(true, false);
+    for (std::size_t r = 0; r < swapped.size(); ++r) {
+        INFO("replica " << r << ": " << swapped[r].first);
+        CHECK(swapped[r].second == static_cast<int>(errc::shape_mismatch));
+        CHECK_THAT(swapped[r].first,
+                   Catch::Contains("tensor #0: replica 0 declares parameter 'w' with shape {1} "
+                                   "(double), replica 1 declares parameter 'b' with shape {2}"));
+        CHECK_THAT(swapped[r].first, !Catch::Contains("different settings"));
+    }
+    // A decay set that differs is still named, as a set of names.
+    const auto decay = order_errors(false, true);
+    for (std::size_t r = 0; r < decay.size(); ++r) {
+        INFO("replica " << r << ": " << decay[r].first);
+        CHECK(decay[r].second == static_cast<int>(errc::invalid_argument));
+        CHECK_THAT(decay[r].first, Catch::Contains("replicas use different settings: decay: {b,w} "
+                                                   "on replica 0, {b} on replica 1;"));
+    }
 }

@@ -6,6 +6,7 @@
 
 #include "lockstep/train/train_params.hpp"
 
+#include <algorithm>
 #include <charconv>
 #include <cstdlib>
 #include <memory>
@@ -46,6 +47,15 @@ inline void add_setting(std::vector<std::string>& out, const std::string& name,
     out.push_back(name + "\t" + value);
 }
 
+/// "{a,b}": `names` sorted, comma-separated, in braces.
+inline std::string name_set(std::vector<std::string> names) {
+    std::sort(names.begin(), names.end());
+    std::string out;
+    for (const std::string& n : names)
+        out += (out.empty() ? "" : ",") + n;
+    return "{" + out + "}";
+}
+
 /// The hyperparameters of an optimizer's params struct that lockstep's optimizers have (any
 /// params type: the fields it lacks are left out).
 template <class P>
@@ -80,7 +90,7 @@ void describe_optimizer_params(std::vector<std::string>& out, const P& p) {
 /// skip_non_finite, max_consecutive_skips, max_grad_norm, loss_scale (off, or each of its
 /// fields), read_result (a replica that reads a step's error throws while one that does not goes
 /// on), verify_every, report_stragglers_every, on_replica_failure, min_replicas, which
-/// tensors are frozen or decay, and the given policy names (sync, reduce, BN).
+/// tensors are frozen or decay (sets of names), and the given policy names (sync, reduce, BN).
 template <class Optimizer>
 std::vector<std::string> describe_settings(const typename Optimizer::params_type& opt,
                                            const train_params& tp,
@@ -109,15 +119,17 @@ std::vector<std::string> describe_settings(const typename Optimizer::params_type
     add_setting(out, "on_replica_failure",
                 tp.on_replica_failure == replica_failure::shrink ? "shrink" : "stop");
     add_setting(out, "min_replicas", std::to_string(tp.min_replicas));
-    std::string frozen, decay;
+    // As sets of names, sorted: replicas that declare their tensors in different orders are
+    // told so by the tensor check, and do not disagree on these too.
+    std::vector<std::string> frozen, decay;
     for (const tensor_info& t : params) {
         if (tp.frozen && tp.frozen(t))
-            frozen += (frozen.empty() ? "" : ",") + t.name;
+            frozen.push_back(t.name);
         if (!tp.decay || tp.decay(t))
-            decay += (decay.empty() ? "" : ",") + t.name;
+            decay.push_back(t.name);
     }
-    add_setting(out, "frozen", "{" + frozen + "}");
-    add_setting(out, "decay", "{" + decay + "}");
+    add_setting(out, "frozen", name_set(frozen));
+    add_setting(out, "decay", name_set(decay));
     for (const std::string& p : policies)
         out.push_back(p);
     return out;
