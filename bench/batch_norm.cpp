@@ -79,10 +79,11 @@ struct candidate {
 /// robin and the best time, because on a shared machine other processes only ever add time and
 /// should not favour whoever ran in a quiet moment.
 void time_all(std::vector<candidate*> cs, int reps) {
-    for (auto* c : cs) {
-        c->call(); // warm-up: first touch, oneDNN's thread pool, caches
-        c->call();
-    }
+    // Warm-up (first touch, oneDNN's thread pool, caches), in order: each backward needs the
+    // forward before it.
+    for (int pass = 0; pass < 2; ++pass)
+        for (auto* c : cs)
+            c->call();
     for (int i = 0; i < reps; ++i)
         for (auto* c : cs) {
             const double a = now_ms();

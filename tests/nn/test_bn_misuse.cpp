@@ -1,7 +1,8 @@
 // tests/nn/test_bn_misuse.cpp: the mistakes that used to change a batch-norm layer's meaning
 // without a word are refused on every replica: the bare communicator inside a trainer's step,
-// and a layer whose policy the network did not declare in bn_policies, by name (with the
-// compile-time check's sentence where the combination cannot train).
+// a layer whose policy the network did not declare in bn_policies, by name (with the
+// compile-time check's sentence where the combination cannot train), and a second backward of
+// one forward_train (one layer used by two branches).
 // SPDX-License-Identifier: Apache-2.0
 #include "lockstep/lockstep.hpp"
 #include "support/contains.hpp"
@@ -27,8 +28,9 @@ namespace {
 using context = replica_context<float, thread_communicator>;
 constexpr std::size_t channels = 3;
 
-/// How the step function calls its layer.
-enum class call { with_context, with_communicator };
+/// How the step function calls its layer: once, with the context or the communicator; or as a
+/// layer shared by two branches, forward, forward, backward, backward (with the context).
+enum class call { with_context, with_communicator, two_branches };
 
 /// x -> batch norm -> loss sum(y * t) * scale. Policy: the layer's; Declared: the network's
 /// bn_policies (std::tuple<> declares none, as a network without the alias does).
@@ -57,14 +59,19 @@ struct bn_net {
         for (std::size_t i = 0; i < x.size(); ++i) // differs per sample, so per replica
             x[i] =
                 static_cast<float>(std::sin(0.37 * double(r.sample_index(r.begin) * channels + i)));
-        if (how == call::with_context)
+        if (how != call::with_communicator)
             bn->forward_train(ctx, std::span<const float>(x), {n, channels}, std::span<float>(y));
         else
             bn->forward_train(ctx.comm(), std::span<const float>(x), {n, channels},
                               std::span<float>(y));
         for (std::size_t i = 0; i < y.size(); ++i)
             dy[i] = static_cast<float>(r.scale * std::cos(double(i)));
-        if (how == call::with_context)
+        if (how == call::two_branches) {
+            std::vector<float> y2(x.size()), dx2(x.size());
+            bn->forward_train(ctx, std::span<const float>(x), {n, channels}, std::span<float>(y2));
+            bn->backward(ctx, std::span<const float>(dy), std::span<float>(dx2));
+        }
+        if (how != call::with_communicator)
             bn->backward(ctx, std::span<const float>(dy), std::span<float>(dx));
         else
             bn->backward(ctx.comm(), std::span<const float>(dy), std::span<float>(dx));
@@ -288,4 +295,72 @@ TEST_CASE("asynchronous workers refuse an undeclared policy too", "[nn][bn][thre
     }
     CHECK((contains(errors[1], LOCKSTEP_COMPAT_BN_NEEDS_SYNCHRONOUS) ||
            contains(errors[2], LOCKSTEP_COMPAT_BN_NEEDS_SYNCHRONOUS)));
+}
+
+TEST_CASE("a second backward of one forward_train is refused: one layer object per use",
+          "[nn][bn][thread]") {
+    const std::string fix = "was taken by a backward already: one layer object per use (a shared "
+                            "branch needs its own layer or its own forward before each backward)";
+    SECTION("inside a step, a layer shared by two branches") {
+        const auto global =
+            run<bn::global, std::tuple<bn::global>, reduce::bucketed<>>(2, call::two_branches);
+        const auto local =
+            run<bn::local, std::tuple<bn::local>, reduce::bucketed<>>(2, call::two_branches);
+        for (std::size_t r = 0; r < 2; ++r) {
+            const std::string backward =
+                "replica " + std::to_string(r) +
+                ": batch_norm.backward: backward needs a forward_train of its own, the layer's "
+                "last one (batch_norm layer 1 in forward order, ";
+            INFO(global[r] << "\n" << local[r]);
+            CHECK(contains(global[r], backward + "bn::global, 3 channels) " + fix));
+            CHECK(contains(local[r], backward + "bn::local, 3 channels) " + fix));
+        }
+    }
+    SECTION("outside a trainer: refused, and a forward before each backward trains") {
+        // forward(x1), forward(x2), backward(dy2), backward(dy1): the second backward would pair
+        // dy1 with x2's statistics. Then forward(x1), backward(dy1) gives dx1 as a fresh layer.
+        std::vector<std::string> refused(2);
+        std::vector<std::vector<float>> dx1(2), reference(2);
+        thread_group(2).run([&](thread_communicator& comm) {
+            const auto me = static_cast<std::size_t>(comm.rank());
+            nn::batch_norm<float, bn::global, nn::nc> shared(comm, channels), fresh(comm, channels);
+            std::vector<float> x1(4 * channels), x2(x1.size()), dy1(x1.size()), dy2(x1.size());
+            for (std::size_t i = 0; i < x1.size(); ++i) {
+                x1[i] = static_cast<float>(std::sin(0.3 * double(i + 12 * me)));
+                x2[i] = static_cast<float>(std::cos(0.7 * double(i + 12 * me)));
+                dy1[i] = static_cast<float>(std::cos(0.5 * double(i)));
+                dy2[i] = static_cast<float>(std::sin(1.1 * double(i)));
+            }
+            std::vector<float> y1(x1.size()), y2(x1.size()), dx2(x1.size()), dx(x1.size()),
+                dxr(x1.size());
+            shared.forward_train(comm, std::span<const float>(x1), {4, channels},
+                                 std::span<float>(y1));
+            shared.forward_train(comm, std::span<const float>(x2), {4, channels},
+                                 std::span<float>(y2));
+            shared.backward(comm, std::span<const float>(dy2), std::span<float>(dx2));
+            try {
+                shared.backward(comm, std::span<const float>(dy1), std::span<float>(dx));
+            } catch (const error& e) {
+                refused[me] = e.what();
+            }
+            shared.forward_train(comm, std::span<const float>(x1), {4, channels},
+                                 std::span<float>(y1));
+            shared.backward(comm, std::span<const float>(dy1), std::span<float>(dx));
+            fresh.forward_train(comm, std::span<const float>(x1), {4, channels},
+                                std::span<float>(y1));
+            fresh.backward(comm, std::span<const float>(dy1), std::span<float>(dxr));
+            dx1[me] = dx;
+            reference[me] = dxr;
+        });
+        for (std::size_t r = 0; r < 2; ++r) {
+            INFO(refused[r]);
+            CHECK(contains(refused[r], "lockstep error [invalid_argument] replica " +
+                                           std::to_string(r) +
+                                           ": batch_norm.backward: backward needs a forward_train "
+                                           "of its own, the layer's last one (bn::global, 3 "
+                                           "channels) " +
+                                           fix));
+            CHECK(dx1[r] == reference[r]);
+        }
+    }
 }

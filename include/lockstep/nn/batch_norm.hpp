@@ -218,11 +218,13 @@ public:
             x, y, Layout::geometry(shape), std::span<const param_type>(s_.beta));
     }
 
-    /// Backward of the last forward_train: writes dx, adds this replica's partial sums to dgamma
-    /// and dbeta. Under bn::global and bn::group one all_reduce of (sum dy, sum dy * (x - mean))
-    /// makes dx the gradient of the combined batch. requires: dy.size() == dx.size() == the
-    /// size of the last forward_train's x, which is still valid. Outside a trainer's step (a
-    /// communicator): a peer's invalid gradients are checked at once (one host wait).
+    /// Backward of the last forward_train, once (a second backward without a new forward_train
+    /// is refused, invalid_argument: one layer object per use): writes dx, adds this replica's
+    /// partial sums to dgamma and dbeta. Under bn::global and bn::group one all_reduce of
+    /// (sum dy, sum dy * (x - mean)) makes dx the gradient of the combined batch. requires:
+    /// dy.size() == dx.size() == the size of the last forward_train's x, which is still valid.
+    /// Outside a trainer's step (a communicator): a peer's invalid gradients are checked at once
+    /// (one host wait).
     template <communicator Comm>
     void backward(Comm& comm, std::span<const T> dy, std::span<T> dx) {
         refuse_inside_step(comm, "backward", "backward(ctx, dy, dx)");

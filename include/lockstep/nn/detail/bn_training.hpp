@@ -102,7 +102,7 @@ protected:
             problem = lockstep::detail::overlap_problem(x, "x", y, "y");
             code = errc::invalid_argument;
         }
-        has_forward_ = false;
+        forward_ = forward_state::none;
         if constexpr (!bn::communicates<Policy>) {
             if (!problem.empty())
                 fail(code, rank, op, problem);
@@ -154,6 +154,7 @@ protected:
         // below throws: every replica then leaves them as they were (a peer's bad input leaves
         // this replica's valid blocks unapplied).
         const bool keep = step == nullptr ? keep_outside_step() : keep_running_statistics(step);
+        forward_index_ = step != nullptr ? step->next_layer() : -1;
         const kernels::layer_report report =
             step != nullptr ? step->next_report() : kernels::layer_report{s_.own_error()};
         // The statistics finished and y normalized (one launch on the CUDA system).
@@ -201,7 +202,7 @@ protected:
         forward_comm_ = detail::forward_communicator::of(comm);
         saved_x_ = x;
         saved_geometry_ = g;
-        has_forward_ = true;
+        forward_ = forward_state::pending;
     }
 
     template <communicator Comm>
@@ -214,12 +215,24 @@ protected:
             declared->check(bn_facts_of<Policy>(), bn::traits<Policy>::name(), rank, op);
         detail::check_system(s_.sys, comm, op);
         std::string problem;
-        if (!has_forward_)
+        errc code = errc::shape_mismatch;
+        if (forward_ == forward_state::none) {
             problem = "backward needs a preceding forward_train on this replica";
-        else if (dy.size() != saved_x_.size() || dx.size() != saved_x_.size())
+        } else if (forward_ == forward_state::used) {
+            // The layer as the step's errors and the settings check name it.
+            problem = lockstep::detail::concat(
+                "backward needs a forward_train of its own, the layer's last one (",
+                forward_index_ >= 0 ? lockstep::detail::concat("batch_norm layer ", forward_index_,
+                                                               " in forward order, ")
+                                    : std::string(),
+                bn::traits<Policy>::name(), ", ", s_.channels,
+                " channels) was taken by a backward already: one layer object per use (a shared "
+                "branch needs its own layer or its own forward before each backward)");
+            code = errc::invalid_argument;
+        } else if (dy.size() != saved_x_.size() || dx.size() != saved_x_.size()) {
             problem = lockstep::detail::concat("dy has ", dy.size(), " values and dx ", dx.size(),
                                                ", the forward input had ", saved_x_.size());
-        errc code = errc::shape_mismatch;
+        }
         if (problem.empty()) {
             problem = kernels::detail::gradient_overlap(dy, saved_x_, dx);
             if constexpr (traits::normalizes_across_replicas) {
@@ -228,6 +241,8 @@ protected:
             }
             code = errc::invalid_argument;
         }
+        if (problem.empty()) // each backward takes its forward's saved input and statistics
+            forward_ = forward_state::used;
         if constexpr (!traits::normalizes_across_replicas) {
             if (!problem.empty())
                 fail(code, rank, op, problem);
@@ -357,7 +372,11 @@ protected:
     std::span<const T> saved_x_{};
     kernels::channel_geometry saved_geometry_{};
     detail::forward_communicator forward_comm_; ///< what the last forward_train ran on
-    bool has_forward_ = false;
+    /// Whether backward has a forward_train to differentiate: none (or the last one failed), one
+    /// pending, or the last one already used by a backward (saved_x_ and the batch statistics
+    /// belong to it, so a second backward would silently pair them with another dy).
+    enum class forward_state { none, pending, used } forward_ = forward_state::none;
+    int forward_index_ = -1; ///< the last forward's layer number in its step (-1: outside one)
     layer_step* joined_ = nullptr; ///< the step whose commit restores them
     detail::statistics_exchange<Policy, param_type, System> exchange_;
     detail::layer_status<param_type, System> status_; ///< reads outside a step
