@@ -4,6 +4,7 @@
 #include "lockstep/nn/batch_norm.hpp"
 
 #include "bn_reference.hpp"
+#include "support/contains.hpp"
 #include "support/counting_communicator.hpp"
 
 #include <catch2/catch.hpp>
@@ -15,6 +16,7 @@
 
 using namespace lockstep;
 using bn_test::dims;
+using lockstep_test::contains;
 
 namespace {
 
@@ -299,6 +301,47 @@ TEST_CASE("batch_norm over caller spans never silently overwrites values the cal
     CHECK(flat == std::vector<float>{1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0});
 }
 
+TEST_CASE("batch_norm's construction errors name the replica of its communicator, and spans "
+          "another layer set are asked about",
+          "[nn][bn][thread]") {
+    using layer_t = nn::batch_norm<float, bn::local, nn::nc>;
+    std::vector<std::string> bad_eps(2), bad_spans(2), second(2);
+    thread_group(2).run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        std::vector<float> flat(std::size_t{4} * 3, 0.0f); // gamma | beta | dgamma | dbeta
+        std::span<float> all(flat);
+        auto spans = [&](std::size_t gamma) {
+            return layer_t::parameter_spans{all.subspan(0, gamma), all.subspan(3, 3),
+                                            all.subspan(6, 3), all.subspan(9, 3)};
+        };
+        auto text = [](auto&& make) -> std::string {
+            try {
+                make();
+            } catch (const error& e) {
+                return e.what();
+            }
+            return "no error";
+        };
+        bad_eps[r] = text([&] { layer_t l(comm, 3, {.eps = 0}); });
+        bad_spans[r] = text([&] { layer_t l(comm, 3, spans(2)); });
+        // Two layers over one registry tensor pair: the first wrote gamma = 1.
+        const layer_t first(comm, 3, spans(3));
+        second[r] = text([&] { layer_t l(comm, 3, spans(3)); });
+    });
+    for (std::size_t r = 0; r < 2; ++r) {
+        const std::string me = "replica " + std::to_string(r) + ": batch_norm: ";
+        INFO(bad_eps[r] << "\n" << bad_spans[r] << "\n" << second[r]);
+        CHECK(contains(bad_eps[r], "[invalid_argument] " + me + "channels = 3, eps = 0"));
+        CHECK(contains(bad_spans[r], "[shape_mismatch] " + me + "external parameters need"));
+        CHECK(contains(second[r], "[invalid_argument] " + me +
+                                      "gamma and beta over caller spans already hold 3 non-zero "
+                                      "value(s) of 6 (set by the caller, or by another layer over "
+                                      "the same spans?); a layer over fresh spans would overwrite "
+                                      "them with gamma = 1, beta = 0: give each layer spans of "
+                                      "its own, or pass parameter_spans{..., .values = "
+                                      "nn::initial_values::keep}"));
+    }
+}
 TEST_CASE("batch_norm rejects bad input with a clear error", "[nn][bn]") {
     nn::batch_norm<float, bn::local, nn::nchw> layer(3);
     std::vector<float> x(std::size_t{2} * 3 * 4, 1.0f), y(x.size());

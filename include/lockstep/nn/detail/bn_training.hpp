@@ -51,9 +51,9 @@ protected:
     /// running statistics are left to the layer's reset_running_stats.
     bn_training(std::size_t channels, parameter_spans ext, params p, System sys, bool owning,
                 int rank)
-        : p_(p), owner_(rank), s_(detail::validated_channels<param_type>(channels, p), sys),
+        : p_(p), owner_(rank), s_(detail::validated_channels<param_type>(channels, p, rank), sys),
           agreement_(traits::name(), channels, p) {
-        detail::bind_parameters(s_, p, owning ? nullptr : &ext);
+        detail::bind_parameters(s_, p, owning ? nullptr : &ext, rank);
     }
 
     /// Refuses a call from another replica than the layer's (detail::replica_owner) before the
