@@ -80,13 +80,16 @@ struct bn_net {
 };
 
 /// Runs `steps` steps of bn_net<Policy, Declared> under ReducePolicy on `replicas` thread
-/// replicas; returns each replica's error message ("" when it trained).
+/// replicas, `global` samples in `micro_batches` per step; returns each replica's error message
+/// ("" when it trained).
 template <class Policy, class Declared, class ReducePolicy>
-std::vector<std::string> run(int replicas, call how, int steps = 2, std::size_t global = 16) {
+std::vector<std::string> run(int replicas, call how, int steps = 2, std::size_t global = 16,
+                             int micro_batches = 1) {
     using net = bn_net<Policy, Declared>;
     const auto errors = errors_of(replicas, [&](int, thread_communicator& comm) {
         data_parallel<net, optim::sgd<float>, sync::synchronous, ReducePolicy> trainer(
-            comm, [](context& ctx) { return net(ctx); }, {.lr = 0.1});
+            comm, [](context& ctx) { return net(ctx); }, {.lr = 0.1},
+            {.micro_batches = micro_batches});
         for (int s = 0; s < steps; ++s)
             trainer.step(global, [&](net& n, const shard_range& sr, context& ctx) {
                 return n.train(sr, ctx, how);
@@ -218,6 +221,47 @@ TEST_CASE("a bn::ghost chunk of one sample is refused, naming the chunk and the 
                               "(1, 3) (a chunk of bn::ghost<4>: a global batch of k x 4 + 1 "
                               "leaves one sample in its last chunk; choose the global batch or "
                               "ChunkSamples so that none does)"));
+}
+
+TEST_CASE("one value per channel in a trainer names the batch split and the fix",
+          "[nn][bn][thread]") {
+    SECTION("bn::global: a micro-batch of 1 sample (global batch 3 in 2 micro-batches)") {
+        const auto errors = run<bn::global, std::tuple<bn::global>, reduce::bucketed<>>(
+            2, call::with_context, 1, 3, 2);
+        for (const std::string& e : errors) {
+            INFO(e);
+            CHECK(contains(e, "step 0 skipped: batch_norm layer 0 (in forward order): expected "
+                              "more than 1 value per channel when training, got 1 over the "
+                              "replicas sharing statistics (global batch 3 in 2 micro-batches "
+                              "over 2 replica(s)): raise global_batch or lower micro_batches "
+                              "(bn::group: or the replica count)"));
+        }
+    }
+    SECTION("bn::running_only: one replica's part of 1 sample") {
+        const auto errors = run<bn::running_only, std::tuple<bn::running_only>, reduce::bucketed<>>(
+            2, call::with_context, 1, 3);
+        for (const std::string& e : errors) {
+            INFO(e);
+            CHECK(contains(e, "expected more than 1 value per channel when training, got 1 on "
+                              "replica 1 (global batch 3 over 2 replica(s)): raise global_batch, "
+                              "lower micro_batches or the replica count, or use a BN policy that "
+                              "shares statistics"));
+        }
+    }
+    SECTION("bn::local: 1 sample per replica") {
+        const auto errors =
+            run<bn::local, std::tuple<bn::local>, reduce::bucketed<>>(2, call::with_context, 1, 2);
+        for (std::size_t r = 0; r < errors.size(); ++r) {
+            INFO(errors[r]);
+            CHECK(contains(errors[r], "replica " + std::to_string(r) +
+                                          ": batch_norm.forward_train: expected more than 1 value "
+                                          "per channel when training, got input (1, 3), 1 value "
+                                          "per channel (bn::local normalizes each replica's "
+                                          "values alone: in a trainer, raise global_batch, lower "
+                                          "micro_batches or the replica count (2), or use a BN "
+                                          "policy that shares statistics)"));
+        }
+    }
 }
 
 // The layer refuses bn::tower<K> beyond the replicas at its first forward; the trainer refuses

@@ -127,12 +127,17 @@ protected:
             LOCKSTEP_REQUIRE(
                 g.per_channel() != 1, errc::invalid_argument, rank, op,
                 "expected more than 1 value per channel when training, got input ", shape,
-                bn::is_ghost<Policy> ? lockstep::detail::concat(
-                                           " (a chunk of bn::ghost<", bn::ghost_chunk<Policy>,
-                                           ">: a global batch of k x ", bn::ghost_chunk<Policy>,
-                                           " + 1 leaves one sample in its last chunk; choose the "
-                                           "global batch or ChunkSamples so that none does)")
-                                     : std::string());
+                bn::is_ghost<Policy>
+                    ? lockstep::detail::concat(
+                          " (a chunk of bn::ghost<", bn::ghost_chunk<Policy>,
+                          ">: a global batch of k x ", bn::ghost_chunk<Policy>,
+                          " + 1 leaves one sample in its last chunk; choose the "
+                          "global batch or ChunkSamples so that none does)")
+                    : lockstep::detail::concat(
+                          ", 1 value per channel (", bn::traits<Policy>::name(),
+                          " normalizes each replica's values alone: in a trainer, raise "
+                          "global_batch, lower micro_batches or the replica count (",
+                          comm.size(), "), or use a BN policy that shares statistics)"));
         }
         kernels::pack_local_moments(s_.sys, xs, g, param_type(problem.empty() ? 0 : 1),
                                     s_.block.span(), workspace(g));

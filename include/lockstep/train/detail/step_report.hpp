@@ -24,6 +24,7 @@ struct step_report_options {
     bool skip_non_finite = false; ///< train_params::skip_non_finite: a non-finite step is skipped
     bool loss_scaling = false;    ///< a non-finite gradient is an overflow: skipped, not thrown
     double min_scale = 0;         ///< loss_scaling::min_scale (with loss scaling)
+    int micro_batches = 1;        ///< train_params::micro_batches (named by a layer's error)
 };
 
 /// Reads a finished step's state (a host copy) and throws the errors it holds, on replica `rank`
@@ -87,13 +88,25 @@ private:
             fail(errc::peer_failure, rank_, "data_parallel.step", "step ", step_,
                  " skipped: batch_norm layer ", layer, " (in forward order): replica ", value,
                  " passed invalid input to it");
-        if (code == layer_error::single_value)
+        if (code == layer_error::single_value) {
+            // Statistics shared over replicas (value < 0: bn::global, bn::group) are per global
+            // micro-batch; per-replica ones are of the replica's part of it.
+            const int micro = o_.micro_batches;
             fail(errc::invalid_argument, rank_, "data_parallel.step", "step ", step_,
                  " skipped: batch_norm layer ", layer,
                  " (in forward order): expected more than 1 value per channel when training, "
                  "got 1",
                  value >= 0 ? lockstep::detail::concat(" on replica ", value)
-                            : std::string(" over the replicas sharing statistics"));
+                            : std::string(" over the replicas sharing statistics"),
+                 " (global batch ", static_cast<std::uint64_t>(st_.rows[rank_].global_batch),
+                 micro > 1 ? lockstep::detail::concat(" in ", micro, " micro-batches")
+                           : std::string(),
+                 " over ", st_.replicas, " replica(s)): ",
+                 value >= 0 ? "raise global_batch, lower micro_batches or the replica count, or "
+                              "use a BN policy that shares statistics"
+                            : "raise global_batch or lower micro_batches (bn::group: or the "
+                              "replica count)");
+        }
         fail(errc::peer_failure, rank_, "data_parallel.step", "step ", step_,
              " skipped: ", st_.totals->layer_errors,
              " batch_norm layer error(s) on other replicas (statistics of another group)");

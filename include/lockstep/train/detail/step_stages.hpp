@@ -270,7 +270,8 @@ public:
                     {.local_sgd = local_sgd_,
                      .skip_non_finite = core_.params().skip_non_finite,
                      .loss_scaling = scaler_.enabled(),
-                     .min_scale = scaler_.config().min_scale})
+                     .min_scale = scaler_.config().min_scale,
+                     .micro_batches = core_.params().micro_batches})
             .throw_errors();
         // Only a step that returns its result observes the rows: an event a throwing step would
         // take is reported by a later step's result (or thrown by resolve()), never lost.
