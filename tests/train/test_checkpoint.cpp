@@ -385,6 +385,62 @@ void set_counter(const fs::path& path, int r, std::size_t index, std::uint64_t v
 
 } // namespace
 
+TEST_CASE("another learning rate or hyperparameter is refused with the way to train on; "
+          "optimizer().set_lr after the load is that way for the rate",
+          "[train][checkpoint][thread]") {
+    temp_dir dir;
+    const fs::path path = dir.path / "lr.ckpt", again = dir.path / "lr2.ckpt";
+    // Saved without a schedule: the optimizer's lr, 0.05, at every step.
+    run<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+        {.replicas = 2, .steps = 3, .save = path, .save_at = 3, .warmup = -1}, base_params);
+    using loader = decltype([](const fs::path& p, const optim::sgd_params& op) {
+        return try_load<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>(
+            2, p, op, {}, -1);
+    });
+    check_refused(loader{}(path, {.lr = 0.01, .momentum = 0.9}),
+                  {"lr.schedule: checkpoint 0.05 0.05 0.05 0.05, trainer 0.01 0.01 0.01 0.01 (the "
+                   "learning rate at the resume step and 1, 10 and 1000 steps later): a checkpoint "
+                   "resumes with the learning rates it was saved with; to go on at another rate, "
+                   "load it into a trainer built with the saved rate (the optimizer's lr, or the "
+                   "same train_params::lr), then call optimizer().set_lr(x) on every replica "
+                   "before the next step"});
+    check_refused(loader{}(path, {.lr = 0.05, .momentum = 0.8}),
+                  {"optimizer.momentum: checkpoint 0.9, trainer 0.8: a checkpoint resumes with "
+                   "the optimizer's hyperparameters it was saved with (only the learning rate has "
+                   "a setter, optimizer().set_lr); load it with them, then construct a new "
+                   "trainer with the new values"});
+
+    // The way for the rate: load with the saved one, set_lr on every replica. The steps use the
+    // new rate, and the next save records it. On one replica only, the step is refused.
+    using dp_type = trainer_of<base_opt, sync::synchronous, reduce::per_tensor, storage::registry>;
+    using net = typename dp_type::network_type;
+    auto fn = [](net& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); };
+    std::vector<double> used(2);
+    std::vector<std::string> one_replica(2);
+    thread_group(2).run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        dp_type dp(
+            comm, [](auto& ctx) { return net(ctx); }, base_params, params_for(5, -1));
+        load_checkpoint(dp, path);
+        dp.optimizer().set_lr(0.01);
+        used[r] = dp.step(batch_of(dp.steps()), fn).lr;
+        save_checkpoint(dp, again);
+        dp.optimizer().set_lr(r == 1 ? 0.02 : 0.01);
+        try {
+            dp.step(batch_of(dp.steps()), fn);
+        } catch (const lockstep::error& e) {
+            one_replica[r] = e.what();
+        }
+    });
+    for (std::size_t r = 0; r < 2; ++r) {
+        INFO(one_replica[r]);
+        CHECK(used[r] == 0.01);
+        CHECK(contains(one_replica[r], "lr: 0.01 on replica 0, 0.02 on replica 1;"));
+    }
+    CHECK(loader{}(again, {.lr = 0.01, .momentum = 0.9}).messages == std::vector<std::string>(2));
+    check_refused(loader{}(again, base_params), {"lr.schedule: checkpoint 0.01 0.01 0.01 0.01, "
+                                                 "trainer 0.05 0.05 0.05 0.05"});
+}
 TEST_CASE("counters out of range are refused on every replica, nothing loaded",
           "[train][checkpoint][thread]") {
     // No learning-rate schedule: the schedule's check cannot see the step count.

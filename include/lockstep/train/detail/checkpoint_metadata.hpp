@@ -1,6 +1,7 @@
 // lockstep/train/detail/checkpoint_metadata.hpp: what a shard's metadata records of a trainer
 // (describe_trainer: element type, replicas, optimizer, policies, frozen tensors, learning-rate
-// schedule) and why a checkpoint with another frozen set is refused.
+// schedule) and why a checkpoint with another frozen set, learning rate or hyperparameter is
+// refused, with the way to train on with the new one.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
@@ -141,6 +142,33 @@ inline std::string frozen_refusal(std::string_view saved, std::string_view train
                   "tensor's own first step); load it with that set, then construct a new trainer "
                   "with the new set whose network starts from the loaded parameters (a fresh "
                   "optimizer, as a new torch optimizer would start)");
+}
+
+/// Why a checkpoint whose metadata `key` holds `saved` cannot resume in a trainer whose value is
+/// `trainer` (they differ): "key: checkpoint saved, trainer trainer", with the way to train on
+/// with the new value where one exists (the frozen set, the learning rate, the optimizer's other
+/// hyperparameters).
+inline std::string setting_refusal(std::string_view key, std::string_view saved,
+                                   std::string_view trainer) {
+    if (key == "frozen")
+        return frozen_refusal(saved, trainer);
+    const std::string differ = concat(key, ": checkpoint ", saved, ", trainer ", trainer);
+    // The optimizer takes its rate from train_params::lr when set, else from its params' lr,
+    // which set_lr changes (and the next save records).
+    if (key == "lr.schedule")
+        return differ + " (the learning rate at the resume step and 1, 10 and 1000 steps later): "
+                        "a checkpoint resumes with the learning rates it was saved with; to go on "
+                        "at another rate, load it into a trainer built with the saved rate (the "
+                        "optimizer's lr, or the same train_params::lr), then call "
+                        "optimizer().set_lr(x) on every replica before the next step (a trainer "
+                        "without train_params::lr: a schedule sets every step's rate)";
+    if (key.substr(0, 10) == "optimizer.")
+        return differ + ": a checkpoint resumes with the optimizer's hyperparameters it was saved "
+                        "with (only the learning rate has a setter, optimizer().set_lr); load it "
+                        "with them, then construct a new trainer with the new values whose "
+                        "network starts from the loaded parameters (a fresh optimizer, as a new "
+                        "torch optimizer would start)";
+    return differ;
 }
 
 /// Everything the metadata of a shard records about the trainer dp when it has taken `steps`

@@ -206,10 +206,8 @@ inline void compare_header(const parsed_header& h, const meta_list& expected,
             continue; // written before checkpoints recorded the frozen set: any set loads
         if (!got)
             problems.push_back(concat(prefix, k, ": missing in the checkpoint (trainer: ", v, ")"));
-        else if (*got != v && k == "frozen")
-            problems.push_back(prefix + frozen_refusal(*got, v));
         else if (*got != v)
-            problems.push_back(concat(prefix, k, ": checkpoint ", *got, ", trainer ", v));
+            problems.push_back(prefix + setting_refusal(k, *got, v));
     }
     for (std::size_t i = 0; i < h.meta_count(); ++i) {
         const auto [k, v] = h.meta(i);
