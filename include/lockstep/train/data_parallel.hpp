@@ -9,46 +9,25 @@
 #include "lockstep/policy/compat.hpp"
 #include "lockstep/policy/reduce.hpp"
 #include "lockstep/policy/sync.hpp"
+#include "lockstep/system/system.hpp"
 #include "lockstep/train/asynchronous.hpp" // IWYU pragma: export
-#include "lockstep/train/detail/background_save.hpp"
-#include "lockstep/train/detail/bucketed_collective.hpp"
-#include "lockstep/train/detail/compressed_collective.hpp"
+#include "lockstep/train/detail/bucket_plan.hpp"
 #include "lockstep/train/detail/data_parallel_fwd.hpp"
-#include "lockstep/train/detail/empty_shards.hpp"
-#include "lockstep/train/detail/finish_check.hpp"
 #include "lockstep/train/detail/gradient_collective.hpp"
-#include "lockstep/train/detail/local_sgd_driver.hpp"
-#include "lockstep/train/detail/mark_order_hint.hpp"
-#include "lockstep/train/detail/overlap.hpp"
-#include "lockstep/train/detail/parameter_server_collective.hpp"
-#include "lockstep/train/detail/replica_consistency.hpp"
-#include "lockstep/train/detail/reproducible_collective.hpp"
-#include "lockstep/train/detail/sharded_collective.hpp"
 #include "lockstep/train/detail/shrink_recovery.hpp"
-#include "lockstep/train/detail/snapshot_staging.hpp"
-#include "lockstep/train/detail/step_capture.hpp"
-#include "lockstep/train/detail/step_driver.hpp"
-#include "lockstep/train/detail/step_stages.hpp"
-#include "lockstep/train/detail/straggler_meter.hpp"
-#include "lockstep/train/detail/trainer_base.hpp"
-#include "lockstep/train/detail/visitor.hpp"
+#include "lockstep/train/detail/step_runner.hpp"
 #include "lockstep/train/loss_scaler.hpp"
+#include "lockstep/train/parameter_registry.hpp"
 #include "lockstep/train/replica_context.hpp"
 #include "lockstep/train/shard.hpp"
+#include "lockstep/train/straggler_report.hpp"
 #include "lockstep/train/train_params.hpp"
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <exception>
 #include <functional>
-#include <limits>
-#include <memory>
 #include <optional>
 #include <span>
-#include <string>
-#include <string_view>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -73,7 +52,7 @@ namespace lockstep {
 template <class Network, class Optimizer, sync_policy SyncPolicy, reduce_policy ReducePolicy,
           communicator Communicator>
 class data_parallel
-    : public detail::trainer_base<Network, Optimizer, SyncPolicy, ReducePolicy, Communicator> {
+    : public detail::step_runner<Network, Optimizer, SyncPolicy, ReducePolicy, Communicator> {
     static_assert(!is_asynchronous_v<SyncPolicy>,
                   "data_parallel with sync::asynchronous or sync::bounded_staleness is defined "
                   "in lockstep/train/asynchronous.hpp: include it.");
@@ -83,7 +62,7 @@ class data_parallel
         "lockstep::detail::collective<Policy, T, Communicator> and include it before "
         "data_parallel is instantiated (docs/writing_a_reduce_policy.md, part 2).");
     using base_type =
-        detail::trainer_base<Network, Optimizer, SyncPolicy, ReducePolicy, Communicator>;
+        detail::step_runner<Network, Optimizer, SyncPolicy, ReducePolicy, Communicator>;
 
 public:
     // The aliases and accessors are trainer_base's (network(), context(), optimizer(), rank(),
@@ -102,12 +81,7 @@ public:
     template <class Factory>
     data_parallel(Communicator& comm, Factory&& factory, typename Optimizer::params_type opt = {},
                   train_params tp = {})
-        : base_type(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp),
-                    base_type::policy_settings(), true),
-          saves_(std::make_unique<detail::background_save>(comm.rank(), comm.size(),
-                                                           [this] { return core_.steps(); })),
-          parts_(std::make_unique<step_parts>(core_, saves_.get())),
-          stragglers_(comm, core_.params().report_stragglers_every) {
+        : base_type(comm, std::forward<Factory>(factory), std::move(opt), std::move(tp)) {
         detail::check_shrink_settings<ReducePolicy, SyncPolicy, network_bn_policies_t<Network>>(
             core_.params(), comm);
         const std::int64_t every = core_.params().verify_every;
@@ -188,12 +162,7 @@ public:
     step_result step(std::size_t global_batch, Fn&& fn) {
         const auto inside = this->enter("data_parallel.step");
         (void)core_.checked_lr(core_.steps());
-        if constexpr (detail::shrinkable_communicator<Communicator>)
-            if (core_.params().on_replica_failure == replica_failure::shrink)
-                return shrinks_.step(
-                    core_, parts_, global_batch, [&](std::size_t g) { return step_once(g, fn); },
-                    [&] { rebuild(); });
-        return step_once(global_batch, fn);
+        return this->run_step(global_batch, fn);
     }
 
     /// Counts one launch of the CUDA graph holding the step captured last (see step()): call it
@@ -322,180 +291,13 @@ public:
 
 private:
     friend struct detail::checkpoint_access;
-    using T = value_type;
+    using base_type::abort_communicator;
+    using base_type::capture_;
     using base_type::core_;
-    using collective_type = detail::collective<ReducePolicy, T, Communicator>;
-    using stages_type = detail::step_stages<typename base_type::core_type>;
-
-    /// What a step runs through, rebuilt at another replica count after a shrink: the
-    /// ReducePolicy's collective, the policy-free stages and the SyncPolicy's driver.
-    /// finish's step-count check (detail::finish_steps) on the communicator and, when buckets
-    /// are reduced on a host communication thread (overlap), concurrently on that thread's
-    /// split: a peer still inside a step waits on one of the two (in a batch-norm collective on
-    /// the communicator, or in a bucket reduction on the split), and finish's collective must
-    /// meet it there, or both would wait out the timeout. The more telling error wins: the
-    /// mismatch of finish's collective with the peer's over the echo of its failure.
-    std::int64_t finish_counts() {
-        const std::int64_t n = this->steps();
-        std::exception_ptr side;
-        bool on_side = false;
-        if constexpr (!detail::overlaps_on_side_stream<Communicator> &&
-                      requires(collective_type & c) { c.submit_to_stream([](Communicator&) {}); }) {
-            on_side = parts_->collective.submit_to_stream([n, &side](Communicator& c) {
-                try {
-                    (void)detail::finish_steps(c, n);
-                } catch (...) {
-                    side = std::current_exception();
-                }
-            });
-        }
-        if (!on_side)
-            return detail::finish_steps(core_.comm(), n);
-        std::exception_ptr main;
-        try {
-            (void)detail::finish_steps(core_.comm(), n);
-        } catch (...) {
-            main = std::current_exception();
-        }
-        parts_->collective.drain();
-        const auto echoes = [](const std::exception_ptr& e) {
-            try {
-                std::rethrow_exception(e);
-            } catch (const error& le) {
-                return le.code() == errc::peer_failure || le.code() == errc::timeout;
-            } catch (...) {
-                return false;
-            }
-        };
-        if (main && (!side || !echoes(main)))
-            std::rethrow_exception(main);
-        if (side)
-            std::rethrow_exception(side);
-        return n;
-    }
-
-    struct step_parts {
-        collective_type collective; ///< what the ReducePolicy does in a step, and its state
-        stages_type stages;         ///< the policy-free stages of a step, and what they share
-        detail::step_driver<SyncPolicy> driver; ///< how a step runs under the SyncPolicy
-        step_parts(typename base_type::core_type& core, detail::background_save* rider)
-            : collective(core.comm(), core.registry().parameters(),
-                         detail::use_overlap(core.comm(), core.params().overlap), core.params()),
-              stages(core, collective.plan(), collective_type::status_doubles), driver(stages) {
-            if constexpr (!is_local_sgd_v<SyncPolicy>)
-                stages.set_rider(rider);
-        }
-    };
-
-    /// One step (see step()), without recovery.
-    template <class Fn>
-    step_result step_once(std::size_t global_batch, Fn& fn) {
-        const bool capture = detail::capturing(core_.comm().system());
-        if (capture) {
-            detail::step_capture::check_capturable(
-                this->rank(), is_local_sgd_v<SyncPolicy>,
-                parts_->collective.overlaps() && !detail::overlaps_on_side_stream<Communicator>,
-                core_.params().report_stragglers_every, core_.params().verify_every);
-            capture_.check_set_up(this->rank(), global_batch);
-        }
-        try {
-            parts_->stages.set_capturing(capture);
-            const step_result r =
-                parts_->driver.step(parts_->stages, parts_->collective, global_batch, fn);
-            if (capture) {
-                // Nothing ran: the host counts each launch instead (count_replay).
-                capture_.record(r.step, global_batch, r.lr, parts_->stages.layer_counts());
-                core_.retract(global_batch);
-                parts_->stages.set_capturing(false);
-            } else {
-                capture_.note_plain_step(global_batch);
-                verify_replicas_if_due();
-                stragglers_.after_step(core_.comm(), this->steps());
-            }
-            return r;
-        } catch (const error& e) {
-            parts_->stages.set_capturing(false);
-            parts_->collective.drain();
-            abort_communicator();
-            detail::rethrow_naming_empty_shards(
-                detail::with_mark_order_hint(e, parts_->collective.overlaps() &&
-                                                    detail::overlaps_on_side_stream<Communicator>),
-                global_batch, static_cast<std::size_t>(core_.params().micro_batches),
-                ReducePolicy::chunk_samples, this->size());
-        } catch (...) {
-            parts_->stages.set_capturing(false);
-            parts_->collective.drain();
-            abort_communicator();
-            throw;
-        }
-    }
-
-    /// After a shrink: everything that depends on the replica count, built anew (the gradient
-    /// hook kept). A background save in flight is decided (background_save::shrank, one small
-    /// all_gather): reported committed when it had committed, else failed, abandoned (its commit
-    /// needed the lost replica's shard: the previous checkpoint stands), by the next step's
-    /// result or wait_checkpoint / finish, as any background save's end.
-    void rebuild() {
-        auto& comm = core_.comm();
-        saves_->shrank(comm);
-        auto parts = std::make_unique<step_parts>(core_, saves_.get());
-        parts->stages.set_gradient_hook(parts_->stages.gradient_hook_function());
-        parts_ = std::move(parts);
-        stragglers_ = detail::straggler_meter(comm, core_.params().report_stragglers_every);
-        capture_ = detail::step_capture{};
-    }
-
-    /// After a failure: abort the communicator when it can be aborted, so that peers waiting
-    /// for this replica get an error instead of a hang.
-    void abort_communicator() noexcept {
-        auto& comm = core_.comm();
-        if constexpr (requires {
-                          comm.abort();
-                          { comm.aborted() } -> std::convertible_to<bool>;
-                      })
-            comm.abort();
-    }
-
-    /// train_params::verify_every: after every verify_every-th step, the replicas compare the
-    /// digests of what they must hold identically (detail/replica_consistency.hpp).
-    void verify_replicas_if_due() {
-        const std::int64_t every = core_.params().verify_every;
-        if (every == 0 || this->steps() % every != 0)
-            return;
-        // Sharded: each replica holds its shard's state; parameter_server: Root's only moves.
-        constexpr bool same_optimizer_state = !ReducePolicy::shards_optimizer_state &&
-                                              ReducePolicy::update_root < 0 &&
-                                              !is_local_sgd_v<SyncPolicy>;
-        constexpr bool same_state =
-            is_local_sgd_v<SyncPolicy> ||
-            detail::shares_running_statistics<network_bn_policies_t<Network>>::value;
-        auto& reg = core_.registry();
-        std::vector<detail::consistency_section<T>> sections;
-        for (const tensor_info& t : reg.parameters())
-            sections.push_back({"param." + t.name, core_.values().subspan(t.offset, t.size)});
-        if constexpr (same_state) {
-            for (const tensor_info& t : reg.state_tensors())
-                sections.push_back({"state." + t.name, reg.states().subspan(t.offset, t.size)});
-            detail::visit_state<T>(core_.network(), [&](std::string_view name, std::span<T> st) {
-                sections.push_back({"state." + std::string(name), st});
-            });
-        }
-        if constexpr (same_optimizer_state)
-            for (const auto& slot : core_.optimizer().state().slots)
-                sections.push_back({"optimizer." + std::string(slot.name), slot.data});
-        // Named by the index of the step just taken, as step_result::step and the other messages.
-        detail::verify_replicas(core_.comm(), core_.comm().system(), this->steps() - 1, sections);
-    }
-
-    /// save_checkpoint_async's copies out of the system's memory, kept between saves (declared
-    /// before saves_: the writer that reads them is joined first).
-    detail::ckpt::snapshot_staging<system_type> staging_;
-    std::unique_ptr<detail::background_save> saves_; ///< save_checkpoint_async's save in flight
-    std::unique_ptr<step_parts> parts_;              ///< rebuilt after a shrink
-    detail::step_capture capture_;                   ///< the step captured last
-    detail::straggler_meter stragglers_;             ///< train_params::report_stragglers_every
-    /// on_replica_failure = shrink: the steps' fences and rollback, the recovery.
-    detail::shrink_steps<typename base_type::core_type> shrinks_;
+    using base_type::finish_counts;
+    using base_type::parts_;
+    using base_type::saves_;
+    using base_type::stragglers_;
 };
 
 } // namespace lockstep

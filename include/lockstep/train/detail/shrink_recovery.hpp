@@ -228,7 +228,7 @@ public:
 private:
     /// Shrinks, agrees on the step to start from, puts its start back (parameters, state,
     /// counters, loss scale, skip streak) and rebuilds the parts. Returns the replicas lost.
-    /// (The failed step drained its collective before it threw: once() is data_parallel's
+    /// (The failed step drained its collective before it threw: once() is step_runner's
     /// step_once.) `live` is the step the failed call had begun, not the step counter: on a
     /// device the counter advances when the step's work is enqueued, before the wait for its
     /// result finds the loss, and the work queued behind the aborted collectives (the update)
