@@ -6,6 +6,7 @@
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/train/asynchronous.hpp"
 #include "lockstep/train/data_parallel.hpp"
+#include "support/bn_probe.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -31,55 +32,7 @@ double feature(std::uint64_t g, std::size_t k) {
     return rng_stream{0xB0B, 1}.normal(g, k) * double(k + 1) + double(k);
 }
 
-/// x -> batch norm (bn::local) -> loss = sum of w_k y_k over the samples, times range.scale.
-/// The layer normalises the raw features, so its batch statistics depend on the samples alone,
-/// not on the parameters a worker pulled: what the server must fold in is known here.
-struct bn_probe {
-    using bn_policies = std::tuple<bn::local>;
-    using ctx_type = replica_context<double, thread_communicator>;
-    using bn_type = nn::batch_norm<double, bn::local, nn::nc>;
-
-    explicit bn_probe(ctx_type& ctx) {
-        auto& reg = ctx.registry();
-        gamma = reg.add("bn.weight", {channels});
-        beta = reg.add("bn.bias", {channels});
-        w = reg.add("w", {channels});
-        reg.finalize();
-        bn.emplace(channels,
-                   bn_type::parameter_spans{gamma.value(), beta.value(), gamma.grad(), beta.grad()},
-                   bn_type::params{}, ctx.system());
-        for (std::size_t k = 0; k < channels; ++k)
-            w.value()[k] = 0.5 + double(k);
-    }
-
-    double train(const shard_range& r, ctx_type& ctx) {
-        const std::size_t n = r.size();
-        std::vector<double> x(n * channels), y(n * channels), dy(n * channels), dx(n * channels);
-        for (std::size_t s = 0; s < n; ++s)
-            for (std::size_t k = 0; k < channels; ++k)
-                x[s * channels + k] = feature(r.sample_index(r.begin + s), k);
-        bn->forward_train(ctx, std::span<const double>(x), nn::tensor_shape{n, channels},
-                          std::span<double>(y));
-        double loss = 0;
-        for (std::size_t s = 0; s < n; ++s)
-            for (std::size_t k = 0; k < channels; ++k) {
-                loss += w.value()[k] * y[s * channels + k] * r.scale;
-                w.grad()[k] += y[s * channels + k] * r.scale;
-                dy[s * channels + k] = w.value()[k] * r.scale;
-            }
-        bn->backward(ctx, std::span<const double>(dy), std::span<double>(dx));
-        return loss;
-    }
-
-    template <class F>
-    void for_each_state(F&& f) {
-        f("bn.running_mean", bn->running_mean());
-        f("bn.running_var", bn->running_var());
-    }
-
-    ctx_type::handle gamma, beta, w;
-    std::optional<bn_type> bn;
-};
+using probe = lockstep_test::bn_probe<bn::local, feature>;
 
 } // namespace
 
@@ -101,10 +54,10 @@ TEST_CASE("the server's running statistics take every micro-batch of stale worke
         ap.bn_momentum = 0.1;
         std::vector<std::uint64_t> order; // written on the server's thread only
         ap.on_apply = [&](const apply_info& a, double) { order.push_back(a.index); };
-        data_parallel<bn_probe, optim::sgd<double>, sync::asynchronous> trainer(
-            comm, [](auto& ctx) { return bn_probe(ctx); }, {.lr = 0.01}, tp, ap);
+        data_parallel<probe, optim::sgd<double>, sync::asynchronous> trainer(
+            comm, [](auto& ctx) { return probe(ctx); }, {.lr = 0.01}, tp, ap);
         const auto res =
-            trainer.train(steps, batch, [&](bn_probe& n, const shard_range& r, auto& ctx) {
+            trainer.train(steps, batch, [&](probe& n, const shard_range& r, auto& ctx) {
                 if (comm.rank() == 2) // a slow worker: the other's items are applied meanwhile
                     std::this_thread::sleep_for(std::chrono::milliseconds(3));
                 return n.train(r, ctx);
@@ -124,7 +77,7 @@ TEST_CASE("the server's running statistics take every micro-batch of stale worke
     // The reference: one layer, the same micro-batches, in the server's order.
     std::vector<double> ref_mean, ref_var;
     thread_group(1).run([&](thread_communicator& comm) {
-        bn_probe::bn_type layer(comm, channels);
+        probe::bn_type layer(comm, channels);
         for (const std::uint64_t item : applied)
             for (std::size_t m = 0; m < micro; ++m) {
                 const std::size_t begin = batch * m / micro, end = batch * (m + 1) / micro;

@@ -10,6 +10,7 @@
 
 #include "train_runner.hpp"
 
+#include "support/bn_probe.hpp"
 #include "support/counting_communicator.hpp"
 
 #include <catch2/catch.hpp>
@@ -719,52 +720,7 @@ double ghost_feature(std::uint64_t g, std::size_t k) {
     return rng_stream{0x6057, 2}.normal(g, k) * double(k + 1) + double(k);
 }
 
-/// x -> batch norm (bn::ghost<4>) -> loss = sum of w_k y_k, over raw features: the chunks'
-/// statistics, and so the running statistics, depend on the samples alone.
-struct ghost_probe {
-    static constexpr std::size_t channels = 3;
-    using bn_policies = std::tuple<bn::ghost<4>>;
-    using ctx_type = replica_context<double, thread_communicator>;
-    using bn_type = nn::batch_norm<double, bn::ghost<4>, nn::nc>;
-
-    explicit ghost_probe(ctx_type& ctx) {
-        auto& reg = ctx.registry();
-        gamma = reg.add("bn.weight", {channels});
-        beta = reg.add("bn.bias", {channels});
-        w = reg.add("w", {channels});
-        reg.finalize();
-        bn.emplace(
-            ctx.comm(), channels,
-            bn_type::parameter_spans{gamma.value(), beta.value(), gamma.grad(), beta.grad()});
-        for (std::size_t k = 0; k < channels; ++k)
-            w.value()[k] = 0.5 + double(k);
-    }
-    double train(const shard_range& r, ctx_type& ctx) {
-        const std::size_t n = r.size();
-        std::vector<double> x(n * channels), y(n * channels), dy(n * channels), dx(n * channels);
-        for (std::size_t s = 0; s < n; ++s)
-            for (std::size_t k = 0; k < channels; ++k)
-                x[s * channels + k] = ghost_feature(r.sample_index(r.begin + s), k);
-        bn->forward_train(ctx, std::span<const double>(x), nn::tensor_shape{n, channels},
-                          std::span<double>(y));
-        double loss = 0;
-        for (std::size_t s = 0; s < n; ++s)
-            for (std::size_t k = 0; k < channels; ++k) {
-                loss += w.value()[k] * y[s * channels + k] * r.scale;
-                w.grad()[k] += y[s * channels + k] * r.scale;
-                dy[s * channels + k] = w.value()[k] * r.scale;
-            }
-        bn->backward(ctx, std::span<const double>(dy), std::span<double>(dx));
-        return loss;
-    }
-    template <class F>
-    void for_each_state(F&& f) {
-        f("bn.running_mean", bn->running_mean());
-        f("bn.running_var", bn->running_var());
-    }
-    ctx_type::handle gamma, beta, w;
-    std::optional<bn_type> bn;
-};
+using ghost_probe = bn_probe<bn::ghost<4>, ghost_feature>;
 
 /// The running statistics after `steps` steps of `global` samples on `replicas` replicas.
 std::vector<double> ghost_running(int replicas, std::size_t steps, std::size_t global) {
