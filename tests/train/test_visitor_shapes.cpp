@@ -380,3 +380,119 @@ TEST_CASE("replicas visiting their tensors in different orders are told so, and 
                                                    "on replica 0, {b} on replica 1;"));
     }
 }
+
+namespace {
+
+/// One parameter from the registry and state 'stats' from the registry (`registered`), visited by
+/// for_each_state as 'stats' (`visited_too`) or twice (`visited_twice`), or once (`distinct`).
+enum class state_names { distinct, visited_too, visited_twice };
+struct state_net {
+    ctx_type::handle w;
+    std::vector<double> mine = std::vector<double>(3), other = std::vector<double>(2);
+    state_names names;
+    state_net(ctx_type& ctx, state_names n) : names(n) {
+        auto& reg = ctx.registry();
+        w = reg.add("w", {1});
+        (void)reg.add_state("stats", {4});
+        reg.finalize();
+    }
+    template <class F>
+    void for_each_state(F&& f) {
+        f(names == state_names::visited_too ? "stats" : "layer.stats", std::span<double>(mine));
+        if (names == state_names::visited_twice)
+            f("layer.stats", std::span<double>(other));
+    }
+};
+
+std::vector<std::pair<std::string, int>> state_name_errors(state_names names) {
+    return lockstep_test::errors_of(2, [&](int, thread_communicator& comm) {
+        data_parallel<state_net, optim::sgd<double>> dp(
+            comm, [&](ctx_type& ctx) { return state_net(ctx, names); }, {.lr = 0.1});
+    });
+}
+
+} // namespace
+
+TEST_CASE("state declared twice under one name is refused at construction, naming both sources",
+          "[train][visitor][thread]") {
+    const std::string fix = "): a checkpoint keeps each state tensor under its name; give each "
+                            "its own name (e.g. prefix a layer's running statistics with the "
+                            "layer's name)";
+    const std::array<std::pair<state_names, std::string>, 2> cases = {{
+        {state_names::visited_too, "data_parallel: state 'stats' is declared twice (state tensors "
+                                   "0 from registry().add_state and 1 from for_each_state"},
+        {state_names::visited_twice, "data_parallel: state 'layer.stats' is declared twice (state "
+                                     "tensors 1 from for_each_state and 2 from for_each_state"},
+    }};
+    for (const auto& [names, text] : cases) {
+        const auto errors = state_name_errors(names);
+        for (std::size_t r = 0; r < errors.size(); ++r) {
+            INFO("case " << static_cast<int>(names) << ", replica " << r << ": "
+                         << errors[r].first);
+            CHECK(errors[r].second == static_cast<int>(errc::invalid_argument));
+            CHECK_THAT(errors[r].first,
+                       Catch::Contains("replica " + std::to_string(r) + ": " + text + fix));
+        }
+    }
+    for (const auto& [text, code] : state_name_errors(state_names::distinct)) {
+        INFO(text);
+        CHECK(code == -1);
+    }
+}
+
+TEST_CASE("a tied tensor is refused with clipping, or with decay or frozen that tell its two names "
+          "apart",
+          "[train][visitor][thread]") {
+    const auto is = [](const char* name) {
+        return [name](const tensor_info& t) { return t.name == name; };
+    };
+    struct refusal {
+        train_params tp;
+        errc code;
+        std::string text;
+    };
+    std::vector<refusal> cases;
+    cases.push_back({{.max_grad_norm = 1.0},
+                     errc::unsupported,
+                     "data_parallel: max_grad_norm = 1 with 'w.tied' visited again with the spans "
+                     "of 'w' (a tied tensor): its gradient would count twice in the norm; visit a "
+                     "tied tensor once, or clip in a gradient hook"});
+    cases.push_back({{.frozen = is("w.tied")},
+                     errc::invalid_argument,
+                     "data_parallel: 'w.tied' is visited with the spans of 'w' (a tied tensor) but "
+                     "train_params::frozen is false for 'w' and true for 'w.tied': the update "
+                     "unpacked last would win; give both names the same answer"});
+    cases.push_back({{.decay = is("w")},
+                     errc::invalid_argument,
+                     "train_params::decay is true for 'w' and false for 'w.tied'"});
+    for (const auto& c : cases) {
+        const auto errors = lockstep_test::errors_of(2, [&](int, thread_communicator& comm) {
+            data_parallel<overlap_net, optim::sgd<double>> dp(
+                comm, [&](ctx_type&) { return overlap_net(spans_layout::tied); }, {.lr = 0.1},
+                c.tp);
+        });
+        for (std::size_t r = 0; r < errors.size(); ++r) {
+            INFO("replica " << r << ": " << errors[r].first);
+            CHECK(errors[r].second == static_cast<int>(c.code));
+            CHECK_THAT(errors[r].first, Catch::Contains("replica " + std::to_string(r) + ": ") &&
+                                            Catch::Contains(c.text));
+        }
+    }
+    // Both names frozen (decay then acts on neither, and clipping sees their zeroed gradient),
+    // or decayed alike: accepted.
+    for (const train_params& tp :
+         {train_params{.decay = is("w"),
+         .max_grad_norm = 1.0,
+         .frozen = [](const tensor_info& t) { return t.name != "b"; }},
+          train_params{.decay = [](const tensor_info& t) { return t.name != "b"; }}}) {
+        for (const auto& [text, code] :
+             lockstep_test::errors_of(2, [&](int, thread_communicator& comm) {
+                 data_parallel<overlap_net, optim::sgd<double>> dp(
+                     comm, [&](ctx_type&) { return overlap_net(spans_layout::tied); }, {.lr = 0.1},
+                     tp);
+             })) {
+            INFO(text);
+            CHECK(code == -1);
+        }
+    }
+}

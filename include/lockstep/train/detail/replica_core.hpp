@@ -15,6 +15,7 @@
 #include "lockstep/train/detail/signature.hpp"
 #include "lockstep/train/detail/trainer_ordinal.hpp"
 #include "lockstep/train/detail/trainer_presence.hpp"
+#include "lockstep/train/detail/visit_check.hpp"
 #include "lockstep/train/detail/visited_buffers.hpp"
 #include "lockstep/train/detail/visitor.hpp"
 #include "lockstep/train/replica_context.hpp"
@@ -103,8 +104,9 @@ public:
         using maker = network_maker<Network, std::remove_reference_t<Factory>, context_type>;
         net_.emplace(maker{factory, *ctx_});
         auto& reg = ctx_->registry();
+        std::vector<tied_pair> ties;
         if constexpr (uses_visitor)
-            register_visited_parameters<T>(*net_, reg, comm.rank());
+            ties = register_visited_parameters<T>(*net_, reg, comm.rank());
         reg.finalize();
         // State the network exposes through for_each_state (with either path) is packed into a
         // buffer of the trainer's: e.g. BN running statistics a layer owns.
@@ -113,6 +115,8 @@ public:
         all_state.insert(all_state.end(), vstate_.tensors().begin(), vstate_.tensors().end());
         verify_same_tensors<T>(comm, reg.parameters(), all_state,
                                describe_settings<Optimizer>(opt, tp_, reg.parameters(), policies));
+        // After the collective check: every replica declared the same names, so all throw alike.
+        check_state_names(all_state, reg.state_tensors().size(), comm.rank());
         LOCKSTEP_REQUIRE(reg.parameter_count() > 0, errc::invalid_argument, comm.rank(),
                          "data_parallel",
                          "the network declared no parameters (allocate them from "
@@ -135,6 +139,7 @@ public:
             const bool decay = !tp_.decay || tp_.decay(t);
             segments_.push_back(tensor_segment{t.offset, t.size, decay, decay});
         }
+        check_tied_tensors(ties, reg.parameters(), tp_, comm.rank());
         if (segments_.empty()) // every tensor frozen: one empty segment (no segments means all)
             segments_.push_back(tensor_segment{0, 0, false, false});
         if (!sharded) {

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <span>
 #include <string_view>
+#include <unordered_map>
 
 namespace lockstep::detail {
 
@@ -53,5 +54,27 @@ private:
     const char* what_;
     std::size_t seen_ = 0;
 };
+
+/// requires: the state tensors' names, the registry's (add_state) and then those for_each_state
+/// visits, are distinct. A checkpoint keeps each under its name ("state.<name>"), so of two with
+/// one name only one could be restored: a save would fail long after the mistake, and a network
+/// that saves only later would learn of it late. Else lockstep::error (errc::invalid_argument),
+/// at construction, naming the replica, the name, where each of the two comes from and the fix.
+inline void check_state_names(std::span<const tensor_info> state, std::size_t registered,
+                              int replica) {
+    const auto source = [&](std::size_t i) {
+        return i < registered ? "registry().add_state" : "for_each_state";
+    };
+    std::unordered_map<std::string_view, std::size_t> first;
+    for (std::size_t i = 0; i < state.size(); ++i) {
+        const auto [at, fresh] = first.emplace(state[i].name, i);
+        LOCKSTEP_REQUIRE(fresh, errc::invalid_argument, replica, "data_parallel", "state '",
+                         state[i].name, "' is declared twice (state tensors ", at->second, " from ",
+                         source(at->second), " and ", i, " from ", source(i),
+                         "): a checkpoint keeps each state tensor under its name; give each its "
+                         "own name (e.g. prefix a layer's running statistics with the layer's "
+                         "name)");
+    }
+}
 
 } // namespace lockstep::detail

@@ -9,6 +9,7 @@
 #include "lockstep/train/detail/visit_check.hpp"
 #include "lockstep/train/detail/visitor.hpp"
 #include "lockstep/train/parameter_registry.hpp"
+#include "lockstep/train/train_params.hpp"
 
 #include <algorithm>
 #include <cstddef>
@@ -16,6 +17,8 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace lockstep::detail {
@@ -73,13 +76,17 @@ std::string visited_overlap(const std::vector<visited_spans<T>>& tensors) {
     return {};
 }
 
+/// Two parameter tensors (indices in the registry) that are one tied tensor visited twice.
+using tied_pair = std::pair<std::size_t, std::size_t>;
+
 /// Adds the parameters the network's for_each_parameter visits to `reg` (still open), with the
-/// visitor's shape when it passes one (train_params::decay and frozen see it). Throws
-/// lockstep::error naming replica `rank` when the network also allocated from the registry
+/// visitor's shape when it passes one (train_params::decay and frozen see it), and returns the
+/// tied tensors (a tensor visited again with the same spans: registered, and packed, twice).
+/// Throws lockstep::error naming replica `rank` when the network also allocated from the registry
 /// (errc::invalid_argument), a tensor's gradients or shape do not match its values
 /// (errc::shape_mismatch), or visited spans overlap (visited_overlap; errc::invalid_argument).
 template <class T, class Network, class Registry>
-void register_visited_parameters(Network& net, Registry& reg, int rank) {
+std::vector<tied_pair> register_visited_parameters(Network& net, Registry& reg, int rank) {
     LOCKSTEP_REQUIRE(reg.empty(), errc::invalid_argument, rank, "data_parallel",
                      "the network both allocates from the registry and defines "
                      "for_each_parameter: use one of the two");
@@ -106,6 +113,48 @@ void register_visited_parameters(Network& net, Registry& reg, int rank) {
     const std::string overlap = visited_overlap(visited);
     LOCKSTEP_REQUIRE(overlap.empty(), errc::invalid_argument, rank, "data_parallel",
                      "for_each_parameter: ", overlap);
+    // No overlap but ties: a tied tensor's values start where its first visit's do.
+    std::vector<tied_pair> ties;
+    std::unordered_map<const T*, std::size_t> first;
+    for (std::size_t i = 0; i < visited.size(); ++i) {
+        const auto [at, fresh] = first.emplace(visited[i].values.data(), i);
+        if (!fresh)
+            ties.emplace_back(at->second, i);
+    }
+    return ties;
+}
+
+/// requires: the settings that act on a tensor's slot of the flat buffer act alike on a tied
+/// tensor's two slots. Both get the same gradient and, decayed and frozen alike, the same update,
+/// so unpacking them writes one value twice; with different frozen (or, trained, different decay)
+/// the slot unpacked last would silently win, and max_grad_norm would count the tensor's gradient
+/// twice in the norm (a frozen one's gradient is zeroed before the norm).
+/// Else lockstep::error (errc::unsupported for clipping, errc::invalid_argument for the sets),
+/// at construction, naming the replica, both names and the fix.
+inline void check_tied_tensors(std::span<const tied_pair> ties, std::span<const tensor_info> params,
+                               const train_params& tp, int rank) {
+    const auto in = [](const std::function<bool(const tensor_info&)>& set, const tensor_info& t,
+                       bool empty) { return set ? set(t) : empty; };
+    for (const auto& [first, again] : ties) {
+        const tensor_info& a = params[first];
+        const tensor_info& b = params[again];
+        const bool frozen_a = in(tp.frozen, a, false), frozen_b = in(tp.frozen, b, false);
+        LOCKSTEP_REQUIRE(tp.max_grad_norm == 0 || (frozen_a && frozen_b), errc::unsupported, rank,
+                         "data_parallel", "max_grad_norm = ", tp.max_grad_norm, " with '", b.name,
+                         "' visited again with the spans of '", a.name,
+                         "' (a tied tensor): its gradient would count twice in the norm; visit a "
+                         "tied tensor once, or clip in a gradient hook");
+        const bool decay_a = in(tp.decay, a, true), decay_b = in(tp.decay, b, true);
+        const bool by_frozen = frozen_a != frozen_b;
+        const auto text = [](bool v) { return v ? "true" : "false"; };
+        LOCKSTEP_REQUIRE(!by_frozen && (frozen_a || decay_a == decay_b), errc::invalid_argument,
+                         rank, "data_parallel", "'", b.name, "' is visited with the spans of '",
+                         a.name,
+                         "' (a tied tensor) but train_params::", by_frozen ? "frozen" : "decay",
+                         " is ", text(by_frozen ? frozen_a : decay_a), " for '", a.name, "' and ",
+                         text(by_frozen ? frozen_b : decay_b), " for '", b.name,
+                         "': the update unpacked last would win; give both names the same answer");
+    }
 }
 
 /// Which copy copy_visited makes between a network's parameter buffers and the flat ones.
