@@ -193,6 +193,8 @@ public:
     }
 
     bn_type& batch_norm() { return *bn_; }
+    /// fc2.weight's values, as the network reads them (to write them from outside).
+    std::span<T> output_weights() { return w2(); }
     bool poison = false;
 
 private:

@@ -209,3 +209,71 @@ TEST_CASE("a difference past a large tensor's first block is located at its elem
     }
     CHECK(values[1] != values[0]);
 }
+
+namespace {
+
+/// Three replicas of the mlp on storage S write fc2.weight[3] after the trainer is built: only
+/// replica 1 (`alike` false) or every replica (true), or none (`write` false); then two steps.
+/// Each replica's error, and replica 0's parameters after the steps.
+template <storage S>
+std::pair<std::vector<std::string>, std::vector<double>> written_after_construction(bool write,
+                                                                                    bool alike) {
+    using net = mlp<double, thread_communicator, S, bn::global>;
+    std::vector<std::string> errors(3);
+    std::vector<double> params;
+    thread_group(3).run([&](thread_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        data_parallel<net, optim::sgd<double>> dp(comm, [](auto& ctx) { return net(ctx); },
+                                                  {.lr = 0.05}, {.seed = 3});
+        if (write && (alike || r == 1))
+            dp.network().output_weights()[3] = 0.75;
+        try {
+            for (int s = 0; s < 2; ++s)
+                dp.step(12, [](net& m, const shard_range& range, auto& ctx) {
+                    return m.train(range, ctx);
+                });
+        } catch (const error& e) {
+            errors[r] = e.what();
+        }
+        if (r == 0)
+            params.assign(dp.parameters().begin(), dp.parameters().end());
+    });
+    return {errors, params};
+}
+
+} // namespace
+
+TEST_CASE("parameters written after construction on one replica skip the first step on every "
+          "replica; written alike on every replica, they are what trains",
+          "[train][thread][verify]") {
+    for (const bool visitor : {false, true}) {
+        CAPTURE(visitor);
+        const auto [errors, params] =
+            visitor ? written_after_construction<storage::visitor>(true, false)
+                    : written_after_construction<storage::registry>(true, false);
+        for (std::size_t r = 0; r < errors.size(); ++r) {
+            CAPTURE(r, errors[r]);
+            CHECK(contains(errors[r], "lockstep error [invalid_argument] replica " +
+                                          std::to_string(r) +
+                                          ": data_parallel.step: step 0 "
+                                          "skipped"));
+            CHECK(contains(errors[r], " parameters: replica 1's differ from replica 0's before the "
+                                      "trainer's first step (digests "));
+            CHECK(contains(errors[r], "): the trainer broadcast replica 0's at construction, so "
+                                      "replica 1's network wrote them since; set initial values "
+                                      "before the trainer is built (in the network's "
+                                      "constructor), or alike on every replica;"));
+            CHECK(!contains(errors[r], "replica 2's differ"));
+        }
+    }
+    // Alike on every replica: the value written is the one trained, on the visitor path too (the
+    // registry path writes the trainer's buffer itself).
+    const auto registry = written_after_construction<storage::registry>(true, true);
+    const auto visitor = written_after_construction<storage::visitor>(true, true);
+    for (const auto& e : registry.first)
+        CHECK(e.empty());
+    for (const auto& e : visitor.first)
+        CHECK(e.empty());
+    CHECK(visitor.second == registry.second);
+    CHECK(visitor.second != written_after_construction<storage::visitor>(false, true).second);
+}

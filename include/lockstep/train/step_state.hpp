@@ -42,7 +42,8 @@ struct replica_row {
     double first_sample = 0;     ///< the global index of its step's first sample (samples())
     double loss_scale = 0;       ///< the loss scale its step used (1 without loss scaling)
     double scale_growth = 0;     ///< its loss scale's growth tracker before the step
-    save_word save{};            ///< its background checkpoint save
+    double params = 0; ///< its parameters' digest (52 bits) in its trainer's first step, else 0
+    save_word save{};  ///< its background checkpoint save
 };
 
 /// What rides on a synchronous step's status besides the step's own checks: the word this

@@ -42,6 +42,7 @@ struct finish_local_fn {
     double trainer;      ///< the trainer's ordinal on its communicator (trainer_ordinal.hpp)
     double first_sample; ///< the global index of the step's first sample
     const kernels::loss_scale_device_state* scale; ///< the loss scale the step uses (or null)
+    const std::int64_t* params; ///< the parameters' digest (first step), or null (0 in the row)
     LOCKSTEP_HOST_DEVICE void operator()(const check_sums& s) const {
         const double count = s.count;
         const double first = s.first;
@@ -58,6 +59,10 @@ struct finish_local_fn {
         row->first_sample = first_sample;
         row->loss_scale = scale != nullptr ? scale->scale : 1.0;
         row->scale_growth = scale != nullptr ? scale->growth_tracker : 0.0;
+        // The top 52 bits: an integer a double holds exactly.
+        row->params = params != nullptr
+                          ? static_cast<double>(static_cast<std::uint64_t>(*params) >> 12)
+                          : 0.0;
         row->save = save;
     }
 };
@@ -98,8 +103,8 @@ struct clear_reduced_fn {
 /// backs off from, and the gradient factor.
 /// Skipped: a non-finite gradient element (before or after reduction) or loss, a layer error, or
 /// replicas that disagree on global_batch, lr, the trainer they step (its ordinal on the
-/// communicator: trainer_ordinal.hpp), the step's first sample or the loss scale (its value and
-/// growth tracker) (rows [0, replicas)).
+/// communicator: trainer_ordinal.hpp), the step's first sample, the loss scale (its value and
+/// growth tracker) or the parameters' digest in the trainer's first step (rows [0, replicas)).
 /// grad_factor = c = min(1, max_norm / (||g|| + 1e-6)) when max_norm > 0
 /// (torch.nn.utils.clip_grad_norm_), else 1.
 struct decide_skip_fn {
@@ -113,10 +118,11 @@ struct decide_skip_fn {
         bool mismatch = false;
         for (int r = 1; r < replicas; ++r) {
             const replica_row& row = rows[r];
-            mismatch =
-                mismatch || row.global_batch != rows[0].global_batch || row.lr != rows[0].lr ||
-                row.trainer != rows[0].trainer || row.first_sample != rows[0].first_sample ||
-                row.loss_scale != rows[0].loss_scale || row.scale_growth != rows[0].scale_growth;
+            mismatch = mismatch || row.global_batch != rows[0].global_batch ||
+                       row.lr != rows[0].lr || row.trainer != rows[0].trainer ||
+                       row.first_sample != rows[0].first_sample ||
+                       row.loss_scale != rows[0].loss_scale ||
+                       row.scale_growth != rows[0].scale_growth || row.params != rows[0].params;
         }
         const bool bad = totals->non_finite > 0 || outcome->reduced_non_finite > 0 ||
                          totals->loss_non_finite > 0 || totals->layer_errors > 0 || mismatch;
@@ -230,14 +236,16 @@ public:
     /// After every piece was checked: this replica's row and its part of the totals (`trainer`:
     /// the trainer's ordinal on its communicator, trainer_ordinal.hpp; 0: unchecked;
     /// `first_sample`: the step's first global sample; `scale`: the loss scale's state in System
-    /// memory, read when the task runs; null: no loss scaling).
+    /// memory, read when the task runs; null: no loss scaling; `params`: the parameters' digest in
+    /// System memory, in the trainer's first step, else null).
     void finish_local(const System& sys, double loss, double global_batch, double lr,
                       step_totals* totals, replica_row* row, save_word save = {},
                       double trainer = 0, double first_sample = 0,
-                      const kernels::loss_scale_device_state* scale = nullptr) {
+                      const kernels::loss_scale_device_state* scale = nullptr,
+                      const std::int64_t* params = nullptr) {
         grad_check_finish(sys, pre_.data(), piece_tiles_,
                           finish_local_fn{loss, global_batch, lr, totals, row, save, trainer,
-                                          first_sample, scale});
+                                          first_sample, scale, params});
     }
 
     /// Counts, finds the first and (with `norm`) sums the squares of the whole buffer (the

@@ -112,8 +112,8 @@ private:
              " batch_norm layer error(s) on other replicas (statistics of another group)");
     }
 
-    /// The replicas (rows) whose trainer ordinal, global_batch, lr, first sample or loss scale
-    /// differs from replica 0's, both values.
+    /// The replicas (rows) whose trainer ordinal, global_batch, lr, first sample, loss scale or
+    /// parameters (the first step's digest) differ from replica 0's, both values.
     std::string mismatch_text() const {
         std::string out;
         const int n = o_.local_sgd ? 1 : st_.replicas;
@@ -141,6 +141,15 @@ private:
                     " loss scale: ", exact(r0.loss_scale), " (growth tracker ", r0.scale_growth,
                     ") on replica 0, ", exact(rr.loss_scale), " (growth tracker ", rr.scale_growth,
                     ") on replica ", r, " (scaler().restore on some replicas only?);");
+            if (rr.params != r0.params && rr.trainer == r0.trainer)
+                out += lockstep::detail::concat(
+                    " parameters: replica ", r,
+                    "'s differ from replica 0's before the trainer's first step (digests ",
+                    static_cast<std::uint64_t>(r0.params), " and ",
+                    static_cast<std::uint64_t>(rr.params),
+                    "): the trainer broadcast replica 0's at construction, so replica ", r,
+                    "'s network wrote them since; set initial values before the trainer is built "
+                    "(in the network's constructor), or alike on every replica;");
         }
         return out;
     }

@@ -99,6 +99,11 @@ protected:
     /// else step_once.
     template <class Fn>
     step_result run_step(std::size_t global_batch, Fn& fn) {
+        // Visitor path, before the first step and its recovery point (shrink keeps the packed
+        // values): what the network wrote on every replica alike since construction is what
+        // trains, not the copy taken then (the first step's row compares the replicas' values).
+        if (!started_)
+            core_.pack_values();
         if constexpr (shrinkable_communicator<Communicator>)
             if (core_.params().on_replica_failure == replica_failure::shrink)
                 return shrinks_.step(
@@ -184,6 +189,14 @@ private:
             capture_.check_set_up(this->rank(), global_batch);
         }
         try {
+            // The first plain step's row carries the parameters' digest: the replicas must
+            // start from the values the constructor broadcast from replica 0, and a network that
+            // wrote them since on some replicas only (initial values set after the trainer was
+            // built, a file read on replica 0) would train apart silently. Local SGD compares no
+            // rows per step.
+            if constexpr (!is_local_sgd_v<SyncPolicy>)
+                if (!capture && !started_)
+                    parts_->stages.digest_parameters();
             parts_->stages.set_capturing(capture);
             const step_result r =
                 parts_->driver.step(parts_->stages, parts_->collective, global_batch, fn);
@@ -194,6 +207,7 @@ private:
                 parts_->stages.set_capturing(false);
             } else {
                 capture_.note_plain_step(global_batch);
+                started_ = true;
                 verify_replicas_if_due();
                 stragglers_.after_step(core_.comm(), this->steps());
             }
@@ -263,6 +277,7 @@ private:
 
     /// on_replica_failure = shrink: the steps' fences and rollback, the recovery.
     shrink_steps<core_type> shrinks_;
+    bool started_ = false; ///< a plain step returned (its parameters were compared)
 };
 
 } // namespace lockstep::detail

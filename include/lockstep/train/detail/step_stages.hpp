@@ -13,6 +13,7 @@
 #include "lockstep/system/staged_read.hpp"
 #include "lockstep/train/detail/bucket_plan.hpp"
 #include "lockstep/train/detail/optimizer_shard.hpp"
+#include "lockstep/train/detail/replica_digest.hpp"
 #include "lockstep/train/detail/step_checks.hpp"
 #include "lockstep/train/detail/step_report.hpp"
 #include "lockstep/train/loss_scaler.hpp"
@@ -124,14 +125,15 @@ public:
     }
 
     /// This replica's row (global_batch, lr, the trainer's ordinal on the communicator, the
-    /// step's first sample, the loss scale, its non-finite count and first index, a non-finite
-    /// loss) and its part of the totals, from the pieces' checks.
+    /// step's first sample, the loss scale, the parameters' digest when digest_parameters() asked
+    /// for it, its non-finite count and first index, a non-finite loss) and its part of the
+    /// totals, from the pieces' checks.
     void report(double host_loss, std::size_t global, double lr) {
         const step_view v = state_.view();
-        checks_.finish_local(system(), host_loss, static_cast<double>(global), lr, v.totals,
-                             &v.rows[rank()], rider_ != nullptr ? rider_->word() : save_word{},
-                             static_cast<double>(core_.ordinal()),
-                             static_cast<double>(core_.samples()), scaler_.state_device());
+        checks_.finish_local(
+            system(), host_loss, static_cast<double>(global), lr, v.totals, &v.rows[rank()],
+            rider_ != nullptr ? rider_->word() : save_word{}, static_cast<double>(core_.ordinal()),
+            static_cast<double>(core_.samples()), scaler_.state_device(), start_digest());
     }
 
     /// The gradients of frozen tensors are zeroed (train_params::frozen).
@@ -310,6 +312,10 @@ public:
     std::int64_t skipped_steps() const noexcept { return skipped_; }
 
     void set_gradient_hook(gradient_hook f) { gradient_hook_ = std::move(f); }
+    /// The next step's row carries the parameters' digest (replica_digest.hpp: one pass over the
+    /// values on the device, no host wait), which every replica compares like lr: for the
+    /// trainer's first step, where the replicas must start from replica 0's broadcast values.
+    void digest_parameters() noexcept { digest_next_ = true; }
     const gradient_hook& gradient_hook_function() const noexcept { return gradient_hook_; }
     /// The skip streak in the system's memory (it lasts across steps), and putting a host copy
     /// of one back (a step computed again after a shrink; skipped_steps() follows it).
@@ -344,6 +350,20 @@ private:
     loss_scaler<system_type> scaler_;
     nn::layer_step layer_step_;
     gradient_hook gradient_hook_;
+    bool digest_next_ = false;
+    /// The parameters' digest of the step that asked for it (kept until its row is read).
+    std::optional<section_digests<system_type, T>> start_digest_;
+
+    /// The digest for this step's row (enqueued now) when digest_parameters() asked, else null.
+    const std::int64_t* start_digest() {
+        if (!digest_next_)
+            return nullptr;
+        digest_next_ = false;
+        start_digest_.emplace(system(), std::vector<consistency_section<T>>{
+                                            {"param", std::span<const T>(core_.values())}});
+        start_digest_->enqueue();
+        return start_digest_->digests().data();
+    }
     status_rider* rider_ = nullptr;
     step_result last_{};
     std::int64_t skipped_ = 0;
