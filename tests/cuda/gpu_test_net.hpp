@@ -246,6 +246,16 @@ public:
             f(std::string(tensor_names[id]), values_[id], grads_[id]);
     }
 
+    /// The layers' running statistics (checkpoints carry them; a save refuses to leave them out).
+    template <class F>
+    void for_each_state(F&& f) {
+        for (int layer = 0; layer < 3; ++layer) {
+            const std::string bn = "bn" + std::to_string(layer + 1);
+            f(bn + ".running_mean", bn_[layer]->running_mean());
+            f(bn + ".running_var", bn_[layer]->running_var());
+        }
+    }
+
     knobs& options() noexcept { return k_; }
     bn_type& bn(int layer) { return *bn_[layer]; }
 

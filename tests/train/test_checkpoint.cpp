@@ -3,12 +3,14 @@
 // running statistics, dropout and an LR warm-up), incompatible checkpoints are refused with every
 // difference and leave the trainer unchanged (counters and optimizer step out of range, a save
 // committed while the replicas load, another frozen set included), every corruption is refused,
-// a save that crashes at any stage leaves the previous checkpoint loadable, and a schedule
-// defined for the run's steps only (a table) saves and resumes.
+// a save that crashes at any stage leaves the previous checkpoint loadable, a schedule defined
+// for the run's steps only (a table) saves and resumes, and a save that would leave out a
+// batch-norm layer's unexposed running statistics is refused.
 // SPDX-License-Identifier: Apache-2.0
 #include <catch2/catch.hpp>
 
 #include "checkpoint_support.hpp"
+#include "support/bn_probe.hpp"
 #include "support/contains.hpp"
 #include "support/replica_errors.hpp"
 #include "train_runner.hpp"
@@ -16,6 +18,7 @@
 #include "lockstep/optim/adam.hpp"
 #include "lockstep/optim/lr_schedule.hpp"
 #include "lockstep/optim/sgd.hpp"
+#include "lockstep/train/async_checkpoint.hpp"
 #include "lockstep/train/checkpoint.hpp"
 
 #include <algorithm>
@@ -1444,5 +1447,57 @@ TEST_CASE("a schedule defined for the run's steps only saves and resumes; anothe
             CHECK(contains(e, "vector")); // the schedule's std::out_of_range, from at()
         }
         check_refused(loader{}(path, lr_table(5)), {why});
+    }
+}
+
+namespace {
+
+double probe_feature(std::uint64_t g, std::size_t k) {
+    return rng_stream{0xC0FE, 3}.normal(g, k) * double(k + 1) + double(k);
+}
+
+/// Each replica's error from saving a bn_probe (running statistics exposed or not) after one step,
+/// blocking (`background` false) or with save_checkpoint_async and wait_checkpoint.
+template <bool Exposed>
+std::vector<std::pair<std::string, int>> save_probe(const fs::path& path, bool background) {
+    using probe = lockstep_test::bn_probe<bn::global, probe_feature, Exposed>;
+    return lockstep_test::errors_of(2, [&](int, thread_communicator& comm) {
+        data_parallel<probe, optim::sgd<double>> dp(comm, [](auto& ctx) { return probe(ctx); },
+                                                    {.lr = 0.01});
+        (void)dp.step(8, [](probe& n, const shard_range& r, auto& ctx) { return n.train(r, ctx); });
+        if (!background) {
+            save_checkpoint(dp, path);
+            return;
+        }
+        save_checkpoint_async(dp, path);
+        (void)wait_checkpoint(dp);
+    });
+}
+
+} // namespace
+
+TEST_CASE("a save refuses to leave out running statistics a batch-norm layer keeps unexposed",
+          "[train][checkpoint][thread]") {
+    temp_dir dir;
+    for (const bool background : {false, true}) {
+        CAPTURE(background);
+        const fs::path path = dir.path / (background ? "async.ckpt" : "blocking.ckpt");
+        const auto errors = save_probe<false>(path, background);
+        for (std::size_t r = 0; r < errors.size(); ++r) {
+            CAPTURE(r, errors[r].first);
+            CHECK(errors[r].second == static_cast<int>(errc::checkpoint));
+            CHECK(contains(errors[r].first, "replica " + std::to_string(r) +
+                                                ": save_checkpoint: layer 0 in forward order "
+                                                "(batch_norm, bn::global, 3 channels) keeps "
+                                                "running statistics that the checkpoint would "
+                                                "leave out"));
+            CHECK(contains(errors[r].first,
+                           "expose them, f(\"<layer>.running_mean\", layer.running_mean()) and "
+                           "f(\"<layer>.running_var\", layer.running_var()) in for_each_state"));
+        }
+        for (const auto& [text, code] : save_probe<true>(path, background)) {
+            INFO(text);
+            CHECK(code == -1);
+        }
     }
 }

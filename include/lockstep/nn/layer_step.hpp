@@ -1,7 +1,7 @@
 // lockstep/nn/layer_step.hpp: layer_step, what a trainer's step hands the layers of the user's
 // network (where device-side errors go, the skip flag, the layers to commit, the layers' host
-// counters), and step_participant, a layer that keeps or restores its state when the step's fate
-// is known.
+// counters, the state they keep), and step_participant, a layer that keeps or restores its state
+// when the step's fate is known.
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
@@ -11,6 +11,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace lockstep::nn {
@@ -38,6 +39,19 @@ struct step_count {
     std::int64_t added;
 };
 
+/// State a layer of a step keeps in memory of its own (batch-norm running statistics), which a
+/// checkpoint must carry: the layer's number in forward order in the step, its kind (e.g. the
+/// policy's name, by a function), its channels, the memory (in the system's memory) and its element
+/// size.
+struct layer_state {
+    int layer;
+    std::string (*kind)();
+    std::size_t channels;
+    const void* data;
+    std::size_t bytes;
+    std::size_t element_bytes;
+};
+
 /// One training step as the layers see it. A trainer owns it for its lifetime, resets it at the
 /// start of every step (begin) and passes it through replica_context::layer_step(); a layer
 /// called outside a trainer's step gets none and checks its own status at once.
@@ -60,6 +74,7 @@ public:
         layers_ = 0;
         participants_.clear();
         counts_.clear();
+        kept_.clear();
     }
 
     /// Where the next layer in forward order reports (its number is its order in this step).
@@ -92,6 +107,10 @@ public:
             }
         counts_.push_back({&counter, n});
     }
+    /// A layer of this step keeps state of its own (once per layer and step).
+    void keeps(const layer_state& s) { kept_.push_back(s); }
+    /// The state the layers of this step (the last one, between steps) keep, in forward order.
+    const std::vector<layer_state>& kept() const noexcept { return kept_; }
     /// What the layers counted in this step, one entry per counter.
     const std::vector<step_count>& counts() const noexcept { return counts_; }
 
@@ -134,6 +153,7 @@ private:
     int layers_ = 0;
     std::vector<step_participant*> participants_;
     std::vector<step_count> counts_;
+    std::vector<layer_state> kept_;
 };
 
 class policy_declaration; // nn/policy_declaration.hpp

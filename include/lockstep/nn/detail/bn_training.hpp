@@ -324,6 +324,10 @@ protected:
             ghost_.begin_step();
         joined_ = step;
         step->join(*this);
+        // running_mean then running_var: a checkpoint refuses to leave them out.
+        step->keeps(layer_state{step->next_layer(), &bn::traits<Policy>::name, s_.channels,
+                                s_.running_mean().data(), 2 * s_.channels * sizeof(param_type),
+                                sizeof(param_type)});
         return true;
     }
 

@@ -3,11 +3,13 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "lockstep/nn/layer_step.hpp"
 #include "lockstep/policy/sync.hpp"
 #include "lockstep/train/data_parallel.hpp"
 #include "lockstep/train/detail/trainer_base.hpp"
 
 #include <cstddef>
+#include <span>
 
 namespace lockstep {
 
@@ -74,6 +76,15 @@ struct checkpoint_access {
     static void forget_last_step(DP& dp) noexcept {
         if constexpr (requires { dp.parts_->stages.forget_last(); })
             dp.parts_->stages.forget_last();
+    }
+    /// The state the layers of dp's last step keep in memory of their own (nn::layer_step::kept;
+    /// empty for the asynchronous trainers, and before the first step).
+    template <class DP>
+    static std::span<const nn::layer_state> layer_states(DP& dp) noexcept {
+        if constexpr (requires { dp.parts_->stages.layers(); })
+            return dp.parts_->stages.layers().kept();
+        (void)dp;
+        return {};
     }
     /// Local SGD's steps since the last average (0 for the other trainers).
     template <class DP>

@@ -21,6 +21,7 @@
 #include "lockstep/train/data_parallel.hpp"
 #include "lockstep/train/detail/agreement.hpp"
 #include "lockstep/train/detail/checkpoint_access.hpp"
+#include "lockstep/train/detail/checkpoint_coverage.hpp"
 #include "lockstep/train/detail/checkpoint_format.hpp"
 #include "lockstep/train/detail/checkpoint_layout.hpp"
 #include "lockstep/train/detail/checkpoint_marker.hpp"
@@ -159,6 +160,7 @@ std::vector<section_spec> expected_sections(DP& dp, shard_owner as) {
 template <class DP, class Staging>
 file_builder snapshot_shard(DP& dp, Staging& staging) {
     using T = typename DP::value_type;
+    check_layer_state_saved(dp, "save_checkpoint");
     auto& core = checkpoint_access::core(dp);
     const auto sys = core.comm().system();
     std::size_t bytes = 0;
