@@ -430,8 +430,10 @@ TEST_CASE("state declared twice under one name is refused at construction, namin
             INFO("case " << static_cast<int>(names) << ", replica " << r << ": "
                          << errors[r].first);
             CHECK(errors[r].second == static_cast<int>(errc::invalid_argument));
-            CHECK_THAT(errors[r].first,
-                       Catch::Contains("replica " + std::to_string(r) + ": " + text + fix));
+            std::string want = "replica " + std::to_string(r) + ": ";
+            want += text;
+            want += fix;
+            CHECK_THAT(errors[r].first, Catch::Contains(want));
         }
     }
     for (const auto& [text, code] : state_name_errors(state_names::distinct)) {
