@@ -4,6 +4,7 @@
 // (NaN loss, BN running statistics of a skipped step, the message naming tensor and replica),
 // also for local SGD.
 // SPDX-License-Identifier: Apache-2.0
+#include "checkpoint_support.hpp"
 #include "support/replica_errors.hpp"
 #include "train_runner.hpp"
 
@@ -26,8 +27,6 @@
 #include <string>
 #include <type_traits>
 #include <vector>
-
-#include <unistd.h>
 
 using namespace lockstep_test;
 
@@ -906,9 +905,9 @@ TEST_CASE("a load forgets the unread step taken before it", "[train][thread][che
     // With read_result = false the step before a load was not read: its read after the load
     // threw a result of the replaced state and, for a step the replicas disagreed on, took
     // samples() back to that step's first sample.
-    const auto path = std::filesystem::temp_directory_path() /
-                      ("lockstep_forget_unread_" + std::to_string(::getpid()) + ".ckpt");
-    std::filesystem::remove_all(path);
+    // In a directory of its own, removed with the save's shard files beside the marker.
+    const temp_dir dir("forget_unread");
+    const auto path = dir.path / "ckpt";
     std::vector<std::string> read_after(3);
     std::vector<std::uint64_t> samples(3);
     thread_group(3).run([&](thread_communicator& comm) {
@@ -929,7 +928,6 @@ TEST_CASE("a load forgets the unread step taken before it", "[train][thread][che
         (void)dp.read_result(); // agrees
         samples[rank] = dp.samples();
     });
-    std::filesystem::remove_all(path);
     for (const std::string& msg : read_after)
         CHECK_THAT(msg, Catch::Contains("data_parallel.read_result: no step was taken yet"));
     CHECK(samples == std::vector<std::uint64_t>{48, 48, 48});
@@ -939,9 +937,8 @@ TEST_CASE("local SGD: save_checkpoint checks the steps since the last average be
           "[train][thread][agreement][local_sgd][checkpoint]") {
     // A save between averages would drop what the next average checks: the resumed run would
     // keep replica 1's shifted samples for good. The save itself compares them.
-    const auto path = std::filesystem::temp_directory_path() /
-                      ("lockstep_local_sgd_save_" + std::to_string(::getpid()) + ".ckpt");
-    std::filesystem::remove(path);
+    const temp_dir dir("local_sgd_save");
+    const auto path = dir.path / "ckpt";
     SECTION("another global_batch") {
         const auto e = errors_of(3, [&](int rank, thread_communicator& comm) {
             data_parallel<linear, sgd, sync::local_sgd<4>, reduce::per_tensor> dp(
