@@ -38,8 +38,13 @@ set(COMPONENTS_CSV "${COMPONENTS}")
 string(REPLACE "," ";" COMPONENTS "${COMPONENTS}")
 string(REPLACE "," ";" EXTRA_ARGS "${EXTRA_ARGS}")
 file(REMOVE_RECURSE "${WORK_DIR}")
+# Without CXX_COMPILER the consumer gets the machine's default compilers (the CUDA consumers).
+set(compiler "")
+if(CXX_COMPILER)
+  set(compiler "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}")
+endif()
 set(configure "${CMAKE_COMMAND}" -S "${CONSUMER_DIR}" -B "${WORK_DIR}" -G "${GENERATOR}"
-    "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" -DCMAKE_BUILD_TYPE=Release
+    ${compiler} -DCMAKE_BUILD_TYPE=Release
     "-DLOCKSTEP_CONSUME=${MODE}" "-DLOCKSTEP_SOURCE_DIR=${LOCKSTEP_SOURCE_DIR}"
     "-DCONSUMER_COMPONENTS=${COMPONENTS_CSV}" -DCMAKE_FIND_PACKAGE_NO_PACKAGE_REGISTRY=ON
     ${EXTRA_ARGS})
