@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(block_threads, planes_reduction_blocks<V>)
     const std::size_t p = blockIdx.x - c * parts;
     const plane_vectors pv(g, c, plane_vector_values<V, Edges>);
     const std::size_t n = g.outer * pv.units;
-    sums_op<T, Acc, V> op{dy, x, mean[c]};
+    sums_op<T, Acc, V> op{dy, x, {mean[c]}};
     flat_channel<sums_batch<V>>(pv, n * p / parts, n * (p + 1) / parts, op);
     if constexpr (Edges)
         plane_edges(pv, g.outer * p / parts, g.outer * (p + 1) / parts, [&](std::size_t off) {
