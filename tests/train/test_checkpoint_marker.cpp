@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include "checkpoint_support.hpp"
+#include "support/contains.hpp"
 #include "train_runner.hpp"
 
 #include "lockstep/optim/sgd.hpp"
@@ -15,6 +16,7 @@
 #include <barrier>
 #include <chrono>
 #include <future>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -278,4 +280,36 @@ TEST_CASE("two jobs saving to one path concurrently leave a checkpoint of one of
         ++files;
     }
     CHECK(files == 3);
+}
+
+TEST_CASE("a save revoked after a shrink never commits over the save that followed it",
+          "[train][checkpoint]") {
+    // The order a lost replica 0's background marker writer can produce: the survivors decide
+    // its save (older) failed, commit a newer one to the same path, and only then does the late
+    // writer reach its commit. It must be refused, leaving the newer marker and shards in place.
+    temp_dir dir;
+    const fs::path path = dir.path / "x.ckpt";
+    const ck::save_id older{0x1111111111111111u, ck::this_process()};
+    const ck::save_id newer{0x2222222222222222u, ck::this_process()};
+    const std::vector<std::byte> bytes(16, std::byte{1});
+    const std::vector<ck::shard_record> records(2, ck::shard_record{0, 16});
+    for (const ck::save_id* id : {&older, &newer})
+        for (int r = 0; r < 2; ++r)
+            write_all(ck::shard_path(path, *id, r), bytes);
+    CHECK_FALSE(ck::commit_or_revoke(path, older, 2)); // the survivors: not committed, revoked
+    ck::commit_save(path, newer, records, {});         // their newer save
+    CHECK(ck::commit_or_revoke(path, newer, 2));       // a committed save is left alone
+    std::string message;
+    try {
+        ck::commit_save(path, older, records, {}); // the late writer
+    } catch (const lockstep::error& e) {
+        message = e.what();
+    }
+    INFO(message);
+    CHECK(contains(message, "not committed"));
+    CHECK(ck::committed_generation(path) == std::optional(newer.gen));
+    for (int r = 0; r < 2; ++r)
+        CHECK(fs::exists(ck::shard_path(path, newer, r)));
+    // The refused commit leaves no marker temporary behind.
+    CHECK_FALSE(fs::exists(ck::marker_temp_path(path, older)));
 }

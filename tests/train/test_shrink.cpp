@@ -758,6 +758,84 @@ TEST_CASE("a background save committed before the group shrinks stays reported c
     CHECK(run.loaded_steps == 3);
 }
 
+TEST_CASE("a lost replica 0's late commit never replaces the survivors' newer checkpoint",
+          "[shrink]") {
+    // Replica 0's marker writer for the background save of step 3 is held once it has written
+    // the marker's temporary (before its rename), and replica 0 stalls in its next step past the
+    // group's timeout: the survivors shrink without it, report the save failed and commit a
+    // blocking save of a later step to the same path. Only once that save has returned are
+    // replica 0 and its writer released. The late commit must be refused: the survivors' save
+    // stays the checkpoint (unfixed, the writer renamed its older marker over it and removed the
+    // newer save's shards as the generation it replaced).
+    using net = mlp<float, thread_communicator, storage::registry, bn::global>;
+    using trainer = data_parallel<net, optim::sgd<float>, sync::synchronous, reduce::per_tensor,
+                                  thread_communicator>;
+    const temp_dir dir("shrink_late_commit");
+    const fs::path path = dir.path / "x.ckpt";
+    const auto factory = [](auto& ctx) { return net(ctx); };
+    const auto wait_for = [](const std::atomic<bool>& flag) { // bounded: fail, not hang
+        for (int i = 0; i < 20000 && !flag.load(); ++i)
+            std::this_thread::sleep_for(1ms);
+    };
+    std::atomic<bool> writer_held{false}, newer_saved{false};
+    const save_options hold_marker{.on_stage = [&](std::string_view stage, int) {
+        if (stage == "manifest.written") {
+            writer_held.store(true);
+            wait_for(newer_saved);
+        }
+    }};
+    std::mutex m;
+    std::vector<int> ends(3, -1); // by thread index: the end the survivors' steps reported
+    std::int64_t newer_steps = -1, loaded_steps = -1;
+    thread_group group(3, {.timeout = 2s});
+    group.run([&](thread_communicator& comm) {
+        const auto me = static_cast<std::size_t>(comm.replica());
+        const auto fn = [&](net& n, const shard_range& range, auto& ctx) {
+            if (me == 0 && writer_held.load())
+                wait_for(newer_saved); // past the timeout: left out of the shrink
+            return n.train(range, ctx);
+        };
+        try {
+            trainer dp(comm, factory, {.lr = 0.05f},
+                       {.seed = 42, .on_replica_failure = replica_failure::shrink});
+            for (int s = 0; s < 3; ++s)
+                (void)dp.step(shrink_batch, fn);
+            save_checkpoint_async(dp, path, hold_marker); // step 3
+            checkpoint_event end = checkpoint_event::none;
+            for (int s = 0; s < 500 && end == checkpoint_event::none; ++s) {
+                end = dp.step(shrink_batch, fn).checkpoint;
+                if (end == checkpoint_event::none)
+                    std::this_thread::sleep_for(1ms);
+            }
+            save_checkpoint(dp, path); // the survivors' newer save
+            {
+                std::lock_guard lock(m);
+                ends[me] = static_cast<int>(end);
+                if (comm.rank() == 0)
+                    newer_steps = dp.steps();
+            }
+            if (comm.rank() == 0)
+                newer_saved.store(true); // save_checkpoint returned: no longer in flight
+            (void)dp.finish();
+        } catch (const lockstep::error&) {
+            if (me != 0) // replica 0, once released, learns that it was left out
+                throw;
+        }
+    });
+    thread_group(2).run([&](thread_communicator& comm) {
+        trainer dp(comm, factory, {.lr = 0.05f}, {.seed = 7});
+        load_checkpoint(dp, path);
+        if (comm.rank() == 0)
+            loaded_steps = dp.steps();
+    });
+    REQUIRE(group.lost().size() == 1);
+    CHECK(group.lost()[0].replica == 0);
+    CHECK(ends[1] == static_cast<int>(checkpoint_event::failed));
+    CHECK(ends[2] == static_cast<int>(checkpoint_event::failed));
+    CHECK(newer_steps > 3);
+    CHECK(loaded_steps == newer_steps);
+}
+
 TEST_CASE("a loss while a peer is in finish() stops the run: no healthy replica is shrunk over",
           "[shrink]") {
     // Replica 0 throws between its last step and finish(), once replica 1 waits in finish()'s

@@ -294,7 +294,11 @@ public:
     /// reads a commit marker naming its generation; otherwise failed ("abandoned: the group
     /// shrank (replica N lost) before it committed": the lost shard can never be written, and the
     /// previous checkpoint stands). A shard writer still running is not waited for here (the next
-    /// save, a wait or the destructor joins it). ensures: rank and size are the communicator's.
+    /// save, a wait or the destructor joins it). When replica 0 was lost, its marker writer
+    /// (never joined) could commit the save later, over the survivors' newer saves: unless a
+    /// survivor saw it committed, they decide it under the commit lock (ckpt::commit_or_revoke,
+    /// one more small all_gather): committed when its marker is there now, else revoked, so
+    /// that the late commit is refused. ensures: rank and size are the communicator's.
     template <class Comm>
     void shrank(Comm& comm) {
         const int old_rank = rank_, old_size = size_;
@@ -319,6 +323,15 @@ public:
             any_committed = any_committed || all[i + 1] == 1;
             if (all[i] >= 0 && all[i] < old_size)
                 present[static_cast<std::size_t>(all[i])] = 1;
+        }
+        // Replica 0 lost before any survivor saw the save commit (the same on every survivor:
+        // from the all_gather): its marker writer may still be running, unjoined.
+        if (!any_committed && !present.empty() && present[0] == 0) {
+            const int now = ckpt::commit_or_revoke(path_, id_, old_size) ? 1 : 0;
+            std::vector<int> every(static_cast<std::size_t>(comm.size()));
+            ckpt::tagged_all_gather(comm, std::span<const int>(&now, 1), std::span<int>(every),
+                                    collective_tag("data_parallel.step"));
+            any_committed = std::any_of(every.begin(), every.end(), [](int c) { return c != 0; });
         }
         std::string lost;
         for (std::size_t r = 0; r < present.size(); ++r)

@@ -15,12 +15,14 @@
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <span>
@@ -29,6 +31,10 @@
 #include <system_error>
 #include <utility>
 #include <vector>
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 namespace lockstep::detail::ckpt {
 
@@ -231,33 +237,82 @@ inline shard_record write_shard(const file_builder& snapshot, const std::filesys
     return {file.crc, file.size};
 }
 
+/// Serialises, for its lifetime, the commits (commit_save) and revocations (commit_or_revoke) of
+/// the saves next to the marker `path`: this process's threads with one mutex, other processes
+/// with an exclusive flock(2) of the marker's directory (released when its descriptor closes;
+/// where the file system refuses flock on a directory, only this process's threads are
+/// serialised).
+class commit_lock {
+public:
+    explicit commit_lock(const std::filesystem::path& path) : hold_(mutex()) {
+        std::filesystem::path dir = path.parent_path();
+        if (dir.empty())
+            dir = ".";
+        dir_.fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        while (dir_.fd >= 0 && ::flock(dir_.fd, LOCK_EX) != 0 && errno == EINTR) {
+        }
+    }
+    commit_lock(const commit_lock&) = delete;
+    commit_lock& operator=(const commit_lock&) = delete;
+
+private:
+    static std::mutex& mutex() {
+        static std::mutex m;
+        return m;
+    }
+    std::unique_lock<std::mutex> hold_; ///< taken first, released last
+    fd_guard dir_;
+};
+
+/// The survivors of a shrink that lost replica 0 before the save `id` (of `world_size` shards)
+/// ended: that replica's marker writer is never joined and may still commit it, after they
+/// reported it failed and after their own later saves to `path` (it would replace the newer
+/// marker and remove its shards as the generation it replaced). Decides it once for all, under
+/// the commit lock: true when the marker names it (that writer committed first); otherwise
+/// removes its shards, so that its commit, if still to come, finds them missing and refuses
+/// (the marker and the files of the saves that follow stand), and returns false.
+inline bool commit_or_revoke(const std::filesystem::path& path, const save_id& id, int world_size) {
+    const commit_lock lock(path);
+    if (committed_generation(path) == std::optional(id.gen))
+        return true;
+    std::error_code ec;
+    for (int r = 0; r < world_size; ++r)
+        std::filesystem::remove(shard_path(path, id, r), ec);
+    return false;
+}
+
 /// Replica 0, once every shard of the save id is durable: writes the commit marker `path` (the
 /// manifest naming each shard, its size and CRC32C) durably, then removes the files no save can
 /// need (remove_stale) and runs the hook's "cleanup.done". No collective: a background writer
 /// calls it too. Throws lockstep::error (checkpoint) when the marker cannot be written, or when
 /// a shard it would name is not at its place next to `path` with its recorded size as replica 0
 /// sees it (the replicas wrote to different paths, or to a file system replica 0 does not
-/// share: such a marker could never load); the previous marker then stands.
+/// share: such a marker could never load; or the survivors of a shrink revoked the save:
+/// commit_or_revoke); the previous marker then stands. The shards' check, the marker's rename
+/// and the clean-up run under the commit lock.
 inline void commit_save(const std::filesystem::path& path, const save_id& id,
                         std::span<const shard_record> shards, const stage_hook& hook) {
-    std::string missing;
-    for (std::size_t r = 0; r < shards.size(); ++r) {
-        const std::filesystem::path shard = shard_path(path, id, static_cast<int>(r));
-        std::error_code ec;
-        const std::uintmax_t bytes = std::filesystem::file_size(shard, ec);
-        if (!ec && bytes == shards[r].bytes)
-            continue;
-        missing += (missing.empty() ? "" : "; ") + std::string("the shard of replica ") +
-                   std::to_string(r) + " '" + shard.string() + "' " +
-                   (ec ? "is not there (" + ec.message() + ")"
-                       : "has " + std::to_string(bytes) + " bytes, not the " +
-                             std::to_string(shards[r].bytes) + " its replica wrote");
-    }
-    LOCKSTEP_REQUIRE(missing.empty(), errc::checkpoint, 0, "save_checkpoint",
-                     "not committed: replica 0 does not see every shard: ", missing,
-                     ": every replica must pass the same path, on a file system all of them "
-                     "share (the previous checkpoint at '",
-                     path.string(), "' stands)");
+    const auto check_shards = [&] {
+        std::string missing;
+        for (std::size_t r = 0; r < shards.size(); ++r) {
+            const std::filesystem::path shard = shard_path(path, id, static_cast<int>(r));
+            std::error_code ec;
+            const std::uintmax_t bytes = std::filesystem::file_size(shard, ec);
+            if (!ec && bytes == shards[r].bytes)
+                continue;
+            missing += (missing.empty() ? "" : "; ") + std::string("the shard of replica ") +
+                       std::to_string(r) + " '" + shard.string() + "' " +
+                       (ec ? "is not there (" + ec.message() + ")"
+                           : "has " + std::to_string(bytes) + " bytes, not the " +
+                                 std::to_string(shards[r].bytes) + " its replica wrote");
+        }
+        LOCKSTEP_REQUIRE(missing.empty(), errc::checkpoint, 0, "save_checkpoint",
+                         "not committed: replica 0 does not see every shard: ", missing,
+                         ": every replica must pass the same path, on a file system all of them "
+                         "share (the previous checkpoint at '",
+                         path.string(), "' stands)");
+    };
+    check_shards(); // before the marker is written: the common failure leaves no temporary
     file_builder m;
     m.meta("generation", hex16(id.gen));
     m.meta("world_size", std::to_string(shards.size()));
@@ -267,11 +322,26 @@ inline void commit_save(const std::filesystem::path& path, const save_id& id,
         m.meta(key + ".size", std::to_string(shards[r].bytes));
         m.meta(key + ".crc32c", std::to_string(shards[r].crc));
     }
+    const std::filesystem::path tmp = marker_temp_path(path, id);
+    const std::vector<std::byte> marker = m.finish(manifest_magic);
+    const std::span<const std::byte> pieces[1] = {marker};
+    write_temp_durably(tmp, std::span<const std::span<const std::byte>>(pieces), 0, "manifest",
+                       hook);
+    // From here to the clean-up no other commit or revocation of a save of `path` runs: a save
+    // revoked by the survivors of a shrink is found without its shards and never replaces the
+    // marker of a save that followed it.
+    const commit_lock lock(path);
+    try {
+        check_shards();
+    } catch (...) {
+        std::error_code ec;
+        std::filesystem::remove(tmp, ec);
+        throw;
+    }
     // The generation this commit replaces: no save commits it again.
     const auto replaced = committed_generation(path);
     try {
-        write_durably(path, marker_temp_path(path, id), m.finish(manifest_magic), 0, "manifest",
-                      hook);
+        rename_durably(tmp, path, 0, "manifest", hook);
         remove_stale(path, id, replaced);
         stage(hook, "cleanup.done", 0);
     } catch (const std::exception& e) {

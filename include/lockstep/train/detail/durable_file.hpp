@@ -61,16 +61,14 @@ inline void sync_directory(const std::filesystem::path& p, int replica) {
         fail_errno(replica, "cannot fsync directory", dir);
 }
 
-/// Writes the concatenation of `pieces` to the new file `tmp` (a name unique to this write: an
-/// existing one is an error), fsyncs it, renames it to target and fsyncs the directory; stages
-/// `<stage_prefix>.partial` (half written), `.written` (complete and fsynced, not yet renamed)
-/// and `.renamed` (hook); `pace` (if any) is called after every write of at most slice_bytes.
-/// ensures: target holds either its old content or all of the bytes, whatever point a crash
-/// happens at.
-inline void write_durably(const std::filesystem::path& target, const std::filesystem::path& tmp,
-                          std::span<const std::span<const std::byte>> pieces, int replica,
-                          std::string_view stage_prefix, const stage_hook& hook = {},
-                          const std::function<void()>& pace = {}) {
+/// The first half of write_durably: writes the concatenation of `pieces` to the new file `tmp`
+/// (a name unique to this write: an existing one is an error) and fsyncs it; stages
+/// `<stage_prefix>.partial` (half written) and `.written` (complete and fsynced) (hook); `pace`
+/// (if any) is called after every write of at most slice_bytes.
+inline void write_temp_durably(const std::filesystem::path& tmp,
+                               std::span<const std::span<const std::byte>> pieces, int replica,
+                               std::string_view stage_prefix, const stage_hook& hook = {},
+                               const std::function<void()>& pace = {}) {
     std::size_t total = 0;
     for (const auto& piece : pieces)
         total += piece.size();
@@ -107,10 +105,31 @@ inline void write_durably(const std::filesystem::path& target, const std::filesy
             fail_errno(replica, "cannot fsync", tmp);
     }
     stage(hook, std::string(stage_prefix) + ".written", replica);
+}
+
+/// The second half of write_durably: renames the complete temporary `tmp` to target and fsyncs
+/// the directory; stages `<stage_prefix>.renamed` (hook).
+inline void rename_durably(const std::filesystem::path& tmp, const std::filesystem::path& target,
+                           int replica, std::string_view stage_prefix,
+                           const stage_hook& hook = {}) {
     if (::rename(tmp.c_str(), target.c_str()) != 0)
         fail_errno(replica, "cannot rename to " + target.string() + " from", tmp);
     sync_directory(target, replica);
     stage(hook, std::string(stage_prefix) + ".renamed", replica);
+}
+
+/// Writes the concatenation of `pieces` to the new file `tmp` (a name unique to this write: an
+/// existing one is an error), fsyncs it, renames it to target and fsyncs the directory; stages
+/// `<stage_prefix>.partial` (half written), `.written` (complete and fsynced, not yet renamed)
+/// and `.renamed` (hook); `pace` (if any) is called after every write of at most slice_bytes.
+/// ensures: target holds either its old content or all of the bytes, whatever point a crash
+/// happens at.
+inline void write_durably(const std::filesystem::path& target, const std::filesystem::path& tmp,
+                          std::span<const std::span<const std::byte>> pieces, int replica,
+                          std::string_view stage_prefix, const stage_hook& hook = {},
+                          const std::function<void()>& pace = {}) {
+    write_temp_durably(tmp, pieces, replica, stage_prefix, hook, pace);
+    rename_durably(tmp, target, replica, stage_prefix, hook);
 }
 
 /// write_durably of one piece.
