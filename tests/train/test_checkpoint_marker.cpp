@@ -310,6 +310,43 @@ TEST_CASE("a save revoked after a shrink never commits over the save that follow
     CHECK(ck::committed_generation(path) == std::optional(newer.gen));
     for (int r = 0; r < 2; ++r)
         CHECK(fs::exists(ck::shard_path(path, newer, r)));
+}
+
+TEST_CASE("a save revoked while its late commit writes the marker is refused under the lock",
+          "[train][checkpoint]") {
+    // The late writer passes its first shard check, and while it writes the marker's temporary
+    // (stage manifest.written, before it takes the commit lock) the survivors revoke its save and
+    // commit a newer one. Its check under the lock must refuse it and remove the temporary.
+    temp_dir dir;
+    const fs::path path = dir.path / "x.ckpt";
+    const ck::save_id older{0x3333333333333333u, ck::this_process()};
+    const ck::save_id newer{0x4444444444444444u, ck::this_process()};
+    const std::vector<std::byte> bytes(16, std::byte{1});
+    const std::vector<ck::shard_record> records(2, ck::shard_record{0, 16});
+    for (const ck::save_id* id : {&older, &newer})
+        for (int r = 0; r < 2; ++r)
+            write_all(ck::shard_path(path, *id, r), bytes);
+    bool temp_written = false, revoked = true;
+    const ck::stage_hook survivors_meanwhile = [&](std::string_view stage, int) {
+        if (stage != "manifest.written")
+            return;
+        temp_written = fs::exists(ck::marker_temp_path(path, older));
+        revoked = !ck::commit_or_revoke(path, older, 2);
+        ck::commit_save(path, newer, records, {});
+    };
+    std::string message;
+    try {
+        ck::commit_save(path, older, records, survivors_meanwhile); // the late writer
+    } catch (const lockstep::error& e) {
+        message = e.what();
+    }
+    INFO(message);
+    CHECK(temp_written);
+    CHECK(revoked);
+    CHECK(contains(message, "not committed"));
+    CHECK(ck::committed_generation(path) == std::optional(newer.gen));
+    for (int r = 0; r < 2; ++r)
+        CHECK(fs::exists(ck::shard_path(path, newer, r)));
     // The refused commit leaves no marker temporary behind.
     CHECK_FALSE(fs::exists(ck::marker_temp_path(path, older)));
 }

@@ -239,9 +239,10 @@ inline shard_record write_shard(const file_builder& snapshot, const std::filesys
 
 /// Serialises, for its lifetime, the commits (commit_save) and revocations (commit_or_revoke) of
 /// the saves next to the marker `path`: this process's threads with one mutex, other processes
-/// with an exclusive flock(2) of the marker's directory (released when its descriptor closes;
-/// where the file system refuses flock on a directory, only this process's threads are
-/// serialised).
+/// with an exclusive flock(2) of the marker's directory (unlocked explicitly at the end, so a
+/// child forked meanwhile does not keep it; where the file system refuses flock on a directory,
+/// only this process's threads are serialised). The waits have no deadline: a holder stalled in
+/// the file system stalls the next commit or revocation with it.
 class commit_lock {
 public:
     explicit commit_lock(const std::filesystem::path& path) : hold_(mutex()) {
@@ -254,6 +255,10 @@ public:
     }
     commit_lock(const commit_lock&) = delete;
     commit_lock& operator=(const commit_lock&) = delete;
+    ~commit_lock() {
+        if (dir_.fd >= 0)
+            ::flock(dir_.fd, LOCK_UN);
+    }
 
 private:
     static std::mutex& mutex() {
