@@ -31,7 +31,11 @@ if(OpenMP_CXX_FOUND)
   target_compile_definitions(lockstep::openmp INTERFACE LOCKSTEP_HAS_OPENMP=1)
   # nvcc compiles host code with the host compiler, which needs the OpenMP flag too, or Thrust's
   # OpenMP system refuses to compile in .cu files (OpenMP::OpenMP_CXX carries it for C++ only).
+  # That compiler need not be the C++ one (nvcc's default is GCC, whatever CMAKE_CXX_COMPILER
+  # says): Clang's -fopenmp=libomp becomes the plain -fopenmp that GCC and Clang both take.
+  # GCC's objects then call the GNU entry points, which LLVM's runtime provides too.
   foreach(_lockstep_flag IN LISTS OpenMP_CXX_FLAGS)
+    string(REGEX REPLACE "^-fopenmp=.*$" "-fopenmp" _lockstep_flag "${_lockstep_flag}")
     target_compile_options(lockstep::openmp INTERFACE
       "$<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=${_lockstep_flag}>")
   endforeach()
