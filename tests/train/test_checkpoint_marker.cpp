@@ -282,34 +282,54 @@ TEST_CASE("two jobs saving to one path concurrently leave a checkpoint of one of
     CHECK(files == 3);
 }
 
+namespace {
+
+/// Two saves of 2 shards each to one marker path, their shards written and none committed: the
+/// older one a lost replica 0 commits late, the newer one its survivors commit meanwhile.
+struct late_and_newer_save {
+    temp_dir dir;
+    fs::path path = dir.path / "x.ckpt";
+    ck::save_id older{0x1111111111111111u, ck::this_process()};
+    ck::save_id newer{0x2222222222222222u, ck::this_process()};
+    std::vector<ck::shard_record> records = std::vector<ck::shard_record>(2, {0, 16});
+
+    late_and_newer_save() {
+        const std::vector<std::byte> bytes(16, std::byte{1});
+        for (const ck::save_id* id : {&older, &newer})
+            for (int r = 0; r < 2; ++r)
+                write_all(ck::shard_path(path, *id, r), bytes);
+    }
+    /// The late writer's commit of the older save; what it threw ("" when nothing).
+    std::string commit_late(const ck::stage_hook& hook = {}) const {
+        try {
+            ck::commit_save(path, older, records, hook);
+        } catch (const lockstep::error& e) {
+            return e.what();
+        }
+        return "";
+    }
+    /// The late commit was refused and the newer save stands, marker and shards.
+    void check_refused(const std::string& message) const {
+        INFO(message);
+        CHECK(contains(message, "not committed"));
+        CHECK(ck::committed_generation(path) == std::optional(newer.gen));
+        for (int r = 0; r < 2; ++r)
+            CHECK(fs::exists(ck::shard_path(path, newer, r)));
+    }
+};
+
+} // namespace
+
 TEST_CASE("a save revoked after a shrink never commits over the save that followed it",
           "[train][checkpoint]") {
     // The order a lost replica 0's background marker writer can produce: the survivors decide
     // its save (older) failed, commit a newer one to the same path, and only then does the late
     // writer reach its commit. It must be refused, leaving the newer marker and shards in place.
-    temp_dir dir;
-    const fs::path path = dir.path / "x.ckpt";
-    const ck::save_id older{0x1111111111111111u, ck::this_process()};
-    const ck::save_id newer{0x2222222222222222u, ck::this_process()};
-    const std::vector<std::byte> bytes(16, std::byte{1});
-    const std::vector<ck::shard_record> records(2, ck::shard_record{0, 16});
-    for (const ck::save_id* id : {&older, &newer})
-        for (int r = 0; r < 2; ++r)
-            write_all(ck::shard_path(path, *id, r), bytes);
-    CHECK_FALSE(ck::commit_or_revoke(path, older, 2)); // the survivors: not committed, revoked
-    ck::commit_save(path, newer, records, {});         // their newer save
-    CHECK(ck::commit_or_revoke(path, newer, 2));       // a committed save is left alone
-    std::string message;
-    try {
-        ck::commit_save(path, older, records, {}); // the late writer
-    } catch (const lockstep::error& e) {
-        message = e.what();
-    }
-    INFO(message);
-    CHECK(contains(message, "not committed"));
-    CHECK(ck::committed_generation(path) == std::optional(newer.gen));
-    for (int r = 0; r < 2; ++r)
-        CHECK(fs::exists(ck::shard_path(path, newer, r)));
+    const late_and_newer_save f;
+    CHECK_FALSE(ck::commit_or_revoke(f.path, f.older, 2)); // the survivors: not committed, revoked
+    ck::commit_save(f.path, f.newer, f.records, {});       // their newer save
+    CHECK(ck::commit_or_revoke(f.path, f.newer, 2));       // a committed save is left alone
+    f.check_refused(f.commit_late());
 }
 
 TEST_CASE("a save revoked while its late commit writes the marker is refused under the lock",
@@ -317,36 +337,18 @@ TEST_CASE("a save revoked while its late commit writes the marker is refused und
     // The late writer passes its first shard check, and while it writes the marker's temporary
     // (stage manifest.written, before it takes the commit lock) the survivors revoke its save and
     // commit a newer one. Its check under the lock must refuse it and remove the temporary.
-    temp_dir dir;
-    const fs::path path = dir.path / "x.ckpt";
-    const ck::save_id older{0x3333333333333333u, ck::this_process()};
-    const ck::save_id newer{0x4444444444444444u, ck::this_process()};
-    const std::vector<std::byte> bytes(16, std::byte{1});
-    const std::vector<ck::shard_record> records(2, ck::shard_record{0, 16});
-    for (const ck::save_id* id : {&older, &newer})
-        for (int r = 0; r < 2; ++r)
-            write_all(ck::shard_path(path, *id, r), bytes);
+    const late_and_newer_save f;
     bool temp_written = false, revoked = true;
     const ck::stage_hook survivors_meanwhile = [&](std::string_view stage, int) {
         if (stage != "manifest.written")
             return;
-        temp_written = fs::exists(ck::marker_temp_path(path, older));
-        revoked = !ck::commit_or_revoke(path, older, 2);
-        ck::commit_save(path, newer, records, {});
+        temp_written = fs::exists(ck::marker_temp_path(f.path, f.older));
+        revoked = !ck::commit_or_revoke(f.path, f.older, 2);
+        ck::commit_save(f.path, f.newer, f.records, {});
     };
-    std::string message;
-    try {
-        ck::commit_save(path, older, records, survivors_meanwhile); // the late writer
-    } catch (const lockstep::error& e) {
-        message = e.what();
-    }
-    INFO(message);
+    f.check_refused(f.commit_late(survivors_meanwhile));
     CHECK(temp_written);
     CHECK(revoked);
-    CHECK(contains(message, "not committed"));
-    CHECK(ck::committed_generation(path) == std::optional(newer.gen));
-    for (int r = 0; r < 2; ++r)
-        CHECK(fs::exists(ck::shard_path(path, newer, r)));
     // The refused commit leaves no marker temporary behind.
-    CHECK_FALSE(fs::exists(ck::marker_temp_path(path, older)));
+    CHECK_FALSE(fs::exists(ck::marker_temp_path(f.path, f.older)));
 }
