@@ -836,6 +836,77 @@ TEST_CASE("a lost replica 0's late commit never replaces the survivors' newer ch
     CHECK(loaded_steps == newer_steps);
 }
 
+TEST_CASE("a lost replica 0's late blocking commit never replaces the survivors' newer "
+          "checkpoint",
+          "[shrink]") {
+    // Every replica saves (blocking) from its step function in step 3; replica 0 is held in its
+    // commit once it has written the marker's temporary, past the group's timeout: the
+    // survivors' step fails, they shrink without it, compute step 3 again (saving again, now
+    // committed by the new replica 0), run two more steps and save again between steps. Only
+    // then is replica 0 released. Its late commit must be refused: the survivors' last save
+    // stays the checkpoint (unfixed, replica 0 renamed its step-3 marker over it and removed the
+    // newer save's shards as the generation it replaced).
+    using net = mlp<float, thread_communicator, storage::registry, bn::global>;
+    using trainer = data_parallel<net, optim::sgd<float>, sync::synchronous, reduce::per_tensor,
+                                  thread_communicator>;
+    const temp_dir dir("shrink_late_blocking_commit");
+    const fs::path path = dir.path / "x.ckpt";
+    const auto factory = [](auto& ctx) { return net(ctx); };
+    std::atomic<bool> newer_saved{false};
+    const save_options hold_marker{.on_stage = [&](std::string_view stage, int) {
+        // Bounded: the test fails, not hangs.
+        for (int i = 0; i < 20000 && stage == "manifest.written" && !newer_saved.load(); ++i)
+            std::this_thread::sleep_for(1ms);
+    }};
+    std::mutex m;
+    std::int64_t newer_steps = -1, loaded_steps = -1;
+    std::vector<int> lost_in_step(3, -1); // by thread index: step_result::lost of step 3
+    thread_group group(3, {.timeout = 2s});
+    group.run([&](thread_communicator& comm) {
+        const auto me = static_cast<std::size_t>(comm.replica());
+        trainer* self = nullptr;
+        const auto fn = [&](net& n, const shard_range& range, auto& ctx) {
+            if (ctx.step() == 3)
+                save_checkpoint(*self, path, me == 0 ? hold_marker : save_options{});
+            return n.train(range, ctx);
+        };
+        try {
+            trainer dp(comm, factory, {.lr = 0.05f},
+                       {.seed = 42, .on_replica_failure = replica_failure::shrink});
+            self = &dp;
+            for (int s = 0; s < 6; ++s) {
+                const step_result r = dp.step(shrink_batch, fn);
+                if (r.step == 3) {
+                    const std::lock_guard lock(m);
+                    lost_in_step[me] = r.lost;
+                }
+            }
+            save_checkpoint(dp, path); // the survivors' newer save
+            if (comm.rank() == 0) {
+                const std::lock_guard lock(m);
+                newer_steps = dp.steps();
+                newer_saved.store(true); // save_checkpoint returned: no longer in flight
+            }
+            (void)dp.finish();
+        } catch (const lockstep::error&) {
+            if (me != 0) // replica 0, once released, learns that it was left out
+                throw;
+        }
+    });
+    thread_group(2).run([&](thread_communicator& comm) {
+        trainer dp(comm, factory, {.lr = 0.05f}, {.seed = 7});
+        load_checkpoint(dp, path);
+        if (comm.rank() == 0)
+            loaded_steps = dp.steps();
+    });
+    REQUIRE(group.lost().size() == 1);
+    CHECK(group.lost()[0].replica == 0);
+    CHECK(lost_in_step[1] == 1);
+    CHECK(lost_in_step[2] == 1);
+    CHECK(newer_steps == 6);
+    CHECK(loaded_steps == newer_steps);
+}
+
 TEST_CASE("a loss while a peer is in finish() stops the run: no healthy replica is shrunk over",
           "[shrink]") {
     // Replica 0 throws between its last step and finish(), once replica 1 waits in finish()'s

@@ -104,6 +104,9 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
     detail::host_all_gather(comm, std::span<const int>(info), std::span<int>(infos));
     ck::agree_or_fail(comm, problem, "save_checkpoint", what);
 
+    // From here replica 0 may commit; open until every replica has the agreement on it (a shrink
+    // without replica 0 settles it: unsettled_commit).
+    detail::checkpoint_access::unsettled(dp, [&](auto& u) { u.open(path, id, size); });
     if (rank == 0) {
         std::vector<ck::shard_record> shards;
         for (std::size_t r = 0; r < infos.size(); r += 3)
@@ -112,6 +115,7 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
                                  "unknown exception while writing the commit marker");
     }
     ck::agree_or_fail(comm, problem, "save_checkpoint", what);
+    detail::checkpoint_access::unsettled(dp, [](auto& u) { u.close(); });
 }
 
 /// Restores dp from the checkpoint `path` written by save_checkpoint (collective), saved by the

@@ -298,6 +298,7 @@ private:
     using base_type::parts_;
     using base_type::saves_;
     using base_type::stragglers_;
+    using base_type::unsettled_;
 };
 
 } // namespace lockstep

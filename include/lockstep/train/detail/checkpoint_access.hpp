@@ -49,6 +49,13 @@ struct checkpoint_access {
     static auto& background(DP& dp) noexcept {
         return *dp.saves_;
     }
+    /// f(u) with dp's unsettled_commit u: a synchronous trainer's, which can shrink (nothing for
+    /// the other trainers).
+    template <class DP, class F>
+    static void unsettled(DP& dp, F&& f) {
+        if constexpr (requires { dp.unsettled_; })
+            f(dp.unsettled_);
+    }
     /// Where dp's background saves stage their snapshots (snapshot_staging.hpp).
     template <class DP>
     static auto& staging(DP& dp) noexcept {

@@ -29,6 +29,7 @@
 #include "lockstep/train/detail/step_stages.hpp"
 #include "lockstep/train/detail/straggler_meter.hpp"
 #include "lockstep/train/detail/trainer_base.hpp"
+#include "lockstep/train/detail/unsettled_commit.hpp"
 #include "lockstep/train/detail/visitor.hpp"
 #include "lockstep/train/parameter_registry.hpp"
 #include "lockstep/train/train_params.hpp"
@@ -90,7 +91,7 @@ protected:
                     base_type::policy_settings(), true),
           saves_(std::make_unique<background_save>(comm.rank(), comm.size(),
                                                    [this] { return core_.steps(); })),
-          parts_(std::make_unique<step_parts>(core_, saves_.get())),
+          unsettled_(comm.rank()), parts_(std::make_unique<step_parts>(core_, saves_.get())),
           stragglers_(comm, core_.params().report_stragglers_every) {}
     ~step_runner() = default;
 
@@ -172,6 +173,7 @@ protected:
     /// before saves_: the writer that reads them is joined first).
     ckpt::snapshot_staging<typename base_type::system_type> staging_;
     std::unique_ptr<background_save> saves_; ///< save_checkpoint_async's save in flight
+    unsettled_commit unsettled_;             ///< save_checkpoint's commit, until agreed
     std::unique_ptr<step_parts> parts_;      ///< rebuilt after a shrink
     step_capture capture_;                   ///< the step captured last
     straggler_meter stragglers_;             ///< train_params::report_stragglers_every
@@ -230,12 +232,15 @@ private:
     }
 
     /// After a shrink: everything that depends on the replica count, built anew (the gradient
-    /// hook kept). A background save in flight is decided (background_save::shrank, one small
-    /// all_gather): reported committed when it had committed, else failed, abandoned (its commit
-    /// needed the lost replica's shard: the previous checkpoint stands), by the next step's
-    /// result or wait_checkpoint / finish, as any background save's end.
+    /// hook kept). A blocking save whose commit a lost replica 0 may still make is settled
+    /// (unsettled_commit::shrank, one small all_gather). A background save in flight is decided
+    /// (background_save::shrank, one small all_gather): reported committed when it had
+    /// committed, else failed, abandoned (its commit needed the lost replica's shard: the
+    /// previous checkpoint stands), by the next step's result or wait_checkpoint / finish, as
+    /// any background save's end.
     void rebuild() {
         auto& comm = core_.comm();
+        unsettled_.shrank(comm);
         saves_->shrank(comm);
         auto parts = std::make_unique<step_parts>(core_, saves_.get());
         parts->stages.set_gradient_hook(parts_->stages.gradient_hook_function());
