@@ -11,13 +11,13 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/train/detail/checkpoint_cleanup.hpp"
 #include "lockstep/train/detail/checkpoint_commit.hpp"
+#include "lockstep/train/detail/duty_pacer.hpp"
 #include "lockstep/train/step_state.hpp"
 #include "lockstep/train/train_params.hpp"
 
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -30,24 +30,6 @@
 #include <vector>
 
 namespace lockstep::detail {
-
-/// Keeps the thread that calls it busy for at most `share` of its time: each call sleeps
-/// (1 - share) / share times the time since the previous call returned.
-class duty_pacer {
-public:
-    explicit duty_pacer(double share) : share_(share) {}
-    void operator()() const {
-        if (share_ >= 1)
-            return;
-        const auto busy = std::chrono::steady_clock::now() - since_;
-        std::this_thread::sleep_for(busy * ((1 - share_) / share_));
-        since_ = std::chrono::steady_clock::now();
-    }
-
-private:
-    double share_;
-    mutable std::chrono::steady_clock::time_point since_ = std::chrono::steady_clock::now();
-};
 
 /// One trainer's background saves, one at a time. A save begins at a step boundary with a
 /// snapshot of the replica's shard on the host (ckpt::snapshot_shard, taken by the caller);
