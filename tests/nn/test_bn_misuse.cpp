@@ -356,8 +356,10 @@ TEST_CASE("a second backward of one forward_train is refused: one layer object p
                 ": batch_norm.backward: backward needs a forward_train of its own, the layer's "
                 "last one (batch_norm layer 1 in forward order, ";
             INFO(global[r] << "\n" << local[r]);
-            CHECK(contains(global[r], backward + "bn::global, 3 channels) " + fix));
-            CHECK(contains(local[r], backward + "bn::local, 3 channels) " + fix));
+            CHECK(contains(global[r],
+                           std::string(backward).append("bn::global, 3 channels) ").append(fix)));
+            CHECK(contains(local[r],
+                           std::string(backward).append("bn::local, 3 channels) ").append(fix)));
         }
     }
     SECTION("outside a trainer: refused, and a forward before each backward trains") {

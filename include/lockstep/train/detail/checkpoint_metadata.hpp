@@ -152,7 +152,7 @@ inline std::string setting_refusal(std::string_view key, std::string_view saved,
                                    std::string_view trainer) {
     if (key == "frozen")
         return frozen_refusal(saved, trainer);
-    const std::string differ = concat(key, ": checkpoint ", saved, ", trainer ", trainer);
+    std::string differ = concat(key, ": checkpoint ", saved, ", trainer ", trainer);
     // The optimizer takes its rate from train_params::lr when set, else from its params' lr,
     // which set_lr changes (and the next save records).
     if (key == "lr.schedule")
