@@ -114,8 +114,11 @@ void save_checkpoint(data_parallel<Network, Optimizer, Sync, Reduce, Comm>& dp,
         problem = ck::failure_of([&] { ck::commit_save(path, id, shards, options.on_stage); },
                                  "unknown exception while writing the commit marker");
     }
-    ck::agree_or_fail(comm, problem, "save_checkpoint", what);
+    // Once this agreement returns, replica 0 has left its commit: settled, failed or not.
+    const bool failed = ck::any_problem(comm, problem);
     detail::checkpoint_access::unsettled(dp, [](auto& u) { u.close(); });
+    if (failed)
+        ck::fail_agreed(comm, problem, "save_checkpoint", what);
 }
 
 /// Restores dp from the checkpoint `path` written by save_checkpoint (collective), saved by the
