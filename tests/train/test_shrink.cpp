@@ -619,6 +619,21 @@ TEST_CASE("a replica that times out but joins the shrink at every try ends the r
 
 namespace {
 
+/// The step count that a load of the checkpoint `path` into a Trainer on 2 fresh thread replicas
+/// restores.
+template <class Trainer>
+std::int64_t steps_loaded(const fs::path& path) {
+    std::int64_t steps = -1;
+    thread_group(2).run([&](thread_communicator& comm) {
+        Trainer dp(comm, [](auto& ctx) { return typename Trainer::network_type(ctx); },
+                   {.lr = 0.05f}, {.seed = 7});
+        load_checkpoint(dp, path);
+        if (comm.rank() == 0)
+            steps = dp.steps();
+    });
+    return steps;
+}
+
 /// A background save (save_checkpoint_async) begun at step 3 on 3 replicas, with replica 2 lost
 /// in step `die_at` (-1: the step after the one that reported the save's end), in its step
 /// function or, given `at`, at that point of the step. Per replica (by thread index): the events
@@ -690,12 +705,7 @@ save_lost_run save_then_lose(std::int64_t die_at, bool hold_writers,
         }
     });
     out.per_step = inject.per_step();
-    thread_group(2).run([&](thread_communicator& comm) {
-        trainer dp(comm, factory, {.lr = 0.05f}, {.seed = 7});
-        load_checkpoint(dp, path);
-        if (comm.rank() == 0)
-            out.loaded_steps = dp.steps();
-    });
+    out.loaded_steps = steps_loaded<trainer>(path);
     return out;
 }
 
@@ -786,7 +796,7 @@ TEST_CASE("a lost replica 0's late commit never replaces the survivors' newer ch
     }};
     std::mutex m;
     std::vector<int> ends(3, -1); // by thread index: the end the survivors' steps reported
-    std::int64_t newer_steps = -1, loaded_steps = -1;
+    std::int64_t newer_steps = -1;
     thread_group group(3, {.timeout = 2s});
     group.run([&](thread_communicator& comm) {
         const auto me = static_cast<std::size_t>(comm.replica());
@@ -822,12 +832,7 @@ TEST_CASE("a lost replica 0's late commit never replaces the survivors' newer ch
                 throw;
         }
     });
-    thread_group(2).run([&](thread_communicator& comm) {
-        trainer dp(comm, factory, {.lr = 0.05f}, {.seed = 7});
-        load_checkpoint(dp, path);
-        if (comm.rank() == 0)
-            loaded_steps = dp.steps();
-    });
+    const std::int64_t loaded_steps = steps_loaded<trainer>(path);
     REQUIRE(group.lost().size() == 1);
     CHECK(group.lost()[0].replica == 0);
     CHECK(ends[1] == static_cast<int>(checkpoint_event::failed));
@@ -859,7 +864,7 @@ TEST_CASE("a lost replica 0's late blocking commit never replaces the survivors'
             std::this_thread::sleep_for(1ms);
     }};
     std::mutex m;
-    std::int64_t newer_steps = -1, loaded_steps = -1;
+    std::int64_t newer_steps = -1;
     std::vector<int> lost_in_step(3, -1); // by thread index: step_result::lost of step 3
     thread_group group(3, {.timeout = 2s});
     group.run([&](thread_communicator& comm) {
@@ -893,12 +898,7 @@ TEST_CASE("a lost replica 0's late blocking commit never replaces the survivors'
                 throw;
         }
     });
-    thread_group(2).run([&](thread_communicator& comm) {
-        trainer dp(comm, factory, {.lr = 0.05f}, {.seed = 7});
-        load_checkpoint(dp, path);
-        if (comm.rank() == 0)
-            loaded_steps = dp.steps();
-    });
+    const std::int64_t loaded_steps = steps_loaded<trainer>(path);
     REQUIRE(group.lost().size() == 1);
     CHECK(group.lost()[0].replica == 0);
     CHECK(lost_in_step[1] == 1);
